@@ -1,0 +1,58 @@
+"""The exception tree. Messages follow `rgpu: <component>: <what> (<why>; <how to fix>)`.
+
+Only entry points (CLIs, daemons, prologs) turn these into one-line messages and exit codes.
+"""
+
+from __future__ import annotations
+
+
+class RgpuError(Exception):
+    """A failure a user or admin can act on."""
+
+    exit_code = 1
+
+    def __init__(self, component: str, what: str, why: str = "", fix: str = "") -> None:
+        self.component = component
+        self.what = what
+        self.why = why
+        self.fix = fix
+        super().__init__(self.format())
+
+    def format(self) -> str:
+        detail = "; ".join(part for part in (self.why, self.fix) if part)
+        tail = f" ({detail})" if detail else ""
+        return f"rgpu: {self.component}: {self.what}{tail}"
+
+
+class ConfigError(RgpuError):
+    """Bad configuration: a file, an environment variable or a flag."""
+
+    exit_code = 2
+
+
+class InvalidRequest(RgpuError):
+    """A request that can never succeed as written (bad fraction, count, ...)."""
+
+    exit_code = 2
+
+
+class CapacityError(RgpuError):
+    """Not enough free GPU capacity (or quota) for a request right now."""
+
+    exit_code = 3
+
+
+class AuthError(RgpuError):
+    """Missing, wrong or expired credentials."""
+
+    exit_code = 4
+
+
+class NotFound(RgpuError):
+    exit_code = 5
+
+
+class Unavailable(RgpuError):
+    """A daemon that should answer does not."""
+
+    exit_code = 6

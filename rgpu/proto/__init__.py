@@ -1,0 +1,1 @@
+"""Generated gRPC code for rgpu.proto (regenerate with `python -m rgpu.proto.generate`)."""
