@@ -1,0 +1,1 @@
+"""rgpu remoting: pool daemon, GPU-node dispatcher, data path, client shim, flexrun."""

@@ -1,0 +1,109 @@
+"""A typed client for the pool daemon: gRPC errors become rgpu errors with one-line messages."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import grpc
+
+from rgpu.auth import authenticated_channel
+from rgpu.errors import AuthError, CapacityError, InvalidRequest, NotFound, RgpuError, Unavailable
+from rgpu.proto import rgpu_pb2 as pb
+from rgpu.proto import rgpu_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+
+_CODE_TO_ERROR: dict[grpc.StatusCode, type[RgpuError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
+    grpc.StatusCode.PERMISSION_DENIED: AuthError,
+    grpc.StatusCode.UNAUTHENTICATED: AuthError,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: InvalidRequest,
+}
+
+
+def error_from_rpc(exc: grpc.RpcError, address: str) -> RgpuError:
+    code = exc.code()
+    detail = exc.details() or ""
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return Unavailable("pool", f"pool daemon at {address} did not answer ({code.name.lower()})",
+                           "is rgpu-poold running and reachable?",
+                           "check `systemctl status rgpu-poold` and the --pool / RGPU_POOL address")
+    err_type = _CODE_TO_ERROR.get(code, RgpuError)
+    # The pool's messages are already in `rgpu: pool: what (why; fix)` form: keep them whole.
+    err = err_type("pool", detail)
+    err.args = (detail if detail.startswith("rgpu:") else f"rgpu: pool: {detail} ({code.name})",)
+    return err
+
+
+class PoolClient:
+    def __init__(self, address: str, secret: bytes, *, timeout: float = 10.0,
+                 tls_ca_file: str | None = None, tls_server_name: str | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        if tls_ca_file:
+            creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca_file).read_bytes())
+            options = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
+            raw = grpc.secure_channel(address, creds, options=options)
+        else:
+            raw = grpc.insecure_channel(address)
+        self._raw = raw
+        self._stub = pb_grpc.PoolStub(authenticated_channel(raw, secret))
+
+    def close(self) -> None:
+        self._raw.close()
+
+    def __enter__(self) -> "PoolClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: Callable[..., T], request: Any, timeout: float | None = None) -> T:
+        try:
+            return method(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as exc:
+            raise error_from_rpc(exc, self.address) from None
+
+    def register_server(self, server: pb.Server) -> pb.RegisterServerReply:
+        return self._call(self._stub.RegisterServer, pb.RegisterServerRequest(server=server))
+
+    def heartbeat(self, address: str) -> pb.HeartbeatReply:
+        return self._call(self._stub.Heartbeat, pb.HeartbeatRequest(address=address))
+
+    def allocate(self, job_key: str, user: str, count: int, *, fraction: float = 0.0,
+                 memory_bytes: int = 0, account: str = "", ttl_seconds: float = 0.0,
+                 gpu_model: str = "", server: str = "", min_memory_bytes: int = 0) -> pb.Lease:
+        return self._call(self._stub.Allocate, pb.AllocateRequest(
+            job_key=job_key, user=user, account=account, count=count, fraction=fraction,
+            memory_bytes=memory_bytes, ttl_seconds=ttl_seconds, gpu_model=gpu_model, server=server,
+            min_memory_bytes=min_memory_bytes))
+
+    def release(self, job_key: str) -> bool:
+        return self._call(self._stub.Release, pb.ReleaseRequest(job_key=job_key)).released
+
+    def get_lease(self, job_key: str) -> pb.Lease:
+        return self._call(self._stub.GetLease, pb.GetLeaseRequest(job_key=job_key))
+
+    def list_leases(self) -> list[pb.Lease]:
+        return list(self._call(self._stub.ListLeases, pb.ListLeasesRequest()).leases)
+
+    def list_gpus(self) -> list[pb.GpuStatus]:
+        return list(self._call(self._stub.ListGpus, pb.ListGpusRequest()).gpus)
+
+    def list_servers(self) -> pb.ListServersReply:
+        return self._call(self._stub.ListServers, pb.ListServersRequest())
+
+    def set_server_state(self, server: str, drained: bool) -> pb.Server:
+        return self._call(self._stub.SetServerState, pb.SetServerStateRequest(server=server, drained=drained))
+
+    def set_quota(self, kind: str, name: str, limit_units: int) -> pb.Quota:
+        return self._call(self._stub.SetQuota, pb.SetQuotaRequest(kind=kind, name=name, limit_units=limit_units))
+
+    def list_quotas(self) -> list[pb.Quota]:
+        return list(self._call(self._stub.ListQuotas, pb.ListQuotasRequest()).quotas)
+
+    def capacity(self) -> pb.CapacityReply:
+        return self._call(self._stub.Capacity, pb.CapacityRequest())

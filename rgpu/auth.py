@@ -1,0 +1,114 @@
+"""Request authentication for the control plane: no anonymous gRPC call.
+
+Every call carries `x-rgpu-auth: <unix time>.<nonce>.<hex HMAC>` computed with a key derived
+from the cluster secret over the method name, time and nonce. The secret itself never crosses
+the wire. The server refuses stale times (clock skew beyond AUTH_WINDOW_SECONDS) and replays of
+a nonce inside the window.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from typing import Any, Callable
+
+import grpc
+
+from rgpu.secret import derive_key
+
+AUTH_HEADER = "x-rgpu-auth"
+AUTH_WINDOW_SECONDS = 300.0
+_PURPOSE = "grpc-request"
+
+
+def _mac(key: bytes, method: str, stamp: str, nonce: str) -> str:
+    return hmac.new(key, f"{method}\n{stamp}\n{nonce}".encode(), hashlib.sha256).hexdigest()
+
+
+def request_credential(secret: bytes, method: str, now: float | None = None) -> str:
+    stamp = f"{time.time() if now is None else now:.3f}"
+    nonce = secrets.token_hex(12)
+    return f"{stamp}.{nonce}.{_mac(derive_key(secret, _PURPOSE), method, stamp, nonce)}"
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _ClientAuth(grpc.UnaryUnaryClientInterceptor):
+    def __init__(self, secret: bytes) -> None:
+        self._secret = secret
+
+    def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        metadata = list(details.metadata or [])
+        metadata.append((AUTH_HEADER, request_credential(self._secret, details.method)))
+        new_details = _CallDetails(details.method, details.timeout, metadata, details.credentials,
+                                   getattr(details, "wait_for_ready", None),
+                                   getattr(details, "compression", None))
+        return continuation(new_details, request)
+
+
+def authenticated_channel(channel: grpc.Channel, secret: bytes) -> grpc.Channel:
+    return grpc.intercept_channel(channel, _ClientAuth(secret))
+
+
+class ServerAuth(grpc.ServerInterceptor):
+    """Refuses calls without a valid credential, except the standard health service."""
+
+    OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+    def __init__(self, secret: bytes, window: float = AUTH_WINDOW_SECONDS) -> None:
+        self._key = derive_key(secret, _PURPOSE)
+        self._window = window
+        self._seen: OrderedDict[str, float] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def check(self, method: str, credential: str | None, now: float | None = None) -> str | None:
+        """None when the credential is good, else the reason it is not."""
+        if not credential:
+            return "no credential (the caller has no cluster secret configured)"
+        parts = credential.split(".", 3)
+        if len(parts) != 4:
+            return "malformed credential"
+        stamp, nonce, mac = f"{parts[0]}.{parts[1]}", parts[2], parts[3]
+        try:
+            when = float(stamp)
+        except ValueError:
+            return "malformed credential"
+        current = time.time() if now is None else now
+        if abs(current - when) > self._window:
+            return f"credential time is {current - when:+.0f} s off (clocks out of step?)"
+        if not hmac.compare_digest(_mac(self._key, method, stamp, nonce), mac):
+            return "wrong cluster secret"
+        with self._lock:
+            while self._seen and next(iter(self._seen.values())) < current - self._window:
+                self._seen.popitem(last=False)
+            if nonce in self._seen:
+                return "replayed credential"
+            self._seen[nonce] = current
+        return None
+
+    def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
+        method = handler_call_details.method
+        if method.startswith(self.OPEN_PREFIXES):
+            return continuation(handler_call_details)
+        credential = dict(handler_call_details.invocation_metadata or ()).get(AUTH_HEADER)
+        reason = self.check(method, credential)
+        if reason is None:
+            return continuation(handler_call_details)
+        message = (f"rgpu: pool: call refused ({reason}; give this host the cluster secret via "
+                   "secret_file in rgpu.toml or RGPU_SECRET_FILE)")
+
+        def deny(request: Any, context: grpc.ServicerContext) -> Any:
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+        return grpc.unary_unary_rpc_method_handler(deny)

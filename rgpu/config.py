@@ -1,0 +1,133 @@
+"""Configuration shared by every rgpu component, with one documented precedence:
+
+    built-in defaults  <  /etc/rgpu/rgpu.toml (or --config FILE)  <  RGPU_* environment  <  flags
+
+The file is flat TOML; every key has an environment variable RGPU_<KEY in upper case>.
+Unknown keys in the file are refused with a message naming them; a value of the wrong type is
+refused naming the key and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+from rgpu.errors import ConfigError
+
+DEFAULT_CONFIG_FILE = Path("/etc/rgpu/rgpu.toml")
+DEFAULT_POOL_PORT = 50001
+DEFAULT_DISPATCHER_PORT = 55001
+
+
+@dataclass(frozen=True)
+class Settings:
+    # Where clients (dispatchers, prologs, rgpu-admin, flexrun) find the pool.
+    pool: str = f"localhost:{DEFAULT_POOL_PORT}"
+    # The pool daemon's own listening address.
+    listen: str = f"0.0.0.0:{DEFAULT_POOL_PORT}"
+    # SQLite file holding leases, quotas and servers.
+    state: str = "/var/lib/rgpu/pool.db"
+    secret_file: str = "/etc/rgpu/secret"
+    placement: str = "binpack"                  # or "spread"
+    heartbeat_interval_seconds: float = 5.0     # told to dispatchers at registration
+    down_after_seconds: float = 15.0            # no heartbeat this long: server is down
+    reclaim_interval_seconds: float = 5.0       # how often expired leases are reclaimed
+    max_slices_per_job: int = 16
+    tls_cert_file: str = ""                     # set cert and key to serve gRPC over TLS
+    tls_key_file: str = ""
+    tls_ca_file: str = ""                       # clients: trust this CA for the pool's cert
+    tls_server_name: str = ""                   # clients: expected name in the pool's cert
+    log_level: str = "info"
+    origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def origin(self, key: str) -> str:
+        return self.origins.get(key, "default")
+
+
+_TYPES: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool}
+KEYS: dict[str, type] = {f.name: _TYPES[str(f.type)] for f in fields(Settings) if f.name != "origins"}
+
+
+def env_name(key: str) -> str:
+    return "RGPU_" + key.upper()
+
+
+def _coerce(key: str, value: Any, source: str) -> Any:
+    want = KEYS[key]
+    try:
+        if want is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if want is int and isinstance(value, float):
+            raise ValueError
+        if isinstance(value, bool) and want is not bool:
+            raise ValueError
+        if want is str and not isinstance(value, str):
+            raise ValueError
+        return want(value)
+    except (TypeError, ValueError):
+        raise ConfigError("config", f"{key} = {value!r} from {source} is not a {want.__name__}", "",
+                          f"fix {key} in {source}") from None
+
+
+def load_settings(config_file: str | os.PathLike[str] | None = None,
+                  env: Mapping[str, str] | None = None,
+                  flags: Mapping[str, Any] | None = None) -> Settings:
+    """Merge defaults, file, environment and flags (None-valued flags are ignored)."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    origins: dict[str, str] = {}
+
+    explicit = config_file is not None or bool(env.get("RGPU_CONFIG"))
+    path = Path(config_file or env.get("RGPU_CONFIG") or DEFAULT_CONFIG_FILE)
+    if path.exists() or explicit:
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError("config", f"cannot read {path}", exc.strerror or str(exc),
+                              "check the --config path") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("config", f"{path} is not valid TOML", str(exc), "fix the file") from None
+        unknown = sorted(set(data) - set(KEYS))
+        if unknown:
+            raise ConfigError("config", f"unknown keys in {path}: {', '.join(unknown)}",
+                              f"known keys: {', '.join(sorted(KEYS))}", "remove or correct them")
+        for key, value in data.items():
+            values[key] = _coerce(key, value, str(path))
+            origins[key] = str(path)
+
+    for key in KEYS:
+        name = env_name(key)
+        if name in env and env[name] != "":
+            values[key] = _coerce(key, env[name], f"${name}")
+            origins[key] = f"${name}"
+
+    for key, value in (flags or {}).items():
+        if value is None:
+            continue
+        if key not in KEYS:
+            raise ConfigError("config", f"unknown setting {key}", "", "this is a bug in the caller")
+        values[key] = _coerce(key, value, f"--{key.replace('_', '-')}")
+        origins[key] = f"--{key.replace('_', '-')}"
+
+    settings = replace(Settings(), **values, origins=origins)
+    if settings.placement not in ("binpack", "spread"):
+        raise ConfigError("config", f"placement {settings.placement!r} from {settings.origin('placement')} is unknown",
+                          "", "use binpack or spread")
+    if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
+        raise ConfigError("config", "tls_cert_file and tls_key_file must be set together", "",
+                          "set both to serve TLS, or neither")
+    for key in ("heartbeat_interval_seconds", "down_after_seconds", "reclaim_interval_seconds"):
+        if getattr(settings, key) <= 0:
+            raise ConfigError("config", f"{key} must be positive", f"it is {getattr(settings, key)} from {settings.origin(key)}",
+                              "set a positive number of seconds")
+    return settings
