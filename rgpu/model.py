@@ -1,0 +1,32 @@
+"""Domain types shared by the pool, the dispatchers and the data path. Pure: no I/O."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GpuInfo:
+    """One GPU as a dispatcher serves it."""
+
+    uuid: str
+    index: int                    # the dispatcher's NVML index (or the inventory file's)
+    name: str                     # model, e.g. "NVIDIA H200"
+    total_memory_bytes: int       # physical memory
+    usable_memory_bytes: int      # after RGPU_GPU_DEVICE_MEMORY_LIMIT: what slices divide
+    compute_capability: str       # "9.0"
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """A dispatcher and its GPUs as it registers with the pool."""
+
+    address: str                  # "host:port" where it accepts data-path sessions
+    hostname: str
+    driver_version: str
+    cuda_version: str
+    gpus: tuple[GpuInfo, ...]
+    static_inventory: bool = False
+    version: str = ""
+    data_ports: str = ""          # "45201-46225"
+    compute_enforcement: str = ""  # "mps" or "time-slicing"
