@@ -8,7 +8,8 @@ from typing import Any, Callable, TypeVar
 import grpc
 
 from rgpu.auth import authenticated_channel
-from rgpu.errors import AuthError, CapacityError, InvalidRequest, NotFound, RgpuError, Unavailable
+from rgpu.errors import (AuthError, CapacityError, InvalidRequest, NotFound, PermissionDenied, RgpuError,
+                         Unavailable)
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
 
@@ -17,7 +18,7 @@ T = TypeVar("T")
 _CODE_TO_ERROR: dict[grpc.StatusCode, type[RgpuError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
     grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
-    grpc.StatusCode.PERMISSION_DENIED: AuthError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
     grpc.StatusCode.UNAUTHENTICATED: AuthError,
     grpc.StatusCode.NOT_FOUND: NotFound,
     grpc.StatusCode.FAILED_PRECONDITION: InvalidRequest,
@@ -33,9 +34,7 @@ def error_from_rpc(exc: grpc.RpcError, address: str) -> RgpuError:
                            "check `systemctl status rgpu-poold` and the --pool / RGPU_POOL address")
     err_type = _CODE_TO_ERROR.get(code, RgpuError)
     # The pool's messages are already in `rgpu: pool: what (why; fix)` form: keep them whole.
-    err = err_type("pool", detail)
-    err.args = (detail if detail.startswith("rgpu:") else f"rgpu: pool: {detail} ({code.name})",)
-    return err
+    return err_type.from_message(detail if detail.startswith("rgpu:") else f"rgpu: pool: {detail} ({code.name})")
 
 
 class PoolClient:

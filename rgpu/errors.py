@@ -18,6 +18,14 @@ class RgpuError(Exception):
         self.fix = fix
         super().__init__(self.format())
 
+    @classmethod
+    def from_message(cls, message: str) -> "RgpuError":
+        """An error whose message was already formatted elsewhere (e.g. by the pool daemon)."""
+        err = cls.__new__(cls)
+        err.component, err.what, err.why, err.fix = "", message, "", ""
+        Exception.__init__(err, message)
+        return err
+
     def format(self) -> str:
         detail = "; ".join(part for part in (self.why, self.fix) if part)
         tail = f" ({detail})" if detail else ""
@@ -44,6 +52,12 @@ class CapacityError(RgpuError):
 
 class AuthError(RgpuError):
     """Missing, wrong or expired credentials."""
+
+    exit_code = 4
+
+
+class PermissionDenied(RgpuError):
+    """Authenticated, but not allowed (e.g. a quota of zero)."""
 
     exit_code = 4
 

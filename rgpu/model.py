@@ -30,3 +30,42 @@ class ServerInfo:
     version: str = ""
     data_ports: str = ""          # "45201-46225"
     compute_enforcement: str = ""  # "mps" or "time-slicing"
+
+
+@dataclass(frozen=True)
+class SliceRecord:
+    """One slice of a lease: a share of one GPU on one dispatcher."""
+
+    server: str
+    gpu_uuid: str
+    gpu_index: int
+    gpu_name: str
+    memory_limit_bytes: int
+    compute_percent: int
+
+
+@dataclass(frozen=True)
+class LeaseRecord:
+    """The slices held under one job key (a Slurm job run, or a manual request)."""
+
+    job_key: str
+    user: str
+    account: str
+    created_unix: float
+    expires_unix: float            # 0: no expiry
+    slices: tuple[SliceRecord, ...]
+
+    @property
+    def units(self) -> int:
+        """GPU percent held: 100 = one whole GPU."""
+        return sum(s.compute_percent for s in self.slices)
+
+    def expired(self, now: float) -> bool:
+        return bool(self.expires_unix) and now >= self.expires_unix
+
+
+@dataclass(frozen=True)
+class QuotaRecord:
+    kind: str                      # "user" or "account"
+    name: str
+    limit_units: int

@@ -1,0 +1,384 @@
+"""The pool's state and rules: servers, leases, quotas. No gRPC here; every change is written
+through to the Store before it is visible, so a crash never loses an acknowledged change.
+
+All methods are thread-safe (one lock: allocation decisions must see a consistent view).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from rgpu import tokens, validate
+from rgpu.errors import CapacityError, InvalidRequest, NotFound, PermissionDenied
+from rgpu.model import LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
+from rgpu.placement import GpuSlot, SliceRequest, place
+from rgpu.remoting.store import Store
+
+log = logging.getLogger("rgpu-poold")
+
+QUOTA_KINDS = ("user", "account")
+
+
+@dataclass
+class ServerEntry:
+    info: ServerInfo
+    drained: bool
+    last_heartbeat: float
+    reported_down: bool = False   # so "went down" is logged once, not on every check
+
+
+@dataclass
+class GpuUsage:
+    percent: int = 0
+    memory_bytes: int = 0
+    slices: int = 0
+
+
+@dataclass(frozen=True)
+class AllocationRequest:
+    job_key: str
+    user: str
+    count: int
+    fraction: float | None = None
+    memory_bytes: int | None = None
+    account: str = ""
+    ttl_seconds: float = 0.0
+    gpu_model: str = ""
+    server: str = ""
+    min_memory_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class GpuStatusRecord:
+    server: str
+    server_state: str
+    gpu: object  # GpuInfo
+    allocated_percent: int
+    allocated_memory_bytes: int
+    slices: int
+
+
+@dataclass(frozen=True)
+class Capacity:
+    total_units: int
+    allocated_units: int
+    gpus: int
+
+    @property
+    def free_units(self) -> int:
+        return max(0, self.total_units - self.allocated_units)
+
+
+@dataclass
+class PoolCore:
+    store: Store
+    secret: bytes
+    placement: str = "binpack"
+    down_after_seconds: float = 15.0
+    max_slices_per_job: int = 16
+    clock: Callable[[], float] = time.time
+    servers: dict[str, ServerEntry] = field(default_factory=dict)
+    leases: dict[str, LeaseRecord] = field(default_factory=dict)
+    quotas: dict[tuple[str, str], int] = field(default_factory=dict)
+    _usage: dict[tuple[str, str], GpuUsage] = field(default_factory=dict)
+    _used_units: dict[tuple[str, str], int] = field(default_factory=dict)
+    _listeners: list[Callable[[], None]] = field(default_factory=list)
+    _lock: threading.RLock = field(default_factory=threading.RLock)
+
+    def __post_init__(self) -> None:
+        # Servers known before a restart get a fresh grace period: they are down only if they
+        # miss heartbeats from now on, not because the pool itself was away.
+        now = self.clock()
+        for info, drained in self.store.load_servers():
+            self.servers[info.address] = ServerEntry(info, drained, now)
+        for lease in self.store.load_leases():
+            self._index_lease(lease, +1)
+        for quota in self.store.load_quotas():
+            self.quotas[(quota.kind, quota.name)] = quota.limit_units
+
+    # -- listeners: told when healthy capacity may have changed (servers up/down/drained) -----
+    def add_capacity_listener(self, callback: Callable[[], None]) -> None:
+        self._listeners.append(callback)
+
+    def _capacity_changed(self) -> None:
+        for callback in self._listeners:
+            try:
+                callback()
+            except Exception:  # a listener's failure must never break the pool
+                log.exception("rgpu-poold: capacity listener failed")
+
+    # -- servers ------------------------------------------------------------------------------
+    def state_of(self, entry: ServerEntry, now: float | None = None) -> str:
+        if entry.drained:
+            return "drained"
+        if (self.clock() if now is None else now) - entry.last_heartbeat > self.down_after_seconds:
+            return "down"
+        return "up"
+
+    def register(self, info: ServerInfo) -> None:
+        validate.server_address(info.address)
+        for gpu in info.gpus:
+            validate.gpu_uuid(gpu.uuid)
+        if len({g.uuid for g in info.gpus}) != len(info.gpus):
+            raise InvalidRequest("pool", f"server {info.address} reports a GPU UUID twice", "",
+                                 "check the dispatcher's inventory")
+        with self._lock:
+            now = self.clock()
+            previous = self.servers.get(info.address)
+            was_up = previous is not None and self.state_of(previous, now) == "up"
+            self.store.upsert_server(info, now)
+            drained = previous.drained if previous else False
+            self.servers[info.address] = ServerEntry(info, drained, now)
+            held = {s.gpu_uuid for lease in self.leases.values() for s in lease.slices if s.server == info.address}
+            missing = held - {g.uuid for g in info.gpus}
+            if missing:
+                log.warning("rgpu-poold: server %s re-registered without GPUs %s that leases hold",
+                            info.address, ", ".join(sorted(missing)))
+        log.info("rgpu-poold: server %s registered with %d GPU(s)%s", info.address, len(info.gpus),
+                 " (static inventory)" if info.static_inventory else "")
+        if not was_up:
+            self._capacity_changed()
+
+    def heartbeat(self, address: str) -> bool:
+        with self._lock:
+            entry = self.servers.get(address)
+            if entry is None:
+                return False
+            now = self.clock()
+            came_back = self.state_of(entry, now) == "down"
+            entry.last_heartbeat = now
+        if came_back:
+            log.info("rgpu-poold: server %s is back", address)
+            self._capacity_changed()
+        return True
+
+    def find_server(self, name: str) -> ServerEntry:
+        with self._lock:
+            if name in self.servers:
+                return self.servers[name]
+            matches = [e for e in self.servers.values() if e.info.hostname == name]
+        if len(matches) == 1:
+            return matches[0]
+        if not matches:
+            raise NotFound("pool", f"no server {name!r}", "", "see `rgpu-admin health` for the servers")
+        raise InvalidRequest("pool", f"{name!r} names {len(matches)} servers", "several dispatchers on that host",
+                             "give the address host:port")
+
+    def set_drained(self, name: str, drained: bool) -> ServerEntry:
+        with self._lock:
+            entry = self.find_server(name)
+            self.store.set_drained(entry.info.address, drained)
+            entry.drained = drained
+        log.info("rgpu-poold: server %s %s", entry.info.address, "drained" if drained else "resumed")
+        self._capacity_changed()
+        return entry
+
+    def check_down_servers(self) -> list[str]:
+        """Log servers that went down since the last check; return their addresses."""
+        now = self.clock()
+        went_down = []
+        with self._lock:
+            for entry in self.servers.values():
+                down = self.state_of(entry, now) == "down"
+                if down and not entry.reported_down:
+                    went_down.append(entry.info.address)
+                entry.reported_down = down
+        for address in went_down:
+            log.warning("rgpu-poold: server %s missed heartbeats for %.0f s: marked down",
+                        address, self.down_after_seconds)
+        if went_down:
+            self._capacity_changed()
+        return went_down
+
+    # -- leases -------------------------------------------------------------------------------
+    def _index_lease(self, lease: LeaseRecord, sign: int) -> None:
+        for s in lease.slices:
+            usage = self._usage.setdefault((s.server, s.gpu_uuid), GpuUsage())
+            usage.percent += sign * s.compute_percent
+            usage.memory_bytes += sign * s.memory_limit_bytes
+            usage.slices += sign
+        for kind, name in (("user", lease.user), ("account", lease.account)):
+            if name:
+                self._used_units[(kind, name)] = self._used_units.get((kind, name), 0) + sign * lease.units
+        if sign > 0:
+            self.leases[lease.job_key] = lease
+        else:
+            self.leases.pop(lease.job_key, None)
+
+    def _slots(self, now: float) -> list[GpuSlot]:
+        slots = []
+        for entry in self.servers.values():
+            eligible = self.state_of(entry, now) == "up"
+            for gpu in entry.info.gpus:
+                usage = self._usage.get((entry.info.address, gpu.uuid), GpuUsage())
+                slots.append(GpuSlot(server=entry.info.address, hostname=entry.info.hostname, uuid=gpu.uuid,
+                                     index=gpu.index, name=gpu.name, usable_memory_bytes=gpu.usable_memory_bytes,
+                                     allocated_percent=usage.percent, allocated_memory_bytes=usage.memory_bytes,
+                                     eligible=eligible))
+        return slots
+
+    def _validate(self, req: AllocationRequest) -> None:
+        validate.job_key(req.job_key)
+        validate.name("user", req.user)
+        if req.account:
+            validate.name("account", req.account)
+        if not isinstance(req.count, int) or not 1 <= req.count <= self.max_slices_per_job:
+            raise InvalidRequest("pool", f"invalid count {req.count}",
+                                 f"a job may hold 1 to {self.max_slices_per_job} slices",
+                                 "ask for fewer slices (max_slices_per_job in rgpu.toml sets the limit)")
+        if req.fraction is not None and req.memory_bytes is not None:
+            raise InvalidRequest("pool", "both a fraction and a memory size were given", "they are exclusive",
+                                 "give one of them")
+        if req.fraction is None and req.memory_bytes is None:
+            raise InvalidRequest("pool", "neither a fraction nor a memory size was given", "",
+                                 "give a fraction in (0, 1] or a memory size per slice")
+        if req.fraction is not None:
+            validate.fraction(req.fraction)
+        if req.memory_bytes is not None and not 0 < req.memory_bytes <= 2**60:
+            raise InvalidRequest("pool", f"invalid memory size {req.memory_bytes}", "", "give a size above 0")
+        if req.ttl_seconds < 0 or req.ttl_seconds > 366 * 86400:
+            raise InvalidRequest("pool", f"invalid TTL {req.ttl_seconds}", "0 (none) up to a year", "")
+
+    def _check_quotas(self, req: AllocationRequest, units: int) -> None:
+        for kind, name in (("user", req.user), ("account", req.account)):
+            limit = self.quotas.get((kind, name))
+            if not name or limit is None:
+                continue
+            used = self._used_units.get((kind, name), 0)
+            if limit == 0:
+                raise PermissionDenied("pool", f"{kind} {name} may not use rgpu GPUs", "its quota is 0",
+                                       f"ask an admin to raise it (rgpu-admin quota set {kind} {name} UNITS)")
+            if used + units > limit:
+                raise CapacityError("pool", f"quota of {kind} {name} exceeded",
+                                    f"used {used} / limit {limit} GPU-percent, asked {units}",
+                                    "release other leases or ask an admin to raise the quota")
+
+    def allocate(self, req: AllocationRequest) -> LeaseRecord:
+        self._validate(req)
+        with self._lock:
+            now = self.clock()
+            existing = self.leases.get(req.job_key)
+            if existing is not None and existing.expired(now):
+                self._drop(existing)
+                existing = None
+            if existing is not None:
+                if len(existing.slices) != req.count or existing.user != req.user:
+                    raise InvalidRequest(
+                        "pool", f"job key {req.job_key} already holds a different lease",
+                        f"{len(existing.slices)} slice(s) for {existing.user}",
+                        "release it first, or use another job key")
+                return existing  # a retried prolog gets the same lease, never a second one
+            request = SliceRequest(count=req.count, fraction=req.fraction, memory_bytes=req.memory_bytes,
+                                   gpu_model=req.gpu_model, server=req.server,
+                                   min_memory_bytes=req.min_memory_bytes)
+            placed = place(self._slots(now), request, self.placement)
+            lease = LeaseRecord(
+                job_key=req.job_key, user=req.user, account=req.account, created_unix=now,
+                expires_unix=now + req.ttl_seconds if req.ttl_seconds else 0.0,
+                slices=tuple(SliceRecord(server=p.gpu.server, gpu_uuid=p.gpu.uuid, gpu_index=p.gpu.index,
+                                         gpu_name=p.gpu.name, memory_limit_bytes=p.memory_limit_bytes,
+                                         compute_percent=p.compute_percent) for p in placed))
+            self._check_quotas(req, lease.units)
+            self.store.insert_lease(lease)
+            self._index_lease(lease, +1)
+        log.info("rgpu-poold: lease %s for %s: %s", lease.job_key, lease.user,
+                 ", ".join(f"{s.server}/{s.gpu_index}@{s.compute_percent}%" for s in lease.slices))
+        return lease
+
+    def _drop(self, lease: LeaseRecord) -> None:
+        self.store.delete_lease(lease.job_key)
+        self._index_lease(lease, -1)
+
+    def release(self, job_key: str) -> bool:
+        """Idempotent: releasing an unknown or already released key succeeds (returns False)."""
+        with self._lock:
+            lease = self.leases.get(job_key)
+            if lease is None:
+                return False
+            self._drop(lease)
+        log.info("rgpu-poold: released lease %s", job_key)
+        return True
+
+    def get_lease(self, job_key: str) -> LeaseRecord:
+        with self._lock:
+            lease = self.leases.get(job_key)
+            if lease is None or lease.expired(self.clock()):
+                raise NotFound("pool", f"no lease for job key {job_key!r}", "it was never allocated, or was released",
+                               "see `rgpu-admin leases`")
+            return lease
+
+    def list_leases(self) -> list[LeaseRecord]:
+        with self._lock:
+            return sorted(self.leases.values(), key=lambda lease: lease.created_unix)
+
+    def lease_on_down_server(self, lease: LeaseRecord) -> bool:
+        now = self.clock()
+        with self._lock:
+            return any(s.server in self.servers and self.state_of(self.servers[s.server], now) == "down"
+                       for s in lease.slices)
+
+    def reclaim_expired(self) -> list[str]:
+        with self._lock:
+            now = self.clock()
+            expired = [lease for lease in self.leases.values() if lease.expired(now)]
+            for lease in expired:
+                self._drop(lease)
+        for lease in expired:
+            log.info("rgpu-poold: lease %s expired and was reclaimed", lease.job_key)
+        return [lease.job_key for lease in expired]
+
+    def token_for(self, lease: LeaseRecord, number: int) -> str:
+        s = lease.slices[number]
+        # Deterministic: the same lease always yields the same token, so nothing secret is stored.
+        return tokens.sign(self.secret, tokens.SliceClaims(
+            job_key=lease.job_key, slice_number=number, server=s.server, gpu_uuid=s.gpu_uuid,
+            gpu_index=s.gpu_index, memory_limit_bytes=s.memory_limit_bytes, compute_percent=s.compute_percent,
+            expires_unix=lease.expires_unix, issued_unix=lease.created_unix))
+
+    # -- views --------------------------------------------------------------------------------
+    def gpu_statuses(self) -> list[GpuStatusRecord]:
+        now = self.clock()
+        with self._lock:
+            out = []
+            for address in sorted(self.servers):
+                entry = self.servers[address]
+                state = self.state_of(entry, now)
+                for gpu in sorted(entry.info.gpus, key=lambda g: g.index):
+                    usage = self._usage.get((address, gpu.uuid), GpuUsage())
+                    out.append(GpuStatusRecord(address, state, gpu, usage.percent, usage.memory_bytes, usage.slices))
+            return out
+
+    def capacity(self) -> Capacity:
+        now = self.clock()
+        with self._lock:
+            up_gpus = [(entry.info.address, g.uuid) for entry in self.servers.values()
+                       if self.state_of(entry, now) == "up" for g in entry.info.gpus]
+            allocated = sum(self._usage.get(key, GpuUsage()).percent for key in up_gpus)
+            return Capacity(total_units=100 * len(up_gpus), allocated_units=allocated, gpus=len(up_gpus))
+
+    # -- quotas -------------------------------------------------------------------------------
+    def set_quota(self, kind: str, name: str, limit_units: int) -> QuotaRecord | None:
+        if kind not in QUOTA_KINDS:
+            raise InvalidRequest("pool", f"unknown quota kind {kind!r}", "", "use user or account")
+        validate.name(kind, name)
+        if limit_units > 100 * 100_000:
+            raise InvalidRequest("pool", f"quota {limit_units} is too large", "at most 10,000,000 GPU-percent", "")
+        with self._lock:
+            if limit_units < 0:
+                self.store.delete_quota(kind, name)
+                self.quotas.pop((kind, name), None)
+                return None
+            quota = QuotaRecord(kind, name, limit_units)
+            self.store.set_quota(quota)
+            self.quotas[(kind, name)] = limit_units
+            return quota
+
+    def quota_usage(self) -> list[tuple[QuotaRecord, int]]:
+        with self._lock:
+            return [(QuotaRecord(kind, name, limit), self._used_units.get((kind, name), 0))
+                    for (kind, name), limit in sorted(self.quotas.items())]
+

@@ -1,0 +1,232 @@
+"""rgpu-poold: the pool daemon. Knows every GPU, hands out leases of slices, keeps them durable.
+
+The gRPC servicer only validates and translates; rules live in PoolCore, durability in Store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from concurrent import futures
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import click
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from rgpu import __version__
+from rgpu.auth import ServerAuth
+from rgpu.config import Settings, load_settings
+from rgpu.errors import (AuthError, CapacityError, ConfigError, InvalidRequest, NotFound, PermissionDenied,
+                         RgpuError)
+from rgpu.model import LeaseRecord
+from rgpu.proto import rgpu_pb2 as pb
+from rgpu.proto import rgpu_pb2_grpc as pb_grpc
+from rgpu.remoting.convert import gpu_to_pb, server_from_pb, server_to_pb
+from rgpu.remoting.pool_core import AllocationRequest, PoolCore
+from rgpu.remoting.store import Store
+from rgpu.secret import load_secret
+
+log = logging.getLogger("rgpu-poold")
+
+_STATUS: list[tuple[type[RgpuError], grpc.StatusCode]] = [
+    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
+    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
+    (AuthError, grpc.StatusCode.UNAUTHENTICATED),
+    (NotFound, grpc.StatusCode.NOT_FOUND),
+]
+
+
+def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn rgpu errors into gRPC status codes with the one-line message."""
+
+    def wrapper(self: "PoolServicer", request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return method(self, request, context)
+        except RgpuError as exc:
+            code = next((c for t, c in _STATUS if isinstance(exc, t)), grpc.StatusCode.FAILED_PRECONDITION)
+            context.abort(code, str(exc))
+        except Exception:
+            log.exception("rgpu-poold: %s failed", method.__name__)
+            context.abort(grpc.StatusCode.INTERNAL,
+                          f"rgpu: pool: internal error in {method.__name__} (a bug; see the rgpu-poold log)")
+
+    wrapper.__name__ = method.__name__
+    return wrapper
+
+
+class PoolServicer(pb_grpc.PoolServicer):
+    def __init__(self, core: PoolCore, heartbeat_interval: float) -> None:
+        self.core = core
+        self.heartbeat_interval = heartbeat_interval
+
+    def _lease_pb(self, lease: LeaseRecord) -> pb.Lease:
+        return pb.Lease(
+            job_key=lease.job_key, user=lease.user, account=lease.account,
+            created_unix=lease.created_unix, expires_unix=lease.expires_unix,
+            server_down=self.core.lease_on_down_server(lease), units=lease.units,
+            slices=[pb.Slice(server=s.server, gpu_uuid=s.gpu_uuid, gpu_index=s.gpu_index, gpu_name=s.gpu_name,
+                             memory_limit_bytes=s.memory_limit_bytes, compute_percent=s.compute_percent,
+                             token=self.core.token_for(lease, i))
+                    for i, s in enumerate(lease.slices)])
+
+    def _server_pb(self, entry: Any) -> pb.Server:
+        now = self.core.clock()
+        return server_to_pb(entry.info, self.core.state_of(entry, now), max(0.0, now - entry.last_heartbeat))
+
+    @_rpc
+    def RegisterServer(self, request: pb.RegisterServerRequest, context: Any) -> pb.RegisterServerReply:
+        self.core.register(server_from_pb(request.server))
+        return pb.RegisterServerReply(heartbeat_interval_seconds=self.heartbeat_interval)
+
+    @_rpc
+    def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatReply:
+        return pb.HeartbeatReply(known=self.core.heartbeat(request.address))
+
+    @_rpc
+    def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.Lease:
+        lease = self.core.allocate(AllocationRequest(
+            job_key=request.job_key, user=request.user, account=request.account, count=request.count,
+            fraction=request.fraction if request.fraction else None,
+            memory_bytes=request.memory_bytes if request.memory_bytes else None,
+            ttl_seconds=request.ttl_seconds, gpu_model=request.gpu_model, server=request.server,
+            min_memory_bytes=request.min_memory_bytes))
+        return self._lease_pb(lease)
+
+    @_rpc
+    def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseReply:
+        return pb.ReleaseReply(released=self.core.release(request.job_key))
+
+    @_rpc
+    def GetLease(self, request: pb.GetLeaseRequest, context: Any) -> pb.Lease:
+        return self._lease_pb(self.core.get_lease(request.job_key))
+
+    @_rpc
+    def ListLeases(self, request: pb.ListLeasesRequest, context: Any) -> pb.ListLeasesReply:
+        return pb.ListLeasesReply(leases=[self._lease_pb(lease) for lease in self.core.list_leases()])
+
+    @_rpc
+    def ListGpus(self, request: pb.ListGpusRequest, context: Any) -> pb.ListGpusReply:
+        return pb.ListGpusReply(gpus=[
+            pb.GpuStatus(server=g.server, server_state=g.server_state, gpu=gpu_to_pb(g.gpu),
+                         allocated_percent=g.allocated_percent, allocated_memory_bytes=g.allocated_memory_bytes,
+                         slices=g.slices)
+            for g in self.core.gpu_statuses()])
+
+    @_rpc
+    def ListServers(self, request: pb.ListServersRequest, context: Any) -> pb.ListServersReply:
+        entries = [self.core.servers[a] for a in sorted(self.core.servers)]
+        return pb.ListServersReply(servers=[self._server_pb(e) for e in entries],
+                                   down_after_seconds=self.core.down_after_seconds)
+
+    @_rpc
+    def SetServerState(self, request: pb.SetServerStateRequest, context: Any) -> pb.Server:
+        return self._server_pb(self.core.set_drained(request.server, request.drained))
+
+    @_rpc
+    def SetQuota(self, request: pb.SetQuotaRequest, context: Any) -> pb.Quota:
+        quota = self.core.set_quota(request.kind, request.name, request.limit_units)
+        if quota is None:
+            return pb.Quota(kind=request.kind, name=request.name)
+        used = dict(((q.kind, q.name), u) for q, u in self.core.quota_usage()).get((quota.kind, quota.name), 0)
+        return pb.Quota(kind=quota.kind, name=quota.name, limit_units=quota.limit_units, used_units=used)
+
+    @_rpc
+    def ListQuotas(self, request: pb.ListQuotasRequest, context: Any) -> pb.ListQuotasReply:
+        return pb.ListQuotasReply(quotas=[
+            pb.Quota(kind=q.kind, name=q.name, limit_units=q.limit_units, used_units=used)
+            for q, used in self.core.quota_usage()])
+
+    @_rpc
+    def Capacity(self, request: pb.CapacityRequest, context: Any) -> pb.CapacityReply:
+        cap = self.core.capacity()
+        return pb.CapacityReply(total_units=cap.total_units, allocated_units=cap.allocated_units,
+                                free_units=cap.free_units, gpus=cap.gpus)
+
+
+def _maintenance_loop(core: PoolCore, interval: float, stop: threading.Event) -> None:
+    """Reclaim expired leases and notice servers that stopped heartbeating."""
+    while not stop.wait(interval):
+        try:
+            core.reclaim_expired()
+            core.check_down_servers()
+        except Exception:
+            log.exception("rgpu-poold: maintenance failed (will retry)")
+
+
+@contextlib.contextmanager
+def running_pool(settings: Settings, secret: bytes, max_workers: int = 16) -> Iterator[tuple[int, PoolCore]]:
+    """Start the pool on settings.listen (port 0 picks a free one); yield (port, core)."""
+    store = Store(settings.state)
+    core = PoolCore(store=store, secret=secret, placement=settings.placement,
+                    down_after_seconds=settings.down_after_seconds,
+                    max_slices_per_job=settings.max_slices_per_job)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=[ServerAuth(secret)],
+                         options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_PoolServicer_to_server(PoolServicer(core, settings.heartbeat_interval_seconds), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    if settings.tls_cert_file:
+        creds = grpc.ssl_server_credentials([(Path(settings.tls_key_file).read_bytes(),
+                                              Path(settings.tls_cert_file).read_bytes())])
+        port = server.add_secure_port(settings.listen, creds)
+    else:
+        port = server.add_insecure_port(settings.listen)
+    if port == 0:
+        store.close()
+        raise ConfigError("poold", f"cannot listen on {settings.listen}", "the address is in use or invalid",
+                          "pick another --listen address or stop the process holding the port")
+    stop = threading.Event()
+    maintenance = threading.Thread(target=_maintenance_loop, name="maintenance", daemon=True,
+                                   args=(core, min(settings.reclaim_interval_seconds, settings.down_after_seconds / 3), stop))
+    server.start()
+    maintenance.start()
+    for service in ("", "rgpu.v1.Pool"):
+        health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    try:
+        yield port, core
+    finally:
+        health_servicer.enter_graceful_shutdown()
+        stop.set()
+        server.stop(grace=2).wait()
+        maintenance.join(timeout=5)
+        store.close()
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="Config file (default /etc/rgpu/rgpu.toml).")
+@click.option("--listen", help="HOST:PORT to serve gRPC on (default 0.0.0.0:50001).")
+@click.option("--state", help="SQLite state file (default /var/lib/rgpu/pool.db).")
+@click.option("--placement", type=click.Choice(["binpack", "spread"]), help="Placement policy.")
+@click.option("--secret-file", help="Cluster secret file (mode 0600).")
+@click.version_option(__version__, prog_name="rgpu-poold")
+def main(config_file: str | None, listen: str | None, state: str | None, placement: str | None,
+         secret_file: str | None) -> None:
+    """Run the rgpu pool daemon."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    try:
+        settings = load_settings(config_file, flags={"listen": listen, "state": state, "placement": placement,
+                                                     "secret_file": secret_file})
+        logging.getLogger().setLevel(settings.log_level.upper())
+        secret = load_secret(settings.secret_file)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        with running_pool(settings, secret) as (port, core):
+            log.info("rgpu-poold: %s serving on %s (port %d), state %s, placement %s, %d server(s) and %d lease(s) "
+                     "restored", __version__, settings.listen, port, settings.state, settings.placement,
+                     len(core.servers), len(core.leases))
+            stop.wait()
+            log.info("rgpu-poold: shutting down")
+    except RgpuError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Durable pool state in SQLite (WAL): servers, leases and quotas.
+
+Every mutation is one transaction committed before the pool answers, so `kill -9` at any moment
+loses nothing that a caller was told had happened. WAL with synchronous=NORMAL survives a process
+crash (what `kill -9` is); set synchronous=FULL through `durability="full"` to survive power loss
+too, at the cost of an fsync per change. Tokens are not stored: they are re-signed on demand, so
+the database holds no secret.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+from dataclasses import asdict
+from pathlib import Path
+
+from rgpu.errors import ConfigError
+from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS servers (
+    address     TEXT PRIMARY KEY,
+    info_json   TEXT NOT NULL,
+    drained     INTEGER NOT NULL DEFAULT 0,
+    registered  REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS leases (
+    job_key     TEXT PRIMARY KEY,
+    user        TEXT NOT NULL,
+    account     TEXT NOT NULL,
+    created     REAL NOT NULL,
+    expires     REAL NOT NULL,
+    slices_json TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS quotas (
+    kind        TEXT NOT NULL,
+    name        TEXT NOT NULL,
+    limit_units INTEGER NOT NULL,
+    PRIMARY KEY (kind, name)
+);
+"""
+
+
+class Store:
+    def __init__(self, path: str | os.PathLike[str], durability: str = "normal") -> None:
+        self.path = Path(path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fresh = not self.path.exists()
+            self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
+            if fresh:
+                os.chmod(self.path, 0o600)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(f"PRAGMA synchronous={'FULL' if durability == 'full' else 'NORMAL'}")
+            self._db.execute("PRAGMA busy_timeout=5000")
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                raise ConfigError("store", f"{self.path} has schema version {version}",
+                                  f"this rgpu-poold understands up to {SCHEMA_VERSION}",
+                                  "upgrade rgpu-poold, or point --state at another file")
+            self._db.executescript(_SCHEMA)
+            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        except sqlite3.DatabaseError as exc:
+            raise ConfigError("store", f"cannot open state database {self.path}", str(exc),
+                              "check the path and permissions, or move a damaged file aside") from None
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._db.close()
+
+    # -- loading ---------------------------------------------------------------------------
+    def load_servers(self) -> list[tuple[ServerInfo, bool]]:
+        rows = self._db.execute("SELECT info_json, drained FROM servers").fetchall()
+        return [(_server_from_json(info), bool(drained)) for info, drained in rows]
+
+    def load_leases(self) -> list[LeaseRecord]:
+        rows = self._db.execute(
+            "SELECT job_key, user, account, created, expires, slices_json FROM leases").fetchall()
+        return [LeaseRecord(job_key=k, user=u, account=a, created_unix=c, expires_unix=e,
+                            slices=tuple(SliceRecord(**s) for s in json.loads(sj)))
+                for k, u, a, c, e, sj in rows]
+
+    def load_quotas(self) -> list[QuotaRecord]:
+        rows = self._db.execute("SELECT kind, name, limit_units FROM quotas").fetchall()
+        return [QuotaRecord(kind, name, limit) for kind, name, limit in rows]
+
+    # -- changes (each one committed before it returns) -------------------------------------
+    def _write(self, sql: str, params: tuple[object, ...]) -> None:
+        with self._lock:
+            self._db.execute(sql, params)
+
+    def upsert_server(self, server: ServerInfo, registered: float) -> None:
+        self._write(
+            "INSERT INTO servers(address, info_json, drained, registered) VALUES (?, ?, 0, ?) "
+            "ON CONFLICT(address) DO UPDATE SET info_json=excluded.info_json, registered=excluded.registered",
+            (server.address, json.dumps(asdict(server)), registered))
+
+    def set_drained(self, address: str, drained: bool) -> None:
+        self._write("UPDATE servers SET drained=? WHERE address=?", (int(drained), address))
+
+    def insert_lease(self, lease: LeaseRecord) -> None:
+        self._write(
+            "INSERT INTO leases(job_key, user, account, created, expires, slices_json) VALUES (?, ?, ?, ?, ?, ?)",
+            (lease.job_key, lease.user, lease.account, lease.created_unix, lease.expires_unix,
+             json.dumps([asdict(s) for s in lease.slices])))
+
+    def delete_lease(self, job_key: str) -> None:
+        self._write("DELETE FROM leases WHERE job_key=?", (job_key,))
+
+    def set_quota(self, quota: QuotaRecord) -> None:
+        self._write("INSERT INTO quotas(kind, name, limit_units) VALUES (?, ?, ?) "
+                    "ON CONFLICT(kind, name) DO UPDATE SET limit_units=excluded.limit_units",
+                    (quota.kind, quota.name, quota.limit_units))
+
+    def delete_quota(self, kind: str, name: str) -> None:
+        self._write("DELETE FROM quotas WHERE kind=? AND name=?", (kind, name))
+
+
+def _server_from_json(text: str) -> ServerInfo:
+    data = json.loads(text)
+    data["gpus"] = tuple(GpuInfo(**g) for g in data["gpus"])
+    return ServerInfo(**data)

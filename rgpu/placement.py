@@ -1,0 +1,166 @@
+"""Slice placement: which GPUs a request's slices go on. Pure logic, no I/O.
+
+Rules, all enforced here:
+- a request's N slices go on N distinct GPUs;
+- a GPU never holds more than 100% compute or more than its usable memory;
+- only GPUs of servers that are up and not drained are candidates;
+- a job's slices prefer one server; only when no single server can hold them all do they spread
+  over several, using as few servers as possible;
+- `binpack` (default) fills the most-used GPUs first so that whole GPUs stay free for whole-GPU
+  jobs; `spread` uses the least-used GPUs first, for isolation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+from rgpu.errors import CapacityError, InvalidRequest
+
+POLICIES = ("binpack", "spread")
+
+
+@dataclass(frozen=True)
+class GpuSlot:
+    """A GPU as placement sees it: identity, size and what is already allocated on it."""
+
+    server: str
+    hostname: str
+    uuid: str
+    index: int
+    name: str
+    usable_memory_bytes: int
+    allocated_percent: int = 0
+    allocated_memory_bytes: int = 0
+    eligible: bool = True        # server up and not drained
+
+    @property
+    def free_percent(self) -> int:
+        return 100 - self.allocated_percent
+
+    @property
+    def free_memory_bytes(self) -> int:
+        return self.usable_memory_bytes - self.allocated_memory_bytes
+
+
+@dataclass(frozen=True)
+class SliceRequest:
+    count: int
+    fraction: float | None = None         # exactly one of fraction / memory_bytes
+    memory_bytes: int | None = None
+    gpu_model: str = ""                   # case-insensitive substring of the GPU name
+    server: str = ""                      # dispatcher address or hostname
+    min_memory_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class PlacedSlice:
+    gpu: GpuSlot
+    memory_limit_bytes: int
+    compute_percent: int
+
+
+def percent_of_fraction(fraction: float) -> int:
+    # round half up (not Python's round-half-even), and at least 1%: a slice with no compute
+    # share would never run.
+    return max(1, min(100, math.floor(100 * fraction + 0.5)))
+
+
+def slice_size(gpu: GpuSlot, request: SliceRequest) -> tuple[int, int]:
+    """(memory_limit_bytes, compute_percent) a slice of this request takes on this GPU."""
+    if request.fraction is not None:
+        return math.floor(request.fraction * gpu.usable_memory_bytes), percent_of_fraction(request.fraction)
+    assert request.memory_bytes is not None
+    # A memory-sized slice gets the same share of compute as of memory, rounded up.
+    percent = max(1, min(100, math.ceil(100 * request.memory_bytes / gpu.usable_memory_bytes)))
+    return request.memory_bytes, percent
+
+
+def _matches_filters(gpu: GpuSlot, request: SliceRequest) -> bool:
+    if request.gpu_model and request.gpu_model.lower() not in gpu.name.lower():
+        return False
+    if request.server and request.server not in (gpu.server, gpu.hostname):
+        return False
+    if request.memory_bytes is not None and request.memory_bytes > gpu.usable_memory_bytes:
+        return False
+    return gpu.usable_memory_bytes >= request.min_memory_bytes
+
+
+def _fits(gpu: GpuSlot, memory: int, percent: int) -> bool:
+    return gpu.allocated_percent + percent <= 100 and gpu.allocated_memory_bytes + memory <= gpu.usable_memory_bytes
+
+
+def _gpu_order(policy: str):  # type: ignore[no-untyped-def]
+    if policy == "binpack":
+        return lambda g: (-g.allocated_percent, -g.allocated_memory_bytes, g.server, g.index)
+    return lambda g: (g.allocated_percent, g.allocated_memory_bytes, g.server, g.index)
+
+
+def place(gpus: Iterable[GpuSlot], request: SliceRequest, policy: str = "binpack") -> list[PlacedSlice]:
+    """Choose GPUs for every slice of the request, or raise CapacityError saying what is free."""
+    if policy not in POLICIES:
+        raise InvalidRequest("placement", f"unknown policy {policy!r}", "", f"use one of {', '.join(POLICIES)}")
+    if request.count < 1:
+        raise InvalidRequest("placement", f"count {request.count}", "at least one slice", "ask for 1 or more")
+    if (request.fraction is None) == (request.memory_bytes is None):
+        raise InvalidRequest("placement", "give either a fraction or a memory size per slice", "", "")
+
+    all_gpus = list(gpus)
+    candidates: list[tuple[GpuSlot, int, int]] = []
+    for gpu in all_gpus:
+        if not gpu.eligible or not _matches_filters(gpu, request):
+            continue
+        memory, percent = slice_size(gpu, request)
+        if _fits(gpu, memory, percent):
+            candidates.append((gpu, memory, percent))
+
+    if len(candidates) < request.count:
+        raise CapacityError("pool", f"cannot place {request.count} slice(s) of {_describe(request)}",
+                            _free_summary(all_gpus, request, len(candidates)),
+                            "wait for capacity, ask for fewer or smaller slices, or relax the filters")
+
+    order = _gpu_order(policy)
+    by_server: dict[str, list[tuple[GpuSlot, int, int]]] = defaultdict(list)
+    for cand in candidates:
+        by_server[cand[0].server].append(cand)
+    for cands in by_server.values():
+        cands.sort(key=lambda c: order(c[0]))
+
+    def server_free(server: str) -> int:
+        return sum(c[0].free_percent for c in by_server[server])
+
+    # binpack: the fullest server that can hold the job; spread: the emptiest.
+    sign = 1 if policy == "binpack" else -1
+    single = [s for s, cands in by_server.items() if len(cands) >= request.count]
+    if single:
+        best = min(single, key=lambda s: (sign * server_free(s), s))
+        chosen = by_server[best][: request.count]
+    else:
+        # Several servers: those with most candidates first, so the job touches few servers.
+        chosen = []
+        for server in sorted(by_server, key=lambda s: (-len(by_server[s]), sign * server_free(s), s)):
+            chosen.extend(by_server[server][: request.count - len(chosen)])
+            if len(chosen) == request.count:
+                break
+    return [PlacedSlice(gpu, memory, percent) for gpu, memory, percent in chosen]
+
+
+def _describe(request: SliceRequest) -> str:
+    if request.fraction is not None:
+        size = f"fraction {request.fraction:g}"
+    else:
+        size = f"{(request.memory_bytes or 0) / 2**30:.1f} GiB"
+    filters = [f"model~{request.gpu_model}"] if request.gpu_model else []
+    filters += [f"server={request.server}"] if request.server else []
+    filters += [f"min memory {request.min_memory_bytes / 2**30:.1f} GiB"] if request.min_memory_bytes else []
+    return size + (f" ({', '.join(filters)})" if filters else "")
+
+
+def _free_summary(gpus: Sequence[GpuSlot], request: SliceRequest, fitting: int) -> str:
+    eligible = [g for g in gpus if g.eligible]
+    free_units = sum(g.free_percent for g in eligible)
+    whole = sum(1 for g in eligible if g.allocated_percent == 0 and g.allocated_memory_bytes == 0)
+    return (f"asked {request.count} slice(s); {fitting} GPU(s) can take one now; free: {free_units} "
+            f"GPU-percent on {len(eligible)} usable GPU(s), {whole} of them wholly free")
