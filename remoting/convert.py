@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rgpu.model import GpuInfo, ServerInfo
 from rgpu.proto import rgpu_pb2 as pb
+
+if TYPE_CHECKING:
+    from rgpu.adaptor import AdaptorConf
 
 
 def gpu_to_pb(gpu: GpuInfo) -> pb.Gpu:
@@ -30,3 +35,15 @@ def server_from_pb(msg: pb.Server) -> ServerInfo:
                       cuda_version=msg.cuda_version, gpus=tuple(gpu_from_pb(g) for g in msg.gpus),
                       static_inventory=msg.static_inventory, version=msg.version, data_ports=msg.data_ports,
                       compute_enforcement=msg.compute_enforcement)
+
+
+def lease_to_adaptor(lease: pb.Lease, slices: list[pb.Slice] | None = None) -> "AdaptorConf":
+    """The adaptor.conf for a lease (or for some of its slices, e.g. one node's share)."""
+    from rgpu.adaptor import AdaptorConf, AdaptorSlice, expires_text
+
+    chosen = list(lease.slices) if slices is None else slices
+    return AdaptorConf(
+        job_id=lease.job_key, user=lease.user, expires=expires_text(lease.expires_unix),
+        slices=tuple(AdaptorSlice(server=s.server, gpu_uuid=s.gpu_uuid, gpu_index=s.gpu_index,
+                                  memory_limit_bytes=s.memory_limit_bytes, compute_percent=s.compute_percent,
+                                  token=s.token) for s in chosen))

@@ -8,7 +8,7 @@ from typing import Any, Callable, TypeVar
 import grpc
 
 from rgpu.auth import authenticated_channel
-from rgpu.errors import (AuthError, CapacityError, InvalidRequest, NotFound, PermissionDenied, RgpuError,
+from rgpu.errors import (AuthError, CapacityError, ConfigError, InvalidRequest, NotFound, PermissionDenied, RgpuError,
                          Unavailable)
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
@@ -29,12 +29,25 @@ def error_from_rpc(exc: grpc.RpcError, address: str) -> RgpuError:
     code = exc.code()
     detail = exc.details() or ""
     if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return Unavailable("pool", f"pool daemon at {address} did not answer ({code.name.lower()})",
-                           "is rgpu-poold running and reachable?",
+        return Unavailable("pool", f"pool daemon at {address} did not answer",
+                           f"{code.name.lower()}: is rgpu-poold running and reachable?",
                            "check `systemctl status rgpu-poold` and the --pool / RGPU_POOL address")
     err_type = _CODE_TO_ERROR.get(code, RgpuError)
     # The pool's messages are already in `rgpu: pool: what (why; fix)` form: keep them whole.
     return err_type.from_message(detail if detail.startswith("rgpu:") else f"rgpu: pool: {detail} ({code.name})")
+
+
+def open_channel(address: str, tls_ca_file: str | None = None, tls_server_name: str | None = None) -> grpc.Channel:
+    """A channel to the pool: TLS when a CA file is configured, plain otherwise."""
+    if not tls_ca_file:
+        return grpc.insecure_channel(address)
+    try:
+        ca = Path(tls_ca_file).read_bytes()
+    except OSError as exc:
+        raise ConfigError("pool", f"cannot read TLS CA file {tls_ca_file}", exc.strerror or str(exc),
+                          "fix tls_ca_file in rgpu.toml") from None
+    options = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca), options=options)
 
 
 class PoolClient:
@@ -42,12 +55,7 @@ class PoolClient:
                  tls_ca_file: str | None = None, tls_server_name: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        if tls_ca_file:
-            creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca_file).read_bytes())
-            options = [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
-            raw = grpc.secure_channel(address, creds, options=options)
-        else:
-            raw = grpc.insecure_channel(address)
+        raw = open_channel(address, tls_ca_file, tls_server_name)
         self._raw = raw
         self._stub = pb_grpc.PoolStub(authenticated_channel(raw, secret))
 

@@ -1,0 +1,330 @@
+"""rgpu-admin: the operator's and user's command line for the pool.
+
+Tables for people; `--json` on every listing prints a JSON array of objects. Errors are one line
+(`rgpu: <component>: <what> (<why>; <how to fix>)`) with a non-zero exit status.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import secrets
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+import click
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tabulate import tabulate
+
+from rgpu import __version__
+from rgpu.adaptor import read_adaptor_conf, write_adaptor_conf
+from rgpu.config import Settings, load_settings
+from rgpu.errors import InvalidRequest, RgpuError, Unavailable
+from rgpu.proto import rgpu_pb2 as pb
+from rgpu.secret import create_secret, load_secret
+from rgpu.units import format_bytes, parse_duration, parse_size
+
+
+@dataclass
+class Context:
+    settings: Settings
+    json_output: bool
+
+    def client(self):  # type: ignore[no-untyped-def]
+        from rgpu.remoting.pool_client import PoolClient
+
+        s = self.settings
+        return PoolClient(s.pool, load_secret(s.secret_file), tls_ca_file=s.tls_ca_file or None,
+                          tls_server_name=s.tls_server_name or None)
+
+
+def _emit(ctx: Context, rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]],
+          empty: str) -> None:
+    """Print rows as JSON (all fields) or as a table of the given (key, header) columns."""
+    if ctx.json_output:
+        click.echo(json.dumps(list(rows), indent=2))
+    elif not rows:
+        click.echo(empty)
+    else:
+        click.echo(tabulate([[r[key] for key, _ in columns] for r in rows], headers=[h for _, h in columns]))
+
+
+class _Group(click.Group):
+    """Turns rgpu errors into one line and an exit status, at the edge only."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except RgpuError as exc:
+            click.echo(str(exc), err=True)
+            sys.exit(exc.exit_code)
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--pool", envvar="RGPU_POOL", help="Pool daemon HOST:PORT (default from rgpu.toml, else localhost:50001).")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="Config file (default /etc/rgpu/rgpu.toml).")
+@click.option("--secret-file", help="Cluster secret file.")
+@click.option("--json", "json_output", is_flag=True, help="Print listings as a JSON array of objects.")
+@click.version_option(__version__, prog_name="rgpu-admin")
+@click.pass_context
+def main(ctx: click.Context, pool: str | None, config_file: str | None, secret_file: str | None,
+         json_output: bool) -> None:
+    """Manage the rgpu GPU pool: GPUs, leases, servers, quotas, health."""
+    try:
+        settings = load_settings(config_file, flags={"pool": pool, "secret_file": secret_file})
+    except RgpuError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(exc.exit_code)
+    ctx.obj = Context(settings, json_output)
+
+
+def _json_flag(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Accept --json after the subcommand too (`rgpu-admin list-gpus --json`)."""
+
+    def set_json(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+        if value:
+            ctx.find_object(Context).json_output = True  # type: ignore[union-attr]
+
+    return click.option("--json", "json_output_local", is_flag=True, expose_value=False, callback=set_json,
+                        help="Print a JSON array of objects.")(f)
+
+
+@main.command("list-gpus")
+@_json_flag
+@click.pass_obj
+def list_gpus(ctx: Context) -> None:
+    """Every GPU in the pool: server, model, memory, what is allocated, state."""
+    with ctx.client() as client:
+        gpus = client.list_gpus()
+    rows = [{
+        "server": g.server, "index": g.gpu.index, "uuid": g.gpu.uuid, "model": g.gpu.name,
+        "memory_bytes": g.gpu.usable_memory_bytes, "memory": format_bytes(g.gpu.usable_memory_bytes),
+        "allocated_percent": g.allocated_percent, "allocated_memory_bytes": g.allocated_memory_bytes,
+        "allocated_memory": format_bytes(g.allocated_memory_bytes), "slices": g.slices, "state": g.server_state,
+    } for g in gpus]
+    _emit(ctx, rows, [("server", "SERVER"), ("index", "GPU"), ("model", "MODEL"), ("memory", "MEMORY"),
+                      ("allocated_percent", "ALLOC %"), ("allocated_memory", "ALLOC MEM"), ("slices", "SLICES"),
+                      ("state", "STATE")], "no GPUs registered (is any rgpu-dispatcher running?)")
+
+
+def _lease_row(lease: pb.Lease) -> dict[str, Any]:
+    return {
+        "job_key": lease.job_key, "user": lease.user, "account": lease.account, "units": lease.units,
+        "created_unix": lease.created_unix, "expires_unix": lease.expires_unix, "server_down": lease.server_down,
+        "slices": [{"server": s.server, "gpu_uuid": s.gpu_uuid, "gpu_index": s.gpu_index,
+                    "memory_limit_bytes": s.memory_limit_bytes, "compute_percent": s.compute_percent}
+                   for s in lease.slices],
+        "placement": ", ".join(f"{s.server}/{s.gpu_index} {s.compute_percent}%" for s in lease.slices),
+        "state": "SERVER DOWN" if lease.server_down else "ok",
+    }
+
+
+@main.command()
+@_json_flag
+@click.pass_obj
+def leases(ctx: Context) -> None:
+    """Every lease: job key, user, GPU percent, where its slices are."""
+    with ctx.client() as client:
+        rows = [_lease_row(lease) for lease in client.list_leases()]
+    _emit(ctx, rows, [("job_key", "JOB KEY"), ("user", "USER"), ("account", "ACCOUNT"), ("units", "GPU %"),
+                      ("placement", "SLICES"), ("state", "STATE")], "no leases")
+
+
+@main.command("request-gpus")
+@click.option("-n", "--num", "count", type=int, required=True, help="Number of slices (each on its own GPU).")
+@click.option("-p", "--partial", "fraction", type=float, help="Fraction of a GPU per slice, in (0, 1].")
+@click.option("-m", "--memory", help="Memory per slice, e.g. 8G (exclusive with -p).")
+@click.option("--ttl", help="Release automatically after this long, e.g. 2h.")
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="adaptor.conf to write.")
+@click.option("--user", default=None, help="Owner of the lease (default: you).")
+@click.option("--account", default="", help="Account charged (for account quotas).")
+@click.option("--job-key", default=None, help="Idempotency key (default: a new random one).")
+@click.option("--model", "gpu_model", default="", help="Only GPUs whose model contains this text.")
+@click.option("--server", default="", help="Only this server (address or hostname).")
+@click.option("--min-memory", default=None, help="Only GPUs with at least this much usable memory.")
+@click.pass_obj
+def request_gpus(ctx: Context, count: int, fraction: float | None, memory: str | None, ttl: str | None,
+                 output: str, user: str | None, account: str, job_key: str | None, gpu_model: str,
+                 server: str, min_memory: str | None) -> None:
+    """Lease GPU slices outside Slurm and write their adaptor.conf (mode 0600)."""
+    from rgpu.remoting.convert import lease_to_adaptor
+
+    if (fraction is None) == (memory is None):
+        raise InvalidRequest("admin", "give exactly one of -p FRACTION or -m SIZE", "", "e.g. -p 0.5 or -m 8G")
+    user = user or getpass.getuser()
+    key = job_key or f"manual-{user}-{secrets.token_hex(4)}"
+    with ctx.client() as client:
+        lease = client.allocate(
+            key, user, count, fraction=fraction or 0.0, memory_bytes=parse_size(memory, "memory") if memory else 0,
+            account=account, ttl_seconds=parse_duration(ttl, "ttl") if ttl else 0.0, gpu_model=gpu_model,
+            server=server, min_memory_bytes=parse_size(min_memory, "min memory") if min_memory else 0)
+        try:
+            path = write_adaptor_conf(output, lease_to_adaptor(lease))
+        except (OSError, RgpuError) as exc:
+            client.release(key)  # nothing lost, nothing leaked: no file, no lease
+            raise RgpuError("admin", f"cannot write {output}", str(exc), "pick a writable path; the lease was released") from None
+    click.echo(f"leased {len(lease.slices)} slice(s) as {key}; adaptor.conf written to {path}")
+    for s in lease.slices:
+        click.echo(f"  {s.server} GPU {s.gpu_index} ({s.gpu_name}): {format_bytes(s.memory_limit_bytes)}, "
+                   f"{s.compute_percent}% compute")
+    click.echo(f"release with: rgpu-admin release-gpus -f {path}")
+
+
+@main.command("release-gpus")
+@click.option("-f", "--file", "conf_file", required=True, type=click.Path(dir_okay=False),
+              help="adaptor.conf written by request-gpus.")
+@click.pass_obj
+def release_gpus(ctx: Context, conf_file: str) -> None:
+    """Release the lease an adaptor.conf describes (safe to run twice)."""
+    conf = read_adaptor_conf(conf_file)
+    with ctx.client() as client:
+        released = client.release(conf.job_id)
+    click.echo(f"released {conf.job_id}" if released else f"{conf.job_id} was already released")
+
+
+def _set_state(ctx: Context, server: str, drained: bool) -> None:
+    with ctx.client() as client:
+        result = client.set_server_state(server, drained)
+    click.echo(f"{result.address}: {result.state}")
+
+
+@main.command()
+@click.argument("server")
+@click.pass_obj
+def drain(ctx: Context, server: str) -> None:
+    """Stop placing new slices on SERVER (address or hostname); existing leases stay."""
+    _set_state(ctx, server, True)
+
+
+@main.command()
+@click.argument("server")
+@click.pass_obj
+def resume(ctx: Context, server: str) -> None:
+    """Place slices on a drained SERVER again."""
+    _set_state(ctx, server, False)
+
+
+@main.group()
+def quota() -> None:
+    """Quotas per user or account, in GPU-percent (100 = one whole GPU)."""
+
+
+@quota.command("set")
+@click.argument("kind", type=click.Choice(["user", "account"]))
+@click.argument("name")
+@click.argument("units", type=int)
+@click.pass_obj
+def quota_set(ctx: Context, kind: str, name: str, units: int) -> None:
+    """Limit KIND NAME to UNITS GPU-percent (0 forbids; -1 removes the quota)."""
+    with ctx.client() as client:
+        q = client.set_quota(kind, name, units)
+    if units < 0:
+        click.echo(f"quota of {kind} {name} removed")
+    else:
+        click.echo(f"quota of {kind} {name}: {q.used_units} / {q.limit_units} GPU-percent in use")
+
+
+@quota.command("show")
+@_json_flag
+@click.pass_obj
+def quota_show(ctx: Context) -> None:
+    """Every quota and how much of it is in use."""
+    with ctx.client() as client:
+        rows = [{"kind": q.kind, "name": q.name, "limit_units": q.limit_units, "used_units": q.used_units}
+                for q in client.list_quotas()]
+    _emit(ctx, rows, [("kind", "KIND"), ("name", "NAME"), ("used_units", "USED %"), ("limit_units", "LIMIT %")],
+          "no quotas set")
+
+
+def _pool_serving(settings: Settings) -> str | None:
+    """None when the pool's standard gRPC health service says SERVING, else why not."""
+    from rgpu.remoting.pool_client import open_channel
+
+    channel = open_channel(settings.pool, settings.tls_ca_file or None, settings.tls_server_name or None)
+    try:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="rgpu.v1.Pool"),
+                                                           timeout=5)
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+        return None
+    except grpc.RpcError as exc:
+        return f"{exc.code().name.lower()}: {exc.details()}"
+    finally:
+        channel.close()
+
+
+@main.command()
+@_json_flag
+@click.pass_obj
+def health(ctx: Context) -> None:
+    """Check the pool and every dispatcher; exit non-zero when anything is unhealthy."""
+    problem = _pool_serving(ctx.settings)
+    if problem:
+        raise Unavailable("health", f"pool daemon at {ctx.settings.pool} is not serving", problem,
+                          "start rgpu-poold or fix --pool / RGPU_POOL")
+    with ctx.client() as client:
+        reply = client.list_servers()
+    rows = []
+    for s in reply.servers:
+        notes = []
+        if s.static_inventory:
+            notes.append("static inventory (no real GPUs)")
+        if s.compute_enforcement == "time-slicing":
+            notes.append("no MPS: compute shares not enforced")
+        rows.append({"server": s.address, "hostname": s.hostname, "state": s.state,
+                     "heartbeat_age_seconds": round(s.heartbeat_age_seconds, 1), "gpus": len(s.gpus),
+                     "driver_version": s.driver_version, "cuda_version": s.cuda_version, "version": s.version,
+                     "compute_enforcement": s.compute_enforcement, "static_inventory": s.static_inventory,
+                     "notes": "; ".join(notes), "healthy": s.state != "down"})
+    unhealthy = [r["server"] for r in rows if not r["healthy"]]
+    if ctx.json_output:
+        click.echo(json.dumps(rows, indent=2))
+    else:
+        click.echo(f"pool {ctx.settings.pool}: serving; {len(rows)} server(s); down after "
+                   f"{reply.down_after_seconds:g} s without heartbeat")
+        if rows:
+            click.echo(tabulate([[r["server"], r["state"], f"{r['heartbeat_age_seconds']:.1f}s", r["gpus"],
+                                  r["driver_version"], r["compute_enforcement"] or "-", r["notes"]] for r in rows],
+                                headers=["SERVER", "STATE", "HEARTBEAT", "GPUS", "DRIVER", "COMPUTE", "NOTES"]))
+    if not rows:
+        raise Unavailable("health", "no dispatcher has registered", "the pool has no GPUs to serve",
+                          "start rgpu-dispatcher on the GPU nodes with --pool pointing here")
+    if unhealthy:
+        raise Unavailable("health", f"{len(unhealthy)} server(s) down: {', '.join(unhealthy)}",
+                          "no heartbeat within the limit", "check rgpu-dispatcher on those hosts")
+
+
+@main.group()
+def secret() -> None:
+    """The cluster secret that authenticates daemons and signs lease tokens."""
+
+
+@secret.command("create")
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--force", is_flag=True, help="Replace an existing secret (invalidates every lease token).")
+def secret_create(path: str, force: bool) -> None:
+    """Write a new random secret to PATH with mode 0600."""
+    created = create_secret(path, force=force)
+    click.echo(f"wrote {created} (mode 0600); copy it to every rgpu host, readable only by rgpu's user")
+
+
+def _register_optional_commands(group: click.Group, modules: Iterable[str]) -> None:
+    """Commands contributed by other components (e.g. slurm-config) join when importable."""
+    import importlib
+    import importlib.util
+
+    for module_name in modules:
+        if importlib.util.find_spec(module_name) is None:
+            continue
+        module = importlib.import_module(module_name)
+        for command in getattr(module, "ADMIN_COMMANDS", ()):
+            group.add_command(command)
+
+
+_register_optional_commands(main, ["rgpu.slurm_plugin.cli"])
+
+
+if __name__ == "__main__":
+    main()
