@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import socket
 import sys
 import threading
 from concurrent import futures
@@ -159,6 +160,18 @@ def _maintenance_loop(core: PoolCore, interval: float, stop: threading.Event) ->
             log.exception("rgpu-poold: maintenance failed (will retry)")
 
 
+def _check_bindable(listen: str) -> None:
+    """Fail early with a clear reason (gRPC's own bind error is a log line, not a message)."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    if not port.isdigit():
+        raise OSError(f"{listen!r} is not HOST:PORT")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind((host, int(port)))
+
+
 @contextlib.contextmanager
 def running_pool(settings: Settings, secret: bytes, max_workers: int = 16) -> Iterator[tuple[int, PoolCore]]:
     """Start the pool on settings.listen (port 0 picks a free one); yield (port, core)."""
@@ -171,16 +184,18 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = 16) -> It
     pb_grpc.add_PoolServicer_to_server(PoolServicer(core, settings.heartbeat_interval_seconds), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if settings.tls_cert_file:
-        creds = grpc.ssl_server_credentials([(Path(settings.tls_key_file).read_bytes(),
-                                              Path(settings.tls_cert_file).read_bytes())])
-        port = server.add_secure_port(settings.listen, creds)
-    else:
-        port = server.add_insecure_port(settings.listen)
-    if port == 0:
+    try:
+        _check_bindable(settings.listen)
+        if settings.tls_cert_file:
+            creds = grpc.ssl_server_credentials([(Path(settings.tls_key_file).read_bytes(),
+                                                  Path(settings.tls_cert_file).read_bytes())])
+            port = server.add_secure_port(settings.listen, creds)
+        else:
+            port = server.add_insecure_port(settings.listen)
+    except (OSError, RuntimeError) as exc:
         store.close()
-        raise ConfigError("poold", f"cannot listen on {settings.listen}", "the address is in use or invalid",
-                          "pick another --listen address or stop the process holding the port")
+        raise ConfigError("poold", f"cannot listen on {settings.listen}", str(exc) or "address in use or invalid",
+                          "pick another --listen address or stop the process holding the port") from None
     stop = threading.Event()
     maintenance = threading.Thread(target=_maintenance_loop, name="maintenance", daemon=True,
                                    args=(core, min(settings.reclaim_interval_seconds, settings.down_after_seconds / 3), stop))

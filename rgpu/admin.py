@@ -214,16 +214,24 @@ def quota() -> None:
 @quota.command("set")
 @click.argument("kind", type=click.Choice(["user", "account"]))
 @click.argument("name")
-@click.argument("units", type=int)
+@click.argument("units", type=click.IntRange(min=0))
 @click.pass_obj
 def quota_set(ctx: Context, kind: str, name: str, units: int) -> None:
-    """Limit KIND NAME to UNITS GPU-percent (0 forbids; -1 removes the quota)."""
+    """Limit KIND NAME to UNITS GPU-percent (100 = one GPU; 0 forbids rgpu use)."""
     with ctx.client() as client:
         q = client.set_quota(kind, name, units)
-    if units < 0:
-        click.echo(f"quota of {kind} {name} removed")
-    else:
-        click.echo(f"quota of {kind} {name}: {q.used_units} / {q.limit_units} GPU-percent in use")
+    click.echo(f"quota of {kind} {name}: {q.used_units} / {q.limit_units} GPU-percent in use")
+
+
+@quota.command("remove")
+@click.argument("kind", type=click.Choice(["user", "account"]))
+@click.argument("name")
+@click.pass_obj
+def quota_remove(ctx: Context, kind: str, name: str) -> None:
+    """Remove the quota of KIND NAME (no limit)."""
+    with ctx.client() as client:
+        client.set_quota(kind, name, -1)
+    click.echo(f"quota of {kind} {name} removed")
 
 
 @quota.command("show")

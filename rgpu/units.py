@@ -20,7 +20,7 @@ def parse_size(text: str | int, field: str = "size") -> int:
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
-        m = _SIZE_RE.match(str(text))
+        m = _SIZE_RE.fullmatch(str(text))
         if not m:
             raise InvalidRequest("units", f"invalid {field} {str(text)[:40]!r}",
                                  "expected a number with an optional K, M, G or T suffix (binary units)",
@@ -37,7 +37,7 @@ def parse_duration(text: str | float, field: str = "duration") -> float:
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value = float(text)
     else:
-        m = _DURATION_RE.match(str(text))
+        m = _DURATION_RE.fullmatch(str(text))
         if not m:
             raise InvalidRequest("units", f"invalid {field} {str(text)[:40]!r}",
                                  "expected a number with an optional s, m, h or d suffix",

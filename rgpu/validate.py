@@ -30,19 +30,19 @@ def _bad(field: str, value: object, rule: str) -> InvalidRequest:
 
 
 def job_key(value: str) -> str:
-    if not isinstance(value, str) or not JOB_KEY_RE.match(value):
+    if not isinstance(value, str) or not JOB_KEY_RE.fullmatch(value):
         raise _bad("job key", value, "1-128 characters from A-Z a-z 0-9 . _ : + @ -")
     return value
 
 
 def name(field: str, value: str) -> str:
-    if not isinstance(value, str) or not NAME_RE.match(value):
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value):
         raise _bad(field, value, "1-64 characters from A-Z a-z 0-9 _ . @ -, not starting with . @ -")
     return value
 
 
 def host(value: str) -> str:
-    if HOSTNAME_RE.match(value or ""):
+    if HOSTNAME_RE.fullmatch(value or ""):
         return value
     try:
         ipaddress.ip_address(value.strip("[]"))
@@ -67,19 +67,19 @@ def server_address(value: str) -> str:
 
 
 def gpu_uuid(value: str) -> str:
-    if not isinstance(value, str) or not GPU_UUID_RE.match(value):
+    if not isinstance(value, str) or not GPU_UUID_RE.fullmatch(value):
         raise _bad("GPU UUID", value, "GPU-<hex and dashes>")
     return value
 
 
 def token(value: str) -> str:
-    if not isinstance(value, str) or not TOKEN_RE.match(value):
+    if not isinstance(value, str) or not TOKEN_RE.fullmatch(value):
         raise _bad("token", value, "base64url characters and dots")
     return value
 
 
 def rfc3339_or_empty(value: str) -> str:
-    if value and not RFC3339_RE.match(value):
+    if value and not RFC3339_RE.fullmatch(value):
         raise _bad("expiry", value, "an RFC 3339 time such as 2026-11-22T10:00:00Z, or empty")
     return value
 

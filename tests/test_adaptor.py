@@ -1,0 +1,95 @@
+"""adaptor.conf rendering: golden file, round trip through tomllib, hostile values refused."""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from rgpu.adaptor import (AdaptorConf, AdaptorSlice, parse_adaptor_conf, read_adaptor_conf, render_adaptor_conf,
+                          write_adaptor_conf)
+from rgpu.errors import ConfigError, InvalidRequest
+
+GOLDEN = Path(__file__).parent / "golden" / "adaptor.conf"
+
+
+def sample(**overrides: object) -> AdaptorConf:
+    slices = (
+        AdaptorSlice("gpu1.example.org:55001", "GPU-7f3a2b1c-0000-1111-2222-333344445555", 0, 42949672960, 50,
+                     "rgpu1.eyJhIjoxfQ.c2ln"),
+        AdaptorSlice("[::1]:55002", "GPU-7f3a2b1c-0000-1111-2222-333344446666", 3, 42949672960, 50,
+                     "rgpu1.eyJiIjoyfQ.c2ln"),
+    )
+    values: dict[str, object] = {"job_id": "slurm-1234-0", "user": "alice", "expires": "2026-11-22T10:00:00Z",
+                                 "slices": slices}
+    values.update(overrides)
+    return AdaptorConf(**values)  # type: ignore[arg-type]
+
+
+def test_golden_file() -> None:
+    text = render_adaptor_conf(sample())
+    if os.environ.get("RGPU_UPDATE_GOLDEN"):
+        GOLDEN.write_text(text)
+    assert text == GOLDEN.read_text(), (
+        "adaptor.conf output changed; if intended, rerun with RGPU_UPDATE_GOLDEN=1 and review the diff of "
+        "tests/golden/adaptor.conf")
+
+
+def test_round_trip_through_tomllib() -> None:
+    conf = sample()
+    text = render_adaptor_conf(conf)
+    data = tomllib.loads(text)
+    assert data["job_id"] == "slurm-1234-0" and len(data["slice"]) == 2
+    assert parse_adaptor_conf(text) == conf
+
+
+HOSTILE = [
+    {"job_id": 'x"\n[[slice]]\nserver = "evil:1'},
+    {"job_id": "1; rm -rf /"},
+    {"user": "alice\nuser = \"root\""},
+    {"user": "$(id)"},
+    {"expires": "tomorrow"},
+    {"slices": (AdaptorSlice("evil\n:1", "GPU-a", 0, 1, 50, "t"),)},
+    {"slices": (AdaptorSlice("host:99999", "GPU-a", 0, 1, 50, "t"),)},
+    {"slices": (AdaptorSlice("host:1", "GPU-a\"", 0, 1, 50, "t"),)},
+    {"slices": (AdaptorSlice("host:1", "GPU-a", 0, 1, 101, "t"),)},
+    {"slices": (AdaptorSlice("host:1", "GPU-a", -1, 1, 50, "t"),)},
+    {"slices": (AdaptorSlice("host:1", "GPU-a", 0, 1, 50, 't"\nx="'),)},
+    {"slices": ()},
+]
+
+
+@pytest.mark.parametrize("overrides", HOSTILE)
+def test_hostile_values_are_refused_before_rendering(overrides: dict[str, object]) -> None:
+    with pytest.raises(InvalidRequest) as err:
+        render_adaptor_conf(sample(**overrides))
+    assert "\n" not in str(err.value)
+
+
+def test_atomic_private_write_and_read(tmp_path: Path) -> None:
+    path = write_adaptor_conf(tmp_path / "run" / "adaptor.conf", sample())
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    assert read_adaptor_conf(path) == sample()
+    assert [p.name for p in path.parent.iterdir()] == ["adaptor.conf"]  # no temp file left
+
+
+def test_a_failed_write_leaves_the_old_file(tmp_path: Path) -> None:
+    path = write_adaptor_conf(tmp_path / "adaptor.conf", sample())
+    with pytest.raises(InvalidRequest):
+        write_adaptor_conf(path, sample(user="bad user"))
+    assert read_adaptor_conf(path) == sample()
+
+
+@pytest.mark.parametrize("text, why", [
+    ("not toml [", "not valid TOML"),
+    ('format = 9\njob_id = "1"\nuser = "a"\n', "format 9"),
+    ('job_id = "1"\nuser = "a"\nextra = 1\n', "unknown keys"),
+    ('user = "a"\n', "missing key"),
+    ('job_id = "1"\nuser = "a"\n[[slice]]\nserver = "h:1"\n', "missing or wrong slice keys"),
+])
+def test_malformed_files_give_one_line(text: str, why: str) -> None:
+    with pytest.raises(ConfigError, match=why) as err:
+        parse_adaptor_conf(text)
+    assert "\n" not in str(err.value)

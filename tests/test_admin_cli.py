@@ -1,0 +1,119 @@
+"""rgpu-admin against a real rgpu-poold: tables, --json, adaptor.conf, one-line errors, exit codes."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rgpu.adaptor import read_adaptor_conf
+from tests.daemons import RgpuCluster
+from tests.test_pool_daemon import register
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def cluster(tmp_path: Path):  # type: ignore[no-untyped-def]
+    c = RgpuCluster(tmp_path)
+    c.write_config(down_after_seconds=2.0, heartbeat_interval_seconds=0.5, reclaim_interval_seconds=0.2)
+    c.start_pool()
+    yield c
+    c.stop_all()
+
+
+def admin(cluster: RgpuCluster, *args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
+    run = subprocess.run([sys.executable, "-m", "rgpu.admin", *args], env=cluster.env(), capture_output=True,
+                         text=True, timeout=60)
+    if ok:
+        assert run.returncode == 0, run.stderr
+    return run
+
+
+def test_request_list_release(cluster: RgpuCluster, tmp_path: Path) -> None:
+    with cluster.client() as client:
+        register(client, servers=2, gpus=2)
+    conf_path = tmp_path / "out" / "adaptor.conf"
+    out = admin(cluster, "request-gpus", "-n", "2", "-p", "0.5", "-o", str(conf_path), "--user", "alice").stdout
+    assert "leased 2 slice(s)" in out
+    conf = read_adaptor_conf(conf_path)
+    assert len(conf.slices) == 2 and len({s.gpu_uuid for s in conf.slices}) == 2
+    assert all(s.compute_percent == 50 and s.memory_limit_bytes == 40 * 2**30 for s in conf.slices)
+    assert oct(conf_path.stat().st_mode & 0o777) == "0o600"
+
+    gpus = json.loads(admin(cluster, "--json", "list-gpus").stdout)
+    assert sum(g["allocated_percent"] for g in gpus) == 100 and {g["state"] for g in gpus} == {"up"}
+    assert json.loads(admin(cluster, "list-gpus", "--json").stdout) == gpus
+    table = admin(cluster, "list-gpus").stdout
+    assert "ALLOC %" in table and "NVIDIA H100" in table
+    leases = json.loads(admin(cluster, "leases", "--json").stdout)
+    assert [(lease["job_key"], lease["user"], lease["units"]) for lease in leases] == [(conf.job_id, "alice", 100)]
+
+    assert "released" in admin(cluster, "release-gpus", "-f", str(conf_path)).stdout
+    assert "already released" in admin(cluster, "release-gpus", "-f", str(conf_path)).stdout
+    assert json.loads(admin(cluster, "leases", "--json").stdout) == []
+
+
+def test_ttl_and_memory_requests(cluster: RgpuCluster, tmp_path: Path) -> None:
+    with cluster.client() as client:
+        register(client, servers=1, gpus=1)
+    admin(cluster, "request-gpus", "-n", "1", "-m", "20G", "--ttl", "1s", "-o", str(tmp_path / "a.conf"))
+    assert read_adaptor_conf(tmp_path / "a.conf").slices[0].compute_percent == 25
+    with cluster.client() as client:
+        from tests.daemons import wait_for
+        wait_for(lambda: client.list_leases() == [], timeout=10, what="the TTL lease to be reclaimed")
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["request-gpus", "-n", "1", "-p", "1.5", "-o", "x"], 2, "rgpu: request: invalid fraction 1.5"),
+    (["request-gpus", "-n", "1", "-p", "0.5", "-m", "1G", "-o", "x"], 2, "exactly one of -p FRACTION or -m SIZE"),
+    (["request-gpus", "-n", "9", "-p", "0.5", "-o", "x"], 3, "rgpu: pool: cannot place 9 slice(s)"),
+    (["request-gpus", "-n", "1", "-m", "lots", "-o", "x"], 2, "rgpu: units: invalid memory"),
+    (["drain", "nosuch"], 5, "rgpu: pool: no server 'nosuch'"),
+    (["quota", "set", "user", "bad name", "5"], 2, "invalid user"),
+    (["release-gpus", "-f", "/nonexistent"], 2, "rgpu: adaptor.conf: cannot read /nonexistent"),
+])
+def test_errors_are_one_line(cluster: RgpuCluster, tmp_path: Path, args: list[str], code: int, message: str) -> None:
+    with cluster.client() as client:
+        register(client, servers=1, gpus=2)
+    run = admin(cluster, *args, ok=False)
+    assert run.returncode == code, run.stderr
+    assert run.stderr.count("\n") == 1 and message in run.stderr, run.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_health_drain_and_quota(cluster: RgpuCluster, tmp_path: Path) -> None:
+    run = admin(cluster, "health", ok=False)
+    assert run.returncode != 0 and "no dispatcher has registered" in run.stderr
+    with cluster.client() as client:
+        register(client, servers=2, gpus=1)
+        # Keep only server 0 alive; server 1 goes down after 2 s without heartbeats.
+        from tests.daemons import wait_for
+        wait_for(lambda: client.heartbeat("127.0.0.1:56000") and
+                 any(s.state == "down" for s in client.list_servers().servers), timeout=10, what="server 1 down")
+        client.heartbeat("127.0.0.1:56000")
+        run = admin(cluster, "health", ok=False)
+        assert run.returncode == 6 and "1 server(s) down: 127.0.0.1:56001" in run.stderr
+        rows = {r["server"]: r for r in json.loads(admin(cluster, "health", "--json", ok=False).stdout)}
+        assert rows["127.0.0.1:56001"]["state"] == "down" and rows["127.0.0.1:56000"]["healthy"]
+    assert "drained" in admin(cluster, "drain", "gpu0").stdout
+    assert "up" in admin(cluster, "resume", "127.0.0.1:56000").stdout
+    admin(cluster, "quota", "set", "user", "alice", "150")
+    assert json.loads(admin(cluster, "quota", "show", "--json").stdout) == [
+        {"kind": "user", "name": "alice", "limit_units": 150, "used_units": 0}]
+    assert "removed" in admin(cluster, "quota", "remove", "user", "alice").stdout
+
+
+def test_unreachable_pool(cluster: RgpuCluster) -> None:
+    run = subprocess.run([sys.executable, "-m", "rgpu.admin", "--pool", "127.0.0.1:1", "health"],
+                         env=cluster.env(), capture_output=True, text=True, timeout=60)
+    assert run.returncode == 6 and run.stderr.startswith("rgpu: health: pool daemon at 127.0.0.1:1 is not serving")
+
+
+def test_secret_create(tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "rgpu.admin", "secret", "create", str(tmp_path / "s")],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and oct((tmp_path / "s").stat().st_mode & 0o777) == "0o600"

@@ -1,0 +1,237 @@
+"""slurm_plugin/job_submit.lua run by the standalone lua5.1 interpreter (the Lua Slurm 22.05 links).
+
+Each test writes a small driver that defines the `slurm` table the plugin gets from slurmctld
+(constants plus log functions that record what they are given), loads the real script with
+dofile and calls its Slurm entry points with job_desc / job_rec tables, then prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "slurm_plugin" / "job_submit.lua"
+CASES = json.loads((REPO / "tests" / "data" / "request_cases.json").read_text())
+NO_VAL = 4294967294
+LUA = shutil.which("lua5.1")
+
+pytestmark = pytest.mark.skipif(LUA is None, reason="lua5.1 is not installed (Debian package lua5.1)")
+
+CONF = f"""# test config
+max_per_node = 8
+max_per_job = 10
+gpu_memory_bytes = {CASES['gpu_memory_bytes']}
+"""
+
+DRIVER = r"""
+local messages = {}
+local function record(level)
+  return function(fmt, ...) messages[#messages + 1] = level .. ": " .. string.format(fmt, ...) end
+end
+slurm = { SUCCESS = 0, ERROR = -1, NO_VAL = 4294967294, NO_VAL16 = 65534,
+          log_user = record("user"), log_info = record("info"), log_error = record("error"),
+          log_debug = record("debug") }
+local function json(v)
+  if v == nil then return "null" end
+  if type(v) == "number" or type(v) == "boolean" then return tostring(v) end
+  return '"' .. string.gsub(v, '[%c"\\\128-\255]', function(c) return string.format("\\u%04x", string.byte(c)) end) .. '"'
+end
+dofile(SCRIPT_PATH)
+local rc
+if MODE == "submit" then
+  rc = slurm_job_submit(JOB, {}, 1000)
+else
+  rc = slurm_job_modify(JOB, REC, {}, 1000)
+end
+local parts = {}
+for _, m in ipairs(messages) do parts[#parts + 1] = json(m) end
+print('{"rc": ' .. json(rc) .. ', "licenses": ' .. json(JOB.licenses) .. ', "min_nodes": ' .. json(JOB.min_nodes)
+      .. ', "max_nodes": ' .. json(JOB.max_nodes) .. ', "messages": [' .. table.concat(parts, ", ") .. ']}')
+"""
+
+
+def lua_value(value: Any) -> str:
+    if value is None:
+        return "nil"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        # Every byte outside [A-Za-z0-9 ] as a decimal escape: hostile text stays data.
+        return '"' + "".join(c if c.isalnum() and c.isascii() or c == " " else "".join(f"\\{b:03d}" for b in c.encode())
+                             for c in value) + '"'
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"[{lua_value(k)}] = {lua_value(v)}" for k, v in value.items() if v is not None) + "}"
+    raise TypeError(value)
+
+
+@pytest.fixture
+def plugin_dir(tmp_path: Path) -> Path:
+    shutil.copyfile(SCRIPT, tmp_path / "job_submit.lua")
+    (tmp_path / "job_submit_rgpu.conf").write_text(CONF)
+    return tmp_path
+
+
+def call(plugin_dir: Path, job: dict[str, Any], rec: dict[str, Any] | None = None) -> dict[str, Any]:
+    driver = (f"SCRIPT_PATH = {lua_value(str(plugin_dir / 'job_submit.lua'))}\n"
+              f"MODE = {lua_value('submit' if rec is None else 'modify')}\n"
+              f"JOB = {lua_value(job)}\nREC = {lua_value(rec or {})}\n" + DRIVER)
+    path = plugin_dir / "driver.lua"
+    path.write_text(driver)
+    proc = subprocess.run([LUA, str(path)], capture_output=True, text=True, timeout=10)
+    assert proc.returncode == 0, f"lua5.1 failed ({proc.returncode}): {proc.stderr}"
+    return json.loads(proc.stdout)
+
+
+def job_desc(tres: str | None, comment: str | None, nodes: list[int] | None = None, **extra: Any) -> dict[str, Any]:
+    lo, hi = nodes or (NO_VAL, NO_VAL)
+    return {"tres_per_node": tres, "comment": comment, "min_nodes": lo, "max_nodes": hi, **extra}
+
+
+def user_messages(result: dict[str, Any]) -> list[str]:
+    return [m[len("user: "):] for m in result["messages"] if m.startswith("user: ")]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES["cases"] if "error" not in c],
+                         ids=lambda c: f"{c['tres']}|{c['comment']}|{c['nodes']}")
+def test_accepted_requests_get_the_license(plugin_dir: Path, case: dict[str, Any]) -> None:
+    result = call(plugin_dir, job_desc(case["tres"], case["comment"], case["nodes"]))
+    assert result["rc"] == 0, result
+    if case["units"] is None:
+        assert result["licenses"] is None
+        assert result["min_nodes"] == (case["nodes"] or [NO_VAL])[0]
+    else:
+        assert result["licenses"] == f"rgpu:{case['units']}"
+        assert result["min_nodes"] == result["max_nodes"] == case["job_nodes"]
+    assert user_messages(result) == []
+
+
+@pytest.mark.parametrize("case", [c for c in CASES["cases"] if "error" in c],
+                         ids=lambda c: f"{c['tres']}|{c['comment']!r}|{c['nodes']}")
+def test_bad_requests_are_refused_with_a_message(plugin_dir: Path, case: dict[str, Any]) -> None:
+    result = call(plugin_dir, job_desc(case["tres"], case["comment"], case["nodes"]))
+    assert result["rc"] == 2072, result  # ESLURM_INVALID_GRES
+    (message,) = user_messages(result)
+    assert message.startswith("rgpu: job_submit: ")
+    assert case["error"] in message
+    assert "\n" not in message and "$(" not in message.replace("$(here)", "")
+    assert result["licenses"] is None
+
+
+def test_other_licenses_are_kept(plugin_dir: Path) -> None:
+    result = call(plugin_dir, job_desc("gres:rgpu:2", "fraction=0.5", licenses="matlab:1,fluent*2"))
+    assert result["licenses"] == "matlab:1,fluent*2,rgpu:100"
+
+
+def test_asking_the_rgpu_license_directly_is_refused(plugin_dir: Path) -> None:
+    for tres in ("gres:rgpu:1", None):
+        result = call(plugin_dir, job_desc(tres, None, licenses="rgpu:400"))
+        assert result["rc"] == 2072
+        assert "do not ask for the rgpu license yourself" in user_messages(result)[0]
+
+
+@pytest.mark.parametrize("field", ["tres_per_task", "tres_per_job", "tres_per_socket"])
+def test_rgpu_per_task_or_job_is_refused(plugin_dir: Path, field: str) -> None:
+    result = call(plugin_dir, job_desc(None, None, **{field: "gres:rgpu:1"}))
+    assert result["rc"] == 2072
+    assert "rgpu slices are given per node" in user_messages(result)[0]
+
+
+def test_missing_config_uses_defaults(plugin_dir: Path) -> None:
+    (plugin_dir / "job_submit_rgpu.conf").unlink()
+    assert call(plugin_dir, job_desc("gres:rgpu:16", None))["licenses"] == "rgpu:1600"
+    assert call(plugin_dir, job_desc("gres:rgpu:17", None))["rc"] == 2072
+    # Without gpu_memory_bytes a memory slice counts as a whole GPU.
+    assert call(plugin_dir, job_desc("gres:rgpu:2", "memory=8G"))["licenses"] == "rgpu:200"
+
+
+@pytest.mark.parametrize("text, error", [
+    ("max_per_node = lots\n", "max_per_node = 'lots'"),
+    ("colour = blue\n", "unknown key colour"),
+    ("this is not a line\n", "bad line 1"),
+    ("max_per_node = 0\n", "must be at least 1"),
+])
+def test_broken_config_refuses_rgpu_jobs_only(plugin_dir: Path, text: str, error: str) -> None:
+    (plugin_dir / "job_submit_rgpu.conf").write_text(text)
+    refused = call(plugin_dir, job_desc("gres:rgpu:1", None))
+    assert refused["rc"] == -1
+    assert error in user_messages(refused)[0] and "job_submit_rgpu.conf" in user_messages(refused)[0]
+    assert call(plugin_dir, job_desc(None, "any comment"))["rc"] == 0
+
+
+def test_config_values_are_used(plugin_dir: Path) -> None:
+    (plugin_dir / "job_submit_rgpu.conf").write_text(
+        'gres_name = "vgpu"\nlicense_name = pool\nmax_per_node = 2  # small\n')
+    assert call(plugin_dir, job_desc("gres:vgpu:2", None))["licenses"] == "pool:200"
+    assert call(plugin_dir, job_desc("gres:vgpu:3", None))["rc"] == 2072
+    assert call(plugin_dir, job_desc("gres:rgpu:3", None))["licenses"] is None
+
+
+# ---------------------------------------------------------------- scontrol update
+
+PENDING, RUNNING = 0, 1
+REQUEUED_PENDING = 0 + 0x04000000  # JOB_PENDING with the JOB_REQUEUE flag
+
+
+def job_rec(tres: str, comment: str | None, licenses: str | None, state: int = PENDING, nodes: int = 1) -> dict[str, Any]:
+    return {"tres_per_node": tres, "comment": comment, "licenses": licenses, "min_nodes": nodes,
+            "max_nodes": nodes, "job_state": state, "job_id": 42}
+
+
+def update(**fields: Any) -> dict[str, Any]:
+    base = {"min_nodes": NO_VAL, "max_nodes": NO_VAL}
+    base.update(fields)
+    return base
+
+
+@pytest.mark.parametrize("state", [PENDING, REQUEUED_PENDING])
+def test_update_of_a_pending_job_recomputes_the_license(plugin_dir: Path, state: int) -> None:
+    rec = job_rec("gres:rgpu:2", "fraction=0.5", "rgpu:100", state)
+    assert call(plugin_dir, update(comment="fraction=0.25"), rec)["licenses"] == "rgpu:50"
+    assert call(plugin_dir, update(tres_per_node="gres:rgpu:4"), rec)["licenses"] == "rgpu:200"
+    result = call(plugin_dir, update(min_nodes=2), rec)
+    assert (result["licenses"], result["min_nodes"], result["max_nodes"]) == ("rgpu:200", 2, 2)
+    assert call(plugin_dir, update(licenses="matlab:1"), rec)["licenses"] == "matlab:1,rgpu:100"
+
+
+def test_update_that_does_not_touch_rgpu_changes_nothing(plugin_dir: Path) -> None:
+    rec = job_rec("gres:rgpu:2", "fraction=0.5", "rgpu:100")
+    result = call(plugin_dir, update(), rec)
+    assert result["rc"] == 0 and result["licenses"] is None
+
+
+def test_update_to_rgpu_of_a_plain_pending_job_adds_the_license(plugin_dir: Path) -> None:
+    rec = job_rec("", None, None)
+    assert call(plugin_dir, update(tres_per_node="gres:rgpu:1"), rec)["licenses"] == "rgpu:100"
+
+
+@pytest.mark.parametrize("fields, error", [
+    ({"comment": "fraction=2"}, "invalid fraction '2'"),
+    ({"comment": "fraction=0.5;$(id)"}, "characters rgpu does not accept"),
+    ({"tres_per_node": "gres:rgpu:0"}, "count of slices per node"),
+    ({"tres_per_node": ""}, "removing rgpu from a job is not supported"),
+    ({"min_nodes": 1, "max_nodes": 3}, "variable node count"),
+    ({"licenses": "rgpu:10"}, "do not ask for the rgpu license yourself"),
+])
+def test_bad_updates_of_a_pending_job_are_refused(plugin_dir: Path, fields: dict[str, Any], error: str) -> None:
+    result = call(plugin_dir, update(**fields), job_rec("gres:rgpu:2", "fraction=0.5", "rgpu:100"))
+    assert result["rc"] == 2072
+    assert error in user_messages(result)[0]
+    assert any(error in m for m in result["messages"] if m.startswith("info: "))  # the log has it too
+
+
+def test_running_job_cannot_change_its_rgpu_request(plugin_dir: Path) -> None:
+    rec = job_rec("gres:rgpu:2", "fraction=0.5 run1", "rgpu:100", RUNNING)
+    for fields in ({"comment": "fraction=0.25"}, {"tres_per_node": "gres:rgpu:2"}):
+        result = call(plugin_dir, update(**fields), rec)
+        assert result["rc"] == 2072
+        assert "not pending cannot change" in user_messages(result)[0]
+    # A comment change that keeps the same slices is fine (admins annotate running jobs).
+    assert call(plugin_dir, update(comment="fraction=0.5 run1 checked"), rec)["rc"] == 0

@@ -1,0 +1,129 @@
+"""Placement: property tests (never over-commit, distinct GPUs, policies) and examples."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rgpu.errors import CapacityError, InvalidRequest
+from rgpu.placement import GpuSlot, SliceRequest, percent_of_fraction, place
+
+GiB = 2**30
+
+
+def gpus(servers: int, per_server: int, memory: int = 80 * GiB, name: str = "NVIDIA H100") -> list[GpuSlot]:
+    return [GpuSlot(server=f"10.0.0.{s}:55001", hostname=f"gpu{s}", uuid=f"GPU-{s}-{i}", index=i, name=name,
+                    usable_memory_bytes=memory) for s in range(servers) for i in range(per_server)]
+
+
+def apply(slots: list[GpuSlot], placed) -> list[GpuSlot]:  # type: ignore[no-untyped-def]
+    by_uuid = {p.gpu.uuid: p for p in placed}
+    out = []
+    for g in slots:
+        p = by_uuid.get(g.uuid)
+        if p:
+            g = GpuSlot(**{**g.__dict__, "allocated_percent": g.allocated_percent + p.compute_percent,
+                           "allocated_memory_bytes": g.allocated_memory_bytes + p.memory_limit_bytes})
+        out.append(g)
+    return out
+
+
+requests = st.builds(
+    SliceRequest,
+    count=st.integers(1, 6),
+    fraction=st.one_of(st.none(), st.floats(0.01, 1.0)),
+    memory_bytes=st.none(),
+).map(lambda r: r if r.fraction is not None else SliceRequest(count=r.count, memory_bytes=r.count * 7 * GiB))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(requests, min_size=1, max_size=40), st.sampled_from(["binpack", "spread"]),
+       st.integers(1, 4), st.integers(1, 8))
+def test_never_overcommits_and_uses_distinct_gpus(reqs, policy, servers, per_server):  # type: ignore[no-untyped-def]
+    slots = gpus(servers, per_server, memory=40 * GiB)
+    for req in reqs:
+        try:
+            placed = place(slots, req, policy)
+        except CapacityError:
+            continue
+        assert len(placed) == req.count
+        assert len({p.gpu.uuid for p in placed}) == req.count, "slices must be on distinct GPUs"
+        slots = apply(slots, placed)
+        for g in slots:
+            assert 0 <= g.allocated_percent <= 100
+            assert 0 <= g.allocated_memory_bytes <= g.usable_memory_bytes
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.floats(0.001, 1.0))
+def test_fraction_sizes(fraction):  # type: ignore[no-untyped-def]
+    [placed] = place(gpus(1, 1), SliceRequest(count=1, fraction=fraction))
+    assert placed.memory_limit_bytes == int(fraction * 80 * GiB)
+    assert 1 <= placed.compute_percent <= 100
+    assert placed.compute_percent == max(1, int(100 * fraction + 0.5))
+
+
+def test_half_slices_binpack_fill_one_gpu_before_the_next() -> None:
+    slots = gpus(2, 2)
+    a = place(slots, SliceRequest(count=1, fraction=0.5))
+    slots = apply(slots, a)
+    b = place(slots, SliceRequest(count=1, fraction=0.5))
+    assert a[0].gpu.uuid == b[0].gpu.uuid  # binpack keeps the other GPUs whole
+
+
+def test_spread_uses_empty_gpus_first() -> None:
+    slots = gpus(1, 2)
+    a = place(slots, SliceRequest(count=1, fraction=0.5), "spread")
+    b = place(apply(slots, a), SliceRequest(count=1, fraction=0.5), "spread")
+    assert a[0].gpu.uuid != b[0].gpu.uuid
+
+
+def test_job_prefers_one_server_and_spans_servers_only_when_needed() -> None:
+    slots = gpus(3, 4)
+    placed = place(slots, SliceRequest(count=4, fraction=1.0))
+    assert len({p.gpu.server for p in placed}) == 1
+    placed = place(slots, SliceRequest(count=6, fraction=1.0))
+    assert len({p.gpu.server for p in placed}) == 2
+
+
+def test_never_places_on_ineligible_servers() -> None:
+    slots = [GpuSlot(**{**g.__dict__, "eligible": g.server.startswith("10.0.0.1")}) for g in gpus(2, 2)]
+    placed = place(slots, SliceRequest(count=2, fraction=1.0))
+    assert {p.gpu.server for p in placed} == {"10.0.0.1:55001"}
+    with pytest.raises(CapacityError):
+        place(slots, SliceRequest(count=3, fraction=1.0))
+
+
+def test_capacity_error_says_what_is_free_and_what_was_asked() -> None:
+    with pytest.raises(CapacityError) as err:
+        place(gpus(1, 2), SliceRequest(count=3, fraction=0.5))
+    text = str(err.value)
+    assert text.startswith("rgpu: pool: cannot place 3 slice(s) of fraction 0.5")
+    assert "200 GPU-percent" in text and "asked 3" in text
+
+
+def test_filters() -> None:
+    slots = gpus(1, 2, name="NVIDIA H100") + [
+        GpuSlot(server="10.0.0.9:55001", hostname="big", uuid="GPU-big", index=0, name="NVIDIA H200",
+                usable_memory_bytes=141 * GiB)]
+    assert place(slots, SliceRequest(count=1, fraction=0.5, gpu_model="h200"))[0].gpu.uuid == "GPU-big"
+    assert place(slots, SliceRequest(count=1, fraction=0.5, server="big"))[0].gpu.uuid == "GPU-big"
+    assert place(slots, SliceRequest(count=1, fraction=0.5, min_memory_bytes=100 * GiB))[0].gpu.uuid == "GPU-big"
+    with pytest.raises(CapacityError):
+        place(slots, SliceRequest(count=2, fraction=0.5, gpu_model="h200"))
+
+
+def test_memory_sized_slices() -> None:
+    [placed] = place(gpus(1, 1), SliceRequest(count=1, memory_bytes=20 * GiB))
+    assert placed.memory_limit_bytes == 20 * GiB and placed.compute_percent == 25
+    with pytest.raises(CapacityError):
+        place(gpus(1, 1), SliceRequest(count=1, memory_bytes=81 * GiB))
+
+
+def test_bad_requests() -> None:
+    with pytest.raises(InvalidRequest):
+        place(gpus(1, 1), SliceRequest(count=1))
+    with pytest.raises(InvalidRequest):
+        place(gpus(1, 1), SliceRequest(count=1, fraction=0.5), "random")
+    assert percent_of_fraction(0.125) == 13 and percent_of_fraction(0.001) == 1

@@ -1,0 +1,158 @@
+"""PoolCore against a real SQLite file: idempotency, quotas, TTLs, server states, durability."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rgpu import tokens
+from rgpu.errors import CapacityError, InvalidRequest, NotFound, PermissionDenied
+from rgpu.model import GpuInfo, ServerInfo
+from rgpu.remoting.pool_core import AllocationRequest, PoolCore
+from rgpu.remoting.store import Store
+
+GiB = 2**30
+SECRET = b"s" * 32
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def server(n: int, gpus: int = 2) -> ServerInfo:
+    return ServerInfo(address=f"127.0.0.1:{55001 + n}", hostname=f"gpu{n}", driver_version="580", cuda_version="13.0",
+                      gpus=tuple(GpuInfo(f"GPU-{n}-{i}", i, "NVIDIA H100", 80 * GiB, 80 * GiB, "9.0")
+                                 for i in range(gpus)))
+
+
+def make_core(path: Path, clock: Clock | None = None, servers: int = 2) -> PoolCore:
+    core = PoolCore(store=Store(path), secret=SECRET, down_after_seconds=10, clock=clock or Clock())
+    for n in range(servers):
+        core.register(server(n))
+    return core
+
+
+def req(key: str, count: int = 1, fraction: float = 0.5, user: str = "alice", **kw) -> AllocationRequest:  # type: ignore[no-untyped-def]
+    return AllocationRequest(job_key=key, user=user, count=count, fraction=fraction, **kw)
+
+
+def test_same_key_same_lease_and_release_is_idempotent(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "p.db")
+    a = core.allocate(req("job-1", 2))
+    assert core.allocate(req("job-1", 2)) == a
+    assert core.capacity().allocated_units == 100
+    assert core.release("job-1") is True
+    assert core.release("job-1") is False
+    assert core.release("never-existed") is False
+    assert core.capacity().allocated_units == 0
+
+
+def test_same_key_with_a_different_shape_is_refused(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "p.db")
+    core.allocate(req("job-1", 2))
+    with pytest.raises(InvalidRequest, match="already holds a different lease"):
+        core.allocate(req("job-1", 3))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c", "d", "e"]), st.booleans(), st.integers(1, 3)),
+                max_size=30))
+def test_random_allocate_release_keeps_accounting_exact(tmp_path: Path, ops) -> None:  # type: ignore[no-untyped-def]
+    db = tmp_path / f"p{abs(hash(tuple(ops)))}.db"
+    core = make_core(db)
+    held: dict[str, object] = {}
+    for key, allocate, count in ops:
+        if allocate:
+            try:
+                lease = core.allocate(req(key, count, 0.5))
+            except (CapacityError, InvalidRequest):
+                continue
+            if key in held:
+                assert lease == held[key]
+            held[key] = lease
+        else:
+            core.release(key)
+            held.pop(key, None)
+        for g in core.gpu_statuses():
+            assert g.allocated_percent <= 100 and g.allocated_memory_bytes <= g.gpu.usable_memory_bytes
+    # What a restart sees equals what the live pool saw.
+    again = PoolCore(store=Store(db), secret=SECRET, clock=core.clock)
+    assert {k: v for k, v in again.leases.items()} == {k: v for k, v in core.leases.items()}
+    assert [(g.allocated_percent, g.slices) for g in again.gpu_statuses()] == \
+           [(g.allocated_percent, g.slices) for g in core.gpu_statuses()]
+
+
+def test_quota_refusal_says_used_and_limit(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "p.db")
+    core.set_quota("user", "alice", 150)
+    core.allocate(req("j1", 2, 0.5))
+    with pytest.raises(CapacityError, match=r"used 100 / limit 150 GPU-percent, asked 100"):
+        core.allocate(req("j2", 2, 0.5))
+    core.allocate(req("j3", 1, 0.5))
+    core.set_quota("account", "physics", 0)
+    with pytest.raises(PermissionDenied):
+        core.allocate(req("j4", 1, 0.1, user="bob", account="physics"))
+    core.set_quota("account", "physics", -1)
+    core.allocate(req("j4", 1, 0.1, user="bob", account="physics"))
+    assert dict(((q.kind, q.name), u) for q, u in core.quota_usage()) == {("user", "alice"): 150}
+
+
+def test_ttl_leases_are_reclaimed(tmp_path: Path) -> None:
+    clock = Clock()
+    core = make_core(tmp_path / "p.db", clock)
+    lease = core.allocate(req("tmp", 1, 1.0, ttl_seconds=60))
+    assert lease.expires_unix == clock.now + 60
+    clock.now += 61
+    with pytest.raises(NotFound):
+        core.get_lease("tmp")
+    assert core.reclaim_expired() == ["tmp"]
+    assert core.capacity().allocated_units == 0
+
+
+def test_down_and_drained_servers_get_no_placements(tmp_path: Path) -> None:
+    clock = Clock()
+    core = make_core(tmp_path / "p.db", clock)
+    held = core.allocate(req("held", 1, 1.0))
+    core.set_drained("gpu0", True)
+    assert all(s.server == "127.0.0.1:55002" for s in core.allocate(req("x", 2, 0.5)).slices)
+    clock.now += 11  # no heartbeats: server 1 goes down; server 0 is drained, which an admin chose
+    assert core.check_down_servers() == ["127.0.0.1:55002"]
+    assert core.check_down_servers() == []  # reported once
+    states = {g.server: g.server_state for g in core.gpu_statuses()}
+    assert states == {"127.0.0.1:55001": "drained", "127.0.0.1:55002": "down"}
+    with pytest.raises(CapacityError):
+        core.allocate(req("y", 1, 0.1))
+    core.set_drained("127.0.0.1:55001", False)
+    assert core.lease_on_down_server(held)  # resumed, but it missed heartbeats too
+    assert core.capacity().total_units == 0
+    core.heartbeat("127.0.0.1:55001")
+    core.heartbeat("127.0.0.1:55002")
+    assert core.capacity().total_units == 400 and not core.lease_on_down_server(held)
+    assert core.heartbeat("127.0.0.1:9") is False  # unknown: the dispatcher must re-register
+
+
+def test_tokens_bind_job_gpu_and_server(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "p.db")
+    lease = core.allocate(req("job-7", 2))
+    token = core.token_for(lease, 0)
+    claims = tokens.verify(SECRET, token, server=lease.slices[0].server, gpu_uuids={lease.slices[0].gpu_uuid})
+    assert (claims.job_key, claims.memory_limit_bytes, claims.compute_percent) == ("job-7", 40 * GiB, 50)
+    assert core.token_for(lease, 0) == token  # deterministic: nothing secret needs storing
+
+
+def test_hostile_request_fields_are_refused(tmp_path: Path) -> None:
+    core = make_core(tmp_path / "p.db")
+    for bad in [req("x\n[[slice]]"), req("ok", user="a'; rm -rf /"), req("ok", 0), req("ok", 10**9),
+                req("ok", 1, 0.0), req("ok", 1, -1.0), req("ok", 1, float("nan")), req("ok", 1, 1.5),
+                AllocationRequest(job_key="ok", user="alice", count=1, fraction=0.5, memory_bytes=GiB),
+                AllocationRequest(job_key="ok", user="alice", count=1)]:
+        with pytest.raises(InvalidRequest):
+            core.allocate(bad)
+    assert core.leases == {}
