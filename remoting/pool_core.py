@@ -85,6 +85,9 @@ class PoolCore:
     leases: dict[str, LeaseRecord] = field(default_factory=dict)
     quotas: dict[tuple[str, str], int] = field(default_factory=dict)
     _usage: dict[tuple[str, str], GpuUsage] = field(default_factory=dict)
+    # Placement's view of each server's GPUs, kept current by _index_lease and register, so an
+    # allocation does not rebuild 8 x N slot objects.
+    _slot_cache: dict[str, list[GpuSlot]] = field(default_factory=dict)
     _used_units: dict[tuple[str, str], int] = field(default_factory=dict)
     _listeners: list[Callable[[], None]] = field(default_factory=list)
     _lock: threading.RLock = field(default_factory=threading.RLock)
@@ -131,6 +134,7 @@ class PoolCore:
             previous = self.servers.get(info.address)
             was_up = previous is not None and self.state_of(previous, now) == "up"
             self.store.upsert_server(info, now)
+            self._slot_cache.pop(info.address, None)
             drained = previous.drained if previous else False
             self.servers[info.address] = ServerEntry(info, drained, now)
             held = {s.gpu_uuid for lease in self.leases.values() for s in lease.slices if s.server == info.address}
@@ -196,6 +200,8 @@ class PoolCore:
 
     # -- leases -------------------------------------------------------------------------------
     def _index_lease(self, lease: LeaseRecord, sign: int) -> None:
+        for server in {s.server for s in lease.slices}:
+            self._slot_cache.pop(server, None)
         for s in lease.slices:
             usage = self._usage.setdefault((s.server, s.gpu_uuid), GpuUsage())
             usage.percent += sign * s.compute_percent
@@ -209,16 +215,25 @@ class PoolCore:
         else:
             self.leases.pop(lease.job_key, None)
 
-    def _slots(self, now: float) -> list[GpuSlot]:
-        slots = []
-        for entry in self.servers.values():
-            eligible = self.state_of(entry, now) == "up"
+    def _server_slots(self, address: str) -> list[GpuSlot]:
+        slots = self._slot_cache.get(address)
+        if slots is None:
+            entry = self.servers[address]
+            slots = []
             for gpu in entry.info.gpus:
-                usage = self._usage.get((entry.info.address, gpu.uuid), GpuUsage())
-                slots.append(GpuSlot(server=entry.info.address, hostname=entry.info.hostname, uuid=gpu.uuid,
-                                     index=gpu.index, name=gpu.name, usable_memory_bytes=gpu.usable_memory_bytes,
-                                     allocated_percent=usage.percent, allocated_memory_bytes=usage.memory_bytes,
-                                     eligible=eligible))
+                usage = self._usage.get((address, gpu.uuid), GpuUsage())
+                slots.append(GpuSlot(server=address, hostname=entry.info.hostname, uuid=gpu.uuid, index=gpu.index,
+                                     name=gpu.name, usable_memory_bytes=gpu.usable_memory_bytes,
+                                     allocated_percent=usage.percent, allocated_memory_bytes=usage.memory_bytes))
+            self._slot_cache[address] = slots
+        return slots
+
+    def _slots(self, now: float) -> list[GpuSlot]:
+        """Placement candidates: the GPUs of servers that are up (drained and down ones excluded)."""
+        slots: list[GpuSlot] = []
+        for address, entry in self.servers.items():
+            if self.state_of(entry, now) == "up":
+                slots.extend(self._server_slots(address))
         return slots
 
     def _validate(self, req: AllocationRequest) -> None:

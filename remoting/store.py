@@ -106,7 +106,7 @@ class Store:
         self._write(
             "INSERT INTO leases(job_key, user, account, created, expires, slices_json) VALUES (?, ?, ?, ?, ?, ?)",
             (lease.job_key, lease.user, lease.account, lease.created_unix, lease.expires_unix,
-             json.dumps([asdict(s) for s in lease.slices])))
+             json.dumps([vars(s) for s in lease.slices])))
 
     def delete_lease(self, job_key: str) -> None:
         self._write("DELETE FROM leases WHERE job_key=?", (job_key,))

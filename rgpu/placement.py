@@ -22,7 +22,7 @@ from rgpu.errors import CapacityError, InvalidRequest
 POLICIES = ("binpack", "spread")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class GpuSlot:
     """A GPU as placement sees it: identity, size and what is already allocated on it."""
 
@@ -88,10 +88,6 @@ def _matches_filters(gpu: GpuSlot, request: SliceRequest) -> bool:
     return gpu.usable_memory_bytes >= request.min_memory_bytes
 
 
-def _fits(gpu: GpuSlot, memory: int, percent: int) -> bool:
-    return gpu.allocated_percent + percent <= 100 and gpu.allocated_memory_bytes + memory <= gpu.usable_memory_bytes
-
-
 def _gpu_order(policy: str):  # type: ignore[no-untyped-def]
     if policy == "binpack":
         return lambda g: (-g.allocated_percent, -g.allocated_memory_bytes, g.server, g.index)
@@ -107,41 +103,47 @@ def place(gpus: Iterable[GpuSlot], request: SliceRequest, policy: str = "binpack
     if (request.fraction is None) == (request.memory_bytes is None):
         raise InvalidRequest("placement", "give either a fraction or a memory size per slice", "", "")
 
-    all_gpus = list(gpus)
-    candidates: list[tuple[GpuSlot, int, int]] = []
+    all_gpus = gpus if isinstance(gpus, list) else list(gpus)
+    model = request.gpu_model.lower()
+    fixed_percent = percent_of_fraction(request.fraction) if request.fraction is not None else 0
+    # This loop runs over every GPU of the pool on each allocation: keep it to plain arithmetic.
+    by_server: dict[str, list[tuple[GpuSlot, int, int]]] = defaultdict(list)
+    server_free: dict[str, int] = defaultdict(int)  # free percent over a server's fitting GPUs
+    fitting = 0
     for gpu in all_gpus:
-        if not gpu.eligible or not _matches_filters(gpu, request):
+        if not gpu.eligible:
             continue
-        memory, percent = slice_size(gpu, request)
-        if _fits(gpu, memory, percent):
-            candidates.append((gpu, memory, percent))
+        if (model or request.server or request.min_memory_bytes) and not _matches_filters(gpu, request):
+            continue
+        if request.fraction is not None:
+            memory, percent = math.floor(request.fraction * gpu.usable_memory_bytes), fixed_percent
+        else:
+            if request.memory_bytes > gpu.usable_memory_bytes:  # type: ignore[operator]
+                continue
+            memory, percent = slice_size(gpu, request)
+        if gpu.allocated_percent + percent <= 100 and gpu.allocated_memory_bytes + memory <= gpu.usable_memory_bytes:
+            by_server[gpu.server].append((gpu, memory, percent))
+            server_free[gpu.server] += 100 - gpu.allocated_percent
+            fitting += 1
 
-    if len(candidates) < request.count:
+    if fitting < request.count:
         raise CapacityError("pool", f"cannot place {request.count} slice(s) of {_describe(request)}",
-                            _free_summary(all_gpus, request, len(candidates)),
+                            _free_summary(all_gpus, request, fitting),
                             "wait for capacity, ask for fewer or smaller slices, or relax the filters")
 
     order = _gpu_order(policy)
-    by_server: dict[str, list[tuple[GpuSlot, int, int]]] = defaultdict(list)
-    for cand in candidates:
-        by_server[cand[0].server].append(cand)
-    for cands in by_server.values():
-        cands.sort(key=lambda c: order(c[0]))
-
-    def server_free(server: str) -> int:
-        return sum(c[0].free_percent for c in by_server[server])
-
     # binpack: the fullest server that can hold the job; spread: the emptiest.
     sign = 1 if policy == "binpack" else -1
     single = [s for s, cands in by_server.items() if len(cands) >= request.count]
     if single:
-        best = min(single, key=lambda s: (sign * server_free(s), s))
-        chosen = by_server[best][: request.count]
+        best = min(single, key=lambda s: (sign * server_free[s], s))
+        chosen = sorted(by_server[best], key=lambda c: order(c[0]))[: request.count]
     else:
         # Several servers: those with most candidates first, so the job touches few servers.
         chosen = []
-        for server in sorted(by_server, key=lambda s: (-len(by_server[s]), sign * server_free(s), s)):
-            chosen.extend(by_server[server][: request.count - len(chosen)])
+        for server in sorted(by_server, key=lambda s: (-len(by_server[s]), sign * server_free[s], s)):
+            cands = sorted(by_server[server], key=lambda c: order(c[0]))
+            chosen.extend(cands[: request.count - len(chosen)])
             if len(chosen) == request.count:
                 break
     return [PlacedSlice(gpu, memory, percent) for gpu, memory, percent in chosen]

@@ -14,7 +14,7 @@ import hashlib
 import hmac
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from rgpu.errors import AuthError
 from rgpu.secret import derive_key
@@ -45,7 +45,7 @@ def _unb64(text: str) -> bytes:
 
 
 def sign(secret: bytes, claims: SliceClaims) -> str:
-    body = _b64(json.dumps(asdict(claims), separators=(",", ":"), sort_keys=True).encode())
+    body = _b64(json.dumps(vars(claims), separators=(",", ":"), sort_keys=True).encode())
     mac = hmac.new(derive_key(secret, _PURPOSE), f"{TOKEN_PREFIX}.{body}".encode(), hashlib.sha256)
     return f"{TOKEN_PREFIX}.{body}.{_b64(mac.digest())}"
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -23,8 +25,8 @@ def apply(slots: list[GpuSlot], placed) -> list[GpuSlot]:  # type: ignore[no-unt
     for g in slots:
         p = by_uuid.get(g.uuid)
         if p:
-            g = GpuSlot(**{**g.__dict__, "allocated_percent": g.allocated_percent + p.compute_percent,
-                           "allocated_memory_bytes": g.allocated_memory_bytes + p.memory_limit_bytes})
+            g = replace(g, allocated_percent=g.allocated_percent + p.compute_percent,
+                        allocated_memory_bytes=g.allocated_memory_bytes + p.memory_limit_bytes)
         out.append(g)
     return out
 
@@ -88,7 +90,7 @@ def test_job_prefers_one_server_and_spans_servers_only_when_needed() -> None:
 
 
 def test_never_places_on_ineligible_servers() -> None:
-    slots = [GpuSlot(**{**g.__dict__, "eligible": g.server.startswith("10.0.0.1")}) for g in gpus(2, 2)]
+    slots = [replace(g, eligible=g.server.startswith("10.0.0.1")) for g in gpus(2, 2)]
     placed = place(slots, SliceRequest(count=2, fraction=1.0))
     assert {p.gpu.server for p in placed} == {"10.0.0.1:55001"}
     with pytest.raises(CapacityError):
