@@ -1,0 +1,432 @@
+"""rgpu-dispatcher: serves one GPU node's GPUs to the pool (the role of Bitfusion's `flexdirect server`).
+
+    rgpu-dispatcher [-p PORT] [--host ADDRESS] [--advertise HOST] --pool HOST:PORT
+                    [--config FILE] [--inventory FILE] [--secret-file PATH]
+
+At startup it reads its GPUs (NVML, or a static --inventory file), applies RGPU_VISIBLE_DEVICES and
+RGPU_GPU_DEVICE_MEMORY_LIMIT (see rgpu.remoting.inventory), binds its session port (so a port
+clash is an immediate, clear error), starts the data path on that socket, and registers with the
+pool. Then it heartbeats; when the pool forgets it or was unreachable, it registers again by
+itself. Several dispatchers on one host work with distinct ports and disjoint GPU sets.
+
+Exit status: 0 after SIGTERM/SIGINT; otherwise the RgpuError exit code (2 for configuration:
+port in use, no driver, missing secret, bad environment).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import os
+import random
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import click
+
+from rgpu import __version__, validate
+from rgpu.config import DEFAULT_DISPATCHER_PORT, Settings, load_settings
+from rgpu.errors import ConfigError, InvalidRequest, RgpuError
+from rgpu.model import GpuInfo, ServerInfo
+from rgpu.proto import rgpu_pb2 as pb
+from rgpu.remoting.convert import server_to_pb
+from rgpu.remoting.inventory import (Inventory, InventorySource, NodeSettings, open_inventory, read_node_settings,
+                                     served_gpus)
+from rgpu.remoting.pool_client import PoolClient
+from rgpu.secret import load_secret
+from rgpu.units import format_bytes
+
+COMPONENT = "dispatcher"
+log = logging.getLogger("rgpu-dispatcher")
+
+WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+LISTEN_BACKLOG = 128
+POOL_CALL_TIMEOUT = 5.0
+DEFAULT_HEARTBEAT_INTERVAL = 5.0
+
+
+# --- the session socket --------------------------------------------------------------------------
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening TCP socket; a clash with another dispatcher is a ConfigError saying what to do."""
+    where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                              flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise ConfigError(COMPONENT, f"cannot resolve --host {host!r}", str(exc.strerror),
+                          "give an address of this machine, or 0.0.0.0 for all") from None
+    sock = socket.socket(family, kind, proto)
+    # SO_REUSEADDR lets a restarted dispatcher bind despite TIME_WAIT connections from its previous
+    # run; Linux still refuses the port while another socket listens on it, which is what we want.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(sockaddr)
+        sock.listen(LISTEN_BACKLOG)
+    except OSError as exc:
+        sock.close()
+        raise _bind_error(where, port, exc) from None
+    return sock
+
+
+def _bind_error(where: str, port: int, exc: OSError) -> ConfigError:
+    if exc.errno == errno.EADDRINUSE:
+        return ConfigError(COMPONENT, f"cannot listen on {where}: port {port} is already in use",
+                           "another rgpu-dispatcher or program holds it",
+                           "stop that process, or give this dispatcher its own port with -p PORT")
+    if exc.errno == errno.EACCES:
+        return ConfigError(COMPONENT, f"cannot listen on {where}: permission denied",
+                           "ports below 1024 need root", "use a port of 1024 or more with -p PORT")
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return ConfigError(COMPONENT, f"cannot listen on {where}: no such address on this machine", "",
+                           "give --host an address of this machine, or 0.0.0.0 for all")
+    return ConfigError(COMPONENT, f"cannot listen on {where}", exc.strerror or str(exc), "check --host and -p")
+
+
+def join_host_port(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def default_advertise(bind_host: str) -> str:
+    """The name clients are told to connect to: the bound address, else this machine's FQDN."""
+    if bind_host not in WILDCARD_HOSTS:
+        return bind_host
+    name = socket.getfqdn()
+    # Some hosts map their own name to localhost in /etc/hosts; that is useless to other nodes.
+    if not name or name.startswith("localhost"):
+        name = socket.gethostname()
+    return name
+
+
+# --- the data path ------------------------------------------------------------------------------
+
+class DataPath(Protocol):
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+    def status(self) -> dict[str, Any]: ...
+
+
+class RefusingListener:
+    """Stands in for the data path in builds without remoting/sessions.py.
+
+    It serves no sessions: it closes each connection at once, so a client fails fast with a clear
+    "connection closed" instead of hanging in the listen backlog.
+    """
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="refuse-sessions", daemon=True)
+        self._refused = 0
+
+    def start(self) -> None:
+        self._sock.settimeout(0.5)   # so stop() is noticed without closing the socket under accept()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def status(self) -> dict[str, Any]:
+        return {"compute_enforcement": "", "refused_connections": self._refused}
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, peer = self._sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            conn.close()
+            self._refused += 1
+            if self._refused == 1:
+                log.warning("refused a data-path connection from %s: this build has no data path", peer[0])
+
+
+def load_session_server() -> Callable[..., DataPath] | None:
+    """The data path's SessionServer, or None when this build does not include it yet."""
+    try:
+        from rgpu.remoting.sessions import SessionServer
+    except ModuleNotFoundError as exc:
+        if exc.name == "rgpu.remoting.sessions":
+            return None
+        raise RgpuError(COMPONENT, "the data path cannot be loaded", f"missing module {exc.name}",
+                        "install rgpu with its dependencies (pip install rgpu)") from None
+    except ImportError as exc:
+        raise RgpuError(COMPONENT, "the data path cannot be loaded", str(exc).splitlines()[0],
+                        "reinstall rgpu; this is a broken installation") from None
+    return SessionServer
+
+
+def start_data_path(sock: socket.socket, address: str, gpus: tuple[GpuInfo, ...], secret: bytes,
+                    port_range: tuple[int, int], backend: str) -> DataPath:
+    session_server = load_session_server()
+    if session_server is None:
+        log.warning("the data path is not available in this build (no rgpu.remoting.sessions): "
+                    "GPUs register with the pool, but sessions on %s are refused", address)
+        data_path: DataPath = RefusingListener(sock)
+    else:
+        data_path = session_server(listen_socket=sock, advertised=address, gpus=list(gpus), secret=secret,
+                                   port_range=port_range, backend=backend, log=log)
+    data_path.start()
+    return data_path
+
+
+# --- registration and heartbeats ------------------------------------------------------------------
+
+@dataclass
+class Backoff:
+    """Capped exponential backoff with jitter, so dispatchers do not stampede a restarted pool."""
+
+    initial: float = 0.5
+    cap: float = 10.0
+    _next: float = field(default=0.0, init=False)
+
+    def __post_init__(self) -> None:
+        self._next = self.initial
+
+    def reset(self) -> None:
+        self._next = self.initial
+
+    def next(self) -> float:
+        delay = self._next
+        self._next = min(self.cap, delay * 2)
+        return delay * random.uniform(0.8, 1.0)
+
+
+def sane_interval(value: float) -> float:
+    """The pool's heartbeat interval, guarded against a zero or absurd value from an old pool."""
+    if not math.isfinite(value) or value <= 0:
+        return DEFAULT_HEARTBEAT_INTERVAL
+    return min(max(value, 0.1), 300.0)
+
+
+class Registrar:
+    """Keeps this dispatcher registered: register, heartbeat, and register again after any loss.
+
+    Each state change is logged once; retries in the same state are silent.
+    """
+
+    def __init__(self, server: pb.Server, connect: Callable[[], PoolClient], pool: str) -> None:
+        self._server = server
+        self._connect = connect
+        self._pool = pool
+        self._client: PoolClient | None = None
+        self._registered = False
+        self._ever_registered = False
+        self._interval = DEFAULT_HEARTBEAT_INTERVAL
+        self._problem: str | None = None
+        self._backoff = Backoff()
+
+    def run(self, stop: threading.Event) -> None:
+        delay = 0.0
+        while not stop.wait(delay):
+            try:
+                delay = self.step()
+            except Exception:  # never let a bug end registration; the daemon would look alive but be lost
+                log.exception("registration loop failed; retrying")
+                self._drop_client()
+                delay = self._backoff.next()
+        self._drop_client()
+
+    def step(self) -> float:
+        """One register or heartbeat attempt; returns how long to wait before the next one."""
+        try:
+            if self._client is None:
+                self._client = self._connect()
+            if not self._registered:
+                return self._register(self._client)
+            return self._heartbeat(self._client)
+        except RgpuError as err:
+            return self._failed(err)
+
+    def _register(self, client: PoolClient) -> float:
+        reply = client.register_server(self._server)
+        self._interval = sane_interval(reply.heartbeat_interval_seconds)
+        again = "re-registered" if self._ever_registered else "registered"
+        log.info("%s with pool %s as %s (%d GPU(s)%s); heartbeat every %g s", again, self._pool,
+                 self._server.address, len(self._server.gpus),
+                 ", static inventory" if self._server.static_inventory else "", self._interval)
+        self._registered = self._ever_registered = True
+        self._problem = None
+        self._backoff.reset()
+        return self._interval
+
+    def _heartbeat(self, client: PoolClient) -> float:
+        if client.heartbeat(self._server.address).known:
+            return self._interval
+        log.warning("pool %s does not know %s (it restarted without its state, or was reset); "
+                    "registering again", self._pool, self._server.address)
+        self._registered = False
+        return 0.0
+
+    def _failed(self, err: RgpuError) -> float:
+        # Any failure may mean the pool restarted: register again (it is idempotent) once it
+        # answers, on a fresh channel so gRPC's own reconnect backoff (up to 2 min) cannot delay it.
+        self._registered = False
+        self._drop_client()
+        message = str(err)
+        if message != self._problem:
+            state = "lost the pool" if self._ever_registered else "waiting for the pool"
+            log.warning("%s: %s; retrying with backoff (at most %g s apart)", state, message, self._backoff.cap)
+            self._problem = message
+        return self._backoff.next()
+
+    def _drop_client(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+
+def pool_connector(settings: Settings, secret: bytes) -> Callable[[], PoolClient]:
+    def connect() -> PoolClient:
+        try:
+            return PoolClient(settings.pool, secret, timeout=POOL_CALL_TIMEOUT,
+                              tls_ca_file=settings.tls_ca_file or None,
+                              tls_server_name=settings.tls_server_name or None)
+        except OSError as exc:
+            raise ConfigError(COMPONENT, f"cannot read tls_ca_file {settings.tls_ca_file}",
+                              exc.strerror or str(exc), f"fix tls_ca_file (from {settings.origin('tls_ca_file')})") from None
+    return connect
+
+
+# --- startup ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Options:
+    port: int
+    host: str
+    advertise: str | None
+    pool: str | None
+    config_file: str | None
+    inventory_file: str | None
+    secret_file: str | None
+
+
+def configure_logging(level: str = "info") -> None:
+    logging.basicConfig(format="%(asctime)s rgpu-dispatcher: %(message)s", stream=sys.stderr, force=True)
+    try:
+        logging.getLogger().setLevel(level.upper())
+    except ValueError:
+        raise ConfigError(COMPONENT, f"unknown log_level {level!r}", "",
+                          "use debug, info, warning or error") from None
+
+
+def _checked_pool(settings: Settings) -> str:
+    try:
+        return validate.server_address(settings.pool)
+    except InvalidRequest:
+        raise ConfigError(COMPONENT, f"pool address {settings.pool!r} from {settings.origin('pool')} is not HOST:PORT",
+                          "", "pass --pool HOST:PORT or set RGPU_POOL") from None
+
+
+def _checked_advertise(name: str) -> str:
+    try:
+        return validate.host(name)
+    except InvalidRequest:
+        raise ConfigError(COMPONENT, f"cannot advertise {name!r}", "not a host name or IP address",
+                          "pass --advertise HOST with the name other nodes reach this machine by") from None
+
+
+def _log_startup(source: InventorySource, inventory: Inventory, node: NodeSettings, gpus: tuple[GpuInfo, ...],
+                 listen: str, address: str, pool: str) -> None:
+    log.info("%s listening on %s, advertised as %s; pool %s", __version__, listen, address, pool)
+    if inventory.static:
+        log.warning("using %s: these GPUs are described, not detected (development, demos and tests only)",
+                    source.description)
+    log.info("driver %s, CUDA %s; data ports %d-%d", inventory.driver_version, inventory.cuda_version,
+             *node.port_range)
+    for name in node.ignored:
+        log.warning("%s is ignored: %s is set too and wins", name, "RGPU_" + name[3:])
+    if node.memory_limit:
+        log.info("memory limit %s", node.memory_limit.describe())
+    for gpu in gpus:
+        log.info("GPU %d %s %s: %s usable of %s, compute capability %s", gpu.index, gpu.name, gpu.uuid,
+                 format_bytes(gpu.usable_memory_bytes), format_bytes(gpu.total_memory_bytes), gpu.compute_capability)
+
+
+def run(options: Options, env: dict[str, str] | None = None) -> int:
+    env = dict(os.environ) if env is None else env
+    settings = load_settings(options.config_file, env=env,
+                             flags={"pool": options.pool, "secret_file": options.secret_file})
+    configure_logging(settings.log_level)
+    pool = _checked_pool(settings)
+    secret = load_secret(settings.secret_file)
+    node = read_node_settings(env)
+    source = open_inventory(options.inventory_file)
+    inventory = source.read()
+    gpus = served_gpus(inventory, node)
+    advertise = _checked_advertise(options.advertise or default_advertise(options.host))
+    connect = pool_connector(settings, secret)
+    connect().close()   # a bad TLS file is a startup error, not a retry loop
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("%s received: shutting down", signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+
+    sock = bind_listener(options.host, options.port)
+    port = sock.getsockname()[1]   # differs from options.port when that is 0 (tests)
+    address = join_host_port(advertise, port)
+    try:
+        _log_startup(source, inventory, node, gpus, join_host_port(options.host or "0.0.0.0", port), address, pool)
+        data_path = start_data_path(sock, address, gpus, secret, node.port_range, source.backend)
+        try:
+            enforcement = str(data_path.status().get("compute_enforcement", ""))
+            if enforcement:
+                log.info("compute shares enforced by %s", enforcement)
+            info = ServerInfo(address=address, hostname=inventory.hostname or socket.gethostname(),
+                              driver_version=inventory.driver_version, cuda_version=inventory.cuda_version,
+                              gpus=gpus, static_inventory=inventory.static, version=__version__,
+                              data_ports=f"{node.port_range[0]}-{node.port_range[1]}",
+                              compute_enforcement=enforcement)
+            registrar = Registrar(server_to_pb(info), connect, pool)
+            thread = threading.Thread(target=registrar.run, args=(stop,), name="registrar", daemon=True)
+            thread.start()
+            stop.wait()
+            thread.join(timeout=POOL_CALL_TIMEOUT + 1)
+        finally:
+            data_path.stop()
+    finally:
+        sock.close()
+    log.info("stopped")
+    return 0
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("-p", "--port", type=click.IntRange(0, 65535), default=DEFAULT_DISPATCHER_PORT, show_default=True,
+              help="TCP port for data-path sessions (0 picks a free one).")
+@click.option("--host", default="0.0.0.0", show_default=True, help="Address to bind.")
+@click.option("--advertise", help="Host name the pool hands to clients (default: --host if specific, else this machine's FQDN).")
+@click.option("--pool", help="Pool daemon HOST:PORT (default from config or RGPU_POOL).")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False),
+              help="Config file (default /etc/rgpu/rgpu.toml).")
+@click.option("--inventory", "inventory_file", type=click.Path(dir_okay=False),
+              help="Static GPU inventory (TOML) instead of NVML, for development and demos.")
+@click.option("--secret-file", help="Cluster secret file (mode 0600).")
+@click.version_option(__version__, prog_name="rgpu-dispatcher")
+def main(port: int, host: str, advertise: str | None, pool: str | None, config_file: str | None,
+         inventory_file: str | None, secret_file: str | None) -> None:
+    """Serve this node's GPUs to the rgpu pool."""
+    configure_logging()
+    try:
+        sys.exit(run(Options(port=port, host=host, advertise=advertise, pool=pool, config_file=config_file,
+                             inventory_file=inventory_file, secret_file=secret_file)))
+    except RgpuError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(exc.exit_code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# rgpu demo on one machine, no GPU needed: a pool daemon with its embedded SQLite state, two
+# dispatchers serving the example static inventories (2 GPUs each), then
+# `rgpu-admin request-gpus -n 2 -p 0.5` and the adaptor.conf it wrote. Everything runs on
+# loopback under a temporary directory and is stopped at the end.
+set -euo pipefail
+
+work=$(mktemp -d -t rgpu-demo.XXXXXX)
+here=$(cd "$(dirname "$0")/.." && pwd)
+pids=()
+cleanup() {
+  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+pool_port=$(free_port)
+export RGPU_CONFIG="$work/rgpu.toml" RGPU_SECRET_FILE="$work/secret" RGPU_POOL="127.0.0.1:$pool_port"
+printf 'heartbeat_interval_seconds = 1.0\ndown_after_seconds = 5.0\n' > "$RGPU_CONFIG"
+
+echo "== cluster secret"
+rgpu-admin secret create "$RGPU_SECRET_FILE"
+
+echo "== rgpu-poold on $RGPU_POOL (state $work/pool.db)"
+rgpu-poold --listen "$RGPU_POOL" --state "$work/pool.db" 2> "$work/poold.log" &
+pids+=($!)
+
+echo "== two rgpu-dispatchers with static inventories"
+for name in a b; do
+  port=$(free_port)
+  rgpu-dispatcher -p "$port" --host 127.0.0.1 --advertise 127.0.0.1 --pool "$RGPU_POOL" \
+    --inventory "$here/examples/inventory-$name.toml" 2> "$work/dispatcher-$name.log" &
+  pids+=($!)
+done
+
+for _ in $(seq 100); do
+  n=$(rgpu-admin --json list-gpus 2>/dev/null | python3 -c 'import json,sys; print(len(json.load(sys.stdin)))' 2>/dev/null || echo 0)
+  [ "$n" -ge 4 ] && break
+  sleep 0.2
+done
+rgpu-admin health
+
+echo; echo "== rgpu-admin request-gpus -n 2 -p 0.5 -o $work/adaptor.conf"
+rgpu-admin request-gpus -n 2 -p 0.5 -o "$work/adaptor.conf"
+echo; echo "== $work/adaptor.conf"
+cat "$work/adaptor.conf"
+echo; echo "== rgpu-admin list-gpus"
+rgpu-admin list-gpus
+echo; echo "== rgpu-admin leases"
+rgpu-admin leases
+echo; echo "== rgpu-admin release-gpus"
+rgpu-admin release-gpus -f "$work/adaptor.conf"
