@@ -131,6 +131,14 @@ class PoolCore:
                                  "check the dispatcher's inventory")
         with self._lock:
             now = self.clock()
+            uuids = {g.uuid for g in info.gpus}
+            for other in self.servers.values():
+                clash = uuids & {g.uuid for g in other.info.gpus}
+                if other.info.address != info.address and clash and self.state_of(other, now) != "down":
+                    raise InvalidRequest(
+                        "pool", f"server {info.address} reports GPU {sorted(clash)[0]}",
+                        f"{other.info.address} already serves it",
+                        "give the dispatchers disjoint GPU sets (RGPU_VISIBLE_DEVICES)")
             previous = self.servers.get(info.address)
             was_up = previous is not None and self.state_of(previous, now) == "up"
             self.store.upsert_server(info, now)

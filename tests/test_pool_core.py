@@ -156,3 +156,14 @@ def test_hostile_request_fields_are_refused(tmp_path: Path) -> None:
         with pytest.raises(InvalidRequest):
             core.allocate(bad)
     assert core.leases == {}
+
+
+def test_a_gpu_served_by_two_live_dispatchers_is_refused(tmp_path: Path) -> None:
+    clock = Clock()
+    core = make_core(tmp_path / "p.db", clock, servers=1)
+    twin = ServerInfo(address="127.0.0.1:60000", hostname="gpu0", driver_version="580", cuda_version="13.0",
+                      gpus=server(0).gpus)
+    with pytest.raises(InvalidRequest, match="127.0.0.1:55001 already serves it"):
+        core.register(twin)
+    clock.now += 11  # the first dispatcher is down: its GPUs may move
+    core.register(twin)
