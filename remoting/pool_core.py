@@ -89,6 +89,7 @@ class PoolCore:
     # allocation does not rebuild 8 x N slot objects.
     _slot_cache: dict[str, list[GpuSlot]] = field(default_factory=dict)
     _used_units: dict[tuple[str, str], int] = field(default_factory=dict)
+    _tokens: dict[tuple[str, int], str] = field(default_factory=dict)  # signed once per slice
     _listeners: list[Callable[[], None]] = field(default_factory=list)
     _lock: threading.RLock = field(default_factory=threading.RLock)
 
@@ -222,6 +223,8 @@ class PoolCore:
             self.leases[lease.job_key] = lease
         else:
             self.leases.pop(lease.job_key, None)
+            for number in range(len(lease.slices)):
+                self._tokens.pop((lease.job_key, number), None)
 
     def _server_slots(self, address: str) -> list[GpuSlot]:
         slots = self._slot_cache.get(address)
@@ -355,12 +358,18 @@ class PoolCore:
         return [lease.job_key for lease in expired]
 
     def token_for(self, lease: LeaseRecord, number: int) -> str:
+        cached = self._tokens.get((lease.job_key, number))
+        if cached is not None and self.leases.get(lease.job_key) is lease:
+            return cached
         s = lease.slices[number]
         # Deterministic: the same lease always yields the same token, so nothing secret is stored.
-        return tokens.sign(self.secret, tokens.SliceClaims(
+        token = tokens.sign(self.secret, tokens.SliceClaims(
             job_key=lease.job_key, slice_number=number, server=s.server, gpu_uuid=s.gpu_uuid,
             gpu_index=s.gpu_index, memory_limit_bytes=s.memory_limit_bytes, compute_percent=s.compute_percent,
             expires_unix=lease.expires_unix, issued_unix=lease.created_unix))
+        if self.leases.get(lease.job_key) is lease:
+            self._tokens[(lease.job_key, number)] = token
+        return token
 
     # -- views --------------------------------------------------------------------------------
     def gpu_statuses(self) -> list[GpuStatusRecord]:

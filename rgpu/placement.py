@@ -105,25 +105,28 @@ def place(gpus: Iterable[GpuSlot], request: SliceRequest, policy: str = "binpack
 
     all_gpus = gpus if isinstance(gpus, list) else list(gpus)
     model = request.gpu_model.lower()
-    fixed_percent = percent_of_fraction(request.fraction) if request.fraction is not None else 0
-    # This loop runs over every GPU of the pool on each allocation: keep it to plain arithmetic.
+    fraction = request.fraction
+    fixed_percent = percent_of_fraction(fraction) if fraction is not None else 0
+    filtered = bool(model or request.server or request.min_memory_bytes)
+    # This loop runs over every GPU of the pool on each allocation: keep it to plain arithmetic
+    # on locals.
     by_server: dict[str, list[tuple[GpuSlot, int, int]]] = defaultdict(list)
     server_free: dict[str, int] = defaultdict(int)  # free percent over a server's fitting GPUs
     fitting = 0
     for gpu in all_gpus:
-        if not gpu.eligible:
+        if not gpu.eligible or (filtered and not _matches_filters(gpu, request)):
             continue
-        if (model or request.server or request.min_memory_bytes) and not _matches_filters(gpu, request):
+        usable = gpu.usable_memory_bytes
+        if fraction is not None:
+            memory, percent = math.floor(fraction * usable), fixed_percent
+        elif request.memory_bytes > usable:  # type: ignore[operator]
             continue
-        if request.fraction is not None:
-            memory, percent = math.floor(request.fraction * gpu.usable_memory_bytes), fixed_percent
         else:
-            if request.memory_bytes > gpu.usable_memory_bytes:  # type: ignore[operator]
-                continue
             memory, percent = slice_size(gpu, request)
-        if gpu.allocated_percent + percent <= 100 and gpu.allocated_memory_bytes + memory <= gpu.usable_memory_bytes:
+        allocated = gpu.allocated_percent
+        if allocated + percent <= 100 and gpu.allocated_memory_bytes + memory <= usable:
             by_server[gpu.server].append((gpu, memory, percent))
-            server_free[gpu.server] += 100 - gpu.allocated_percent
+            server_free[gpu.server] += 100 - allocated
             fitting += 1
 
     if fitting < request.count:

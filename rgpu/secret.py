@@ -7,6 +7,7 @@ signature) can never be replayed as another (a lease token).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
@@ -71,5 +72,7 @@ def create_secret(path: str | os.PathLike[str], force: bool = False) -> Path:
     return p
 
 
+@functools.lru_cache(maxsize=64)
 def derive_key(secret: bytes, purpose: str) -> bytes:
+    # Cached: it is called for every request credential and every token signature.
     return hmac.new(secret, b"rgpu-v1:" + purpose.encode(), hashlib.sha256).digest()
