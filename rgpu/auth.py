@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import hmac
+import logging
 import secrets
 import threading
 import time
@@ -20,6 +21,8 @@ from typing import Any, Callable
 import grpc
 
 from rgpu.secret import derive_key
+
+log = logging.getLogger("rgpu-poold")
 
 AUTH_HEADER = "x-rgpu-auth"
 AUTH_WINDOW_SECONDS = 300.0
@@ -71,6 +74,8 @@ class ServerAuth(grpc.ServerInterceptor):
         self._window = window
         self._seen: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
+        self._last_logged: dict[str, float] = {}
+        self._refused_since_log: dict[str, int] = {}
 
     def check(self, method: str, credential: str | None, now: float | None = None) -> str | None:
         """None when the credential is good, else the reason it is not."""
@@ -97,6 +102,18 @@ class ServerAuth(grpc.ServerInterceptor):
             self._seen[nonce] = current
         return None
 
+    def _log_refusal(self, method: str, reason: str) -> None:
+        # One line per reason per minute: a misconfigured host retrying must not flood the log.
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last_logged.get(reason, -1e9) < 60:
+                self._refused_since_log[reason] = self._refused_since_log.get(reason, 0) + 1
+                return
+            self._last_logged[reason] = now
+            repeated = self._refused_since_log.pop(reason, 0)
+        more = f" ({repeated} more like it in the last minute)" if repeated else ""
+        log.warning("rgpu-poold: refused %s: %s%s", method, reason, more)
+
     def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
         method = handler_call_details.method
         if method.startswith(self.OPEN_PREFIXES):
@@ -107,6 +124,7 @@ class ServerAuth(grpc.ServerInterceptor):
             return continuation(handler_call_details)
         message = (f"rgpu: pool: call refused ({reason}; give this host the cluster secret via "
                    "secret_file in rgpu.toml or RGPU_SECRET_FILE)")
+        self._log_refusal(method, reason)
 
         def deny(request: Any, context: grpc.ServicerContext) -> Any:
             context.abort(grpc.StatusCode.UNAUTHENTICATED, message)

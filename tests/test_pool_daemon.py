@@ -104,6 +104,8 @@ def test_calls_without_the_secret_are_refused_but_health_is_open(cluster: RgpuCl
     reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="rgpu.v1.Pool"), timeout=5)
     assert reply.status == health_pb2.HealthCheckResponse.SERVING
     channel.close()
+    wait_for(lambda: "refused /rgpu.v1.Pool/ListGpus: wrong cluster secret" in cluster.pool.log(),
+             what="the refusal in the pool's log")
 
 
 def test_missing_secret_and_busy_port_are_one_line_errors(cluster: RgpuCluster, tmp_path: Path) -> None:
