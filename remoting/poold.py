@@ -31,6 +31,7 @@ from rgpu.remoting.convert import gpu_to_pb, server_from_pb, server_to_pb
 from rgpu.remoting.pool_core import AllocationRequest, PoolCore
 from rgpu.remoting.store import Store
 from rgpu.secret import load_secret
+from rgpu.slurm_plugin.poolhooks import start_slurm_integration
 
 log = logging.getLogger("rgpu-poold")
 
@@ -201,11 +202,16 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = 16) -> It
                                    args=(core, min(settings.reclaim_interval_seconds, settings.down_after_seconds / 3), stop))
     server.start()
     maintenance.start()
+    slurm = start_slurm_integration(core, interval_seconds=settings.slurm_reconcile_interval_seconds,
+                                    grace_seconds=settings.slurm_reconcile_grace_seconds,
+                                    cluster=settings.slurm_cluster, backend=settings.slurm_backend,
+                                    license_sync=settings.slurm_license_sync, log=log)
     for service in ("", "rgpu.v1.Pool"):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     try:
         yield port, core
     finally:
+        slurm.stop()
         health_servicer.enter_graceful_shutdown()
         stop.set()
         server.stop(grace=2).wait()

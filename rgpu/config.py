@@ -41,6 +41,12 @@ class Settings:
     tls_ca_file: str = ""                       # clients: trust this CA for the pool's cert
     tls_server_name: str = ""                   # clients: expected name in the pool's cert
     log_level: str = "info"
+    # Slurm integration in rgpu-poold (reconciler, license sync); 0 turns it off.
+    slurm_reconcile_interval_seconds: float = 0.0
+    slurm_reconcile_grace_seconds: float = 60.0  # a lease without a live job is released after this
+    slurm_cluster: str = ""                      # Slurm ClusterName; "" asks `scontrol show config`
+    slurm_backend: str = "auto"                  # auto | squeue | pyslurm
+    slurm_license_sync: bool = False             # keep the rgpu license reservation in step with capacity
     origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def origin(self, key: str) -> str:
@@ -123,6 +129,12 @@ def load_settings(config_file: str | os.PathLike[str] | None = None,
     if settings.placement not in ("binpack", "spread"):
         raise ConfigError("config", f"placement {settings.placement!r} from {settings.origin('placement')} is unknown",
                           "", "use binpack or spread")
+    if settings.slurm_backend not in ("auto", "squeue", "pyslurm"):
+        raise ConfigError("config", f"slurm_backend {settings.slurm_backend!r} from {settings.origin('slurm_backend')} "
+                          "is unknown", "", "use auto, squeue or pyslurm")
+    if settings.slurm_reconcile_grace_seconds < 0 or settings.slurm_reconcile_interval_seconds < 0:
+        raise ConfigError("config", "slurm_reconcile_* settings must not be negative", "",
+                          "set 0 or a positive number of seconds")
     if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
         raise ConfigError("config", "tls_cert_file and tls_key_file must be set together", "",
                           "set both to serve TLS, or neither")

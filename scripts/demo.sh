@@ -1,9 +1,21 @@
 #!/usr/bin/env bash
-# rgpu demo on one machine, no GPU needed: a pool daemon with its embedded SQLite state, two
-# dispatchers serving the example static inventories (2 GPUs each), then
-# `rgpu-admin request-gpus -n 2 -p 0.5` and the adaptor.conf it wrote. Everything runs on
-# loopback under a temporary directory and is stopped at the end.
+# rgpu demo on one machine, no GPU needed. Everything runs on loopback under a temporary
+# directory and is stopped at the end.
+#
+# As root: a real Slurm cluster (munge, slurmctld, three slurmd; Slurm is installed with apt when
+# missing) with rgpu's job_submit plugin, prologs and epilogs, a pool daemon and two dispatchers
+# with the example static inventories; it submits the mission's
+#   sbatch --gres=rgpu:2 --comment=fraction=0.5 job.sh
+# and shows the job's adaptor.conf and `rgpu-admin list-gpus` while it runs.
+#
+# Otherwise, or with --no-slurm: the pool daemon and two dispatchers alone, then
+# `rgpu-admin request-gpus -n 2 -p 0.5` and the adaptor.conf it wrote.
 set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ "${1:-}" != "--no-slurm" ] && [ "$(id -u)" = 0 ]; then
+  exec python3 -m rgpu.slurm_plugin.demo
+fi
 
 work=$(mktemp -d -t rgpu-demo.XXXXXX)
 here=$(cd "$(dirname "$0")/.." && pwd)

@@ -235,3 +235,16 @@ def test_running_job_cannot_change_its_rgpu_request(plugin_dir: Path) -> None:
         assert "not pending cannot change" in user_messages(result)[0]
     # A comment change that keeps the same slices is fine (admins annotate running jobs).
     assert call(plugin_dir, update(comment="fraction=0.5 run1 checked"), rec)["rc"] == 0
+
+
+def test_config_rendered_by_slurm_config_is_accepted(plugin_dir: Path) -> None:
+    from types import SimpleNamespace
+
+    from rgpu.slurm_plugin.licenses import config_values, render_slurm_config
+
+    gpus = [SimpleNamespace(server=f"s{i // 2}:1", gpu=SimpleNamespace(usable_memory_bytes=80 << 30)) for i in range(4)]
+    text = render_slurm_config(config_values(gpus, 400, 16, "/usr/libexec/rgpu"), ("job_submit_rgpu.conf",))
+    (plugin_dir / "job_submit_rgpu.conf").write_text(text)
+    assert call(plugin_dir, job_desc("gres:rgpu:4", "memory=40G"))["licenses"] == "rgpu:200"
+    refused = call(plugin_dir, job_desc("gres:rgpu:5", None))
+    assert refused["rc"] == 2072 and "from 1 to 4" in user_messages(refused)[0]

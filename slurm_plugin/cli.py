@@ -1,0 +1,63 @@
+"""`rgpu-admin slurm-config`: the Slurm lines for this pool, rendered with its live numbers.
+
+rgpu-admin adds the commands in ADMIN_COMMANDS to its group when this module imports.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import click
+from rgpu.slurm_plugin.licenses import SECTIONS, config_values, render_slurm_config
+
+from rgpu.errors import InvalidRequest, RgpuError
+
+_PATH_RE = re.compile(r"^/[A-Za-z0-9_./+@-]*$")
+
+
+def default_prolog_dir() -> str:
+    # Where pip installed the prolog scripts' interpreter; the scripts are in the source tree's
+    # prolog/ folder and are copied there by the admin (see prolog/README.md).
+    return str(Path(sys.prefix) / "libexec" / "rgpu")
+
+
+def _client(ctx: click.Context):  # type: ignore[no-untyped-def]
+    obj = ctx.obj
+    if obj is not None and hasattr(obj, "client") and hasattr(obj, "settings"):
+        return obj.client(), obj.settings          # inside rgpu-admin: its --pool/--config apply
+    from rgpu.remoting.pool_client import PoolClient
+
+    from rgpu.config import load_settings
+    from rgpu.secret import load_secret
+
+    settings = load_settings()
+    return PoolClient(settings.pool, load_secret(settings.secret_file)), settings
+
+
+@click.command("slurm-config")
+@click.option("--prolog-dir", default=None, metavar="DIR",
+              help="Where the rgpu-prolog* scripts are installed on the Slurm hosts.")
+@click.option("--section", "sections", multiple=True, type=click.Choice(list(SECTIONS)),
+              help="Print only this file's lines (repeatable; default: all).")
+@click.pass_context
+def slurm_config(ctx: click.Context, prolog_dir: str | None, sections: tuple[str, ...]) -> None:
+    """Print slurm.conf, gres.conf and job_submit_rgpu.conf lines for the pool as it is now."""
+    try:
+        prolog_dir = prolog_dir or default_prolog_dir()
+        if not _PATH_RE.match(prolog_dir):
+            raise InvalidRequest("slurm-config", f"--prolog-dir {prolog_dir!r} is not a plain absolute path",
+                                 "it is written into slurm.conf", "use letters, digits and / . _ - + @ only")
+        client, settings = _client(ctx)
+        with client:
+            values = config_values(client.list_gpus(), int(client.capacity().total_units),
+                                   settings.max_slices_per_job, prolog_dir)
+        click.echo(render_slurm_config(values, sections or tuple(SECTIONS)), nl=False)
+    except RgpuError as exc:
+        click.echo(str(exc), err=True)
+        ctx.exit(exc.exit_code)
+
+
+# rgpu-admin picks these up (rgpu/admin.py: _register_optional_commands).
+ADMIN_COMMANDS = (slurm_config,)

@@ -1,0 +1,463 @@
+--[[
+rgpu job_submit plugin for Slurm (JobSubmitPlugins=lua). Lua 5.1, as Slurm 22.05 links it.
+
+Install: copy this file as job_submit.lua into the directory of slurm.conf (Debian:
+/etc/slurm/job_submit.lua; the plugin looks beside $SLURM_CONF), and put job_submit_rgpu.conf
+beside it (`rgpu-admin slurm-config` prints one with the pool's live numbers).
+
+What it does for a job that asks for --gres=rgpu:N:
+  * reads N from tres_per_node, in both shapes: "gres:rgpu:N" (Slurm <= 23.02) and
+    "gres/rgpu:N" (>= 23.11); "gres:rgpu" alone means N = 1;
+  * reads fraction=F (default 1.0) or memory=SIZE (per slice) from --comment;
+  * refuses bad requests with a message the user sees (slurm.log_user);
+  * pins the node count (-N 2 stays 2; no -N means 1 node) and adds the cluster license
+    rgpu:<units>, units = nodes x N x units_per_slice, so slurmctld keeps the job PENDING
+    (reason Licenses) while the pool cannot serve it.
+    units_per_slice = round(100 F) for fraction=F; for memory=SIZE it is
+    ceil(100 x SIZE / gpu_memory_bytes) with gpu_memory_bytes from the config file (the usable
+    memory of the smallest GPU in the pool), or 100 (a whole GPU) when that is not configured.
+
+Configuration: job_submit_rgpu.conf beside this script, read on every call (so a change needs
+no reconfigure), lines `key = value`, `#` comments. Keys and defaults are in DEFAULTS below. A
+broken config file refuses rgpu jobs (with a message naming the file); other jobs are never
+touched.
+
+Everything above the "Slurm entry points" line is pure and is unit-tested with the standalone
+lua5.1 interpreter (tests/test_job_submit_lua.py).
+--]]
+
+local rgpu = {}
+
+rgpu.DEFAULTS = {
+	gres_name = "rgpu",          -- the count-only GRES users ask for
+	license_name = "rgpu",       -- the cluster license holding the pool's capacity in GPU percent
+	max_per_node = 16,           -- most slices per node (N in --gres=rgpu:N)
+	max_per_job = 64,            -- most slices per job (nodes x N)
+	gpu_memory_bytes = 0,        -- usable memory of the smallest GPU; 0: memory=SIZE counts 100
+}
+rgpu.UNITS_PER_GPU = 100
+rgpu.CONF_NAME = "job_submit_rgpu.conf"
+-- Slurm's "not set" values for node counts.
+rgpu.NO_VAL = 4294967294
+rgpu.INFINITE = 4294967295
+-- ESLURM_INVALID_GRES: sbatch prints "Invalid generic resource (gres) specification".
+rgpu.ESLURM_INVALID_GRES = 2072
+
+local SIZE_MULT = { [""] = 1, K = 1024, M = 1024 ^ 2, G = 1024 ^ 3, T = 1024 ^ 4 }
+
+local function fail(what, why, fix)
+	return nil, string.format("rgpu: job_submit: %s (%s; %s)", what, why, fix)
+end
+rgpu.fail = fail
+
+local function trim(s)
+	return (string.gsub(s, "^%s*(.-)%s*$", "%1"))
+end
+
+local function is_set(n)
+	return n ~= nil and n ~= 0 and n < rgpu.NO_VAL
+end
+rgpu.is_set = is_set
+
+-- Shown values are quoted and cut, and control characters are escaped, so a hostile value
+-- cannot forge lines in a log or a terminal.
+local function shown(value)
+	local s = tostring(value)
+	if #s > 40 then
+		s = string.sub(s, 1, 37) .. "..."
+	end
+	s = string.gsub(s, "[%c\128-\255]", function(c) return string.format("\\%03d", string.byte(c)) end)
+	return "'" .. s .. "'"
+end
+rgpu.shown = shown
+
+-- ---------------------------------------------------------------- configuration
+
+-- Parse the text of job_submit_rgpu.conf; returns conf or nil, error.
+function rgpu.parse_conf(text, source)
+	local conf = {}
+	for k, v in pairs(rgpu.DEFAULTS) do
+		conf[k] = v
+	end
+	local lineno = 0
+	for line in string.gmatch((text or "") .. "\n", "([^\n]*)\n") do
+		lineno = lineno + 1
+		line = trim(string.gsub(line, "#.*$", ""))
+		if line ~= "" then
+			local key, value = string.match(line, "^([%w_]+)%s*=%s*(.-)$")
+			value = value and string.gsub(value, '^"(.*)"$', "%1")
+			if not key then
+				return fail(string.format("bad line %d in %s", lineno, source), "expected key = value",
+					"fix the file or regenerate it with rgpu-admin slurm-config")
+			end
+			local default = rgpu.DEFAULTS[key]
+			if default == nil then
+				return fail(string.format("unknown key %s in %s", key, source), "line " .. lineno,
+					"remove it or regenerate the file with rgpu-admin slurm-config")
+			end
+			if type(default) == "number" then
+				if not string.match(value, "^%d+$") then
+					return fail(string.format("%s = %s in %s is not a whole number", key, shown(value), source),
+						"line " .. lineno, "fix the value")
+				end
+				conf[key] = tonumber(value)
+			else
+				if not string.match(value, "^[%w_.-]+$") then
+					return fail(string.format("%s = %s in %s is not a name", key, shown(value), source),
+						"line " .. lineno, "fix the value")
+				end
+				conf[key] = value
+			end
+		end
+	end
+	if conf.max_per_node < 1 or conf.max_per_job < 1 then
+		return fail("max_per_node and max_per_job must be at least 1 in " .. source, "a job needs one slice",
+			"fix the values")
+	end
+	return conf
+end
+
+function rgpu.script_dir()
+	local source = debug.getinfo(1, "S").source or ""
+	local dir = string.match(source, "^@(.*/)[^/]*$")
+	return dir or "./"
+end
+
+-- Read the config file; a missing file means defaults.
+function rgpu.load_conf(path)
+	local f = io.open(path, "r")
+	if not f then
+		return rgpu.parse_conf("", path)
+	end
+	local text = f:read("*a")
+	f:close()
+	return rgpu.parse_conf(text, path)
+end
+
+-- ---------------------------------------------------------------- parsing
+
+-- Slices per node from tres_per_node, or nil when rgpu is not asked for. Returns count, err.
+function rgpu.parse_tres_per_node(tres, gres_name)
+	local found = nil
+	for entry in string.gmatch(tres or "", "[^,]+") do
+		entry = trim(entry)
+		local rest = string.match(entry, "^gres[:/](.*)$")
+		if rest then
+			local name, tail = string.match(rest, "^([^:]+)(.*)$")
+			if name == gres_name then
+				if found then
+					return fail("--gres names " .. gres_name .. " twice", "tres_per_node is " .. shown(tres),
+						"give --gres=" .. gres_name .. ":N once")
+				end
+				if tail == "" then
+					found = 1
+				else
+					local digits = string.match(tail, "^:(%d+)$")
+					if not digits then
+						return fail("invalid --gres=" .. shown(rest),
+							gres_name .. " has no types and its count is a whole number",
+							"write --gres=" .. gres_name .. ":N")
+					end
+					found = tonumber(digits)
+				end
+			end
+		end
+	end
+	return found
+end
+
+local function parse_number(text)
+	if string.match(text, "^%d+$") or string.match(text, "^%d+%.%d*$") or string.match(text, "^%.%d+$") then
+		return tonumber(text)
+	end
+	return nil
+end
+
+function rgpu.parse_fraction(text)
+	local value = parse_number(text)
+	if value == nil then
+		return fail("invalid fraction " .. shown(text), "not a number", "write e.g. --comment=fraction=0.5")
+	end
+	if not (value > 0 and value <= 1) then
+		return fail("invalid fraction " .. shown(text), "it must be more than 0 and at most 1",
+			"write e.g. --comment=fraction=0.5")
+	end
+	if math.floor(rgpu.UNITS_PER_GPU * value + 0.5) < 1 then
+		return fail("invalid fraction " .. shown(text), "the smallest slice is 0.01 of a GPU",
+			"ask for fraction=0.01 or more")
+	end
+	return value
+end
+
+function rgpu.parse_memory(text)
+	local number, suffix, tail = string.match(text, "^([%d.]+)([KkMmGgTt]?)(.*)$")
+	local value = number and parse_number(number)
+	if value == nil or not (tail == "" or string.match(tail, "^[iI]?[bB]$")) then
+		return fail("invalid memory " .. shown(text), "not a size", "write e.g. --comment=memory=8G")
+	end
+	local bytes = math.floor(value * SIZE_MULT[string.upper(suffix)])
+	if bytes <= 0 then
+		return fail("invalid memory " .. shown(text), "it must be more than 0", "write e.g. --comment=memory=8G")
+	end
+	return bytes
+end
+
+-- {fraction=F} or {memory_bytes=B} from the comment; returns req, err.
+function rgpu.parse_comment(comment)
+	comment = comment or ""
+	-- Refuse rather than neutralise: the comment reaches prolog environments and logs, and a
+	-- user who typed a quote or a newline made a mistake we should show, not hide.
+	if string.find(comment, "[^%w .,_=:/+@-]") then
+		return fail("the job comment holds characters rgpu does not accept",
+			"only letters, digits, space and . , _ = : / + @ - are allowed in the comment of an rgpu job",
+			"write e.g. --comment=fraction=0.5")
+	end
+	local fraction, memory, err
+	for word in string.gmatch(comment, "[^ ,]+") do
+		local key, value = string.match(word, "^([^=]*)=(.*)$")
+		key = key and string.lower(key)
+		if key == "fraction" then
+			if fraction then
+				return fail("fraction is given twice", "comment is " .. shown(comment), "give fraction=F once")
+			end
+			fraction, err = rgpu.parse_fraction(value)
+			if not fraction then
+				return nil, err
+			end
+		elseif key == "memory" then
+			if memory then
+				return fail("memory is given twice", "comment is " .. shown(comment), "give memory=SIZE once")
+			end
+			memory, err = rgpu.parse_memory(value)
+			if not memory then
+				return nil, err
+			end
+		end
+	end
+	if fraction and memory then
+		return fail("both fraction and memory are given", "a slice is sized by one of them",
+			"give either fraction=F or memory=SIZE")
+	end
+	if memory then
+		return { memory_bytes = memory }
+	end
+	return { fraction = fraction or 1.0 }
+end
+
+function rgpu.units_per_slice(req, conf)
+	if req.memory_bytes then
+		if conf.gpu_memory_bytes <= 0 then
+			return rgpu.UNITS_PER_GPU
+		end
+		return math.ceil(rgpu.UNITS_PER_GPU * req.memory_bytes / conf.gpu_memory_bytes)
+	end
+	return math.floor(rgpu.UNITS_PER_GPU * req.fraction + 0.5)
+end
+
+-- Licenses without the rgpu entry; err when the user asked for the rgpu license himself.
+function rgpu.other_licenses(licenses, license_name, user_given)
+	local kept = {}
+	for entry in string.gmatch(licenses or "", "[^,]+") do
+		local name = string.match(trim(entry), "^([^:*]+)")
+		if name == license_name then
+			if user_given then
+				return fail("do not ask for the " .. license_name .. " license yourself",
+					"rgpu sets it from --gres=" .. license_name .. ":N and the comment",
+					"remove " .. license_name .. " from -L/--licenses")
+			end
+		elseif trim(entry) ~= "" then
+			kept[#kept + 1] = trim(entry)
+		end
+	end
+	return kept
+end
+
+-- The whole decision for one request. `job` holds tres_per_node, comment, min_nodes,
+-- max_nodes, licenses (the user's), licenses_user_given. Returns
+-- {rgpu=false} for a job without rgpu, {rgpu=true, nodes, count, units, licenses} or nil, err.
+function rgpu.plan(job, conf)
+	for _, field in ipairs({ "tres_per_job", "tres_per_task", "tres_per_socket" }) do
+		local count, err = rgpu.parse_tres_per_node(job[field], conf.gres_name)
+		if count or err then
+			return fail(conf.gres_name .. " is asked per " .. string.gsub(field, "tres_per_", ""),
+				"rgpu slices are given per node", "use --gres=" .. conf.gres_name .. ":N")
+		end
+	end
+	local count, err = rgpu.parse_tres_per_node(job.tres_per_node, conf.gres_name)
+	if err then
+		return nil, err
+	end
+	if count == nil then
+		local others, lerr = rgpu.other_licenses(job.licenses, conf.license_name, job.licenses_user_given)
+		if not others then
+			return nil, lerr
+		end
+		return { rgpu = false }
+	end
+	if count < 1 or count > conf.max_per_node then
+		return fail("invalid --gres=" .. conf.gres_name .. ":" .. count,
+			"the count of slices per node must be from 1 to " .. conf.max_per_node,
+			"ask for 1 to " .. conf.max_per_node .. " slices")
+	end
+	local req
+	req, err = rgpu.parse_comment(job.comment)
+	if not req then
+		return nil, err
+	end
+	local nodes = 1
+	if is_set(job.min_nodes) then
+		nodes = job.min_nodes
+	end
+	if is_set(job.max_nodes) and job.max_nodes ~= nodes then
+		return fail("a variable node count is not supported with --gres=" .. conf.gres_name,
+			"rgpu must know how many slices to reserve at submit time",
+			"give a fixed count such as -N " .. nodes)
+	end
+	if nodes * count > conf.max_per_job then
+		return fail(string.format("%d nodes x %d slices is more than %d slices per job", nodes, count, conf.max_per_job),
+			"the configured maximum", "ask for fewer nodes or slices")
+	end
+	local per_slice = rgpu.units_per_slice(req, conf)
+	if per_slice > rgpu.UNITS_PER_GPU then
+		return fail("memory=" .. req.memory_bytes .. " bytes is more than one GPU holds",
+			"the smallest GPU in the pool has " .. conf.gpu_memory_bytes .. " usable bytes",
+			"ask for less memory per slice, or for more slices")
+	end
+	local others, lerr = rgpu.other_licenses(job.licenses, conf.license_name, job.licenses_user_given)
+	if not others then
+		return nil, lerr
+	end
+	local units = nodes * count * per_slice
+	others[#others + 1] = conf.license_name .. ":" .. units
+	return {
+		rgpu = true, nodes = nodes, count = count, units = units, per_slice = per_slice,
+		fraction = req.fraction, memory_bytes = req.memory_bytes, licenses = table.concat(others, ","),
+	}
+end
+
+-- The plan for `scontrol update` of an existing job: desc holds only what changes (nil or
+-- NO_VAL otherwise), rec is the job as it is. Returns {change=false}, {change=true, plan} or nil, err.
+function rgpu.plan_modify(desc, rec, conf)
+	local touches = desc.tres_per_node ~= nil or desc.comment ~= nil or desc.licenses ~= nil
+		or is_set(desc.min_nodes) or is_set(desc.max_nodes)
+	if not touches then
+		return { change = false }
+	end
+	local old_count = rgpu.parse_tres_per_node(rec.tres_per_node, conf.gres_name)
+	local new_tres = desc.tres_per_node
+	if new_tres == nil then
+		new_tres = rec.tres_per_node
+	end
+	local min_nodes = is_set(desc.min_nodes) and desc.min_nodes or rec.min_nodes
+	local max_nodes = is_set(desc.max_nodes) and desc.max_nodes or rec.max_nodes
+	if is_set(desc.min_nodes) and not is_set(desc.max_nodes) then
+		max_nodes = desc.min_nodes   -- "numnodes=2" sets both ends
+	end
+	local user_licenses = desc.licenses ~= nil
+	local plan, err = rgpu.plan({
+		tres_per_node = new_tres,
+		comment = desc.comment ~= nil and desc.comment or rec.comment,
+		min_nodes = min_nodes, max_nodes = max_nodes,
+		licenses = user_licenses and desc.licenses or rec.licenses,
+		licenses_user_given = user_licenses,
+	}, conf)
+	if not plan then
+		return nil, err
+	end
+	if not plan.rgpu then
+		if old_count then
+			return fail("removing " .. conf.gres_name .. " from a job is not supported",
+				"its license is set from the rgpu request", "scancel the job and submit it again")
+		end
+		return { change = false }
+	end
+	-- The low byte is the base state (JOB_PENDING = 0); higher bits are flags such as REQUEUE.
+	local pending = rec.job_state ~= nil and math.fmod(rec.job_state, 256) == 0
+	if not pending then
+		local old_plan = rgpu.plan({ tres_per_node = rec.tres_per_node, comment = rec.comment,
+			min_nodes = rec.min_nodes, max_nodes = rec.max_nodes, licenses = rec.licenses }, conf)
+		if not old_plan or old_plan.units ~= plan.units or old_plan.count ~= plan.count
+			or desc.tres_per_node ~= nil or user_licenses then
+			return fail("the rgpu request of a job that is not pending cannot change",
+				"its slices are already allocated", "scancel the job and submit it again")
+		end
+		return { change = false }
+	end
+	return { change = true, plan = plan }
+end
+
+-- ---------------------------------------------------------------- Slurm entry points
+
+local function conf_or_err()
+	return rgpu.load_conf(rgpu.script_dir() .. rgpu.CONF_NAME)
+end
+
+local function involves_rgpu(text)
+	return text ~= nil and string.find(text, "rgpu", 1, true) ~= nil
+end
+
+function slurm_job_submit(job_desc, part_list, submit_uid)
+	local conf, err = conf_or_err()
+	if not conf then
+		if involves_rgpu(job_desc.tres_per_node) or involves_rgpu(job_desc.licenses) then
+			slurm.log_error("%s", err)
+			slurm.log_user("%s", err)
+			return slurm.ERROR
+		end
+		return slurm.SUCCESS
+	end
+	local plan
+	plan, err = rgpu.plan({
+		tres_per_node = job_desc.tres_per_node, tres_per_job = job_desc.tres_per_job,
+		tres_per_task = job_desc.tres_per_task, tres_per_socket = job_desc.tres_per_socket,
+		comment = job_desc.comment, min_nodes = job_desc.min_nodes, max_nodes = job_desc.max_nodes,
+		licenses = job_desc.licenses, licenses_user_given = true,
+	}, conf)
+	if not plan then
+		slurm.log_info("rgpu: refused a job of uid %s: %s", tostring(submit_uid), err)
+		slurm.log_user("%s", err)
+		return rgpu.ESLURM_INVALID_GRES
+	end
+	if plan.rgpu then
+		job_desc.min_nodes = plan.nodes
+		job_desc.max_nodes = plan.nodes
+		job_desc.licenses = plan.licenses
+	end
+	return slurm.SUCCESS
+end
+
+function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
+	local conf, err = conf_or_err()
+	if not conf then
+		if involves_rgpu(job_rec.tres_per_node) or involves_rgpu(job_desc.tres_per_node) then
+			slurm.log_error("%s", err)
+			return slurm.ERROR
+		end
+		return slurm.SUCCESS
+	end
+	local result
+	result, err = rgpu.plan_modify({
+		tres_per_node = job_desc.tres_per_node, comment = job_desc.comment, licenses = job_desc.licenses,
+		min_nodes = job_desc.min_nodes, max_nodes = job_desc.max_nodes,
+	}, {
+		tres_per_node = job_rec.tres_per_node, comment = job_rec.comment, licenses = job_rec.licenses,
+		min_nodes = job_rec.min_nodes, max_nodes = job_rec.max_nodes, job_state = job_rec.job_state,
+	}, conf)
+	if not result then
+		-- Slurm 22.05 does not show log_user text for updates (fixed in 23.02): the log has it.
+		slurm.log_info("rgpu: refused an update of job %s by uid %s: %s", tostring(job_rec.job_id),
+			tostring(modify_uid), err)
+		slurm.log_user("%s", err)
+		return rgpu.ESLURM_INVALID_GRES
+	end
+	if result.change then
+		job_desc.min_nodes = result.plan.nodes
+		job_desc.max_nodes = result.plan.nodes
+		job_desc.licenses = result.plan.licenses
+	end
+	return slurm.SUCCESS
+end
+
+-- Exposed for the unit tests, which load this file with dofile() in the standalone interpreter.
+-- (No `return`: Slurm treats a non-zero value returned by the script as a load failure.)
+rgpu_job_submit = rgpu

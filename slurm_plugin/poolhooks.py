@@ -1,0 +1,56 @@
+"""What rgpu-poold runs for Slurm: the reconciler and the license sync, as background threads.
+
+The pool daemon calls `start_slurm_integration(core, ...)` after its gRPC server started and
+`.stop()` on shutdown. `core` is the pool's PoolCore (or anything with list_leases() ->
+records with job_key and created_unix, release(job_key) -> bool, capacity() -> .total_units and
+add_capacity_listener(callback)). Slurm is reached with the Slurm client commands of the pool's
+host (squeue, scontrol; $SLURM_CONF or /etc/slurm/slurm.conf; munge).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from rgpu.slurm_plugin.licenses import LicenseSync, SlurmLicenses
+from rgpu.slurm_plugin.reconcile import Reconciler
+from rgpu.slurm_plugin.squeue import backend_for
+
+
+@dataclass
+class SlurmIntegration:
+    reconciler: Reconciler | None
+    license_sync: LicenseSync | None
+
+    def stop(self) -> None:
+        for part in (self.reconciler, self.license_sync):
+            if part is not None:
+                part.stop()
+
+
+def start_slurm_integration(core: Any, *, interval_seconds: float, grace_seconds: float, cluster: str = "",
+                            backend: str = "auto", license_sync: bool = False,
+                            log: logging.Logger | None = None,
+                            env: Mapping[str, str] | None = None) -> SlurmIntegration:
+    """interval_seconds <= 0 starts nothing (a pool with no Slurm cluster beside it)."""
+    log = log or logging.getLogger("rgpu-poold")
+    if interval_seconds <= 0:
+        return SlurmIntegration(None, None)
+    reconciler = Reconciler(core, backend_for(backend, env=env), interval_seconds, grace_seconds, log,
+                            cluster=cluster or None,
+                            cluster_lookup=None if cluster else _cluster_lookup(env)).start()
+    sync = None
+    if license_sync:
+        sync = LicenseSync(core, SlurmLicenses(env=env), log).start(interval_seconds)
+        core.add_capacity_listener(sync.trigger)   # servers down/drained/back: sync at once
+    log.info("rgpu-poold: Slurm reconciler every %g s (grace %g s)%s", interval_seconds, grace_seconds,
+             ", license sync on" if sync else "")
+    return SlurmIntegration(reconciler, sync)
+
+
+def _cluster_lookup(env: Mapping[str, str] | None) -> Any:
+    from rgpu.slurm_plugin.scontrol import cluster_name
+
+    return lambda: cluster_name(env)

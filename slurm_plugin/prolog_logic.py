@@ -1,0 +1,252 @@
+"""What rgpu's Slurm prologs and epilogs do. Entry points (prolog_main.py) only map errors to
+exit codes; the contracts are written down in prolog/README.md.
+
+The pool is passed in (anything with PoolClient's allocate / release / get_lease / list_leases),
+and the one Slurm query is a function argument, so each step runs against real daemons in the
+tests without patching.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from rgpu.slurm_plugin.hostlist import expand_hostlist
+from rgpu.slurm_plugin.jobkey import job_key, job_prefix, parse_job_key
+from rgpu.slurm_plugin.request import RgpuRequest
+from rgpu.slurm_plugin.scontrol import JobInfo
+
+from rgpu import validate
+from rgpu.adaptor import (
+    AdaptorConf,
+    AdaptorSlice,
+    expires_text,
+    write_adaptor_conf,
+    write_private_file,
+)
+from rgpu.errors import ConfigError, InvalidRequest, NotFound, RgpuError
+
+DEFAULT_RUN_DIR = "/run/rgpu"
+ADAPTOR_CONF_NAME = "adaptor.conf"
+ERROR_NAME = "error"
+
+
+class Pool(Protocol):
+    def allocate(self, job_key: str, user: str, count: int, *, fraction: float = 0.0, memory_bytes: int = 0,
+                 account: str = "", ttl_seconds: float = 0.0, gpu_model: str = "", server: str = "",
+                 min_memory_bytes: int = 0) -> Any: ...
+    def release(self, job_key: str) -> bool: ...
+    def get_lease(self, job_key: str) -> Any: ...
+    def list_leases(self) -> list[Any]: ...
+
+
+# ---------------------------------------------------------------- the job, from the environment
+
+def _env(env: Mapping[str, str], name: str, context: str) -> str:
+    value = env.get(name, "")
+    if not value:
+        raise ConfigError(context, f"${name} is not set", "this script must be run by Slurm",
+                          f"configure it in slurm.conf, not by hand (or export {name} to test it)")
+    return value
+
+
+def _null(value: str | None) -> str:
+    return "" if value in (None, "(null)") else str(value)
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """The job as Slurm's prolog/epilog environment describes it."""
+
+    cluster: str
+    job_id: int
+    restart_count: int
+    user: str = ""
+    uid: int = -1
+    gid: int = -1
+    account: str = ""
+    nodes: tuple[str, ...] = ()
+    node: str = ""              # this node (node Prolog/Epilog only)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], context: str) -> JobContext:
+        job_id = _env(env, "SLURM_JOB_ID", context)
+        if not job_id.isdigit():
+            raise InvalidRequest(context, f"$SLURM_JOB_ID is {job_id!r}", "not a job number", "")
+        restart = env.get("SLURM_JOB_RESTART_COUNT", "0") or "0"
+        nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+        uid, gid = env.get("SLURM_JOB_UID", ""), env.get("SLURM_JOB_GID", "")
+        return cls(cluster=_env(env, "SLURM_CLUSTER_NAME", context), job_id=int(job_id),
+                   restart_count=int(restart) if restart.isdigit() else 0,
+                   user=_null(env.get("SLURM_JOB_USER")), uid=int(uid) if uid.isdigit() else -1,
+                   gid=int(gid) if gid.isdigit() else -1, account=_null(env.get("SLURM_JOB_ACCOUNT")),
+                   nodes=tuple(expand_hostlist(nodes)), node=env.get("SLURMD_NODENAME", ""))
+
+    def key_for(self, node: str) -> str:
+        return job_key(self.cluster, self.job_id, self.restart_count, node)
+
+
+def run_dir_from_env(env: Mapping[str, str]) -> Path:
+    return Path(env.get("RGPU_RUN_DIR") or DEFAULT_RUN_DIR)
+
+
+def job_dir(run_dir: Path, job_id: int) -> Path:
+    return run_dir / str(int(job_id))
+
+
+# ---------------------------------------------------------------- PrologSlurmctld
+
+@dataclass(frozen=True)
+class AllocationPlan:
+    keys: tuple[str, ...]       # one per node
+    request: RgpuRequest
+
+
+def plan_allocation(job: JobContext, info: JobInfo, request: RgpuRequest | None) -> AllocationPlan | None:
+    """Which leases the job needs (None: it asked for no rgpu). Pure."""
+    if request is None:
+        return None
+    nodes = job.nodes or tuple(expand_hostlist(info.node_names))
+    if not nodes:
+        raise InvalidRequest("prolog-slurmctld", f"job {job.job_id} has no nodes", "Slurm gave no node list",
+                             "this is unexpected; see the slurmctld log")
+    validate.name("user", job.user or info.user)
+    return AllocationPlan(keys=tuple(job.key_for(n) for n in nodes), request=request)
+
+
+def allocate_job(job: JobContext, plan: AllocationPlan, pool: Pool) -> list[str]:
+    """Allocate every node's lease; on any failure release what this call got, then raise."""
+    got: list[str] = []
+    req = plan.request
+    try:
+        for key in plan.keys:
+            pool.allocate(key, job.user, req.count, fraction=req.fraction if not req.memory_bytes else 0.0,
+                          memory_bytes=req.memory_bytes, account=job.account)
+            got.append(key)
+    except RgpuError:
+        for key in got:
+            try:
+                pool.release(key)
+            except RgpuError:
+                pass  # the reconciler releases it once the job is gone
+        raise
+    return got
+
+
+def prolog_slurmctld(env: Mapping[str, str], pool_factory: Callable[[], Pool],
+                     query_job: Callable[[int], JobInfo], gres_name: str = "rgpu") -> list[str]:
+    """Allocate the job's leases; returns their keys ([] for a job without rgpu)."""
+    from rgpu.slurm_plugin.scontrol import rgpu_request_of
+
+    job = JobContext.from_env(env, "prolog-slurmctld")
+    info = query_job(job.job_id)                     # the one Slurm query for this job
+    plan = plan_allocation(job, info, rgpu_request_of(info, gres_name))
+    if plan is None:
+        return []
+    pool = pool_factory()
+    return allocate_job(job, plan, pool)
+
+
+# ---------------------------------------------------------------- node Prolog
+
+def adaptor_conf_for(lease: Any, user: str) -> AdaptorConf:
+    slices = tuple(AdaptorSlice(server=s.server, gpu_uuid=s.gpu_uuid, gpu_index=s.gpu_index,
+                                memory_limit_bytes=s.memory_limit_bytes, compute_percent=s.compute_percent,
+                                token=s.token) for s in lease.slices)
+    return AdaptorConf(job_id=lease.job_key, user=user, expires=expires_text(lease.expires_unix), slices=slices)
+
+
+def _make_job_dir(path: Path, uid: int, gid: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.chmod(0o755)
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        if path.is_symlink() or not path.is_dir():
+            raise
+    if uid >= 0:
+        os.chown(path, uid, gid if gid >= 0 else -1, follow_symlinks=False)
+    path.chmod(0o700)
+
+
+def node_prolog(env: Mapping[str, str], pool_factory: Callable[[], Pool]) -> Path | None:
+    """Write this node's adaptor.conf; None when the job holds no rgpu lease. Raises on failure."""
+    job = JobContext.from_env(env, "prolog")
+    node = job.node or _env(env, "SLURMD_NODENAME", "prolog")
+    key = job.key_for(node)
+    pool = pool_factory()
+    try:
+        lease = pool.get_lease(key)
+    except NotFound:
+        return None                                   # a job without rgpu
+    if job.user and lease.user != job.user:
+        raise InvalidRequest("prolog", f"lease {key} belongs to {lease.user!r}, not to {job.user!r}",
+                             "the pool's state does not match this job", "release it with rgpu-admin and requeue the job")
+    directory = job_dir(run_dir_from_env(env), job.job_id)
+    _make_job_dir(directory, job.uid, job.gid)
+    conf = adaptor_conf_for(lease, job.user or lease.user)
+    path = write_adaptor_conf(directory / ADAPTOR_CONF_NAME, conf, uid=job.uid if job.uid >= 0 else None,
+                              gid=job.gid if job.gid >= 0 else None)
+    (directory / ERROR_NAME).unlink(missing_ok=True)
+    return path
+
+
+def record_node_error(env: Mapping[str, str], message: str) -> Path | None:
+    """Leave the reason where flexrun reports it: <run dir>/<job id>/error. Never raises."""
+    try:
+        job_id = int(env.get("SLURM_JOB_ID", ""))
+        uid = int(env.get("SLURM_JOB_UID", "-1") or -1)
+        gid = int(env.get("SLURM_JOB_GID", "-1") or -1)
+        directory = job_dir(run_dir_from_env(env), job_id)
+        _make_job_dir(directory, uid, gid)
+        (directory / ADAPTOR_CONF_NAME).unlink(missing_ok=True)
+        return write_private_file(directory / ERROR_NAME, message.rstrip("\n") + "\n",
+                                  uid if uid >= 0 else None, gid if gid >= 0 else None)
+    except (ValueError, OSError):
+        return None
+
+
+# ---------------------------------------------------------------- epilogs
+
+def keys_to_release(leases: list[Any], cluster: str, job_id: int, restart_count: int) -> list[str]:
+    """This job's leases up to this restart: never a later attempt's (an epilog may run late). Pure."""
+    keys = []
+    for lease in leases:
+        parsed = parse_job_key(lease.job_key)
+        if (parsed and parsed.cluster == cluster and parsed.job_id == job_id
+                and parsed.restart_count <= restart_count):
+            keys.append(lease.job_key)
+    return sorted(keys)
+
+
+def epilog_slurmctld(env: Mapping[str, str], pool_factory: Callable[[], Pool]) -> list[str]:
+    """Release the job's leases; idempotent (nothing to release is a success)."""
+    job = JobContext.from_env(env, "epilog-slurmctld")
+    pool = pool_factory()
+    keys = set(keys_to_release(pool.list_leases(), job.cluster, job.job_id, job.restart_count))
+    # Also the keys this attempt would have, in case ListLeases raced with an allocation.
+    keys.update(job.key_for(n) for n in job.nodes)
+    released = [key for key in sorted(keys) if pool.release(key)]
+    return released
+
+
+def node_epilog(env: Mapping[str, str]) -> bool:
+    """Remove the job's files on this node; True when there was something to remove."""
+    job = JobContext.from_env(env, "epilog")
+    directory = job_dir(run_dir_from_env(env), job.job_id)
+    if directory.is_symlink():
+        directory.unlink()
+        return True
+    if not directory.exists():
+        return False
+    shutil.rmtree(directory)   # does not follow symlinks the job may have left inside
+    return True
+
+
+def job_prefix_of(env: Mapping[str, str]) -> str:
+    job = JobContext.from_env(env, "epilog-slurmctld")
+    return job_prefix(job.cluster, job.job_id)

@@ -1,0 +1,130 @@
+"""Entry points of the prolog/ scripts: read the environment, call one function, map the outcome to
+the exit code Slurm needs. Contracts: prolog/README.md.
+
+Every message is one line on stderr (and syslog when /dev/log exists), prefixed with the script
+and job: Slurm 22.05 drops prolog output, so syslog is where an admin finds it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from rgpu.errors import RgpuError
+
+# Well under Slurm's default MessageTimeout (10 s); one pool call per node at most.
+POOL_TIMEOUT_SECONDS = 4.0
+SLURM_QUERY_TIMEOUT_SECONDS = 4.0
+
+
+def log_line(script: str, env: Mapping[str, str], message: str) -> None:
+    line = f"rgpu-{script}[job {env.get('SLURM_JOB_ID', '?')}]: {message}"
+    print(line, file=sys.stderr, flush=True)
+    if os.path.exists("/dev/log"):
+        try:
+            import syslog
+            syslog.openlog(f"rgpu-{script}", 0, syslog.LOG_DAEMON)
+            syslog.syslog(syslog.LOG_WARNING, line)
+        except OSError:
+            pass
+
+
+def connect_pool(env: Mapping[str, str]) -> Any:
+    """A PoolClient from rgpu settings (RGPU_CONFIG / RGPU_POOL / RGPU_SECRET_FILE / rgpu.toml)."""
+    from rgpu.remoting.pool_client import PoolClient
+
+    from rgpu.config import load_settings
+    from rgpu.secret import load_secret
+
+    settings = load_settings(env=env)
+    return PoolClient(settings.pool, load_secret(settings.secret_file), timeout=POOL_TIMEOUT_SECONDS,
+                      tls_ca_file=settings.tls_ca_file or None, tls_server_name=settings.tls_server_name or None)
+
+
+def _describe(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, RgpuError) else f"rgpu: internal error: {type(exc).__name__}: {exc}"
+
+
+def prolog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
+    """0: leases allocated (or no rgpu asked); 1: failed, Slurm requeues the job (no node drained)."""
+    from rgpu.slurm_plugin import scontrol
+    from rgpu.slurm_plugin.prolog_logic import prolog_slurmctld
+
+    env = os.environ if env is None else env
+    started = time.monotonic()
+    try:
+        keys = prolog_slurmctld(env, lambda: connect_pool(env),
+                                lambda job_id: scontrol.query_job(str(job_id), env=env,
+                                                                  timeout=SLURM_QUERY_TIMEOUT_SECONDS))
+    except Exception as exc:  # noqa: BLE001 - any failure must become one line and exit 1
+        log_line("prolog-slurmctld", env, f"{_describe(exc)} -- the job will be requeued")
+        return 1
+    if keys:
+        log_line("prolog-slurmctld", env, f"allocated {', '.join(keys)} in {time.monotonic() - started:.2f} s")
+    return 0
+
+
+def prolog_main(env: Mapping[str, str] | None = None) -> int:
+    """Always 0: an rgpu problem must never drain a node. Failures go to <run dir>/<job>/error."""
+    from rgpu.slurm_plugin.prolog_logic import node_prolog, record_node_error
+
+    env = os.environ if env is None else env
+    try:
+        node_prolog(env, lambda: connect_pool(env))
+    except Exception as exc:  # noqa: BLE001
+        message = _describe(exc)
+        log_line("prolog", env, message)
+        record_node_error(env, message)
+    return 0
+
+
+def epilog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
+    """0: released (or nothing to release); 1: the pool could not be asked (Slurm only logs it;
+    the reconciler releases the lease later)."""
+    from rgpu.slurm_plugin.prolog_logic import epilog_slurmctld
+
+    env = os.environ if env is None else env
+    try:
+        released = epilog_slurmctld(env, lambda: connect_pool(env))
+    except Exception as exc:  # noqa: BLE001
+        log_line("epilog-slurmctld", env, f"{_describe(exc)} -- the reconciler will release it later")
+        return 1
+    if released:
+        log_line("epilog-slurmctld", env, f"released {', '.join(released)}")
+    return 0
+
+
+def epilog_main(env: Mapping[str, str] | None = None) -> int:
+    """Always 0: a failing node Epilog would drain the node."""
+    from rgpu.slurm_plugin.prolog_logic import node_epilog
+
+    env = os.environ if env is None else env
+    try:
+        node_epilog(env)
+    except Exception as exc:  # noqa: BLE001
+        log_line("epilog", env, _describe(exc))
+    return 0
+
+
+ENTRY_POINTS = {
+    "prolog-slurmctld": prolog_slurmctld_main,
+    "prolog": prolog_main,
+    "epilog-slurmctld": epilog_slurmctld_main,
+    "epilog": epilog_main,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m rgpu.slurm_plugin.prolog_main CONTEXT`: the same entry points by name."""
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0] not in ENTRY_POINTS:
+        print(f"usage: python -m rgpu.slurm_plugin.prolog_main {{{','.join(ENTRY_POINTS)}}}", file=sys.stderr)
+        return 2
+    return ENTRY_POINTS[args[0]]()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

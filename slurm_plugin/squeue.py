@@ -1,0 +1,183 @@
+"""Live Slurm jobs for the reconciler, behind one small interface with two backends.
+
+- `SqueueBackend`: `squeue --json`, parsed in both shapes seen in the field: Slurm 22.05-23.02
+  (`job_state` a string, plain numbers) and 23.11/24.x (`job_state` a list of the base state and
+  flags, numbers as `{"set", "infinite", "number"}` objects). Build / run / parse are separate;
+  the parser is tested on tests/data/squeue-*.json.
+- `PyslurmBackend`: pyslurm when importable (`pip install rgpu[pyslurm]`; its version must
+  match Slurm's, so it is optional).
+
+`backend_for(settings)` picks pyslurm when it imports, else squeue.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from rgpu.slurm_plugin.proc import run_command
+from rgpu.slurm_plugin.request import parse_tres_per_node
+
+from rgpu.errors import RgpuError
+
+# Base states of a job that holds (or may soon hold) its allocation.
+LIVE_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "COMPLETING", "REQUEUED",
+                         "REQUEUE_HOLD", "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED"})
+BASE_STATES = frozenset({"PENDING", "RUNNING", "SUSPENDED", "COMPLETE", "COMPLETED", "CANCELLED", "FAILED",
+                         "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"})
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    job_id: int
+    state: str                 # base state, e.g. "RUNNING"
+    flags: tuple[str, ...]     # state flags, e.g. ("COMPLETING",) (24.x lists them with the state)
+    restart_count: int
+    user: str
+    cluster: str
+    nodes: str                 # host list expression, "" while pending
+    tres_per_node: str
+    comment: str
+    reason: str = ""           # state_reason, e.g. "Licenses", "Prolog"
+
+    @property
+    def live(self) -> bool:
+        """Could hold an rgpu lease now or after requeue: not finished, or still completing."""
+        return self.state in LIVE_STATES or "COMPLETING" in self.flags or "CONFIGURING" in self.flags
+
+    @property
+    def running(self) -> bool:
+        """Running with its prologs done (22.05 shows a job in PrologSlurmctld as RUNNING/Prolog)."""
+        return self.state == "RUNNING" and "CONFIGURING" not in self.flags and self.reason != "Prolog"
+
+    def rgpu_count(self, gres_name: str = "rgpu") -> int | None:
+        try:
+            return parse_tres_per_node(self.tres_per_node, gres_name)
+        except RgpuError:
+            return None
+
+
+class JobSource(Protocol):
+    """What the reconciler needs from Slurm."""
+
+    def live_jobs(self) -> list[SlurmJob]: ...
+
+
+# ---------------------------------------------------------------- parsing (pure)
+
+def _number(value: Any, default: int = 0) -> int:
+    """A plain number (22.05) or a `{set, infinite, number}` object (23.11+)."""
+    if isinstance(value, dict):
+        if not value.get("set", True) or value.get("infinite"):
+            return default
+        value = value.get("number", default)
+    if isinstance(value, bool) or value is None:
+        return default
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return default
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, dict):     # 23.11+ puts some strings in objects (e.g. comment.job)
+        return _text(value.get("job", ""))
+    return "" if str(value) == "(null)" else str(value)
+
+
+def _state(value: Any) -> tuple[str, tuple[str, ...]]:
+    """(base state, flags) from "RUNNING" (22.05) or ["RUNNING", "COMPLETING"] (24.x)."""
+    words = [str(v) for v in value] if isinstance(value, list) else [str(value or "")]
+    base = next((w for w in words if w in BASE_STATES), words[0] if words else "")
+    return base, tuple(w for w in words if w != base)
+
+
+def parse_job(raw: Mapping[str, Any]) -> SlurmJob:
+    state, flags = _state(raw.get("job_state"))
+    return SlurmJob(job_id=_number(raw.get("job_id")), state=state, flags=flags,
+                    restart_count=_number(raw.get("restart_cnt")), user=_text(raw.get("user_name")),
+                    cluster=_text(raw.get("cluster")), nodes=_text(raw.get("nodes")),
+                    tres_per_node=_text(raw.get("tres_per_node")), comment=_text(raw.get("comment")),
+                    reason=_text(raw.get("state_reason")))
+
+
+def parse_squeue_json(text: str) -> list[SlurmJob]:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RgpuError("slurm", "`squeue --json` printed something that is not JSON", str(exc),
+                        "run it by hand; this Slurm may be too old (22.05 or later is needed)") from None
+    errors = [e for e in data.get("errors") or [] if e]
+    if errors:
+        raise RgpuError("slurm", "`squeue --json` reported errors", json.dumps(errors)[:300],
+                        "check slurmctld and its log")
+    return [parse_job(raw) for raw in data.get("jobs") or []]
+
+
+# ---------------------------------------------------------------- squeue backend
+
+def squeue_command() -> list[str]:
+    # 22.05 ignores filters with --json and dumps every job slurmctld still knows; later
+    # versions honour them, but we want all live jobs anyway.
+    return ["squeue", "--json"]
+
+
+@dataclass
+class SqueueBackend:
+    env: Mapping[str, str] | None = None
+    timeout: float = 30.0
+
+    def jobs(self) -> list[SlurmJob]:
+        out = run_command(squeue_command(), component="slurm", env=self.env, timeout=self.timeout)
+        return parse_squeue_json(out.stdout)
+
+    def live_jobs(self) -> list[SlurmJob]:
+        return [j for j in self.jobs() if j.live]
+
+
+# ---------------------------------------------------------------- pyslurm backend
+
+class PyslurmBackend:
+    """Reads jobs through pyslurm (API of pyslurm >= 23: `pyslurm.Jobs.load()`)."""
+
+    def __init__(self) -> None:
+        import pyslurm
+
+        self._pyslurm = pyslurm
+
+    def live_jobs(self) -> list[SlurmJob]:
+        jobs = self._pyslurm.Jobs.load()
+        out = []
+        for job in jobs.values():
+            state = str(getattr(job, "state", "") or "")
+            out.append(SlurmJob(
+                job_id=int(job.id), state=state.split(",")[0].strip(), flags=(),
+                restart_count=int(getattr(job, "requeue_count", 0) or 0), user=str(job.user_name or ""),
+                cluster=str(getattr(job, "cluster", "") or ""), nodes=str(getattr(job, "allocated_nodes", "") or ""),
+                tres_per_node=str(getattr(job, "gres_per_node", "") or ""), comment=str(job.comment or "")))
+        return [j for j in out if j.live]
+
+
+def pyslurm_available() -> bool:
+    try:
+        import pyslurm  # noqa: F401
+    except Exception:  # noqa: BLE001 - a pyslurm built for another Slurm fails in many ways
+        return False
+    return True
+
+
+def backend_for(prefer: str = "auto", env: Mapping[str, str] | None = None) -> JobSource:
+    """"auto": pyslurm when it imports, else squeue; "squeue" or "pyslurm" to choose."""
+    if prefer == "pyslurm" or (prefer == "auto" and pyslurm_available()):
+        return PyslurmBackend()
+    if prefer not in ("auto", "squeue"):
+        raise RgpuError("slurm", f"unknown Slurm backend {prefer!r}", "", "use auto, squeue or pyslurm")
+    return SqueueBackend(env=env)
+
+
+def job_ids(jobs: Sequence[SlurmJob]) -> list[int]:
+    return [j.job_id for j in jobs]

@@ -1,0 +1,139 @@
+"""The session's Slurm test cluster with a real rgpu pool behind it.
+
+`rgpu_slurm` starts, once per test session: rgpu-poold and two rgpu-dispatcher with the static
+inventories in examples/ (4 GPUs), then munge, slurmctld and slurmd c1..c3 with job_submit.lua,
+its config rendered by `rgpu-admin slurm-config`'s code from the live pool, and the prolog/
+scripts. Everything is torn down at the end of the session (also after a failure or Ctrl-C;
+an atexit hook backs the fixture up) and the test checks that no daemon is left.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.daemons import EXAMPLES, REPO, RgpuCluster, wait_for
+from tests.slurm.cluster import ClusterConfig, SlurmCluster, missing_requirements
+
+PROLOG_DIR = REPO / "prolog"
+LUA_SCRIPT = REPO / "slurm_plugin" / "job_submit.lua"
+MAX_SLICES_PER_JOB = 8
+
+
+@dataclass
+class Harness:
+    slurm: SlurmCluster
+    pool: RgpuCluster
+    run_dir: Path
+
+    def client(self):  # type: ignore[no-untyped-def]
+        return self.pool.client()
+
+    def leases(self) -> list:  # type: ignore[type-arg]
+        with self.client() as c:
+            return c.list_leases()
+
+    def job_leases(self, job_id: str) -> list:  # type: ignore[type-arg]
+        return [lease for lease in self.leases() if lease.job_key.startswith(f"slurm:rgputest:{job_id}:")]
+
+
+def pool_ready(pool: RgpuCluster, units: int) -> bool:
+    try:
+        with pool.client() as c:
+            return c.capacity().total_units == units
+    except Exception:  # noqa: BLE001 - not up yet
+        return False
+
+
+def lua_conf_from_pool(pool: RgpuCluster) -> str:
+    from rgpu.slurm_plugin.licenses import config_values, render_slurm_config
+
+    with pool.client() as c:
+        values = config_values(c.list_gpus(), c.capacity().total_units, MAX_SLICES_PER_JOB, str(PROLOG_DIR))
+    return render_slurm_config(values, ("job_submit_rgpu.conf",))
+
+
+def start_pool(pool: RgpuCluster) -> RgpuCluster:
+    pool.write_config(down_after_seconds=3.0, heartbeat_interval_seconds=0.5, reclaim_interval_seconds=0.5,
+                      max_slices_per_job=MAX_SLICES_PER_JOB)
+    pool.start_pool()
+    for inventory in ("inventory-a.toml", "inventory-b.toml"):
+        pool.start_dispatcher(EXAMPLES / inventory)
+    try:
+        wait_for(lambda: pool_ready(pool, 400), timeout=30, what="4 GPUs registered with the pool")
+    except AssertionError as exc:
+        logs = "\n".join(f"--- {d.name}\n{d.log()[-1500:]}" for d in pool.daemons)
+        raise AssertionError(f"{exc}\n{logs}") from None
+    return pool
+
+
+def slurm_config(pool: RgpuCluster, run_dir: Path) -> ClusterConfig:
+    py = sys.executable
+    scripts = {
+        "PrologSlurmctld": [py, str(PROLOG_DIR / "rgpu-prolog-slurmctld")],
+        "Prolog": [py, str(PROLOG_DIR / "rgpu-prolog")],
+        "TaskProlog": [str(PROLOG_DIR / "rgpu-task-prolog")],
+        "Epilog": [py, str(PROLOG_DIR / "rgpu-epilog")],
+        "EpilogSlurmctld": [py, str(PROLOG_DIR / "rgpu-epilog-slurmctld")],
+    }
+    # Three slurmd share this host: each node gets its own run dir, as separate hosts would
+    # each have their own /run/rgpu.
+    return ClusterConfig(
+        license_total=400, gres_per_node=MAX_SLICES_PER_JOB, lua_script=LUA_SCRIPT,
+        lua_conf_text=lua_conf_from_pool(pool), scripts=scripts,
+        script_env={"RGPU_CONFIG": str(pool.root / "rgpu.toml"), "RGPU_POOL": pool.pool_address,
+                    "RGPU_SECRET_FILE": str(pool.secret_file), "RGPU_RUN_DIR": f"{run_dir}/${{SLURMD_NODENAME}}",
+                    "PYTHONPATH": str(REPO), "PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+
+
+def leftover_daemons(marker: str) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if marker in cmdline:
+                found.append(f"{proc.name}: {cmdline.strip()}")
+    return found
+
+
+@pytest.fixture(scope="session")
+def rgpu_slurm() -> Iterator[Harness]:
+    reason = missing_requirements()
+    if reason:
+        pytest.skip(reason)
+    root = Path(tempfile.mkdtemp(prefix="rgpu-slurm-"))
+    root.chmod(0o755)
+    run_dir = root / "run-rgpu"
+    started: list[SlurmCluster | RgpuCluster] = []
+
+    def teardown() -> None:
+        for thing in reversed(started):
+            thing.stop() if isinstance(thing, SlurmCluster) else thing.stop_all()
+
+    atexit.register(teardown)   # backs up the finally below if the interpreter is torn down first
+    try:
+        pool = RgpuCluster(root / "pool")
+        started.append(pool)
+        start_pool(pool)
+        (root / "slurm").mkdir()
+        slurm = SlurmCluster(slurm_config(pool, run_dir), root=root / "slurm")
+        started.append(slurm)
+        slurm.start()
+        yield Harness(slurm, pool, run_dir)
+    finally:
+        teardown()
+        atexit.unregister(teardown)
+        left = leftover_daemons(str(root))
+        shutil.rmtree(root, ignore_errors=True)
+        assert not left, f"daemons left running after teardown: {left}"

@@ -1,0 +1,143 @@
+"""Pure parts of the Slurm integration: host lists, lease keys, reconciler decisions, license plans
+and the slurm-config rendering."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+from rgpu.slurm_plugin.hostlist import expand_hostlist
+from rgpu.slurm_plugin.jobkey import JobKey, job_key, parse_job_key
+from rgpu.slurm_plugin.licenses import (
+    config_values,
+    parse_reservation_licenses,
+    parse_show_license,
+    plan_reservation,
+    render_slurm_config,
+)
+from rgpu.slurm_plugin.prolog_logic import keys_to_release
+from rgpu.slurm_plugin.reconcile import decide
+from rgpu.slurm_plugin.squeue import SlurmJob
+
+from rgpu.errors import InvalidRequest
+
+
+@pytest.mark.parametrize("expr, hosts", [
+    ("c1", ["c1"]), ("c[1-3]", ["c1", "c2", "c3"]), ("c[1-2,5]", ["c1", "c2", "c5"]),
+    ("gpu[08-10]", ["gpu08", "gpu09", "gpu10"]), ("a[1-2]b[1-2]", ["a1b1", "a1b2", "a2b1", "a2b2"]),
+    ("c[1-2],login1,d[3]", ["c1", "c2", "login1", "d3"]), ("", []), ("(null)", []),
+])
+def test_expand_hostlist(expr: str, hosts: list[str]) -> None:
+    assert expand_hostlist(expr) == hosts
+
+
+@pytest.mark.parametrize("expr", ["c[1-", "c[a-b]", "c[3-1]", "c]1["])
+def test_bad_hostlists_are_refused(expr: str) -> None:
+    with pytest.raises(InvalidRequest):
+        expand_hostlist(expr)
+
+
+def test_job_keys_round_trip() -> None:
+    key = job_key("hpc", 4242, 1, "c17")
+    assert key == "slurm:hpc:4242:1:c17"
+    assert parse_job_key(key) == JobKey("hpc", 4242, 1, "c17")
+    for other in ("admin-request-1", "slurm:hpc:x:0:c1", "slurm:hpc:1:0", "slurm:hpc:1:0:c1:extra"):
+        assert parse_job_key(other) is None
+    with pytest.raises(InvalidRequest):
+        job_key("hpc", 1, 0, "c1;rm")
+
+
+@dataclass
+class Lease:
+    job_key: str
+    created_unix: float = 0.0
+
+
+def sjob(job_id: int, state: str = "RUNNING", restart: int = 0, tres: str = "gres:rgpu:1",
+         cluster: str = "hpc", flags: tuple[str, ...] = (), reason: str = "None") -> SlurmJob:
+    return SlurmJob(job_id=job_id, state=state, flags=flags, restart_count=restart, user="alice", cluster=cluster,
+                    nodes="c1", tres_per_node=tres, comment="", reason=reason)
+
+
+def test_decide_waits_the_grace_period_then_releases() -> None:
+    leases = [Lease("slurm:hpc:1:0:c1"), Lease("slurm:hpc:2:0:c1"), Lease("slurm:other:2:0:c1"), Lease("adhoc")]
+    jobs = [sjob(1)]
+    first = decide(jobs, leases, cluster="hpc", now=100.0, grace_seconds=30)
+    assert first.release == () and first.absent_since == {"slurm:hpc:2:0:c1": 100.0}
+    early = decide(jobs, leases, cluster="hpc", now=120.0, grace_seconds=30, absent_since=first.absent_since)
+    assert early.release == ()
+    late = decide(jobs, leases, cluster="hpc", now=131.0, grace_seconds=30, absent_since=early.absent_since)
+    assert late.release == ("slurm:hpc:2:0:c1",) and late.absent_since == {}
+
+
+def test_decide_never_releases_a_fresh_lease_nor_forgets_a_returning_job() -> None:
+    fresh = [Lease("slurm:hpc:5:0:c1", created_unix=200.0)]
+    assert decide([], fresh, cluster="hpc", now=210.0, grace_seconds=30, absent_since={"slurm:hpc:5:0:c1": 0.0}).release == ()
+    back = decide([sjob(5)], fresh, cluster="hpc", now=300.0, grace_seconds=30, absent_since={"slurm:hpc:5:0:c1": 0.0})
+    assert back.release == () and back.absent_since == {}
+
+
+@pytest.mark.parametrize("job, stale", [
+    (sjob(1, state="PENDING", restart=1, flags=("REQUEUED",)), True),     # requeued since
+    (sjob(1, state="COMPLETED"), True),
+    (sjob(1, state="CANCELLED"), True),
+    (sjob(1, state="COMPLETED", flags=("COMPLETING",)), False),         # epilog still to run
+    (sjob(1, state="RUNNING"), False),
+])
+def test_decide_stale_cases(job: SlurmJob, stale: bool) -> None:
+    d = decide([job], [Lease("slurm:hpc:1:0:c1")], cluster="hpc", now=1000.0, grace_seconds=0)
+    assert d.release == (("slurm:hpc:1:0:c1",) if stale else ())
+
+
+def test_decide_reports_running_rgpu_jobs_without_lease() -> None:
+    jobs = [sjob(1), sjob(2), sjob(3, tres=""), sjob(4, reason="Prolog"), sjob(5, state="PENDING"), sjob(6, cluster="x")]
+    d = decide(jobs, [Lease("slurm:hpc:1:0:c1")], cluster="hpc", now=0.0, grace_seconds=0)
+    assert d.missing == (2,)
+
+
+def test_keys_to_release_stop_at_the_restart_count() -> None:
+    leases = [Lease(k) for k in ("slurm:hpc:7:0:c1", "slurm:hpc:7:1:c1", "slurm:hpc:7:1:c2", "slurm:hpc:7:2:c1",
+                                 "slurm:hpc:70:0:c1", "slurm:x:7:0:c1", "other")]
+    assert keys_to_release(leases, "hpc", 7, 1) == ["slurm:hpc:7:0:c1", "slurm:hpc:7:1:c1", "slurm:hpc:7:1:c2"]
+
+
+@pytest.mark.parametrize("total, healthy, current, action, units", [
+    (400, 400, None, "none", 0), (400, 200, None, "create", 200), (400, 200, 200, "none", 200),
+    (400, 300, 200, "update", 100), (400, 400, 100, "delete", 0), (400, 0, None, "create", 400),
+])
+def test_plan_reservation(total: int, healthy: int, current: int | None, action: str, units: int) -> None:
+    plan = plan_reservation(total, healthy, current)
+    assert (plan.action, plan.units, plan.warning) == (action, units, "")
+
+
+def test_plan_reservation_warns_when_slurm_has_fewer_units_than_the_pool() -> None:
+    plan = plan_reservation(400, 600, None)
+    assert plan.action == "none" and "scontrol reconfigure" in plan.warning
+
+
+def test_parse_license_and_reservation() -> None:
+    lic = parse_show_license("LicenseName=rgpu\n    Total=400 Used=150 Free=50 Reserved=200 Remote=no\n")
+    assert lic is not None and (lic.total, lic.used, lic.reserved) == (400, 150, 200)
+    assert parse_show_license("LicenseName=matlab\n Total=4 Used=0\n") is None
+    resv = ("ReservationName=rgpu_capacity StartTime=2026-11-22T03:02:28 EndTime=2027-11-22T03:02:28\n"
+            "   Users=root Groups=(null) Accounts=(null) Licenses=matlab:1,rgpu:300 State=ACTIVE\n")
+    assert parse_reservation_licenses(resv) == 300
+    assert parse_reservation_licenses("Reservation rgpu_capacity not found") is None
+
+
+def gpu(server: str, memory: int) -> SimpleNamespace:
+    return SimpleNamespace(server=server, gpu=SimpleNamespace(usable_memory_bytes=memory))
+
+
+def test_render_slurm_config_with_live_numbers() -> None:
+    values = config_values([gpu("a:1", 80 << 30), gpu("a:1", 80 << 30), gpu("b:1", 40 << 30)], 200, 16,
+                           "/usr/libexec/rgpu/")
+    text = render_slurm_config(values)
+    assert "Licenses=rgpu:300\n" in text and "GresTypes=rgpu\n" in text
+    assert "PrologSlurmctld=/usr/libexec/rgpu/rgpu-prolog-slurmctld\n" in text
+    assert "Name=rgpu Count=3\n" in text                  # slices per node: at most the GPU count
+    assert "max_per_node = 3\n" in text and f"gpu_memory_bytes = {40 << 30}\n" in text
+    assert "3 GPU(s) on 2 server(s), 200 of 300 GPU-percent healthy" in text
+    only = render_slurm_config(values, ("gres.conf",))
+    assert only.startswith("# rgpu: lines for gres.conf") and "Licenses" not in only

@@ -1,0 +1,356 @@
+"""End to end on a real Slurm cluster (munge, slurmctld, slurmd c1..c3) with a real rgpu pool and
+two dispatchers (4 GPUs): real sbatch / srun / scancel / scontrol. Issue 3, item 6.
+
+Tests run in file order; the last one checks that no node was drained by anything before it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rgpu.adaptor import parse_adaptor_conf
+from tests.slurm.cluster import missing_requirements, wait_until
+from tests.slurm.conftest import PROLOG_DIR, Harness, pool_ready
+
+pytestmark = [pytest.mark.slurm,
+              pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements()))]
+
+JOB_USER = "nobody"   # jobs run as an ordinary user, so file ownership is tested for real
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+def diagnostics(h: Harness) -> str:
+    prolog_logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
+                            for p in sorted(h.slurm.logs.glob("*Prolog*.log")) + sorted(h.slurm.logs.glob("*Epilog*.log")))
+    return f"{h.slurm.log_tail(25)}\n{prolog_logs}\n--- poold\n{h.pool.pool.log()[-2000:] if h.pool.pool else ''}"
+
+
+@pytest.fixture
+def h(rgpu_slurm: Harness) -> Iterator[Harness]:
+    """The session cluster, idle before and after each test (no job, no lease, all 4 GPUs up)."""
+    rgpu_slurm.slurm.cancel_all_jobs()
+    wait_until("all 4 GPUs registered", lambda: pool_ready(rgpu_slurm.pool, 400) or None, 30)
+    wait_until("leases of earlier tests to go", lambda: not rgpu_slurm.leases() or None, 20)
+    yield rgpu_slurm
+    rgpu_slurm.slurm.cancel_all_jobs()
+
+
+def finished(h: Harness, job_id: str, timeout: float = 60.0) -> dict[str, str]:
+    try:
+        return h.slurm.wait_job_state(job_id, FINISHED, timeout)
+    except TimeoutError as exc:
+        raise AssertionError(f"{exc}\n{h.slurm.show_job(job_id)}\n{diagnostics(h)}") from None
+
+
+def no_lease_soon(h: Harness, job_id: str, timeout: float = 15.0) -> None:
+    try:
+        wait_until(f"job {job_id}'s leases to be released", lambda: not h.job_leases(job_id) or None, timeout)
+    except TimeoutError:
+        raise AssertionError(f"job {job_id} still holds {[lease.job_key for lease in h.job_leases(job_id)]}\n"
+                             f"{diagnostics(h)}") from None
+
+
+def confs_in_output(text: str) -> list[str]:
+    """adaptor.conf texts a job printed between BEGIN/END markers."""
+    return re.findall(r"^BEGIN\n(.*?)^END$", text, re.DOTALL | re.MULTILINE)
+
+
+SHOW_CONF = """\
+echo "CONF=$RGPU_ADAPTOR_CONF NODE=$SLURMD_NODENAME"
+ls -ln "$RGPU_ADAPTOR_CONF"
+echo BEGIN; cat "$RGPU_ADAPTOR_CONF"; echo END
+"""
+
+
+# 1 -----------------------------------------------------------------------------------------------
+def test_fraction_job_gets_two_half_slices_on_distinct_gpus(h: Harness) -> None:
+    job = h.slurm.submit(["--gres=rgpu:2", "--comment=fraction=0.5"], SHOW_CONF, user=JOB_USER)
+    info = finished(h, job)
+    out = h.slurm.job_output(job)
+    assert info["JobState"] == "COMPLETED", f"{info}\n{out}\n{diagnostics(h)}"
+    assert info["Licenses"] == "rgpu:100"
+    (text,) = confs_in_output(out)
+    conf = parse_adaptor_conf(text)
+    assert conf.user == JOB_USER and conf.job_id == f"slurm:rgputest:{job}:0:{info['NodeList']}"
+    assert len(conf.slices) == 2 and len({s.gpu_uuid for s in conf.slices}) == 2
+    with h.client() as c:
+        usable = {g.gpu.uuid: g.gpu.usable_memory_bytes for g in c.list_gpus()}
+    for s in conf.slices:
+        assert s.compute_percent == 50
+        assert s.memory_limit_bytes == usable[s.gpu_uuid] // 2
+    # mode 0600, owned by the job's user (uid of nobody)
+    listing = next(line for line in out.splitlines() if line.startswith("-"))
+    assert listing.startswith("-rw------- ") and listing.split()[2] == str(65534), listing
+    no_lease_soon(h, job)
+    assert not (h.run_dir / info["NodeList"] / job).exists(), "the node Epilog left the job's files"
+    # PrologSlurmctld logged its one line, well inside MessageTimeout (10 s).
+    log = (h.slurm.logs / "PrologSlurmctld.log").read_text()
+    (seconds,) = re.findall(rf"rgpu-prolog-slurmctld\[job {job}\]: allocated \S+ in ([0-9.]+) s", log)
+    assert float(seconds) < 3.0, log
+
+
+# 2 -----------------------------------------------------------------------------------------------
+def test_demand_above_capacity_waits_on_licenses_then_runs(h: Harness) -> None:
+    # 3 jobs of 2 whole GPUs each on a pool of 4 GPUs: the third must wait, then run.
+    jobs = [h.slurm.submit(["--gres=rgpu:2", "--comment=fraction=1"], "sleep 4\n", user=JOB_USER) for _ in range(3)]
+    wait_until("two jobs running", lambda: sum(h.slurm.job_state(j) == "RUNNING" for j in jobs) == 2 or None, 30)
+    (waiting,) = [j for j in jobs if h.slurm.job_state(j) == "PENDING"]
+    # Slurm shows "Priority" until a scheduler pass has looked at the job's licenses.
+    wait_until("the third job to wait on Licenses",
+               lambda: h.slurm.show_job(waiting).get("Reason") == "Licenses" or None, 15)
+    states = [finished(h, j, 60)["JobState"] for j in jobs]
+    assert states == ["COMPLETED"] * 3, f"{states}\n{diagnostics(h)}"
+    assert all(h.slurm.show_job(j)["Restarts"] == "0" for j in jobs), "a job was requeued: the prolog failed"
+
+
+# 3 -----------------------------------------------------------------------------------------------
+def test_scancel_releases_the_lease_within_seconds(h: Harness) -> None:
+    job = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.25"], "sleep 300\n", user=JOB_USER)
+    h.slurm.wait_job_state(job, "RUNNING", 30)
+    wait_until("the job's lease", lambda: h.job_leases(job) or None, 10)
+    started = time.monotonic()
+    h.slurm.command(["scancel", job])
+    no_lease_soon(h, job, timeout=10)
+    assert time.monotonic() - started < 10
+
+
+# 4 -----------------------------------------------------------------------------------------------
+BAD_REQUESTS = [
+    (["--gres=rgpu:1", "--comment=fraction=0"], "invalid fraction '0'"),
+    (["--gres=rgpu:1", "--comment=fraction=-1"], "invalid fraction '-1'"),
+    (["--gres=rgpu:1", "--comment=fraction=1.5"], "invalid fraction '1.5'"),
+    (["--gres=rgpu:1", "--comment=fraction=abc"], "invalid fraction 'abc'"),
+    (["--gres=rgpu:0"], "count of slices per node must be from 1 to 4"),
+    (["--gres=rgpu:5"], "count of slices per node must be from 1 to 4"),
+    (["--gres=rgpu:1", "-N", "1-3"], "variable node count"),
+    (["--gres=rgpu:1", "--comment=fraction=0.5 memory=8G"], "both fraction and memory"),
+    (["--gres=rgpu:1", '--comment=fraction=0.5"\ntoken = "forged'], "characters rgpu does not accept"),
+    (["--gres=rgpu:1", "--comment=fraction=$(touch /tmp/rgpu-pwned)"], "characters rgpu does not accept"),
+    (["--gres=rgpu:1", "--comment=fraction=0.5; touch /tmp/rgpu-pwned"], "characters rgpu does not accept"),
+    (["--gres=rgpu:1", "-L", "rgpu:10"], "do not ask for the rgpu license yourself"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_REQUESTS, ids=[m for _, m in BAD_REQUESTS])
+def test_bad_requests_are_refused_at_submit(h: Harness, args: list[str], message: str) -> None:
+    out = h.slurm.sbatch(args, "true\n", user=JOB_USER, check=False)
+    assert out.returncode != 0, f"sbatch {args} was accepted: {out.stdout}"
+    assert "rgpu: job_submit: " in out.stderr and message in out.stderr, out.stderr
+    assert not Path("/tmp/rgpu-pwned").exists()
+
+
+def test_update_of_a_pending_job_recomputes_or_refuses(h: Harness) -> None:
+    job = h.slurm.submit(["--hold", "--gres=rgpu:2", "--comment=fraction=0.5"], "true\n")
+    assert h.slurm.show_job(job)["Licenses"] == "rgpu:100"
+    h.slurm.command(["scontrol", "update", f"job={job}", "comment=fraction=0.25"])
+    assert h.slurm.show_job(job)["Licenses"] == "rgpu:50"
+    h.slurm.command(["scontrol", "update", f"job={job}", "gres=rgpu:3"])
+    assert h.slurm.show_job(job)["Licenses"] == "rgpu:75"
+    bad = h.slurm.command(["scontrol", "update", f"job={job}", "comment=fraction=2"], check=False)
+    assert bad.returncode != 0 and "Invalid generic resource" in bad.stderr, bad
+    assert h.slurm.show_job(job)["Comment"] == "fraction=0.25"
+    h.slurm.command(["scancel", job])
+
+
+# 5 -----------------------------------------------------------------------------------------------
+def test_pool_killed_and_restarted_while_a_job_runs(h: Harness) -> None:
+    job = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.5"], "sleep 6\n" + SHOW_CONF, user=JOB_USER)
+    h.slurm.wait_job_state(job, "RUNNING", 30)
+    wait_until("the job's lease", lambda: h.job_leases(job) or None, 10)
+    assert h.pool.pool is not None
+    h.pool.pool.kill()                       # SIGKILL: no clean shutdown
+    time.sleep(1)
+    h.pool.start_pool()                      # same port, same state file
+    wait_until("the dispatchers to re-register", lambda: pool_ready(h.pool, 400) or None, 30)
+    info = finished(h, job, 60)
+    assert info["JobState"] == "COMPLETED", f"{info}\n{h.slurm.job_output(job)}\n{diagnostics(h)}"
+    assert len(confs_in_output(h.slurm.job_output(job))) == 1
+    no_lease_soon(h, job, timeout=20)
+
+
+# 6 -----------------------------------------------------------------------------------------------
+def test_two_nodes_get_one_slice_each_in_their_own_adaptor_conf(h: Harness) -> None:
+    body = "srun -N 2 -n 2 sh -c '" + SHOW_CONF.replace("'", "'\\''") + "'\n"
+    job = h.slurm.submit(["-N", "2", "--gres=rgpu:1", "--comment=fraction=0.5"], body, user=JOB_USER)
+    info = finished(h, job)
+    out = h.slurm.job_output(job)
+    assert info["JobState"] == "COMPLETED", f"{info}\n{out}\n{diagnostics(h)}"
+    assert info["Licenses"] == "rgpu:100"
+    confs = [parse_adaptor_conf(t) for t in confs_in_output(out)]
+    assert len(confs) == 2
+    assert {c.job_id.rsplit(":", 1)[1] for c in confs} == set(re.findall(r"NODE=(\S+)", out)) and len(set(re.findall(r"NODE=(\S+)", out))) == 2
+    assert all(len(c.slices) == 1 and c.slices[0].compute_percent == 50 for c in confs)
+    no_lease_soon(h, job)
+
+
+def test_interactive_srun_gets_its_slices_too(h: Harness) -> None:
+    out = h.slurm.command(["srun", f"--chdir={h.slurm.jobs_dir}", "--gres=rgpu:1", "--comment=fraction=0.25",
+                           "sh", "-c", SHOW_CONF], user=JOB_USER, timeout=60)
+    (text,) = confs_in_output(out.stdout)
+    conf = parse_adaptor_conf(text)
+    assert len(conf.slices) == 1 and conf.slices[0].compute_percent == 25 and conf.user == JOB_USER
+    job = conf.job_id.split(":")[2]
+    no_lease_soon(h, job)
+
+
+# 7 -----------------------------------------------------------------------------------------------
+def run_script(h: Harness, name: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    full = {"PATH": os.environ["PATH"], "PYTHONPATH": str(PROLOG_DIR.parent), "SLURM_CLUSTER_NAME": "rgputest",
+            "RGPU_CONFIG": str(h.pool.root / "rgpu.toml"), "RGPU_POOL": h.pool.pool_address,
+            "RGPU_SECRET_FILE": str(h.pool.secret_file), **env}
+    return subprocess.run([sys.executable, str(PROLOG_DIR / name)], env=full, capture_output=True, text=True,
+                          timeout=30)
+
+
+def test_epilogs_run_twice_or_after_release_are_harmless(h: Harness) -> None:
+    job = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.5"], SHOW_CONF, user=JOB_USER)
+    info = finished(h, job)
+    assert info["JobState"] == "COMPLETED"
+    no_lease_soon(h, job)
+    node = info["NodeList"]
+    env = {"SLURM_JOB_ID": job, "SLURM_JOB_RESTART_COUNT": "0", "SLURM_JOB_NODELIST": node,
+           "SLURMD_NODENAME": node, "RGPU_RUN_DIR": str(h.run_dir / node)}
+    for _ in range(2):   # after Slurm's own run: twice more, late
+        for script in ("rgpu-epilog-slurmctld", "rgpu-epilog"):
+            out = run_script(h, script, env)
+            assert out.returncode == 0 and out.stderr == "", (script, out)
+    # A lease the epilog has to release, twice, and one of a later restart it must not touch.
+    with h.client() as c:
+        c.allocate(f"slurm:rgputest:{job}:0:{node}", JOB_USER, 1, fraction=0.1)
+        c.allocate(f"slurm:rgputest:{job}:1:{node}", JOB_USER, 1, fraction=0.1)
+    assert run_script(h, "rgpu-epilog-slurmctld", env).returncode == 0
+    assert run_script(h, "rgpu-epilog-slurmctld", env).returncode == 0
+    assert [lease.job_key for lease in h.job_leases(job)] == [f"slurm:rgputest:{job}:1:{node}"]
+    with h.client() as c:
+        c.release(f"slurm:rgputest:{job}:1:{node}")
+
+
+# ----------------------------------------------------------------------------------------------
+def test_reconciler_releases_leases_of_gone_jobs_and_reports_missing(h: Harness) -> None:
+    import logging
+
+    from rgpu.slurm_plugin.reconcile import Reconciler
+    from rgpu.slurm_plugin.squeue import SqueueBackend
+
+    job = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.5"], "sleep 300\n", user=JOB_USER)
+    h.slurm.wait_job_state(job, "RUNNING", 30)
+    wait_until("the job's lease", lambda: h.job_leases(job) or None, 10)
+    with h.client() as pool:
+        pool.allocate("slurm:rgputest:999999:0:c1", "nobody", 1, fraction=0.1)   # its job never existed
+        pool.allocate("slurm:othercluster:999999:0:c1", "nobody", 1, fraction=0.1)
+        pool.allocate("admin-request-1", "nobody", 1, fraction=0.1)
+        rec = Reconciler(pool, SqueueBackend(env=h.slurm.env), interval_seconds=0.5, grace_seconds=1.0,
+                         log=logging.getLogger("test-reconciler"), cluster_lookup=lambda: "rgputest")
+        first = rec.run_once()
+        assert first is not None and first.release == () and first.missing == ()
+        time.sleep(1.1)
+        second = rec.run_once()
+        assert second is not None and second.release == ("slurm:rgputest:999999:0:c1",)
+        keys = {lease.job_key for lease in pool.list_leases()}
+        assert "slurm:rgputest:999999:0:c1" not in keys
+        assert {"slurm:othercluster:999999:0:c1", "admin-request-1"} <= keys
+        assert h.job_leases(job), "the running job's lease was released"
+        for lease in h.job_leases(job):
+            pool.release(lease.job_key)
+        third = rec.run_once()
+        assert third is not None and third.missing == (int(job),)
+        pool.release("slurm:othercluster:999999:0:c1")
+        pool.release("admin-request-1")
+    assert rec.cluster == "rgputest"
+
+
+def test_license_reservation_follows_drained_servers(h: Harness) -> None:
+    import logging
+
+    from rgpu.slurm_plugin.licenses import LicenseSync, SlurmLicenses
+
+    slurm = SlurmLicenses(env=h.slurm.env)
+    with h.client() as pool:
+        sync = LicenseSync(pool, slurm, logging.getLogger("test-licenses"))
+        server = pool.list_servers().servers[0].address
+        assert sync.sync_once().action == "none" and slurm.current_hold() is None
+        pool.set_server_state(server, drained=True)
+        try:
+            plan = sync.sync_once()
+            assert plan is not None and (plan.action, plan.units) == ("create", 200)
+            assert slurm.current_hold() == 200 and slurm.license().reserved == 200
+            job = h.slurm.submit(["--gres=rgpu:3", "--comment=fraction=1"], "true\n", user=JOB_USER)
+            wait_until("the job to wait on Licenses", lambda: h.slurm.show_job(job).get("Reason") == "Licenses" or None, 15)
+        finally:
+            pool.set_server_state(server, drained=False)
+        # The loop the pool daemon runs: a trigger (capacity listener) syncs at once.
+        sync.start(interval_seconds=3600)
+        try:
+            sync.trigger()
+            wait_until("the reservation to go", lambda: slurm.current_hold() is None or None, 10)
+        finally:
+            sync.stop()
+        assert finished(h, job)["JobState"] == "COMPLETED"
+
+
+def test_pool_daemon_hooks_reconcile_and_sync_licenses(h: Harness, tmp_path: Path) -> None:
+    """start_slurm_integration on a real in-process pool core, as rgpu-poold will run it."""
+    import logging
+
+    from rgpu.config import Settings
+    from rgpu.model import GpuInfo, ServerInfo
+    from rgpu.remoting.pool_core import AllocationRequest
+    from rgpu.remoting.poold import running_pool
+    from rgpu.slurm_plugin.licenses import ReservationPlan, SlurmLicenses
+    from rgpu.slurm_plugin.poolhooks import start_slurm_integration
+
+    licenses = SlurmLicenses(env=h.slurm.env)
+    settings = Settings(listen="127.0.0.1:0", state=str(tmp_path / "pool.db"))
+    gpus = tuple(GpuInfo(f"GPU-0000000{i}-hook", i, "Test GPU", 80 << 30, 80 << 30, "9.0") for i in range(2))
+    with running_pool(settings, h.pool.secret) as (_, core):
+        core.register(ServerInfo("127.0.0.1:1", "hooks", "580", "13.0", gpus, static_inventory=True))
+        core.allocate(AllocationRequest(job_key="slurm:rgputest:999998:0:c1", user="nobody", count=1, fraction=0.5))
+        hooks = start_slurm_integration(core, interval_seconds=0.3, grace_seconds=0.5, backend="squeue",
+                                        license_sync=True, log=logging.getLogger("test-hooks"), env=h.slurm.env)
+        try:
+            wait_until("the reconciler to release the gone job's lease", lambda: not core.list_leases() or None, 10)
+            # 2 healthy GPUs against Licenses=rgpu:400: 200 units held back.
+            wait_until("the reservation", lambda: licenses.current_hold() == 200 or None, 10)
+            core.set_drained("127.0.0.1:1", True)       # a capacity listener call: sync at once
+            wait_until("the reservation to grow", lambda: licenses.current_hold() == 400 or None, 5)
+        finally:
+            hooks.stop()
+            licenses.apply(ReservationPlan("delete", 0))
+    assert hooks.reconciler is not None and hooks.reconciler.cluster == "rgputest"
+
+
+def test_squeue_json_of_the_live_cluster_parses(h: Harness) -> None:
+    from rgpu.slurm_plugin.squeue import SqueueBackend, squeue_command
+
+    plain = h.slurm.submit([], "true\n")
+    finished(h, plain)
+    held = h.slurm.submit(["--hold", "-N", "2", "--gres=rgpu:2", "--comment=memory=8G"], "true\n", user=JOB_USER)
+    job = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.5"], "sleep 300\n", user=JOB_USER)
+    h.slurm.wait_job_state(job, "RUNNING", 30)
+    capture = os.environ.get("RGPU_CAPTURE_DIR")   # set to tests/data to refresh the captured samples
+    if capture:
+        version = h.slurm.command(["squeue", "--version"]).stdout.split()[-1]
+        Path(capture, f"squeue-{version}-captured.json").write_text(h.slurm.command(squeue_command()).stdout)
+        Path(capture, f"scontrol-show-job-{version}-captured.txt").write_text(
+            h.slurm.command(["scontrol", "show", "job", "-d", job]).stdout)
+    jobs = {str(j.job_id): j for j in SqueueBackend(env=h.slurm.env).jobs()}
+    mine = jobs[job]
+    assert (mine.state, mine.user, mine.cluster, mine.rgpu_count(), mine.comment, mine.live) == (
+        "RUNNING", JOB_USER, "rgputest", 1, "fraction=0.5", True)
+    assert (jobs[held].state, jobs[held].rgpu_count(), jobs[held].live) == ("PENDING", 2, True)
+    assert (jobs[plain].state, jobs[plain].rgpu_count(), jobs[plain].live) == ("COMPLETED", None, False)
+
+
+# 8 (last) ----------------------------------------------------------------------------------------
+def test_no_node_was_drained(rgpu_slurm: Harness) -> None:
+    states = rgpu_slurm.slurm.node_states()
+    assert len(states) == 3
+    assert not [s for s in states.values() if "drain" in s or "down" in s], f"{states}\n{diagnostics(rgpu_slurm)}"

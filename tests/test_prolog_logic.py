@@ -1,0 +1,191 @@
+"""Prolog and epilog steps against a real rgpu-poold and two dispatchers (no Slurm needed: the
+environment Slurm would give is written out, and the one Slurm query is passed in)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from rgpu.slurm_plugin import prolog_main
+from rgpu.slurm_plugin.prolog_logic import (
+    epilog_slurmctld,
+    node_epilog,
+    node_prolog,
+    prolog_slurmctld,
+)
+from rgpu.slurm_plugin.scontrol import JobInfo
+
+from rgpu.adaptor import read_adaptor_conf
+from rgpu.errors import CapacityError
+from tests.daemons import EXAMPLES, REPO, RgpuCluster, wait_for
+
+PROLOG_DIR = REPO / "prolog"
+NOBODY = 65534
+
+
+@pytest.fixture
+def pool(tmp_path: Path) -> Iterator[RgpuCluster]:
+    c = RgpuCluster(tmp_path / "pool")
+    c.write_config(down_after_seconds=3.0, heartbeat_interval_seconds=0.5, reclaim_interval_seconds=0.5)
+    c.start_pool()
+    for inventory in ("inventory-a.toml", "inventory-b.toml"):
+        c.start_dispatcher(EXAMPLES / inventory)
+
+    def ready() -> bool:
+        with c.client() as client:
+            return client.capacity().total_units == 400
+
+    wait_for(ready, timeout=30, what="4 GPUs in the pool")
+    yield c
+    c.stop_all()
+
+
+def job_env(pool: RgpuCluster, run_dir: Path, job_id: int = 42, nodes: str = "c[1-2]", node: str = "c1",
+            restart: int = 0) -> dict[str, str]:
+    return {"SLURM_CLUSTER_NAME": "hpc", "SLURM_JOB_ID": str(job_id), "SLURM_JOB_USER": "nobody",
+            "SLURM_JOB_UID": str(NOBODY), "SLURM_JOB_GID": str(NOBODY), "SLURM_JOB_ACCOUNT": "(null)",
+            "SLURM_JOB_RESTART_COUNT": str(restart), "SLURM_JOB_NODELIST": nodes, "SLURMD_NODENAME": node,
+            "RGPU_POOL": pool.pool_address, "RGPU_SECRET_FILE": str(pool.secret_file),
+            "RGPU_CONFIG": str(pool.root / "rgpu.toml"), "RGPU_RUN_DIR": str(run_dir)}
+
+
+def info(job_id: int = 42, tres: str = "gres:rgpu:2", comment: str = "fraction=0.5", nodes: str = "c[1-2]") -> JobInfo:
+    return JobInfo(job_id=str(job_id), user="nobody", uid=NOBODY, account="", state="RUNNING", restart_count=0,
+                   node_names=nodes, node_count=2, tres_per_node=tres, comment=comment)
+
+
+def keys(pool: RgpuCluster) -> list[str]:
+    with pool.client() as c:
+        return sorted(lease.job_key for lease in c.list_leases())
+
+
+def test_prolog_slurmctld_allocates_one_lease_per_node_once(pool: RgpuCluster, tmp_path: Path) -> None:
+    env = job_env(pool, tmp_path)
+    queries: list[int] = []
+
+    def query(job_id: int) -> JobInfo:
+        queries.append(job_id)
+        return info()
+
+    got = prolog_slurmctld(env, pool.client, query)
+    assert got == ["slurm:hpc:42:0:c1", "slurm:hpc:42:0:c2"] and queries == [42]
+    again = prolog_slurmctld(env, pool.client, query)         # a retried prolog: same leases, no new ones
+    assert again == got and keys(pool) == got
+    with pool.client() as c:
+        for key in got:
+            lease = c.get_lease(key)
+            assert len(lease.slices) == 2 and len({s.gpu_uuid for s in lease.slices}) == 2
+            assert {s.compute_percent for s in lease.slices} == {50} and lease.user == "nobody"
+
+
+def test_prolog_slurmctld_skips_jobs_without_rgpu(pool: RgpuCluster, tmp_path: Path) -> None:
+    def no_pool():  # type: ignore[no-untyped-def]
+        raise AssertionError("a job without rgpu must not contact the pool")
+
+    assert prolog_slurmctld(job_env(pool, tmp_path), no_pool, lambda _: info(tres="")) == []
+
+
+def test_prolog_slurmctld_failure_releases_what_it_got(pool: RgpuCluster, tmp_path: Path) -> None:
+    env = job_env(pool, tmp_path, nodes="c[1-3]")
+    with pytest.raises(CapacityError):
+        prolog_slurmctld(env, pool.client, lambda _: info(comment="fraction=1", nodes="c[1-3]"))
+    assert keys(pool) == []
+
+
+def test_prolog_slurmctld_entry_point_exit_codes(pool: RgpuCluster, tmp_path: Path) -> None:
+    env = job_env(pool, tmp_path)
+    env["PATH"] = "/nonexistent"           # scontrol cannot run: the failure is one line and exit 1
+    assert prolog_main.prolog_slurmctld_main(env) == 1
+
+
+def test_node_prolog_writes_a_private_adaptor_conf_for_the_job_user(pool: RgpuCluster, tmp_path: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give files to another user")
+    prolog_slurmctld(job_env(pool, tmp_path), pool.client, lambda _: info())
+    path = node_prolog(job_env(pool, tmp_path, node="c2"), pool.client)
+    assert path == tmp_path / "42" / "adaptor.conf"
+    st, dst = path.stat(), path.parent.stat()
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid) == (0o600, NOBODY, NOBODY)
+    assert (stat.S_IMODE(dst.st_mode), dst.st_uid) == (0o700, NOBODY)
+    conf = read_adaptor_conf(path)
+    assert conf.job_id == "slurm:hpc:42:0:c2" and conf.user == "nobody" and len(conf.slices) == 2
+
+
+def test_node_prolog_without_a_lease_writes_nothing(pool: RgpuCluster, tmp_path: Path) -> None:
+    assert node_prolog(job_env(pool, tmp_path, job_id=7), pool.client) is None
+    assert not (tmp_path / "7").exists()
+
+
+def test_node_prolog_never_fails_and_records_why(pool: RgpuCluster, tmp_path: Path) -> None:
+    env = job_env(pool, tmp_path)
+    env["RGPU_POOL"] = "127.0.0.1:1"       # nothing listens there
+    assert prolog_main.prolog_main(env) == 0
+    error = (tmp_path / "42" / "error").read_text()
+    assert error.startswith("rgpu: pool: pool daemon at 127.0.0.1:1 did not answer") and error.count("\n") == 1
+    assert not (tmp_path / "42" / "adaptor.conf").exists()
+    # A later successful run replaces the error with the conf.
+    prolog_slurmctld(job_env(pool, tmp_path), pool.client, lambda _: info())
+    assert prolog_main.prolog_main(job_env(pool, tmp_path)) == 0
+    assert (tmp_path / "42" / "adaptor.conf").exists() and not (tmp_path / "42" / "error").exists()
+
+
+def test_epilogs_are_idempotent(pool: RgpuCluster, tmp_path: Path) -> None:
+    env = job_env(pool, tmp_path)
+    prolog_slurmctld(env, pool.client, lambda _: info())
+    node_prolog(env, pool.client)
+    assert epilog_slurmctld(env, pool.client) == ["slurm:hpc:42:0:c1", "slurm:hpc:42:0:c2"]
+    assert epilog_slurmctld(env, pool.client) == []
+    assert keys(pool) == []
+    assert node_epilog(env) is True and node_epilog(env) is False
+    assert not (tmp_path / "42").exists()
+    assert prolog_main.epilog_slurmctld_main(env) == 0 and prolog_main.epilog_main(env) == 0
+
+
+def test_epilog_slurmctld_reports_an_unreachable_pool(tmp_path: Path) -> None:
+    env = {"SLURM_CLUSTER_NAME": "hpc", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "c1",
+           "RGPU_POOL": "127.0.0.1:1", "RGPU_SECRET_FILE": str(tmp_path / "missing"),
+           "RGPU_CONFIG": str(tmp_path / "none.toml")}
+    (tmp_path / "none.toml").write_text("")
+    assert prolog_main.epilog_slurmctld_main(env) == 1
+
+
+def test_node_epilog_removes_what_the_job_left_without_following_links(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("x")
+    job_dir = tmp_path / "run" / "9"
+    job_dir.mkdir(parents=True)
+    (job_dir / "link").symlink_to(outside)
+    env = {"SLURM_CLUSTER_NAME": "hpc", "SLURM_JOB_ID": "9", "RGPU_RUN_DIR": str(tmp_path / "run")}
+    assert prolog_main.epilog_main(env) == 0
+    assert not job_dir.exists() and (outside / "keep").exists()
+    assert prolog_main.epilog_main({"SLURM_JOB_ID": "not-a-number"}) == 0   # never fails
+
+
+@pytest.mark.parametrize("job_id, made, expected", [
+    ("42", True, "export RGPU_ADAPTOR_CONF={run}/42/adaptor.conf\n"),
+    ("42", False, ""),
+    ("42;id", True, ""),
+    ("", True, ""),
+])
+def test_task_prolog(tmp_path: Path, job_id: str, made: bool, expected: str) -> None:
+    if made:
+        (tmp_path / "42").mkdir()
+    out = subprocess.run([str(PROLOG_DIR / "rgpu-task-prolog")], env={"SLURM_JOB_ID": job_id, "RGPU_RUN_DIR": str(tmp_path)},
+                         capture_output=True, text=True, timeout=10)
+    assert out.returncode == 0 and out.stdout == expected.format(run=tmp_path)
+
+
+@pytest.mark.parametrize("script", ["rgpu-prolog-slurmctld", "rgpu-prolog", "rgpu-epilog-slurmctld", "rgpu-epilog"])
+def test_entry_scripts_run_without_slurm(script: str, tmp_path: Path) -> None:
+    """The thin scripts start and map a missing Slurm environment to their documented exit code."""
+    out = subprocess.run([sys.executable, str(PROLOG_DIR / script)], capture_output=True, text=True, timeout=30,
+                         env={"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), "RGPU_RUN_DIR": str(tmp_path)})
+    expected = {"rgpu-prolog-slurmctld": 1, "rgpu-epilog-slurmctld": 1}.get(script, 0)
+    assert out.returncode == expected, out
+    assert "$SLURM_JOB_ID is not set" in out.stderr

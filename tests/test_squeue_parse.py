@@ -1,0 +1,96 @@
+"""Parsing Slurm's output: `squeue --json` (22.05 captured, 24.05 documented shape) and
+`scontrol show job -d` (22.05 captured). Samples live in tests/data/."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from rgpu.slurm_plugin.scontrol import (
+    job_info_from_fields,
+    parse_show_config,
+    parse_show_job,
+    rgpu_request_of,
+)
+from rgpu.slurm_plugin.squeue import (
+    SqueueBackend,
+    parse_job,
+    parse_squeue_json,
+    squeue_command,
+)
+
+from rgpu.errors import RgpuError
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_squeue_22_05_captured() -> None:
+    jobs = {j.job_id: j for j in parse_squeue_json((DATA / "squeue-22.05.8-captured.json").read_text())}
+    assert set(jobs) == {1, 2, 3}
+    plain, held, running = jobs[1], jobs[2], jobs[3]
+    assert (plain.state, plain.live, plain.rgpu_count()) == ("COMPLETED", False, None)
+    assert (held.state, held.live, held.running, held.rgpu_count(), held.comment, held.user) == (
+        "PENDING", True, False, 2, "memory=8G", "nobody")
+    assert (running.state, running.live, running.rgpu_count(), running.nodes, running.cluster) == (
+        "RUNNING", True, 1, "c1", "rgputest")
+    # Captured while its PrologSlurmctld ran: RUNNING with reason Prolog is not "running" yet.
+    assert running.reason == "Prolog" and not running.running
+
+
+def test_squeue_24_05_documented_shape() -> None:
+    jobs = {j.job_id: j for j in parse_squeue_json((DATA / "squeue-24.05-documented-shape.json").read_text())}
+    assert (jobs[101].state, jobs[101].running, jobs[101].rgpu_count(), jobs[101].nodes) == ("RUNNING", True, 2, "c[1-2]")
+    assert (jobs[102].state, jobs[102].reason, jobs[102].live) == ("PENDING", "Licenses", True)
+    assert (jobs[103].state, jobs[103].flags, jobs[103].live) == ("COMPLETED", ("COMPLETING",), True)
+    assert (jobs[104].state, jobs[104].flags, jobs[104].restart_count) == ("PENDING", ("REQUEUED",), 1)
+    assert (jobs[105].state, jobs[105].live) == ("CANCELLED", False)
+
+
+@pytest.mark.parametrize("value, expected", [
+    (7, 7), ({"set": True, "infinite": False, "number": 7}, 7), ({"set": False, "infinite": False, "number": 7}, 0),
+    ({"set": True, "infinite": True, "number": 0}, 0), (None, 0), ("12", 12),
+])
+def test_numbers_in_both_shapes(value: object, expected: int) -> None:
+    assert parse_job({"job_id": value, "job_state": "RUNNING"}).job_id == expected
+
+
+def test_errors_and_garbage_are_reported() -> None:
+    with pytest.raises(RgpuError, match="not JSON"):
+        parse_squeue_json("squeue: error: Invalid user")
+    with pytest.raises(RgpuError, match="reported errors"):
+        parse_squeue_json(json.dumps({"errors": [{"error": "Unable to contact slurm controller"}], "jobs": []}))
+    assert parse_squeue_json(json.dumps({"jobs": []})) == []
+
+
+def test_squeue_command_and_missing_binary() -> None:
+    assert squeue_command() == ["squeue", "--json"]
+    backend = SqueueBackend(env={"PATH": "/nonexistent"})
+    with pytest.raises(RgpuError) as info:
+        backend.live_jobs()
+    assert "`squeue --json` exited 127" in str(info.value) and "not installed" in str(info.value)
+
+
+def test_scontrol_show_job_22_05_captured() -> None:
+    fields = parse_show_job((DATA / "scontrol-show-job-22.05.8-captured.txt").read_text())
+    info = job_info_from_fields(fields)
+    assert (info.job_id, info.user, info.uid, info.account, info.restart_count, info.node_names, info.node_count) == (
+        "3", "nobody", 65534, "", 0, "c1", 1)
+    assert (info.tres_per_node, info.comment, fields["Licenses"]) == ("gres:rgpu:1", "fraction=0.5", "rgpu:50")
+    req = rgpu_request_of(info)
+    assert req is not None and (req.count, req.fraction) == (1, 0.5)
+
+
+def test_scontrol_comment_with_spaces_and_equals() -> None:
+    text = "JobId=7 JobName=x\n   UserId=alice(1000) GroupId=users(100)\n   Comment=run 3, fraction=0.25 seed=1 \n" \
+           "   TresPerNode=gres/rgpu:2\n   NumNodes=2-2 NodeList=c[1-2]\n"
+    info = job_info_from_fields(parse_show_job(text))
+    assert (info.comment, info.node_count, info.tres_per_node) == ("run 3, fraction=0.25 seed=1", 2, "gres/rgpu:2")
+    req = rgpu_request_of(info)
+    assert req is not None and (req.count, req.fraction) == (2, 0.25)
+
+
+def test_scontrol_show_config() -> None:
+    cfg = parse_show_config("Configuration data as of 2026-01-01T00:00:00\nAccountingStorageBackupHost = (null)\n"
+                            "ClusterName             = rgputest\nMessageTimeout          = 10 sec\n")
+    assert cfg["ClusterName"] == "rgputest" and cfg["MessageTimeout"] == "10 sec"
