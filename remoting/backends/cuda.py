@@ -1,0 +1,540 @@
+"""The real-GPU backend: NVIDIA's driver, called by exact versioned symbol.
+
+Generated entry points come from api_gen.CudaDriverCalls (ctypes, argtypes from the spec); this
+class adds what needs semantics: contexts, allocations, copies through pinned staging buffers,
+module loads that report every function's parameter layout (cuFuncGetParamInfo), launches from
+one packed parameter buffer, and pointer attributes copied with exactly the width the driver
+writes.
+
+Why ctypes rather than cuda.bindings' Python API: the client is called through a specific
+versioned symbol (cuCtxCreate_v2 and _v4 take different arguments; CUDA 13 changed signatures
+under the same base name), and cuda.bindings exposes only the newest version of each name. The
+worker forwards each call to the same symbol with the same C arguments, and the launch path
+costs one ctypes call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections import deque
+from collections.abc import Iterator
+from typing import Any
+
+from rgpu.remoting.api_gen import CUDA_ARGTYPES, CudaDriverCalls, bind
+from rgpu.remoting.backends.base import (
+    INVALID_HANDLE,
+    INVALID_VALUE,
+    NOT_SUPPORTED,
+    SUCCESS,
+    CudaError,
+    FnInfo,
+    LoadResult,
+    cu,
+)
+
+c_void_p, c_int, c_uint, c_size_t, c_uint64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_size_t, ctypes.c_uint64
+byref = ctypes.byref
+P = ctypes.POINTER
+
+STAGING_SLOTS = 16
+STAGING_BYTES = 1 << 20
+DTOH_CHUNK = 4 << 20
+MAX_PARAM_BYTES = 32768
+
+JIT_INFO_LOG_BUFFER = 3
+JIT_INFO_LOG_BUFFER_SIZE = 4
+JIT_ERROR_LOG_BUFFER = 5
+JIT_ERROR_LOG_BUFFER_SIZE = 6
+MEMHOSTALLOC_PORTABLE = 1
+LAUNCH_ATTRIBUTE_COOPERATIVE = cu("CU_LAUNCH_ATTRIBUTE_COOPERATIVE")
+
+# What a GPU across the network cannot do for this client, whatever the local driver says.
+_ATTRIBUTE_OVERRIDES = {cu(f"CU_DEVICE_ATTRIBUTE_{name}"): 0 for name in (
+    "CAN_MAP_HOST_MEMORY", "MANAGED_MEMORY", "CONCURRENT_MANAGED_ACCESS", "PAGEABLE_MEMORY_ACCESS",
+    "PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES", "DIRECT_MANAGED_MEM_ACCESS_FROM_HOST",
+    "HOST_NATIVE_ATOMIC_SUPPORTED", "CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM", "COOPERATIVE_MULTI_DEVICE_LAUNCH",
+    "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED", "HANDLE_TYPE_FABRIC_SUPPORTED", "IPC_EVENT_SUPPORTED",
+    "DMA_BUF_SUPPORTED", "GPU_DIRECT_RDMA_SUPPORTED", "HOST_ALLOC_DMA_BUF_SUPPORTED")}
+
+
+class CUDA_MEMCPY2D(ctypes.Structure):
+    _fields_ = [("srcXInBytes", c_size_t), ("srcY", c_size_t), ("srcMemoryType", c_int), ("srcHost", c_void_p),
+                ("srcDevice", c_uint64), ("srcArray", c_void_p), ("srcPitch", c_size_t),
+                ("dstXInBytes", c_size_t), ("dstY", c_size_t), ("dstMemoryType", c_int), ("dstHost", c_void_p),
+                ("dstDevice", c_uint64), ("dstArray", c_void_p), ("dstPitch", c_size_t),
+                ("WidthInBytes", c_size_t), ("Height", c_size_t)]
+
+
+class CUlaunchConfig(ctypes.Structure):
+    _fields_ = [("gridDimX", c_uint), ("gridDimY", c_uint), ("gridDimZ", c_uint), ("blockDimX", c_uint),
+                ("blockDimY", c_uint), ("blockDimZ", c_uint), ("sharedMemBytes", c_uint), ("hStream", c_void_p),
+                ("attrs", c_void_p), ("numAttrs", c_uint)]
+
+
+# Hand-written calls: (symbol, argtypes).
+_MANUAL = {
+    "cuInit": [c_uint],
+    "cuDriverGetVersion": [P(c_int)],
+    "cuDeviceGet": [P(c_int), c_int],
+    "cuCtxSetCurrent": [c_void_p],
+    "cuDevicePrimaryCtxRetain": [P(c_void_p), c_int],
+    "cuCtxCreate_v4": [P(c_void_p), c_void_p, c_uint, c_int],
+    "cuCtxDestroy_v2": [c_void_p],
+    "cuMemAlloc_v2": [P(c_uint64), c_size_t],
+    "cuMemAllocPitch_v2": [P(c_uint64), P(c_size_t), c_size_t, c_size_t, c_uint],
+    "cuMemAllocAsync": [P(c_uint64), c_size_t, c_void_p],
+    "cuMemAllocFromPoolAsync": [P(c_uint64), c_size_t, c_void_p, c_void_p],
+    "cuMemFree_v2": [c_uint64],
+    "cuMemFreeAsync": [c_uint64, c_void_p],
+    "cuMemGetInfo_v2": [P(c_size_t), P(c_size_t)],
+    "cuDeviceTotalMem_v2": [P(c_size_t), c_int],
+    "cuMemPoolSetAttribute": [c_void_p, c_int, c_void_p],
+    "cuMemPoolGetAttribute": [c_void_p, c_int, c_void_p],
+    "cuMemHostAlloc": [P(c_void_p), c_size_t, c_uint],
+    "cuMemFreeHost": [c_void_p],
+    "cuMemcpyHtoDAsync_v2": [c_uint64, c_void_p, c_size_t, c_void_p],
+    "cuMemcpyDtoHAsync_v2": [c_void_p, c_uint64, c_size_t, c_void_p],
+    "cuMemcpy2DAsync_v2": [c_void_p, c_void_p],
+    "cuEventCreate": [P(c_void_p), c_uint],
+    "cuEventRecord": [c_void_p, c_void_p],
+    "cuEventSynchronize": [c_void_p],
+    "cuPointerGetAttribute": [c_void_p, c_int, c_uint64],
+    "cuModuleLoadDataEx": [P(c_void_p), c_void_p, c_uint, c_void_p, c_void_p],
+    "cuLibraryLoadData": [P(c_void_p), c_void_p, c_void_p, c_void_p, c_uint, c_void_p, c_void_p, c_uint],
+    "cuModuleUnload": [c_void_p],
+    "cuLibraryUnload": [c_void_p],
+    "cuModuleGetFunction": [P(c_void_p), c_void_p, ctypes.c_char_p],
+    "cuModuleGetFunctionCount": [P(c_uint), c_void_p],
+    "cuModuleEnumerateFunctions": [c_void_p, c_uint, c_void_p],
+    "cuLibraryGetKernelCount": [P(c_uint), c_void_p],
+    "cuLibraryEnumerateKernels": [c_void_p, c_uint, c_void_p],
+    "cuFuncGetName": [P(ctypes.c_char_p), c_void_p],
+    "cuKernelGetName": [P(ctypes.c_char_p), c_void_p],
+    "cuFuncGetParamInfo": [c_void_p, c_size_t, P(c_size_t), P(c_size_t)],
+    "cuKernelGetParamInfo": [c_void_p, c_size_t, P(c_size_t), P(c_size_t)],
+    "cuFuncLoad": [c_void_p],
+    "cuLinkCreate_v2": [c_uint, c_void_p, c_void_p, P(c_void_p)],
+    "cuLinkAddData_v2": [c_void_p, c_int, c_void_p, c_size_t, ctypes.c_char_p, c_uint, c_void_p, c_void_p],
+    "cuLinkComplete": [c_void_p, P(c_void_p), P(c_size_t)],
+    "cuLinkDestroy": [c_void_p],
+    "cuLaunchKernel": [c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_void_p, c_void_p, c_void_p],
+    "cuLaunchKernelEx": [c_void_p, c_void_p, c_void_p, c_void_p],
+    "cuOccupancyMaxPotentialBlockSizeWithFlags": [P(c_int), P(c_int), c_void_p, c_void_p, c_size_t, c_int, c_uint],
+    "cuDevicePrimaryCtxReset_v2": [c_int],
+    "cuDeviceGetAttribute": [P(c_int), c_int, c_int],
+}
+
+
+def _load_driver() -> ctypes.CDLL:
+    lib = ctypes.CDLL("libcuda.so.1", mode=ctypes.RTLD_GLOBAL)
+    # The worker must reach NVIDIA's driver, not rgpu's client library (a session would call
+    # itself). Tests chain the two on purpose, on a machine without a GPU: they say so.
+    if os.environ.get("RGPU_WORKER_ALLOW_RGPU_LIBCUDA") != "1":
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                if "libcuda.so" in line and "/" in line:
+                    folder = os.path.dirname(line[line.index("/"):].strip())
+                    if os.path.exists(os.path.join(folder, "rgpu-native.stamp")):
+                        raise CudaError(NOT_SUPPORTED, f"rgpu: worker: loaded rgpu's own libcuda.so.1 from {folder} "
+                                                       "instead of NVIDIA's (remove that folder from the dispatcher's "
+                                                       "LD_LIBRARY_PATH)")
+    return lib
+
+
+class _Link:
+    def __init__(self, options: list[tuple[int, int]]) -> None:
+        self.info = ctypes.create_string_buffer(65536)
+        self.error = ctypes.create_string_buffer(65536)
+        opts = [(JIT_INFO_LOG_BUFFER, ctypes.addressof(self.info)), (JIT_INFO_LOG_BUFFER_SIZE, len(self.info)),
+                (JIT_ERROR_LOG_BUFFER, ctypes.addressof(self.error)), (JIT_ERROR_LOG_BUFFER_SIZE, len(self.error))]
+        opts += [(o, v) for o, v in options if o not in (3, 4, 5, 6)]
+        self.opts = (c_int * len(opts))(*[o for o, _ in opts])
+        self.vals = (c_void_p * len(opts))(*[v for _, v in opts])
+        self.n = len(opts)
+        self.inputs: list[bytes] = []   # kept alive until the link is destroyed
+
+
+class CudaBackend(CudaDriverCalls):
+    emulated = False
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+        self.lib = _load_driver()
+        self.lacking = bind(self, self.lib, CUDA_ARGTYPES, NOT_SUPPORTED)
+        self.f: dict[str, Any] = {}
+        for name, types in _MANUAL.items():
+            fn = getattr(self.lib, name)
+            fn.argtypes = types
+            fn.restype = c_int
+            self.f[name] = fn
+        self._check("cuInit", 0)
+        version = c_int()
+        self._check("cuDriverGetVersion", byref(version))
+        self.driver_version = version.value
+        dev = c_int()
+        self._check("cuDeviceGet", byref(dev), 0)
+        # The worker holds the primary context: its pinned staging buffers live there, and the
+        # application releasing its own reference must not pull them away.
+        self.primary = c_void_p()
+        self._check("cuDevicePrimaryCtxRetain", byref(self.primary), 0)
+        self.description = f"{spec.gpu_name} (CUDA driver {self.driver_version})"
+        self._staging: list[tuple[int, Any]] = []       # (address, event)
+        self._free_slots: deque[int] = deque()
+        self._busy: deque[int] = deque()
+        self._dtoh: list[tuple[int, Any]] = []
+        self._param_buf = (ctypes.c_char * MAX_PARAM_BYTES)()
+        self._param_size = c_size_t(0)
+        self._extra = (c_void_p * 5)(1, ctypes.addressof(self._param_buf), 2, ctypes.addressof(self._param_size), 0)
+        self._current = 0
+        self._links: dict[int, _Link] = {}
+        self._launch = self.f["cuLaunchKernel"]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _call(self, name: str, *args: Any) -> int:
+        return self.f[name](*args)
+
+    def _check(self, name: str, *args: Any) -> None:
+        r = self.f[name](*args)
+        if r != SUCCESS:
+            raise CudaError(r)
+
+    def set_context(self, ctx: int) -> None:
+        self._check("cuCtxSetCurrent", ctx or None)
+        self._current = ctx
+
+    def primary_ctx_retain(self) -> int:
+        ctx = c_void_p()
+        self._check("cuDevicePrimaryCtxRetain", byref(ctx), 0)
+        return ctx.value or 0
+
+    def ctx_create(self, flags: int) -> int:
+        ctx = c_void_p()
+        self._check("cuCtxCreate_v4", byref(ctx), None, flags, 0)
+        self._current = ctx.value or 0
+        return self._current
+
+    def ctx_destroy(self, ctx: int) -> None:
+        self._check("cuCtxDestroy_v2", ctx)
+
+    def cuDevicePrimaryCtxReset_v2(self, dev: int) -> tuple[int]:
+        # A reset destroys the primary context whatever its references: release the staging
+        # buffers first; they are made again on next use.
+        self._drop_staging()
+        r = self._call("cuDevicePrimaryCtxReset_v2", 0)
+        ctx = c_void_p()
+        self._call("cuDevicePrimaryCtxRetain", byref(ctx), 0)
+        self.primary = ctx
+        return (r,)
+
+    def cuDeviceGetAttribute(self, attrib: int, dev: int) -> tuple[int, int]:
+        value = c_int()
+        r = self._call("cuDeviceGetAttribute", byref(value), attrib, 0)
+        if r == SUCCESS and attrib in _ATTRIBUTE_OVERRIDES:
+            return (SUCCESS, _ATTRIBUTE_OVERRIDES[attrib])
+        return (r, value.value)
+
+    # ------------------------------------------------------------------ memory
+
+    def mem_alloc(self, kind: str, size: int, a: int, b: int, height: int, elem: int) -> tuple[int, int]:
+        ptr = c_uint64()
+        pitch = c_size_t(0)
+        if kind == "plain":
+            self._check("cuMemAlloc_v2", byref(ptr), size)
+        elif kind == "pitch":
+            self._check("cuMemAllocPitch_v2", byref(ptr), byref(pitch), size, height, elem)
+        elif kind == "async":
+            self._check("cuMemAllocAsync", byref(ptr), size, a or None)
+        else:
+            self._check("cuMemAllocFromPoolAsync", byref(ptr), size, b or None, a or None)
+        return ptr.value, pitch.value
+
+    def mem_free(self, ptr: int, stream: int, is_async: bool) -> None:
+        if is_async:
+            self._check("cuMemFreeAsync", ptr, stream or None)
+        else:
+            self._check("cuMemFree_v2", ptr)
+
+    def mem_info(self) -> tuple[int, int]:
+        free, total = c_size_t(), c_size_t()
+        self._check("cuMemGetInfo_v2", byref(free), byref(total))
+        return free.value, total.value
+
+    def total_mem(self) -> int:
+        total = c_size_t()
+        self._check("cuDeviceTotalMem_v2", byref(total), 0)
+        return total.value
+
+    def mem_pool_attribute(self, pool: int, attr: int, value: int, set_it: bool) -> int:
+        holder: Any = c_int(value) if 1 <= attr <= 3 else c_uint64(value)
+        self._check("cuMemPoolSetAttribute" if set_it else "cuMemPoolGetAttribute", pool or None, attr, byref(holder))
+        return int(holder.value)
+
+    # ------------------------------------------------------------------ staging buffers
+
+    def _with_primary(self, fn: Any) -> Any:
+        previous = self._current
+        self._check("cuCtxSetCurrent", self.primary)
+        try:
+            return fn()
+        finally:
+            self._call("cuCtxSetCurrent", previous or None)
+
+    def _make_staging(self) -> None:
+        def make() -> None:
+            for _ in range(STAGING_SLOTS):
+                p, e = c_void_p(), c_void_p()
+                self._check("cuMemHostAlloc", byref(p), STAGING_BYTES, MEMHOSTALLOC_PORTABLE)
+                self._check("cuEventCreate", byref(e), 2)  # CU_EVENT_DISABLE_TIMING
+                self._staging.append((p.value or 0, e))
+            for _ in range(2):
+                p, e = c_void_p(), c_void_p()
+                self._check("cuMemHostAlloc", byref(p), DTOH_CHUNK, MEMHOSTALLOC_PORTABLE)
+                self._check("cuEventCreate", byref(e), 2)
+                self._dtoh.append((p.value or 0, e))
+        self._with_primary(make)
+        self._free_slots = deque(range(STAGING_SLOTS))
+        self._busy = deque()
+
+    def _drop_staging(self) -> None:
+        for address, _ in self._staging + self._dtoh:
+            self._call("cuMemFreeHost", address)
+        self._staging, self._dtoh = [], []
+        self._free_slots, self._busy = deque(), deque()
+
+    def _slot(self) -> int:
+        if not self._staging:
+            self._make_staging()
+        if not self._free_slots:
+            oldest = self._busy.popleft()
+            self._check("cuEventSynchronize", self._staging[oldest][1])
+            self._free_slots.append(oldest)
+        return self._free_slots.popleft()
+
+    def htod(self, dst: int, stream: int, data: memoryview, address: int) -> None:
+        """Copy through a pinned slot: the socket buffer is reused at once, the DMA is async."""
+        n = len(data)
+        if n > STAGING_BYTES:
+            for off in range(0, n, STAGING_BYTES):
+                part = data[off:off + STAGING_BYTES]
+                self.htod(dst + off, stream, part, address + off)
+            return
+        slot = self._slot()
+        staging, event = self._staging[slot]
+        ctypes.memmove(staging, address, n)
+        r = self._call("cuMemcpyHtoDAsync_v2", dst, staging, n, stream or None)
+        if r != SUCCESS:
+            self._free_slots.append(slot)
+            raise CudaError(r)
+        self._call("cuEventRecord", event, stream or None)
+        self._busy.append(slot)
+
+    def dtoh_chunks(self, src: int, stream: int, size: int, chunk: int) -> Iterator[memoryview]:
+        """Device-to-host through two pinned buffers: copy chunk i+1 while chunk i is sent."""
+        if not self._dtoh:
+            self._make_staging()
+        chunk = DTOH_CHUNK
+        offsets = list(range(0, size, chunk)) or [0]
+
+        def issue(i: int) -> None:
+            off = offsets[i]
+            n = min(chunk, size - off)
+            address, event = self._dtoh[i % 2]
+            if n:
+                self._check("cuMemcpyDtoHAsync_v2", address, src + off, n, stream or None)
+            self._check("cuEventRecord", event, stream or None)
+
+        issue(0)
+        for i, off in enumerate(offsets):
+            if i + 1 < len(offsets):
+                issue(i + 1)
+            address, event = self._dtoh[i % 2]
+            self._check("cuEventSynchronize", event)
+            n = min(chunk, size - off)
+            if n:
+                yield memoryview((ctypes.c_char * n).from_address(address)).cast("B")
+
+    def dtod_2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int) -> None:
+        p = CUDA_MEMCPY2D(srcMemoryType=2, srcDevice=src, srcPitch=spitch, dstMemoryType=2, dstDevice=dst,
+                          dstPitch=dpitch, WidthInBytes=width, Height=height)
+        self._check("cuMemcpy2DAsync_v2", byref(p), stream or None)
+
+    def pointer_attribute(self, attr: int, ptr: int) -> bytes:
+        """The attribute's bytes, exactly as many as the driver writes (found with two fills)."""
+        outs = []
+        for fill in (0x00, 0xFF):
+            buf = (ctypes.c_ubyte * 64)(*([fill] * 64))
+            r = self._call("cuPointerGetAttribute", buf, attr, ptr)
+            if r != SUCCESS:
+                raise CudaError(r)
+            outs.append(bytes(buf))
+        written = [i for i in range(64) if outs[0][i] != 0x00 or outs[1][i] != 0xFF]
+        return outs[0][:(max(written) + 1) if written else 1]
+
+    # ------------------------------------------------------------------ modules
+
+    def _params(self, handle: int, kernel: bool) -> tuple[int, list[tuple[int, int]]]:
+        fn = self.f["cuKernelGetParamInfo" if kernel else "cuFuncGetParamInfo"]
+        out: list[tuple[int, int]] = []
+        off, size = c_size_t(), c_size_t()
+        while True:
+            r = fn(handle, len(out), byref(off), byref(size))
+            if r == INVALID_VALUE:
+                return SUCCESS, out           # past the last parameter
+            if r != SUCCESS:
+                return r, out
+            out.append((off.value, size.value))
+
+    def _fn_info(self, handle: int, kernel: bool = False) -> FnInfo:
+        name = ctypes.c_char_p()
+        r = self._call("cuKernelGetName" if kernel else "cuFuncGetName", byref(name), handle)
+        if r != SUCCESS and not kernel:
+            return self._fn_info(handle, kernel=True)  # a CUkernel used as a CUfunction
+        if r != SUCCESS:
+            raise CudaError(r)
+        r, params = self._params(handle, kernel)
+        if r != SUCCESS and not kernel:
+            self._call("cuFuncLoad", handle)  # lazily loaded: load it, then ask again
+            r, params = self._params(handle, kernel)
+        if r != SUCCESS:
+            raise CudaError(r)
+        return FnInfo(handle, (name.value or b"").decode("utf-8", "replace"), tuple(params))
+
+    def _enumerate(self, handle: int, kind: str) -> list[FnInfo]:
+        count = c_uint()
+        getcount, enum = (("cuLibraryGetKernelCount", "cuLibraryEnumerateKernels") if kind == "library"
+                          else ("cuModuleGetFunctionCount", "cuModuleEnumerateFunctions"))
+        if self._call(getcount, byref(count), handle) != SUCCESS or count.value == 0:
+            return []
+        arr = (c_void_p * count.value)()
+        if self._call(enum, arr, count.value, handle) != SUCCESS:
+            return []
+        out: list[FnInfo] = []
+        for h in arr:
+            try:
+                out.append(self._fn_info(h or 0, kernel=(kind == "library")))
+            except CudaError:
+                continue  # the client asks for it at its first launch and sees the error then
+        return out
+
+    def load(self, kind: str, image: bytes, options: list[tuple[int, int]], lib_options: list[tuple[int, int]]) -> LoadResult:
+        sizes = {o: v for o, v in options}
+        logs: dict[int, Any] = {}
+        values = []
+        for opt, value in options:
+            if opt in (JIT_INFO_LOG_BUFFER, JIT_ERROR_LOG_BUFFER):
+                size = max(1, min(sizes.get(opt + 1, 0), 1 << 20))
+                logs[opt] = ctypes.create_string_buffer(size)
+                values.append(ctypes.addressof(logs[opt]))
+            else:
+                values.append(value)
+        n = len(options)
+        opts = (c_int * max(n, 1))(*[o for o, _ in options])
+        vals = (c_void_p * max(n, 1))(*values)
+        data = ctypes.create_string_buffer(image, len(image))
+        handle = c_void_p()
+        if kind == "library":
+            m = len(lib_options)
+            lopts = (c_int * max(m, 1))(*[o for o, _ in lib_options])
+            lvals = (c_void_p * max(m, 1))(*[v for _, v in lib_options])
+            r = self._call("cuLibraryLoadData", byref(handle), data, opts if n else None, vals if n else None, n,
+                           lopts if m else None, lvals if m else None, m)
+        else:
+            r = self._call("cuModuleLoadDataEx", byref(handle), data, n, opts if n else None, vals if n else None)
+        result = LoadResult(code=r, handle=handle.value or 0, option_values=[vals[i] or 0 for i in range(n)],
+                            info_log=logs[JIT_INFO_LOG_BUFFER].value if JIT_INFO_LOG_BUFFER in logs else b"",
+                            error_log=logs[JIT_ERROR_LOG_BUFFER].value if JIT_ERROR_LOG_BUFFER in logs else b"")
+        if r == SUCCESS:
+            result.functions = self._enumerate(result.handle, kind)
+        return result
+
+    def get_function(self, module: int, name: str) -> FnInfo:
+        fn = c_void_p()
+        self._check("cuModuleGetFunction", byref(fn), module, name.encode())
+        return self._fn_info(fn.value or 0)
+
+    def param_info(self, handle: int) -> FnInfo:
+        return self._fn_info(handle)
+
+    def unload(self, kind: str, handle: int) -> None:
+        self._check("cuLibraryUnload" if kind == "library" else "cuModuleUnload", handle)
+
+    def link_create(self, options: list[tuple[int, int]]) -> int:
+        link = _Link(options)
+        state = c_void_p()
+        self._check("cuLinkCreate_v2", link.n, link.opts, link.vals, byref(state))
+        self._links[state.value or 0] = link
+        return state.value or 0
+
+    def link_add(self, state: int, kind: int, name: str, options: list[tuple[int, int]], data: bytes) -> tuple[int, bytes, bytes]:
+        link = self._links.get(state)
+        if link is None:
+            return INVALID_HANDLE, b"", b""
+        buf = ctypes.create_string_buffer(data, len(data))
+        link.inputs.append(buf)  # type: ignore[arg-type]
+        n = len(options)
+        opts = (c_int * max(n, 1))(*[o for o, _ in options])
+        vals = (c_void_p * max(n, 1))(*[v for _, v in options])
+        r = self._call("cuLinkAddData_v2", state, kind, buf, len(data), name.encode(), n, opts if n else None,
+                       vals if n else None)
+        return r, link.info.value, link.error.value
+
+    def link_complete(self, state: int) -> tuple[int, bytes, bytes, bytes]:
+        link = self._links.get(state)
+        if link is None:
+            return INVALID_HANDLE, b"", b"", b""
+        cubin, size = c_void_p(), c_size_t()
+        r = self._call("cuLinkComplete", state, byref(cubin), byref(size))
+        image = ctypes.string_at(cubin.value, size.value) if r == SUCCESS and cubin.value else b""
+        return r, link.info.value, link.error.value, image
+
+    def link_destroy(self, state: int) -> None:
+        self._links.pop(state, None)
+        self._check("cuLinkDestroy", state)
+
+    # ------------------------------------------------------------------ launches
+
+    def launch(self, f: int, stream: int, grid: tuple[int, int, int], block: tuple[int, int, int], shmem: int,
+               cooperative: bool, attrs: bytes, params: memoryview, params_address: int) -> None:
+        n = len(params)
+        if n > MAX_PARAM_BYTES:
+            raise CudaError(INVALID_VALUE)
+        ctypes.memmove(self._param_buf, params_address, n)  # an aligned copy the driver reads
+        self._extra[1] = ctypes.addressof(self._param_buf)
+        self._param_size.value = n
+        if not attrs and not cooperative:
+            r = self.f["cuLaunchKernel"](f, grid[0], grid[1], grid[2], block[0], block[1], block[2], shmem,
+                                         stream or None, None, self._extra)
+        else:
+            if cooperative:
+                coop = bytearray(72)
+                coop[0:4] = LAUNCH_ATTRIBUTE_COOPERATIVE.to_bytes(4, "little")
+                coop[8:12] = (1).to_bytes(4, "little")
+                attrs = attrs + bytes(coop)
+            raw = ctypes.create_string_buffer(attrs, len(attrs))
+            config = CUlaunchConfig(grid[0], grid[1], grid[2], block[0], block[1], block[2], shmem, stream or None,
+                                    ctypes.addressof(raw), len(attrs) // 72)
+            r = self.f["cuLaunchKernelEx"](byref(config), f, None, self._extra)
+        if r != SUCCESS:
+            raise CudaError(r)
+
+    def launch_fast(self, f: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shmem: int, stream: int,
+                    address: int, argsize: int) -> int:
+        """A plain launch taken straight from the worker's receive buffer (frames are 8-aligned)."""
+        if address & 7 or argsize > MAX_PARAM_BYTES:
+            if argsize > MAX_PARAM_BYTES:
+                return INVALID_VALUE
+            ctypes.memmove(self._param_buf, address, argsize)
+            address = ctypes.addressof(self._param_buf)
+        self._extra[1] = address
+        self._param_size.value = argsize
+        return self._launch(f, gx, gy, gz, bx, by, bz, shmem, stream, None, self._extra)
+
+    def max_potential_block_size(self, f: int, smem: int, limit: int, flags: int) -> tuple[int, int]:
+        grid, block = c_int(), c_int()
+        self._check("cuOccupancyMaxPotentialBlockSizeWithFlags", byref(grid), byref(block), f, None, smem, limit, flags)
+        return grid.value, block.value
+
+    def close(self) -> None:
+        pass  # the process exits: the driver frees everything the session held

@@ -1,0 +1,709 @@
+"""The emulated backend: a device whose memory lives in the worker's host memory.
+
+It exists so that CI, which has no GPU, tests the real client library, protocol, worker, limits
+and error paths end to end: allocations, copies, memsets, memory info, device and context
+queries (values from the dispatcher's GpuInfo), streams and events, PTX module loads with
+parameter layouts parsed from the PTX. Kernel launches are refused with a clear error.
+"""
+
+from __future__ import annotations
+
+import bisect
+import re
+import struct
+import time
+import uuid as uuidlib
+from collections.abc import Iterator
+from typing import Any
+
+from rgpu.remoting.backends.base import (
+    INVALID_CONTEXT,
+    INVALID_HANDLE,
+    INVALID_IMAGE,
+    INVALID_VALUE,
+    NOT_FOUND,
+    NOT_SUPPORTED,
+    NVML_ERROR_NOT_SUPPORTED,
+    SUCCESS,
+    CudaError,
+    FnInfo,
+    LoadResult,
+    cu,
+    enums,
+    slice_usage,
+)
+
+EMULATED_DRIVER_VERSION = 13000
+_ALIGN = 512
+_BASE_ADDRESS = 0x7F5A_0000_0000
+
+# Device attributes an H100/H200-class GPU reports; the rest read 0.
+_ATTRIBUTES = {
+    "MAX_THREADS_PER_BLOCK": 1024, "MAX_BLOCK_DIM_X": 1024, "MAX_BLOCK_DIM_Y": 1024, "MAX_BLOCK_DIM_Z": 64,
+    "MAX_GRID_DIM_X": 2147483647, "MAX_GRID_DIM_Y": 65535, "MAX_GRID_DIM_Z": 65535,
+    "MAX_SHARED_MEMORY_PER_BLOCK": 49152, "TOTAL_CONSTANT_MEMORY": 65536, "WARP_SIZE": 32,
+    "MAX_PITCH": 2147483647, "MAX_REGISTERS_PER_BLOCK": 65536, "CLOCK_RATE": 1980000,
+    "TEXTURE_ALIGNMENT": 512, "GPU_OVERLAP": 1, "MULTIPROCESSOR_COUNT": 132, "CONCURRENT_KERNELS": 1,
+    "ECC_ENABLED": 1, "PCI_BUS_ID": 6, "PCI_DEVICE_ID": 0, "PCI_DOMAIN_ID": 0, "MEMORY_CLOCK_RATE": 2619000,
+    "GLOBAL_MEMORY_BUS_WIDTH": 5120, "L2_CACHE_SIZE": 52428800, "MAX_THREADS_PER_MULTIPROCESSOR": 2048,
+    "ASYNC_ENGINE_COUNT": 3, "UNIFIED_ADDRESSING": 1, "STREAM_PRIORITIES_SUPPORTED": 1,
+    "GLOBAL_L1_CACHE_SUPPORTED": 1, "LOCAL_L1_CACHE_SUPPORTED": 1,
+    "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR": 233472, "MAX_REGISTERS_PER_MULTIPROCESSOR": 65536,
+    "COMPUTE_PREEMPTION_SUPPORTED": 1, "COOPERATIVE_LAUNCH": 1, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN": 232448,
+    "HOST_REGISTER_SUPPORTED": 1, "MAX_BLOCKS_PER_MULTIPROCESSOR": 32, "MEMORY_POOLS_SUPPORTED": 1,
+    "CLUSTER_LAUNCH": 1, "VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED": 1, "RESERVED_SHARED_MEMORY_PER_BLOCK": 1024,
+    "MAX_PERSISTING_L2_CACHE_SIZE": 32505856, "MAX_ACCESS_POLICY_WINDOW_SIZE": 134213632,
+    "MEM_SYNC_DOMAIN_COUNT": 4, "TENSOR_MAP_ACCESS_SUPPORTED": 1, "NUMA_ID": -1, "HOST_NUMA_ID": -1,
+}
+
+_LAUNCH_REFUSED = ("rgpu: worker: kernel launch refused (this dispatcher emulates its GPU and cannot run "
+                   "kernels; run the application against a dispatcher started with --backend cuda on a GPU node)")
+
+_PTX_ENTRY = re.compile(r"\.entry\s+([A-Za-z_$][\w$]*)\s*\(([^)]*)\)", re.DOTALL)
+_PTX_PARAM = re.compile(r"\.param\s+(?:\.align\s+(\d+)\s+)?\.([busf])(8|16|32|64)\s+[\w$]+(?:\[(\d+)\])?")
+
+
+def ptx_entries(text: str) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
+    """Kernel names and parameter layouts (offset, size) as the driver computes them."""
+    out = []
+    for m in _PTX_ENTRY.finditer(text):
+        offset = 0
+        params = []
+        for p in _PTX_PARAM.finditer(m.group(2)):
+            elem = int(p.group(3)) // 8
+            count = int(p.group(4) or 1)
+            align = int(p.group(1) or elem)
+            offset = (offset + align - 1) // align * align
+            params.append((offset, elem * count))
+            offset += elem * count
+        out.append((m.group(1), tuple(params)))
+    return out
+
+
+class _Handles:
+    def __init__(self, base: int) -> None:
+        self.next = base
+
+    def new(self) -> int:
+        self.next += 0x100
+        return self.next
+
+
+class EmulatedBackend:
+    """One emulated GPU for one session (device 0 of the worker)."""
+
+    emulated = True
+    driver_version = EMULATED_DRIVER_VERSION
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+        self.attr_names = {v: k.removeprefix("CU_DEVICE_ATTRIBUTE_") for k, v in enums()["CUdevice_attribute"].items()}
+        major, _, minor = (spec.compute_capability or "9.0").partition(".")
+        self.cc = (int(major), int(minor or 0))
+        self.total = spec.gpu_total_memory
+        self.uuid = _uuid_bytes(spec.gpu_uuid)
+        self.primary = 0x9000_0000
+        self.primary_refs = 0
+        self.primary_flags = 0
+        self.contexts: set[int] = set()
+        self.ctx_handles = _Handles(0x9100_0000)
+        self.current = 0
+        self.allocs: dict[int, bytearray] = {}
+        self.bases: list[int] = []
+        self.next_address = _BASE_ADDRESS
+        self.handles = _Handles(0x5000_0000)
+        self.streams: dict[int, tuple[int, int]] = {}     # handle -> (flags, priority)
+        self.events: dict[int, float | None] = {}
+        self.modules: dict[int, list[FnInfo]] = {}
+        self.libraries: dict[int, int] = {}              # library -> its module
+        self.functions: dict[int, tuple[int, FnInfo]] = {}  # function or kernel -> (module, info)
+        self.links: dict[int, list[bytes]] = {}
+        self.limits: dict[int, int] = {}
+        self.pools = {0xA000_0000}
+        self.description = f"emulated {spec.gpu_name}"
+
+    # ------------------------------------------------------------------ contexts
+
+    def _ctx_ok(self, ctx: int) -> bool:
+        return ctx == self.primary and self.primary_refs > 0 or ctx in self.contexts
+
+    def set_context(self, ctx: int) -> None:
+        self.current = ctx if ctx and self._ctx_ok(ctx) else 0
+        if ctx and not self.current:
+            raise CudaError(INVALID_CONTEXT)
+
+    def _need_ctx(self) -> None:
+        if not self.current or not self._ctx_ok(self.current):
+            raise CudaError(INVALID_CONTEXT)
+
+    def primary_ctx_retain(self) -> int:
+        self.primary_refs += 1
+        return self.primary
+
+    def ctx_create(self, flags: int) -> int:
+        ctx = self.ctx_handles.new()
+        self.contexts.add(ctx)
+        self.current = ctx
+        return ctx
+
+    def ctx_destroy(self, ctx: int) -> None:
+        if ctx not in self.contexts:
+            raise CudaError(INVALID_CONTEXT)
+        self.contexts.discard(ctx)
+        if self.current == ctx:
+            self.current = 0
+
+    def cuDevicePrimaryCtxRelease_v2(self, dev: int) -> tuple[int]:
+        if self.primary_refs <= 0:
+            return (INVALID_CONTEXT,)
+        self.primary_refs -= 1
+        return (SUCCESS,)
+
+    def cuDevicePrimaryCtxReset_v2(self, dev: int) -> tuple[int]:
+        self.primary_refs = 0
+        self.allocs.clear()
+        self.bases.clear()
+        return (SUCCESS,)
+
+    def cuDevicePrimaryCtxGetState(self, dev: int) -> tuple[int, int, int]:
+        return (SUCCESS, self.primary_flags, int(self.primary_refs > 0))
+
+    def cuDevicePrimaryCtxSetFlags_v2(self, dev: int, flags: int) -> tuple[int]:
+        self.primary_flags = flags
+        return (SUCCESS,)
+
+    def cuCtxGetDevice(self) -> tuple[int, int]:
+        self._need_ctx()
+        return (SUCCESS, 0)
+
+    def cuCtxGetDevice_v2(self, ctx: int) -> tuple[int, int]:
+        return (SUCCESS, 0) if self._ctx_ok(ctx or self.current) else (INVALID_CONTEXT, 0)
+
+    def cuCtxSynchronize(self) -> tuple[int]:
+        self._need_ctx()
+        return (SUCCESS,)
+
+    def cuCtxSynchronize_v2(self, ctx: int) -> tuple[int]:
+        return (SUCCESS,) if self._ctx_ok(ctx or self.current) else (INVALID_CONTEXT,)
+
+    def cuCtxGetApiVersion(self, ctx: int) -> tuple[int, int]:
+        return (SUCCESS, 13000) if self._ctx_ok(ctx or self.current) else (INVALID_CONTEXT, 0)
+
+    def cuCtxGetFlags(self) -> tuple[int, int]:
+        self._need_ctx()
+        return (SUCCESS, self.primary_flags)
+
+    def cuCtxSetFlags(self, flags: int) -> tuple[int]:
+        self._need_ctx()
+        self.primary_flags = flags
+        return (SUCCESS,)
+
+    def cuCtxGetId(self, ctx: int) -> tuple[int, int]:
+        ctx = ctx or self.current
+        return (SUCCESS, ctx & 0xFFFFFF) if self._ctx_ok(ctx) else (INVALID_CONTEXT, 0)
+
+    def cuCtxGetLimit(self, limit: int) -> tuple[int, int]:
+        self._need_ctx()
+        return (SUCCESS, self.limits.get(limit, 1024))
+
+    def cuCtxSetLimit(self, limit: int, value: int) -> tuple[int]:
+        self._need_ctx()
+        self.limits[limit] = value
+        return (SUCCESS,)
+
+    def cuCtxGetCacheConfig(self) -> tuple[int, int]:
+        return (SUCCESS, 0)
+
+    def cuCtxSetCacheConfig(self, config: int) -> tuple[int]:
+        return (SUCCESS,)
+
+    def cuCtxGetStreamPriorityRange(self) -> tuple[int, int, int]:
+        return (SUCCESS, 0, -5)
+
+    # ------------------------------------------------------------------ device
+
+    def cuDeviceGetName(self, len_: int, dev: int) -> tuple[int, bytes]:
+        return (SUCCESS, (self.spec.gpu_name.encode() + b"\0")[:max(len_, 0)])
+
+    def cuDeviceGetUuid(self, dev: int) -> tuple[int, bytes]:
+        return (SUCCESS, self.uuid)
+
+    cuDeviceGetUuid_v2 = cuDeviceGetUuid
+
+    def cuDeviceGetAttribute(self, attrib: int, dev: int) -> tuple[int, int]:
+        name = self.attr_names.get(attrib)
+        if name is None:
+            return (INVALID_VALUE, 0)
+        if name == "COMPUTE_CAPABILITY_MAJOR":
+            return (SUCCESS, self.cc[0])
+        if name == "COMPUTE_CAPABILITY_MINOR":
+            return (SUCCESS, self.cc[1])
+        return (SUCCESS, _ATTRIBUTES.get(name, 0))
+
+    def cuDeviceComputeCapability(self, dev: int) -> tuple[int, int, int]:
+        return (SUCCESS, self.cc[0], self.cc[1])
+
+    def cuDeviceGetPCIBusId(self, len_: int, dev: int) -> tuple[int, bytes]:
+        return (SUCCESS, f"0000:{_ATTRIBUTES['PCI_BUS_ID']:02x}:00.0\0".encode()[:max(len_, 0)])
+
+    def cuDeviceGetDefaultMemPool(self, dev: int) -> tuple[int, int]:
+        return (SUCCESS, 0xA000_0000)
+
+    cuDeviceGetMemPool = cuDeviceGetDefaultMemPool
+
+    def total_mem(self) -> int:
+        return self.total
+
+    # ------------------------------------------------------------------ memory
+
+    def mem_alloc(self, kind: str, size: int, a: int, b: int, height: int, elem: int) -> tuple[int, int]:
+        self._need_ctx()
+        pitch = 0
+        if kind == "pitch":
+            if elem not in (4, 8, 16) or size == 0 or height == 0:
+                raise CudaError(INVALID_VALUE)
+            pitch = (size + _ALIGN - 1) // _ALIGN * _ALIGN
+            size = pitch * height
+        if size == 0:
+            raise CudaError(INVALID_VALUE)
+        if kind == "pool" and b not in self.pools:
+            raise CudaError(INVALID_VALUE)
+        ptr = self.next_address
+        self.next_address += (size + _ALIGN - 1) // _ALIGN * _ALIGN + _ALIGN  # a gap catches overruns
+        self.allocs[ptr] = bytearray(size)
+        bisect.insort(self.bases, ptr)
+        return ptr, pitch
+
+    def mem_free(self, ptr: int, stream: int, is_async: bool) -> None:
+        self._need_ctx()
+        if ptr not in self.allocs:
+            raise CudaError(INVALID_VALUE)
+        del self.allocs[ptr]
+        self.bases.remove(ptr)
+
+    def mem_info(self) -> tuple[int, int]:
+        self._need_ctx()
+        used = sum(len(b) for b in self.allocs.values())
+        return self.total - used, self.total
+
+    def mem_pool_attribute(self, pool: int, attr: int, value: int, set_it: bool) -> int:
+        if pool not in self.pools:
+            raise CudaError(INVALID_VALUE)
+        return value if set_it else 0
+
+    def cuMemPoolTrimTo(self, pool: int, keep: int) -> tuple[int]:
+        return (SUCCESS,) if pool in self.pools else (INVALID_VALUE,)
+
+    def _locate(self, ptr: int, size: int) -> tuple[bytearray, int]:
+        i = bisect.bisect_right(self.bases, ptr) - 1
+        if i >= 0:
+            base = self.bases[i]
+            buf = self.allocs[base]
+            off = ptr - base
+            if off + size <= len(buf):
+                return buf, off
+        raise CudaError(INVALID_VALUE)
+
+    def htod(self, dst: int, stream: int, data: memoryview, address: int) -> None:
+        self._need_ctx()
+        buf, off = self._locate(dst, len(data))
+        buf[off:off + len(data)] = data
+
+    def dtoh_chunks(self, src: int, stream: int, size: int, chunk: int) -> Iterator[memoryview]:
+        self._need_ctx()
+        buf, off = self._locate(src, size)
+        view = memoryview(buf)
+        for start in range(0, size, chunk):
+            yield view[off + start:off + min(size, start + chunk)]
+
+    def cuMemcpyDtoD_v2(self, dst: int, src: int, n: int) -> tuple[int]:
+        self._need_ctx()
+        sbuf, soff = self._locate(src, n)
+        dbuf, doff = self._locate(dst, n)
+        dbuf[doff:doff + n] = sbuf[soff:soff + n]
+        return (SUCCESS,)
+
+    def cuMemcpyDtoDAsync_v2(self, dst: int, src: int, n: int, stream: int) -> tuple[int]:
+        return self.cuMemcpyDtoD_v2(dst, src, n)
+
+    def dtod_2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int) -> None:
+        for row in range(height):
+            self.cuMemcpyDtoD_v2(dst + row * dpitch, src + row * spitch, width)
+
+    def _memset(self, dst: int, pattern: bytes, count: int) -> tuple[int]:
+        self._need_ctx()
+        buf, off = self._locate(dst, len(pattern) * count)
+        buf[off:off + len(pattern) * count] = pattern * count
+        return (SUCCESS,)
+
+    def cuMemsetD8_v2(self, dst: int, value: int, n: int) -> tuple[int]:
+        return self._memset(dst, struct.pack("<B", value), n)
+
+    def cuMemsetD16_v2(self, dst: int, value: int, n: int) -> tuple[int]:
+        return self._memset(dst, struct.pack("<H", value), n)
+
+    def cuMemsetD32_v2(self, dst: int, value: int, n: int) -> tuple[int]:
+        return self._memset(dst, struct.pack("<I", value), n)
+
+    def cuMemsetD8Async(self, dst: int, value: int, n: int, stream: int) -> tuple[int]:
+        return self.cuMemsetD8_v2(dst, value, n)
+
+    def cuMemsetD16Async(self, dst: int, value: int, n: int, stream: int) -> tuple[int]:
+        return self.cuMemsetD16_v2(dst, value, n)
+
+    def cuMemsetD32Async(self, dst: int, value: int, n: int, stream: int) -> tuple[int]:
+        return self.cuMemsetD32_v2(dst, value, n)
+
+    def _memset2d(self, dst: int, pitch: int, pattern: bytes, width: int, height: int) -> tuple[int]:
+        for row in range(height):
+            self._memset(dst + row * pitch, pattern, width)
+        return (SUCCESS,)
+
+    def cuMemsetD2D8_v2(self, dst: int, pitch: int, value: int, w: int, h: int) -> tuple[int]:
+        return self._memset2d(dst, pitch, struct.pack("<B", value), w, h)
+
+    def cuMemsetD2D16_v2(self, dst: int, pitch: int, value: int, w: int, h: int) -> tuple[int]:
+        return self._memset2d(dst, pitch, struct.pack("<H", value), w, h)
+
+    def cuMemsetD2D32_v2(self, dst: int, pitch: int, value: int, w: int, h: int) -> tuple[int]:
+        return self._memset2d(dst, pitch, struct.pack("<I", value), w, h)
+
+    def cuMemsetD2D8Async(self, dst: int, pitch: int, value: int, w: int, h: int, s: int) -> tuple[int]:
+        return self.cuMemsetD2D8_v2(dst, pitch, value, w, h)
+
+    def cuMemsetD2D16Async(self, dst: int, pitch: int, value: int, w: int, h: int, s: int) -> tuple[int]:
+        return self.cuMemsetD2D16_v2(dst, pitch, value, w, h)
+
+    def cuMemsetD2D32Async(self, dst: int, pitch: int, value: int, w: int, h: int, s: int) -> tuple[int]:
+        return self.cuMemsetD2D32_v2(dst, pitch, value, w, h)
+
+    def cuMemGetAddressRange_v2(self, ptr: int) -> tuple[int, int, int]:
+        try:
+            buf, off = self._locate(ptr, 1)
+        except CudaError:
+            return (NOT_FOUND, 0, 0)
+        return (SUCCESS, ptr - off, len(buf))
+
+    def pointer_attribute(self, attr: int, ptr: int) -> bytes:
+        try:
+            buf, off = self._locate(ptr, 1)
+        except CudaError:
+            raise CudaError(INVALID_VALUE) from None
+        names = {v: k.removeprefix("CU_POINTER_ATTRIBUTE_") for k, v in enums()["CUpointer_attribute"].items()}
+        name = names.get(attr, "")
+        base = ptr - off
+        values = {
+            "CONTEXT": struct.pack("<Q", self.current), "MEMORY_TYPE": struct.pack("<I", cu("CU_MEMORYTYPE_DEVICE")),
+            "DEVICE_POINTER": struct.pack("<Q", ptr), "BUFFER_ID": struct.pack("<Q", base & 0xFFFFFFFF),
+            "IS_MANAGED": b"\0", "DEVICE_ORDINAL": struct.pack("<i", 0), "RANGE_START_ADDR": struct.pack("<Q", base),
+            "RANGE_SIZE": struct.pack("<Q", len(buf)), "MAPPED": b"\1", "SYNC_MEMOPS": b"\0",
+            "IS_LEGACY_CUDA_IPC_CAPABLE": b"\1", "ACCESS_FLAGS": struct.pack("<I", 3),
+        }
+        if name not in values:
+            raise CudaError(INVALID_VALUE)
+        return values[name]
+
+    # ------------------------------------------------------------------ streams and events
+
+    def cuStreamCreate(self, flags: int) -> tuple[int, int]:
+        self._need_ctx()
+        h = self.handles.new()
+        self.streams[h] = (flags, 0)
+        return (SUCCESS, h)
+
+    def cuStreamCreateWithPriority(self, flags: int, priority: int) -> tuple[int, int]:
+        self._need_ctx()
+        h = self.handles.new()
+        self.streams[h] = (flags, priority)
+        return (SUCCESS, h)
+
+    def _stream_ok(self, s: int) -> bool:
+        return s in (0, 1, 2) or s in self.streams
+
+    def cuStreamDestroy_v2(self, s: int) -> tuple[int]:
+        return (SUCCESS,) if self.streams.pop(s, None) is not None else (INVALID_HANDLE,)
+
+    def cuStreamSynchronize(self, s: int) -> tuple[int]:
+        self._need_ctx()
+        return (SUCCESS,) if self._stream_ok(s) else (INVALID_HANDLE,)
+
+    cuStreamQuery = cuStreamSynchronize
+
+    def cuStreamWaitEvent(self, s: int, e: int, flags: int) -> tuple[int]:
+        return (SUCCESS,) if self._stream_ok(s) and e in self.events else (INVALID_HANDLE,)
+
+    def cuStreamGetPriority(self, s: int) -> tuple[int, int]:
+        return (SUCCESS, self.streams.get(s, (0, 0))[1]) if self._stream_ok(s) else (INVALID_HANDLE, 0)
+
+    def cuStreamGetFlags(self, s: int) -> tuple[int, int]:
+        return (SUCCESS, self.streams.get(s, (0, 0))[0]) if self._stream_ok(s) else (INVALID_HANDLE, 0)
+
+    def cuStreamGetCtx(self, s: int) -> tuple[int, int]:
+        return (SUCCESS, self.current) if self._stream_ok(s) else (INVALID_HANDLE, 0)
+
+    def cuStreamGetId(self, s: int) -> tuple[int, int]:
+        return (SUCCESS, s & 0xFFFFFF) if self._stream_ok(s) else (INVALID_HANDLE, 0)
+
+    def cuStreamGetDevice(self, s: int) -> tuple[int, int]:
+        return (SUCCESS, 0) if self._stream_ok(s) else (INVALID_HANDLE, 0)
+
+    def cuEventCreate(self, flags: int) -> tuple[int, int]:
+        self._need_ctx()
+        h = self.handles.new()
+        self.events[h] = None
+        return (SUCCESS, h)
+
+    def cuEventRecord(self, e: int, s: int) -> tuple[int]:
+        if e not in self.events or not self._stream_ok(s):
+            return (INVALID_HANDLE,)
+        self.events[e] = time.perf_counter()
+        return (SUCCESS,)
+
+    def cuEventRecordWithFlags(self, e: int, s: int, flags: int) -> tuple[int]:
+        return self.cuEventRecord(e, s)
+
+    def cuEventQuery(self, e: int) -> tuple[int]:
+        return (SUCCESS,) if e in self.events else (INVALID_HANDLE,)
+
+    cuEventSynchronize = cuEventQuery
+
+    def cuEventDestroy_v2(self, e: int) -> tuple[int]:
+        return (SUCCESS,) if self.events.pop(e, 0) != 0 else (INVALID_HANDLE,)
+
+    def cuEventElapsedTime(self, start: int, end: int) -> tuple[int, float]:
+        a, b = self.events.get(start), self.events.get(end)
+        if a is None or b is None:
+            return (INVALID_HANDLE, 0.0)
+        return (SUCCESS, (b - a) * 1000.0)
+
+    cuEventElapsedTime_v2 = cuEventElapsedTime
+
+    # ------------------------------------------------------------------ modules
+
+    def load(self, kind: str, image: bytes, options: list[tuple[int, int]], lib_options: list[tuple[int, int]]) -> LoadResult:
+        self._need_ctx()
+        option_values = [v for _, v in options]
+        if image[:4] == b"\x7fELF" or image[:4] == struct.pack("<I", 0xBA55ED50):
+            entries: list[tuple[str, tuple[tuple[int, int], ...]]] = []  # accepted: no kernels known
+        else:
+            text = image.rstrip(b"\0").decode("utf-8", "replace")
+            if ".version" not in text or ".target" not in text:
+                return LoadResult(code=INVALID_IMAGE, option_values=option_values,
+                                  error_log=b"emulated device: not a PTX, cubin or fatbin image")
+            entries = ptx_entries(text)
+        module = self.handles.new()
+        fns = []
+        for name, params in entries:
+            handle = self.handles.new()
+            info = FnInfo(handle, name, params)
+            self.functions[handle] = (module, info)
+            fns.append(info)
+        self.modules[module] = fns
+        handle = module
+        if kind == "library":
+            handle = self.handles.new()
+            self.libraries[handle] = module
+        info_log = f"emulated device: loaded {len(fns)} kernel(s)".encode()
+        return LoadResult(handle=handle, option_values=option_values, info_log=info_log, functions=fns)
+
+    def get_function(self, module: int, name: str) -> FnInfo:
+        for fn in self.modules.get(module, ()):
+            if fn.name == name:
+                return fn
+        raise CudaError(NOT_FOUND if module in self.modules else INVALID_HANDLE)
+
+    def param_info(self, handle: int) -> FnInfo:
+        if handle not in self.functions:
+            raise CudaError(INVALID_HANDLE)
+        return self.functions[handle][1]
+
+    def unload(self, kind: str, handle: int) -> None:
+        module = self.libraries.pop(handle, None) if kind == "library" else handle
+        if module is None or module not in self.modules:
+            raise CudaError(INVALID_HANDLE)
+        for fn in self.modules.pop(module):
+            self.functions.pop(fn.handle, None)
+
+    def cuModuleGetFunctionCount(self, module: int) -> tuple[int, int]:
+        return (SUCCESS, len(self.modules[module])) if module in self.modules else (INVALID_HANDLE, 0)
+
+    def cuModuleEnumerateFunctions(self, n: int, module: int) -> tuple[int, list[int]]:
+        if module not in self.modules:
+            return (INVALID_HANDLE, [])
+        return (SUCCESS, [f.handle for f in self.modules[module]][:n])
+
+    def cuModuleGetGlobal_v2(self, module: int, name: str) -> tuple[int, int, int]:
+        return (NOT_FOUND, 0, 0)
+
+    def cuLibraryGetModule(self, library: int) -> tuple[int, int]:
+        return (SUCCESS, self.libraries[library]) if library in self.libraries else (INVALID_HANDLE, 0)
+
+    def cuLibraryGetKernel(self, library: int, name: str) -> tuple[int, int]:
+        module = self.libraries.get(library)
+        if module is None:
+            return (INVALID_HANDLE, 0)
+        try:
+            return (SUCCESS, self.get_function(module, name).handle)
+        except CudaError as exc:
+            return (exc.code, 0)
+
+    def cuKernelGetFunction(self, kernel: int) -> tuple[int, int]:
+        return (SUCCESS, kernel) if kernel in self.functions else (INVALID_HANDLE, 0)
+
+    def cuLibraryGetKernelCount(self, library: int) -> tuple[int, int]:
+        module = self.libraries.get(library)
+        return (SUCCESS, len(self.modules[module])) if module else (INVALID_HANDLE, 0)
+
+    def cuLibraryEnumerateKernels(self, n: int, library: int) -> tuple[int, list[int]]:
+        module = self.libraries.get(library)
+        return (SUCCESS, [f.handle for f in self.modules[module]][:n]) if module else (INVALID_HANDLE, [])
+
+    def cuFuncGetModule(self, f: int) -> tuple[int, int]:
+        return (SUCCESS, self.functions[f][0]) if f in self.functions else (INVALID_HANDLE, 0)
+
+    def cuFuncGetAttribute(self, attrib: int, f: int) -> tuple[int, int]:
+        if f not in self.functions:
+            return (INVALID_HANDLE, 0)
+        values = {0: 1024, 4: 16, 5: 90, 6: 90, 8: 49152}
+        return (SUCCESS, values.get(attrib, 0))
+
+    def cuFuncSetAttribute(self, f: int, attrib: int, value: int) -> tuple[int]:
+        return (SUCCESS,) if f in self.functions else (INVALID_HANDLE,)
+
+    def cuFuncSetCacheConfig(self, f: int, config: int) -> tuple[int]:
+        return (SUCCESS,) if f in self.functions else (INVALID_HANDLE,)
+
+    def cuOccupancyMaxActiveBlocksPerMultiprocessor(self, f: int, block: int, smem: int) -> tuple[int, int]:
+        if f not in self.functions:
+            return (INVALID_HANDLE, 0)
+        return (SUCCESS, max(0, min(32, 2048 // max(block, 1))))
+
+    def cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(self, f: int, block: int, smem: int, flags: int) -> tuple[int, int]:
+        return self.cuOccupancyMaxActiveBlocksPerMultiprocessor(f, block, smem)
+
+    def max_potential_block_size(self, f: int, smem: int, limit: int, flags: int) -> tuple[int, int]:
+        if f not in self.functions:
+            raise CudaError(INVALID_HANDLE)
+        block = min(1024, limit) if limit > 0 else 1024
+        return _ATTRIBUTES["MULTIPROCESSOR_COUNT"] * (2048 // block), block
+
+    def link_create(self, options: list[tuple[int, int]]) -> int:
+        self._need_ctx()
+        h = self.handles.new()
+        self.links[h] = []
+        return h
+
+    def link_add(self, state: int, kind: int, name: str, options: list[tuple[int, int]], data: bytes) -> tuple[int, bytes, bytes]:
+        if state not in self.links:
+            return INVALID_HANDLE, b"", b""
+        self.links[state].append(data)
+        return SUCCESS, f"emulated linker: added {name or 'input'} ({len(data)} bytes)".encode(), b""
+
+    def link_complete(self, state: int) -> tuple[int, bytes, bytes, bytes]:
+        if state not in self.links:
+            return INVALID_HANDLE, b"", b"", b""
+        # The "linked image" of PTX inputs is their concatenation: loadable by this backend.
+        return SUCCESS, b"emulated linker: done", b"", b"\n".join(d.rstrip(b"\0") for d in self.links[state]) + b"\0"
+
+    def link_destroy(self, state: int) -> None:
+        if self.links.pop(state, None) is None:
+            raise CudaError(INVALID_HANDLE)
+
+    def launch(self, f: int, stream: int, grid: tuple[int, int, int], block: tuple[int, int, int], shmem: int,
+               cooperative: bool, attrs: bytes, params: memoryview, params_address: int) -> None:
+        self._need_ctx()
+        if f not in self.functions:
+            raise CudaError(INVALID_HANDLE)
+        expected = self.functions[f][1].params
+        size = max((o + s for o, s in expected), default=0)
+        if len(params) != size:
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: launch of {self.functions[f][1].name} carried "
+                                           f"{len(params)} parameter bytes, expected {size}")
+        self.last_launch = (self.functions[f][1].name, bytes(params))
+        raise CudaError(NOT_SUPPORTED, _LAUNCH_REFUSED)
+
+    def close(self) -> None:
+        self.allocs.clear()
+
+
+def _uuid_bytes(gpu_uuid: str) -> bytes:
+    text = gpu_uuid.removeprefix("GPU-").removeprefix("MIG-")
+    try:
+        return uuidlib.UUID(text).bytes
+    except ValueError:
+        return uuidlib.uuid5(uuidlib.NAMESPACE_URL, gpu_uuid).bytes
+
+
+class EmulatedNvml:
+    """NVML answers for an emulated GPU; memory shows the slice."""
+
+    emulated = True
+    driver_version = EMULATED_DRIVER_VERSION
+
+    def __init__(self, spec: Any) -> None:
+        self.spec = spec
+        self.description = f"emulated {spec.gpu_name} (NVML)"
+
+    def set_context(self, ctx: int) -> None:
+        pass
+
+    def _text(self, text: str, length: int) -> tuple[int, bytes]:
+        data = text.encode() + b"\0"
+        if len(data) > length:
+            return (7, b"")  # NVML_ERROR_INSUFFICIENT_SIZE
+        return (SUCCESS, data)
+
+    def _used(self) -> int:
+        from pathlib import Path
+        return slice_usage(Path(self.spec.usage_dir))
+
+    def nvmlDeviceGetMemoryInfo(self, device: int) -> tuple[int, bytes]:
+        total = self.spec.memory_limit
+        used = min(self._used(), total)
+        return (SUCCESS, struct.pack("<QQQ", total, total - used, used))
+
+    def nvmlDeviceGetMemoryInfo_v2(self, device: int, memory: bytes) -> tuple[int, bytes]:
+        total = self.spec.memory_limit
+        used = min(self._used(), total)
+        return (SUCCESS, struct.pack("<IxxxxQQQQ", struct.unpack_from("<I", memory)[0], total, 0, total - used, used))
+
+    def nvmlSystemGetDriverVersion(self, length: int) -> tuple[int, bytes]:
+        return self._text("580.00.00-emulated", length)
+
+    def nvmlDeviceGetName(self, device: int, length: int) -> tuple[int, bytes]:
+        return self._text(self.spec.gpu_name, length)
+
+    def nvmlDeviceGetUUID(self, device: int, length: int) -> tuple[int, bytes]:
+        return self._text(self.spec.gpu_uuid, length)
+
+    def nvmlDeviceGetPciInfo_v3(self, device: int) -> tuple[int, bytes]:
+        bus = b"00000000:06:00.0"
+        return (SUCCESS, struct.pack("<16s5I32s", bus, 0, 6, 0, 0x233510DE, 0x17FE10DE, bus))
+
+    def nvmlDeviceGetCudaComputeCapability(self, device: int) -> tuple[int, int, int]:
+        major, _, minor = self.spec.compute_capability.partition(".")
+        return (SUCCESS, int(major), int(minor or 0))
+
+    def nvmlDeviceGetUtilizationRates(self, device: int) -> tuple[int, bytes]:
+        return (SUCCESS, struct.pack("<II", 0, 0))
+
+    def nvmlDeviceGetTemperature(self, device: int, sensor: int) -> tuple[int, int]:
+        return (SUCCESS, 35)
+
+    def nvmlDeviceGetPowerUsage(self, device: int) -> tuple[int, int]:
+        return (SUCCESS, 70000)
+
+    def nvmlDeviceGetComputeMode(self, device: int) -> tuple[int, int]:
+        return (SUCCESS, 0)
+
+    def nvmlDeviceGetPersistenceMode(self, device: int) -> tuple[int, int]:
+        return (SUCCESS, 1)
+
+    def nvmlDeviceGetPerformanceState(self, device: int) -> tuple[int, int]:
+        return (SUCCESS, 0)
+
+    def nvmlDeviceGetFanSpeed(self, device: int) -> tuple[int, int]:
+        return (NVML_ERROR_NOT_SUPPORTED, 0)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,361 @@
+"""Generate the repetitive halves of the data path from the reviewed API specs.
+
+    python -m rgpu.remoting.native.generate          # rewrite the generated files
+    python -m rgpu.remoting.native.generate --check  # exit 1 if any is stale (CI, tests)
+
+From spec/cuda.spec (+ cuda_exports.txt, cuda_procs.txt, cuda_enums.txt) and spec/nvml.spec:
+  generated/rgpu_ops.h, generated/cuda_gen.c, generated/nvml_gen.c   client stubs and tables
+  remoting/api_gen.py                                                  server handlers, ctypes calls
+The outputs are committed, so building the client needs only a C compiler; a test fails when
+they no longer match the specs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+from rgpu.remoting.native.apispec import (
+    SPEC_DIR,
+    Function,
+    Param,
+    Spec,
+    parse_spec,
+    read_enums,
+    read_exports,
+    read_procs,
+)
+
+HERE = Path(__file__).parent
+GENERATED = HERE / "generated"
+TEMPLATES = HERE / "templates"
+PY_OUT = HERE.parent / "api_gen.py"
+NVML_FIRST_OPCODE = 1024
+DYNAMIC_STUBS = 64
+
+
+# ---------------------------------------------------------------------------------- C side
+
+@dataclass
+class CParamPlan:
+    """What the generated client stub does with one parameter."""
+
+    p: Param
+    put: str = ""        # C statement(s) sending it
+    check: str = ""      # C condition that makes the call invalid (before any I/O)
+    get: str = ""        # C statement(s) reading it from the reply
+
+
+def _c_scalar_put(p: Param, expr: str) -> str:
+    w = p.wire
+    assert w is not None
+    if w.kind == "dev":
+        return "rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */"
+    if w.kind == "ctx":
+        return f"rgpu_put_u64(&c, {p.name}_remote);"
+    if w.kind == "handle":
+        return f"rgpu_put_u64(&c, (uint64_t)(uintptr_t){expr});"
+    if w.kind == "nvmldev":
+        return "rgpu_put_u32(&c, 0);"
+    size = {"i": 4, "I": 4, "B": 1, "H": 2, "Q": 8, "f": 4}[w.fmt]
+    ctype = {"i": "int32_t", "I": "uint32_t", "B": "uint8_t", "H": "uint16_t", "Q": "uint64_t", "f": "float"}[w.fmt]
+    return f"{{ {ctype} v_ = ({ctype}){expr}; rgpu_put(&c, &v_, {size}); }}"
+
+
+def _c_scalar_get(p: Param, target: str) -> str:
+    """Read one output value into *target (target is an lvalue of the param's C type)."""
+    w = p.wire
+    assert w is not None
+    if w.kind == "dev":
+        return f"{target} = rgpu_dev_out(&c, rgpu_get_i32(&c));"
+    if w.kind == "ctx":
+        return f"{target} = rgpu_ctx_out(&c, rgpu_get_u64(&c));"
+    if w.kind == "handle":
+        return f"{target} = ({p.ctype})(uintptr_t)rgpu_get_u64(&c);"
+    if w.kind == "nvmldev":
+        return f"{target} = rgpu_nvml_device_out(&c, rgpu_get_u32(&c));"
+    if w.kind == "bytes":
+        return f"rgpu_get(&c, &{target}, sizeof({target}));"
+    ctype = {"i": "int32_t", "I": "uint32_t", "B": "uint8_t", "H": "uint16_t", "Q": "uint64_t", "f": "float"}[w.fmt]
+    return f"{{ {ctype} v_; rgpu_get(&c, &v_, sizeof v_); {target} = ({p.ctype})v_; }}"
+
+
+def plan_c(f: Function) -> list[CParamPlan]:
+    plans = []
+    for p in f.params:
+        plan = CParamPlan(p)
+        if p.direction == "inout":
+            # Only structs travel both ways (NVML's versioned structs): raw bytes out and back.
+            plan.check = f"{p.name} == NULL"
+            plan.put = f"rgpu_put(&c, {p.name}, sizeof *{p.name});"
+            plan.get = f"rgpu_get(&c, {p.name}, sizeof *{p.name});"
+        elif p.direction == "in":
+            if p.is_string:
+                plan.put = f"rgpu_put_str(&c, {p.name});"
+                plan.check = f"{p.name} == NULL"
+            elif p.pointer and p.const:
+                plan.check = f"{p.name} == NULL"
+                plan.put = _c_scalar_put(p, f"*{p.name}")
+            else:
+                plan.put = _c_scalar_put(p, p.name)
+        else:
+            optional = p.direction == "out?"
+            if p.length:
+                n = p.length
+                plan.check = f"{p.name} == NULL || (long long)({n}) <= 0"
+                if p.ctype == "char":
+                    plan.get = (f"{{ uint32_t n_ = rgpu_get_u32(&c); size_t cap_ = (size_t)({n}); "
+                                f"rgpu_get(&c, {p.name}, n_ < cap_ ? n_ : cap_); "
+                                f"if (n_ > cap_) c.roff += n_ - cap_; }}")
+                else:
+                    plan.get = (f"{{ uint32_t n_ = rgpu_get_u32(&c); for (uint32_t i_ = 0; i_ < n_; i_++) {{ "
+                                f"{p.ctype} e_; {_c_scalar_get(p, 'e_')} "
+                                f"if (i_ < (uint32_t)({n})) {p.name}[i_] = e_; }} }}")
+            else:
+                if not optional:
+                    plan.check = f"{p.name} == NULL"
+                tmp = f"{p.name}_v"
+                read = _c_scalar_get(p, tmp)
+                plan.get = (f"{{ {p.ctype} {tmp}; memset(&{tmp}, 0, sizeof {tmp}); {read} "
+                            f"if ({p.name}) *{p.name} = {tmp}; }}")
+        plans.append(plan)
+    return plans
+
+
+def c_route(f: Function) -> str:
+    r = f.route
+    op = f"RGPU_OP_{f.name}"
+    if r is None:
+        return f"rgpu_begin(&c, {op})"
+    if r.wire.kind == "dev":
+        return f"rgpu_begin_dev(&c, {op}, {r.name})"
+    if r.wire.kind == "ctx":
+        return f"rgpu_begin_ctx(&c, {op}, {r.name}, &{r.name}_remote)"
+    if r.wire.kind == "nvmldev":
+        return f"rgpu_nvml_begin_dev(&c, {op}, {r.name})"
+    raise AssertionError(r)
+
+
+# ---------------------------------------------------------------------------------- Python side
+
+def _py_name(name: str) -> str:
+    return name + "_" if name in ("len", "type", "id", "format", "free", "bytes") else name
+
+
+@dataclass
+class PyPlan:
+    f: Function
+    decode: list[str]       # statements reading the inputs from (buf, off)
+    args: list[str]         # backend call arguments
+    encode: list[str]       # statements building the reply bytes from `res`
+    ctypes_pre: list[str]   # ctypes driver call: output holders
+    ctypes_args: list[str]
+    ctypes_ret: str
+    argtypes: list[str]
+
+
+def plan_py(f: Function) -> PyPlan:
+    decode: list[str] = []
+    args: list[str] = []
+    group: list[tuple[str, str]] = []
+
+    def flush() -> None:
+        if not group:
+            return
+        fmt = "<" + "".join(g[1] for g in group)
+        names = ", ".join(g[0] for g in group) + ("," if len(group) == 1 else "")
+        decode.append(f"{names} = _struct({fmt!r}).unpack_from(buf, off); off += {_size(fmt)}")
+        group.clear()
+
+    for p in f.inputs:
+        n = _py_name(p.name)
+        args.append(n)
+        if p.is_string:
+            flush()
+            decode.append(f"{n}, off = _take_str(buf, off)")
+        else:
+            group.append((n, p.wire.fmt))
+    flush()
+
+    encode: list[str] = []
+    outs = f.outputs
+    parts = []
+    for i, p in enumerate(outs, 1):
+        if p.length:
+            if p.ctype == "char":
+                parts.append(f"_lp(res[{i}])")
+            else:
+                parts.append(f"_array({p.wire.fmt!r}, res[{i}])")
+        else:
+            parts.append(f"_struct('<{p.wire.fmt}').pack(res[{i}])")
+    encode.append(" + ".join(parts) if parts else 'b""')
+
+    pre: list[str] = []
+    cargs: list[str] = []
+    argtypes: list[str] = []
+    rets: list[str] = []
+    for p in f.params:
+        n = _py_name(p.name)
+        w = p.wire
+        if p.direction == "in":
+            if p.is_string:
+                cargs.append(f"{n}.encode()")
+                argtypes.append("ctypes.c_char_p")
+            elif w is not None and w.kind == "nvmldev":
+                cargs.append("self.nvml_device")
+                argtypes.append("ctypes.c_void_p")
+            elif p.pointer and p.const:
+                pre.append(f"{n}_in = {w.ctypes}({n})")
+                cargs.append(f"ctypes.byref({n}_in)")
+                argtypes.append("ctypes.c_void_p")
+            else:
+                cargs.append(n)
+                argtypes.append(w.ctypes)
+        elif p.direction == "inout":
+            holder = f"{n}_out"
+            pre.append(f"{holder} = ({w.ctypes}).from_buffer_copy({n})")
+            cargs.append(f"ctypes.byref({holder})")
+            rets.append(f"bytes({holder})")
+            argtypes.append("ctypes.c_void_p")
+        else:
+            holder = f"{n}_out"
+            if p.length:
+                ln = _py_name(p.length) if not p.length.isdigit() else p.length
+                if p.ctype == "char":
+                    pre.append(f"{holder} = ctypes.create_string_buffer(max(int({ln}), 0))")
+                    rets.append(f"{holder}.raw")
+                else:
+                    pre.append(f"{holder} = ({w.ctypes} * max(int({ln}), 0))()")
+                    rets.append(f"[v or 0 for v in {holder}]")
+                cargs.append(holder)
+            else:
+                pre.append(f"{holder} = ({w.ctypes})()")
+                cargs.append(f"ctypes.byref({holder})")
+                if w.kind == "bytes":
+                    rets.append(f"bytes({holder})")
+                else:
+                    rets.append(f"{holder}.value or 0")
+            argtypes.append("ctypes.c_void_p")
+    ret = "(r" + "".join(f", {x}" for x in rets) + ")" if rets else "(r,)"
+    return PyPlan(f, decode, args, encode, pre, cargs, ret, argtypes)
+
+
+def _size(fmt: str) -> int:
+    import struct
+    return struct.calcsize(fmt)
+
+
+# ---------------------------------------------------------------------------------- errors
+
+def error_message(name: str) -> str:
+    """A short description from the error's name: CUDA_ERROR_OUT_OF_MEMORY -> 'out of memory'."""
+    if name == "CUDA_SUCCESS":
+        return "no error"
+    text = name.removeprefix("CUDA_ERROR_").lower().replace("_", " ")
+    return text
+
+
+# ---------------------------------------------------------------------------------- driver
+
+@dataclass
+class Outputs:
+    files: dict[Path, str]
+
+
+def render_all() -> Outputs:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), keep_trailing_newline=True,
+                             trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+    env.filters["cstr"] = lambda s: s.replace("\\", "\\\\").replace('"', '\\"')
+    cuda = parse_spec(SPEC_DIR / "cuda.spec")
+    nvml = parse_spec(SPEC_DIR / "nvml.spec", first_opcode=NVML_FIRST_OPCODE)
+    exports = read_exports(SPEC_DIR / "cuda_exports.txt")
+    procs = read_procs(SPEC_DIR / "cuda_procs.txt")
+    enums = read_enums(SPEC_DIR / "cuda_enums.txt")
+    nvml_exports = read_exports(SPEC_DIR / "nvml_exports.txt")
+    validate(cuda, exports, nvml, nvml_exports)
+
+    export_set = set(exports)
+    listed = {f.name for f in cuda.functions}
+    generated_cuda = [f for f in cuda.functions if f.mode in ("sync", "async", "unsupported")]
+    per_thread = []
+    for f in cuda.functions:
+        if f.mode == "unsupported":
+            continue
+        for suffix in ("_ptds", "_ptsz"):
+            if f.name + suffix in export_set:
+                per_thread.append((f, f.name + suffix))
+    implemented = listed | {name for _, name in per_thread}
+    default_stubs = [name for name in exports if name not in implemented]
+    symbols = sorted(n for n in (implemented | set(default_stubs))
+                     if n in export_set)
+    errors = sorted(enums["CUresult"].items(), key=lambda kv: kv[1])
+
+    nvml_listed = {f.name for f in nvml.functions}
+    nvml_defaults = [n for n in nvml_exports if n not in nvml_listed]
+
+    ctx = {
+        "cuda": cuda, "nvml": nvml, "plan_c": plan_c, "c_route": c_route, "generated_cuda": generated_cuda,
+        "per_thread": per_thread, "default_stubs": default_stubs, "symbols": symbols, "procs": procs,
+        "errors": [(n, v, error_message(n)) for n, v in errors], "dynamic_stubs": DYNAMIC_STUBS,
+        "nvml_generated": [f for f in nvml.functions if f.mode in ("sync", "async", "unsupported")],
+        "nvml_defaults": nvml_defaults, "nvml_symbols": sorted(nvml_listed | set(nvml_defaults)),
+        "plan_py": plan_py, "wire_cuda": [f for f in cuda.wire_functions],
+        "wire_nvml": [f for f in nvml.wire_functions], "py_name": _py_name,
+    }
+    files = {
+        GENERATED / "rgpu_ops.h": env.get_template("rgpu_ops.h.j2").render(**ctx),
+        GENERATED / "cuda_gen.c": env.get_template("cuda_gen.c.j2").render(**ctx),
+        GENERATED / "cuda_protos.h": env.get_template("cuda_protos.h.j2").render(**ctx),
+        GENERATED / "nvml_protos.h": env.get_template("nvml_protos.h.j2").render(**ctx),
+        GENERATED / "nvml_gen.c": env.get_template("nvml_gen.c.j2").render(**ctx),
+        PY_OUT: env.get_template("api_gen.py.j2").render(**ctx),
+    }
+    return Outputs(files)
+
+
+def validate(cuda: Spec, exports: list[str], nvml: Spec, nvml_exports: list[str]) -> None:
+    export_set = set(exports)
+    for f in cuda.functions:
+        if not f.name.startswith("rgpu") and f.name not in export_set:
+            raise SystemExit(f"rgpu: generate: {f.name} (cuda.spec line {f.line}) is not a driver export "
+                             "(check the name, or refresh cuda_exports.txt)")
+    nvml_set = set(nvml_exports)
+    for f in nvml.functions:
+        if not f.name.startswith("rgpu") and f.name not in nvml_set:
+            raise SystemExit(f"rgpu: generate: {f.name} (nvml.spec line {f.line}) is not in nvml_exports.txt")
+    if cuda.protocol_version != nvml.protocol_version:
+        raise SystemExit("rgpu: generate: cuda.spec and nvml.spec name different protocol versions")
+    from rgpu.remoting.protocol import PROTOCOL_VERSION
+    if cuda.protocol_version != PROTOCOL_VERSION:
+        raise SystemExit(f"rgpu: generate: cuda.spec says protocol_version {cuda.protocol_version} but "
+                         f"protocol.py says {PROTOCOL_VERSION}; make them equal")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="only report stale outputs")
+    args = parser.parse_args(argv)
+    out = render_all()
+    stale = []
+    for path, text in out.files.items():
+        old = path.read_text() if path.exists() else None
+        if old != text:
+            stale.append(path)
+            if not args.check:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+    if args.check and stale:
+        for path in stale:
+            print(f"rgpu: generate: {path} is stale (run `python -m rgpu.remoting.native.generate` "
+                  "and commit the result)", file=sys.stderr)
+        return 1
+    if not args.check:
+        print(f"generated {len(out.files)} files ({len(stale)} changed)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,462 @@
+/* libcuda.so.1: memory. Device allocations are the worker's (it counts them against the slice);
+ * page-locked host memory is this process's own; copies stream in chunks. */
+#define _GNU_SOURCE
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+
+#include "rgpu_client.h"
+#include "cuda_protos.h"
+
+/* ------------------------------------------------------------------ device allocations */
+
+static CUresult alloc_common(uint16_t op, CUdeviceptr *dptr, size_t bytes, uint64_t a, uint64_t b,
+                             size_t *pitch_out, size_t height, unsigned int elem) {
+    if (!dptr) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, op);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, bytes);
+    rgpu_put_u64(&c, a);
+    rgpu_put_u64(&c, b);
+    rgpu_put_u64(&c, height);
+    rgpu_put_u32(&c, elem);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        uint64_t ptr = rgpu_get_u64(&c);
+        uint64_t pitch = rgpu_get_u64(&c);
+        *dptr = ptr;
+        if (pitch_out) *pitch_out = pitch;
+        rgpu_dev_range_add(c.s->index, ptr, pitch_out ? pitch * height : bytes);
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) {
+    return alloc_common(RGPU_OP_cuMemAlloc_v2, dptr, bytesize, 0, 0, NULL, 0, 0);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pPitch, size_t WidthInBytes,
+                                                size_t Height, unsigned int ElementSizeBytes) {
+    if (!pPitch) return CUDA_ERROR_INVALID_VALUE;
+    return alloc_common(RGPU_OP_cuMemAllocPitch_v2, dptr, WidthInBytes, 0, 0, pPitch, Height, ElementSizeBytes);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream) {
+    /* Sync on the wire: the application needs the address now. The GPU-side ordering is
+     * still the stream's. */
+    return alloc_common(RGPU_OP_cuMemAllocAsync, dptr, bytesize, (uint64_t)(uintptr_t)hStream, 0, NULL, 0, 0);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool,
+                                                     CUstream hStream) {
+    return alloc_common(RGPU_OP_cuMemAllocFromPoolAsync, dptr, bytesize, (uint64_t)(uintptr_t)hStream,
+                        (uint64_t)(uintptr_t)pool, NULL, 0, 0);
+}
+
+static CUresult free_common(uint16_t op, CUdeviceptr dptr, CUstream stream) {
+    rgpu_call c;
+    int session = -1;
+    CUresult r;
+    if (rgpu_dev_range_find(dptr, &session, NULL, NULL)) r = rgpu_check_init() ?: rgpu_begin_session(&c, op, session);
+    else r = rgpu_begin(&c, op);
+    if (r != CUDA_SUCCESS) return r;
+    int s = c.s->index;
+    rgpu_put_u64(&c, dptr);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+    r = rgpu_sync(&c);
+    rgpu_end(&c);
+    if (r == CUDA_SUCCESS) rgpu_dev_range_remove(s, dptr);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemFree_v2(CUdeviceptr dptr) {
+    if (!dptr) return rgpu_check_init();
+    return free_common(RGPU_OP_cuMemFree_v2, dptr, NULL);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) {
+    return free_common(RGPU_OP_cuMemFreeAsync, dptr, hStream);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
+    if (!free_bytes || !total) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuMemGetInfo_v2);
+    if (r != CUDA_SUCCESS) return r;
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        *free_bytes = (size_t)rgpu_get_u64(&c);
+        *total = (size_t)rgpu_get_u64(&c);
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
+    if (!bytes) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuDeviceTotalMem_v2, dev);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_i32(&c, 0);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) *bytes = (size_t)rgpu_get_u64(&c);
+    rgpu_end(&c);
+    return r;
+}
+
+static CUresult pool_attribute(uint16_t op, CUmemoryPool pool, CUmemPool_attribute attr, void *value, int set) {
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    /* Reuse policies (1-3) are ints; thresholds and counters (4-8) are cuuint64_t. */
+    size_t size = attr >= 1 && attr <= 3 ? 4 : 8;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, op);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)pool);
+    rgpu_put_i32(&c, attr);
+    uint64_t v = 0;
+    if (set) memcpy(&v, value, size);
+    rgpu_put_u64(&c, v);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS && !set) {
+        v = rgpu_get_u64(&c);
+        memcpy(value, &v, size);
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemPoolSetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value) {
+    return pool_attribute(RGPU_OP_cuMemPoolSetAttribute, pool, attr, value, 1);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_attribute attr, void *value) {
+    return pool_attribute(RGPU_OP_cuMemPoolGetAttribute, pool, attr, value, 0);
+}
+
+/* ------------------------------------------------------------------ page-locked host memory
+ * The GPU is across the network, so no GPU can map this memory; it is plain memory of this
+ * process, remembered so that pointer queries and cuMemFreeHost behave as CUDA's do. */
+
+static CUresult host_alloc(void **pp, size_t bytesize, unsigned int flags) {
+    if (!pp) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    if (!rgpu_ctx_current()) return CUDA_ERROR_INVALID_CONTEXT;
+    void *p = NULL;
+    if (bytesize == 0) bytesize = 1;
+    if (posix_memalign(&p, 4096, bytesize)) return CUDA_ERROR_OUT_OF_MEMORY;
+    rgpu_host_range_add(p, bytesize, flags, 1);
+    *pp = p;
+    return CUDA_SUCCESS;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemAllocHost_v2(void **pp, size_t bytesize) { return host_alloc(pp, bytesize, 0); }
+
+RGPU_EXPORT CUresult CUDAAPI cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags) {
+    return host_alloc(pp, bytesize, Flags);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemFreeHost(void *p) {
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    int owned = 0;
+    if (!rgpu_host_range_remove(p, &owned, NULL)) return CUDA_ERROR_INVALID_VALUE;
+    if (owned) free(p);
+    return CUDA_SUCCESS;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemHostRegister_v2(void *p, size_t bytesize, unsigned int Flags) {
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    if (!p || !bytesize) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_host_range_find(p, NULL, NULL, NULL)) return 712; /* CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED */
+    rgpu_host_range_add(p, bytesize, Flags, 0);
+    return CUDA_SUCCESS;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemHostUnregister(void *p) {
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    int owned = 0;
+    if (!rgpu_host_range_remove(p, &owned, NULL)) return 713; /* CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED */
+    return CUDA_SUCCESS;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemHostGetFlags(unsigned int *pFlags, void *p) {
+    if (!pFlags) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    unsigned int flags;
+    if (!rgpu_host_range_find(p, NULL, NULL, &flags)) return CUDA_ERROR_INVALID_VALUE;
+    *pFlags = flags;
+    return CUDA_SUCCESS;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned int Flags) {
+    static int seen;
+    (void)pdptr;
+    (void)p;
+    (void)Flags;
+    return rgpu_unsupported("cuMemHostGetDevicePointer_v2", &seen,
+                            "a remote GPU cannot map this host's memory; copy the data instead");
+}
+
+/* ------------------------------------------------------------------ copies */
+
+static CUresult htod(CUdeviceptr dst, const void *src, size_t n, CUstream stream, int session) {
+    if (n && !src) return CUDA_ERROR_INVALID_VALUE;
+    const uint8_t *p = src;
+    size_t done = 0;
+    do {
+        size_t k = n - done < RGPU_CHUNK_BYTES ? n - done : RGPU_CHUNK_BYTES;
+        rgpu_call c;
+        CUresult r = session >= 0 ? rgpu_begin_session(&c, RGPU_OP_cuMemcpyHtoDAsync_v2, session)
+                                  : rgpu_begin(&c, RGPU_OP_cuMemcpyHtoDAsync_v2);
+        if (r != CUDA_SUCCESS) return r;
+        rgpu_put_u64(&c, dst + done);
+        rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+        rgpu_put_u64(&c, k);
+        r = rgpu_put_bulk(&c, p + done, k);
+        if (r == CUDA_SUCCESS) r = rgpu_async(&c);
+        else rgpu_end(&c);
+        if (r != CUDA_SUCCESS) return r;
+        done += k;
+    } while (done < n);
+    return CUDA_SUCCESS;
+}
+
+static CUresult dtoh(void *dst, CUdeviceptr src, size_t n, CUstream stream, int session) {
+    if (n && !dst) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = session >= 0 ? rgpu_begin_session(&c, RGPU_OP_cuMemcpyDtoHAsync_v2, session)
+                              : rgpu_begin(&c, RGPU_OP_cuMemcpyDtoHAsync_v2);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, src);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+    rgpu_put_u64(&c, n);
+    c.sink = dst;
+    c.sink_cap = n;
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS && c.sink_got != n) r = CUDA_ERROR_UNKNOWN;
+    rgpu_end(&c);
+    return r;
+}
+
+static int session_of(CUdeviceptr p) {
+    int s = -1;
+    return rgpu_dev_range_find(p, &s, NULL, NULL) ? s : -1;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount) {
+    /* CUDA returns once the source may be reused; the bytes are on the wire by then. */
+    return htod(dstDevice, srcHost, ByteCount, NULL, session_of(dstDevice));
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount,
+                                                  CUstream hStream) {
+    return htod(dstDevice, srcHost, ByteCount, hStream, session_of(dstDevice));
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount) {
+    return dtoh(dstHost, srcDevice, ByteCount, NULL, session_of(srcDevice));
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount,
+                                                  CUstream hStream) {
+    /* Waits for the data: the bytes must land in this process's memory. */
+    return dtoh(dstHost, srcDevice, ByteCount, hStream, session_of(srcDevice));
+}
+
+static CUresult unified(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream) {
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    int ds = session_of(dst), ss = session_of(src);
+    if (ds >= 0 && ss >= 0) {
+        if (ds != ss) {
+            static int seen;
+            return rgpu_unsupported("cuMemcpy between two slices", &seen, "slices may sit on different servers");
+        }
+        rgpu_call c;
+        r = rgpu_begin_session(&c, RGPU_OP_cuMemcpyDtoDAsync_v2, ds);
+        if (r != CUDA_SUCCESS) return r;
+        rgpu_put_u64(&c, dst);
+        rgpu_put_u64(&c, src);
+        rgpu_put_u64(&c, n);
+        rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+        return rgpu_async(&c);
+    }
+    if (ds >= 0) return htod(dst, (const void *)(uintptr_t)src, n, stream, ds);
+    if (ss >= 0) return dtoh((void *)(uintptr_t)dst, src, n, stream, ss);
+    /* Neither side is a known device allocation (e.g. a module global): let the worker copy
+     * device to device; host to host needs no GPU at all. */
+    if (rgpu_host_range_find((void *)(uintptr_t)dst, NULL, NULL, NULL) &&
+        rgpu_host_range_find((void *)(uintptr_t)src, NULL, NULL, NULL)) {
+        memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+        return CUDA_SUCCESS;
+    }
+    rgpu_call c;
+    r = rgpu_begin(&c, RGPU_OP_cuMemcpyDtoDAsync_v2);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, dst);
+    rgpu_put_u64(&c, src);
+    rgpu_put_u64(&c, n);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+    return rgpu_async(&c);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount) {
+    return unified(dst, src, ByteCount, NULL);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream) {
+    return unified(dst, src, ByteCount, hStream);
+}
+
+/* 2D copies: host rows travel as one contiguous block per direction; device-to-device goes
+ * to the worker whole. */
+static CUresult copy2d(const CUDA_MEMCPY2D *p, CUstream stream) {
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    int src_host = p->srcMemoryType == CU_MEMORYTYPE_HOST ||
+                   (p->srcMemoryType == CU_MEMORYTYPE_UNIFIED && session_of(p->srcDevice) < 0);
+    int dst_host = p->dstMemoryType == CU_MEMORYTYPE_HOST ||
+                   (p->dstMemoryType == CU_MEMORYTYPE_UNIFIED && session_of(p->dstDevice) < 0);
+    if (p->srcMemoryType == CU_MEMORYTYPE_ARRAY || p->dstMemoryType == CU_MEMORYTYPE_ARRAY) {
+        static int seen;
+        return rgpu_unsupported("cuMemcpy2D with CUDA arrays", &seen, "CUDA arrays are not remoted in v1");
+    }
+    const uint8_t *sh = p->srcMemoryType == CU_MEMORYTYPE_HOST ? p->srcHost : (const void *)(uintptr_t)p->srcDevice;
+    uint8_t *dh = p->dstMemoryType == CU_MEMORYTYPE_HOST ? p->dstHost : (void *)(uintptr_t)p->dstDevice;
+    CUdeviceptr sd = p->srcDevice, dd = p->dstDevice;
+    size_t w = p->WidthInBytes, h = p->Height;
+    if (src_host && dst_host) {
+        for (size_t y = 0; y < h; y++)
+            memmove(dh + (p->dstY + y) * p->dstPitch + p->dstXInBytes, sh + (p->srcY + y) * p->srcPitch + p->srcXInBytes, w);
+        return CUDA_SUCCESS;
+    }
+    if (src_host) {
+        for (size_t y = 0; y < h && r == CUDA_SUCCESS; y++)
+            r = htod(dd + (p->dstY + y) * p->dstPitch + p->dstXInBytes, sh + (p->srcY + y) * p->srcPitch + p->srcXInBytes,
+                     w, stream, session_of(dd));
+        return r;
+    }
+    if (dst_host) {
+        /* One request per row would cost a round trip each: fetch the rows' span at once. */
+        size_t span = (h ? (h - 1) * p->srcPitch : 0) + w;
+        uint8_t *tmp = malloc(span ? span : 1);
+        if (!tmp) return CUDA_ERROR_OUT_OF_MEMORY;
+        r = dtoh(tmp, sd + p->srcY * p->srcPitch + p->srcXInBytes, span, stream, session_of(sd));
+        if (r == CUDA_SUCCESS)
+            for (size_t y = 0; y < h; y++) memcpy(dh + (p->dstY + y) * p->dstPitch + p->dstXInBytes, tmp + y * p->srcPitch, w);
+        free(tmp);
+        return r;
+    }
+    rgpu_call c;
+    int s = session_of(dd);
+    r = s >= 0 ? rgpu_begin_session(&c, RGPU_OP_rgpuMemcpy2DDevice, s) : rgpu_begin(&c, RGPU_OP_rgpuMemcpy2DDevice);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, dd + p->dstY * p->dstPitch + p->dstXInBytes);
+    rgpu_put_u64(&c, p->dstPitch);
+    rgpu_put_u64(&c, sd + p->srcY * p->srcPitch + p->srcXInBytes);
+    rgpu_put_u64(&c, p->srcPitch);
+    rgpu_put_u64(&c, w);
+    rgpu_put_u64(&c, h);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+    return rgpu_async(&c);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemcpy2D_v2(const CUDA_MEMCPY2D *pCopy) { return copy2d(pCopy, NULL); }
+RGPU_EXPORT CUresult CUDAAPI cuMemcpy2DUnaligned_v2(const CUDA_MEMCPY2D *pCopy) { return copy2d(pCopy, NULL); }
+RGPU_EXPORT CUresult CUDAAPI cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D *pCopy, CUstream hStream) {
+    return copy2d(pCopy, hStream);
+}
+
+/* ------------------------------------------------------------------ pointer attributes */
+
+static int local_pointer_attribute(CUpointer_attribute attr, CUdeviceptr ptr, void *data) {
+    void *base;
+    size_t size;
+    unsigned int flags;
+    if (!rgpu_host_range_find((void *)(uintptr_t)ptr, &base, &size, &flags)) return -1;
+    switch (attr) {
+    case CU_POINTER_ATTRIBUTE_MEMORY_TYPE: *(unsigned int *)data = CU_MEMORYTYPE_HOST; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_HOST_POINTER: *(void **)data = (void *)(uintptr_t)ptr; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_CONTEXT: *(CUcontext *)data = (CUcontext)rgpu_ctx_current(); return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_IS_MANAGED: *(uint8_t *)data = 0; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_MAPPED: *(uint8_t *)data = 1; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: *(void **)data = base; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_RANGE_SIZE: *(size_t *)data = size; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: {
+        rgpu_ctx *cur = rgpu_ctx_current();
+        *(int *)data = cur ? cur->session : 0;
+        return CUDA_SUCCESS;
+    }
+    default: return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+
+/* Copy one attribute's bytes as the worker's driver wrote them, translating handles. */
+static void store_attribute(rgpu_call *c, CUpointer_attribute attr, void *data) {
+    uint32_t n = rgpu_get_u32(c);
+    uint8_t raw[64] = {0};
+    rgpu_get(c, raw, n < sizeof raw ? n : sizeof raw);
+    if (n > sizeof raw) c->roff += n - sizeof raw;
+    if (!data) return;
+    if (attr == CU_POINTER_ATTRIBUTE_CONTEXT) {
+        uint64_t remote;
+        memcpy(&remote, raw, 8);
+        *(CUcontext *)data = rgpu_ctx_out(c, remote);
+    } else if (attr == CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL) {
+        int32_t v;
+        memcpy(&v, raw, 4);
+        *(int *)data = v < 0 ? v : c->s->index;
+    } else if (n) {
+        memcpy(data, raw, n < sizeof raw ? n : sizeof raw);
+    }
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr) {
+    if (!data) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    int local = local_pointer_attribute(attribute, ptr, data);
+    if (local >= 0) return local;
+    rgpu_call c;
+    int s = session_of(ptr);
+    r = s >= 0 ? rgpu_begin_session(&c, RGPU_OP_cuPointerGetAttribute, s) : rgpu_begin(&c, RGPU_OP_cuPointerGetAttribute);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_i32(&c, attribute);
+    rgpu_put_u64(&c, ptr);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) store_attribute(&c, attribute, data);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuPointerGetAttributes(unsigned int numAttributes, CUpointer_attribute *attributes,
+                                                    void **data, CUdeviceptr ptr) {
+    if (!attributes || !data || numAttributes == 0) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    if (rgpu_host_range_find((void *)(uintptr_t)ptr, NULL, NULL, NULL)) {
+        for (unsigned int i = 0; i < numAttributes; i++)
+            if (data[i] && local_pointer_attribute(attributes[i], ptr, data[i]) != CUDA_SUCCESS)
+                memset(data[i], 0, 4);
+        return CUDA_SUCCESS;
+    }
+    rgpu_call c;
+    int s = session_of(ptr);
+    r = s >= 0 ? rgpu_begin_session(&c, RGPU_OP_cuPointerGetAttributes, s) : rgpu_begin(&c, RGPU_OP_cuPointerGetAttributes);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u32(&c, numAttributes);
+    for (unsigned int i = 0; i < numAttributes; i++) rgpu_put_i32(&c, attributes[i]);
+    rgpu_put_u64(&c, ptr);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS)
+        for (unsigned int i = 0; i < numAttributes; i++) store_attribute(&c, attributes[i], data[i]);
+    rgpu_end(&c);
+    return r;
+}

@@ -1,0 +1,745 @@
+/* libcuda.so.1: modules, libraries, the linker, kernel launches, occupancy, host callbacks. */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "rgpu_client.h"
+#include "cuda_protos.h"
+
+/* ------------------------------------------------------------------ image sizes
+ * cuModuleLoadData has no size argument: read it from the image's own header. */
+
+#define FATBIN_MAGIC 0xBA55ED50u
+#define FATBIN_WRAPPER_MAGIC 0x466243B1u
+
+typedef struct { int magic; int version; const unsigned long long *data; void *filename_or_fatbins; } fatbin_wrapper;
+
+static size_t elf_size(const uint8_t *b) {
+    if (b[4] != 2) return 0; /* ELFCLASS64 only: CUDA cubins are 64-bit */
+    uint64_t phoff, shoff;
+    uint16_t phentsize, phnum, shentsize, shnum;
+    memcpy(&phoff, b + 0x20, 8);
+    memcpy(&shoff, b + 0x28, 8);
+    memcpy(&phentsize, b + 0x36, 2);
+    memcpy(&phnum, b + 0x38, 2);
+    memcpy(&shentsize, b + 0x3A, 2);
+    memcpy(&shnum, b + 0x3C, 2);
+    size_t end = 0x40;
+    if (shoff + (uint64_t)shentsize * shnum > end) end = shoff + (uint64_t)shentsize * shnum;
+    if (phoff + (uint64_t)phentsize * phnum > end) end = phoff + (uint64_t)phentsize * phnum;
+    for (uint16_t i = 0; i < shnum; i++) {
+        const uint8_t *sh = b + shoff + (uint64_t)i * shentsize;
+        uint32_t type;
+        uint64_t off, size;
+        memcpy(&type, sh + 4, 4);
+        memcpy(&off, sh + 0x18, 8);
+        memcpy(&size, sh + 0x20, 8);
+        if (type != 8 /* SHT_NOBITS */ && off + size > end) end = off + size;
+    }
+    for (uint16_t i = 0; i < phnum; i++) {
+        const uint8_t *ph = b + phoff + (uint64_t)i * phentsize;
+        uint64_t off, filesz;
+        memcpy(&off, ph + 0x08, 8);
+        memcpy(&filesz, ph + 0x20, 8);
+        if (off + filesz > end) end = off + filesz;
+    }
+    return end;
+}
+
+/* Returns the bytes to send (unwrapping cudart's fatbin wrapper) and their size. */
+static const void *image_bytes(const void *image, size_t *size) {
+    const uint8_t *b = image;
+    uint32_t magic;
+    memcpy(&magic, b, 4);
+    if (magic == FATBIN_WRAPPER_MAGIC) {
+        const fatbin_wrapper *w = image;
+        return image_bytes(w->data, size);
+    }
+    if (magic == FATBIN_MAGIC) {
+        uint16_t header;
+        uint64_t body;
+        memcpy(&header, b + 6, 2);
+        memcpy(&body, b + 8, 8);
+        *size = header + body;
+        return image;
+    }
+    if (magic == 0x464c457fu) {
+        *size = elf_size(b);
+        return image;
+    }
+    *size = strlen((const char *)image) + 1; /* PTX text, NUL included as the driver expects */
+    return image;
+}
+
+/* ------------------------------------------------------------------ JIT options */
+
+typedef struct jit_plan {
+    unsigned int n;          /* options sent */
+    unsigned int idx[64];    /* their index in the caller's arrays */
+} jit_plan;
+
+static int jit_pointer_option(int opt) {
+    return opt == CU_JIT_GLOBAL_SYMBOL_NAMES || opt == CU_JIT_GLOBAL_SYMBOL_ADDRESSES ||
+           opt == CU_JIT_GLOBAL_SYMBOL_COUNT || opt == CU_JIT_REFERENCED_KERNEL_NAMES ||
+           opt == CU_JIT_REFERENCED_KERNEL_COUNT || opt == CU_JIT_REFERENCED_VARIABLE_NAMES ||
+           opt == CU_JIT_REFERENCED_VARIABLE_COUNT;
+}
+
+static void put_jit_options(rgpu_call *c, jit_plan *plan, unsigned int n, const CUjit_option *opts, void **vals) {
+    plan->n = 0;
+    for (unsigned int i = 0; i < n && opts && vals && plan->n < 64; i++) {
+        if (jit_pointer_option(opts[i])) {
+            static int seen;
+            rgpu_unsupported("JIT options naming host symbols", &seen, "the option is ignored");
+            continue;
+        }
+        plan->idx[plan->n++] = i;
+    }
+    rgpu_put_u32(c, plan->n);
+    for (unsigned int k = 0; k < plan->n; k++) {
+        unsigned int i = plan->idx[k];
+        int opt = opts[i];
+        uint64_t v = (opt == CU_JIT_INFO_LOG_BUFFER || opt == CU_JIT_ERROR_LOG_BUFFER) ? 0 : (uint64_t)(uintptr_t)vals[i];
+        rgpu_put_i32(c, opt);
+        rgpu_put_u64(c, v);
+    }
+}
+
+static void copy_log(char *dst, size_t cap, const uint8_t *src, uint32_t n) {
+    if (!dst || !cap) return;
+    size_t k = n < cap - 1 ? n : cap - 1;
+    memcpy(dst, src, k);
+    dst[k] = 0;
+}
+
+/* Read back option values (sizes used, wall time) and the logs into the caller's buffers. */
+static void get_jit_results(rgpu_call *c, const jit_plan *plan, const CUjit_option *opts, void **vals) {
+    uint32_t n = rgpu_get_u32(c);
+    for (uint32_t k = 0; k < n; k++) {
+        uint64_t v = rgpu_get_u64(c);
+        if (k >= plan->n) continue;
+        unsigned int i = plan->idx[k];
+        int opt = opts[i];
+        if (opt == CU_JIT_WALL_TIME) {
+            float f;
+            uint32_t bits = (uint32_t)v;
+            memcpy(&f, &bits, 4);
+            memcpy(&vals[i], &f, sizeof f);
+        } else if (opt == CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES || opt == CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES ||
+                   opt == CU_JIT_THREADS_PER_BLOCK) {
+            vals[i] = (void *)(uintptr_t)v;
+        }
+    }
+    for (int which = 0; which < 2; which++) {
+        uint32_t len = rgpu_get_u32(c);
+        const uint8_t *text = c->rp + c->roff;
+        if (c->roff + len > c->rlen) len = 0;
+        for (unsigned int k = 0; k < plan->n; k++) {
+            unsigned int i = plan->idx[k];
+            int want = which == 0 ? CU_JIT_INFO_LOG_BUFFER : CU_JIT_ERROR_LOG_BUFFER;
+            int want_size = which == 0 ? CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES : CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES;
+            if (opts[i] != want) continue;
+            size_t cap = 0;
+            for (unsigned int m = 0; m < plan->n; m++)
+                if (opts[plan->idx[m]] == want_size) cap = (size_t)(uintptr_t)vals[plan->idx[m]] + 1;
+            copy_log(vals[i], cap ? cap : 1, text, len);
+        }
+        c->roff += len;
+    }
+}
+
+/* Function tables follow every load: handle, name and parameter layout of each function. */
+static void read_functions(rgpu_call *c, uint64_t module) {
+    uint32_t n = rgpu_get_u32(c);
+    for (uint32_t i = 0; i < n && rgpu_remaining(c) >= 16; i++) {
+        uint64_t handle = rgpu_get_u64(c);
+        uint32_t nl = rgpu_get_u32(c);
+        char name[512];
+        size_t k = nl < sizeof name - 1 ? nl : sizeof name - 1;
+        rgpu_get(c, name, k);
+        name[k] = 0;
+        if (nl > k) c->roff += nl - k;
+        uint32_t np = rgpu_get_u32(c);
+        uint32_t *offs = calloc(np ? np : 1, 4), *sizes = calloc(np ? np : 1, 4);
+        for (uint32_t j = 0; j < np; j++) {
+            offs[j] = rgpu_get_u32(c);
+            sizes[j] = rgpu_get_u32(c);
+        }
+        rgpu_fn *fn = rgpu_fn_add(c->s->index, handle, name, np, offs, sizes);
+        if (fn) rgpu_fn_set_module(fn, module);
+        free(offs);
+        free(sizes);
+    }
+}
+
+static CUresult load_image(uint16_t op, uint64_t *out, const void *image, size_t size, unsigned int nopts,
+                           CUjit_option *opts, void **vals, unsigned int nlib, CUlibraryOption *libopts,
+                           void **libvals) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, op);
+    if (r != CUDA_SUCCESS) return r;
+    jit_plan plan;
+    put_jit_options(&c, &plan, nopts, opts, vals);
+    rgpu_put_u32(&c, libopts && libvals ? nlib : 0);
+    for (unsigned int i = 0; libopts && libvals && i < nlib; i++) {
+        rgpu_put_i32(&c, libopts[i]);
+        rgpu_put_u64(&c, (uint64_t)(uintptr_t)libvals[i]);
+    }
+    rgpu_put_u64(&c, size);
+    r = rgpu_put_bulk(&c, image, size);
+    if (r != CUDA_SUCCESS) {
+        rgpu_end(&c);
+        return r;
+    }
+    r = rgpu_sync(&c);
+    /* Logs come back on failure too: that is when the application reads them. */
+    if (rgpu_remaining(&c) >= 8) {
+        uint64_t handle = rgpu_get_u64(&c);
+        get_jit_results(&c, &plan, opts, vals);
+        if (r == CUDA_SUCCESS) {
+            *out = handle;
+            read_functions(&c, handle);
+        }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions,
+                                                CUjit_option *options, void **optionValues) {
+    if (!module || !image) return CUDA_ERROR_INVALID_VALUE;
+    size_t size;
+    const void *bytes = image_bytes(image, &size);
+    if (!size) return CUDA_ERROR_INVALID_IMAGE;
+    uint64_t h = 0;
+    CUresult r = load_image(RGPU_OP_cuModuleLoadDataEx, &h, bytes, size, numOptions, options, optionValues, 0, NULL, NULL);
+    if (r == CUDA_SUCCESS) *module = (CUmodule)(uintptr_t)h;
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuModuleLoadData(CUmodule *module, const void *image) {
+    return cuModuleLoadDataEx(module, image, 0, NULL, NULL);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuModuleLoadFatBinary(CUmodule *module, const void *fatCubin) {
+    return cuModuleLoadDataEx(module, fatCubin, 0, NULL, NULL);
+}
+
+static void *read_file(const char *path, size_t *size) {
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    uint8_t *b = n >= 0 ? malloc((size_t)n + 1) : NULL;
+    if (b && fread(b, 1, (size_t)n, f) != (size_t)n) {
+        free(b);
+        b = NULL;
+    }
+    fclose(f);
+    if (b) {
+        b[n] = 0; /* PTX files need their terminating NUL */
+        *size = (size_t)n + 1;
+    }
+    return b;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuModuleLoad(CUmodule *module, const char *fname) {
+    if (!module || !fname) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    size_t size;
+    void *data = read_file(fname, &size); /* the file is on this node, not the GPU server */
+    if (!data) return CUDA_ERROR_FILE_NOT_FOUND;
+    r = cuModuleLoadDataEx(module, data, 0, NULL, NULL);
+    free(data);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuLibraryLoadData(CUlibrary *library, const void *code, CUjit_option *jitOptions,
+                                               void **jitOptionsValues, unsigned int numJitOptions,
+                                               CUlibraryOption *libraryOptions, void **libraryOptionValues,
+                                               unsigned int numLibraryOptions) {
+    if (!library || !code) return CUDA_ERROR_INVALID_VALUE;
+    size_t size;
+    const void *bytes = image_bytes(code, &size);
+    if (!size) return CUDA_ERROR_INVALID_IMAGE;
+    uint64_t h = 0;
+    CUresult r = load_image(RGPU_OP_cuLibraryLoadData, &h, bytes, size, numJitOptions, jitOptions, jitOptionsValues,
+                            numLibraryOptions, libraryOptions, libraryOptionValues);
+    if (r == CUDA_SUCCESS) *library = (CUlibrary)(uintptr_t)h;
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuLibraryLoadFromFile(CUlibrary *library, const char *fileName, CUjit_option *jitOptions,
+                                                   void **jitOptionsValues, unsigned int numJitOptions,
+                                                   CUlibraryOption *libraryOptions, void **libraryOptionValues,
+                                                   unsigned int numLibraryOptions) {
+    if (!library || !fileName) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    size_t size;
+    void *data = read_file(fileName, &size);
+    if (!data) return CUDA_ERROR_FILE_NOT_FOUND;
+    r = cuLibraryLoadData(library, data, jitOptions, jitOptionsValues, numJitOptions, libraryOptions,
+                          libraryOptionValues, numLibraryOptions);
+    free(data);
+    return r;
+}
+
+/* ------------------------------------------------------------------ function lookups */
+
+static rgpu_fn *read_one_function(rgpu_call *c, uint64_t handle, uint64_t module) {
+    uint32_t nl = rgpu_get_u32(c);
+    char name[512];
+    size_t k = nl < sizeof name - 1 ? nl : sizeof name - 1;
+    rgpu_get(c, name, k);
+    name[k] = 0;
+    if (nl > k) c->roff += nl - k;
+    uint32_t np = rgpu_get_u32(c);
+    uint32_t *offs = calloc(np ? np : 1, 4), *sizes = calloc(np ? np : 1, 4);
+    for (uint32_t j = 0; j < np; j++) {
+        offs[j] = rgpu_get_u32(c);
+        sizes[j] = rgpu_get_u32(c);
+    }
+    rgpu_fn *fn = rgpu_fn_add(c->s->index, handle, name, np, offs, sizes);
+    if (fn && module) rgpu_fn_set_module(fn, module);
+    free(offs);
+    free(sizes);
+    return fn;
+}
+
+static int current_session(void) {
+    rgpu_ctx *cur = rgpu_ctx_current();
+    return cur ? cur->session : 0;
+}
+
+/* The parameter layout of a function or kernel handle: cached, else asked once. */
+static CUresult function_info(uint64_t handle, rgpu_fn **out) {
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    int session = current_session();
+    rgpu_fn *fn = rgpu_fn_find(session, handle);
+    if (!fn) {
+        rgpu_call c;
+        r = rgpu_begin_session(&c, RGPU_OP_rgpuParamInfo, session);
+        if (r != CUDA_SUCCESS) return r;
+        rgpu_put_u64(&c, handle);
+        r = rgpu_sync(&c);
+        if (r == CUDA_SUCCESS) fn = read_one_function(&c, handle, 0);
+        rgpu_end(&c);
+        if (r != CUDA_SUCCESS) return r;
+        if (!fn) return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *out = fn;
+    return CUDA_SUCCESS;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name) {
+    if (!hfunc || !name) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    int session = current_session();
+    rgpu_fn *fn = rgpu_fn_find_name(session, (uint64_t)(uintptr_t)hmod, name);
+    if (fn) {
+        *hfunc = (CUfunction)(uintptr_t)fn->handle;
+        return CUDA_SUCCESS;
+    }
+    rgpu_call c;
+    r = rgpu_begin_session(&c, RGPU_OP_cuModuleGetFunction, session);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hmod);
+    rgpu_put_str(&c, name);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        uint64_t handle = rgpu_get_u64(&c);
+        read_one_function(&c, handle, (uint64_t)(uintptr_t)hmod);
+        *hfunc = (CUfunction)(uintptr_t)handle;
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuFuncGetName(const char **name, CUfunction hfunc) {
+    if (!name || !hfunc) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_fn *fn;
+    CUresult r = function_info((uint64_t)(uintptr_t)hfunc, &fn);
+    if (r == CUDA_SUCCESS) *name = fn->name;
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuKernelGetName(const char **name, CUkernel hfunc) {
+    return cuFuncGetName(name, (CUfunction)hfunc);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuFuncGetParamInfo(CUfunction func, size_t paramIndex, size_t *paramOffset,
+                                                size_t *paramSize) {
+    if (!func) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_fn *fn;
+    CUresult r = function_info((uint64_t)(uintptr_t)func, &fn);
+    if (r != CUDA_SUCCESS) return r;
+    if (paramIndex >= fn->nparams) return CUDA_ERROR_INVALID_VALUE;
+    if (paramOffset) *paramOffset = fn->offsets[paramIndex];
+    if (paramSize) *paramSize = fn->sizes[paramIndex];
+    return CUDA_SUCCESS;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuKernelGetParamInfo(CUkernel kernel, size_t paramIndex, size_t *paramOffset,
+                                                  size_t *paramSize) {
+    return cuFuncGetParamInfo((CUfunction)kernel, paramIndex, paramOffset, paramSize);
+}
+
+/* ------------------------------------------------------------------ the linker */
+
+typedef struct rgpu_link {
+    uint32_t magic;
+    int session;
+    uint64_t remote;
+    char *info, *error;          /* the caller's log buffers from cuLinkCreate */
+    size_t info_cap, error_cap;
+    void *cubin;
+} rgpu_link;
+#define RGPU_LINK_MAGIC 0x4c494e4bu
+
+static void link_logs(rgpu_call *c, rgpu_link *l) {
+    for (int which = 0; which < 2; which++) {
+        uint32_t len = rgpu_get_u32(c);
+        if (c->roff + len > c->rlen) len = 0;
+        const uint8_t *text = c->rp + c->roff;
+        if (which == 0) copy_log(l->info, l->info_cap, text, len);
+        else copy_log(l->error, l->error_cap, text, len);
+        c->roff += len;
+    }
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuLinkCreate_v2(unsigned int numOptions, CUjit_option *options, void **optionValues,
+                                             CUlinkState *stateOut) {
+    if (!stateOut) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_link *l = calloc(1, sizeof *l);
+    if (!l) return CUDA_ERROR_OUT_OF_MEMORY;
+    l->magic = RGPU_LINK_MAGIC;
+    for (unsigned int i = 0; i < numOptions && options && optionValues; i++) {
+        if (options[i] == CU_JIT_INFO_LOG_BUFFER) l->info = optionValues[i];
+        if (options[i] == CU_JIT_ERROR_LOG_BUFFER) l->error = optionValues[i];
+        if (options[i] == CU_JIT_INFO_LOG_BUFFER_SIZE_BYTES) l->info_cap = (size_t)(uintptr_t)optionValues[i];
+        if (options[i] == CU_JIT_ERROR_LOG_BUFFER_SIZE_BYTES) l->error_cap = (size_t)(uintptr_t)optionValues[i];
+    }
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuLinkCreate_v2);
+    if (r != CUDA_SUCCESS) {
+        free(l);
+        return r;
+    }
+    jit_plan plan;
+    put_jit_options(&c, &plan, numOptions, options, optionValues);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        l->remote = rgpu_get_u64(&c);
+        l->session = c.s->index;
+        *stateOut = (CUlinkState)l;
+    } else {
+        free(l);
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+static rgpu_link *link_of(CUlinkState state) {
+    rgpu_link *l = (rgpu_link *)state;
+    return (l && l->magic == RGPU_LINK_MAGIC) ? l : NULL;
+}
+
+static CUresult link_add(rgpu_link *l, CUjitInputType type, const void *data, size_t size, const char *name,
+                         unsigned int numOptions, CUjit_option *options, void **optionValues) {
+    rgpu_call c;
+    CUresult r = rgpu_begin_session(&c, RGPU_OP_cuLinkAddData_v2, l->session);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, l->remote);
+    rgpu_put_i32(&c, type);
+    rgpu_put_str(&c, name ? name : "");
+    jit_plan plan;
+    put_jit_options(&c, &plan, numOptions, options, optionValues);
+    rgpu_put_u64(&c, size);
+    r = rgpu_put_bulk(&c, data, size);
+    if (r != CUDA_SUCCESS) {
+        rgpu_end(&c);
+        return r;
+    }
+    r = rgpu_sync(&c);
+    if (rgpu_remaining(&c) >= 8) link_logs(&c, l);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuLinkAddData_v2(CUlinkState state, CUjitInputType type, void *data, size_t size,
+                                              const char *name, unsigned int numOptions, CUjit_option *options,
+                                              void **optionValues) {
+    rgpu_link *l = link_of(state);
+    if (!l || !data) return CUDA_ERROR_INVALID_VALUE;
+    if (type == CU_JIT_INPUT_PTX && size == 0) size = strlen(data) + 1;
+    return link_add(l, type, data, size, name, numOptions, options, optionValues);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuLinkAddFile_v2(CUlinkState state, CUjitInputType type, const char *path,
+                                              unsigned int numOptions, CUjit_option *options, void **optionValues) {
+    rgpu_link *l = link_of(state);
+    if (!l || !path) return CUDA_ERROR_INVALID_VALUE;
+    size_t size;
+    void *data = read_file(path, &size); /* the file is on this node */
+    if (!data) return CUDA_ERROR_FILE_NOT_FOUND;
+    if (type != CU_JIT_INPUT_PTX) size -= 1; /* read_file added a NUL for text */
+    CUresult r = link_add(l, type, data, size, path, numOptions, options, optionValues);
+    free(data);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuLinkComplete(CUlinkState state, void **cubinOut, size_t *sizeOut) {
+    rgpu_link *l = link_of(state);
+    if (!l || !cubinOut || !sizeOut) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin_session(&c, RGPU_OP_cuLinkComplete, l->session);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, l->remote);
+    r = rgpu_sync(&c);
+    if (rgpu_remaining(&c) >= 8) link_logs(&c, l);
+    if (r == CUDA_SUCCESS) {
+        uint64_t n = rgpu_get_u64(&c);
+        if (n > rgpu_remaining(&c)) {
+            r = CUDA_ERROR_UNKNOWN;
+        } else {
+            free(l->cubin);
+            l->cubin = malloc(n ? n : 1); /* valid until cuLinkDestroy, as with CUDA */
+            if (!l->cubin) r = CUDA_ERROR_OUT_OF_MEMORY;
+            else {
+                rgpu_get(&c, l->cubin, n);
+                *cubinOut = l->cubin;
+                *sizeOut = n;
+            }
+        }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuLinkDestroy(CUlinkState state) {
+    rgpu_link *l = link_of(state);
+    if (!l) return CUDA_ERROR_INVALID_HANDLE;
+    rgpu_call c;
+    CUresult r = rgpu_begin_session(&c, RGPU_OP_cuLinkDestroy, l->session);
+    if (r == CUDA_SUCCESS) {
+        rgpu_put_u64(&c, l->remote);
+        r = rgpu_sync(&c);
+        rgpu_end(&c);
+    }
+    l->magic = 0;
+    free(l->cubin);
+    free(l);
+    return r;
+}
+
+/* ------------------------------------------------------------------ launches
+ * Parameters are packed here with the layout the worker's driver reported, so the worker
+ * launches with one buffer (CU_LAUNCH_PARAM_BUFFER_POINTER) and never looks inside it. */
+
+static CUresult launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
+                       unsigned int by, unsigned int bz, unsigned int shmem, CUstream stream, void **params,
+                       void **extra, const CUlaunchAttribute *attrs, unsigned int nattrs, int cooperative) {
+    if (!f) return CUDA_ERROR_INVALID_HANDLE;
+    if (params && extra) return CUDA_ERROR_INVALID_VALUE;
+    const void *buf = NULL;
+    size_t argsize = 0;
+    rgpu_fn *fn = NULL;
+    if (extra) {
+        for (size_t i = 0; extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
+            if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER) buf = extra[i + 1];
+            else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE) argsize = *(size_t *)extra[i + 1];
+            else return CUDA_ERROR_INVALID_VALUE;
+        }
+    } else {
+        CUresult r = function_info((uint64_t)(uintptr_t)f, &fn);
+        if (r != CUDA_SUCCESS) return r;
+        if (fn->nparams && !params) return CUDA_ERROR_INVALID_VALUE;
+        argsize = fn->argsize;
+    }
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuLaunchKernel);
+    if (r != CUDA_SUCCESS) return r;
+    uint32_t head[12] = {gx, gy, gz, bx, by, bz, shmem, (uint32_t)cooperative, nattrs, (uint32_t)argsize, 0, 0};
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)f);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+    rgpu_put(&c, head, sizeof head);
+    if (nattrs) rgpu_put(&c, attrs, nattrs * sizeof(CUlaunchAttribute));
+    if (buf) {
+        rgpu_put(&c, buf, argsize);
+    } else if (argsize) {
+        uint8_t packed[4096];
+        uint8_t *p = argsize <= sizeof packed ? packed : calloc(1, argsize);
+        if (!p) {
+            rgpu_end(&c);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        memset(p, 0, argsize);
+        for (uint32_t i = 0; i < fn->nparams; i++) memcpy(p + fn->offsets[i], params[i], fn->sizes[i]);
+        rgpu_put(&c, p, argsize);
+        if (p != packed) free(p);
+    }
+    return rgpu_async(&c);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                            unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                            unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                                            void **kernelParams, void **extra) {
+    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
+                  kernelParams, extra, NULL, 0, 0);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuLaunchCooperativeKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                                       unsigned int gridDimZ, unsigned int blockDimX,
+                                                       unsigned int blockDimY, unsigned int blockDimZ,
+                                                       unsigned int sharedMemBytes, CUstream hStream,
+                                                       void **kernelParams) {
+    return launch(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream,
+                  kernelParams, NULL, NULL, 0, 1);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuLaunchKernelEx(const CUlaunchConfig *config, CUfunction f, void **kernelParams,
+                                              void **extra) {
+    if (!config) return CUDA_ERROR_INVALID_VALUE;
+    if (config->numAttrs && !config->attrs) return CUDA_ERROR_INVALID_VALUE;
+    return launch(f, config->gridDimX, config->gridDimY, config->gridDimZ, config->blockDimX, config->blockDimY,
+                  config->blockDimZ, config->sharedMemBytes, config->hStream, kernelParams, extra, config->attrs,
+                  config->numAttrs, 0);
+}
+
+/* ------------------------------------------------------------------ occupancy */
+
+static CUresult potential_block_size(int *minGridSize, int *blockSize, CUfunction func, CUoccupancyB2DSize cb,
+                                     size_t dynamicSMemSize, int blockSizeLimit, unsigned int flags) {
+    if (!minGridSize || !blockSize) return CUDA_ERROR_INVALID_VALUE;
+    if (!cb) {
+        rgpu_call c;
+        CUresult r = rgpu_begin(&c, RGPU_OP_rgpuOccupancyMaxPotentialBlockSize);
+        if (r != CUDA_SUCCESS) return r;
+        rgpu_put_u64(&c, (uint64_t)(uintptr_t)func);
+        rgpu_put_u64(&c, dynamicSMemSize);
+        rgpu_put_i32(&c, blockSizeLimit);
+        rgpu_put_u32(&c, flags);
+        r = rgpu_sync(&c);
+        if (r == CUDA_SUCCESS) {
+            *minGridSize = rgpu_get_i32(&c);
+            *blockSize = rgpu_get_i32(&c);
+        }
+        rgpu_end(&c);
+        return r;
+    }
+    /* The callback lives in this process: search the block sizes here, asking the worker
+     * for the occupancy of each candidate. */
+    int max_threads = 0, sms = 0;
+    CUresult r = cuFuncGetAttribute(&max_threads, 0 /* MAX_THREADS_PER_BLOCK */, func);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_ctx *cur = rgpu_ctx_current();
+    r = cuDeviceGetAttribute(&sms, 16 /* MULTIPROCESSOR_COUNT */, cur ? cur->session : 0);
+    if (r != CUDA_SUCCESS) return r;
+    int limit = blockSizeLimit > 0 && blockSizeLimit < max_threads ? blockSizeLimit : max_threads;
+    int best_bs = 0, best_occ = -1, best_blocks = 0;
+    for (int bs = limit - limit % 32; bs > 0; bs -= 32) {
+        int blocks = 0;
+        r = cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(&blocks, func, bs, cb(bs), flags);
+        if (r != CUDA_SUCCESS) return r;
+        if (blocks * bs > best_occ) {
+            best_occ = blocks * bs;
+            best_bs = bs;
+            best_blocks = blocks;
+        }
+    }
+    *blockSize = best_bs;
+    *minGridSize = best_blocks * sms;
+    return CUDA_SUCCESS;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxPotentialBlockSize(int *minGridSize, int *blockSize, CUfunction func,
+                                                              CUoccupancyB2DSize blockSizeToDynamicSMemSize,
+                                                              size_t dynamicSMemSize, int blockSizeLimit) {
+    return potential_block_size(minGridSize, blockSize, func, blockSizeToDynamicSMemSize, dynamicSMemSize,
+                                blockSizeLimit, 0);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxPotentialBlockSizeWithFlags(int *minGridSize, int *blockSize,
+                                                                       CUfunction func,
+                                                                       CUoccupancyB2DSize blockSizeToDynamicSMemSize,
+                                                                       size_t dynamicSMemSize, int blockSizeLimit,
+                                                                       unsigned int flags) {
+    return potential_block_size(minGridSize, blockSize, func, blockSizeToDynamicSMemSize, dynamicSMemSize,
+                                blockSizeLimit, flags);
+}
+
+/* ------------------------------------------------------------------ host callbacks, misc
+ * A host function must run in this process: wait for the stream's earlier work, then call it
+ * on the calling thread. Simple and correct in order, though the caller waits for it. */
+
+RGPU_EXPORT CUresult CUDAAPI cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData) {
+    if (!fn) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = cuStreamSynchronize(hStream);
+    if (r == CUDA_SUCCESS) fn(userData);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamAddCallback(CUstream hStream, CUstreamCallback callback, void *userData,
+                                                 unsigned int flags) {
+    if (!callback || flags) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = cuStreamSynchronize(hStream);
+    if (r == CUDA_ERROR_NOT_INITIALIZED || r == CUDA_ERROR_INVALID_HANDLE) return r;
+    callback(hStream, r, userData);
+    return CUDA_SUCCESS;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *captureStatus) {
+    (void)hStream;
+    if (!captureStatus) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    *captureStatus = CU_STREAM_CAPTURE_STATUS_NONE; /* graphs are not remoted yet */
+    return CUDA_SUCCESS;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuModuleGetLoadingMode(CUmoduleLoadingMode *mode) {
+    if (!mode) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    *mode = CU_MODULE_LAZY_LOADING;
+    return CUDA_SUCCESS;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuDeviceGetByPCIBusId(CUdevice *dev, const char *pciBusId) {
+    if (!dev || !pciBusId) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    for (int i = 0; i < rgpu_session_count; i++) {
+        char id[64];
+        if (cuDeviceGetPCIBusId(id, sizeof id, i) == CUDA_SUCCESS && !strcasecmp(id, pciBusId)) {
+            *dev = i;
+            return CUDA_SUCCESS;
+        }
+    }
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+static CUresult unload(uint16_t op, uint64_t handle) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, op);
+    if (r != CUDA_SUCCESS) return r;
+    int session = c.s->index;
+    rgpu_put_u64(&c, handle);
+    r = rgpu_sync(&c);
+    rgpu_end(&c);
+    if (r == CUDA_SUCCESS) rgpu_fn_forget_module(session, handle);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuModuleUnload(CUmodule hmod) { return unload(RGPU_OP_cuModuleUnload, (uint64_t)(uintptr_t)hmod); }
+
+RGPU_EXPORT CUresult CUDAAPI cuLibraryUnload(CUlibrary library) {
+    return unload(RGPU_OP_cuLibraryUnload, (uint64_t)(uintptr_t)library);
+}

@@ -1,0 +1,171 @@
+/* rgpu client library internals: sessions, calls, contexts and the client-side tables.
+ *
+ * One session (one TCP connection, one worker process on the GPU node) serves one slice, and
+ * slice i is CUDA device ordinal i. A call locks its session, appends a frame to the session's
+ * send buffer and either returns at once (async calls: launches, memsets, host-to-device
+ * copies, event records) or flushes and waits for the reply (sync calls). Replies come in
+ * request order because only sync calls get one and the lock is held until it arrives.
+ */
+#ifndef RGPU_CLIENT_H
+#define RGPU_CLIENT_H
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "rgpu_cuda.h"
+#include "rgpu_ops.h"
+
+#define RGPU_EXPORT __attribute__((visibility("default")))
+#define RGPU_MAX_SESSIONS 64
+#define RGPU_HEADER_SIZE 24
+#define RGPU_CHUNK_BYTES (1u << 20)
+
+/* Control opcodes (remoting/protocol.py). */
+enum { RGPU_OP_HELLO = 1, RGPU_OP_WELCOME = 2, RGPU_OP_REFUSE = 3, RGPU_OP_REPLY = 4,
+       RGPU_OP_DATA = 5, RGPU_OP_BYE = 6 };
+enum { RGPU_HELLO_PROBE = 1, RGPU_HELLO_NVML = 2 };
+enum { RGPU_REPLY_HAS_MESSAGE = 1 };
+enum { RGPU_WELCOME_EMULATED = 1 };
+
+enum { RGPU_LOG_ERROR = 0, RGPU_LOG_WARN = 1, RGPU_LOG_INFO = 2, RGPU_LOG_DEBUG = 3 };
+
+typedef struct rgpu_session {
+    int index;                 /* the CUDA device ordinal this slice appears as */
+    int fd;
+    int dead;                  /* the connection broke: every call fails */
+    pthread_mutex_t lock;
+    char server[256];
+    char token[4200];
+    uint32_t seq;
+    uint8_t *sbuf;             /* frames not yet sent */
+    size_t slen, scap;
+    uint8_t *rbuf;             /* the last reply's payload */
+    size_t rcap;
+    int messages_shown;
+    int flush_armed;           /* the flusher has been woken for what is buffered */
+    /* From the WELCOME frame. */
+    uint32_t version;
+    int32_t driver_version;
+    uint64_t memory_limit;
+    uint32_t compute_percent;
+    uint32_t welcome_flags;
+    char description[256];
+} rgpu_session;
+
+typedef struct rgpu_call {
+    rgpu_session *s;
+    size_t frame_start;        /* offset of this call's header in s->sbuf */
+    uint16_t op;
+    const uint8_t *rp;         /* reply outputs */
+    size_t rlen, roff;
+    uint8_t *sink;             /* where DATA frames of the reply go (device-to-host copies) */
+    size_t sink_cap, sink_got;
+} rgpu_call;
+
+/* Client-side context object: CUcontext values the application sees point to one of these. */
+typedef struct rgpu_ctx {
+    uint32_t magic;
+    int session;
+    uint64_t remote;           /* the worker's CUcontext */
+    int destroyed;
+} rgpu_ctx;
+#define RGPU_CTX_MAGIC 0x52435458u
+
+/* Library state: sessions and initialisation (client.c). */
+extern rgpu_session rgpu_sessions[RGPU_MAX_SESSIONS];
+extern int rgpu_session_count;
+CUresult rgpu_check_init(void);
+CUresult rgpu_connect_all(int flags, const char *component);
+int rgpu_log_level(void);
+void rgpu_log(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+CUresult rgpu_unsupported(const char *name, int *seen, const char *why);
+
+/* Calls. */
+CUresult rgpu_begin(rgpu_call *c, uint16_t op);
+CUresult rgpu_begin_session(rgpu_call *c, uint16_t op, int session);
+CUresult rgpu_begin_dev(rgpu_call *c, uint16_t op, CUdevice dev);
+CUresult rgpu_begin_ctx(rgpu_call *c, uint16_t op, CUcontext ctx, uint64_t *remote);
+void rgpu_put(rgpu_call *c, const void *p, size_t n);
+CUresult rgpu_put_bulk(rgpu_call *c, const void *p, size_t n); /* ends the frame; streams p */
+CUresult rgpu_sync(rgpu_call *c);
+CUresult rgpu_async(rgpu_call *c);                             /* ends the call */
+void rgpu_end(rgpu_call *c);
+void rgpu_get(rgpu_call *c, void *p, size_t n);
+size_t rgpu_remaining(const rgpu_call *c);
+CUdevice rgpu_dev_out(rgpu_call *c, int32_t remote);
+CUcontext rgpu_ctx_out(rgpu_call *c, uint64_t remote);
+
+static inline void rgpu_put_u8(rgpu_call *c, uint8_t v) { rgpu_put(c, &v, 1); }
+static inline void rgpu_put_u16(rgpu_call *c, uint16_t v) { rgpu_put(c, &v, 2); }
+static inline void rgpu_put_u32(rgpu_call *c, uint32_t v) { rgpu_put(c, &v, 4); }
+static inline void rgpu_put_i32(rgpu_call *c, int32_t v) { rgpu_put(c, &v, 4); }
+static inline void rgpu_put_u64(rgpu_call *c, uint64_t v) { rgpu_put(c, &v, 8); }
+static inline void rgpu_put_f32(rgpu_call *c, float v) { rgpu_put(c, &v, 4); }
+static inline void rgpu_put_str(rgpu_call *c, const char *s) {
+    uint32_t n = s ? (uint32_t)__builtin_strlen(s) : 0;
+    rgpu_put_u32(c, n);
+    if (n) rgpu_put(c, s, n);
+}
+static inline void rgpu_put_blob(rgpu_call *c, const void *p, uint64_t n) {
+    rgpu_put_u64(c, n);
+    if (n) rgpu_put(c, p, (size_t)n);
+}
+static inline uint8_t rgpu_get_u8(rgpu_call *c) { uint8_t v = 0; rgpu_get(c, &v, 1); return v; }
+static inline uint16_t rgpu_get_u16(rgpu_call *c) { uint16_t v = 0; rgpu_get(c, &v, 2); return v; }
+static inline uint32_t rgpu_get_u32(rgpu_call *c) { uint32_t v = 0; rgpu_get(c, &v, 4); return v; }
+static inline int32_t rgpu_get_i32(rgpu_call *c) { int32_t v = 0; rgpu_get(c, &v, 4); return v; }
+static inline uint64_t rgpu_get_u64(rgpu_call *c) { uint64_t v = 0; rgpu_get(c, &v, 8); return v; }
+static inline float rgpu_get_f32(rgpu_call *c) { float v = 0; rgpu_get(c, &v, 4); return v; }
+
+/* Contexts (client.c). */
+rgpu_ctx *rgpu_ctx_lookup(CUcontext ctx);                  /* NULL if not a live rgpu context */
+rgpu_ctx *rgpu_ctx_current(void);
+CUcontext rgpu_ctx_for(int session, uint64_t remote);      /* find or create */
+void rgpu_ctx_forget(rgpu_ctx *ctx);
+int rgpu_ctx_push(rgpu_ctx *ctx);
+rgpu_ctx *rgpu_ctx_pop(void);
+void rgpu_ctx_set(rgpu_ctx *ctx);
+
+/* Allocation tables (tables.c): device ranges route unified copies and pointer queries;
+ * host ranges hold the client's page-locked memory. */
+void rgpu_dev_range_add(int session, uint64_t base, uint64_t size);
+void rgpu_dev_range_remove(int session, uint64_t base);
+int rgpu_dev_range_find(uint64_t ptr, int *session, uint64_t *base, uint64_t *size);
+void rgpu_host_range_add(void *base, size_t size, unsigned int flags, int owned);
+int rgpu_host_range_remove(void *base, int *owned, size_t *size);
+int rgpu_host_range_find(const void *ptr, void **base, size_t *size, unsigned int *flags);
+
+/* Kernel parameter layouts, cached per function (tables.c). */
+typedef struct rgpu_fn {
+    int session;
+    uint64_t handle;
+    char *name;
+    uint32_t nparams;
+    uint32_t argsize;          /* bytes of the packed parameter buffer */
+    uint32_t *offsets;
+    uint32_t *sizes;
+    uint64_t module;           /* the module whose load reported it (0: unknown) */
+    int valid;
+} rgpu_fn;
+rgpu_fn *rgpu_fn_find(int session, uint64_t handle);
+rgpu_fn *rgpu_fn_add(int session, uint64_t handle, const char *name, uint32_t nparams,
+                     const uint32_t *offsets, const uint32_t *sizes);
+rgpu_fn *rgpu_fn_find_name(int session, uint64_t module, const char *name);
+void rgpu_fn_set_module(rgpu_fn *fn, uint64_t module);
+void rgpu_fn_forget_module(int session, uint64_t module);
+void rgpu_tables_reset(void);
+
+/* Symbol tables (generated). */
+typedef struct rgpu_symbol { const char *name; void *fn; } rgpu_symbol;
+typedef struct rgpu_proc { const char *base; int version; const char *symbol; } rgpu_proc;
+extern const rgpu_symbol rgpu_cuda_symbols[];
+extern const size_t rgpu_cuda_symbol_count;
+extern const rgpu_proc rgpu_cuda_procs[];
+extern const size_t rgpu_cuda_proc_count;
+const char *rgpu_cuda_error_name(CUresult r);
+const char *rgpu_cuda_error_string(CUresult r);
+void *rgpu_dynamic_stub(const char *name);
+
+#endif

@@ -1,0 +1,632 @@
+/* Sessions and calls: the framed protocol over TCP (remoting/protocol.py documents it).
+ * Shared by libcuda.so.1 and libnvidia-ml.so.1; each library opens its own sessions. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "rgpu_client.h"
+
+rgpu_session rgpu_sessions[RGPU_MAX_SESSIONS];
+int rgpu_session_count;
+
+static int g_log_level = -1;
+static const char *g_component = "client";
+#define ASYNC_FLUSH_BYTES (256u * 1024u)
+#define MAX_MESSAGES_SHOWN 8
+
+int rgpu_log_level(void) {
+    if (g_log_level < 0) {
+        const char *v = getenv("RGPU_LOG");
+        g_log_level = RGPU_LOG_WARN;
+        if (v) {
+            if (!strcmp(v, "error") || !strcmp(v, "quiet")) g_log_level = RGPU_LOG_ERROR;
+            else if (!strcmp(v, "info")) g_log_level = RGPU_LOG_INFO;
+            else if (!strcmp(v, "debug")) g_log_level = RGPU_LOG_DEBUG;
+        }
+    }
+    return g_log_level;
+}
+
+void rgpu_log(int level, const char *fmt, ...) {
+    if (level > rgpu_log_level()) return;
+    char line[1200];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = snprintf(line, sizeof line, "rgpu: %s: ", g_component);
+    vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
+    va_end(ap);
+    size_t len = strlen(line);
+    if (len + 1 < sizeof line) { line[len++] = '\n'; line[len] = 0; }
+    /* One write(2): lines from several threads do not interleave. */
+    ssize_t ignored = write(2, line, len);
+    (void)ignored;
+}
+
+CUresult rgpu_unsupported(const char *name, int *seen, const char *why) {
+    if (!__atomic_exchange_n(seen, 1, __ATOMIC_RELAXED))
+        rgpu_log(RGPU_LOG_WARN, "%s is not remoted (%s; it returns CUDA_ERROR_NOT_SUPPORTED)", name,
+                 why && *why ? why : "not in rgpu's API spec yet");
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+/* ------------------------------------------------------------------ raw socket I/O */
+
+static int send_all(int fd, const void *p, size_t n) {
+    const uint8_t *b = p;
+    while (n) {
+        ssize_t k = send(fd, b, n, MSG_NOSIGNAL);
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        b += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+static int recv_all(int fd, void *p, size_t n) {
+    uint8_t *b = p;
+    while (n) {
+        ssize_t k = recv(fd, b, n, 0);
+        if (k == 0) { errno = ECONNRESET; return -1; }
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            return -1;
+        }
+        b += k;
+        n -= (size_t)k;
+    }
+    return 0;
+}
+
+static int recv_discard(int fd, size_t n) {
+    uint8_t tmp[4096];
+    while (n) {
+        size_t k = n < sizeof tmp ? n : sizeof tmp;
+        if (recv_all(fd, tmp, k)) return -1;
+        n -= k;
+    }
+    return 0;
+}
+
+static void session_fail(rgpu_session *s, const char *why) {
+    if (s->dead) return;
+    s->dead = 1;
+    if (s->fd >= 0) { close(s->fd); s->fd = -1; }
+    rgpu_log(RGPU_LOG_ERROR,
+             "lost the session with GPU server %s (device %d: %s; the worker serving this slice ended, "
+             "so its memory and kernels are gone; calls now return CUDA_ERROR_DEVICE_UNAVAILABLE; "
+             "check the dispatcher's log on that server and rerun the application)",
+             s->server, s->index, why);
+}
+
+static int reserve(rgpu_session *s, size_t more) {
+    if (s->slen + more <= s->scap) return 0;
+    size_t cap = s->scap ? s->scap : 65536;
+    while (cap < s->slen + more) cap *= 2;
+    uint8_t *nb = realloc(s->sbuf, cap);
+    if (!nb) return -1;
+    s->sbuf = nb;
+    s->scap = cap;
+    return 0;
+}
+
+static int flush_locked(rgpu_session *s) {
+    s->flush_armed = 0;
+    if (s->dead) return -1;
+    if (s->slen && send_all(s->fd, s->sbuf, s->slen)) {
+        session_fail(s, strerror(errno));
+        s->slen = 0;
+        return -1;
+    }
+    s->slen = 0;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ background flusher
+ * Async frames wait in the send buffer so that many launches share one send(2); a small
+ * thread sends whatever is left after a millisecond, so work never waits for the next sync. */
+
+static pthread_mutex_t g_flush_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_flush_cond = PTHREAD_COND_INITIALIZER;
+static int g_flush_pending;
+static int g_flusher_started;
+
+static void *flusher_main(void *arg) {
+    (void)arg;
+    for (;;) {
+        pthread_mutex_lock(&g_flush_lock);
+        while (!g_flush_pending) pthread_cond_wait(&g_flush_cond, &g_flush_lock);
+        g_flush_pending = 0;
+        pthread_mutex_unlock(&g_flush_lock);
+        struct timespec ts = {0, 500 * 1000};
+        nanosleep(&ts, NULL);
+        for (int i = 0; i < rgpu_session_count; i++) {
+            rgpu_session *s = &rgpu_sessions[i];
+            if (!s->slen && !s->flush_armed) continue;
+            pthread_mutex_lock(&s->lock);
+            flush_locked(s);
+            pthread_mutex_unlock(&s->lock);
+        }
+    }
+    return NULL;
+}
+
+static void wake_flusher(void) {
+    pthread_mutex_lock(&g_flush_lock);
+    if (!g_flusher_started) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        if (pthread_create(&t, &attr, flusher_main, NULL) == 0) g_flusher_started = 1;
+        pthread_attr_destroy(&attr);
+    }
+    g_flush_pending = 1;
+    pthread_cond_signal(&g_flush_cond);
+    pthread_mutex_unlock(&g_flush_lock);
+}
+
+/* ------------------------------------------------------------------ frames */
+
+static void put_header(uint8_t *h, uint32_t len, uint16_t op, uint16_t flags, uint32_t seq,
+                       uint32_t aux, uint64_t ctx) {
+    memcpy(h, &len, 4);
+    memcpy(h + 4, &op, 2);
+    memcpy(h + 6, &flags, 2);
+    memcpy(h + 8, &seq, 4);
+    memcpy(h + 12, &aux, 4);
+    memcpy(h + 16, &ctx, 8);
+}
+
+/* The worker makes this context current before running the call (0: none). The CUDA
+ * library overrides it; NVML sessions have no contexts. */
+__attribute__((weak)) uint64_t rgpu_header_ctx(int session) {
+    (void)session;
+    return 0;
+}
+
+CUresult rgpu_begin_session(rgpu_call *c, uint16_t op, int session) {
+    memset(c, 0, sizeof *c);
+    if (session < 0 || session >= rgpu_session_count) return CUDA_ERROR_INVALID_DEVICE;
+    rgpu_session *s = &rgpu_sessions[session];
+    pthread_mutex_lock(&s->lock);
+    if (s->dead) {
+        pthread_mutex_unlock(&s->lock);
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
+    if (reserve(s, RGPU_HEADER_SIZE + 256)) {
+        pthread_mutex_unlock(&s->lock);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    c->s = s;
+    c->op = op;
+    c->frame_start = s->slen;
+    put_header(s->sbuf + s->slen, 0, op, 0, ++s->seq, 0, rgpu_header_ctx(session));
+    s->slen += RGPU_HEADER_SIZE;
+    return CUDA_SUCCESS;
+}
+
+void rgpu_put(rgpu_call *c, const void *p, size_t n) {
+    rgpu_session *s = c->s;
+    if (reserve(s, n)) {
+        session_fail(s, "out of memory while building a request");
+        return;
+    }
+    memcpy(s->sbuf + s->slen, p, n);
+    s->slen += n;
+}
+
+/* Payloads are padded to a multiple of 8 bytes, so every frame starts 8-aligned in the
+ * worker's receive buffer and a launch's parameter block can be handed to the driver in place. */
+static size_t pad_of(size_t n) { return (8 - n % 8) % 8; }
+
+static void patch_length(rgpu_call *c, size_t extra) {
+    rgpu_session *s = c->s;
+    size_t payload = s->slen - c->frame_start - RGPU_HEADER_SIZE;
+    if (!extra) {
+        size_t pad = pad_of(payload);
+        if (pad && reserve(s, pad) == 0) {
+            memset(s->sbuf + s->slen, 0, pad);
+            s->slen += pad;
+            payload += pad;
+        }
+    } else {
+        payload += extra + pad_of(payload + extra);
+    }
+    uint32_t len = (uint32_t)payload;
+    memcpy(s->sbuf + c->frame_start, &len, 4);
+}
+
+CUresult rgpu_put_bulk(rgpu_call *c, const void *p, size_t n) {
+    rgpu_session *s = c->s;
+    size_t pad = pad_of(s->slen - c->frame_start - RGPU_HEADER_SIZE + n);
+    patch_length(c, n);
+    if (flush_locked(s)) return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    static const uint8_t zeros[8];
+    if ((n && send_all(s->fd, p, n)) || (pad && send_all(s->fd, zeros, pad))) {
+        session_fail(s, strerror(errno));
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
+    c->frame_start = (size_t)-1; /* already complete */
+    return CUDA_SUCCESS;
+}
+
+CUresult rgpu_async(rgpu_call *c) {
+    rgpu_session *s = c->s;
+    CUresult r = CUDA_SUCCESS;
+    if (c->frame_start != (size_t)-1) patch_length(c, 0);
+    if (s->dead) r = CUDA_ERROR_DEVICE_UNAVAILABLE;
+    else if (s->slen >= ASYNC_FLUSH_BYTES) r = flush_locked(s) ? CUDA_ERROR_DEVICE_UNAVAILABLE : CUDA_SUCCESS;
+    /* Wake the flusher once per batch, not per call: a launch storm costs no futex calls. */
+    int wake = s->slen > 0 && !s->flush_armed;
+    if (wake) s->flush_armed = 1;
+    pthread_mutex_unlock(&s->lock);
+    c->s = NULL;
+    if (wake) wake_flusher();
+    return r;
+}
+
+static void show_message(rgpu_session *s, const char *msg, size_t n) {
+    if (s->messages_shown >= MAX_MESSAGES_SHOWN) return;
+    s->messages_shown++;
+    char line[1024];
+    if (n >= sizeof line) n = sizeof line - 1;
+    memcpy(line, msg, n);
+    line[n] = 0;
+    /* The worker's messages already carry the "rgpu: <component>:" prefix. */
+    if (rgpu_log_level() >= RGPU_LOG_WARN) {
+        char out[1100];
+        int k = snprintf(out, sizeof out, "%s%s\n", line,
+                         s->messages_shown == MAX_MESSAGES_SHOWN ? " [further messages suppressed]" : "");
+        ssize_t ignored = write(2, out, (size_t)k);
+        (void)ignored;
+    }
+}
+
+CUresult rgpu_sync(rgpu_call *c) {
+    rgpu_session *s = c->s;
+    if (c->frame_start != (size_t)-1) patch_length(c, 0);
+    uint32_t want_seq = s->seq; /* the lock is held since rgpu_begin numbered this call */
+    if (flush_locked(s)) return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    for (;;) {
+        uint8_t h[RGPU_HEADER_SIZE];
+        if (recv_all(s->fd, h, sizeof h)) {
+            session_fail(s, errno == ECONNRESET ? "connection closed by the server" : strerror(errno));
+            return CUDA_ERROR_DEVICE_UNAVAILABLE;
+        }
+        uint32_t len, seq;
+        uint16_t op, flags;
+        memcpy(&len, h, 4);
+        memcpy(&op, h + 4, 2);
+        memcpy(&flags, h + 6, 2);
+        memcpy(&seq, h + 8, 4);
+        if (op == RGPU_OP_DATA) {
+            size_t room = c->sink_cap - c->sink_got;
+            size_t take = len < room ? len : room;
+            if (take && recv_all(s->fd, c->sink + c->sink_got, take)) {
+                session_fail(s, strerror(errno));
+                return CUDA_ERROR_DEVICE_UNAVAILABLE;
+            }
+            c->sink_got += take;
+            if (len > take && recv_discard(s->fd, len - take)) {
+                session_fail(s, strerror(errno));
+                return CUDA_ERROR_DEVICE_UNAVAILABLE;
+            }
+            continue;
+        }
+        if (op != RGPU_OP_REPLY || seq != want_seq || len < 4) {
+            char why[160];
+            snprintf(why, sizeof why, "protocol error: frame op %u seq %u while waiting for the reply to %u",
+                     op, seq, want_seq);
+            session_fail(s, why);
+            return CUDA_ERROR_DEVICE_UNAVAILABLE;
+        }
+        if (len > s->rcap) {
+            uint8_t *nb = realloc(s->rbuf, len);
+            if (!nb) { session_fail(s, "out of memory for a reply"); return CUDA_ERROR_DEVICE_UNAVAILABLE; }
+            s->rbuf = nb;
+            s->rcap = len;
+        }
+        if (recv_all(s->fd, s->rbuf, len)) {
+            session_fail(s, strerror(errno));
+            return CUDA_ERROR_DEVICE_UNAVAILABLE;
+        }
+        int32_t result;
+        memcpy(&result, s->rbuf, 4);
+        size_t off = 4;
+        if ((flags & RGPU_REPLY_HAS_MESSAGE) && len >= 8) {
+            uint32_t mlen;
+            memcpy(&mlen, s->rbuf + 4, 4);
+            if (8 + (size_t)mlen <= len) {
+                show_message(s, (const char *)s->rbuf + 8, mlen);
+                off = 8 + mlen;
+            }
+        }
+        c->rp = s->rbuf + off;
+        c->rlen = len - off;
+        c->roff = 0;
+        return result;
+    }
+}
+
+void rgpu_end(rgpu_call *c) {
+    if (!c->s) return;
+    pthread_mutex_unlock(&c->s->lock);
+    c->s = NULL;
+}
+
+void rgpu_get(rgpu_call *c, void *p, size_t n) {
+    size_t avail = c->rlen > c->roff ? c->rlen - c->roff : 0;
+    size_t take = n < avail ? n : avail;
+    if (take) memcpy(p, c->rp + c->roff, take);
+    if (take < n) memset((uint8_t *)p + take, 0, n - take);
+    c->roff += n;
+}
+
+size_t rgpu_remaining(const rgpu_call *c) { return c->rlen > c->roff ? c->rlen - c->roff : 0; }
+
+/* ------------------------------------------------------------------ connecting */
+
+static int dial(const char *server, char *why, size_t whylen) {
+    char host[256];
+    const char *colon = strrchr(server, ':');
+    if (!colon || colon == server) {
+        snprintf(why, whylen, "bad server address %s (want host:port)", server);
+        return -1;
+    }
+    size_t hl = (size_t)(colon - server);
+    if (hl >= sizeof host) hl = sizeof host - 1;
+    memcpy(host, server, hl);
+    host[hl] = 0;
+    if (host[0] == '[' && hl >= 2 && host[hl - 1] == ']') {
+        memmove(host, host + 1, hl - 2);
+        host[hl - 2] = 0;
+    }
+    struct addrinfo hints = {0}, *res = NULL;
+    hints.ai_socktype = SOCK_STREAM;
+    int rc = getaddrinfo(host, colon + 1, &hints, &res);
+    if (rc) {
+        snprintf(why, whylen, "cannot resolve %s: %s", host, gai_strerror(rc));
+        return -1;
+    }
+    int fd = -1;
+    for (struct addrinfo *a = res; a; a = a->ai_next) {
+        fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+        if (fd < 0) continue;
+        if (connect(fd, a->ai_addr, a->ai_addrlen) == 0) break;
+        snprintf(why, whylen, "cannot connect: %s", strerror(errno));
+        close(fd);
+        fd = -1;
+    }
+    freeaddrinfo(res);
+    if (fd >= 0) {
+        int one = 1;
+        setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        int big = 4 << 20;
+        setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &big, sizeof big);
+        setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
+    }
+    return fd;
+}
+
+/* RGPU_SLICES="host:port,token;host:port,token" (flexrun sets it): slice i is device i. */
+static int parse_slices(const char *text) {
+    rgpu_session_count = 0;
+    const char *p = text;
+    while (p && *p && rgpu_session_count < RGPU_MAX_SESSIONS) {
+        const char *end = strchr(p, ';');
+        size_t n = end ? (size_t)(end - p) : strlen(p);
+        const char *comma = memchr(p, ',', n);
+        if (n && comma) {
+            rgpu_session *s = &rgpu_sessions[rgpu_session_count];
+            size_t sl = (size_t)(comma - p), tl = n - sl - 1;
+            if (sl >= sizeof s->server || tl >= sizeof s->token) return -1;
+            memset(s, 0, sizeof *s);
+            memcpy(s->server, p, sl);
+            memcpy(s->token, comma + 1, tl);
+            s->index = rgpu_session_count;
+            s->fd = -1;
+            pthread_mutex_init(&s->lock, NULL);
+            rgpu_session_count++;
+        } else if (n) {
+            return -1;
+        }
+        p = end ? end + 1 : NULL;
+    }
+    return rgpu_session_count > 0 ? 0 : -1;
+}
+
+static void hello_frame(rgpu_session *s, int flags, uint8_t **out, size_t *outlen) {
+    char info[512];
+    char prog[256] = "";
+    ssize_t k = readlink("/proc/self/exe", prog, sizeof prog - 1);
+    if (k > 0) prog[k] = 0;
+    for (char *q = prog; *q; q++)
+        if (*q == '"' || *q == '\\' || (unsigned char)*q < 0x20) *q = '?';
+    int il = snprintf(info, sizeof info, "{\"pid\":%d,\"uid\":%d,\"program\":\"%s\"}", (int)getpid(),
+                      (int)getuid(), prog);
+    uint32_t tl = (uint32_t)strlen(s->token), ilen = (uint32_t)il;
+    uint32_t version = RGPU_PROTOCOL_VERSION, fl = (uint32_t)flags;
+    size_t plen = 4 + 4 + 4 + 4 + tl + 4 + ilen;
+    uint8_t *f = malloc(RGPU_HEADER_SIZE + plen);
+    put_header(f, (uint32_t)plen, RGPU_OP_HELLO, 0, 0, 0, 0);
+    uint8_t *b = f + RGPU_HEADER_SIZE;
+    memcpy(b, "RGPU", 4);
+    memcpy(b + 4, &version, 4);
+    memcpy(b + 8, &fl, 4);
+    memcpy(b + 12, &tl, 4);
+    memcpy(b + 16, s->token, tl);
+    memcpy(b + 16 + tl, &ilen, 4);
+    memcpy(b + 20 + tl, info, ilen);
+    *out = f;
+    *outlen = RGPU_HEADER_SIZE + plen;
+}
+
+static CUresult read_welcome(rgpu_session *s) {
+    uint8_t h[RGPU_HEADER_SIZE];
+    if (recv_all(s->fd, h, sizeof h)) {
+        rgpu_log(RGPU_LOG_ERROR, "GPU server %s closed the connection during the handshake "
+                 "(is that port an rgpu dispatcher? check its log)", s->server);
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
+    uint32_t len;
+    uint16_t op;
+    memcpy(&len, h, 4);
+    memcpy(&op, h + 4, 2);
+    if (len > (1u << 20) || (op != RGPU_OP_WELCOME && op != RGPU_OP_REFUSE)) {
+        rgpu_log(RGPU_LOG_ERROR, "GPU server %s sent frame %u during the handshake (is that port an "
+                 "rgpu dispatcher?; check the adaptor.conf server address)", s->server, op);
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
+    uint8_t *b = malloc(len + 1);
+    if (!b || recv_all(s->fd, b, len)) {
+        free(b);
+        rgpu_log(RGPU_LOG_ERROR, "GPU server %s closed the connection during the handshake", s->server);
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
+    b[len] = 0;
+    uint32_t version = 0;
+    if (len >= 4) memcpy(&version, b, 4);
+    CUresult r = CUDA_SUCCESS;
+    if (op == RGPU_OP_REFUSE) {
+        if (version != RGPU_PROTOCOL_VERSION) {
+            rgpu_log(RGPU_LOG_ERROR, "protocol version mismatch with %s (client speaks %u, server speaks %u; "
+                     "install the same rgpu version on the CPU and GPU nodes)", s->server,
+                     RGPU_PROTOCOL_VERSION, version);
+        } else {
+            uint32_t ml = 0;
+            if (len >= 8) memcpy(&ml, b + 4, 4);
+            if (8 + (size_t)ml > len) ml = len > 8 ? len - 8 : 0;
+            char msg[1024];
+            size_t n = ml < sizeof msg - 1 ? ml : sizeof msg - 1;
+            memcpy(msg, b + 8, n);
+            msg[n] = 0;
+            char line[1200];
+            int k = snprintf(line, sizeof line, "%s [server %s, device %d]\n", msg, s->server, s->index);
+            ssize_t ignored = write(2, line, (size_t)k);
+            (void)ignored;
+        }
+        r = CUDA_ERROR_DEVICE_UNAVAILABLE;
+    } else if (len < 28) {
+        rgpu_log(RGPU_LOG_ERROR, "GPU server %s sent a short WELCOME", s->server);
+        r = CUDA_ERROR_DEVICE_UNAVAILABLE;
+    } else {
+        memcpy(&s->version, b, 4);
+        memcpy(&s->driver_version, b + 4, 4);
+        memcpy(&s->memory_limit, b + 8, 8);
+        memcpy(&s->compute_percent, b + 16, 4);
+        memcpy(&s->welcome_flags, b + 20, 4);
+        uint32_t dl;
+        memcpy(&dl, b + 24, 4);
+        if (28 + (size_t)dl <= len) {
+            size_t n = dl < sizeof s->description - 1 ? dl : sizeof s->description - 1;
+            memcpy(s->description, b + 28, n);
+            s->description[n] = 0;
+        }
+        if (s->version != RGPU_PROTOCOL_VERSION) {
+            rgpu_log(RGPU_LOG_ERROR, "protocol version mismatch with %s (client speaks %u, server speaks %u; "
+                     "install the same rgpu version on the CPU and GPU nodes)", s->server,
+                     RGPU_PROTOCOL_VERSION, s->version);
+            r = CUDA_ERROR_DEVICE_UNAVAILABLE;
+        }
+    }
+    free(b);
+    return r;
+}
+
+/* Connect every slice: all HELLOs go out first, so the workers start in parallel. */
+CUresult rgpu_connect_all(int flags, const char *component) {
+    g_component = component;
+    const char *slices = getenv("RGPU_SLICES");
+    if (!slices || !*slices) {
+        rgpu_log(RGPU_LOG_ERROR, "no GPU slices for this process (RGPU_SLICES is not set; run the "
+                 "application under flexrun, e.g. `flexrun -- app`)");
+        return CUDA_ERROR_NO_DEVICE;
+    }
+    if (parse_slices(slices)) {
+        rgpu_log(RGPU_LOG_ERROR, "cannot parse RGPU_SLICES (want host:port,token;...; "
+                 "let flexrun set it)");
+        rgpu_session_count = 0;
+        return CUDA_ERROR_NO_DEVICE;
+    }
+    CUresult result = CUDA_SUCCESS;
+    for (int i = 0; i < rgpu_session_count; i++) {
+        rgpu_session *s = &rgpu_sessions[i];
+        char why[512] = "unknown error";
+        s->fd = dial(s->server, why, sizeof why);
+        if (s->fd < 0) {
+            rgpu_log(RGPU_LOG_ERROR, "cannot reach GPU server %s for device %d (%s; check that "
+                     "rgpu-dispatcher runs there and the port is open)", s->server, i, why);
+            s->dead = 1;
+            result = CUDA_ERROR_DEVICE_UNAVAILABLE;
+            continue;
+        }
+        uint8_t *f;
+        size_t fl;
+        hello_frame(s, flags, &f, &fl);
+        if (send_all(s->fd, f, fl)) {
+            rgpu_log(RGPU_LOG_ERROR, "cannot send to GPU server %s (%s)", s->server, strerror(errno));
+            s->dead = 1;
+            result = CUDA_ERROR_DEVICE_UNAVAILABLE;
+        }
+        free(f);
+    }
+    for (int i = 0; i < rgpu_session_count; i++) {
+        rgpu_session *s = &rgpu_sessions[i];
+        if (s->dead) continue;
+        CUresult r = read_welcome(s);
+        if (r != CUDA_SUCCESS) {
+            close(s->fd);
+            s->fd = -1;
+            s->dead = 1;
+            result = r;
+        } else {
+            rgpu_log(RGPU_LOG_INFO, "device %d: %s (%s)", i, s->server, s->description);
+        }
+    }
+    return result;
+}
+
+/* After fork() the child must not share the parent's connections: it starts afresh and
+ * may call cuInit again to open sessions of its own. */
+void rgpu_transport_reset_after_fork(void) {
+    for (int i = 0; i < rgpu_session_count; i++) {
+        rgpu_session *s = &rgpu_sessions[i];
+        if (s->fd >= 0) close(s->fd);
+        s->fd = -1;
+        s->dead = 1;
+        pthread_mutex_init(&s->lock, NULL);
+        s->slen = 0;
+    }
+    rgpu_session_count = 0;
+    g_flusher_started = 0;
+    g_flush_pending = 0;
+    pthread_mutex_init(&g_flush_lock, NULL);
+    pthread_cond_init(&g_flush_cond, NULL);
+}
+
+/* At exit: send what is buffered and a BYE, so the worker can tell an orderly end from a
+ * crash. A session whose lock another thread holds (blocked in a call) is left alone. */
+void rgpu_say_goodbye(void) {
+    for (int i = 0; i < rgpu_session_count; i++) {
+        rgpu_session *s = &rgpu_sessions[i];
+        if (pthread_mutex_trylock(&s->lock)) continue;
+        if (!s->dead && reserve(s, RGPU_HEADER_SIZE) == 0) {
+            put_header(s->sbuf + s->slen, 0, RGPU_OP_BYE, 0, ++s->seq, 0, 0);
+            s->slen += RGPU_HEADER_SIZE;
+            flush_locked(s);
+        }
+        pthread_mutex_unlock(&s->lock);
+    }
+}

@@ -1,0 +1,240 @@
+"""The data-path wire protocol: framing, the session handshake, and a small Python client for it.
+
+Every frame is a 24-byte little-endian header followed by `length` payload bytes:
+
+    u32 length | u16 op | u16 flags | u32 seq | u32 aux | u64 ctx
+
+`op` 1-31 are session control frames (below); higher ones are API calls whose numbers the
+generator assigns from spec/cuda.spec (and spec/nvml.spec). `ctx` is the server-side handle of
+the context the calling thread has current (0: none): the worker makes it current before it
+runs the call, so client threads keep their own context stacks without extra round trips.
+
+A session:
+  client -> HELLO   magic "RGPU", u32 version, u32 flags, u32 len + lease token, u32 len + info
+  server -> WELCOME u32 version, i32 driver version, u64 memory limit, u32 compute percent,
+                    u32 flags, u32 len + description       (or REFUSE: u32 version, u32 len + text)
+  then API frames. A `sync` call gets one REPLY (i32 CUresult, optional message, outputs),
+  preceded by DATA frames when it returns bulk data (device-to-host copies). `async` calls get
+  no reply: the worker keeps the first error and answers the next sync call with it instead of
+  running that call, so an error surfaces at the next synchronising call.
+
+Both sides check the version: the first 8 bytes of HELLO and WELCOME/REFUSE never change.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from dataclasses import dataclass
+
+from rgpu.errors import AuthError, RgpuError, Unavailable
+
+# The data path's protocol version. It is also recorded in spec/cuda.spec: a spec change that
+# alters the wire format must bump both (tests/remoting/test_generator.py checks the pairing).
+PROTOCOL_VERSION = 1
+MAGIC = b"RGPU"
+
+HEADER = struct.Struct("<IHHIIQ")
+HEADER_SIZE = HEADER.size  # 24
+
+# Control frames.
+OP_HELLO = 1
+OP_WELCOME = 2
+OP_REFUSE = 3
+OP_REPLY = 4
+OP_DATA = 5
+OP_BYE = 6
+
+# HELLO flags.
+HELLO_PROBE = 1   # verify the token and versions, start no worker (flexrun's pre-flight check)
+HELLO_NVML = 2    # a management session: NVML queries only, no CUDA context on the GPU
+
+# WELCOME flags.
+WELCOME_EMULATED = 1  # the server emulates the device (no GPU): launches are refused
+
+# REPLY flags.
+REPLY_HAS_MESSAGE = 1  # payload: i32 result, u32 len, message, outputs
+
+# Copies travel in chunks of this size so that network transfer and PCIe copies overlap.
+CHUNK_BYTES = 1 << 20
+MAX_FRAME = 1 << 30
+
+HELLO_TIMEOUT_S = 15.0
+
+
+class ProtocolError(RgpuError):
+    exit_code = 6
+
+
+@dataclass(frozen=True)
+class Hello:
+    version: int
+    flags: int
+    token: str
+    info: dict
+
+
+@dataclass(frozen=True)
+class Welcome:
+    version: int
+    driver_version: int
+    memory_limit_bytes: int
+    compute_percent: int
+    flags: int
+    description: str
+
+
+def pack_frame(op: int, payload: bytes = b"", *, flags: int = 0, seq: int = 0, aux: int = 0,
+               ctx: int = 0) -> bytes:
+    return HEADER.pack(len(payload), op, flags, seq, aux, ctx) + payload
+
+
+def _lp(data: bytes) -> bytes:
+    return struct.pack("<I", len(data)) + data
+
+
+def _take_lp(buf: bytes, off: int) -> tuple[bytes, int]:
+    (n,) = struct.unpack_from("<I", buf, off)
+    off += 4
+    if off + n > len(buf):
+        raise ValueError("truncated field")
+    return bytes(buf[off:off + n]), off + n
+
+
+def encode_hello(token: str, *, flags: int = 0, info: dict | None = None,
+                 version: int = PROTOCOL_VERSION) -> bytes:
+    body = MAGIC + struct.pack("<II", version, flags) + _lp(token.encode()) + \
+        _lp(json.dumps(info or {}, separators=(",", ":")).encode())
+    return pack_frame(OP_HELLO, body)
+
+
+def decode_hello_version(payload: bytes) -> int:
+    """The version alone: readable from any protocol version's HELLO."""
+    if len(payload) < 8 or payload[:4] != MAGIC:
+        raise ValueError("not an rgpu HELLO (bad magic)")
+    return struct.unpack_from("<I", payload, 4)[0]
+
+
+def decode_hello(payload: bytes) -> Hello:
+    version = decode_hello_version(payload)
+    (flags,) = struct.unpack_from("<I", payload, 8)
+    token, off = _take_lp(payload, 12)
+    info_raw, off = _take_lp(payload, off)
+    try:
+        info = json.loads(info_raw or b"{}")
+    except ValueError:
+        info = {}
+    return Hello(version=version, flags=flags, token=token.decode("ascii", "replace"),
+                 info=info if isinstance(info, dict) else {})
+
+
+def encode_welcome(*, driver_version: int, memory_limit_bytes: int, compute_percent: int,
+                   flags: int, description: str, version: int = PROTOCOL_VERSION) -> bytes:
+    body = struct.pack("<IiQII", version, driver_version, memory_limit_bytes, compute_percent, flags) + \
+        _lp(description.encode())
+    return pack_frame(OP_WELCOME, body)
+
+
+def decode_welcome(payload: bytes) -> Welcome:
+    version, driver, limit, percent, flags = struct.unpack_from("<IiQII", payload, 0)
+    text, _ = _take_lp(payload, struct.calcsize("<IiQII"))
+    return Welcome(version, driver, limit, percent, flags, text.decode("utf-8", "replace"))
+
+
+def encode_refuse(message: str, version: int = PROTOCOL_VERSION) -> bytes:
+    return pack_frame(OP_REFUSE, struct.pack("<I", version) + _lp(message.encode()))
+
+
+def decode_refuse(payload: bytes) -> tuple[int, str]:
+    (version,) = struct.unpack_from("<I", payload, 0)
+    text, _ = _take_lp(payload, 4)
+    return version, text.decode("utf-8", "replace")
+
+
+def version_mismatch_error(client_version: int, server_version: int) -> ProtocolError:
+    return ProtocolError("session", "protocol version mismatch",
+                         f"client speaks {client_version}, server speaks {server_version}",
+                         "install the same rgpu version on the CPU and GPU nodes")
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = sock.recv_into(view[got:], n - got)
+        if k == 0:
+            raise ConnectionError("connection closed by peer")
+        got += k
+    return bytes(buf)
+
+
+def recv_frame(sock: socket.socket, max_payload: int = MAX_FRAME) -> tuple[tuple[int, int, int, int, int, int], bytes]:
+    header = HEADER.unpack(recv_exact(sock, HEADER_SIZE))
+    if header[0] > max_payload:
+        raise ValueError(f"frame of {header[0]} bytes is larger than allowed ({max_payload})")
+    return header, recv_exact(sock, header[0]) if header[0] else b""
+
+
+def split_address(server: str) -> tuple[str, int]:
+    host, _, port = server.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def client_info() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "uid": os.getuid()}
+
+
+def handshake(server: str, token: str, *, flags: int = 0, timeout: float = HELLO_TIMEOUT_S,
+              version: int = PROTOCOL_VERSION) -> tuple[socket.socket, Welcome]:
+    """Open a session (or, with HELLO_PROBE, just check one could be opened).
+
+    Raises Unavailable when the server cannot be reached, AuthError when it refuses the token,
+    ProtocolError on a version mismatch; each message names the server and what to do.
+    """
+    host, port = split_address(server)
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise Unavailable("flexrun", f"cannot reach the GPU server {server}",
+                          exc.strerror or str(exc),
+                          "check that rgpu-dispatcher runs there and that the port is open") from None
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.sendall(encode_hello(token, flags=flags, info=client_info(), version=version))
+        (_, op, _, _, _, _), payload = recv_frame(sock, 1 << 20)
+    except (OSError, ValueError, ConnectionError) as exc:
+        sock.close()
+        raise Unavailable("flexrun", f"the GPU server {server} ended the handshake", str(exc),
+                          "check the dispatcher's log") from None
+    if op == OP_REFUSE:
+        sock.close()
+        peer_version, text = decode_refuse(payload)
+        if peer_version != version:
+            raise version_mismatch_error(version, peer_version)
+        if "token" in text:
+            err: RgpuError = AuthError("session", text)
+        else:
+            err = Unavailable("session", text)
+        err.args = ((text if text.startswith("rgpu:") else f"rgpu: session: {text}") + f" [server {server}]",)
+        raise err
+    if op != OP_WELCOME:
+        sock.close()
+        raise ProtocolError("session", f"unexpected frame {op} from {server} during the handshake",
+                            "is that port an rgpu dispatcher?", "check the adaptor.conf server address")
+    welcome = decode_welcome(payload)
+    if welcome.version != version:
+        sock.close()
+        raise version_mismatch_error(version, welcome.version)
+    sock.settimeout(None)
+    return sock, welcome
+
+
+def probe(server: str, token: str, timeout: float = HELLO_TIMEOUT_S) -> Welcome:
+    """Check that `server` accepts `token` without starting a worker."""
+    sock, welcome = handshake(server, token, flags=HELLO_PROBE, timeout=timeout)
+    sock.close()
+    return welcome
+

@@ -1,0 +1,271 @@
+"""The session server: accepts data-path sessions on the dispatcher's port and runs one worker each.
+
+The dispatcher binds its TCP port (the `server` of adaptor.conf) and hands the listening socket
+here. For each connection the acceptor reads HELLO, checks the protocol version (refusing a
+mismatch with a message naming both versions) and the lease token (offline, with the cluster
+secret: signature, expiry, this dispatcher, one of its GPUs), then starts
+`python -m rgpu.remoting.worker` with the accepted socket inherited as a file descriptor.
+
+Data path choice: fd inheritance, not a redirect to a port of `port_range`. The client keeps the
+one connection it opened, so nothing but the dispatcher's port must be open in firewalls, and no
+port can be taken by another session in between. `port_range` is accepted and reported for the
+day a worker runs elsewhere (a container) and must listen itself; v1 does not use it.
+
+Compute shares: with the "cuda" backend the server starts and supervises an MPS control daemon
+for its GPUs (mps.py) and gives each worker CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = the slice's
+compute percent; without MPS it falls back to time-slicing and says so in status().
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rgpu.remoting import protocol
+from rgpu.remoting.mps import MpsDaemon
+
+from rgpu import tokens
+from rgpu.errors import AuthError
+from rgpu.model import GpuInfo
+
+
+@dataclass
+class SessionRecord:
+    pid: int
+    job_key: str
+    slice_number: int
+    gpu_uuid: str
+    mode: str
+    client: str
+    memory_limit_bytes: int
+    compute_percent: int
+    started_unix: float
+    popen: subprocess.Popen = field(repr=False, compare=False)
+
+    def public(self) -> dict:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "popen"}
+
+
+def worker_environment(base: os._Environ[str] | dict[str, str]) -> dict[str, str]:
+    """The dispatcher's environment minus anything that would make a worker load rgpu's own
+    client library instead of NVIDIA's driver (a dispatcher started from a flexrun shell)."""
+    env = dict(base)
+    if env.get("RGPU_WORKER_ALLOW_RGPU_LIBCUDA") == "1":
+        return env  # tests chain a worker to another session server on purpose
+    env.pop("RGPU_SLICES", None)
+    if env.get("LD_LIBRARY_PATH"):
+        kept = [p for p in env["LD_LIBRARY_PATH"].split(os.pathsep)
+                if p and not os.path.exists(os.path.join(p, "rgpu-native.stamp"))]
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(kept)
+    return env
+
+
+class SessionServer:
+    def __init__(self, *, listen_socket: socket.socket, advertised: str, gpus: list[GpuInfo], secret: bytes,
+                 port_range: tuple[int, int], backend: str, log: logging.Logger) -> None:
+        if backend not in ("cuda", "emulated"):
+            raise ValueError(f"unknown backend {backend!r} (cuda or emulated)")
+        self.listen_socket = listen_socket
+        self.advertised = advertised
+        self.gpus = {g.uuid: g for g in gpus}
+        self.secret = secret
+        self.port_range = port_range
+        self.backend = backend
+        self.log = log
+        self.runtime_dir = Path(tempfile.mkdtemp(prefix="rgpu-sessions-"))
+        os.chmod(self.runtime_dir, 0o700)
+        self.mps = MpsDaemon([g.uuid for g in gpus], self.runtime_dir / "mps", log)
+        self._sessions: dict[int, SessionRecord] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._refused = 0
+        self._accepted = 0
+        self._ended: list[dict] = []
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self.backend == "cuda":
+            self.mps.start()
+        else:
+            self.mps.disable("the emulated backend has no GPU to share")
+        self.listen_socket.settimeout(0.5)  # lets the accept loop notice stop()
+        for target, name in ((self._accept_loop, "rgpu-sessions-accept"), (self._reap_loop, "rgpu-sessions-reap")):
+            t = threading.Thread(target=target, name=name, daemon=True)
+            t.start()
+            self._threads.append(t)
+        self.log.info("session server on %s (%s backend, compute shares by %s)", self.advertised, self.backend,
+                      self.mps.enforcement)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        with self._lock:
+            records = list(self._sessions.values())
+        for rec in records:
+            if rec.popen.poll() is None:
+                rec.popen.terminate()
+        deadline = time.monotonic() + 5
+        for rec in records:
+            try:
+                rec.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                rec.popen.kill()
+                rec.popen.wait()
+        self.mps.stop()
+        shutil.rmtree(self.runtime_dir, ignore_errors=True)
+
+    def status(self) -> dict:
+        with self._lock:
+            sessions = [r.public() for r in self._sessions.values()]
+            ended = list(self._ended[-20:])
+        return {
+            "compute_enforcement": self.mps.enforcement,
+            "mps": self.mps.status(),
+            "backend": self.backend,
+            "protocol_version": protocol.PROTOCOL_VERSION,
+            "address": self.advertised,
+            "data_path": "accepted connection inherited by one worker process per session",
+            "data_ports": f"{self.port_range[0]}-{self.port_range[1]} (reserved; unused by fd inheritance)",
+            "sessions": sessions,
+            "recently_ended": ended,
+            "accepted": self._accepted,
+            "refused": self._refused,
+        }
+
+    # ------------------------------------------------------------------ accepting
+
+    def _accept_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                conn, addr = self.listen_socket.accept()
+            except TimeoutError:
+                continue
+            except OSError as exc:
+                if self._stopping.is_set():
+                    return
+                self.log.warning("accept failed: %s", exc)
+                time.sleep(0.2)
+                continue
+            t = threading.Thread(target=self._handshake, args=(conn, addr), name="rgpu-session-hello", daemon=True)
+            t.start()
+
+    def _refuse(self, conn: socket.socket, peer: str, message: str) -> None:
+        self._refused += 1
+        self.log.warning("session from %s refused: %s", peer, message)
+        try:
+            conn.sendall(protocol.encode_refuse(message))
+        except OSError:
+            pass
+        conn.close()
+
+    def _handshake(self, conn: socket.socket, addr: tuple) -> None:
+        peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else str(addr)
+        try:
+            conn.settimeout(protocol.HELLO_TIMEOUT_S)
+            (_, op, _, _, _, _), payload = protocol.recv_frame(conn, 64 << 10)
+            if op != protocol.OP_HELLO:
+                raise ValueError(f"expected HELLO, got frame {op}")
+            version = protocol.decode_hello_version(payload)
+        except (OSError, ValueError, ConnectionError) as exc:
+            self.log.warning("bad handshake from %s: %s", peer, exc)
+            conn.close()
+            return
+        if version != protocol.PROTOCOL_VERSION:
+            self._refuse(conn, peer, protocol.version_mismatch_error(version, protocol.PROTOCOL_VERSION).format())
+            return
+        try:
+            hello = protocol.decode_hello(payload)
+        except (ValueError, UnicodeDecodeError) as exc:
+            self._refuse(conn, peer, f"rgpu: session: malformed HELLO ({exc}; install the same rgpu version on both sides)")
+            return
+        try:
+            claims = tokens.verify(self.secret, hello.token, server=self.advertised, gpu_uuids=set(self.gpus))
+        except AuthError as exc:
+            self._refuse(conn, peer, str(exc))
+            return
+        gpu = self.gpus[claims.gpu_uuid]
+        mode = "nvml" if hello.flags & protocol.HELLO_NVML else "cuda"
+        if hello.flags & protocol.HELLO_PROBE:
+            conn.sendall(protocol.encode_welcome(
+                driver_version=0, memory_limit_bytes=claims.memory_limit_bytes,
+                compute_percent=claims.compute_percent, flags=0,
+                description=f"{gpu.name} slice ready ({self.backend} backend, {self.mps.enforcement})"))
+            conn.close()
+            return
+        try:
+            self._spawn(conn, peer, hello, claims, gpu, mode)
+        except OSError as exc:
+            self._refuse(conn, peer, f"rgpu: session: cannot start a worker ({exc}; check the dispatcher host)")
+            return
+        conn.close()  # the worker holds its own copy now
+
+    def _slice_dir(self, claims: tokens.SliceClaims) -> Path:
+        key = hashlib.sha256(f"{claims.job_key}\0{claims.slice_number}\0{claims.gpu_uuid}".encode()).hexdigest()[:16]
+        path = self.runtime_dir / "slices" / key
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def _spawn(self, conn: socket.socket, peer: str, hello: protocol.Hello, claims: tokens.SliceClaims,
+               gpu: GpuInfo, mode: str) -> None:
+        conn.settimeout(None)
+        spec = {
+            "mode": mode, "backend": self.backend, "gpu_uuid": gpu.uuid, "gpu_index": gpu.index,
+            "gpu_name": gpu.name, "gpu_total_memory": gpu.total_memory_bytes,
+            "compute_capability": gpu.compute_capability,
+            "memory_limit": min(claims.memory_limit_bytes, gpu.usable_memory_bytes or claims.memory_limit_bytes),
+            "compute_percent": claims.compute_percent, "job_key": claims.job_key,
+            "slice_number": claims.slice_number, "usage_dir": str(self._slice_dir(claims)),
+            "server": self.advertised, "compute_enforcement": self.mps.enforcement,
+            "client": {"address": peer, **hello.info},
+        }
+        env = worker_environment(os.environ)
+        env["RGPU_WORKER_SESSION"] = json.dumps(spec)
+        if self.backend == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = gpu.uuid
+            env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
+            if mode == "cuda":
+                env.update(self.mps.client_env(claims.compute_percent))
+        fd = conn.fileno()
+        popen = subprocess.Popen([sys.executable, "-m", "rgpu.remoting.worker", "--fd", str(fd)],
+                                 pass_fds=[fd], env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        rec = SessionRecord(pid=popen.pid, job_key=claims.job_key, slice_number=claims.slice_number,
+                            gpu_uuid=gpu.uuid, mode=mode, client=peer,
+                            memory_limit_bytes=spec["memory_limit"], compute_percent=claims.compute_percent,
+                            started_unix=time.time(), popen=popen)
+        with self._lock:
+            self._sessions[popen.pid] = rec
+            self._accepted += 1
+        self.log.info("session %d: job %s slice %d on %s (%s) for %s", popen.pid, claims.job_key,
+                      claims.slice_number, gpu.uuid, mode, peer)
+
+    # ------------------------------------------------------------------ reaping
+
+    def _reap_loop(self) -> None:
+        while not self._stopping.wait(0.2):
+            with self._lock:
+                done = [(pid, rec) for pid, rec in self._sessions.items() if rec.popen.poll() is not None]
+                for pid, _ in done:
+                    del self._sessions[pid]
+            for pid, rec in done:
+                code = rec.popen.returncode
+                how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                entry = {**rec.public(), "ended_unix": time.time(), "how": how}
+                with self._lock:
+                    self._ended.append(entry)
+                    del self._ended[:-100]
+                (self.log.info if code == 0 else self.log.warning)(
+                    "session %d (job %s slice %d) ended: %s", pid, rec.job_key, rec.slice_number, how)

@@ -1,0 +1,151 @@
+"""Fixtures for the data-path tests: the client libraries built from source, real session servers
+on free loopback ports (emulated GPUs in CI, the real GPU with `-m gpu`), signed lease tokens, and a
+helper that runs a program through the client library as flexrun would."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from rgpu.remoting.native import build
+from rgpu.remoting.sessions import SessionServer
+
+from rgpu import tokens
+from rgpu.model import GpuInfo
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "examples" / "cuda"
+def _cuda_include() -> Path:
+    """NVIDIA's headers: $CUDA_HOME, /usr/local/cuda, or beside nvcc."""
+    candidates = [Path(os.environ["CUDA_HOME"]) / "include"] if os.environ.get("CUDA_HOME") else []
+    candidates.append(Path("/usr/local/cuda/include"))
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        root = Path(nvcc).resolve().parent.parent
+        candidates += [root / "include", root / "targets" / "x86_64-linux" / "include"]
+    return next((c for c in candidates if (c / "cuda.h").exists()), candidates[0])
+
+
+CUDA_INCLUDE = _cuda_include()
+SECRET = b"test-secret-0123456789abcdef-0123456789"
+
+EMULATED_GPU = GpuInfo(uuid="GPU-12345678-1234-1234-1234-123456789abc", index=0, name="NVIDIA H200",
+                       total_memory_bytes=140 << 30, usable_memory_bytes=140 << 30, compute_capability="9.0")
+EMULATED_GPU_2 = GpuInfo(uuid="GPU-22345678-1234-1234-1234-123456789abc", index=1, name="NVIDIA H200",
+                         total_memory_bytes=140 << 30, usable_memory_bytes=140 << 30, compute_capability="9.0")
+
+
+def have_gpu() -> bool:
+    if shutil.which("nvidia-smi") is None:
+        return False
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, timeout=30, check=False).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if have_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU and driver")
+    here = Path(__file__).parent
+    for item in items:
+        if "gpu" in item.keywords and here in Path(str(item.fspath)).parents:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def native_libs(tmp_path_factory: pytest.TempPathFactory) -> build.Libraries:
+    """libcuda.so.1 and libnvidia-ml.so.1 built from this checkout's sources."""
+    return build.build(tmp_path_factory.mktemp("native") / "lib")
+
+
+@dataclass
+class Server:
+    server: SessionServer
+    address: str
+    gpus: list[GpuInfo]
+    secret: bytes = SECRET
+    _counter: list[int] = field(default_factory=lambda: [0])
+
+    def token(self, memory_limit: int = 1 << 30, compute_percent: int = 50, gpu: GpuInfo | None = None,
+              job_key: str | None = None, server: str | None = None, expires: float = 0.0,
+              secret: bytes | None = None) -> str:
+        self._counter[0] += 1
+        gpu = gpu or self.gpus[0]
+        claims = tokens.SliceClaims(job_key=job_key or f"job-{self._counter[0]}", slice_number=0,
+                                    server=server or self.address, gpu_uuid=gpu.uuid, gpu_index=gpu.index,
+                                    memory_limit_bytes=memory_limit, compute_percent=compute_percent,
+                                    expires_unix=expires, issued_unix=time.time())
+        return tokens.sign(secret or self.secret, claims)
+
+    def slices(self, *toks: str) -> str:
+        return ";".join(f"{self.address},{t}" for t in toks)
+
+    def wait_sessions(self, n: int, timeout: float = 10.0) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            sessions = self.server.status()["sessions"]
+            if len(sessions) >= n:
+                return sessions
+            time.sleep(0.05)
+        raise AssertionError(f"expected {n} sessions, have {self.server.status()['sessions']}")
+
+
+def start_server(backend: str, gpus: list[GpuInfo]) -> tuple[SessionServer, str]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    address = f"127.0.0.1:{sock.getsockname()[1]}"
+    server = SessionServer(listen_socket=sock, advertised=address, gpus=gpus, secret=SECRET,
+                           port_range=(45201, 46225), backend=backend, log=logging.getLogger("rgpu.test.sessions"))
+    server.start()
+    return server, address
+
+
+@pytest.fixture
+def emulated() -> Iterator[Server]:
+    server, address = start_server("emulated", [EMULATED_GPU, EMULATED_GPU_2])
+    try:
+        yield Server(server, address, [EMULATED_GPU, EMULATED_GPU_2])
+    finally:
+        server.stop()
+
+
+def client_env(libs: build.Libraries, slices: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
+    env["LD_LIBRARY_PATH"] = str(libs.folder) + (os.pathsep + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    env["RGPU_SLICES"] = slices
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra)
+    return env
+
+
+def run_client(libs: build.Libraries, slices: str, argv: list[str], timeout: float = 120, **extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, env=client_env(libs, slices, **extra), capture_output=True, text=True, timeout=timeout, check=False)
+
+
+@pytest.fixture(scope="session")
+def demo_binary(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """examples/cuda/driver_api_demo.c compiled against NVIDIA's cuda.h, linked to rgpu's libcuda."""
+    if not (CUDA_INCLUDE / "cuda.h").exists():
+        pytest.skip(f"no cuda.h under {CUDA_INCLUDE} (install the CUDA toolkit headers)")
+    out = tmp_path_factory.mktemp("demo") / "driver_api_demo"
+    cc = shutil.which("gcc") or shutil.which("cc")
+    done = subprocess.run([cc, "-O1", "-Wall", f"-I{CUDA_INCLUDE}", str(EXAMPLES / "driver_api_demo.c"), "-o",
+                           str(out), f"-L{native_libs.folder}", "-lcuda"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+PY = sys.executable

@@ -1,0 +1,198 @@
+"""flexrun end to end: adaptor.conf lookup, pre-flight checks with one clear line, pass-through."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from rgpu.remoting import flexrun
+from rgpu.remoting.native import build
+
+from rgpu.adaptor import AdaptorConf, AdaptorSlice, write_adaptor_conf
+from tests.remoting.conftest import EXAMPLES, PY, Server
+
+HERE = Path(__file__).parent
+
+
+def conf_for(server: Server, path: Path, *tokens: str) -> Path:
+    slices = tuple(AdaptorSlice(server=server.address, gpu_uuid=server.gpus[i % 2].uuid, gpu_index=i % 2,
+                                memory_limit_bytes=1 << 30, compute_percent=50, token=t)
+                   for i, t in enumerate(tokens))
+    return write_adaptor_conf(path, AdaptorConf(job_id="1234", user="alice", slices=slices))
+
+
+def run_flexrun(args: list[str], native_libs: build.Libraries, env_extra: dict[str, str] | None = None,
+                timeout: float = 60, **kw: object) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RGPU_", "SLURM_"))}
+    env["RGPU_NATIVE_DIR"] = str(native_libs.folder)
+    env["HOME"] = str(Path(env.get("TMPDIR", "/tmp")) / "flexrun-test-home-none")
+    env.update(env_extra or {})
+    return subprocess.run([PY, "-m", "rgpu.remoting.flexrun", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout, **kw, check=False)  # type: ignore[arg-type]
+
+
+def test_runs_a_driver_api_program_from_an_adaptor_conf(native_libs: build.Libraries, demo_binary: Path,
+                                                        emulated: Server, tmp_path: Path) -> None:
+    conf = conf_for(emulated, tmp_path / "adaptor.conf", emulated.token(memory_limit=1 << 30))
+    done = run_flexrun(["-f", str(conf), "--", str(demo_binary), str(EXAMPLES / "vecadd.ptx"), "expect-refused",
+                        str(1 << 30)], native_libs)
+    assert "DONE 0 failure(s)" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0
+
+
+def test_adaptor_conf_from_the_environment(native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
+    conf = conf_for(emulated, tmp_path / "adaptor.conf", emulated.token(), emulated.token(gpu=emulated.gpus[1]))
+    done = run_flexrun(["--", PY, "-c", textwrap.dedent(f"""
+        import sys; sys.path.insert(0, {str(HERE)!r})
+        from ctcuda import *
+        check("cuInit", 0)
+        n = ctypes.c_int(); check("cuDeviceGetCount", ctypes.byref(n)); print("DEVICES", n.value)
+        """)], native_libs, {"RGPU_ADAPTOR_CONF": str(conf)})
+    assert "DEVICES 2" in done.stdout, done.stdout + done.stderr
+
+
+def test_exit_status_stdin_and_stdout_pass_through(native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
+    conf = conf_for(emulated, tmp_path / "adaptor.conf", emulated.token())
+    done = run_flexrun(["-f", str(conf), "--", "sh", "-c", "read x; echo got $x; echo err >&2; exit 7"], native_libs,
+                       input="hello\n")
+    assert done.returncode == 7
+    assert done.stdout == "got hello\n"
+    assert done.stderr == "err\n"
+
+
+def test_signals_reach_the_application(native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
+    conf = conf_for(emulated, tmp_path / "adaptor.conf", emulated.token())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
+    env["RGPU_NATIVE_DIR"] = str(native_libs.folder)
+    proc = subprocess.Popen([PY, "-m", "rgpu.remoting.flexrun", "-f", str(conf), "--", "sh", "-c",
+                             "trap 'echo term; exit 5' TERM; echo up; while :; do sleep 0.05; done"],
+                            env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "up"
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=20)
+    assert "term" in out and proc.returncode == 5
+
+
+def test_refused_token_is_one_line_before_the_app_starts(native_libs: build.Libraries, emulated: Server,
+                                                         tmp_path: Path) -> None:
+    bad = emulated.token(secret=b"another-cluster-secret-0123456789")
+    conf = conf_for(emulated, tmp_path / "adaptor.conf", bad)
+    marker = tmp_path / "ran"
+    done = run_flexrun(["-f", str(conf), "--", "touch", str(marker)], native_libs)
+    assert done.returncode == 4
+    assert not marker.exists()
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rgpu: token: lease token refused (bad signature"), done.stderr
+    assert f"[server {emulated.address}]" in lines[0]
+
+
+def test_expired_token(native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
+    conf = conf_for(emulated, tmp_path / "adaptor.conf", emulated.token(expires=time.time() - 100))
+    done = run_flexrun(["-f", str(conf), "--", "true"], native_libs)
+    assert done.returncode == 4 and "expired" in done.stderr
+
+
+def test_unreachable_server_is_one_line(native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
+    import socket
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    conf = tmp_path / "adaptor.conf"
+    conf.write_text(conf_for(emulated, tmp_path / "x.conf", emulated.token()).read_text()
+                    .replace(emulated.address, f"127.0.0.1:{port}"))
+    done = run_flexrun(["-f", str(conf), "--", "true"], native_libs)
+    assert done.returncode == 6
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cannot reach the GPU server 127.0.0.1:{port}" in lines[0]
+
+
+def test_prolog_error_is_reported(native_libs: build.Libraries, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    (run_dir / "4242").mkdir(parents=True)
+    (run_dir / "4242" / "error").write_text("rgpu: prolog: no lease for job 4242 (pool unreachable;\n retry later)\n")
+    done = run_flexrun(["--", "true"], native_libs, {"SLURM_JOB_ID": "4242", "RGPU_RUN_DIR": str(run_dir),
+                                                     "RGPU_ADAPTOR_CONF": str(run_dir / "4242" / "adaptor.conf")})
+    assert done.returncode == 1
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("rgpu: prolog: no lease for job 4242 (pool unreachable; retry later)")
+
+
+def test_no_slices_anywhere(native_libs: build.Libraries) -> None:
+    done = run_flexrun(["--", "true"], native_libs)
+    assert done.returncode == 2
+    assert done.stderr.startswith("rgpu: flexrun: no GPU slices for this run")
+
+
+def test_usage_errors() -> None:
+    with pytest.raises(SystemExit):
+        flexrun.parse_args([])
+    args = flexrun.parse_args(["-f", "x.conf", "--", "app", "-n", "3"])
+    assert args.command == ["app", "-n", "3"] and args.adaptor_conf == "x.conf"
+    args = flexrun.parse_args(["-n", "2", "-p", "0.5", "python", "train.py"])
+    assert args.num_gpus == 2 and args.partial == 0.5 and args.command == ["python", "train.py"]
+
+
+def test_environment_puts_rgpu_libraries_first(tmp_path: Path) -> None:
+    env = flexrun.build_env([flexrun.Slice("h:1", "t1"), flexrun.Slice("h:2", "t2")], tmp_path,
+                            {"LD_LIBRARY_PATH": "/usr/lib/x"})
+    assert env["LD_LIBRARY_PATH"] == f"{tmp_path}:/usr/lib/x"
+    assert env["RGPU_SLICES"] == "h:1,t1;h:2,t2"
+
+
+def test_native_build_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("RGPU_NATIVE_DIR", raising=False)
+    monkeypatch.setattr(build, "PACKAGE_LIB", tmp_path / "none")
+    first = build.ensure_built()
+    assert first.libcuda.exists() and first.libnvml.exists() and (first.folder / "libcuda.so").is_symlink()
+    mtime = first.libcuda.stat().st_mtime_ns
+    assert build.ensure_built().libcuda.stat().st_mtime_ns == mtime
+
+
+@pytest.mark.integration
+def test_flexrun_asks_the_pool_and_releases(native_libs: build.Libraries, tmp_path: Path) -> None:
+    pytest.importorskip("rgpu.remoting.poold")
+    from tests.daemons import RgpuCluster, wait_for
+    inventory = EXAMPLES.parent / "inventory-a.toml"
+    if not inventory.exists():
+        pytest.skip("examples/inventory-a.toml is missing")
+    cluster = RgpuCluster(tmp_path / "cluster")
+    try:
+        cluster.start_pool()
+        cluster.start_dispatcher(inventory)
+        with cluster.client() as client:
+            wait_for(lambda: len(client.list_gpus()) > 0, what="the dispatcher to register")
+        env = cluster.env(RGPU_NATIVE_DIR=str(native_libs.folder))
+        done = subprocess.run([PY, "-m", "rgpu.remoting.flexrun", "-n", "1", "-p", "0.5", "--", PY, "-c", textwrap.dedent(f"""
+            import sys; sys.path.insert(0, {str(HERE)!r})
+            from ctcuda import *
+            setup()
+            print("TOTAL", mem_info()[1])
+            """)], env=env, capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "TOTAL" in done.stdout
+        with cluster.client() as client:
+            assert client.list_leases() == []
+    finally:
+        cluster.stop_all()
+
+
+def test_nvidia_smi_shows_the_slice(native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
+    conf = conf_for(emulated, tmp_path / "adaptor.conf", emulated.token(memory_limit=6 << 30))
+    done = run_flexrun(["-f", str(conf), "--", "nvidia-smi", "--query-gpu=index,name,memory.total,memory.used",
+                        "--format=csv,noheader,nounits"], native_libs)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "0, NVIDIA H200, 6144, 0"
+    table = run_flexrun(["-f", str(conf), "--", "nvidia-smi"], native_libs)
+    assert table.returncode == 0, table.stderr
+    assert "NVIDIA H200" in table.stdout and "0MiB / 6144MiB" in table.stdout
+    listing = run_flexrun(["-f", str(conf), "--", "nvidia-smi", "-L"], native_libs)
+    assert listing.stdout.strip() == f"GPU 0: NVIDIA H200 (UUID: {emulated.gpus[0].uuid})"

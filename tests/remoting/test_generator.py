@@ -1,0 +1,105 @@
+"""The API spec, the generator and the symbol table of the built client library."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from rgpu.remoting import api_gen, protocol
+from rgpu.remoting.native import apispec, build, generate
+
+# Changing cuda.spec or nvml.spec changes the wire protocol. When you change them on purpose,
+# bump protocol_version in both specs and PROTOCOL_VERSION in protocol.py, regenerate, and
+# record the new hashes here.
+SPEC_HASHES = {
+    1: ("07d69ecfe91ba2bf2eadb8bf652f4c5195324ba555a08cace61175a36eca6120",
+        "f06b7e6ecfccbc1b056845ef024fd266b595cadeee1deb5aafb906e98559cd90"),
+}
+
+
+def test_generated_files_are_up_to_date() -> None:
+    done = subprocess.run([sys.executable, "-m", "rgpu.remoting.native.generate", "--check"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr + "\nrun `python -m rgpu.remoting.native.generate` and commit the result"
+
+
+def test_spec_changes_bump_the_protocol_version() -> None:
+    cuda = apispec.parse_spec(apispec.SPEC_DIR / "cuda.spec")
+    nvml = apispec.parse_spec(apispec.SPEC_DIR / "nvml.spec", first_opcode=generate.NVML_FIRST_OPCODE)
+    assert cuda.protocol_version == nvml.protocol_version == protocol.PROTOCOL_VERSION == api_gen.PROTOCOL_VERSION
+    assert SPEC_HASHES.get(protocol.PROTOCOL_VERSION) == (cuda.sha256, nvml.sha256), (
+        "the API spec changed: bump protocol_version (cuda.spec, nvml.spec, protocol.py) and record "
+        f"({cuda.sha256!r}, {nvml.sha256!r}) in SPEC_HASHES")
+
+
+def test_every_spec_entry_is_a_driver_export() -> None:
+    exports = set(apispec.read_exports(apispec.SPEC_DIR / "cuda_exports.txt"))
+    spec = apispec.parse_spec(apispec.SPEC_DIR / "cuda.spec")
+    assert {f.name for f in spec.functions if not f.name.startswith("rgpu")} <= exports
+
+
+def test_library_exports_every_driver_symbol(native_libs: build.Libraries) -> None:
+    exports = set(apispec.read_exports(apispec.SPEC_DIR / "cuda_exports.txt"))
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(native_libs.libcuda)], capture_output=True, text=True, check=False)
+    if nm.returncode != 0:
+        pytest.skip("nm is not available")
+    defined = {line.split()[-1] for line in nm.stdout.splitlines() if line.strip()}
+    assert exports <= defined, sorted(exports - defined)[:20]
+    assert {d for d in defined if not d.startswith("cu")} == set(), "the library must export driver symbols only"
+    nvml = set(apispec.read_exports(apispec.SPEC_DIR / "nvml_exports.txt"))
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(native_libs.libnvml)], capture_output=True, text=True, check=False)
+    defined = {line.split()[-1] for line in nm.stdout.splitlines() if line.strip()}
+    assert nvml <= defined, sorted(nvml - defined)[:20]
+
+
+def test_proc_table_maps_versions_to_symbols() -> None:
+    procs = apispec.read_procs(apispec.SPEC_DIR / "cuda_procs.txt")
+    table = {(b, v): s for b, v, s in procs if not s.endswith(("_ptds", "_ptsz"))}
+    assert table[("cuMemAlloc", 3020)] == "cuMemAlloc_v2"
+    assert table[("cuMemAlloc", 2000)] == "cuMemAlloc"
+    assert table[("cuCtxCreate", 12050)] == "cuCtxCreate_v4"
+    assert table[("cuStreamGetCaptureInfo", 12030)] == "cuStreamGetCaptureInfo_v3"
+    assert ("cuStreamGetCaptureInfo", 12030, "cuStreamGetCaptureInfo_v3_ptsz") in procs
+
+
+def test_spec_errors_name_the_line(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.spec"
+    bad.write_text("protocol_version 1\nsync cuFoo(out int x)\n")
+    with pytest.raises(apispec.SpecError, match="bad.spec:2: output parameter x must be a pointer"):
+        apispec.parse_spec(bad)
+    bad.write_text("protocol_version 1\nasync cuFoo(out int *x)\n")
+    with pytest.raises(apispec.SpecError, match="is async but has outputs"):
+        apispec.parse_spec(bad)
+    bad.write_text("protocol_version 1\nsync cuFoo(CUjit_option *options)\n")
+    with pytest.raises(apispec.SpecError, match="mark the function manual or local"):
+        apispec.parse_spec(bad)
+
+
+def test_get_proc_address_honours_versions_and_flags(native_libs: build.Libraries) -> None:
+    code = r'''
+import ctypes
+lib = ctypes.CDLL("libcuda.so.1")
+def get(name, version, flags=0):
+    pfn = ctypes.c_void_p(); status = ctypes.c_int(-1)
+    r = lib.cuGetProcAddress_v2(name.encode(), ctypes.byref(pfn), version, ctypes.c_uint64(flags), ctypes.byref(status))
+    return r, pfn.value, status.value
+addr = lambda n: ctypes.cast(getattr(lib, n), ctypes.c_void_p).value
+r, p, s = get("cuMemAlloc", 12000); print("V2", r, p == addr("cuMemAlloc_v2"), s)
+r, p, s = get("cuMemAlloc", 2000); print("V1", r, p == addr("cuMemAlloc"), s)
+r, p, s = get("cuCtxCreate", 11040); print("CTX3", p == addr("cuCtxCreate_v3"))
+r, p, s = get("cuCtxCreate", 13000); print("CTX4", p == addr("cuCtxCreate_v4"))
+r, p, s = get("cuMemcpyHtoD", 12000, 2); print("PTDS", p == addr("cuMemcpyHtoD_v2_ptds"))
+r, p, s = get("cuLaunchKernel", 12000, 2); print("PTSZ", p == addr("cuLaunchKernel_ptsz"))
+r, p, s = get("cuMemAllocAsync", 10000); print("TOO_OLD", r, p, s)
+r, p, s = get("cuNotAThing", 13000); print("UNKNOWN", r, p is not None, s)
+print("CALL", ctypes.CFUNCTYPE(ctypes.c_int)(p)())
+'''
+    done = subprocess.run([sys.executable, "-c", code], env={"LD_LIBRARY_PATH": str(native_libs.folder), "PATH": "/usr/bin:/bin"},
+                          capture_output=True, text=True, check=False)
+    out = done.stdout
+    assert "V2 0 True 0" in out and "V1 0 True 0" in out, out + done.stderr
+    assert "CTX3 True" in out and "CTX4 True" in out and "PTDS True" in out and "PTSZ True" in out
+    assert "TOO_OLD 500 None 2" in out        # CUDA_ERROR_NOT_FOUND, VERSION_NOT_SUFFICIENT
+    assert "UNKNOWN 0 True 0" in out and "CALL 801" in out
+    assert "cuNotAThing is not remoted" in done.stderr

@@ -1,0 +1,269 @@
+"""Issue 4, item 7: remoting on a real GPU, through flexrun, against a session server on this machine.
+
+Run on a GPU machine:  python -m pytest -m gpu tests/remoting/test_gpu.py -v -s
+(CPU-only CI skips them.) Each application runs in its own process with rgpu's libcuda.so.1 and
+libnvidia-ml.so.1 first on LD_LIBRARY_PATH, so it never loads NVIDIA's driver library itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from rgpu.remoting.native import build
+
+from rgpu.adaptor import AdaptorConf, AdaptorSlice, write_adaptor_conf
+from rgpu.model import GpuInfo
+from tests.remoting.conftest import EXAMPLES, PY, Server, start_server
+
+pytestmark = pytest.mark.gpu
+GiB = 1 << 30
+HERE = Path(__file__).parent
+OUT = Path(os.environ.get("RGPU_TEST_OUT", "/tmp"))
+
+
+def local_gpu() -> GpuInfo:
+    import pynvml
+    pynvml.nvmlInit()
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(h)
+        name = name.decode() if isinstance(name, bytes) else name
+        uuid = pynvml.nvmlDeviceGetUUID(h)
+        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+        total = pynvml.nvmlDeviceGetMemoryInfo(h).total
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
+    finally:
+        pynvml.nvmlShutdown()
+    return GpuInfo(uuid=uuid, index=0, name=name, total_memory_bytes=total, usable_memory_bytes=total,
+                   compute_capability=f"{major}.{minor}")
+
+
+@pytest.fixture(scope="module")
+def gpu_server() -> Iterator[Server]:
+    gpu = local_gpu()
+    server, address = start_server("cuda", [gpu])
+    try:
+        yield Server(server, address, [gpu])
+    finally:
+        server.stop()
+
+
+def flexrun(libs: build.Libraries, server: Server, tmp: Path, argv: list[str], *, memory: int = 4 * GiB,
+            percent: int = 50, name: str = "app", timeout: float = 300, extra_env: dict[str, str] | None = None,
+            slices: int = 1) -> subprocess.CompletedProcess[str]:
+    token_slices = tuple(AdaptorSlice(server=server.address, gpu_uuid=server.gpus[0].uuid, gpu_index=0,
+                                      memory_limit_bytes=memory, compute_percent=percent,
+                                      token=server.token(memory_limit=memory, compute_percent=percent))
+                         for _ in range(slices))
+    conf = write_adaptor_conf(tmp / f"{name}.conf", AdaptorConf(job_id="gpu-test", user="tester", slices=token_slices))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
+    env.update({"RGPU_NATIVE_DIR": str(libs.folder), "PYTHONUNBUFFERED": "1", "RGPU_LOG": "info"})
+    env.update(extra_env or {})
+    done = subprocess.run([PY, "-m", "rgpu.remoting.flexrun", "-f", str(conf), "--", *argv], env=env,
+                          capture_output=True, text=True, timeout=timeout, check=False)
+    (OUT / f"gpu-{name}.log").write_text(f"$ flexrun {' '.join(argv)}\nexit {done.returncode}\n--- stdout\n"
+                                          f"{done.stdout}\n--- stderr\n{done.stderr}\n")
+    print(f"\n=== {name}: exit {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return done
+
+
+def py(code: str) -> list[str]:
+    return [PY, "-c", f"import sys; sys.path.insert(0, {str(HERE)!r})\n" + textwrap.dedent(code)]
+
+
+@pytest.mark.parametrize("image", ["vecadd.ptx", "vecadd.sm_90.cubin", "vecadd.fatbin"])
+def test_driver_api_vector_add(native_libs: build.Libraries, demo_binary: Path, gpu_server: Server,
+                               tmp_path: Path, image: str) -> None:
+    done = flexrun(native_libs, gpu_server, tmp_path, [str(demo_binary), str(EXAMPLES / image), "expect-launch",
+                                                       str(4 * GiB)], name=f"driver-api-{image}")
+    assert "DONE 0 failure(s)" in done.stdout
+    maps = [line.split(" ", 1)[1] for line in done.stdout.splitlines() if line.startswith("MAP ")]
+    assert maps and all(p.startswith(str(native_libs.folder)) for p in maps), maps
+    assert "OPEN /dev/nvidia" not in done.stdout
+
+
+def test_cuda_python_nvrtc_kernel(native_libs: build.Libraries, gpu_server: Server, tmp_path: Path) -> None:
+    done = flexrun(native_libs, gpu_server, tmp_path, py("""
+        import ctypes
+        import numpy as np
+        from cuda.bindings import driver as d, nvrtc
+        def ok(res):
+            err = res[0]
+            assert int(err) == 0, res
+            return res[1] if len(res) == 2 else res[1:]
+        src = b'''extern "C" __global__ void saxpy(float a, const float *x, float *y, int n) {
+            int i = blockIdx.x * blockDim.x + threadIdx.x; if (i < n) y[i] = a * x[i] + y[i]; }'''
+        ok(d.cuInit(0))
+        dev = ok(d.cuDeviceGet(0))
+        major = ok(d.cuDeviceGetAttribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev))
+        minor = ok(d.cuDeviceGetAttribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev))
+        prog = ok(nvrtc.nvrtcCreateProgram(src, b"saxpy.cu", 0, [], []))
+        opts = [f"--gpu-architecture=sm_{major}{minor}".encode()]
+        r = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        assert int(r[0]) == 0, r
+        size = ok(nvrtc.nvrtcGetCUBINSize(prog))
+        cubin = b" " * size
+        ok((nvrtc.nvrtcGetCUBIN(prog, cubin)[0], None))
+        ctx = ok(d.cuDevicePrimaryCtxRetain(dev))
+        ok((d.cuCtxSetCurrent(ctx)[0], None))
+        mod = ok(d.cuModuleLoadData(cubin))
+        fn = ok(d.cuModuleGetFunction(mod, b"saxpy"))
+        n = 1 << 20
+        x = np.random.rand(n).astype(np.float32)
+        y = np.random.rand(n).astype(np.float32)
+        dx = ok(d.cuMemAlloc(x.nbytes)); dy = ok(d.cuMemAlloc(y.nbytes))
+        stream = ok(d.cuStreamCreate(0))
+        ok((d.cuMemcpyHtoDAsync(dx, x.ctypes.data, x.nbytes, stream)[0], None))
+        ok((d.cuMemcpyHtoDAsync(dy, y.ctypes.data, y.nbytes, stream)[0], None))
+        args = ((np.float32(2.5), dx, dy, np.int32(n)), (ctypes.c_float, None, None, ctypes.c_int))
+        ok((d.cuLaunchKernel(fn, (n + 255) // 256, 1, 1, 256, 1, 1, 0, stream, args, 0)[0], None))
+        out = np.empty_like(y)
+        ok((d.cuMemcpyDtoHAsync(out.ctypes.data, dy, y.nbytes, stream)[0], None))
+        ok((d.cuStreamSynchronize(stream)[0], None))
+        print("NVRTC_OK", bool(np.allclose(out, 2.5 * x + y)), flush=True)
+        """), name="cuda-python-nvrtc")
+    assert "NVRTC_OK True" in done.stdout, done.stderr
+
+
+def test_numba_kernel(native_libs: build.Libraries, gpu_server: Server, tmp_path: Path) -> None:
+    pytest.importorskip("numba")
+    done = flexrun(native_libs, gpu_server, tmp_path, py("""
+        import numpy as np
+        # numba-cuda 0.30 still names np.row_stack, which numpy 2.4 removed: that breaks its
+        # import with or without rgpu. Give it the alias it expects.
+        np.row_stack = getattr(np, "row_stack", np.vstack)
+        from numba import cuda
+        @cuda.jit
+        def add(a, b, c):
+            i = cuda.grid(1)
+            if i < c.size:
+                c[i] = a[i] + b[i] * 2
+        a = np.arange(1 << 20, dtype=np.float32)
+        b = np.ones_like(a)
+        da, db = cuda.to_device(a), cuda.to_device(b)
+        dc = cuda.device_array_like(a)
+        add[(a.size + 255) // 256, 256](da, db, dc)
+        c = dc.copy_to_host()
+        print("NUMBA_OK", bool(np.array_equal(c, a + 2)), cuda.get_current_device().name, flush=True)
+        """), name="numba")
+    assert "NUMBA_OK True" in done.stdout, done.stderr
+
+
+def test_nvidia_smi_shows_the_slice(native_libs: build.Libraries, gpu_server: Server, tmp_path: Path) -> None:
+    done = flexrun(native_libs, gpu_server, tmp_path, ["nvidia-smi", "--query-gpu=name,memory.total,memory.used",
+                                                       "--format=csv,noheader,nounits"], memory=6 * GiB, name="nvidia-smi-query")
+    assert done.returncode == 0, done.stderr
+    name, total, _used = [f.strip() for f in done.stdout.strip().splitlines()[0].split(",")]
+    assert name == gpu_server.gpus[0].name and int(total) == 6 * 1024
+    full = flexrun(native_libs, gpu_server, tmp_path, ["nvidia-smi"], memory=6 * GiB, name="nvidia-smi")
+    assert full.returncode == 0 and "6144MiB" in full.stdout
+
+
+def test_out_of_memory_beyond_the_slice_and_the_app_goes_on(native_libs: build.Libraries, gpu_server: Server,
+                                                            tmp_path: Path) -> None:
+    done = flexrun(native_libs, gpu_server, tmp_path, py("""
+        from ctcuda import *
+        setup()
+        free, total = mem_info()
+        r1, a = alloc(total - (256 << 20))
+        r2, b = alloc(512 << 20)
+        r3, c = alloc(128 << 20)
+        print("SLICE", total, r1, r2, r3, flush=True)
+        check("cuMemsetD8_v2", ctypes.c_uint64(c), 7, ctypes.c_size_t(128 << 20))
+        buf = ctypes.create_string_buffer(16)
+        check("cuMemcpyDtoH_v2", buf, ctypes.c_uint64(c), ctypes.c_size_t(16))
+        print("AFTER", buf.raw == b"\\x07" * 16, flush=True)
+        """), memory=2 * GiB, name="oom")
+    assert f"SLICE {2 * GiB} 0 2 0" in done.stdout, done.stderr
+    assert "AFTER True" in done.stdout
+    assert "refused (the slice's memory limit is 2.0 GiB" in done.stderr
+
+
+SPIN = """
+import ctypes, time, json
+from ctcuda import *
+setup()
+ptx = open({ptx!r}, "rb").read() + b"\\0"
+mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+check("cuModuleLoadData", ctypes.byref(mod), ptx)
+check("cuModuleGetFunction", ctypes.byref(fn), mod, b"spin")
+sms = ctypes.c_int()
+check("cuDeviceGetAttribute", ctypes.byref(sms), 16, 0)
+r, out = alloc(64)
+iters = ctypes.c_int({iters})
+ptr = ctypes.c_uint64(out)
+params = (ctypes.c_void_p * 2)(ctypes.addressof(ptr), ctypes.addressof(iters))
+grid = sms.value * 16
+check("cuLaunchKernel", fn, grid, 1, 1, 256, 1, 1, 0, None, params, None)
+check("cuCtxSynchronize")
+t0 = time.perf_counter()
+for _ in range({launches}):
+    check("cuLaunchKernel", fn, grid, 1, 1, 256, 1, 1, 0, None, params, None)
+check("cuCtxSynchronize")
+dt = time.perf_counter() - t0
+flops = 4.0 * grid * 256 * {iters} * {launches}
+print("SPIN", json.dumps({{"seconds": dt, "tflops": flops / dt / 1e12}}), flush=True)
+"""
+
+
+def spin_local(libs: build.Libraries, iters: int, launches: int) -> float:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
+    code = py(SPIN.format(ptx=str(EXAMPLES / "vecadd.ptx"), iters=iters, launches=launches))
+    done = subprocess.run(code, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads(done.stdout.split("SPIN ", 1)[1])["tflops"]
+
+
+def test_half_slice_runs_at_most_60_percent_of_the_whole_gpu(native_libs: build.Libraries, gpu_server: Server,
+                                                             tmp_path: Path) -> None:
+    assert gpu_server.server.status()["compute_enforcement"] == "mps", gpu_server.server.status()["mps"]
+    iters, launches = 200000, 10
+    whole = spin_local(native_libs, iters, launches)
+    half = flexrun(native_libs, gpu_server, tmp_path, py(SPIN.format(ptx=str(EXAMPLES / "vecadd.ptx"), iters=iters,
+                                                                      launches=launches)), percent=50, name="spin-50")
+    full = flexrun(native_libs, gpu_server, tmp_path, py(SPIN.format(ptx=str(EXAMPLES / "vecadd.ptx"), iters=iters,
+                                                                      launches=launches)), percent=100, name="spin-100")
+    t_half = json.loads(half.stdout.split("SPIN ", 1)[1])["tflops"]
+    t_full = json.loads(full.stdout.split("SPIN ", 1)[1])["tflops"]
+    result = {"whole_gpu_local_tflops": whole, "slice_100_remote_tflops": t_full, "slice_50_remote_tflops": t_half,
+              "ratio_50": t_half / whole, "ratio_100": t_full / whole}
+    (OUT / "gpu-compute-share.json").write_text(json.dumps(result, indent=2))
+    print("COMPUTE", result)
+    assert t_half <= 0.60 * whole
+
+
+def test_two_sessions_on_one_gpu_each_held_to_its_slice(native_libs: build.Libraries, demo_binary: Path,
+                                                        gpu_server: Server, tmp_path: Path) -> None:
+    code = py("""
+        import time
+        from ctcuda import *
+        setup()
+        free, total = mem_info()
+        r1, a = alloc(total - (64 << 20))
+        r2, b = alloc(128 << 20)
+        time.sleep(2)   # both sessions hold their memory at the same time
+        print("HELD", total, r1, r2, flush=True)
+        """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
+    env.update({"RGPU_NATIVE_DIR": str(native_libs.folder)})
+    procs = []
+    for name, memory, percent in (("a", 3 * GiB, 30), ("b", 5 * GiB, 70)):
+        conf = write_adaptor_conf(tmp_path / f"{name}.conf", AdaptorConf(job_id=f"job-{name}", user="tester", slices=(
+            AdaptorSlice(server=gpu_server.address, gpu_uuid=gpu_server.gpus[0].uuid, gpu_index=0, memory_limit_bytes=memory,
+                         compute_percent=percent, token=gpu_server.token(memory_limit=memory, compute_percent=percent)),)))
+        procs.append((memory, subprocess.Popen([PY, "-m", "rgpu.remoting.flexrun", "-f", str(conf), "--", *code], env=env,
+                                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
+    time.sleep(1.0)
+    sessions = gpu_server.server.status()["sessions"]
+    outs = [(memory, *p.communicate(timeout=300)) for memory, p in procs]
+    (OUT / "gpu-two-sessions.log").write_text(json.dumps({"sessions": sessions, "outputs": outs}, indent=2, default=str))
+    for memory, out, err in outs:
+        assert f"HELD {memory} 0 2" in out, out + err
+    assert sorted(s["compute_percent"] for s in sessions if s["mode"] == "cuda") == [30, 70]
