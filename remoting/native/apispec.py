@@ -223,7 +223,12 @@ def parse_spec(path: Path, first_opcode: int = FIRST_OPCODE) -> Spec:
                                   comment=(m.group("comment") or "").strip(), opcode=op, line=lineno))
     if version is None:
         raise SpecError(f"{path.name}: no protocol_version line")
-    digest = hashlib.sha256(text.encode()).hexdigest()
+    # The fingerprint covers what crosses the wire (opcodes and parameters of the remoted
+    # functions), so a `local` or `unsupported` entry, which never reaches the server, needs no
+    # version bump.
+    wire = "\n".join(f"{f.opcode} {f.mode} {f.name}({', '.join(p.raw for p in f.params)})"
+                     for f in functions if f.mode in ("sync", "async", "manual"))
+    digest = hashlib.sha256(f"{version}\n{wire}".encode()).hexdigest()
     return Spec(path=path, protocol_version=version, functions=functions, sha256=digest)
 
 

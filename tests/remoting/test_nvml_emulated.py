@@ -54,3 +54,48 @@ def test_pynvml_sees_the_slice_and_what_its_sessions_hold(native_libs: build.Lib
     assert "PROCS []" in out
     assert "FAN not supported" in out and "UNREMOTED not supported" in out
     assert "CUDA 13000" in out
+
+
+def test_internal_export_table_answers_what_nvidia_smi_calls(native_libs: build.Libraries,
+                                                             emulated: Server) -> None:
+    """nvidia-smi stops without nvmlInternalGetExportTable and an event set; both must be safe."""
+    token = emulated.token(memory_limit=256 << 20, job_key="nvml-internal")
+    done = run_client(native_libs, emulated.slices(token), [PY, "-c", textwrap.dedent("""
+        import ctypes
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        assert nvml.nvmlInit_v2() == 0
+        table = ctypes.POINTER(ctypes.c_void_p)()
+        table_id = (ctypes.c_ubyte * 16)(*range(16))
+        assert nvml.nvmlInternalGetExportTable(ctypes.byref(table), table_id) == 0
+        print("SIZE", table[0])
+        slot = lambda n: ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                          ctypes.c_void_p)(table[n])
+        public = ctypes.c_void_p()
+        assert nvml.nvmlDeviceGetHandleByIndex_v2(0, ctypes.byref(public)) == 0
+        found = ctypes.c_void_p()
+        print("LOOKUP", slot(81)(0, ctypes.addressof(found), 0x22, None), found.value == public.value)
+        print("MISSING", slot(81)(7, ctypes.addressof(found), 0x22, None))
+        count = ctypes.c_uint(250)
+        entries = ctypes.create_string_buffer(4128 * 4)
+        print("PROCS", slot(213)(public, ctypes.addressof(count), ctypes.addressof(entries), None), count.value)
+        print("OTHER", slot(17)(None, None, None, None))
+        print("NULL", nvml.nvmlInternalGetExportTable(None, table_id))
+        import pynvml
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        events = pynvml.nvmlEventSetCreate()
+        pynvml.nvmlDeviceRegisterEvents(h, pynvml.nvmlEventTypeXidCriticalError, events)
+        print("EVENT TYPES", pynvml.nvmlDeviceGetSupportedEventTypes(h))
+        try:
+            pynvml.nvmlEventSetWait(events, 50)
+        except pynvml.NVMLError_Timeout:
+            print("WAIT timeout")
+        pynvml.nvmlEventSetFree(events)
+        """)])
+    out = done.stdout
+    assert "SIZE 2048" in out, out + done.stderr
+    assert "LOOKUP 0 True" in out
+    assert "MISSING 2" in out  # NVML_ERROR_INVALID_ARGUMENT for an index past the slices
+    assert "PROCS 0 0" in out
+    assert "OTHER 0" in out and "NULL 2" in out
+    assert "EVENT TYPES 0" in out and "WAIT timeout" in out  # a slice's event set never fires

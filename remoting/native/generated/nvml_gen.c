@@ -952,7 +952,6 @@ RGPU_EXPORT nvmlReturn_t nvmlDeviceGetSamples(void) { static int seen; return rg
 RGPU_EXPORT nvmlReturn_t nvmlDeviceGetSramEccErrorStatus(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetSramEccErrorStatus", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceGetSramUniqueUncorrectedEccErrorCounts(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetSramUniqueUncorrectedEccErrorCounts", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceGetSupportedClocksEventReasons(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetSupportedClocksEventReasons", &seen); }
-RGPU_EXPORT nvmlReturn_t nvmlDeviceGetSupportedEventTypes(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetSupportedEventTypes", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceGetSupportedGraphicsClocks(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetSupportedGraphicsClocks", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceGetSupportedMemoryClocks(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetSupportedMemoryClocks", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceGetSupportedPerformanceStates(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetSupportedPerformanceStates", &seen); }
@@ -989,7 +988,6 @@ RGPU_EXPORT nvmlReturn_t nvmlDevicePowerSmoothingUpdatePresetProfileParam(void) 
 RGPU_EXPORT nvmlReturn_t nvmlDeviceQueryDrainState(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceQueryDrainState", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceReadPRMCounters_v1(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceReadPRMCounters_v1", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceReadWritePRM_v1(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceReadWritePRM_v1", &seen); }
-RGPU_EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceRegisterEvents", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceRemoveGpu(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceRemoveGpu", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceRemoveGpu_v2(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceRemoveGpu_v2", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceResetApplicationsClocks(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceResetApplicationsClocks", &seen); }
@@ -1043,14 +1041,11 @@ RGPU_EXPORT nvmlReturn_t nvmlDeviceWorkloadPowerProfileGetCurrentProfiles(void) 
 RGPU_EXPORT nvmlReturn_t nvmlDeviceWorkloadPowerProfileGetProfilesInfo(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceWorkloadPowerProfileGetProfilesInfo", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceWorkloadPowerProfileSetRequestedProfiles(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceWorkloadPowerProfileSetRequestedProfiles", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceWorkloadPowerProfileUpdateProfiles_v1(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceWorkloadPowerProfileUpdateProfiles_v1", &seen); }
-RGPU_EXPORT nvmlReturn_t nvmlEventSetCreate(void) { static int seen; return rgpu_nvml_unsupported("nvmlEventSetCreate", &seen); }
-RGPU_EXPORT nvmlReturn_t nvmlEventSetFree(void) { static int seen; return rgpu_nvml_unsupported("nvmlEventSetFree", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlEventSetGetContextCount_v1(void) { static int seen; return rgpu_nvml_unsupported("nvmlEventSetGetContextCount_v1", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlEventSetGetContextData_v1(void) { static int seen; return rgpu_nvml_unsupported("nvmlEventSetGetContextData_v1", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlEventSetGetContextInfo_v1(void) { static int seen; return rgpu_nvml_unsupported("nvmlEventSetGetContextInfo_v1", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlEventSetGetGpuOperationalEventContextLegacyXid_v1(void) { static int seen; return rgpu_nvml_unsupported("nvmlEventSetGetGpuOperationalEventContextLegacyXid_v1", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlEventSetRegisterGpuOperationalEvents_v1(void) { static int seen; return rgpu_nvml_unsupported("nvmlEventSetRegisterGpuOperationalEvents_v1", &seen); }
-RGPU_EXPORT nvmlReturn_t nvmlEventSetWait_v2(void) { static int seen; return rgpu_nvml_unsupported("nvmlEventSetWait_v2", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlEventSetWait_v3(void) { static int seen; return rgpu_nvml_unsupported("nvmlEventSetWait_v3", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlGetExcludedDeviceCount(void) { static int seen; return rgpu_nvml_unsupported("nvmlGetExcludedDeviceCount", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlGetExcludedDeviceInfoByIndex(void) { static int seen; return rgpu_nvml_unsupported("nvmlGetExcludedDeviceInfoByIndex", &seen); }

@@ -3,7 +3,7 @@
 #define RGPU_OPS_H
 
 #define RGPU_PROTOCOL_VERSION 1
-#define RGPU_CUDA_SPEC_SHA256 "07d69ecfe91ba2bf2eadb8bf652f4c5195324ba555a08cace61175a36eca6120"
+#define RGPU_CUDA_SPEC_SHA256 "54cb27df004bc9a3971636a36487bb0cdc90456185a5dddc8bc0e23d97c3d0c4"
 
 enum rgpu_opcode {
     RGPU_OP_cuInit = 32,

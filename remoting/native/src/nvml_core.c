@@ -1,7 +1,10 @@
 /* libnvidia-ml.so.1: initialisation, device handles and the queries answered locally. */
 #define _GNU_SOURCE
+#include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "rgpu_nvml_client.h"
 #include "nvml_protos.h"
@@ -234,8 +237,102 @@ RGPU_EXPORT nvmlReturn_t nvmlUnitGetCount(unsigned int *unitCount) {
     return r;
 }
 
+/* Event sets: a slice reports no events, so a set is a token that never fires. */
+struct rgpu_nvml_event_set { uint32_t magic; };
+#define NVML_EVENT_SET_MAGIC 0x4e564553u
+
+RGPU_EXPORT nvmlReturn_t nvmlEventSetCreate(nvmlEventSet_t *set) {
+    if (!set) return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlReturn_t r = check();
+    if (r != NVML_SUCCESS) return r;
+    struct rgpu_nvml_event_set *s = calloc(1, sizeof *s);
+    if (!s) return NVML_ERROR_MEMORY;
+    s->magic = NVML_EVENT_SET_MAGIC;
+    *set = s;
+    return NVML_SUCCESS;
+}
+
+RGPU_EXPORT nvmlReturn_t nvmlEventSetFree(nvmlEventSet_t set) {
+    if (!set || set->magic != NVML_EVENT_SET_MAGIC) return NVML_ERROR_INVALID_ARGUMENT;
+    set->magic = 0;
+    free(set);
+    return NVML_SUCCESS;
+}
+
+RGPU_EXPORT nvmlReturn_t nvmlDeviceRegisterEvents(nvmlDevice_t device, unsigned long long eventTypes,
+                                                  nvmlEventSet_t set) {
+    (void)eventTypes;
+    nvmlReturn_t r = check();
+    if (r != NVML_SUCCESS) return r;
+    if (!device_of(device) || !set || set->magic != NVML_EVENT_SET_MAGIC) return NVML_ERROR_INVALID_ARGUMENT;
+    return NVML_SUCCESS;
+}
+
+RGPU_EXPORT nvmlReturn_t nvmlDeviceGetSupportedEventTypes(nvmlDevice_t device, unsigned long long *eventTypes) {
+    nvmlReturn_t r = check();
+    if (r != NVML_SUCCESS) return r;
+    if (!device_of(device) || !eventTypes) return NVML_ERROR_INVALID_ARGUMENT;
+    *eventTypes = 0;
+    return NVML_SUCCESS;
+}
+
+RGPU_EXPORT nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, void *data, unsigned int timeoutms) {
+    (void)data;
+    if (!set || set->magic != NVML_EVENT_SET_MAGIC) return NVML_ERROR_INVALID_ARGUMENT;
+    /* Wait out the timeout as the real call would, so a monitoring loop does not spin. */
+    struct timespec ts = {(time_t)(timeoutms / 1000), (long)(timeoutms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
+    return NVML_ERROR_TIMEOUT;
+}
+
+/* nvidia-smi asks for a private table through nvmlInternalGetExportTable right after nvmlInit
+ * and stops ("Mismatch in versions between nvidia-smi and NVML") without one. The layout is not
+ * documented; what projects emulating NVML found for nvidia-smi 580: slot 0 holds the table's
+ * size in bytes (it must exceed 648), the others are entry points called with device handles
+ * that nvidia-smi got from us. Slot 81 looks a device up by index (index, nvmlDevice_t *out,
+ * 0x22); slots 213-215 list a device's processes (device, unsigned *count in/out, entries);
+ * other per-device slots take (device, unsigned *out, ...). rgpu answers the lookup, reports no
+ * processes (as nvmlDeviceGet*RunningProcesses do) and zero for the other per-device values;
+ * calls without one of our device handles succeed without effect, because nvidia-smi aborts
+ * whole views (e.g. `topo -m`) on any error from this table. Each slot has its own trampoline,
+ * so the slot number, not a guess from the arguments, decides what a call means. */
+#define INTERNAL_TABLE_SLOTS 256
+#define SLOT_DEVICE_BY_INDEX 81
+#define DEVICE_BY_INDEX_MARK 0x22
+
+static nvmlReturn_t internal_call(unsigned int slot, void *a0, void *a1, void *a2) {
+    if (slot == SLOT_DEVICE_BY_INDEX && a1 && (uintptr_t)a2 == DEVICE_BY_INDEX_MARK &&
+        (uintptr_t)a0 < (uintptr_t)RGPU_MAX_SESSIONS)
+        return nvmlDeviceGetHandleByIndex_v2((unsigned int)(uintptr_t)a0, (nvmlDevice_t *)a1);
+    if (!a1 || !device_of((nvmlDevice_t)a0)) return NVML_SUCCESS;
+    *(unsigned int *)a1 = 0;  /* process counts and other per-device values: none / zero */
+    return NVML_SUCCESS;
+}
+
+#define SLOT_DEFINE(hi, lo)                                                                     \
+    static nvmlReturn_t internal_slot_##hi##_##lo(void *a0, void *a1, void *a2, void *a3) {      \
+        (void)a3;                                                                               \
+        return internal_call((hi) * 16 + (lo), a0, a1, a2);                                      \
+    }
+#define SLOT_ADDRESS(hi, lo) (void *)internal_slot_##hi##_##lo,
+#define SLOT_ROW(M, hi) M(hi, 0) M(hi, 1) M(hi, 2) M(hi, 3) M(hi, 4) M(hi, 5) M(hi, 6) M(hi, 7)     \
+    M(hi, 8) M(hi, 9) M(hi, 10) M(hi, 11) M(hi, 12) M(hi, 13) M(hi, 14) M(hi, 15)
+#define SLOT_ALL(M) SLOT_ROW(M, 0) SLOT_ROW(M, 1) SLOT_ROW(M, 2) SLOT_ROW(M, 3) SLOT_ROW(M, 4)      \
+    SLOT_ROW(M, 5) SLOT_ROW(M, 6) SLOT_ROW(M, 7) SLOT_ROW(M, 8) SLOT_ROW(M, 9) SLOT_ROW(M, 10)    \
+    SLOT_ROW(M, 11) SLOT_ROW(M, 12) SLOT_ROW(M, 13) SLOT_ROW(M, 14) SLOT_ROW(M, 15)
+
+SLOT_ALL(SLOT_DEFINE)
+
+static void *g_internal_table[INTERNAL_TABLE_SLOTS] = {SLOT_ALL(SLOT_ADDRESS)};
+static pthread_once_t g_internal_table_once = PTHREAD_ONCE_INIT;
+
+static void internal_table_init(void) {
+    g_internal_table[0] = (void *)(uintptr_t)sizeof(g_internal_table);  /* slot 0 is the size */
+}
+
 RGPU_EXPORT nvmlReturn_t nvmlInternalGetExportTable(const void **ppExportTable, const void *pExportTableId) {
-    (void)pExportTableId;
-    if (ppExportTable) *ppExportTable = NULL;
-    return NVML_ERROR_NOT_SUPPORTED;
+    if (!ppExportTable || !pExportTableId) return NVML_ERROR_INVALID_ARGUMENT;
+    pthread_once(&g_internal_table_once, internal_table_init);
+    *ppExportTable = g_internal_table;
+    return NVML_SUCCESS;
 }

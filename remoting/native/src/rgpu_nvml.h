@@ -7,6 +7,7 @@
 
 typedef int nvmlReturn_t;
 typedef struct rgpu_nvml_device *nvmlDevice_t;
+typedef struct rgpu_nvml_event_set *nvmlEventSet_t;
 typedef int nvmlTemperatureSensors_t, nvmlClockType_t, nvmlClockId_t, nvmlPstates_t, nvmlEnableState_t,
     nvmlComputeMode_t, nvmlBrandType_t, nvmlMemoryErrorType_t, nvmlEccCounterType_t,
     nvmlTemperatureThresholds_t, nvmlPcieUtilCounter_t, nvmlInforomObject_t, nvmlGpuOperationMode_t;
@@ -35,7 +36,9 @@ enum {
     NVML_ERROR_NOT_FOUND = 6,
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
     NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_TIMEOUT = 10,
     NVML_ERROR_GPU_IS_LOST = 15,
+    NVML_ERROR_MEMORY = 20,
     NVML_ERROR_UNKNOWN = 999,
 };
 
