@@ -91,6 +91,8 @@ def test_internal_export_table_answers_what_nvidia_smi_calls(native_libs: build.
         except pynvml.NVMLError_Timeout:
             print("WAIT timeout")
         pynvml.nvmlEventSetFree(events)
+        print("MIG", pynvml.nvmlDeviceIsMigDeviceHandle(h), pynvml.nvmlDeviceGetMaxMigDeviceCount(h))
+        print("VIRT", pynvml.nvmlDeviceGetVirtualizationMode(h))
         """)])
     out = done.stdout
     assert "SIZE 2048" in out, out + done.stderr
@@ -98,4 +100,5 @@ def test_internal_export_table_answers_what_nvidia_smi_calls(native_libs: build.
     assert "MISSING 2" in out  # NVML_ERROR_INVALID_ARGUMENT for an index past the slices
     assert "PROCS 0 0" in out
     assert "OTHER 0" in out and "NULL 2" in out
+    assert "MIG 0 0" in out and "VIRT 0" in out
     assert "EVENT TYPES 0" in out and "WAIT timeout" in out  # a slice's event set never fires

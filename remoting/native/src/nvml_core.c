@@ -285,6 +285,41 @@ RGPU_EXPORT nvmlReturn_t nvmlEventSetWait_v2(nvmlEventSet_t set, void *data, uns
     return NVML_ERROR_TIMEOUT;
 }
 
+static nvmlReturn_t device_zero(nvmlDevice_t device, unsigned int *out) {
+    nvmlReturn_t r = check();
+    if (r != NVML_SUCCESS) return r;
+    if (!device_of(device) || !out) return NVML_ERROR_INVALID_ARGUMENT;
+    *out = 0;
+    return NVML_SUCCESS;
+}
+
+/* A slice's handle is never a MIG device handle, holds no MIG devices, and is no vGPU
+ * (NVML_GPU_VIRTUALIZATION_MODE_NONE is 0). */
+RGPU_EXPORT nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t device, unsigned int *isMigDevice) {
+    return device_zero(device, isMigDevice);
+}
+RGPU_EXPORT nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t device, unsigned int *count) {
+    return device_zero(device, count);
+}
+RGPU_EXPORT nvmlReturn_t nvmlDeviceGetVirtualizationMode(nvmlDevice_t device, unsigned int *pVirtualMode) {
+    return device_zero(device, pVirtualMode);
+}
+
+/* nvmlTemperature_v1_t: {unsigned int version; nvmlTemperatureSensors_t sensorType; int temperature;}
+ * with version = sizeof | 1 << 24. */
+struct rgpu_nvml_temperature_v1 { unsigned int version; int sensorType; int temperature; };
+#define NVML_TEMPERATURE_V1 ((unsigned int)(sizeof(struct rgpu_nvml_temperature_v1) | (1u << 24)))
+
+RGPU_EXPORT nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, void *temperature) {
+    struct rgpu_nvml_temperature_v1 *t = temperature;
+    if (!t) return NVML_ERROR_INVALID_ARGUMENT;
+    if (t->version != NVML_TEMPERATURE_V1) return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    unsigned int value = 0;
+    nvmlReturn_t r = nvmlDeviceGetTemperature(device, t->sensorType, &value);
+    if (r == NVML_SUCCESS) t->temperature = (int)value;
+    return r;
+}
+
 /* nvidia-smi asks for a private table through nvmlInternalGetExportTable right after nvmlInit
  * and stops ("Mismatch in versions between nvidia-smi and NVML") without one. The layout is not
  * documented; what projects emulating NVML found for nvidia-smi 580: slot 0 holds the table's
