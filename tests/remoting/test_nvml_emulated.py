@@ -91,7 +91,8 @@ def test_internal_export_table_answers_what_nvidia_smi_calls(native_libs: build.
         except pynvml.NVMLError_Timeout:
             print("WAIT timeout")
         pynvml.nvmlEventSetFree(events)
-        print("MIG", int(pynvml.nvmlDeviceIsMigDeviceHandle(h)), pynvml.nvmlDeviceGetMaxMigDeviceCount(h))
+        is_mig = pynvml.nvmlDeviceIsMigDeviceHandle(h)
+        print("MIG", getattr(is_mig, "value", is_mig), pynvml.nvmlDeviceGetMaxMigDeviceCount(h))
         print("VIRT", pynvml.nvmlDeviceGetVirtualizationMode(h))
         """)])
     out = done.stdout
