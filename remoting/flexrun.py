@@ -15,8 +15,9 @@ stderr and a non-zero exit, not a CUDA error deep inside the application. Then i
 libcuda.so.1 and libnvidia-ml.so.1 first on LD_LIBRARY_PATH, passes the slices in RGPU_SLICES
 ("host:port,token;..."), and runs the application: stdin, stdout, stderr, signals and the exit
 status pass through (with an adaptor.conf flexrun replaces itself with the application).
-`flexrun -- nvidia-smi ...` runs rgpu's NVML-based smi (remoting/smi.py) instead of NVIDIA's
-binary, which refuses any NVML but NVIDIA's own.
+`flexrun -- nvidia-smi ...` runs NVIDIA's nvidia-smi on rgpu's NVML where it is installed, and
+rgpu's NVML-based view of the slices (remoting/smi.py) on nodes without it (CPU nodes usually have
+no NVIDIA driver tools). RGPU_SMI=nvidia or RGPU_SMI=rgpu picks one.
 
 Exit codes of flexrun's own failures: 2 configuration, 3 no capacity, 4 token or permission,
 6 a server unreachable, 1 the node prolog's recorded error or anything else.
@@ -201,6 +202,16 @@ def _run_child(command: list[str], env: dict[str, str]) -> int:
     return code
 
 
+def use_rgpu_smi(env: dict[str, str]) -> bool:
+    """rgpu's smi where NVIDIA's binary is missing (or RGPU_SMI=rgpu); NVIDIA's runs on rgpu's NVML."""
+    choice = env.get("RGPU_SMI", "auto")
+    if choice not in ("auto", "nvidia", "rgpu"):
+        raise ConfigError("flexrun", f"RGPU_SMI={choice!r} is not known", "", "use auto, nvidia or rgpu")
+    if choice == "auto":
+        return shutil.which("nvidia-smi", path=env.get("PATH")) is None
+    return choice == "rgpu"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
     lease: Lease | None = None
@@ -223,9 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rgpu.remoting.native.build import ensure_built
         libs = ensure_built()
         env = build_env(slices, libs.folder)
-        if os.path.basename(args.command[0]) == "nvidia-smi" and env.get("RGPU_REAL_NVIDIA_SMI") != "1":
-            # NVIDIA's binary needs a private NVML export table; rgpu's smi shows the same view
-            # from public NVML calls (remoting/smi.py says why).
+        if os.path.basename(args.command[0]) == "nvidia-smi" and use_rgpu_smi(env):
             args.command = [sys.executable, "-m", "rgpu.remoting.smi", *args.command[1:]]
         if shutil.which(args.command[0], path=env.get("PATH")) is None and os.sep not in args.command[0]:
             raise ConfigError("flexrun", f"command not found: {args.command[0]}", "", "check the command and PATH")

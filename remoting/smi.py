@@ -1,11 +1,10 @@
 """`nvidia-smi` for remote slices, built on NVML (rgpu's libnvidia-ml.so.1 under flexrun).
 
-NVIDIA's nvidia-smi binary does not run on rgpu's NVML: right after nvmlInitWithFlags it asks
-nvmlInternalGetExportTable for a private, undocumented table and stops with "Mismatch in
-versions between nvidia-smi and NVML" when it is missing. So `flexrun -- nvidia-smi ...` runs
-this module instead (set RGPU_REAL_NVIDIA_SMI=1 to run the binary anyway). It prints the
-familiar table, `-L`, and `--query-gpu=... --format=csv[,noheader][,nounits]`, from the public
-NVML calls that every NVML application uses; memory is the slice's.
+NVIDIA's nvidia-smi runs on rgpu's NVML where it is installed, but CPU nodes usually have no
+NVIDIA driver tools. There `flexrun -- nvidia-smi ...` runs this module instead (RGPU_SMI=rgpu
+forces it, RGPU_SMI=nvidia forces NVIDIA's binary). It prints the familiar table, `-L`, and
+`--query-gpu=... --format=csv[,noheader][,nounits]`, from the public NVML calls that every NVML
+application uses; memory is the slice's.
 
     python -m rgpu.remoting.smi [-L] [--query-gpu=FIELDS --format=csv[,noheader][,nounits]] [-i N]
 """

@@ -196,3 +196,18 @@ def test_nvidia_smi_shows_the_slice(native_libs: build.Libraries, emulated: Serv
     assert "NVIDIA H200" in table.stdout and "0MiB / 6144MiB" in table.stdout
     listing = run_flexrun(["-f", str(conf), "--", "nvidia-smi", "-L"], native_libs)
     assert listing.stdout.strip() == f"GPU 0: NVIDIA H200 (UUID: {emulated.gpus[0].uuid})"
+
+
+def test_which_smi_runs(tmp_path: Path) -> None:
+    from rgpu.errors import ConfigError
+    from rgpu.remoting.flexrun import use_rgpu_smi
+
+    tool = tmp_path / "nvidia-smi"
+    tool.write_text("#!/bin/sh\n")
+    tool.chmod(0o755)
+    assert use_rgpu_smi({"PATH": "/nonexistent"}) is True           # no NVIDIA tools: rgpu's view
+    assert use_rgpu_smi({"PATH": str(tmp_path)}) is False            # NVIDIA's binary on rgpu's NVML
+    assert use_rgpu_smi({"PATH": str(tmp_path), "RGPU_SMI": "rgpu"}) is True
+    assert use_rgpu_smi({"PATH": "/nonexistent", "RGPU_SMI": "nvidia"}) is False
+    with pytest.raises(ConfigError, match="RGPU_SMI='both' is not known"):
+        use_rgpu_smi({"RGPU_SMI": "both"})

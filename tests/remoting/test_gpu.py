@@ -156,19 +156,23 @@ def test_numba_kernel(native_libs: build.Libraries, gpu_server: Server, tmp_path
     assert "NUMBA_OK True" in done.stdout, done.stderr
 
 
-def test_nvidia_smi_shows_the_slice(native_libs: build.Libraries, gpu_server: Server, tmp_path: Path) -> None:
+def test_rgpu_smi_shows_the_slice(native_libs: build.Libraries, gpu_server: Server, tmp_path: Path) -> None:
+    """rgpu's own view, what CPU nodes without NVIDIA's tools get."""
+    ours = {"RGPU_SMI": "rgpu"}
     done = flexrun(native_libs, gpu_server, tmp_path, ["nvidia-smi", "--query-gpu=name,memory.total,memory.used",
-                                                       "--format=csv,noheader,nounits"], memory=6 * GiB, name="nvidia-smi-query")
+                                                       "--format=csv,noheader,nounits"], memory=6 * GiB,
+                   name="nvidia-smi-query", extra_env=ours)
     assert done.returncode == 0, done.stderr
     name, total, _used = [f.strip() for f in done.stdout.strip().splitlines()[0].split(",")]
     assert name == gpu_server.gpus[0].name and int(total) == 6 * 1024
-    full = flexrun(native_libs, gpu_server, tmp_path, ["nvidia-smi"], memory=6 * GiB, name="nvidia-smi")
-    assert full.returncode == 0 and "6144MiB" in full.stdout
+    full = flexrun(native_libs, gpu_server, tmp_path, ["nvidia-smi"], memory=6 * GiB, name="nvidia-smi",
+                   extra_env=ours)
+    assert full.returncode == 0 and "6144MiB" in full.stdout and "RGPU-SMI" in full.stdout
 
 
 def test_nvidias_own_nvidia_smi_binary_shows_the_slice(native_libs: build.Libraries, gpu_server: Server,
                                                        tmp_path: Path) -> None:
-    real = {"RGPU_REAL_NVIDIA_SMI": "1"}
+    real: dict[str, str] = {}  # the default: NVIDIA's binary, found on PATH, on rgpu's NVML
     done = flexrun(native_libs, gpu_server, tmp_path, ["nvidia-smi", "--query-gpu=name,memory.total,memory.used",
                                                        "--format=csv,noheader,nounits"], memory=6 * GiB,
                    name="real-smi-query", extra_env=real)
@@ -179,6 +183,7 @@ def test_nvidias_own_nvidia_smi_binary_shows_the_slice(native_libs: build.Librar
     assert listing.returncode == 0 and gpu_server.gpus[0].uuid in listing.stdout, listing.stdout + listing.stderr
     full = flexrun(native_libs, gpu_server, tmp_path, ["nvidia-smi"], memory=6 * GiB, name="real-smi", extra_env=real)
     assert full.returncode == 0 and "6144MiB" in full.stdout, full.stdout + full.stderr
+    assert "NVIDIA-SMI" in full.stdout and "RGPU-SMI" not in full.stdout
 
 
 def test_out_of_memory_beyond_the_slice_and_the_app_goes_on(native_libs: build.Libraries, gpu_server: Server,
