@@ -186,15 +186,16 @@ def test_flexrun_asks_the_pool_and_releases(native_libs: build.Libraries, tmp_pa
 
 
 def test_nvidia_smi_shows_the_slice(native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
+    ours = {"RGPU_SMI": "rgpu"}  # rgpu's view, also where NVIDIA's binary is installed
     conf = conf_for(emulated, tmp_path / "adaptor.conf", emulated.token(memory_limit=6 << 30))
     done = run_flexrun(["-f", str(conf), "--", "nvidia-smi", "--query-gpu=index,name,memory.total,memory.used",
-                        "--format=csv,noheader,nounits"], native_libs)
+                        "--format=csv,noheader,nounits"], native_libs, ours)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "0, NVIDIA H200, 6144, 0"
-    table = run_flexrun(["-f", str(conf), "--", "nvidia-smi"], native_libs)
+    table = run_flexrun(["-f", str(conf), "--", "nvidia-smi"], native_libs, ours)
     assert table.returncode == 0, table.stderr
     assert "NVIDIA H200" in table.stdout and "0MiB / 6144MiB" in table.stdout
-    listing = run_flexrun(["-f", str(conf), "--", "nvidia-smi", "-L"], native_libs)
+    listing = run_flexrun(["-f", str(conf), "--", "nvidia-smi", "-L"], native_libs, ours)
     assert listing.stdout.strip() == f"GPU 0: NVIDIA H200 (UUID: {emulated.gpus[0].uuid})"
 
 
