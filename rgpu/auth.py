@@ -8,7 +8,6 @@ a nonce inside the window.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import hmac
 import logging
@@ -37,31 +36,6 @@ def request_credential(secret: bytes, method: str, now: float | None = None) -> 
     stamp = f"{time.time() if now is None else now:.3f}"
     nonce = secrets.token_hex(12)
     return f"{stamp}.{nonce}.{_mac(derive_key(secret, _PURPOSE), method, stamp, nonce)}"
-
-
-class _CallDetails(
-    collections.namedtuple(
-        "_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")),
-    grpc.ClientCallDetails,
-):
-    pass
-
-
-class _ClientAuth(grpc.UnaryUnaryClientInterceptor):
-    def __init__(self, secret: bytes) -> None:
-        self._secret = secret
-
-    def intercept_unary_unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
-        metadata = list(details.metadata or [])
-        metadata.append((AUTH_HEADER, request_credential(self._secret, details.method)))
-        new_details = _CallDetails(details.method, details.timeout, metadata, details.credentials,
-                                   getattr(details, "wait_for_ready", None),
-                                   getattr(details, "compression", None))
-        return continuation(new_details, request)
-
-
-def authenticated_channel(channel: grpc.Channel, secret: bytes) -> grpc.Channel:
-    return grpc.intercept_channel(channel, _ClientAuth(secret))
 
 
 class ServerAuth(grpc.ServerInterceptor):
