@@ -112,69 +112,13 @@ class DataPath(Protocol):
     def status(self) -> dict[str, Any]: ...
 
 
-class RefusingListener:
-    """Stands in for the data path in builds without remoting/sessions.py.
-
-    It serves no sessions: it closes each connection at once, so a client fails fast with a clear
-    "connection closed" instead of hanging in the listen backlog.
-    """
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, name="refuse-sessions", daemon=True)
-        self._refused = 0
-
-    def start(self) -> None:
-        self._sock.settimeout(0.5)   # so stop() is noticed without closing the socket under accept()
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=2)
-
-    def status(self) -> dict[str, Any]:
-        return {"compute_enforcement": "", "refused_connections": self._refused}
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, peer = self._sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            conn.close()
-            self._refused += 1
-            if self._refused == 1:
-                log.warning("refused a data-path connection from %s: this build has no data path", peer[0])
-
-
-def load_session_server() -> Callable[..., DataPath] | None:
-    """The data path's SessionServer, or None when this build does not include it yet."""
-    try:
-        from rgpu.remoting.sessions import SessionServer
-    except ModuleNotFoundError as exc:
-        if exc.name == "rgpu.remoting.sessions":
-            return None
-        raise RgpuError(COMPONENT, "the data path cannot be loaded", f"missing module {exc.name}",
-                        "install rgpu with its dependencies (pip install rgpu)") from None
-    except ImportError as exc:
-        raise RgpuError(COMPONENT, "the data path cannot be loaded", str(exc).splitlines()[0],
-                        "reinstall rgpu; this is a broken installation") from None
-    return SessionServer
-
-
 def start_data_path(sock: socket.socket, address: str, gpus: tuple[GpuInfo, ...], secret: bytes,
                     port_range: tuple[int, int], backend: str) -> DataPath:
-    session_server = load_session_server()
-    if session_server is None:
-        log.warning("the data path is not available in this build (no rgpu.remoting.sessions): "
-                    "GPUs register with the pool, but sessions on %s are refused", address)
-        data_path: DataPath = RefusingListener(sock)
-    else:
-        data_path = session_server(listen_socket=sock, advertised=address, gpus=list(gpus), secret=secret,
-                                   port_range=port_range, backend=backend, log=log)
+    # Imported here: the CUDA/NVML data path is not needed to parse flags or report config errors.
+    from rgpu.remoting.sessions import SessionServer
+
+    data_path: DataPath = SessionServer(listen_socket=sock, advertised=address, gpus=list(gpus), secret=secret,
+                                        port_range=port_range, backend=backend, log=log)
     data_path.start()
     return data_path
 

@@ -3,7 +3,6 @@ real rgpu-poold) registration, re-registration after a pool restart, and being m
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import signal
 import socket
@@ -25,11 +24,6 @@ INVENTORY_B = EXAMPLES / "inventory-b.toml"
 GiB = 2**30
 HEARTBEAT = 0.5
 DOWN_AFTER = 3.0
-
-have_poold = pytest.mark.skipif(importlib.util.find_spec("rgpu.remoting.poold") is None,
-                                reason="rgpu-poold is not in this build yet")
-without_data_path = pytest.mark.skipif(importlib.util.find_spec("rgpu.remoting.sessions") is not None,
-                                       reason="this build has the data path")
 
 
 def nvidia_driver_present() -> bool:
@@ -198,20 +192,8 @@ def test_waits_for_pool_quietly_and_stops_on_sigterm(cluster: RgpuCluster) -> No
         s.bind(("127.0.0.1", port))
 
 
-@without_data_path
-def test_without_data_path_sessions_are_refused_not_faked(cluster: RgpuCluster) -> None:
-    daemon, port = cluster.start_dispatcher(INVENTORY_A)
-    wait_listening(daemon)
-    assert "the data path is not available in this build" in daemon.log()
-    with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
-        conn.settimeout(5)
-        assert conn.recv(1) == b""   # closed at once, no pretend session
-    wait_for(lambda: "refused a data-path connection from 127.0.0.1" in daemon.log(), what="the refusal log")
-
-
 # --- with a real pool -------------------------------------------------------------------------------
 
-@have_poold
 @pytest.mark.integration
 def test_two_dispatchers_on_one_host_register(cluster: RgpuCluster) -> None:
     cluster.start_pool()
@@ -237,7 +219,6 @@ def test_two_dispatchers_on_one_host_register(cluster: RgpuCluster) -> None:
         assert daemon.log().count("registered with pool") == 1, daemon.log()
 
 
-@have_poold
 @pytest.mark.integration
 @pytest.mark.parametrize("keep_state", [True, False], ids=["state-kept", "state-lost"])
 def test_reregisters_after_pool_kill9_and_restart(cluster: RgpuCluster, keep_state: bool) -> None:
@@ -260,7 +241,6 @@ def test_reregisters_after_pool_kill9_and_restart(cluster: RgpuCluster, keep_sta
     assert log.count("lost the pool") == 1, log   # once, however many retries
 
 
-@have_poold
 @pytest.mark.integration
 def test_killed_dispatcher_is_marked_down_and_comes_back(cluster: RgpuCluster) -> None:
     cluster.start_pool()

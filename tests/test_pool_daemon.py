@@ -15,7 +15,7 @@ from rgpu.errors import AuthError, Unavailable
 from rgpu.model import GpuInfo, ServerInfo
 from rgpu.remoting.convert import server_to_pb
 from rgpu.remoting.pool_client import PoolClient
-from tests.daemons import RgpuCluster, free_port, port_open, wait_for
+from tests.daemons import RgpuCluster, free_port, wait_for
 
 pytestmark = pytest.mark.integration
 GiB = 2**30
