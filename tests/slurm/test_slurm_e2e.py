@@ -349,6 +349,27 @@ def test_squeue_json_of_the_live_cluster_parses(h: Harness) -> None:
     assert (jobs[plain].state, jobs[plain].rgpu_count(), jobs[plain].live) == ("COMPLETED", None, False)
 
 
+# Fragmentation -----------------------------------------------------------------------------------
+def test_fragmented_capacity_makes_a_job_wait_not_fail(h: Harness) -> None:
+    # Four 0.6 slices leave 40% on each GPU: 160 GPU-percent free in licenses, yet no GPU can hold
+    # a 0.5 slice. Slurm starts the 0.5 job (its license is free), the pool refuses it, and the
+    # job must wait (requeued, never failed), then run once a blocker leaves.
+    blockers = [h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.6"], "sleep 300\n", user=JOB_USER)
+                for _ in range(4)]
+    for job in blockers:
+        h.slurm.wait_job_state(job, "RUNNING", 30)
+    waiting = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.5"], "true\n", user=JOB_USER)
+    def requeued_and_pending() -> bool | None:
+        info = h.slurm.show_job(waiting)
+        assert info["JobState"] not in FINISHED, f"the fragmented job ended: {info}\n{diagnostics(h)}"
+        return (int(info.get("Restarts", "0")) >= 1 and info["JobState"] == "PENDING") or None
+
+    wait_until("the fragmented job to be requeued and pending", requeued_and_pending, 60)
+    assert not h.job_leases(waiting)
+    h.slurm.command(["scancel", blockers[0]])
+    assert finished(h, waiting, 240)["JobState"] == "COMPLETED", diagnostics(h)
+
+
 # 8 (last) ----------------------------------------------------------------------------------------
 def test_no_node_was_drained(rgpu_slurm: Harness) -> None:
     states = rgpu_slurm.slurm.node_states()
