@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from rgpu.remoting.native import build
 
-from tests.remoting.conftest import EXAMPLES, PY, Server, client_env, run_client
+from tests.remoting.conftest import (EMULATED_GPU, EMULATED_GPU_2, EXAMPLES, PY, Server, client_env, run_client,
+                                     start_server)
 
 HERE = Path(__file__).parent
 GiB = 1 << 30
@@ -313,3 +314,35 @@ def test_large_copies_are_chunked_and_intact(native_libs: build.Libraries, emula
         print("SAME", back.raw == data)
         """)
     assert "SAME True" in done.stdout, done.stdout + done.stderr
+
+
+def test_slices_on_two_servers_are_one_two_gpu_machine(native_libs: build.Libraries, emulated: Server) -> None:
+    """Slice i is device i, whichever dispatcher serves it; each keeps its own limit."""
+    other_server, other_address = start_server("emulated", [EMULATED_GPU_2])
+    try:
+        other = Server(other_server, other_address, [EMULATED_GPU_2])
+        small, large = 64 << 20, 192 << 20
+        slices = ";".join([emulated.slices(emulated.token(memory_limit=small)),
+                           other.slices(other.token(memory_limit=large))])
+        done = py_client(native_libs, slices, """
+            check("cuInit", 0)
+            n = ctypes.c_int()
+            check("cuDeviceGetCount", ctypes.byref(n))
+            print("DEVICES", n.value)
+            for device in range(n.value):
+                setup(device)
+                free, total = mem_info()
+                r, p = alloc(total // 2)
+                free_after, _ = mem_info()
+                uuid = (ctypes.c_ubyte * 16)()
+                check("cuDeviceGetUuid_v2", uuid, device)
+                print("DEVICE", device, total, r, total - free_after, bytes(uuid).hex())
+            """)
+        assert "DEVICES 2" in done.stdout, done.stdout + done.stderr
+        assert f"DEVICE 0 {small} 0 {small // 2} " in done.stdout
+        assert f"DEVICE 1 {large} 0 {large // 2} " in done.stdout
+        uuids = [line.split()[-1] for line in done.stdout.splitlines() if line.startswith("DEVICE ")]
+        assert uuids == [EMULATED_GPU.uuid[4:].replace("-", ""), EMULATED_GPU_2.uuid[4:].replace("-", "")]
+        assert done.returncode == 0, done.stderr
+    finally:
+        other_server.stop()
