@@ -186,7 +186,8 @@ def main(argv: list[str] | None = None) -> int:
         remote_env = dict(base, LD_LIBRARY_PATH=f"{libs.folder}:{base.get('LD_LIBRARY_PATH', '')}",
                           RGPU_SLICES=f"{address},{token}")
         remote = run_child(remote_env, args.iterations)
-        enforcement = server.status()["compute_enforcement"]
+        status = server.status()
+        enforcement, launch_path = status["compute_enforcement"], status["launch_path"]
     finally:
         server.stop()
 
@@ -202,11 +203,12 @@ def main(argv: list[str] | None = None) -> int:
             verdict = ("PASS" if passed else "FAIL") + f" ({kind.split('_')[0]} {value:g}{' x local' if kind == 'min_rel' else ''})"
         rows.append((metric, local[metric], remote[metric], ratio, verdict))
     width = max(len(r[0]) for r in rows)
-    print(f"rgpu remoting benchmark: {gpu.name}, loopback, slice {args.compute_percent}% ({enforcement})")
+    print(f"rgpu remoting benchmark: {gpu.name}, loopback, slice {args.compute_percent}% ({enforcement}), "
+          f"worker launches: {launch_path}")
     print(f"{'metric':<{width}}  {'local':>12}  {'remote':>12}  {'remote/local':>12}  target")
     for metric, lv, rv, ratio, verdict in rows:
         print(f"{metric:<{width}}  {lv:>12.3f}  {rv:>12.3f}  {ratio:>12.3f}  {verdict}")
-    result = {"gpu": gpu.name, "compute_enforcement": enforcement, "local": local, "remote": remote,
+    result = {"gpu": gpu.name, "compute_enforcement": enforcement, "launch_path": launch_path, "local": local, "remote": remote,
               "targets": {k: list(v) for k, v in TARGETS.items()},
               "passed": all("FAIL" not in r[4] for r in rows)}
     print(json.dumps(result, indent=2))

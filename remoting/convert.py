@@ -27,14 +27,14 @@ def server_to_pb(info: ServerInfo, state: str = "", heartbeat_age: float = 0.0) 
                      cuda_version=info.cuda_version, state=state, heartbeat_age_seconds=heartbeat_age,
                      gpus=[gpu_to_pb(g) for g in info.gpus], static_inventory=info.static_inventory,
                      version=info.version, data_ports=info.data_ports,
-                     compute_enforcement=info.compute_enforcement)
+                     compute_enforcement=info.compute_enforcement, launch_path=info.launch_path)
 
 
 def server_from_pb(msg: pb.Server) -> ServerInfo:
     return ServerInfo(address=msg.address, hostname=msg.hostname, driver_version=msg.driver_version,
                       cuda_version=msg.cuda_version, gpus=tuple(gpu_from_pb(g) for g in msg.gpus),
                       static_inventory=msg.static_inventory, version=msg.version, data_ports=msg.data_ports,
-                      compute_enforcement=msg.compute_enforcement)
+                      compute_enforcement=msg.compute_enforcement, launch_path=msg.launch_path)
 
 
 def lease_to_adaptor(lease: pb.Lease, slices: list[pb.Slice] | None = None) -> "AdaptorConf":

@@ -327,14 +327,15 @@ def run(options: Options, env: dict[str, str] | None = None) -> int:
         _log_startup(source, inventory, node, gpus, join_host_port(options.host or "0.0.0.0", port), address, pool)
         data_path = start_data_path(sock, address, gpus, secret, node.port_range, source.backend)
         try:
-            enforcement = str(data_path.status().get("compute_enforcement", ""))
+            status = data_path.status()
+            enforcement = str(status.get("compute_enforcement", ""))
             if enforcement:
                 log.info("compute shares enforced by %s", enforcement)
             info = ServerInfo(address=address, hostname=inventory.hostname or socket.gethostname(),
                               driver_version=inventory.driver_version, cuda_version=inventory.cuda_version,
                               gpus=gpus, static_inventory=inventory.static, version=__version__,
                               data_ports=f"{node.port_range[0]}-{node.port_range[1]}",
-                              compute_enforcement=enforcement)
+                              compute_enforcement=enforcement, launch_path=str(status.get("launch_path", "")))
             registrar = Registrar(server_to_pb(info), connect, pool)
             thread = threading.Thread(target=registrar.run, args=(stop,), name="registrar", daemon=True)
             thread.start()

@@ -93,14 +93,18 @@ class SessionServer:
         self._refused = 0
         self._accepted = 0
         self._ended: list[dict] = []
+        self.launch_library = ""
+        self.launch_path = "python"
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
         if self.backend == "cuda":
             self.mps.start()
+            self._find_launch_library()
         else:
             self.mps.disable("the emulated backend has no GPU to share")
+            self.launch_path = "none (the emulated device runs no kernels)"
         self.listen_socket.settimeout(0.5)  # lets the accept loop notice stop()
         for target, name in ((self._accept_loop, "rgpu-sessions-accept"), (self._reap_loop, "rgpu-sessions-reap")):
             t = threading.Thread(target=target, name=name, daemon=True)
@@ -108,6 +112,18 @@ class SessionServer:
             self._threads.append(t)
         self.log.info("session server on %s (%s backend, compute shares by %s)", self.advertised, self.backend,
                       self.mps.enforcement)
+
+    def _find_launch_library(self) -> None:
+        """Build (once, cached) the workers' native launch loop; without a C compiler the
+        workers run launches in Python, which works but caps the launch rate."""
+        from rgpu.errors import ConfigError
+        from rgpu.remoting.native.build import ensure_built
+        try:
+            self.launch_library = str(ensure_built().libworker)
+            self.launch_path = "native"
+        except (ConfigError, OSError) as exc:
+            self.launch_path = f"python ({exc})"
+            self.log.warning("workers run kernel launches in Python, at a lower launch rate: %s", exc)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -135,6 +151,7 @@ class SessionServer:
         return {
             "compute_enforcement": self.mps.enforcement,
             "mps": self.mps.status(),
+            "launch_path": self.launch_path,
             "backend": self.backend,
             "protocol_version": protocol.PROTOCOL_VERSION,
             "address": self.advertised,
@@ -230,7 +247,7 @@ class SessionServer:
             "compute_percent": claims.compute_percent, "job_key": claims.job_key,
             "slice_number": claims.slice_number, "usage_dir": str(self._slice_dir(claims)),
             "server": self.advertised, "compute_enforcement": self.mps.enforcement,
-            "client": {"address": peer, **hello.info},
+            "client": {"address": peer, **hello.info}, "launch_library": self.launch_library,
         }
         env = worker_environment(os.environ)
         env["RGPU_WORKER_SESSION"] = json.dumps(spec)

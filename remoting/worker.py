@@ -76,11 +76,52 @@ class SessionSpec:
     server: str
     compute_enforcement: str  # "mps" or "time-slicing"
     client: dict[str, Any]
+    launch_library: str = ""  # librgpu-worker.so (the native launch loop); "" runs launches in Python
 
     @classmethod
     def from_json(cls, text: str) -> SessionSpec:
         data = json.loads(text)
-        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+
+
+class NativeLaunches:
+    """The C loop in librgpu-worker.so that runs a whole run of plain launch frames straight from
+    the receive buffer with the driver's cuLaunchKernel (remoting/native/src/worker_launch.c).
+    The Python path costs a few microseconds per launch, which would cap a launch storm."""
+
+    def __init__(self, library: str, launch_entry: int) -> None:
+        lib = ctypes.CDLL(library)
+        run = lib.rgpu_run_launches
+        run.restype = ctypes.c_size_t
+        run.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p,
+                        ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint64)]
+        self._run = run
+        self._entry = launch_entry
+        self.error = ctypes.c_int32(0)
+        self.launched = ctypes.c_uint64(0)
+        self._error_ref = ctypes.byref(self.error)
+        self._launched_ref = ctypes.byref(self.launched)
+
+    def run(self, address: int, available: int, ctx: int, launch_op: int) -> tuple[int, int]:
+        """(bytes consumed, first launch error or 0)."""
+        used = self._run(address, available, ctx, launch_op, self._entry, self._error_ref, self._launched_ref)
+        error = self.error.value
+        if error:
+            self.error.value = 0
+        return used, error
+
+
+def load_native_launches(spec: SessionSpec, backend: Any) -> NativeLaunches | None:
+    """The native launch loop when the dispatcher built it and the backend launches on a real
+    driver; None runs launches in Python (the emulated device, or no C compiler on the node)."""
+    entry = getattr(backend, "launch_entry", None)
+    if not spec.launch_library or entry is None:
+        return None
+    try:
+        return NativeLaunches(spec.launch_library, entry())
+    except (OSError, AttributeError) as exc:
+        log.warning("native launch loop unavailable (%s); launches run in Python, at a lower rate", exc)
+        return None
 
 
 class FrameReader:
@@ -185,6 +226,7 @@ class Worker:
         self.deferred: tuple[int, str] | None = None
         self.handlers: dict[int, tuple[Callable[[memoryview, int, int], tuple[int, bytes] | None], bool]] = {}
         self.messages = 0
+        self.native_launches = load_native_launches(spec, backend)
         self._build_table()
         register = getattr(backend, "register_host_buffer", None)
         if register is not None:
@@ -278,11 +320,24 @@ class Worker:
         # Launches are the one operation whose rate matters: a backend may take them straight
         # from the receive buffer (launch_fast), skipping the generic dispatch.
         launch_fast = getattr(self.backend, "launch_fast", None)
+        native = self.native_launches
         cuda_mode = self.spec.mode == "cuda"
         while True:
             if reader.end - reader.start < protocol.HEADER_SIZE:
                 reader._fill(protocol.HEADER_SIZE)
             length, op, _flags, _seq, _aux, ctx = unpack_header(view, reader.start)
+            if op == launch_op and native is not None and ctx == self.current_ctx:
+                # Every complete plain launch in the buffer, in one call; what it leaves (a
+                # partial frame, a cooperative launch, another op) takes the paths below.
+                used, code = native.run(reader.base + reader.start, reader.end - reader.start, ctx, launch_op)
+                if code and self.deferred is None:
+                    self.deferred = (code, "")
+                if used:
+                    reader.start += used
+                    continue
+                if length + 64 <= reader.size and reader.end - reader.start < protocol.HEADER_SIZE + length:
+                    reader._fill(protocol.HEADER_SIZE + length)  # cut by a receive: complete it, retry
+                    continue
             if op == launch_op and launch_fast is not None and ctx == self.current_ctx and length + 64 <= reader.size:
                 if reader.end - reader.start < protocol.HEADER_SIZE + length:
                     reader._fill(protocol.HEADER_SIZE + length)
@@ -541,7 +596,9 @@ class Worker:
                 "memory_used": self.memory.used if self.memory else 0,
                 "compute_percent": self.spec.compute_percent,
                 "compute_enforcement": self.spec.compute_enforcement,
-                "backend": self.spec.backend, "gpu": self.spec.gpu_name, "pid": os.getpid()}
+                "backend": self.spec.backend, "gpu": self.spec.gpu_name, "pid": os.getpid(),
+                "launch_path": "native" if self.native_launches is not None else "python",
+                "native_launches": self.native_launches.launched.value if self.native_launches else 0}
         return SUCCESS, _lp(json.dumps(info).encode())
 
 

@@ -281,10 +281,13 @@ def health(ctx: Context) -> None:
             notes.append("static inventory (no real GPUs)")
         if s.compute_enforcement == "time-slicing":
             notes.append("no MPS: compute shares not enforced")
+        if s.launch_path.startswith("python"):
+            notes.append("kernel launches run in Python (no C compiler on the node?): lower launch rate")
         rows.append({"server": s.address, "hostname": s.hostname, "state": s.state,
                      "heartbeat_age_seconds": round(s.heartbeat_age_seconds, 1), "gpus": len(s.gpus),
                      "driver_version": s.driver_version, "cuda_version": s.cuda_version, "version": s.version,
-                     "compute_enforcement": s.compute_enforcement, "static_inventory": s.static_inventory,
+                     "compute_enforcement": s.compute_enforcement, "launch_path": s.launch_path,
+                     "static_inventory": s.static_inventory,
                      "notes": "; ".join(notes), "healthy": s.state != "down"})
     unhealthy = [r["server"] for r in rows if not r["healthy"]]
     if ctx.json_output:

@@ -30,6 +30,7 @@ class ServerInfo:
     version: str = ""
     data_ports: str = ""          # "45201-46225"
     compute_enforcement: str = ""  # "mps" or "time-slicing"
+    launch_path: str = ""          # "native" (the workers' C launch loop) or "python (why)"
 
 
 @dataclass(frozen=True)

@@ -117,3 +117,20 @@ def test_secret_create(tmp_path: Path) -> None:
     run = subprocess.run([sys.executable, "-m", "rgpu.admin", "secret", "create", str(tmp_path / "s")],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and oct((tmp_path / "s").stat().st_mode & 0o777) == "0o600"
+
+
+def test_health_flags_dispatchers_whose_workers_launch_in_python(cluster: RgpuCluster) -> None:
+    from rgpu.model import GpuInfo, ServerInfo
+    from rgpu.remoting.convert import server_to_pb
+
+    with cluster.client() as client:
+        for port, path in ((56010, "native"), (56011, "python (no C compiler found)")):
+            gpu = GpuInfo(f"GPU-{port}", 0, "NVIDIA H100", 80 * 2**30, 80 * 2**30, "9.0")
+            client.register_server(server_to_pb(ServerInfo(
+                address=f"127.0.0.1:{port}", hostname="gpu", driver_version="580", cuda_version="13.0",
+                gpus=(gpu,), compute_enforcement="mps", launch_path=path)))
+    rows = {r["server"]: r for r in json.loads(admin(cluster, "health", "--json").stdout)}
+    assert rows["127.0.0.1:56010"]["launch_path"] == "native" and rows["127.0.0.1:56010"]["notes"] == ""
+    assert rows["127.0.0.1:56011"]["launch_path"] == "python (no C compiler found)"
+    assert "kernel launches run in Python" in rows["127.0.0.1:56011"]["notes"]
+    assert "kernel launches run in Python" in admin(cluster, "health").stdout

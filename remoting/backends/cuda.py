@@ -519,6 +519,10 @@ class CudaBackend(CudaDriverCalls):
         if r != SUCCESS:
             raise CudaError(r)
 
+    def launch_entry(self) -> int:
+        """The address of the driver's cuLaunchKernel, for the worker's native launch loop."""
+        return int(ctypes.cast(self._launch, c_void_p).value or 0)
+
     def launch_fast(self, f: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shmem: int, stream: int,
                     address: int, argsize: int) -> int:
         """A plain launch taken straight from the worker's receive buffer (frames are 8-aligned)."""

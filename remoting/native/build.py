@@ -1,4 +1,5 @@
-"""Build rgpu's client libraries (libcuda.so.1, libnvidia-ml.so.1) with the system C compiler.
+"""Build rgpu's native libraries with the system C compiler: the client libraries (libcuda.so.1,
+libnvidia-ml.so.1) and the GPU worker's launch fast path (librgpu-worker.so).
 
     python -m rgpu.remoting.native.build [--out DIR] [--force]
 
@@ -8,7 +9,7 @@ it reuses a build whose stamp matches the sources and the compiler, found in (1)
 (2) the package's own `lib/` folder (filled at install time by a build hook or an admin running
 this module with `--out <package>/lib`), (3) the user's cache ($XDG_CACHE_HOME or ~/.cache)
 /rgpu/native/<stamp>, building into (3) when none matches. The build is atomic: a folder is
-renamed into place only when both libraries linked.
+renamed into place only when every library linked.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ STAMP = "rgpu-native.stamp"
 CUDA_SOURCES = [SRC / "transport.c", SRC / "tables.c", SRC / "cuda_core.c", SRC / "cuda_memory.c",
                 SRC / "cuda_module.c", GEN / "cuda_gen.c"]
 NVML_SOURCES = [SRC / "transport.c", SRC / "nvml_core.c", GEN / "nvml_gen.c"]
+WORKER_SOURCES = [SRC / "worker_launch.c"]
+LIBRARY_NAMES = ("libcuda.so.1", "libnvidia-ml.so.1", "librgpu-worker.so")
 HEADERS = sorted(SRC.glob("*.h")) + sorted(GEN.glob("*.h"))
 CFLAGS = ["-O2", "-g", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden",
           "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers"]
@@ -51,6 +54,10 @@ class Libraries:
     def libnvml(self) -> Path:
         return self.folder / "libnvidia-ml.so.1"
 
+    @property
+    def libworker(self) -> Path:
+        return self.folder / "librgpu-worker.so"
+
 
 def compiler() -> str:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
@@ -64,7 +71,7 @@ def compiler() -> str:
 def stamp() -> str:
     """A digest of every source and the flags: equal stamps mean an equivalent build."""
     h = hashlib.sha256()
-    for path in sorted(set(CUDA_SOURCES + NVML_SOURCES + HEADERS)):
+    for path in sorted(set(CUDA_SOURCES + NVML_SOURCES + WORKER_SOURCES + HEADERS)):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     h.update(" ".join(CFLAGS).encode())
@@ -73,8 +80,7 @@ def stamp() -> str:
 
 def _matches(folder: Path, want: str) -> bool:
     try:
-        return (folder / STAMP).read_text().strip() == want and (folder / "libcuda.so.1").exists() \
-            and (folder / "libnvidia-ml.so.1").exists()
+        return (folder / STAMP).read_text().strip() == want and all((folder / n).exists() for n in LIBRARY_NAMES)
     except OSError:
         return False
 
@@ -87,7 +93,11 @@ def cache_root() -> Path:
 def _link(cc: str, sources: list[Path], out: Path, soname: str) -> None:
     cmd = [cc, *CFLAGS, f"-I{SRC}", f"-I{GEN}", f"-Wl,-soname,{soname}", "-o", str(out),
            *[str(s) for s in sources], "-ldl"]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    except OSError as exc:
+        raise ConfigError("native", f"cannot run the C compiler {cc} to build {soname}", str(exc),
+                          "install gcc (apt-get install gcc) or set CC to a working compiler") from exc
     if done.returncode != 0:
         raise ConfigError("native", f"building {soname} failed (exit {done.returncode})",
                           f"command: {' '.join(cmd)}\n{done.stderr.strip()[-4000:]}",
@@ -95,7 +105,7 @@ def _link(cc: str, sources: list[Path], out: Path, soname: str) -> None:
 
 
 def build(out: Path, cc: str | None = None) -> Libraries:
-    """Compile both libraries into `out` (replaced atomically)."""
+    """Compile the libraries into `out` (replaced atomically)."""
     cc = cc or compiler()
     want = stamp()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -103,6 +113,7 @@ def build(out: Path, cc: str | None = None) -> Libraries:
     try:
         _link(cc, CUDA_SOURCES, tmp / "libcuda.so.1", "libcuda.so.1")
         _link(cc, NVML_SOURCES, tmp / "libnvidia-ml.so.1", "libnvidia-ml.so.1")
+        _link(cc, WORKER_SOURCES, tmp / "librgpu-worker.so", "librgpu-worker.so")
         # Programs that dlopen the unversioned names find these too.
         os.symlink("libcuda.so.1", tmp / "libcuda.so")
         os.symlink("libnvidia-ml.so.1", tmp / "libnvidia-ml.so")
@@ -120,12 +131,13 @@ def build(out: Path, cc: str | None = None) -> Libraries:
 
 
 def ensure_built() -> Libraries:
-    """The client libraries for this rgpu version, building them into the cache if needed."""
+    """The native libraries for this rgpu version, building them into the cache if needed."""
     explicit = os.environ.get("RGPU_NATIVE_DIR")
     if explicit:
         folder = Path(explicit)
-        if not (folder / "libcuda.so.1").exists() or not (folder / "libnvidia-ml.so.1").exists():
-            raise ConfigError("native", f"RGPU_NATIVE_DIR={folder} has no libcuda.so.1 and libnvidia-ml.so.1",
+        missing = [n for n in LIBRARY_NAMES if not (folder / n).exists()]
+        if missing:
+            raise ConfigError("native", f"RGPU_NATIVE_DIR={folder} has no {', '.join(missing)}",
                               "", "unset it, or fill it with `python -m rgpu.remoting.native.build --out DIR`")
         return Libraries(folder)
     want = stamp()

@@ -84,6 +84,7 @@ def test_driver_api_vector_add(native_libs: build.Libraries, demo_binary: Path, 
     done = flexrun(native_libs, gpu_server, tmp_path, [str(demo_binary), str(EXAMPLES / image), "expect-launch",
                                                        str(4 * GiB)], name=f"driver-api-{image}")
     assert "DONE 0 failure(s)" in done.stdout
+    assert gpu_server.server.status()["launch_path"] == "native"  # the kernels ran through the C launch loop
     maps = [line.split(" ", 1)[1] for line in done.stdout.splitlines() if line.startswith("MAP ")]
     assert maps and all(p.startswith(str(native_libs.folder)) for p in maps), maps
     assert "OPEN /dev/nvidia" not in done.stdout

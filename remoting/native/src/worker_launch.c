@@ -1,0 +1,68 @@
+/* The worker's launch fast path (server side, librgpu-worker.so).
+ *
+ * A session's launches arrive as long runs of small frames (remoting/protocol.py documents the
+ * layout). Decoding each one in Python and calling the driver through ctypes costs several
+ * microseconds per launch, which caps a remote launch storm well below the native rate; this
+ * loop runs a whole run of plain launches from the worker's receive buffer in one call, so a
+ * launch costs the driver's own time plus a few nanoseconds of parsing.
+ *
+ * It handles only the common case and hands everything else back to the Python worker, which
+ * stays the reference implementation: it stops, without consuming, at the first frame that is
+ * not a plain cuLaunchKernel in the current context (other op, other context, cooperative or
+ * attributed launch, malformed or oversized parameters) or that is not complete in the buffer.
+ * The worker thread has already made the session's context current.
+ */
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define HEADER_SIZE 24u   /* u32 len, u16 op, u16 flags, u32 seq, u32 aux, u64 ctx */
+#define LAUNCH_SIZE 64u   /* u64 f, u64 stream, u32 grid[3], block[3], shmem, coop, nattrs, argsize, pad[2] */
+#define MAX_PARAM_BYTES 32768u
+
+/* CU_LAUNCH_PARAM_BUFFER_POINTER / _SIZE / _END, as in cuda.h. */
+#define PARAM_BUFFER_POINTER ((void *)(uintptr_t)1)
+#define PARAM_BUFFER_SIZE ((void *)(uintptr_t)2)
+#define PARAM_END ((void *)(uintptr_t)0)
+
+typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                         unsigned bz, unsigned shmem, void *stream, void **params, void **extra);
+
+static uint32_t u32_at(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static uint16_t u16_at(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static uint64_t u64_at(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+/* Runs the plain launches at the start of buf[0, avail). Returns the bytes consumed (whole
+ * frames only); *launched counts them, and the first launch error is stored in *first_error
+ * unless it already holds one (errors surface at the client's next synchronising call). */
+__attribute__((visibility("default")))
+size_t rgpu_run_launches(const uint8_t *buf, size_t avail, uint64_t ctx, uint32_t launch_op,
+                         launch_fn launch, int32_t *first_error, uint64_t *launched) {
+    static __thread uint64_t aligned[MAX_PARAM_BYTES / 8];
+    size_t used = 0;
+    uint64_t count = 0;
+    while (avail - used >= HEADER_SIZE) {
+        const uint8_t *h = buf + used;
+        uint32_t len = u32_at(h);
+        if (u16_at(h + 4) != launch_op || u64_at(h + 16) != ctx) break;
+        if (len < LAUNCH_SIZE || avail - used - HEADER_SIZE < len) break;
+        const uint8_t *p = h + HEADER_SIZE;
+        uint32_t coop = u32_at(p + 44), nattrs = u32_at(p + 48), argsize = u32_at(p + 52);
+        if (coop || nattrs || argsize > MAX_PARAM_BYTES || argsize > len - LAUNCH_SIZE) break;
+        const uint8_t *args = p + LAUNCH_SIZE;
+        if ((uintptr_t)args & 7) {  /* the driver reads 8-byte parameters in place */
+            memcpy(aligned, args, argsize);
+            args = (const uint8_t *)aligned;
+        }
+        size_t size = argsize;
+        void *extra[5] = {PARAM_BUFFER_POINTER, (void *)args, PARAM_BUFFER_SIZE, &size, PARAM_END};
+        int r = launch((void *)(uintptr_t)u64_at(p), u32_at(p + 16), u32_at(p + 20), u32_at(p + 24),
+                       u32_at(p + 28), u32_at(p + 32), u32_at(p + 36), u32_at(p + 40),
+                       (void *)(uintptr_t)u64_at(p + 8), NULL, extra);
+        if (r && !*first_error) *first_error = r;
+        used += HEADER_SIZE + len;
+        count++;
+    }
+    *launched += count;
+    return used;
+}

@@ -1,0 +1,269 @@
+"""The worker's native launch loop (librgpu-worker.so, remoting/native/src/worker_launch.c).
+
+CI has no driver, so a ctypes callback with cuLaunchKernel's C signature stands in for NVIDIA's
+cuLaunchKernel (RecordingDriver, a test double). Everything else is real: the C loop compiled by
+the package's own build, frames encoded as the client library encodes them, and a Worker serving
+them over a real socket pair.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import socket
+import struct
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from rgpu.remoting import api_gen, protocol
+from rgpu.remoting.backends.emulated import EmulatedBackend
+from rgpu.remoting.native import build
+from rgpu.remoting.worker import NativeLaunches, SessionSpec, Worker
+
+from tests.remoting.conftest import Server
+
+LAUNCH_OP = api_gen.OPCODES["cuLaunchKernel"]
+SYNC_OP = api_gen.OPCODES["cuCtxSynchronize"]
+LAUNCH = struct.Struct("<QQ12I")
+CTX = 0x9000_0000
+LAUNCH_ERROR = 719  # CUDA_ERROR_LAUNCH_FAILED
+
+LAUNCH_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
+                             ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p,
+                             ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
+
+
+@dataclass
+class Launch:
+    f: int
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    shmem: int
+    stream: int
+    params: bytes
+    params_address: int
+
+
+@dataclass
+class RecordingDriver:
+    """Test double for the driver's cuLaunchKernel: records each launch, reading the parameter
+    block through the CU_LAUNCH_PARAM_BUFFER_* array as the driver does."""
+
+    fail_on: set[int] = field(default_factory=set)   # call numbers (0-based) that return LAUNCH_ERROR
+    launches: list[Launch] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        def launch(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra):  # type: ignore[no-untyped-def]
+            assert params is None
+            assert (extra[0], extra[2], extra[4]) == (1, 2, None)
+            size = ctypes.cast(extra[3], ctypes.POINTER(ctypes.c_size_t))[0]
+            self.launches.append(Launch(f or 0, (gx, gy, gz), (bx, by, bz), shmem, stream or 0,
+                                        ctypes.string_at(extra[1], size), extra[1]))
+            return LAUNCH_ERROR if len(self.launches) - 1 in self.fail_on else 0
+        self.callback = LAUNCH_FN(launch)
+
+    @property
+    def entry(self) -> int:
+        return int(ctypes.cast(self.callback, ctypes.c_void_p).value or 0)
+
+
+def launch_frame(f: int, params: bytes, *, ctx: int = CTX, grid: tuple[int, int, int] = (1, 1, 1),
+                 block: tuple[int, int, int] = (32, 1, 1), shmem: int = 0, stream: int = 0, coop: int = 0,
+                 nattrs: int = 0, argsize: int | None = None) -> bytes:
+    body = LAUNCH.pack(f, stream, *grid, *block, shmem, coop, nattrs,
+                       len(params) if argsize is None else argsize, 0, 0) + params
+    body += b"\0" * (-len(body) % 8)
+    return protocol.pack_frame(LAUNCH_OP, body, seq=1, ctx=ctx)
+
+
+class Buffer:
+    """Frames in a ctypes buffer, optionally starting `shift` bytes past an 8-byte boundary."""
+
+    def __init__(self, data: bytes, shift: int = 0) -> None:
+        self.raw = (ctypes.c_uint64 * ((len(data) + shift) // 8 + 2))()
+        self.address = ctypes.addressof(self.raw) + shift
+        ctypes.memmove(self.address, data, len(data))
+        self.size = len(data)
+
+
+@pytest.fixture(scope="module")
+def worker_library(native_libs: build.Libraries) -> str:
+    return str(native_libs.libworker)
+
+
+def test_a_run_of_plain_launches_goes_to_the_driver_in_one_call(worker_library: str) -> None:
+    driver = RecordingDriver()
+    native = NativeLaunches(worker_library, driver.entry)
+    frames = [launch_frame(0xF00 + i, struct.pack("<Qi", 0xD000 + i, i), grid=(i + 1, 2, 3), block=(64, 2, 1),
+                           shmem=128 * i, stream=0x5000) for i in range(3)]
+    data = b"".join(frames) + protocol.pack_frame(SYNC_OP, b"", seq=9, ctx=CTX)
+    buf = Buffer(data)
+
+    used, error = native.run(buf.address, buf.size, CTX, LAUNCH_OP)
+
+    assert (used, error) == (sum(map(len, frames)), 0)  # stops before the sync frame, leaving it whole
+    assert native.launched.value == 3
+    assert [launch.f for launch in driver.launches] == [0xF00, 0xF01, 0xF02]
+    assert driver.launches[2].grid == (3, 2, 3) and driver.launches[2].block == (64, 2, 1)
+    assert driver.launches[2].shmem == 256 and driver.launches[2].stream == 0x5000
+    assert driver.launches[1].params == struct.pack("<Qi", 0xD001, 1)
+    assert all(launch.params_address % 8 == 0 for launch in driver.launches)
+
+
+DECLINED = {
+    "another context": launch_frame(0xF00, b"\0" * 8, ctx=CTX + 1),
+    "cooperative": launch_frame(0xF00, b"\0" * 8, coop=1),
+    "launch attributes": launch_frame(0xF00, b"\0" * 8, nattrs=1),
+    "parameters longer than the frame": launch_frame(0xF00, b"\0" * 8, argsize=4096),
+    "parameters over the driver's limit": launch_frame(0xF00, b"\0" * 8, argsize=1 << 31),
+    "a frame shorter than a launch": protocol.pack_frame(LAUNCH_OP, b"\0" * 16, seq=1, ctx=CTX),
+    "another operation": protocol.pack_frame(SYNC_OP, b"", seq=1, ctx=CTX),
+}
+
+
+@pytest.mark.parametrize("why, frame", list(DECLINED.items()), ids=list(DECLINED))
+def test_everything_but_a_plain_launch_is_left_to_the_python_worker(worker_library: str, why: str,
+                                                                    frame: bytes) -> None:
+    driver = RecordingDriver()
+    native = NativeLaunches(worker_library, driver.entry)
+    first = launch_frame(0xF00, b"\1" * 8)
+    buf = Buffer(first + frame + first)
+
+    used, error = native.run(buf.address, buf.size, CTX, LAUNCH_OP)
+
+    assert used == len(first), why
+    assert len(driver.launches) == 1 and error == 0
+
+
+def test_a_partial_frame_waits_for_the_rest(worker_library: str) -> None:
+    driver = RecordingDriver()
+    native = NativeLaunches(worker_library, driver.entry)
+    frame = launch_frame(0xF00, b"\2" * 16)
+    for cut in (0, 10, protocol.HEADER_SIZE, len(frame) - 1):
+        buf = Buffer(frame + frame[:cut])
+        used, _ = native.run(buf.address, buf.size, CTX, LAUNCH_OP)
+        assert used == len(frame), cut
+    assert len(driver.launches) == 4
+
+
+@pytest.mark.parametrize("shift", [1, 4])
+def test_misaligned_parameters_reach_the_driver_aligned_and_intact(worker_library: str, shift: int) -> None:
+    driver = RecordingDriver()
+    native = NativeLaunches(worker_library, driver.entry)
+    params = bytes(range(40))
+    buf = Buffer(launch_frame(0xF00, params), shift=shift)
+
+    used, _ = native.run(buf.address, buf.size, CTX, LAUNCH_OP)
+
+    assert used == buf.size
+    assert driver.launches[0].params == params and driver.launches[0].params_address % 8 == 0
+
+
+def test_the_first_launch_error_is_kept_and_later_launches_still_run(worker_library: str) -> None:
+    driver = RecordingDriver(fail_on={1, 2})
+    native = NativeLaunches(worker_library, driver.entry)
+    buf = Buffer(b"".join(launch_frame(0xF00 + i, b"\0" * 8) for i in range(4)))
+
+    used, error = native.run(buf.address, buf.size, CTX, LAUNCH_OP)
+
+    assert used == buf.size and error == LAUNCH_ERROR
+    assert len(driver.launches) == 4       # the driver itself decides what an error means for later work
+    assert native.run(buf.address, 0, CTX, LAUNCH_OP) == (0, 0)   # reported once
+
+
+# ------------------------------------------------------------------------- through a real Worker
+
+class RecordingLaunchBackend(EmulatedBackend):
+    """Test double: the emulated device, whose launches go to a RecordingDriver, as a real
+    backend's go to NVIDIA's cuLaunchKernel."""
+
+    def __init__(self, spec: SessionSpec, driver: RecordingDriver) -> None:
+        super().__init__(spec)
+        self.driver = driver
+
+    def launch_entry(self) -> int:
+        return self.driver.entry
+
+
+def session_spec(launch_library: str) -> SessionSpec:
+    return SessionSpec(mode="cuda", backend="emulated", gpu_uuid="GPU-0", gpu_index=0, gpu_name="NVIDIA H200",
+                       gpu_total_memory=1 << 30, compute_capability="9.0", memory_limit=1 << 30,
+                       compute_percent=100, job_key="native-launch-test", slice_number=0, usage_dir="",
+                       server="127.0.0.1:1", compute_enforcement="time-slicing", client={},
+                       launch_library=launch_library)
+
+
+@pytest.fixture
+def served(worker_library: str) -> Iterator[tuple[socket.socket, Worker, RecordingDriver]]:
+    client, server = socket.socketpair()
+    spec = session_spec(worker_library)
+    driver = RecordingDriver(fail_on={5})
+    backend = RecordingLaunchBackend(spec, driver)
+    assert backend.primary_ctx_retain() == CTX   # as the client's cuDevicePrimaryCtxRetain would
+    worker = Worker(server, backend, spec, None)
+    thread = threading.Thread(target=worker.serve, daemon=True)
+    thread.start()
+    try:
+        yield client, worker, driver
+    finally:
+        client.close()
+        thread.join(timeout=10)
+        server.close()
+
+
+def call(sock: socket.socket, op: int, seq: int, ctx: int = CTX) -> int:
+    sock.sendall(protocol.pack_frame(op, b"", seq=seq, ctx=ctx))
+    (_length, reply_op, _flags, reply_seq, _aux, _ctx), payload = protocol.recv_frame(sock)
+    assert (reply_op, reply_seq) == (protocol.OP_REPLY, seq)
+    return int(struct.unpack_from("<i", payload)[0])
+
+
+def test_worker_runs_launch_storms_natively_and_reports_their_error_at_the_next_sync(
+        served: tuple[socket.socket, Worker, RecordingDriver]) -> None:
+    sock, worker, driver = served
+    assert worker.native_launches is not None
+    assert call(sock, SYNC_OP, 1) == 0           # makes the context current
+    frames = [launch_frame(0x7000 + i, struct.pack("<Q", i)) for i in range(20000)]
+    stream = b"".join(frames)
+    # Uneven writes split frames across receive calls, as TCP does.
+    for at in range(0, len(stream), 65521):
+        sock.sendall(stream[at:at + 65521])
+
+    assert call(sock, SYNC_OP, 2) == LAUNCH_ERROR  # launch 5 failed; the error surfaces here, once
+    assert call(sock, SYNC_OP, 3) == 0
+    assert [launch.f for launch in driver.launches] == [0x7000 + i for i in range(20000)]
+    assert [launch.params for launch in driver.launches[:3]] == [struct.pack("<Q", i) for i in range(3)]
+    assert worker.native_launches.launched.value == 20000  # frames cut by a receive too
+
+
+def test_without_the_library_the_worker_runs_launches_in_python(worker_library: str) -> None:
+    spec = session_spec("")
+    backend = RecordingLaunchBackend(spec, RecordingDriver())
+    a, b = socket.socketpair()
+    try:
+        assert Worker(b, backend, spec, None).native_launches is None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_session_server_finds_or_builds_the_launch_library(emulated: Server, native_libs: build.Libraries,
+                                                          monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    server = emulated.server
+    assert server.status()["launch_path"].startswith("none")   # the emulated device launches nothing
+
+    monkeypatch.setenv("RGPU_NATIVE_DIR", str(native_libs.folder))
+    server._find_launch_library()
+    assert (server.launch_library, server.launch_path) == (str(native_libs.libworker), "native")
+
+    # A GPU node with no C compiler and no prebuilt copy: launches work, in Python, and it says so.
+    monkeypatch.delenv("RGPU_NATIVE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr(build, "PACKAGE_LIB", tmp_path / "no-package-lib")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    server.launch_library = ""
+    server._find_launch_library()
+    assert server.launch_library == ""
+    assert server.status()["launch_path"].startswith("python (rgpu: native: cannot run the C compiler")
