@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rgpu.live_leases import LiveLeases
 from rgpu.model import GpuInfo, ServerInfo
 from rgpu.proto import rgpu_pb2 as pb
 
@@ -35,6 +36,19 @@ def server_from_pb(msg: pb.Server) -> ServerInfo:
                       cuda_version=msg.cuda_version, gpus=tuple(gpu_from_pb(g) for g in msg.gpus),
                       static_inventory=msg.static_inventory, version=msg.version, data_ports=msg.data_ports,
                       compute_enforcement=msg.compute_enforcement, launch_path=msg.launch_path)
+
+
+def live_to_pb(live: LiveLeases) -> pb.HeartbeatReply:
+    return pb.HeartbeatReply(known=True, pool_unix=live.pool_unix, live=[
+        pb.LiveSlice(job_key=job_key, slice_number=number, issued_unix=issued)
+        for job_key, number, issued in sorted(live.slices)])
+
+
+def live_from_pb(reply: pb.HeartbeatReply) -> LiveLeases | None:
+    """None when the pool does not report live slices (an older pool)."""
+    if reply.pool_unix <= 0:
+        return None
+    return LiveLeases.of(reply.pool_unix, ((s.job_key, s.slice_number, s.issued_unix) for s in reply.live))
 
 
 def lease_to_adaptor(lease: pb.Lease, slices: list[pb.Slice] | None = None) -> "AdaptorConf":

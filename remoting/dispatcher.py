@@ -33,9 +33,10 @@ import click
 from rgpu import __version__, validate
 from rgpu.config import DEFAULT_DISPATCHER_PORT, Settings, load_settings
 from rgpu.errors import ConfigError, InvalidRequest, RgpuError
+from rgpu.live_leases import LiveLeases
 from rgpu.model import GpuInfo, ServerInfo
 from rgpu.proto import rgpu_pb2 as pb
-from rgpu.remoting.convert import server_to_pb
+from rgpu.remoting.convert import live_from_pb, server_to_pb
 from rgpu.remoting.inventory import (Inventory, InventorySource, NodeSettings, open_inventory, read_node_settings,
                                      served_gpus)
 from rgpu.remoting.pool_client import PoolClient
@@ -110,6 +111,7 @@ class DataPath(Protocol):
     def start(self) -> None: ...
     def stop(self) -> None: ...
     def status(self) -> dict[str, Any]: ...
+    def update_live(self, live: LiveLeases) -> None: ...
 
 
 def start_data_path(sock: socket.socket, address: str, gpus: tuple[GpuInfo, ...], secret: bytes,
@@ -158,8 +160,10 @@ class Registrar:
     Each state change is logged once; retries in the same state are silent.
     """
 
-    def __init__(self, server: pb.Server, connect: Callable[[], PoolClient], pool: str) -> None:
+    def __init__(self, server: pb.Server, connect: Callable[[], PoolClient], pool: str,
+                 on_live: Callable[[LiveLeases], None] | None = None) -> None:
         self._server = server
+        self._on_live = on_live
         self._connect = connect
         self._pool = pool
         self._client: PoolClient | None = None
@@ -201,10 +205,14 @@ class Registrar:
         self._registered = self._ever_registered = True
         self._problem = None
         self._backoff.reset()
-        return self._interval
+        return 0.0  # heartbeat at once: its reply brings the pool's list of live leases
 
     def _heartbeat(self, client: PoolClient) -> float:
-        if client.heartbeat(self._server.address).known:
+        reply = client.heartbeat(self._server.address)
+        if reply.known:
+            live = live_from_pb(reply)
+            if live is not None and self._on_live is not None:
+                self._on_live(live)
             return self._interval
         log.warning("pool %s does not know %s (it restarted without its state, or was reset); "
                     "registering again", self._pool, self._server.address)
@@ -336,7 +344,7 @@ def run(options: Options, env: dict[str, str] | None = None) -> int:
                               gpus=gpus, static_inventory=inventory.static, version=__version__,
                               data_ports=f"{node.port_range[0]}-{node.port_range[1]}",
                               compute_enforcement=enforcement, launch_path=str(status.get("launch_path", "")))
-            registrar = Registrar(server_to_pb(info), connect, pool)
+            registrar = Registrar(server_to_pb(info), connect, pool, on_live=data_path.update_live)
             thread = threading.Thread(target=registrar.run, args=(stop,), name="registrar", daemon=True)
             thread.start()
             stop.wait()

@@ -14,6 +14,7 @@ from typing import Callable
 
 from rgpu import tokens, validate
 from rgpu.errors import CapacityError, InvalidRequest, NotFound, PermissionDenied
+from rgpu.live_leases import LiveLeases
 from rgpu.model import LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
 from rgpu.placement import GpuSlot, SliceRequest, place
 from rgpu.remoting.store import Store
@@ -168,6 +169,15 @@ class PoolCore:
             log.info("rgpu-poold: server %s is back", address)
             self._capacity_changed()
         return True
+
+    def live_slices(self, address: str) -> LiveLeases:
+        """The live (unreleased, unexpired) leases' slices on one server, as of now by the pool's
+        clock: the dispatcher honours no other token issued before now (rgpu/live_leases.py)."""
+        with self._lock:
+            now = self.clock()
+            return LiveLeases.of(now, ((lease.job_key, number, lease.created_unix)
+                                       for lease in self.leases.values() if not lease.expired(now)
+                                       for number, s in enumerate(lease.slices) if s.server == address))
 
     def find_server(self, name: str) -> ServerEntry:
         with self._lock:

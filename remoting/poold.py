@@ -27,7 +27,7 @@ from rgpu.errors import (AuthError, CapacityError, ConfigError, InvalidRequest, 
 from rgpu.model import LeaseRecord
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
-from rgpu.remoting.convert import gpu_to_pb, server_from_pb, server_to_pb
+from rgpu.remoting.convert import gpu_to_pb, live_to_pb, server_from_pb, server_to_pb
 from rgpu.remoting.pool_core import AllocationRequest, PoolCore
 from rgpu.remoting.store import Store
 from rgpu.secret import load_secret
@@ -92,7 +92,9 @@ class PoolServicer(pb_grpc.PoolServicer):
 
     @_rpc
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatReply:
-        return pb.HeartbeatReply(known=self.core.heartbeat(request.address))
+        if not self.core.heartbeat(request.address):
+            return pb.HeartbeatReply(known=False)
+        return live_to_pb(self.core.live_slices(request.address))
 
     @_rpc
     def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.Lease:

@@ -37,6 +37,7 @@ from rgpu.remoting.mps import MpsDaemon
 
 from rgpu import tokens
 from rgpu.errors import AuthError
+from rgpu.live_leases import LiveLeases
 from rgpu.model import GpuInfo
 
 
@@ -51,7 +52,9 @@ class SessionRecord:
     memory_limit_bytes: int
     compute_percent: int
     started_unix: float
+    lease_issued_unix: float
     popen: subprocess.Popen = field(repr=False, compare=False)
+    ended_by: str = ""            # why the dispatcher ended it, if it did
 
     def public(self) -> dict:
         return {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "popen"}
@@ -95,6 +98,7 @@ class SessionServer:
         self._ended: list[dict] = []
         self.launch_library = ""
         self.launch_path = "python"
+        self._live: LiveLeases | None = None   # the pool's latest list; None: tokens are checked offline only
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -112,6 +116,25 @@ class SessionServer:
             self._threads.append(t)
         self.log.info("session server on %s (%s backend, compute shares by %s)", self.advertised, self.backend,
                       self.mps.enforcement)
+
+    def update_live(self, live: LiveLeases) -> None:
+        """Take the pool's list of live slices (every heartbeat) and end the sessions of leases
+        that were released or reclaimed: their GPU share may already belong to another job."""
+        with self._lock:
+            self._live = live
+            gone = [rec for rec in self._sessions.values() if not rec.ended_by
+                    and live.revoked(rec.job_key, rec.slice_number, rec.lease_issued_unix)]
+            for rec in gone:
+                rec.ended_by = "its lease was released or reclaimed by the pool"
+        for rec in gone:
+            self.log.warning("ending session %d (job %s slice %d): %s", rec.pid, rec.job_key, rec.slice_number,
+                             rec.ended_by)
+            rec.popen.terminate()  # the worker's process exit frees everything the session held
+
+    def _revoked(self, claims: tokens.SliceClaims) -> bool:
+        with self._lock:
+            live = self._live
+        return live is not None and live.revoked(claims.job_key, claims.slice_number, claims.issued_unix)
 
     def _find_launch_library(self) -> None:
         """Build (once, cached) the workers' native launch loop; without a C compiler the
@@ -214,6 +237,11 @@ class SessionServer:
         except AuthError as exc:
             self._refuse(conn, peer, str(exc))
             return
+        if self._revoked(claims):
+            self._refuse(conn, peer, f"rgpu: session: the lease of job {claims.job_key} (slice {claims.slice_number}) "
+                         "was released or reclaimed by the pool, so its token is no longer valid (request new "
+                         "slices: rerun the job, or `flexrun -n N -p F`)")
+            return
         gpu = self.gpus[claims.gpu_uuid]
         mode = "nvml" if hello.flags & protocol.HELLO_NVML else "cuda"
         if hello.flags & protocol.HELLO_PROBE:
@@ -262,7 +290,7 @@ class SessionServer:
         rec = SessionRecord(pid=popen.pid, job_key=claims.job_key, slice_number=claims.slice_number,
                             gpu_uuid=gpu.uuid, mode=mode, client=peer,
                             memory_limit_bytes=spec["memory_limit"], compute_percent=claims.compute_percent,
-                            started_unix=time.time(), popen=popen)
+                            started_unix=time.time(), lease_issued_unix=claims.issued_unix, popen=popen)
         with self._lock:
             self._sessions[popen.pid] = rec
             self._accepted += 1
@@ -280,6 +308,8 @@ class SessionServer:
             for pid, rec in done:
                 code = rec.popen.returncode
                 how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+                if rec.ended_by:
+                    how = f"{how}; ended by the dispatcher: {rec.ended_by}"
                 entry = {**rec.public(), "ended_unix": time.time(), "how": how}
                 with self._lock:
                     self._ended.append(entry)

@@ -258,3 +258,40 @@ def test_killed_dispatcher_is_marked_down_and_comes_back(cluster: RgpuCluster) -
     again, _ = cluster.start_dispatcher(INVENTORY_A, port)   # same port: rebinding right away works
     wait_state(cluster, address, "up")
     assert again.alive
+
+
+@pytest.mark.integration
+def test_a_released_lease_loses_its_sessions_and_its_token(cluster: RgpuCluster) -> None:
+    from rgpu.errors import AuthError
+    from rgpu.remoting import protocol
+
+    cluster.start_pool()
+    daemon, port = cluster.start_dispatcher(INVENTORY_A)
+    address = f"127.0.0.1:{port}"
+    wait_state(cluster, address, "up")
+    with cluster.client() as client:
+        token = client.allocate("job-revoke", "alice", 1, fraction=0.5).slices[0].token
+    protocol.probe(address, token)
+    session, _ = protocol.handshake(address, token)   # a worker process now serves it (emulated device)
+    try:
+        with cluster.client() as client:
+            assert client.release("job-revoke")
+        # The next heartbeat's list of live slices lacks it: the dispatcher ends the worker.
+        session.settimeout(10 * HEARTBEAT + 5)
+        try:
+            assert session.recv(64) == b""
+        except ConnectionResetError:
+            pass
+    finally:
+        session.close()
+    wait_for(lambda: "its lease was released or reclaimed by the pool" in daemon.log(), what="the session's end")
+    with pytest.raises(AuthError, match="job-revoke .slice 0. was released or reclaimed by the pool"):
+        protocol.probe(address, token)
+
+    # The same job key leased again: the new token works at once, the old one stays refused.
+    with cluster.client() as client:
+        fresh = client.allocate("job-revoke", "alice", 1, fraction=0.5).slices[0].token
+    assert fresh != token
+    protocol.probe(address, fresh)
+    with pytest.raises(AuthError, match="was released or reclaimed"):
+        protocol.probe(address, token)
