@@ -693,6 +693,15 @@ class EmulatedNvml:
     def nvmlDeviceGetPowerUsage(self, device: int) -> tuple[int, int]:
         return (SUCCESS, 70000)
 
+    def nvmlDeviceGetPowerManagementLimit(self, device: int) -> tuple[int, int]:
+        return (SUCCESS, 700000)   # milliwatts, as an H200 SXM's
+
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, device: int) -> tuple[int, int]:
+        return (SUCCESS, 700000)
+
+    def nvmlDeviceGetPowerManagementLimitConstraints(self, device: int) -> tuple[int, int, int]:
+        return (SUCCESS, 200000, 700000)
+
     def nvmlDeviceGetComputeMode(self, device: int) -> tuple[int, int]:
         return (SUCCESS, 0)
 

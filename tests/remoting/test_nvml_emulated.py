@@ -79,6 +79,8 @@ def test_internal_export_table_answers_what_nvidia_smi_calls(native_libs: build.
         entries = ctypes.create_string_buffer(4128 * 4)
         print("PROCS", slot(213)(public, ctypes.addressof(count), ctypes.addressof(entries), None), count.value)
         print("OTHER", slot(17)(None, None, None, None))
+        value = ctypes.c_uint(7)
+        print("PER-DEVICE", slot(230)(public, ctypes.addressof(value), None, None), value.value)
         print("NULL", nvml.nvmlInternalGetExportTable(None, table_id))
         import pynvml
         pynvml.nvmlInit()
@@ -101,5 +103,35 @@ def test_internal_export_table_answers_what_nvidia_smi_calls(native_libs: build.
     assert "MISSING 2" in out  # NVML_ERROR_INVALID_ARGUMENT for an index past the slices
     assert "PROCS 0 0" in out
     assert "OTHER 0" in out and "NULL 2" in out
+    assert "PER-DEVICE 3 7" in out  # NVML_ERROR_NOT_SUPPORTED, output untouched: nvidia-smi -q shows N/A
     assert "MIG 0 0" in out and "VIRT 0" in out
     assert "EVENT TYPES 0" in out and "WAIT timeout" in out  # a slice's event set never fires
+
+
+def test_field_values_answer_every_entry(native_libs: build.Libraries, emulated: Server) -> None:
+    """nvidia-smi -q reads power readings through nvmlDeviceGetFieldValues and trusts each
+    entry's own result: every entry must be answered, never left as the caller's memory."""
+    token = emulated.token(memory_limit=256 << 20, job_key="nvml-fields")
+    done = run_client(native_libs, emulated.slices(token), [PY, "-c", textwrap.dedent("""
+        import pynvml
+        pynvml.nvmlInit()
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        fields = [pynvml.NVML_FI_DEV_POWER_CURRENT_LIMIT, pynvml.NVML_FI_DEV_POWER_DEFAULT_LIMIT,
+                  pynvml.NVML_FI_DEV_POWER_MIN_LIMIT, pynvml.NVML_FI_DEV_POWER_MAX_LIMIT,
+                  pynvml.NVML_FI_DEV_POWER_INSTANT, (pynvml.NVML_FI_DEV_POWER_CURRENT_LIMIT, 1), 99999]
+        values = (pynvml.c_nvmlFieldValue_t * len(fields))()
+        for v, f in zip(values, fields):
+            v.fieldId, v.scopeId = f if isinstance(f, tuple) else (f, 0)
+            v.nvmlReturn, v.value.uiVal = 12345, 4242   # stale memory must not survive
+        fn = pynvml._nvmlGetFunctionPointer("nvmlDeviceGetFieldValues")
+        print("RET", fn(h, len(fields), values))
+        for v in values:
+            print("FIELD", v.fieldId, v.scopeId, v.nvmlReturn, v.valueType, v.value.uiVal, v.timestamp > 0)
+        """)])
+    out = done.stdout
+    assert "RET 0" in out, out + done.stderr
+    fields = [line.split()[1:] for line in out.splitlines() if line.startswith("FIELD")]
+    assert fields == [["190", "0", "0", "1", "700000", "True"], ["189", "0", "0", "1", "700000", "True"],
+                      ["187", "0", "0", "1", "200000", "True"], ["188", "0", "0", "1", "700000", "True"],
+                      ["186", "0", "3", "1", "0", "True"], ["190", "1", "3", "1", "0", "True"],
+                      ["99999", "0", "3", "1", "0", "True"]]

@@ -178,13 +178,19 @@ def test_pool_killed_and_restarted_while_a_job_runs(h: Harness) -> None:
 
 # 6 -----------------------------------------------------------------------------------------------
 def test_two_nodes_get_one_slice_each_in_their_own_adaptor_conf(h: Harness) -> None:
-    body = "srun -N 2 -n 2 sh -c '" + SHOW_CONF.replace("'", "'\\''") + "'\n"
+    # --label prefixes each line with its task: the two tasks write to one output file at once.
+    body = "srun --label -N 2 -n 2 sh -c '" + SHOW_CONF.replace("'", "'\\''") + "'\n"
     job = h.slurm.submit(["-N", "2", "--gres=rgpu:1", "--comment=fraction=0.5"], body, user=JOB_USER)
     info = finished(h, job)
     out = h.slurm.job_output(job)
     assert info["JobState"] == "COMPLETED", f"{info}\n{out}\n{diagnostics(h)}"
     assert info["Licenses"] == "rgpu:100"
-    confs = [parse_adaptor_conf(t) for t in confs_in_output(out)]
+    tasks: dict[str, list[str]] = {}
+    for line in out.splitlines():
+        labelled = re.match(r"^\s*(\d+): ?(.*)$", line)
+        if labelled:
+            tasks.setdefault(labelled[1], []).append(labelled[2])
+    confs = [parse_adaptor_conf(t) for lines in tasks.values() for t in confs_in_output("\n".join(lines) + "\n")]
     assert len(confs) == 2
     assert {c.job_id.rsplit(":", 1)[1] for c in confs} == set(re.findall(r"NODE=(\S+)", out)) and len(set(re.findall(r"NODE=(\S+)", out))) == 2
     assert all(len(c.slices) == 1 and c.slices[0].compute_percent == 50 for c in confs)

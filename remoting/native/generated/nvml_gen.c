@@ -868,7 +868,6 @@ RGPU_EXPORT nvmlReturn_t nvmlDeviceGetFBCStats(void) { static int seen; return r
 RGPU_EXPORT nvmlReturn_t nvmlDeviceGetFanControlPolicy_v2(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetFanControlPolicy_v2", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceGetFanSpeedRPM(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetFanSpeedRPM", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceGetFanSpeed_v2(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetFanSpeed_v2", &seen); }
-RGPU_EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetFieldValues", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceGetGpcClkMinMaxVfOffset(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetGpcClkMinMaxVfOffset", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceGetGpcClkVfOffset(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetGpcClkVfOffset", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceGetGpuFabricInfo(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetGpuFabricInfo", &seen); }

@@ -320,27 +320,78 @@ RGPU_EXPORT nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, void *te
     return r;
 }
 
+/* nvmlFieldValue_t (40 bytes): the caller fills fieldId and scopeId; NVML answers each entry
+ * with its own nvmlReturn, value type and value, and the call itself succeeds. nvidia-smi -q
+ * reads power readings this way and trusts the entries, so every entry gets an answer: the
+ * GPU-scope power limits from the remoted limit calls, NVML_ERROR_NOT_SUPPORTED ("N/A") for
+ * the rest, never stale memory. */
+struct rgpu_nvml_field_value {
+    unsigned int fieldId, scopeId;
+    long long timestamp, latencyUsec;
+    unsigned int valueType, nvmlReturn;
+    unsigned long long value;
+};
+enum { FI_POWER_MIN_LIMIT = 187, FI_POWER_MAX_LIMIT = 188, FI_POWER_DEFAULT_LIMIT = 189,
+       FI_POWER_CURRENT_LIMIT = 190, VALUE_TYPE_UNSIGNED_INT = 1, POWER_SCOPE_GPU = 0 };
+
+static nvmlReturn_t field_value(nvmlDevice_t device, const struct rgpu_nvml_field_value *f, unsigned int *out) {
+    unsigned int min_limit = 0, max_limit = 0;
+    nvmlReturn_t r;
+    if (f->scopeId != POWER_SCOPE_GPU) return NVML_ERROR_NOT_SUPPORTED;
+    switch (f->fieldId) {
+    case FI_POWER_CURRENT_LIMIT: return nvmlDeviceGetPowerManagementLimit(device, out);
+    case FI_POWER_DEFAULT_LIMIT: return nvmlDeviceGetPowerManagementDefaultLimit(device, out);
+    case FI_POWER_MIN_LIMIT:
+    case FI_POWER_MAX_LIMIT:
+        r = nvmlDeviceGetPowerManagementLimitConstraints(device, &min_limit, &max_limit);
+        *out = f->fieldId == FI_POWER_MIN_LIMIT ? min_limit : max_limit;
+        return r;
+    default: return NVML_ERROR_NOT_SUPPORTED;
+    }
+}
+
+RGPU_EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t device, int valuesCount, void *values) {
+    if (!device_of(device) || valuesCount < 0 || (valuesCount && !values)) return NVML_ERROR_INVALID_ARGUMENT;
+    struct rgpu_nvml_field_value *v = values;
+    for (int i = 0; i < valuesCount; i++) {
+        unsigned int value = 0;
+        struct timespec now;
+        clock_gettime(CLOCK_REALTIME, &now);
+        v[i].nvmlReturn = field_value(device, &v[i], &value);
+        v[i].timestamp = (long long)now.tv_sec * 1000000 + now.tv_nsec / 1000;
+        v[i].latencyUsec = 0;
+        v[i].valueType = VALUE_TYPE_UNSIGNED_INT;
+        v[i].value = value;
+    }
+    return NVML_SUCCESS;
+}
+
 /* nvidia-smi asks for a private table through nvmlInternalGetExportTable right after nvmlInit
  * and stops ("Mismatch in versions between nvidia-smi and NVML") without one. The layout is not
  * documented; what projects emulating NVML found for nvidia-smi 580: slot 0 holds the table's
  * size in bytes (it must exceed 648), the others are entry points called with device handles
  * that nvidia-smi got from us. Slot 81 looks a device up by index (index, nvmlDevice_t *out,
- * 0x22); slots 213-215 list a device's processes (device, unsigned *count in/out, entries);
- * other per-device slots take (device, unsigned *out, ...). rgpu answers the lookup, reports no
- * processes (as nvmlDeviceGet*RunningProcesses do) and zero for the other per-device values;
- * calls without one of our device handles succeed without effect, because nvidia-smi aborts
- * whole views (e.g. `topo -m`) on any error from this table. Each slot has its own trampoline,
- * so the slot number, not a guess from the arguments, decides what a call means. */
+ * 0x22); slots 213-215 list a device's processes (device, unsigned *count in/out, entries).
+ * rgpu answers the lookup and reports no processes (as nvmlDeviceGet*RunningProcesses do).
+ * Other per-device slots return NVML_ERROR_NOT_SUPPORTED, which nvidia-smi -q shows as N/A
+ * (answering "success" left their outputs unset: -q printed made-up values). Calls without one
+ * of our device handles (slot 26, hundreds of times per -q) succeed without effect. Checked on
+ * an H200 with driver 580.159.04: the default view, -L, -q and topo -m. Each slot has its own
+ * trampoline, so the slot number, not a guess from the arguments, decides what a call means. */
 #define INTERNAL_TABLE_SLOTS 256
 #define SLOT_DEVICE_BY_INDEX 81
+#define SLOT_PROCESSES_FIRST 213
+#define SLOT_PROCESSES_LAST 215
 #define DEVICE_BY_INDEX_MARK 0x22
 
 static nvmlReturn_t internal_call(unsigned int slot, void *a0, void *a1, void *a2) {
+    rgpu_log(RGPU_LOG_DEBUG, "nvidia-smi's internal table: slot %u (%p, %p, %p)", slot, a0, a1, a2);
     if (slot == SLOT_DEVICE_BY_INDEX && a1 && (uintptr_t)a2 == DEVICE_BY_INDEX_MARK &&
         (uintptr_t)a0 < (uintptr_t)RGPU_MAX_SESSIONS)
         return nvmlDeviceGetHandleByIndex_v2((unsigned int)(uintptr_t)a0, (nvmlDevice_t *)a1);
     if (!a1 || !device_of((nvmlDevice_t)a0)) return NVML_SUCCESS;
-    *(unsigned int *)a1 = 0;  /* process counts and other per-device values: none / zero */
+    if (slot < SLOT_PROCESSES_FIRST || slot > SLOT_PROCESSES_LAST) return NVML_ERROR_NOT_SUPPORTED;
+    *(unsigned int *)a1 = 0;  /* no processes, as nvmlDeviceGet*RunningProcesses answer */
     return NVML_SUCCESS;
 }
 
