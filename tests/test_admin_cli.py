@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rgpu.adaptor import read_adaptor_conf
-from tests.daemons import RgpuCluster
+from rgpu.remoting.pool_client import PoolClient
+from tests.daemons import RgpuCluster, wait_for
 from tests.test_pool_daemon import register
 
 pytestmark = pytest.mark.integration
@@ -63,7 +67,6 @@ def test_ttl_and_memory_requests(cluster: RgpuCluster, tmp_path: Path) -> None:
     admin(cluster, "request-gpus", "-n", "1", "-m", "20G", "--ttl", "1s", "-o", str(tmp_path / "a.conf"))
     assert read_adaptor_conf(tmp_path / "a.conf").slices[0].compute_percent == 25
     with cluster.client() as client:
-        from tests.daemons import wait_for
         wait_for(lambda: client.list_leases() == [], timeout=10, what="the TTL lease to be reclaimed")
 
 
@@ -85,22 +88,41 @@ def test_errors_are_one_line(cluster: RgpuCluster, tmp_path: Path, args: list[st
     assert not (tmp_path / "x").exists()
 
 
+@contextlib.contextmanager
+def heartbeating(client: PoolClient, address: str, every: float = 0.2) -> Iterator[None]:
+    """Keep one dispatcher alive from a thread, as its Registrar would, however slow the steps between are."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.is_set():
+            client.heartbeat(address)
+            stop.wait(every)
+
+    thread = threading.Thread(target=beat, name=f"heartbeat {address}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
 def test_health_drain_and_quota(cluster: RgpuCluster, tmp_path: Path) -> None:
     run = admin(cluster, "health", ok=False)
     assert run.returncode != 0 and "no dispatcher has registered" in run.stderr
     with cluster.client() as client:
         register(client, servers=2, gpus=1)
-        # Keep only server 0 alive; server 1 goes down after 2 s without heartbeats.
-        from tests.daemons import wait_for
-        wait_for(lambda: client.heartbeat("127.0.0.1:56000") and
-                 any(s.state == "down" for s in client.list_servers().servers), timeout=10, what="server 1 down")
-        client.heartbeat("127.0.0.1:56000")
-        run = admin(cluster, "health", ok=False)
-        assert run.returncode == 6 and "1 server(s) down: 127.0.0.1:56001" in run.stderr
-        rows = {r["server"]: r for r in json.loads(admin(cluster, "health", "--json", ok=False).stdout)}
-        assert rows["127.0.0.1:56001"]["state"] == "down" and rows["127.0.0.1:56000"]["healthy"]
-    assert "drained" in admin(cluster, "drain", "gpu0").stdout
-    assert "up" in admin(cluster, "resume", "127.0.0.1:56000").stdout
+        # Server 0 stays alive for the whole test (each rgpu-admin start can take longer than the 2 s
+        # down-after on a loaded 2-core machine); server 1 goes down after 2 s without heartbeats.
+        with heartbeating(client, "127.0.0.1:56000"):
+            wait_for(lambda: any(s.state == "down" for s in client.list_servers().servers),
+                     timeout=10, what="server 1 down")
+            run = admin(cluster, "health", ok=False)
+            assert run.returncode == 6 and "1 server(s) down: 127.0.0.1:56001" in run.stderr
+            rows = {r["server"]: r for r in json.loads(admin(cluster, "health", "--json", ok=False).stdout)}
+            assert rows["127.0.0.1:56001"]["state"] == "down" and rows["127.0.0.1:56000"]["healthy"]
+            assert "drained" in admin(cluster, "drain", "gpu0").stdout
+            assert "up" in admin(cluster, "resume", "127.0.0.1:56000").stdout
     admin(cluster, "quota", "set", "user", "alice", "150")
     assert json.loads(admin(cluster, "quota", "show", "--json").stdout) == [
         {"kind": "user", "name": "alice", "limit_units": 150, "used_units": 0}]
