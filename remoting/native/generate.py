@@ -265,6 +265,13 @@ class Outputs:
     files: dict[Path, str]
 
 
+# Hand-written client code that a generated stub runs before it sends its request.
+BEFORE_HOOKS = {
+    # cudart's context-local storage: destructors run while the primary context still exists.
+    "cuDevicePrimaryCtxReset_v2": "rgpu_before_primary_ctx_reset(dev)",
+}
+
+
 def render_all() -> Outputs:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
@@ -300,6 +307,7 @@ def render_all() -> Outputs:
         "cuda": cuda, "nvml": nvml, "plan_c": plan_c, "c_route": c_route, "generated_cuda": generated_cuda,
         "per_thread": per_thread, "default_stubs": default_stubs, "symbols": symbols, "procs": procs,
         "errors": [(n, v, error_message(n)) for n, v in errors], "dynamic_stubs": DYNAMIC_STUBS,
+        "before_hooks": BEFORE_HOOKS,
         "nvml_generated": [f for f in nvml.functions if f.mode in ("sync", "async", "unsupported")],
         "nvml_defaults": nvml_defaults, "nvml_symbols": sorted(nvml_listed | set(nvml_defaults)),
         "plan_py": plan_py, "wire_cuda": [f for f in cuda.wire_functions],

@@ -197,6 +197,7 @@ RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxReset_v2(CUdevice dev) {
+    rgpu_before_primary_ctx_reset(dev);
     rgpu_call c;
     CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuDevicePrimaryCtxReset_v2, dev);
     if (r != CUDA_SUCCESS) return r;
@@ -1432,9 +1433,6 @@ RGPU_EXPORT CUresult CUDAAPI cuDeviceGetP2PAtomicCapabilities(void) { static int
 RGPU_EXPORT CUresult CUDAAPI cuDeviceGetP2PAttribute(void) { static int seen; return rgpu_unsupported("cuDeviceGetP2PAttribute", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceGetProperties(void) { static int seen; return rgpu_unsupported("cuDeviceGetProperties", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceGraphMemTrim(void) { static int seen; return rgpu_unsupported("cuDeviceGraphMemTrim", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxRelease(void) { static int seen; return rgpu_unsupported("cuDevicePrimaryCtxRelease", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxReset(void) { static int seen; return rgpu_unsupported("cuDevicePrimaryCtxReset", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxSetFlags(void) { static int seen; return rgpu_unsupported("cuDevicePrimaryCtxSetFlags", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceRegisterAsyncNotification(void) { static int seen; return rgpu_unsupported("cuDeviceRegisterAsyncNotification", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceSetGraphMemAttribute(void) { static int seen; return rgpu_unsupported("cuDeviceSetGraphMemAttribute", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceSetMemPool(void) { static int seen; return rgpu_unsupported("cuDeviceSetMemPool", &seen, NULL); }

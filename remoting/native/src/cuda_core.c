@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include "rgpu_client.h"
+#include "cuda_protos.h"
 
 void rgpu_transport_reset_after_fork(void);
 
@@ -21,6 +22,7 @@ static void after_fork_child(void) {
     rgpu_transport_reset_after_fork();
     rgpu_ctx_reset_after_fork();
     rgpu_tables_reset();
+    rgpu_cls_reset_after_fork();
     pthread_mutex_init(&g_init_lock, NULL);
     g_init_done = 0;
     g_init_result = CUDA_ERROR_NOT_INITIALIZED;
@@ -28,7 +30,13 @@ static void after_fork_child(void) {
 
 void rgpu_say_goodbye(void);
 
-static void send_bye(void) { rgpu_say_goodbye(); }
+/* At exit, after the application's own exit handlers (cudart's teardown releases its primary
+ * contexts through this library then): a library destructor runs after every atexit handler
+ * registered once the library was loaded. */
+static int g_say_bye;
+__attribute__((destructor)) static void send_bye(void) {
+    if (g_say_bye) rgpu_say_goodbye();
+}
 
 CUresult rgpu_check_init(void) {
     if (__atomic_load_n(&g_init_done, __ATOMIC_ACQUIRE)) return g_init_result;
@@ -41,7 +49,7 @@ static CUresult do_init(void) {
         static int atfork_registered;
         if (!atfork_registered) {
             pthread_atfork(NULL, NULL, after_fork_child);
-            atexit(send_bye);
+            g_say_bye = 1;
             atfork_registered = 1;
         }
         g_init_result = rgpu_connect_all(0, "client");
@@ -338,6 +346,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxDestroy_v2(CUcontext ctx) {
     CUresult r = rgpu_check_init();
     if (r != CUDA_SUCCESS) return r;
     if (!x) return CUDA_ERROR_INVALID_CONTEXT;
+    rgpu_cls_context_gone(ctx);
     rgpu_call c;
     r = rgpu_begin_session(&c, RGPU_OP_cuCtxDestroy_v2, x->session);
     if (r != CUDA_SUCCESS) return r;
@@ -358,9 +367,28 @@ RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice 
     if (r == CUDA_SUCCESS) {
         *pctx = rgpu_ctx_out(&c, rgpu_get_u64(&c));
         if (!*pctx) r = CUDA_ERROR_OUT_OF_MEMORY;
+        else ((rgpu_ctx *)*pctx)->primary = 1;
     }
     rgpu_end(&c);
     return r;
+}
+
+/* The CUDA 7 names, which cuGetProcAddress still returns to callers asking for an old version
+ * (cudart does for cudaDeviceReset); since CUDA 11 they behave as the _v2 calls. */
+RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxRelease(CUdevice dev) { return cuDevicePrimaryCtxRelease_v2(dev); }
+RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxReset(CUdevice dev) { return cuDevicePrimaryCtxReset_v2(dev); }
+RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxSetFlags(CUdevice dev, unsigned int flags) {
+    return cuDevicePrimaryCtxSetFlags_v2(dev, flags);
+}
+
+void rgpu_before_primary_ctx_reset(CUdevice dev) {
+    CUcontext found[MAX_CTX];
+    int n = 0;
+    pthread_mutex_lock(&g_ctx_lock);
+    for (int i = 0; i < g_nctx; i++)
+        if (g_ctx[i]->session == dev && g_ctx[i]->primary && !g_ctx[i]->destroyed) found[n++] = (CUcontext)g_ctx[i];
+    pthread_mutex_unlock(&g_ctx_lock);
+    for (int i = 0; i < n; i++) rgpu_cls_context_gone(found[i]);
 }
 
 /* ------------------------------------------------------------------ cuGetProcAddress */
@@ -434,16 +462,4 @@ RGPU_EXPORT CUresult CUDAAPI cuGetProcAddress_v2(const char *symbol, void **pfn,
 
 RGPU_EXPORT CUresult CUDAAPI cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags) {
     return cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, NULL);
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuGetExportTable(const void **ppExportTable, const CUuuid *pExportTableId) {
-    /* cudart's private tables (context-local storage, tools hooks, ...) are not implemented
-     * yet; the driver-API path does not need them. */
-    static int seen;
-    if (ppExportTable) *ppExportTable = NULL;
-    (void)pExportTableId;
-    if (!__atomic_exchange_n(&seen, 1, __ATOMIC_RELAXED))
-        rgpu_log(RGPU_LOG_INFO, "cuGetExportTable is not implemented (the CUDA runtime, CuPy and PyTorch "
-                 "are not remoted yet; driver-API programs, cuda-python and Numba are)");
-    return CUDA_ERROR_NOT_SUPPORTED;
 }

@@ -3,6 +3,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "rgpu_client.h"
 #include "cuda_protos.h"
@@ -47,6 +49,52 @@ static size_t elf_size(const uint8_t *b) {
     return end;
 }
 
+/* Whether [p, p + n) is mapped: a chain of fatbin containers has no overall length, so the
+ * walk peeks at the bytes after each container, and must not fault past the end of a mapping. */
+static int readable(const void *p, size_t n) {
+    static long page;
+    if (!page) page = sysconf(_SC_PAGESIZE);
+    uintptr_t first = (uintptr_t)p & ~(uintptr_t)(page - 1);
+    uintptr_t last = ((uintptr_t)p + n - 1) & ~(uintptr_t)(page - 1);
+    for (uintptr_t a = first; a <= last; a += (uintptr_t)page) {
+        unsigned char v;
+        if (mincore((void *)a, (size_t)page, &v) != 0) return 0;
+    }
+    return 1;
+}
+
+/* A fatbin is one or more containers back to back (16-byte header: magic, version, header
+ * size, body size); nvcc and the linker chain them, and on Hopper the sm_90 code can sit in a
+ * later one. The size covers every container of the chain. */
+size_t rgpu_fatbin_size(const void *image) {
+    const uint8_t *b = image;
+    size_t total = 0;
+    for (;;) {
+        uint32_t magic;
+        uint16_t header;
+        uint64_t body;
+        memcpy(&magic, b + total, 4);
+        if (magic != FATBIN_MAGIC) break;
+        memcpy(&header, b + total + 6, 2);
+        memcpy(&body, b + total + 8, 8);
+        if (header < 16 || body > ((uint64_t)1 << 40)) break;
+        total += header + body;
+        /* The next container follows at once or at the next 8-byte boundary; peek only where
+         * the memory exists. */
+        size_t next = total;
+        if (!readable(b + next, 16)) break;
+        memcpy(&magic, b + next, 4);
+        if (magic != FATBIN_MAGIC && (total & 7)) {
+            next = (total + 7) & ~(size_t)7;
+            if (!readable(b + next, 16)) break;
+            memcpy(&magic, b + next, 4);
+        }
+        if (magic != FATBIN_MAGIC) break;
+        total = next;
+    }
+    return total;
+}
+
 /* Returns the bytes to send (unwrapping cudart's fatbin wrapper) and their size. */
 static const void *image_bytes(const void *image, size_t *size) {
     const uint8_t *b = image;
@@ -54,14 +102,11 @@ static const void *image_bytes(const void *image, size_t *size) {
     memcpy(&magic, b, 4);
     if (magic == FATBIN_WRAPPER_MAGIC) {
         const fatbin_wrapper *w = image;
+        if (!w->data) { *size = 0; return image; }
         return image_bytes(w->data, size);
     }
     if (magic == FATBIN_MAGIC) {
-        uint16_t header;
-        uint64_t body;
-        memcpy(&header, b + 6, 2);
-        memcpy(&body, b + 8, 8);
-        *size = header + body;
+        *size = rgpu_fatbin_size(image);
         return image;
     }
     if (magic == 0x464c457fu) {
@@ -181,8 +226,17 @@ static CUresult load_image(uint16_t op, uint64_t *out, const void *image, size_t
     if (r != CUDA_SUCCESS) return r;
     jit_plan plan;
     put_jit_options(&c, &plan, nopts, opts, vals);
-    rgpu_put_u32(&c, libopts && libvals ? nlib : 0);
+    /* Options whose values are this process's host pointers stay here: the host table of
+     * universal functions means nothing on the GPU node, and the worker's copy of the image is
+     * not preserved, whatever the application promises for its own. */
+    unsigned int nsend = 0;
+    for (unsigned int i = 0; libopts && libvals && i < nlib; i++)
+        if (libopts[i] != CU_LIBRARY_HOST_UNIVERSAL_FUNCTION_AND_DATA_TABLE && libopts[i] != CU_LIBRARY_BINARY_IS_PRESERVED)
+            nsend++;
+    rgpu_put_u32(&c, nsend);
     for (unsigned int i = 0; libopts && libvals && i < nlib; i++) {
+        if (libopts[i] == CU_LIBRARY_HOST_UNIVERSAL_FUNCTION_AND_DATA_TABLE || libopts[i] == CU_LIBRARY_BINARY_IS_PRESERVED)
+            continue;
         rgpu_put_i32(&c, libopts[i]);
         rgpu_put_u64(&c, (uint64_t)(uintptr_t)libvals[i]);
     }

@@ -35,6 +35,7 @@ typedef struct rgpu_session {
     int index;                 /* the CUDA device ordinal this slice appears as */
     int fd;
     int dead;                  /* the connection broke: every call fails */
+    int closed;                /* the process said goodbye at exit: calls fail quietly */
     pthread_mutex_t lock;
     char server[256];
     char token[4200];
@@ -70,6 +71,7 @@ typedef struct rgpu_ctx {
     int session;
     uint64_t remote;           /* the worker's CUcontext */
     int destroyed;
+    int primary;               /* a device's primary context (cuDevicePrimaryCtxRetain) */
 } rgpu_ctx;
 #define RGPU_CTX_MAGIC 0x52435458u
 
@@ -127,6 +129,11 @@ void rgpu_ctx_forget(rgpu_ctx *ctx);
 int rgpu_ctx_push(rgpu_ctx *ctx);
 rgpu_ctx *rgpu_ctx_pop(void);
 void rgpu_ctx_set(rgpu_ctx *ctx);
+
+/* cudart's context-local storage (cuda_export.c): destructors run when a context goes. */
+void rgpu_cls_context_gone(CUcontext ctx);
+void rgpu_cls_reset_after_fork(void);
+void rgpu_before_primary_ctx_reset(CUdevice dev);
 
 /* Allocation tables (tables.c): device ranges route unified copies and pointer queries;
  * host ranges hold the client's page-locked memory. */

@@ -201,9 +201,9 @@ CUresult rgpu_begin_session(rgpu_call *c, uint16_t op, int session) {
     if (session < 0 || session >= rgpu_session_count) return CUDA_ERROR_INVALID_DEVICE;
     rgpu_session *s = &rgpu_sessions[session];
     pthread_mutex_lock(&s->lock);
-    if (s->dead) {
+    if (s->closed || s->dead) {
         pthread_mutex_unlock(&s->lock);
-        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+        return s->closed ? CUDA_ERROR_DEINITIALIZED : CUDA_ERROR_DEVICE_UNAVAILABLE;
     }
     if (reserve(s, RGPU_HEADER_SIZE + 256)) {
         pthread_mutex_unlock(&s->lock);
@@ -627,6 +627,9 @@ void rgpu_say_goodbye(void) {
             s->slen += RGPU_HEADER_SIZE;
             flush_locked(s);
         }
+        /* Calls after this (from other libraries' exit handlers) fail quietly, as NVIDIA's
+         * driver answers during shutdown. */
+        s->closed = 1;
         pthread_mutex_unlock(&s->lock);
     }
 }

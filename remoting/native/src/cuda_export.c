@@ -1,0 +1,417 @@
+/* libcuda.so.1: cuGetExportTable, the CUDA runtime's private tables, answered in this process.
+ *
+ * cudart (static or shared, and every library that embeds it: cuBLAS, cuDNN, CuPy's modules,
+ * cuda-python's runtime bindings, PyTorch) asks the driver for a few undocumented tables of
+ * function pointers, identified by UUID. Each table is answered here, before any session exists
+ * and without a round trip, built from public driver calls that rgpu remotes anyway. Layouts
+ * (slot 0 holds the table's size in bytes, except for context-local storage, which ends with a
+ * NULL slot) and the integrity hash follow the facts documented by ZLUDA's dark_api, Lupine and
+ * smolvm; the code is rgpu's own.
+ *
+ * Unknown tables get CUDA_ERROR_NOT_FOUND (not NOT_SUPPORTED: cudart probes at least one table
+ * whose absence it tolerates only with that code). Slots whose meaning is unknown are callable:
+ * each logs its table and slot once and returns CUDA_ERROR_NOT_SUPPORTED, so a new runtime
+ * that starts using one fails with a message naming it instead of jumping to NULL.
+ */
+#define _GNU_SOURCE
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "rgpu_client.h"
+#include "cuda_protos.h"
+
+typedef struct export_uuid { uint8_t b[16]; } export_uuid;
+
+/* The UUIDs, in the byte order cuGetExportTable receives them. */
+static const export_uuid UUID_CUDART_INTERFACE = {{0x6b, 0xd5, 0xfb, 0x6c, 0x5b, 0xf4, 0xe7, 0x4a, 0x89, 0x87, 0xd9,
+                                                   0x39, 0x12, 0xfd, 0x9d, 0xf9}};
+static const export_uuid UUID_TOOLS_TLS = {{0x42, 0xd8, 0x5a, 0x81, 0x23, 0xf6, 0xcb, 0x47, 0x82, 0x98, 0xf6, 0xe7,
+                                            0x8a, 0x3a, 0xec, 0xdc}};
+static const export_uuid UUID_TOOLS_CALLBACKS = {{0xa0, 0x94, 0x79, 0x8c, 0x2e, 0x74, 0x2e, 0x74, 0x93, 0xf2, 0x08,
+                                                  0x00, 0x20, 0x0c, 0x0a, 0x66}};
+static const export_uuid UUID_CONTEXT_STORAGE = {{0xc6, 0x93, 0x33, 0x6e, 0x11, 0x21, 0xdf, 0x11, 0xa8, 0xc3, 0x68,
+                                                  0xf3, 0x55, 0xd8, 0x95, 0x93}};
+static const export_uuid UUID_INTEGRITY_CHECK = {{0xd4, 0x08, 0x20, 0x55, 0xbd, 0xe6, 0x70, 0x4b, 0x8d, 0x34, 0xba,
+                                                  0x12, 0x3c, 0x66, 0xe1, 0xf2}};
+static const export_uuid UUID_CONTEXT_CHECKS = {{0x26, 0x3e, 0x88, 0x60, 0x7c, 0xd2, 0x61, 0x43, 0x92, 0xf6, 0xbb,
+                                                 0xd5, 0x00, 0x6d, 0xfa, 0x7e}};
+
+/* ------------------------------------------------------------------ unknown slots */
+
+typedef struct slot_stub_info { const char *table; int slot; int seen; } slot_stub_info;
+
+static CUresult CUDAAPI unknown_slot(slot_stub_info *info) {
+    if (!__atomic_exchange_n(&info->seen, 1, __ATOMIC_RELAXED))
+        rgpu_log(RGPU_LOG_WARN, "the CUDA runtime called slot %d of the driver's private table %s, which rgpu "
+                 "does not implement (it returns CUDA_ERROR_NOT_SUPPORTED; report it with `flexrun --trace`'s output)",
+                 info->slot, info->table);
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+#define SLOT_STUB(tbl, n)                                                                \
+    static slot_stub_info tbl##_info_##n = {#tbl, n, 0};                                 \
+    static CUresult CUDAAPI tbl##_slot_##n(void) { return unknown_slot(&tbl##_info_##n); }
+
+/* A callable no-op: tools hooks that must exist but do nothing without a profiler. */
+static CUresult CUDAAPI noop(void) { return CUDA_SUCCESS; }
+
+/* ------------------------------------------------------------------ CUDART_INTERFACE */
+
+static CUresult CUDAAPI cudart_module_from_cubin(CUmodule *module, const void *fatbin_wrapper) {
+    if (!module || !fatbin_wrapper) return CUDA_ERROR_INVALID_VALUE;
+    return cuModuleLoadData(module, fatbin_wrapper);
+}
+
+static CUresult CUDAAPI cudart_primary_context(CUcontext *pctx, CUdevice dev) {
+    if (!pctx) return CUDA_ERROR_INVALID_VALUE;
+    return cuDevicePrimaryCtxRetain(pctx, dev);
+}
+
+static CUresult CUDAAPI cudart_module_from_cubin_ext1(CUmodule *module, const void *fatbin_wrapper, void *a3,
+                                                      void *a4, unsigned int a5) {
+    (void)a3, (void)a4, (void)a5;
+    return cudart_module_from_cubin(module, fatbin_wrapper);
+}
+
+static void CUDAAPI cudart_fn7(size_t a1) { (void)a1; }
+
+static CUresult CUDAAPI cudart_module_from_cubin_ext2(const void *fatbin_header, CUmodule *module, void *a3,
+                                                      void *a4, unsigned int a5) {
+    (void)a3, (void)a4, (void)a5;
+    if (!module || !fatbin_header) return CUDA_ERROR_INVALID_VALUE;
+    return cuModuleLoadData(module, fatbin_header);
+}
+
+static CUresult CUDAAPI cudart_load_compilers(void) { return CUDA_SUCCESS; } /* JIT runs on the GPU node */
+
+SLOT_STUB(CUDART_INTERFACE, 3)
+SLOT_STUB(CUDART_INTERFACE, 4)
+SLOT_STUB(CUDART_INTERFACE, 5)
+SLOT_STUB(CUDART_INTERFACE, 9)
+SLOT_STUB(CUDART_INTERFACE, 10)
+SLOT_STUB(CUDART_INTERFACE, 11)
+
+static const void *g_cudart_interface[13] = {
+    (void *)(13 * sizeof(void *)),
+    (void *)cudart_module_from_cubin,
+    (void *)cudart_primary_context,
+    (void *)CUDART_INTERFACE_slot_3,
+    (void *)CUDART_INTERFACE_slot_4,
+    (void *)CUDART_INTERFACE_slot_5,
+    (void *)cudart_module_from_cubin_ext1,
+    (void *)cudart_fn7,
+    (void *)cudart_module_from_cubin_ext2,
+    (void *)CUDART_INTERFACE_slot_9,
+    (void *)CUDART_INTERFACE_slot_10,
+    (void *)CUDART_INTERFACE_slot_11,
+    (void *)cudart_load_compilers,
+};
+
+/* ------------------------------------------------------------------ tools hooks */
+
+static const void *g_tools_tls[4] = {(void *)(4 * sizeof(void *)), (void *)noop, (void *)noop, (void *)noop};
+
+static uint8_t g_tools_buffer1[1024];
+static uint8_t g_tools_buffer2[14];
+
+static void CUDAAPI tools_buffer1(void **ptr, size_t *size) {
+    if (ptr) *ptr = g_tools_buffer1;
+    if (size) *size = sizeof g_tools_buffer1;
+}
+
+static void CUDAAPI tools_buffer2(void **ptr, size_t *size) {
+    if (ptr) *ptr = g_tools_buffer2;
+    if (size) *size = sizeof g_tools_buffer2;
+}
+
+static const void *g_tools_callbacks[7] = {
+    (void *)(7 * sizeof(void *)), (void *)noop, (void *)tools_buffer1, (void *)noop,
+    (void *)noop, (void *)noop, (void *)tools_buffer2,
+};
+
+/* ------------------------------------------------------------------ context-local storage
+ * cudart keeps its per-context state here: (context, key) -> (value, destructor). The
+ * destructors run when the context is destroyed or the primary context is reset, as the
+ * driver does, so a runtime that survives cudaDeviceReset starts over cleanly. */
+
+typedef void (CUDAAPI *cls_dtor)(CUcontext ctx, void *key, void *value);
+typedef struct cls_entry { CUcontext ctx; void *key; void *value; cls_dtor dtor; } cls_entry;
+
+static pthread_mutex_t g_cls_lock = PTHREAD_MUTEX_INITIALIZER;
+static cls_entry *g_cls;
+static size_t g_cls_n, g_cls_cap;
+
+static CUcontext cls_context(CUcontext ctx) {
+    return ctx ? ctx : (CUcontext)rgpu_ctx_current();
+}
+
+static CUresult CUDAAPI cls_put(CUcontext ctx, void *key, void *value, cls_dtor dtor) {
+    ctx = cls_context(ctx);
+    if (!ctx) return CUDA_ERROR_INVALID_CONTEXT;
+    CUresult r = CUDA_SUCCESS;
+    pthread_mutex_lock(&g_cls_lock);
+    size_t i;
+    for (i = 0; i < g_cls_n; i++)
+        if (g_cls[i].ctx == ctx && g_cls[i].key == key) break;
+    if (i == g_cls_n) {
+        if (g_cls_n == g_cls_cap) {
+            size_t cap = g_cls_cap ? g_cls_cap * 2 : 64;
+            cls_entry *n = realloc(g_cls, cap * sizeof *n);
+            if (!n) r = CUDA_ERROR_OUT_OF_MEMORY;
+            else { g_cls = n; g_cls_cap = cap; }
+        }
+        if (r == CUDA_SUCCESS) g_cls_n++;
+    }
+    if (r == CUDA_SUCCESS) g_cls[i] = (cls_entry){ctx, key, value, dtor};
+    pthread_mutex_unlock(&g_cls_lock);
+    return r;
+}
+
+static CUresult CUDAAPI cls_delete(CUcontext ctx, void *key) {
+    ctx = cls_context(ctx);
+    if (!ctx) return CUDA_ERROR_INVALID_CONTEXT;
+    pthread_mutex_lock(&g_cls_lock);
+    for (size_t i = 0; i < g_cls_n; i++) {
+        if (g_cls[i].ctx == ctx && g_cls[i].key == key) {
+            g_cls[i] = g_cls[--g_cls_n];
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_cls_lock);
+    return CUDA_SUCCESS;
+}
+
+static CUresult CUDAAPI cls_get(void **value, CUcontext ctx, void *key) {
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    ctx = cls_context(ctx);
+    if (!ctx) return CUDA_ERROR_INVALID_CONTEXT;
+    CUresult r = CUDA_ERROR_INVALID_HANDLE; /* "not stored", as the driver answers */
+    pthread_mutex_lock(&g_cls_lock);
+    for (size_t i = 0; i < g_cls_n; i++) {
+        if (g_cls[i].ctx == ctx && g_cls[i].key == key) {
+            *value = g_cls[i].value;
+            r = CUDA_SUCCESS;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_cls_lock);
+    return r;
+}
+
+/* Runs and removes every destructor registered for ctx (called without the lock held, since a
+ * destructor may call back into the driver). */
+void rgpu_cls_context_gone(CUcontext ctx) {
+    for (;;) {
+        cls_entry e = {0};
+        int found = 0;
+        pthread_mutex_lock(&g_cls_lock);
+        for (size_t i = 0; i < g_cls_n; i++) {
+            if (g_cls[i].ctx == ctx) {
+                e = g_cls[i];
+                g_cls[i] = g_cls[--g_cls_n];
+                found = 1;
+                break;
+            }
+        }
+        pthread_mutex_unlock(&g_cls_lock);
+        if (!found) return;
+        if (e.dtor) e.dtor(e.ctx, e.key, e.value);
+    }
+}
+
+void rgpu_cls_reset_after_fork(void) {
+    pthread_mutex_init(&g_cls_lock, NULL);
+    g_cls_n = 0;
+}
+
+static const void *g_context_storage[4] = {(void *)cls_put, (void *)cls_delete, (void *)cls_get, NULL};
+
+/* ------------------------------------------------------------------ context checks */
+
+static CUresult CUDAAPI context_check(CUcontext ctx, uint32_t *result1, const void **result2) {
+    (void)ctx, (void)result2;
+    if (result1) *result1 = 0;
+    return CUDA_SUCCESS;
+}
+
+static uint32_t CUDAAPI context_check3(void) { return 0; }
+
+static const void *g_context_checks[4] = {(void *)(4 * sizeof(void *)), (void *)noop, (void *)context_check,
+                                          (void *)context_check3};
+
+/* ------------------------------------------------------------------ integrity check
+ * cudart hands the driver (version, unix time) and compares the 16 bytes it gets back with its
+ * own computation: an HMAC-style keyed MD2 digest over the driver version cuDriverGetVersion
+ * reports, the process and thread ids, the addresses of this library's CUDART_INTERFACE and
+ * INTEGRITY_CHECK tables and of the check function, the time, and each device's UUID and PCI
+ * location as this library reports them. So every input is what rgpu itself answers: the hash
+ * agrees with the version and devices the runtime sees, never the GPU node's own. */
+
+static const uint8_t MD2_S[256] = {
+    0x29, 0x2E, 0x43, 0xC9, 0xA2, 0xD8, 0x7C, 0x01, 0x3D, 0x36, 0x54, 0xA1, 0xEC, 0xF0, 0x06, 0x13,
+    0x62, 0xA7, 0x05, 0xF3, 0xC0, 0xC7, 0x73, 0x8C, 0x98, 0x93, 0x2B, 0xD9, 0xBC, 0x4C, 0x82, 0xCA,
+    0x1E, 0x9B, 0x57, 0x3C, 0xFD, 0xD4, 0xE0, 0x16, 0x67, 0x42, 0x6F, 0x18, 0x8A, 0x17, 0xE5, 0x12,
+    0xBE, 0x4E, 0xC4, 0xD6, 0xDA, 0x9E, 0xDE, 0x49, 0xA0, 0xFB, 0xF5, 0x8E, 0xBB, 0x2F, 0xEE, 0x7A,
+    0xA9, 0x68, 0x79, 0x91, 0x15, 0xB2, 0x07, 0x3F, 0x94, 0xC2, 0x10, 0x89, 0x0B, 0x22, 0x5F, 0x21,
+    0x80, 0x7F, 0x5D, 0x9A, 0x5A, 0x90, 0x32, 0x27, 0x35, 0x3E, 0xCC, 0xE7, 0xBF, 0xF7, 0x97, 0x03,
+    0xFF, 0x19, 0x30, 0xB3, 0x48, 0xA5, 0xB5, 0xD1, 0xD7, 0x5E, 0x92, 0x2A, 0xAC, 0x56, 0xAA, 0xC6,
+    0x4F, 0xB8, 0x38, 0xD2, 0x96, 0xA4, 0x7D, 0xB6, 0x76, 0xFC, 0x6B, 0xE2, 0x9C, 0x74, 0x04, 0xF1,
+    0x45, 0x9D, 0x70, 0x59, 0x64, 0x71, 0x87, 0x20, 0x86, 0x5B, 0xCF, 0x65, 0xE6, 0x2D, 0xA8, 0x02,
+    0x1B, 0x60, 0x25, 0xAD, 0xAE, 0xB0, 0xB9, 0xF6, 0x1C, 0x46, 0x61, 0x69, 0x34, 0x40, 0x7E, 0x0F,
+    0x55, 0x47, 0xA3, 0x23, 0xDD, 0x51, 0xAF, 0x3A, 0xC3, 0x5C, 0xF9, 0xCE, 0xBA, 0xC5, 0xEA, 0x26,
+    0x2C, 0x53, 0x0D, 0x6E, 0x85, 0x28, 0x84, 0x09, 0xD3, 0xDF, 0xCD, 0xF4, 0x41, 0x81, 0x4D, 0x52,
+    0x6A, 0xDC, 0x37, 0xC8, 0x6C, 0xC1, 0xAB, 0xFA, 0x24, 0xE1, 0x7B, 0x08, 0x0C, 0xBD, 0xB1, 0x4A,
+    0x78, 0x88, 0x95, 0x8B, 0xE3, 0x63, 0xE8, 0x6D, 0xE9, 0xCB, 0xD5, 0xFE, 0x3B, 0x00, 0x1D, 0x39,
+    0xF2, 0xEF, 0xB7, 0x0E, 0x66, 0x58, 0xD0, 0xE4, 0xA6, 0x77, 0x72, 0xF8, 0xEB, 0x75, 0x4B, 0x0A,
+    0x31, 0x44, 0x50, 0xB4, 0x8F, 0xED, 0x1F, 0x1A, 0xDB, 0x99, 0x8D, 0x33, 0x9F, 0x11, 0x83, 0x14,
+};
+
+/* MD2 state in one 66-byte block: [0,48) the digest state X, [16,32) the current block,
+ * [48,64) the checksum, [64] bytes buffered, [65] the checksum's running byte L. */
+typedef struct md2 { uint8_t a[66]; } md2;
+
+static void md2_byte(md2 *m, uint8_t x) {
+    uint8_t *a = m->a;
+    uint8_t n = a[64];
+    a[16 + n] = x;
+    a[32 + n] = a[n] ^ x;
+    uint8_t c = MD2_S[(uint8_t)(x ^ a[65])] ^ a[48 + n];
+    a[48 + n] = c;
+    a[65] = c;
+    a[64] = (uint8_t)((n + 1) & 15);
+    if (a[64]) return;
+    uint8_t t = 0;
+    for (int round = 0; round < 18; round++) {
+        for (int k = 0; k < 48; k++) t = a[k] ^= MD2_S[t];
+        t = (uint8_t)(t + round);
+    }
+}
+
+static void md2_feed(md2 *m, const void *p, size_t n, uint8_t xor_mask) {
+    const uint8_t *b = p;
+    for (size_t i = 0; i < n; i++) md2_byte(m, b[i] ^ xor_mask);
+}
+
+static void md2_final(md2 *m, uint8_t out[16]) {
+    uint8_t pad = (uint8_t)(16 - m->a[64]);
+    for (uint8_t i = 0; i < pad; i++) md2_byte(m, pad);
+    for (int i = 48; i < 64; i++) md2_byte(m, m->a[i]);
+    memcpy(out, m->a, 16);
+}
+
+#pragma pack(push, 1)
+typedef struct integrity_input {
+    uint32_t driver_version, version, pid, tid;
+    uint64_t cudart_table, integrity_table, fn_address, unix_seconds;
+} integrity_input;
+typedef struct integrity_device { uint8_t uuid[16]; int32_t pci_domain, pci_bus, pci_device; } integrity_device;
+#pragma pack(pop)
+
+static const uint8_t INTEGRITY_KEY[16] = {0x14, 0x6A, 0xDD, 0xAE, 0x53, 0xA9, 0xA7, 0x52,
+                                          0xAA, 0x08, 0x41, 0x36, 0x0B, 0xF5, 0x5A, 0x9F};
+
+/* The digest itself, separate from where its inputs come from (the unit tests call it). */
+void rgpu_integrity_digest(const void *input48, const void *devices, unsigned int ndevices,
+                                       uint64_t out[2]) {
+    md2 m;
+    memset(&m, 0, sizeof m);
+    md2_feed(&m, INTEGRITY_KEY, 16, 0x36);
+    md2_feed(&m, input48, sizeof(integrity_input), 0);
+    md2_feed(&m, devices, (size_t)ndevices * sizeof(integrity_device), 0);
+    uint8_t inner[16];
+    md2_final(&m, inner);
+    memset(m.a, 0, 16);
+    memset(m.a + 48, 0, 18);
+    md2_feed(&m, INTEGRITY_KEY, 16, 0x5c);
+    md2_feed(&m, inner, 16, 0);
+    uint8_t outer[16];
+    md2_final(&m, outer);
+    memcpy(out, outer, 16);
+}
+
+static const void *g_integrity[3];
+
+static CUresult CUDAAPI integrity_check(uint32_t version, uint64_t unix_seconds, uint64_t result[2]) {
+    if (!result) return CUDA_ERROR_INVALID_VALUE;
+    if (version % 10 == 0) {
+        result[0] = 0x3341181C03CB675CULL;
+        result[1] = 0x8ED383AA1F4CD1E8ULL;
+        return CUDA_SUCCESS;
+    }
+    if (version % 10 == 1) {
+        result[0] = 0x1841181C03CB675CULL;
+        result[1] = 0x8ED383AA1F4CD1E8ULL;
+        return CUDA_SUCCESS;
+    }
+    int driver = 0, count = 0;
+    CUresult r = cuDriverGetVersion(&driver);
+    if (r == CUDA_SUCCESS) r = cuDeviceGetCount(&count);
+    if (r != CUDA_SUCCESS) return r;
+    integrity_input in = {(uint32_t)driver, version, (uint32_t)getpid(), (uint32_t)pthread_self(),
+                          (uint64_t)(uintptr_t)g_cudart_interface, (uint64_t)(uintptr_t)g_integrity,
+                          (uint64_t)(uintptr_t)g_integrity[1], unix_seconds};
+    integrity_device devs[RGPU_MAX_SESSIONS];
+    memset(devs, 0, sizeof devs);
+    for (int d = 0; d < count && d < RGPU_MAX_SESSIONS; d++) {
+        CUuuid uuid;
+        r = cuDeviceGetUuid_v2(&uuid, d);
+        if (r == CUDA_SUCCESS) r = cuDeviceGetAttribute(&devs[d].pci_domain, CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID, d);
+        if (r == CUDA_SUCCESS) r = cuDeviceGetAttribute(&devs[d].pci_bus, CU_DEVICE_ATTRIBUTE_PCI_BUS_ID, d);
+        if (r == CUDA_SUCCESS) r = cuDeviceGetAttribute(&devs[d].pci_device, CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID, d);
+        if (r != CUDA_SUCCESS) return r;
+        memcpy(devs[d].uuid, uuid.bytes, 16);
+    }
+    rgpu_integrity_digest(&in, devs, (unsigned int)count, result);
+    return CUDA_SUCCESS;
+}
+
+static const void *g_integrity[3] = {(void *)(3 * sizeof(void *)), (void *)integrity_check, NULL};
+
+/* ------------------------------------------------------------------ rgpu's own table
+ * The library exports driver symbols only; its tests reach internals through a table of
+ * rgpu's own UUID (72677075-...: "rgpu"). */
+size_t rgpu_fatbin_size(const void *image);
+static const export_uuid UUID_RGPU_INTERNAL = {{0x72, 0x67, 0x70, 0x75, 0x2d, 0x69, 0x6e, 0x74, 0x65, 0x72, 0x6e,
+                                                0x61, 0x6c, 0x2d, 0x76, 0x31}}; /* "rgpu-internal-v1" */
+static const void *g_rgpu_internal[3] = {(void *)(3 * sizeof(void *)), (void *)rgpu_integrity_digest,
+                                         (void *)rgpu_fatbin_size};
+
+/* ------------------------------------------------------------------ cuGetExportTable */
+
+typedef struct export_table { const export_uuid *uuid; const char *name; const void *table; } export_table;
+
+static const export_table g_tables[] = {
+    {&UUID_CUDART_INTERFACE, "CUDART_INTERFACE", g_cudart_interface},
+    {&UUID_TOOLS_TLS, "TOOLS_TLS", g_tools_tls},
+    {&UUID_TOOLS_CALLBACKS, "TOOLS_RUNTIME_CALLBACK_HOOKS", g_tools_callbacks},
+    {&UUID_CONTEXT_STORAGE, "CONTEXT_LOCAL_STORAGE", g_context_storage},
+    {&UUID_INTEGRITY_CHECK, "INTEGRITY_CHECK", g_integrity},
+    {&UUID_CONTEXT_CHECKS, "CONTEXT_CHECKS", g_context_checks},
+    {&UUID_RGPU_INTERNAL, "RGPU_INTERNAL", g_rgpu_internal},
+};
+
+static void format_uuid(const uint8_t *b, char out[40]) {
+    snprintf(out, 40, "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2],
+             b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGetExportTable(const void **ppExportTable, const CUuuid *pExportTableId) {
+    if (!ppExportTable || !pExportTableId) return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < sizeof g_tables / sizeof g_tables[0]; i++) {
+        if (!memcmp(g_tables[i].uuid->b, pExportTableId->bytes, 16)) {
+            *ppExportTable = g_tables[i].table;
+            if (rgpu_log_level() >= RGPU_LOG_DEBUG) rgpu_log(RGPU_LOG_DEBUG, "cuGetExportTable(%s)", g_tables[i].name);
+            return CUDA_SUCCESS;
+        }
+    }
+    *ppExportTable = NULL;
+    if (rgpu_log_level() >= RGPU_LOG_INFO) {
+        char text[40];
+        format_uuid((const uint8_t *)pExportTableId->bytes, text);
+        rgpu_log(RGPU_LOG_INFO, "cuGetExportTable(%s): unknown table, answered CUDA_ERROR_NOT_FOUND", text);
+    }
+    return CUDA_ERROR_NOT_FOUND;
+}
