@@ -59,4 +59,4 @@ def slurm_config(ctx: click.Context, prolog_dir: str | None, sections: tuple[str
         ctx.exit(exc.exit_code)
 
 
-# rgpu-admin picks these up (rgpu/admin.py: _register_optional_commands).
+# rgpu-admin picks these up through the rgpu.admin_commands entry points (pyproject.toml).

@@ -16,7 +16,7 @@ libcuda.so.1 and libnvidia-ml.so.1 first on LD_LIBRARY_PATH, passes the slices i
 ("host:port,token;..."), and runs the application: stdin, stdout, stderr, signals and the exit
 status pass through (with an adaptor.conf flexrun replaces itself with the application).
 `flexrun -- nvidia-smi ...` runs NVIDIA's nvidia-smi on rgpu's NVML where it is installed, and
-rgpu's NVML-based view of the slices (remoting/smi.py) on nodes without it (CPU nodes usually have
+rgpu's NVML-based view of the slices (remoting/client/smi.py) on nodes without it (CPU nodes usually have
 no NVIDIA driver tools). RGPU_SMI=nvidia or RGPU_SMI=rgpu picks one.
 
 Exit codes of flexrun's own failures: 2 configuration, 3 no capacity, 4 token or permission,
