@@ -24,8 +24,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rgpu.model import GpuInfo, ServerInfo  # noqa: E402
-from rgpu.remoting.convert import server_to_pb  # noqa: E402
-from rgpu.remoting.pool_client import PoolClient  # noqa: E402
+from rgpu.remoting.pool.convert import server_to_pb  # noqa: E402
+from rgpu.remoting.pool.client import PoolClient  # noqa: E402
 from tests.daemons import RgpuCluster  # noqa: E402
 
 GiB = 2**30

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from rgpu.remoting.native.build import ensure_built
-    from rgpu.remoting.sessions import SessionServer
+    from rgpu.remoting.dispatcher.sessions import SessionServer
 
     from rgpu import tokens
 

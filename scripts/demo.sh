@@ -14,7 +14,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ "${1:-}" != "--no-slurm" ] && [ "$(id -u)" = 0 ]; then
-  exec python3 -m rgpu.slurm_plugin.demo
+  # Run from outside the checkout: its rgpu/ folder would hide the installed package.
+  export RGPU_SOURCE_TREE="$PWD"
+  cd /
+  exec python3 -m rgpu.slurm_plugin.demo "$@"
 fi
 
 work=$(mktemp -d -t rgpu-demo.XXXXXX)

@@ -1,6 +1,6 @@
 """`rgpu-admin slurm-config`: the Slurm lines for this pool, rendered with its live numbers.
 
-rgpu-admin adds the commands in ADMIN_COMMANDS to its group when this module imports.
+rgpu-admin finds these commands through the `rgpu.admin_commands` entry points (pyproject.toml).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def _client(ctx: click.Context):  # type: ignore[no-untyped-def]
     obj = ctx.obj
     if obj is not None and hasattr(obj, "client") and hasattr(obj, "settings"):
         return obj.client(), obj.settings          # inside rgpu-admin: its --pool/--config apply
-    from rgpu.remoting.pool_client import PoolClient
+    from rgpu.remoting.pool.client import PoolClient
 
     from rgpu.config import load_settings
     from rgpu.secret import load_secret
@@ -59,5 +59,4 @@ def slurm_config(ctx: click.Context, prolog_dir: str | None, sections: tuple[str
         ctx.exit(exc.exit_code)
 
 
-# rgpu-admin picks these up (rgpu/admin.py: _register_optional_commands).
-ADMIN_COMMANDS = (slurm_config,)
+# rgpu-admin picks these up through the rgpu.admin_commands entry points (pyproject.toml).

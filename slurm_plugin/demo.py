@@ -36,7 +36,10 @@ JOB = 'echo "RGPU_ADAPTOR_CONF=$RGPU_ADAPTOR_CONF"; cat "$RGPU_ADAPTOR_CONF"; sl
 
 
 def source_tree() -> Path:
-    for base in (Path(__file__).resolve().parents[1], Path.cwd()):
+    """The checkout: named by scripts/demo.sh (which runs this from outside it, so that its
+    rgpu/ folder cannot hide the installed package), else this file's tree, else the cwd."""
+    named = [Path(os.environ["RGPU_SOURCE_TREE"])] if os.environ.get("RGPU_SOURCE_TREE") else []
+    for base in (*named, Path(__file__).resolve().parents[1], Path.cwd()):
         if (base / "examples" / "inventory-a.toml").exists() and (base / "prolog" / "rgpu-prolog").exists():
             return base
     raise RgpuError("demo", "cannot find examples/ and prolog/", "the demo runs from the rgpu source tree",
@@ -84,13 +87,13 @@ class Daemons:
 
 
 def admin(env: dict[str, str], *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "rgpu.admin", *args], env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", *args], env=env, capture_output=True, text=True,
                          timeout=30)
     return out.stdout + out.stderr
 
 
 def run_demo(keep: bool = False) -> None:
-    from rgpu.remoting.pool_client import PoolClient
+    from rgpu.remoting.pool.client import PoolClient
 
     from rgpu.secret import create_secret, load_secret
 
@@ -110,9 +113,9 @@ def run_demo(keep: bool = False) -> None:
     daemons = Daemons(root / "pool", env)
     slurm: SlurmCluster | None = None
     try:
-        daemons.start("poold", "rgpu.remoting.poold")
+        daemons.start("poold", "rgpu.remoting.pool.daemon")
         for port, inventory in ((disp_a, "inventory-a.toml"), (disp_b, "inventory-b.toml")):
-            daemons.start(f"dispatcher-{port}", "rgpu.remoting.dispatcher", "-p", str(port), "--host", "127.0.0.1",
+            daemons.start(f"dispatcher-{port}", "rgpu.remoting.dispatcher.daemon", "-p", str(port), "--host", "127.0.0.1",
                           "--advertise", "127.0.0.1", "--inventory", str(tree / "examples" / inventory))
         client = PoolClient(pool_addr, load_secret(secret), timeout=3.0)
 
@@ -148,6 +151,9 @@ def run_demo(keep: bool = False) -> None:
         click.echo(f"$ rgpu-admin list-gpus\n{admin(env, 'list-gpus')}")
         final = slurm.wait_job_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 60)
         click.echo(f"job {job} {final['JobState']}; its output:\n{slurm.job_output(job)}")
+        if final["JobState"] != "COMPLETED":
+            raise RgpuError("demo", f"the demo job ended {final['JobState']}", "its output is above",
+                            "run it again with --keep to inspect the cluster")
         wait_until("the lease to be released", lambda: not client.list_leases(), 15)
         click.echo(f"$ rgpu-admin leases\n{admin(env, 'leases')}")
         if keep:

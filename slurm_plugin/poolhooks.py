@@ -1,7 +1,7 @@
 """What rgpu-poold runs for Slurm: the reconciler and the license sync, as background threads.
 
-The pool daemon calls `start_slurm_integration(core, ...)` after its gRPC server started and
-`.stop()` on shutdown. `core` is the pool's PoolCore (or anything with list_leases() ->
+The pool daemon finds `start_from_settings` through the `rgpu.pool_plugins` entry point and
+calls it after its gRPC server started, and `.stop()` on shutdown. `core` is the pool's PoolCore (or anything with list_leases() ->
 records with job_key and created_unix, release(job_key) -> bool, capacity() -> .total_units and
 add_capacity_listener(callback)). Slurm is reached with the Slurm client commands of the pool's
 host (squeue, scontrol; $SLURM_CONF or /etc/slurm/slurm.conf; munge).
@@ -48,6 +48,14 @@ def start_slurm_integration(core: Any, *, interval_seconds: float, grace_seconds
     log.info("rgpu-poold: Slurm reconciler every %g s (grace %g s)%s", interval_seconds, grace_seconds,
              ", license sync on" if sync else "")
     return SlurmIntegration(reconciler, sync)
+
+
+def start_from_settings(core: Any, settings: Any, log: logging.Logger) -> SlurmIntegration:
+    """The `rgpu.pool_plugins` entry point: the integration as the pool's settings configure it."""
+    return start_slurm_integration(core, interval_seconds=settings.slurm_reconcile_interval_seconds,
+                                   grace_seconds=settings.slurm_reconcile_grace_seconds,
+                                   cluster=settings.slurm_cluster, backend=settings.slurm_backend,
+                                   license_sync=settings.slurm_license_sync, log=log)
 
 
 def _cluster_lookup(env: Mapping[str, str] | None) -> Any:

@@ -121,7 +121,7 @@ class RgpuCluster:
         if not (self.root / "rgpu.toml").exists():
             self.write_config(down_after_seconds=3.0, heartbeat_interval_seconds=0.5,
                               reclaim_interval_seconds=0.5)
-        daemon = Daemon("rgpu-poold", [sys.executable, "-m", "rgpu.remoting.poold", "--listen", self.pool_address,
+        daemon = Daemon("rgpu-poold", [sys.executable, "-m", "rgpu.remoting.pool.daemon", "--listen", self.pool_address,
                                        "--state", str(self.state), *extra_args],
                         self.root / "poold.log", env or self.env()).start()
         self.pool = daemon
@@ -134,7 +134,7 @@ class RgpuCluster:
                          env: dict[str, str] | None = None) -> tuple[Daemon, int]:
         port = port or free_port()
         daemon = Daemon(f"rgpu-dispatcher:{port}",
-                        [sys.executable, "-m", "rgpu.remoting.dispatcher", "-p", str(port), "--host", "127.0.0.1",
+                        [sys.executable, "-m", "rgpu.remoting.dispatcher.daemon", "-p", str(port), "--host", "127.0.0.1",
                          "--advertise", "127.0.0.1", "--pool", self.pool_address, "--inventory", str(inventory),
                          *extra_args],
                         self.root / f"dispatcher-{port}.log", env or self.env()).start()
@@ -142,7 +142,7 @@ class RgpuCluster:
         return daemon, port
 
     def client(self):  # type: ignore[no-untyped-def]
-        from rgpu.remoting.pool_client import PoolClient
+        from rgpu.remoting.pool.client import PoolClient
         return PoolClient(self.pool_address, self.secret, timeout=5.0)
 
     def stop_all(self) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rgpu.adaptor import read_adaptor_conf
-from rgpu.remoting.pool_client import PoolClient
+from rgpu.remoting.pool.client import PoolClient
 from tests.daemons import RgpuCluster, wait_for
 from tests.test_pool_daemon import register
 
@@ -30,7 +30,7 @@ def cluster(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def admin(cluster: RgpuCluster, *args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
-    run = subprocess.run([sys.executable, "-m", "rgpu.admin", *args], env=cluster.env(), capture_output=True,
+    run = subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", *args], env=cluster.env(), capture_output=True,
                          text=True, timeout=60)
     if ok:
         assert run.returncode == 0, run.stderr
@@ -130,20 +130,20 @@ def test_health_drain_and_quota(cluster: RgpuCluster, tmp_path: Path) -> None:
 
 
 def test_unreachable_pool(cluster: RgpuCluster) -> None:
-    run = subprocess.run([sys.executable, "-m", "rgpu.admin", "--pool", "127.0.0.1:1", "health"],
+    run = subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", "--pool", "127.0.0.1:1", "health"],
                          env=cluster.env(), capture_output=True, text=True, timeout=60)
     assert run.returncode == 6 and run.stderr.startswith("rgpu: health: pool daemon at 127.0.0.1:1 is not serving")
 
 
 def test_secret_create(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, "-m", "rgpu.admin", "secret", "create", str(tmp_path / "s")],
+    run = subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", "secret", "create", str(tmp_path / "s")],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0 and oct((tmp_path / "s").stat().st_mode & 0o777) == "0o600"
 
 
 def test_health_flags_dispatchers_whose_workers_launch_in_python(cluster: RgpuCluster) -> None:
     from rgpu.model import GpuInfo, ServerInfo
-    from rgpu.remoting.convert import server_to_pb
+    from rgpu.remoting.pool.convert import server_to_pb
 
     with cluster.client() as client:
         for port, path in ((56010, "native"), (56011, "python (no C compiler found)")):

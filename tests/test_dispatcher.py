@@ -16,7 +16,8 @@ import pytest
 
 from rgpu.errors import RgpuError
 from rgpu.proto import rgpu_pb2 as pb
-from rgpu.remoting.dispatcher import Backoff, default_advertise, join_host_port, sane_interval
+from rgpu.remoting.dispatcher.daemon import default_advertise, join_host_port
+from rgpu.remoting.dispatcher.registration import Backoff, sane_interval
 from tests.daemons import EXAMPLES, Daemon, RgpuCluster, free_port, wait_for
 
 INVENTORY_A = EXAMPLES / "inventory-a.toml"
@@ -49,7 +50,7 @@ def cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
 def dispatcher_once(cluster: RgpuCluster, *args: str, env: dict[str, str] | None = None,
                     timeout: float = 30) -> subprocess.CompletedProcess[str]:
     """Run a dispatcher expected to exit at once (a startup error)."""
-    argv = [sys.executable, "-m", "rgpu.remoting.dispatcher", "--host", "127.0.0.1", "--advertise", "127.0.0.1",
+    argv = [sys.executable, "-m", "rgpu.remoting.dispatcher.daemon", "--host", "127.0.0.1", "--advertise", "127.0.0.1",
             "--pool", cluster.pool_address, *args]
     try:
         return subprocess.run(argv, env=env or cluster.env(), capture_output=True, text=True, timeout=timeout,
@@ -263,7 +264,7 @@ def test_killed_dispatcher_is_marked_down_and_comes_back(cluster: RgpuCluster) -
 @pytest.mark.integration
 def test_a_released_lease_loses_its_sessions_and_its_token(cluster: RgpuCluster) -> None:
     from rgpu.errors import AuthError
-    from rgpu.remoting import protocol
+    from rgpu.remoting.datapath import protocol
 
     cluster.start_pool()
     daemon, port = cluster.start_dispatcher(INVENTORY_A)

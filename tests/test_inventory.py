@@ -16,7 +16,7 @@ import pytest
 from rgpu import validate
 from rgpu.errors import ConfigError, RgpuError
 from rgpu.model import GpuInfo
-from rgpu.remoting.inventory import (DEFAULT_PORT_RANGE, EnvValue, NodeSettings, NvmlInventory, StaticInventory,
+from rgpu.remoting.dispatcher.inventory import (DEFAULT_PORT_RANGE, EnvValue, NodeSettings, NvmlInventory, StaticInventory,
                                      apply_memory_limit, cuda_version_string, parse_inventory, parse_memory_limit,
                                      read_node_settings, select_gpus, served_gpus)
 

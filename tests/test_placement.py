@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rgpu.errors import CapacityError, InvalidRequest
-from rgpu.placement import GpuSlot, SliceRequest, percent_of_fraction, place
+from rgpu.remoting.pool.placement import GpuSlot, SliceRequest, percent_of_fraction, place
 
 GiB = 2**30
 

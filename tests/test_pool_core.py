@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from rgpu import tokens
 from rgpu.errors import CapacityError, InvalidRequest, NotFound, PermissionDenied
 from rgpu.model import GpuInfo, ServerInfo
-from rgpu.remoting.pool_core import AllocationRequest, PoolCore
-from rgpu.remoting.store import Store
+from rgpu.remoting.pool.rules import AllocationRequest, PoolCore
+from rgpu.remoting.pool.store import Store
 
 GiB = 2**30
 SECRET = b"s" * 32

@@ -13,8 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rgpu.errors import AuthError, Unavailable
 from rgpu.model import GpuInfo, ServerInfo
-from rgpu.remoting.convert import server_to_pb
-from rgpu.remoting.pool_client import PoolClient
+from rgpu.remoting.pool.convert import server_to_pb
+from rgpu.remoting.pool.client import PoolClient
 from tests.daemons import RgpuCluster, free_port, wait_for
 
 pytestmark = pytest.mark.integration
@@ -110,12 +110,12 @@ def test_calls_without_the_secret_are_refused_but_health_is_open(cluster: RgpuCl
 
 def test_missing_secret_and_busy_port_are_one_line_errors(cluster: RgpuCluster, tmp_path: Path) -> None:
     env = cluster.env(RGPU_SECRET_FILE=str(tmp_path / "nope"))
-    run = subprocess.run([sys.executable, "-m", "rgpu.remoting.poold", "--listen", f"127.0.0.1:{free_port()}",
+    run = subprocess.run([sys.executable, "-m", "rgpu.remoting.pool.daemon", "--listen", f"127.0.0.1:{free_port()}",
                           "--state", str(tmp_path / "x.db")], env=env, capture_output=True, text=True, timeout=30)
     assert run.returncode != 0
     assert run.stderr.strip().splitlines()[-1].startswith("rgpu: secret: secret file")
     cluster.start_pool()
-    run = subprocess.run([sys.executable, "-m", "rgpu.remoting.poold", "--listen", cluster.pool_address,
+    run = subprocess.run([sys.executable, "-m", "rgpu.remoting.pool.daemon", "--listen", cluster.pool_address,
                           "--state", str(tmp_path / "y.db")], env=cluster.env(), capture_output=True, text=True,
                          timeout=30)
     assert run.returncode != 0 and "rgpu: poold: cannot listen on" in run.stderr

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from rgpu.slurm_plugin import prolog_main
-from rgpu.slurm_plugin.prolog_logic import (
+from rgpu.prolog import main as prolog_main
+from rgpu.prolog.logic import (
     epilog_slurmctld,
     node_epilog,
     node_prolog,

@@ -336,7 +336,7 @@ def validate(cuda: Spec, exports: list[str], nvml: Spec, nvml_exports: list[str]
             raise SystemExit(f"rgpu: generate: {f.name} (nvml.spec line {f.line}) is not in nvml_exports.txt")
     if cuda.protocol_version != nvml.protocol_version:
         raise SystemExit("rgpu: generate: cuda.spec and nvml.spec name different protocol versions")
-    from rgpu.remoting.protocol import PROTOCOL_VERSION
+    from rgpu.remoting.datapath.protocol import PROTOCOL_VERSION
     if cuda.protocol_version != PROTOCOL_VERSION:
         raise SystemExit(f"rgpu: generate: cuda.spec says protocol_version {cuda.protocol_version} but "
                          f"protocol.py says {PROTOCOL_VERSION}; make them equal")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from rgpu.remoting.native import build
-from rgpu.remoting.sessions import SessionServer
+from rgpu.remoting.dispatcher.sessions import SessionServer
 
 from rgpu import tokens
 from rgpu.model import GpuInfo

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from rgpu.remoting import flexrun
+from rgpu.remoting.client import flexrun
 from rgpu.remoting.native import build
 
 from rgpu.adaptor import AdaptorConf, AdaptorSlice, write_adaptor_conf
@@ -32,7 +32,7 @@ def run_flexrun(args: list[str], native_libs: build.Libraries, env_extra: dict[s
     env["RGPU_NATIVE_DIR"] = str(native_libs.folder)
     env["HOME"] = str(Path(env.get("TMPDIR", "/tmp")) / "flexrun-test-home-none")
     env.update(env_extra or {})
-    return subprocess.run([PY, "-m", "rgpu.remoting.flexrun", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([PY, "-m", "rgpu.remoting.client.flexrun", *args], env=env, capture_output=True, text=True,
                           timeout=timeout, **kw, check=False)  # type: ignore[arg-type]
 
 
@@ -69,7 +69,7 @@ def test_signals_reach_the_application(native_libs: build.Libraries, emulated: S
     conf = conf_for(emulated, tmp_path / "adaptor.conf", emulated.token())
     env = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
     env["RGPU_NATIVE_DIR"] = str(native_libs.folder)
-    proc = subprocess.Popen([PY, "-m", "rgpu.remoting.flexrun", "-f", str(conf), "--", "sh", "-c",
+    proc = subprocess.Popen([PY, "-m", "rgpu.remoting.client.flexrun", "-f", str(conf), "--", "sh", "-c",
                              "trap 'echo term; exit 5' TERM; echo up; while :; do sleep 0.05; done"],
                             env=env, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
@@ -159,7 +159,7 @@ def test_native_build_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
 @pytest.mark.integration
 def test_flexrun_asks_the_pool_and_releases(native_libs: build.Libraries, tmp_path: Path) -> None:
-    pytest.importorskip("rgpu.remoting.poold")
+    pytest.importorskip("rgpu.remoting.pool.daemon")
     from tests.daemons import RgpuCluster, wait_for
     inventory = EXAMPLES.parent / "inventory-a.toml"
     if not inventory.exists():
@@ -171,7 +171,7 @@ def test_flexrun_asks_the_pool_and_releases(native_libs: build.Libraries, tmp_pa
         with cluster.client() as client:
             wait_for(lambda: len(client.list_gpus()) > 0, what="the dispatcher to register")
         env = cluster.env(RGPU_NATIVE_DIR=str(native_libs.folder))
-        done = subprocess.run([PY, "-m", "rgpu.remoting.flexrun", "-n", "1", "-p", "0.5", "--", PY, "-c", textwrap.dedent(f"""
+        done = subprocess.run([PY, "-m", "rgpu.remoting.client.flexrun", "-n", "1", "-p", "0.5", "--", PY, "-c", textwrap.dedent(f"""
             import sys; sys.path.insert(0, {str(HERE)!r})
             from ctcuda import *
             setup()
@@ -201,7 +201,7 @@ def test_nvidia_smi_shows_the_slice(native_libs: build.Libraries, emulated: Serv
 
 def test_which_smi_runs(tmp_path: Path) -> None:
     from rgpu.errors import ConfigError
-    from rgpu.remoting.flexrun import use_rgpu_smi
+    from rgpu.remoting.client.flexrun import use_rgpu_smi
 
     tool = tmp_path / "nvidia-smi"
     tool.write_text("#!/bin/sh\n")

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from rgpu.remoting import api_gen, protocol
+from rgpu.remoting import api_gen
+from rgpu.remoting.datapath import protocol
 from rgpu.remoting.native import apispec, build, generate
 
 # Changing cuda.spec or nvml.spec changes the wire protocol. When you change them on purpose,

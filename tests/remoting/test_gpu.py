@@ -66,7 +66,7 @@ def flexrun(libs: build.Libraries, server: Server, tmp: Path, argv: list[str], *
     env = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
     env.update({"RGPU_NATIVE_DIR": str(libs.folder), "PYTHONUNBUFFERED": "1", "RGPU_LOG": "info"})
     env.update(extra_env or {})
-    done = subprocess.run([PY, "-m", "rgpu.remoting.flexrun", "-f", str(conf), "--", *argv], env=env,
+    done = subprocess.run([PY, "-m", "rgpu.remoting.client.flexrun", "-f", str(conf), "--", *argv], env=env,
                           capture_output=True, text=True, timeout=timeout, check=False)
     (OUT / f"gpu-{name}.log").write_text(f"$ flexrun {' '.join(argv)}\nexit {done.returncode}\n--- stdout\n"
                                           f"{done.stdout}\n--- stderr\n{done.stderr}\n")
@@ -279,7 +279,7 @@ def test_two_sessions_on_one_gpu_each_held_to_its_slice(native_libs: build.Libra
         conf = write_adaptor_conf(tmp_path / f"{name}.conf", AdaptorConf(job_id=f"job-{name}", user="tester", slices=(
             AdaptorSlice(server=gpu_server.address, gpu_uuid=gpu_server.gpus[0].uuid, gpu_index=0, memory_limit_bytes=memory,
                          compute_percent=percent, token=gpu_server.token(memory_limit=memory, compute_percent=percent)),)))
-        procs.append((memory, subprocess.Popen([PY, "-m", "rgpu.remoting.flexrun", "-f", str(conf), "--", *code], env=env,
+        procs.append((memory, subprocess.Popen([PY, "-m", "rgpu.remoting.client.flexrun", "-f", str(conf), "--", *code], env=env,
                                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)))
     time.sleep(1.0)
     sessions = gpu_server.server.status()["sessions"]

@@ -17,10 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from rgpu.remoting import api_gen, protocol
-from rgpu.remoting.backends.emulated import EmulatedBackend
+from rgpu.remoting import api_gen
+from rgpu.remoting.datapath import protocol
+from rgpu.remoting.datapath.backends.emulated import EmulatedBackend
 from rgpu.remoting.native import build
-from rgpu.remoting.worker import NativeLaunches, SessionSpec, Worker
+from rgpu.remoting.datapath.worker.loop import Worker
+from rgpu.remoting.datapath.worker.native_loop import NativeLaunches
+from rgpu.remoting.datapath.worker.spec import SessionSpec
 
 from tests.remoting.conftest import Server
 

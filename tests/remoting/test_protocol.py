@@ -8,7 +8,7 @@ import textwrap
 import threading
 
 import pytest
-from rgpu.remoting import protocol
+from rgpu.remoting.datapath import protocol
 from rgpu.remoting.native import build
 
 from rgpu.errors import AuthError

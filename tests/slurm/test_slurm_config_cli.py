@@ -59,7 +59,7 @@ def test_unreachable_pool_is_one_line(tmp_path: Path) -> None:
 
 
 def test_is_a_command_of_rgpu_admin(pool: RgpuCluster) -> None:
-    from rgpu.admin import main
+    from rgpu.remoting.admin.cli import main
 
     result = CliRunner().invoke(main, ["slurm-config", "--section", "job_submit_rgpu.conf"], env=pool.env())
     assert result.exit_code == 0, result.output

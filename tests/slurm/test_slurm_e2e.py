@@ -308,8 +308,8 @@ def test_pool_daemon_hooks_reconcile_and_sync_licenses(h: Harness, tmp_path: Pat
 
     from rgpu.config import Settings
     from rgpu.model import GpuInfo, ServerInfo
-    from rgpu.remoting.pool_core import AllocationRequest
-    from rgpu.remoting.poold import running_pool
+    from rgpu.remoting.pool.rules import AllocationRequest
+    from rgpu.remoting.pool.daemon import running_pool
     from rgpu.slurm_plugin.licenses import ReservationPlan, SlurmLicenses
     from rgpu.slurm_plugin.poolhooks import start_slurm_integration
 

@@ -6,7 +6,7 @@ forces it, RGPU_SMI=nvidia forces NVIDIA's binary). It prints the familiar table
 `--query-gpu=... --format=csv[,noheader][,nounits]`, from the public NVML calls that every NVML
 application uses; memory is the slice's.
 
-    python -m rgpu.remoting.smi [-L] [--query-gpu=FIELDS --format=csv[,noheader][,nounits]] [-i N]
+    python -m rgpu.remoting.client.smi [-L] [--query-gpu=FIELDS --format=csv[,noheader][,nounits]] [-i N]
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def query(gpus: list[Gpu], fields: list[str], fmt: str) -> str:
         try:
             lines.append(", ".join(gpu.field(f, units) for f in fields))
         except KeyError as exc:
-            raise SystemExit(f"rgpu: smi: field {exc} is not supported (supported: see `python -m rgpu.remoting.smi -h`)") from None
+            raise SystemExit(f"rgpu: smi: field {exc} is not supported (supported: see `python -m rgpu.remoting.client.smi -h`)") from None
     return "\n".join(lines)
 
 

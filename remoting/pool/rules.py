@@ -16,8 +16,8 @@ from rgpu import tokens, validate
 from rgpu.errors import CapacityError, InvalidRequest, NotFound, PermissionDenied
 from rgpu.live_leases import LiveLeases
 from rgpu.model import LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
-from rgpu.placement import GpuSlot, SliceRequest, place
-from rgpu.remoting.store import Store
+from rgpu.remoting.pool.placement import GpuSlot, SliceRequest, place
+from rgpu.remoting.pool.store import Store
 
 log = logging.getLogger("rgpu-poold")
 

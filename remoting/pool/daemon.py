@@ -19,19 +19,18 @@ import click
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from rgpu import __version__
-from rgpu.auth import ServerAuth
+from rgpu import __version__, plugins
+from rgpu.remoting.pool.auth import ServerAuth
 from rgpu.config import Settings, load_settings
 from rgpu.errors import (AuthError, CapacityError, ConfigError, InvalidRequest, NotFound, PermissionDenied,
                          RgpuError)
 from rgpu.model import LeaseRecord
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
-from rgpu.remoting.convert import gpu_to_pb, live_to_pb, server_from_pb, server_to_pb
-from rgpu.remoting.pool_core import AllocationRequest, PoolCore
-from rgpu.remoting.store import Store
+from rgpu.remoting.pool.convert import gpu_to_pb, live_to_pb, server_from_pb, server_to_pb
+from rgpu.remoting.pool.rules import AllocationRequest, PoolCore
+from rgpu.remoting.pool.store import Store
 from rgpu.secret import load_secret
-from rgpu.slurm_plugin.poolhooks import start_slurm_integration
 
 log = logging.getLogger("rgpu-poold")
 
@@ -206,18 +205,18 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
     stop = threading.Event()
     maintenance = threading.Thread(target=_maintenance_loop, name="maintenance", daemon=True,
                                    args=(core, min(settings.reclaim_interval_seconds, settings.down_after_seconds / 3), stop))
-    server.start()
-    maintenance.start()
-    slurm = start_slurm_integration(core, interval_seconds=settings.slurm_reconcile_interval_seconds,
-                                    grace_seconds=settings.slurm_reconcile_grace_seconds,
-                                    cluster=settings.slurm_cluster, backend=settings.slurm_backend,
-                                    license_sync=settings.slurm_license_sync, log=log)
+    # Components that ride on the pool (the Slurm integration) plug in through entry points.
+    running = [start(core, settings, log) for _name, start in plugins.load(plugins.POOL_PLUGINS)]
     for service in ("", "rgpu.v1.Pool"):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    # Serving only once everything is ready: a client that connects may call at once.
+    server.start()
+    maintenance.start()
     try:
         yield port, core
     finally:
-        slurm.stop()
+        for plugin in running:
+            plugin.stop()
         health_servicer.enter_graceful_shutdown()
         stop.set()
         server.stop(grace=2).wait()

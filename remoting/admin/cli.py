@@ -11,14 +11,14 @@ import json
 import secrets
 import sys
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Sequence
 
 import click
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tabulate import tabulate
 
-from rgpu import __version__
+from rgpu import __version__, plugins
 from rgpu.adaptor import read_adaptor_conf, write_adaptor_conf
 from rgpu.config import Settings, load_settings
 from rgpu.errors import InvalidRequest, RgpuError, Unavailable
@@ -33,7 +33,7 @@ class Context:
     json_output: bool
 
     def client(self):  # type: ignore[no-untyped-def]
-        from rgpu.remoting.pool_client import PoolClient
+        from rgpu.remoting.pool.client import PoolClient
 
         s = self.settings
         return PoolClient(s.pool, load_secret(s.secret_file), tls_ca_file=s.tls_ca_file or None,
@@ -149,7 +149,7 @@ def request_gpus(ctx: Context, count: int, fraction: float | None, memory: str |
                  output: str, user: str | None, account: str, job_key: str | None, gpu_model: str,
                  server: str, min_memory: str | None) -> None:
     """Lease GPU slices outside Slurm and write their adaptor.conf (mode 0600)."""
-    from rgpu.remoting.convert import lease_to_adaptor
+    from rgpu.remoting.pool.convert import lease_to_adaptor
 
     if (fraction is None) == (memory is None):
         raise InvalidRequest("admin", "give exactly one of -p FRACTION or -m SIZE", "", "e.g. -p 0.5 or -m 8G")
@@ -248,7 +248,7 @@ def quota_show(ctx: Context) -> None:
 
 def _pool_serving(settings: Settings) -> str | None:
     """None when the pool's standard gRPC health service says SERVING, else why not."""
-    from rgpu.remoting.pool_client import open_channel
+    from rgpu.remoting.pool.client import open_channel
 
     channel = open_channel(settings.pool, settings.tls_ca_file or None, settings.tls_server_name or None)
     try:
@@ -321,20 +321,9 @@ def secret_create(path: str, force: bool) -> None:
     click.echo(f"wrote {created} (mode 0600); copy it to every rgpu host, readable only by rgpu's user")
 
 
-def _register_optional_commands(group: click.Group, modules: Iterable[str]) -> None:
-    """Commands contributed by other components (e.g. slurm-config) join when importable."""
-    import importlib
-    import importlib.util
-
-    for module_name in modules:
-        if importlib.util.find_spec(module_name) is None:
-            continue
-        module = importlib.import_module(module_name)
-        for command in getattr(module, "ADMIN_COMMANDS", ()):
-            group.add_command(command)
-
-
-_register_optional_commands(main, ["rgpu.slurm_plugin.cli"])
+# Commands other components contribute (slurm-config) join through entry points.
+for _name, _command in plugins.load(plugins.ADMIN_COMMANDS):
+    main.add_command(_command)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def log_line(script: str, env: Mapping[str, str], message: str) -> None:
 
 def connect_pool(env: Mapping[str, str]) -> Any:
     """A PoolClient from rgpu settings (RGPU_CONFIG / RGPU_POOL / RGPU_SECRET_FILE / rgpu.toml)."""
-    from rgpu.remoting.pool_client import PoolClient
+    from rgpu.remoting.pool.client import PoolClient
 
     from rgpu.config import load_settings
     from rgpu.secret import load_secret
@@ -51,7 +51,7 @@ def _describe(exc: BaseException) -> str:
 def prolog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
     """0: leases allocated (or no rgpu asked); 1: failed, Slurm requeues the job (no node drained)."""
     from rgpu.slurm_plugin import scontrol
-    from rgpu.slurm_plugin.prolog_logic import prolog_slurmctld
+    from rgpu.prolog.logic import prolog_slurmctld
 
     env = os.environ if env is None else env
     started = time.monotonic()
@@ -69,7 +69,7 @@ def prolog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
 
 def prolog_main(env: Mapping[str, str] | None = None) -> int:
     """Always 0: an rgpu problem must never drain a node. Failures go to <run dir>/<job>/error."""
-    from rgpu.slurm_plugin.prolog_logic import node_prolog, record_node_error
+    from rgpu.prolog.logic import node_prolog, record_node_error
 
     env = os.environ if env is None else env
     try:
@@ -84,7 +84,7 @@ def prolog_main(env: Mapping[str, str] | None = None) -> int:
 def epilog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
     """0: released (or nothing to release); 1: the pool could not be asked (Slurm only logs it;
     the reconciler releases the lease later)."""
-    from rgpu.slurm_plugin.prolog_logic import epilog_slurmctld
+    from rgpu.prolog.logic import epilog_slurmctld
 
     env = os.environ if env is None else env
     try:
@@ -99,7 +99,7 @@ def epilog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
 
 def epilog_main(env: Mapping[str, str] | None = None) -> int:
     """Always 0: a failing node Epilog would drain the node."""
-    from rgpu.slurm_plugin.prolog_logic import node_epilog
+    from rgpu.prolog.logic import node_epilog
 
     env = os.environ if env is None else env
     try:
@@ -118,10 +118,10 @@ ENTRY_POINTS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m rgpu.slurm_plugin.prolog_main CONTEXT`: the same entry points by name."""
+    """`python -m rgpu.prolog.main CONTEXT`: the same entry points by name."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1 or args[0] not in ENTRY_POINTS:
-        print(f"usage: python -m rgpu.slurm_plugin.prolog_main {{{','.join(ENTRY_POINTS)}}}", file=sys.stderr)
+        print(f"usage: python -m rgpu.prolog.main {{{','.join(ENTRY_POINTS)}}}", file=sys.stderr)
         return 2
     return ENTRY_POINTS[args[0]]()
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from rgpu.remoting.api_gen import CUDA_ARGTYPES, CudaDriverCalls, bind
-from rgpu.remoting.backends.base import (
+from rgpu.remoting.datapath.backends.base import (
     INVALID_HANDLE,
     INVALID_VALUE,
     NOT_SUPPORTED,

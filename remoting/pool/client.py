@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 
-from rgpu.auth import AUTH_HEADER, request_credential
+from rgpu.remoting.pool.auth import AUTH_HEADER, request_credential
 from rgpu.errors import (AuthError, CapacityError, ConfigError, InvalidRequest, NotFound, PermissionDenied, RgpuError,
                          Unavailable)
 from rgpu.proto import rgpu_pb2 as pb

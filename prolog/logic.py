@@ -1,4 +1,4 @@
-"""What rgpu's Slurm prologs and epilogs do. Entry points (prolog_main.py) only map errors to
+"""What rgpu's Slurm prologs and epilogs do. Entry points (main.py) only map errors to
 exit codes; the contracts are written down in prolog/README.md.
 
 The pool is passed in (anything with PoolClient's allocate / release / get_lease / list_leases),

@@ -4,7 +4,7 @@ The dispatcher binds its TCP port (the `server` of adaptor.conf) and hands the l
 here. For each connection the acceptor reads HELLO, checks the protocol version (refusing a
 mismatch with a message naming both versions) and the lease token (offline, with the cluster
 secret: signature, expiry, this dispatcher, one of its GPUs), then starts
-`python -m rgpu.remoting.worker` with the accepted socket inherited as a file descriptor.
+`python -m rgpu.remoting.datapath.worker` with the accepted socket inherited as a file descriptor.
 
 Data path choice: fd inheritance, not a redirect to a port of `port_range`. The client keeps the
 one connection it opened, so nothing but the dispatcher's port must be open in firewalls, and no
@@ -32,8 +32,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rgpu.remoting import protocol
-from rgpu.remoting.mps import MpsDaemon
+from rgpu.remoting.datapath import protocol
+from rgpu.remoting.dispatcher.mps import MpsDaemon
 
 from rgpu import tokens
 from rgpu.errors import AuthError
@@ -285,7 +285,7 @@ class SessionServer:
             if mode == "cuda":
                 env.update(self.mps.client_env(claims.compute_percent))
         fd = conn.fileno()
-        popen = subprocess.Popen([sys.executable, "-m", "rgpu.remoting.worker", "--fd", str(fd)],
+        popen = subprocess.Popen([sys.executable, "-m", "rgpu.remoting.datapath.worker", "--fd", str(fd)],
                                  pass_fds=[fd], env=env, stdin=subprocess.DEVNULL, close_fds=True)
         rec = SessionRecord(pid=popen.pid, job_key=claims.job_key, slice_number=claims.slice_number,
                             gpu_uuid=gpu.uuid, mode=mode, client=peer,

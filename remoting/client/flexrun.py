@@ -16,7 +16,7 @@ libcuda.so.1 and libnvidia-ml.so.1 first on LD_LIBRARY_PATH, passes the slices i
 ("host:port,token;..."), and runs the application: stdin, stdout, stderr, signals and the exit
 status pass through (with an adaptor.conf flexrun replaces itself with the application).
 `flexrun -- nvidia-smi ...` runs NVIDIA's nvidia-smi on rgpu's NVML where it is installed, and
-rgpu's NVML-based view of the slices (remoting/smi.py) on nodes without it (CPU nodes usually have
+rgpu's NVML-based view of the slices (remoting/client/smi.py) on nodes without it (CPU nodes usually have
 no NVIDIA driver tools). RGPU_SMI=nvidia or RGPU_SMI=rgpu picks one.
 
 Exit codes of flexrun's own failures: 2 configuration, 3 no capacity, 4 token or permission,
@@ -105,7 +105,7 @@ class Lease:
     """Slices requested from the pool for this run only; released when the run ends."""
 
     def __init__(self, count: int, fraction: float, servers: list[str]) -> None:
-        from rgpu.remoting.pool_client import PoolClient
+        from rgpu.remoting.pool.client import PoolClient
 
         from rgpu.config import load_settings
         from rgpu.secret import load_secret
@@ -139,7 +139,7 @@ class Lease:
 
 def probe_all(slices: list[Slice], timeout: float) -> None:
     """Open (and close) a probe session to every slice; raise the first failure."""
-    from rgpu.remoting.protocol import probe
+    from rgpu.remoting.datapath.protocol import probe
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(16, len(slices))) as pool:
         futures = [pool.submit(probe, s.server, s.token, timeout) for s in slices]
         for fut in futures:
@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         libs = ensure_built()
         env = build_env(slices, libs.folder)
         if os.path.basename(args.command[0]) == "nvidia-smi" and use_rgpu_smi(env):
-            args.command = [sys.executable, "-m", "rgpu.remoting.smi", *args.command[1:]]
+            args.command = [sys.executable, "-m", "rgpu.remoting.client.smi", *args.command[1:]]
         if shutil.which(args.command[0], path=env.get("PATH")) is None and os.sep not in args.command[0]:
             raise ConfigError("flexrun", f"command not found: {args.command[0]}", "", "check the command and PATH")
         if lease is None:

@@ -16,7 +16,7 @@ import uuid as uuidlib
 from collections.abc import Iterator
 from typing import Any
 
-from rgpu.remoting.backends.base import (
+from rgpu.remoting.datapath.backends.base import (
     INVALID_CONTEXT,
     INVALID_HANDLE,
     INVALID_IMAGE,

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rgpu.remoting.api_gen import NVML_ARGTYPES, NvmlCalls, bind
-from rgpu.remoting.backends.base import (
+from rgpu.remoting.datapath.backends.base import (
     NVML_ERROR_NOT_SUPPORTED,
     NVML_SUCCESS,
     CudaError,

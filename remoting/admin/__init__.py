@@ -1,0 +1,1 @@
+"""rgpu-admin: the operators' command line."""

@@ -1,0 +1,1 @@
+"""Client tools on CPU nodes: flexrun and smi."""

@@ -1,0 +1,52 @@
+"""Encoding helpers shared by the worker's handlers: length-prefixed strings, option lists,
+function parameter layouts, and the fixed request layouts."""
+
+from __future__ import annotations
+
+import struct
+
+from rgpu.remoting.datapath import protocol
+
+from rgpu.remoting.datapath.backends.base import FnInfo
+
+U64 = struct.Struct("<Q")
+U32 = struct.Struct("<I")
+I32 = struct.Struct("<i")
+LAUNCH = struct.Struct("<QQ12I")      # f, stream, grid[3], block[3], shmem, coop, nattrs, argsize, pad, pad
+COPY = struct.Struct("<QQQ")          # address, stream, size
+ALLOC = struct.Struct("<QQQQI")       # size, a, b, height, elem
+LAUNCH_ATTR_SIZE = 72
+HEADER = protocol.HEADER
+
+
+def lp(data: bytes) -> bytes:
+    return U32.pack(len(data)) + data
+
+
+def take_str(buf: memoryview, off: int) -> tuple[str, int]:
+    (n,) = U32.unpack_from(buf, off)
+    off += 4
+    return bytes(buf[off:off + n]).decode("utf-8", "replace"), off + n
+
+
+def fn_bytes(fn: FnInfo) -> bytes:
+    name = fn.name.encode()
+    out = [U64.pack(fn.handle), U32.pack(len(name)), name, U32.pack(len(fn.params))]
+    out.extend(struct.pack("<II", o, s) for o, s in fn.params)
+    return b"".join(out)
+
+
+def fn_without_handle(fn: FnInfo) -> bytes:
+    return fn_bytes(fn)[8:]
+
+
+def read_options(buf: memoryview, off: int) -> tuple[list[tuple[int, int]], int]:
+    (n,) = U32.unpack_from(buf, off)
+    off += 4
+    out = []
+    for _ in range(n):
+        opt, value = struct.unpack_from("<iQ", buf, off)
+        off += 12
+        out.append((opt, value))
+    return out, off
+

@@ -1,0 +1,218 @@
+"""The worker's hand-written handlers (contexts, memory, copies, modules, launches, session info).
+Each takes (payload, payload address, seq) and returns (CUresult, reply payload), or None for
+async operations. Generated handlers live in api_gen; the dispatch table is in loop.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from rgpu.remoting.datapath import protocol
+from rgpu.remoting.datapath.backends.base import INVALID_VALUE, SUCCESS, CudaError, LoadResult, SliceMemory
+from rgpu.remoting.datapath.worker.codecs import (ALLOC, COPY, HEADER, LAUNCH, LAUNCH_ATTR_SIZE, U32, U64, fn_bytes,
+                                                  fn_without_handle, lp, read_options, take_str)
+from rgpu.remoting.datapath.worker.native_loop import NativeLaunches
+from rgpu.remoting.datapath.worker.spec import SessionSpec
+
+
+class Handlers:
+    """Mixed into the Worker, which owns these attributes."""
+
+    sock: socket.socket
+    backend: Any
+    spec: SessionSpec
+    memory: SliceMemory | None
+    current_ctx: int | None
+    native_launches: NativeLaunches | None
+
+    # ------------------------------------------------------------------ contexts
+
+    def h_init(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        return SUCCESS, b""
+
+    def h_total_mem(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        total = self.backend.total_mem()
+        limit = self.memory.limit if self.memory else total
+        return SUCCESS, U64.pack(min(total, limit))
+
+    def h_primary_retain(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        ctx = self.backend.primary_ctx_retain()
+        return SUCCESS, U64.pack(ctx)
+
+    def h_ctx_create(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        flags, _dev, _has_params = struct.unpack_from("<IiI", p, 0)
+        ctx = self.backend.ctx_create(flags)
+        self.current_ctx = ctx  # a new context is current on the creating thread
+        return SUCCESS, U64.pack(ctx)
+
+    def h_ctx_destroy(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        (ctx,) = U64.unpack_from(p, 0)
+        self.backend.ctx_destroy(ctx)
+        self.current_ctx = None  # whatever the driver made current now, set it again next time
+        return SUCCESS, b""
+
+    # ------------------------------------------------------------------ memory
+
+    def h_alloc(self, kind: str) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
+        def run(p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+            size, a, b, height, elem = ALLOC.unpack_from(p, 0)
+            counted = size * max(height, 1) if kind == "pitch" else size
+            assert self.memory is not None
+            self.memory.check(counted)
+            ptr, pitch = self.backend.mem_alloc(kind, size, a, b, height, elem)
+            if kind == "pitch":
+                counted = pitch * height
+            self.memory.add(ptr, counted)
+            return SUCCESS, struct.pack("<QQ", ptr, pitch)
+        return run
+
+    def h_free(self, is_async: bool) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
+        def run(p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+            ptr, stream = struct.unpack_from("<QQ", p, 0)
+            self.backend.mem_free(ptr, stream, is_async)
+            if self.memory is not None:
+                self.memory.remove(ptr)
+            return SUCCESS, b""
+        return run
+
+    def h_mem_info(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        gpu_free, gpu_total = self.backend.mem_info()
+        assert self.memory is not None
+        total = min(self.memory.limit, gpu_total)
+        free = min(self.memory.free_bytes(), gpu_free)
+        return SUCCESS, struct.pack("<QQ", free, total)
+
+    def h_pool_attribute(self, set_it: bool) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
+        def run(p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+            pool, attr, value = struct.unpack_from("<QiQ", p, 0)
+            out = self.backend.mem_pool_attribute(pool, attr, value, set_it)
+            return SUCCESS, U64.pack(out)
+        return run
+
+    def h_htod(self, p: memoryview, address: int, seq: int) -> None:
+        dst, stream, size = COPY.unpack_from(p, 0)
+        data = p[24:24 + size]
+        if len(data) != size:
+            raise CudaError(INVALID_VALUE, "rgpu: worker: truncated host-to-device copy")
+        self.backend.htod(dst, stream, data, address + 24)
+
+    def h_dtoh(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        src, stream, size = COPY.unpack_from(p, 0)
+        for chunk in self.backend.dtoh_chunks(src, stream, size, protocol.CHUNK_BYTES):
+            self.sock.sendmsg([HEADER.pack(len(chunk), protocol.OP_DATA, 0, 0, 0, 0), chunk])
+        return SUCCESS, b""
+
+    def h_dtod_2d(self, p: memoryview, address: int, seq: int) -> None:
+        dst, dpitch, src, spitch, width, height, stream = struct.unpack_from("<7Q", p, 0)
+        self.backend.dtod_2d(dst, dpitch, src, spitch, width, height, stream)
+
+    def h_pointer_attribute(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        attr, ptr = struct.unpack_from("<iQ", p, 0)
+        return SUCCESS, lp(self.backend.pointer_attribute(attr, ptr))
+
+    def h_pointer_attributes(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        (n,) = U32.unpack_from(p, 0)
+        attrs = struct.unpack_from(f"<{n}i", p, 4)
+        (ptr,) = U64.unpack_from(p, 4 + 4 * n)
+        out = []
+        for attr in attrs:
+            try:
+                out.append(lp(self.backend.pointer_attribute(attr, ptr)))
+            except CudaError:
+                out.append(lp(b"\0" * 8))  # cuPointerGetAttributes fills, rather than fails
+        return SUCCESS, b"".join(out)
+
+    # ------------------------------------------------------------------ modules
+
+    def _load_reply(self, res: LoadResult, with_functions: bool) -> bytes:
+        parts = [U64.pack(res.handle), U32.pack(len(res.option_values))]
+        parts.extend(U64.pack(v & 0xFFFFFFFFFFFFFFFF) for v in res.option_values)
+        parts += [lp(res.info_log), lp(res.error_log)]
+        if with_functions:
+            parts.append(U32.pack(len(res.functions)))
+            parts.extend(fn_bytes(fn) for fn in res.functions)
+        return b"".join(parts)
+
+    def h_load(self, kind: str) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
+        def run(p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+            options, off = read_options(p, 0)
+            lib_options, off = read_options(p, off)
+            (size,) = U64.unpack_from(p, off)
+            off += 8
+            image = bytes(p[off:off + size])
+            res = self.backend.load(kind, image, options, lib_options)
+            code = getattr(res, "code", SUCCESS)
+            return code, self._load_reply(res, code == SUCCESS)
+        return run
+
+    def h_get_function(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        (module,) = U64.unpack_from(p, 0)
+        name, _ = take_str(p, 8)
+        return SUCCESS, fn_bytes(self.backend.get_function(module, name))
+
+    def h_param_info(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        (handle,) = U64.unpack_from(p, 0)
+        return SUCCESS, fn_without_handle(self.backend.param_info(handle))
+
+    def h_unload(self, kind: str) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
+        def run(p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+            (handle,) = U64.unpack_from(p, 0)
+            self.backend.unload(kind, handle)
+            return SUCCESS, b""
+        return run
+
+    def h_link_create(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        options, _ = read_options(p, 0)
+        return SUCCESS, U64.pack(self.backend.link_create(options))
+
+    def h_link_add(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        state, kind = struct.unpack_from("<Qi", p, 0)
+        name, off = take_str(p, 12)
+        options, off = read_options(p, off)
+        (size,) = U64.unpack_from(p, off)
+        off += 8
+        code, info, error = self.backend.link_add(state, kind, name, options, bytes(p[off:off + size]))
+        return code, lp(info) + lp(error)
+
+    def h_link_complete(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        (state,) = U64.unpack_from(p, 0)
+        code, info, error, cubin = self.backend.link_complete(state)
+        body = lp(info) + lp(error)
+        if code == SUCCESS:
+            body += U64.pack(len(cubin)) + cubin
+        return code, body
+
+    def h_link_destroy(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        (state,) = U64.unpack_from(p, 0)
+        self.backend.link_destroy(state)
+        return SUCCESS, b""
+
+    # ------------------------------------------------------------------ launches
+
+    def h_launch(self, p: memoryview, address: int, seq: int) -> None:
+        f, stream, gx, gy, gz, bx, by, bz, shmem, coop, nattrs, argsize, _, _ = LAUNCH.unpack_from(p, 0)
+        off = LAUNCH.size
+        attrs = bytes(p[off:off + nattrs * LAUNCH_ATTR_SIZE]) if nattrs else b""
+        off += nattrs * LAUNCH_ATTR_SIZE
+        self.backend.launch(f, stream, (gx, gy, gz), (bx, by, bz), shmem, bool(coop), attrs,
+                            p[off:off + argsize], address + off)
+
+    def h_potential_block_size(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        f, smem, limit, flags = struct.unpack_from("<QQiI", p, 0)
+        min_grid, block = self.backend.max_potential_block_size(f, smem, limit, flags)
+        return SUCCESS, struct.pack("<ii", min_grid, block)
+
+    def h_session_info(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        info = {"memory_limit": self.memory.limit if self.memory else 0,
+                "memory_used": self.memory.used if self.memory else 0,
+                "compute_percent": self.spec.compute_percent,
+                "compute_enforcement": self.spec.compute_enforcement,
+                "backend": self.spec.backend, "gpu": self.spec.gpu_name, "pid": os.getpid(),
+                "launch_path": "native" if self.native_launches is not None else "python",
+                "native_launches": self.native_launches.launched.value if self.native_launches else 0}
+        return SUCCESS, lp(json.dumps(info).encode())
+

@@ -1,0 +1,222 @@
+"""The worker's serving loop: the dispatch table, the launch fast paths, deferred errors."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from rgpu.remoting import api_gen
+from rgpu.remoting.datapath import protocol
+from rgpu.remoting.datapath.backends.base import NOT_SUPPORTED, NVML_ERROR_NOT_SUPPORTED, SUCCESS, UNKNOWN, CudaError, SliceMemory
+from rgpu.remoting.datapath.worker.codecs import HEADER, I32, LAUNCH, lp
+from rgpu.remoting.datapath.worker.frames import FrameReader
+from rgpu.remoting.datapath.worker.handlers import Handlers
+from rgpu.remoting.datapath.worker.native_loop import load_native_launches
+from rgpu.remoting.datapath.worker.spec import SessionSpec
+
+log = logging.getLogger("rgpu.worker")
+
+OP = api_gen.OPCODES
+
+
+class Worker(Handlers):
+    def __init__(self, sock: socket.socket, backend: Any, spec: SessionSpec, memory: SliceMemory | None) -> None:
+        self.sock = sock
+        self.backend = backend
+        self.spec = spec
+        self.memory = memory
+        self.reader = FrameReader(sock)
+        self.current_ctx: int | None = None
+        self.deferred: tuple[int, str] | None = None
+        self.handlers: dict[int, tuple[Callable[[memoryview, int, int], tuple[int, bytes] | None], bool]] = {}
+        self.messages = 0
+        self.native_launches = load_native_launches(spec, backend)
+        self._build_table()
+        register = getattr(backend, "register_host_buffer", None)
+        if register is not None:
+            register(self.reader.base, self.reader.size)
+
+    # ------------------------------------------------------------------ dispatch table
+
+    def _build_table(self) -> None:
+        for opcode, (name, gen) in api_gen.GENERATED_HANDLERS.items():
+            is_async = opcode in api_gen.ASYNC_OPS
+            if getattr(self.backend, name, None) is None:
+                self.handlers[opcode] = (self._unsupported(name), is_async)
+            else:
+                self.handlers[opcode] = (self._generated(gen), is_async)
+        manual: dict[str, tuple[Callable[[memoryview, int, int], tuple[int, bytes] | None], bool]] = {
+            "cuInit": (self.h_init, False),
+            "cuDeviceTotalMem_v2": (self.h_total_mem, False),
+            "cuDevicePrimaryCtxRetain": (self.h_primary_retain, False),
+            "cuCtxCreate_v2": (self.h_ctx_create, False),
+            "cuCtxCreate_v3": (self.h_ctx_create, False),
+            "cuCtxCreate_v4": (self.h_ctx_create, False),
+            "cuCtxDestroy_v2": (self.h_ctx_destroy, False),
+            "cuMemAlloc_v2": (self.h_alloc("plain"), False),
+            "cuMemAllocPitch_v2": (self.h_alloc("pitch"), False),
+            "cuMemAllocAsync": (self.h_alloc("async"), False),
+            "cuMemAllocFromPoolAsync": (self.h_alloc("pool"), False),
+            "cuMemFree_v2": (self.h_free(False), False),
+            "cuMemFreeAsync": (self.h_free(True), False),
+            "cuMemGetInfo_v2": (self.h_mem_info, False),
+            "cuMemPoolSetAttribute": (self.h_pool_attribute(True), False),
+            "cuMemPoolGetAttribute": (self.h_pool_attribute(False), False),
+            "cuMemcpyHtoDAsync_v2": (self.h_htod, True),
+            "cuMemcpyDtoHAsync_v2": (self.h_dtoh, False),
+            "rgpuMemcpy2DDevice": (self.h_dtod_2d, True),
+            "cuPointerGetAttribute": (self.h_pointer_attribute, False),
+            "cuPointerGetAttributes": (self.h_pointer_attributes, False),
+            "cuModuleLoadDataEx": (self.h_load("module"), False),
+            "cuLibraryLoadData": (self.h_load("library"), False),
+            "cuModuleGetFunction": (self.h_get_function, False),
+            "cuModuleUnload": (self.h_unload("module"), False),
+            "cuLibraryUnload": (self.h_unload("library"), False),
+            "cuLinkCreate_v2": (self.h_link_create, False),
+            "cuLinkAddData_v2": (self.h_link_add, False),
+            "cuLinkComplete": (self.h_link_complete, False),
+            "cuLinkDestroy": (self.h_link_destroy, False),
+            "cuLaunchKernel": (self.h_launch, True),
+            "rgpuParamInfo": (self.h_param_info, False),
+            "rgpuOccupancyMaxPotentialBlockSize": (self.h_potential_block_size, False),
+            "rgpuSessionInfo": (self.h_session_info, False),
+        }
+        for name, entry in manual.items():
+            self.handlers[OP[name]] = entry
+        for name in api_gen.MANUAL_OPS:
+            if OP[name] not in self.handlers:
+                self.handlers[OP[name]] = (self._unsupported(name), False)
+
+    def _generated(self, gen: Callable[[Any, memoryview, int], tuple[int, bytes]]) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
+        backend = self.backend
+
+        def run(payload: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+            return gen(backend, payload, 0)
+        return run
+
+    def _unsupported(self, name: str) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
+        code = NVML_ERROR_NOT_SUPPORTED if name.startswith("nvml") else NOT_SUPPORTED
+        what = "the emulated device" if getattr(self.backend, "emulated", False) else "this worker"
+
+        # NVML applications probe freely and NVML_ERROR_NOT_SUPPORTED is routine: no message.
+        message = "" if name.startswith("nvml") else f"rgpu: worker: {name} is not supported by {what}"
+
+        def run(payload: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+            raise CudaError(code, message)
+        return run
+
+    # ------------------------------------------------------------------ serving
+
+    def serve(self) -> str:
+        """Serve until the client leaves; returns why the session ended."""
+        try:
+            return self._serve()
+        except (EOFError, ConnectionError, OSError):
+            return "client disconnected"
+
+    def _serve(self) -> str:
+        handlers = self.handlers
+        reader = self.reader
+        view = reader.view
+        unpack_header = HEADER.unpack_from
+        unpack_launch = LAUNCH.unpack_from
+        launch_op = OP["cuLaunchKernel"]
+        # Launches are the one operation whose rate matters: a backend may take them straight
+        # from the receive buffer (launch_fast), skipping the generic dispatch.
+        launch_fast = getattr(self.backend, "launch_fast", None)
+        native = self.native_launches
+        cuda_mode = self.spec.mode == "cuda"
+        while True:
+            if reader.end - reader.start < protocol.HEADER_SIZE:
+                reader._fill(protocol.HEADER_SIZE)
+            length, op, _flags, _seq, _aux, ctx = unpack_header(view, reader.start)
+            if op == launch_op and native is not None and ctx == self.current_ctx:
+                # Every complete plain launch in the buffer, in one call; what it leaves (a
+                # partial frame, a cooperative launch, another op) takes the paths below.
+                used, code = native.run(reader.base + reader.start, reader.end - reader.start, ctx, launch_op)
+                if code and self.deferred is None:
+                    self.deferred = (code, "")
+                if used:
+                    reader.start += used
+                    continue
+                if length + 64 <= reader.size and reader.end - reader.start < protocol.HEADER_SIZE + length:
+                    reader._fill(protocol.HEADER_SIZE + length)  # cut by a receive: complete it, retry
+                    continue
+            if op == launch_op and launch_fast is not None and ctx == self.current_ctx and length + 64 <= reader.size:
+                if reader.end - reader.start < protocol.HEADER_SIZE + length:
+                    reader._fill(protocol.HEADER_SIZE + length)
+                at = reader.start + protocol.HEADER_SIZE
+                f, stream, gx, gy, gz, bx, by, bz, shmem, coop, nattrs, argsize, _, _ = unpack_launch(view, at)
+                if not coop and not nattrs:
+                    reader.start = at + length
+                    code = launch_fast(f, gx, gy, gz, bx, by, bz, shmem, stream, reader.base + at + LAUNCH.size, argsize)
+                    if code and self.deferred is None:
+                        self.deferred = (code, "")
+                    continue
+            op, _flags, seq, _aux, ctx, payload, address = reader.next()
+            if op == protocol.OP_BYE:
+                return "client said goodbye"
+            entry = handlers.get(op)
+            if entry is None:
+                if op < 32:
+                    return f"unexpected control frame {op}"
+                self._reply(seq, NOT_SUPPORTED, b"", f"rgpu: worker: unknown operation {op} (client and server "
+                            "builds differ; install the same rgpu version on both)")
+                continue
+            handler, is_async = entry
+            if cuda_mode and ctx != self.current_ctx:
+                try:
+                    self.backend.set_context(ctx)
+                    self.current_ctx = ctx
+                except CudaError as exc:
+                    if is_async:
+                        self._defer(exc.code, exc.message)
+                    else:
+                        self._reply(seq, exc.code, b"", exc.message)
+                    continue
+            if not is_async and self.deferred is not None:
+                code, message = self.deferred
+                self.deferred = None
+                self._reply(seq, code, b"", message)
+                continue
+            try:
+                result = handler(payload, address, seq)
+            except CudaError as exc:
+                if is_async:
+                    self._defer(exc.code, exc.message)
+                else:
+                    self._reply(seq, exc.code, b"", exc.message)
+                continue
+            except (BrokenPipeError, ConnectionError):
+                return "client disconnected"
+            except Exception as exc:  # noqa: BLE001 - a bug here must not kill every later call of the session
+                name = api_gen.OPS.get(op, str(op))
+                log.error("internal error in %s: %s\n%s", name, exc, traceback.format_exc())
+                message = f"rgpu: worker: internal error in {name} ({exc!r}; please report it with the dispatcher's log)"
+                if is_async:
+                    self._defer(UNKNOWN, message)
+                else:
+                    self._reply(seq, UNKNOWN, b"", message)
+                continue
+            if is_async:
+                if result is not None and result[0] != SUCCESS:
+                    self._defer(result[0], "")
+            elif result is not None:
+                self._reply(seq, result[0], result[1], "")
+
+    def _defer(self, code: int, message: str) -> None:
+        if self.deferred is None:
+            self.deferred = (code, message)
+
+    def _reply(self, seq: int, result: int, payload: bytes, message: str) -> None:
+        flags = 0
+        body = I32.pack(result)
+        if message and self.messages < 32:
+            self.messages += 1
+            flags = protocol.REPLY_HAS_MESSAGE
+            body += lp(message.encode())
+        body += payload
+        self.sock.sendall(HEADER.pack(len(body), protocol.OP_REPLY, flags, seq, 0, 0) + body)

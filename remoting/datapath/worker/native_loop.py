@@ -1,0 +1,52 @@
+"""The native launch loop (librgpu-worker.so), loaded when the dispatcher built it."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from typing import Any
+
+from rgpu.remoting.datapath.worker.spec import SessionSpec
+
+log = logging.getLogger("rgpu.worker")
+
+
+class NativeLaunches:
+    """The C loop in librgpu-worker.so that runs a whole run of plain launch frames straight from
+    the receive buffer with the driver's cuLaunchKernel (remoting/native/src/worker_launch.c).
+    The Python path costs a few microseconds per launch, which would cap a launch storm."""
+
+    def __init__(self, library: str, launch_entry: int) -> None:
+        lib = ctypes.CDLL(library)
+        run = lib.rgpu_run_launches
+        run.restype = ctypes.c_size_t
+        run.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p,
+                        ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint64)]
+        self._run = run
+        self._entry = launch_entry
+        self.error = ctypes.c_int32(0)
+        self.launched = ctypes.c_uint64(0)
+        self._error_ref = ctypes.byref(self.error)
+        self._launched_ref = ctypes.byref(self.launched)
+
+    def run(self, address: int, available: int, ctx: int, launch_op: int) -> tuple[int, int]:
+        """(bytes consumed, first launch error or 0)."""
+        used = self._run(address, available, ctx, launch_op, self._entry, self._error_ref, self._launched_ref)
+        error = self.error.value
+        if error:
+            self.error.value = 0
+        return used, error
+
+
+def load_native_launches(spec: SessionSpec, backend: Any) -> NativeLaunches | None:
+    """The native launch loop when the dispatcher built it and the backend launches on a real
+    driver; None runs launches in Python (the emulated device, or no C compiler on the node)."""
+    entry = getattr(backend, "launch_entry", None)
+    if not spec.launch_library or entry is None:
+        return None
+    try:
+        return NativeLaunches(spec.launch_library, entry())
+    except (OSError, AttributeError) as exc:
+        log.warning("native launch loop unavailable (%s); launches run in Python, at a lower rate", exc)
+        return None
+

@@ -1,0 +1,92 @@
+"""A session's life: open the backend, answer WELCOME or REFUSE, serve, clean up."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from rgpu.remoting.datapath import protocol
+from rgpu.remoting.datapath.backends.base import NOT_SUPPORTED, CudaError, SliceMemory, human_bytes
+from rgpu.remoting.datapath.worker.loop import Worker
+from rgpu.remoting.datapath.worker.spec import SessionSpec
+
+log = logging.getLogger("rgpu.worker")
+
+
+def _make_backend(spec: SessionSpec) -> Any:
+    if spec.backend == "emulated":
+        from rgpu.remoting.datapath.backends.emulated import EmulatedBackend, EmulatedNvml
+        if spec.mode == "nvml":
+            return EmulatedNvml(spec)
+        return EmulatedBackend(spec)
+    if spec.backend == "cuda":
+        if spec.mode == "nvml":
+            from rgpu.remoting.datapath.backends.nvml import RealNvml
+            return RealNvml(spec)
+        from rgpu.remoting.datapath.backends.cuda import CudaBackend
+        return CudaBackend(spec)
+    raise CudaError(NOT_SUPPORTED, f"rgpu: worker: unknown backend {spec.backend!r}")
+
+
+def run_session(sock: socket.socket, spec: SessionSpec) -> int:
+    started = time.monotonic()
+    memory: SliceMemory | None = None
+    try:
+        backend = _make_backend(spec)
+        if spec.mode == "cuda":
+            memory = SliceMemory(spec.memory_limit, Path(spec.usage_dir) / f"{os.getpid()}.used")
+    except CudaError as exc:
+        log.error("session for job %s slice %d refused: %s", spec.job_key, spec.slice_number, exc.message)
+        sock.sendall(protocol.encode_refuse(exc.message))
+        return 1
+    except Exception as exc:  # noqa: BLE001 - any failure to open the GPU is reported to the client
+        message = (f"rgpu: worker: cannot open {spec.gpu_name} ({spec.gpu_uuid}) for the session "
+                   f"({exc}; check the GPU node with `nvidia-smi` and the dispatcher's log)")
+        log.error("%s\n%s", message, traceback.format_exc())
+        sock.sendall(protocol.encode_refuse(message))
+        return 1
+    description = (f"{spec.gpu_name} slice of {human_bytes(spec.memory_limit)}, {spec.compute_percent}% compute "
+                   f"({spec.compute_enforcement}{', emulated' if getattr(backend, 'emulated', False) else ''})")
+    sock.sendall(protocol.encode_welcome(
+        driver_version=getattr(backend, "driver_version", 13000), memory_limit_bytes=spec.memory_limit,
+        compute_percent=spec.compute_percent, flags=protocol.WELCOME_EMULATED if getattr(backend, "emulated", False) else 0,
+        description=description))
+    log.info("session open: job %s slice %d, %s mode, client %s", spec.job_key, spec.slice_number, spec.mode, spec.client)
+    worker = Worker(sock, backend, spec, memory)
+    try:
+        why = worker.serve()
+    finally:
+        try:
+            backend.close()
+        except Exception as exc:  # noqa: BLE001 - the session is over either way
+            log.warning("closing the backend failed: %s", exc)
+        if memory is not None:
+            memory.close()
+    log.info("session closed after %.1f s: %s", time.monotonic() - started, why)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="rgpu session worker (started by the dispatcher)")
+    parser.add_argument("--fd", type=int, required=True, help="the accepted session socket, inherited")
+    args = parser.parse_args(argv)
+    spec = SessionSpec.from_json(os.environ["RGPU_WORKER_SESSION"])
+    logging.basicConfig(level=os.environ.get("RGPU_WORKER_LOG_LEVEL", "INFO").upper(),
+                        format=f"%(asctime)s rgpu-worker[{os.getpid()}] job={spec.job_key} slice={spec.slice_number} "
+                               "%(levelname)s %(message)s")
+    sock = socket.socket(fileno=args.fd)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+    except OSError:
+        pass
+    return run_session(sock, spec)
+
+

@@ -1,0 +1,35 @@
+"""What the session server tells a worker about its session."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SessionSpec:
+    """What the session server tells the worker about its session (from the verified token)."""
+
+    mode: str                 # "cuda" or "nvml"
+    backend: str              # "cuda" or "emulated"
+    gpu_uuid: str
+    gpu_index: int
+    gpu_name: str
+    gpu_total_memory: int
+    compute_capability: str
+    memory_limit: int
+    compute_percent: int
+    job_key: str
+    slice_number: int
+    usage_dir: str            # this slice's usage files (one per CUDA session)
+    server: str
+    compute_enforcement: str  # "mps" or "time-slicing"
+    client: dict[str, Any]
+    launch_library: str = ""  # librgpu-worker.so (the native launch loop); "" runs launches in Python
+
+    @classmethod
+    def from_json(cls, text: str) -> SessionSpec:
+        data = json.loads(text)
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})
+

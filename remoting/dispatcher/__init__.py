@@ -1,0 +1,1 @@
+"""rgpu-dispatcher: registration with the pool, GPU inventory, the session server, MPS."""
