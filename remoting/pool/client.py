@@ -8,10 +8,12 @@ from typing import Any
 import grpc
 
 from rgpu.remoting.pool.auth import AUTH_HEADER, request_credential
+from rgpu.config import Settings
 from rgpu.errors import (AuthError, CapacityError, ConfigError, InvalidRequest, NotFound, PermissionDenied, RgpuError,
                          Unavailable)
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
+from rgpu.secret import load_secret
 
 
 _CODE_TO_ERROR: dict[grpc.StatusCode, type[RgpuError]] = {
@@ -118,3 +120,11 @@ class PoolClient:
 
     def capacity(self) -> pb.CapacityReply:
         return self._call("Capacity", pb.CapacityRequest())
+
+
+def connect(settings: Settings, *, secret: bytes | None = None, timeout: float = 10.0) -> PoolClient:
+    """The pool client every component uses: address, secret and TLS from the settings (the secret
+    is read from `secret_file` unless given)."""
+    return PoolClient(settings.pool, load_secret(settings.secret_file) if secret is None else secret,
+                      timeout=timeout, tls_ca_file=settings.tls_ca_file or None,
+                      tls_server_name=settings.tls_server_name or None)
