@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 from rgpu.slurm_plugin.hostlist import expand_hostlist
 from rgpu.slurm_plugin.jobkey import job_key, job_prefix, parse_job_key
-from rgpu.slurm_plugin.request import RgpuRequest
+from rgpu.slurm_plugin.request import RgpuRequest, is_record, parse_record, parse_tres_per_node
 from rgpu.slurm_plugin.scontrol import JobInfo
 
 from rgpu import validate
@@ -106,16 +106,45 @@ class AllocationPlan:
     request: RgpuRequest
 
 
-def plan_allocation(job: JobContext, info: JobInfo, request: RgpuRequest | None) -> AllocationPlan | None:
-    """Which leases the job needs (None: it asked for no rgpu). Pure."""
-    if request is None:
+def _license_units(licenses: str, name: str) -> int | None:
+    """Units of license `name` in a job's license list ("matlab:1,rgpu:100"; '*' also separates)."""
+    for entry in licenses.split(","):
+        lic, _, count = entry.strip().replace("*", ":").partition(":")
+        if lic == name:
+            return int(count) if count.isdigit() else 1
+    return None
+
+
+def plan_allocation(job: JobContext, info: JobInfo, gres_name: str = "rgpu",
+                    license_name: str = "rgpu") -> AllocationPlan | None:
+    """Which leases the job needs (None: it asked for no rgpu). Pure.
+
+    The request is the record job_submit.lua wrote in the admin comment, which only Slurm and
+    admins write; the GRES count, node count and license (all set or checked by job_submit.lua)
+    must agree with it, so the pool leases exactly what the license charged.
+    """
+    count = parse_tres_per_node(info.tres_per_node, gres_name)
+    recorded = is_record(info.admin_comment)
+    if count is None and not recorded:
         return None
+    if count is None:
+        raise InvalidRequest("prolog-slurmctld", f"job {job.job_id} carries an rgpu record but no --gres={gres_name}",
+                             "its GRES was changed after submission", "scancel the job and submit it again")
+    record = parse_record(info.admin_comment)
     nodes = job.nodes or tuple(expand_hostlist(info.node_names))
     if not nodes:
         raise InvalidRequest("prolog-slurmctld", f"job {job.job_id} has no nodes", "Slurm gave no node list",
                              "this is unexpected; see the slurmctld log")
+    units = _license_units(info.licenses, license_name)
+    disagree = [f"{what} {have} (recorded {want})" for what, have, want in (
+        ("--gres count", count, record.request.count), ("node count", len(nodes), record.nodes),
+        (f"license {license_name}", units, record.units)) if have != want]
+    if disagree:
+        raise InvalidRequest("prolog-slurmctld", f"job {job.job_id} does not match its rgpu record: {'; '.join(disagree)}",
+                             "the job was changed after job_submit.lua recorded its request",
+                             "scancel the job and submit it again")
     validate.name("user", job.user or info.user)
-    return AllocationPlan(keys=tuple(job.key_for(n) for n in nodes), request=request)
+    return AllocationPlan(keys=tuple(job.key_for(n) for n in nodes), request=record.request)
 
 
 def allocate_job(job: JobContext, plan: AllocationPlan, pool: Pool) -> list[str]:
@@ -140,11 +169,9 @@ def allocate_job(job: JobContext, plan: AllocationPlan, pool: Pool) -> list[str]
 def prolog_slurmctld(env: Mapping[str, str], pool_factory: Callable[[], Pool],
                      query_job: Callable[[int], JobInfo], gres_name: str = "rgpu") -> list[str]:
     """Allocate the job's leases; returns their keys ([] for a job without rgpu)."""
-    from rgpu.slurm_plugin.scontrol import rgpu_request_of
-
     job = JobContext.from_env(env, "prolog-slurmctld")
     info = query_job(job.job_id)                     # the one Slurm query for this job
-    plan = plan_allocation(job, info, rgpu_request_of(info, gres_name))
+    plan = plan_allocation(job, info, gres_name)
     if plan is None:
         return []
     pool = pool_factory()
