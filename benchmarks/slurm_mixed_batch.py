@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 
 from tests.daemons import RgpuCluster  # noqa: E402
 from tests.slurm.cluster import SlurmCluster, missing_requirements, wait_until  # noqa: E402
-from tests.slurm.conftest import slurm_config, start_pool  # noqa: E402
+from tests.slurm.conftest import pool_ready, slurm_config, start_pool  # noqa: E402
 
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
 FRACTIONS = ("0.25", "0.5", "1.0")
@@ -46,10 +46,16 @@ def main() -> int:
     pool = RgpuCluster(root / "pool")
     slurm = None
     try:
-        start_pool(pool)
+        start_pool(pool, slurm_conf=root / "slurm" / "etc" / "slurm.conf")
         (root / "slurm").mkdir()
         slurm = SlurmCluster(slurm_config(pool, root / "run-rgpu"), root=root / "slurm")
         slurm.start()
+        # As the test session does: rgpu-poold restarted now that slurm.conf exists runs its Slurm
+        # integration (reconciler; starting jobs that wait for the pool), as it does by default.
+        assert pool.pool is not None
+        pool.pool.stop()
+        pool.start_pool(env=pool.env(SLURM_CONF=str(slurm.conf)))
+        wait_until("4 GPUs registered again", lambda: pool_ready(pool, 400), 30)
         shapes = batch()
         started = time.monotonic()
         jobs = [slurm.submit([f"--gres=rgpu:{n}", f"--comment=fraction={f}"], f"sleep {args.sleep}\n", user="nobody")

@@ -17,8 +17,9 @@ from typing import Any, Protocol
 
 from rgpu.slurm_plugin.hostlist import expand_hostlist
 from rgpu.slurm_plugin.jobkey import job_key, job_prefix, parse_job_key
-from rgpu.slurm_plugin.request import RgpuRequest, is_record, parse_record, parse_tres_per_node
+from rgpu.slurm_plugin.request import RECORD_SEPARATOR, RgpuRequest, is_record, parse_record, parse_tres_per_node
 from rgpu.slurm_plugin.scontrol import JobInfo
+from rgpu.slurm_plugin.waiting import waiting_comment
 
 from rgpu import validate
 from rgpu.adaptor import (
@@ -28,7 +29,7 @@ from rgpu.adaptor import (
     write_adaptor_conf,
     write_private_file,
 )
-from rgpu.errors import ConfigError, InvalidRequest, NotFound, RgpuError
+from rgpu.errors import CapacityError, ConfigError, InvalidRequest, NotFound, RgpuError
 
 DEFAULT_RUN_DIR = "/run/rgpu"
 ADAPTOR_CONF_NAME = "adaptor.conf"
@@ -167,15 +168,31 @@ def allocate_job(job: JobContext, plan: AllocationPlan, pool: Pool) -> list[str]
 
 
 def prolog_slurmctld(env: Mapping[str, str], pool_factory: Callable[[], Pool],
-                     query_job: Callable[[int], JobInfo], gres_name: str = "rgpu") -> list[str]:
-    """Allocate the job's leases; returns their keys ([] for a job without rgpu)."""
+                     query_job: Callable[[int], JobInfo], gres_name: str = "rgpu",
+                     set_admin_comment: Callable[[int, str], None] | None = None) -> list[str]:
+    """Allocate the job's leases; returns their keys ([] for a job without rgpu).
+
+    When the pool cannot place the job now, the job is marked as waiting for the pool (its admin
+    comment, via `set_admin_comment`) before the CapacityError goes up; the mark is removed once
+    the job got its slices. See slurm_plugin/waiting.py.
+    """
     job = JobContext.from_env(env, "prolog-slurmctld")
     info = query_job(job.job_id)                     # the one Slurm query for this job
     plan = plan_allocation(job, info, gres_name)
     if plan is None:
         return []
     pool = pool_factory()
-    return allocate_job(job, plan, pool)
+    record_text, marked, _ = info.admin_comment.strip().partition(RECORD_SEPARATOR)
+    try:
+        keys = allocate_job(job, plan, pool)
+    except CapacityError as exc:
+        if set_admin_comment is not None:
+            why = str(exc).removeprefix("rgpu: ")
+            set_admin_comment(job.job_id, waiting_comment(record_text, f"{why} -- it starts when the pool can place it"))
+        raise
+    if marked and set_admin_comment is not None:
+        set_admin_comment(job.job_id, record_text)
+    return keys
 
 
 # ---------------------------------------------------------------- node Prolog
@@ -250,14 +267,18 @@ def keys_to_release(leases: list[Any], cluster: str, job_id: int, restart_count:
     return sorted(keys)
 
 
-def epilog_slurmctld(env: Mapping[str, str], pool_factory: Callable[[], Pool]) -> list[str]:
-    """Release the job's leases; idempotent (nothing to release is a success)."""
+def epilog_slurmctld(env: Mapping[str, str], pool_factory: Callable[[], Pool],
+                     start_waiting: Callable[[Pool], Any] | None = None) -> list[str]:
+    """Release the job's leases; idempotent (nothing to release is a success). When something was
+    released, `start_waiting(pool)` starts the jobs waiting for the pool that now fit."""
     job = JobContext.from_env(env, "epilog-slurmctld")
     pool = pool_factory()
     keys = set(keys_to_release(pool.list_leases(), job.cluster, job.job_id, job.restart_count))
     # Also the keys this attempt would have, in case ListLeases raced with an allocation.
     keys.update(job.key_for(n) for n in job.nodes)
     released = [key for key in sorted(keys) if pool.release(key)]
+    if released and start_waiting is not None:
+        start_waiting(pool)
     return released
 
 

@@ -59,6 +59,9 @@ class RgpuRequest:
 
 
 RECORD_PREFIX = "rgpu:v1 "
+# PrologSlurmctld appends "<separator><mark> <why>" while the pool cannot place the job (waiting.py).
+RECORD_SEPARATOR = " | "
+WAITING_MARK = "rgpu: waiting:"
 _RECORD_RE = re.compile(r"rgpu:v1 nodes=([1-9]\d{0,5}) count=([1-9]\d{0,5}) "
                         r"(?:percent=([1-9]\d{0,2})|memory=([1-9]\d{0,18})) units=(\d{1,9})")
 
@@ -82,7 +85,7 @@ def is_record(text: str | None) -> bool:
 
 def parse_record(text: str | None) -> RequestRecord:
     """The whole admin comment, matched in full against the one grammar; anything else is refused."""
-    m = _RECORD_RE.fullmatch((text or "").strip())
+    m = _RECORD_RE.fullmatch((text or "").strip().split(RECORD_SEPARATOR, 1)[0])
     if not m:
         raise InvalidRequest("prolog-slurmctld", f"the job's rgpu record {str(text)[:80]!r} is not one job_submit.lua writes",
                              "the admin comment was changed, or the job was submitted before rgpu recorded requests",

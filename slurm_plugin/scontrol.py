@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rgpu.slurm_plugin.proc import run_command
-from rgpu.slurm_plugin.squeue import _number, _state, _text
+from rgpu.slurm_plugin.squeue import _admin_comment, _number, _state, _text
 
 from rgpu.errors import RgpuError
 
@@ -75,13 +75,6 @@ class JobInfo:
     comment: str
     admin_comment: str = ""  # the request record job_submit.lua wrote (only Slurm/admins write it)
     licenses: str = ""       # e.g. "rgpu:100" (job_submit.lua sets the rgpu entry)
-
-
-def _admin_comment(raw: Mapping[str, Any]) -> str:
-    value = raw.get("admin_comment")
-    if value is None and isinstance(raw.get("comment"), dict):   # a shape where comments are grouped
-        value = raw["comment"].get("administrator")
-    return _text(value)
 
 
 def job_info_from_json(raw: Mapping[str, Any]) -> JobInfo:
