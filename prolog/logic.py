@@ -22,18 +22,11 @@ from rgpu.slurm_plugin.scontrol import JobInfo
 from rgpu.slurm_plugin.waiting import waiting_comment
 
 from rgpu import validate
-from rgpu.adaptor import (
-    AdaptorConf,
-    AdaptorSlice,
-    expires_text,
-    write_adaptor_conf,
-    write_private_file,
-)
+from rgpu.adaptor import write_adaptor_conf, write_private_file
 from rgpu.errors import CapacityError, ConfigError, InvalidRequest, NotFound, RgpuError
-
-DEFAULT_RUN_DIR = "/run/rgpu"
-ADAPTOR_CONF_NAME = "adaptor.conf"
-ERROR_NAME = "error"
+from rgpu.paths import ADAPTOR_CONF_NAME, ERROR_NAME
+from rgpu.paths import run_dir as run_dir_from_env
+from rgpu.remoting.pool.convert import lease_to_adaptor
 
 
 class Pool(Protocol):
@@ -89,10 +82,6 @@ class JobContext:
 
     def key_for(self, node: str) -> str:
         return job_key(self.cluster, self.job_id, self.restart_count, node)
-
-
-def run_dir_from_env(env: Mapping[str, str]) -> Path:
-    return Path(env.get("RGPU_RUN_DIR") or DEFAULT_RUN_DIR)
 
 
 def job_dir(run_dir: Path, job_id: int) -> Path:
@@ -197,13 +186,6 @@ def prolog_slurmctld(env: Mapping[str, str], pool_factory: Callable[[], Pool],
 
 # ---------------------------------------------------------------- node Prolog
 
-def adaptor_conf_for(lease: Any, user: str) -> AdaptorConf:
-    slices = tuple(AdaptorSlice(server=s.server, gpu_uuid=s.gpu_uuid, gpu_index=s.gpu_index,
-                                memory_limit_bytes=s.memory_limit_bytes, compute_percent=s.compute_percent,
-                                token=s.token) for s in lease.slices)
-    return AdaptorConf(job_id=lease.job_key, user=user, expires=expires_text(lease.expires_unix), slices=slices)
-
-
 def _make_job_dir(path: Path, uid: int, gid: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.parent.chmod(0o755)
@@ -232,7 +214,7 @@ def node_prolog(env: Mapping[str, str], pool_factory: Callable[[], Pool]) -> Pat
                              "the pool's state does not match this job", "release it with rgpu-admin and requeue the job")
     directory = job_dir(run_dir_from_env(env), job.job_id)
     _make_job_dir(directory, job.uid, job.gid)
-    conf = adaptor_conf_for(lease, job.user or lease.user)
+    conf = lease_to_adaptor(lease)       # lease.user is the job's user (checked above)
     path = write_adaptor_conf(directory / ADAPTOR_CONF_NAME, conf, uid=job.uid if job.uid >= 0 else None,
                               gid=job.gid if job.gid >= 0 else None)
     (directory / ERROR_NAME).unlink(missing_ok=True)

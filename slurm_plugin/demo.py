@@ -10,6 +10,7 @@ Installs Slurm with apt-get when it is missing (root only).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,7 +33,15 @@ from rgpu.errors import RgpuError
 
 SLURM_PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 SUBMIT = ["--gres=rgpu:2", "--comment=fraction=0.5"]
-JOB = 'echo "RGPU_ADAPTOR_CONF=$RGPU_ADAPTOR_CONF"; cat "$RGPU_ADAPTOR_CONF"; sleep 8\n'
+# Lease tokens are credentials: the demo shows only their first characters (job output included).
+JOB = ('echo "RGPU_ADAPTOR_CONF=$RGPU_ADAPTOR_CONF"; '
+       "sed -E 's/^(token = \"[^\"]{12})[^\"]*\"/\\1...\" # cut by the demo/' \"$RGPU_ADAPTOR_CONF\"; sleep 8\n")
+_TOKEN_RE = re.compile(r'^(token = "[^"]{12})[^"]*"', re.MULTILINE)
+
+
+def without_tokens(text: str) -> str:
+    """adaptor.conf text with each lease token cut to its first 12 characters."""
+    return _TOKEN_RE.sub(r'\1..." # cut by the demo', text)
 
 
 def source_tree() -> Path:
@@ -147,7 +156,7 @@ def run_demo(keep: bool = False) -> None:
         conf = root / "run-rgpu" / node / job / "adaptor.conf"
         wait_until("the job's adaptor.conf", conf.exists, 15)
         click.echo(f"job {job} is {info['JobState']} on {node}, Licenses={info.get('Licenses')}\n")
-        click.echo(f"$ cat {conf}\n{conf.read_text()}")
+        click.echo(f"$ cat {conf}   # tokens cut\n{without_tokens(conf.read_text())}")
         click.echo(f"$ rgpu-admin list-gpus\n{admin(env, 'list-gpus')}")
         final = slurm.wait_job_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 60)
         click.echo(f"job {job} {final['JobState']}; its output:\n{slurm.job_output(job)}")

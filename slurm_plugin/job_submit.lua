@@ -189,17 +189,31 @@ function rgpu.parse_fraction(text)
 	return value
 end
 
+rgpu.MAX_BYTES = 2 ^ 60   -- rgpu.units.MAX_BYTES
+
+-- Sizes as rgpu.units.parse_size reads them: digits, optional .digits, optional binary K/M/G/T,
+-- optional B or iB, any case.
 function rgpu.parse_memory(text)
-	local number, suffix, tail = string.match(text, "^([%d.]+)([KkMmGgTt]?)(.*)$")
-	local value = number and parse_number(number)
-	if value == nil or not (tail == "" or string.match(tail, "^[iI]?[bB]$")) then
+	local int, frac, suffix, tail = string.match(text, "^(%d+)(%.?%d*)([KkMmGgTt]?)(.*)$")
+	if int == nil or frac == "." or not (tail == "" or string.match(tail, "^[iI]?[bB]$")) then
 		return fail("invalid memory " .. shown(text), "not a size", "write e.g. --comment=memory=8G")
 	end
-	local bytes = math.floor(value * SIZE_MULT[string.upper(suffix)])
-	if bytes <= 0 then
-		return fail("invalid memory " .. shown(text), "it must be more than 0", "write e.g. --comment=memory=8G")
+	local bytes = math.floor(tonumber(int .. frac) * SIZE_MULT[string.upper(suffix)])
+	if bytes <= 0 or bytes > rgpu.MAX_BYTES then
+		return fail("invalid memory " .. shown(text), "it must be more than 0 and at most 1 EiB",
+			"write e.g. --comment=memory=8G")
 	end
 	return bytes
+end
+
+-- As rgpu.units.format_bytes: "8.0 GiB", never in scientific notation.
+function rgpu.format_bytes(value)
+	for _, unit in ipairs({ { "TiB", 2 ^ 40 }, { "GiB", 2 ^ 30 }, { "MiB", 2 ^ 20 }, { "KiB", 2 ^ 10 } }) do
+		if value >= unit[2] then
+			return string.format("%.1f %s", value / unit[2], unit[1])
+		end
+	end
+	return string.format("%.0f B", value)
 end
 
 -- {fraction=F} or {memory_bytes=B} from the comment; returns req, err.
@@ -344,8 +358,8 @@ function rgpu.plan(job, conf)
 	end
 	local per_slice = rgpu.units_per_slice(req, conf)
 	if per_slice > rgpu.UNITS_PER_GPU then
-		return fail("memory=" .. req.memory_bytes .. " bytes is more than one GPU holds",
-			"the smallest GPU in the pool has " .. conf.gpu_memory_bytes .. " usable bytes",
+		return fail("memory=" .. rgpu.format_bytes(req.memory_bytes) .. " per slice is more than one GPU holds",
+			"the smallest GPU in the pool has " .. rgpu.format_bytes(conf.gpu_memory_bytes) .. " usable",
 			"ask for less memory per slice, or for more slices")
 	end
 	local others, lerr = rgpu.other_licenses(job.licenses, conf.license_name, job.licenses_user_given)

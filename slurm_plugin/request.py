@@ -26,12 +26,11 @@ import re
 from dataclasses import dataclass
 
 from rgpu.errors import InvalidRequest
+from rgpu.units import parse_size
 
 UNITS_PER_GPU = 100
 COMMENT_ALLOWED_RE = re.compile(r"^[A-Za-z0-9 .,_=:/+@-]*$")
 _NUMBER_RE = re.compile(r"^(?:\d+|\d+\.\d*|\.\d+)$")
-_SIZE_RE = re.compile(r"^(\d+|\d+\.\d*|\.\d+)([KMGT]?)(?:I?B)?$", re.IGNORECASE)
-_SIZE_MULT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 @dataclass(frozen=True)
@@ -145,13 +144,14 @@ def _parse_fraction(text: str) -> float:
 
 
 def _parse_memory(text: str) -> int:
-    m = _SIZE_RE.match(text)
-    if not m:
+    # One size grammar for the whole project (rgpu.units); job_submit.lua mirrors it.
+    if text != text.strip():
         raise _bad(f"invalid memory {text!r}", "not a size", "write e.g. --comment=memory=8G")
-    value = math.floor(float(m.group(1)) * _SIZE_MULT[m.group(2).upper()])
-    if value <= 0:
-        raise _bad(f"invalid memory {text!r}", "it must be more than 0", "write e.g. --comment=memory=8G")
-    return value
+    try:
+        return parse_size(text, "memory")
+    except InvalidRequest as exc:
+        why = "not a size" if "expected a number" in str(exc) else "it must be more than 0 and at most 1 EiB"
+        raise _bad(f"invalid memory {text!r}", why, "write e.g. --comment=memory=8G") from None
 
 
 def parse_comment(comment: str | None, count: int) -> RgpuRequest:

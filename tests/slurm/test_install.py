@@ -5,6 +5,7 @@ slurm.conf lines name must exist and run with that environment's rgpu."""
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -25,9 +26,11 @@ def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh venv holding the built wheel; its dependencies come from the test interpreter's
     site-packages through a plain path entry (no network; the editable rgpu there is not seen)."""
     root = tmp_path_factory.mktemp("install")
+    source = root / "source"          # setuptools writes build/ into the tree it builds: not ours
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__"))
     wheels = root / "wheels"
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                            str(wheels), str(REPO)], capture_output=True, text=True, timeout=300)
+                            str(wheels), str(source)], capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stderr
     (wheel,) = wheels.glob("rgpu-*.whl")
     env_dir = root / "venv"

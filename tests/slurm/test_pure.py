@@ -225,3 +225,11 @@ def test_pyslurm_jobs_are_read_from_their_documented_shapes() -> None:
     assert (job.rgpu_count(), job.restart_count, job.running, job.admin_comment) == (
         2, 1, True, "rgpu:v1 nodes=1 count=2 percent=50 units=100")
     assert isinstance(backend_for("auto"), SqueueBackend)   # pyslurm only when chosen
+
+
+def test_demo_never_shows_whole_lease_tokens() -> None:
+    from rgpu.slurm_plugin.demo import without_tokens
+
+    text = '[[slice]]\nserver = "h:1"\ntoken = "v1.abcdefghijklmnopqrstuvwxyz0123456789"\n'
+    shown = without_tokens(text)
+    assert "abcdefghijklmnop" not in shown and 'token = "v1.abcdefghi..."' in shown and 'server = "h:1"' in shown
