@@ -158,15 +158,36 @@ def allocate_job(job: JobContext, plan: AllocationPlan, pool: Pool) -> list[str]
 
 def prolog_slurmctld(env: Mapping[str, str], pool_factory: Callable[[], Pool],
                      query_job: Callable[[int], JobInfo], gres_name: str = "rgpu",
-                     set_admin_comment: Callable[[int, str], None] | None = None) -> list[str]:
+                     set_admin_comment: Callable[[int, str], None] | None = None,
+                     notify: Callable[[int, str], None] | None = None) -> list[str]:
     """Allocate the job's leases; returns their keys ([] for a job without rgpu).
 
     When the pool cannot place the job now, the job is marked as waiting for the pool (its admin
     comment, via `set_admin_comment`) before the CapacityError goes up; the mark is removed once
-    the job got its slices. See slurm_plugin/waiting.py.
+    the job got its slices. See slurm_plugin/waiting.py. An interactive job (srun, salloc) is not
+    requeued but ended by Slurm: `notify` tells its user why, in one line, on the terminal.
     """
     job = JobContext.from_env(env, "prolog-slurmctld")
     info = query_job(job.job_id)                     # the one Slurm query for this job
+    try:
+        return _allocate_for(job, info, pool_factory, gres_name, set_admin_comment)
+    except RgpuError as exc:
+        if notify is not None and not info.batch:
+            notify(job.job_id, interactive_message(exc))
+        raise
+
+
+def interactive_message(exc: RgpuError) -> str:
+    """One line for the srun/salloc user whose job rgpu could not prepare."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, CapacityError):
+        return (f"{text} -- srun cannot wait for the pool: try again later, or submit with sbatch "
+                "(a batch job waits and starts as soon as the pool can place it)")
+    return text
+
+
+def _allocate_for(job: JobContext, info: JobInfo, pool_factory: Callable[[], Pool], gres_name: str,
+                  set_admin_comment: Callable[[int, str], None] | None) -> list[str]:
     plan = plan_allocation(job, info, gres_name)
     if plan is None:
         return []
@@ -218,7 +239,33 @@ def node_prolog(env: Mapping[str, str], pool_factory: Callable[[], Pool]) -> Pat
     path = write_adaptor_conf(directory / ADAPTOR_CONF_NAME, conf, uid=job.uid if job.uid >= 0 else None,
                               gid=job.gid if job.gid >= 0 else None)
     (directory / ERROR_NAME).unlink(missing_ok=True)
+    sweep_stale_job_dirs(directory.parent, job.job_id, pool)
     return path
+
+
+def sweep_stale_job_dirs(run_dir: Path, current_job_id: int, pool: Pool) -> list[Path]:
+    """Remove the job folders a node Epilog never got to remove (slurmd crashed, node rebooted
+    without a tmpfs /run): those whose adaptor.conf names a lease the pool no longer has. Folders
+    without adaptor.conf (a failed prolog's `error`, which flexrun reports) are kept. Never raises."""
+    from rgpu.adaptor import read_adaptor_conf
+
+    removed = []
+    try:
+        entries = sorted(run_dir.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.isdigit() or int(entry.name) == current_job_id or entry.is_symlink() or not entry.is_dir():
+            continue
+        try:
+            key = read_adaptor_conf(entry / ADAPTOR_CONF_NAME).job_id
+            pool.get_lease(key)
+        except NotFound:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+        except (RgpuError, OSError, ValueError):
+            continue        # unreadable, or the pool did not answer: leave it for the next Prolog
+    return removed
 
 
 def record_node_error(env: Mapping[str, str], message: str) -> Path | None:

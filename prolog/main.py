@@ -58,6 +58,20 @@ def set_admin_comment(env: Mapping[str, str]) -> Any:
     return update
 
 
+def notify_user(env: Mapping[str, str]) -> Any:
+    """`scontrol notify`: the message reaches the job's srun/salloc terminal."""
+    from rgpu.slurm_plugin.proc import run_command
+    from rgpu.slurm_plugin.scontrol import notify_command
+
+    def notify(job_id: int, message: str) -> None:
+        try:
+            run_command(notify_command(job_id, message), env=env, timeout=SLURM_QUERY_TIMEOUT_SECONDS)
+        except RgpuError as exc:
+            log_line("prolog-slurmctld", env, f"could not tell the job's user: {exc}")
+
+    return notify
+
+
 def start_waiting(env: Mapping[str, str]) -> Any:
     """After a release: StartTime=now for the jobs waiting for the pool that it can place now."""
     from rgpu.slurm_plugin.squeue import SqueueBackend
@@ -95,7 +109,7 @@ def prolog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
         keys = prolog_slurmctld(env, lambda: connect_pool(env),
                                 lambda job_id: scontrol.query_job(str(job_id), env=env,
                                                                   timeout=SLURM_QUERY_TIMEOUT_SECONDS),
-                                set_admin_comment=set_admin_comment(env))
+                                set_admin_comment=set_admin_comment(env), notify=notify_user(env))
     except Exception as exc:  # noqa: BLE001 - any failure must become one line and exit 1
         log_line("prolog-slurmctld", env, f"{_describe(exc)} -- the job will be requeued")
         return 1

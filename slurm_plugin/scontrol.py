@@ -75,6 +75,7 @@ class JobInfo:
     comment: str
     admin_comment: str = ""  # the request record job_submit.lua wrote (only Slurm/admins write it)
     licenses: str = ""       # e.g. "rgpu:100" (job_submit.lua sets the rgpu entry)
+    batch: bool = True       # False for srun/salloc: no requeue, the user waits on a terminal
 
 
 def job_info_from_json(raw: Mapping[str, Any]) -> JobInfo:
@@ -85,7 +86,12 @@ def job_info_from_json(raw: Mapping[str, Any]) -> JobInfo:
                    restart_count=_number(raw.get("restart_cnt")), node_names=_text(raw.get("nodes")),
                    node_count=_number(raw.get("node_count")), tres_per_node=_text(raw.get("tres_per_node")),
                    comment=_text(raw.get("comment")), admin_comment=_admin_comment(raw),
-                   licenses=_text(raw.get("licenses")))
+                   licenses=_text(raw.get("licenses")), batch=bool(raw.get("batch_flag", True)))
+
+
+def notify_command(job_id: int, message: str) -> list[str]:
+    """`scontrol notify`: slurmctld sends the message to the job's srun/salloc, which prints it."""
+    return ["scontrol", "notify", str(int(job_id)), message]
 
 
 def parse_jobs_json(text: str, command: str) -> list[dict[str, Any]]:

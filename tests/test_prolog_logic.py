@@ -226,3 +226,19 @@ def test_entry_scripts_run_without_slurm(script: str, tmp_path: Path) -> None:
     expected = {"rgpu-prolog-slurmctld": 1, "rgpu-epilog-slurmctld": 1}.get(script, 0)
     assert out.returncode == expected, out
     assert "$SLURM_JOB_ID is not set" in out.stderr
+
+
+def test_node_prolog_removes_folders_of_jobs_whose_lease_is_gone(pool: RgpuCluster, tmp_path: Path) -> None:
+    from rgpu.adaptor import write_private_file
+
+    # Job 7 ended while slurmd was down: its folder stayed, its lease was released.
+    prolog_slurmctld(job_env(pool, tmp_path, job_id=7), pool.client, lambda _: info(job_id=7))
+    node_prolog({**job_env(pool, tmp_path, job_id=7), "SLURM_JOB_UID": "", "SLURM_JOB_GID": ""}, pool.client)
+    (tmp_path / "8").mkdir()                                  # a failed prolog's error: flexrun reports it
+    write_private_file(tmp_path / "8" / "error", "rgpu: prolog: x\n", None, None)
+    (tmp_path / "notajob").mkdir()
+    epilog_slurmctld(job_env(pool, tmp_path, job_id=7), pool.client)
+    assert (tmp_path / "7" / "adaptor.conf").exists()
+    prolog_slurmctld(job_env(pool, tmp_path, job_id=9), pool.client, lambda _: info(job_id=9))
+    node_prolog({**job_env(pool, tmp_path, job_id=9), "SLURM_JOB_UID": "", "SLURM_JOB_GID": ""}, pool.client)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["8", "9", "notajob", "pool"]   # pool: the fixture's

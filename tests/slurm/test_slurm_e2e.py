@@ -472,6 +472,19 @@ def test_fragmented_capacity_makes_a_job_wait_with_a_reason_then_start_within_se
     assert job["admin_comment"] == "rgpu:v1 nodes=1 count=1 percent=50 units=50", job["admin_comment"]
 
 
+def test_interactive_srun_the_pool_cannot_place_gets_one_rgpu_line(h: Harness) -> None:
+    blockers = [h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.6"], "sleep 300\n", user=JOB_USER)
+                for _ in range(4)]
+    for job in blockers:
+        h.slurm.wait_job_state(job, "RUNNING", 30)
+    out = h.slurm.command(["srun", f"--chdir={h.slurm.jobs_dir}", "--gres=rgpu:1", "--comment=fraction=0.5", "true"],
+                          user=JOB_USER, timeout=60, check=False)
+    assert out.returncode != 0, out
+    lines = [line for line in out.stderr.splitlines() if "rgpu" in line]
+    assert len(lines) == 1, out.stderr
+    assert "cannot place 1 slice" in lines[0] and "submit with sbatch" in lines[0], out.stderr
+
+
 # 8 (last) ----------------------------------------------------------------------------------------
 def test_no_node_was_drained(rgpu_slurm: Harness) -> None:
     states = rgpu_slurm.slurm.node_states()
