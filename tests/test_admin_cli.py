@@ -14,8 +14,7 @@ import pytest
 
 from rgpu.adaptor import read_adaptor_conf
 from rgpu.remoting.pool.client import PoolClient
-from tests.daemons import RgpuCluster, wait_for
-from tests.test_pool_daemon import register
+from tests.daemons import RgpuCluster, register_servers as register, wait_for
 
 pytestmark = pytest.mark.integration
 
