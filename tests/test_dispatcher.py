@@ -166,6 +166,7 @@ def test_bad_pool_address_is_a_clear_error(cluster: RgpuCluster) -> None:
     assert_one_line_error(result, "pool address 'nowhere' from --pool is not HOST:PORT")
 
 
+@pytest.mark.integration   # runs the console script
 def test_console_script_is_installed() -> None:
     script = shutil.which("rgpu-dispatcher")
     if script is None:

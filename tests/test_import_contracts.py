@@ -57,12 +57,14 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=300, check=False)
 
 
+@pytest.mark.integration   # runs lint-imports
 def test_the_import_contracts_hold(tmp_path: Path) -> None:
     run = lint_imports(installed_layout(tmp_path))
     assert run.returncode == 0, f"an import breaks a contract in pyproject.toml:\n{run.stdout}\n{run.stderr}"
     assert "Contracts: 6 kept, 0 broken." in run.stdout, run.stdout
 
 
+@pytest.mark.integration
 def test_a_broken_contract_fails(tmp_path: Path) -> None:
     root = installed_layout(tmp_path)
     units = root / "rgpu" / "units.py"

@@ -189,6 +189,7 @@ def test_environment_puts_rgpu_libraries_first(tmp_path: Path) -> None:
     assert env["RGPU_SLICES"] == "h:1,t1;h:2,t2"
 
 
+@pytest.mark.integration   # runs the C compiler
 def test_native_build_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("RGPU_NATIVE_DIR", raising=False)

@@ -20,6 +20,7 @@ SPEC_HASHES = {
 }
 
 
+@pytest.mark.integration   # runs the generator as a process
 def test_generated_files_are_up_to_date() -> None:
     done = subprocess.run([sys.executable, "-m", "rgpu.remoting.native.generate", "--check"], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr + "\nrun `python -m rgpu.remoting.native.generate` and commit the result"
