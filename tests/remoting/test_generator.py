@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from rgpu.remoting import api_gen
+from rgpu.remoting.native.generated import api_gen
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.native import apispec, build, generate
 

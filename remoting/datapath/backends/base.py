@@ -2,7 +2,7 @@
 interface the worker's hand-written operations call.
 
 A backend serves one GPU (its device 0) for one session. Generated operations call backend
-methods named like the driver's exported symbols (see remoting/api_gen.py); the methods below
+methods named like the driver's exported symbols (see remoting/native/generated/api_gen.py); the methods below
 carry the semantics the worker adds: memory limits, copies, module tables, launches.
 """
 

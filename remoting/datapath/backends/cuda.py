@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from rgpu.remoting.api_gen import CUDA_ARGTYPES, CudaDriverCalls, bind
+from rgpu.remoting.native.generated.api_gen import CUDA_ARGTYPES, CudaDriverCalls, bind
 from rgpu.remoting.datapath.backends.base import (
     INVALID_HANDLE,
     INVALID_VALUE,

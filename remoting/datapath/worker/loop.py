@@ -8,7 +8,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from rgpu.remoting import api_gen
+from rgpu.remoting.native.generated import api_gen
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.backends.base import NOT_SUPPORTED, NVML_ERROR_NOT_SUPPORTED, SUCCESS, UNKNOWN, CudaError, SliceMemory
 from rgpu.remoting.datapath.worker.codecs import HEADER, I32, LAUNCH, lp
