@@ -201,7 +201,9 @@ def test_native_build_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
 
 @pytest.mark.integration
-def test_flexrun_asks_the_pool_and_releases(native_libs: build.Libraries, tmp_path: Path) -> None:
+@pytest.mark.parametrize("size, total", [(["-p", "0.5"], 40 << 30), (["-m", "20G"], 20 << 30)], ids=["fraction", "memory"])
+def test_flexrun_asks_the_pool_and_releases(native_libs: build.Libraries, tmp_path: Path, size: list[str],
+                                            total: int) -> None:
     pytest.importorskip("rgpu.remoting.pool.daemon")
     from tests.daemons import RgpuCluster, wait_for
     inventory = EXAMPLES.parent / "inventory-a.toml"
@@ -214,14 +216,14 @@ def test_flexrun_asks_the_pool_and_releases(native_libs: build.Libraries, tmp_pa
         with cluster.client() as client:
             wait_for(lambda: len(client.list_gpus()) > 0, what="the dispatcher to register")
         env = cluster.env(RGPU_NATIVE_DIR=str(native_libs.folder))
-        done = subprocess.run([PY, "-m", "rgpu.remoting.client.flexrun", "-n", "1", "-p", "0.5", "--", PY, "-c", textwrap.dedent(f"""
+        done = subprocess.run([PY, "-m", "rgpu.remoting.client.flexrun", "-n", "1", *size, "--", PY, "-c", textwrap.dedent(f"""
             import sys; sys.path.insert(0, {str(HERE)!r})
             from ctcuda import *
             setup()
             print("TOTAL", mem_info()[1])
             """)], env=env, capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 0, done.stdout + done.stderr
-        assert "TOTAL" in done.stdout
+        assert f"TOTAL {total}" in done.stdout, done.stdout   # the slice's memory, as leased
         with cluster.client() as client:
             assert client.list_leases() == []
     finally:
