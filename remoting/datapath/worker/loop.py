@@ -82,6 +82,7 @@ class Worker(Handlers):
             "cuLaunchKernel": (self.h_launch, True),
             "rgpuParamInfo": (self.h_param_info, False),
             "rgpuOccupancyMaxPotentialBlockSize": (self.h_potential_block_size, False),
+            "cuOccupancyMaxActiveClusters": (self.h_max_active_clusters, False),
             "rgpuSessionInfo": (self.h_session_info, False),
         }
         for name, entry in manual.items():
