@@ -11,6 +11,7 @@ import math
 import re
 
 from rgpu.errors import InvalidRequest
+from rgpu.netaddr import split_host_port
 
 JOB_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+@-]{0,127}$")
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}$")   # user and account names
@@ -42,7 +43,9 @@ def name(field: str, value: str) -> str:
 
 
 def host(value: str) -> str:
-    if HOSTNAME_RE.fullmatch(value or ""):
+    if not isinstance(value, str):
+        raise _bad("host", value, "a hostname or IP address")
+    if HOSTNAME_RE.fullmatch(value):
         return value
     try:
         ipaddress.ip_address(value.strip("[]"))
@@ -52,16 +55,11 @@ def host(value: str) -> str:
 
 
 def server_address(value: str) -> str:
-    """'host:port' or '[v6]:port'."""
-    if not isinstance(value, str):
-        raise _bad("server address", value, "host:port")
-    if value.startswith("["):
-        head, sep, port = value.rpartition("]:")
-        hostpart = head + "]"
-    else:
-        hostpart, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
-        raise _bad("server address", value, "host:port with a port in 1-65535")
+    """'host:port' or '[v6]:port' (rgpu.netaddr parses it), with a valid host."""
+    try:
+        hostpart, _port = split_host_port(value, what="server address")
+    except InvalidRequest:
+        raise _bad("server address", value, "host:port with a port in 1-65535") from None
     host(hostpart)
     return value
 

@@ -30,24 +30,32 @@ cleanup() {
 }
 trap cleanup EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-pool_port=$(free_port)
-export RGPU_CONFIG="$work/rgpu.toml" RGPU_SECRET_FILE="$work/secret" RGPU_POOL="127.0.0.1:$pool_port"
+# Daemons bind port 0 and write the port they got to --port-file once they serve.
+wait_port() {  # FILE PID LOG: the port in FILE, once the daemon PID wrote it
+  for _ in $(seq 300); do
+    [ -s "$1" ] && { cat "$1"; return; }
+    kill -0 "$2" 2>/dev/null || { echo "demo: a daemon exited at startup:" >&2; cat "$3" >&2; exit 1; }
+    sleep 0.1
+  done
+  echo "demo: no port in $1 after 30 s" >&2; exit 1
+}
+export RGPU_CONFIG="$work/rgpu.toml" RGPU_SECRET_FILE="$work/secret"
 printf 'heartbeat_interval_seconds = 1.0\ndown_after_seconds = 5.0\n' > "$RGPU_CONFIG"
 
 echo "== cluster secret"
 rgpu-admin secret create "$RGPU_SECRET_FILE"
 
-echo "== rgpu-poold on $RGPU_POOL (state $work/pool.db)"
-rgpu-poold --listen "$RGPU_POOL" --state "$work/pool.db" 2> "$work/poold.log" &
+rgpu-poold --listen 127.0.0.1:0 --port-file "$work/poold.port" --state "$work/pool.db" 2> "$work/poold.log" &
 pids+=($!)
+export RGPU_POOL="127.0.0.1:$(wait_port "$work/poold.port" "$!" "$work/poold.log")"
+echo "== rgpu-poold on $RGPU_POOL (state $work/pool.db)"
 
 echo "== two rgpu-dispatchers with static inventories"
 for name in a b; do
-  port=$(free_port)
-  rgpu-dispatcher -p "$port" --host 127.0.0.1 --advertise 127.0.0.1 --pool "$RGPU_POOL" \
-    --inventory "$here/examples/inventory-$name.toml" 2> "$work/dispatcher-$name.log" &
+  rgpu-dispatcher -p 0 --port-file "$work/dispatcher-$name.port" --host 127.0.0.1 --advertise 127.0.0.1 \
+    --pool "$RGPU_POOL" --inventory "$here/examples/inventory-$name.toml" 2> "$work/dispatcher-$name.log" &
   pids+=($!)
+  wait_port "$work/dispatcher-$name.port" "$!" "$work/dispatcher-$name.log" >/dev/null
 done
 
 for _ in $(seq 100); do

@@ -1,7 +1,8 @@
-"""Start real rgpu daemons (rgpu-poold, rgpu-dispatcher) as subprocesses on free loopback ports.
+"""Start real rgpu daemons (rgpu-poold, rgpu-dispatcher) as subprocesses on loopback ports.
 
-Shared by the integration, Slurm and remoting tests. Every process started here is killed at
-teardown, also when a test fails.
+Shared by the integration, Slurm and remoting tests. Daemons bind port 0 and report the port they
+got through `--port-file` (no pick-a-free-port-then-start race). Every process started here is
+killed at teardown, also when a test fails.
 """
 
 from __future__ import annotations
@@ -16,16 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from rgpu.portfile import read_port_file
 from rgpu.secret import create_secret, load_secret
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLES = REPO / "examples"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "condition") -> None:
@@ -37,12 +33,14 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def port_open(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-            return True
-    except OSError:
-        return False
+def wait_for_port_file(path: Path, daemon: "Daemon", timeout: float = 30.0) -> int:
+    """The port a daemon started with --port-file reports once it serves; fails with its log if it
+    exits first."""
+    wait_for(lambda: path.exists() or not daemon.alive, timeout=timeout, what=f"{daemon.name} to report its port")
+    port = read_port_file(path)
+    if port is None:
+        raise AssertionError(f"{daemon.name} exited before serving:\n{daemon.log()}")
+    return port
 
 
 @dataclass
@@ -85,7 +83,11 @@ class Daemon:
 
 @dataclass
 class RgpuCluster:
-    """A pool and its dispatchers in one temp dir, with a cluster secret."""
+    """A pool and its dispatchers in one temp dir, with a cluster secret.
+
+    The pool's port is known once start_pool() returns; until then pool_address names a port
+    held (bound, not listening) by this object, so a dispatcher started first finds no pool
+    there, and no other program can be there either."""
 
     root: Path
     pool_port: int = 0
@@ -99,7 +101,12 @@ class RgpuCluster:
             create_secret(self.secret_file)
         self.secret = load_secret(self.secret_file)
         self.state = self.root / "pool.db"
-        self.pool_port = self.pool_port or free_port()
+        self._no_pool: socket.socket | None = None
+        if not self.pool_port:
+            self._no_pool = socket.socket()
+            self._no_pool.bind(("127.0.0.1", 0))
+            self.pool_port = self._no_pool.getsockname()[1]
+        self._dispatchers_started = 0
 
     @property
     def pool_address(self) -> str:
@@ -118,28 +125,40 @@ class RgpuCluster:
         (self.root / "rgpu.toml").write_text("\n".join(lines) + "\n")
 
     def start_pool(self, *extra_args: str, env: dict[str, str] | None = None) -> Daemon:
+        """Start rgpu-poold: on a port of its choosing the first time, on the same port again after
+        a kill (dispatchers and clients keep their address)."""
         if not (self.root / "rgpu.toml").exists():
             self.write_config(down_after_seconds=3.0, heartbeat_interval_seconds=0.5,
                               reclaim_interval_seconds=0.5)
-        daemon = Daemon("rgpu-poold", [sys.executable, "-m", "rgpu.remoting.pool.daemon", "--listen", self.pool_address,
-                                       "--state", str(self.state), *extra_args],
+        first = self._no_pool is not None
+        if self._no_pool is not None:
+            self._no_pool.close()
+            self._no_pool = None
+        port_file = self.root / "poold.port"
+        port_file.unlink(missing_ok=True)
+        listen = "127.0.0.1:0" if first else self.pool_address
+        daemon = Daemon("rgpu-poold", [sys.executable, "-m", "rgpu.remoting.pool.daemon", "--listen", listen,
+                                       "--state", str(self.state), "--port-file", str(port_file), *extra_args],
                         self.root / "poold.log", env or self.env()).start()
         self.pool = daemon
         self.daemons.append(daemon)
-        wait_for(lambda: port_open(self.pool_port) or not daemon.alive, what="rgpu-poold to listen")
-        assert daemon.alive, f"rgpu-poold exited:\n{daemon.log()}"
+        self.pool_port = wait_for_port_file(port_file, daemon)
         return daemon
 
     def start_dispatcher(self, inventory: Path | str, port: int | None = None, *extra_args: str,
                          env: dict[str, str] | None = None) -> tuple[Daemon, int]:
-        port = port or free_port()
-        daemon = Daemon(f"rgpu-dispatcher:{port}",
-                        [sys.executable, "-m", "rgpu.remoting.dispatcher.daemon", "-p", str(port), "--host", "127.0.0.1",
+        """Start rgpu-dispatcher on `port` (default: one it picks) once it serves; return it and its port."""
+        self._dispatchers_started += 1
+        n = self._dispatchers_started
+        port_file = self.root / f"dispatcher-{n}.port"
+        port_file.unlink(missing_ok=True)
+        daemon = Daemon(f"rgpu-dispatcher-{n}",
+                        [sys.executable, "-m", "rgpu.remoting.dispatcher.daemon", "-p", str(port or 0), "--host", "127.0.0.1",
                          "--advertise", "127.0.0.1", "--pool", self.pool_address, "--inventory", str(inventory),
-                         *extra_args],
-                        self.root / f"dispatcher-{port}.log", env or self.env()).start()
+                         "--port-file", str(port_file), *extra_args],
+                        self.root / f"dispatcher-{n}.log", env or self.env()).start()
         self.daemons.append(daemon)
-        return daemon, port
+        return daemon, wait_for_port_file(port_file, daemon)
 
     def client(self):  # type: ignore[no-untyped-def]
         from rgpu.remoting.pool.client import PoolClient
@@ -148,3 +167,18 @@ class RgpuCluster:
     def stop_all(self) -> None:
         for daemon in reversed(self.daemons):
             daemon.kill()
+        if self._no_pool is not None:
+            self._no_pool.close()
+            self._no_pool = None
+
+
+def register_servers(client, servers: int = 2, gpus: int = 4) -> None:  # type: ignore[no-untyped-def]
+    """Register `servers` fake dispatchers with `gpus` 80 GiB GPUs each, straight through the API."""
+    from rgpu.model import GpuInfo, ServerInfo
+    from rgpu.remoting.pool.convert import server_to_pb
+
+    gib = 2**30
+    for n in range(servers):
+        client.register_server(server_to_pb(ServerInfo(
+            address=f"127.0.0.1:{56000 + n}", hostname=f"gpu{n}", driver_version="580", cuda_version="13.0",
+            gpus=tuple(GpuInfo(f"GPU-{n}-{i}", i, "NVIDIA H100", 80 * gib, 80 * gib, "9.0") for i in range(gpus)))))

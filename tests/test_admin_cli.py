@@ -1,23 +1,25 @@
-"""rgpu-admin against a real rgpu-poold: tables, --json, adaptor.conf, one-line errors, exit codes."""
+"""rgpu-admin against a real rgpu-poold: tables, --json, adaptor.conf, one-line errors, exit codes.
+
+The CLI runs in-process (click's CliRunner): the pool daemon is the process boundary under test."""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import subprocess
-import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
 from rgpu.adaptor import read_adaptor_conf
+from rgpu.remoting.admin.cli import main as admin_main
 from rgpu.remoting.pool.client import PoolClient
-from tests.daemons import RgpuCluster, wait_for
-from tests.test_pool_daemon import register
+from tests.daemons import RgpuCluster, register_servers as register, wait_for
 
-pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
@@ -29,9 +31,18 @@ def cluster(tmp_path: Path):  # type: ignore[no-untyped-def]
     c.stop_all()
 
 
+def run_admin(args: Sequence[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """rgpu-admin ARGS in-process, with `env` as its whole RGPU_* environment."""
+    overlay: dict[str, str | None] = {k: None for k in os.environ if k.startswith(("RGPU_", "BF_"))}
+    overlay.update(env or {})
+    result = CliRunner().invoke(admin_main, list(args), env=overlay, prog_name="rgpu-admin")
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(["rgpu-admin", *args], result.exit_code, result.stdout, result.stderr)
+
+
 def admin(cluster: RgpuCluster, *args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
-    run = subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", *args], env=cluster.env(), capture_output=True,
-                         text=True, timeout=60)
+    run = run_admin(args, {k: v for k, v in cluster.env().items() if k.startswith("RGPU_")})
     if ok:
         assert run.returncode == 0, run.stderr
     return run
@@ -130,14 +141,12 @@ def test_health_drain_and_quota(cluster: RgpuCluster, tmp_path: Path) -> None:
 
 
 def test_unreachable_pool(cluster: RgpuCluster) -> None:
-    run = subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", "--pool", "127.0.0.1:1", "health"],
-                         env=cluster.env(), capture_output=True, text=True, timeout=60)
+    run = admin(cluster, "--pool", "127.0.0.1:1", "health", ok=False)
     assert run.returncode == 6 and run.stderr.startswith("rgpu: health: pool daemon at 127.0.0.1:1 is not serving")
 
 
 def test_secret_create(tmp_path: Path) -> None:
-    run = subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", "secret", "create", str(tmp_path / "s")],
-                         capture_output=True, text=True, timeout=60)
+    run = run_admin(["secret", "create", str(tmp_path / "s")])
     assert run.returncode == 0 and oct((tmp_path / "s").stat().st_mode & 0o777) == "0o600"
 
 

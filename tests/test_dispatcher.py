@@ -18,7 +18,7 @@ from rgpu.errors import RgpuError
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.remoting.dispatcher.daemon import default_advertise, join_host_port
 from rgpu.remoting.dispatcher.registration import Backoff, sane_interval
-from tests.daemons import EXAMPLES, Daemon, RgpuCluster, free_port, wait_for
+from tests.daemons import EXAMPLES, Daemon, RgpuCluster, wait_for
 
 INVENTORY_A = EXAMPLES / "inventory-a.toml"
 INVENTORY_B = EXAMPLES / "inventory-b.toml"
@@ -126,14 +126,14 @@ def test_port_in_use_is_a_clear_error(cluster: RgpuCluster) -> None:
 def test_no_driver_and_no_inventory_is_refused(cluster: RgpuCluster) -> None:
     if nvidia_driver_present():
         pytest.skip("an NVIDIA driver is present on this machine")
-    result = dispatcher_once(cluster, "-p", str(free_port()))
+    result = dispatcher_once(cluster, "-p", "0")
     assert_one_line_error(result, "rgpu: dispatcher: no usable NVIDIA driver on this host",
                           "install the NVIDIA driver", "pass --inventory FILE")
 
 
 def test_missing_secret_is_a_clear_error(cluster: RgpuCluster, tmp_path: Path) -> None:
     missing = tmp_path / "no-such-secret"
-    result = dispatcher_once(cluster, "-p", str(free_port()), "--inventory", str(INVENTORY_A),
+    result = dispatcher_once(cluster, "-p", "0", "--inventory", str(INVENTORY_A),
                              env=cluster.env(RGPU_SECRET_FILE=str(missing)))
     assert_one_line_error(result, f"rgpu: secret: secret file {missing} does not exist", "rgpu-admin secret create")
 
@@ -143,13 +143,13 @@ def test_secret_readable_by_others_is_refused(cluster: RgpuCluster, tmp_path: Pa
     shutil.copy(cluster.secret_file, loose)
     loose.chmod(0o644)
     # the flag wins over RGPU_SECRET_FILE, which points at the good secret
-    result = dispatcher_once(cluster, "-p", str(free_port()), "--inventory", str(INVENTORY_A),
+    result = dispatcher_once(cluster, "-p", "0", "--inventory", str(INVENTORY_A),
                              "--secret-file", str(loose))
     assert_one_line_error(result, "is readable by others (mode 0644)", f"chmod 600 {loose}")
 
 
 def test_unknown_visible_device_is_named(cluster: RgpuCluster) -> None:
-    result = dispatcher_once(cluster, "-p", str(free_port()), "--inventory", str(INVENTORY_A),
+    result = dispatcher_once(cluster, "-p", "0", "--inventory", str(INVENTORY_A),
                              env=cluster.env(BF_VISIBLE_DEVICES="0,5"))
     assert_one_line_error(result, "$BF_VISIBLE_DEVICES names GPUs this host does not have: 5")
 
@@ -157,15 +157,16 @@ def test_unknown_visible_device_is_named(cluster: RgpuCluster) -> None:
 def test_bad_inventory_file_is_a_clear_error(cluster: RgpuCluster, tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text(INVENTORY_A.read_text().replace('"9.0"', '"nine"', 1))
-    result = dispatcher_once(cluster, "-p", str(free_port()), "--inventory", str(bad))
+    result = dispatcher_once(cluster, "-p", "0", "--inventory", str(bad))
     assert_one_line_error(result, f"inventory {bad}: [[gpu]] number 1: compute_capability 'nine' is not MAJOR.MINOR")
 
 
 def test_bad_pool_address_is_a_clear_error(cluster: RgpuCluster) -> None:
-    result = dispatcher_once(cluster, "-p", str(free_port()), "--inventory", str(INVENTORY_A), "--pool", "nowhere")
+    result = dispatcher_once(cluster, "-p", "0", "--inventory", str(INVENTORY_A), "--pool", "nowhere")
     assert_one_line_error(result, "pool address 'nowhere' from --pool is not HOST:PORT")
 
 
+@pytest.mark.integration   # runs the console script
 def test_console_script_is_installed() -> None:
     script = shutil.which("rgpu-dispatcher")
     if script is None:
@@ -208,7 +209,9 @@ def test_two_dispatchers_on_one_host_register(cluster: RgpuCluster) -> None:
     assert server_a.hostname == "demo-gpu-a" and server_b.hostname == "demo-gpu-b"
     assert server_a.static_inventory and server_b.static_inventory
     assert (server_a.driver_version, server_a.cuda_version) == ("580.82.07", "13.0")
-    assert server_a.data_ports == "45201-46225" and server_b.data_ports == "47000-47099"
+    # Without a range the data port is the session port; with one, the session port lies in it.
+    assert server_a.data_ports == f"{port_a}-{port_a}" and server_b.data_ports == "47000-47099"
+    assert 47000 <= port_b <= 47099
     assert server_a.version and server_a.compute_enforcement in ("", "mps", "time-slicing")
     assert [(g.index, g.total_memory_bytes, g.usable_memory_bytes) for g in server_a.gpus] == [
         (0, 80 * GiB, 40 * GiB), (1, 80 * GiB, 40 * GiB)]

@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 from rgpu.remoting.dispatcher.sessions import OWNER_FILE, RUNTIME_PREFIX, sweep_dead_runtime_dirs
 
 
 def test_only_folders_of_dead_owners_are_removed(tmp_path: Path) -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    limit = int(Path("/proc/sys/kernel/pid_max").read_text())
+    dead = str(next(pid for pid in range(limit - 1, 1, -1) if not Path(f"/proc/{pid}").exists()))
     for name, owner in (("killed", dead), ("alive", str(os.getpid())), ("legacy", None)):
         folder = tmp_path / f"{RUNTIME_PREFIX}{name}"
         (folder / "mps").mkdir(parents=True)

@@ -21,7 +21,8 @@ CASES = json.loads((REPO / "tests" / "data" / "request_cases.json").read_text())
 NO_VAL = 4294967294
 LUA = shutil.which("lua5.1")
 
-pytestmark = pytest.mark.skipif(LUA is None, reason="lua5.1 is not installed (Debian package lua5.1)")
+pytestmark = [pytest.mark.integration,   # each case runs the lua5.1 interpreter
+              pytest.mark.skipif(LUA is None, reason="lua5.1 is not installed (Debian package lua5.1)")]
 
 CONF = f"""# test config
 max_per_node = 8

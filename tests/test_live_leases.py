@@ -7,7 +7,7 @@ from pathlib import Path
 
 from rgpu import tokens
 from rgpu.live_leases import LiveLeases
-from tests.test_pool_core import SECRET, Clock, make_core, req, server
+from tests.poolcore_helpers import SECRET, Clock, make_core, req, server
 
 SNAPSHOT = LiveLeases.of(1000.0, [("job-1", 0, 900.0), ("job-1", 1, 900.0)])
 

@@ -12,10 +12,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rgpu.errors import AuthError, Unavailable
-from rgpu.model import GpuInfo, ServerInfo
-from rgpu.remoting.pool.convert import server_to_pb
 from rgpu.remoting.pool.client import PoolClient
-from tests.daemons import RgpuCluster, free_port, wait_for
+from tests.daemons import RgpuCluster, register_servers, wait_for
 
 pytestmark = pytest.mark.integration
 GiB = 2**30
@@ -29,11 +27,7 @@ def cluster(tmp_path: Path):  # type: ignore[no-untyped-def]
     c.stop_all()
 
 
-def register(client: PoolClient, servers: int = 2, gpus: int = 4) -> None:
-    for n in range(servers):
-        client.register_server(server_to_pb(ServerInfo(
-            address=f"127.0.0.1:{56000 + n}", hostname=f"gpu{n}", driver_version="580", cuda_version="13.0",
-            gpus=tuple(GpuInfo(f"GPU-{n}-{i}", i, "NVIDIA H100", 80 * GiB, 80 * GiB, "9.0") for i in range(gpus)))))
+register = register_servers
 
 
 def test_kill_9_loses_no_lease_quota_or_server(cluster: RgpuCluster) -> None:
@@ -110,7 +104,7 @@ def test_calls_without_the_secret_are_refused_but_health_is_open(cluster: RgpuCl
 
 def test_missing_secret_and_busy_port_are_one_line_errors(cluster: RgpuCluster, tmp_path: Path) -> None:
     env = cluster.env(RGPU_SECRET_FILE=str(tmp_path / "nope"))
-    run = subprocess.run([sys.executable, "-m", "rgpu.remoting.pool.daemon", "--listen", f"127.0.0.1:{free_port()}",
+    run = subprocess.run([sys.executable, "-m", "rgpu.remoting.pool.daemon", "--listen", "127.0.0.1:0",
                           "--state", str(tmp_path / "x.db")], env=env, capture_output=True, text=True, timeout=30)
     assert run.returncode != 0
     assert run.stderr.strip().splitlines()[-1].startswith("rgpu: secret: secret file")

@@ -210,6 +210,7 @@ def test_node_epilog_removes_what_the_job_left_without_following_links(tmp_path:
     ("42;id", True, ""),
     ("", True, ""),
 ])
+@pytest.mark.integration   # runs the TaskProlog script
 def test_task_prolog(tmp_path: Path, job_id: str, made: bool, expected: str) -> None:
     if made:
         (tmp_path / "42").mkdir()
@@ -218,6 +219,7 @@ def test_task_prolog(tmp_path: Path, job_id: str, made: bool, expected: str) -> 
     assert out.returncode == 0 and out.stdout == expected.format(run=tmp_path)
 
 
+@pytest.mark.integration   # runs each entry script
 @pytest.mark.parametrize("script", ["rgpu-prolog-slurmctld", "rgpu-prolog", "rgpu-epilog-slurmctld", "rgpu-epilog"])
 def test_entry_scripts_run_without_slurm(script: str, tmp_path: Path) -> None:
     """The thin scripts start and map a missing Slurm environment to their documented exit code."""

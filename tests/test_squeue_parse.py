@@ -64,6 +64,7 @@ def test_errors_and_garbage_are_reported() -> None:
     assert parse_squeue_json(json.dumps({"jobs": []})) == []
 
 
+@pytest.mark.integration   # tries to run squeue
 def test_squeue_command_and_missing_binary() -> None:
     assert squeue_command() == ["squeue", "--json"]
     backend = SqueueBackend(env={"PATH": "/nonexistent"})

@@ -14,8 +14,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import click
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tabulate import tabulate
 
 from rgpu import __version__, plugins
@@ -23,7 +21,7 @@ from rgpu.adaptor import read_adaptor_conf, write_adaptor_conf
 from rgpu.config import Settings, load_settings
 from rgpu.errors import InvalidRequest, RgpuError, Unavailable
 from rgpu.proto import rgpu_pb2 as pb
-from rgpu.secret import create_secret, load_secret
+from rgpu.secret import create_secret
 from rgpu.units import format_bytes, parse_duration, parse_size
 
 
@@ -33,11 +31,9 @@ class Context:
     json_output: bool
 
     def client(self):  # type: ignore[no-untyped-def]
-        from rgpu.remoting.pool.client import PoolClient
+        from rgpu.remoting.pool.client import connect
 
-        s = self.settings
-        return PoolClient(s.pool, load_secret(s.secret_file), tls_ca_file=s.tls_ca_file or None,
-                          tls_server_name=s.tls_server_name or None)
+        return connect(self.settings)
 
 
 def _emit(ctx: Context, rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]],
@@ -284,19 +280,10 @@ def quota_show(ctx: Context) -> None:
 
 def _pool_serving(settings: Settings) -> str | None:
     """None when the pool's standard gRPC health service says SERVING, else why not."""
-    from rgpu.remoting.pool.client import open_channel
+    from rgpu.remoting.pool.client import connect
 
-    channel = open_channel(settings.pool, settings.tls_ca_file or None, settings.tls_server_name or None)
-    try:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="rgpu.v1.Pool"),
-                                                           timeout=5)
-        if reply.status != health_pb2.HealthCheckResponse.SERVING:
-            return f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
-        return None
-    except grpc.RpcError as exc:
-        return f"{exc.code().name.lower()}: {exc.details()}"
-    finally:
-        channel.close()
+    with connect(settings, secret=b"") as client:   # the health service needs no credential
+        return client.health()
 
 
 @main.command()

@@ -1,12 +1,17 @@
 """flexrun: run an unmodified CUDA application on remote GPU slices.
 
-    flexrun [-f adaptor.conf | -l "host:port;host:port" | -n N [-p F]] [--] app [args...]
+    flexrun [-f adaptor.conf | -l "host:port;host:port" | -n N] [-p F | -m SIZE] [--] app [args...]
 
 Which slices:
   -f FILE     the slices of an adaptor.conf (what the Slurm prolog writes for a job)
-  -n N        ask the pool for N slices of fraction F (-p, default 1.0), release them at exit
-  -l LIST     ask the pool for one slice (fraction -p) on each listed dispatcher, release at exit
+  -n N        ask the pool for N slices, release them at exit
+  -l LIST     ask the pool for one slice on each listed dispatcher, release them at exit
   (none)      $RGPU_ADAPTOR_CONF, then ~/.rgpu/adaptor.conf, then /etc/rgpu/adaptor.conf
+How big, with -n or -l (one of them; default a whole GPU):
+  -p F        fraction of a GPU per slice, 0 < F <= 1
+  -m SIZE     GPU memory per slice, e.g. 8G or 512M (binary units)
+Everything after `--`, or from the first word that is not an option, is the application's
+command line, passed on untouched.
 
 Slice i appears to the application as CUDA device i; slices on different servers form one
 multi-GPU machine. flexrun checks every slice with its server before the application starts, so
@@ -19,13 +24,13 @@ status pass through (with an adaptor.conf flexrun replaces itself with the appli
 rgpu's NVML-based view of the slices (remoting/client/smi.py) on nodes without it (CPU nodes usually have
 no NVIDIA driver tools). RGPU_SMI=nvidia or RGPU_SMI=rgpu picks one.
 
-Exit codes of flexrun's own failures: 2 configuration, 3 no capacity, 4 token or permission,
-6 a server unreachable, 1 the node prolog's recorded error or anything else.
+Exit codes of flexrun's own failures: 2 usage or configuration, 3 no capacity, 4 token or
+permission, 6 a server unreachable, 1 the node prolog's recorded error or anything else; each is
+one line, `rgpu: <component>: <what> (<why>; <how to fix>)`.
 """
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import getpass
 import os
@@ -39,9 +44,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from rgpu.errors import ConfigError, InvalidRequest, RgpuError
+import click
 
-DEFAULT_RUN_DIR = "/run/rgpu"
+from rgpu import paths
+from rgpu.errors import ConfigError, InvalidRequest, RgpuError
+from rgpu.remoting.client.cli import tool_command
+from rgpu.units import parse_size
+
+TOOL = "flexrun"
 CONF_SEARCH = ("~/.rgpu/adaptor.conf", "/etc/rgpu/adaptor.conf")
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1,
                      signal.SIGUSR2, signal.SIGCONT, signal.SIGWINCH)
@@ -59,10 +69,10 @@ def prolog_error_files(env: dict[str, str] | os._Environ = os.environ) -> list[P
     out = []
     conf = env.get("RGPU_ADAPTOR_CONF")
     if conf and not Path(conf).exists():
-        out.append(Path(conf).parent / "error")
+        out.append(Path(conf).parent / paths.ERROR_NAME)
     job = env.get("SLURM_JOB_ID")
-    if job and job.isdigit():
-        out.append(Path(env.get("RGPU_RUN_DIR") or DEFAULT_RUN_DIR) / job / "error")
+    if job and job.isascii() and job.isdigit():
+        out.append(paths.job_dir(job, env) / paths.ERROR_NAME)
     return out
 
 
@@ -101,18 +111,22 @@ def slices_from_conf(path: Path) -> list[Slice]:
     return [Slice(s.server, s.token) for s in conf.slices]
 
 
+@dataclass(frozen=True)
+class SliceSize:
+    """How big each slice asked from the pool is: a fraction of a GPU or an amount of its memory."""
+
+    fraction: float = 1.0
+    memory_bytes: int = 0      # when set, fraction is 0
+
+
 class Lease:
     """Slices requested from the pool for this run only; released when the run ends."""
 
-    def __init__(self, count: int, fraction: float, servers: list[str]) -> None:
-        from rgpu.remoting.pool.client import PoolClient
-
+    def __init__(self, count: int, size: SliceSize, servers: list[str]) -> None:
         from rgpu.config import load_settings
-        from rgpu.secret import load_secret
-        settings = load_settings()
-        self.client = PoolClient(settings.pool, load_secret(settings.secret_file),
-                                 tls_ca_file=settings.tls_ca_file or None,
-                                 tls_server_name=settings.tls_server_name or None)
+        from rgpu.remoting.pool.client import connect
+
+        self.client = connect(load_settings())
         self.user = getpass.getuser()
         base = f"flexrun-{socket.gethostname().split('.')[0]}-{os.getpid()}-{pysecrets.token_hex(3)}"
         self.keys: list[str] = []
@@ -120,7 +134,8 @@ class Lease:
         try:
             requests = [(f"{base}-{i}", 1, s) for i, s in enumerate(servers)] if servers else [(base, count, "")]
             for key, n, server in requests:
-                lease = self.client.allocate(key, self.user, n, fraction=fraction, server=server)
+                lease = self.client.allocate(key, self.user, n, fraction=size.fraction,
+                                             memory_bytes=size.memory_bytes, server=server)
                 self.keys.append(key)
                 self.slices += [Slice(s.server, s.token) for s in lease.slices]
         except BaseException:
@@ -154,29 +169,81 @@ def build_env(slices: list[Slice], libdir: Path, env: dict[str, str] | os._Envir
     return out
 
 
-def parse_args(argv: Sequence[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="flexrun", description=__doc__.split("\n\n")[0],
-                                     epilog="Everything after the options (or after --) is the application.",
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("-f", "--adaptor-conf", metavar="FILE", help="use the slices of this adaptor.conf")
-    source.add_argument("-l", "--server-list", metavar="LIST",
-                        help='one slice on each of these dispatchers, "host:port;host:port" (asks the pool)')
-    source.add_argument("-n", "--num-gpus", type=int, metavar="N", help="ask the pool for N slices")
-    parser.add_argument("-p", "--partial", type=float, default=1.0, metavar="F",
-                        help="fraction of a GPU per slice with -n/-l (default 1.0)")
-    parser.add_argument("--probe-timeout", type=float, default=15.0, help=argparse.SUPPRESS)
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="the application and its arguments")
-    args = parser.parse_args(argv)
-    if args.command and args.command[0] == "--":
-        args.command = args.command[1:]
-    if not args.command:
-        parser.error("no application given (flexrun [options] -- app [args...])")
-    if args.num_gpus is not None and args.num_gpus < 1:
-        parser.error("-n must be at least 1")
-    if not 0 < args.partial <= 1:
-        parser.error("-p must be in (0, 1]")
-    return args
+@dataclass(frozen=True)
+class Options:
+    command: list[str]                 # the application's argv, untouched
+    adaptor_conf: str | None = None
+    server_list: str | None = None
+    num_gpus: int | None = None
+    size: SliceSize = SliceSize()
+    probe_timeout: float = 15.0
+
+
+def _bad_usage(what: str, why: str = "") -> InvalidRequest:
+    return InvalidRequest(TOOL, what, why, f"see `{TOOL} --help`")
+
+
+def make_options(command: Sequence[str], adaptor_conf: str | None = None, server_list: str | None = None,
+                 num_gpus: int | None = None, partial: float | None = None, memory: str | None = None,
+                 probe_timeout: float = 15.0) -> Options:
+    """Options from the command line's values, checked together (pure; raises InvalidRequest)."""
+    given = [flag for flag, value in (("-f", adaptor_conf), ("-l", server_list), ("-n", num_gpus)) if value is not None]
+    if len(given) > 1:
+        raise _bad_usage(f"{' and '.join(given)} cannot be used together", "they name the slices in different ways")
+    if partial is not None and memory is not None:
+        raise _bad_usage("-p and -m cannot be used together", "a slice is sized by a fraction or by memory")
+    if (partial is not None or memory is not None) and adaptor_conf is not None:
+        raise _bad_usage(f"{'-p' if partial is not None else '-m'} cannot be used with -f",
+                         "the adaptor.conf's slices are already sized")
+    if num_gpus is not None and num_gpus < 1:
+        raise _bad_usage(f"-n {num_gpus} asks for no GPU", "-n must be at least 1")
+    if partial is not None and not 0 < partial <= 1:
+        raise _bad_usage(f"-p {partial:g} is not a fraction of a GPU", "-p must be in (0, 1], e.g. 0.5")
+    size = SliceSize()
+    if partial is not None:
+        size = SliceSize(fraction=partial)
+    elif memory is not None:
+        size = SliceSize(fraction=0.0, memory_bytes=parse_size(memory, "memory per slice (-m)", component=TOOL))
+    if not command:
+        raise _bad_usage("no application given", f"write {TOOL} [options] -- app [args...]")
+    return Options(command=list(command), adaptor_conf=adaptor_conf, server_list=server_list, num_gpus=num_gpus,
+                   size=size, probe_timeout=probe_timeout)
+
+
+_CONTEXT = {"help_option_names": ["-h", "--help"],
+            # The first word that is not an option starts the application's command line.
+            "allow_interspersed_args": False}
+
+
+@tool_command(TOOL, context_settings=_CONTEXT, epilog="Everything after the options (or after --) is the application.",
+               help=(__doc__ or "").split("\n\n")[0])
+@click.option("-f", "--adaptor-conf", metavar="FILE", help="Use the slices of this adaptor.conf.")
+@click.option("-l", "--server-list", metavar="LIST",
+              help='One slice on each of these dispatchers, "host:port;host:port" (asks the pool).')
+@click.option("-n", "--num-gpus", type=int, metavar="N", help="Ask the pool for N slices.")
+@click.option("-p", "--partial", type=float, metavar="F", help="Fraction of a GPU per slice with -n/-l (default 1.0).")
+@click.option("-m", "--memory", metavar="SIZE", help="GPU memory per slice with -n/-l, e.g. 8G (instead of -p).")
+@click.option("--probe-timeout", type=float, default=15.0, hidden=True)
+@click.argument("command", nargs=-1, type=click.UNPROCESSED)
+def cli(command: tuple[str, ...], adaptor_conf: str | None, server_list: str | None, num_gpus: int | None,
+        partial: float | None, memory: str | None, probe_timeout: float) -> int:
+    """The command line, parsed by click; `run` does the work."""
+    try:
+        options = make_options(command, adaptor_conf, server_list, num_gpus, partial, memory, probe_timeout)
+    except RgpuError as exc:
+        click.echo(str(exc), err=True)
+        return exc.exit_code
+    return run(options)
+
+
+def parse_args(argv: Sequence[str]) -> Options:
+    """Options from a command line (for tests and callers); usage errors raise InvalidRequest."""
+    try:
+        with cli.make_context(TOOL, list(argv)) as ctx:
+            return make_options(**{k: v for k, v in ctx.params.items()})
+    except click.ClickException as exc:
+        from rgpu.remoting.client.cli import usage_error
+        raise usage_error(TOOL, exc) from None
 
 
 def _run_child(command: list[str], env: dict[str, str]) -> int:
@@ -212,8 +279,8 @@ def use_rgpu_smi(env: dict[str, str]) -> bool:
     return choice == "rgpu"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else list(argv))
+def run(args: Options) -> int:
+    """Find or lease the slices, check them, and run the application; return its exit status."""
     lease: Lease | None = None
     try:
         check_prolog_error()
@@ -223,7 +290,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             servers = [s.strip() for s in (args.server_list or "").split(";") if s.strip()]
             if args.server_list and not servers:
                 raise InvalidRequest("flexrun", "empty server list", "", 'use -l "host:port;host:port"')
-            lease = Lease(args.num_gpus or len(servers), args.partial, servers)
+            lease = Lease(args.num_gpus or len(servers), args.size, servers)
             slices = lease.slices
         else:
             slices = slices_from_conf(find_adaptor_conf())
@@ -234,21 +301,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rgpu.remoting.native.build import ensure_built
         libs = ensure_built()
         env = build_env(slices, libs.folder)
-        if os.path.basename(args.command[0]) == "nvidia-smi" and use_rgpu_smi(env):
-            args.command = [sys.executable, "-m", "rgpu.remoting.client.smi", *args.command[1:]]
-        if shutil.which(args.command[0], path=env.get("PATH")) is None and os.sep not in args.command[0]:
-            raise ConfigError("flexrun", f"command not found: {args.command[0]}", "", "check the command and PATH")
+        command = args.command
+        if os.path.basename(command[0]) == "nvidia-smi" and use_rgpu_smi(env):
+            command = [sys.executable, "-m", "rgpu.remoting.client.smi", *command[1:]]
+        if shutil.which(command[0], path=env.get("PATH")) is None and os.sep not in command[0]:
+            raise ConfigError("flexrun", f"command not found: {command[0]}", "", "check the command and PATH")
         if lease is None:
             sys.stdout.flush()
             sys.stderr.flush()
             try:
-                os.execvpe(args.command[0], args.command, env)
+                os.execvpe(command[0], command, env)
             except OSError as exc:
-                raise ConfigError("flexrun", f"cannot run {args.command[0]}", exc.strerror or str(exc),
+                raise ConfigError("flexrun", f"cannot run {command[0]}", exc.strerror or str(exc),
                                   "check the command and its PATH") from None
-        code = _run_child(args.command, env)
+        code = _run_child(command, env)
     except RgpuError as exc:
-        print(str(exc), file=sys.stderr)
+        click.echo(str(exc), err=True)
         if lease is not None:
             lease.release()
         return exc.exit_code
@@ -263,6 +331,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.kill(os.getpid(), -code)
         return 128 - code
     return code
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return cli.main(args=argv, standalone_mode=False)
 
 
 if __name__ == "__main__":

@@ -11,13 +11,21 @@ application uses; memory is the slice's.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
+import click
+
+from rgpu.errors import InvalidRequest, RgpuError
+from rgpu.remoting.client.cli import tool_command
+
+TOOL = "smi"
 MiB = 1 << 20
+NVML_EXIT = 9      # NVML did not start: not under flexrun
+FIELDS = ("index", "name", "uuid", "pci.bus_id", "driver_version", "count", "memory.total", "memory.used",
+          "memory.free", "utilization.gpu", "utilization.memory", "temperature.gpu", "power.draw", "power.limit",
+          "pstate", "clocks.sm", "clocks.mem", "compute_mode")
 
 
 def _text(value: Any) -> str:
@@ -77,7 +85,7 @@ class Gpu:
             "compute_mode": lambda: {0: "Default", 1: "Exclusive_Thread", 2: "Prohibited", 3: "Exclusive_Process"}
                 .get(_try(lambda: n.nvmlDeviceGetComputeMode(h), -1), "[N/A]"),
         }
-        if name not in table:
+        if name not in table:   # FIELDS lists the keys of this table
             raise KeyError(name)
         return table[name]()
 
@@ -85,7 +93,8 @@ class Gpu:
 def query(gpus: list[Gpu], fields: list[str], fmt: str) -> str:
     opts = {o.strip() for o in fmt.split(",")}
     if "csv" not in opts:
-        raise SystemExit("rgpu: smi: only --format=csv is supported (with noheader and nounits)")
+        raise InvalidRequest(TOOL, f"--format={fmt} is not supported", "only csv is, with noheader and nounits",
+                             "use --format=csv[,noheader][,nounits]")
     units = "nounits" not in opts
     lines = []
     if "noheader" not in opts:
@@ -97,7 +106,8 @@ def query(gpus: list[Gpu], fields: list[str], fmt: str) -> str:
         try:
             lines.append(", ".join(gpu.field(f, units) for f in fields))
         except KeyError as exc:
-            raise SystemExit(f"rgpu: smi: field {exc} is not supported (supported: see `python -m rgpu.remoting.client.smi -h`)") from None
+            raise InvalidRequest(TOOL, f"field {exc} is not supported", f"supported: {', '.join(FIELDS)}",
+                                 "query those fields") from None
     return "\n".join(lines)
 
 
@@ -128,34 +138,45 @@ def table(gpus: list[Gpu]) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="nvidia-smi (rgpu)", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("-L", "--list-gpus", action="store_true")
-    parser.add_argument("--query-gpu", metavar="FIELDS")
-    parser.add_argument("--format", default="csv")
-    parser.add_argument("-i", "--id", type=int, help="only this GPU index")
-    args, unknown = parser.parse_known_args(argv)
-    if unknown:
-        print(f"rgpu: smi: ignoring options not supported for remote slices: {' '.join(unknown)}", file=sys.stderr)
+_CONTEXT = {"help_option_names": ["-h", "--help"],
+            # nvidia-smi has many more options: those are ignored with a warning, not refused.
+            "ignore_unknown_options": True, "allow_extra_args": True}
+
+
+@tool_command(TOOL, context_settings=_CONTEXT, help=__doc__)
+@click.option("-L", "--list-gpus", is_flag=True, help="One line per GPU: index, name, UUID.")
+@click.option("--query-gpu", metavar="FIELDS", help="Comma-separated fields, e.g. index,name,memory.total.")
+@click.option("--format", "fmt", default="csv", show_default=True, help="csv[,noheader][,nounits]")
+@click.option("-i", "--id", "gpu_id", type=int, help="Only this GPU index.")
+@click.pass_context
+def cli(ctx: click.Context, list_gpus: bool, query_gpu: str | None, fmt: str, gpu_id: int | None) -> int:
+    if ctx.args:
+        click.echo(f"rgpu: smi: ignoring options not supported for remote slices: {' '.join(ctx.args)}", err=True)
     import pynvml
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError as exc:
-        print(f"rgpu: smi: NVML did not start ({exc}; run it under flexrun, which connects the slices)", file=sys.stderr)
-        return 9
+        click.echo(f"rgpu: smi: NVML did not start ({exc}; run it under flexrun, which connects the slices)", err=True)
+        return NVML_EXIT
     try:
         count = pynvml.nvmlDeviceGetCount()
-        gpus = [Gpu(i) for i in range(count) if args.id is None or i == args.id]
-        if args.list_gpus:
-            print("\n".join(f"GPU {g.index}: {g.field('name', True)} (UUID: {g.field('uuid', True)})" for g in gpus))
-        elif args.query_gpu:
-            print(query(gpus, [f.strip() for f in args.query_gpu.split(",") if f.strip()], args.format))
+        gpus = [Gpu(i) for i in range(count) if gpu_id is None or i == gpu_id]
+        if list_gpus:
+            click.echo("\n".join(f"GPU {g.index}: {g.field('name', True)} (UUID: {g.field('uuid', True)})" for g in gpus))
+        elif query_gpu:
+            click.echo(query(gpus, [f.strip() for f in query_gpu.split(",") if f.strip()], fmt))
         else:
-            print(table(gpus))
+            click.echo(table(gpus))
+    except RgpuError as exc:
+        click.echo(str(exc), err=True)
+        return exc.exit_code
     finally:
         pynvml.nvmlShutdown()
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return cli.main(args=argv, standalone_mode=False)
 
 
 if __name__ == "__main__":

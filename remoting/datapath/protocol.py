@@ -29,11 +29,12 @@ import socket
 import struct
 from dataclasses import dataclass
 
-from rgpu.errors import AuthError, RgpuError, Unavailable
+from rgpu.errors import AuthError, ConfigError, InvalidRequest, RgpuError, Unavailable
+from rgpu.netaddr import split_host_port
 
 # The data path's protocol version. It is also recorded in spec/cuda.spec: a spec change that
 # alters the wire format must bump both (tests/remoting/test_generator.py checks the pairing).
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAGIC = b"RGPU"
 
 HEADER = struct.Struct("<IHHIIQ")
@@ -179,8 +180,11 @@ def recv_frame(sock: socket.socket, max_payload: int = MAX_FRAME) -> tuple[tuple
 
 
 def split_address(server: str) -> tuple[str, int]:
-    host, _, port = server.rpartition(":")
-    return host.strip("[]"), int(port)
+    """(host, port) of a GPU server address, as `socket.create_connection` takes it."""
+    try:
+        return split_host_port(server, what="GPU server address", component="flexrun")
+    except InvalidRequest as exc:
+        raise ConfigError("flexrun", exc.what, exc.why, "fix the server in adaptor.conf, -l or RGPU_SLICES") from None
 
 
 def client_info() -> dict:

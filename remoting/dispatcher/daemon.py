@@ -1,7 +1,7 @@
 """rgpu-dispatcher: serves one GPU node's GPUs to the pool (the role of Bitfusion's `flexdirect server`).
 
     rgpu-dispatcher [-p PORT] [--host ADDRESS] [--advertise HOST] --pool HOST:PORT
-                    [--config FILE] [--inventory FILE] [--secret-file PATH]
+                    [--config FILE] [--inventory FILE] [--secret-file PATH] [--port-file PATH]
 
 At startup it reads its GPUs (NVML, or a static --inventory file), applies RGPU_VISIBLE_DEVICES and
 RGPU_GPU_DEVICE_MEMORY_LIMIT (see rgpu.remoting.dispatcher.inventory), binds its session port (so a port
@@ -31,6 +31,8 @@ from rgpu import __version__, validate
 from rgpu.config import DEFAULT_DISPATCHER_PORT, Settings, load_settings
 from rgpu.errors import ConfigError, InvalidRequest, RgpuError
 from rgpu.live_leases import LiveLeases
+from rgpu.netaddr import join_host_port
+from rgpu.portfile import write_port_file
 from rgpu.model import GpuInfo, ServerInfo
 from rgpu.remoting.pool.convert import server_to_pb
 from rgpu.remoting.dispatcher.inventory import (Inventory, InventorySource, NodeSettings, open_inventory, read_node_settings,
@@ -50,7 +52,7 @@ LISTEN_BACKLOG = 128
 
 def bind_listener(host: str, port: int) -> socket.socket:
     """A listening TCP socket; a clash with another dispatcher is a ConfigError saying what to do."""
-    where = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+    where = join_host_port(host, port)
     try:
         family, kind, proto, _, sockaddr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
                                                               flags=socket.AI_PASSIVE)[0]
@@ -84,8 +86,27 @@ def _bind_error(where: str, port: int, exc: OSError) -> ConfigError:
     return ConfigError(COMPONENT, f"cannot listen on {where}", exc.strerror or str(exc), "check --host and -p")
 
 
-def join_host_port(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+def bind_session_port(host: str, port: int, node: NodeSettings) -> socket.socket:
+    """The session socket. With a data-port range (RGPU_SERVER_PORT_MIN/MAX), the port must lie in
+    it, and port 0 takes the first free port of the range; without one, any port (0: the kernel's)."""
+    if not node.port_range_source:
+        return bind_listener(host, port)
+    low, high = node.port_range
+    if port:
+        if not low <= port <= high:
+            raise ConfigError(COMPONENT, f"session port {port} is outside the data-port range {low}-{high}",
+                              f"set by {node.port_range_source}",
+                              f"give -p a port from {low} to {high} (or -p 0 for a free one there), or change the range")
+        return bind_listener(host, port)
+    for candidate in range(low, high + 1):
+        try:
+            return bind_listener(host, candidate)
+        except ConfigError as exc:
+            if "already in use" not in exc.what:   # a bad --host or a privileged port: no use trying on
+                raise
+    raise ConfigError(COMPONENT, f"no free port in the data-port range {low}-{high} on {host or '0.0.0.0'}",
+                      f"every port of the range (set by {node.port_range_source}) is taken or refused",
+                      "widen the range, or stop the programs holding its ports")
 
 
 def default_advertise(bind_host: str) -> str:
@@ -130,6 +151,7 @@ class Options:
     config_file: str | None
     inventory_file: str | None
     secret_file: str | None
+    port_file: str | None = None   # where to write the bound port once serving (-p 0)
 
 
 def configure_logging(level: str = "info") -> None:
@@ -158,13 +180,13 @@ def _checked_advertise(name: str) -> str:
 
 
 def _log_startup(source: InventorySource, inventory: Inventory, node: NodeSettings, gpus: tuple[GpuInfo, ...],
-                 listen: str, address: str, pool: str) -> None:
+                 listen: str, address: str, pool: str, data_ports: tuple[int, int]) -> None:
     log.info("%s listening on %s, advertised as %s; pool %s", __version__, listen, address, pool)
     if inventory.static:
         log.warning("using %s: these GPUs are described, not detected (development, demos and tests only)",
                     source.description)
     log.info("driver %s, CUDA %s; data ports %d-%d", inventory.driver_version, inventory.cuda_version,
-             *node.port_range)
+             *data_ports)
     for name in node.ignored:
         log.warning("%s is ignored: %s is set too and wins", name, "RGPU_" + name[3:])
     if node.memory_limit:
@@ -198,12 +220,16 @@ def run(options: Options, env: dict[str, str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
 
-    sock = bind_listener(options.host, options.port)
+    sock = bind_session_port(options.host, options.port, node)
     port = sock.getsockname()[1]   # differs from options.port when that is 0 (tests)
+    # The ports clients connect to: the range when one is set, else this one port (the accepted
+    # connection is inherited by the session's worker, no second port).
+    data_ports = node.port_range if node.port_range_source else (port, port)
     address = join_host_port(advertise, port)
     try:
-        _log_startup(source, inventory, node, gpus, join_host_port(options.host or "0.0.0.0", port), address, pool)
-        data_path = start_data_path(sock, address, gpus, secret, node.port_range, source.backend)
+        _log_startup(source, inventory, node, gpus, join_host_port(options.host or "0.0.0.0", port), address, pool,
+                     data_ports)
+        data_path = start_data_path(sock, address, gpus, secret, data_ports, source.backend)
         try:
             status = data_path.status()
             enforcement = str(status.get("compute_enforcement", ""))
@@ -212,8 +238,10 @@ def run(options: Options, env: dict[str, str] | None = None) -> int:
             info = ServerInfo(address=address, hostname=inventory.hostname or socket.gethostname(),
                               driver_version=inventory.driver_version, cuda_version=inventory.cuda_version,
                               gpus=gpus, static_inventory=inventory.static, version=__version__,
-                              data_ports=f"{node.port_range[0]}-{node.port_range[1]}",
+                              data_ports=f"{data_ports[0]}-{data_ports[1]}",
                               compute_enforcement=enforcement, launch_path=str(status.get("launch_path", "")))
+            if options.port_file:
+                write_port_file(options.port_file, port, COMPONENT)
             registrar = Registrar(server_to_pb(info), connect, pool, on_live=data_path.update_live)
             thread = threading.Thread(target=registrar.run, args=(stop,), name="registrar", daemon=True)
             thread.start()
@@ -238,14 +266,16 @@ def run(options: Options, env: dict[str, str] | None = None) -> int:
 @click.option("--inventory", "inventory_file", type=click.Path(dir_okay=False),
               help="Static GPU inventory (TOML) instead of NVML, for development and demos.")
 @click.option("--secret-file", help="Cluster secret file (mode 0600).")
+@click.option("--port-file", type=click.Path(dir_okay=False),
+              help="Write the session port to this file once serving (with -p 0).")
 @click.version_option(__version__, prog_name="rgpu-dispatcher")
 def main(port: int, host: str, advertise: str | None, pool: str | None, config_file: str | None,
-         inventory_file: str | None, secret_file: str | None) -> None:
+         inventory_file: str | None, secret_file: str | None, port_file: str | None) -> None:
     """Serve this node's GPUs to the rgpu pool."""
     configure_logging()
     try:
         sys.exit(run(Options(port=port, host=host, advertise=advertise, pool=pool, config_file=config_file,
-                             inventory_file=inventory_file, secret_file=secret_file)))
+                             inventory_file=inventory_file, secret_file=secret_file, port_file=port_file)))
     except RgpuError as exc:
         click.echo(str(exc), err=True)
         sys.exit(exc.exit_code)

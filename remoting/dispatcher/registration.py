@@ -14,7 +14,7 @@ from rgpu.config import Settings
 from rgpu.errors import ConfigError, RgpuError
 from rgpu.live_leases import LiveLeases
 from rgpu.proto import rgpu_pb2 as pb
-from rgpu.remoting.pool.client import PoolClient
+from rgpu.remoting.pool.client import PoolClient, connect
 from rgpu.remoting.pool.convert import live_from_pb
 
 COMPONENT = "dispatcher"
@@ -135,12 +135,10 @@ class Registrar:
 
 
 def pool_connector(settings: Settings, secret: bytes) -> Callable[[], PoolClient]:
-    def connect() -> PoolClient:
+    def connect_to_pool() -> PoolClient:
         try:
-            return PoolClient(settings.pool, secret, timeout=POOL_CALL_TIMEOUT,
-                              tls_ca_file=settings.tls_ca_file or None,
-                              tls_server_name=settings.tls_server_name or None)
-        except OSError as exc:
-            raise ConfigError(COMPONENT, f"cannot read tls_ca_file {settings.tls_ca_file}",
-                              exc.strerror or str(exc), f"fix tls_ca_file (from {settings.origin('tls_ca_file')})") from None
-    return connect
+            return connect(settings, secret=secret, timeout=POOL_CALL_TIMEOUT)
+        except ConfigError as exc:   # the only local failure: an unreadable CA file
+            raise ConfigError(COMPONENT, f"cannot read tls_ca_file {settings.tls_ca_file}", exc.why,
+                              f"fix tls_ca_file (from {settings.origin('tls_ca_file')})") from None
+    return connect_to_pool

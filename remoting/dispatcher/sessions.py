@@ -6,10 +6,10 @@ mismatch with a message naming both versions) and the lease token (offline, with
 secret: signature, expiry, this dispatcher, one of its GPUs), then starts
 `python -m rgpu.remoting.datapath.worker` with the accepted socket inherited as a file descriptor.
 
-Data path choice: fd inheritance, not a redirect to a port of `port_range`. The client keeps the
-one connection it opened, so nothing but the dispatcher's port must be open in firewalls, and no
-port can be taken by another session in between. `port_range` is accepted and reported for the
-day a worker runs elsewhere (a container) and must listen itself; v1 does not use it.
+Data path choice: fd inheritance, not a redirect to a second port. The client keeps the one
+connection it opened, so nothing but the dispatcher's port must be open in firewalls, and no port
+can be taken by another session in between. `port_range` is the data ports clients connect to:
+the RGPU_SERVER_PORT_MIN/MAX range the dispatcher's port was bound in, or that one port.
 
 Compute shares: with the "cuda" backend the server starts and supervises an MPS control daemon
 for its GPUs (mps.py) and gives each worker CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = the slice's
@@ -204,7 +204,7 @@ class SessionServer:
             "protocol_version": protocol.PROTOCOL_VERSION,
             "address": self.advertised,
             "data_path": "accepted connection inherited by one worker process per session",
-            "data_ports": f"{self.port_range[0]}-{self.port_range[1]} (reserved; unused by fd inheritance)",
+            "data_ports": f"{self.port_range[0]}-{self.port_range[1]}",
             "sessions": sessions,
             "recently_ended": ended,
             "accepted": self._accepted,

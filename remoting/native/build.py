@@ -33,9 +33,13 @@ PACKAGE_LIB = HERE / "lib"
 STAMP = "rgpu-native.stamp"
 
 CUDA_SOURCES = [SRC / "transport.c", SRC / "tables.c", SRC / "cuda_core.c", SRC / "cuda_memory.c",
-                SRC / "cuda_module.c", SRC / "cuda_export.c", GEN / "cuda_gen.c"]
+                SRC / "cuda_module.c", SRC / "cuda_export.c", SRC / "integrity.c", GEN / "cuda_gen.c"]
 NVML_SOURCES = [SRC / "transport.c", SRC / "nvml_core.c", GEN / "nvml_gen.c"]
 WORKER_SOURCES = [SRC / "worker_launch.c"]
+TRACE_SOURCES = [SRC / "trace.c", SRC / "integrity.c"]
+SPEC = HERE / "spec"
+TRACE_SPECIAL = {"cuGetProcAddress", "cuGetProcAddress_v2", "cuGetExportTable"}  # written in C (trace.c)
+TRACE_DYN_SLOTS = 8192
 LIBRARY_NAMES = ("libcuda.so.1", "libnvidia-ml.so.1", "librgpu-worker.so")
 HEADERS = sorted(SRC.glob("*.h")) + sorted(GEN.glob("*.h"))
 CFLAGS = ["-O2", "-g", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden",
@@ -71,7 +75,8 @@ def compiler() -> str:
 def stamp() -> str:
     """A digest of every source and the flags: equal stamps mean an equivalent build."""
     h = hashlib.sha256()
-    for path in sorted(set(CUDA_SOURCES + NVML_SOURCES + WORKER_SOURCES + HEADERS)):
+    for path in sorted(set(CUDA_SOURCES + NVML_SOURCES + WORKER_SOURCES + TRACE_SOURCES + HEADERS
+                           + [SPEC / "cuda_exports.txt", SPEC / "nvml_exports.txt"])):
         h.update(path.name.encode())
         h.update(path.read_bytes())
     h.update(" ".join(CFLAGS).encode())
@@ -104,6 +109,46 @@ def _link(cc: str, sources: list[Path], out: Path, soname: str) -> None:
                           "report this with the compiler output above")
 
 
+def _exports(path: Path) -> list[str]:
+    return [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
+def _trace_sources(folder: Path, names: list[str], is_cuda: bool) -> list[Path]:
+    """The trace library's trampolines: one counting jump per export, and a pool of them for the
+    functions cuGetProcAddress and cuGetExportTable hand out (trace.c)."""
+    asm = ["    .text"]
+    for i, name in enumerate(names):
+        asm += [f"    .globl {name}", f"    .type {name},@function", "    .p2align 4", f"{name}:",
+                f"    lock incq rgpu_trace_count+{8 * i}(%rip)", f"    jmp *rgpu_trace_real+{8 * i}(%rip)",
+                f"    .size {name},.-{name}"]
+    asm += ["    .globl rgpu_trace_dyn_base", "    .hidden rgpu_trace_dyn_base", "    .p2align 4", "rgpu_trace_dyn_base:"]
+    for i in range(TRACE_DYN_SLOTS):
+        asm += ["    .p2align 4", f"    lock incq rgpu_trace_dyn_count+{8 * i}(%rip)",
+                f"    jmp *rgpu_trace_dyn_real+{8 * i}(%rip)"]
+    asm.append('    .section .note.GNU-stack,"",@progbits')
+    (folder / "trace_gen.S").write_text("\n".join(asm) + "\n")
+    quoted = ",\n".join(f'    "{n}"' for n in names)
+    (folder / "trace_names.c").write_text(
+        '#define HIDDEN __attribute__((visibility("hidden")))\n'
+        f"HIDDEN const char *const rgpu_trace_names[] = {{\n{quoted}\n}};\n"
+        f"HIDDEN const int rgpu_trace_count_n = {len(names)};\n"
+        f"HIDDEN const int rgpu_trace_is_cuda = {1 if is_cuda else 0};\n")
+    return [folder / "trace_gen.S", folder / "trace_names.c"]
+
+
+def build_trace(out: Path, cc: str) -> None:
+    """trace/libcuda.so.1 and trace/libnvidia-ml.so.1: NVIDIA's libraries, counted (trace.c)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for soname, spec, is_cuda in (("libcuda.so.1", "cuda_exports.txt", True),
+                                  ("libnvidia-ml.so.1", "nvml_exports.txt", False)):
+        names = [n for n in _exports(SPEC / spec) if not (is_cuda and n in TRACE_SPECIAL)]
+        gen = Path(tempfile.mkdtemp(prefix=".rgpu-trace-", dir=out))
+        try:
+            _link(cc, TRACE_SOURCES + _trace_sources(gen, names, is_cuda), out / soname, soname)
+        finally:
+            shutil.rmtree(gen, ignore_errors=True)
+
+
 def build(out: Path, cc: str | None = None) -> Libraries:
     """Compile the libraries into `out` (replaced atomically)."""
     cc = cc or compiler()
@@ -114,6 +159,7 @@ def build(out: Path, cc: str | None = None) -> Libraries:
         _link(cc, CUDA_SOURCES, tmp / "libcuda.so.1", "libcuda.so.1")
         _link(cc, NVML_SOURCES, tmp / "libnvidia-ml.so.1", "libnvidia-ml.so.1")
         _link(cc, WORKER_SOURCES, tmp / "librgpu-worker.so", "librgpu-worker.so")
+        build_trace(tmp / "trace", cc)
         # Programs that dlopen the unversioned names find these too.
         os.symlink("libcuda.so.1", tmp / "libcuda.so")
         os.symlink("libnvidia-ml.so.1", tmp / "libnvidia-ml.so")

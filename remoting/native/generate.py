@@ -5,7 +5,7 @@
 
 From spec/cuda.spec (+ cuda_exports.txt, cuda_procs.txt, cuda_enums.txt) and spec/nvml.spec:
   generated/rgpu_ops.h, generated/cuda_gen.c, generated/nvml_gen.c   client stubs and tables
-  remoting/api_gen.py                                                  server handlers, ctypes calls
+  generated/api_gen.py                                                 server handlers, ctypes calls
 The outputs are committed, so building the client needs only a C compiler; a test fails when
 they no longer match the specs.
 """
@@ -32,7 +32,7 @@ from rgpu.remoting.native.apispec import (
 HERE = Path(__file__).parent
 GENERATED = HERE / "generated"
 TEMPLATES = HERE / "templates"
-PY_OUT = HERE.parent / "api_gen.py"
+PY_OUT = GENERATED / "api_gen.py"
 NVML_FIRST_OPCODE = 1024
 DYNAMIC_STUBS = 64
 

@@ -6,36 +6,19 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rgpu.remoting.pool.auth import AUTH_HEADER, request_credential
 from rgpu.config import Settings
-from rgpu.errors import (AuthError, CapacityError, ConfigError, InvalidRequest, NotFound, PermissionDenied, RgpuError,
-                         Unavailable)
+from rgpu.errors import ConfigError, RgpuError
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
+from rgpu.remoting.pool.auth import AUTH_HEADER, request_credential
+from rgpu.remoting.pool.errors import error_from_status
 from rgpu.secret import load_secret
 
 
-_CODE_TO_ERROR: dict[grpc.StatusCode, type[RgpuError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequest,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: CapacityError,
-    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
-    grpc.StatusCode.UNAUTHENTICATED: AuthError,
-    grpc.StatusCode.NOT_FOUND: NotFound,
-    grpc.StatusCode.FAILED_PRECONDITION: InvalidRequest,
-}
-
-
 def error_from_rpc(exc: grpc.RpcError, address: str) -> RgpuError:
-    code = exc.code()
-    detail = exc.details() or ""
-    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-        return Unavailable("pool", f"pool daemon at {address} did not answer",
-                           f"{code.name.lower()}: is rgpu-poold running and reachable?",
-                           "check that rgpu-poold runs on that host (its log) and the --pool / RGPU_POOL address")
-    err_type = _CODE_TO_ERROR.get(code, RgpuError)
-    # The pool's messages are already in `rgpu: pool: what (why; fix)` form: keep them whole.
-    return err_type.from_message(detail if detail.startswith("rgpu:") else f"rgpu: pool: {detail} ({code.name})")
+    return error_from_status(exc.code(), exc.details() or "", address)
 
 
 def open_channel(address: str, tls_ca_file: str | None = None, tls_server_name: str | None = None) -> grpc.Channel:
@@ -79,6 +62,18 @@ class PoolClient:
                                              metadata=((AUTH_HEADER, credential),))
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, self.address) from None
+
+    def health(self, timeout: float = 5.0) -> str | None:
+        """None when the pool's standard gRPC health service says SERVING, else why not (the health
+        service is open: no credential)."""
+        try:
+            reply = health_pb2_grpc.HealthStub(self._raw).Check(
+                health_pb2.HealthCheckRequest(service="rgpu.v1.Pool"), timeout=timeout)
+        except grpc.RpcError as exc:
+            return f"{exc.code().name.lower()}: {exc.details()}"
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            return f"health status {health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)}"
+        return None
 
     def register_server(self, server: pb.Server) -> pb.RegisterServerReply:
         return self._call("RegisterServer", pb.RegisterServerRequest(server=server))

@@ -22,11 +22,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from rgpu import __version__, plugins
 from rgpu.remoting.pool.auth import ServerAuth
 from rgpu.config import Settings, load_settings
-from rgpu.errors import (AuthError, CapacityError, ConfigError, InvalidRequest, NotFound, PermissionDenied,
-                         RgpuError)
+from rgpu.errors import ConfigError, InvalidRequest, RgpuError
+from rgpu.netaddr import split_host_port
+from rgpu.portfile import write_port_file
 from rgpu.model import LeaseRecord
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
+from rgpu.remoting.pool.errors import status_for
 from rgpu.remoting.pool.convert import gpu_to_pb, live_to_pb, server_from_pb, server_to_pb
 from rgpu.remoting.pool.rules import AllocationRequest, PoolCore
 from rgpu.remoting.pool.store import Store
@@ -38,15 +40,6 @@ log = logging.getLogger("rgpu-poold")
 # over the GIL: 4 gave ~10-20% more allocations per second than 16 on a 2-core machine.
 POOL_GRPC_WORKERS = 4
 
-_STATUS: list[tuple[type[RgpuError], grpc.StatusCode]] = [
-    (InvalidRequest, grpc.StatusCode.INVALID_ARGUMENT),
-    (CapacityError, grpc.StatusCode.RESOURCE_EXHAUSTED),
-    (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
-    (AuthError, grpc.StatusCode.UNAUTHENTICATED),
-    (NotFound, grpc.StatusCode.NOT_FOUND),
-]
-
-
 def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
     """Turn rgpu errors into gRPC status codes with the one-line message."""
 
@@ -54,8 +47,7 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return method(self, request, context)
         except RgpuError as exc:
-            code = next((c for t, c in _STATUS if isinstance(exc, t)), grpc.StatusCode.FAILED_PRECONDITION)
-            context.abort(code, str(exc))
+            context.abort(status_for(exc), str(exc))
         except Exception:
             log.exception("rgpu-poold: %s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL,
@@ -168,14 +160,15 @@ def _maintenance_loop(core: PoolCore, interval: float, stop: threading.Event) ->
 
 def _check_bindable(listen: str) -> None:
     """Fail early with a clear reason (gRPC's own bind error is a log line, not a message)."""
-    host, _, port = listen.rpartition(":")
-    host = host.strip("[]") or "0.0.0.0"
-    if not port.isdigit():
-        raise OSError(f"{listen!r} is not HOST:PORT")
+    try:
+        host, port = split_host_port(listen, what="listen address", allow_empty_host=True, allow_port_zero=True)
+    except InvalidRequest as exc:
+        raise OSError(f"{listen!r} is not HOST:PORT ({exc.why})") from None
+    host = host or "0.0.0.0"
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        probe.bind((host, int(port)))
+        probe.bind((host, port))
 
 
 @contextlib.contextmanager
@@ -230,9 +223,11 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
 @click.option("--state", help="SQLite state file (default /var/lib/rgpu/pool.db).")
 @click.option("--placement", type=click.Choice(["binpack", "spread"]), help="Placement policy.")
 @click.option("--secret-file", help="Cluster secret file (mode 0600).")
+@click.option("--port-file", type=click.Path(dir_okay=False),
+              help="Write the port served on to this file once serving (with --listen HOST:0).")
 @click.version_option(__version__, prog_name="rgpu-poold")
 def main(config_file: str | None, listen: str | None, state: str | None, placement: str | None,
-         secret_file: str | None) -> None:
+         secret_file: str | None, port_file: str | None) -> None:
     """Run the rgpu pool daemon."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     try:
@@ -247,6 +242,8 @@ def main(config_file: str | None, listen: str | None, state: str | None, placeme
             log.info("rgpu-poold: %s serving on %s (port %d), state %s, placement %s, %d server(s) and %d lease(s) "
                      "restored", __version__, settings.listen, port, settings.state, settings.placement,
                      len(core.servers), len(core.leases))
+            if port_file:
+                write_port_file(port_file, port, "poold")
             stop.wait()
             log.info("rgpu-poold: shutting down")
     except RgpuError as exc:

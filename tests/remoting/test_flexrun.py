@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
+from rgpu.errors import InvalidRequest
 from rgpu.remoting.client import flexrun
 from rgpu.remoting.native import build
 
@@ -132,12 +134,52 @@ def test_no_slices_anywhere(native_libs: build.Libraries) -> None:
 
 
 def test_usage_errors() -> None:
-    with pytest.raises(SystemExit):
+    with pytest.raises(InvalidRequest, match="no application given"):
         flexrun.parse_args([])
     args = flexrun.parse_args(["-f", "x.conf", "--", "app", "-n", "3"])
     assert args.command == ["app", "-n", "3"] and args.adaptor_conf == "x.conf"
     args = flexrun.parse_args(["-n", "2", "-p", "0.5", "python", "train.py"])
-    assert args.num_gpus == 2 and args.partial == 0.5 and args.command == ["python", "train.py"]
+    assert args.num_gpus == 2 and args.size == flexrun.SliceSize(fraction=0.5) and args.command == ["python", "train.py"]
+
+
+def test_memory_per_slice() -> None:
+    args = flexrun.parse_args(["-n", "2", "-m", "8G", "--", "app"])
+    assert args.size == flexrun.SliceSize(fraction=0.0, memory_bytes=8 << 30) and args.command == ["app"]
+    assert flexrun.parse_args(["-l", "h:1;h:2", "-m", "512MiB", "app"]).size.memory_bytes == 512 << 20
+
+
+def test_the_application_argv_is_untouched() -> None:
+    # After the first word that is not an option (or after --), nothing is parsed: not -n, not --.
+    argv = ["python", "train.py", "-n", "3", "--", "-p", "x", "--help"]
+    assert flexrun.parse_args(["-n", "1", *argv]).command == argv
+    assert flexrun.parse_args(["-n", "1", "--", *argv]).command == argv
+    assert flexrun.parse_args(["--", "-weird", "--"]).command == ["-weird", "--"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "rgpu: flexrun: no application given"),
+    (["-x", "app"], "rgpu: flexrun: invalid command line (No such option '-x'"),
+    (["-n", "two", "app"], "rgpu: flexrun: invalid command line (Invalid value for '-n'"),
+    (["-n", "0", "app"], "rgpu: flexrun: -n 0 asks for no GPU"),
+    (["-n", "1", "-p", "1.5", "app"], "rgpu: flexrun: -p 1.5 is not a fraction of a GPU"),
+    (["-n", "1", "-p", "0.5", "-m", "8G", "app"], "rgpu: flexrun: -p and -m cannot be used together"),
+    (["-n", "1", "-m", "lots", "app"], "rgpu: flexrun: invalid memory per slice (-m) 'lots'"),
+    (["-n", "1", "-m", "99999999999999999999999T", "app"], "rgpu: flexrun: invalid memory per slice (-m)"),
+    (["-f", "a.conf", "-n", "1", "app"], "rgpu: flexrun: -f and -n cannot be used together"),
+    (["-f", "a.conf", "-m", "8G", "app"], "rgpu: flexrun: -m cannot be used with -f"),
+])
+def test_usage_errors_are_one_line_with_exit_2(argv: list[str], message: str) -> None:
+    result = CliRunner().invoke(flexrun.cli, argv)   # in-process: no process boundary under test
+    assert result.exit_code == 2, result.output
+    assert result.stderr.count("\n") == 1 and result.stderr.startswith(message), result.stderr
+
+
+def test_usage_errors_through_main(capsys: pytest.CaptureFixture[str]) -> None:
+    assert flexrun.main(["--no-such-flag"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rgpu: flexrun: invalid command line (No such option '--no-such-flag'") and err.count("\n") == 1
+    assert flexrun.main(["--help"]) == 0
+    assert "-m, --memory SIZE" in capsys.readouterr().out
 
 
 def test_environment_puts_rgpu_libraries_first(tmp_path: Path) -> None:
@@ -147,6 +189,7 @@ def test_environment_puts_rgpu_libraries_first(tmp_path: Path) -> None:
     assert env["RGPU_SLICES"] == "h:1,t1;h:2,t2"
 
 
+@pytest.mark.integration   # runs the C compiler
 def test_native_build_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("RGPU_NATIVE_DIR", raising=False)
@@ -158,7 +201,9 @@ def test_native_build_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
 
 
 @pytest.mark.integration
-def test_flexrun_asks_the_pool_and_releases(native_libs: build.Libraries, tmp_path: Path) -> None:
+@pytest.mark.parametrize("size, total", [(["-p", "0.5"], 40 << 30), (["-m", "20G"], 20 << 30)], ids=["fraction", "memory"])
+def test_flexrun_asks_the_pool_and_releases(native_libs: build.Libraries, tmp_path: Path, size: list[str],
+                                            total: int) -> None:
     pytest.importorskip("rgpu.remoting.pool.daemon")
     from tests.daemons import RgpuCluster, wait_for
     inventory = EXAMPLES.parent / "inventory-a.toml"
@@ -171,14 +216,14 @@ def test_flexrun_asks_the_pool_and_releases(native_libs: build.Libraries, tmp_pa
         with cluster.client() as client:
             wait_for(lambda: len(client.list_gpus()) > 0, what="the dispatcher to register")
         env = cluster.env(RGPU_NATIVE_DIR=str(native_libs.folder))
-        done = subprocess.run([PY, "-m", "rgpu.remoting.client.flexrun", "-n", "1", "-p", "0.5", "--", PY, "-c", textwrap.dedent(f"""
+        done = subprocess.run([PY, "-m", "rgpu.remoting.client.flexrun", "-n", "1", *size, "--", PY, "-c", textwrap.dedent(f"""
             import sys; sys.path.insert(0, {str(HERE)!r})
             from ctcuda import *
             setup()
             print("TOTAL", mem_info()[1])
             """)], env=env, capture_output=True, text=True, timeout=120, check=False)
         assert done.returncode == 0, done.stdout + done.stderr
-        assert "TOTAL" in done.stdout
+        assert f"TOTAL {total}" in done.stdout, done.stdout   # the slice's memory, as leased
         with cluster.client() as client:
             assert client.list_leases() == []
     finally:

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from rgpu.remoting import api_gen
+from rgpu.remoting.native.generated import api_gen
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.native import apispec, build, generate
 
@@ -17,9 +17,12 @@ from rgpu.remoting.native import apispec, build, generate
 SPEC_HASHES = {
     1: ("54cb27df004bc9a3971636a36487bb0cdc90456185a5dddc8bc0e23d97c3d0c4",
         "63f26e1ce0b8249ae040fbb5d2cec6853052ea47229b6260fdf2e7d3a69b710f"),
+    2: ("b0dbb45fa115f661e4134313ae6a344fc9b161ec2fa98d90545fe4672eb86ec8",
+        "e94de67a1b19f27ce265ba4e5051be64b82cebe16836af2bfaaf06799760fa5a"),  # cuOccupancyMaxActiveClusters
 }
 
 
+@pytest.mark.integration   # runs the generator as a process
 def test_generated_files_are_up_to_date() -> None:
     done = subprocess.run([sys.executable, "-m", "rgpu.remoting.native.generate", "--check"], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr + "\nrun `python -m rgpu.remoting.native.generate` and commit the result"

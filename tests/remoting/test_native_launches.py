@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from rgpu.remoting import api_gen
+from rgpu.remoting.native.generated import api_gen
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.backends.emulated import EmulatedBackend
 from rgpu.remoting.native import build

@@ -2,7 +2,7 @@
 interface the worker's hand-written operations call.
 
 A backend serves one GPU (its device 0) for one session. Generated operations call backend
-methods named like the driver's exported symbols (see remoting/api_gen.py); the methods below
+methods named like the driver's exported symbols (see remoting/native/generated/api_gen.py); the methods below
 carry the semantics the worker adds: memory limits, copies, module tables, launches.
 """
 
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from rgpu.remoting.native.apispec import SPEC_DIR, read_enums
+from rgpu.units import format_bytes
 
 
 @lru_cache(maxsize=1)
@@ -79,13 +80,6 @@ class LoadResult:
     functions: list[FnInfo] = field(default_factory=list)
 
 
-def human_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
-
-
 class SliceMemory:
     """Exact accounting of the device memory a session holds against its slice's limit.
 
@@ -112,8 +106,8 @@ class SliceMemory:
     def check(self, size: int) -> None:
         if size > self.limit - self.used:
             raise CudaError(OUT_OF_MEMORY, (
-                f"rgpu: worker: allocation of {human_bytes(size)} refused (the slice's memory limit is "
-                f"{human_bytes(self.limit)} and {human_bytes(self.used)} are in use; free memory or "
+                f"rgpu: worker: allocation of {format_bytes(size)} refused (the slice's memory limit is "
+                f"{format_bytes(self.limit)} and {format_bytes(self.used)} are in use; free memory or "
                 f"ask for a larger slice)"))
 
     def add(self, ptr: int, size: int) -> None:

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
-from rgpu.remoting.api_gen import CUDA_ARGTYPES, CudaDriverCalls, bind
+from rgpu.remoting.native.generated.api_gen import CUDA_ARGTYPES, CudaDriverCalls, bind
 from rgpu.remoting.datapath.backends.base import (
     INVALID_HANDLE,
     INVALID_VALUE,
@@ -120,6 +120,7 @@ _MANUAL = {
     "cuLinkDestroy": [c_void_p],
     "cuLaunchKernel": [c_void_p, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_uint, c_void_p, c_void_p, c_void_p],
     "cuLaunchKernelEx": [c_void_p, c_void_p, c_void_p, c_void_p],
+    "cuOccupancyMaxActiveClusters": [P(c_int), c_void_p, c_void_p],
     "cuOccupancyMaxPotentialBlockSizeWithFlags": [P(c_int), P(c_int), c_void_p, c_void_p, c_size_t, c_int, c_uint],
     "cuDevicePrimaryCtxReset_v2": [c_int],
     "cuDeviceGetAttribute": [P(c_int), c_int, c_int],
@@ -539,6 +540,15 @@ class CudaBackend(CudaDriverCalls):
         grid, block = c_int(), c_int()
         self._check("cuOccupancyMaxPotentialBlockSizeWithFlags", byref(grid), byref(block), f, None, smem, limit, flags)
         return grid.value, block.value
+
+    def max_active_clusters(self, f: int, stream: int, grid: tuple[int, int, int], block: tuple[int, int, int],
+                            shmem: int, attrs: bytes) -> int:
+        raw = ctypes.create_string_buffer(attrs, max(len(attrs), 1))
+        config = CUlaunchConfig(grid[0], grid[1], grid[2], block[0], block[1], block[2], shmem, stream or None,
+                                ctypes.addressof(raw) if attrs else None, len(attrs) // 72)
+        clusters = c_int()
+        self._check("cuOccupancyMaxActiveClusters", byref(clusters), f, byref(config))
+        return clusters.value
 
     def close(self) -> None:
         pass  # the process exits: the driver frees everything the session held

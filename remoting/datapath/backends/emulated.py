@@ -581,6 +581,18 @@ class EmulatedBackend:
     def cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(self, f: int, block: int, smem: int, flags: int) -> tuple[int, int]:
         return self.cuOccupancyMaxActiveBlocksPerMultiprocessor(f, block, smem)
 
+    def max_active_clusters(self, f: int, stream: int, grid: tuple[int, int, int], block: tuple[int, int, int],
+                            shmem: int, attrs: bytes) -> int:
+        if f not in self.functions:
+            raise CudaError(INVALID_HANDLE)
+        # Cluster dimension attribute (4): {u32 x, y, z} at offset 8 of each 72-byte attribute.
+        size = 1
+        for i in range(len(attrs) // 72):
+            if int.from_bytes(attrs[i * 72:i * 72 + 4], "little") == 4:
+                x, y, z = (int.from_bytes(attrs[i * 72 + 8 + 4 * k:i * 72 + 12 + 4 * k], "little") for k in range(3))
+                size = max(1, x * y * z)
+        return _ATTRIBUTES["MULTIPROCESSOR_COUNT"] // size
+
     def max_potential_block_size(self, f: int, smem: int, limit: int, flags: int) -> tuple[int, int]:
         if f not in self.functions:
             raise CudaError(INVALID_HANDLE)

@@ -8,7 +8,7 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from rgpu.remoting.api_gen import NVML_ARGTYPES, NvmlCalls, bind
+from rgpu.remoting.native.generated.api_gen import NVML_ARGTYPES, NvmlCalls, bind
 from rgpu.remoting.datapath.backends.base import (
     NVML_ERROR_NOT_SUPPORTED,
     NVML_SUCCESS,

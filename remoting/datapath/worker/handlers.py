@@ -206,6 +206,13 @@ class Handlers:
         min_grid, block = self.backend.max_potential_block_size(f, smem, limit, flags)
         return SUCCESS, struct.pack("<ii", min_grid, block)
 
+    def h_max_active_clusters(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        f, stream, gx, gy, gz, bx, by, bz, shmem, nattrs = struct.unpack_from("<QQ8I", p, 0)
+        off = struct.calcsize("<QQ8I")
+        attrs = bytes(p[off:off + nattrs * LAUNCH_ATTR_SIZE])
+        clusters = self.backend.max_active_clusters(f, stream, (gx, gy, gz), (bx, by, bz), shmem, attrs)
+        return SUCCESS, struct.pack("<i", clusters)
+
     def h_session_info(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         info = {"memory_limit": self.memory.limit if self.memory else 0,
                 "memory_used": self.memory.used if self.memory else 0,

@@ -8,7 +8,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from rgpu.remoting import api_gen
+from rgpu.remoting.native.generated import api_gen
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.backends.base import NOT_SUPPORTED, NVML_ERROR_NOT_SUPPORTED, SUCCESS, UNKNOWN, CudaError, SliceMemory
 from rgpu.remoting.datapath.worker.codecs import HEADER, I32, LAUNCH, lp
@@ -82,6 +82,7 @@ class Worker(Handlers):
             "cuLaunchKernel": (self.h_launch, True),
             "rgpuParamInfo": (self.h_param_info, False),
             "rgpuOccupancyMaxPotentialBlockSize": (self.h_potential_block_size, False),
+            "cuOccupancyMaxActiveClusters": (self.h_max_active_clusters, False),
             "rgpuSessionInfo": (self.h_session_info, False),
         }
         for name, entry in manual.items():

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from rgpu.remoting.datapath import protocol
-from rgpu.remoting.datapath.backends.base import NOT_SUPPORTED, CudaError, SliceMemory, human_bytes
+from rgpu.remoting.datapath.backends.base import NOT_SUPPORTED, CudaError, SliceMemory
 from rgpu.remoting.datapath.worker.loop import Worker
 from rgpu.remoting.datapath.worker.spec import SessionSpec
+from rgpu.units import format_bytes
 
 log = logging.getLogger("rgpu.worker")
 
@@ -51,7 +52,7 @@ def run_session(sock: socket.socket, spec: SessionSpec) -> int:
         log.error("%s\n%s", message, traceback.format_exc())
         sock.sendall(protocol.encode_refuse(message))
         return 1
-    description = (f"{spec.gpu_name} slice of {human_bytes(spec.memory_limit)}, {spec.compute_percent}% compute "
+    description = (f"{spec.gpu_name} slice of {format_bytes(spec.memory_limit)}, {spec.compute_percent}% compute "
                    f"({spec.compute_enforcement}{', emulated' if getattr(backend, 'emulated', False) else ''})")
     sock.sendall(protocol.encode_welcome(
         driver_version=getattr(backend, "driver_version", 13000), memory_limit_bytes=spec.memory_limit,

@@ -33,7 +33,8 @@ counts as unset):
   percentage of each GPU's memory ("50%"), or a bare number, read as MiB as in Bitfusion's
   recipes ("20480" = 20 GiB). A limit above a GPU's memory leaves that GPU's memory as it is.
 * `RGPU_SERVER_PORT_MIN` / `RGPU_SERVER_PORT_MAX` (aliases `BF_SERVER_PORT_MIN` / `_MAX`): the TCP
-  port range for data-path connections, default 45201-46225.
+  port range for data-path connections (an unset end defaults to 45201 or 46225); when set, the
+  dispatcher's session port must lie in it (`-p 0` takes a free one there).
 
 Parsing is pure and separate from NVML I/O, so all of it is tested without a GPU.
 """

@@ -53,8 +53,9 @@ class NodeSettings:
     visible: tuple[str, ...] | None        # indices as digit strings, or UUIDs; None: all GPUs
     visible_source: str
     memory_limit: MemoryLimit | None
-    port_range: tuple[int, int]
+    port_range: tuple[int, int]            # the session port must lie in it when port_range_source is set
     ignored: tuple[str, ...] = ()          # BF_ variables shadowed by their RGPU_ names
+    port_range_source: str = ""            # the variables that set the range; "": not set (any port)
 
 
 def lookup(env: Mapping[str, str], suffix: str) -> EnvValue | None:
@@ -145,6 +146,8 @@ def read_node_settings(env: Mapping[str, str]) -> NodeSettings:
         memory_limit=parse_memory_limit(limit) if limit else None,
         port_range=parse_port_range(env),
         ignored=_ignored_aliases(env),
+        port_range_source=" and ".join(v.name for v in (lookup(env, "SERVER_PORT_MIN"), lookup(env, "SERVER_PORT_MAX"))
+                                       if v is not None),
     )
 
 

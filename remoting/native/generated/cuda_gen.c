@@ -1696,7 +1696,6 @@ RGPU_EXPORT CUresult CUDAAPI cuMulticastBindMem(void) { static int seen; return 
 RGPU_EXPORT CUresult CUDAAPI cuMulticastCreate(void) { static int seen; return rgpu_unsupported("cuMulticastCreate", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMulticastGetGranularity(void) { static int seen; return rgpu_unsupported("cuMulticastGetGranularity", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMulticastUnbind(void) { static int seen; return rgpu_unsupported("cuMulticastUnbind", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxActiveClusters(void) { static int seen; return rgpu_unsupported("cuOccupancyMaxActiveClusters", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxPotentialClusterSize(void) { static int seen; return rgpu_unsupported("cuOccupancyMaxPotentialClusterSize", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuParamSetSize(void) { static int seen; return rgpu_unsupported("cuParamSetSize", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuParamSetTexRef(void) { static int seen; return rgpu_unsupported("cuParamSetTexRef", &seen, NULL); }

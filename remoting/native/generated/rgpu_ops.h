@@ -2,8 +2,8 @@
 #ifndef RGPU_OPS_H
 #define RGPU_OPS_H
 
-#define RGPU_PROTOCOL_VERSION 1
-#define RGPU_CUDA_SPEC_SHA256 "54cb27df004bc9a3971636a36487bb0cdc90456185a5dddc8bc0e23d97c3d0c4"
+#define RGPU_PROTOCOL_VERSION 2
+#define RGPU_CUDA_SPEC_SHA256 "b0dbb45fa115f661e4134313ae6a344fc9b161ec2fa98d90545fe4672eb86ec8"
 
 enum rgpu_opcode {
     RGPU_OP_cuInit = 32,
@@ -131,8 +131,9 @@ enum rgpu_opcode {
     RGPU_OP_cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags = 154,
     RGPU_OP_rgpuOccupancyMaxPotentialBlockSize = 155,
     RGPU_OP_cuOccupancyAvailableDynamicSMemPerBlock = 156,
-    RGPU_OP_rgpuParamInfo = 157,
-    RGPU_OP_rgpuSessionInfo = 158,
+    RGPU_OP_cuOccupancyMaxActiveClusters = 157,
+    RGPU_OP_rgpuParamInfo = 158,
+    RGPU_OP_rgpuSessionInfo = 159,
     RGPU_OP_nvmlDeviceGetMemoryInfo = 1024,
     RGPU_OP_nvmlDeviceGetMemoryInfo_v2 = 1025,
     RGPU_OP_nvmlDeviceGetBAR1MemoryInfo = 1026,

@@ -395,6 +395,9 @@ RGPU_EXPORT CUresult CUDAAPI cuModuleGetFunction(CUfunction *hfunc, CUmodule hmo
     CUresult r = rgpu_check_init();
     if (r != CUDA_SUCCESS) return r;
     int session = current_session();
+    /* Only a handle the worker's cuModuleGetFunction returned: with lazy loading the handles a
+     * module load enumerates (cuModuleEnumerateFunctions) are not loaded, and a launch through
+     * one fails with CUDA_ERROR_INVALID_HANDLE. One round trip per name, then cached. */
     rgpu_fn *fn = rgpu_fn_find_name(session, (uint64_t)(uintptr_t)hmod, name);
     if (fn) {
         *hfunc = (CUfunction)(uintptr_t)fn->handle;
@@ -408,7 +411,8 @@ RGPU_EXPORT CUresult CUDAAPI cuModuleGetFunction(CUfunction *hfunc, CUmodule hmo
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) {
         uint64_t handle = rgpu_get_u64(&c);
-        read_one_function(&c, handle, (uint64_t)(uintptr_t)hmod);
+        rgpu_fn *fn = read_one_function(&c, handle, (uint64_t)(uintptr_t)hmod);
+        if (fn) rgpu_fn_set_looked_up(fn);
         *hfunc = (CUfunction)(uintptr_t)handle;
     }
     rgpu_end(&c);
@@ -711,6 +715,24 @@ static CUresult potential_block_size(int *minGridSize, int *blockSize, CUfunctio
     *blockSize = best_bs;
     *minGridSize = best_blocks * sms;
     return CUDA_SUCCESS;
+}
+
+/* The launch configuration and its attributes (cluster dimensions) travel as launches carry them. */
+RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxActiveClusters(int *numClusters, CUfunction func, const CUlaunchConfig *config) {
+    if (!numClusters || !config || (config->numAttrs && !config->attrs)) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuOccupancyMaxActiveClusters);
+    if (r != CUDA_SUCCESS) return r;
+    uint32_t head[8] = {config->gridDimX, config->gridDimY, config->gridDimZ, config->blockDimX, config->blockDimY,
+                        config->blockDimZ, config->sharedMemBytes, config->numAttrs};
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)func);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)config->hStream);
+    rgpu_put(&c, head, sizeof head);
+    if (config->numAttrs) rgpu_put(&c, config->attrs, config->numAttrs * sizeof(CUlaunchAttribute));
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) *numClusters = rgpu_get_i32(&c);
+    rgpu_end(&c);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxPotentialBlockSize(int *minGridSize, int *blockSize, CUfunction func,

@@ -155,12 +155,14 @@ typedef struct rgpu_fn {
     uint32_t *sizes;
     uint64_t module;           /* the module whose load reported it (0: unknown) */
     int valid;
+    int looked_up;             /* returned by the worker's cuModuleGetFunction (launchable) */
 } rgpu_fn;
 rgpu_fn *rgpu_fn_find(int session, uint64_t handle);
 rgpu_fn *rgpu_fn_add(int session, uint64_t handle, const char *name, uint32_t nparams,
                      const uint32_t *offsets, const uint32_t *sizes);
 rgpu_fn *rgpu_fn_find_name(int session, uint64_t module, const char *name);
 void rgpu_fn_set_module(rgpu_fn *fn, uint64_t module);
+void rgpu_fn_set_looked_up(rgpu_fn *fn);
 void rgpu_fn_forget_module(int session, uint64_t module);
 void rgpu_tables_reset(void);
 

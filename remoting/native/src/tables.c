@@ -195,6 +195,7 @@ rgpu_fn *rgpu_fn_add(int session, uint64_t handle, const char *name, uint32_t np
     fn->nparams = nparams;
     fn->module = 0;
     fn->valid = 1;
+    fn->looked_up = 0;
     pthread_mutex_unlock(&g_lock);
     return fn;
 }
@@ -204,7 +205,7 @@ rgpu_fn *rgpu_fn_find_name(int session, uint64_t module, const char *name) {
     pthread_mutex_lock(&g_lock);
     for (size_t i = 0; i < g_fcap; i++) {
         rgpu_fn *f = g_fns[i];
-        if (f && f->valid && f->session == session && f->module == module && !strcmp(f->name, name)) {
+        if (f && f->valid && f->looked_up && f->session == session && f->module == module && !strcmp(f->name, name)) {
             found = f;
             break;
         }
@@ -216,6 +217,12 @@ rgpu_fn *rgpu_fn_find_name(int session, uint64_t module, const char *name) {
 void rgpu_fn_set_module(rgpu_fn *fn, uint64_t module) {
     pthread_mutex_lock(&g_lock);
     fn->module = module;
+    pthread_mutex_unlock(&g_lock);
+}
+
+void rgpu_fn_set_looked_up(rgpu_fn *fn) {
+    pthread_mutex_lock(&g_lock);
+    fn->looked_up = 1;
     pthread_mutex_unlock(&g_lock);
 }
 

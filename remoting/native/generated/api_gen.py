@@ -14,9 +14,9 @@ import ctypes
 import struct
 from typing import Any, Callable
 
-PROTOCOL_VERSION = 1
-CUDA_SPEC_SHA256 = "54cb27df004bc9a3971636a36487bb0cdc90456185a5dddc8bc0e23d97c3d0c4"
-NVML_SPEC_SHA256 = "63f26e1ce0b8249ae040fbb5d2cec6853052ea47229b6260fdf2e7d3a69b710f"
+PROTOCOL_VERSION = 2
+CUDA_SPEC_SHA256 = "b0dbb45fa115f661e4134313ae6a344fc9b161ec2fa98d90545fe4672eb86ec8"
+NVML_SPEC_SHA256 = "e94de67a1b19f27ce265ba4e5051be64b82cebe16836af2bfaaf06799760fa5a"
 
 _STRUCTS: dict[str, struct.Struct] = {}
 
@@ -169,8 +169,9 @@ OPS: dict[int, str] = {
     154: "cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags",
     155: "rgpuOccupancyMaxPotentialBlockSize",
     156: "cuOccupancyAvailableDynamicSMemPerBlock",
-    157: "rgpuParamInfo",
-    158: "rgpuSessionInfo",
+    157: "cuOccupancyMaxActiveClusters",
+    158: "rgpuParamInfo",
+    159: "rgpuSessionInfo",
     1024: "nvmlDeviceGetMemoryInfo",
     1025: "nvmlDeviceGetMemoryInfo_v2",
     1026: "nvmlDeviceGetBAR1MemoryInfo",
@@ -229,7 +230,7 @@ OPS: dict[int, str] = {
 }
 OPCODES: dict[str, int] = {name: op for op, name in OPS.items()}
 ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 87, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 109, 116, 117, })
-MANUAL_OPS: frozenset[str] = frozenset({ "cuInit", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuCtxDestroy_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuMemAllocAsync", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "rgpuMemcpy2DDevice", "cuPointerGetAttribute", "cuPointerGetAttributes", "cuModuleLoadDataEx", "cuModuleUnload", "cuModuleGetFunction", "cuLinkCreate_v2", "cuLinkAddData_v2", "cuLinkComplete", "cuLinkDestroy", "cuLibraryLoadData", "cuLibraryUnload", "cuLaunchKernel", "rgpuOccupancyMaxPotentialBlockSize", "rgpuParamInfo", "rgpuSessionInfo", })
+MANUAL_OPS: frozenset[str] = frozenset({ "cuInit", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuCtxDestroy_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuMemAllocAsync", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "rgpuMemcpy2DDevice", "cuPointerGetAttribute", "cuPointerGetAttributes", "cuModuleLoadDataEx", "cuModuleUnload", "cuModuleGetFunction", "cuLinkCreate_v2", "cuLinkAddData_v2", "cuLinkComplete", "cuLinkDestroy", "cuLibraryLoadData", "cuLibraryUnload", "cuLaunchKernel", "rgpuOccupancyMaxPotentialBlockSize", "cuOccupancyMaxActiveClusters", "rgpuParamInfo", "rgpuSessionInfo", })
 
 Handler = Callable[[Any, Any, int], tuple[int, bytes]]
 

@@ -1,0 +1,54 @@
+"""Test tiers, selectable by marker (`-m unit`, `-m integration`, `-m slurm`, `-m gpu`):
+
+- unit: pure logic: no processes, no daemons. Every test without another tier's marker is one,
+  and one that starts a process fails, saying to mark it `integration`.
+- integration: real rgpu daemons, session servers, worker processes, the C client libraries.
+  A test is one by its marker, or by using a fixture that starts such things (below).
+- slurm: a real Slurm cluster on this host. gpu: a real NVIDIA GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+
+TIERS = ("unit", "integration", "slurm", "gpu")
+# Fixtures that start servers or processes (tests/remoting/conftest.py, tests/slurm/conftest.py,
+# and the `cluster` fixtures of the daemon tests): a test that uses one is an integration test.
+INTEGRATION_FIXTURES = frozenset({"emulated", "native_libs", "demo_binary", "rgpu_slurm", "cluster", "pool"})
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "unit: pure logic, no processes or daemons (the default tier)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if names & INTEGRATION_FIXTURES and not any(item.get_closest_marker(t) for t in ("integration", "slurm", "gpu")):
+            item.add_marker(pytest.mark.integration)
+        if not any(item.get_closest_marker(t) for t in ("integration", "slurm", "gpu")):
+            item.add_marker(pytest.mark.unit)
+
+
+class _NoProcesses:
+    def __init__(self, nodeid: str) -> None:
+        self.nodeid = nodeid
+
+    def __call__(self, *args: object, **kwargs: object) -> None:
+        raise AssertionError(f"{self.nodeid} is a unit test but starts a process "
+                             f"({args[0] if args else kwargs.get('args')!r}): mark it @pytest.mark.integration")
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_processes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    if request.node.get_closest_marker("unit") is not None:
+        guard = _NoProcesses(request.node.nodeid)
+        monkeypatch.setattr(subprocess.Popen, "__init__", guard)
+        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "execv", "execve", "execvp", "execvpe"):
+            if hasattr(os, name):
+                monkeypatch.setattr(os, name, guard)
+    yield
