@@ -190,15 +190,16 @@ function rgpu.parse_fraction(text)
 end
 
 rgpu.MAX_BYTES = 2 ^ 60   -- rgpu.units.MAX_BYTES
+rgpu.MAX_DIGITS = 40      -- rgpu.units._MAX_DIGITS
 
--- Sizes as rgpu.units.parse_size reads them: digits, optional .digits, optional binary K/M/G/T,
--- optional B or iB, any case.
+-- Sizes as rgpu.units.parse_size reads them: 8, 8G, 1.5T, .5G, 8.G, optional B or iB, any case.
 function rgpu.parse_memory(text)
-	local int, frac, suffix, tail = string.match(text, "^(%d+)(%.?%d*)([KkMmGgTt]?)(.*)$")
-	if int == nil or frac == "." or not (tail == "" or string.match(tail, "^[iI]?[bB]$")) then
+	local number, suffix, tail = string.match(text, "^([%d.]+)([KkMmGgTt]?)(.*)$")
+	local value = number and #number <= rgpu.MAX_DIGITS and parse_number(number)
+	if not value or not (tail == "" or string.match(tail, "^[iI]?[bB]$")) then
 		return fail("invalid memory " .. shown(text), "not a size", "write e.g. --comment=memory=8G")
 	end
-	local bytes = math.floor(tonumber(int .. frac) * SIZE_MULT[string.upper(suffix)])
+	local bytes = math.floor(value * SIZE_MULT[string.upper(suffix)])
 	if bytes <= 0 or bytes > rgpu.MAX_BYTES then
 		return fail("invalid memory " .. shown(text), "it must be more than 0 and at most 1 EiB",
 			"write e.g. --comment=memory=8G")
@@ -208,7 +209,8 @@ end
 
 -- As rgpu.units.format_bytes: "8.0 GiB", never in scientific notation.
 function rgpu.format_bytes(value)
-	for _, unit in ipairs({ { "TiB", 2 ^ 40 }, { "GiB", 2 ^ 30 }, { "MiB", 2 ^ 20 }, { "KiB", 2 ^ 10 } }) do
+	for _, unit in ipairs({ { "EiB", 2 ^ 60 }, { "PiB", 2 ^ 50 }, { "TiB", 2 ^ 40 }, { "GiB", 2 ^ 30 },
+		{ "MiB", 2 ^ 20 }, { "KiB", 2 ^ 10 } }) do
 		if value >= unit[2] then
 			return string.format("%.1f %s", value / unit[2], unit[1])
 		end

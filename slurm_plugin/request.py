@@ -145,13 +145,7 @@ def _parse_fraction(text: str) -> float:
 
 def _parse_memory(text: str) -> int:
     # One size grammar for the whole project (rgpu.units); job_submit.lua mirrors it.
-    if text != text.strip():
-        raise _bad(f"invalid memory {text!r}", "not a size", "write e.g. --comment=memory=8G")
-    try:
-        return parse_size(text, "memory")
-    except InvalidRequest as exc:
-        why = "not a size" if "expected a number" in str(exc) else "it must be more than 0 and at most 1 EiB"
-        raise _bad(f"invalid memory {text!r}", why, "write e.g. --comment=memory=8G") from None
+    return parse_size(text, "memory", component="job_submit")
 
 
 def parse_comment(comment: str | None, count: int) -> RgpuRequest:
