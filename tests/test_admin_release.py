@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from rgpu.remoting.admin.cli import slurm_job_keys
-from tests.daemons import RgpuCluster
-from tests.test_pool_daemon import register
+from tests.daemons import RgpuCluster, register_servers, wait_for
+
 
 pytestmark = pytest.mark.integration
 
@@ -21,7 +21,7 @@ def cluster(tmp_path: Path):  # type: ignore[no-untyped-def]
     c = RgpuCluster(tmp_path)
     c.start_pool()
     with c.client() as client:
-        register(client, servers=2, gpus=2)
+        register_servers(client, servers=2, gpus=2)
     yield c
     c.stop_all()
 
@@ -67,3 +67,37 @@ def test_release_by_key_and_by_slurm_job(cluster: RgpuCluster) -> None:
 def test_bad_arguments_are_one_line(cluster: RgpuCluster, args: tuple[str, ...], message: str) -> None:
     out = admin(cluster, *args)
     assert out.returncode != 0 and message in out.stderr and out.stderr.startswith("rgpu: admin: "), out
+
+
+def test_remove_server_gone_for_good(tmp_path: Path) -> None:
+    c = RgpuCluster(tmp_path)
+    c.write_config(down_after_seconds=1.0, heartbeat_interval_seconds=0.5, reclaim_interval_seconds=0.5)
+    c.start_pool()
+    try:
+        with c.client() as client:
+            register_servers(client, servers=2, gpus=1)     # they never heartbeat: down after 1 s
+            client.allocate("job-on-gpu0", "alice", 1, fraction=0.5, server="127.0.0.1:56000")
+            up = subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", "remove-server", "gpu1"],
+                                env=c.env(), capture_output=True, text=True, timeout=60)
+            assert up.returncode != 0 and "is not down" in up.stderr, up
+            wait_for(lambda: {s.state for s in client.list_servers().servers} == {"down"}, timeout=10, what="servers down")
+
+            def remove(name: str) -> subprocess.CompletedProcess[str]:
+                return subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", "remove-server", name],
+                                      env=c.env(), capture_output=True, text=True, timeout=60)
+
+            held = remove("127.0.0.1:56000")
+            assert held.returncode != 0 and "still holds slices of 1 lease(s): job-on-gpu0" in held.stderr, held
+            assert len(held.stderr.strip().splitlines()) == 1
+            gone = remove("gpu1")
+            assert gone.returncode == 0 and gone.stdout == "127.0.0.1:56001: removed\n", gone
+            assert [s.address for s in client.list_servers().servers] == ["127.0.0.1:56000"]
+            assert "no server 'gpu1'" in remove("gpu1").stderr
+        # Forgotten for good: not back after a restart (SQLite state).
+        assert c.pool is not None
+        c.pool.stop()
+        c.start_pool()
+        with c.client() as client:
+            assert [s.address for s in client.list_servers().servers] == ["127.0.0.1:56000"]
+    finally:
+        c.stop_all()

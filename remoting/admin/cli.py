@@ -238,6 +238,17 @@ def resume(ctx: Context, server: str) -> None:
     _set_state(ctx, server, False)
 
 
+@main.command("remove-server")
+@click.argument("server")
+@click.pass_obj
+def remove_server(ctx: Context, server: str) -> None:
+    """Forget SERVER (address or hostname) for good: it must be down and hold no lease. `health`
+    stops reporting it; if its dispatcher ever starts again, it registers anew."""
+    with ctx.client() as client:
+        address = client.remove_server(server)
+    click.echo(f"{address}: removed")
+
+
 @main.group()
 def quota() -> None:
     """Quotas per user or account, in GPU-percent (100 = one whole GPU)."""
