@@ -102,9 +102,11 @@ def admin(env: dict[str, str], *args: str) -> str:
 
 
 def run_demo(keep: bool = False) -> None:
-    from rgpu.remoting.pool.client import PoolClient
+    from rgpu.remoting.pool.client import connect
 
-    from rgpu.secret import create_secret, load_secret
+    from rgpu.config import load_settings
+    from rgpu.netaddr import join_host_port
+    from rgpu.secret import create_secret
 
     ensure_slurm()
     tree = source_tree()
@@ -113,7 +115,7 @@ def run_demo(keep: bool = False) -> None:
     (root / "pool").mkdir()
     secret = create_secret(root / "pool" / "secret")
     pool_port, disp_a, disp_b = free_ports(3)
-    pool_addr = f"127.0.0.1:{pool_port}"
+    pool_addr = join_host_port("127.0.0.1", pool_port)
     (root / "pool" / "rgpu.toml").write_text(f'pool = "{pool_addr}"\nlisten = "{pool_addr}"\n'
                                              f'state = "{root}/pool/pool.db"\nsecret_file = "{secret}"\n'
                                              "heartbeat_interval_seconds = 1.0\ndown_after_seconds = 5.0\n")
@@ -126,7 +128,7 @@ def run_demo(keep: bool = False) -> None:
         for port, inventory in ((disp_a, "inventory-a.toml"), (disp_b, "inventory-b.toml")):
             daemons.start(f"dispatcher-{port}", "rgpu.remoting.dispatcher.daemon", "-p", str(port), "--host", "127.0.0.1",
                           "--advertise", "127.0.0.1", "--inventory", str(tree / "examples" / inventory))
-        client = PoolClient(pool_addr, load_secret(secret), timeout=3.0)
+        client = connect(load_settings(env=env), timeout=3.0)
 
         def four_gpus() -> bool:
             try:
