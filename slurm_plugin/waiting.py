@@ -89,9 +89,16 @@ def waiting_record(admin_comment: str) -> RequestRecord | None:
         return None
 
 
-def jobs_to_start(jobs: Iterable[Any], gpu_statuses: Iterable[Any]) -> list[int]:
-    """Ids of marked pending jobs the pool can place now, oldest first, each counted against the
-    free room. `jobs`: SlurmJob records (squeue.py). Pure."""
+# Slurm holds a batch job after repeated launch failures (reason JobHoldMaxRequeue). On 22.05 a
+# PrologSlurmctld failure was not counted (12 failed starts in a row, no hold); should another
+# version count them, a held job that waited for the pool is released when it fits.
+MAX_REQUEUE_HOLD = "JobHoldMaxRequeue"
+
+
+def jobs_to_start(jobs: Iterable[Any], gpu_statuses: Iterable[Any]) -> list[tuple[int, bool]]:
+    """(id, held) of marked pending jobs the pool can place now, oldest first, each counted
+    against the free room; held: Slurm holds it after repeated requeues (release it first).
+    `jobs`: SlurmJob records (squeue.py). Pure."""
     free = rooms(gpu_statuses)
     chosen = []
     for job in sorted(jobs, key=lambda j: j.job_id):
@@ -99,7 +106,7 @@ def jobs_to_start(jobs: Iterable[Any], gpu_statuses: Iterable[Any]) -> list[int]
             continue
         record = waiting_record(job.admin_comment)
         if record is not None and take(record, free):
-            chosen.append(job.job_id)
+            chosen.append((job.job_id, job.reason == MAX_REQUEUE_HOLD))
     return chosen
 
 
@@ -109,6 +116,10 @@ def mark_command(job_id: int, admin_comment: str) -> list[str]:
 
 def start_command(job_id: int) -> list[str]:
     return ["scontrol", "update", f"jobid={int(job_id)}", "starttime=now"]
+
+
+def release_command(job_id: int) -> list[str]:
+    return ["scontrol", "release", str(int(job_id))]
 
 
 def waiting_comment(record_text: str, why: str) -> str:
@@ -134,8 +145,10 @@ def start_waiting_jobs(jobs: Sequence[Any], gpu_statuses: Iterable[Any], log: lo
                        *, env: Mapping[str, str] | None = None, timeout: float = 4.0) -> list[int]:
     """StartTime=now for every waiting job the pool can place now; returns their ids."""
     started = []
-    for job_id in jobs_to_start(jobs, gpu_statuses):
+    for job_id, held in jobs_to_start(jobs, gpu_statuses):
         try:
+            if held:
+                run_command(release_command(job_id), env=env, timeout=timeout)
             run_command(start_command(job_id), env=env, timeout=timeout)
             started.append(job_id)
         except RgpuError as exc:

@@ -151,11 +151,11 @@ def room_gpu(allocated: int, usable: int = 80 << 30, state: str = "up", memory: 
                            allocated_percent=allocated, allocated_memory_bytes=used)
 
 
-def waiting(job_id: int, record: str, state: str = "PENDING") -> SlurmJob:
+def waiting(job_id: int, record: str, state: str = "PENDING", reason: str = "BeginTime") -> SlurmJob:
     from rgpu.slurm_plugin.waiting import waiting_comment
 
     return SlurmJob(job_id=job_id, state=state, flags=(), restart_count=1, user="alice", cluster="hpc", nodes="",
-                    tres_per_node="gres:rgpu:1", comment="", reason="BeginTime",
+                    tres_per_node="gres:rgpu:1", comment="", reason=reason,
                     admin_comment=waiting_comment(record, "rgpu: pool: cannot place 1 slice(s) | of 50%\nnext"))
 
 
@@ -172,7 +172,10 @@ def test_waiting_comment_is_one_line_and_keeps_the_record() -> None:
 
 
 def test_jobs_to_start_counts_each_against_the_free_room() -> None:
-    from rgpu.slurm_plugin.waiting import jobs_to_start
+    from rgpu.slurm_plugin import waiting as w
+
+    def jobs_to_start(jobs, gpus):  # type: ignore[no-untyped-def]
+        return [job_id for job_id, _ in w.jobs_to_start(jobs, gpus)]
 
     half = "rgpu:v1 nodes=1 count=1 percent=50 units=50"
     two_halves = "rgpu:v1 nodes=1 count=2 percent=50 units=100"
@@ -233,3 +236,11 @@ def test_demo_never_shows_whole_lease_tokens() -> None:
     text = '[[slice]]\nserver = "h:1"\ntoken = "v1.abcdefghijklmnopqrstuvwxyz0123456789"\n'
     shown = without_tokens(text)
     assert "abcdefghijklmnop" not in shown and 'token = "v1.abcdefghi..."' in shown and 'server = "h:1"' in shown
+
+
+def test_a_job_slurm_held_after_repeated_requeues_is_released_when_it_fits() -> None:
+    from rgpu.slurm_plugin.waiting import jobs_to_start
+
+    half = "rgpu:v1 nodes=1 count=1 percent=50 units=50"
+    jobs = [waiting(1, half, reason="JobHoldMaxRequeue"), waiting(2, half)]
+    assert jobs_to_start(jobs, [room_gpu(0)]) == [(1, True), (2, False)]
