@@ -11,7 +11,7 @@ holds a requeued job for about two minutes (reason BeginTime). Here:
 - `start_waiting_jobs` (run by EpilogSlurmctld after it released a job's slices, and by the
   pool's reconciler on every pass) sets `StartTime=now` on marked pending jobs the pool can place
   now, oldest first, counting each against the free capacity, so none is started only to fail
-  again (each retry is a requeue, and Slurm holds a job after MaxBatchRequeue of them).
+  again (each retry is a requeue: a restart, a new lease key, log lines).
 
 `jobs_to_start` is pure; the rest runs scontrol.
 """
