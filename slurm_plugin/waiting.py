@@ -122,10 +122,16 @@ def release_command(job_id: int) -> list[str]:
     return ["scontrol", "release", str(int(job_id))]
 
 
+QUOTA_MARK = "rgpu: waiting for quota:"
+
+
 def waiting_comment(record_text: str, why: str) -> str:
-    # One line, no characters that could end the scontrol argument's meaning.
-    why = " ".join(why.replace("|", "/").split())[:300]
-    return f"{record_text}{RECORD_SEPARATOR}{WAITING_MARK} {why}"
+    """The admin comment of a job the pool refused. A quota refusal gets its own mark: room on
+    the GPUs says nothing about the quota, so such a job is not started early (it retries after
+    Slurm's requeue delay)."""
+    why = " ".join(why.replace("|", "/").split())[:300]   # one line
+    mark = QUOTA_MARK if "quota of " in why else WAITING_MARK
+    return f"{record_text}{RECORD_SEPARATOR}{mark} {why}"
 
 
 def mark_waiting(job_id: int, record_text: str, why: str, *, env: Mapping[str, str] | None = None,

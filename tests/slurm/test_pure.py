@@ -244,3 +244,14 @@ def test_a_job_slurm_held_after_repeated_requeues_is_released_when_it_fits() -> 
     half = "rgpu:v1 nodes=1 count=1 percent=50 units=50"
     jobs = [waiting(1, half, reason="JobHoldMaxRequeue"), waiting(2, half)]
     assert jobs_to_start(jobs, [room_gpu(0)]) == [(1, True), (2, False)]
+
+
+def test_a_job_over_its_quota_is_marked_but_not_started_early() -> None:
+    from rgpu.slurm_plugin.waiting import jobs_to_start, waiting_comment, waiting_record
+
+    text = waiting_comment("rgpu:v1 nodes=1 count=1 percent=50 units=50",
+                           "rgpu: pool: quota of user alice exceeded (uses 100 of 100)")
+    assert " | rgpu: waiting for quota: rgpu: pool: quota of user alice" in text and waiting_record(text) is None
+    job = SlurmJob(job_id=1, state="PENDING", flags=(), restart_count=1, user="alice", cluster="hpc", nodes="",
+                   tres_per_node="gres:rgpu:1", comment="", reason="BeginTime", admin_comment=text)
+    assert jobs_to_start([job], [room_gpu(0)]) == []
