@@ -108,6 +108,9 @@ def test_torch_tensor_ops(native_libs: build.Libraries, gpu_server: Server, tmp_
         x = torch.arange(1000, device="cuda", dtype=torch.float32)
         assert torch.allclose((x * 2 + 1).cpu(), torch.arange(1000.) * 2 + 1)
         conv = torch.nn.Conv2d(3, 8, 3).cuda(); y = conv(torch.randn(2, 3, 16, 16, device="cuda")); torch.cuda.synchronize()
+        a = torch.randn(256, 256); b = torch.randn(256, 256)
+        assert torch.allclose((a.cuda() @ b.cuda()).cpu(), a @ b, rtol=1e-2, atol=1e-2)  # cuBLAS
+        h = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16); assert torch.isfinite((h @ h).float()).all()
         print("TORCH_OK", flush=True)
         """), name="torch-basics")
     assert "TORCH_OK" in done.stdout, done.stdout + done.stderr

@@ -39,6 +39,10 @@ static const export_uuid UUID_INTEGRITY_CHECK = {{0xd4, 0x08, 0x20, 0x55, 0xbd, 
                                                   0x12, 0x3c, 0x66, 0xe1, 0xf2}};
 static const export_uuid UUID_TOOLS_CONTEXT = {{0x21, 0x31, 0x8c, 0x60, 0x97, 0x14, 0x32, 0x48, 0x8c, 0xa6, 0x41,
                                                 0xff, 0x73, 0x24, 0xc8, 0xf2}};
+static const export_uuid UUID_1734DC26 = {{0x17, 0x34, 0xdc, 0x26, 0x80, 0x0d, 0x47, 0x45, 0x87, 0x26, 0xc0, 0xf1,
+                                          0xe7, 0xdd, 0x8b, 0xca}};
+static const export_uuid UUID_69A28E9F = {{0x69, 0xa2, 0x8e, 0x9f, 0x24, 0x49, 0x8b, 0x47, 0xb0, 0x30, 0xc5, 0xda,
+                                          0x33, 0x0e, 0xa4, 0xe9}};
 static const export_uuid UUID_CONTEXT_CHECKS = {{0x26, 0x3e, 0x88, 0x60, 0x7c, 0xd2, 0x61, 0x43, 0x92, 0xf6, 0xbb,
                                                  0xd5, 0x00, 0x6d, 0xfa, 0x7e}};
 
@@ -458,6 +462,120 @@ static const void *g_tools_context[93] = {
     (void *)TOOLS_CONTEXT_slot_92,
 };
 
+/* ------------------------------------------------------------------ tables with unknown slots
+ * Present in driver 580 and asked for by cuBLASLt inside PyTorch (the trace shows slots 4 and 13 of
+ * 1734dc26, 19, 21, 24 and 25 of 69a28e9f). Callers do not expect NOT_FOUND for them (a NULL table
+ * crashed the process), so each is a table of the driver's size whose every slot logs itself
+ * and returns CUDA_ERROR_NOT_SUPPORTED, an error the caller reports. */
+
+SLOT_STUB(UNKNOWN_1734DC26, 1)
+SLOT_STUB(UNKNOWN_1734DC26, 2)
+SLOT_STUB(UNKNOWN_1734DC26, 3)
+SLOT_STUB(UNKNOWN_1734DC26, 4)
+SLOT_STUB(UNKNOWN_1734DC26, 5)
+SLOT_STUB(UNKNOWN_1734DC26, 6)
+SLOT_STUB(UNKNOWN_1734DC26, 7)
+SLOT_STUB(UNKNOWN_1734DC26, 8)
+SLOT_STUB(UNKNOWN_1734DC26, 9)
+SLOT_STUB(UNKNOWN_1734DC26, 10)
+SLOT_STUB(UNKNOWN_1734DC26, 11)
+SLOT_STUB(UNKNOWN_1734DC26, 12)
+SLOT_STUB(UNKNOWN_1734DC26, 13)
+SLOT_STUB(UNKNOWN_1734DC26, 14)
+SLOT_STUB(UNKNOWN_1734DC26, 15)
+SLOT_STUB(UNKNOWN_1734DC26, 16)
+
+static const void *g_unknown_1734dc26[17] = {
+    (void *)(17 * sizeof(void *)),
+    (void *)UNKNOWN_1734DC26_slot_1,
+    (void *)UNKNOWN_1734DC26_slot_2,
+    (void *)UNKNOWN_1734DC26_slot_3,
+    (void *)UNKNOWN_1734DC26_slot_4,
+    (void *)UNKNOWN_1734DC26_slot_5,
+    (void *)UNKNOWN_1734DC26_slot_6,
+    (void *)UNKNOWN_1734DC26_slot_7,
+    (void *)UNKNOWN_1734DC26_slot_8,
+    (void *)UNKNOWN_1734DC26_slot_9,
+    (void *)UNKNOWN_1734DC26_slot_10,
+    (void *)UNKNOWN_1734DC26_slot_11,
+    (void *)UNKNOWN_1734DC26_slot_12,
+    (void *)UNKNOWN_1734DC26_slot_13,
+    (void *)UNKNOWN_1734DC26_slot_14,
+    (void *)UNKNOWN_1734DC26_slot_15,
+    (void *)UNKNOWN_1734DC26_slot_16,
+};
+
+SLOT_STUB(UNKNOWN_69A28E9F, 1)
+SLOT_STUB(UNKNOWN_69A28E9F, 2)
+SLOT_STUB(UNKNOWN_69A28E9F, 3)
+SLOT_STUB(UNKNOWN_69A28E9F, 4)
+SLOT_STUB(UNKNOWN_69A28E9F, 5)
+SLOT_STUB(UNKNOWN_69A28E9F, 6)
+SLOT_STUB(UNKNOWN_69A28E9F, 7)
+SLOT_STUB(UNKNOWN_69A28E9F, 8)
+SLOT_STUB(UNKNOWN_69A28E9F, 9)
+SLOT_STUB(UNKNOWN_69A28E9F, 10)
+SLOT_STUB(UNKNOWN_69A28E9F, 11)
+SLOT_STUB(UNKNOWN_69A28E9F, 12)
+SLOT_STUB(UNKNOWN_69A28E9F, 13)
+SLOT_STUB(UNKNOWN_69A28E9F, 14)
+SLOT_STUB(UNKNOWN_69A28E9F, 15)
+SLOT_STUB(UNKNOWN_69A28E9F, 16)
+SLOT_STUB(UNKNOWN_69A28E9F, 17)
+SLOT_STUB(UNKNOWN_69A28E9F, 18)
+SLOT_STUB(UNKNOWN_69A28E9F, 19)
+SLOT_STUB(UNKNOWN_69A28E9F, 20)
+SLOT_STUB(UNKNOWN_69A28E9F, 21)
+SLOT_STUB(UNKNOWN_69A28E9F, 22)
+SLOT_STUB(UNKNOWN_69A28E9F, 23)
+SLOT_STUB(UNKNOWN_69A28E9F, 24)
+SLOT_STUB(UNKNOWN_69A28E9F, 25)
+SLOT_STUB(UNKNOWN_69A28E9F, 26)
+SLOT_STUB(UNKNOWN_69A28E9F, 27)
+SLOT_STUB(UNKNOWN_69A28E9F, 28)
+SLOT_STUB(UNKNOWN_69A28E9F, 29)
+SLOT_STUB(UNKNOWN_69A28E9F, 30)
+SLOT_STUB(UNKNOWN_69A28E9F, 31)
+SLOT_STUB(UNKNOWN_69A28E9F, 32)
+SLOT_STUB(UNKNOWN_69A28E9F, 33)
+
+static const void *g_unknown_69a28e9f[34] = {
+    (void *)(34 * sizeof(void *)),
+    (void *)UNKNOWN_69A28E9F_slot_1,
+    (void *)UNKNOWN_69A28E9F_slot_2,
+    (void *)UNKNOWN_69A28E9F_slot_3,
+    (void *)UNKNOWN_69A28E9F_slot_4,
+    (void *)UNKNOWN_69A28E9F_slot_5,
+    (void *)UNKNOWN_69A28E9F_slot_6,
+    (void *)UNKNOWN_69A28E9F_slot_7,
+    (void *)UNKNOWN_69A28E9F_slot_8,
+    (void *)UNKNOWN_69A28E9F_slot_9,
+    (void *)UNKNOWN_69A28E9F_slot_10,
+    (void *)UNKNOWN_69A28E9F_slot_11,
+    (void *)UNKNOWN_69A28E9F_slot_12,
+    (void *)UNKNOWN_69A28E9F_slot_13,
+    (void *)UNKNOWN_69A28E9F_slot_14,
+    (void *)UNKNOWN_69A28E9F_slot_15,
+    (void *)UNKNOWN_69A28E9F_slot_16,
+    (void *)UNKNOWN_69A28E9F_slot_17,
+    (void *)UNKNOWN_69A28E9F_slot_18,
+    (void *)UNKNOWN_69A28E9F_slot_19,
+    (void *)UNKNOWN_69A28E9F_slot_20,
+    (void *)UNKNOWN_69A28E9F_slot_21,
+    (void *)UNKNOWN_69A28E9F_slot_22,
+    (void *)UNKNOWN_69A28E9F_slot_23,
+    (void *)UNKNOWN_69A28E9F_slot_24,
+    (void *)UNKNOWN_69A28E9F_slot_25,
+    (void *)UNKNOWN_69A28E9F_slot_26,
+    (void *)UNKNOWN_69A28E9F_slot_27,
+    (void *)UNKNOWN_69A28E9F_slot_28,
+    (void *)UNKNOWN_69A28E9F_slot_29,
+    (void *)UNKNOWN_69A28E9F_slot_30,
+    (void *)UNKNOWN_69A28E9F_slot_31,
+    (void *)UNKNOWN_69A28E9F_slot_32,
+    (void *)UNKNOWN_69A28E9F_slot_33,
+};
+
 /* ------------------------------------------------------------------ integrity check
  * cudart hands the driver (version, unix time) and compares the 16 bytes it gets back with its
  * own computation: an HMAC-style keyed MD2 digest over the driver version cuDriverGetVersion
@@ -536,6 +654,8 @@ static const export_table g_tables[] = {
     {&UUID_INTEGRITY_CHECK, "INTEGRITY_CHECK", g_integrity},
     {&UUID_CONTEXT_CHECKS, "CONTEXT_CHECKS", g_context_checks},
     {&UUID_TOOLS_CONTEXT, "TOOLS_CONTEXT", g_tools_context},
+    {&UUID_1734DC26, "1734dc26", g_unknown_1734dc26},
+    {&UUID_69A28E9F, "69a28e9f", g_unknown_69a28e9f},
     {&UUID_RGPU_INTERNAL, "RGPU_INTERNAL", g_rgpu_internal},
 };
 
