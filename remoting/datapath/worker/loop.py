@@ -30,6 +30,7 @@ class Worker(Handlers):
         self.memory = memory
         self.reader = FrameReader(sock)
         self.current_ctx: int | None = None
+        self.vmm_refs: dict[int, int] = {}
         self.deferred: tuple[int, str] | None = None
         self.handlers: dict[int, tuple[Callable[[memoryview, int, int], tuple[int, bytes] | None], bool]] = {}
         self.messages = 0
@@ -84,6 +85,12 @@ class Worker(Handlers):
             "rgpuOccupancyMaxPotentialBlockSize": (self.h_potential_block_size, False),
             "cuOccupancyMaxActiveClusters": (self.h_max_active_clusters, False),
             "rgpuSessionInfo": (self.h_session_info, False),
+            "rgpuStreamCaptureInfo": (self.h_capture_info, False),
+            "cuGraphGetNodes": (self.h_graph_nodes, False),
+            "cuMemCreate": (self.h_mem_create, False),
+            "cuMemRelease": (self.h_mem_release, False),
+            "cuMemRetainAllocationHandle": (self.h_mem_retain, False),
+            "cuMemSetAccess": (self.h_mem_set_access, False),
         }
         for name, entry in manual.items():
             self.handlers[OP[name]] = entry
