@@ -23,6 +23,7 @@ from rgpu.errors import InvalidRequest, RgpuError, Unavailable
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.secret import create_secret
 from rgpu.units import format_bytes, parse_duration, parse_size
+from rgpu.remoting.admin.cli_units import install_units
 
 
 @dataclass
@@ -306,6 +307,9 @@ def secret_create(path: str, force: bool) -> None:
     """Write a new random secret to PATH with mode 0600."""
     created = create_secret(path, force=force)
     click.echo(f"wrote {created} (mode 0600); copy it to every rgpu host, readable only by rgpu's user")
+
+
+main.add_command(install_units)
 
 
 # Commands other components contribute (slurm-config) join through entry points.
