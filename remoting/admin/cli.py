@@ -23,6 +23,7 @@ from rgpu.errors import InvalidRequest, RgpuError, Unavailable
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.secret import create_secret
 from rgpu.units import format_bytes, parse_duration, parse_size
+from rgpu.remoting.admin.cli_ops import net_perf
 from rgpu.remoting.admin.cli_units import install_units
 
 
@@ -310,6 +311,7 @@ def secret_create(path: str, force: bool) -> None:
 
 
 main.add_command(install_units)
+main.add_command(net_perf)
 
 
 # Commands other components contribute (slurm-config) join through entry points.

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rgpu.remoting.datapath import protocol
+from rgpu.remoting.datapath.perf import serve_perf
 from rgpu.remoting.dispatcher.mps import MpsDaemon
 
 from rgpu import tokens
@@ -243,6 +244,9 @@ class SessionServer:
                          "slices: rerun the job, or `flexrun -n N -p F`)")
             return
         gpu = self.gpus[claims.gpu_uuid]
+        if hello.flags & protocol.HELLO_PERF:
+            self._serve_perf(conn, peer, claims)
+            return
         mode = "nvml" if hello.flags & protocol.HELLO_NVML else "cuda"
         if hello.flags & protocol.HELLO_PROBE:
             conn.sendall(protocol.encode_welcome(
@@ -257,6 +261,14 @@ class SessionServer:
             self._refuse(conn, peer, f"rgpu: session: cannot start a worker ({exc}; check the dispatcher host)")
             return
         conn.close()  # the worker holds its own copy now
+
+    def _serve_perf(self, conn: socket.socket, peer: str, claims: tokens.SliceClaims) -> None:
+        """rgpu-admin net-perf: this acceptor thread echoes and streams; no worker, no GPU."""
+        conn.sendall(protocol.encode_welcome(
+            driver_version=0, memory_limit_bytes=claims.memory_limit_bytes, compute_percent=claims.compute_percent,
+            flags=protocol.WELCOME_PERF, description="perf session"))
+        moved = serve_perf(conn)
+        self.log.info("perf session from %s (job %s) moved %d bytes", peer, claims.job_key, moved)
 
     def _slice_dir(self, claims: tokens.SliceClaims) -> Path:
         key = hashlib.sha256(f"{claims.job_key}\0{claims.slice_number}\0{claims.gpu_uuid}".encode()).hexdigest()[:16]

@@ -1,0 +1,35 @@
+"""Progress on long admin commands (health over many hosts, net-perf): a bar on stderr, shown
+only when stderr is a terminal, so pipes, logs and --json output stay clean."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Iterator
+from typing import IO, TypeVar
+
+import click
+
+T = TypeVar("T")
+
+
+def shown(stream: IO[str] | None = None) -> bool:
+    stream = stream or sys.stderr
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def progress(items: Iterable[T], label: str, *, length: int | None = None, stream: IO[str] | None = None,
+             describe=None) -> Iterator[T]:  # type: ignore[no-untyped-def]
+    """Yield `items`, drawing a bar labelled `label` on stderr (a TTY only); `describe(item)`
+    names the item in progress."""
+    stream = stream or sys.stderr
+    if not shown(stream):
+        yield from items
+        return
+    items = list(items)
+    with click.progressbar(items, length=length or len(items), label=label, file=stream,
+                           item_show_func=(lambda item: describe(item) if item is not None else "") if describe else None,
+                           show_pos=True) as bar:
+        yield from bar
