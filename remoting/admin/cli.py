@@ -254,8 +254,11 @@ def _pool_serving(settings: Settings) -> str | None:
 
 @main.command()
 @_json_flag
+@click.option("--deep", is_flag=True, help="Also log in to every host over SSH: driver, MPS, clocks, ECC, Xid, "
+                                            "disk, rgpu's libraries, clock skew, round trips to the dispatchers.")
+@click.option("--host", "hosts", multiple=True, help="With --deep: only this host (repeat).")
 @click.pass_obj
-def health(ctx: Context) -> None:
+def health(ctx: Context, deep: bool, hosts: tuple[str, ...]) -> None:
     """Check the pool and every dispatcher; exit non-zero when anything is unhealthy."""
     problem = _pool_serving(ctx.settings)
     if problem:
@@ -279,21 +282,28 @@ def health(ctx: Context) -> None:
                      "static_inventory": s.static_inventory,
                      "notes": "; ".join(notes), "healthy": s.state != "down"})
     unhealthy = [r["server"] for r in rows if not r["healthy"]]
-    if ctx.json_output:
+    if ctx.json_output and not deep:
         click.echo(json.dumps(rows, indent=2))
-    else:
+    elif not ctx.json_output:
         click.echo(f"pool {ctx.settings.pool}: serving; {len(rows)} server(s); down after "
                    f"{reply.down_after_seconds:g} s without heartbeat")
         if rows:
             click.echo(tabulate([[r["server"], r["state"], f"{r['heartbeat_age_seconds']:.1f}s", r["gpus"],
                                   r["driver_version"], r["compute_enforcement"] or "-", r["notes"]] for r in rows],
                                 headers=["SERVER", "STATE", "HEARTBEAT", "GPUS", "DRIVER", "COMPUTE", "NOTES"]))
+    failed_checks: list[str] = []
+    if deep:   # over SSH: driver, MPS, clocks, ECC, Xid, disk, libraries, clock skew, round trips
+        from rgpu.remoting.admin.cli_ops import deep_checks
+        failed_checks = deep_checks(ctx.settings, reply, rows, hosts, json_output=ctx.json_output)
     if not rows:
         raise Unavailable("health", "no dispatcher has registered", "the pool has no GPUs to serve",
                           "start rgpu-dispatcher on the GPU nodes with --pool pointing here")
     if unhealthy:
         raise Unavailable("health", f"{len(unhealthy)} server(s) down: {', '.join(unhealthy)}",
                           "no heartbeat within the limit", "check rgpu-dispatcher on those hosts")
+    if failed_checks:
+        raise Unavailable("health", f"{len(failed_checks)} deep check(s) failed: {', '.join(failed_checks)}",
+                          "see the FIX column", "fix them, then run rgpu-admin health --deep again")
 
 
 @main.group()

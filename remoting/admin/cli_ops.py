@@ -44,3 +44,26 @@ def net_perf(ctx: Any, servers: tuple[str, ...], pings: int, size: str, json_loc
     if failed:
         raise Unavailable("net-perf", f"{len(failed)} dispatcher(s) could not be measured: {', '.join(failed)}",
                           "see the ERROR column", "check those dispatchers with `rgpu-admin health`")
+
+
+def deep_checks(settings: Any, reply: Any, rows: list[dict[str, Any]], hosts: tuple[str, ...], *,
+                json_output: bool) -> list[str]:
+    """Run `health --deep` over SSH and print its findings (after the server table, or as one JSON
+    object with the server rows); returns 'host: check' of each failure."""
+    from rgpu.remoting.admin import deep_health
+    from rgpu.remoting.admin.hosts import parse_node_list, slurm_nodes
+
+    clients = parse_node_list(settings.health_client_nodes) if settings.health_client_nodes else slurm_nodes()
+    jobs = deep_health.plan_hosts(settings, list(reply.servers), clients, hosts)
+    pool_version = next((s.version for s in reply.servers if s.version), "")
+    findings = deep_health.run_checks(
+        jobs, pool_version=pool_version,
+        each=lambda items: progress(items, "health", describe=lambda job: job.plan.host))
+    if json_output:
+        click.echo(json.dumps({"servers": rows, "checks": [f.row() for f in findings]}, indent=2))
+    else:
+        if rows:
+            click.echo("")
+        click.echo(tabulate([[f.host, f.check, f.status.upper(), f.detail, f.fix] for f in findings],
+                            headers=["HOST", "CHECK", "STATUS", "DETAIL", "FIX"], maxcolwidths=[None, None, None, 60, 50]))
+    return [f"{f.host}: {f.check}" for f in findings if f.status == "fail"]
