@@ -23,7 +23,7 @@ from rgpu.errors import InvalidRequest, RgpuError, Unavailable
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.secret import create_secret
 from rgpu.units import format_bytes, parse_duration, parse_size
-from rgpu.remoting.admin.cli_ops import net_perf
+from rgpu.remoting.admin.cli_ops import net_perf, stats, usage
 from rgpu.remoting.admin.cli_units import install_units
 
 
@@ -108,14 +108,20 @@ def list_gpus(ctx: Context) -> None:
 
 
 def _lease_row(lease: pb.Lease) -> dict[str, Any]:
+    from rgpu.remoting.admin.usage_view import lease_usage
+
     return {
         "job_key": lease.job_key, "user": lease.user, "account": lease.account, "units": lease.units,
         "created_unix": lease.created_unix, "expires_unix": lease.expires_unix, "server_down": lease.server_down,
         "slices": [{"server": s.server, "gpu_uuid": s.gpu_uuid, "gpu_index": s.gpu_index,
-                    "memory_limit_bytes": s.memory_limit_bytes, "compute_percent": s.compute_percent}
+                    "memory_limit_bytes": s.memory_limit_bytes, "compute_percent": s.compute_percent,
+                    "sessions": s.usage.sessions, "busy_seconds": s.usage.busy_seconds, "calls": s.usage.calls,
+                    "memory_high_water_bytes": s.usage.memory_high_water_bytes,
+                    "memory_used_bytes": s.usage.memory_used_bytes, "last_active_unix": s.usage.last_active_unix}
                    for s in lease.slices],
         "placement": ", ".join(f"{s.server}/{s.gpu_index} {s.compute_percent}%" for s in lease.slices),
-        "state": "SERVER DOWN" if lease.server_down else "ok",
+        "state": "SERVER DOWN" if lease.server_down else ("IDLE" if lease.idle else "ok"),
+        **lease_usage(lease),
     }
 
 
@@ -127,7 +133,8 @@ def leases(ctx: Context) -> None:
     with ctx.client() as client:
         rows = [_lease_row(lease) for lease in client.list_leases()]
     _emit(ctx, rows, [("job_key", "JOB KEY"), ("user", "USER"), ("account", "ACCOUNT"), ("units", "GPU %"),
-                      ("placement", "SLICES"), ("state", "STATE")], "no leases")
+                      ("placement", "SLICES"), ("busy", "BUSY"), ("memory_high_water", "MEM PEAK"),
+                      ("idle_for", "IDLE FOR"), ("state", "STATE")], "no leases")
 
 
 @main.command("request-gpus")
@@ -322,6 +329,8 @@ def secret_create(path: str, force: bool) -> None:
 
 main.add_command(install_units)
 main.add_command(net_perf)
+main.add_command(stats)
+main.add_command(usage)
 
 
 # Commands other components contribute (slurm-config) join through entry points.

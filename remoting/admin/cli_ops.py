@@ -9,7 +9,7 @@ from typing import Any
 import click
 from tabulate import tabulate
 
-from rgpu.errors import Unavailable
+from rgpu.errors import RgpuError, Unavailable
 from rgpu.remoting.admin import netperf
 from rgpu.remoting.admin.progress import progress
 from rgpu.units import parse_size
@@ -67,3 +67,75 @@ def deep_checks(settings: Any, reply: Any, rows: list[dict[str, Any]], hosts: tu
         click.echo(tabulate([[f.host, f.check, f.status.upper(), f.detail, f.fix] for f in findings],
                             headers=["HOST", "CHECK", "STATUS", "DETAIL", "FIX"], maxcolwidths=[None, None, None, 60, 50]))
     return [f"{f.host}: {f.check}" for f in findings if f.status == "fail"]
+
+
+@click.command()
+@click.option("--idle", "idle_only", is_flag=True, help="Only slices of idle leases.")
+@click.option("--json", "json_local", is_flag=True, help="Print a JSON array of objects.")
+@click.pass_obj
+def stats(ctx: Any, idle_only: bool, json_local: bool) -> None:
+    """Usage of every slice as its dispatcher reports it: open sessions, busy time, memory in use
+    and peak against the limit, last activity; idle leases flagged (idle_after_seconds)."""
+    from rgpu.remoting.admin.usage_view import slice_rows
+
+    with ctx.client() as client:
+        rows = slice_rows([lease for lease in client.list_leases() if lease.idle or not idle_only])
+    if _json_wanted(ctx, json_local):
+        click.echo(json.dumps(rows, indent=2))
+    elif not rows:
+        click.echo("no idle leases" if idle_only else "no leases")
+    else:
+        click.echo(tabulate([[r["job_key"], r["user"], r["slice"], r["where"], r["sessions"], r["busy"], r["memory"],
+                              r["last_active"], r["flag"]] for r in rows],
+                            headers=["JOB KEY", "USER", "SLICE", "GPU", "SESSIONS", "BUSY", "MEMORY", "LAST ACTIVE",
+                                     "FLAG"]))
+
+
+def _when(text: str | None, what: str) -> float:
+    """Unix time from '2026-11-01', '2026-11-01T12:00', a duration ago ('7d', '12h'), or nothing (0)."""
+    import datetime
+
+    from rgpu.errors import InvalidRequest
+    from rgpu.units import parse_duration
+
+    if not text:
+        return 0.0
+    try:
+        parsed = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        try:
+            import time
+            return time.time() - parse_duration(text, what)
+        except RgpuError:
+            raise InvalidRequest("usage", f"--{what} {text!r} is neither a date nor a duration", "",
+                                 "give e.g. 2026-11-01, 2026-11-01T12:00 or 7d") from None
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=datetime.timezone.utc)
+    return parsed.timestamp()
+
+
+@click.command()
+@click.option("--by", type=click.Choice(["user", "account", "both"]), default="user", show_default=True,
+              help="Group by user, by account, or by both.")
+@click.option("--since", help="From this UTC date/time (2026-11-01, 2026-11-01T12:00) or this long ago (30d).")
+@click.option("--until", help="Up to this UTC date/time or this long ago (default: now).")
+@click.option("--json", "json_local", is_flag=True, help="Print a JSON array of objects.")
+@click.pass_obj
+def usage(ctx: Any, by: str, since: str | None, until: str | None, json_local: bool) -> None:
+    """GPU-percent-hours per user or account from the pool's own records (100 GPU-percent for an
+    hour = one GPU-hour): ended leases and live ones up to now."""
+    from rgpu.remoting.admin.usage_view import usage_rows
+
+    with ctx.client() as client:
+        reply = client.usage(_when(since, "since"), _when(until, "until"))
+    rows = usage_rows(reply, by)
+    if _json_wanted(ctx, json_local):
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("no usage in that window")
+        return
+    keys = {"user": ["user"], "account": ["account"], "both": ["user", "account"]}[by]
+    click.echo(tabulate([[r[k] for k in keys] + [f"{r['gpu_percent_hours']:.2f}", f"{r['gpu_hours']:.2f}", r["leases"],
+                          f"{r['busy_gpu_seconds'] / 3600:.2f}"] for r in rows],
+                        headers=[k.upper() for k in keys] + ["GPU-%-HOURS", "GPU-HOURS", "LEASES", "BUSY HOURS"]))
