@@ -30,6 +30,7 @@ def test_net_perf_measures_each_dispatcher_and_releases_its_probe(cluster: RgpuC
     run = admin(cluster, "net-perf", "--pings", "20", "--size", "4M", "--json")
     rows = json.loads(run.stdout)
     assert len(rows) == 1 and rows[0]["ok"], rows
+    assert run.stderr == ""        # no progress bar where stderr is not a terminal
     row = rows[0]
     assert row["server"].startswith("127.0.0.1:")
     assert 0 < row["rtt_min_us"] <= row["rtt_p50_us"] <= row["rtt_p99_us"]

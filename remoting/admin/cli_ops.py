@@ -58,7 +58,8 @@ def deep_checks(settings: Any, reply: Any, rows: list[dict[str, Any]], hosts: tu
     pool_version = next((s.version for s in reply.servers if s.version), "")
     findings = deep_health.run_checks(
         jobs, pool_version=pool_version,
-        each=lambda items: progress(items, "health", describe=lambda job: job.plan.host))
+        each=lambda done: progress(done, "health", length=len(jobs),
+                                   describe=lambda future: future.result().host if future.done() else ""))
     if json_output:
         click.echo(json.dumps({"servers": rows, "checks": [f.row() for f in findings]}, indent=2))
     else:

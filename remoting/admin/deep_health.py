@@ -4,7 +4,8 @@ the output (deepcheck) including clock skew against the pool's host."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 
 from rgpu.config import Settings
@@ -84,12 +85,20 @@ def check_host(job: HostJob, pool_version: str = "") -> HostOutcome:
     return HostOutcome(host, findings, offset)
 
 
+HOSTS_AT_ONCE = 16
+
+
 def run_checks(jobs: Sequence[HostJob], *, pool_version: str = "",
-               each: Callable[[Iterable[HostJob]], Iterable[HostJob]] = lambda jobs: jobs,
-               check: Callable[..., HostOutcome] = check_host) -> list[Finding]:
-    """Check every host (through `each`, e.g. a progress bar), then judge clock skew against the
-    pool's host (or this node when the pool's host could not be reached)."""
-    outcomes = [(job, check(job, pool_version)) for job in each(jobs)]
+               each: Callable[[Iterator[Future[HostOutcome]]], Iterable[Future[HostOutcome]]] = lambda done: done,
+               check: Callable[..., HostOutcome] = check_host, at_once: int = HOSTS_AT_ONCE) -> list[Finding]:
+    """Check the hosts, `at_once` at a time (`each` sees them complete, e.g. a progress bar), then
+    judge clock skew against the pool's host (or this node when the pool's host was not reached).
+    Findings come in the order of `jobs`."""
+    with ThreadPoolExecutor(max_workers=max(1, min(at_once, len(jobs)))) as pool:
+        futures = [pool.submit(check, job, pool_version) for job in jobs]
+        for _ in each(as_completed(futures)):
+            pass
+    outcomes = [(job, future.result()) for job, future in zip(jobs, futures)]
     pool = next((o for job, o in outcomes if "pool" in job.plan.roles and o.offset is not None), None)
     reference = (f"the pool's host {pool.host}", pool.offset) if pool else ("this node (the pool's host was not "
                                                                             "reached)", (0.0, 0.0))

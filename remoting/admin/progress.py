@@ -28,8 +28,10 @@ def progress(items: Iterable[T], label: str, *, length: int | None = None, strea
     if not shown(stream):
         yield from items
         return
-    items = list(items)
-    with click.progressbar(items, length=length or len(items), label=label, file=stream,
+    if length is None:    # an iterator of results as they complete gives its length instead
+        items = list(items)
+        length = len(items)
+    with click.progressbar(items, length=length, label=label, file=stream,
                            item_show_func=(lambda item: describe(item) if item is not None else "") if describe else None,
                            show_pos=True) as bar:
         yield from bar
