@@ -4,7 +4,7 @@ only when stderr is a terminal, so pipes, logs and --json output stay clean."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO, TypeVar
 
 import click
@@ -21,7 +21,7 @@ def shown(stream: IO[str] | None = None) -> bool:
 
 
 def progress(items: Iterable[T], label: str, *, length: int | None = None, stream: IO[str] | None = None,
-             describe=None) -> Iterator[T]:  # type: ignore[no-untyped-def]
+             describe: Callable[[T], str] | None = None) -> Iterator[T]:
     """Yield `items`, drawing a bar labelled `label` on stderr (a TTY only); `describe(item)`
     names the item in progress."""
     stream = stream or sys.stderr
@@ -31,7 +31,10 @@ def progress(items: Iterable[T], label: str, *, length: int | None = None, strea
     if length is None:    # an iterator of results as they complete gives its length instead
         items = list(items)
         length = len(items)
-    with click.progressbar(items, length=length, label=label, file=stream,
-                           item_show_func=(lambda item: describe(item) if item is not None else "") if describe else None,
+    show: Callable[[T | None], str] | None = None
+    if describe is not None:
+        def show(item: T | None) -> str:
+            return describe(item) if item is not None else ""
+    with click.progressbar(items, length=length, label=label, file=stream, item_show_func=show,
                            show_pos=True) as bar:
         yield from bar

@@ -225,7 +225,12 @@ class SessionServer:
             if op != protocol.OP_HELLO:
                 raise ValueError(f"expected HELLO, got frame {op}")
             version = protocol.decode_hello_version(payload)
-        except (OSError, ValueError, ConnectionError) as exc:
+        except ConnectionError:
+            # Closed before a whole HELLO: port checks (rgpu-admin health --deep, monitoring) do this.
+            self.log.debug("connection from %s closed before its HELLO", peer)
+            conn.close()
+            return
+        except (OSError, ValueError) as exc:
             self.log.warning("bad handshake from %s: %s", peer, exc)
             conn.close()
             return
