@@ -141,3 +141,23 @@ def test_script_quotes_hostile_folders() -> None:
     script = dc.build_script(dc.HostPlan("h", frozenset({"pool"}), ("/tmp/a'; rm -rf /",), python="/opt/my py/python3"))
     assert "'/tmp/a'\"'\"'; rm -rf /'" in script and "'/opt/my py/python3'" in script
     assert " build" not in script.split("@@section rgpu")[1].split("\n")[1].rsplit("'", 1)[1]
+
+
+def test_hosts_are_planned_once_with_their_roles() -> None:
+    from rgpu.config import load_settings
+    from rgpu.proto import rgpu_pb2 as pb
+    from rgpu.remoting.admin.deep_health import plan_hosts
+    from rgpu.remoting.admin.hosts import parse_node_list, split_node
+
+    assert parse_node_list("c1, c2\nc3 c1") == ["c1", "c2", "c3"]
+    assert split_node("c1", 22) == ("c1", 22) and split_node("c1:2222", 22) == ("c1", 2222)
+    settings = load_settings(env={"RGPU_POOL": "gpu1:50001", "RGPU_STATE": "/var/lib/rgpu/pool.db"})
+    servers = [pb.Server(address="gpu1:55001", static_inventory=False, compute_enforcement="mps"),
+               pb.Server(address="gpu1:55002", static_inventory=True), pb.Server(address="gpu2:55001")]
+    jobs = {j.plan.host: j for j in plan_hosts(settings, servers, ["cpu1", "cpu2:2222"])}
+    assert set(jobs) == {"gpu1", "gpu2", "cpu1", "cpu2"}
+    assert jobs["gpu1"].plan.roles == {"pool", "dispatcher"} and not jobs["gpu1"].static_inventory
+    assert jobs["gpu1"].plan.dirs == ("/var/lib/rgpu", "/tmp") and jobs["gpu1"].enforcement == "mps"
+    assert jobs["cpu1"].plan.dispatchers == ("gpu1:55001", "gpu1:55002", "gpu2:55001")
+    assert jobs["cpu2"].target.port == 2222 and jobs["gpu2"].target.port == 22
+    assert [j.plan.host for j in plan_hosts(settings, servers, ["cpu1"], only=["cpu1"])] == ["cpu1"]

@@ -9,6 +9,7 @@ from typing import Any
 import click
 from tabulate import tabulate
 
+from rgpu import __version__
 from rgpu.errors import RgpuError, Unavailable
 from rgpu.remoting.admin import netperf
 from rgpu.remoting.admin.progress import progress
@@ -55,9 +56,8 @@ def deep_checks(settings: Any, reply: Any, rows: list[dict[str, Any]], hosts: tu
 
     clients = parse_node_list(settings.health_client_nodes) if settings.health_client_nodes else slurm_nodes()
     jobs = deep_health.plan_hosts(settings, list(reply.servers), clients, hosts)
-    pool_version = next((s.version for s in reply.servers if s.version), "")
     findings = deep_health.run_checks(
-        jobs, pool_version=pool_version,
+        jobs, pool_version=__version__,
         each=lambda done: progress(done, "health", length=len(jobs),
                                    describe=lambda future: future.result().host if future.done() else ""))
     if json_output:

@@ -264,7 +264,7 @@ def check_rgpu(host: str, roles: frozenset[str], report: Report, python: str) ->
 def check_versions(host: str, report: Report, pool_version: str) -> list[Finding]:
     version = next((line.split(None, 1)[1] for line in report.sections.get("rgpu", []) if line.startswith("version ")), "")
     if version and pool_version and version != pool_version:
-        return [Finding(host, "version", WARN, f"rgpu {version} here, {pool_version} on the pool",
+        return [Finding(host, "version", WARN, f"rgpu {version} there, {pool_version} on this node (rgpu-admin's)",
                         "install the same rgpu version on every host")]
     return []
 

@@ -7,7 +7,6 @@ leases for as short as it can, and turns results and failures into rows.
 
 from __future__ import annotations
 
-import getpass
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
@@ -64,10 +63,3 @@ def up_servers(client: PoolClient, only: Iterable[str] = ()) -> list[str]:
     wanted = set(only)
     return [s.address for s in client.list_servers().servers
             if s.state == "up" and (not wanted or s.address in wanted or s.hostname in wanted)]
-
-
-def net_perf(client: PoolClient, servers: Iterable[str], *, user: str | None = None, pings: int = 50,
-             bulk_bytes: int = 64 << 20, measure_fn: Measure = measure) -> list[dict[str, Any]]:
-    user = user or getpass.getuser()
-    return [probe_server(client, server, user=user, pings=pings, bulk_bytes=bulk_bytes, measure_fn=measure_fn)
-            for server in servers]
