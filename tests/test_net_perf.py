@@ -37,6 +37,7 @@ def test_net_perf_measures_each_dispatcher_and_releases_its_probe(cluster: RgpuC
     assert row["upload_bytes_per_s"] > 0 and row["download_bytes_per_s"] > 0
     with cluster.client() as client:
         assert client.list_leases() == []        # the probe slice was released
+        assert [r.account for r in client.usage().rows] == ["net-perf"]
     table = admin(cluster, "net-perf", "--pings", "5", "--size", "1M").stdout
     assert "RTT P50 us" in table and "/s" in table and "ERROR" in table
     assert "perf session from" in cluster.daemons[-1].log()

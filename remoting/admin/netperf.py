@@ -19,6 +19,7 @@ from rgpu.units import format_bytes
 
 PROBE_MEMORY_BYTES = 1 << 20   # the smallest slice worth asking for: 1 MiB, 1% compute
 PROBE_TTL_SECONDS = 300.0      # reclaimed by the pool even if net-perf is killed mid-way
+PROBE_ACCOUNT = "net-perf"     # so `rgpu-admin usage` tells probes from work
 
 Measure = Callable[..., PerfResult]
 
@@ -47,7 +48,7 @@ def probe_server(client: PoolClient, server: str, *, user: str, pings: int, bulk
     job_key = f"net-perf-{user}-{secrets.token_hex(4)}"
     try:
         lease = client.allocate(job_key, user, 1, memory_bytes=PROBE_MEMORY_BYTES, server=server,
-                                ttl_seconds=PROBE_TTL_SECONDS)
+                                ttl_seconds=PROBE_TTL_SECONDS, account=PROBE_ACCOUNT)
     except RgpuError as exc:
         return perf_row(server, None, f"cannot lease a probe slice: {exc}")
     try:
