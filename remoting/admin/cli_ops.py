@@ -10,6 +10,8 @@ import click
 from tabulate import tabulate
 
 from rgpu import __version__
+from rgpu.config import Settings
+from rgpu.proto import rgpu_pb2 as pb
 from rgpu.errors import RgpuError, Unavailable
 from rgpu.remoting.admin import netperf
 from rgpu.remoting.admin.progress import progress
@@ -47,7 +49,7 @@ def net_perf(ctx: Any, servers: tuple[str, ...], pings: int, size: str, json_loc
                           "see the ERROR column", "check those dispatchers with `rgpu-admin health`")
 
 
-def deep_checks(settings: Any, reply: Any, rows: list[dict[str, Any]], hosts: tuple[str, ...], *,
+def deep_checks(settings: Settings, reply: pb.ListServersReply, rows: list[dict[str, Any]], hosts: tuple[str, ...], *,
                 json_output: bool) -> list[str]:
     """Run `health --deep` over SSH and print its findings (after the server table, or as one JSON
     object with the server rows); returns 'host: check' of each failure."""

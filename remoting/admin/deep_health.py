@@ -94,18 +94,20 @@ def run_checks(jobs: Sequence[HostJob], *, pool_version: str = "",
     """Check the hosts, `at_once` at a time (`each` sees them complete, e.g. a progress bar), then
     judge clock skew against the pool's host (or this node when the pool's host was not reached).
     Findings come in the order of `jobs`."""
-    with ThreadPoolExecutor(max_workers=max(1, min(at_once, len(jobs)))) as pool:
-        futures = [pool.submit(check, job, pool_version) for job in jobs]
+    with ThreadPoolExecutor(max_workers=max(1, min(at_once, len(jobs)))) as executor:
+        futures = [executor.submit(check, job, pool_version) for job in jobs]
         for _ in each(as_completed(futures)):
             pass
     outcomes = [(job, future.result()) for job, future in zip(jobs, futures)]
     pool = next((o for job, o in outcomes if "pool" in job.plan.roles and o.offset is not None), None)
-    reference = (f"the pool's host {pool.host}", pool.offset) if pool else ("this node (the pool's host was not "
-                                                                            "reached)", (0.0, 0.0))
+    if pool is not None and pool.offset is not None:
+        reference, (ref_offset, ref_uncertainty) = f"the pool's host {pool.host}", pool.offset
+    else:
+        reference, ref_offset, ref_uncertainty = "this node (the pool's host was not reached)", 0.0, 0.0
     findings: list[Finding] = []
-    for job, outcome in outcomes:
+    for _job, outcome in outcomes:
         findings += outcome.findings
         if outcome.offset is not None:
-            skew = outcome.offset[0] - reference[1][0]
-            findings.append(check_skew(outcome.host, skew, outcome.offset[1] + reference[1][1], reference[0]))
+            offset, uncertainty = outcome.offset
+            findings.append(check_skew(outcome.host, offset - ref_offset, uncertainty + ref_uncertainty, reference))
     return findings

@@ -8,7 +8,8 @@ import subprocess
 
 from rgpu.netaddr import split_host_port
 
-SINFO = ["sinfo", "--noheader", "--Node", "--format=%N"]
+# %n: the nodes' hostnames (NodeHostname), which SSH reaches; several slurmd on one host collapse.
+SINFO = ["sinfo", "--noheader", "--Node", "--format=%n"]
 
 
 def host_of(address: str) -> str:

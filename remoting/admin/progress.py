@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from typing import IO, TypeVar
+from typing import TextIO, TypeVar
 
 import click
 
 T = TypeVar("T")
 
 
-def shown(stream: IO[str] | None = None) -> bool:
+def shown(stream: TextIO | None = None) -> bool:
     stream = stream or sys.stderr
     try:
         return stream.isatty()
@@ -20,7 +20,7 @@ def shown(stream: IO[str] | None = None) -> bool:
         return False
 
 
-def progress(items: Iterable[T], label: str, *, length: int | None = None, stream: IO[str] | None = None,
+def progress(items: Iterable[T], label: str, *, length: int | None = None, stream: TextIO | None = None,
              describe: Callable[[T], str] | None = None) -> Iterator[T]:
     """Yield `items`, drawing a bar labelled `label` on stderr (a TTY only); `describe(item)`
     names the item in progress."""

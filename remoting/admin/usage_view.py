@@ -65,7 +65,7 @@ def usage_rows(reply: pb.UsageReply, by: str) -> list[dict[str, Any]]:
     """GPU-percent-hours per user, per account, or per (user, account)."""
     sums: dict[tuple[str, ...], list[float]] = {}
     for r in reply.rows:
-        key = (r.user,) if by == "user" else (r.account,) if by == "account" else (r.user, r.account)
+        key: tuple[str, ...] = (r.user,) if by == "user" else (r.account,) if by == "account" else (r.user, r.account)
         entry = sums.setdefault(key, [0.0, 0, 0.0])
         entry[0] += r.gpu_percent_hours
         entry[1] += r.leases
