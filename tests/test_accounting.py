@@ -20,8 +20,9 @@ def test_idle_counts_from_creation_then_from_the_last_call() -> None:
     assert idle_since(LEASE, [None, None]) == 1000.0 and idle_seconds(LEASE, [None, None], 1600.0) == 600.0
     used = SliceUsageRecord(last_active_unix=1500.0)
     assert idle_seconds(LEASE, [None, used], 1600.0) == 100.0
-    busy = SliceUsageRecord(sessions=1, last_active_unix=1100.0)
-    assert idle_since(LEASE, [busy, used]) == 0.0 and idle_seconds(LEASE, [busy, used], 9999.0) == 0.0
+    # An open session that makes no calls is idle from its last call on.
+    quiet = SliceUsageRecord(sessions=1, last_active_unix=1100.0)
+    assert idle_since(LEASE, [quiet, used]) == 1500.0 and idle_seconds(LEASE, [quiet, used], 1400.0) == 0.0
     assert is_idle(600.0, 600.0) and not is_idle(599.0, 600.0) and not is_idle(10**9, 0.0)
 
 
@@ -56,7 +57,7 @@ def test_lease_usage_for_the_leases_table() -> None:
         pb.Slice(usage=pb.SliceUsage(busy_seconds=20, memory_high_water_bytes=1 << 30))])
     row = lease_usage(lease, now=1000.0 + 7500)
     assert (row["busy"], row["memory_high_water"], row["idle_for"], row["idle"]) == ("1h02m", "3.0 GiB", "2h05m", True)
-    assert lease_usage(pb.Lease(job_key="k"), now=5.0)["idle_for"] == "in use"
+    assert lease_usage(pb.Lease(job_key="k"), now=5.0)["idle_for"] == "-"     # an older pool says nothing
     assert [duration(s) for s in (5, 61, 3 * 86400 + 7200)] == ["5s", "1m", "3d02h"]
 
 
@@ -69,3 +70,25 @@ def test_the_store_keeps_ended_leases(tmp_path: pytest.TempPathFactory) -> None:
     assert store.load_history(0, 10**10) == [("alice", "physics", 100, 1000.0, 4600.0, 12.5)]
     assert store.load_history(5000, 10**10) == []
     store.close()
+
+
+def test_a_running_call_is_busy_and_active_now(tmp_path: pytest.TempPathFactory) -> None:
+    import time
+    from pathlib import Path
+
+    from rgpu.remoting.datapath.usage import SessionStats, read_slice_stats
+
+    folder = Path(str(tmp_path))
+    stats = SessionStats(folder / "1.stats", publish_every_s=3600)
+    assert read_slice_stats(folder).last_active_unix == 0.0          # no call yet
+    stats.call_started_ns = time.perf_counter_ns() - 2_000_000_000   # a synchronise running for 2 s
+    stats.publish()
+    running = read_slice_stats(folder)
+    assert running.busy_seconds >= 2.0 and running.last_active_unix >= time.time() - 1 and running.calls == 0
+    stats.account(stats.call_started_ns, high_water=5 << 20)
+    stats.close(high_water=3 << 20)
+    (folder / "2.stats").write_bytes((folder / "1.stats").read_bytes())   # a second, ended session
+    (folder / "2.used").write_bytes(bytes(8))
+    total = read_slice_stats(folder)
+    assert (total.sessions_seen, total.calls, total.memory_high_water_bytes) == (2, 2, 5 << 20)
+    assert total.busy_seconds >= 4.0

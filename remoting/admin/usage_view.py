@@ -32,7 +32,7 @@ def lease_usage(lease: pb.Lease, now: float | None = None) -> dict[str, Any]:
     return {"busy_seconds": busy, "busy": duration(busy) if busy else "-",
             "memory_high_water_bytes": peak, "memory_high_water": format_bytes(peak) if peak else "-",
             "sessions": sum(s.usage.sessions for s in lease.slices),
-            "idle_seconds": idle_for, "idle_for": duration(idle_for) if lease.idle_since_unix else "in use",
+            "idle_seconds": idle_for, "idle_for": duration(idle_for) if lease.idle_since_unix else "-",
             "idle": lease.idle}
 
 

@@ -32,17 +32,15 @@ def to_pool_clock(reported_unix: float, sent_unix: float, received_unix: float) 
 
 
 def idle_since(lease: LeaseRecord, usages: Sequence[SliceUsageRecord | None]) -> float:
-    """Since when the lease has had no open session and no call (its creation if never used);
-    0 while a session is open."""
-    if any(u is not None and u.sessions > 0 for u in usages):
-        return 0.0
+    """Since when no slice of the lease has run a call (its creation if never used). An open
+    session that makes no calls is idle too; a call still running counts as activity now (the
+    worker publishes it as such), so a long synchronise is never idle."""
     return max([lease.created_unix] + [u.last_active_unix for u in usages if u is not None])
 
 
 def idle_seconds(lease: LeaseRecord, usages: Sequence[SliceUsageRecord | None], now: float) -> float:
-    """How long the lease has had no open session and no call."""
-    since = idle_since(lease, usages)
-    return max(0.0, now - since) if since else 0.0
+    """How long the lease has run no call."""
+    return max(0.0, now - idle_since(lease, usages))
 
 
 def is_idle(idle_for: float, idle_after_seconds: float) -> bool:

@@ -419,7 +419,7 @@ class PoolCore:
             return self._usages(lease)
 
     def lease_idle(self, lease: LeaseRecord) -> tuple[float, bool]:
-        """(idle since, by the pool's clock, 0 when in use; whether idle by idle_after_seconds)."""
+        """(idle since, by the pool's clock; whether idle by idle_after_seconds)."""
         with self._lock:
             usages = self._usages(lease)
             return idle_since(lease, usages), is_idle(idle_seconds(lease, usages, self.clock()), self.idle_after_seconds)

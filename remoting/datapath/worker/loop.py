@@ -190,6 +190,8 @@ class Worker(Handlers):
                 self._reply(seq, code, b"", message)
                 continue
             started = clock()
+            if stats is not None:
+                stats.call_started_ns = started
             try:
                 result = handler(payload, address, seq)
             except CudaError as exc:
