@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ from rgpu.remoting.datapath.worker.frames import FrameReader
 from rgpu.remoting.datapath.worker.handlers import Handlers
 from rgpu.remoting.datapath.worker.native_loop import load_native_launches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
+from rgpu.remoting.datapath.usage import SessionStats
 
 log = logging.getLogger("rgpu.worker")
 
@@ -23,8 +25,10 @@ OP = api_gen.OPCODES
 
 
 class Worker(Handlers):
-    def __init__(self, sock: socket.socket, backend: Any, spec: SessionSpec, memory: SliceMemory | None) -> None:
+    def __init__(self, sock: socket.socket, backend: Any, spec: SessionSpec, memory: SliceMemory | None,
+                 stats: SessionStats | None = None) -> None:
         self.sock = sock
+        self.stats = stats
         self.backend = backend
         self.spec = spec
         self.memory = memory
@@ -137,6 +141,8 @@ class Worker(Handlers):
         launch_fast = getattr(self.backend, "launch_fast", None)
         native = self.native_launches
         cuda_mode = self.spec.mode == "cuda"
+        stats, memory = self.stats, self.memory
+        clock = time.perf_counter_ns
         while True:
             if reader.end - reader.start < protocol.HEADER_SIZE:
                 reader._fill(protocol.HEADER_SIZE)
@@ -190,6 +196,9 @@ class Worker(Handlers):
                 self.deferred = None
                 self._reply(seq, code, b"", message)
                 continue
+            started = clock()
+            if stats is not None:
+                stats.call_started_ns = started
             try:
                 result = handler(payload, address, seq)
             except CudaError as exc:
@@ -209,6 +218,9 @@ class Worker(Handlers):
                 else:
                     self._reply(seq, UNKNOWN, b"", message)
                 continue
+            finally:
+                if stats is not None:
+                    stats.account(started, memory.high_water if memory is not None else 0)
             if is_async:
                 if result is not None and result[0] != SUCCESS:
                     self._defer(result[0], "")
