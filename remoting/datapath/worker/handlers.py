@@ -19,6 +19,15 @@ from rgpu.remoting.datapath.worker.native_loop import NativeLaunches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 
 
+def _on_worker_device(data: bytes, at: int) -> bytes:
+    """A CUmemLocation at `at` naming a device names the application's device ordinal; the
+    worker's GPU is its device 0."""
+    kind, _ = struct.unpack_from("<ii", data, at)
+    if kind != 1:   # CU_MEM_LOCATION_TYPE_DEVICE
+        return data
+    return data[:at] + struct.pack("<ii", kind, 0) + data[at + 8:]
+
+
 class Handlers:
     """Mixed into the Worker, which owns these attributes."""
 
@@ -237,7 +246,7 @@ class Handlers:
 
     def h_mem_create(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         size, flags = struct.unpack_from("<QQ", p, 0)
-        prop = bytes(p[16:48])
+        prop = _on_worker_device(bytes(p[16:48]), 8)
         assert self.memory is not None
         self.memory.check(size)
         handle = self.backend.vmm_create(size, flags, prop)
@@ -269,6 +278,7 @@ class Handlers:
         descs = bytes(p[24:24 + 12 * count])
         if len(descs) != 12 * count:
             raise CudaError(INVALID_VALUE, "rgpu: worker: truncated cuMemSetAccess")
+        descs = b"".join(_on_worker_device(descs[i:i + 12], 0) for i in range(0, len(descs), 12))
         self.backend.vmm_set_access(ptr, size, descs, count)
         return SUCCESS, b""
 
