@@ -4,11 +4,21 @@ from __future__ import annotations
 
 import io
 import os
+import select
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
 from rgpu.remoting.admin.deep_health import HostOutcome, run_checks
 from rgpu.remoting.admin.deepcheck import Finding, HostPlan
 from rgpu.remoting.admin.progress import progress, shown
+
+
+def _drawn(master: int, until: str) -> str:
+    """What reached the terminal. The pty hands the slave's writes to the master asynchronously,
+    so read until `until` arrived or nothing more comes for a while."""
+    drawn = ""
+    while until not in drawn and select.select([master], [], [], 5.0)[0]:
+        drawn += os.read(master, 65536).decode(errors="replace")
+    return drawn
 
 
 def test_no_bar_when_stderr_is_not_a_terminal() -> None:
@@ -25,7 +35,7 @@ def test_a_bar_on_a_terminal() -> None:
             assert shown(tty)
             assert list(progress(["gpu1", "gpu2"], "health", stream=tty, describe=str)) == ["gpu1", "gpu2"]
             tty.flush()
-        drawn = os.read(master, 65536).decode(errors="replace")
+        drawn = _drawn(master, "2/2")
     finally:
         os.close(master)
         os.close(slave)
@@ -39,7 +49,7 @@ def test_results_as_they_complete_with_a_known_length() -> None:
             futures = [pool.submit(lambda n=n: n * n) for n in range(4)]
             done = list(progress(as_completed(futures), "net-perf", length=len(futures), stream=tty))
             tty.flush()
-        drawn = os.read(master, 65536).decode(errors="replace")
+        drawn = _drawn(master, "4/4")
     finally:
         os.close(master)
         os.close(slave)
