@@ -9,7 +9,7 @@ from rgpu.remoting.native import build
 
 import pytest
 
-from tests.remoting.conftest import Server
+from tests.remoting.conftest import EXAMPLES, Server
 from tests.remoting.test_client_emulated import py_client
 from tests.remoting.test_cuda_backend_chained import chained  # noqa: F401 - a fixture, used by name
 
@@ -136,3 +136,78 @@ def test_virtual_memory_is_counted_against_the_slice(native_libs: build.Librarie
     assert "STILL 6" in out         # a retained handle keeps the allocation counted
     assert "AFTER 16" in out
     assert "DONE" in out
+
+
+def test_graph_built_node_by_node(native_libs: build.Libraries, worker: Server) -> None:
+    mib = 1 << 20
+    done = py_client(native_libs, worker.slices(worker.token(memory_limit=64 * mib)), f"""
+        setup()
+        r, b = alloc(4096)
+        graph = ctypes.c_void_p()
+        check("cuGraphCreate", ctypes.byref(graph), 0)
+        class AllocParams(ctypes.Structure):
+            _fields_ = [("pool", ctypes.c_char * 88), ("descs", ctypes.c_void_p), ("ndescs", ctypes.c_size_t),
+                        ("bytesize", ctypes.c_size_t), ("dptr", ctypes.c_uint64)]
+        pool = bytearray(88); pool[0] = 1; pool[8] = 1   # pinned, on a device (0)
+        ap = AllocParams(bytes(pool), None, 0, 8 * (1 << 20), 0)
+        node_alloc, node_set, node_copy, node_free, node_host = (ctypes.c_void_p() for _ in range(5))
+        check("cuGraphAddMemAllocNode", ctypes.byref(node_alloc), graph, None, 0, ctypes.byref(ap))
+        free, total = ctypes.c_size_t(), ctypes.c_size_t()
+        check("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
+        print("GRAPHMEM", ap.dptr != 0, (total.value - free.value) // (1 << 20))
+        class Memset(ctypes.Structure):
+            _fields_ = [("dst", ctypes.c_uint64), ("pitch", ctypes.c_size_t), ("value", ctypes.c_uint),
+                        ("elem", ctypes.c_uint), ("width", ctypes.c_size_t), ("height", ctypes.c_size_t)]
+        ms = Memset(ap.dptr, 0, 0x5A5A5A5A, 4, 1024, 1)
+        deps = (ctypes.c_void_p * 1)(node_alloc)
+        check("cuGraphAddMemsetNode", ctypes.byref(node_set), graph, deps, 1, ctypes.byref(ms), None)
+        copy = (ctypes.c_uint64 * 25)()   # CUDA_MEMCPY3D as 25 words
+        copy[4] = 2; copy[6] = ap.dptr            # src: device
+        copy[15] = 2; copy[17] = b               # dst: device
+        copy[22] = 4096; copy[23] = 1; copy[24] = 1
+        deps[0] = node_set
+        check("cuGraphAddMemcpyNode", ctypes.byref(node_copy), graph, deps, 1, copy, None)
+        host = (ctypes.c_char * 4096)()
+        copy[15] = 1; copy[16] = ctypes.addressof(host)
+        print("HOSTNODE", lib.cuGraphAddMemcpyNode(ctypes.byref(node_host), graph, deps, 1, copy, None))
+        deps[0] = node_copy
+        check("cuGraphAddMemFreeNode", ctypes.byref(node_free), graph, deps, 1, ctypes.c_uint64(ap.dptr))
+        check("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
+        print("FREED", (total.value - free.value) // (1 << 20))
+        n = ctypes.c_size_t(0)
+        check("cuGraphGetNodes", graph, None, ctypes.byref(n))
+        exe = ctypes.c_void_p()
+        check("cuGraphInstantiateWithFlags", ctypes.byref(exe), graph, ctypes.c_ulonglong(0))
+        check("cuGraphLaunch", exe, None)
+        check("cuCtxSynchronize")
+        out = (ctypes.c_uint32 * 1024)()
+        check("cuMemcpyDtoH_v2", out, ctypes.c_uint64(b), 4096)
+        print("COPIED", hex(out[0]), hex(out[1023]))
+        # A kernel node: its arguments are packed as a launch packs them; the emulated device
+        # refuses to run it when the graph is launched.
+        ptx = open({str(EXAMPLES / "vecadd.ptx")!r}, "rb").read() + b"\\0"
+        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        check("cuModuleLoadData", ctypes.byref(mod), ptx)
+        check("cuModuleGetFunction", ctypes.byref(fn), mod, b"vecadd")
+        g2, kn, exe2 = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        check("cuGraphCreate", ctypes.byref(g2), 0)
+        a_, b_, c_, n_ = ctypes.c_uint64(b), ctypes.c_uint64(b), ctypes.c_uint64(b), ctypes.c_int(16)
+        args = (ctypes.c_void_p * 4)(*(ctypes.addressof(x) for x in (a_, b_, c_, n_)))
+        class KP(ctypes.Structure):
+            _fields_ = [("func", ctypes.c_void_p)] + [(f, ctypes.c_uint) for f in ("gx", "gy", "gz", "bx", "by", "bz", "shmem")] + [
+                ("params", ctypes.c_void_p), ("extra", ctypes.c_void_p), ("kern", ctypes.c_void_p), ("ctx", ctypes.c_void_p)]
+        kp = KP(fn, 1, 1, 1, 32, 1, 1, 0, ctypes.addressof(args), None, None, None)
+        check("cuGraphAddKernelNode_v2", ctypes.byref(kn), g2, None, 0, ctypes.byref(kp))
+        check("cuGraphInstantiateWithFlags", ctypes.byref(exe2), g2, ctypes.c_ulonglong(0))
+        check("cuGraphExecKernelNodeSetParams_v2", exe2, kn, ctypes.byref(kp))
+        print("KERNEL", lib.cuGraphLaunch(exe2, None), lib.cuCtxSynchronize())
+        print("NODES", n.value, "DONE")
+        """)
+    out = done.stdout
+    assert "GRAPHMEM True 8" in out, out + done.stderr
+    assert "HOSTNODE 801" in out
+    assert "cuGraphAddMemcpyNode: copy nodes from or to host memory" in done.stderr
+    assert "FREED 0" in out
+    assert "COPIED 0x5a5a5a5a 0x5a5a5a5a" in out
+    assert "KERNEL 0 801" in out
+    assert " DONE" in out

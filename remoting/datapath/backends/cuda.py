@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -132,6 +133,22 @@ _MANUAL = {
     "cuMemRetainAllocationHandle": [P(c_uint64), c_void_p],
     "cuMemSetAccess": [c_uint64, c_size_t, c_void_p, c_size_t],
 }
+
+for _name in ("cuGraphAddEmptyNode", "cuGraphAddKernelNode_v2", "cuGraphAddMemsetNode", "cuGraphAddMemcpyNode",
+              "cuGraphAddMemAllocNode", "cuGraphAddMemFreeNode"):
+    _MANUAL[_name] = [P(c_void_p), c_void_p, c_void_p, c_size_t] + {
+        "cuGraphAddEmptyNode": [], "cuGraphAddKernelNode_v2": [c_void_p], "cuGraphAddMemsetNode": [c_void_p, c_void_p],
+        "cuGraphAddMemcpyNode": [c_void_p, c_void_p], "cuGraphAddMemAllocNode": [c_void_p],
+        "cuGraphAddMemFreeNode": [c_uint64]}[_name]
+_MANUAL["cuGraphExecKernelNodeSetParams_v2"] = [c_void_p, c_void_p, c_void_p]
+_MANUAL["cuGraphKernelNodeSetParams_v2"] = [c_void_p, c_void_p]
+
+
+class CUDA_KERNEL_NODE_PARAMS_v2(ctypes.Structure):
+    _fields_ = [("func", c_void_p), ("gridDimX", c_uint), ("gridDimY", c_uint), ("gridDimZ", c_uint),
+                ("blockDimX", c_uint), ("blockDimY", c_uint), ("blockDimZ", c_uint), ("sharedMemBytes", c_uint),
+                ("kernelParams", c_void_p), ("extra", c_void_p), ("kern", c_void_p), ("ctx", c_void_p)]
+
 
 STREAM_CAPTURE_UNSUPPORTED = 900
 STREAM_CAPTURE_INVALIDATED = 901
@@ -418,6 +435,61 @@ class CudaBackend(CudaDriverCalls):
         if r != SUCCESS:
             raise CudaError(r)
         return n.value, [v or 0 for v in arr[:min(cap, n.value)]]
+
+    def _kernel_params(self, payload: bytes) -> tuple[CUDA_KERNEL_NODE_PARAMS_v2, list[Any]]:
+        """The packed node parameters as the driver's struct; the arguments go as one buffer."""
+        (f,) = struct.unpack_from("<Q", payload, 0)
+        is_kernel, gx, gy, gz, bx, by, bz, shmem, argsize, _ = struct.unpack_from("<10I", payload, 8)
+        args = ctypes.create_string_buffer(payload[48:48 + argsize], max(argsize, 1))
+        size = c_size_t(argsize)
+        extra = (c_void_p * 5)(1, ctypes.addressof(args), 2, ctypes.addressof(size), 0)
+        k = CUDA_KERNEL_NODE_PARAMS_v2(func=None if is_kernel else f, gridDimX=gx, gridDimY=gy, gridDimZ=gz,
+                                       blockDimX=bx, blockDimY=by, blockDimZ=bz, sharedMemBytes=shmem,
+                                       kernelParams=None, extra=ctypes.addressof(extra),
+                                       kern=f if is_kernel else None, ctx=None)
+        return k, [args, size, extra]   # alive until the driver has copied them
+
+    def graph_add_node(self, kind: int, graph: int, deps: list[int], payload: bytes) -> tuple[int, int]:
+        node = c_void_p()
+        d = (c_void_p * max(len(deps), 1))(*deps)
+        head = (byref(node), graph, d if deps else None, len(deps))
+        aux = 0
+        if kind == 0:
+            self._check("cuGraphAddEmptyNode", *head)
+        elif kind == 1:
+            k, _keep = self._kernel_params(payload)
+            self._check("cuGraphAddKernelNode_v2", *head, byref(k))
+        elif kind in (2, 3):
+            size = 40 if kind == 2 else 200
+            params = ctypes.create_string_buffer(payload[:size], size)
+            (ctx,) = struct.unpack_from("<Q", payload, size)
+            self._check("cuGraphAddMemsetNode" if kind == 2 else "cuGraphAddMemcpyNode", *head, params, ctx or None)
+        elif kind == 4:
+            bytesize, n = struct.unpack_from("<QQ", payload, 88)
+            descs = ctypes.create_string_buffer(payload[104:104 + 12 * n], max(12 * n, 1))
+            pool = bytearray(payload[:88])
+            if struct.unpack_from("<i", pool, 8)[0] == 1:   # the pool's location: the worker's device 0
+                struct.pack_into("<i", pool, 12, 0)
+            for i in range(n):
+                if struct.unpack_from("<i", descs, 12 * i)[0] == 1:
+                    struct.pack_into("<i", descs, 12 * i + 4, 0)
+            params = ctypes.create_string_buffer(bytes(pool) + struct.pack("<QQQQ", ctypes.addressof(descs) if n else 0,
+                                                                            n, bytesize, 0), 120)
+            self._check("cuGraphAddMemAllocNode", *head, params)
+            (aux,) = struct.unpack_from("<Q", params.raw, 112)
+        elif kind == 5:
+            (dptr,) = struct.unpack_from("<Q", payload, 0)
+            self._check("cuGraphAddMemFreeNode", *head, dptr)
+        else:
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: unknown graph node kind {kind}")
+        return node.value or 0, aux
+
+    def kernel_node_set(self, exe: int, node: int, payload: bytes) -> None:
+        k, _keep = self._kernel_params(payload)
+        if exe:
+            self._check("cuGraphExecKernelNodeSetParams_v2", exe, node, byref(k))
+        else:
+            self._check("cuGraphKernelNodeSetParams_v2", node, byref(k))
 
     # ------------------------------------------------------------------ virtual memory management
 

@@ -707,6 +707,41 @@ class EmulatedBackend:
         n = len(self.graphs[graph])
         return n, [graph + 1 + i for i in range(min(cap, n))] if want else []
 
+    def graph_add_node(self, kind: int, graph: int, deps: list[int], payload: bytes) -> tuple[int, int]:
+        """Nodes built by hand run in the order they were added (a valid order of a chain)."""
+        if graph not in self.graphs:
+            raise CudaError(INVALID_VALUE)
+        ops = self.graphs[graph]
+        aux = 0
+        if kind == 1:
+            name = self.functions.get(struct.unpack_from("<Q", payload, 0)[0], (0, None))[1]
+            if name is None:
+                raise CudaError(INVALID_HANDLE)
+
+            def refuse() -> tuple[int]:
+                raise CudaError(NOT_SUPPORTED, _LAUNCH_REFUSED)
+            ops.append(refuse)
+        elif kind == 2:
+            dst, pitch, value, elem, width, height = struct.unpack_from("<QQIIQQ", payload, 0)
+            pattern = struct.pack({1: "<B", 2: "<H", 4: "<I"}[elem], value & ((1 << (8 * elem)) - 1))
+            ops.append(lambda: self._memset2d(dst, pitch, pattern, width, height))
+        elif kind == 3:
+            src_x, dst_x, width = (struct.unpack_from("<Q", payload, o)[0] for o in (0, 88, 176))
+            src, dst = struct.unpack_from("<Q", payload, 48)[0], struct.unpack_from("<Q", payload, 136)[0]
+            ops.append(lambda: self.cuMemcpyDtoD_v2(dst + dst_x, src + src_x, width))
+        elif kind == 4:
+            (size,) = struct.unpack_from("<Q", payload, 88)
+            aux, _ = self.mem_alloc("plain", size, 0, 0, 0, 0)
+        elif kind == 5:
+            ptr = struct.unpack_from("<Q", payload, 0)[0]
+            ops.append(lambda: (self.mem_free(ptr, 0, True), (SUCCESS,))[1])
+        node = self.handles.new()
+        return node, aux
+
+    def kernel_node_set(self, exe: int, node: int, payload: bytes) -> None:
+        if exe and exe not in self.execs:
+            raise CudaError(INVALID_VALUE)
+
     def cuGraphInstantiateWithFlags(self, graph: int, flags: int) -> tuple[int, int]:
         if graph not in self.graphs:
             return (INVALID_VALUE, 0)

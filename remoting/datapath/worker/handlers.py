@@ -37,6 +37,7 @@ class Handlers:
     memory: SliceMemory | None
     current_ctx: int | None
     vmm_refs: dict[int, int]
+    graph_allocs: dict[int, int]
     native_launches: NativeLaunches | None
 
     # ------------------------------------------------------------------ contexts
@@ -238,6 +239,33 @@ class Handlers:
         graph, cap, want = struct.unpack_from("<QQI", p, 0)
         total, nodes = self.backend.graph_nodes(graph, cap, bool(want))
         return SUCCESS, struct.pack("<QQ", total, len(nodes)) + b"".join(U64.pack(n) for n in nodes)
+
+    def h_graph_add_node(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        graph, kind, _, ndeps = struct.unpack_from("<QIIQ", p, 0)
+        off = 24
+        deps = list(struct.unpack_from(f"<{ndeps}Q", p, off))
+        off += 8 * ndeps
+        (plen,) = U64.unpack_from(p, off)
+        payload = bytes(p[off + 8:off + 8 + plen])
+        size = 0
+        if kind == 4:   # a graph memory allocation: counted against the slice while its node exists
+            (size,) = U64.unpack_from(payload, 88)
+            assert self.memory is not None
+            self.memory.check(size)
+        node, aux = self.backend.graph_add_node(kind, graph, deps, payload)
+        if kind == 4 and self.memory is not None:
+            self.memory.add(-(node + (1 << 62)), size)
+            self.graph_allocs[aux] = -(node + (1 << 62))
+        elif kind == 5 and self.memory is not None:
+            key = self.graph_allocs.pop(struct.unpack_from("<Q", payload, 0)[0], None)
+            if key is not None:
+                self.memory.remove(key)
+        return SUCCESS, struct.pack("<QQ", node, aux)
+
+    def h_kernel_node_set(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        exe, node, plen = struct.unpack_from("<QQQ", p, 0)
+        self.backend.kernel_node_set(exe, node, bytes(p[24:24 + plen]))
+        return SUCCESS, b""
 
     # ------------------------------------------------------------------ virtual memory management
     # A physical allocation counts against the slice from cuMemCreate until its last handle

@@ -35,6 +35,7 @@ class Worker(Handlers):
         self.reader = FrameReader(sock)
         self.current_ctx: int | None = None
         self.vmm_refs: dict[int, int] = {}
+        self.graph_allocs: dict[int, int] = {}   # graph memory address -> its accounting key
         self.deferred: tuple[int, str] | None = None
         self.handlers: dict[int, tuple[Callable[[memoryview, int, int], tuple[int, bytes] | None], bool]] = {}
         self.messages = 0
@@ -91,6 +92,8 @@ class Worker(Handlers):
             "rgpuSessionInfo": (self.h_session_info, False),
             "rgpuStreamCaptureInfo": (self.h_capture_info, False),
             "cuGraphGetNodes": (self.h_graph_nodes, False),
+            "rgpuGraphAddNode": (self.h_graph_add_node, False),
+            "rgpuGraphKernelNodeSetParams": (self.h_kernel_node_set, False),
             "cuMemCreate": (self.h_mem_create, False),
             "cuMemRelease": (self.h_mem_release, False),
             "cuMemRetainAllocationHandle": (self.h_mem_retain, False),

@@ -224,3 +224,217 @@ RGPU_EXPORT CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const 
     rgpu_end(&c);
     return r;
 }
+
+/* ------------------------------------------------------------------ graph nodes built by hand
+ * One operation adds every kind of node: the graph, the dependencies and the node's parameters
+ * packed (kernel arguments as a launch packs them). Copy nodes that touch this process's memory
+ * would read or write it when the graph runs on the server: refused, naming the call. */
+
+enum { NODE_EMPTY = 0, NODE_KERNEL = 1, NODE_MEMSET = 2, NODE_MEMCPY = 3, NODE_MEM_ALLOC = 4, NODE_MEM_FREE = 5 };
+
+static CUresult add_node(uint32_t kind, CUgraphNode *phNode, CUgraph hGraph, const CUgraphNode *deps, size_t ndeps,
+                         const void *payload, size_t plen, uint64_t *aux) {
+    if (!phNode || (ndeps && !deps)) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_rgpuGraphAddNode);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hGraph);
+    rgpu_put_u32(&c, kind);
+    rgpu_put_u32(&c, 0);
+    rgpu_put_u64(&c, ndeps);
+    for (size_t i = 0; i < ndeps; i++) rgpu_put_u64(&c, (uint64_t)(uintptr_t)deps[i]);
+    rgpu_put_u64(&c, plen);
+    if (plen) rgpu_put(&c, payload, plen);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        *phNode = (CUgraphNode)(uintptr_t)rgpu_get_u64(&c);
+        uint64_t a = rgpu_get_u64(&c);
+        if (aux) *aux = a;
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+/* {u64 function, u32 is_kernel, grid[3], block[3], shmem, u32 argsize, u32 0} + arguments */
+static CUresult kernel_payload(CUfunction func, CUkernel kern, const unsigned int dims[7], void **params,
+                               void **extra, uint8_t **out, size_t *len) {
+    CUfunction f = func ? func : (CUfunction)kern;
+    uint8_t *args = NULL;
+    size_t argsize = 0;
+    CUresult r = rgpu_kernel_args(f, params, extra, &args, &argsize);
+    if (r != CUDA_SUCCESS) return r;
+    size_t head = 8 + 4 * 10;
+    uint8_t *p = malloc(head + argsize);
+    if (!p) {
+        free(args);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    uint64_t h = (uint64_t)(uintptr_t)f;
+    uint32_t w[10] = {func ? 0u : 1u, dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], (uint32_t)argsize, 0};
+    memcpy(p, &h, 8);
+    memcpy(p + 8, w, sizeof w);
+    memcpy(p + head, args, argsize);
+    free(args);
+    *out = p;
+    *len = head + argsize;
+    return CUDA_SUCCESS;
+}
+
+static CUresult add_kernel(CUgraphNode *phNode, CUgraph hGraph, const CUgraphNode *deps, size_t ndeps,
+                           CUfunction func, CUkernel kern, const unsigned int dims[7], void **params, void **extra) {
+    uint8_t *p = NULL;
+    size_t len = 0;
+    CUresult r = kernel_payload(func, kern, dims, params, extra, &p, &len);
+    if (r != CUDA_SUCCESS) return r;
+    r = add_node(NODE_KERNEL, phNode, hGraph, deps, ndeps, p, len, NULL);
+    free(p);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphAddKernelNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                                  const CUgraphNode *dependencies, size_t numDependencies,
+                                                  const CUDA_KERNEL_NODE_PARAMS *nodeParams) {
+    if (!nodeParams) return CUDA_ERROR_INVALID_VALUE;
+    const CUDA_KERNEL_NODE_PARAMS *k = nodeParams;
+    unsigned int dims[7] = {k->gridDimX, k->gridDimY, k->gridDimZ, k->blockDimX, k->blockDimY, k->blockDimZ,
+                            k->sharedMemBytes};
+    return add_kernel(phGraphNode, hGraph, dependencies, numDependencies, k->func, NULL, dims, k->kernelParams,
+                      k->extra);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphAddKernelNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                                     const CUgraphNode *dependencies, size_t numDependencies,
+                                                     const CUDA_KERNEL_NODE_PARAMS_v2 *nodeParams) {
+    if (!nodeParams) return CUDA_ERROR_INVALID_VALUE;
+    const CUDA_KERNEL_NODE_PARAMS_v2 *k = nodeParams;
+    unsigned int dims[7] = {k->gridDimX, k->gridDimY, k->gridDimZ, k->blockDimX, k->blockDimY, k->blockDimZ,
+                            k->sharedMemBytes};
+    return add_kernel(phGraphNode, hGraph, dependencies, numDependencies, k->func, k->kern, dims, k->kernelParams,
+                      k->extra);
+}
+
+static CUresult kernel_set(CUgraphExec exec, CUgraphNode node, CUfunction func, CUkernel kern,
+                           const unsigned int dims[7], void **params, void **extra) {
+    uint8_t *p = NULL;
+    size_t len = 0;
+    CUresult r = kernel_payload(func, kern, dims, params, extra, &p, &len);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_call c;
+    r = rgpu_begin(&c, RGPU_OP_rgpuGraphKernelNodeSetParams);
+    if (r == CUDA_SUCCESS) {
+        rgpu_put_u64(&c, (uint64_t)(uintptr_t)exec);
+        rgpu_put_u64(&c, (uint64_t)(uintptr_t)node);
+        rgpu_put_u64(&c, len);
+        rgpu_put(&c, p, len);
+        r = rgpu_sync(&c);
+        rgpu_end(&c);
+    }
+    free(p);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphExecKernelNodeSetParams_v2(CUgraphExec hGraphExec, CUgraphNode hNode,
+                                                               const CUDA_KERNEL_NODE_PARAMS_v2 *nodeParams) {
+    if (!nodeParams || !hGraphExec) return CUDA_ERROR_INVALID_VALUE;
+    const CUDA_KERNEL_NODE_PARAMS_v2 *k = nodeParams;
+    unsigned int dims[7] = {k->gridDimX, k->gridDimY, k->gridDimZ, k->blockDimX, k->blockDimY, k->blockDimZ,
+                            k->sharedMemBytes};
+    return kernel_set(hGraphExec, hNode, k->func, k->kern, dims, k->kernelParams, k->extra);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphKernelNodeSetParams_v2(CUgraphNode hNode, const CUDA_KERNEL_NODE_PARAMS_v2 *nodeParams) {
+    if (!nodeParams) return CUDA_ERROR_INVALID_VALUE;
+    const CUDA_KERNEL_NODE_PARAMS_v2 *k = nodeParams;
+    unsigned int dims[7] = {k->gridDimX, k->gridDimY, k->gridDimZ, k->blockDimX, k->blockDimY, k->blockDimZ,
+                            k->sharedMemBytes};
+    return kernel_set(NULL, hNode, k->func, k->kern, dims, k->kernelParams, k->extra);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphAddEmptyNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                                 const CUgraphNode *dependencies, size_t numDependencies) {
+    return add_node(NODE_EMPTY, phGraphNode, hGraph, dependencies, numDependencies, NULL, 0, NULL);
+}
+
+static uint64_t remote_ctx(CUcontext ctx) {
+    rgpu_ctx *x = ctx ? rgpu_ctx_lookup(ctx) : rgpu_ctx_current();
+    return x ? x->remote : 0;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphAddMemsetNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                                  const CUgraphNode *dependencies, size_t numDependencies,
+                                                  const CUDA_MEMSET_NODE_PARAMS *memsetParams, CUcontext ctx) {
+    if (!memsetParams) return CUDA_ERROR_INVALID_VALUE;
+    uint8_t p[sizeof(CUDA_MEMSET_NODE_PARAMS) + 8];
+    memcpy(p, memsetParams, sizeof *memsetParams);
+    uint64_t rc = remote_ctx(ctx);
+    memcpy(p + sizeof *memsetParams, &rc, 8);
+    return add_node(NODE_MEMSET, phGraphNode, hGraph, dependencies, numDependencies, p, sizeof p, NULL);
+}
+
+/* Where one side of a copy node lies: 1 device, 0 this process's memory, -1 not expressible. */
+static int device_side(CUmemorytype type, CUdeviceptr dev, const void *host) {
+    if (type == CU_MEMORYTYPE_DEVICE) return 1;
+    if (type == CU_MEMORYTYPE_UNIFIED) return rgpu_dev_range_find(dev, NULL, NULL, NULL) ? 1 : 0;
+    if (type == CU_MEMORYTYPE_HOST) return rgpu_dev_range_find((uint64_t)(uintptr_t)host, NULL, NULL, NULL) ? 1 : 0;
+    return -1;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphAddMemcpyNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                                  const CUgraphNode *dependencies, size_t numDependencies,
+                                                  const CUDA_MEMCPY3D *copyParams, CUcontext ctx) {
+    if (!copyParams) return CUDA_ERROR_INVALID_VALUE;
+    CUDA_MEMCPY3D m = *copyParams;
+    int src = device_side(m.srcMemoryType, m.srcDevice, m.srcHost);
+    int dst = device_side(m.dstMemoryType, m.dstDevice, m.dstHost);
+    if (src != 1 || dst != 1) {
+        rgpu_log(1, "rgpu: cuGraphAddMemcpyNode: copy nodes from or to host memory or arrays (the graph runs on the "
+                 "server) are not remoted yet; device-to-device copy nodes are");
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    if (m.srcMemoryType == CU_MEMORYTYPE_HOST) m.srcDevice = (CUdeviceptr)(uintptr_t)m.srcHost;
+    if (m.dstMemoryType == CU_MEMORYTYPE_HOST) m.dstDevice = (CUdeviceptr)(uintptr_t)m.dstHost;
+    m.srcMemoryType = m.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+    m.srcHost = NULL;
+    m.dstHost = NULL;
+    uint8_t p[sizeof(CUDA_MEMCPY3D) + 8];
+    memcpy(p, &m, sizeof m);
+    uint64_t rc = remote_ctx(ctx);
+    memcpy(p + sizeof m, &rc, 8);
+    return add_node(NODE_MEMCPY, phGraphNode, hGraph, dependencies, numDependencies, p, sizeof p, NULL);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                                    const CUgraphNode *dependencies, size_t numDependencies,
+                                                    CUDA_MEM_ALLOC_NODE_PARAMS *nodeParams) {
+    if (!nodeParams || (nodeParams->accessDescCount && !nodeParams->accessDescs) || nodeParams->accessDescCount > 64)
+        return CUDA_ERROR_INVALID_VALUE;
+    size_t n = nodeParams->accessDescCount, len = sizeof(CUmemPoolProps) + 16 + n * sizeof(CUmemAccessDesc);
+    uint8_t *p = malloc(len);
+    if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
+    uint64_t head[2] = {nodeParams->bytesize, n};
+    memcpy(p, &nodeParams->poolProps, sizeof(CUmemPoolProps));
+    memcpy(p + sizeof(CUmemPoolProps), head, 16);
+    if (n) memcpy(p + sizeof(CUmemPoolProps) + 16, nodeParams->accessDescs, n * sizeof(CUmemAccessDesc));
+    uint64_t dptr = 0;
+    CUresult r = add_node(NODE_MEM_ALLOC, phGraphNode, hGraph, dependencies, numDependencies, p, len, &dptr);
+    free(p);
+    if (r == CUDA_SUCCESS) {
+        nodeParams->dptr = dptr;
+        rgpu_ctx *cur = rgpu_ctx_current();
+        rgpu_dev_range_add(cur ? cur->session : 0, dptr, nodeParams->bytesize);
+    }
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphAddMemFreeNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                                   const CUgraphNode *dependencies, size_t numDependencies,
+                                                   CUdeviceptr dptr) {
+    return add_node(NODE_MEM_FREE, phGraphNode, hGraph, dependencies, numDependencies, &dptr, 8, NULL);
+}
+
+_Static_assert(sizeof(CUDA_MEMCPY3D) == 200, "CUDA_MEMCPY3D layout");
+_Static_assert(sizeof(CUDA_MEMSET_NODE_PARAMS) == 40, "CUDA_MEMSET_NODE_PARAMS layout");
+_Static_assert(sizeof(CUDA_MEM_ALLOC_NODE_PARAMS) == 120, "CUDA_MEM_ALLOC_NODE_PARAMS layout");
+_Static_assert(sizeof(CUDA_KERNEL_NODE_PARAMS_v2) == 72, "CUDA_KERNEL_NODE_PARAMS_v2 layout");
+_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc layout");
+_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp layout");

@@ -645,6 +645,35 @@ static CUresult launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned 
     return rgpu_async(&c);
 }
 
+/* A kernel's arguments packed as a launch packs them (graph kernel nodes): a malloc'd buffer. */
+CUresult rgpu_kernel_args(CUfunction f, void **params, void **extra, uint8_t **out, size_t *size) {
+    if (!f) return CUDA_ERROR_INVALID_HANDLE;
+    if (params && extra) return CUDA_ERROR_INVALID_VALUE;
+    const void *buf = NULL;
+    size_t argsize = 0;
+    rgpu_fn *fn = NULL;
+    if (extra) {
+        for (size_t i = 0; extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
+            if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER) buf = extra[i + 1];
+            else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE) argsize = *(size_t *)extra[i + 1];
+            else return CUDA_ERROR_INVALID_VALUE;
+        }
+    } else {
+        CUresult r = function_info((uint64_t)(uintptr_t)f, &fn);
+        if (r != CUDA_SUCCESS) return r;
+        if (fn->nparams && !params) return CUDA_ERROR_INVALID_VALUE;
+        argsize = fn->argsize;
+    }
+    uint8_t *p = calloc(1, argsize ? argsize : 1);
+    if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (buf) memcpy(p, buf, argsize);
+    else
+        for (uint32_t i = 0; fn && i < fn->nparams; i++) memcpy(p + fn->offsets[i], params[i], fn->sizes[i]);
+    *out = p;
+    *size = argsize;
+    return CUDA_SUCCESS;
+}
+
 RGPU_EXPORT CUresult CUDAAPI cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
                                             unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
                                             unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,

@@ -140,6 +140,7 @@ void rgpu_before_primary_ctx_reset(CUdevice dev);
 void rgpu_capture_begun(CUresult r);
 void rgpu_capture_ended(CUresult r);
 int rgpu_capture_possible(void);
+CUresult rgpu_kernel_args(CUfunction f, void **params, void **extra, uint8_t **out, size_t *size);
 
 /* Allocation tables (tables.c): device ranges route unified copies and pointer queries;
  * host ranges hold the client's page-locked memory. */
