@@ -3,6 +3,8 @@ real dispatchers scraped over HTTP on loopback and parsed with prometheus-client
 
 from __future__ import annotations
 
+import json
+import re
 import struct
 import urllib.request
 from collections.abc import Iterator
@@ -14,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from rgpu.errors import CapacityError, InvalidRequest, PermissionDenied, QuotaExceeded
 from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, SliceRecord
 from rgpu.remoting.dispatcher.metrics import DispatcherSnapshot, dispatcher_families
-from rgpu.remoting.pool.metrics import pool_families, refusal_reason
+from rgpu.remoting.pool.metrics import PoolMetrics, pool_families, refusal_reason
 from rgpu.remoting.pool.views import GpuView, LeaseView, PoolView, ServerView
-from tests.daemons import EXAMPLES, RgpuCluster, wait_for, wait_for_port_file
+from tests.daemons import EXAMPLES, REPO, RgpuCluster, wait_for, wait_for_port_file
 
 GIB = 1 << 30
 GPU = GpuInfo("GPU-00000000-0000-0000-0000-000000000001", 0, "NVIDIA H100", 80 * GIB, 80 * GIB, "9.0")
@@ -50,10 +52,10 @@ def test_refusal_reasons() -> None:
     assert refusal_reason(RuntimeError()) == "error"
 
 
-def test_pool_families_from_a_view() -> None:
+def a_view() -> PoolView:
     lease = LeaseRecord("job-1", "alice", "physics", 100.0, 0.0,
                         (SliceRecord("h:1", GPU.uuid, 0, GPU.name, 20 * GIB, 25),))
-    view = PoolView(
+    return PoolView(
         now=160.0,
         servers=(ServerView("h:1", "h", "up", 1.5, "0.1.0", "580", "mps", "native", False, 1),
                  ServerView("h:2", "h2", "down", 99.0, "0.1.0", "580", "", "", True, 0)),
@@ -61,7 +63,10 @@ def test_pool_families_from_a_view() -> None:
         leases=(LeaseView(lease, "active"),),
         quotas=((QuotaRecord("user", "alice", 200), 25),),
         total_units=100, allocated_units=25)
-    found = samples(pool_families(view))
+
+
+def test_pool_families_from_a_view() -> None:
+    found = samples(pool_families(a_view()))
     assert value(found, "rgpu_pool_servers", state="up") == 1
     assert value(found, "rgpu_pool_servers", state="down") == 1
     assert value(found, "rgpu_pool_servers", state="drained") == 0
@@ -73,10 +78,10 @@ def test_pool_families_from_a_view() -> None:
     assert value(found, "rgpu_pool_server_info", server="h:1", compute_enforcement="mps") == 1
 
 
-def test_dispatcher_families_from_a_snapshot() -> None:
+def a_snapshot() -> DispatcherSnapshot:
     session = {"pid": 7, "job_key": "job-1", "slice_number": 0, "gpu_uuid": GPU.uuid, "mode": "cuda",
                "memory_limit_bytes": 20 * GIB, "memory_used_bytes": GIB}
-    snap = DispatcherSnapshot(
+    return DispatcherSnapshot(
         address="h:1", gpus=(GPU,), registered=True, heartbeats={"ok": 5, "unknown": 0, "failed": 1},
         registrations=2,
         sessions={"sessions": [session], "traffic": {GPU.uuid: {"received_bytes": 100, "sent_bytes": 50,
@@ -84,7 +89,10 @@ def test_dispatcher_families_from_a_snapshot() -> None:
                   "ended": {"ok": 1, "failed": 0, "revoked": 0}, "accepted": 2, "refused": 1,
                   "mps": {"running": False, "restarts": 0, "reason": "x"}, "compute_enforcement": "time-slicing",
                   "launch_path": "python (no compiler)", "backend": "emulated"})
-    found = samples(dispatcher_families(snap))
+
+
+def test_dispatcher_families_from_a_snapshot() -> None:
+    found = samples(dispatcher_families(a_snapshot()))
     assert value(found, "rgpu_dispatcher_sessions", gpu=GPU.uuid, mode="cuda") == 1
     assert value(found, "rgpu_datapath_received_bytes_total", gpu=GPU.uuid) == 100
     assert value(found, "rgpu_datapath_calls_total", gpu=GPU.uuid) == 3
@@ -92,6 +100,16 @@ def test_dispatcher_families_from_a_snapshot() -> None:
     assert value(found, "rgpu_dispatcher_heartbeats_total", result="failed") == 1
     assert value(found, "rgpu_dispatcher_mps_running") == 0
     assert value(found, "rgpu_dispatcher_info", compute_enforcement="time-slicing", launch_path="python") == 1
+
+
+def test_grafana_dashboard_uses_only_exported_metrics() -> None:
+    """Every rgpu_* series the shipped Grafana dashboard queries is one the daemons export."""
+    exported = {s.name for f in PoolMetrics(a_view).registry.collect() for s in f.samples}
+    exported |= {s.name for f in dispatcher_families(a_snapshot()) for s in f.samples}
+    dashboard = json.loads((REPO / "site" / "grafana" / "rgpu-pool.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel.get("targets", [])
+               for name in re.findall(r"\brgpu_[a-z_]+", target["expr"])}
+    assert queried and not queried - exported, f"the dashboard queries unknown series {sorted(queried - exported)}"
 
 
 # --- real daemons ----------------------------------------------------------------------------------
