@@ -96,7 +96,8 @@ def test_dispatcher_families_from_a_snapshot() -> None:
     assert value(found, "rgpu_dispatcher_sessions", gpu=GPU.uuid, mode="cuda") == 1
     assert value(found, "rgpu_datapath_received_bytes_total", gpu=GPU.uuid) == 100
     assert value(found, "rgpu_datapath_calls_total", gpu=GPU.uuid) == 3
-    assert value(found, "rgpu_dispatcher_session_memory_used_bytes", job_key="job-1") == GIB
+    assert value(found, "rgpu_dispatcher_slice_memory_used_bytes", job_key="job-1", slice="0") == GIB
+    assert value(found, "rgpu_dispatcher_gpu_memory_used_bytes", gpu=GPU.uuid) == GIB
     assert value(found, "rgpu_dispatcher_heartbeats_total", result="failed") == 1
     assert value(found, "rgpu_dispatcher_mps_running") == 0
     assert value(found, "rgpu_dispatcher_info", compute_enforcement="time-slicing", launch_path="python") == 1
@@ -164,13 +165,22 @@ def test_pool_and_dispatcher_metrics_over_http(cluster: RgpuCluster) -> None:
     # A session through the data path: its calls and bytes reach the dispatcher's counters.
     token = next(s.token for s in lease.slices if s.server == address)
     session, _ = protocol.handshake(address, token)
+
+    def call(name: str, payload: bytes, seq: int, ctx: int = 0) -> bytes:
+        session.sendall(protocol.pack_frame(api_gen.OPCODES[name], payload, seq=seq, ctx=ctx))
+        (_, op, _, _, _, _), reply = protocol.recv_frame(session)
+        assert op == protocol.OP_REPLY and struct.unpack_from("<i", reply)[0] == 0, (name, reply)
+        return reply[4:]
+
     try:
-        for seq in range(1, 4):
-            session.sendall(protocol.pack_frame(api_gen.OPCODES["cuInit"], struct.pack("<I", 0), seq=seq))
-            (_, op, _, _, _, _), _payload = protocol.recv_frame(session)
-            assert op == protocol.OP_REPLY
+        call("cuInit", struct.pack("<I", 0), 1)
+        (ctx,) = struct.unpack("<Q", call("cuDevicePrimaryCtxRetain", struct.pack("<i", 0), 2))
+        call("cuMemAlloc_v2", struct.pack("<QQQQI", 3 * GIB, 0, 0, 0, 0), 3, ctx)   # 3 GiB of the slice
         found = scrape(dispatcher_metrics)
         assert value(found, "rgpu_dispatcher_sessions", gpu=gpu, mode="cuda") == 1
+        assert value(found, "rgpu_dispatcher_slice_memory_used_bytes", gpu=gpu, job_key="job-m1") == 3 * GIB
+        assert value(found, "rgpu_dispatcher_slice_memory_limit_bytes", gpu=gpu, job_key="job-m1") == 40 * GIB
+        assert value(found, "rgpu_dispatcher_gpu_memory_used_bytes", gpu=gpu) == 3 * GIB
         wait_for(lambda: value(scrape(dispatcher_metrics), "rgpu_datapath_calls_total", gpu=gpu) == 3,
                  what="the worker to publish its counters")
     finally:
@@ -182,6 +192,7 @@ def test_pool_and_dispatcher_metrics_over_http(cluster: RgpuCluster) -> None:
     found = scrape(dispatcher_metrics)
     assert value(found, "rgpu_datapath_calls_total", gpu=gpu) == 3
     assert value(found, "rgpu_datapath_received_bytes_total", gpu=gpu) >= 3 * (protocol.HEADER_SIZE + 4)
+    assert value(found, "rgpu_dispatcher_gpu_memory_used_bytes", gpu=gpu) == 0
     assert value(found, "rgpu_datapath_sent_bytes_total", gpu=gpu) >= 3 * protocol.HEADER_SIZE
     assert value(found, "rgpu_dispatcher_sessions", gpu=gpu, mode="cuda") == 0
     assert value(found, "rgpu_dispatcher_sessions_accepted_total") == 1

@@ -54,17 +54,24 @@ def dispatcher_families(snap: DispatcherSnapshot) -> list[Metric]:
         for mode in ("cuda", "nvml"):
             sessions.add_metric([*gpu_key(g.uuid), mode],
                                 sum(s["gpu_uuid"] == g.uuid and s["mode"] == mode for s in obs["sessions"]))
-    session_labels = ["gpu", "job_key", "slice", "pid"]
-    used = GaugeMetricFamily("rgpu_dispatcher_session_memory_used_bytes",
-                             "GPU memory the slice's sessions hold (exact: the worker sees every allocation)",
-                             labels=session_labels)
-    limit = GaugeMetricFamily("rgpu_dispatcher_session_memory_limit_bytes", "The session's slice memory limit",
-                              labels=session_labels)
+    # Per slice, not per session: a slice's sessions (CUDA and NVML, several processes) share its limit.
+    slice_labels = ["gpu", "job_key", "slice"]
+    used = GaugeMetricFamily("rgpu_dispatcher_slice_memory_used_bytes",
+                             "GPU memory a slice's sessions hold (exact: the worker sees every allocation)",
+                             labels=slice_labels)
+    limit = GaugeMetricFamily("rgpu_dispatcher_slice_memory_limit_bytes", "A slice's memory limit",
+                              labels=slice_labels)
+    gpu_used = GaugeMetricFamily("rgpu_dispatcher_gpu_memory_used_bytes", "GPU memory held by the slices' sessions",
+                                 labels=gpu_labels)
+    slices: dict[tuple[str, str, int], dict[str, Any]] = {}
     for s in obs["sessions"]:
-        key = [s["gpu_uuid"], s["job_key"], str(s["slice_number"]), str(s["pid"])]
-        used.add_metric(key, s["memory_used_bytes"])
-        limit.add_metric(key, s["memory_limit_bytes"])
-    families: list[Metric] = [memory, sessions, used, limit]
+        slices.setdefault((s["gpu_uuid"], s["job_key"], s["slice_number"]), s)
+    for (uuid, job_key, number), s in sorted(slices.items()):
+        used.add_metric([uuid, job_key, str(number)], s["memory_used_bytes"])
+        limit.add_metric([uuid, job_key, str(number)], s["memory_limit_bytes"])
+    for g in snap.gpus:
+        gpu_used.add_metric(gpu_key(g.uuid), sum(s["memory_used_bytes"] for key, s in slices.items() if key[0] == g.uuid))
+    families: list[Metric] = [memory, gpu_used, sessions, used, limit]
     for field, (name, documentation) in TRAFFIC.items():
         family = CounterMetricFamily(name, documentation, labels=gpu_labels)
         for g in snap.gpus:
