@@ -115,6 +115,7 @@ def test_no_anonymous_access_and_links_work_once(cluster: RgpuCluster) -> None:
     link = admin(cluster, port, "dashboard-url")
     assert link.startswith(f"http://127.0.0.1:{port}/login?t=link1.")
     path = link.removeprefix(f"http://127.0.0.1:{port}")
+    assert get(port, path, method="HEAD").status == 200         # a link checker does not spend it
     reply = get(port, path)
     assert reply.status == 303 and reply.getheader("Location") == "/"
     cookie = reply.getheader("Set-Cookie")
@@ -127,6 +128,15 @@ def test_no_anonymous_access_and_links_work_once(cluster: RgpuCluster) -> None:
     assert get(port, "/api/state", session, method="POST").status == 405   # read-only
     assert get(port, "/api/state", "rgpu_session=sess1.9999999999.00.forged").status == 401
     assert get(port, "/login?t=link1.9999999999.00.forged").status == 403
+
+
+@pytest.mark.integration
+def test_dashboard_url_needs_the_dashboards_address(cluster: RgpuCluster) -> None:
+    done = subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", "dashboard-url"], env=cluster.env(),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert done.stderr.startswith("rgpu: admin: the dashboard's address is unknown (neither dashboard_url nor "
+                                  "dashboard_listen is set"), done.stderr
 
 
 @pytest.mark.integration
@@ -183,6 +193,8 @@ def test_dashboard_in_chromium(cluster: RgpuCluster, tmp_path: Path) -> None:
             page = browser.new_page(viewport={"width": 1200, "height": 760})
             errors: list[str] = []
             page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(f"http://127.0.0.1:{port}/")                 # anonymous: told how to log in
+            assert "rgpu-admin dashboard-url" in page.locator("main").inner_text()
             page.goto(admin(cluster, port, "dashboard-url"))
             assert page.url == f"http://127.0.0.1:{port}/"       # the link left the address bar
 

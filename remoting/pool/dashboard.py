@@ -80,6 +80,25 @@ class LinkLedger:
             return True
 
 
+class RefusalLog:
+    """Refused logins, logged at most once a minute (anyone who can reach the port can try)."""
+
+    def __init__(self) -> None:
+        self._last = -1e9
+        self._since = 0
+        self._lock = threading.Lock()
+
+    def note(self, peer: str, reason: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last < 60:
+                self._since += 1
+                return
+            self._last, more, self._since = now, self._since, 0
+        tail = f" ({more} more refused in the last minute)" if more else ""
+        log.warning("rgpu-poold: dashboard login from %s refused: %s%s", peer, reason, tail)
+
+
 @dataclass
 class DashboardServer:
     port: int
@@ -101,6 +120,7 @@ class _Handler(BaseHTTPRequestHandler):
     files: dict[str, tuple[bytes, str]]
     read_state: Callable[[], dict[str, Any]]
     links: LinkLedger
+    refusals: "RefusalLog"
     clock: Callable[[], float] = time.time
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
@@ -142,6 +162,8 @@ class _Handler(BaseHTTPRequestHandler):
         return f"{COOKIE}={value}; Max-Age={max_age}; Path=/; HttpOnly; SameSite=Strict{secure}"
 
     def do_HEAD(self) -> None:
+        if urlsplit(self.path).path == "/login":   # a link checker's HEAD must not spend the one-time link
+            return self._send(HTTPStatus.OK, b"", STATIC_TYPES[".html"])
         self.do_GET()
 
     def do_GET(self) -> None:
@@ -172,11 +194,11 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             credential = weblogin.verify(self.secret, weblogin.LINK, token, now)
         except AuthError as exc:
-            log.warning("rgpu-poold: dashboard login from %s refused: %s", self.client_address[0], exc.what)
+            self.refusals.note(self.client_address[0], exc.what)
             return self._page(HTTPStatus.FORBIDDEN, "Login refused", f"{exc.what}: run "
                               "<code>rgpu-admin dashboard-url</code> for a new link.")
         if not self.links.spend(credential, now):
-            log.warning("rgpu-poold: dashboard login from %s refused: link used before", self.client_address[0])
+            self.refusals.note(self.client_address[0], "link used before")
             return self._page(HTTPStatus.FORBIDDEN, "Login refused", "This link was used already (each works once): "
                               "run <code>rgpu-admin dashboard-url</code> for a new link.")
         log.info("rgpu-poold: dashboard login from %s", self.client_address[0])
@@ -213,6 +235,7 @@ def serve_dashboard(settings: Settings, secret: bytes, read_view: Callable[[], P
                           "set dashboard_listen to e.g. 0.0.0.0:50080, or empty to turn the dashboard off") from None
     handler = type("DashboardHandler", (_Handler,), {
         "secret": secret, "tls": bool(settings.tls_cert_file), "files": _static_files(), "links": LinkLedger(),
+        "refusals": RefusalLog(),
         "read_state": staticmethod(lambda: dashboard_state(read_view(), events.recent())),
     })
     server_class = _Server6 if ":" in host else _Server
