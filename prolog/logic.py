@@ -17,22 +17,16 @@ from typing import Any, Protocol
 
 from rgpu.slurm_plugin.hostlist import expand_hostlist
 from rgpu.slurm_plugin.jobkey import job_key, job_prefix, parse_job_key
-from rgpu.slurm_plugin.request import RgpuRequest
+from rgpu.slurm_plugin.request import RECORD_SEPARATOR, RgpuRequest, is_record, parse_record, parse_tres_per_node
 from rgpu.slurm_plugin.scontrol import JobInfo
+from rgpu.slurm_plugin.waiting import waiting_comment
 
 from rgpu import validate
-from rgpu.adaptor import (
-    AdaptorConf,
-    AdaptorSlice,
-    expires_text,
-    write_adaptor_conf,
-    write_private_file,
-)
-from rgpu.errors import ConfigError, InvalidRequest, NotFound, RgpuError
-
-DEFAULT_RUN_DIR = "/run/rgpu"
-ADAPTOR_CONF_NAME = "adaptor.conf"
-ERROR_NAME = "error"
+from rgpu.adaptor import write_adaptor_conf, write_private_file
+from rgpu.errors import CapacityError, ConfigError, InvalidRequest, NotFound, RgpuError
+from rgpu.paths import ADAPTOR_CONF_NAME, ERROR_NAME
+from rgpu.paths import run_dir as run_dir_from_env
+from rgpu.remoting.pool.convert import lease_to_adaptor
 
 
 class Pool(Protocol):
@@ -90,10 +84,6 @@ class JobContext:
         return job_key(self.cluster, self.job_id, self.restart_count, node)
 
 
-def run_dir_from_env(env: Mapping[str, str]) -> Path:
-    return Path(env.get("RGPU_RUN_DIR") or DEFAULT_RUN_DIR)
-
-
 def job_dir(run_dir: Path, job_id: int) -> Path:
     return run_dir / str(int(job_id))
 
@@ -106,16 +96,45 @@ class AllocationPlan:
     request: RgpuRequest
 
 
-def plan_allocation(job: JobContext, info: JobInfo, request: RgpuRequest | None) -> AllocationPlan | None:
-    """Which leases the job needs (None: it asked for no rgpu). Pure."""
-    if request is None:
+def _license_units(licenses: str, name: str) -> int | None:
+    """Units of license `name` in a job's license list ("matlab:1,rgpu:100"; '*' also separates)."""
+    for entry in licenses.split(","):
+        lic, _, count = entry.strip().replace("*", ":").partition(":")
+        if lic == name:
+            return int(count) if count.isdigit() else 1
+    return None
+
+
+def plan_allocation(job: JobContext, info: JobInfo, gres_name: str = "rgpu",
+                    license_name: str = "rgpu") -> AllocationPlan | None:
+    """Which leases the job needs (None: it asked for no rgpu). Pure.
+
+    The request is the record job_submit.lua wrote in the admin comment, which only Slurm and
+    admins write; the GRES count, node count and license (all set or checked by job_submit.lua)
+    must agree with it, so the pool leases exactly what the license charged.
+    """
+    count = parse_tres_per_node(info.tres_per_node, gres_name)
+    recorded = is_record(info.admin_comment)
+    if count is None and not recorded:
         return None
+    if count is None:
+        raise InvalidRequest("prolog-slurmctld", f"job {job.job_id} carries an rgpu record but no --gres={gres_name}",
+                             "its GRES was changed after submission", "scancel the job and submit it again")
+    record = parse_record(info.admin_comment)
     nodes = job.nodes or tuple(expand_hostlist(info.node_names))
     if not nodes:
         raise InvalidRequest("prolog-slurmctld", f"job {job.job_id} has no nodes", "Slurm gave no node list",
                              "this is unexpected; see the slurmctld log")
+    units = _license_units(info.licenses, license_name)
+    disagree = [f"{what} {have} (recorded {want})" for what, have, want in (
+        ("--gres count", count, record.request.count), ("node count", len(nodes), record.nodes),
+        (f"license {license_name}", units, record.units)) if have != want]
+    if disagree:
+        raise InvalidRequest("prolog-slurmctld", f"job {job.job_id} does not match its rgpu record: {'; '.join(disagree)}",
+                             "the job was changed after job_submit.lua recorded its request",
+                             "scancel the job and submit it again")
     validate.name("user", job.user or info.user)
-    return AllocationPlan(keys=tuple(job.key_for(n) for n in nodes), request=request)
+    return AllocationPlan(keys=tuple(job.key_for(n) for n in nodes), request=record.request)
 
 
 def allocate_job(job: JobContext, plan: AllocationPlan, pool: Pool) -> list[str]:
@@ -138,27 +157,55 @@ def allocate_job(job: JobContext, plan: AllocationPlan, pool: Pool) -> list[str]
 
 
 def prolog_slurmctld(env: Mapping[str, str], pool_factory: Callable[[], Pool],
-                     query_job: Callable[[int], JobInfo], gres_name: str = "rgpu") -> list[str]:
-    """Allocate the job's leases; returns their keys ([] for a job without rgpu)."""
-    from rgpu.slurm_plugin.scontrol import rgpu_request_of
+                     query_job: Callable[[int], JobInfo], gres_name: str = "rgpu",
+                     set_admin_comment: Callable[[int, str], None] | None = None,
+                     notify: Callable[[int, str], None] | None = None) -> list[str]:
+    """Allocate the job's leases; returns their keys ([] for a job without rgpu).
 
+    When the pool cannot place the job now, the job is marked as waiting for the pool (its admin
+    comment, via `set_admin_comment`) before the CapacityError goes up; the mark is removed once
+    the job got its slices. See slurm_plugin/waiting.py. An interactive job (srun, salloc) is not
+    requeued but ended by Slurm: `notify` tells its user why, in one line, on the terminal.
+    """
     job = JobContext.from_env(env, "prolog-slurmctld")
     info = query_job(job.job_id)                     # the one Slurm query for this job
-    plan = plan_allocation(job, info, rgpu_request_of(info, gres_name))
+    try:
+        return _allocate_for(job, info, pool_factory, gres_name, set_admin_comment)
+    except RgpuError as exc:
+        if notify is not None and not info.batch:
+            notify(job.job_id, interactive_message(exc))
+        raise
+
+
+def interactive_message(exc: RgpuError) -> str:
+    """One line for the srun/salloc user whose job rgpu could not prepare."""
+    text = " ".join(str(exc).split())
+    if isinstance(exc, CapacityError):
+        return (f"{text} -- srun cannot wait for the pool: try again later, or submit with sbatch "
+                "(a batch job waits and starts as soon as the pool can place it)")
+    return text
+
+
+def _allocate_for(job: JobContext, info: JobInfo, pool_factory: Callable[[], Pool], gres_name: str,
+                  set_admin_comment: Callable[[int, str], None] | None) -> list[str]:
+    plan = plan_allocation(job, info, gres_name)
     if plan is None:
         return []
     pool = pool_factory()
-    return allocate_job(job, plan, pool)
+    record_text, marked, _ = info.admin_comment.strip().partition(RECORD_SEPARATOR)
+    try:
+        keys = allocate_job(job, plan, pool)
+    except CapacityError as exc:
+        if set_admin_comment is not None:
+            why = str(exc).removeprefix("rgpu: ")
+            set_admin_comment(job.job_id, waiting_comment(record_text, f"{why} -- it starts when the pool can place it"))
+        raise
+    if marked and set_admin_comment is not None:
+        set_admin_comment(job.job_id, record_text)
+    return keys
 
 
 # ---------------------------------------------------------------- node Prolog
-
-def adaptor_conf_for(lease: Any, user: str) -> AdaptorConf:
-    slices = tuple(AdaptorSlice(server=s.server, gpu_uuid=s.gpu_uuid, gpu_index=s.gpu_index,
-                                memory_limit_bytes=s.memory_limit_bytes, compute_percent=s.compute_percent,
-                                token=s.token) for s in lease.slices)
-    return AdaptorConf(job_id=lease.job_key, user=user, expires=expires_text(lease.expires_unix), slices=slices)
-
 
 def _make_job_dir(path: Path, uid: int, gid: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -188,11 +235,37 @@ def node_prolog(env: Mapping[str, str], pool_factory: Callable[[], Pool]) -> Pat
                              "the pool's state does not match this job", "release it with rgpu-admin and requeue the job")
     directory = job_dir(run_dir_from_env(env), job.job_id)
     _make_job_dir(directory, job.uid, job.gid)
-    conf = adaptor_conf_for(lease, job.user or lease.user)
+    conf = lease_to_adaptor(lease)       # lease.user is the job's user (checked above)
     path = write_adaptor_conf(directory / ADAPTOR_CONF_NAME, conf, uid=job.uid if job.uid >= 0 else None,
                               gid=job.gid if job.gid >= 0 else None)
     (directory / ERROR_NAME).unlink(missing_ok=True)
+    sweep_stale_job_dirs(directory.parent, job.job_id, pool)
     return path
+
+
+def sweep_stale_job_dirs(run_dir: Path, current_job_id: int, pool: Pool) -> list[Path]:
+    """Remove the job folders a node Epilog never got to remove (slurmd crashed, node rebooted
+    without a tmpfs /run): those whose adaptor.conf names a lease the pool no longer has. Folders
+    without adaptor.conf (a failed prolog's `error`, which flexrun reports) are kept. Never raises."""
+    from rgpu.adaptor import read_adaptor_conf
+
+    removed = []
+    try:
+        entries = sorted(run_dir.iterdir())
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.isdigit() or int(entry.name) == current_job_id or entry.is_symlink() or not entry.is_dir():
+            continue
+        try:
+            key = read_adaptor_conf(entry / ADAPTOR_CONF_NAME).job_id
+            pool.get_lease(key)
+        except NotFound:
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+        except (RgpuError, OSError, ValueError):
+            continue        # unreadable, or the pool did not answer: leave it for the next Prolog
+    return removed
 
 
 def record_node_error(env: Mapping[str, str], message: str) -> Path | None:
@@ -223,14 +296,18 @@ def keys_to_release(leases: list[Any], cluster: str, job_id: int, restart_count:
     return sorted(keys)
 
 
-def epilog_slurmctld(env: Mapping[str, str], pool_factory: Callable[[], Pool]) -> list[str]:
-    """Release the job's leases; idempotent (nothing to release is a success)."""
+def epilog_slurmctld(env: Mapping[str, str], pool_factory: Callable[[], Pool],
+                     start_waiting: Callable[[Pool], Any] | None = None) -> list[str]:
+    """Release the job's leases; idempotent (nothing to release is a success). When something was
+    released, `start_waiting(pool)` starts the jobs waiting for the pool that now fit."""
     job = JobContext.from_env(env, "epilog-slurmctld")
     pool = pool_factory()
     keys = set(keys_to_release(pool.list_leases(), job.cluster, job.job_id, job.restart_count))
     # Also the keys this attempt would have, in case ListLeases raced with an allocation.
     keys.update(job.key_for(n) for n in job.nodes)
     released = [key for key in sorted(keys) if pool.release(key)]
+    if released and start_waiting is not None:
+        start_waiting(pool)
     return released
 
 

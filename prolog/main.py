@@ -13,11 +13,14 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from rgpu.errors import RgpuError
+from rgpu.errors import RgpuError, Unavailable
 
 # Well under Slurm's default MessageTimeout (10 s); one pool call per node at most.
 POOL_TIMEOUT_SECONDS = 4.0
 SLURM_QUERY_TIMEOUT_SECONDS = 4.0
+# While the pool is unreachable EpilogSlurmctld retries this long, then leaves the release to the
+# reconciler in rgpu-poold. Slurm keeps the job COMPLETING (its nodes busy) meanwhile: keep it short.
+EPILOG_RETRY_SECONDS = 15.0
 
 
 def log_line(script: str, env: Mapping[str, str], message: str) -> None:
@@ -33,15 +36,62 @@ def log_line(script: str, env: Mapping[str, str], message: str) -> None:
 
 
 def connect_pool(env: Mapping[str, str]) -> Any:
-    """A PoolClient from rgpu settings (RGPU_CONFIG / RGPU_POOL / RGPU_SECRET_FILE / rgpu.toml)."""
-    from rgpu.remoting.pool.client import PoolClient
+    """The pool client from rgpu settings (RGPU_CONFIG / RGPU_POOL / RGPU_SECRET_FILE / rgpu.toml), TLS included."""
+    from rgpu.remoting.pool.client import connect
 
     from rgpu.config import load_settings
-    from rgpu.secret import load_secret
 
-    settings = load_settings(env=env)
-    return PoolClient(settings.pool, load_secret(settings.secret_file), timeout=POOL_TIMEOUT_SECONDS,
-                      tls_ca_file=settings.tls_ca_file or None, tls_server_name=settings.tls_server_name or None)
+    return connect(load_settings(env=env), timeout=POOL_TIMEOUT_SECONDS)
+
+
+def set_admin_comment(env: Mapping[str, str]) -> Any:
+    """`scontrol update jobid=ID admincomment=TEXT` (PrologSlurmctld runs as SlurmUser, an admin)."""
+    from rgpu.slurm_plugin.proc import run_command
+    from rgpu.slurm_plugin.waiting import mark_command
+
+    def update(job_id: int, text: str) -> None:
+        try:
+            run_command(mark_command(job_id, text), env=env, timeout=SLURM_QUERY_TIMEOUT_SECONDS)
+        except RgpuError as exc:   # the job still waits and starts; only the note is missing
+            log_line("prolog-slurmctld", env, f"could not note the job's state in its admin comment: {exc}")
+
+    return update
+
+
+def notify_user(env: Mapping[str, str]) -> Any:
+    """`scontrol notify`: the message reaches the job's srun/salloc terminal."""
+    from rgpu.slurm_plugin.proc import run_command
+    from rgpu.slurm_plugin.scontrol import notify_command
+
+    def notify(job_id: int, message: str) -> None:
+        try:
+            run_command(notify_command(job_id, message), env=env, timeout=SLURM_QUERY_TIMEOUT_SECONDS)
+        except RgpuError as exc:
+            log_line("prolog-slurmctld", env, f"could not tell the job's user: {exc}")
+
+    return notify
+
+
+def start_waiting(env: Mapping[str, str]) -> Any:
+    """After a release: StartTime=now for the jobs waiting for the pool that it can place now."""
+    from rgpu.slurm_plugin.squeue import SqueueBackend
+    from rgpu.slurm_plugin.waiting import start_waiting_jobs
+
+    class _Log:
+        def info(self, fmt: str, *args: Any) -> None:
+            log_line("epilog-slurmctld", env, fmt % args)
+
+        warning = info
+
+    def run(pool: Any) -> None:
+        try:
+            jobs = [j for j in SqueueBackend(env=env, timeout=SLURM_QUERY_TIMEOUT_SECONDS).jobs() if j.state == "PENDING"]
+            if any(j.admin_comment for j in jobs):
+                start_waiting_jobs(jobs, pool.list_gpus(), _Log(), env=env)   # type: ignore[arg-type]
+        except RgpuError as exc:   # the pool's reconciler tries again on its next pass
+            log_line("epilog-slurmctld", env, f"could not look for jobs waiting for the pool: {exc}")
+
+    return run
 
 
 def _describe(exc: BaseException) -> str:
@@ -58,7 +108,8 @@ def prolog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
     try:
         keys = prolog_slurmctld(env, lambda: connect_pool(env),
                                 lambda job_id: scontrol.query_job(str(job_id), env=env,
-                                                                  timeout=SLURM_QUERY_TIMEOUT_SECONDS))
+                                                                  timeout=SLURM_QUERY_TIMEOUT_SECONDS),
+                                set_admin_comment=set_admin_comment(env), notify=notify_user(env))
     except Exception as exc:  # noqa: BLE001 - any failure must become one line and exit 1
         log_line("prolog-slurmctld", env, f"{_describe(exc)} -- the job will be requeued")
         return 1
@@ -87,11 +138,23 @@ def epilog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
     from rgpu.prolog.logic import epilog_slurmctld
 
     env = os.environ if env is None else env
-    try:
-        released = epilog_slurmctld(env, lambda: connect_pool(env))
-    except Exception as exc:  # noqa: BLE001
-        log_line("epilog-slurmctld", env, f"{_describe(exc)} -- the reconciler will release it later")
-        return 1
+    deadline = time.monotonic() + EPILOG_RETRY_SECONDS
+    delay = 0.5
+    while True:
+        try:
+            released = epilog_slurmctld(env, lambda: connect_pool(env), start_waiting(env))
+            break
+        except Unavailable as exc:
+            if time.monotonic() + delay > deadline:
+                log_line("epilog-slurmctld", env, f"{_describe(exc)} -- gave up after {EPILOG_RETRY_SECONDS:g} s; "
+                         "the reconciler in rgpu-poold releases the job's slices once the pool is back")
+                return 1
+            time.sleep(delay)
+            delay = min(delay * 2, 4.0)
+        except Exception as exc:  # noqa: BLE001
+            log_line("epilog-slurmctld", env, f"{_describe(exc)} -- the reconciler in rgpu-poold releases the "
+                     "job's slices later")
+            return 1
     if released:
         log_line("epilog-slurmctld", env, f"released {', '.join(released)}")
     return 0

@@ -42,12 +42,13 @@ class Settings:
     tls_ca_file: str = ""                       # clients: trust this CA for the pool's cert
     tls_server_name: str = ""                   # clients: expected name in the pool's cert
     log_level: str = "info"
-    # Slurm integration in rgpu-poold (reconciler, license sync); 0 turns it off.
-    slurm_reconcile_interval_seconds: float = 0.0
+    # Slurm integration in rgpu-poold (reconciler, license sync, starting jobs that wait for the
+    # pool): on wherever Slurm is configured on the pool's host; 0 turns it off.
+    slurm_reconcile_interval_seconds: float = 10.0
     slurm_reconcile_grace_seconds: float = 60.0  # a lease without a live job is released after this
     slurm_cluster: str = ""                      # Slurm ClusterName; "" asks `scontrol show config`
     slurm_backend: str = "auto"                  # auto | squeue | pyslurm
-    slurm_license_sync: bool = False             # keep the rgpu license reservation in step with capacity
+    slurm_license_sync: bool = True              # keep the rgpu license reservation in step with capacity
     # Prometheus endpoints (HOST:PORT, plain HTTP, path /metrics); "" turns one off.
     metrics_listen: str = ""                     # rgpu-poold's
     dispatcher_metrics_listen: str = ""          # each rgpu-dispatcher's (its --metrics-listen flag wins)

@@ -6,8 +6,7 @@ rgpu-admin finds these commands through the `rgpu.admin_commands` entry points (
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
+import sysconfig
 
 import click
 from rgpu.slurm_plugin.licenses import SECTIONS, config_values, render_slurm_config
@@ -18,27 +17,28 @@ _PATH_RE = re.compile(r"^/[A-Za-z0-9_./+@-]*$")
 
 
 def default_prolog_dir() -> str:
-    # Where pip installed the prolog scripts' interpreter; the scripts are in the source tree's
-    # prolog/ folder and are copied there by the admin (see prolog/README.md).
-    return str(Path(sys.prefix) / "libexec" / "rgpu")
+    """Where `pip install` put the scripts Slurm runs: the console scripts' directory of this
+    installation (a virtual environment's bin/, or e.g. /usr/local/bin), whose Python ones start
+    with this installation's interpreter, so they import this rgpu."""
+    return sysconfig.get_path("scripts")
 
 
 def _client(ctx: click.Context):  # type: ignore[no-untyped-def]
     obj = ctx.obj
     if obj is not None and hasattr(obj, "client") and hasattr(obj, "settings"):
         return obj.client(), obj.settings          # inside rgpu-admin: its --pool/--config apply
-    from rgpu.remoting.pool.client import PoolClient
+    from rgpu.remoting.pool.client import connect
 
     from rgpu.config import load_settings
-    from rgpu.secret import load_secret
 
     settings = load_settings()
-    return PoolClient(settings.pool, load_secret(settings.secret_file)), settings
+    return connect(settings), settings
 
 
 @click.command("slurm-config")
 @click.option("--prolog-dir", default=None, metavar="DIR",
-              help="Where the rgpu-prolog* scripts are installed on the Slurm hosts.")
+              help="Where the rgpu-prolog* and rgpu-epilog* scripts are on the Slurm hosts "
+                   "(default: where pip installed them, this installation's scripts directory).")
 @click.option("--section", "sections", multiple=True, type=click.Choice(list(SECTIONS)),
               help="Print only this file's lines (repeatable; default: all).")
 @click.pass_context

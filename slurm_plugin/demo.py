@@ -10,6 +10,7 @@ Installs Slurm with apt-get when it is missing (root only).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,7 +33,15 @@ from rgpu.errors import RgpuError
 
 SLURM_PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
 SUBMIT = ["--gres=rgpu:2", "--comment=fraction=0.5"]
-JOB = 'echo "RGPU_ADAPTOR_CONF=$RGPU_ADAPTOR_CONF"; cat "$RGPU_ADAPTOR_CONF"; sleep 8\n'
+# Lease tokens are credentials: the demo shows only their first characters (job output included).
+JOB = ('echo "RGPU_ADAPTOR_CONF=$RGPU_ADAPTOR_CONF"; '
+       "sed -E 's/^(token = \"[^\"]{12})[^\"]*\"/\\1...\" # cut by the demo/' \"$RGPU_ADAPTOR_CONF\"; sleep 8\n")
+_TOKEN_RE = re.compile(r'^(token = "[^"]{12})[^"]*"', re.MULTILINE)
+
+
+def without_tokens(text: str) -> str:
+    """adaptor.conf text with each lease token cut to its first 12 characters."""
+    return _TOKEN_RE.sub(r'\1..." # cut by the demo', text)
 
 
 def source_tree() -> Path:
@@ -93,9 +102,11 @@ def admin(env: dict[str, str], *args: str) -> str:
 
 
 def run_demo(keep: bool = False) -> None:
-    from rgpu.remoting.pool.client import PoolClient
+    from rgpu.remoting.pool.client import connect
 
-    from rgpu.secret import create_secret, load_secret
+    from rgpu.config import load_settings
+    from rgpu.netaddr import join_host_port
+    from rgpu.secret import create_secret
 
     ensure_slurm()
     tree = source_tree()
@@ -104,7 +115,7 @@ def run_demo(keep: bool = False) -> None:
     (root / "pool").mkdir()
     secret = create_secret(root / "pool" / "secret")
     pool_port, disp_a, disp_b = free_ports(3)
-    pool_addr = f"127.0.0.1:{pool_port}"
+    pool_addr = join_host_port("127.0.0.1", pool_port)
     (root / "pool" / "rgpu.toml").write_text(f'pool = "{pool_addr}"\nlisten = "{pool_addr}"\n'
                                              f'state = "{root}/pool/pool.db"\nsecret_file = "{secret}"\n'
                                              "heartbeat_interval_seconds = 1.0\ndown_after_seconds = 5.0\n")
@@ -117,7 +128,7 @@ def run_demo(keep: bool = False) -> None:
         for port, inventory in ((disp_a, "inventory-a.toml"), (disp_b, "inventory-b.toml")):
             daemons.start(f"dispatcher-{port}", "rgpu.remoting.dispatcher.daemon", "-p", str(port), "--host", "127.0.0.1",
                           "--advertise", "127.0.0.1", "--inventory", str(tree / "examples" / inventory))
-        client = PoolClient(pool_addr, load_secret(secret), timeout=3.0)
+        client = connect(load_settings(env=env), timeout=3.0)
 
         def four_gpus() -> bool:
             try:
@@ -147,7 +158,7 @@ def run_demo(keep: bool = False) -> None:
         conf = root / "run-rgpu" / node / job / "adaptor.conf"
         wait_until("the job's adaptor.conf", conf.exists, 15)
         click.echo(f"job {job} is {info['JobState']} on {node}, Licenses={info.get('Licenses')}\n")
-        click.echo(f"$ cat {conf}\n{conf.read_text()}")
+        click.echo(f"$ cat {conf}   # tokens cut\n{without_tokens(conf.read_text())}")
         click.echo(f"$ rgpu-admin list-gpus\n{admin(env, 'list-gpus')}")
         final = slurm.wait_job_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 60)
         click.echo(f"job {job} {final['JobState']}; its output:\n{slurm.job_output(job)}")

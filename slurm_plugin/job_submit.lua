@@ -189,17 +189,33 @@ function rgpu.parse_fraction(text)
 	return value
 end
 
+rgpu.MAX_BYTES = 2 ^ 60   -- rgpu.units.MAX_BYTES
+rgpu.MAX_DIGITS = 40      -- rgpu.units._MAX_DIGITS
+
+-- Sizes as rgpu.units.parse_size reads them: 8, 8G, 1.5T, .5G, 8.G, optional B or iB, any case.
 function rgpu.parse_memory(text)
 	local number, suffix, tail = string.match(text, "^([%d.]+)([KkMmGgTt]?)(.*)$")
-	local value = number and parse_number(number)
-	if value == nil or not (tail == "" or string.match(tail, "^[iI]?[bB]$")) then
+	local value = number and #number <= rgpu.MAX_DIGITS and parse_number(number)
+	if not value or not (tail == "" or string.match(tail, "^[iI]?[bB]$")) then
 		return fail("invalid memory " .. shown(text), "not a size", "write e.g. --comment=memory=8G")
 	end
 	local bytes = math.floor(value * SIZE_MULT[string.upper(suffix)])
-	if bytes <= 0 then
-		return fail("invalid memory " .. shown(text), "it must be more than 0", "write e.g. --comment=memory=8G")
+	if bytes <= 0 or bytes > rgpu.MAX_BYTES then
+		return fail("invalid memory " .. shown(text), "it must be more than 0 and at most 1 EiB",
+			"write e.g. --comment=memory=8G")
 	end
 	return bytes
+end
+
+-- As rgpu.units.format_bytes: "8.0 GiB", never in scientific notation.
+function rgpu.format_bytes(value)
+	for _, unit in ipairs({ { "EiB", 2 ^ 60 }, { "PiB", 2 ^ 50 }, { "TiB", 2 ^ 40 }, { "GiB", 2 ^ 30 },
+		{ "MiB", 2 ^ 20 }, { "KiB", 2 ^ 10 } }) do
+		if value >= unit[2] then
+			return string.format("%.1f %s", value / unit[2], unit[1])
+		end
+	end
+	return string.format("%.0f B", value)
 end
 
 -- {fraction=F} or {memory_bytes=B} from the comment; returns req, err.
@@ -216,6 +232,12 @@ function rgpu.parse_comment(comment)
 	for word in string.gmatch(comment, "[^ ,]+") do
 		local key, value = string.match(word, "^([^=]*)=(.*)$")
 		key = key and string.lower(key)
+		local bare = string.lower(string.gsub(word, "=", ""))
+		if (key == nil or key == "") and (bare == "fraction" or bare == "memory") then
+			-- "fraction = 0.5" would otherwise silently mean a whole GPU.
+			return fail("the comment names " .. bare .. " without its value", "comment is " .. shown(comment),
+				"write " .. bare .. "=VALUE as one word, e.g. --comment=fraction=0.5")
+		end
 		if key == "fraction" then
 			if fraction then
 				return fail("fraction is given twice", "comment is " .. shown(comment), "give fraction=F once")
@@ -242,6 +264,25 @@ function rgpu.parse_comment(comment)
 		return { memory_bytes = memory }
 	end
 	return { fraction = fraction or 1.0 }
+end
+
+-- The normalised request, recorded in the job's admin comment (only Slurm and admins write it).
+-- PrologSlurmctld leases exactly this; its grammar is parse_record in slurm_plugin/request.py.
+rgpu.RECORD_PREFIX = "rgpu:v1 "
+
+function rgpu.record(plan)
+	local size
+	if plan.memory_bytes then
+		size = string.format("memory=%.0f", plan.memory_bytes)
+	else
+		size = string.format("percent=%d", plan.per_slice)
+	end
+	return string.format("%snodes=%d count=%d %s units=%d", rgpu.RECORD_PREFIX, plan.nodes, plan.count, size,
+		plan.units)
+end
+
+function rgpu.is_record(text)
+	return text ~= nil and string.sub(text, 1, #rgpu.RECORD_PREFIX - 1) == string.sub(rgpu.RECORD_PREFIX, 1, -2)
 end
 
 function rgpu.units_per_slice(req, conf)
@@ -319,8 +360,8 @@ function rgpu.plan(job, conf)
 	end
 	local per_slice = rgpu.units_per_slice(req, conf)
 	if per_slice > rgpu.UNITS_PER_GPU then
-		return fail("memory=" .. req.memory_bytes .. " bytes is more than one GPU holds",
-			"the smallest GPU in the pool has " .. conf.gpu_memory_bytes .. " usable bytes",
+		return fail("memory=" .. rgpu.format_bytes(req.memory_bytes) .. " per slice is more than one GPU holds",
+			"the smallest GPU in the pool has " .. rgpu.format_bytes(conf.gpu_memory_bytes) .. " usable",
 			"ask for less memory per slice, or for more slices")
 	end
 	local others, lerr = rgpu.other_licenses(job.licenses, conf.license_name, job.licenses_user_given)
@@ -329,15 +370,21 @@ function rgpu.plan(job, conf)
 	end
 	local units = nodes * count * per_slice
 	others[#others + 1] = conf.license_name .. ":" .. units
-	return {
+	local plan = {
 		rgpu = true, nodes = nodes, count = count, units = units, per_slice = per_slice,
 		fraction = req.fraction, memory_bytes = req.memory_bytes, licenses = table.concat(others, ","),
 	}
+	plan.record = rgpu.record(plan)
+	return plan
 end
 
 -- The plan for `scontrol update` of an existing job: desc holds only what changes (nil or
 -- NO_VAL otherwise), rec is the job as it is. Returns {change=false}, {change=true, plan} or nil, err.
-function rgpu.plan_modify(desc, rec, conf)
+--
+-- Only an admin (uid 0) may change the rgpu request of a pending job: the new request is
+-- recorded in the admin comment, which Slurm lets no one else write (a user's update that set it
+-- would be refused after Slurm had applied part of it).
+function rgpu.plan_modify(desc, rec, conf, is_admin)
 	local touches = desc.tres_per_node ~= nil or desc.comment ~= nil or desc.licenses ~= nil
 		or is_set(desc.min_nodes) or is_set(desc.max_nodes)
 	if not touches then
@@ -383,7 +430,13 @@ function rgpu.plan_modify(desc, rec, conf)
 		end
 		return { change = false }
 	end
-	return { change = true, plan = plan }
+	local record_changed = plan.record ~= rec.admin_comment
+	if record_changed and not is_admin then
+		return fail("only an admin can change the rgpu request of a submitted job",
+			"the request is recorded where only Slurm and admins write",
+			"scancel the job and submit it again, or ask an admin to run the scontrol update")
+	end
+	return { change = true, plan = plan, record_changed = record_changed }
 end
 
 -- ---------------------------------------------------------------- Slurm entry points
@@ -422,6 +475,13 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
 		job_desc.min_nodes = plan.nodes
 		job_desc.max_nodes = plan.nodes
 		job_desc.licenses = plan.licenses
+		job_desc.admin_comment = plan.record
+	elseif rgpu.is_record(job_desc.admin_comment) and submit_uid ~= 0 then
+		err = select(2, fail("the admin comment holds an rgpu request record", "only job_submit.lua writes it",
+			"remove the admin comment"))
+		slurm.log_info("rgpu: refused a job of uid %s: %s", tostring(submit_uid), err)
+		slurm.log_user("%s", err)
+		return rgpu.ESLURM_INVALID_GRES
 	end
 	return slurm.SUCCESS
 end
@@ -442,7 +502,8 @@ function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
 	}, {
 		tres_per_node = job_rec.tres_per_node, comment = job_rec.comment, licenses = job_rec.licenses,
 		min_nodes = job_rec.min_nodes, max_nodes = job_rec.max_nodes, job_state = job_rec.job_state,
-	}, conf)
+		admin_comment = job_rec.admin_comment,
+	}, conf, modify_uid == 0)
 	if not result then
 		-- Slurm 22.05 does not show log_user text for updates (fixed in 23.02): the log has it.
 		slurm.log_info("rgpu: refused an update of job %s by uid %s: %s", tostring(job_rec.job_id),
@@ -454,6 +515,9 @@ function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
 		job_desc.min_nodes = result.plan.nodes
 		job_desc.max_nodes = result.plan.nodes
 		job_desc.licenses = result.plan.licenses
+		if result.record_changed then
+			job_desc.admin_comment = result.plan.record
+		end
 	end
 	return slurm.SUCCESS
 end

@@ -341,6 +341,15 @@ PartitionName=cpu Nodes={nodes} Default=YES MaxTime=INFINITE State=UP
         out = self.command(["scontrol", "show", "job", "-d", job_id], check=False)
         return parse_show_job(out.stdout) if out.returncode == 0 else {}
 
+    def job_json(self, job_id: str) -> dict:  # type: ignore[type-arg]
+        """The job as `squeue --json` shows it (22.05 prints every job; this picks one by id):
+        structured, so hostile names or comments cannot shift its fields."""
+        import json
+
+        jobs = json.loads(self.command(["squeue", "--json"]).stdout).get("jobs") or []
+        found = [j for j in jobs if str(j.get("job_id")) == str(job_id)]
+        return found[0] if found else {}
+
     def job_state(self, job_id: str) -> str:
         return self.show_job(job_id).get("JobState", "")
 

@@ -40,7 +40,8 @@ def start_slurm_integration(core: Any, *, interval_seconds: float, grace_seconds
         return SlurmIntegration(None, None)
     reconciler = Reconciler(core, backend_for(backend, env=env), interval_seconds, grace_seconds, log,
                             cluster=cluster or None,
-                            cluster_lookup=None if cluster else _cluster_lookup(env)).start()
+                            cluster_lookup=None if cluster else _cluster_lookup(env),
+                            after_pass=_start_waiting(core, log, env)).start()
     sync = None
     if license_sync:
         sync = LicenseSync(core, SlurmLicenses(env=env), log).start(interval_seconds)
@@ -50,8 +51,44 @@ def start_slurm_integration(core: Any, *, interval_seconds: float, grace_seconds
     return SlurmIntegration(reconciler, sync)
 
 
+def _start_waiting(core: Any, log: logging.Logger, env: Mapping[str, str] | None) -> Any:
+    from rgpu.slurm_plugin.waiting import start_waiting_jobs
+
+    def run(jobs: list[Any]) -> None:
+        pending = [j for j in jobs if j.state == "PENDING" and j.admin_comment]
+        if pending:
+            start_waiting_jobs(pending, core.gpu_statuses(), log, env=env)
+
+    return run
+
+
+def slurm_configured(env: Mapping[str, str] | None = None) -> str | None:
+    """Why this host has no Slurm integration to run (None: it has one): the Slurm client
+    commands and a slurm.conf ($SLURM_CONF, /etc/slurm/slurm.conf) must be there."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    env = os.environ if env is None else env
+    if shutil.which("scontrol", path=env.get("PATH")) is None or shutil.which("squeue", path=env.get("PATH")) is None:
+        return "the Slurm client commands (scontrol, squeue) are not installed here"
+    conf = env.get("SLURM_CONF") or "/etc/slurm/slurm.conf"
+    if not Path(conf).is_file():
+        return f"there is no Slurm configuration at {conf} (set $SLURM_CONF)"
+    return None
+
+
 def start_from_settings(core: Any, settings: Any, log: logging.Logger) -> SlurmIntegration:
-    """The `rgpu.pool_plugins` entry point: the integration as the pool's settings configure it."""
+    """The `rgpu.pool_plugins` entry point: the integration as the pool's settings configure it.
+
+    On by default wherever Slurm is configured on the pool's host; off with
+    slurm_reconcile_interval_seconds = 0 (license sync alone: slurm_license_sync = false).
+    """
+    if settings.slurm_reconcile_interval_seconds > 0:
+        why_not = slurm_configured()
+        if why_not:
+            log.info("rgpu-poold: Slurm integration off: %s", why_not)
+            return SlurmIntegration(None, None)
     return start_slurm_integration(core, interval_seconds=settings.slurm_reconcile_interval_seconds,
                                    grace_seconds=settings.slurm_reconcile_grace_seconds,
                                    cluster=settings.slurm_cluster, backend=settings.slurm_backend,

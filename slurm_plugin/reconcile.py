@@ -89,6 +89,8 @@ class Reconciler:
     cluster: str | None = None           # None: ask Slurm (`scontrol show config`) on first use
     clock: Callable[[], float] = time.time
     cluster_lookup: Callable[[], str] | None = None
+    # Called with the live jobs after each pass (waiting.py: start jobs waiting for the pool).
+    after_pass: Callable[[list[SlurmJob]], Any] | None = None
     _absent_since: dict[str, float] = field(default_factory=dict)
     _reported_missing: set[int] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -126,6 +128,11 @@ class Reconciler:
                 self.log.warning("rgpu reconciler: running job %s of cluster %s asked for rgpu but holds no lease "
                                  "(its prolog failed or the pool lost it; flexrun in it will fail)", job_id, cluster)
         self._reported_missing = set(decision.missing)
+        if self.after_pass is not None:
+            try:
+                self.after_pass(list(jobs))
+            except RgpuError as exc:
+                self.log.warning("rgpu reconciler: %s", exc)
         return decision
 
     def run_forever(self) -> None:

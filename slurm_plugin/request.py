@@ -7,10 +7,16 @@ cases that both implementations are tested against, so the two cannot drift apar
 - `tres_per_node`: comma-separated entries `gres:NAME[:COUNT]` (Slurm <= 23.02) or
   `gres/NAME[:COUNT]` (>= 23.11); a missing count means 1; typed requests (`rgpu:a100:2`) are
   refused: rgpu GRES has no types.
-- `comment`: words separated by spaces or commas; `fraction=F` (0 < F <= 1, at most two decimals
-  matter: units are round(100 F)) or `memory=SIZE` (binary K/M/G/T suffix) per slice; other words
-  are left alone. Only letters, digits, space and `. , _ = : / + @ -` may appear in the comment of
-  an rgpu job.
+- `comment`: words separated by runs of spaces or commas (leading and trailing ones too); keys are
+  case-insensitive; `fraction=F` (0 < F <= 1, at most two decimals matter: units are round(100 F))
+  or `memory=SIZE` (binary K/M/G/T suffix) per slice; other words are left alone, but a bare
+  `fraction` or `memory` word (as in `fraction = 0.5`) is refused. Only ASCII letters, digits,
+  space and `. , _ = : / + @ -` may appear in the comment of an rgpu job (no tabs, newlines or
+  other unicode).
+- the **record**: job_submit.lua writes the normalised request into the job's admin comment,
+  which only Slurm and admins can write: `rgpu:v1 nodes=N count=C percent=P units=U` or
+  `rgpu:v1 nodes=N count=C memory=BYTES units=U`. PrologSlurmctld leases exactly this
+  (`parse_record`, which accepts nothing else), never what it reads from user-controlled fields.
 """
 
 from __future__ import annotations
@@ -20,12 +26,11 @@ import re
 from dataclasses import dataclass
 
 from rgpu.errors import InvalidRequest
+from rgpu.units import parse_size
 
 UNITS_PER_GPU = 100
 COMMENT_ALLOWED_RE = re.compile(r"^[A-Za-z0-9 .,_=:/+@-]*$")
 _NUMBER_RE = re.compile(r"^(?:\d+|\d+\.\d*|\.\d+)$")
-_SIZE_RE = re.compile(r"^(\d+|\d+\.\d*|\.\d+)([KMGT]?)(?:I?B)?$", re.IGNORECASE)
-_SIZE_MULT = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
 @dataclass(frozen=True)
@@ -44,6 +49,56 @@ class RgpuRequest:
 
     def license_units(self, nodes: int, gpu_memory_bytes: int = 0) -> int:
         return nodes * self.count * self.units_per_slice(gpu_memory_bytes)
+
+    def record(self, nodes: int, gpu_memory_bytes: int = 0) -> str:
+        """The admin-comment record job_submit.lua writes for this request (same text)."""
+        size = f"memory={self.memory_bytes}" if self.memory_bytes else f"percent={self.units_per_slice()}"
+        return (f"{RECORD_PREFIX}nodes={nodes} count={self.count} {size} "
+                f"units={self.license_units(nodes, gpu_memory_bytes)}")
+
+
+RECORD_PREFIX = "rgpu:v1 "
+# PrologSlurmctld appends "<separator><mark> <why>" while the pool cannot place the job (waiting.py).
+RECORD_SEPARATOR = " | "
+WAITING_MARK = "rgpu: waiting:"
+_RECORD_RE = re.compile(r"rgpu:v1 nodes=([1-9]\d{0,5}) count=([1-9]\d{0,5}) "
+                        r"(?:percent=([1-9]\d{0,2})|memory=([1-9]\d{0,18})) units=(\d{1,9})")
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """The request as job_submit.lua recorded it (what PrologSlurmctld leases)."""
+
+    nodes: int
+    request: RgpuRequest
+    units: int               # license units of the whole job
+
+    @property
+    def percent(self) -> int:
+        return self.units // (self.nodes * self.request.count)
+
+
+def is_record(text: str | None) -> bool:
+    return (text or "").startswith(RECORD_PREFIX.rstrip())
+
+
+def parse_record(text: str | None) -> RequestRecord:
+    """The whole admin comment, matched in full against the one grammar; anything else is refused."""
+    m = _RECORD_RE.fullmatch((text or "").strip().split(RECORD_SEPARATOR, 1)[0])
+    if not m:
+        raise InvalidRequest("prolog-slurmctld", f"the job's rgpu record {str(text)[:80]!r} is not one job_submit.lua writes",
+                             "the admin comment was changed, or the job was submitted before rgpu recorded requests",
+                             "scancel the job and submit it again")
+    nodes, count, percent, memory, units = m.groups()
+    if percent is not None:
+        if int(percent) > UNITS_PER_GPU or int(units) != int(nodes) * int(count) * int(percent):
+            raise InvalidRequest("prolog-slurmctld", f"the job's rgpu record {text!r} does not add up",
+                                 "units must be nodes x count x percent (percent at most 100)",
+                                 "scancel the job and submit it again")
+        request = RgpuRequest(count=int(count), fraction=int(percent) / UNITS_PER_GPU)
+    else:
+        request = RgpuRequest(count=int(count), fraction=0.0, memory_bytes=int(memory))
+    return RequestRecord(nodes=int(nodes), request=request, units=int(units))
 
 
 def _bad(what: str, why: str, fix: str) -> InvalidRequest:
@@ -89,18 +144,13 @@ def _parse_fraction(text: str) -> float:
 
 
 def _parse_memory(text: str) -> int:
-    m = _SIZE_RE.match(text)
-    if not m:
-        raise _bad(f"invalid memory {text!r}", "not a size", "write e.g. --comment=memory=8G")
-    value = math.floor(float(m.group(1)) * _SIZE_MULT[m.group(2).upper()])
-    if value <= 0:
-        raise _bad(f"invalid memory {text!r}", "it must be more than 0", "write e.g. --comment=memory=8G")
-    return value
+    # One size grammar for the whole project (rgpu.units); job_submit.lua mirrors it.
+    return parse_size(text, "memory", component="job_submit")
 
 
 def parse_comment(comment: str | None, count: int) -> RgpuRequest:
     comment = comment or ""
-    if not COMMENT_ALLOWED_RE.match(comment):
+    if not COMMENT_ALLOWED_RE.fullmatch(comment):
         raise _bad("the job comment holds characters rgpu does not accept",
                    "only letters, digits, space and . , _ = : / + @ - are allowed in the comment of an rgpu job",
                    "write e.g. --comment=fraction=0.5")
@@ -109,6 +159,10 @@ def parse_comment(comment: str | None, count: int) -> RgpuRequest:
     for word in re.split(r"[ ,]+", comment):
         key, sep, value = word.partition("=")
         key = key.lower()
+        bare = word.replace("=", "").lower()
+        if not key and bare in ("fraction", "memory") or not sep and key in ("fraction", "memory"):
+            raise _bad(f"the comment names {bare} without its value", f"comment is {comment!r}",
+                       f"write {bare}=VALUE as one word, e.g. --comment=fraction=0.5")
         if not sep or key not in ("fraction", "memory"):
             continue
         if key == "fraction":

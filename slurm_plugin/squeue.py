@@ -7,7 +7,9 @@
 - `PyslurmBackend`: pyslurm when importable (`pip install rgpu[pyslurm]`; its version must
   match Slurm's, so it is optional).
 
-`backend_for(settings)` picks pyslurm when it imports, else squeue.
+`backend_for(prefer)`: "auto" and "squeue" use squeue (the backend tested on a real cluster);
+"pyslurm" must be chosen explicitly (its job records are mapped from pyslurm's documented
+shapes, `gres_per_node` a dict, and tested on those shapes only).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class SlurmJob:
     tres_per_node: str
     comment: str
     reason: str = ""           # state_reason, e.g. "Licenses", "Prolog"
+    admin_comment: str = ""    # job_submit.lua's request record (waiting.py adds a mark)
 
     @property
     def live(self) -> bool:
@@ -102,7 +105,14 @@ def parse_job(raw: Mapping[str, Any]) -> SlurmJob:
                     restart_count=_number(raw.get("restart_cnt")), user=_text(raw.get("user_name")),
                     cluster=_text(raw.get("cluster")), nodes=_text(raw.get("nodes")),
                     tres_per_node=_text(raw.get("tres_per_node")), comment=_text(raw.get("comment")),
-                    reason=_text(raw.get("state_reason")))
+                    reason=_text(raw.get("state_reason")), admin_comment=_admin_comment(raw))
+
+
+def _admin_comment(raw: Mapping[str, Any]) -> str:
+    value = raw.get("admin_comment")
+    if value is None and isinstance(raw.get("comment"), dict):   # a shape where comments are grouped
+        value = raw["comment"].get("administrator")
+    return _text(value)
 
 
 def parse_squeue_json(text: str) -> list[SlurmJob]:
@@ -141,6 +151,28 @@ class SqueueBackend:
 
 # ---------------------------------------------------------------- pyslurm backend
 
+def tres_from_gres_per_node(value: Any) -> str:
+    """pyslurm's `gres_per_node` ({"rgpu": 2}, {"gpu:a100": 1}, or a string) as Slurm's
+    tres_per_node text ("gres:rgpu:2,gres:gpu:a100:1"). Pure."""
+    if isinstance(value, Mapping):
+        return ",".join(f"gres:{name}:{int(count)}" for name, count in value.items())
+    text = "" if value is None else str(value)
+    return "" if text == "(null)" else text
+
+
+def job_from_pyslurm(job: Any) -> SlurmJob:
+    """One pyslurm.Job (pyslurm 23.x/24.x attribute names). Pure."""
+    state = str(getattr(job, "state", "") or "")
+    return SlurmJob(
+        job_id=int(job.id), state=state.split(",")[0].strip(), flags=(),
+        restart_count=int(getattr(job, "requeue_count", 0) or getattr(job, "restart_count", 0) or 0),
+        user=str(getattr(job, "user_name", "") or ""), cluster=str(getattr(job, "cluster", "") or ""),
+        nodes=str(getattr(job, "allocated_nodes", "") or ""),
+        tres_per_node=tres_from_gres_per_node(getattr(job, "gres_per_node", None)),
+        comment=str(getattr(job, "comment", "") or ""), reason=str(getattr(job, "state_reason", "") or ""),
+        admin_comment=str(getattr(job, "admin_comment", "") or ""))
+
+
 class PyslurmBackend:
     """Reads jobs through pyslurm (API of pyslurm >= 23: `pyslurm.Jobs.load()`)."""
 
@@ -150,16 +182,7 @@ class PyslurmBackend:
         self._pyslurm = pyslurm
 
     def live_jobs(self) -> list[SlurmJob]:
-        jobs = self._pyslurm.Jobs.load()
-        out = []
-        for job in jobs.values():
-            state = str(getattr(job, "state", "") or "")
-            out.append(SlurmJob(
-                job_id=int(job.id), state=state.split(",")[0].strip(), flags=(),
-                restart_count=int(getattr(job, "requeue_count", 0) or 0), user=str(job.user_name or ""),
-                cluster=str(getattr(job, "cluster", "") or ""), nodes=str(getattr(job, "allocated_nodes", "") or ""),
-                tres_per_node=str(getattr(job, "gres_per_node", "") or ""), comment=str(job.comment or "")))
-        return [j for j in out if j.live]
+        return [j for j in (job_from_pyslurm(job) for job in self._pyslurm.Jobs.load().values()) if j.live]
 
 
 def pyslurm_available() -> bool:
@@ -171,8 +194,8 @@ def pyslurm_available() -> bool:
 
 
 def backend_for(prefer: str = "auto", env: Mapping[str, str] | None = None) -> JobSource:
-    """"auto": pyslurm when it imports, else squeue; "squeue" or "pyslurm" to choose."""
-    if prefer == "pyslurm" or (prefer == "auto" and pyslurm_available()):
+    """"auto" and "squeue": squeue --json; "pyslurm" only when asked for."""
+    if prefer == "pyslurm":
         return PyslurmBackend()
     if prefer not in ("auto", "squeue"):
         raise RgpuError("slurm", f"unknown Slurm backend {prefer!r}", "", "use auto, squeue or pyslurm")

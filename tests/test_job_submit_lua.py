@@ -46,14 +46,15 @@ end
 dofile(SCRIPT_PATH)
 local rc
 if MODE == "submit" then
-  rc = slurm_job_submit(JOB, {}, 1000)
+  rc = slurm_job_submit(JOB, {}, UID)
 else
-  rc = slurm_job_modify(JOB, REC, {}, 1000)
+  rc = slurm_job_modify(JOB, REC, {}, UID)
 end
 local parts = {}
 for _, m in ipairs(messages) do parts[#parts + 1] = json(m) end
 print('{"rc": ' .. json(rc) .. ', "licenses": ' .. json(JOB.licenses) .. ', "min_nodes": ' .. json(JOB.min_nodes)
-      .. ', "max_nodes": ' .. json(JOB.max_nodes) .. ', "messages": [' .. table.concat(parts, ", ") .. ']}')
+      .. ', "max_nodes": ' .. json(JOB.max_nodes) .. ', "admin_comment": ' .. json(JOB.admin_comment)
+      .. ', "messages": [' .. table.concat(parts, ", ") .. ']}')
 """
 
 
@@ -80,8 +81,10 @@ def plugin_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def call(plugin_dir: Path, job: dict[str, Any], rec: dict[str, Any] | None = None) -> dict[str, Any]:
-    driver = (f"SCRIPT_PATH = {lua_value(str(plugin_dir / 'job_submit.lua'))}\n"
+def call(plugin_dir: Path, job: dict[str, Any], rec: dict[str, Any] | None = None, uid: int | None = None) -> dict[str, Any]:
+    """Submit (rec None) as uid 1000, or modify as root (uid 0, an admin); `uid` to choose."""
+    uid = (1000 if rec is None else 0) if uid is None else uid
+    driver = (f"SCRIPT_PATH = {lua_value(str(plugin_dir / 'job_submit.lua'))}\nUID = {uid}\n"
               f"MODE = {lua_value('submit' if rec is None else 'modify')}\n"
               f"JOB = {lua_value(job)}\nREC = {lua_value(rec or {})}\n" + DRIVER)
     path = plugin_dir / "driver.lua"
@@ -111,7 +114,17 @@ def test_accepted_requests_get_the_license(plugin_dir: Path, case: dict[str, Any
     else:
         assert result["licenses"] == f"rgpu:{case['units']}"
         assert result["min_nodes"] == result["max_nodes"] == case["job_nodes"]
+    assert result["admin_comment"] == case["record"]   # the same text request.py writes and reads
     assert user_messages(result) == []
+
+
+def test_a_forged_record_in_the_admin_comment_is_refused(plugin_dir: Path) -> None:
+    forged = "rgpu:v1 nodes=1 count=4 percent=100 units=400"
+    refused = call(plugin_dir, job_desc(None, None, admin_comment=forged))
+    assert refused["rc"] == 2072 and "admin comment holds an rgpu request record" in user_messages(refused)[0]
+    # An rgpu job's record is always the plugin's own, whatever came in.
+    result = call(plugin_dir, job_desc("gres:rgpu:1", "fraction=0.1", admin_comment=forged))
+    assert result["admin_comment"] == "rgpu:v1 nodes=1 count=1 percent=10 units=10"
 
 
 @pytest.mark.parametrize("case", [c for c in CASES["cases"] if "error" in c],
@@ -200,6 +213,32 @@ def test_update_of_a_pending_job_recomputes_the_license(plugin_dir: Path, state:
     result = call(plugin_dir, update(min_nodes=2), rec)
     assert (result["licenses"], result["min_nodes"], result["max_nodes"]) == ("rgpu:200", 2, 2)
     assert call(plugin_dir, update(licenses="matlab:1"), rec)["licenses"] == "matlab:1,rgpu:100"
+
+
+def test_update_by_root_rewrites_the_record(plugin_dir: Path) -> None:
+    rec = job_rec("gres:rgpu:2", "fraction=0.5", "rgpu:100")
+    rec["admin_comment"] = "rgpu:v1 nodes=1 count=2 percent=50 units=100"
+    result = call(plugin_dir, update(comment="fraction=0.25"), rec, uid=0)
+    assert result["admin_comment"] == "rgpu:v1 nodes=1 count=2 percent=25 units=50"
+
+
+@pytest.mark.parametrize("fields", [{"comment": "fraction=0.25"}, {"comment": " fraction=1"},
+                                    {"tres_per_node": "gres:rgpu:4"}, {"min_nodes": 2}])
+def test_users_cannot_change_the_request_of_a_pending_job(plugin_dir: Path, fields: dict[str, Any]) -> None:
+    rec = job_rec("gres:rgpu:2", "fraction=0.5", "rgpu:100")
+    rec["admin_comment"] = "rgpu:v1 nodes=1 count=2 percent=50 units=100"
+    result = call(plugin_dir, update(**fields), rec, uid=1000)
+    assert result["rc"] == 2072 and "only an admin can change the rgpu request" in user_messages(result)[0]
+    assert result["admin_comment"] is None and result["licenses"] is None
+
+
+def test_users_may_change_what_does_not_change_the_request(plugin_dir: Path) -> None:
+    rec = job_rec("gres:rgpu:2", "fraction=0.5", "rgpu:100")
+    rec["admin_comment"] = "rgpu:v1 nodes=1 count=2 percent=50 units=100"
+    result = call(plugin_dir, update(comment="note, FRACTION=0.5"), rec, uid=1000)
+    assert result["rc"] == 0 and result["admin_comment"] is None
+    result = call(plugin_dir, update(licenses="matlab:1"), rec, uid=1000)
+    assert result["rc"] == 0 and result["licenses"] == "matlab:1,rgpu:100" and result["admin_comment"] is None
 
 
 def test_update_that_does_not_touch_rgpu_changes_nothing(plugin_dir: Path) -> None:

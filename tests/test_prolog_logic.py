@@ -21,7 +21,7 @@ from rgpu.prolog.logic import (
 from rgpu.slurm_plugin.scontrol import JobInfo
 
 from rgpu.adaptor import read_adaptor_conf
-from rgpu.errors import CapacityError
+from rgpu.errors import CapacityError, InvalidRequest
 from tests.daemons import EXAMPLES, REPO, RgpuCluster, wait_for
 
 PROLOG_DIR = REPO / "prolog"
@@ -54,9 +54,21 @@ def job_env(pool: RgpuCluster, run_dir: Path, job_id: int = 42, nodes: str = "c[
             "RGPU_CONFIG": str(pool.root / "rgpu.toml"), "RGPU_RUN_DIR": str(run_dir)}
 
 
-def info(job_id: int = 42, tres: str = "gres:rgpu:2", comment: str = "fraction=0.5", nodes: str = "c[1-2]") -> JobInfo:
+def info(job_id: int = 42, tres: str = "gres:rgpu:2", comment: str = "fraction=0.5", nodes: str = "c[1-2]",
+         record: str | None = None, licenses: str | None = None) -> JobInfo:
+    """The job as Slurm shows it, with the record and license job_submit.lua would have set."""
+    from rgpu.slurm_plugin.hostlist import expand_hostlist
+    from rgpu.slurm_plugin.request import parse_comment, parse_tres_per_node
+
+    count = parse_tres_per_node(tres)
+    n = len(expand_hostlist(nodes))
+    if record is None:
+        record = parse_comment(comment, count).record(n) if count else ""
+    if licenses is None:
+        licenses = f"rgpu:{record.rsplit('=', 1)[1]}" if record else ""
     return JobInfo(job_id=str(job_id), user="nobody", uid=NOBODY, account="", state="RUNNING", restart_count=0,
-                   node_names=nodes, node_count=2, tres_per_node=tres, comment=comment)
+                   node_names=nodes, node_count=n, tres_per_node=tres, comment=comment, admin_comment=record,
+                   licenses=licenses)
 
 
 def keys(pool: RgpuCluster) -> list[str]:
@@ -88,6 +100,31 @@ def test_prolog_slurmctld_skips_jobs_without_rgpu(pool: RgpuCluster, tmp_path: P
         raise AssertionError("a job without rgpu must not contact the pool")
 
     assert prolog_slurmctld(job_env(pool, tmp_path), no_pool, lambda _: info(tres="")) == []
+
+
+@pytest.mark.parametrize("job, error", [
+    # A comment that reads as a whole GPU, but the record (what the license charged) says 1%:
+    # the record wins, whatever the user-controlled fields say.
+    (dict(comment="x Comment=fraction=1 TresPerNode=gres:rgpu:4", record="rgpu:v1 nodes=2 count=2 percent=1 units=4"),
+     None),
+    (dict(record=""), "is not one job_submit.lua writes"),
+    (dict(record="rgpu:v1 nodes=2 count=2 percent=100 units=400", licenses="rgpu:100"), "license rgpu 100 (recorded 400)"),
+    (dict(record="rgpu:v1 nodes=2 count=4 percent=50 units=400", licenses="rgpu:400"), "--gres count 2 (recorded 4)"),
+    (dict(record="rgpu:v1 nodes=1 count=2 percent=50 units=100", licenses="rgpu:100"), "node count 2 (recorded 1)"),
+    (dict(tres="", record="rgpu:v1 nodes=2 count=2 percent=50 units=200"), "carries an rgpu record but no --gres"),
+    (dict(record="rgpu:v1 nodes=2 count=2 percent=50 units=200 TresPerNode=gres:rgpu:8"), "is not one"),
+])
+def test_prolog_slurmctld_leases_the_record_or_nothing(pool: RgpuCluster, tmp_path: Path, job: dict, error: str | None) -> None:
+    env = job_env(pool, tmp_path)
+    if error is None:
+        got = prolog_slurmctld(env, pool.client, lambda _: info(**job))
+        with pool.client() as c:
+            assert {s.compute_percent for key in got for s in c.get_lease(key).slices} == {1}
+        return
+    with pytest.raises(InvalidRequest) as exc:
+        prolog_slurmctld(env, pool.client, lambda _: info(**job))
+    assert error in str(exc.value) and str(exc.value).startswith("rgpu: prolog-slurmctld: ")
+    assert keys(pool) == []
 
 
 def test_prolog_slurmctld_failure_releases_what_it_got(pool: RgpuCluster, tmp_path: Path) -> None:
@@ -191,3 +228,19 @@ def test_entry_scripts_run_without_slurm(script: str, tmp_path: Path) -> None:
     expected = {"rgpu-prolog-slurmctld": 1, "rgpu-epilog-slurmctld": 1}.get(script, 0)
     assert out.returncode == expected, out
     assert "$SLURM_JOB_ID is not set" in out.stderr
+
+
+def test_node_prolog_removes_folders_of_jobs_whose_lease_is_gone(pool: RgpuCluster, tmp_path: Path) -> None:
+    from rgpu.adaptor import write_private_file
+
+    # Job 7 ended while slurmd was down: its folder stayed, its lease was released.
+    prolog_slurmctld(job_env(pool, tmp_path, job_id=7), pool.client, lambda _: info(job_id=7))
+    node_prolog({**job_env(pool, tmp_path, job_id=7), "SLURM_JOB_UID": "", "SLURM_JOB_GID": ""}, pool.client)
+    (tmp_path / "8").mkdir()                                  # a failed prolog's error: flexrun reports it
+    write_private_file(tmp_path / "8" / "error", "rgpu: prolog: x\n", None, None)
+    (tmp_path / "notajob").mkdir()
+    epilog_slurmctld(job_env(pool, tmp_path, job_id=7), pool.client)
+    assert (tmp_path / "7" / "adaptor.conf").exists()
+    prolog_slurmctld(job_env(pool, tmp_path, job_id=9), pool.client, lambda _: info(job_id=9))
+    node_prolog({**job_env(pool, tmp_path, job_id=9), "SLURM_JOB_UID": "", "SLURM_JOB_GID": ""}, pool.client)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["8", "9", "notajob", "pool"]   # pool: the fixture's

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from rgpu.errors import InvalidRequest
-from rgpu.slurm_plugin.request import RgpuRequest, parse_comment, parse_tres_per_node
+from rgpu.slurm_plugin.request import RgpuRequest, parse_comment, parse_record, parse_tres_per_node
 
 CASES = json.loads((Path(__file__).parent / "data" / "request_cases.json").read_text())
 GPU_MEMORY = CASES["gpu_memory_bytes"]
@@ -30,6 +30,32 @@ def test_accepted_cases_read_the_same(case: dict[str, Any]) -> None:
         return
     assert req is not None and req.count == case["count"]
     assert req.license_units(case["job_nodes"], GPU_MEMORY) == case["units"]
+    # The record Lua writes (tests/test_job_submit_lua.py checks the same text) reads back as the
+    # request that was validated, and the license agrees with what will be leased.
+    assert req.record(case["job_nodes"], GPU_MEMORY) == case["record"]
+    record = parse_record(case["record"])
+    assert (record.nodes, record.units, record.request.count) == (case["job_nodes"], case["units"], case["count"])
+    if req.memory_bytes:
+        assert record.request.memory_bytes == req.memory_bytes
+    else:
+        assert record.request.fraction * 100 == record.percent == req.units_per_slice()
+        assert record.units == record.nodes * record.request.count * record.percent
+
+
+@pytest.mark.parametrize("text", [
+    None, "", "fraction=1", "rgpu:v1 nodes=1 count=4 percent=100 units=400 ", "rgpu:v1 nodes=1 count=4 percent=100",
+    "rgpu:v1 nodes=1 count=4 percent=100 units=100", "rgpu:v1 nodes=1 count=1 percent=101 units=101",
+    "rgpu:v1 nodes=1 count=1 percent=50 units=50\nrgpu:v1 nodes=1 count=4 percent=100 units=400",
+    "x rgpu:v1 nodes=1 count=1 percent=50 units=50", "rgpu:v1 nodes=01 count=1 percent=50 units=50",
+    "rgpu:v1  nodes=1 count=1 percent=50 units=50", "rgpu:v1 nodes=1 count=1 percent=0 units=0",
+])
+def test_anything_but_a_whole_record_is_refused(text: str | None) -> None:
+    if text == "rgpu:v1 nodes=1 count=4 percent=100 units=400 ":
+        assert parse_record(text).units == 400     # Slurm shows a trailing space
+        return
+    with pytest.raises(InvalidRequest) as info:
+        parse_record(text)
+    assert str(info.value).startswith("rgpu: prolog-slurmctld: ")
 
 
 @pytest.mark.parametrize("case", [c for c in CASES["cases"] if "error" in c and not c["error"].startswith(LUA_ONLY)

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 from rgpu.slurm_plugin.scontrol import (
-    job_info_from_fields,
+    find_job,
+    job_info_from_json,
+    parse_jobs_json,
     parse_show_config,
-    parse_show_job,
-    rgpu_request_of,
+    show_job_json_command,
 )
 from rgpu.slurm_plugin.squeue import (
     SqueueBackend,
@@ -72,23 +73,47 @@ def test_squeue_command_and_missing_binary() -> None:
     assert "`squeue --json` exited 127" in str(info.value) and "not installed" in str(info.value)
 
 
-def test_scontrol_show_job_22_05_captured() -> None:
-    fields = parse_show_job((DATA / "scontrol-show-job-22.05.8-captured.txt").read_text())
-    info = job_info_from_fields(fields)
-    assert (info.job_id, info.user, info.uid, info.account, info.restart_count, info.node_names, info.node_count) == (
-        "3", "nobody", 65534, "", 0, "c1", 1)
-    assert (info.tres_per_node, info.comment, fields["Licenses"]) == ("gres:rgpu:1", "fraction=0.5", "rgpu:50")
-    req = rgpu_request_of(info)
-    assert req is not None and (req.count, req.fraction) == (1, 0.5)
+def captured_job(job_id: int = 3, **changes: object) -> dict:
+    jobs = json.loads((DATA / "squeue-22.05.8-captured.json").read_text())["jobs"]
+    raw = dict(next(j for j in jobs if j["job_id"] == job_id))
+    raw.update(changes)
+    return raw
 
 
-def test_scontrol_comment_with_spaces_and_equals() -> None:
-    text = "JobId=7 JobName=x\n   UserId=alice(1000) GroupId=users(100)\n   Comment=run 3, fraction=0.25 seed=1 \n" \
-           "   TresPerNode=gres/rgpu:2\n   NumNodes=2-2 NodeList=c[1-2]\n"
-    info = job_info_from_fields(parse_show_job(text))
-    assert (info.comment, info.node_count, info.tres_per_node) == ("run 3, fraction=0.25 seed=1", 2, "gres/rgpu:2")
-    req = rgpu_request_of(info)
-    assert req is not None and (req.count, req.fraction) == (2, 0.25)
+def test_job_from_squeue_json_22_05_captured() -> None:
+    raw = captured_job(admin_comment="rgpu:v1 nodes=1 count=1 percent=50 units=50")
+    info = job_info_from_json(raw)
+    assert (info.job_id, info.user, info.uid, info.restart_count, info.node_names, info.node_count) == (
+        "3", "nobody", 65534, 0, "c1", 1)
+    assert (info.tres_per_node, info.comment, info.licenses, info.admin_comment) == (
+        "gres:rgpu:1", "fraction=0.5", "rgpu:50", "rgpu:v1 nodes=1 count=1 percent=50 units=50")
+
+
+HOSTILE = "x Comment=fraction=1 TresPerNode=gres:rgpu:4 Licenses=rgpu:1\nAdminComment=rgpu:v1 nodes=1 count=4 percent=100 units=400"
+
+
+@pytest.mark.parametrize("field", ["name", "comment", "current_working_directory", "command", "standard_output"])
+def test_user_fields_holding_key_value_text_change_nothing(field: str) -> None:
+    raw = captured_job(admin_comment="rgpu:v1 nodes=1 count=1 percent=50 units=50", **{field: HOSTILE})
+    text = json.dumps({"jobs": [captured_job(1), raw, captured_job(2)]})
+    info = find_job(parse_jobs_json(text, "squeue --json"), "3", "squeue --json")
+    assert (info.tres_per_node, info.licenses, info.admin_comment) == (
+        "gres:rgpu:1", "rgpu:50", "rgpu:v1 nodes=1 count=1 percent=50 units=50")
+
+
+def test_job_query_commands_and_errors() -> None:
+    assert show_job_json_command("7") == ["scontrol", "--json", "show", "job", "7"]
+    with pytest.raises(ValueError):
+        show_job_json_command("7 --all")
+    with pytest.raises(RgpuError, match="shows 0 jobs with id 9"):
+        find_job([captured_job(1)], "9", "squeue --json")
+    # 24.x shape: numbers as objects, grouped comments.
+    raw = {"job_id": {"set": True, "infinite": False, "number": 5}, "job_state": ["RUNNING"],
+           "comment": {"administrator": "rgpu:v1 nodes=1 count=1 percent=5 units=5", "job": "fraction=0.05"},
+           "node_count": {"set": True, "infinite": False, "number": 1}, "licenses": "rgpu:5"}
+    info = job_info_from_json(raw)
+    assert (info.job_id, info.admin_comment, info.comment, info.node_count) == (
+        "5", "rgpu:v1 nodes=1 count=1 percent=5 units=5", "fraction=0.05", 1)
 
 
 def test_scontrol_show_config() -> None:

@@ -169,16 +169,52 @@ def request_gpus(ctx: Context, count: int, fraction: float | None, memory: str |
     click.echo(f"release with: rgpu-admin release-gpus -f {path}")
 
 
+def slurm_job_keys(keys: list[str], job_id: str, cluster: str) -> list[str]:
+    """Keys of Slurm job `job_id` (`slurm:<cluster>:<job>:<restart>:<node>`, see prolog/README.md),
+    of one cluster, or of any when `cluster` is empty. Pure."""
+    found = []
+    for key in keys:
+        parts = key.split(":")
+        if len(parts) == 5 and parts[0] == "slurm" and parts[2] == job_id and (not cluster or parts[1] == cluster):
+            found.append(key)
+    return sorted(found)
+
+
 @main.command("release-gpus")
-@click.option("-f", "--file", "conf_file", required=True, type=click.Path(dir_okay=False),
-              help="adaptor.conf written by request-gpus.")
+@click.option("-f", "--file", "conf_file", type=click.Path(dir_okay=False),
+              help="adaptor.conf written by request-gpus (or by the Slurm prolog).")
+@click.option("--job-key", "job_keys", multiple=True, metavar="KEY",
+              help="Release this lease by its key, as `rgpu-admin leases` lists it (repeatable).")
+@click.option("--slurm-job", metavar="ID", help="Release every lease of this Slurm job (all nodes, all restarts).")
+@click.option("--cluster", default="", metavar="NAME", help="With --slurm-job: the Slurm ClusterName.")
 @click.pass_obj
-def release_gpus(ctx: Context, conf_file: str) -> None:
-    """Release the lease an adaptor.conf describes (safe to run twice)."""
-    conf = read_adaptor_conf(conf_file)
+def release_gpus(ctx: Context, conf_file: str | None, job_keys: tuple[str, ...], slurm_job: str | None,
+                 cluster: str) -> None:
+    """Release leases by adaptor.conf, by key or by Slurm job id (safe to run twice)."""
+    if sum((conf_file is not None, bool(job_keys), slurm_job is not None)) != 1:
+        raise InvalidRequest("admin", "give one of -f FILE, --job-key KEY or --slurm-job ID", "",
+                             "e.g. rgpu-admin release-gpus --slurm-job 1234")
+    if cluster and slurm_job is None:
+        raise InvalidRequest("admin", "--cluster goes with --slurm-job", "", "add --slurm-job ID")
     with ctx.client() as client:
-        released = client.release(conf.job_id)
-    click.echo(f"released {conf.job_id}" if released else f"{conf.job_id} was already released")
+        if conf_file is not None:
+            keys = [read_adaptor_conf(conf_file).job_id]
+        elif job_keys:
+            keys = list(job_keys)
+        else:
+            if not (slurm_job or "").isdigit():
+                raise InvalidRequest("admin", f"--slurm-job {slurm_job!r} is not a job id", "", "give the number squeue shows")
+            keys = slurm_job_keys([lease.job_key for lease in client.list_leases()], slurm_job or "", cluster)
+            clusters = sorted({k.split(":")[1] for k in keys})
+            if len(clusters) > 1:
+                raise InvalidRequest("admin", f"Slurm job {slurm_job} has leases in clusters {', '.join(clusters)}",
+                                     "job ids repeat across clusters", "add --cluster NAME")
+            if not keys:
+                click.echo(f"Slurm job {slurm_job} holds no lease{f' in cluster {cluster}' if cluster else ''}")
+                return
+        for key in keys:
+            released = client.release(key)
+            click.echo(f"released {key}" if released else f"{key} was already released")
 
 
 def _set_state(ctx: Context, server: str, drained: bool) -> None:
@@ -201,6 +237,17 @@ def drain(ctx: Context, server: str) -> None:
 def resume(ctx: Context, server: str) -> None:
     """Place slices on a drained SERVER again."""
     _set_state(ctx, server, False)
+
+
+@main.command("remove-server")
+@click.argument("server")
+@click.pass_obj
+def remove_server(ctx: Context, server: str) -> None:
+    """Forget SERVER (address or hostname) for good: it must be down and hold no lease. `health`
+    stops reporting it; if its dispatcher ever starts again, it registers anew."""
+    with ctx.client() as client:
+        address = client.remove_server(server)
+    click.echo(f"{address}: removed")
 
 
 @main.group()

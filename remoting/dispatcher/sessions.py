@@ -77,6 +77,29 @@ def worker_environment(base: os._Environ[str] | dict[str, str]) -> dict[str, str
     return env
 
 
+RUNTIME_PREFIX = "rgpu-sessions-"
+OWNER_FILE = "owner.pid"
+
+
+def sweep_dead_runtime_dirs(tmp: Path, log: logging.Logger) -> list[Path]:
+    """Remove the runtime folders of dispatchers that were killed (kill -9 leaves them): ours (same
+    uid) whose owner.pid names a process that no longer exists. Never raises."""
+    removed = []
+    for path in tmp.glob(RUNTIME_PREFIX + "*"):
+        try:
+            if path.is_symlink() or not path.is_dir() or path.stat().st_uid != os.getuid():
+                continue
+            pid = int((path / OWNER_FILE).read_text().strip())
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+            log.info("removed %s, left by a dispatcher that was killed", path)
+        except (OSError, ValueError):
+            continue       # no owner file (running, or not ours to judge), or the process lives
+    return removed
+
+
 class SessionServer:
     def __init__(self, *, listen_socket: socket.socket, advertised: str, gpus: list[GpuInfo], secret: bytes,
                  port_range: tuple[int, int], backend: str, log: logging.Logger) -> None:
@@ -89,8 +112,10 @@ class SessionServer:
         self.port_range = port_range
         self.backend = backend
         self.log = log
-        self.runtime_dir = Path(tempfile.mkdtemp(prefix="rgpu-sessions-"))
+        sweep_dead_runtime_dirs(Path(tempfile.gettempdir()), log)
+        self.runtime_dir = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX))
         os.chmod(self.runtime_dir, 0o700)
+        (self.runtime_dir / OWNER_FILE).write_text(f"{os.getpid()}\n")
         self.mps = MpsDaemon([g.uuid for g in gpus], self.runtime_dir / "mps", log)
         self._sessions: dict[int, SessionRecord] = {}
         self._lock = threading.Lock()

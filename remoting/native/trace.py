@@ -60,6 +60,35 @@ def merge(files: list[Path]) -> tuple[Counter[tuple[str, str]], set[str], list[s
     return counts, tables, programs
 
 
+# How rgpu's libcuda answers each private export table (src/cuda_export.c): "all" slots, the
+# listed slots only, or none (NOT_FOUND, or tables whose every slot returns NOT_SUPPORTED).
+EXPORT_TABLES: dict[str, tuple[str, set[int] | None]] = {
+    "6bd5fb6c-5bf4-e74a-8987-d93912fd9df9": ("CUDART_INTERFACE", {1, 2, 6, 7, 8, 12}),
+    "42d85a81-23f6-cb47-8298-f6e78a3aecdc": ("TOOLS_TLS", None),
+    "a094798c-2e74-2e74-93f2-0800200c0a66": ("TOOLS_RUNTIME_CALLBACK_HOOKS", None),
+    "c693336e-1121-df11-a8c3-68f355d89593": ("CONTEXT_LOCAL_STORAGE", None),
+    "d4082055-bde6-704b-8d34-ba123c66e1f2": ("INTEGRITY_CHECK", None),
+    "263e8860-7cd2-6143-92f6-bbd5006dfa7e": ("CONTEXT_CHECKS", {1, 2, 3}),
+    "21318c60-9714-3248-8ca6-41ff7324c8f2": ("TOOLS_CONTEXT", {4, 39, 51}),
+    "1734dc26-800d-4745-8726-c0f1e7dd8bca": ("1734dc26", set()),
+    "69a28e9f-2449-8b47-b030-c5da330ea4e9": ("69a28e9f", set()),
+}
+
+
+def export_status(name: str) -> str:
+    """'answered in the client' or 'NOT ANSWERED' for an 'export <uuid> slot N' entry."""
+    parts = name.split()
+    if len(parts) >= 4 and parts[1] == "INTEGRITY_CHECK":
+        return "answered in the client"
+    if len(parts) < 4 or parts[2] != "slot":
+        return "NOT ANSWERED"
+    known = EXPORT_TABLES.get(parts[1])
+    if known is None:
+        return "NOT ANSWERED"
+    slots = known[1]
+    return "answered in the client" if slots is None or int(parts[3]) in slots else "NOT ANSWERED"
+
+
 def _base(name: str) -> str:
     return re.sub(r"_(ptds|ptsz)$", "", name)
 
@@ -71,7 +100,9 @@ def render(counts: Counter[tuple[str, str]], tables: set[str], programs: list[st
     missing = []
     for (lib, name), n in sorted(counts.items(), key=lambda kv: (kv[0][0], -kv[1], kv[0][1])):
         if name.startswith("export"):
-            how = "answered in the client"
+            how = export_status(name)
+            if how == "NOT ANSWERED":
+                missing.append(name)
         else:
             mode = status.get(name) or status.get(_base(name))
             if mode is None and lib == "cuda":

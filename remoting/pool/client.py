@@ -107,6 +107,9 @@ class PoolClient:
     def set_server_state(self, server: str, drained: bool) -> pb.Server:
         return self._call("SetServerState", pb.SetServerStateRequest(server=server, drained=drained))
 
+    def remove_server(self, server: str) -> str:
+        return self._call("RemoveServer", pb.RemoveServerRequest(server=server)).address
+
     def set_quota(self, kind: str, name: str, limit_units: int) -> pb.Quota:
         return self._call("SetQuota", pb.SetQuotaRequest(kind=kind, name=name, limit_units=limit_units))
 

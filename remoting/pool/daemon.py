@@ -147,6 +147,10 @@ class PoolServicer(pb_grpc.PoolServicer):
         return self._server_pb(self.core.set_drained(request.server, request.drained))
 
     @_rpc
+    def RemoveServer(self, request: pb.RemoveServerRequest, context: Any) -> pb.RemoveServerReply:
+        return pb.RemoveServerReply(address=self.core.remove_server(request.server))
+
+    @_rpc
     def SetQuota(self, request: pb.SetQuotaRequest, context: Any) -> pb.Quota:
         quota = self.core.set_quota(request.kind, request.name, request.limit_units)
         if quota is None:

@@ -35,7 +35,7 @@ def error_from_status(code: grpc.StatusCode, detail: str, address: str) -> RgpuE
     if code in UNAVAILABLE_STATUSES:
         return Unavailable("pool", f"pool daemon at {address} did not answer",
                            f"{code.name.lower()}: is rgpu-poold running and reachable?",
-                           "check `systemctl status rgpu-poold` and the --pool / RGPU_POOL address")
+                           "check that rgpu-poold runs on that host (its log) and the --pool / RGPU_POOL address")
     err_type = _STATUS_ERROR.get(code, RgpuError)
     # The pool's messages are already in `rgpu: pool: what (why; fix)` form: keep them whole.
     return err_type.from_message(detail if detail.startswith("rgpu:") else f"rgpu: pool: {detail} ({code.name})")

@@ -205,6 +205,29 @@ class PoolCore:
         self._capacity_changed()
         return entry
 
+    def remove_server(self, name: str) -> str:
+        """Forget a server that is gone for good: it must be down and hold no lease. Returns its address."""
+        with self._lock:
+            entry = self.find_server(name)
+            address = entry.info.address
+            if self.state_of(entry) != "down":
+                raise InvalidRequest("pool", f"server {address} is not down", "it still sends heartbeats",
+                                     "stop its rgpu-dispatcher first (or drain it to keep it out of placement)")
+            holders = sorted(lease.job_key for lease in self.leases.values()
+                             if any(s.server == address for s in lease.slices))
+            if holders:
+                shown = ", ".join(holders[:5]) + (f" and {len(holders) - 5} more" if len(holders) > 5 else "")
+                raise InvalidRequest("pool", f"server {address} still holds slices of {len(holders)} lease(s): {shown}",
+                                     "their jobs may still be running",
+                                     "release them first (rgpu-admin release-gpus --job-key KEY)")
+            self.store.delete_server(address)
+            del self.servers[address]
+            for key in [k for k in self._usage if k[0] == address]:
+                del self._usage[key]
+        log.info("rgpu-poold: server %s removed", address)
+        self._capacity_changed()
+        return address
+
     def check_down_servers(self) -> list[str]:
         """Log servers that went down since the last check; return their addresses."""
         now = self.clock()

@@ -102,6 +102,9 @@ class Store:
     def set_drained(self, address: str, drained: bool) -> None:
         self._write("UPDATE servers SET drained=? WHERE address=?", (int(drained), address))
 
+    def delete_server(self, address: str) -> None:
+        self._write("DELETE FROM servers WHERE address=?", (address,))
+
     def insert_lease(self, lease: LeaseRecord) -> None:
         self._write(
             "INSERT INTO leases(job_key, user, account, created, expires, slices_json) VALUES (?, ?, ?, ?, ?, ?)",

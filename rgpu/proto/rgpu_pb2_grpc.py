@@ -79,6 +79,11 @@ class PoolStub:
                 request_serializer=rgpu_dot_proto_dot_rgpu__pb2.SetServerStateRequest.SerializeToString,
                 response_deserializer=rgpu_dot_proto_dot_rgpu__pb2.Server.FromString,
                 _registered_method=True)
+        self.RemoveServer = channel.unary_unary(
+                '/rgpu.v1.Pool/RemoveServer',
+                request_serializer=rgpu_dot_proto_dot_rgpu__pb2.RemoveServerRequest.SerializeToString,
+                response_deserializer=rgpu_dot_proto_dot_rgpu__pb2.RemoveServerReply.FromString,
+                _registered_method=True)
         self.SetQuota = channel.unary_unary(
                 '/rgpu.v1.Pool/SetQuota',
                 request_serializer=rgpu_dot_proto_dot_rgpu__pb2.SetQuotaRequest.SerializeToString,
@@ -153,6 +158,12 @@ class PoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RemoveServer(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetQuota(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -218,6 +229,11 @@ def add_PoolServicer_to_server(servicer, server):
                     servicer.SetServerState,
                     request_deserializer=rgpu_dot_proto_dot_rgpu__pb2.SetServerStateRequest.FromString,
                     response_serializer=rgpu_dot_proto_dot_rgpu__pb2.Server.SerializeToString,
+            ),
+            'RemoveServer': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveServer,
+                    request_deserializer=rgpu_dot_proto_dot_rgpu__pb2.RemoveServerRequest.FromString,
+                    response_serializer=rgpu_dot_proto_dot_rgpu__pb2.RemoveServerReply.SerializeToString,
             ),
             'SetQuota': grpc.unary_unary_rpc_method_handler(
                     servicer.SetQuota,
@@ -478,6 +494,33 @@ class Pool:
             '/rgpu.v1.Pool/SetServerState',
             rgpu_dot_proto_dot_rgpu__pb2.SetServerStateRequest.SerializeToString,
             rgpu_dot_proto_dot_rgpu__pb2.Server.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveServer(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rgpu.v1.Pool/RemoveServer',
+            rgpu_dot_proto_dot_rgpu__pb2.RemoveServerRequest.SerializeToString,
+            rgpu_dot_proto_dot_rgpu__pb2.RemoveServerReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,12 +4,14 @@ client process, before cuInit and without any session (loaded through ctypes, no
 from __future__ import annotations
 
 import ctypes
+import shutil
 import os
 import struct
 import subprocess
 import sys
 import textwrap
 import uuid
+from pathlib import Path
 
 from rgpu.remoting.native import build
 
@@ -56,6 +58,14 @@ def test_every_runtime_table_is_answered_before_cuinit_with_its_size(native_libs
         r, addr = table({CONTEXT_STORAGE!r})
         s = slots(addr, 4)
         print("STORAGE", r, all(s[:3]), s[3])
+        for name, text, n in [("T1734", "1734dc26-800d-4745-8726-c0f1e7dd8bca", 17),
+                              ("T69A2", "69a28e9f-2449-8b47-b030-c5da330ea4e9", 34)]:
+            r, addr = table(text)
+            s = slots(addr, n)
+            print(name, r, s[0], all(s[1:]), ctypes.CFUNCTYPE(ctypes.c_int)(s[1])())
+        # The tools-context table goes to the math libraries' runtime only (this caller is not one).
+        r, addr = table("21318c60-9714-3248-8ca6-41ff7324c8f2")
+        print("TOOLSCTX", r, addr)
         r, addr = table({SKIP_INIT_PROBE!r})
         print("PROBE", r, addr)
         r, addr = table("00000000-0000-0000-0000-000000000000")
@@ -68,8 +78,12 @@ def test_every_runtime_table_is_answered_before_cuinit_with_its_size(native_libs
     # Context-local storage has no size slot: three functions and a NULL end.
     assert lines[5] == "STORAGE 0 True None"
     # Unknown tables (cudart's skip-init probe among them) are CUDA_ERROR_NOT_FOUND, never NOT_SUPPORTED.
-    assert lines[6] == f"PROBE {NOT_FOUND} None"
-    assert lines[7] == f"UNKNOWN {NOT_FOUND} None"
+    # Tables whose slots are unknown: the driver's size, every slot callable (NOT_SUPPORTED, 801).
+    assert lines[6] == "T1734 0 136 True 801"
+    assert lines[7] == "T69A2 0 272 True 801"
+    assert lines[8] == f"TOOLSCTX {NOT_FOUND} None"
+    assert lines[9] == f"PROBE {NOT_FOUND} None"
+    assert lines[10] == f"UNKNOWN {NOT_FOUND} None"
 
 
 def test_tools_hooks_are_callable_and_hand_out_static_buffers(native_libs: build.Libraries) -> None:
@@ -281,3 +295,55 @@ def test_fatbin_walk_stops_at_the_end_of_mapped_memory(native_libs: build.Librar
     assert libc.munmap(base + total, page) == 0  # a hole right after the container
     assert fatbin_size(base + start) == size
 
+
+
+def test_tools_context_is_answered_to_the_math_libraries_runtime(native_libs: build.Libraries,
+                                                                 tmp_path: Path) -> None:
+    # A library whose file name starts like cuBLAS's stands for the runtime inside it.
+    src = tmp_path / "probe.c"
+    src.write_text(textwrap.dedent("""
+        #include <stdint.h>
+        #include <string.h>
+        typedef int (*get_table_t)(const void **, const unsigned char *);
+        typedef int (*slot4_t)(uint64_t, uint64_t *);
+        typedef int (*slot39_t)(uint64_t, uint64_t, uint64_t *);
+        int probe(get_table_t get, uint64_t out[6]) {
+            static const unsigned char id[16] = {0x21, 0x31, 0x8c, 0x60, 0x97, 0x14, 0x32, 0x48,
+                                                 0x8c, 0xa6, 0x41, 0xff, 0x73, 0x24, 0xc8, 0xf2};
+            const void *const *t = 0;
+            int r = get((const void **)&t, id);
+            if (r) return r;
+            out[0] = (uint64_t)(uintptr_t)t[0];
+            out[5] = 0;
+            r = ((slot4_t)t[4])(7, &out[1]);
+            r |= ((slot4_t)t[4])(0, &out[2]);
+            r |= ((slot39_t)t[39])(1, 1, &out[3]);
+            r |= ((slot39_t)t[51])(1, 2, &out[4]);
+            out[5] = ((slot39_t)t[51])(1, UINT64_MAX, &out[5]);
+            return r;
+        }
+        """))
+    lib = tmp_path / "libcublasProbe.so.13"
+    cc = shutil.which("gcc") or shutil.which("cc")
+    done = subprocess.run([cc, "-shared", "-fPIC", "-O1", str(src), "-o", str(lib)], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    code = f"""
+        import ctypes
+        cuda = ctypes.CDLL({str(native_libs.libcuda)!r})
+        probe = ctypes.CDLL({str(lib)!r})
+        out = (ctypes.c_uint64 * 6)()
+        r = probe.probe(ctypes.cast(cuda.cuGetExportTable, ctypes.c_void_p), out)
+        print("R", r, list(out))
+        """
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60,
+                          env=env, check=False)
+    assert done.returncode == 0, done.stderr
+    words = done.stdout.split()
+    assert words[:2] == ["R", "0"], done.stdout
+    values = [int(w.strip("[],")) for w in words[2:]]
+    assert values[0] == 93 * 8          # the driver's 93 slots
+    assert values[1:4] == [1, 0, 0]     # slot 4: non-zero argument -> 1; slot 39 writes 0
+    assert values[4] != 0               # slot 51 hands out an object
+    assert values[5] == 400             # ... but not for an invalid handle

@@ -61,10 +61,20 @@ def lua_conf_from_pool(pool: RgpuCluster) -> str:
     return render_slurm_config(values, ("job_submit_rgpu.conf",))
 
 
-def start_pool(pool: RgpuCluster) -> RgpuCluster:
+# The pool daemon's Slurm integration as the session cluster runs it: the reconciler (which also
+# starts jobs waiting for the pool) every second, leases of gone jobs released after 10 s. License
+# sync is off here only because tests drive their own LicenseSync against the same license.
+RECONCILE_INTERVAL_SECONDS = 1.0
+RECONCILE_GRACE_SECONDS = 10.0
+
+
+def start_pool(pool: RgpuCluster, slurm_conf: Path | None = None) -> RgpuCluster:
+    """The pool and two dispatchers; with `slurm_conf` (where the Slurm cluster will write it) the
+    pool runs its Slurm integration as it does by default beside a Slurm cluster."""
     pool.write_config(down_after_seconds=3.0, heartbeat_interval_seconds=0.5, reclaim_interval_seconds=0.5,
-                      max_slices_per_job=MAX_SLICES_PER_JOB)
-    pool.start_pool()
+                      max_slices_per_job=MAX_SLICES_PER_JOB, slurm_reconcile_interval_seconds=RECONCILE_INTERVAL_SECONDS,
+                      slurm_reconcile_grace_seconds=RECONCILE_GRACE_SECONDS, slurm_license_sync=False)
+    pool.start_pool(env=pool.env(SLURM_CONF=str(slurm_conf)) if slurm_conf else None)
     for inventory in ("inventory-a.toml", "inventory-b.toml"):
         pool.start_dispatcher(EXAMPLES / inventory)
     try:
@@ -125,11 +135,17 @@ def rgpu_slurm() -> Iterator[Harness]:
     try:
         pool = RgpuCluster(root / "pool")
         started.append(pool)
-        start_pool(pool)
+        start_pool(pool, slurm_conf=root / "slurm" / "etc" / "slurm.conf")
         (root / "slurm").mkdir()
         slurm = SlurmCluster(slurm_config(pool, run_dir), root=root / "slurm")
         started.append(slurm)
         slurm.start()
+        # rgpu-poold looks for Slurm when it starts: now that slurm.conf exists, start it again
+        # (same state) so it runs its Slurm integration, as beside any configured Slurm.
+        assert pool.pool is not None
+        pool.pool.stop()
+        pool.start_pool(env=pool.env(SLURM_CONF=str(slurm.conf)))
+        wait_for(lambda: pool_ready(pool, 400), timeout=30, what="4 GPUs registered again")
         yield Harness(slurm, pool, run_dir)
     finally:
         teardown()

@@ -141,3 +141,117 @@ def test_render_slurm_config_with_live_numbers() -> None:
     assert "3 GPU(s) on 2 server(s), 200 of 300 GPU-percent healthy" in text
     only = render_slurm_config(values, ("gres.conf",))
     assert only.startswith("# rgpu: lines for gres.conf") and "Licenses" not in only
+
+
+# ---------------------------------------------------------------- jobs waiting for the pool
+
+def room_gpu(allocated: int, usable: int = 80 << 30, state: str = "up", memory: int | None = None) -> SimpleNamespace:
+    used = usable * allocated // 100 if memory is None else memory
+    return SimpleNamespace(server_state=state, gpu=SimpleNamespace(usable_memory_bytes=usable),
+                           allocated_percent=allocated, allocated_memory_bytes=used)
+
+
+def waiting(job_id: int, record: str, state: str = "PENDING", reason: str = "BeginTime") -> SlurmJob:
+    from rgpu.slurm_plugin.waiting import waiting_comment
+
+    return SlurmJob(job_id=job_id, state=state, flags=(), restart_count=1, user="alice", cluster="hpc", nodes="",
+                    tres_per_node="gres:rgpu:1", comment="", reason=reason,
+                    admin_comment=waiting_comment(record, "rgpu: pool: cannot place 1 slice(s) | of 50%\nnext"))
+
+
+def test_waiting_comment_is_one_line_and_keeps_the_record() -> None:
+    from rgpu.slurm_plugin.request import parse_record
+    from rgpu.slurm_plugin.waiting import waiting_record
+
+    job = waiting(1, "rgpu:v1 nodes=1 count=1 percent=50 units=50")
+    assert "\n" not in job.admin_comment and job.admin_comment.count(" | ") == 1
+    assert job.admin_comment.startswith("rgpu:v1 nodes=1 count=1 percent=50 units=50 | rgpu: waiting: ")
+    assert parse_record(job.admin_comment).units == 50
+    assert waiting_record(job.admin_comment) is not None
+    assert waiting_record("rgpu:v1 nodes=1 count=1 percent=50 units=50") is None   # not marked: not ours to start
+
+
+def test_jobs_to_start_counts_each_against_the_free_room() -> None:
+    from rgpu.slurm_plugin import waiting as w
+
+    def jobs_to_start(jobs, gpus):  # type: ignore[no-untyped-def]
+        return [job_id for job_id, _ in w.jobs_to_start(jobs, gpus)]
+
+    half = "rgpu:v1 nodes=1 count=1 percent=50 units=50"
+    two_halves = "rgpu:v1 nodes=1 count=2 percent=50 units=100"
+    # Fragmented: 40% free on each of 4 GPUs: nothing fits.
+    assert jobs_to_start([waiting(1, half)], [room_gpu(60)] * 4) == []
+    # One GPU freed: the oldest waiting half-GPU job, and only one of the two two-slice jobs.
+    gpus = [room_gpu(0), room_gpu(60), room_gpu(60), room_gpu(60)]
+    assert jobs_to_start([waiting(3, half), waiting(2, half), waiting(4, two_halves)], gpus) == [2, 3]
+    assert jobs_to_start([waiting(4, two_halves), waiting(5, two_halves)], gpus) == []
+    assert jobs_to_start([waiting(4, two_halves), waiting(5, two_halves)], [room_gpu(0), room_gpu(50), room_gpu(60)]) == [4]
+    # Down servers do not count; running jobs are never started again.
+    assert jobs_to_start([waiting(1, half)], [room_gpu(0, state="down")]) == []
+    assert jobs_to_start([waiting(1, half, state="RUNNING")], [room_gpu(0)]) == []
+    # Memory slices need memory, and two nodes need room for both.
+    mem = "rgpu:v1 nodes=1 count=1 memory=42949672960 units=50"
+    assert jobs_to_start([waiting(1, mem)], [room_gpu(10, memory=60 << 30)]) == []
+    assert jobs_to_start([waiting(1, mem)], [room_gpu(10, memory=30 << 30)]) == [1]
+    assert jobs_to_start([waiting(1, "rgpu:v1 nodes=2 count=1 percent=60 units=120")], [room_gpu(0), room_gpu(50)]) == []
+    assert jobs_to_start([waiting(1, "rgpu:v1 nodes=2 count=1 percent=60 units=120")], [room_gpu(0), room_gpu(40)]) == [1]
+
+
+def test_slurm_integration_is_on_by_default_only_where_slurm_is_configured(monkeypatch: pytest.MonkeyPatch,
+                                                                             tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import logging
+
+    from rgpu.config import Settings
+    from rgpu.slurm_plugin.poolhooks import slurm_configured, start_from_settings
+
+    defaults = Settings()
+    assert defaults.slurm_reconcile_interval_seconds > 0 and defaults.slurm_license_sync
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "missing.conf"))
+    assert "no Slurm configuration" in (slurm_configured() or "")
+    off = start_from_settings(object(), defaults, logging.getLogger("t"))      # nothing touches the core
+    assert off.reconciler is None and off.license_sync is None
+    (tmp_path / "slurm.conf").write_text("ClusterName=x\n")
+    monkeypatch.setenv("SLURM_CONF", str(tmp_path / "slurm.conf"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert "not installed" in (slurm_configured() or "")
+
+
+def test_pyslurm_jobs_are_read_from_their_documented_shapes() -> None:
+    from rgpu.slurm_plugin.squeue import backend_for, job_from_pyslurm, tres_from_gres_per_node, SqueueBackend
+
+    assert tres_from_gres_per_node({"rgpu": 2}) == "gres:rgpu:2"
+    assert tres_from_gres_per_node({"gpu:a100": 1, "rgpu": 1}) == "gres:gpu:a100:1,gres:rgpu:1"
+    assert tres_from_gres_per_node(None) == "" and tres_from_gres_per_node("gres:rgpu:3") == "gres:rgpu:3"
+    job = job_from_pyslurm(SimpleNamespace(id=9, state="RUNNING", requeue_count=1, user_name="alice", cluster="hpc",
+                                           allocated_nodes="c1", gres_per_node={"rgpu": 2}, comment="fraction=0.5",
+                                           state_reason="None", admin_comment="rgpu:v1 nodes=1 count=2 percent=50 units=100"))
+    assert (job.rgpu_count(), job.restart_count, job.running, job.admin_comment) == (
+        2, 1, True, "rgpu:v1 nodes=1 count=2 percent=50 units=100")
+    assert isinstance(backend_for("auto"), SqueueBackend)   # pyslurm only when chosen
+
+
+def test_demo_never_shows_whole_lease_tokens() -> None:
+    from rgpu.slurm_plugin.demo import without_tokens
+
+    text = '[[slice]]\nserver = "h:1"\ntoken = "v1.abcdefghijklmnopqrstuvwxyz0123456789"\n'
+    shown = without_tokens(text)
+    assert "abcdefghijklmnop" not in shown and 'token = "v1.abcdefghi..."' in shown and 'server = "h:1"' in shown
+
+
+def test_a_job_slurm_held_after_repeated_requeues_is_released_when_it_fits() -> None:
+    from rgpu.slurm_plugin.waiting import jobs_to_start
+
+    half = "rgpu:v1 nodes=1 count=1 percent=50 units=50"
+    jobs = [waiting(1, half, reason="JobHoldMaxRequeue"), waiting(2, half)]
+    assert jobs_to_start(jobs, [room_gpu(0)]) == [(1, True), (2, False)]
+
+
+def test_a_job_over_its_quota_is_marked_but_not_started_early() -> None:
+    from rgpu.slurm_plugin.waiting import jobs_to_start, waiting_comment, waiting_record
+
+    text = waiting_comment("rgpu:v1 nodes=1 count=1 percent=50 units=50",
+                           "rgpu: pool: quota of user alice exceeded (uses 100 of 100)")
+    assert " | rgpu: waiting for quota: rgpu: pool: quota of user alice" in text and waiting_record(text) is None
+    job = SlurmJob(job_id=1, state="PENDING", flags=(), restart_count=1, user="alice", cluster="hpc", nodes="",
+                   tres_per_node="gres:rgpu:1", comment="", reason="BeginTime", admin_comment=text)
+    assert jobs_to_start([job], [room_gpu(0)]) == []

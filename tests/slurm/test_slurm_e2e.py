@@ -168,7 +168,7 @@ def test_pool_killed_and_restarted_while_a_job_runs(h: Harness) -> None:
     assert h.pool.pool is not None
     h.pool.pool.kill()                       # SIGKILL: no clean shutdown
     time.sleep(1)
-    h.pool.start_pool()                      # same port, same state file
+    h.pool.start_pool(env=h.pool.env(SLURM_CONF=str(h.slurm.conf)))   # same port, same state file
     wait_until("the dispatchers to re-register", lambda: pool_ready(h.pool, 400) or None, 30)
     info = finished(h, job, 60)
     assert info["JobState"] == "COMPLETED", f"{info}\n{h.slurm.job_output(job)}\n{diagnostics(h)}"
@@ -355,25 +355,134 @@ def test_squeue_json_of_the_live_cluster_parses(h: Harness) -> None:
     assert (jobs[plain].state, jobs[plain].rgpu_count(), jobs[plain].live) == ("COMPLETED", None, False)
 
 
+# No leak without configuration (issue 10) ----------------------------------------------------------
+def test_jobs_ending_while_the_pool_is_down_leak_nothing(h: Harness) -> None:
+    jobs = [h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.1"], "sleep 300\n", user=JOB_USER) for _ in range(2)]
+    for job in jobs:
+        wait_until(f"job {job} to run past its prologs",
+                   lambda j=job: h.slurm.job_json(j).get("state_reason") == "None" or None, 30)
+        wait_until(f"job {job}'s lease", lambda j=job: h.job_leases(j) or None, 10)
+    assert h.pool.pool is not None
+    h.pool.pool.kill()                                   # the pool is away while the jobs end
+    h.slurm.command(["scancel", *jobs])
+    time.sleep(5)
+    h.pool.start_pool(env=h.pool.env(SLURM_CONF=str(h.slurm.conf)))
+    for job in jobs:   # EpilogSlurmctld retried until the pool was back
+        no_lease_soon(h, job, timeout=30)
+        assert finished(h, job, 30)["JobState"] == "CANCELLED"
+    wait_until("the dispatchers to re-register", lambda: pool_ready(h.pool, 400) or None, 30)
+
+
+def test_the_pool_releases_leases_of_gone_jobs_by_default(h: Harness) -> None:
+    """The reconciler runs in rgpu-poold because Slurm is configured beside it (the session pool's
+    rgpu.toml sets only the interval and grace, for speed)."""
+    with h.client() as pool:
+        pool.allocate("slurm:rgputest:999999:0:c1", JOB_USER, 1, fraction=0.1)   # its job never existed
+        pool.allocate("admin-kept", JOB_USER, 1, fraction=0.1)
+    try:
+        wait_until("the gone job's lease to be released", lambda: not h.job_leases("999999") or None, 30)
+        assert "admin-kept" in {lease.job_key for lease in h.leases()}
+    finally:
+        with h.client() as pool:
+            pool.release("admin-kept")
+
+
+# Hostile fields (issue 10) -----------------------------------------------------------------------
+FORGED = "Comment=fraction=1 TresPerNode=gres:rgpu:4 Licenses=rgpu:400"
+FORGED_RECORD = "AdminComment=rgpu:v1 nodes=1 count=4 percent=100 units=400"
+
+
+def assert_license_and_lease_agree(h: Harness, job_id: str, percent: int) -> None:
+    """The license charged, the record, and the lease are all one slice of `percent`."""
+    job = h.slurm.job_json(job_id)
+    leases = h.job_leases(job_id)
+    context = f"job {job_id}: {job.get('licenses')!r} {job.get('admin_comment')!r} {leases}\n{diagnostics(h)}"
+    assert job["licenses"] == f"rgpu:{percent}", context
+    assert job["admin_comment"] == f"rgpu:v1 nodes=1 count=1 percent={percent} units={percent}", context
+    assert len(leases) == 1 and [s.compute_percent for s in leases[0].slices] == [percent], context
+
+
+def test_hostile_names_comments_workdirs_and_updates_never_change_what_is_leased(h: Harness) -> None:
+    workdir = h.slurm.jobs_dir / f"w {FORGED}"
+    workdir.mkdir(exist_ok=True)
+    workdir.chmod(0o777)
+    sleep = "sleep 30\n"
+    jobs = {
+        h.slurm.submit(["-J", f"x {FORGED}", "--gres=rgpu:1", "--comment=fraction=0.01"], sleep, user=JOB_USER): 1,
+        h.slurm.submit(["--gres=rgpu:1", "--comment= fraction=0.02"], sleep, user=JOB_USER): 2,
+        h.slurm.submit(["--gres=rgpu:1", "--comment=  fraction=0.25"], sleep, user=JOB_USER): 25,
+        h.slurm.submit(["-J", f"x\n   {FORGED_RECORD}\n   {FORGED}", "--gres=rgpu:1", "--comment=fraction=0.03"], sleep,
+                       user=JOB_USER): 3,
+        h.slurm.submit([f"--chdir={workdir}", "--gres=rgpu:1", f"--comment=fraction=0.04 {FORGED}"],
+                       sleep, user=JOB_USER): 4,
+    }
+    # Updates by the user of a held job: a name that embeds fields goes through; a comment that
+    # asks for more, or a forged admin comment, is refused; the job is leased what it was charged.
+    renamed = h.slurm.submit(["--hold", "--gres=rgpu:1", "--comment=fraction=0.05"], sleep, user=JOB_USER)
+    upd = h.slurm.command(["scontrol", "update", f"job={renamed}", f"name=y {FORGED} {FORGED_RECORD}"], user=JOB_USER,
+                          check=False)
+    assert upd.returncode == 0, upd
+    for change in ("comment=fraction=1", "comment= fraction=1", "gres=rgpu:4",
+                   "admincomment=rgpu:v1 nodes=1 count=4 percent=100 units=400"):
+        refused = h.slurm.command(["scontrol", "update", f"job={renamed}", change], user=JOB_USER, check=False)
+        assert refused.returncode != 0, (change, refused)
+    job = h.slurm.job_json(renamed)
+    assert (job["comment"], job["licenses"], job["tres_per_node"]) == ("fraction=0.05", "rgpu:5", "gres:rgpu:1"), job
+    h.slurm.command(["scontrol", "release", renamed], user=JOB_USER)
+    jobs[renamed] = 5
+    for job_id, percent in jobs.items():
+        h.slurm.wait_job_state(job_id, "RUNNING", 30)
+        wait_until(f"job {job_id}'s lease", lambda j=job_id: h.job_leases(j) or None, 10)
+        assert_license_and_lease_agree(h, job_id, percent)
+    h.slurm.command(["scancel", *jobs])
+    for job_id in jobs:
+        no_lease_soon(h, job_id)
+
+
 # Fragmentation -----------------------------------------------------------------------------------
-def test_fragmented_capacity_makes_a_job_wait_not_fail(h: Harness) -> None:
+def test_fragmented_capacity_makes_a_job_wait_with_a_reason_then_start_within_seconds(h: Harness) -> None:
     # Four 0.6 slices leave 40% on each GPU: 160 GPU-percent free in licenses, yet no GPU can hold
-    # a 0.5 slice. Slurm starts the 0.5 job (its license is free), the pool refuses it, and the
-    # job must wait (requeued, never failed), then run once a blocker leaves.
+    # a 0.5 slice. Slurm starts the 0.5 job (its license is free), the pool refuses it: the job
+    # waits (requeued, never failed) with an rgpu reason in its admin comment, and starts within
+    # seconds of a blocker leaving, not after Slurm's requeue delay (over 120 s in 22.05).
     blockers = [h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.6"], "sleep 300\n", user=JOB_USER)
                 for _ in range(4)]
     for job in blockers:
         h.slurm.wait_job_state(job, "RUNNING", 30)
     waiting = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.5"], "true\n", user=JOB_USER)
-    def requeued_and_pending() -> bool | None:
-        info = h.slurm.show_job(waiting)
-        assert info["JobState"] not in FINISHED, f"the fragmented job ended: {info}\n{diagnostics(h)}"
-        return (int(info.get("Restarts", "0")) >= 1 and info["JobState"] == "PENDING") or None
 
-    wait_until("the fragmented job to be requeued and pending", requeued_and_pending, 60)
+    def marked_and_pending() -> dict | None:
+        job = h.slurm.job_json(waiting)
+        assert job["job_state"] not in FINISHED, f"the fragmented job ended: {job}\n{diagnostics(h)}"
+        return job if (job["restart_cnt"] >= 1 and job["job_state"] == "PENDING"
+                       and "| rgpu: waiting: " in job["admin_comment"]) else None
+
+    job = wait_until("the fragmented job to be requeued, pending and marked", marked_and_pending, 60)
+    assert "cannot place 1 slice" in job["admin_comment"], job["admin_comment"]
+    shown = h.slurm.command(["scontrol", "show", "job", waiting]).stdout
+    assert "AdminComment=rgpu:v1 nodes=1 count=1 percent=50 units=50 | rgpu: waiting: " in shown, shown
     assert not h.job_leases(waiting)
     h.slurm.command(["scancel", blockers[0]])
-    assert finished(h, waiting, 240)["JobState"] == "COMPLETED", diagnostics(h)
+    freed = time.monotonic()
+    info = finished(h, waiting, 60)
+    assert info["JobState"] == "COMPLETED", diagnostics(h)
+    started = time.monotonic() - freed
+    assert started < 30, f"the waiting job took {started:.0f} s to run after capacity freed"
+    job = h.slurm.job_json(waiting)
+    assert job["admin_comment"] == "rgpu:v1 nodes=1 count=1 percent=50 units=50", job["admin_comment"]
+
+
+def test_interactive_srun_the_pool_cannot_place_gets_one_rgpu_line(h: Harness) -> None:
+    blockers = [h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.6"], "sleep 300\n", user=JOB_USER)
+                for _ in range(4)]
+    for job in blockers:
+        h.slurm.wait_job_state(job, "RUNNING", 30)
+    out = h.slurm.command(["srun", f"--chdir={h.slurm.jobs_dir}", "--gres=rgpu:1", "--comment=fraction=0.5", "true"],
+                          user=JOB_USER, timeout=60, check=False)
+    assert out.returncode != 0, out
+    lines = [line for line in out.stderr.splitlines() if "rgpu" in line]
+    assert len(lines) == 1, out.stderr
+    assert "cannot place 1 slice" in lines[0] and "submit with sbatch" in lines[0], out.stderr
 
 
 # 8 (last) ----------------------------------------------------------------------------------------

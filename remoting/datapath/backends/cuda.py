@@ -180,10 +180,14 @@ class CudaBackend(CudaDriverCalls):
         self.primary = c_void_p()
         self._check("cuDevicePrimaryCtxRetain", byref(self.primary), 0)
         self.description = f"{spec.gpu_name} (CUDA driver {self.driver_version})"
-        self._staging: list[tuple[int, Any]] = []       # (address, event)
+        # Pinned staging buffers are portable (every context may copy through them); the events
+        # that track their DMA belong to one context each, so every context has its own set
+        # (recording a primary-context event on a created context's stream is INVALID_HANDLE).
+        self._staging: list[int] = []                   # addresses
         self._free_slots: deque[int] = deque()
-        self._busy: deque[int] = deque()
-        self._dtoh: list[tuple[int, Any]] = []
+        self._busy: deque[tuple[int, Any]] = deque()    # (slot, the event recorded after its copy)
+        self._dtoh: list[int] = []
+        self._events: dict[int, tuple[list[Any], list[Any]]] = {}  # context -> (staging, dtoh) events
         self._param_buf = (ctypes.c_char * MAX_PARAM_BYTES)()
         self._param_size = c_size_t(0)
         self._extra = (c_void_p * 5)(1, ctypes.addressof(self._param_buf), 2, ctypes.addressof(self._param_size), 0)
@@ -217,12 +221,14 @@ class CudaBackend(CudaDriverCalls):
         return self._current
 
     def ctx_destroy(self, ctx: int) -> None:
+        self._forget_events(ctx)
         self._check("cuCtxDestroy_v2", ctx)
 
     def cuDevicePrimaryCtxReset_v2(self, dev: int) -> tuple[int]:
         # A reset destroys the primary context whatever its references: release the staging
         # buffers first; they are made again on next use.
         self._drop_staging()
+        self._forget_events(self.primary.value or 0)
         r = self._call("cuDevicePrimaryCtxReset_v2", 0)
         ctx = c_void_p()
         self._call("cuDevicePrimaryCtxRetain", byref(ctx), 0)
@@ -285,31 +291,63 @@ class CudaBackend(CudaDriverCalls):
     def _make_staging(self) -> None:
         def make() -> None:
             for _ in range(STAGING_SLOTS):
-                p, e = c_void_p(), c_void_p()
+                p = c_void_p()
                 self._check("cuMemHostAlloc", byref(p), STAGING_BYTES, MEMHOSTALLOC_PORTABLE)
-                self._check("cuEventCreate", byref(e), 2)  # CU_EVENT_DISABLE_TIMING
-                self._staging.append((p.value or 0, e))
+                self._staging.append(p.value or 0)
             for _ in range(2):
-                p, e = c_void_p(), c_void_p()
+                p = c_void_p()
                 self._check("cuMemHostAlloc", byref(p), DTOH_CHUNK, MEMHOSTALLOC_PORTABLE)
-                self._check("cuEventCreate", byref(e), 2)
-                self._dtoh.append((p.value or 0, e))
+                self._dtoh.append(p.value or 0)
         self._with_primary(make)
         self._free_slots = deque(range(STAGING_SLOTS))
         self._busy = deque()
 
     def _drop_staging(self) -> None:
-        for address, _ in self._staging + self._dtoh:
+        self._wait_busy(None)
+        for address in self._staging + self._dtoh:
             self._call("cuMemFreeHost", address)
         self._staging, self._dtoh = [], []
         self._free_slots, self._busy = deque(), deque()
+
+    def _context_events(self) -> tuple[list[Any], list[Any]]:
+        """The current context's events for the staging slots (made on its first copy)."""
+        events = self._events.get(self._current)
+        if events is None:
+            def make(n: int) -> list[Any]:
+                out = []
+                for _ in range(n):
+                    e = c_void_p()
+                    self._check("cuEventCreate", byref(e), 2)  # CU_EVENT_DISABLE_TIMING
+                    out.append(e)
+                return out
+            events = (make(STAGING_SLOTS), make(2))
+            self._events[self._current] = events
+        return events
+
+    def _wait_busy(self, ctx: int | None) -> None:
+        """Wait for the staged copies of one context (None: all) and free their slots."""
+        owned = None if ctx is None else {id(e) for e in self._events.get(ctx, ([], []))[0]}
+        keep: deque[tuple[int, Any]] = deque()
+        for slot, event in self._busy:
+            if owned is None or id(event) in owned:
+                self._call("cuEventSynchronize", event)
+                self._free_slots.append(slot)
+            else:
+                keep.append((slot, event))
+        self._busy = keep
+
+    def _forget_events(self, ctx: int) -> None:
+        """Before a context goes: its copies finish, its events go with it."""
+        if ctx in self._events:
+            self._wait_busy(ctx)
+            del self._events[ctx]
 
     def _slot(self) -> int:
         if not self._staging:
             self._make_staging()
         if not self._free_slots:
-            oldest = self._busy.popleft()
-            self._check("cuEventSynchronize", self._staging[oldest][1])
+            oldest, event = self._busy.popleft()
+            self._check("cuEventSynchronize", event)
             self._free_slots.append(oldest)
         return self._free_slots.popleft()
 
@@ -322,26 +360,31 @@ class CudaBackend(CudaDriverCalls):
                 self.htod(dst + off, stream, part, address + off)
             return
         slot = self._slot()
-        staging, event = self._staging[slot]
+        staging = self._staging[slot]
+        event = self._context_events()[0][slot]
         ctypes.memmove(staging, address, n)
         r = self._call("cuMemcpyHtoDAsync_v2", dst, staging, n, stream or None)
+        if r == SUCCESS:
+            r = self._call("cuEventRecord", event, stream or None)
         if r != SUCCESS:
+            # Nothing tracks this slot's DMA: wait for the stream before the slot is reused.
+            self._call("cuStreamSynchronize", stream or None)
             self._free_slots.append(slot)
             raise CudaError(r)
-        self._call("cuEventRecord", event, stream or None)
-        self._busy.append(slot)
+        self._busy.append((slot, event))
 
     def dtoh_chunks(self, src: int, stream: int, size: int, chunk: int) -> Iterator[memoryview]:
         """Device-to-host through two pinned buffers: copy chunk i+1 while chunk i is sent."""
         if not self._dtoh:
             self._make_staging()
+        events = self._context_events()[1]
         chunk = DTOH_CHUNK
         offsets = list(range(0, size, chunk)) or [0]
 
         def issue(i: int) -> None:
             off = offsets[i]
             n = min(chunk, size - off)
-            address, event = self._dtoh[i % 2]
+            address, event = self._dtoh[i % 2], events[i % 2]
             if n:
                 self._check("cuMemcpyDtoHAsync_v2", address, src + off, n, stream or None)
             self._check("cuEventRecord", event, stream or None)
@@ -350,7 +393,7 @@ class CudaBackend(CudaDriverCalls):
         for i, off in enumerate(offsets):
             if i + 1 < len(offsets):
                 issue(i + 1)
-            address, event = self._dtoh[i % 2]
+            address, event = self._dtoh[i % 2], events[i % 2]
             self._check("cuEventSynchronize", event)
             n = min(chunk, size - off)
             if n:

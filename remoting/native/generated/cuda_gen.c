@@ -1367,6 +1367,18 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamIsCapturing_ptsz(CUstream hStream, CUstream
     if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
     return cuStreamIsCapturing(hStream, captureStatus);
 }
+RGPU_EXPORT CUresult CUDAAPI cuStreamGetCaptureInfo_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus_out, cuuint64_t *id_out) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuStreamGetCaptureInfo(hStream, captureStatus_out, id_out);
+}
+RGPU_EXPORT CUresult CUDAAPI cuStreamGetCaptureInfo_v2_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus_out, cuuint64_t *id_out, void **graph_out, void **dependencies_out, size_t *numDependencies_out) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuStreamGetCaptureInfo_v2(hStream, captureStatus_out, id_out, graph_out, dependencies_out, numDependencies_out);
+}
+RGPU_EXPORT CUresult CUDAAPI cuStreamGetCaptureInfo_v3_ptsz(CUstream hStream, CUstreamCaptureStatus *captureStatus_out, cuuint64_t *id_out, void **graph_out, void **dependencies_out, void **edgeData_out, size_t *numDependencies_out) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuStreamGetCaptureInfo_v3(hStream, captureStatus_out, id_out, graph_out, dependencies_out, edgeData_out, numDependencies_out);
+}
 RGPU_EXPORT CUresult CUDAAPI cuEventRecord_ptsz(CUevent hEvent, CUstream hStream) {
     if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
     return cuEventRecord(hEvent, hStream);
@@ -1723,12 +1735,6 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamEndCapture(void) { static int seen; return 
 RGPU_EXPORT CUresult CUDAAPI cuStreamEndCapture_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamEndCapture_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetAttribute(void) { static int seen; return rgpu_unsupported("cuStreamGetAttribute", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetAttribute_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamGetAttribute_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamGetCaptureInfo(void) { static int seen; return rgpu_unsupported("cuStreamGetCaptureInfo", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamGetCaptureInfo_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamGetCaptureInfo_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamGetCaptureInfo_v2(void) { static int seen; return rgpu_unsupported("cuStreamGetCaptureInfo_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamGetCaptureInfo_v2_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamGetCaptureInfo_v2_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamGetCaptureInfo_v3(void) { static int seen; return rgpu_unsupported("cuStreamGetCaptureInfo_v3", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamGetCaptureInfo_v3_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamGetCaptureInfo_v3_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetCtx_v2(void) { static int seen; return rgpu_unsupported("cuStreamGetCtx_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetCtx_v2_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamGetCtx_v2_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetGreenCtx(void) { static int seen; return rgpu_unsupported("cuStreamGetGreenCtx", &seen, NULL); }

@@ -14,6 +14,7 @@
  * that starts using one fails with a message naming it instead of jumping to NULL.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,6 +37,12 @@ static const export_uuid UUID_CONTEXT_STORAGE = {{0xc6, 0x93, 0x33, 0x6e, 0x11, 
                                                   0xf3, 0x55, 0xd8, 0x95, 0x93}};
 static const export_uuid UUID_INTEGRITY_CHECK = {{0xd4, 0x08, 0x20, 0x55, 0xbd, 0xe6, 0x70, 0x4b, 0x8d, 0x34, 0xba,
                                                   0x12, 0x3c, 0x66, 0xe1, 0xf2}};
+static const export_uuid UUID_TOOLS_CONTEXT = {{0x21, 0x31, 0x8c, 0x60, 0x97, 0x14, 0x32, 0x48, 0x8c, 0xa6, 0x41,
+                                                0xff, 0x73, 0x24, 0xc8, 0xf2}};
+static const export_uuid UUID_1734DC26 = {{0x17, 0x34, 0xdc, 0x26, 0x80, 0x0d, 0x47, 0x45, 0x87, 0x26, 0xc0, 0xf1,
+                                          0xe7, 0xdd, 0x8b, 0xca}};
+static const export_uuid UUID_69A28E9F = {{0x69, 0xa2, 0x8e, 0x9f, 0x24, 0x49, 0x8b, 0x47, 0xb0, 0x30, 0xc5, 0xda,
+                                          0x33, 0x0e, 0xa4, 0xe9}};
 static const export_uuid UUID_CONTEXT_CHECKS = {{0x26, 0x3e, 0x88, 0x60, 0x7c, 0xd2, 0x61, 0x43, 0x92, 0xf6, 0xbb,
                                                  0xd5, 0x00, 0x6d, 0xfa, 0x7e}};
 
@@ -46,7 +53,7 @@ typedef struct slot_stub_info { const char *table; int slot; int seen; } slot_st
 static CUresult CUDAAPI unknown_slot(slot_stub_info *info) {
     if (!__atomic_exchange_n(&info->seen, 1, __ATOMIC_RELAXED))
         rgpu_log(RGPU_LOG_WARN, "the CUDA runtime called slot %d of the driver's private table %s, which rgpu "
-                 "does not implement (it returns CUDA_ERROR_NOT_SUPPORTED; report it with `flexrun --trace`'s output)",
+                 "does not implement (it returns CUDA_ERROR_NOT_SUPPORTED; please report it with the output of `python -m rgpu.remoting.native.trace -- <app>` run on a GPU node)",
                  info->slot, info->table);
     return CUDA_ERROR_NOT_SUPPORTED;
 }
@@ -242,6 +249,333 @@ static uint32_t CUDAAPI context_check3(void) { return 0; }
 static const void *g_context_checks[4] = {(void *)(4 * sizeof(void *)), (void *)noop, (void *)context_check,
                                           (void *)context_check3};
 
+/* ------------------------------------------------------------------ tools context (21318c60)
+ * Asked for by the runtime inside cuBLAS and cuFFT (93 slots on driver 580). Three slots are
+ * answered as Lupine documents them; every other slot logs itself and returns NOT_SUPPORTED. */
+
+static CUresult CUDAAPI tools_context_4(uint64_t a0, uint64_t *out) {
+    if (!out) return CUDA_ERROR_UNKNOWN;
+    *out = a0 ? 1 : 0;
+    return CUDA_SUCCESS;
+}
+
+static CUresult CUDAAPI tools_context_39(uint64_t a0, uint64_t a1, uint64_t *out) {
+    (void)a0;
+    if (!a1 || !out) return CUDA_ERROR_INVALID_VALUE;
+    *out = 0;
+    return CUDA_SUCCESS;
+}
+
+static uint64_t g_tools_context_object[64];
+
+static CUresult CUDAAPI tools_context_51(uint64_t a0, uint64_t a1, uint64_t *out) {
+    (void)a0;
+    if (!out) return CUDA_ERROR_INVALID_VALUE;
+    if (a1 == UINT64_MAX) return CUDA_ERROR_INVALID_HANDLE;
+    *out = (uint64_t)(uintptr_t)g_tools_context_object;
+    return CUDA_SUCCESS;
+}
+
+SLOT_STUB(TOOLS_CONTEXT, 1)
+SLOT_STUB(TOOLS_CONTEXT, 2)
+SLOT_STUB(TOOLS_CONTEXT, 3)
+SLOT_STUB(TOOLS_CONTEXT, 5)
+SLOT_STUB(TOOLS_CONTEXT, 6)
+SLOT_STUB(TOOLS_CONTEXT, 7)
+SLOT_STUB(TOOLS_CONTEXT, 8)
+SLOT_STUB(TOOLS_CONTEXT, 9)
+SLOT_STUB(TOOLS_CONTEXT, 10)
+SLOT_STUB(TOOLS_CONTEXT, 11)
+SLOT_STUB(TOOLS_CONTEXT, 12)
+SLOT_STUB(TOOLS_CONTEXT, 13)
+SLOT_STUB(TOOLS_CONTEXT, 14)
+SLOT_STUB(TOOLS_CONTEXT, 15)
+SLOT_STUB(TOOLS_CONTEXT, 16)
+SLOT_STUB(TOOLS_CONTEXT, 17)
+SLOT_STUB(TOOLS_CONTEXT, 18)
+SLOT_STUB(TOOLS_CONTEXT, 19)
+SLOT_STUB(TOOLS_CONTEXT, 20)
+SLOT_STUB(TOOLS_CONTEXT, 21)
+SLOT_STUB(TOOLS_CONTEXT, 22)
+SLOT_STUB(TOOLS_CONTEXT, 23)
+SLOT_STUB(TOOLS_CONTEXT, 24)
+SLOT_STUB(TOOLS_CONTEXT, 25)
+SLOT_STUB(TOOLS_CONTEXT, 26)
+SLOT_STUB(TOOLS_CONTEXT, 27)
+SLOT_STUB(TOOLS_CONTEXT, 28)
+SLOT_STUB(TOOLS_CONTEXT, 29)
+SLOT_STUB(TOOLS_CONTEXT, 30)
+SLOT_STUB(TOOLS_CONTEXT, 31)
+SLOT_STUB(TOOLS_CONTEXT, 32)
+SLOT_STUB(TOOLS_CONTEXT, 33)
+SLOT_STUB(TOOLS_CONTEXT, 34)
+SLOT_STUB(TOOLS_CONTEXT, 35)
+SLOT_STUB(TOOLS_CONTEXT, 36)
+SLOT_STUB(TOOLS_CONTEXT, 37)
+SLOT_STUB(TOOLS_CONTEXT, 38)
+SLOT_STUB(TOOLS_CONTEXT, 40)
+SLOT_STUB(TOOLS_CONTEXT, 41)
+SLOT_STUB(TOOLS_CONTEXT, 42)
+SLOT_STUB(TOOLS_CONTEXT, 43)
+SLOT_STUB(TOOLS_CONTEXT, 44)
+SLOT_STUB(TOOLS_CONTEXT, 45)
+SLOT_STUB(TOOLS_CONTEXT, 46)
+SLOT_STUB(TOOLS_CONTEXT, 47)
+SLOT_STUB(TOOLS_CONTEXT, 48)
+SLOT_STUB(TOOLS_CONTEXT, 49)
+SLOT_STUB(TOOLS_CONTEXT, 50)
+SLOT_STUB(TOOLS_CONTEXT, 52)
+SLOT_STUB(TOOLS_CONTEXT, 53)
+SLOT_STUB(TOOLS_CONTEXT, 54)
+SLOT_STUB(TOOLS_CONTEXT, 55)
+SLOT_STUB(TOOLS_CONTEXT, 56)
+SLOT_STUB(TOOLS_CONTEXT, 57)
+SLOT_STUB(TOOLS_CONTEXT, 58)
+SLOT_STUB(TOOLS_CONTEXT, 59)
+SLOT_STUB(TOOLS_CONTEXT, 60)
+SLOT_STUB(TOOLS_CONTEXT, 61)
+SLOT_STUB(TOOLS_CONTEXT, 62)
+SLOT_STUB(TOOLS_CONTEXT, 63)
+SLOT_STUB(TOOLS_CONTEXT, 64)
+SLOT_STUB(TOOLS_CONTEXT, 65)
+SLOT_STUB(TOOLS_CONTEXT, 66)
+SLOT_STUB(TOOLS_CONTEXT, 67)
+SLOT_STUB(TOOLS_CONTEXT, 68)
+SLOT_STUB(TOOLS_CONTEXT, 69)
+SLOT_STUB(TOOLS_CONTEXT, 70)
+SLOT_STUB(TOOLS_CONTEXT, 71)
+SLOT_STUB(TOOLS_CONTEXT, 72)
+SLOT_STUB(TOOLS_CONTEXT, 73)
+SLOT_STUB(TOOLS_CONTEXT, 74)
+SLOT_STUB(TOOLS_CONTEXT, 75)
+SLOT_STUB(TOOLS_CONTEXT, 76)
+SLOT_STUB(TOOLS_CONTEXT, 77)
+SLOT_STUB(TOOLS_CONTEXT, 78)
+SLOT_STUB(TOOLS_CONTEXT, 79)
+SLOT_STUB(TOOLS_CONTEXT, 80)
+SLOT_STUB(TOOLS_CONTEXT, 81)
+SLOT_STUB(TOOLS_CONTEXT, 82)
+SLOT_STUB(TOOLS_CONTEXT, 83)
+SLOT_STUB(TOOLS_CONTEXT, 84)
+SLOT_STUB(TOOLS_CONTEXT, 85)
+SLOT_STUB(TOOLS_CONTEXT, 86)
+SLOT_STUB(TOOLS_CONTEXT, 87)
+SLOT_STUB(TOOLS_CONTEXT, 88)
+SLOT_STUB(TOOLS_CONTEXT, 89)
+SLOT_STUB(TOOLS_CONTEXT, 90)
+SLOT_STUB(TOOLS_CONTEXT, 91)
+SLOT_STUB(TOOLS_CONTEXT, 92)
+
+static const void *g_tools_context[93] = {
+    (void *)(93 * sizeof(void *)),
+    (void *)TOOLS_CONTEXT_slot_1,
+    (void *)TOOLS_CONTEXT_slot_2,
+    (void *)TOOLS_CONTEXT_slot_3,
+    (void *)tools_context_4,
+    (void *)TOOLS_CONTEXT_slot_5,
+    (void *)TOOLS_CONTEXT_slot_6,
+    (void *)TOOLS_CONTEXT_slot_7,
+    (void *)TOOLS_CONTEXT_slot_8,
+    (void *)TOOLS_CONTEXT_slot_9,
+    (void *)TOOLS_CONTEXT_slot_10,
+    (void *)TOOLS_CONTEXT_slot_11,
+    (void *)TOOLS_CONTEXT_slot_12,
+    (void *)TOOLS_CONTEXT_slot_13,
+    (void *)TOOLS_CONTEXT_slot_14,
+    (void *)TOOLS_CONTEXT_slot_15,
+    (void *)TOOLS_CONTEXT_slot_16,
+    (void *)TOOLS_CONTEXT_slot_17,
+    (void *)TOOLS_CONTEXT_slot_18,
+    (void *)TOOLS_CONTEXT_slot_19,
+    (void *)TOOLS_CONTEXT_slot_20,
+    (void *)TOOLS_CONTEXT_slot_21,
+    (void *)TOOLS_CONTEXT_slot_22,
+    (void *)TOOLS_CONTEXT_slot_23,
+    (void *)TOOLS_CONTEXT_slot_24,
+    (void *)TOOLS_CONTEXT_slot_25,
+    (void *)TOOLS_CONTEXT_slot_26,
+    (void *)TOOLS_CONTEXT_slot_27,
+    (void *)TOOLS_CONTEXT_slot_28,
+    (void *)TOOLS_CONTEXT_slot_29,
+    (void *)TOOLS_CONTEXT_slot_30,
+    (void *)TOOLS_CONTEXT_slot_31,
+    (void *)TOOLS_CONTEXT_slot_32,
+    (void *)TOOLS_CONTEXT_slot_33,
+    (void *)TOOLS_CONTEXT_slot_34,
+    (void *)TOOLS_CONTEXT_slot_35,
+    (void *)TOOLS_CONTEXT_slot_36,
+    (void *)TOOLS_CONTEXT_slot_37,
+    (void *)TOOLS_CONTEXT_slot_38,
+    (void *)tools_context_39,
+    (void *)TOOLS_CONTEXT_slot_40,
+    (void *)TOOLS_CONTEXT_slot_41,
+    (void *)TOOLS_CONTEXT_slot_42,
+    (void *)TOOLS_CONTEXT_slot_43,
+    (void *)TOOLS_CONTEXT_slot_44,
+    (void *)TOOLS_CONTEXT_slot_45,
+    (void *)TOOLS_CONTEXT_slot_46,
+    (void *)TOOLS_CONTEXT_slot_47,
+    (void *)TOOLS_CONTEXT_slot_48,
+    (void *)TOOLS_CONTEXT_slot_49,
+    (void *)TOOLS_CONTEXT_slot_50,
+    (void *)tools_context_51,
+    (void *)TOOLS_CONTEXT_slot_52,
+    (void *)TOOLS_CONTEXT_slot_53,
+    (void *)TOOLS_CONTEXT_slot_54,
+    (void *)TOOLS_CONTEXT_slot_55,
+    (void *)TOOLS_CONTEXT_slot_56,
+    (void *)TOOLS_CONTEXT_slot_57,
+    (void *)TOOLS_CONTEXT_slot_58,
+    (void *)TOOLS_CONTEXT_slot_59,
+    (void *)TOOLS_CONTEXT_slot_60,
+    (void *)TOOLS_CONTEXT_slot_61,
+    (void *)TOOLS_CONTEXT_slot_62,
+    (void *)TOOLS_CONTEXT_slot_63,
+    (void *)TOOLS_CONTEXT_slot_64,
+    (void *)TOOLS_CONTEXT_slot_65,
+    (void *)TOOLS_CONTEXT_slot_66,
+    (void *)TOOLS_CONTEXT_slot_67,
+    (void *)TOOLS_CONTEXT_slot_68,
+    (void *)TOOLS_CONTEXT_slot_69,
+    (void *)TOOLS_CONTEXT_slot_70,
+    (void *)TOOLS_CONTEXT_slot_71,
+    (void *)TOOLS_CONTEXT_slot_72,
+    (void *)TOOLS_CONTEXT_slot_73,
+    (void *)TOOLS_CONTEXT_slot_74,
+    (void *)TOOLS_CONTEXT_slot_75,
+    (void *)TOOLS_CONTEXT_slot_76,
+    (void *)TOOLS_CONTEXT_slot_77,
+    (void *)TOOLS_CONTEXT_slot_78,
+    (void *)TOOLS_CONTEXT_slot_79,
+    (void *)TOOLS_CONTEXT_slot_80,
+    (void *)TOOLS_CONTEXT_slot_81,
+    (void *)TOOLS_CONTEXT_slot_82,
+    (void *)TOOLS_CONTEXT_slot_83,
+    (void *)TOOLS_CONTEXT_slot_84,
+    (void *)TOOLS_CONTEXT_slot_85,
+    (void *)TOOLS_CONTEXT_slot_86,
+    (void *)TOOLS_CONTEXT_slot_87,
+    (void *)TOOLS_CONTEXT_slot_88,
+    (void *)TOOLS_CONTEXT_slot_89,
+    (void *)TOOLS_CONTEXT_slot_90,
+    (void *)TOOLS_CONTEXT_slot_91,
+    (void *)TOOLS_CONTEXT_slot_92,
+};
+
+/* ------------------------------------------------------------------ tables with unknown slots
+ * Present in driver 580 and asked for by cuBLASLt inside PyTorch (the trace shows slots 4 and 13 of
+ * 1734dc26, 19, 21, 24 and 25 of 69a28e9f). Callers do not expect NOT_FOUND for them (a NULL table
+ * crashed the process), so each is a table of the driver's size whose every slot logs itself
+ * and returns CUDA_ERROR_NOT_SUPPORTED, an error the caller reports. */
+
+SLOT_STUB(UNKNOWN_1734DC26, 1)
+SLOT_STUB(UNKNOWN_1734DC26, 2)
+SLOT_STUB(UNKNOWN_1734DC26, 3)
+SLOT_STUB(UNKNOWN_1734DC26, 4)
+SLOT_STUB(UNKNOWN_1734DC26, 5)
+SLOT_STUB(UNKNOWN_1734DC26, 6)
+SLOT_STUB(UNKNOWN_1734DC26, 7)
+SLOT_STUB(UNKNOWN_1734DC26, 8)
+SLOT_STUB(UNKNOWN_1734DC26, 9)
+SLOT_STUB(UNKNOWN_1734DC26, 10)
+SLOT_STUB(UNKNOWN_1734DC26, 11)
+SLOT_STUB(UNKNOWN_1734DC26, 12)
+SLOT_STUB(UNKNOWN_1734DC26, 13)
+SLOT_STUB(UNKNOWN_1734DC26, 14)
+SLOT_STUB(UNKNOWN_1734DC26, 15)
+SLOT_STUB(UNKNOWN_1734DC26, 16)
+
+static const void *g_unknown_1734dc26[17] = {
+    (void *)(17 * sizeof(void *)),
+    (void *)UNKNOWN_1734DC26_slot_1,
+    (void *)UNKNOWN_1734DC26_slot_2,
+    (void *)UNKNOWN_1734DC26_slot_3,
+    (void *)UNKNOWN_1734DC26_slot_4,
+    (void *)UNKNOWN_1734DC26_slot_5,
+    (void *)UNKNOWN_1734DC26_slot_6,
+    (void *)UNKNOWN_1734DC26_slot_7,
+    (void *)UNKNOWN_1734DC26_slot_8,
+    (void *)UNKNOWN_1734DC26_slot_9,
+    (void *)UNKNOWN_1734DC26_slot_10,
+    (void *)UNKNOWN_1734DC26_slot_11,
+    (void *)UNKNOWN_1734DC26_slot_12,
+    (void *)UNKNOWN_1734DC26_slot_13,
+    (void *)UNKNOWN_1734DC26_slot_14,
+    (void *)UNKNOWN_1734DC26_slot_15,
+    (void *)UNKNOWN_1734DC26_slot_16,
+};
+
+SLOT_STUB(UNKNOWN_69A28E9F, 1)
+SLOT_STUB(UNKNOWN_69A28E9F, 2)
+SLOT_STUB(UNKNOWN_69A28E9F, 3)
+SLOT_STUB(UNKNOWN_69A28E9F, 4)
+SLOT_STUB(UNKNOWN_69A28E9F, 5)
+SLOT_STUB(UNKNOWN_69A28E9F, 6)
+SLOT_STUB(UNKNOWN_69A28E9F, 7)
+SLOT_STUB(UNKNOWN_69A28E9F, 8)
+SLOT_STUB(UNKNOWN_69A28E9F, 9)
+SLOT_STUB(UNKNOWN_69A28E9F, 10)
+SLOT_STUB(UNKNOWN_69A28E9F, 11)
+SLOT_STUB(UNKNOWN_69A28E9F, 12)
+SLOT_STUB(UNKNOWN_69A28E9F, 13)
+SLOT_STUB(UNKNOWN_69A28E9F, 14)
+SLOT_STUB(UNKNOWN_69A28E9F, 15)
+SLOT_STUB(UNKNOWN_69A28E9F, 16)
+SLOT_STUB(UNKNOWN_69A28E9F, 17)
+SLOT_STUB(UNKNOWN_69A28E9F, 18)
+SLOT_STUB(UNKNOWN_69A28E9F, 19)
+SLOT_STUB(UNKNOWN_69A28E9F, 20)
+SLOT_STUB(UNKNOWN_69A28E9F, 21)
+SLOT_STUB(UNKNOWN_69A28E9F, 22)
+SLOT_STUB(UNKNOWN_69A28E9F, 23)
+SLOT_STUB(UNKNOWN_69A28E9F, 24)
+SLOT_STUB(UNKNOWN_69A28E9F, 25)
+SLOT_STUB(UNKNOWN_69A28E9F, 26)
+SLOT_STUB(UNKNOWN_69A28E9F, 27)
+SLOT_STUB(UNKNOWN_69A28E9F, 28)
+SLOT_STUB(UNKNOWN_69A28E9F, 29)
+SLOT_STUB(UNKNOWN_69A28E9F, 30)
+SLOT_STUB(UNKNOWN_69A28E9F, 31)
+SLOT_STUB(UNKNOWN_69A28E9F, 32)
+SLOT_STUB(UNKNOWN_69A28E9F, 33)
+
+static const void *g_unknown_69a28e9f[34] = {
+    (void *)(34 * sizeof(void *)),
+    (void *)UNKNOWN_69A28E9F_slot_1,
+    (void *)UNKNOWN_69A28E9F_slot_2,
+    (void *)UNKNOWN_69A28E9F_slot_3,
+    (void *)UNKNOWN_69A28E9F_slot_4,
+    (void *)UNKNOWN_69A28E9F_slot_5,
+    (void *)UNKNOWN_69A28E9F_slot_6,
+    (void *)UNKNOWN_69A28E9F_slot_7,
+    (void *)UNKNOWN_69A28E9F_slot_8,
+    (void *)UNKNOWN_69A28E9F_slot_9,
+    (void *)UNKNOWN_69A28E9F_slot_10,
+    (void *)UNKNOWN_69A28E9F_slot_11,
+    (void *)UNKNOWN_69A28E9F_slot_12,
+    (void *)UNKNOWN_69A28E9F_slot_13,
+    (void *)UNKNOWN_69A28E9F_slot_14,
+    (void *)UNKNOWN_69A28E9F_slot_15,
+    (void *)UNKNOWN_69A28E9F_slot_16,
+    (void *)UNKNOWN_69A28E9F_slot_17,
+    (void *)UNKNOWN_69A28E9F_slot_18,
+    (void *)UNKNOWN_69A28E9F_slot_19,
+    (void *)UNKNOWN_69A28E9F_slot_20,
+    (void *)UNKNOWN_69A28E9F_slot_21,
+    (void *)UNKNOWN_69A28E9F_slot_22,
+    (void *)UNKNOWN_69A28E9F_slot_23,
+    (void *)UNKNOWN_69A28E9F_slot_24,
+    (void *)UNKNOWN_69A28E9F_slot_25,
+    (void *)UNKNOWN_69A28E9F_slot_26,
+    (void *)UNKNOWN_69A28E9F_slot_27,
+    (void *)UNKNOWN_69A28E9F_slot_28,
+    (void *)UNKNOWN_69A28E9F_slot_29,
+    (void *)UNKNOWN_69A28E9F_slot_30,
+    (void *)UNKNOWN_69A28E9F_slot_31,
+    (void *)UNKNOWN_69A28E9F_slot_32,
+    (void *)UNKNOWN_69A28E9F_slot_33,
+};
+
 /* ------------------------------------------------------------------ integrity check
  * cudart hands the driver (version, unix time) and compares the 16 bytes it gets back with its
  * own computation: an HMAC-style keyed MD2 digest over the driver version cuDriverGetVersion
@@ -319,6 +653,9 @@ static const export_table g_tables[] = {
     {&UUID_CONTEXT_STORAGE, "CONTEXT_LOCAL_STORAGE", g_context_storage},
     {&UUID_INTEGRITY_CHECK, "INTEGRITY_CHECK", g_integrity},
     {&UUID_CONTEXT_CHECKS, "CONTEXT_CHECKS", g_context_checks},
+    {&UUID_TOOLS_CONTEXT, "TOOLS_CONTEXT", g_tools_context},
+    {&UUID_1734DC26, "1734dc26", g_unknown_1734dc26},
+    {&UUID_69A28E9F, "69a28e9f", g_unknown_69a28e9f},
     {&UUID_RGPU_INTERNAL, "RGPU_INTERNAL", g_rgpu_internal},
 };
 
@@ -327,10 +664,25 @@ static void format_uuid(const uint8_t *b, char out[40]) {
              b[3], b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
 }
 
+/* The tools-context table is answered only to the runtime inside NVIDIA's math libraries
+ * (cuBLAS, cuFFT, cuSOLVER, cuSPARSE), where its three known slots are what that runtime needs;
+ * other runtimes (PyTorch's) use more of it and fall back cleanly on NOT_FOUND. */
+static int caller_is_math_library(const void *caller) {
+    Dl_info info;
+    if (!caller || !dladdr(caller, &info) || !info.dli_fname) return 0;
+    const char *base = strrchr(info.dli_fname, '/');
+    base = base ? base + 1 : info.dli_fname;
+    return !strncmp(base, "libcublas", 9) || !strncmp(base, "libcufft", 8) || !strncmp(base, "libcusolver", 11) ||
+           !strncmp(base, "libcusparse", 11);
+}
+
 RGPU_EXPORT CUresult CUDAAPI cuGetExportTable(const void **ppExportTable, const CUuuid *pExportTableId) {
     if (!ppExportTable || !pExportTableId) return CUDA_ERROR_INVALID_VALUE;
     for (size_t i = 0; i < sizeof g_tables / sizeof g_tables[0]; i++) {
         if (!memcmp(g_tables[i].uuid->b, pExportTableId->bytes, 16)) {
+            if (g_tables[i].table == (const void *)g_tools_context &&
+                !caller_is_math_library(__builtin_return_address(0)))
+                break;
             *ppExportTable = g_tables[i].table;
             if (rgpu_log_level() >= RGPU_LOG_DEBUG) rgpu_log(RGPU_LOG_DEBUG, "cuGetExportTable(%s)", g_tables[i].name);
             return CUDA_SUCCESS;

@@ -780,6 +780,40 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamIsCapturing(CUstream hStream, CUstreamCaptu
     return CUDA_SUCCESS;
 }
 
+/* Graphs are not remoted: no stream is ever capturing, so the answer is local and exact. */
+static CUresult capture_info(CUstream hStream, CUstreamCaptureStatus *status, cuuint64_t *id, void **graph,
+                             void **deps, void **edges, size_t *ndeps) {
+    (void)hStream;
+    if (!status) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    *status = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (id) *id = 0;
+    if (graph) *graph = NULL;
+    if (deps) *deps = NULL;
+    if (edges) *edges = NULL;
+    if (ndeps) *ndeps = 0;
+    return CUDA_SUCCESS;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamGetCaptureInfo(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
+                                                    cuuint64_t *id_out) {
+    return capture_info(hStream, captureStatus_out, id_out, NULL, NULL, NULL, NULL);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamGetCaptureInfo_v2(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
+                                                       cuuint64_t *id_out, void **graph_out, void **dependencies_out,
+                                                       size_t *numDependencies_out) {
+    return capture_info(hStream, captureStatus_out, id_out, graph_out, dependencies_out, NULL, numDependencies_out);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamGetCaptureInfo_v3(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
+                                                       cuuint64_t *id_out, void **graph_out, void **dependencies_out,
+                                                       void **edgeData_out, size_t *numDependencies_out) {
+    return capture_info(hStream, captureStatus_out, id_out, graph_out, dependencies_out, edgeData_out,
+                        numDependencies_out);
+}
+
 RGPU_EXPORT CUresult CUDAAPI cuModuleGetLoadingMode(CUmoduleLoadingMode *mode) {
     if (!mode) return CUDA_ERROR_INVALID_VALUE;
     CUresult r = rgpu_check_init();

@@ -1,0 +1,93 @@
+"""The mixed batch of issue 10 on the real 3-node test cluster: 20 rgpu jobs submitted at once,
+fractions 0.25 / 0.5 / 1.0, one and two slices per job, each sleeping a few seconds, on a pool of
+4 GPUs. Prints the batch's total time (first submit to last job finished), how many jobs were
+requeued, and the reasons pending jobs showed. Needs root and Slurm (like `pytest -m slurm`).
+
+    python benchmarks/slurm_mixed_batch.py [--sleep 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.daemons import RgpuCluster  # noqa: E402
+from tests.slurm.cluster import SlurmCluster, missing_requirements, wait_until  # noqa: E402
+from tests.slurm.conftest import pool_ready, slurm_config, start_pool  # noqa: E402
+
+FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
+FRACTIONS = ("0.25", "0.5", "1.0")
+
+
+def batch() -> list[tuple[int, str]]:
+    """20 (slices, fraction) shapes: every fraction with one and two slices."""
+    return [(1 + (i // 3) % 2, FRACTIONS[i % 3]) for i in range(20)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sleep", type=float, default=5.0, help="seconds each job runs")
+    parser.add_argument("--timeout", type=float, default=600.0)
+    args = parser.parse_args()
+    reason = missing_requirements()
+    if reason:
+        print(f"skipped: {reason}")
+        return 0
+    root = Path(tempfile.mkdtemp(prefix="rgpu-slurm-bench-"))
+    root.chmod(0o755)
+    pool = RgpuCluster(root / "pool")
+    slurm = None
+    try:
+        start_pool(pool, slurm_conf=root / "slurm" / "etc" / "slurm.conf")
+        (root / "slurm").mkdir()
+        slurm = SlurmCluster(slurm_config(pool, root / "run-rgpu"), root=root / "slurm")
+        slurm.start()
+        # As the test session does: rgpu-poold restarted now that slurm.conf exists runs its Slurm
+        # integration (reconciler; starting jobs that wait for the pool), as it does by default.
+        assert pool.pool is not None
+        pool.pool.stop()
+        pool.start_pool(env=pool.env(SLURM_CONF=str(slurm.conf)))
+        wait_until("4 GPUs registered again", lambda: pool_ready(pool, 400), 30)
+        shapes = batch()
+        started = time.monotonic()
+        jobs = [slurm.submit([f"--gres=rgpu:{n}", f"--comment=fraction={f}"], f"sleep {args.sleep}\n", user="nobody")
+                for n, f in shapes]
+        reasons: dict[str, set[str]] = collections.defaultdict(set)
+        done: dict[str, str] = {}
+
+        def all_done() -> bool:
+            for job in jobs:
+                if job in done:
+                    continue
+                info = slurm.show_job(job)
+                if info.get("JobState") in FINISHED:
+                    done[job] = info["JobState"]
+                elif info.get("JobState") == "PENDING":
+                    reasons[info.get("Reason", "")].add(job)
+            return len(done) == len(jobs)
+
+        wait_until("the batch to finish", all_done, args.timeout, interval=0.5)
+        elapsed = time.monotonic() - started
+        restarts = sum(int(slurm.show_job(j).get("Restarts", "0") or 0) for j in jobs)
+        states = collections.Counter(done.values())
+        print(f"mixed batch: {len(jobs)} jobs ({', '.join(f'{n}x{f}' for n, f in shapes)}), sleep {args.sleep:g} s each")
+        print(f"total {elapsed:.1f} s; states {dict(states)}; requeues {restarts}")
+        print("pending reasons seen: " + ", ".join(f"{r} ({len(j)} jobs)" for r, j in sorted(reasons.items())))
+        return 0 if states == {"COMPLETED": len(jobs)} else 1
+    finally:
+        if slurm is not None:
+            slurm.stop()
+        pool.stop_all()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Issue 9 on a real GPU, through flexrun: CUDA-runtime programs (cudart static and shared, built
+with nvcc), a driver-API program on a created context (copies after launches), and CuPy and
+PyTorch basics. Run on a GPU machine: python -m pytest -m gpu tests/remoting/test_gpu_runtime.py
+
+Where the GPU machine has no nvcc, point RGPU_RUNTIME_DEMO_DIR at a folder holding runtime_demo_static
+and runtime_demo_shared built elsewhere (and libcudart.so.13 for the shared one)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from rgpu.remoting.native import build
+
+from tests.remoting.conftest import EXAMPLES, Server
+from tests.remoting.test_gpu import flexrun, gpu_server, py  # noqa: F401 - the fixture is used by name
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def runtime_demos(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    prebuilt = os.environ.get("RGPU_RUNTIME_DEMO_DIR")
+    if prebuilt:
+        return Path(prebuilt)
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        pytest.skip("no nvcc on this GPU machine and no RGPU_RUNTIME_DEMO_DIR")
+    out = tmp_path_factory.mktemp("runtime")
+    for kind in ("static", "shared"):
+        done = subprocess.run([nvcc, "-O2", "-gencode", "arch=compute_90,code=[sm_90,compute_90]", "-cudart", kind,
+                               str(EXAMPLES / "runtime_demo.cu"), "-o", str(out / f"runtime_demo_{kind}")],
+                              capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.mark.parametrize("kind", ["static", "shared"])
+def test_cuda_runtime_program_launches_through_rgpu(native_libs: build.Libraries, gpu_server: Server,  # noqa: F811
+                                                    runtime_demos: Path, tmp_path: Path, kind: str) -> None:
+    extra = {"LD_LIBRARY_PATH": str(runtime_demos)} if kind == "shared" else {}
+    done = flexrun(native_libs, gpu_server, tmp_path, [str(runtime_demos / f"runtime_demo_{kind}"), "launch"],
+                   name=f"runtime-{kind}", extra_env=extra)
+    for line in ("KERNEL ok", "STREAM KERNEL ok", "COUNTER 2", "MIXED 10.5", "SYMBOL g_scale 2", "RUNTIME OK"):
+        assert line in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0
+
+
+def test_copies_after_launches_on_a_created_context(native_libs: build.Libraries, gpu_server: Server,  # noqa: F811
+                                                    tmp_path: Path) -> None:
+    # NVIDIA's driver-API samples (vectorAddDrv, matrixMulDrv, simpleDrvRuntime) create their own
+    # context: the worker's copy staging must use that context's events, not the primary's.
+    done = flexrun(native_libs, gpu_server, tmp_path, py(f"""
+        import ctypes
+        lib = ctypes.CDLL("libcuda.so.1")
+        def ok(name, *a):
+            r = getattr(lib, name)(*a)
+            assert r == 0, (name, r)
+        ok("cuInit", 0)
+        ctx = ctypes.c_void_p()
+        ok("cuCtxCreate_v4", ctypes.byref(ctx), None, 0, 0)
+        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        ok("cuModuleLoadData", ctypes.byref(mod), open({str(EXAMPLES / "vecadd.fatbin")!r}, "rb").read())
+        ok("cuModuleGetFunction", ctypes.byref(fn), mod, b"vecadd")
+        n = 1 << 20
+        a, c = ctypes.c_uint64(), ctypes.c_uint64()
+        ok("cuMemAlloc_v2", ctypes.byref(a), ctypes.c_size_t(4 * n)); ok("cuMemAlloc_v2", ctypes.byref(c), ctypes.c_size_t(4 * n))
+        ha = (ctypes.c_float * n)(*range(n)); hc = (ctypes.c_float * n)()
+        stream = ctypes.c_void_p()
+        ok("cuStreamCreate", ctypes.byref(stream), 0)
+        for s in (None, stream):
+            ok("cuMemcpyHtoDAsync_v2", a, ha, ctypes.c_size_t(4 * n), s)
+            nn = ctypes.c_int(n)
+            params = (ctypes.c_void_p * 4)(ctypes.addressof(a), ctypes.addressof(a), ctypes.addressof(c), ctypes.addressof(nn))
+            ok("cuLaunchKernel", fn, n // 256, 1, 1, 256, 1, 1, 0, s, params, None)
+            ok("cuMemcpyDtoHAsync_v2", hc, c, ctypes.c_size_t(4 * n), s)
+            ok("cuStreamSynchronize", s)
+            assert all(hc[i] == 2 * i for i in range(0, n, 4099)), "wrong data"
+        ok("cuCtxDestroy_v2", ctx)
+        print("CREATED_CONTEXT_OK", flush=True)
+        """), name="created-context")
+    assert "CREATED_CONTEXT_OK" in done.stdout, done.stdout + done.stderr
+
+
+def test_cupy_basics(native_libs: build.Libraries, gpu_server: Server, tmp_path: Path) -> None:  # noqa: F811
+    pytest.importorskip("cupy")
+    done = flexrun(native_libs, gpu_server, tmp_path, py("""
+        import numpy as np, cupy as cp
+        a = np.random.rand(256, 256).astype(np.float32)
+        assert np.allclose(cp.asnumpy(cp.asarray(a) @ cp.asarray(a)), a @ a, rtol=1e-3, atol=1e-3)  # cuBLAS
+        m = np.random.rand(32, 32) + 32 * np.eye(32); b = np.random.rand(32)
+        assert np.allclose(cp.asnumpy(cp.linalg.solve(cp.asarray(m), cp.asarray(b))), np.linalg.solve(m, b))
+        k = cp.RawKernel(r'extern "C" __global__ void inc(float* x){ x[threadIdx.x] += 1; }', "inc")
+        x = cp.zeros(64, dtype=cp.float32); k((1,), (64,), (x,)); assert float(x.sum()) == 64
+        print("CUPY_OK", flush=True)
+        """), name="cupy-basics")
+    assert "CUPY_OK" in done.stdout, done.stdout + done.stderr
+
+
+def test_torch_tensor_ops(native_libs: build.Libraries, gpu_server: Server, tmp_path: Path) -> None:  # noqa: F811
+    pytest.importorskip("torch")
+    done = flexrun(native_libs, gpu_server, tmp_path, py("""
+        import torch
+        assert torch.cuda.is_available()
+        x = torch.arange(1000, device="cuda", dtype=torch.float32)
+        assert torch.allclose((x * 2 + 1).cpu(), torch.arange(1000.) * 2 + 1)
+        conv = torch.nn.Conv2d(3, 8, 3).cuda(); y = conv(torch.randn(2, 3, 16, 16, device="cuda")); torch.cuda.synchronize()
+        a = torch.randn(256, 256); b = torch.randn(256, 256)
+        assert torch.allclose((a.cuda() @ b.cuda()).cpu(), a @ b, rtol=1e-2, atol=1e-2)  # cuBLAS
+        h = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16); assert torch.isfinite((h @ h).float()).all()
+        print("TORCH_OK", flush=True)
+        """), name="torch-basics")
+    assert "TORCH_OK" in done.stdout, done.stdout + done.stderr

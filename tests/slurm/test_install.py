@@ -1,0 +1,87 @@
+"""`pip install` puts every script Slurm runs where `rgpu-admin slurm-config` points (issue 10):
+the wheel is built and installed into a fresh virtual environment, and every path the generated
+slurm.conf lines name must exist and run with that environment's rgpu."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.daemons import EXAMPLES, REPO, RgpuCluster, wait_for
+
+pytestmark = pytest.mark.integration
+
+SCRIPT_KEYS = ("PrologSlurmctld", "Prolog", "TaskProlog", "Epilog", "EpilogSlurmctld")
+
+
+@pytest.fixture(scope="module")
+def venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv holding the built wheel; its dependencies come from the test interpreter's
+    site-packages through a plain path entry (no network; the editable rgpu there is not seen)."""
+    root = tmp_path_factory.mktemp("install")
+    source = root / "source"          # setuptools writes build/ into the tree it builds: not ours
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(".git", "build", "dist", "*.egg-info", "__pycache__"))
+    wheels = root / "wheels"
+    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
+                            str(wheels), str(source)], capture_output=True, text=True, timeout=300)
+    assert build.returncode == 0, build.stderr
+    (wheel,) = wheels.glob("rgpu-*.whl")
+    env_dir = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=120)
+    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"), "install",
+                              "--no-deps", "-q", str(wheel)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr
+    purelib = subprocess.run([str(env_dir / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    Path(purelib, "zz-test-dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    return env_dir
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RgpuCluster]:
+    c = RgpuCluster(tmp_path_factory.mktemp("pool"))
+    c.start_pool()
+    c.start_dispatcher(EXAMPLES / "inventory-a.toml")
+
+    def ready() -> bool:
+        with c.client() as client:
+            return client.capacity().total_units == 200
+
+    wait_for(ready, timeout=30, what="2 GPUs in the pool")
+    yield c
+    c.stop_all()
+
+
+def test_every_script_slurm_config_names_exists_and_runs_from_the_installed_wheel(venv: Path, pool: RgpuCluster) -> None:
+    py = venv / "bin" / "python"
+    where = subprocess.run([str(py), "-c", "import rgpu; print(rgpu.__file__)"], capture_output=True, text=True, check=True,
+                           cwd=venv, env={"PATH": "/usr/bin:/bin"})
+    assert where.stdout.startswith(str(venv)), f"rgpu came from {where.stdout.strip()}, not the fresh install"
+    out = subprocess.run([str(venv / "bin" / "rgpu-admin"), "slurm-config", "--section", "slurm.conf"], env=pool.env(),
+                         capture_output=True, text=True, timeout=60, cwd=venv)
+    assert out.returncode == 0, out.stderr
+    paths = dict(re.findall(r"^(\w+)=(/\S+)$", out.stdout, re.MULTILINE))
+    assert set(SCRIPT_KEYS) <= set(paths), out.stdout
+    clean = {"PATH": "/usr/bin:/bin"}    # Slurm gives its scripts no PATH to the venv
+    for key in SCRIPT_KEYS:
+        path = Path(paths[key])
+        assert path.parent == venv / "bin" and path.is_file(), (key, path)
+        run = subprocess.run([str(path)], env=clean, capture_output=True, text=True, timeout=60, cwd=venv)
+        if key == "TaskProlog":
+            assert (run.returncode, run.stdout, run.stderr) == (0, "", ""), run
+            continue
+        # Outside Slurm each says in one line what is missing: proof it started and imported rgpu.
+        assert run.returncode == (1 if key.endswith("Slurmctld") else 0), (key, run)
+        (line,) = run.stderr.strip().splitlines()
+        assert "$SLURM_JOB_ID is not set" in line and "Traceback" not in run.stderr, (key, run.stderr)
+    # The TaskProlog of an rgpu job, run as Slurm would.
+    run = subprocess.run([paths["TaskProlog"]], env={**clean, "SLURM_JOB_ID": "5", "RGPU_RUN_DIR": str(venv)},
+                         capture_output=True, text=True, timeout=10)
+    assert run.stdout == ""   # no <run dir>/5: not an rgpu job
