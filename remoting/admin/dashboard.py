@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import click
 
@@ -13,9 +14,9 @@ from rgpu.secret import load_secret
 
 @click.command("dashboard-url")
 @click.pass_obj
-def dashboard_url(ctx: object) -> None:
+def dashboard_url(ctx: Any) -> None:   # rgpu-admin's Context (cli.py imports this module)
     """Print a one-time login link to the web dashboard (valid 5 minutes, signed with the cluster secret)."""
-    settings = ctx.settings  # type: ignore[attr-defined]
+    settings = ctx.settings
     if not settings.dashboard_url and not settings.dashboard_listen:
         raise ConfigError("admin", "the dashboard's address is unknown",
                           "neither dashboard_url nor dashboard_listen is set in this host's rgpu.toml",
