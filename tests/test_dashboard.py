@@ -64,7 +64,7 @@ def test_state_document_from_a_view() -> None:
     state = dashboard_state(view, [Event(150.0, "info", "lease job-7 for alice")])
     assert state["gpus"][0]["slices"] == [{"job_key": "job-7", "user": "alice", "account": "physics", "slice": 0,
                                            "memory_bytes": 40 * GIB, "compute_percent": 50, "lease_state": "active"}]
-    assert state["leases"][0]["age_seconds"] == 60.0
+    assert state["leases"][0]["age_seconds"] == 60.0 and state["leases"][0]["idle"] is False
     assert state["quotas"] == [{"kind": "user", "name": "alice", "limit_units": 100, "used_units": 50}]
     assert state["events"][0]["message"] == "lease job-7 for alice"
     json.dumps(state)   # what the page gets
@@ -177,6 +177,8 @@ def chromium() -> str:
 def test_dashboard_in_chromium(cluster: RgpuCluster, tmp_path: Path) -> None:
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extra")
     browser_path = chromium()
+    cluster.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5,
+                         idle_after_seconds=3.0)   # a lease without a session is marked idle after 3 s
     port = start_pool_with_dashboard(cluster, EXAMPLES / "inventory-a.toml", EXAMPLES / "inventory-b.toml")
     wait_for(lambda: len(cluster.client().list_servers().servers) == 2, what="both dispatchers")
     with cluster.client() as client:
@@ -215,6 +217,7 @@ def test_dashboard_in_chromium(cluster: RgpuCluster, tmp_path: Path) -> None:
             assert page.locator("#servers tbody tr", has_text="up").count() == 2
             assert "100 / 300 GPU-%" in page.locator("#quotas tbody").inner_text()
             page.wait_for_selector("#events li:has-text('lease slurm-4242 for alice')")
+            page.wait_for_selector("#leases tbody tr:has-text('slurm-4243') .state.idle", timeout=10_000)
             summary = page.locator("#summary").inner_text()
             assert "2/2 dispatchers up" in summary and "2 leases" in summary and "4 GPUs" in summary
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)

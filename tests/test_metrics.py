@@ -74,6 +74,7 @@ def test_pool_families_from_a_view() -> None:
     assert value(found, "rgpu_pool_gpu_allocated_memory_bytes", gpu=GPU.uuid) == 20 * GIB
     assert value(found, "rgpu_pool_slice_memory_bytes", job_key="job-1", slice="0", user="alice") == 20 * GIB
     assert value(found, "rgpu_pool_leases", state="active") == 1
+    assert value(found, "rgpu_pool_leases_idle") == 0
     assert value(found, "rgpu_pool_quota_used_units", kind="user", name="alice") == 25
     assert value(found, "rgpu_pool_server_info", server="h:1", compute_enforcement="mps") == 1
 

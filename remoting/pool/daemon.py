@@ -195,7 +195,7 @@ def _maintenance_loop(core: PoolCore, metrics: PoolMetrics, interval: float, sto
         try:
             metrics.reclaimed.inc(len(core.reclaim_expired()))
             if idle_release:
-                core.release_idle()
+                metrics.idle_released.inc(len(core.release_idle()))
             metrics.servers_down.inc(len(core.check_down_servers()))
         except Exception:
             log.exception("rgpu-poold: maintenance failed (will retry)")

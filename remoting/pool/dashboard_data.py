@@ -32,7 +32,8 @@ def dashboard_state(view: PoolView, events: list[Event]) -> dict[str, Any]:
         } for g in view.gpus],
         "leases": [{
             "job_key": lv.lease.job_key, "user": lv.lease.user, "account": lv.lease.account,
-            "state": lv.state, "created_unix": lv.lease.created_unix,
+            "state": lv.state, "idle": lv.idle, "idle_since_unix": lv.idle_since_unix,
+            "created_unix": lv.lease.created_unix,
             "age_seconds": max(0.0, view.now - lv.lease.created_unix), "expires_unix": lv.lease.expires_unix,
             "units": lv.lease.units,
             "slices": [{"server": s.server, "gpu_index": s.gpu_index, "gpu_name": s.gpu_name,

@@ -88,6 +88,8 @@ def pool_families(view: PoolView) -> list[Metric]:
                 for lease, n, s in slices)),
         _gauge("rgpu_pool_leases", "Leases by state (expired: not reclaimed yet)", ["state"],
                (([state], sum(lv.state == state for lv in view.leases)) for state in LEASE_STATES)),
+        _gauge("rgpu_pool_leases_idle", "Leases whose slices ran no call for idle_after_seconds", [],
+               [([], sum(lv.idle for lv in view.leases))]),
         _gauge("rgpu_pool_capacity_units", "GPU-percent of the GPUs of dispatchers that are up (100 per GPU)", [],
                [([], view.total_units)]),
         _gauge("rgpu_pool_allocated_units", "GPU-percent leased on dispatchers that are up", [],
@@ -122,6 +124,8 @@ class PoolMetrics:
         self.releases = Counter("rgpu_pool_releases", "Release calls (released: a lease ended; unknown: "
                                 "nothing held under the job key)", ["result"], registry=r)
         self.reclaimed = Counter("rgpu_pool_leases_reclaimed", "Leases ended by their TTL", registry=r)
+        self.idle_released = Counter("rgpu_pool_leases_idle_released", "Idle leases released (idle_release)",
+                                     registry=r)
         self.heartbeats = Counter("rgpu_pool_heartbeats", "Dispatcher heartbeats (unknown: the dispatcher "
                                   "must register again)", ["result"], registry=r)
         self.registrations = Counter("rgpu_pool_registrations", "Dispatcher registrations", registry=r)

@@ -41,6 +41,8 @@ class GpuView:
 class LeaseView:
     lease: LeaseRecord
     state: str                     # active | on_down_server | expired (not reclaimed yet)
+    idle: bool = False             # no call for idle_after_seconds (PoolCore.lease_idle)
+    idle_since_unix: float = 0.0   # its last activity (or its start), by the pool's clock
 
 
 @dataclass(frozen=True)
@@ -75,7 +77,8 @@ def pool_view(core: PoolCore) -> PoolView:
                 lease_state = "on_down_server"
             else:
                 lease_state = "active"
-            leases.append(LeaseView(lease, lease_state))
+            since, idle = core.lease_idle(lease)
+            leases.append(LeaseView(lease, lease_state, idle, since))
         gpus = tuple(GpuView(g.server, g.server_state, g.gpu, g.allocated_percent,  # type: ignore[arg-type]
                              g.allocated_memory_bytes, g.slices) for g in core.gpu_statuses())
         capacity = core.capacity()

@@ -97,7 +97,9 @@ function draw(s) {
   drawGpus(s.gpus);
   fillTable("leases", s.leases.map((l) => [l.job_key, l.user, l.account || "–",
     l.slices.map((x) => `${x.server}/${x.gpu_index} ${x.compute_percent}% ${bytes(x.memory_bytes)}`).join(", "),
-    String(l.units), age(l.age_seconds), l.expires_unix ? clock(l.expires_unix) : "never", state(l.state)]),
+    String(l.units), age(l.age_seconds), l.expires_unix ? clock(l.expires_unix) : "never",
+    l.idle ? el("span", {}, state(l.state), " ", el("span", { class: "state idle",
+      title: "no call since " + clock(l.idle_since_unix) }, "idle")) : state(l.state)]),
     8, "No leases.");
   fillTable("servers", s.servers.map((x) => [x.address, x.hostname, state(x.state), age(x.heartbeat_age_seconds) + " ago",
     String(x.gpus) + (x.static_inventory ? " (static)" : ""), x.compute_enforcement || "–", x.version || "–"]),
