@@ -152,6 +152,8 @@ def main(argv: list[str] | None = None) -> int:
             ratio = remote["samples_per_s"] / local["samples_per_s"]
             rows.append({"model": name, "local": local, "remote": remote, "ratio": ratio, "target": TARGETS[name],
                          "passed": ratio >= TARGETS[name]})
+            print(f"{name}: local {local['samples_per_s']:.1f} samples/s, rgpu {remote['samples_per_s']:.1f} samples/s, "
+                  f"ratio {ratio:.3f}", flush=True)
         launch_path = server.status().get("launch_path")
     finally:
         server.stop()

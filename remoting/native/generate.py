@@ -97,7 +97,7 @@ def plan_c(f: Function) -> list[CParamPlan]:
             plan.check = f"{p.name} == NULL"
             plan.put = _c_scalar_put(p, f"*{p.name}")
             plan.get = _c_scalar_get(p, f"*{p.name}")
-        elif p.direction == "in" and p.pointer and p.const and p.wire.kind == "bytes":
+        elif p.direction == "in" and p.pointer and p.const and p.wire.kind == "bytes" and not p.is_string:
             # A struct read by the call (CUmemAllocationProp): its bytes travel.
             plan.check = f"{p.name} == NULL"
             plan.put = f"rgpu_put(&c, {p.name}, sizeof *{p.name});"

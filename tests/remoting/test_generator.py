@@ -109,3 +109,11 @@ print("CALL", ctypes.CFUNCTYPE(ctypes.c_int)(p)())
     assert "TOO_OLD 500 None 2" in out        # CUDA_ERROR_NOT_FOUND, VERSION_NOT_SUFFICIENT
     assert "UNKNOWN 0 True 0" in out and "CALL 801" in out
     assert "cuNotAThing is not remoted" in done.stderr
+
+
+def test_string_parameters_travel_as_strings() -> None:
+    # A `const char *` is a string, not a one-byte struct (cuLibraryGetKernel's name once went as 1 byte).
+    text = (Path(__file__).resolve().parents[2] / "remoting/native/generated/cuda_gen.c").read_text()
+    body = text[text.index("CUDAAPI cuLibraryGetKernel("):]
+    body = body[:body.index("\n}\n")]
+    assert "rgpu_put_str(&c, name);" in body

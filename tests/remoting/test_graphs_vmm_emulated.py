@@ -1,17 +1,26 @@
 """Stream capture, CUDA graphs and virtual memory management through rgpu's libcuda.so.1,
 against an emulated worker (which records a capturing stream's memsets and device copies as
-the graph's nodes and runs them when the executable graph is launched)."""
+the graph's nodes and runs them when the executable graph is launched), and again through the
+real-GPU backend's code chained to it (test_cuda_backend_chained.py's fixture)."""
 
 from __future__ import annotations
 
 from rgpu.remoting.native import build
 
+import pytest
+
 from tests.remoting.conftest import Server
 from tests.remoting.test_client_emulated import py_client
+from tests.remoting.test_cuda_backend_chained import chained  # noqa: F401 - a fixture, used by name
 
 
-def test_capture_instantiate_launch_and_exact_capture_status(native_libs: build.Libraries, emulated: Server) -> None:
-    done = py_client(native_libs, emulated.slices(emulated.token()), """
+@pytest.fixture(params=["emulated", "chained"])
+def worker(request: pytest.FixtureRequest) -> Server:
+    return request.getfixturevalue(request.param)
+
+
+def test_capture_instantiate_launch_and_exact_capture_status(native_libs: build.Libraries, worker: Server) -> None:
+    done = py_client(native_libs, worker.slices(worker.token()), """
         setup()
         s = ctypes.c_void_p()
         check("cuStreamCreate", ctypes.byref(s), 1)
@@ -76,9 +85,9 @@ def test_capture_instantiate_launch_and_exact_capture_status(native_libs: build.
     assert "DONE" in out
 
 
-def test_virtual_memory_is_counted_against_the_slice(native_libs: build.Libraries, emulated: Server) -> None:
+def test_virtual_memory_is_counted_against_the_slice(native_libs: build.Libraries, worker: Server) -> None:
     mib = 1 << 20
-    done = py_client(native_libs, emulated.slices(emulated.token(memory_limit=16 * mib)), """
+    done = py_client(native_libs, worker.slices(worker.token(memory_limit=16 * mib)), """
         setup()
         class Prop(ctypes.Structure):
             _fields_ = [("type", ctypes.c_int), ("handleTypes", ctypes.c_int), ("loc_type", ctypes.c_int),

@@ -903,7 +903,7 @@ RGPU_EXPORT CUresult CUDAAPI cuModuleGetGlobal_v2(CUdeviceptr *dptr, size_t *byt
     CUresult r = rgpu_begin(&c, RGPU_OP_cuModuleGetGlobal_v2);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hmod);
-    rgpu_put(&c, name, sizeof *name);
+    rgpu_put_str(&c, name);
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) {
         { CUdeviceptr dptr_v; memset(&dptr_v, 0, sizeof dptr_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); dptr_v = (CUdeviceptr)v_; } if (dptr) *dptr = dptr_v; }
@@ -949,7 +949,7 @@ RGPU_EXPORT CUresult CUDAAPI cuLibraryGetKernel(CUkernel *pKernel, CUlibrary lib
     CUresult r = rgpu_begin(&c, RGPU_OP_cuLibraryGetKernel);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)library);
-    rgpu_put(&c, name, sizeof *name);
+    rgpu_put_str(&c, name);
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) {
         { CUkernel pKernel_v; memset(&pKernel_v, 0, sizeof pKernel_v); pKernel_v = (CUkernel)(uintptr_t)rgpu_get_u64(&c); if (pKernel) *pKernel = pKernel_v; }
@@ -1006,7 +1006,7 @@ RGPU_EXPORT CUresult CUDAAPI cuLibraryGetGlobal(CUdeviceptr *dptr, size_t *bytes
     CUresult r = rgpu_begin(&c, RGPU_OP_cuLibraryGetGlobal);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)library);
-    rgpu_put(&c, name, sizeof *name);
+    rgpu_put_str(&c, name);
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) {
         { CUdeviceptr dptr_v; memset(&dptr_v, 0, sizeof dptr_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); dptr_v = (CUdeviceptr)v_; } if (dptr) *dptr = dptr_v; }
