@@ -15,7 +15,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
-from rgpu.errors import ConfigError
+from rgpu.errors import ConfigError, InvalidRequest
+from rgpu.netaddr import split_host_port
 
 DEFAULT_CONFIG_FILE = Path("/etc/rgpu/rgpu.toml")
 DEFAULT_POOL_PORT = 50001
@@ -58,6 +59,12 @@ class Settings:
     # Idle leases: no session and no GPU work this long. 0 turns the check off.
     idle_after_seconds: float = 3600.0
     idle_release: bool = False                   # release idle leases (Bitfusion's auto_release)
+    # Prometheus endpoints (HOST:PORT, plain HTTP, path /metrics); "" turns one off.
+    metrics_listen: str = ""                     # rgpu-poold's
+    dispatcher_metrics_listen: str = ""          # each rgpu-dispatcher's (its --metrics-listen flag wins)
+    # The web dashboard served by rgpu-poold (HTTPS when tls_cert_file/tls_key_file are set); "" off.
+    dashboard_listen: str = ""
+    dashboard_url: str = ""                      # what `rgpu-admin dashboard-url` links to; "" derives it
     origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def origin(self, key: str) -> str:
@@ -152,6 +159,14 @@ def load_settings(config_file: str | os.PathLike[str] | None = None,
     if settings.idle_after_seconds < 0:
         raise ConfigError("config", "idle_after_seconds must not be negative", "",
                           "set 0 (off) or a positive number of seconds")
+    for key in ("metrics_listen", "dispatcher_metrics_listen", "dashboard_listen"):
+        value = getattr(settings, key)
+        try:
+            if value:
+                split_host_port(value, what=key, allow_empty_host=True, allow_port_zero=True)
+        except InvalidRequest as exc:
+            raise ConfigError("config", f"{key} {value!r} from {settings.origin(key)} is not HOST:PORT", exc.why,
+                              f"set {key} to an address such as 127.0.0.1:9401, or empty to turn it off") from None
     for key in ("heartbeat_interval_seconds", "down_after_seconds", "reclaim_interval_seconds"):
         if getattr(settings, key) <= 0:
             raise ConfigError("config", f"{key} must be positive", f"it is {getattr(settings, key)} from {settings.origin(key)}",

@@ -50,6 +50,10 @@ class CapacityError(RgpuError):
     exit_code = 3
 
 
+class QuotaExceeded(CapacityError):
+    """A request over its user's or account's quota (the pool may have room)."""
+
+
 class AuthError(RgpuError):
     """Missing, wrong or expired credentials."""
 

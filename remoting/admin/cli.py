@@ -21,6 +21,7 @@ from rgpu.adaptor import read_adaptor_conf, write_adaptor_conf
 from rgpu.config import Settings, load_settings
 from rgpu.errors import InvalidRequest, RgpuError, Unavailable
 from rgpu.proto import rgpu_pb2 as pb
+from rgpu.remoting.admin.dashboard import dashboard_url
 from rgpu.secret import create_secret
 from rgpu.units import format_bytes, parse_duration, parse_size
 from rgpu.remoting.admin.cli_ops import net_perf, stats, usage
@@ -379,6 +380,7 @@ main.add_command(net_perf)
 main.add_command(stats)
 main.add_command(usage)
 
+main.add_command(dashboard_url)
 
 # Commands other components contribute (slurm-config) join through entry points.
 for _name, _command in plugins.load(plugins.ADMIN_COMMANDS):

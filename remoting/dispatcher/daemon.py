@@ -38,7 +38,9 @@ from rgpu.proto import rgpu_pb2 as pb
 from rgpu.remoting.pool.convert import server_to_pb
 from rgpu.remoting.dispatcher.inventory import (Inventory, InventorySource, NodeSettings, open_inventory, read_node_settings,
                                      served_gpus)
+from rgpu.remoting.dispatcher.metrics import DispatcherSnapshot, dispatcher_registry
 from rgpu.remoting.dispatcher.registration import POOL_CALL_TIMEOUT, Registrar, pool_connector
+from rgpu.remoting.metrics.http import MetricsServer, serve_metrics
 from rgpu.secret import load_secret
 from rgpu.units import format_bytes
 
@@ -127,6 +129,7 @@ class DataPath(Protocol):
     def start(self) -> None: ...
     def stop(self) -> None: ...
     def status(self) -> dict[str, Any]: ...
+    def observe(self) -> dict[str, Any]: ...
     def update_live(self, live: LiveLeases) -> None: ...
     def usage(self) -> list[dict[str, Any]]: ...
 
@@ -154,6 +157,8 @@ class Options:
     inventory_file: str | None
     secret_file: str | None
     port_file: str | None = None   # where to write the bound port once serving (-p 0)
+    metrics_listen: str | None = None      # overrides dispatcher_metrics_listen
+    metrics_port_file: str | None = None   # where to write the metrics endpoint's port
 
 
 def configure_logging(level: str = "info") -> None:
@@ -198,10 +203,30 @@ def _log_startup(source: InventorySource, inventory: Inventory, node: NodeSettin
                  format_bytes(gpu.usable_memory_bytes), format_bytes(gpu.total_memory_bytes), gpu.compute_capability)
 
 
+def _serve_metrics(settings: Settings, options: Options, address: str, gpus: tuple[GpuInfo, ...],
+                   data_path: DataPath, registrar: Registrar) -> MetricsServer | None:
+    """The Prometheus endpoint, where dispatcher_metrics_listen (or --metrics-listen) puts it."""
+    if not settings.dispatcher_metrics_listen:
+        return None
+
+    def snapshot() -> DispatcherSnapshot:
+        return DispatcherSnapshot(address=address, gpus=gpus, sessions=data_path.observe(),
+                                  registered=registrar.registered, heartbeats=dict(registrar.heartbeats),
+                                  registrations=registrar.registrations)
+
+    server = serve_metrics(settings.dispatcher_metrics_listen, dispatcher_registry(snapshot), COMPONENT,
+                           key="dispatcher_metrics_listen")
+    log.info("metrics on http://%s/metrics (port %d)", settings.dispatcher_metrics_listen, server.port)
+    if options.metrics_port_file:
+        write_port_file(options.metrics_port_file, server.port, COMPONENT)
+    return server
+
+
 def run(options: Options, env: dict[str, str] | None = None) -> int:
     env = dict(os.environ) if env is None else env
     settings = load_settings(options.config_file, env=env,
-                             flags={"pool": options.pool, "secret_file": options.secret_file})
+                             flags={"pool": options.pool, "secret_file": options.secret_file,
+                                    "dispatcher_metrics_listen": options.metrics_listen})
     configure_logging(settings.log_level)
     pool = _checked_pool(settings)
     secret = load_secret(settings.secret_file)
@@ -246,10 +271,13 @@ def run(options: Options, env: dict[str, str] | None = None) -> int:
                 write_port_file(options.port_file, port, COMPONENT)
             registrar = Registrar(server_to_pb(info), connect, pool, on_live=data_path.update_live,
                                   usage=lambda: [pb.SliceUsage(**u) for u in data_path.usage()])
+            metrics = _serve_metrics(settings, options, address, gpus, data_path, registrar)
             thread = threading.Thread(target=registrar.run, args=(stop,), name="registrar", daemon=True)
             thread.start()
             stop.wait()
             thread.join(timeout=POOL_CALL_TIMEOUT + 1)
+            if metrics is not None:
+                metrics.stop()
         finally:
             data_path.stop()
     finally:
@@ -271,14 +299,19 @@ def run(options: Options, env: dict[str, str] | None = None) -> int:
 @click.option("--secret-file", help="Cluster secret file (mode 0600).")
 @click.option("--port-file", type=click.Path(dir_okay=False),
               help="Write the session port to this file once serving (with -p 0).")
+@click.option("--metrics-listen", help="HOST:PORT for the Prometheus endpoint (default: dispatcher_metrics_listen, off).")
+@click.option("--metrics-port-file", type=click.Path(dir_okay=False),
+              help="Write the metrics endpoint's port to this file once serving.")
 @click.version_option(__version__, prog_name="rgpu-dispatcher")
 def main(port: int, host: str, advertise: str | None, pool: str | None, config_file: str | None,
-         inventory_file: str | None, secret_file: str | None, port_file: str | None) -> None:
+         inventory_file: str | None, secret_file: str | None, port_file: str | None, metrics_listen: str | None,
+         metrics_port_file: str | None) -> None:
     """Serve this node's GPUs to the rgpu pool."""
     configure_logging()
     try:
         sys.exit(run(Options(port=port, host=host, advertise=advertise, pool=pool, config_file=config_file,
-                             inventory_file=inventory_file, secret_file=secret_file, port_file=port_file)))
+                             inventory_file=inventory_file, secret_file=secret_file, port_file=port_file,
+                             metrics_listen=metrics_listen, metrics_port_file=metrics_port_file)))
     except RgpuError as exc:
         click.echo(str(exc), err=True)
         sys.exit(exc.exit_code)

@@ -72,6 +72,13 @@ class Registrar:
         self._interval = DEFAULT_HEARTBEAT_INTERVAL
         self._problem: str | None = None
         self._backoff = Backoff()
+        # For the metrics: heartbeats by result (ok | unknown | failed) and registrations.
+        self.heartbeats = {"ok": 0, "unknown": 0, "failed": 0}
+        self.registrations = 0
+
+    @property
+    def registered(self) -> bool:
+        return self._registered
 
     def run(self, stop: threading.Event) -> None:
         delay = 0.0
@@ -103,6 +110,7 @@ class Registrar:
                  self._server.address, len(self._server.gpus),
                  ", static inventory" if self._server.static_inventory else "", self._interval)
         self._registered = self._ever_registered = True
+        self.registrations += 1
         self._problem = None
         self._backoff.reset()
         return 0.0  # heartbeat at once: its reply brings the pool's list of live leases
@@ -115,6 +123,7 @@ class Registrar:
             except Exception:  # usage is a report; its failure must not stop heartbeats
                 log.exception("reading the sessions' usage failed; heartbeat without it")
         reply = client.heartbeat(self._server.address, usage, time.time())
+        self.heartbeats["ok" if reply.known else "unknown"] += 1
         if reply.known:
             live = live_from_pb(reply)
             if live is not None and self._on_live is not None:
@@ -128,6 +137,8 @@ class Registrar:
     def _failed(self, err: RgpuError) -> float:
         # Any failure may mean the pool restarted: register again (it is idempotent) once it
         # answers, on a fresh channel so gRPC's own reconnect backoff (up to 2 min) cannot delay it.
+        if self._registered:
+            self.heartbeats["failed"] += 1
         self._registered = False
         self._drop_client()
         message = str(err)

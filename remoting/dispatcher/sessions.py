@@ -34,6 +34,8 @@ from pathlib import Path
 
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.backends.base import slice_usage
+from rgpu.remoting.datapath.counters import FIELDS as TRAFFIC_FIELDS
+from rgpu.remoting.datapath.counters import counters_path, read_counters
 from rgpu.remoting.datapath.perf import serve_perf
 from rgpu.remoting.datapath.usage import read_slice_stats
 from rgpu.remoting.dispatcher.mps import MpsDaemon
@@ -124,6 +126,10 @@ class SessionServer:
         self._refused = 0
         self._accepted = 0
         self._ended: list[dict] = []
+        self.counters_dir = self.runtime_dir / "counters"
+        # Traffic of ended sessions per GPU, and sessions ended per outcome (ok | failed | revoked).
+        self._traffic_ended: dict[str, dict[str, int]] = {}
+        self._ended_outcomes: dict[str, int] = {"ok": 0, "failed": 0, "revoked": 0}
         self.launch_library = ""
         self.launch_path = "python"
         self._live: LiveLeases | None = None   # the pool's latest list; None: tokens are checked offline only
@@ -296,6 +302,10 @@ class SessionServer:
             return
         conn.close()  # the worker holds its own copy now
 
+    def _slice_path(self, job_key: str, slice_number: int, gpu_uuid: str) -> Path:
+        key = hashlib.sha256(f"{job_key}\0{slice_number}\0{gpu_uuid}".encode()).hexdigest()[:16]
+        return self.runtime_dir / "slices" / key
+
     def _serve_perf(self, conn: socket.socket, peer: str, claims: tokens.SliceClaims) -> None:
         """rgpu-admin net-perf: this acceptor thread echoes and streams; no worker, no GPU."""
         conn.sendall(protocol.encode_welcome(
@@ -305,13 +315,48 @@ class SessionServer:
         self.log.info("perf session from %s (job %s) moved %d bytes", peer, claims.job_key, moved)
 
     def _slice_dir(self, claims: tokens.SliceClaims) -> Path:
-        key = hashlib.sha256(f"{claims.job_key}\0{claims.slice_number}\0{claims.gpu_uuid}".encode()).hexdigest()[:16]
-        path = self.runtime_dir / "slices" / key
+        path = self._slice_path(claims.job_key, claims.slice_number, claims.gpu_uuid)
         path.mkdir(parents=True, exist_ok=True)
         with self._lock:
             self._slice_dirs[path] = (claims.job_key, claims.slice_number, claims.issued_unix)
         return path
 
+    def observe(self) -> dict:
+        """What the metrics need: live sessions with the memory their slice holds, traffic per GPU
+        (ended sessions' totals plus live ones' latest counts), session outcomes."""
+        with self._lock:
+            live = [(r.pid, r.public()) for r in self._sessions.values()]
+            traffic = {gpu: dict(counts) for gpu, counts in self._traffic_ended.items()}
+            outcomes = dict(self._ended_outcomes)
+            accepted, refused = self._accepted, self._refused
+        sessions = []
+        for pid, rec in live:
+            used = slice_usage(self._slice_path(rec["job_key"], rec["slice_number"], rec["gpu_uuid"]))
+            sessions.append({**rec, "memory_used_bytes": used})
+            counts = read_counters(counters_path(self.counters_dir, pid))
+            if counts is not None:
+                total = traffic.setdefault(rec["gpu_uuid"], dict.fromkeys(TRAFFIC_FIELDS, 0))
+                for name in TRAFFIC_FIELDS:
+                    total[name] += counts[name]
+        return {"sessions": sessions, "traffic": traffic, "ended": outcomes, "accepted": accepted,
+                "refused": refused, "mps": {"running": self.mps.running, "restarts": self.mps.restarts,
+                                            "reason": self.mps.reason},
+                "compute_enforcement": self.mps.enforcement, "launch_path": self.launch_path,
+                "backend": self.backend}
+
+    def _collect_traffic(self, rec: SessionRecord) -> None:
+        """Add an ended worker's final counts to the totals; its counters file goes. Called with
+        the lock held, in the same step that drops the session, so no scrape sees the counts
+        neither live nor in the totals (a counter must never go down)."""
+        path = counters_path(self.counters_dir, rec.pid)
+        counts = read_counters(path)
+        outcome = "revoked" if rec.ended_by else ("ok" if rec.popen.returncode == 0 else "failed")
+        self._ended_outcomes[outcome] += 1
+        if counts is not None:
+            total = self._traffic_ended.setdefault(rec.gpu_uuid, dict.fromkeys(TRAFFIC_FIELDS, 0))
+            for name in TRAFFIC_FIELDS:
+                total[name] += counts[name]
+        path.unlink(missing_ok=True)
     def usage(self) -> list[dict]:
         """Per slice that had a CUDA session since this dispatcher started: open sessions, busy
         time, calls, memory high-water mark and in use, last activity (this host's clock)."""
@@ -357,6 +402,7 @@ class SessionServer:
             "slice_number": claims.slice_number, "usage_dir": str(self._slice_dir(claims)),
             "server": self.advertised, "compute_enforcement": self.mps.enforcement,
             "client": {"address": peer, **hello.info}, "launch_library": self.launch_library,
+            "counters_dir": str(self.counters_dir),
         }
         env = worker_environment(os.environ)
         env["RGPU_WORKER_SESSION"] = json.dumps(spec)
@@ -384,8 +430,9 @@ class SessionServer:
         while not self._stopping.wait(0.2):
             with self._lock:
                 done = [(pid, rec) for pid, rec in self._sessions.items() if rec.popen.poll() is not None]
-                for pid, _ in done:
+                for pid, rec in done:
                     del self._sessions[pid]
+                    self._collect_traffic(rec)
             for pid, rec in done:
                 code = rec.popen.returncode
                 how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"

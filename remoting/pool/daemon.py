@@ -11,6 +11,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -30,8 +31,12 @@ from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
 from rgpu.remoting.pool.errors import status_for
 from rgpu.remoting.pool.convert import gpu_to_pb, live_to_pb, server_from_pb, server_to_pb, usage_from_pb, usage_to_pb
+from rgpu.remoting.metrics.http import MetricsServer, serve_metrics
+from rgpu.remoting.pool.events import EventLog
+from rgpu.remoting.pool.metrics import PoolMetrics, refusal_reason
 from rgpu.remoting.pool.rules import AllocationRequest, PoolCore
 from rgpu.remoting.pool.store import Store
+from rgpu.remoting.pool.views import pool_view
 from rgpu.secret import load_secret
 
 log = logging.getLogger("rgpu-poold")
@@ -58,9 +63,10 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class PoolServicer(pb_grpc.PoolServicer):
-    def __init__(self, core: PoolCore, heartbeat_interval: float) -> None:
+    def __init__(self, core: PoolCore, heartbeat_interval: float, metrics: PoolMetrics | None = None) -> None:
         self.core = core
         self.heartbeat_interval = heartbeat_interval
+        self.metrics = metrics or PoolMetrics()
 
     def _lease_pb(self, lease: LeaseRecord) -> pb.Lease:
         usages = self.core.slice_usage(lease)
@@ -82,29 +88,42 @@ class PoolServicer(pb_grpc.PoolServicer):
     @_rpc
     def RegisterServer(self, request: pb.RegisterServerRequest, context: Any) -> pb.RegisterServerReply:
         self.core.register(server_from_pb(request.server))
+        self.metrics.registrations.inc()
         return pb.RegisterServerReply(heartbeat_interval_seconds=self.heartbeat_interval)
 
     @_rpc
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatReply:
         if not self.core.heartbeat(request.address):
+            self.metrics.heartbeats.labels("unknown").inc()
             return pb.HeartbeatReply(known=False)
+        self.metrics.heartbeats.labels("known").inc()
         if request.usage:
             self.core.record_usage(request.address, [usage_from_pb(u) for u in request.usage], request.sent_unix)
         return live_to_pb(self.core.live_slices(request.address))
 
     @_rpc
     def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.Lease:
-        lease = self.core.allocate(AllocationRequest(
-            job_key=request.job_key, user=request.user, account=request.account, count=request.count,
-            fraction=request.fraction if request.fraction else None,
-            memory_bytes=request.memory_bytes if request.memory_bytes else None,
-            ttl_seconds=request.ttl_seconds, gpu_model=request.gpu_model, server=request.server,
-            min_memory_bytes=request.min_memory_bytes))
+        started, asked_at = time.perf_counter(), self.core.clock()
+        try:
+            lease = self.core.allocate(AllocationRequest(
+                job_key=request.job_key, user=request.user, account=request.account, count=request.count,
+                fraction=request.fraction if request.fraction else None,
+                memory_bytes=request.memory_bytes if request.memory_bytes else None,
+                ttl_seconds=request.ttl_seconds, gpu_model=request.gpu_model, server=request.server,
+                min_memory_bytes=request.min_memory_bytes))
+        except Exception as exc:
+            self.metrics.refusals.labels(refusal_reason(exc)).inc()
+            raise
+        finally:
+            self.metrics.allocate_seconds.observe(time.perf_counter() - started)
+        self.metrics.allocations.labels("existing" if lease.created_unix < asked_at else "new").inc()
         return self._lease_pb(lease)
 
     @_rpc
     def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseReply:
-        return pb.ReleaseReply(released=self.core.release(request.job_key))
+        released = self.core.release(request.job_key)
+        self.metrics.releases.labels("released" if released else "unknown").inc()
+        return pb.ReleaseReply(released=released)
 
     @_rpc
     def GetLease(self, request: pb.GetLeaseRequest, context: Any) -> pb.Lease:
@@ -169,14 +188,15 @@ class PoolServicer(pb_grpc.PoolServicer):
                                 free_units=cap.free_units, gpus=cap.gpus)
 
 
-def _maintenance_loop(core: PoolCore, interval: float, stop: threading.Event, idle_release: bool = False) -> None:
+def _maintenance_loop(core: PoolCore, metrics: PoolMetrics, interval: float, stop: threading.Event,
+                      idle_release: bool = False) -> None:
     """Reclaim expired leases, release idle ones (idle_release), notice servers that stopped heartbeating."""
     while not stop.wait(interval):
         try:
-            core.reclaim_expired()
+            metrics.reclaimed.inc(len(core.reclaim_expired()))
             if idle_release:
-                core.release_idle()
-            core.check_down_servers()
+                metrics.idle_released.inc(len(core.release_idle()))
+            metrics.servers_down.inc(len(core.check_down_servers()))
         except Exception:
             log.exception("rgpu-poold: maintenance failed (will retry)")
 
@@ -194,16 +214,44 @@ def _check_bindable(listen: str) -> None:
         probe.bind((host, port))
 
 
+def _start_http(settings: Settings, secret: bytes, core: PoolCore, metrics: PoolMetrics, events: EventLog,
+                report: Callable[[str, int], None]) -> list[Any]:
+    """The metrics endpoint and the dashboard, each where the settings put it (none by default)."""
+    started: list[Any] = []
+    try:
+        if settings.metrics_listen:
+            server: MetricsServer = serve_metrics(settings.metrics_listen, metrics.registry, "poold")
+            started.append(server)
+            log.info("rgpu-poold: metrics on http://%s/metrics (port %d)", settings.metrics_listen, server.port)
+            report("metrics", server.port)
+        if settings.dashboard_listen:
+            from rgpu.remoting.pool.dashboard import serve_dashboard
+            dashboard = serve_dashboard(settings, secret, lambda: pool_view(core), events)
+            started.append(dashboard)
+            log.info("rgpu-poold: dashboard on %s (port %d); `rgpu-admin dashboard-url` prints a login link",
+                     dashboard.url, dashboard.port)
+            report("dashboard", dashboard.port)
+    except BaseException:
+        for each in started:
+            each.stop()
+        raise
+    return started
+
+
 @contextlib.contextmanager
-def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC_WORKERS) -> Iterator[tuple[int, PoolCore]]:
-    """Start the pool on settings.listen (port 0 picks a free one); yield (port, core)."""
+def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC_WORKERS,
+                 report: Callable[[str, int], None] | None = None) -> Iterator[tuple[int, PoolCore]]:
+    """Start the pool on settings.listen (port 0 picks a free one); yield (port, core).
+    `report(what, port)` hears where the metrics endpoint and the dashboard serve, when on."""
+    events = EventLog.attach(log)
     store = Store(settings.state)
     core = PoolCore(store=store, secret=secret, placement=settings.placement,
                     down_after_seconds=settings.down_after_seconds,
                     max_slices_per_job=settings.max_slices_per_job, idle_after_seconds=settings.idle_after_seconds)
+    metrics = PoolMetrics(lambda: pool_view(core))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=[ServerAuth(secret)],
                          options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_PoolServicer_to_server(PoolServicer(core, settings.heartbeat_interval_seconds), server)
+    pb_grpc.add_PoolServicer_to_server(PoolServicer(core, settings.heartbeat_interval_seconds, metrics), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
@@ -216,12 +264,19 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
             port = server.add_insecure_port(settings.listen)
     except (OSError, RuntimeError) as exc:
         store.close()
+        events.detach()
         raise ConfigError("poold", f"cannot listen on {settings.listen}", str(exc) or "address in use or invalid",
                           "pick another --listen address or stop the process holding the port") from None
+    try:
+        http = _start_http(settings, secret, core, metrics, events, report or (lambda what, port: None))
+    except BaseException:
+        store.close()
+        events.detach()
+        raise
     stop = threading.Event()
     maintenance = threading.Thread(target=_maintenance_loop, name="maintenance", daemon=True,
-                                   args=(core, min(settings.reclaim_interval_seconds, settings.down_after_seconds / 3), stop,
-                                         settings.idle_release))
+                                   args=(core, metrics, min(settings.reclaim_interval_seconds, settings.down_after_seconds / 3),
+                                         stop, settings.idle_release))
     # Components that ride on the pool (the Slurm integration) plug in through entry points.
     running = [start(core, settings, log) for _name, start in plugins.load(plugins.POOL_PLUGINS)]
     for service in ("", "rgpu.v1.Pool"):
@@ -234,11 +289,14 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
     finally:
         for plugin in running:
             plugin.stop()
+        for each in http:
+            each.stop()
         health_servicer.enter_graceful_shutdown()
         stop.set()
         server.stop(grace=2).wait()
         maintenance.join(timeout=5)
         store.close()
+        events.detach()
 
 
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
@@ -249,20 +307,34 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
 @click.option("--secret-file", help="Cluster secret file (mode 0600).")
 @click.option("--port-file", type=click.Path(dir_okay=False),
               help="Write the port served on to this file once serving (with --listen HOST:0).")
+@click.option("--metrics-listen", help="HOST:PORT for the Prometheus endpoint (default from config: off).")
+@click.option("--metrics-port-file", type=click.Path(dir_okay=False),
+              help="Write the metrics endpoint's port to this file once serving.")
+@click.option("--dashboard-listen", help="HOST:PORT for the web dashboard (default from config: off).")
+@click.option("--dashboard-port-file", type=click.Path(dir_okay=False),
+              help="Write the dashboard's port to this file once serving.")
 @click.version_option(__version__, prog_name="rgpu-poold")
 def main(config_file: str | None, listen: str | None, state: str | None, placement: str | None,
-         secret_file: str | None, port_file: str | None) -> None:
+         secret_file: str | None, port_file: str | None, metrics_listen: str | None,
+         metrics_port_file: str | None, dashboard_listen: str | None, dashboard_port_file: str | None) -> None:
     """Run the rgpu pool daemon."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     try:
         settings = load_settings(config_file, flags={"listen": listen, "state": state, "placement": placement,
-                                                     "secret_file": secret_file})
+                                                     "secret_file": secret_file, "metrics_listen": metrics_listen,
+                                                     "dashboard_listen": dashboard_listen})
+        port_files = {"metrics": metrics_port_file, "dashboard": dashboard_port_file}
+
+        def report(what: str, bound: int) -> None:
+            if port_files.get(what):
+                write_port_file(port_files[what], bound, "poold")
+
         logging.getLogger().setLevel(settings.log_level.upper())
         secret = load_secret(settings.secret_file)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
-        with running_pool(settings, secret) as (port, core):
+        with running_pool(settings, secret, report=report) as (port, core):
             log.info("rgpu-poold: %s serving on %s (port %d), state %s, placement %s, %d server(s) and %d lease(s) "
                      "restored", __version__, settings.listen, port, settings.state, settings.placement,
                      len(core.servers), len(core.leases))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from rgpu import tokens, validate
-from rgpu.errors import CapacityError, InvalidRequest, NotFound, PermissionDenied
+from rgpu.errors import InvalidRequest, NotFound, PermissionDenied, QuotaExceeded
 from rgpu.live_leases import LiveLeases
 from rgpu.model import LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
 from rgpu.remoting.pool.accounting import (Interval, SliceUsageRecord, UsageTotal, idle_seconds, idle_since, is_idle,
@@ -108,6 +108,11 @@ class PoolCore:
             self._index_lease(lease, +1)
         for quota in self.store.load_quotas():
             self.quotas[(quota.kind, quota.name)] = quota.limit_units
+
+    @property
+    def lock(self) -> threading.RLock:
+        """Held by readers that need several views at one instant (remoting/pool/views.py)."""
+        return self._lock
 
     # -- listeners: told when healthy capacity may have changed (servers up/down/drained) -----
     def add_capacity_listener(self, callback: Callable[[], None]) -> None:
@@ -316,7 +321,7 @@ class PoolCore:
                 raise PermissionDenied("pool", f"{kind} {name} may not use rgpu GPUs", "its quota is 0",
                                        f"ask an admin to raise it (rgpu-admin quota set {kind} {name} UNITS)")
             if used + units > limit:
-                raise CapacityError("pool", f"quota of {kind} {name} exceeded",
+                raise QuotaExceeded("pool", f"quota of {kind} {name} exceeded",
                                     f"used {used} / limit {limit} GPU-percent, asked {units}",
                                     "release other leases or ask an admin to raise the quota")
 

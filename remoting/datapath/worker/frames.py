@@ -26,6 +26,7 @@ class FrameReader:
         self.start = 0
         self.end = 0
         self.big: ctypes.Array | None = None
+        self.received = 0   # bytes read from the socket (the session's traffic counters)
 
     def _fill(self, need: int) -> None:
         if self.end - self.start >= need:
@@ -39,6 +40,7 @@ class FrameReader:
             if k == 0:
                 raise EOFError
             self.end += k
+            self.received += k
 
     def next(self) -> tuple[int, int, int, int, int, memoryview, int]:
         """(op, flags, seq, aux, ctx, payload, payload_address)."""
@@ -65,6 +67,7 @@ class FrameReader:
             if k == 0:
                 raise EOFError
             got += k
+            self.received += k
         self.big = big
         return op, flags, seq, aux, ctx, bview, ctypes.addressof(big)
 

@@ -115,6 +115,7 @@ class Handlers:
         src, stream, size = COPY.unpack_from(p, 0)
         for chunk in self.backend.dtoh_chunks(src, stream, size, protocol.CHUNK_BYTES):
             self.sock.sendmsg([HEADER.pack(len(chunk), protocol.OP_DATA, 0, 0, 0, 0), chunk])
+            self.sent += protocol.HEADER_SIZE + len(chunk)
         return SUCCESS, b""
 
     def h_dtod_2d(self, p: memoryview, address: int, seq: int) -> None:

@@ -39,6 +39,11 @@ class Worker(Handlers):
         self.deferred: tuple[int, str] | None = None
         self.handlers: dict[int, tuple[Callable[[memoryview, int, int], tuple[int, bytes] | None], bool]] = {}
         self.messages = 0
+        # Traffic counters (published by session.py): calls and errors seen by the Python path;
+        # the native launch loop counts its own launches.
+        self.calls = 0
+        self.errors = 0
+        self.sent = 0
         self.native_launches = load_native_launches(spec, backend)
         self._build_table()
         register = getattr(backend, "register_host_buffer", None)
@@ -154,8 +159,8 @@ class Worker(Handlers):
                 # Every complete plain launch in the buffer, in one call; what it leaves (a
                 # partial frame, a cooperative launch, another op) takes the paths below.
                 used, code = native.run(reader.base + reader.start, reader.end - reader.start, ctx, launch_op)
-                if code and self.deferred is None:
-                    self.deferred = (code, "")
+                if code:
+                    self._defer(code, "")
                 if used:
                     reader.start += used
                     continue
@@ -169,13 +174,15 @@ class Worker(Handlers):
                 f, stream, gx, gy, gz, bx, by, bz, shmem, coop, nattrs, argsize, _, _ = unpack_launch(view, at)
                 if not coop and not nattrs:
                     reader.start = at + length
+                    self.calls += 1
                     code = launch_fast(f, gx, gy, gz, bx, by, bz, shmem, stream, reader.base + at + LAUNCH.size, argsize)
-                    if code and self.deferred is None:
-                        self.deferred = (code, "")
+                    if code:
+                        self._defer(code, "")
                     continue
             op, _flags, seq, _aux, ctx, payload, address = reader.next()
             if op == protocol.OP_BYE:
                 return "client said goodbye"
+            self.calls += 1
             entry = handlers.get(op)
             if entry is None:
                 if op < 32:
@@ -230,16 +237,26 @@ class Worker(Handlers):
             elif result is not None:
                 self._reply(seq, result[0], result[1], "")
 
+    def counters(self) -> tuple[int, int, int, int]:
+        """(received bytes, sent bytes, calls, errors): datapath/counters.py's FIELDS."""
+        native = self.native_launches.launched.value if self.native_launches is not None else 0
+        return self.reader.received, self.sent, self.calls + native, self.errors
+
     def _defer(self, code: int, message: str) -> None:
+        self.errors += 1
         if self.deferred is None:
             self.deferred = (code, message)
 
     def _reply(self, seq: int, result: int, payload: bytes, message: str) -> None:
         flags = 0
+        if result != SUCCESS:
+            self.errors += 1
         body = I32.pack(result)
         if message and self.messages < 32:
             self.messages += 1
             flags = protocol.REPLY_HAS_MESSAGE
             body += lp(message.encode())
         body += payload
-        self.sock.sendall(HEADER.pack(len(body), protocol.OP_REPLY, flags, seq, 0, 0) + body)
+        frame = HEADER.pack(len(body), protocol.OP_REPLY, flags, seq, 0, 0) + body
+        self.sent += len(frame)
+        self.sock.sendall(frame)

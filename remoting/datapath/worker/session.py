@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from rgpu.remoting.datapath import protocol
+from rgpu.remoting.datapath.counters import Publisher, counters_path
 from rgpu.remoting.datapath.backends.base import NOT_SUPPORTED, CudaError, SliceMemory
 from rgpu.remoting.datapath.usage import STATS_SUFFIX, SessionStats
 from rgpu.remoting.datapath.worker.loop import Worker
@@ -63,9 +64,17 @@ def run_session(sock: socket.socket, spec: SessionSpec) -> int:
         description=description))
     log.info("session open: job %s slice %d, %s mode, client %s", spec.job_key, spec.slice_number, spec.mode, spec.client)
     worker = Worker(sock, backend, spec, memory, stats)
+    publisher = None
+    if spec.counters_dir:
+        try:
+            publisher = Publisher(counters_path(spec.counters_dir, os.getpid()), worker.counters)
+        except OSError as exc:   # the session runs on; only the dispatcher's metrics miss it
+            log.warning("cannot publish traffic counters in %s: %s", spec.counters_dir, exc)
     try:
         why = worker.serve()
     finally:
+        if publisher is not None:
+            publisher.stop()
         try:
             backend.close()
         except Exception as exc:  # noqa: BLE001 - the session is over either way

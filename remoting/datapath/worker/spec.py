@@ -27,6 +27,7 @@ class SessionSpec:
     compute_enforcement: str  # "mps" or "time-slicing"
     client: dict[str, Any]
     launch_library: str = ""  # librgpu-worker.so (the native launch loop); "" runs launches in Python
+    counters_dir: str = ""    # where the worker publishes its traffic counters (datapath/counters.py); "": nowhere
 
     @classmethod
     def from_json(cls, text: str) -> SessionSpec:

@@ -1,0 +1,143 @@
+"""What rgpu-poold exports to Prometheus.
+
+Two kinds of metric: state, rebuilt from one PoolView at every scrape by the pure function
+`pool_families` (GPUs, slices, leases, servers, quotas, capacity); and events, counted as they
+happen by PoolMetrics (allocations, refusals by reason, allocate latency, releases, reclaims,
+heartbeats, registrations). The HTTP endpoint is remoting/metrics/http.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, InfoMetricFamily
+from prometheus_client.registry import Collector
+from prometheus_client.metrics_core import Metric
+
+from rgpu.errors import CapacityError, InvalidRequest, NotFound, PermissionDenied, QuotaExceeded
+from rgpu.remoting.pool.views import LEASE_STATES, SERVER_STATES, PoolView
+
+# Allocation takes ~1 ms in the pool; the tail is the SQLite commit and lock contention.
+ALLOCATE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+REFUSAL_REASONS = ("capacity", "quota", "permission", "invalid", "not_found", "error")
+
+
+def refusal_reason(exc: BaseException) -> str:
+    """The `reason` label of a refused allocation."""
+    if isinstance(exc, QuotaExceeded):
+        return "quota"
+    if isinstance(exc, CapacityError):
+        return "capacity"
+    if isinstance(exc, PermissionDenied):
+        return "permission"
+    if isinstance(exc, InvalidRequest):
+        return "invalid"
+    if isinstance(exc, NotFound):
+        return "not_found"
+    return "error"
+
+
+def _gauge(name: str, documentation: str, labels: list[str],
+           samples: Iterable[tuple[list[str], float]]) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, documentation, labels=labels)
+    for values, value in samples:
+        family.add_metric(values, value)
+    return family
+
+
+def pool_families(view: PoolView) -> list[Metric]:
+    """The pool's state as metric families. Pure."""
+    gpu_labels = ["server", "gpu", "index", "model"]
+    slice_labels = ["server", "gpu", "job_key", "slice", "user", "account"]
+
+    def gpu_key(g: object) -> list[str]:
+        return [g.server, g.gpu.uuid, str(g.gpu.index), g.gpu.name]  # type: ignore[attr-defined]
+
+    server_info = InfoMetricFamily("rgpu_pool_server", "A dispatcher known to the pool",
+                                   labels=["server"])
+    for s in view.servers:
+        server_info.add_metric([s.address], {"hostname": s.hostname, "version": s.version,
+                                             "driver_version": s.driver_version,
+                                             "compute_enforcement": s.compute_enforcement or "unknown",
+                                             "static_inventory": str(s.static_inventory).lower()})
+    slices = [(lv.lease, n, s) for lv in view.leases for n, s in enumerate(lv.lease.slices)]
+    return [
+        _gauge("rgpu_pool_servers", "Dispatchers by state", ["state"],
+               (([state], sum(s.state == state for s in view.servers)) for state in SERVER_STATES)),
+        _gauge("rgpu_pool_server_up", "1 when the dispatcher heartbeats and is not drained", ["server"],
+               (([s.address], float(s.state == "up")) for s in view.servers)),
+        _gauge("rgpu_pool_server_heartbeat_age_seconds", "Time since the dispatcher's last heartbeat", ["server"],
+               (([s.address], s.heartbeat_age_seconds) for s in view.servers)),
+        server_info,
+        _gauge("rgpu_pool_gpus", "GPUs by the state of their dispatcher", ["state"],
+               (([state], sum(g.server_state == state for g in view.gpus)) for state in SERVER_STATES)),
+        _gauge("rgpu_pool_gpu_memory_bytes", "GPU memory slices may divide (after any memory limit)", gpu_labels,
+               ((gpu_key(g), g.gpu.usable_memory_bytes) for g in view.gpus)),
+        _gauge("rgpu_pool_gpu_allocated_memory_bytes", "GPU memory held by leased slices", gpu_labels,
+               ((gpu_key(g), g.allocated_memory_bytes) for g in view.gpus)),
+        _gauge("rgpu_pool_gpu_allocated_compute_percent", "GPU compute held by leased slices (100 = all)",
+               gpu_labels, ((gpu_key(g), g.allocated_percent) for g in view.gpus)),
+        _gauge("rgpu_pool_gpu_slices", "Leased slices on the GPU", gpu_labels,
+               ((gpu_key(g), g.slices) for g in view.gpus)),
+        _gauge("rgpu_pool_slice_memory_bytes", "Memory limit of a leased slice", slice_labels,
+               (([s.server, s.gpu_uuid, lease.job_key, str(n), lease.user, lease.account], s.memory_limit_bytes)
+                for lease, n, s in slices)),
+        _gauge("rgpu_pool_slice_compute_percent", "Compute share of a leased slice", slice_labels,
+               (([s.server, s.gpu_uuid, lease.job_key, str(n), lease.user, lease.account], s.compute_percent)
+                for lease, n, s in slices)),
+        _gauge("rgpu_pool_leases", "Leases by state (expired: not reclaimed yet)", ["state"],
+               (([state], sum(lv.state == state for lv in view.leases)) for state in LEASE_STATES)),
+        _gauge("rgpu_pool_leases_idle", "Leases whose slices ran no call for idle_after_seconds", [],
+               [([], sum(lv.idle for lv in view.leases))]),
+        _gauge("rgpu_pool_capacity_units", "GPU-percent of the GPUs of dispatchers that are up (100 per GPU)", [],
+               [([], view.total_units)]),
+        _gauge("rgpu_pool_allocated_units", "GPU-percent leased on dispatchers that are up", [],
+               [([], view.allocated_units)]),
+        _gauge("rgpu_pool_quota_limit_units", "Quota in GPU-percent", ["kind", "name"],
+               (([q.kind, q.name], q.limit_units) for q, _used in view.quotas)),
+        _gauge("rgpu_pool_quota_used_units", "GPU-percent leased under the quota", ["kind", "name"],
+               (([q.kind, q.name], used) for q, used in view.quotas)),
+    ]
+
+
+class _StateCollector(Collector):
+    def __init__(self, read_view: Callable[[], PoolView]) -> None:
+        self._read_view = read_view
+
+    def collect(self) -> Iterator[Metric]:
+        yield from pool_families(self._read_view())
+
+
+class PoolMetrics:
+    """The pool's registry: event counters the daemon updates, and its state read at each scrape."""
+
+    def __init__(self, read_view: Callable[[], PoolView] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.allocations = Counter("rgpu_pool_allocations", "Allocate calls answered with a lease "
+                                   "(new: placed now; existing: the job key already held it)", ["result"], registry=r)
+        self.refusals = Counter("rgpu_pool_allocation_refusals", "Allocate calls refused, by reason",
+                                ["reason"], registry=r)
+        self.allocate_seconds = Histogram("rgpu_pool_allocate_duration_seconds", "Time to answer an Allocate call",
+                                          buckets=ALLOCATE_BUCKETS, registry=r)
+        self.releases = Counter("rgpu_pool_releases", "Release calls (released: a lease ended; unknown: "
+                                "nothing held under the job key)", ["result"], registry=r)
+        self.reclaimed = Counter("rgpu_pool_leases_reclaimed", "Leases ended by their TTL", registry=r)
+        self.idle_released = Counter("rgpu_pool_leases_idle_released", "Idle leases released (idle_release)",
+                                     registry=r)
+        self.heartbeats = Counter("rgpu_pool_heartbeats", "Dispatcher heartbeats (unknown: the dispatcher "
+                                  "must register again)", ["result"], registry=r)
+        self.registrations = Counter("rgpu_pool_registrations", "Dispatcher registrations", registry=r)
+        self.servers_down = Counter("rgpu_pool_server_down_events", "Dispatchers found without heartbeat",
+                                    registry=r)
+        for result in ("new", "existing"):
+            self.allocations.labels(result)
+        for reason in REFUSAL_REASONS:
+            self.refusals.labels(reason)
+        for result in ("released", "unknown"):
+            self.releases.labels(result)
+        for result in ("known", "unknown"):
+            self.heartbeats.labels(result)
+        if read_view is not None:
+            r.register(_StateCollector(read_view))

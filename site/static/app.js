@@ -1,0 +1,131 @@
+// The rgpu dashboard: polls /api/state and draws it. Read-only; text goes in with textContent only.
+"use strict";
+
+const POLL_MS = 2000;
+const GIB = 1024 ** 3;
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [key, value] of Object.entries(attrs)) {
+    if (key === "class") node.className = value;
+    else if (key === "style") Object.assign(node.style, value);
+    else node.setAttribute(key, value);
+  }
+  for (const child of children) node.append(child instanceof Node ? child : document.createTextNode(String(child)));
+  return node;
+}
+
+function bytes(n) {
+  if (n === 0) return "0";
+  if (n >= GIB) return (n / GIB).toFixed(n % GIB ? 1 : 0) + " GiB";
+  return (n / 1024 ** 2).toFixed(0) + " MiB";
+}
+
+function age(seconds) {
+  if (seconds < 60) return Math.floor(seconds) + " s";
+  if (seconds < 3600) return Math.floor(seconds / 60) + " min";
+  if (seconds < 86400) return (seconds / 3600).toFixed(1) + " h";
+  return (seconds / 86400).toFixed(1) + " d";
+}
+
+function clock(unix) { return new Date(unix * 1000).toLocaleTimeString(); }
+
+// One colour per user, stable across refreshes (red stays for trouble: down, expired).
+const PALETTE = ["#4a6fd1", "#2e8f83", "#8a5cc7", "#c8772a", "#3d8fc4", "#b4507f", "#5a8f2e", "#9a7b1c"];
+function colour(name) {
+  let h = 0;
+  for (const c of name) h = (h * 31 + c.charCodeAt(0)) >>> 0;
+  return PALETTE[h % PALETTE.length];
+}
+
+function state(name) { return el("span", { class: "state " + name }, name.replaceAll("_", " ")); }
+
+function fillTable(id, rows, columns, empty) {
+  const body = document.querySelector(`#${id} tbody`);
+  body.replaceChildren();
+  if (!rows.length) {
+    body.append(el("tr", {}, el("td", { class: "empty", colspan: String(columns) }, empty)));
+    return;
+  }
+  for (const cells of rows) body.append(el("tr", {}, ...cells.map((c) => el("td", {}, c))));
+}
+
+function drawSummary(s) {
+  const c = s.capacity;
+  const pct = c.total_units ? Math.round((100 * c.allocated_units) / c.total_units) : 0;
+  const up = s.servers.filter((x) => x.state === "up").length;
+  document.getElementById("summary").replaceChildren(
+    el("span", {}, el("b", {}, `${pct}%`), " allocated"),
+    el("span", {}, el("b", {}, String(c.gpus)), " GPUs"),
+    el("span", {}, el("b", {}, `${up}/${s.servers.length}`), " dispatchers up"),
+    el("span", {}, el("b", {}, String(c.leases)), " leases"));
+}
+
+function segment(slice, width, label) {
+  return el("div", { class: "seg", title: `${slice.job_key} (${slice.user}) slice ${slice.slice}: ` +
+    `${slice.compute_percent}% compute, ${bytes(slice.memory_bytes)}`,
+    style: { width: `${width}%`, background: colour(slice.user) } }, label);
+}
+
+function drawGpus(gpus) {
+  const box = document.getElementById("gpus");
+  box.replaceChildren();
+  if (!gpus.length) box.append(el("p", { class: "empty" }, "No GPUs: no dispatcher has registered."));
+  for (const g of gpus) {
+    const compute = el("div", { class: "bar compute" });
+    const memory = el("div", { class: "bar memory" });
+    for (const s of g.slices) {
+      compute.append(segment(s, s.compute_percent, `${s.job_key} · ${s.user} · ${s.compute_percent}%`));
+      memory.append(segment(s, g.memory_bytes ? (100 * s.memory_bytes) / g.memory_bytes : 0, ""));
+    }
+    box.append(el("div", { class: `gpu ${g.server_state}`, "data-gpu": g.uuid },
+      el("div", {}, el("div", { class: "name" }, `${g.name}`),
+        el("div", { class: "where" }, `${g.server} · GPU ${g.index} `, state(g.server_state))),
+      el("div", { class: "bars" }, compute, memory),
+      el("div", { class: "numbers" }, `${g.allocated_percent}% compute`, el("br"),
+        `${bytes(g.allocated_memory_bytes)} / ${bytes(g.memory_bytes)}`)));
+  }
+}
+
+function meter(used, limit) {
+  const pct = limit ? Math.min(100, (100 * used) / limit) : 100;
+  return el("div", { class: "meter" + (used >= limit ? " full" : "") }, el("div", { style: { width: `${pct}%` } }));
+}
+
+function draw(s) {
+  drawSummary(s);
+  drawGpus(s.gpus);
+  fillTable("leases", s.leases.map((l) => [l.job_key, l.user, l.account || "–",
+    l.slices.map((x) => `${x.server}/${x.gpu_index} ${x.compute_percent}% ${bytes(x.memory_bytes)}`).join(", "),
+    String(l.units), age(l.age_seconds), l.expires_unix ? clock(l.expires_unix) : "never",
+    l.idle ? el("span", {}, state(l.state), " ", el("span", { class: "state idle",
+      title: "no call since " + clock(l.idle_since_unix) }, "idle")) : state(l.state)]),
+    8, "No leases.");
+  fillTable("servers", s.servers.map((x) => [x.address, x.hostname, state(x.state), age(x.heartbeat_age_seconds) + " ago",
+    String(x.gpus) + (x.static_inventory ? " (static)" : ""), x.compute_enforcement || "–", x.version || "–"]),
+    7, "No dispatchers.");
+  fillTable("quotas", s.quotas.map((q) => [q.kind, q.name, meter(q.used_units, q.limit_units),
+    `${q.used_units} / ${q.limit_units} GPU-%`]), 4, "No quotas.");
+  const events = document.getElementById("events");
+  events.replaceChildren(...s.events.map((e) => el("li", { class: e.level }, el("time", {}, clock(e.unix)), e.message)));
+}
+
+async function poll() {
+  const dot = document.getElementById("status");
+  const updated = document.getElementById("updated");
+  try {
+    const reply = await fetch("/api/state", { credentials: "same-origin", cache: "no-store" });
+    if (reply.status === 401) { window.location.reload(); return; }
+    if (!reply.ok) throw new Error(`HTTP ${reply.status}`);
+    draw(await reply.json());
+    dot.className = "dot ok";
+    updated.textContent = "updated " + new Date().toLocaleTimeString();
+  } catch (err) {
+    dot.className = "dot bad";
+    updated.textContent = `pool unreachable (${err.message}); retrying`;
+  } finally {
+    setTimeout(poll, POLL_MS);
+  }
+}
+
+poll();

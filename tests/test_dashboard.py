@@ -1,0 +1,234 @@
+"""The pool's web dashboard: its credentials (pure), its HTTP surface against a real pool (no
+anonymous access, one-time links, read-only), and the page in a real browser (Debian's Chromium
+driven by Playwright) against a real pool with dispatchers: GPU bars, a lease after
+`rgpu-admin request-gpus`, live updates, and a screenshot."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rgpu import weblogin
+from rgpu.errors import AuthError
+from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, SliceRecord
+from rgpu.remoting.pool.dashboard_data import dashboard_state
+from rgpu.remoting.pool.events import Event
+from rgpu.remoting.pool.views import GpuView, LeaseView, PoolView, ServerView
+from tests.daemons import EXAMPLES, RgpuCluster, wait_for, wait_for_port_file
+
+SECRET = b"0123456789abcdef0123456789abcdef"
+GIB = 1 << 30
+
+
+# --- pure ------------------------------------------------------------------------------------------
+
+def test_login_links_and_sessions_are_signed_and_expire() -> None:
+    link = weblogin.login_link_token(SECRET, now=1000.0)
+    assert weblogin.verify(SECRET, weblogin.LINK, link, now=1100.0).expires_unix == 1000 + weblogin.LINK_TTL_SECONDS
+    with pytest.raises(AuthError, match="expired"):
+        weblogin.verify(SECRET, weblogin.LINK, link, now=1000.0 + weblogin.LINK_TTL_SECONDS)
+    with pytest.raises(AuthError, match="malformed"):                   # a link is no session
+        weblogin.verify(SECRET, weblogin.SESSION, link, now=1100.0)
+    with pytest.raises(AuthError, match="not signed with this pool's cluster secret"):
+        weblogin.verify(b"another secret of enough length!", weblogin.LINK, link, now=1100.0)
+    kind, expires, nonce, mac = link.split(".")
+    with pytest.raises(AuthError, match="not signed"):                  # a later expiry, forged
+        weblogin.verify(SECRET, weblogin.LINK, f"{kind}.{int(expires) + 9999}.{nonce}.{mac}", now=1100.0)
+
+
+def test_dashboard_url_from_the_settings() -> None:
+    from rgpu.config import load_settings
+
+    settings = load_settings(env={"RGPU_POOL": "pool1:50001", "RGPU_DASHBOARD_LISTEN": "0.0.0.0:50080"})
+    assert weblogin.dashboard_base_url(settings) == "http://pool1:50080"
+    settings = load_settings(env={"RGPU_DASHBOARD_URL": "https://rgpu.example.org/", "RGPU_CONFIG": "/dev/null"})
+    url = weblogin.login_url(settings, SECRET, now=time.time())
+    assert url.startswith("https://rgpu.example.org/login?t=link1.")
+
+
+def test_state_document_from_a_view() -> None:
+    gpu = GpuInfo("GPU-00000000-0000-0000-0000-000000000001", 0, "NVIDIA H100", 80 * GIB, 80 * GIB, "9.0")
+    lease = LeaseRecord("job-7", "alice", "physics", 100.0, 0.0, (SliceRecord("h:1", gpu.uuid, 0, gpu.name, 40 * GIB, 50),))
+    view = PoolView(now=160.0, servers=(ServerView("h:1", "h", "up", 0.4, "0.1.0", "580", "mps", "native", False, 1),),
+                    gpus=(GpuView("h:1", "up", gpu, 50, 40 * GIB, 1),), leases=(LeaseView(lease, "active"),),
+                    quotas=((QuotaRecord("user", "alice", 100), 50),), total_units=100, allocated_units=50)
+    state = dashboard_state(view, [Event(150.0, "info", "lease job-7 for alice")])
+    assert state["gpus"][0]["slices"] == [{"job_key": "job-7", "user": "alice", "account": "physics", "slice": 0,
+                                           "memory_bytes": 40 * GIB, "compute_percent": 50, "lease_state": "active"}]
+    assert state["leases"][0]["age_seconds"] == 60.0 and state["leases"][0]["idle"] is False
+    assert state["quotas"] == [{"kind": "user", "name": "alice", "limit_units": 100, "used_units": 50}]
+    assert state["events"][0]["message"] == "lease job-7 for alice"
+    json.dumps(state)   # what the page gets
+
+
+# --- a real pool -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
+    c = RgpuCluster(tmp_path / "cluster")
+    c.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5)
+    try:
+        yield c
+    finally:
+        c.stop_all()
+
+
+def start_pool_with_dashboard(cluster: RgpuCluster, *dispatchers: Path) -> int:
+    pool = cluster.start_pool("--dashboard-listen", "127.0.0.1:0", "--dashboard-port-file",
+                              str(cluster.root / "dashboard.port"))
+    port = wait_for_port_file(cluster.root / "dashboard.port", pool)
+    for inventory in dispatchers:
+        cluster.start_dispatcher(inventory)
+    return port
+
+
+def admin(cluster: RgpuCluster, port: int, *args: str) -> str:
+    env = cluster.env(RGPU_DASHBOARD_URL=f"http://127.0.0.1:{port}")
+    done = subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", *args], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def get(port: int, path: str, cookie: str = "", method: str = "GET") -> http.client.HTTPResponse:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request(method, path, headers={"Cookie": cookie} if cookie else {})
+    reply = conn.getresponse()
+    reply.read()
+    return reply
+
+
+@pytest.mark.integration
+def test_no_anonymous_access_and_links_work_once(cluster: RgpuCluster) -> None:
+    port = start_pool_with_dashboard(cluster)
+    for path in ("/", "/api/state", "/static/app.js"):
+        assert get(port, path).status == 401, path
+    link = admin(cluster, port, "dashboard-url")
+    assert link.startswith(f"http://127.0.0.1:{port}/login?t=link1.")
+    path = link.removeprefix(f"http://127.0.0.1:{port}")
+    assert get(port, path, method="HEAD").status == 200         # a link checker does not spend it
+    reply = get(port, path)
+    assert reply.status == 303 and reply.getheader("Location") == "/"
+    cookie = reply.getheader("Set-Cookie")
+    assert "HttpOnly" in cookie and "SameSite=Strict" in cookie
+    session = cookie.split(";")[0]
+    assert get(port, path).status == 403                        # each link works once
+    state = get(port, "/api/state", session)
+    assert state.status == 200 and state.getheader("Content-Type") == "application/json"
+    assert get(port, "/", session).getheader("Content-Security-Policy").startswith("default-src 'self'")
+    assert get(port, "/api/state", session, method="POST").status == 405   # read-only
+    assert get(port, "/api/state", "rgpu_session=sess1.9999999999.00.forged").status == 401
+    assert get(port, "/login?t=link1.9999999999.00.forged").status == 403
+
+
+@pytest.mark.integration
+def test_dashboard_url_needs_the_dashboards_address(cluster: RgpuCluster) -> None:
+    done = subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", "dashboard-url"], env=cluster.env(),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2
+    assert done.stderr.startswith("rgpu: admin: the dashboard's address is unknown (neither dashboard_url nor "
+                                  "dashboard_listen is set"), done.stderr
+
+
+@pytest.mark.integration
+def test_dashboard_over_tls(cluster: RgpuCluster, tmp_path: Path) -> None:
+    import ssl
+
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl (to make a test certificate) is not installed")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    cluster.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5,
+                         tls_cert_file=str(cert), tls_key_file=str(key))
+    pool = cluster.start_pool("--dashboard-listen", "127.0.0.1:0", "--dashboard-port-file",
+                              str(cluster.root / "dashboard.port"))
+    port = wait_for_port_file(cluster.root / "dashboard.port", pool)
+    context = ssl.create_default_context(cafile=str(cert))
+    conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=10, context=context)
+    conn.request("GET", "/login?t=" + weblogin.login_link_token(cluster.secret, time.time()))
+    reply = conn.getresponse()
+    assert reply.status == 303
+    assert "; Secure" in reply.getheader("Set-Cookie")
+
+
+# --- in a browser ----------------------------------------------------------------------------------
+
+def chromium() -> str:
+    """Debian's Chromium (Playwright's own browser download is not used: clusters may be offline)."""
+    for name in ("chromium", "chromium-browser"):
+        found = shutil.which(name)
+        if found:
+            return found
+    pytest.skip("no Chromium to drive: install Debian's `chromium` (./scripts/test.sh does so as root)")
+
+
+@pytest.mark.integration
+def test_dashboard_in_chromium(cluster: RgpuCluster, tmp_path: Path) -> None:
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is in the test extra")
+    browser_path = chromium()
+    cluster.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5,
+                         idle_after_seconds=3.0)   # a lease without a session is marked idle after 3 s
+    port = start_pool_with_dashboard(cluster, EXAMPLES / "inventory-a.toml", EXAMPLES / "inventory-b.toml")
+    wait_for(lambda: len(cluster.client().list_servers().servers) == 2, what="both dispatchers")
+    with cluster.client() as client:
+        client.set_quota("user", "alice", 300)
+    out = admin(cluster, port, "request-gpus", "-n", "2", "-p", "0.5", "--user", "alice", "--account", "physics",
+                "--job-key", "slurm-4242", "-o", str(tmp_path / "adaptor.conf"))
+    assert "leased 2 slice(s) as slurm-4242" in out
+    admin(cluster, port, "request-gpus", "-n", "1", "-p", "0.25", "--user", "bob", "--job-key", "slurm-4243",
+          "-o", str(tmp_path / "bob.conf"))
+
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=browser_path, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1200, "height": 760})
+            errors: list[str] = []
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.goto(f"http://127.0.0.1:{port}/")                 # anonymous: told how to log in
+            assert "rgpu-admin dashboard-url" in page.locator("main").inner_text()
+            page.goto(admin(cluster, port, "dashboard-url"))
+            assert page.url == f"http://127.0.0.1:{port}/"       # the link left the address bar
+
+            # GPU bars: every GPU of both dispatchers; alice's two half slices on two GPUs, bob's
+            # quarter packed beside one of them (binpack).
+            page.wait_for_selector("#gpus .gpu .seg")
+            assert page.locator("#gpus .gpu").count() == 4
+            alice = page.locator("#gpus .bar.compute .seg", has_text="slurm-4242")
+            assert alice.count() == 2
+            assert alice.first.inner_text() == "slurm-4242 · alice · 50%"
+            assert alice.first.evaluate("e => e.style.width") == "50%"
+            shared = page.locator("#gpus .gpu", has=page.locator(".seg", has_text="bob"))
+            assert shared.locator(".bar.compute .seg").count() == 2
+            assert "75% compute" in shared.inner_text() and "60 GiB / 80 GiB" in shared.inner_text()
+            # The lease, its user and age; the dispatchers up; the quota in use; events.
+            row = page.locator("#leases tbody tr", has_text="slurm-4242")
+            assert "alice" in row.inner_text() and "physics" in row.inner_text() and "active" in row.inner_text()
+            assert page.locator("#servers tbody tr", has_text="up").count() == 2
+            assert "100 / 300 GPU-%" in page.locator("#quotas tbody").inner_text()
+            page.wait_for_selector("#events li:has-text('lease slurm-4242 for alice')")
+            page.wait_for_selector("#leases tbody tr:has-text('slurm-4243') .state.idle", timeout=10_000)
+            summary = page.locator("#summary").inner_text()
+            assert "2/2 dispatchers up" in summary and "2 leases" in summary and "4 GPUs" in summary
+            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+            if os.environ.get("RGPU_SCREENSHOT"):
+                page.screenshot(path=os.environ["RGPU_SCREENSHOT"], full_page=True)
+
+            # Live: a release shows without a reload.
+            admin(cluster, port, "release-gpus", "-f", str(tmp_path / "adaptor.conf"))
+            page.wait_for_selector("#leases tbody tr:has-text('slurm-4242')", state="detached", timeout=10_000)
+            assert page.locator("#gpus .bar.compute .seg").count() == 1   # bob's
+            assert not errors, errors
+        finally:
+            browser.close()
+    assert (tmp_path / "dashboard.png").stat().st_size > 10_000

@@ -1,0 +1,225 @@
+"""Prometheus metrics: the pure builders on hand-made state, and the endpoints of a real pool and
+real dispatchers scraped over HTTP on loopback and parsed with prometheus-client's parser."""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from rgpu.errors import CapacityError, InvalidRequest, PermissionDenied, QuotaExceeded
+from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, SliceRecord
+from rgpu.remoting.dispatcher.metrics import DispatcherSnapshot, dispatcher_families
+from rgpu.remoting.pool.metrics import PoolMetrics, pool_families, refusal_reason
+from rgpu.remoting.pool.views import GpuView, LeaseView, PoolView, ServerView
+from tests.daemons import EXAMPLES, REPO, RgpuCluster, wait_for, wait_for_port_file
+
+GIB = 1 << 30
+GPU = GpuInfo("GPU-00000000-0000-0000-0000-000000000001", 0, "NVIDIA H100", 80 * GIB, 80 * GIB, "9.0")
+
+
+def samples(families: Iterator | list) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} of parsed or built families."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
+
+
+def value(found: dict, metric: str, **labels: str) -> float:
+    """The one sample of `name` whose labels include `labels`."""
+    hits = [v for (n, ls), v in found.items() if n == metric and set(labels.items()) <= set(ls)]
+    assert len(hits) == 1, f"{len(hits)} samples of {metric} with {labels}: {sorted(k for k in found if k[0] == metric)}"
+    return hits[0]
+
+
+def scrape(port: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        assert reply.status == 200
+        return samples(text_string_to_metric_families(reply.read().decode()))
+
+
+# --- pure ------------------------------------------------------------------------------------------
+
+def test_refusal_reasons() -> None:
+    assert refusal_reason(QuotaExceeded("pool", "x")) == "quota"
+    assert refusal_reason(CapacityError("pool", "x")) == "capacity"
+    assert refusal_reason(PermissionDenied("pool", "x")) == "permission"
+    assert refusal_reason(InvalidRequest("pool", "x")) == "invalid"
+    assert refusal_reason(RuntimeError()) == "error"
+
+
+def a_view() -> PoolView:
+    lease = LeaseRecord("job-1", "alice", "physics", 100.0, 0.0,
+                        (SliceRecord("h:1", GPU.uuid, 0, GPU.name, 20 * GIB, 25),))
+    return PoolView(
+        now=160.0,
+        servers=(ServerView("h:1", "h", "up", 1.5, "0.1.0", "580", "mps", "native", False, 1),
+                 ServerView("h:2", "h2", "down", 99.0, "0.1.0", "580", "", "", True, 0)),
+        gpus=(GpuView("h:1", "up", GPU, 25, 20 * GIB, 1),),
+        leases=(LeaseView(lease, "active"),),
+        quotas=((QuotaRecord("user", "alice", 200), 25),),
+        total_units=100, allocated_units=25)
+
+
+def test_pool_families_from_a_view() -> None:
+    found = samples(pool_families(a_view()))
+    assert value(found, "rgpu_pool_servers", state="up") == 1
+    assert value(found, "rgpu_pool_servers", state="down") == 1
+    assert value(found, "rgpu_pool_servers", state="drained") == 0
+    assert value(found, "rgpu_pool_gpu_allocated_compute_percent", gpu=GPU.uuid) == 25
+    assert value(found, "rgpu_pool_gpu_allocated_memory_bytes", gpu=GPU.uuid) == 20 * GIB
+    assert value(found, "rgpu_pool_slice_memory_bytes", job_key="job-1", slice="0", user="alice") == 20 * GIB
+    assert value(found, "rgpu_pool_leases", state="active") == 1
+    assert value(found, "rgpu_pool_leases_idle") == 0
+    assert value(found, "rgpu_pool_quota_used_units", kind="user", name="alice") == 25
+    assert value(found, "rgpu_pool_server_info", server="h:1", compute_enforcement="mps") == 1
+
+
+def a_snapshot() -> DispatcherSnapshot:
+    session = {"pid": 7, "job_key": "job-1", "slice_number": 0, "gpu_uuid": GPU.uuid, "mode": "cuda",
+               "memory_limit_bytes": 20 * GIB, "memory_used_bytes": GIB}
+    return DispatcherSnapshot(
+        address="h:1", gpus=(GPU,), registered=True, heartbeats={"ok": 5, "unknown": 0, "failed": 1},
+        registrations=2,
+        sessions={"sessions": [session], "traffic": {GPU.uuid: {"received_bytes": 100, "sent_bytes": 50,
+                                                                  "calls": 3, "errors": 1}},
+                  "ended": {"ok": 1, "failed": 0, "revoked": 0}, "accepted": 2, "refused": 1,
+                  "mps": {"running": False, "restarts": 0, "reason": "x"}, "compute_enforcement": "time-slicing",
+                  "launch_path": "python (no compiler)", "backend": "emulated"})
+
+
+def test_dispatcher_families_from_a_snapshot() -> None:
+    found = samples(dispatcher_families(a_snapshot()))
+    assert value(found, "rgpu_dispatcher_sessions", gpu=GPU.uuid, mode="cuda") == 1
+    assert value(found, "rgpu_datapath_received_bytes_total", gpu=GPU.uuid) == 100
+    assert value(found, "rgpu_datapath_calls_total", gpu=GPU.uuid) == 3
+    assert value(found, "rgpu_dispatcher_slice_memory_used_bytes", job_key="job-1", slice="0") == GIB
+    assert value(found, "rgpu_dispatcher_gpu_memory_used_bytes", gpu=GPU.uuid) == GIB
+    assert value(found, "rgpu_dispatcher_heartbeats_total", result="failed") == 1
+    assert value(found, "rgpu_dispatcher_mps_running") == 0
+    assert value(found, "rgpu_dispatcher_info", compute_enforcement="time-slicing", launch_path="python") == 1
+
+
+def test_grafana_dashboard_uses_only_exported_metrics() -> None:
+    """Every rgpu_* series the shipped Grafana dashboard queries is one the daemons export."""
+    exported = {s.name for f in PoolMetrics(a_view).registry.collect() for s in f.samples}
+    exported |= {s.name for f in dispatcher_families(a_snapshot()) for s in f.samples}
+    dashboard = json.loads((REPO / "site" / "grafana" / "rgpu-pool.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel.get("targets", [])
+               for name in re.findall(r"\brgpu_[a-z_]+", target["expr"])}
+    assert queried and not queried - exported, f"the dashboard queries unknown series {sorted(queried - exported)}"
+
+
+# --- real daemons ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
+    c = RgpuCluster(tmp_path / "cluster")
+    c.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5)
+    try:
+        yield c
+    finally:
+        c.stop_all()
+
+
+@pytest.mark.integration
+def test_pool_and_dispatcher_metrics_over_http(cluster: RgpuCluster) -> None:
+    from rgpu.remoting.datapath import protocol
+    from rgpu.remoting.native.generated import api_gen
+
+    pool = cluster.start_pool("--metrics-listen", "127.0.0.1:0", "--metrics-port-file",
+                              str(cluster.root / "pool-metrics.port"))
+    pool_metrics = wait_for_port_file(cluster.root / "pool-metrics.port", pool)
+    daemon, port = cluster.start_dispatcher(EXAMPLES / "inventory-a.toml", None, "--metrics-listen", "127.0.0.1:0",
+                                            "--metrics-port-file", str(cluster.root / "d-metrics.port"))
+    dispatcher_metrics = wait_for_port_file(cluster.root / "d-metrics.port", daemon)
+    address = f"127.0.0.1:{port}"
+    wait_for(lambda: value(scrape(pool_metrics), "rgpu_pool_servers", state="up") == 1, what="the dispatcher up")
+
+    with cluster.client() as client:
+        client.set_quota("user", "bob", 10)
+        lease = client.allocate("job-m1", "alice", 2, fraction=0.5)
+        client.allocate("job-m1", "alice", 2, fraction=0.5)                    # the same lease again
+        with pytest.raises(CapacityError):
+            client.allocate("job-m2", "bob", 1, fraction=0.5)                 # over bob's quota
+        with pytest.raises(CapacityError):
+            client.allocate("job-m3", "carol", 1, memory_bytes=10_000 * GIB)  # no GPU that large
+
+    found = scrape(pool_metrics)
+    gpu = lease.slices[0].gpu_uuid
+    assert value(found, "rgpu_pool_allocations_total", result="new") == 1
+    assert value(found, "rgpu_pool_allocations_total", result="existing") == 1
+    assert value(found, "rgpu_pool_allocation_refusals_total", reason="quota") == 1
+    assert value(found, "rgpu_pool_allocation_refusals_total", reason="capacity") == 1
+    assert value(found, "rgpu_pool_allocate_duration_seconds_count") == 4
+    assert value(found, "rgpu_pool_leases", state="active") == 1
+    assert value(found, "rgpu_pool_gpu_allocated_compute_percent", gpu=gpu) == 50
+    assert value(found, "rgpu_pool_slice_compute_percent", job_key="job-m1", slice="0", user="alice") == 50
+    assert value(found, "rgpu_pool_gpus", state="up") == 2
+    assert value(found, "rgpu_pool_heartbeats_total", result="known") >= 1
+    assert value(found, "rgpu_pool_quota_limit_units", kind="user", name="bob") == 10
+
+    # A session through the data path: its calls and bytes reach the dispatcher's counters.
+    token = next(s.token for s in lease.slices if s.server == address)
+    session, _ = protocol.handshake(address, token)
+
+    def call(name: str, payload: bytes, seq: int, ctx: int = 0) -> bytes:
+        session.sendall(protocol.pack_frame(api_gen.OPCODES[name], payload, seq=seq, ctx=ctx))
+        (_, op, _, _, _, _), reply = protocol.recv_frame(session)
+        assert op == protocol.OP_REPLY and struct.unpack_from("<i", reply)[0] == 0, (name, reply)
+        return reply[4:]
+
+    try:
+        call("cuInit", struct.pack("<I", 0), 1)
+        (ctx,) = struct.unpack("<Q", call("cuDevicePrimaryCtxRetain", struct.pack("<i", 0), 2))
+        call("cuMemAlloc_v2", struct.pack("<QQQQI", 3 * GIB, 0, 0, 0, 0), 3, ctx)   # 3 GiB of the slice
+        found = scrape(dispatcher_metrics)
+        assert value(found, "rgpu_dispatcher_sessions", gpu=gpu, mode="cuda") == 1
+        assert value(found, "rgpu_dispatcher_slice_memory_used_bytes", gpu=gpu, job_key="job-m1") == 3 * GIB
+        assert value(found, "rgpu_dispatcher_slice_memory_limit_bytes", gpu=gpu, job_key="job-m1") == 40 * GIB
+        assert value(found, "rgpu_dispatcher_gpu_memory_used_bytes", gpu=gpu) == 3 * GIB
+        wait_for(lambda: value(scrape(dispatcher_metrics), "rgpu_datapath_calls_total", gpu=gpu) == 3,
+                 what="the worker to publish its counters")
+    finally:
+        session.sendall(protocol.pack_frame(protocol.OP_BYE))
+        session.close()
+    # Ended: the totals keep the session's traffic, and the session is counted as ended well.
+    wait_for(lambda: value(scrape(dispatcher_metrics), "rgpu_dispatcher_sessions_ended_total", outcome="ok") == 1,
+             what="the session to end")
+    found = scrape(dispatcher_metrics)
+    assert value(found, "rgpu_datapath_calls_total", gpu=gpu) == 3
+    assert value(found, "rgpu_datapath_received_bytes_total", gpu=gpu) >= 3 * (protocol.HEADER_SIZE + 4)
+    assert value(found, "rgpu_dispatcher_gpu_memory_used_bytes", gpu=gpu) == 0
+    assert value(found, "rgpu_datapath_sent_bytes_total", gpu=gpu) >= 3 * protocol.HEADER_SIZE
+    assert value(found, "rgpu_dispatcher_sessions", gpu=gpu, mode="cuda") == 0
+    assert value(found, "rgpu_dispatcher_sessions_accepted_total") == 1
+    assert value(found, "rgpu_dispatcher_registered") == 1
+    assert value(found, "rgpu_dispatcher_heartbeats_total", result="ok") >= 1
+    assert value(found, "rgpu_dispatcher_mps_running") == 0
+
+    with cluster.client() as client:
+        assert client.release("job-m1")
+    found = scrape(pool_metrics)
+    assert value(found, "rgpu_pool_releases_total", result="released") == 1
+    assert value(found, "rgpu_pool_leases", state="active") == 0
+
+
+@pytest.mark.integration
+def test_metrics_port_in_use_is_a_clear_error(cluster: RgpuCluster) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = f"127.0.0.1:{taken.getsockname()[1]}"
+        result = subprocess.run([sys.executable, "-m", "rgpu.remoting.pool.daemon", "--listen", "127.0.0.1:0",
+                                 "--state", str(cluster.root / "p.db"), "--metrics-listen", busy],
+                                env=cluster.env(), capture_output=True, text=True, timeout=60, check=False)
+    assert result.returncode == 2, result.stderr
+    assert f"rgpu: poold: cannot serve metrics on {busy} (the port is in use;" in result.stderr
