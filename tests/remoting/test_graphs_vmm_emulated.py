@@ -211,3 +211,33 @@ def test_graph_built_node_by_node(native_libs: build.Libraries, worker: Server) 
     assert "COPIED 0x5a5a5a5a 0x5a5a5a5a" in out
     assert "KERNEL 0 801" in out
     assert " DONE" in out
+
+
+def test_repeated_queries_are_answered_in_the_client_and_stay_exact(native_libs: build.Libraries, emulated: Server) -> None:
+    # PyTorch asks cuCtxGetDevice, cuDevicePrimaryCtxGetState and cuKernelGetAttribute thousands
+    # of times per training step (trace mode): cached in the client, emptied by what changes them.
+    done = py_client(native_libs, emulated.slices(emulated.token()), """
+        import time
+        ctx = setup()
+        dev, flags, active, sms = ctypes.c_int(9), ctypes.c_uint(), ctypes.c_int(), ctypes.c_int()
+        t = time.perf_counter()
+        for _ in range(20000):
+            check("cuCtxGetDevice", ctypes.byref(dev))
+            check("cuDevicePrimaryCtxGetState", 0, ctypes.byref(flags), ctypes.byref(active))
+            check("cuDeviceGetAttribute", ctypes.byref(sms), 16, 0)
+        print("FAST", time.perf_counter() - t < 2.0, dev.value, active.value, sms.value)
+        check("cuDevicePrimaryCtxRelease_v2", 0)
+        check("cuDevicePrimaryCtxGetState", 0, ctypes.byref(flags), ctypes.byref(active))
+        print("RELEASED", active.value)
+        check("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), 0)
+        check("cuDevicePrimaryCtxGetState", 0, ctypes.byref(flags), ctypes.byref(active))
+        print("RETAINED", active.value)
+        check("cuDevicePrimaryCtxSetFlags_v2", 0, 4)
+        check("cuDevicePrimaryCtxGetState", 0, ctypes.byref(flags), ctypes.byref(active))
+        print("FLAGS", flags.value)
+        """)
+    out = done.stdout
+    assert "FAST True 0 1 132" in out, out + done.stderr
+    assert "RELEASED 0" in out
+    assert "RETAINED 1" in out
+    assert "FLAGS 4" in out

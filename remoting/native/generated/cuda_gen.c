@@ -72,6 +72,7 @@ RGPU_EXPORT CUresult CUDAAPI cuDeviceGetLuid(char *luid, unsigned int *deviceNod
 
 RGPU_EXPORT CUresult CUDAAPI cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev) {
     if (pi == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_dattr_get(attrib, dev, pi)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuDeviceGetAttribute, dev);
     if (r != CUDA_SUCCESS) return r;
@@ -81,6 +82,7 @@ RGPU_EXPORT CUresult CUDAAPI cuDeviceGetAttribute(int *pi, CUdevice_attribute at
     if (r == CUDA_SUCCESS) {
         { int pi_v; memset(&pi_v, 0, sizeof pi_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); pi_v = (int)v_; } if (pi) *pi = pi_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_dattr_put(attrib, dev, *pi);
     rgpu_end(&c);
     return r;
 }
@@ -192,6 +194,7 @@ RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
     r = rgpu_sync(&c);
+    rgpu_pstate_forget();
     rgpu_end(&c);
     return r;
 }
@@ -203,6 +206,7 @@ RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxReset_v2(CUdevice dev) {
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
     r = rgpu_sync(&c);
+    rgpu_pstate_forget(); rgpu_cache_forget_functions();
     rgpu_end(&c);
     return r;
 }
@@ -210,6 +214,7 @@ RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxReset_v2(CUdevice dev) {
 RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active) {
     if (flags == NULL) return CUDA_ERROR_INVALID_VALUE;
     if (active == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_pstate_get(dev, flags, active)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuDevicePrimaryCtxGetState, dev);
     if (r != CUDA_SUCCESS) return r;
@@ -219,6 +224,7 @@ RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxGetState(CUdevice dev, unsigned i
         { unsigned int flags_v; memset(&flags_v, 0, sizeof flags_v); { uint32_t v_; rgpu_get(&c, &v_, sizeof v_); flags_v = (unsigned int)v_; } if (flags) *flags = flags_v; }
         { int active_v; memset(&active_v, 0, sizeof active_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); active_v = (int)v_; } if (active) *active = active_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_pstate_put(dev, *flags, *active);
     rgpu_end(&c);
     return r;
 }
@@ -230,12 +236,14 @@ RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigne
     rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
     { uint32_t v_ = (uint32_t)flags; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
+    rgpu_pstate_forget();
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxGetDevice(CUdevice *device) {
     if (device == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_cached_ctx_device(NULL, device)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuCtxGetDevice);
     if (r != CUDA_SUCCESS) return r;
@@ -249,6 +257,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetDevice(CUdevice *device) {
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx) {
     if (device == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_cached_ctx_device(ctx, device)) return CUDA_SUCCESS;
     rgpu_call c;
     uint64_t ctx_remote = 0;
     CUresult r = rgpu_begin_ctx(&c, RGPU_OP_cuCtxGetDevice_v2, ctx, &ctx_remote);
@@ -316,6 +325,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSetFlags(unsigned int flags) {
     if (r != CUDA_SUCCESS) return r;
     { uint32_t v_ = (uint32_t)flags; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
+    rgpu_pstate_forget();
     rgpu_end(&c);
     return r;
 }
@@ -356,6 +366,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSetLimit(CUlimit limit, size_t value) {
     { int32_t v_ = (int32_t)limit; rgpu_put(&c, &v_, 4); }
     { uint64_t v_ = (uint64_t)value; rgpu_put(&c, &v_, 8); }
     r = rgpu_sync(&c);
+    rgpu_cache_forget_functions();
     rgpu_end(&c);
     return r;
 }
@@ -379,6 +390,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSetCacheConfig(CUfunc_cache config) {
     if (r != CUDA_SUCCESS) return r;
     { int32_t v_ = (int32_t)config; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
+    rgpu_cache_forget_functions();
     rgpu_end(&c);
     return r;
 }
@@ -402,6 +414,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSetSharedMemConfig(CUsharedconfig config) {
     if (r != CUDA_SUCCESS) return r;
     { int32_t v_ = (int32_t)config; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
+    rgpu_cache_forget_functions();
     rgpu_end(&c);
     return r;
 }
@@ -974,6 +987,7 @@ RGPU_EXPORT CUresult CUDAAPI cuLibraryGetModule(CUmodule *pMod, CUlibrary librar
 
 RGPU_EXPORT CUresult CUDAAPI cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel) {
     if (pFunc == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_kfunc_get(kernel, pFunc)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuKernelGetFunction);
     if (r != CUDA_SUCCESS) return r;
@@ -982,6 +996,7 @@ RGPU_EXPORT CUresult CUDAAPI cuKernelGetFunction(CUfunction *pFunc, CUkernel ker
     if (r == CUDA_SUCCESS) {
         { CUfunction pFunc_v; memset(&pFunc_v, 0, sizeof pFunc_v); pFunc_v = (CUfunction)(uintptr_t)rgpu_get_u64(&c); if (pFunc) *pFunc = pFunc_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_kfunc_put(kernel, *pFunc);
     rgpu_end(&c);
     return r;
 }
@@ -1047,6 +1062,7 @@ RGPU_EXPORT CUresult CUDAAPI cuLibraryEnumerateKernels(CUkernel *kernels, unsign
 
 RGPU_EXPORT CUresult CUDAAPI cuKernelGetAttribute(int *pi, CUfunction_attribute attrib, CUkernel kernel, CUdevice dev) {
     if (pi == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_kattr_get(kernel, attrib, dev, pi)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuKernelGetAttribute, dev);
     if (r != CUDA_SUCCESS) return r;
@@ -1057,11 +1073,13 @@ RGPU_EXPORT CUresult CUDAAPI cuKernelGetAttribute(int *pi, CUfunction_attribute 
     if (r == CUDA_SUCCESS) {
         { int pi_v; memset(&pi_v, 0, sizeof pi_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); pi_v = (int)v_; } if (pi) *pi = pi_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_kattr_put(kernel, attrib, dev, *pi);
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuKernelSetAttribute(CUfunction_attribute attrib, int val, CUkernel kernel, CUdevice dev) {
+    { int v_; if (rgpu_kattr_get(kernel, attrib, dev, &v_) && v_ == val) return CUDA_SUCCESS; };
     rgpu_call c;
     CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuKernelSetAttribute, dev);
     if (r != CUDA_SUCCESS) return r;
@@ -1070,6 +1088,7 @@ RGPU_EXPORT CUresult CUDAAPI cuKernelSetAttribute(CUfunction_attribute attrib, i
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)kernel);
     rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
     r = rgpu_sync(&c);
+    rgpu_cache_forget_functions(); if (r == CUDA_SUCCESS) rgpu_kattr_put(kernel, attrib, dev, val);
     rgpu_end(&c);
     return r;
 }
@@ -1082,6 +1101,7 @@ RGPU_EXPORT CUresult CUDAAPI cuKernelSetCacheConfig(CUkernel kernel, CUfunc_cach
     { int32_t v_ = (int32_t)config; rgpu_put(&c, &v_, 4); }
     rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
     r = rgpu_sync(&c);
+    rgpu_cache_forget_functions();
     rgpu_end(&c);
     return r;
 }
@@ -1109,6 +1129,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncSetAttribute(CUfunction hfunc, CUfunction_att
     { int32_t v_ = (int32_t)attrib; rgpu_put(&c, &v_, 4); }
     { int32_t v_ = (int32_t)value; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
+    rgpu_cache_forget_functions();
     rgpu_end(&c);
     return r;
 }
@@ -1120,6 +1141,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncSetCacheConfig(CUfunction hfunc, CUfunc_cache
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hfunc);
     { int32_t v_ = (int32_t)config; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
+    rgpu_cache_forget_functions();
     rgpu_end(&c);
     return r;
 }
@@ -1131,6 +1153,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncSetSharedMemConfig(CUfunction hfunc, CUshared
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hfunc);
     { int32_t v_ = (int32_t)config; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
+    rgpu_cache_forget_functions();
     rgpu_end(&c);
     return r;
 }
@@ -1175,6 +1198,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncLoad(CUfunction function) {
 
 RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxActiveBlocksPerMultiprocessor(int *numBlocks, CUfunction func, int blockSize, size_t dynamicSMemSize) {
     if (numBlocks == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_occ_get(func, blockSize, dynamicSMemSize, 0, numBlocks)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuOccupancyMaxActiveBlocksPerMultiprocessor);
     if (r != CUDA_SUCCESS) return r;
@@ -1185,12 +1209,14 @@ RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxActiveBlocksPerMultiprocessor(int *nu
     if (r == CUDA_SUCCESS) {
         { int numBlocks_v; memset(&numBlocks_v, 0, sizeof numBlocks_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); numBlocks_v = (int)v_; } if (numBlocks) *numBlocks = numBlocks_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_occ_put(func, blockSize, dynamicSMemSize, 0, *numBlocks);
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int *numBlocks, CUfunction func, int blockSize, size_t dynamicSMemSize, unsigned int flags) {
     if (numBlocks == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_occ_get(func, blockSize, dynamicSMemSize, flags, numBlocks)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags);
     if (r != CUDA_SUCCESS) return r;
@@ -1202,6 +1228,7 @@ RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlag
     if (r == CUDA_SUCCESS) {
         { int numBlocks_v; memset(&numBlocks_v, 0, sizeof numBlocks_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); numBlocks_v = (int)v_; } if (numBlocks) *numBlocks = numBlocks_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_occ_put(func, blockSize, dynamicSMemSize, flags, *numBlocks);
     rgpu_end(&c);
     return r;
 }
