@@ -132,8 +132,9 @@ def parse_squeue_json(text: str) -> list[SlurmJob]:
 
 def squeue_command() -> list[str]:
     # 22.05 ignores filters with --json and dumps every job slurmctld still knows; later
-    # versions honour them, but we want all live jobs anyway.
-    return ["squeue", "--json"]
+    # versions honour them and by default hide finished jobs (24.11: PENDING, RUNNING and
+    # COMPLETING only, per the man page), so ask for all states everywhere.
+    return ["squeue", "--json", "--states=all"]
 
 
 @dataclass
