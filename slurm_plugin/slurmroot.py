@@ -169,12 +169,19 @@ def _write_helpers(root: Path) -> None:
             target.unlink(missing_ok=True)
             target.write_text("")
     enter = helpers / "enter"
-    enter.write_text(_ENTER.format(root=root, files=" ".join(_FILE_BINDS), dirs=":".join(_DIR_BINDS)))
-    enter.chmod(0o755)
+    _write_script(enter, _ENTER.format(root=root, files=" ".join(_FILE_BINDS), dirs=":".join(_DIR_BINDS)))
     for name in CLIENTS:
-        shim = helpers / "bin" / name
-        shim.write_text(f'#!/bin/sh\nexec {enter} {name} "$@"\n')
-        shim.chmod(0o755)
+        _write_script(helpers / "bin" / name, f'#!/bin/sh\nexec {enter} {name} "$@"\n')
+
+
+def _write_script(path: Path, text: str) -> None:
+    """Replace atomically, and only when changed: clusters may be running from this root."""
+    if path.exists() and path.read_text() == text:
+        return
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_text(text)
+    tmp.chmod(0o755)
+    os.replace(tmp, path)
 
 
 def ensure_root(version: str, *, cache: Path = CACHE, mirror: str | None = None,
@@ -239,12 +246,14 @@ def install_for(version: str, *, progress: Callable[[str], None] = print) -> Slu
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if not args or args[0] != "build":
-        print("usage: python -m rgpu.slurm_plugin.slurmroot build VERSION... (of " + ", ".join(VERSIONS) + ")",
-              file=sys.stderr)
+    versions = [v for a in args[1:] for v in a.split(",") if v]
+    versions = list(VERSIONS) if versions == ["all"] else versions
+    if not args or args[0] != "build" or not versions:
+        print("usage: python -m rgpu.slurm_plugin.slurmroot build VERSION[,VERSION...]|all (of "
+              + ", ".join(VERSIONS) + ")", file=sys.stderr)
         return 2
     status = 0
-    for version in args[1:]:
+    for version in versions:
         try:
             install = install_for(version, progress=lambda line: print(line, flush=True))
             print(f"slurm-root: Slurm {version}: {install.root or 'the host Slurm'}", flush=True)

@@ -178,8 +178,14 @@ class PyslurmBackend:
     """Reads jobs through pyslurm (API of pyslurm >= 23: `pyslurm.Jobs.load()`)."""
 
     def __init__(self) -> None:
-        import pyslurm
-
+        try:
+            import pyslurm
+        except Exception as exc:  # noqa: BLE001 - a pyslurm built for another Slurm fails in many ways
+            raise RgpuError("slurm", "slurm_backend = pyslurm, but pyslurm cannot be imported",
+                            f"{type(exc).__name__}: {exc}; pyslurm must be built for this Slurm's major.minor "
+                            "(PyPI has 25.11.x only)",
+                            "build pyslurm from its release tag for this Slurm, or set slurm_backend = auto "
+                            "(squeue --json)") from None
         self._pyslurm = pyslurm
 
     def live_jobs(self) -> list[SlurmJob]:

@@ -294,3 +294,17 @@ def test_roots_are_keyed_by_suite_mirror_and_packages_and_use_the_hosts_mirror()
     assert key.startswith("trixie-") and key == root_key("trixie", DEFAULT_MIRROR, tuple(reversed(PACKAGES)))
     assert key != root_key("trixie", DEFAULT_MIRROR, (*PACKAGES, "python3"))
     assert key != root_key("trixie", "http://mirror.example/debian")
+
+
+def test_pyslurm_backend_without_a_usable_pyslurm_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from rgpu.errors import RgpuError
+    from rgpu.slurm_plugin.squeue import backend_for
+
+    monkeypatch.setitem(sys.modules, "pyslurm", None)     # as where none is installed
+    with pytest.raises(RgpuError) as info:
+        backend_for("pyslurm")
+    text = str(info.value)
+    assert text.startswith("rgpu: slurm: slurm_backend = pyslurm, but pyslurm cannot be imported (")
+    assert "\n" not in text and "slurm_backend = auto" in text and "25.11" in text
