@@ -48,6 +48,16 @@ class Settings:
     slurm_cluster: str = ""                      # Slurm ClusterName; "" asks `scontrol show config`
     slurm_backend: str = "auto"                  # auto | squeue | pyslurm
     slurm_license_sync: bool = True              # keep the rgpu license reservation in step with capacity
+    # rgpu-admin health --deep: how to reach hosts over SSH, and which client nodes to check.
+    ssh_user: str = ""                           # "" : the user running rgpu-admin
+    ssh_port: int = 22
+    ssh_key_file: str = ""                       # "" : the SSH agent and ~/.ssh's default keys
+    ssh_known_hosts_file: str = ""               # "" : ~/.ssh/known_hosts; unknown host keys are refused
+    health_client_nodes: str = ""                # comma-separated; "" : Slurm's nodes (sinfo), if any
+    health_remote_python: str = "python3"        # the Python rgpu is installed for on the hosts
+    # Idle leases: no session and no GPU work this long. 0 turns the check off.
+    idle_after_seconds: float = 3600.0
+    idle_release: bool = False                   # release idle leases (Bitfusion's auto_release)
     origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def origin(self, key: str) -> str:
@@ -139,6 +149,9 @@ def load_settings(config_file: str | os.PathLike[str] | None = None,
     if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
         raise ConfigError("config", "tls_cert_file and tls_key_file must be set together", "",
                           "set both to serve TLS, or neither")
+    if settings.idle_after_seconds < 0:
+        raise ConfigError("config", "idle_after_seconds must not be negative", "",
+                          "set 0 (off) or a positive number of seconds")
     for key in ("heartbeat_interval_seconds", "down_after_seconds", "reclaim_interval_seconds"):
         if getattr(settings, key) <= 0:
             raise ConfigError("config", f"{key} must be positive", f"it is {getattr(settings, key)} from {settings.origin(key)}",

@@ -23,6 +23,8 @@ from rgpu.errors import InvalidRequest, RgpuError, Unavailable
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.secret import create_secret
 from rgpu.units import format_bytes, parse_duration, parse_size
+from rgpu.remoting.admin.cli_ops import net_perf, stats, usage
+from rgpu.remoting.admin.cli_units import install_units
 
 
 @dataclass
@@ -106,14 +108,20 @@ def list_gpus(ctx: Context) -> None:
 
 
 def _lease_row(lease: pb.Lease) -> dict[str, Any]:
+    from rgpu.remoting.admin.usage_view import lease_usage
+
     return {
         "job_key": lease.job_key, "user": lease.user, "account": lease.account, "units": lease.units,
         "created_unix": lease.created_unix, "expires_unix": lease.expires_unix, "server_down": lease.server_down,
         "slices": [{"server": s.server, "gpu_uuid": s.gpu_uuid, "gpu_index": s.gpu_index,
-                    "memory_limit_bytes": s.memory_limit_bytes, "compute_percent": s.compute_percent}
+                    "memory_limit_bytes": s.memory_limit_bytes, "compute_percent": s.compute_percent,
+                    "sessions": s.usage.sessions, "busy_seconds": s.usage.busy_seconds, "calls": s.usage.calls,
+                    "memory_high_water_bytes": s.usage.memory_high_water_bytes,
+                    "memory_used_bytes": s.usage.memory_used_bytes, "last_active_unix": s.usage.last_active_unix}
                    for s in lease.slices],
         "placement": ", ".join(f"{s.server}/{s.gpu_index} {s.compute_percent}%" for s in lease.slices),
-        "state": "SERVER DOWN" if lease.server_down else "ok",
+        "state": "SERVER DOWN" if lease.server_down else ("IDLE" if lease.idle else "ok"),
+        **lease_usage(lease),
     }
 
 
@@ -125,7 +133,8 @@ def leases(ctx: Context) -> None:
     with ctx.client() as client:
         rows = [_lease_row(lease) for lease in client.list_leases()]
     _emit(ctx, rows, [("job_key", "JOB KEY"), ("user", "USER"), ("account", "ACCOUNT"), ("units", "GPU %"),
-                      ("placement", "SLICES"), ("state", "STATE")], "no leases")
+                      ("placement", "SLICES"), ("busy", "BUSY"), ("memory_high_water", "MEM PEAK"),
+                      ("idle_for", "IDLE FOR"), ("state", "STATE")], "no leases")
 
 
 @main.command("request-gpus")
@@ -299,8 +308,11 @@ def _pool_serving(settings: Settings) -> str | None:
 
 @main.command()
 @_json_flag
+@click.option("--deep", is_flag=True, help="Also log in to every host over SSH: driver, MPS, clocks, ECC, Xid, "
+                                            "disk, rgpu's libraries, clock skew, round trips to the dispatchers.")
+@click.option("--host", "hosts", multiple=True, help="With --deep: only this host (repeat).")
 @click.pass_obj
-def health(ctx: Context) -> None:
+def health(ctx: Context, deep: bool, hosts: tuple[str, ...]) -> None:
     """Check the pool and every dispatcher; exit non-zero when anything is unhealthy."""
     problem = _pool_serving(ctx.settings)
     if problem:
@@ -324,21 +336,28 @@ def health(ctx: Context) -> None:
                      "static_inventory": s.static_inventory,
                      "notes": "; ".join(notes), "healthy": s.state != "down"})
     unhealthy = [r["server"] for r in rows if not r["healthy"]]
-    if ctx.json_output:
+    if ctx.json_output and not deep:
         click.echo(json.dumps(rows, indent=2))
-    else:
+    elif not ctx.json_output:
         click.echo(f"pool {ctx.settings.pool}: serving; {len(rows)} server(s); down after "
                    f"{reply.down_after_seconds:g} s without heartbeat")
         if rows:
             click.echo(tabulate([[r["server"], r["state"], f"{r['heartbeat_age_seconds']:.1f}s", r["gpus"],
                                   r["driver_version"], r["compute_enforcement"] or "-", r["notes"]] for r in rows],
                                 headers=["SERVER", "STATE", "HEARTBEAT", "GPUS", "DRIVER", "COMPUTE", "NOTES"]))
+    failed_checks: list[str] = []
+    if deep:   # over SSH: driver, MPS, clocks, ECC, Xid, disk, libraries, clock skew, round trips
+        from rgpu.remoting.admin.cli_ops import deep_checks
+        failed_checks = deep_checks(ctx.settings, reply, rows, hosts, json_output=ctx.json_output)
     if not rows:
         raise Unavailable("health", "no dispatcher has registered", "the pool has no GPUs to serve",
                           "start rgpu-dispatcher on the GPU nodes with --pool pointing here")
     if unhealthy:
         raise Unavailable("health", f"{len(unhealthy)} server(s) down: {', '.join(unhealthy)}",
                           "no heartbeat within the limit", "check rgpu-dispatcher on those hosts")
+    if failed_checks:
+        raise Unavailable("health", f"{len(failed_checks)} deep check(s) failed: {', '.join(failed_checks)}",
+                          "see the FIX column", "fix them, then run rgpu-admin health --deep again")
 
 
 @main.group()
@@ -353,6 +372,12 @@ def secret_create(path: str, force: bool) -> None:
     """Write a new random secret to PATH with mode 0600."""
     created = create_secret(path, force=force)
     click.echo(f"wrote {created} (mode 0600); copy it to every rgpu host, readable only by rgpu's user")
+
+
+main.add_command(install_units)
+main.add_command(net_perf)
+main.add_command(stats)
+main.add_command(usage)
 
 
 # Commands other components contribute (slurm-config) join through entry points.

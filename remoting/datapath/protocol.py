@@ -34,7 +34,7 @@ from rgpu.netaddr import split_host_port
 
 # The data path's protocol version. It is also recorded in spec/cuda.spec: a spec change that
 # alters the wire format must bump both (tests/remoting/test_generator.py checks the pairing).
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 MAGIC = b"RGPU"
 
 HEADER = struct.Struct("<IHHIIQ")
@@ -47,13 +47,19 @@ OP_REFUSE = 3
 OP_REPLY = 4
 OP_DATA = 5
 OP_BYE = 6
+# A perf session (HELLO_PERF; rgpu.remoting.datapath.perf): the acceptor answers these itself.
+OP_ECHO = 7       # the server sends the frame back as it came
+OP_SINK = 8       # the server discards the payload; aux=1 on the last frame asks for a REPLY (u64 bytes)
+OP_SOURCE = 9     # payload u64 total, u32 chunk: the server sends DATA frames of that much, then a REPLY
 
 # HELLO flags.
 HELLO_PROBE = 1   # verify the token and versions, start no worker (flexrun's pre-flight check)
 HELLO_NVML = 2    # a management session: NVML queries only, no CUDA context on the GPU
+HELLO_PERF = 4    # a network probe (rgpu-admin net-perf): echo and bulk frames, no worker
 
 # WELCOME flags.
 WELCOME_EMULATED = 1  # the server emulates the device (no GPU): launches are refused
+WELCOME_PERF = 2      # the server serves a perf session (older servers ignore HELLO_PERF)
 
 # REPLY flags.
 REPLY_HAS_MESSAGE = 1  # payload: i32 result, u32 len, message, outputs

@@ -34,6 +34,7 @@ from rgpu.live_leases import LiveLeases
 from rgpu.netaddr import join_host_port
 from rgpu.portfile import write_port_file
 from rgpu.model import GpuInfo, ServerInfo
+from rgpu.proto import rgpu_pb2 as pb
 from rgpu.remoting.pool.convert import server_to_pb
 from rgpu.remoting.dispatcher.inventory import (Inventory, InventorySource, NodeSettings, open_inventory, read_node_settings,
                                      served_gpus)
@@ -127,6 +128,7 @@ class DataPath(Protocol):
     def stop(self) -> None: ...
     def status(self) -> dict[str, Any]: ...
     def update_live(self, live: LiveLeases) -> None: ...
+    def usage(self) -> list[dict[str, Any]]: ...
 
 
 def start_data_path(sock: socket.socket, address: str, gpus: tuple[GpuInfo, ...], secret: bytes,
@@ -242,7 +244,8 @@ def run(options: Options, env: dict[str, str] | None = None) -> int:
                               compute_enforcement=enforcement, launch_path=str(status.get("launch_path", "")))
             if options.port_file:
                 write_port_file(options.port_file, port, COMPONENT)
-            registrar = Registrar(server_to_pb(info), connect, pool, on_live=data_path.update_live)
+            registrar = Registrar(server_to_pb(info), connect, pool, on_live=data_path.update_live,
+                                  usage=lambda: [pb.SliceUsage(**u) for u in data_path.usage()])
             thread = threading.Thread(target=registrar.run, args=(stop,), name="registrar", daemon=True)
             thread.start()
             stop.wait()

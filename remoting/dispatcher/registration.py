@@ -7,6 +7,7 @@ import logging
 import math
 import random
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -58,9 +59,11 @@ class Registrar:
     """
 
     def __init__(self, server: pb.Server, connect: Callable[[], PoolClient], pool: str,
-                 on_live: Callable[[LiveLeases], None] | None = None) -> None:
+                 on_live: Callable[[LiveLeases], None] | None = None,
+                 usage: Callable[[], list[pb.SliceUsage]] | None = None) -> None:
         self._server = server
         self._on_live = on_live
+        self._usage = usage
         self._connect = connect
         self._pool = pool
         self._client: PoolClient | None = None
@@ -105,7 +108,13 @@ class Registrar:
         return 0.0  # heartbeat at once: its reply brings the pool's list of live leases
 
     def _heartbeat(self, client: PoolClient) -> float:
-        reply = client.heartbeat(self._server.address)
+        usage: list[pb.SliceUsage] = []
+        if self._usage is not None:
+            try:
+                usage = self._usage()
+            except Exception:  # usage is a report; its failure must not stop heartbeats
+                log.exception("reading the sessions' usage failed; heartbeat without it")
+        reply = client.heartbeat(self._server.address, usage, time.time())
         if reply.known:
             live = live_from_pb(reply)
             if live is not None and self._on_live is not None:

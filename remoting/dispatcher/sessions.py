@@ -33,6 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rgpu.remoting.datapath import protocol
+from rgpu.remoting.datapath.backends.base import slice_usage
+from rgpu.remoting.datapath.perf import serve_perf
+from rgpu.remoting.datapath.usage import read_slice_stats
 from rgpu.remoting.dispatcher.mps import MpsDaemon
 
 from rgpu import tokens
@@ -124,6 +127,7 @@ class SessionServer:
         self.launch_library = ""
         self.launch_path = "python"
         self._live: LiveLeases | None = None   # the pool's latest list; None: tokens are checked offline only
+        self._slice_dirs: dict[Path, tuple[str, int, float]] = {}   # usage folder -> (job key, slice, issued)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -155,6 +159,7 @@ class SessionServer:
             self.log.warning("ending session %d (job %s slice %d): %s", rec.pid, rec.job_key, rec.slice_number,
                              rec.ended_by)
             rec.popen.terminate()  # the worker's process exit frees everything the session held
+        self.forget_slices(live)
 
     def _revoked(self, claims: tokens.SliceClaims) -> bool:
         with self._lock:
@@ -245,7 +250,12 @@ class SessionServer:
             if op != protocol.OP_HELLO:
                 raise ValueError(f"expected HELLO, got frame {op}")
             version = protocol.decode_hello_version(payload)
-        except (OSError, ValueError, ConnectionError) as exc:
+        except ConnectionError:
+            # Closed before a whole HELLO: port checks (rgpu-admin health --deep, monitoring) do this.
+            self.log.debug("connection from %s closed before its HELLO", peer)
+            conn.close()
+            return
+        except (OSError, ValueError) as exc:
             self.log.warning("bad handshake from %s: %s", peer, exc)
             conn.close()
             return
@@ -268,6 +278,9 @@ class SessionServer:
                          "slices: rerun the job, or `flexrun -n N -p F`)")
             return
         gpu = self.gpus[claims.gpu_uuid]
+        if hello.flags & protocol.HELLO_PERF:
+            self._serve_perf(conn, peer, claims)
+            return
         mode = "nvml" if hello.flags & protocol.HELLO_NVML else "cuda"
         if hello.flags & protocol.HELLO_PROBE:
             conn.sendall(protocol.encode_welcome(
@@ -283,11 +296,54 @@ class SessionServer:
             return
         conn.close()  # the worker holds its own copy now
 
+    def _serve_perf(self, conn: socket.socket, peer: str, claims: tokens.SliceClaims) -> None:
+        """rgpu-admin net-perf: this acceptor thread echoes and streams; no worker, no GPU."""
+        conn.sendall(protocol.encode_welcome(
+            driver_version=0, memory_limit_bytes=claims.memory_limit_bytes, compute_percent=claims.compute_percent,
+            flags=protocol.WELCOME_PERF, description="perf session"))
+        moved = serve_perf(conn)
+        self.log.info("perf session from %s (job %s) moved %d bytes", peer, claims.job_key, moved)
+
     def _slice_dir(self, claims: tokens.SliceClaims) -> Path:
         key = hashlib.sha256(f"{claims.job_key}\0{claims.slice_number}\0{claims.gpu_uuid}".encode()).hexdigest()[:16]
         path = self.runtime_dir / "slices" / key
         path.mkdir(parents=True, exist_ok=True)
+        with self._lock:
+            self._slice_dirs[path] = (claims.job_key, claims.slice_number, claims.issued_unix)
         return path
+
+    def usage(self) -> list[dict]:
+        """Per slice that had a CUDA session since this dispatcher started: open sessions, busy
+        time, calls, memory high-water mark and in use, last activity (this host's clock)."""
+        with self._lock:
+            dirs = dict(self._slice_dirs)
+            live: dict[tuple[str, int], int] = {}
+            for rec in self._sessions.values():
+                if rec.mode == "cuda" and not rec.ended_by:
+                    live[(rec.job_key, rec.slice_number)] = live.get((rec.job_key, rec.slice_number), 0) + 1
+        out = []
+        for path, (job_key, number, _issued) in dirs.items():
+            stats = read_slice_stats(path)
+            sessions = live.get((job_key, number), 0)
+            if not stats.sessions_seen and not sessions:
+                continue
+            out.append({"job_key": job_key, "slice_number": number, "sessions": sessions,
+                        "busy_seconds": stats.busy_seconds, "calls": stats.calls,
+                        "memory_high_water_bytes": stats.memory_high_water_bytes,
+                        "memory_used_bytes": slice_usage(path), "last_active_unix": stats.last_active_unix})
+        return out
+
+    def forget_slices(self, live: LiveLeases) -> None:
+        """Drop the usage folders of slices whose lease the pool no longer lists (and that run no
+        session), so a long-running dispatcher does not report ended leases for ever."""
+        with self._lock:
+            running = {(r.job_key, r.slice_number) for r in self._sessions.values()}
+            gone = [p for p, (job_key, number, issued) in self._slice_dirs.items()
+                    if (job_key, number) not in running and live.revoked(job_key, number, issued)]
+            for path in gone:
+                del self._slice_dirs[path]
+        for path in gone:
+            shutil.rmtree(path, ignore_errors=True)
 
     def _spawn(self, conn: socket.socket, peer: str, hello: protocol.Hello, claims: tokens.SliceClaims,
                gpu: GpuInfo, mode: str) -> None:

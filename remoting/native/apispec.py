@@ -48,22 +48,28 @@ TYPES: dict[str, WireType] = {
     "CUcontext": WireType("CUcontext", "Q", "ctx", "ctypes.c_void_p"),
     "CUuuid": WireType("CUuuid", "16s", "bytes", "ctypes.c_char * 16"),
     "char": WireType("char", "", "bytes", "ctypes.c_char"),
+    "CUmemGenericAllocationHandle": WireType("CUmemGenericAllocationHandle", "Q", "int", "ctypes.c_ulonglong"),
+    "cuuint32_t": WireType("cuuint32_t", "I", "int", "ctypes.c_uint32"),
     # NVML
     "nvmlDevice_t": WireType("nvmlDevice_t", "I", "nvmldev", "ctypes.c_void_p"),
     "nvmlReturn_t": _enum("nvmlReturn_t"),
 }
 # NVML structs travel as raw bytes: both ends share the C layout (x86-64 and aarch64 alike).
 for _name, _size in (("nvmlMemory_t", 24), ("nvmlMemory_v2_t", 40), ("nvmlBAR1Memory_t", 24),
-                     ("nvmlPciInfo_t", 68), ("nvmlPciInfoExt_t", 64), ("nvmlUtilization_t", 8)):
+                     ("nvmlPciInfo_t", 68), ("nvmlPciInfoExt_t", 64), ("nvmlUtilization_t", 8),
+                     # CUDA structs with no host pointers that matter on the server
+                     ("CUgraphExecUpdateResultInfo", 24), ("CUlaunchAttributeValue", 64),
+                     ("CUmemAllocationProp", 32), ("CUmemLocation", 8)):
     TYPES[_name] = WireType(_name, f"{_size}s", "bytes", f"ctypes.c_char * {_size}")
 for _name in ("CUstream", "CUevent", "CUmodule", "CUfunction", "CUlibrary", "CUkernel",
-              "CUmemoryPool", "CUlinkState"):
+              "CUmemoryPool", "CUlinkState", "CUgraph", "CUgraphExec", "CUgraphNode"):
     TYPES[_name] = _handle(_name)
 for _name in ("CUresult", "CUdevice_attribute", "CUarray_format", "CUexecAffinityType",
               "CUflushGPUDirectRDMAWritesTarget", "CUflushGPUDirectRDMAWritesScope", "CUlimit",
               "CUfunc_cache", "CUsharedconfig", "CUmemPool_attribute", "CUpointer_attribute",
               "CUstreamCaptureStatus", "CUstreamCaptureMode", "CUjit_option", "CUjitInputType",
               "CUmoduleLoadingMode", "CUfunction_attribute", "CUfunctionLoadingState",
+              "CUgraphMem_attribute", "CUgraphNodeType", "CUstreamAttrID", "CUmemAllocationGranularity_flags",
               "nvmlTemperatureSensors_t", "nvmlClockType_t", "nvmlClockId_t", "nvmlPstates_t",
               "nvmlEnableState_t", "nvmlComputeMode_t", "nvmlBrandType_t", "nvmlMemoryErrorType_t",
               "nvmlEccCounterType_t", "nvmlTemperatureThresholds_t", "nvmlDeviceArchitecture_t",

@@ -87,11 +87,20 @@ def plan_c(f: Function) -> list[CParamPlan]:
     plans = []
     for p in f.params:
         plan = CParamPlan(p)
-        if p.direction == "inout":
-            # Only structs travel both ways (NVML's versioned structs): raw bytes out and back.
+        if p.direction == "inout" and p.wire.kind == "bytes":
+            # Structs travel both ways (NVML's versioned structs): raw bytes out and back.
             plan.check = f"{p.name} == NULL"
             plan.put = f"rgpu_put(&c, {p.name}, sizeof *{p.name});"
             plan.get = f"rgpu_get(&c, {p.name}, sizeof *{p.name});"
+        elif p.direction == "inout":
+            # A scalar both ways (cuThreadExchangeStreamCaptureMode's mode).
+            plan.check = f"{p.name} == NULL"
+            plan.put = _c_scalar_put(p, f"*{p.name}")
+            plan.get = _c_scalar_get(p, f"*{p.name}")
+        elif p.direction == "in" and p.pointer and p.const and p.wire.kind == "bytes" and not p.is_string:
+            # A struct read by the call (CUmemAllocationProp): its bytes travel.
+            plan.check = f"{p.name} == NULL"
+            plan.put = f"rgpu_put(&c, {p.name}, sizeof *{p.name});"
         elif p.direction == "in":
             if p.is_string:
                 plan.put = f"rgpu_put_str(&c, {p.name});"
@@ -207,6 +216,10 @@ def plan_py(f: Function) -> PyPlan:
             elif w is not None and w.kind == "nvmldev":
                 cargs.append("self.nvml_device")
                 argtypes.append("ctypes.c_void_p")
+            elif p.pointer and p.const and w.kind == "bytes":
+                pre.append(f"{n}_in = ({w.ctypes}).from_buffer_copy({n})")
+                cargs.append(f"ctypes.byref({n}_in)")
+                argtypes.append("ctypes.c_void_p")
             elif p.pointer and p.const:
                 pre.append(f"{n}_in = {w.ctypes}({n})")
                 cargs.append(f"ctypes.byref({n}_in)")
@@ -214,6 +227,12 @@ def plan_py(f: Function) -> PyPlan:
             else:
                 cargs.append(n)
                 argtypes.append(w.ctypes)
+        elif p.direction == "inout" and w.kind != "bytes":
+            holder = f"{n}_out"
+            pre.append(f"{holder} = {w.ctypes}({n})")
+            cargs.append(f"ctypes.byref({holder})")
+            rets.append(f"{holder}.value")
+            argtypes.append("ctypes.c_void_p")
         elif p.direction == "inout":
             holder = f"{n}_out"
             pre.append(f"{holder} = ({w.ctypes}).from_buffer_copy({n})")
@@ -266,6 +285,19 @@ class Outputs:
 
 
 # Hand-written client code that a generated stub runs before it sends its request.
+# Hand-written client code that a generated sync stub runs after the reply (`r` is the result,
+# `c.s->index` the session): rgpu's own bookkeeping of what the call changed.
+AFTER_HOOKS = {
+    # capture status is answered locally while no capture can be under way
+    "cuStreamBeginCapture_v2": "rgpu_capture_begun(r)",
+    "cuStreamEndCapture": "rgpu_capture_ended(r)",
+    # reserved address ranges are device memory for the copy paths and routing
+    "cuMemAddressReserve": "if (r == CUDA_SUCCESS) rgpu_dev_range_add(c.s->index, (uint64_t)*ptr, size)",
+    "cuMemAddressFree": "if (r == CUDA_SUCCESS) rgpu_dev_range_remove(c.s->index, (uint64_t)ptr)",
+    # the driver fills the result even when the update fails
+    "cuGraphExecUpdate_v2": "if (r != CUDA_SUCCESS) { memset(resultInfo, 0, sizeof *resultInfo); resultInfo->result = 1; }",
+}
+
 BEFORE_HOOKS = {
     # cudart's context-local storage: destructors run while the primary context still exists.
     "cuDevicePrimaryCtxReset_v2": "rgpu_before_primary_ctx_reset(dev)",
@@ -307,7 +339,7 @@ def render_all() -> Outputs:
         "cuda": cuda, "nvml": nvml, "plan_c": plan_c, "c_route": c_route, "generated_cuda": generated_cuda,
         "per_thread": per_thread, "default_stubs": default_stubs, "symbols": symbols, "procs": procs,
         "errors": [(n, v, error_message(n)) for n, v in errors], "dynamic_stubs": DYNAMIC_STUBS,
-        "before_hooks": BEFORE_HOOKS,
+        "before_hooks": BEFORE_HOOKS, "after_hooks": AFTER_HOOKS,
         "nvml_generated": [f for f in nvml.functions if f.mode in ("sync", "async", "unsupported")],
         "nvml_defaults": nvml_defaults, "nvml_symbols": sorted(nvml_listed | set(nvml_defaults)),
         "plan_py": plan_py, "wire_cuda": [f for f in cuda.wire_functions],

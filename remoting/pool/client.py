@@ -78,8 +78,9 @@ class PoolClient:
     def register_server(self, server: pb.Server) -> pb.RegisterServerReply:
         return self._call("RegisterServer", pb.RegisterServerRequest(server=server))
 
-    def heartbeat(self, address: str) -> pb.HeartbeatReply:
-        return self._call("Heartbeat", pb.HeartbeatRequest(address=address))
+    def heartbeat(self, address: str, usage: list[pb.SliceUsage] | None = None,
+                  sent_unix: float = 0.0) -> pb.HeartbeatReply:
+        return self._call("Heartbeat", pb.HeartbeatRequest(address=address, usage=usage or [], sent_unix=sent_unix))
 
     def allocate(self, job_key: str, user: str, count: int, *, fraction: float = 0.0,
                  memory_bytes: int = 0, account: str = "", ttl_seconds: float = 0.0,
@@ -115,6 +116,9 @@ class PoolClient:
 
     def list_quotas(self) -> list[pb.Quota]:
         return list(self._call("ListQuotas", pb.ListQuotasRequest()).quotas)
+
+    def usage(self, since_unix: float = 0.0, until_unix: float = 0.0) -> pb.UsageReply:
+        return self._call("Usage", pb.UsageRequest(since_unix=since_unix, until_unix=until_unix))
 
     def capacity(self) -> pb.CapacityReply:
         return self._call("Capacity", pb.CapacityRequest())

@@ -10,6 +10,7 @@ from rgpu.proto import rgpu_pb2 as pb
 
 if TYPE_CHECKING:
     from rgpu.adaptor import AdaptorConf
+    from rgpu.remoting.pool.accounting import SliceUsageRecord
 
 
 def gpu_to_pb(gpu: GpuInfo) -> pb.Gpu:
@@ -61,3 +62,19 @@ def lease_to_adaptor(lease: pb.Lease, slices: list[pb.Slice] | None = None) -> "
         slices=tuple(AdaptorSlice(server=s.server, gpu_uuid=s.gpu_uuid, gpu_index=s.gpu_index,
                                   memory_limit_bytes=s.memory_limit_bytes, compute_percent=s.compute_percent,
                                   token=s.token) for s in chosen))
+
+
+def usage_from_pb(msg: pb.SliceUsage) -> tuple[str, int, "SliceUsageRecord"]:
+    from rgpu.remoting.pool.accounting import SliceUsageRecord
+    return msg.job_key, msg.slice_number, SliceUsageRecord(
+        sessions=msg.sessions, busy_seconds=msg.busy_seconds, memory_high_water_bytes=msg.memory_high_water_bytes,
+        memory_used_bytes=msg.memory_used_bytes, last_active_unix=msg.last_active_unix, calls=msg.calls)
+
+
+def usage_to_pb(job_key: str, number: int, usage: "SliceUsageRecord | None") -> pb.SliceUsage:
+    if usage is None:
+        return pb.SliceUsage(job_key=job_key, slice_number=number)
+    return pb.SliceUsage(job_key=job_key, slice_number=number, sessions=usage.sessions,
+                         busy_seconds=usage.busy_seconds, memory_high_water_bytes=usage.memory_high_water_bytes,
+                         memory_used_bytes=usage.memory_used_bytes, last_active_unix=usage.last_active_unix,
+                         calls=usage.calls)

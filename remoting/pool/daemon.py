@@ -29,7 +29,7 @@ from rgpu.model import LeaseRecord
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
 from rgpu.remoting.pool.errors import status_for
-from rgpu.remoting.pool.convert import gpu_to_pb, live_to_pb, server_from_pb, server_to_pb
+from rgpu.remoting.pool.convert import gpu_to_pb, live_to_pb, server_from_pb, server_to_pb, usage_from_pb, usage_to_pb
 from rgpu.remoting.pool.rules import AllocationRequest, PoolCore
 from rgpu.remoting.pool.store import Store
 from rgpu.secret import load_secret
@@ -63,13 +63,16 @@ class PoolServicer(pb_grpc.PoolServicer):
         self.heartbeat_interval = heartbeat_interval
 
     def _lease_pb(self, lease: LeaseRecord) -> pb.Lease:
+        usages = self.core.slice_usage(lease)
+        since, idle = self.core.lease_idle(lease)
         return pb.Lease(
             job_key=lease.job_key, user=lease.user, account=lease.account,
             created_unix=lease.created_unix, expires_unix=lease.expires_unix,
             server_down=self.core.lease_on_down_server(lease), units=lease.units,
+            idle_since_unix=since, idle=idle,
             slices=[pb.Slice(server=s.server, gpu_uuid=s.gpu_uuid, gpu_index=s.gpu_index, gpu_name=s.gpu_name,
                              memory_limit_bytes=s.memory_limit_bytes, compute_percent=s.compute_percent,
-                             token=self.core.token_for(lease, i))
+                             token=self.core.token_for(lease, i), usage=usage_to_pb(lease.job_key, i, usages[i]))
                     for i, s in enumerate(lease.slices)])
 
     def _server_pb(self, entry: Any) -> pb.Server:
@@ -85,6 +88,8 @@ class PoolServicer(pb_grpc.PoolServicer):
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatReply:
         if not self.core.heartbeat(request.address):
             return pb.HeartbeatReply(known=False)
+        if request.usage:
+            self.core.record_usage(request.address, [usage_from_pb(u) for u in request.usage], request.sent_unix)
         return live_to_pb(self.core.live_slices(request.address))
 
     @_rpc
@@ -146,17 +151,31 @@ class PoolServicer(pb_grpc.PoolServicer):
             for q, used in self.core.quota_usage()])
 
     @_rpc
+    def Usage(self, request: pb.UsageRequest, context: Any) -> pb.UsageReply:
+        until = request.until_unix or self.core.clock()
+        since = request.since_unix
+        if since >= until:
+            raise InvalidRequest("pool", "the usage window is empty", f"since {since} is not before until {until}",
+                                 "give --since earlier than --until")
+        return pb.UsageReply(since_unix=since, until_unix=until, rows=[
+            pb.UsageRow(user=t.user, account=t.account, gpu_percent_hours=t.gpu_percent_hours, leases=t.leases,
+                        busy_gpu_seconds=t.busy_gpu_seconds)
+            for t in self.core.usage_totals(since, until)])
+
+    @_rpc
     def Capacity(self, request: pb.CapacityRequest, context: Any) -> pb.CapacityReply:
         cap = self.core.capacity()
         return pb.CapacityReply(total_units=cap.total_units, allocated_units=cap.allocated_units,
                                 free_units=cap.free_units, gpus=cap.gpus)
 
 
-def _maintenance_loop(core: PoolCore, interval: float, stop: threading.Event) -> None:
-    """Reclaim expired leases and notice servers that stopped heartbeating."""
+def _maintenance_loop(core: PoolCore, interval: float, stop: threading.Event, idle_release: bool = False) -> None:
+    """Reclaim expired leases, release idle ones (idle_release), notice servers that stopped heartbeating."""
     while not stop.wait(interval):
         try:
             core.reclaim_expired()
+            if idle_release:
+                core.release_idle()
             core.check_down_servers()
         except Exception:
             log.exception("rgpu-poold: maintenance failed (will retry)")
@@ -181,7 +200,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
     store = Store(settings.state)
     core = PoolCore(store=store, secret=secret, placement=settings.placement,
                     down_after_seconds=settings.down_after_seconds,
-                    max_slices_per_job=settings.max_slices_per_job)
+                    max_slices_per_job=settings.max_slices_per_job, idle_after_seconds=settings.idle_after_seconds)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=[ServerAuth(secret)],
                          options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_PoolServicer_to_server(PoolServicer(core, settings.heartbeat_interval_seconds), server)
@@ -201,7 +220,8 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
                           "pick another --listen address or stop the process holding the port") from None
     stop = threading.Event()
     maintenance = threading.Thread(target=_maintenance_loop, name="maintenance", daemon=True,
-                                   args=(core, min(settings.reclaim_interval_seconds, settings.down_after_seconds / 3), stop))
+                                   args=(core, min(settings.reclaim_interval_seconds, settings.down_after_seconds / 3), stop,
+                                         settings.idle_release))
     # Components that ride on the pool (the Slurm integration) plug in through entry points.
     running = [start(core, settings, log) for _name, start in plugins.load(plugins.POOL_PLUGINS)]
     for service in ("", "rgpu.v1.Pool"):

@@ -16,6 +16,8 @@ from rgpu import tokens, validate
 from rgpu.errors import CapacityError, InvalidRequest, NotFound, PermissionDenied
 from rgpu.live_leases import LiveLeases
 from rgpu.model import LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
+from rgpu.remoting.pool.accounting import (Interval, SliceUsageRecord, UsageTotal, idle_seconds, idle_since, is_idle,
+                                           to_pool_clock, totals)
 from rgpu.remoting.pool.placement import GpuSlot, SliceRequest, place
 from rgpu.remoting.pool.store import Store
 
@@ -81,6 +83,7 @@ class PoolCore:
     placement: str = "binpack"
     down_after_seconds: float = 15.0
     max_slices_per_job: int = 16
+    idle_after_seconds: float = 0.0     # 0: leases are never idle
     clock: Callable[[], float] = time.time
     servers: dict[str, ServerEntry] = field(default_factory=dict)
     leases: dict[str, LeaseRecord] = field(default_factory=dict)
@@ -92,6 +95,7 @@ class PoolCore:
     _used_units: dict[tuple[str, str], int] = field(default_factory=dict)
     _tokens: dict[tuple[str, int], str] = field(default_factory=dict)  # signed once per slice
     _listeners: list[Callable[[], None]] = field(default_factory=list)
+    _slice_usage: dict[tuple[str, int], SliceUsageRecord] = field(default_factory=dict)   # in memory only
     _lock: threading.RLock = field(default_factory=threading.RLock)
 
     def __post_init__(self) -> None:
@@ -322,7 +326,7 @@ class PoolCore:
             now = self.clock()
             existing = self.leases.get(req.job_key)
             if existing is not None and existing.expired(now):
-                self._drop(existing)
+                self._drop(existing, "expired")
                 existing = None
             if existing is not None:
                 if len(existing.slices) != req.count or existing.user != req.user:
@@ -348,9 +352,12 @@ class PoolCore:
                  ", ".join(f"{s.server}/{s.gpu_index}@{s.compute_percent}%" for s in lease.slices))
         return lease
 
-    def _drop(self, lease: LeaseRecord) -> None:
-        self.store.delete_lease(lease.job_key)
+    def _drop(self, lease: LeaseRecord, how: str) -> None:
+        busy = sum(u.busy_seconds for u in self._usages(lease) if u is not None)
+        self.store.end_lease(lease, self.clock(), busy, how)
         self._index_lease(lease, -1)
+        for number in range(len(lease.slices)):
+            self._slice_usage.pop((lease.job_key, number), None)
 
     def release(self, job_key: str) -> bool:
         """Idempotent: releasing an unknown or already released key succeeds (returns False)."""
@@ -358,7 +365,7 @@ class PoolCore:
             lease = self.leases.get(job_key)
             if lease is None:
                 return False
-            self._drop(lease)
+            self._drop(lease, "released")
         log.info("rgpu-poold: released lease %s", job_key)
         return True
 
@@ -385,10 +392,64 @@ class PoolCore:
             now = self.clock()
             expired = [lease for lease in self.leases.values() if lease.expired(now)]
             for lease in expired:
-                self._drop(lease)
+                self._drop(lease, "expired")
         for lease in expired:
             log.info("rgpu-poold: lease %s expired and was reclaimed", lease.job_key)
         return [lease.job_key for lease in expired]
+
+    # -- usage per slice, idle leases, accounting ------------------------------------------------
+    def record_usage(self, address: str, reports: list[tuple[str, int, SliceUsageRecord]], sent_unix: float) -> None:
+        """Take a dispatcher's usage report (heartbeat) for the slices it holds; others are ignored."""
+        with self._lock:
+            now = self.clock()
+            for job_key, number, usage in reports:
+                lease = self.leases.get(job_key)
+                if lease is None or not 0 <= number < len(lease.slices) or lease.slices[number].server != address:
+                    continue
+                self._slice_usage[(job_key, number)] = SliceUsageRecord(
+                    sessions=usage.sessions, busy_seconds=usage.busy_seconds,
+                    memory_high_water_bytes=usage.memory_high_water_bytes, memory_used_bytes=usage.memory_used_bytes,
+                    last_active_unix=to_pool_clock(usage.last_active_unix, sent_unix, now), calls=usage.calls)
+
+    def _usages(self, lease: LeaseRecord) -> list[SliceUsageRecord | None]:
+        return [self._slice_usage.get((lease.job_key, n)) for n in range(len(lease.slices))]
+
+    def slice_usage(self, lease: LeaseRecord) -> list[SliceUsageRecord | None]:
+        with self._lock:
+            return self._usages(lease)
+
+    def lease_idle(self, lease: LeaseRecord) -> tuple[float, bool]:
+        """(idle since, by the pool's clock; whether idle by idle_after_seconds)."""
+        with self._lock:
+            usages = self._usages(lease)
+            return idle_since(lease, usages), is_idle(idle_seconds(lease, usages, self.clock()), self.idle_after_seconds)
+
+    def release_idle(self) -> list[str]:
+        """Release every idle lease (idle_release: Bitfusion's auto_release)."""
+        if self.idle_after_seconds <= 0:
+            return []
+        with self._lock:
+            now = self.clock()
+            idle = [lease for lease in self.leases.values()
+                    if is_idle(idle_seconds(lease, self._usages(lease), now), self.idle_after_seconds)]
+            for lease in idle:
+                self._drop(lease, "idle")
+        for lease in idle:
+            log.info("rgpu-poold: lease %s of %s was idle for %g s and was released", lease.job_key, lease.user,
+                     self.idle_after_seconds)
+        return [lease.job_key for lease in idle]
+
+    def usage_totals(self, since: float, until: float) -> list[UsageTotal]:
+        """GPU-percent-hours per user and account: ended leases from the store, live ones up to now."""
+        with self._lock:
+            now = self.clock()
+            live = [Interval(lease.user, lease.account, lease.units, lease.created_unix,
+                             min(now, lease.expires_unix) if lease.expires_unix else now,
+                             sum(u.busy_seconds for u in self._usages(lease) if u is not None))
+                    for lease in self.leases.values()]
+        ended = [Interval(user, account, units, created, ended_at, busy)
+                 for user, account, units, created, ended_at, busy in self.store.load_history(since, until)]
+        return totals(ended + live, since, until)
 
     def token_for(self, lease: LeaseRecord, number: int) -> str:
         cached = self._tokens.get((lease.job_key, number))

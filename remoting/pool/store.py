@@ -36,6 +36,18 @@ CREATE TABLE IF NOT EXISTS leases (
     expires     REAL NOT NULL,
     slices_json TEXT NOT NULL
 );
+-- Ended leases, for accounting (rgpu-admin usage). Added in place: older pools ignore it.
+CREATE TABLE IF NOT EXISTS lease_history (
+    job_key      TEXT NOT NULL,
+    user         TEXT NOT NULL,
+    account      TEXT NOT NULL,
+    units        INTEGER NOT NULL,
+    created      REAL NOT NULL,
+    ended        REAL NOT NULL,
+    busy_seconds REAL NOT NULL DEFAULT 0,
+    how          TEXT NOT NULL DEFAULT ''
+);
+CREATE INDEX IF NOT EXISTS lease_history_ended ON lease_history(ended);
 CREATE TABLE IF NOT EXISTS quotas (
     kind        TEXT NOT NULL,
     name        TEXT NOT NULL,
@@ -113,6 +125,29 @@ class Store:
 
     def delete_lease(self, job_key: str) -> None:
         self._write("DELETE FROM leases WHERE job_key=?", (job_key,))
+
+    def end_lease(self, lease: LeaseRecord, ended: float, busy_seconds: float = 0.0, how: str = "") -> None:
+        """Delete a lease and record it in lease_history, in one transaction."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.execute("DELETE FROM leases WHERE job_key=?", (lease.job_key,))
+                self._db.execute(
+                    "INSERT INTO lease_history(job_key, user, account, units, created, ended, busy_seconds, how) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                    (lease.job_key, lease.user, lease.account, lease.units, lease.created_unix, ended,
+                     busy_seconds, how))
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def load_history(self, since: float, until: float) -> list[tuple[str, str, int, float, float, float]]:
+        """(user, account, units, created, ended, busy_seconds) of ended leases overlapping [since, until)."""
+        with self._lock:
+            return self._db.execute(
+                "SELECT user, account, units, created, ended, busy_seconds FROM lease_history "
+                "WHERE ended > ? AND created < ?", (since, until)).fetchall()
 
     def set_quota(self, quota: QuotaRecord) -> None:
         self._write("INSERT INTO quotas(kind, name, limit_units) VALUES (?, ?, ?) "

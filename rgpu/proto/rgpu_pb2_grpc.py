@@ -99,6 +99,11 @@ class PoolStub:
                 request_serializer=rgpu_dot_proto_dot_rgpu__pb2.CapacityRequest.SerializeToString,
                 response_deserializer=rgpu_dot_proto_dot_rgpu__pb2.CapacityReply.FromString,
                 _registered_method=True)
+        self.Usage = channel.unary_unary(
+                '/rgpu.v1.Pool/Usage',
+                request_serializer=rgpu_dot_proto_dot_rgpu__pb2.UsageRequest.SerializeToString,
+                response_deserializer=rgpu_dot_proto_dot_rgpu__pb2.UsageReply.FromString,
+                _registered_method=True)
 
 
 class PoolServicer:
@@ -182,6 +187,12 @@ class PoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Usage(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PoolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -249,6 +260,11 @@ def add_PoolServicer_to_server(servicer, server):
                     servicer.Capacity,
                     request_deserializer=rgpu_dot_proto_dot_rgpu__pb2.CapacityRequest.FromString,
                     response_serializer=rgpu_dot_proto_dot_rgpu__pb2.CapacityReply.SerializeToString,
+            ),
+            'Usage': grpc.unary_unary_rpc_method_handler(
+                    servicer.Usage,
+                    request_deserializer=rgpu_dot_proto_dot_rgpu__pb2.UsageRequest.FromString,
+                    response_serializer=rgpu_dot_proto_dot_rgpu__pb2.UsageReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -602,6 +618,33 @@ class Pool:
             '/rgpu.v1.Pool/Capacity',
             rgpu_dot_proto_dot_rgpu__pb2.CapacityRequest.SerializeToString,
             rgpu_dot_proto_dot_rgpu__pb2.CapacityReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Usage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rgpu.v1.Pool/Usage',
+            rgpu_dot_proto_dot_rgpu__pb2.UsageRequest.SerializeToString,
+            rgpu_dot_proto_dot_rgpu__pb2.UsageReply.FromString,
             options,
             channel_credentials,
             insecure,

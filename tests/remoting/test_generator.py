@@ -19,6 +19,8 @@ SPEC_HASHES = {
         "63f26e1ce0b8249ae040fbb5d2cec6853052ea47229b6260fdf2e7d3a69b710f"),
     2: ("b0dbb45fa115f661e4134313ae6a344fc9b161ec2fa98d90545fe4672eb86ec8",
         "e94de67a1b19f27ce265ba4e5051be64b82cebe16836af2bfaaf06799760fa5a"),  # cuOccupancyMaxActiveClusters
+    3: ("05e4e6e8559dd83edf4a95946492827f21a802b4cf28ef7ed26890268062d535",
+        "759a30eb7239284b8b662ed38472d43c564b008a049e626635b0651358710149"),  # capture, graphs and their nodes, VMM, stream attributes
 }
 
 
@@ -107,3 +109,11 @@ print("CALL", ctypes.CFUNCTYPE(ctypes.c_int)(p)())
     assert "TOO_OLD 500 None 2" in out        # CUDA_ERROR_NOT_FOUND, VERSION_NOT_SUFFICIENT
     assert "UNKNOWN 0 True 0" in out and "CALL 801" in out
     assert "cuNotAThing is not remoted" in done.stderr
+
+
+def test_string_parameters_travel_as_strings() -> None:
+    # A `const char *` is a string, not a one-byte struct (cuLibraryGetKernel's name once went as 1 byte).
+    text = (Path(__file__).resolve().parents[2] / "remoting/native/generated/cuda_gen.c").read_text()
+    body = text[text.index("CUDAAPI cuLibraryGetKernel("):]
+    body = body[:body.index("\n}\n")]
+    assert "rgpu_put_str(&c, name);" in body

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from rgpu.remoting.native import build
 
-from tests.remoting.conftest import EXAMPLES, Server
-from tests.remoting.test_gpu import flexrun, gpu_server, py  # noqa: F401 - the fixture is used by name
+from tests.remoting.conftest import EXAMPLES, PY, Server
+from tests.remoting.test_gpu import GiB, flexrun, gpu_server, py  # noqa: F401 - the fixture is used by name
 
 pytestmark = pytest.mark.gpu
 
@@ -114,3 +114,32 @@ def test_torch_tensor_ops(native_libs: build.Libraries, gpu_server: Server, tmp_
         print("TORCH_OK", flush=True)
         """), name="torch-basics")
     assert "TORCH_OK" in done.stdout, done.stdout + done.stderr
+
+
+TORCH_EXAMPLES = EXAMPLES.parent / "torch"
+
+
+def test_torch_cuda_graphs_expandable_segments_and_stream_priorities(native_libs: build.Libraries,  # noqa: F811
+                                                                     gpu_server: Server, tmp_path: Path) -> None:
+    # torch.cuda.graphs capture and replay (a whole training step too), make_graphed_callables, and
+    # the caching allocator on cuMemCreate/cuMemMap (expandable segments), counted against the slice.
+    pytest.importorskip("torch")
+    done = flexrun(native_libs, gpu_server, tmp_path, [PY, str(TORCH_EXAMPLES / "graphs_vmm.py")], name="torch-graphs",
+                   memory=8 * GiB, extra_env={"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"})
+    assert "TORCH PASSED 5/5" in done.stdout, done.stdout + done.stderr
+
+
+def test_torch_cnn_training_loss_curve_matches_local(native_libs: build.Libraries, gpu_server: Server,  # noqa: F811
+                                                     tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    import json
+    program = [PY, str(TORCH_EXAMPLES / "cnn_train.py"), "200"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
+    local = subprocess.run(program, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert local.returncode == 0, local.stderr
+    remote = flexrun(native_libs, gpu_server, tmp_path, program, name="torch-cnn", memory=8 * GiB)
+    curve = lambda out: json.loads(out.strip().splitlines()[-1].removeprefix("LOSSES "))  # noqa: E731
+    a, b = curve(local.stdout), curve(remote.stdout)
+    assert len(a) == len(b) == 200
+    assert a[-1] < a[0] * 0.5                      # it learned
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-3 * max(a), list(zip(a, b))[:5]

@@ -91,6 +91,7 @@ class SliceMemory:
     def __init__(self, limit_bytes: int, usage_file: Path | None = None) -> None:
         self.limit = limit_bytes
         self.used = 0
+        self.high_water = 0
         self.sizes: dict[int, int] = {}
         self._map: mmap.mmap | None = None
         if usage_file is not None:
@@ -113,6 +114,7 @@ class SliceMemory:
     def add(self, ptr: int, size: int) -> None:
         self.sizes[ptr] = size
         self.used += size
+        self.high_water = max(self.high_water, self.used)
         self._publish()
 
     def remove(self, ptr: int) -> int:
@@ -149,6 +151,8 @@ def slice_usage(folder: Path) -> int:
     except OSError:
         return 0
     for entry in entries:
+        if not entry.name.endswith(".used"):   # <pid>.stats files live here too (datapath/usage.py)
+            continue
         try:
             data = entry.read_bytes()
         except OSError:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import struct
 from collections import deque
 from collections.abc import Iterator
 from typing import Any
@@ -124,7 +125,33 @@ _MANUAL = {
     "cuOccupancyMaxPotentialBlockSizeWithFlags": [P(c_int), P(c_int), c_void_p, c_void_p, c_size_t, c_int, c_uint],
     "cuDevicePrimaryCtxReset_v2": [c_int],
     "cuDeviceGetAttribute": [P(c_int), c_int, c_int],
+    "cuStreamIsCapturing": [c_void_p, P(c_int)],
+    "cuStreamGetCaptureInfo_v3": [c_void_p, P(c_int), P(c_uint64), P(c_void_p), P(c_void_p), c_void_p, P(c_size_t)],
+    "cuGraphGetNodes": [c_void_p, c_void_p, P(c_size_t)],
+    "cuMemCreate": [P(c_uint64), c_size_t, c_void_p, c_uint64],
+    "cuMemRelease": [c_uint64],
+    "cuMemRetainAllocationHandle": [P(c_uint64), c_void_p],
+    "cuMemSetAccess": [c_uint64, c_size_t, c_void_p, c_size_t],
 }
+
+for _name in ("cuGraphAddEmptyNode", "cuGraphAddKernelNode_v2", "cuGraphAddMemsetNode", "cuGraphAddMemcpyNode",
+              "cuGraphAddMemAllocNode", "cuGraphAddMemFreeNode"):
+    _MANUAL[_name] = [P(c_void_p), c_void_p, c_void_p, c_size_t] + {
+        "cuGraphAddEmptyNode": [], "cuGraphAddKernelNode_v2": [c_void_p], "cuGraphAddMemsetNode": [c_void_p, c_void_p],
+        "cuGraphAddMemcpyNode": [c_void_p, c_void_p], "cuGraphAddMemAllocNode": [c_void_p],
+        "cuGraphAddMemFreeNode": [c_uint64]}[_name]
+_MANUAL["cuGraphExecKernelNodeSetParams_v2"] = [c_void_p, c_void_p, c_void_p]
+_MANUAL["cuGraphKernelNodeSetParams_v2"] = [c_void_p, c_void_p]
+
+
+class CUDA_KERNEL_NODE_PARAMS_v2(ctypes.Structure):
+    _fields_ = [("func", c_void_p), ("gridDimX", c_uint), ("gridDimY", c_uint), ("gridDimZ", c_uint),
+                ("blockDimX", c_uint), ("blockDimY", c_uint), ("blockDimZ", c_uint), ("sharedMemBytes", c_uint),
+                ("kernelParams", c_void_p), ("extra", c_void_p), ("kern", c_void_p), ("ctx", c_void_p)]
+
+
+STREAM_CAPTURE_UNSUPPORTED = 900
+STREAM_CAPTURE_INVALIDATED = 901
 
 
 def _load_driver() -> ctypes.CDLL:
@@ -194,6 +221,7 @@ class CudaBackend(CudaDriverCalls):
         self._current = 0
         self._links: dict[int, _Link] = {}
         self._launch = self.f["cuLaunchKernel"]
+        self._captures = 0   # begun minus ended stream captures: while 0, no copy checks its stream
 
     # ------------------------------------------------------------------ helpers
 
@@ -351,8 +379,143 @@ class CudaBackend(CudaDriverCalls):
             self._free_slots.append(oldest)
         return self._free_slots.popleft()
 
+    # ------------------------------------------------------------------ capture and graphs
+
+    def cuStreamBeginCapture_v2(self, stream: int, mode: int) -> tuple[int]:
+        res = super().cuStreamBeginCapture_v2(stream, mode)
+        if res[0] == SUCCESS:
+            self._captures += 1
+        return res
+
+    def cuStreamEndCapture(self, stream: int) -> tuple[int, int]:
+        res = super().cuStreamEndCapture(stream)
+        if res[0] in (SUCCESS, STREAM_CAPTURE_INVALIDATED) and self._captures:
+            self._captures -= 1
+        return res
+
+    def _refuse_capture(self, stream: int, what: str) -> None:
+        """A copy from or to the client's memory on a capturing stream would become a graph node
+        reading a staging buffer: refused (never replayed with stale data)."""
+        if not self._captures:
+            return
+        status = c_int()
+        r = self.f["cuStreamIsCapturing"](stream or None, byref(status))
+        if r != SUCCESS:
+            raise CudaError(r)
+        if status.value:
+            raise CudaError(STREAM_CAPTURE_UNSUPPORTED, f"rgpu: worker: {what} on a capturing stream (a host-memory "
+                                                        "copy node of a CUDA graph) is not remoted yet")
+
+    def capture_info(self, stream: int, what: int) -> tuple[int, int, int, list[int], list[int]]:
+        status = c_int()
+        if what == 0:
+            r = self.f["cuStreamIsCapturing"](stream or None, byref(status))
+            if r != SUCCESS:
+                raise CudaError(r)
+            return status.value, 0, 0, [], []
+        cid, graph, deps, edges, n = c_uint64(), c_void_p(), c_void_p(), c_void_p(), c_size_t()
+        r = self.f["cuStreamGetCaptureInfo_v3"](stream or None, byref(status), byref(cid), byref(graph), byref(deps),
+                                                byref(edges) if what == 2 else None, byref(n))
+        if r != SUCCESS:
+            raise CudaError(r)
+        count = n.value if status.value else 0
+        dep_list = list((c_uint64 * count).from_address(deps.value)) if count and deps.value else [0] * count
+        edge_list = list((c_uint64 * count).from_address(edges.value)) if count and edges.value else [0] * count
+        return status.value, cid.value, graph.value or 0, dep_list, edge_list
+
+    def graph_nodes(self, graph: int, cap: int, want: bool) -> tuple[int, list[int]]:
+        n = c_size_t(cap)
+        if not want:
+            r = self.f["cuGraphGetNodes"](graph, None, byref(n))
+            if r != SUCCESS:
+                raise CudaError(r)
+            return n.value, []
+        arr = (c_void_p * max(cap, 1))()
+        r = self.f["cuGraphGetNodes"](graph, arr, byref(n))
+        if r != SUCCESS:
+            raise CudaError(r)
+        return n.value, [v or 0 for v in arr[:min(cap, n.value)]]
+
+    def _kernel_params(self, payload: bytes) -> tuple[CUDA_KERNEL_NODE_PARAMS_v2, list[Any]]:
+        """The packed node parameters as the driver's struct; the arguments go as one buffer."""
+        (f,) = struct.unpack_from("<Q", payload, 0)
+        is_kernel, gx, gy, gz, bx, by, bz, shmem, argsize, _ = struct.unpack_from("<10I", payload, 8)
+        args = ctypes.create_string_buffer(payload[48:48 + argsize], max(argsize, 1))
+        size = c_size_t(argsize)
+        extra = (c_void_p * 5)(1, ctypes.addressof(args), 2, ctypes.addressof(size), 0)
+        k = CUDA_KERNEL_NODE_PARAMS_v2(func=None if is_kernel else f, gridDimX=gx, gridDimY=gy, gridDimZ=gz,
+                                       blockDimX=bx, blockDimY=by, blockDimZ=bz, sharedMemBytes=shmem,
+                                       kernelParams=None, extra=ctypes.addressof(extra),
+                                       kern=f if is_kernel else None, ctx=None)
+        return k, [args, size, extra]   # alive until the driver has copied them
+
+    def graph_add_node(self, kind: int, graph: int, deps: list[int], payload: bytes) -> tuple[int, int]:
+        node = c_void_p()
+        d = (c_void_p * max(len(deps), 1))(*deps)
+        head = (byref(node), graph, d if deps else None, len(deps))
+        aux = 0
+        if kind == 0:
+            self._check("cuGraphAddEmptyNode", *head)
+        elif kind == 1:
+            k, _keep = self._kernel_params(payload)
+            self._check("cuGraphAddKernelNode_v2", *head, byref(k))
+        elif kind in (2, 3):
+            size = 40 if kind == 2 else 200
+            params = ctypes.create_string_buffer(payload[:size], size)
+            (ctx,) = struct.unpack_from("<Q", payload, size)
+            self._check("cuGraphAddMemsetNode" if kind == 2 else "cuGraphAddMemcpyNode", *head, params, ctx or None)
+        elif kind == 4:
+            bytesize, n = struct.unpack_from("<QQ", payload, 88)
+            descs = ctypes.create_string_buffer(payload[104:104 + 12 * n], max(12 * n, 1))
+            pool = bytearray(payload[:88])
+            if struct.unpack_from("<i", pool, 8)[0] == 1:   # the pool's location: the worker's device 0
+                struct.pack_into("<i", pool, 12, 0)
+            for i in range(n):
+                if struct.unpack_from("<i", descs, 12 * i)[0] == 1:
+                    struct.pack_into("<i", descs, 12 * i + 4, 0)
+            params = ctypes.create_string_buffer(bytes(pool) + struct.pack("<QQQQ", ctypes.addressof(descs) if n else 0,
+                                                                            n, bytesize, 0), 120)
+            self._check("cuGraphAddMemAllocNode", *head, params)
+            (aux,) = struct.unpack_from("<Q", params.raw, 112)
+        elif kind == 5:
+            (dptr,) = struct.unpack_from("<Q", payload, 0)
+            self._check("cuGraphAddMemFreeNode", *head, dptr)
+        else:
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: unknown graph node kind {kind}")
+        return node.value or 0, aux
+
+    def kernel_node_set(self, exe: int, node: int, payload: bytes) -> None:
+        k, _keep = self._kernel_params(payload)
+        if exe:
+            self._check("cuGraphExecKernelNodeSetParams_v2", exe, node, byref(k))
+        else:
+            self._check("cuGraphKernelNodeSetParams_v2", node, byref(k))
+
+    # ------------------------------------------------------------------ virtual memory management
+
+    def vmm_create(self, size: int, flags: int, prop: bytes) -> int:
+        h = c_uint64()
+        buf = ctypes.create_string_buffer(prop, len(prop))
+        self._check("cuMemCreate", byref(h), size, buf, flags)
+        return h.value
+
+    def vmm_release(self, handle: int) -> None:
+        self._check("cuMemRelease", handle)
+
+    def vmm_retain(self, addr: int) -> int:
+        h = c_uint64()
+        self._check("cuMemRetainAllocationHandle", byref(h), addr)
+        return h.value
+
+    def vmm_set_access(self, ptr: int, size: int, descs: bytes, count: int) -> None:
+        buf = ctypes.create_string_buffer(descs, len(descs))
+        self._check("cuMemSetAccess", ptr, size, buf, count)
+
+    # ------------------------------------------------------------------ copies
+
     def htod(self, dst: int, stream: int, data: memoryview, address: int) -> None:
         """Copy through a pinned slot: the socket buffer is reused at once, the DMA is async."""
+        self._refuse_capture(stream, "cuMemcpyHtoDAsync")
         n = len(data)
         if n > STAGING_BYTES:
             for off in range(0, n, STAGING_BYTES):
@@ -375,6 +538,7 @@ class CudaBackend(CudaDriverCalls):
 
     def dtoh_chunks(self, src: int, stream: int, size: int, chunk: int) -> Iterator[memoryview]:
         """Device-to-host through two pinned buffers: copy chunk i+1 while chunk i is sent."""
+        self._refuse_capture(stream, "cuMemcpyDtoHAsync")
         if not self._dtoh:
             self._make_staging()
         events = self._context_events()[1]

@@ -120,6 +120,14 @@ class EmulatedBackend:
         self.links: dict[int, list[bytes]] = {}
         self.limits: dict[int, int] = {}
         self.pools = {0xA000_0000}
+        self.capturing: dict[int, tuple[int, int]] = {}  # stream -> (capture id, graph)
+        self.capture_seq = 0
+        self.capture_mode = 0
+        self.graphs: dict[int, list[Any]] = {}            # graph -> its operations
+        self.execs: dict[int, list[Any]] = {}
+        self.physical: dict[int, list[Any]] = {}          # handle -> [bytes, references]
+        self.reserved: dict[int, int] = {}
+        self.mappings: dict[int, tuple[int, int]] = {}    # address -> (handle, size)
         self.description = f"emulated {spec.gpu_name}"
 
     # ------------------------------------------------------------------ contexts
@@ -306,11 +314,13 @@ class EmulatedBackend:
 
     def htod(self, dst: int, stream: int, data: memoryview, address: int) -> None:
         self._need_ctx()
+        self._refuse_capture(stream, "cuMemcpyHtoDAsync")
         buf, off = self._locate(dst, len(data))
         buf[off:off + len(data)] = data
 
     def dtoh_chunks(self, src: int, stream: int, size: int, chunk: int) -> Iterator[memoryview]:
         self._need_ctx()
+        self._refuse_capture(stream, "cuMemcpyDtoHAsync")
         buf, off = self._locate(src, size)
         view = memoryview(buf)
         for start in range(0, size, chunk):
@@ -324,7 +334,7 @@ class EmulatedBackend:
         return (SUCCESS,)
 
     def cuMemcpyDtoDAsync_v2(self, dst: int, src: int, n: int, stream: int) -> tuple[int]:
-        return self.cuMemcpyDtoD_v2(dst, src, n)
+        return self._on_stream(stream, lambda: self.cuMemcpyDtoD_v2(dst, src, n))
 
     def dtod_2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int) -> None:
         for row in range(height):
@@ -346,13 +356,13 @@ class EmulatedBackend:
         return self._memset(dst, struct.pack("<I", value), n)
 
     def cuMemsetD8Async(self, dst: int, value: int, n: int, stream: int) -> tuple[int]:
-        return self.cuMemsetD8_v2(dst, value, n)
+        return self._on_stream(stream, lambda: self.cuMemsetD8_v2(dst, value, n))
 
     def cuMemsetD16Async(self, dst: int, value: int, n: int, stream: int) -> tuple[int]:
-        return self.cuMemsetD16_v2(dst, value, n)
+        return self._on_stream(stream, lambda: self.cuMemsetD16_v2(dst, value, n))
 
     def cuMemsetD32Async(self, dst: int, value: int, n: int, stream: int) -> tuple[int]:
-        return self.cuMemsetD32_v2(dst, value, n)
+        return self._on_stream(stream, lambda: self.cuMemsetD32_v2(dst, value, n))
 
     def _memset2d(self, dst: int, pitch: int, pattern: bytes, width: int, height: int) -> tuple[int]:
         for row in range(height):
@@ -633,6 +643,195 @@ class EmulatedBackend:
                                            f"{len(params)} parameter bytes, expected {size}")
         self.last_launch = (self.functions[f][1].name, bytes(params))
         raise CudaError(NOT_SUPPORTED, _LAUNCH_REFUSED)
+
+    # ------------------------------------------------------------------ stream capture and graphs
+    # A capturing stream records its memsets and device copies (the operations this backend runs)
+    # as the graph's nodes; a launched executable graph runs them in order.
+
+    def _on_stream(self, stream: int, op: Any) -> tuple[int]:
+        if stream in self.capturing:
+            self.graphs[self.capturing[stream][1]].append(op)
+            return (SUCCESS,)
+        return op()
+
+    def _refuse_capture(self, stream: int, what: str) -> None:
+        if stream in self.capturing:
+            raise CudaError(900, f"rgpu: worker: {what} on a capturing stream (a host-memory copy node of a CUDA "
+                                 "graph) is not remoted yet")
+
+    def cuStreamBeginCapture_v2(self, stream: int, mode: int) -> tuple[int]:
+        if stream in self.capturing:
+            return (401,)   # CUDA_ERROR_ILLEGAL_STATE
+        if stream and not self._stream_ok(stream):
+            return (INVALID_HANDLE,)
+        graph = self.handles.new()
+        self.graphs[graph] = []
+        self.capture_seq += 1
+        self.capturing[stream] = (self.capture_seq, graph)
+        return (SUCCESS,)
+
+    def cuStreamEndCapture(self, stream: int) -> tuple[int, int]:
+        if stream not in self.capturing:
+            return (401, 0)
+        _, graph = self.capturing.pop(stream)
+        return (SUCCESS, graph)
+
+    def cuThreadExchangeStreamCaptureMode(self, mode: int) -> tuple[int, int]:
+        old, self.capture_mode = self.capture_mode, mode
+        return (SUCCESS, old)
+
+    def capture_info(self, stream: int, what: int) -> tuple[int, int, int, list[int], list[int]]:
+        if stream in self.capturing:
+            cid, graph = self.capturing[stream]
+            return 1, cid, graph, [], []
+        return 0, 0, 0, [], []
+
+    def cuGraphCreate(self, flags: int) -> tuple[int, int]:
+        graph = self.handles.new()
+        self.graphs[graph] = []
+        return (SUCCESS, graph)
+
+    def cuGraphDestroy(self, graph: int) -> tuple[int]:
+        return (SUCCESS,) if self.graphs.pop(graph, None) is not None else (INVALID_VALUE,)
+
+    def cuGraphClone(self, graph: int) -> tuple[int, int]:
+        if graph not in self.graphs:
+            return (INVALID_VALUE, 0)
+        clone = self.handles.new()
+        self.graphs[clone] = list(self.graphs[graph])
+        return (SUCCESS, clone)
+
+    def graph_nodes(self, graph: int, cap: int, want: bool) -> tuple[int, list[int]]:
+        if graph not in self.graphs:
+            raise CudaError(INVALID_VALUE)
+        n = len(self.graphs[graph])
+        return n, [graph + 1 + i for i in range(min(cap, n))] if want else []
+
+    def graph_add_node(self, kind: int, graph: int, deps: list[int], payload: bytes) -> tuple[int, int]:
+        """Nodes built by hand run in the order they were added (a valid order of a chain)."""
+        if graph not in self.graphs:
+            raise CudaError(INVALID_VALUE)
+        ops = self.graphs[graph]
+        aux = 0
+        if kind == 1:
+            name = self.functions.get(struct.unpack_from("<Q", payload, 0)[0], (0, None))[1]
+            if name is None:
+                raise CudaError(INVALID_HANDLE)
+
+            def refuse() -> tuple[int]:
+                raise CudaError(NOT_SUPPORTED, _LAUNCH_REFUSED)
+            ops.append(refuse)
+        elif kind == 2:
+            dst, pitch, value, elem, width, height = struct.unpack_from("<QQIIQQ", payload, 0)
+            pattern = struct.pack({1: "<B", 2: "<H", 4: "<I"}[elem], value & ((1 << (8 * elem)) - 1))
+            ops.append(lambda: self._memset2d(dst, pitch, pattern, width, height))
+        elif kind == 3:
+            src_x, dst_x, width = (struct.unpack_from("<Q", payload, o)[0] for o in (0, 88, 176))
+            src, dst = struct.unpack_from("<Q", payload, 48)[0], struct.unpack_from("<Q", payload, 136)[0]
+            ops.append(lambda: self.cuMemcpyDtoD_v2(dst + dst_x, src + src_x, width))
+        elif kind == 4:
+            (size,) = struct.unpack_from("<Q", payload, 88)
+            aux, _ = self.mem_alloc("plain", size, 0, 0, 0, 0)
+        elif kind == 5:
+            ptr = struct.unpack_from("<Q", payload, 0)[0]
+            ops.append(lambda: (self.mem_free(ptr, 0, True), (SUCCESS,))[1])
+        node = self.handles.new()
+        return node, aux
+
+    def kernel_node_set(self, exe: int, node: int, payload: bytes) -> None:
+        if exe and exe not in self.execs:
+            raise CudaError(INVALID_VALUE)
+
+    def cuGraphInstantiateWithFlags(self, graph: int, flags: int) -> tuple[int, int]:
+        if graph not in self.graphs:
+            return (INVALID_VALUE, 0)
+        exe = self.handles.new()
+        self.execs[exe] = list(self.graphs[graph])
+        return (SUCCESS, exe)
+
+    def cuGraphLaunch(self, exe: int, stream: int) -> tuple[int]:
+        if exe not in self.execs:
+            return (INVALID_VALUE,)
+        for op in self.execs[exe]:
+            r = op()[0]
+            if r != SUCCESS:
+                return (r,)
+        return (SUCCESS,)
+
+    def cuGraphUpload(self, exe: int, stream: int) -> tuple[int]:
+        return (SUCCESS,) if exe in self.execs else (INVALID_VALUE,)
+
+    def cuGraphExecDestroy(self, exe: int) -> tuple[int]:
+        return (SUCCESS,) if self.execs.pop(exe, None) is not None else (INVALID_VALUE,)
+
+    def cuGraphExecUpdate_v2(self, exe: int, graph: int) -> tuple[int, bytes]:
+        if exe not in self.execs or graph not in self.graphs:
+            return (INVALID_VALUE, b"")
+        if len(self.execs[exe]) != len(self.graphs[graph]):
+            return (910, b"")   # CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE
+        self.execs[exe] = list(self.graphs[graph])
+        return (SUCCESS, bytes(24))
+
+    # ------------------------------------------------------------------ virtual memory management
+    # Physical allocations are byte arrays; mapping one at a reserved address makes it the
+    # allocation found there (offset 0, one allocation per mapping).
+
+    def cuMemGetAllocationGranularity(self, prop: bytes, option: int) -> tuple[int, int]:
+        return (SUCCESS, 2 << 20)
+
+    def vmm_create(self, size: int, flags: int, prop: bytes) -> int:
+        self._need_ctx()
+        if size == 0 or size % (2 << 20):
+            raise CudaError(INVALID_VALUE)
+        handle = self.handles.new()
+        self.physical[handle] = [bytearray(size), 1]
+        return handle
+
+    def vmm_release(self, handle: int) -> None:
+        entry = self.physical.get(handle)
+        if entry is None:
+            raise CudaError(INVALID_VALUE)
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.physical[handle]
+
+    def vmm_retain(self, addr: int) -> int:
+        for ptr, (handle, size) in self.mappings.items():
+            if ptr <= addr < ptr + size and handle in self.physical:
+                self.physical[handle][1] += 1
+                return handle
+        raise CudaError(INVALID_VALUE)
+
+    def vmm_set_access(self, ptr: int, size: int, descs: bytes, count: int) -> None:
+        if not any(p <= ptr < p + s for p, (_, s) in self.mappings.items()):
+            raise CudaError(INVALID_VALUE)
+
+    def cuMemAddressReserve(self, size: int, alignment: int, addr: int, flags: int) -> tuple[int, int]:
+        ptr = self.next_address
+        self.next_address += (size + _ALIGN - 1) // _ALIGN * _ALIGN + _ALIGN
+        self.reserved[ptr] = size
+        return (SUCCESS, ptr)
+
+    def cuMemAddressFree(self, ptr: int, size: int) -> tuple[int]:
+        return (SUCCESS,) if self.reserved.pop(ptr, None) is not None else (INVALID_VALUE,)
+
+    def cuMemMap(self, ptr: int, size: int, offset: int, handle: int, flags: int) -> tuple[int]:
+        entry = self.physical.get(handle)
+        if entry is None or offset or size != len(entry[0]) or ptr in self.allocs:
+            return (INVALID_VALUE,)
+        if not any(b <= ptr and ptr + size <= b + s for b, s in self.reserved.items()):
+            return (INVALID_VALUE,)
+        self.allocs[ptr] = entry[0]
+        bisect.insort(self.bases, ptr)
+        self.mappings[ptr] = (handle, size)
+        return (SUCCESS,)
+
+    def cuMemUnmap(self, ptr: int, size: int) -> tuple[int]:
+        if self.mappings.pop(ptr, None) is None:
+            return (INVALID_VALUE,)
+        del self.allocs[ptr]
+        self.bases.remove(ptr)
+        return (SUCCESS,)
 
     def close(self) -> None:
         self.allocs.clear()

@@ -19,6 +19,15 @@ from rgpu.remoting.datapath.worker.native_loop import NativeLaunches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 
 
+def _on_worker_device(data: bytes, at: int) -> bytes:
+    """A CUmemLocation at `at` naming a device names the application's device ordinal; the
+    worker's GPU is its device 0."""
+    kind, _ = struct.unpack_from("<ii", data, at)
+    if kind != 1:   # CU_MEM_LOCATION_TYPE_DEVICE
+        return data
+    return data[:at] + struct.pack("<ii", kind, 0) + data[at + 8:]
+
+
 class Handlers:
     """Mixed into the Worker, which owns these attributes."""
 
@@ -27,6 +36,8 @@ class Handlers:
     spec: SessionSpec
     memory: SliceMemory | None
     current_ctx: int | None
+    vmm_refs: dict[int, int]
+    graph_allocs: dict[int, int]
     native_launches: NativeLaunches | None
 
     # ------------------------------------------------------------------ contexts
@@ -212,6 +223,92 @@ class Handlers:
         attrs = bytes(p[off:off + nattrs * LAUNCH_ATTR_SIZE])
         clusters = self.backend.max_active_clusters(f, stream, (gx, gy, gz), (bx, by, bz), shmem, attrs)
         return SUCCESS, struct.pack("<i", clusters)
+
+    # ------------------------------------------------------------------ capture and graphs
+
+    def h_capture_info(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        stream, what = struct.unpack_from("<QI", p, 0)
+        status, cid, graph, deps, edges = self.backend.capture_info(stream, what)
+        out = [struct.pack("<iIQQQ", status, 0, cid, graph, len(deps))]
+        out.extend(U64.pack(d) for d in deps)
+        if what == 2:
+            out.extend(U64.pack(e) for e in edges)
+        return SUCCESS, b"".join(out)
+
+    def h_graph_nodes(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        graph, cap, want = struct.unpack_from("<QQI", p, 0)
+        total, nodes = self.backend.graph_nodes(graph, cap, bool(want))
+        return SUCCESS, struct.pack("<QQ", total, len(nodes)) + b"".join(U64.pack(n) for n in nodes)
+
+    def h_graph_add_node(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        graph, kind, _, ndeps = struct.unpack_from("<QIIQ", p, 0)
+        off = 24
+        deps = list(struct.unpack_from(f"<{ndeps}Q", p, off))
+        off += 8 * ndeps
+        (plen,) = U64.unpack_from(p, off)
+        payload = bytes(p[off + 8:off + 8 + plen])
+        size = 0
+        if kind == 4:   # a graph memory allocation: counted against the slice while its node exists
+            (size,) = U64.unpack_from(payload, 88)
+            assert self.memory is not None
+            self.memory.check(size)
+        node, aux = self.backend.graph_add_node(kind, graph, deps, payload)
+        if kind == 4 and self.memory is not None:
+            self.memory.add(-(node + (1 << 62)), size)
+            self.graph_allocs[aux] = -(node + (1 << 62))
+        elif kind == 5 and self.memory is not None:
+            key = self.graph_allocs.pop(struct.unpack_from("<Q", payload, 0)[0], None)
+            if key is not None:
+                self.memory.remove(key)
+        return SUCCESS, struct.pack("<QQ", node, aux)
+
+    def h_kernel_node_set(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        exe, node, plen = struct.unpack_from("<QQQ", p, 0)
+        self.backend.kernel_node_set(exe, node, bytes(p[24:24 + plen]))
+        return SUCCESS, b""
+
+    # ------------------------------------------------------------------ virtual memory management
+    # A physical allocation counts against the slice from cuMemCreate until its last handle
+    # (cuMemCreate's and every cuMemRetainAllocationHandle's) is released. Its key in the
+    # accounting is the negated handle: device pointers are positive.
+
+    def h_mem_create(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        size, flags = struct.unpack_from("<QQ", p, 0)
+        prop = _on_worker_device(bytes(p[16:48]), 8)
+        assert self.memory is not None
+        self.memory.check(size)
+        handle = self.backend.vmm_create(size, flags, prop)
+        self.memory.add(-handle, size)
+        self.vmm_refs[handle] = 1
+        return SUCCESS, U64.pack(handle)
+
+    def h_mem_release(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        (handle,) = U64.unpack_from(p, 0)
+        self.backend.vmm_release(handle)
+        refs = self.vmm_refs.get(handle, 0) - 1
+        if refs > 0:
+            self.vmm_refs[handle] = refs
+        else:
+            self.vmm_refs.pop(handle, None)
+            if self.memory is not None:
+                self.memory.remove(-handle)
+        return SUCCESS, b""
+
+    def h_mem_retain(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        (addr,) = U64.unpack_from(p, 0)
+        handle = self.backend.vmm_retain(addr)
+        if handle in self.vmm_refs:
+            self.vmm_refs[handle] += 1
+        return SUCCESS, U64.pack(handle)
+
+    def h_mem_set_access(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        ptr, size, count = struct.unpack_from("<QQQ", p, 0)
+        descs = bytes(p[24:24 + 12 * count])
+        if len(descs) != 12 * count:
+            raise CudaError(INVALID_VALUE, "rgpu: worker: truncated cuMemSetAccess")
+        descs = b"".join(_on_worker_device(descs[i:i + 12], 0) for i in range(0, len(descs), 12))
+        self.backend.vmm_set_access(ptr, size, descs, count)
+        return SUCCESS, b""
 
     def h_session_info(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         info = {"memory_limit": self.memory.limit if self.memory else 0,

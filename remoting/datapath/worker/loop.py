@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ from rgpu.remoting.datapath.worker.frames import FrameReader
 from rgpu.remoting.datapath.worker.handlers import Handlers
 from rgpu.remoting.datapath.worker.native_loop import load_native_launches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
+from rgpu.remoting.datapath.usage import SessionStats
 
 log = logging.getLogger("rgpu.worker")
 
@@ -23,13 +25,17 @@ OP = api_gen.OPCODES
 
 
 class Worker(Handlers):
-    def __init__(self, sock: socket.socket, backend: Any, spec: SessionSpec, memory: SliceMemory | None) -> None:
+    def __init__(self, sock: socket.socket, backend: Any, spec: SessionSpec, memory: SliceMemory | None,
+                 stats: SessionStats | None = None) -> None:
         self.sock = sock
+        self.stats = stats
         self.backend = backend
         self.spec = spec
         self.memory = memory
         self.reader = FrameReader(sock)
         self.current_ctx: int | None = None
+        self.vmm_refs: dict[int, int] = {}
+        self.graph_allocs: dict[int, int] = {}   # graph memory address -> its accounting key
         self.deferred: tuple[int, str] | None = None
         self.handlers: dict[int, tuple[Callable[[memoryview, int, int], tuple[int, bytes] | None], bool]] = {}
         self.messages = 0
@@ -84,6 +90,14 @@ class Worker(Handlers):
             "rgpuOccupancyMaxPotentialBlockSize": (self.h_potential_block_size, False),
             "cuOccupancyMaxActiveClusters": (self.h_max_active_clusters, False),
             "rgpuSessionInfo": (self.h_session_info, False),
+            "rgpuStreamCaptureInfo": (self.h_capture_info, False),
+            "cuGraphGetNodes": (self.h_graph_nodes, False),
+            "rgpuGraphAddNode": (self.h_graph_add_node, False),
+            "rgpuGraphKernelNodeSetParams": (self.h_kernel_node_set, False),
+            "cuMemCreate": (self.h_mem_create, False),
+            "cuMemRelease": (self.h_mem_release, False),
+            "cuMemRetainAllocationHandle": (self.h_mem_retain, False),
+            "cuMemSetAccess": (self.h_mem_set_access, False),
         }
         for name, entry in manual.items():
             self.handlers[OP[name]] = entry
@@ -130,6 +144,8 @@ class Worker(Handlers):
         launch_fast = getattr(self.backend, "launch_fast", None)
         native = self.native_launches
         cuda_mode = self.spec.mode == "cuda"
+        stats, memory = self.stats, self.memory
+        clock = time.perf_counter_ns
         while True:
             if reader.end - reader.start < protocol.HEADER_SIZE:
                 reader._fill(protocol.HEADER_SIZE)
@@ -183,6 +199,9 @@ class Worker(Handlers):
                 self.deferred = None
                 self._reply(seq, code, b"", message)
                 continue
+            started = clock()
+            if stats is not None:
+                stats.call_started_ns = started
             try:
                 result = handler(payload, address, seq)
             except CudaError as exc:
@@ -202,6 +221,9 @@ class Worker(Handlers):
                 else:
                     self._reply(seq, UNKNOWN, b"", message)
                 continue
+            finally:
+                if stats is not None:
+                    stats.account(started, memory.high_water if memory is not None else 0)
             if is_async:
                 if result is not None and result[0] != SUCCESS:
                     self._defer(result[0], "")

@@ -13,6 +13,7 @@ from typing import Any
 
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.backends.base import NOT_SUPPORTED, CudaError, SliceMemory
+from rgpu.remoting.datapath.usage import STATS_SUFFIX, SessionStats
 from rgpu.remoting.datapath.worker.loop import Worker
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 from rgpu.units import format_bytes
@@ -38,10 +39,12 @@ def _make_backend(spec: SessionSpec) -> Any:
 def run_session(sock: socket.socket, spec: SessionSpec) -> int:
     started = time.monotonic()
     memory: SliceMemory | None = None
+    stats: SessionStats | None = None
     try:
         backend = _make_backend(spec)
         if spec.mode == "cuda":
             memory = SliceMemory(spec.memory_limit, Path(spec.usage_dir) / f"{os.getpid()}.used")
+            stats = SessionStats(Path(spec.usage_dir) / f"{os.getpid()}{STATS_SUFFIX}")
     except CudaError as exc:
         log.error("session for job %s slice %d refused: %s", spec.job_key, spec.slice_number, exc.message)
         sock.sendall(protocol.encode_refuse(exc.message))
@@ -59,7 +62,7 @@ def run_session(sock: socket.socket, spec: SessionSpec) -> int:
         compute_percent=spec.compute_percent, flags=protocol.WELCOME_EMULATED if getattr(backend, "emulated", False) else 0,
         description=description))
     log.info("session open: job %s slice %d, %s mode, client %s", spec.job_key, spec.slice_number, spec.mode, spec.client)
-    worker = Worker(sock, backend, spec, memory)
+    worker = Worker(sock, backend, spec, memory, stats)
     try:
         why = worker.serve()
     finally:
@@ -67,6 +70,8 @@ def run_session(sock: socket.socket, spec: SessionSpec) -> int:
             backend.close()
         except Exception as exc:  # noqa: BLE001 - the session is over either way
             log.warning("closing the backend failed: %s", exc)
+        if stats is not None:
+            stats.close(memory.high_water if memory is not None else 0)
         if memory is not None:
             memory.close()
     log.info("session closed after %.1f s: %s", time.monotonic() - started, why)

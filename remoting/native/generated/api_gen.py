@@ -14,9 +14,9 @@ import ctypes
 import struct
 from typing import Any, Callable
 
-PROTOCOL_VERSION = 2
-CUDA_SPEC_SHA256 = "b0dbb45fa115f661e4134313ae6a344fc9b161ec2fa98d90545fe4672eb86ec8"
-NVML_SPEC_SHA256 = "e94de67a1b19f27ce265ba4e5051be64b82cebe16836af2bfaaf06799760fa5a"
+PROTOCOL_VERSION = 3
+CUDA_SPEC_SHA256 = "05e4e6e8559dd83edf4a95946492827f21a802b4cf28ef7ed26890268062d535"
+NVML_SPEC_SHA256 = "759a30eb7239284b8b662ed38472d43c564b008a049e626635b0651358710149"
 
 _STRUCTS: dict[str, struct.Struct] = {}
 
@@ -172,6 +172,43 @@ OPS: dict[int, str] = {
     157: "cuOccupancyMaxActiveClusters",
     158: "rgpuParamInfo",
     159: "rgpuSessionInfo",
+    160: "cuStreamBeginCapture_v2",
+    161: "cuStreamEndCapture",
+    162: "cuThreadExchangeStreamCaptureMode",
+    163: "rgpuStreamCaptureInfo",
+    164: "cuGraphCreate",
+    165: "cuGraphDestroy",
+    166: "cuGraphClone",
+    167: "cuGraphNodeGetType",
+    168: "cuGraphGetNodes",
+    169: "cuGraphInstantiateWithFlags",
+    170: "cuGraphLaunch",
+    171: "cuGraphUpload",
+    172: "cuGraphExecDestroy",
+    173: "cuGraphExecUpdate_v2",
+    174: "rgpuGraphAddNode",
+    175: "rgpuGraphKernelNodeSetParams",
+    176: "cuDeviceGetGraphMemAttribute",
+    177: "cuDeviceSetGraphMemAttribute",
+    178: "cuDeviceGraphMemTrim",
+    179: "cuStreamSetAttribute",
+    180: "cuStreamGetAttribute",
+    181: "cuStreamCopyAttributes",
+    182: "cuStreamWriteValue32_v2",
+    183: "cuStreamWaitValue32_v2",
+    184: "cuStreamWriteValue64_v2",
+    185: "cuStreamWaitValue64_v2",
+    186: "cuMemGetAllocationGranularity",
+    187: "cuMemCreate",
+    188: "cuMemRelease",
+    189: "cuMemRetainAllocationHandle",
+    190: "cuMemGetAllocationPropertiesFromHandle",
+    191: "cuMemAddressReserve",
+    192: "cuMemAddressFree",
+    193: "cuMemMap",
+    194: "cuMemUnmap",
+    195: "cuMemSetAccess",
+    196: "cuMemGetAccess",
     1024: "nvmlDeviceGetMemoryInfo",
     1025: "nvmlDeviceGetMemoryInfo_v2",
     1026: "nvmlDeviceGetBAR1MemoryInfo",
@@ -229,8 +266,8 @@ OPS: dict[int, str] = {
     1078: "nvmlDeviceGetPcieThroughput",
 }
 OPCODES: dict[str, int] = {name: op for op, name in OPS.items()}
-ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 87, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 109, 116, 117, })
-MANUAL_OPS: frozenset[str] = frozenset({ "cuInit", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuCtxDestroy_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuMemAllocAsync", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "rgpuMemcpy2DDevice", "cuPointerGetAttribute", "cuPointerGetAttributes", "cuModuleLoadDataEx", "cuModuleUnload", "cuModuleGetFunction", "cuLinkCreate_v2", "cuLinkAddData_v2", "cuLinkComplete", "cuLinkDestroy", "cuLibraryLoadData", "cuLibraryUnload", "cuLaunchKernel", "rgpuOccupancyMaxPotentialBlockSize", "cuOccupancyMaxActiveClusters", "rgpuParamInfo", "rgpuSessionInfo", })
+ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 87, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 109, 116, 117, 170, 171, 182, 183, 184, 185, })
+MANUAL_OPS: frozenset[str] = frozenset({ "cuInit", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuCtxDestroy_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuMemAllocAsync", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "rgpuMemcpy2DDevice", "cuPointerGetAttribute", "cuPointerGetAttributes", "cuModuleLoadDataEx", "cuModuleUnload", "cuModuleGetFunction", "cuLinkCreate_v2", "cuLinkAddData_v2", "cuLinkComplete", "cuLinkDestroy", "cuLibraryLoadData", "cuLibraryUnload", "cuLaunchKernel", "rgpuOccupancyMaxPotentialBlockSize", "cuOccupancyMaxActiveClusters", "rgpuParamInfo", "rgpuSessionInfo", "rgpuStreamCaptureInfo", "cuGraphGetNodes", "rgpuGraphAddNode", "rgpuGraphKernelNodeSetParams", "cuMemCreate", "cuMemRelease", "cuMemRetainAllocationHandle", "cuMemSetAccess", })
 
 Handler = Callable[[Any, Any, int], tuple[int, bytes]]
 
@@ -794,6 +831,177 @@ def _h_cuOccupancyAvailableDynamicSMemPerBlock(api: Any, buf: Any, off: int) -> 
         return res[0], b""
     return 0, _struct('<Q').pack(res[1])
 
+def _h_cuStreamBeginCapture_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hStream, mode = _struct('<Qi').unpack_from(buf, off); off += 12
+    res = api.cuStreamBeginCapture_v2(hStream, mode)
+    return res[0], b""
+
+def _h_cuStreamEndCapture(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hStream, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuStreamEndCapture(hStream)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<Q').pack(res[1])
+
+def _h_cuThreadExchangeStreamCaptureMode(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    mode, = _struct('<i').unpack_from(buf, off); off += 4
+    res = api.cuThreadExchangeStreamCaptureMode(mode)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<i').pack(res[1])
+
+def _h_cuGraphCreate(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    flags, = _struct('<I').unpack_from(buf, off); off += 4
+    res = api.cuGraphCreate(flags)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<Q').pack(res[1])
+
+def _h_cuGraphDestroy(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hGraph, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuGraphDestroy(hGraph)
+    return res[0], b""
+
+def _h_cuGraphClone(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    originalGraph, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuGraphClone(originalGraph)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<Q').pack(res[1])
+
+def _h_cuGraphNodeGetType(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hNode, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuGraphNodeGetType(hNode)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<i').pack(res[1])
+
+def _h_cuGraphInstantiateWithFlags(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hGraph, flags = _struct('<QQ').unpack_from(buf, off); off += 16
+    res = api.cuGraphInstantiateWithFlags(hGraph, flags)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<Q').pack(res[1])
+
+def _h_cuGraphLaunch(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hGraphExec, hStream = _struct('<QQ').unpack_from(buf, off); off += 16
+    res = api.cuGraphLaunch(hGraphExec, hStream)
+    return res[0], b""
+
+def _h_cuGraphUpload(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hGraphExec, hStream = _struct('<QQ').unpack_from(buf, off); off += 16
+    res = api.cuGraphUpload(hGraphExec, hStream)
+    return res[0], b""
+
+def _h_cuGraphExecDestroy(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hGraphExec, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuGraphExecDestroy(hGraphExec)
+    return res[0], b""
+
+def _h_cuGraphExecUpdate_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hGraphExec, hGraph = _struct('<QQ').unpack_from(buf, off); off += 16
+    res = api.cuGraphExecUpdate_v2(hGraphExec, hGraph)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<24s').pack(res[1])
+
+def _h_cuDeviceGetGraphMemAttribute(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    device, attr = _struct('<ii').unpack_from(buf, off); off += 8
+    res = api.cuDeviceGetGraphMemAttribute(device, attr)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<Q').pack(res[1])
+
+def _h_cuDeviceSetGraphMemAttribute(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    device, attr, value = _struct('<iiQ').unpack_from(buf, off); off += 16
+    res = api.cuDeviceSetGraphMemAttribute(device, attr, value)
+    return res[0], b""
+
+def _h_cuDeviceGraphMemTrim(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    device, = _struct('<i').unpack_from(buf, off); off += 4
+    res = api.cuDeviceGraphMemTrim(device)
+    return res[0], b""
+
+def _h_cuStreamSetAttribute(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hStream, attr, value = _struct('<Qi64s').unpack_from(buf, off); off += 76
+    res = api.cuStreamSetAttribute(hStream, attr, value)
+    return res[0], b""
+
+def _h_cuStreamGetAttribute(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hStream, attr = _struct('<Qi').unpack_from(buf, off); off += 12
+    res = api.cuStreamGetAttribute(hStream, attr)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<64s').pack(res[1])
+
+def _h_cuStreamCopyAttributes(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    dst, src = _struct('<QQ').unpack_from(buf, off); off += 16
+    res = api.cuStreamCopyAttributes(dst, src)
+    return res[0], b""
+
+def _h_cuStreamWriteValue32_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    stream, addr, value, flags = _struct('<QQII').unpack_from(buf, off); off += 24
+    res = api.cuStreamWriteValue32_v2(stream, addr, value, flags)
+    return res[0], b""
+
+def _h_cuStreamWaitValue32_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    stream, addr, value, flags = _struct('<QQII').unpack_from(buf, off); off += 24
+    res = api.cuStreamWaitValue32_v2(stream, addr, value, flags)
+    return res[0], b""
+
+def _h_cuStreamWriteValue64_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    stream, addr, value, flags = _struct('<QQQI').unpack_from(buf, off); off += 28
+    res = api.cuStreamWriteValue64_v2(stream, addr, value, flags)
+    return res[0], b""
+
+def _h_cuStreamWaitValue64_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    stream, addr, value, flags = _struct('<QQQI').unpack_from(buf, off); off += 28
+    res = api.cuStreamWaitValue64_v2(stream, addr, value, flags)
+    return res[0], b""
+
+def _h_cuMemGetAllocationGranularity(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    prop, option = _struct('<32si').unpack_from(buf, off); off += 36
+    res = api.cuMemGetAllocationGranularity(prop, option)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<Q').pack(res[1])
+
+def _h_cuMemGetAllocationPropertiesFromHandle(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    handle, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuMemGetAllocationPropertiesFromHandle(handle)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<32s').pack(res[1])
+
+def _h_cuMemAddressReserve(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    size, alignment, addr, flags = _struct('<QQQQ').unpack_from(buf, off); off += 32
+    res = api.cuMemAddressReserve(size, alignment, addr, flags)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<Q').pack(res[1])
+
+def _h_cuMemAddressFree(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    ptr, size = _struct('<QQ').unpack_from(buf, off); off += 16
+    res = api.cuMemAddressFree(ptr, size)
+    return res[0], b""
+
+def _h_cuMemMap(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    ptr, size, offset, handle, flags = _struct('<QQQQQ').unpack_from(buf, off); off += 40
+    res = api.cuMemMap(ptr, size, offset, handle, flags)
+    return res[0], b""
+
+def _h_cuMemUnmap(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    ptr, size = _struct('<QQ').unpack_from(buf, off); off += 16
+    res = api.cuMemUnmap(ptr, size)
+    return res[0], b""
+
+def _h_cuMemGetAccess(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    location, ptr = _struct('<8sQ').unpack_from(buf, off); off += 16
+    res = api.cuMemGetAccess(location, ptr)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<Q').pack(res[1])
+
 def _h_nvmlDeviceGetMemoryInfo(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     device, = _struct('<I').unpack_from(buf, off); off += 4
     res = api.nvmlDeviceGetMemoryInfo(device)
@@ -1274,6 +1482,35 @@ GENERATED_HANDLERS: dict[int, tuple[str, Handler]] = {
     153: ("cuOccupancyMaxActiveBlocksPerMultiprocessor", _h_cuOccupancyMaxActiveBlocksPerMultiprocessor),
     154: ("cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags", _h_cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags),
     156: ("cuOccupancyAvailableDynamicSMemPerBlock", _h_cuOccupancyAvailableDynamicSMemPerBlock),
+    160: ("cuStreamBeginCapture_v2", _h_cuStreamBeginCapture_v2),
+    161: ("cuStreamEndCapture", _h_cuStreamEndCapture),
+    162: ("cuThreadExchangeStreamCaptureMode", _h_cuThreadExchangeStreamCaptureMode),
+    164: ("cuGraphCreate", _h_cuGraphCreate),
+    165: ("cuGraphDestroy", _h_cuGraphDestroy),
+    166: ("cuGraphClone", _h_cuGraphClone),
+    167: ("cuGraphNodeGetType", _h_cuGraphNodeGetType),
+    169: ("cuGraphInstantiateWithFlags", _h_cuGraphInstantiateWithFlags),
+    170: ("cuGraphLaunch", _h_cuGraphLaunch),
+    171: ("cuGraphUpload", _h_cuGraphUpload),
+    172: ("cuGraphExecDestroy", _h_cuGraphExecDestroy),
+    173: ("cuGraphExecUpdate_v2", _h_cuGraphExecUpdate_v2),
+    176: ("cuDeviceGetGraphMemAttribute", _h_cuDeviceGetGraphMemAttribute),
+    177: ("cuDeviceSetGraphMemAttribute", _h_cuDeviceSetGraphMemAttribute),
+    178: ("cuDeviceGraphMemTrim", _h_cuDeviceGraphMemTrim),
+    179: ("cuStreamSetAttribute", _h_cuStreamSetAttribute),
+    180: ("cuStreamGetAttribute", _h_cuStreamGetAttribute),
+    181: ("cuStreamCopyAttributes", _h_cuStreamCopyAttributes),
+    182: ("cuStreamWriteValue32_v2", _h_cuStreamWriteValue32_v2),
+    183: ("cuStreamWaitValue32_v2", _h_cuStreamWaitValue32_v2),
+    184: ("cuStreamWriteValue64_v2", _h_cuStreamWriteValue64_v2),
+    185: ("cuStreamWaitValue64_v2", _h_cuStreamWaitValue64_v2),
+    186: ("cuMemGetAllocationGranularity", _h_cuMemGetAllocationGranularity),
+    190: ("cuMemGetAllocationPropertiesFromHandle", _h_cuMemGetAllocationPropertiesFromHandle),
+    191: ("cuMemAddressReserve", _h_cuMemAddressReserve),
+    192: ("cuMemAddressFree", _h_cuMemAddressFree),
+    193: ("cuMemMap", _h_cuMemMap),
+    194: ("cuMemUnmap", _h_cuMemUnmap),
+    196: ("cuMemGetAccess", _h_cuMemGetAccess),
     1024: ("nvmlDeviceGetMemoryInfo", _h_nvmlDeviceGetMemoryInfo),
     1025: ("nvmlDeviceGetMemoryInfo_v2", _h_nvmlDeviceGetMemoryInfo_v2),
     1026: ("nvmlDeviceGetBAR1MemoryInfo", _h_nvmlDeviceGetBAR1MemoryInfo),
@@ -1426,6 +1663,35 @@ CUDA_ARGTYPES: dict[str, list[Any]] = {
     "cuOccupancyMaxActiveBlocksPerMultiprocessor": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t],
     "cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_uint],
     "cuOccupancyAvailableDynamicSMemPerBlock": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int],
+    "cuStreamBeginCapture_v2": [ctypes.c_void_p, ctypes.c_int],
+    "cuStreamEndCapture": [ctypes.c_void_p, ctypes.c_void_p],
+    "cuThreadExchangeStreamCaptureMode": [ctypes.c_void_p],
+    "cuGraphCreate": [ctypes.c_void_p, ctypes.c_uint],
+    "cuGraphDestroy": [ctypes.c_void_p],
+    "cuGraphClone": [ctypes.c_void_p, ctypes.c_void_p],
+    "cuGraphNodeGetType": [ctypes.c_void_p, ctypes.c_void_p],
+    "cuGraphInstantiateWithFlags": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulonglong],
+    "cuGraphLaunch": [ctypes.c_void_p, ctypes.c_void_p],
+    "cuGraphUpload": [ctypes.c_void_p, ctypes.c_void_p],
+    "cuGraphExecDestroy": [ctypes.c_void_p],
+    "cuGraphExecUpdate_v2": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p],
+    "cuDeviceGetGraphMemAttribute": [ctypes.c_int, ctypes.c_int, ctypes.c_void_p],
+    "cuDeviceSetGraphMemAttribute": [ctypes.c_int, ctypes.c_int, ctypes.c_void_p],
+    "cuDeviceGraphMemTrim": [ctypes.c_int],
+    "cuStreamSetAttribute": [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p],
+    "cuStreamGetAttribute": [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p],
+    "cuStreamCopyAttributes": [ctypes.c_void_p, ctypes.c_void_p],
+    "cuStreamWriteValue32_v2": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint],
+    "cuStreamWaitValue32_v2": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint],
+    "cuStreamWriteValue64_v2": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint],
+    "cuStreamWaitValue64_v2": [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint],
+    "cuMemGetAllocationGranularity": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int],
+    "cuMemGetAllocationPropertiesFromHandle": [ctypes.c_void_p, ctypes.c_ulonglong],
+    "cuMemAddressReserve": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_ulonglong],
+    "cuMemAddressFree": [ctypes.c_uint64, ctypes.c_size_t],
+    "cuMemMap": [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_ulonglong, ctypes.c_ulonglong],
+    "cuMemUnmap": [ctypes.c_uint64, ctypes.c_size_t],
+    "cuMemGetAccess": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64],
 }
 
 NVML_ARGTYPES: dict[str, list[Any]] = {
@@ -1941,6 +2207,139 @@ class CudaDriverCalls:
         dynamicSmemSize_out = (ctypes.c_size_t)()
         r = self._fn_cuOccupancyAvailableDynamicSMemPerBlock(ctypes.byref(dynamicSmemSize_out), func, numBlocks, blockSize)
         return (r, dynamicSmemSize_out.value or 0)
+
+    def cuStreamBeginCapture_v2(self, hStream, mode):
+        r = self._fn_cuStreamBeginCapture_v2(hStream, mode)
+        return (r,)
+
+    def cuStreamEndCapture(self, hStream):
+        phGraph_out = (ctypes.c_void_p)()
+        r = self._fn_cuStreamEndCapture(hStream, ctypes.byref(phGraph_out))
+        return (r, phGraph_out.value or 0)
+
+    def cuThreadExchangeStreamCaptureMode(self, mode):
+        mode_out = ctypes.c_int(mode)
+        r = self._fn_cuThreadExchangeStreamCaptureMode(ctypes.byref(mode_out))
+        return (r, mode_out.value)
+
+    def cuGraphCreate(self, flags):
+        phGraph_out = (ctypes.c_void_p)()
+        r = self._fn_cuGraphCreate(ctypes.byref(phGraph_out), flags)
+        return (r, phGraph_out.value or 0)
+
+    def cuGraphDestroy(self, hGraph):
+        r = self._fn_cuGraphDestroy(hGraph)
+        return (r,)
+
+    def cuGraphClone(self, originalGraph):
+        phGraphClone_out = (ctypes.c_void_p)()
+        r = self._fn_cuGraphClone(ctypes.byref(phGraphClone_out), originalGraph)
+        return (r, phGraphClone_out.value or 0)
+
+    def cuGraphNodeGetType(self, hNode):
+        type__out = (ctypes.c_int)()
+        r = self._fn_cuGraphNodeGetType(hNode, ctypes.byref(type__out))
+        return (r, type__out.value or 0)
+
+    def cuGraphInstantiateWithFlags(self, hGraph, flags):
+        phGraphExec_out = (ctypes.c_void_p)()
+        r = self._fn_cuGraphInstantiateWithFlags(ctypes.byref(phGraphExec_out), hGraph, flags)
+        return (r, phGraphExec_out.value or 0)
+
+    def cuGraphLaunch(self, hGraphExec, hStream):
+        r = self._fn_cuGraphLaunch(hGraphExec, hStream)
+        return (r,)
+
+    def cuGraphUpload(self, hGraphExec, hStream):
+        r = self._fn_cuGraphUpload(hGraphExec, hStream)
+        return (r,)
+
+    def cuGraphExecDestroy(self, hGraphExec):
+        r = self._fn_cuGraphExecDestroy(hGraphExec)
+        return (r,)
+
+    def cuGraphExecUpdate_v2(self, hGraphExec, hGraph):
+        resultInfo_out = (ctypes.c_char * 24)()
+        r = self._fn_cuGraphExecUpdate_v2(hGraphExec, hGraph, ctypes.byref(resultInfo_out))
+        return (r, bytes(resultInfo_out))
+
+    def cuDeviceGetGraphMemAttribute(self, device, attr):
+        value_out = (ctypes.c_uint64)()
+        r = self._fn_cuDeviceGetGraphMemAttribute(device, attr, ctypes.byref(value_out))
+        return (r, value_out.value or 0)
+
+    def cuDeviceSetGraphMemAttribute(self, device, attr, value):
+        value_in = ctypes.c_uint64(value)
+        r = self._fn_cuDeviceSetGraphMemAttribute(device, attr, ctypes.byref(value_in))
+        return (r,)
+
+    def cuDeviceGraphMemTrim(self, device):
+        r = self._fn_cuDeviceGraphMemTrim(device)
+        return (r,)
+
+    def cuStreamSetAttribute(self, hStream, attr, value):
+        value_in = (ctypes.c_char * 64).from_buffer_copy(value)
+        r = self._fn_cuStreamSetAttribute(hStream, attr, ctypes.byref(value_in))
+        return (r,)
+
+    def cuStreamGetAttribute(self, hStream, attr):
+        value_out_out = (ctypes.c_char * 64)()
+        r = self._fn_cuStreamGetAttribute(hStream, attr, ctypes.byref(value_out_out))
+        return (r, bytes(value_out_out))
+
+    def cuStreamCopyAttributes(self, dst, src):
+        r = self._fn_cuStreamCopyAttributes(dst, src)
+        return (r,)
+
+    def cuStreamWriteValue32_v2(self, stream, addr, value, flags):
+        r = self._fn_cuStreamWriteValue32_v2(stream, addr, value, flags)
+        return (r,)
+
+    def cuStreamWaitValue32_v2(self, stream, addr, value, flags):
+        r = self._fn_cuStreamWaitValue32_v2(stream, addr, value, flags)
+        return (r,)
+
+    def cuStreamWriteValue64_v2(self, stream, addr, value, flags):
+        r = self._fn_cuStreamWriteValue64_v2(stream, addr, value, flags)
+        return (r,)
+
+    def cuStreamWaitValue64_v2(self, stream, addr, value, flags):
+        r = self._fn_cuStreamWaitValue64_v2(stream, addr, value, flags)
+        return (r,)
+
+    def cuMemGetAllocationGranularity(self, prop, option):
+        granularity_out = (ctypes.c_size_t)()
+        prop_in = (ctypes.c_char * 32).from_buffer_copy(prop)
+        r = self._fn_cuMemGetAllocationGranularity(ctypes.byref(granularity_out), ctypes.byref(prop_in), option)
+        return (r, granularity_out.value or 0)
+
+    def cuMemGetAllocationPropertiesFromHandle(self, handle):
+        prop_out = (ctypes.c_char * 32)()
+        r = self._fn_cuMemGetAllocationPropertiesFromHandle(ctypes.byref(prop_out), handle)
+        return (r, bytes(prop_out))
+
+    def cuMemAddressReserve(self, size, alignment, addr, flags):
+        ptr_out = (ctypes.c_uint64)()
+        r = self._fn_cuMemAddressReserve(ctypes.byref(ptr_out), size, alignment, addr, flags)
+        return (r, ptr_out.value or 0)
+
+    def cuMemAddressFree(self, ptr, size):
+        r = self._fn_cuMemAddressFree(ptr, size)
+        return (r,)
+
+    def cuMemMap(self, ptr, size, offset, handle, flags):
+        r = self._fn_cuMemMap(ptr, size, offset, handle, flags)
+        return (r,)
+
+    def cuMemUnmap(self, ptr, size):
+        r = self._fn_cuMemUnmap(ptr, size)
+        return (r,)
+
+    def cuMemGetAccess(self, location, ptr):
+        flags_out = (ctypes.c_ulonglong)()
+        location_in = (ctypes.c_char * 8).from_buffer_copy(location)
+        r = self._fn_cuMemGetAccess(ctypes.byref(flags_out), ctypes.byref(location_in), ptr)
+        return (r, flags_out.value or 0)
 
 
 class NvmlCalls:

@@ -804,11 +804,6 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamGetDevice(CUstream hStream, CUdevice *devic
     return r;
 }
 
-RGPU_EXPORT CUresult CUDAAPI cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode) {
-    static int seen;
-    return rgpu_unsupported("cuStreamBeginCapture_v2", &seen, "CUDA graphs are not remoted in v1");
-}
-
 RGPU_EXPORT CUresult CUDAAPI cuEventCreate(CUevent *phEvent, unsigned int Flags) {
     if (phEvent == NULL) return CUDA_ERROR_INVALID_VALUE;
     rgpu_call c;
@@ -1227,6 +1222,380 @@ RGPU_EXPORT CUresult CUDAAPI cuOccupancyAvailableDynamicSMemPerBlock(size_t *dyn
     return r;
 }
 
+RGPU_EXPORT CUresult CUDAAPI cuStreamBeginCapture_v2(CUstream hStream, CUstreamCaptureMode mode) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamBeginCapture_v2);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
+    { int32_t v_ = (int32_t)mode; rgpu_put(&c, &v_, 4); }
+    r = rgpu_sync(&c);
+    rgpu_capture_begun(r);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamEndCapture(CUstream hStream, CUgraph *phGraph) {
+    if (phGraph == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamEndCapture);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUgraph phGraph_v; memset(&phGraph_v, 0, sizeof phGraph_v); phGraph_v = (CUgraph)(uintptr_t)rgpu_get_u64(&c); if (phGraph) *phGraph = phGraph_v; }
+    }
+    rgpu_capture_ended(r);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode) {
+    if (mode == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuThreadExchangeStreamCaptureMode);
+    if (r != CUDA_SUCCESS) return r;
+    { int32_t v_ = (int32_t)*mode; rgpu_put(&c, &v_, 4); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { int32_t v_; rgpu_get(&c, &v_, sizeof v_); *mode = (CUstreamCaptureMode)v_; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphCreate(CUgraph *phGraph, unsigned int flags) {
+    if (phGraph == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuGraphCreate);
+    if (r != CUDA_SUCCESS) return r;
+    { uint32_t v_ = (uint32_t)flags; rgpu_put(&c, &v_, 4); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUgraph phGraph_v; memset(&phGraph_v, 0, sizeof phGraph_v); phGraph_v = (CUgraph)(uintptr_t)rgpu_get_u64(&c); if (phGraph) *phGraph = phGraph_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphDestroy(CUgraph hGraph) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuGraphDestroy);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hGraph);
+    r = rgpu_sync(&c);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphClone(CUgraph *phGraphClone, CUgraph originalGraph) {
+    if (phGraphClone == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuGraphClone);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)originalGraph);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUgraph phGraphClone_v; memset(&phGraphClone_v, 0, sizeof phGraphClone_v); phGraphClone_v = (CUgraph)(uintptr_t)rgpu_get_u64(&c); if (phGraphClone) *phGraphClone = phGraphClone_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphNodeGetType(CUgraphNode hNode, CUgraphNodeType *type) {
+    if (type == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuGraphNodeGetType);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hNode);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUgraphNodeType type_v; memset(&type_v, 0, sizeof type_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); type_v = (CUgraphNodeType)v_; } if (type) *type = type_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags) {
+    if (phGraphExec == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuGraphInstantiateWithFlags);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hGraph);
+    { uint64_t v_ = (uint64_t)flags; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUgraphExec phGraphExec_v; memset(&phGraphExec_v, 0, sizeof phGraphExec_v); phGraphExec_v = (CUgraphExec)(uintptr_t)rgpu_get_u64(&c); if (phGraphExec) *phGraphExec = phGraphExec_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuGraphLaunch);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hGraphExec);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
+    return rgpu_async(&c);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphUpload(CUgraphExec hGraphExec, CUstream hStream) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuGraphUpload);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hGraphExec);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
+    return rgpu_async(&c);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphExecDestroy(CUgraphExec hGraphExec) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuGraphExecDestroy);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hGraphExec);
+    r = rgpu_sync(&c);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphExecUpdate_v2(CUgraphExec hGraphExec, CUgraph hGraph, CUgraphExecUpdateResultInfo *resultInfo) {
+    if (resultInfo == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuGraphExecUpdate_v2);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hGraphExec);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hGraph);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUgraphExecUpdateResultInfo resultInfo_v; memset(&resultInfo_v, 0, sizeof resultInfo_v); rgpu_get(&c, &resultInfo_v, sizeof(resultInfo_v)); if (resultInfo) *resultInfo = resultInfo_v; }
+    }
+    if (r != CUDA_SUCCESS) { memset(resultInfo, 0, sizeof *resultInfo); resultInfo->result = 1; };
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuDeviceGetGraphMemAttribute(CUdevice device, CUgraphMem_attribute attr, cuuint64_t *value) {
+    if (value == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuDeviceGetGraphMemAttribute, device);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
+    { int32_t v_ = (int32_t)attr; rgpu_put(&c, &v_, 4); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { cuuint64_t value_v; memset(&value_v, 0, sizeof value_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); value_v = (cuuint64_t)v_; } if (value) *value = value_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuDeviceSetGraphMemAttribute(CUdevice device, CUgraphMem_attribute attr, const cuuint64_t *value) {
+    if (value == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuDeviceSetGraphMemAttribute, device);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
+    { int32_t v_ = (int32_t)attr; rgpu_put(&c, &v_, 4); }
+    { uint64_t v_ = (uint64_t)*value; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuDeviceGraphMemTrim(CUdevice device) {
+    rgpu_call c;
+    CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuDeviceGraphMemTrim, device);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
+    r = rgpu_sync(&c);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamSetAttribute(CUstream hStream, CUstreamAttrID attr, const CUlaunchAttributeValue *value) {
+    if (value == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamSetAttribute);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
+    { int32_t v_ = (int32_t)attr; rgpu_put(&c, &v_, 4); }
+    rgpu_put(&c, value, sizeof *value);
+    r = rgpu_sync(&c);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamGetAttribute(CUstream hStream, CUstreamAttrID attr, CUlaunchAttributeValue *value_out) {
+    if (value_out == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamGetAttribute);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
+    { int32_t v_ = (int32_t)attr; rgpu_put(&c, &v_, 4); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUlaunchAttributeValue value_out_v; memset(&value_out_v, 0, sizeof value_out_v); rgpu_get(&c, &value_out_v, sizeof(value_out_v)); if (value_out) *value_out = value_out_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamCopyAttributes(CUstream dst, CUstream src) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamCopyAttributes);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)dst);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)src);
+    r = rgpu_sync(&c);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue32_v2(CUstream stream, CUdeviceptr addr, cuuint32_t value, unsigned int flags) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamWriteValue32_v2);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+    { uint64_t v_ = (uint64_t)addr; rgpu_put(&c, &v_, 8); }
+    { uint32_t v_ = (uint32_t)value; rgpu_put(&c, &v_, 4); }
+    { uint32_t v_ = (uint32_t)flags; rgpu_put(&c, &v_, 4); }
+    return rgpu_async(&c);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamWaitValue32_v2(CUstream stream, CUdeviceptr addr, cuuint32_t value, unsigned int flags) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamWaitValue32_v2);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+    { uint64_t v_ = (uint64_t)addr; rgpu_put(&c, &v_, 8); }
+    { uint32_t v_ = (uint32_t)value; rgpu_put(&c, &v_, 4); }
+    { uint32_t v_ = (uint32_t)flags; rgpu_put(&c, &v_, 4); }
+    return rgpu_async(&c);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue64_v2(CUstream stream, CUdeviceptr addr, cuuint64_t value, unsigned int flags) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamWriteValue64_v2);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+    { uint64_t v_ = (uint64_t)addr; rgpu_put(&c, &v_, 8); }
+    { uint64_t v_ = (uint64_t)value; rgpu_put(&c, &v_, 8); }
+    { uint32_t v_ = (uint32_t)flags; rgpu_put(&c, &v_, 4); }
+    return rgpu_async(&c);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamWaitValue64_v2(CUstream stream, CUdeviceptr addr, cuuint64_t value, unsigned int flags) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamWaitValue64_v2);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+    { uint64_t v_ = (uint64_t)addr; rgpu_put(&c, &v_, 8); }
+    { uint64_t v_ = (uint64_t)value; rgpu_put(&c, &v_, 8); }
+    { uint32_t v_ = (uint32_t)flags; rgpu_put(&c, &v_, 4); }
+    return rgpu_async(&c);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop, CUmemAllocationGranularity_flags option) {
+    if (granularity == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (prop == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuMemGetAllocationGranularity);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put(&c, prop, sizeof *prop);
+    { int32_t v_ = (int32_t)option; rgpu_put(&c, &v_, 4); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { size_t granularity_v; memset(&granularity_v, 0, sizeof granularity_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); granularity_v = (size_t)v_; } if (granularity) *granularity = granularity_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop, CUmemGenericAllocationHandle handle) {
+    if (prop == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuMemGetAllocationPropertiesFromHandle);
+    if (r != CUDA_SUCCESS) return r;
+    { uint64_t v_ = (uint64_t)handle; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUmemAllocationProp prop_v; memset(&prop_v, 0, sizeof prop_v); rgpu_get(&c, &prop_v, sizeof(prop_v)); if (prop) *prop = prop_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr, unsigned long long flags) {
+    if (ptr == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuMemAddressReserve);
+    if (r != CUDA_SUCCESS) return r;
+    { uint64_t v_ = (uint64_t)size; rgpu_put(&c, &v_, 8); }
+    { uint64_t v_ = (uint64_t)alignment; rgpu_put(&c, &v_, 8); }
+    { uint64_t v_ = (uint64_t)addr; rgpu_put(&c, &v_, 8); }
+    { uint64_t v_ = (uint64_t)flags; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUdeviceptr ptr_v; memset(&ptr_v, 0, sizeof ptr_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); ptr_v = (CUdeviceptr)v_; } if (ptr) *ptr = ptr_v; }
+    }
+    if (r == CUDA_SUCCESS) rgpu_dev_range_add(c.s->index, (uint64_t)*ptr, size);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuMemAddressFree);
+    if (r != CUDA_SUCCESS) return r;
+    { uint64_t v_ = (uint64_t)ptr; rgpu_put(&c, &v_, 8); }
+    { uint64_t v_ = (uint64_t)size; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) rgpu_dev_range_remove(c.s->index, (uint64_t)ptr);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle, unsigned long long flags) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuMemMap);
+    if (r != CUDA_SUCCESS) return r;
+    { uint64_t v_ = (uint64_t)ptr; rgpu_put(&c, &v_, 8); }
+    { uint64_t v_ = (uint64_t)size; rgpu_put(&c, &v_, 8); }
+    { uint64_t v_ = (uint64_t)offset; rgpu_put(&c, &v_, 8); }
+    { uint64_t v_ = (uint64_t)handle; rgpu_put(&c, &v_, 8); }
+    { uint64_t v_ = (uint64_t)flags; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuMemUnmap);
+    if (r != CUDA_SUCCESS) return r;
+    { uint64_t v_ = (uint64_t)ptr; rgpu_put(&c, &v_, 8); }
+    { uint64_t v_ = (uint64_t)size; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemGetAccess(unsigned long long *flags, const CUmemLocation *location, CUdeviceptr ptr) {
+    if (flags == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (location == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuMemGetAccess);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put(&c, location, sizeof *location);
+    { uint64_t v_ = (uint64_t)ptr; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { unsigned long long flags_v; memset(&flags_v, 0, sizeof flags_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); flags_v = (unsigned long long)v_; } if (flags) *flags = flags_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
 /* Per-thread default stream variants: the worker's one thread has one per-thread stream. */
 RGPU_EXPORT CUresult CUDAAPI cuGetProcAddress_v2_ptsz(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags, CUdriverProcAddressQueryResult *symbolStatus) {
     return cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, symbolStatus);
@@ -1398,6 +1767,58 @@ RGPU_EXPORT CUresult CUDAAPI cuLaunchCooperativeKernel_ptsz(CUfunction f, unsign
     if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
     return cuLaunchCooperativeKernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes, hStream, kernelParams);
 }
+RGPU_EXPORT CUresult CUDAAPI cuStreamBeginCapture_v2_ptsz(CUstream hStream, CUstreamCaptureMode mode) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuStreamBeginCapture_v2(hStream, mode);
+}
+RGPU_EXPORT CUresult CUDAAPI cuStreamBeginCapture_ptsz(CUstream hStream) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuStreamBeginCapture(hStream);
+}
+RGPU_EXPORT CUresult CUDAAPI cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuStreamEndCapture(hStream, phGraph);
+}
+RGPU_EXPORT CUresult CUDAAPI cuGraphInstantiateWithParams_ptsz(CUgraphExec *phGraphExec, CUgraph hGraph, CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams) {
+    return cuGraphInstantiateWithParams(phGraphExec, hGraph, instantiateParams);
+}
+RGPU_EXPORT CUresult CUDAAPI cuGraphLaunch_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuGraphLaunch(hGraphExec, hStream);
+}
+RGPU_EXPORT CUresult CUDAAPI cuGraphUpload_ptsz(CUgraphExec hGraphExec, CUstream hStream) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuGraphUpload(hGraphExec, hStream);
+}
+RGPU_EXPORT CUresult CUDAAPI cuStreamSetAttribute_ptsz(CUstream hStream, CUstreamAttrID attr, const CUlaunchAttributeValue *value) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuStreamSetAttribute(hStream, attr, value);
+}
+RGPU_EXPORT CUresult CUDAAPI cuStreamGetAttribute_ptsz(CUstream hStream, CUstreamAttrID attr, CUlaunchAttributeValue *value_out) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuStreamGetAttribute(hStream, attr, value_out);
+}
+RGPU_EXPORT CUresult CUDAAPI cuStreamCopyAttributes_ptsz(CUstream dst, CUstream src) {
+    if (dst == NULL) dst = CU_STREAM_PER_THREAD;
+    if (src == NULL) src = CU_STREAM_PER_THREAD;
+    return cuStreamCopyAttributes(dst, src);
+}
+RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue32_v2_ptsz(CUstream stream, CUdeviceptr addr, cuuint32_t value, unsigned int flags) {
+    if (stream == NULL) stream = CU_STREAM_PER_THREAD;
+    return cuStreamWriteValue32_v2(stream, addr, value, flags);
+}
+RGPU_EXPORT CUresult CUDAAPI cuStreamWaitValue32_v2_ptsz(CUstream stream, CUdeviceptr addr, cuuint32_t value, unsigned int flags) {
+    if (stream == NULL) stream = CU_STREAM_PER_THREAD;
+    return cuStreamWaitValue32_v2(stream, addr, value, flags);
+}
+RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue64_v2_ptsz(CUstream stream, CUdeviceptr addr, cuuint64_t value, unsigned int flags) {
+    if (stream == NULL) stream = CU_STREAM_PER_THREAD;
+    return cuStreamWriteValue64_v2(stream, addr, value, flags);
+}
+RGPU_EXPORT CUresult CUDAAPI cuStreamWaitValue64_v2_ptsz(CUstream stream, CUdeviceptr addr, cuuint64_t value, unsigned int flags) {
+    if (stream == NULL) stream = CU_STREAM_PER_THREAD;
+    return cuStreamWaitValue64_v2(stream, addr, value, flags);
+}
 
 /* Every other export of NVIDIA's driver: present, so that programs linked against it load,
  * and harmless: the first call logs the name and each returns CUDA_ERROR_NOT_SUPPORTED. */
@@ -1438,15 +1859,12 @@ RGPU_EXPORT CUresult CUDAAPI cuDestroyExternalSemaphore(void) { static int seen;
 RGPU_EXPORT CUresult CUDAAPI cuDevResourceGenerateDesc(void) { static int seen; return rgpu_unsupported("cuDevResourceGenerateDesc", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDevSmResourceSplitByCount(void) { static int seen; return rgpu_unsupported("cuDevSmResourceSplitByCount", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceGetDevResource(void) { static int seen; return rgpu_unsupported("cuDeviceGetDevResource", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuDeviceGetGraphMemAttribute(void) { static int seen; return rgpu_unsupported("cuDeviceGetGraphMemAttribute", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceGetHostAtomicCapabilities(void) { static int seen; return rgpu_unsupported("cuDeviceGetHostAtomicCapabilities", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceGetNvSciSyncAttributes(void) { static int seen; return rgpu_unsupported("cuDeviceGetNvSciSyncAttributes", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceGetP2PAtomicCapabilities(void) { static int seen; return rgpu_unsupported("cuDeviceGetP2PAtomicCapabilities", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceGetP2PAttribute(void) { static int seen; return rgpu_unsupported("cuDeviceGetP2PAttribute", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceGetProperties(void) { static int seen; return rgpu_unsupported("cuDeviceGetProperties", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuDeviceGraphMemTrim(void) { static int seen; return rgpu_unsupported("cuDeviceGraphMemTrim", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceRegisterAsyncNotification(void) { static int seen; return rgpu_unsupported("cuDeviceRegisterAsyncNotification", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuDeviceSetGraphMemAttribute(void) { static int seen; return rgpu_unsupported("cuDeviceSetGraphMemAttribute", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceSetMemPool(void) { static int seen; return rgpu_unsupported("cuDeviceSetMemPool", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceTotalMem(void) { static int seen; return rgpu_unsupported("cuDeviceTotalMem", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceUnregisterAsyncNotification(void) { static int seen; return rgpu_unsupported("cuDeviceUnregisterAsyncNotification", &seen, NULL); }
@@ -1459,28 +1877,18 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphAddBatchMemOpNode(void) { static int seen; r
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddChildGraphNode(void) { static int seen; return rgpu_unsupported("cuGraphAddChildGraphNode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddDependencies(void) { static int seen; return rgpu_unsupported("cuGraphAddDependencies", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddDependencies_v2(void) { static int seen; return rgpu_unsupported("cuGraphAddDependencies_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphAddEmptyNode(void) { static int seen; return rgpu_unsupported("cuGraphAddEmptyNode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddEventRecordNode(void) { static int seen; return rgpu_unsupported("cuGraphAddEventRecordNode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddEventWaitNode(void) { static int seen; return rgpu_unsupported("cuGraphAddEventWaitNode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddExternalSemaphoresSignalNode(void) { static int seen; return rgpu_unsupported("cuGraphAddExternalSemaphoresSignalNode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddExternalSemaphoresWaitNode(void) { static int seen; return rgpu_unsupported("cuGraphAddExternalSemaphoresWaitNode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddHostNode(void) { static int seen; return rgpu_unsupported("cuGraphAddHostNode", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphAddKernelNode(void) { static int seen; return rgpu_unsupported("cuGraphAddKernelNode", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphAddKernelNode_v2(void) { static int seen; return rgpu_unsupported("cuGraphAddKernelNode_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphAddMemAllocNode(void) { static int seen; return rgpu_unsupported("cuGraphAddMemAllocNode", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphAddMemFreeNode(void) { static int seen; return rgpu_unsupported("cuGraphAddMemFreeNode", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphAddMemcpyNode(void) { static int seen; return rgpu_unsupported("cuGraphAddMemcpyNode", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphAddMemsetNode(void) { static int seen; return rgpu_unsupported("cuGraphAddMemsetNode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddNode(void) { static int seen; return rgpu_unsupported("cuGraphAddNode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddNode_v2(void) { static int seen; return rgpu_unsupported("cuGraphAddNode_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphBatchMemOpNodeGetParams(void) { static int seen; return rgpu_unsupported("cuGraphBatchMemOpNodeGetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphBatchMemOpNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphBatchMemOpNodeSetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphChildGraphNodeGetGraph(void) { static int seen; return rgpu_unsupported("cuGraphChildGraphNodeGetGraph", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphClone(void) { static int seen; return rgpu_unsupported("cuGraphClone", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphConditionalHandleCreate(void) { static int seen; return rgpu_unsupported("cuGraphConditionalHandleCreate", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphCreate(void) { static int seen; return rgpu_unsupported("cuGraphCreate", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphDebugDotPrint(void) { static int seen; return rgpu_unsupported("cuGraphDebugDotPrint", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphDestroy(void) { static int seen; return rgpu_unsupported("cuGraphDestroy", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphDestroyNode(void) { static int seen; return rgpu_unsupported("cuGraphDestroyNode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphEventRecordNodeGetEvent(void) { static int seen; return rgpu_unsupported("cuGraphEventRecordNodeGetEvent", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphEventRecordNodeSetEvent(void) { static int seen; return rgpu_unsupported("cuGraphEventRecordNodeSetEvent", &seen, NULL); }
@@ -1488,7 +1896,6 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphEventWaitNodeGetEvent(void) { static int see
 RGPU_EXPORT CUresult CUDAAPI cuGraphEventWaitNodeSetEvent(void) { static int seen; return rgpu_unsupported("cuGraphEventWaitNodeSetEvent", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecBatchMemOpNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExecBatchMemOpNodeSetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecChildGraphNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExecChildGraphNodeSetParams", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphExecDestroy(void) { static int seen; return rgpu_unsupported("cuGraphExecDestroy", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecEventRecordNodeSetEvent(void) { static int seen; return rgpu_unsupported("cuGraphExecEventRecordNodeSetEvent", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecEventWaitNodeSetEvent(void) { static int seen; return rgpu_unsupported("cuGraphExecEventWaitNodeSetEvent", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecExternalSemaphoresSignalNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExecExternalSemaphoresSignalNodeSetParams", &seen, NULL); }
@@ -1496,36 +1903,24 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphExecExternalSemaphoresWaitNodeSetParams(void
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecGetFlags(void) { static int seen; return rgpu_unsupported("cuGraphExecGetFlags", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecHostNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExecHostNodeSetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecKernelNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExecKernelNodeSetParams", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphExecKernelNodeSetParams_v2(void) { static int seen; return rgpu_unsupported("cuGraphExecKernelNodeSetParams_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecMemcpyNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExecMemcpyNodeSetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecMemsetNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExecMemsetNodeSetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExecNodeSetParams", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphExecUpdate(void) { static int seen; return rgpu_unsupported("cuGraphExecUpdate", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphExecUpdate_v2(void) { static int seen; return rgpu_unsupported("cuGraphExecUpdate_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExternalSemaphoresSignalNodeGetParams(void) { static int seen; return rgpu_unsupported("cuGraphExternalSemaphoresSignalNodeGetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExternalSemaphoresSignalNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExternalSemaphoresSignalNodeSetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExternalSemaphoresWaitNodeGetParams(void) { static int seen; return rgpu_unsupported("cuGraphExternalSemaphoresWaitNodeGetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExternalSemaphoresWaitNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExternalSemaphoresWaitNodeSetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphGetEdges(void) { static int seen; return rgpu_unsupported("cuGraphGetEdges", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphGetEdges_v2(void) { static int seen; return rgpu_unsupported("cuGraphGetEdges_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphGetNodes(void) { static int seen; return rgpu_unsupported("cuGraphGetNodes", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphGetRootNodes(void) { static int seen; return rgpu_unsupported("cuGraphGetRootNodes", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphHostNodeGetParams(void) { static int seen; return rgpu_unsupported("cuGraphHostNodeGetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphHostNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphHostNodeSetParams", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphInstantiate(void) { static int seen; return rgpu_unsupported("cuGraphInstantiate", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphInstantiateWithFlags(void) { static int seen; return rgpu_unsupported("cuGraphInstantiateWithFlags", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphInstantiateWithParams(void) { static int seen; return rgpu_unsupported("cuGraphInstantiateWithParams", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphInstantiateWithParams_ptsz(void) { static int seen; return rgpu_unsupported("cuGraphInstantiateWithParams_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphInstantiate_v2(void) { static int seen; return rgpu_unsupported("cuGraphInstantiate_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphKernelNodeCopyAttributes(void) { static int seen; return rgpu_unsupported("cuGraphKernelNodeCopyAttributes", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphKernelNodeGetAttribute(void) { static int seen; return rgpu_unsupported("cuGraphKernelNodeGetAttribute", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphKernelNodeGetParams(void) { static int seen; return rgpu_unsupported("cuGraphKernelNodeGetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphKernelNodeGetParams_v2(void) { static int seen; return rgpu_unsupported("cuGraphKernelNodeGetParams_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphKernelNodeSetAttribute(void) { static int seen; return rgpu_unsupported("cuGraphKernelNodeSetAttribute", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphKernelNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphKernelNodeSetParams", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphKernelNodeSetParams_v2(void) { static int seen; return rgpu_unsupported("cuGraphKernelNodeSetParams_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphLaunch(void) { static int seen; return rgpu_unsupported("cuGraphLaunch", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphLaunch_ptsz(void) { static int seen; return rgpu_unsupported("cuGraphLaunch_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphMemAllocNodeGetParams(void) { static int seen; return rgpu_unsupported("cuGraphMemAllocNodeGetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphMemFreeNodeGetParams(void) { static int seen; return rgpu_unsupported("cuGraphMemFreeNodeGetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphMemcpyNodeGetParams(void) { static int seen; return rgpu_unsupported("cuGraphMemcpyNodeGetParams", &seen, NULL); }
@@ -1538,15 +1933,12 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphNodeGetDependencies_v2(void) { static int se
 RGPU_EXPORT CUresult CUDAAPI cuGraphNodeGetDependentNodes(void) { static int seen; return rgpu_unsupported("cuGraphNodeGetDependentNodes", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphNodeGetDependentNodes_v2(void) { static int seen; return rgpu_unsupported("cuGraphNodeGetDependentNodes_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphNodeGetEnabled(void) { static int seen; return rgpu_unsupported("cuGraphNodeGetEnabled", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphNodeGetType(void) { static int seen; return rgpu_unsupported("cuGraphNodeGetType", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphNodeSetEnabled(void) { static int seen; return rgpu_unsupported("cuGraphNodeSetEnabled", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphNodeSetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphReleaseUserObject(void) { static int seen; return rgpu_unsupported("cuGraphReleaseUserObject", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphRemoveDependencies(void) { static int seen; return rgpu_unsupported("cuGraphRemoveDependencies", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphRemoveDependencies_v2(void) { static int seen; return rgpu_unsupported("cuGraphRemoveDependencies_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphRetainUserObject(void) { static int seen; return rgpu_unsupported("cuGraphRetainUserObject", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphUpload(void) { static int seen; return rgpu_unsupported("cuGraphUpload", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphUpload_ptsz(void) { static int seen; return rgpu_unsupported("cuGraphUpload_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphicsMapResources(void) { static int seen; return rgpu_unsupported("cuGraphicsMapResources", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphicsMapResources_ptsz(void) { static int seen; return rgpu_unsupported("cuGraphicsMapResources_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphicsResourceGetMappedMipmappedArray(void) { static int seen; return rgpu_unsupported("cuGraphicsResourceGetMappedMipmappedArray", &seen, NULL); }
@@ -1587,8 +1979,6 @@ RGPU_EXPORT CUresult CUDAAPI cuLogsDumpToFile(void) { static int seen; return rg
 RGPU_EXPORT CUresult CUDAAPI cuLogsDumpToMemory(void) { static int seen; return rgpu_unsupported("cuLogsDumpToMemory", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuLogsRegisterCallback(void) { static int seen; return rgpu_unsupported("cuLogsRegisterCallback", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuLogsUnregisterCallback(void) { static int seen; return rgpu_unsupported("cuLogsUnregisterCallback", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemAddressFree(void) { static int seen; return rgpu_unsupported("cuMemAddressFree", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemAddressReserve(void) { static int seen; return rgpu_unsupported("cuMemAddressReserve", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemAdvise(void) { static int seen; return rgpu_unsupported("cuMemAdvise", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemAdvise_v2(void) { static int seen; return rgpu_unsupported("cuMemAdvise_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemAlloc(void) { static int seen; return rgpu_unsupported("cuMemAlloc", &seen, NULL); }
@@ -1596,17 +1986,13 @@ RGPU_EXPORT CUresult CUDAAPI cuMemAllocHost(void) { static int seen; return rgpu
 RGPU_EXPORT CUresult CUDAAPI cuMemAllocPitch(void) { static int seen; return rgpu_unsupported("cuMemAllocPitch", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemBatchDecompressAsync(void) { static int seen; return rgpu_unsupported("cuMemBatchDecompressAsync", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemBatchDecompressAsync_ptsz(void) { static int seen; return rgpu_unsupported("cuMemBatchDecompressAsync_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemCreate(void) { static int seen; return rgpu_unsupported("cuMemCreate", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemDiscardAndPrefetchBatchAsync(void) { static int seen; return rgpu_unsupported("cuMemDiscardAndPrefetchBatchAsync", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemDiscardAndPrefetchBatchAsync_ptsz(void) { static int seen; return rgpu_unsupported("cuMemDiscardAndPrefetchBatchAsync_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemDiscardBatchAsync(void) { static int seen; return rgpu_unsupported("cuMemDiscardBatchAsync", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemDiscardBatchAsync_ptsz(void) { static int seen; return rgpu_unsupported("cuMemDiscardBatchAsync_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemExportToShareableHandle(void) { static int seen; return rgpu_unsupported("cuMemExportToShareableHandle", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemFree(void) { static int seen; return rgpu_unsupported("cuMemFree", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemGetAccess(void) { static int seen; return rgpu_unsupported("cuMemGetAccess", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemGetAddressRange(void) { static int seen; return rgpu_unsupported("cuMemGetAddressRange", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemGetAllocationGranularity(void) { static int seen; return rgpu_unsupported("cuMemGetAllocationGranularity", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemGetAllocationPropertiesFromHandle(void) { static int seen; return rgpu_unsupported("cuMemGetAllocationPropertiesFromHandle", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemGetDefaultMemPool(void) { static int seen; return rgpu_unsupported("cuMemGetDefaultMemPool", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemGetHandleForAddressRange(void) { static int seen; return rgpu_unsupported("cuMemGetHandleForAddressRange", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemGetInfo(void) { static int seen; return rgpu_unsupported("cuMemGetInfo", &seen, NULL); }
@@ -1614,7 +2000,6 @@ RGPU_EXPORT CUresult CUDAAPI cuMemGetMemPool(void) { static int seen; return rgp
 RGPU_EXPORT CUresult CUDAAPI cuMemHostGetDevicePointer(void) { static int seen; return rgpu_unsupported("cuMemHostGetDevicePointer", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemHostRegister(void) { static int seen; return rgpu_unsupported("cuMemHostRegister", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemImportFromShareableHandle(void) { static int seen; return rgpu_unsupported("cuMemImportFromShareableHandle", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemMap(void) { static int seen; return rgpu_unsupported("cuMemMap", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemMapArrayAsync(void) { static int seen; return rgpu_unsupported("cuMemMapArrayAsync", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemMapArrayAsync_ptsz(void) { static int seen; return rgpu_unsupported("cuMemMapArrayAsync_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemPoolCreate(void) { static int seen; return rgpu_unsupported("cuMemPoolCreate", &seen, NULL); }
@@ -1633,11 +2018,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemPrefetchBatchAsync(void) { static int seen; re
 RGPU_EXPORT CUresult CUDAAPI cuMemPrefetchBatchAsync_ptsz(void) { static int seen; return rgpu_unsupported("cuMemPrefetchBatchAsync_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemRangeGetAttribute(void) { static int seen; return rgpu_unsupported("cuMemRangeGetAttribute", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemRangeGetAttributes(void) { static int seen; return rgpu_unsupported("cuMemRangeGetAttributes", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemRelease(void) { static int seen; return rgpu_unsupported("cuMemRelease", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemRetainAllocationHandle(void) { static int seen; return rgpu_unsupported("cuMemRetainAllocationHandle", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemSetAccess(void) { static int seen; return rgpu_unsupported("cuMemSetAccess", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemSetMemPool(void) { static int seen; return rgpu_unsupported("cuMemSetMemPool", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemUnmap(void) { static int seen; return rgpu_unsupported("cuMemUnmap", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpy2D(void) { static int seen; return rgpu_unsupported("cuMemcpy2D", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpy2DAsync(void) { static int seen; return rgpu_unsupported("cuMemcpy2DAsync", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpy2DUnaligned(void) { static int seen; return rgpu_unsupported("cuMemcpy2DUnaligned", &seen, NULL); }
@@ -1723,43 +2104,24 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamBatchMemOp(void) { static int seen; return 
 RGPU_EXPORT CUresult CUDAAPI cuStreamBatchMemOp_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamBatchMemOp_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamBatchMemOp_v2(void) { static int seen; return rgpu_unsupported("cuStreamBatchMemOp_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamBatchMemOp_v2_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamBatchMemOp_v2_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamBeginCapture(void) { static int seen; return rgpu_unsupported("cuStreamBeginCapture", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamBeginCaptureToGraph(void) { static int seen; return rgpu_unsupported("cuStreamBeginCaptureToGraph", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamBeginCaptureToGraph_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamBeginCaptureToGraph_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamBeginCapture_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamBeginCapture_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamBeginCapture_v2_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamBeginCapture_v2_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamCopyAttributes(void) { static int seen; return rgpu_unsupported("cuStreamCopyAttributes", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamCopyAttributes_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamCopyAttributes_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamDestroy(void) { static int seen; return rgpu_unsupported("cuStreamDestroy", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamEndCapture(void) { static int seen; return rgpu_unsupported("cuStreamEndCapture", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamEndCapture_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamEndCapture_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamGetAttribute(void) { static int seen; return rgpu_unsupported("cuStreamGetAttribute", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamGetAttribute_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamGetAttribute_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetCtx_v2(void) { static int seen; return rgpu_unsupported("cuStreamGetCtx_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetCtx_v2_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamGetCtx_v2_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetGreenCtx(void) { static int seen; return rgpu_unsupported("cuStreamGetGreenCtx", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamSetAttribute(void) { static int seen; return rgpu_unsupported("cuStreamSetAttribute", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamSetAttribute_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamSetAttribute_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamUpdateCaptureDependencies(void) { static int seen; return rgpu_unsupported("cuStreamUpdateCaptureDependencies", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamUpdateCaptureDependencies_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamUpdateCaptureDependencies_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamUpdateCaptureDependencies_v2(void) { static int seen; return rgpu_unsupported("cuStreamUpdateCaptureDependencies_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamUpdateCaptureDependencies_v2_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamUpdateCaptureDependencies_v2_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamWaitValue32(void) { static int seen; return rgpu_unsupported("cuStreamWaitValue32", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamWaitValue32_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamWaitValue32_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamWaitValue32_v2(void) { static int seen; return rgpu_unsupported("cuStreamWaitValue32_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamWaitValue32_v2_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamWaitValue32_v2_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamWaitValue64(void) { static int seen; return rgpu_unsupported("cuStreamWaitValue64", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamWaitValue64_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamWaitValue64_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamWaitValue64_v2(void) { static int seen; return rgpu_unsupported("cuStreamWaitValue64_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamWaitValue64_v2_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamWaitValue64_v2_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue32(void) { static int seen; return rgpu_unsupported("cuStreamWriteValue32", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue32_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamWriteValue32_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue32_v2(void) { static int seen; return rgpu_unsupported("cuStreamWriteValue32_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue32_v2_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamWriteValue32_v2_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue64(void) { static int seen; return rgpu_unsupported("cuStreamWriteValue64", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue64_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamWriteValue64_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue64_v2(void) { static int seen; return rgpu_unsupported("cuStreamWriteValue64_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue64_v2_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamWriteValue64_v2_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuSurfObjectCreate(void) { static int seen; return rgpu_unsupported("cuSurfObjectCreate", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuSurfObjectDestroy(void) { static int seen; return rgpu_unsupported("cuSurfObjectDestroy", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuSurfObjectGetResourceDesc(void) { static int seen; return rgpu_unsupported("cuSurfObjectGetResourceDesc", &seen, NULL); }
@@ -1805,7 +2167,6 @@ RGPU_EXPORT CUresult CUDAAPI cuTexRefSetMipmapFilterMode(void) { static int seen
 RGPU_EXPORT CUresult CUDAAPI cuTexRefSetMipmapLevelBias(void) { static int seen; return rgpu_unsupported("cuTexRefSetMipmapLevelBias", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTexRefSetMipmapLevelClamp(void) { static int seen; return rgpu_unsupported("cuTexRefSetMipmapLevelClamp", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTexRefSetMipmappedArray(void) { static int seen; return rgpu_unsupported("cuTexRefSetMipmappedArray", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuThreadExchangeStreamCaptureMode(void) { static int seen; return rgpu_unsupported("cuThreadExchangeStreamCaptureMode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuUserObjectCreate(void) { static int seen; return rgpu_unsupported("cuUserObjectCreate", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuUserObjectRelease(void) { static int seen; return rgpu_unsupported("cuUserObjectRelease", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuUserObjectRetain(void) { static int seen; return rgpu_unsupported("cuUserObjectRetain", &seen, NULL); }

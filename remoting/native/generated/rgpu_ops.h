@@ -2,8 +2,8 @@
 #ifndef RGPU_OPS_H
 #define RGPU_OPS_H
 
-#define RGPU_PROTOCOL_VERSION 2
-#define RGPU_CUDA_SPEC_SHA256 "b0dbb45fa115f661e4134313ae6a344fc9b161ec2fa98d90545fe4672eb86ec8"
+#define RGPU_PROTOCOL_VERSION 3
+#define RGPU_CUDA_SPEC_SHA256 "05e4e6e8559dd83edf4a95946492827f21a802b4cf28ef7ed26890268062d535"
 
 enum rgpu_opcode {
     RGPU_OP_cuInit = 32,
@@ -134,6 +134,43 @@ enum rgpu_opcode {
     RGPU_OP_cuOccupancyMaxActiveClusters = 157,
     RGPU_OP_rgpuParamInfo = 158,
     RGPU_OP_rgpuSessionInfo = 159,
+    RGPU_OP_cuStreamBeginCapture_v2 = 160,
+    RGPU_OP_cuStreamEndCapture = 161,
+    RGPU_OP_cuThreadExchangeStreamCaptureMode = 162,
+    RGPU_OP_rgpuStreamCaptureInfo = 163,
+    RGPU_OP_cuGraphCreate = 164,
+    RGPU_OP_cuGraphDestroy = 165,
+    RGPU_OP_cuGraphClone = 166,
+    RGPU_OP_cuGraphNodeGetType = 167,
+    RGPU_OP_cuGraphGetNodes = 168,
+    RGPU_OP_cuGraphInstantiateWithFlags = 169,
+    RGPU_OP_cuGraphLaunch = 170,
+    RGPU_OP_cuGraphUpload = 171,
+    RGPU_OP_cuGraphExecDestroy = 172,
+    RGPU_OP_cuGraphExecUpdate_v2 = 173,
+    RGPU_OP_rgpuGraphAddNode = 174,
+    RGPU_OP_rgpuGraphKernelNodeSetParams = 175,
+    RGPU_OP_cuDeviceGetGraphMemAttribute = 176,
+    RGPU_OP_cuDeviceSetGraphMemAttribute = 177,
+    RGPU_OP_cuDeviceGraphMemTrim = 178,
+    RGPU_OP_cuStreamSetAttribute = 179,
+    RGPU_OP_cuStreamGetAttribute = 180,
+    RGPU_OP_cuStreamCopyAttributes = 181,
+    RGPU_OP_cuStreamWriteValue32_v2 = 182,
+    RGPU_OP_cuStreamWaitValue32_v2 = 183,
+    RGPU_OP_cuStreamWriteValue64_v2 = 184,
+    RGPU_OP_cuStreamWaitValue64_v2 = 185,
+    RGPU_OP_cuMemGetAllocationGranularity = 186,
+    RGPU_OP_cuMemCreate = 187,
+    RGPU_OP_cuMemRelease = 188,
+    RGPU_OP_cuMemRetainAllocationHandle = 189,
+    RGPU_OP_cuMemGetAllocationPropertiesFromHandle = 190,
+    RGPU_OP_cuMemAddressReserve = 191,
+    RGPU_OP_cuMemAddressFree = 192,
+    RGPU_OP_cuMemMap = 193,
+    RGPU_OP_cuMemUnmap = 194,
+    RGPU_OP_cuMemSetAccess = 195,
+    RGPU_OP_cuMemGetAccess = 196,
     RGPU_OP_nvmlDeviceGetMemoryInfo = 1024,
     RGPU_OP_nvmlDeviceGetMemoryInfo_v2 = 1025,
     RGPU_OP_nvmlDeviceGetBAR1MemoryInfo = 1026,

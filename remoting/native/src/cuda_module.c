@@ -645,6 +645,35 @@ static CUresult launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned 
     return rgpu_async(&c);
 }
 
+/* A kernel's arguments packed as a launch packs them (graph kernel nodes): a malloc'd buffer. */
+CUresult rgpu_kernel_args(CUfunction f, void **params, void **extra, uint8_t **out, size_t *size) {
+    if (!f) return CUDA_ERROR_INVALID_HANDLE;
+    if (params && extra) return CUDA_ERROR_INVALID_VALUE;
+    const void *buf = NULL;
+    size_t argsize = 0;
+    rgpu_fn *fn = NULL;
+    if (extra) {
+        for (size_t i = 0; extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
+            if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER) buf = extra[i + 1];
+            else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE) argsize = *(size_t *)extra[i + 1];
+            else return CUDA_ERROR_INVALID_VALUE;
+        }
+    } else {
+        CUresult r = function_info((uint64_t)(uintptr_t)f, &fn);
+        if (r != CUDA_SUCCESS) return r;
+        if (fn->nparams && !params) return CUDA_ERROR_INVALID_VALUE;
+        argsize = fn->argsize;
+    }
+    uint8_t *p = calloc(1, argsize ? argsize : 1);
+    if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
+    if (buf) memcpy(p, buf, argsize);
+    else
+        for (uint32_t i = 0; fn && i < fn->nparams; i++) memcpy(p + fn->offsets[i], params[i], fn->sizes[i]);
+    *out = p;
+    *size = argsize;
+    return CUDA_SUCCESS;
+}
+
 RGPU_EXPORT CUresult CUDAAPI cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
                                             unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
                                             unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
@@ -755,9 +784,23 @@ RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxPotentialBlockSizeWithFlags(int *minG
  * A host function must run in this process: wait for the stream's earlier work, then call it
  * on the calling thread. Simple and correct in order, though the caller waits for it. */
 
+/* A host function on a capturing stream would become a host node of the server's graph, which
+ * cannot call into this process: refused, naming the call, rather than run at the wrong time. */
+static CUresult refuse_in_capture(CUstream hStream, const char *name) {
+    if (!rgpu_capture_possible()) return CUDA_SUCCESS;
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    CUresult r = cuStreamIsCapturing(hStream, &st);
+    if (r != CUDA_SUCCESS) return r;
+    if (st == CU_STREAM_CAPTURE_STATUS_NONE) return CUDA_SUCCESS;
+    rgpu_log(1, "rgpu: %s: host functions in stream capture (graph host nodes) are not remoted yet", name);
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
 RGPU_EXPORT CUresult CUDAAPI cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData) {
     if (!fn) return CUDA_ERROR_INVALID_VALUE;
-    CUresult r = cuStreamSynchronize(hStream);
+    CUresult r = refuse_in_capture(hStream, "cuLaunchHostFunc");
+    if (r != CUDA_SUCCESS) return r;
+    r = cuStreamSynchronize(hStream);
     if (r == CUDA_SUCCESS) fn(userData);
     return r;
 }
@@ -765,53 +808,12 @@ RGPU_EXPORT CUresult CUDAAPI cuLaunchHostFunc(CUstream hStream, CUhostFn fn, voi
 RGPU_EXPORT CUresult CUDAAPI cuStreamAddCallback(CUstream hStream, CUstreamCallback callback, void *userData,
                                                  unsigned int flags) {
     if (!callback || flags) return CUDA_ERROR_INVALID_VALUE;
-    CUresult r = cuStreamSynchronize(hStream);
+    CUresult r = refuse_in_capture(hStream, "cuStreamAddCallback");
+    if (r != CUDA_SUCCESS) return r;
+    r = cuStreamSynchronize(hStream);
     if (r == CUDA_ERROR_NOT_INITIALIZED || r == CUDA_ERROR_INVALID_HANDLE) return r;
     callback(hStream, r, userData);
     return CUDA_SUCCESS;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *captureStatus) {
-    (void)hStream;
-    if (!captureStatus) return CUDA_ERROR_INVALID_VALUE;
-    CUresult r = rgpu_check_init();
-    if (r != CUDA_SUCCESS) return r;
-    *captureStatus = CU_STREAM_CAPTURE_STATUS_NONE; /* graphs are not remoted yet */
-    return CUDA_SUCCESS;
-}
-
-/* Graphs are not remoted: no stream is ever capturing, so the answer is local and exact. */
-static CUresult capture_info(CUstream hStream, CUstreamCaptureStatus *status, cuuint64_t *id, void **graph,
-                             void **deps, void **edges, size_t *ndeps) {
-    (void)hStream;
-    if (!status) return CUDA_ERROR_INVALID_VALUE;
-    CUresult r = rgpu_check_init();
-    if (r != CUDA_SUCCESS) return r;
-    *status = CU_STREAM_CAPTURE_STATUS_NONE;
-    if (id) *id = 0;
-    if (graph) *graph = NULL;
-    if (deps) *deps = NULL;
-    if (edges) *edges = NULL;
-    if (ndeps) *ndeps = 0;
-    return CUDA_SUCCESS;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuStreamGetCaptureInfo(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
-                                                    cuuint64_t *id_out) {
-    return capture_info(hStream, captureStatus_out, id_out, NULL, NULL, NULL, NULL);
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuStreamGetCaptureInfo_v2(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
-                                                       cuuint64_t *id_out, void **graph_out, void **dependencies_out,
-                                                       size_t *numDependencies_out) {
-    return capture_info(hStream, captureStatus_out, id_out, graph_out, dependencies_out, NULL, numDependencies_out);
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuStreamGetCaptureInfo_v3(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
-                                                       cuuint64_t *id_out, void **graph_out, void **dependencies_out,
-                                                       void **edgeData_out, size_t *numDependencies_out) {
-    return capture_info(hStream, captureStatus_out, id_out, graph_out, dependencies_out, edgeData_out,
-                        numDependencies_out);
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuModuleGetLoadingMode(CUmoduleLoadingMode *mode) {

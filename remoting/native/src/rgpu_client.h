@@ -135,6 +135,13 @@ void rgpu_cls_context_gone(CUcontext ctx);
 void rgpu_cls_reset_after_fork(void);
 void rgpu_before_primary_ctx_reset(CUdevice dev);
 
+/* Stream capture (cuda_graph.c): begun minus ended captures; while none can be under way the
+ * capture status is answered here, exactly, without a round trip. */
+void rgpu_capture_begun(CUresult r);
+void rgpu_capture_ended(CUresult r);
+int rgpu_capture_possible(void);
+CUresult rgpu_kernel_args(CUfunction f, void **params, void **extra, uint8_t **out, size_t *size);
+
 /* Allocation tables (tables.c): device ranges route unified copies and pointer queries;
  * host ranges hold the client's page-locked memory. */
 void rgpu_dev_range_add(int session, uint64_t base, uint64_t size);

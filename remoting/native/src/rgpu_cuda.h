@@ -30,13 +30,19 @@ typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUlinkState_st *CUlinkState;
 typedef struct CUarray_st *CUarray;
 typedef struct CUgreenCtx_st *CUgreenCtx;
+typedef struct CUgraph_st *CUgraph;
+typedef struct CUgraphExec_st *CUgraphExec;
+typedef struct CUgraphNode_st *CUgraphNode;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef uint32_t cuuint32_t;
 
 typedef int CUdevice_attribute, CUarray_format, CUexecAffinityType, CUlimit, CUfunc_cache,
     CUsharedconfig, CUmemPool_attribute, CUpointer_attribute, CUstreamCaptureStatus,
     CUstreamCaptureMode, CUjit_option, CUjitInputType, CUlibraryOption, CUmoduleLoadingMode,
     CUfunction_attribute, CUfunctionLoadingState, CUdriverProcAddressQueryResult,
     CUflushGPUDirectRDMAWritesTarget, CUflushGPUDirectRDMAWritesScope, CUmemorytype,
-    CUlaunchAttributeID;
+    CUlaunchAttributeID, CUgraphMem_attribute, CUgraphNodeType, CUstreamAttrID,
+    CUmemAllocationGranularity_flags, CUgraphInstantiateResult, CUgraphExecUpdateResult;
 
 typedef struct CUuuid_st { char bytes[16]; } CUuuid;
 
@@ -75,6 +81,79 @@ typedef struct CUlaunchAttribute_st {
     char pad[8 - sizeof(CUlaunchAttributeID)];
     union { char pad[64]; int cooperative; } value;
 } CUlaunchAttribute;
+
+typedef union CUlaunchAttributeValue_union { char pad[64]; } CUlaunchAttributeValue;
+
+/* Graphs: the graph and its nodes live on the server; these carry its handles. */
+typedef struct CUgraphExecUpdateResultInfo_st {
+    CUgraphExecUpdateResult result;
+    CUgraphNode errorNode;
+    CUgraphNode errorFromNode;
+} CUgraphExecUpdateResultInfo;
+
+typedef struct CUDA_GRAPH_INSTANTIATE_PARAMS_st {
+    cuuint64_t flags;
+    CUstream hUploadStream;
+    CUgraphNode hErrNode_out;
+    CUgraphInstantiateResult result_out;
+} CUDA_GRAPH_INSTANTIATE_PARAMS;
+
+typedef struct CUDA_KERNEL_NODE_PARAMS_st {   /* _v1; _v2 adds kern and ctx */
+    CUfunction func;
+    unsigned int gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+    void **kernelParams;
+    void **extra;
+} CUDA_KERNEL_NODE_PARAMS;
+typedef struct CUDA_KERNEL_NODE_PARAMS_v2_st {
+    CUfunction func;
+    unsigned int gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, sharedMemBytes;
+    void **kernelParams;
+    void **extra;
+    CUkernel kern;
+    CUcontext ctx;
+} CUDA_KERNEL_NODE_PARAMS_v2;
+typedef struct CUDA_MEMSET_NODE_PARAMS_st {
+    CUdeviceptr dst;
+    size_t pitch;
+    unsigned int value, elementSize;
+    size_t width, height;
+} CUDA_MEMSET_NODE_PARAMS;
+typedef struct CUDA_MEMCPY3D_st {
+    size_t srcXInBytes, srcY, srcZ, srcLOD;
+    CUmemorytype srcMemoryType;
+    const void *srcHost;
+    CUdeviceptr srcDevice;
+    CUarray srcArray;
+    void *reserved0;
+    size_t srcPitch, srcHeight;
+    size_t dstXInBytes, dstY, dstZ, dstLOD;
+    CUmemorytype dstMemoryType;
+    void *dstHost;
+    CUdeviceptr dstDevice;
+    CUarray dstArray;
+    void *reserved1;
+    size_t dstPitch, dstHeight;
+    size_t WidthInBytes, Height, Depth;
+} CUDA_MEMCPY3D;
+typedef struct CUmemPoolProps_st { unsigned char bytes[88]; } CUmemPoolProps;
+typedef struct CUDA_MEM_ALLOC_NODE_PARAMS_st {   /* _v1 */
+    CUmemPoolProps poolProps;
+    const struct CUmemAccessDesc_st *accessDescs;
+    size_t accessDescCount;
+    size_t bytesize;
+    CUdeviceptr dptr;
+} CUDA_MEM_ALLOC_NODE_PARAMS;
+
+/* Virtual memory management: both ends share these layouts (x86-64 and aarch64 alike). */
+typedef struct CUmemLocation_st { int type; int id; } CUmemLocation;
+typedef struct CUmemAllocationProp_st {
+    int type;
+    int requestedHandleTypes;
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct { unsigned char compressionType, gpuDirectRDMACapable; unsigned short usage; unsigned char reserved[4]; } allocFlags;
+} CUmemAllocationProp;
+typedef struct CUmemAccessDesc_st { CUmemLocation location; int flags; } CUmemAccessDesc;
 
 typedef struct CUlaunchConfig_st {
     unsigned int gridDimX, gridDimY, gridDimZ;

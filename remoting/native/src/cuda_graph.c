@@ -1,0 +1,440 @@
+/* Stream capture, graphs and virtual memory management: the parts the generator cannot write.
+ *
+ * The captured graph, its nodes and every executable graph live on the server; the client holds
+ * their handles. Launches, memsets and device copies on a capturing stream travel as always
+ * (pipelined) and the server's driver records them. Capture status is asked before nearly every
+ * launch by CuPy and PyTorch, so it is answered here while no capture can be under way (no
+ * cuStreamBeginCapture succeeded that no cuStreamEndCapture ended): exact, since a stream only
+ * starts capturing through cuStreamBeginCapture. Otherwise the server's driver answers. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "rgpu_client.h"
+#include "cuda_protos.h"
+
+#define CUDA_ERROR_STREAM_CAPTURE_INVALIDATED 901
+
+static int g_captures;
+
+void rgpu_capture_begun(CUresult r) {
+    if (r == CUDA_SUCCESS) __atomic_add_fetch(&g_captures, 1, __ATOMIC_SEQ_CST);
+}
+
+/* Only an end that certainly ended a capture lowers the count: an overcount costs round trips,
+ * never a wrong answer. */
+void rgpu_capture_ended(CUresult r) {
+    if (r != CUDA_SUCCESS && r != CUDA_ERROR_STREAM_CAPTURE_INVALIDATED) return;
+    int n = __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST);
+    while (n > 0 && !__atomic_compare_exchange_n(&g_captures, &n, n - 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+    }
+}
+
+int rgpu_capture_possible(void) { return __atomic_load_n(&g_captures, __ATOMIC_SEQ_CST) > 0; }
+
+/* The driver hands out its own arrays of dependencies, valid until the thread's next call. */
+static __thread CUgraphNode *t_deps;
+static __thread uint64_t *t_edges;
+static __thread size_t t_cap;
+
+enum { INFO_STATUS = 0, INFO_FULL = 1, INFO_EDGES = 2 };
+
+static CUresult capture_info(CUstream hStream, unsigned int what, CUstreamCaptureStatus *status, cuuint64_t *id,
+                             void **graph, void **deps, void **edges, size_t *ndeps) {
+    if (!status) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    if (!rgpu_capture_possible()) {
+        *status = CU_STREAM_CAPTURE_STATUS_NONE;
+        if (id) *id = 0;
+        if (graph) *graph = NULL;
+        if (deps) *deps = NULL;
+        if (edges) *edges = NULL;
+        if (ndeps) *ndeps = 0;
+        return CUDA_SUCCESS;
+    }
+    rgpu_call c;
+    r = rgpu_begin(&c, RGPU_OP_rgpuStreamCaptureInfo);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
+    rgpu_put_u32(&c, what);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        *status = (CUstreamCaptureStatus)rgpu_get_i32(&c);
+        (void)rgpu_get_u32(&c);
+        uint64_t cid = rgpu_get_u64(&c), g = rgpu_get_u64(&c), n = rgpu_get_u64(&c);
+        if (n > t_cap) {
+            size_t cap = n < 16 ? 16 : (size_t)n;
+            CUgraphNode *nd = realloc(t_deps, cap * sizeof *nd);
+            uint64_t *ne = nd ? realloc(t_edges, cap * sizeof *ne) : NULL;
+            if (nd) t_deps = nd;
+            if (ne) t_edges = ne;
+            if (!nd || !ne) {
+                rgpu_end(&c);
+                return CUDA_ERROR_OUT_OF_MEMORY;
+            }
+            t_cap = cap;
+        }
+        for (uint64_t i = 0; i < n; i++) t_deps[i] = (CUgraphNode)(uintptr_t)rgpu_get_u64(&c);
+        if (what == INFO_EDGES)
+            for (uint64_t i = 0; i < n; i++) t_edges[i] = rgpu_get_u64(&c);
+        if (id) *id = cid;
+        if (graph) *graph = (void *)(uintptr_t)g;
+        if (deps) *deps = n ? (void *)t_deps : NULL;
+        if (edges) *edges = n ? (void *)t_edges : NULL;
+        if (ndeps) *ndeps = (size_t)n;
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamIsCapturing(CUstream hStream, CUstreamCaptureStatus *captureStatus) {
+    return capture_info(hStream, INFO_STATUS, captureStatus, NULL, NULL, NULL, NULL, NULL);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamGetCaptureInfo(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
+                                                    cuuint64_t *id_out) {
+    return capture_info(hStream, INFO_FULL, captureStatus_out, id_out, NULL, NULL, NULL, NULL);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamGetCaptureInfo_v2(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
+                                                       cuuint64_t *id_out, void **graph_out, void **dependencies_out,
+                                                       size_t *numDependencies_out) {
+    return capture_info(hStream, INFO_FULL, captureStatus_out, id_out, graph_out, dependencies_out, NULL,
+                        numDependencies_out);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamGetCaptureInfo_v3(CUstream hStream, CUstreamCaptureStatus *captureStatus_out,
+                                                       cuuint64_t *id_out, void **graph_out, void **dependencies_out,
+                                                       void **edgeData_out, size_t *numDependencies_out) {
+    return capture_info(hStream, edgeData_out ? INFO_EDGES : INFO_FULL, captureStatus_out, id_out, graph_out,
+                        dependencies_out, edgeData_out, numDependencies_out);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamBeginCapture(CUstream hStream) {
+    return cuStreamBeginCapture_v2(hStream, 0 /* CU_STREAM_CAPTURE_MODE_GLOBAL */);
+}
+
+/* ------------------------------------------------------------------ graphs */
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphGetNodes(CUgraph hGraph, CUgraphNode *nodes, size_t *numNodes) {
+    if (!numNodes) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuGraphGetNodes);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hGraph);
+    rgpu_put_u64(&c, nodes ? (uint64_t)*numNodes : 0);
+    rgpu_put_u32(&c, nodes != NULL);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        uint64_t total = rgpu_get_u64(&c), m = rgpu_get_u64(&c);
+        for (uint64_t i = 0; i < m; i++) {
+            CUgraphNode n = (CUgraphNode)(uintptr_t)rgpu_get_u64(&c);
+            if (nodes && i < *numNodes) nodes[i] = n;
+        }
+        *numNodes = (size_t)total;
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphInstantiateWithParams(CUgraphExec *phGraphExec, CUgraph hGraph,
+                                                          CUDA_GRAPH_INSTANTIATE_PARAMS *instantiateParams) {
+    if (!phGraphExec || !instantiateParams) return CUDA_ERROR_INVALID_VALUE;
+    const cuuint64_t upload = 2; /* CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD */
+    CUresult r = cuGraphInstantiateWithFlags(phGraphExec, hGraph, instantiateParams->flags & ~upload);
+    if (r == CUDA_SUCCESS && (instantiateParams->flags & upload))
+        r = cuGraphUpload(*phGraphExec, instantiateParams->hUploadStream);
+    instantiateParams->hErrNode_out = NULL;
+    instantiateParams->result_out = r == CUDA_SUCCESS ? 0 : 1; /* CUDA_GRAPH_INSTANTIATE_SUCCESS / _ERROR */
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphInstantiate(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
+                                                char *logBuffer, size_t bufferSize) {
+    if (phErrorNode) *phErrorNode = NULL;
+    if (logBuffer && bufferSize) logBuffer[0] = 0;
+    return cuGraphInstantiateWithFlags(phGraphExec, hGraph, 0);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphInstantiate_v2(CUgraphExec *phGraphExec, CUgraph hGraph, CUgraphNode *phErrorNode,
+                                                   char *logBuffer, size_t bufferSize) {
+    return cuGraphInstantiate(phGraphExec, hGraph, phErrorNode, logBuffer, bufferSize);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphExecUpdate(CUgraphExec hGraphExec, CUgraph hGraph, CUgraphNode *hErrorNode_out,
+                                               CUgraphExecUpdateResult *updateResult_out) {
+    if (!hErrorNode_out || !updateResult_out) return CUDA_ERROR_INVALID_VALUE;
+    CUgraphExecUpdateResultInfo info;
+    memset(&info, 0, sizeof info);
+    CUresult r = cuGraphExecUpdate_v2(hGraphExec, hGraph, &info);
+    *hErrorNode_out = info.errorNode;
+    *updateResult_out = info.result;
+    return r;
+}
+
+/* ------------------------------------------------------------------ virtual memory management
+ * The worker counts each physical allocation against the slice from cuMemCreate to the release
+ * of its last handle. */
+
+RGPU_EXPORT CUresult CUDAAPI cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+                                         const CUmemAllocationProp *prop, unsigned long long flags) {
+    if (!handle || !prop) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuMemCreate);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, size);
+    rgpu_put_u64(&c, flags);
+    rgpu_put(&c, prop, sizeof *prop);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) *handle = rgpu_get_u64(&c);
+    rgpu_end(&c);
+    return r;
+}
+
+static CUresult handle_op(uint16_t op, uint64_t value, CUmemGenericAllocationHandle *out) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, op);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, value);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS && out) *out = rgpu_get_u64(&c);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemRelease(CUmemGenericAllocationHandle handle) {
+    return handle_op(RGPU_OP_cuMemRelease, handle, NULL);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr) {
+    if (!handle) return CUDA_ERROR_INVALID_VALUE;
+    return handle_op(RGPU_OP_cuMemRetainAllocationHandle, (uint64_t)(uintptr_t)addr, handle);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
+    if (!desc || !count || count > 64) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuMemSetAccess);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, ptr);
+    rgpu_put_u64(&c, size);
+    rgpu_put_u64(&c, count);
+    rgpu_put(&c, desc, count * sizeof *desc);
+    r = rgpu_sync(&c);
+    rgpu_end(&c);
+    return r;
+}
+
+/* ------------------------------------------------------------------ graph nodes built by hand
+ * One operation adds every kind of node: the graph, the dependencies and the node's parameters
+ * packed (kernel arguments as a launch packs them). Copy nodes that touch this process's memory
+ * would read or write it when the graph runs on the server: refused, naming the call. */
+
+enum { NODE_EMPTY = 0, NODE_KERNEL = 1, NODE_MEMSET = 2, NODE_MEMCPY = 3, NODE_MEM_ALLOC = 4, NODE_MEM_FREE = 5 };
+
+static CUresult add_node(uint32_t kind, CUgraphNode *phNode, CUgraph hGraph, const CUgraphNode *deps, size_t ndeps,
+                         const void *payload, size_t plen, uint64_t *aux) {
+    if (!phNode || (ndeps && !deps)) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_rgpuGraphAddNode);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hGraph);
+    rgpu_put_u32(&c, kind);
+    rgpu_put_u32(&c, 0);
+    rgpu_put_u64(&c, ndeps);
+    for (size_t i = 0; i < ndeps; i++) rgpu_put_u64(&c, (uint64_t)(uintptr_t)deps[i]);
+    rgpu_put_u64(&c, plen);
+    if (plen) rgpu_put(&c, payload, plen);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        *phNode = (CUgraphNode)(uintptr_t)rgpu_get_u64(&c);
+        uint64_t a = rgpu_get_u64(&c);
+        if (aux) *aux = a;
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+/* {u64 function, u32 is_kernel, grid[3], block[3], shmem, u32 argsize, u32 0} + arguments */
+static CUresult kernel_payload(CUfunction func, CUkernel kern, const unsigned int dims[7], void **params,
+                               void **extra, uint8_t **out, size_t *len) {
+    CUfunction f = func ? func : (CUfunction)kern;
+    uint8_t *args = NULL;
+    size_t argsize = 0;
+    CUresult r = rgpu_kernel_args(f, params, extra, &args, &argsize);
+    if (r != CUDA_SUCCESS) return r;
+    size_t head = 8 + 4 * 10;
+    uint8_t *p = malloc(head + argsize);
+    if (!p) {
+        free(args);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    uint64_t h = (uint64_t)(uintptr_t)f;
+    uint32_t w[10] = {func ? 0u : 1u, dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], (uint32_t)argsize, 0};
+    memcpy(p, &h, 8);
+    memcpy(p + 8, w, sizeof w);
+    memcpy(p + head, args, argsize);
+    free(args);
+    *out = p;
+    *len = head + argsize;
+    return CUDA_SUCCESS;
+}
+
+static CUresult add_kernel(CUgraphNode *phNode, CUgraph hGraph, const CUgraphNode *deps, size_t ndeps,
+                           CUfunction func, CUkernel kern, const unsigned int dims[7], void **params, void **extra) {
+    uint8_t *p = NULL;
+    size_t len = 0;
+    CUresult r = kernel_payload(func, kern, dims, params, extra, &p, &len);
+    if (r != CUDA_SUCCESS) return r;
+    r = add_node(NODE_KERNEL, phNode, hGraph, deps, ndeps, p, len, NULL);
+    free(p);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphAddKernelNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                                  const CUgraphNode *dependencies, size_t numDependencies,
+                                                  const CUDA_KERNEL_NODE_PARAMS *nodeParams) {
+    if (!nodeParams) return CUDA_ERROR_INVALID_VALUE;
+    const CUDA_KERNEL_NODE_PARAMS *k = nodeParams;
+    unsigned int dims[7] = {k->gridDimX, k->gridDimY, k->gridDimZ, k->blockDimX, k->blockDimY, k->blockDimZ,
+                            k->sharedMemBytes};
+    return add_kernel(phGraphNode, hGraph, dependencies, numDependencies, k->func, NULL, dims, k->kernelParams,
+                      k->extra);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphAddKernelNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                                     const CUgraphNode *dependencies, size_t numDependencies,
+                                                     const CUDA_KERNEL_NODE_PARAMS_v2 *nodeParams) {
+    if (!nodeParams) return CUDA_ERROR_INVALID_VALUE;
+    const CUDA_KERNEL_NODE_PARAMS_v2 *k = nodeParams;
+    unsigned int dims[7] = {k->gridDimX, k->gridDimY, k->gridDimZ, k->blockDimX, k->blockDimY, k->blockDimZ,
+                            k->sharedMemBytes};
+    return add_kernel(phGraphNode, hGraph, dependencies, numDependencies, k->func, k->kern, dims, k->kernelParams,
+                      k->extra);
+}
+
+static CUresult kernel_set(CUgraphExec exec, CUgraphNode node, CUfunction func, CUkernel kern,
+                           const unsigned int dims[7], void **params, void **extra) {
+    uint8_t *p = NULL;
+    size_t len = 0;
+    CUresult r = kernel_payload(func, kern, dims, params, extra, &p, &len);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_call c;
+    r = rgpu_begin(&c, RGPU_OP_rgpuGraphKernelNodeSetParams);
+    if (r == CUDA_SUCCESS) {
+        rgpu_put_u64(&c, (uint64_t)(uintptr_t)exec);
+        rgpu_put_u64(&c, (uint64_t)(uintptr_t)node);
+        rgpu_put_u64(&c, len);
+        rgpu_put(&c, p, len);
+        r = rgpu_sync(&c);
+        rgpu_end(&c);
+    }
+    free(p);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphExecKernelNodeSetParams_v2(CUgraphExec hGraphExec, CUgraphNode hNode,
+                                                               const CUDA_KERNEL_NODE_PARAMS_v2 *nodeParams) {
+    if (!nodeParams || !hGraphExec) return CUDA_ERROR_INVALID_VALUE;
+    const CUDA_KERNEL_NODE_PARAMS_v2 *k = nodeParams;
+    unsigned int dims[7] = {k->gridDimX, k->gridDimY, k->gridDimZ, k->blockDimX, k->blockDimY, k->blockDimZ,
+                            k->sharedMemBytes};
+    return kernel_set(hGraphExec, hNode, k->func, k->kern, dims, k->kernelParams, k->extra);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphKernelNodeSetParams_v2(CUgraphNode hNode, const CUDA_KERNEL_NODE_PARAMS_v2 *nodeParams) {
+    if (!nodeParams) return CUDA_ERROR_INVALID_VALUE;
+    const CUDA_KERNEL_NODE_PARAMS_v2 *k = nodeParams;
+    unsigned int dims[7] = {k->gridDimX, k->gridDimY, k->gridDimZ, k->blockDimX, k->blockDimY, k->blockDimZ,
+                            k->sharedMemBytes};
+    return kernel_set(NULL, hNode, k->func, k->kern, dims, k->kernelParams, k->extra);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphAddEmptyNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                                 const CUgraphNode *dependencies, size_t numDependencies) {
+    return add_node(NODE_EMPTY, phGraphNode, hGraph, dependencies, numDependencies, NULL, 0, NULL);
+}
+
+static uint64_t remote_ctx(CUcontext ctx) {
+    rgpu_ctx *x = ctx ? rgpu_ctx_lookup(ctx) : rgpu_ctx_current();
+    return x ? x->remote : 0;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphAddMemsetNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                                  const CUgraphNode *dependencies, size_t numDependencies,
+                                                  const CUDA_MEMSET_NODE_PARAMS *memsetParams, CUcontext ctx) {
+    if (!memsetParams) return CUDA_ERROR_INVALID_VALUE;
+    uint8_t p[sizeof(CUDA_MEMSET_NODE_PARAMS) + 8];
+    memcpy(p, memsetParams, sizeof *memsetParams);
+    uint64_t rc = remote_ctx(ctx);
+    memcpy(p + sizeof *memsetParams, &rc, 8);
+    return add_node(NODE_MEMSET, phGraphNode, hGraph, dependencies, numDependencies, p, sizeof p, NULL);
+}
+
+/* Where one side of a copy node lies: 1 device, 0 this process's memory, -1 not expressible. */
+static int device_side(CUmemorytype type, CUdeviceptr dev, const void *host) {
+    if (type == CU_MEMORYTYPE_DEVICE) return 1;
+    if (type == CU_MEMORYTYPE_UNIFIED) return rgpu_dev_range_find(dev, NULL, NULL, NULL) ? 1 : 0;
+    if (type == CU_MEMORYTYPE_HOST) return rgpu_dev_range_find((uint64_t)(uintptr_t)host, NULL, NULL, NULL) ? 1 : 0;
+    return -1;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphAddMemcpyNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                                  const CUgraphNode *dependencies, size_t numDependencies,
+                                                  const CUDA_MEMCPY3D *copyParams, CUcontext ctx) {
+    if (!copyParams) return CUDA_ERROR_INVALID_VALUE;
+    CUDA_MEMCPY3D m = *copyParams;
+    int src = device_side(m.srcMemoryType, m.srcDevice, m.srcHost);
+    int dst = device_side(m.dstMemoryType, m.dstDevice, m.dstHost);
+    if (src != 1 || dst != 1) {
+        rgpu_log(1, "rgpu: cuGraphAddMemcpyNode: copy nodes from or to host memory or arrays (the graph runs on the "
+                 "server) are not remoted yet; device-to-device copy nodes are");
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    if (m.srcMemoryType == CU_MEMORYTYPE_HOST) m.srcDevice = (CUdeviceptr)(uintptr_t)m.srcHost;
+    if (m.dstMemoryType == CU_MEMORYTYPE_HOST) m.dstDevice = (CUdeviceptr)(uintptr_t)m.dstHost;
+    m.srcMemoryType = m.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+    m.srcHost = NULL;
+    m.dstHost = NULL;
+    uint8_t p[sizeof(CUDA_MEMCPY3D) + 8];
+    memcpy(p, &m, sizeof m);
+    uint64_t rc = remote_ctx(ctx);
+    memcpy(p + sizeof m, &rc, 8);
+    return add_node(NODE_MEMCPY, phGraphNode, hGraph, dependencies, numDependencies, p, sizeof p, NULL);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                                    const CUgraphNode *dependencies, size_t numDependencies,
+                                                    CUDA_MEM_ALLOC_NODE_PARAMS *nodeParams) {
+    if (!nodeParams || (nodeParams->accessDescCount && !nodeParams->accessDescs) || nodeParams->accessDescCount > 64)
+        return CUDA_ERROR_INVALID_VALUE;
+    size_t n = nodeParams->accessDescCount, len = sizeof(CUmemPoolProps) + 16 + n * sizeof(CUmemAccessDesc);
+    uint8_t *p = malloc(len);
+    if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
+    uint64_t head[2] = {nodeParams->bytesize, n};
+    memcpy(p, &nodeParams->poolProps, sizeof(CUmemPoolProps));
+    memcpy(p + sizeof(CUmemPoolProps), head, 16);
+    if (n) memcpy(p + sizeof(CUmemPoolProps) + 16, nodeParams->accessDescs, n * sizeof(CUmemAccessDesc));
+    uint64_t dptr = 0;
+    CUresult r = add_node(NODE_MEM_ALLOC, phGraphNode, hGraph, dependencies, numDependencies, p, len, &dptr);
+    free(p);
+    if (r == CUDA_SUCCESS) {
+        nodeParams->dptr = dptr;
+        rgpu_ctx *cur = rgpu_ctx_current();
+        rgpu_dev_range_add(cur ? cur->session : 0, dptr, nodeParams->bytesize);
+    }
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphAddMemFreeNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                                   const CUgraphNode *dependencies, size_t numDependencies,
+                                                   CUdeviceptr dptr) {
+    return add_node(NODE_MEM_FREE, phGraphNode, hGraph, dependencies, numDependencies, &dptr, 8, NULL);
+}
+
+_Static_assert(sizeof(CUDA_MEMCPY3D) == 200, "CUDA_MEMCPY3D layout");
+_Static_assert(sizeof(CUDA_MEMSET_NODE_PARAMS) == 40, "CUDA_MEMSET_NODE_PARAMS layout");
+_Static_assert(sizeof(CUDA_MEM_ALLOC_NODE_PARAMS) == 120, "CUDA_MEM_ALLOC_NODE_PARAMS layout");
+_Static_assert(sizeof(CUDA_KERNEL_NODE_PARAMS_v2) == 72, "CUDA_KERNEL_NODE_PARAMS_v2 layout");
+_Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc layout");
+_Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp layout");
