@@ -313,11 +313,20 @@ AFTER_HOOKS = {
     "cuCtxSetSharedMemConfig": "rgpu_cache_forget_functions()",
     "cuFuncSetSharedMemConfig": "rgpu_cache_forget_functions()",
     "cuCtxSetLimit": "rgpu_cache_forget_functions()",
+    # copy nodes with a host side (cuda_graph.c): their records follow the graph
+    "cuGraphClone": "if (r == CUDA_SUCCESS) rgpu_hostcopy_clone(originalGraph, *phGraphClone)",
+    "cuGraphDestroy": "if (r == CUDA_SUCCESS) rgpu_hostcopy_forget(hGraph)",
+    "cuGraphInstantiateWithFlags": "if (r == CUDA_SUCCESS) rgpu_hostcopy_clone(hGraph, *phGraphExec)",
+    "cuGraphExecDestroy": "if (r == CUDA_SUCCESS) rgpu_hostcopy_forget(hGraphExec)",
+    "cuGraphLaunch": "if (r == CUDA_SUCCESS) r = rgpu_hostcopy_after_launch(hGraphExec, hStream)",
     # the driver fills the result even when the update fails
-    "cuGraphExecUpdate_v2": "if (r != CUDA_SUCCESS) { memset(resultInfo, 0, sizeof *resultInfo); resultInfo->result = 1; }",
+    "cuGraphExecUpdate_v2": ("if (r != CUDA_SUCCESS) { memset(resultInfo, 0, sizeof *resultInfo); resultInfo->result = 1; } "
+                             "else { rgpu_hostcopy_forget(hGraphExec); rgpu_hostcopy_clone(hGraph, hGraphExec); }"),
 }
 
 BEFORE_HOOKS = {
+    # host-memory sides of copy nodes: the data this process holds now goes first
+    "cuGraphLaunch": "{ CUresult r_ = rgpu_hostcopy_before_launch(hGraphExec); if (r_ != CUDA_SUCCESS) return r_; }",
     # answered from the client's caches when they hold the answer (cuda_cache.c)
     "cuCtxGetDevice": "if (rgpu_cached_ctx_device(NULL, device)) return CUDA_SUCCESS",
     "cuCtxGetDevice_v2": "if (rgpu_cached_ctx_device(ctx, device)) return CUDA_SUCCESS",

@@ -142,7 +142,7 @@ def test_graph_built_node_by_node(native_libs: build.Libraries, worker: Server) 
     mib = 1 << 20
     done = py_client(native_libs, worker.slices(worker.token(memory_limit=64 * mib)), f"""
         setup()
-        r, b = alloc(4096)
+        r, b = alloc(16384)
         graph = ctypes.c_void_p()
         check("cuGraphCreate", ctypes.byref(graph), 0)
         class AllocParams(ctypes.Structure):
@@ -167,9 +167,18 @@ def test_graph_built_node_by_node(native_libs: build.Libraries, worker: Server) 
         copy[22] = 4096; copy[23] = 1; copy[24] = 1
         deps[0] = node_set
         check("cuGraphAddMemcpyNode", ctypes.byref(node_copy), graph, deps, 1, copy, None)
-        host = (ctypes.c_char * 4096)()
+        # A copy node into this process's memory: its data arrives after each launch.
+        host = (ctypes.c_uint32 * 1024)()
         copy[15] = 1; copy[16] = ctypes.addressof(host)
-        print("HOSTNODE", lib.cuGraphAddMemcpyNode(ctypes.byref(node_host), graph, deps, 1, copy, None))
+        check("cuGraphAddMemcpyNode", ctypes.byref(node_host), graph, deps, 1, copy, None)
+        copy[23] = 2   # two rows with a host side: not remoted
+        print("HOST2D", lib.cuGraphAddMemcpyNode(ctypes.byref(ctypes.c_void_p()), graph, deps, 1, copy, None))
+        # and one from this process's memory, refreshed before each launch
+        src = (ctypes.c_uint32 * 16)(*range(16))
+        up = (ctypes.c_uint64 * 25)()
+        up[4] = 1; up[5] = ctypes.addressof(src); up[15] = 2; up[17] = b + 8192; up[22] = 64; up[23] = 1; up[24] = 1
+        node_up = ctypes.c_void_p()
+        check("cuGraphAddMemcpyNode", ctypes.byref(node_up), graph, None, 0, up, None)
         deps[0] = node_copy
         check("cuGraphAddMemFreeNode", ctypes.byref(node_free), graph, deps, 1, ctypes.c_uint64(ap.dptr))
         check("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
@@ -178,11 +187,16 @@ def test_graph_built_node_by_node(native_libs: build.Libraries, worker: Server) 
         check("cuGraphGetNodes", graph, None, ctypes.byref(n))
         exe = ctypes.c_void_p()
         check("cuGraphInstantiateWithFlags", ctypes.byref(exe), graph, ctypes.c_ulonglong(0))
+        src[0] = 77   # after the node was added: the launch must carry it
         check("cuGraphLaunch", exe, None)
+        print("HOSTSIDE", hex(host[0]), hex(host[1023]))
         check("cuCtxSynchronize")
         out = (ctypes.c_uint32 * 1024)()
         check("cuMemcpyDtoH_v2", out, ctypes.c_uint64(b), 4096)
         print("COPIED", hex(out[0]), hex(out[1023]))
+        up_back = (ctypes.c_uint32 * 16)()
+        check("cuMemcpyDtoH_v2", up_back, ctypes.c_uint64(b + 8192), 64)
+        print("UPLOADED", list(up_back)[:3])
         # A kernel node: its arguments are packed as a launch packs them; the emulated device
         # refuses to run it when the graph is launched.
         ptx = open({str(EXAMPLES / "vecadd.ptx")!r}, "rb").read() + b"\\0"
@@ -205,8 +219,10 @@ def test_graph_built_node_by_node(native_libs: build.Libraries, worker: Server) 
         """)
     out = done.stdout
     assert "GRAPHMEM True 8" in out, out + done.stderr
-    assert "HOSTNODE 801" in out
-    assert "cuGraphAddMemcpyNode: copy nodes from or to host memory" in done.stderr
+    assert "HOST2D 801" in out
+    assert "cuGraphAddMemcpyNode: this copy node" in done.stderr
+    assert "HOSTSIDE 0x5a5a5a5a 0x5a5a5a5a" in out
+    assert "UPLOADED [77, 1, 2]" in out
     assert "FREED 0" in out
     assert "COPIED 0x5a5a5a5a 0x5a5a5a5a" in out
     assert "KERNEL 0 801" in out

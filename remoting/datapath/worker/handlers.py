@@ -263,6 +263,18 @@ class Handlers:
                 self.memory.remove(key)
         return SUCCESS, struct.pack("<QQ", node, aux)
 
+    def h_graph_host_refresh(self, p: memoryview, address: int, seq: int) -> None:
+        buffer, size = struct.unpack_from("<QQ", p, 0)
+        data = p[16:16 + size]
+        if len(data) != size:
+            raise CudaError(INVALID_VALUE, "rgpu: worker: truncated graph host-copy data")
+        self.backend.graph_host_write(buffer, data)
+
+    def h_graph_host_readback(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        stream, n = struct.unpack_from("<QQ", p, 0)
+        pairs = [struct.unpack_from("<QQ", p, 16 + 16 * i) for i in range(n)]
+        return SUCCESS, self.backend.graph_host_read(stream, pairs)
+
     def h_kernel_node_set(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         exe, node, plen = struct.unpack_from("<QQQ", p, 0)
         self.backend.kernel_node_set(exe, node, bytes(p[24:24 + plen]))

@@ -99,6 +99,8 @@ class Worker(Handlers):
             "cuGraphGetNodes": (self.h_graph_nodes, False),
             "rgpuGraphAddNode": (self.h_graph_add_node, False),
             "rgpuGraphKernelNodeSetParams": (self.h_kernel_node_set, False),
+            "rgpuGraphHostRefresh": (self.h_graph_host_refresh, True),
+            "rgpuGraphHostReadback": (self.h_graph_host_readback, False),
             "cuMemCreate": (self.h_mem_create, False),
             "cuMemRelease": (self.h_mem_release, False),
             "cuMemRetainAllocationHandle": (self.h_mem_retain, False),

@@ -1310,6 +1310,7 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphDestroy(CUgraph hGraph) {
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hGraph);
     r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) rgpu_hostcopy_forget(hGraph);
     rgpu_end(&c);
     return r;
 }
@@ -1324,6 +1325,7 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphClone(CUgraph *phGraphClone, CUgraph origina
     if (r == CUDA_SUCCESS) {
         { CUgraph phGraphClone_v; memset(&phGraphClone_v, 0, sizeof phGraphClone_v); phGraphClone_v = (CUgraph)(uintptr_t)rgpu_get_u64(&c); if (phGraphClone) *phGraphClone = phGraphClone_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_hostcopy_clone(originalGraph, *phGraphClone);
     rgpu_end(&c);
     return r;
 }
@@ -1353,17 +1355,21 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphInstantiateWithFlags(CUgraphExec *phGraphExe
     if (r == CUDA_SUCCESS) {
         { CUgraphExec phGraphExec_v; memset(&phGraphExec_v, 0, sizeof phGraphExec_v); phGraphExec_v = (CUgraphExec)(uintptr_t)rgpu_get_u64(&c); if (phGraphExec) *phGraphExec = phGraphExec_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_hostcopy_clone(hGraph, *phGraphExec);
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) {
+    { CUresult r_ = rgpu_hostcopy_before_launch(hGraphExec); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuGraphLaunch);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hGraphExec);
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) r = rgpu_hostcopy_after_launch(hGraphExec, hStream);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuGraphUpload(CUgraphExec hGraphExec, CUstream hStream) {
@@ -1381,6 +1387,7 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphExecDestroy(CUgraphExec hGraphExec) {
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hGraphExec);
     r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) rgpu_hostcopy_forget(hGraphExec);
     rgpu_end(&c);
     return r;
 }
@@ -1396,7 +1403,7 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphExecUpdate_v2(CUgraphExec hGraphExec, CUgrap
     if (r == CUDA_SUCCESS) {
         { CUgraphExecUpdateResultInfo resultInfo_v; memset(&resultInfo_v, 0, sizeof resultInfo_v); rgpu_get(&c, &resultInfo_v, sizeof(resultInfo_v)); if (resultInfo) *resultInfo = resultInfo_v; }
     }
-    if (r != CUDA_SUCCESS) { memset(resultInfo, 0, sizeof *resultInfo); resultInfo->result = 1; };
+    if (r != CUDA_SUCCESS) { memset(resultInfo, 0, sizeof *resultInfo); resultInfo->result = 1; } else { rgpu_hostcopy_forget(hGraphExec); rgpu_hostcopy_clone(hGraph, hGraphExec); };
     rgpu_end(&c);
     return r;
 }

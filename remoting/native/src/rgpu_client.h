@@ -154,6 +154,10 @@ void rgpu_pstate_put(CUdevice dev, unsigned int flags, int active);
 void rgpu_pstate_forget(void);
 int rgpu_occ_get(CUfunction f, int block, size_t smem, unsigned int flags, int *out);
 void rgpu_occ_put(CUfunction f, int block, size_t smem, unsigned int flags, int value);
+void rgpu_hostcopy_clone(void *from, void *to);
+void rgpu_hostcopy_forget(void *owner);
+CUresult rgpu_hostcopy_before_launch(CUgraphExec exec);
+CUresult rgpu_hostcopy_after_launch(CUgraphExec exec, CUstream stream);
 CUresult rgpu_kernel_args(CUfunction f, void **params, void **extra, uint8_t **out, size_t *size);
 
 /* Allocation tables (tables.c): device ranges route unified copies and pointer queries;
