@@ -63,19 +63,33 @@ def test_capture_instantiate_launch_and_exact_capture_status(native_libs: build.
         print("MODE", mode.value)
         check("cuGraphExecDestroy", exe)
         check("cuGraphDestroy", graph)
-        # A copy from this process's memory on a capturing stream is refused, naming the call; as
-        # any asynchronous error, it answers the next synchronising call.
+        # Copies between this process's memory and the device on a capturing stream become copy
+        # nodes: the host data as it is at each launch goes in, the results come back after it.
         check("cuStreamBeginCapture_v2", s, 0)
-        host = (ctypes.c_char * 16)()
-        print("HTOD", lib.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(a), host, 16, s), lib.cuStreamEndCapture(s, ctypes.byref(graph)))
+        src, dst = (ctypes.c_uint32 * 4)(1, 2, 3, 4), (ctypes.c_uint32 * 4)()
+        check("cuMemcpyHtoDAsync_v2", ctypes.c_uint64(a), src, 16, s)
+        check("cuMemcpyDtoDAsync_v2", ctypes.c_uint64(b), ctypes.c_uint64(a), 16, s)
+        check("cuMemcpyDtoHAsync_v2", dst, ctypes.c_uint64(b), 16, s)
+        print("CAPTURED", list(dst))
+        check("cuStreamEndCapture", s, ctypes.byref(graph))
+        check("cuGraphInstantiateWithFlags", ctypes.byref(exe), graph, ctypes.c_ulonglong(0))
+        src[0] = 10
+        check("cuGraphLaunch", exe, s)
+        check("cuStreamSynchronize", s)
+        print("REPLAY1", list(dst))
+        src[1] = 20
+        check("cuGraphLaunch", exe, s)
+        check("cuStreamSynchronize", s)
+        print("REPLAY2", list(dst))
         print("DONE")
         """)
     out = done.stdout
     assert "BEFORE 0" in out, out + done.stderr
     assert "DURING 1 True 0" in out
     assert "OTHER 0" in out
-    assert "HTOD 0 900" in out      # CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
-    assert "not remoted yet" in done.stderr
+    assert "CAPTURED [0, 0, 0, 0]" in out   # nothing ran during capture
+    assert "REPLAY1 [10, 2, 3, 4]" in out
+    assert "REPLAY2 [10, 20, 3, 4]" in out
     assert "SAMEGRAPH True" in out
     assert "AFTER 0" in out
     assert "NODES 2" in out

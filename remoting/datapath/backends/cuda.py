@@ -495,19 +495,42 @@ class CudaBackend(CudaDriverCalls):
             self._check("cuGraphAddMemFreeNode", *head, dptr)
         elif kind == 6:   # a 1D copy with a host side: through a pinned buffer of this worker's
             to_host, _, dev, size, ctx = struct.unpack_from("<IIQQQ", payload, 0)
-            buf = c_void_p()
-            self._with_primary(lambda: self._check("cuMemHostAlloc", byref(buf), max(size, 1), MEMHOSTALLOC_PORTABLE))
-            self._graph_host[buf.value or 0] = size
+            aux = self._graph_host_buffer(size)
             m = CUDA_MEMCPY3D(WidthInBytes=size, Height=1, Depth=1)
             if to_host:
-                m.srcMemoryType, m.srcDevice, m.dstMemoryType, m.dstHost = 2, dev, 1, buf.value
+                m.srcMemoryType, m.srcDevice, m.dstMemoryType, m.dstHost = 2, dev, 1, aux
             else:
-                m.srcMemoryType, m.srcHost, m.dstMemoryType, m.dstDevice = 1, buf.value, 2, dev
+                m.srcMemoryType, m.srcHost, m.dstMemoryType, m.dstDevice = 1, aux, 2, dev
             self._check("cuGraphAddMemcpyNode", *head, byref(m), ctx or None)
-            aux = buf.value or 0
         else:
             raise CudaError(INVALID_VALUE, f"rgpu: worker: unknown graph node kind {kind}")
         return node.value or 0, aux
+
+    def capture_host_copy(self, stream: int, to_host: bool, dev: int, size: int, data: bytes) -> tuple[int, int]:
+        """A copy with a host side on a capturing stream: captured through a pinned buffer of this
+        worker's (its data now, refreshed before each launch, read back after)."""
+        address = self._graph_host_buffer(size)
+        if to_host:
+            self._check("cuMemcpyDtoHAsync_v2", address, dev, size, stream or None)
+        else:
+            ctypes.memmove(address, data, size)
+            self._check("cuMemcpyHtoDAsync_v2", dev, address, size, stream or None)
+        _, _, graph, _, _ = self.capture_info(stream, 1)
+        return address, graph
+
+    def _graph_host_buffer(self, size: int) -> int:
+        """A pinned buffer for a graph's copy node; allocated in relaxed capture mode, since an
+        application's capture in global mode forbids allocations on other threads' behalf."""
+        code, mode = self.cuThreadExchangeStreamCaptureMode(2)   # CU_STREAM_CAPTURE_MODE_RELAXED
+        if code != SUCCESS:
+            raise CudaError(code)
+        buf = c_void_p()
+        try:
+            self._with_primary(lambda: self._check("cuMemHostAlloc", byref(buf), max(size, 1), MEMHOSTALLOC_PORTABLE))
+        finally:
+            self.cuThreadExchangeStreamCaptureMode(mode)
+        self._graph_host[buf.value or 0] = size
+        return buf.value or 0
 
     def _graph_buffer(self, buffer: int, size: int) -> None:
         if self._graph_host.get(buffer, -1) < size:

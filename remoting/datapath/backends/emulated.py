@@ -752,6 +752,23 @@ class EmulatedBackend:
         node = self.handles.new()
         return node, aux
 
+    def capture_host_copy(self, stream: int, to_host: bool, dev: int, size: int, data: bytes) -> tuple[int, int]:
+        if stream not in self.capturing:
+            raise CudaError(INVALID_VALUE)
+        graph = self.capturing[stream][1]
+        buffer = self.handles.new()
+        buf = self.graph_host[buffer] = bytearray(data if not to_host else bytes(size))
+
+        def copy() -> tuple[int]:
+            dbuf, off = self._locate(dev, size)
+            if to_host:
+                buf[:] = dbuf[off:off + size]
+            else:
+                dbuf[off:off + size] = buf
+            return (SUCCESS,)
+        self.graphs[graph].append(copy)
+        return buffer, graph
+
     def graph_host_write(self, buffer: int, data: memoryview) -> None:
         if len(self.graph_host.get(buffer, b"")) < len(data):
             raise CudaError(INVALID_VALUE)

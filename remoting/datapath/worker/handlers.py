@@ -275,6 +275,14 @@ class Handlers:
         pairs = [struct.unpack_from("<QQ", p, 16 + 16 * i) for i in range(n)]
         return SUCCESS, self.backend.graph_host_read(stream, pairs)
 
+    def h_capture_host_copy(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        stream, to_host, _, dev, size = struct.unpack_from("<QIIQQ", p, 0)
+        data = b"" if to_host else bytes(p[32:32 + size])
+        if len(data) != (0 if to_host else size):
+            raise CudaError(INVALID_VALUE, "rgpu: worker: truncated captured host copy")
+        buffer, graph = self.backend.capture_host_copy(stream, bool(to_host), dev, size, data)
+        return SUCCESS, struct.pack("<QQ", buffer, graph)
+
     def h_kernel_node_set(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         exe, node, plen = struct.unpack_from("<QQQ", p, 0)
         self.backend.kernel_node_set(exe, node, bytes(p[24:24 + plen]))

@@ -101,6 +101,7 @@ class Worker(Handlers):
             "rgpuGraphKernelNodeSetParams": (self.h_kernel_node_set, False),
             "rgpuGraphHostRefresh": (self.h_graph_host_refresh, True),
             "rgpuGraphHostReadback": (self.h_graph_host_readback, False),
+            "rgpuCaptureHostCopy": (self.h_capture_host_copy, False),
             "cuMemCreate": (self.h_mem_create, False),
             "cuMemRelease": (self.h_mem_release, False),
             "cuMemRetainAllocationHandle": (self.h_mem_retain, False),

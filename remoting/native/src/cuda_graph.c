@@ -552,3 +552,42 @@ _Static_assert(sizeof(CUDA_MEM_ALLOC_NODE_PARAMS) == 120, "CUDA_MEM_ALLOC_NODE_P
 _Static_assert(sizeof(CUDA_KERNEL_NODE_PARAMS_v2) == 72, "CUDA_KERNEL_NODE_PARAMS_v2 layout");
 _Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc layout");
 _Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp layout");
+
+/* ------------------------------------------------------------------ host copies in stream capture
+ * A copy between this process's memory and the device on a capturing stream becomes a copy
+ * node through a pinned worker buffer, recorded against the capture's graph: refreshed before
+ * and read back after each launch, as those added with cuGraphAddMemcpyNode. */
+
+int rgpu_stream_capturing(CUstream stream) {
+    if (!rgpu_capture_possible()) return 0;
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    return cuStreamIsCapturing(stream, &st) == CUDA_SUCCESS && st == 1 /* ACTIVE */;
+}
+
+CUresult rgpu_capture_host_copy(CUstream stream, int to_host, CUdeviceptr dev, void *host, size_t n) {
+    if (n && !host) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_rgpuCaptureHostCopy);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+    rgpu_put_u32(&c, (uint32_t)to_host);
+    rgpu_put_u32(&c, 0);
+    rgpu_put_u64(&c, dev);
+    rgpu_put_u64(&c, n);
+    if (!to_host && n) {
+        r = rgpu_put_bulk(&c, host, n);
+        if (r != CUDA_SUCCESS) {
+            rgpu_end(&c);
+            return r;
+        }
+    }
+    r = rgpu_sync(&c);
+    uint64_t buffer = 0, graph = 0;
+    if (r == CUDA_SUCCESS) {
+        buffer = rgpu_get_u64(&c);
+        graph = rgpu_get_u64(&c);
+    }
+    rgpu_end(&c);
+    if (r == CUDA_SUCCESS) hostcopy_add((void *)(uintptr_t)graph, buffer, host, n, to_host);
+    return r;
+}

@@ -155,6 +155,8 @@ void rgpu_pstate_forget(void);
 int rgpu_occ_get(CUfunction f, int block, size_t smem, unsigned int flags, int *out);
 void rgpu_occ_put(CUfunction f, int block, size_t smem, unsigned int flags, int value);
 void rgpu_hostcopy_clone(void *from, void *to);
+int rgpu_stream_capturing(CUstream stream);
+CUresult rgpu_capture_host_copy(CUstream stream, int to_host, CUdeviceptr dev, void *host, size_t n);
 void rgpu_hostcopy_forget(void *owner);
 CUresult rgpu_hostcopy_before_launch(CUgraphExec exec);
 CUresult rgpu_hostcopy_after_launch(CUgraphExec exec, CUstream stream);
