@@ -313,6 +313,7 @@ AFTER_HOOKS = {
     "cuCtxSetSharedMemConfig": "rgpu_cache_forget_functions()",
     "cuFuncSetSharedMemConfig": "rgpu_cache_forget_functions()",
     "cuCtxSetLimit": "rgpu_cache_forget_functions()",
+    "cuCtxGetLimit": "if (r == CUDA_SUCCESS) rgpu_limit_put(limit, *pvalue)",
     # copy nodes with a host side (cuda_graph.c): their records follow the graph
     "cuGraphClone": "if (r == CUDA_SUCCESS) rgpu_hostcopy_clone(originalGraph, *phGraphClone)",
     "cuGraphDestroy": "if (r == CUDA_SUCCESS) rgpu_hostcopy_forget(hGraph)",
@@ -334,6 +335,7 @@ BEFORE_HOOKS = {
     "cuKernelGetFunction": "if (rgpu_kfunc_get(kernel, pFunc)) return CUDA_SUCCESS",
     "cuDeviceGetAttribute": "if (rgpu_dattr_get(attrib, dev, pi)) return CUDA_SUCCESS",
     "cuDevicePrimaryCtxGetState": "if (rgpu_pstate_get(dev, flags, active)) return CUDA_SUCCESS",
+    "cuCtxGetLimit": "if (rgpu_limit_get(limit, pvalue)) return CUDA_SUCCESS",
     # setting an attribute to the value it has is a no-op (cuBLAS sets it before each launch)
     "cuKernelSetAttribute": "{ int v_; if (rgpu_kattr_get(kernel, attrib, dev, &v_) && v_ == val) return CUDA_SUCCESS; }",
     "cuOccupancyMaxActiveBlocksPerMultiprocessor": "if (rgpu_occ_get(func, blockSize, dynamicSMemSize, 0, numBlocks)) return CUDA_SUCCESS",

@@ -265,9 +265,17 @@ def test_repeated_queries_are_answered_in_the_client_and_stay_exact(native_libs:
         check("cuDevicePrimaryCtxSetFlags_v2", 0, 4)
         check("cuDevicePrimaryCtxGetState", 0, ctypes.byref(flags), ctypes.byref(active))
         print("FLAGS", flags.value)
+        heap = ctypes.c_size_t()
+        check("cuCtxGetLimit", ctypes.byref(heap), 2)            # CU_LIMIT_MALLOC_HEAP_SIZE
+        check("cuCtxGetLimit", ctypes.byref(heap), 2)
+        check("cuCtxSetLimit", 2, ctypes.c_size_t(heap.value + (1 << 20)))
+        after = ctypes.c_size_t()
+        check("cuCtxGetLimit", ctypes.byref(after), 2)
+        print("LIMIT", after.value - heap.value)
         """)
     out = done.stdout
     assert "FAST True 0 1 132" in out, out + done.stderr
     assert "RELEASED 0" in out
     assert "RETAINED 1" in out
     assert "FLAGS 4" in out
+    assert "LIMIT 1048576" in out

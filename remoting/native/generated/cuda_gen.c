@@ -347,6 +347,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetId(CUcontext ctx, unsigned long long *ctxId
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxGetLimit(size_t *pvalue, CUlimit limit) {
     if (pvalue == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_limit_get(limit, pvalue)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuCtxGetLimit);
     if (r != CUDA_SUCCESS) return r;
@@ -355,6 +356,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetLimit(size_t *pvalue, CUlimit limit) {
     if (r == CUDA_SUCCESS) {
         { size_t pvalue_v; memset(&pvalue_v, 0, sizeof pvalue_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); pvalue_v = (size_t)v_; } if (pvalue) *pvalue = pvalue_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_limit_put(limit, *pvalue);
     rgpu_end(&c);
     return r;
 }

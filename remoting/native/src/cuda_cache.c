@@ -95,7 +95,9 @@ void rgpu_kfunc_put(CUkernel k, CUfunction f) {
     if (ctx) put(&g_kfunc, (uint64_t)(uintptr_t)k, ctx, 0, (uint64_t)(uintptr_t)f);
 }
 void rgpu_cache_forget_occupancy(void);
+void rgpu_limit_forget(void);
 void rgpu_cache_forget_functions(void) {
+    rgpu_limit_forget();
     clear(&g_kattr);
     clear(&g_kfunc);
     rgpu_cache_forget_occupancy();
@@ -138,3 +140,18 @@ void rgpu_occ_put(CUfunction f, int block, size_t smem, unsigned int flags, int 
     put(&g_occ, (uint64_t)(uintptr_t)f, (uint64_t)(uint32_t)block | ((uint64_t)flags << 32), smem, (uint64_t)(uint32_t)value);
 }
 void rgpu_cache_forget_occupancy(void) { clear(&g_occ); }
+
+/* cuCtxGetLimit, per context: changed only by cuCtxSetLimit, except the stack size, which the
+ * driver raises by itself for kernels that need more (never cached). */
+static table g_limit;
+int rgpu_limit_get(int limit, size_t *out) {
+    uint64_t v, ctx = current_remote();
+    if (limit == 0 || !ctx || !get(&g_limit, ctx, (uint64_t)limit, 0, &v)) return 0;
+    *out = (size_t)v;
+    return 1;
+}
+void rgpu_limit_put(int limit, size_t value) {
+    uint64_t ctx = current_remote();
+    if (limit != 0 && ctx) put(&g_limit, ctx, (uint64_t)limit, 0, value);
+}
+void rgpu_limit_forget(void) { clear(&g_limit); }

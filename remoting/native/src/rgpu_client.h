@@ -152,6 +152,8 @@ void rgpu_dattr_put(int attrib, CUdevice dev, int value);
 int rgpu_pstate_get(CUdevice dev, unsigned int *flags, int *active);
 void rgpu_pstate_put(CUdevice dev, unsigned int flags, int active);
 void rgpu_pstate_forget(void);
+int rgpu_limit_get(int limit, size_t *out);
+void rgpu_limit_put(int limit, size_t value);
 int rgpu_occ_get(CUfunction f, int block, size_t smem, unsigned int flags, int *out);
 void rgpu_occ_put(CUfunction f, int block, size_t smem, unsigned int flags, int value);
 void rgpu_hostcopy_clone(void *from, void *to);
