@@ -31,6 +31,8 @@ def chained(native_libs: build.Libraries, emulated: Server, monkeypatch: pytest.
     monkeypatch.setenv("RGPU_SLICES", inner)
     monkeypatch.setenv("RGPU_WORKER_ALLOW_RGPU_LIBCUDA", "1")
     monkeypatch.setenv("RGPU_LOG", "error")
+    # The GPU behind the chain is emulated: its contexts take no memory, so no reservation.
+    monkeypatch.setenv("RGPU_SESSION_CONTEXT_RESERVE", "0")
     server, address = start_server("cuda", [EMULATED_GPU])
     try:
         yield Server(server, address, [EMULATED_GPU])

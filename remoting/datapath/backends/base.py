@@ -8,10 +8,12 @@ carry the semantics the worker adds: memory limits, copies, module tables, launc
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import struct
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -80,20 +82,50 @@ class LoadResult:
     functions: list[FnInfo] = field(default_factory=list)
 
 
-class SliceMemory:
-    """Exact accounting of the device memory a session holds against its slice's limit.
+# The driver's pitch for cuMemAllocPitch is at least this (an H100 gave 512 bytes for a 1-byte-wide
+# request; the texture pitch alignment it reports is smaller), so the check before allocating
+# assumes it, and the pitch the driver really chose is accounted after.
+PITCH_ALIGN_BYTES = 512
 
-    The worker sees every allocation, so the limit is exact: bytes as requested (pitch times
-    height for pitched ones). Usage is also published in a one-word file that the slice's NVML
-    sessions read, so `nvidia-smi` shows what the slice's sessions hold.
+# Each session's own CUDA context on the GPU (about 525 MiB measured on an H100, less under MPS),
+# charged to the slice when the session opens. `RGPU_SESSION_CONTEXT_RESERVE` in the dispatcher's
+# environment (bytes or a size such as 600MiB) overrides it; the emulated GPU has no context cost
+# and reserves nothing unless it is set.
+CONTEXT_RESERVE_BYTES = 544 << 20
+
+
+def context_reserve(backend: str, environ: dict[str, str] | os._Environ[str] | None = None) -> int:
+    """The device memory charged to a slice for each session's context."""
+    from rgpu.units import parse_size
+    text = (environ if environ is not None else os.environ).get("RGPU_SESSION_CONTEXT_RESERVE", "")
+    if text.strip() == "0":
+        return 0
+    if text.strip():
+        return parse_size(text, "RGPU_SESSION_CONTEXT_RESERVE", component="worker")
+    return CONTEXT_RESERVE_BYTES if backend == "cuda" else 0
+
+
+class SliceMemory:
+    """Exact accounting of the device memory a slice's sessions hold against the slice's limit.
+
+    The limit belongs to the slice, not to the session: every session opened with the slice's
+    token publishes what it holds in a one-word usage file in the slice's folder, and an
+    allocation is checked against the sum of all of them, under a lock on the folder, so any
+    number of sessions share one budget (and `nvidia-smi` shows what the slice holds). Each
+    session's context is charged up front (`reserve_bytes`), and an allocation is claimed
+    (`check`) before the driver is asked and settled at its real size (`add`) or given back
+    (`cancel`) after.
     """
 
-    def __init__(self, limit_bytes: int, usage_file: Path | None = None) -> None:
+    def __init__(self, limit_bytes: int, usage_file: Path | None = None, reserve_bytes: int = 0) -> None:
         self.limit = limit_bytes
-        self.used = 0
+        self.used = 0          # what this session holds: its context reservation, allocations, a pending claim
         self.high_water = 0
+        self.reserved = 0
+        self.pending = 0
         self.sizes: dict[int, int] = {}
         self._map: mmap.mmap | None = None
+        self._folder: Path | None = None
         if usage_file is not None:
             usage_file.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(usage_file, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -103,19 +135,82 @@ class SliceMemory:
             finally:
                 os.close(fd)
             self.usage_file = usage_file
+            self._folder = usage_file.parent
+        if reserve_bytes:
+            with self._locked():
+                others = self.slice_used() - self.used
+                if reserve_bytes > self.limit - others:
+                    self.close()
+                    raise CudaError(OUT_OF_MEMORY, (
+                        f"rgpu: worker: session refused (each session's CUDA context takes "
+                        f"{format_bytes(reserve_bytes)} of the slice's {format_bytes(self.limit)}, and the "
+                        f"slice's other sessions hold {format_bytes(others)}; end another session of this job or "
+                        f"ask for a larger slice)"))
+                self.reserved = reserve_bytes
+                self._grow(reserve_bytes)
 
-    def check(self, size: int) -> None:
-        if size > self.limit - self.used:
-            raise CudaError(OUT_OF_MEMORY, (
-                f"rgpu: worker: allocation of {format_bytes(size)} refused (the slice's memory limit is "
-                f"{format_bytes(self.limit)} and {format_bytes(self.used)} are in use; free memory or "
-                f"ask for a larger slice)"))
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The slice's folder lock: a check and its claim are one step for all of the slice's workers."""
+        if self._folder is None:
+            yield
+            return
+        fd = os.open(self._folder / ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
 
-    def add(self, ptr: int, size: int) -> None:
-        self.sizes[ptr] = size
+    def slice_used(self) -> int:
+        """What every session of the slice holds (this one's own count included)."""
+        if self._folder is None:
+            return self.used
+        return max(self.used, slice_usage(self._folder))
+
+    def _grow(self, size: int) -> None:
         self.used += size
         self.high_water = max(self.high_water, self.used)
         self._publish()
+
+    def _refusal(self, size: int, what: str) -> CudaError:
+        in_use = self.slice_used()
+        return CudaError(OUT_OF_MEMORY, (
+            f"rgpu: worker: {what + ': ' if what else ''}allocation of {format_bytes(size)} refused (the slice's memory "
+            f"limit is {format_bytes(self.limit)}, shared by all of its sessions, and {format_bytes(in_use)} are in use, "
+            f"{format_bytes(self.reserved)} of them this session's context; free memory or ask for a larger slice)"))
+
+    def check(self, size: int, what: str = "") -> None:
+        """Claim `size` bytes for an allocation about to be made; settled by add() or cancel()."""
+        self.cancel()
+        with self._locked():
+            if size > self.limit - self.slice_used():
+                raise self._refusal(size, what)
+            self.pending = size
+            self._grow(size)
+
+    def cancel(self) -> None:
+        """Give back a claim whose allocation failed."""
+        if self.pending:
+            self.used -= self.pending
+            self.pending = 0
+            self._publish()
+
+    def add(self, ptr: int, size: int, what: str = "") -> None:
+        """Account an allocation at its real size; raises (accounting nothing) when the real size
+        no longer fits, and the caller frees it."""
+        extra = size - self.pending
+        if extra > 0:
+            with self._locked():
+                if extra > self.limit - self.slice_used():
+                    self.cancel()
+                    raise self._refusal(size, what)
+                self._grow(extra)
+        else:
+            self.used += extra
+            self._publish()
+        self.pending = 0
+        self.sizes[ptr] = size
 
     def remove(self, ptr: int) -> int:
         size = self.sizes.pop(ptr, 0)
@@ -127,7 +222,8 @@ class SliceMemory:
         return ptr in self.sizes
 
     def free_bytes(self) -> int:
-        return max(0, self.limit - self.used)
+        """What the slice (all of its sessions) has left."""
+        return max(0, self.limit - self.slice_used())
 
     def _publish(self) -> None:
         if self._map is not None:

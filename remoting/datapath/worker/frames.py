@@ -3,18 +3,46 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import socket
 
 from rgpu.remoting.datapath import protocol
+from rgpu.units import format_bytes, parse_size
 
 _HEADER = protocol.HEADER
+
+# The largest frame a worker takes into memory (a module image, a captured host copy's data);
+# bigger ones are read through the receive buffer, discarded and answered with an error. Copies
+# never need it: they travel in 1 MiB chunks. `RGPU_WORKER_MAX_FRAME` in the dispatcher's
+# environment (a size such as 512MiB) overrides it.
+WORKER_MAX_FRAME = 256 << 20
+
+
+def worker_max_frame() -> int:
+    text = os.environ.get("RGPU_WORKER_MAX_FRAME", "").strip()
+    if not text:
+        return WORKER_MAX_FRAME
+    return min(parse_size(text, "RGPU_WORKER_MAX_FRAME", component="worker"), protocol.MAX_FRAME)
+
+
+class FrameTooLarge(Exception):
+    """A frame above the worker's maximum, read and discarded; its operation gets this error."""
+
+    def __init__(self, op: int, seq: int, length: int, limit: int) -> None:
+        super().__init__(f"frame of {length} bytes")
+        self.op, self.seq, self.length = op, seq, length
+        self.message = (f"rgpu: worker: a request of {format_bytes(length)} refused (a worker takes frames of at "
+                        f"most {format_bytes(limit)} into memory; split the data, e.g. load a smaller module "
+                        f"image, or raise RGPU_WORKER_MAX_FRAME on the dispatcher)")
 
 
 class FrameReader:
     """Reads frames into one reusable buffer; payload views stay valid until the next read.
 
     The buffer is a ctypes array so backends can hand its addresses to the driver (the CUDA
-    backend pins it, so host-to-device copies go straight from the socket buffer by DMA).
+    backend pins it, so host-to-device copies go straight from the socket buffer by DMA). A frame
+    larger than the buffer and at most `max_frame` gets an array of its own (`big`), which the
+    serving loop drops as soon as its operation returns.
     """
 
     def __init__(self, sock: socket.socket, size: int = 8 << 20) -> None:
@@ -27,6 +55,7 @@ class FrameReader:
         self.end = 0
         self.big: ctypes.Array | None = None
         self.received = 0   # bytes read from the socket (the session's traffic counters)
+        self.max_frame = worker_max_frame()
 
     def _fill(self, need: int) -> None:
         if self.end - self.start >= need:
@@ -44,11 +73,13 @@ class FrameReader:
 
     def next(self) -> tuple[int, int, int, int, int, memoryview, int]:
         """(op, flags, seq, aux, ctx, payload, payload_address)."""
+        self.big = None
         self._fill(protocol.HEADER_SIZE)
         length, op, flags, seq, aux, ctx = _HEADER.unpack_from(self.view, self.start)
         self.start += protocol.HEADER_SIZE
-        if length > protocol.MAX_FRAME:
-            raise ValueError(f"frame of {length} bytes")
+        if length > self.max_frame:
+            self._discard(length)
+            raise FrameTooLarge(op, seq, length, self.max_frame)
         if length + 64 <= self.size:
             self._fill(length)
             payload = self.view[self.start:self.start + length]
@@ -71,3 +102,16 @@ class FrameReader:
         self.big = big
         return op, flags, seq, aux, ctx, bview, ctypes.addressof(big)
 
+
+    def _discard(self, length: int) -> None:
+        """Read a refused frame's payload through the receive buffer, keeping none of it."""
+        have = min(self.end - self.start, length)
+        self.start += have
+        left = length - have
+        while left:
+            k = self.sock.recv_into(self.view, min(left, self.size))
+            if k == 0:
+                raise EOFError
+            left -= k
+            self.received += k
+        self.start = self.end = 0

@@ -12,7 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from rgpu.remoting.datapath import protocol
-from rgpu.remoting.datapath.backends.base import INVALID_VALUE, SUCCESS, CudaError, LoadResult, SliceMemory
+from rgpu.remoting.datapath.backends.base import (INVALID_VALUE, PITCH_ALIGN_BYTES, SUCCESS, CudaError, LoadResult,
+                                                  SliceMemory)
 from rgpu.remoting.datapath.worker.codecs import (ALLOC, COPY, HEADER, LAUNCH, LAUNCH_ATTR_SIZE, U32, U64, fn_bytes,
                                                   fn_without_handle, lp, read_options, take_str)
 from rgpu.remoting.datapath.worker.native_loop import NativeLaunches
@@ -69,15 +70,32 @@ class Handlers:
     # ------------------------------------------------------------------ memory
 
     def h_alloc(self, kind: str) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
+        what = {"plain": "cuMemAlloc", "pitch": "cuMemAllocPitch", "async": "cuMemAllocAsync",
+                "pool": "cuMemAllocFromPoolAsync"}[kind]
+
         def run(p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
             size, a, b, height, elem = ALLOC.unpack_from(p, 0)
-            counted = size * max(height, 1) if kind == "pitch" else size
             assert self.memory is not None
-            self.memory.check(counted)
-            ptr, pitch = self.backend.mem_alloc(kind, size, a, b, height, elem)
             if kind == "pitch":
-                counted = pitch * height
-            self.memory.add(ptr, counted)
+                # The GPU reserves pitch x height: claim it at the smallest pitch the driver
+                # chooses, then account the pitch it chose.
+                pitch = -(-max(size, 1) // PITCH_ALIGN_BYTES) * PITCH_ALIGN_BYTES
+                label = f"{what} ({size} B wide x {height} rows at a pitch of at least {pitch} B)"
+                self.memory.check(pitch * max(height, 1), label)
+            else:
+                label = what
+                self.memory.check(size, what)
+            try:
+                ptr, pitch = self.backend.mem_alloc(kind, size, a, b, height, elem)
+            except BaseException:
+                self.memory.cancel()
+                raise
+            counted = pitch * height if kind == "pitch" else size
+            try:
+                self.memory.add(ptr, counted, label)
+            except CudaError:
+                self.backend.mem_free(ptr, 0, False)
+                raise
             return SUCCESS, struct.pack("<QQ", ptr, pitch)
         return run
 
@@ -252,8 +270,13 @@ class Handlers:
         if kind == 4:   # a graph memory allocation: counted against the slice while its node exists
             (size,) = U64.unpack_from(payload, 88)
             assert self.memory is not None
-            self.memory.check(size)
-        node, aux = self.backend.graph_add_node(kind, graph, deps, payload)
+            self.memory.check(size, "graph memory allocation node")
+        try:
+            node, aux = self.backend.graph_add_node(kind, graph, deps, payload)
+        except BaseException:
+            if self.memory is not None:
+                self.memory.cancel()
+            raise
         if kind == 4 and self.memory is not None:
             self.memory.add(-(node + (1 << 62)), size)
             self.graph_allocs[aux] = -(node + (1 << 62))
@@ -297,8 +320,12 @@ class Handlers:
         size, flags = struct.unpack_from("<QQ", p, 0)
         prop = _on_worker_device(bytes(p[16:48]), 8)
         assert self.memory is not None
-        self.memory.check(size)
-        handle = self.backend.vmm_create(size, flags, prop)
+        self.memory.check(size, "cuMemCreate")
+        try:
+            handle = self.backend.vmm_create(size, flags, prop)
+        except BaseException:
+            self.memory.cancel()
+            raise
         self.memory.add(-handle, size)
         self.vmm_refs[handle] = 1
         return SUCCESS, U64.pack(handle)

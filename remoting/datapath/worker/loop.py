@@ -11,9 +11,10 @@ from typing import Any
 
 from rgpu.remoting.native.generated import api_gen
 from rgpu.remoting.datapath import protocol
-from rgpu.remoting.datapath.backends.base import NOT_SUPPORTED, NVML_ERROR_NOT_SUPPORTED, SUCCESS, UNKNOWN, CudaError, SliceMemory
+from rgpu.remoting.datapath.backends.base import (NOT_SUPPORTED, NVML_ERROR_NOT_SUPPORTED, OUT_OF_MEMORY, SUCCESS, UNKNOWN,
+                                                  CudaError, SliceMemory)
 from rgpu.remoting.datapath.worker.codecs import HEADER, I32, LAUNCH, lp
-from rgpu.remoting.datapath.worker.frames import FrameReader
+from rgpu.remoting.datapath.worker.frames import FrameReader, FrameTooLarge
 from rgpu.remoting.datapath.worker.handlers import Handlers
 from rgpu.remoting.datapath.worker.native_loop import load_native_launches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
@@ -182,7 +183,16 @@ class Worker(Handlers):
                     if code:
                         self._defer(code, "")
                     continue
-            op, _flags, seq, _aux, ctx, payload, address = reader.next()
+            try:
+                op, _flags, seq, _aux, ctx, payload, address = reader.next()
+            except FrameTooLarge as exc:
+                log.warning("%s", exc.message)
+                entry = handlers.get(exc.op)
+                if entry is not None and entry[1]:
+                    self._defer(OUT_OF_MEMORY, exc.message)
+                else:
+                    self._reply(exc.seq, OUT_OF_MEMORY, b"", exc.message)
+                continue
             if op == protocol.OP_BYE:
                 return "client said goodbye"
             self.calls += 1
@@ -234,6 +244,9 @@ class Worker(Handlers):
             finally:
                 if stats is not None:
                     stats.account(started, memory.high_water if memory is not None else 0)
+                if reader.big is not None:   # a frame bigger than the receive buffer: give it back now
+                    reader.big = None
+                    payload = None  # type: ignore[assignment]
             if is_async:
                 if result is not None and result[0] != SUCCESS:
                     self._defer(result[0], "")

@@ -13,7 +13,7 @@ from typing import Any
 
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.counters import Publisher, counters_path
-from rgpu.remoting.datapath.backends.base import NOT_SUPPORTED, CudaError, SliceMemory
+from rgpu.remoting.datapath.backends.base import NOT_SUPPORTED, CudaError, SliceMemory, context_reserve
 from rgpu.remoting.datapath.usage import STATS_SUFFIX, SessionStats
 from rgpu.remoting.datapath.worker.loop import Worker
 from rgpu.remoting.datapath.worker.spec import SessionSpec
@@ -44,7 +44,8 @@ def run_session(sock: socket.socket, spec: SessionSpec) -> int:
     try:
         backend = _make_backend(spec)
         if spec.mode == "cuda":
-            memory = SliceMemory(spec.memory_limit, Path(spec.usage_dir) / f"{os.getpid()}.used")
+            memory = SliceMemory(spec.memory_limit, Path(spec.usage_dir) / f"{os.getpid()}.used",
+                                 reserve_bytes=context_reserve(spec.backend))
             stats = SessionStats(Path(spec.usage_dir) / f"{os.getpid()}{STATS_SUFFIX}")
     except CudaError as exc:
         log.error("session for job %s slice %d refused: %s", spec.job_key, spec.slice_number, exc.message)

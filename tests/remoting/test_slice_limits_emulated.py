@@ -1,0 +1,223 @@
+"""A slice's memory limit holds on every path (emulated GPU, real session server, rgpu's libcuda):
+pitched allocations count the pitch, every session opened with one token shares one budget, each
+session's context is charged up front and shown in cuMemGetInfo, and a worker's host memory stays
+bounded after huge copies and frames."""
+
+from __future__ import annotations
+
+import subprocess
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from rgpu.remoting.datapath.worker.frames import WORKER_MAX_FRAME
+from rgpu.remoting.native import build
+from tests.remoting.conftest import PY, Server, client_env, run_client
+
+HERE = Path(__file__).parent
+MiB = 1 << 20
+GiB = 1 << 30
+OUT_OF_MEMORY = 2
+
+PRELUDE = f"import sys; sys.path.insert(0, {str(HERE)!r})\nfrom ctcuda import *\nimport ctypes\n"
+
+
+def py_client(libs: build.Libraries, slices: str, code: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return run_client(libs, slices, [PY, "-c", PRELUDE + textwrap.dedent(code)], timeout=timeout)
+
+
+def start_client(libs: build.Libraries, slices: str, code: str) -> subprocess.Popen[str]:
+    """A client that holds its session until a line arrives on its stdin."""
+    return subprocess.Popen([PY, "-c", PRELUDE + textwrap.dedent(code)], env=client_env(libs, slices),
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
+
+
+def test_pitch_beyond_the_slice_is_refused(native_libs: build.Libraries, emulated: Server) -> None:
+    # A 1-byte-wide, 16 Mi-row request: width x height is 16 MiB, but the GPU reserves pitch x
+    # height (8 GiB at a 512-byte pitch), far beyond a 1 GiB slice.
+    done = py_client(native_libs, emulated.slices(emulated.token(memory_limit=GiB)), """
+        setup()
+        ptr, pitch = ctypes.c_uint64(), ctypes.c_size_t()
+        r = lib.cuMemAllocPitch_v2(ctypes.byref(ptr), ctypes.byref(pitch), ctypes.c_size_t(1), ctypes.c_size_t(16 << 20), 4)
+        print("HUGE", r)
+        r = lib.cuMemAllocPitch_v2(ctypes.byref(ptr), ctypes.byref(pitch), ctypes.c_size_t(1), ctypes.c_size_t(1024), 4)
+        print("SMALL", r, pitch.value)
+        free, total = mem_info()
+        print("INFO", free, total)
+        """)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"HUGE {OUT_OF_MEMORY}" in done.stdout, done.stdout + done.stderr
+    assert ("cuMemAllocPitch (1 B wide x 16777216 rows at a pitch of at least 512 B): allocation of 8.0 GiB refused "
+            "(the slice's memory limit is 1.0 GiB, shared by all of its sessions") in done.stderr, done.stderr
+    # What fits is accounted at the pitch the GPU chose.
+    assert "SMALL 0 512" in done.stdout, done.stdout
+    assert f"INFO {GiB - 512 * 1024} {GiB}" in done.stdout, done.stdout
+
+
+def test_many_sessions_with_one_token_share_one_budget(native_libs: build.Libraries, emulated: Server) -> None:
+    token = emulated.token(memory_limit=GiB)
+    slices = emulated.slices(token)
+    # Four sessions at once, each asking 300 MiB of a 1 GiB slice: three fit, the fourth is refused.
+    code = """
+        setup()
+        r, ptr = alloc(300 << 20)
+        free, total = mem_info()
+        print("ALLOC", r, free, flush=True)
+        sys.stdin.readline()
+        """
+    clients = [start_client(native_libs, slices, code) for _ in range(4)]
+    try:
+        results = []
+        for c in clients:
+            assert c.stdout is not None
+            line = c.stdout.readline()
+            assert line.startswith("ALLOC"), line + (c.stderr.read() if c.stderr else "")
+            results.append(int(line.split()[1]))
+        assert sorted(results) == [0, 0, 0, OUT_OF_MEMORY], results
+        sessions = emulated.wait_sessions(4)
+        assert len(sessions) == 4
+        # A fifth session sees what the other four hold.
+        done = py_client(native_libs, slices, """
+            setup()
+            free, total = mem_info()
+            print("FREE", free, total)
+            r, _ = alloc(200 << 20)
+            print("OVER", r)
+            r, _ = alloc(100 << 20)
+            print("FITS", r)
+            """)
+        assert f"FREE {GiB - 900 * MiB} {GiB}" in done.stdout, done.stdout + done.stderr
+        assert f"OVER {OUT_OF_MEMORY}" in done.stdout and "FITS 0" in done.stdout, done.stdout + done.stderr
+        assert "shared by all of its sessions, and 900.0 MiB are in use" in done.stderr, done.stderr
+    finally:
+        for c in clients:
+            c.communicate("\n", timeout=60)
+    # Once they are gone, the whole slice is free again.
+    done = py_client(native_libs, slices, """
+        setup()
+        r, _ = alloc(1000 << 20)
+        print("ALL", r)
+        """)
+    assert "ALL 0" in done.stdout, done.stdout + done.stderr
+
+
+def test_context_reservation_is_charged_and_shown(native_libs: build.Libraries, emulated: Server,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RGPU_SESSION_CONTEXT_RESERVE", "100MiB")   # read by each worker the dispatcher starts
+    token = emulated.token(memory_limit=GiB)
+    # One slice: its session's context is charged.
+    done = py_client(native_libs, emulated.slices(token), """
+        setup(0)
+        print("ONE", *mem_info())
+        r, _ = alloc(950 << 20)
+        print("TOO_MUCH", r)
+        """)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"ONE {GiB - 100 * MiB} {GiB}" in done.stdout, done.stdout + done.stderr
+    assert f"TOO_MUCH {OUT_OF_MEMORY}" in done.stdout, done.stdout
+    assert "100.0 MiB of them this session's context" in done.stderr, done.stderr
+    # The token twice in one process: two sessions (opened at cuInit), two contexts charged.
+    done = py_client(native_libs, emulated.slices(token, token), """
+        setup(1)
+        print("TWO", *mem_info())
+        """)
+    assert f"TWO {GiB - 200 * MiB} {GiB}" in done.stdout, done.stdout + done.stderr
+    # A slice too small for one more context refuses the session with a clear message.
+    small = emulated.token(memory_limit=250 * MiB)
+    done = py_client(native_libs, emulated.slices(small, small), """
+        setup(1)
+        print("TWO OPEN", *mem_info(), flush=True)
+        """)
+    assert f"TWO OPEN {50 * MiB} {250 * MiB}" in done.stdout, done.stdout + done.stderr
+    done = py_client(native_libs, emulated.slices(small, small, small), """
+        setup(0)
+        print("THREE OPEN", flush=True)
+        """)
+    assert "THREE OPEN" not in done.stdout, done.stdout
+    assert ("session refused (each session's CUDA context takes 100.0 MiB of the slice's 250.0 MiB, and the slice's "
+            "other sessions hold 200.0 MiB") in done.stderr, done.stderr
+
+
+def elf_image(size: int) -> str:
+    """Python source for a `size`-byte 64-bit ELF image (one empty section header at its end),
+    so the client sends it whole in one module-load frame."""
+    return textwrap.dedent(f"""
+        import struct
+        size = {size}
+        image = ctypes.create_string_buffer(size)
+        header = bytearray(64)
+        header[0:5] = b"\\x7fELF\\x02"
+        struct.pack_into("<Q", header, 0x28, size - 64)       # e_shoff
+        struct.pack_into("<HHH", header, 0x3A, 64, 1, 0)      # e_shentsize, e_shnum, e_shstrndx
+        ctypes.memmove(image, bytes(header), 64)
+        """)
+
+
+def test_worker_host_memory_stays_bounded(native_libs: build.Libraries, emulated: Server) -> None:
+    """A 512 MiB copy in and out, a module image just under the worker's frame limit and one above
+    it: the worker's resident memory afterwards stays within 32 MiB of where it started, and the
+    frame above the limit is refused with a clear error while the session goes on."""
+    below, above = WORKER_MAX_FRAME - MiB, WORKER_MAX_FRAME + 16 * MiB
+    code = textwrap.dedent("""
+        setup()
+        print("STEP", flush=True); sys.stdin.readline()
+        size = 512 << 20
+        r, ptr = alloc(size)
+        assert r == 0, r
+        host = ctypes.create_string_buffer(size)
+        check("cuMemcpyHtoD_v2", ctypes.c_uint64(ptr), host, ctypes.c_size_t(size))
+        check("cuMemcpyDtoH_v2", host, ctypes.c_uint64(ptr), ctypes.c_size_t(size))
+        check("cuMemFree_v2", ctypes.c_uint64(ptr))
+        del host
+        print("STEP", flush=True); sys.stdin.readline()
+    """) + elf_image(below) + textwrap.dedent("""
+        module = ctypes.c_void_p()
+        check("cuModuleLoadData", ctypes.byref(module), image)
+        check("cuModuleUnload", module)
+        del image
+        print("STEP", flush=True); sys.stdin.readline()
+    """) + elf_image(above) + textwrap.dedent("""
+        print("LOAD", lib.cuModuleLoadData(ctypes.byref(module), image), flush=True)
+        del image
+        r, ptr = alloc(1 << 20)
+        print("AFTER", r, flush=True)
+        print("STEP", flush=True); sys.stdin.readline()
+        """)
+    client = start_client(native_libs, emulated.slices(emulated.token(memory_limit=GiB)), code)
+    assert client.stdout is not None and client.stdin is not None
+    try:
+        def step() -> str:
+            out = ""
+            while True:
+                line = client.stdout.readline()
+                if not line:
+                    raise AssertionError(out + (client.stderr.read() if client.stderr else ""))
+                if line.startswith("STEP"):
+                    return out
+                out += line
+
+        step()
+        pid = emulated.wait_sessions(1)[0]["pid"]
+        time.sleep(0.2)
+        baseline = rss_bytes(pid)
+        measured = []
+        outputs = []
+        for _ in range(3):
+            client.stdin.write("\n")
+            client.stdin.flush()
+            outputs.append(step())
+            measured.append(rss_bytes(pid))
+        assert "LOAD 2" in outputs[2] and "AFTER 0" in outputs[2], outputs
+        assert all(m <= baseline + 32 * MiB for m in measured), (baseline, measured)
+    finally:
+        _, err = client.communicate("\n", timeout=60)
+    assert f"rgpu: worker: a request of {above // MiB}.0 MiB refused (a worker takes frames of at most {WORKER_MAX_FRAME // MiB}.0 MiB into memory" in err, err
