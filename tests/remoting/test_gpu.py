@@ -192,8 +192,8 @@ def test_out_of_memory_beyond_the_slice_and_the_app_goes_on(native_libs: build.L
     done = flexrun(native_libs, gpu_server, tmp_path, py("""
         from ctcuda import *
         setup()
-        free, total = mem_info()
-        r1, a = alloc(total - (256 << 20))
+        free, total = mem_info()   # free: the slice less this session's context reservation
+        r1, a = alloc(free - (256 << 20))
         r2, b = alloc(512 << 20)
         r3, c = alloc(128 << 20)
         print("SLICE", total, r1, r2, r3, flush=True)
@@ -267,7 +267,7 @@ def test_two_sessions_on_one_gpu_each_held_to_its_slice(native_libs: build.Libra
         from ctcuda import *
         setup()
         free, total = mem_info()
-        r1, a = alloc(total - (64 << 20))
+        r1, a = alloc(free - (64 << 20))
         r2, b = alloc(128 << 20)
         time.sleep(2)   # both sessions hold their memory at the same time
         print("HELD", total, r1, r2, flush=True)
@@ -288,3 +288,153 @@ def test_two_sessions_on_one_gpu_each_held_to_its_slice(native_libs: build.Libra
     for memory, out, err in outs:
         assert f"HELD {memory} 0 2" in out, out + err
     assert sorted(s["compute_percent"] for s in sessions if s["mode"] == "cuda") == [30, 70]
+
+
+# ---------------------------------------------------------------- issue 13, item 1: the slice's limits on the GPU
+
+def held_client(libs: build.Libraries, server: Server, tmp: Path, code: str, *, tokens: list[str], memory: int,
+                name: str) -> subprocess.Popen[str]:
+    """flexrun with the given tokens (one slice each); the program holds its sessions until a line
+    arrives on its stdin."""
+    conf = write_adaptor_conf(tmp / f"{name}.conf", AdaptorConf(job_id=f"job-{name}", user="tester", slices=tuple(
+        AdaptorSlice(server=server.address, gpu_uuid=server.gpus[0].uuid, gpu_index=0, memory_limit_bytes=memory,
+                     compute_percent=50, token=t) for t in tokens)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
+    env.update({"RGPU_NATIVE_DIR": str(libs.folder), "PYTHONUNBUFFERED": "1"})
+    return subprocess.Popen([PY, "-m", "rgpu.remoting.client.flexrun", "-f", str(conf), "--", *py(code)], env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def gpu_used_bytes() -> int:
+    import pynvml
+    pynvml.nvmlInit()
+    try:
+        return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def test_pitch_beyond_the_slice_is_refused_on_the_gpu(native_libs: build.Libraries, gpu_server: Server,
+                                                      tmp_path: Path) -> None:
+    """A 1-byte-wide, 16 Mi-row cuMemAllocPitch (8 GiB on an H100 at its 512-byte pitch) in a 2 GiB
+    slice is refused; one that fits is accounted at the pitch the driver chose."""
+    done = flexrun(native_libs, gpu_server, tmp_path, py("""
+        from ctcuda import *
+        setup()
+        ptr, pitch = ctypes.c_uint64(), ctypes.c_size_t()
+        r = lib.cuMemAllocPitch_v2(ctypes.byref(ptr), ctypes.byref(pitch), ctypes.c_size_t(1), ctypes.c_size_t(16 << 20), 4)
+        print("HUGE", r, flush=True)
+        before, total = mem_info()
+        r = lib.cuMemAllocPitch_v2(ctypes.byref(ptr), ctypes.byref(pitch), ctypes.c_size_t(1), ctypes.c_size_t(1 << 20), 4)
+        after, _ = mem_info()
+        print("SMALL", r, pitch.value, before - after, flush=True)
+        """), memory=2 * GiB, name="pitch")
+    assert "HUGE 2" in done.stdout, done.stdout + done.stderr
+    assert "cuMemAllocPitch (1 B wide x 16777216 rows at a pitch of at least 512 B)" in done.stderr
+    small = done.stdout.split("SMALL ", 1)[1].split()
+    assert small[0] == "0" and int(small[2]) == int(small[1]) * (1 << 20), small
+
+
+def test_sessions_of_one_token_share_the_slice_and_contexts_are_reserved(native_libs: build.Libraries,
+                                                                          gpu_server: Server, tmp_path: Path) -> None:
+    """Two processes with the same token hold one 4 GiB budget between them; each session's context
+    is charged up front (the figure is checked against what the GPU really spent on it)."""
+    from rgpu.remoting.datapath.backends.base import CONTEXT_RESERVE_BYTES
+    memory = 4 * GiB
+    token = gpu_server.token(memory_limit=memory)
+    code = """
+        from ctcuda import *
+        setup()
+        free, total = mem_info()
+        print("OPEN", free, total, flush=True)
+        sys.stdin.readline()
+        r, a = alloc(int(sys.argv[1]) if len(sys.argv) > 1 else (2 << 30))
+        free, total = mem_info()
+        print("ALLOC", r, free, flush=True)
+        sys.stdin.readline()
+        """
+    idle = gpu_used_bytes()
+    first = held_client(native_libs, gpu_server, tmp_path, code, tokens=[token], memory=memory, name="share-a")
+    second = held_client(native_libs, gpu_server, tmp_path, code, tokens=[token], memory=memory, name="share-b")
+    try:
+        opened = [p.stdout.readline() for p in (first, second)]   # type: ignore[union-attr]
+        with_contexts = gpu_used_bytes()
+        for p in (first, second):
+            p.stdin.write("\n")   # type: ignore[union-attr]
+            p.stdin.flush()        # type: ignore[union-attr]
+        allocated = [p.stdout.readline() for p in (first, second)]   # type: ignore[union-attr]
+    finally:
+        outs = [p.communicate("\n", timeout=120) for p in (first, second)]
+    per_context = (with_contexts - idle) / 2
+    (OUT / "gpu-slice-budget.json").write_text(json.dumps({
+        "opened": opened, "allocated": allocated, "gpu_used_idle": idle, "gpu_used_two_sessions": with_contexts,
+        "real_bytes_per_session": per_context, "reserved_bytes_per_session": CONTEXT_RESERVE_BYTES,
+        "stderr": [e for _, e in outs]}, indent=2))
+    print("BUDGET", opened, allocated, per_context)
+    assert all(line.startswith("OPEN") for line in opened), (opened, outs)
+    # Both contexts are charged to the one slice, and the charge covers what the GPU really spent.
+    assert int(opened[1].split()[1]) == memory - 2 * CONTEXT_RESERVE_BYTES, opened
+    assert per_context <= CONTEXT_RESERVE_BYTES, per_context
+    # 2 GiB each does not fit twice in 4 GiB less two contexts: exactly one is refused.
+    codes = sorted(int(line.split()[1]) for line in allocated)
+    assert codes == [0, 2], (allocated, outs)
+
+
+def test_worker_host_memory_stays_bounded_on_the_gpu(native_libs: build.Libraries, gpu_server: Server,
+                                                     tmp_path: Path) -> None:
+    """After a 1 GiB copy each way and a module image near the frame limit, the worker's resident
+    memory is within 64 MiB of where it was when the session had opened."""
+    from rgpu.remoting.datapath.worker.frames import WORKER_MAX_FRAME
+    code = f"""
+        import struct
+        from ctcuda import *
+        setup()
+        print("STEP", flush=True); sys.stdin.readline()
+        size = 1 << 30
+        r, ptr = alloc(size)
+        host = ctypes.create_string_buffer(size)
+        check("cuMemcpyHtoD_v2", ctypes.c_uint64(ptr), host, ctypes.c_size_t(size))
+        check("cuMemcpyDtoH_v2", host, ctypes.c_uint64(ptr), ctypes.c_size_t(size))
+        check("cuMemFree_v2", ctypes.c_uint64(ptr))
+        del host
+        print("STEP", flush=True); sys.stdin.readline()
+        size = {WORKER_MAX_FRAME} + (16 << 20)
+        image = ctypes.create_string_buffer(size)
+        header = bytearray(64)
+        header[0:5] = b"\\x7fELF\\x02"
+        struct.pack_into("<Q", header, 0x28, size - 64)
+        struct.pack_into("<HHH", header, 0x3A, 64, 1, 0)
+        ctypes.memmove(image, bytes(header), 64)
+        module = ctypes.c_void_p()
+        print("LOAD", lib.cuModuleLoadData(ctypes.byref(module), image), flush=True)
+        print("STEP", flush=True); sys.stdin.readline()
+        """
+    def cuda_pids() -> set[int]:
+        return {s["pid"] for s in gpu_server.server.status()["sessions"] if s["mode"] == "cuda"}
+
+    before = cuda_pids()
+    client = held_client(native_libs, gpu_server, tmp_path, code, tokens=[gpu_server.token(memory_limit=4 * GiB)],
+                         memory=4 * GiB, name="rss")
+    assert client.stdout is not None and client.stdin is not None
+    seen = []
+    try:
+        assert client.stdout.readline().startswith("STEP")
+        (pid,) = cuda_pids() - before
+        rss = []
+        for _ in range(2):
+            rss.append(int(next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines()
+                                if l.startswith("VmRSS:")).split()[1]) * 1024)
+            client.stdin.write("\n")
+            client.stdin.flush()
+            while not (line := client.stdout.readline()).startswith("STEP"):
+                assert line, client.stderr.read() if client.stderr else ""
+                seen.append(line)
+        rss.append(int(next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines()
+                            if l.startswith("VmRSS:")).split()[1]) * 1024)
+    finally:
+        _, err = client.communicate("\n", timeout=120)
+    (OUT / "gpu-worker-rss.json").write_text(json.dumps({"rss_bytes": rss, "output": seen, "stderr": err}, indent=2))
+    print("RSS", rss)
+    assert any(line.startswith("LOAD 2") for line in seen), seen
+    assert "a worker takes frames of at most" in err, err
+    assert max(rss[1:]) <= rss[0] + 64 * (1 << 20), rss
