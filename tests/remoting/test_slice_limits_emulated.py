@@ -216,6 +216,7 @@ def test_worker_host_memory_stays_bounded(native_libs: build.Libraries, emulated
             client.stdin.flush()
             outputs.append(step())
             measured.append(rss_bytes(pid))
+        print("WORKER RSS MiB", baseline >> 20, [m >> 20 for m in measured])
         assert "LOAD 2" in outputs[2] and "AFTER 0" in outputs[2], outputs
         assert all(m <= baseline + 32 * MiB for m in measured), (baseline, measured)
     finally:
