@@ -5,6 +5,8 @@ bounded after huge copies and frames."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import textwrap
 import time
@@ -108,6 +110,31 @@ def test_many_sessions_with_one_token_share_one_budget(native_libs: build.Librar
         print("ALL", r)
         """)
     assert "ALL 0" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_killed_session_gives_its_share_back(native_libs: build.Libraries, emulated: Server) -> None:
+    slices = emulated.slices(emulated.token(memory_limit=GiB))
+    holder = start_client(native_libs, slices, """
+        setup()
+        r, ptr = alloc(700 << 20)
+        print("HELD", r, flush=True)
+        sys.stdin.readline()
+        """)
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().split() == ["HELD", "0"]
+        (session,) = emulated.wait_sessions(1)
+        done = py_client(native_libs, slices, "setup()\nprint('OVER', alloc(700 << 20)[0])\n")
+        assert f"OVER {OUT_OF_MEMORY}" in done.stdout, done.stdout + done.stderr
+        os.kill(session["pid"], signal.SIGKILL)   # no chance to remove its usage file
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{session['pid']}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        done = py_client(native_libs, slices, "setup()\nprint('FITS', alloc(900 << 20)[0])\n")
+        assert "FITS 0" in done.stdout, done.stdout + done.stderr
+    finally:
+        holder.kill()
+        holder.communicate(timeout=60)
 
 
 def test_context_reservation_is_charged_and_shown(native_libs: build.Libraries, emulated: Server,

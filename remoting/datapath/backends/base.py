@@ -239,8 +239,20 @@ class SliceMemory:
                 pass
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def slice_usage(folder: Path) -> int:
-    """Bytes held by every live session of one slice (their usage files)."""
+    """Bytes held by every live session of one slice (their usage files, `<worker pid>.used`). A
+    worker killed before it could remove its file holds nothing: its file is skipped, so a crash
+    does not shrink the slice's budget for the rest of the lease."""
     total = 0
     try:
         entries = list(folder.iterdir())
@@ -248,6 +260,9 @@ def slice_usage(folder: Path) -> int:
         return 0
     for entry in entries:
         if not entry.name.endswith(".used"):   # <pid>.stats files live here too (datapath/usage.py)
+            continue
+        stem = entry.name[:-len(".used")]
+        if stem.isdigit() and not _alive(int(stem)):
             continue
         try:
             data = entry.read_bytes()
