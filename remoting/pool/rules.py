@@ -19,6 +19,7 @@ from rgpu.model import LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
 from rgpu.remoting.pool.accounting import (Interval, SliceUsageRecord, UsageTotal, idle_seconds, idle_since, is_idle,
                                            to_pool_clock, totals)
 from rgpu.remoting.pool.placement import GpuSlot, SliceRequest, place
+from rgpu.remoting.pool.placement_index import PlacementIndex
 from rgpu.remoting.pool.store import Store
 
 log = logging.getLogger("rgpu-poold")
@@ -92,6 +93,9 @@ class PoolCore:
     # Placement's view of each server's GPUs, kept current by _index_lease and register, so an
     # allocation does not rebuild 8 x N slot objects.
     _slot_cache: dict[str, list[GpuSlot]] = field(default_factory=dict)
+    # The servers placement may use (all but drained ones), grouped by shape, so an allocation
+    # looks at each distinct shape once rather than at every GPU (placement_index.py).
+    _index: PlacementIndex = field(default_factory=PlacementIndex)
     _used_units: dict[tuple[str, str], int] = field(default_factory=dict)
     _tokens: dict[tuple[str, int], str] = field(default_factory=dict)  # signed once per slice
     _listeners: list[Callable[[], None]] = field(default_factory=list)
@@ -106,6 +110,8 @@ class PoolCore:
             self.servers[info.address] = ServerEntry(info, drained, now)
         for lease in self.store.load_leases():
             self._index_lease(lease, +1)
+        for address in self.servers:
+            self._refresh(address)
         for quota in self.store.load_quotas():
             self.quotas[(quota.kind, quota.name)] = quota.limit_units
 
@@ -153,9 +159,9 @@ class PoolCore:
             previous = self.servers.get(info.address)
             was_up = previous is not None and self.state_of(previous, now) == "up"
             self.store.upsert_server(info, now)
-            self._slot_cache.pop(info.address, None)
             drained = previous.drained if previous else False
             self.servers[info.address] = ServerEntry(info, drained, now)
+            self._refresh(info.address)
             held = {s.gpu_uuid for lease in self.leases.values() for s in lease.slices if s.server == info.address}
             missing = held - {g.uuid for g in info.gpus}
             if missing:
@@ -205,6 +211,7 @@ class PoolCore:
             entry = self.find_server(name)
             self.store.set_drained(entry.info.address, drained)
             entry.drained = drained
+            self._refresh(entry.info.address)
         log.info("rgpu-poold: server %s %s", entry.info.address, "drained" if drained else "resumed")
         self._capacity_changed()
         return entry
@@ -228,6 +235,7 @@ class PoolCore:
             del self.servers[address]
             for key in [k for k in self._usage if k[0] == address]:
                 del self._usage[key]
+            self._refresh(address)
         log.info("rgpu-poold: server %s removed", address)
         self._capacity_changed()
         return address
@@ -251,8 +259,6 @@ class PoolCore:
 
     # -- leases -------------------------------------------------------------------------------
     def _index_lease(self, lease: LeaseRecord, sign: int) -> None:
-        for server in {s.server for s in lease.slices}:
-            self._slot_cache.pop(server, None)
         for s in lease.slices:
             usage = self._usage.setdefault((s.server, s.gpu_uuid), GpuUsage())
             usage.percent += sign * s.compute_percent
@@ -261,12 +267,20 @@ class PoolCore:
         for kind, name in (("user", lease.user), ("account", lease.account)):
             if name:
                 self._used_units[(kind, name)] = self._used_units.get((kind, name), 0) + sign * lease.units
+        for server in {s.server for s in lease.slices}:
+            self._refresh(server)
         if sign > 0:
             self.leases[lease.job_key] = lease
         else:
             self.leases.pop(lease.job_key, None)
             for number in range(len(lease.slices)):
                 self._tokens.pop((lease.job_key, number), None)
+
+    def _refresh(self, address: str) -> None:
+        """After a server's GPUs, usage or drained state changed: rebuild its slots and index entry."""
+        self._slot_cache.pop(address, None)
+        entry = self.servers.get(address)
+        self._index.set_server(address, None if entry is None or entry.drained else self._server_slots(address))
 
     def _server_slots(self, address: str) -> list[GpuSlot]:
         slots = self._slot_cache.get(address)
@@ -343,7 +357,10 @@ class PoolCore:
             request = SliceRequest(count=req.count, fraction=req.fraction, memory_bytes=req.memory_bytes,
                                    gpu_model=req.gpu_model, server=req.server,
                                    min_memory_bytes=req.min_memory_bytes)
-            placed = place(self._slots(now), request, self.placement)
+            placed = self._index.place(request, self.placement,
+                                       lambda address: self.state_of(self.servers[address], now) == "up")
+            if placed is None:  # no room: the reference over every GPU says what is free
+                placed = place(self._slots(now), request, self.placement)
             lease = LeaseRecord(
                 job_key=req.job_key, user=req.user, account=req.account, created_unix=now,
                 expires_unix=now + req.ttl_seconds if req.ttl_seconds else 0.0,
