@@ -33,6 +33,7 @@ from rgpu.remoting.pool.errors import status_for
 from rgpu.remoting.pool.convert import gpu_to_pb, live_to_pb, server_from_pb, server_to_pb, usage_from_pb, usage_to_pb
 from rgpu.remoting.metrics.http import MetricsServer, serve_metrics
 from rgpu.remoting.pool.events import EventLog
+from rgpu.remoting.pool.gpu_listing import GpuListing
 from rgpu.remoting.pool.metrics import PoolMetrics, refusal_reason
 from rgpu.remoting.pool.rules import AllocationRequest, PoolCore
 from rgpu.remoting.pool.store import Store
@@ -67,6 +68,7 @@ class PoolServicer(pb_grpc.PoolServicer):
         self.core = core
         self.heartbeat_interval = heartbeat_interval
         self.metrics = metrics or PoolMetrics()
+        self._gpu_listing = GpuListing(core)
 
     def _lease_pb(self, lease: LeaseRecord) -> pb.Lease:
         usages = self.core.slice_usage(lease)
@@ -135,11 +137,7 @@ class PoolServicer(pb_grpc.PoolServicer):
 
     @_rpc
     def ListGpus(self, request: pb.ListGpusRequest, context: Any) -> pb.ListGpusReply:
-        return pb.ListGpusReply(gpus=[
-            pb.GpuStatus(server=g.server, server_state=g.server_state, gpu=gpu_to_pb(g.gpu),
-                         allocated_percent=g.allocated_percent, allocated_memory_bytes=g.allocated_memory_bytes,
-                         slices=g.slices)
-            for g in self.core.gpu_statuses()])
+        return self._gpu_listing.reply()
 
     @_rpc
     def ListServers(self, request: pb.ListServersRequest, context: Any) -> pb.ListServersReply:

@@ -96,6 +96,7 @@ class PoolCore:
     # The servers placement may use (all but drained ones), grouped by shape, so an allocation
     # looks at each distinct shape once rather than at every GPU (placement_index.py).
     _index: PlacementIndex = field(default_factory=PlacementIndex)
+    _versions: dict[str, int] = field(default_factory=dict)   # per server, bumped on every change of its GPUs
     _used_units: dict[tuple[str, str], int] = field(default_factory=dict)
     _tokens: dict[tuple[str, int], str] = field(default_factory=dict)  # signed once per slice
     _listeners: list[Callable[[], None]] = field(default_factory=list)
@@ -279,6 +280,7 @@ class PoolCore:
     def _refresh(self, address: str) -> None:
         """After a server's GPUs, usage or drained state changed: rebuild its slots and index entry."""
         self._slot_cache.pop(address, None)
+        self._versions[address] = self._versions.get(address, 0) + 1
         entry = self.servers.get(address)
         self._index.set_server(address, None if entry is None or entry.drained else self._server_slots(address))
 
@@ -499,6 +501,27 @@ class PoolCore:
                     usage = self._usage.get((address, gpu.uuid), GpuUsage())
                     out.append(GpuStatusRecord(address, state, gpu, usage.percent, usage.memory_bytes, usage.slices))
             return out
+
+    def gpu_statuses_changed(self, known: dict[str, tuple[str, int]]
+                             ) -> list[tuple[str, tuple[str, int], list[GpuStatusRecord] | None]]:
+        """Per server (sorted): its (state, version) and its GPUs' statuses, or None where `known`
+        already holds that (state, version), so a large listing rebuilds only what changed."""
+        now = self.clock()
+        out: list[tuple[str, tuple[str, int], list[GpuStatusRecord] | None]] = []
+        with self._lock:
+            for address in sorted(self.servers):
+                entry = self.servers[address]
+                key = (self.state_of(entry, now), self._versions.get(address, 0))
+                if known.get(address) == key:
+                    out.append((address, key, None))
+                    continue
+                records = []
+                for gpu in sorted(entry.info.gpus, key=lambda g: g.index):
+                    usage = self._usage.get((address, gpu.uuid), GpuUsage())
+                    records.append(GpuStatusRecord(address, key[0], gpu, usage.percent, usage.memory_bytes,
+                                                   usage.slices))
+                out.append((address, key, records))
+        return out
 
     def capacity(self) -> Capacity:
         now = self.clock()
