@@ -25,7 +25,8 @@ DEFAULT_DISPATCHER_PORT = 55001
 
 @dataclass(frozen=True)
 class Settings:
-    # Where clients (dispatchers, prologs, rgpu-admin, flexrun) find the pool.
+    # Where clients (dispatchers, prologs, rgpu-admin, flexrun) find the pool: HOST:PORT, or several
+    # (a TOML list, or comma-separated) for pools sharing one PostgreSQL store: tried in turn.
     pool: str = f"localhost:{DEFAULT_POOL_PORT}"
     # The pool daemon's own listening address.
     listen: str = f"0.0.0.0:{DEFAULT_POOL_PORT}"
@@ -79,8 +80,15 @@ def env_name(key: str) -> str:
     return "RGPU_" + key.upper()
 
 
+def pool_addresses(pool: str) -> list[str]:
+    """The pool addresses of a `pool` setting, in the order clients try them."""
+    return [part.strip() for part in pool.split(",") if part.strip()]
+
+
 def _coerce(key: str, value: Any, source: str) -> Any:
     want = KEYS[key]
+    if key == "pool" and isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return ",".join(value)   # pool = ["a:50001", "b:50001"]
     try:
         if want is bool:
             if isinstance(value, bool):

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import click
 
 from rgpu import __version__, validate
-from rgpu.config import DEFAULT_DISPATCHER_PORT, Settings, load_settings
+from rgpu.config import DEFAULT_DISPATCHER_PORT, Settings, load_settings, pool_addresses
 from rgpu.errors import ConfigError, InvalidRequest, RgpuError
 from rgpu.live_leases import LiveLeases
 from rgpu.netaddr import join_host_port
@@ -172,7 +172,7 @@ def configure_logging(level: str = "info") -> None:
 
 def _checked_pool(settings: Settings) -> str:
     try:
-        return validate.server_address(settings.pool)
+        return ",".join(validate.server_address(address) for address in pool_addresses(settings.pool) or [""])
     except InvalidRequest:
         raise ConfigError(COMPONENT, f"pool address {settings.pool!r} from {settings.origin('pool')} is not HOST:PORT",
                           "", "pass --pool HOST:PORT or set RGPU_POOL") from None

@@ -1,15 +1,23 @@
-"""A typed client for the pool daemon: gRPC errors become rgpu errors with one-line messages."""
+"""A typed client for the pool daemon: gRPC errors become rgpu errors with one-line messages.
+
+Given several pool addresses (the `pool` setting as a list), a call that finds its pool
+UNAVAILABLE (not listening, host gone, connection reset) is sent to the next address, round and
+round, until one answers or the call's time budget is spent. Every pool of such a list must
+share one store (PostgreSQL): a job key's lease is then the same whichever pool answers, so a
+retried Allocate never places twice.
+"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rgpu.config import Settings
-from rgpu.errors import ConfigError, RgpuError
+from rgpu.config import Settings, pool_addresses
+from rgpu.errors import ConfigError, RgpuError, Unavailable
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
 from rgpu.remoting.pool.auth import AUTH_HEADER, request_credential
@@ -34,18 +42,39 @@ def open_channel(address: str, tls_ca_file: str | None = None, tls_server_name: 
     return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca), options=options)
 
 
+# After every address of a list failed, wait this long before the next round (within the budget).
+FAILOVER_ROUND_PAUSE_SECONDS = 0.2
+
+
 class PoolClient:
-    def __init__(self, address: str, secret: bytes, *, timeout: float = 10.0,
+    def __init__(self, address: str | Sequence[str], secret: bytes, *, timeout: float = 10.0,
                  tls_ca_file: str | None = None, tls_server_name: str | None = None) -> None:
-        self.address = address
+        self.addresses = pool_addresses(address) if isinstance(address, str) else list(address)
+        if not self.addresses:
+            raise ConfigError("pool", "no pool address given", "the pool setting is empty",
+                              "set pool = \"HOST:PORT\" (or a list of them) in rgpu.toml")
         self.timeout = timeout
-        raw = open_channel(address, tls_ca_file, tls_server_name)
-        self._raw = raw
+        self._tls = (tls_ca_file, tls_server_name)
+        self._current = 0
+        self._channels: dict[int, tuple[grpc.Channel, pb_grpc.PoolStub]] = {}
         self._secret = secret
-        self._stub = pb_grpc.PoolStub(raw)
+        self._use(0)
+
+    @property
+    def address(self) -> str:
+        """The pool address calls go to now (the one that answered last)."""
+        return self.addresses[self._current]
+
+    def _use(self, number: int) -> None:
+        if number not in self._channels:
+            raw = open_channel(self.addresses[number], *self._tls)
+            self._channels[number] = (raw, pb_grpc.PoolStub(raw))
+        self._current = number
+        self._raw, self._stub = self._channels[number]
 
     def close(self) -> None:
-        self._raw.close()
+        for raw, _ in self._channels.values():
+            raw.close()
 
     def __enter__(self) -> "PoolClient":
         return self
@@ -56,12 +85,33 @@ class PoolClient:
     def _call(self, name: str, request: Any, timeout: float | None = None) -> Any:
         # The credential goes in each call's metadata (no interceptor: it costs the client more
         # CPU per call than the HMAC itself).
-        credential = request_credential(self._secret, f"/rgpu.v1.Pool/{name}")
-        try:
-            return getattr(self._stub, name)(request, timeout=timeout or self.timeout,
-                                             metadata=((AUTH_HEADER, credential),))
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, self.address) from None
+        budget = timeout or self.timeout
+        if len(self.addresses) == 1:
+            credential = request_credential(self._secret, f"/rgpu.v1.Pool/{name}")
+            try:
+                return getattr(self._stub, name)(request, timeout=budget, metadata=((AUTH_HEADER, credential),))
+            except grpc.RpcError as exc:
+                raise error_from_rpc(exc, self.address) from None
+        deadline = time.monotonic() + budget
+        failed: list[str] = []
+        while True:
+            credential = request_credential(self._secret, f"/rgpu.v1.Pool/{name}")
+            try:
+                return getattr(self._stub, name)(request, timeout=max(0.001, deadline - time.monotonic()),
+                                                 metadata=((AUTH_HEADER, credential),))
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise error_from_rpc(exc, self.address) from None
+                failed.append(self.address)
+                last = exc
+            following = (self._current + 1) % len(self.addresses)
+            if following == 0 and len(failed) >= len(self.addresses):
+                time.sleep(max(0.0, min(FAILOVER_ROUND_PAUSE_SECONDS, deadline - time.monotonic())))
+            if time.monotonic() >= deadline:
+                raise Unavailable("pool", f"no pool daemon answered {name} within {budget:g} s",
+                                  f"tried {', '.join(dict.fromkeys(failed))}; last: {last.details()}",
+                                  "start rgpu-poold on one of them, or fix the pool setting") from None
+            self._use(following)
 
     def health(self, timeout: float = 5.0) -> str | None:
         """None when the pool's standard gRPC health service says SERVING, else why not (the health
@@ -125,8 +175,9 @@ class PoolClient:
 
 
 def connect(settings: Settings, *, secret: bytes | None = None, timeout: float = 10.0) -> PoolClient:
-    """The pool client every component uses: address, secret and TLS from the settings (the secret
-    is read from `secret_file` unless given)."""
-    return PoolClient(settings.pool, load_secret(settings.secret_file) if secret is None else secret,
+    """The pool client every component uses: address(es), secret and TLS from the settings (the
+    secret is read from `secret_file` unless given). With several pool addresses a call fails over
+    to the next one that answers, within `timeout`."""
+    return PoolClient(pool_addresses(settings.pool), load_secret(settings.secret_file) if secret is None else secret,
                       timeout=timeout, tls_ca_file=settings.tls_ca_file or None,
                       tls_server_name=settings.tls_server_name or None)
