@@ -97,6 +97,9 @@ class PoolCore:
     # looks at each distinct shape once rather than at every GPU (placement_index.py).
     _index: PlacementIndex = field(default_factory=PlacementIndex)
     _versions: dict[str, int] = field(default_factory=dict)   # per server, bumped on every change of its GPUs
+    # Job keys holding slices per server: a heartbeat (every server, every few seconds) looks at
+    # its own server's leases only.
+    _leases_on: dict[str, set[str]] = field(default_factory=dict)
     _used_units: dict[tuple[str, str], int] = field(default_factory=dict)
     _tokens: dict[tuple[str, int], str] = field(default_factory=dict)  # signed once per slice
     _listeners: list[Callable[[], None]] = field(default_factory=list)
@@ -163,7 +166,8 @@ class PoolCore:
             drained = previous.drained if previous else False
             self.servers[info.address] = ServerEntry(info, drained, now)
             self._refresh(info.address)
-            held = {s.gpu_uuid for lease in self.leases.values() for s in lease.slices if s.server == info.address}
+            held = {s.gpu_uuid for key in self._leases_on.get(info.address, ()) for s in self.leases[key].slices
+                    if s.server == info.address}
             missing = held - {g.uuid for g in info.gpus}
             if missing:
                 log.warning("rgpu-poold: server %s re-registered without GPUs %s that leases hold",
@@ -191,8 +195,9 @@ class PoolCore:
         clock: the dispatcher honours no other token issued before now (rgpu/live_leases.py)."""
         with self._lock:
             now = self.clock()
+            leases = [self.leases[key] for key in self._leases_on.get(address, ())]
             return LiveLeases.of(now, ((lease.job_key, number, lease.created_unix)
-                                       for lease in self.leases.values() if not lease.expired(now)
+                                       for lease in leases if not lease.expired(now)
                                        for number, s in enumerate(lease.slices) if s.server == address))
 
     def find_server(self, name: str) -> ServerEntry:
@@ -270,6 +275,13 @@ class PoolCore:
                 self._used_units[(kind, name)] = self._used_units.get((kind, name), 0) + sign * lease.units
         for server in {s.server for s in lease.slices}:
             self._refresh(server)
+            holders = self._leases_on.setdefault(server, set())
+            if sign > 0:
+                holders.add(lease.job_key)
+            else:
+                holders.discard(lease.job_key)
+                if not holders:
+                    del self._leases_on[server]
         if sign > 0:
             self.leases[lease.job_key] = lease
         else:
