@@ -32,6 +32,8 @@ class Settings:
     listen: str = f"0.0.0.0:{DEFAULT_POOL_PORT}"
     # SQLite file holding leases, quotas and servers.
     state: str = "/var/lib/rgpu/pool.db"
+    # PostgreSQL instead (postgresql://USER@HOST:PORT/DB): several pool daemons share it; "" : SQLite.
+    store_url: str = ""
     secret_file: str = "/etc/rgpu/secret"
     placement: str = "binpack"                  # or "spread"
     heartbeat_interval_seconds: float = 5.0     # told to dispatchers at registration

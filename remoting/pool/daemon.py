@@ -36,7 +36,7 @@ from rgpu.remoting.pool.events import EventLog
 from rgpu.remoting.pool.gpu_listing import GpuListing
 from rgpu.remoting.pool.metrics import PoolMetrics, refusal_reason
 from rgpu.remoting.pool.rules import AllocationRequest, PoolCore
-from rgpu.remoting.pool.store import Store
+from rgpu.remoting.pool.store import open_store
 from rgpu.remoting.pool.views import pool_view
 from rgpu.secret import load_secret
 
@@ -141,6 +141,7 @@ class PoolServicer(pb_grpc.PoolServicer):
 
     @_rpc
     def ListServers(self, request: pb.ListServersRequest, context: Any) -> pb.ListServersReply:
+        self.core.catch_up()
         entries = [self.core.servers[a] for a in sorted(self.core.servers)]
         return pb.ListServersReply(servers=[self._server_pb(e) for e in entries],
                                    down_after_seconds=self.core.down_after_seconds)
@@ -242,7 +243,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
     """Start the pool on settings.listen (port 0 picks a free one); yield (port, core).
     `report(what, port)` hears where the metrics endpoint and the dashboard serve, when on."""
     events = EventLog.attach(log)
-    store = Store(settings.state)
+    store = open_store(settings.state, settings.store_url)
     core = PoolCore(store=store, secret=secret, placement=settings.placement,
                     down_after_seconds=settings.down_after_seconds,
                     max_slices_per_job=settings.max_slices_per_job, idle_after_seconds=settings.idle_after_seconds)

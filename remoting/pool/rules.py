@@ -6,11 +6,12 @@ All methods are thread-safe (one lock: allocation decisions must see a consisten
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterator
 
 from rgpu import tokens, validate
 from rgpu.errors import InvalidRequest, NotFound, PermissionDenied, QuotaExceeded
@@ -20,7 +21,7 @@ from rgpu.remoting.pool.accounting import (Interval, SliceUsageRecord, UsageTota
                                            to_pool_clock, totals)
 from rgpu.remoting.pool.placement import GpuSlot, SliceRequest, place
 from rgpu.remoting.pool.placement_index import PlacementIndex
-from rgpu.remoting.pool.store import Store
+from rgpu.remoting.pool.store import PoolStore
 
 log = logging.getLogger("rgpu-poold")
 
@@ -79,7 +80,7 @@ class Capacity:
 
 @dataclass
 class PoolCore:
-    store: Store
+    store: PoolStore
     secret: bytes
     placement: str = "binpack"
     down_after_seconds: float = 15.0
@@ -105,19 +106,61 @@ class PoolCore:
     _listeners: list[Callable[[], None]] = field(default_factory=list)
     _slice_usage: dict[tuple[str, int], SliceUsageRecord] = field(default_factory=dict)   # in memory only
     _lock: threading.RLock = field(default_factory=threading.RLock)
+    # The shared store's version this daemon's memory reflects (PostgreSQL, several daemons);
+    # None with SQLite, where this daemon is the only writer.
+    _seen_version: int | None = None
 
     def __post_init__(self) -> None:
-        # Servers known before a restart get a fresh grace period: they are down only if they
-        # miss heartbeats from now on, not because the pool itself was away.
+        self._seen_version = self.store.version()
+        self._reload()
+
+    def _reload(self) -> None:
+        """(Re)build the memory from the store. Servers new to this daemon get a fresh grace
+        period: they are down only if they miss heartbeats from now on, not because the pool
+        itself was away; heartbeats other daemons stored count too."""
         now = self.clock()
+        old = self.servers
+        stored = self.store.load_heartbeats()
+        self.servers, self.leases, self.quotas = {}, {}, {}
+        self._usage, self._used_units, self._tokens, self._leases_on = {}, {}, {}, {}
+        self._slot_cache, self._index = {}, PlacementIndex()
         for info, drained in self.store.load_servers():
-            self.servers[info.address] = ServerEntry(info, drained, now)
+            before = old.get(info.address)
+            self.servers[info.address] = ServerEntry(
+                info, drained, max(before.last_heartbeat if before else now, stored.get(info.address, 0.0)),
+                before.reported_down if before else False)
         for lease in self.store.load_leases():
             self._index_lease(lease, +1)
         for address in self.servers:
             self._refresh(address)
         for quota in self.store.load_quotas():
             self.quotas[(quota.kind, quota.name)] = quota.limit_units
+
+    @contextlib.contextmanager
+    def _change(self) -> Iterator[None]:
+        """One change of the pool's state, under the lock; with a shared store, in one store
+        transaction that first brings this daemon up to the other daemons' changes."""
+        with self._lock:
+            try:
+                with self.store.transaction() as state:
+                    if state.before is not None and state.before != self._seen_version:
+                        self._reload()
+                    self._seen_version = state.before
+                    yield
+            except BaseException:
+                if self._seen_version is not None:
+                    self._seen_version = -1   # memory may be ahead of a rolled-back store: reload next time
+                raise
+            if state.after is not None:
+                self._seen_version = state.after
+
+    def catch_up(self) -> None:
+        """Before a read: reload when another daemon changed the shared state (no-op with SQLite)."""
+        version = self.store.version()
+        if version is not None and version != self._seen_version:
+            with self._lock:
+                self._reload()
+                self._seen_version = version
 
     @property
     def lock(self) -> threading.RLock:
@@ -150,7 +193,7 @@ class PoolCore:
         if len({g.uuid for g in info.gpus}) != len(info.gpus):
             raise InvalidRequest("pool", f"server {info.address} reports a GPU UUID twice", "",
                                  "check the dispatcher's inventory")
-        with self._lock:
+        with self._change():
             now = self.clock()
             uuids = {g.uuid for g in info.gpus}
             for other in self.servers.values():
@@ -178,6 +221,8 @@ class PoolCore:
             self._capacity_changed()
 
     def heartbeat(self, address: str) -> bool:
+        if address not in self.servers:
+            self.catch_up()   # registered through another daemon
         with self._lock:
             entry = self.servers.get(address)
             if entry is None:
@@ -185,6 +230,7 @@ class PoolCore:
             now = self.clock()
             came_back = self.state_of(entry, now) == "down"
             entry.last_heartbeat = now
+        self.store.heartbeat(address, now)
         if came_back:
             log.info("rgpu-poold: server %s is back", address)
             self._capacity_changed()
@@ -193,6 +239,7 @@ class PoolCore:
     def live_slices(self, address: str) -> LiveLeases:
         """The live (unreleased, unexpired) leases' slices on one server, as of now by the pool's
         clock: the dispatcher honours no other token issued before now (rgpu/live_leases.py)."""
+        self.catch_up()
         with self._lock:
             now = self.clock()
             leases = [self.leases[key] for key in self._leases_on.get(address, ())]
@@ -213,7 +260,7 @@ class PoolCore:
                              "give the address host:port")
 
     def set_drained(self, name: str, drained: bool) -> ServerEntry:
-        with self._lock:
+        with self._change():
             entry = self.find_server(name)
             self.store.set_drained(entry.info.address, drained)
             entry.drained = drained
@@ -224,7 +271,7 @@ class PoolCore:
 
     def remove_server(self, name: str) -> str:
         """Forget a server that is gone for good: it must be down and hold no lease. Returns its address."""
-        with self._lock:
+        with self._change():
             entry = self.find_server(name)
             address = entry.info.address
             if self.state_of(entry) != "down":
@@ -250,7 +297,11 @@ class PoolCore:
         """Log servers that went down since the last check; return their addresses."""
         now = self.clock()
         went_down = []
+        stored = self.store.load_heartbeats()   # heartbeats other daemons took (shared store)
         with self._lock:
+            for address, beat in stored.items():
+                if address in self.servers:
+                    self.servers[address].last_heartbeat = max(self.servers[address].last_heartbeat, beat)
             for entry in self.servers.values():
                 down = self.state_of(entry, now) == "down"
                 if down and not entry.reported_down:
@@ -355,7 +406,7 @@ class PoolCore:
 
     def allocate(self, req: AllocationRequest) -> LeaseRecord:
         self._validate(req)
-        with self._lock:
+        with self._change():
             now = self.clock()
             existing = self.leases.get(req.job_key)
             if existing is not None and existing.expired(now):
@@ -397,7 +448,7 @@ class PoolCore:
 
     def release(self, job_key: str) -> bool:
         """Idempotent: releasing an unknown or already released key succeeds (returns False)."""
-        with self._lock:
+        with self._change():
             lease = self.leases.get(job_key)
             if lease is None:
                 return False
@@ -406,6 +457,7 @@ class PoolCore:
         return True
 
     def get_lease(self, job_key: str) -> LeaseRecord:
+        self.catch_up()
         with self._lock:
             lease = self.leases.get(job_key)
             if lease is None or lease.expired(self.clock()):
@@ -414,6 +466,7 @@ class PoolCore:
             return lease
 
     def list_leases(self) -> list[LeaseRecord]:
+        self.catch_up()
         with self._lock:
             return sorted(self.leases.values(), key=lambda lease: lease.created_unix)
 
@@ -424,7 +477,7 @@ class PoolCore:
                        for s in lease.slices)
 
     def reclaim_expired(self) -> list[str]:
-        with self._lock:
+        with self._change():
             now = self.clock()
             expired = [lease for lease in self.leases.values() if lease.expired(now)]
             for lease in expired:
@@ -464,7 +517,7 @@ class PoolCore:
         """Release every idle lease (idle_release: Bitfusion's auto_release)."""
         if self.idle_after_seconds <= 0:
             return []
-        with self._lock:
+        with self._change():
             now = self.clock()
             idle = [lease for lease in self.leases.values()
                     if is_idle(idle_seconds(lease, self._usages(lease), now), self.idle_after_seconds)]
@@ -504,6 +557,7 @@ class PoolCore:
     # -- views --------------------------------------------------------------------------------
     def gpu_statuses(self) -> list[GpuStatusRecord]:
         now = self.clock()
+        self.catch_up()
         with self._lock:
             out = []
             for address in sorted(self.servers):
@@ -520,6 +574,7 @@ class PoolCore:
         already holds that (state, version), so a large listing rebuilds only what changed."""
         now = self.clock()
         out: list[tuple[str, tuple[str, int], list[GpuStatusRecord] | None]] = []
+        self.catch_up()
         with self._lock:
             for address in sorted(self.servers):
                 entry = self.servers[address]
@@ -537,6 +592,7 @@ class PoolCore:
 
     def capacity(self) -> Capacity:
         now = self.clock()
+        self.catch_up()
         with self._lock:
             up_gpus = [(entry.info.address, g.uuid) for entry in self.servers.values()
                        if self.state_of(entry, now) == "up" for g in entry.info.gpus]
@@ -550,7 +606,7 @@ class PoolCore:
         validate.name(kind, name)
         if limit_units > 100 * 100_000:
             raise InvalidRequest("pool", f"quota {limit_units} is too large", "at most 10,000,000 GPU-percent", "")
-        with self._lock:
+        with self._change():
             if limit_units < 0:
                 self.store.delete_quota(kind, name)
                 self.quotas.pop((kind, name), None)
@@ -561,6 +617,7 @@ class PoolCore:
             return quota
 
     def quota_usage(self) -> list[tuple[QuotaRecord, int]]:
+        self.catch_up()
         with self._lock:
             return [(QuotaRecord(kind, name, limit), self._used_units.get((kind, name), 0))
                     for (kind, name), limit in sorted(self.quotas.items())]

@@ -9,12 +9,14 @@ the database holds no secret.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
 import threading
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterator, Protocol
 
 from rgpu.errors import ConfigError
 from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
@@ -57,6 +59,15 @@ CREATE TABLE IF NOT EXISTS quotas (
 """
 
 
+@dataclass
+class StateVersion:
+    """The shared state's version when a change began (None: this store has one daemon, never
+    reload) and after it (set when the change commits)."""
+
+    before: int | None
+    after: int | None = None
+
+
 class Store:
     def __init__(self, path: str | os.PathLike[str], durability: str = "normal") -> None:
         self.path = Path(path)
@@ -84,10 +95,24 @@ class Store:
     def close(self) -> None:
         self._db.close()
 
+    # -- one daemon per file: nothing to share ------------------------------------------------
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[StateVersion]:
+        yield StateVersion(None)
+
+    def version(self) -> int | None:
+        return None
+
+    def heartbeat(self, address: str, now: float) -> None:
+        """Heartbeats stay in the daemon's memory: it is the only one."""
+
+    def load_heartbeats(self) -> dict[str, float]:
+        return {}
+
     # -- loading ---------------------------------------------------------------------------
     def load_servers(self) -> list[tuple[ServerInfo, bool]]:
         rows = self._db.execute("SELECT info_json, drained FROM servers").fetchall()
-        return [(_server_from_json(info), bool(drained)) for info, drained in rows]
+        return [(server_from_json(info), bool(drained)) for info, drained in rows]
 
     def load_leases(self) -> list[LeaseRecord]:
         rows = self._db.execute(
@@ -158,7 +183,39 @@ class Store:
         self._write("DELETE FROM quotas WHERE kind=? AND name=?", (kind, name))
 
 
-def _server_from_json(text: str) -> ServerInfo:
+def server_from_json(text: str) -> ServerInfo:
     data = json.loads(text)
     data["gpus"] = tuple(GpuInfo(**g) for g in data["gpus"])
     return ServerInfo(**data)
+
+
+class PoolStore(Protocol):
+    """What PoolCore needs of a store: SQLite (Store, one daemon) or PostgreSQL (store_pg, several)."""
+
+    def close(self) -> None: ...
+    def transaction(self) -> contextlib.AbstractContextManager[StateVersion]: ...
+    def version(self) -> int | None: ...
+    def heartbeat(self, address: str, now: float) -> None: ...
+    def load_heartbeats(self) -> dict[str, float]: ...
+    def load_servers(self) -> list[tuple[ServerInfo, bool]]: ...
+    def load_leases(self) -> list[LeaseRecord]: ...
+    def load_quotas(self) -> list[QuotaRecord]: ...
+    def upsert_server(self, server: ServerInfo, registered: float) -> None: ...
+    def set_drained(self, address: str, drained: bool) -> None: ...
+    def delete_server(self, address: str) -> None: ...
+    def insert_lease(self, lease: LeaseRecord) -> None: ...
+    def end_lease(self, lease: LeaseRecord, ended: float, busy_seconds: float = 0.0, how: str = "") -> None: ...
+    def load_history(self, since: float, until: float) -> list[tuple[str, str, int, float, float, float]]: ...
+    def set_quota(self, quota: QuotaRecord) -> None: ...
+    def delete_quota(self, kind: str, name: str) -> None: ...
+
+
+def open_store(state: str, store_url: str = "") -> PoolStore:
+    """The store the settings name: PostgreSQL when store_url is set, else SQLite at `state`."""
+    if store_url:
+        if not store_url.startswith(("postgresql://", "postgres://")):
+            raise ConfigError("store", f"store_url {store_url.split('@')[-1]!r} is not a PostgreSQL URL", "",
+                              "use postgresql://USER@HOST:PORT/DATABASE, or leave it empty for SQLite")
+        from rgpu.remoting.pool.store_pg import PostgresStore
+        return PostgresStore(store_url)
+    return Store(state)
