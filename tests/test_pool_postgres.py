@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -12,7 +15,10 @@ import pytest
 from rgpu.config import load_settings
 from rgpu.errors import CapacityError, RgpuError
 from rgpu.remoting.pool.client import connect
+from rgpu.remoting.pool.rules import PoolCore
+from rgpu.remoting.pool.store_pg import PostgresStore
 from tests.daemons import RgpuCluster, register_servers, wait_for
+from tests.poolcore_helpers import SECRET, Clock, make_core, req
 from tests.postgres import Postgres, server_bin
 
 pytestmark = [pytest.mark.integration,
@@ -120,3 +126,41 @@ def test_a_dispatcher_heartbeating_to_one_daemon_is_up_on_the_other(tmp_path: Pa
     finally:
         for cluster in (first, second):
             cluster.stop_all()
+
+
+def test_rgpu_admin_migrates_sqlite_state_into_postgresql(tmp_path: Path, postgres: Postgres) -> None:
+    clock = Clock()
+    db = tmp_path / "pool.db"
+    before = make_core(db, clock, servers=2)
+    lease = before.allocate(req("job-1", count=2, fraction=0.5, account="physics"))
+    before.allocate(req("job-2", fraction=0.25))
+    clock.now += 3600
+    before.release("job-2")                                         # history
+    before.set_drained("gpu1", True)
+    before.set_quota("user", "alice", 500)
+    before.store.close()
+
+    def admin(*args: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
+        return subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", "--config", str(tmp_path / "none.toml"),
+                               "migrate-state", "--from", str(db), "--to", postgres.url],
+                              capture_output=True, text=True, env=env, timeout=60)
+
+    (tmp_path / "none.toml").write_text("")
+    done = admin()
+    assert done.returncode == 0, done.stderr
+    assert "copied 2 servers, 1 leases, 1 quotas, 1 history" in done.stdout
+    after = PoolCore(store=PostgresStore(postgres.url), secret=SECRET, down_after_seconds=10, clock=clock)
+    try:
+        assert after.get_lease("job-1") == lease
+        assert after.token_for(after.get_lease("job-1"), 0) == before.token_for(lease, 0)
+        assert after.servers["127.0.0.1:55002"].drained and not after.servers["127.0.0.1:55001"].drained
+        assert after.quota_usage()[0][0].limit_units == 500
+        totals = after.usage_totals(clock.now - 7200, clock.now)
+        # the live lease (2 x 50% for an hour) and the ended one from the history (25% for an hour)
+        assert {(t.account, t.gpu_percent_hours, t.leases) for t in totals} == {("physics", 100.0, 1), ("", 25.0, 1)}
+    finally:
+        after.store.close()
+    again = admin()
+    assert again.returncode == 2 and again.stderr.startswith("rgpu: migrate-state: the PostgreSQL store already holds")
+    assert again.stderr.count("\n") == 1

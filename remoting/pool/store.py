@@ -174,6 +174,12 @@ class Store:
                 "SELECT user, account, units, created, ended, busy_seconds FROM lease_history "
                 "WHERE ended > ? AND created < ?", (since, until)).fetchall()
 
+    def dump_history(self) -> list[tuple[str, str, str, int, float, float, float, str]]:
+        """Every ended lease, all columns (for migrate-state)."""
+        with self._lock:
+            return self._db.execute("SELECT job_key, user, account, units, created, ended, busy_seconds, how "
+                                    "FROM lease_history").fetchall()
+
     def set_quota(self, quota: QuotaRecord) -> None:
         self._write("INSERT INTO quotas(kind, name, limit_units) VALUES (?, ?, ?) "
                     "ON CONFLICT(kind, name) DO UPDATE SET limit_units=excluded.limit_units",

@@ -184,6 +184,13 @@ class PostgresStore:
             'SELECT "user", account, units, created, ended, busy_seconds FROM lease_history '
             "WHERE ended > %s AND created < %s", (since, until))]
 
+    def insert_history(self, rows: list[tuple[str, str, str, int, float, float, float, str]]) -> None:
+        with self._lock, self._db.cursor() as cursor:
+            self._wrote = True
+            cursor.executemany(
+                'INSERT INTO lease_history(job_key, "user", account, units, created, ended, busy_seconds, how) '
+                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)", rows)
+
     def set_quota(self, quota: QuotaRecord) -> None:
         self._write("INSERT INTO quotas(kind, name, limit_units) VALUES (%s, %s, %s) "
                     "ON CONFLICT(kind, name) DO UPDATE SET limit_units=excluded.limit_units",
