@@ -52,6 +52,12 @@ def client_loop(address: str, secret: bytes, worker: int, seconds: float,
     out.put((latencies, loop_seconds))
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def check_no_overcommit(client: PoolClient) -> int:
     gpus = client.list_gpus()
     bad = [g for g in gpus if g.allocated_percent > 100 or g.allocated_memory_bytes > g.gpu.usable_memory_bytes]
@@ -93,6 +99,8 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
                 procs = [ctx.Process(target=client_loop, args=(cluster.pool_address, cluster.secret, w, args.seconds,
                                                               queue)) for w in range(args.clients)]
                 checker = threading.Thread(target=sampler, daemon=True)
+                assert cluster.pool is not None
+                pool_cpu = cpu_seconds(cluster.pool.proc.pid)
                 start = time.perf_counter()
                 for p in procs:
                     p.start()
@@ -109,6 +117,7 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
                 for p in procs:
                     p.join()
                 elapsed = time.perf_counter() - start
+                pool_cpu = cpu_seconds(cluster.pool.proc.pid) - pool_cpu
                 stop.set()
                 checker.join()
                 gpus = check_no_overcommit(client)
@@ -127,6 +136,8 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
         "p50_ms": round(1000 * statistics.median(latencies), 2),
         "p99_ms": round(1000 * latencies[int(0.99 * (len(latencies) - 1))], 2),
         "max_ms": round(1000 * latencies[-1], 2),
+        # the pool daemon's CPU per pair (start-up of the clients and the over-commit samples included)
+        "pool_cpu_ms_per_pair": round(1000 * pool_cpu / len(latencies), 3),
         "overcommit_samples_checked": samples + 1, "overcommit": False, "cpus": os.cpu_count(),
         "load_average_1m_5m": [round(load1, 2), round(load5, 2)],
     }
@@ -152,7 +163,8 @@ def main() -> None:
                   f"{args.prefill} leases held, load average {result['load_average_1m_5m']} on {result['cpus']} CPUs")
             print(f"  {result['pairs']} allocate+release pairs in {args.seconds:g} s per client = "
                   f"{result['pairs_per_second']} pairs/s")
-            print(f"  pair latency p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms, max {result['max_ms']} ms")
+            print(f"  pair latency p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms, max {result['max_ms']} ms; "
+                  f"pool daemon CPU {result['pool_cpu_ms_per_pair']} ms per pair")
             print(f"  over-commit: none ({result['overcommit_samples_checked']} samples of all GPUs checked)")
     if len(results) > 1 and not args.json:
         base = results[0]
