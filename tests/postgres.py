@@ -50,10 +50,19 @@ class Postgres:
             os.chmod(self.root, 0o755)
             shutil.chown(self.root, self.user)
         self._run(str(self.bindir / "initdb"), "-D", str(self.data), "-A", "trust", "-U", self.user, "--no-sync")
-        self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "postgres.log"), "-w",
-                  "-o", f"-h 127.0.0.1 -p {self.port} -k {self.root} -c fsync=off", "start")
+        self._start_server()
         self._run(str(self.bindir / "createdb"), "-h", "127.0.0.1", "-p", str(self.port), "-U", self.user, "rgpu")
         return self
+
+    def _start_server(self) -> None:
+        # -l: the server's output goes to a file, never to the pipes this process reads
+        self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "postgres.log"), "-w",
+                  "-o", f"-h 127.0.0.1 -p {self.port} -k {self.root} -c fsync=off", "start")
+
+    def restart(self) -> None:
+        """An immediate stop (as a crash or a failover looks to clients), then start again."""
+        self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
+        self._start_server()
 
     def stop(self) -> None:
         try:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from rgpu.config import load_settings
-from rgpu.errors import CapacityError, RgpuError
+from rgpu.errors import CapacityError, ConfigError, RgpuError, Unavailable
 from rgpu.remoting.pool.client import connect
 from rgpu.remoting.pool.rules import PoolCore
 from rgpu.remoting.pool.store_pg import PostgresStore
@@ -164,3 +164,33 @@ def test_rgpu_admin_migrates_sqlite_state_into_postgresql(tmp_path: Path, postgr
     again = admin()
     assert again.returncode == 2 and again.stderr.startswith("rgpu: migrate-state: the PostgreSQL store already holds")
     assert again.stderr.count("\n") == 1
+
+
+def test_a_pool_daemon_reconnects_after_postgresql_restarts(two_pools, postgres: Postgres) -> None:  # type: ignore[no-untyped-def]
+    first, _second = two_pools
+    with first.client() as a:
+        register_servers(a, servers=1, gpus=2)
+        a.allocate("job-1", "alice", 1, fraction=0.5)
+        postgres.restart()
+        errors: list[str] = []
+
+        def allocated() -> bool:
+            try:
+                a.allocate("job-2", "alice", 1, fraction=0.5)
+                return True
+            except Unavailable as exc:           # the call that meets the broken connection
+                errors.append(str(exc))
+                return False
+
+        wait_for(allocated, what="an allocation after PostgreSQL restarted")
+        assert all(e.startswith("rgpu: store: PostgreSQL is unreachable") or "unavailable" in e.lower()
+                   for e in errors), errors
+        assert {lease.job_key for lease in a.list_leases()} == {"job-1", "job-2"}
+
+
+def test_idle_release_with_a_shared_store_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "rgpu.toml"
+    config.write_text('store_url = "postgresql://rgpu@db:5432/rgpu"\nidle_release = true\n')
+    with pytest.raises(ConfigError) as caught:
+        load_settings(config, env={})
+    assert str(caught.value).startswith("rgpu: config: idle_release cannot be used with store_url yet")

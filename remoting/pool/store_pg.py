@@ -20,7 +20,7 @@ import threading
 from dataclasses import asdict
 from typing import Any, Iterator
 
-from rgpu.errors import ConfigError
+from rgpu.errors import ConfigError, Unavailable
 from rgpu.model import LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
 from rgpu.remoting.pool.store import StateVersion, server_from_json
 
@@ -75,29 +75,45 @@ class PostgresStore:
             raise ConfigError("store", "store_url names PostgreSQL but psycopg is not installed", "",
                               "pip install 'psycopg[binary]' (or the distribution's python3-psycopg)") from None
         self.url = url
+        self._psycopg = psycopg
         try:
-            self._db = psycopg.connect(url, autocommit=True)
+            self._db = self._connect()
             with self._db.transaction():
                 self._db.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))  # one schema creator at a time
                 self._db.execute(_SCHEMA)
         except psycopg.Error as exc:
-            raise ConfigError("store", "cannot open the PostgreSQL state database",
-                              str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__,
+            raise ConfigError("store", "cannot open the PostgreSQL state database", _first_line(exc),
                               "check store_url (host, port, database, user, password) and that PostgreSQL runs") from None
         self._lock = threading.RLock()
         self._in_transaction = False
         self._wrote = False   # in the open transaction: a change that others must reload for
 
+    def _connect(self) -> Any:
+        return self._psycopg.connect(self.url, autocommit=True, connect_timeout=5)
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[Any]:
+        """The connection, opened again when it broke (PostgreSQL restarted or failed over); a
+        failure on the way is UNAVAILABLE, so clients retry or go to another pool daemon."""
+        with self._lock:
+            try:
+                if self._db.closed or self._db.broken:
+                    self._db = self._connect()
+                yield self._db
+            except self._psycopg.OperationalError as exc:
+                raise Unavailable("store", "PostgreSQL is unreachable", _first_line(exc),
+                                  "check that PostgreSQL runs and store_url; the pool reconnects by itself") from None
+
     def close(self) -> None:
         self._db.close()
 
     def _rows(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
-        with self._lock:
-            return self._db.execute(sql, params).fetchall()
+        with self._session() as db:
+            return db.execute(sql, params).fetchall()
 
     def _write(self, sql: str, params: tuple[Any, ...]) -> None:
-        with self._lock:
-            self._db.execute(sql, params)
+        with self._session() as db:
+            db.execute(sql, params)
             self._wrote = True
 
     # -- several daemons ---------------------------------------------------------------------
@@ -110,12 +126,12 @@ class PostgresStore:
                 return
             self._in_transaction, self._wrote = True, False
             try:
-                with self._db.transaction():
-                    self._db.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
-                    state = StateVersion(self._db.execute("SELECT version FROM pool_meta").fetchone()[0])
+                with self._session() as db, db.transaction():
+                    db.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
+                    state = StateVersion(db.execute("SELECT version FROM pool_meta").fetchone()[0])
                     yield state
                     # Only a change that wrote makes the other daemons reload.
-                    state.after = self._db.execute(
+                    state.after = db.execute(
                         "UPDATE pool_meta SET version = version + 1 RETURNING version").fetchone()[0] \
                         if self._wrote else state.before
             finally:
@@ -125,8 +141,8 @@ class PostgresStore:
         return self._rows("SELECT version FROM pool_meta")[0][0]
 
     def heartbeat(self, address: str, now: float) -> None:
-        with self._lock:   # not a change others must reload for: no version bump
-            self._db.execute("UPDATE servers SET heartbeat = GREATEST(heartbeat, %s) WHERE address = %s",
+        with self._session() as db:   # not a change others must reload for: no version bump
+            db.execute("UPDATE servers SET heartbeat = GREATEST(heartbeat, %s) WHERE address = %s",
                              (now, address))
 
     def load_heartbeats(self) -> dict[str, float]:
@@ -171,10 +187,10 @@ class PostgresStore:
         self._write("DELETE FROM leases WHERE job_key=%s", (job_key,))
 
     def end_lease(self, lease: LeaseRecord, ended: float, busy_seconds: float = 0.0, how: str = "") -> None:
-        with self._lock, self._db.transaction():
+        with self._session() as db, db.transaction():
             self._wrote = True
-            self._db.execute("DELETE FROM leases WHERE job_key=%s", (lease.job_key,))
-            self._db.execute(
+            db.execute("DELETE FROM leases WHERE job_key=%s", (lease.job_key,))
+            db.execute(
                 'INSERT INTO lease_history(job_key, "user", account, units, created, ended, busy_seconds, how) '
                 "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
                 (lease.job_key, lease.user, lease.account, lease.units, lease.created_unix, ended, busy_seconds, how))
@@ -185,7 +201,7 @@ class PostgresStore:
             "WHERE ended > %s AND created < %s", (since, until))]
 
     def insert_history(self, rows: list[tuple[str, str, str, int, float, float, float, str]]) -> None:
-        with self._lock, self._db.cursor() as cursor:
+        with self._session() as db, db.cursor() as cursor:
             self._wrote = True
             cursor.executemany(
                 'INSERT INTO lease_history(job_key, "user", account, units, created, ended, busy_seconds, how) '
@@ -198,3 +214,8 @@ class PostgresStore:
 
     def delete_quota(self, kind: str, name: str) -> None:
         self._write("DELETE FROM quotas WHERE kind=%s AND name=%s", (kind, name))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
