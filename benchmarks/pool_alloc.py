@@ -29,6 +29,7 @@ from rgpu.model import GpuInfo, ServerInfo  # noqa: E402
 from rgpu.remoting.pool.convert import server_to_pb  # noqa: E402
 from rgpu.remoting.pool.client import PoolClient  # noqa: E402
 from tests.daemons import RgpuCluster  # noqa: E402
+from tests.postgres import Postgres  # noqa: E402
 
 GiB = 2**30
 
@@ -70,7 +71,9 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
     """One pool of servers x gpus_per_server GPUs: fill it, run the clients, check, measure."""
     with tempfile.TemporaryDirectory(prefix="rgpu-bench-") as tmp:
         cluster = RgpuCluster(Path(tmp))
-        cluster.write_config(down_after_seconds=600.0, heartbeat_interval_seconds=60.0, log_level="warning")
+        postgres = Postgres().start() if args.postgres else None
+        cluster.write_config(down_after_seconds=600.0, heartbeat_interval_seconds=60.0, log_level="warning",
+                             **({"store_url": postgres.url} if postgres else {}))
         cluster.start_pool()
         try:
             with cluster.client() as client:
@@ -126,11 +129,13 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
                     raise SystemExit(f"{len(leftover)} benchmark lease(s) left behind")
         finally:
             cluster.stop_all()
+            if postgres is not None:
+                postgres.stop()
 
     latencies.sort()
     load1, load5, _ = os.getloadavg()
     return {
-        "servers": servers, "gpus_per_server": gpus_per_server, "gpus": gpus, "clients": args.clients,
+        "store": "postgresql" if args.postgres else "sqlite", "servers": servers, "gpus_per_server": gpus_per_server, "gpus": gpus, "clients": args.clients,
         "prefill_leases": args.prefill, "pairs": len(latencies), "seconds": round(elapsed, 2),
         "pairs_per_second": round(rate, 1),
         "p50_ms": round(1000 * statistics.median(latencies), 2),
@@ -150,6 +155,8 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--prefill", type=int, default=256, help="leases of half a GPU held during the run")
+    parser.add_argument("--postgres", action="store_true",
+                        help="keep the pool's state in a PostgreSQL started for the run (Debian's postgresql package)")
     parser.add_argument("--json", action="store_true", help="print JSON only")
     args = parser.parse_args()
     sizes = [int(n) for n in args.servers.split(",") if n.strip()]
@@ -159,7 +166,7 @@ def main() -> None:
         result = run_one(servers, args.gpus_per_server, args)
         results.append(result)
         if not args.json:
-            print(f"pool_alloc: {servers} servers x {args.gpus_per_server} GPUs, {args.clients} client processes, "
+            print(f"pool_alloc ({result['store']}): {servers} servers x {args.gpus_per_server} GPUs, {args.clients} client processes, "
                   f"{args.prefill} leases held, load average {result['load_average_1m_5m']} on {result['cpus']} CPUs")
             print(f"  {result['pairs']} allocate+release pairs in {args.seconds:g} s per client = "
                   f"{result['pairs_per_second']} pairs/s")
