@@ -31,6 +31,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -147,6 +148,7 @@ class SessionServer:
         self._pending: dict[int, _Pending] = {}     # id(conn) -> handshake in progress, oldest first
         self._per_host: dict[str, int] = {}
         self._door_lock = threading.Lock()
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rgpu-sessions-spawn")
         self._dropped = {"per_address": 0, "evicted": 0, "full": 0, "deadline": 0}
         sweep_dead_runtime_dirs(Path(tempfile.gettempdir()), log)
         self.runtime_dir = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX))
@@ -234,6 +236,7 @@ class SessionServer:
             except subprocess.TimeoutExpired:
                 rec.popen.kill()
                 rec.popen.wait()
+        self._spawner.shutdown(wait=False)
         self.mps.stop()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
@@ -429,6 +432,15 @@ class SessionServer:
         except AuthError as exc:
             self._refuse(conn, peer, str(exc))
             return
+        with self._lock:
+            heard = self._live is not None
+        if not heard:
+            # Fail closed: without the pool's list of live leases a released lease's token cannot be
+            # told from a live one (a dispatcher restarted while the pool is down).
+            self._refuse(conn, peer, "rgpu: session: this dispatcher has not heard from the pool since it started, "
+                         "so it cannot tell a released lease's token from a live one (retry in a few seconds; "
+                         "check that rgpu-poold runs and that this GPU node reaches it)")
+            return
         if self._revoked(claims):
             self._refuse(conn, peer, f"rgpu: session: the lease of job {claims.job_key} (slice {claims.slice_number}) "
                          "was released or reclaimed by the pool, so its token is no longer valid (request new "
@@ -557,14 +569,18 @@ class SessionServer:
         }
         env = worker_environment(os.environ)
         env["RGPU_WORKER_SESSION"] = json.dumps(spec)
+        env["RGPU_WORKER_PARENT_PID"] = str(os.getpid())
         if self.backend == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = gpu.uuid
             env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
             if mode == "cuda":
                 env.update(self.mps.client_env(claims.compute_percent))
         fd = conn.fileno()
-        popen = subprocess.Popen([sys.executable, "-m", "rgpu.remoting.datapath.worker", "--fd", str(fd)],
-                                 pass_fds=[fd], env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        # Forked from the one long-lived spawner thread: the worker's parent-death signal fires when
+        # the forking thread ends, and handshake threads end right after this (lifeline.py).
+        popen = self._spawner.submit(
+            subprocess.Popen, [sys.executable, "-m", "rgpu.remoting.datapath.worker", "--fd", str(fd)],
+            pass_fds=[fd], env=env, stdin=subprocess.DEVNULL, close_fds=True).result()
         rec = SessionRecord(pid=popen.pid, job_key=claims.job_key, slice_number=claims.slice_number,
                             gpu_uuid=gpu.uuid, mode=mode, client=peer,
                             memory_limit_bytes=spec["memory_limit"], compute_percent=claims.compute_percent,

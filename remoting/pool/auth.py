@@ -2,8 +2,9 @@
 
 Every call carries `x-rgpu-auth: <unix time>.<nonce>.<hex HMAC>` computed with a key derived
 from the cluster secret over the method name, time and nonce. The secret itself never crosses
-the wire. The server refuses stale times (clock skew beyond AUTH_WINDOW_SECONDS) and replays of
-a nonce inside the window.
+the wire. The server refuses stale times (clock skew beyond AUTH_WINDOW_SECONDS), replays of
+a nonce inside the window, and credentials stamped before the server started (its nonce cache
+is in memory; this keeps a restart from reopening the window).
 """
 
 from __future__ import annotations
@@ -43,9 +44,14 @@ class ServerAuth(grpc.ServerInterceptor):
 
     OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
-    def __init__(self, secret: bytes, window: float = AUTH_WINDOW_SECONDS) -> None:
+    def __init__(self, secret: bytes, window: float = AUTH_WINDOW_SECONDS, not_before: float | None = None) -> None:
         self._key = derive_key(secret, _PURPOSE)
         self._window = window
+        # The nonce cache lives in memory, so a restarted pool has forgotten the nonces it saw.
+        # Credentials made before this pool started are refused, so none of those can be replayed:
+        # a restart cannot reopen the window. (A caller whose clock is behind the pool's is refused
+        # for that long after a restart; callers retry.)
+        self._not_before = time.time() if not_before is None else not_before
         self._seen: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
         self._last_logged: dict[str, float] = {}
@@ -68,6 +74,9 @@ class ServerAuth(grpc.ServerInterceptor):
             return f"credential time is {current - when:+.0f} s off (clocks out of step?)"
         if not hmac.compare_digest(_mac(self._key, method, stamp, nonce), mac):
             return "wrong cluster secret"
+        if when < self._not_before:
+            return ("credential made before this pool started (a replay, or this host's clock is "
+                    f"{self._not_before - when:.1f} s behind the pool's; retry)")
         with self._lock:
             while self._seen and next(iter(self._seen.values())) < current - self._window:
                 self._seen.popitem(last=False)
