@@ -65,6 +65,9 @@ class Settings:
     # The web dashboard served by rgpu-poold (HTTPS when tls_cert_file/tls_key_file are set); "" off.
     dashboard_listen: str = ""
     dashboard_url: str = ""                      # what `rgpu-admin dashboard-url` links to; "" derives it
+    # Leases flexrun -n/-l takes for one run: renewed every third of this while the application
+    # runs, so a killed flexrun's lease is reclaimed within this long.
+    flexrun_lease_ttl_seconds: float = 60.0
     # rgpu-dispatcher's front door: a session's HELLO must arrive this long after the connection
     # opened; at most this many handshakes in progress, in all and per source address.
     session_hello_deadline_seconds: float = 10.0

@@ -90,6 +90,9 @@ class PoolClient:
             memory_bytes=memory_bytes, ttl_seconds=ttl_seconds, gpu_model=gpu_model, server=server,
             min_memory_bytes=min_memory_bytes))
 
+    def renew(self, job_key: str, ttl_seconds: float) -> pb.Lease:
+        return self._call("Renew", pb.RenewRequest(job_key=job_key, ttl_seconds=ttl_seconds))
+
     def release(self, job_key: str) -> bool:
         return self._call("Release", pb.ReleaseRequest(job_key=job_key)).released
 

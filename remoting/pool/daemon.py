@@ -120,6 +120,10 @@ class PoolServicer(pb_grpc.PoolServicer):
         return self._lease_pb(lease)
 
     @_rpc
+    def Renew(self, request: pb.RenewRequest, context: Any) -> pb.Lease:
+        return self._lease_pb(self.core.renew(request.job_key, request.ttl_seconds))
+
+    @_rpc
     def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseReply:
         released = self.core.release(request.job_key)
         self.metrics.releases.labels("released" if released else "unknown").inc()

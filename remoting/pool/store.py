@@ -123,6 +123,9 @@ class Store:
             (lease.job_key, lease.user, lease.account, lease.created_unix, lease.expires_unix,
              json.dumps([vars(s) for s in lease.slices])))
 
+    def set_lease_expiry(self, job_key: str, expires: float) -> None:
+        self._write("UPDATE leases SET expires=? WHERE job_key=?", (expires, job_key))
+
     def delete_lease(self, job_key: str) -> None:
         self._write("DELETE FROM leases WHERE job_key=?", (job_key,))
 
