@@ -107,6 +107,21 @@ class _Pending:
     evicted: bool = False
 
 
+def client_description(peer: str, info: dict) -> dict:
+    """What worker logs say about the client: the address the connection came from (never one the
+    client claims) and the few facts rgpu's client library sends (pid, host, uid), bounded and
+    printable, so a client cannot forge log lines or another address."""
+    out: dict = {}
+    for key in ("pid", "uid"):
+        if isinstance(info.get(key), int) and not isinstance(info.get(key), bool) and 0 <= info[key] < 2**32:
+            out[key] = info[key]
+    host = info.get("host")
+    if isinstance(host, str):
+        out["host"] = "".join(c if c.isprintable() else "?" for c in host[:64])
+    out["address"] = peer
+    return out
+
+
 RUNTIME_PREFIX = "rgpu-sessions-"
 OWNER_FILE = "owner.pid"
 
@@ -564,7 +579,7 @@ class SessionServer:
             "compute_percent": claims.compute_percent, "job_key": claims.job_key,
             "slice_number": claims.slice_number, "usage_dir": str(self._slice_dir(claims)),
             "server": self.advertised, "compute_enforcement": self.mps.enforcement,
-            "client": {"address": peer, **hello.info}, "launch_library": self.launch_library,
+            "client": client_description(peer, hello.info), "launch_library": self.launch_library,
             "counters_dir": str(self.counters_dir),
         }
         env = worker_environment(os.environ)

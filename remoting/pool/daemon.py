@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import signal
 import socket
+import sqlite3
 import sys
 import threading
 import time
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import click
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -45,6 +48,16 @@ log = logging.getLogger("rgpu-poold")
 # over the GIL: 4 gave ~10-20% more allocations per second than 16 on a 2-core machine.
 POOL_GRPC_WORKERS = 4
 
+_LONG_WORD = re.compile(r"[^\s(),;]{81,}")
+
+
+def bounded_message(message: str, limit: int = 600) -> str:
+    """An error message with no echo of more than a short prefix of the caller's input: any run
+    of over 80 characters without a space is cut to 60 and its length, the whole to `limit`."""
+    short = _LONG_WORD.sub(lambda m: f"{m.group()[:60]}...[{len(m.group())} chars]", message)
+    return short if len(short) <= limit else short[:limit - 3] + "..."
+
+
 def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
     """Turn rgpu errors into gRPC status codes with the one-line message."""
 
@@ -52,7 +65,7 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return method(self, request, context)
         except RgpuError as exc:
-            context.abort(status_for(exc), str(exc))
+            context.abort(status_for(exc), bounded_message(str(exc)))
         except Exception:
             log.exception("rgpu-poold: %s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL,
@@ -249,9 +262,17 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
     `report(what, port)` hears where the metrics endpoint and the dashboard serve, when on."""
     events = EventLog.attach(log)
     store = Store(settings.state)
-    core = PoolCore(store=store, secret=secret, placement=settings.placement,
-                    down_after_seconds=settings.down_after_seconds,
-                    max_slices_per_job=settings.max_slices_per_job, idle_after_seconds=settings.idle_after_seconds)
+    try:
+        core = PoolCore(store=store, secret=secret, placement=settings.placement,
+                        down_after_seconds=settings.down_after_seconds,
+                        max_slices_per_job=settings.max_slices_per_job, idle_after_seconds=settings.idle_after_seconds)
+    except (sqlite3.DatabaseError, ValueError, TypeError, KeyError) as exc:
+        # Rows that do not read back (a damaged file): one line, not a traceback.
+        store.close()
+        events.detach()
+        raise ConfigError("store", f"cannot read the pool's state from {settings.state}",
+                          f"{type(exc).__name__}: {str(exc)[:120]}",
+                          "restore the file from a backup, or move it aside to start an empty pool") from None
     metrics = PoolMetrics(lambda: pool_view(core))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=[ServerAuth(secret)],
                          options=[("grpc.so_reuseport", 0)])

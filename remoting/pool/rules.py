@@ -21,6 +21,8 @@ from rgpu.remoting.pool.accounting import (Interval, SliceUsageRecord, UsageTota
 from rgpu.remoting.pool.placement import GpuSlot, SliceRequest, place
 from rgpu.remoting.pool.store import Store
 
+MAX_SERVERS = 4096   # dispatchers one pool keeps; bounds what registrations can make it store
+
 log = logging.getLogger("rgpu-poold")
 
 QUOTA_KINDS = ("user", "account")
@@ -134,9 +136,7 @@ class PoolCore:
         return "up"
 
     def register(self, info: ServerInfo) -> None:
-        validate.server_address(info.address)
-        for gpu in info.gpus:
-            validate.gpu_uuid(gpu.uuid)
+        validate.server_info(info)
         if len({g.uuid for g in info.gpus}) != len(info.gpus):
             raise InvalidRequest("pool", f"server {info.address} reports a GPU UUID twice", "",
                                  "check the dispatcher's inventory")
@@ -151,16 +151,23 @@ class PoolCore:
                         f"{other.info.address} already serves it",
                         "give the dispatchers disjoint GPU sets (RGPU_VISIBLE_DEVICES)")
             previous = self.servers.get(info.address)
+            if previous is None and len(self.servers) >= MAX_SERVERS:
+                raise InvalidRequest("pool", f"cannot register server {info.address}",
+                                     f"the pool already has {MAX_SERVERS} servers",
+                                     "remove gone ones with `rgpu-admin remove-server`")
+            held = {s.gpu_uuid for lease in self.leases.values() for s in lease.slices if s.server == info.address}
+            missing = held - {g.uuid for g in info.gpus}
+            if missing:
+                # A registration must not take back GPU shares that leases hold (their jobs run there).
+                raise InvalidRequest("pool", f"server {info.address} re-registers without GPU(s) "
+                                     f"{', '.join(sorted(missing)[:4])} that live leases hold",
+                                     "dropping them would strand those jobs",
+                                     "release those leases first (rgpu-admin leases), then restart the dispatcher")
             was_up = previous is not None and self.state_of(previous, now) == "up"
             self.store.upsert_server(info, now)
             self._slot_cache.pop(info.address, None)
             drained = previous.drained if previous else False
             self.servers[info.address] = ServerEntry(info, drained, now)
-            held = {s.gpu_uuid for lease in self.leases.values() for s in lease.slices if s.server == info.address}
-            missing = held - {g.uuid for g in info.gpus}
-            if missing:
-                log.warning("rgpu-poold: server %s re-registered without GPUs %s that leases hold",
-                            info.address, ", ".join(sorted(missing)))
         log.info("rgpu-poold: server %s registered with %d GPU(s)%s", info.address, len(info.gpus),
                  " (static inventory)" if info.static_inventory else "")
         if not was_up:
