@@ -65,6 +65,8 @@ class Settings:
     # The web dashboard served by rgpu-poold (HTTPS when tls_cert_file/tls_key_file are set); "" off.
     dashboard_listen: str = ""
     dashboard_url: str = ""                      # what `rgpu-admin dashboard-url` links to; "" derives it
+    # MUNGE socket users' credentials are made and checked with; "" : libmunge's default.
+    munge_socket: str = ""
     # Leases flexrun -n/-l takes for one run: renewed every third of this while the application
     # runs, so a killed flexrun's lease is reclaimed within this long.
     flexrun_lease_ttl_seconds: float = 60.0

@@ -135,7 +135,7 @@ class Lease:
             raise ConfigError("flexrun", f"flexrun_lease_ttl_seconds = {self.ttl!r} from "
                               f"{settings.origin('flexrun_lease_ttl_seconds')} is out of range",
                               "it must be 1 second to a year", "set it to e.g. 60")
-        self.client = connect(settings)
+        self.client = connect(settings, user=True)
         self.user = getpass.getuser()
         base = f"flexrun-{socket.gethostname().split('.')[0]}-{os.getpid()}-{pysecrets.token_hex(3)}"
         self.keys: list[str] = []

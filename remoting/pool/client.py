@@ -12,7 +12,7 @@ from rgpu.config import Settings
 from rgpu.errors import ConfigError, RgpuError
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
-from rgpu.remoting.pool.auth import AUTH_HEADER, request_credential
+from rgpu.remoting.pool.auth import AUTH_HEADER, MUNGE_HEADER, request_credential
 from rgpu.remoting.pool.errors import error_from_status
 from rgpu.secret import load_secret
 
@@ -35,13 +35,17 @@ def open_channel(address: str, tls_ca_file: str | None = None, tls_server_name: 
 
 
 class PoolClient:
-    def __init__(self, address: str, secret: bytes, *, timeout: float = 10.0,
-                 tls_ca_file: str | None = None, tls_server_name: str | None = None) -> None:
+    def __init__(self, address: str, secret: bytes | None, *, timeout: float = 10.0,
+                 tls_ca_file: str | None = None, tls_server_name: str | None = None,
+                 munge_socket: str = "") -> None:
+        """With a secret: a daemon's or admin's client. Without one (secret None): a user's, whose
+        calls carry a MUNGE credential naming the calling process's uid."""
         self.address = address
         self.timeout = timeout
         raw = open_channel(address, tls_ca_file, tls_server_name)
         self._raw = raw
         self._secret = secret
+        self._munge_socket = munge_socket
         self._stub = pb_grpc.PoolStub(raw)
 
     def close(self) -> None:
@@ -56,10 +60,14 @@ class PoolClient:
     def _call(self, name: str, request: Any, timeout: float | None = None) -> Any:
         # The credential goes in each call's metadata (no interceptor: it costs the client more
         # CPU per call than the HMAC itself).
-        credential = request_credential(self._secret, f"/rgpu.v1.Pool/{name}")
+        method = f"/rgpu.v1.Pool/{name}"
+        if self._secret is not None:
+            header = (AUTH_HEADER, request_credential(self._secret, method))
+        else:
+            from rgpu import munge
+            header = (MUNGE_HEADER, munge.encode(munge.PAYLOAD_PREFIX + method, self._munge_socket))
         try:
-            return getattr(self._stub, name)(request, timeout=timeout or self.timeout,
-                                             metadata=((AUTH_HEADER, credential),))
+            return getattr(self._stub, name)(request, timeout=timeout or self.timeout, metadata=(header,))
         except grpc.RpcError as exc:
             raise error_from_rpc(exc, self.address) from None
 
@@ -127,9 +135,19 @@ class PoolClient:
         return self._call("Capacity", pb.CapacityRequest())
 
 
-def connect(settings: Settings, *, secret: bytes | None = None, timeout: float = 10.0) -> PoolClient:
+def connect(settings: Settings, *, secret: bytes | None = None, timeout: float = 10.0,
+            user: bool = False) -> PoolClient:
     """The pool client every component uses: address, secret and TLS from the settings (the secret
-    is read from `secret_file` unless given)."""
-    return PoolClient(settings.pool, load_secret(settings.secret_file) if secret is None else secret,
-                      timeout=timeout, tls_ca_file=settings.tls_ca_file or None,
-                      tls_server_name=settings.tls_server_name or None)
+    is read from `secret_file` unless given). With user=True (user tools: flexrun, request-gpus,
+    leases...) a caller that cannot read the secret authenticates with MUNGE instead."""
+    if secret is None:
+        try:
+            secret = load_secret(settings.secret_file)
+        except ConfigError as exc:
+            # No secret here (missing, or not readable by this user): a user's tool uses MUNGE.
+            # A secret that is present but unsafe stays an error.
+            if not user or not ("does not exist" in exc.what or exc.why == "permission denied"):
+                raise
+            secret = None
+    return PoolClient(settings.pool, secret, timeout=timeout, tls_ca_file=settings.tls_ca_file or None,
+                      tls_server_name=settings.tls_server_name or None, munge_socket=settings.munge_socket)

@@ -24,9 +24,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rgpu import __version__, plugins
-from rgpu.remoting.pool.auth import ServerAuth
+from rgpu.remoting.pool.auth import ServerAuth, current_caller
 from rgpu.config import Settings, load_settings
-from rgpu.errors import ConfigError, InvalidRequest, RgpuError
+from rgpu.errors import ConfigError, InvalidRequest, PermissionDenied, RgpuError
 from rgpu.netaddr import split_host_port
 from rgpu.portfile import write_port_file
 from rgpu.model import LeaseRecord
@@ -58,11 +58,33 @@ def bounded_message(message: str, limit: int = 600) -> str:
     return short if len(short) <= limit else short[:limit - 3] + "..."
 
 
+# What a user (MUNGE credential) may call; everything else needs the cluster secret. Users lease,
+# renew and release their own slices, and see everyone's leases without their tokens.
+USER_METHODS = frozenset({"Allocate", "Renew", "Release", "GetLease", "ListLeases", "ListGpus", "ListServers",
+                          "ListQuotas", "Capacity"})
+
+
+def _own(core: PoolCore, job_key: str, what: str) -> None:
+    """A user may only act on leases of their own (a lease that does not exist is left to the call)."""
+    caller = current_caller()
+    if caller.is_daemon:
+        return
+    lease = core.leases.get(job_key)
+    if lease is not None and lease.user != caller.user:
+        raise PermissionDenied("pool", f"cannot {what} lease {job_key[:80]}", f"it belongs to {lease.user}, "
+                               f"you are {caller.user}", "act on your own leases (rgpu-admin leases lists them)")
+
+
 def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
     """Turn rgpu errors into gRPC status codes with the one-line message."""
 
     def wrapper(self: "PoolServicer", request: Any, context: grpc.ServicerContext) -> Any:
         try:
+            caller = current_caller()
+            if not caller.is_daemon and method.__name__ not in USER_METHODS:
+                raise PermissionDenied("pool", f"{method.__name__} is for daemons and admins",
+                                       f"you called as user {caller.user} (MUNGE)",
+                                       "run it where the cluster secret is readable (root or the rgpu admin)")
             return method(self, request, context)
         except RgpuError as exc:
             context.abort(status_for(exc), bounded_message(str(exc)))
@@ -82,6 +104,8 @@ class PoolServicer(pb_grpc.PoolServicer):
         self.metrics = metrics or PoolMetrics()
 
     def _lease_pb(self, lease: LeaseRecord) -> pb.Lease:
+        caller = current_caller()
+        tokens = caller.is_daemon or caller.user == lease.user   # others' tokens are never shown to users
         usages = self.core.slice_usage(lease)
         since, idle = self.core.lease_idle(lease)
         return pb.Lease(
@@ -91,7 +115,7 @@ class PoolServicer(pb_grpc.PoolServicer):
             idle_since_unix=since, idle=idle,
             slices=[pb.Slice(server=s.server, gpu_uuid=s.gpu_uuid, gpu_index=s.gpu_index, gpu_name=s.gpu_name,
                              memory_limit_bytes=s.memory_limit_bytes, compute_percent=s.compute_percent,
-                             token=self.core.token_for(lease, i), usage=usage_to_pb(lease.job_key, i, usages[i]))
+                             token=self.core.token_for(lease, i) if tokens else "", usage=usage_to_pb(lease.job_key, i, usages[i]))
                     for i, s in enumerate(lease.slices)])
 
     def _server_pb(self, entry: Any) -> pb.Server:
@@ -117,9 +141,18 @@ class PoolServicer(pb_grpc.PoolServicer):
     @_rpc
     def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.Lease:
         started, asked_at = time.perf_counter(), self.core.clock()
+        caller = current_caller()
+        user = request.user
         try:
+            if not caller.is_daemon:
+                # A user's name comes from MUNGE, never from the request.
+                if user and user != caller.user:
+                    raise PermissionDenied("pool", f"cannot lease GPUs as {user[:64]}",
+                                           f"MUNGE says you are {caller.user}", "lease as yourself (leave --user out)")
+                user = caller.user
+                _own(self.core, request.job_key, "reuse")
             lease = self.core.allocate(AllocationRequest(
-                job_key=request.job_key, user=request.user, account=request.account, count=request.count,
+                job_key=request.job_key, user=user, account=request.account, count=request.count,
                 fraction=request.fraction if request.fraction else None,
                 memory_bytes=request.memory_bytes if request.memory_bytes else None,
                 ttl_seconds=request.ttl_seconds, gpu_model=request.gpu_model, server=request.server,
@@ -134,10 +167,12 @@ class PoolServicer(pb_grpc.PoolServicer):
 
     @_rpc
     def Renew(self, request: pb.RenewRequest, context: Any) -> pb.Lease:
+        _own(self.core, request.job_key, "renew")
         return self._lease_pb(self.core.renew(request.job_key, request.ttl_seconds))
 
     @_rpc
     def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseReply:
+        _own(self.core, request.job_key, "release")
         released = self.core.release(request.job_key)
         self.metrics.releases.labels("released" if released else "unknown").inc()
         return pb.ReleaseReply(released=released)
@@ -274,7 +309,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
                           f"{type(exc).__name__}: {str(exc)[:120]}",
                           "restore the file from a backup, or move it aside to start an empty pool") from None
     metrics = PoolMetrics(lambda: pool_view(core))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=[ServerAuth(secret)],
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=[ServerAuth(secret, munge_socket=settings.munge_socket)],
                          options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_PoolServicer_to_server(PoolServicer(core, settings.heartbeat_interval_seconds, metrics), server)
     health_servicer = health.HealthServicer()
