@@ -3,7 +3,8 @@
 #   ./scripts/test.sh            all tests (GPU tests skip themselves without a GPU)
 #   ./scripts/test.sh -m 'not slurm'   extra arguments go to pytest
 # As root with apt-get available, installs the Debian packages in .ci/debian-packages.txt (Slurm,
-# munge, Lua, a C compiler) for the real-Slurm and native-library tests; otherwise those tests skip.
+# munge, Lua, a C compiler, mmdebstrap) for the real-Slurm and native-library tests; otherwise those
+# tests skip. RGPU_SLURM_VERSIONS=22.05,24.11 picks the Slurm versions of the real-cluster tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,4 +22,15 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && [ -s .ci/debian-packag
 fi
 
 python3 -m pip install -q --disable-pip-version-check -e '.[test]'
+
+# The real-cluster tests run on each Slurm version in $RGPU_SLURM_VERSIONS (default all three:
+# 22.05, 24.11, 26.05). Versions other than the host's run from Debian roots built with mmdebstrap
+# (about 20 s each, progress shown) and cached in /var/cache/rgpu-slurm-roots between runs.
+if [ "$(id -u)" = 0 ] && command -v mmdebstrap >/dev/null; then
+  if ! python3 -m rgpu.slurm_plugin.slurmroot build "${RGPU_SLURM_VERSIONS:-all}"; then
+    echo "test.sh: a Slurm root could not be built (above); set RGPU_SLURM_VERSIONS to the versions this" \
+         "machine can run (e.g. RGPU_SLURM_VERSIONS=22.05) or fix its apt mirror" >&2
+    exit 1
+  fi
+fi
 exec python3 -m pytest "$@"

@@ -35,24 +35,48 @@ def _client(ctx: click.Context):  # type: ignore[no-untyped-def]
     return connect(settings), settings
 
 
+def detect_slurm_version() -> str:
+    """major.minor of the Slurm whose `scontrol` is on PATH here ('' when none answers)."""
+    from rgpu.slurm_plugin.proc import run_command
+    from rgpu.slurm_plugin.versions import parse_version_output
+
+    try:
+        out = run_command(["scontrol", "--version"], component="slurm-config", timeout=10, check=False)
+    except RgpuError:
+        return ""
+    return parse_version_output(out.stdout + out.stderr)
+
+
 @click.command("slurm-config")
 @click.option("--prolog-dir", default=None, metavar="DIR",
               help="Where the rgpu-prolog* and rgpu-epilog* scripts are on the Slurm hosts "
                    "(default: where pip installed them, this installation's scripts directory).")
 @click.option("--section", "sections", multiple=True, type=click.Choice(list(SECTIONS)),
               help="Print only this file's lines (repeatable; default: all).")
+@click.option("--slurm-version", default=None, metavar="X.Y",
+              help="The Slurm the lines are for (default: what `scontrol --version` here says; "
+                   "where none answers, lines every tested version accepts).")
 @click.pass_context
-def slurm_config(ctx: click.Context, prolog_dir: str | None, sections: tuple[str, ...]) -> None:
+def slurm_config(ctx: click.Context, prolog_dir: str | None, sections: tuple[str, ...],
+                 slurm_version: str | None) -> None:
     """Print slurm.conf, gres.conf and job_submit_rgpu.conf lines for the pool as it is now."""
+    from rgpu.slurm_plugin.versions import TESTED, version_tuple
+
     try:
+        if slurm_version is not None and version_tuple(slurm_version) == (0, 0):
+            raise InvalidRequest("slurm-config", f"--slurm-version {slurm_version!r} is not a version",
+                                 "it picks the lines to print", f"give major.minor, e.g. {TESTED[-1]}")
+        if slurm_version is not None:
+            slurm_version = "%d.%02d" % version_tuple(slurm_version)
         prolog_dir = prolog_dir or default_prolog_dir()
         if not _PATH_RE.match(prolog_dir):
             raise InvalidRequest("slurm-config", f"--prolog-dir {prolog_dir!r} is not a plain absolute path",
                                  "it is written into slurm.conf", "use letters, digits and / . _ - + @ only")
         client, settings = _client(ctx)
         with client:
-            values = config_values(client.list_gpus(), int(client.capacity().total_units),
-                                   settings.max_slices_per_job, prolog_dir)
+            gpus, units = client.list_gpus(), int(client.capacity().total_units)
+        values = config_values(gpus, units, settings.max_slices_per_job, prolog_dir,
+                               detect_slurm_version() if slurm_version is None else slurm_version)
         click.echo(render_slurm_config(values, sections or tuple(SECTIONS)), nl=False)
     except RgpuError as exc:
         click.echo(str(exc), err=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rgpu.slurm_plugin.proc import run_command
+from rgpu.slurm_plugin.versions import TESTED, has_split_prolog_timeouts, tres_gres_prefix
 
 from rgpu.errors import RgpuError
 from rgpu.render import render
@@ -183,6 +184,7 @@ class SlurmConfigValues:
     prolog_dir: str
     gres_name: str = "rgpu"
     license_name: str = "rgpu"
+    slurm_version: str = ""        # major.minor of the Slurm the lines are for ("" unknown)
 
     @property
     def license_total(self) -> int:
@@ -195,12 +197,13 @@ class SlurmConfigValues:
 
 
 def config_values(gpu_statuses: Sequence[Any], healthy_units: int, max_slices_per_job: int,
-                  prolog_dir: str) -> SlurmConfigValues:
+                  prolog_dir: str, slurm_version: str = "") -> SlurmConfigValues:
     """From ListGpus records (fields server, gpu.usable_memory_bytes). Pure."""
     memories = [int(g.gpu.usable_memory_bytes) for g in gpu_statuses]
     return SlurmConfigValues(gpus=len(memories), servers=len({g.server for g in gpu_statuses}),
                              healthy_units=healthy_units, gpu_memory_bytes=min(memories, default=0),
-                             max_slices_per_job=max_slices_per_job, prolog_dir=prolog_dir.rstrip("/") or "/")
+                             max_slices_per_job=max_slices_per_job, prolog_dir=prolog_dir.rstrip("/") or "/",
+                             slurm_version=slurm_version)
 
 
 SECTIONS = {"slurm.conf": "slurm.conf.j2", "gres.conf": "gres.conf.j2", "job_submit_rgpu.conf": "job_submit_rgpu.conf.j2"}
@@ -211,7 +214,10 @@ def render_slurm_config(values: SlurmConfigValues, sections: Sequence[str] = tup
                license_total=values.license_total, license_name=values.license_name, gres_name=values.gres_name,
                gres_per_node=values.max_per_node, max_per_node=values.max_per_node,
                max_per_job=values.max_slices_per_job, gpu_memory_bytes=values.gpu_memory_bytes,
-               prolog_dir=values.prolog_dir, reservation=RESERVATION)
+               prolog_dir=values.prolog_dir, reservation=RESERVATION, slurm_version=values.slurm_version,
+               # Unknown version: "gres/" (23.11 on) and the one timeout every version knows.
+               tres_prefix=tres_gres_prefix(values.slurm_version or TESTED[-1]),
+               split_prolog_timeouts=has_split_prolog_timeouts(values.slurm_version))
     parts = []
     for section in sections:
         text = render(SECTIONS[section], **ctx)

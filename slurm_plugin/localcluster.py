@@ -7,14 +7,16 @@ Slurm at it, so the host's /etc/munge is never touched), slurm.conf, gres.conf, 
 with its config, state, spool, logs and pid files. Daemons are children of this process started
 in the foreground (-D / -F), so `stop()` can always find and end them by their own pids.
 
-Needs root (slurmd runs jobs as other users) and Debian's Slurm packages (22.05 verified); Debian
-builds slurmd with MULTIPLE_SLURMD, so three slurmd share this host, each on its own port.
+Needs root (slurmd runs jobs as other users) and Debian's Slurm packages; Debian builds slurmd
+with MULTIPLE_SLURMD, so three slurmd share this host, each on its own port. The Slurm is the
+host's, or another version's in a cached Debian root (`ClusterConfig.install`, slurmroot.py):
+then every daemon and command runs through the root's `enter` helper, and host programs (the
+pool daemon, the tests) find the root's client commands first on `env`'s PATH.
 """
 
 from __future__ import annotations
 
 import os
-import pwd
 import shutil
 import signal
 import socket
@@ -28,6 +30,8 @@ from typing import TypeVar
 
 from rgpu.slurm_plugin.proc import run_command
 from rgpu.slurm_plugin.scontrol import parse_show_job
+from rgpu.slurm_plugin.slurmroot import SlurmInstall
+from rgpu.slurm_plugin.squeue import _number, _state
 
 T = TypeVar("T")
 
@@ -39,10 +43,13 @@ def find_binary(name: str) -> str | None:
         (str(p) for p in (Path("/usr/sbin") / name, Path("/usr/bin") / name) if p.exists()), None)
 
 
-def missing_requirements() -> str | None:
-    """Why this host cannot run the test cluster, or None when it can."""
+def missing_requirements(install: SlurmInstall | None = None) -> str | None:
+    """Why this host cannot run the test cluster (of `install`; the host's Slurm by default), or None."""
     if os.geteuid() != 0:
         return "the Slurm test cluster needs root (slurmd starts jobs as other users)"
+    if install is not None and install.root is not None:
+        gone = [b for b in SLURM_BINARIES if not any((install.root / d / b).exists() for d in ("usr/sbin", "usr/bin"))]
+        return f"the Slurm {install.version} root {install.root} lacks {', '.join(gone)}" if gone else None
     missing = [b for b in SLURM_BINARIES if find_binary(b) is None]
     if missing:
         return (f"Slurm is not installed ({', '.join(missing)} not found); "
@@ -76,6 +83,17 @@ def wait_until(what: str, probe: Callable[[], T | None], timeout: float, interva
         time.sleep(interval)
 
 
+def plain_job(raw: dict) -> dict:  # type: ignore[type-arg]
+    """A job of `squeue --json` in 22.05's flat shape: job_state the base state, numbers plain."""
+    out = {}
+    for key, value in raw.items():
+        if isinstance(value, dict) and "number" in value:
+            value = _number(value)
+        out[key] = value
+    out["job_state"] = _state(raw.get("job_state"))[0]
+    return out
+
+
 @dataclass
 class ClusterConfig:
     nodes: tuple[str, ...] = ("c1", "c2", "c3")
@@ -89,6 +107,10 @@ class ClusterConfig:
     scripts: dict[str, Sequence[str]] = field(default_factory=dict)
     script_env: dict[str, str] = field(default_factory=dict)
     extra_conf: str = ""
+    install: SlurmInstall = SlurmInstall("")   # the host's Slurm
+    # Host folders that jobs or the TaskProlog read inside a Slurm root (the cluster's own
+    # folder and /tmp are always there), e.g. the folder of the TaskProlog script.
+    root_binds: tuple[str, ...] = ()
 
 
 class SlurmCluster:
@@ -111,7 +133,19 @@ class SlurmCluster:
     @property
     def env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-        env["SLURM_CONF"] = str(self.conf)
+        env.update(self.client_env)
+        return env
+
+    @property
+    def install(self) -> SlurmInstall:
+        return self.config.install
+
+    @property
+    def client_env(self) -> dict[str, str]:
+        """What a host program needs to use this cluster: SLURM_CONF, and PATH to a root's commands."""
+        env = {"SLURM_CONF": str(self.conf), "PATH": self.install.path(os.environ.get("PATH", "/usr/bin:/bin"))}
+        if self.install.root:
+            env["RGPU_SLURM_ROOT_BINDS"] = ":".join([str(self.root), *self.config.root_binds])
         return env
 
     def command(self, argv: Sequence[str], *, check: bool = True, timeout: float = 30.0,
@@ -119,7 +153,8 @@ class SlurmCluster:
         argv = list(argv)
         if user and user != "root":
             argv = ["runuser", "-u", user, "--", *argv]
-        return run_command(argv, component="local-cluster", env=self.env, check=check, timeout=timeout)
+        return run_command(self.install.wrap(argv), component="local-cluster", env=self.env, check=check,
+                           timeout=timeout)
 
     # ----- configuration -----
     def _write_configs(self) -> None:
@@ -190,6 +225,12 @@ PartitionName=cpu Nodes={nodes} Default=YES MaxTime=INFINITE State=UP
         # (e.g. a per-node run dir with ${SLURMD_NODENAME}).
         # PrologSlurmctld/EpilogSlurmctld get no $SLURM_CONF from slurmctld: their scontrol needs it.
         env = {"SLURM_CONF": str(self.conf), **self.config.script_env}
+        if self.install.root:
+            # Run inside the root; host programs (rgpu's Python) are reached through chroot /.host
+            # and find the root's Slurm commands first on PATH.
+            env["PATH"] = self.install.path(env.get("PATH", "/usr/bin:/bin"))
+            if key != "TaskProlog":   # the job's user cannot chroot; the TaskProlog is sh, run in the root
+                argv = [*self.install.host_prefix(), *argv]
         exports = "".join(f'export {k}="{v}"\n' for k, v in env.items())
         # Slurm 22.05 drops prolog output: keep stderr in the cluster's log folder.
         # (Not TaskProlog: it runs as the job's user, who cannot write there.)
@@ -207,26 +248,31 @@ PartitionName=cpu Nodes={nodes} Default=YES MaxTime=INFINITE State=UP
         if user:
             argv = ["runuser", "-u", user, "--", *argv]
         log = open(self.logs / f"{name}.out", "ab")
-        self._procs[name] = subprocess.Popen(list(argv), stdout=log, stderr=subprocess.STDOUT,
+        self._procs[name] = subprocess.Popen(self.install.wrap(argv), stdout=log, stderr=subprocess.STDOUT,
                                              stdin=subprocess.DEVNULL, env=self.env,
                                              start_new_session=True)
         log.close()
 
     def _start_munge(self) -> None:
-        munge = pwd.getpwnam("munge")
+        uid, gid = self.install.passwd_ids("munge")
         self.munge_dir.mkdir(mode=0o700, exist_ok=True)
         key = self.munge_dir / "munge.key"
         key.write_bytes(os.urandom(1024))
         key.chmod(0o400)
         for p in (self.munge_dir, key):
-            os.chown(p, munge.pw_uid, munge.pw_gid)
+            os.chown(p, uid, gid)
         self.munge_dir.chmod(0o755)  # clients (job users) must reach the socket
-        self._spawn("munged", [find_binary("munged") or "munged", "--foreground", "--force",
+        self._spawn("munged", [self._binary("munged"), "--foreground", "--force",
                                f"--socket={self.munge_socket}", f"--key-file={key}",
                                f"--pid-file={self.munge_dir / 'munged.pid'}",
                                f"--log-file={self.munge_dir / 'munged.log'}",
                                f"--seed-file={self.munge_dir / 'munged.seed'}"], user="munge")
         wait_until("munged socket", lambda: self.munge_socket.exists() or self._died("munged"), 15)
+
+    def _binary(self, name: str) -> str:
+        if self.install.root:
+            return f"/usr/sbin/{name}"
+        return find_binary(name) or name
 
     def _died(self, name: str) -> bool:
         proc = self._procs[name]
@@ -239,12 +285,12 @@ PartitionName=cpu Nodes={nodes} Default=YES MaxTime=INFINITE State=UP
         try:
             self._write_configs()
             self._start_munge()
-            self._spawn("slurmctld", [find_binary("slurmctld") or "slurmctld", "-D", "-i", "-f", str(self.conf)])
+            self._spawn("slurmctld", [self._binary("slurmctld"), "-D", "-i", "-f", str(self.conf)])
             wait_until("slurmctld to answer",
                        lambda: self._died("slurmctld") or self.command(["scontrol", "ping"], check=False).returncode == 0,
                        timeout)
             for n in self.config.nodes:
-                self._spawn(f"slurmd-{n}", [find_binary("slurmd") or "slurmd", "-D", "-N", n, "-f", str(self.conf)])
+                self._spawn(f"slurmd-{n}", [self._binary("slurmd"), "-D", "-N", n, "-f", str(self.conf)])
             wait_until("all nodes idle", self.all_nodes_idle, timeout, interval=0.5)
         except BaseException:
             self.stop()
@@ -343,12 +389,13 @@ PartitionName=cpu Nodes={nodes} Default=YES MaxTime=INFINITE State=UP
 
     def job_json(self, job_id: str) -> dict:  # type: ignore[type-arg]
         """The job as `squeue --json` shows it (22.05 prints every job; this picks one by id):
-        structured, so hostile names or comments cannot shift its fields."""
+        structured, so hostile names or comments cannot shift its fields; in 22.05's flat shape
+        whatever the version (`plain_job`)."""
         import json
 
-        jobs = json.loads(self.command(["squeue", "--json"]).stdout).get("jobs") or []
-        found = [j for j in jobs if str(j.get("job_id")) == str(job_id)]
-        return found[0] if found else {}
+        jobs = json.loads(self.command(["squeue", "--json", "--states=all"]).stdout).get("jobs") or []
+        found = [j for j in jobs if str(_number(j.get("job_id"))) == str(job_id)]
+        return plain_job(found[0]) if found else {}
 
     def job_state(self, job_id: str) -> str:
         return self.show_job(job_id).get("JobState", "")

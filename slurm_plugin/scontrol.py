@@ -29,7 +29,7 @@ from rgpu.errors import RgpuError
 
 # Keys whose value runs to the end of its line (it may hold spaces and '=').
 _WHOLE_LINE_KEYS = ("Comment", "AdminComment", "SystemComment", "Command", "WorkDir", "StdErr",
-                    "StdIn", "StdOut", "Reason", "Power", "MailUser", "Extra")
+                    "StdIn", "StdOut", "Reason", "Power", "MailUser", "Extra", "SubmitLine")
 _KEY_RE = re.compile(r"^([A-Za-z_:/]+)=(.*)$")
 
 

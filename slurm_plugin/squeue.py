@@ -132,8 +132,9 @@ def parse_squeue_json(text: str) -> list[SlurmJob]:
 
 def squeue_command() -> list[str]:
     # 22.05 ignores filters with --json and dumps every job slurmctld still knows; later
-    # versions honour them, but we want all live jobs anyway.
-    return ["squeue", "--json"]
+    # versions honour them and by default hide finished jobs (24.11: PENDING, RUNNING and
+    # COMPLETING only, per the man page), so ask for all states everywhere.
+    return ["squeue", "--json", "--states=all"]
 
 
 @dataclass
@@ -177,8 +178,14 @@ class PyslurmBackend:
     """Reads jobs through pyslurm (API of pyslurm >= 23: `pyslurm.Jobs.load()`)."""
 
     def __init__(self) -> None:
-        import pyslurm
-
+        try:
+            import pyslurm
+        except Exception as exc:  # noqa: BLE001 - a pyslurm built for another Slurm fails in many ways
+            raise RgpuError("slurm", "slurm_backend = pyslurm, but pyslurm cannot be imported",
+                            f"{type(exc).__name__}: {exc}; pyslurm must be built for this Slurm's major.minor "
+                            "(PyPI has 25.11.x only)",
+                            "build pyslurm from its release tag for this Slurm, or set slurm_backend = auto "
+                            "(squeue --json)") from None
         self._pyslurm = pyslurm
 
     def live_jobs(self) -> list[SlurmJob]:

@@ -21,6 +21,12 @@ TIERS = ("unit", "integration", "slurm", "gpu")
 INTEGRATION_FIXTURES = frozenset({"emulated", "native_libs", "demo_binary", "rgpu_slurm", "cluster", "pool"})
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--slurm-version", default=None,
+                     help="Slurm versions for the real-cluster tests: comma-separated of 22.05, 24.11, 26.05, "
+                          "or all (default: $RGPU_SLURM_VERSIONS, else all)")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "unit: pure logic, no processes or daemons (the default tier)")
 

@@ -1,5 +1,7 @@
-"""Parsing Slurm's output: `squeue --json` (22.05 captured, 24.05 documented shape) and
-`scontrol show job -d` (22.05 captured). Samples live in tests/data/."""
+"""Parsing Slurm's output: `squeue --json` (22.05, 24.11 and 26.05 captured; 24.05 documented
+shape), `scontrol --json show job` (24.11 and 26.05 captured) and `scontrol show job -d` (all
+three captured). Samples live in tests/data/; the real-cluster test
+test_squeue_json_of_the_live_cluster_parses writes them again with RGPU_CAPTURE_DIR=tests/data."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from rgpu.slurm_plugin.scontrol import (
     job_info_from_json,
     parse_jobs_json,
     parse_show_config,
+    parse_show_job,
     show_job_json_command,
 )
 from rgpu.slurm_plugin.squeue import (
@@ -48,6 +51,56 @@ def test_squeue_24_05_documented_shape() -> None:
     assert (jobs[105].state, jobs[105].live) == ("CANCELLED", False)
 
 
+CAPTURED_NEW = ["24.11.5", "26.05.5"]   # data_parser v0.0.42 and v0.0.45
+
+
+@pytest.mark.parametrize("version", CAPTURED_NEW)
+def test_squeue_captured_on_newer_slurm(version: str) -> None:
+    """The same three jobs as the 22.05 sample: job_state a list, numbers as objects, gres/."""
+    raw = json.loads((DATA / f"squeue-{version}-captured.json").read_text())
+    assert raw["meta"]["slurm"]["release"] == version
+    assert raw["jobs"][2]["job_state"] == ["RUNNING"] and raw["jobs"][2]["node_count"]["number"] == 1
+    jobs = {j.job_id: j for j in parse_squeue_json(json.dumps(raw))}
+    assert set(jobs) == {1, 2, 3}
+    plain, held, running = jobs[1], jobs[2], jobs[3]
+    assert (plain.state, plain.flags, plain.live, plain.rgpu_count()) == ("COMPLETED", (), False, None)
+    assert (held.state, held.live, held.running, held.rgpu_count(), held.comment, held.user, held.reason) == (
+        "PENDING", True, False, 2, "memory=8G", "nobody", "JobHeldUser")
+    assert held.tres_per_node == "gres/rgpu:2"
+    assert held.admin_comment == "rgpu:v1 nodes=2 count=2 memory=8589934592 units=40"
+    assert (running.state, running.live, running.rgpu_count(), running.nodes, running.cluster) == (
+        "RUNNING", True, 1, "c1", "rgputest")
+    assert running.reason == "Prolog" and not running.running    # captured during PrologSlurmctld
+
+
+@pytest.mark.parametrize("version", CAPTURED_NEW)
+def test_scontrol_json_show_job_captured_on_newer_slurm(version: str) -> None:
+    argv = show_job_json_command("3")
+    info = find_job(parse_jobs_json((DATA / f"scontrol-json-show-job-{version}-captured.json").read_text(),
+                                    " ".join(argv)), "3", " ".join(argv))
+    assert (info.job_id, info.user, info.uid, info.state, info.restart_count, info.node_names, info.node_count) == (
+        "3", "nobody", 65534, "RUNNING", 0, "c1", 1)
+    assert (info.tres_per_node, info.comment, info.licenses, info.admin_comment, info.batch) == (
+        "gres/rgpu:1", "fraction=0.5", "rgpu:50", "rgpu:v1 nodes=1 count=1 percent=50 units=50", True)
+
+
+@pytest.mark.parametrize("version", ["22.05.8", *CAPTURED_NEW])
+def test_scontrol_show_job_text_captured(version: str) -> None:
+    """The harness's key search (never used for a decision) on each version's text; 26.05 adds
+    SubmitLine=, whose user-given text must not shadow the real keys."""
+    job = parse_show_job((DATA / f"scontrol-show-job-{version}-captured.txt").read_text())
+    prefix = "gres:" if version.startswith("22.") else "gres/"
+    assert (job["JobState"], job["Licenses"], job["Comment"], job["TresPerNode"]) == (
+        "RUNNING", "rgpu:50", "fraction=0.5", f"{prefix}rgpu:1")
+
+
+def test_submit_line_text_cannot_shadow_keys() -> None:
+    text = ("JobId=7 JobName=x\n   SubmitLine=sbatch --comment=fraction=1 TresPerNode=gres/rgpu:4 job.sh\n"
+            "   JobState=RUNNING Reason=None\n   TresPerNode=gres/rgpu:1\n   Comment=fraction=0.5\n")
+    job = parse_show_job(text)
+    assert (job["TresPerNode"], job["Comment"]) == ("gres/rgpu:1", "fraction=0.5")
+
+
 @pytest.mark.parametrize("value, expected", [
     (7, 7), ({"set": True, "infinite": False, "number": 7}, 7), ({"set": False, "infinite": False, "number": 7}, 0),
     ({"set": True, "infinite": True, "number": 0}, 0), (None, 0), ("12", 12),
@@ -66,11 +119,11 @@ def test_errors_and_garbage_are_reported() -> None:
 
 @pytest.mark.integration   # tries to run squeue
 def test_squeue_command_and_missing_binary() -> None:
-    assert squeue_command() == ["squeue", "--json"]
+    assert squeue_command() == ["squeue", "--json", "--states=all"]
     backend = SqueueBackend(env={"PATH": "/nonexistent"})
     with pytest.raises(RgpuError) as info:
         backend.live_jobs()
-    assert "`squeue --json` exited 127" in str(info.value) and "not installed" in str(info.value)
+    assert "`squeue --json --states=all` exited 127" in str(info.value) and "not installed" in str(info.value)
 
 
 def captured_job(job_id: int = 3, **changes: object) -> dict:

@@ -294,11 +294,52 @@ AFTER_HOOKS = {
     # reserved address ranges are device memory for the copy paths and routing
     "cuMemAddressReserve": "if (r == CUDA_SUCCESS) rgpu_dev_range_add(c.s->index, (uint64_t)*ptr, size)",
     "cuMemAddressFree": "if (r == CUDA_SUCCESS) rgpu_dev_range_remove(c.s->index, (uint64_t)ptr)",
+    # client-side caches (cuda_cache.c): filled by the answers, emptied by whatever may change them
+    "cuKernelGetAttribute": "if (r == CUDA_SUCCESS) rgpu_kattr_put(kernel, attrib, dev, *pi)",
+    "cuKernelGetFunction": "if (r == CUDA_SUCCESS) rgpu_kfunc_put(kernel, *pFunc)",
+    "cuDeviceGetAttribute": "if (r == CUDA_SUCCESS) rgpu_dattr_put(attrib, dev, *pi)",
+    "cuDevicePrimaryCtxGetState": "if (r == CUDA_SUCCESS) rgpu_pstate_put(dev, *flags, *active)",
+    "cuKernelSetAttribute": "rgpu_cache_forget_functions(); if (r == CUDA_SUCCESS) rgpu_kattr_put(kernel, attrib, dev, val)",
+    "cuOccupancyMaxActiveBlocksPerMultiprocessor": "if (r == CUDA_SUCCESS) rgpu_occ_put(func, blockSize, dynamicSMemSize, 0, *numBlocks)",
+    "cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags": "if (r == CUDA_SUCCESS) rgpu_occ_put(func, blockSize, dynamicSMemSize, flags, *numBlocks)",
+    "cuFuncSetAttribute": "rgpu_cache_forget_functions()",
+    "cuKernelSetCacheConfig": "rgpu_cache_forget_functions()",
+    "cuFuncSetCacheConfig": "rgpu_cache_forget_functions()",
+    "cuDevicePrimaryCtxRelease_v2": "rgpu_pstate_forget()",
+    "cuDevicePrimaryCtxReset_v2": "rgpu_pstate_forget(); rgpu_cache_forget_functions()",
+    "cuDevicePrimaryCtxSetFlags_v2": "rgpu_pstate_forget()",
+    "cuCtxSetFlags": "rgpu_pstate_forget()",
+    "cuCtxSetCacheConfig": "rgpu_cache_forget_functions()",
+    "cuCtxSetSharedMemConfig": "rgpu_cache_forget_functions()",
+    "cuFuncSetSharedMemConfig": "rgpu_cache_forget_functions()",
+    "cuCtxSetLimit": "rgpu_cache_forget_functions()",
+    "cuCtxGetLimit": "if (r == CUDA_SUCCESS) rgpu_limit_put(limit, *pvalue)",
+    # copy nodes with a host side (cuda_graph.c): their records follow the graph
+    "cuGraphClone": "if (r == CUDA_SUCCESS) rgpu_hostcopy_clone(originalGraph, *phGraphClone)",
+    "cuGraphDestroy": "if (r == CUDA_SUCCESS) rgpu_hostcopy_forget(hGraph)",
+    "cuGraphInstantiateWithFlags": "if (r == CUDA_SUCCESS) rgpu_hostcopy_clone(hGraph, *phGraphExec)",
+    "cuGraphExecDestroy": "if (r == CUDA_SUCCESS) rgpu_hostcopy_forget(hGraphExec)",
+    "cuGraphLaunch": "if (r == CUDA_SUCCESS) r = rgpu_hostcopy_after_launch(hGraphExec, hStream)",
     # the driver fills the result even when the update fails
-    "cuGraphExecUpdate_v2": "if (r != CUDA_SUCCESS) { memset(resultInfo, 0, sizeof *resultInfo); resultInfo->result = 1; }",
+    "cuGraphExecUpdate_v2": ("if (r != CUDA_SUCCESS) { memset(resultInfo, 0, sizeof *resultInfo); resultInfo->result = 1; } "
+                             "else { rgpu_hostcopy_forget(hGraphExec); rgpu_hostcopy_clone(hGraph, hGraphExec); }"),
 }
 
 BEFORE_HOOKS = {
+    # host-memory sides of copy nodes: the data this process holds now goes first
+    "cuGraphLaunch": "{ CUresult r_ = rgpu_hostcopy_before_launch(hGraphExec); if (r_ != CUDA_SUCCESS) return r_; }",
+    # answered from the client's caches when they hold the answer (cuda_cache.c)
+    "cuCtxGetDevice": "if (rgpu_cached_ctx_device(NULL, device)) return CUDA_SUCCESS",
+    "cuCtxGetDevice_v2": "if (rgpu_cached_ctx_device(ctx, device)) return CUDA_SUCCESS",
+    "cuKernelGetAttribute": "if (rgpu_kattr_get(kernel, attrib, dev, pi)) return CUDA_SUCCESS",
+    "cuKernelGetFunction": "if (rgpu_kfunc_get(kernel, pFunc)) return CUDA_SUCCESS",
+    "cuDeviceGetAttribute": "if (rgpu_dattr_get(attrib, dev, pi)) return CUDA_SUCCESS",
+    "cuDevicePrimaryCtxGetState": "if (rgpu_pstate_get(dev, flags, active)) return CUDA_SUCCESS",
+    "cuCtxGetLimit": "if (rgpu_limit_get(limit, pvalue)) return CUDA_SUCCESS",
+    # setting an attribute to the value it has is a no-op (cuBLAS sets it before each launch)
+    "cuKernelSetAttribute": "{ int v_; if (rgpu_kattr_get(kernel, attrib, dev, &v_) && v_ == val) return CUDA_SUCCESS; }",
+    "cuOccupancyMaxActiveBlocksPerMultiprocessor": "if (rgpu_occ_get(func, blockSize, dynamicSMemSize, 0, numBlocks)) return CUDA_SUCCESS",
+    "cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags": "if (rgpu_occ_get(func, blockSize, dynamicSMemSize, flags, numBlocks)) return CUDA_SUCCESS",
     # cudart's context-local storage: destructors run while the primary context still exists.
     "cuDevicePrimaryCtxReset_v2": "rgpu_before_primary_ctx_reset(dev)",
 }

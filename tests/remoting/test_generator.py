@@ -19,7 +19,7 @@ SPEC_HASHES = {
         "63f26e1ce0b8249ae040fbb5d2cec6853052ea47229b6260fdf2e7d3a69b710f"),
     2: ("b0dbb45fa115f661e4134313ae6a344fc9b161ec2fa98d90545fe4672eb86ec8",
         "e94de67a1b19f27ce265ba4e5051be64b82cebe16836af2bfaaf06799760fa5a"),  # cuOccupancyMaxActiveClusters
-    3: ("05e4e6e8559dd83edf4a95946492827f21a802b4cf28ef7ed26890268062d535",
+    3: ("19d1b38741b054e9481290bb45b2682fbcde22c1079d3b490ff59973c1c1f4bd",
         "759a30eb7239284b8b662ed38472d43c564b008a049e626635b0651358710149"),  # capture, graphs and their nodes, VMM, stream attributes
 }
 

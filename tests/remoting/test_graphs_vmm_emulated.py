@@ -63,19 +63,33 @@ def test_capture_instantiate_launch_and_exact_capture_status(native_libs: build.
         print("MODE", mode.value)
         check("cuGraphExecDestroy", exe)
         check("cuGraphDestroy", graph)
-        # A copy from this process's memory on a capturing stream is refused, naming the call; as
-        # any asynchronous error, it answers the next synchronising call.
+        # Copies between this process's memory and the device on a capturing stream become copy
+        # nodes: the host data as it is at each launch goes in, the results come back after it.
         check("cuStreamBeginCapture_v2", s, 0)
-        host = (ctypes.c_char * 16)()
-        print("HTOD", lib.cuMemcpyHtoDAsync_v2(ctypes.c_uint64(a), host, 16, s), lib.cuStreamEndCapture(s, ctypes.byref(graph)))
+        src, dst = (ctypes.c_uint32 * 4)(1, 2, 3, 4), (ctypes.c_uint32 * 4)()
+        check("cuMemcpyHtoDAsync_v2", ctypes.c_uint64(a), src, 16, s)
+        check("cuMemcpyDtoDAsync_v2", ctypes.c_uint64(b), ctypes.c_uint64(a), 16, s)
+        check("cuMemcpyDtoHAsync_v2", dst, ctypes.c_uint64(b), 16, s)
+        print("CAPTURED", list(dst))
+        check("cuStreamEndCapture", s, ctypes.byref(graph))
+        check("cuGraphInstantiateWithFlags", ctypes.byref(exe), graph, ctypes.c_ulonglong(0))
+        src[0] = 10
+        check("cuGraphLaunch", exe, s)
+        check("cuStreamSynchronize", s)
+        print("REPLAY1", list(dst))
+        src[1] = 20
+        check("cuGraphLaunch", exe, s)
+        check("cuStreamSynchronize", s)
+        print("REPLAY2", list(dst))
         print("DONE")
         """)
     out = done.stdout
     assert "BEFORE 0" in out, out + done.stderr
     assert "DURING 1 True 0" in out
     assert "OTHER 0" in out
-    assert "HTOD 0 900" in out      # CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
-    assert "not remoted yet" in done.stderr
+    assert "CAPTURED [0, 0, 0, 0]" in out   # nothing ran during capture
+    assert "REPLAY1 [10, 2, 3, 4]" in out
+    assert "REPLAY2 [10, 20, 3, 4]" in out
     assert "SAMEGRAPH True" in out
     assert "AFTER 0" in out
     assert "NODES 2" in out
@@ -142,7 +156,7 @@ def test_graph_built_node_by_node(native_libs: build.Libraries, worker: Server) 
     mib = 1 << 20
     done = py_client(native_libs, worker.slices(worker.token(memory_limit=64 * mib)), f"""
         setup()
-        r, b = alloc(4096)
+        r, b = alloc(16384)
         graph = ctypes.c_void_p()
         check("cuGraphCreate", ctypes.byref(graph), 0)
         class AllocParams(ctypes.Structure):
@@ -167,9 +181,18 @@ def test_graph_built_node_by_node(native_libs: build.Libraries, worker: Server) 
         copy[22] = 4096; copy[23] = 1; copy[24] = 1
         deps[0] = node_set
         check("cuGraphAddMemcpyNode", ctypes.byref(node_copy), graph, deps, 1, copy, None)
-        host = (ctypes.c_char * 4096)()
+        # A copy node into this process's memory: its data arrives after each launch.
+        host = (ctypes.c_uint32 * 1024)()
         copy[15] = 1; copy[16] = ctypes.addressof(host)
-        print("HOSTNODE", lib.cuGraphAddMemcpyNode(ctypes.byref(node_host), graph, deps, 1, copy, None))
+        check("cuGraphAddMemcpyNode", ctypes.byref(node_host), graph, deps, 1, copy, None)
+        copy[23] = 2   # two rows with a host side: not remoted
+        print("HOST2D", lib.cuGraphAddMemcpyNode(ctypes.byref(ctypes.c_void_p()), graph, deps, 1, copy, None))
+        # and one from this process's memory, refreshed before each launch
+        src = (ctypes.c_uint32 * 16)(*range(16))
+        up = (ctypes.c_uint64 * 25)()
+        up[4] = 1; up[5] = ctypes.addressof(src); up[15] = 2; up[17] = b + 8192; up[22] = 64; up[23] = 1; up[24] = 1
+        node_up = ctypes.c_void_p()
+        check("cuGraphAddMemcpyNode", ctypes.byref(node_up), graph, None, 0, up, None)
         deps[0] = node_copy
         check("cuGraphAddMemFreeNode", ctypes.byref(node_free), graph, deps, 1, ctypes.c_uint64(ap.dptr))
         check("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
@@ -178,11 +201,16 @@ def test_graph_built_node_by_node(native_libs: build.Libraries, worker: Server) 
         check("cuGraphGetNodes", graph, None, ctypes.byref(n))
         exe = ctypes.c_void_p()
         check("cuGraphInstantiateWithFlags", ctypes.byref(exe), graph, ctypes.c_ulonglong(0))
+        src[0] = 77   # after the node was added: the launch must carry it
         check("cuGraphLaunch", exe, None)
+        print("HOSTSIDE", hex(host[0]), hex(host[1023]))
         check("cuCtxSynchronize")
         out = (ctypes.c_uint32 * 1024)()
         check("cuMemcpyDtoH_v2", out, ctypes.c_uint64(b), 4096)
         print("COPIED", hex(out[0]), hex(out[1023]))
+        up_back = (ctypes.c_uint32 * 16)()
+        check("cuMemcpyDtoH_v2", up_back, ctypes.c_uint64(b + 8192), 64)
+        print("UPLOADED", list(up_back)[:3])
         # A kernel node: its arguments are packed as a launch packs them; the emulated device
         # refuses to run it when the graph is launched.
         ptx = open({str(EXAMPLES / "vecadd.ptx")!r}, "rb").read() + b"\\0"
@@ -205,9 +233,49 @@ def test_graph_built_node_by_node(native_libs: build.Libraries, worker: Server) 
         """)
     out = done.stdout
     assert "GRAPHMEM True 8" in out, out + done.stderr
-    assert "HOSTNODE 801" in out
-    assert "cuGraphAddMemcpyNode: copy nodes from or to host memory" in done.stderr
+    assert "HOST2D 801" in out
+    assert "cuGraphAddMemcpyNode: this copy node" in done.stderr
+    assert "HOSTSIDE 0x5a5a5a5a 0x5a5a5a5a" in out
+    assert "UPLOADED [77, 1, 2]" in out
     assert "FREED 0" in out
     assert "COPIED 0x5a5a5a5a 0x5a5a5a5a" in out
     assert "KERNEL 0 801" in out
     assert " DONE" in out
+
+
+def test_repeated_queries_are_answered_in_the_client_and_stay_exact(native_libs: build.Libraries, emulated: Server) -> None:
+    # PyTorch asks cuCtxGetDevice, cuDevicePrimaryCtxGetState and cuKernelGetAttribute thousands
+    # of times per training step (trace mode): cached in the client, emptied by what changes them.
+    done = py_client(native_libs, emulated.slices(emulated.token()), """
+        import time
+        ctx = setup()
+        dev, flags, active, sms = ctypes.c_int(9), ctypes.c_uint(), ctypes.c_int(), ctypes.c_int()
+        t = time.perf_counter()
+        for _ in range(20000):
+            check("cuCtxGetDevice", ctypes.byref(dev))
+            check("cuDevicePrimaryCtxGetState", 0, ctypes.byref(flags), ctypes.byref(active))
+            check("cuDeviceGetAttribute", ctypes.byref(sms), 16, 0)
+        print("FAST", time.perf_counter() - t < 2.0, dev.value, active.value, sms.value)
+        check("cuDevicePrimaryCtxRelease_v2", 0)
+        check("cuDevicePrimaryCtxGetState", 0, ctypes.byref(flags), ctypes.byref(active))
+        print("RELEASED", active.value)
+        check("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), 0)
+        check("cuDevicePrimaryCtxGetState", 0, ctypes.byref(flags), ctypes.byref(active))
+        print("RETAINED", active.value)
+        check("cuDevicePrimaryCtxSetFlags_v2", 0, 4)
+        check("cuDevicePrimaryCtxGetState", 0, ctypes.byref(flags), ctypes.byref(active))
+        print("FLAGS", flags.value)
+        heap = ctypes.c_size_t()
+        check("cuCtxGetLimit", ctypes.byref(heap), 2)            # CU_LIMIT_MALLOC_HEAP_SIZE
+        check("cuCtxGetLimit", ctypes.byref(heap), 2)
+        check("cuCtxSetLimit", 2, ctypes.c_size_t(heap.value + (1 << 20)))
+        after = ctypes.c_size_t()
+        check("cuCtxGetLimit", ctypes.byref(after), 2)
+        print("LIMIT", after.value - heap.value)
+        """)
+    out = done.stdout
+    assert "FAST True 0 1 132" in out, out + done.stderr
+    assert "RELEASED 0" in out
+    assert "RETAINED 1" in out
+    assert "FLAGS 4" in out
+    assert "LIMIT 1048576" in out

@@ -255,3 +255,56 @@ def test_a_job_over_its_quota_is_marked_but_not_started_early() -> None:
     job = SlurmJob(job_id=1, state="PENDING", flags=(), restart_count=1, user="alice", cluster="hpc", nodes="",
                    tres_per_node="gres:rgpu:1", comment="", reason="BeginTime", admin_comment=text)
     assert jobs_to_start([job], [room_gpu(0)]) == []
+
+
+# ---------------------------------------------------------------- Slurm versions
+
+@pytest.mark.parametrize("version, prefix, split", [
+    ("22.05", "gres:", False), ("23.02", "gres:", False), ("23.11", "gres/", False), ("24.11", "gres/", False),
+    ("26.05", "gres/", True), ("", "gres/", False),
+])
+def test_slurm_config_lines_follow_the_slurm_version(version: str, prefix: str, split: bool) -> None:
+    values = config_values([gpu("a:1", 80 << 30)], 100, 16, "/opt/rgpu", slurm_version=version)
+    text = render_slurm_config(values, ("slurm.conf",))
+    assert f"TresPerNode={prefix}rgpu:N" in text
+    assert ("PrologTimeout=20\nEpilogTimeout=30\n" in text) == split
+    assert ("PrologEpilogTimeout=30\n" in text) == (not split)
+    assert "AccountingStorageTRES=gres/rgpu,license/rgpu\n" in text      # "gres/" there in every version
+    assert (f"for Slurm {version})" in text) == bool(version)
+
+
+@pytest.mark.parametrize("text, version", [
+    ("slurm 24.11.5\n", "24.11"), ("slurm-wlm 22.05.8\n", "22.05"), ("slurm 26.05.5\n", "26.05"),
+    ("scontrol: fatal: Could not establish a configuration source\n", ""),
+])
+def test_versions_are_read_from_version_output(text: str, version: str) -> None:
+    from rgpu.slurm_plugin.versions import parse_version_output
+
+    assert parse_version_output(text) == version
+
+
+def test_roots_are_keyed_by_suite_mirror_and_packages_and_use_the_hosts_mirror() -> None:
+    from rgpu.slurm_plugin.slurmroot import DEFAULT_MIRROR, PACKAGES, mirror_from_sources, root_key
+
+    deb822 = "Types: deb\n# http://snapshot.debian.org/x\nURIs: http://mirror.example/debian\nSuites: bookworm\n"
+    assert mirror_from_sources([deb822]) == "http://mirror.example/debian"
+    assert mirror_from_sources(["deb [arch=amd64] http://m.example/debian/ bookworm main\n"]) == "http://m.example/debian"
+    assert mirror_from_sources(["deb https://packages.cloud.google.com/apt cloud-sdk main\n"]) == DEFAULT_MIRROR
+    key = root_key("trixie", DEFAULT_MIRROR)
+    assert key.startswith("trixie-") and key == root_key("trixie", DEFAULT_MIRROR, tuple(reversed(PACKAGES)))
+    assert key != root_key("trixie", DEFAULT_MIRROR, (*PACKAGES, "python3"))
+    assert key != root_key("trixie", "http://mirror.example/debian")
+
+
+def test_pyslurm_backend_without_a_usable_pyslurm_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from rgpu.errors import RgpuError
+    from rgpu.slurm_plugin.squeue import backend_for
+
+    monkeypatch.setitem(sys.modules, "pyslurm", None)     # as where none is installed
+    with pytest.raises(RgpuError) as info:
+        backend_for("pyslurm")
+    text = str(info.value)
+    assert text.startswith("rgpu: slurm: slurm_backend = pyslurm, but pyslurm cannot be imported (")
+    assert "\n" not in text and "slurm_backend = auto" in text and "25.11" in text

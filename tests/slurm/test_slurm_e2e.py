@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from rgpu.adaptor import parse_adaptor_conf
+from rgpu.slurm_plugin.versions import tres_gres_prefix
 from tests.slurm.cluster import missing_requirements, wait_until
 from tests.slurm.conftest import PROLOG_DIR, Harness, pool_ready
 
@@ -168,7 +169,7 @@ def test_pool_killed_and_restarted_while_a_job_runs(h: Harness) -> None:
     assert h.pool.pool is not None
     h.pool.pool.kill()                       # SIGKILL: no clean shutdown
     time.sleep(1)
-    h.pool.start_pool(env=h.pool.env(SLURM_CONF=str(h.slurm.conf)))   # same port, same state file
+    h.pool.start_pool(env=h.pool_env())   # same port, same state file
     wait_until("the dispatchers to re-register", lambda: pool_ready(h.pool, 400) or None, 30)
     info = finished(h, job, 60)
     assert info["JobState"] == "COMPLETED", f"{info}\n{h.slurm.job_output(job)}\n{diagnostics(h)}"
@@ -209,7 +210,7 @@ def test_interactive_srun_gets_its_slices_too(h: Harness) -> None:
 
 # 7 -----------------------------------------------------------------------------------------------
 def run_script(h: Harness, name: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    full = {"PATH": os.environ["PATH"], "PYTHONPATH": str(PROLOG_DIR.parent), "SLURM_CLUSTER_NAME": "rgputest",
+    full = {**h.slurm.client_env, "PYTHONPATH": str(PROLOG_DIR.parent), "SLURM_CLUSTER_NAME": "rgputest",
             "RGPU_CONFIG": str(h.pool.root / "rgpu.toml"), "RGPU_POOL": h.pool.pool_address,
             "RGPU_SECRET_FILE": str(h.pool.secret_file), **env}
     return subprocess.run([sys.executable, str(PROLOG_DIR / name)], env=full, capture_output=True, text=True,
@@ -334,6 +335,7 @@ def test_pool_daemon_hooks_reconcile_and_sync_licenses(h: Harness, tmp_path: Pat
 
 
 def test_squeue_json_of_the_live_cluster_parses(h: Harness) -> None:
+    from rgpu.slurm_plugin.scontrol import show_job_json_command
     from rgpu.slurm_plugin.squeue import SqueueBackend, squeue_command
 
     plain = h.slurm.submit([], "true\n")
@@ -347,6 +349,9 @@ def test_squeue_json_of_the_live_cluster_parses(h: Harness) -> None:
         Path(capture, f"squeue-{version}-captured.json").write_text(h.slurm.command(squeue_command()).stdout)
         Path(capture, f"scontrol-show-job-{version}-captured.txt").write_text(
             h.slurm.command(["scontrol", "show", "job", "-d", job]).stdout)
+        shown = h.slurm.command(show_job_json_command(job), check=False)
+        if shown.returncode == 0:   # 23.02 and later
+            Path(capture, f"scontrol-json-show-job-{version}-captured.json").write_text(shown.stdout)
     jobs = {str(j.job_id): j for j in SqueueBackend(env=h.slurm.env).jobs()}
     mine = jobs[job]
     assert (mine.state, mine.user, mine.cluster, mine.rgpu_count(), mine.comment, mine.live) == (
@@ -366,7 +371,7 @@ def test_jobs_ending_while_the_pool_is_down_leak_nothing(h: Harness) -> None:
     h.pool.pool.kill()                                   # the pool is away while the jobs end
     h.slurm.command(["scancel", *jobs])
     time.sleep(5)
-    h.pool.start_pool(env=h.pool.env(SLURM_CONF=str(h.slurm.conf)))
+    h.pool.start_pool(env=h.pool_env())
     for job in jobs:   # EpilogSlurmctld retried until the pool was back
         no_lease_soon(h, job, timeout=30)
         assert finished(h, job, 30)["JobState"] == "CANCELLED"
@@ -427,7 +432,8 @@ def test_hostile_names_comments_workdirs_and_updates_never_change_what_is_leased
         refused = h.slurm.command(["scontrol", "update", f"job={renamed}", change], user=JOB_USER, check=False)
         assert refused.returncode != 0, (change, refused)
     job = h.slurm.job_json(renamed)
-    assert (job["comment"], job["licenses"], job["tres_per_node"]) == ("fraction=0.05", "rgpu:5", "gres:rgpu:1"), job
+    assert (job["comment"], job["licenses"], job["tres_per_node"]) == (
+        "fraction=0.05", "rgpu:5", f"{tres_gres_prefix(h.version)}rgpu:1"), job
     h.slurm.command(["scontrol", "release", renamed], user=JOB_USER)
     jobs[renamed] = 5
     for job_id, percent in jobs.items():
@@ -483,6 +489,28 @@ def test_interactive_srun_the_pool_cannot_place_gets_one_rgpu_line(h: Harness) -
     lines = [line for line in out.stderr.splitlines() if "rgpu" in line]
     assert len(lines) == 1, out.stderr
     assert "cannot place 1 slice" in lines[0] and "submit with sbatch" in lines[0], out.stderr
+
+
+# Versions ----------------------------------------------------------------------------------------
+def test_slurm_config_prints_lines_for_the_slurm_it_finds(h: Harness) -> None:
+    from click.testing import CliRunner
+
+    from rgpu.slurm_plugin.cli import slurm_config
+    from rgpu.slurm_plugin.scontrol import parse_show_config
+
+    result = CliRunner().invoke(slurm_config, ["--section", "slurm.conf"], env={**h.pool.env(), **h.slurm.client_env})
+    assert result.exit_code == 0, result.output
+    assert f"for Slurm {h.version})" in result.output
+    assert f"TresPerNode={tres_gres_prefix(h.version)}rgpu:N" in result.output
+    # The cluster runs with the timeout lines printed for its version, and Slurm took them.
+    config = parse_show_config(h.slurm.command(["scontrol", "show", "config"]).stdout)
+    timeouts = {k: v.split()[0] for k, v in config.items() if k.endswith("Timeout") and "log" in k}
+    if h.version >= "26.05":
+        assert "PrologTimeout=20\nEpilogTimeout=30\n" in result.output and "PrologEpilogTimeout" not in result.output
+        assert (timeouts["PrologTimeout"], timeouts["EpilogTimeout"]) == ("20", "30"), timeouts
+    else:
+        assert "PrologEpilogTimeout=30\n" in result.output and "PrologTimeout" not in result.output
+        assert timeouts["PrologEpilogTimeout"] == "30", timeouts
 
 
 # 8 (last) ----------------------------------------------------------------------------------------

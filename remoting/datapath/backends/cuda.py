@@ -67,6 +67,16 @@ class CUDA_MEMCPY2D(ctypes.Structure):
                 ("WidthInBytes", c_size_t), ("Height", c_size_t)]
 
 
+class CUDA_MEMCPY3D(ctypes.Structure):
+    _fields_ = [("srcXInBytes", c_size_t), ("srcY", c_size_t), ("srcZ", c_size_t), ("srcLOD", c_size_t),
+                ("srcMemoryType", c_int), ("srcHost", c_void_p), ("srcDevice", c_uint64), ("srcArray", c_void_p),
+                ("reserved0", c_void_p), ("srcPitch", c_size_t), ("srcHeight", c_size_t),
+                ("dstXInBytes", c_size_t), ("dstY", c_size_t), ("dstZ", c_size_t), ("dstLOD", c_size_t),
+                ("dstMemoryType", c_int), ("dstHost", c_void_p), ("dstDevice", c_uint64), ("dstArray", c_void_p),
+                ("reserved1", c_void_p), ("dstPitch", c_size_t), ("dstHeight", c_size_t),
+                ("WidthInBytes", c_size_t), ("Height", c_size_t), ("Depth", c_size_t)]
+
+
 class CUlaunchConfig(ctypes.Structure):
     _fields_ = [("gridDimX", c_uint), ("gridDimY", c_uint), ("gridDimZ", c_uint), ("blockDimX", c_uint),
                 ("blockDimY", c_uint), ("blockDimZ", c_uint), ("sharedMemBytes", c_uint), ("hStream", c_void_p),
@@ -141,6 +151,8 @@ for _name in ("cuGraphAddEmptyNode", "cuGraphAddKernelNode_v2", "cuGraphAddMemse
         "cuGraphAddMemcpyNode": [c_void_p, c_void_p], "cuGraphAddMemAllocNode": [c_void_p],
         "cuGraphAddMemFreeNode": [c_uint64]}[_name]
 _MANUAL["cuGraphExecKernelNodeSetParams_v2"] = [c_void_p, c_void_p, c_void_p]
+_MANUAL["cuCtxSynchronize"] = []
+_MANUAL["cuStreamSynchronize"] = [c_void_p]
 _MANUAL["cuGraphKernelNodeSetParams_v2"] = [c_void_p, c_void_p]
 
 
@@ -222,6 +234,7 @@ class CudaBackend(CudaDriverCalls):
         self._links: dict[int, _Link] = {}
         self._launch = self.f["cuLaunchKernel"]
         self._captures = 0   # begun minus ended stream captures: while 0, no copy checks its stream
+        self._graph_host: dict[int, int] = {}   # pinned buffers of graph copy nodes -> size
 
     # ------------------------------------------------------------------ helpers
 
@@ -480,9 +493,60 @@ class CudaBackend(CudaDriverCalls):
         elif kind == 5:
             (dptr,) = struct.unpack_from("<Q", payload, 0)
             self._check("cuGraphAddMemFreeNode", *head, dptr)
+        elif kind == 6:   # a 1D copy with a host side: through a pinned buffer of this worker's
+            to_host, _, dev, size, ctx = struct.unpack_from("<IIQQQ", payload, 0)
+            aux = self._graph_host_buffer(size)
+            m = CUDA_MEMCPY3D(WidthInBytes=size, Height=1, Depth=1)
+            if to_host:
+                m.srcMemoryType, m.srcDevice, m.dstMemoryType, m.dstHost = 2, dev, 1, aux
+            else:
+                m.srcMemoryType, m.srcHost, m.dstMemoryType, m.dstDevice = 1, aux, 2, dev
+            self._check("cuGraphAddMemcpyNode", *head, byref(m), ctx or None)
         else:
             raise CudaError(INVALID_VALUE, f"rgpu: worker: unknown graph node kind {kind}")
         return node.value or 0, aux
+
+    def capture_host_copy(self, stream: int, to_host: bool, dev: int, size: int, data: bytes) -> tuple[int, int]:
+        """A copy with a host side on a capturing stream: captured through a pinned buffer of this
+        worker's (its data now, refreshed before each launch, read back after)."""
+        address = self._graph_host_buffer(size)
+        if to_host:
+            self._check("cuMemcpyDtoHAsync_v2", address, dev, size, stream or None)
+        else:
+            ctypes.memmove(address, data, size)
+            self._check("cuMemcpyHtoDAsync_v2", dev, address, size, stream or None)
+        _, _, graph, _, _ = self.capture_info(stream, 1)
+        return address, graph
+
+    def _graph_host_buffer(self, size: int) -> int:
+        """A pinned buffer for a graph's copy node; allocated in relaxed capture mode, since an
+        application's capture in global mode forbids allocations on other threads' behalf."""
+        code, mode = self.cuThreadExchangeStreamCaptureMode(2)   # CU_STREAM_CAPTURE_MODE_RELAXED
+        if code != SUCCESS:
+            raise CudaError(code)
+        buf = c_void_p()
+        try:
+            self._with_primary(lambda: self._check("cuMemHostAlloc", byref(buf), max(size, 1), MEMHOSTALLOC_PORTABLE))
+        finally:
+            self.cuThreadExchangeStreamCaptureMode(mode)
+        self._graph_host[buf.value or 0] = size
+        return buf.value or 0
+
+    def _graph_buffer(self, buffer: int, size: int) -> None:
+        if self._graph_host.get(buffer, -1) < size:
+            raise CudaError(INVALID_VALUE, "rgpu: worker: unknown graph host-copy buffer")
+
+    def graph_host_write(self, buffer: int, data: memoryview) -> None:
+        """The data of a host-to-device copy node, once no launch still reads its buffer."""
+        self._graph_buffer(buffer, len(data))
+        self._check("cuCtxSynchronize")
+        ctypes.memmove(buffer, (ctypes.c_char * len(data)).from_buffer_copy(data), len(data))
+
+    def graph_host_read(self, stream: int, pairs: list[tuple[int, int]]) -> bytes:
+        for buffer, size in pairs:
+            self._graph_buffer(buffer, size)
+        self._check("cuStreamSynchronize", stream or None)
+        return b"".join(ctypes.string_at(buffer, size) for buffer, size in pairs)
 
     def kernel_node_set(self, exe: int, node: int, payload: bytes) -> None:
         k, _keep = self._kernel_params(payload)

@@ -126,6 +126,7 @@ class EmulatedBackend:
         self.graphs: dict[int, list[Any]] = {}            # graph -> its operations
         self.execs: dict[int, list[Any]] = {}
         self.physical: dict[int, list[Any]] = {}          # handle -> [bytes, references]
+        self.graph_host: dict[int, bytearray] = {}        # buffers of copy nodes with a host side
         self.reserved: dict[int, int] = {}
         self.mappings: dict[int, tuple[int, int]] = {}    # address -> (handle, size)
         self.description = f"emulated {spec.gpu_name}"
@@ -735,8 +736,48 @@ class EmulatedBackend:
         elif kind == 5:
             ptr = struct.unpack_from("<Q", payload, 0)[0]
             ops.append(lambda: (self.mem_free(ptr, 0, True), (SUCCESS,))[1])
+        elif kind == 6:
+            to_host, _, dev, size, _ctx = struct.unpack_from("<IIQQQ", payload, 0)
+            aux = self.handles.new()
+            buf = self.graph_host[aux] = bytearray(size)
+
+            def copy() -> tuple[int]:
+                dbuf, off = self._locate(dev, size)
+                if to_host:
+                    buf[:] = dbuf[off:off + size]
+                else:
+                    dbuf[off:off + size] = buf
+                return (SUCCESS,)
+            ops.append(copy)
         node = self.handles.new()
         return node, aux
+
+    def capture_host_copy(self, stream: int, to_host: bool, dev: int, size: int, data: bytes) -> tuple[int, int]:
+        if stream not in self.capturing:
+            raise CudaError(INVALID_VALUE)
+        graph = self.capturing[stream][1]
+        buffer = self.handles.new()
+        buf = self.graph_host[buffer] = bytearray(data if not to_host else bytes(size))
+
+        def copy() -> tuple[int]:
+            dbuf, off = self._locate(dev, size)
+            if to_host:
+                buf[:] = dbuf[off:off + size]
+            else:
+                dbuf[off:off + size] = buf
+            return (SUCCESS,)
+        self.graphs[graph].append(copy)
+        return buffer, graph
+
+    def graph_host_write(self, buffer: int, data: memoryview) -> None:
+        if len(self.graph_host.get(buffer, b"")) < len(data):
+            raise CudaError(INVALID_VALUE)
+        self.graph_host[buffer][:len(data)] = data
+
+    def graph_host_read(self, stream: int, pairs: list[tuple[int, int]]) -> bytes:
+        if any(len(self.graph_host.get(b, b"")) < n for b, n in pairs):
+            raise CudaError(INVALID_VALUE)
+        return b"".join(bytes(self.graph_host[b][:n]) for b, n in pairs)
 
     def kernel_node_set(self, exe: int, node: int, payload: bytes) -> None:
         if exe and exe not in self.execs:

@@ -263,6 +263,26 @@ class Handlers:
                 self.memory.remove(key)
         return SUCCESS, struct.pack("<QQ", node, aux)
 
+    def h_graph_host_refresh(self, p: memoryview, address: int, seq: int) -> None:
+        buffer, size = struct.unpack_from("<QQ", p, 0)
+        data = p[16:16 + size]
+        if len(data) != size:
+            raise CudaError(INVALID_VALUE, "rgpu: worker: truncated graph host-copy data")
+        self.backend.graph_host_write(buffer, data)
+
+    def h_graph_host_readback(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        stream, n = struct.unpack_from("<QQ", p, 0)
+        pairs = [struct.unpack_from("<QQ", p, 16 + 16 * i) for i in range(n)]
+        return SUCCESS, self.backend.graph_host_read(stream, pairs)
+
+    def h_capture_host_copy(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        stream, to_host, _, dev, size = struct.unpack_from("<QIIQQ", p, 0)
+        data = b"" if to_host else bytes(p[32:32 + size])
+        if len(data) != (0 if to_host else size):
+            raise CudaError(INVALID_VALUE, "rgpu: worker: truncated captured host copy")
+        buffer, graph = self.backend.capture_host_copy(stream, bool(to_host), dev, size, data)
+        return SUCCESS, struct.pack("<QQ", buffer, graph)
+
     def h_kernel_node_set(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         exe, node, plen = struct.unpack_from("<QQQ", p, 0)
         self.backend.kernel_node_set(exe, node, bytes(p[24:24 + plen]))

@@ -72,6 +72,7 @@ RGPU_EXPORT CUresult CUDAAPI cuDeviceGetLuid(char *luid, unsigned int *deviceNod
 
 RGPU_EXPORT CUresult CUDAAPI cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevice dev) {
     if (pi == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_dattr_get(attrib, dev, pi)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuDeviceGetAttribute, dev);
     if (r != CUDA_SUCCESS) return r;
@@ -81,6 +82,7 @@ RGPU_EXPORT CUresult CUDAAPI cuDeviceGetAttribute(int *pi, CUdevice_attribute at
     if (r == CUDA_SUCCESS) {
         { int pi_v; memset(&pi_v, 0, sizeof pi_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); pi_v = (int)v_; } if (pi) *pi = pi_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_dattr_put(attrib, dev, *pi);
     rgpu_end(&c);
     return r;
 }
@@ -192,6 +194,7 @@ RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
     r = rgpu_sync(&c);
+    rgpu_pstate_forget();
     rgpu_end(&c);
     return r;
 }
@@ -203,6 +206,7 @@ RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxReset_v2(CUdevice dev) {
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
     r = rgpu_sync(&c);
+    rgpu_pstate_forget(); rgpu_cache_forget_functions();
     rgpu_end(&c);
     return r;
 }
@@ -210,6 +214,7 @@ RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxReset_v2(CUdevice dev) {
 RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active) {
     if (flags == NULL) return CUDA_ERROR_INVALID_VALUE;
     if (active == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_pstate_get(dev, flags, active)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuDevicePrimaryCtxGetState, dev);
     if (r != CUDA_SUCCESS) return r;
@@ -219,6 +224,7 @@ RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxGetState(CUdevice dev, unsigned i
         { unsigned int flags_v; memset(&flags_v, 0, sizeof flags_v); { uint32_t v_; rgpu_get(&c, &v_, sizeof v_); flags_v = (unsigned int)v_; } if (flags) *flags = flags_v; }
         { int active_v; memset(&active_v, 0, sizeof active_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); active_v = (int)v_; } if (active) *active = active_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_pstate_put(dev, *flags, *active);
     rgpu_end(&c);
     return r;
 }
@@ -230,12 +236,14 @@ RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigne
     rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
     { uint32_t v_ = (uint32_t)flags; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
+    rgpu_pstate_forget();
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxGetDevice(CUdevice *device) {
     if (device == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_cached_ctx_device(NULL, device)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuCtxGetDevice);
     if (r != CUDA_SUCCESS) return r;
@@ -249,6 +257,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetDevice(CUdevice *device) {
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx) {
     if (device == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_cached_ctx_device(ctx, device)) return CUDA_SUCCESS;
     rgpu_call c;
     uint64_t ctx_remote = 0;
     CUresult r = rgpu_begin_ctx(&c, RGPU_OP_cuCtxGetDevice_v2, ctx, &ctx_remote);
@@ -316,6 +325,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSetFlags(unsigned int flags) {
     if (r != CUDA_SUCCESS) return r;
     { uint32_t v_ = (uint32_t)flags; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
+    rgpu_pstate_forget();
     rgpu_end(&c);
     return r;
 }
@@ -337,6 +347,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetId(CUcontext ctx, unsigned long long *ctxId
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxGetLimit(size_t *pvalue, CUlimit limit) {
     if (pvalue == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_limit_get(limit, pvalue)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuCtxGetLimit);
     if (r != CUDA_SUCCESS) return r;
@@ -345,6 +356,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetLimit(size_t *pvalue, CUlimit limit) {
     if (r == CUDA_SUCCESS) {
         { size_t pvalue_v; memset(&pvalue_v, 0, sizeof pvalue_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); pvalue_v = (size_t)v_; } if (pvalue) *pvalue = pvalue_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_limit_put(limit, *pvalue);
     rgpu_end(&c);
     return r;
 }
@@ -356,6 +368,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSetLimit(CUlimit limit, size_t value) {
     { int32_t v_ = (int32_t)limit; rgpu_put(&c, &v_, 4); }
     { uint64_t v_ = (uint64_t)value; rgpu_put(&c, &v_, 8); }
     r = rgpu_sync(&c);
+    rgpu_cache_forget_functions();
     rgpu_end(&c);
     return r;
 }
@@ -379,6 +392,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSetCacheConfig(CUfunc_cache config) {
     if (r != CUDA_SUCCESS) return r;
     { int32_t v_ = (int32_t)config; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
+    rgpu_cache_forget_functions();
     rgpu_end(&c);
     return r;
 }
@@ -402,6 +416,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSetSharedMemConfig(CUsharedconfig config) {
     if (r != CUDA_SUCCESS) return r;
     { int32_t v_ = (int32_t)config; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
+    rgpu_cache_forget_functions();
     rgpu_end(&c);
     return r;
 }
@@ -974,6 +989,7 @@ RGPU_EXPORT CUresult CUDAAPI cuLibraryGetModule(CUmodule *pMod, CUlibrary librar
 
 RGPU_EXPORT CUresult CUDAAPI cuKernelGetFunction(CUfunction *pFunc, CUkernel kernel) {
     if (pFunc == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_kfunc_get(kernel, pFunc)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuKernelGetFunction);
     if (r != CUDA_SUCCESS) return r;
@@ -982,6 +998,7 @@ RGPU_EXPORT CUresult CUDAAPI cuKernelGetFunction(CUfunction *pFunc, CUkernel ker
     if (r == CUDA_SUCCESS) {
         { CUfunction pFunc_v; memset(&pFunc_v, 0, sizeof pFunc_v); pFunc_v = (CUfunction)(uintptr_t)rgpu_get_u64(&c); if (pFunc) *pFunc = pFunc_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_kfunc_put(kernel, *pFunc);
     rgpu_end(&c);
     return r;
 }
@@ -1047,6 +1064,7 @@ RGPU_EXPORT CUresult CUDAAPI cuLibraryEnumerateKernels(CUkernel *kernels, unsign
 
 RGPU_EXPORT CUresult CUDAAPI cuKernelGetAttribute(int *pi, CUfunction_attribute attrib, CUkernel kernel, CUdevice dev) {
     if (pi == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_kattr_get(kernel, attrib, dev, pi)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuKernelGetAttribute, dev);
     if (r != CUDA_SUCCESS) return r;
@@ -1057,11 +1075,13 @@ RGPU_EXPORT CUresult CUDAAPI cuKernelGetAttribute(int *pi, CUfunction_attribute 
     if (r == CUDA_SUCCESS) {
         { int pi_v; memset(&pi_v, 0, sizeof pi_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); pi_v = (int)v_; } if (pi) *pi = pi_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_kattr_put(kernel, attrib, dev, *pi);
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuKernelSetAttribute(CUfunction_attribute attrib, int val, CUkernel kernel, CUdevice dev) {
+    { int v_; if (rgpu_kattr_get(kernel, attrib, dev, &v_) && v_ == val) return CUDA_SUCCESS; };
     rgpu_call c;
     CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuKernelSetAttribute, dev);
     if (r != CUDA_SUCCESS) return r;
@@ -1070,6 +1090,7 @@ RGPU_EXPORT CUresult CUDAAPI cuKernelSetAttribute(CUfunction_attribute attrib, i
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)kernel);
     rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
     r = rgpu_sync(&c);
+    rgpu_cache_forget_functions(); if (r == CUDA_SUCCESS) rgpu_kattr_put(kernel, attrib, dev, val);
     rgpu_end(&c);
     return r;
 }
@@ -1082,6 +1103,7 @@ RGPU_EXPORT CUresult CUDAAPI cuKernelSetCacheConfig(CUkernel kernel, CUfunc_cach
     { int32_t v_ = (int32_t)config; rgpu_put(&c, &v_, 4); }
     rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
     r = rgpu_sync(&c);
+    rgpu_cache_forget_functions();
     rgpu_end(&c);
     return r;
 }
@@ -1109,6 +1131,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncSetAttribute(CUfunction hfunc, CUfunction_att
     { int32_t v_ = (int32_t)attrib; rgpu_put(&c, &v_, 4); }
     { int32_t v_ = (int32_t)value; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
+    rgpu_cache_forget_functions();
     rgpu_end(&c);
     return r;
 }
@@ -1120,6 +1143,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncSetCacheConfig(CUfunction hfunc, CUfunc_cache
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hfunc);
     { int32_t v_ = (int32_t)config; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
+    rgpu_cache_forget_functions();
     rgpu_end(&c);
     return r;
 }
@@ -1131,6 +1155,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncSetSharedMemConfig(CUfunction hfunc, CUshared
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hfunc);
     { int32_t v_ = (int32_t)config; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
+    rgpu_cache_forget_functions();
     rgpu_end(&c);
     return r;
 }
@@ -1175,6 +1200,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncLoad(CUfunction function) {
 
 RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxActiveBlocksPerMultiprocessor(int *numBlocks, CUfunction func, int blockSize, size_t dynamicSMemSize) {
     if (numBlocks == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_occ_get(func, blockSize, dynamicSMemSize, 0, numBlocks)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuOccupancyMaxActiveBlocksPerMultiprocessor);
     if (r != CUDA_SUCCESS) return r;
@@ -1185,12 +1211,14 @@ RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxActiveBlocksPerMultiprocessor(int *nu
     if (r == CUDA_SUCCESS) {
         { int numBlocks_v; memset(&numBlocks_v, 0, sizeof numBlocks_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); numBlocks_v = (int)v_; } if (numBlocks) *numBlocks = numBlocks_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_occ_put(func, blockSize, dynamicSMemSize, 0, *numBlocks);
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(int *numBlocks, CUfunction func, int blockSize, size_t dynamicSMemSize, unsigned int flags) {
     if (numBlocks == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_occ_get(func, blockSize, dynamicSMemSize, flags, numBlocks)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags);
     if (r != CUDA_SUCCESS) return r;
@@ -1202,6 +1230,7 @@ RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlag
     if (r == CUDA_SUCCESS) {
         { int numBlocks_v; memset(&numBlocks_v, 0, sizeof numBlocks_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); numBlocks_v = (int)v_; } if (numBlocks) *numBlocks = numBlocks_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_occ_put(func, blockSize, dynamicSMemSize, flags, *numBlocks);
     rgpu_end(&c);
     return r;
 }
@@ -1283,6 +1312,7 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphDestroy(CUgraph hGraph) {
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hGraph);
     r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) rgpu_hostcopy_forget(hGraph);
     rgpu_end(&c);
     return r;
 }
@@ -1297,6 +1327,7 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphClone(CUgraph *phGraphClone, CUgraph origina
     if (r == CUDA_SUCCESS) {
         { CUgraph phGraphClone_v; memset(&phGraphClone_v, 0, sizeof phGraphClone_v); phGraphClone_v = (CUgraph)(uintptr_t)rgpu_get_u64(&c); if (phGraphClone) *phGraphClone = phGraphClone_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_hostcopy_clone(originalGraph, *phGraphClone);
     rgpu_end(&c);
     return r;
 }
@@ -1326,17 +1357,21 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphInstantiateWithFlags(CUgraphExec *phGraphExe
     if (r == CUDA_SUCCESS) {
         { CUgraphExec phGraphExec_v; memset(&phGraphExec_v, 0, sizeof phGraphExec_v); phGraphExec_v = (CUgraphExec)(uintptr_t)rgpu_get_u64(&c); if (phGraphExec) *phGraphExec = phGraphExec_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_hostcopy_clone(hGraph, *phGraphExec);
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuGraphLaunch(CUgraphExec hGraphExec, CUstream hStream) {
+    { CUresult r_ = rgpu_hostcopy_before_launch(hGraphExec); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuGraphLaunch);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hGraphExec);
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) r = rgpu_hostcopy_after_launch(hGraphExec, hStream);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuGraphUpload(CUgraphExec hGraphExec, CUstream hStream) {
@@ -1354,6 +1389,7 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphExecDestroy(CUgraphExec hGraphExec) {
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hGraphExec);
     r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) rgpu_hostcopy_forget(hGraphExec);
     rgpu_end(&c);
     return r;
 }
@@ -1369,7 +1405,7 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphExecUpdate_v2(CUgraphExec hGraphExec, CUgrap
     if (r == CUDA_SUCCESS) {
         { CUgraphExecUpdateResultInfo resultInfo_v; memset(&resultInfo_v, 0, sizeof resultInfo_v); rgpu_get(&c, &resultInfo_v, sizeof(resultInfo_v)); if (resultInfo) *resultInfo = resultInfo_v; }
     }
-    if (r != CUDA_SUCCESS) { memset(resultInfo, 0, sizeof *resultInfo); resultInfo->result = 1; };
+    if (r != CUDA_SUCCESS) { memset(resultInfo, 0, sizeof *resultInfo); resultInfo->result = 1; } else { rgpu_hostcopy_forget(hGraphExec); rgpu_hostcopy_clone(hGraph, hGraphExec); };
     rgpu_end(&c);
     return r;
 }

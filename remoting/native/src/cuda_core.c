@@ -347,6 +347,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxDestroy_v2(CUcontext ctx) {
     if (r != CUDA_SUCCESS) return r;
     if (!x) return CUDA_ERROR_INVALID_CONTEXT;
     rgpu_cls_context_gone(ctx);
+    rgpu_cache_forget_functions();
     rgpu_call c;
     r = rgpu_begin_session(&c, RGPU_OP_cuCtxDestroy_v2, x->session);
     if (r != CUDA_SUCCESS) return r;
@@ -370,6 +371,7 @@ RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice 
         else ((rgpu_ctx *)*pctx)->primary = 1;
     }
     rgpu_end(&c);
+    rgpu_pstate_forget();
     return r;
 }
 

@@ -6,6 +6,7 @@
  * launch by CuPy and PyTorch, so it is answered here while no capture can be under way (no
  * cuStreamBeginCapture succeeded that no cuStreamEndCapture ended): exact, since a stream only
  * starts capturing through cuStreamBeginCapture. Otherwise the server's driver answers. */
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -230,7 +231,8 @@ RGPU_EXPORT CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const 
  * packed (kernel arguments as a launch packs them). Copy nodes that touch this process's memory
  * would read or write it when the graph runs on the server: refused, naming the call. */
 
-enum { NODE_EMPTY = 0, NODE_KERNEL = 1, NODE_MEMSET = 2, NODE_MEMCPY = 3, NODE_MEM_ALLOC = 4, NODE_MEM_FREE = 5 };
+enum { NODE_EMPTY = 0, NODE_KERNEL = 1, NODE_MEMSET = 2, NODE_MEMCPY = 3, NODE_MEM_ALLOC = 4, NODE_MEM_FREE = 5,
+       NODE_MEMCPY_HOST = 6 };
 
 static CUresult add_node(uint32_t kind, CUgraphNode *phNode, CUgraph hGraph, const CUgraphNode *deps, size_t ndeps,
                          const void *payload, size_t plen, uint64_t *aux) {
@@ -379,6 +381,99 @@ static int device_side(CUmemorytype type, CUdeviceptr dev, const void *host) {
     return -1;
 }
 
+/* Copy nodes with one side in this process's memory (1D): the node copies from or to a pinned
+ * buffer of the server's; before each launch of an executable graph holding one, the host data
+ * goes to its buffer, and after the launch, once the stream has finished, the buffers of
+ * device-to-host nodes come back into this process's memory. Their records follow the graph
+ * through clones, instantiation and updates. */
+typedef struct hostcopy {
+    void *owner;           /* CUgraph or CUgraphExec */
+    uint64_t buffer;       /* the server's buffer */
+    void *host;
+    size_t size;
+    int to_host;
+    struct hostcopy *next;
+} hostcopy;
+
+static hostcopy *g_copies;
+static pthread_mutex_t g_copies_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void hostcopy_add(void *owner, uint64_t buffer, void *host, size_t size, int to_host) {
+    hostcopy *h = malloc(sizeof *h);
+    if (!h) return;
+    *h = (hostcopy){owner, buffer, host, size, to_host, NULL};
+    pthread_mutex_lock(&g_copies_lock);
+    h->next = g_copies;
+    g_copies = h;
+    pthread_mutex_unlock(&g_copies_lock);
+}
+
+void rgpu_hostcopy_clone(void *from, void *to) {
+    pthread_mutex_lock(&g_copies_lock);
+    hostcopy *list = g_copies;
+    pthread_mutex_unlock(&g_copies_lock);
+    for (hostcopy *h = list; h; h = h->next)
+        if (h->owner == from) hostcopy_add(to, h->buffer, h->host, h->size, h->to_host);
+}
+
+void rgpu_hostcopy_forget(void *owner) {
+    pthread_mutex_lock(&g_copies_lock);
+    for (hostcopy **p = &g_copies; *p;) {
+        if ((*p)->owner == owner) {
+            hostcopy *gone = *p;
+            *p = gone->next;
+            free(gone);
+        } else {
+            p = &(*p)->next;
+        }
+    }
+    pthread_mutex_unlock(&g_copies_lock);
+}
+
+CUresult rgpu_hostcopy_before_launch(CUgraphExec exec) {
+    pthread_mutex_lock(&g_copies_lock);
+    hostcopy *list = g_copies;
+    pthread_mutex_unlock(&g_copies_lock);
+    for (hostcopy *h = list; h; h = h->next) {
+        if (h->owner != (void *)exec || h->to_host) continue;
+        rgpu_call c;
+        CUresult r = rgpu_begin(&c, RGPU_OP_rgpuGraphHostRefresh);
+        if (r != CUDA_SUCCESS) return r;
+        rgpu_put_u64(&c, h->buffer);
+        rgpu_put_u64(&c, h->size);
+        rgpu_put(&c, h->host, h->size);
+        r = rgpu_async(&c);
+        if (r != CUDA_SUCCESS) return r;
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult rgpu_hostcopy_after_launch(CUgraphExec exec, CUstream stream) {
+    pthread_mutex_lock(&g_copies_lock);
+    hostcopy *list = g_copies;
+    pthread_mutex_unlock(&g_copies_lock);
+    size_t n = 0;
+    for (hostcopy *h = list; h; h = h->next) n += h->owner == (void *)exec && h->to_host;
+    if (!n) return CUDA_SUCCESS;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_rgpuGraphHostReadback);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+    rgpu_put_u64(&c, n);
+    for (hostcopy *h = list; h; h = h->next)
+        if (h->owner == (void *)exec && h->to_host) {
+            rgpu_put_u64(&c, h->buffer);
+            rgpu_put_u64(&c, h->size);
+        }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        for (hostcopy *h = list; h; h = h->next)
+            if (h->owner == (void *)exec && h->to_host) rgpu_get(&c, h->host, h->size);
+    }
+    rgpu_end(&c);
+    return r;
+}
+
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddMemcpyNode(CUgraphNode *phGraphNode, CUgraph hGraph,
                                                   const CUgraphNode *dependencies, size_t numDependencies,
                                                   const CUDA_MEMCPY3D *copyParams, CUcontext ctx) {
@@ -386,21 +481,40 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphAddMemcpyNode(CUgraphNode *phGraphNode, CUgr
     CUDA_MEMCPY3D m = *copyParams;
     int src = device_side(m.srcMemoryType, m.srcDevice, m.srcHost);
     int dst = device_side(m.dstMemoryType, m.dstDevice, m.dstHost);
-    if (src != 1 || dst != 1) {
-        rgpu_log(1, "rgpu: cuGraphAddMemcpyNode: copy nodes from or to host memory or arrays (the graph runs on the "
-                 "server) are not remoted yet; device-to-device copy nodes are");
+    uint64_t rc = remote_ctx(ctx);
+    if (src == 1 && dst == 1) {
+        if (m.srcMemoryType == CU_MEMORYTYPE_HOST) m.srcDevice = (CUdeviceptr)(uintptr_t)m.srcHost;
+        if (m.dstMemoryType == CU_MEMORYTYPE_HOST) m.dstDevice = (CUdeviceptr)(uintptr_t)m.dstHost;
+        m.srcMemoryType = m.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+        m.srcHost = NULL;
+        m.dstHost = NULL;
+        uint8_t p[sizeof(CUDA_MEMCPY3D) + 8];
+        memcpy(p, &m, sizeof m);
+        memcpy(p + sizeof m, &rc, 8);
+        return add_node(NODE_MEMCPY, phGraphNode, hGraph, dependencies, numDependencies, p, sizeof p, NULL);
+    }
+    int one_d = m.Height <= 1 && m.Depth <= 1 && !m.srcY && !m.srcZ && !m.dstY && !m.dstZ && !m.srcLOD && !m.dstLOD;
+    if (src < 0 || dst < 0 || src == dst || !one_d || !m.WidthInBytes) {
+        rgpu_log(1, "rgpu: cuGraphAddMemcpyNode: this copy node (arrays, host-to-host, or 2D/3D with a host side) "
+                 "is not remoted yet; device-to-device and 1D host copy nodes are");
         return CUDA_ERROR_NOT_SUPPORTED;
     }
-    if (m.srcMemoryType == CU_MEMORYTYPE_HOST) m.srcDevice = (CUdeviceptr)(uintptr_t)m.srcHost;
-    if (m.dstMemoryType == CU_MEMORYTYPE_HOST) m.dstDevice = (CUdeviceptr)(uintptr_t)m.dstHost;
-    m.srcMemoryType = m.dstMemoryType = CU_MEMORYTYPE_DEVICE;
-    m.srcHost = NULL;
-    m.dstHost = NULL;
-    uint8_t p[sizeof(CUDA_MEMCPY3D) + 8];
-    memcpy(p, &m, sizeof m);
-    uint64_t rc = remote_ctx(ctx);
-    memcpy(p + sizeof m, &rc, 8);
-    return add_node(NODE_MEMCPY, phGraphNode, hGraph, dependencies, numDependencies, p, sizeof p, NULL);
+    int to_host = dst == 0;
+    uint64_t dev = to_host ? (m.srcMemoryType == CU_MEMORYTYPE_HOST ? (uint64_t)(uintptr_t)m.srcHost : m.srcDevice) + m.srcXInBytes
+                           : (m.dstMemoryType == CU_MEMORYTYPE_HOST ? (uint64_t)(uintptr_t)m.dstHost : m.dstDevice) + m.dstXInBytes;
+    uint8_t *host = to_host ? (uint8_t *)(m.dstMemoryType == CU_MEMORYTYPE_HOST ? m.dstHost : (void *)(uintptr_t)m.dstDevice) + m.dstXInBytes
+                            : (uint8_t *)(m.srcMemoryType == CU_MEMORYTYPE_HOST ? (void *)m.srcHost : (void *)(uintptr_t)m.srcDevice) + m.srcXInBytes;
+    size_t size = m.WidthInBytes;
+    /* {u32 to_host, u32 0, u64 device address, u64 size, u64 context} */
+    uint8_t p[32];
+    uint32_t head[2] = {(uint32_t)to_host, 0};
+    uint64_t rest[3] = {dev, size, rc};
+    memcpy(p, head, 8);
+    memcpy(p + 8, rest, 24);
+    uint64_t buffer = 0;
+    CUresult r = add_node(NODE_MEMCPY_HOST, phGraphNode, hGraph, dependencies, numDependencies, p, sizeof p, &buffer);
+    if (r == CUDA_SUCCESS) hostcopy_add(hGraph, buffer, host, size, to_host);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddMemAllocNode(CUgraphNode *phGraphNode, CUgraph hGraph,
@@ -438,3 +552,42 @@ _Static_assert(sizeof(CUDA_MEM_ALLOC_NODE_PARAMS) == 120, "CUDA_MEM_ALLOC_NODE_P
 _Static_assert(sizeof(CUDA_KERNEL_NODE_PARAMS_v2) == 72, "CUDA_KERNEL_NODE_PARAMS_v2 layout");
 _Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc layout");
 _Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp layout");
+
+/* ------------------------------------------------------------------ host copies in stream capture
+ * A copy between this process's memory and the device on a capturing stream becomes a copy
+ * node through a pinned worker buffer, recorded against the capture's graph: refreshed before
+ * and read back after each launch, as those added with cuGraphAddMemcpyNode. */
+
+int rgpu_stream_capturing(CUstream stream) {
+    if (!rgpu_capture_possible()) return 0;
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    return cuStreamIsCapturing(stream, &st) == CUDA_SUCCESS && st == 1 /* ACTIVE */;
+}
+
+CUresult rgpu_capture_host_copy(CUstream stream, int to_host, CUdeviceptr dev, void *host, size_t n) {
+    if (n && !host) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_rgpuCaptureHostCopy);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+    rgpu_put_u32(&c, (uint32_t)to_host);
+    rgpu_put_u32(&c, 0);
+    rgpu_put_u64(&c, dev);
+    rgpu_put_u64(&c, n);
+    if (!to_host && n) {
+        r = rgpu_put_bulk(&c, host, n);
+        if (r != CUDA_SUCCESS) {
+            rgpu_end(&c);
+            return r;
+        }
+    }
+    r = rgpu_sync(&c);
+    uint64_t buffer = 0, graph = 0;
+    if (r == CUDA_SUCCESS) {
+        buffer = rgpu_get_u64(&c);
+        graph = rgpu_get_u64(&c);
+    }
+    rgpu_end(&c);
+    if (r == CUDA_SUCCESS) hostcopy_add((void *)(uintptr_t)graph, buffer, host, n, to_host);
+    return r;
+}

@@ -207,6 +207,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, vo
 
 static CUresult htod(CUdeviceptr dst, const void *src, size_t n, CUstream stream, int session) {
     if (n && !src) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_stream_capturing(stream)) return rgpu_capture_host_copy(stream, 0, dst, (void *)src, n);
     const uint8_t *p = src;
     size_t done = 0;
     do {
@@ -229,6 +230,7 @@ static CUresult htod(CUdeviceptr dst, const void *src, size_t n, CUstream stream
 
 static CUresult dtoh(void *dst, CUdeviceptr src, size_t n, CUstream stream, int session) {
     if (n && !dst) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_stream_capturing(stream)) return rgpu_capture_host_copy(stream, 1, src, dst, n);
     rgpu_call c;
     CUresult r = session >= 0 ? rgpu_begin_session(&c, RGPU_OP_cuMemcpyDtoHAsync_v2, session)
                               : rgpu_begin(&c, RGPU_OP_cuMemcpyDtoHAsync_v2);

@@ -847,6 +847,7 @@ static CUresult unload(uint16_t op, uint64_t handle) {
     r = rgpu_sync(&c);
     rgpu_end(&c);
     if (r == CUDA_SUCCESS) rgpu_fn_forget_module(session, handle);
+    rgpu_cache_forget_functions();
     return r;
 }
 

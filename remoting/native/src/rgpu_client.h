@@ -140,6 +140,28 @@ void rgpu_before_primary_ctx_reset(CUdevice dev);
 void rgpu_capture_begun(CUresult r);
 void rgpu_capture_ended(CUresult r);
 int rgpu_capture_possible(void);
+/* Client-side answers to repeated queries (cuda_cache.c). */
+int rgpu_cached_ctx_device(CUcontext ctx, CUdevice *device);
+int rgpu_kattr_get(CUkernel k, int attrib, CUdevice dev, int *out);
+void rgpu_kattr_put(CUkernel k, int attrib, CUdevice dev, int value);
+int rgpu_kfunc_get(CUkernel k, CUfunction *out);
+void rgpu_kfunc_put(CUkernel k, CUfunction f);
+void rgpu_cache_forget_functions(void);
+int rgpu_dattr_get(int attrib, CUdevice dev, int *out);
+void rgpu_dattr_put(int attrib, CUdevice dev, int value);
+int rgpu_pstate_get(CUdevice dev, unsigned int *flags, int *active);
+void rgpu_pstate_put(CUdevice dev, unsigned int flags, int active);
+void rgpu_pstate_forget(void);
+int rgpu_limit_get(int limit, size_t *out);
+void rgpu_limit_put(int limit, size_t value);
+int rgpu_occ_get(CUfunction f, int block, size_t smem, unsigned int flags, int *out);
+void rgpu_occ_put(CUfunction f, int block, size_t smem, unsigned int flags, int value);
+void rgpu_hostcopy_clone(void *from, void *to);
+int rgpu_stream_capturing(CUstream stream);
+CUresult rgpu_capture_host_copy(CUstream stream, int to_host, CUdeviceptr dev, void *host, size_t n);
+void rgpu_hostcopy_forget(void *owner);
+CUresult rgpu_hostcopy_before_launch(CUgraphExec exec);
+CUresult rgpu_hostcopy_after_launch(CUgraphExec exec, CUstream stream);
 CUresult rgpu_kernel_args(CUfunction f, void **params, void **extra, uint8_t **out, size_t *size);
 
 /* Allocation tables (tables.c): device ranges route unified copies and pointer queries;

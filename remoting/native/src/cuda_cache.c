@@ -1,0 +1,157 @@
+/* Answers kept in the client for queries that libraries repeat thousands of times per training
+ * step (measured with trace mode on PyTorch: cuCtxGetDevice, cuKernelGetAttribute,
+ * cuDevicePrimaryCtxGetState, cuKernelGetFunction, cuDeviceGetAttribute), each a round trip
+ * otherwise. Each cache holds only values that nothing but this process can change, and every call
+ * that could change one empties it: exact answers, no round trip. */
+#include <pthread.h>
+#include <string.h>
+
+#include "rgpu_client.h"
+
+#define SLOTS 8192
+
+typedef struct {
+    uint64_t k1, k2, k3, value;
+    int used;
+} entry;
+
+typedef struct {
+    entry e[SLOTS];
+    int count;
+} table;
+
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static table g_kattr, g_kfunc, g_dattr, g_pstate;
+
+static uint64_t hash(uint64_t a, uint64_t b, uint64_t c) {
+    uint64_t h = a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull) * 0xBF58476D1CE4E5B9ull ^ c * 0x94D049BB133111EBull;
+    return h ^ (h >> 31);
+}
+
+static int get(table *t, uint64_t a, uint64_t b, uint64_t c, uint64_t *value) {
+    pthread_mutex_lock(&g_lock);
+    int found = 0;
+    for (uint64_t i = hash(a, b, c) % SLOTS, n = 0; n < SLOTS && t->e[i].used; i = (i + 1) % SLOTS, n++) {
+        if (t->e[i].k1 == a && t->e[i].k2 == b && t->e[i].k3 == c) {
+            *value = t->e[i].value;
+            found = 1;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return found;
+}
+
+static void put(table *t, uint64_t a, uint64_t b, uint64_t c, uint64_t value) {
+    pthread_mutex_lock(&g_lock);
+    if (t->count >= SLOTS * 3 / 4) {
+        memset(t, 0, sizeof *t);
+    }
+    uint64_t i = hash(a, b, c) % SLOTS;
+    while (t->e[i].used && !(t->e[i].k1 == a && t->e[i].k2 == b && t->e[i].k3 == c)) i = (i + 1) % SLOTS;
+    if (!t->e[i].used) t->count++;
+    t->e[i] = (entry){a, b, c, value, 1};
+    pthread_mutex_unlock(&g_lock);
+}
+
+static void clear(table *t) {
+    pthread_mutex_lock(&g_lock);
+    if (t->count) memset(t, 0, sizeof *t);
+    pthread_mutex_unlock(&g_lock);
+}
+
+/* cuCtxGetDevice: a context's device is its slice's ordinal, fixed for the context's life. */
+int rgpu_cached_ctx_device(CUcontext ctx, CUdevice *device) {
+    rgpu_ctx *x = ctx ? rgpu_ctx_lookup(ctx) : rgpu_ctx_current();
+    if (!x || x->destroyed) return 0;
+    *device = x->session;
+    return 1;
+}
+
+/* cuKernelGetAttribute / cuKernelGetFunction: forgotten when any function or kernel attribute
+ * is set, a module or library unloaded, or a context destroyed or reset. */
+int rgpu_kattr_get(CUkernel k, int attrib, CUdevice dev, int *out) {
+    uint64_t v;
+    if (!get(&g_kattr, (uint64_t)(uintptr_t)k, (uint64_t)attrib, (uint64_t)dev, &v)) return 0;
+    *out = (int)v;
+    return 1;
+}
+void rgpu_kattr_put(CUkernel k, int attrib, CUdevice dev, int value) {
+    put(&g_kattr, (uint64_t)(uintptr_t)k, (uint64_t)attrib, (uint64_t)dev, (uint64_t)(uint32_t)value);
+}
+
+static uint64_t current_remote(void) {
+    rgpu_ctx *x = rgpu_ctx_current();
+    return x ? x->remote + ((uint64_t)x->session << 56) : 0;
+}
+int rgpu_kfunc_get(CUkernel k, CUfunction *out) {
+    uint64_t v, ctx = current_remote();
+    if (!ctx || !get(&g_kfunc, (uint64_t)(uintptr_t)k, ctx, 0, &v)) return 0;
+    *out = (CUfunction)(uintptr_t)v;
+    return 1;
+}
+void rgpu_kfunc_put(CUkernel k, CUfunction f) {
+    uint64_t ctx = current_remote();
+    if (ctx) put(&g_kfunc, (uint64_t)(uintptr_t)k, ctx, 0, (uint64_t)(uintptr_t)f);
+}
+void rgpu_cache_forget_occupancy(void);
+void rgpu_limit_forget(void);
+void rgpu_cache_forget_functions(void) {
+    rgpu_limit_forget();
+    clear(&g_kattr);
+    clear(&g_kfunc);
+    rgpu_cache_forget_occupancy();
+}
+
+/* cuDeviceGetAttribute: a device's attributes do not change. */
+int rgpu_dattr_get(int attrib, CUdevice dev, int *out) {
+    uint64_t v;
+    if (!get(&g_dattr, (uint64_t)attrib, (uint64_t)dev, 0, &v)) return 0;
+    *out = (int)v;
+    return 1;
+}
+void rgpu_dattr_put(int attrib, CUdevice dev, int value) {
+    put(&g_dattr, (uint64_t)attrib, (uint64_t)dev, 0, (uint64_t)(uint32_t)value);
+}
+
+/* cuDevicePrimaryCtxGetState: changed only by this process's retain, release, reset, set-flags. */
+int rgpu_pstate_get(CUdevice dev, unsigned int *flags, int *active) {
+    uint64_t v;
+    if (!get(&g_pstate, (uint64_t)dev, 0, 0, &v)) return 0;
+    *flags = (unsigned int)(v & 0xFFFFFFFFu);
+    *active = (int)(v >> 32);
+    return 1;
+}
+void rgpu_pstate_put(CUdevice dev, unsigned int flags, int active) {
+    put(&g_pstate, (uint64_t)dev, 0, 0, (uint64_t)flags | ((uint64_t)(uint32_t)active << 32));
+}
+void rgpu_pstate_forget(void) { clear(&g_pstate); }
+
+/* cuOccupancyMaxActiveBlocksPerMultiprocessor(WithFlags): fixed for a function, block size,
+ * dynamic shared memory and flags until a function attribute changes (forgotten with them). */
+static table g_occ;
+int rgpu_occ_get(CUfunction f, int block, size_t smem, unsigned int flags, int *out) {
+    uint64_t v;
+    if (!get(&g_occ, (uint64_t)(uintptr_t)f, (uint64_t)(uint32_t)block | ((uint64_t)flags << 32), smem, &v)) return 0;
+    *out = (int)v;
+    return 1;
+}
+void rgpu_occ_put(CUfunction f, int block, size_t smem, unsigned int flags, int value) {
+    put(&g_occ, (uint64_t)(uintptr_t)f, (uint64_t)(uint32_t)block | ((uint64_t)flags << 32), smem, (uint64_t)(uint32_t)value);
+}
+void rgpu_cache_forget_occupancy(void) { clear(&g_occ); }
+
+/* cuCtxGetLimit, per context: changed only by cuCtxSetLimit, except the stack size, which the
+ * driver raises by itself for kernels that need more (never cached). */
+static table g_limit;
+int rgpu_limit_get(int limit, size_t *out) {
+    uint64_t v, ctx = current_remote();
+    if (limit == 0 || !ctx || !get(&g_limit, ctx, (uint64_t)limit, 0, &v)) return 0;
+    *out = (size_t)v;
+    return 1;
+}
+void rgpu_limit_put(int limit, size_t value) {
+    uint64_t ctx = current_remote();
+    if (limit != 0 && ctx) put(&g_limit, ctx, (uint64_t)limit, 0, value);
+}
+void rgpu_limit_forget(void) { clear(&g_limit); }
