@@ -200,3 +200,34 @@ def test_not_found_messages_name_the_key_briefly(cluster: RgpuCluster) -> None:
     with cluster.client() as client:
         with pytest.raises(NotFound):
             client.renew("job-none", 10)
+
+
+def test_a_live_dispatchers_address_cannot_be_taken_from_another_host(cluster: RgpuCluster) -> None:
+    """Every daemon holds the secret: a registration or heartbeat for a live server's address from
+    another IP is refused. Loopback gives two IPs: 127.0.0.1 and ::1 (the pool listens on both)."""
+    from rgpu.remoting.pool.client import PoolClient
+    from rgpu.errors import PermissionDenied
+    cluster.start_pool("--listen", "[::]:0")
+    mine = _server("127.0.0.1:56100", gpus=2)
+    with cluster.client() as owner, PoolClient(f"[::1]:{cluster.pool_port}", cluster.secret, timeout=5) as other:
+        owner.register_server(server_to_pb(mine))
+        assert owner.heartbeat("127.0.0.1:56100").known
+        with pytest.raises(PermissionDenied, match="registered from 127.0.0.1 and is not down") as info:
+            other.register_server(server_to_pb(_server("127.0.0.1:56100", gpus=0)))
+        assert "from ::1 refused" in str(info.value) and "\n" not in str(info.value)
+        with pytest.raises(PermissionDenied, match="heartbeat for server 127.0.0.1:56100 from ::1 refused"):
+            other.heartbeat("127.0.0.1:56100")
+        assert {g.gpu.uuid for g in owner.list_gpus()} == {"GPU-r-0", "GPU-r-1"}
+        # Down (no heartbeats for down_after_seconds): the address may move to a new host.
+        wait_for(lambda: [s.state for s in owner.list_servers().servers] == ["down"], timeout=10,
+                 what="the server to be down")
+        other.register_server(server_to_pb(_server("127.0.0.1:56100", gpus=1)))
+        assert other.heartbeat("127.0.0.1:56100").known
+
+
+def test_peer_ip_reads_grpc_peer_strings() -> None:
+    from rgpu.remoting.pool.daemon import peer_ip
+    assert peer_ip("ipv4:10.0.0.7:5555") == "10.0.0.7"
+    assert peer_ip("ipv6:%5B::1%5D:5555") == "::1"
+    assert peer_ip("ipv6:[::ffff:10.0.0.7]:5555") == "10.0.0.7"
+    assert peer_ip("unix:/run/x") == "unix:/run/x"

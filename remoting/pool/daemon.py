@@ -14,6 +14,7 @@ import sqlite3
 import sys
 import threading
 import time
+import urllib.parse
 from concurrent import futures
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -64,6 +65,18 @@ USER_METHODS = frozenset({"Allocate", "Renew", "Release", "GetLease", "ListLease
                           "ListQuotas", "Capacity"})
 
 
+def peer_ip(peer: str) -> str:
+    """The IP of a gRPC peer string ("ipv4:10.0.0.1:5555", "ipv6:[::1]:5555"); IPv4-mapped IPv6
+    addresses as IPv4."""
+    kind, _, rest = urllib.parse.unquote(peer).partition(":")   # grpc writes "ipv6:%5B::1%5D:5555"
+    if kind == "ipv6":
+        ip = rest.rsplit(":", 1)[0].strip("[]")
+        return ip[7:] if ip.lower().startswith("::ffff:") and "." in ip else ip
+    if kind == "ipv4":
+        return rest.rsplit(":", 1)[0]
+    return peer
+
+
 def _own(core: PoolCore, job_key: str, what: str) -> None:
     """A user may only act on leases of their own (a lease that does not exist is left to the call)."""
     caller = current_caller()
@@ -100,6 +113,8 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
 class PoolServicer(pb_grpc.PoolServicer):
     def __init__(self, core: PoolCore, heartbeat_interval: float, metrics: PoolMetrics | None = None) -> None:
         self.core = core
+        self._registrars: dict[str, str] = {}     # server address -> IP that registered it
+        self._registrars_lock = threading.Lock()
         self.heartbeat_interval = heartbeat_interval
         self.metrics = metrics or PoolMetrics()
 
@@ -118,18 +133,42 @@ class PoolServicer(pb_grpc.PoolServicer):
                              token=self.core.token_for(lease, i) if tokens else "", usage=usage_to_pb(lease.job_key, i, usages[i]))
                     for i, s in enumerate(lease.slices)])
 
+    def _check_registrar(self, address: str, context: Any, *, registering: bool) -> None:
+        """A dispatcher's address is bound to the host that registered it: while that server is
+        not down, registrations and heartbeats for its address from another IP are refused (every
+        daemon holds the same secret, so this is what keeps one node from taking over another's
+        address). A down or removed server's address may be taken by a new host; a pool restart
+        forgets the bindings and the first registration after it binds again."""
+        peer = peer_ip(context.peer() or "")
+        with self._registrars_lock:
+            bound = self._registrars.get(address)
+            entry = self.core.servers.get(address)
+            live = entry is not None and self.core.state_of(entry) != "down"
+            if bound is not None and bound != peer and live:
+                raise PermissionDenied("pool", f"{'registration' if registering else 'heartbeat'} for server "
+                                       f"{address[:80]} from {peer[:64]} refused",
+                                       f"that server registered from {bound} and is not down",
+                                       "each dispatcher registers its own address; remove a server that moved "
+                                       "with `rgpu-admin remove-server`, or wait until it is down")
+            if registering or bound is None:
+                if len(self._registrars) > 8192:   # addresses whose registration was refused
+                    self._registrars = {a: ip for a, ip in self._registrars.items() if a in self.core.servers}
+                self._registrars[address[:300]] = peer
+
     def _server_pb(self, entry: Any) -> pb.Server:
         now = self.core.clock()
         return server_to_pb(entry.info, self.core.state_of(entry, now), max(0.0, now - entry.last_heartbeat))
 
     @_rpc
     def RegisterServer(self, request: pb.RegisterServerRequest, context: Any) -> pb.RegisterServerReply:
+        self._check_registrar(request.server.address, context, registering=True)
         self.core.register(server_from_pb(request.server))
         self.metrics.registrations.inc()
         return pb.RegisterServerReply(heartbeat_interval_seconds=self.heartbeat_interval)
 
     @_rpc
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatReply:
+        self._check_registrar(request.address, context, registering=False)
         if not self.core.heartbeat(request.address):
             self.metrics.heartbeats.labels("unknown").inc()
             return pb.HeartbeatReply(known=False)
