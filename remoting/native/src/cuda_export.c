@@ -23,6 +23,7 @@
 
 #include "rgpu_client.h"
 #include "cuda_protos.h"
+#include "rgpu_integrity.h"
 
 typedef struct export_uuid { uint8_t b[16]; } export_uuid;
 
@@ -584,16 +585,7 @@ static const void *g_unknown_69a28e9f[34] = {
  * location as this library reports them. So every input is what rgpu itself answers: the hash
  * agrees with the version and devices the runtime sees, never the GPU node's own. */
 
-/* The digest itself (integrity.c, shared with the trace library). */
-void rgpu_integrity_digest(const void *input48, const void *devices, unsigned int ndevices, uint64_t out[2]);
 
-#pragma pack(push, 1)
-typedef struct integrity_input {
-    uint32_t driver_version, version, pid, tid;
-    uint64_t cudart_table, integrity_table, fn_address, unix_seconds;
-} integrity_input;
-typedef struct integrity_device { uint8_t uuid[16]; int32_t pci_domain, pci_bus, pci_device; } integrity_device;
-#pragma pack(pop)
 
 static const void *g_integrity[3];
 

@@ -25,6 +25,8 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "rgpu_integrity.h"
+
 #define HIDDEN __attribute__((visibility("hidden")))
 #define EXPORT __attribute__((visibility("default")))
 #define DYN_SLOTS 8192
@@ -200,7 +202,6 @@ static void uuid_text(const uint8_t *b, char out[40]) {
 
 EXPORT int cuGetExportTable(const void **pp, const void *uuid);
 
-void rgpu_integrity_digest(const void *input48, const void *devices, unsigned int ndevices, uint64_t out[2]);
 static uint64_t g_integrity_calls;
 
 /* The runtime checks the digest over the tables it was handed: the copies. */
@@ -224,18 +225,16 @@ static int integrity_check(uint32_t version, uint64_t unix_seconds, uint64_t res
     int r = drv_version(&driver);
     if (!r) r = dev_count(&count);
     if (r) return r;
-#pragma pack(push, 1)
-    struct { uint32_t driver, version, pid, tid; uint64_t cudart, integ, fn, secs; } in = {
-        (uint32_t)driver, version, (uint32_t)getpid(), (uint32_t)pthread_self(), (uint64_t)(uintptr_t)cudart,
-        (uint64_t)(uintptr_t)integ, (uint64_t)(uintptr_t)integrity_check, unix_seconds};
-    struct { uint8_t uuid[16]; int32_t domain, bus, device; } devs[64];
-#pragma pack(pop)
+    integrity_input in = {(uint32_t)driver, version, (uint32_t)getpid(), (uint32_t)pthread_self(),
+                          (uint64_t)(uintptr_t)cudart, (uint64_t)(uintptr_t)integ,
+                          (uint64_t)(uintptr_t)integrity_check, unix_seconds};
+    integrity_device devs[64];
     memset(devs, 0, sizeof devs);
     for (int d = 0; d < count && d < 64; d++) {
         r = get_uuid(devs[d].uuid, d);
-        if (!r) r = get_attr(&devs[d].domain, 50, d);
-        if (!r) r = get_attr(&devs[d].bus, 33, d);
-        if (!r) r = get_attr(&devs[d].device, 34, d);
+        if (!r) r = get_attr(&devs[d].pci_domain, 50, d);
+        if (!r) r = get_attr(&devs[d].pci_bus, 33, d);
+        if (!r) r = get_attr(&devs[d].pci_device, 34, d);
         if (r) return r;
     }
     rgpu_integrity_digest(&in, devs, (unsigned)(count < 64 ? count : 64), result);
