@@ -68,6 +68,16 @@ class Settings:
     # The web dashboard served by rgpu-poold (HTTPS when tls_cert_file/tls_key_file are set); "" off.
     dashboard_listen: str = ""
     dashboard_url: str = ""                      # what `rgpu-admin dashboard-url` links to; "" derives it
+    # MUNGE socket users' credentials are made and checked with; "" : libmunge's default.
+    munge_socket: str = ""
+    # Leases flexrun -n/-l takes for one run: renewed every third of this while the application
+    # runs, so a killed flexrun's lease is reclaimed within this long.
+    flexrun_lease_ttl_seconds: float = 60.0
+    # rgpu-dispatcher's front door: a session's HELLO must arrive this long after the connection
+    # opened; at most this many handshakes in progress, in all and per source address.
+    session_hello_deadline_seconds: float = 10.0
+    session_handshakes_max: int = 256
+    session_handshakes_per_address: int = 16
     origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def origin(self, key: str) -> str:

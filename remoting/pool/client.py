@@ -20,7 +20,7 @@ from rgpu.config import Settings, pool_addresses
 from rgpu.errors import ConfigError, RgpuError, Unavailable
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
-from rgpu.remoting.pool.auth import AUTH_HEADER, request_credential
+from rgpu.remoting.pool.auth import AUTH_HEADER, MUNGE_HEADER, request_credential
 from rgpu.remoting.pool.errors import error_from_status
 from rgpu.secret import load_secret
 
@@ -47,8 +47,11 @@ FAILOVER_ROUND_PAUSE_SECONDS = 0.2
 
 
 class PoolClient:
-    def __init__(self, address: str | Sequence[str], secret: bytes, *, timeout: float = 10.0,
-                 tls_ca_file: str | None = None, tls_server_name: str | None = None) -> None:
+    def __init__(self, address: str | Sequence[str], secret: bytes | None, *, timeout: float = 10.0,
+                 tls_ca_file: str | None = None, tls_server_name: str | None = None,
+                 munge_socket: str = "") -> None:
+        """With a secret: a daemon's or admin's client. Without one (secret None): a user's, whose
+        calls carry a MUNGE credential naming the calling process's uid."""
         self.addresses = pool_addresses(address) if isinstance(address, str) else list(address)
         if not self.addresses:
             raise ConfigError("pool", "no pool address given", "the pool setting is empty",
@@ -58,6 +61,7 @@ class PoolClient:
         self._current = 0
         self._channels: dict[int, tuple[grpc.Channel, pb_grpc.PoolStub]] = {}
         self._secret = secret
+        self._munge_socket = munge_socket
         self._use(0)
 
     @property
@@ -72,6 +76,13 @@ class PoolClient:
         self._current = number
         self._raw, self._stub = self._channels[number]
 
+    def _credential(self, method: str) -> tuple[str, str]:
+        """A fresh credential per attempt (a MUNGE credential decodes only once)."""
+        if self._secret is not None:
+            return AUTH_HEADER, request_credential(self._secret, method)
+        from rgpu import munge
+        return MUNGE_HEADER, munge.encode(munge.PAYLOAD_PREFIX + method, self._munge_socket)
+
     def close(self) -> None:
         for raw, _ in self._channels.values():
             raw.close()
@@ -85,20 +96,19 @@ class PoolClient:
     def _call(self, name: str, request: Any, timeout: float | None = None) -> Any:
         # The credential goes in each call's metadata (no interceptor: it costs the client more
         # CPU per call than the HMAC itself).
+        method = f"/rgpu.v1.Pool/{name}"
         budget = timeout or self.timeout
         if len(self.addresses) == 1:
-            credential = request_credential(self._secret, f"/rgpu.v1.Pool/{name}")
             try:
-                return getattr(self._stub, name)(request, timeout=budget, metadata=((AUTH_HEADER, credential),))
+                return getattr(self._stub, name)(request, timeout=budget, metadata=(self._credential(method),))
             except grpc.RpcError as exc:
                 raise error_from_rpc(exc, self.address) from None
         deadline = time.monotonic() + budget
         failed: list[str] = []
         while True:
-            credential = request_credential(self._secret, f"/rgpu.v1.Pool/{name}")
             try:
                 return getattr(self._stub, name)(request, timeout=max(0.001, deadline - time.monotonic()),
-                                                 metadata=((AUTH_HEADER, credential),))
+                                                 metadata=(self._credential(method),))
             except grpc.RpcError as exc:
                 if exc.code() != grpc.StatusCode.UNAVAILABLE:
                     raise error_from_rpc(exc, self.address) from None
@@ -140,6 +150,9 @@ class PoolClient:
             memory_bytes=memory_bytes, ttl_seconds=ttl_seconds, gpu_model=gpu_model, server=server,
             min_memory_bytes=min_memory_bytes))
 
+    def renew(self, job_key: str, ttl_seconds: float) -> pb.Lease:
+        return self._call("Renew", pb.RenewRequest(job_key=job_key, ttl_seconds=ttl_seconds))
+
     def release(self, job_key: str) -> bool:
         return self._call("Release", pb.ReleaseRequest(job_key=job_key)).released
 
@@ -174,10 +187,20 @@ class PoolClient:
         return self._call("Capacity", pb.CapacityRequest())
 
 
-def connect(settings: Settings, *, secret: bytes | None = None, timeout: float = 10.0) -> PoolClient:
+def connect(settings: Settings, *, secret: bytes | None = None, timeout: float = 10.0,
+            user: bool = False) -> PoolClient:
     """The pool client every component uses: address(es), secret and TLS from the settings (the
     secret is read from `secret_file` unless given). With several pool addresses a call fails over
-    to the next one that answers, within `timeout`."""
-    return PoolClient(pool_addresses(settings.pool), load_secret(settings.secret_file) if secret is None else secret,
-                      timeout=timeout, tls_ca_file=settings.tls_ca_file or None,
-                      tls_server_name=settings.tls_server_name or None)
+    to the next one that answers, within `timeout`. With user=True (user tools: flexrun,
+    request-gpus, leases...) a caller that cannot read the secret authenticates with MUNGE instead."""
+    if secret is None:
+        try:
+            secret = load_secret(settings.secret_file)
+        except ConfigError as exc:
+            # No secret here (missing, or not readable by this user): a user's tool uses MUNGE.
+            # A secret that is present but unsafe stays an error.
+            if not user or not ("does not exist" in exc.what or exc.why == "permission denied"):
+                raise
+            secret = None
+    return PoolClient(pool_addresses(settings.pool), secret, timeout=timeout, tls_ca_file=settings.tls_ca_file or None,
+                      tls_server_name=settings.tls_server_name or None, munge_socket=settings.munge_socket)

@@ -10,7 +10,7 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 from rgpu import tokens, validate
@@ -22,6 +22,8 @@ from rgpu.remoting.pool.accounting import (Interval, SliceUsageRecord, UsageTota
 from rgpu.remoting.pool.placement import GpuSlot, SliceRequest, place
 from rgpu.remoting.pool.placement_index import PlacementIndex
 from rgpu.remoting.pool.store import PoolStore
+
+MAX_SERVERS = 4096   # dispatchers one pool keeps; bounds what registrations can make it store
 
 log = logging.getLogger("rgpu-poold")
 
@@ -187,9 +189,7 @@ class PoolCore:
         return "up"
 
     def register(self, info: ServerInfo) -> None:
-        validate.server_address(info.address)
-        for gpu in info.gpus:
-            validate.gpu_uuid(gpu.uuid)
+        validate.server_info(info)
         if len({g.uuid for g in info.gpus}) != len(info.gpus):
             raise InvalidRequest("pool", f"server {info.address} reports a GPU UUID twice", "",
                                  "check the dispatcher's inventory")
@@ -204,17 +204,24 @@ class PoolCore:
                         f"{other.info.address} already serves it",
                         "give the dispatchers disjoint GPU sets (RGPU_VISIBLE_DEVICES)")
             previous = self.servers.get(info.address)
+            if previous is None and len(self.servers) >= MAX_SERVERS:
+                raise InvalidRequest("pool", f"cannot register server {info.address}",
+                                     f"the pool already has {MAX_SERVERS} servers",
+                                     "remove gone ones with `rgpu-admin remove-server`")
+            held = {s.gpu_uuid for key in self._leases_on.get(info.address, ()) for s in self.leases[key].slices
+                    if s.server == info.address}
+            missing = held - {g.uuid for g in info.gpus}
+            if missing:
+                # A registration must not take back GPU shares that leases hold (their jobs run there).
+                raise InvalidRequest("pool", f"server {info.address} re-registers without GPU(s) "
+                                     f"{', '.join(sorted(missing)[:4])} that live leases hold",
+                                     "dropping them would strand those jobs",
+                                     "release those leases first (rgpu-admin leases), then restart the dispatcher")
             was_up = previous is not None and self.state_of(previous, now) == "up"
             self.store.upsert_server(info, now)
             drained = previous.drained if previous else False
             self.servers[info.address] = ServerEntry(info, drained, now)
             self._refresh(info.address)
-            held = {s.gpu_uuid for key in self._leases_on.get(info.address, ()) for s in self.leases[key].slices
-                    if s.server == info.address}
-            missing = held - {g.uuid for g in info.gpus}
-            if missing:
-                log.warning("rgpu-poold: server %s re-registered without GPUs %s that leases hold",
-                            info.address, ", ".join(sorted(missing)))
         log.info("rgpu-poold: server %s registered with %d GPU(s)%s", info.address, len(info.gpus),
                  " (static inventory)" if info.static_inventory else "")
         if not was_up:
@@ -387,8 +394,7 @@ class PoolCore:
             validate.fraction(req.fraction)
         if req.memory_bytes is not None and not 0 < req.memory_bytes <= 2**60:
             raise InvalidRequest("pool", f"invalid memory size {req.memory_bytes}", "", "give a size above 0")
-        if req.ttl_seconds < 0 or req.ttl_seconds > 366 * 86400:
-            raise InvalidRequest("pool", f"invalid TTL {req.ttl_seconds}", "0 (none) up to a year", "")
+        _check_ttl(req.ttl_seconds, allow_zero=True)
 
     def _check_quotas(self, req: AllocationRequest, units: int) -> None:
         for kind, name in (("user", req.user), ("account", req.account)):
@@ -438,6 +444,30 @@ class PoolCore:
         log.info("rgpu-poold: lease %s for %s: %s", lease.job_key, lease.user,
                  ", ".join(f"{s.server}/{s.gpu_index}@{s.compute_percent}%" for s in lease.slices))
         return lease
+
+    def renew(self, job_key: str, ttl_seconds: float) -> LeaseRecord:
+        """Extend a TTL lease to now + ttl_seconds. Never creates one: a lease that expired (and so
+        may already be reclaimed, its GPU share given to another job) stays gone."""
+        _check_ttl(ttl_seconds, allow_zero=False)
+        with self._lock:
+            now = self.clock()
+            lease = self.leases.get(job_key)
+            if lease is not None and lease.expired(now):
+                self._drop(lease, "expired")
+                lease = None
+            if lease is None:
+                raise NotFound("pool", f"no lease {job_key[:80]!r} to renew",
+                               "it was released, or reclaimed because it was not renewed within its TTL",
+                               "request new slices")
+            if not lease.expires_unix:
+                raise InvalidRequest("pool", f"lease {job_key[:80]} has no TTL to renew", "it never expires",
+                                     "only leases made with a TTL are renewed")
+            renewed = replace(lease, expires_unix=now + ttl_seconds)
+            self.store.set_lease_expiry(job_key, renewed.expires_unix)
+            self.leases[job_key] = renewed
+            for number in range(len(lease.slices)):
+                self._tokens.pop((job_key, number), None)
+        return renewed
 
     def _drop(self, lease: LeaseRecord, how: str) -> None:
         busy = sum(u.busy_seconds for u in self._usages(lease) if u is not None)
@@ -549,7 +579,10 @@ class PoolCore:
         token = tokens.sign(self.secret, tokens.SliceClaims(
             job_key=lease.job_key, slice_number=number, server=s.server, gpu_uuid=s.gpu_uuid,
             gpu_index=s.gpu_index, memory_limit_bytes=s.memory_limit_bytes, compute_percent=s.compute_percent,
-            expires_unix=lease.expires_unix, issued_unix=lease.created_unix))
+            # No expiry of its own: a TTL lease may be renewed while its application (holding this
+            # token) runs; when it ends the pool reclaims it and dispatchers drop its token at their
+            # next heartbeat (live-lease list; a dispatcher with no list takes no tokens).
+            expires_unix=0.0, issued_unix=lease.created_unix))
         if self.leases.get(lease.job_key) is lease:
             self._tokens[(lease.job_key, number)] = token
         return token
@@ -622,3 +655,11 @@ class PoolCore:
             return [(QuotaRecord(kind, name, limit), self._used_units.get((kind, name), 0))
                     for (kind, name), limit in sorted(self.quotas.items())]
 
+
+def _check_ttl(ttl_seconds: float, *, allow_zero: bool) -> None:
+    """A TTL in seconds: finite (NaN compares false with everything, so it is named here), above
+    0 (or 0 for none where allowed), at most a year."""
+    if not (ttl_seconds == ttl_seconds and (0 if allow_zero else 1e-3) <= ttl_seconds <= 366 * 86400):
+        raise InvalidRequest("pool", f"invalid TTL {str(ttl_seconds)[:20]}",
+                             ("0 (none) or " if allow_zero else "") + "a number of seconds up to a year",
+                             "give a TTL such as 300 (seconds)")

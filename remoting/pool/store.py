@@ -18,10 +18,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Protocol
 
-from rgpu.errors import ConfigError
+from rgpu.errors import ConfigError, Unavailable
 from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
 
 SCHEMA_VERSION = 1
+
+
+class StoreError(Unavailable):
+    """The state database refused a change (full disk, read-only file): retry later."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS servers (
@@ -74,6 +78,12 @@ class Store:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             fresh = not self.path.exists()
+            if not fresh and self.path.is_file() and self.path.stat().st_size == 0:
+                # SQLite would take it as a new database: a truncated state file must not become
+                # an empty pool that hands out GPU shares its leases still hold.
+                raise ConfigError("store", f"state database {self.path} is empty (0 bytes)",
+                                  "a truncated or damaged file, or one made by hand",
+                                  "restore it from a backup, or remove it to start an empty pool")
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             if fresh:
                 os.chmod(self.path, 0o600)
@@ -85,8 +95,9 @@ class Store:
                 raise ConfigError("store", f"{self.path} has schema version {version}",
                                   f"this rgpu-poold understands up to {SCHEMA_VERSION}",
                                   "upgrade rgpu-poold, or point --state at another file")
-            self._db.executescript(_SCHEMA)
-            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            if version < SCHEMA_VERSION or fresh:   # no write when up to date: a full disk still starts
+                self._db.executescript(_SCHEMA)
+                self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.DatabaseError as exc:
             raise ConfigError("store", f"cannot open state database {self.path}", str(exc),
                               "check the path and permissions, or move a damaged file aside") from None
@@ -128,7 +139,11 @@ class Store:
     # -- changes (each one committed before it returns) -------------------------------------
     def _write(self, sql: str, params: tuple[object, ...]) -> None:
         with self._lock:
-            self._db.execute(sql, params)
+            try:
+                self._db.execute(sql, params)
+            except sqlite3.Error as exc:   # a full disk, a read-only or vanished file: the change is not made
+                raise StoreError("store", f"cannot save the pool's state in {self.path}", str(exc),
+                                 "free space on its disk or fix the file's permissions; nothing was changed") from None
 
     def upsert_server(self, server: ServerInfo, registered: float) -> None:
         self._write(
@@ -147,6 +162,9 @@ class Store:
             "INSERT INTO leases(job_key, user, account, created, expires, slices_json) VALUES (?, ?, ?, ?, ?, ?)",
             (lease.job_key, lease.user, lease.account, lease.created_unix, lease.expires_unix,
              json.dumps([vars(s) for s in lease.slices])))
+
+    def set_lease_expiry(self, job_key: str, expires: float) -> None:
+        self._write("UPDATE leases SET expires=? WHERE job_key=?", (expires, job_key))
 
     def delete_lease(self, job_key: str) -> None:
         self._write("DELETE FROM leases WHERE job_key=?", (job_key,))
