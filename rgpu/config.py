@@ -25,12 +25,15 @@ DEFAULT_DISPATCHER_PORT = 55001
 
 @dataclass(frozen=True)
 class Settings:
-    # Where clients (dispatchers, prologs, rgpu-admin, flexrun) find the pool.
+    # Where clients (dispatchers, prologs, rgpu-admin, flexrun) find the pool: HOST:PORT, or several
+    # (a TOML list, or comma-separated) for pools sharing one PostgreSQL store: tried in turn.
     pool: str = f"localhost:{DEFAULT_POOL_PORT}"
     # The pool daemon's own listening address.
     listen: str = f"0.0.0.0:{DEFAULT_POOL_PORT}"
     # SQLite file holding leases, quotas and servers.
     state: str = "/var/lib/rgpu/pool.db"
+    # PostgreSQL instead (postgresql://USER@HOST:PORT/DB): several pool daemons share it; "" : SQLite.
+    store_url: str = ""
     secret_file: str = "/etc/rgpu/secret"
     placement: str = "binpack"                  # or "spread"
     heartbeat_interval_seconds: float = 5.0     # told to dispatchers at registration
@@ -65,6 +68,16 @@ class Settings:
     # The web dashboard served by rgpu-poold (HTTPS when tls_cert_file/tls_key_file are set); "" off.
     dashboard_listen: str = ""
     dashboard_url: str = ""                      # what `rgpu-admin dashboard-url` links to; "" derives it
+    # MUNGE socket users' credentials are made and checked with; "" : libmunge's default.
+    munge_socket: str = ""
+    # Leases flexrun -n/-l takes for one run: renewed every third of this while the application
+    # runs, so a killed flexrun's lease is reclaimed within this long.
+    flexrun_lease_ttl_seconds: float = 60.0
+    # rgpu-dispatcher's front door: a session's HELLO must arrive this long after the connection
+    # opened; at most this many handshakes in progress, in all and per source address.
+    session_hello_deadline_seconds: float = 10.0
+    session_handshakes_max: int = 256
+    session_handshakes_per_address: int = 16
     origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def origin(self, key: str) -> str:
@@ -79,8 +92,15 @@ def env_name(key: str) -> str:
     return "RGPU_" + key.upper()
 
 
+def pool_addresses(pool: str) -> list[str]:
+    """The pool addresses of a `pool` setting, in the order clients try them."""
+    return [part.strip() for part in pool.split(",") if part.strip()]
+
+
 def _coerce(key: str, value: Any, source: str) -> Any:
     want = KEYS[key]
+    if key == "pool" and isinstance(value, list) and value and all(isinstance(v, str) for v in value):
+        return ",".join(value)   # pool = ["a:50001", "b:50001"]
     try:
         if want is bool:
             if isinstance(value, bool):
@@ -156,6 +176,10 @@ def load_settings(config_file: str | os.PathLike[str] | None = None,
     if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
         raise ConfigError("config", "tls_cert_file and tls_key_file must be set together", "",
                           "set both to serve TLS, or neither")
+    if settings.idle_release and settings.store_url:
+        raise ConfigError("config", "idle_release cannot be used with store_url yet",
+                          "usage reports stay in the pool daemon that received them, so another daemon would "
+                          "see busy leases as idle", "turn idle_release off, or use the SQLite store")
     if settings.idle_after_seconds < 0:
         raise ConfigError("config", "idle_after_seconds must not be negative", "",
                           "set 0 (off) or a positive number of seconds")

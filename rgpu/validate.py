@@ -9,9 +9,13 @@ from __future__ import annotations
 import ipaddress
 import math
 import re
+from typing import TYPE_CHECKING
 
 from rgpu.errors import InvalidRequest
 from rgpu.netaddr import split_host_port
+
+if TYPE_CHECKING:
+    from rgpu.model import ServerInfo
 
 JOB_KEY_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:+@-]{0,127}$")
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.@-]{0,63}$")   # user and account names
@@ -98,3 +102,43 @@ def non_negative_int(field: str, value: int, upper: int = 2**63 - 1) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= upper:
         raise _bad(field, value, f"a whole number from 0 to {upper}")
     return value
+
+
+# What one registration may claim. A dispatcher serves the GPUs of one node: 64 is more than any
+# node holds, and bounds what a compromised or buggy dispatcher can make the pool store and list.
+MAX_GPUS_PER_SERVER = 64
+MAX_GPU_MEMORY_BYTES = 2**50          # 1 PiB per GPU
+_TEXT_RE = re.compile(r"^[\x20-\x7e]*$")   # printable ASCII: nothing that ends a line or a table cell
+_CAPABILITY_RE = re.compile(r"^(?:\d{1,2}\.\d{1,2})?$")
+
+
+def text(field: str, value: str, longest: int) -> str:
+    """Free text a dispatcher reports (GPU name, versions): printable ASCII, bounded."""
+    if not isinstance(value, str) or len(value) > longest or not _TEXT_RE.match(value):
+        raise _bad(field, value, f"up to {longest} printable characters, no control characters or newlines")
+    return value
+
+
+def server_info(info: ServerInfo) -> ServerInfo:
+    """Everything a registration claims, checked before the pool stores any of it."""
+    server_address(info.address)
+    if info.hostname:
+        host(info.hostname)
+    for field, value in (("driver version", info.driver_version), ("CUDA version", info.cuda_version),
+                         ("rgpu version", info.version), ("data ports", info.data_ports),
+                         ("compute enforcement", info.compute_enforcement)):
+        text(field, value, 64)
+    text("launch path", info.launch_path, 256)
+    if len(info.gpus) > MAX_GPUS_PER_SERVER:
+        raise InvalidRequest("pool", f"server {info.address} registers {len(info.gpus)} GPUs",
+                             f"a server may register at most {MAX_GPUS_PER_SERVER}",
+                             "check the dispatcher's inventory (RGPU_VISIBLE_DEVICES, --inventory)")
+    for gpu in info.gpus:
+        gpu_uuid(gpu.uuid)
+        text("GPU name", gpu.name, 96)
+        if not _CAPABILITY_RE.match(gpu.compute_capability or ""):
+            raise _bad("compute capability", gpu.compute_capability, "MAJOR.MINOR such as 9.0")
+        non_negative_int("GPU index", gpu.index, MAX_GPUS_PER_SERVER * 16)
+        non_negative_int("GPU memory", gpu.total_memory_bytes, MAX_GPU_MEMORY_BYTES)
+        non_negative_int("GPU usable memory", gpu.usable_memory_bytes, gpu.total_memory_bytes)
+    return info

@@ -14,7 +14,7 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
-from rgpu.config import Settings
+from rgpu.config import Settings, pool_addresses
 from rgpu.errors import AuthError
 from rgpu.netaddr import join_host_port, split_host_port
 from rgpu.secret import derive_key
@@ -71,7 +71,7 @@ def dashboard_base_url(settings: Settings, port: int | None = None) -> str:
     if settings.dashboard_url:
         return settings.dashboard_url.rstrip("/")
     scheme = "https" if settings.tls_cert_file or settings.tls_ca_file else "http"
-    pool_host = split_host_port(settings.pool, what="pool")[0]
+    pool_host = split_host_port((pool_addresses(settings.pool) or [""])[0], what="pool")[0]
     listen_host, listen_port = split_host_port(settings.dashboard_listen, what="dashboard_listen",
                                                allow_empty_host=True, allow_port_zero=True)
     host = listen_host if listen_host not in ("", "0.0.0.0", "::") else pool_host

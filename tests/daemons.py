@@ -50,11 +50,19 @@ class Daemon:
     log_path: Path
     env: dict[str, str]
     proc: subprocess.Popen[bytes] | None = None
+    nofile: int | None = None     # RLIMIT_NOFILE for the daemon (front-door tests)
 
     def start(self) -> "Daemon":
         log = open(self.log_path, "ab")
+        preexec = None
+        if self.nofile is not None:
+            import resource
+            limit = self.nofile
+
+            def preexec() -> None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
         self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True)
+                                     start_new_session=True, preexec_fn=preexec)
         log.close()
         return self
 
@@ -146,7 +154,7 @@ class RgpuCluster:
         return daemon
 
     def start_dispatcher(self, inventory: Path | str, port: int | None = None, *extra_args: str,
-                         env: dict[str, str] | None = None) -> tuple[Daemon, int]:
+                         env: dict[str, str] | None = None, nofile: int | None = None) -> tuple[Daemon, int]:
         """Start rgpu-dispatcher on `port` (default: one it picks) once it serves; return it and its port."""
         self._dispatchers_started += 1
         n = self._dispatchers_started
@@ -156,7 +164,7 @@ class RgpuCluster:
                         [sys.executable, "-m", "rgpu.remoting.dispatcher.daemon", "-p", str(port or 0), "--host", "127.0.0.1",
                          "--advertise", "127.0.0.1", "--pool", self.pool_address, "--inventory", str(inventory),
                          "--port-file", str(port_file), *extra_args],
-                        self.root / f"dispatcher-{n}.log", env or self.env()).start()
+                        self.root / f"dispatcher-{n}.log", env or self.env(), nofile=nofile).start()
         self.daemons.append(daemon)
         return daemon, wait_for_port_file(port_file, daemon)
 

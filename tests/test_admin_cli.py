@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import subprocess
+import time
 import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -79,6 +80,23 @@ def test_ttl_and_memory_requests(cluster: RgpuCluster, tmp_path: Path) -> None:
     assert read_adaptor_conf(tmp_path / "a.conf").slices[0].compute_percent == 25
     with cluster.client() as client:
         wait_for(lambda: client.list_leases() == [], timeout=10, what="the TTL lease to be reclaimed")
+
+
+def test_a_ttl_lease_is_kept_by_renewing_it(cluster: RgpuCluster, tmp_path: Path) -> None:
+    with cluster.client() as client:
+        register(client, servers=1, gpus=1)
+    conf = tmp_path / "a.conf"
+    out = admin(cluster, "request-gpus", "-n", "1", "-p", "0.5", "--ttl", "2s", "-o", str(conf)).stdout
+    assert f"rgpu-admin renew-gpus -f {conf} --ttl 2s" in out
+    for _ in range(4):                                   # 4 s: twice its TTL, kept by renewing
+        time.sleep(1)
+        assert "renewed" in admin(cluster, "renew-gpus", "-f", str(conf), "--ttl", "2s").stdout
+    with cluster.client() as client:
+        assert len(client.list_leases()) == 1
+        wait_for(lambda: client.list_leases() == [], timeout=10, what="the lease, no longer renewed, to be reclaimed")
+    done = admin(cluster, "renew-gpus", "-f", str(conf), "--ttl", "2s", ok=False)
+    assert done.returncode != 0 and done.stderr.strip().startswith("rgpu: pool: no lease") and \
+        len(done.stderr.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("args, code, message", [

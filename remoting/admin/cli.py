@@ -10,6 +10,7 @@ import getpass
 import json
 import secrets
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -36,7 +37,7 @@ class Context:
     def client(self):  # type: ignore[no-untyped-def]
         from rgpu.remoting.pool.client import connect
 
-        return connect(self.settings)
+        return connect(self.settings, user=True)   # without the secret: a user, by MUNGE
 
 
 def _emit(ctx: Context, rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]],
@@ -176,6 +177,8 @@ def request_gpus(ctx: Context, count: int, fraction: float | None, memory: str |
         click.echo(f"  {s.server} GPU {s.gpu_index} ({s.gpu_name}): {format_bytes(s.memory_limit_bytes)}, "
                    f"{s.compute_percent}% compute")
     click.echo(f"release with: rgpu-admin release-gpus -f {path}")
+    if ttl:
+        click.echo(f"it expires in {ttl}; keep it with: rgpu-admin renew-gpus -f {path} --ttl {ttl}")
 
 
 def slurm_job_keys(keys: list[str], job_id: str, cluster: str) -> list[str]:
@@ -224,6 +227,23 @@ def release_gpus(ctx: Context, conf_file: str | None, job_keys: tuple[str, ...],
         for key in keys:
             released = client.release(key)
             click.echo(f"released {key}" if released else f"{key} was already released")
+
+
+@main.command("renew-gpus")
+@click.option("-f", "--file", "conf_file", type=click.Path(dir_okay=False),
+              help="adaptor.conf written by request-gpus.")
+@click.option("--job-key", default=None, metavar="KEY", help="Renew this lease by its key.")
+@click.option("--ttl", required=True, help="New time to live from now, e.g. 2h.")
+@click.pass_obj
+def renew_gpus(ctx: Context, conf_file: str | None, job_key: str | None, ttl: str) -> None:
+    """Extend a lease made with --ttl (run it from a loop or cron while you use the slices)."""
+    if (conf_file is None) == (job_key is None):
+        raise InvalidRequest("admin", "give one of -f FILE or --job-key KEY", "", "e.g. rgpu-admin renew-gpus -f a.conf --ttl 1h")
+    key = read_adaptor_conf(conf_file).job_id if conf_file is not None else str(job_key)
+    seconds = parse_duration(ttl, "ttl")
+    with ctx.client() as client:
+        lease = client.renew(key, seconds)
+    click.echo(f"renewed {key} for {ttl} (until {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(lease.expires_unix))})")
 
 
 def _set_state(ctx: Context, server: str, drained: bool) -> None:

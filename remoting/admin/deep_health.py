@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 
-from rgpu.config import Settings
+from rgpu.config import Settings, pool_addresses
 from rgpu.errors import RgpuError
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.remoting.admin.deepcheck import FAIL, OK, Finding, HostPlan, build_script, check_skew, clock_offset, evaluate
@@ -48,7 +48,8 @@ def plan_hosts(settings: Settings, servers: Sequence[pb.Server], client_nodes: I
         jobs[key] = replace(job, plan=plan, enforcement=job.enforcement or (server.compute_enforcement if server else ""),
                             static_inventory=static)
 
-    add(host_of(settings.pool), settings.ssh_port, "pool", (os.path.dirname(settings.state) or ".",))
+    for pool in pool_addresses(settings.pool):
+        add(host_of(pool), settings.ssh_port, "pool", (os.path.dirname(settings.state) or ".",))
     for s in servers:
         add(host_of(s.address), settings.ssh_port, "dispatcher", DISPATCHER_DIRS, s)
     for node in client_nodes:

@@ -40,6 +40,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,34 +121,64 @@ class SliceSize:
 
 
 class Lease:
-    """Slices requested from the pool for this run only; released when the run ends."""
+    """Slices requested from the pool for this run only, with a TTL (flexrun_lease_ttl_seconds)
+    renewed from a thread while the run goes on; released when it ends. A flexrun killed with
+    SIGKILL stops renewing, and the pool reclaims its lease within one TTL."""
 
     def __init__(self, count: int, size: SliceSize, servers: list[str]) -> None:
         from rgpu.config import load_settings
         from rgpu.remoting.pool.client import connect
 
-        self.client = connect(load_settings())
+        settings = load_settings()
+        self.ttl = settings.flexrun_lease_ttl_seconds
+        if not (self.ttl == self.ttl and 1.0 <= self.ttl <= 366 * 86400):
+            raise ConfigError("flexrun", f"flexrun_lease_ttl_seconds = {self.ttl!r} from "
+                              f"{settings.origin('flexrun_lease_ttl_seconds')} is out of range",
+                              "it must be 1 second to a year", "set it to e.g. 60")
+        self.client = connect(settings, user=True)
         self.user = getpass.getuser()
         base = f"flexrun-{socket.gethostname().split('.')[0]}-{os.getpid()}-{pysecrets.token_hex(3)}"
         self.keys: list[str] = []
         self.slices: list[Slice] = []
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
         try:
             requests = [(f"{base}-{i}", 1, s) for i, s in enumerate(servers)] if servers else [(base, count, "")]
             for key, n, server in requests:
                 lease = self.client.allocate(key, self.user, n, fraction=size.fraction,
-                                             memory_bytes=size.memory_bytes, server=server)
+                                             memory_bytes=size.memory_bytes, server=server, ttl_seconds=self.ttl)
                 self.keys.append(key)
                 self.slices += [Slice(s.server, s.token) for s in lease.slices]
         except BaseException:
             self.release()
             raise
+        self._renewer = threading.Thread(target=self._renew_loop, name="rgpu-flexrun-renew", daemon=True)
+        self._renewer.start()
+
+    def _renew_loop(self) -> None:
+        from rgpu.errors import NotFound
+        warned = False
+        while not self._stop.wait(self.ttl / 3):
+            for key in list(self.keys):
+                try:
+                    self.client.renew(key, self.ttl)
+                except NotFound as exc:
+                    print(f"{exc} [lease {key}; the application's GPU sessions end]", file=sys.stderr)
+                    self.keys.remove(key)
+                except RgpuError as exc:
+                    if not warned:   # the pool may be restarting: keep trying until the TTL runs out
+                        print(f"{exc} (renewing lease {key}; retrying)", file=sys.stderr)
+                        warned = True
 
     def release(self) -> None:
+        self._stop.set()
+        if self._renewer is not None and self._renewer is not threading.current_thread():
+            self._renewer.join(timeout=15)
         for key in self.keys:
             try:
                 self.client.release(key)
             except RgpuError as exc:
-                print(f"{exc} (lease {key} will be reclaimed when it expires)", file=sys.stderr)
+                print(f"{exc} (lease {key} will be reclaimed within {self.ttl:g} s, its TTL)", file=sys.stderr)
         self.keys = []
         self.client.close()
 

@@ -103,6 +103,8 @@ def _lp(data: bytes) -> bytes:
 
 
 def _take_lp(buf: bytes, off: int) -> tuple[bytes, int]:
+    if off + 4 > len(buf):
+        raise ValueError("truncated field")
     (n,) = struct.unpack_from("<I", buf, off)
     off += 4
     if off + n > len(buf):
@@ -126,6 +128,8 @@ def decode_hello_version(payload: bytes) -> int:
 
 def decode_hello(payload: bytes) -> Hello:
     version = decode_hello_version(payload)
+    if len(payload) < 12:
+        raise ValueError(f"HELLO of {len(payload)} bytes is too short")
     (flags,) = struct.unpack_from("<I", payload, 8)
     token, off = _take_lp(payload, 12)
     info_raw, off = _take_lp(payload, off)

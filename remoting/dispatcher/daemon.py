@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import click
 
 from rgpu import __version__, validate
-from rgpu.config import DEFAULT_DISPATCHER_PORT, Settings, load_settings
+from rgpu.config import DEFAULT_DISPATCHER_PORT, Settings, load_settings, pool_addresses
 from rgpu.errors import ConfigError, InvalidRequest, RgpuError
 from rgpu.live_leases import LiveLeases
 from rgpu.netaddr import join_host_port
@@ -135,12 +135,21 @@ class DataPath(Protocol):
 
 
 def start_data_path(sock: socket.socket, address: str, gpus: tuple[GpuInfo, ...], secret: bytes,
-                    port_range: tuple[int, int], backend: str) -> DataPath:
+                    port_range: tuple[int, int], backend: str, settings: Settings | None = None) -> DataPath:
     # Imported here: the CUDA/NVML data path is not needed to parse flags or report config errors.
-    from rgpu.remoting.dispatcher.sessions import SessionServer
+    from rgpu.remoting.dispatcher.sessions import FrontDoor, SessionServer
 
+    settings = settings or Settings()
+    door = FrontDoor(hello_deadline_s=settings.session_hello_deadline_seconds,
+                     max_handshakes=settings.session_handshakes_max,
+                     per_address=settings.session_handshakes_per_address)
+    for key in ("session_hello_deadline_seconds", "session_handshakes_max", "session_handshakes_per_address"):
+        value = getattr(settings, key)
+        if not value > 0 or value != value or value == float("inf"):
+            raise ConfigError(COMPONENT, f"{key} = {value!r} from {settings.origin(key)} is not a positive number",
+                              "it limits handshakes on the session port", f"set {key} to a number above 0")
     data_path: DataPath = SessionServer(listen_socket=sock, advertised=address, gpus=list(gpus), secret=secret,
-                                        port_range=port_range, backend=backend, log=log)
+                                        port_range=port_range, backend=backend, log=log, front_door=door)
     data_path.start()
     return data_path
 
@@ -172,7 +181,7 @@ def configure_logging(level: str = "info") -> None:
 
 def _checked_pool(settings: Settings) -> str:
     try:
-        return validate.server_address(settings.pool)
+        return ",".join(validate.server_address(address) for address in pool_addresses(settings.pool) or [""])
     except InvalidRequest:
         raise ConfigError(COMPONENT, f"pool address {settings.pool!r} from {settings.origin('pool')} is not HOST:PORT",
                           "", "pass --pool HOST:PORT or set RGPU_POOL") from None
@@ -256,7 +265,7 @@ def run(options: Options, env: dict[str, str] | None = None) -> int:
     try:
         _log_startup(source, inventory, node, gpus, join_host_port(options.host or "0.0.0.0", port), address, pool,
                      data_ports)
-        data_path = start_data_path(sock, address, gpus, secret, data_ports, source.backend)
+        data_path = start_data_path(sock, address, gpus, secret, data_ports, source.backend, settings)
         try:
             status = data_path.status()
             enforcement = str(status.get("compute_enforcement", ""))

@@ -22,13 +22,16 @@ import hashlib
 import json
 import logging
 import os
+import resource
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -79,6 +82,46 @@ def worker_environment(base: os._Environ[str] | dict[str, str]) -> dict[str, str
     return env
 
 
+@dataclass(frozen=True)
+class FrontDoor:
+    """Limits on connections that have not yet sent their HELLO (config keys session_*)."""
+    hello_deadline_s: float = 10.0     # counted from the accept, never reset by a byte
+    max_handshakes: int = 256          # in progress at once, all sources
+    per_address: int = 16              # in progress at once from one source address
+    evict_after_s: float = 1.0         # when full, a handshake older than this gives way to a new one
+
+    def capped_by_open_files(self) -> int:
+        """max_handshakes, lowered so that handshakes can never use up the process's file
+        descriptors (accept() would then fail for everyone, the legitimate client included)."""
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft == resource.RLIM_INFINITY:
+            return self.max_handshakes
+        return max(4, min(self.max_handshakes, (soft - 64) // 2))
+
+
+@dataclass
+class _Pending:
+    conn: socket.socket
+    host: str
+    accepted: float
+    evicted: bool = False
+
+
+def client_description(peer: str, info: dict) -> dict:
+    """What worker logs say about the client: the address the connection came from (never one the
+    client claims) and the few facts rgpu's client library sends (pid, host, uid), bounded and
+    printable, so a client cannot forge log lines or another address."""
+    out: dict = {}
+    for key in ("pid", "uid"):
+        if isinstance(info.get(key), int) and not isinstance(info.get(key), bool) and 0 <= info[key] < 2**32:
+            out[key] = info[key]
+    host = info.get("host")
+    if isinstance(host, str):
+        out["host"] = "".join(c if c.isprintable() else "?" for c in host[:64])
+    out["address"] = peer
+    return out
+
+
 RUNTIME_PREFIX = "rgpu-sessions-"
 OWNER_FILE = "owner.pid"
 
@@ -104,7 +147,8 @@ def sweep_dead_runtime_dirs(tmp: Path, log: logging.Logger) -> list[Path]:
 
 class SessionServer:
     def __init__(self, *, listen_socket: socket.socket, advertised: str, gpus: list[GpuInfo], secret: bytes,
-                 port_range: tuple[int, int], backend: str, log: logging.Logger) -> None:
+                 port_range: tuple[int, int], backend: str, log: logging.Logger,
+                 front_door: FrontDoor | None = None) -> None:
         if backend not in ("cuda", "emulated"):
             raise ValueError(f"unknown backend {backend!r} (cuda or emulated)")
         self.listen_socket = listen_socket
@@ -114,6 +158,13 @@ class SessionServer:
         self.port_range = port_range
         self.backend = backend
         self.log = log
+        self.front_door = front_door or FrontDoor()
+        self.max_handshakes = self.front_door.capped_by_open_files()
+        self._pending: dict[int, _Pending] = {}     # id(conn) -> handshake in progress, oldest first
+        self._per_host: dict[str, int] = {}
+        self._door_lock = threading.Lock()
+        self._spawner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rgpu-sessions-spawn")
+        self._dropped = {"per_address": 0, "evicted": 0, "full": 0, "deadline": 0}
         sweep_dead_runtime_dirs(Path(tempfile.gettempdir()), log)
         self.runtime_dir = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX))
         os.chmod(self.runtime_dir, 0o700)
@@ -200,6 +251,7 @@ class SessionServer:
             except subprocess.TimeoutExpired:
                 rec.popen.kill()
                 rec.popen.wait()
+        self._spawner.shutdown(wait=False)
         self.mps.stop()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
@@ -220,6 +272,9 @@ class SessionServer:
             "recently_ended": ended,
             "accepted": self._accepted,
             "refused": self._refused,
+            "front_door": {"hello_deadline_seconds": self.front_door.hello_deadline_s,
+                           "max_handshakes": self.max_handshakes, "per_address": self.front_door.per_address,
+                           "in_progress": len(self._pending), "dropped": dict(self._dropped)},
         }
 
     # ------------------------------------------------------------------ accepting
@@ -236,8 +291,96 @@ class SessionServer:
                 self.log.warning("accept failed: %s", exc)
                 time.sleep(0.2)
                 continue
-            t = threading.Thread(target=self._handshake, args=(conn, addr), name="rgpu-session-hello", daemon=True)
+            pending = self._admit(conn, addr)
+            if pending is None:
+                continue
+            t = threading.Thread(target=self._handshake, args=(pending, addr), name="rgpu-session-hello",
+                                 daemon=True)
             t.start()
+
+    def _admit(self, conn: socket.socket, addr: tuple) -> _Pending | None:
+        """Take a new connection into the handshakes in progress, or drop it. One source address
+        holds at most per_address of them; when all max_handshakes are taken, one gives way as
+        _victim_locked says (a client that means it sends HELLO at once, so only connections that
+        trickle or idle are ever old). Nothing here blocks the accept loop."""
+        host = str(addr[0]) if isinstance(addr, tuple) and addr else str(addr)
+        now = time.monotonic()
+        victim: _Pending | None = None
+        admitted: _Pending | None = None
+        with self._door_lock:
+            if self._per_host.get(host, 0) >= self.front_door.per_address:
+                self._dropped["per_address"] += 1
+            else:
+                if len(self._pending) >= self.max_handshakes:
+                    victim = self._victim_locked(host, now)
+                    if victim is not None:
+                        victim.evicted = True
+                        self._forget_locked(victim)
+                        self._dropped["evicted"] += 1
+                if len(self._pending) < self.max_handshakes:
+                    admitted = _Pending(conn, host, now)
+                    self._pending[id(conn)] = admitted
+                    self._per_host[host] = self._per_host.get(host, 0) + 1
+                else:
+                    self._dropped["full"] += 1
+        if victim is not None:
+            try:
+                victim.conn.shutdown(socket.SHUT_RDWR)   # wakes its thread, which closes it
+            except OSError:
+                pass
+        if admitted is None:
+            self._refused += 1
+            self.log.debug("connection from %s dropped: too many handshakes in progress", host)
+            conn.close()
+        return admitted
+
+    def _victim_locked(self, host: str, now: float) -> _Pending | None:
+        """Whom a new connection from `host` replaces when every slot is taken: first the oldest
+        of the source holding the most slots, if that is more than the newcomer's source would
+        hold with it (so an attacker's many connections give way to another address's first);
+        else the oldest handshake, if it has waited evict_after_s; else nobody (the newcomer
+        is dropped)."""
+        busiest = max(self._per_host, key=self._per_host.__getitem__)
+        if self._per_host.get(host, 0) + 1 < self._per_host[busiest]:
+            return next(p for p in self._pending.values() if p.host == busiest)
+        oldest = next(iter(self._pending.values()))
+        return oldest if now - oldest.accepted >= self.front_door.evict_after_s else None
+
+    def _forget_locked(self, pending: _Pending) -> None:
+        if self._pending.pop(id(pending.conn), None) is None:
+            return
+        left = self._per_host.get(pending.host, 1) - 1
+        if left > 0:
+            self._per_host[pending.host] = left
+        else:
+            self._per_host.pop(pending.host, None)
+
+    def _read_hello(self, pending: _Pending) -> tuple[int, bytes]:
+        """The HELLO frame, read by a deadline counted from the accept: a peer sending a byte
+        at a time gains nothing. Raises TimeoutError, ConnectionError or ValueError."""
+        deadline = pending.accepted + self.front_door.hello_deadline_s
+        conn = pending.conn
+
+        def exact(n: int) -> bytes:
+            buf = bytearray()
+            while len(buf) < n:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                conn.settimeout(left)
+                chunk = conn.recv(n - len(buf))
+                if not chunk:
+                    raise ConnectionError("connection closed by peer")
+                buf += chunk
+            return bytes(buf)
+
+        try:
+            length, op, _flags, _seq, _aux, _ctx = protocol.HEADER.unpack(exact(protocol.HEADER_SIZE))
+        except struct.error as exc:   # cannot happen with exact(); kept so no struct.error escapes
+            raise ValueError(str(exc)) from None
+        if length > 64 << 10:
+            raise ValueError(f"a HELLO of {length} bytes is larger than allowed (65536)")
+        return op, exact(length) if length else b""
 
     def _refuse(self, conn: socket.socket, peer: str, message: str) -> None:
         self._refused += 1
@@ -248,35 +391,70 @@ class SessionServer:
             pass
         conn.close()
 
-    def _handshake(self, conn: socket.socket, addr: tuple) -> None:
+    def _handshake(self, pending: _Pending, addr: tuple) -> None:
+        conn = pending.conn
         peer = f"{addr[0]}:{addr[1]}" if isinstance(addr, tuple) and len(addr) >= 2 else str(addr)
         try:
-            conn.settimeout(protocol.HELLO_TIMEOUT_S)
-            (_, op, _, _, _, _), payload = protocol.recv_frame(conn, 64 << 10)
+            op, payload = self._read_hello(pending)
+        except TimeoutError:
+            with self._door_lock:
+                self._dropped["deadline"] += 1
+                self._forget_locked(pending)
+            conn.settimeout(1.0)
+            self._refuse(conn, peer, f"rgpu: session: no HELLO within {self.front_door.hello_deadline_s:g} s of "
+                         "connecting (the connection was too slow or idle; check the network, and that the "
+                         "client is rgpu's)")
+            return
+        except (ConnectionError, OSError) as exc:
+            with self._door_lock:
+                self._forget_locked(pending)
+            if pending.evicted:
+                self.log.debug("handshake from %s dropped for a newer connection (all slots taken)", peer)
+            else:
+                # Closed before a whole HELLO: port checks (rgpu-admin health --deep, monitoring) do this.
+                self.log.debug("connection from %s closed before its HELLO (%s)", peer, exc)
+            conn.close()
+            return
+        except ValueError as exc:
+            with self._door_lock:
+                self._forget_locked(pending)
+            conn.settimeout(1.0)
+            self._refuse(conn, peer, f"rgpu: session: malformed HELLO ({str(exc)[:120]}; "
+                         "install the same rgpu version on both sides)")
+            return
+        with self._door_lock:
+            self._forget_locked(pending)
+        conn.settimeout(protocol.HELLO_TIMEOUT_S)
+        try:
             if op != protocol.OP_HELLO:
                 raise ValueError(f"expected HELLO, got frame {op}")
             version = protocol.decode_hello_version(payload)
-        except ConnectionError:
-            # Closed before a whole HELLO: port checks (rgpu-admin health --deep, monitoring) do this.
-            self.log.debug("connection from %s closed before its HELLO", peer)
-            conn.close()
-            return
-        except (OSError, ValueError) as exc:
-            self.log.warning("bad handshake from %s: %s", peer, exc)
-            conn.close()
+        except (ValueError, struct.error) as exc:
+            self._refuse(conn, peer, f"rgpu: session: malformed HELLO ({str(exc)[:120]}; "
+                         "install the same rgpu version on both sides)")
             return
         if version != protocol.PROTOCOL_VERSION:
             self._refuse(conn, peer, protocol.version_mismatch_error(version, protocol.PROTOCOL_VERSION).format())
             return
         try:
             hello = protocol.decode_hello(payload)
-        except (ValueError, UnicodeDecodeError) as exc:
-            self._refuse(conn, peer, f"rgpu: session: malformed HELLO ({exc}; install the same rgpu version on both sides)")
+        except (ValueError, UnicodeDecodeError, struct.error) as exc:
+            self._refuse(conn, peer, f"rgpu: session: malformed HELLO ({str(exc)[:120]}; "
+                         "install the same rgpu version on both sides)")
             return
         try:
             claims = tokens.verify(self.secret, hello.token, server=self.advertised, gpu_uuids=set(self.gpus))
         except AuthError as exc:
             self._refuse(conn, peer, str(exc))
+            return
+        with self._lock:
+            heard = self._live is not None
+        if not heard:
+            # Fail closed: without the pool's list of live leases a released lease's token cannot be
+            # told from a live one (a dispatcher restarted while the pool is down).
+            self._refuse(conn, peer, "rgpu: session: this dispatcher has not heard from the pool since it started, "
+                         "so it cannot tell a released lease's token from a live one (retry in a few seconds; "
+                         "check that rgpu-poold runs and that this GPU node reaches it)")
             return
         if self._revoked(claims):
             self._refuse(conn, peer, f"rgpu: session: the lease of job {claims.job_key} (slice {claims.slice_number}) "
@@ -401,19 +579,23 @@ class SessionServer:
             "compute_percent": claims.compute_percent, "job_key": claims.job_key,
             "slice_number": claims.slice_number, "usage_dir": str(self._slice_dir(claims)),
             "server": self.advertised, "compute_enforcement": self.mps.enforcement,
-            "client": {"address": peer, **hello.info}, "launch_library": self.launch_library,
+            "client": client_description(peer, hello.info), "launch_library": self.launch_library,
             "counters_dir": str(self.counters_dir),
         }
         env = worker_environment(os.environ)
         env["RGPU_WORKER_SESSION"] = json.dumps(spec)
+        env["RGPU_WORKER_PARENT_PID"] = str(os.getpid())
         if self.backend == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = gpu.uuid
             env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
             if mode == "cuda":
                 env.update(self.mps.client_env(claims.compute_percent))
         fd = conn.fileno()
-        popen = subprocess.Popen([sys.executable, "-m", "rgpu.remoting.datapath.worker", "--fd", str(fd)],
-                                 pass_fds=[fd], env=env, stdin=subprocess.DEVNULL, close_fds=True)
+        # Forked from the one long-lived spawner thread: the worker's parent-death signal fires when
+        # the forking thread ends, and handshake threads end right after this (lifeline.py).
+        popen = self._spawner.submit(
+            subprocess.Popen, [sys.executable, "-m", "rgpu.remoting.datapath.worker", "--fd", str(fd)],
+            pass_fds=[fd], env=env, stdin=subprocess.DEVNULL, close_fds=True).result()
         rec = SessionRecord(pid=popen.pid, job_key=claims.job_key, slice_number=claims.slice_number,
                             gpu_uuid=gpu.uuid, mode=mode, client=peer,
                             memory_limit_bytes=spec["memory_limit"], compute_percent=claims.compute_percent,

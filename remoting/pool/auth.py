@@ -2,8 +2,9 @@
 
 Every call carries `x-rgpu-auth: <unix time>.<nonce>.<hex HMAC>` computed with a key derived
 from the cluster secret over the method name, time and nonce. The secret itself never crosses
-the wire. The server refuses stale times (clock skew beyond AUTH_WINDOW_SECONDS) and replays of
-a nonce inside the window.
+the wire. The server refuses stale times (clock skew beyond AUTH_WINDOW_SECONDS), replays of
+a nonce inside the window, and credentials stamped before the server started (its nonce cache
+is in memory; this keeps a restart from reopening the window).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import grpc
@@ -24,6 +26,7 @@ from rgpu.secret import derive_key
 log = logging.getLogger("rgpu-poold")
 
 AUTH_HEADER = "x-rgpu-auth"
+MUNGE_HEADER = "x-rgpu-munge"   # users: a MUNGE credential whose payload names the method
 AUTH_WINDOW_SECONDS = 300.0
 _PURPOSE = "grpc-request"
 
@@ -38,14 +41,59 @@ def request_credential(secret: bytes, method: str, now: float | None = None) -> 
     return f"{stamp}.{nonce}.{_mac(derive_key(secret, _PURPOSE), method, stamp, nonce)}"
 
 
+@dataclass(frozen=True)
+class Caller:
+    """Who made a call: a daemon or admin (holds the cluster secret) or a user (MUNGE: uid and
+    name from munged, never from the request)."""
+    kind: str                 # "daemon" or "user"
+    user: str = ""
+    uid: int = -1
+
+    @property
+    def is_daemon(self) -> bool:
+        return self.kind == "daemon"
+
+
+DAEMON = Caller("daemon")
+_current = threading.local()
+
+
+def current_caller() -> Caller:
+    """The caller of the gRPC method running on this thread (set by ServerAuth)."""
+    return getattr(_current, "caller", DAEMON)
+
+
+def _with_caller(handler: Any, caller: Caller) -> Any:
+    if handler is None or handler.unary_unary is None:
+        return handler
+    inner = handler.unary_unary
+
+    def call(request: Any, context: Any) -> Any:
+        _current.caller = caller
+        try:
+            return inner(request, context)
+        finally:
+            _current.caller = DAEMON
+
+    return grpc.unary_unary_rpc_method_handler(call, request_deserializer=handler.request_deserializer,
+                                               response_serializer=handler.response_serializer)
+
+
 class ServerAuth(grpc.ServerInterceptor):
     """Refuses calls without a valid credential, except the standard health service."""
 
     OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
-    def __init__(self, secret: bytes, window: float = AUTH_WINDOW_SECONDS) -> None:
+    def __init__(self, secret: bytes, window: float = AUTH_WINDOW_SECONDS, not_before: float | None = None,
+                 munge_socket: str | None = None) -> None:
         self._key = derive_key(secret, _PURPOSE)
+        self._munge_socket = munge_socket   # None: users (MUNGE) are not accepted
         self._window = window
+        # The nonce cache lives in memory, so a restarted pool has forgotten the nonces it saw.
+        # Credentials made before this pool started are refused, so none of those can be replayed:
+        # a restart cannot reopen the window. (A caller whose clock is behind the pool's is refused
+        # for that long after a restart; callers retry.)
+        self._not_before = time.time() if not_before is None else not_before
         self._seen: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
         self._last_logged: dict[str, float] = {}
@@ -68,6 +116,9 @@ class ServerAuth(grpc.ServerInterceptor):
             return f"credential time is {current - when:+.0f} s off (clocks out of step?)"
         if not hmac.compare_digest(_mac(self._key, method, stamp, nonce), mac):
             return "wrong cluster secret"
+        if when < self._not_before:
+            return ("credential made before this pool started (a replay, or this host's clock is "
+                    f"{self._not_before - when:.1f} s behind the pool's; retry)")
         with self._lock:
             while self._seen and next(iter(self._seen.values())) < current - self._window:
                 self._seen.popitem(last=False)
@@ -75,6 +126,18 @@ class ServerAuth(grpc.ServerInterceptor):
                 return "replayed credential"
             self._seen[nonce] = current
         return None
+
+    def check_munge(self, method: str, credential: str) -> tuple[Caller | None, str]:
+        """(the user, "") for a good MUNGE credential made for `method`, else (None, why)."""
+        from rgpu import munge
+        from rgpu.errors import RgpuError
+        try:
+            identity = munge.decode(credential, self._munge_socket or "")
+        except RgpuError as exc:
+            return None, f"MUNGE credential refused: {exc.why or exc.what}"
+        if identity.payload != munge.PAYLOAD_PREFIX + method:
+            return None, "MUNGE credential made for another call"
+        return Caller("user", identity.user, identity.uid), ""
 
     def _log_refusal(self, method: str, reason: str) -> None:
         # One line per reason per minute: a misconfigured host retrying must not flood the log.
@@ -92,12 +155,21 @@ class ServerAuth(grpc.ServerInterceptor):
         method = handler_call_details.method
         if method.startswith(self.OPEN_PREFIXES):
             return continuation(handler_call_details)
-        credential = dict(handler_call_details.invocation_metadata or ()).get(AUTH_HEADER)
-        reason = self.check(method, credential)
-        if reason is None:
-            return continuation(handler_call_details)
-        message = (f"rgpu: pool: call refused ({reason}; give this host the cluster secret via "
-                   "secret_file in rgpu.toml or RGPU_SECRET_FILE)")
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        credential = metadata.get(AUTH_HEADER)
+        munge_credential = metadata.get(MUNGE_HEADER)
+        if munge_credential and not credential and self._munge_socket is not None:
+            caller, reason = self.check_munge(method, munge_credential)
+            if caller is not None:
+                return _with_caller(continuation(handler_call_details), caller)
+        else:
+            reason = self.check(method, credential)
+            if reason is None:
+                return _with_caller(continuation(handler_call_details), DAEMON)
+        fix = ("users: check that munged runs on this node; daemons and admins: give this host the cluster "
+               "secret via secret_file in rgpu.toml or RGPU_SECRET_FILE") if munge_credential else (
+               "give this host the cluster secret via secret_file in rgpu.toml or RGPU_SECRET_FILE")
+        message = f"rgpu: pool: call refused ({reason}; {fix})"
         self._log_refusal(method, reason)
 
         def deny(request: Any, context: grpc.ServicerContext) -> Any:

@@ -1,18 +1,26 @@
-"""A typed client for the pool daemon: gRPC errors become rgpu errors with one-line messages."""
+"""A typed client for the pool daemon: gRPC errors become rgpu errors with one-line messages.
+
+Given several pool addresses (the `pool` setting as a list), a call that finds its pool
+UNAVAILABLE (not listening, host gone, connection reset) is sent to the next address, round and
+round, until one answers or the call's time budget is spent. Every pool of such a list must
+share one store (PostgreSQL): a job key's lease is then the same whichever pool answers, so a
+retried Allocate never places twice.
+"""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rgpu.config import Settings
-from rgpu.errors import ConfigError, RgpuError
+from rgpu.config import Settings, pool_addresses
+from rgpu.errors import ConfigError, RgpuError, Unavailable
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
-from rgpu.remoting.pool.auth import AUTH_HEADER, request_credential
+from rgpu.remoting.pool.auth import AUTH_HEADER, MUNGE_HEADER, request_credential
 from rgpu.remoting.pool.errors import error_from_status
 from rgpu.secret import load_secret
 
@@ -34,18 +42,50 @@ def open_channel(address: str, tls_ca_file: str | None = None, tls_server_name: 
     return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca), options=options)
 
 
+# After every address of a list failed, wait this long before the next round (within the budget).
+FAILOVER_ROUND_PAUSE_SECONDS = 0.2
+
+
 class PoolClient:
-    def __init__(self, address: str, secret: bytes, *, timeout: float = 10.0,
-                 tls_ca_file: str | None = None, tls_server_name: str | None = None) -> None:
-        self.address = address
+    def __init__(self, address: str | Sequence[str], secret: bytes | None, *, timeout: float = 10.0,
+                 tls_ca_file: str | None = None, tls_server_name: str | None = None,
+                 munge_socket: str = "") -> None:
+        """With a secret: a daemon's or admin's client. Without one (secret None): a user's, whose
+        calls carry a MUNGE credential naming the calling process's uid."""
+        self.addresses = pool_addresses(address) if isinstance(address, str) else list(address)
+        if not self.addresses:
+            raise ConfigError("pool", "no pool address given", "the pool setting is empty",
+                              "set pool = \"HOST:PORT\" (or a list of them) in rgpu.toml")
         self.timeout = timeout
-        raw = open_channel(address, tls_ca_file, tls_server_name)
-        self._raw = raw
+        self._tls = (tls_ca_file, tls_server_name)
+        self._current = 0
+        self._channels: dict[int, tuple[grpc.Channel, pb_grpc.PoolStub]] = {}
         self._secret = secret
-        self._stub = pb_grpc.PoolStub(raw)
+        self._munge_socket = munge_socket
+        self._use(0)
+
+    @property
+    def address(self) -> str:
+        """The pool address calls go to now (the one that answered last)."""
+        return self.addresses[self._current]
+
+    def _use(self, number: int) -> None:
+        if number not in self._channels:
+            raw = open_channel(self.addresses[number], *self._tls)
+            self._channels[number] = (raw, pb_grpc.PoolStub(raw))
+        self._current = number
+        self._raw, self._stub = self._channels[number]
+
+    def _credential(self, method: str) -> tuple[str, str]:
+        """A fresh credential per attempt (a MUNGE credential decodes only once)."""
+        if self._secret is not None:
+            return AUTH_HEADER, request_credential(self._secret, method)
+        from rgpu import munge
+        return MUNGE_HEADER, munge.encode(munge.PAYLOAD_PREFIX + method, self._munge_socket)
 
     def close(self) -> None:
-        self._raw.close()
+        for raw, _ in self._channels.values():
+            raw.close()
 
     def __enter__(self) -> "PoolClient":
         return self
@@ -56,12 +96,32 @@ class PoolClient:
     def _call(self, name: str, request: Any, timeout: float | None = None) -> Any:
         # The credential goes in each call's metadata (no interceptor: it costs the client more
         # CPU per call than the HMAC itself).
-        credential = request_credential(self._secret, f"/rgpu.v1.Pool/{name}")
-        try:
-            return getattr(self._stub, name)(request, timeout=timeout or self.timeout,
-                                             metadata=((AUTH_HEADER, credential),))
-        except grpc.RpcError as exc:
-            raise error_from_rpc(exc, self.address) from None
+        method = f"/rgpu.v1.Pool/{name}"
+        budget = timeout or self.timeout
+        if len(self.addresses) == 1:
+            try:
+                return getattr(self._stub, name)(request, timeout=budget, metadata=(self._credential(method),))
+            except grpc.RpcError as exc:
+                raise error_from_rpc(exc, self.address) from None
+        deadline = time.monotonic() + budget
+        failed: list[str] = []
+        while True:
+            try:
+                return getattr(self._stub, name)(request, timeout=max(0.001, deadline - time.monotonic()),
+                                                 metadata=(self._credential(method),))
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise error_from_rpc(exc, self.address) from None
+                failed.append(self.address)
+                last = exc
+            following = (self._current + 1) % len(self.addresses)
+            if following == 0 and len(failed) >= len(self.addresses):
+                time.sleep(max(0.0, min(FAILOVER_ROUND_PAUSE_SECONDS, deadline - time.monotonic())))
+            if time.monotonic() >= deadline:
+                raise Unavailable("pool", f"no pool daemon answered {name} within {budget:g} s",
+                                  f"tried {', '.join(dict.fromkeys(failed))}; last: {last.details()}",
+                                  "start rgpu-poold on one of them, or fix the pool setting") from None
+            self._use(following)
 
     def health(self, timeout: float = 5.0) -> str | None:
         """None when the pool's standard gRPC health service says SERVING, else why not (the health
@@ -89,6 +149,9 @@ class PoolClient:
             job_key=job_key, user=user, account=account, count=count, fraction=fraction,
             memory_bytes=memory_bytes, ttl_seconds=ttl_seconds, gpu_model=gpu_model, server=server,
             min_memory_bytes=min_memory_bytes))
+
+    def renew(self, job_key: str, ttl_seconds: float) -> pb.Lease:
+        return self._call("Renew", pb.RenewRequest(job_key=job_key, ttl_seconds=ttl_seconds))
 
     def release(self, job_key: str) -> bool:
         return self._call("Release", pb.ReleaseRequest(job_key=job_key)).released
@@ -124,9 +187,20 @@ class PoolClient:
         return self._call("Capacity", pb.CapacityRequest())
 
 
-def connect(settings: Settings, *, secret: bytes | None = None, timeout: float = 10.0) -> PoolClient:
-    """The pool client every component uses: address, secret and TLS from the settings (the secret
-    is read from `secret_file` unless given)."""
-    return PoolClient(settings.pool, load_secret(settings.secret_file) if secret is None else secret,
-                      timeout=timeout, tls_ca_file=settings.tls_ca_file or None,
-                      tls_server_name=settings.tls_server_name or None)
+def connect(settings: Settings, *, secret: bytes | None = None, timeout: float = 10.0,
+            user: bool = False) -> PoolClient:
+    """The pool client every component uses: address(es), secret and TLS from the settings (the
+    secret is read from `secret_file` unless given). With several pool addresses a call fails over
+    to the next one that answers, within `timeout`. With user=True (user tools: flexrun,
+    request-gpus, leases...) a caller that cannot read the secret authenticates with MUNGE instead."""
+    if secret is None:
+        try:
+            secret = load_secret(settings.secret_file)
+        except ConfigError as exc:
+            # No secret here (missing, or not readable by this user): a user's tool uses MUNGE.
+            # A secret that is present but unsafe stays an error.
+            if not user or not ("does not exist" in exc.what or exc.why == "permission denied"):
+                raise
+            secret = None
+    return PoolClient(pool_addresses(settings.pool), secret, timeout=timeout, tls_ca_file=settings.tls_ca_file or None,
+                      tls_server_name=settings.tls_server_name or None, munge_socket=settings.munge_socket)

@@ -7,35 +7,40 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import signal
 import socket
+import sqlite3
 import sys
 import threading
 import time
+import urllib.parse
 from concurrent import futures
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import click
+
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rgpu import __version__, plugins
-from rgpu.remoting.pool.auth import ServerAuth
+from rgpu.remoting.pool.auth import ServerAuth, current_caller
 from rgpu.config import Settings, load_settings
-from rgpu.errors import ConfigError, InvalidRequest, RgpuError
+from rgpu.errors import ConfigError, InvalidRequest, PermissionDenied, RgpuError
 from rgpu.netaddr import split_host_port
 from rgpu.portfile import write_port_file
 from rgpu.model import LeaseRecord
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
 from rgpu.remoting.pool.errors import status_for
-from rgpu.remoting.pool.convert import gpu_to_pb, live_to_pb, server_from_pb, server_to_pb, usage_from_pb, usage_to_pb
+from rgpu.remoting.pool.convert import live_to_pb, server_from_pb, server_to_pb, usage_from_pb, usage_to_pb
 from rgpu.remoting.metrics.http import MetricsServer, serve_metrics
 from rgpu.remoting.pool.events import EventLog
+from rgpu.remoting.pool.gpu_listing import GpuListing
 from rgpu.remoting.pool.metrics import PoolMetrics, refusal_reason
 from rgpu.remoting.pool.rules import AllocationRequest, PoolCore
-from rgpu.remoting.pool.store import Store
+from rgpu.remoting.pool.store import open_store
 from rgpu.remoting.pool.views import pool_view
 from rgpu.secret import load_secret
 
@@ -45,14 +50,58 @@ log = logging.getLogger("rgpu-poold")
 # over the GIL: 4 gave ~10-20% more allocations per second than 16 on a 2-core machine.
 POOL_GRPC_WORKERS = 4
 
+_LONG_WORD = re.compile(r"[^\s(),;]{81,}")
+
+
+def bounded_message(message: str, limit: int = 600) -> str:
+    """An error message with no echo of more than a short prefix of the caller's input: any run
+    of over 80 characters without a space is cut to 60 and its length, the whole to `limit`."""
+    short = _LONG_WORD.sub(lambda m: f"{m.group()[:60]}...[{len(m.group())} chars]", message)
+    return short if len(short) <= limit else short[:limit - 3] + "..."
+
+
+# What a user (MUNGE credential) may call; everything else needs the cluster secret. Users lease,
+# renew and release their own slices, and see everyone's leases without their tokens.
+USER_METHODS = frozenset({"Allocate", "Renew", "Release", "GetLease", "ListLeases", "ListGpus", "ListServers",
+                          "ListQuotas", "Capacity"})
+
+
+def peer_ip(peer: str) -> str:
+    """The IP of a gRPC peer string ("ipv4:10.0.0.1:5555", "ipv6:[::1]:5555"); IPv4-mapped IPv6
+    addresses as IPv4."""
+    kind, _, rest = urllib.parse.unquote(peer).partition(":")   # grpc writes "ipv6:%5B::1%5D:5555"
+    if kind == "ipv6":
+        ip = rest.rsplit(":", 1)[0].strip("[]")
+        return ip[7:] if ip.lower().startswith("::ffff:") and "." in ip else ip
+    if kind == "ipv4":
+        return rest.rsplit(":", 1)[0]
+    return peer
+
+
+def _own(core: PoolCore, job_key: str, what: str) -> None:
+    """A user may only act on leases of their own (a lease that does not exist is left to the call)."""
+    caller = current_caller()
+    if caller.is_daemon:
+        return
+    lease = core.leases.get(job_key)
+    if lease is not None and lease.user != caller.user:
+        raise PermissionDenied("pool", f"cannot {what} lease {job_key[:80]}", f"it belongs to {lease.user}, "
+                               f"you are {caller.user}", "act on your own leases (rgpu-admin leases lists them)")
+
+
 def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
     """Turn rgpu errors into gRPC status codes with the one-line message."""
 
     def wrapper(self: "PoolServicer", request: Any, context: grpc.ServicerContext) -> Any:
         try:
+            caller = current_caller()
+            if not caller.is_daemon and method.__name__ not in USER_METHODS:
+                raise PermissionDenied("pool", f"{method.__name__} is for daemons and admins",
+                                       f"you called as user {caller.user} (MUNGE)",
+                                       "run it where the cluster secret is readable (root or the rgpu admin)")
             return method(self, request, context)
         except RgpuError as exc:
-            context.abort(status_for(exc), str(exc))
+            context.abort(status_for(exc), bounded_message(str(exc)))
         except Exception:
             log.exception("rgpu-poold: %s failed", method.__name__)
             context.abort(grpc.StatusCode.INTERNAL,
@@ -65,10 +114,15 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
 class PoolServicer(pb_grpc.PoolServicer):
     def __init__(self, core: PoolCore, heartbeat_interval: float, metrics: PoolMetrics | None = None) -> None:
         self.core = core
+        self._registrars: dict[str, str] = {}     # server address -> IP that registered it
+        self._registrars_lock = threading.Lock()
         self.heartbeat_interval = heartbeat_interval
         self.metrics = metrics or PoolMetrics()
+        self._gpu_listing = GpuListing(core)
 
     def _lease_pb(self, lease: LeaseRecord) -> pb.Lease:
+        caller = current_caller()
+        tokens = caller.is_daemon or caller.user == lease.user   # others' tokens are never shown to users
         usages = self.core.slice_usage(lease)
         since, idle = self.core.lease_idle(lease)
         return pb.Lease(
@@ -78,8 +132,30 @@ class PoolServicer(pb_grpc.PoolServicer):
             idle_since_unix=since, idle=idle,
             slices=[pb.Slice(server=s.server, gpu_uuid=s.gpu_uuid, gpu_index=s.gpu_index, gpu_name=s.gpu_name,
                              memory_limit_bytes=s.memory_limit_bytes, compute_percent=s.compute_percent,
-                             token=self.core.token_for(lease, i), usage=usage_to_pb(lease.job_key, i, usages[i]))
+                             token=self.core.token_for(lease, i) if tokens else "", usage=usage_to_pb(lease.job_key, i, usages[i]))
                     for i, s in enumerate(lease.slices)])
+
+    def _check_registrar(self, address: str, context: Any, *, registering: bool) -> None:
+        """A dispatcher's address is bound to the host that registered it: while that server is
+        not down, registrations and heartbeats for its address from another IP are refused (every
+        daemon holds the same secret, so this is what keeps one node from taking over another's
+        address). A down or removed server's address may be taken by a new host; a pool restart
+        forgets the bindings and the first registration after it binds again."""
+        peer = peer_ip(context.peer() or "")
+        with self._registrars_lock:
+            bound = self._registrars.get(address)
+            entry = self.core.servers.get(address)
+            live = entry is not None and self.core.state_of(entry) != "down"
+            if bound is not None and bound != peer and live:
+                raise PermissionDenied("pool", f"{'registration' if registering else 'heartbeat'} for server "
+                                       f"{address[:80]} from {peer[:64]} refused",
+                                       f"that server registered from {bound} and is not down",
+                                       "each dispatcher registers its own address; remove a server that moved "
+                                       "with `rgpu-admin remove-server`, or wait until it is down")
+            if registering or bound is None:
+                if len(self._registrars) > 8192:   # addresses whose registration was refused
+                    self._registrars = {a: ip for a, ip in self._registrars.items() if a in self.core.servers}
+                self._registrars[address[:300]] = peer
 
     def _server_pb(self, entry: Any) -> pb.Server:
         now = self.core.clock()
@@ -87,12 +163,14 @@ class PoolServicer(pb_grpc.PoolServicer):
 
     @_rpc
     def RegisterServer(self, request: pb.RegisterServerRequest, context: Any) -> pb.RegisterServerReply:
+        self._check_registrar(request.server.address, context, registering=True)
         self.core.register(server_from_pb(request.server))
         self.metrics.registrations.inc()
         return pb.RegisterServerReply(heartbeat_interval_seconds=self.heartbeat_interval)
 
     @_rpc
     def Heartbeat(self, request: pb.HeartbeatRequest, context: Any) -> pb.HeartbeatReply:
+        self._check_registrar(request.address, context, registering=False)
         if not self.core.heartbeat(request.address):
             self.metrics.heartbeats.labels("unknown").inc()
             return pb.HeartbeatReply(known=False)
@@ -104,9 +182,18 @@ class PoolServicer(pb_grpc.PoolServicer):
     @_rpc
     def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.Lease:
         started, asked_at = time.perf_counter(), self.core.clock()
+        caller = current_caller()
+        user = request.user
         try:
+            if not caller.is_daemon:
+                # A user's name comes from MUNGE, never from the request.
+                if user and user != caller.user:
+                    raise PermissionDenied("pool", f"cannot lease GPUs as {user[:64]}",
+                                           f"MUNGE says you are {caller.user}", "lease as yourself (leave --user out)")
+                user = caller.user
+                _own(self.core, request.job_key, "reuse")
             lease = self.core.allocate(AllocationRequest(
-                job_key=request.job_key, user=request.user, account=request.account, count=request.count,
+                job_key=request.job_key, user=user, account=request.account, count=request.count,
                 fraction=request.fraction if request.fraction else None,
                 memory_bytes=request.memory_bytes if request.memory_bytes else None,
                 ttl_seconds=request.ttl_seconds, gpu_model=request.gpu_model, server=request.server,
@@ -120,7 +207,13 @@ class PoolServicer(pb_grpc.PoolServicer):
         return self._lease_pb(lease)
 
     @_rpc
+    def Renew(self, request: pb.RenewRequest, context: Any) -> pb.Lease:
+        _own(self.core, request.job_key, "renew")
+        return self._lease_pb(self.core.renew(request.job_key, request.ttl_seconds))
+
+    @_rpc
     def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseReply:
+        _own(self.core, request.job_key, "release")
         released = self.core.release(request.job_key)
         self.metrics.releases.labels("released" if released else "unknown").inc()
         return pb.ReleaseReply(released=released)
@@ -135,14 +228,11 @@ class PoolServicer(pb_grpc.PoolServicer):
 
     @_rpc
     def ListGpus(self, request: pb.ListGpusRequest, context: Any) -> pb.ListGpusReply:
-        return pb.ListGpusReply(gpus=[
-            pb.GpuStatus(server=g.server, server_state=g.server_state, gpu=gpu_to_pb(g.gpu),
-                         allocated_percent=g.allocated_percent, allocated_memory_bytes=g.allocated_memory_bytes,
-                         slices=g.slices)
-            for g in self.core.gpu_statuses()])
+        return self._gpu_listing.reply()
 
     @_rpc
     def ListServers(self, request: pb.ListServersRequest, context: Any) -> pb.ListServersReply:
+        self.core.catch_up()
         entries = [self.core.servers[a] for a in sorted(self.core.servers)]
         return pb.ListServersReply(servers=[self._server_pb(e) for e in entries],
                                    down_after_seconds=self.core.down_after_seconds)
@@ -244,12 +334,21 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
     """Start the pool on settings.listen (port 0 picks a free one); yield (port, core).
     `report(what, port)` hears where the metrics endpoint and the dashboard serve, when on."""
     events = EventLog.attach(log)
-    store = Store(settings.state)
-    core = PoolCore(store=store, secret=secret, placement=settings.placement,
-                    down_after_seconds=settings.down_after_seconds,
-                    max_slices_per_job=settings.max_slices_per_job, idle_after_seconds=settings.idle_after_seconds)
+    store = open_store(settings.state, settings.store_url)
+    try:
+        core = PoolCore(store=store, secret=secret, placement=settings.placement,
+                        down_after_seconds=settings.down_after_seconds,
+                        max_slices_per_job=settings.max_slices_per_job, idle_after_seconds=settings.idle_after_seconds)
+    except (sqlite3.DatabaseError, ValueError, TypeError, KeyError) as exc:
+        # Rows that do not read back (a damaged file): one line, not a traceback.
+        store.close()
+        events.detach()
+        where = "the PostgreSQL store" if settings.store_url else settings.state
+        raise ConfigError("store", f"cannot read the pool's state from {where}",
+                          f"{type(exc).__name__}: {str(exc)[:120]}",
+                          "restore it from a backup, or move it aside to start an empty pool") from None
     metrics = PoolMetrics(lambda: pool_view(core))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=[ServerAuth(secret)],
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=[ServerAuth(secret, munge_socket=settings.munge_socket)],
                          options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_PoolServicer_to_server(PoolServicer(core, settings.heartbeat_interval_seconds, metrics), server)
     health_servicer = health.HealthServicer()

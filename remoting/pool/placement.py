@@ -94,14 +94,19 @@ def _gpu_order(policy: str):  # type: ignore[no-untyped-def]
     return lambda g: (g.allocated_percent, g.allocated_memory_bytes, g.server, g.index)
 
 
-def place(gpus: Iterable[GpuSlot], request: SliceRequest, policy: str = "binpack") -> list[PlacedSlice]:
-    """Choose GPUs for every slice of the request, or raise CapacityError saying what is free."""
+def check_request(request: SliceRequest, policy: str) -> None:
+    """Raise InvalidRequest for a request no placement can answer."""
     if policy not in POLICIES:
         raise InvalidRequest("placement", f"unknown policy {policy!r}", "", f"use one of {', '.join(POLICIES)}")
     if request.count < 1:
         raise InvalidRequest("placement", f"count {request.count}", "at least one slice", "ask for 1 or more")
     if (request.fraction is None) == (request.memory_bytes is None):
         raise InvalidRequest("placement", "give either a fraction or a memory size per slice", "", "")
+
+
+def place(gpus: Iterable[GpuSlot], request: SliceRequest, policy: str = "binpack") -> list[PlacedSlice]:
+    """Choose GPUs for every slice of the request, or raise CapacityError saying what is free."""
+    check_request(request, policy)
 
     all_gpus = gpus if isinstance(gpus, list) else list(gpus)
     model = request.gpu_model.lower()

@@ -6,11 +6,12 @@ All methods are thread-safe (one lock: allocation decisions must see a consisten
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable
+from dataclasses import dataclass, field, replace
+from typing import Callable, Iterator
 
 from rgpu import tokens, validate
 from rgpu.errors import InvalidRequest, NotFound, PermissionDenied, QuotaExceeded
@@ -19,7 +20,10 @@ from rgpu.model import LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
 from rgpu.remoting.pool.accounting import (Interval, SliceUsageRecord, UsageTotal, idle_seconds, idle_since, is_idle,
                                            to_pool_clock, totals)
 from rgpu.remoting.pool.placement import GpuSlot, SliceRequest, place
-from rgpu.remoting.pool.store import Store
+from rgpu.remoting.pool.placement_index import PlacementIndex
+from rgpu.remoting.pool.store import PoolStore
+
+MAX_SERVERS = 4096   # dispatchers one pool keeps; bounds what registrations can make it store
 
 log = logging.getLogger("rgpu-poold")
 
@@ -78,7 +82,7 @@ class Capacity:
 
 @dataclass
 class PoolCore:
-    store: Store
+    store: PoolStore
     secret: bytes
     placement: str = "binpack"
     down_after_seconds: float = 15.0
@@ -92,22 +96,73 @@ class PoolCore:
     # Placement's view of each server's GPUs, kept current by _index_lease and register, so an
     # allocation does not rebuild 8 x N slot objects.
     _slot_cache: dict[str, list[GpuSlot]] = field(default_factory=dict)
+    # The servers placement may use (all but drained ones), grouped by shape, so an allocation
+    # looks at each distinct shape once rather than at every GPU (placement_index.py).
+    _index: PlacementIndex = field(default_factory=PlacementIndex)
+    _versions: dict[str, int] = field(default_factory=dict)   # per server, bumped on every change of its GPUs
+    # Job keys holding slices per server: a heartbeat (every server, every few seconds) looks at
+    # its own server's leases only.
+    _leases_on: dict[str, set[str]] = field(default_factory=dict)
     _used_units: dict[tuple[str, str], int] = field(default_factory=dict)
     _tokens: dict[tuple[str, int], str] = field(default_factory=dict)  # signed once per slice
     _listeners: list[Callable[[], None]] = field(default_factory=list)
     _slice_usage: dict[tuple[str, int], SliceUsageRecord] = field(default_factory=dict)   # in memory only
     _lock: threading.RLock = field(default_factory=threading.RLock)
+    # The shared store's version this daemon's memory reflects (PostgreSQL, several daemons);
+    # None with SQLite, where this daemon is the only writer.
+    _seen_version: int | None = None
 
     def __post_init__(self) -> None:
-        # Servers known before a restart get a fresh grace period: they are down only if they
-        # miss heartbeats from now on, not because the pool itself was away.
+        self._seen_version = self.store.version()
+        self._reload()
+
+    def _reload(self) -> None:
+        """(Re)build the memory from the store. Servers new to this daemon get a fresh grace
+        period: they are down only if they miss heartbeats from now on, not because the pool
+        itself was away; heartbeats other daemons stored count too."""
         now = self.clock()
+        old = self.servers
+        stored = self.store.load_heartbeats()
+        self.servers, self.leases, self.quotas = {}, {}, {}
+        self._usage, self._used_units, self._tokens, self._leases_on = {}, {}, {}, {}
+        self._slot_cache, self._index = {}, PlacementIndex()
         for info, drained in self.store.load_servers():
-            self.servers[info.address] = ServerEntry(info, drained, now)
+            before = old.get(info.address)
+            self.servers[info.address] = ServerEntry(
+                info, drained, max(before.last_heartbeat if before else now, stored.get(info.address, 0.0)),
+                before.reported_down if before else False)
         for lease in self.store.load_leases():
             self._index_lease(lease, +1)
+        for address in self.servers:
+            self._refresh(address)
         for quota in self.store.load_quotas():
             self.quotas[(quota.kind, quota.name)] = quota.limit_units
+
+    @contextlib.contextmanager
+    def _change(self) -> Iterator[None]:
+        """One change of the pool's state, under the lock; with a shared store, in one store
+        transaction that first brings this daemon up to the other daemons' changes."""
+        with self._lock:
+            try:
+                with self.store.transaction() as state:
+                    if state.before is not None and state.before != self._seen_version:
+                        self._reload()
+                    self._seen_version = state.before
+                    yield
+            except BaseException:
+                if self._seen_version is not None:
+                    self._seen_version = -1   # memory may be ahead of a rolled-back store: reload next time
+                raise
+            if state.after is not None:
+                self._seen_version = state.after
+
+    def catch_up(self) -> None:
+        """Before a read: reload when another daemon changed the shared state (no-op with SQLite)."""
+        version = self.store.version()
+        if version is not None and version != self._seen_version:
+            with self._lock:
+                self._reload()
+                self._seen_version = version
 
     @property
     def lock(self) -> threading.RLock:
@@ -134,13 +189,11 @@ class PoolCore:
         return "up"
 
     def register(self, info: ServerInfo) -> None:
-        validate.server_address(info.address)
-        for gpu in info.gpus:
-            validate.gpu_uuid(gpu.uuid)
+        validate.server_info(info)
         if len({g.uuid for g in info.gpus}) != len(info.gpus):
             raise InvalidRequest("pool", f"server {info.address} reports a GPU UUID twice", "",
                                  "check the dispatcher's inventory")
-        with self._lock:
+        with self._change():
             now = self.clock()
             uuids = {g.uuid for g in info.gpus}
             for other in self.servers.values():
@@ -151,22 +204,32 @@ class PoolCore:
                         f"{other.info.address} already serves it",
                         "give the dispatchers disjoint GPU sets (RGPU_VISIBLE_DEVICES)")
             previous = self.servers.get(info.address)
-            was_up = previous is not None and self.state_of(previous, now) == "up"
-            self.store.upsert_server(info, now)
-            self._slot_cache.pop(info.address, None)
-            drained = previous.drained if previous else False
-            self.servers[info.address] = ServerEntry(info, drained, now)
-            held = {s.gpu_uuid for lease in self.leases.values() for s in lease.slices if s.server == info.address}
+            if previous is None and len(self.servers) >= MAX_SERVERS:
+                raise InvalidRequest("pool", f"cannot register server {info.address}",
+                                     f"the pool already has {MAX_SERVERS} servers",
+                                     "remove gone ones with `rgpu-admin remove-server`")
+            held = {s.gpu_uuid for key in self._leases_on.get(info.address, ()) for s in self.leases[key].slices
+                    if s.server == info.address}
             missing = held - {g.uuid for g in info.gpus}
             if missing:
-                log.warning("rgpu-poold: server %s re-registered without GPUs %s that leases hold",
-                            info.address, ", ".join(sorted(missing)))
+                # A registration must not take back GPU shares that leases hold (their jobs run there).
+                raise InvalidRequest("pool", f"server {info.address} re-registers without GPU(s) "
+                                     f"{', '.join(sorted(missing)[:4])} that live leases hold",
+                                     "dropping them would strand those jobs",
+                                     "release those leases first (rgpu-admin leases), then restart the dispatcher")
+            was_up = previous is not None and self.state_of(previous, now) == "up"
+            self.store.upsert_server(info, now)
+            drained = previous.drained if previous else False
+            self.servers[info.address] = ServerEntry(info, drained, now)
+            self._refresh(info.address)
         log.info("rgpu-poold: server %s registered with %d GPU(s)%s", info.address, len(info.gpus),
                  " (static inventory)" if info.static_inventory else "")
         if not was_up:
             self._capacity_changed()
 
     def heartbeat(self, address: str) -> bool:
+        if address not in self.servers:
+            self.catch_up()   # registered through another daemon
         with self._lock:
             entry = self.servers.get(address)
             if entry is None:
@@ -174,6 +237,7 @@ class PoolCore:
             now = self.clock()
             came_back = self.state_of(entry, now) == "down"
             entry.last_heartbeat = now
+        self.store.heartbeat(address, now)
         if came_back:
             log.info("rgpu-poold: server %s is back", address)
             self._capacity_changed()
@@ -182,10 +246,12 @@ class PoolCore:
     def live_slices(self, address: str) -> LiveLeases:
         """The live (unreleased, unexpired) leases' slices on one server, as of now by the pool's
         clock: the dispatcher honours no other token issued before now (rgpu/live_leases.py)."""
+        self.catch_up()
         with self._lock:
             now = self.clock()
+            leases = [self.leases[key] for key in self._leases_on.get(address, ())]
             return LiveLeases.of(now, ((lease.job_key, number, lease.created_unix)
-                                       for lease in self.leases.values() if not lease.expired(now)
+                                       for lease in leases if not lease.expired(now)
                                        for number, s in enumerate(lease.slices) if s.server == address))
 
     def find_server(self, name: str) -> ServerEntry:
@@ -201,17 +267,18 @@ class PoolCore:
                              "give the address host:port")
 
     def set_drained(self, name: str, drained: bool) -> ServerEntry:
-        with self._lock:
+        with self._change():
             entry = self.find_server(name)
             self.store.set_drained(entry.info.address, drained)
             entry.drained = drained
+            self._refresh(entry.info.address)
         log.info("rgpu-poold: server %s %s", entry.info.address, "drained" if drained else "resumed")
         self._capacity_changed()
         return entry
 
     def remove_server(self, name: str) -> str:
         """Forget a server that is gone for good: it must be down and hold no lease. Returns its address."""
-        with self._lock:
+        with self._change():
             entry = self.find_server(name)
             address = entry.info.address
             if self.state_of(entry) != "down":
@@ -228,6 +295,7 @@ class PoolCore:
             del self.servers[address]
             for key in [k for k in self._usage if k[0] == address]:
                 del self._usage[key]
+            self._refresh(address)
         log.info("rgpu-poold: server %s removed", address)
         self._capacity_changed()
         return address
@@ -236,7 +304,11 @@ class PoolCore:
         """Log servers that went down since the last check; return their addresses."""
         now = self.clock()
         went_down = []
+        stored = self.store.load_heartbeats()   # heartbeats other daemons took (shared store)
         with self._lock:
+            for address, beat in stored.items():
+                if address in self.servers:
+                    self.servers[address].last_heartbeat = max(self.servers[address].last_heartbeat, beat)
             for entry in self.servers.values():
                 down = self.state_of(entry, now) == "down"
                 if down and not entry.reported_down:
@@ -251,8 +323,6 @@ class PoolCore:
 
     # -- leases -------------------------------------------------------------------------------
     def _index_lease(self, lease: LeaseRecord, sign: int) -> None:
-        for server in {s.server for s in lease.slices}:
-            self._slot_cache.pop(server, None)
         for s in lease.slices:
             usage = self._usage.setdefault((s.server, s.gpu_uuid), GpuUsage())
             usage.percent += sign * s.compute_percent
@@ -261,12 +331,28 @@ class PoolCore:
         for kind, name in (("user", lease.user), ("account", lease.account)):
             if name:
                 self._used_units[(kind, name)] = self._used_units.get((kind, name), 0) + sign * lease.units
+        for server in {s.server for s in lease.slices}:
+            self._refresh(server)
+            holders = self._leases_on.setdefault(server, set())
+            if sign > 0:
+                holders.add(lease.job_key)
+            else:
+                holders.discard(lease.job_key)
+                if not holders:
+                    del self._leases_on[server]
         if sign > 0:
             self.leases[lease.job_key] = lease
         else:
             self.leases.pop(lease.job_key, None)
             for number in range(len(lease.slices)):
                 self._tokens.pop((lease.job_key, number), None)
+
+    def _refresh(self, address: str) -> None:
+        """After a server's GPUs, usage or drained state changed: rebuild its slots and index entry."""
+        self._slot_cache.pop(address, None)
+        self._versions[address] = self._versions.get(address, 0) + 1
+        entry = self.servers.get(address)
+        self._index.set_server(address, None if entry is None or entry.drained else self._server_slots(address))
 
     def _server_slots(self, address: str) -> list[GpuSlot]:
         slots = self._slot_cache.get(address)
@@ -308,8 +394,7 @@ class PoolCore:
             validate.fraction(req.fraction)
         if req.memory_bytes is not None and not 0 < req.memory_bytes <= 2**60:
             raise InvalidRequest("pool", f"invalid memory size {req.memory_bytes}", "", "give a size above 0")
-        if req.ttl_seconds < 0 or req.ttl_seconds > 366 * 86400:
-            raise InvalidRequest("pool", f"invalid TTL {req.ttl_seconds}", "0 (none) up to a year", "")
+        _check_ttl(req.ttl_seconds, allow_zero=True)
 
     def _check_quotas(self, req: AllocationRequest, units: int) -> None:
         for kind, name in (("user", req.user), ("account", req.account)):
@@ -327,7 +412,7 @@ class PoolCore:
 
     def allocate(self, req: AllocationRequest) -> LeaseRecord:
         self._validate(req)
-        with self._lock:
+        with self._change():
             now = self.clock()
             existing = self.leases.get(req.job_key)
             if existing is not None and existing.expired(now):
@@ -343,7 +428,10 @@ class PoolCore:
             request = SliceRequest(count=req.count, fraction=req.fraction, memory_bytes=req.memory_bytes,
                                    gpu_model=req.gpu_model, server=req.server,
                                    min_memory_bytes=req.min_memory_bytes)
-            placed = place(self._slots(now), request, self.placement)
+            placed = self._index.place(request, self.placement,
+                                       lambda address: self.state_of(self.servers[address], now) == "up")
+            if placed is None:  # no room: the reference over every GPU says what is free
+                placed = place(self._slots(now), request, self.placement)
             lease = LeaseRecord(
                 job_key=req.job_key, user=req.user, account=req.account, created_unix=now,
                 expires_unix=now + req.ttl_seconds if req.ttl_seconds else 0.0,
@@ -357,6 +445,30 @@ class PoolCore:
                  ", ".join(f"{s.server}/{s.gpu_index}@{s.compute_percent}%" for s in lease.slices))
         return lease
 
+    def renew(self, job_key: str, ttl_seconds: float) -> LeaseRecord:
+        """Extend a TTL lease to now + ttl_seconds. Never creates one: a lease that expired (and so
+        may already be reclaimed, its GPU share given to another job) stays gone."""
+        _check_ttl(ttl_seconds, allow_zero=False)
+        with self._lock:
+            now = self.clock()
+            lease = self.leases.get(job_key)
+            if lease is not None and lease.expired(now):
+                self._drop(lease, "expired")
+                lease = None
+            if lease is None:
+                raise NotFound("pool", f"no lease {job_key[:80]!r} to renew",
+                               "it was released, or reclaimed because it was not renewed within its TTL",
+                               "request new slices")
+            if not lease.expires_unix:
+                raise InvalidRequest("pool", f"lease {job_key[:80]} has no TTL to renew", "it never expires",
+                                     "only leases made with a TTL are renewed")
+            renewed = replace(lease, expires_unix=now + ttl_seconds)
+            self.store.set_lease_expiry(job_key, renewed.expires_unix)
+            self.leases[job_key] = renewed
+            for number in range(len(lease.slices)):
+                self._tokens.pop((job_key, number), None)
+        return renewed
+
     def _drop(self, lease: LeaseRecord, how: str) -> None:
         busy = sum(u.busy_seconds for u in self._usages(lease) if u is not None)
         self.store.end_lease(lease, self.clock(), busy, how)
@@ -366,7 +478,7 @@ class PoolCore:
 
     def release(self, job_key: str) -> bool:
         """Idempotent: releasing an unknown or already released key succeeds (returns False)."""
-        with self._lock:
+        with self._change():
             lease = self.leases.get(job_key)
             if lease is None:
                 return False
@@ -375,6 +487,7 @@ class PoolCore:
         return True
 
     def get_lease(self, job_key: str) -> LeaseRecord:
+        self.catch_up()
         with self._lock:
             lease = self.leases.get(job_key)
             if lease is None or lease.expired(self.clock()):
@@ -383,6 +496,7 @@ class PoolCore:
             return lease
 
     def list_leases(self) -> list[LeaseRecord]:
+        self.catch_up()
         with self._lock:
             return sorted(self.leases.values(), key=lambda lease: lease.created_unix)
 
@@ -393,7 +507,7 @@ class PoolCore:
                        for s in lease.slices)
 
     def reclaim_expired(self) -> list[str]:
-        with self._lock:
+        with self._change():
             now = self.clock()
             expired = [lease for lease in self.leases.values() if lease.expired(now)]
             for lease in expired:
@@ -433,7 +547,7 @@ class PoolCore:
         """Release every idle lease (idle_release: Bitfusion's auto_release)."""
         if self.idle_after_seconds <= 0:
             return []
-        with self._lock:
+        with self._change():
             now = self.clock()
             idle = [lease for lease in self.leases.values()
                     if is_idle(idle_seconds(lease, self._usages(lease), now), self.idle_after_seconds)]
@@ -465,7 +579,10 @@ class PoolCore:
         token = tokens.sign(self.secret, tokens.SliceClaims(
             job_key=lease.job_key, slice_number=number, server=s.server, gpu_uuid=s.gpu_uuid,
             gpu_index=s.gpu_index, memory_limit_bytes=s.memory_limit_bytes, compute_percent=s.compute_percent,
-            expires_unix=lease.expires_unix, issued_unix=lease.created_unix))
+            # No expiry of its own: a TTL lease may be renewed while its application (holding this
+            # token) runs; when it ends the pool reclaims it and dispatchers drop its token at their
+            # next heartbeat (live-lease list; a dispatcher with no list takes no tokens).
+            expires_unix=0.0, issued_unix=lease.created_unix))
         if self.leases.get(lease.job_key) is lease:
             self._tokens[(lease.job_key, number)] = token
         return token
@@ -473,6 +590,7 @@ class PoolCore:
     # -- views --------------------------------------------------------------------------------
     def gpu_statuses(self) -> list[GpuStatusRecord]:
         now = self.clock()
+        self.catch_up()
         with self._lock:
             out = []
             for address in sorted(self.servers):
@@ -483,8 +601,31 @@ class PoolCore:
                     out.append(GpuStatusRecord(address, state, gpu, usage.percent, usage.memory_bytes, usage.slices))
             return out
 
+    def gpu_statuses_changed(self, known: dict[str, tuple[str, int]]
+                             ) -> list[tuple[str, tuple[str, int], list[GpuStatusRecord] | None]]:
+        """Per server (sorted): its (state, version) and its GPUs' statuses, or None where `known`
+        already holds that (state, version), so a large listing rebuilds only what changed."""
+        now = self.clock()
+        out: list[tuple[str, tuple[str, int], list[GpuStatusRecord] | None]] = []
+        self.catch_up()
+        with self._lock:
+            for address in sorted(self.servers):
+                entry = self.servers[address]
+                key = (self.state_of(entry, now), self._versions.get(address, 0))
+                if known.get(address) == key:
+                    out.append((address, key, None))
+                    continue
+                records = []
+                for gpu in sorted(entry.info.gpus, key=lambda g: g.index):
+                    usage = self._usage.get((address, gpu.uuid), GpuUsage())
+                    records.append(GpuStatusRecord(address, key[0], gpu, usage.percent, usage.memory_bytes,
+                                                   usage.slices))
+                out.append((address, key, records))
+        return out
+
     def capacity(self) -> Capacity:
         now = self.clock()
+        self.catch_up()
         with self._lock:
             up_gpus = [(entry.info.address, g.uuid) for entry in self.servers.values()
                        if self.state_of(entry, now) == "up" for g in entry.info.gpus]
@@ -498,7 +639,7 @@ class PoolCore:
         validate.name(kind, name)
         if limit_units > 100 * 100_000:
             raise InvalidRequest("pool", f"quota {limit_units} is too large", "at most 10,000,000 GPU-percent", "")
-        with self._lock:
+        with self._change():
             if limit_units < 0:
                 self.store.delete_quota(kind, name)
                 self.quotas.pop((kind, name), None)
@@ -509,7 +650,16 @@ class PoolCore:
             return quota
 
     def quota_usage(self) -> list[tuple[QuotaRecord, int]]:
+        self.catch_up()
         with self._lock:
             return [(QuotaRecord(kind, name, limit), self._used_units.get((kind, name), 0))
                     for (kind, name), limit in sorted(self.quotas.items())]
 
+
+def _check_ttl(ttl_seconds: float, *, allow_zero: bool) -> None:
+    """A TTL in seconds: finite (NaN compares false with everything, so it is named here), above
+    0 (or 0 for none where allowed), at most a year."""
+    if not (ttl_seconds == ttl_seconds and (0 if allow_zero else 1e-3) <= ttl_seconds <= 366 * 86400):
+        raise InvalidRequest("pool", f"invalid TTL {str(ttl_seconds)[:20]}",
+                             ("0 (none) or " if allow_zero else "") + "a number of seconds up to a year",
+                             "give a TTL such as 300 (seconds)")

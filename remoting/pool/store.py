@@ -9,17 +9,23 @@ the database holds no secret.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sqlite3
 import threading
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Iterator, Protocol
 
-from rgpu.errors import ConfigError
+from rgpu.errors import ConfigError, Unavailable
 from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
 
 SCHEMA_VERSION = 1
+
+
+class StoreError(Unavailable):
+    """The state database refused a change (full disk, read-only file): retry later."""
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS servers (
@@ -57,12 +63,27 @@ CREATE TABLE IF NOT EXISTS quotas (
 """
 
 
+@dataclass
+class StateVersion:
+    """The shared state's version when a change began (None: this store has one daemon, never
+    reload) and after it (set when the change commits)."""
+
+    before: int | None
+    after: int | None = None
+
+
 class Store:
     def __init__(self, path: str | os.PathLike[str], durability: str = "normal") -> None:
         self.path = Path(path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             fresh = not self.path.exists()
+            if not fresh and self.path.is_file() and self.path.stat().st_size == 0:
+                # SQLite would take it as a new database: a truncated state file must not become
+                # an empty pool that hands out GPU shares its leases still hold.
+                raise ConfigError("store", f"state database {self.path} is empty (0 bytes)",
+                                  "a truncated or damaged file, or one made by hand",
+                                  "restore it from a backup, or remove it to start an empty pool")
             self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
             if fresh:
                 os.chmod(self.path, 0o600)
@@ -74,8 +95,9 @@ class Store:
                 raise ConfigError("store", f"{self.path} has schema version {version}",
                                   f"this rgpu-poold understands up to {SCHEMA_VERSION}",
                                   "upgrade rgpu-poold, or point --state at another file")
-            self._db.executescript(_SCHEMA)
-            self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+            if version < SCHEMA_VERSION or fresh:   # no write when up to date: a full disk still starts
+                self._db.executescript(_SCHEMA)
+                self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.DatabaseError as exc:
             raise ConfigError("store", f"cannot open state database {self.path}", str(exc),
                               "check the path and permissions, or move a damaged file aside") from None
@@ -84,10 +106,24 @@ class Store:
     def close(self) -> None:
         self._db.close()
 
+    # -- one daemon per file: nothing to share ------------------------------------------------
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[StateVersion]:
+        yield StateVersion(None)
+
+    def version(self) -> int | None:
+        return None
+
+    def heartbeat(self, address: str, now: float) -> None:
+        """Heartbeats stay in the daemon's memory: it is the only one."""
+
+    def load_heartbeats(self) -> dict[str, float]:
+        return {}
+
     # -- loading ---------------------------------------------------------------------------
     def load_servers(self) -> list[tuple[ServerInfo, bool]]:
         rows = self._db.execute("SELECT info_json, drained FROM servers").fetchall()
-        return [(_server_from_json(info), bool(drained)) for info, drained in rows]
+        return [(server_from_json(info), bool(drained)) for info, drained in rows]
 
     def load_leases(self) -> list[LeaseRecord]:
         rows = self._db.execute(
@@ -103,7 +139,11 @@ class Store:
     # -- changes (each one committed before it returns) -------------------------------------
     def _write(self, sql: str, params: tuple[object, ...]) -> None:
         with self._lock:
-            self._db.execute(sql, params)
+            try:
+                self._db.execute(sql, params)
+            except sqlite3.Error as exc:   # a full disk, a read-only or vanished file: the change is not made
+                raise StoreError("store", f"cannot save the pool's state in {self.path}", str(exc),
+                                 "free space on its disk or fix the file's permissions; nothing was changed") from None
 
     def upsert_server(self, server: ServerInfo, registered: float) -> None:
         self._write(
@@ -122,6 +162,9 @@ class Store:
             "INSERT INTO leases(job_key, user, account, created, expires, slices_json) VALUES (?, ?, ?, ?, ?, ?)",
             (lease.job_key, lease.user, lease.account, lease.created_unix, lease.expires_unix,
              json.dumps([vars(s) for s in lease.slices])))
+
+    def set_lease_expiry(self, job_key: str, expires: float) -> None:
+        self._write("UPDATE leases SET expires=? WHERE job_key=?", (expires, job_key))
 
     def delete_lease(self, job_key: str) -> None:
         self._write("DELETE FROM leases WHERE job_key=?", (job_key,))
@@ -149,6 +192,12 @@ class Store:
                 "SELECT user, account, units, created, ended, busy_seconds FROM lease_history "
                 "WHERE ended > ? AND created < ?", (since, until)).fetchall()
 
+    def dump_history(self) -> list[tuple[str, str, str, int, float, float, float, str]]:
+        """Every ended lease, all columns (for migrate-state)."""
+        with self._lock:
+            return self._db.execute("SELECT job_key, user, account, units, created, ended, busy_seconds, how "
+                                    "FROM lease_history").fetchall()
+
     def set_quota(self, quota: QuotaRecord) -> None:
         self._write("INSERT INTO quotas(kind, name, limit_units) VALUES (?, ?, ?) "
                     "ON CONFLICT(kind, name) DO UPDATE SET limit_units=excluded.limit_units",
@@ -158,7 +207,39 @@ class Store:
         self._write("DELETE FROM quotas WHERE kind=? AND name=?", (kind, name))
 
 
-def _server_from_json(text: str) -> ServerInfo:
+def server_from_json(text: str) -> ServerInfo:
     data = json.loads(text)
     data["gpus"] = tuple(GpuInfo(**g) for g in data["gpus"])
     return ServerInfo(**data)
+
+
+class PoolStore(Protocol):
+    """What PoolCore needs of a store: SQLite (Store, one daemon) or PostgreSQL (store_pg, several)."""
+
+    def close(self) -> None: ...
+    def transaction(self) -> contextlib.AbstractContextManager[StateVersion]: ...
+    def version(self) -> int | None: ...
+    def heartbeat(self, address: str, now: float) -> None: ...
+    def load_heartbeats(self) -> dict[str, float]: ...
+    def load_servers(self) -> list[tuple[ServerInfo, bool]]: ...
+    def load_leases(self) -> list[LeaseRecord]: ...
+    def load_quotas(self) -> list[QuotaRecord]: ...
+    def upsert_server(self, server: ServerInfo, registered: float) -> None: ...
+    def set_drained(self, address: str, drained: bool) -> None: ...
+    def delete_server(self, address: str) -> None: ...
+    def insert_lease(self, lease: LeaseRecord) -> None: ...
+    def end_lease(self, lease: LeaseRecord, ended: float, busy_seconds: float = 0.0, how: str = "") -> None: ...
+    def load_history(self, since: float, until: float) -> list[tuple[str, str, int, float, float, float]]: ...
+    def set_quota(self, quota: QuotaRecord) -> None: ...
+    def delete_quota(self, kind: str, name: str) -> None: ...
+
+
+def open_store(state: str, store_url: str = "") -> PoolStore:
+    """The store the settings name: PostgreSQL when store_url is set, else SQLite at `state`."""
+    if store_url:
+        if not store_url.startswith(("postgresql://", "postgres://")):
+            raise ConfigError("store", f"store_url {store_url.split('@')[-1]!r} is not a PostgreSQL URL", "",
+                              "use postgresql://USER@HOST:PORT/DATABASE, or leave it empty for SQLite")
+        from rgpu.remoting.pool.store_pg import PostgresStore
+        return PostgresStore(store_url)
+    return Store(state)

@@ -54,6 +54,11 @@ class PoolStub:
                 request_serializer=rgpu_dot_proto_dot_rgpu__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=rgpu_dot_proto_dot_rgpu__pb2.ReleaseReply.FromString,
                 _registered_method=True)
+        self.Renew = channel.unary_unary(
+                '/rgpu.v1.Pool/Renew',
+                request_serializer=rgpu_dot_proto_dot_rgpu__pb2.RenewRequest.SerializeToString,
+                response_deserializer=rgpu_dot_proto_dot_rgpu__pb2.Lease.FromString,
+                _registered_method=True)
         self.GetLease = channel.unary_unary(
                 '/rgpu.v1.Pool/GetLease',
                 request_serializer=rgpu_dot_proto_dot_rgpu__pb2.GetLeaseRequest.SerializeToString,
@@ -128,6 +133,12 @@ class PoolServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Release(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Renew(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -215,6 +226,11 @@ def add_PoolServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=rgpu_dot_proto_dot_rgpu__pb2.ReleaseRequest.FromString,
                     response_serializer=rgpu_dot_proto_dot_rgpu__pb2.ReleaseReply.SerializeToString,
+            ),
+            'Renew': grpc.unary_unary_rpc_method_handler(
+                    servicer.Renew,
+                    request_deserializer=rgpu_dot_proto_dot_rgpu__pb2.RenewRequest.FromString,
+                    response_serializer=rgpu_dot_proto_dot_rgpu__pb2.Lease.SerializeToString,
             ),
             'GetLease': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLease,
@@ -375,6 +391,33 @@ class Pool:
             '/rgpu.v1.Pool/Release',
             rgpu_dot_proto_dot_rgpu__pb2.ReleaseRequest.SerializeToString,
             rgpu_dot_proto_dot_rgpu__pb2.ReleaseReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Renew(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rgpu.v1.Pool/Renew',
+            rgpu_dot_proto_dot_rgpu__pb2.RenewRequest.SerializeToString,
+            rgpu_dot_proto_dot_rgpu__pb2.Lease.FromString,
             options,
             channel_credentials,
             insecure,

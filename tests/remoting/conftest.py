@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from rgpu.live_leases import LiveLeases
 from rgpu.remoting.native import build
 from rgpu.remoting.dispatcher.sessions import SessionServer
 
@@ -110,6 +111,7 @@ def start_server(backend: str, gpus: list[GpuInfo]) -> tuple[SessionServer, str]
     server = SessionServer(listen_socket=sock, advertised=address, gpus=gpus, secret=SECRET,
                            port_range=(45201, 46225), backend=backend, log=logging.getLogger("rgpu.test.sessions"))
     server.start()
+    server.update_live(LiveLeases.of(0.0, []))   # no pool here: a view in which no token is revoked
     return server, address
 
 

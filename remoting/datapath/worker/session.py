@@ -11,6 +11,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from rgpu.remoting.datapath.worker.lifeline import tie_to_parent
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.counters import Publisher, counters_path
 from rgpu.remoting.datapath.backends.base import NOT_SUPPORTED, CudaError, SliceMemory, context_reserve
@@ -96,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("RGPU_WORKER_LOG_LEVEL", "INFO").upper(),
                         format=f"%(asctime)s rgpu-worker[{os.getpid()}] job={spec.job_key} slice={spec.slice_number} "
                                "%(levelname)s %(message)s")
+    tie_to_parent(int(os.environ.get("RGPU_WORKER_PARENT_PID", "0") or 0))
     sock = socket.socket(fileno=args.fd)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     try:

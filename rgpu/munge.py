@@ -1,0 +1,106 @@
+"""MUNGE credentials through libmunge (ctypes): who a user is, without a secret on their disk.
+
+Users (flexrun -n, rgpu-admin request-gpus/release-gpus/leases/list-gpus) authenticate to the pool
+with a MUNGE credential, the one Slurm sites already run: munged on every node shares a key, a
+credential names the uid and gid of the process that made it, and munged decodes each credential
+once only (its own replay cache) within its TTL (300 s by default). The payload binds the
+credential to one gRPC method. Daemons and admins use the cluster secret instead (rgpu.secret).
+
+Debian packages: munge (munged) and libmunge2 (libmunge.so.2).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import pwd
+from dataclasses import dataclass
+
+from rgpu.errors import AuthError, ConfigError
+
+MUNGE_OPT_SOCKET = 8
+EMUNGE_CRED_REPLAYED = 17
+PAYLOAD_PREFIX = "rgpu-grpc:"
+
+_lib: ctypes.CDLL | None = None
+
+
+def _libmunge() -> ctypes.CDLL:
+    global _lib
+    if _lib is None:
+        name = ctypes.util.find_library("munge") or "libmunge.so.2"
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError as exc:
+            raise ConfigError("munge", "cannot load libmunge", str(exc),
+                              "install MUNGE (Debian: munge and libmunge2), or use the cluster secret") from None
+        lib.munge_ctx_create.restype = ctypes.c_void_p
+        lib.munge_ctx_destroy.argtypes = [ctypes.c_void_p]
+        lib.munge_ctx_set.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p]
+        lib.munge_encode.argtypes = [ctypes.POINTER(ctypes.c_char_p), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+        lib.munge_decode.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                                     ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_uint32),
+                                     ctypes.POINTER(ctypes.c_uint32)]
+        lib.munge_strerror.restype = ctypes.c_char_p
+        lib.munge_strerror.argtypes = [ctypes.c_int]
+        _lib = lib
+    return _lib
+
+
+def _ctx(lib: ctypes.CDLL, socket_path: str) -> int:
+    ctx = lib.munge_ctx_create()
+    if not ctx:
+        raise ConfigError("munge", "cannot create a MUNGE context", "out of memory", "")
+    if socket_path:
+        lib.munge_ctx_set(ctx, MUNGE_OPT_SOCKET, socket_path.encode())
+    return ctx
+
+
+def encode(payload: str, socket_path: str = "") -> str:
+    """A credential for the calling process's uid carrying `payload`."""
+    lib = _libmunge()
+    ctx = _ctx(lib, socket_path)
+    cred = ctypes.c_char_p()
+    data = payload.encode()
+    try:
+        err = lib.munge_encode(ctypes.byref(cred), ctx, data, len(data))
+        if err:
+            raise AuthError("munge", "cannot get a MUNGE credential", lib.munge_strerror(err).decode(errors="replace"),
+                            "check that munged runs on this node (and munge_socket in rgpu.toml)")
+        return cred.value.decode() if cred.value else ""
+    finally:
+        lib.munge_ctx_destroy(ctx)
+
+
+@dataclass(frozen=True)
+class Identity:
+    uid: int
+    gid: int
+    user: str
+    payload: str
+
+
+def decode(credential: str, socket_path: str = "") -> Identity:
+    """Who made `credential` (munged checks it, its TTL and that it is used once). Raises AuthError."""
+    lib = _libmunge()
+    ctx = _ctx(lib, socket_path)
+    buf = ctypes.c_void_p()
+    length = ctypes.c_int()
+    uid, gid = ctypes.c_uint32(), ctypes.c_uint32()
+    try:
+        err = lib.munge_decode(credential.encode()[:8192], ctx, ctypes.byref(buf), ctypes.byref(length),
+                               ctypes.byref(uid), ctypes.byref(gid))
+        payload = ctypes.string_at(buf, length.value).decode(errors="replace") if buf.value else ""
+        if buf.value:
+            ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").free(buf)
+        if err:
+            why = lib.munge_strerror(err).decode(errors="replace")
+            raise AuthError("munge", "MUNGE credential refused", "replayed" if err == EMUNGE_CRED_REPLAYED else why,
+                            "make a new credential for each call; check munged and the nodes' clocks")
+    finally:
+        lib.munge_ctx_destroy(ctx)
+    try:
+        user = pwd.getpwuid(uid.value).pw_name
+    except KeyError:
+        user = str(uid.value)
+    return Identity(uid.value, gid.value, user, payload)

@@ -1,0 +1,124 @@
+"""Leases that end: flexrun -n's lease has a TTL renewed while the application runs, and a
+kill -9'd flexrun's lease is reclaimed within one TTL; Renew never creates a lease; a NaN TTL is
+INVALID_ARGUMENT. Real rgpu-poold and rgpu-dispatcher on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from rgpu.errors import InvalidRequest, NotFound
+from rgpu.remoting.native import build
+from tests.daemons import EXAMPLES, RgpuCluster, wait_for
+from tests.test_dispatcher import wait_state
+
+TTL = 3.0
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
+    c = RgpuCluster(tmp_path / "cluster")
+    c.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.25,
+                   flexrun_lease_ttl_seconds=TTL)
+    try:
+        yield c
+    finally:
+        c.stop_all()
+
+
+def _leases(cluster: RgpuCluster) -> list[str]:
+    with cluster.client() as client:
+        return [lease.job_key for lease in client.list_leases()]
+
+
+def test_a_killed_flexruns_lease_is_reclaimed_within_one_ttl(cluster: RgpuCluster,
+                                                             native_libs: build.Libraries) -> None:
+    cluster.start_pool()
+    _d, port = cluster.start_dispatcher(EXAMPLES / "inventory-a.toml")
+    wait_state(cluster, f"127.0.0.1:{port}", "up")
+    env = cluster.env(RGPU_NATIVE_DIR=str(native_libs.folder))
+    proc = subprocess.Popen([sys.executable, "-m", "rgpu.remoting.client.flexrun", "-n", "1", "-p", "0.5", "--",
+                             "sleep", "60"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: any(k.startswith("flexrun-") for k in _leases(cluster)), timeout=30,
+                 what=f"flexrun's lease ({proc.poll()})")
+        with cluster.client() as client:
+            first = [lease for lease in client.list_leases() if lease.job_key.startswith("flexrun-")][0]
+        assert 0 < first.expires_unix - first.created_unix <= TTL + 0.5
+        time.sleep(2.5 * TTL)                               # renewed while the application runs
+        assert first.job_key in _leases(cluster)
+        with cluster.client() as client:
+            assert client.get_lease(first.job_key).expires_unix > first.expires_unix + TTL
+        os.kill(proc.pid, signal.SIGKILL)                  # flexrun only: its application lives on
+        killed = time.monotonic()
+        wait_for(lambda: first.job_key not in _leases(cluster), timeout=TTL + 5, what="the lease to be reclaimed")
+        took = time.monotonic() - killed
+        print(f"\nkill -9 of flexrun: its lease (TTL {TTL:g} s) reclaimed after {took:.2f} s")
+        assert took <= TTL + 1.0
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def test_a_finished_flexrun_releases_its_lease(cluster: RgpuCluster, native_libs: build.Libraries) -> None:
+    cluster.start_pool()
+    _d, port = cluster.start_dispatcher(EXAMPLES / "inventory-a.toml")
+    wait_state(cluster, f"127.0.0.1:{port}", "up")
+    env = cluster.env(RGPU_NATIVE_DIR=str(native_libs.folder))
+    done = subprocess.run([sys.executable, "-m", "rgpu.remoting.client.flexrun", "-n", "1", "-p", "0.5", "--",
+                           "sleep", str(TTL)], env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert _leases(cluster) == []
+    assert "renewing" not in done.stderr
+
+
+def test_renew_extends_and_never_creates(cluster: RgpuCluster) -> None:
+    from tests.daemons import register_servers
+    cluster.start_pool()
+    with cluster.client() as client:
+        register_servers(client, servers=1, gpus=2)
+        lease = client.allocate("job-ttl", "alice", 1, fraction=0.5, ttl_seconds=TTL)
+        renewed = client.renew("job-ttl", 100)
+        assert renewed.expires_unix > lease.expires_unix + 90
+        assert renewed.slices[0].token == lease.slices[0].token   # the running application's token stays good
+        assert client.release("job-ttl")
+        with pytest.raises(NotFound, match="no lease 'job-ttl' to renew"):
+            client.renew("job-ttl", 100)
+        assert client.list_leases() == []
+        client.allocate("job-forever", "alice", 1, fraction=0.5)
+        with pytest.raises(InvalidRequest, match="has no TTL to renew"):
+            client.renew("job-forever", 100)
+
+
+@pytest.mark.parametrize("ttl", [float("nan"), float("inf"), -1.0])
+def test_a_bad_ttl_is_invalid_argument(cluster: RgpuCluster, ttl: float) -> None:
+    from rgpu.proto import rgpu_pb2 as pb
+    from rgpu.proto import rgpu_pb2_grpc as pb_grpc
+    from rgpu.remoting.pool.auth import AUTH_HEADER, request_credential
+    from tests.daemons import register_servers
+    cluster.start_pool()
+    with cluster.client() as client:
+        register_servers(client, servers=1, gpus=1)
+        with pytest.raises(InvalidRequest, match="invalid TTL") as info:
+            client.allocate("job-nan", "alice", 1, fraction=0.5, ttl_seconds=ttl)
+        assert "\n" not in str(info.value)
+    method = "/rgpu.v1.Pool/Allocate"
+    with grpc.insecure_channel(cluster.pool_address) as channel:
+        with pytest.raises(grpc.RpcError) as raw:
+            pb_grpc.PoolStub(channel).Allocate(
+                pb.AllocateRequest(job_key="job-nan", user="alice", count=1, fraction=0.5, ttl_seconds=ttl),
+                metadata=[(AUTH_HEADER, request_credential(cluster.secret, method))], timeout=5)
+    assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -1,0 +1,184 @@
+"""Two kinds of caller, against a real rgpu-poold and a real munged (private socket and key):
+users authenticate with MUNGE and get least privilege; daemons and admins hold the cluster secret.
+
+The user is a separate uid without the secret: `nobody` makes its MUNGE credentials with munge(1)
+(this machine's Python lives where nobody cannot run it); the test sends them as a client would.
+rgpu's own client path (libmunge through ctypes) runs as this test's uid with no secret file."""
+
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from rgpu.proto import rgpu_pb2 as pb
+from rgpu.proto import rgpu_pb2_grpc as pb_grpc
+from rgpu.remoting.pool.auth import MUNGE_HEADER
+from rgpu.remoting.pool.client import PoolClient
+from rgpu.remoting.pool.convert import server_to_pb
+from tests.daemons import RgpuCluster, register_servers, wait_for
+
+pytestmark = pytest.mark.integration
+USER = "nobody"
+
+
+@pytest.fixture(scope="module")
+def munge_socket() -> Iterator[str]:
+    munged = shutil.which("munged") or "/usr/sbin/munged"
+    if os.geteuid() != 0 or not os.path.exists(munged) or not shutil.which("munge"):
+        pytest.skip("needs root, munged and munge(1) (Debian: munge, libmunge2)")
+    try:
+        owner = pwd.getpwnam("munge")
+        pwd.getpwnam(USER)
+    except KeyError:
+        pytest.skip("needs the munge and nobody users")
+    root = Path(tempfile.mkdtemp(prefix="rgpu-munge-"))
+    root.chmod(0o755)                      # users must reach the socket
+    key = root / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o400)
+    for p in (root, key):
+        os.chown(p, owner.pw_uid, owner.pw_gid)
+    sock = root / "munge.socket"
+    proc = subprocess.Popen(["runuser", "-u", "munge", "--", munged, "--foreground", "--force", f"--socket={sock}",
+                             f"--key-file={key}", f"--pid-file={root / 'munged.pid'}",
+                             f"--log-file={root / 'munged.log'}", f"--seed-file={root / 'munged.seed'}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: sock.exists() or proc.poll() is not None, what="munged's socket")
+        assert proc.poll() is None, "munged exited at start"
+        yield str(sock)
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, munge_socket: str) -> Iterator[RgpuCluster]:
+    c = RgpuCluster(tmp_path / "cluster")
+    c.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5,
+                   munge_socket=munge_socket)
+    c.start_pool()
+    with c.client() as client:
+        register_servers(client, servers=1, gpus=4)
+    try:
+        yield c
+    finally:
+        c.stop_all()
+
+
+def user_credential(munge_socket: str, method: str, user: str = USER) -> str:
+    """A MUNGE credential made by `user` (a separate uid, without the secret) for one method."""
+    done = subprocess.run(["runuser", "-u", user, "--", "munge", "-S", munge_socket, "-s", f"rgpu-grpc:{method}"],
+                          capture_output=True, text=True, timeout=10, check=True)
+    return done.stdout.strip()
+
+
+def as_user(cluster: RgpuCluster, munge_socket: str, name: str, request: object,
+            credential: str | None = None) -> object:
+    method = f"/rgpu.v1.Pool/{name}"
+    with grpc.insecure_channel(cluster.pool_address) as channel:
+        return getattr(pb_grpc.PoolStub(channel), name)(
+            request, metadata=[(MUNGE_HEADER, credential or user_credential(munge_socket, method))], timeout=10)
+
+
+def refused(code: grpc.StatusCode, call: object) -> str:
+    with pytest.raises(grpc.RpcError) as info:
+        call()   # type: ignore[operator]
+    assert info.value.code() == code, info.value.details()
+    details = info.value.details()
+    assert "\n" not in details and details.startswith("rgpu: pool: ")
+    return details
+
+
+def test_a_user_leases_as_who_munge_says_never_as_someone_else(cluster: RgpuCluster, munge_socket: str) -> None:
+    lease = as_user(cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key="u1", count=1, fraction=0.5))
+    assert lease.user == USER and lease.slices[0].token   # type: ignore[attr-defined]
+    text = refused(grpc.StatusCode.PERMISSION_DENIED, lambda: as_user(
+        cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key="u2", user="victim", count=1, fraction=0.5)))
+    assert "cannot lease GPUs as victim" in text and f"MUNGE says you are {USER}" in text
+    with cluster.client() as admin:
+        assert [(x.job_key, x.user) for x in admin.list_leases()] == [("u1", USER)]
+        admin.set_quota("user", USER, 0)
+    refused(grpc.StatusCode.PERMISSION_DENIED, lambda: as_user(
+        cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key="u3", count=1, fraction=0.5)))
+
+
+def test_a_user_sees_others_leases_without_tokens_and_cannot_touch_them(cluster: RgpuCluster,
+                                                                       munge_socket: str) -> None:
+    with cluster.client() as admin:
+        admin.allocate("alice-job", "alice", 1, fraction=0.5)
+    as_user(cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key="mine", count=1, fraction=0.25))
+    leases = {x.job_key: x for x in as_user(cluster, munge_socket, "ListLeases", pb.ListLeasesRequest()).leases}
+    assert leases["alice-job"].user == "alice" and all(s.token == "" for s in leases["alice-job"].slices)
+    assert all(s.token for s in leases["mine"].slices)
+    other = as_user(cluster, munge_socket, "GetLease", pb.GetLeaseRequest(job_key="alice-job"))
+    assert all(s.token == "" for s in other.slices)   # type: ignore[attr-defined]
+    for name, request in (("Release", pb.ReleaseRequest(job_key="alice-job")),
+                          ("Renew", pb.RenewRequest(job_key="alice-job", ttl_seconds=60)),
+                          ("Allocate", pb.AllocateRequest(job_key="alice-job", count=1, fraction=0.5))):
+        text = refused(grpc.StatusCode.PERMISSION_DENIED, lambda: as_user(cluster, munge_socket, name, request))
+        assert "belongs to alice" in text
+    assert as_user(cluster, munge_socket, "Release", pb.ReleaseRequest(job_key="mine")).released
+    with cluster.client() as admin:
+        assert [x.job_key for x in admin.list_leases()] == ["alice-job"]
+
+
+@pytest.mark.parametrize("name, request_", [
+    ("RegisterServer", pb.RegisterServerRequest(server=pb.Server(address="127.0.0.1:56000"))),
+    ("Heartbeat", pb.HeartbeatRequest(address="127.0.0.1:56000")),
+    ("SetServerState", pb.SetServerStateRequest(server="127.0.0.1:56000", drained=True)),
+    ("RemoveServer", pb.RemoveServerRequest(server="127.0.0.1:56000")),
+    ("SetQuota", pb.SetQuotaRequest(kind="user", name=USER, limit_units=10000)),
+    ("Usage", pb.UsageRequest()),
+])
+def test_only_daemons_and_admins_register_drain_and_set_quotas(cluster: RgpuCluster, munge_socket: str, name: str,
+                                                                request_: object) -> None:
+    text = refused(grpc.StatusCode.PERMISSION_DENIED, lambda: as_user(cluster, munge_socket, name, request_))
+    assert f"{name} is for daemons and admins" in text
+    with cluster.client() as admin:
+        assert [s.state for s in admin.list_servers().servers] == ["up"]
+
+
+def test_munge_credentials_are_bound_to_one_call_and_used_once(cluster: RgpuCluster, munge_socket: str) -> None:
+    cred = user_credential(munge_socket, "/rgpu.v1.Pool/ListGpus")
+    as_user(cluster, munge_socket, "ListGpus", pb.ListGpusRequest(), cred)
+    assert "replayed" in refused(grpc.StatusCode.UNAUTHENTICATED,
+                                 lambda: as_user(cluster, munge_socket, "ListGpus", pb.ListGpusRequest(), cred))
+    other = user_credential(munge_socket, "/rgpu.v1.Pool/ListGpus")
+    assert "made for another call" in refused(grpc.StatusCode.UNAUTHENTICATED, lambda: as_user(
+        cluster, munge_socket, "ListLeases", pb.ListLeasesRequest(), other))
+
+
+def test_rgpus_own_client_uses_munge_without_the_secret(cluster: RgpuCluster, munge_socket: str,
+                                                        tmp_path: Path) -> None:
+    me = pwd.getpwuid(os.getuid()).pw_name
+    with PoolClient(cluster.pool_address, None, munge_socket=munge_socket) as client:
+        lease = client.allocate("via-libmunge", "", 1, fraction=0.5)
+        assert lease.user == me
+    env = cluster.env(RGPU_SECRET_FILE=str(tmp_path / "no-secret-here"))
+    admin = [sys.executable, "-m", "rgpu.remoting.admin.cli"]
+    done = subprocess.run([*admin, "leases"], env=env, capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0 and "via-libmunge" in done.stdout, done.stderr
+    done = subprocess.run([*admin, "drain", "127.0.0.1:56000"], env=env, capture_output=True, text=True,
+                          timeout=30, check=False)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "SetServerState is for daemons and admins" in lines[0], done.stderr
+    conf = tmp_path / "a.conf"
+    done = subprocess.run([*admin, "request-gpus", "-n", "1", "-p", "0.25", "-o", str(conf), "--ttl", "1h"], env=env,
+                          capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 0, done.stderr
+    done = subprocess.run([*admin, "release-gpus", "-f", str(conf)], env=env, capture_output=True, text=True,
+                          timeout=30, check=False)
+    assert done.returncode == 0, done.stderr
+

@@ -1,0 +1,196 @@
+"""Several pool daemons on one real PostgreSQL (Debian's package, on loopback)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from rgpu.config import load_settings
+from rgpu.errors import CapacityError, ConfigError, RgpuError, Unavailable
+from rgpu.remoting.pool.client import connect
+from rgpu.remoting.pool.rules import PoolCore
+from rgpu.remoting.pool.store_pg import PostgresStore
+from tests.daemons import RgpuCluster, register_servers, wait_for
+from tests.poolcore_helpers import SECRET, Clock, make_core, req
+from tests.postgres import Postgres, server_bin
+
+pytestmark = [pytest.mark.integration,
+              pytest.mark.skipif(server_bin() is None, reason="PostgreSQL is not installed (apt-get install postgresql)")]
+psycopg = pytest.importorskip("psycopg")
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+@pytest.fixture
+def postgres():  # type: ignore[no-untyped-def]
+    server = Postgres().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def two_pools(tmp_path: Path, postgres: Postgres):  # type: ignore[no-untyped-def]
+    first = RgpuCluster(tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    shutil.copy(first.secret_file, tmp_path / "b" / "secret")
+    second = RgpuCluster(tmp_path / "b")
+    for cluster in (first, second):
+        cluster.write_config(down_after_seconds=30.0, heartbeat_interval_seconds=0.5, reclaim_interval_seconds=0.5,
+                             store_url=postgres.url)
+        cluster.start_pool()
+    yield first, second
+    for cluster in (first, second):
+        cluster.stop_all()
+
+
+def test_both_pools_see_one_state(two_pools) -> None:  # type: ignore[no-untyped-def]
+    first, second = two_pools
+    with first.client() as a, second.client() as b:
+        register_servers(a, servers=2, gpus=2)
+        lease = a.allocate("job-1", "alice", 1, fraction=0.5)
+        again = b.allocate("job-1", "alice", 1, fraction=0.5)     # the same job key on the other daemon
+        assert again.slices[0].token == lease.slices[0].token
+        assert b.get_lease("job-1").job_key == "job-1"
+        assert len(b.list_gpus()) == 4
+        assert b.release("job-1") and not a.release("job-1")
+        assert a.list_leases() == []
+
+
+def test_a_burst_through_both_never_over_commits_and_kill_9_loses_no_acknowledged_lease(two_pools) -> None:  # type: ignore[no-untyped-def]
+    first, second = two_pools
+    with first.client() as a:
+        register_servers(a, servers=4, gpus=4)                    # 16 GPUs: room for 32 half-GPU slices
+    settings_ab = load_settings(env=first.env(RGPU_POOL=f"{first.pool_address},{second.pool_address}"))
+    settings_ba = load_settings(env=first.env(RGPU_POOL=f"{second.pool_address},{first.pool_address}"))
+    acknowledged: list[str] = []
+    refused: list[str] = []
+    failures: list[str] = []
+    lock = threading.Lock()
+
+    def worker(n: int) -> None:
+        with connect(settings_ab if n % 2 else settings_ba, timeout=10.0) as client:
+            for i in range(8):
+                key = f"job-{n}-{i}"
+                try:
+                    client.allocate(key, f"user{n}", 1, fraction=0.5)
+                except CapacityError:
+                    with lock:
+                        refused.append(key)
+                    continue
+                except RgpuError as exc:
+                    with lock:
+                        failures.append(f"{key}: {exc}")
+                    continue
+                with lock:
+                    acknowledged.append(key)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: len(acknowledged) >= 6, what="the burst to start")
+    first.pool.kill()                                              # kill -9 mid-burst
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not failures, failures
+    assert len(acknowledged) + len(refused) == 48
+    assert len(acknowledged) == 32 and len(refused) == 16          # exactly the pool's room, never more
+    with second.client() as b:
+        held = {lease.job_key for lease in b.list_leases()}
+        assert set(acknowledged) <= held
+        for gpu in b.list_gpus():
+            assert gpu.allocated_percent <= 100 and gpu.allocated_memory_bytes <= gpu.gpu.usable_memory_bytes
+
+
+def test_a_dispatcher_heartbeating_to_one_daemon_is_up_on_the_other(tmp_path: Path, postgres: Postgres) -> None:
+    first = RgpuCluster(tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    shutil.copy(first.secret_file, tmp_path / "b" / "secret")
+    second = RgpuCluster(tmp_path / "b")
+    try:
+        for cluster in (first, second):
+            cluster.write_config(down_after_seconds=2.0, heartbeat_interval_seconds=0.3,
+                                 reclaim_interval_seconds=0.3, store_url=postgres.url)
+            cluster.start_pool()
+        first.start_dispatcher(EXAMPLES / "inventory-a.toml")       # knows the first daemon only
+        with second.client() as b:
+            wait_for(lambda: [s.state for s in b.list_servers().servers] == ["up"], what="the server on the other daemon")
+            time.sleep(3.0)                                         # longer than down_after_seconds
+            assert [s.state for s in b.list_servers().servers] == ["up"]
+            assert b.allocate("job-1", "alice", 1, fraction=0.5).slices
+    finally:
+        for cluster in (first, second):
+            cluster.stop_all()
+
+
+def test_rgpu_admin_migrates_sqlite_state_into_postgresql(tmp_path: Path, postgres: Postgres) -> None:
+    clock = Clock()
+    db = tmp_path / "pool.db"
+    before = make_core(db, clock, servers=2)
+    lease = before.allocate(req("job-1", count=2, fraction=0.5, account="physics"))
+    before.allocate(req("job-2", fraction=0.25))
+    clock.now += 3600
+    before.release("job-2")                                         # history
+    before.set_drained("gpu1", True)
+    before.set_quota("user", "alice", 500)
+    before.store.close()
+
+    def admin(*args: str) -> subprocess.CompletedProcess[str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
+        return subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", "--config", str(tmp_path / "none.toml"),
+                               "migrate-state", "--from", str(db), "--to", postgres.url],
+                              capture_output=True, text=True, env=env, timeout=60)
+
+    (tmp_path / "none.toml").write_text("")
+    done = admin()
+    assert done.returncode == 0, done.stderr
+    assert "copied 2 servers, 1 leases, 1 quotas, 1 history" in done.stdout
+    after = PoolCore(store=PostgresStore(postgres.url), secret=SECRET, down_after_seconds=10, clock=clock)
+    try:
+        assert after.get_lease("job-1") == lease
+        assert after.token_for(after.get_lease("job-1"), 0) == before.token_for(lease, 0)
+        assert after.servers["127.0.0.1:55002"].drained and not after.servers["127.0.0.1:55001"].drained
+        assert after.quota_usage()[0][0].limit_units == 500
+        totals = after.usage_totals(clock.now - 7200, clock.now)
+        # the live lease (2 x 50% for an hour) and the ended one from the history (25% for an hour)
+        assert {(t.account, t.gpu_percent_hours, t.leases) for t in totals} == {("physics", 100.0, 1), ("", 25.0, 1)}
+    finally:
+        after.store.close()
+    again = admin()
+    assert again.returncode == 2 and again.stderr.startswith("rgpu: migrate-state: the PostgreSQL store already holds")
+    assert again.stderr.count("\n") == 1
+
+
+def test_a_pool_daemon_reconnects_after_postgresql_restarts(two_pools, postgres: Postgres) -> None:  # type: ignore[no-untyped-def]
+    first, _second = two_pools
+    with first.client() as a:
+        register_servers(a, servers=1, gpus=2)
+        a.allocate("job-1", "alice", 1, fraction=0.5)
+        postgres.restart()
+        errors: list[str] = []
+
+        def allocated() -> bool:
+            try:
+                a.allocate("job-2", "alice", 1, fraction=0.5)
+                return True
+            except Unavailable as exc:           # the call that meets the broken connection
+                errors.append(str(exc))
+                return False
+
+        wait_for(allocated, what="an allocation after PostgreSQL restarted")
+        assert all(e.startswith("rgpu: store: PostgreSQL is unreachable") or "unavailable" in e.lower()
+                   for e in errors), errors
+        assert {lease.job_key for lease in a.list_leases()} == {"job-1", "job-2"}
+
+
+def test_idle_release_with_a_shared_store_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "rgpu.toml"
+    config.write_text('store_url = "postgresql://rgpu@db:5432/rgpu"\nidle_release = true\n')
+    with pytest.raises(ConfigError) as caught:
+        load_settings(config, env={})
+    assert str(caught.value).startswith("rgpu: config: idle_release cannot be used with store_url yet")
