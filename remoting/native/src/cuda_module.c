@@ -600,46 +600,66 @@ RGPU_EXPORT CUresult CUDAAPI cuLinkDestroy(CUlinkState state) {
  * Parameters are packed here with the layout the worker's driver reported, so the worker
  * launches with one buffer (CU_LAUNCH_PARAM_BUFFER_POINTER) and never looks inside it. */
 
+/* Where a launch's arguments come from: the caller's packed `extra` buffer (buf, argsize), or
+ * kernelParams packed with the function's cached layout (fn). */
+typedef struct launch_args { const void *buf; size_t argsize; rgpu_fn *fn; } launch_args;
+
+static CUresult resolve_args(CUfunction f, void **params, void **extra, launch_args *a) {
+    if (!f) return CUDA_ERROR_INVALID_HANDLE;
+    if (params && extra) return CUDA_ERROR_INVALID_VALUE;
+    a->buf = NULL;
+    a->argsize = 0;
+    a->fn = NULL;
+    if (extra) {
+        for (size_t i = 0; extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
+            if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER) a->buf = extra[i + 1];
+            else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE) a->argsize = *(size_t *)extra[i + 1];
+            else return CUDA_ERROR_INVALID_VALUE;
+        }
+        return CUDA_SUCCESS;
+    }
+    CUresult r = function_info((uint64_t)(uintptr_t)f, &a->fn);
+    if (r != CUDA_SUCCESS) return r;
+    if (a->fn->nparams && !params) return CUDA_ERROR_INVALID_VALUE;
+    a->argsize = a->fn->argsize;
+    return CUDA_SUCCESS;
+}
+
+/* Fill out[0..argsize) (zeroed by the caller) with the arguments. */
+static void pack_args(const launch_args *a, void **params, uint8_t *out) {
+    if (a->buf) {
+        memcpy(out, a->buf, a->argsize);
+        return;
+    }
+    for (uint32_t i = 0; a->fn && i < a->fn->nparams; i++) memcpy(out + a->fn->offsets[i], params[i], a->fn->sizes[i]);
+}
+
 static CUresult launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
                        unsigned int by, unsigned int bz, unsigned int shmem, CUstream stream, void **params,
                        void **extra, const CUlaunchAttribute *attrs, unsigned int nattrs, int cooperative) {
-    if (!f) return CUDA_ERROR_INVALID_HANDLE;
-    if (params && extra) return CUDA_ERROR_INVALID_VALUE;
-    const void *buf = NULL;
-    size_t argsize = 0;
-    rgpu_fn *fn = NULL;
-    if (extra) {
-        for (size_t i = 0; extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
-            if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER) buf = extra[i + 1];
-            else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE) argsize = *(size_t *)extra[i + 1];
-            else return CUDA_ERROR_INVALID_VALUE;
-        }
-    } else {
-        CUresult r = function_info((uint64_t)(uintptr_t)f, &fn);
-        if (r != CUDA_SUCCESS) return r;
-        if (fn->nparams && !params) return CUDA_ERROR_INVALID_VALUE;
-        argsize = fn->argsize;
-    }
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuLaunchKernel);
+    launch_args a;
+    CUresult r = resolve_args(f, params, extra, &a);
     if (r != CUDA_SUCCESS) return r;
-    uint32_t head[12] = {gx, gy, gz, bx, by, bz, shmem, (uint32_t)cooperative, nattrs, (uint32_t)argsize, 0, 0};
+    rgpu_call c;
+    r = rgpu_begin(&c, RGPU_OP_cuLaunchKernel);
+    if (r != CUDA_SUCCESS) return r;
+    uint32_t head[12] = {gx, gy, gz, bx, by, bz, shmem, (uint32_t)cooperative, nattrs, (uint32_t)a.argsize, 0, 0};
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)f);
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
     rgpu_put(&c, head, sizeof head);
     if (nattrs) rgpu_put(&c, attrs, nattrs * sizeof(CUlaunchAttribute));
-    if (buf) {
-        rgpu_put(&c, buf, argsize);
-    } else if (argsize) {
-        uint8_t packed[4096];
-        uint8_t *p = argsize <= sizeof packed ? packed : calloc(1, argsize);
+    if (a.buf) {
+        rgpu_put(&c, a.buf, a.argsize);
+    } else if (a.argsize) {
+        uint8_t packed[4096];  /* the common case: no allocation on the launch path */
+        uint8_t *p = a.argsize <= sizeof packed ? packed : malloc(a.argsize);
         if (!p) {
             rgpu_end(&c);
             return CUDA_ERROR_OUT_OF_MEMORY;
         }
-        memset(p, 0, argsize);
-        for (uint32_t i = 0; i < fn->nparams; i++) memcpy(p + fn->offsets[i], params[i], fn->sizes[i]);
-        rgpu_put(&c, p, argsize);
+        memset(p, 0, a.argsize);
+        pack_args(&a, params, p);
+        rgpu_put(&c, p, a.argsize);
         if (p != packed) free(p);
     }
     return rgpu_async(&c);
@@ -647,30 +667,14 @@ static CUresult launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned 
 
 /* A kernel's arguments packed as a launch packs them (graph kernel nodes): a malloc'd buffer. */
 CUresult rgpu_kernel_args(CUfunction f, void **params, void **extra, uint8_t **out, size_t *size) {
-    if (!f) return CUDA_ERROR_INVALID_HANDLE;
-    if (params && extra) return CUDA_ERROR_INVALID_VALUE;
-    const void *buf = NULL;
-    size_t argsize = 0;
-    rgpu_fn *fn = NULL;
-    if (extra) {
-        for (size_t i = 0; extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
-            if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER) buf = extra[i + 1];
-            else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE) argsize = *(size_t *)extra[i + 1];
-            else return CUDA_ERROR_INVALID_VALUE;
-        }
-    } else {
-        CUresult r = function_info((uint64_t)(uintptr_t)f, &fn);
-        if (r != CUDA_SUCCESS) return r;
-        if (fn->nparams && !params) return CUDA_ERROR_INVALID_VALUE;
-        argsize = fn->argsize;
-    }
-    uint8_t *p = calloc(1, argsize ? argsize : 1);
+    launch_args a;
+    CUresult r = resolve_args(f, params, extra, &a);
+    if (r != CUDA_SUCCESS) return r;
+    uint8_t *p = calloc(1, a.argsize ? a.argsize : 1);
     if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
-    if (buf) memcpy(p, buf, argsize);
-    else
-        for (uint32_t i = 0; fn && i < fn->nparams; i++) memcpy(p + fn->offsets[i], params[i], fn->sizes[i]);
+    pack_args(&a, params, p);
     *out = p;
-    *size = argsize;
+    *size = a.argsize;
     return CUDA_SUCCESS;
 }
 
