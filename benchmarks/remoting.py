@@ -134,6 +134,25 @@ def run_child(env: dict[str, str], iterations: int) -> dict[str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def start_session_server(gpu, secret: bytes, backend: str = "cuda"):  # type: ignore[no-untyped-def]
+    """A session server for `gpu` on a loopback port, with no pool beside it: (server, address).
+    Its live-lease view starts empty ("no token revoked"): without one, a dispatcher refuses every
+    token until the pool first answers (fail closed)."""
+    from rgpu.live_leases import LiveLeases
+    from rgpu.remoting.dispatcher.sessions import SessionServer
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    address = f"127.0.0.1:{sock.getsockname()[1]}"
+    logging.basicConfig(level=logging.WARNING)
+    server = SessionServer(listen_socket=sock, advertised=address, gpus=[gpu], secret=secret,
+                           port_range=(45201, 46225), backend=backend, log=logging.getLogger("rgpu.bench"))
+    server.update_live(LiveLeases.of(0.0, []))
+    server.start()
+    return server, address
+
+
 def local_gpu():  # type: ignore[no-untyped-def]
     import pynvml
 
@@ -161,21 +180,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from rgpu.remoting.native.build import ensure_built
-    from rgpu.remoting.dispatcher.sessions import SessionServer
 
     from rgpu import tokens
 
     libs = ensure_built()
     gpu = local_gpu()
     secret = os.urandom(32)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    address = f"127.0.0.1:{sock.getsockname()[1]}"
-    logging.basicConfig(level=logging.WARNING)
-    server = SessionServer(listen_socket=sock, advertised=address, gpus=[gpu], secret=secret,
-                           port_range=(45201, 46225), backend="cuda", log=logging.getLogger("rgpu.bench"))
-    server.start()
+    server, address = start_session_server(gpu, secret)
     try:
         limit = gpu.total_memory_bytes // 2
         token = tokens.sign(secret, tokens.SliceClaims(

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -121,22 +119,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     sys.path.insert(0, str(HERE.parent))
-    from benchmarks.remoting import local_gpu
+    from benchmarks.remoting import local_gpu, start_session_server
     from rgpu import tokens
-    from rgpu.remoting.dispatcher.sessions import SessionServer
     from rgpu.remoting.native.build import ensure_built
 
     libs = ensure_built()
     gpu = local_gpu()
     secret = os.urandom(32)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    address = f"127.0.0.1:{sock.getsockname()[1]}"
-    logging.basicConfig(level=logging.WARNING)
-    server = SessionServer(listen_socket=sock, advertised=address, gpus=[gpu], secret=secret,
-                           port_range=(45201, 46225), backend="cuda", log=logging.getLogger("rgpu.bench"))
-    server.start()
+    server, address = start_session_server(gpu, secret)
     rows = []
     try:
         base = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
