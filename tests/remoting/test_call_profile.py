@@ -83,3 +83,21 @@ def test_kernel_attributes_cost_one_round_trip_and_setting_one_kernel_keeps_the_
     assert ops["cuKernelSetAttribute"].sync_calls == 51       # A's 50 changes, B's first set
     assert ops["cuKernelGetAttribute"].sync_calls == 2        # B's attribute 0 once; A's after cuFuncSetAttribute
     assert ops["cuKernelGetFunction"].sync_calls == 1
+
+
+def test_the_caches_grow_instead_of_forgetting(native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
+    # 10,000 distinct occupancy questions (more than the first table holds): each travels once.
+    done = py_client(native_libs, emulated.slices(emulated.token()), f"""
+        setup()
+        ptx = open({str(EXAMPLES / "vecadd.ptx")!r}, "rb").read() + b"\\0"
+        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        check("cuModuleLoadData", ctypes.byref(mod), ptx)
+        check("cuModuleGetFunction", ctypes.byref(fn), mod, b"vecadd")
+        n = ctypes.c_int()
+        for round_ in range(2):
+            for smem in range(10000):
+                check("cuOccupancyMaxActiveBlocksPerMultiprocessor", ctypes.byref(n), fn, 128, ctypes.c_size_t(smem))
+        print("BLOCKS", n.value)
+        """, timeout=180, RGPU_CLIENT_STATS=str(tmp_path / "client"))
+    assert "BLOCKS 16" in done.stdout, done.stdout + done.stderr
+    assert _profile(tmp_path)["cuOccupancyMaxActiveBlocksPerMultiprocessor"].sync_calls == 10000
