@@ -66,7 +66,8 @@ def munge_socket() -> Iterator[str]:
 def cluster(tmp_path: Path, munge_socket: str) -> Iterator[RgpuCluster]:
     c = RgpuCluster(tmp_path / "cluster")
     c.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5,
-                   munge_socket=munge_socket)
+                   munge_socket=munge_socket, account_check="map",
+                   user_accounts={USER: ["physics", "chem"], pwd.getpwuid(os.getuid()).pw_name: ["ops"]})
     c.start_pool()
     with c.client() as client:
         register_servers(client, servers=1, gpus=4)
@@ -182,3 +183,73 @@ def test_rgpus_own_client_uses_munge_without_the_secret(cluster: RgpuCluster, mu
                           timeout=30, check=False)
     assert done.returncode == 0, done.stderr
 
+
+
+PWNED = "/tmp/rgpu-account-pwned"
+HOSTILE_ACCOUNTS = ["x" * 100_000, "chem\nphysics", f"chem;touch {PWNED}", f"$(touch {PWNED})", f"`touch {PWNED}`",
+                    "chem physics", "chem,bio", "-chem"]
+
+
+def test_a_user_charges_only_accounts_the_map_gives_them(cluster: RgpuCluster, munge_socket: str) -> None:
+    def lease(job_key: str, account: str) -> object:
+        return as_user(cluster, munge_socket, "Allocate",
+                       pb.AllocateRequest(job_key=job_key, account=account, count=1, fraction=0.1))
+
+    assert lease("own", "chem").account == "chem"             # type: ignore[attr-defined]
+    assert lease("default", "").account == "physics"          # type: ignore[attr-defined]
+    text = refused(grpc.StatusCode.PERMISSION_DENIED, lambda: lease("other", "bio"))
+    assert text == (f"rgpu: pool: {USER} may not charge account bio (user_accounts in rgpu.toml give {USER} only: "
+                    "physics, chem; name one of those with --account, or leave it out for your default)")
+    for i, account in enumerate(HOSTILE_ACCOUNTS):
+        with pytest.raises(grpc.RpcError) as info:
+            lease(f"hostile-{i}", account)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        details = info.value.details()
+        assert "\n" not in details and len(details) < 700 and details.startswith("rgpu: request: invalid account ")
+    assert not Path(PWNED).exists()
+    with cluster.client() as admin:                           # the secret: Slurm's prologs charge the job's account
+        assert admin.allocate("slurm:job", USER, 1, fraction=0.1, account="bio").account == "bio"
+        assert sorted((x.job_key, x.account) for x in admin.list_leases()) == [
+            ("default", "physics"), ("own", "chem"), ("slurm:job", "bio")]
+
+
+@pytest.mark.slurm
+def test_accounts_come_from_a_real_slurmdbd_and_fail_closed_without_it(tmp_path: Path, munge_socket: str) -> None:
+    from tests import slurmdbd
+
+    if slurmdbd.missing():
+        pytest.skip(slurmdbd.missing())
+    dbd = slurmdbd.SlurmDbd(munge_socket).start()
+    c = RgpuCluster(tmp_path / "cluster")
+    try:
+        dbd.sacctmgr("add", "account", "physics,chem,bio")
+        dbd.sacctmgr("add", "user", USER, "account=physics,chem", "defaultaccount=chem")
+        c.write_config(munge_socket=munge_socket, account_check="slurm", slurm_cluster=slurmdbd.CLUSTER,
+                       account_cache_seconds=0, slurm_reconcile_interval_seconds=0)
+        c.start_pool(env=c.env(**dbd.env))
+        with c.client() as admin:
+            register_servers(admin, servers=1, gpus=4)
+
+        def lease(job_key: str, account: str) -> object:
+            return as_user(c, munge_socket, "Allocate",
+                           pb.AllocateRequest(job_key=job_key, account=account, count=1, fraction=0.1))
+
+        assert lease("default", "").account == "chem"        # type: ignore[attr-defined]
+        assert lease("own", "physics").account == "physics"  # type: ignore[attr-defined]
+        text = refused(grpc.StatusCode.PERMISSION_DENIED, lambda: lease("other", "bio"))
+        assert text == (f"rgpu: pool: {USER} may not charge account bio (Slurm's associations (sacctmgr) give {USER} "
+                        "only: chem, physics; name one of those with --account, or leave it out for your default)")
+        dbd.sacctmgr("add", "user", USER, "account=bio")      # Slurm's word, as it is now (no cache here)
+        assert lease("now-bio", "bio").account == "bio"      # type: ignore[attr-defined]
+        dbd.stop_dbd()
+        with pytest.raises(grpc.RpcError) as info:
+            lease("dbd-down", "chem")
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        details = info.value.details()
+        assert "\n" not in details and details.startswith(f"rgpu: pool: cannot check which accounts {USER} may charge")
+        assert "sacctmgr" in details and "Connection refused" in details and "slurmdbd" in details, details
+        with c.client() as admin:                            # daemons and admins do not depend on slurmdbd
+            assert admin.allocate("slurm:job", USER, 1, fraction=0.1, account="physics").account == "physics"
+    finally:
+        c.stop_all()
+        dbd.stop()
