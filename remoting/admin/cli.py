@@ -146,7 +146,8 @@ def leases(ctx: Context) -> None:
 @click.option("--ttl", help="Release automatically after this long, e.g. 2h.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="adaptor.conf to write.")
 @click.option("--user", default=None, help="Owner of the lease (default: you).")
-@click.option("--account", default="", help="Account charged (for account quotas).")
+@click.option("--account", default="", help="Account charged (for account quotas); users: one they belong to, "
+              "default their default account.")
 @click.option("--job-key", default=None, help="Idempotency key (default: a new random one).")
 @click.option("--model", "gpu_model", default="", help="Only GPUs whose model contains this text.")
 @click.option("--server", default="", help="Only this server (address or hostname).")

@@ -25,6 +25,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from rgpu import __version__, plugins
+from rgpu.remoting.pool.accounts import AccountPolicy, account_policy
 from rgpu.remoting.pool.auth import ServerAuth, current_caller
 from rgpu.config import Settings, load_settings
 from rgpu.errors import ConfigError, InvalidRequest, PermissionDenied, RgpuError
@@ -112,8 +113,10 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class PoolServicer(pb_grpc.PoolServicer):
-    def __init__(self, core: PoolCore, heartbeat_interval: float, metrics: PoolMetrics | None = None) -> None:
+    def __init__(self, core: PoolCore, heartbeat_interval: float, metrics: PoolMetrics | None = None,
+                 accounts: AccountPolicy | None = None) -> None:
         self.core = core
+        self.accounts = accounts or AccountPolicy("off")   # which accounts a user may charge
         self._registrars: dict[str, str] = {}     # server address -> IP that registered it
         self._registrars_lock = threading.Lock()
         self.heartbeat_interval = heartbeat_interval
@@ -183,7 +186,7 @@ class PoolServicer(pb_grpc.PoolServicer):
     def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.Lease:
         started, asked_at = time.perf_counter(), self.core.clock()
         caller = current_caller()
-        user = request.user
+        user, account = request.user, request.account
         try:
             if not caller.is_daemon:
                 # A user's name comes from MUNGE, never from the request.
@@ -192,8 +195,10 @@ class PoolServicer(pb_grpc.PoolServicer):
                                            f"MUNGE says you are {caller.user}", "lease as yourself (leave --user out)")
                 user = caller.user
                 _own(self.core, request.job_key, "reuse")
+                # Only an account the user belongs to; none named: their default one.
+                account = self.accounts.account_for(user, request.account)
             lease = self.core.allocate(AllocationRequest(
-                job_key=request.job_key, user=user, account=request.account, count=request.count,
+                job_key=request.job_key, user=user, account=account, count=request.count,
                 fraction=request.fraction if request.fraction else None,
                 memory_bytes=request.memory_bytes if request.memory_bytes else None,
                 ttl_seconds=request.ttl_seconds, gpu_model=request.gpu_model, server=request.server,
@@ -350,7 +355,8 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
     metrics = PoolMetrics(lambda: pool_view(core))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=[ServerAuth(secret, munge_socket=settings.munge_socket)],
                          options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_PoolServicer_to_server(PoolServicer(core, settings.heartbeat_interval_seconds, metrics), server)
+    pb_grpc.add_PoolServicer_to_server(PoolServicer(core, settings.heartbeat_interval_seconds, metrics,
+                                                          account_policy(settings)), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
