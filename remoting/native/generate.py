@@ -56,6 +56,8 @@ def _c_scalar_put(p: Param, expr: str) -> str:
         return "rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */"
     if w.kind == "ctx":
         return f"rgpu_put_u64(&c, {p.name}_remote);"
+    if w.kind == "handle" and p.ctype == "CUfunction":   # a node of private table 6e163fbe: the worker's
+        return f"rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote({expr}));"
     if w.kind == "handle":
         return f"rgpu_put_u64(&c, (uint64_t)(uintptr_t){expr});"
     if w.kind == "nvmldev":

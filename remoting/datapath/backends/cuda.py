@@ -26,6 +26,7 @@ from rgpu.remoting.datapath.backends.staging_ring import StagingRing
 from rgpu.remoting.datapath.backends.base import (
     INVALID_HANDLE,
     INVALID_VALUE,
+    NOT_FOUND,
     NOT_SUPPORTED,
     SUCCESS,
     CudaError,
@@ -48,6 +49,7 @@ JIT_INFO_LOG_BUFFER_SIZE = 4
 JIT_ERROR_LOG_BUFFER = 5
 JIT_ERROR_LOG_BUFFER_SIZE = 6
 MEMHOSTALLOC_PORTABLE = 1
+MODULE_NODES_TABLE = bytes.fromhex("6e163fbeb958444d835ce182aff1991e")
 LAUNCH_ATTRIBUTE_COOPERATIVE = cu("CU_LAUNCH_ATTRIBUTE_COOPERATIVE")
 
 # What a GPU across the network cannot do for this client, whatever the local driver says.
@@ -721,6 +723,37 @@ class CudaBackend(CudaDriverCalls):
         fn = c_void_p()
         self._check("cuModuleGetFunction", byref(fn), module, name.encode())
         return self._fn_info(fn.value or 0)
+
+    # ------------------------------------------------------------------ private table 6e163fbe (cuFFT)
+
+    def _private_table(self, uuid: bytes) -> Any:
+        """The driver's private table with this UUID as an array of words (word 0: its byte size)."""
+        table = c_void_p()
+        r = self.lib.cuGetExportTable(byref(table), ctypes.create_string_buffer(uuid, 16))
+        if r != SUCCESS or not table.value:
+            raise CudaError(NOT_FOUND if r == SUCCESS else r)
+        return ctypes.cast(table, P(c_uint64))
+
+    def private_table_size(self, uuid: bytes) -> int:
+        return int(self._private_table(uuid)[0])
+
+    def module_nodes(self, ctx: int, module: int) -> list[tuple[int, ...]]:
+        """Slot 7 of table 6e163fbe: walk the module's function nodes with a callback, as cuFFT does
+        in the client; each node comes back with its owner and the fields the client copies."""
+        words = self._private_table(MODULE_NODES_TABLE)
+        if words[0] <= 7 * 8 or not words[7]:
+            raise CudaError(NOT_FOUND)
+        walk = ctypes.CFUNCTYPE(c_uint64, c_uint64, c_uint64, c_uint64, c_uint64, c_uint64, c_uint64)(words[7])
+        found: list[tuple[int, int]] = []
+        callback = ctypes.CFUNCTYPE(None, c_void_p, c_void_p, c_uint64)(
+            lambda _opaque, node, owner: found.append((node or 0, owner)))
+        walk(ctx, module, ctypes.cast(callback, c_void_p).value or 0, 0, module, 0)
+        nodes = []
+        for node, owner in found:
+            word = lambda off, n=node: c_uint64.from_address(n + off).value  # noqa: E731
+            nodes.append((node, owner, word(0x0), word(0x10), word(0x18), word(0x28),
+                          ctypes.c_uint32.from_address(node + 0x370).value, 0))
+        return nodes
 
     def param_info(self, handle: int) -> FnInfo:
         return self._fn_info(handle)

@@ -524,6 +524,19 @@ class EmulatedBackend:
                 return fn
         raise CudaError(NOT_FOUND if module in self.modules else INVALID_HANDLE)
 
+    # Private table 6e163fbe slot 7 (cuFFT's module walk), emulated: every function of the module,
+    # owned by the module, with the words 1, 2, 3, 4 and 5 standing in for the real node's fields.
+    def private_table_size(self, uuid: bytes) -> int:
+        if uuid != bytes.fromhex("6e163fbeb958444d835ce182aff1991e"):
+            raise CudaError(NOT_FOUND)
+        return 12 * 8
+
+    def module_nodes(self, ctx: int, module: int) -> list[tuple[int, ...]]:
+        module = self.libraries.get(module, module)
+        if module not in self.modules:
+            raise CudaError(INVALID_HANDLE)
+        return [(f.handle, module, 1, 2, 3, 4, 5, 0) for f in self.modules[module]]
+
     def param_info(self, handle: int) -> FnInfo:
         if handle not in self.functions:
             raise CudaError(INVALID_HANDLE)

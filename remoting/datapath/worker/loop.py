@@ -100,6 +100,8 @@ class Worker(Handlers):
             "rgpuOccupancyMaxPotentialBlockSize": (self.h_potential_block_size, False),
             "cuOccupancyMaxActiveClusters": (self.h_max_active_clusters, False),
             "rgpuSessionInfo": (self.h_session_info, False),
+            "rgpuPrivateTableSize": (self.h_private_table_size, False),
+            "rgpuModuleNodes": (self.h_module_nodes, False),
             "rgpuStreamCaptureInfo": (self.h_capture_info, False),
             "cuGraphGetNodes": (self.h_graph_nodes, False),
             "rgpuGraphAddNode": (self.h_graph_add_node, False),

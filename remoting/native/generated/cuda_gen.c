@@ -1114,7 +1114,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncGetAttribute(int *pi, CUfunction_attribute at
     CUresult r = rgpu_begin(&c, RGPU_OP_cuFuncGetAttribute);
     if (r != CUDA_SUCCESS) return r;
     { int32_t v_ = (int32_t)attrib; rgpu_put(&c, &v_, 4); }
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hfunc);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(hfunc));
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) {
         { int pi_v; memset(&pi_v, 0, sizeof pi_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); pi_v = (int)v_; } if (pi) *pi = pi_v; }
@@ -1127,7 +1127,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncSetAttribute(CUfunction hfunc, CUfunction_att
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuFuncSetAttribute);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hfunc);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(hfunc));
     { int32_t v_ = (int32_t)attrib; rgpu_put(&c, &v_, 4); }
     { int32_t v_ = (int32_t)value; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
@@ -1140,7 +1140,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncSetCacheConfig(CUfunction hfunc, CUfunc_cache
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuFuncSetCacheConfig);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hfunc);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(hfunc));
     { int32_t v_ = (int32_t)config; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
     rgpu_cache_forget_functions();
@@ -1152,7 +1152,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncSetSharedMemConfig(CUfunction hfunc, CUshared
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuFuncSetSharedMemConfig);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hfunc);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(hfunc));
     { int32_t v_ = (int32_t)config; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
     rgpu_cache_forget_functions();
@@ -1165,7 +1165,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncGetModule(CUmodule *hmod, CUfunction hfunc) {
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuFuncGetModule);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hfunc);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(hfunc));
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) {
         { CUmodule hmod_v; memset(&hmod_v, 0, sizeof hmod_v); hmod_v = (CUmodule)(uintptr_t)rgpu_get_u64(&c); if (hmod) *hmod = hmod_v; }
@@ -1179,7 +1179,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncIsLoaded(CUfunctionLoadingState *state, CUfun
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuFuncIsLoaded);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)function);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(function));
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) {
         { CUfunctionLoadingState state_v; memset(&state_v, 0, sizeof state_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); state_v = (CUfunctionLoadingState)v_; } if (state) *state = state_v; }
@@ -1192,7 +1192,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncLoad(CUfunction function) {
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuFuncLoad);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)function);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(function));
     r = rgpu_sync(&c);
     rgpu_end(&c);
     return r;
@@ -1204,7 +1204,7 @@ RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxActiveBlocksPerMultiprocessor(int *nu
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuOccupancyMaxActiveBlocksPerMultiprocessor);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)func);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(func));
     { int32_t v_ = (int32_t)blockSize; rgpu_put(&c, &v_, 4); }
     { uint64_t v_ = (uint64_t)dynamicSMemSize; rgpu_put(&c, &v_, 8); }
     r = rgpu_sync(&c);
@@ -1222,7 +1222,7 @@ RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlag
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)func);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(func));
     { int32_t v_ = (int32_t)blockSize; rgpu_put(&c, &v_, 4); }
     { uint64_t v_ = (uint64_t)dynamicSMemSize; rgpu_put(&c, &v_, 8); }
     { uint32_t v_ = (uint32_t)flags; rgpu_put(&c, &v_, 4); }
@@ -1240,7 +1240,7 @@ RGPU_EXPORT CUresult CUDAAPI cuOccupancyAvailableDynamicSMemPerBlock(size_t *dyn
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuOccupancyAvailableDynamicSMemPerBlock);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)func);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(func));
     { int32_t v_ = (int32_t)numBlocks; rgpu_put(&c, &v_, 4); }
     { int32_t v_ = (int32_t)blockSize; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);

@@ -240,3 +240,18 @@ void rgpu_limit_put(int limit, size_t value) {
     if (limit != 0 && ctx) put(&g_limit, ctx, (uint64_t)limit, 0, value);
 }
 void rgpu_limit_forget(void) { clear(&g_limit); }
+
+/* Function nodes made in this process for the worker's (module_nodes.c): node -> worker's node.
+ * While there are none, translating a function costs one atomic load. */
+static table g_private_fn;
+static int g_private_fns;
+void rgpu_fn_private_put(void *node, uint64_t remote) {
+    put(&g_private_fn, (uint64_t)(uintptr_t)node, 0, 0, remote);
+    __atomic_store_n(&g_private_fns, 1, __ATOMIC_RELEASE);
+}
+CUfunction rgpu_fn_remote(CUfunction f) {
+    uint64_t v;
+    if (!__atomic_load_n(&g_private_fns, __ATOMIC_ACQUIRE) || !get(&g_private_fn, (uint64_t)(uintptr_t)f, 0, 0, &v))
+        return f;
+    return (CUfunction)(uintptr_t)v;
+}

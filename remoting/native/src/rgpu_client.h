@@ -147,6 +147,10 @@ int rgpu_kattr_get(CUkernel k, int attrib, CUdevice dev, int *out);
 void rgpu_kattr_put(CUkernel k, int attrib, CUdevice dev, int value);
 void rgpu_kattr_changed(CUkernel k, int attrib, CUdevice dev, int value);
 void rgpu_fattr_changed(CUfunction f);
+/* Function nodes of private table 6e163fbe (module_nodes.c) and the worker's nodes they stand for. */
+void rgpu_fn_private_put(void *node, uint64_t remote);
+CUfunction rgpu_fn_remote(CUfunction f);
+const void *rgpu_module_nodes_table(void);
 int rgpu_kfunc_get(CUkernel k, CUfunction *out);
 void rgpu_kfunc_put(CUkernel k, CUfunction f);
 void rgpu_cache_forget_functions(void);
