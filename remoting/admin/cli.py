@@ -103,8 +103,10 @@ def list_gpus(ctx: Context) -> None:
         "memory_bytes": g.gpu.usable_memory_bytes, "memory": format_bytes(g.gpu.usable_memory_bytes),
         "allocated_percent": g.allocated_percent, "allocated_memory_bytes": g.allocated_memory_bytes,
         "allocated_memory": format_bytes(g.allocated_memory_bytes), "slices": g.slices, "state": g.server_state,
+        "sharing": g.gpu.sharing or "mps",
     } for g in gpus]
     _emit(ctx, rows, [("server", "SERVER"), ("index", "GPU"), ("model", "MODEL"), ("memory", "MEMORY"),
+                      ("sharing", "SHARING"),
                       ("allocated_percent", "ALLOC %"), ("allocated_memory", "ALLOC MEM"), ("slices", "SLICES"),
                       ("state", "STATE")], "no GPUs registered (is any rgpu-dispatcher running?)")
 
@@ -151,10 +153,12 @@ def leases(ctx: Context) -> None:
 @click.option("--model", "gpu_model", default="", help="Only GPUs whose model contains this text.")
 @click.option("--server", default="", help="Only this server (address or hostname).")
 @click.option("--min-memory", default=None, help="Only GPUs with at least this much usable memory.")
+@click.option("--isolation", type=click.Choice(["strict"]), default=None,
+              help="Only GPUs shared isolated or exclusive (no other job's GPU fault can end this one's work).")
 @click.pass_obj
 def request_gpus(ctx: Context, count: int, fraction: float | None, memory: str | None, ttl: str | None,
                  output: str, user: str | None, account: str, job_key: str | None, gpu_model: str,
-                 server: str, min_memory: str | None) -> None:
+                 server: str, min_memory: str | None, isolation: str | None) -> None:
     """Lease GPU slices outside Slurm and write their adaptor.conf (mode 0600)."""
     from rgpu.remoting.pool.convert import lease_to_adaptor
 
@@ -166,7 +170,8 @@ def request_gpus(ctx: Context, count: int, fraction: float | None, memory: str |
         lease = client.allocate(
             key, user, count, fraction=fraction or 0.0, memory_bytes=parse_size(memory, "memory") if memory else 0,
             account=account, ttl_seconds=parse_duration(ttl, "ttl") if ttl else 0.0, gpu_model=gpu_model,
-            server=server, min_memory_bytes=parse_size(min_memory, "min memory") if min_memory else 0)
+            server=server, min_memory_bytes=parse_size(min_memory, "min memory") if min_memory else 0,
+            isolation=isolation or "")
         try:
             path = write_adaptor_conf(output, lease_to_adaptor(lease))
         except (OSError, RgpuError) as exc:
@@ -327,6 +332,16 @@ def _pool_serving(settings: Settings) -> str | None:
         return client.health()
 
 
+def _sharing_summary(server: pb.Server) -> str:
+    """GPU indexes per sharing mode: "mps" when all are, else e.g. "0,1 mps; 2 isolated"."""
+    modes: dict[str, list[str]] = {}
+    for gpu in server.gpus:
+        modes.setdefault(gpu.sharing or "mps", []).append(str(gpu.index))
+    if len(modes) <= 1:
+        return next(iter(modes), "-")
+    return "; ".join(f"{','.join(indexes)} {mode}" for mode, indexes in modes.items())   # in GPU order
+
+
 @main.command()
 @_json_flag
 @click.option("--deep", is_flag=True, help="Also log in to every host over SSH: driver, MPS, clocks, ECC, Xid, "
@@ -346,7 +361,8 @@ def health(ctx: Context, deep: bool, hosts: tuple[str, ...]) -> None:
         notes = []
         if s.static_inventory:
             notes.append("static inventory (no real GPUs)")
-        if s.compute_enforcement == "time-slicing":
+        sharing = _sharing_summary(s)
+        if s.compute_enforcement == "time-slicing" and "mps" in sharing:
             notes.append("no MPS: compute shares not enforced")
         if s.launch_path.startswith("python"):
             notes.append("kernel launches run in Python (no C compiler on the node?): lower launch rate")
@@ -354,7 +370,7 @@ def health(ctx: Context, deep: bool, hosts: tuple[str, ...]) -> None:
                      "heartbeat_age_seconds": round(s.heartbeat_age_seconds, 1), "gpus": len(s.gpus),
                      "driver_version": s.driver_version, "cuda_version": s.cuda_version, "version": s.version,
                      "compute_enforcement": s.compute_enforcement, "launch_path": s.launch_path,
-                     "static_inventory": s.static_inventory,
+                     "static_inventory": s.static_inventory, "sharing": sharing,
                      "notes": "; ".join(notes), "healthy": s.state != "down"})
     unhealthy = [r["server"] for r in rows if not r["healthy"]]
     if ctx.json_output and not deep:
@@ -364,8 +380,10 @@ def health(ctx: Context, deep: bool, hosts: tuple[str, ...]) -> None:
                    f"{reply.down_after_seconds:g} s without heartbeat")
         if rows:
             click.echo(tabulate([[r["server"], r["state"], f"{r['heartbeat_age_seconds']:.1f}s", r["gpus"],
-                                  r["driver_version"], r["compute_enforcement"] or "-", r["notes"]] for r in rows],
-                                headers=["SERVER", "STATE", "HEARTBEAT", "GPUS", "DRIVER", "COMPUTE", "NOTES"]))
+                                  r["driver_version"], r["sharing"], r["compute_enforcement"] or "-", r["notes"]]
+                                 for r in rows],
+                                headers=["SERVER", "STATE", "HEARTBEAT", "GPUS", "DRIVER", "SHARING", "COMPUTE",
+                                         "NOTES"]))
     failed_checks: list[str] = []
     if deep:   # over SSH: driver, MPS, clocks, ECC, Xid, disk, libraries, clock skew, round trips
         from rgpu.remoting.admin.cli_ops import deep_checks

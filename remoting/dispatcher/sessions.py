@@ -42,6 +42,7 @@ from rgpu.remoting.datapath.counters import counters_path, read_counters
 from rgpu.remoting.datapath.perf import serve_perf
 from rgpu.remoting.datapath.usage import read_slice_stats
 from rgpu.remoting.dispatcher.mps import MpsDaemon
+from rgpu.remoting.dispatcher.sharing import enforcement
 
 from rgpu import tokens
 from rgpu.errors import AuthError
@@ -148,7 +149,7 @@ def sweep_dead_runtime_dirs(tmp: Path, log: logging.Logger) -> list[Path]:
 class SessionServer:
     def __init__(self, *, listen_socket: socket.socket, advertised: str, gpus: list[GpuInfo], secret: bytes,
                  port_range: tuple[int, int], backend: str, log: logging.Logger,
-                 front_door: FrontDoor | None = None) -> None:
+                 front_door: FrontDoor | None = None, compute_lending: bool = False) -> None:
         if backend not in ("cuda", "emulated"):
             raise ValueError(f"unknown backend {backend!r} (cuda or emulated)")
         self.listen_socket = listen_socket
@@ -169,7 +170,9 @@ class SessionServer:
         self.runtime_dir = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX))
         os.chmod(self.runtime_dir, 0o700)
         (self.runtime_dir / OWNER_FILE).write_text(f"{os.getpid()}\n")
-        self.mps = MpsDaemon([g.uuid for g in gpus], self.runtime_dir / "mps", log)
+        self.compute_lending = compute_lending
+        # Only GPUs shared by MPS are its clients' (isolated and exclusive GPUs run plain contexts).
+        self.mps = MpsDaemon([g.uuid for g in gpus if g.sharing == "mps"], self.runtime_dir / "mps", log)
         self._sessions: dict[int, SessionRecord] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -190,7 +193,10 @@ class SessionServer:
 
     def start(self) -> None:
         if self.backend == "cuda":
-            self.mps.start()
+            if self.mps.gpu_uuids:
+                self.mps.start()
+            else:
+                self.mps.disable("no GPU of this dispatcher is shared by MPS (gpu_sharing)")
             self._find_launch_library()
         else:
             self.mps.disable("the emulated backend has no GPU to share")
@@ -201,7 +207,7 @@ class SessionServer:
             t.start()
             self._threads.append(t)
         self.log.info("session server on %s (%s backend, compute shares by %s)", self.advertised, self.backend,
-                      self.mps.enforcement)
+                      self.enforcement)
 
     def update_live(self, live: LiveLeases) -> None:
         """Take the pool's list of live slices (every heartbeat) and end the sessions of leases
@@ -255,12 +261,25 @@ class SessionServer:
         self.mps.stop()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
+    @property
+    def enforcement(self) -> str:
+        """How compute shares are enforced, for the registration: by MPS (or time-slicing where
+        MPS failed) on mps GPUs; by rgpu's limiter when no GPU here is shared by MPS."""
+        modes = {g.sharing for g in self.gpus.values()}
+        if "mps" in modes or not modes:
+            return self.mps.enforcement
+        return "rgpu limiter" if "isolated" in modes else "exclusive"
+
+    def gpu_enforcement(self, gpu: GpuInfo) -> str:
+        return enforcement(gpu.sharing, self.mps.running)
+
     def status(self) -> dict:
         with self._lock:
             sessions = [r.public() for r in self._sessions.values()]
             ended = list(self._ended[-20:])
         return {
-            "compute_enforcement": self.mps.enforcement,
+            "compute_enforcement": self.enforcement,
+            "gpu_sharing": {uuid: g.sharing for uuid, g in self.gpus.items()},
             "mps": self.mps.status(),
             "launch_path": self.launch_path,
             "backend": self.backend,
@@ -470,7 +489,7 @@ class SessionServer:
             conn.sendall(protocol.encode_welcome(
                 driver_version=0, memory_limit_bytes=claims.memory_limit_bytes,
                 compute_percent=claims.compute_percent, flags=0,
-                description=f"{gpu.name} slice ready ({self.backend} backend, {self.mps.enforcement})"))
+                description=f"{gpu.name} slice ready ({self.backend} backend, {self.gpu_enforcement(gpu)})"))
             conn.close()
             return
         try:
@@ -479,6 +498,12 @@ class SessionServer:
             self._refuse(conn, peer, f"rgpu: session: cannot start a worker ({exc}; check the dispatcher host)")
             return
         conn.close()  # the worker holds its own copy now
+
+    def _gpu_dir(self, gpu_uuid: str) -> Path:
+        """Files the workers of one GPU share: their limiters' loads (lending), the emulated fault domain."""
+        path = self.runtime_dir / "gpus" / hashlib.sha256(gpu_uuid.encode()).hexdigest()[:16]
+        path.mkdir(parents=True, exist_ok=True)
+        return path
 
     def _slice_path(self, job_key: str, slice_number: int, gpu_uuid: str) -> Path:
         key = hashlib.sha256(f"{job_key}\0{slice_number}\0{gpu_uuid}".encode()).hexdigest()[:16]
@@ -519,7 +544,7 @@ class SessionServer:
         return {"sessions": sessions, "traffic": traffic, "ended": outcomes, "accepted": accepted,
                 "refused": refused, "mps": {"running": self.mps.running, "restarts": self.mps.restarts,
                                             "reason": self.mps.reason},
-                "compute_enforcement": self.mps.enforcement, "launch_path": self.launch_path,
+                "compute_enforcement": self.enforcement, "launch_path": self.launch_path,
                 "backend": self.backend}
 
     def _collect_traffic(self, rec: SessionRecord) -> None:
@@ -578,7 +603,8 @@ class SessionServer:
             "memory_limit": min(claims.memory_limit_bytes, gpu.usable_memory_bytes or claims.memory_limit_bytes),
             "compute_percent": claims.compute_percent, "job_key": claims.job_key,
             "slice_number": claims.slice_number, "usage_dir": str(self._slice_dir(claims)),
-            "server": self.advertised, "compute_enforcement": self.mps.enforcement,
+            "server": self.advertised, "compute_enforcement": self.gpu_enforcement(gpu), "sharing": gpu.sharing,
+            "compute_lending": self.compute_lending, "gpu_dir": str(self._gpu_dir(gpu.uuid)),
             "client": client_description(peer, hello.info), "launch_library": self.launch_library,
             "counters_dir": str(self.counters_dir),
         }
@@ -588,7 +614,7 @@ class SessionServer:
         if self.backend == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = gpu.uuid
             env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
-            if mode == "cuda":
+            if mode == "cuda" and gpu.sharing == "mps":
                 env.update(self.mps.client_env(claims.compute_percent))
         fd = conn.fileno()
         # Forked from the one long-lived spawner thread: the worker's parent-death signal fires when

@@ -144,11 +144,12 @@ class PoolClient:
 
     def allocate(self, job_key: str, user: str, count: int, *, fraction: float = 0.0,
                  memory_bytes: int = 0, account: str = "", ttl_seconds: float = 0.0,
-                 gpu_model: str = "", server: str = "", min_memory_bytes: int = 0) -> pb.Lease:
+                 gpu_model: str = "", server: str = "", min_memory_bytes: int = 0,
+                 isolation: str = "") -> pb.Lease:
         return self._call("Allocate", pb.AllocateRequest(
             job_key=job_key, user=user, account=account, count=count, fraction=fraction,
             memory_bytes=memory_bytes, ttl_seconds=ttl_seconds, gpu_model=gpu_model, server=server,
-            min_memory_bytes=min_memory_bytes))
+            min_memory_bytes=min_memory_bytes, isolation=isolation))
 
     def renew(self, job_key: str, ttl_seconds: float) -> pb.Lease:
         return self._call("Renew", pb.RenewRequest(job_key=job_key, ttl_seconds=ttl_seconds))

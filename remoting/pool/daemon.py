@@ -197,7 +197,7 @@ class PoolServicer(pb_grpc.PoolServicer):
                 fraction=request.fraction if request.fraction else None,
                 memory_bytes=request.memory_bytes if request.memory_bytes else None,
                 ttl_seconds=request.ttl_seconds, gpu_model=request.gpu_model, server=request.server,
-                min_memory_bytes=request.min_memory_bytes))
+                min_memory_bytes=request.min_memory_bytes, isolation=request.isolation))
         except Exception as exc:
             self.metrics.refusals.labels(refusal_reason(exc)).inc()
             raise
