@@ -332,6 +332,26 @@ def _pool_serving(settings: Settings) -> str | None:
         return client.health()
 
 
+def _fault_notes(server: pb.Server, now: float) -> list[str]:
+    """One note per GPU with faults: how many crossed tenants, the latest one, its recovery."""
+    notes = []
+    by_gpu: dict[int, list[pb.GpuFault]] = {}
+    for fault in server.faults:
+        by_gpu.setdefault(fault.gpu_index, []).append(fault)
+    for index, faults in sorted(by_gpu.items()):
+        last = faults[-1]
+        crossed = sum(f.cross_tenant for f in faults)
+        what = (f"MPS fault ended {last.sessions_ended} sessions" if last.cross_tenant
+                else "a session's own fault")
+        who = f", faulting {last.faulting}" if last.faulting else (", faulting session not identified"
+                                                                  if last.cross_tenant else "")
+        back = (f"serving again after {last.recovered_seconds:.1f} s" if last.recovered_seconds >= 0
+                else "NOT serving again yet")
+        notes.append(f"GPU {index}: {len(faults)} fault(s), {crossed} across tenants; last "
+                     f"{max(0.0, now - last.unix):.0f} s ago: {last.error}, {what}{who}; {back}")
+    return notes
+
+
 def _sharing_summary(server: pb.Server) -> str:
     """GPU indexes per sharing mode: "mps" when all are, else e.g. "0,1 mps; 2 isolated"."""
     modes: dict[str, list[str]] = {}
@@ -364,6 +384,7 @@ def health(ctx: Context, deep: bool, hosts: tuple[str, ...]) -> None:
         sharing = _sharing_summary(s)
         if s.compute_enforcement == "time-slicing" and "mps" in sharing:
             notes.append("no MPS: compute shares not enforced")
+        notes += _fault_notes(s, time.time())
         if s.launch_path.startswith("python"):
             notes.append("kernel launches run in Python (no C compiler on the node?): lower launch rate")
         rows.append({"server": s.address, "hostname": s.hostname, "state": s.state,
@@ -371,6 +392,10 @@ def health(ctx: Context, deep: bool, hosts: tuple[str, ...]) -> None:
                      "driver_version": s.driver_version, "cuda_version": s.cuda_version, "version": s.version,
                      "compute_enforcement": s.compute_enforcement, "launch_path": s.launch_path,
                      "static_inventory": s.static_inventory, "sharing": sharing,
+                     "gpu_faults": [{"gpu_index": f.gpu_index, "gpu_uuid": f.gpu_uuid, "unix": f.unix, "error": f.error,
+                                     "cross_tenant": f.cross_tenant, "sessions_ended": f.sessions_ended,
+                                     "faulting": f.faulting, "recovered_seconds": f.recovered_seconds}
+                                    for f in s.faults],
                      "notes": "; ".join(notes), "healthy": s.state != "down"})
     unhealthy = [r["server"] for r in rows if not r["healthy"]]
     if ctx.json_output and not deep:

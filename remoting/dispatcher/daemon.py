@@ -133,6 +133,7 @@ class DataPath(Protocol):
     def observe(self) -> dict[str, Any]: ...
     def update_live(self, live: LiveLeases) -> None: ...
     def usage(self) -> list[dict[str, Any]]: ...
+    def faults(self) -> list[dict[str, Any]]: ...
 
 
 def start_data_path(sock: socket.socket, address: str, gpus: tuple[GpuInfo, ...], secret: bytes,
@@ -283,7 +284,8 @@ def run(options: Options, env: dict[str, str] | None = None) -> int:
             if options.port_file:
                 write_port_file(options.port_file, port, COMPONENT)
             registrar = Registrar(server_to_pb(info), connect, pool, on_live=data_path.update_live,
-                                  usage=lambda: [pb.SliceUsage(**u) for u in data_path.usage()])
+                                  usage=lambda: [pb.SliceUsage(**u) for u in data_path.usage()],
+                                  faults=lambda: [pb.GpuFault(**f) for f in data_path.faults()])
             metrics = _serve_metrics(settings, options, address, gpus, data_path, registrar)
             thread = threading.Thread(target=registrar.run, args=(stop,), name="registrar", daemon=True)
             thread.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 import traceback
@@ -14,6 +15,7 @@ from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.backends.base import (NOT_SUPPORTED, NVML_ERROR_NOT_SUPPORTED, OUT_OF_MEMORY, SUCCESS, UNKNOWN,
                                                   CudaError, SliceMemory)
 from rgpu.remoting.datapath.worker.codecs import HEADER, I32, LAUNCH, lp
+from rgpu.remoting.datapath.worker.faults import STICKY_ERRORS, SessionFaulted, default_message, wait_verdict, write_report
 from rgpu.remoting.datapath.worker.frames import FrameReader, FrameTooLarge
 from rgpu.remoting.datapath.worker.handlers import Handlers
 from rgpu.remoting.datapath.worker.native_loop import load_native_launches
@@ -46,6 +48,11 @@ class Worker(Handlers):
         self.errors = 0
         self.sent = 0
         self.native_launches = load_native_launches(spec, backend)
+        # A sticky fault on an MPS-shared GPU ends the session (faults.py); `idle` is true while the
+        # loop waits for a new frame, the one moment the dispatcher's signal may interrupt it.
+        self.fault: SessionFaulted | None = None
+        self.idle = False
+        self.last_op = 0
         self._build_table()
         register = getattr(backend, "register_host_buffer", None)
         if register is not None:
@@ -155,9 +162,18 @@ class Worker(Handlers):
         cuda_mode = self.spec.mode == "cuda"
         stats, memory = self.stats, self.memory
         clock = time.perf_counter_ns
+        sticky = getattr(self.backend, "sticky_error", None)   # the emulated GPU's fault domain
         while True:
+            if self.fault is not None:
+                raise self.fault
             if reader.end - reader.start < protocol.HEADER_SIZE:
-                reader._fill(protocol.HEADER_SIZE)
+                self.idle = reader.end == reader.start
+                try:
+                    if self.idle and self.fault is not None:
+                        raise self.fault
+                    reader._fill(protocol.HEADER_SIZE)
+                finally:
+                    self.idle = False
             length, op, _flags, _seq, _aux, ctx = unpack_header(view, reader.start)
             if op == launch_op and native is not None and ctx == self.current_ctx:
                 # Every complete plain launch in the buffer, in one call; what it leaves (a
@@ -204,6 +220,13 @@ class Worker(Handlers):
                             "builds differ; install the same rgpu version on both)")
                 continue
             handler, is_async = entry
+            self.last_op = op
+            if sticky is not None and cuda_mode and (code := sticky()):
+                if is_async:
+                    self._defer(code, "")
+                else:
+                    self._reply(seq, code, b"", "")
+                continue
             if cuda_mode and ctx != self.current_ctx:
                 try:
                     self.backend.set_context(ctx)
@@ -263,10 +286,30 @@ class Worker(Handlers):
         if self.deferred is None:
             self.deferred = (code, message)
 
+    def _sticky_fault(self, result: int) -> str:
+        """Report a sticky fault to the dispatcher and return its verdict (the line the application gets)."""
+        spec = self.spec
+        gpu = f"GPU {spec.gpu_index} ({spec.gpu_name}, {spec.gpu_uuid}) of {spec.server}"
+        message = default_message(result, gpu)
+        try:
+            write_report(spec.faults_dir, os.getpid(), {
+                "pid": os.getpid(), "gpu_uuid": spec.gpu_uuid, "code": result, "unix": time.time(),
+                "job_key": spec.job_key, "slice_number": spec.slice_number,
+                "last_op": api_gen.OPS.get(self.last_op, str(self.last_op))})
+            message = wait_verdict(spec.faults_dir, os.getpid()) or message
+        except OSError as exc:
+            log.warning("cannot report the GPU fault to the dispatcher: %s", exc)
+        log.error("%s", message)
+        self.fault = SessionFaulted(result, message)
+        return message
+
     def _reply(self, seq: int, result: int, payload: bytes, message: str) -> None:
         flags = 0
         if result != SUCCESS:
             self.errors += 1
+            if result in STICKY_ERRORS and self.fault is None and self.spec.faults_dir and self.spec.mode == "cuda":
+                message = self._sticky_fault(result)
+                self.messages = 0   # this line always reaches the application
         body = I32.pack(result)
         if message and self.messages < 32:
             self.messages += 1

@@ -31,6 +31,7 @@ class SessionSpec:
     sharing: str = "mps"      # how its GPU is shared (rgpu.model.SHARING_MODES)
     compute_lending: bool = False   # isolated: may use the share the GPU's idle sessions leave
     gpu_dir: str = ""         # files the workers of this GPU share (limiter loads, emulated fault domain)
+    faults_dir: str = ""      # where a worker reports a sticky GPU fault and reads the verdict (faults.py)
 
     @classmethod
     def from_json(cls, text: str) -> SessionSpec:
