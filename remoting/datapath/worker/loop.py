@@ -18,6 +18,7 @@ from rgpu.remoting.datapath.worker.codecs import HEADER, I32, LAUNCH, lp
 from rgpu.remoting.datapath.worker.faults import STICKY_ERRORS, SessionFaulted, default_message, wait_verdict, write_report
 from rgpu.remoting.datapath.worker.frames import FrameReader, FrameTooLarge
 from rgpu.remoting.datapath.worker.handlers import Handlers
+from rgpu.remoting.datapath.worker.limiter import ComputeLimiter
 from rgpu.remoting.datapath.worker.native_loop import load_native_launches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 from rgpu.remoting.datapath.usage import SessionStats
@@ -25,6 +26,9 @@ from rgpu.remoting.datapath.usage import SessionStats
 log = logging.getLogger("rgpu.worker")
 
 OP = api_gen.OPCODES
+# Calls that wait for a reply but put work on the GPU (the limiter gates them like launches).
+GPU_WORK_OPS = frozenset(OP[name] for name in ("cuMemcpyDtoHAsync_v2", "cuMemcpyDtoD_v2", "cuGraphLaunch",
+                                               "cuMemsetD8_v2", "cuMemsetD32_v2") if name in OP)
 
 
 class Worker(Handlers):
@@ -53,10 +57,26 @@ class Worker(Handlers):
         self.fault: SessionFaulted | None = None
         self.idle = False
         self.last_op = 0
+        self.limiter = self._make_limiter()
         self._build_table()
         register = getattr(backend, "register_host_buffer", None)
         if register is not None:
             register(self.reader.base, self.reader.size)
+
+    def _make_limiter(self) -> ComputeLimiter | None:
+        """rgpu's own compute limiter, for CUDA sessions on GPUs shared `isolated` (limiter.py)."""
+        spec = self.spec
+        if spec.sharing != "isolated" or spec.mode != "cuda" or not spec.gpu_dir:
+            return None
+        fence = getattr(self.backend, "fence", None)
+
+        def wait_for_own_work() -> None:
+            code = fence() if fence is not None else 0
+            if code:
+                self._defer(code, "")   # an error of the application's work: its next sync call gets it
+        log.info("compute limiter on: %d%% of the GPU%s", spec.compute_percent,
+                 ", lending idle shares" if spec.compute_lending else "")
+        return ComputeLimiter(spec.compute_percent / 100, spec.gpu_dir, spec.compute_lending, wait_for_own_work)
 
     # ------------------------------------------------------------------ dispatch table
 
@@ -163,10 +183,15 @@ class Worker(Handlers):
         stats, memory = self.stats, self.memory
         clock = time.perf_counter_ns
         sticky = getattr(self.backend, "sticky_error", None)   # the emulated GPU's fault domain
+        limiter = self.limiter
         while True:
             if self.fault is not None:
                 raise self.fault
+            if limiter is not None:
+                limiter.after_op()
             if reader.end - reader.start < protocol.HEADER_SIZE:
+                if limiter is not None and reader.end == reader.start:
+                    limiter.before_wait(self.sock)
                 self.idle = reader.end == reader.start
                 try:
                     if self.idle and self.fault is not None:
@@ -175,6 +200,8 @@ class Worker(Handlers):
                 finally:
                     self.idle = False
             length, op, _flags, _seq, _aux, ctx = unpack_header(view, reader.start)
+            if op == launch_op and limiter is not None:
+                limiter.before_submit()
             if op == launch_op and native is not None and ctx == self.current_ctx:
                 # Every complete plain launch in the buffer, in one call; what it leaves (a
                 # partial frame, a cooperative launch, another op) takes the paths below.
@@ -237,6 +264,8 @@ class Worker(Handlers):
                     else:
                         self._reply(seq, exc.code, b"", exc.message)
                     continue
+            if limiter is not None and (is_async or op in GPU_WORK_OPS):
+                limiter.before_submit()
             if not is_async and self.deferred is not None:
                 code, message = self.deferred
                 self.deferred = None

@@ -84,6 +84,13 @@ def run_session(sock: socket.socket, spec: SessionSpec) -> int:
     finally:
         if publisher is not None:
             publisher.stop()
+        if worker.limiter is not None:
+            try:
+                worker.limiter.close() if faulted is None else worker.limiter.turns.give_back()
+            except Exception as exc:  # noqa: BLE001 - the session is over either way
+                log.warning("closing the compute limiter failed: %s", exc)
+            log.info("compute limiter: %.2f s of GPU turns, held back %.2f s", worker.limiter.busy_s,
+                     worker.limiter.held_back_s)
         try:
             if faulted is None:   # a dead MPS context is let go by exec below, not torn down call by call
                 backend.close()
