@@ -209,6 +209,7 @@ class SessionServer:
         self.fault_events: deque[FaultEvent] = deque(maxlen=20)
         self._fault_counts: dict[str, dict[str, int]] = {}
         self._recovering: list[tuple[FaultEvent, set[int]]] = []
+        self.recovering_gpus: frozenset[str] = frozenset()   # GPUs refusing new sessions until recovered
         self._slice_dirs: dict[Path, tuple[str, int, float]] = {}   # usage folder -> (job key, slice, issued)
 
     # ------------------------------------------------------------------ lifecycle
@@ -516,6 +517,10 @@ class SessionServer:
                          "slices: rerun the job, or `flexrun -n N -p F`)")
             return
         gpu = self.gpus[claims.gpu_uuid]
+        if gpu.uuid in self.recovering_gpus and not hello.flags & (protocol.HELLO_PERF | protocol.HELLO_NVML):
+            self._refuse(conn, peer, f"rgpu: session: GPU {gpu.index} ({gpu.uuid}) of {self.advertised} is recovering "
+                         "from a GPU fault that ended the sessions sharing it under MPS (retry in a few seconds)")
+            return
         if hello.flags & protocol.HELLO_PERF:
             self._serve_perf(conn, peer, claims)
             return
@@ -729,9 +734,16 @@ class SessionServer:
             self.log.warning("GPU fault: %s", event.summary())
             if event.gpu.sharing == "mps":
                 self._recovering.append((event, {s.pid for s in event.affected}))
+        self.recovering_gpus = frozenset(e.gpu.uuid for e, _ in self._recovering)
+
+    def _released_pids(self) -> set[int]:
+        try:
+            return {int(p.name) for p in (self.faults_dir / RELEASED).iterdir() if p.name.isdigit()}
+        except OSError:
+            return set()
 
     def _advance_recoveries(self) -> None:
-        released = {int(p.name) for p in (self.faults_dir / RELEASED).iterdir() if p.name.isdigit()}
+        released = self._released_pids()
         with self._lock:
             alive = {pid for pid, r in self._sessions.items() if r.popen.poll() is None}
         still: list[tuple[FaultEvent, set[int]]] = []
@@ -745,6 +757,7 @@ class SessionServer:
             self.log.warning("GPU %d (%s) serves new sessions again, %.2f s after the fault", event.gpu.index,
                              event.gpu.uuid, event.recovered_seconds)
         self._recovering = still
+        self.recovering_gpus = frozenset(e.gpu.uuid for e, _ in still)
 
     def _recover_gpu(self, event: FaultEvent) -> None:
         if self.backend == "emulated":
@@ -772,9 +785,11 @@ class SessionServer:
             except Exception:  # noqa: BLE001 - fault handling must never stop the reaping
                 self.log.exception("checking GPU fault reports failed")
             now = time.monotonic()
+            released = self._released_pids()   # tombstones: they hold no GPU, they only answer the client
             with self._lock:
                 overdue = [rec for rec in self._sessions.values()
-                           if rec.kill_at and now >= rec.kill_at and rec.popen.poll() is None]
+                           if rec.kill_at and now >= rec.kill_at and rec.popen.poll() is None
+                           and not (rec.ended_by.startswith("a GPU fault") and rec.pid in released)]
                 for rec in overdue:
                     rec.kill_at = 0.0
             for rec in overdue:
@@ -790,6 +805,8 @@ class SessionServer:
                     del self._sessions[pid]
                     self._collect_traffic(rec)
             for pid, rec in done:
+                for sub in (VERDICTS, RELEASED):
+                    (self.faults_dir / sub / str(pid)).unlink(missing_ok=True)
                 code = rec.popen.returncode
                 how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
                 if rec.ended_by:
