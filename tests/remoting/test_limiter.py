@@ -111,3 +111,24 @@ def test_an_isolated_session_submits_only_while_it_holds_the_gpus_turn(native_li
         assert "SYNC 0" in out, out + err
     finally:
         server.stop()
+
+
+def test_a_turn_held_by_a_kernel_that_runs_on_is_yielded(tmp_path: Path) -> None:
+    """A never-ending kernel must not starve the GPU's other isolated sessions."""
+    from rgpu.remoting.datapath.worker.limiter import OVERRUN_S
+
+    clock = [0.0]
+    limiter = ComputeLimiter(0.5, str(tmp_path), False, lambda: None, clock=lambda: clock[0])
+    limiter.before_submit()
+    probe = os.open(tmp_path / TURN_FILE, os.O_RDWR)
+    clock[0] += OVERRUN_S                     # the worker is stuck in the application's synchronise
+    deadline = time.monotonic() + 10
+    while limiter.overruns == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)    # another session may take the GPU now
+    fcntl.flock(probe, fcntl.LOCK_UN)
+    clock[0] += 1.0
+    limiter.release()                         # the kernel ended: the whole time is charged
+    assert limiter.busy_s == pytest.approx(OVERRUN_S + 1.0)
+    limiter.close()
+    os.close(probe)

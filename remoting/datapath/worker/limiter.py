@@ -24,12 +24,14 @@ import fcntl
 import os
 import select
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 QUANTUM_S = 0.020          # the longest turn before the GPU is offered to the others
+OVERRUN_S = 0.250          # a turn held this long (a kernel that runs on) is yielded to the driver's time-slicing
 IDLE_RELEASE_S = 0.002     # a turn is given back when the application sends nothing for this long
 BURST_S = 0.050            # how much unused share a session may save up (its burst)
 LOAD_SUFFIX = ".load"
@@ -134,6 +136,24 @@ class ComputeLimiter:
         self.load_path = Path(gpu_dir) / f"{os.getpid()}{LOAD_SUFFIX}"
         self.busy_s = 0.0                # GPU time used in all (turns held)
         self.held_back_s = 0.0           # time spent waiting for the share to pay off
+        self.overruns = 0                # turns yielded by the watchdog
+        # A kernel that runs for seconds (or for ever) must not starve the GPU's other sessions: a
+        # watchdog gives the turn back after OVERRUN_S, leaving the driver to time-slice; the whole
+        # time is still charged when the session's work ends.
+        self._state = threading.Lock()
+        self._yielded = False
+        self._stop = threading.Event()
+        self._watchdog = threading.Thread(target=self._watch, name="rgpu-limiter-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(OVERRUN_S / 5):
+            with self._state:
+                if (self.holding_since is not None and not self._yielded
+                        and self.clock() - self.holding_since >= OVERRUN_S):
+                    self.turns.give_back()
+                    self._yielded = True
+                    self.overruns += 1
 
     def _rate(self) -> float:
         if not self.lending:
@@ -150,7 +170,9 @@ class ComputeLimiter:
             self.held_back_s += wait
             time.sleep(wait)
         self.turns.take()
-        self.holding_since = self.clock()
+        with self._state:
+            self.holding_since = self.clock()
+            self._yielded = False
 
     def after_op(self) -> None:
         """Called after each operation: a turn held for QUANTUM_S is given back."""
@@ -171,10 +193,13 @@ class ComputeLimiter:
         try:
             self.fence()
         finally:
-            now = self.clock()
-            busy = now - self.holding_since
-            self.holding_since = None
-            self.turns.give_back()
+            with self._state:
+                now = self.clock()
+                busy = now - self.holding_since if self.holding_since is not None else 0.0
+                self.holding_since = None
+                if not self._yielded:
+                    self.turns.give_back()
+                self._yielded = False
             self.busy_s += busy
             self.bucket.charge(busy, now, self._rate() if self.lending else None)
             use = self.use.add(busy, now)
@@ -184,6 +209,7 @@ class ComputeLimiter:
                 pass
 
     def close(self) -> None:
+        self._stop.set()
         self.release()
         self.load_path.unlink(missing_ok=True)
         os.close(self.turns.fd)
