@@ -210,6 +210,7 @@ class SessionServer:
         self._fault_counts: dict[str, dict[str, int]] = {}
         self._recovering: list[tuple[FaultEvent, set[int]]] = []
         self.recovering_gpus: frozenset[str] = frozenset()   # GPUs refusing new sessions until recovered
+        self._fault_handled: set[int] = set()   # workers a decided fault already ended (their late reports)
         self._slice_dirs: dict[Path, tuple[str, int, float]] = {}   # usage folder -> (job key, slice, issued)
 
     # ------------------------------------------------------------------ lifecycle
@@ -698,6 +699,11 @@ class SessionServer:
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 self.log.warning("ignoring an unreadable GPU fault report %s: %s", path.name, exc)
             path.unlink(missing_ok=True)
+        # A worker the dispatcher already ended for a fault may still report it (it met the error in a
+        # call before the signal): its verdict is written; it is no new fault.
+        reports = [r for r in reports if r.pid not in self._fault_handled]
+        if not reports:
+            return
         with self._lock:
             records = {r.pid: r for r in self._sessions.values() if r.mode == "cuda" and r.popen.poll() is None}
         sessions = [SessionView(r.pid, r.gpu_uuid, r.job_key, r.slice_number) for r in records.values()]
@@ -713,6 +719,7 @@ class SessionServer:
                 tmp = self.faults_dir / VERDICTS / f".{pid}.tmp"
                 tmp.write_text(line + "\n")
                 os.replace(tmp, self.faults_dir / VERDICTS / str(pid))
+            self._fault_handled.update(session.pid for session in event.affected)
             for session in event.affected:
                 rec = records.get(session.pid)
                 if rec is None:
@@ -807,6 +814,7 @@ class SessionServer:
             for pid, rec in done:
                 for sub in (VERDICTS, RELEASED):
                     (self.faults_dir / sub / str(pid)).unlink(missing_ok=True)
+                self._fault_handled.discard(pid)
                 code = rec.popen.returncode
                 how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
                 if rec.ended_by:

@@ -336,9 +336,10 @@ class Worker(Handlers):
         flags = 0
         if result != SUCCESS:
             self.errors += 1
-            if result in STICKY_ERRORS and self.fault is None and self.spec.faults_dir and self.spec.mode == "cuda":
-                message = self._sticky_fault(result)
-                self.messages = 0   # this line always reaches the application
+            if result in STICKY_ERRORS and self.spec.faults_dir and self.spec.mode == "cuda":
+                # The verdict (ours, or the one the dispatcher signalled) always reaches the application.
+                message = self._sticky_fault(result) if self.fault is None else self.fault.message
+                self.messages = 0
         body = I32.pack(result)
         if message and self.messages < 32:
             self.messages += 1
