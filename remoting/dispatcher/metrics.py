@@ -83,7 +83,8 @@ def dispatcher_families(snap: DispatcherSnapshot) -> list[Metric]:
                                   "Sessions refused (bad or revoked token, version mismatch, no worker)")
     refused.add_metric([], obs["refused"])
     ended = CounterMetricFamily("rgpu_dispatcher_sessions_ended", "Sessions ended, by outcome (failed: the "
-                                "worker exited with an error or a signal; revoked: the pool ended its lease)",
+                                "worker exited with an error or a signal; revoked: the pool ended its lease; fault: a GPU fault, its own "
+                                "or another MPS client's, ended it)",
                                 labels=["outcome"])
     for outcome, count in sorted(obs["ended"].items()):
         ended.add_metric([outcome], count)
