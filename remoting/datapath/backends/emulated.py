@@ -134,6 +134,7 @@ class EmulatedBackend:
         self.functions: dict[int, tuple[int, FnInfo]] = {}  # function or kernel -> (module, info)
         self.links: dict[int, list[bytes]] = {}
         self.limits: dict[int, int] = {}
+        self.func_attrs: dict[tuple[int, int], int] = {}   # (function or kernel, attribute) -> value set
         self.pools = {0xA000_0000}
         self.capturing: dict[int, tuple[int, int]] = {}  # stream -> (capture id, graph)
         self.capture_seq = 0
@@ -613,10 +614,20 @@ class EmulatedBackend:
         if f not in self.functions:
             return (INVALID_HANDLE, 0)
         values = {0: 1024, 4: 16, 5: 90, 6: 90, 8: 49152}
-        return (SUCCESS, values.get(attrib, 0))
+        return (SUCCESS, self.func_attrs.get((f, attrib), values.get(attrib, 0)))
 
     def cuFuncSetAttribute(self, f: int, attrib: int, value: int) -> tuple[int]:
-        return (SUCCESS,) if f in self.functions else (INVALID_HANDLE,)
+        if f not in self.functions:
+            return (INVALID_HANDLE,)
+        self.func_attrs[(f, attrib)] = value
+        return (SUCCESS,)
+
+    # The emulated device's kernels are their own functions (cuKernelGetFunction): one attribute set.
+    def cuKernelGetAttribute(self, attrib: int, kernel: int, dev: int) -> tuple[int, int]:
+        return self.cuFuncGetAttribute(attrib, kernel)
+
+    def cuKernelSetAttribute(self, attrib: int, value: int, kernel: int, dev: int) -> tuple[int]:
+        return self.cuFuncSetAttribute(kernel, attrib, value)
 
     def cuFuncSetCacheConfig(self, f: int, config: int) -> tuple[int]:
         return (SUCCESS,) if f in self.functions else (INVALID_HANDLE,)

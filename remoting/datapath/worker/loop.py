@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -52,6 +53,8 @@ class Worker(Handlers):
         self.errors = 0
         self.sent = 0
         self.native_launches = load_native_launches(spec, backend)
+        # op -> [calls, handler ns], only with RGPU_WORKER_PROFILE (native launches: key -1)
+        self.profile: dict[int, list[int]] | None = {} if os.environ.get("RGPU_WORKER_PROFILE") else None
         # A sticky fault on an MPS-shared GPU ends the session (faults.py); `idle` is true while the
         # loop waits for a new frame, the one moment the dispatcher's signal may interrupt it.
         self.fault: SessionFaulted | None = None
@@ -163,10 +166,27 @@ class Worker(Handlers):
 
     def serve(self) -> str:
         """Serve until the client leaves; returns why the session ended."""
+        started = time.perf_counter_ns()
         try:
             return self._serve()
         except (EOFError, ConnectionError, OSError):
             return "client disconnected"
+        finally:
+            if self.profile is not None:
+                self._write_profile(time.perf_counter_ns() - started)
+
+    def _write_profile(self, wall_ns: int) -> None:
+        """RGPU_WORKER_PROFILE=DIR: where this session's time went, per operation (a developer's
+        and operator's tool next to the client's RGPU_CLIENT_STATS; off by default)."""
+        ops = {("native launch batches" if op == -1 else api_gen.OPS.get(op, str(op))): {"calls": n, "handler_ns": ns} for op, (n, ns) in self.profile.items()}
+        report = {"wall_ns": wall_ns, "native_launches": self.native_launches.launched.value if self.native_launches else 0,
+                  "ops": ops}
+        try:
+            path = os.path.join(os.environ["RGPU_WORKER_PROFILE"], f"worker-{os.getpid()}.json")
+            with open(path, "w", encoding="utf-8") as out:
+                json.dump(report, out, indent=1)
+        except OSError as exc:
+            log.warning("cannot write the worker profile: %s", exc)
 
     def _serve(self) -> str:
         handlers = self.handlers
@@ -180,7 +200,7 @@ class Worker(Handlers):
         launch_fast = getattr(self.backend, "launch_fast", None)
         native = self.native_launches
         cuda_mode = self.spec.mode == "cuda"
-        stats, memory = self.stats, self.memory
+        stats, memory, profile = self.stats, self.memory, self.profile
         clock = time.perf_counter_ns
         sticky = getattr(self.backend, "sticky_error", None)   # the emulated GPU's fault domain
         limiter = self.limiter
@@ -205,7 +225,13 @@ class Worker(Handlers):
             if op == launch_op and native is not None and ctx == self.current_ctx:
                 # Every complete plain launch in the buffer, in one call; what it leaves (a
                 # partial frame, a cooperative launch, another op) takes the paths below.
+                if profile is not None:
+                    t0 = clock()
                 used, code = native.run(reader.base + reader.start, reader.end - reader.start, ctx, launch_op)
+                if profile is not None:
+                    entry_ = profile.setdefault(-1, [0, 0])
+                    entry_[0] += 1
+                    entry_[1] += clock() - t0
                 if code:
                     self._defer(code, "")
                 if used:
@@ -296,6 +322,10 @@ class Worker(Handlers):
             finally:
                 if stats is not None:
                     stats.account(started, memory.high_water if memory is not None else 0)
+                if profile is not None:
+                    entry_ = profile.setdefault(op, [0, 0])
+                    entry_[0] += 1
+                    entry_[1] += clock() - started
                 if reader.big is not None:   # a frame bigger than the receive buffer: give it back now
                     reader.big = None
                     payload = None  # type: ignore[assignment]

@@ -1090,7 +1090,7 @@ RGPU_EXPORT CUresult CUDAAPI cuKernelSetAttribute(CUfunction_attribute attrib, i
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)kernel);
     rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
     r = rgpu_sync(&c);
-    rgpu_cache_forget_functions(); if (r == CUDA_SUCCESS) rgpu_kattr_put(kernel, attrib, dev, val);
+    if (r == CUDA_SUCCESS) rgpu_kattr_changed(kernel, attrib, dev, val); else rgpu_cache_forget_functions();
     rgpu_end(&c);
     return r;
 }
@@ -1131,7 +1131,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncSetAttribute(CUfunction hfunc, CUfunction_att
     { int32_t v_ = (int32_t)attrib; rgpu_put(&c, &v_, 4); }
     { int32_t v_ = (int32_t)value; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
-    rgpu_cache_forget_functions();
+    rgpu_fattr_changed(hfunc);
     rgpu_end(&c);
     return r;
 }

@@ -46,6 +46,7 @@ typedef struct rgpu_session {
     size_t rcap;
     int messages_shown;
     int flush_armed;           /* the flusher has been woken for what is buffered */
+    uint64_t last_send_ns;     /* CLOCK_MONOTONIC of the last send(2) of buffered frames */
     /* From the WELCOME frame. */
     uint32_t version;
     int32_t driver_version;
@@ -144,6 +145,8 @@ int rgpu_capture_possible(void);
 int rgpu_cached_ctx_device(CUcontext ctx, CUdevice *device);
 int rgpu_kattr_get(CUkernel k, int attrib, CUdevice dev, int *out);
 void rgpu_kattr_put(CUkernel k, int attrib, CUdevice dev, int value);
+void rgpu_kattr_changed(CUkernel k, int attrib, CUdevice dev, int value);
+void rgpu_fattr_changed(CUfunction f);
 int rgpu_kfunc_get(CUkernel k, CUfunction *out);
 void rgpu_kfunc_put(CUkernel k, CUfunction f);
 void rgpu_cache_forget_functions(void);
