@@ -81,7 +81,7 @@ def become_tombstone(sock_fd: int, code: int, message: str, faults_dir: str) -> 
     the driver's and MPS's included, is closed first, so the GPU sees this client gone."""
     os.set_inheritable(sock_fd, True)
     os.closerange(3, sock_fd)
-    os.closerange(sock_fd + 1, 65536)
+    os.closerange(sock_fd + 1, max(65536, os.sysconf("SC_OPEN_MAX")))
     args = [sys.executable, "-m", "rgpu.remoting.datapath.worker.tombstone", "--fd", str(sock_fd),
             "--code", str(code), "--message", message, "--faults-dir", faults_dir]
     os.execv(sys.executable, args)
