@@ -10,6 +10,7 @@ at test time (or give a prebuilt cubin in RGPU_ISOLATION_CUBIN). The figures pri
   session ends with the one-line verdict; the time until a new session runs a kernel again);
 - rgpu's compute limiter (isolated): two tenants at 0.5 and four at 0.25, each one's throughput
   over 1 s windows as a share of one session alone (target: within +-10% of the share);
+- lending (compute_lending): a lone 0.25 tenant with and without it;
 - a kernel that never finishes, stopped when its lease ends, and the GPU serving the next session.
 About 2 to 3 minutes in all.
 """
@@ -162,6 +163,7 @@ def test_wild_write_in_mps_mode_ends_all_with_a_clear_line_and_the_gpu_serves_ag
 def burn_shares(libs: build.Libraries, server: Server, cubin: Path, tmp: Path, percents: list[int],
                 iters: int) -> list[tuple[float, list[float]]]:
     """Run one tenant per percent at once; each one's kernels per 1 s window."""
+    tmp.mkdir(parents=True, exist_ok=True)
     go = tmp / f"go-{len(percents)}-{percents[0]}"
     procs = [start(libs, server, f"burn-{i}-{p}", p, "burn", str(cubin), str(iters), str(go), str(BURN_SECONDS))
              for i, p in enumerate(percents)]
@@ -223,3 +225,17 @@ def test_a_kernel_that_never_finishes_is_stopped_when_its_lease_ends(native_libs
               f"ended ({out.strip()} {err.strip()[-200:]}); next session: {p_out.strip()}")
         assert "SPIN sync 0" not in out, out + err        # it was stopped, not finished
         assert "PROBE ok" in p_out, p_out + p_err
+
+
+def test_lending_gives_an_idle_gpu_to_a_lone_tenant(native_libs: build.Libraries, isolated: Server, cubin: Path,
+                                                    tmp_path: Path) -> None:
+    iters = int(os.environ.get("RGPU_BURN_ITERS", "65536"))
+    ((_, solo),) = burn_shares(native_libs, isolated, cubin, tmp_path, [100], iters)
+    solo_rate = sum(solo[1:]) / (len(solo) - 1)
+    ((_, held),) = burn_shares(native_libs, isolated, cubin, tmp_path / "held", [25], iters)
+    isolated.server.compute_lending = True           # what compute_lending = true gives new sessions
+    ((_, lent),) = burn_shares(native_libs, isolated, cubin, tmp_path / "lent", [25], iters)
+    held_share = sum(held[1:]) / (len(held) - 1) / solo_rate
+    lent_share = sum(lent[1:]) / (len(lent) - 1) / solo_rate
+    print(f"\nLENDING: a 25% tenant alone: {held_share:.3f} of the GPU without lending, {lent_share:.3f} with it")
+    assert abs(held_share - 0.25) <= 0.025 and lent_share >= 0.8
