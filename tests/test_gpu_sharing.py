@@ -98,3 +98,18 @@ def test_sharing_modes_registered_listed_and_strict_requests_placed_only_on_them
         assert {r["sharing"] for r in rows} == {"mps", "0 isolated; 1 exclusive"}
     finally:
         cluster.stop_all()
+
+
+def test_sharing_survives_the_pools_state_and_old_rows_read_as_mps() -> None:
+    import json as _json
+    from dataclasses import asdict
+
+    from rgpu.model import ServerInfo
+    from rgpu.remoting.pool.store import server_from_json
+
+    info = ServerInfo("10.0.0.1:55001", "gpu1", "580", "13.0",
+                      (GpuInfo("GPU-0", 0, "NVIDIA H100", 80 << 30, 80 << 30, "9.0", sharing="isolated"),))
+    assert server_from_json(_json.dumps(asdict(info))) == info
+    old = asdict(info)
+    del old["gpus"][0]["sharing"]            # a row written before sharing modes existed
+    assert server_from_json(_json.dumps(old)).gpus[0].sharing == "mps"
