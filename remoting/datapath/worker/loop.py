@@ -55,8 +55,9 @@ class Worker(Handlers):
         self.native_launches = load_native_launches(spec, backend)
         # op -> [calls, handler ns], only with RGPU_WORKER_PROFILE (native launches: key -1)
         self.profile: dict[int, list[int]] | None = {} if os.environ.get("RGPU_WORKER_PROFILE") else None
-        # A sticky fault on an MPS-shared GPU ends the session (faults.py); `idle` is true while the
-        # loop waits for a new frame, the one moment the dispatcher's signal may interrupt it.
+        # A sticky fault ends the session (faults.py; on an MPS GPU, every session of the GPU);
+        # `idle` is true while the loop waits for a new frame, the one moment the dispatcher's
+        # signal may interrupt it.
         self.fault: SessionFaulted | None = None
         self.idle = False
         self.last_op = 0
