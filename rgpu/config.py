@@ -86,6 +86,11 @@ class Settings:
     session_hello_deadline_seconds: float = 10.0
     session_handshakes_max: int = 256
     session_handshakes_per_address: int = 16
+    # rgpu-dispatcher: how its GPUs are shared: mps | isolated | exclusive, for all GPUs or per GPU
+    # ("0=exclusive,1=isolated"; a bare mode is the default for the rest). See dispatcher/sharing.py.
+    gpu_sharing: str = "mps"
+    # rgpu-dispatcher, isolated GPUs: a busy session may use the shares its GPU's other sessions leave idle.
+    compute_lending: bool = False
     origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def origin(self, key: str) -> str:

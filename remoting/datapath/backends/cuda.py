@@ -850,5 +850,10 @@ class CudaBackend(CudaDriverCalls):
         self._check("cuOccupancyMaxActiveClusters", byref(clusters), f, byref(config))
         return clusters.value
 
+    def fence(self) -> int:
+        """Wait for the current context's work (rgpu's compute limiter, worker/limiter.py); the
+        result the application's next synchronising call must see."""
+        return self.f["cuCtxSynchronize"]()
+
     def close(self) -> None:
         pass  # the process exits: the driver frees everything the session held

@@ -9,13 +9,17 @@ parameter layouts parsed from the PTX. Kernel launches are refused with a clear 
 from __future__ import annotations
 
 import bisect
+import os
 import re
+import signal
 import struct
 import time
 import uuid as uuidlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+from rgpu.remoting.datapath.worker.faults import EMULATED_MPS_FAULT, EMULATED_MPS_LOG
 from rgpu.remoting.datapath.backends.base import (
     INVALID_CONTEXT,
     INVALID_HANDLE,
@@ -58,6 +62,17 @@ _ATTRIBUTES = {
 
 _LAUNCH_REFUSED = ("rgpu: worker: kernel launch refused (this dispatcher emulates its GPU and cannot run "
                    "kernels; run the application against a dispatcher started with --backend cuda on a GPU node)")
+
+# Fake kernels, the only ones the emulated GPU "runs", so that CI can test what a real GPU does to
+# sessions (no GPU there). A launch of EMULATED_SPIN never finishes: the session's next
+# synchronising call blocks for ever, with SIGTERM ignored, as by a driver call that does not return
+# to it (so the dispatcher's SIGKILL is what ends it). A launch of EMULATED_WILD_WRITE is a wild
+# write: the context's sticky CUDA_ERROR_ILLEGAL_ADDRESS, and on a GPU shared by MPS every other
+# session of that GPU gets it too (the fault domain is a marker file in the GPU's shared folder,
+# which the dispatcher clears when it recovers the GPU, as a restarted MPS server would be clean).
+EMULATED_SPIN = "rgpu_emulated_spin_forever"
+EMULATED_WILD_WRITE = "rgpu_emulated_wild_write"
+ILLEGAL_ADDRESS = 700
 
 _PTX_ENTRY = re.compile(r"\.entry\s+([A-Za-z_$][\w$]*)\s*\(([^)]*)\)", re.DOTALL)
 _PTX_PARAM = re.compile(r"\.param\s+(?:\.align\s+(\d+)\s+)?\.([busf])(8|16|32|64)\s+[\w$]+(?:\[(\d+)\])?")
@@ -131,6 +146,26 @@ class EmulatedBackend:
         self.reserved: dict[int, int] = {}
         self.mappings: dict[int, tuple[int, int]] = {}    # address -> (handle, size)
         self.description = f"emulated {spec.gpu_name}"
+        self.spinning = False
+        self.sticky = 0
+        gpu_dir = getattr(spec, "gpu_dir", "")
+        self.fault_domain = (Path(gpu_dir) / EMULATED_MPS_FAULT
+                             if gpu_dir and getattr(spec, "sharing", "mps") == "mps" else None)
+
+    # ------------------------------------------------------------------ the fake kernels' effects
+
+    def sticky_error(self) -> int:
+        """The context's sticky error: its own wild write, or (MPS) another session's on this GPU."""
+        if not self.sticky and self.fault_domain is not None and self.fault_domain.exists():
+            self.sticky = ILLEGAL_ADDRESS
+        return self.sticky
+
+    def _wait_for_kernels(self) -> None:
+        if not self.spinning:
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # as a driver call that never returns to it
+        while True:
+            time.sleep(3600)
 
     # ------------------------------------------------------------------ contexts
 
@@ -191,6 +226,7 @@ class EmulatedBackend:
 
     def cuCtxSynchronize(self) -> tuple[int]:
         self._need_ctx()
+        self._wait_for_kernels()
         return (SUCCESS,)
 
     def cuCtxSynchronize_v2(self, ctx: int) -> tuple[int]:
@@ -437,6 +473,7 @@ class EmulatedBackend:
 
     def cuStreamSynchronize(self, s: int) -> tuple[int]:
         self._need_ctx()
+        self._wait_for_kernels()
         return (SUCCESS,) if self._stream_ok(s) else (INVALID_HANDLE,)
 
     cuStreamQuery = cuStreamSynchronize
@@ -667,6 +704,16 @@ class EmulatedBackend:
             raise CudaError(INVALID_VALUE, f"rgpu: worker: launch of {self.functions[f][1].name} carried "
                                            f"{len(params)} parameter bytes, expected {size}")
         self.last_launch = (self.functions[f][1].name, bytes(params))
+        if self.last_launch[0] == EMULATED_SPIN:
+            self.spinning = True
+            return
+        if self.last_launch[0] == EMULATED_WILD_WRITE:
+            self.sticky = ILLEGAL_ADDRESS
+            if self.fault_domain is not None:
+                self.fault_domain.touch()
+                with open(self.fault_domain.parent / EMULATED_MPS_LOG, "a") as log:
+                    log.write(f"[emulated MPS server] client pid {os.getpid()}: fatal GPU exception (illegal address)\n")
+            return
         raise CudaError(NOT_SUPPORTED, _LAUNCH_REFUSED)
 
     # ------------------------------------------------------------------ stream capture and graphs
