@@ -327,6 +327,15 @@ AFTER_HOOKS = {
                              "else { rgpu_hostcopy_forget(hGraphExec); rgpu_hostcopy_clone(hGraph, hGraphExec); }"),
 }
 
+# After the call has ended (its session unlocked), so a hook may make calls of its own.
+END_HOOKS = {
+    # managed memory (managed.c): the host's view is brought up to date at every point where the
+    # program may read it (the GPU has finished)
+    **{name: "if (r == CUDA_SUCCESS) rgpu_managed_sync_point()" for name in (
+        "cuCtxSynchronize", "cuCtxSynchronize_v2", "cuStreamSynchronize", "cuEventSynchronize", "cuStreamQuery",
+        "cuEventQuery")},
+}
+
 BEFORE_HOOKS = {
     # host-memory sides of copy nodes: the data this process holds now goes first
     "cuGraphLaunch": "{ CUresult r_ = rgpu_hostcopy_before_launch(hGraphExec); if (r_ != CUDA_SUCCESS) return r_; }",
@@ -382,7 +391,7 @@ def render_all() -> Outputs:
         "cuda": cuda, "nvml": nvml, "plan_c": plan_c, "c_route": c_route, "generated_cuda": generated_cuda,
         "per_thread": per_thread, "default_stubs": default_stubs, "symbols": symbols, "procs": procs,
         "errors": [(n, v, error_message(n)) for n, v in errors], "dynamic_stubs": DYNAMIC_STUBS,
-        "before_hooks": BEFORE_HOOKS, "after_hooks": AFTER_HOOKS,
+        "before_hooks": BEFORE_HOOKS, "after_hooks": AFTER_HOOKS, "end_hooks": END_HOOKS,
         "nvml_generated": [f for f in nvml.functions if f.mode in ("sync", "async", "unsupported")],
         "nvml_defaults": nvml_defaults, "nvml_symbols": sorted(nvml_listed | set(nvml_defaults)),
         "plan_py": plan_py, "wire_cuda": [f for f in cuda.wire_functions],

@@ -5,6 +5,7 @@ run through rgpu against the emulated worker."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -32,7 +33,10 @@ def test_profiles_name_the_round_trips_of_a_runtime_program(native_libs: build.L
     assert sends >= 1
     table = client_stats.render(ops, sends)
     assert "cuMemAlloc_v2" in table.splitlines()[2] or "cuMemAlloc_v2" in table
-    workers = list(tmp_path.glob("worker-*.json"))
+    # The worker writes its profile when the session ends, just after the client has exited.
+    deadline = time.monotonic() + 20
+    while not (workers := list(tmp_path.glob("worker-*.json"))) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert workers, "the worker wrote no profile"
     report = json.loads(workers[0].read_text())
     assert report["ops"]["cuMemAlloc_v2"]["calls"] >= 2 and report["wall_ns"] > 0

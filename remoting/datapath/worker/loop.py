@@ -186,8 +186,9 @@ class Worker(Handlers):
                   "ops": ops}
         try:
             path = os.path.join(os.environ["RGPU_WORKER_PROFILE"], f"worker-{os.getpid()}.json")
-            with open(path, "w", encoding="utf-8") as out:
+            with open(path + ".tmp", "w", encoding="utf-8") as out:
                 json.dump(report, out, indent=1)
+            os.replace(path + ".tmp", path)   # whole or not at all, for whoever is waiting for it
         except OSError as exc:
             log.warning("cannot write the worker profile: %s", exc)
 

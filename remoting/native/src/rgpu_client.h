@@ -151,6 +151,11 @@ void rgpu_fattr_changed(CUfunction f);
 void rgpu_fn_private_put(void *node, uint64_t remote);
 CUfunction rgpu_fn_remote(CUfunction f);
 const void *rgpu_module_nodes_table(void);
+/* Managed memory emulated in the client (managed.c). */
+void rgpu_managed_before_call(uint16_t op);
+void rgpu_managed_sync_point(void);
+int rgpu_managed_find(CUdeviceptr p, CUdeviceptr *real);
+CUresult rgpu_managed_free(CUdeviceptr user);
 int rgpu_kfunc_get(CUkernel k, CUfunction *out);
 void rgpu_kfunc_put(CUkernel k, CUfunction f);
 void rgpu_cache_forget_functions(void);

@@ -242,7 +242,12 @@ __attribute__((weak)) uint64_t rgpu_header_ctx(int session) {
     return 0;
 }
 
+/* Before any call reaches a worker (libcuda overrides it: managed.c brings the GPU's copy of
+ * managed memory up to date; it must run before the session's lock is taken). */
+__attribute__((weak)) void rgpu_managed_before_call(uint16_t op) { (void)op; }
+
 CUresult rgpu_begin_session(rgpu_call *c, uint16_t op, int session) {
+    rgpu_managed_before_call(op);
     memset(c, 0, sizeof *c);
     if (session < 0 || session >= rgpu_session_count) return CUDA_ERROR_INVALID_DEVICE;
     rgpu_session *s = &rgpu_sessions[session];
