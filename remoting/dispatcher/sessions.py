@@ -211,6 +211,7 @@ class SessionServer:
         self._recovering: list[tuple[FaultEvent, set[int]]] = []
         self.recovering_gpus: frozenset[str] = frozenset()   # GPUs refusing new sessions until recovered
         self._fault_handled: set[int] = set()   # workers a decided fault already ended (their late reports)
+        self._stopped: set[int] = set()         # workers the dispatcher stopped (lease ended): their errors are ours
         self._slice_dirs: dict[Path, tuple[str, int, float]] = {}   # usage folder -> (job key, slice, issued)
 
     # ------------------------------------------------------------------ lifecycle
@@ -253,6 +254,7 @@ class SessionServer:
         process exit destroys its context (the driver stops the kernel); SIGKILL follows after
         KILL_GRACE_S for a worker that does not exit on SIGTERM (stuck in a driver call)."""
         rec.kill_at = time.monotonic() + KILL_GRACE_S
+        self._stopped.add(rec.pid)
         if rec.sharing == "mps" and rec.mode == "cuda":
             self.mps.terminate_client(rec.pid)
         try:
@@ -673,6 +675,7 @@ class SessionServer:
                             sharing=gpu.sharing)
         with self._lock:
             self._sessions[popen.pid] = rec
+            self._stopped.discard(popen.pid)   # a recycled pid: this worker is new
             self._accepted += 1
         self.log.info("session %d: job %s slice %d on %s (%s) for %s", popen.pid, claims.job_key,
                       claims.slice_number, gpu.uuid, mode, peer)
@@ -701,7 +704,9 @@ class SessionServer:
             path.unlink(missing_ok=True)
         # A worker the dispatcher already ended for a fault may still report it (it met the error in a
         # call before the signal): its verdict is written; it is no new fault.
-        reports = [r for r in reports if r.pid not in self._fault_handled]
+        # A worker the dispatcher stopped because its lease ended meets CUDA_ERROR_MPS_CLIENT_TERMINATED
+        # (or a lost context) by our own doing: that is no fault of the GPU's, and others go on.
+        reports = [r for r in reports if r.pid not in self._fault_handled and r.pid not in self._stopped]
         if not reports:
             return
         with self._lock:

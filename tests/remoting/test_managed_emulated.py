@@ -58,3 +58,21 @@ def test_managed_memory_is_one_address_kept_coherent_at_synchronisation(native_l
     assert "MIXED 7 9 90" in out
     assert "BAD_ADVICE 1" in out
     assert "FREED" in out
+
+
+def test_a_host_access_while_the_gpu_owns_managed_memory_stops_the_program_with_one_line(
+        native_libs: build.Libraries, emulated: Server) -> None:
+    # As on a GPU without concurrent managed access: never stale data, a signal and a reason.
+    done = py_client(native_libs, emulated.slices(emulated.token()), """
+        setup()
+        m = ctypes.c_uint64()
+        check("cuMemAllocManaged", ctypes.byref(m), ctypes.c_size_t(4096), 1)
+        host = (ctypes.c_ubyte * 4096).from_address(m.value)
+        host[0] = 1
+        check("cuMemsetD8Async", m, 3, ctypes.c_size_t(4096), None)   # the GPU owns it now
+        print("BEFORE", flush=True)
+        print("READ", host[0], flush=True)                            # no synchronisation first
+        """)
+    assert "BEFORE" in done.stdout and "READ" not in done.stdout, done.stdout + done.stderr
+    assert done.returncode == -11, done.returncode
+    assert "the host touched managed memory while the GPU may be using it" in done.stderr

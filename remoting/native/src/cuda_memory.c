@@ -247,6 +247,8 @@ static CUresult dtoh(void *dst, CUdeviceptr src, size_t n, CUstream stream, int 
     return r;
 }
 
+static CUresult unified(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream);
+
 static int session_of(CUdeviceptr p) {
     int s = -1;
     return rgpu_dev_range_find(p, &s, NULL, NULL) ? s : -1;
@@ -254,24 +256,28 @@ static int session_of(CUdeviceptr p) {
 
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount) {
     /* CUDA returns once the source may be reused; the bytes are on the wire by then. */
-    CUresult r = htod(dstDevice, srcHost, ByteCount, NULL, session_of(dstDevice));
+    CUresult r = rgpu_managed_routes(srcHost) ? unified(dstDevice, (CUdeviceptr)(uintptr_t)srcHost, ByteCount, NULL)
+                                              : htod(dstDevice, srcHost, ByteCount, NULL, session_of(dstDevice));
     if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount,
                                                   CUstream hStream) {
+    if (rgpu_managed_routes(srcHost)) return unified(dstDevice, (CUdeviceptr)(uintptr_t)srcHost, ByteCount, hStream);
     return htod(dstDevice, srcHost, ByteCount, hStream, session_of(dstDevice));
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount) {
-    CUresult r = dtoh(dstHost, srcDevice, ByteCount, NULL, session_of(srcDevice));
+    CUresult r = rgpu_managed_routes(dstHost) ? unified((CUdeviceptr)(uintptr_t)dstHost, srcDevice, ByteCount, NULL)
+                                              : dtoh(dstHost, srcDevice, ByteCount, NULL, session_of(srcDevice));
     if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount,
                                                   CUstream hStream) {
+    if (rgpu_managed_routes(dstHost)) return unified((CUdeviceptr)(uintptr_t)dstHost, srcDevice, ByteCount, hStream);
     /* Waits for the data: the bytes must land in this process's memory. */
     return dtoh(dstHost, srcDevice, ByteCount, hStream, session_of(srcDevice));
 }

@@ -10,13 +10,15 @@
  *   - the GPU's copy comes back after every call that tells the program the GPU has finished
  *     (context, stream and event synchronisation and successful queries, blocking copies).
  * Between those points nothing moves, so a loop of "launch, synchronise, read" costs one copy
- * each way per iteration. A program that breaks the rules (host access while kernels run) sees
- * what it would on a GPU without concurrent managed access: undefined results.
+ * each way per iteration. While the GPU owns an allocation its host pages are inaccessible: a
+ * program that breaks the rules (host access while kernels may run) stops with SIGSEGV and one
+ * line saying why, as it would on a GPU without concurrent managed access, never with stale data.
  *
  * Each allocation takes its own whole host pages: the device allocation is over-sized by two pages
  * and the address handed out is its first page boundary. */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
@@ -30,14 +32,14 @@ typedef struct managed_region {
     CUdeviceptr real;    /* the worker's allocation holding it */
     size_t size;         /* bytes asked for */
     size_t mapped;       /* host bytes mapped at user (whole pages) */
+    int gpu_owned;       /* 1: the GPU has the current copy; the host pages are inaccessible */
 } managed_region;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static managed_region *g_regions;
 static size_t g_count, g_cap;
-/* 1: the host may have written since the GPU last got its copy. 2: the GPU may have written since
- * the host last got its copy. Read without the lock on every call: stays 0 without managed memory. */
-static int g_host_dirty, g_gpu_dirty;
+/* Fast paths, read without the lock on every call: both stay 0 without managed memory. */
+static int g_any_host_owned, g_any_gpu_owned;
 static __thread int t_moving;   /* this thread is copying for coherence: its own calls do not recurse */
 
 static size_t page_size(void) {
@@ -46,29 +48,45 @@ static size_t page_size(void) {
     return page;
 }
 
-/* Copy every region one way. The lock is not held during the copies (they are calls themselves);
- * the regions are snapshotted first. */
-static void move_all(int to_gpu) {
+/* Hand every region owned by the other side over to `to_gpu`'s side. The regions change owner
+ * under the lock; the copies (calls themselves) run without it. While the GPU owns a region its
+ * host pages are inaccessible, so a host access at the wrong time stops the program with a clear
+ * line (handler below) instead of reading stale data or losing a write. */
+static void hand_over(int to_gpu) {
     pthread_mutex_lock(&g_lock);
-    size_t n = g_count;
-    managed_region *snap = n ? malloc(n * sizeof *snap) : NULL;
-    if (snap) memcpy(snap, g_regions, n * sizeof *snap);
+    managed_region *moving = g_count ? malloc(g_count * sizeof *moving) : NULL;
+    size_t n = 0;
+    for (size_t i = 0; moving && i < g_count; i++) {
+        if (g_regions[i].gpu_owned == to_gpu) continue;
+        if (!to_gpu) mprotect((void *)(uintptr_t)g_regions[i].user, g_regions[i].mapped, PROT_READ | PROT_WRITE);
+        g_regions[i].gpu_owned = to_gpu;
+        moving[n++] = g_regions[i];
+    }
+    int host = 0, gpu = 0;
+    for (size_t i = 0; i < g_count; i++) {
+        host |= !g_regions[i].gpu_owned;
+        gpu |= g_regions[i].gpu_owned;
+    }
+    __atomic_store_n(&g_any_host_owned, host, __ATOMIC_RELEASE);
+    __atomic_store_n(&g_any_gpu_owned, gpu, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&g_lock);
-    if (!snap) return;
+    if (!moving) return;
     t_moving = 1;
     for (size_t i = 0; i < n; i++) {
-        CUresult r = to_gpu ? cuMemcpyHtoD_v2(snap[i].user, (const void *)(uintptr_t)snap[i].user, snap[i].size)
-                            : cuMemcpyDtoH_v2((void *)(uintptr_t)snap[i].user, snap[i].user, snap[i].size);
+        void *host = (void *)(uintptr_t)moving[i].user;
+        CUresult r = to_gpu ? cuMemcpyHtoD_v2(moving[i].user, host, moving[i].size)
+                            : cuMemcpyDtoH_v2(host, moving[i].user, moving[i].size);
+        if (to_gpu) mprotect(host, moving[i].mapped, PROT_NONE);
         if (r != CUDA_SUCCESS) {
             static int seen;
             if (!__atomic_exchange_n(&seen, 1, __ATOMIC_RELAXED))
                 rgpu_log(RGPU_LOG_ERROR, "managed memory at 0x%llx could not be copied %s (CUDA error %d); the host "
-                         "and the GPU may now see different data there", (unsigned long long)snap[i].user,
+                         "and the GPU may now see different data there", (unsigned long long)moving[i].user,
                          to_gpu ? "to the GPU" : "back from the GPU", r);
         }
     }
     t_moving = 0;
-    free(snap);
+    free(moving);
 }
 
 /* Calls that give the GPU work touching memory: the host's turn ends with the first of them. */
@@ -91,25 +109,26 @@ static int gives_work(uint16_t op) {
 }
 
 void rgpu_managed_before_call(uint16_t op) {
-    if (__builtin_expect(!__atomic_load_n(&g_host_dirty, __ATOMIC_ACQUIRE), 1) || t_moving || !gives_work(op)) return;
-    /* The GPU gets the host's copy; from now on it may change it. */
-    __atomic_store_n(&g_host_dirty, 0, __ATOMIC_RELEASE);
-    move_all(1);
-    __atomic_store_n(&g_gpu_dirty, 1, __ATOMIC_RELEASE);
+    if (__builtin_expect(!__atomic_load_n(&g_any_host_owned, __ATOMIC_ACQUIRE), 1) || t_moving || !gives_work(op))
+        return;
+    hand_over(1);
 }
 
 void rgpu_managed_sync_point(void) {
-    if (__builtin_expect(!__atomic_load_n(&g_gpu_dirty, __ATOMIC_ACQUIRE), 1) || t_moving) return;
-    __atomic_store_n(&g_gpu_dirty, 0, __ATOMIC_RELEASE);
-    move_all(0);
-    /* The host may now write it again: the next call hands it back. */
-    __atomic_store_n(&g_host_dirty, 1, __ATOMIC_RELEASE);
+    if (__builtin_expect(!__atomic_load_n(&g_any_gpu_owned, __ATOMIC_ACQUIRE), 1) || t_moving) return;
+    hand_over(0);
 }
 
 static managed_region *find_locked(CUdeviceptr p) {
     for (size_t i = 0; i < g_count; i++)
         if (p >= g_regions[i].user && p < g_regions[i].user + g_regions[i].size) return &g_regions[i];
     return NULL;
+}
+
+/* A host pointer of a copy that is really managed memory (not while this library hands it over):
+ * the copy is the GPU's, device to device. */
+int rgpu_managed_routes(const void *host) {
+    return !t_moving && rgpu_managed_find((CUdeviceptr)(uintptr_t)host, NULL);
 }
 
 int rgpu_managed_find(CUdeviceptr p, CUdeviceptr *real) {
@@ -120,6 +139,48 @@ int rgpu_managed_find(CUdeviceptr p, CUdeviceptr *real) {
     if (found && real) *real = m->real;
     pthread_mutex_unlock(&g_lock);
     return found;
+}
+
+/* A host access to managed memory the GPU owns: say so in one line and die of the signal, as the
+ * same program would on a GPU without concurrent managed access. Other faults go to the handler
+ * that was there before. (No locks here: the region table is read as it stands.) */
+static struct sigaction g_previous;
+
+static void on_segv(int sig, siginfo_t *info, void *uctx) {
+    uintptr_t at = (uintptr_t)info->si_addr;
+    size_t n = __atomic_load_n(&g_count, __ATOMIC_ACQUIRE);
+    for (size_t i = 0; g_regions && i < n; i++) {
+        if (at >= g_regions[i].user && at < g_regions[i].user + g_regions[i].mapped) {
+            static const char line[] =
+                "rgpu: client: the host touched managed memory while the GPU may be using it; rgpu provides managed "
+                "memory without concurrent access (CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS is 0): synchronise "
+                "(cudaDeviceSynchronize, cudaStreamSynchronize) before the host reads or writes it\n";
+            ssize_t ignored = write(2, line, sizeof line - 1);
+            (void)ignored;
+            signal(SIGSEGV, SIG_DFL);
+            raise(SIGSEGV);
+            return;
+        }
+    }
+    if (g_previous.sa_flags & SA_SIGINFO) {
+        if (g_previous.sa_sigaction) g_previous.sa_sigaction(sig, info, uctx);
+        return;
+    }
+    if (g_previous.sa_handler == SIG_IGN) return;
+    if (g_previous.sa_handler == SIG_DFL || !g_previous.sa_handler) {
+        signal(SIGSEGV, SIG_DFL);   /* the access repeats and the default action ends the process */
+        return;
+    }
+    g_previous.sa_handler(sig);
+}
+
+static void install_handler(void) {
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_segv;
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGSEGV, &sa, &g_previous);
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
@@ -156,11 +217,13 @@ RGPU_EXPORT CUresult CUDAAPI cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesiz
         g_regions = grown;
         g_cap = cap;
     }
-    g_regions[g_count] = (managed_region){user, real, bytesize, mapped};
+    g_regions[g_count] = (managed_region){user, real, bytesize, mapped, 0};
     __atomic_store_n(&g_count, g_count + 1, __ATOMIC_RELEASE);
+    /* The host owns it first: zeros, copied to the GPU with the next work it is given. */
+    __atomic_store_n(&g_any_host_owned, 1, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&g_lock);
-    /* Zero on both sides, as a fresh managed allocation reads on a GPU. */
-    __atomic_store_n(&g_host_dirty, 1, __ATOMIC_RELEASE);
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, install_handler);
     *dptr = user;
     return CUDA_SUCCESS;
 }
@@ -176,6 +239,13 @@ CUresult rgpu_managed_free(CUdeviceptr user) {
     managed_region gone = *m;
     *m = g_regions[g_count - 1];
     __atomic_store_n(&g_count, g_count - 1, __ATOMIC_RELEASE);
+    int host = 0, gpu = 0;
+    for (size_t i = 0; i < g_count; i++) {
+        host |= !g_regions[i].gpu_owned;
+        gpu |= g_regions[i].gpu_owned;
+    }
+    __atomic_store_n(&g_any_host_owned, host, __ATOMIC_RELEASE);
+    __atomic_store_n(&g_any_gpu_owned, gpu, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&g_lock);
     munmap((void *)(uintptr_t)gone.user, gone.mapped);
     return cuMemFree_v2(gone.real);

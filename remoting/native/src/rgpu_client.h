@@ -155,6 +155,7 @@ const void *rgpu_module_nodes_table(void);
 void rgpu_managed_before_call(uint16_t op);
 void rgpu_managed_sync_point(void);
 int rgpu_managed_find(CUdeviceptr p, CUdeviceptr *real);
+int rgpu_managed_routes(const void *host);
 CUresult rgpu_managed_free(CUdeviceptr user);
 int rgpu_kfunc_get(CUkernel k, CUfunction *out);
 void rgpu_kfunc_put(CUkernel k, CUfunction f);
