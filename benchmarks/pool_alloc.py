@@ -35,11 +35,12 @@ GiB = 2**30
 
 
 def client_loop(address: str, secret: bytes, worker: int, seconds: float,
-                out: "mp.Queue[tuple[list[float], float]]") -> None:
+                out: "mp.Queue[tuple[list[float], float, float]]") -> None:
     rng = random.Random(worker)
     latencies: list[float] = []
     with PoolClient(address, secret, timeout=10) as client:
         client.capacity()  # connect before timing
+        cpu = time.process_time()
         deadline = time.perf_counter() + seconds
         i = 0
         while time.perf_counter() < deadline:
@@ -50,7 +51,8 @@ def client_loop(address: str, secret: bytes, worker: int, seconds: float,
             latencies.append(time.perf_counter() - start)
             i += 1
         loop_seconds = time.perf_counter() - (deadline - seconds)
-    out.put((latencies, loop_seconds))
+        cpu = time.process_time() - cpu
+    out.put((latencies, loop_seconds, cpu))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -98,7 +100,7 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
 
                 # spawn, not fork: gRPC's threads do not survive fork() in a process that has channels.
                 ctx = mp.get_context("spawn")
-                queue: mp.Queue[tuple[list[float], float]] = ctx.Queue()
+                queue: mp.Queue[tuple[list[float], float, float]] = ctx.Queue()
                 procs = [ctx.Process(target=client_loop, args=(cluster.pool_address, cluster.secret, w, args.seconds,
                                                               queue)) for w in range(args.clients)]
                 checker = threading.Thread(target=sampler, daemon=True)
@@ -110,13 +112,15 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
                 checker.start()
                 latencies: list[float] = []
                 rate = 0.0  # sum of the clients' rates over their own timed loops (excludes start-up)
+                client_cpu = 0.0   # the client processes' CPU over their timed loops
                 for _ in procs:
                     try:
-                        client_latencies, loop_seconds = queue.get(timeout=args.seconds + 120)
+                        client_latencies, loop_seconds, cpu = queue.get(timeout=args.seconds + 120)
                     except Exception:
                         raise SystemExit("a benchmark client died; see its traceback above") from None
                     latencies.extend(client_latencies)
                     rate += len(client_latencies) / loop_seconds
+                    client_cpu += cpu
                 for p in procs:
                     p.join()
                 elapsed = time.perf_counter() - start
@@ -143,6 +147,8 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
         "max_ms": round(1000 * latencies[-1], 2),
         # the pool daemon's CPU per pair (start-up of the clients and the over-commit samples included)
         "pool_cpu_ms_per_pair": round(1000 * pool_cpu / len(latencies), 3),
+        # the benchmark's own clients, on the same cores: what they take is not the pool's to use
+        "client_cpu_ms_per_pair": round(1000 * client_cpu / len(latencies), 3),
         "overcommit_samples_checked": samples + 1, "overcommit": False, "cpus": os.cpu_count(),
         "load_average_1m_5m": [round(load1, 2), round(load5, 2)],
     }
@@ -171,7 +177,8 @@ def main() -> None:
             print(f"  {result['pairs']} allocate+release pairs in {args.seconds:g} s per client = "
                   f"{result['pairs_per_second']} pairs/s")
             print(f"  pair latency p50 {result['p50_ms']} ms, p99 {result['p99_ms']} ms, max {result['max_ms']} ms; "
-                  f"pool daemon CPU {result['pool_cpu_ms_per_pair']} ms per pair")
+                  f"CPU per pair: pool daemon {result['pool_cpu_ms_per_pair']} ms, "
+                  f"clients {result['client_cpu_ms_per_pair']} ms")
             print(f"  over-commit: none ({result['overcommit_samples_checked']} samples of all GPUs checked)")
     if len(results) > 1 and not args.json:
         base = results[0]

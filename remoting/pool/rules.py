@@ -441,8 +441,9 @@ class PoolCore:
             self._check_quotas(req, lease.units)
             self.store.insert_lease(lease)
             self._index_lease(lease, +1)
-        log.info("rgpu-poold: lease %s for %s: %s", lease.job_key, lease.user,
-                 ", ".join(f"{s.server}/{s.gpu_index}@{s.compute_percent}%" for s in lease.slices))
+        if log.isEnabledFor(logging.INFO):   # the slice list is built only when logged
+            log.info("rgpu-poold: lease %s for %s: %s", lease.job_key, lease.user,
+                     ", ".join(f"{s.server}/{s.gpu_index}@{s.compute_percent}%" for s in lease.slices))
         return lease
 
     def renew(self, job_key: str, ttl_seconds: float) -> LeaseRecord:
