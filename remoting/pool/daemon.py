@@ -283,6 +283,7 @@ def _maintenance_loop(core: PoolCore, metrics: PoolMetrics, interval: float, sto
     """Reclaim expired leases, release idle ones (idle_release), notice servers that stopped heartbeating."""
     while not stop.wait(interval):
         try:
+            core.load_shared_usage()   # several daemons: reports others received (no-op with SQLite)
             metrics.reclaimed.inc(len(core.reclaim_expired()))
             if idle_release:
                 metrics.idle_released.inc(len(core.release_idle()))
