@@ -4,6 +4,7 @@ one run). Prints pairs per second and latency percentiles per size, and verifies
 ever over-committed (sampled during the run and checked at the end).
 
     python benchmarks/pool_alloc.py [--servers 64,1250] [--gpus-per-server 8] [--clients 4] [--seconds 10] [--json]
+    python benchmarks/pool_alloc.py --postgres [--pools 2]    # state in PostgreSQL, clients spread over the daemons
 
 Targets on a 2-core machine: at 10,000 GPUs p99 within 2x of 64 x 8 in the same run; >= 2,000
 pairs/s at 64 x 8 (see the README for the figures and the machine's load when measured).
@@ -16,6 +17,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -72,12 +74,18 @@ def check_no_overcommit(client: PoolClient) -> int:
 def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dict[str, object]:
     """One pool of servers x gpus_per_server GPUs: fill it, run the clients, check, measure."""
     with tempfile.TemporaryDirectory(prefix="rgpu-bench-") as tmp:
-        cluster = RgpuCluster(Path(tmp))
+        cluster = RgpuCluster(Path(tmp) / "pool0")
+        clusters = [cluster]
+        for n in range(1, args.pools):   # more daemons on the same PostgreSQL, one cluster secret
+            (Path(tmp) / f"pool{n}").mkdir()
+            shutil.copy(cluster.secret_file, Path(tmp) / f"pool{n}" / "secret")
+            clusters.append(RgpuCluster(Path(tmp) / f"pool{n}"))
         postgres = Postgres().start() if args.postgres else None
-        cluster.write_config(down_after_seconds=600.0, heartbeat_interval_seconds=60.0, log_level="warning",
-                             **({"store_url": postgres.url} if postgres else {}))
-        cluster.start_pool()
         try:
+            for each in clusters:
+                each.write_config(down_after_seconds=600.0, heartbeat_interval_seconds=60.0, log_level="warning",
+                                  **({"store_url": postgres.url} if postgres else {}))
+                each.start_pool()
             with cluster.client() as client:
                 for n in range(servers):
                     client.register_server(server_to_pb(ServerInfo(
@@ -101,11 +109,11 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
                 # spawn, not fork: gRPC's threads do not survive fork() in a process that has channels.
                 ctx = mp.get_context("spawn")
                 queue: mp.Queue[tuple[list[float], float, float]] = ctx.Queue()
-                procs = [ctx.Process(target=client_loop, args=(cluster.pool_address, cluster.secret, w, args.seconds,
-                                                              queue)) for w in range(args.clients)]
+                procs = [ctx.Process(target=client_loop, args=(clusters[w % len(clusters)].pool_address, cluster.secret,
+                                                              w, args.seconds, queue)) for w in range(args.clients)]
                 checker = threading.Thread(target=sampler, daemon=True)
-                assert cluster.pool is not None
-                pool_cpu = cpu_seconds(cluster.pool.proc.pid)
+                pids = [each.pool.proc.pid for each in clusters if each.pool is not None and each.pool.proc]
+                pool_cpu = sum(cpu_seconds(pid) for pid in pids)
                 start = time.perf_counter()
                 for p in procs:
                     p.start()
@@ -124,7 +132,7 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
                 for p in procs:
                     p.join()
                 elapsed = time.perf_counter() - start
-                pool_cpu = cpu_seconds(cluster.pool.proc.pid) - pool_cpu
+                pool_cpu = sum(cpu_seconds(pid) for pid in pids) - pool_cpu
                 stop.set()
                 checker.join()
                 gpus = check_no_overcommit(client)
@@ -132,20 +140,21 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
                 if leftover:
                     raise SystemExit(f"{len(leftover)} benchmark lease(s) left behind")
         finally:
-            cluster.stop_all()
+            for each in clusters:
+                each.stop_all()
             if postgres is not None:
                 postgres.stop()
 
     latencies.sort()
     load1, load5, _ = os.getloadavg()
     return {
-        "store": "postgresql" if args.postgres else "sqlite", "servers": servers, "gpus_per_server": gpus_per_server, "gpus": gpus, "clients": args.clients,
+        "store": "postgresql" if args.postgres else "sqlite", "pool_daemons": args.pools, "servers": servers, "gpus_per_server": gpus_per_server, "gpus": gpus, "clients": args.clients,
         "prefill_leases": args.prefill, "pairs": len(latencies), "seconds": round(elapsed, 2),
         "pairs_per_second": round(rate, 1),
         "p50_ms": round(1000 * statistics.median(latencies), 2),
         "p99_ms": round(1000 * latencies[int(0.99 * (len(latencies) - 1))], 2),
         "max_ms": round(1000 * latencies[-1], 2),
-        # the pool daemon's CPU per pair (start-up of the clients and the over-commit samples included)
+        # the pool daemons' CPU per pair, all of them (the over-commit samples included)
         "pool_cpu_ms_per_pair": round(1000 * pool_cpu / len(latencies), 3),
         # the benchmark's own clients, on the same cores: what they take is not the pool's to use
         "client_cpu_ms_per_pair": round(1000 * client_cpu / len(latencies), 3),
@@ -163,8 +172,12 @@ def main() -> None:
     parser.add_argument("--prefill", type=int, default=256, help="leases of half a GPU held during the run")
     parser.add_argument("--postgres", action="store_true",
                         help="keep the pool's state in a PostgreSQL started for the run (Debian's postgresql package)")
+    parser.add_argument("--pools", type=int, default=1,
+                        help="pool daemons on the one PostgreSQL (with --postgres); client N talks to daemon N mod pools")
     parser.add_argument("--json", action="store_true", help="print JSON only")
     args = parser.parse_args()
+    if args.pools < 1 or (args.pools > 1 and not args.postgres):
+        parser.error("--pools above 1 needs --postgres (several daemons share their state through PostgreSQL)")
     sizes = [int(n) for n in args.servers.split(",") if n.strip()]
 
     results = []
@@ -172,7 +185,7 @@ def main() -> None:
         result = run_one(servers, args.gpus_per_server, args)
         results.append(result)
         if not args.json:
-            print(f"pool_alloc ({result['store']}): {servers} servers x {args.gpus_per_server} GPUs, {args.clients} client processes, "
+            print(f"pool_alloc ({result['store']}, {args.pools} pool daemon(s)): {servers} servers x {args.gpus_per_server} GPUs, {args.clients} client processes, "
                   f"{args.prefill} leases held, load average {result['load_average_1m_5m']} on {result['cpus']} CPUs")
             print(f"  {result['pairs']} allocate+release pairs in {args.seconds:g} s per client = "
                   f"{result['pairs_per_second']} pairs/s")
