@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 from rgpu import tokens, validate
 from rgpu.errors import InvalidRequest, NotFound, PermissionDenied, QuotaExceeded
 from rgpu.live_leases import LiveLeases
-from rgpu.model import LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
+from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
 from rgpu.remoting.pool.accounting import (Interval, SliceUsageRecord, UsageTotal, idle_seconds, idle_since, is_idle,
                                            to_pool_clock, totals)
 from rgpu.remoting.pool.placement import GpuSlot, SliceRequest, place
@@ -380,7 +380,7 @@ class PoolCore:
             if name:
                 self._used_units[(kind, name)] = self._used_units.get((kind, name), 0) + sign * lease.units
         for server in {s.server for s in lease.slices}:
-            self._refresh(server)
+            self._refresh(server, {s.gpu_uuid for s in lease.slices if s.server == server})
             holders = self._leases_on.setdefault(server, set())
             if sign > 0:
                 holders.add(lease.job_key)
@@ -395,9 +395,13 @@ class PoolCore:
             for number in range(len(lease.slices)):
                 self._tokens.pop((lease.job_key, number), None)
 
-    def _refresh(self, address: str) -> None:
-        """After a server's GPUs, usage or drained state changed: rebuild its slots and index entry."""
-        self._slot_cache.pop(address, None)
+    def _refresh(self, address: str, gpus: set[str] | None = None) -> None:
+        """After a server's GPUs, usage or drained state changed: rebuild its slots and index entry
+        (given `gpus`, UUIDs whose usage alone changed: only their slots)."""
+        cached = self._slot_cache.pop(address, None)
+        if gpus is not None and cached is not None:
+            self._slot_cache[address] = [self._slot(address, slot.hostname, slot) if slot.uuid in gpus else slot
+                                         for slot in cached]
         self._versions[address] = self._versions.get(address, 0) + 1
         entry = self.servers.get(address)
         self._index.set_server(address, None if entry is None or entry.drained else self._server_slots(address))
@@ -406,14 +410,15 @@ class PoolCore:
         slots = self._slot_cache.get(address)
         if slots is None:
             entry = self.servers[address]
-            slots = []
-            for gpu in entry.info.gpus:
-                usage = self._usage.get((address, gpu.uuid), GpuUsage())
-                slots.append(GpuSlot(server=address, hostname=entry.info.hostname, uuid=gpu.uuid, index=gpu.index,
-                                     name=gpu.name, usable_memory_bytes=gpu.usable_memory_bytes,
-                                     allocated_percent=usage.percent, allocated_memory_bytes=usage.memory_bytes))
+            slots = [self._slot(address, entry.info.hostname, gpu) for gpu in entry.info.gpus]
             self._slot_cache[address] = slots
         return slots
+
+    def _slot(self, address: str, hostname: str, gpu: GpuInfo | GpuSlot) -> GpuSlot:
+        usage = self._usage.get((address, gpu.uuid)) or GpuUsage()
+        return GpuSlot(server=address, hostname=hostname, uuid=gpu.uuid, index=gpu.index, name=gpu.name,
+                       usable_memory_bytes=gpu.usable_memory_bytes, allocated_percent=usage.percent,
+                       allocated_memory_bytes=usage.memory_bytes)
 
     def _slots(self, now: float) -> list[GpuSlot]:
         """Placement candidates: the GPUs of servers that are up (drained and down ones excluded)."""
