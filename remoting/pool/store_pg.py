@@ -170,11 +170,13 @@ class PostgresStore:
                 self._in_transaction = False
 
     def _log_change(self, db: Any) -> int:
-        version: int = db.execute("UPDATE pool_meta SET version = version + 1 RETURNING version").fetchone()[0]
         touched = sorted(self._touched) or [("all", "")]   # a write that named nothing: catch up fully
-        with db.cursor() as cursor:
-            cursor.executemany("INSERT INTO pool_changes(version, kind, key) VALUES (%s, %s, %s)",
-                               [(version, kind, key) for kind, key in touched])
+        # One round trip: bump the version and log what this change touched under it.
+        version: int = db.execute(
+            "WITH bumped AS (UPDATE pool_meta SET version = version + 1 RETURNING version) "
+            "INSERT INTO pool_changes(version, kind, key) SELECT bumped.version, t.kind, t.key "
+            "FROM bumped, unnest(%s::text[], %s::text[]) AS t(kind, key) RETURNING version",
+            ([kind for kind, _ in touched], [key for _, key in touched])).fetchone()[0]
         if version % self.prune_every == 0 and version > self.change_log_keep:   # now and then, forget old ones
             db.execute("DELETE FROM pool_changes WHERE version <= %s", (version - self.change_log_keep,))
             db.execute("UPDATE pool_meta SET pruned = %s", (version - self.change_log_keep,))
@@ -183,12 +185,9 @@ class PostgresStore:
     def changes_since(self, version: int) -> list[tuple[str, str]] | None:
         """(kind, key) of every change after `version` ("lease"/job key, "server"/address,
         "quota"/"", "all"/""), or None when the log no longer reaches back that far."""
-        with self._session() as db:
-            pruned = db.execute("SELECT pruned FROM pool_meta").fetchone()[0]
-            if version < pruned:
-                return None
-            return db.execute("SELECT DISTINCT kind, key FROM pool_changes WHERE version > %s",
-                              (version,)).fetchall()
+        rows = self._rows("SELECT 'pruned', '' FROM pool_meta WHERE pruned > %s UNION ALL "
+                          "SELECT DISTINCT kind, key FROM pool_changes WHERE version > %s", (version, version))
+        return None if any(kind == "pruned" for kind, _ in rows) else rows
 
     def version(self) -> int | None:
         return self._rows("SELECT version FROM pool_meta")[0][0]
@@ -274,15 +273,13 @@ class PostgresStore:
         self._write("DELETE FROM leases WHERE job_key=%s", (job_key,), ("lease", job_key))
 
     def end_lease(self, lease: LeaseRecord, ended: float, busy_seconds: float = 0.0, how: str = "") -> None:
-        with self._session() as db, db.transaction():
-            self._wrote = True
-            self._touched.add(("lease", lease.job_key))
-            db.execute("DELETE FROM leases WHERE job_key=%s", (lease.job_key,))
-            db.execute("DELETE FROM slice_usage WHERE job_key=%s", (lease.job_key,))
-            db.execute(
-                'INSERT INTO lease_history(job_key, "user", account, units, created, ended, busy_seconds, how) '
-                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
-                (lease.job_key, lease.user, lease.account, lease.units, lease.created_unix, ended, busy_seconds, how))
+        # One statement (atomic by itself, and one round trip): the lease, its usage, its history row.
+        self._write(
+            "WITH gone AS (DELETE FROM leases WHERE job_key=%s), used AS (DELETE FROM slice_usage WHERE job_key=%s) "
+            'INSERT INTO lease_history(job_key, "user", account, units, created, ended, busy_seconds, how) '
+            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+            (lease.job_key, lease.job_key, lease.job_key, lease.user, lease.account, lease.units, lease.created_unix,
+             ended, busy_seconds, how), ("lease", lease.job_key))
 
     def load_history(self, since: float, until: float) -> list[tuple[str, str, int, float, float, float]]:
         return [tuple(row) for row in self._rows(  # type: ignore[misc]
