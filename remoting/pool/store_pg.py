@@ -118,6 +118,7 @@ class PostgresStore:
         self._in_transaction = False
         self._wrote = False   # in the open transaction: a change that others must catch up with
         self._touched: set[tuple[str, str]] = set()   # in the open transaction: (kind, key) changed
+        self._queued: list[tuple[str, tuple[Any, ...]]] = []   # in the open transaction: writes to send
         self.change_log_keep, self.prune_every = CHANGE_LOG_KEEP, 1000
 
     def _connect(self) -> Any:
@@ -145,7 +146,10 @@ class PostgresStore:
 
     def _write(self, sql: str, params: tuple[Any, ...], touched: tuple[str, str] | None = None) -> None:
         with self._session() as db:
-            db.execute(sql, params)
+            if self._in_transaction:   # sent with the commit, in one round trip (transaction())
+                self._queued.append((sql, params))
+            else:
+                db.execute(sql, params)
             self._wrote = True
             if touched is not None:
                 self._touched.add(touched)
@@ -158,28 +162,49 @@ class PostgresStore:
             if self._in_transaction:   # nested: part of the open one
                 yield StateVersion(None)
                 return
-            self._in_transaction, self._wrote, self._touched = True, False, set()
+            self._in_transaction, self._wrote, self._touched, self._queued = True, False, set(), []
             try:
-                with self._session() as db, db.transaction():
-                    db.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
-                    state = StateVersion(db.execute("SELECT version FROM pool_meta").fetchone()[0])
-                    yield state
-                    # Only a change that wrote makes the other daemons catch up, with what it touched.
-                    state.after = self._log_change(db) if self._wrote else state.before
+                with self._session() as db:
+                    # Two round trips. One: BEGIN, the lock, the version; each statement of a
+                    # simple query takes its own snapshot (READ COMMITTED), so the version's shows
+                    # every change committed before the lock was ours. Two: the writes, the change
+                    # log and COMMIT in one pipeline.
+                    begun = db.execute(f"BEGIN; SELECT pg_advisory_xact_lock({LOCK_KEY}); SELECT version FROM pool_meta")
+                    try:
+                        while begun.nextset():   # the last statement's result
+                            pass
+                        state = StateVersion(begun.fetchone()[0])
+                        yield state
+                        if self._wrote:   # only a change that wrote makes the other daemons catch up
+                            state.after = self._commit_change(db)
+                        else:
+                            db.execute("COMMIT")
+                    except BaseException:
+                        if not db.broken and not db.closed:
+                            with contextlib.suppress(self._psycopg.Error):
+                                db.execute("ROLLBACK")
+                        raise
             finally:
-                self._in_transaction = False
+                self._in_transaction, self._queued = False, []
 
-    def _log_change(self, db: Any) -> int:
+    def _commit_change(self, db: Any) -> int:
+        """Send the change's writes, bump the version and log what the change touched under it, and
+        commit: one round trip (a pipeline). Returns the new version."""
         touched = sorted(self._touched) or [("all", "")]   # a write that named nothing: catch up fully
-        # One round trip: bump the version and log what this change touched under it.
-        version: int = db.execute(
-            "WITH bumped AS (UPDATE pool_meta SET version = version + 1 RETURNING version) "
-            "INSERT INTO pool_changes(version, kind, key) SELECT bumped.version, t.kind, t.key "
-            "FROM bumped, unnest(%s::text[], %s::text[]) AS t(kind, key) RETURNING version",
-            ([kind for kind, _ in touched], [key for _, key in touched])).fetchone()[0]
+        with db.pipeline():
+            for sql, params in self._queued:
+                db.execute(sql, params)
+            logged = db.execute(
+                "WITH bumped AS (UPDATE pool_meta SET version = version + 1 RETURNING version) "
+                "INSERT INTO pool_changes(version, kind, key) SELECT bumped.version, t.kind, t.key "
+                "FROM bumped, unnest(%s::text[], %s::text[]) AS t(kind, key) RETURNING version",
+                ([kind for kind, _ in touched], [key for _, key in touched]))
+            db.execute("COMMIT")
+        version: int = logged.fetchone()[0]
         if version % self.prune_every == 0 and version > self.change_log_keep:   # now and then, forget old ones
-            db.execute("DELETE FROM pool_changes WHERE version <= %s", (version - self.change_log_keep,))
-            db.execute("UPDATE pool_meta SET pruned = %s", (version - self.change_log_keep,))
+            with db.transaction():   # deletion and mark together: a catch-up sees both or neither
+                db.execute("DELETE FROM pool_changes WHERE version <= %s", (version - self.change_log_keep,))
+                db.execute("UPDATE pool_meta SET pruned = GREATEST(pruned, %s)", (version - self.change_log_keep,))
         return version
 
     def changes_since(self, version: int) -> list[tuple[str, str]] | None:
