@@ -5,6 +5,7 @@ ever over-committed (sampled during the run and checked at the end).
 
     python benchmarks/pool_alloc.py [--servers 64,1250] [--gpus-per-server 8] [--clients 4] [--seconds 10] [--json]
     python benchmarks/pool_alloc.py --postgres [--pools 2]    # state in PostgreSQL, clients spread over the daemons
+    python benchmarks/pool_alloc.py --grpc-floor              # the same clients against empty gRPC handlers
 
 Targets on a 2-core machine: at 10,000 GPUs p99 within 2x of 64 x 8 in the same run; >= 2,000
 pairs/s at 64 x 8 (see the README for the figures and the machine's load when measured).
@@ -55,6 +56,83 @@ def client_loop(address: str, secret: bytes, worker: int, seconds: float,
         loop_seconds = time.perf_counter() - (deadline - seconds)
         cpu = time.process_time() - cpu
     out.put((latencies, loop_seconds, cpu))
+
+
+def _empty(request: bytes, context: object) -> bytes:
+    return b""
+
+
+async def _empty_async(request: bytes, context: object) -> bytes:
+    return b""
+
+
+def floor_server(kind: str, out: "mp.Queue[int]") -> None:
+    """A gRPC server whose handler does nothing: what grpcio itself costs per call."""
+    import asyncio
+
+    import grpc
+    from concurrent import futures
+
+    handler = grpc.method_handlers_generic_handler("floor.Floor", {"Call": grpc.unary_unary_rpc_method_handler(
+        _empty_async if kind == "aio" else _empty)})
+    if kind == "aio":
+        async def serve() -> None:
+            server = grpc.aio.server()
+            server.add_generic_rpc_handlers([handler])
+            out.put(server.add_insecure_port("127.0.0.1:0"))
+            await server.start()
+            await server.wait_for_termination()
+        asyncio.run(serve())
+        return
+    from rgpu.remoting.pool.daemon import POOL_GRPC_WORKERS
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=POOL_GRPC_WORKERS))
+    server.add_generic_rpc_handlers([handler])
+    out.put(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    server.wait_for_termination()
+
+
+def floor_client(port: int, secret: bytes, seconds: float, out: "mp.Queue[tuple[int, float]]") -> None:
+    import grpc
+
+    from rgpu.remoting.pool.auth import request_credential
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_unary("/floor.Floor/Call")
+        call(b"")
+        pairs, cpu, deadline = 0, time.process_time(), time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            for _ in range(2):   # a pair is two calls, each with a credential like the pool client's
+                call(b"x" * 64, timeout=10, metadata=(("x-rgpu-auth", request_credential(secret, "/floor.Floor/Call")),))
+            pairs += 1
+        out.put((pairs, time.process_time() - cpu))
+
+
+def run_floor(kind: str, args: argparse.Namespace) -> dict[str, object]:
+    """The benchmark's clients against empty handlers: the CPU per pair no pool can go below."""
+    ctx = mp.get_context("spawn")
+    ports: mp.Queue[int] = ctx.Queue()
+    server = ctx.Process(target=floor_server, args=(kind, ports), daemon=True)
+    server.start()
+    try:
+        port = ports.get(timeout=60)
+        results: mp.Queue[tuple[int, float]] = ctx.Queue()
+        clients = [ctx.Process(target=floor_client, args=(port, b"s" * 32, args.seconds, results))
+                   for _ in range(args.clients)]
+        server_cpu = cpu_seconds(server.pid)  # type: ignore[arg-type]
+        for c in clients:
+            c.start()
+        done = [results.get(timeout=args.seconds + 120) for _ in clients]
+        server_cpu = cpu_seconds(server.pid) - server_cpu  # type: ignore[arg-type]
+        for c in clients:
+            c.join()
+    finally:
+        server.kill()
+    pairs = sum(n for n, _ in done)
+    load1, load5, _ = os.getloadavg()
+    return {"grpc_floor": kind, "clients": args.clients, "pairs_per_second": round(pairs / args.seconds, 1),
+            "server_cpu_ms_per_pair": round(1000 * server_cpu / pairs, 3),
+            "client_cpu_ms_per_pair": round(1000 * sum(c for _, c in done) / pairs, 3),
+            "cpus": os.cpu_count(), "load_average_1m_5m": [round(load1, 2), round(load5, 2)]}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -174,8 +252,20 @@ def main() -> None:
                         help="keep the pool's state in a PostgreSQL started for the run (Debian's postgresql package)")
     parser.add_argument("--pools", type=int, default=1,
                         help="pool daemons on the one PostgreSQL (with --postgres); client N talks to daemon N mod pools")
+    parser.add_argument("--grpc-floor", action="store_true",
+                        help="instead of a pool, empty gRPC handlers (threaded server as the pool's, then grpc.aio): "
+                             "what grpcio alone costs per pair with these clients on this machine")
     parser.add_argument("--json", action="store_true", help="print JSON only")
     args = parser.parse_args()
+    if args.grpc_floor:
+        floors = [run_floor(kind, args) for kind in ("threaded", "aio")]
+        if not args.json:
+            for f in floors:
+                print(f"grpc floor ({f['grpc_floor']} server, empty handler, {f['clients']} client processes, load "
+                      f"{f['load_average_1m_5m']}): {f['pairs_per_second']} pairs/s; CPU per pair: server "
+                      f"{f['server_cpu_ms_per_pair']} ms, clients {f['client_cpu_ms_per_pair']} ms")
+        print(json.dumps(floors))
+        return
     if args.pools < 1 or (args.pools > 1 and not args.postgres):
         parser.error("--pools above 1 needs --postgres (several daemons share their state through PostgreSQL)")
     sizes = [int(n) for n in args.servers.split(",") if n.strip()]
