@@ -18,6 +18,7 @@ from rgpu.remoting.pool.client import connect
 from rgpu.remoting.pool.rules import PoolCore
 from rgpu.remoting.pool.store_pg import PostgresStore
 from tests.daemons import RgpuCluster, register_servers, wait_for
+from rgpu.proto import rgpu_pb2 as pb
 from rgpu.remoting.pool.accounting import SliceUsageRecord
 from tests.poolcore_helpers import SECRET, Clock, make_core, req, server
 from tests.postgres import Postgres, server_bin
@@ -255,6 +256,48 @@ def test_usage_reported_to_one_daemon_counts_for_idle_release_on_the_other(two_c
     b.load_shared_usage()                               # what GetLease and ListLeases show on b
     assert b.slice_usage(b.get_lease("busy"))[0] == report
     assert b.usage_totals(0, clock.now)[0].busy_gpu_seconds == pytest.approx(900.0)
+
+
+def test_idle_release_on_one_daemon_sees_usage_reported_to_the_other(tmp_path: Path, postgres: Postgres) -> None:
+    """Real daemons: the dispatcher (here its Heartbeat calls, made directly) reports to the first,
+    which does not release idle leases; the second does, and must keep the busy lease."""
+    first = RgpuCluster(tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    shutil.copy(first.secret_file, tmp_path / "b" / "secret")
+    second = RgpuCluster(tmp_path / "b")
+    try:
+        for cluster, idle_release in ((first, False), (second, True)):
+            cluster.write_config(down_after_seconds=60.0, heartbeat_interval_seconds=0.3, reclaim_interval_seconds=0.3,
+                                 store_url=postgres.url, idle_after_seconds=2.0, idle_release=idle_release)
+            cluster.start_pool()
+        with first.client() as a, second.client() as b:
+            register_servers(a, servers=1, gpus=2)
+            address = a.list_servers().servers[0].address
+            a.allocate("busy", "alice", 1, fraction=0.5)
+            a.allocate("idle", "alice", 1, fraction=0.5)
+            beats = 0
+
+            def busy_report() -> None:
+                nonlocal beats
+                now = time.time()
+                a.heartbeat(address, [pb.SliceUsage(job_key="busy", slice_number=0, sessions=1, busy_seconds=beats,
+                                                    last_active_unix=now, calls=beats)], sent_unix=now)
+                beats += 1
+
+            def idle_released() -> bool:
+                busy_report()
+                return [lease.job_key for lease in b.list_leases()] == ["busy"]
+
+            wait_for(idle_released, timeout=30, what="the second daemon to release the idle lease")
+            reporting_until = time.monotonic() + 6.0      # three times idle_after_seconds
+            while time.monotonic() < reporting_until:
+                busy_report()
+                time.sleep(0.3)
+            assert [lease.job_key for lease in b.list_leases()] == ["busy"]
+            assert b.get_lease("busy").slices[0].usage.calls > 0   # the second daemon shows the report too
+    finally:
+        for cluster in (first, second):
+            cluster.stop_all()
 
 
 def test_idle_release_is_accepted_with_a_shared_store(tmp_path: Path) -> None:
