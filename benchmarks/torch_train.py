@@ -113,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--profile", type=Path, help="write the client's call profile (RGPU_CLIENT_STATS) and the "
+                        "worker's (RGPU_WORKER_PROFILE) for the rgpu runs into this folder, and print the client's")
     args = parser.parse_args(argv)
     if args.child:
         print(json.dumps(child(args.child, args.warmup, args.steps)))
@@ -125,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
 
     libs = ensure_built()
     gpu = local_gpu()
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
+        os.environ["RGPU_WORKER_PROFILE"] = str(args.profile)   # the session server's workers inherit it
     secret = os.urandom(32)
     server, address = start_session_server(gpu, secret)
     rows = []
@@ -137,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                 issued_unix=time.time()))
             remote_env = dict(base, LD_LIBRARY_PATH=f"{libs.folder}:{base.get('LD_LIBRARY_PATH', '')}",
                               RGPU_SLICES=f"{address},{token}")
+            if args.profile:
+                remote_env["RGPU_CLIENT_STATS"] = str(args.profile / f"client-{name}")
             local = run_child(base, name, args.warmup, args.steps)
             remote = run_child(remote_env, name, args.warmup, args.steps)
             ratio = remote["samples_per_s"] / local["samples_per_s"]
@@ -144,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
                          "passed": ratio >= TARGETS[name]})
             print(f"{name}: local {local['samples_per_s']:.1f} samples/s, rgpu {remote['samples_per_s']:.1f} samples/s, "
                   f"ratio {ratio:.3f}", flush=True)
+            if args.profile:
+                from rgpu.remoting.native import client_stats
+                client_stats.main([str(f) for f in sorted(args.profile.glob(f"client-{name}.*"))])
         launch_path = server.status().get("launch_path")
     finally:
         server.stop()

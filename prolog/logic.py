@@ -32,7 +32,7 @@ from rgpu.remoting.pool.convert import lease_to_adaptor
 class Pool(Protocol):
     def allocate(self, job_key: str, user: str, count: int, *, fraction: float = 0.0, memory_bytes: int = 0,
                  account: str = "", ttl_seconds: float = 0.0, gpu_model: str = "", server: str = "",
-                 min_memory_bytes: int = 0) -> Any: ...
+                 min_memory_bytes: int = 0, isolation: str = "") -> Any: ...
     def release(self, job_key: str) -> bool: ...
     def get_lease(self, job_key: str) -> Any: ...
     def list_leases(self) -> list[Any]: ...
@@ -144,7 +144,7 @@ def allocate_job(job: JobContext, plan: AllocationPlan, pool: Pool) -> list[str]
     try:
         for key in plan.keys:
             pool.allocate(key, job.user, req.count, fraction=req.fraction if not req.memory_bytes else 0.0,
-                          memory_bytes=req.memory_bytes, account=job.account)
+                          memory_bytes=req.memory_bytes, account=job.account, isolation=req.isolation)
             got.append(key)
     except RgpuError:
         for key in got:

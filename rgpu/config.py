@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
 
+from rgpu import validate
 from rgpu.errors import ConfigError, InvalidRequest
 from rgpu.netaddr import split_host_port
 
@@ -70,6 +71,13 @@ class Settings:
     dashboard_url: str = ""                      # what `rgpu-admin dashboard-url` links to; "" derives it
     # MUNGE socket users' credentials are made and checked with; "" : libmunge's default.
     munge_socket: str = ""
+    # Which accounts a MUNGE-authenticated user may charge: "slurm" (Slurm's associations, asked of
+    # sacctmgr), "map" (user_accounts below, for sites without slurmdbd) or "off" (any account).
+    account_check: str = "slurm"
+    # account_check = "map": user -> the accounts they may charge, the first their default, e.g.
+    # user_accounts = { alice = ["physics", "chem"], bob = ["bio"] }.
+    user_accounts: dict[str, list[str]] = field(default_factory=dict)
+    account_cache_seconds: float = 60.0          # how long an answer of sacctmgr is kept per user
     # Leases flexrun -n/-l takes for one run: renewed every third of this while the application
     # runs, so a killed flexrun's lease is reclaimed within this long.
     flexrun_lease_ttl_seconds: float = 60.0
@@ -78,13 +86,19 @@ class Settings:
     session_hello_deadline_seconds: float = 10.0
     session_handshakes_max: int = 256
     session_handshakes_per_address: int = 16
+    # rgpu-dispatcher: how its GPUs are shared: mps | isolated | exclusive, for all GPUs or per GPU
+    # ("0=exclusive,1=isolated"; a bare mode is the default for the rest). See dispatcher/sharing.py.
+    gpu_sharing: str = "mps"
+    # rgpu-dispatcher, isolated GPUs: a busy session may use the shares its GPU's other sessions leave idle.
+    compute_lending: bool = False
     origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def origin(self, key: str) -> str:
         return self.origins.get(key, "default")
 
 
-_TYPES: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool}
+_TYPES: dict[str, type] = {"str": str, "int": int, "float": float, "bool": bool, "dict[str, list[str]]": dict}
+ACCOUNT_CHECKS = ("slurm", "map", "off")
 KEYS: dict[str, type] = {f.name: _TYPES[str(f.type)] for f in fields(Settings) if f.name != "origins"}
 
 
@@ -97,8 +111,36 @@ def pool_addresses(pool: str) -> list[str]:
     return [part.strip() for part in pool.split(",") if part.strip()]
 
 
+def _user_accounts(key: str, value: Any, source: str) -> dict[str, list[str]]:
+    """A map of user -> accounts: a TOML table, or its inline text in the environment."""
+    if isinstance(value, str):
+        try:
+            value = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("config", f"{key} from {source} is not a TOML inline table", str(exc),
+                              'write it as { alice = ["physics", "chem"], bob = ["bio"] }') from None
+    if not isinstance(value, dict):
+        raise ConfigError("config", f"{key} from {source} is not a table", "",
+                          'write it as { alice = ["physics", "chem"], bob = ["bio"] }')
+    out: dict[str, list[str]] = {}
+    for user, accounts in value.items():
+        if isinstance(accounts, str):
+            accounts = [accounts]
+        try:
+            validate.name("user", user)
+            if not isinstance(accounts, list):
+                raise InvalidRequest("config", f"the accounts of {user} are not a list", "", "")
+            out[user] = [validate.name("account", a) for a in accounts]
+        except InvalidRequest as exc:
+            raise ConfigError("config", f"{key} from {source}: {exc.what}", exc.why,
+                              'write it as { alice = ["physics", "chem"], bob = ["bio"] }') from None
+    return out
+
+
 def _coerce(key: str, value: Any, source: str) -> Any:
     want = KEYS[key]
+    if want is dict:
+        return _user_accounts(key, value, source)
     if key == "pool" and isinstance(value, list) and value and all(isinstance(v, str) for v in value):
         return ",".join(value)   # pool = ["a:50001", "b:50001"]
     try:
@@ -170,6 +212,12 @@ def load_settings(config_file: str | os.PathLike[str] | None = None,
     if settings.slurm_backend not in ("auto", "squeue", "pyslurm"):
         raise ConfigError("config", f"slurm_backend {settings.slurm_backend!r} from {settings.origin('slurm_backend')} "
                           "is unknown", "", "use auto, squeue or pyslurm")
+    if settings.account_check not in ACCOUNT_CHECKS:
+        raise ConfigError("config", f"account_check {settings.account_check[:40]!r} from "
+                          f"{settings.origin('account_check')} is unknown", "", "use slurm, map or off")
+    if settings.account_cache_seconds < 0:
+        raise ConfigError("config", "account_cache_seconds must not be negative", "",
+                          "set 0 (ask sacctmgr every time) or a positive number of seconds")
     if settings.slurm_reconcile_grace_seconds < 0 or settings.slurm_reconcile_interval_seconds < 0:
         raise ConfigError("config", "slurm_reconcile_* settings must not be negative", "",
                           "set 0 or a positive number of seconds")

@@ -5,6 +5,22 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+# How the slices of one GPU share it (the dispatcher's `gpu_sharing`):
+# - "mps": compute shares enforced by NVIDIA MPS; one fault domain for the whole GPU;
+# - "isolated": one CUDA context per session without MPS (time-sliced by the driver, so a fault ends
+#   only its own context), compute shares enforced by the worker's own limiter;
+# - "exclusive": whole GPUs only (a slice takes 100% of it).
+SHARING_MODES = ("mps", "isolated", "exclusive")
+# What a request may ask for: "" (any GPU) or "strict" (only isolated or exclusive GPUs).
+ISOLATION_LEVELS = ("", "strict")
+STRICT_SHARING = ("isolated", "exclusive")
+
+
+def isolation_allows(isolation: str, sharing: str) -> bool:
+    """Whether a slice asking for `isolation` may be placed on a GPU shared as `sharing`."""
+    return isolation != "strict" or sharing in STRICT_SHARING
+
+
 @dataclass(frozen=True)
 class GpuInfo:
     """One GPU as a dispatcher serves it."""
@@ -15,6 +31,7 @@ class GpuInfo:
     total_memory_bytes: int       # physical memory
     usable_memory_bytes: int      # after RGPU_GPU_DEVICE_MEMORY_LIMIT: what slices divide
     compute_capability: str       # "9.0"
+    sharing: str = "mps"          # how its slices share it: one of SHARING_MODES
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@
 Groups:
 - `rgpu.pool_plugins`: `start(core, settings, log) -> object with stop()`, run by rgpu-poold after
   its gRPC server started (the Slurm integration: reconciler and license sync).
+- `rgpu.account_sources`: `name(settings) -> lookup(user) -> accounts (default first)`, used by
+  rgpu-poold to check which accounts a user may charge (`slurm`: sacctmgr).
 - `rgpu.admin_commands`: click commands that join `rgpu-admin` (e.g. `slurm-config`).
 """
 
@@ -14,6 +16,7 @@ from typing import Any
 
 POOL_PLUGINS = "rgpu.pool_plugins"
 ADMIN_COMMANDS = "rgpu.admin_commands"
+ACCOUNT_SOURCES = "rgpu.account_sources"
 
 log = logging.getLogger("rgpu.plugins")
 

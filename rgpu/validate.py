@@ -12,6 +12,7 @@ import re
 from typing import TYPE_CHECKING
 
 from rgpu.errors import InvalidRequest
+from rgpu.model import ISOLATION_LEVELS, SHARING_MODES
 from rgpu.netaddr import split_host_port
 
 if TYPE_CHECKING:
@@ -141,4 +142,14 @@ def server_info(info: ServerInfo) -> ServerInfo:
         non_negative_int("GPU index", gpu.index, MAX_GPUS_PER_SERVER * 16)
         non_negative_int("GPU memory", gpu.total_memory_bytes, MAX_GPU_MEMORY_BYTES)
         non_negative_int("GPU usable memory", gpu.usable_memory_bytes, gpu.total_memory_bytes)
+        if gpu.sharing not in SHARING_MODES:
+            raise _bad("GPU sharing", gpu.sharing, " or ".join(SHARING_MODES))
     return info
+
+
+def isolation(value: str) -> str:
+    """A request's isolation: "" (any GPU) or "strict" (only GPUs shared isolated or exclusive)."""
+    if value not in ISOLATION_LEVELS:
+        raise InvalidRequest("pool", f"unknown isolation {value[:40]!r}", "",
+                             "ask for isolation=strict, or leave it out")
+    return value

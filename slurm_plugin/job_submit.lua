@@ -8,7 +8,9 @@ beside it (`rgpu-admin slurm-config` prints one with the pool's live numbers).
 What it does for a job that asks for --gres=rgpu:N:
   * reads N from tres_per_node, in both shapes: "gres:rgpu:N" (Slurm <= 23.02) and
     "gres/rgpu:N" (>= 23.11); "gres:rgpu" alone means N = 1;
-  * reads fraction=F (default 1.0) or memory=SIZE (per slice) from --comment;
+  * reads fraction=F (default 1.0) or memory=SIZE (per slice) from --comment, and
+    isolation=strict (slices only on GPUs shared "isolated" or "exclusive", where another job's
+    GPU fault cannot end this one's work);
   * refuses bad requests with a message the user sees (slurm.log_user);
   * pins the node count (-N 2 stays 2; no -N means 1 node) and adds the cluster license
     rgpu:<units>, units = nodes x N x units_per_slice, so slurmctld keeps the job PENDING
@@ -228,12 +230,12 @@ function rgpu.parse_comment(comment)
 			"only letters, digits, space and . , _ = : / + @ - are allowed in the comment of an rgpu job",
 			"write e.g. --comment=fraction=0.5")
 	end
-	local fraction, memory, err
+	local fraction, memory, isolation, err
 	for word in string.gmatch(comment, "[^ ,]+") do
 		local key, value = string.match(word, "^([^=]*)=(.*)$")
 		key = key and string.lower(key)
 		local bare = string.lower(string.gsub(word, "=", ""))
-		if (key == nil or key == "") and (bare == "fraction" or bare == "memory") then
+		if (key == nil or key == "") and (bare == "fraction" or bare == "memory" or bare == "isolation") then
 			-- "fraction = 0.5" would otherwise silently mean a whole GPU.
 			return fail("the comment names " .. bare .. " without its value", "comment is " .. shown(comment),
 				"write " .. bare .. "=VALUE as one word, e.g. --comment=fraction=0.5")
@@ -245,6 +247,16 @@ function rgpu.parse_comment(comment)
 			fraction, err = rgpu.parse_fraction(value)
 			if not fraction then
 				return nil, err
+			end
+		elseif key == "isolation" then
+			if isolation then
+				return fail("isolation is given twice", "comment is " .. shown(comment), "give isolation=strict once")
+			end
+			isolation = string.lower(value)
+			if isolation ~= "strict" then
+				return fail("invalid isolation " .. shown(value),
+					"the one level is strict (only GPUs no other job's fault can reach)",
+					"write --comment=isolation=strict, or leave it out")
 			end
 		elseif key == "memory" then
 			if memory then
@@ -261,9 +273,9 @@ function rgpu.parse_comment(comment)
 			"give either fraction=F or memory=SIZE")
 	end
 	if memory then
-		return { memory_bytes = memory }
+		return { memory_bytes = memory, isolation = isolation }
 	end
-	return { fraction = fraction or 1.0 }
+	return { fraction = fraction or 1.0, isolation = isolation }
 end
 
 -- The normalised request, recorded in the job's admin comment (only Slurm and admins write it).
@@ -277,8 +289,12 @@ function rgpu.record(plan)
 	else
 		size = string.format("percent=%d", plan.per_slice)
 	end
-	return string.format("%snodes=%d count=%d %s units=%d", rgpu.RECORD_PREFIX, plan.nodes, plan.count, size,
-		plan.units)
+	local isolation = ""
+	if plan.isolation then
+		isolation = " isolation=" .. plan.isolation
+	end
+	return string.format("%snodes=%d count=%d %s units=%d%s", rgpu.RECORD_PREFIX, plan.nodes, plan.count, size,
+		plan.units, isolation)
 end
 
 function rgpu.is_record(text)
@@ -373,6 +389,7 @@ function rgpu.plan(job, conf)
 	local plan = {
 		rgpu = true, nodes = nodes, count = count, units = units, per_slice = per_slice,
 		fraction = req.fraction, memory_bytes = req.memory_bytes, licenses = table.concat(others, ","),
+		isolation = req.isolation,
 	}
 	plan.record = rgpu.record(plan)
 	return plan

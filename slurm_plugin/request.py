@@ -12,10 +12,11 @@ cases that both implementations are tested against, so the two cannot drift apar
   or `memory=SIZE` (binary K/M/G/T suffix) per slice; other words are left alone, but a bare
   `fraction` or `memory` word (as in `fraction = 0.5`) is refused. Only ASCII letters, digits,
   space and `. , _ = : / + @ -` may appear in the comment of an rgpu job (no tabs, newlines or
-  other unicode).
+  other unicode). `isolation=strict` (the only level; case-insensitive) asks for GPUs shared
+  `isolated` or `exclusive` only; a bare `isolation` word or a second one is refused.
 - the **record**: job_submit.lua writes the normalised request into the job's admin comment,
   which only Slurm and admins can write: `rgpu:v1 nodes=N count=C percent=P units=U` or
-  `rgpu:v1 nodes=N count=C memory=BYTES units=U`. PrologSlurmctld leases exactly this
+  `rgpu:v1 nodes=N count=C memory=BYTES units=U`, either followed by ` isolation=strict` when asked. PrologSlurmctld leases exactly this
   (`parse_record`, which accepts nothing else), never what it reads from user-controlled fields.
 """
 
@@ -38,6 +39,7 @@ class RgpuRequest:
     count: int                 # slices per node
     fraction: float = 1.0      # of one GPU, per slice; 0 when memory_bytes is set
     memory_bytes: int = 0      # per slice; 0 when fraction is used
+    isolation: str = ""        # "" or "strict"
 
     def units_per_slice(self, gpu_memory_bytes: int = 0) -> int:
         """GPU percent one slice counts for in the Slurm license."""
@@ -53,8 +55,9 @@ class RgpuRequest:
     def record(self, nodes: int, gpu_memory_bytes: int = 0) -> str:
         """The admin-comment record job_submit.lua writes for this request (same text)."""
         size = f"memory={self.memory_bytes}" if self.memory_bytes else f"percent={self.units_per_slice()}"
+        isolation = f" isolation={self.isolation}" if self.isolation else ""
         return (f"{RECORD_PREFIX}nodes={nodes} count={self.count} {size} "
-                f"units={self.license_units(nodes, gpu_memory_bytes)}")
+                f"units={self.license_units(nodes, gpu_memory_bytes)}{isolation}")
 
 
 RECORD_PREFIX = "rgpu:v1 "
@@ -62,7 +65,7 @@ RECORD_PREFIX = "rgpu:v1 "
 RECORD_SEPARATOR = " | "
 WAITING_MARK = "rgpu: waiting:"
 _RECORD_RE = re.compile(r"rgpu:v1 nodes=([1-9]\d{0,5}) count=([1-9]\d{0,5}) "
-                        r"(?:percent=([1-9]\d{0,2})|memory=([1-9]\d{0,18})) units=(\d{1,9})")
+                        r"(?:percent=([1-9]\d{0,2})|memory=([1-9]\d{0,18})) units=(\d{1,9})( isolation=strict)?")
 
 
 @dataclass(frozen=True)
@@ -89,15 +92,16 @@ def parse_record(text: str | None) -> RequestRecord:
         raise InvalidRequest("prolog-slurmctld", f"the job's rgpu record {str(text)[:80]!r} is not one job_submit.lua writes",
                              "the admin comment was changed, or the job was submitted before rgpu recorded requests",
                              "scancel the job and submit it again")
-    nodes, count, percent, memory, units = m.groups()
+    nodes, count, percent, memory, units, strict = m.groups()
+    isolation = "strict" if strict else ""
     if percent is not None:
         if int(percent) > UNITS_PER_GPU or int(units) != int(nodes) * int(count) * int(percent):
             raise InvalidRequest("prolog-slurmctld", f"the job's rgpu record {text!r} does not add up",
                                  "units must be nodes x count x percent (percent at most 100)",
                                  "scancel the job and submit it again")
-        request = RgpuRequest(count=int(count), fraction=int(percent) / UNITS_PER_GPU)
+        request = RgpuRequest(count=int(count), fraction=int(percent) / UNITS_PER_GPU, isolation=isolation)
     else:
-        request = RgpuRequest(count=int(count), fraction=0.0, memory_bytes=int(memory))
+        request = RgpuRequest(count=int(count), fraction=0.0, memory_bytes=int(memory), isolation=isolation)
     return RequestRecord(nodes=int(nodes), request=request, units=int(units))
 
 
@@ -156,16 +160,26 @@ def parse_comment(comment: str | None, count: int) -> RgpuRequest:
                    "write e.g. --comment=fraction=0.5")
     fraction: float | None = None
     memory: int | None = None
+    isolation: str | None = None
+    keys = ("fraction", "memory", "isolation")
     for word in re.split(r"[ ,]+", comment):
         key, sep, value = word.partition("=")
         key = key.lower()
         bare = word.replace("=", "").lower()
-        if not key and bare in ("fraction", "memory") or not sep and key in ("fraction", "memory"):
+        if not key and bare in keys or not sep and key in keys:
             raise _bad(f"the comment names {bare} without its value", f"comment is {comment!r}",
                        f"write {bare}=VALUE as one word, e.g. --comment=fraction=0.5")
-        if not sep or key not in ("fraction", "memory"):
+        if not sep or key not in keys:
             continue
-        if key == "fraction":
+        if key == "isolation":
+            if isolation is not None:
+                raise _bad("isolation is given twice", f"comment is {comment!r}", "give isolation=strict once")
+            isolation = value.lower()
+            if isolation != "strict":
+                raise _bad(f"invalid isolation {value!r}",
+                           "the one level is strict (only GPUs no other job's fault can reach)",
+                           "write --comment=isolation=strict, or leave it out")
+        elif key == "fraction":
             if fraction is not None:
                 raise _bad("fraction is given twice", f"comment is {comment!r}", "give fraction=F once")
             fraction = _parse_fraction(value)
@@ -177,5 +191,5 @@ def parse_comment(comment: str | None, count: int) -> RgpuRequest:
         raise _bad("both fraction and memory are given", "a slice is sized by one of them",
                    "give either fraction=F or memory=SIZE")
     if memory is not None:
-        return RgpuRequest(count=count, fraction=0.0, memory_bytes=memory)
-    return RgpuRequest(count=count, fraction=1.0 if fraction is None else fraction)
+        return RgpuRequest(count=count, fraction=0.0, memory_bytes=memory, isolation=isolation or "")
+    return RgpuRequest(count=count, fraction=1.0 if fraction is None else fraction, isolation=isolation or "")

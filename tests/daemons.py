@@ -129,7 +129,12 @@ class RgpuCluster:
 
     def write_config(self, **values: object) -> None:
         import json
-        lines = [f"{k} = {json.dumps(v)}" for k, v in values.items()]
+        def toml(v: object) -> str:   # JSON is TOML for strings, numbers, booleans and lists
+            if isinstance(v, dict):
+                return "{ " + ", ".join(f"{json.dumps(k)} = {toml(x)}" for k, x in v.items()) + " }"
+            return json.dumps(v)
+
+        lines = [f"{k} = {toml(v)}" for k, v in values.items()]
         (self.root / "rgpu.toml").write_text("\n".join(lines) + "\n")
 
     def start_pool(self, *extra_args: str, env: dict[str, str] | None = None) -> Daemon:

@@ -64,6 +64,7 @@ def test_state_document_from_a_view() -> None:
     state = dashboard_state(view, [Event(150.0, "info", "lease job-7 for alice")])
     assert state["gpus"][0]["slices"] == [{"job_key": "job-7", "user": "alice", "account": "physics", "slice": 0,
                                            "memory_bytes": 40 * GIB, "compute_percent": 50, "lease_state": "active"}]
+    assert state["gpus"][0]["sharing"] == "mps"
     assert state["leases"][0]["age_seconds"] == 60.0 and state["leases"][0]["idle"] is False
     assert state["quotas"] == [{"kind": "user", "name": "alice", "limit_units": 100, "used_units": 50}]
     assert state["events"][0]["message"] == "lease job-7 for alice"

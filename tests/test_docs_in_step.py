@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 
 from rgpu.config import KEYS, Settings
@@ -45,7 +45,8 @@ def test_readme_lists_every_config_key_and_no_other() -> None:
 
 def test_readme_defaults_are_the_code_defaults() -> None:
     table = readme_table()
-    defaults = {f.name: f.default for f in fields(Settings) if f.name in KEYS}
+    defaults = {f.name: f.default if f.default is not MISSING else f.default_factory()   # type: ignore[misc]
+                for f in fields(Settings) if f.name in KEYS}
     wrong = {k: (table[k], documented_default(v)) for k, v in defaults.items()
              if k in table and table[k] != documented_default(v)}
     assert not wrong, f"README.md's configuration table shows other defaults than rgpu/config.py (README, code): {wrong}"

@@ -87,7 +87,8 @@ def a_snapshot() -> DispatcherSnapshot:
         registrations=2,
         sessions={"sessions": [session], "traffic": {GPU.uuid: {"received_bytes": 100, "sent_bytes": 50,
                                                                   "calls": 3, "errors": 1}},
-                  "ended": {"ok": 1, "failed": 0, "revoked": 0}, "accepted": 2, "refused": 1,
+                  "ended": {"ok": 1, "failed": 0, "revoked": 0, "fault": 2}, "accepted": 2, "refused": 1,
+                  "faults": {GPU.uuid: {"cross_tenant": 1, "own": 0, "sessions": 2}},
                   "mps": {"running": False, "restarts": 0, "reason": "x"}, "compute_enforcement": "time-slicing",
                   "launch_path": "python (no compiler)", "backend": "emulated"})
 
@@ -101,6 +102,10 @@ def test_dispatcher_families_from_a_snapshot() -> None:
     assert value(found, "rgpu_dispatcher_gpu_memory_used_bytes", gpu=GPU.uuid) == GIB
     assert value(found, "rgpu_dispatcher_heartbeats_total", result="failed") == 1
     assert value(found, "rgpu_dispatcher_mps_running") == 0
+    assert value(found, "rgpu_dispatcher_gpu_faults_total", gpu=GPU.uuid, scope="cross_tenant") == 1
+    assert value(found, "rgpu_dispatcher_gpu_faults_total", gpu=GPU.uuid, scope="own") == 0
+    assert value(found, "rgpu_dispatcher_gpu_fault_sessions_ended_total", gpu=GPU.uuid) == 2
+    assert value(found, "rgpu_dispatcher_sessions_ended_total", outcome="fault") == 2
     assert value(found, "rgpu_dispatcher_info", compute_enforcement="time-slicing", launch_path="python") == 1
 
 

@@ -1,12 +1,15 @@
 """Two kinds of caller, against a real rgpu-poold and a real munged (private socket and key):
 users authenticate with MUNGE and get least privilege; daemons and admins hold the cluster secret.
 
-The user is a separate uid without the secret: `nobody` makes its MUNGE credentials with munge(1)
-(this machine's Python lives where nobody cannot run it); the test sends them as a client would.
-rgpu's own client path (libmunge through ctypes) runs as this test's uid with no secret file."""
+The user is a separate uid without the secret (`nobody`). Some tests make its MUNGE credentials
+with munge(1) and send them as a client would; others run rgpu's own CLIs (rgpu-admin, flexrun)
+as that uid, with this run's Python and rgpu put where it can run them (tests/user_runtime.py).
+A user charges only accounts it belongs to: a map in rgpu.toml, or Slurm's associations from a
+real slurmdbd (tests/slurmdbd.py, marked slurm)."""
 
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import shutil
@@ -24,7 +27,8 @@ from rgpu.proto import rgpu_pb2_grpc as pb_grpc
 from rgpu.remoting.pool.auth import MUNGE_HEADER
 from rgpu.remoting.pool.client import PoolClient
 from rgpu.remoting.pool.convert import server_to_pb
-from tests.daemons import RgpuCluster, register_servers, wait_for
+from tests.daemons import EXAMPLES, RgpuCluster, register_servers, wait_for
+from tests.user_runtime import UserRuntime
 
 pytestmark = pytest.mark.integration
 USER = "nobody"
@@ -66,7 +70,8 @@ def munge_socket() -> Iterator[str]:
 def cluster(tmp_path: Path, munge_socket: str) -> Iterator[RgpuCluster]:
     c = RgpuCluster(tmp_path / "cluster")
     c.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5,
-                   munge_socket=munge_socket)
+                   munge_socket=munge_socket, account_check="map",
+                   user_accounts={USER: ["physics", "chem"], pwd.getpwuid(os.getuid()).pw_name: ["ops"]})
     c.start_pool()
     with c.client() as client:
         register_servers(client, servers=1, gpus=4)
@@ -182,3 +187,161 @@ def test_rgpus_own_client_uses_munge_without_the_secret(cluster: RgpuCluster, mu
                           timeout=30, check=False)
     assert done.returncode == 0, done.stderr
 
+
+
+PWNED = "/tmp/rgpu-account-pwned"
+HOSTILE_ACCOUNTS = ["x" * 100_000, "chem\nphysics", f"chem;touch {PWNED}", f"$(touch {PWNED})", f"`touch {PWNED}`",
+                    "chem physics", "chem,bio", "-chem"]
+
+
+def test_a_user_charges_only_accounts_the_map_gives_them(cluster: RgpuCluster, munge_socket: str) -> None:
+    def lease(job_key: str, account: str) -> object:
+        return as_user(cluster, munge_socket, "Allocate",
+                       pb.AllocateRequest(job_key=job_key, account=account, count=1, fraction=0.1))
+
+    assert lease("own", "chem").account == "chem"             # type: ignore[attr-defined]
+    assert lease("default", "").account == "physics"          # type: ignore[attr-defined]
+    text = refused(grpc.StatusCode.PERMISSION_DENIED, lambda: lease("other", "bio"))
+    assert text == (f"rgpu: pool: {USER} may not charge account bio (user_accounts in rgpu.toml give {USER} only: "
+                    "physics, chem; name one of those with --account, or leave it out for your default)")
+    for i, account in enumerate(HOSTILE_ACCOUNTS):
+        with pytest.raises(grpc.RpcError) as info:
+            lease(f"hostile-{i}", account)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        details = info.value.details()
+        assert "\n" not in details and len(details) < 700 and details.startswith("rgpu: request: invalid account ")
+    assert not Path(PWNED).exists()
+    with cluster.client() as admin:                           # the secret: Slurm's prologs charge the job's account
+        assert admin.allocate("slurm:job", USER, 1, fraction=0.1, account="bio").account == "bio"
+        assert sorted((x.job_key, x.account) for x in admin.list_leases()) == [
+            ("default", "physics"), ("own", "chem"), ("slurm:job", "bio")]
+
+
+@pytest.mark.slurm
+def test_accounts_come_from_a_real_slurmdbd_and_fail_closed_without_it(tmp_path: Path, munge_socket: str) -> None:
+    from tests import slurmdbd
+
+    if slurmdbd.missing():
+        pytest.skip(slurmdbd.missing())
+    dbd = slurmdbd.SlurmDbd(munge_socket).start()
+    c = RgpuCluster(tmp_path / "cluster")
+    try:
+        dbd.sacctmgr("add", "account", "physics,chem,bio")
+        dbd.sacctmgr("add", "user", USER, "account=physics,chem", "defaultaccount=chem")
+        c.write_config(munge_socket=munge_socket, account_check="slurm", slurm_cluster=slurmdbd.CLUSTER,
+                       account_cache_seconds=0, slurm_reconcile_interval_seconds=0)
+        c.start_pool(env=c.env(**dbd.env))
+        with c.client() as admin:
+            register_servers(admin, servers=1, gpus=4)
+
+        def lease(job_key: str, account: str) -> object:
+            return as_user(c, munge_socket, "Allocate",
+                           pb.AllocateRequest(job_key=job_key, account=account, count=1, fraction=0.1))
+
+        assert lease("default", "").account == "chem"        # type: ignore[attr-defined]
+        assert lease("own", "physics").account == "physics"  # type: ignore[attr-defined]
+        text = refused(grpc.StatusCode.PERMISSION_DENIED, lambda: lease("other", "bio"))
+        assert text == (f"rgpu: pool: {USER} may not charge account bio (Slurm's associations (sacctmgr) give {USER} "
+                        "only: chem, physics; name one of those with --account, or leave it out for your default)")
+        dbd.sacctmgr("add", "user", USER, "account=bio")      # Slurm's word, as it is now (no cache here)
+        assert lease("now-bio", "bio").account == "bio"      # type: ignore[attr-defined]
+        dbd.stop_dbd()
+        with pytest.raises(grpc.RpcError) as info:
+            lease("dbd-down", "chem")
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        details = info.value.details()
+        assert "\n" not in details and details.startswith(f"rgpu: pool: cannot check which accounts {USER} may charge")
+        assert "sacctmgr" in details and "Connection refused" in details and "slurmdbd" in details, details
+        with c.client() as admin:                            # daemons and admins do not depend on slurmdbd
+            assert admin.allocate("slurm:job", USER, 1, fraction=0.1, account="physics").account == "physics"
+    finally:
+        c.stop_all()
+        dbd.stop()
+
+
+@pytest.fixture(scope="module")
+def user_runtime(munge_socket: str) -> Iterator[UserRuntime]:
+    """rgpu and this run's Python where USER can run them (tests/user_runtime.py), with the native
+    client libraries flexrun preloads built there too."""
+    from rgpu.remoting.native import build
+
+    runtime = UserRuntime(USER).build()
+    try:
+        build.build(runtime.root / "native")
+        for path in (runtime.root / "native").rglob("*"):
+            path.chmod(path.stat().st_mode | 0o555 if path.is_dir() else path.stat().st_mode | 0o444)
+        (runtime.root / "native").chmod(0o755)
+        yield runtime
+    finally:
+        runtime.remove()
+
+
+def user_config(runtime: UserRuntime, cluster: RgpuCluster, munge_socket: str) -> dict[str, str]:
+    """The user's rgpu.toml: the pool, the MUNGE socket, and the cluster's secret file, which this
+    user cannot read (it lies in the test's private folder), as on a client node."""
+    conf = runtime.home / "rgpu.toml"
+    conf.write_text(f'pool = "{cluster.pool_address}"\nmunge_socket = "{munge_socket}"\n'
+                    f'secret_file = "{cluster.secret_file}"\n')
+    assert runtime.run(["-c", f"open({str(cluster.secret_file)!r})"]).returncode != 0   # not readable by the user
+    return {"RGPU_CONFIG": str(conf), "RGPU_NATIVE_DIR": str(runtime.root / "native")}
+
+
+def one_line_refusal(done: subprocess.CompletedProcess[str], *parts: str) -> None:
+    assert done.returncode != 0, done.stdout
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(p in lines[0] for p in parts), done.stderr
+
+
+def test_rgpu_admin_run_by_another_uid_acts_as_that_user_only(cluster: RgpuCluster, munge_socket: str,
+                                                             user_runtime: UserRuntime) -> None:
+    env = user_config(user_runtime, cluster, munge_socket)
+    admin = ["-m", "rgpu.remoting.admin.cli"]
+    request = [*admin, "request-gpus", "-n", "1", "-p", "0.25", "-o", "mine.conf", "--ttl", "1h"]
+    done = user_runtime.run([*request, "--job-key", "cli-mine"], env)
+    assert done.returncode == 0, done.stderr
+    with cluster.client() as root:
+        mine = root.get_lease("cli-mine")
+        assert (mine.user, mine.account) == (USER, "physics")     # who MUNGE says; their default account
+        root.allocate("root-job", "root", 1, fraction=0.1)
+    one_line_refusal(user_runtime.run([*request, "--job-key", "as-root", "--user", "root"], env),
+                     "cannot lease GPUs as root", f"MUNGE says you are {USER}")
+    one_line_refusal(user_runtime.run([*request, "--job-key", "env-root"], {**env, "USER": "root", "LOGNAME": "root"}),
+                     "cannot lease GPUs as root", f"MUNGE says you are {USER}")
+    one_line_refusal(user_runtime.run([*request, "--job-key", "ops", "--account", "ops"], env),
+                     f"{USER} may not charge account ops")
+    one_line_refusal(user_runtime.run([*admin, "release-gpus", "--job-key", "root-job"], env),
+                     "cannot release lease root-job", "it belongs to root")
+    one_line_refusal(user_runtime.run([*admin, "drain", "127.0.0.1:56000"], env), "SetServerState is for daemons")
+    done = user_runtime.run([*admin, "leases", "--json"], env)
+    assert done.returncode == 0, done.stderr
+    assert {row["job_key"]: row["user"] for row in json.loads(done.stdout)} == {"cli-mine": USER, "root-job": "root"}
+    done = user_runtime.run([*admin, "release-gpus", "-f", "mine.conf"], env)
+    assert done.returncode == 0, done.stderr
+    with cluster.client() as root:
+        assert [x.job_key for x in root.list_leases()] == ["root-job"]
+
+
+def test_flexrun_run_by_another_uid_leases_as_that_user(tmp_path: Path, munge_socket: str,
+                                                       user_runtime: UserRuntime) -> None:
+    from tests.test_dispatcher import wait_state
+
+    c = RgpuCluster(tmp_path / "cluster")
+    c.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5,
+                   munge_socket=munge_socket, account_check="map", user_accounts={USER: ["physics"]})
+    try:
+        c.start_pool()
+        _d, port = c.start_dispatcher(EXAMPLES / "inventory-a.toml")
+        wait_state(c, f"127.0.0.1:{port}", "up")
+        env = user_config(user_runtime, c, munge_socket)
+        # The application, run by flexrun as the user, lists the leases it can see (as the user).
+        app = [user_runtime.python, "-m", "rgpu.remoting.admin.cli", "leases", "--json"]
+        done = user_runtime.run(["-m", "rgpu.remoting.client.flexrun", "-n", "1", "-p", "0.5", "--", *app], env,
+                                timeout=120)
+        assert done.returncode == 0, done.stderr
+        seen = [(row["user"], row["account"]) for row in json.loads(done.stdout)
+                if row["job_key"].startswith("flexrun-")]
+        assert seen == [(USER, "physics")], done.stdout
+        with c.client() as root:
+            assert root.list_leases() == []                    # released when the application ended
+    finally:
+        c.stop_all()

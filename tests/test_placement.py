@@ -129,3 +129,23 @@ def test_bad_requests() -> None:
     with pytest.raises(InvalidRequest):
         place(gpus(1, 1), SliceRequest(count=1, fraction=0.5), "random")
     assert percent_of_fraction(0.125) == 13 and percent_of_fraction(0.001) == 1
+
+
+def test_strict_isolation_goes_only_on_isolated_or_exclusive_gpus() -> None:
+    slots = [GpuSlot(server="10.0.0.1:55001", hostname="a", uuid="GPU-mps", index=0, name="NVIDIA H100",
+                     usable_memory_bytes=80 * GiB, sharing="mps"),
+             GpuSlot(server="10.0.0.1:55001", hostname="a", uuid="GPU-iso", index=1, name="NVIDIA H100",
+                     usable_memory_bytes=80 * GiB, sharing="isolated"),
+             GpuSlot(server="10.0.0.1:55001", hostname="a", uuid="GPU-excl", index=2, name="NVIDIA H100",
+                     usable_memory_bytes=80 * GiB, sharing="exclusive")]
+    (half,) = place(slots, SliceRequest(count=1, fraction=0.5, isolation="strict"))
+    assert half.gpu.uuid == "GPU-iso"                  # the exclusive GPU takes whole GPUs only
+    both = place(slots, SliceRequest(count=2, fraction=1.0, isolation="strict"))
+    assert {p.gpu.uuid for p in both} == {"GPU-iso", "GPU-excl"}
+    with pytest.raises(CapacityError, match="isolation=strict"):
+        place(slots, SliceRequest(count=3, fraction=1.0, isolation="strict"))
+    # Without isolation a partial slice may go on mps or isolated GPUs, never on the exclusive one.
+    placed = place(slots, SliceRequest(count=2, fraction=0.25))
+    assert {p.gpu.uuid for p in placed} == {"GPU-mps", "GPU-iso"}
+    with pytest.raises(CapacityError):
+        place(slots, SliceRequest(count=3, fraction=0.25))

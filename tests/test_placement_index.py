@@ -13,6 +13,7 @@ from rgpu.remoting.pool.placement import GpuSlot, PlacedSlice, SliceRequest, pla
 from rgpu.remoting.pool.placement_index import PlacementIndex
 
 GiB = 2**30
+SHARINGS = ["mps", "mps", "isolated", "exclusive"]
 NAMES = ["NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA L4"]
 
 # Few distinct allocations, so that servers share shapes (the index's groups) as in a real pool.
@@ -34,7 +35,8 @@ def pools(draw: st.DrawFn) -> tuple[list[GpuSlot], dict[str, bool]]:
             slots.append(GpuSlot(server=address, hostname=hostname, uuid=f"GPU-{s}-{i}", index=i,
                                  name=NAMES[name_pick] if draw(st.booleans()) else name,
                                  usable_memory_bytes=usable, allocated_percent=percent,
-                                 allocated_memory_bytes=usable * percent // 100))
+                                 allocated_memory_bytes=usable * percent // 100,
+                                 sharing=draw(st.sampled_from(SHARINGS))))
     return slots, up
 
 
@@ -46,6 +48,7 @@ requests = st.builds(
     gpu_model=st.sampled_from(["", "", "", "h100", "A100", "l4"]),
     server=st.sampled_from(["", "", "", "", "gpu1", "10.0.1.1:55001", "10.0.0.3:55001", "nowhere"]),
     min_memory_bytes=st.sampled_from([0, 0, 0, 60 * GiB]),
+    isolation=st.sampled_from(["", "", "strict"]),
 ).map(lambda r: replace(r, memory_bytes=None) if r.fraction is not None else r)
 
 
@@ -118,3 +121,17 @@ def test_bad_requests_are_refused_as_by_the_reference() -> None:
         PlacementIndex().place(SliceRequest(count=1, fraction=0.5), "roundrobin", lambda a: True)
     with pytest.raises(InvalidRequest):
         PlacementIndex().place(SliceRequest(count=0, fraction=0.5), "binpack", lambda a: True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pools(), requests, st.sampled_from(["binpack", "spread"]))
+def test_strict_isolation_never_lands_on_an_mps_gpu(pool, request, policy) -> None:  # type: ignore[no-untyped-def]
+    """Both placements: isolation=strict only on isolated/exclusive GPUs, exclusive GPUs only whole."""
+    slots, up = pool
+    for placed in (reference(slots, up, request, policy),
+                   indexed(slots, up).place(request, policy, lambda address: up[address])):
+        for p in placed or []:
+            if request.isolation == "strict":
+                assert p.gpu.sharing in ("isolated", "exclusive")
+            if p.gpu.sharing == "exclusive":
+                assert p.compute_percent == 100

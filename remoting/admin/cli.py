@@ -103,8 +103,10 @@ def list_gpus(ctx: Context) -> None:
         "memory_bytes": g.gpu.usable_memory_bytes, "memory": format_bytes(g.gpu.usable_memory_bytes),
         "allocated_percent": g.allocated_percent, "allocated_memory_bytes": g.allocated_memory_bytes,
         "allocated_memory": format_bytes(g.allocated_memory_bytes), "slices": g.slices, "state": g.server_state,
+        "sharing": g.gpu.sharing or "mps",
     } for g in gpus]
     _emit(ctx, rows, [("server", "SERVER"), ("index", "GPU"), ("model", "MODEL"), ("memory", "MEMORY"),
+                      ("sharing", "SHARING"),
                       ("allocated_percent", "ALLOC %"), ("allocated_memory", "ALLOC MEM"), ("slices", "SLICES"),
                       ("state", "STATE")], "no GPUs registered (is any rgpu-dispatcher running?)")
 
@@ -146,15 +148,18 @@ def leases(ctx: Context) -> None:
 @click.option("--ttl", help="Release automatically after this long, e.g. 2h.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="adaptor.conf to write.")
 @click.option("--user", default=None, help="Owner of the lease (default: you).")
-@click.option("--account", default="", help="Account charged (for account quotas).")
+@click.option("--account", default="", help="Account charged (for account quotas); users: one they belong to, "
+              "default their default account.")
 @click.option("--job-key", default=None, help="Idempotency key (default: a new random one).")
 @click.option("--model", "gpu_model", default="", help="Only GPUs whose model contains this text.")
 @click.option("--server", default="", help="Only this server (address or hostname).")
 @click.option("--min-memory", default=None, help="Only GPUs with at least this much usable memory.")
+@click.option("--isolation", type=click.Choice(["strict"]), default=None,
+              help="Only GPUs shared isolated or exclusive (no other job's GPU fault can end this one's work).")
 @click.pass_obj
 def request_gpus(ctx: Context, count: int, fraction: float | None, memory: str | None, ttl: str | None,
                  output: str, user: str | None, account: str, job_key: str | None, gpu_model: str,
-                 server: str, min_memory: str | None) -> None:
+                 server: str, min_memory: str | None, isolation: str | None) -> None:
     """Lease GPU slices outside Slurm and write their adaptor.conf (mode 0600)."""
     from rgpu.remoting.pool.convert import lease_to_adaptor
 
@@ -166,7 +171,8 @@ def request_gpus(ctx: Context, count: int, fraction: float | None, memory: str |
         lease = client.allocate(
             key, user, count, fraction=fraction or 0.0, memory_bytes=parse_size(memory, "memory") if memory else 0,
             account=account, ttl_seconds=parse_duration(ttl, "ttl") if ttl else 0.0, gpu_model=gpu_model,
-            server=server, min_memory_bytes=parse_size(min_memory, "min memory") if min_memory else 0)
+            server=server, min_memory_bytes=parse_size(min_memory, "min memory") if min_memory else 0,
+            isolation=isolation or "")
         try:
             path = write_adaptor_conf(output, lease_to_adaptor(lease))
         except (OSError, RgpuError) as exc:
@@ -327,6 +333,36 @@ def _pool_serving(settings: Settings) -> str | None:
         return client.health()
 
 
+def _fault_notes(server: pb.Server, now: float) -> list[str]:
+    """One note per GPU with faults: how many crossed tenants, the latest one, its recovery."""
+    notes = []
+    by_gpu: dict[int, list[pb.GpuFault]] = {}
+    for fault in server.faults:
+        by_gpu.setdefault(fault.gpu_index, []).append(fault)
+    for index, faults in sorted(by_gpu.items()):
+        last = faults[-1]
+        crossed = sum(f.cross_tenant for f in faults)
+        what = (f"MPS fault ended {last.sessions_ended} sessions" if last.cross_tenant
+                else "a session's own fault")
+        who = f", faulting {last.faulting}" if last.faulting else (", faulting session not identified"
+                                                                  if last.cross_tenant else "")
+        back = (f"serving again after {last.recovered_seconds:.1f} s" if last.recovered_seconds >= 0
+                else "NOT serving again yet")
+        notes.append(f"GPU {index}: {len(faults)} fault(s), {crossed} across tenants; last "
+                     f"{max(0.0, now - last.unix):.0f} s ago: {last.error}, {what}{who}; {back}")
+    return notes
+
+
+def _sharing_summary(server: pb.Server) -> str:
+    """GPU indexes per sharing mode: "mps" when all are, else e.g. "0,1 mps; 2 isolated"."""
+    modes: dict[str, list[str]] = {}
+    for gpu in server.gpus:
+        modes.setdefault(gpu.sharing or "mps", []).append(str(gpu.index))
+    if len(modes) <= 1:
+        return next(iter(modes), "-")
+    return "; ".join(f"{','.join(indexes)} {mode}" for mode, indexes in modes.items())   # in GPU order
+
+
 @main.command()
 @_json_flag
 @click.option("--deep", is_flag=True, help="Also log in to every host over SSH: driver, MPS, clocks, ECC, Xid, "
@@ -346,15 +382,21 @@ def health(ctx: Context, deep: bool, hosts: tuple[str, ...]) -> None:
         notes = []
         if s.static_inventory:
             notes.append("static inventory (no real GPUs)")
-        if s.compute_enforcement == "time-slicing":
+        sharing = _sharing_summary(s)
+        if s.compute_enforcement == "time-slicing" and "mps" in sharing:
             notes.append("no MPS: compute shares not enforced")
+        notes += _fault_notes(s, time.time())
         if s.launch_path.startswith("python"):
             notes.append("kernel launches run in Python (no C compiler on the node?): lower launch rate")
         rows.append({"server": s.address, "hostname": s.hostname, "state": s.state,
                      "heartbeat_age_seconds": round(s.heartbeat_age_seconds, 1), "gpus": len(s.gpus),
                      "driver_version": s.driver_version, "cuda_version": s.cuda_version, "version": s.version,
                      "compute_enforcement": s.compute_enforcement, "launch_path": s.launch_path,
-                     "static_inventory": s.static_inventory,
+                     "static_inventory": s.static_inventory, "sharing": sharing,
+                     "gpu_faults": [{"gpu_index": f.gpu_index, "gpu_uuid": f.gpu_uuid, "unix": f.unix, "error": f.error,
+                                     "cross_tenant": f.cross_tenant, "sessions_ended": f.sessions_ended,
+                                     "faulting": f.faulting, "recovered_seconds": f.recovered_seconds}
+                                    for f in s.faults],
                      "notes": "; ".join(notes), "healthy": s.state != "down"})
     unhealthy = [r["server"] for r in rows if not r["healthy"]]
     if ctx.json_output and not deep:
@@ -364,8 +406,10 @@ def health(ctx: Context, deep: bool, hosts: tuple[str, ...]) -> None:
                    f"{reply.down_after_seconds:g} s without heartbeat")
         if rows:
             click.echo(tabulate([[r["server"], r["state"], f"{r['heartbeat_age_seconds']:.1f}s", r["gpus"],
-                                  r["driver_version"], r["compute_enforcement"] or "-", r["notes"]] for r in rows],
-                                headers=["SERVER", "STATE", "HEARTBEAT", "GPUS", "DRIVER", "COMPUTE", "NOTES"]))
+                                  r["driver_version"], r["sharing"], r["compute_enforcement"] or "-", r["notes"]]
+                                 for r in rows],
+                                headers=["SERVER", "STATE", "HEARTBEAT", "GPUS", "DRIVER", "SHARING", "COMPUTE",
+                                         "NOTES"]))
     failed_checks: list[str] = []
     if deep:   # over SSH: driver, MPS, clocks, ECC, Xid, disk, libraries, clock skew, round trips
         from rgpu.remoting.admin.cli_ops import deep_checks

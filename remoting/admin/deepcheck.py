@@ -216,6 +216,8 @@ def check_mps(host: str, roles: frozenset[str], report: Report, enforcement: str
         return [Finding(host, "limiter", OK, "MPS control daemon running: compute shares enforced")]
     if static_inventory:
         return [Finding(host, "limiter", OK, "no GPU to share (static inventory, emulated GPUs)")]
+    if enforcement in ("rgpu limiter", "exclusive"):
+        return [Finding(host, "limiter", OK, f"no GPU shared by MPS here: compute shares by {enforcement}")]
     return [Finding(host, "limiter", WARN, f"no MPS ({enforcement or 'not running'}): compute shares are "
                     "time-sliced, not enforced",
                     "run rgpu-dispatcher as root where nvidia-cuda-mps-control is installed")]

@@ -10,6 +10,8 @@ Which slices:
 How big, with -n or -l (one of them; default a whole GPU):
   -p F        fraction of a GPU per slice, 0 < F <= 1
   -m SIZE     GPU memory per slice, e.g. 8G or 512M (binary units)
+  --isolation strict   only GPUs shared isolated or exclusive, where another job's GPU fault
+              cannot end this one's work (with -n or -l)
 Everything after `--`, or from the first word that is not an option, is the application's
 command line, passed on untouched.
 
@@ -42,7 +44,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import click
@@ -118,6 +120,7 @@ class SliceSize:
 
     fraction: float = 1.0
     memory_bytes: int = 0      # when set, fraction is 0
+    isolation: str = ""        # "strict": only GPUs shared isolated or exclusive (--isolation strict)
 
 
 class Lease:
@@ -146,7 +149,8 @@ class Lease:
             requests = [(f"{base}-{i}", 1, s) for i, s in enumerate(servers)] if servers else [(base, count, "")]
             for key, n, server in requests:
                 lease = self.client.allocate(key, self.user, n, fraction=size.fraction,
-                                             memory_bytes=size.memory_bytes, server=server, ttl_seconds=self.ttl)
+                                             memory_bytes=size.memory_bytes, server=server, ttl_seconds=self.ttl,
+                                             isolation=size.isolation)
                 self.keys.append(key)
                 self.slices += [Slice(s.server, s.token) for s in lease.slices]
         except BaseException:
@@ -216,7 +220,7 @@ def _bad_usage(what: str, why: str = "") -> InvalidRequest:
 
 def make_options(command: Sequence[str], adaptor_conf: str | None = None, server_list: str | None = None,
                  num_gpus: int | None = None, partial: float | None = None, memory: str | None = None,
-                 probe_timeout: float = 15.0) -> Options:
+                 probe_timeout: float = 15.0, isolation: str | None = None) -> Options:
     """Options from the command line's values, checked together (pure; raises InvalidRequest)."""
     given = [flag for flag, value in (("-f", adaptor_conf), ("-l", server_list), ("-n", num_gpus)) if value is not None]
     if len(given) > 1:
@@ -226,6 +230,10 @@ def make_options(command: Sequence[str], adaptor_conf: str | None = None, server
     if (partial is not None or memory is not None) and adaptor_conf is not None:
         raise _bad_usage(f"{'-p' if partial is not None else '-m'} cannot be used with -f",
                          "the adaptor.conf's slices are already sized")
+    if isolation is not None and adaptor_conf is not None:
+        raise _bad_usage("--isolation cannot be used with -f", "the adaptor.conf's slices are already placed")
+    if isolation is not None and isolation != "strict":
+        raise _bad_usage(f"--isolation {isolation[:40]!r} is unknown", "the one level is strict")
     if num_gpus is not None and num_gpus < 1:
         raise _bad_usage(f"-n {num_gpus} asks for no GPU", "-n must be at least 1")
     if partial is not None and not 0 < partial <= 1:
@@ -235,6 +243,8 @@ def make_options(command: Sequence[str], adaptor_conf: str | None = None, server
         size = SliceSize(fraction=partial)
     elif memory is not None:
         size = SliceSize(fraction=0.0, memory_bytes=parse_size(memory, "memory per slice (-m)", component=TOOL))
+    if isolation:
+        size = replace(size, isolation=isolation)
     if not command:
         raise _bad_usage("no application given", f"write {TOOL} [options] -- app [args...]")
     return Options(command=list(command), adaptor_conf=adaptor_conf, server_list=server_list, num_gpus=num_gpus,
@@ -254,13 +264,17 @@ _CONTEXT = {"help_option_names": ["-h", "--help"],
 @click.option("-n", "--num-gpus", type=int, metavar="N", help="Ask the pool for N slices.")
 @click.option("-p", "--partial", type=float, metavar="F", help="Fraction of a GPU per slice with -n/-l (default 1.0).")
 @click.option("-m", "--memory", metavar="SIZE", help="GPU memory per slice with -n/-l, e.g. 8G (instead of -p).")
+@click.option("--isolation", metavar="strict",
+              help="With -n/-l: only GPUs where no other job's GPU fault can end this one's work "
+                   "(shared isolated or exclusive).")
 @click.option("--probe-timeout", type=float, default=15.0, hidden=True)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def cli(command: tuple[str, ...], adaptor_conf: str | None, server_list: str | None, num_gpus: int | None,
-        partial: float | None, memory: str | None, probe_timeout: float) -> int:
+        partial: float | None, memory: str | None, isolation: str | None, probe_timeout: float) -> int:
     """The command line, parsed by click; `run` does the work."""
     try:
-        options = make_options(command, adaptor_conf, server_list, num_gpus, partial, memory, probe_timeout)
+        options = make_options(command, adaptor_conf, server_list, num_gpus, partial, memory, probe_timeout,
+                               isolation)
     except RgpuError as exc:
         click.echo(str(exc), err=True)
         return exc.exit_code

@@ -40,6 +40,7 @@ from rgpu.remoting.dispatcher.inventory import (Inventory, InventorySource, Node
                                      served_gpus)
 from rgpu.remoting.dispatcher.metrics import DispatcherSnapshot, dispatcher_registry
 from rgpu.remoting.dispatcher.registration import POOL_CALL_TIMEOUT, Registrar, pool_connector
+from rgpu.remoting.dispatcher.sharing import parse_sharing, with_sharing
 from rgpu.remoting.metrics.http import MetricsServer, serve_metrics
 from rgpu.secret import load_secret
 from rgpu.units import format_bytes
@@ -132,6 +133,7 @@ class DataPath(Protocol):
     def observe(self) -> dict[str, Any]: ...
     def update_live(self, live: LiveLeases) -> None: ...
     def usage(self) -> list[dict[str, Any]]: ...
+    def faults(self) -> list[dict[str, Any]]: ...
 
 
 def start_data_path(sock: socket.socket, address: str, gpus: tuple[GpuInfo, ...], secret: bytes,
@@ -149,7 +151,8 @@ def start_data_path(sock: socket.socket, address: str, gpus: tuple[GpuInfo, ...]
             raise ConfigError(COMPONENT, f"{key} = {value!r} from {settings.origin(key)} is not a positive number",
                               "it limits handshakes on the session port", f"set {key} to a number above 0")
     data_path: DataPath = SessionServer(listen_socket=sock, advertised=address, gpus=list(gpus), secret=secret,
-                                        port_range=port_range, backend=backend, log=log, front_door=door)
+                                        port_range=port_range, backend=backend, log=log, front_door=door,
+                                        compute_lending=settings.compute_lending)
     data_path.start()
     return data_path
 
@@ -208,8 +211,9 @@ def _log_startup(source: InventorySource, inventory: Inventory, node: NodeSettin
     if node.memory_limit:
         log.info("memory limit %s", node.memory_limit.describe())
     for gpu in gpus:
-        log.info("GPU %d %s %s: %s usable of %s, compute capability %s", gpu.index, gpu.name, gpu.uuid,
-                 format_bytes(gpu.usable_memory_bytes), format_bytes(gpu.total_memory_bytes), gpu.compute_capability)
+        log.info("GPU %d %s %s: %s usable of %s, compute capability %s, shared %s", gpu.index, gpu.name, gpu.uuid,
+                 format_bytes(gpu.usable_memory_bytes), format_bytes(gpu.total_memory_bytes), gpu.compute_capability,
+                 gpu.sharing)
 
 
 def _serve_metrics(settings: Settings, options: Options, address: str, gpus: tuple[GpuInfo, ...],
@@ -243,6 +247,7 @@ def run(options: Options, env: dict[str, str] | None = None) -> int:
     source = open_inventory(options.inventory_file)
     inventory = source.read()
     gpus = served_gpus(inventory, node)
+    gpus = with_sharing(gpus, parse_sharing(settings.gpu_sharing, gpus, settings.origin("gpu_sharing")))
     advertise = _checked_advertise(options.advertise or default_advertise(options.host))
     connect = pool_connector(settings, secret)
     connect().close()   # a bad TLS file is a startup error, not a retry loop
@@ -279,7 +284,8 @@ def run(options: Options, env: dict[str, str] | None = None) -> int:
             if options.port_file:
                 write_port_file(options.port_file, port, COMPONENT)
             registrar = Registrar(server_to_pb(info), connect, pool, on_live=data_path.update_live,
-                                  usage=lambda: [pb.SliceUsage(**u) for u in data_path.usage()])
+                                  usage=lambda: [pb.SliceUsage(**u) for u in data_path.usage()],
+                                  faults=lambda: [pb.GpuFault(**f) for f in data_path.faults()])
             metrics = _serve_metrics(settings, options, address, gpus, data_path, registrar)
             thread = threading.Thread(target=registrar.run, args=(stop,), name="registrar", daemon=True)
             thread.start()

@@ -83,7 +83,8 @@ def dispatcher_families(snap: DispatcherSnapshot) -> list[Metric]:
                                   "Sessions refused (bad or revoked token, version mismatch, no worker)")
     refused.add_metric([], obs["refused"])
     ended = CounterMetricFamily("rgpu_dispatcher_sessions_ended", "Sessions ended, by outcome (failed: the "
-                                "worker exited with an error or a signal; revoked: the pool ended its lease)",
+                                "worker exited with an error or a signal; revoked: the pool ended its lease; fault: a GPU fault, its own "
+                                "or another MPS client's, ended it)",
                                 labels=["outcome"])
     for outcome, count in sorted(obs["ended"].items()):
         ended.add_metric([outcome], count)
@@ -92,6 +93,18 @@ def dispatcher_families(snap: DispatcherSnapshot) -> list[Metric]:
     mps_running.add_metric([], float(obs["mps"]["running"]))
     mps_restarts = CounterMetricFamily("rgpu_dispatcher_mps_restarts", "MPS control daemon restarts (recoveries)")
     mps_restarts.add_metric([], obs["mps"]["restarts"])
+    faults = CounterMetricFamily("rgpu_dispatcher_gpu_faults", "Sticky GPU faults (scope cross_tenant: under MPS "
+                                 "the fault ended every session of the GPU; own: only the faulting session)",
+                                 labels=[*gpu_labels, "scope"])
+    fault_sessions = CounterMetricFamily("rgpu_dispatcher_gpu_fault_sessions_ended",
+                                         "Sessions ended by GPU faults (the faulting one and those it took along)",
+                                         labels=gpu_labels)
+    counts = obs.get("faults", {})
+    for g in snap.gpus:
+        for scope in ("cross_tenant", "own"):
+            faults.add_metric([*gpu_key(g.uuid), scope], counts.get(g.uuid, {}).get(scope, 0))
+        fault_sessions.add_metric(gpu_key(g.uuid), counts.get(g.uuid, {}).get("sessions", 0))
+    families += [faults, fault_sessions]
     info = InfoMetricFamily("rgpu_dispatcher", "How this dispatcher serves")
     info.add_metric([], {"address": snap.address, "compute_enforcement": obs["compute_enforcement"],
                          "launch_path": obs["launch_path"].split(" ")[0], "backend": obs["backend"]})

@@ -118,6 +118,47 @@ class MpsDaemon:
                     self.log.error("MPS restart failed: %s", self.reason)
                     return
 
+    def server_log(self, limit: int = 64 << 10) -> str:
+        """The tail of the MPS server's log (it names clients that hit fatal faults, where it does)."""
+        path = self.log_dir / "server.log"
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, path.stat().st_size - limit))
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def server_pids(self) -> list[str]:
+        rc, out = self.control("get_server_list", timeout=5)
+        return [word for word in out.split() if word.isdigit()] if rc == 0 else []
+
+    def terminate_client(self, client_pid: int) -> None:
+        """Stop a client's outstanding GPU work (its kernel may run for ever), before it is killed."""
+        if not self.running:
+            return
+        for server in self.server_pids():
+            rc, out = self.control(f"terminate_client {server} {client_pid}", timeout=5)
+            if rc != 0:
+                self.log.debug("MPS terminate_client %s %d: %s", server, client_pid, out[:200])
+
+    def recover(self, reason: str) -> bool:
+        """After a fatal fault whose clients have all gone: the MPS server of the GPU is replaced with
+        the next client; make sure the control daemon answers, restarting it when it does not."""
+        with self._lock:
+            if not self.running:
+                return False
+            rc, out = self.control("get_server_list", timeout=5)
+            if rc == 0:
+                return True
+            self.log.warning("MPS control daemon does not answer after %s (%s); restarting it", reason, out[:200])
+            self.control("quit", timeout=5)
+            self.restarts += 1
+            if not self._launch():
+                self.running = False
+                self.log.error("MPS restart failed: %s", self.reason)
+                return False
+            return True
+
     def client_env(self, compute_percent: int) -> dict[str, str]:
         """The environment that makes a worker an MPS client held to its share."""
         if not self.running:

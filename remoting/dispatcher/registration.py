@@ -60,10 +60,12 @@ class Registrar:
 
     def __init__(self, server: pb.Server, connect: Callable[[], PoolClient], pool: str,
                  on_live: Callable[[LiveLeases], None] | None = None,
-                 usage: Callable[[], list[pb.SliceUsage]] | None = None) -> None:
+                 usage: Callable[[], list[pb.SliceUsage]] | None = None,
+                 faults: Callable[[], list[pb.GpuFault]] | None = None) -> None:
         self._server = server
         self._on_live = on_live
         self._usage = usage
+        self._faults = faults
         self._connect = connect
         self._pool = pool
         self._client: PoolClient | None = None
@@ -122,7 +124,13 @@ class Registrar:
                 usage = self._usage()
             except Exception:  # usage is a report; its failure must not stop heartbeats
                 log.exception("reading the sessions' usage failed; heartbeat without it")
-        reply = client.heartbeat(self._server.address, usage, time.time())
+        faults: list[pb.GpuFault] = []
+        if self._faults is not None:
+            try:
+                faults = self._faults()
+            except Exception:  # a report too
+                log.exception("reading the GPU faults failed; heartbeat without them")
+        reply = client.heartbeat(self._server.address, usage, time.time(), faults)
         self.heartbeats["ok" if reply.known else "unknown"] += 1
         if reply.known:
             live = live_from_pb(reply)

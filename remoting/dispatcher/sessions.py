@@ -24,6 +24,7 @@ import logging
 import os
 import resource
 import shutil
+import signal
 import socket
 import struct
 import subprocess
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +43,10 @@ from rgpu.remoting.datapath.counters import FIELDS as TRAFFIC_FIELDS
 from rgpu.remoting.datapath.counters import counters_path, read_counters
 from rgpu.remoting.datapath.perf import serve_perf
 from rgpu.remoting.datapath.usage import read_slice_stats
+from rgpu.remoting.datapath.worker.faults import EMULATED_MPS_FAULT, EMULATED_MPS_LOG, RELEASED, REPORTS, VERDICTS
+from rgpu.remoting.dispatcher.faults import SETTLE_S, FaultEvent, FaultReport, GpuView, SessionView, decide
 from rgpu.remoting.dispatcher.mps import MpsDaemon
+from rgpu.remoting.dispatcher.sharing import enforcement
 
 from rgpu import tokens
 from rgpu.errors import AuthError
@@ -63,9 +68,11 @@ class SessionRecord:
     lease_issued_unix: float
     popen: subprocess.Popen = field(repr=False, compare=False)
     ended_by: str = ""            # why the dispatcher ended it, if it did
+    kill_at: float = 0.0          # monotonic time after which a worker the dispatcher ended gets SIGKILL
+    sharing: str = "mps"
 
     def public(self) -> dict:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__ if name != "popen"}
+        return {name: getattr(self, name) for name in self.__dataclass_fields__ if name not in ("popen", "kill_at")}
 
 
 def worker_environment(base: os._Environ[str] | dict[str, str]) -> dict[str, str]:
@@ -107,6 +114,13 @@ class _Pending:
     evicted: bool = False
 
 
+def read_text_or_empty(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+
+
 def client_description(peer: str, info: dict) -> dict:
     """What worker logs say about the client: the address the connection came from (never one the
     client claims) and the few facts rgpu's client library sends (pid, host, uid), bounded and
@@ -123,6 +137,8 @@ def client_description(peer: str, info: dict) -> dict:
 
 
 RUNTIME_PREFIX = "rgpu-sessions-"
+KILL_GRACE_S = 1.0          # a worker ended by the dispatcher gets this long after SIGTERM, then SIGKILL
+FAULT_EXIT_GRACE_S = 5.0    # a worker a GPU fault ended gets this long to let go of the GPU, then SIGKILL
 OWNER_FILE = "owner.pid"
 
 
@@ -148,7 +164,7 @@ def sweep_dead_runtime_dirs(tmp: Path, log: logging.Logger) -> list[Path]:
 class SessionServer:
     def __init__(self, *, listen_socket: socket.socket, advertised: str, gpus: list[GpuInfo], secret: bytes,
                  port_range: tuple[int, int], backend: str, log: logging.Logger,
-                 front_door: FrontDoor | None = None) -> None:
+                 front_door: FrontDoor | None = None, compute_lending: bool = False) -> None:
         if backend not in ("cuda", "emulated"):
             raise ValueError(f"unknown backend {backend!r} (cuda or emulated)")
         self.listen_socket = listen_socket
@@ -169,7 +185,9 @@ class SessionServer:
         self.runtime_dir = Path(tempfile.mkdtemp(prefix=RUNTIME_PREFIX))
         os.chmod(self.runtime_dir, 0o700)
         (self.runtime_dir / OWNER_FILE).write_text(f"{os.getpid()}\n")
-        self.mps = MpsDaemon([g.uuid for g in gpus], self.runtime_dir / "mps", log)
+        self.compute_lending = compute_lending
+        # Only GPUs shared by MPS are its clients' (isolated and exclusive GPUs run plain contexts).
+        self.mps = MpsDaemon([g.uuid for g in gpus if g.sharing == "mps"], self.runtime_dir / "mps", log)
         self._sessions: dict[int, SessionRecord] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -180,17 +198,29 @@ class SessionServer:
         self.counters_dir = self.runtime_dir / "counters"
         # Traffic of ended sessions per GPU, and sessions ended per outcome (ok | failed | revoked).
         self._traffic_ended: dict[str, dict[str, int]] = {}
-        self._ended_outcomes: dict[str, int] = {"ok": 0, "failed": 0, "revoked": 0}
+        self._ended_outcomes: dict[str, int] = {"ok": 0, "failed": 0, "revoked": 0, "fault": 0}
         self.launch_library = ""
         self.launch_path = "python"
         self._live: LiveLeases | None = None   # the pool's latest list; None: tokens are checked offline only
+        # GPU faults (dispatcher/faults.py): reports from workers, events decided, recoveries pending.
+        self.faults_dir = self.runtime_dir / "faults"
+        for sub in (REPORTS, VERDICTS, RELEASED):
+            (self.faults_dir / sub).mkdir(parents=True, exist_ok=True)
+        self.fault_events: deque[FaultEvent] = deque(maxlen=20)
+        self._fault_counts: dict[str, dict[str, int]] = {}
+        self._recovering: list[tuple[FaultEvent, set[int]]] = []
+        self.recovering_gpus: frozenset[str] = frozenset()   # GPUs refusing new sessions until recovered
+        self._fault_handled: set[int] = set()   # workers a decided fault already ended (their late reports)
         self._slice_dirs: dict[Path, tuple[str, int, float]] = {}   # usage folder -> (job key, slice, issued)
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
         if self.backend == "cuda":
-            self.mps.start()
+            if self.mps.gpu_uuids:
+                self.mps.start()
+            else:
+                self.mps.disable("no GPU of this dispatcher is shared by MPS (gpu_sharing)")
             self._find_launch_library()
         else:
             self.mps.disable("the emulated backend has no GPU to share")
@@ -201,7 +231,7 @@ class SessionServer:
             t.start()
             self._threads.append(t)
         self.log.info("session server on %s (%s backend, compute shares by %s)", self.advertised, self.backend,
-                      self.mps.enforcement)
+                      self.enforcement)
 
     def update_live(self, live: LiveLeases) -> None:
         """Take the pool's list of live slices (every heartbeat) and end the sessions of leases
@@ -215,8 +245,20 @@ class SessionServer:
         for rec in gone:
             self.log.warning("ending session %d (job %s slice %d): %s", rec.pid, rec.job_key, rec.slice_number,
                              rec.ended_by)
-            rec.popen.terminate()  # the worker's process exit frees everything the session held
+            self._stop_worker(rec)
         self.forget_slices(live)
+
+    def _stop_worker(self, rec: SessionRecord) -> None:
+        """End a worker whose kernel may run for ever: MPS drops its outstanding work first; its
+        process exit destroys its context (the driver stops the kernel); SIGKILL follows after
+        KILL_GRACE_S for a worker that does not exit on SIGTERM (stuck in a driver call)."""
+        rec.kill_at = time.monotonic() + KILL_GRACE_S
+        if rec.sharing == "mps" and rec.mode == "cuda":
+            self.mps.terminate_client(rec.pid)
+        try:
+            rec.popen.terminate()
+        except OSError:
+            pass
 
     def _revoked(self, claims: tokens.SliceClaims) -> bool:
         with self._lock:
@@ -255,12 +297,25 @@ class SessionServer:
         self.mps.stop()
         shutil.rmtree(self.runtime_dir, ignore_errors=True)
 
+    @property
+    def enforcement(self) -> str:
+        """How compute shares are enforced, for the registration: by MPS (or time-slicing where
+        MPS failed) on mps GPUs; by rgpu's limiter when no GPU here is shared by MPS."""
+        modes = {g.sharing for g in self.gpus.values()}
+        if "mps" in modes or not modes:
+            return self.mps.enforcement
+        return "rgpu limiter" if "isolated" in modes else "exclusive"
+
+    def gpu_enforcement(self, gpu: GpuInfo) -> str:
+        return enforcement(gpu.sharing, self.mps.running)
+
     def status(self) -> dict:
         with self._lock:
             sessions = [r.public() for r in self._sessions.values()]
             ended = list(self._ended[-20:])
         return {
-            "compute_enforcement": self.mps.enforcement,
+            "compute_enforcement": self.enforcement,
+            "gpu_sharing": {uuid: g.sharing for uuid, g in self.gpus.items()},
             "mps": self.mps.status(),
             "launch_path": self.launch_path,
             "backend": self.backend,
@@ -270,6 +325,7 @@ class SessionServer:
             "data_ports": f"{self.port_range[0]}-{self.port_range[1]}",
             "sessions": sessions,
             "recently_ended": ended,
+            "faults": self.faults(),
             "accepted": self._accepted,
             "refused": self._refused,
             "front_door": {"hello_deadline_seconds": self.front_door.hello_deadline_s,
@@ -462,6 +518,10 @@ class SessionServer:
                          "slices: rerun the job, or `flexrun -n N -p F`)")
             return
         gpu = self.gpus[claims.gpu_uuid]
+        if gpu.uuid in self.recovering_gpus and not hello.flags & (protocol.HELLO_PERF | protocol.HELLO_NVML):
+            self._refuse(conn, peer, f"rgpu: session: GPU {gpu.index} ({gpu.uuid}) of {self.advertised} is recovering "
+                         "from a GPU fault that ended the sessions sharing it under MPS (retry in a few seconds)")
+            return
         if hello.flags & protocol.HELLO_PERF:
             self._serve_perf(conn, peer, claims)
             return
@@ -470,7 +530,7 @@ class SessionServer:
             conn.sendall(protocol.encode_welcome(
                 driver_version=0, memory_limit_bytes=claims.memory_limit_bytes,
                 compute_percent=claims.compute_percent, flags=0,
-                description=f"{gpu.name} slice ready ({self.backend} backend, {self.mps.enforcement})"))
+                description=f"{gpu.name} slice ready ({self.backend} backend, {self.gpu_enforcement(gpu)})"))
             conn.close()
             return
         try:
@@ -479,6 +539,12 @@ class SessionServer:
             self._refuse(conn, peer, f"rgpu: session: cannot start a worker ({exc}; check the dispatcher host)")
             return
         conn.close()  # the worker holds its own copy now
+
+    def _gpu_dir(self, gpu_uuid: str) -> Path:
+        """Files the workers of one GPU share: their limiters' loads (lending), the emulated fault domain."""
+        path = self.runtime_dir / "gpus" / hashlib.sha256(gpu_uuid.encode()).hexdigest()[:16]
+        path.mkdir(parents=True, exist_ok=True)
+        return path
 
     def _slice_path(self, job_key: str, slice_number: int, gpu_uuid: str) -> Path:
         key = hashlib.sha256(f"{job_key}\0{slice_number}\0{gpu_uuid}".encode()).hexdigest()[:16]
@@ -519,7 +585,8 @@ class SessionServer:
         return {"sessions": sessions, "traffic": traffic, "ended": outcomes, "accepted": accepted,
                 "refused": refused, "mps": {"running": self.mps.running, "restarts": self.mps.restarts,
                                             "reason": self.mps.reason},
-                "compute_enforcement": self.mps.enforcement, "launch_path": self.launch_path,
+                "faults": {gpu: dict(c) for gpu, c in self._fault_counts.items()},
+                "compute_enforcement": self.enforcement, "launch_path": self.launch_path,
                 "backend": self.backend}
 
     def _collect_traffic(self, rec: SessionRecord) -> None:
@@ -528,7 +595,8 @@ class SessionServer:
         neither live nor in the totals (a counter must never go down)."""
         path = counters_path(self.counters_dir, rec.pid)
         counts = read_counters(path)
-        outcome = "revoked" if rec.ended_by else ("ok" if rec.popen.returncode == 0 else "failed")
+        outcome = ("fault" if rec.ended_by.startswith("a GPU fault") else "revoked" if rec.ended_by
+                   else "ok" if rec.popen.returncode == 0 else "failed")
         self._ended_outcomes[outcome] += 1
         if counts is not None:
             total = self._traffic_ended.setdefault(rec.gpu_uuid, dict.fromkeys(TRAFFIC_FIELDS, 0))
@@ -578,7 +646,9 @@ class SessionServer:
             "memory_limit": min(claims.memory_limit_bytes, gpu.usable_memory_bytes or claims.memory_limit_bytes),
             "compute_percent": claims.compute_percent, "job_key": claims.job_key,
             "slice_number": claims.slice_number, "usage_dir": str(self._slice_dir(claims)),
-            "server": self.advertised, "compute_enforcement": self.mps.enforcement,
+            "server": self.advertised, "compute_enforcement": self.gpu_enforcement(gpu), "sharing": gpu.sharing,
+            "faults_dir": str(self.faults_dir),
+            "compute_lending": self.compute_lending, "gpu_dir": str(self._gpu_dir(gpu.uuid)),
             "client": client_description(peer, hello.info), "launch_library": self.launch_library,
             "counters_dir": str(self.counters_dir),
         }
@@ -588,7 +658,7 @@ class SessionServer:
         if self.backend == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = gpu.uuid
             env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)
-            if mode == "cuda":
+            if mode == "cuda" and gpu.sharing == "mps":
                 env.update(self.mps.client_env(claims.compute_percent))
         fd = conn.fileno()
         # Forked from the one long-lived spawner thread: the worker's parent-death signal fires when
@@ -599,23 +669,152 @@ class SessionServer:
         rec = SessionRecord(pid=popen.pid, job_key=claims.job_key, slice_number=claims.slice_number,
                             gpu_uuid=gpu.uuid, mode=mode, client=peer,
                             memory_limit_bytes=spec["memory_limit"], compute_percent=claims.compute_percent,
-                            started_unix=time.time(), lease_issued_unix=claims.issued_unix, popen=popen)
+                            started_unix=time.time(), lease_issued_unix=claims.issued_unix, popen=popen,
+                            sharing=gpu.sharing)
         with self._lock:
             self._sessions[popen.pid] = rec
             self._accepted += 1
         self.log.info("session %d: job %s slice %d on %s (%s) for %s", popen.pid, claims.job_key,
                       claims.slice_number, gpu.uuid, mode, peer)
 
+    # ------------------------------------------------------------------ GPU faults
+
+    def _check_faults(self) -> None:
+        """Decide on the workers' fault reports (once the reports of one fault have settled), end
+        the affected sessions, and recover each GPU once all of them let go of it."""
+        reports_dir = self.faults_dir / REPORTS
+        files = sorted(reports_dir.glob("*.json"))
+        if files:
+            newest = max(f.stat().st_mtime for f in files)
+            if time.time() - newest >= SETTLE_S:
+                self._decide_faults(files)
+        if self._recovering:
+            self._advance_recoveries()
+
+    def _decide_faults(self, files: list[Path]) -> None:
+        reports = []
+        for path in files:
+            try:
+                reports.append(FaultReport.from_dict(json.loads(path.read_text())))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                self.log.warning("ignoring an unreadable GPU fault report %s: %s", path.name, exc)
+            path.unlink(missing_ok=True)
+        # A worker the dispatcher already ended for a fault may still report it (it met the error in a
+        # call before the signal): its verdict is written; it is no new fault.
+        reports = [r for r in reports if r.pid not in self._fault_handled]
+        if not reports:
+            return
+        with self._lock:
+            records = {r.pid: r for r in self._sessions.values() if r.mode == "cuda" and r.popen.poll() is None}
+        sessions = [SessionView(r.pid, r.gpu_uuid, r.job_key, r.slice_number) for r in records.values()]
+        gpus = {u: GpuView(u, g.index, g.name, g.sharing) for u, g in self.gpus.items()}
+        if self.backend == "emulated":
+            mps_log = "".join(read_text_or_empty(self._gpu_dir(u) / EMULATED_MPS_LOG) for u in self.gpus)
+        else:
+            mps_log = self.mps.server_log()
+        events = decide(reports, sessions, gpus, self.advertised, mps_log)
+        reporters = {r.pid for r in reports}
+        for event in events:
+            for pid, line in event.verdicts.items():
+                tmp = self.faults_dir / VERDICTS / f".{pid}.tmp"
+                tmp.write_text(line + "\n")
+                os.replace(tmp, self.faults_dir / VERDICTS / str(pid))
+            self._fault_handled.update(session.pid for session in event.affected)
+            for session in event.affected:
+                rec = records.get(session.pid)
+                if rec is None:
+                    continue
+                with self._lock:
+                    rec.ended_by = f"a GPU fault: {event.summary()}"
+                    rec.kill_at = time.monotonic() + FAULT_EXIT_GRACE_S
+                if session.pid not in reporters:
+                    try:
+                        os.kill(session.pid, signal.SIGUSR1)   # worker/session.py ends it with its verdict
+                    except OSError:
+                        pass
+            scope = "cross_tenant" if event.cross_tenant else "own"
+            with self._lock:
+                counts = self._fault_counts.setdefault(event.gpu.uuid, {"cross_tenant": 0, "own": 0, "sessions": 0})
+                counts[scope] += 1
+                counts["sessions"] += len(event.affected)
+                self.fault_events.append(event)
+            self.log.warning("GPU fault: %s", event.summary())
+            if event.gpu.sharing == "mps":
+                self._recovering.append((event, {s.pid for s in event.affected}))
+        self.recovering_gpus = frozenset(e.gpu.uuid for e, _ in self._recovering)
+
+    def _released_pids(self) -> set[int]:
+        try:
+            return {int(p.name) for p in (self.faults_dir / RELEASED).iterdir() if p.name.isdigit()}
+        except OSError:
+            return set()
+
+    def _advance_recoveries(self) -> None:
+        released = self._released_pids()
+        with self._lock:
+            alive = {pid for pid, r in self._sessions.items() if r.popen.poll() is None}
+        still: list[tuple[FaultEvent, set[int]]] = []
+        for event, pids in self._recovering:
+            holding = {pid for pid in pids if pid in alive and pid not in released}
+            if holding:
+                still.append((event, holding))
+                continue
+            self._recover_gpu(event)
+            event.recovered_seconds = max(0.0, time.time() - event.unix)
+            self.log.warning("GPU %d (%s) serves new sessions again, %.2f s after the fault", event.gpu.index,
+                             event.gpu.uuid, event.recovered_seconds)
+        self._recovering = still
+        self.recovering_gpus = frozenset(e.gpu.uuid for e, _ in still)
+
+    def _recover_gpu(self, event: FaultEvent) -> None:
+        if self.backend == "emulated":
+            # The emulated fault domain ends as a replaced MPS server would: clean for new clients.
+            (self._gpu_dir(event.gpu.uuid) / EMULATED_MPS_FAULT).unlink(missing_ok=True)
+            (self._gpu_dir(event.gpu.uuid) / EMULATED_MPS_LOG).unlink(missing_ok=True)
+        else:
+            self.mps.recover(f"a fault on GPU {event.gpu.index}")
+
+    def faults(self) -> list[dict]:
+        """Recent GPU faults, newest last, for the heartbeat (rgpu-admin health) and status()."""
+        with self._lock:
+            events = list(self.fault_events)
+        return [{"gpu_uuid": e.gpu.uuid, "gpu_index": e.gpu.index, "unix": e.unix, "error": e.error_name,
+                 "cross_tenant": e.cross_tenant, "sessions_ended": len(e.affected),
+                 "faulting": (f"job {e.faulting.job_key} slice {e.faulting.slice_number}" if e.faulting else ""),
+                 "recovered_seconds": e.recovered_seconds} for e in events]
+
     # ------------------------------------------------------------------ reaping
 
     def _reap_loop(self) -> None:
         while not self._stopping.wait(0.2):
+            try:
+                self._check_faults()
+            except Exception:  # noqa: BLE001 - fault handling must never stop the reaping
+                self.log.exception("checking GPU fault reports failed")
+            now = time.monotonic()
+            released = self._released_pids()   # tombstones: they hold no GPU, they only answer the client
+            with self._lock:
+                overdue = [rec for rec in self._sessions.values()
+                           if rec.kill_at and now >= rec.kill_at and rec.popen.poll() is None
+                           and not (rec.ended_by.startswith("a GPU fault") and rec.pid in released)]
+                for rec in overdue:
+                    rec.kill_at = 0.0
+            for rec in overdue:
+                self.log.warning("session %d (job %s slice %d) did not end on SIGTERM within %g s: killing it",
+                                 rec.pid, rec.job_key, rec.slice_number, KILL_GRACE_S)
+                try:
+                    rec.popen.kill()
+                except OSError:
+                    pass
             with self._lock:
                 done = [(pid, rec) for pid, rec in self._sessions.items() if rec.popen.poll() is not None]
                 for pid, rec in done:
                     del self._sessions[pid]
                     self._collect_traffic(rec)
             for pid, rec in done:
+                for sub in (VERDICTS, RELEASED):
+                    (self.faults_dir / sub / str(pid)).unlink(missing_ok=True)
+                self._fault_handled.discard(pid)
                 code = rec.popen.returncode
                 how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
                 if rec.ended_by:

@@ -56,6 +56,8 @@ def _c_scalar_put(p: Param, expr: str) -> str:
         return "rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */"
     if w.kind == "ctx":
         return f"rgpu_put_u64(&c, {p.name}_remote);"
+    if w.kind == "handle" and p.ctype == "CUfunction":   # a node of private table 6e163fbe: the worker's
+        return f"rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote({expr}));"
     if w.kind == "handle":
         return f"rgpu_put_u64(&c, (uint64_t)(uintptr_t){expr});"
     if w.kind == "nvmldev":
@@ -299,10 +301,10 @@ AFTER_HOOKS = {
     "cuKernelGetFunction": "if (r == CUDA_SUCCESS) rgpu_kfunc_put(kernel, *pFunc)",
     "cuDeviceGetAttribute": "if (r == CUDA_SUCCESS) rgpu_dattr_put(attrib, dev, *pi)",
     "cuDevicePrimaryCtxGetState": "if (r == CUDA_SUCCESS) rgpu_pstate_put(dev, *flags, *active)",
-    "cuKernelSetAttribute": "rgpu_cache_forget_functions(); if (r == CUDA_SUCCESS) rgpu_kattr_put(kernel, attrib, dev, val)",
+    "cuKernelSetAttribute": "if (r == CUDA_SUCCESS) rgpu_kattr_changed(kernel, attrib, dev, val); else rgpu_cache_forget_functions()",
     "cuOccupancyMaxActiveBlocksPerMultiprocessor": "if (r == CUDA_SUCCESS) rgpu_occ_put(func, blockSize, dynamicSMemSize, 0, *numBlocks)",
     "cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags": "if (r == CUDA_SUCCESS) rgpu_occ_put(func, blockSize, dynamicSMemSize, flags, *numBlocks)",
-    "cuFuncSetAttribute": "rgpu_cache_forget_functions()",
+    "cuFuncSetAttribute": "rgpu_fattr_changed(hfunc)",
     "cuKernelSetCacheConfig": "rgpu_cache_forget_functions()",
     "cuFuncSetCacheConfig": "rgpu_cache_forget_functions()",
     "cuDevicePrimaryCtxRelease_v2": "rgpu_pstate_forget()",
@@ -323,6 +325,15 @@ AFTER_HOOKS = {
     # the driver fills the result even when the update fails
     "cuGraphExecUpdate_v2": ("if (r != CUDA_SUCCESS) { memset(resultInfo, 0, sizeof *resultInfo); resultInfo->result = 1; } "
                              "else { rgpu_hostcopy_forget(hGraphExec); rgpu_hostcopy_clone(hGraph, hGraphExec); }"),
+}
+
+# After the call has ended (its session unlocked), so a hook may make calls of its own.
+END_HOOKS = {
+    # managed memory (managed.c): the host's view is brought up to date at every point where the
+    # program may read it (the GPU has finished)
+    **{name: "if (r == CUDA_SUCCESS) rgpu_managed_sync_point()" for name in (
+        "cuCtxSynchronize", "cuCtxSynchronize_v2", "cuStreamSynchronize", "cuEventSynchronize", "cuStreamQuery",
+        "cuEventQuery")},
 }
 
 BEFORE_HOOKS = {
@@ -380,7 +391,7 @@ def render_all() -> Outputs:
         "cuda": cuda, "nvml": nvml, "plan_c": plan_c, "c_route": c_route, "generated_cuda": generated_cuda,
         "per_thread": per_thread, "default_stubs": default_stubs, "symbols": symbols, "procs": procs,
         "errors": [(n, v, error_message(n)) for n, v in errors], "dynamic_stubs": DYNAMIC_STUBS,
-        "before_hooks": BEFORE_HOOKS, "after_hooks": AFTER_HOOKS,
+        "before_hooks": BEFORE_HOOKS, "after_hooks": AFTER_HOOKS, "end_hooks": END_HOOKS,
         "nvml_generated": [f for f in nvml.functions if f.mode in ("sync", "async", "unsupported")],
         "nvml_defaults": nvml_defaults, "nvml_symbols": sorted(nvml_listed | set(nvml_defaults)),
         "plan_py": plan_py, "wire_cuda": [f for f in cuda.wire_functions],

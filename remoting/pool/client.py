@@ -150,16 +150,18 @@ class PoolClient:
         return self._call("RegisterServer", pb.RegisterServerRequest(server=server))
 
     def heartbeat(self, address: str, usage: list[pb.SliceUsage] | None = None,
-                  sent_unix: float = 0.0) -> pb.HeartbeatReply:
-        return self._call("Heartbeat", pb.HeartbeatRequest(address=address, usage=usage or [], sent_unix=sent_unix))
+                  sent_unix: float = 0.0, faults: list[pb.GpuFault] | None = None) -> pb.HeartbeatReply:
+        return self._call("Heartbeat", pb.HeartbeatRequest(address=address, usage=usage or [], sent_unix=sent_unix,
+                                                           faults=faults or []))
 
     def allocate(self, job_key: str, user: str, count: int, *, fraction: float = 0.0,
                  memory_bytes: int = 0, account: str = "", ttl_seconds: float = 0.0,
-                 gpu_model: str = "", server: str = "", min_memory_bytes: int = 0) -> pb.Lease:
+                 gpu_model: str = "", server: str = "", min_memory_bytes: int = 0,
+                 isolation: str = "") -> pb.Lease:
         return self._call("Allocate", pb.AllocateRequest(
             job_key=job_key, user=user, account=account, count=count, fraction=fraction,
             memory_bytes=memory_bytes, ttl_seconds=ttl_seconds, gpu_model=gpu_model, server=server,
-            min_memory_bytes=min_memory_bytes))
+            min_memory_bytes=min_memory_bytes, isolation=isolation))
 
     def renew(self, job_key: str, ttl_seconds: float) -> pb.Lease:
         return self._call("Renew", pb.RenewRequest(job_key=job_key, ttl_seconds=ttl_seconds))

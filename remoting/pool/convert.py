@@ -15,13 +15,14 @@ if TYPE_CHECKING:
 
 def gpu_to_pb(gpu: GpuInfo) -> pb.Gpu:
     return pb.Gpu(uuid=gpu.uuid, index=gpu.index, name=gpu.name, total_memory_bytes=gpu.total_memory_bytes,
-                  usable_memory_bytes=gpu.usable_memory_bytes, compute_capability=gpu.compute_capability)
+                  usable_memory_bytes=gpu.usable_memory_bytes, compute_capability=gpu.compute_capability,
+                  sharing=gpu.sharing)
 
 
 def gpu_from_pb(msg: pb.Gpu) -> GpuInfo:
     return GpuInfo(uuid=msg.uuid, index=msg.index, name=msg.name, total_memory_bytes=msg.total_memory_bytes,
                    usable_memory_bytes=msg.usable_memory_bytes or msg.total_memory_bytes,
-                   compute_capability=msg.compute_capability)
+                   compute_capability=msg.compute_capability, sharing=msg.sharing or "mps")
 
 
 def server_to_pb(info: ServerInfo, state: str = "", heartbeat_age: float = 0.0) -> pb.Server:

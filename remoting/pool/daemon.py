@@ -24,7 +24,8 @@ import click
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from rgpu import __version__, plugins
+from rgpu import __version__, plugins, validate
+from rgpu.remoting.pool.accounts import AccountPolicy, account_policy
 from rgpu.remoting.pool.auth import ServerAuth, current_caller
 from rgpu.config import Settings, load_settings
 from rgpu.errors import ConfigError, InvalidRequest, PermissionDenied, RgpuError
@@ -111,14 +112,39 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+
+MAX_FAULTS_PER_SERVER = 20
+
+
+def checked_faults(faults: Any, sent_unix: float, now: float) -> list[pb.GpuFault]:
+    """A heartbeat's GPU faults, bounded and printable, their times moved to the pool's clock."""
+    out = []
+    skew = now - sent_unix if sent_unix > 0 else 0.0
+    for fault in list(faults)[-MAX_FAULTS_PER_SERVER:]:
+        try:
+            validate.text("GPU fault", fault.gpu_uuid, 128)
+            validate.text("GPU fault", fault.error, 64)
+            validate.text("GPU fault", fault.faulting, 256)
+        except InvalidRequest:
+            continue   # a report, not a command: a bad entry is dropped, the heartbeat stands
+        copy = pb.GpuFault()
+        copy.CopyFrom(fault)
+        copy.unix = fault.unix + skew
+        out.append(copy)
+    return out
+
 class PoolServicer(pb_grpc.PoolServicer):
-    def __init__(self, core: PoolCore, heartbeat_interval: float, metrics: PoolMetrics | None = None) -> None:
+    def __init__(self, core: PoolCore, heartbeat_interval: float, metrics: PoolMetrics | None = None,
+                 accounts: AccountPolicy | None = None) -> None:
         self.core = core
+        self.accounts = accounts or AccountPolicy("off")   # which accounts a user may charge
         self._registrars: dict[str, str] = {}     # server address -> IP that registered it
         self._registrars_lock = threading.Lock()
         self.heartbeat_interval = heartbeat_interval
         self.metrics = metrics or PoolMetrics()
         self._gpu_listing = GpuListing(core)
+        # Each dispatcher's recent GPU faults as its last heartbeat reported them (shown by health).
+        self._faults: dict[str, list[pb.GpuFault]] = {}
 
     def _lease_pb(self, lease: LeaseRecord) -> pb.Lease:
         caller = current_caller()
@@ -159,7 +185,9 @@ class PoolServicer(pb_grpc.PoolServicer):
 
     def _server_pb(self, entry: Any) -> pb.Server:
         now = self.core.clock()
-        return server_to_pb(entry.info, self.core.state_of(entry, now), max(0.0, now - entry.last_heartbeat))
+        server = server_to_pb(entry.info, self.core.state_of(entry, now), max(0.0, now - entry.last_heartbeat))
+        server.faults.extend(self._faults.get(entry.info.address, ()))
+        return server
 
     @_rpc
     def RegisterServer(self, request: pb.RegisterServerRequest, context: Any) -> pb.RegisterServerReply:
@@ -177,13 +205,14 @@ class PoolServicer(pb_grpc.PoolServicer):
         self.metrics.heartbeats.labels("known").inc()
         if request.usage:
             self.core.record_usage(request.address, [usage_from_pb(u) for u in request.usage], request.sent_unix)
+        self._faults[request.address] = checked_faults(request.faults, request.sent_unix, self.core.clock())
         return live_to_pb(self.core.live_slices(request.address))
 
     @_rpc
     def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.Lease:
         started, asked_at = time.perf_counter(), self.core.clock()
         caller = current_caller()
-        user = request.user
+        user, account = request.user, request.account
         try:
             if not caller.is_daemon:
                 # A user's name comes from MUNGE, never from the request.
@@ -192,12 +221,14 @@ class PoolServicer(pb_grpc.PoolServicer):
                                            f"MUNGE says you are {caller.user}", "lease as yourself (leave --user out)")
                 user = caller.user
                 _own(self.core, request.job_key, "reuse")
+                # Only an account the user belongs to; none named: their default one.
+                account = self.accounts.account_for(user, request.account)
             lease = self.core.allocate(AllocationRequest(
-                job_key=request.job_key, user=user, account=request.account, count=request.count,
+                job_key=request.job_key, user=user, account=account, count=request.count,
                 fraction=request.fraction if request.fraction else None,
                 memory_bytes=request.memory_bytes if request.memory_bytes else None,
                 ttl_seconds=request.ttl_seconds, gpu_model=request.gpu_model, server=request.server,
-                min_memory_bytes=request.min_memory_bytes))
+                min_memory_bytes=request.min_memory_bytes, isolation=request.isolation))
         except Exception as exc:
             self.metrics.refusals.labels(refusal_reason(exc)).inc()
             raise
@@ -351,7 +382,8 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
     metrics = PoolMetrics(lambda: pool_view(core))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=[ServerAuth(secret, munge_socket=settings.munge_socket)],
                          options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_PoolServicer_to_server(PoolServicer(core, settings.heartbeat_interval_seconds, metrics), server)
+    pb_grpc.add_PoolServicer_to_server(PoolServicer(core, settings.heartbeat_interval_seconds, metrics,
+                                                          account_policy(settings)), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:

@@ -26,7 +26,7 @@ def dashboard_state(view: PoolView, events: list[Event]) -> dict[str, Any]:
                      "gpus": len(view.gpus), "leases": len(view.leases)},
         "gpus": [{
             "server": g.server, "server_state": g.server_state, "uuid": g.gpu.uuid, "index": g.gpu.index,
-            "name": g.gpu.name, "memory_bytes": g.gpu.usable_memory_bytes,
+            "name": g.gpu.name, "sharing": g.gpu.sharing, "memory_bytes": g.gpu.usable_memory_bytes,
             "allocated_memory_bytes": g.allocated_memory_bytes, "allocated_percent": g.allocated_percent,
             "slices": held.get((g.server, g.gpu.uuid), []),
         } for g in view.gpus],

@@ -6,6 +6,9 @@ Rules, all enforced here:
 - only GPUs of servers that are up and not drained are candidates;
 - a job's slices prefer one server; only when no single server can hold them all do they spread
   over several, using as few servers as possible;
+- a GPU shared `exclusive` takes whole-GPU slices only (100% compute); a request with
+  isolation "strict" goes only on GPUs shared `isolated` or `exclusive` (never `mps`, where one
+  tenant's fault ends the others' work);
 - `binpack` (default) fills the most-used GPUs first so that whole GPUs stay free for whole-GPU
   jobs; `spread` uses the least-used GPUs first, for isolation.
 """
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from rgpu.errors import CapacityError, InvalidRequest
+from rgpu.model import isolation_allows
 
 POLICIES = ("binpack", "spread")
 
@@ -35,6 +39,7 @@ class GpuSlot:
     allocated_percent: int = 0
     allocated_memory_bytes: int = 0
     eligible: bool = True        # server up and not drained
+    sharing: str = "mps"         # rgpu.model.SHARING_MODES
 
     @property
     def free_percent(self) -> int:
@@ -53,6 +58,7 @@ class SliceRequest:
     gpu_model: str = ""                   # case-insensitive substring of the GPU name
     server: str = ""                      # dispatcher address or hostname
     min_memory_bytes: int = 0
+    isolation: str = ""                   # "strict": only GPUs shared isolated or exclusive
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,14 @@ def _matches_filters(gpu: GpuSlot, request: SliceRequest) -> bool:
         return False
     if request.memory_bytes is not None and request.memory_bytes > gpu.usable_memory_bytes:
         return False
+    if not isolation_allows(request.isolation, gpu.sharing):
+        return False
     return gpu.usable_memory_bytes >= request.min_memory_bytes
+
+
+def sharing_allows(sharing: str, percent: int) -> bool:
+    """An exclusive GPU takes whole-GPU slices only."""
+    return sharing != "exclusive" or percent == 100
 
 
 def _gpu_order(policy: str):  # type: ignore[no-untyped-def]
@@ -112,7 +125,7 @@ def place(gpus: Iterable[GpuSlot], request: SliceRequest, policy: str = "binpack
     model = request.gpu_model.lower()
     fraction = request.fraction
     fixed_percent = percent_of_fraction(fraction) if fraction is not None else 0
-    filtered = bool(model or request.server or request.min_memory_bytes)
+    filtered = bool(model or request.server or request.min_memory_bytes or request.isolation)
     # This loop runs over every GPU of the pool on each allocation: keep it to plain arithmetic
     # on locals.
     by_server: dict[str, list[tuple[GpuSlot, int, int]]] = defaultdict(list)
@@ -128,6 +141,8 @@ def place(gpus: Iterable[GpuSlot], request: SliceRequest, policy: str = "binpack
             continue
         else:
             memory, percent = slice_size(gpu, request)
+        if percent != 100 and gpu.sharing == "exclusive":
+            continue
         allocated = gpu.allocated_percent
         if allocated + percent <= 100 and gpu.allocated_memory_bytes + memory <= usable:
             by_server[gpu.server].append((gpu, memory, percent))
@@ -165,6 +180,7 @@ def _describe(request: SliceRequest) -> str:
     filters = [f"model~{request.gpu_model}"] if request.gpu_model else []
     filters += [f"server={request.server}"] if request.server else []
     filters += [f"min memory {request.min_memory_bytes / 2**30:.1f} GiB"] if request.min_memory_bytes else []
+    filters += [f"isolation={request.isolation}"] if request.isolation else []
     return size + (f" ({', '.join(filters)})" if filters else "")
 
 

@@ -24,10 +24,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from rgpu.errors import CapacityError
-from rgpu.remoting.pool.placement import GpuSlot, PlacedSlice, SliceRequest, check_request, percent_of_fraction, place
+from rgpu.model import isolation_allows
+from rgpu.remoting.pool.placement import (GpuSlot, PlacedSlice, SliceRequest, check_request, percent_of_fraction, place,
+                                          sharing_allows)
 
-# A GPU as the shape of a server sees it: (index, name, usable memory, allocated %, allocated memory).
-GpuShape = tuple[int, str, int, int, int]
+# A GPU as the shape of a server sees it: (index, name, usable memory, allocated %, allocated memory,
+# sharing).
+GpuShape = tuple[int, str, int, int, int, str]
 Shape = tuple[GpuShape, ...]
 
 
@@ -46,7 +49,7 @@ class _Fit:
 
 
 def shape_of(slots: Sequence[GpuSlot]) -> Shape:
-    return tuple((g.index, g.name, g.usable_memory_bytes, g.allocated_percent, g.allocated_memory_bytes)
+    return tuple((g.index, g.name, g.usable_memory_bytes, g.allocated_percent, g.allocated_memory_bytes, g.sharing)
                  for g in slots)
 
 
@@ -162,8 +165,10 @@ def _fit(shape: Shape, request: SliceRequest, policy: str) -> _Fit | None:
     model = request.gpu_model.lower()
     found: list[tuple[tuple[int, int, int], tuple[int, int, int]]] = []
     free = 0
-    for position, (index, name, usable, allocated, allocated_memory) in enumerate(shape):
+    for position, (index, name, usable, allocated, allocated_memory, sharing) in enumerate(shape):
         if model and model not in name.lower():
+            continue
+        if not isolation_allows(request.isolation, sharing):
             continue
         if usable < request.min_memory_bytes:
             continue
@@ -175,6 +180,8 @@ def _fit(shape: Shape, request: SliceRequest, policy: str) -> _Fit | None:
                 continue
             memory = request.memory_bytes
             percent = max(1, min(100, math.ceil(100 * memory / usable)))
+        if not sharing_allows(sharing, percent):
+            continue
         if allocated + percent <= 100 and allocated_memory + memory <= usable:
             # The reference's GPU order within one server (the server name is the same for all).
             order = ((-allocated, -allocated_memory, index) if policy == "binpack"

@@ -57,6 +57,7 @@ class AllocationRequest:
     gpu_model: str = ""
     server: str = ""
     min_memory_bytes: int = 0
+    isolation: str = ""            # "strict": only GPUs shared "isolated" or "exclusive"
 
 
 @dataclass(frozen=True)
@@ -418,7 +419,7 @@ class PoolCore:
         usage = self._usage.get((address, gpu.uuid)) or GpuUsage()
         return GpuSlot(server=address, hostname=hostname, uuid=gpu.uuid, index=gpu.index, name=gpu.name,
                        usable_memory_bytes=gpu.usable_memory_bytes, allocated_percent=usage.percent,
-                       allocated_memory_bytes=usage.memory_bytes)
+                       allocated_memory_bytes=usage.memory_bytes, sharing=gpu.sharing)
 
     def _slots(self, now: float) -> list[GpuSlot]:
         """Placement candidates: the GPUs of servers that are up (drained and down ones excluded)."""
@@ -448,6 +449,7 @@ class PoolCore:
         if req.memory_bytes is not None and not 0 < req.memory_bytes <= 2**60:
             raise InvalidRequest("pool", f"invalid memory size {req.memory_bytes}", "", "give a size above 0")
         _check_ttl(req.ttl_seconds, allow_zero=True)
+        validate.isolation(req.isolation)
 
     def _check_quotas(self, req: AllocationRequest, units: int) -> None:
         for kind, name in (("user", req.user), ("account", req.account)):
@@ -480,7 +482,7 @@ class PoolCore:
                 return existing  # a retried prolog gets the same lease, never a second one
             request = SliceRequest(count=req.count, fraction=req.fraction, memory_bytes=req.memory_bytes,
                                    gpu_model=req.gpu_model, server=req.server,
-                                   min_memory_bytes=req.min_memory_bytes)
+                                   min_memory_bytes=req.min_memory_bytes, isolation=req.isolation)
             placed = self._index.place(request, self.placement,
                                        lambda address: self.state_of(self.servers[address], now) == "up")
             if placed is None:  # no room: the reference over every GPU says what is free

@@ -80,7 +80,7 @@ function drawGpus(gpus) {
     }
     box.append(el("div", { class: `gpu ${g.server_state}`, "data-gpu": g.uuid },
       el("div", {}, el("div", { class: "name" }, `${g.name}`),
-        el("div", { class: "where" }, `${g.server} · GPU ${g.index} `, state(g.server_state))),
+        el("div", { class: "where" }, `${g.server} · GPU ${g.index} · ${g.sharing || "mps"} `, state(g.server_state))),
       el("div", { class: "bars" }, compute, memory),
       el("div", { class: "numbers" }, `${g.allocated_percent}% compute`, el("br"),
         `${bytes(g.allocated_memory_bytes)} / ${bytes(g.memory_bytes)}`)));

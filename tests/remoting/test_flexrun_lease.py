@@ -122,3 +122,22 @@ def test_a_bad_ttl_is_invalid_argument(cluster: RgpuCluster, ttl: float) -> None
                 pb.AllocateRequest(job_key="job-nan", user="alice", count=1, fraction=0.5, ttl_seconds=ttl),
                 metadata=[(AUTH_HEADER, request_credential(cluster.secret, method))], timeout=5)
     assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_flexrun_isolation_strict_goes_only_on_isolated_gpus(cluster: RgpuCluster,
+                                                             native_libs: build.Libraries) -> None:
+    cluster.start_pool()
+    _d, port = cluster.start_dispatcher(EXAMPLES / "inventory-a.toml")      # every GPU shared by MPS
+    wait_state(cluster, f"127.0.0.1:{port}", "up")
+    env = cluster.env(RGPU_NATIVE_DIR=str(native_libs.folder))
+    strict = [sys.executable, "-m", "rgpu.remoting.client.flexrun", "-n", "1", "-p", "0.5", "--isolation", "strict",
+              "--", sys.executable, "-c", "import os; print('SLICES', os.environ['RGPU_SLICES'].split(',')[0])"]
+    refused = subprocess.run(strict, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert refused.returncode == 3, refused.stderr                           # no capacity
+    assert "isolation=strict" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    _d2, port2 = cluster.start_dispatcher(EXAMPLES / "inventory-b.toml", env=cluster.env(RGPU_GPU_SHARING="isolated"))
+    wait_state(cluster, f"127.0.0.1:{port2}", "up")
+    done = subprocess.run(strict, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert f"SLICES 127.0.0.1:{port2}" in done.stdout
+    assert _leases(cluster) == []

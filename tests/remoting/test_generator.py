@@ -21,6 +21,8 @@ SPEC_HASHES = {
         "e94de67a1b19f27ce265ba4e5051be64b82cebe16836af2bfaaf06799760fa5a"),  # cuOccupancyMaxActiveClusters
     3: ("19d1b38741b054e9481290bb45b2682fbcde22c1079d3b490ff59973c1c1f4bd",
         "759a30eb7239284b8b662ed38472d43c564b008a049e626635b0651358710149"),  # capture, graphs and their nodes, VMM, stream attributes
+    4: ("06960b73543e59c17e7053e617ed0217db947d09843e8c29884aee43e98d9420",
+        "86e954ccf142cc0e3e5e1ed70d8a4996bec4f60cef66131818bb482ff6208d57"),  # private table 6e163fbe (cuFFT's module walk)
 }
 
 

@@ -148,3 +148,23 @@ def test_torch_cnn_training_loss_curve_matches_local(native_libs: build.Librarie
     # most 0.0066 over 200 steps, 0.2% of the largest loss). A real divergence is far larger.
     assert max(abs(x - y) for x, y in zip(a, b)) <= 1e-2 * max(a), list(zip(a, b))[:5]
     assert abs(a[-1] - b[-1]) <= 0.1 * a[-1]
+
+
+def test_torchvision_compile_and_pinned_loader_match_local(native_libs: build.Libraries, gpu_server: Server,  # noqa: F811
+                                                            tmp_path: Path) -> None:
+    # A torchvision ResNet-18 forward and backward (deterministic cuDNN), torch.compile of a small
+    # model (Triton kernels through cuLaunchKernel/cuLaunchKernelEx), and a DataLoader with
+    # pin_memory=True and two workers feeding non-blocking copies.
+    pytest.importorskip("torchvision")
+    import json
+    program = [PY, str(TORCH_EXAMPLES / "extras.py")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
+    local = subprocess.run(program, env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert "TORCH PASSED 3/3" in local.stdout, local.stdout + local.stderr
+    remote = flexrun(native_libs, gpu_server, tmp_path, program, name="torch-extras", memory=8 * GiB, timeout=400)
+    assert "TORCH PASSED 3/3" in remote.stdout, remote.stdout + remote.stderr
+    values = lambda out: json.loads(next(x for x in out.splitlines() if x.startswith("VALUES "))[7:])  # noqa: E731
+    a, b = values(local.stdout), values(remote.stdout)
+    assert a["loader_sum"] == b["loader_sum"]
+    for key in ("resnet_loss", "resnet_grad_norm", "compiled_sum"):
+        assert abs(a[key] - b[key]) <= 1e-3 * max(1.0, abs(a[key])), (key, a[key], b[key])

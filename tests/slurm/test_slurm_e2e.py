@@ -133,6 +133,7 @@ BAD_REQUESTS = [
     (["--gres=rgpu:5"], "count of slices per node must be from 1 to 4"),
     (["--gres=rgpu:1", "-N", "1-3"], "variable node count"),
     (["--gres=rgpu:1", "--comment=fraction=0.5 memory=8G"], "both fraction and memory"),
+    (["--gres=rgpu:1", "--comment=fraction=0.5 isolation=loose"], "invalid isolation 'loose'"),
     (["--gres=rgpu:1", '--comment=fraction=0.5"\ntoken = "forged'], "characters rgpu does not accept"),
     (["--gres=rgpu:1", "--comment=fraction=$(touch /tmp/rgpu-pwned)"], "characters rgpu does not accept"),
     (["--gres=rgpu:1", "--comment=fraction=0.5; touch /tmp/rgpu-pwned"], "characters rgpu does not accept"),
@@ -476,6 +477,23 @@ def test_fragmented_capacity_makes_a_job_wait_with_a_reason_then_start_within_se
     assert started < 30, f"the waiting job took {started:.0f} s to run after capacity freed"
     job = h.slurm.job_json(waiting)
     assert job["admin_comment"] == "rgpu:v1 nodes=1 count=1 percent=50 units=50", job["admin_comment"]
+
+
+def test_a_strict_isolation_job_waits_while_every_gpu_is_shared_by_mps(h: Harness) -> None:
+    # The test pool's dispatchers share their GPUs by MPS (the default): a job asking for
+    # isolation=strict is recorded with it, leased with it, and so waits with the pool's reason.
+    job_id = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.5 isolation=strict"], "true\n", user=JOB_USER)
+
+    def marked_and_pending() -> dict | None:
+        job = h.slurm.job_json(job_id)
+        assert job["job_state"] not in FINISHED, f"the strict job ended: {job}\n{diagnostics(h)}"
+        return job if job["job_state"] == "PENDING" and "| rgpu: waiting: " in job["admin_comment"] else None
+
+    job = wait_until("the strict job to wait with a reason", marked_and_pending, 60)
+    assert job["admin_comment"].startswith("rgpu:v1 nodes=1 count=1 percent=50 units=50 isolation=strict | "), job
+    assert "isolation=strict" in job["admin_comment"].split(" | ", 1)[1], job["admin_comment"]
+    assert not h.job_leases(job_id)
+    h.slurm.command(["scancel", job_id])
 
 
 def test_interactive_srun_the_pool_cannot_place_gets_one_rgpu_line(h: Harness) -> None:

@@ -18,14 +18,15 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
-from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
 from rgpu.remoting.native.generated.api_gen import CUDA_ARGTYPES, CudaDriverCalls, bind
+from rgpu.remoting.datapath.backends.staging_ring import StagingRing
 from rgpu.remoting.datapath.backends.base import (
     INVALID_HANDLE,
     INVALID_VALUE,
+    NOT_FOUND,
     NOT_SUPPORTED,
     SUCCESS,
     CudaError,
@@ -38,8 +39,8 @@ c_void_p, c_int, c_uint, c_size_t, c_uint64 = ctypes.c_void_p, ctypes.c_int, cty
 byref = ctypes.byref
 P = ctypes.POINTER
 
-STAGING_SLOTS = 16
-STAGING_BYTES = 1 << 20
+STAGING_RING_BYTES = 16 << 20   # host-to-device copies in flight (pinned)
+STAGING_CHUNK = 4 << 20         # a bigger copy goes through the ring in pieces of this size
 DTOH_CHUNK = 4 << 20
 MAX_PARAM_BYTES = 32768
 
@@ -48,11 +49,14 @@ JIT_INFO_LOG_BUFFER_SIZE = 4
 JIT_ERROR_LOG_BUFFER = 5
 JIT_ERROR_LOG_BUFFER_SIZE = 6
 MEMHOSTALLOC_PORTABLE = 1
+MODULE_NODES_TABLE = bytes.fromhex("6e163fbeb958444d835ce182aff1991e")
 LAUNCH_ATTRIBUTE_COOPERATIVE = cu("CU_LAUNCH_ATTRIBUTE_COOPERATIVE")
 
-# What a GPU across the network cannot do for this client, whatever the local driver says.
+# What a GPU across the network cannot do for this client, whatever the local driver says. Managed
+# memory is emulated by the client (native/src/managed.c) without concurrent access: the device
+# says MANAGED_MEMORY 1, CONCURRENT_MANAGED_ACCESS 0, as GPUs before Pascal did.
 _ATTRIBUTE_OVERRIDES = {cu(f"CU_DEVICE_ATTRIBUTE_{name}"): 0 for name in (
-    "CAN_MAP_HOST_MEMORY", "MANAGED_MEMORY", "CONCURRENT_MANAGED_ACCESS", "PAGEABLE_MEMORY_ACCESS",
+    "CAN_MAP_HOST_MEMORY", "CONCURRENT_MANAGED_ACCESS", "PAGEABLE_MEMORY_ACCESS",
     "PAGEABLE_MEMORY_ACCESS_USES_HOST_PAGE_TABLES", "DIRECT_MANAGED_MEM_ACCESS_FROM_HOST",
     "HOST_NATIVE_ATOMIC_SUPPORTED", "CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM", "COOPERATIVE_MULTI_DEVICE_LAUNCH",
     "HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED", "HANDLE_TYPE_FABRIC_SUPPORTED", "IPC_EVENT_SUPPORTED",
@@ -220,13 +224,12 @@ class CudaBackend(CudaDriverCalls):
         self._check("cuDevicePrimaryCtxRetain", byref(self.primary), 0)
         self.description = f"{spec.gpu_name} (CUDA driver {self.driver_version})"
         # Pinned staging buffers are portable (every context may copy through them); the events
-        # that track their DMA belong to one context each, so every context has its own set
+        # that track their DMA belong to one context each, so every context has its own
         # (recording a primary-context event on a created context's stream is INVALID_HANDLE).
-        self._staging: list[int] = []                   # addresses
-        self._free_slots: deque[int] = deque()
-        self._busy: deque[tuple[int, Any]] = deque()    # (slot, the event recorded after its copy)
+        self._ring_base = 0                                  # the host-to-device staging ring
+        self._ring: StagingRing[tuple[int, Any]] = StagingRing(STAGING_RING_BYTES)   # tag: (context, event)
         self._dtoh: list[int] = []
-        self._events: dict[int, tuple[list[Any], list[Any]]] = {}  # context -> (staging, dtoh) events
+        self._events: dict[int, tuple[list[Any], list[Any]]] = {}  # context -> (free ring events, dtoh events)
         self._param_buf = (ctypes.c_char * MAX_PARAM_BYTES)()
         self._param_size = c_size_t(0)
         self._extra = (c_void_p * 5)(1, ctypes.addressof(self._param_buf), 2, ctypes.addressof(self._param_size), 0)
@@ -331,66 +334,67 @@ class CudaBackend(CudaDriverCalls):
 
     def _make_staging(self) -> None:
         def make() -> None:
-            for _ in range(STAGING_SLOTS):
-                p = c_void_p()
-                self._check("cuMemHostAlloc", byref(p), STAGING_BYTES, MEMHOSTALLOC_PORTABLE)
-                self._staging.append(p.value or 0)
+            p = c_void_p()
+            self._check("cuMemHostAlloc", byref(p), STAGING_RING_BYTES, MEMHOSTALLOC_PORTABLE)
+            self._ring_base = p.value or 0
             for _ in range(2):
                 p = c_void_p()
                 self._check("cuMemHostAlloc", byref(p), DTOH_CHUNK, MEMHOSTALLOC_PORTABLE)
                 self._dtoh.append(p.value or 0)
         self._with_primary(make)
-        self._free_slots = deque(range(STAGING_SLOTS))
-        self._busy = deque()
+        self._ring.clear()
 
     def _drop_staging(self) -> None:
-        self._wait_busy(None)
-        for address in self._staging + self._dtoh:
+        self._wait_busy()
+        for address in ([self._ring_base] if self._ring_base else []) + self._dtoh:
             self._call("cuMemFreeHost", address)
-        self._staging, self._dtoh = [], []
-        self._free_slots, self._busy = deque(), deque()
+        self._ring_base, self._dtoh = 0, []
 
     def _context_events(self) -> tuple[list[Any], list[Any]]:
-        """The current context's events for the staging slots (made on its first copy)."""
+        """The current context's events: free ones for ring copies (made as needed), and two for
+        device-to-host chunks (made on its first copy)."""
         events = self._events.get(self._current)
         if events is None:
-            def make(n: int) -> list[Any]:
-                out = []
-                for _ in range(n):
-                    e = c_void_p()
-                    self._check("cuEventCreate", byref(e), 2)  # CU_EVENT_DISABLE_TIMING
-                    out.append(e)
-                return out
-            events = (make(STAGING_SLOTS), make(2))
+            events = ([], [self._new_event(), self._new_event()])
             self._events[self._current] = events
         return events
 
-    def _wait_busy(self, ctx: int | None) -> None:
-        """Wait for the staged copies of one context (None: all) and free their slots."""
-        owned = None if ctx is None else {id(e) for e in self._events.get(ctx, ([], []))[0]}
-        keep: deque[tuple[int, Any]] = deque()
-        for slot, event in self._busy:
-            if owned is None or id(event) in owned:
-                self._call("cuEventSynchronize", event)
-                self._free_slots.append(slot)
-            else:
-                keep.append((slot, event))
-        self._busy = keep
+    def _new_event(self) -> Any:
+        e = c_void_p()
+        self._check("cuEventCreate", byref(e), 2)  # CU_EVENT_DISABLE_TIMING
+        return e
+
+    def _retire_oldest(self) -> None:
+        """Wait until the GPU has read the oldest staged copy; its event goes back to its context."""
+        ctx, event = self._ring.oldest()
+        self._call("cuEventSynchronize", event)
+        self._ring.retire_oldest()
+        free = self._events.get(ctx)
+        if free is not None:
+            free[0].append(event)
+
+    def _wait_busy(self) -> None:
+        """Wait for every staged copy (the ring is first in, first out: all of them)."""
+        while len(self._ring):
+            self._retire_oldest()
 
     def _forget_events(self, ctx: int) -> None:
         """Before a context goes: its copies finish, its events go with it."""
         if ctx in self._events:
-            self._wait_busy(ctx)
+            if any(owner == ctx for owner, _ in self._ring.tags()):
+                self._wait_busy()
             del self._events[ctx]
 
-    def _slot(self) -> int:
-        if not self._staging:
+    def _stage(self, n: int) -> tuple[int, Any]:
+        """(address, event) of n pinned bytes for one copy, waiting for the GPU only when the
+        ring is full; the caller records the event after queueing the copy."""
+        if not self._ring_base:
             self._make_staging()
-        if not self._free_slots:
-            oldest, event = self._busy.popleft()
-            self._check("cuEventSynchronize", event)
-            self._free_slots.append(oldest)
-        return self._free_slots.popleft()
+        free = self._context_events()[0]
+        event = free.pop() if free else self._new_event()
+        while (offset := self._ring.take(n, (self._current, event))) is None:
+            self._retire_oldest()
+        return self._ring_base + offset, event
 
     # ------------------------------------------------------------------ capture and graphs
 
@@ -578,27 +582,23 @@ class CudaBackend(CudaDriverCalls):
     # ------------------------------------------------------------------ copies
 
     def htod(self, dst: int, stream: int, data: memoryview, address: int) -> None:
-        """Copy through a pinned slot: the socket buffer is reused at once, the DMA is async."""
+        """Copy through the pinned ring: the socket buffer is reused at once, the DMA is async."""
         self._refuse_capture(stream, "cuMemcpyHtoDAsync")
         n = len(data)
-        if n > STAGING_BYTES:
-            for off in range(0, n, STAGING_BYTES):
-                part = data[off:off + STAGING_BYTES]
+        if n > STAGING_CHUNK:
+            for off in range(0, n, STAGING_CHUNK):
+                part = data[off:off + STAGING_CHUNK]
                 self.htod(dst + off, stream, part, address + off)
             return
-        slot = self._slot()
-        staging = self._staging[slot]
-        event = self._context_events()[0][slot]
+        staging, event = self._stage(n)
         ctypes.memmove(staging, address, n)
         r = self._call("cuMemcpyHtoDAsync_v2", dst, staging, n, stream or None)
         if r == SUCCESS:
             r = self._call("cuEventRecord", event, stream or None)
         if r != SUCCESS:
-            # Nothing tracks this slot's DMA: wait for the stream before the slot is reused.
+            # Nothing tracks this copy's DMA: wait for the stream before its bytes are reused.
             self._call("cuStreamSynchronize", stream or None)
-            self._free_slots.append(slot)
             raise CudaError(r)
-        self._busy.append((slot, event))
 
     def dtoh_chunks(self, src: int, stream: int, size: int, chunk: int) -> Iterator[memoryview]:
         """Device-to-host through two pinned buffers: copy chunk i+1 while chunk i is sent."""
@@ -726,6 +726,37 @@ class CudaBackend(CudaDriverCalls):
         self._check("cuModuleGetFunction", byref(fn), module, name.encode())
         return self._fn_info(fn.value or 0)
 
+    # ------------------------------------------------------------------ private table 6e163fbe (cuFFT)
+
+    def _private_table(self, uuid: bytes) -> Any:
+        """The driver's private table with this UUID as an array of words (word 0: its byte size)."""
+        table = c_void_p()
+        r = self.lib.cuGetExportTable(byref(table), ctypes.create_string_buffer(uuid, 16))
+        if r != SUCCESS or not table.value:
+            raise CudaError(NOT_FOUND if r == SUCCESS else r)
+        return ctypes.cast(table, P(c_uint64))
+
+    def private_table_size(self, uuid: bytes) -> int:
+        return int(self._private_table(uuid)[0])
+
+    def module_nodes(self, ctx: int, module: int) -> list[tuple[int, ...]]:
+        """Slot 7 of table 6e163fbe: walk the module's function nodes with a callback, as cuFFT does
+        in the client; each node comes back with its owner and the fields the client copies."""
+        words = self._private_table(MODULE_NODES_TABLE)
+        if words[0] <= 7 * 8 or not words[7]:
+            raise CudaError(NOT_FOUND)
+        walk = ctypes.CFUNCTYPE(c_uint64, c_uint64, c_uint64, c_uint64, c_uint64, c_uint64, c_uint64)(words[7])
+        found: list[tuple[int, int]] = []
+        callback = ctypes.CFUNCTYPE(None, c_void_p, c_void_p, c_uint64)(
+            lambda _opaque, node, owner: found.append((node or 0, owner)))
+        walk(ctx, module, ctypes.cast(callback, c_void_p).value or 0, 0, module, 0)
+        nodes = []
+        for node, owner in found:
+            word = lambda off, n=node: c_uint64.from_address(n + off).value  # noqa: E731
+            nodes.append((node, owner, word(0x0), word(0x10), word(0x18), word(0x28),
+                          ctypes.c_uint32.from_address(node + 0x370).value, 0))
+        return nodes
+
     def param_info(self, handle: int) -> FnInfo:
         return self._fn_info(handle)
 
@@ -820,6 +851,11 @@ class CudaBackend(CudaDriverCalls):
         clusters = c_int()
         self._check("cuOccupancyMaxActiveClusters", byref(clusters), f, byref(config))
         return clusters.value
+
+    def fence(self) -> int:
+        """Wait for the current context's work (rgpu's compute limiter, worker/limiter.py); the
+        result the application's next synchronising call must see."""
+        return self.f["cuCtxSynchronize"]()
 
     def close(self) -> None:
         pass  # the process exits: the driver frees everything the session held

@@ -9,13 +9,17 @@ parameter layouts parsed from the PTX. Kernel launches are refused with a clear 
 from __future__ import annotations
 
 import bisect
+import os
 import re
+import signal
 import struct
 import time
 import uuid as uuidlib
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+from rgpu.remoting.datapath.worker.faults import EMULATED_MPS_FAULT, EMULATED_MPS_LOG
 from rgpu.remoting.datapath.backends.base import (
     INVALID_CONTEXT,
     INVALID_HANDLE,
@@ -47,6 +51,7 @@ _ATTRIBUTES = {
     "ECC_ENABLED": 1, "PCI_BUS_ID": 6, "PCI_DEVICE_ID": 0, "PCI_DOMAIN_ID": 0, "MEMORY_CLOCK_RATE": 2619000,
     "GLOBAL_MEMORY_BUS_WIDTH": 5120, "L2_CACHE_SIZE": 52428800, "MAX_THREADS_PER_MULTIPROCESSOR": 2048,
     "ASYNC_ENGINE_COUNT": 3, "UNIFIED_ADDRESSING": 1, "STREAM_PRIORITIES_SUPPORTED": 1,
+    "MANAGED_MEMORY": 1,   # emulated by the client (native/src/managed.c), without concurrent access
     "GLOBAL_L1_CACHE_SUPPORTED": 1, "LOCAL_L1_CACHE_SUPPORTED": 1,
     "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR": 233472, "MAX_REGISTERS_PER_MULTIPROCESSOR": 65536,
     "COMPUTE_PREEMPTION_SUPPORTED": 1, "COOPERATIVE_LAUNCH": 1, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN": 232448,
@@ -58,6 +63,17 @@ _ATTRIBUTES = {
 
 _LAUNCH_REFUSED = ("rgpu: worker: kernel launch refused (this dispatcher emulates its GPU and cannot run "
                    "kernels; run the application against a dispatcher started with --backend cuda on a GPU node)")
+
+# Fake kernels, the only ones the emulated GPU "runs", so that CI can test what a real GPU does to
+# sessions (no GPU there). A launch of EMULATED_SPIN never finishes: the session's next
+# synchronising call blocks for ever, with SIGTERM ignored, as by a driver call that does not return
+# to it (so the dispatcher's SIGKILL is what ends it). A launch of EMULATED_WILD_WRITE is a wild
+# write: the context's sticky CUDA_ERROR_ILLEGAL_ADDRESS, and on a GPU shared by MPS every other
+# session of that GPU gets it too (the fault domain is a marker file in the GPU's shared folder,
+# which the dispatcher clears when it recovers the GPU, as a restarted MPS server would be clean).
+EMULATED_SPIN = "rgpu_emulated_spin_forever"
+EMULATED_WILD_WRITE = "rgpu_emulated_wild_write"
+ILLEGAL_ADDRESS = 700
 
 _PTX_ENTRY = re.compile(r"\.entry\s+([A-Za-z_$][\w$]*)\s*\(([^)]*)\)", re.DOTALL)
 _PTX_PARAM = re.compile(r"\.param\s+(?:\.align\s+(\d+)\s+)?\.([busf])(8|16|32|64)\s+[\w$]+(?:\[(\d+)\])?")
@@ -119,6 +135,7 @@ class EmulatedBackend:
         self.functions: dict[int, tuple[int, FnInfo]] = {}  # function or kernel -> (module, info)
         self.links: dict[int, list[bytes]] = {}
         self.limits: dict[int, int] = {}
+        self.func_attrs: dict[tuple[int, int], int] = {}   # (function or kernel, attribute) -> value set
         self.pools = {0xA000_0000}
         self.capturing: dict[int, tuple[int, int]] = {}  # stream -> (capture id, graph)
         self.capture_seq = 0
@@ -130,6 +147,26 @@ class EmulatedBackend:
         self.reserved: dict[int, int] = {}
         self.mappings: dict[int, tuple[int, int]] = {}    # address -> (handle, size)
         self.description = f"emulated {spec.gpu_name}"
+        self.spinning = False
+        self.sticky = 0
+        gpu_dir = getattr(spec, "gpu_dir", "")
+        self.fault_domain = (Path(gpu_dir) / EMULATED_MPS_FAULT
+                             if gpu_dir and getattr(spec, "sharing", "mps") == "mps" else None)
+
+    # ------------------------------------------------------------------ the fake kernels' effects
+
+    def sticky_error(self) -> int:
+        """The context's sticky error: its own wild write, or (MPS) another session's on this GPU."""
+        if not self.sticky and self.fault_domain is not None and self.fault_domain.exists():
+            self.sticky = ILLEGAL_ADDRESS
+        return self.sticky
+
+    def _wait_for_kernels(self) -> None:
+        if not self.spinning:
+            return
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)   # as a driver call that never returns to it
+        while True:
+            time.sleep(3600)
 
     # ------------------------------------------------------------------ contexts
 
@@ -190,6 +227,7 @@ class EmulatedBackend:
 
     def cuCtxSynchronize(self) -> tuple[int]:
         self._need_ctx()
+        self._wait_for_kernels()
         return (SUCCESS,)
 
     def cuCtxSynchronize_v2(self, ctx: int) -> tuple[int]:
@@ -436,6 +474,7 @@ class EmulatedBackend:
 
     def cuStreamSynchronize(self, s: int) -> tuple[int]:
         self._need_ctx()
+        self._wait_for_kernels()
         return (SUCCESS,) if self._stream_ok(s) else (INVALID_HANDLE,)
 
     cuStreamQuery = cuStreamSynchronize
@@ -523,6 +562,19 @@ class EmulatedBackend:
                 return fn
         raise CudaError(NOT_FOUND if module in self.modules else INVALID_HANDLE)
 
+    # Private table 6e163fbe slot 7 (cuFFT's module walk), emulated: every function of the module,
+    # owned by the module, with the words 1, 2, 3, 4 and 5 standing in for the real node's fields.
+    def private_table_size(self, uuid: bytes) -> int:
+        if uuid != bytes.fromhex("6e163fbeb958444d835ce182aff1991e"):
+            raise CudaError(NOT_FOUND)
+        return 12 * 8
+
+    def module_nodes(self, ctx: int, module: int) -> list[tuple[int, ...]]:
+        module = self.libraries.get(module, module)
+        if module not in self.modules:
+            raise CudaError(INVALID_HANDLE)
+        return [(f.handle, module, 1, 2, 3, 4, 5, 0) for f in self.modules[module]]
+
     def param_info(self, handle: int) -> FnInfo:
         if handle not in self.functions:
             raise CudaError(INVALID_HANDLE)
@@ -576,10 +628,20 @@ class EmulatedBackend:
         if f not in self.functions:
             return (INVALID_HANDLE, 0)
         values = {0: 1024, 4: 16, 5: 90, 6: 90, 8: 49152}
-        return (SUCCESS, values.get(attrib, 0))
+        return (SUCCESS, self.func_attrs.get((f, attrib), values.get(attrib, 0)))
 
     def cuFuncSetAttribute(self, f: int, attrib: int, value: int) -> tuple[int]:
-        return (SUCCESS,) if f in self.functions else (INVALID_HANDLE,)
+        if f not in self.functions:
+            return (INVALID_HANDLE,)
+        self.func_attrs[(f, attrib)] = value
+        return (SUCCESS,)
+
+    # The emulated device's kernels are their own functions (cuKernelGetFunction): one attribute set.
+    def cuKernelGetAttribute(self, attrib: int, kernel: int, dev: int) -> tuple[int, int]:
+        return self.cuFuncGetAttribute(attrib, kernel)
+
+    def cuKernelSetAttribute(self, attrib: int, value: int, kernel: int, dev: int) -> tuple[int]:
+        return self.cuFuncSetAttribute(kernel, attrib, value)
 
     def cuFuncSetCacheConfig(self, f: int, config: int) -> tuple[int]:
         return (SUCCESS,) if f in self.functions else (INVALID_HANDLE,)
@@ -643,6 +705,16 @@ class EmulatedBackend:
             raise CudaError(INVALID_VALUE, f"rgpu: worker: launch of {self.functions[f][1].name} carried "
                                            f"{len(params)} parameter bytes, expected {size}")
         self.last_launch = (self.functions[f][1].name, bytes(params))
+        if self.last_launch[0] == EMULATED_SPIN:
+            self.spinning = True
+            return
+        if self.last_launch[0] == EMULATED_WILD_WRITE:
+            self.sticky = ILLEGAL_ADDRESS
+            if self.fault_domain is not None:
+                self.fault_domain.touch()
+                with open(self.fault_domain.parent / EMULATED_MPS_LOG, "a") as log:
+                    log.write(f"[emulated MPS server] client pid {os.getpid()}: fatal GPU exception (illegal address)\n")
+            return
         raise CudaError(NOT_SUPPORTED, _LAUNCH_REFUSED)
 
     # ------------------------------------------------------------------ stream capture and graphs

@@ -11,6 +11,9 @@ from rgpu.remoting.datapath.backends.base import FnInfo
 
 U64 = struct.Struct("<Q")
 U32 = struct.Struct("<I")
+# rgpuModuleNodes, per node: node, owner, the node's words at 0x0, 0x10, 0x18, 0x28, and its u32 at 0x370
+MODULE_NODE = struct.Struct("<QQQQQQII")
+MAX_MODULE_NODES = 64
 I32 = struct.Struct("<i")
 LAUNCH = struct.Struct("<QQ12I")      # f, stream, grid[3], block[3], shmem, coop, nattrs, argsize, pad, pad
 COPY = struct.Struct("<QQQ")          # address, stream, size

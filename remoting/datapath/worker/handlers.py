@@ -12,10 +12,11 @@ from collections.abc import Callable
 from typing import Any
 
 from rgpu.remoting.datapath import protocol
-from rgpu.remoting.datapath.backends.base import (INVALID_VALUE, PITCH_ALIGN_BYTES, SUCCESS, CudaError, LoadResult,
-                                                  SliceMemory)
-from rgpu.remoting.datapath.worker.codecs import (ALLOC, COPY, HEADER, LAUNCH, LAUNCH_ATTR_SIZE, U32, U64, fn_bytes,
-                                                  fn_without_handle, lp, read_options, take_str)
+from rgpu.remoting.datapath.backends.base import (INVALID_VALUE, NOT_FOUND, PITCH_ALIGN_BYTES, SUCCESS, CudaError,
+                                                  LoadResult, SliceMemory)
+from rgpu.remoting.datapath.worker.codecs import (ALLOC, COPY, HEADER, LAUNCH, LAUNCH_ATTR_SIZE, MAX_MODULE_NODES,
+                                                  MODULE_NODE, U32, U64, fn_bytes, fn_without_handle, lp, read_options,
+                                                  take_str)
 from rgpu.remoting.datapath.worker.native_loop import NativeLaunches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 
@@ -357,6 +358,22 @@ class Handlers:
         descs = b"".join(_on_worker_device(descs[i:i + 12], 0) for i in range(0, len(descs), 12))
         self.backend.vmm_set_access(ptr, size, descs, count)
         return SUCCESS, b""
+
+    def h_private_table_size(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        size = getattr(self.backend, "private_table_size", None)
+        if size is None or len(p) < 16:
+            return NOT_FOUND, b""
+        return SUCCESS, U64.pack(size(bytes(p[:16])))
+
+    def h_module_nodes(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        """Private table 6e163fbe slot 7 on the worker's driver: the module's function nodes, each
+        with its owner and the fields the client copies into its own node (module_nodes.c)."""
+        walk = getattr(self.backend, "module_nodes", None)
+        if walk is None:
+            return NOT_FOUND, b""
+        ctx, module = struct.unpack_from("<QQ", p, 0)
+        nodes = walk(ctx, module)[:MAX_MODULE_NODES]
+        return SUCCESS, U32.pack(len(nodes)) + b"".join(MODULE_NODE.pack(*n) for n in nodes)
 
     def h_session_info(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         info = {"memory_limit": self.memory.limit if self.memory else 0,

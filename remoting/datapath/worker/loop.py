@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import socket
 import time
 import traceback
@@ -14,8 +16,10 @@ from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.backends.base import (NOT_SUPPORTED, NVML_ERROR_NOT_SUPPORTED, OUT_OF_MEMORY, SUCCESS, UNKNOWN,
                                                   CudaError, SliceMemory)
 from rgpu.remoting.datapath.worker.codecs import HEADER, I32, LAUNCH, lp
+from rgpu.remoting.datapath.worker.faults import STICKY_ERRORS, SessionFaulted, default_message, wait_verdict, write_report
 from rgpu.remoting.datapath.worker.frames import FrameReader, FrameTooLarge
 from rgpu.remoting.datapath.worker.handlers import Handlers
+from rgpu.remoting.datapath.worker.limiter import ComputeLimiter
 from rgpu.remoting.datapath.worker.native_loop import load_native_launches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 from rgpu.remoting.datapath.usage import SessionStats
@@ -23,6 +27,9 @@ from rgpu.remoting.datapath.usage import SessionStats
 log = logging.getLogger("rgpu.worker")
 
 OP = api_gen.OPCODES
+# Calls that wait for a reply but put work on the GPU (the limiter gates them like launches).
+GPU_WORK_OPS = frozenset(OP[name] for name in ("cuMemcpyDtoHAsync_v2", "cuMemcpyDtoD_v2", "cuGraphLaunch",
+                                               "cuMemsetD8_v2", "cuMemsetD32_v2") if name in OP)
 
 
 class Worker(Handlers):
@@ -46,10 +53,34 @@ class Worker(Handlers):
         self.errors = 0
         self.sent = 0
         self.native_launches = load_native_launches(spec, backend)
+        # op -> [calls, handler ns], only with RGPU_WORKER_PROFILE (native launches: key -1)
+        self.profile: dict[int, list[int]] | None = {} if os.environ.get("RGPU_WORKER_PROFILE") else None
+        # A sticky fault ends the session (faults.py; on an MPS GPU, every session of the GPU);
+        # `idle` is true while the loop waits for a new frame, the one moment the dispatcher's
+        # signal may interrupt it.
+        self.fault: SessionFaulted | None = None
+        self.idle = False
+        self.last_op = 0
+        self.limiter = self._make_limiter()
         self._build_table()
         register = getattr(backend, "register_host_buffer", None)
         if register is not None:
             register(self.reader.base, self.reader.size)
+
+    def _make_limiter(self) -> ComputeLimiter | None:
+        """rgpu's own compute limiter, for CUDA sessions on GPUs shared `isolated` (limiter.py)."""
+        spec = self.spec
+        if spec.sharing != "isolated" or spec.mode != "cuda" or not spec.gpu_dir:
+            return None
+        fence = getattr(self.backend, "fence", None)
+
+        def wait_for_own_work() -> None:
+            code = fence() if fence is not None else 0
+            if code:
+                self._defer(code, "")   # an error of the application's work: its next sync call gets it
+        log.info("compute limiter on: %d%% of the GPU%s", spec.compute_percent,
+                 ", lending idle shares" if spec.compute_lending else "")
+        return ComputeLimiter(spec.compute_percent / 100, spec.gpu_dir, spec.compute_lending, wait_for_own_work)
 
     # ------------------------------------------------------------------ dispatch table
 
@@ -96,6 +127,8 @@ class Worker(Handlers):
             "rgpuOccupancyMaxPotentialBlockSize": (self.h_potential_block_size, False),
             "cuOccupancyMaxActiveClusters": (self.h_max_active_clusters, False),
             "rgpuSessionInfo": (self.h_session_info, False),
+            "rgpuPrivateTableSize": (self.h_private_table_size, False),
+            "rgpuModuleNodes": (self.h_module_nodes, False),
             "rgpuStreamCaptureInfo": (self.h_capture_info, False),
             "cuGraphGetNodes": (self.h_graph_nodes, False),
             "rgpuGraphAddNode": (self.h_graph_add_node, False),
@@ -136,10 +169,28 @@ class Worker(Handlers):
 
     def serve(self) -> str:
         """Serve until the client leaves; returns why the session ended."""
+        started = time.perf_counter_ns()
         try:
             return self._serve()
         except (EOFError, ConnectionError, OSError):
             return "client disconnected"
+        finally:
+            if self.profile is not None:
+                self._write_profile(time.perf_counter_ns() - started)
+
+    def _write_profile(self, wall_ns: int) -> None:
+        """RGPU_WORKER_PROFILE=DIR: where this session's time went, per operation (a developer's
+        and operator's tool next to the client's RGPU_CLIENT_STATS; off by default)."""
+        ops = {("native launch batches" if op == -1 else api_gen.OPS.get(op, str(op))): {"calls": n, "handler_ns": ns} for op, (n, ns) in self.profile.items()}
+        report = {"wall_ns": wall_ns, "native_launches": self.native_launches.launched.value if self.native_launches else 0,
+                  "ops": ops}
+        try:
+            path = os.path.join(os.environ["RGPU_WORKER_PROFILE"], f"worker-{os.getpid()}.json")
+            with open(path + ".tmp", "w", encoding="utf-8") as out:
+                json.dump(report, out, indent=1)
+            os.replace(path + ".tmp", path)   # whole or not at all, for whoever is waiting for it
+        except OSError as exc:
+            log.warning("cannot write the worker profile: %s", exc)
 
     def _serve(self) -> str:
         handlers = self.handlers
@@ -153,16 +204,38 @@ class Worker(Handlers):
         launch_fast = getattr(self.backend, "launch_fast", None)
         native = self.native_launches
         cuda_mode = self.spec.mode == "cuda"
-        stats, memory = self.stats, self.memory
+        stats, memory, profile = self.stats, self.memory, self.profile
         clock = time.perf_counter_ns
+        sticky = getattr(self.backend, "sticky_error", None)   # the emulated GPU's fault domain
+        limiter = self.limiter
         while True:
+            if self.fault is not None:
+                raise self.fault
+            if limiter is not None:
+                limiter.after_op()
             if reader.end - reader.start < protocol.HEADER_SIZE:
-                reader._fill(protocol.HEADER_SIZE)
+                if limiter is not None and reader.end == reader.start:
+                    limiter.before_wait(self.sock)
+                self.idle = reader.end == reader.start
+                try:
+                    if self.idle and self.fault is not None:
+                        raise self.fault
+                    reader._fill(protocol.HEADER_SIZE)
+                finally:
+                    self.idle = False
             length, op, _flags, _seq, _aux, ctx = unpack_header(view, reader.start)
+            if op == launch_op and limiter is not None:
+                limiter.before_submit()
             if op == launch_op and native is not None and ctx == self.current_ctx:
                 # Every complete plain launch in the buffer, in one call; what it leaves (a
                 # partial frame, a cooperative launch, another op) takes the paths below.
+                if profile is not None:
+                    t0 = clock()
                 used, code = native.run(reader.base + reader.start, reader.end - reader.start, ctx, launch_op)
+                if profile is not None:
+                    entry_ = profile.setdefault(-1, [0, 0])
+                    entry_[0] += 1
+                    entry_[1] += clock() - t0
                 if code:
                     self._defer(code, "")
                 if used:
@@ -204,6 +277,13 @@ class Worker(Handlers):
                             "builds differ; install the same rgpu version on both)")
                 continue
             handler, is_async = entry
+            self.last_op = op
+            if sticky is not None and cuda_mode and (code := sticky()):
+                if is_async:
+                    self._defer(code, "")
+                else:
+                    self._reply(seq, code, b"", "")
+                continue
             if cuda_mode and ctx != self.current_ctx:
                 try:
                     self.backend.set_context(ctx)
@@ -214,6 +294,8 @@ class Worker(Handlers):
                     else:
                         self._reply(seq, exc.code, b"", exc.message)
                     continue
+            if limiter is not None and (is_async or op in GPU_WORK_OPS):
+                limiter.before_submit()
             if not is_async and self.deferred is not None:
                 code, message = self.deferred
                 self.deferred = None
@@ -244,6 +326,10 @@ class Worker(Handlers):
             finally:
                 if stats is not None:
                     stats.account(started, memory.high_water if memory is not None else 0)
+                if profile is not None:
+                    entry_ = profile.setdefault(op, [0, 0])
+                    entry_[0] += 1
+                    entry_[1] += clock() - started
                 if reader.big is not None:   # a frame bigger than the receive buffer: give it back now
                     reader.big = None
                     payload = None  # type: ignore[assignment]
@@ -263,10 +349,31 @@ class Worker(Handlers):
         if self.deferred is None:
             self.deferred = (code, message)
 
+    def _sticky_fault(self, result: int) -> str:
+        """Report a sticky fault to the dispatcher and return its verdict (the line the application gets)."""
+        spec = self.spec
+        gpu = f"GPU {spec.gpu_index} ({spec.gpu_name}, {spec.gpu_uuid}) of {spec.server}"
+        message = default_message(result, gpu)
+        try:
+            write_report(spec.faults_dir, os.getpid(), {
+                "pid": os.getpid(), "gpu_uuid": spec.gpu_uuid, "code": result, "unix": time.time(),
+                "job_key": spec.job_key, "slice_number": spec.slice_number,
+                "last_op": api_gen.OPS.get(self.last_op, str(self.last_op))})
+            message = wait_verdict(spec.faults_dir, os.getpid()) or message
+        except OSError as exc:
+            log.warning("cannot report the GPU fault to the dispatcher: %s", exc)
+        log.error("%s", message)
+        self.fault = SessionFaulted(result, message)
+        return message
+
     def _reply(self, seq: int, result: int, payload: bytes, message: str) -> None:
         flags = 0
         if result != SUCCESS:
             self.errors += 1
+            if result in STICKY_ERRORS and self.spec.faults_dir and self.spec.mode == "cuda":
+                # The verdict (ours, or the one the dispatcher signalled) always reaches the application.
+                message = self._sticky_fault(result) if self.fault is None else self.fault.message
+                self.messages = 0
         body = I32.pack(result)
         if message and self.messages < 32:
             self.messages += 1

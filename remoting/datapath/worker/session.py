@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import socket
 import time
 import traceback
@@ -16,6 +17,7 @@ from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.counters import Publisher, counters_path
 from rgpu.remoting.datapath.backends.base import NOT_SUPPORTED, CudaError, SliceMemory, context_reserve
 from rgpu.remoting.datapath.usage import STATS_SUFFIX, SessionStats
+from rgpu.remoting.datapath.worker.faults import SessionFaulted, become_tombstone, default_message, read_verdict
 from rgpu.remoting.datapath.worker.loop import Worker
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 from rgpu.units import format_bytes
@@ -66,19 +68,32 @@ def run_session(sock: socket.socket, spec: SessionSpec) -> int:
         description=description))
     log.info("session open: job %s slice %d, %s mode, client %s", spec.job_key, spec.slice_number, spec.mode, spec.client)
     worker = Worker(sock, backend, spec, memory, stats)
+    if spec.faults_dir:
+        _end_on_dispatcher_signal(worker, spec)
     publisher = None
     if spec.counters_dir:
         try:
             publisher = Publisher(counters_path(spec.counters_dir, os.getpid()), worker.counters)
         except OSError as exc:   # the session runs on; only the dispatcher's metrics miss it
             log.warning("cannot publish traffic counters in %s: %s", spec.counters_dir, exc)
+    faulted: SessionFaulted | None = None
     try:
         why = worker.serve()
+    except SessionFaulted as exc:
+        faulted, why = exc, "its GPU context died (see the message above)"
     finally:
         if publisher is not None:
             publisher.stop()
+        if worker.limiter is not None:
+            try:
+                worker.limiter.close() if faulted is None else worker.limiter.turns.give_back()
+            except Exception as exc:  # noqa: BLE001 - the session is over either way
+                log.warning("closing the compute limiter failed: %s", exc)
+            log.info("compute limiter: %.2f s of GPU turns, held back %.2f s", worker.limiter.busy_s,
+                     worker.limiter.held_back_s)
         try:
-            backend.close()
+            if faulted is None:   # a dead MPS context is let go by exec below, not torn down call by call
+                backend.close()
         except Exception as exc:  # noqa: BLE001 - the session is over either way
             log.warning("closing the backend failed: %s", exc)
         if stats is not None:
@@ -86,7 +101,22 @@ def run_session(sock: socket.socket, spec: SessionSpec) -> int:
         if memory is not None:
             memory.close()
     log.info("session closed after %.1f s: %s", time.monotonic() - started, why)
+    if faulted is not None:
+        become_tombstone(sock.fileno(), faulted.code, faulted.message, spec.faults_dir)
     return 0
+
+
+def _end_on_dispatcher_signal(worker: Worker, spec: SessionSpec) -> None:
+    """SIGUSR1 from the dispatcher: another session's fault ended this one's context (faults.py).
+    The verdict file says why; an idle worker ends at once, a busy one after its current call."""
+    def on_signal(_signum: int, _frame: object) -> None:
+        if worker.fault is None:
+            gpu = f"GPU {spec.gpu_index} ({spec.gpu_name}, {spec.gpu_uuid}) of {spec.server}"
+            worker.fault = SessionFaulted(700, read_verdict(spec.faults_dir, os.getpid()) or default_message(700, gpu))
+        if worker.idle:
+            raise worker.fault
+
+    signal.signal(signal.SIGUSR1, on_signal)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,10 +24,14 @@ class SessionSpec:
     slice_number: int
     usage_dir: str            # this slice's usage files (one per CUDA session)
     server: str
-    compute_enforcement: str  # "mps" or "time-slicing"
+    compute_enforcement: str  # "mps", "time-slicing", "isolated (rgpu limiter)" or "exclusive"
     client: dict[str, Any]
     launch_library: str = ""  # librgpu-worker.so (the native launch loop); "" runs launches in Python
     counters_dir: str = ""    # where the worker publishes its traffic counters (datapath/counters.py); "": nowhere
+    sharing: str = "mps"      # how its GPU is shared (rgpu.model.SHARING_MODES)
+    compute_lending: bool = False   # isolated: may use the share the GPU's idle sessions leave
+    gpu_dir: str = ""         # files the workers of this GPU share (limiter loads, emulated fault domain)
+    faults_dir: str = ""      # where a worker reports a sticky GPU fault and reads the verdict (faults.py)
 
     @classmethod
     def from_json(cls, text: str) -> SessionSpec:

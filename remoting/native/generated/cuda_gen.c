@@ -277,6 +277,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSynchronize(void) {
     if (r != CUDA_SUCCESS) return r;
     r = rgpu_sync(&c);
     rgpu_end(&c);
+    if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
 }
 
@@ -288,6 +289,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSynchronize_v2(CUcontext ctx) {
     rgpu_put_u64(&c, ctx_remote);
     r = rgpu_sync(&c);
     rgpu_end(&c);
+    if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
 }
 
@@ -461,11 +463,6 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxWaitEvent(CUcontext hCtx, CUevent hEvent) {
     rgpu_put_u64(&c, hCtx_remote);
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEvent);
     return rgpu_async(&c);
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
-    static int seen;
-    return rgpu_unsupported("cuMemAllocManaged", &seen, "managed memory needs the GPU's page faults on this host");
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr) {
@@ -726,6 +723,7 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamSynchronize(CUstream hStream) {
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
     r = rgpu_sync(&c);
     rgpu_end(&c);
+    if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
 }
 
@@ -736,6 +734,7 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamQuery(CUstream hStream) {
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
     r = rgpu_sync(&c);
     rgpu_end(&c);
+    if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
 }
 
@@ -859,6 +858,7 @@ RGPU_EXPORT CUresult CUDAAPI cuEventQuery(CUevent hEvent) {
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEvent);
     r = rgpu_sync(&c);
     rgpu_end(&c);
+    if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
 }
 
@@ -869,6 +869,7 @@ RGPU_EXPORT CUresult CUDAAPI cuEventSynchronize(CUevent hEvent) {
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEvent);
     r = rgpu_sync(&c);
     rgpu_end(&c);
+    if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
 }
 
@@ -1090,7 +1091,7 @@ RGPU_EXPORT CUresult CUDAAPI cuKernelSetAttribute(CUfunction_attribute attrib, i
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)kernel);
     rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
     r = rgpu_sync(&c);
-    rgpu_cache_forget_functions(); if (r == CUDA_SUCCESS) rgpu_kattr_put(kernel, attrib, dev, val);
+    if (r == CUDA_SUCCESS) rgpu_kattr_changed(kernel, attrib, dev, val); else rgpu_cache_forget_functions();
     rgpu_end(&c);
     return r;
 }
@@ -1114,7 +1115,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncGetAttribute(int *pi, CUfunction_attribute at
     CUresult r = rgpu_begin(&c, RGPU_OP_cuFuncGetAttribute);
     if (r != CUDA_SUCCESS) return r;
     { int32_t v_ = (int32_t)attrib; rgpu_put(&c, &v_, 4); }
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hfunc);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(hfunc));
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) {
         { int pi_v; memset(&pi_v, 0, sizeof pi_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); pi_v = (int)v_; } if (pi) *pi = pi_v; }
@@ -1127,11 +1128,11 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncSetAttribute(CUfunction hfunc, CUfunction_att
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuFuncSetAttribute);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hfunc);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(hfunc));
     { int32_t v_ = (int32_t)attrib; rgpu_put(&c, &v_, 4); }
     { int32_t v_ = (int32_t)value; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
-    rgpu_cache_forget_functions();
+    rgpu_fattr_changed(hfunc);
     rgpu_end(&c);
     return r;
 }
@@ -1140,7 +1141,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncSetCacheConfig(CUfunction hfunc, CUfunc_cache
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuFuncSetCacheConfig);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hfunc);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(hfunc));
     { int32_t v_ = (int32_t)config; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
     rgpu_cache_forget_functions();
@@ -1152,7 +1153,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncSetSharedMemConfig(CUfunction hfunc, CUshared
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuFuncSetSharedMemConfig);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hfunc);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(hfunc));
     { int32_t v_ = (int32_t)config; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
     rgpu_cache_forget_functions();
@@ -1165,7 +1166,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncGetModule(CUmodule *hmod, CUfunction hfunc) {
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuFuncGetModule);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hfunc);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(hfunc));
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) {
         { CUmodule hmod_v; memset(&hmod_v, 0, sizeof hmod_v); hmod_v = (CUmodule)(uintptr_t)rgpu_get_u64(&c); if (hmod) *hmod = hmod_v; }
@@ -1179,7 +1180,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncIsLoaded(CUfunctionLoadingState *state, CUfun
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuFuncIsLoaded);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)function);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(function));
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) {
         { CUfunctionLoadingState state_v; memset(&state_v, 0, sizeof state_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); state_v = (CUfunctionLoadingState)v_; } if (state) *state = state_v; }
@@ -1192,7 +1193,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncLoad(CUfunction function) {
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuFuncLoad);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)function);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(function));
     r = rgpu_sync(&c);
     rgpu_end(&c);
     return r;
@@ -1204,7 +1205,7 @@ RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxActiveBlocksPerMultiprocessor(int *nu
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuOccupancyMaxActiveBlocksPerMultiprocessor);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)func);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(func));
     { int32_t v_ = (int32_t)blockSize; rgpu_put(&c, &v_, 4); }
     { uint64_t v_ = (uint64_t)dynamicSMemSize; rgpu_put(&c, &v_, 8); }
     r = rgpu_sync(&c);
@@ -1222,7 +1223,7 @@ RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlag
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)func);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(func));
     { int32_t v_ = (int32_t)blockSize; rgpu_put(&c, &v_, 4); }
     { uint64_t v_ = (uint64_t)dynamicSMemSize; rgpu_put(&c, &v_, 8); }
     { uint32_t v_ = (uint32_t)flags; rgpu_put(&c, &v_, 4); }
@@ -1240,7 +1241,7 @@ RGPU_EXPORT CUresult CUDAAPI cuOccupancyAvailableDynamicSMemPerBlock(size_t *dyn
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuOccupancyAvailableDynamicSMemPerBlock);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)func);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(func));
     { int32_t v_ = (int32_t)numBlocks; rgpu_put(&c, &v_, 4); }
     { int32_t v_ = (int32_t)blockSize; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
@@ -1648,6 +1649,18 @@ RGPU_EXPORT CUresult CUDAAPI cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStr
     if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
     return cuMemFreeAsync(dptr, hStream);
 }
+RGPU_EXPORT CUresult CUDAAPI cuMemPrefetchAsync_ptsz(CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream hStream) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuMemPrefetchAsync(devPtr, count, dstDevice, hStream);
+}
+RGPU_EXPORT CUresult CUDAAPI cuMemPrefetchAsync_v2_ptsz(CUdeviceptr devPtr, size_t count, CUmemLocation location, unsigned int flags, CUstream hStream) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuMemPrefetchAsync_v2(devPtr, count, location, flags, hStream);
+}
+RGPU_EXPORT CUresult CUDAAPI cuStreamAttachMemAsync_ptsz(CUstream hStream, CUdeviceptr dptr, size_t length, unsigned int flags) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuStreamAttachMemAsync(hStream, dptr, length, flags);
+}
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoD_v2_ptds(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount) {
     return cuMemcpyHtoD_v2(dstDevice, srcHost, ByteCount);
 }
@@ -2015,8 +2028,6 @@ RGPU_EXPORT CUresult CUDAAPI cuLogsDumpToFile(void) { static int seen; return rg
 RGPU_EXPORT CUresult CUDAAPI cuLogsDumpToMemory(void) { static int seen; return rgpu_unsupported("cuLogsDumpToMemory", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuLogsRegisterCallback(void) { static int seen; return rgpu_unsupported("cuLogsRegisterCallback", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuLogsUnregisterCallback(void) { static int seen; return rgpu_unsupported("cuLogsUnregisterCallback", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemAdvise(void) { static int seen; return rgpu_unsupported("cuMemAdvise", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemAdvise_v2(void) { static int seen; return rgpu_unsupported("cuMemAdvise_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemAlloc(void) { static int seen; return rgpu_unsupported("cuMemAlloc", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemAllocHost(void) { static int seen; return rgpu_unsupported("cuMemAllocHost", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemAllocPitch(void) { static int seen; return rgpu_unsupported("cuMemAllocPitch", &seen, NULL); }
@@ -2046,10 +2057,6 @@ RGPU_EXPORT CUresult CUDAAPI cuMemPoolGetAccess(void) { static int seen; return 
 RGPU_EXPORT CUresult CUDAAPI cuMemPoolImportFromShareableHandle(void) { static int seen; return rgpu_unsupported("cuMemPoolImportFromShareableHandle", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemPoolImportPointer(void) { static int seen; return rgpu_unsupported("cuMemPoolImportPointer", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemPoolSetAccess(void) { static int seen; return rgpu_unsupported("cuMemPoolSetAccess", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemPrefetchAsync(void) { static int seen; return rgpu_unsupported("cuMemPrefetchAsync", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemPrefetchAsync_ptsz(void) { static int seen; return rgpu_unsupported("cuMemPrefetchAsync_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemPrefetchAsync_v2(void) { static int seen; return rgpu_unsupported("cuMemPrefetchAsync_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemPrefetchAsync_v2_ptsz(void) { static int seen; return rgpu_unsupported("cuMemPrefetchAsync_v2_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemPrefetchBatchAsync(void) { static int seen; return rgpu_unsupported("cuMemPrefetchBatchAsync", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemPrefetchBatchAsync_ptsz(void) { static int seen; return rgpu_unsupported("cuMemPrefetchBatchAsync_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemRangeGetAttribute(void) { static int seen; return rgpu_unsupported("cuMemRangeGetAttribute", &seen, NULL); }
@@ -2134,8 +2141,6 @@ RGPU_EXPORT CUresult CUDAAPI cuParamSetv(void) { static int seen; return rgpu_un
 RGPU_EXPORT CUresult CUDAAPI cuProfilerInitialize(void) { static int seen; return rgpu_unsupported("cuProfilerInitialize", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuSignalExternalSemaphoresAsync(void) { static int seen; return rgpu_unsupported("cuSignalExternalSemaphoresAsync", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuSignalExternalSemaphoresAsync_ptsz(void) { static int seen; return rgpu_unsupported("cuSignalExternalSemaphoresAsync_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamAttachMemAsync(void) { static int seen; return rgpu_unsupported("cuStreamAttachMemAsync", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamAttachMemAsync_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamAttachMemAsync_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamBatchMemOp(void) { static int seen; return rgpu_unsupported("cuStreamBatchMemOp", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamBatchMemOp_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamBatchMemOp_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamBatchMemOp_v2(void) { static int seen; return rgpu_unsupported("cuStreamBatchMemOp_v2", &seen, NULL); }

@@ -4,11 +4,15 @@
  * otherwise. Each cache holds only values that nothing but this process can change, and every call
  * that could change one empties it: exact answers, no round trip. */
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "rgpu_client.h"
 
-#define SLOTS 8192
+/* Tables grow (doubling) instead of being emptied when full: cuBLASLt and cuDNN ask several
+ * attributes of thousands of kernels, and an emptied table made every one a round trip again. */
+#define FIRST_SLOTS 4096u
+#define MAX_SLOTS (1u << 20)
 
 typedef struct {
     uint64_t k1, k2, k3, value;
@@ -16,8 +20,8 @@ typedef struct {
 } entry;
 
 typedef struct {
-    entry e[SLOTS];
-    int count;
+    entry *e;
+    uint32_t size, count;
 } table;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -31,32 +35,84 @@ static uint64_t hash(uint64_t a, uint64_t b, uint64_t c) {
 static int get(table *t, uint64_t a, uint64_t b, uint64_t c, uint64_t *value) {
     pthread_mutex_lock(&g_lock);
     int found = 0;
-    for (uint64_t i = hash(a, b, c) % SLOTS, n = 0; n < SLOTS && t->e[i].used; i = (i + 1) % SLOTS, n++) {
-        if (t->e[i].k1 == a && t->e[i].k2 == b && t->e[i].k3 == c) {
-            *value = t->e[i].value;
-            found = 1;
-            break;
+    if (t->size) {
+        for (uint64_t i = hash(a, b, c) % t->size, n = 0; n < t->size && t->e[i].used; i = (i + 1) % t->size, n++) {
+            if (t->e[i].k1 == a && t->e[i].k2 == b && t->e[i].k3 == c) {
+                *value = t->e[i].value;
+                found = 1;
+                break;
+            }
         }
     }
     pthread_mutex_unlock(&g_lock);
     return found;
 }
 
+/* Place an entry known to be absent (the lock is held; there is room). */
+static void place(table *t, entry x) {
+    uint64_t i = hash(x.k1, x.k2, x.k3) % t->size;
+    while (t->e[i].used) i = (i + 1) % t->size;
+    t->e[i] = x;
+    t->count++;
+}
+
+/* Rebuild t at `size` slots, without the entries whose first key is drop_k1 when dropping (the
+ * lock is held). Returns -1
+ * when memory runs out; t is then emptied, which only costs round trips. */
+static int rebuild(table *t, uint32_t size, uint64_t drop_k1, int dropping) {
+    entry *old = t->e;
+    uint32_t old_size = t->size;
+    t->e = calloc(size, sizeof *t->e);
+    t->count = 0;
+    if (!t->e) {
+        t->size = 0;
+        free(old);
+        return -1;
+    }
+    t->size = size;
+    for (uint32_t i = 0; i < old_size; i++)
+        if (old[i].used && !(dropping && old[i].k1 == drop_k1)) place(t, old[i]);
+    free(old);
+    return 0;
+}
+
 static void put(table *t, uint64_t a, uint64_t b, uint64_t c, uint64_t value) {
     pthread_mutex_lock(&g_lock);
-    if (t->count >= SLOTS * 3 / 4) {
-        memset(t, 0, sizeof *t);
+    if (t->count + 1 > t->size / 4 * 3) {
+        uint32_t size = t->size ? t->size * 2 : FIRST_SLOTS;
+        if (size > MAX_SLOTS) {   /* a bound on memory: start over */
+            free(t->e);
+            t->e = NULL;
+            t->size = t->count = 0;
+            size = FIRST_SLOTS;
+        }
+        if (rebuild(t, size, 0, 0)) {
+            pthread_mutex_unlock(&g_lock);
+            return;
+        }
     }
-    uint64_t i = hash(a, b, c) % SLOTS;
-    while (t->e[i].used && !(t->e[i].k1 == a && t->e[i].k2 == b && t->e[i].k3 == c)) i = (i + 1) % SLOTS;
+    uint64_t i = hash(a, b, c) % t->size;
+    while (t->e[i].used && !(t->e[i].k1 == a && t->e[i].k2 == b && t->e[i].k3 == c)) i = (i + 1) % t->size;
     if (!t->e[i].used) t->count++;
     t->e[i] = (entry){a, b, c, value, 1};
     pthread_mutex_unlock(&g_lock);
 }
 
+/* Drop every entry whose first key is k1 (linear probing: the others are placed again). */
+static void forget_first_key(table *t, uint64_t k1) {
+    pthread_mutex_lock(&g_lock);
+    int hit = 0;
+    for (uint32_t i = 0; i < t->size && !hit; i++) hit = t->e[i].used && t->e[i].k1 == k1;
+    if (hit) rebuild(t, t->size, k1, 1);
+    pthread_mutex_unlock(&g_lock);
+}
+
 static void clear(table *t) {
     pthread_mutex_lock(&g_lock);
-    if (t->count) memset(t, 0, sizeof *t);
+    if (t->count) {
+        memset(t->e, 0, (size_t)t->size * sizeof *t->e);
+        t->count = 0;
+    }
     pthread_mutex_unlock(&g_lock);
 }
 
@@ -96,6 +152,35 @@ void rgpu_kfunc_put(CUkernel k, CUfunction f) {
 }
 void rgpu_cache_forget_occupancy(void);
 void rgpu_limit_forget(void);
+
+/* cuKernelSetAttribute changed one kernel: only its answers go (with the occupancy answers, which
+ * are keyed by function). Forgetting everything here made libraries that set attributes on
+ * several kernels in turn miss every cache on every call (measured: ~200 round trips per GPT-2
+ * training step). */
+void rgpu_kattr_changed(CUkernel k, int attrib, CUdevice dev, int value) {
+    forget_first_key(&g_kattr, (uint64_t)(uintptr_t)k);
+    rgpu_cache_forget_occupancy();
+    rgpu_kattr_put(k, attrib, dev, value);
+}
+
+/* cuFuncSetAttribute: the kernels this function was obtained from (through cuKernelGetFunction)
+ * lose their answers; a function the cache does not know may be any kernel's: forget them all. */
+void rgpu_fattr_changed(CUfunction f) {
+    uint64_t kernels[16];
+    int n = 0, unknown = 1;
+    pthread_mutex_lock(&g_lock);
+    for (uint32_t i = 0; i < g_kfunc.size; i++)
+        if (g_kfunc.e[i].used && g_kfunc.e[i].value == (uint64_t)(uintptr_t)f) {
+            unknown = 0;
+            if (n < 16) kernels[n++] = g_kfunc.e[i].k1;
+            else unknown = 1;
+        }
+    pthread_mutex_unlock(&g_lock);
+    if (unknown) clear(&g_kattr);
+    else for (int i = 0; i < n; i++) forget_first_key(&g_kattr, kernels[i]);
+    rgpu_cache_forget_occupancy();
+}
+
 void rgpu_cache_forget_functions(void) {
     rgpu_limit_forget();
     clear(&g_kattr);
@@ -155,3 +240,18 @@ void rgpu_limit_put(int limit, size_t value) {
     if (limit != 0 && ctx) put(&g_limit, ctx, (uint64_t)limit, 0, value);
 }
 void rgpu_limit_forget(void) { clear(&g_limit); }
+
+/* Function nodes made in this process for the worker's (module_nodes.c): node -> worker's node.
+ * While there are none, translating a function costs one atomic load. */
+static table g_private_fn;
+static int g_private_fns;
+void rgpu_fn_private_put(void *node, uint64_t remote) {
+    put(&g_private_fn, (uint64_t)(uintptr_t)node, 0, 0, remote);
+    __atomic_store_n(&g_private_fns, 1, __ATOMIC_RELEASE);
+}
+CUfunction rgpu_fn_remote(CUfunction f) {
+    uint64_t v;
+    if (!__atomic_load_n(&g_private_fns, __ATOMIC_ACQUIRE) || !get(&g_private_fn, (uint64_t)(uintptr_t)f, 0, 0, &v))
+        return f;
+    return (CUfunction)(uintptr_t)v;
+}

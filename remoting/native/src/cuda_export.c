@@ -680,6 +680,10 @@ RGPU_EXPORT CUresult CUDAAPI cuGetExportTable(const void **ppExportTable, const 
             return CUDA_SUCCESS;
         }
     }
+    static const uint8_t module_nodes_uuid[16] = {0x6e, 0x16, 0x3f, 0xbe, 0xb9, 0x58, 0x44, 0x4d,
+                                                  0x83, 0x5c, 0xe1, 0x82, 0xaf, 0xf1, 0x99, 0x1e};
+    if (!memcmp(module_nodes_uuid, pExportTableId->bytes, 16) && (*ppExportTable = rgpu_module_nodes_table()))
+        return CUDA_SUCCESS;   /* cuFFT's module walk (module_nodes.c) */
     *ppExportTable = NULL;
     if (rgpu_log_level() >= RGPU_LOG_INFO) {
         char text[40];

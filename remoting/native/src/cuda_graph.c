@@ -271,7 +271,7 @@ static CUresult kernel_payload(CUfunction func, CUkernel kern, const unsigned in
         free(args);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    uint64_t h = (uint64_t)(uintptr_t)f;
+    uint64_t h = (uint64_t)(uintptr_t)rgpu_fn_remote(f);
     uint32_t w[10] = {func ? 0u : 1u, dims[0], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], (uint32_t)argsize, 0};
     memcpy(p, &h, 8);
     memcpy(p + 8, w, sizeof w);

@@ -73,6 +73,7 @@ static CUresult free_common(uint16_t op, CUdeviceptr dptr, CUstream stream) {
 
 RGPU_EXPORT CUresult CUDAAPI cuMemFree_v2(CUdeviceptr dptr) {
     if (!dptr) return rgpu_check_init();
+    if (rgpu_managed_find(dptr, NULL)) return rgpu_managed_free(dptr);
     return free_common(RGPU_OP_cuMemFree_v2, dptr, NULL);
 }
 
@@ -253,7 +254,9 @@ static int session_of(CUdeviceptr p) {
 
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount) {
     /* CUDA returns once the source may be reused; the bytes are on the wire by then. */
-    return htod(dstDevice, srcHost, ByteCount, NULL, session_of(dstDevice));
+    CUresult r = htod(dstDevice, srcHost, ByteCount, NULL, session_of(dstDevice));
+    if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount,
@@ -262,7 +265,9 @@ RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const v
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount) {
-    return dtoh(dstHost, srcDevice, ByteCount, NULL, session_of(srcDevice));
+    CUresult r = dtoh(dstHost, srcDevice, ByteCount, NULL, session_of(srcDevice));
+    if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount,
@@ -309,7 +314,10 @@ static CUresult unified(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream str
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount) {
-    return unified(dst, src, ByteCount, NULL);
+    CUresult r = unified(dst, src, ByteCount, NULL);
+    /* Blocking: the program may read what landed in managed memory as soon as it returns. */
+    if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream) {

@@ -371,6 +371,7 @@ static int current_session(void) {
 
 /* The parameter layout of a function or kernel handle: cached, else asked once. */
 static CUresult function_info(uint64_t handle, rgpu_fn **out) {
+    handle = (uint64_t)(uintptr_t)rgpu_fn_remote((CUfunction)(uintptr_t)handle);
     CUresult r = rgpu_check_init();
     if (r != CUDA_SUCCESS) return r;
     int session = current_session();
@@ -637,6 +638,7 @@ static void pack_args(const launch_args *a, void **params, uint8_t *out) {
 static CUresult launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
                        unsigned int by, unsigned int bz, unsigned int shmem, CUstream stream, void **params,
                        void **extra, const CUlaunchAttribute *attrs, unsigned int nattrs, int cooperative) {
+    f = rgpu_fn_remote(f);
     launch_args a;
     CUresult r = resolve_args(f, params, extra, &a);
     if (r != CUDA_SUCCESS) return r;
@@ -713,7 +715,7 @@ static CUresult potential_block_size(int *minGridSize, int *blockSize, CUfunctio
         rgpu_call c;
         CUresult r = rgpu_begin(&c, RGPU_OP_rgpuOccupancyMaxPotentialBlockSize);
         if (r != CUDA_SUCCESS) return r;
-        rgpu_put_u64(&c, (uint64_t)(uintptr_t)func);
+        rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(func));
         rgpu_put_u64(&c, dynamicSMemSize);
         rgpu_put_i32(&c, blockSizeLimit);
         rgpu_put_u32(&c, flags);
@@ -758,7 +760,7 @@ RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxActiveClusters(int *numClusters, CUfu
     if (r != CUDA_SUCCESS) return r;
     uint32_t head[8] = {config->gridDimX, config->gridDimY, config->gridDimZ, config->blockDimX, config->blockDimY,
                         config->blockDimZ, config->sharedMemBytes, config->numAttrs};
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)func);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote(func));
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)config->hStream);
     rgpu_put(&c, head, sizeof head);
     if (config->numAttrs) rgpu_put(&c, config->attrs, config->numAttrs * sizeof(CUlaunchAttribute));

@@ -46,6 +46,7 @@ typedef struct rgpu_session {
     size_t rcap;
     int messages_shown;
     int flush_armed;           /* the flusher has been woken for what is buffered */
+    uint64_t last_send_ns;     /* CLOCK_MONOTONIC of the last send(2) of buffered frames */
     /* From the WELCOME frame. */
     uint32_t version;
     int32_t driver_version;
@@ -144,6 +145,17 @@ int rgpu_capture_possible(void);
 int rgpu_cached_ctx_device(CUcontext ctx, CUdevice *device);
 int rgpu_kattr_get(CUkernel k, int attrib, CUdevice dev, int *out);
 void rgpu_kattr_put(CUkernel k, int attrib, CUdevice dev, int value);
+void rgpu_kattr_changed(CUkernel k, int attrib, CUdevice dev, int value);
+void rgpu_fattr_changed(CUfunction f);
+/* Function nodes of private table 6e163fbe (module_nodes.c) and the worker's nodes they stand for. */
+void rgpu_fn_private_put(void *node, uint64_t remote);
+CUfunction rgpu_fn_remote(CUfunction f);
+const void *rgpu_module_nodes_table(void);
+/* Managed memory emulated in the client (managed.c). */
+void rgpu_managed_before_call(uint16_t op);
+void rgpu_managed_sync_point(void);
+int rgpu_managed_find(CUdeviceptr p, CUdeviceptr *real);
+CUresult rgpu_managed_free(CUdeviceptr user);
 int rgpu_kfunc_get(CUkernel k, CUfunction *out);
 void rgpu_kfunc_put(CUkernel k, CUfunction f);
 void rgpu_cache_forget_functions(void);

@@ -21,6 +21,10 @@ int rgpu_session_count;
 static int g_log_level = -1;
 static const char *g_component = "client";
 #define ASYNC_FLUSH_BYTES (256u * 1024u)
+/* Pipelined frames wait at most this long in the send buffer (the flusher's delay), and are sent
+ * at once when nothing was sent for this long: after a synchronising call the GPU's queue is
+ * empty, and the first launches must not wait for the flusher while the GPU idles. */
+#define ASYNC_DELAY_NS (100u * 1000u)
 #define MAX_MESSAGES_SHOWN 8
 
 int rgpu_log_level(void) {
@@ -56,6 +60,46 @@ CUresult rgpu_unsupported(const char *name, int *seen, const char *why) {
         rgpu_log(RGPU_LOG_WARN, "%s is not remoted (%s; it returns CUDA_ERROR_NOT_SUPPORTED)", name,
                  why && *why ? why : "not in rgpu's API spec yet");
     return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+/* ------------------------------------------------------------------ call profile
+ * RGPU_CLIENT_STATS=PATH: count every remoted call per operation, and the time each
+ * synchronous one waited for its reply; written to PATH.<pid> at exit. This is how a user
+ * (or we) finds the round trips an application pays for; `python -m
+ * rgpu.remoting.native.client_stats PATH.<pid>` prints it with the operations' names. */
+
+#define STATS_OPS 2048
+static int g_stats_on = -1;
+static uint64_t g_sync_calls[STATS_OPS], g_sync_wait_ns[STATS_OPS], g_async_calls[STATS_OPS];
+static uint64_t g_sends;
+
+static int stats_on(void) {
+    if (g_stats_on < 0) {
+        const char *v = getenv("RGPU_CLIENT_STATS");
+        g_stats_on = v && *v;
+    }
+    return g_stats_on;
+}
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+__attribute__((destructor)) static void stats_report(void) {
+    if (g_stats_on != 1) return;
+    char path[4096];
+    snprintf(path, sizeof path, "%s.%d", getenv("RGPU_CLIENT_STATS"), (int)getpid());
+    FILE *f = fopen(path, "w");
+    if (!f) return;
+    fprintf(f, "# rgpu client call profile: op sync_calls sync_wait_ns async_calls (sends %llu)\n",
+            (unsigned long long)__atomic_load_n(&g_sends, __ATOMIC_RELAXED));
+    for (int op = 0; op < STATS_OPS; op++)
+        if (g_sync_calls[op] || g_async_calls[op])
+            fprintf(f, "%d %llu %llu %llu\n", op, (unsigned long long)g_sync_calls[op],
+                    (unsigned long long)g_sync_wait_ns[op], (unsigned long long)g_async_calls[op]);
+    fclose(f);
 }
 
 /* ------------------------------------------------------------------ raw socket I/O */
@@ -124,6 +168,8 @@ static int reserve(rgpu_session *s, size_t more) {
 static int flush_locked(rgpu_session *s) {
     s->flush_armed = 0;
     if (s->dead) return -1;
+    if (s->slen && g_stats_on == 1) __atomic_add_fetch(&g_sends, 1, __ATOMIC_RELAXED);
+    if (s->slen) s->last_send_ns = now_ns();
     if (s->slen && send_all(s->fd, s->sbuf, s->slen)) {
         session_fail(s, strerror(errno));
         s->slen = 0;
@@ -149,7 +195,7 @@ static void *flusher_main(void *arg) {
         while (!g_flush_pending) pthread_cond_wait(&g_flush_cond, &g_flush_lock);
         g_flush_pending = 0;
         pthread_mutex_unlock(&g_flush_lock);
-        struct timespec ts = {0, 500 * 1000};
+        struct timespec ts = {0, ASYNC_DELAY_NS};
         nanosleep(&ts, NULL);
         for (int i = 0; i < rgpu_session_count; i++) {
             rgpu_session *s = &rgpu_sessions[i];
@@ -196,7 +242,12 @@ __attribute__((weak)) uint64_t rgpu_header_ctx(int session) {
     return 0;
 }
 
+/* Before any call reaches a worker (libcuda overrides it: managed.c brings the GPU's copy of
+ * managed memory up to date; it must run before the session's lock is taken). */
+__attribute__((weak)) void rgpu_managed_before_call(uint16_t op) { (void)op; }
+
 CUresult rgpu_begin_session(rgpu_call *c, uint16_t op, int session) {
+    rgpu_managed_before_call(op);
     memset(c, 0, sizeof *c);
     if (session < 0 || session >= rgpu_session_count) return CUDA_ERROR_INVALID_DEVICE;
     rgpu_session *s = &rgpu_sessions[session];
@@ -266,8 +317,10 @@ CUresult rgpu_async(rgpu_call *c) {
     rgpu_session *s = c->s;
     CUresult r = CUDA_SUCCESS;
     if (c->frame_start != (size_t)-1) patch_length(c, 0);
+    if (stats_on()) __atomic_add_fetch(&g_async_calls[c->op % STATS_OPS], 1, __ATOMIC_RELAXED);
     if (s->dead) r = CUDA_ERROR_DEVICE_UNAVAILABLE;
-    else if (s->slen >= ASYNC_FLUSH_BYTES) r = flush_locked(s) ? CUDA_ERROR_DEVICE_UNAVAILABLE : CUDA_SUCCESS;
+    else if (s->slen >= ASYNC_FLUSH_BYTES || now_ns() - s->last_send_ns > ASYNC_DELAY_NS)
+        r = flush_locked(s) ? CUDA_ERROR_DEVICE_UNAVAILABLE : CUDA_SUCCESS;
     /* Wake the flusher once per batch, not per call: a launch storm costs no futex calls. */
     int wake = s->slen > 0 && !s->flush_armed;
     if (wake) s->flush_armed = 1;
@@ -294,10 +347,22 @@ static void show_message(rgpu_session *s, const char *msg, size_t n) {
     }
 }
 
+static CUresult sync_wait(rgpu_call *c, rgpu_session *s, uint32_t want_seq);
+
 CUresult rgpu_sync(rgpu_call *c) {
     rgpu_session *s = c->s;
     if (c->frame_start != (size_t)-1) patch_length(c, 0);
     uint32_t want_seq = s->seq; /* the lock is held since rgpu_begin numbered this call */
+    uint64_t started = stats_on() ? now_ns() : 0;
+    CUresult r = sync_wait(c, s, want_seq);
+    if (started) {
+        __atomic_add_fetch(&g_sync_calls[c->op % STATS_OPS], 1, __ATOMIC_RELAXED);
+        __atomic_add_fetch(&g_sync_wait_ns[c->op % STATS_OPS], now_ns() - started, __ATOMIC_RELAXED);
+    }
+    return r;
+}
+
+static CUresult sync_wait(rgpu_call *c, rgpu_session *s, uint32_t want_seq) {
     if (flush_locked(s)) return CUDA_ERROR_DEVICE_UNAVAILABLE;
     for (;;) {
         uint8_t h[RGPU_HEADER_SIZE];

@@ -1,0 +1,228 @@
+/* Managed memory (cuMemAllocManaged), emulated in the client: one address that both the host and
+ * the GPU use, without the GPU's page faults reaching across the network.
+ *
+ * Each managed allocation is device memory on the worker whose pages are also mapped here, in
+ * this process, at the same address. rgpu reports CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS
+ * as 0, so by CUDA's rules the host touches managed memory only while the GPU is idle, and the
+ * two copies are kept coherent at the points where ownership changes hands:
+ *   - the host's copy goes to the GPU before the first work the GPU is given after the host may
+ *     have written it (a launch, a copy, a memset, a graph launch, a stream memory operation);
+ *   - the GPU's copy comes back after every call that tells the program the GPU has finished
+ *     (context, stream and event synchronisation and successful queries, blocking copies).
+ * Between those points nothing moves, so a loop of "launch, synchronise, read" costs one copy
+ * each way per iteration. A program that breaks the rules (host access while kernels run) sees
+ * what it would on a GPU without concurrent managed access: undefined results.
+ *
+ * Each allocation takes its own whole host pages: the device allocation is over-sized by two pages
+ * and the address handed out is its first page boundary. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "rgpu_client.h"
+#include "cuda_protos.h"
+
+typedef struct managed_region {
+    CUdeviceptr user;    /* the address the program sees, on both sides */
+    CUdeviceptr real;    /* the worker's allocation holding it */
+    size_t size;         /* bytes asked for */
+    size_t mapped;       /* host bytes mapped at user (whole pages) */
+} managed_region;
+
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static managed_region *g_regions;
+static size_t g_count, g_cap;
+/* 1: the host may have written since the GPU last got its copy. 2: the GPU may have written since
+ * the host last got its copy. Read without the lock on every call: stays 0 without managed memory. */
+static int g_host_dirty, g_gpu_dirty;
+static __thread int t_moving;   /* this thread is copying for coherence: its own calls do not recurse */
+
+static size_t page_size(void) {
+    static size_t page;
+    if (!page) page = (size_t)sysconf(_SC_PAGESIZE);
+    return page;
+}
+
+/* Copy every region one way. The lock is not held during the copies (they are calls themselves);
+ * the regions are snapshotted first. */
+static void move_all(int to_gpu) {
+    pthread_mutex_lock(&g_lock);
+    size_t n = g_count;
+    managed_region *snap = n ? malloc(n * sizeof *snap) : NULL;
+    if (snap) memcpy(snap, g_regions, n * sizeof *snap);
+    pthread_mutex_unlock(&g_lock);
+    if (!snap) return;
+    t_moving = 1;
+    for (size_t i = 0; i < n; i++) {
+        CUresult r = to_gpu ? cuMemcpyHtoD_v2(snap[i].user, (const void *)(uintptr_t)snap[i].user, snap[i].size)
+                            : cuMemcpyDtoH_v2((void *)(uintptr_t)snap[i].user, snap[i].user, snap[i].size);
+        if (r != CUDA_SUCCESS) {
+            static int seen;
+            if (!__atomic_exchange_n(&seen, 1, __ATOMIC_RELAXED))
+                rgpu_log(RGPU_LOG_ERROR, "managed memory at 0x%llx could not be copied %s (CUDA error %d); the host "
+                         "and the GPU may now see different data there", (unsigned long long)snap[i].user,
+                         to_gpu ? "to the GPU" : "back from the GPU", r);
+        }
+    }
+    t_moving = 0;
+    free(snap);
+}
+
+/* Calls that give the GPU work touching memory: the host's turn ends with the first of them. */
+static int gives_work(uint16_t op) {
+    switch (op) {
+    case RGPU_OP_cuLaunchKernel: case RGPU_OP_cuGraphLaunch:
+    case RGPU_OP_cuMemcpyDtoDAsync_v2: case RGPU_OP_cuMemcpyDtoD_v2: case RGPU_OP_cuMemcpyDtoHAsync_v2:
+    case RGPU_OP_cuMemcpyHtoDAsync_v2: case RGPU_OP_rgpuMemcpy2DDevice: case RGPU_OP_rgpuCaptureHostCopy:
+    case RGPU_OP_rgpuGraphHostRefresh:
+    case RGPU_OP_cuMemsetD8_v2: case RGPU_OP_cuMemsetD16_v2: case RGPU_OP_cuMemsetD32_v2:
+    case RGPU_OP_cuMemsetD8Async: case RGPU_OP_cuMemsetD16Async: case RGPU_OP_cuMemsetD32Async:
+    case RGPU_OP_cuMemsetD2D8_v2: case RGPU_OP_cuMemsetD2D16_v2: case RGPU_OP_cuMemsetD2D32_v2:
+    case RGPU_OP_cuMemsetD2D8Async: case RGPU_OP_cuMemsetD2D16Async: case RGPU_OP_cuMemsetD2D32Async:
+    case RGPU_OP_cuStreamWriteValue32_v2: case RGPU_OP_cuStreamWriteValue64_v2:
+    case RGPU_OP_cuStreamWaitValue32_v2: case RGPU_OP_cuStreamWaitValue64_v2:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+void rgpu_managed_before_call(uint16_t op) {
+    if (__builtin_expect(!__atomic_load_n(&g_host_dirty, __ATOMIC_ACQUIRE), 1) || t_moving || !gives_work(op)) return;
+    /* The GPU gets the host's copy; from now on it may change it. */
+    __atomic_store_n(&g_host_dirty, 0, __ATOMIC_RELEASE);
+    move_all(1);
+    __atomic_store_n(&g_gpu_dirty, 1, __ATOMIC_RELEASE);
+}
+
+void rgpu_managed_sync_point(void) {
+    if (__builtin_expect(!__atomic_load_n(&g_gpu_dirty, __ATOMIC_ACQUIRE), 1) || t_moving) return;
+    __atomic_store_n(&g_gpu_dirty, 0, __ATOMIC_RELEASE);
+    move_all(0);
+    /* The host may now write it again: the next call hands it back. */
+    __atomic_store_n(&g_host_dirty, 1, __ATOMIC_RELEASE);
+}
+
+static managed_region *find_locked(CUdeviceptr p) {
+    for (size_t i = 0; i < g_count; i++)
+        if (p >= g_regions[i].user && p < g_regions[i].user + g_regions[i].size) return &g_regions[i];
+    return NULL;
+}
+
+int rgpu_managed_find(CUdeviceptr p, CUdeviceptr *real) {
+    if (!__atomic_load_n(&g_count, __ATOMIC_ACQUIRE)) return 0;
+    pthread_mutex_lock(&g_lock);
+    managed_region *m = find_locked(p);
+    int found = m && (!real || m->user == p);
+    if (found && real) *real = m->real;
+    pthread_mutex_unlock(&g_lock);
+    return found;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
+    if (!dptr || !bytesize || (flags != 1 && flags != 2)) return CUDA_ERROR_INVALID_VALUE; /* GLOBAL or HOST */
+    size_t page = page_size();
+    if (bytesize > SIZE_MAX - 2 * page) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUdeviceptr real = 0;
+    CUresult r = cuMemAlloc_v2(&real, bytesize + 2 * page);
+    if (r != CUDA_SUCCESS) return r;
+    CUdeviceptr user = (real + page - 1) / page * page;
+    size_t mapped = (bytesize + page - 1) / page * page;
+    void *host = mmap((void *)(uintptr_t)user, mapped, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+    if (host != (void *)(uintptr_t)user) {
+        if (host != MAP_FAILED) munmap(host, mapped);
+        cuMemFree_v2(real);
+        static int seen;
+        if (!__atomic_exchange_n(&seen, 1, __ATOMIC_RELAXED))
+            rgpu_log(RGPU_LOG_ERROR, "cuMemAllocManaged: the GPU's address 0x%llx is already in use in this process, "
+                     "so rgpu cannot mirror managed memory there (it returns CUDA_ERROR_NOT_SUPPORTED; use "
+                     "cudaMalloc and explicit copies)", (unsigned long long)user);
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    pthread_mutex_lock(&g_lock);
+    if (g_count == g_cap) {
+        size_t cap = g_cap ? g_cap * 2 : 16;
+        managed_region *grown = realloc(g_regions, cap * sizeof *grown);
+        if (!grown) {
+            pthread_mutex_unlock(&g_lock);
+            munmap(host, mapped);
+            cuMemFree_v2(real);
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        }
+        g_regions = grown;
+        g_cap = cap;
+    }
+    g_regions[g_count] = (managed_region){user, real, bytesize, mapped};
+    __atomic_store_n(&g_count, g_count + 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&g_lock);
+    /* Zero on both sides, as a fresh managed allocation reads on a GPU. */
+    __atomic_store_n(&g_host_dirty, 1, __ATOMIC_RELEASE);
+    *dptr = user;
+    return CUDA_SUCCESS;
+}
+
+/* cuMemFree of a managed address: the host mirror goes, then the worker's allocation. */
+CUresult rgpu_managed_free(CUdeviceptr user) {
+    pthread_mutex_lock(&g_lock);
+    managed_region *m = find_locked(user);
+    if (!m || m->user != user) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    managed_region gone = *m;
+    *m = g_regions[g_count - 1];
+    __atomic_store_n(&g_count, g_count - 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&g_lock);
+    munmap((void *)(uintptr_t)gone.user, gone.mapped);
+    return cuMemFree_v2(gone.real);
+}
+
+static CUresult check_range(CUdeviceptr p, size_t count) {
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    pthread_mutex_lock(&g_lock);
+    managed_region *m = find_locked(p);
+    int ok = m && count <= m->user + m->size - p;
+    pthread_mutex_unlock(&g_lock);
+    return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* Prefetches and advice change where pages live on a real GPU, never what they hold: with the
+ * copies above there is nothing to move early, so they are checked and done. */
+RGPU_EXPORT CUresult CUDAAPI cuMemPrefetchAsync(CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream hStream) {
+    (void)dstDevice;
+    (void)hStream;
+    return check_range(devPtr, count);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemPrefetchAsync_v2(CUdeviceptr devPtr, size_t count, CUmemLocation location,
+                                                   unsigned int flags, CUstream hStream) {
+    (void)location;
+    (void)flags;
+    (void)hStream;
+    return check_range(devPtr, count);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemAdvise(CUdeviceptr devPtr, size_t count, int advice, CUdevice device) {
+    (void)advice;
+    (void)device;
+    return check_range(devPtr, count);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemAdvise_v2(CUdeviceptr devPtr, size_t count, int advice, CUmemLocation location) {
+    (void)advice;
+    (void)location;
+    return check_range(devPtr, count);
+}
+
+/* Attaching a range to one stream narrows when the host may touch it on a real GPU; here every
+ * range follows the whole GPU, which is the stricter rule the program already keeps. */
+RGPU_EXPORT CUresult CUDAAPI cuStreamAttachMemAsync(CUstream hStream, CUdeviceptr dptr, size_t length, unsigned int flags) {
+    (void)hStream;
+    (void)flags;
+    return check_range(dptr, length ? length : 1);
+}

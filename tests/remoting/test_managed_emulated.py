@@ -1,0 +1,60 @@
+"""Managed memory emulated by the client (remoting/native/src/managed.c) against the emulated
+worker: one address for host and GPU, the host's writes reach the GPU before its next call, the
+GPU's reach the host at synchronisation, and the device says it has managed memory without
+concurrent access."""
+
+from __future__ import annotations
+
+from rgpu.remoting.native import build
+
+from tests.remoting.conftest import Server
+from tests.remoting.test_client_emulated import py_client
+
+
+def test_managed_memory_is_one_address_kept_coherent_at_synchronisation(native_libs: build.Libraries,
+                                                                        emulated: Server) -> None:
+    done = py_client(native_libs, emulated.slices(emulated.token()), """
+        setup()
+        v = ctypes.c_int()
+        check("cuDeviceGetAttribute", ctypes.byref(v), 83, 0); managed = v.value        # MANAGED_MEMORY
+        check("cuDeviceGetAttribute", ctypes.byref(v), 89, 0); concurrent = v.value     # CONCURRENT_MANAGED_ACCESS
+        print("ATTRS", managed, concurrent)
+        n = 3 * 4096 + 100
+        m, d = ctypes.c_uint64(), ctypes.c_uint64()
+        check("cuMemAllocManaged", ctypes.byref(m), ctypes.c_size_t(n), 1)
+        check("cuMemAlloc_v2", ctypes.byref(d), ctypes.c_size_t(n))
+        host = (ctypes.c_ubyte * n).from_address(m.value)      # the same address, on the host
+        print("ZERO", bytes(host[:16]) == bytes(16))
+        for i in range(n):
+            host[i] = i % 251
+        # The host's writes reach the GPU before its next call: copy device to device, read back.
+        check("cuMemcpyDtoD_v2", d, m, ctypes.c_size_t(n))
+        out = (ctypes.c_ubyte * n)()
+        check("cuMemcpyDtoH_v2", out, d, ctypes.c_size_t(n))
+        print("TO_GPU", bytes(out) == bytes(host))
+        # The GPU's writes reach the host at synchronisation.
+        check("cuMemsetD8_v2", m, 0x5A, ctypes.c_size_t(n))
+        check("cuCtxSynchronize")
+        print("TO_HOST", bytes(host) == b"\\x5a" * n)
+        # Through a stream, with prefetch and advice (checked, nothing to do) and a stream query.
+        s = ctypes.c_void_p()
+        check("cuStreamCreate", ctypes.byref(s), 0)
+        check("cuStreamAttachMemAsync", s, m, ctypes.c_size_t(0), 4)
+        check("cuMemAdvise", m, ctypes.c_size_t(n), 1, 0)
+        host[0] = 7
+        check("cuMemsetD8Async", ctypes.c_uint64(m.value + 1), 9, ctypes.c_size_t(1), s)
+        check("cuStreamSynchronize", s)
+        print("MIXED", host[0], host[1], host[2])
+        print("BAD_ADVICE", lib.cuMemAdvise(d, ctypes.c_size_t(n), 1, 0))   # not managed: INVALID_VALUE
+        check("cuMemFree_v2", m)
+        check("cuMemFree_v2", d)
+        print("FREED")
+        """)
+    out = done.stdout
+    assert "ATTRS 1 0" in out, out + done.stderr
+    assert "ZERO True" in out
+    assert "TO_GPU True" in out
+    assert "TO_HOST True" in out
+    assert "MIXED 7 9 90" in out
+    assert "BAD_ADVICE 1" in out
+    assert "FREED" in out
