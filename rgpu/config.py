@@ -224,10 +224,6 @@ def load_settings(config_file: str | os.PathLike[str] | None = None,
     if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
         raise ConfigError("config", "tls_cert_file and tls_key_file must be set together", "",
                           "set both to serve TLS, or neither")
-    if settings.idle_release and settings.store_url:
-        raise ConfigError("config", "idle_release cannot be used with store_url yet",
-                          "usage reports stay in the pool daemon that received them, so another daemon would "
-                          "see busy leases as idle", "turn idle_release off, or use the SQLite store")
     if settings.idle_after_seconds < 0:
         raise ConfigError("config", "idle_after_seconds must not be negative", "",
                           "set 0 (off) or a positive number of seconds")

@@ -10,7 +10,6 @@ Format: ``rgpu1.<base64url(JSON claims)>.<base64url(HMAC-SHA256)>`` (no padding)
 from __future__ import annotations
 
 import base64
-import hashlib
 import hmac
 import json
 import time
@@ -44,10 +43,14 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
+# json.dumps with these options builds an encoder per call; one made once writes the same bytes.
+_CLAIMS_JSON = json.JSONEncoder(separators=(",", ":"), sort_keys=True)
+
+
 def sign(secret: bytes, claims: SliceClaims) -> str:
-    body = _b64(json.dumps(vars(claims), separators=(",", ":"), sort_keys=True).encode())
-    mac = hmac.new(derive_key(secret, _PURPOSE), f"{TOKEN_PREFIX}.{body}".encode(), hashlib.sha256)
-    return f"{TOKEN_PREFIX}.{body}.{_b64(mac.digest())}"
+    body = _b64(_CLAIMS_JSON.encode(vars(claims)).encode())
+    mac = hmac.digest(derive_key(secret, _PURPOSE), f"{TOKEN_PREFIX}.{body}".encode(), "sha256")
+    return f"{TOKEN_PREFIX}.{body}.{_b64(mac)}"
 
 
 def verify(
@@ -67,7 +70,7 @@ def verify(
     if len(parts) != 3 or parts[0] != TOKEN_PREFIX:
         raise refuse("malformed token")
     body, mac_text = parts[1], parts[2]
-    expected = hmac.new(derive_key(secret, _PURPOSE), f"{TOKEN_PREFIX}.{body}".encode(), hashlib.sha256).digest()
+    expected = hmac.digest(derive_key(secret, _PURPOSE), f"{TOKEN_PREFIX}.{body}".encode(), "sha256")
     try:
         given = _unb64(mac_text)
     except ValueError:

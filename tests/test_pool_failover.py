@@ -1,10 +1,12 @@
-"""Clients fail over: with several pool addresses, a call that finds its pool unavailable goes to
-the next one, within the caller's time budget (connect() is what prologs, flexrun, rgpu-admin and
-dispatchers use). Two real pools here, one killed."""
+"""Clients fail over: with several pool addresses, a call that finds its pool unavailable or hung
+goes to the next one, within the caller's time budget (connect() is what prologs, flexrun,
+rgpu-admin and dispatchers use). Two real pools here, one killed or stopped (SIGSTOP)."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -56,6 +58,38 @@ def test_calls_go_to_the_next_pool_when_one_is_killed(two_pools, tmp_path: Path)
     # A client whose first address is already dead starts on the next one.
     with connect(settings, timeout=5.0) as client:
         assert client.get_lease("job-2").job_key == "job-2"
+
+
+@pytest.mark.integration
+def test_a_hung_pool_is_skipped_within_the_callers_timeout(two_pools) -> None:  # type: ignore[no-untyped-def]
+    """A stopped pool accepts connections (the kernel does) but never answers: the call times out
+    on it (DEADLINE_EXCEEDED) and goes to the next pool, inside the caller's own timeout."""
+    first, second = two_pools
+    for cluster in (first, second):
+        with cluster.client() as client:
+            register_servers(client)
+    settings = load_settings(env=first.env(RGPU_POOL=f"{first.pool_address},{second.pool_address}"))
+    with connect(settings, timeout=4.0) as client:
+        assert client.allocate("job-1", "alice", 1, fraction=0.5).slices
+        assert client.address == first.pool_address
+        os.kill(first.pool.proc.pid, signal.SIGSTOP)       # hung: its connection stays open, silent
+        try:
+            lease = client.allocate("job-2", "alice", 1, fraction=0.5)
+            assert lease.slices and client.address == second.pool_address
+            # A new client whose first address is the hung pool (connect succeeds, nothing answers).
+            with connect(settings, timeout=4.0) as fresh:
+                assert fresh.get_lease("job-2").job_key == "job-2"
+                assert fresh.address == second.pool_address
+            # Both hung or gone: one error within the budget, saying the pool did not answer in time.
+            second.pool.kill()
+            with connect(settings, timeout=1.0) as fresh, pytest.raises(Unavailable) as caught:
+                fresh.capacity()
+            assert "no pool daemon answered Capacity within 1 s" in str(caught.value)
+            assert first.pool_address in str(caught.value)
+        finally:
+            os.kill(first.pool.proc.pid, signal.SIGCONT)
+        with first.client() as client:                      # the stopped pool resumes where it was
+            assert [lease.job_key for lease in client.list_leases()] == ["job-1"]
 
 
 @pytest.mark.integration

@@ -18,7 +18,9 @@ from rgpu.remoting.pool.client import connect
 from rgpu.remoting.pool.rules import PoolCore
 from rgpu.remoting.pool.store_pg import PostgresStore
 from tests.daemons import RgpuCluster, register_servers, wait_for
-from tests.poolcore_helpers import SECRET, Clock, make_core, req
+from rgpu.proto import rgpu_pb2 as pb
+from rgpu.remoting.pool.accounting import SliceUsageRecord
+from tests.poolcore_helpers import SECRET, Clock, make_core, req, server
 from tests.postgres import Postgres, server_bin
 
 pytestmark = [pytest.mark.integration,
@@ -188,9 +190,117 @@ def test_a_pool_daemon_reconnects_after_postgresql_restarts(two_pools, postgres:
         assert {lease.job_key for lease in a.list_leases()} == {"job-1", "job-2"}
 
 
-def test_idle_release_with_a_shared_store_is_refused(tmp_path: Path) -> None:
+@pytest.fixture
+def two_cores(postgres: Postgres):  # type: ignore[no-untyped-def]
+    """Two pool cores (what two rgpu-poold hold in memory) on one PostgreSQL, one clock."""
+    clock = Clock()
+    cores = [PoolCore(store=PostgresStore(postgres.url), secret=SECRET, down_after_seconds=1e6, clock=clock,
+                      idle_after_seconds=600.0) for _ in range(2)]
+    yield cores[0], cores[1], clock
+    for core in cores:
+        core.store.close()
+
+
+def _seen(core: PoolCore) -> tuple[object, ...]:
+    """What a daemon shows of the state: leases, GPUs (allocation, state), quotas, capacity."""
+    return (sorted(core.list_leases(), key=lambda lease: lease.job_key), core.gpu_statuses(), core.quota_usage(),
+            core.capacity())
+
+
+def test_a_daemon_catches_up_with_what_another_changed_without_reloading(two_cores, postgres: Postgres) -> None:  # type: ignore[no-untyped-def]
+    a, b, clock = two_cores
+    for n in range(3):
+        a.register(server(n))
+    a.allocate(req("job-1", count=2))
+    a.allocate(req("job-2", ttl_seconds=60.0))
+    assert _seen(b) == _seen(a)                         # b caught up with registrations and leases
+    b.allocate(req("job-3", fraction=1.0))              # and decides on the state both hold
+    a.release("job-1")
+    a.set_drained("gpu1", True)
+    a.set_quota("user", "alice", 900)
+    a.renew("job-2", 600.0)                             # renewed through a: b must not reclaim it
+    clock.now += 120
+    assert b.reclaim_expired() == []
+    b.register(server(3))
+    assert _seen(a) == _seen(b)
+    fresh = PoolCore(store=PostgresStore(postgres.url), secret=SECRET, down_after_seconds=1e6, clock=clock)
+    try:
+        assert _seen(fresh) == _seen(a)
+        assert b.token_for(b.get_lease("job-2"), 0) == fresh.token_for(fresh.get_lease("job-2"), 0)
+    finally:
+        fresh.store.close()
+    assert a.full_reloads == 0 and b.full_reloads == 0  # each caught up from the change log alone
+
+
+def test_a_daemon_further_behind_than_the_change_log_reloads_everything(two_cores) -> None:  # type: ignore[no-untyped-def]
+    a, b, _clock = two_cores
+    a.store.change_log_keep, a.store.prune_every = 2, 1  # forget all but the last 2 changes
+    a.register(server(0, gpus=4))
+    for n in range(6):
+        a.allocate(req(f"job-{n}", fraction=0.25))
+    a.release("job-0")
+    assert _seen(b) == _seen(a)
+    assert b.full_reloads == 1
+
+
+def test_usage_reported_to_one_daemon_counts_for_idle_release_on_the_other(two_cores) -> None:  # type: ignore[no-untyped-def]
+    a, b, clock = two_cores
+    a.register(server(0))
+    a.allocate(req("busy"))
+    a.allocate(req("idle"))
+    clock.now += 1000                                   # both older than idle_after_seconds (600)
+    report = SliceUsageRecord(sessions=1, busy_seconds=900.0, last_active_unix=clock.now - 5, calls=10)
+    a.record_usage(server(0).address, [("busy", 0, report)], sent_unix=clock.now)   # the dispatcher talks to a
+    assert b.release_idle() == ["idle"]                 # b decides with a's report: busy is not idle
+    assert [lease.job_key for lease in a.list_leases()] == ["busy"]
+    b.load_shared_usage()                               # what GetLease and ListLeases show on b
+    assert b.slice_usage(b.get_lease("busy"))[0] == report
+    assert b.usage_totals(0, clock.now)[0].busy_gpu_seconds == pytest.approx(900.0)
+
+
+def test_idle_release_on_one_daemon_sees_usage_reported_to_the_other(tmp_path: Path, postgres: Postgres) -> None:
+    """Real daemons: the dispatcher (here its Heartbeat calls, made directly) reports to the first,
+    which does not release idle leases; the second does, and must keep the busy lease."""
+    first = RgpuCluster(tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    shutil.copy(first.secret_file, tmp_path / "b" / "secret")
+    second = RgpuCluster(tmp_path / "b")
+    try:
+        for cluster, idle_release in ((first, False), (second, True)):
+            cluster.write_config(down_after_seconds=60.0, heartbeat_interval_seconds=0.3, reclaim_interval_seconds=0.3,
+                                 store_url=postgres.url, idle_after_seconds=2.0, idle_release=idle_release)
+            cluster.start_pool()
+        with first.client() as a, second.client() as b:
+            register_servers(a, servers=1, gpus=2)
+            address = a.list_servers().servers[0].address
+            a.allocate("busy", "alice", 1, fraction=0.5)
+            a.allocate("idle", "alice", 1, fraction=0.5)
+            beats = 0
+
+            def busy_report() -> None:
+                nonlocal beats
+                now = time.time()
+                a.heartbeat(address, [pb.SliceUsage(job_key="busy", slice_number=0, sessions=1, busy_seconds=beats,
+                                                    last_active_unix=now, calls=beats)], sent_unix=now)
+                beats += 1
+
+            def idle_released() -> bool:
+                busy_report()
+                return [lease.job_key for lease in b.list_leases()] == ["busy"]
+
+            wait_for(idle_released, timeout=30, what="the second daemon to release the idle lease")
+            reporting_until = time.monotonic() + 6.0      # three times idle_after_seconds
+            while time.monotonic() < reporting_until:
+                busy_report()
+                time.sleep(0.3)
+            assert [lease.job_key for lease in b.list_leases()] == ["busy"]
+            assert b.get_lease("busy").slices[0].usage.calls > 0   # the second daemon shows the report too
+    finally:
+        for cluster in (first, second):
+            cluster.stop_all()
+
+
+def test_idle_release_is_accepted_with_a_shared_store(tmp_path: Path) -> None:
     config = tmp_path / "rgpu.toml"
     config.write_text('store_url = "postgresql://rgpu@db:5432/rgpu"\nidle_release = true\n')
-    with pytest.raises(ConfigError) as caught:
-        load_settings(config, env={})
-    assert str(caught.value).startswith("rgpu: config: idle_release cannot be used with store_url yet")
+    assert load_settings(config, env={}).idle_release

@@ -1,8 +1,11 @@
 """A typed client for the pool daemon: gRPC errors become rgpu errors with one-line messages.
 
 Given several pool addresses (the `pool` setting as a list), a call that finds its pool
-UNAVAILABLE (not listening, host gone, connection reset) is sent to the next address, round and
-round, until one answers or the call's time budget is spent. Every pool of such a list must
+UNAVAILABLE (not listening, host gone, connection reset) or that its pool does not answer in time
+(DEADLINE_EXCEEDED: a hung or stopped pool) is sent to the next address, round and round, until
+one answers or the call's time budget is spent. So that a hung pool cannot take the whole budget,
+each attempt gets an equal share of what is left among the addresses not yet tried in this round
+(with two pools and 10 s, the first try waits at most 5 s). Every pool of such a list must
 share one store (PostgreSQL): a job key's lease is then the same whichever pool answers, so a
 retried Allocate never places twice.
 """
@@ -44,6 +47,9 @@ def open_channel(address: str, tls_ca_file: str | None = None, tls_server_name: 
 
 # After every address of a list failed, wait this long before the next round (within the budget).
 FAILOVER_ROUND_PAUSE_SECONDS = 0.2
+# Statuses on which a call goes to the next pool: none answered (down, refused, reset), or none in
+# time (hung, stopped, overloaded).
+FAILOVER_STATUSES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class PoolClient:
@@ -106,12 +112,16 @@ class PoolClient:
         deadline = time.monotonic() + budget
         failed: list[str] = []
         while True:
+            # An equal share of what is left for each address not yet tried in this round.
+            untried = len(self.addresses) - len(failed) % len(self.addresses)
             try:
-                return getattr(self._stub, name)(request, timeout=max(0.001, deadline - time.monotonic()),
+                return getattr(self._stub, name)(request, timeout=max(0.001, (deadline - time.monotonic()) / untried),
                                                  metadata=(self._credential(method),))
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                if exc.code() not in FAILOVER_STATUSES:
                     raise error_from_rpc(exc, self.address) from None
+                # A retried call is safe: the pools share one store, job keys make Allocate
+                # idempotent and Release of a released lease is a no-op.
                 failed.append(self.address)
                 last = exc
             following = (self._current + 1) % len(self.addresses)
@@ -119,7 +129,8 @@ class PoolClient:
                 time.sleep(max(0.0, min(FAILOVER_ROUND_PAUSE_SECONDS, deadline - time.monotonic())))
             if time.monotonic() >= deadline:
                 raise Unavailable("pool", f"no pool daemon answered {name} within {budget:g} s",
-                                  f"tried {', '.join(dict.fromkeys(failed))}; last: {last.details()}",
+                                  f"tried {', '.join(dict.fromkeys(failed))}; last: "
+                                  f"{last.code().name.lower()}: {last.details()}",
                                   "start rgpu-poold on one of them, or fix the pool setting") from None
             self._use(following)
 

@@ -15,6 +15,9 @@ ERROR_STATUS: tuple[tuple[type[RgpuError], grpc.StatusCode], ...] = (
     (PermissionDenied, grpc.StatusCode.PERMISSION_DENIED),
     (AuthError, grpc.StatusCode.UNAUTHENTICATED),
     (NotFound, grpc.StatusCode.NOT_FOUND),
+    # The pool's own store is unreachable (PostgreSQL down or failing over): another pool daemon
+    # may still answer, so clients go to the next address as for a pool that is down.
+    (Unavailable, grpc.StatusCode.UNAVAILABLE),
 )
 # Any other rgpu error: the request cannot be served in the pool's present state.
 OTHER_ERROR_STATUS = grpc.StatusCode.FAILED_PRECONDITION
@@ -32,6 +35,8 @@ def status_for(exc: RgpuError) -> grpc.StatusCode:
 
 def error_from_status(code: grpc.StatusCode, detail: str, address: str) -> RgpuError:
     """The rgpu error a client raises for a failed call to the pool at `address`."""
+    if code in UNAVAILABLE_STATUSES and detail.startswith("rgpu:"):
+        return Unavailable.from_message(detail)   # the pool answered: its store is unreachable
     if code in UNAVAILABLE_STATUSES:
         return Unavailable("pool", f"pool daemon at {address} did not answer",
                            f"{code.name.lower()}: is rgpu-poold running and reachable?",

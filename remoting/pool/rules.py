@@ -16,7 +16,7 @@ from typing import Callable, Iterator
 from rgpu import tokens, validate
 from rgpu.errors import InvalidRequest, NotFound, PermissionDenied, QuotaExceeded
 from rgpu.live_leases import LiveLeases
-from rgpu.model import LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
+from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
 from rgpu.remoting.pool.accounting import (Interval, SliceUsageRecord, UsageTotal, idle_seconds, idle_since, is_idle,
                                            to_pool_clock, totals)
 from rgpu.remoting.pool.placement import GpuSlot, SliceRequest, place
@@ -115,7 +115,11 @@ class PoolCore:
 
     def __post_init__(self) -> None:
         self._seen_version = self.store.version()
+        self._shared = self._seen_version is not None   # several daemons on one store (PostgreSQL)
+        self.full_reloads = 0   # catch-ups that had to reload everything (the change log did not reach back)
         self._reload()
+        if self._shared:
+            self._slice_usage = self.store.load_slice_usage()
 
     def _reload(self) -> None:
         """(Re)build the memory from the store. Servers new to this daemon get a fresh grace
@@ -139,6 +143,49 @@ class PoolCore:
         for quota in self.store.load_quotas():
             self.quotas[(quota.kind, quota.name)] = quota.limit_units
 
+    def _catch_up(self) -> None:
+        """Bring the memory up to the shared store's present state, under the lock: apply only the
+        leases, servers and quotas that other daemons changed since the version this daemon saw
+        (the store's change log), or reload everything when the log does not reach back that far."""
+        changes = None
+        if self._seen_version is not None and self._seen_version >= 0:
+            changes = self.store.changes_since(self._seen_version)
+        if changes is None or any(kind == "all" for kind, _ in changes):
+            self.full_reloads += 1
+            self._reload()
+            return
+        addresses = sorted({key for kind, key in changes if kind == "server"})
+        job_keys = sorted({key for kind, key in changes if kind == "lease"})
+        if addresses:
+            now = self.clock()
+            stored = {info.address: (info, drained) for info, drained in self.store.load_servers_named(addresses)}
+            for address in addresses:
+                before = self.servers.get(address)
+                if address not in stored:
+                    self.servers.pop(address, None)
+                    for key in [k for k in self._usage if k[0] == address]:
+                        del self._usage[key]
+                else:
+                    info, drained = stored[address]
+                    self.servers[address] = ServerEntry(info, drained, before.last_heartbeat if before else now,
+                                                        before.reported_down if before else False)
+                self._refresh(address)
+        if job_keys:
+            ended = {}
+            for key in job_keys:
+                old = self.leases.get(key)
+                if old is not None:
+                    self._index_lease(old, -1)
+                    ended[key] = old
+            for lease in self.store.load_leases_named(job_keys):
+                self._index_lease(lease, +1)
+                ended.pop(lease.job_key, None)
+            for key, old in ended.items():   # ended through another daemon: its usage goes too
+                for number in range(len(old.slices)):
+                    self._slice_usage.pop((key, number), None)
+        if any(kind == "quota" for kind, _ in changes):
+            self.quotas = {(q.kind, q.name): q.limit_units for q in self.store.load_quotas()}
+
     @contextlib.contextmanager
     def _change(self) -> Iterator[None]:
         """One change of the pool's state, under the lock; with a shared store, in one store
@@ -147,7 +194,7 @@ class PoolCore:
             try:
                 with self.store.transaction() as state:
                     if state.before is not None and state.before != self._seen_version:
-                        self._reload()
+                        self._catch_up()
                     self._seen_version = state.before
                     yield
             except BaseException:
@@ -162,8 +209,9 @@ class PoolCore:
         version = self.store.version()
         if version is not None and version != self._seen_version:
             with self._lock:
-                self._reload()
-                self._seen_version = version
+                if version != self._seen_version:   # another reader may have caught up meanwhile
+                    self._catch_up()
+                    self._seen_version = version
 
     @property
     def lock(self) -> threading.RLock:
@@ -333,7 +381,7 @@ class PoolCore:
             if name:
                 self._used_units[(kind, name)] = self._used_units.get((kind, name), 0) + sign * lease.units
         for server in {s.server for s in lease.slices}:
-            self._refresh(server)
+            self._refresh(server, {s.gpu_uuid for s in lease.slices if s.server == server})
             holders = self._leases_on.setdefault(server, set())
             if sign > 0:
                 holders.add(lease.job_key)
@@ -348,9 +396,13 @@ class PoolCore:
             for number in range(len(lease.slices)):
                 self._tokens.pop((lease.job_key, number), None)
 
-    def _refresh(self, address: str) -> None:
-        """After a server's GPUs, usage or drained state changed: rebuild its slots and index entry."""
-        self._slot_cache.pop(address, None)
+    def _refresh(self, address: str, gpus: set[str] | None = None) -> None:
+        """After a server's GPUs, usage or drained state changed: rebuild its slots and index entry
+        (given `gpus`, UUIDs whose usage alone changed: only their slots)."""
+        cached = self._slot_cache.pop(address, None)
+        if gpus is not None and cached is not None:
+            self._slot_cache[address] = [self._slot(address, slot.hostname, slot) if slot.uuid in gpus else slot
+                                         for slot in cached]
         self._versions[address] = self._versions.get(address, 0) + 1
         entry = self.servers.get(address)
         self._index.set_server(address, None if entry is None or entry.drained else self._server_slots(address))
@@ -359,15 +411,15 @@ class PoolCore:
         slots = self._slot_cache.get(address)
         if slots is None:
             entry = self.servers[address]
-            slots = []
-            for gpu in entry.info.gpus:
-                usage = self._usage.get((address, gpu.uuid), GpuUsage())
-                slots.append(GpuSlot(server=address, hostname=entry.info.hostname, uuid=gpu.uuid, index=gpu.index,
-                                     name=gpu.name, usable_memory_bytes=gpu.usable_memory_bytes,
-                                     allocated_percent=usage.percent, allocated_memory_bytes=usage.memory_bytes,
-                                     sharing=gpu.sharing))
+            slots = [self._slot(address, entry.info.hostname, gpu) for gpu in entry.info.gpus]
             self._slot_cache[address] = slots
         return slots
+
+    def _slot(self, address: str, hostname: str, gpu: GpuInfo | GpuSlot) -> GpuSlot:
+        usage = self._usage.get((address, gpu.uuid)) or GpuUsage()
+        return GpuSlot(server=address, hostname=hostname, uuid=gpu.uuid, index=gpu.index, name=gpu.name,
+                       usable_memory_bytes=gpu.usable_memory_bytes, allocated_percent=usage.percent,
+                       allocated_memory_bytes=usage.memory_bytes, sharing=gpu.sharing)
 
     def _slots(self, now: float) -> list[GpuSlot]:
         """Placement candidates: the GPUs of servers that are up (drained and down ones excluded)."""
@@ -444,15 +496,16 @@ class PoolCore:
             self._check_quotas(req, lease.units)
             self.store.insert_lease(lease)
             self._index_lease(lease, +1)
-        log.info("rgpu-poold: lease %s for %s: %s", lease.job_key, lease.user,
-                 ", ".join(f"{s.server}/{s.gpu_index}@{s.compute_percent}%" for s in lease.slices))
+        if log.isEnabledFor(logging.INFO):   # the slice list is built only when logged
+            log.info("rgpu-poold: lease %s for %s: %s", lease.job_key, lease.user,
+                     ", ".join(f"{s.server}/{s.gpu_index}@{s.compute_percent}%" for s in lease.slices))
         return lease
 
     def renew(self, job_key: str, ttl_seconds: float) -> LeaseRecord:
         """Extend a TTL lease to now + ttl_seconds. Never creates one: a lease that expired (and so
         may already be reclaimed, its GPU share given to another job) stays gone."""
         _check_ttl(ttl_seconds, allow_zero=False)
-        with self._lock:
+        with self._change():   # a change others must see: a renewed lease is not theirs to reclaim
             now = self.clock()
             lease = self.leases.get(job_key)
             if lease is not None and lease.expired(now):
@@ -522,16 +575,28 @@ class PoolCore:
     # -- usage per slice, idle leases, accounting ------------------------------------------------
     def record_usage(self, address: str, reports: list[tuple[str, int, SliceUsageRecord]], sent_unix: float) -> None:
         """Take a dispatcher's usage report (heartbeat) for the slices it holds; others are ignored."""
+        taken: list[tuple[str, int, SliceUsageRecord]] = []
         with self._lock:
             now = self.clock()
             for job_key, number, usage in reports:
                 lease = self.leases.get(job_key)
                 if lease is None or not 0 <= number < len(lease.slices) or lease.slices[number].server != address:
                     continue
-                self._slice_usage[(job_key, number)] = SliceUsageRecord(
+                record = SliceUsageRecord(
                     sessions=usage.sessions, busy_seconds=usage.busy_seconds,
                     memory_high_water_bytes=usage.memory_high_water_bytes, memory_used_bytes=usage.memory_used_bytes,
                     last_active_unix=to_pool_clock(usage.last_active_unix, sent_unix, now), calls=usage.calls)
+                self._slice_usage[(job_key, number)] = record
+                taken.append((job_key, number, record))
+        if self._shared:   # the daemon that decides idle_release may be another one
+            self.store.save_slice_usage(taken)
+
+    def load_shared_usage(self) -> None:
+        """With a shared store: take the usage reports every daemon received (no-op with SQLite)."""
+        if self._shared:
+            usage = self.store.load_slice_usage()
+            with self._lock:
+                self._slice_usage = usage
 
     def _usages(self, lease: LeaseRecord) -> list[SliceUsageRecord | None]:
         return [self._slice_usage.get((lease.job_key, n)) for n in range(len(lease.slices))]
@@ -551,6 +616,8 @@ class PoolCore:
         if self.idle_after_seconds <= 0:
             return []
         with self._change():
+            if self._shared:   # reports other daemons received count (read under the change's lock)
+                self._slice_usage = self.store.load_slice_usage()
             now = self.clock()
             idle = [lease for lease in self.leases.values()
                     if is_idle(idle_seconds(lease, self._usages(lease), now), self.idle_after_seconds)]

@@ -4,9 +4,15 @@ The same interface as the SQLite Store (store.py), plus what several daemons nee
 - `transaction()`: every change of the pool's state runs in one transaction that first takes one
   advisory lock, so allocations through different daemons are serialised and never over-commit;
   it yields the state's version (a counter every change bumps), and a daemon that sees another
-  version than its own reloads the state before deciding (rules.py);
+  version than its own catches up before deciding (rules.py);
+- a change log (`pool_changes`: version, kind, key): each change records which leases, servers
+  and quotas it touched, so a daemon catches up by reading those rows only (`changes_since`,
+  `load_leases_named`, `load_servers_named`); the log keeps the last CHANGE_LOG_KEEP versions,
+  and a daemon further behind than that reloads everything;
 - `version()`: the version, read without the lock, so reads catch up with other daemons' changes;
-- heartbeats are stored per server, so a daemon sees dispatchers that heartbeat to another.
+- heartbeats are stored per server, so a daemon sees dispatchers that heartbeat to another;
+- usage reports (busy time, last activity per slice) are stored per slice, so the daemon that
+  decides `idle_release` sees reports that dispatchers sent to another (`load_slice_usage`).
 
 A change is committed before the daemon answers: `kill -9` of a daemon loses nothing it
 acknowledged. PostgreSQL itself is made highly available with the site's usual tools.
@@ -22,6 +28,7 @@ from typing import Any, Iterator
 
 from rgpu.errors import ConfigError, Unavailable
 from rgpu.model import LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
+from rgpu.remoting.pool.accounting import SliceUsageRecord
 from rgpu.remoting.pool.store import StateVersion, server_from_json
 
 LOCK_KEY = 0x72677075   # "rgpu": the advisory lock every change takes
@@ -64,7 +71,30 @@ CREATE TABLE IF NOT EXISTS pool_meta (
     version BIGINT NOT NULL
 );
 INSERT INTO pool_meta(one, version) VALUES (1, 0) ON CONFLICT DO NOTHING;
+-- Versions up to `pruned` have no rows left in pool_changes: a daemon that saw less reloads all.
+ALTER TABLE pool_meta ADD COLUMN IF NOT EXISTS pruned BIGINT NOT NULL DEFAULT 0;
+CREATE TABLE IF NOT EXISTS pool_changes (
+    version BIGINT NOT NULL,
+    kind    TEXT NOT NULL,
+    key     TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS pool_changes_version ON pool_changes(version);
+CREATE TABLE IF NOT EXISTS slice_usage (
+    job_key          TEXT NOT NULL,
+    slice            INTEGER NOT NULL,
+    sessions         INTEGER NOT NULL,
+    busy_seconds     DOUBLE PRECISION NOT NULL,
+    memory_high_water_bytes BIGINT NOT NULL,
+    memory_used_bytes BIGINT NOT NULL,
+    last_active_unix DOUBLE PRECISION NOT NULL,
+    calls            BIGINT NOT NULL,
+    PRIMARY KEY (job_key, slice)
+);
 """
+
+# Versions of the change log kept; a daemon more changes behind than this reloads everything.
+CHANGE_LOG_KEEP = 20_000
+_USAGE_COLUMNS = "sessions, busy_seconds, memory_high_water_bytes, memory_used_bytes, last_active_unix, calls"
 
 
 class PostgresStore:
@@ -86,7 +116,10 @@ class PostgresStore:
                               "check store_url (host, port, database, user, password) and that PostgreSQL runs") from None
         self._lock = threading.RLock()
         self._in_transaction = False
-        self._wrote = False   # in the open transaction: a change that others must reload for
+        self._wrote = False   # in the open transaction: a change that others must catch up with
+        self._touched: set[tuple[str, str]] = set()   # in the open transaction: (kind, key) changed
+        self._queued: list[tuple[str, tuple[Any, ...]]] = []   # in the open transaction: writes to send
+        self.change_log_keep, self.prune_every = CHANGE_LOG_KEEP, 1000
 
     def _connect(self) -> Any:
         return self._psycopg.connect(self.url, autocommit=True, connect_timeout=5)
@@ -111,10 +144,15 @@ class PostgresStore:
         with self._session() as db:
             return db.execute(sql, params).fetchall()
 
-    def _write(self, sql: str, params: tuple[Any, ...]) -> None:
+    def _write(self, sql: str, params: tuple[Any, ...], touched: tuple[str, str] | None = None) -> None:
         with self._session() as db:
-            db.execute(sql, params)
+            if self._in_transaction:   # sent with the commit, in one round trip (transaction())
+                self._queued.append((sql, params))
+            else:
+                db.execute(sql, params)
             self._wrote = True
+            if touched is not None:
+                self._touched.add(touched)
 
     # -- several daemons ---------------------------------------------------------------------
     @contextlib.contextmanager
@@ -124,18 +162,57 @@ class PostgresStore:
             if self._in_transaction:   # nested: part of the open one
                 yield StateVersion(None)
                 return
-            self._in_transaction, self._wrote = True, False
+            self._in_transaction, self._wrote, self._touched, self._queued = True, False, set(), []
             try:
-                with self._session() as db, db.transaction():
-                    db.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
-                    state = StateVersion(db.execute("SELECT version FROM pool_meta").fetchone()[0])
-                    yield state
-                    # Only a change that wrote makes the other daemons reload.
-                    state.after = db.execute(
-                        "UPDATE pool_meta SET version = version + 1 RETURNING version").fetchone()[0] \
-                        if self._wrote else state.before
+                with self._session() as db:
+                    # Two round trips. One: BEGIN, the lock, the version; each statement of a
+                    # simple query takes its own snapshot (READ COMMITTED), so the version's shows
+                    # every change committed before the lock was ours. Two: the writes, the change
+                    # log and COMMIT in one pipeline.
+                    begun = db.execute(f"BEGIN; SELECT pg_advisory_xact_lock({LOCK_KEY}); SELECT version FROM pool_meta")
+                    try:
+                        while begun.nextset():   # the last statement's result
+                            pass
+                        state = StateVersion(begun.fetchone()[0])
+                        yield state
+                        if self._wrote:   # only a change that wrote makes the other daemons catch up
+                            state.after = self._commit_change(db)
+                        else:
+                            db.execute("COMMIT")
+                    except BaseException:
+                        if not db.broken and not db.closed:
+                            with contextlib.suppress(self._psycopg.Error):
+                                db.execute("ROLLBACK")
+                        raise
             finally:
-                self._in_transaction = False
+                self._in_transaction, self._queued = False, []
+
+    def _commit_change(self, db: Any) -> int:
+        """Send the change's writes, bump the version and log what the change touched under it, and
+        commit: one round trip (a pipeline). Returns the new version."""
+        touched = sorted(self._touched) or [("all", "")]   # a write that named nothing: catch up fully
+        with db.pipeline():
+            for sql, params in self._queued:
+                db.execute(sql, params)
+            logged = db.execute(
+                "WITH bumped AS (UPDATE pool_meta SET version = version + 1 RETURNING version) "
+                "INSERT INTO pool_changes(version, kind, key) SELECT bumped.version, t.kind, t.key "
+                "FROM bumped, unnest(%s::text[], %s::text[]) AS t(kind, key) RETURNING version",
+                ([kind for kind, _ in touched], [key for _, key in touched]))
+            db.execute("COMMIT")
+        version: int = logged.fetchone()[0]
+        if version % self.prune_every == 0 and version > self.change_log_keep:   # now and then, forget old ones
+            with db.transaction():   # deletion and mark together: a catch-up sees both or neither
+                db.execute("DELETE FROM pool_changes WHERE version <= %s", (version - self.change_log_keep,))
+                db.execute("UPDATE pool_meta SET pruned = GREATEST(pruned, %s)", (version - self.change_log_keep,))
+        return version
+
+    def changes_since(self, version: int) -> list[tuple[str, str]] | None:
+        """(kind, key) of every change after `version` ("lease"/job key, "server"/address,
+        "quota"/"", "all"/""), or None when the log no longer reaches back that far."""
+        rows = self._rows("SELECT 'pruned', '' FROM pool_meta WHERE pruned > %s UNION ALL "
+                          "SELECT DISTINCT kind, key FROM pool_changes WHERE version > %s", (version, version))
+        return None if any(kind == "pruned" for kind, _ in rows) else rows
 
     def version(self) -> int | None:
         return self._rows("SELECT version FROM pool_meta")[0][0]
@@ -159,6 +236,37 @@ class PostgresStore:
                             slices=tuple(SliceRecord(**s) for s in json.loads(sj)))
                 for k, u, a, c, e, sj in rows]
 
+    def load_leases_named(self, job_keys: list[str]) -> list[LeaseRecord]:
+        rows = self._rows('SELECT job_key, "user", account, created, expires, slices_json FROM leases '
+                          "WHERE job_key = ANY(%s)", (job_keys,))
+        return [LeaseRecord(job_key=k, user=u, account=a, created_unix=c, expires_unix=e,
+                            slices=tuple(SliceRecord(**s) for s in json.loads(sj)))
+                for k, u, a, c, e, sj in rows]
+
+    def load_servers_named(self, addresses: list[str]) -> list[tuple[ServerInfo, bool]]:
+        return [(server_from_json(info), bool(drained))
+                for info, drained in self._rows("SELECT info_json, drained FROM servers WHERE address = ANY(%s)",
+                                                (addresses,))]
+
+    # -- usage reports, shared (not versioned: like heartbeats, they change all the time) --------
+    def save_slice_usage(self, rows: list[tuple[str, int, SliceUsageRecord]]) -> None:
+        if not rows:
+            return
+        with self._session() as db, db.cursor() as cursor:
+            cursor.executemany(
+                f"INSERT INTO slice_usage(job_key, slice, {_USAGE_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
+                "ON CONFLICT (job_key, slice) DO UPDATE SET sessions=excluded.sessions, "
+                "busy_seconds=excluded.busy_seconds, memory_high_water_bytes=excluded.memory_high_water_bytes, "
+                "memory_used_bytes=excluded.memory_used_bytes, last_active_unix=excluded.last_active_unix, "
+                "calls=excluded.calls",
+                [(key, number, u.sessions, u.busy_seconds, u.memory_high_water_bytes, u.memory_used_bytes,
+                  u.last_active_unix, u.calls) for key, number, u in rows])
+
+    def load_slice_usage(self) -> dict[tuple[str, int], SliceUsageRecord]:
+        return {(key, number): SliceUsageRecord(sessions, busy, high, used, active, calls)
+                for key, number, sessions, busy, high, used, active, calls in self._rows(
+                    f"SELECT job_key, slice, {_USAGE_COLUMNS} FROM slice_usage")}
+
     def load_quotas(self) -> list[QuotaRecord]:
         return [QuotaRecord(kind, name, limit)
                 for kind, name, limit in self._rows("SELECT kind, name, limit_units FROM quotas")]
@@ -169,31 +277,34 @@ class PostgresStore:
             "INSERT INTO servers(address, info_json, drained, registered, heartbeat) VALUES (%s, %s, FALSE, %s, %s) "
             "ON CONFLICT(address) DO UPDATE SET info_json=excluded.info_json, registered=excluded.registered, "
             "heartbeat=GREATEST(servers.heartbeat, excluded.heartbeat)",
-            (server.address, json.dumps(asdict(server)), registered, registered))
+            (server.address, json.dumps(asdict(server)), registered, registered), ("server", server.address))
 
     def set_drained(self, address: str, drained: bool) -> None:
-        self._write("UPDATE servers SET drained=%s WHERE address=%s", (drained, address))
+        self._write("UPDATE servers SET drained=%s WHERE address=%s", (drained, address), ("server", address))
 
     def delete_server(self, address: str) -> None:
-        self._write("DELETE FROM servers WHERE address=%s", (address,))
+        self._write("DELETE FROM servers WHERE address=%s", (address,), ("server", address))
 
     def insert_lease(self, lease: LeaseRecord) -> None:
         self._write(
             'INSERT INTO leases(job_key, "user", account, created, expires, slices_json) VALUES (%s, %s, %s, %s, %s, %s)',
             (lease.job_key, lease.user, lease.account, lease.created_unix, lease.expires_unix,
-             json.dumps([vars(s) for s in lease.slices])))
+             json.dumps([vars(s) for s in lease.slices])), ("lease", lease.job_key))
+
+    def set_lease_expiry(self, job_key: str, expires: float) -> None:
+        self._write("UPDATE leases SET expires=%s WHERE job_key=%s", (expires, job_key), ("lease", job_key))
 
     def delete_lease(self, job_key: str) -> None:
-        self._write("DELETE FROM leases WHERE job_key=%s", (job_key,))
+        self._write("DELETE FROM leases WHERE job_key=%s", (job_key,), ("lease", job_key))
 
     def end_lease(self, lease: LeaseRecord, ended: float, busy_seconds: float = 0.0, how: str = "") -> None:
-        with self._session() as db, db.transaction():
-            self._wrote = True
-            db.execute("DELETE FROM leases WHERE job_key=%s", (lease.job_key,))
-            db.execute(
-                'INSERT INTO lease_history(job_key, "user", account, units, created, ended, busy_seconds, how) '
-                "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
-                (lease.job_key, lease.user, lease.account, lease.units, lease.created_unix, ended, busy_seconds, how))
+        # One statement (atomic by itself, and one round trip): the lease, its usage, its history row.
+        self._write(
+            "WITH gone AS (DELETE FROM leases WHERE job_key=%s), used AS (DELETE FROM slice_usage WHERE job_key=%s) "
+            'INSERT INTO lease_history(job_key, "user", account, units, created, ended, busy_seconds, how) '
+            "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)",
+            (lease.job_key, lease.job_key, lease.job_key, lease.user, lease.account, lease.units, lease.created_unix,
+             ended, busy_seconds, how), ("lease", lease.job_key))
 
     def load_history(self, since: float, until: float) -> list[tuple[str, str, int, float, float, float]]:
         return [tuple(row) for row in self._rows(  # type: ignore[misc]
@@ -210,10 +321,10 @@ class PostgresStore:
     def set_quota(self, quota: QuotaRecord) -> None:
         self._write("INSERT INTO quotas(kind, name, limit_units) VALUES (%s, %s, %s) "
                     "ON CONFLICT(kind, name) DO UPDATE SET limit_units=excluded.limit_units",
-                    (quota.kind, quota.name, quota.limit_units))
+                    (quota.kind, quota.name, quota.limit_units), ("quota", ""))
 
     def delete_quota(self, kind: str, name: str) -> None:
-        self._write("DELETE FROM quotas WHERE kind=%s AND name=%s", (kind, name))
+        self._write("DELETE FROM quotas WHERE kind=%s AND name=%s", (kind, name), ("quota", ""))
 
 
 def _first_line(exc: BaseException) -> str:
