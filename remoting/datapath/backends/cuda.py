@@ -854,7 +854,11 @@ class CudaBackend(CudaDriverCalls):
 
     def fence(self) -> int:
         """Wait for the current context's work (rgpu's compute limiter, worker/limiter.py); the
-        result the application's next synchronising call must see."""
+        result the application's next synchronising call must see. Not while a stream capture may
+        be under way: a synchronisation then invalidates the application's capture (found with
+        NVIDIA's graphMemoryNodes sample), and captured work does not run until the graph does."""
+        if self._captures:
+            return 0
         return self.f["cuCtxSynchronize"]()
 
     def close(self) -> None:
