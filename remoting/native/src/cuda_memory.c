@@ -402,7 +402,9 @@ static int local_pointer_attribute(CUpointer_attribute attr, CUdeviceptr ptr, vo
     case CU_POINTER_ATTRIBUTE_HOST_POINTER: *(void **)data = (void *)(uintptr_t)ptr; return CUDA_SUCCESS;
     case CU_POINTER_ATTRIBUTE_CONTEXT: *(CUcontext *)data = (CUcontext)rgpu_ctx_current(); return CUDA_SUCCESS;
     case CU_POINTER_ATTRIBUTE_IS_MANAGED: *(uint8_t *)data = 0; return CUDA_SUCCESS;
-    case CU_POINTER_ATTRIBUTE_MAPPED: *(uint8_t *)data = 1; return CUDA_SUCCESS;
+    /* Page-locked here, but not mapped for the GPU: it is on another machine. Saying 1 made the
+     * runtime hand kernels this host address (UnifiedMemoryPerf's zero-copy mode: ILLEGAL_ADDRESS). */
+    case CU_POINTER_ATTRIBUTE_MAPPED: *(uint8_t *)data = 0; return CUDA_SUCCESS;
     case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: *(void **)data = base; return CUDA_SUCCESS;
     case CU_POINTER_ATTRIBUTE_RANGE_SIZE: *(size_t *)data = size; return CUDA_SUCCESS;
     case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: {
