@@ -134,3 +134,30 @@ def test_bad_account_settings_are_one_line(tmp_path: Path, text: str) -> None:
     with pytest.raises(ConfigError) as info:
         load_settings(conf, env={})
     one_line(info.value)
+
+
+def test_one_sacctmgr_at_a_time_and_a_second_user_is_not_held_behind_a_hung_one() -> None:
+    import threading
+    from rgpu.errors import Unavailable
+
+    release = threading.Event()
+    started = threading.Event()
+    calls: list[str] = []
+
+    def lookup(user: str) -> list[str]:
+        calls.append(user)
+        if user == "slow":
+            started.set()
+            release.wait(10)
+        return ["physics"]
+
+    policy = AccountPolicy("slurm", lookup=lookup, lookup_wait_seconds=0.2)
+    first = threading.Thread(target=policy.account_for, args=("slow", ""))
+    first.start()
+    assert started.wait(5)
+    with pytest.raises(Unavailable, match="another user's account lookup"):
+        policy.account_for("bob", "")            # refused after the short wait, not after the hang
+    release.set()
+    first.join(5)
+    assert policy.account_for("bob", "") == "physics"
+    assert calls == ["slow", "bob"]             # never two sacctmgr at once

@@ -5,7 +5,10 @@ account Slurm gave the job. `account_check` in rgpu.toml picks where membership 
 - "slurm" (default): Slurm's associations, through the `rgpu.account_sources` entry point
   `slurm` (sacctmgr), kept `account_cache_seconds` per user. When sacctmgr cannot answer, the
   lease is refused (fail closed), and the failure is kept a few seconds so a flood of requests
-  does not start a flood of sacctmgr.
+  does not start a flood of sacctmgr. One sacctmgr runs at a time: a second user's request that
+  needs one waits at most LOOKUP_WAIT_SECONDS and is then refused as unavailable, so a hung
+  slurmdbd can hold at most one of the pool's few request threads (prologs and dispatchers keep
+  the others).
 - "map": `user_accounts` in rgpu.toml, for sites without slurmdbd.
 - "off": any account, as the request names it.
 A user who names no account is charged their default one (Slurm's DefaultAccount, or the first
@@ -21,11 +24,12 @@ from collections.abc import Callable, Mapping, Sequence
 
 from rgpu import plugins, validate
 from rgpu.config import Settings
-from rgpu.errors import PermissionDenied, RgpuError
+from rgpu.errors import PermissionDenied, RgpuError, Unavailable
 
 Lookup = Callable[[str], Sequence[str]]
 FAILURE_KEPT_SECONDS = 5.0    # a failed lookup answers for this long without running sacctmgr again
 CACHED_USERS = 4096
+LOOKUP_WAIT_SECONDS = 1.0     # how long a request waits for another user's sacctmgr to finish
 
 
 class AccountPolicy:
@@ -33,7 +37,7 @@ class AccountPolicy:
 
     def __init__(self, mode: str, user_map: Mapping[str, Sequence[str]] | None = None,
                  lookup: Lookup | None = None, cache_seconds: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, lookup_wait_seconds: float = LOOKUP_WAIT_SECONDS) -> None:
         self.mode = mode
         self._map = {user: tuple(accounts) for user, accounts in (user_map or {}).items()}
         self._lookup = lookup
@@ -42,6 +46,8 @@ class AccountPolicy:
         self._cache: OrderedDict[str, tuple[float, tuple[str, ...]]] = OrderedDict()
         self._failure: tuple[float, RgpuError] | None = None
         self._lock = threading.Lock()
+        self._lookup_gate = threading.Lock()   # one sacctmgr at a time
+        self._lookup_wait = lookup_wait_seconds
 
     def accounts_of(self, user: str) -> tuple[str, ...]:
         """The accounts `user` may charge, default first."""
@@ -58,7 +64,17 @@ class AccountPolicy:
             raise RgpuError("pool", "cannot check the accounts of users against Slurm",
                             "the Slurm account source (rgpu.account_sources entry point) is not installed",
                             "reinstall rgpu, or set account_check = \"map\" or \"off\" in rgpu.toml")
+        if not self._lookup_gate.acquire(timeout=self._lookup_wait):
+            raise Unavailable("pool", f"cannot check which accounts {user[:64]} may charge now",
+                              "another user's account lookup (sacctmgr) is still running",
+                              "retry in a few seconds; if it persists, check that slurmdbd answers")
         try:
+            with self._lock:   # answered (or failed) while this request waited for the gate?
+                cached = self._cache.get(user)
+                if cached is not None and cached[0] > self._clock():
+                    return cached[1]
+                if self._failure is not None and self._failure[0] > self._clock():
+                    raise self._failure[1]
             accounts = tuple(self._lookup(user))
         except RgpuError as exc:
             error = RgpuError("pool", f"cannot check which accounts {user[:64]} may charge",
@@ -66,6 +82,8 @@ class AccountPolicy:
             with self._lock:
                 self._failure = (self._clock() + min(FAILURE_KEPT_SECONDS, self._cache_seconds), error)
             raise error from None
+        finally:
+            self._lookup_gate.release()
         with self._lock:
             self._failure = None
             self._cache[user] = (self._clock() + self._cache_seconds, accounts)
