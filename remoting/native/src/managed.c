@@ -48,6 +48,17 @@ static size_t page_size(void) {
     return page;
 }
 
+/* The fast-path flags from the regions' owners (the lock is held). */
+static void recount_owners_locked(void) {
+    int host = 0, gpu = 0;
+    for (size_t i = 0; i < g_count; i++) {
+        host |= !g_regions[i].gpu_owned;
+        gpu |= g_regions[i].gpu_owned;
+    }
+    __atomic_store_n(&g_any_host_owned, host, __ATOMIC_RELEASE);
+    __atomic_store_n(&g_any_gpu_owned, gpu, __ATOMIC_RELEASE);
+}
+
 /* Hand every region owned by the other side over to `to_gpu`'s side. The regions change owner
  * under the lock; the copies (calls themselves) run without it. While the GPU owns a region its
  * host pages are inaccessible, so a host access at the wrong time stops the program with a clear
@@ -62,13 +73,7 @@ static void hand_over(int to_gpu) {
         g_regions[i].gpu_owned = to_gpu;
         moving[n++] = g_regions[i];
     }
-    int host = 0, gpu = 0;
-    for (size_t i = 0; i < g_count; i++) {
-        host |= !g_regions[i].gpu_owned;
-        gpu |= g_regions[i].gpu_owned;
-    }
-    __atomic_store_n(&g_any_host_owned, host, __ATOMIC_RELEASE);
-    __atomic_store_n(&g_any_gpu_owned, gpu, __ATOMIC_RELEASE);
+    recount_owners_locked();
     pthread_mutex_unlock(&g_lock);
     if (!moving) return;
     t_moving = 1;
@@ -239,13 +244,7 @@ CUresult rgpu_managed_free(CUdeviceptr user) {
     managed_region gone = *m;
     *m = g_regions[g_count - 1];
     __atomic_store_n(&g_count, g_count - 1, __ATOMIC_RELEASE);
-    int host = 0, gpu = 0;
-    for (size_t i = 0; i < g_count; i++) {
-        host |= !g_regions[i].gpu_owned;
-        gpu |= g_regions[i].gpu_owned;
-    }
-    __atomic_store_n(&g_any_host_owned, host, __ATOMIC_RELEASE);
-    __atomic_store_n(&g_any_gpu_owned, gpu, __ATOMIC_RELEASE);
+    recount_owners_locked();
     pthread_mutex_unlock(&g_lock);
     munmap((void *)(uintptr_t)gone.user, gone.mapped);
     return cuMemFree_v2(gone.real);
