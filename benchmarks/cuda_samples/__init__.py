@@ -1,0 +1,1 @@
+"""cuda-samples verification: build.py builds NVIDIA's samples, run.py runs them locally and through rgpu."""
