@@ -194,28 +194,12 @@ static void get_jit_results(rgpu_call *c, const jit_plan *plan, const CUjit_opti
     }
 }
 
+static rgpu_fn *read_one_function(rgpu_call *c, uint64_t handle, uint64_t module);
+
 /* Function tables follow every load: handle, name and parameter layout of each function. */
 static void read_functions(rgpu_call *c, uint64_t module) {
     uint32_t n = rgpu_get_u32(c);
-    for (uint32_t i = 0; i < n && rgpu_remaining(c) >= 16; i++) {
-        uint64_t handle = rgpu_get_u64(c);
-        uint32_t nl = rgpu_get_u32(c);
-        char name[512];
-        size_t k = nl < sizeof name - 1 ? nl : sizeof name - 1;
-        rgpu_get(c, name, k);
-        name[k] = 0;
-        if (nl > k) c->roff += nl - k;
-        uint32_t np = rgpu_get_u32(c);
-        uint32_t *offs = calloc(np ? np : 1, 4), *sizes = calloc(np ? np : 1, 4);
-        for (uint32_t j = 0; j < np; j++) {
-            offs[j] = rgpu_get_u32(c);
-            sizes[j] = rgpu_get_u32(c);
-        }
-        rgpu_fn *fn = rgpu_fn_add(c->s->index, handle, name, np, offs, sizes);
-        if (fn) rgpu_fn_set_module(fn, module);
-        free(offs);
-        free(sizes);
-    }
+    for (uint32_t i = 0; i < n && rgpu_remaining(c) >= 16; i++) read_one_function(c, rgpu_get_u64(c), module);
 }
 
 static CUresult load_image(uint16_t op, uint64_t *out, const void *image, size_t size, unsigned int nopts,
