@@ -8,6 +8,11 @@ CuPy's suite has tens of thousands of parametrized cases: --every K keeps every 
 test (by a stable hash of its id, the same subset in both runs). Both runs use pytest-xdist with
 --workers processes; through rgpu each worker process opens its own session on the same slice.
 A run cut by --time-limit is compared over the tests that ran in both.
+
+CuPy's tests are not in its wheel: take them from its repository at the installed version, e.g.
+    git -C cupy archive v14.2.0 tests/conftest.py tests/cupy_tests | tar -x -C CUPY_CHECKOUT
+and pass --root CUPY_CHECKOUT with paths such as tests/cupy_tests/core_tests. The GPU node needs
+pytest-xdist and pytest-timeout.
 """
 
 from __future__ import annotations
