@@ -304,3 +304,14 @@ def test_idle_release_is_accepted_with_a_shared_store(tmp_path: Path) -> None:
     config = tmp_path / "rgpu.toml"
     config.write_text('store_url = "postgresql://rgpu@db:5432/rgpu"\nidle_release = true\n')
     assert load_settings(config, env={}).idle_release
+
+
+def test_a_daemon_refuses_a_database_written_by_a_newer_layout(postgres: Postgres) -> None:
+    from rgpu.remoting.pool.store_pg import STORE_SCHEMA
+    PostgresStore(postgres.url)                       # creates the layout, at this code's version
+    with psycopg.connect(postgres.url, autocommit=True) as db:
+        assert db.execute("SELECT schema FROM pool_meta").fetchone()[0] == STORE_SCHEMA
+        db.execute("UPDATE pool_meta SET schema = %s", (STORE_SCHEMA + 1,))
+    with pytest.raises(ConfigError, match=f"layout {STORE_SCHEMA + 1}, newer than this rgpu-poold's {STORE_SCHEMA}") as caught:
+        PostgresStore(postgres.url)
+    assert "\n" not in str(caught.value) and "upgrade this pool daemon" in str(caught.value)

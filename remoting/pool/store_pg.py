@@ -73,6 +73,8 @@ CREATE TABLE IF NOT EXISTS pool_meta (
 INSERT INTO pool_meta(one, version) VALUES (1, 0) ON CONFLICT DO NOTHING;
 -- Versions up to `pruned` have no rows left in pool_changes: a daemon that saw less reloads all.
 ALTER TABLE pool_meta ADD COLUMN IF NOT EXISTS pruned BIGINT NOT NULL DEFAULT 0;
+-- The layout's version (STORE_SCHEMA): a daemon never works on a layout newer than its own.
+ALTER TABLE pool_meta ADD COLUMN IF NOT EXISTS schema INTEGER NOT NULL DEFAULT 1;
 CREATE TABLE IF NOT EXISTS pool_changes (
     version BIGINT NOT NULL,
     kind    TEXT NOT NULL,
@@ -91,6 +93,11 @@ CREATE TABLE IF NOT EXISTS slice_usage (
     PRIMARY KEY (job_key, slice)
 );
 """
+
+# The layout this code reads and writes. 1: before the change log (session 1); 2: the change log
+# and shared usage reports, which every daemon on the database must write. Raise it with any change
+# other daemons could not follow; older daemons of layout 2 or later refuse a newer database.
+STORE_SCHEMA = 2
 
 # Versions of the change log kept; a daemon more changes behind than this reloads everything.
 CHANGE_LOG_KEEP = 20_000
@@ -111,6 +118,14 @@ class PostgresStore:
             with self._db.transaction():
                 self._db.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))  # one schema creator at a time
                 self._db.execute(_SCHEMA)
+                found = self._db.execute("SELECT schema FROM pool_meta").fetchone()[0]
+                if found > STORE_SCHEMA:
+                    raise ConfigError("store", f"the PostgreSQL state database has layout {found}, newer than this "
+                                      f"rgpu-poold's {STORE_SCHEMA}",
+                                      "a newer rgpu wrote it; an older daemon would miss what newer ones record",
+                                      "upgrade this pool daemon to the version the others run")
+                if found < STORE_SCHEMA:
+                    self._db.execute("UPDATE pool_meta SET schema = %s", (STORE_SCHEMA,))
         except psycopg.Error as exc:
             raise ConfigError("store", "cannot open the PostgreSQL state database", _first_line(exc),
                               "check store_url (host, port, database, user, password) and that PostgreSQL runs") from None
