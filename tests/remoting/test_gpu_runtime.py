@@ -100,6 +100,27 @@ def test_cupy_basics(native_libs: build.Libraries, gpu_server: Server, tmp_path:
     assert "CUPY_OK" in done.stdout, done.stdout + done.stderr
 
 
+def test_cupy_fft_and_managed_memory(native_libs: build.Libraries, gpu_server: Server, tmp_path: Path) -> None:  # noqa: F811
+    # cuFFT walks its plan's modules through the driver's private table 6e163fbe (module_nodes.c);
+    # CuPy's managed-memory allocator runs on rgpu's emulated managed memory (managed.c).
+    pytest.importorskip("cupy")
+    done = flexrun(native_libs, gpu_server, tmp_path, py("""
+        import numpy as np, cupy as cp
+        x = np.random.rand(4096) + 1j * np.random.rand(4096)
+        assert np.allclose(cp.asnumpy(cp.fft.fft(cp.asarray(x))), np.fft.fft(x))
+        img = np.random.rand(64, 48).astype(np.float32)
+        assert np.allclose(cp.asnumpy(cp.fft.irfft2(cp.fft.rfft2(cp.asarray(img)), s=img.shape)), img, atol=1e-4)
+        print("FFT_OK", flush=True)
+        cp.cuda.set_allocator(cp.cuda.MemoryPool(cp.cuda.malloc_managed).malloc)
+        a = cp.arange(1 << 20, dtype=cp.int64)           # managed memory, written by a kernel
+        host = cp.asnumpy(a * 2 + 1)
+        assert int(host.sum()) == int((np.arange(1 << 20, dtype=np.int64) * 2 + 1).sum())
+        print("MANAGED_OK", flush=True)
+        """), name="cupy-fft-managed")
+    assert "FFT_OK" in done.stdout, done.stdout + done.stderr
+    assert "MANAGED_OK" in done.stdout, done.stdout + done.stderr
+
+
 def test_torch_tensor_ops(native_libs: build.Libraries, gpu_server: Server, tmp_path: Path) -> None:  # noqa: F811
     pytest.importorskip("torch")
     done = flexrun(native_libs, gpu_server, tmp_path, py("""
