@@ -649,16 +649,6 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D32Async(CUdeviceptr dstDevice, size_t ds
     return rgpu_async(&c);
 }
 
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyPeer(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice, CUcontext srcContext, size_t ByteCount) {
-    static int seen;
-    return rgpu_unsupported("cuMemcpyPeer", &seen, "slices may sit on different servers");
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyPeerAsync(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice, CUcontext srcContext, size_t ByteCount, CUstream hStream) {
-    static int seen;
-    return rgpu_unsupported("cuMemcpyPeerAsync", &seen, "");
-}
-
 RGPU_EXPORT CUresult CUDAAPI cuCtxEnablePeerAccess(CUcontext peerContext, unsigned int Flags) {
     static int seen;
     return rgpu_unsupported("cuCtxEnablePeerAccess", &seen, "slices may sit on different servers");
@@ -1741,6 +1731,13 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D32Async_ptsz(CUdeviceptr dstDevice, size
     if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
     return cuMemsetD2D32Async(dstDevice, dstPitch, ui, Width, Height, hStream);
 }
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyPeer_ptds(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice, CUcontext srcContext, size_t ByteCount) {
+    return cuMemcpyPeer(dstDevice, dstContext, srcDevice, srcContext, ByteCount);
+}
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyPeerAsync_ptsz(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice, CUcontext srcContext, size_t ByteCount, CUstream hStream) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuMemcpyPeerAsync(dstDevice, dstContext, srcDevice, srcContext, ByteCount, hStream);
+}
 RGPU_EXPORT CUresult CUDAAPI cuStreamSynchronize_ptsz(CUstream hStream) {
     if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
     return cuStreamSynchronize(hStream);
@@ -2110,8 +2107,6 @@ RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoA_v2(void) { static int seen; return rgp
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoA_v2_ptds(void) { static int seen; return rgpu_unsupported("cuMemcpyHtoA_v2_ptds", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoD(void) { static int seen; return rgpu_unsupported("cuMemcpyHtoD", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoDAsync(void) { static int seen; return rgpu_unsupported("cuMemcpyHtoDAsync", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyPeerAsync_ptsz(void) { static int seen; return rgpu_unsupported("cuMemcpyPeerAsync_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyPeer_ptds(void) { static int seen; return rgpu_unsupported("cuMemcpyPeer_ptds", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD16(void) { static int seen; return rgpu_unsupported("cuMemsetD16", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D16(void) { static int seen; return rgpu_unsupported("cuMemsetD2D16", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D32(void) { static int seen; return rgpu_unsupported("cuMemsetD2D32", &seen, NULL); }

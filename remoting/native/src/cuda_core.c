@@ -177,6 +177,23 @@ CUcontext rgpu_ctx_for(int session, uint64_t remote) {
     return (CUcontext)c;
 }
 
+/* A live context of `session` for work the current context cannot route there: the current one if
+ * it is that session's, else its primary context, else any. NULL: the application has none. */
+rgpu_ctx *rgpu_ctx_of_session(int session) {
+    rgpu_ctx *cur = rgpu_ctx_current();
+    if (cur && cur->session == session) return cur;
+    rgpu_ctx *found = NULL;
+    pthread_mutex_lock(&g_ctx_lock);
+    for (int i = 0; i < g_nctx; i++) {
+        rgpu_ctx *x = g_ctx[i];
+        if (x->session != session || x->destroyed || x->magic != RGPU_CTX_MAGIC) continue;
+        if (x->primary) { found = x; break; }
+        if (!found) found = x;
+    }
+    pthread_mutex_unlock(&g_ctx_lock);
+    return found;
+}
+
 void rgpu_ctx_forget(rgpu_ctx *ctx) {
     /* Records are kept (marked destroyed) so that stale handles stay detectable. */
     pthread_mutex_lock(&g_ctx_lock);

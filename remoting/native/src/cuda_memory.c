@@ -282,15 +282,60 @@ RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr src
     return dtoh(dstHost, srcDevice, ByteCount, hStream, session_of(srcDevice));
 }
 
+/* A copy between two slices (they may sit on different servers): through this process's memory,
+ * in chunks, each read from the source in that slice's context (waiting for its earlier work, as a
+ * copy to host does) and queued to the destination in its own. `stream` is used on the side whose
+ * context it belongs to (the current one); the other side uses its context's legacy stream. */
+#define PEER_CHUNK (8u << 20)
+
+static CUresult copy_between_slices(CUdeviceptr dst, rgpu_ctx *dctx, CUdeviceptr src, rgpu_ctx *sctx, size_t n,
+                                    CUstream stream) {
+    if (!dctx || !sctx) return CUDA_ERROR_INVALID_CONTEXT;
+    rgpu_ctx *cur = rgpu_ctx_current();
+    CUstream sstream = cur && cur->session == sctx->session ? stream : NULL;
+    CUstream dstream = cur && cur->session == dctx->session ? stream : NULL;
+    uint8_t *buf = n ? malloc(n < PEER_CHUNK ? n : PEER_CHUNK) : NULL;
+    if (n && !buf) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult r = CUDA_SUCCESS;
+    for (size_t off = 0; off < n && r == CUDA_SUCCESS; off += PEER_CHUNK) {
+        size_t k = n - off < PEER_CHUNK ? n - off : PEER_CHUNK;
+        r = cuCtxPushCurrent_v2((CUcontext)sctx);
+        if (r != CUDA_SUCCESS) break;
+        r = dtoh(buf, src + off, k, sstream, sctx->session);
+        cuCtxPopCurrent_v2(NULL);
+        if (r != CUDA_SUCCESS) break;
+        r = cuCtxPushCurrent_v2((CUcontext)dctx);
+        if (r != CUDA_SUCCESS) break;
+        r = htod(dst + off, buf, k, dstream, dctx->session);
+        cuCtxPopCurrent_v2(NULL);
+    }
+    free(buf);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyPeer(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
+                                         CUcontext srcContext, size_t ByteCount) {
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    return copy_between_slices(dstDevice, rgpu_ctx_lookup(dstContext), srcDevice, rgpu_ctx_lookup(srcContext),
+                               ByteCount, NULL);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyPeerAsync(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
+                                              CUcontext srcContext, size_t ByteCount, CUstream hStream) {
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    return copy_between_slices(dstDevice, rgpu_ctx_lookup(dstContext), srcDevice, rgpu_ctx_lookup(srcContext),
+                               ByteCount, hStream);
+}
+
 static CUresult unified(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream) {
     CUresult r = rgpu_check_init();
     if (r != CUDA_SUCCESS) return r;
     int ds = session_of(dst), ss = session_of(src);
     if (ds >= 0 && ss >= 0) {
-        if (ds != ss) {
-            static int seen;
-            return rgpu_unsupported("cuMemcpy between two slices", &seen, "slices may sit on different servers");
-        }
+        if (ds != ss)
+            return copy_between_slices(dst, rgpu_ctx_of_session(ds), src, rgpu_ctx_of_session(ss), n, stream);
         rgpu_call c;
         r = rgpu_begin_session(&c, RGPU_OP_cuMemcpyDtoDAsync_v2, ds);
         if (r != CUDA_SUCCESS) return r;
