@@ -316,6 +316,9 @@ AFTER_HOOKS = {
     "cuFuncSetSharedMemConfig": "rgpu_cache_forget_functions()",
     "cuCtxSetLimit": "rgpu_cache_forget_functions()",
     "cuCtxGetLimit": "if (r == CUDA_SUCCESS) rgpu_limit_put(limit, *pvalue)",
+    # events by slice, for streams that wait for another slice's event (cuda_cache.c)
+    "cuEventCreate": "if (r == CUDA_SUCCESS) rgpu_event_session_put(*phEvent, c.s->index)",
+    "cuEventDestroy_v2": "rgpu_event_session_forget(hEvent)",
     # copy nodes with a host side (cuda_graph.c): their records follow the graph
     "cuGraphClone": "if (r == CUDA_SUCCESS) rgpu_hostcopy_clone(originalGraph, *phGraphClone)",
     "cuGraphDestroy": "if (r == CUDA_SUCCESS) rgpu_hostcopy_forget(hGraph)",
@@ -347,6 +350,7 @@ BEFORE_HOOKS = {
     "cuDeviceGetAttribute": "if (rgpu_dattr_get(attrib, dev, pi)) return CUDA_SUCCESS",
     "cuDevicePrimaryCtxGetState": "if (rgpu_pstate_get(dev, flags, active)) return CUDA_SUCCESS",
     "cuCtxGetLimit": "if (rgpu_limit_get(limit, pvalue)) return CUDA_SUCCESS",
+    "cuStreamWaitEvent": "{ CUresult r_; if (rgpu_event_elsewhere(hEvent, &r_)) return r_; }",
     # setting an attribute to the value it has is a no-op (cuBLAS sets it before each launch)
     "cuKernelSetAttribute": "{ int v_; if (rgpu_kattr_get(kernel, attrib, dev, &v_) && v_ == val) return CUDA_SUCCESS; }",
     "cuOccupancyMaxActiveBlocksPerMultiprocessor": "if (rgpu_occ_get(func, blockSize, dynamicSMemSize, 0, numBlocks)) return CUDA_SUCCESS",

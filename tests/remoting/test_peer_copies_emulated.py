@@ -50,3 +50,25 @@ def test_copies_between_two_slices_go_through_the_client(native_libs: build.Libr
     assert "UNIFIED_COPY True" in out
     assert "ASYNC_COPY True" in out
     assert "BAD_CTX 201" in out                                   # CUDA_ERROR_INVALID_CONTEXT
+
+
+def test_a_stream_of_one_slice_waits_for_an_event_of_the_other(native_libs: build.Libraries, emulated: Server) -> None:
+    # PyTorch's model parallelism: record an event on device 0, make device 1's stream wait for it.
+    slices = emulated.slices(emulated.token(), emulated.token(gpu=EMULATED_GPU_2))
+    done = py_client(native_libs, slices, """
+        check("cuInit", 0)
+        ctx0, ctx1 = ctypes.c_void_p(), ctypes.c_void_p()
+        check("cuDevicePrimaryCtxRetain", ctypes.byref(ctx0), 0)
+        check("cuDevicePrimaryCtxRetain", ctypes.byref(ctx1), 1)
+        check("cuCtxSetCurrent", ctx0)
+        ev0, s0, s1 = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        check("cuEventCreate", ctypes.byref(ev0), 0)
+        check("cuStreamCreate", ctypes.byref(s0), 0)
+        check("cuEventRecord", ev0, s0)
+        check("cuCtxSetCurrent", ctx1)
+        check("cuStreamCreate", ctypes.byref(s1), 0)
+        print("WAIT", lib.cuStreamWaitEvent(s1, ev0, 0), lib.cuStreamSynchronize(s1))
+        check("cuCtxSetCurrent", ctx0)
+        check("cuEventDestroy_v2", ev0)
+        """)
+    assert "WAIT 0 0" in done.stdout, done.stdout + done.stderr

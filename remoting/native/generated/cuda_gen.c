@@ -729,6 +729,7 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamQuery(CUstream hStream) {
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags) {
+    { CUresult r_; if (rgpu_event_elsewhere(hEvent, &r_)) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamWaitEvent);
     if (r != CUDA_SUCCESS) return r;
@@ -818,6 +819,7 @@ RGPU_EXPORT CUresult CUDAAPI cuEventCreate(CUevent *phEvent, unsigned int Flags)
     if (r == CUDA_SUCCESS) {
         { CUevent phEvent_v; memset(&phEvent_v, 0, sizeof phEvent_v); phEvent_v = (CUevent)(uintptr_t)rgpu_get_u64(&c); if (phEvent) *phEvent = phEvent_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_event_session_put(*phEvent, c.s->index);
     rgpu_end(&c);
     return r;
 }
@@ -869,6 +871,7 @@ RGPU_EXPORT CUresult CUDAAPI cuEventDestroy_v2(CUevent hEvent) {
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEvent);
     r = rgpu_sync(&c);
+    rgpu_event_session_forget(hEvent);
     rgpu_end(&c);
     return r;
 }

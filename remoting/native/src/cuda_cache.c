@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "rgpu_client.h"
+#include "cuda_protos.h"
 
 /* Tables grow (doubling) instead of being emptied when full: cuBLASLt and cuDNN ask several
  * attributes of thousands of kernels, and an emptied table made every one a round trip again. */
@@ -254,4 +255,36 @@ CUfunction rgpu_fn_remote(CUfunction f) {
     if (!__atomic_load_n(&g_private_fns, __ATOMIC_ACQUIRE) || !get(&g_private_fn, (uint64_t)(uintptr_t)f, 0, 0, &v))
         return f;
     return (CUfunction)(uintptr_t)v;
+}
+
+/* Which slice each event lives on (events are the workers' handles), so that a stream of one slice
+ * can wait for an event of another: the worker cannot see the other's event, so the wait happens
+ * here, by synchronising the event in its own slice first (stronger ordering, same results).
+ * A handle value seen on two slices is ambiguous and left to the worker. */
+static table g_event_session;
+#define EVENT_AMBIGUOUS 0xFFFFu
+void rgpu_event_session_put(CUevent event, int session) {
+    uint64_t v;
+    if (get(&g_event_session, (uint64_t)(uintptr_t)event, 0, 0, &v) && v != (uint64_t)session + 1)
+        session = EVENT_AMBIGUOUS - 1;
+    put(&g_event_session, (uint64_t)(uintptr_t)event, 0, 0, (uint64_t)session + 1);
+}
+void rgpu_event_session_forget(CUevent event) {
+    forget_first_key(&g_event_session, (uint64_t)(uintptr_t)event);
+}
+int rgpu_event_elsewhere(CUevent event, CUresult *result) {
+    uint64_t v;
+    rgpu_ctx *cur = rgpu_ctx_current();
+    if (!cur || !get(&g_event_session, (uint64_t)(uintptr_t)event, 0, 0, &v) || v == EVENT_AMBIGUOUS ||
+        (int)(v - 1) == cur->session)
+        return 0;
+    rgpu_ctx *there = rgpu_ctx_of_session((int)(v - 1));
+    if (!there) return 0;
+    CUresult r = cuCtxPushCurrent_v2((CUcontext)there);
+    if (r == CUDA_SUCCESS) {
+        r = cuEventSynchronize(event);
+        cuCtxPopCurrent_v2(NULL);
+    }
+    *result = r;
+    return 1;
 }

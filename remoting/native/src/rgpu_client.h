@@ -152,6 +152,10 @@ void rgpu_fattr_changed(CUfunction f);
 void rgpu_fn_private_put(void *node, uint64_t remote);
 CUfunction rgpu_fn_remote(CUfunction f);
 const void *rgpu_module_nodes_table(void);
+/* Events by slice (cuda_cache.c): a stream waiting for another slice's event. */
+void rgpu_event_session_put(CUevent event, int session);
+void rgpu_event_session_forget(CUevent event);
+int rgpu_event_elsewhere(CUevent event, CUresult *result);
 /* Managed memory emulated in the client (managed.c). */
 void rgpu_managed_before_call(uint16_t op);
 void rgpu_managed_sync_point(void);
