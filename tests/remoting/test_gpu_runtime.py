@@ -189,3 +189,23 @@ def test_torchvision_compile_and_pinned_loader_match_local(native_libs: build.Li
     assert a["loader_sum"] == b["loader_sum"]
     for key in ("resnet_loss", "resnet_grad_norm", "compiled_sum"):
         assert abs(a[key] - b[key]) <= 1e-3 * max(1.0, abs(a[key])), (key, a[key], b[key])
+
+
+def test_torch_model_parallel_across_two_slices(native_libs: build.Libraries, gpu_server: Server,  # noqa: F811
+                                                tmp_path: Path) -> None:
+    # Issue 16 on one GPU: two slices of it as cuda:0 and cuda:1; layers on each, activations and
+    # gradients copied between them (copies through the client, cross-slice event waits).
+    pytest.importorskip("torch")
+    import json
+    program = [PY, str(TORCH_EXAMPLES / "model_parallel.py")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
+    local = subprocess.run(program + ["--one-device"], env=env, capture_output=True, text=True, timeout=300,
+                           check=False)
+    assert "LOSSES" in local.stdout, local.stdout + local.stderr
+    remote = flexrun(native_libs, gpu_server, tmp_path, program, name="torch-model-parallel", memory=4 * GiB,
+                     slices=2)
+    assert "DEVICES 2" in remote.stdout, remote.stdout + remote.stderr
+    curve = lambda out: json.loads(next(x for x in out.splitlines() if x.startswith("LOSSES "))[7:])  # noqa: E731
+    a, b = curve(local.stdout), curve(remote.stdout)
+    assert len(a) == len(b) == 20 and b[-1] < b[0]
+    assert max(abs(p - q) for p, q in zip(a, b)) <= 1e-3 * max(a), list(zip(a, b))
