@@ -315,3 +315,52 @@ def test_a_daemon_refuses_a_database_written_by_a_newer_layout(postgres: Postgre
     with pytest.raises(ConfigError, match=f"layout {STORE_SCHEMA + 1}, newer than this rgpu-poold's {STORE_SCHEMA}") as caught:
         PostgresStore(postgres.url)
     assert "\n" not in str(caught.value) and "upgrade this pool daemon" in str(caught.value)
+
+
+def test_two_daemons_reconcilers_release_a_finished_jobs_lease_once(two_cores, postgres: Postgres) -> None:  # type: ignore[no-untyped-def]
+    # Each rgpu-poold runs the Slurm reconciler; with a shared store both see the finished job.
+    # The release is one change under the store's lock after catching up: exactly one of them
+    # releases it, the other finds nothing left, and the history holds one end.
+    import logging
+
+    from rgpu.slurm_plugin.jobkey import job_key
+    from rgpu.slurm_plugin.reconcile import Reconciler
+
+    a, b, clock = two_cores
+    a.register(server(0))
+    key = job_key("c", 42, 0, "c1")
+    a.allocate(req(key))
+
+    class NoJobs:   # stands in for Slurm's job list (squeue): job 42 has finished
+        def live_jobs(self) -> list:  # type: ignore[type-arg]
+            return []
+
+    released: list[bool] = []
+    both_looked = threading.Barrier(2, timeout=20)   # both see the lease before either releases it
+
+    class Counting:
+        def __init__(self, core: PoolCore) -> None:
+            self.core = core
+
+        def list_leases(self):  # type: ignore[no-untyped-def]
+            leases = self.core.list_leases()
+            both_looked.wait()
+            return leases
+
+        def release(self, job_key: str) -> bool:
+            done = self.core.release(job_key)
+            released.append(done)
+            return done
+
+    reconcilers = [Reconciler(Counting(core), NoJobs(), interval_seconds=1.0, grace_seconds=0.0,
+                              log=logging.getLogger("test.reconcile"), cluster="c", clock=lambda: clock.now + 60)
+                   for core in (a, b)]
+    threads = [threading.Thread(target=r.run_once) for r in reconcilers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(released) == [False, True], released
+    assert a.list_leases() == [] and b.list_leases() == []
+    with psycopg.connect(postgres.url, autocommit=True) as db:
+        assert db.execute("SELECT count(*) FROM lease_history WHERE job_key = %s", (key,)).fetchone()[0] == 1
