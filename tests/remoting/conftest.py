@@ -64,6 +64,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def run_nvcc(args: list[str], prebuilt_env: str) -> None:
+    """nvcc with these arguments on a GPU machine's test (skipped without nvcc: point `prebuilt_env` at
+    what was built elsewhere)."""
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        pytest.skip(f"no nvcc on this GPU machine and no {prebuilt_env}")
+    done = subprocess.run([nvcc, *args], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+
+
 @pytest.fixture(scope="session")
 def native_libs(tmp_path_factory: pytest.TempPathFactory) -> build.Libraries:
     """libcuda.so.1 and libnvidia-ml.so.1 built from this checkout's sources."""

@@ -32,7 +32,7 @@ def test_profiles_name_the_round_trips_of_a_runtime_program(native_libs: build.L
     assert by_name["cuMemsetD8_v2"].async_calls >= 1 or by_name["cuMemsetD8Async"].async_calls >= 1
     assert sends >= 1
     table = client_stats.render(ops, sends)
-    assert "cuMemAlloc_v2" in table.splitlines()[2] or "cuMemAlloc_v2" in table
+    assert "cuMemAlloc_v2" in table
     # The worker writes its profile when the session ends, just after the client has exited.
     deadline = time.monotonic() + 20
     while not (workers := list(tmp_path.glob("worker-*.json"))) and time.monotonic() < deadline:

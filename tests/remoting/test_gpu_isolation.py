@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ import pytest
 
 from rgpu.live_leases import LiveLeases
 from rgpu.remoting.native import build
-from tests.remoting.conftest import Server, client_env, start_server
+from tests.remoting.conftest import Server, client_env, run_nvcc, start_server
 from tests.remoting.test_gpu import local_gpu
 
 pytestmark = pytest.mark.gpu
@@ -48,14 +47,9 @@ def cubin(tmp_path_factory: pytest.TempPathFactory) -> Path:
     prebuilt = os.environ.get("RGPU_ISOLATION_CUBIN")
     if prebuilt:
         return Path(prebuilt)
-    nvcc = shutil.which("nvcc")
-    if not nvcc:
-        pytest.skip("no nvcc on this GPU machine and no RGPU_ISOLATION_CUBIN")
     major, _, minor = local_gpu().compute_capability.partition(".")
     out = tmp_path_factory.mktemp("kernels") / f"isolation_kernels.sm_{major}{minor}.cubin"
-    done = subprocess.run([nvcc, "-cubin", f"-arch=sm_{major}{minor}", "-O2", "-o", str(out), str(SOURCE)],
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr
+    run_nvcc(["-cubin", f"-arch=sm_{major}{minor}", "-O2", "-o", str(out), str(SOURCE)], "RGPU_ISOLATION_CUBIN")
     return out
 
 

@@ -8,14 +8,13 @@ and runtime_demo_shared built elsewhere (and libcudart.so.13 for the shared one)
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 from rgpu.remoting.native import build
 
-from tests.remoting.conftest import EXAMPLES, PY, Server
+from tests.remoting.conftest import EXAMPLES, PY, Server, run_nvcc
 from tests.remoting.test_gpu import GiB, flexrun, gpu_server, py  # noqa: F401 - the fixture is used by name
 
 pytestmark = pytest.mark.gpu
@@ -26,15 +25,10 @@ def runtime_demos(tmp_path_factory: pytest.TempPathFactory) -> Path:
     prebuilt = os.environ.get("RGPU_RUNTIME_DEMO_DIR")
     if prebuilt:
         return Path(prebuilt)
-    nvcc = shutil.which("nvcc")
-    if not nvcc:
-        pytest.skip("no nvcc on this GPU machine and no RGPU_RUNTIME_DEMO_DIR")
     out = tmp_path_factory.mktemp("runtime")
     for kind in ("static", "shared"):
-        done = subprocess.run([nvcc, "-O2", "-gencode", "arch=compute_90,code=[sm_90,compute_90]", "-cudart", kind,
-                               str(EXAMPLES / "runtime_demo.cu"), "-o", str(out / f"runtime_demo_{kind}")],
-                              capture_output=True, text=True, timeout=300, check=False)
-        assert done.returncode == 0, done.stderr
+        run_nvcc(["-O2", "-gencode", "arch=compute_90,code=[sm_90,compute_90]", "-cudart", kind,
+                  str(EXAMPLES / "runtime_demo.cu"), "-o", str(out / f"runtime_demo_{kind}")], "RGPU_RUNTIME_DEMO_DIR")
     return out
 
 

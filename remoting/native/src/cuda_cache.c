@@ -264,16 +264,19 @@ CUfunction rgpu_fn_remote(CUfunction f) {
 static table g_event_session;
 #define EVENT_AMBIGUOUS 0xFFFFu
 void rgpu_event_session_put(CUevent event, int session) {
+    if (rgpu_session_count < 2) return;   /* one slice: every event is the current one's */
     uint64_t v;
     if (get(&g_event_session, (uint64_t)(uintptr_t)event, 0, 0, &v) && v != (uint64_t)session + 1)
         session = EVENT_AMBIGUOUS - 1;
     put(&g_event_session, (uint64_t)(uintptr_t)event, 0, 0, (uint64_t)session + 1);
 }
 void rgpu_event_session_forget(CUevent event) {
+    if (rgpu_session_count < 2) return;
     forget_first_key(&g_event_session, (uint64_t)(uintptr_t)event);
 }
 int rgpu_event_elsewhere(CUevent event, CUresult *result) {
     uint64_t v;
+    if (rgpu_session_count < 2) return 0;   /* PyTorch waits on events often: no lock for one slice */
     rgpu_ctx *cur = rgpu_ctx_current();
     if (!cur || !get(&g_event_session, (uint64_t)(uintptr_t)event, 0, 0, &v) || v == EVENT_AMBIGUOUS ||
         (int)(v - 1) == cur->session)

@@ -73,7 +73,7 @@ static CUresult free_common(uint16_t op, CUdeviceptr dptr, CUstream stream) {
 
 RGPU_EXPORT CUresult CUDAAPI cuMemFree_v2(CUdeviceptr dptr) {
     if (!dptr) return rgpu_check_init();
-    if (rgpu_managed_find(dptr, NULL)) return rgpu_managed_free(dptr);
+    if (rgpu_managed_find(dptr)) return rgpu_managed_free(dptr);
     return free_common(RGPU_OP_cuMemFree_v2, dptr, NULL);
 }
 

@@ -133,15 +133,13 @@ static managed_region *find_locked(CUdeviceptr p) {
 /* A host pointer of a copy that is really managed memory (not while this library hands it over):
  * the copy is the GPU's, device to device. */
 int rgpu_managed_routes(const void *host) {
-    return !t_moving && rgpu_managed_find((CUdeviceptr)(uintptr_t)host, NULL);
+    return !t_moving && rgpu_managed_find((CUdeviceptr)(uintptr_t)host);
 }
 
-int rgpu_managed_find(CUdeviceptr p, CUdeviceptr *real) {
+int rgpu_managed_find(CUdeviceptr p) {
     if (!__atomic_load_n(&g_count, __ATOMIC_ACQUIRE)) return 0;
     pthread_mutex_lock(&g_lock);
-    managed_region *m = find_locked(p);
-    int found = m && (!real || m->user == p);
-    if (found && real) *real = m->real;
+    int found = find_locked(p) != NULL;
     pthread_mutex_unlock(&g_lock);
     return found;
 }

@@ -159,7 +159,7 @@ int rgpu_event_elsewhere(CUevent event, CUresult *result);
 /* Managed memory emulated in the client (managed.c). */
 void rgpu_managed_before_call(uint16_t op);
 void rgpu_managed_sync_point(void);
-int rgpu_managed_find(CUdeviceptr p, CUdeviceptr *real);
+int rgpu_managed_find(CUdeviceptr p);
 int rgpu_managed_routes(const void *host);
 CUresult rgpu_managed_free(CUdeviceptr user);
 int rgpu_kfunc_get(CUkernel k, CUfunction *out);
