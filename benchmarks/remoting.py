@@ -154,14 +154,18 @@ def start_session_server(gpu, secret: bytes, backend: str = "cuda"):  # type: ig
 
 
 def local_gpu():  # type: ignore[no-untyped-def]
+    """The GPU the benchmarks serve: NVML index 0, or the one GPU CUDA_VISIBLE_DEVICES names by index
+    (so `CUDA_VISIBLE_DEVICES=1 python benchmarks/...` runs locally and through rgpu on GPU 1)."""
     import pynvml
 
     from rgpu.model import GpuInfo
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    index = int(visible) if visible.isdigit() else 0
     pynvml.nvmlInit()
-    h = pynvml.nvmlDeviceGetHandleByIndex(0)
+    h = pynvml.nvmlDeviceGetHandleByIndex(index)
     as_text = lambda v: v.decode() if isinstance(v, bytes) else v
     major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
-    gpu = GpuInfo(uuid=as_text(pynvml.nvmlDeviceGetUUID(h)), index=0, name=as_text(pynvml.nvmlDeviceGetName(h)),
+    gpu = GpuInfo(uuid=as_text(pynvml.nvmlDeviceGetUUID(h)), index=index, name=as_text(pynvml.nvmlDeviceGetName(h)),
                   total_memory_bytes=pynvml.nvmlDeviceGetMemoryInfo(h).total,
                   usable_memory_bytes=pynvml.nvmlDeviceGetMemoryInfo(h).total, compute_capability=f"{major}.{minor}")
     pynvml.nvmlShutdown()

@@ -158,16 +158,18 @@ class RgpuCluster:
         self.pool_port = wait_for_port_file(port_file, daemon)
         return daemon
 
-    def start_dispatcher(self, inventory: Path | str, port: int | None = None, *extra_args: str,
+    def start_dispatcher(self, inventory: Path | str | None, port: int | None = None, *extra_args: str,
                          env: dict[str, str] | None = None, nofile: int | None = None) -> tuple[Daemon, int]:
-        """Start rgpu-dispatcher on `port` (default: one it picks) once it serves; return it and its port."""
+        """Start rgpu-dispatcher on `port` (default: one it picks) once it serves; return it and its port.
+        inventory None: the GPUs NVML finds (a GPU machine)."""
         self._dispatchers_started += 1
         n = self._dispatchers_started
         port_file = self.root / f"dispatcher-{n}.port"
         port_file.unlink(missing_ok=True)
         daemon = Daemon(f"rgpu-dispatcher-{n}",
                         [sys.executable, "-m", "rgpu.remoting.dispatcher.daemon", "-p", str(port or 0), "--host", "127.0.0.1",
-                         "--advertise", "127.0.0.1", "--pool", self.pool_address, "--inventory", str(inventory),
+                         "--advertise", "127.0.0.1", "--pool", self.pool_address,
+                         *(["--inventory", str(inventory)] if inventory is not None else []),
                          "--port-file", str(port_file), *extra_args],
                         self.root / f"dispatcher-{n}.log", env or self.env(), nofile=nofile).start()
         self.daemons.append(daemon)
