@@ -351,6 +351,10 @@ BEFORE_HOOKS = {
     "cuDevicePrimaryCtxGetState": "if (rgpu_pstate_get(dev, flags, active)) return CUDA_SUCCESS",
     "cuCtxGetLimit": "if (rgpu_limit_get(limit, pvalue)) return CUDA_SUCCESS",
     "cuStreamWaitEvent": "{ CUresult r_; if (rgpu_event_elsewhere(hEvent, &r_)) return r_; }",
+    # a device-to-device copy between two slices (cudaMemcpy DeviceToDevice from cuda:0 to cuda:1)
+    "cuMemcpyDtoD_v2": "{ CUresult r_; if (rgpu_dtod_between_slices(dstDevice, srcDevice, ByteCount, NULL, &r_)) return r_; }",
+    "cuMemcpyDtoDAsync_v2": ("{ CUresult r_; if (rgpu_dtod_between_slices(dstDevice, srcDevice, ByteCount, hStream, &r_)) "
+                             "return r_; }"),
     # setting an attribute to the value it has is a no-op (cuBLAS sets it before each launch)
     "cuKernelSetAttribute": "{ int v_; if (rgpu_kattr_get(kernel, attrib, dev, &v_) && v_ == val) return CUDA_SUCCESS; }",
     "cuOccupancyMaxActiveBlocksPerMultiprocessor": "if (rgpu_occ_get(func, blockSize, dynamicSMemSize, 0, numBlocks)) return CUDA_SUCCESS",

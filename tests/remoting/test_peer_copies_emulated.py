@@ -43,6 +43,17 @@ def test_copies_between_two_slices_go_through_the_client(native_libs: build.Libr
         check("cuMemcpyDtoH_v2", out, c, ctypes.c_size_t(n))
         print("ASYNC_COPY", out.raw == src)
         print("BAD_CTX", lib.cuMemcpyPeer(b, None, a, ctx0, ctypes.c_size_t(16)))
+        # The runtime's cudaMemcpy(DeviceToDevice) between devices (PyTorch's tensor.to("cuda:1")):
+        # device-to-device copies whose sides are in different slices.
+        check("cuMemsetD8_v2", c, 0, ctypes.c_size_t(n))
+        check("cuMemcpyDtoD_v2", c, a, ctypes.c_size_t(n))
+        check("cuMemcpyDtoH_v2", out, c, ctypes.c_size_t(n))
+        print("DTOD_COPY", out.raw == src)
+        check("cuMemsetD8_v2", c, 0, ctypes.c_size_t(n))
+        check("cuMemcpyDtoDAsync_v2", c, a, ctypes.c_size_t(n), s)
+        check("cuStreamSynchronize", s)
+        check("cuMemcpyDtoH_v2", out, c, ctypes.c_size_t(n))
+        print("DTOD_ASYNC_COPY", out.raw == src)
         """)
     out = done.stdout
     assert "PEER 0" in out, out + done.stderr
@@ -50,6 +61,7 @@ def test_copies_between_two_slices_go_through_the_client(native_libs: build.Libr
     assert "UNIFIED_COPY True" in out
     assert "ASYNC_COPY True" in out
     assert "BAD_CTX 201" in out                                   # CUDA_ERROR_INVALID_CONTEXT
+    assert "DTOD_COPY True" in out and "DTOD_ASYNC_COPY True" in out
 
 
 def test_a_stream_of_one_slice_waits_for_an_event_of_the_other(native_libs: build.Libraries, emulated: Server) -> None:

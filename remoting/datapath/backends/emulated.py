@@ -39,7 +39,15 @@ from rgpu.remoting.datapath.backends.base import (
 
 EMULATED_DRIVER_VERSION = 13000
 _ALIGN = 512
-_BASE_ADDRESS = 0x7F5A_0000_0000
+_BASE_ADDRESS = 0x6000_0000_0000
+
+
+def _address_base() -> int:
+    """Where this worker's allocations start: a random 4 GiB-aligned slot in 16 TiB, as a real
+    driver's address space lands wherever the process's mmap puts it. Two sessions of one
+    application (devices 0 and 1) then hold different addresses, as they do on real GPUs, so
+    copies routed by pointer are tested for real."""
+    return _BASE_ADDRESS + (int.from_bytes(os.urandom(2), "little") % 4096 << 32)
 
 # Device attributes an H100/H200-class GPU reports; the rest read 0.
 _ATTRIBUTES = {
@@ -126,7 +134,7 @@ class EmulatedBackend:
         self.current = 0
         self.allocs: dict[int, bytearray] = {}
         self.bases: list[int] = []
-        self.next_address = _BASE_ADDRESS
+        self.next_address = _address_base()
         self.handles = _Handles(0x5000_0000)
         self.streams: dict[int, tuple[int, int]] = {}     # handle -> (flags, priority)
         self.events: dict[int, float | None] = {}

@@ -313,6 +313,18 @@ static CUresult copy_between_slices(CUdeviceptr dst, rgpu_ctx *dctx, CUdeviceptr
     return r;
 }
 
+/* A device-to-device copy whose two sides sit in different slices (the runtime's cudaMemcpy
+ * DeviceToDevice between devices, as PyTorch copies a tensor from cuda:0 to cuda:1): neither worker
+ * knows the other's pointer, so it goes through this process. 1 (and *r) when handled here; 0 leaves
+ * the copy to the pipelined path of its own slice. */
+int rgpu_dtod_between_slices(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream, CUresult *r) {
+    if (rgpu_session_count < 2) return 0;
+    int ds = session_of(dst), ss = session_of(src);
+    if (ds < 0 || ss < 0 || ds == ss) return 0;
+    *r = copy_between_slices(dst, rgpu_ctx_of_session(ds), src, rgpu_ctx_of_session(ss), n, stream);
+    return 1;
+}
+
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyPeer(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
                                          CUcontext srcContext, size_t ByteCount) {
     CUresult r = rgpu_check_init();
