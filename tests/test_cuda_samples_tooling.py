@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 from benchmarks.cuda_samples import build, run
 from benchmarks.cuda_samples.outcomes import (
+    WAIVE_CODE,
     Run,
     failure_lines,
+    is_waived,
     last_line,
     refused_recovering,
     should_retry,
@@ -19,6 +21,7 @@ from benchmarks.cuda_samples.outcomes import (
     table,
     to_json,
     verdict,
+    waived_lines,
 )
 from benchmarks.cuda_samples.plan import (
     PlanError,
@@ -30,6 +33,7 @@ from benchmarks.cuda_samples.plan import (
     parse_sample_list,
     pin_nvjitlink,
     plan_sample,
+    python_examples,
     select,
 )
 
@@ -315,7 +319,130 @@ def test_run_choose_and_list(tmp_path: Path) -> None:
 
 def test_run_help_needs_no_gpu() -> None:
     args = run.parser().parse_args(["--built", "/b"])
-    assert (args.timeout, args.retry_s, args.only_rgpu, args.sharing, args.local_workers) == (60.0, 10.0, False, None, 4)
+    assert (args.timeout, args.retry_s, args.only_rgpu, args.sharing, args.local_workers) == (None, 10.0, False, None, 4)
     with pytest.raises(SystemExit) as done:
         run.main(["--help"])
     assert done.value.code == 0
+
+
+# -------------------------------------------------------------------------------- cuda-python's examples
+
+# Paths as they are in NVIDIA/cuda-python's cuda_bindings/examples (old camelCase pytest wrappers,
+# the old in-tree helpers and the package's helper copy among them).
+EXAMPLE_PATHS = [
+    "0_Introduction/clock_nvrtc.py", "0_Introduction/clock_nvrtc_test.py", "0_Introduction/simple_p2p.py",
+    "0_Introduction/simpleP2P_test.py", "3_CUDA_Features/simple_cuda_graphs.py", "common/common.py",
+    "common/helper_cuda.py", "common/__init__.py", "extra/jit_program.py", "extra/numba_emm_plugin.py",
+    "conftest.py", "_example_helpers/common.py", "extra/__pycache__/x.py", "README.md", "pytest.ini",
+    ".hidden/a.py", "extra/test_something.py",
+]
+
+
+def test_python_examples_are_the_scripts_outside_helpers_and_tests() -> None:
+    assert python_examples(EXAMPLE_PATHS) == [
+        ("clock_nvrtc", "0_Introduction/clock_nvrtc.py"), ("simple_p2p", "0_Introduction/simple_p2p.py"),
+        ("simple_cuda_graphs", "3_CUDA_Features/simple_cuda_graphs.py"), ("jit_program", "extra/jit_program.py"),
+        ("numba_emm_plugin", "extra/numba_emm_plugin.py")]
+    assert python_examples([]) == []
+
+
+def test_two_examples_with_one_name_are_refused() -> None:
+    with pytest.raises(PlanError, match="a/x.py and b/x.py share the name x"):
+        python_examples(["b/x.py", "a/x.py"])
+
+
+def test_waiver_is_the_waive_code_without_a_traceback() -> None:
+    assert WAIVE_CODE == 2
+    assert is_waived(2, 2, "Two or more GPUs with Peer-to-Peer access capability are required\n")
+    assert not is_waived(2, None, "waived")                 # cuda-samples binaries: no waive code given
+    assert not is_waived(1, 2, "waived")
+    assert not is_waived(None, 2, "")
+    assert not is_waived(2, 2, "Traceback (most recent call last):\n  ...\nSystemExit")
+    assert not is_waived(2, 2, "python3: can't open file '/x/y.py': [Errno 2] No such file or directory")
+
+
+def waived(name: str, mode: str, line: str = "needs 2 GPUs") -> Run:
+    return Run(name, mode, 2, 0.5, line, waived=True)
+
+
+def test_waived_locally_is_neither_a_local_pass_nor_a_failure() -> None:
+    names = ["a", "p2p", "b"]
+    local = {"a": ok("a", "local"), "p2p": waived("p2p", "local"), "b": ok("b", "local")}
+    remote = {"a": ok("a"), "p2p": waived("p2p", "rgpu"), "b": waived("b", "rgpu", "no managed memory")}
+    assert verdict(local["p2p"], remote["p2p"]) == "local-waived"
+    assert verdict(local["b"], remote["b"]) == "rgpu-fail"     # rgpu hid a capability the GPU has
+    s = summarize(names, local, remote)
+    assert (s.local_passes, s.rgpu_passes, s.failures, s.waived) == (2, 1, ["b"], ["p2p"])
+    assert s.line() == "local passes 2, also through rgpu 1 (50%); waived locally 1"
+    assert failure_lines(s, local, remote) == ["b [rgpu]: waived: no managed memory"]
+    assert waived_lines(s, local, remote) == ["p2p [local]: needs 2 GPUs"]
+    assert "waived" in table(names, local, remote)[2]
+    result = to_json(names, local, remote, s)
+    assert result["summary"]["waived"] == ["p2p"] and result["programs"][1]["local"]["waived"] is True
+
+
+def test_waived_through_rgpu_without_local_runs() -> None:
+    s = summarize(["a", "p2p"], {}, {"a": ok("a"), "p2p": waived("p2p", "rgpu")})
+    assert verdict(None, waived("p2p", "rgpu")) == "waived"
+    assert (s.failures, s.waived) == ([], ["p2p"])
+    assert s.line() == "through rgpu 1 of 2 pass (50%) (no local runs); waived 1"
+
+
+def make_examples(root: Path) -> None:
+    for rel in ["0_Introduction/clock_nvrtc.py", "0_Introduction/simple_p2p.py", "common/helper_cuda.py",
+                "0_Introduction/clock_nvrtc_test.py", "extra/jit_program.py"]:
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("print('hi')\n")
+
+
+def test_python_programs_run_each_script_in_its_folder_with_the_examples_on_pythonpath(tmp_path: Path) -> None:
+    make_examples(tmp_path)
+    progs = run.python_programs(tmp_path, "/py/bin/python3", None)
+    assert [p.name for p in progs] == ["clock_nvrtc", "simple_p2p", "jit_program"]
+    p2p = progs[1]
+    assert p2p.argv == ["/py/bin/python3", str(tmp_path / "0_Introduction" / "simple_p2p.py")]
+    assert p2p.cwd == tmp_path / "0_Introduction" and p2p.waive_code == WAIVE_CODE
+    assert p2p.env["CUDA_BINDINGS_SKIP_EXAMPLE"] == "2" and p2p.env["PYTHONPATH"].split(":")[0] == str(tmp_path)
+    assert run.example_env(tmp_path, "/site")["PYTHONPATH"] == f"{tmp_path}:/site"
+    assert [p.name for p in run.python_programs(tmp_path, "py", "jit_program,clock_nvrtc")] == ["clock_nvrtc", "jit_program"]
+    with pytest.raises(run.RunError, match="not in the examples under .*: nope"):
+        run.python_programs(tmp_path, "py", "nope")
+    with pytest.raises(run.RunError, match="no folder"):
+        run.python_programs(tmp_path / "missing", "py", None)
+    with pytest.raises(run.RunError, match="no example scripts"):
+        run.python_programs(_empty(tmp_path), "py", None)
+
+
+def _empty(root: Path) -> Path:
+    (root / "empty").mkdir()
+    return root / "empty"
+
+
+def test_python_examples_dry_run_prints_the_plan_without_a_gpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    make_examples(tmp_path)
+    assert run.main(["--python-examples", str(tmp_path), "--python", "py3", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(f"clock_nvrtc: cd {tmp_path}/0_Introduction && PYTHONPATH={tmp_path}")
+    assert out[0].endswith(f"CUDA_BINDINGS_SKIP_EXAMPLE=2 py3 {tmp_path}/0_Introduction/clock_nvrtc.py")
+    assert out[-1] == "3 programs; LD_LIBRARY_PATH first: (nothing added); timeout 180 s each"
+
+
+def test_run_without_a_gpu_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        run.require_gpu()
+    except run.RunError:
+        pass
+    else:
+        pytest.skip("this machine has a GPU: the run would start")
+    make_examples(tmp_path)
+    assert run.main(["--python-examples", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("run: no GPU 0 on this machine (") and err.count("\n") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_built_and_python_examples_are_exclusive() -> None:
+    with pytest.raises(SystemExit):
+        run.parser().parse_args(["--built", "/b", "--python-examples", "/e"])
+    with pytest.raises(SystemExit):
+        run.parser().parse_args([])

@@ -241,3 +241,32 @@ def link_name(filename: str) -> str | None:
     (`libcublas.so.13`), or None for other files."""
     m = re.fullmatch(r"(lib[\w+-]+\.so)\.\d+(\.\d+)*", filename)
     return m.group(1) if m else None
+
+
+# ---------------------------------------------------------------------------- cuda-python's examples
+
+# Folders of shared code, not examples: the old in-tree helpers (`common/`) and the package's
+# `_example_helpers` copy. Test wrappers (pytest files) are not examples either.
+_HELPER_DIRS = frozenset({"common", "_example_helpers", "__pycache__"})
+
+
+def is_python_example(rel: str) -> bool:
+    """Whether `rel` (a path relative to the examples folder, `/`-separated) is an example script:
+    a `.py` file outside helper and hidden folders, not a pytest file, conftest, setup or private module."""
+    parts = rel.split("/")
+    name = parts[-1]
+    if not name.endswith(".py") or any(p in _HELPER_DIRS or p.startswith((".", "_")) for p in parts):
+        return False
+    return not (name.startswith("test_") or name.endswith("_test.py") or name in ("conftest.py", "setup.py"))
+
+
+def python_examples(rels: list[str]) -> list[tuple[str, str]]:
+    """(name, rel) of each example script among `rels`, sorted by path; the name is the file's stem
+    (it names the logs). Two examples with one stem are a PlanError naming both."""
+    seen: dict[str, str] = {}
+    for rel in sorted(r for r in rels if is_python_example(r)):
+        stem = rel.rsplit("/", 1)[-1][:-3]
+        if stem in seen:
+            raise PlanError(f"python examples: {seen[stem]} and {rel} share the name {stem} (rename one copy)")
+        seen[stem] = rel
+    return [(name, rel) for name, rel in seen.items()]

@@ -1,17 +1,27 @@
-"""Run the built cuda-samples locally and through rgpu, and compare (on a GPU node).
+"""Run the built cuda-samples, or cuda-python's example scripts, locally and through rgpu, and
+compare (on a GPU node).
 
     python benchmarks/cuda_samples/run.py --built DIR [--out DIR] [--libs DIR[:DIR]] \\
-        [--timeout 60] [--samples a,b] [--only-rgpu] [--sharing mps|isolated]
+        [--timeout 60] [--samples a,b] [--only-rgpu] [--sharing mps|isolated] [--dry-run]
+    python benchmarks/cuda_samples/run.py --python-examples DIR [--python PY] [same options]
 
-DIR is build.py's --out. The script starts a session server with the real-GPU backend on a
-loopback port for GPU 0 (shared as --sharing), runs every program of DIR/LIST natively (4 at a
-time), then each through rgpu with a whole-GPU slice, one at a time (under MPS one client's GPU
-fault ends every session on the GPU). Each run has its own time limit (--timeout). A run refused
-because the GPU is recovering from the previous sample's fault is retried for up to --retry-s.
+--built DIR is build.py's --out. --python-examples DIR is a copy of cuda-python's
+`cuda_bindings/examples` folder: every `*.py` under it except helpers (`common/`, `_*`) and
+pytest files is one program, run as `PY DIR/<path>` (PY: this interpreter) in its own folder with
+DIR on PYTHONPATH and CUDA_BINDINGS_SKIP_EXAMPLE=2, so an example that waives (a capability
+missing, e.g. a second GPU) exits 2 and counts as waived, not passed (default --timeout 180).
 
-It prints a table, `local passes N, also through rgpu M (P%)` and each failure with its last
-stderr line; --out gets results.json, logs/<name>.<local|rgpu>.log and server.log.
-LD_LIBRARY_PATH gets --libs (default: the --rpath build.py recorded) and DIR/cudart.
+The script checks that NVML sees a GPU, starts a session server with the real-GPU backend on a
+loopback port for GPU 0 (shared as --sharing), runs every program natively (4 at a time), then
+each through rgpu with a whole-GPU slice, one at a time (under MPS one client's GPU fault ends
+every session on the GPU). Each run has its own time limit (--timeout). A run refused because the
+GPU is recovering from the previous program's fault is retried for up to --retry-s.
+
+It prints a table, `local passes N, also through rgpu M (P%)` (with `; waived locally W` when
+some waived), each failure and each waiver with its last stderr line; --out gets results.json,
+logs/<name>.<local|rgpu>.log and server.log. For --built, LD_LIBRARY_PATH gets --libs (default:
+the --rpath build.py recorded) and DIR/cudart. --dry-run prints the programs, their folders and
+added environment, and runs nothing (no GPU needed).
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +44,18 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(HERE.parents[1]))
 
 from benchmarks.cuda_samples.outcomes import (  # noqa: E402
+    WAIVE_CODE,
     Run,
     failure_lines,
+    is_waived,
     last_line,
     should_retry,
     summarize,
     table,
     to_json,
+    waived_lines,
 )
+from benchmarks.cuda_samples.plan import PlanError, python_examples  # noqa: E402
 
 GiB = 1 << 30
 
@@ -51,6 +65,8 @@ class Program:
     name: str
     argv: list[str]
     cwd: Path
+    env: dict[str, str] = field(default_factory=dict)   # added to (and overriding) the run's environment
+    waive_code: int | None = None                       # the exit code that means "waived"; None: no waiving
 
 
 class RunError(Exception):
@@ -66,13 +82,13 @@ def read_list(built: Path) -> list[str]:
     return listing.read_text().split()
 
 
-def choose(names: list[str], wanted: str | None) -> list[str]:
+def choose(names: list[str], wanted: str | None, where: str = "LIST (not built?)") -> list[str]:
     if not wanted:
         return names
     asked = [n.strip() for n in wanted.split(",") if n.strip()]
     unknown = [n for n in asked if n not in names]
     if unknown:
-        raise RunError(f"run: not in LIST (not built?): {', '.join(unknown)}")
+        raise RunError(f"run: not in {where}: {', '.join(unknown)}")
     return [n for n in names if n in asked]
 
 
@@ -89,6 +105,13 @@ def program_env(base: dict[str, str], ld_parts: list[str], native: str | None = 
     if slices:
         env["RGPU_SLICES"] = slices
     return env
+
+
+def example_env(folder: Path, existing_pythonpath: str | None) -> dict[str, str]:
+    """What a cuda-python example's run adds to its environment: the examples folder on PYTHONPATH
+    (older examples import `common.helper_cuda` from there) and the waive exit code."""
+    return {"PYTHONPATH": library_path([str(folder)], existing_pythonpath),
+            "CUDA_BINDINGS_SKIP_EXAMPLE": str(WAIVE_CODE)}
 
 
 def default_libs(built: Path) -> list[str]:
@@ -126,9 +149,10 @@ def write_log(path: Path, argv: list[str], attempt: int, rc: int | None, timed_o
 
 
 def run_local(p: Program, env: dict[str, str], timeout: float, logs: Path) -> Run:
-    rc, timed_out, secs, out, err = execute(p.argv, p.cwd, env, timeout)
+    rc, timed_out, secs, out, err = execute(p.argv, p.cwd, {**env, **p.env}, timeout)
     write_log(logs / f"{p.name}.local.log", p.argv, 1, rc, timed_out, secs, out, err)
-    return Run(p.name, "local", rc, round(secs, 2), last_line(err, out), timed_out)
+    return Run(p.name, "local", rc, round(secs, 2), last_line(err, out), timed_out,
+               waived=is_waived(rc, p.waive_code, err))
 
 
 class Rgpu:
@@ -188,7 +212,7 @@ def run_rgpu(p: Program, rgpu: Rgpu, ld_parts: list[str], timeout: float, retry_
         rgpu.wait_settled(max(0.0, retry_s - waited))
         waited += time.monotonic() - t
         env = program_env(dict(os.environ), ld_parts, native=str(rgpu.libs.folder), slices=rgpu.slices(p.name))
-        rc, timed_out, secs, out, err = execute(p.argv, p.cwd, env, timeout)
+        rc, timed_out, secs, out, err = execute(p.argv, p.cwd, {**env, **p.env}, timeout)
         write_log(logs / f"{p.name}.rgpu.log", p.argv, attempt, rc, timed_out, secs, out, err)
         if rc != 0 and should_retry(err, waited, retry_s):
             time.sleep(0.5)
@@ -196,18 +220,23 @@ def run_rgpu(p: Program, rgpu: Rgpu, ld_parts: list[str], timeout: float, retry_
             continue
         if rc != 0:   # let a fault of this program be decided before the next one starts
             time.sleep(0.5)
-        return Run(p.name, "rgpu", rc, round(secs, 2), last_line(err, out), timed_out, attempt)
+        return Run(p.name, "rgpu", rc, round(secs, 2), last_line(err, out), timed_out, attempt,
+                   waived=is_waived(rc, p.waive_code, err))
 
 
 # ------------------------------------------------------------------------------ the command
 
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--built", type=Path, required=True, help="build.py's --out folder (with LIST)")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--built", type=Path, help="build.py's --out folder (with LIST)")
+    what.add_argument("--python-examples", type=Path, metavar="DIR",
+                      help="a copy of cuda-python's cuda_bindings/examples folder: run its example scripts")
+    p.add_argument("--python", default=sys.executable, help="the Python that runs the examples (default: this one)")
     p.add_argument("--out", type=Path, default=Path("cuda-samples-results"), help="results.json and logs go here")
     p.add_argument("--libs", help="folders of the CUDA math libraries on this machine, ':'-separated "
                                    "(default: the --rpath recorded by build.py)")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds per program run (default 60)")
+    p.add_argument("--timeout", type=float, help="seconds per program run (default 60; 180 for --python-examples)")
     p.add_argument("--samples", help="comma-separated names: run only these")
     p.add_argument("--only-rgpu", action="store_true", help="skip the local runs")
     p.add_argument("--sharing", choices=("mps", "isolated"), help="how the session server shares the GPU (default: its default, mps)")
@@ -215,11 +244,40 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--local-workers", type=int, default=4, help="local runs at a time")
     p.add_argument("--memory-gib", type=float, help="slice memory limit (default 90%% of the GPU)")
     p.add_argument("--compute-percent", type=int, default=100, help="slice compute share (default 100)")
+    p.add_argument("--dry-run", action="store_true", help="print the programs and how they would run; run nothing")
     return p
 
 
 def programs(built: Path, names: list[str]) -> list[Program]:
     return [Program(n, [str(built / n / n)], built / n) for n in names]
+
+
+def python_programs(folder: Path, python: str, wanted: str | None) -> list[Program]:
+    """The example scripts under `folder` (see plan.python_examples), each run in its own folder."""
+    if not folder.is_dir():
+        raise RunError(f"run: no folder {folder} (--python-examples takes a copy of cuda-python's cuda_bindings/examples)")
+    rels = [f.relative_to(folder).as_posix() for f in folder.rglob("*.py") if f.is_file()]
+    try:
+        found = python_examples(rels)
+    except PlanError as e:
+        raise RunError(f"run: {e}") from e
+    if not found:
+        raise RunError(f"run: no example scripts (*.py outside common/) under {folder}")
+    names = choose([name for name, _ in found], wanted, where=f"the examples under {folder}")
+    env = example_env(folder, os.environ.get("PYTHONPATH"))
+    return [Program(name, [python, str(folder / rel)], (folder / rel).parent, env, WAIVE_CODE)
+            for name, rel in found if name in names]
+
+
+def require_gpu() -> None:
+    """A one-line RunError unless NVML sees a GPU 0 here (the local runs and the session server need one)."""
+    try:
+        from benchmarks.remoting import local_gpu
+        local_gpu()
+    except Exception as e:   # noqa: BLE001 - no pynvml, no driver, no GPU: all mean "not a GPU node"
+        why = " ".join(str(e).split()) or type(e).__name__
+        raise RunError(f"run: no GPU 0 on this machine ({type(e).__name__}: {why}); run this on a GPU node, "
+                       f"or add --dry-run to see the plan") from e
 
 
 def report(names: list[str], local: dict[str, Run], remote: dict[str, Run], out: Path, about: dict[str, Any]) -> None:
@@ -228,6 +286,8 @@ def report(names: list[str], local: dict[str, Run], remote: dict[str, Run], out:
     print(summary.line())
     for line in failure_lines(summary, local, remote):
         print(f"  FAILED {line}")
+    for line in waived_lines(summary, local, remote):
+        print(f"  WAIVED {line}")
     (out / "results.json").write_text(json.dumps(to_json(names, local, remote, summary, **about), indent=2) + "\n")
     print(f"results: {out / 'results.json'}, logs: {out / 'logs'}")
 
@@ -241,20 +301,40 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
-def _main(args: argparse.Namespace) -> int:
+def plan_programs(args: argparse.Namespace) -> tuple[list[Program], list[str], dict[str, Any]]:
+    """The programs to run, the LD_LIBRARY_PATH parts they need, and what results.json records of them."""
+    if args.python_examples is not None:
+        folder = args.python_examples.resolve()
+        libs = args.libs.split(os.pathsep) if args.libs else []
+        return python_programs(folder, args.python, args.samples), libs, {"python_examples": str(folder),
+                                                                           "python": args.python, "libs": libs}
     built = args.built.resolve()
     names = choose(read_list(built), args.samples)
     missing = [n for n in names if not (built / n / n).is_file()]
     if missing:
         raise RunError(f"run: LIST names programs that are not in {built}: {', '.join(missing)} (rebuild with build.py)")
+    libs = args.libs.split(os.pathsep) if args.libs else default_libs(built)
+    return programs(built, names), [str(built / "cudart")] + libs, {"built": str(built), "libs": libs}
+
+
+def _main(args: argparse.Namespace) -> int:
+    if args.timeout is None:
+        args.timeout = 180.0 if args.python_examples is not None else 60.0
+    progs, ld_parts, recorded = plan_programs(args)
+    names = [p.name for p in progs]
+    if args.dry_run:
+        for p in progs:
+            added = " ".join(f"{k}={v}" for k, v in p.env.items())
+            print(f"{p.name}: cd {p.cwd} && {added + ' ' if added else ''}{' '.join(p.argv)}")
+        print(f"{len(progs)} programs; LD_LIBRARY_PATH first: {':'.join(ld_parts) or '(nothing added)'}; "
+              f"timeout {args.timeout:g} s each")
+        return 0
+    require_gpu()
     logs = args.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     for old in logs.glob("*.log"):
         old.unlink()
     logging.basicConfig(filename=str(args.out / "server.log"), level=logging.INFO)
-    libs = args.libs.split(os.pathsep) if args.libs else default_libs(built)
-    ld_parts = [str(built / "cudart")] + libs
-    progs = programs(built, names)
     local: dict[str, Run] = {}
     if not args.only_rgpu:
         env = program_env(dict(os.environ), ld_parts)
@@ -268,7 +348,7 @@ def _main(args: argparse.Namespace) -> int:
         rgpu = Rgpu(args.sharing, memory, args.compute_percent)
     except Exception as e:   # noqa: BLE001 - no GPU, no NVML, no compiler for rgpu's libraries
         if local:
-            report(names, local, remote, args.out, {"timeout_s": args.timeout, "built": str(built), "libs": libs})
+            report(names, local, remote, args.out, {"timeout_s": args.timeout, **recorded})
         raise RunError(f"run: could not start a session server on this machine's GPU 0: {e}") from e
     try:
         print(f"through rgpu: {len(progs)} programs, one at a time ({rgpu.gpu.name}, sharing {rgpu.gpu.sharing})", flush=True)
@@ -276,7 +356,7 @@ def _main(args: argparse.Namespace) -> int:
             r = run_rgpu(p, rgpu, ld_parts, args.timeout, args.retry_s, logs)
             remote[p.name] = r
             print(f"[{i}/{len(progs)}] {p.name}: {r.describe()} ({r.seconds:.1f} s)", flush=True)
-        about = {**rgpu.about(), "timeout_s": args.timeout, "built": str(built), "libs": libs}
+        about = {**rgpu.about(), "timeout_s": args.timeout, **recorded}
     finally:
         rgpu.stop()
     report(names, local, remote, args.out, about)
