@@ -49,6 +49,10 @@ class CParamPlan:
     get: str = ""        # C statement(s) reading it from the reply
 
 
+# Handles of libraries and their kernels: one value for every device in CUDA, one per slice in rgpu.
+MIRRORED_HANDLES = ("CUlibrary", "CUkernel")
+
+
 def _c_scalar_put(p: Param, expr: str) -> str:
     w = p.wire
     assert w is not None
@@ -58,6 +62,8 @@ def _c_scalar_put(p: Param, expr: str) -> str:
         return f"rgpu_put_u64(&c, {p.name}_remote);"
     if w.kind == "handle" and p.ctype == "CUfunction":   # a node of private table 6e163fbe: the worker's
         return f"rgpu_put_u64(&c, (uint64_t)(uintptr_t)rgpu_fn_remote({expr}));"
+    if w.kind == "handle" and p.ctype in MIRRORED_HANDLES:   # the slice's copy of a library (library_mirror.c)
+        return f"rgpu_put_u64(&c, rgpu_handle_in(c.s->index, (uint64_t)(uintptr_t){expr}));"
     if w.kind == "handle":
         return f"rgpu_put_u64(&c, (uint64_t)(uintptr_t){expr});"
     if w.kind == "nvmldev":
@@ -75,6 +81,8 @@ def _c_scalar_get(p: Param, target: str) -> str:
         return f"{target} = rgpu_dev_out(&c, rgpu_get_i32(&c));"
     if w.kind == "ctx":
         return f"{target} = rgpu_ctx_out(&c, rgpu_get_u64(&c));"
+    if w.kind == "handle" and p.ctype in MIRRORED_HANDLES:
+        return f"{target} = ({p.ctype})(uintptr_t)rgpu_handle_out(c.s->index, rgpu_get_u64(&c));"
     if w.kind == "handle":
         return f"{target} = ({p.ctype})(uintptr_t)rgpu_get_u64(&c);"
     if w.kind == "nvmldev":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from rgpu.remoting.native import build
 
-from tests.remoting.conftest import EMULATED_GPU_2, Server
+from tests.remoting.conftest import EMULATED_GPU_2, EXAMPLES, Server
 from tests.remoting.test_client_emulated import py_client
 
 
@@ -84,3 +84,71 @@ def test_a_stream_of_one_slice_waits_for_an_event_of_the_other(native_libs: buil
         check("cuEventDestroy_v2", ev0)
         """)
     assert "WAIT 0 0" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_library_loaded_on_one_slice_serves_the_other(native_libs: build.Libraries, emulated: Server) -> None:
+    # The CUDA runtime loads every fatbin once, as a library, and launches its kernels on whichever
+    # device is current (PyTorch's cuda:1). Worker 1 never saw the load on device 0: rgpu loads the
+    # library on every slice and translates the library and kernel handles per slice.
+    slices = emulated.slices(emulated.token(), emulated.token(gpu=EMULATED_GPU_2))
+    done = py_client(native_libs, slices, f"""
+        check("cuInit", 0)
+        ctx0, ctx1 = ctypes.c_void_p(), ctypes.c_void_p()
+        check("cuDevicePrimaryCtxRetain", ctypes.byref(ctx0), 0)
+        check("cuDevicePrimaryCtxRetain", ctypes.byref(ctx1), 1)
+        ptx = open({str(EXAMPLES / "vecadd.ptx")!r}, "rb").read() + b"\\0"
+        check("cuCtxSetCurrent", ctx1)
+        m1 = ctypes.c_void_p()
+        check("cuModuleLoadData", ctypes.byref(m1), ptx)     # worker 1's handles now differ from worker 0's
+        check("cuCtxSetCurrent", ctx0)
+        lib_ = ctypes.c_void_p()
+        check("cuLibraryLoadData", ctypes.byref(lib_), ptx, None, None, 0, None, None, 0)
+        k0, k1, f1 = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        check("cuLibraryGetKernel", ctypes.byref(k0), lib_, b"vecadd")
+        check("cuCtxSetCurrent", ctx1)
+        check("cuLibraryGetKernel", ctypes.byref(k1), lib_, b"vecadd")
+        print("SAME_KERNEL", k0.value == k1.value)
+        check("cuKernelGetFunction", ctypes.byref(f1), k0)
+        v = ctypes.c_int()
+        check("cuKernelGetAttribute", ctypes.byref(v), 0, k0, 1)      # MAX_THREADS_PER_BLOCK on device 1
+        print("ATTR", v.value > 0)
+        size = ctypes.c_size_t()
+        print("LAUNCH", lib.cuLaunchKernel(k0, 1, 1, 1, 1, 1, 1, 0, None, None, None))
+        print("UNLOAD", lib.cuLibraryUnload(lib_))
+        print("AFTER", lib.cuKernelGetFunction(ctypes.byref(f1), k0))
+        """)
+    out = done.stdout
+    assert "SAME_KERNEL True" in out, out + done.stderr
+    assert "ATTR True" in out
+    # The emulated worker knows the kernel on device 1 and refuses to run it (it cannot run
+    # kernels): CUDA_ERROR_NOT_SUPPORTED, not INVALID_HANDLE (801, not 400).
+    assert "LAUNCH 801" in out or "LAUNCH 1" in out, out + done.stderr
+    assert "UNLOAD 0" in out
+    assert "AFTER 0" not in out
+
+
+def test_a_library_loaded_before_the_other_slice_has_a_context_reaches_it_with_its_first_context(
+        native_libs: build.Libraries, emulated: Server) -> None:
+    # The runtime loads every fatbin at start-up, before the application picks device 1.
+    slices = emulated.slices(emulated.token(), emulated.token(gpu=EMULATED_GPU_2))
+    done = py_client(native_libs, slices, f"""
+        check("cuInit", 0)
+        ctx0, ctx1 = ctypes.c_void_p(), ctypes.c_void_p()
+        check("cuDevicePrimaryCtxRetain", ctypes.byref(ctx0), 0)
+        check("cuCtxSetCurrent", ctx0)
+        ptx = open({str(EXAMPLES / "vecadd.ptx")!r}, "rb").read() + b"\\0"
+        m0 = ctypes.c_void_p()
+        check("cuModuleLoadData", ctypes.byref(m0), ptx)     # worker 0's handles now differ from worker 1's
+        lib_ = ctypes.c_void_p()
+        check("cuLibraryLoadData", ctypes.byref(lib_), ptx, None, None, 0, None, None, 0)
+        k0 = ctypes.c_void_p()
+        check("cuLibraryGetKernel", ctypes.byref(k0), lib_, b"spin")
+        check("cuDevicePrimaryCtxRetain", ctypes.byref(ctx1), 1)
+        check("cuCtxSetCurrent", ctx1)
+        f1 = ctypes.c_void_p()
+        print("FUNCTION", lib.cuKernelGetFunction(ctypes.byref(f1), k0))
+        k1 = ctypes.c_void_p()
+        check("cuLibraryGetKernel", ctypes.byref(k1), lib_, b"spin")
+        print("SAME_KERNEL", k0.value == k1.value)
+        """)
+    assert "FUNCTION 0" in done.stdout and "SAME_KERNEL True" in done.stdout, done.stdout + done.stderr

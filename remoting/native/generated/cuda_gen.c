@@ -959,11 +959,11 @@ RGPU_EXPORT CUresult CUDAAPI cuLibraryGetKernel(CUkernel *pKernel, CUlibrary lib
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuLibraryGetKernel);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)library);
+    rgpu_put_u64(&c, rgpu_handle_in(c.s->index, (uint64_t)(uintptr_t)library));
     rgpu_put_str(&c, name);
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) {
-        { CUkernel pKernel_v; memset(&pKernel_v, 0, sizeof pKernel_v); pKernel_v = (CUkernel)(uintptr_t)rgpu_get_u64(&c); if (pKernel) *pKernel = pKernel_v; }
+        { CUkernel pKernel_v; memset(&pKernel_v, 0, sizeof pKernel_v); pKernel_v = (CUkernel)(uintptr_t)rgpu_handle_out(c.s->index, rgpu_get_u64(&c)); if (pKernel) *pKernel = pKernel_v; }
     }
     rgpu_end(&c);
     return r;
@@ -974,7 +974,7 @@ RGPU_EXPORT CUresult CUDAAPI cuLibraryGetModule(CUmodule *pMod, CUlibrary librar
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuLibraryGetModule);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)library);
+    rgpu_put_u64(&c, rgpu_handle_in(c.s->index, (uint64_t)(uintptr_t)library));
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) {
         { CUmodule pMod_v; memset(&pMod_v, 0, sizeof pMod_v); pMod_v = (CUmodule)(uintptr_t)rgpu_get_u64(&c); if (pMod) *pMod = pMod_v; }
@@ -989,7 +989,7 @@ RGPU_EXPORT CUresult CUDAAPI cuKernelGetFunction(CUfunction *pFunc, CUkernel ker
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuKernelGetFunction);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)kernel);
+    rgpu_put_u64(&c, rgpu_handle_in(c.s->index, (uint64_t)(uintptr_t)kernel));
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) {
         { CUfunction pFunc_v; memset(&pFunc_v, 0, sizeof pFunc_v); pFunc_v = (CUfunction)(uintptr_t)rgpu_get_u64(&c); if (pFunc) *pFunc = pFunc_v; }
@@ -1004,10 +1004,10 @@ RGPU_EXPORT CUresult CUDAAPI cuKernelGetLibrary(CUlibrary *pLib, CUkernel kernel
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuKernelGetLibrary);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)kernel);
+    rgpu_put_u64(&c, rgpu_handle_in(c.s->index, (uint64_t)(uintptr_t)kernel));
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) {
-        { CUlibrary pLib_v; memset(&pLib_v, 0, sizeof pLib_v); pLib_v = (CUlibrary)(uintptr_t)rgpu_get_u64(&c); if (pLib) *pLib = pLib_v; }
+        { CUlibrary pLib_v; memset(&pLib_v, 0, sizeof pLib_v); pLib_v = (CUlibrary)(uintptr_t)rgpu_handle_out(c.s->index, rgpu_get_u64(&c)); if (pLib) *pLib = pLib_v; }
     }
     rgpu_end(&c);
     return r;
@@ -1018,7 +1018,7 @@ RGPU_EXPORT CUresult CUDAAPI cuLibraryGetGlobal(CUdeviceptr *dptr, size_t *bytes
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuLibraryGetGlobal);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)library);
+    rgpu_put_u64(&c, rgpu_handle_in(c.s->index, (uint64_t)(uintptr_t)library));
     rgpu_put_str(&c, name);
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) {
@@ -1034,7 +1034,7 @@ RGPU_EXPORT CUresult CUDAAPI cuLibraryGetKernelCount(unsigned int *count, CUlibr
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuLibraryGetKernelCount);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)lib);
+    rgpu_put_u64(&c, rgpu_handle_in(c.s->index, (uint64_t)(uintptr_t)lib));
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) {
         { unsigned int count_v; memset(&count_v, 0, sizeof count_v); { uint32_t v_; rgpu_get(&c, &v_, sizeof v_); count_v = (unsigned int)v_; } if (count) *count = count_v; }
@@ -1049,10 +1049,10 @@ RGPU_EXPORT CUresult CUDAAPI cuLibraryEnumerateKernels(CUkernel *kernels, unsign
     CUresult r = rgpu_begin(&c, RGPU_OP_cuLibraryEnumerateKernels);
     if (r != CUDA_SUCCESS) return r;
     { uint32_t v_ = (uint32_t)numKernels; rgpu_put(&c, &v_, 4); }
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)lib);
+    rgpu_put_u64(&c, rgpu_handle_in(c.s->index, (uint64_t)(uintptr_t)lib));
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) {
-        { uint32_t n_ = rgpu_get_u32(&c); for (uint32_t i_ = 0; i_ < n_; i_++) { CUkernel e_; e_ = (CUkernel)(uintptr_t)rgpu_get_u64(&c); if (i_ < (uint32_t)(numKernels)) kernels[i_] = e_; } }
+        { uint32_t n_ = rgpu_get_u32(&c); for (uint32_t i_ = 0; i_ < n_; i_++) { CUkernel e_; e_ = (CUkernel)(uintptr_t)rgpu_handle_out(c.s->index, rgpu_get_u64(&c)); if (i_ < (uint32_t)(numKernels)) kernels[i_] = e_; } }
     }
     rgpu_end(&c);
     return r;
@@ -1065,7 +1065,7 @@ RGPU_EXPORT CUresult CUDAAPI cuKernelGetAttribute(int *pi, CUfunction_attribute 
     CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuKernelGetAttribute, dev);
     if (r != CUDA_SUCCESS) return r;
     { int32_t v_ = (int32_t)attrib; rgpu_put(&c, &v_, 4); }
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)kernel);
+    rgpu_put_u64(&c, rgpu_handle_in(c.s->index, (uint64_t)(uintptr_t)kernel));
     rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) {
@@ -1083,7 +1083,7 @@ RGPU_EXPORT CUresult CUDAAPI cuKernelSetAttribute(CUfunction_attribute attrib, i
     if (r != CUDA_SUCCESS) return r;
     { int32_t v_ = (int32_t)attrib; rgpu_put(&c, &v_, 4); }
     { int32_t v_ = (int32_t)val; rgpu_put(&c, &v_, 4); }
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)kernel);
+    rgpu_put_u64(&c, rgpu_handle_in(c.s->index, (uint64_t)(uintptr_t)kernel));
     rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) rgpu_kattr_changed(kernel, attrib, dev, val); else rgpu_cache_forget_functions();
@@ -1095,7 +1095,7 @@ RGPU_EXPORT CUresult CUDAAPI cuKernelSetCacheConfig(CUkernel kernel, CUfunc_cach
     rgpu_call c;
     CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuKernelSetCacheConfig, dev);
     if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)kernel);
+    rgpu_put_u64(&c, rgpu_handle_in(c.s->index, (uint64_t)(uintptr_t)kernel));
     { int32_t v_ = (int32_t)config; rgpu_put(&c, &v_, 4); }
     rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
     r = rgpu_sync(&c);

@@ -252,9 +252,13 @@ void rgpu_fn_private_put(void *node, uint64_t remote) {
 }
 CUfunction rgpu_fn_remote(CUfunction f) {
     uint64_t v;
-    if (!__atomic_load_n(&g_private_fns, __ATOMIC_ACQUIRE) || !get(&g_private_fn, (uint64_t)(uintptr_t)f, 0, 0, &v))
-        return f;
-    return (CUfunction)(uintptr_t)v;
+    if (__atomic_load_n(&g_private_fns, __ATOMIC_ACQUIRE) && get(&g_private_fn, (uint64_t)(uintptr_t)f, 0, 0, &v))
+        return (CUfunction)(uintptr_t)v;
+    if (rgpu_session_count < 2) return f;
+    /* A library's kernel (launched as a function, as the runtime does): the current slice's copy
+     * (library_mirror.c). */
+    rgpu_ctx *cur = rgpu_ctx_current();
+    return (CUfunction)(uintptr_t)rgpu_handle_in(cur ? cur->session : 0, (uint64_t)(uintptr_t)f);
 }
 
 /* Which slice each event lives on (events are the workers' handles), so that a stream of one slice

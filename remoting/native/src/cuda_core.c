@@ -330,6 +330,7 @@ static CUresult ctx_create(uint16_t op, CUcontext *pctx, unsigned int flags, CUd
         if (!ctx) return CUDA_ERROR_OUT_OF_MEMORY;
         rgpu_ctx_push((rgpu_ctx *)ctx);
         *pctx = ctx;
+        if (rgpu_session_count > 1) rgpu_library_context_ready(dev);
         return CUDA_SUCCESS;
     }
     rgpu_end(&c);
@@ -389,6 +390,7 @@ RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice 
     }
     rgpu_end(&c);
     rgpu_pstate_forget();
+    if (r == CUDA_SUCCESS && rgpu_session_count > 1) rgpu_library_context_ready(dev);
     return r;
 }
 

@@ -202,12 +202,14 @@ static void read_functions(rgpu_call *c, uint64_t module) {
     for (uint32_t i = 0; i < n && rgpu_remaining(c) >= 16; i++) read_one_function(c, rgpu_get_u64(c), module);
 }
 
-static CUresult load_image(uint16_t op, uint64_t *out, const void *image, size_t size, unsigned int nopts,
-                           CUjit_option *opts, void **vals, unsigned int nlib, CUlibraryOption *libopts,
-                           void **libvals) {
+/* session -1: the current context's slice. *where (if given) says which slice loaded it. */
+static CUresult load_image(uint16_t op, int session, uint64_t *out, int *where, const void *image, size_t size,
+                           unsigned int nopts, CUjit_option *opts, void **vals, unsigned int nlib,
+                           CUlibraryOption *libopts, void **libvals) {
     rgpu_call c;
-    CUresult r = rgpu_begin(&c, op);
+    CUresult r = session < 0 ? rgpu_begin(&c, op) : rgpu_begin_session(&c, op, session);
     if (r != CUDA_SUCCESS) return r;
+    if (where) *where = c.s->index;
     jit_plan plan;
     put_jit_options(&c, &plan, nopts, opts, vals);
     /* Options whose values are this process's host pointers stay here: the host table of
@@ -251,7 +253,8 @@ RGPU_EXPORT CUresult CUDAAPI cuModuleLoadDataEx(CUmodule *module, const void *im
     const void *bytes = image_bytes(image, &size);
     if (!size) return CUDA_ERROR_INVALID_IMAGE;
     uint64_t h = 0;
-    CUresult r = load_image(RGPU_OP_cuModuleLoadDataEx, &h, bytes, size, numOptions, options, optionValues, 0, NULL, NULL);
+    CUresult r = load_image(RGPU_OP_cuModuleLoadDataEx, -1, &h, NULL, bytes, size, numOptions, options, optionValues, 0,
+                            NULL, NULL);
     if (r == CUDA_SUCCESS) *module = (CUmodule)(uintptr_t)h;
     return r;
 }
@@ -304,10 +307,21 @@ RGPU_EXPORT CUresult CUDAAPI cuLibraryLoadData(CUlibrary *library, const void *c
     const void *bytes = image_bytes(code, &size);
     if (!size) return CUDA_ERROR_INVALID_IMAGE;
     uint64_t h = 0;
-    CUresult r = load_image(RGPU_OP_cuLibraryLoadData, &h, bytes, size, numJitOptions, jitOptions, jitOptionsValues,
-                            numLibraryOptions, libraryOptions, libraryOptionValues);
-    if (r == CUDA_SUCCESS) *library = (CUlibrary)(uintptr_t)h;
+    int origin = 0;
+    CUresult r = load_image(RGPU_OP_cuLibraryLoadData, -1, &h, &origin, bytes, size, numJitOptions, jitOptions,
+                            jitOptionsValues, numLibraryOptions, libraryOptions, libraryOptionValues);
+    if (r != CUDA_SUCCESS) return r;
+    /* A library serves every device: with several slices it is loaded on each now, while its
+     * image is certainly still there (library_mirror.c). */
+    if (rgpu_session_count > 1)
+        rgpu_library_loaded(origin, h, bytes, size, numLibraryOptions, libraryOptions, libraryOptionValues);
+    *library = (CUlibrary)(uintptr_t)h;
     return r;
+}
+
+CUresult rgpu_library_load_on(int session, const void *image, size_t size, unsigned int nopts, CUlibraryOption *opts,
+                              void **vals, uint64_t *library) {
+    return load_image(RGPU_OP_cuLibraryLoadData, session, library, NULL, image, size, 0, NULL, NULL, nopts, opts, vals);
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuLibraryLoadFromFile(CUlibrary *library, const char *fileName, CUjit_option *jitOptions,
@@ -828,9 +842,9 @@ RGPU_EXPORT CUresult CUDAAPI cuDeviceGetByPCIBusId(CUdevice *dev, const char *pc
     return CUDA_ERROR_INVALID_VALUE;
 }
 
-static CUresult unload(uint16_t op, uint64_t handle) {
+static CUresult unload(uint16_t op, int session_or_current, uint64_t handle) {
     rgpu_call c;
-    CUresult r = rgpu_begin(&c, op);
+    CUresult r = session_or_current < 0 ? rgpu_begin(&c, op) : rgpu_begin_session(&c, op, session_or_current);
     if (r != CUDA_SUCCESS) return r;
     int session = c.s->index;
     rgpu_put_u64(&c, handle);
@@ -841,8 +855,15 @@ static CUresult unload(uint16_t op, uint64_t handle) {
     return r;
 }
 
-RGPU_EXPORT CUresult CUDAAPI cuModuleUnload(CUmodule hmod) { return unload(RGPU_OP_cuModuleUnload, (uint64_t)(uintptr_t)hmod); }
+RGPU_EXPORT CUresult CUDAAPI cuModuleUnload(CUmodule hmod) {
+    return unload(RGPU_OP_cuModuleUnload, -1, (uint64_t)(uintptr_t)hmod);
+}
 
 RGPU_EXPORT CUresult CUDAAPI cuLibraryUnload(CUlibrary library) {
-    return unload(RGPU_OP_cuLibraryUnload, (uint64_t)(uintptr_t)library);
+    if (rgpu_session_count > 1) return rgpu_library_unload((uint64_t)(uintptr_t)library);
+    return unload(RGPU_OP_cuLibraryUnload, -1, (uint64_t)(uintptr_t)library);
+}
+
+CUresult rgpu_library_unload_on(int session, uint64_t library) {
+    return unload(RGPU_OP_cuLibraryUnload, session, library);
 }

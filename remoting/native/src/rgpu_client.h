@@ -212,6 +212,21 @@ rgpu_fn *rgpu_fn_find_name(int session, uint64_t module, const char *name);
 void rgpu_fn_set_module(rgpu_fn *fn, uint64_t module);
 void rgpu_fn_set_looked_up(rgpu_fn *fn);
 void rgpu_fn_forget_module(int session, uint64_t module);
+/* The functions (kernels) a module's or library's load reported on a session: how many; the first
+ * `cap` go to out. */
+size_t rgpu_fn_list_module(int session, uint64_t module, rgpu_fn **out, size_t cap);
+
+/* Libraries on every slice (library_mirror.c). A CUlibrary and its CUkernels serve every device;
+ * the application holds the values of the slice that first loaded it, translated per slice. */
+void rgpu_library_loaded(int origin, uint64_t library, const void *image, size_t size, unsigned int nopts,
+                         CUlibraryOption *opts, void **vals);
+CUresult rgpu_library_load_on(int session, const void *image, size_t size, unsigned int nopts, CUlibraryOption *opts,
+                              void **vals, uint64_t *library);
+void rgpu_library_context_ready(int session);   /* a context on that slice now exists */
+CUresult rgpu_library_unload(uint64_t library);
+CUresult rgpu_library_unload_on(int session, uint64_t library);
+uint64_t rgpu_handle_in(int session, uint64_t handle);
+uint64_t rgpu_handle_out(int session, uint64_t handle);
 void rgpu_tables_reset(void);
 
 /* Symbol tables (generated). */

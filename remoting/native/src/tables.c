@@ -226,6 +226,20 @@ void rgpu_fn_set_looked_up(rgpu_fn *fn) {
     pthread_mutex_unlock(&g_lock);
 }
 
+size_t rgpu_fn_list_module(int session, uint64_t module, rgpu_fn **out, size_t cap) {
+    size_t n = 0;
+    pthread_mutex_lock(&g_lock);
+    for (size_t i = 0; i < g_fcap; i++) {
+        rgpu_fn *f = g_fns[i];
+        if (f && f->valid && f->session == session && f->module == module) {
+            if (n < cap) out[n] = f;
+            n++;
+        }
+    }
+    pthread_mutex_unlock(&g_lock);
+    return n;
+}
+
 void rgpu_fn_forget_module(int session, uint64_t module) {
     /* The worker may reuse these handle values for another module's functions: the next
      * launch through one of them fetches its layout again. */
