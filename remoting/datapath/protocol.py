@@ -34,7 +34,7 @@ from rgpu.netaddr import split_host_port
 
 # The data path's protocol version. It is also recorded in spec/cuda.spec: a spec change that
 # alters the wire format must bump both (tests/remoting/test_generator.py checks the pairing).
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAGIC = b"RGPU"
 
 HEADER = struct.Struct("<IHHIIQ")
@@ -51,6 +51,15 @@ OP_BYE = 6
 OP_ECHO = 7       # the server sends the frame back as it came
 OP_SINK = 8       # the server discards the payload; aux=1 on the last frame asks for a REPLY (u64 bytes)
 OP_SOURCE = 9     # payload u64 total, u32 chunk: the server sends DATA frames of that much, then a REPLY
+# Host nodes (protocol 5): a graph's host node runs the application's function in the client.
+# The worker sends HOST_CALL (seq: the call's number, ctx: the id the client registered for the
+# function, aux: the CUresult a stream callback gets) at any point between other frames, and its
+# node waits for HOST_DONE (seq: that number; aux: 0 ran, 1 the id is unknown to the client).
+# The client answers it whenever it reads (every synchronising call does); worker/hostcalls.py.
+OP_HOST_CALL = 10
+OP_HOST_DONE = 11
+HOST_DONE_RAN = 0
+HOST_DONE_UNKNOWN_ID = 1
 
 # HELLO flags.
 HELLO_PROBE = 1   # verify the token and versions, start no worker (flexrun's pre-flight check)

@@ -158,6 +158,20 @@ _MANUAL["cuGraphExecKernelNodeSetParams_v2"] = [c_void_p, c_void_p, c_void_p]
 _MANUAL["cuCtxSynchronize"] = []
 _MANUAL["cuStreamSynchronize"] = [c_void_p]
 _MANUAL["cuGraphKernelNodeSetParams_v2"] = [c_void_p, c_void_p]
+_MANUAL["cuGraphAddHostNode"] = [P(c_void_p), c_void_p, c_void_p, c_size_t, c_void_p]
+_MANUAL["cuGraphHostNodeGetParams"] = [c_void_p, c_void_p]
+_MANUAL["cuGraphHostNodeSetParams"] = [c_void_p, c_void_p]
+_MANUAL["cuGraphExecHostNodeSetParams"] = [c_void_p, c_void_p, c_void_p]
+_MANUAL["cuLaunchHostFunc"] = [c_void_p, c_void_p, c_void_p]
+_MANUAL["cuStreamAddCallback"] = [c_void_p, c_void_p, c_void_p, c_uint]
+
+# The host functions the driver calls for a host node: userData is the id the client registered.
+HOST_FN = ctypes.CFUNCTYPE(None, c_void_p)
+STREAM_CALLBACK = ctypes.CFUNCTYPE(None, c_void_p, c_int, c_void_p)
+
+
+class CUDA_HOST_NODE_PARAMS(ctypes.Structure):
+    _fields_ = [("fn", c_void_p), ("userData", c_void_p)]
 
 
 class CUDA_KERNEL_NODE_PARAMS_v2(ctypes.Structure):
@@ -238,6 +252,12 @@ class CudaBackend(CudaDriverCalls):
         self._launch = self.f["cuLaunchKernel"]
         self._captures = 0   # begun minus ended stream captures: while 0, no copy checks its stream
         self._graph_host: dict[int, int] = {}   # pinned buffers of graph copy nodes -> size
+        # Host nodes call these on a driver thread; they run the client's function and wait for it.
+        self.host_calls: Any = None   # the worker's HostCalls (set by the worker)
+        self._host_fn = HOST_FN(lambda user: self._run_host(user or 0, 0))
+        self._stream_callback = STREAM_CALLBACK(lambda _stream, status, user: self._run_host(user or 0, status))
+        self._host_fn_address = ctypes.cast(self._host_fn, c_void_p).value
+        self._stream_callback_address = ctypes.cast(self._stream_callback, c_void_p).value
 
     # ------------------------------------------------------------------ helpers
 
@@ -497,6 +517,10 @@ class CudaBackend(CudaDriverCalls):
         elif kind == 5:
             (dptr,) = struct.unpack_from("<Q", payload, 0)
             self._check("cuGraphAddMemFreeNode", *head, dptr)
+        elif kind == 7:   # a host node: the driver calls our trampoline with the client's function id
+            (fn_id,) = struct.unpack_from("<Q", payload, 0)
+            params = CUDA_HOST_NODE_PARAMS(self._host_fn_address, fn_id)
+            self._check("cuGraphAddHostNode", *head, byref(params))
         elif kind == 6:   # a 1D copy with a host side: through a pinned buffer of this worker's
             to_host, _, dev, size, ctx = struct.unpack_from("<IIQQQ", payload, 0)
             aux = self._graph_host_buffer(size)
@@ -509,6 +533,33 @@ class CudaBackend(CudaDriverCalls):
         else:
             raise CudaError(INVALID_VALUE, f"rgpu: worker: unknown graph node kind {kind}")
         return node.value or 0, aux
+
+    def _run_host(self, fn_id: int, status: int) -> None:
+        """A host node's turn (a driver thread): the client runs its function; we wait for it."""
+        calls = self.host_calls
+        if calls is not None:
+            calls.run(fn_id, status)
+
+    def capture_host_func(self, stream: int, kind: int, fn_id: int) -> None:
+        """cuLaunchHostFunc (kind 0) or cuStreamAddCallback (kind 1) on a capturing stream; the
+        driver decides (it refuses a stream callback in capture)."""
+        if kind == 0:
+            self._check("cuLaunchHostFunc", stream or None, self._host_fn_address, fn_id or None)
+        else:
+            self._check("cuStreamAddCallback", stream or None, self._stream_callback_address, fn_id or None, 0)
+
+    def host_node_params(self, exe: int, node: int, fn_id: int | None) -> int:
+        """A host node's function id; with `fn_id`, set it first (on `exe`'s instance if given)."""
+        if fn_id is not None:
+            params = CUDA_HOST_NODE_PARAMS(self._host_fn_address, fn_id)
+            if exe:
+                self._check("cuGraphExecHostNodeSetParams", exe, node, byref(params))
+            else:
+                self._check("cuGraphHostNodeSetParams", node, byref(params))
+            return fn_id
+        params = CUDA_HOST_NODE_PARAMS()
+        self._check("cuGraphHostNodeGetParams", node, byref(params))
+        return (params.userData or 0) if params.fn == self._host_fn_address else 0
 
     def capture_host_copy(self, stream: int, to_host: bool, dev: int, size: int, data: bytes) -> tuple[int, int]:
         """A copy with a host side on a capturing stream: captured through a pinned buffer of this

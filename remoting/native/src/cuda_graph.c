@@ -232,9 +232,10 @@ RGPU_EXPORT CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const 
  * would read or write it when the graph runs on the server: refused, naming the call. */
 
 enum { NODE_EMPTY = 0, NODE_KERNEL = 1, NODE_MEMSET = 2, NODE_MEMCPY = 3, NODE_MEM_ALLOC = 4, NODE_MEM_FREE = 5,
-       NODE_MEMCPY_HOST = 6 };
+       NODE_MEMCPY_HOST = 6 }; /* NODE_HOST = 7: host_nodes.c */
 
-static CUresult add_node(uint32_t kind, CUgraphNode *phNode, CUgraph hGraph, const CUgraphNode *deps, size_t ndeps,
+#define add_node rgpu_graph_add_node
+CUresult rgpu_graph_add_node(uint32_t kind, CUgraphNode *phNode, CUgraph hGraph, const CUgraphNode *deps, size_t ndeps,
                          const void *payload, size_t plen, uint64_t *aux) {
     if (!phNode || (ndeps && !deps)) return CUDA_ERROR_INVALID_VALUE;
     rgpu_call c;

@@ -1,0 +1,151 @@
+"""Host nodes: the application's host function runs in the client process, in graph order.
+
+A host node of the worker's graph (cuGraphAddHostNode, or cuLaunchHostFunc on a capturing
+stream) calls `HostCalls.run` with the id the client registered for its function: on a driver
+thread with a real GPU, on the serving thread itself on the emulated device. `run` sends a
+HOST_CALL frame and blocks until the client's HOST_DONE for it arrives, so the node's dependents
+start only after the function returned in the client. The client runs it when it next reads
+from the connection (every synchronising call does). If the application makes no further call,
+the graph waits, as a real host node waits for a busy host thread; when the connection ends, the
+node gives up and returns, so closing a session never hangs the worker.
+
+Who reads HOST_DONE: the serving loop when it reads frames (it hands them to `done`). But the loop
+may be blocked inside a handler waiting for the very graph that waits for the host function
+(cuStreamSynchronize, a blocking copy, the emulated device's cuGraphLaunch). So the loop holds
+`reader_lock` while it reads and lends it out while a handler runs (once a host node exists in
+the session); a waiting `run` takes it then and reads on the loop's behalf: it appends what
+arrives to the receive buffer (past `end`, never moving the bytes before, where the running
+handler's payload lies) and scans the complete frames there for its HOST_DONE, leaving every
+frame, HOST_DONE included, for the loop to process in order (a HOST_DONE already seen is a no-op).
+
+Limits: when the receive buffer is full of frames the loop has not run yet (over 8 MiB queued
+behind a blocked handler), or a frame larger than the buffer is pending, nothing more can be read
+until the handler returns. The native launch path does not lend the reader: a launch blocking on
+a full driver queue behind a waiting host node would wait for the next frame the loop reads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import select
+import socket
+import threading
+
+from rgpu.remoting.datapath import protocol
+from rgpu.remoting.datapath.worker.frames import FrameReader
+
+log = logging.getLogger("rgpu.worker")
+
+# How long one turn of a waiting host node holds the reader (or waits for it): the serving loop
+# waits at most this long for the reader once its handler returned.
+_TURN_S = 0.02
+
+
+class HostCalls:
+    def __init__(self, sock: socket.socket, reader: FrameReader, send_lock: threading.Lock) -> None:
+        self.sock = sock
+        self.reader = reader
+        self.send_lock = send_lock
+        self.reader_lock = threading.Lock()
+        # True once the session made a host node: from then on the loop lends the reader while a
+        # handler runs (before, no node can wait, and the loop pays nothing).
+        self.active = False
+        self.closed = False
+        self.lent = False                         # the serving loop lent the reader (a handler runs)
+        self.loop_thread = threading.get_ident()  # the serving loop's thread
+        self._numbers = itertools.count(1)
+        self._waiting: dict[int, list] = {}   # call number -> [threading.Event, result]
+        self._lock = threading.Lock()
+        self.sent = 0
+
+    # ------------------------------------------------------------------ the host node's side
+
+    def run(self, fn_id: int, status: int = 0) -> int:
+        """Run the client's function `fn_id` and wait until it returned; the client's verdict
+        (protocol.HOST_DONE_*), or -1 when the connection ended first."""
+        if threading.get_ident() == self.loop_thread and not self.lent:
+            log.error("a host node ran on the serving thread outside a handler; it cannot wait for the client")
+            return -1
+        number = next(self._numbers) & 0xFFFFFFFF
+        entry: list = [threading.Event(), -1]
+        with self._lock:
+            if self.closed:
+                return -1
+            self._waiting[number] = entry
+        try:
+            frame = protocol.HEADER.pack(0, protocol.OP_HOST_CALL, 0, number, status & 0xFFFFFFFF, fn_id)
+            try:
+                with self.send_lock:
+                    self.sock.sendall(frame)
+                self.sent += len(frame)
+            except OSError:
+                self.close()
+                return -1
+            event = entry[0]
+            while not event.is_set() and not self.closed:
+                if self.reader_lock.acquire(timeout=_TURN_S):
+                    try:
+                        self._read_turn(event)
+                    finally:
+                        self.reader_lock.release()
+                    if not event.is_set():
+                        event.wait(0.001)   # let the serving loop take the reader
+            if entry[1] == protocol.HOST_DONE_UNKNOWN_ID:
+                log.warning("the client refused host function id %d (it never registered it)", fn_id)
+            return entry[1]
+        finally:
+            with self._lock:
+                self._waiting.pop(number, None)
+
+    def _read_turn(self, event: threading.Event) -> None:
+        """Scan the frames in the receive buffer for HOST_DONE; read more into it while none is there."""
+        r = self.reader
+        view = r.view
+        header = protocol.HEADER
+        size = protocol.HEADER_SIZE
+        pos = r.start
+        while True:
+            while r.end - pos >= size:
+                length, op, _flags, seq, aux, _ctx = header.unpack_from(view, pos)
+                if op == protocol.OP_HOST_DONE:
+                    self.done(seq, aux)
+                if r.end - pos < size + length:
+                    break
+                pos += size + length
+            if event.is_set() or self.closed:
+                return
+            room = r.size - r.end
+            if room <= 0:
+                return
+            try:
+                readable, _, _ = select.select([self.sock], [], [], _TURN_S)
+                if not readable:
+                    return
+                k = self.sock.recv_into(view[r.end:], room)
+            except (OSError, ValueError):
+                self.close()
+                return
+            if k == 0:
+                self.close()   # the loop sees the end of the stream too, at its next read
+                return
+            r.end += k
+            r.received += k
+
+    # ------------------------------------------------------------------ the serving loop's side
+
+    def done(self, number: int, verdict: int) -> None:
+        """A HOST_DONE frame (read by the loop or by `run`); a second sight of it does nothing."""
+        with self._lock:
+            entry = self._waiting.get(number)
+        if entry is not None and not entry[0].is_set():
+            entry[1] = verdict
+            entry[0].set()
+
+    def close(self) -> None:
+        """The connection ended: every waiting host node gives up."""
+        with self._lock:
+            self.closed = True
+            entries = list(self._waiting.values())
+        for entry in entries:
+            entry[0].set()
