@@ -43,6 +43,20 @@ def test_cuda_runtime_program_launches_through_rgpu(native_libs: build.Libraries
     assert done.returncode == 0
 
 
+def test_host_functions_in_cuda_graphs_run_in_the_client_between_kernels(native_libs: build.Libraries,  # noqa: F811
+                                                                          gpu_server: Server, tmp_path: Path) -> None:
+    """simpleCudaGraphs' pattern on a real GPU: cudaLaunchHostFunc between kernels in a capture, and
+    cudaGraphAddHostNode; the worker's driver runs host nodes that call back into this process."""
+    program = tmp_path / "graph_host_nodes"
+    run_nvcc(["-O2", "-gencode", "arch=compute_90,code=[sm_90,compute_90]", "-cudart", "static",
+              str(EXAMPLES / "graph_host_nodes.cu"), "-o", str(program)], "RGPU_RUNTIME_DEMO_DIR")
+    done = flexrun(native_libs, gpu_server, tmp_path, [str(program), "launch"], name="graph-host-nodes")
+    for line in ("CAPTURED 6 nodes, 0 host calls so far", "ORDER 1 2 1 2 1 2", "VALUES 1 2",
+                 "HOSTNODE type 3 fn same user 10", "BUILT 10 11", "BUILT VALUES 6 5", "GRAPHS OK"):
+        assert line in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0
+
+
 def test_copies_after_launches_on_a_created_context(native_libs: build.Libraries, gpu_server: Server,  # noqa: F811
                                                     tmp_path: Path) -> None:
     # NVIDIA's driver-API samples (vectorAddDrv, matrixMulDrv, simpleDrvRuntime) create their own
