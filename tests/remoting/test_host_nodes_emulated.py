@@ -36,6 +36,45 @@ HOST_PROGRAM_HEAD = """
     out = (ctypes.c_uint32 * 256)()
 """
 
+# A graph waits in its host node while a copy larger than the worker's receive buffer and staging
+# ring is queued behind it on the same stream.
+LARGE_COPY = """
+    import os
+    n = 48 << 20
+    data = os.urandom(n)
+    r3, big = alloc(n)
+    check("cuStreamBeginCapture_v2", s, 0)
+    check("cuMemsetD32Async", ctypes.c_uint64(a), 1, 256, s)
+    check("cuLaunchHostFunc", s, mark, ctypes.c_void_p(7))
+    graph, exe = ctypes.c_void_p(), ctypes.c_void_p()
+    check("cuStreamEndCapture", s, ctypes.byref(graph))
+    check("cuGraphInstantiateWithFlags", ctypes.byref(exe), graph, ctypes.c_ulonglong(0))
+    check("cuGraphLaunch", exe, s)
+    check("cuMemcpyHtoDAsync_v2", ctypes.c_uint64(big), data, ctypes.c_size_t(n), s)
+    check("cuStreamSynchronize", s)
+    back = ctypes.create_string_buffer(n)
+    check("cuMemcpyDtoH_v2", back, ctypes.c_uint64(big), ctypes.c_size_t(n))
+    print("ORDER", order, "SAME", back.raw == data)
+    """
+# The client dies inside a host function: the worker's host node must give up.
+DYING = """
+    import os
+
+    @HOSTFN
+    def die(user):
+        print("DYING", flush=True)
+        os._exit(3)
+
+    check("cuStreamBeginCapture_v2", s, 0)
+    check("cuLaunchHostFunc", s, die, None)
+    graph, exe = ctypes.c_void_p(), ctypes.c_void_p()
+    check("cuStreamEndCapture", s, ctypes.byref(graph))
+    check("cuGraphInstantiateWithFlags", ctypes.byref(exe), graph, ctypes.c_ulonglong(0))
+    check("cuGraphLaunch", exe, s)
+    check("cuStreamSynchronize", s)
+    print("NOT REACHED")
+    """
+
 
 @pytest.fixture(params=["emulated", "chained"])
 def worker(request: pytest.FixtureRequest) -> Server:
@@ -176,26 +215,18 @@ def test_graph_built_with_host_nodes_and_their_parameters(native_libs: build.Lib
     assert "RUN4 [10, 10, 12, 11] 4 3" in done.stdout
 
 
+def test_large_copy_queued_behind_a_waiting_host_node(native_libs: build.Libraries, worker: Server) -> None:
+    """A graph waits in its host node while the application queues a copy larger than the worker's
+    receive buffer and staging ring on the same stream (the chained worker's copy handler blocks on
+    the graph): the host node reads on past the full buffer until the client's answer arrives."""
+    done = py_client(native_libs, worker.slices(worker.token(memory_limit=2 << 30)), HOST_PROGRAM_HEAD + LARGE_COPY, timeout=120)
+    assert "ORDER [7] SAME True" in done.stdout, done.stdout + done.stderr
+
+
 def test_client_exiting_inside_a_host_function_ends_the_worker(native_libs: build.Libraries, emulated: Server) -> None:
     """The worker's host node waits for the client's answer; the client dies instead: the node
     gives up when the connection ends and the session closes (no hung worker)."""
-    done = py_client(native_libs, emulated.slices(emulated.token()), HOST_PROGRAM_HEAD + """
-    import os
-
-    @HOSTFN
-    def die(user):
-        print("DYING", flush=True)
-        os._exit(3)
-
-    check("cuStreamBeginCapture_v2", s, 0)
-    check("cuLaunchHostFunc", s, die, None)
-    graph, exe = ctypes.c_void_p(), ctypes.c_void_p()
-    check("cuStreamEndCapture", s, ctypes.byref(graph))
-    check("cuGraphInstantiateWithFlags", ctypes.byref(exe), graph, ctypes.c_ulonglong(0))
-    check("cuGraphLaunch", exe, s)
-    check("cuStreamSynchronize", s)
-    print("NOT REACHED")
-    """)
+    done = py_client(native_libs, emulated.slices(emulated.token()), HOST_PROGRAM_HEAD + DYING)
     assert done.returncode == 3, done.stdout + done.stderr
     assert "DYING" in done.stdout and "NOT REACHED" not in done.stdout
     deadline = time.monotonic() + 30   # a guard against a hang, not a speed check

@@ -56,6 +56,17 @@ class FrameReader:
         self.big: ctypes.Array | None = None
         self.received = 0   # bytes read from the socket (the session's traffic counters)
         self.max_frame = worker_max_frame()
+        # Bytes a waiting host node read while this buffer was full (worker/hostcalls.py): they
+        # come before anything still in the socket.
+        self.spill = bytearray()
+
+    def _recv(self, view: memoryview, n: int) -> int:
+        if self.spill:
+            k = min(n, len(self.spill))
+            view[:k] = self.spill[:k]
+            del self.spill[:k]
+            return k
+        return self.sock.recv_into(view, n)
 
     def _fill(self, need: int) -> None:
         if self.end - self.start >= need:
@@ -65,7 +76,7 @@ class FrameReader:
             self.view[0:n] = self.view[self.start:self.end]
             self.start, self.end = 0, n
         while self.end - self.start < need:
-            k = self.sock.recv_into(self.view[self.end:], self.size - self.end)
+            k = self._recv(self.view[self.end:], self.size - self.end)
             if k == 0:
                 raise EOFError
             self.end += k
@@ -94,7 +105,7 @@ class FrameReader:
         self.start += have
         got = have
         while got < length:
-            k = self.sock.recv_into(bview[got:], length - got)
+            k = self._recv(bview[got:], length - got)
             if k == 0:
                 raise EOFError
             got += k
@@ -109,7 +120,7 @@ class FrameReader:
         self.start += have
         left = length - have
         while left:
-            k = self.sock.recv_into(self.view, min(left, self.size))
+            k = self._recv(self.view, min(left, self.size))
             if k == 0:
                 raise EOFError
             left -= k

@@ -319,6 +319,9 @@ class Handlers:
         """cuLaunchHostFunc (kind 0) or cuStreamAddCallback (kind 1) on a capturing stream: a host
         node that runs the client's function `fn_id` (an id of the client's table, never an address)."""
         stream, kind, _, fn_id = struct.unpack_from("<QIIQ", p, 0)
+        if kind not in (0, 1):
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: unknown captured host function kind {kind} (client and "
+                                           "server builds differ; install the same rgpu version on both)")
         self.hostcalls.active = True
         self.backend.capture_host_func(stream, kind, fn_id)
         return SUCCESS, b""

@@ -18,10 +18,14 @@ arrives to the receive buffer (past `end`, never moving the bytes before, where 
 handler's payload lies) and scans the complete frames there for its HOST_DONE, leaving every
 frame, HOST_DONE included, for the loop to process in order (a HOST_DONE already seen is a no-op).
 
-Limits: when the receive buffer is full of frames the loop has not run yet (over 8 MiB queued
-behind a blocked handler), or a frame larger than the buffer is pending, nothing more can be read
-until the handler returns. The native launch path does not lend the reader: a launch blocking on
-a full driver queue behind a waiting host node would wait for the next frame the loop reads.
+When the buffer is full of frames the loop has not run yet (a large cuMemcpyHtoDAsync queued
+behind a handler blocked on the graph), `run` reads on into the reader's spill, which the loop
+reads before the socket.
+
+Limits: past MAX_SPILL bytes queued behind a blocked handler nothing more is read until the
+handler returns. The native launch path does not lend the reader: a launch blocking on a full
+driver queue (about a thousand launches) behind a waiting host node would wait for the loop's
+next read.
 """
 
 from __future__ import annotations
@@ -31,15 +35,21 @@ import logging
 import select
 import socket
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.worker.frames import FrameReader
 
 log = logging.getLogger("rgpu.worker")
 
-# How long one turn of a waiting host node holds the reader (or waits for it): the serving loop
-# waits at most this long for the reader once its handler returned.
+# How long a waiting host node waits for the reader, and for the socket while it holds the reader
+# (the serving loop waits at most that long for the reader once its handler returned).
 _TURN_S = 0.02
+_SELECT_S = 0.005
+# The most a waiting host node reads past a full receive buffer (frames queued behind a handler
+# blocked on the graph, e.g. a large cuMemcpyHtoDAsync behind it on its stream).
+MAX_SPILL = 1 << 30
 
 
 class HostCalls:
@@ -58,6 +68,7 @@ class HostCalls:
         self._waiting: dict[int, list] = {}   # call number -> [threading.Event, result]
         self._lock = threading.Lock()
         self.sent = 0
+        self._scratch = bytearray(1 << 20)
 
     # ------------------------------------------------------------------ the host node's side
 
@@ -99,38 +110,77 @@ class HostCalls:
                 self._waiting.pop(number, None)
 
     def _read_turn(self, event: threading.Event) -> None:
-        """Scan the frames in the receive buffer for HOST_DONE; read more into it while none is there."""
+        """Scan the frames not yet run (the receive buffer's, then the spill's) for HOST_DONE; read
+        more while none is there: into the buffer while it has room, else into its spill."""
         r = self.reader
-        view = r.view
-        header = protocol.HEADER
         size = protocol.HEADER_SIZE
-        pos = r.start
+        pos = 0   # offset past r.start in the bytes not yet run: the buffer's, then the spill's
         while True:
-            while r.end - pos >= size:
-                length, op, _flags, seq, aux, _ctx = header.unpack_from(view, pos)
+            while True:
+                head = self._peek(pos, size)
+                if head is None:
+                    break
+                length, op, _flags, seq, aux, _ctx = protocol.HEADER.unpack(head)
                 if op == protocol.OP_HOST_DONE:
                     self.done(seq, aux)
-                if r.end - pos < size + length:
+                if (r.end - r.start) + len(r.spill) < pos + size + length:
                     break
                 pos += size + length
             if event.is_set() or self.closed:
                 return
             room = r.size - r.end
-            if room <= 0:
-                return
+            if r.spill or room < 4096:
+                if len(r.spill) >= MAX_SPILL:
+                    return   # the loop must run what is queued first (see the module's limits)
+                target = memoryview(self._scratch)
+                room = len(self._scratch)
+            else:
+                target = r.view[r.end:]
             try:
-                readable, _, _ = select.select([self.sock], [], [], _TURN_S)
+                readable, _, _ = select.select([self.sock], [], [], _SELECT_S)
                 if not readable:
                     return
-                k = self.sock.recv_into(view[r.end:], room)
+                k = self.sock.recv_into(target, room)
             except (OSError, ValueError):
                 self.close()
                 return
             if k == 0:
                 self.close()   # the loop sees the end of the stream too, at its next read
                 return
-            r.end += k
             r.received += k
+            if target.obj is self._scratch:
+                if not r.spill:
+                    log.debug("a waiting host node reads past the full receive buffer")
+                r.spill += target[:k]
+            else:
+                r.end += k
+
+    def _peek(self, pos: int, n: int) -> bytes | None:
+        """n bytes at `pos` past the reader's start, across its buffer and spill; None if not there yet."""
+        r = self.reader
+        in_buffer = r.end - r.start
+        if pos + n > in_buffer + len(r.spill):
+            return None
+        if pos + n <= in_buffer:
+            return bytes(r.view[r.start + pos:r.start + pos + n])
+        head = bytes(r.view[r.start + pos:r.end]) if pos < in_buffer else b""
+        at = max(pos - in_buffer, 0)
+        return head + bytes(r.spill[at:at + n - len(head)])
+
+    @contextmanager
+    def lending(self) -> Iterator[None]:
+        """The serving loop lends its reader while it runs something that may wait for the GPU
+        (a handler, the compute limiter's fence): a host node may then read its HOST_DONE."""
+        if not self.active or self.lent or self.closed or threading.get_ident() != self.loop_thread:
+            yield
+            return
+        self.lent = True
+        self.reader_lock.release()
+        try:
+            yield
+        finally:
+            self.reader_lock.acquire()
+            self.lent = False
 
     # ------------------------------------------------------------------ the serving loop's side
 

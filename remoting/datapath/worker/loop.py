@@ -81,7 +81,8 @@ class Worker(Handlers):
         fence = getattr(self.backend, "fence", None)
 
         def wait_for_own_work() -> None:
-            code = fence() if fence is not None else 0
+            with self.hostcalls.lending():   # the GPU may wait for a host node, which waits for the client
+                code = fence() if fence is not None else 0
             if code:
                 self._defer(code, "")   # an error of the application's work: its next sync call gets it
         log.info("compute limiter on: %d%% of the GPU%s", spec.compute_percent,
@@ -228,7 +229,7 @@ class Worker(Handlers):
             if limiter is not None:
                 limiter.after_op()
             if reader.end - reader.start < protocol.HEADER_SIZE:
-                if limiter is not None and reader.end == reader.start:
+                if limiter is not None and reader.end == reader.start and not reader.spill:
                     limiter.before_wait(self.sock)
                 self.idle = reader.end == reader.start
                 try:
@@ -360,14 +361,8 @@ class Worker(Handlers):
                  address: int, seq: int) -> tuple[int, bytes] | None:
         """Run a handler with the reader lent out: a host node waiting for the client may read
         its HOST_DONE while the handler blocks (worker/hostcalls.py)."""
-        hostcalls = self.hostcalls
-        hostcalls.lent = True
-        hostcalls.reader_lock.release()
-        try:
+        with self.hostcalls.lending():
             return handler(payload, address, seq)
-        finally:
-            hostcalls.reader_lock.acquire()
-            hostcalls.lent = False
 
     def counters(self) -> tuple[int, int, int, int]:
         """(received bytes, sent bytes, calls, errors): datapath/counters.py's FIELDS."""
