@@ -17,6 +17,8 @@ A session:
   preceded by DATA frames when it returns bulk data (device-to-host copies). `async` calls get
   no reply: the worker keeps the first error and answers the next sync call with it instead of
   running that call, so an error surfaces at the next synchronising call.
+  Between any two frames the worker may send HOST_CALL (protocol 5): a graph's host node asks the
+  client to run a host function; the client answers HOST_DONE when it next reads (below).
 
 Both sides check the version: the first 8 bytes of HELLO and WELCOME/REFUSE never change.
 """

@@ -223,16 +223,38 @@ def test_large_copy_queued_behind_a_waiting_host_node(native_libs: build.Librari
     assert "ORDER [7] SAME True" in done.stdout, done.stdout + done.stderr
 
 
-def test_client_exiting_inside_a_host_function_ends_the_worker(native_libs: build.Libraries, emulated: Server) -> None:
+def _sessions_end(server: Server) -> list[dict]:
+    deadline = time.monotonic() + 30   # a guard against a hung worker, not a speed check
+    while server.server.status()["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return server.server.status()["sessions"]
+
+
+def test_client_exiting_inside_a_host_function_ends_the_worker(native_libs: build.Libraries, worker: Server) -> None:
     """The worker's host node waits for the client's answer; the client dies instead: the node
     gives up when the connection ends and the session closes (no hung worker)."""
-    done = py_client(native_libs, emulated.slices(emulated.token()), HOST_PROGRAM_HEAD + DYING)
+    done = py_client(native_libs, worker.slices(worker.token()), HOST_PROGRAM_HEAD + DYING)
     assert done.returncode == 3, done.stdout + done.stderr
     assert "DYING" in done.stdout and "NOT REACHED" not in done.stdout
-    deadline = time.monotonic() + 30   # a guard against a hang, not a speed check
-    while emulated.server.status()["sessions"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert emulated.server.status()["sessions"] == []
+    assert _sessions_end(worker) == []
+
+
+def test_client_leaving_a_graph_queued_on_a_host_node_ends_the_worker(native_libs: build.Libraries,
+                                                                       worker: Server) -> None:
+    """The application launches a graph with a host node and exits without synchronising: its
+    function never runs (the process is gone), and the worker's node gives up."""
+    done = py_client(native_libs, worker.slices(worker.token()), HOST_PROGRAM_HEAD + """
+    check("cuStreamBeginCapture_v2", s, 0)
+    check("cuLaunchHostFunc", s, mark, ctypes.c_void_p(1))
+    check("cuMemsetD32Async", ctypes.c_uint64(a), 1, 256, s)
+    graph, exe = ctypes.c_void_p(), ctypes.c_void_p()
+    check("cuStreamEndCapture", s, ctypes.byref(graph))
+    check("cuGraphInstantiateWithFlags", ctypes.byref(exe), graph, ctypes.c_ulonglong(0))
+    check("cuGraphLaunch", exe, s)
+    print("LEAVING", order)
+    """)
+    assert done.returncode == 0 and "LEAVING []" in done.stdout, done.stdout + done.stderr
+    assert _sessions_end(worker) == []
 
 
 class _FakeWorker:

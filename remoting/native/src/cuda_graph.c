@@ -5,7 +5,8 @@
  * (pipelined) and the server's driver records them. Capture status is asked before nearly every
  * launch by CuPy and PyTorch, so it is answered here while no capture can be under way (no
  * cuStreamBeginCapture succeeded that no cuStreamEndCapture ended): exact, since a stream only
- * starts capturing through cuStreamBeginCapture. Otherwise the server's driver answers. */
+ * starts capturing through cuStreamBeginCapture. Otherwise the server's driver answers.
+ * Host nodes, whose functions run in this process: host_nodes.c. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
