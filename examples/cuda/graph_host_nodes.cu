@@ -2,7 +2,7 @@
 // capture with cudaLaunchHostFunc between device work, and a graph built with cudaGraphAddHostNode.
 // Through rgpu the graph lives on the GPU node; each host function runs in this process, in graph
 // order. `launch` adds kernels (a real GPU; the emulated device refuses launches).
-// Prints ORDER, VALUES and HOSTNODE lines and "GRAPHS OK" at the end.
+// Prints ORDER, VALUES, HOSTNODE, BUILT and REPORTED lines and "GRAPHS OK" at the end.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -27,6 +27,17 @@ static int g_count;
 
 static void CUDART_CB mark(void *user) {
     if (g_count < 64) g_order[g_count++] = (int)(size_t)user;
+}
+
+// simpleCudaGraphs' callback: reads the result a copy node has just written into this process's
+// memory, then resets it.
+static int g_seen[8];
+static int g_nseen;
+
+static void CUDART_CB report(void *data) {
+    int *result = (int *)data;
+    if (g_nseen < 8) g_seen[g_nseen++] = *result;
+    *result = 0;
 }
 
 static void print_order(const char *what) {
@@ -102,6 +113,20 @@ int main(int argc, char **argv) {
     print_order("BUILT");
     CHECK(cudaMemcpy(ha, da, sizeof ha, cudaMemcpyDeviceToHost));
     printf("BUILT VALUES %d %d\n", ha[0], ha[1]);
+    CHECK(cudaGraphExecDestroy(exec));
+    CHECK(cudaGraphDestroy(graph));
+
+    // 3. A copy node into this process's memory, then the host function that reads it.
+    static int result_h = -1;
+    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    CHECK(cudaMemsetAsync(db, 1, n * sizeof(int), s));
+    CHECK(cudaMemcpyAsync(&result_h, db, sizeof result_h, cudaMemcpyDeviceToHost, s));
+    CHECK(cudaLaunchHostFunc(s, report, &result_h));
+    CHECK(cudaStreamEndCapture(s, &graph));
+    CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int i = 0; i < 2; i++) CHECK(cudaGraphLaunch(exec, s));
+    CHECK(cudaStreamSynchronize(s));
+    printf("REPORTED %x %x RESULT %d\n", g_seen[0], g_seen[1], result_h);
     CHECK(cudaGraphExecDestroy(exec));
     CHECK(cudaGraphDestroy(graph));
     CHECK(cudaFree(da));

@@ -58,7 +58,8 @@ def test_host_functions_in_cuda_graphs_run_in_the_client_between_kernels(native_
                   str(EXAMPLES / "graph_host_nodes.cu"), "-o", str(program)], "RGPU_RUNTIME_DEMO_DIR")
     done = flexrun(native_libs, gpu_server, tmp_path, [str(program), "launch"], name="graph-host-nodes")
     for line in ("CAPTURED 6 nodes, 0 host calls so far", "ORDER 1 2 1 2 1 2", "VALUES 1 2",
-                 "HOSTNODE type 3 fn same user 10", "BUILT 10 11", "BUILT VALUES 6 5", "GRAPHS OK"):
+                 "HOSTNODE type 3 fn same user 10", "BUILT 10 11", "BUILT VALUES 6 5",
+                 "REPORTED 1010101 1010101 RESULT 0", "GRAPHS OK"):
         assert line in done.stdout, done.stdout + done.stderr
     assert done.returncode == 0
 

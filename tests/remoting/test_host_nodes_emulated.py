@@ -147,6 +147,41 @@ def test_captured_host_functions_run_in_the_client_in_graph_order(native_libs: b
     assert "PLAIN [5, 99]" in done.stdout
 
 
+def test_host_function_sees_and_leaves_the_memory_of_host_copy_nodes(native_libs: build.Libraries,
+                                                                     worker: Server) -> None:
+    """simpleCudaGraphs' callback reads the result a device-to-host copy node just wrote into this
+    process's memory and resets it; a host function may also prepare what a later host-to-device
+    copy node reads. Copy nodes with a host side go through worker buffers, so each host call
+    brings them into this process's memory and back."""
+    done = py_client(native_libs, worker.slices(worker.token()), HOST_PROGRAM_HEAD + """
+    res = (ctypes.c_uint32 * 4)()
+    inp = (ctypes.c_uint32 * 4)()
+    got = (ctypes.c_uint32 * 4)()
+    seen = []
+
+    @HOSTFN
+    def consume(user):
+        seen.append(res[0])
+        res[0] = 0
+        inp[0] += 100
+
+    check("cuStreamBeginCapture_v2", s, 0)
+    check("cuMemsetD32Async", ctypes.c_uint64(a), 5, 4, s)
+    check("cuMemcpyDtoHAsync_v2", res, ctypes.c_uint64(a), 16, s)
+    check("cuLaunchHostFunc", s, consume, None)
+    check("cuMemcpyHtoDAsync_v2", ctypes.c_uint64(b), inp, 16, s)
+    check("cuMemcpyDtoHAsync_v2", got, ctypes.c_uint64(b), 16, s)
+    graph, exe = ctypes.c_void_p(), ctypes.c_void_p()
+    check("cuStreamEndCapture", s, ctypes.byref(graph))
+    check("cuGraphInstantiateWithFlags", ctypes.byref(exe), graph, ctypes.c_ulonglong(0))
+    for i in range(3):
+        check("cuGraphLaunch", exe, s)
+        check("cuStreamSynchronize", s)
+    print("SEEN", seen, "RES", res[0], "GOT", got[0], "INP", inp[0])
+    """)
+    assert "SEEN [5, 5, 5] RES 0 GOT 300 INP 300" in done.stdout, done.stdout + done.stderr
+
+
 def test_graph_built_with_host_nodes_and_their_parameters(native_libs: build.Libraries, worker: Server) -> None:
     done = py_client(native_libs, worker.slices(worker.token()), HOST_PROGRAM_HEAD + """
     class HOSTPARAMS(ctypes.Structure):

@@ -107,5 +107,6 @@ def test_runtime_host_functions_in_graphs_run_in_the_client(native_libs: build.L
     assert "HOSTNODE type 3 fn same user 10" in out   # cudaGraphNodeTypeHost
     assert "BUILT 10 11" in out
     assert "BUILT VALUES 6 5" in out
+    assert "REPORTED 1010101 1010101 RESULT 0" in out   # the callback saw the copy node's result, and reset it
     assert "GRAPHS OK" in out
     assert done.returncode == 0

@@ -114,16 +114,17 @@ class _HostNode:
     """A host node: asks the client to run its function (worker/hostcalls.py) and waits for it;
     the emulated device runs a graph's nodes in order, so its dependencies have finished."""
 
-    def __init__(self, backend: "EmulatedBackend", node: int, fn_id: int) -> None:
+    def __init__(self, backend: "EmulatedBackend", node: int, fn_id: int, regions: list[tuple[int, int, bool]]) -> None:
         self.backend, self.node, self.fn_id = backend, node, fn_id
+        self.regions = regions   # the graph's host-copy buffers (shared with the graph)
 
     def copy(self) -> "_HostNode":
-        return _HostNode(self.backend, self.node, self.fn_id)
+        return _HostNode(self.backend, self.node, self.fn_id, self.regions)
 
     def __call__(self) -> tuple[int]:
         calls = self.backend.host_calls
         if calls is not None:
-            calls.run(self.fn_id)
+            calls.run(self.fn_id, 0, self.regions)
         return (SUCCESS,)
 
 
@@ -173,6 +174,7 @@ class EmulatedBackend:
         self.node_types: dict[int, int] = {}              # nodes added by hand or host nodes -> CUgraphNodeType
         self.host_nodes: dict[int, _HostNode] = {}        # a graph's host nodes
         self.host_calls: Any = None                       # the worker's HostCalls (set by the worker)
+        self.graph_regions: dict[int, list[tuple[int, int, bool]]] = {}   # graph -> its host-copy buffers
         self.physical: dict[int, list[Any]] = {}          # handle -> [bytes, references]
         self.graph_host: dict[int, bytearray] = {}        # buffers of copy nodes with a host side
         self.reserved: dict[int, int] = {}
@@ -841,7 +843,8 @@ class EmulatedBackend:
             ops.append(lambda: (self.mem_free(ptr, 0, True), (SUCCESS,))[1])
         elif kind == 7:
             node = self.handles.new()
-            host = self.host_nodes[node] = _HostNode(self, node, struct.unpack_from("<Q", payload, 0)[0])
+            host = self.host_nodes[node] = _HostNode(self, node, struct.unpack_from("<Q", payload, 0)[0],
+                                                     self.graph_regions.setdefault(graph, []))
             ops.append(host)
             self.node_types[node] = NODE_TYPE_HOST
             return node, 0
@@ -849,6 +852,7 @@ class EmulatedBackend:
             to_host, _, dev, size, _ctx = struct.unpack_from("<IIQQQ", payload, 0)
             aux = self.handles.new()
             buf = self.graph_host[aux] = bytearray(size)
+            self.graph_regions.setdefault(graph, []).append((aux, size, bool(to_host)))
 
             def copy() -> tuple[int]:
                 dbuf, off = self._locate(dev, size)
@@ -875,8 +879,9 @@ class EmulatedBackend:
         if kind != 0:
             raise CudaError(900)
         node = self.handles.new()
-        host = self.host_nodes[node] = _HostNode(self, node, fn_id)
-        self.graphs[self.capturing[stream][1]].append(host)
+        graph = self.capturing[stream][1]
+        host = self.host_nodes[node] = _HostNode(self, node, fn_id, self.graph_regions.setdefault(graph, []))
+        self.graphs[graph].append(host)
         self.node_types[node] = NODE_TYPE_HOST
 
     def host_node_params(self, exe: int, node: int, fn_id: int | None) -> int:
@@ -899,6 +904,7 @@ class EmulatedBackend:
         graph = self.capturing[stream][1]
         buffer = self.handles.new()
         buf = self.graph_host[buffer] = bytearray(data if not to_host else bytes(size))
+        self.graph_regions.setdefault(graph, []).append((buffer, size, to_host))
 
         def copy() -> tuple[int]:
             dbuf, off = self._locate(dev, size)
@@ -914,6 +920,14 @@ class EmulatedBackend:
         if len(self.graph_host.get(buffer, b"")) < len(data):
             raise CudaError(INVALID_VALUE)
         self.graph_host[buffer][:len(data)] = data
+
+    def graph_host_peek(self, buffer: int, size: int) -> bytes:
+        """A copy node's buffer as it is now (a host node's call, while the graph runs)."""
+        return bytes(self.graph_host.get(buffer, b"")[:size])
+
+    def graph_host_poke(self, buffer: int, data: bytes) -> None:
+        if len(self.graph_host.get(buffer, b"")) >= len(data):
+            self.graph_host[buffer][:len(data)] = data
 
     def graph_host_read(self, stream: int, pairs: list[tuple[int, int]]) -> bytes:
         if any(len(self.graph_host.get(b, b"")) < n for b, n in pairs):

@@ -18,6 +18,14 @@ arrives to the receive buffer (past `end`, never moving the bytes before, where 
 handler's payload lies) and scans the complete frames there for its HOST_DONE, leaving every
 frame, HOST_DONE included, for the loop to process in order (a HOST_DONE already seen is a no-op).
 
+Host memory: a graph's copy nodes with a host side go through pinned worker buffers that stand
+for the client's memory while the graph runs (refreshed before a launch, read back after it). So
+HOST_CALL carries the host node's graph's regions and the device-to-host ones' data as they are
+now (the copies before the node have finished): the client writes them into its memory, runs the
+function, and returns every region's data in HOST_DONE, which goes into the buffers before the
+node's dependents start (simpleCudaGraphs' callback reads the result a copy node just wrote, and
+resets it).
+
 When the buffer is full of frames the loop has not run yet (a large cuMemcpyHtoDAsync queued
 behind a handler blocked on the graph), `run` reads on into the reader's spill, which the loop
 reads before the socket.
@@ -34,12 +42,17 @@ import itertools
 import logging
 import select
 import socket
+import struct
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.worker.frames import FrameReader
+
+# A host-copy region of the host node's graph: (worker buffer, size, to_host).
+Region = tuple[int, int, bool]
+_REGION = struct.Struct("<QQII")
 
 log = logging.getLogger("rgpu.worker")
 
@@ -53,8 +66,9 @@ MAX_SPILL = 1 << 30
 
 
 class HostCalls:
-    def __init__(self, sock: socket.socket, reader: FrameReader, send_lock: threading.Lock) -> None:
+    def __init__(self, sock: socket.socket, reader: FrameReader, send_lock: threading.Lock, backend: object) -> None:
         self.sock = sock
+        self.backend = backend
         self.reader = reader
         self.send_lock = send_lock
         self.reader_lock = threading.Lock()
@@ -65,27 +79,30 @@ class HostCalls:
         self.lent = False                         # the serving loop lent the reader (a handler runs)
         self.loop_thread = threading.get_ident()  # the serving loop's thread
         self._numbers = itertools.count(1)
-        self._waiting: dict[int, list] = {}   # call number -> [threading.Event, result]
+        self._waiting: dict[int, list] = {}   # call number -> [threading.Event, verdict, HOST_DONE payload]
         self._lock = threading.Lock()
         self.sent = 0
         self._scratch = bytearray(1 << 20)
 
     # ------------------------------------------------------------------ the host node's side
 
-    def run(self, fn_id: int, status: int = 0) -> int:
+    def run(self, fn_id: int, status: int = 0, regions: list[Region] | None = None) -> int:
         """Run the client's function `fn_id` and wait until it returned; the client's verdict
-        (protocol.HOST_DONE_*), or -1 when the connection ended first."""
+        (protocol.HOST_DONE_*), or -1 when the connection ended first. `regions`: the host-copy
+        buffers of the node's graph, brought into the client's memory and back around the call."""
         if threading.get_ident() == self.loop_thread and not self.lent:
             log.error("a host node ran on the serving thread outside a handler; it cannot wait for the client")
             return -1
         number = next(self._numbers) & 0xFFFFFFFF
-        entry: list = [threading.Event(), -1]
+        entry: list = [threading.Event(), -1, b""]
+        regions = list(regions or ())
         with self._lock:
             if self.closed:
                 return -1
             self._waiting[number] = entry
         try:
-            frame = protocol.HEADER.pack(0, protocol.OP_HOST_CALL, 0, number, status & 0xFFFFFFFF, fn_id)
+            body = self._call_payload(regions)
+            frame = protocol.HEADER.pack(len(body), protocol.OP_HOST_CALL, 0, number, status & 0xFFFFFFFF, fn_id) + body
             try:
                 with self.send_lock:
                     self.sock.sendall(frame)
@@ -104,10 +121,36 @@ class HostCalls:
                         event.wait(0.001)   # let the serving loop take the reader
             if entry[1] == protocol.HOST_DONE_UNKNOWN_ID:
                 log.warning("the client refused host function id %d (it never registered it)", fn_id)
+            elif entry[1] == protocol.HOST_DONE_RAN and regions:
+                self._take_back(regions, entry[2])
             return entry[1]
         finally:
             with self._lock:
                 self._waiting.pop(number, None)
+
+    def _call_payload(self, regions: list[Region]) -> bytes:
+        """u32 count, u32 0, {u64 buffer, u64 size, u32 to_host, u32 0} each, then the data of the
+        device-to-host regions in that order."""
+        if not regions:
+            return b""
+        head = struct.pack("<II", len(regions), 0) + b"".join(_REGION.pack(b, n, int(t), 0) for b, n, t in regions)
+        peek = self.backend.graph_host_peek   # type: ignore[attr-defined]
+        return head + b"".join(peek(b, n) for b, n, t in regions if t)
+
+    def _take_back(self, regions: list[Region], payload: bytes) -> None:
+        """HOST_DONE's {u64 buffer, u64 size, data} records: the client's memory after its function
+        ran, into the buffers. Only regions of this call are written, at their own size."""
+        allowed = {(b, n) for b, n, _ in regions}
+        poke = self.backend.graph_host_poke   # type: ignore[attr-defined]
+        off = 0
+        while off + 16 <= len(payload):
+            buffer, size = struct.unpack_from("<QQ", payload, off)
+            off += 16
+            if (buffer, size) not in allowed or off + size > len(payload):
+                log.warning("the client's host function answer names an unknown region; ignored")
+                return
+            poke(buffer, payload[off:off + size])
+            off += size
 
     def _read_turn(self, event: threading.Event) -> None:
         """Scan the frames not yet run (the receive buffer's, then the spill's) for HOST_DONE; read
@@ -121,10 +164,10 @@ class HostCalls:
                 if head is None:
                     break
                 length, op, _flags, seq, aux, _ctx = protocol.HEADER.unpack(head)
-                if op == protocol.OP_HOST_DONE:
-                    self.done(seq, aux)
                 if (r.end - r.start) + len(r.spill) < pos + size + length:
                     break
+                if op == protocol.OP_HOST_DONE:
+                    self.done(seq, aux, self._peek(pos + size, length) or b"")
                 pos += size + length
             if event.is_set() or self.closed:
                 return
@@ -184,12 +227,13 @@ class HostCalls:
 
     # ------------------------------------------------------------------ the serving loop's side
 
-    def done(self, number: int, verdict: int) -> None:
+    def done(self, number: int, verdict: int, payload: bytes = b"") -> None:
         """A HOST_DONE frame (read by the loop or by `run`); a second sight of it does nothing."""
         with self._lock:
             entry = self._waiting.get(number)
         if entry is not None and not entry[0].is_set():
             entry[1] = verdict
+            entry[2] = payload
             entry[0].set()
 
     def close(self) -> None:

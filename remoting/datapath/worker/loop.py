@@ -45,7 +45,7 @@ class Worker(Handlers):
         self.reader = FrameReader(sock)
         # Host nodes send from the driver's threads: every frame goes out whole under this lock.
         self.send_lock = threading.Lock()
-        self.hostcalls = HostCalls(sock, self.reader, self.send_lock)
+        self.hostcalls = HostCalls(sock, self.reader, self.send_lock, backend)
         backend.host_calls = self.hostcalls
         self.current_ctx: int | None = None
         self.vmm_refs: dict[int, int] = {}
@@ -284,7 +284,7 @@ class Worker(Handlers):
             if op == protocol.OP_BYE:
                 return "client said goodbye"
             if op == protocol.OP_HOST_DONE:
-                hostcalls.done(seq, _aux)
+                hostcalls.done(seq, _aux, bytes(payload))
                 continue
             self.calls += 1
             entry = handlers.get(op)

@@ -418,6 +418,15 @@ void rgpu_hostcopy_clone(void *from, void *to) {
         if (h->owner == from) hostcopy_add(to, h->buffer, h->host, h->size, h->to_host);
 }
 
+void *rgpu_hostcopy_host(uint64_t buffer, size_t size) {
+    void *host = NULL;
+    pthread_mutex_lock(&g_copies_lock);
+    for (hostcopy *h = g_copies; h && !host; h = h->next)
+        if (h->buffer == buffer && h->size == size) host = h->host;
+    pthread_mutex_unlock(&g_copies_lock);
+    return host;
+}
+
 void rgpu_hostcopy_forget(void *owner) {
     pthread_mutex_lock(&g_copies_lock);
     for (hostcopy **p = &g_copies; *p;) {

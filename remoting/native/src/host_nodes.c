@@ -78,18 +78,62 @@ int rgpu_hostfn_lookup(uint64_t id, int *kind, void **fn, void **user) {
     return found;
 }
 
-int rgpu_run_host_call(int session, uint64_t id, int32_t status) {
+/* HOST_CALL's payload: u32 count, u32 0, {u64 buffer, u64 size, u32 to_host, u32 0} each, then the
+ * device-to-host regions' data in that order. Regions this process does not know (no copy node
+ * record holds that buffer at that size) are skipped both ways. */
+typedef struct {
+    uint64_t buffer, size;
+    uint32_t to_host, pad;
+} region;
+
+int rgpu_run_host_call(int session, uint64_t id, int32_t status, const uint8_t *in, size_t inlen, uint8_t **out,
+                       size_t *outlen) {
     (void)session;
+    *out = NULL;
+    *outlen = 0;
     hostfn h;
     pthread_mutex_lock(&g_lock);
     int found = id >= 1 && id <= g_count;
     if (found) h = g_fns[id - 1];
     pthread_mutex_unlock(&g_lock);
     if (!found) return -1;
+    uint32_t n = 0;
+    if (inlen >= 8) memcpy(&n, in, 4);
+    if ((uint64_t)n * sizeof(region) > inlen - 8 || inlen < 8) n = 0;
+    const uint8_t *data = in ? in + 8 + (size_t)n * sizeof(region) : NULL;
+    const uint8_t *end = in ? in + inlen : NULL;
+    size_t back = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        region r;
+        memcpy(&r, in + 8 + (size_t)i * sizeof r, sizeof r);
+        void *host = rgpu_hostcopy_host(r.buffer, (size_t)r.size);
+        if (r.to_host) {
+            if (r.size > (uint64_t)(end - data)) break; /* truncated: take no more */
+            if (host) memcpy(host, data, (size_t)r.size);
+            data += r.size;
+        }
+        if (host) back += 16 + (size_t)r.size;
+    }
     if (h.kind == RGPU_HOSTFN_STREAM_CALLBACK)
         ((CUstreamCallback)h.fn)(h.stream, (CUresult)status, h.user);
     else
         ((CUhostFn)h.fn)(h.user);
+    uint8_t *o = back ? malloc(back) : NULL;
+    if (o) {
+        size_t at = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            region r;
+            memcpy(&r, in + 8 + (size_t)i * sizeof r, sizeof r);
+            void *host = rgpu_hostcopy_host(r.buffer, (size_t)r.size);
+            if (!host || at + 16 + r.size > back) continue;
+            memcpy(o + at, &r.buffer, 8);
+            memcpy(o + at + 8, &r.size, 8);
+            memcpy(o + at + 16, host, (size_t)r.size);
+            at += 16 + (size_t)r.size;
+        }
+        *out = o;
+        *outlen = at;
+    }
     return 0;
 }
 

@@ -150,7 +150,12 @@ int rgpu_capture_possible(void);
 enum { RGPU_HOSTFN_FUNC = 0, RGPU_HOSTFN_STREAM_CALLBACK = 1 };
 uint64_t rgpu_hostfn_register(int kind, void *fn, void *user, CUstream stream);
 int rgpu_hostfn_lookup(uint64_t id, int *kind, void **fn, void **user);
-int rgpu_run_host_call(int session, uint64_t id, int32_t status); /* 0 ran, -1 unknown id */
+/* Runs function `id` around the HOST_CALL payload `in` (host-copy regions: their device-to-host
+ * data goes into this process's memory first); `*out` (malloc'd) is HOST_DONE's payload: every
+ * region's data after the call. 0 ran, -1 unknown id. */
+int rgpu_run_host_call(int session, uint64_t id, int32_t status, const uint8_t *in, size_t inlen, uint8_t **out,
+                       size_t *outlen);
+void *rgpu_hostcopy_host(uint64_t buffer, size_t size); /* this process's memory behind a copy node's buffer */
 extern __thread int rgpu_in_host_fn;
 CUresult rgpu_graph_add_node(uint32_t kind, CUgraphNode *phNode, CUgraph hGraph, const CUgraphNode *deps, size_t ndeps,
                              const void *payload, size_t plen, uint64_t *aux);

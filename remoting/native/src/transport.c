@@ -251,8 +251,11 @@ __attribute__((weak)) void rgpu_managed_before_call(uint16_t op) { (void)op; }
 __thread int rgpu_in_host_fn;
 
 /* The CUDA library overrides it (host_nodes.c); NVML sessions have no host nodes. */
-__attribute__((weak)) int rgpu_run_host_call(int session, uint64_t id, int32_t status) {
-    (void)session, (void)id, (void)status;
+__attribute__((weak)) int rgpu_run_host_call(int session, uint64_t id, int32_t status, const uint8_t *in,
+                                             size_t inlen, uint8_t **out, size_t *outlen) {
+    (void)session, (void)id, (void)status, (void)in, (void)inlen;
+    *out = NULL;
+    *outlen = 0;
     return -1;
 }
 
@@ -381,17 +384,29 @@ CUresult rgpu_sync(rgpu_call *c) {
  * the graph until then. An id this process never registered is refused, never called: the frame
  * names a table entry, not an address. The send buffer is empty (flushed before any read, and
  * the session stays locked), so the answer goes straight out. */
-static int host_call(rgpu_session *s, uint32_t seq, uint64_t id, int32_t status) {
+static int host_call(rgpu_session *s, uint32_t seq, uint64_t id, int32_t status, uint32_t len) {
+    uint8_t *in = len ? malloc(len) : NULL;
+    if (len && (!in || recv_all(s->fd, in, len))) {
+        free(in);
+        session_fail(s, in ? strerror(errno) : "out of memory for a host function's data");
+        return -1;
+    }
+    uint8_t *out = NULL;
+    size_t outlen = 0;
     rgpu_in_host_fn++;
-    int ran = rgpu_run_host_call(s->index, id, status);
+    int ran = rgpu_run_host_call(s->index, id, status, in, len, &out, &outlen);
     rgpu_in_host_fn--;
+    free(in);
     if (ran < 0)
         rgpu_log(RGPU_LOG_ERROR, "GPU server %s asked to run host function %llu, which this process never "
                  "registered (refused; the graph goes on without it; check that client and server run the same "
                  "rgpu version)", s->server, (unsigned long long)id);
     uint8_t h[RGPU_HEADER_SIZE];
-    put_header(h, 0, RGPU_OP_HOST_DONE, 0, seq, ran < 0 ? RGPU_HOST_DONE_UNKNOWN_ID : RGPU_HOST_DONE_RAN, 0);
-    if (send_all(s->fd, h, sizeof h)) {
+    put_header(h, (uint32_t)outlen, RGPU_OP_HOST_DONE, 0, seq,
+               ran < 0 ? RGPU_HOST_DONE_UNKNOWN_ID : RGPU_HOST_DONE_RAN, 0);
+    int failed = send_all(s->fd, h, sizeof h) || (outlen && send_all(s->fd, out, outlen));
+    free(out);
+    if (failed) {
         session_fail(s, strerror(errno));
         return -1;
     }
@@ -431,7 +446,7 @@ static CUresult sync_wait(rgpu_call *c, rgpu_session *s, uint32_t want_seq) {
             uint64_t id;
             memcpy(&aux, h + 12, 4);
             memcpy(&id, h + 16, 8);
-            if ((len && recv_discard(s->fd, len)) || host_call(s, seq, id, (int32_t)aux)) {
+            if (host_call(s, seq, id, (int32_t)aux, len)) {
                 if (!s->dead) session_fail(s, strerror(errno));
                 return CUDA_ERROR_DEVICE_UNAVAILABLE;
             }
