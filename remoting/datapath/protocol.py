@@ -58,6 +58,9 @@ OP_SOURCE = 9     # payload u64 total, u32 chunk: the server sends DATA frames o
 # function, aux: the CUresult a stream callback gets) at any point between other frames, and its
 # node waits for HOST_DONE (seq: that number; aux: 0 ran, 1 the id is unknown to the client).
 # The client answers it whenever it reads (every synchronising call does); worker/hostcalls.py.
+# HOST_CALL's payload (may be empty): u32 count, u32 0, count x {u64 buffer, u64 size, u32 to_host,
+# u32 0} (the host-copy buffers of the node's graph), then the to_host ones' data in that order.
+# HOST_DONE's payload: {u64 buffer, u64 size, data} for each of those regions the client knows.
 OP_HOST_CALL = 10
 OP_HOST_DONE = 11
 HOST_DONE_RAN = 0
