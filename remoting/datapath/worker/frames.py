@@ -59,6 +59,8 @@ class FrameReader:
         # Bytes a waiting host node read while this buffer was full (worker/hostcalls.py): they
         # come before anything still in the socket.
         self.spill = bytearray()
+        # The stream offset of the buffer's first byte (a waiting host node scans each frame once).
+        self.origin = 0
 
     def _recv(self, view: memoryview, n: int) -> int:
         if self.spill:
@@ -74,6 +76,7 @@ class FrameReader:
         if self.start + need > self.size:
             n = self.end - self.start
             self.view[0:n] = self.view[self.start:self.end]
+            self.origin += self.start
             self.start, self.end = 0, n
         while self.end - self.start < need:
             k = self._recv(self.view[self.end:], self.size - self.end)
@@ -103,6 +106,7 @@ class FrameReader:
         have = min(self.end - self.start, length)
         bview[0:have] = self.view[self.start:self.start + have]
         self.start += have
+        self.origin += length - have   # bytes of the stream that never pass through the buffer
         got = have
         while got < length:
             k = self._recv(bview[got:], length - got)
@@ -119,6 +123,7 @@ class FrameReader:
         have = min(self.end - self.start, length)
         self.start += have
         left = length - have
+        self.origin += self.end + left
         while left:
             k = self._recv(self.view, min(left, self.size))
             if k == 0:

@@ -83,6 +83,7 @@ class HostCalls:
         self._lock = threading.Lock()
         self.sent = 0
         self._scratch = bytearray(1 << 20)
+        self._scanned = 0   # the stream offset up to which whole frames were scanned for HOST_DONE
 
     # ------------------------------------------------------------------ the host node's side
 
@@ -153,11 +154,13 @@ class HostCalls:
             off += size
 
     def _read_turn(self, event: threading.Event) -> None:
-        """Scan the frames not yet run (the receive buffer's, then the spill's) for HOST_DONE; read
-        more while none is there: into the buffer while it has room, else into its spill."""
+        """Scan the frames not yet run (the receive buffer's, then the spill's) for HOST_DONE, each
+        once (a HOST_DONE seen went to its waiter, which existed before the client could send it);
+        read more while none is there: into the buffer while it has room, else into its spill."""
         r = self.reader
         size = protocol.HEADER_SIZE
-        pos = 0   # offset past r.start in the bytes not yet run: the buffer's, then the spill's
+        at = r.origin + r.start   # the stream offset of the first frame not yet run
+        pos = max(self._scanned - at, 0)   # offset past r.start: the buffer's bytes, then the spill's
         while True:
             while True:
                 head = self._peek(pos, size)
@@ -169,6 +172,7 @@ class HostCalls:
                 if op == protocol.OP_HOST_DONE:
                     self.done(seq, aux, self._peek(pos + size, length) or b"")
                 pos += size + length
+                self._scanned = at + pos
             if event.is_set() or self.closed:
                 return
             room = r.size - r.end
@@ -190,13 +194,13 @@ class HostCalls:
             if k == 0:
                 self.close()   # the loop sees the end of the stream too, at its next read
                 return
-            r.received += k
-            if target.obj is self._scratch:
+            if target.obj is self._scratch:   # counted by the loop when it reads the spill
                 if not r.spill:
                     log.debug("a waiting host node reads past the full receive buffer")
                 r.spill += target[:k]
             else:
                 r.end += k
+                r.received += k
 
     def _peek(self, pos: int, n: int) -> bytes | None:
         """n bytes at `pos` past the reader's start, across its buffer and spill; None if not there yet."""
