@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import select
 import socket
 import struct
@@ -57,9 +58,9 @@ _REGION = struct.Struct("<QQII")
 log = logging.getLogger("rgpu.worker")
 
 # How long a waiting host node waits for the reader, and for the socket while it holds the reader
-# (the serving loop waits at most that long for the reader once its handler returned).
+# (a serving loop that wants its reader back wakes it at once through a pipe).
 _TURN_S = 0.02
-_SELECT_S = 0.005
+_SELECT_S = 0.05
 # The most a waiting host node reads past a full receive buffer (frames queued behind a handler
 # blocked on the graph, e.g. a large cuMemcpyHtoDAsync behind it on its stream).
 MAX_SPILL = 1 << 30
@@ -84,6 +85,10 @@ class HostCalls:
         self.sent = 0
         self._scratch = bytearray(1 << 20)
         self._scanned = 0   # the stream offset up to which whole frames were scanned for HOST_DONE
+        # The loop writes a byte here when it wants its reader back from a waiting node's select.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
 
     # ------------------------------------------------------------------ the host node's side
 
@@ -184,7 +189,10 @@ class HostCalls:
             else:
                 target = r.view[r.end:]
             try:
-                readable, _, _ = select.select([self.sock], [], [], _SELECT_S)
+                readable, _, _ = select.select([self.sock, self._wake_r], [], [], _SELECT_S)
+                if self._wake_r in readable:
+                    self._drain_wake()
+                    return   # the loop wants its reader: it reads the rest itself, or lends it again
                 if not readable:
                     return
                 k = self.sock.recv_into(target, room)
@@ -201,6 +209,13 @@ class HostCalls:
             else:
                 r.end += k
                 r.received += k
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def _peek(self, pos: int, n: int) -> bytes | None:
         """n bytes at `pos` past the reader's start, across its buffer and spill; None if not there yet."""
@@ -226,7 +241,12 @@ class HostCalls:
         try:
             yield
         finally:
-            self.reader_lock.acquire()
+            if not self.reader_lock.acquire(blocking=False):
+                try:
+                    os.write(self._wake_w, b"w")   # a waiting node holds the reader: ask for it back
+                except BlockingIOError:
+                    pass   # asked already
+                self.reader_lock.acquire()
             self.lent = False
 
     # ------------------------------------------------------------------ the serving loop's side
