@@ -17,6 +17,8 @@ A session:
   preceded by DATA frames when it returns bulk data (device-to-host copies). `async` calls get
   no reply: the worker keeps the first error and answers the next sync call with it instead of
   running that call, so an error surfaces at the next synchronising call.
+  Between any two frames the worker may send HOST_CALL (protocol 5): a graph's host node asks the
+  client to run a host function; the client answers HOST_DONE when it next reads (below).
 
 Both sides check the version: the first 8 bytes of HELLO and WELCOME/REFUSE never change.
 """
@@ -34,7 +36,7 @@ from rgpu.netaddr import split_host_port
 
 # The data path's protocol version. It is also recorded in spec/cuda.spec: a spec change that
 # alters the wire format must bump both (tests/remoting/test_generator.py checks the pairing).
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 MAGIC = b"RGPU"
 
 HEADER = struct.Struct("<IHHIIQ")
@@ -51,6 +53,18 @@ OP_BYE = 6
 OP_ECHO = 7       # the server sends the frame back as it came
 OP_SINK = 8       # the server discards the payload; aux=1 on the last frame asks for a REPLY (u64 bytes)
 OP_SOURCE = 9     # payload u64 total, u32 chunk: the server sends DATA frames of that much, then a REPLY
+# Host nodes (protocol 5): a graph's host node runs the application's function in the client.
+# The worker sends HOST_CALL (seq: the call's number, ctx: the id the client registered for the
+# function, aux: the CUresult a stream callback gets) at any point between other frames, and its
+# node waits for HOST_DONE (seq: that number; aux: 0 ran, 1 the id is unknown to the client).
+# The client answers it whenever it reads (every synchronising call does); worker/hostcalls.py.
+# HOST_CALL's payload (may be empty): u32 count, u32 0, count x {u64 buffer, u64 size, u32 to_host,
+# u32 0} (the host-copy buffers of the node's graph), then the to_host ones' data in that order.
+# HOST_DONE's payload: {u64 buffer, u64 size, data} for each of those regions the client knows.
+OP_HOST_CALL = 10
+OP_HOST_DONE = 11
+HOST_DONE_RAN = 0
+HOST_DONE_UNKNOWN_ID = 1
 
 # HELLO flags.
 HELLO_PROBE = 1   # verify the token and versions, start no worker (flexrun's pre-flight check)

@@ -2,13 +2,16 @@
 with nvcc), a driver-API program on a created context (copies after launches), and CuPy and
 PyTorch basics. Run on a GPU machine: python -m pytest -m gpu tests/remoting/test_gpu_runtime.py
 
-Where the GPU machine has no nvcc, point RGPU_RUNTIME_DEMO_DIR at a folder holding runtime_demo_static
-and runtime_demo_shared built elsewhere (and libcudart.so.13 for the shared one)."""
+Where the GPU machine has no nvcc, point RGPU_RUNTIME_DEMO_DIR at a folder holding runtime_demo_static,
+runtime_demo_shared and graph_host_nodes (cudart static) built elsewhere (and libcudart.so.13 for the
+shared one)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,7 @@ from rgpu.remoting.native import build
 
 from tests.remoting.conftest import EXAMPLES, PY, Server, run_nvcc
 from tests.remoting.test_gpu import GiB, flexrun, gpu_server, py  # noqa: F401 - the fixture is used by name
+from tests.remoting.test_host_nodes_emulated import DYING, HOST_PROGRAM_HEAD, LARGE_COPY
 
 pytestmark = pytest.mark.gpu
 
@@ -41,6 +45,41 @@ def test_cuda_runtime_program_launches_through_rgpu(native_libs: build.Libraries
     for line in ("KERNEL ok", "STREAM KERNEL ok", "COUNTER 2", "MIXED 10.5", "SYMBOL g_scale 2", "RUNTIME OK"):
         assert line in done.stdout, done.stdout + done.stderr
     assert done.returncode == 0
+
+
+def test_host_functions_in_cuda_graphs_run_in_the_client_between_kernels(native_libs: build.Libraries,  # noqa: F811
+                                                                          gpu_server: Server, tmp_path: Path) -> None:
+    """simpleCudaGraphs' pattern on a real GPU: cudaLaunchHostFunc between kernels in a capture, and
+    cudaGraphAddHostNode; the worker's driver runs host nodes that call back into this process."""
+    prebuilt = os.environ.get("RGPU_RUNTIME_DEMO_DIR")
+    program = Path(prebuilt) / "graph_host_nodes" if prebuilt else tmp_path / "graph_host_nodes"
+    if not prebuilt:
+        run_nvcc(["-O2", "-gencode", "arch=compute_90,code=[sm_90,compute_90]", "-cudart", "static",
+                  str(EXAMPLES / "graph_host_nodes.cu"), "-o", str(program)], "RGPU_RUNTIME_DEMO_DIR")
+    done = flexrun(native_libs, gpu_server, tmp_path, [str(program), "launch"], name="graph-host-nodes")
+    for line in ("CAPTURED 6 nodes, 0 host calls so far", "ORDER 1 2 1 2 1 2", "VALUES 1 2",
+                 "HOSTNODE type 3 fn same user 10", "BUILT 10 11", "BUILT VALUES 6 5",
+                 "REPORTED 1010101 1010101 RESULT 0", "GRAPHS OK"):
+        assert line in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0
+
+
+def test_host_node_behind_a_large_copy_and_a_client_dying_inside_one(native_libs: build.Libraries,  # noqa: F811
+                                                                      gpu_server: Server, tmp_path: Path) -> None:
+    """The real driver runs a host node on its own thread while the serving loop is blocked in the
+    copy behind it (staging ring full) and then in cuStreamSynchronize; a client that dies inside a
+    host function leaves no worker behind."""
+    prelude = "from ctcuda import *\nimport ctypes\n"
+    done = flexrun(native_libs, gpu_server, tmp_path, py(prelude + textwrap.dedent(HOST_PROGRAM_HEAD + LARGE_COPY)),
+                   name="host-node-large-copy")
+    assert "ORDER [7] SAME True" in done.stdout, done.stdout + done.stderr
+    done = flexrun(native_libs, gpu_server, tmp_path, py(prelude + textwrap.dedent(HOST_PROGRAM_HEAD + DYING)),
+                   name="host-node-dying-client")
+    assert done.returncode == 3 and "DYING" in done.stdout, done.stdout + done.stderr
+    deadline = time.monotonic() + 60   # a guard against a hung worker, not a speed check
+    while gpu_server.server.status()["sessions"] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert gpu_server.server.status()["sessions"] == []
 
 
 def test_copies_after_launches_on_a_created_context(native_libs: build.Libraries, gpu_server: Server,  # noqa: F811

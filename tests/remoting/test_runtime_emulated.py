@@ -80,3 +80,33 @@ def test_runtime_sees_no_device_without_slices(native_libs: build.Libraries, run
     done = run_client(native_libs, "", [str(program)], timeout=60, **env)
     assert done.returncode == 1
     assert "DEVICES 0" in done.stdout or "FAIL cudaGetDeviceCount" in done.stdout, done.stdout + done.stderr
+
+
+@pytest.fixture(scope="module")
+def graph_host_nodes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        pytest.skip("nvcc not found (install the CUDA toolkit to build CUDA-runtime test programs)")
+    out = tmp_path_factory.mktemp("runtime") / "graph_host_nodes"
+    argv = [nvcc, "-O2", "-gencode", "arch=compute_90,code=[sm_90,compute_90]", "-cudart", "static",
+            str(EXAMPLES / "graph_host_nodes.cu"), "-o", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def test_runtime_host_functions_in_graphs_run_in_the_client(native_libs: build.Libraries, emulated: Server,
+                                                           graph_host_nodes: Path) -> None:
+    """simpleCudaGraphs' pattern: cudaLaunchHostFunc inside a stream capture, cudaGraphAddHostNode in a
+    graph built by hand; each host function runs in the application's process, in graph order."""
+    done = _run(native_libs, emulated, graph_host_nodes)
+    out = done.stdout
+    assert "CAPTURED 4 nodes, 0 host calls so far" in out, out + done.stderr
+    assert "ORDER 1 2 1 2 1 2" in out
+    assert "VALUES 0 0" in out
+    assert "HOSTNODE type 3 fn same user 10" in out   # cudaGraphNodeTypeHost
+    assert "BUILT 10 11" in out
+    assert "BUILT VALUES 6 5" in out
+    assert "REPORTED 1010101 1010101 RESULT 0" in out   # the callback saw the copy node's result, and reset it
+    assert "GRAPHS OK" in out
+    assert done.returncode == 0

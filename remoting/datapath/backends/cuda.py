@@ -158,6 +158,20 @@ _MANUAL["cuGraphExecKernelNodeSetParams_v2"] = [c_void_p, c_void_p, c_void_p]
 _MANUAL["cuCtxSynchronize"] = []
 _MANUAL["cuStreamSynchronize"] = [c_void_p]
 _MANUAL["cuGraphKernelNodeSetParams_v2"] = [c_void_p, c_void_p]
+_MANUAL["cuGraphAddHostNode"] = [P(c_void_p), c_void_p, c_void_p, c_size_t, c_void_p]
+_MANUAL["cuGraphHostNodeGetParams"] = [c_void_p, c_void_p]
+_MANUAL["cuGraphHostNodeSetParams"] = [c_void_p, c_void_p]
+_MANUAL["cuGraphExecHostNodeSetParams"] = [c_void_p, c_void_p, c_void_p]
+_MANUAL["cuLaunchHostFunc"] = [c_void_p, c_void_p, c_void_p]
+_MANUAL["cuStreamAddCallback"] = [c_void_p, c_void_p, c_void_p, c_uint]
+
+# The host functions the driver calls for a host node: userData is the id the client registered.
+HOST_FN = ctypes.CFUNCTYPE(None, c_void_p)
+STREAM_CALLBACK = ctypes.CFUNCTYPE(None, c_void_p, c_int, c_void_p)
+
+
+class CUDA_HOST_NODE_PARAMS(ctypes.Structure):
+    _fields_ = [("fn", c_void_p), ("userData", c_void_p)]
 
 
 class CUDA_KERNEL_NODE_PARAMS_v2(ctypes.Structure):
@@ -238,6 +252,16 @@ class CudaBackend(CudaDriverCalls):
         self._launch = self.f["cuLaunchKernel"]
         self._captures = 0   # begun minus ended stream captures: while 0, no copy checks its stream
         self._graph_host: dict[int, int] = {}   # pinned buffers of graph copy nodes -> size
+        # Host nodes call these on a driver thread; they run the client's function and wait for it.
+        self.host_calls: Any = None   # the worker's HostCalls (set by the worker)
+        # A host node's userData is a token of ours: the client's function id and the host-copy
+        # buffers of the node's graph (brought to the client's memory and back around the call).
+        self._host_tokens: dict[int, tuple[int, list[tuple[int, int, bool]]]] = {}
+        self._graph_regions: dict[int, list[tuple[int, int, bool]]] = {}
+        self._host_fn = HOST_FN(lambda user: self._run_host(user or 0, 0))
+        self._stream_callback = STREAM_CALLBACK(lambda _stream, status, user: self._run_host(user or 0, status))
+        self._host_fn_address = ctypes.cast(self._host_fn, c_void_p).value
+        self._stream_callback_address = ctypes.cast(self._stream_callback, c_void_p).value
 
     # ------------------------------------------------------------------ helpers
 
@@ -497,9 +521,14 @@ class CudaBackend(CudaDriverCalls):
         elif kind == 5:
             (dptr,) = struct.unpack_from("<Q", payload, 0)
             self._check("cuGraphAddMemFreeNode", *head, dptr)
+        elif kind == 7:   # a host node: the driver calls our trampoline with the client's function id
+            (fn_id,) = struct.unpack_from("<Q", payload, 0)
+            params = CUDA_HOST_NODE_PARAMS(self._host_fn_address, self._host_token(fn_id, self._regions(graph)))
+            self._check("cuGraphAddHostNode", *head, byref(params))
         elif kind == 6:   # a 1D copy with a host side: through a pinned buffer of this worker's
             to_host, _, dev, size, ctx = struct.unpack_from("<IIQQQ", payload, 0)
             aux = self._graph_host_buffer(size)
+            self._regions(graph).append((aux, size, bool(to_host)))
             m = CUDA_MEMCPY3D(WidthInBytes=size, Height=1, Depth=1)
             if to_host:
                 m.srcMemoryType, m.srcDevice, m.dstMemoryType, m.dstHost = 2, dev, 1, aux
@@ -509,6 +538,55 @@ class CudaBackend(CudaDriverCalls):
         else:
             raise CudaError(INVALID_VALUE, f"rgpu: worker: unknown graph node kind {kind}")
         return node.value or 0, aux
+
+    def _regions(self, graph: int) -> list[tuple[int, int, bool]]:
+        return self._graph_regions.setdefault(graph, [])
+
+    def _host_token(self, fn_id: int, regions: list[tuple[int, int, bool]]) -> int:
+        token = len(self._host_tokens) + 1
+        self._host_tokens[token] = (fn_id, regions)
+        return token
+
+    def _run_host(self, token: int, status: int) -> None:
+        """A host node's turn (a driver thread): the client runs its function; we wait for it."""
+        calls = self.host_calls
+        fn_id, regions = self._host_tokens.get(token, (0, []))
+        if calls is not None and fn_id:
+            calls.run(fn_id, status, regions)
+
+    def capture_host_func(self, stream: int, kind: int, fn_id: int) -> None:
+        """cuLaunchHostFunc (kind 0) or cuStreamAddCallback (kind 1) on a capturing stream; the
+        driver decides (it refuses a stream callback in capture)."""
+        _, _, graph, _, _ = self.capture_info(stream, 1)
+        token = self._host_token(fn_id, self._regions(graph))
+        if kind == 0:
+            self._check("cuLaunchHostFunc", stream or None, self._host_fn_address, token)
+        else:
+            self._check("cuStreamAddCallback", stream or None, self._stream_callback_address, token, 0)
+
+    def _node_token(self, node: int) -> tuple[int, list[tuple[int, int, bool]]]:
+        params = CUDA_HOST_NODE_PARAMS()
+        self._check("cuGraphHostNodeGetParams", node, byref(params))
+        if params.fn != self._host_fn_address:
+            return 0, []
+        return self._host_tokens.get(params.userData or 0, (0, []))
+
+    def host_node_params(self, exe: int, node: int, fn_id: int | None) -> int:
+        """A host node's function id; with `fn_id`, set it first (on `exe`'s instance if given)."""
+        try:
+            old_fn, regions = self._node_token(node)
+        except CudaError:
+            if fn_id is None or not exe:
+                raise
+            old_fn, regions = 0, []   # the graph is gone; its executable graph still holds the node
+        if fn_id is None:
+            return old_fn
+        params = CUDA_HOST_NODE_PARAMS(self._host_fn_address, self._host_token(fn_id, regions))
+        if exe:
+            self._check("cuGraphExecHostNodeSetParams", exe, node, byref(params))
+        else:
+            self._check("cuGraphHostNodeSetParams", node, byref(params))
+        return fn_id
 
     def capture_host_copy(self, stream: int, to_host: bool, dev: int, size: int, data: bytes) -> tuple[int, int]:
         """A copy with a host side on a capturing stream: captured through a pinned buffer of this
@@ -520,6 +598,7 @@ class CudaBackend(CudaDriverCalls):
             ctypes.memmove(address, data, size)
             self._check("cuMemcpyHtoDAsync_v2", dev, address, size, stream or None)
         _, _, graph, _, _ = self.capture_info(stream, 1)
+        self._regions(graph).append((address, size, to_host))
         return address, graph
 
     def _graph_host_buffer(self, size: int) -> int:
@@ -545,6 +624,15 @@ class CudaBackend(CudaDriverCalls):
         self._graph_buffer(buffer, len(data))
         self._check("cuCtxSynchronize")
         ctypes.memmove(buffer, (ctypes.c_char * len(data)).from_buffer_copy(data), len(data))
+
+    def graph_host_peek(self, buffer: int, size: int) -> bytes:
+        """A copy node's pinned buffer as it is now (a host node's call, while the graph runs)."""
+        self._graph_buffer(buffer, size)
+        return ctypes.string_at(buffer, size)
+
+    def graph_host_poke(self, buffer: int, data: bytes) -> None:
+        self._graph_buffer(buffer, len(data))
+        ctypes.memmove(buffer, data, len(data))
 
     def graph_host_read(self, stream: int, pairs: list[tuple[int, int]]) -> bytes:
         for buffer, size in pairs:

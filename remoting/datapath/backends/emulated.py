@@ -113,6 +113,35 @@ class _Handles:
         return self.next
 
 
+# CUgraphNodeType of the node kinds rgpuGraphAddNode builds (cuda_graph.c's NODE_*).
+_NODE_TYPES = {0: 5, 1: 0, 2: 2, 3: 1, 4: 10, 5: 11, 6: 1, 7: 3}
+NODE_TYPE_HOST = 3
+
+
+class _HostNode:
+    """A host node: asks the client to run its function (worker/hostcalls.py) and waits for it;
+    the emulated device runs a graph's nodes in order, so its dependencies have finished."""
+
+    def __init__(self, backend: "EmulatedBackend", node: int, fn_id: int, regions: list[tuple[int, int, bool]]) -> None:
+        self.backend, self.node, self.fn_id = backend, node, fn_id
+        self.regions = regions   # the graph's host-copy buffers (shared with the graph)
+
+    def copy(self) -> "_HostNode":
+        return _HostNode(self.backend, self.node, self.fn_id, self.regions)
+
+    def __call__(self) -> tuple[int]:
+        calls = self.backend.host_calls
+        if calls is not None:
+            calls.run(self.fn_id, 0, self.regions)
+        return (SUCCESS,)
+
+
+def _instance(ops: list[Any]) -> list[Any]:
+    """A graph's operations for a clone or an executable graph: host nodes get their own
+    parameters (setting one graph's node leaves the other's as it was)."""
+    return [op.copy() if isinstance(op, _HostNode) else op for op in ops]
+
+
 class EmulatedBackend:
     """One emulated GPU for one session (device 0 of the worker)."""
 
@@ -150,6 +179,10 @@ class EmulatedBackend:
         self.capture_mode = 0
         self.graphs: dict[int, list[Any]] = {}            # graph -> its operations
         self.execs: dict[int, list[Any]] = {}
+        self.node_types: dict[int, int] = {}              # nodes added by hand or host nodes -> CUgraphNodeType
+        self.host_nodes: dict[int, _HostNode] = {}        # a graph's host nodes
+        self.host_calls: Any = None                       # the worker's HostCalls (set by the worker)
+        self.graph_regions: dict[int, list[tuple[int, int, bool]]] = {}   # graph -> its host-copy buffers
         self.physical: dict[int, list[Any]] = {}          # handle -> [bytes, references]
         self.graph_host: dict[int, bytearray] = {}        # buffers of copy nodes with a host side
         self.reserved: dict[int, int] = {}
@@ -779,7 +812,7 @@ class EmulatedBackend:
         if graph not in self.graphs:
             return (INVALID_VALUE, 0)
         clone = self.handles.new()
-        self.graphs[clone] = list(self.graphs[graph])
+        self.graphs[clone] = _instance(self.graphs[graph])
         return (SUCCESS, clone)
 
     def graph_nodes(self, graph: int, cap: int, want: bool) -> tuple[int, list[int]]:
@@ -816,10 +849,18 @@ class EmulatedBackend:
         elif kind == 5:
             ptr = struct.unpack_from("<Q", payload, 0)[0]
             ops.append(lambda: (self.mem_free(ptr, 0, True), (SUCCESS,))[1])
+        elif kind == 7:
+            node = self.handles.new()
+            host = self.host_nodes[node] = _HostNode(self, node, struct.unpack_from("<Q", payload, 0)[0],
+                                                     self.graph_regions.setdefault(graph, []))
+            ops.append(host)
+            self.node_types[node] = NODE_TYPE_HOST
+            return node, 0
         elif kind == 6:
             to_host, _, dev, size, _ctx = struct.unpack_from("<IIQQQ", payload, 0)
             aux = self.handles.new()
             buf = self.graph_host[aux] = bytearray(size)
+            self.graph_regions.setdefault(graph, []).append((aux, size, bool(to_host)))
 
             def copy() -> tuple[int]:
                 dbuf, off = self._locate(dev, size)
@@ -829,8 +870,41 @@ class EmulatedBackend:
                     dbuf[off:off + size] = buf
                 return (SUCCESS,)
             ops.append(copy)
+        elif kind != 0:
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: unknown graph node kind {kind}")
         node = self.handles.new()
+        self.node_types[node] = _NODE_TYPES[kind]
         return node, aux
+
+    def cuGraphNodeGetType(self, node: int) -> tuple[int, int]:
+        return (SUCCESS, self.node_types[node]) if node in self.node_types else (INVALID_VALUE, 0)
+
+    def capture_host_func(self, stream: int, kind: int, fn_id: int) -> None:
+        """cuLaunchHostFunc on a capturing stream: a host node. cuStreamAddCallback is refused
+        there, as NVIDIA's driver refuses it (CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)."""
+        if stream not in self.capturing:
+            raise CudaError(INVALID_VALUE, "rgpu: worker: a captured host function on a stream that is not capturing")
+        if kind != 0:
+            raise CudaError(900)
+        node = self.handles.new()
+        graph = self.capturing[stream][1]
+        host = self.host_nodes[node] = _HostNode(self, node, fn_id, self.graph_regions.setdefault(graph, []))
+        self.graphs[graph].append(host)
+        self.node_types[node] = NODE_TYPE_HOST
+
+    def host_node_params(self, exe: int, node: int, fn_id: int | None) -> int:
+        """A host node's function id; with `fn_id`, set it first (on the executable graph's
+        instance of the node when `exe` is given)."""
+        if exe:
+            found = [op for op in self.execs.get(exe, []) if isinstance(op, _HostNode) and op.node == node]
+            host = found[0] if found else None
+        else:
+            host = self.host_nodes.get(node)
+        if host is None:
+            raise CudaError(INVALID_VALUE)
+        if fn_id is not None:
+            host.fn_id = fn_id
+        return host.fn_id
 
     def capture_host_copy(self, stream: int, to_host: bool, dev: int, size: int, data: bytes) -> tuple[int, int]:
         if stream not in self.capturing:
@@ -838,6 +912,7 @@ class EmulatedBackend:
         graph = self.capturing[stream][1]
         buffer = self.handles.new()
         buf = self.graph_host[buffer] = bytearray(data if not to_host else bytes(size))
+        self.graph_regions.setdefault(graph, []).append((buffer, size, to_host))
 
         def copy() -> tuple[int]:
             dbuf, off = self._locate(dev, size)
@@ -854,6 +929,14 @@ class EmulatedBackend:
             raise CudaError(INVALID_VALUE)
         self.graph_host[buffer][:len(data)] = data
 
+    def graph_host_peek(self, buffer: int, size: int) -> bytes:
+        """A copy node's buffer as it is now (a host node's call, while the graph runs)."""
+        return bytes(self.graph_host.get(buffer, b"")[:size])
+
+    def graph_host_poke(self, buffer: int, data: bytes) -> None:
+        if len(self.graph_host.get(buffer, b"")) >= len(data):
+            self.graph_host[buffer][:len(data)] = data
+
     def graph_host_read(self, stream: int, pairs: list[tuple[int, int]]) -> bytes:
         if any(len(self.graph_host.get(b, b"")) < n for b, n in pairs):
             raise CudaError(INVALID_VALUE)
@@ -867,7 +950,7 @@ class EmulatedBackend:
         if graph not in self.graphs:
             return (INVALID_VALUE, 0)
         exe = self.handles.new()
-        self.execs[exe] = list(self.graphs[graph])
+        self.execs[exe] = _instance(self.graphs[graph])
         return (SUCCESS, exe)
 
     def cuGraphLaunch(self, exe: int, stream: int) -> tuple[int]:
@@ -890,7 +973,7 @@ class EmulatedBackend:
             return (INVALID_VALUE, b"")
         if len(self.execs[exe]) != len(self.graphs[graph]):
             return (910, b"")   # CUDA_ERROR_GRAPH_EXEC_UPDATE_FAILURE
-        self.execs[exe] = list(self.graphs[graph])
+        self.execs[exe] = _instance(self.graphs[graph])
         return (SUCCESS, bytes(24))
 
     # ------------------------------------------------------------------ virtual memory management

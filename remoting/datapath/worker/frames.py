@@ -56,6 +56,19 @@ class FrameReader:
         self.big: ctypes.Array | None = None
         self.received = 0   # bytes read from the socket (the session's traffic counters)
         self.max_frame = worker_max_frame()
+        # Bytes a waiting host node read while this buffer was full (worker/hostcalls.py): they
+        # come before anything still in the socket.
+        self.spill = bytearray()
+        # The stream offset of the buffer's first byte (a waiting host node scans each frame once).
+        self.origin = 0
+
+    def _recv(self, view: memoryview, n: int) -> int:
+        if self.spill:
+            k = min(n, len(self.spill))
+            view[:k] = self.spill[:k]
+            del self.spill[:k]
+            return k
+        return self.sock.recv_into(view, n)
 
     def _fill(self, need: int) -> None:
         if self.end - self.start >= need:
@@ -63,9 +76,10 @@ class FrameReader:
         if self.start + need > self.size:
             n = self.end - self.start
             self.view[0:n] = self.view[self.start:self.end]
+            self.origin += self.start
             self.start, self.end = 0, n
         while self.end - self.start < need:
-            k = self.sock.recv_into(self.view[self.end:], self.size - self.end)
+            k = self._recv(self.view[self.end:], self.size - self.end)
             if k == 0:
                 raise EOFError
             self.end += k
@@ -92,9 +106,10 @@ class FrameReader:
         have = min(self.end - self.start, length)
         bview[0:have] = self.view[self.start:self.start + have]
         self.start += have
+        self.origin += length - have   # bytes of the stream that never pass through the buffer
         got = have
         while got < length:
-            k = self.sock.recv_into(bview[got:], length - got)
+            k = self._recv(bview[got:], length - got)
             if k == 0:
                 raise EOFError
             got += k
@@ -108,8 +123,9 @@ class FrameReader:
         have = min(self.end - self.start, length)
         self.start += have
         left = length - have
+        self.origin += self.end + left
         while left:
-            k = self.sock.recv_into(self.view, min(left, self.size))
+            k = self._recv(self.view, min(left, self.size))
             if k == 0:
                 raise EOFError
             left -= k

@@ -8,6 +8,7 @@ import json
 import os
 import socket
 import struct
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ from rgpu.remoting.datapath.backends.base import (INVALID_VALUE, NOT_FOUND, PITC
 from rgpu.remoting.datapath.worker.codecs import (ALLOC, COPY, HEADER, LAUNCH, LAUNCH_ATTR_SIZE, MAX_MODULE_NODES,
                                                   MODULE_NODE, U32, U64, fn_bytes, fn_without_handle, lp, read_options,
                                                   take_str)
+from rgpu.remoting.datapath.worker.hostcalls import HostCalls
 from rgpu.remoting.datapath.worker.native_loop import NativeLaunches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 
@@ -34,6 +36,8 @@ class Handlers:
     """Mixed into the Worker, which owns these attributes."""
 
     sock: socket.socket
+    send_lock: threading.Lock
+    hostcalls: HostCalls
     backend: Any
     spec: SessionSpec
     memory: SliceMemory | None
@@ -133,7 +137,9 @@ class Handlers:
     def h_dtoh(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         src, stream, size = COPY.unpack_from(p, 0)
         for chunk in self.backend.dtoh_chunks(src, stream, size, protocol.CHUNK_BYTES):
-            self.sock.sendmsg([HEADER.pack(len(chunk), protocol.OP_DATA, 0, 0, 0, 0), chunk])
+            with self.send_lock:   # whole frames: a host node's HOST_CALL may go out between two
+                self.sock.sendall(HEADER.pack(len(chunk), protocol.OP_DATA, 0, 0, 0, 0))
+                self.sock.sendall(chunk)
             self.sent += protocol.HEADER_SIZE + len(chunk)
         return SUCCESS, b""
 
@@ -268,6 +274,8 @@ class Handlers:
         (plen,) = U64.unpack_from(p, off)
         payload = bytes(p[off + 8:off + 8 + plen])
         size = 0
+        if kind == 7:   # a host node: from now on the loop lends its reader while handlers run
+            self.hostcalls.active = True
         if kind == 4:   # a graph memory allocation: counted against the slice while its node exists
             (size,) = U64.unpack_from(payload, 88)
             assert self.memory is not None
@@ -306,6 +314,23 @@ class Handlers:
             raise CudaError(INVALID_VALUE, "rgpu: worker: truncated captured host copy")
         buffer, graph = self.backend.capture_host_copy(stream, bool(to_host), dev, size, data)
         return SUCCESS, struct.pack("<QQ", buffer, graph)
+
+    def h_capture_host_func(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        """cuLaunchHostFunc (kind 0) or cuStreamAddCallback (kind 1) on a capturing stream: a host
+        node that runs the client's function `fn_id` (an id of the client's table, never an address)."""
+        stream, kind, _, fn_id = struct.unpack_from("<QIIQ", p, 0)
+        if kind not in (0, 1):
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: unknown captured host function kind {kind} (client and "
+                                           "server builds differ; install the same rgpu version on both)")
+        self.hostcalls.active = True
+        self.backend.capture_host_func(stream, kind, fn_id)
+        return SUCCESS, b""
+
+    def h_host_node(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        """A host node's function id: read (set=0), or set on the graph's node or, with an
+        executable graph, on its instance."""
+        exe, node, fn_id, set_it, _ = struct.unpack_from("<QQQII", p, 0)
+        return SUCCESS, U64.pack(self.backend.host_node_params(exe, node, fn_id if set_it else None))
 
     def h_kernel_node_set(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         exe, node, plen = struct.unpack_from("<QQQ", p, 0)

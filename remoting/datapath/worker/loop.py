@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from rgpu.remoting.datapath.worker.codecs import HEADER, I32, LAUNCH, lp
 from rgpu.remoting.datapath.worker.faults import STICKY_ERRORS, SessionFaulted, default_message, wait_verdict, write_report
 from rgpu.remoting.datapath.worker.frames import FrameReader, FrameTooLarge
 from rgpu.remoting.datapath.worker.handlers import Handlers
+from rgpu.remoting.datapath.worker.hostcalls import HostCalls
 from rgpu.remoting.datapath.worker.limiter import ComputeLimiter
 from rgpu.remoting.datapath.worker.native_loop import load_native_launches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
@@ -41,6 +43,10 @@ class Worker(Handlers):
         self.spec = spec
         self.memory = memory
         self.reader = FrameReader(sock)
+        # Host nodes send from the driver's threads: every frame goes out whole under this lock.
+        self.send_lock = threading.Lock()
+        self.hostcalls = HostCalls(sock, self.reader, self.send_lock, backend)
+        backend.host_calls = self.hostcalls
         self.current_ctx: int | None = None
         self.vmm_refs: dict[int, int] = {}
         self.graph_allocs: dict[int, int] = {}   # graph memory address -> its accounting key
@@ -75,7 +81,8 @@ class Worker(Handlers):
         fence = getattr(self.backend, "fence", None)
 
         def wait_for_own_work() -> None:
-            code = fence() if fence is not None else 0
+            with self.hostcalls.lending():   # the GPU may wait for a host node, which waits for the client
+                code = fence() if fence is not None else 0
             if code:
                 self._defer(code, "")   # an error of the application's work: its next sync call gets it
         log.info("compute limiter on: %d%% of the GPU%s", spec.compute_percent,
@@ -133,6 +140,8 @@ class Worker(Handlers):
             "cuGraphGetNodes": (self.h_graph_nodes, False),
             "rgpuGraphAddNode": (self.h_graph_add_node, False),
             "rgpuGraphKernelNodeSetParams": (self.h_kernel_node_set, False),
+            "rgpuCaptureHostFunc": (self.h_capture_host_func, False),
+            "rgpuGraphHostNode": (self.h_host_node, False),
             "rgpuGraphHostRefresh": (self.h_graph_host_refresh, True),
             "rgpuGraphHostReadback": (self.h_graph_host_readback, False),
             "rgpuCaptureHostCopy": (self.h_capture_host_copy, False),
@@ -170,11 +179,16 @@ class Worker(Handlers):
     def serve(self) -> str:
         """Serve until the client leaves; returns why the session ended."""
         started = time.perf_counter_ns()
+        hostcalls = self.hostcalls
+        hostcalls.loop_thread = threading.get_ident()
+        hostcalls.reader_lock.acquire()   # the loop reads; it lends the reader while a handler runs
         try:
             return self._serve()
         except (EOFError, ConnectionError, OSError):
             return "client disconnected"
         finally:
+            hostcalls.close()   # a host node waiting for the client gives up: the session is over
+            hostcalls.reader_lock.release()
             if self.profile is not None:
                 self._write_profile(time.perf_counter_ns() - started)
 
@@ -208,13 +222,14 @@ class Worker(Handlers):
         clock = time.perf_counter_ns
         sticky = getattr(self.backend, "sticky_error", None)   # the emulated GPU's fault domain
         limiter = self.limiter
+        hostcalls = self.hostcalls
         while True:
             if self.fault is not None:
                 raise self.fault
             if limiter is not None:
                 limiter.after_op()
             if reader.end - reader.start < protocol.HEADER_SIZE:
-                if limiter is not None and reader.end == reader.start:
+                if limiter is not None and reader.end == reader.start and not reader.spill:
                     limiter.before_wait(self.sock)
                 self.idle = reader.end == reader.start
                 try:
@@ -268,6 +283,9 @@ class Worker(Handlers):
                 continue
             if op == protocol.OP_BYE:
                 return "client said goodbye"
+            if op == protocol.OP_HOST_DONE:
+                hostcalls.done(seq, _aux, bytes(payload))
+                continue
             self.calls += 1
             entry = handlers.get(op)
             if entry is None:
@@ -305,7 +323,7 @@ class Worker(Handlers):
             if stats is not None:
                 stats.call_started_ns = started
             try:
-                result = handler(payload, address, seq)
+                result = handler(payload, address, seq) if not hostcalls.active else self._lending(handler, payload, address, seq)
             except CudaError as exc:
                 if is_async:
                     self._defer(exc.code, exc.message)
@@ -339,10 +357,17 @@ class Worker(Handlers):
             elif result is not None:
                 self._reply(seq, result[0], result[1], "")
 
+    def _lending(self, handler: Callable[[memoryview, int, int], tuple[int, bytes] | None], payload: memoryview,
+                 address: int, seq: int) -> tuple[int, bytes] | None:
+        """Run a handler with the reader lent out: a host node waiting for the client may read
+        its HOST_DONE while the handler blocks (worker/hostcalls.py)."""
+        with self.hostcalls.lending():
+            return handler(payload, address, seq)
+
     def counters(self) -> tuple[int, int, int, int]:
         """(received bytes, sent bytes, calls, errors): datapath/counters.py's FIELDS."""
         native = self.native_launches.launched.value if self.native_launches is not None else 0
-        return self.reader.received, self.sent, self.calls + native, self.errors
+        return self.reader.received, self.sent + self.hostcalls.sent, self.calls + native, self.errors
 
     def _defer(self, code: int, message: str) -> None:
         self.errors += 1
@@ -382,4 +407,5 @@ class Worker(Handlers):
         body += payload
         frame = HEADER.pack(len(body), protocol.OP_REPLY, flags, seq, 0, 0) + body
         self.sent += len(frame)
-        self.sock.sendall(frame)
+        with self.send_lock:
+            self.sock.sendall(frame)

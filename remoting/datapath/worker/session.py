@@ -103,6 +103,12 @@ def run_session(sock: socket.socket, spec: SessionSpec) -> int:
     log.info("session closed after %.1f s: %s", time.monotonic() - started, why)
     if faulted is not None:
         become_tombstone(sock.fileno(), faulted.code, faulted.message, spec.faults_dir)
+    if worker.hostcalls.active and not getattr(backend, "emulated", False):
+        # The driver may still run a host node of a graph the client left queued: its thread would
+        # call into an interpreter that is shutting down and hang there (and the driver's exit with
+        # it). Everything is closed: end the process now; the driver's resources go with it.
+        logging.shutdown()
+        os._exit(0)
     return 0
 
 

@@ -14,9 +14,9 @@ import ctypes
 import struct
 from typing import Any, Callable
 
-PROTOCOL_VERSION = 4
-CUDA_SPEC_SHA256 = "06960b73543e59c17e7053e617ed0217db947d09843e8c29884aee43e98d9420"
-NVML_SPEC_SHA256 = "86e954ccf142cc0e3e5e1ed70d8a4996bec4f60cef66131818bb482ff6208d57"
+PROTOCOL_VERSION = 5
+CUDA_SPEC_SHA256 = "17e4df07c51db25c7747a250a59cbc32f56ddc4a6822384336f9032ca2810029"
+NVML_SPEC_SHA256 = "7ae156553f0c913a8e5edc41f22dfd65ec032cc88cfef75ccfd895a4c480a16e"
 
 _STRUCTS: dict[str, struct.Struct] = {}
 
@@ -193,27 +193,29 @@ OPS: dict[int, str] = {
     178: "rgpuGraphHostReadback",
     179: "rgpuCaptureHostCopy",
     180: "rgpuGraphKernelNodeSetParams",
-    181: "cuDeviceGetGraphMemAttribute",
-    182: "cuDeviceSetGraphMemAttribute",
-    183: "cuDeviceGraphMemTrim",
-    184: "cuStreamSetAttribute",
-    185: "cuStreamGetAttribute",
-    186: "cuStreamCopyAttributes",
-    187: "cuStreamWriteValue32_v2",
-    188: "cuStreamWaitValue32_v2",
-    189: "cuStreamWriteValue64_v2",
-    190: "cuStreamWaitValue64_v2",
-    191: "cuMemGetAllocationGranularity",
-    192: "cuMemCreate",
-    193: "cuMemRelease",
-    194: "cuMemRetainAllocationHandle",
-    195: "cuMemGetAllocationPropertiesFromHandle",
-    196: "cuMemAddressReserve",
-    197: "cuMemAddressFree",
-    198: "cuMemMap",
-    199: "cuMemUnmap",
-    200: "cuMemSetAccess",
-    201: "cuMemGetAccess",
+    181: "rgpuCaptureHostFunc",
+    182: "rgpuGraphHostNode",
+    183: "cuDeviceGetGraphMemAttribute",
+    184: "cuDeviceSetGraphMemAttribute",
+    185: "cuDeviceGraphMemTrim",
+    186: "cuStreamSetAttribute",
+    187: "cuStreamGetAttribute",
+    188: "cuStreamCopyAttributes",
+    189: "cuStreamWriteValue32_v2",
+    190: "cuStreamWaitValue32_v2",
+    191: "cuStreamWriteValue64_v2",
+    192: "cuStreamWaitValue64_v2",
+    193: "cuMemGetAllocationGranularity",
+    194: "cuMemCreate",
+    195: "cuMemRelease",
+    196: "cuMemRetainAllocationHandle",
+    197: "cuMemGetAllocationPropertiesFromHandle",
+    198: "cuMemAddressReserve",
+    199: "cuMemAddressFree",
+    200: "cuMemMap",
+    201: "cuMemUnmap",
+    202: "cuMemSetAccess",
+    203: "cuMemGetAccess",
     1024: "nvmlDeviceGetMemoryInfo",
     1025: "nvmlDeviceGetMemoryInfo_v2",
     1026: "nvmlDeviceGetBAR1MemoryInfo",
@@ -271,8 +273,8 @@ OPS: dict[int, str] = {
     1078: "nvmlDeviceGetPcieThroughput",
 }
 OPCODES: dict[str, int] = {name: op for op, name in OPS.items()}
-ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 87, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 109, 116, 117, 172, 173, 187, 188, 189, 190, })
-MANUAL_OPS: frozenset[str] = frozenset({ "cuInit", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuCtxDestroy_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuMemAllocAsync", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "rgpuMemcpy2DDevice", "cuPointerGetAttribute", "cuPointerGetAttributes", "cuModuleLoadDataEx", "cuModuleUnload", "cuModuleGetFunction", "cuLinkCreate_v2", "cuLinkAddData_v2", "cuLinkComplete", "cuLinkDestroy", "cuLibraryLoadData", "cuLibraryUnload", "cuLaunchKernel", "rgpuOccupancyMaxPotentialBlockSize", "cuOccupancyMaxActiveClusters", "rgpuParamInfo", "rgpuSessionInfo", "rgpuPrivateTableSize", "rgpuModuleNodes", "rgpuStreamCaptureInfo", "cuGraphGetNodes", "rgpuGraphAddNode", "rgpuGraphHostRefresh", "rgpuGraphHostReadback", "rgpuCaptureHostCopy", "rgpuGraphKernelNodeSetParams", "cuMemCreate", "cuMemRelease", "cuMemRetainAllocationHandle", "cuMemSetAccess", })
+ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 87, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 109, 116, 117, 172, 173, 189, 190, 191, 192, })
+MANUAL_OPS: frozenset[str] = frozenset({ "cuInit", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuCtxDestroy_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuMemAllocAsync", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "rgpuMemcpy2DDevice", "cuPointerGetAttribute", "cuPointerGetAttributes", "cuModuleLoadDataEx", "cuModuleUnload", "cuModuleGetFunction", "cuLinkCreate_v2", "cuLinkAddData_v2", "cuLinkComplete", "cuLinkDestroy", "cuLibraryLoadData", "cuLibraryUnload", "cuLaunchKernel", "rgpuOccupancyMaxPotentialBlockSize", "cuOccupancyMaxActiveClusters", "rgpuParamInfo", "rgpuSessionInfo", "rgpuPrivateTableSize", "rgpuModuleNodes", "rgpuStreamCaptureInfo", "cuGraphGetNodes", "rgpuGraphAddNode", "rgpuGraphHostRefresh", "rgpuGraphHostReadback", "rgpuCaptureHostCopy", "rgpuGraphKernelNodeSetParams", "rgpuCaptureHostFunc", "rgpuGraphHostNode", "cuMemCreate", "cuMemRelease", "cuMemRetainAllocationHandle", "cuMemSetAccess", })
 
 Handler = Callable[[Any, Any, int], tuple[int, bytes]]
 
@@ -1499,23 +1501,23 @@ GENERATED_HANDLERS: dict[int, tuple[str, Handler]] = {
     173: ("cuGraphUpload", _h_cuGraphUpload),
     174: ("cuGraphExecDestroy", _h_cuGraphExecDestroy),
     175: ("cuGraphExecUpdate_v2", _h_cuGraphExecUpdate_v2),
-    181: ("cuDeviceGetGraphMemAttribute", _h_cuDeviceGetGraphMemAttribute),
-    182: ("cuDeviceSetGraphMemAttribute", _h_cuDeviceSetGraphMemAttribute),
-    183: ("cuDeviceGraphMemTrim", _h_cuDeviceGraphMemTrim),
-    184: ("cuStreamSetAttribute", _h_cuStreamSetAttribute),
-    185: ("cuStreamGetAttribute", _h_cuStreamGetAttribute),
-    186: ("cuStreamCopyAttributes", _h_cuStreamCopyAttributes),
-    187: ("cuStreamWriteValue32_v2", _h_cuStreamWriteValue32_v2),
-    188: ("cuStreamWaitValue32_v2", _h_cuStreamWaitValue32_v2),
-    189: ("cuStreamWriteValue64_v2", _h_cuStreamWriteValue64_v2),
-    190: ("cuStreamWaitValue64_v2", _h_cuStreamWaitValue64_v2),
-    191: ("cuMemGetAllocationGranularity", _h_cuMemGetAllocationGranularity),
-    195: ("cuMemGetAllocationPropertiesFromHandle", _h_cuMemGetAllocationPropertiesFromHandle),
-    196: ("cuMemAddressReserve", _h_cuMemAddressReserve),
-    197: ("cuMemAddressFree", _h_cuMemAddressFree),
-    198: ("cuMemMap", _h_cuMemMap),
-    199: ("cuMemUnmap", _h_cuMemUnmap),
-    201: ("cuMemGetAccess", _h_cuMemGetAccess),
+    183: ("cuDeviceGetGraphMemAttribute", _h_cuDeviceGetGraphMemAttribute),
+    184: ("cuDeviceSetGraphMemAttribute", _h_cuDeviceSetGraphMemAttribute),
+    185: ("cuDeviceGraphMemTrim", _h_cuDeviceGraphMemTrim),
+    186: ("cuStreamSetAttribute", _h_cuStreamSetAttribute),
+    187: ("cuStreamGetAttribute", _h_cuStreamGetAttribute),
+    188: ("cuStreamCopyAttributes", _h_cuStreamCopyAttributes),
+    189: ("cuStreamWriteValue32_v2", _h_cuStreamWriteValue32_v2),
+    190: ("cuStreamWaitValue32_v2", _h_cuStreamWaitValue32_v2),
+    191: ("cuStreamWriteValue64_v2", _h_cuStreamWriteValue64_v2),
+    192: ("cuStreamWaitValue64_v2", _h_cuStreamWaitValue64_v2),
+    193: ("cuMemGetAllocationGranularity", _h_cuMemGetAllocationGranularity),
+    197: ("cuMemGetAllocationPropertiesFromHandle", _h_cuMemGetAllocationPropertiesFromHandle),
+    198: ("cuMemAddressReserve", _h_cuMemAddressReserve),
+    199: ("cuMemAddressFree", _h_cuMemAddressFree),
+    200: ("cuMemMap", _h_cuMemMap),
+    201: ("cuMemUnmap", _h_cuMemUnmap),
+    203: ("cuMemGetAccess", _h_cuMemGetAccess),
     1024: ("nvmlDeviceGetMemoryInfo", _h_nvmlDeviceGetMemoryInfo),
     1025: ("nvmlDeviceGetMemoryInfo_v2", _h_nvmlDeviceGetMemoryInfo_v2),
     1026: ("nvmlDeviceGetBAR1MemoryInfo", _h_nvmlDeviceGetBAR1MemoryInfo),

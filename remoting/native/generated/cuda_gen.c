@@ -1932,7 +1932,6 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphAddEventRecordNode(void) { static int seen; 
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddEventWaitNode(void) { static int seen; return rgpu_unsupported("cuGraphAddEventWaitNode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddExternalSemaphoresSignalNode(void) { static int seen; return rgpu_unsupported("cuGraphAddExternalSemaphoresSignalNode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddExternalSemaphoresWaitNode(void) { static int seen; return rgpu_unsupported("cuGraphAddExternalSemaphoresWaitNode", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphAddHostNode(void) { static int seen; return rgpu_unsupported("cuGraphAddHostNode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddNode(void) { static int seen; return rgpu_unsupported("cuGraphAddNode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddNode_v2(void) { static int seen; return rgpu_unsupported("cuGraphAddNode_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphBatchMemOpNodeGetParams(void) { static int seen; return rgpu_unsupported("cuGraphBatchMemOpNodeGetParams", &seen, NULL); }
@@ -1952,7 +1951,6 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphExecEventWaitNodeSetEvent(void) { static int
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecExternalSemaphoresSignalNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExecExternalSemaphoresSignalNodeSetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecExternalSemaphoresWaitNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExecExternalSemaphoresWaitNodeSetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecGetFlags(void) { static int seen; return rgpu_unsupported("cuGraphExecGetFlags", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphExecHostNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExecHostNodeSetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecKernelNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExecKernelNodeSetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecMemcpyNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExecMemcpyNodeSetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecMemsetNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExecMemsetNodeSetParams", &seen, NULL); }
@@ -1964,8 +1962,6 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphExternalSemaphoresWaitNodeSetParams(void) { 
 RGPU_EXPORT CUresult CUDAAPI cuGraphGetEdges(void) { static int seen; return rgpu_unsupported("cuGraphGetEdges", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphGetEdges_v2(void) { static int seen; return rgpu_unsupported("cuGraphGetEdges_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphGetRootNodes(void) { static int seen; return rgpu_unsupported("cuGraphGetRootNodes", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphHostNodeGetParams(void) { static int seen; return rgpu_unsupported("cuGraphHostNodeGetParams", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphHostNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphHostNodeSetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphKernelNodeCopyAttributes(void) { static int seen; return rgpu_unsupported("cuGraphKernelNodeCopyAttributes", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphKernelNodeGetAttribute(void) { static int seen; return rgpu_unsupported("cuGraphKernelNodeGetAttribute", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphKernelNodeGetParams(void) { static int seen; return rgpu_unsupported("cuGraphKernelNodeGetParams", &seen, NULL); }

@@ -5,7 +5,8 @@
  * (pipelined) and the server's driver records them. Capture status is asked before nearly every
  * launch by CuPy and PyTorch, so it is answered here while no capture can be under way (no
  * cuStreamBeginCapture succeeded that no cuStreamEndCapture ended): exact, since a stream only
- * starts capturing through cuStreamBeginCapture. Otherwise the server's driver answers. */
+ * starts capturing through cuStreamBeginCapture. Otherwise the server's driver answers.
+ * Host nodes, whose functions run in this process: host_nodes.c. */
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -232,9 +233,10 @@ RGPU_EXPORT CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const 
  * would read or write it when the graph runs on the server: refused, naming the call. */
 
 enum { NODE_EMPTY = 0, NODE_KERNEL = 1, NODE_MEMSET = 2, NODE_MEMCPY = 3, NODE_MEM_ALLOC = 4, NODE_MEM_FREE = 5,
-       NODE_MEMCPY_HOST = 6 };
+       NODE_MEMCPY_HOST = 6 }; /* NODE_HOST = 7: host_nodes.c */
 
-static CUresult add_node(uint32_t kind, CUgraphNode *phNode, CUgraph hGraph, const CUgraphNode *deps, size_t ndeps,
+#define add_node rgpu_graph_add_node
+CUresult rgpu_graph_add_node(uint32_t kind, CUgraphNode *phNode, CUgraph hGraph, const CUgraphNode *deps, size_t ndeps,
                          const void *payload, size_t plen, uint64_t *aux) {
     if (!phNode || (ndeps && !deps)) return CUDA_ERROR_INVALID_VALUE;
     rgpu_call c;
@@ -414,6 +416,15 @@ void rgpu_hostcopy_clone(void *from, void *to) {
     pthread_mutex_unlock(&g_copies_lock);
     for (hostcopy *h = list; h; h = h->next)
         if (h->owner == from) hostcopy_add(to, h->buffer, h->host, h->size, h->to_host);
+}
+
+void *rgpu_hostcopy_host(uint64_t buffer, size_t size) {
+    void *host = NULL;
+    pthread_mutex_lock(&g_copies_lock);
+    for (hostcopy *h = g_copies; h && !host; h = h->next)
+        if (h->buffer == buffer && h->size == size) host = h->host;
+    pthread_mutex_unlock(&g_copies_lock);
+    return host;
 }
 
 void rgpu_hostcopy_forget(void *owner) {

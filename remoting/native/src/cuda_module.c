@@ -784,41 +784,8 @@ RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxPotentialBlockSizeWithFlags(int *minG
                                 blockSizeLimit, flags);
 }
 
-/* ------------------------------------------------------------------ host callbacks, misc
- * A host function must run in this process: wait for the stream's earlier work, then call it
- * on the calling thread. Simple and correct in order, though the caller waits for it. */
-
-/* A host function on a capturing stream would become a host node of the server's graph, which
- * cannot call into this process: refused, naming the call, rather than run at the wrong time. */
-static CUresult refuse_in_capture(CUstream hStream, const char *name) {
-    if (!rgpu_capture_possible()) return CUDA_SUCCESS;
-    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
-    CUresult r = cuStreamIsCapturing(hStream, &st);
-    if (r != CUDA_SUCCESS) return r;
-    if (st == CU_STREAM_CAPTURE_STATUS_NONE) return CUDA_SUCCESS;
-    rgpu_log(1, "rgpu: %s: host functions in stream capture (graph host nodes) are not remoted yet", name);
-    return CUDA_ERROR_NOT_SUPPORTED;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData) {
-    if (!fn) return CUDA_ERROR_INVALID_VALUE;
-    CUresult r = refuse_in_capture(hStream, "cuLaunchHostFunc");
-    if (r != CUDA_SUCCESS) return r;
-    r = cuStreamSynchronize(hStream);
-    if (r == CUDA_SUCCESS) fn(userData);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuStreamAddCallback(CUstream hStream, CUstreamCallback callback, void *userData,
-                                                 unsigned int flags) {
-    if (!callback || flags) return CUDA_ERROR_INVALID_VALUE;
-    CUresult r = refuse_in_capture(hStream, "cuStreamAddCallback");
-    if (r != CUDA_SUCCESS) return r;
-    r = cuStreamSynchronize(hStream);
-    if (r == CUDA_ERROR_NOT_INITIALIZED || r == CUDA_ERROR_INVALID_HANDLE) return r;
-    callback(hStream, r, userData);
-    return CUDA_SUCCESS;
-}
+/* ------------------------------------------------------------------ misc
+ * Host callbacks (cuLaunchHostFunc, cuStreamAddCallback) and host nodes: host_nodes.c. */
 
 RGPU_EXPORT CUresult CUDAAPI cuModuleGetLoadingMode(CUmoduleLoadingMode *mode) {
     if (!mode) return CUDA_ERROR_INVALID_VALUE;

@@ -24,7 +24,8 @@
 
 /* Control opcodes (remoting/protocol.py). */
 enum { RGPU_OP_HELLO = 1, RGPU_OP_WELCOME = 2, RGPU_OP_REFUSE = 3, RGPU_OP_REPLY = 4,
-       RGPU_OP_DATA = 5, RGPU_OP_BYE = 6 };
+       RGPU_OP_DATA = 5, RGPU_OP_BYE = 6, RGPU_OP_HOST_CALL = 10, RGPU_OP_HOST_DONE = 11 };
+enum { RGPU_HOST_DONE_RAN = 0, RGPU_HOST_DONE_UNKNOWN_ID = 1 };
 enum { RGPU_HELLO_PROBE = 1, RGPU_HELLO_NVML = 2 };
 enum { RGPU_REPLY_HAS_MESSAGE = 1 };
 enum { RGPU_WELCOME_EMULATED = 1 };
@@ -143,6 +144,22 @@ void rgpu_before_primary_ctx_reset(CUdevice dev);
 void rgpu_capture_begun(CUresult r);
 void rgpu_capture_ended(CUresult r);
 int rgpu_capture_possible(void);
+/* Host nodes (host_nodes.c): the application's host functions, by the ids the worker's host nodes
+ * name. A HOST_CALL frame read by any waiting call runs one (transport.c), on the reading thread,
+ * with its session locked: a CUDA call from inside returns CUDA_ERROR_NOT_PERMITTED, as CUDA
+ * forbids them there. */
+enum { RGPU_HOSTFN_FUNC = 0, RGPU_HOSTFN_STREAM_CALLBACK = 1 };
+uint64_t rgpu_hostfn_register(int kind, void *fn, void *user, CUstream stream);
+int rgpu_hostfn_lookup(uint64_t id, int *kind, void **fn, void **user);
+/* Runs function `id` around the HOST_CALL payload `in` (host-copy regions: their device-to-host
+ * data goes into this process's memory first); `*out` (malloc'd) is HOST_DONE's payload: every
+ * region's data after the call. 0 ran, -1 unknown id. */
+int rgpu_run_host_call(int session, uint64_t id, int32_t status, const uint8_t *in, size_t inlen, uint8_t **out,
+                       size_t *outlen);
+void *rgpu_hostcopy_host(uint64_t buffer, size_t size); /* this process's memory behind a copy node's buffer */
+extern __thread int rgpu_in_host_fn;
+CUresult rgpu_graph_add_node(uint32_t kind, CUgraphNode *phNode, CUgraph hGraph, const CUgraphNode *deps, size_t ndeps,
+                             const void *payload, size_t plen, uint64_t *aux);
 /* Client-side answers to repeated queries (cuda_cache.c). */
 int rgpu_cached_ctx_device(CUcontext ctx, CUdevice *device);
 int rgpu_kattr_get(CUkernel k, int attrib, CUdevice dev, int *out);

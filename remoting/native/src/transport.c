@@ -246,7 +246,24 @@ __attribute__((weak)) uint64_t rgpu_header_ctx(int session) {
  * managed memory up to date; it must run before the session's lock is taken). */
 __attribute__((weak)) void rgpu_managed_before_call(uint16_t op) { (void)op; }
 
+/* Set while this thread runs a host node's function (host_nodes.c): CUDA forbids calls from one,
+ * and this thread holds the session the function's HOST_CALL came on. */
+__thread int rgpu_in_host_fn;
+
+/* The CUDA library overrides it (host_nodes.c); NVML sessions have no host nodes. */
+__attribute__((weak)) int rgpu_run_host_call(int session, uint64_t id, int32_t status, const uint8_t *in,
+                                             size_t inlen, uint8_t **out, size_t *outlen) {
+    (void)session, (void)id, (void)status, (void)in, (void)inlen;
+    *out = NULL;
+    *outlen = 0;
+    return -1;
+}
+
 CUresult rgpu_begin_session(rgpu_call *c, uint16_t op, int session) {
+    if (rgpu_in_host_fn) {
+        memset(c, 0, sizeof *c);
+        return CUDA_ERROR_NOT_PERMITTED;
+    }
     rgpu_managed_before_call(op);
     memset(c, 0, sizeof *c);
     if (session < 0 || session >= rgpu_session_count) return CUDA_ERROR_INVALID_DEVICE;
@@ -362,6 +379,40 @@ CUresult rgpu_sync(rgpu_call *c) {
     return r;
 }
 
+/* A host node of the worker's graph waits for this process to run its function (protocol 5):
+ * run it here, on the thread that read the frame, then answer HOST_DONE. The worker's node holds
+ * the graph until then. An id this process never registered is refused, never called: the frame
+ * names a table entry, not an address. The send buffer is empty (flushed before any read, and
+ * the session stays locked), so the answer goes straight out. */
+static int host_call(rgpu_session *s, uint32_t seq, uint64_t id, int32_t status, uint32_t len) {
+    uint8_t *in = len ? malloc(len) : NULL;
+    if (len && (!in || recv_all(s->fd, in, len))) {
+        free(in);
+        session_fail(s, in ? strerror(errno) : "out of memory for a host function's data");
+        return -1;
+    }
+    uint8_t *out = NULL;
+    size_t outlen = 0;
+    rgpu_in_host_fn++;
+    int ran = rgpu_run_host_call(s->index, id, status, in, len, &out, &outlen);
+    rgpu_in_host_fn--;
+    free(in);
+    if (ran < 0)
+        rgpu_log(RGPU_LOG_ERROR, "GPU server %s asked to run host function %llu, which this process never "
+                 "registered (refused; the graph goes on without it; check that client and server run the same "
+                 "rgpu version)", s->server, (unsigned long long)id);
+    uint8_t h[RGPU_HEADER_SIZE];
+    put_header(h, (uint32_t)outlen, RGPU_OP_HOST_DONE, 0, seq,
+               ran < 0 ? RGPU_HOST_DONE_UNKNOWN_ID : RGPU_HOST_DONE_RAN, 0);
+    int failed = send_all(s->fd, h, sizeof h) || (outlen && send_all(s->fd, out, outlen));
+    free(out);
+    if (failed) {
+        session_fail(s, strerror(errno));
+        return -1;
+    }
+    return 0;
+}
+
 static CUresult sync_wait(rgpu_call *c, rgpu_session *s, uint32_t want_seq) {
     if (flush_locked(s)) return CUDA_ERROR_DEVICE_UNAVAILABLE;
     for (;;) {
@@ -386,6 +437,17 @@ static CUresult sync_wait(rgpu_call *c, rgpu_session *s, uint32_t want_seq) {
             c->sink_got += take;
             if (len > take && recv_discard(s->fd, len - take)) {
                 session_fail(s, strerror(errno));
+                return CUDA_ERROR_DEVICE_UNAVAILABLE;
+            }
+            continue;
+        }
+        if (op == RGPU_OP_HOST_CALL) {
+            uint32_t aux;
+            uint64_t id;
+            memcpy(&aux, h + 12, 4);
+            memcpy(&id, h + 16, 8);
+            if (host_call(s, seq, id, (int32_t)aux, len)) {
+                if (!s->dead) session_fail(s, strerror(errno));
                 return CUDA_ERROR_DEVICE_UNAVAILABLE;
             }
             continue;
