@@ -21,6 +21,9 @@ def test_copies_between_two_slices_go_through_the_client(native_libs: build.Libr
         can = ctypes.c_int(7)
         check("cuDeviceCanAccessPeer", ctypes.byref(can), 0, 1)
         print("PEER", can.value)
+        attr = ctypes.c_int(7)
+        check("cuDeviceGetP2PAttribute", ctypes.byref(attr), 2, 0, 1)          # ACCESS_SUPPORTED
+        print("P2P_ATTR", attr.value, lib.cuDeviceGetP2PAttribute(ctypes.byref(attr), 2, 0, 0))
         a, b, c = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
         check("cuCtxSetCurrent", ctx0); check("cuMemAlloc_v2", ctypes.byref(a), ctypes.c_size_t(n))
         src = bytes(i % 253 for i in range(n))
@@ -57,6 +60,7 @@ def test_copies_between_two_slices_go_through_the_client(native_libs: build.Libr
         """)
     out = done.stdout
     assert "PEER 0" in out, out + done.stderr
+    assert "P2P_ATTR 0 1" in out                                  # a device with itself: INVALID_VALUE
     assert "PEER_COPY True" in out
     assert "UNIFIED_COPY True" in out
     assert "ASYNC_COPY True" in out

@@ -37,15 +37,15 @@ def device_checks(ordinal: int, ctx: ctypes.c_void_p) -> dict[str, object]:
     check("cuDeviceTotalMem_v2", ctypes.byref(total), ordinal)
     free, ctx_total = mem_info()
     n = 1 << 20
-    a = bytes((i * 7 + ordinal) % 251 for i in range(4 * n))
-    b = bytes((i * 3) % 241 for i in range(4 * n))
+    fa = (ctypes.c_float * n)(*(float(i % 1000 + ordinal) for i in range(n)))
+    fb = (ctypes.c_float * n)(*(float(i % 7) * 0.5 for i in range(n)))
     ptrs = []
     for _ in range(3):
         r, p = alloc(4 * n)
         assert r == 0, r
         ptrs.append(ctypes.c_uint64(p))
-    check("cuMemcpyHtoD_v2", ptrs[0], a, ctypes.c_size_t(4 * n))
-    check("cuMemcpyHtoD_v2", ptrs[1], b, ctypes.c_size_t(4 * n))
+    check("cuMemcpyHtoD_v2", ptrs[0], fa, ctypes.c_size_t(4 * n))
+    check("cuMemcpyHtoD_v2", ptrs[1], fb, ctypes.c_size_t(4 * n))
     mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
     check("cuModuleLoadData", ctypes.byref(mod), PTX)
     check("cuModuleGetFunction", ctypes.byref(fn), mod, b"vecadd")
@@ -54,8 +54,6 @@ def device_checks(ordinal: int, ctx: ctypes.c_void_p) -> dict[str, object]:
     check("cuLaunchKernel", fn, (n + 255) // 256, 1, 1, 256, 1, 1, 0, None, params, None)
     out = (ctypes.c_float * n)()
     check("cuMemcpyDtoH_v2", out, ptrs[2], ctypes.c_size_t(4 * n))
-    fa = (ctypes.c_float * n).from_buffer_copy(a)
-    fb = (ctypes.c_float * n).from_buffer_copy(b)
     kernel_ok = all(out[i] == fa[i] + fb[i] for i in range(0, n, 997))
     for p in ptrs:
         check("cuMemFree_v2", p)

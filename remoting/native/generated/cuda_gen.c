@@ -1913,7 +1913,6 @@ RGPU_EXPORT CUresult CUDAAPI cuDeviceGetDevResource(void) { static int seen; ret
 RGPU_EXPORT CUresult CUDAAPI cuDeviceGetHostAtomicCapabilities(void) { static int seen; return rgpu_unsupported("cuDeviceGetHostAtomicCapabilities", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceGetNvSciSyncAttributes(void) { static int seen; return rgpu_unsupported("cuDeviceGetNvSciSyncAttributes", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceGetP2PAtomicCapabilities(void) { static int seen; return rgpu_unsupported("cuDeviceGetP2PAtomicCapabilities", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuDeviceGetP2PAttribute(void) { static int seen; return rgpu_unsupported("cuDeviceGetP2PAttribute", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceGetProperties(void) { static int seen; return rgpu_unsupported("cuDeviceGetProperties", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceRegisterAsyncNotification(void) { static int seen; return rgpu_unsupported("cuDeviceRegisterAsyncNotification", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceSetMemPool(void) { static int seen; return rgpu_unsupported("cuDeviceSetMemPool", &seen, NULL); }

@@ -118,6 +118,20 @@ RGPU_EXPORT CUresult CUDAAPI cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice 
     return CUDA_SUCCESS;
 }
 
+/* Every attribute between two slices is 0: no access, no native atomics, no array access, and
+ * rank 0. A device with itself is refused, as the driver does. */
+RGPU_EXPORT CUresult CUDAAPI cuDeviceGetP2PAttribute(int *value, CUdevice_P2PAttribute attrib, CUdevice srcDevice,
+                                                     CUdevice dstDevice) {
+    if (!value) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    if (srcDevice < 0 || srcDevice >= rgpu_session_count || dstDevice < 0 || dstDevice >= rgpu_session_count)
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (srcDevice == dstDevice || (int)attrib < 1 || (int)attrib > 5) return CUDA_ERROR_INVALID_VALUE;
+    *value = 0;
+    return CUDA_SUCCESS;
+}
+
 RGPU_EXPORT CUresult CUDAAPI cuProfilerStart(void) { return rgpu_check_init(); }
 RGPU_EXPORT CUresult CUDAAPI cuProfilerStop(void) { return rgpu_check_init(); }
 

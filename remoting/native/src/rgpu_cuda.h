@@ -36,7 +36,7 @@ typedef struct CUgraphNode_st *CUgraphNode;
 typedef unsigned long long CUmemGenericAllocationHandle;
 typedef uint32_t cuuint32_t;
 
-typedef int CUdevice_attribute, CUarray_format, CUexecAffinityType, CUlimit, CUfunc_cache,
+typedef int CUdevice_attribute, CUdevice_P2PAttribute, CUarray_format, CUexecAffinityType, CUlimit, CUfunc_cache,
     CUsharedconfig, CUmemPool_attribute, CUpointer_attribute, CUstreamCaptureStatus,
     CUstreamCaptureMode, CUjit_option, CUjitInputType, CUlibraryOption, CUmoduleLoadingMode,
     CUfunction_attribute, CUfunctionLoadingState, CUdriverProcAddressQueryResult,
