@@ -12,6 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from rgpu.remoting.datapath import protocol
+from rgpu.remoting.datapath.backends.arrays import (DESC2D, DESC3D, MEMCPY3D, RESOURCE_DESC_SIZE, TEXTURE_DESC_SIZE,
+                                                    VIEW_DESC_SIZE, parse_copy, parse_desc)
 from rgpu.remoting.datapath.backends.base import (INVALID_VALUE, NOT_FOUND, PITCH_ALIGN_BYTES, SUCCESS, CudaError,
                                                   LoadResult, SliceMemory)
 from rgpu.remoting.datapath.worker.codecs import (ALLOC, COPY, HEADER, LAUNCH, LAUNCH_ATTR_SIZE, MAX_MODULE_NODES,
@@ -156,6 +158,84 @@ class Handlers:
             except CudaError:
                 out.append(lp(b"\0" * 8))  # cuPointerGetAttributes fills, rather than fails
         return SUCCESS, b"".join(out)
+
+    # ------------------------------------------------------------------ arrays, texture and surface objects
+    # Every array counts against the slice from its creation until it is destroyed, at the footprint
+    # the backend gives (the driver's own figure where it can say, cuda.py). Keys in the accounting
+    # lie below -2**64, apart from device pointers (positive) and VMM handles (negated).
+
+    @staticmethod
+    def _array_key(kind: str, handle: int) -> int:
+        return -((2 if kind == "mipmapped" else 1) << 64) - handle
+
+    def h_array_create(self, kind: str) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
+        what = {"2d": "cuArrayCreate", "3d": "cuArray3DCreate", "mipmapped": "cuMipmappedArrayCreate"}[kind]
+
+        def run(p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+            (levels,) = U32.unpack_from(p, 0)
+            size = DESC2D.size if kind == "2d" else DESC3D.size
+            if len(p) < 8 + size:
+                raise CudaError(INVALID_VALUE, f"rgpu: worker: truncated {what} request")
+            desc = parse_desc(bytes(p[8:8 + size]), kind != "2d")
+            levels = levels if kind == "mipmapped" else 1
+            footprint = self.backend.array_footprint(desc, levels)
+            label = (f"{what} ({desc.width} x {desc.height} x {desc.depth}, format {desc.format:#x} x {desc.channels}"
+                     + (f", {levels} levels" if kind == "mipmapped" else "") + ")")
+            assert self.memory is not None
+            self.memory.check(footprint, label)
+            try:
+                handle = self.backend.array_create(kind, desc, levels)
+            except BaseException:
+                self.memory.cancel()
+                raise
+            self.memory.add(self._array_key(kind, handle), footprint, label)
+            return SUCCESS, U64.pack(handle)
+        return run
+
+    def h_array_destroy(self, kind: str) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
+        def run(p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+            (handle,) = U64.unpack_from(p, 0)
+            self.backend.array_destroy(kind, handle)
+            if self.memory is not None:
+                self.memory.remove(self._array_key(kind, handle))
+            return SUCCESS, b""
+        return run
+
+    def h_tex_object_create(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        at = RESOURCE_DESC_SIZE + TEXTURE_DESC_SIZE
+        if len(p) < at + 8 + VIEW_DESC_SIZE:
+            raise CudaError(INVALID_VALUE, "rgpu: worker: truncated cuTexObjectCreate request")
+        (has_view,) = U32.unpack_from(p, at)
+        view = bytes(p[at + 8:at + 8 + VIEW_DESC_SIZE]) if has_view else None
+        handle = self.backend.tex_object_create(bytes(p[:RESOURCE_DESC_SIZE]), bytes(p[RESOURCE_DESC_SIZE:at]), view)
+        return SUCCESS, U64.pack(handle)
+
+    def h_memcpy_array(self, p: memoryview, address: int, seq: int) -> None:
+        """A 2D/3D copy with no host side, or with this request's data as its (packed) source."""
+        kind, _, stream = struct.unpack_from("<IIQ", p, 0)
+        desc = bytes(p[16:16 + MEMCPY3D.size])
+        (size,) = U64.unpack_from(p, 16 + MEMCPY3D.size)
+        at = 24 + MEMCPY3D.size
+        data = p[at:at + size]
+        if len(data) != size or len(desc) != MEMCPY3D.size:
+            raise CudaError(INVALID_VALUE, "rgpu: worker: truncated 2D/3D copy")
+        copy = parse_copy(desc)
+        if copy.src.kind == 1 and size != copy.width * copy.height * max(copy.depth, 1):
+            raise CudaError(INVALID_VALUE, "rgpu: worker: a 2D/3D copy's data does not match its extent")
+        self.backend.memcpy_array(kind, desc, stream, data, address + at)
+
+    def h_memcpy_array_to_host(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        """A 2D/3D copy into the client's memory: the packed rows come back as DATA frames."""
+        kind, _, stream = struct.unpack_from("<IIQ", p, 0)
+        desc = bytes(p[16:16 + MEMCPY3D.size])
+        if len(desc) != MEMCPY3D.size:
+            raise CudaError(INVALID_VALUE, "rgpu: worker: truncated 2D/3D copy")
+        data = memoryview(self.backend.memcpy_array_to_host(kind, desc, stream))
+        for start in range(0, len(data), protocol.CHUNK_BYTES):
+            chunk = data[start:start + protocol.CHUNK_BYTES]
+            self.sock.sendmsg([HEADER.pack(len(chunk), protocol.OP_DATA, 0, 0, 0, 0), chunk])
+            self.sent += protocol.HEADER_SIZE + len(chunk)
+        return SUCCESS, b""
 
     # ------------------------------------------------------------------ modules
 
