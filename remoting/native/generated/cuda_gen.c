@@ -206,7 +206,7 @@ RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxReset_v2(CUdevice dev) {
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
     r = rgpu_sync(&c);
-    rgpu_pstate_forget(); rgpu_cache_forget_functions();
+    rgpu_pstate_forget(); rgpu_cache_forget_functions(); rgpu_array_desc_forget(0);
     rgpu_end(&c);
     return r;
 }
@@ -672,6 +672,7 @@ RGPU_EXPORT CUresult CUDAAPI cuArrayGetDescriptor_v2(CUDA_ARRAY_DESCRIPTOR *pArr
 
 RGPU_EXPORT CUresult CUDAAPI cuArray3DGetDescriptor_v2(CUDA_ARRAY3D_DESCRIPTOR *pArrayDescriptor, CUarray hArray) {
     if (pArrayDescriptor == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_array_desc_get(hArray, pArrayDescriptor)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuArray3DGetDescriptor_v2);
     if (r != CUDA_SUCCESS) return r;
@@ -680,6 +681,7 @@ RGPU_EXPORT CUresult CUDAAPI cuArray3DGetDescriptor_v2(CUDA_ARRAY3D_DESCRIPTOR *
     if (r == CUDA_SUCCESS) {
         { CUDA_ARRAY3D_DESCRIPTOR pArrayDescriptor_v; memset(&pArrayDescriptor_v, 0, sizeof pArrayDescriptor_v); rgpu_get(&c, &pArrayDescriptor_v, sizeof(pArrayDescriptor_v)); if (pArrayDescriptor) *pArrayDescriptor = pArrayDescriptor_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_array_desc_put(c.s->index, hArray, pArrayDescriptor);
     rgpu_end(&c);
     return r;
 }

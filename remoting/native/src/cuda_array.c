@@ -27,6 +27,58 @@ enum { COPY_2D = 0, COPY_2D_UNALIGNED = 1, COPY_3D = 2 };
 #define READ_PIECE_BYTES (4u << 20)
 #define CU_ERROR_STREAM_CAPTURE_UNSUPPORTED 900
 
+/* ------------------------------------------------------------------ descriptors, cached
+ * The CUDA runtime asks for an array's descriptor (cuArray3DGetDescriptor_v2) twice before every
+ * copy with an array and four times per texture object: a round trip each. A descriptor never
+ * changes while its array lives, so the worker's answer is kept here per (slice, handle) and
+ * forgotten when the array (any array, for mipmapped arrays and context resets) goes. */
+#define DESC_CACHE 256
+
+static struct { int session; uint64_t handle; CUDA_ARRAY3D_DESCRIPTOR desc; } g_desc[DESC_CACHE];
+static int g_desc_used;
+static pthread_mutex_t g_desc_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static int current_session(void) {
+    rgpu_ctx *cur = rgpu_ctx_current();
+    return cur ? cur->session : -1;
+}
+
+int rgpu_array_desc_get(CUarray array, CUDA_ARRAY3D_DESCRIPTOR *out) {
+    int s = current_session(), found = 0;
+    if (s < 0 || !out) return 0;
+    pthread_mutex_lock(&g_desc_lock);
+    for (int i = 0; i < g_desc_used && !found; i++)
+        if (g_desc[i].session == s && g_desc[i].handle == (uint64_t)(uintptr_t)array) {
+            *out = g_desc[i].desc;
+            found = 1;
+        }
+    pthread_mutex_unlock(&g_desc_lock);
+    return found;
+}
+
+void rgpu_array_desc_put(int session, CUarray array, const CUDA_ARRAY3D_DESCRIPTOR *desc) {
+    pthread_mutex_lock(&g_desc_lock);
+    int i = 0;
+    while (i < g_desc_used && !(g_desc[i].session == session && g_desc[i].handle == (uint64_t)(uintptr_t)array)) i++;
+    if (i == g_desc_used) {
+        if (g_desc_used == DESC_CACHE) i = (int)((uintptr_t)array / 64 % DESC_CACHE);   /* full: replace one */
+        else g_desc_used++;
+    }
+    g_desc[i].session = session;
+    g_desc[i].handle = (uint64_t)(uintptr_t)array;
+    g_desc[i].desc = *desc;
+    pthread_mutex_unlock(&g_desc_lock);
+}
+
+/* handle 0: every array's */
+void rgpu_array_desc_forget(uint64_t handle) {
+    pthread_mutex_lock(&g_desc_lock);
+    for (int i = 0; i < g_desc_used;)
+        if (!handle || g_desc[i].handle == handle) g_desc[i] = g_desc[--g_desc_used];
+        else i++;
+    pthread_mutex_unlock(&g_desc_lock);
+}
+
 /* ------------------------------------------------------------------ arrays */
 
 static CUresult create_common(uint16_t op, uint64_t *out, const void *desc, size_t size, uint32_t levels) {
@@ -70,6 +122,7 @@ RGPU_EXPORT CUresult CUDAAPI cuArray3DCreate_v2(CUarray *pHandle, const CUDA_ARR
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuArrayDestroy(CUarray hArray) {
+    rgpu_array_desc_forget((uint64_t)(uintptr_t)hArray);
     return destroy_common(RGPU_OP_cuArrayDestroy, (uint64_t)(uintptr_t)hArray);
 }
 
@@ -83,6 +136,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMipmappedArrayCreate(CUmipmappedArray *pHandle, c
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray) {
+    rgpu_array_desc_forget(0);   /* its levels' handles are not known here */
     return destroy_common(RGPU_OP_cuMipmappedArrayDestroy, (uint64_t)(uintptr_t)hMipmappedArray);
 }
 
