@@ -322,3 +322,53 @@ def test_bad_array_descriptors_are_refused(native_libs: build.Libraries, emulate
         print("CREATE", lib.cuArray3DCreate_v2(ctypes.byref(h), ctypes.byref({desc})), mem_info()[0] == mem_info()[1])
         """)
     assert "CREATE 1 True" in out   # CUDA_ERROR_INVALID_VALUE, nothing held
+
+
+def test_copies_with_arrays_in_graphs_and_captures(native_libs: build.Libraries, emulated: Server) -> None:
+    out = run(native_libs, emulated, """
+        W, H = 24, 6
+        data = pattern(W * H, 7)
+        r, dev = alloc(W * H)
+        r, dev2 = alloc(W * H)
+        check("cuMemcpyHtoD_v2", ctypes.c_uint64(dev), buf(data), ctypes.c_size_t(W * H))
+        r, a = array2d(6, 6, FMT_FLOAT, 1)
+        # a copy node from device memory into the array, added by hand
+        graph = ctypes.c_void_p()
+        check("cuGraphCreate", ctypes.byref(graph), 0)
+        m = MEMCPY3D(srcMemoryType=DEVICE, srcDevice=dev, srcPitch=W, srcHeight=H, dstMemoryType=ARRAY, dstArray=a,
+                     WidthInBytes=W, Height=H, Depth=1)
+        node = ctypes.c_void_p()
+        check("cuGraphAddMemcpyNode", ctypes.byref(node), graph, None, 0, ctypes.byref(m), None)
+        bad = MEMCPY3D(srcMemoryType=DEVICE, srcDevice=dev, srcPitch=W, srcHeight=H, dstMemoryType=ARRAY, dstArray=0xbad00,
+                       WidthInBytes=W, Height=H, Depth=1)
+        print("BAD_NODE", lib.cuGraphAddMemcpyNode(ctypes.byref(node), graph, None, 0, ctypes.byref(bad), None))
+        exe = ctypes.c_void_p()
+        check("cuGraphInstantiateWithFlags", ctypes.byref(exe), graph, ctypes.c_ulonglong(0))
+        check("cuGraphLaunch", exe, None)
+        # captured: the array back into other device memory, then launched
+        stream = ctypes.c_void_p()
+        check("cuStreamCreate", ctypes.byref(stream), 0)
+        check("cuStreamBeginCapture_v2", stream, 0)
+        m = MEMCPY3D(srcMemoryType=ARRAY, srcArray=a, dstMemoryType=DEVICE, dstDevice=dev2, dstPitch=W, dstHeight=H,
+                     WidthInBytes=W, Height=H, Depth=1)
+        check("cuMemcpy3DAsync_v2", ctypes.byref(m), stream)
+        host = buf(bytes(W * H))
+        hm = MEMCPY3D(srcMemoryType=ARRAY, srcArray=a, dstMemoryType=HOST, dstHost=ctypes.addressof(host), dstPitch=W,
+                      dstHeight=H, WidthInBytes=W, Height=H, Depth=1)
+        print("HOST_IN_CAPTURE", lib.cuMemcpy3DAsync_v2(ctypes.byref(hm), stream))
+        g2 = ctypes.c_void_p()
+        check("cuStreamEndCapture", stream, ctypes.byref(g2))
+        exe2 = ctypes.c_void_p()
+        check("cuGraphInstantiateWithFlags", ctypes.byref(exe2), g2, ctypes.c_ulonglong(0))
+        back = buf(bytes(W * H))
+        check("cuMemcpyDtoH_v2", back, ctypes.c_uint64(dev2), ctypes.c_size_t(W * H))
+        report("nothing copied before the launch", back.raw == bytes(W * H))
+        check("cuGraphLaunch", exe2, stream)
+        check("cuStreamSynchronize", stream)
+        check("cuMemcpyDtoH_v2", back, ctypes.c_uint64(dev2), ctypes.c_size_t(W * H))
+        report("device to array to device through graphs", back.raw == data)
+        """)
+    assert "OK nothing copied before the launch" in out and "OK device to array to device through graphs" in out, out
+    assert "BAD_NODE 400" in out
+    assert "HOST_IN_CAPTURE 900" in out   # CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, with a message
+    assert "on a capturing stream is not remoted yet" in out

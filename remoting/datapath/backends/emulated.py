@@ -1028,6 +1028,12 @@ class EmulatedBackend:
             dst, pitch, value, elem, width, height = struct.unpack_from("<QQIIQQ", payload, 0)
             pattern = struct.pack({1: "<B", 2: "<H", 4: "<I"}[elem], value & ((1 << (8 * elem)) - 1))
             ops.append(lambda: self._memset2d(dst, pitch, pattern, width, height))
+        elif kind == 3 and ARRAY in struct.unpack_from("<i", payload, 32) + struct.unpack_from("<i", payload, 120):
+            desc = bytes(payload[:200])
+            copy = parse_copy(desc)
+            if any(side.kind == ARRAY and side.array not in self.arrays for side in (copy.src, copy.dst)):
+                raise CudaError(INVALID_HANDLE)   # when the node is added, as the driver refuses it
+            ops.append(lambda: (self._copy_nd(2, desc, None, None), (SUCCESS,))[1])
         elif kind == 3:
             src_x, dst_x, width = (struct.unpack_from("<Q", payload, o)[0] for o in (0, 88, 176))
             src, dst = struct.unpack_from("<Q", payload, 48)[0], struct.unpack_from("<Q", payload, 136)[0]
