@@ -637,13 +637,14 @@ class EmulatedBackend:
         if (h > 1 or d > 1) and side.pitch < w or (d > 1 and side.height < side.y + h):
             raise CudaError(INVALID_VALUE)
         plane = side.pitch * side.height
+        last = side.x + (side.y + h - 1) * side.pitch + (side.z + d - 1) * plane   # checked before any row
         if side.kind == HOST:
-            rows = [(host, side.x + (side.y + y) * side.pitch + (side.z + z) * plane) for z in range(d) for y in range(h)]
-            if any(off + w > len(host) for _, off in rows):
+            if last + w > len(host):
                 raise CudaError(INVALID_VALUE)
-            return rows
+            return [(host, side.x + (side.y + y) * side.pitch + (side.z + z) * plane) for z in range(d) for y in range(h)]
         if side.kind != DEVICE:
             raise CudaError(INVALID_VALUE)
+        self._locate(side.device + last, w)
         return [self._locate(side.device + side.x + (side.y + y) * side.pitch + (side.z + z) * plane, w)
                 for z in range(d) for y in range(h)]
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from rgpu.remoting.datapath import protocol
-from rgpu.remoting.datapath.backends.arrays import (DESC2D, DESC3D, MEMCPY3D, RESOURCE_DESC_SIZE, TEXTURE_DESC_SIZE,
-                                                    VIEW_DESC_SIZE, parse_copy, parse_desc)
+from rgpu.remoting.datapath.backends.arrays import (DESC2D, DESC3D, HOST, MEMCPY3D, RESOURCE_DESC_SIZE,
+                                                    TEXTURE_DESC_SIZE, VIEW_DESC_SIZE, parse_copy, parse_desc)
 from rgpu.remoting.datapath.backends.base import (INVALID_VALUE, NOT_FOUND, PITCH_ALIGN_BYTES, SUCCESS, CudaError,
                                                   LoadResult, SliceMemory)
 from rgpu.remoting.datapath.worker.codecs import (ALLOC, COPY, HEADER, LAUNCH, LAUNCH_ATTR_SIZE, MAX_MODULE_NODES,
@@ -21,6 +21,10 @@ from rgpu.remoting.datapath.worker.codecs import (ALLOC, COPY, HEADER, LAUNCH, L
                                                   take_str)
 from rgpu.remoting.datapath.worker.native_loop import NativeLaunches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
+from rgpu.units import format_bytes
+
+
+MAX_ARRAY_READ = 64 << 20   # one rgpuMemcpyArrayToHost request (the client sends 4 MiB pieces)
 
 
 def _on_worker_device(data: bytes, at: int) -> bytes:
@@ -210,26 +214,43 @@ class Handlers:
         handle = self.backend.tex_object_create(bytes(p[:RESOURCE_DESC_SIZE]), bytes(p[RESOURCE_DESC_SIZE:at]), view)
         return SUCCESS, U64.pack(handle)
 
-    def h_memcpy_array(self, p: memoryview, address: int, seq: int) -> None:
-        """A 2D/3D copy with no host side, or with this request's data as its (packed) source."""
+    @staticmethod
+    def _array_copy(p: memoryview, to_host: bool) -> tuple[int, int, bytes, int]:
+        """(kind, stream, descriptor, packed host bytes) of rgpuMemcpyArray / ...ToHost. The host side
+        (the request's data, or the worker's buffer for the reply) must be exactly the packed box:
+        a pitch or offset past it would have the driver read or write the worker's own memory."""
         kind, _, stream = struct.unpack_from("<IIQ", p, 0)
         desc = bytes(p[16:16 + MEMCPY3D.size])
+        if len(desc) != MEMCPY3D.size or kind not in (0, 1, 2):
+            raise CudaError(INVALID_VALUE, "rgpu: worker: malformed 2D/3D copy request")
+        c = parse_copy(desc)
+        depth = c.depth if kind == 2 else 1
+        host = c.dst if to_host else c.src
+        packed = c.width * c.height * depth
+        if host.kind == HOST and (host.x or host.y or host.pitch != c.width or
+                                  (kind == 2 and (host.z or host.lod or host.height != c.height))):
+            raise CudaError(INVALID_VALUE, "rgpu: worker: a 2D/3D copy's host side is not its packed data")
+        if c.dst.kind == HOST if not to_host else (c.dst.kind != HOST or c.src.kind == HOST):
+            raise CudaError(INVALID_VALUE, "rgpu: worker: a 2D/3D copy request names the wrong host side")
+        return kind, stream, desc, packed if host.kind == HOST else 0
+
+    def h_memcpy_array(self, p: memoryview, address: int, seq: int) -> None:
+        """A 2D/3D copy with no host side, or with this request's data as its (packed) source."""
+        kind, stream, desc, packed = self._array_copy(p, to_host=False)
         (size,) = U64.unpack_from(p, 16 + MEMCPY3D.size)
         at = 24 + MEMCPY3D.size
         data = p[at:at + size]
-        if len(data) != size or len(desc) != MEMCPY3D.size:
-            raise CudaError(INVALID_VALUE, "rgpu: worker: truncated 2D/3D copy")
-        copy = parse_copy(desc)
-        if copy.src.kind == 1 and size != copy.width * copy.height * max(copy.depth, 1):
+        if len(data) != size or size != packed:
             raise CudaError(INVALID_VALUE, "rgpu: worker: a 2D/3D copy's data does not match its extent")
         self.backend.memcpy_array(kind, desc, stream, data, address + at)
 
     def h_memcpy_array_to_host(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         """A 2D/3D copy into the client's memory: the packed rows come back as DATA frames."""
-        kind, _, stream = struct.unpack_from("<IIQ", p, 0)
-        desc = bytes(p[16:16 + MEMCPY3D.size])
-        if len(desc) != MEMCPY3D.size:
-            raise CudaError(INVALID_VALUE, "rgpu: worker: truncated 2D/3D copy")
+        kind, stream, desc, packed = self._array_copy(p, to_host=True)
+        if packed > MAX_ARRAY_READ:
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: a 2D/3D copy of {format_bytes(packed)} to the client refused "
+                                           f"(at most {format_bytes(MAX_ARRAY_READ)} a request; rgpu's client library "
+                                           "sends pieces of 4 MiB: install the same rgpu version on both sides)")
         data = memoryview(self.backend.memcpy_array_to_host(kind, desc, stream))
         for start in range(0, len(data), protocol.CHUNK_BYTES):
             chunk = data[start:start + protocol.CHUNK_BYTES]
