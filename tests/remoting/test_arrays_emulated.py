@@ -31,16 +31,7 @@ setup()
 """
 
 
-def run(libs: build.Libraries, emulated: Server, code: str, limit: int = 1 << 30) -> str:
-    done = py_client(libs, emulated.slices(emulated.token(memory_limit=limit)), PRELUDE + textwrap.dedent(code), timeout=120)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "FAIL" not in done.stdout, done.stdout + done.stderr
-    return done.stdout + done.stderr
-
-
-def test_2d_array_round_trips_through_host_device_and_another_array(native_libs: build.Libraries,
-                                                                     emulated: Server) -> None:
-    out = run(native_libs, emulated, """
+PROGRAM_2D = """
         # 37 x 19 float texels (148-byte rows), from a host buffer at (4 bytes, row 2) of pitch 200
         W, H = 37 * 4, 19
         src = pattern(200 * 30, 1); hsrc = buf(src)
@@ -87,15 +78,9 @@ def test_2d_array_round_trips_through_host_device_and_another_array(native_libs:
         check("cuArrayDestroy", ctypes.c_void_p(a))
         print("AGAIN", lib.cuArrayDestroy(ctypes.c_void_p(a)), lib.cuArrayGetDescriptor_v2(ctypes.byref(d), ctypes.c_void_p(a)))
         print("BOGUS", lib.cuArrayDestroy(ctypes.c_void_p(0x1234)))
-        """)
-    assert "OK array to device to host" in out and "OK array to array" in out and "OK untouched stays zero" in out
-    assert "OK unaligned x refused" in out and "OK past the end refused" in out
-    assert "DESC 37 19 32 1 3D 37 19 0 0" in out
-    assert "AGAIN 400 400" in out and "BOGUS 400" in out   # CUDA_ERROR_INVALID_HANDLE
+        """
 
-
-def test_3d_arrays_and_3d_copies_with_every_side(native_libs: build.Libraries, emulated: Server) -> None:
-    out = run(native_libs, emulated, """
+PROGRAM_3D = """
         # 13 x 7 x 5 texels of 2 x u16 (4 bytes): 52-byte rows
         W, H, D = 13 * 4, 7, 5
         P, HH = 64, 9                                  # the host box: pitch 64, 9 rows per plane
@@ -143,15 +128,9 @@ def test_3d_arrays_and_3d_copies_with_every_side(native_libs: build.Libraries, e
         d3 = ARRAY3D_DESCRIPTOR()
         check("cuArray3DGetDescriptor_v2", ctypes.byref(d3), ctypes.c_void_p(a))
         print("DESC3D", d3.Width, d3.Height, d3.Depth, d3.Format, d3.NumChannels, d3.Flags)
-        """)
-    for name in ("3D array to device", "3D device to host", "3D array to array", "3D outside the box is zero",
-                 "3D device to device"):
-        assert f"OK {name}" in out, out
-    assert "DESC3D 13 7 5 2 2 0" in out
+        """
 
-
-def test_copies_larger_than_a_wire_chunk_and_1d_arrays(native_libs: build.Libraries, emulated: Server) -> None:
-    out = run(native_libs, emulated, """
+PROGRAM_PIECES = """
         # 1024 x 600 float4 (16 KiB rows, 9.4 MiB): pieces of whole rows both ways
         W, H = 1024 * 16, 600
         src = pattern(W * H, 3); hsrc = buf(src)
@@ -193,13 +172,9 @@ def test_copies_larger_than_a_wire_chunk_and_1d_arrays(native_libs: build.Librar
                      dstHost=ctypes.addressof(wide), dstPitch=RW, dstHeight=2, WidthInBytes=RW, Height=2, Depth=1)
         check("cuMemcpy3D_v2", ctypes.byref(m))
         report("rows wider than a piece", wide.raw == pattern(RW * 2, 5))
-        """)
-    for name in ("9.4 MiB through an array", "1D HtoA/AtoH", "1D DtoA/AtoD/AtoA", "1D HtoAAsync", "rows wider than a piece"):
-        assert f"OK {name}" in out, out
+        """
 
-
-def test_texture_and_surface_objects_keep_their_descriptors(native_libs: build.Libraries, emulated: Server) -> None:
-    out = run(native_libs, emulated, """
+PROGRAM_OBJECTS = """
         r, a = array2d(64, 32, FMT_FLOAT, 1)
         res = resource_desc(0, struct.pack("<Q", a))
         tex = buf(struct.pack("<3iiIIifff4f", 1, 1, 0, 1, 2, 0, 0, 0.0, 0.0, 0.0, 0.5, 0.25, 0.75, 1.0).ljust(104, b"\\0"))
@@ -274,7 +249,85 @@ def test_texture_and_surface_objects_keep_their_descriptors(native_libs: build.L
         print("MM_AGAIN", lib.cuMipmappedArrayDestroy(mm))
         # texture references are gone from CUDA 12 on: refused by name
         print("TEXREF", lib.cuModuleGetTexRef(ctypes.byref(bad), None, b"tex"))
-        """)
+        """
+
+PROGRAM_GRAPHS = """
+        W, H = 24, 6
+        data = pattern(W * H, 7)
+        r, dev = alloc(W * H)
+        r, dev2 = alloc(W * H)
+        check("cuMemcpyHtoD_v2", ctypes.c_uint64(dev), buf(data), ctypes.c_size_t(W * H))
+        r, a = array2d(6, 6, FMT_FLOAT, 1)
+        # a copy node from device memory into the array, added by hand
+        graph = ctypes.c_void_p()
+        check("cuGraphCreate", ctypes.byref(graph), 0)
+        m = MEMCPY3D(srcMemoryType=DEVICE, srcDevice=dev, srcPitch=W, srcHeight=H, dstMemoryType=ARRAY, dstArray=a,
+                     WidthInBytes=W, Height=H, Depth=1)
+        node = ctypes.c_void_p()
+        check("cuGraphAddMemcpyNode", ctypes.byref(node), graph, None, 0, ctypes.byref(m), None)
+        bad = MEMCPY3D(srcMemoryType=DEVICE, srcDevice=dev, srcPitch=W, srcHeight=H, dstMemoryType=ARRAY, dstArray=0xbad00,
+                       WidthInBytes=W, Height=H, Depth=1)
+        print("BAD_NODE", lib.cuGraphAddMemcpyNode(ctypes.byref(node), graph, None, 0, ctypes.byref(bad), None))
+        exe = ctypes.c_void_p()
+        check("cuGraphInstantiateWithFlags", ctypes.byref(exe), graph, ctypes.c_ulonglong(0))
+        check("cuGraphLaunch", exe, None)
+        # captured: the array back into other device memory, then launched
+        stream = ctypes.c_void_p()
+        check("cuStreamCreate", ctypes.byref(stream), 0)
+        check("cuStreamBeginCapture_v2", stream, 0)
+        m = MEMCPY3D(srcMemoryType=ARRAY, srcArray=a, dstMemoryType=DEVICE, dstDevice=dev2, dstPitch=W, dstHeight=H,
+                     WidthInBytes=W, Height=H, Depth=1)
+        check("cuMemcpy3DAsync_v2", ctypes.byref(m), stream)
+        host = buf(bytes(W * H))
+        hm = MEMCPY3D(srcMemoryType=ARRAY, srcArray=a, dstMemoryType=HOST, dstHost=ctypes.addressof(host), dstPitch=W,
+                      dstHeight=H, WidthInBytes=W, Height=H, Depth=1)
+        print("HOST_IN_CAPTURE", lib.cuMemcpy3DAsync_v2(ctypes.byref(hm), stream))
+        g2 = ctypes.c_void_p()
+        check("cuStreamEndCapture", stream, ctypes.byref(g2))
+        exe2 = ctypes.c_void_p()
+        check("cuGraphInstantiateWithFlags", ctypes.byref(exe2), g2, ctypes.c_ulonglong(0))
+        back = buf(bytes(W * H))
+        check("cuMemcpyDtoH_v2", back, ctypes.c_uint64(dev2), ctypes.c_size_t(W * H))
+        report("nothing copied before the launch", back.raw == bytes(W * H))
+        check("cuGraphLaunch", exe2, stream)
+        check("cuStreamSynchronize", stream)
+        check("cuMemcpyDtoH_v2", back, ctypes.c_uint64(dev2), ctypes.c_size_t(W * H))
+        report("device to array to device through graphs", back.raw == data)
+        """
+
+
+def run(libs: build.Libraries, emulated: Server, code: str, limit: int = 1 << 30) -> str:
+    done = py_client(libs, emulated.slices(emulated.token(memory_limit=limit)), PRELUDE + textwrap.dedent(code), timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "FAIL" not in done.stdout, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+def test_2d_array_round_trips_through_host_device_and_another_array(native_libs: build.Libraries,
+                                                                     emulated: Server) -> None:
+    out = run(native_libs, emulated, PROGRAM_2D)
+    assert "OK array to device to host" in out and "OK array to array" in out and "OK untouched stays zero" in out
+    assert "OK unaligned x refused" in out and "OK past the end refused" in out
+    assert "DESC 37 19 32 1 3D 37 19 0 0" in out
+    assert "AGAIN 400 400" in out and "BOGUS 400" in out   # CUDA_ERROR_INVALID_HANDLE
+
+
+def test_3d_arrays_and_3d_copies_with_every_side(native_libs: build.Libraries, emulated: Server) -> None:
+    out = run(native_libs, emulated, PROGRAM_3D)
+    for name in ("3D array to device", "3D device to host", "3D array to array", "3D outside the box is zero",
+                 "3D device to device"):
+        assert f"OK {name}" in out, out
+    assert "DESC3D 13 7 5 2 2 0" in out
+
+
+def test_copies_larger_than_a_wire_chunk_and_1d_arrays(native_libs: build.Libraries, emulated: Server) -> None:
+    out = run(native_libs, emulated, PROGRAM_PIECES)
+    for name in ("9.4 MiB through an array", "1D HtoA/AtoH", "1D DtoA/AtoD/AtoA", "1D HtoAAsync", "rows wider than a piece"):
+        assert f"OK {name}" in out, out
+
+
+def test_texture_and_surface_objects_keep_their_descriptors(native_libs: build.Libraries, emulated: Server) -> None:
+    out = run(native_libs, emulated, PROGRAM_OBJECTS)
     for name in ("array texture descriptors", "pitch2D descriptor", "view descriptor", "surface descriptor",
                  "mipmap level round trip"):
         assert f"OK {name}" in out, out
@@ -325,49 +378,7 @@ def test_bad_array_descriptors_are_refused(native_libs: build.Libraries, emulate
 
 
 def test_copies_with_arrays_in_graphs_and_captures(native_libs: build.Libraries, emulated: Server) -> None:
-    out = run(native_libs, emulated, """
-        W, H = 24, 6
-        data = pattern(W * H, 7)
-        r, dev = alloc(W * H)
-        r, dev2 = alloc(W * H)
-        check("cuMemcpyHtoD_v2", ctypes.c_uint64(dev), buf(data), ctypes.c_size_t(W * H))
-        r, a = array2d(6, 6, FMT_FLOAT, 1)
-        # a copy node from device memory into the array, added by hand
-        graph = ctypes.c_void_p()
-        check("cuGraphCreate", ctypes.byref(graph), 0)
-        m = MEMCPY3D(srcMemoryType=DEVICE, srcDevice=dev, srcPitch=W, srcHeight=H, dstMemoryType=ARRAY, dstArray=a,
-                     WidthInBytes=W, Height=H, Depth=1)
-        node = ctypes.c_void_p()
-        check("cuGraphAddMemcpyNode", ctypes.byref(node), graph, None, 0, ctypes.byref(m), None)
-        bad = MEMCPY3D(srcMemoryType=DEVICE, srcDevice=dev, srcPitch=W, srcHeight=H, dstMemoryType=ARRAY, dstArray=0xbad00,
-                       WidthInBytes=W, Height=H, Depth=1)
-        print("BAD_NODE", lib.cuGraphAddMemcpyNode(ctypes.byref(node), graph, None, 0, ctypes.byref(bad), None))
-        exe = ctypes.c_void_p()
-        check("cuGraphInstantiateWithFlags", ctypes.byref(exe), graph, ctypes.c_ulonglong(0))
-        check("cuGraphLaunch", exe, None)
-        # captured: the array back into other device memory, then launched
-        stream = ctypes.c_void_p()
-        check("cuStreamCreate", ctypes.byref(stream), 0)
-        check("cuStreamBeginCapture_v2", stream, 0)
-        m = MEMCPY3D(srcMemoryType=ARRAY, srcArray=a, dstMemoryType=DEVICE, dstDevice=dev2, dstPitch=W, dstHeight=H,
-                     WidthInBytes=W, Height=H, Depth=1)
-        check("cuMemcpy3DAsync_v2", ctypes.byref(m), stream)
-        host = buf(bytes(W * H))
-        hm = MEMCPY3D(srcMemoryType=ARRAY, srcArray=a, dstMemoryType=HOST, dstHost=ctypes.addressof(host), dstPitch=W,
-                      dstHeight=H, WidthInBytes=W, Height=H, Depth=1)
-        print("HOST_IN_CAPTURE", lib.cuMemcpy3DAsync_v2(ctypes.byref(hm), stream))
-        g2 = ctypes.c_void_p()
-        check("cuStreamEndCapture", stream, ctypes.byref(g2))
-        exe2 = ctypes.c_void_p()
-        check("cuGraphInstantiateWithFlags", ctypes.byref(exe2), g2, ctypes.c_ulonglong(0))
-        back = buf(bytes(W * H))
-        check("cuMemcpyDtoH_v2", back, ctypes.c_uint64(dev2), ctypes.c_size_t(W * H))
-        report("nothing copied before the launch", back.raw == bytes(W * H))
-        check("cuGraphLaunch", exe2, stream)
-        check("cuStreamSynchronize", stream)
-        check("cuMemcpyDtoH_v2", back, ctypes.c_uint64(dev2), ctypes.c_size_t(W * H))
-        report("device to array to device through graphs", back.raw == data)
-        """)
+    out = run(native_libs, emulated, PROGRAM_GRAPHS)
     assert "OK nothing copied before the launch" in out and "OK device to array to device through graphs" in out, out
     assert "BAD_NODE 400" in out
     assert "HOST_IN_CAPTURE 900" in out   # CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, with a message

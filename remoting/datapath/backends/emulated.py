@@ -20,9 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from rgpu.remoting.datapath.worker.faults import EMULATED_MPS_FAULT, EMULATED_MPS_LOG
-from rgpu.remoting.datapath.backends.arrays import (ARRAY, CHANNEL_BYTES, CUBEMAP, DEVICE, HOST, LAYERED, RESOURCE_ARRAY,
-                                                    RESOURCE_LINEAR, RESOURCE_MIPMAPPED_ARRAY, RESOURCE_PITCH2D,
-                                                    SURFACE_LDST, VIEW_DESC_SIZE, ArrayDesc, CopySide, parse_copy)
+from rgpu.remoting.datapath.backends.arrays import (ARRAY, CHANNEL_BYTES, CUBEMAP, DEFERRED_MAPPING, DEVICE, HOST,
+                                                    LAYERED, RESOURCE_ARRAY, RESOURCE_LINEAR, RESOURCE_MIPMAPPED_ARRAY,
+                                                    RESOURCE_PITCH2D, SURFACE_LDST, VIEW_DESC_SIZE, ArrayDesc, CopySide,
+                                                    parse_copy)
 from rgpu.remoting.datapath.backends.base import (
     INVALID_CONTEXT,
     INVALID_HANDLE,
@@ -544,6 +545,23 @@ class EmulatedBackend:
     def cuArray3DGetDescriptor_v2(self, array: int) -> tuple[int, bytes]:
         a = self.arrays.get(array)
         return (SUCCESS, a.desc.pack3d()) if a is not None else (INVALID_HANDLE, b"")
+
+    def cuArrayGetMemoryRequirements(self, array: int, device: int) -> tuple[int, bytes]:
+        """As the driver: only for arrays made with CUDA_ARRAY3D_DEFERRED_MAPPING."""
+        a = self.arrays.get(array)
+        if a is None:
+            return (INVALID_HANDLE, b"")
+        if not a.desc.flags & DEFERRED_MAPPING:
+            return (INVALID_VALUE, b"")
+        return (SUCCESS, struct.pack("<QQ16x", len(a.data), _ALIGN))
+
+    def cuMipmappedArrayGetMemoryRequirements(self, mipmap: int, device: int) -> tuple[int, bytes]:
+        levels = self.mipmaps.get(mipmap)
+        if levels is None:
+            return (INVALID_HANDLE, b"")
+        if not self.arrays[levels[0]].desc.flags & DEFERRED_MAPPING:
+            return (INVALID_VALUE, b"")
+        return (SUCCESS, struct.pack("<QQ16x", sum(len(self.arrays[lv].data) for lv in levels), _ALIGN))
 
     def cuMipmappedArrayGetLevel(self, mipmap: int, level: int) -> tuple[int, int]:
         levels = self.mipmaps.get(mipmap)
