@@ -8,6 +8,8 @@
 #include <cstring>
 #include <cuda_runtime.h>
 
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"   // cudaMemcpyToArray/FromArray: still used
+
 static int failures;
 
 #define CHECK(call)                                                                          \
@@ -89,6 +91,37 @@ int main(int argc, char **argv) {
     CHECK(cudaMemcpy2DArrayToArray(arr2, 0, 0, arr, 0, 0, W * sizeof(float), H, cudaMemcpyDeviceToDevice));
     CHECK(cudaMemcpy2DToArrayAsync(arr2, 4, 1, host, PITCH, 8, 2, cudaMemcpyHostToDevice, 0));
     CHECK(cudaStreamSynchronize(0));
+
+    // the deprecated linear copies (a span of whole and partial rows), still in CUDA 13's runtime
+    float span[50], span_back[50];
+    for (int i = 0; i < 50; i++) span[i] = 1000.0f + i;
+    CHECK(cudaMemcpyToArray(arr2, 8, 3, span, sizeof span, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpyFromArray(span_back, arr2, 8, 3, sizeof span_back, cudaMemcpyDeviceToHost));
+    EXPECT("linear span through an array", !memcmp(span, span_back, sizeof span));
+
+    // a mipmapped array: level 1 written and read back, a texture object on the whole
+    cudaMipmappedArray_t mip = NULL;
+    CHECK(cudaMallocMipmappedArray(&mip, &fdesc, make_cudaExtent(32, 16, 0), 3));
+    cudaArray_t level1 = NULL;
+    CHECK(cudaGetMipmappedArrayLevel(&level1, mip, 1));
+    CHECK(cudaMemcpy2DToArray(level1, 0, 0, host, PITCH, 16 * sizeof(float), 8, cudaMemcpyHostToDevice));
+    memset(back, 0, W * H * 4);
+    CHECK(cudaMemcpy2DFromArray(back, 16 * sizeof(float), level1, 0, 0, 16 * sizeof(float), 8, cudaMemcpyDeviceToHost));
+    same = true;
+    for (int y = 0; y < 8; y++)
+        for (int x = 0; x < 16; x++) same = same && back[y * 16 + x] == host[y * (PITCH / 4) + x];
+    EXPECT("mipmap level round trip", same);
+    cudaResourceDesc rm = {};
+    rm.resType = cudaResourceTypeMipmappedArray;
+    rm.res.mipmap.mipmap = mip;
+    cudaTextureDesc tdm = {};
+    tdm.filterMode = cudaFilterModePoint;
+    tdm.normalizedCoords = 1;
+    tdm.maxMipmapLevelClamp = 2;
+    cudaTextureObject_t tex_mip = 0;
+    CHECK(cudaCreateTextureObject(&tex_mip, &rm, &tdm, NULL));
+    CHECK(cudaDestroyTextureObject(tex_mip));
+    CHECK(cudaFreeMipmappedArray(mip));
 
     cudaChannelFormatDesc got;
     cudaExtent extent;

@@ -311,6 +311,7 @@ AFTER_HOOKS = {
     "cuDevicePrimaryCtxReset_v2": "rgpu_pstate_forget(); rgpu_cache_forget_functions(); rgpu_array_desc_forget(0)",
     # array descriptors never change while the array lives (cuda_array.c)
     "cuArray3DGetDescriptor_v2": "if (r == CUDA_SUCCESS) rgpu_array_desc_put(c.s->index, hArray, pArrayDescriptor)",
+    "cuMipmappedArrayGetLevel": "if (r == CUDA_SUCCESS) rgpu_array_level_put(*pLevelArray, hMipmappedArray)",
     "cuDevicePrimaryCtxSetFlags_v2": "rgpu_pstate_forget()",
     "cuCtxSetFlags": "rgpu_pstate_forget()",
     "cuCtxSetCacheConfig": "rgpu_cache_forget_functions()",

@@ -741,6 +741,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMipmappedArrayGetLevel(CUarray *pLevelArray, CUmi
     if (r == CUDA_SUCCESS) {
         { CUarray pLevelArray_v; memset(&pLevelArray_v, 0, sizeof pLevelArray_v); pLevelArray_v = (CUarray)(uintptr_t)rgpu_get_u64(&c); if (pLevelArray) *pLevelArray = pLevelArray_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_array_level_put(*pLevelArray, hMipmappedArray);
     rgpu_end(&c);
     return r;
 }

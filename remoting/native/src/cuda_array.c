@@ -79,6 +79,40 @@ void rgpu_array_desc_forget(uint64_t handle) {
     pthread_mutex_unlock(&g_desc_lock);
 }
 
+/* The levels handed out for each mipmapped array (cuMipmappedArrayGetLevel), whose descriptors go
+ * with it; when more are out than this holds, destroying any mipmapped array forgets every one. */
+static struct { uint64_t level, mipmap; } g_levels[DESC_CACHE];
+static int g_levels_used, g_levels_lost;
+
+void rgpu_array_level_put(CUarray level, CUmipmappedArray mipmap) {
+    pthread_mutex_lock(&g_desc_lock);
+    int known = 0;
+    for (int i = 0; i < g_levels_used && !known; i++) known = g_levels[i].level == (uint64_t)(uintptr_t)level;
+    if (!known && g_levels_used == DESC_CACHE) g_levels_lost = 1;
+    else if (!known) {
+        g_levels[g_levels_used].level = (uint64_t)(uintptr_t)level;
+        g_levels[g_levels_used++].mipmap = (uint64_t)(uintptr_t)mipmap;
+    }
+    pthread_mutex_unlock(&g_desc_lock);
+}
+
+static void forget_levels(uint64_t mipmap) {
+    pthread_mutex_lock(&g_desc_lock);
+    int all = g_levels_lost;
+    uint64_t gone[DESC_CACHE];
+    int n = 0;
+    for (int i = 0; i < g_levels_used;)
+        if (g_levels[i].mipmap == mipmap) {
+            gone[n++] = g_levels[i].level;
+            g_levels[i] = g_levels[--g_levels_used];
+        } else {
+            i++;
+        }
+    pthread_mutex_unlock(&g_desc_lock);
+    if (all) rgpu_array_desc_forget(0);
+    for (int i = 0; i < n; i++) rgpu_array_desc_forget(gone[i]);
+}
+
 /* ------------------------------------------------------------------ arrays */
 
 static CUresult create_common(uint16_t op, uint64_t *out, const void *desc, size_t size, uint32_t levels) {
@@ -136,7 +170,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMipmappedArrayCreate(CUmipmappedArray *pHandle, c
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMipmappedArrayDestroy(CUmipmappedArray hMipmappedArray) {
-    rgpu_array_desc_forget(0);   /* its levels' handles are not known here */
+    forget_levels((uint64_t)(uintptr_t)hMipmappedArray);
     return destroy_common(RGPU_OP_cuMipmappedArrayDestroy, (uint64_t)(uintptr_t)hMipmappedArray);
 }
 

@@ -132,6 +132,7 @@ CUresult rgpu_copy_2d_nd(const CUDA_MEMCPY2D *p, int unaligned, CUstream stream)
 int rgpu_array_desc_get(CUarray array, CUDA_ARRAY3D_DESCRIPTOR *out);
 void rgpu_array_desc_put(int session, CUarray array, const CUDA_ARRAY3D_DESCRIPTOR *desc);
 void rgpu_array_desc_forget(uint64_t handle);
+void rgpu_array_level_put(CUarray level, CUmipmappedArray mipmap);
 int rgpu_dtod_between_slices(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream, CUresult *r);
 CUcontext rgpu_ctx_for(int session, uint64_t remote);      /* find or create */
 void rgpu_ctx_forget(rgpu_ctx *ctx);
