@@ -712,23 +712,47 @@ class CudaBackend(CudaDriverCalls):
             self._check("cuMemcpy2DAsync_v2", byref(p), stream or None)
 
     def memcpy_array(self, kind: int, desc: bytes, stream: int, data: memoryview, address: int) -> None:
-        """A copy whose host side (if any) is the request's data in the receive buffer: done before
-        the buffer is reused (the stream is synchronised)."""
+        """A copy whose host side (if any) is the request's data: through the pinned ring, as
+        host-to-device copies go (queued, the ring's event tracks its DMA); a piece larger than the
+        ring takes (not what rgpu's client sends) is copied from the receive buffer, waited for."""
         m = CUDA_MEMCPY3D.from_buffer_copy(desc)
         if m.srcMemoryType != HOST:
             self._copy_nd(kind, m, stream)
             return
         self._refuse_capture(stream, "a 2D/3D copy from this process's memory")
-        m.srcHost = address
-        self._copy_nd(kind, m, stream)
-        self._check("cuStreamSynchronize", stream or None)
+        n = len(data)
+        if n > STAGING_CHUNK:
+            m.srcHost = address
+            self._copy_nd(kind, m, stream)
+            self._check("cuStreamSynchronize", stream or None)
+            return
+        staging, event = self._stage(n)
+        ctypes.memmove(staging, address, n)
+        m.srcHost = staging
+        try:
+            self._copy_nd(kind, m, stream)
+        except CudaError:
+            self._call("cuStreamSynchronize", stream or None)   # nothing tracks the staged bytes: wait
+            raise
+        r = self._call("cuEventRecord", event, stream or None)
+        if r != SUCCESS:
+            self._call("cuStreamSynchronize", stream or None)
+            raise CudaError(r)
 
     def memcpy_array_to_host(self, kind: int, desc: bytes, stream: int) -> memoryview:
+        """Into a pinned buffer of the worker's (a piece of at most DTOH_CHUNK, as rgpu's client
+        asks for), else a plain one; the handler sends it before the next call may reuse it."""
         self._refuse_capture(stream, "a 2D/3D copy to this process's memory")
         m = CUDA_MEMCPY3D.from_buffer_copy(desc)
         n = m.WidthInBytes * m.Height * (max(m.Depth, 1) if kind == 2 else 1)
-        out = ctypes.create_string_buffer(max(n, 1))
-        m.dstHost = ctypes.addressof(out)
+        if n <= DTOH_CHUNK:
+            if not self._dtoh:
+                self._make_staging()
+            m.dstHost = self._dtoh[0]
+            out: Any = (ctypes.c_char * max(n, 1)).from_address(self._dtoh[0])
+        else:
+            out = ctypes.create_string_buffer(max(n, 1))
+            m.dstHost = ctypes.addressof(out)
         self._copy_nd(kind, m, stream)
         self._check("cuStreamSynchronize", stream or None)
         return memoryview(out).cast("B")[:n]
