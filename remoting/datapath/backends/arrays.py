@@ -70,11 +70,12 @@ class ArrayDesc:
         """Mipmap level i: each dimension halved i times (at least 1); layers stay."""
         def shrink(n: int) -> int:
             return max(n >> i, 1) if n else 0
-        depth = self.depth if self.flags & LAYERED else shrink(self.depth)
+        depth = self.depth if self.flags & (LAYERED | CUBEMAP) else shrink(self.depth)
         return ArrayDesc(shrink(self.width), shrink(self.height), depth, self.format, self.channels, self.flags)
 
     def max_levels(self) -> int:
-        largest = max(self.width, self.height, 0 if self.flags & LAYERED else self.depth, 1)
+        """Levels down to 1 x 1 (x 1): layers and cube faces do not shrink."""
+        largest = max(self.width, self.height, 0 if self.flags & (LAYERED | CUBEMAP) else self.depth, 1)
         return largest.bit_length()
 
 

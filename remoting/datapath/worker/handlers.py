@@ -182,6 +182,10 @@ class Handlers:
                 raise CudaError(INVALID_VALUE, f"rgpu: worker: truncated {what} request")
             desc = parse_desc(bytes(p[8:8 + size]), kind != "2d")
             levels = levels if kind == "mipmapped" else 1
+            if not 1 <= levels <= desc.max_levels():
+                raise CudaError(INVALID_VALUE, f"rgpu: worker: {what}: {levels} mipmap levels for a "
+                                               f"{desc.width} x {desc.height} x {desc.depth} array (at most "
+                                               f"{desc.max_levels()})")
             footprint = self.backend.array_footprint(desc, levels)
             label = (f"{what} ({desc.width} x {desc.height} x {desc.depth}, format {desc.format:#x} x {desc.channels}"
                      + (f", {levels} levels" if kind == "mipmapped" else "") + ")")
