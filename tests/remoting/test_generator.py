@@ -23,7 +23,7 @@ SPEC_HASHES = {
         "759a30eb7239284b8b662ed38472d43c564b008a049e626635b0651358710149"),  # capture, graphs and their nodes, VMM, stream attributes
     4: ("06960b73543e59c17e7053e617ed0217db947d09843e8c29884aee43e98d9420",
         "86e954ccf142cc0e3e5e1ed70d8a4996bec4f60cef66131818bb482ff6208d57"),  # private table 6e163fbe (cuFFT's module walk)
-    5: ("e5588b52c2e6739d2013d9e66e8ca97752ede773d2573a34a4193b288ac195e7",
+    5: ("48ab62ae10c6b9fcf085d51dd9fe8f34639b303f2adbd948ec59ff563f8a010d",
         "7ae156553f0c913a8e5edc41f22dfd65ec032cc88cfef75ccfd895a4c480a16e"),  # CUDA arrays, texture and surface objects
 }
 

@@ -15,7 +15,7 @@ import struct
 from typing import Any, Callable
 
 PROTOCOL_VERSION = 5
-CUDA_SPEC_SHA256 = "e5588b52c2e6739d2013d9e66e8ca97752ede773d2573a34a4193b288ac195e7"
+CUDA_SPEC_SHA256 = "48ab62ae10c6b9fcf085d51dd9fe8f34639b303f2adbd948ec59ff563f8a010d"
 NVML_SPEC_SHA256 = "7ae156553f0c913a8e5edc41f22dfd65ec032cc88cfef75ccfd895a4c480a16e"
 
 _STRUCTS: dict[str, struct.Struct] = {}
@@ -113,130 +113,130 @@ OPS: dict[int, str] = {
     98: "cuMemsetD2D8Async",
     99: "cuMemsetD2D16Async",
     100: "cuMemsetD2D32Async",
-    101: "cuArrayCreate_v2",
-    102: "cuArray3DCreate_v2",
-    103: "cuArrayDestroy",
-    104: "cuArrayGetDescriptor_v2",
-    105: "cuArray3DGetDescriptor_v2",
-    106: "cuArrayGetMemoryRequirements",
-    107: "cuArrayGetSparseProperties",
-    108: "cuArrayGetPlane",
-    109: "cuMipmappedArrayCreate",
-    110: "cuMipmappedArrayDestroy",
-    111: "cuMipmappedArrayGetLevel",
-    112: "cuMipmappedArrayGetMemoryRequirements",
-    113: "cuMipmappedArrayGetSparseProperties",
-    114: "rgpuMemcpyArray",
-    115: "rgpuMemcpyArrayToHost",
-    116: "cuTexObjectCreate",
-    117: "cuTexObjectDestroy",
-    118: "cuTexObjectGetResourceDesc",
-    119: "cuTexObjectGetTextureDesc",
-    120: "cuTexObjectGetResourceViewDesc",
-    121: "cuSurfObjectCreate",
-    122: "cuSurfObjectDestroy",
-    123: "cuSurfObjectGetResourceDesc",
-    124: "cuPointerGetAttribute",
-    125: "cuPointerGetAttributes",
-    126: "cuPointerSetAttribute",
-    127: "cuStreamCreate",
-    128: "cuStreamCreateWithPriority",
-    129: "cuStreamDestroy_v2",
-    130: "cuStreamSynchronize",
-    131: "cuStreamQuery",
-    132: "cuStreamWaitEvent",
-    133: "cuStreamGetPriority",
-    134: "cuStreamGetFlags",
-    135: "cuStreamGetCtx",
-    136: "cuStreamGetId",
-    137: "cuStreamGetDevice",
-    138: "cuEventCreate",
-    139: "cuEventRecord",
-    140: "cuEventRecordWithFlags",
-    141: "cuEventQuery",
-    142: "cuEventSynchronize",
-    143: "cuEventDestroy_v2",
-    144: "cuEventElapsedTime",
-    145: "cuEventElapsedTime_v2",
-    146: "cuModuleLoadDataEx",
-    147: "cuModuleUnload",
-    148: "cuModuleGetFunction",
-    149: "cuModuleGetGlobal_v2",
-    150: "cuModuleGetFunctionCount",
-    151: "cuModuleEnumerateFunctions",
-    152: "cuLinkCreate_v2",
-    153: "cuLinkAddData_v2",
-    154: "cuLinkComplete",
-    155: "cuLinkDestroy",
-    156: "cuLibraryLoadData",
-    157: "cuLibraryUnload",
-    158: "cuLibraryGetKernel",
-    159: "cuLibraryGetModule",
-    160: "cuKernelGetFunction",
-    161: "cuKernelGetLibrary",
-    162: "cuLibraryGetGlobal",
-    163: "cuLibraryGetKernelCount",
-    164: "cuLibraryEnumerateKernels",
-    165: "cuKernelGetAttribute",
-    166: "cuKernelSetAttribute",
-    167: "cuKernelSetCacheConfig",
-    168: "cuFuncGetAttribute",
-    169: "cuFuncSetAttribute",
-    170: "cuFuncSetCacheConfig",
-    171: "cuFuncSetSharedMemConfig",
-    172: "cuFuncGetModule",
-    173: "cuFuncIsLoaded",
-    174: "cuFuncLoad",
-    175: "cuLaunchKernel",
-    176: "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-    177: "cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags",
-    178: "rgpuOccupancyMaxPotentialBlockSize",
-    179: "cuOccupancyAvailableDynamicSMemPerBlock",
-    180: "cuOccupancyMaxActiveClusters",
-    181: "rgpuParamInfo",
-    182: "rgpuSessionInfo",
-    183: "rgpuPrivateTableSize",
-    184: "rgpuModuleNodes",
-    185: "cuStreamBeginCapture_v2",
-    186: "cuStreamEndCapture",
-    187: "cuThreadExchangeStreamCaptureMode",
-    188: "rgpuStreamCaptureInfo",
-    189: "cuGraphCreate",
-    190: "cuGraphDestroy",
-    191: "cuGraphClone",
-    192: "cuGraphNodeGetType",
-    193: "cuGraphGetNodes",
-    194: "cuGraphInstantiateWithFlags",
-    195: "cuGraphLaunch",
-    196: "cuGraphUpload",
-    197: "cuGraphExecDestroy",
-    198: "cuGraphExecUpdate_v2",
-    199: "rgpuGraphAddNode",
-    200: "rgpuGraphHostRefresh",
-    201: "rgpuGraphHostReadback",
-    202: "rgpuCaptureHostCopy",
-    203: "rgpuGraphKernelNodeSetParams",
-    204: "cuDeviceGetGraphMemAttribute",
-    205: "cuDeviceSetGraphMemAttribute",
-    206: "cuDeviceGraphMemTrim",
-    207: "cuStreamSetAttribute",
-    208: "cuStreamGetAttribute",
-    209: "cuStreamCopyAttributes",
-    210: "cuStreamWriteValue32_v2",
-    211: "cuStreamWaitValue32_v2",
-    212: "cuStreamWriteValue64_v2",
-    213: "cuStreamWaitValue64_v2",
-    214: "cuMemGetAllocationGranularity",
-    215: "cuMemCreate",
-    216: "cuMemRelease",
-    217: "cuMemRetainAllocationHandle",
-    218: "cuMemGetAllocationPropertiesFromHandle",
-    219: "cuMemAddressReserve",
-    220: "cuMemAddressFree",
-    221: "cuMemMap",
-    222: "cuMemUnmap",
-    223: "cuMemSetAccess",
-    224: "cuMemGetAccess",
+    101: "cuPointerGetAttribute",
+    102: "cuPointerGetAttributes",
+    103: "cuPointerSetAttribute",
+    104: "cuStreamCreate",
+    105: "cuStreamCreateWithPriority",
+    106: "cuStreamDestroy_v2",
+    107: "cuStreamSynchronize",
+    108: "cuStreamQuery",
+    109: "cuStreamWaitEvent",
+    110: "cuStreamGetPriority",
+    111: "cuStreamGetFlags",
+    112: "cuStreamGetCtx",
+    113: "cuStreamGetId",
+    114: "cuStreamGetDevice",
+    115: "cuEventCreate",
+    116: "cuEventRecord",
+    117: "cuEventRecordWithFlags",
+    118: "cuEventQuery",
+    119: "cuEventSynchronize",
+    120: "cuEventDestroy_v2",
+    121: "cuEventElapsedTime",
+    122: "cuEventElapsedTime_v2",
+    123: "cuModuleLoadDataEx",
+    124: "cuModuleUnload",
+    125: "cuModuleGetFunction",
+    126: "cuModuleGetGlobal_v2",
+    127: "cuModuleGetFunctionCount",
+    128: "cuModuleEnumerateFunctions",
+    129: "cuLinkCreate_v2",
+    130: "cuLinkAddData_v2",
+    131: "cuLinkComplete",
+    132: "cuLinkDestroy",
+    133: "cuLibraryLoadData",
+    134: "cuLibraryUnload",
+    135: "cuLibraryGetKernel",
+    136: "cuLibraryGetModule",
+    137: "cuKernelGetFunction",
+    138: "cuKernelGetLibrary",
+    139: "cuLibraryGetGlobal",
+    140: "cuLibraryGetKernelCount",
+    141: "cuLibraryEnumerateKernels",
+    142: "cuKernelGetAttribute",
+    143: "cuKernelSetAttribute",
+    144: "cuKernelSetCacheConfig",
+    145: "cuFuncGetAttribute",
+    146: "cuFuncSetAttribute",
+    147: "cuFuncSetCacheConfig",
+    148: "cuFuncSetSharedMemConfig",
+    149: "cuFuncGetModule",
+    150: "cuFuncIsLoaded",
+    151: "cuFuncLoad",
+    152: "cuLaunchKernel",
+    153: "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+    154: "cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags",
+    155: "rgpuOccupancyMaxPotentialBlockSize",
+    156: "cuOccupancyAvailableDynamicSMemPerBlock",
+    157: "cuOccupancyMaxActiveClusters",
+    158: "rgpuParamInfo",
+    159: "rgpuSessionInfo",
+    160: "rgpuPrivateTableSize",
+    161: "rgpuModuleNodes",
+    162: "cuStreamBeginCapture_v2",
+    163: "cuStreamEndCapture",
+    164: "cuThreadExchangeStreamCaptureMode",
+    165: "rgpuStreamCaptureInfo",
+    166: "cuGraphCreate",
+    167: "cuGraphDestroy",
+    168: "cuGraphClone",
+    169: "cuGraphNodeGetType",
+    170: "cuGraphGetNodes",
+    171: "cuGraphInstantiateWithFlags",
+    172: "cuGraphLaunch",
+    173: "cuGraphUpload",
+    174: "cuGraphExecDestroy",
+    175: "cuGraphExecUpdate_v2",
+    176: "rgpuGraphAddNode",
+    177: "rgpuGraphHostRefresh",
+    178: "rgpuGraphHostReadback",
+    179: "rgpuCaptureHostCopy",
+    180: "rgpuGraphKernelNodeSetParams",
+    181: "cuDeviceGetGraphMemAttribute",
+    182: "cuDeviceSetGraphMemAttribute",
+    183: "cuDeviceGraphMemTrim",
+    184: "cuStreamSetAttribute",
+    185: "cuStreamGetAttribute",
+    186: "cuStreamCopyAttributes",
+    187: "cuStreamWriteValue32_v2",
+    188: "cuStreamWaitValue32_v2",
+    189: "cuStreamWriteValue64_v2",
+    190: "cuStreamWaitValue64_v2",
+    191: "cuMemGetAllocationGranularity",
+    192: "cuMemCreate",
+    193: "cuMemRelease",
+    194: "cuMemRetainAllocationHandle",
+    195: "cuMemGetAllocationPropertiesFromHandle",
+    196: "cuMemAddressReserve",
+    197: "cuMemAddressFree",
+    198: "cuMemMap",
+    199: "cuMemUnmap",
+    200: "cuMemSetAccess",
+    201: "cuMemGetAccess",
+    202: "cuArrayCreate_v2",
+    203: "cuArray3DCreate_v2",
+    204: "cuArrayDestroy",
+    205: "cuArrayGetDescriptor_v2",
+    206: "cuArray3DGetDescriptor_v2",
+    207: "cuArrayGetMemoryRequirements",
+    208: "cuArrayGetSparseProperties",
+    209: "cuArrayGetPlane",
+    210: "cuMipmappedArrayCreate",
+    211: "cuMipmappedArrayDestroy",
+    212: "cuMipmappedArrayGetLevel",
+    213: "cuMipmappedArrayGetMemoryRequirements",
+    214: "cuMipmappedArrayGetSparseProperties",
+    215: "rgpuMemcpyArray",
+    216: "rgpuMemcpyArrayToHost",
+    217: "cuTexObjectCreate",
+    218: "cuTexObjectDestroy",
+    219: "cuTexObjectGetResourceDesc",
+    220: "cuTexObjectGetTextureDesc",
+    221: "cuTexObjectGetResourceViewDesc",
+    222: "cuSurfObjectCreate",
+    223: "cuSurfObjectDestroy",
+    224: "cuSurfObjectGetResourceDesc",
     1024: "nvmlDeviceGetMemoryInfo",
     1025: "nvmlDeviceGetMemoryInfo_v2",
     1026: "nvmlDeviceGetBAR1MemoryInfo",
@@ -294,8 +294,8 @@ OPS: dict[int, str] = {
     1078: "nvmlDeviceGetPcieThroughput",
 }
 OPCODES: dict[str, int] = {name: op for op, name in OPS.items()}
-ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 87, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 132, 139, 140, 195, 196, 210, 211, 212, 213, })
-MANUAL_OPS: frozenset[str] = frozenset({ "cuInit", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuCtxDestroy_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuMemAllocAsync", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "rgpuMemcpy2DDevice", "cuArrayCreate_v2", "cuArray3DCreate_v2", "cuArrayDestroy", "cuMipmappedArrayCreate", "cuMipmappedArrayDestroy", "rgpuMemcpyArray", "rgpuMemcpyArrayToHost", "cuTexObjectCreate", "cuPointerGetAttribute", "cuPointerGetAttributes", "cuModuleLoadDataEx", "cuModuleUnload", "cuModuleGetFunction", "cuLinkCreate_v2", "cuLinkAddData_v2", "cuLinkComplete", "cuLinkDestroy", "cuLibraryLoadData", "cuLibraryUnload", "cuLaunchKernel", "rgpuOccupancyMaxPotentialBlockSize", "cuOccupancyMaxActiveClusters", "rgpuParamInfo", "rgpuSessionInfo", "rgpuPrivateTableSize", "rgpuModuleNodes", "rgpuStreamCaptureInfo", "cuGraphGetNodes", "rgpuGraphAddNode", "rgpuGraphHostRefresh", "rgpuGraphHostReadback", "rgpuCaptureHostCopy", "rgpuGraphKernelNodeSetParams", "cuMemCreate", "cuMemRelease", "cuMemRetainAllocationHandle", "cuMemSetAccess", })
+ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 87, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 109, 116, 117, 172, 173, 187, 188, 189, 190, })
+MANUAL_OPS: frozenset[str] = frozenset({ "cuInit", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuCtxDestroy_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuMemAllocAsync", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "rgpuMemcpy2DDevice", "cuPointerGetAttribute", "cuPointerGetAttributes", "cuModuleLoadDataEx", "cuModuleUnload", "cuModuleGetFunction", "cuLinkCreate_v2", "cuLinkAddData_v2", "cuLinkComplete", "cuLinkDestroy", "cuLibraryLoadData", "cuLibraryUnload", "cuLaunchKernel", "rgpuOccupancyMaxPotentialBlockSize", "cuOccupancyMaxActiveClusters", "rgpuParamInfo", "rgpuSessionInfo", "rgpuPrivateTableSize", "rgpuModuleNodes", "rgpuStreamCaptureInfo", "cuGraphGetNodes", "rgpuGraphAddNode", "rgpuGraphHostRefresh", "rgpuGraphHostReadback", "rgpuCaptureHostCopy", "rgpuGraphKernelNodeSetParams", "cuMemCreate", "cuMemRelease", "cuMemRetainAllocationHandle", "cuMemSetAccess", "cuArrayCreate_v2", "cuArray3DCreate_v2", "cuArrayDestroy", "cuMipmappedArrayCreate", "cuMipmappedArrayDestroy", "rgpuMemcpyArray", "rgpuMemcpyArrayToHost", "cuTexObjectCreate", })
 
 Handler = Callable[[Any, Any, int], tuple[int, bytes]]
 
@@ -586,107 +586,6 @@ def _h_cuMemsetD2D32Async(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     dstDevice, dstPitch, ui, Width, Height, hStream = _struct('<QQIQQQ').unpack_from(buf, off); off += 44
     res = api.cuMemsetD2D32Async(dstDevice, dstPitch, ui, Width, Height, hStream)
     return res[0], b""
-
-def _h_cuArrayGetDescriptor_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
-    hArray, = _struct('<Q').unpack_from(buf, off); off += 8
-    res = api.cuArrayGetDescriptor_v2(hArray)
-    if res[0]:
-        return res[0], b""
-    return 0, _struct('<24s').pack(res[1])
-
-def _h_cuArray3DGetDescriptor_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
-    hArray, = _struct('<Q').unpack_from(buf, off); off += 8
-    res = api.cuArray3DGetDescriptor_v2(hArray)
-    if res[0]:
-        return res[0], b""
-    return 0, _struct('<40s').pack(res[1])
-
-def _h_cuArrayGetMemoryRequirements(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
-    array, device = _struct('<Qi').unpack_from(buf, off); off += 12
-    res = api.cuArrayGetMemoryRequirements(array, device)
-    if res[0]:
-        return res[0], b""
-    return 0, _struct('<32s').pack(res[1])
-
-def _h_cuArrayGetSparseProperties(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
-    array, = _struct('<Q').unpack_from(buf, off); off += 8
-    res = api.cuArrayGetSparseProperties(array)
-    if res[0]:
-        return res[0], b""
-    return 0, _struct('<48s').pack(res[1])
-
-def _h_cuArrayGetPlane(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
-    hArray, planeIdx = _struct('<QI').unpack_from(buf, off); off += 12
-    res = api.cuArrayGetPlane(hArray, planeIdx)
-    if res[0]:
-        return res[0], b""
-    return 0, _struct('<Q').pack(res[1])
-
-def _h_cuMipmappedArrayGetLevel(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
-    hMipmappedArray, level = _struct('<QI').unpack_from(buf, off); off += 12
-    res = api.cuMipmappedArrayGetLevel(hMipmappedArray, level)
-    if res[0]:
-        return res[0], b""
-    return 0, _struct('<Q').pack(res[1])
-
-def _h_cuMipmappedArrayGetMemoryRequirements(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
-    mipmap, device = _struct('<Qi').unpack_from(buf, off); off += 12
-    res = api.cuMipmappedArrayGetMemoryRequirements(mipmap, device)
-    if res[0]:
-        return res[0], b""
-    return 0, _struct('<32s').pack(res[1])
-
-def _h_cuMipmappedArrayGetSparseProperties(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
-    mipmap, = _struct('<Q').unpack_from(buf, off); off += 8
-    res = api.cuMipmappedArrayGetSparseProperties(mipmap)
-    if res[0]:
-        return res[0], b""
-    return 0, _struct('<48s').pack(res[1])
-
-def _h_cuTexObjectDestroy(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
-    texObject, = _struct('<Q').unpack_from(buf, off); off += 8
-    res = api.cuTexObjectDestroy(texObject)
-    return res[0], b""
-
-def _h_cuTexObjectGetResourceDesc(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
-    texObject, = _struct('<Q').unpack_from(buf, off); off += 8
-    res = api.cuTexObjectGetResourceDesc(texObject)
-    if res[0]:
-        return res[0], b""
-    return 0, _struct('<144s').pack(res[1])
-
-def _h_cuTexObjectGetTextureDesc(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
-    texObject, = _struct('<Q').unpack_from(buf, off); off += 8
-    res = api.cuTexObjectGetTextureDesc(texObject)
-    if res[0]:
-        return res[0], b""
-    return 0, _struct('<104s').pack(res[1])
-
-def _h_cuTexObjectGetResourceViewDesc(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
-    texObject, = _struct('<Q').unpack_from(buf, off); off += 8
-    res = api.cuTexObjectGetResourceViewDesc(texObject)
-    if res[0]:
-        return res[0], b""
-    return 0, _struct('<112s').pack(res[1])
-
-def _h_cuSurfObjectCreate(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
-    pResDesc, = _struct('<144s').unpack_from(buf, off); off += 144
-    res = api.cuSurfObjectCreate(pResDesc)
-    if res[0]:
-        return res[0], b""
-    return 0, _struct('<Q').pack(res[1])
-
-def _h_cuSurfObjectDestroy(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
-    surfObject, = _struct('<Q').unpack_from(buf, off); off += 8
-    res = api.cuSurfObjectDestroy(surfObject)
-    return res[0], b""
-
-def _h_cuSurfObjectGetResourceDesc(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
-    surfObject, = _struct('<Q').unpack_from(buf, off); off += 8
-    res = api.cuSurfObjectGetResourceDesc(surfObject)
-    if res[0]:
-        return res[0], b""
-    return 0, _struct('<144s').pack(res[1])
 
 def _h_cuPointerSetAttribute(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     value, attribute, ptr = _struct('<iiQ').unpack_from(buf, off); off += 16
@@ -1131,6 +1030,107 @@ def _h_cuMemGetAccess(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
         return res[0], b""
     return 0, _struct('<Q').pack(res[1])
 
+def _h_cuArrayGetDescriptor_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hArray, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuArrayGetDescriptor_v2(hArray)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<24s').pack(res[1])
+
+def _h_cuArray3DGetDescriptor_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hArray, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuArray3DGetDescriptor_v2(hArray)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<40s').pack(res[1])
+
+def _h_cuArrayGetMemoryRequirements(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    array, device = _struct('<Qi').unpack_from(buf, off); off += 12
+    res = api.cuArrayGetMemoryRequirements(array, device)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<32s').pack(res[1])
+
+def _h_cuArrayGetSparseProperties(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    array, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuArrayGetSparseProperties(array)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<48s').pack(res[1])
+
+def _h_cuArrayGetPlane(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hArray, planeIdx = _struct('<QI').unpack_from(buf, off); off += 12
+    res = api.cuArrayGetPlane(hArray, planeIdx)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<Q').pack(res[1])
+
+def _h_cuMipmappedArrayGetLevel(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hMipmappedArray, level = _struct('<QI').unpack_from(buf, off); off += 12
+    res = api.cuMipmappedArrayGetLevel(hMipmappedArray, level)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<Q').pack(res[1])
+
+def _h_cuMipmappedArrayGetMemoryRequirements(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    mipmap, device = _struct('<Qi').unpack_from(buf, off); off += 12
+    res = api.cuMipmappedArrayGetMemoryRequirements(mipmap, device)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<32s').pack(res[1])
+
+def _h_cuMipmappedArrayGetSparseProperties(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    mipmap, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuMipmappedArrayGetSparseProperties(mipmap)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<48s').pack(res[1])
+
+def _h_cuTexObjectDestroy(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    texObject, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuTexObjectDestroy(texObject)
+    return res[0], b""
+
+def _h_cuTexObjectGetResourceDesc(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    texObject, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuTexObjectGetResourceDesc(texObject)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<144s').pack(res[1])
+
+def _h_cuTexObjectGetTextureDesc(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    texObject, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuTexObjectGetTextureDesc(texObject)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<104s').pack(res[1])
+
+def _h_cuTexObjectGetResourceViewDesc(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    texObject, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuTexObjectGetResourceViewDesc(texObject)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<112s').pack(res[1])
+
+def _h_cuSurfObjectCreate(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    pResDesc, = _struct('<144s').unpack_from(buf, off); off += 144
+    res = api.cuSurfObjectCreate(pResDesc)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<Q').pack(res[1])
+
+def _h_cuSurfObjectDestroy(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    surfObject, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuSurfObjectDestroy(surfObject)
+    return res[0], b""
+
+def _h_cuSurfObjectGetResourceDesc(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    surfObject, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuSurfObjectGetResourceDesc(surfObject)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<144s').pack(res[1])
+
 def _h_nvmlDeviceGetMemoryInfo(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     device, = _struct('<I').unpack_from(buf, off); off += 4
     res = api.nvmlDeviceGetMemoryInfo(device)
@@ -1568,93 +1568,93 @@ GENERATED_HANDLERS: dict[int, tuple[str, Handler]] = {
     98: ("cuMemsetD2D8Async", _h_cuMemsetD2D8Async),
     99: ("cuMemsetD2D16Async", _h_cuMemsetD2D16Async),
     100: ("cuMemsetD2D32Async", _h_cuMemsetD2D32Async),
-    104: ("cuArrayGetDescriptor_v2", _h_cuArrayGetDescriptor_v2),
-    105: ("cuArray3DGetDescriptor_v2", _h_cuArray3DGetDescriptor_v2),
-    106: ("cuArrayGetMemoryRequirements", _h_cuArrayGetMemoryRequirements),
-    107: ("cuArrayGetSparseProperties", _h_cuArrayGetSparseProperties),
-    108: ("cuArrayGetPlane", _h_cuArrayGetPlane),
-    111: ("cuMipmappedArrayGetLevel", _h_cuMipmappedArrayGetLevel),
-    112: ("cuMipmappedArrayGetMemoryRequirements", _h_cuMipmappedArrayGetMemoryRequirements),
-    113: ("cuMipmappedArrayGetSparseProperties", _h_cuMipmappedArrayGetSparseProperties),
-    117: ("cuTexObjectDestroy", _h_cuTexObjectDestroy),
-    118: ("cuTexObjectGetResourceDesc", _h_cuTexObjectGetResourceDesc),
-    119: ("cuTexObjectGetTextureDesc", _h_cuTexObjectGetTextureDesc),
-    120: ("cuTexObjectGetResourceViewDesc", _h_cuTexObjectGetResourceViewDesc),
-    121: ("cuSurfObjectCreate", _h_cuSurfObjectCreate),
-    122: ("cuSurfObjectDestroy", _h_cuSurfObjectDestroy),
-    123: ("cuSurfObjectGetResourceDesc", _h_cuSurfObjectGetResourceDesc),
-    126: ("cuPointerSetAttribute", _h_cuPointerSetAttribute),
-    127: ("cuStreamCreate", _h_cuStreamCreate),
-    128: ("cuStreamCreateWithPriority", _h_cuStreamCreateWithPriority),
-    129: ("cuStreamDestroy_v2", _h_cuStreamDestroy_v2),
-    130: ("cuStreamSynchronize", _h_cuStreamSynchronize),
-    131: ("cuStreamQuery", _h_cuStreamQuery),
-    132: ("cuStreamWaitEvent", _h_cuStreamWaitEvent),
-    133: ("cuStreamGetPriority", _h_cuStreamGetPriority),
-    134: ("cuStreamGetFlags", _h_cuStreamGetFlags),
-    135: ("cuStreamGetCtx", _h_cuStreamGetCtx),
-    136: ("cuStreamGetId", _h_cuStreamGetId),
-    137: ("cuStreamGetDevice", _h_cuStreamGetDevice),
-    138: ("cuEventCreate", _h_cuEventCreate),
-    139: ("cuEventRecord", _h_cuEventRecord),
-    140: ("cuEventRecordWithFlags", _h_cuEventRecordWithFlags),
-    141: ("cuEventQuery", _h_cuEventQuery),
-    142: ("cuEventSynchronize", _h_cuEventSynchronize),
-    143: ("cuEventDestroy_v2", _h_cuEventDestroy_v2),
-    144: ("cuEventElapsedTime", _h_cuEventElapsedTime),
-    145: ("cuEventElapsedTime_v2", _h_cuEventElapsedTime_v2),
-    149: ("cuModuleGetGlobal_v2", _h_cuModuleGetGlobal_v2),
-    150: ("cuModuleGetFunctionCount", _h_cuModuleGetFunctionCount),
-    151: ("cuModuleEnumerateFunctions", _h_cuModuleEnumerateFunctions),
-    158: ("cuLibraryGetKernel", _h_cuLibraryGetKernel),
-    159: ("cuLibraryGetModule", _h_cuLibraryGetModule),
-    160: ("cuKernelGetFunction", _h_cuKernelGetFunction),
-    161: ("cuKernelGetLibrary", _h_cuKernelGetLibrary),
-    162: ("cuLibraryGetGlobal", _h_cuLibraryGetGlobal),
-    163: ("cuLibraryGetKernelCount", _h_cuLibraryGetKernelCount),
-    164: ("cuLibraryEnumerateKernels", _h_cuLibraryEnumerateKernels),
-    165: ("cuKernelGetAttribute", _h_cuKernelGetAttribute),
-    166: ("cuKernelSetAttribute", _h_cuKernelSetAttribute),
-    167: ("cuKernelSetCacheConfig", _h_cuKernelSetCacheConfig),
-    168: ("cuFuncGetAttribute", _h_cuFuncGetAttribute),
-    169: ("cuFuncSetAttribute", _h_cuFuncSetAttribute),
-    170: ("cuFuncSetCacheConfig", _h_cuFuncSetCacheConfig),
-    171: ("cuFuncSetSharedMemConfig", _h_cuFuncSetSharedMemConfig),
-    172: ("cuFuncGetModule", _h_cuFuncGetModule),
-    173: ("cuFuncIsLoaded", _h_cuFuncIsLoaded),
-    174: ("cuFuncLoad", _h_cuFuncLoad),
-    176: ("cuOccupancyMaxActiveBlocksPerMultiprocessor", _h_cuOccupancyMaxActiveBlocksPerMultiprocessor),
-    177: ("cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags", _h_cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags),
-    179: ("cuOccupancyAvailableDynamicSMemPerBlock", _h_cuOccupancyAvailableDynamicSMemPerBlock),
-    185: ("cuStreamBeginCapture_v2", _h_cuStreamBeginCapture_v2),
-    186: ("cuStreamEndCapture", _h_cuStreamEndCapture),
-    187: ("cuThreadExchangeStreamCaptureMode", _h_cuThreadExchangeStreamCaptureMode),
-    189: ("cuGraphCreate", _h_cuGraphCreate),
-    190: ("cuGraphDestroy", _h_cuGraphDestroy),
-    191: ("cuGraphClone", _h_cuGraphClone),
-    192: ("cuGraphNodeGetType", _h_cuGraphNodeGetType),
-    194: ("cuGraphInstantiateWithFlags", _h_cuGraphInstantiateWithFlags),
-    195: ("cuGraphLaunch", _h_cuGraphLaunch),
-    196: ("cuGraphUpload", _h_cuGraphUpload),
-    197: ("cuGraphExecDestroy", _h_cuGraphExecDestroy),
-    198: ("cuGraphExecUpdate_v2", _h_cuGraphExecUpdate_v2),
-    204: ("cuDeviceGetGraphMemAttribute", _h_cuDeviceGetGraphMemAttribute),
-    205: ("cuDeviceSetGraphMemAttribute", _h_cuDeviceSetGraphMemAttribute),
-    206: ("cuDeviceGraphMemTrim", _h_cuDeviceGraphMemTrim),
-    207: ("cuStreamSetAttribute", _h_cuStreamSetAttribute),
-    208: ("cuStreamGetAttribute", _h_cuStreamGetAttribute),
-    209: ("cuStreamCopyAttributes", _h_cuStreamCopyAttributes),
-    210: ("cuStreamWriteValue32_v2", _h_cuStreamWriteValue32_v2),
-    211: ("cuStreamWaitValue32_v2", _h_cuStreamWaitValue32_v2),
-    212: ("cuStreamWriteValue64_v2", _h_cuStreamWriteValue64_v2),
-    213: ("cuStreamWaitValue64_v2", _h_cuStreamWaitValue64_v2),
-    214: ("cuMemGetAllocationGranularity", _h_cuMemGetAllocationGranularity),
-    218: ("cuMemGetAllocationPropertiesFromHandle", _h_cuMemGetAllocationPropertiesFromHandle),
-    219: ("cuMemAddressReserve", _h_cuMemAddressReserve),
-    220: ("cuMemAddressFree", _h_cuMemAddressFree),
-    221: ("cuMemMap", _h_cuMemMap),
-    222: ("cuMemUnmap", _h_cuMemUnmap),
-    224: ("cuMemGetAccess", _h_cuMemGetAccess),
+    103: ("cuPointerSetAttribute", _h_cuPointerSetAttribute),
+    104: ("cuStreamCreate", _h_cuStreamCreate),
+    105: ("cuStreamCreateWithPriority", _h_cuStreamCreateWithPriority),
+    106: ("cuStreamDestroy_v2", _h_cuStreamDestroy_v2),
+    107: ("cuStreamSynchronize", _h_cuStreamSynchronize),
+    108: ("cuStreamQuery", _h_cuStreamQuery),
+    109: ("cuStreamWaitEvent", _h_cuStreamWaitEvent),
+    110: ("cuStreamGetPriority", _h_cuStreamGetPriority),
+    111: ("cuStreamGetFlags", _h_cuStreamGetFlags),
+    112: ("cuStreamGetCtx", _h_cuStreamGetCtx),
+    113: ("cuStreamGetId", _h_cuStreamGetId),
+    114: ("cuStreamGetDevice", _h_cuStreamGetDevice),
+    115: ("cuEventCreate", _h_cuEventCreate),
+    116: ("cuEventRecord", _h_cuEventRecord),
+    117: ("cuEventRecordWithFlags", _h_cuEventRecordWithFlags),
+    118: ("cuEventQuery", _h_cuEventQuery),
+    119: ("cuEventSynchronize", _h_cuEventSynchronize),
+    120: ("cuEventDestroy_v2", _h_cuEventDestroy_v2),
+    121: ("cuEventElapsedTime", _h_cuEventElapsedTime),
+    122: ("cuEventElapsedTime_v2", _h_cuEventElapsedTime_v2),
+    126: ("cuModuleGetGlobal_v2", _h_cuModuleGetGlobal_v2),
+    127: ("cuModuleGetFunctionCount", _h_cuModuleGetFunctionCount),
+    128: ("cuModuleEnumerateFunctions", _h_cuModuleEnumerateFunctions),
+    135: ("cuLibraryGetKernel", _h_cuLibraryGetKernel),
+    136: ("cuLibraryGetModule", _h_cuLibraryGetModule),
+    137: ("cuKernelGetFunction", _h_cuKernelGetFunction),
+    138: ("cuKernelGetLibrary", _h_cuKernelGetLibrary),
+    139: ("cuLibraryGetGlobal", _h_cuLibraryGetGlobal),
+    140: ("cuLibraryGetKernelCount", _h_cuLibraryGetKernelCount),
+    141: ("cuLibraryEnumerateKernels", _h_cuLibraryEnumerateKernels),
+    142: ("cuKernelGetAttribute", _h_cuKernelGetAttribute),
+    143: ("cuKernelSetAttribute", _h_cuKernelSetAttribute),
+    144: ("cuKernelSetCacheConfig", _h_cuKernelSetCacheConfig),
+    145: ("cuFuncGetAttribute", _h_cuFuncGetAttribute),
+    146: ("cuFuncSetAttribute", _h_cuFuncSetAttribute),
+    147: ("cuFuncSetCacheConfig", _h_cuFuncSetCacheConfig),
+    148: ("cuFuncSetSharedMemConfig", _h_cuFuncSetSharedMemConfig),
+    149: ("cuFuncGetModule", _h_cuFuncGetModule),
+    150: ("cuFuncIsLoaded", _h_cuFuncIsLoaded),
+    151: ("cuFuncLoad", _h_cuFuncLoad),
+    153: ("cuOccupancyMaxActiveBlocksPerMultiprocessor", _h_cuOccupancyMaxActiveBlocksPerMultiprocessor),
+    154: ("cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags", _h_cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags),
+    156: ("cuOccupancyAvailableDynamicSMemPerBlock", _h_cuOccupancyAvailableDynamicSMemPerBlock),
+    162: ("cuStreamBeginCapture_v2", _h_cuStreamBeginCapture_v2),
+    163: ("cuStreamEndCapture", _h_cuStreamEndCapture),
+    164: ("cuThreadExchangeStreamCaptureMode", _h_cuThreadExchangeStreamCaptureMode),
+    166: ("cuGraphCreate", _h_cuGraphCreate),
+    167: ("cuGraphDestroy", _h_cuGraphDestroy),
+    168: ("cuGraphClone", _h_cuGraphClone),
+    169: ("cuGraphNodeGetType", _h_cuGraphNodeGetType),
+    171: ("cuGraphInstantiateWithFlags", _h_cuGraphInstantiateWithFlags),
+    172: ("cuGraphLaunch", _h_cuGraphLaunch),
+    173: ("cuGraphUpload", _h_cuGraphUpload),
+    174: ("cuGraphExecDestroy", _h_cuGraphExecDestroy),
+    175: ("cuGraphExecUpdate_v2", _h_cuGraphExecUpdate_v2),
+    181: ("cuDeviceGetGraphMemAttribute", _h_cuDeviceGetGraphMemAttribute),
+    182: ("cuDeviceSetGraphMemAttribute", _h_cuDeviceSetGraphMemAttribute),
+    183: ("cuDeviceGraphMemTrim", _h_cuDeviceGraphMemTrim),
+    184: ("cuStreamSetAttribute", _h_cuStreamSetAttribute),
+    185: ("cuStreamGetAttribute", _h_cuStreamGetAttribute),
+    186: ("cuStreamCopyAttributes", _h_cuStreamCopyAttributes),
+    187: ("cuStreamWriteValue32_v2", _h_cuStreamWriteValue32_v2),
+    188: ("cuStreamWaitValue32_v2", _h_cuStreamWaitValue32_v2),
+    189: ("cuStreamWriteValue64_v2", _h_cuStreamWriteValue64_v2),
+    190: ("cuStreamWaitValue64_v2", _h_cuStreamWaitValue64_v2),
+    191: ("cuMemGetAllocationGranularity", _h_cuMemGetAllocationGranularity),
+    195: ("cuMemGetAllocationPropertiesFromHandle", _h_cuMemGetAllocationPropertiesFromHandle),
+    196: ("cuMemAddressReserve", _h_cuMemAddressReserve),
+    197: ("cuMemAddressFree", _h_cuMemAddressFree),
+    198: ("cuMemMap", _h_cuMemMap),
+    199: ("cuMemUnmap", _h_cuMemUnmap),
+    201: ("cuMemGetAccess", _h_cuMemGetAccess),
+    205: ("cuArrayGetDescriptor_v2", _h_cuArrayGetDescriptor_v2),
+    206: ("cuArray3DGetDescriptor_v2", _h_cuArray3DGetDescriptor_v2),
+    207: ("cuArrayGetMemoryRequirements", _h_cuArrayGetMemoryRequirements),
+    208: ("cuArrayGetSparseProperties", _h_cuArrayGetSparseProperties),
+    209: ("cuArrayGetPlane", _h_cuArrayGetPlane),
+    212: ("cuMipmappedArrayGetLevel", _h_cuMipmappedArrayGetLevel),
+    213: ("cuMipmappedArrayGetMemoryRequirements", _h_cuMipmappedArrayGetMemoryRequirements),
+    214: ("cuMipmappedArrayGetSparseProperties", _h_cuMipmappedArrayGetSparseProperties),
+    218: ("cuTexObjectDestroy", _h_cuTexObjectDestroy),
+    219: ("cuTexObjectGetResourceDesc", _h_cuTexObjectGetResourceDesc),
+    220: ("cuTexObjectGetTextureDesc", _h_cuTexObjectGetTextureDesc),
+    221: ("cuTexObjectGetResourceViewDesc", _h_cuTexObjectGetResourceViewDesc),
+    222: ("cuSurfObjectCreate", _h_cuSurfObjectCreate),
+    223: ("cuSurfObjectDestroy", _h_cuSurfObjectDestroy),
+    224: ("cuSurfObjectGetResourceDesc", _h_cuSurfObjectGetResourceDesc),
     1024: ("nvmlDeviceGetMemoryInfo", _h_nvmlDeviceGetMemoryInfo),
     1025: ("nvmlDeviceGetMemoryInfo_v2", _h_nvmlDeviceGetMemoryInfo_v2),
     1026: ("nvmlDeviceGetBAR1MemoryInfo", _h_nvmlDeviceGetBAR1MemoryInfo),
@@ -1764,21 +1764,6 @@ CUDA_ARGTYPES: dict[str, list[Any]] = {
     "cuMemsetD2D8Async": [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p],
     "cuMemsetD2D16Async": [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_ushort, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p],
     "cuMemsetD2D32Async": [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_uint, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p],
-    "cuArrayGetDescriptor_v2": [ctypes.c_void_p, ctypes.c_void_p],
-    "cuArray3DGetDescriptor_v2": [ctypes.c_void_p, ctypes.c_void_p],
-    "cuArrayGetMemoryRequirements": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int],
-    "cuArrayGetSparseProperties": [ctypes.c_void_p, ctypes.c_void_p],
-    "cuArrayGetPlane": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint],
-    "cuMipmappedArrayGetLevel": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint],
-    "cuMipmappedArrayGetMemoryRequirements": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int],
-    "cuMipmappedArrayGetSparseProperties": [ctypes.c_void_p, ctypes.c_void_p],
-    "cuTexObjectDestroy": [ctypes.c_ulonglong],
-    "cuTexObjectGetResourceDesc": [ctypes.c_void_p, ctypes.c_ulonglong],
-    "cuTexObjectGetTextureDesc": [ctypes.c_void_p, ctypes.c_ulonglong],
-    "cuTexObjectGetResourceViewDesc": [ctypes.c_void_p, ctypes.c_ulonglong],
-    "cuSurfObjectCreate": [ctypes.c_void_p, ctypes.c_void_p],
-    "cuSurfObjectDestroy": [ctypes.c_ulonglong],
-    "cuSurfObjectGetResourceDesc": [ctypes.c_void_p, ctypes.c_ulonglong],
     "cuPointerSetAttribute": [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64],
     "cuStreamCreate": [ctypes.c_void_p, ctypes.c_uint],
     "cuStreamCreateWithPriority": [ctypes.c_void_p, ctypes.c_uint, ctypes.c_int],
@@ -1851,6 +1836,21 @@ CUDA_ARGTYPES: dict[str, list[Any]] = {
     "cuMemMap": [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_ulonglong, ctypes.c_ulonglong],
     "cuMemUnmap": [ctypes.c_uint64, ctypes.c_size_t],
     "cuMemGetAccess": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64],
+    "cuArrayGetDescriptor_v2": [ctypes.c_void_p, ctypes.c_void_p],
+    "cuArray3DGetDescriptor_v2": [ctypes.c_void_p, ctypes.c_void_p],
+    "cuArrayGetMemoryRequirements": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int],
+    "cuArrayGetSparseProperties": [ctypes.c_void_p, ctypes.c_void_p],
+    "cuArrayGetPlane": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint],
+    "cuMipmappedArrayGetLevel": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint],
+    "cuMipmappedArrayGetMemoryRequirements": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int],
+    "cuMipmappedArrayGetSparseProperties": [ctypes.c_void_p, ctypes.c_void_p],
+    "cuTexObjectDestroy": [ctypes.c_ulonglong],
+    "cuTexObjectGetResourceDesc": [ctypes.c_void_p, ctypes.c_ulonglong],
+    "cuTexObjectGetTextureDesc": [ctypes.c_void_p, ctypes.c_ulonglong],
+    "cuTexObjectGetResourceViewDesc": [ctypes.c_void_p, ctypes.c_ulonglong],
+    "cuSurfObjectCreate": [ctypes.c_void_p, ctypes.c_void_p],
+    "cuSurfObjectDestroy": [ctypes.c_ulonglong],
+    "cuSurfObjectGetResourceDesc": [ctypes.c_void_p, ctypes.c_ulonglong],
 }
 
 NVML_ARGTYPES: dict[str, list[Any]] = {
@@ -2164,80 +2164,6 @@ class CudaDriverCalls:
     def cuMemsetD2D32Async(self, dstDevice, dstPitch, ui, Width, Height, hStream):
         r = self._fn_cuMemsetD2D32Async(dstDevice, dstPitch, ui, Width, Height, hStream)
         return (r,)
-
-    def cuArrayGetDescriptor_v2(self, hArray):
-        pArrayDescriptor_out = (ctypes.c_char * 24)()
-        r = self._fn_cuArrayGetDescriptor_v2(ctypes.byref(pArrayDescriptor_out), hArray)
-        return (r, bytes(pArrayDescriptor_out))
-
-    def cuArray3DGetDescriptor_v2(self, hArray):
-        pArrayDescriptor_out = (ctypes.c_char * 40)()
-        r = self._fn_cuArray3DGetDescriptor_v2(ctypes.byref(pArrayDescriptor_out), hArray)
-        return (r, bytes(pArrayDescriptor_out))
-
-    def cuArrayGetMemoryRequirements(self, array, device):
-        memoryRequirements_out = (ctypes.c_char * 32)()
-        r = self._fn_cuArrayGetMemoryRequirements(ctypes.byref(memoryRequirements_out), array, device)
-        return (r, bytes(memoryRequirements_out))
-
-    def cuArrayGetSparseProperties(self, array):
-        sparseProperties_out = (ctypes.c_char * 48)()
-        r = self._fn_cuArrayGetSparseProperties(ctypes.byref(sparseProperties_out), array)
-        return (r, bytes(sparseProperties_out))
-
-    def cuArrayGetPlane(self, hArray, planeIdx):
-        pPlaneArray_out = (ctypes.c_void_p)()
-        r = self._fn_cuArrayGetPlane(ctypes.byref(pPlaneArray_out), hArray, planeIdx)
-        return (r, pPlaneArray_out.value or 0)
-
-    def cuMipmappedArrayGetLevel(self, hMipmappedArray, level):
-        pLevelArray_out = (ctypes.c_void_p)()
-        r = self._fn_cuMipmappedArrayGetLevel(ctypes.byref(pLevelArray_out), hMipmappedArray, level)
-        return (r, pLevelArray_out.value or 0)
-
-    def cuMipmappedArrayGetMemoryRequirements(self, mipmap, device):
-        memoryRequirements_out = (ctypes.c_char * 32)()
-        r = self._fn_cuMipmappedArrayGetMemoryRequirements(ctypes.byref(memoryRequirements_out), mipmap, device)
-        return (r, bytes(memoryRequirements_out))
-
-    def cuMipmappedArrayGetSparseProperties(self, mipmap):
-        sparseProperties_out = (ctypes.c_char * 48)()
-        r = self._fn_cuMipmappedArrayGetSparseProperties(ctypes.byref(sparseProperties_out), mipmap)
-        return (r, bytes(sparseProperties_out))
-
-    def cuTexObjectDestroy(self, texObject):
-        r = self._fn_cuTexObjectDestroy(texObject)
-        return (r,)
-
-    def cuTexObjectGetResourceDesc(self, texObject):
-        pResDesc_out = (ctypes.c_char * 144)()
-        r = self._fn_cuTexObjectGetResourceDesc(ctypes.byref(pResDesc_out), texObject)
-        return (r, bytes(pResDesc_out))
-
-    def cuTexObjectGetTextureDesc(self, texObject):
-        pTexDesc_out = (ctypes.c_char * 104)()
-        r = self._fn_cuTexObjectGetTextureDesc(ctypes.byref(pTexDesc_out), texObject)
-        return (r, bytes(pTexDesc_out))
-
-    def cuTexObjectGetResourceViewDesc(self, texObject):
-        pResViewDesc_out = (ctypes.c_char * 112)()
-        r = self._fn_cuTexObjectGetResourceViewDesc(ctypes.byref(pResViewDesc_out), texObject)
-        return (r, bytes(pResViewDesc_out))
-
-    def cuSurfObjectCreate(self, pResDesc):
-        pSurfObject_out = (ctypes.c_ulonglong)()
-        pResDesc_in = (ctypes.c_char * 144).from_buffer_copy(pResDesc)
-        r = self._fn_cuSurfObjectCreate(ctypes.byref(pSurfObject_out), ctypes.byref(pResDesc_in))
-        return (r, pSurfObject_out.value or 0)
-
-    def cuSurfObjectDestroy(self, surfObject):
-        r = self._fn_cuSurfObjectDestroy(surfObject)
-        return (r,)
-
-    def cuSurfObjectGetResourceDesc(self, surfObject):
-        pResDesc_out = (ctypes.c_char * 144)()
-        r = self._fn_cuSurfObjectGetResourceDesc(ctypes.byref(pResDesc_out), surfObject)
-        return (r, bytes(pResDesc_out))
 
     def cuPointerSetAttribute(self, value, attribute, ptr):
         value_in = ctypes.c_int(value)
@@ -2573,6 +2499,80 @@ class CudaDriverCalls:
         location_in = (ctypes.c_char * 8).from_buffer_copy(location)
         r = self._fn_cuMemGetAccess(ctypes.byref(flags_out), ctypes.byref(location_in), ptr)
         return (r, flags_out.value or 0)
+
+    def cuArrayGetDescriptor_v2(self, hArray):
+        pArrayDescriptor_out = (ctypes.c_char * 24)()
+        r = self._fn_cuArrayGetDescriptor_v2(ctypes.byref(pArrayDescriptor_out), hArray)
+        return (r, bytes(pArrayDescriptor_out))
+
+    def cuArray3DGetDescriptor_v2(self, hArray):
+        pArrayDescriptor_out = (ctypes.c_char * 40)()
+        r = self._fn_cuArray3DGetDescriptor_v2(ctypes.byref(pArrayDescriptor_out), hArray)
+        return (r, bytes(pArrayDescriptor_out))
+
+    def cuArrayGetMemoryRequirements(self, array, device):
+        memoryRequirements_out = (ctypes.c_char * 32)()
+        r = self._fn_cuArrayGetMemoryRequirements(ctypes.byref(memoryRequirements_out), array, device)
+        return (r, bytes(memoryRequirements_out))
+
+    def cuArrayGetSparseProperties(self, array):
+        sparseProperties_out = (ctypes.c_char * 48)()
+        r = self._fn_cuArrayGetSparseProperties(ctypes.byref(sparseProperties_out), array)
+        return (r, bytes(sparseProperties_out))
+
+    def cuArrayGetPlane(self, hArray, planeIdx):
+        pPlaneArray_out = (ctypes.c_void_p)()
+        r = self._fn_cuArrayGetPlane(ctypes.byref(pPlaneArray_out), hArray, planeIdx)
+        return (r, pPlaneArray_out.value or 0)
+
+    def cuMipmappedArrayGetLevel(self, hMipmappedArray, level):
+        pLevelArray_out = (ctypes.c_void_p)()
+        r = self._fn_cuMipmappedArrayGetLevel(ctypes.byref(pLevelArray_out), hMipmappedArray, level)
+        return (r, pLevelArray_out.value or 0)
+
+    def cuMipmappedArrayGetMemoryRequirements(self, mipmap, device):
+        memoryRequirements_out = (ctypes.c_char * 32)()
+        r = self._fn_cuMipmappedArrayGetMemoryRequirements(ctypes.byref(memoryRequirements_out), mipmap, device)
+        return (r, bytes(memoryRequirements_out))
+
+    def cuMipmappedArrayGetSparseProperties(self, mipmap):
+        sparseProperties_out = (ctypes.c_char * 48)()
+        r = self._fn_cuMipmappedArrayGetSparseProperties(ctypes.byref(sparseProperties_out), mipmap)
+        return (r, bytes(sparseProperties_out))
+
+    def cuTexObjectDestroy(self, texObject):
+        r = self._fn_cuTexObjectDestroy(texObject)
+        return (r,)
+
+    def cuTexObjectGetResourceDesc(self, texObject):
+        pResDesc_out = (ctypes.c_char * 144)()
+        r = self._fn_cuTexObjectGetResourceDesc(ctypes.byref(pResDesc_out), texObject)
+        return (r, bytes(pResDesc_out))
+
+    def cuTexObjectGetTextureDesc(self, texObject):
+        pTexDesc_out = (ctypes.c_char * 104)()
+        r = self._fn_cuTexObjectGetTextureDesc(ctypes.byref(pTexDesc_out), texObject)
+        return (r, bytes(pTexDesc_out))
+
+    def cuTexObjectGetResourceViewDesc(self, texObject):
+        pResViewDesc_out = (ctypes.c_char * 112)()
+        r = self._fn_cuTexObjectGetResourceViewDesc(ctypes.byref(pResViewDesc_out), texObject)
+        return (r, bytes(pResViewDesc_out))
+
+    def cuSurfObjectCreate(self, pResDesc):
+        pSurfObject_out = (ctypes.c_ulonglong)()
+        pResDesc_in = (ctypes.c_char * 144).from_buffer_copy(pResDesc)
+        r = self._fn_cuSurfObjectCreate(ctypes.byref(pSurfObject_out), ctypes.byref(pResDesc_in))
+        return (r, pSurfObject_out.value or 0)
+
+    def cuSurfObjectDestroy(self, surfObject):
+        r = self._fn_cuSurfObjectDestroy(surfObject)
+        return (r,)
+
+    def cuSurfObjectGetResourceDesc(self, surfObject):
+        pResDesc_out = (ctypes.c_char * 144)()
+        r = self._fn_cuSurfObjectGetResourceDesc(ctypes.byref(pResDesc_out), surfObject)
+        return (r, bytes(pResDesc_out))
 
 
 class NvmlCalls:

@@ -656,241 +656,6 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxEnablePeerAccess(CUcontext peerContext, unsign
     return rgpu_unsupported("cuCtxEnablePeerAccess", &seen, "slices may sit on different servers");
 }
 
-RGPU_EXPORT CUresult CUDAAPI cuArrayGetDescriptor_v2(CUDA_ARRAY_DESCRIPTOR *pArrayDescriptor, CUarray hArray) {
-    if (pArrayDescriptor == NULL) return CUDA_ERROR_INVALID_VALUE;
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuArrayGetDescriptor_v2);
-    if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hArray);
-    r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) {
-        { CUDA_ARRAY_DESCRIPTOR pArrayDescriptor_v; memset(&pArrayDescriptor_v, 0, sizeof pArrayDescriptor_v); rgpu_get(&c, &pArrayDescriptor_v, sizeof(pArrayDescriptor_v)); if (pArrayDescriptor) *pArrayDescriptor = pArrayDescriptor_v; }
-    }
-    rgpu_end(&c);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuArray3DGetDescriptor_v2(CUDA_ARRAY3D_DESCRIPTOR *pArrayDescriptor, CUarray hArray) {
-    if (pArrayDescriptor == NULL) return CUDA_ERROR_INVALID_VALUE;
-    if (rgpu_array_desc_get(hArray, pArrayDescriptor)) return CUDA_SUCCESS;
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuArray3DGetDescriptor_v2);
-    if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hArray);
-    r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) {
-        { CUDA_ARRAY3D_DESCRIPTOR pArrayDescriptor_v; memset(&pArrayDescriptor_v, 0, sizeof pArrayDescriptor_v); rgpu_get(&c, &pArrayDescriptor_v, sizeof(pArrayDescriptor_v)); if (pArrayDescriptor) *pArrayDescriptor = pArrayDescriptor_v; }
-    }
-    if (r == CUDA_SUCCESS) rgpu_array_desc_put(c.s->index, hArray, pArrayDescriptor);
-    rgpu_end(&c);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *memoryRequirements, CUarray array, CUdevice device) {
-    if (memoryRequirements == NULL) return CUDA_ERROR_INVALID_VALUE;
-    rgpu_call c;
-    CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuArrayGetMemoryRequirements, device);
-    if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)array);
-    rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
-    r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) {
-        { CUDA_ARRAY_MEMORY_REQUIREMENTS memoryRequirements_v; memset(&memoryRequirements_v, 0, sizeof memoryRequirements_v); rgpu_get(&c, &memoryRequirements_v, sizeof(memoryRequirements_v)); if (memoryRequirements) *memoryRequirements = memoryRequirements_v; }
-    }
-    rgpu_end(&c);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuArrayGetSparseProperties(CUDA_ARRAY_SPARSE_PROPERTIES *sparseProperties, CUarray array) {
-    if (sparseProperties == NULL) return CUDA_ERROR_INVALID_VALUE;
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuArrayGetSparseProperties);
-    if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)array);
-    r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) {
-        { CUDA_ARRAY_SPARSE_PROPERTIES sparseProperties_v; memset(&sparseProperties_v, 0, sizeof sparseProperties_v); rgpu_get(&c, &sparseProperties_v, sizeof(sparseProperties_v)); if (sparseProperties) *sparseProperties = sparseProperties_v; }
-    }
-    rgpu_end(&c);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuArrayGetPlane(CUarray *pPlaneArray, CUarray hArray, unsigned int planeIdx) {
-    if (pPlaneArray == NULL) return CUDA_ERROR_INVALID_VALUE;
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuArrayGetPlane);
-    if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hArray);
-    { uint32_t v_ = (uint32_t)planeIdx; rgpu_put(&c, &v_, 4); }
-    r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) {
-        { CUarray pPlaneArray_v; memset(&pPlaneArray_v, 0, sizeof pPlaneArray_v); pPlaneArray_v = (CUarray)(uintptr_t)rgpu_get_u64(&c); if (pPlaneArray) *pPlaneArray = pPlaneArray_v; }
-    }
-    rgpu_end(&c);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuMipmappedArrayGetLevel(CUarray *pLevelArray, CUmipmappedArray hMipmappedArray, unsigned int level) {
-    if (pLevelArray == NULL) return CUDA_ERROR_INVALID_VALUE;
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuMipmappedArrayGetLevel);
-    if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hMipmappedArray);
-    { uint32_t v_ = (uint32_t)level; rgpu_put(&c, &v_, 4); }
-    r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) {
-        { CUarray pLevelArray_v; memset(&pLevelArray_v, 0, sizeof pLevelArray_v); pLevelArray_v = (CUarray)(uintptr_t)rgpu_get_u64(&c); if (pLevelArray) *pLevelArray = pLevelArray_v; }
-    }
-    if (r == CUDA_SUCCESS) rgpu_array_level_put(*pLevelArray, hMipmappedArray);
-    rgpu_end(&c);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuMipmappedArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *memoryRequirements, CUmipmappedArray mipmap, CUdevice device) {
-    if (memoryRequirements == NULL) return CUDA_ERROR_INVALID_VALUE;
-    rgpu_call c;
-    CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuMipmappedArrayGetMemoryRequirements, device);
-    if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)mipmap);
-    rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
-    r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) {
-        { CUDA_ARRAY_MEMORY_REQUIREMENTS memoryRequirements_v; memset(&memoryRequirements_v, 0, sizeof memoryRequirements_v); rgpu_get(&c, &memoryRequirements_v, sizeof(memoryRequirements_v)); if (memoryRequirements) *memoryRequirements = memoryRequirements_v; }
-    }
-    rgpu_end(&c);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuMipmappedArrayGetSparseProperties(CUDA_ARRAY_SPARSE_PROPERTIES *sparseProperties, CUmipmappedArray mipmap) {
-    if (sparseProperties == NULL) return CUDA_ERROR_INVALID_VALUE;
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuMipmappedArrayGetSparseProperties);
-    if (r != CUDA_SUCCESS) return r;
-    rgpu_put_u64(&c, (uint64_t)(uintptr_t)mipmap);
-    r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) {
-        { CUDA_ARRAY_SPARSE_PROPERTIES sparseProperties_v; memset(&sparseProperties_v, 0, sizeof sparseProperties_v); rgpu_get(&c, &sparseProperties_v, sizeof(sparseProperties_v)); if (sparseProperties) *sparseProperties = sparseProperties_v; }
-    }
-    rgpu_end(&c);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuTexObjectDestroy(CUtexObject texObject) {
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuTexObjectDestroy);
-    if (r != CUDA_SUCCESS) return r;
-    { uint64_t v_ = (uint64_t)texObject; rgpu_put(&c, &v_, 8); }
-    r = rgpu_sync(&c);
-    rgpu_end(&c);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuTexObjectGetResourceDesc(CUDA_RESOURCE_DESC *pResDesc, CUtexObject texObject) {
-    if (pResDesc == NULL) return CUDA_ERROR_INVALID_VALUE;
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuTexObjectGetResourceDesc);
-    if (r != CUDA_SUCCESS) return r;
-    { uint64_t v_ = (uint64_t)texObject; rgpu_put(&c, &v_, 8); }
-    r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) {
-        { CUDA_RESOURCE_DESC pResDesc_v; memset(&pResDesc_v, 0, sizeof pResDesc_v); rgpu_get(&c, &pResDesc_v, sizeof(pResDesc_v)); if (pResDesc) *pResDesc = pResDesc_v; }
-    }
-    rgpu_end(&c);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuTexObjectGetTextureDesc(CUDA_TEXTURE_DESC *pTexDesc, CUtexObject texObject) {
-    if (pTexDesc == NULL) return CUDA_ERROR_INVALID_VALUE;
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuTexObjectGetTextureDesc);
-    if (r != CUDA_SUCCESS) return r;
-    { uint64_t v_ = (uint64_t)texObject; rgpu_put(&c, &v_, 8); }
-    r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) {
-        { CUDA_TEXTURE_DESC pTexDesc_v; memset(&pTexDesc_v, 0, sizeof pTexDesc_v); rgpu_get(&c, &pTexDesc_v, sizeof(pTexDesc_v)); if (pTexDesc) *pTexDesc = pTexDesc_v; }
-    }
-    rgpu_end(&c);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuTexObjectGetResourceViewDesc(CUDA_RESOURCE_VIEW_DESC *pResViewDesc, CUtexObject texObject) {
-    if (pResViewDesc == NULL) return CUDA_ERROR_INVALID_VALUE;
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuTexObjectGetResourceViewDesc);
-    if (r != CUDA_SUCCESS) return r;
-    { uint64_t v_ = (uint64_t)texObject; rgpu_put(&c, &v_, 8); }
-    r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) {
-        { CUDA_RESOURCE_VIEW_DESC pResViewDesc_v; memset(&pResViewDesc_v, 0, sizeof pResViewDesc_v); rgpu_get(&c, &pResViewDesc_v, sizeof(pResViewDesc_v)); if (pResViewDesc) *pResViewDesc = pResViewDesc_v; }
-    }
-    rgpu_end(&c);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuSurfObjectCreate(CUsurfObject *pSurfObject, const CUDA_RESOURCE_DESC *pResDesc) {
-    if (pSurfObject == NULL) return CUDA_ERROR_INVALID_VALUE;
-    if (pResDesc == NULL) return CUDA_ERROR_INVALID_VALUE;
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuSurfObjectCreate);
-    if (r != CUDA_SUCCESS) return r;
-    rgpu_put(&c, pResDesc, sizeof *pResDesc);
-    r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) {
-        { CUsurfObject pSurfObject_v; memset(&pSurfObject_v, 0, sizeof pSurfObject_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); pSurfObject_v = (CUsurfObject)v_; } if (pSurfObject) *pSurfObject = pSurfObject_v; }
-    }
-    rgpu_end(&c);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuSurfObjectDestroy(CUsurfObject surfObject) {
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuSurfObjectDestroy);
-    if (r != CUDA_SUCCESS) return r;
-    { uint64_t v_ = (uint64_t)surfObject; rgpu_put(&c, &v_, 8); }
-    r = rgpu_sync(&c);
-    rgpu_end(&c);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuSurfObjectGetResourceDesc(CUDA_RESOURCE_DESC *pResDesc, CUsurfObject surfObject) {
-    if (pResDesc == NULL) return CUDA_ERROR_INVALID_VALUE;
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuSurfObjectGetResourceDesc);
-    if (r != CUDA_SUCCESS) return r;
-    { uint64_t v_ = (uint64_t)surfObject; rgpu_put(&c, &v_, 8); }
-    r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) {
-        { CUDA_RESOURCE_DESC pResDesc_v; memset(&pResDesc_v, 0, sizeof pResDesc_v); rgpu_get(&c, &pResDesc_v, sizeof(pResDesc_v)); if (pResDesc) *pResDesc = pResDesc_v; }
-    }
-    rgpu_end(&c);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuModuleGetTexRef(CUtexref *pTexRef, CUmodule hmod, const char *name) {
-    static int seen;
-    return rgpu_unsupported("cuModuleGetTexRef", &seen, "texture references are deprecated since CUDA 12; use texture objects");
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuModuleGetSurfRef(CUsurfref *pSurfRef, CUmodule hmod, const char *name) {
-    static int seen;
-    return rgpu_unsupported("cuModuleGetSurfRef", &seen, "surface references are deprecated since CUDA 12; use surface objects");
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuTexRefSetArray(CUtexref hTexRef, CUarray hArray, unsigned int Flags) {
-    static int seen;
-    return rgpu_unsupported("cuTexRefSetArray", &seen, "texture references are deprecated since CUDA 12; use texture objects");
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuTexRefSetAddress_v2(size_t *ByteOffset, CUtexref hTexRef, CUdeviceptr dptr, size_t bytes) {
-    static int seen;
-    return rgpu_unsupported("cuTexRefSetAddress_v2", &seen, "texture references are deprecated since CUDA 12; use texture objects");
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuSurfRefSetArray(CUsurfref hSurfRef, CUarray hArray, unsigned int Flags) {
-    static int seen;
-    return rgpu_unsupported("cuSurfRefSetArray", &seen, "surface references are deprecated since CUDA 12; use surface objects");
-}
-
 RGPU_EXPORT CUresult CUDAAPI cuPointerSetAttribute(const int *value, CUpointer_attribute attribute, CUdeviceptr ptr) {
     if (value == NULL) return CUDA_ERROR_INVALID_VALUE;
     rgpu_call c;
@@ -1863,6 +1628,241 @@ RGPU_EXPORT CUresult CUDAAPI cuMemGetAccess(unsigned long long *flags, const CUm
     return r;
 }
 
+RGPU_EXPORT CUresult CUDAAPI cuArrayGetDescriptor_v2(CUDA_ARRAY_DESCRIPTOR *pArrayDescriptor, CUarray hArray) {
+    if (pArrayDescriptor == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuArrayGetDescriptor_v2);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hArray);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_ARRAY_DESCRIPTOR pArrayDescriptor_v; memset(&pArrayDescriptor_v, 0, sizeof pArrayDescriptor_v); rgpu_get(&c, &pArrayDescriptor_v, sizeof(pArrayDescriptor_v)); if (pArrayDescriptor) *pArrayDescriptor = pArrayDescriptor_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuArray3DGetDescriptor_v2(CUDA_ARRAY3D_DESCRIPTOR *pArrayDescriptor, CUarray hArray) {
+    if (pArrayDescriptor == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_array_desc_get(hArray, pArrayDescriptor)) return CUDA_SUCCESS;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuArray3DGetDescriptor_v2);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hArray);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_ARRAY3D_DESCRIPTOR pArrayDescriptor_v; memset(&pArrayDescriptor_v, 0, sizeof pArrayDescriptor_v); rgpu_get(&c, &pArrayDescriptor_v, sizeof(pArrayDescriptor_v)); if (pArrayDescriptor) *pArrayDescriptor = pArrayDescriptor_v; }
+    }
+    if (r == CUDA_SUCCESS) rgpu_array_desc_put(c.s->index, hArray, pArrayDescriptor);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *memoryRequirements, CUarray array, CUdevice device) {
+    if (memoryRequirements == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuArrayGetMemoryRequirements, device);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)array);
+    rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_ARRAY_MEMORY_REQUIREMENTS memoryRequirements_v; memset(&memoryRequirements_v, 0, sizeof memoryRequirements_v); rgpu_get(&c, &memoryRequirements_v, sizeof(memoryRequirements_v)); if (memoryRequirements) *memoryRequirements = memoryRequirements_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuArrayGetSparseProperties(CUDA_ARRAY_SPARSE_PROPERTIES *sparseProperties, CUarray array) {
+    if (sparseProperties == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuArrayGetSparseProperties);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)array);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_ARRAY_SPARSE_PROPERTIES sparseProperties_v; memset(&sparseProperties_v, 0, sizeof sparseProperties_v); rgpu_get(&c, &sparseProperties_v, sizeof(sparseProperties_v)); if (sparseProperties) *sparseProperties = sparseProperties_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuArrayGetPlane(CUarray *pPlaneArray, CUarray hArray, unsigned int planeIdx) {
+    if (pPlaneArray == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuArrayGetPlane);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hArray);
+    { uint32_t v_ = (uint32_t)planeIdx; rgpu_put(&c, &v_, 4); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUarray pPlaneArray_v; memset(&pPlaneArray_v, 0, sizeof pPlaneArray_v); pPlaneArray_v = (CUarray)(uintptr_t)rgpu_get_u64(&c); if (pPlaneArray) *pPlaneArray = pPlaneArray_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMipmappedArrayGetLevel(CUarray *pLevelArray, CUmipmappedArray hMipmappedArray, unsigned int level) {
+    if (pLevelArray == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuMipmappedArrayGetLevel);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hMipmappedArray);
+    { uint32_t v_ = (uint32_t)level; rgpu_put(&c, &v_, 4); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUarray pLevelArray_v; memset(&pLevelArray_v, 0, sizeof pLevelArray_v); pLevelArray_v = (CUarray)(uintptr_t)rgpu_get_u64(&c); if (pLevelArray) *pLevelArray = pLevelArray_v; }
+    }
+    if (r == CUDA_SUCCESS) rgpu_array_level_put(*pLevelArray, hMipmappedArray);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMipmappedArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *memoryRequirements, CUmipmappedArray mipmap, CUdevice device) {
+    if (memoryRequirements == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuMipmappedArrayGetMemoryRequirements, device);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)mipmap);
+    rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_ARRAY_MEMORY_REQUIREMENTS memoryRequirements_v; memset(&memoryRequirements_v, 0, sizeof memoryRequirements_v); rgpu_get(&c, &memoryRequirements_v, sizeof(memoryRequirements_v)); if (memoryRequirements) *memoryRequirements = memoryRequirements_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMipmappedArrayGetSparseProperties(CUDA_ARRAY_SPARSE_PROPERTIES *sparseProperties, CUmipmappedArray mipmap) {
+    if (sparseProperties == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuMipmappedArrayGetSparseProperties);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)mipmap);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_ARRAY_SPARSE_PROPERTIES sparseProperties_v; memset(&sparseProperties_v, 0, sizeof sparseProperties_v); rgpu_get(&c, &sparseProperties_v, sizeof(sparseProperties_v)); if (sparseProperties) *sparseProperties = sparseProperties_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuTexObjectDestroy(CUtexObject texObject) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuTexObjectDestroy);
+    if (r != CUDA_SUCCESS) return r;
+    { uint64_t v_ = (uint64_t)texObject; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuTexObjectGetResourceDesc(CUDA_RESOURCE_DESC *pResDesc, CUtexObject texObject) {
+    if (pResDesc == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuTexObjectGetResourceDesc);
+    if (r != CUDA_SUCCESS) return r;
+    { uint64_t v_ = (uint64_t)texObject; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_RESOURCE_DESC pResDesc_v; memset(&pResDesc_v, 0, sizeof pResDesc_v); rgpu_get(&c, &pResDesc_v, sizeof(pResDesc_v)); if (pResDesc) *pResDesc = pResDesc_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuTexObjectGetTextureDesc(CUDA_TEXTURE_DESC *pTexDesc, CUtexObject texObject) {
+    if (pTexDesc == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuTexObjectGetTextureDesc);
+    if (r != CUDA_SUCCESS) return r;
+    { uint64_t v_ = (uint64_t)texObject; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_TEXTURE_DESC pTexDesc_v; memset(&pTexDesc_v, 0, sizeof pTexDesc_v); rgpu_get(&c, &pTexDesc_v, sizeof(pTexDesc_v)); if (pTexDesc) *pTexDesc = pTexDesc_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuTexObjectGetResourceViewDesc(CUDA_RESOURCE_VIEW_DESC *pResViewDesc, CUtexObject texObject) {
+    if (pResViewDesc == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuTexObjectGetResourceViewDesc);
+    if (r != CUDA_SUCCESS) return r;
+    { uint64_t v_ = (uint64_t)texObject; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_RESOURCE_VIEW_DESC pResViewDesc_v; memset(&pResViewDesc_v, 0, sizeof pResViewDesc_v); rgpu_get(&c, &pResViewDesc_v, sizeof(pResViewDesc_v)); if (pResViewDesc) *pResViewDesc = pResViewDesc_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuSurfObjectCreate(CUsurfObject *pSurfObject, const CUDA_RESOURCE_DESC *pResDesc) {
+    if (pSurfObject == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (pResDesc == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuSurfObjectCreate);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put(&c, pResDesc, sizeof *pResDesc);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUsurfObject pSurfObject_v; memset(&pSurfObject_v, 0, sizeof pSurfObject_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); pSurfObject_v = (CUsurfObject)v_; } if (pSurfObject) *pSurfObject = pSurfObject_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuSurfObjectDestroy(CUsurfObject surfObject) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuSurfObjectDestroy);
+    if (r != CUDA_SUCCESS) return r;
+    { uint64_t v_ = (uint64_t)surfObject; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuSurfObjectGetResourceDesc(CUDA_RESOURCE_DESC *pResDesc, CUsurfObject surfObject) {
+    if (pResDesc == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuSurfObjectGetResourceDesc);
+    if (r != CUDA_SUCCESS) return r;
+    { uint64_t v_ = (uint64_t)surfObject; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_RESOURCE_DESC pResDesc_v; memset(&pResDesc_v, 0, sizeof pResDesc_v); rgpu_get(&c, &pResDesc_v, sizeof(pResDesc_v)); if (pResDesc) *pResDesc = pResDesc_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuModuleGetTexRef(CUtexref *pTexRef, CUmodule hmod, const char *name) {
+    static int seen;
+    return rgpu_unsupported("cuModuleGetTexRef", &seen, "texture references are deprecated since CUDA 12; use texture objects");
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuModuleGetSurfRef(CUsurfref *pSurfRef, CUmodule hmod, const char *name) {
+    static int seen;
+    return rgpu_unsupported("cuModuleGetSurfRef", &seen, "surface references are deprecated since CUDA 12; use surface objects");
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuTexRefSetArray(CUtexref hTexRef, CUarray hArray, unsigned int Flags) {
+    static int seen;
+    return rgpu_unsupported("cuTexRefSetArray", &seen, "texture references are deprecated since CUDA 12; use texture objects");
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuTexRefSetAddress_v2(size_t *ByteOffset, CUtexref hTexRef, CUdeviceptr dptr, size_t bytes) {
+    static int seen;
+    return rgpu_unsupported("cuTexRefSetAddress_v2", &seen, "texture references are deprecated since CUDA 12; use texture objects");
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuSurfRefSetArray(CUsurfref hSurfRef, CUarray hArray, unsigned int Flags) {
+    static int seen;
+    return rgpu_unsupported("cuSurfRefSetArray", &seen, "surface references are deprecated since CUDA 12; use surface objects");
+}
+
 /* Per-thread default stream variants: the worker's one thread has one per-thread stream. */
 RGPU_EXPORT CUresult CUDAAPI cuGetProcAddress_v2_ptsz(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags, CUdriverProcAddressQueryResult *symbolStatus) {
     return cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, symbolStatus);
@@ -1984,29 +1984,6 @@ RGPU_EXPORT CUresult CUDAAPI cuMemcpyPeer_ptds(CUdeviceptr dstDevice, CUcontext 
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyPeerAsync_ptsz(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice, CUcontext srcContext, size_t ByteCount, CUstream hStream) {
     if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
     return cuMemcpyPeerAsync(dstDevice, dstContext, srcDevice, srcContext, ByteCount, hStream);
-}
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoA_v2_ptds(CUarray dstArray, size_t dstOffset, const void *srcHost, size_t ByteCount) {
-    return cuMemcpyHtoA_v2(dstArray, dstOffset, srcHost, ByteCount);
-}
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoH_v2_ptds(void *dstHost, CUarray srcArray, size_t srcOffset, size_t ByteCount) {
-    return cuMemcpyAtoH_v2(dstHost, srcArray, srcOffset, ByteCount);
-}
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoAAsync_v2_ptsz(CUarray dstArray, size_t dstOffset, const void *srcHost, size_t ByteCount, CUstream hStream) {
-    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
-    return cuMemcpyHtoAAsync_v2(dstArray, dstOffset, srcHost, ByteCount, hStream);
-}
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoHAsync_v2_ptsz(void *dstHost, CUarray srcArray, size_t srcOffset, size_t ByteCount, CUstream hStream) {
-    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
-    return cuMemcpyAtoHAsync_v2(dstHost, srcArray, srcOffset, ByteCount, hStream);
-}
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoA_v2_ptds(CUarray dstArray, size_t dstOffset, CUdeviceptr srcDevice, size_t ByteCount) {
-    return cuMemcpyDtoA_v2(dstArray, dstOffset, srcDevice, ByteCount);
-}
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoD_v2_ptds(CUdeviceptr dstDevice, CUarray srcArray, size_t srcOffset, size_t ByteCount) {
-    return cuMemcpyAtoD_v2(dstDevice, srcArray, srcOffset, ByteCount);
-}
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoA_v2_ptds(CUarray dstArray, size_t dstOffset, CUarray srcArray, size_t srcOffset, size_t ByteCount) {
-    return cuMemcpyAtoA_v2(dstArray, dstOffset, srcArray, srcOffset, ByteCount);
 }
 RGPU_EXPORT CUresult CUDAAPI cuStreamSynchronize_ptsz(CUstream hStream) {
     if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
@@ -2134,6 +2111,29 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue64_v2_ptsz(CUstream stream, CUdev
 RGPU_EXPORT CUresult CUDAAPI cuStreamWaitValue64_v2_ptsz(CUstream stream, CUdeviceptr addr, cuuint64_t value, unsigned int flags) {
     if (stream == NULL) stream = CU_STREAM_PER_THREAD;
     return cuStreamWaitValue64_v2(stream, addr, value, flags);
+}
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoA_v2_ptds(CUarray dstArray, size_t dstOffset, const void *srcHost, size_t ByteCount) {
+    return cuMemcpyHtoA_v2(dstArray, dstOffset, srcHost, ByteCount);
+}
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoH_v2_ptds(void *dstHost, CUarray srcArray, size_t srcOffset, size_t ByteCount) {
+    return cuMemcpyAtoH_v2(dstHost, srcArray, srcOffset, ByteCount);
+}
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoAAsync_v2_ptsz(CUarray dstArray, size_t dstOffset, const void *srcHost, size_t ByteCount, CUstream hStream) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuMemcpyHtoAAsync_v2(dstArray, dstOffset, srcHost, ByteCount, hStream);
+}
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoHAsync_v2_ptsz(void *dstHost, CUarray srcArray, size_t srcOffset, size_t ByteCount, CUstream hStream) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuMemcpyAtoHAsync_v2(dstHost, srcArray, srcOffset, ByteCount, hStream);
+}
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoA_v2_ptds(CUarray dstArray, size_t dstOffset, CUdeviceptr srcDevice, size_t ByteCount) {
+    return cuMemcpyDtoA_v2(dstArray, dstOffset, srcDevice, ByteCount);
+}
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoD_v2_ptds(CUdeviceptr dstDevice, CUarray srcArray, size_t srcOffset, size_t ByteCount) {
+    return cuMemcpyAtoD_v2(dstDevice, srcArray, srcOffset, ByteCount);
+}
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoA_v2_ptds(CUarray dstArray, size_t dstOffset, CUarray srcArray, size_t srcOffset, size_t ByteCount) {
+    return cuMemcpyAtoA_v2(dstArray, dstOffset, srcArray, srcOffset, ByteCount);
 }
 
 /* Every other export of NVIDIA's driver: present, so that programs linked against it load,
