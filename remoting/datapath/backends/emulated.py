@@ -243,6 +243,8 @@ class EmulatedBackend:
         self.primary_refs = 0
         self.allocs.clear()
         self.bases.clear()
+        for table in (self.arrays, self.mipmaps, self.tex_objects, self.surf_objects):
+            table.clear()
         return (SUCCESS,)
 
     def cuDevicePrimaryCtxGetState(self, dev: int) -> tuple[int, int, int]:
