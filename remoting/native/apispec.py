@@ -50,6 +50,8 @@ TYPES: dict[str, WireType] = {
     "char": WireType("char", "", "bytes", "ctypes.c_char"),
     "CUmemGenericAllocationHandle": WireType("CUmemGenericAllocationHandle", "Q", "int", "ctypes.c_ulonglong"),
     "cuuint32_t": WireType("cuuint32_t", "I", "int", "ctypes.c_uint32"),
+    "CUtexObject": WireType("CUtexObject", "Q", "int", "ctypes.c_ulonglong"),
+    "CUsurfObject": WireType("CUsurfObject", "Q", "int", "ctypes.c_ulonglong"),
     # NVML
     "nvmlDevice_t": WireType("nvmlDevice_t", "I", "nvmldev", "ctypes.c_void_p"),
     "nvmlReturn_t": _enum("nvmlReturn_t"),
@@ -59,10 +61,16 @@ for _name, _size in (("nvmlMemory_t", 24), ("nvmlMemory_v2_t", 40), ("nvmlBAR1Me
                      ("nvmlPciInfo_t", 68), ("nvmlPciInfoExt_t", 64), ("nvmlUtilization_t", 8),
                      # CUDA structs with no host pointers that matter on the server
                      ("CUgraphExecUpdateResultInfo", 24), ("CUlaunchAttributeValue", 64),
-                     ("CUmemAllocationProp", 32), ("CUmemLocation", 8)):
+                     ("CUmemAllocationProp", 32), ("CUmemLocation", 8),
+                     # arrays, texture and surface objects: handles and device pointers in them are
+                     # the worker's values, so the structs travel as they are (CUDA 13 layouts)
+                     ("CUDA_ARRAY_DESCRIPTOR", 24), ("CUDA_ARRAY3D_DESCRIPTOR", 40),
+                     ("CUDA_ARRAY_MEMORY_REQUIREMENTS", 32), ("CUDA_ARRAY_SPARSE_PROPERTIES", 48),
+                     ("CUDA_RESOURCE_DESC", 144), ("CUDA_TEXTURE_DESC", 104), ("CUDA_RESOURCE_VIEW_DESC", 112)):
     TYPES[_name] = WireType(_name, f"{_size}s", "bytes", f"ctypes.c_char * {_size}")
 for _name in ("CUstream", "CUevent", "CUmodule", "CUfunction", "CUlibrary", "CUkernel",
-              "CUmemoryPool", "CUlinkState", "CUgraph", "CUgraphExec", "CUgraphNode"):
+              "CUmemoryPool", "CUlinkState", "CUgraph", "CUgraphExec", "CUgraphNode", "CUarray",
+              "CUmipmappedArray", "CUtexref", "CUsurfref"):
     TYPES[_name] = _handle(_name)
 for _name in ("CUresult", "CUdevice_attribute", "CUarray_format", "CUexecAffinityType",
               "CUflushGPUDirectRDMAWritesTarget", "CUflushGPUDirectRDMAWritesScope", "CUlimit",

@@ -32,7 +32,7 @@ GEN = HERE / "generated"
 PACKAGE_LIB = HERE / "lib"
 STAMP = "rgpu-native.stamp"
 
-CUDA_SOURCES = [SRC / "transport.c", SRC / "tables.c", SRC / "cuda_core.c", SRC / "cuda_memory.c",
+CUDA_SOURCES = [SRC / "transport.c", SRC / "tables.c", SRC / "cuda_core.c", SRC / "cuda_memory.c", SRC / "cuda_array.c",
                 SRC / "cuda_module.c", SRC / "cuda_graph.c", SRC / "host_nodes.c", SRC / "cuda_cache.c", SRC / "cuda_export.c",
                 SRC / "module_nodes.c", SRC / "managed.c", SRC / "library_mirror.c",
                 SRC / "integrity.c", GEN / "cuda_gen.c"]

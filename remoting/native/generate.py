@@ -316,7 +316,10 @@ AFTER_HOOKS = {
     "cuKernelSetCacheConfig": "rgpu_cache_forget_functions()",
     "cuFuncSetCacheConfig": "rgpu_cache_forget_functions()",
     "cuDevicePrimaryCtxRelease_v2": "rgpu_pstate_forget()",
-    "cuDevicePrimaryCtxReset_v2": "rgpu_pstate_forget(); rgpu_cache_forget_functions()",
+    "cuDevicePrimaryCtxReset_v2": "rgpu_pstate_forget(); rgpu_cache_forget_functions(); rgpu_array_desc_forget(0)",
+    # array descriptors never change while the array lives (cuda_array.c)
+    "cuArray3DGetDescriptor_v2": "if (r == CUDA_SUCCESS) rgpu_array_desc_put(c.s->index, hArray, pArrayDescriptor)",
+    "cuMipmappedArrayGetLevel": "if (r == CUDA_SUCCESS) rgpu_array_level_put(*pLevelArray, hMipmappedArray)",
     "cuDevicePrimaryCtxSetFlags_v2": "rgpu_pstate_forget()",
     "cuCtxSetFlags": "rgpu_pstate_forget()",
     "cuCtxSetCacheConfig": "rgpu_cache_forget_functions()",
@@ -358,6 +361,7 @@ BEFORE_HOOKS = {
     "cuDeviceGetAttribute": "if (rgpu_dattr_get(attrib, dev, pi)) return CUDA_SUCCESS",
     "cuDevicePrimaryCtxGetState": "if (rgpu_pstate_get(dev, flags, active)) return CUDA_SUCCESS",
     "cuCtxGetLimit": "if (rgpu_limit_get(limit, pvalue)) return CUDA_SUCCESS",
+    "cuArray3DGetDescriptor_v2": "if (rgpu_array_desc_get(hArray, pArrayDescriptor)) return CUDA_SUCCESS",
     "cuStreamWaitEvent": "{ CUresult r_; if (rgpu_event_elsewhere(hEvent, &r_)) return r_; }",
     # a device-to-device copy between two slices (cudaMemcpy DeviceToDevice from cuda:0 to cuda:1)
     "cuMemcpyDtoD_v2": "{ CUresult r_; if (rgpu_dtod_between_slices(dstDevice, srcDevice, ByteCount, NULL, &r_)) return r_; }",

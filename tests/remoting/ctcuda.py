@@ -44,3 +44,58 @@ def mem_info() -> tuple[int, int]:
     free, total = ctypes.c_size_t(), ctypes.c_size_t()
     check("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
     return free.value, total.value
+
+
+# CUDA arrays, 2D/3D copies, texture and surface objects (CUDA 13 layouts).
+class MEMCPY2D(ctypes.Structure):
+    _fields_ = [("srcXInBytes", ctypes.c_size_t), ("srcY", ctypes.c_size_t), ("srcMemoryType", ctypes.c_int),
+                ("srcHost", ctypes.c_void_p), ("srcDevice", ctypes.c_uint64), ("srcArray", ctypes.c_void_p),
+                ("srcPitch", ctypes.c_size_t), ("dstXInBytes", ctypes.c_size_t), ("dstY", ctypes.c_size_t),
+                ("dstMemoryType", ctypes.c_int), ("dstHost", ctypes.c_void_p), ("dstDevice", ctypes.c_uint64),
+                ("dstArray", ctypes.c_void_p), ("dstPitch", ctypes.c_size_t), ("WidthInBytes", ctypes.c_size_t),
+                ("Height", ctypes.c_size_t)]
+
+
+class MEMCPY3D(ctypes.Structure):
+    _fields_ = [(f"src{n}", t) for n, t in (("XInBytes", ctypes.c_size_t), ("Y", ctypes.c_size_t), ("Z", ctypes.c_size_t),
+                                            ("LOD", ctypes.c_size_t), ("MemoryType", ctypes.c_int), ("Host", ctypes.c_void_p),
+                                            ("Device", ctypes.c_uint64), ("Array", ctypes.c_void_p), ("reserved", ctypes.c_void_p),
+                                            ("Pitch", ctypes.c_size_t), ("Height", ctypes.c_size_t))] + \
+                [(f"dst{n}", t) for n, t in (("XInBytes", ctypes.c_size_t), ("Y", ctypes.c_size_t), ("Z", ctypes.c_size_t),
+                                             ("LOD", ctypes.c_size_t), ("MemoryType", ctypes.c_int), ("Host", ctypes.c_void_p),
+                                             ("Device", ctypes.c_uint64), ("Array", ctypes.c_void_p), ("reserved", ctypes.c_void_p),
+                                             ("Pitch", ctypes.c_size_t), ("Height", ctypes.c_size_t))] + \
+                [("WidthInBytes", ctypes.c_size_t), ("Height", ctypes.c_size_t), ("Depth", ctypes.c_size_t)]
+
+
+class ARRAY3D_DESCRIPTOR(ctypes.Structure):
+    _fields_ = [("Width", ctypes.c_size_t), ("Height", ctypes.c_size_t), ("Depth", ctypes.c_size_t),
+                ("Format", ctypes.c_int), ("NumChannels", ctypes.c_uint), ("Flags", ctypes.c_uint)]
+
+
+class ARRAY_DESCRIPTOR(ctypes.Structure):
+    _fields_ = [("Width", ctypes.c_size_t), ("Height", ctypes.c_size_t), ("Format", ctypes.c_int),
+                ("NumChannels", ctypes.c_uint)]
+
+
+HOST, DEVICE, ARRAY = 1, 2, 3
+FMT_U8, FMT_U16, FMT_FLOAT = 0x01, 0x02, 0x20
+SURFACE_LDST = 0x02
+
+
+def array2d(width: int, height: int, fmt: int, channels: int) -> tuple[int, int]:
+    h = ctypes.c_void_p()
+    r = lib.cuArrayCreate_v2(ctypes.byref(h), ctypes.byref(ARRAY_DESCRIPTOR(width, height, fmt, channels)))
+    return r, h.value or 0
+
+
+def array3d(width: int, height: int, depth: int, fmt: int, channels: int, flags: int = 0) -> tuple[int, int]:
+    h = ctypes.c_void_p()
+    r = lib.cuArray3DCreate_v2(ctypes.byref(h), ctypes.byref(ARRAY3D_DESCRIPTOR(width, height, depth, fmt, channels, flags)))
+    return r, h.value or 0
+
+
+def resource_desc(kind: int, words: bytes) -> ctypes.Array:
+    """A CUDA_RESOURCE_DESC (144 bytes): resType, then the union's bytes at offset 8, flags 0."""
+    import struct
+    return ctypes.create_string_buffer(struct.pack("<i4x", kind) + words.ljust(128, b"\0") + bytes(8), 144)

@@ -78,3 +78,34 @@ def test_cuda_backend_copies_pointer_attributes_and_modules(native_libs: build.L
     # MEMORY_TYPE is 4 bytes: only those were written into the caller's 8-byte variable.
     assert "KIND 0xffffffff00000002" in done.stdout
     assert "PARAM1 8 16" in done.stdout
+
+
+@pytest.mark.parametrize("program", ["PROGRAM_2D", "PROGRAM_3D", "PROGRAM_PIECES", "PROGRAM_OBJECTS", "PROGRAM_GRAPHS"])
+def test_arrays_copies_and_texture_objects_through_the_cuda_backend(native_libs: build.Libraries, chained: Server,
+                                                                    program: str) -> None:
+    # The CUDA backend's array paths (ctypes structs, cuMemcpy2DAsync/2DUnaligned/3DAsync with the
+    # host side in the worker's receive buffer or its own buffer, the footprint probe) byte for byte.
+    from tests.remoting import test_arrays_emulated as arrays
+    out = arrays.run(native_libs, chained, getattr(arrays, program))
+    assert out.count("\nOK ") + out.startswith("OK ") >= 1, out
+
+
+def test_cuda_backend_charges_the_footprint_the_driver_reports(native_libs: build.Libraries, chained: Server) -> None:
+    # The backend asks "the driver" for a deferred-mapping array's memory requirements (here the
+    # emulated GPU's exact texel bytes, not rgpu's padded estimate) and charges that, for an array and
+    # for each level of a mipmapped array; beyond the slice, refused.
+    from tests.remoting import test_arrays_emulated as arrays
+    out = arrays.run(native_libs, chained, """
+        free0, total = mem_info()
+        r, a = array2d(37, 19, FMT_FLOAT, 1)
+        print("USED", r, free0 - mem_info()[0])
+        check("cuArrayDestroy", ctypes.c_void_p(a))
+        mm = ctypes.c_void_p()
+        check("cuMipmappedArrayCreate", ctypes.byref(mm), ctypes.byref(ARRAY3D_DESCRIPTOR(20, 10, 0, FMT_FLOAT, 1, 0)), 3)
+        print("MIPMAP", free0 - mem_info()[0])
+        r, b = array2d(16384, 16384, FMT_FLOAT, 4)
+        print("BEYOND", r)
+        """, limit=1 << 30)
+    assert "USED 0 2812" in out, out                      # 37 x 19 x 4 bytes (the estimate: 192 x 24)
+    assert f"MIPMAP {(20 * 10 + 10 * 5 + 5 * 2) * 4}" in out
+    assert "BEYOND 2" in out

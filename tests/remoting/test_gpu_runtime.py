@@ -242,3 +242,53 @@ def test_torch_model_parallel_across_two_slices(native_libs: build.Libraries, gp
     a, b = curve(local.stdout), curve(remote.stdout)
     assert len(a) == len(b) == 20 and b[-1] < b[0]
     assert max(abs(p - q) for p, q in zip(a, b)) <= 1e-3 * max(a), list(zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def texture_demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    prebuilt = os.environ.get("RGPU_RUNTIME_DEMO_DIR")
+    if prebuilt and (Path(prebuilt) / "texture_demo_static").exists():
+        return Path(prebuilt) / "texture_demo_static"
+    out = tmp_path_factory.mktemp("texture") / "texture_demo_static"
+    run_nvcc(["-O2", "-gencode", "arch=compute_90,code=[sm_90,compute_90]", "-cudart", "static",
+              str(EXAMPLES / "texture_demo.cu"), "-o", str(out)], "RGPU_RUNTIME_DEMO_DIR")
+    return out
+
+
+def test_textures_and_surfaces_sample_as_they_do_locally(native_libs: build.Libraries, gpu_server: Server,  # noqa: F811
+                                                         texture_demo: Path, tmp_path: Path) -> None:
+    # cudaMallocArray + cudaMemcpy2DToArray + texture objects on an array, on linear and on pitched
+    # memory (point and linear filtering) and a surface written by a kernel, read back through rgpu;
+    # the filtered values' checksum must equal a local run's (the texture unit's arithmetic).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
+    local = subprocess.run([str(texture_demo), "launch"], env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert "TEXTURE OK" in local.stdout, local.stdout + local.stderr
+    remote = flexrun(native_libs, gpu_server, tmp_path, [str(texture_demo), "launch"], name="texture-demo")
+    for line in ("SAME tex2D on the array", "SAME tex2D on pitched memory", "SAME tex1Dfetch on linear memory",
+                 "SAME surf2Dwrite", "SAME 3D array round trip", "TEXTURE OK"):
+        assert line in remote.stdout, remote.stdout + remote.stderr
+    checksum = lambda out: next(x for x in out.splitlines() if x.startswith("LINEAR FILTER"))  # noqa: E731
+    assert checksum(local.stdout) == checksum(remote.stdout)
+    assert remote.returncode == 0
+
+
+def test_arrays_count_against_the_slice_on_a_real_gpu(native_libs: build.Libraries, gpu_server: Server,  # noqa: F811
+                                                      tmp_path: Path) -> None:
+    # The driver's own footprint (a deferred-mapping probe) is charged: at least the texels; an
+    # array larger than the slice is refused before the driver is asked.
+    done = flexrun(native_libs, gpu_server, tmp_path, py("""
+        from ctcuda import *
+        setup()
+        free0, total = mem_info()
+        r, a = array2d(4096, 4096, FMT_FLOAT, 4)          # 256 MiB of texels
+        free1, _ = mem_info()
+        print("USED", r, free0 - free1, flush=True)
+        r2, b = array3d(16384, 16384, 0, FMT_FLOAT, 4)    # 4 GiB: beyond a 2 GiB slice
+        print("BEYOND", r2, flush=True)
+        check("cuArrayDestroy", ctypes.c_void_p(a))
+        print("BACK", mem_info()[0] == free0, flush=True)
+        """), name="arrays-limit", memory=2 * GiB)
+    used = next(line.split() for line in done.stdout.splitlines() if line.startswith("USED "))
+    assert used[1] == "0" and 256 << 20 <= int(used[2]) <= 320 << 20, done.stdout + done.stderr
+    assert "BEYOND 2" in done.stdout
+    assert "BACK True" in done.stdout

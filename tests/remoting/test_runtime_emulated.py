@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,43 @@ def test_runtime_host_functions_in_graphs_run_in_the_client(native_libs: build.L
     assert "REPORTED 1010101 1010101 RESULT 0" in out   # the callback saw the copy node's result, and reset it
     assert "GRAPHS OK" in out
     assert done.returncode == 0
+
+
+@pytest.fixture(scope="module", params=["static", "shared"])
+def texture_demo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        pytest.skip("nvcc not found (install the CUDA toolkit to build CUDA-runtime test programs)")
+    out = tmp_path_factory.mktemp("texture") / f"texture_demo_{request.param}"
+    argv = [nvcc, "-O2", "-gencode", "arch=compute_90,code=[sm_90,compute_90]", "-cudart", request.param,
+            str(EXAMPLES / "texture_demo.cu"), "-o", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    return request.param, out
+
+
+def test_runtime_arrays_textures_and_surfaces_move_data_through_rgpu(native_libs: build.Libraries, emulated: Server,
+                                                                      texture_demo: tuple[str, Path],
+                                                                      tmp_path: Path) -> None:
+    # cudaMallocArray/cudaMalloc3DArray (cuArray3DCreate_v2), cudaMemcpy2DToArray/FromArray/ArrayToArray and
+    # cudaMemcpy3D (cuMemcpy3D_v2, cuMemcpy3DAsync_v2), texture objects on arrays, linear and pitched
+    # memory and a mipmapped array, a surface object, the deprecated cudaMemcpyToArray/FromArray: every
+    # memory path, bytes compared (kernels need a real GPU: test_gpu_runtime.py).
+    kind, program = texture_demo
+    stats = tmp_path / "stats"
+    done = _run(native_libs, emulated, program, RGPU_CLIENT_STATS=str(stats))
+    out = done.stdout
+    for line in ("SAME array round trip", "SAME array to pitched memory", "SAME 3D array round trip",
+                 "SAME linear span through an array", "SAME mipmap level round trip",
+                 "OK cudaCreateTextureObject(&tex_mip, &rm, &tdm, NULL)", "OK cudaFreeMipmappedArray(mip)",
+                 "SAME texture resource read back", "SAME texture descriptor read back",
+                 "OK cudaMemcpy2DArrayToArray", "OK cudaMemcpy2DToArrayAsync", "OK cudaCreateSurfaceObject(&surf, &rs)",
+                 "ARRAYINFO 32 0 0 0 kind 2 extent 37 19 0 flags 0", "TEXTURE OK"):
+        assert line in out, f"{kind}: {line}\n{out}\n{done.stderr}"
+    assert done.returncode == 0
+    # The runtime asks for each array's descriptor before every copy and texture object: answered
+    # in the client after the first time (one round trip per array: five, and a mipmap level).
+    report = subprocess.run([sys.executable, "-m", "rgpu.remoting.native.client_stats", *map(str, tmp_path.glob("stats.*"))],
+                            capture_output=True, text=True, check=True).stdout
+    row = next(line for line in report.splitlines() if line.startswith("cuArray3DGetDescriptor_v2"))
+    assert int(row.split()[1]) <= 6, report

@@ -31,7 +31,7 @@ log = logging.getLogger("rgpu.worker")
 OP = api_gen.OPCODES
 # Calls that wait for a reply but put work on the GPU (the limiter gates them like launches).
 GPU_WORK_OPS = frozenset(OP[name] for name in ("cuMemcpyDtoHAsync_v2", "cuMemcpyDtoD_v2", "cuGraphLaunch",
-                                               "cuMemsetD8_v2", "cuMemsetD32_v2") if name in OP)
+                                               "cuMemsetD8_v2", "cuMemsetD32_v2", "rgpuMemcpyArrayToHost") if name in OP)
 
 
 class Worker(Handlers):
@@ -149,6 +149,14 @@ class Worker(Handlers):
             "cuMemRelease": (self.h_mem_release, False),
             "cuMemRetainAllocationHandle": (self.h_mem_retain, False),
             "cuMemSetAccess": (self.h_mem_set_access, False),
+            "cuArrayCreate_v2": (self.h_array_create("2d"), False),
+            "cuArray3DCreate_v2": (self.h_array_create("3d"), False),
+            "cuMipmappedArrayCreate": (self.h_array_create("mipmapped"), False),
+            "cuArrayDestroy": (self.h_array_destroy("array"), False),
+            "cuMipmappedArrayDestroy": (self.h_array_destroy("mipmapped"), False),
+            "cuTexObjectCreate": (self.h_tex_object_create, False),
+            "rgpuMemcpyArray": (self.h_memcpy_array, True),
+            "rgpuMemcpyArrayToHost": (self.h_memcpy_array_to_host, False),
         }
         for name, entry in manual.items():
             self.handlers[OP[name]] = entry

@@ -14,9 +14,9 @@ import ctypes
 import struct
 from typing import Any, Callable
 
-PROTOCOL_VERSION = 5
-CUDA_SPEC_SHA256 = "17e4df07c51db25c7747a250a59cbc32f56ddc4a6822384336f9032ca2810029"
-NVML_SPEC_SHA256 = "7ae156553f0c913a8e5edc41f22dfd65ec032cc88cfef75ccfd895a4c480a16e"
+PROTOCOL_VERSION = 6
+CUDA_SPEC_SHA256 = "e81e07bdbd357988a8b22ae6bce7515ef5a2edce500f1dd4923e733c8d658217"
+NVML_SPEC_SHA256 = "c48f9d345878824fa1002d6055eccdbcf2e821559763aa89c0d36eba18d3034f"
 
 _STRUCTS: dict[str, struct.Struct] = {}
 
@@ -216,6 +216,29 @@ OPS: dict[int, str] = {
     201: "cuMemUnmap",
     202: "cuMemSetAccess",
     203: "cuMemGetAccess",
+    204: "cuArrayCreate_v2",
+    205: "cuArray3DCreate_v2",
+    206: "cuArrayDestroy",
+    207: "cuArrayGetDescriptor_v2",
+    208: "cuArray3DGetDescriptor_v2",
+    209: "cuArrayGetMemoryRequirements",
+    210: "cuArrayGetSparseProperties",
+    211: "cuArrayGetPlane",
+    212: "cuMipmappedArrayCreate",
+    213: "cuMipmappedArrayDestroy",
+    214: "cuMipmappedArrayGetLevel",
+    215: "cuMipmappedArrayGetMemoryRequirements",
+    216: "cuMipmappedArrayGetSparseProperties",
+    217: "rgpuMemcpyArray",
+    218: "rgpuMemcpyArrayToHost",
+    219: "cuTexObjectCreate",
+    220: "cuTexObjectDestroy",
+    221: "cuTexObjectGetResourceDesc",
+    222: "cuTexObjectGetTextureDesc",
+    223: "cuTexObjectGetResourceViewDesc",
+    224: "cuSurfObjectCreate",
+    225: "cuSurfObjectDestroy",
+    226: "cuSurfObjectGetResourceDesc",
     1024: "nvmlDeviceGetMemoryInfo",
     1025: "nvmlDeviceGetMemoryInfo_v2",
     1026: "nvmlDeviceGetBAR1MemoryInfo",
@@ -274,7 +297,7 @@ OPS: dict[int, str] = {
 }
 OPCODES: dict[str, int] = {name: op for op, name in OPS.items()}
 ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 87, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 109, 116, 117, 172, 173, 189, 190, 191, 192, })
-MANUAL_OPS: frozenset[str] = frozenset({ "cuInit", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuCtxDestroy_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuMemAllocAsync", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "rgpuMemcpy2DDevice", "cuPointerGetAttribute", "cuPointerGetAttributes", "cuModuleLoadDataEx", "cuModuleUnload", "cuModuleGetFunction", "cuLinkCreate_v2", "cuLinkAddData_v2", "cuLinkComplete", "cuLinkDestroy", "cuLibraryLoadData", "cuLibraryUnload", "cuLaunchKernel", "rgpuOccupancyMaxPotentialBlockSize", "cuOccupancyMaxActiveClusters", "rgpuParamInfo", "rgpuSessionInfo", "rgpuPrivateTableSize", "rgpuModuleNodes", "rgpuStreamCaptureInfo", "cuGraphGetNodes", "rgpuGraphAddNode", "rgpuGraphHostRefresh", "rgpuGraphHostReadback", "rgpuCaptureHostCopy", "rgpuGraphKernelNodeSetParams", "rgpuCaptureHostFunc", "rgpuGraphHostNode", "cuMemCreate", "cuMemRelease", "cuMemRetainAllocationHandle", "cuMemSetAccess", })
+MANUAL_OPS: frozenset[str] = frozenset({ "cuInit", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuCtxDestroy_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuMemAllocAsync", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "rgpuMemcpy2DDevice", "cuPointerGetAttribute", "cuPointerGetAttributes", "cuModuleLoadDataEx", "cuModuleUnload", "cuModuleGetFunction", "cuLinkCreate_v2", "cuLinkAddData_v2", "cuLinkComplete", "cuLinkDestroy", "cuLibraryLoadData", "cuLibraryUnload", "cuLaunchKernel", "rgpuOccupancyMaxPotentialBlockSize", "cuOccupancyMaxActiveClusters", "rgpuParamInfo", "rgpuSessionInfo", "rgpuPrivateTableSize", "rgpuModuleNodes", "rgpuStreamCaptureInfo", "cuGraphGetNodes", "rgpuGraphAddNode", "rgpuGraphHostRefresh", "rgpuGraphHostReadback", "rgpuCaptureHostCopy", "rgpuGraphKernelNodeSetParams", "rgpuCaptureHostFunc", "rgpuGraphHostNode", "cuMemCreate", "cuMemRelease", "cuMemRetainAllocationHandle", "cuMemSetAccess", "cuArrayCreate_v2", "cuArray3DCreate_v2", "cuArrayDestroy", "cuMipmappedArrayCreate", "cuMipmappedArrayDestroy", "rgpuMemcpyArray", "rgpuMemcpyArrayToHost", "cuTexObjectCreate", })
 
 Handler = Callable[[Any, Any, int], tuple[int, bytes]]
 
@@ -1009,6 +1032,107 @@ def _h_cuMemGetAccess(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
         return res[0], b""
     return 0, _struct('<Q').pack(res[1])
 
+def _h_cuArrayGetDescriptor_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hArray, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuArrayGetDescriptor_v2(hArray)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<24s').pack(res[1])
+
+def _h_cuArray3DGetDescriptor_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hArray, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuArray3DGetDescriptor_v2(hArray)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<40s').pack(res[1])
+
+def _h_cuArrayGetMemoryRequirements(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    array, device = _struct('<Qi').unpack_from(buf, off); off += 12
+    res = api.cuArrayGetMemoryRequirements(array, device)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<32s').pack(res[1])
+
+def _h_cuArrayGetSparseProperties(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    array, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuArrayGetSparseProperties(array)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<48s').pack(res[1])
+
+def _h_cuArrayGetPlane(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hArray, planeIdx = _struct('<QI').unpack_from(buf, off); off += 12
+    res = api.cuArrayGetPlane(hArray, planeIdx)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<Q').pack(res[1])
+
+def _h_cuMipmappedArrayGetLevel(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hMipmappedArray, level = _struct('<QI').unpack_from(buf, off); off += 12
+    res = api.cuMipmappedArrayGetLevel(hMipmappedArray, level)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<Q').pack(res[1])
+
+def _h_cuMipmappedArrayGetMemoryRequirements(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    mipmap, device = _struct('<Qi').unpack_from(buf, off); off += 12
+    res = api.cuMipmappedArrayGetMemoryRequirements(mipmap, device)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<32s').pack(res[1])
+
+def _h_cuMipmappedArrayGetSparseProperties(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    mipmap, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuMipmappedArrayGetSparseProperties(mipmap)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<48s').pack(res[1])
+
+def _h_cuTexObjectDestroy(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    texObject, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuTexObjectDestroy(texObject)
+    return res[0], b""
+
+def _h_cuTexObjectGetResourceDesc(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    texObject, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuTexObjectGetResourceDesc(texObject)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<144s').pack(res[1])
+
+def _h_cuTexObjectGetTextureDesc(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    texObject, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuTexObjectGetTextureDesc(texObject)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<104s').pack(res[1])
+
+def _h_cuTexObjectGetResourceViewDesc(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    texObject, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuTexObjectGetResourceViewDesc(texObject)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<112s').pack(res[1])
+
+def _h_cuSurfObjectCreate(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    pResDesc, = _struct('<144s').unpack_from(buf, off); off += 144
+    res = api.cuSurfObjectCreate(pResDesc)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<Q').pack(res[1])
+
+def _h_cuSurfObjectDestroy(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    surfObject, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuSurfObjectDestroy(surfObject)
+    return res[0], b""
+
+def _h_cuSurfObjectGetResourceDesc(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    surfObject, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuSurfObjectGetResourceDesc(surfObject)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<144s').pack(res[1])
+
 def _h_nvmlDeviceGetMemoryInfo(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     device, = _struct('<I').unpack_from(buf, off); off += 4
     res = api.nvmlDeviceGetMemoryInfo(device)
@@ -1518,6 +1642,21 @@ GENERATED_HANDLERS: dict[int, tuple[str, Handler]] = {
     200: ("cuMemMap", _h_cuMemMap),
     201: ("cuMemUnmap", _h_cuMemUnmap),
     203: ("cuMemGetAccess", _h_cuMemGetAccess),
+    207: ("cuArrayGetDescriptor_v2", _h_cuArrayGetDescriptor_v2),
+    208: ("cuArray3DGetDescriptor_v2", _h_cuArray3DGetDescriptor_v2),
+    209: ("cuArrayGetMemoryRequirements", _h_cuArrayGetMemoryRequirements),
+    210: ("cuArrayGetSparseProperties", _h_cuArrayGetSparseProperties),
+    211: ("cuArrayGetPlane", _h_cuArrayGetPlane),
+    214: ("cuMipmappedArrayGetLevel", _h_cuMipmappedArrayGetLevel),
+    215: ("cuMipmappedArrayGetMemoryRequirements", _h_cuMipmappedArrayGetMemoryRequirements),
+    216: ("cuMipmappedArrayGetSparseProperties", _h_cuMipmappedArrayGetSparseProperties),
+    220: ("cuTexObjectDestroy", _h_cuTexObjectDestroy),
+    221: ("cuTexObjectGetResourceDesc", _h_cuTexObjectGetResourceDesc),
+    222: ("cuTexObjectGetTextureDesc", _h_cuTexObjectGetTextureDesc),
+    223: ("cuTexObjectGetResourceViewDesc", _h_cuTexObjectGetResourceViewDesc),
+    224: ("cuSurfObjectCreate", _h_cuSurfObjectCreate),
+    225: ("cuSurfObjectDestroy", _h_cuSurfObjectDestroy),
+    226: ("cuSurfObjectGetResourceDesc", _h_cuSurfObjectGetResourceDesc),
     1024: ("nvmlDeviceGetMemoryInfo", _h_nvmlDeviceGetMemoryInfo),
     1025: ("nvmlDeviceGetMemoryInfo_v2", _h_nvmlDeviceGetMemoryInfo_v2),
     1026: ("nvmlDeviceGetBAR1MemoryInfo", _h_nvmlDeviceGetBAR1MemoryInfo),
@@ -1699,6 +1838,21 @@ CUDA_ARGTYPES: dict[str, list[Any]] = {
     "cuMemMap": [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_ulonglong, ctypes.c_ulonglong],
     "cuMemUnmap": [ctypes.c_uint64, ctypes.c_size_t],
     "cuMemGetAccess": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64],
+    "cuArrayGetDescriptor_v2": [ctypes.c_void_p, ctypes.c_void_p],
+    "cuArray3DGetDescriptor_v2": [ctypes.c_void_p, ctypes.c_void_p],
+    "cuArrayGetMemoryRequirements": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int],
+    "cuArrayGetSparseProperties": [ctypes.c_void_p, ctypes.c_void_p],
+    "cuArrayGetPlane": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint],
+    "cuMipmappedArrayGetLevel": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint],
+    "cuMipmappedArrayGetMemoryRequirements": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int],
+    "cuMipmappedArrayGetSparseProperties": [ctypes.c_void_p, ctypes.c_void_p],
+    "cuTexObjectDestroy": [ctypes.c_ulonglong],
+    "cuTexObjectGetResourceDesc": [ctypes.c_void_p, ctypes.c_ulonglong],
+    "cuTexObjectGetTextureDesc": [ctypes.c_void_p, ctypes.c_ulonglong],
+    "cuTexObjectGetResourceViewDesc": [ctypes.c_void_p, ctypes.c_ulonglong],
+    "cuSurfObjectCreate": [ctypes.c_void_p, ctypes.c_void_p],
+    "cuSurfObjectDestroy": [ctypes.c_ulonglong],
+    "cuSurfObjectGetResourceDesc": [ctypes.c_void_p, ctypes.c_ulonglong],
 }
 
 NVML_ARGTYPES: dict[str, list[Any]] = {
@@ -2347,6 +2501,80 @@ class CudaDriverCalls:
         location_in = (ctypes.c_char * 8).from_buffer_copy(location)
         r = self._fn_cuMemGetAccess(ctypes.byref(flags_out), ctypes.byref(location_in), ptr)
         return (r, flags_out.value or 0)
+
+    def cuArrayGetDescriptor_v2(self, hArray):
+        pArrayDescriptor_out = (ctypes.c_char * 24)()
+        r = self._fn_cuArrayGetDescriptor_v2(ctypes.byref(pArrayDescriptor_out), hArray)
+        return (r, bytes(pArrayDescriptor_out))
+
+    def cuArray3DGetDescriptor_v2(self, hArray):
+        pArrayDescriptor_out = (ctypes.c_char * 40)()
+        r = self._fn_cuArray3DGetDescriptor_v2(ctypes.byref(pArrayDescriptor_out), hArray)
+        return (r, bytes(pArrayDescriptor_out))
+
+    def cuArrayGetMemoryRequirements(self, array, device):
+        memoryRequirements_out = (ctypes.c_char * 32)()
+        r = self._fn_cuArrayGetMemoryRequirements(ctypes.byref(memoryRequirements_out), array, device)
+        return (r, bytes(memoryRequirements_out))
+
+    def cuArrayGetSparseProperties(self, array):
+        sparseProperties_out = (ctypes.c_char * 48)()
+        r = self._fn_cuArrayGetSparseProperties(ctypes.byref(sparseProperties_out), array)
+        return (r, bytes(sparseProperties_out))
+
+    def cuArrayGetPlane(self, hArray, planeIdx):
+        pPlaneArray_out = (ctypes.c_void_p)()
+        r = self._fn_cuArrayGetPlane(ctypes.byref(pPlaneArray_out), hArray, planeIdx)
+        return (r, pPlaneArray_out.value or 0)
+
+    def cuMipmappedArrayGetLevel(self, hMipmappedArray, level):
+        pLevelArray_out = (ctypes.c_void_p)()
+        r = self._fn_cuMipmappedArrayGetLevel(ctypes.byref(pLevelArray_out), hMipmappedArray, level)
+        return (r, pLevelArray_out.value or 0)
+
+    def cuMipmappedArrayGetMemoryRequirements(self, mipmap, device):
+        memoryRequirements_out = (ctypes.c_char * 32)()
+        r = self._fn_cuMipmappedArrayGetMemoryRequirements(ctypes.byref(memoryRequirements_out), mipmap, device)
+        return (r, bytes(memoryRequirements_out))
+
+    def cuMipmappedArrayGetSparseProperties(self, mipmap):
+        sparseProperties_out = (ctypes.c_char * 48)()
+        r = self._fn_cuMipmappedArrayGetSparseProperties(ctypes.byref(sparseProperties_out), mipmap)
+        return (r, bytes(sparseProperties_out))
+
+    def cuTexObjectDestroy(self, texObject):
+        r = self._fn_cuTexObjectDestroy(texObject)
+        return (r,)
+
+    def cuTexObjectGetResourceDesc(self, texObject):
+        pResDesc_out = (ctypes.c_char * 144)()
+        r = self._fn_cuTexObjectGetResourceDesc(ctypes.byref(pResDesc_out), texObject)
+        return (r, bytes(pResDesc_out))
+
+    def cuTexObjectGetTextureDesc(self, texObject):
+        pTexDesc_out = (ctypes.c_char * 104)()
+        r = self._fn_cuTexObjectGetTextureDesc(ctypes.byref(pTexDesc_out), texObject)
+        return (r, bytes(pTexDesc_out))
+
+    def cuTexObjectGetResourceViewDesc(self, texObject):
+        pResViewDesc_out = (ctypes.c_char * 112)()
+        r = self._fn_cuTexObjectGetResourceViewDesc(ctypes.byref(pResViewDesc_out), texObject)
+        return (r, bytes(pResViewDesc_out))
+
+    def cuSurfObjectCreate(self, pResDesc):
+        pSurfObject_out = (ctypes.c_ulonglong)()
+        pResDesc_in = (ctypes.c_char * 144).from_buffer_copy(pResDesc)
+        r = self._fn_cuSurfObjectCreate(ctypes.byref(pSurfObject_out), ctypes.byref(pResDesc_in))
+        return (r, pSurfObject_out.value or 0)
+
+    def cuSurfObjectDestroy(self, surfObject):
+        r = self._fn_cuSurfObjectDestroy(surfObject)
+        return (r,)
+
+    def cuSurfObjectGetResourceDesc(self, surfObject):
+        pResDesc_out = (ctypes.c_char * 144)()
+        r = self._fn_cuSurfObjectGetResourceDesc(ctypes.byref(pResDesc_out), surfObject)
+        return (r, bytes(pResDesc_out))
 
 
 class NvmlCalls:

@@ -206,7 +206,7 @@ RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxReset_v2(CUdevice dev) {
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
     r = rgpu_sync(&c);
-    rgpu_pstate_forget(); rgpu_cache_forget_functions();
+    rgpu_pstate_forget(); rgpu_cache_forget_functions(); rgpu_array_desc_forget(0);
     rgpu_end(&c);
     return r;
 }
@@ -1628,6 +1628,241 @@ RGPU_EXPORT CUresult CUDAAPI cuMemGetAccess(unsigned long long *flags, const CUm
     return r;
 }
 
+RGPU_EXPORT CUresult CUDAAPI cuArrayGetDescriptor_v2(CUDA_ARRAY_DESCRIPTOR *pArrayDescriptor, CUarray hArray) {
+    if (pArrayDescriptor == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuArrayGetDescriptor_v2);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hArray);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_ARRAY_DESCRIPTOR pArrayDescriptor_v; memset(&pArrayDescriptor_v, 0, sizeof pArrayDescriptor_v); rgpu_get(&c, &pArrayDescriptor_v, sizeof(pArrayDescriptor_v)); if (pArrayDescriptor) *pArrayDescriptor = pArrayDescriptor_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuArray3DGetDescriptor_v2(CUDA_ARRAY3D_DESCRIPTOR *pArrayDescriptor, CUarray hArray) {
+    if (pArrayDescriptor == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_array_desc_get(hArray, pArrayDescriptor)) return CUDA_SUCCESS;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuArray3DGetDescriptor_v2);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hArray);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_ARRAY3D_DESCRIPTOR pArrayDescriptor_v; memset(&pArrayDescriptor_v, 0, sizeof pArrayDescriptor_v); rgpu_get(&c, &pArrayDescriptor_v, sizeof(pArrayDescriptor_v)); if (pArrayDescriptor) *pArrayDescriptor = pArrayDescriptor_v; }
+    }
+    if (r == CUDA_SUCCESS) rgpu_array_desc_put(c.s->index, hArray, pArrayDescriptor);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *memoryRequirements, CUarray array, CUdevice device) {
+    if (memoryRequirements == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuArrayGetMemoryRequirements, device);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)array);
+    rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_ARRAY_MEMORY_REQUIREMENTS memoryRequirements_v; memset(&memoryRequirements_v, 0, sizeof memoryRequirements_v); rgpu_get(&c, &memoryRequirements_v, sizeof(memoryRequirements_v)); if (memoryRequirements) *memoryRequirements = memoryRequirements_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuArrayGetSparseProperties(CUDA_ARRAY_SPARSE_PROPERTIES *sparseProperties, CUarray array) {
+    if (sparseProperties == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuArrayGetSparseProperties);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)array);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_ARRAY_SPARSE_PROPERTIES sparseProperties_v; memset(&sparseProperties_v, 0, sizeof sparseProperties_v); rgpu_get(&c, &sparseProperties_v, sizeof(sparseProperties_v)); if (sparseProperties) *sparseProperties = sparseProperties_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuArrayGetPlane(CUarray *pPlaneArray, CUarray hArray, unsigned int planeIdx) {
+    if (pPlaneArray == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuArrayGetPlane);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hArray);
+    { uint32_t v_ = (uint32_t)planeIdx; rgpu_put(&c, &v_, 4); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUarray pPlaneArray_v; memset(&pPlaneArray_v, 0, sizeof pPlaneArray_v); pPlaneArray_v = (CUarray)(uintptr_t)rgpu_get_u64(&c); if (pPlaneArray) *pPlaneArray = pPlaneArray_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMipmappedArrayGetLevel(CUarray *pLevelArray, CUmipmappedArray hMipmappedArray, unsigned int level) {
+    if (pLevelArray == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuMipmappedArrayGetLevel);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hMipmappedArray);
+    { uint32_t v_ = (uint32_t)level; rgpu_put(&c, &v_, 4); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUarray pLevelArray_v; memset(&pLevelArray_v, 0, sizeof pLevelArray_v); pLevelArray_v = (CUarray)(uintptr_t)rgpu_get_u64(&c); if (pLevelArray) *pLevelArray = pLevelArray_v; }
+    }
+    if (r == CUDA_SUCCESS) rgpu_array_level_put(*pLevelArray, hMipmappedArray);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMipmappedArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *memoryRequirements, CUmipmappedArray mipmap, CUdevice device) {
+    if (memoryRequirements == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuMipmappedArrayGetMemoryRequirements, device);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)mipmap);
+    rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_ARRAY_MEMORY_REQUIREMENTS memoryRequirements_v; memset(&memoryRequirements_v, 0, sizeof memoryRequirements_v); rgpu_get(&c, &memoryRequirements_v, sizeof(memoryRequirements_v)); if (memoryRequirements) *memoryRequirements = memoryRequirements_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuMipmappedArrayGetSparseProperties(CUDA_ARRAY_SPARSE_PROPERTIES *sparseProperties, CUmipmappedArray mipmap) {
+    if (sparseProperties == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuMipmappedArrayGetSparseProperties);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)mipmap);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_ARRAY_SPARSE_PROPERTIES sparseProperties_v; memset(&sparseProperties_v, 0, sizeof sparseProperties_v); rgpu_get(&c, &sparseProperties_v, sizeof(sparseProperties_v)); if (sparseProperties) *sparseProperties = sparseProperties_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuTexObjectDestroy(CUtexObject texObject) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuTexObjectDestroy);
+    if (r != CUDA_SUCCESS) return r;
+    { uint64_t v_ = (uint64_t)texObject; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuTexObjectGetResourceDesc(CUDA_RESOURCE_DESC *pResDesc, CUtexObject texObject) {
+    if (pResDesc == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuTexObjectGetResourceDesc);
+    if (r != CUDA_SUCCESS) return r;
+    { uint64_t v_ = (uint64_t)texObject; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_RESOURCE_DESC pResDesc_v; memset(&pResDesc_v, 0, sizeof pResDesc_v); rgpu_get(&c, &pResDesc_v, sizeof(pResDesc_v)); if (pResDesc) *pResDesc = pResDesc_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuTexObjectGetTextureDesc(CUDA_TEXTURE_DESC *pTexDesc, CUtexObject texObject) {
+    if (pTexDesc == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuTexObjectGetTextureDesc);
+    if (r != CUDA_SUCCESS) return r;
+    { uint64_t v_ = (uint64_t)texObject; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_TEXTURE_DESC pTexDesc_v; memset(&pTexDesc_v, 0, sizeof pTexDesc_v); rgpu_get(&c, &pTexDesc_v, sizeof(pTexDesc_v)); if (pTexDesc) *pTexDesc = pTexDesc_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuTexObjectGetResourceViewDesc(CUDA_RESOURCE_VIEW_DESC *pResViewDesc, CUtexObject texObject) {
+    if (pResViewDesc == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuTexObjectGetResourceViewDesc);
+    if (r != CUDA_SUCCESS) return r;
+    { uint64_t v_ = (uint64_t)texObject; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_RESOURCE_VIEW_DESC pResViewDesc_v; memset(&pResViewDesc_v, 0, sizeof pResViewDesc_v); rgpu_get(&c, &pResViewDesc_v, sizeof(pResViewDesc_v)); if (pResViewDesc) *pResViewDesc = pResViewDesc_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuSurfObjectCreate(CUsurfObject *pSurfObject, const CUDA_RESOURCE_DESC *pResDesc) {
+    if (pSurfObject == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (pResDesc == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuSurfObjectCreate);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put(&c, pResDesc, sizeof *pResDesc);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUsurfObject pSurfObject_v; memset(&pSurfObject_v, 0, sizeof pSurfObject_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); pSurfObject_v = (CUsurfObject)v_; } if (pSurfObject) *pSurfObject = pSurfObject_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuSurfObjectDestroy(CUsurfObject surfObject) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuSurfObjectDestroy);
+    if (r != CUDA_SUCCESS) return r;
+    { uint64_t v_ = (uint64_t)surfObject; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuSurfObjectGetResourceDesc(CUDA_RESOURCE_DESC *pResDesc, CUsurfObject surfObject) {
+    if (pResDesc == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuSurfObjectGetResourceDesc);
+    if (r != CUDA_SUCCESS) return r;
+    { uint64_t v_ = (uint64_t)surfObject; rgpu_put(&c, &v_, 8); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUDA_RESOURCE_DESC pResDesc_v; memset(&pResDesc_v, 0, sizeof pResDesc_v); rgpu_get(&c, &pResDesc_v, sizeof(pResDesc_v)); if (pResDesc) *pResDesc = pResDesc_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuModuleGetTexRef(CUtexref *pTexRef, CUmodule hmod, const char *name) {
+    static int seen;
+    return rgpu_unsupported("cuModuleGetTexRef", &seen, "texture references are deprecated since CUDA 12; use texture objects");
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuModuleGetSurfRef(CUsurfref *pSurfRef, CUmodule hmod, const char *name) {
+    static int seen;
+    return rgpu_unsupported("cuModuleGetSurfRef", &seen, "surface references are deprecated since CUDA 12; use surface objects");
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuTexRefSetArray(CUtexref hTexRef, CUarray hArray, unsigned int Flags) {
+    static int seen;
+    return rgpu_unsupported("cuTexRefSetArray", &seen, "texture references are deprecated since CUDA 12; use texture objects");
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuTexRefSetAddress_v2(size_t *ByteOffset, CUtexref hTexRef, CUdeviceptr dptr, size_t bytes) {
+    static int seen;
+    return rgpu_unsupported("cuTexRefSetAddress_v2", &seen, "texture references are deprecated since CUDA 12; use texture objects");
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuSurfRefSetArray(CUsurfref hSurfRef, CUarray hArray, unsigned int Flags) {
+    static int seen;
+    return rgpu_unsupported("cuSurfRefSetArray", &seen, "surface references are deprecated since CUDA 12; use surface objects");
+}
+
 /* Per-thread default stream variants: the worker's one thread has one per-thread stream. */
 RGPU_EXPORT CUresult CUDAAPI cuGetProcAddress_v2_ptsz(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags, CUdriverProcAddressQueryResult *symbolStatus) {
     return cuGetProcAddress_v2(symbol, pfn, cudaVersion, flags, symbolStatus);
@@ -1693,6 +1928,13 @@ RGPU_EXPORT CUresult CUDAAPI cuMemcpy2DUnaligned_v2_ptds(const CUDA_MEMCPY2D *pC
 RGPU_EXPORT CUresult CUDAAPI cuMemcpy2DAsync_v2_ptsz(const CUDA_MEMCPY2D *pCopy, CUstream hStream) {
     if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
     return cuMemcpy2DAsync_v2(pCopy, hStream);
+}
+RGPU_EXPORT CUresult CUDAAPI cuMemcpy3D_v2_ptds(const CUDA_MEMCPY3D *pCopy) {
+    return cuMemcpy3D_v2(pCopy);
+}
+RGPU_EXPORT CUresult CUDAAPI cuMemcpy3DAsync_v2_ptsz(const CUDA_MEMCPY3D *pCopy, CUstream hStream) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuMemcpy3DAsync_v2(pCopy, hStream);
 }
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD8_v2_ptds(CUdeviceptr dstDevice, unsigned char uc, size_t N) {
     return cuMemsetD8_v2(dstDevice, uc, N);
@@ -1870,21 +2112,36 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamWaitValue64_v2_ptsz(CUstream stream, CUdevi
     if (stream == NULL) stream = CU_STREAM_PER_THREAD;
     return cuStreamWaitValue64_v2(stream, addr, value, flags);
 }
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoA_v2_ptds(CUarray dstArray, size_t dstOffset, const void *srcHost, size_t ByteCount) {
+    return cuMemcpyHtoA_v2(dstArray, dstOffset, srcHost, ByteCount);
+}
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoH_v2_ptds(void *dstHost, CUarray srcArray, size_t srcOffset, size_t ByteCount) {
+    return cuMemcpyAtoH_v2(dstHost, srcArray, srcOffset, ByteCount);
+}
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoAAsync_v2_ptsz(CUarray dstArray, size_t dstOffset, const void *srcHost, size_t ByteCount, CUstream hStream) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuMemcpyHtoAAsync_v2(dstArray, dstOffset, srcHost, ByteCount, hStream);
+}
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoHAsync_v2_ptsz(void *dstHost, CUarray srcArray, size_t srcOffset, size_t ByteCount, CUstream hStream) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuMemcpyAtoHAsync_v2(dstHost, srcArray, srcOffset, ByteCount, hStream);
+}
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoA_v2_ptds(CUarray dstArray, size_t dstOffset, CUdeviceptr srcDevice, size_t ByteCount) {
+    return cuMemcpyDtoA_v2(dstArray, dstOffset, srcDevice, ByteCount);
+}
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoD_v2_ptds(CUdeviceptr dstDevice, CUarray srcArray, size_t srcOffset, size_t ByteCount) {
+    return cuMemcpyAtoD_v2(dstDevice, srcArray, srcOffset, ByteCount);
+}
+RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoA_v2_ptds(CUarray dstArray, size_t dstOffset, CUarray srcArray, size_t srcOffset, size_t ByteCount) {
+    return cuMemcpyAtoA_v2(dstArray, dstOffset, srcArray, srcOffset, ByteCount);
+}
 
 /* Every other export of NVIDIA's driver: present, so that programs linked against it load,
  * and harmless: the first call logs the name and each returns CUDA_ERROR_NOT_SUPPORTED. */
 RGPU_EXPORT CUresult CUDAAPI cuArray3DCreate(void) { static int seen; return rgpu_unsupported("cuArray3DCreate", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuArray3DCreate_v2(void) { static int seen; return rgpu_unsupported("cuArray3DCreate_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuArray3DGetDescriptor(void) { static int seen; return rgpu_unsupported("cuArray3DGetDescriptor", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuArray3DGetDescriptor_v2(void) { static int seen; return rgpu_unsupported("cuArray3DGetDescriptor_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuArrayCreate(void) { static int seen; return rgpu_unsupported("cuArrayCreate", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuArrayCreate_v2(void) { static int seen; return rgpu_unsupported("cuArrayCreate_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuArrayDestroy(void) { static int seen; return rgpu_unsupported("cuArrayDestroy", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuArrayGetDescriptor(void) { static int seen; return rgpu_unsupported("cuArrayGetDescriptor", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuArrayGetDescriptor_v2(void) { static int seen; return rgpu_unsupported("cuArrayGetDescriptor_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuArrayGetMemoryRequirements(void) { static int seen; return rgpu_unsupported("cuArrayGetMemoryRequirements", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuArrayGetPlane(void) { static int seen; return rgpu_unsupported("cuArrayGetPlane", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuArrayGetSparseProperties(void) { static int seen; return rgpu_unsupported("cuArrayGetSparseProperties", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuCheckpointProcessCheckpoint(void) { static int seen; return rgpu_unsupported("cuCheckpointProcessCheckpoint", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuCheckpointProcessGetRestoreThreadId(void) { static int seen; return rgpu_unsupported("cuCheckpointProcessGetRestoreThreadId", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuCheckpointProcessGetState(void) { static int seen; return rgpu_unsupported("cuCheckpointProcessGetState", &seen, NULL); }
@@ -2064,8 +2321,6 @@ RGPU_EXPORT CUresult CUDAAPI cuMemcpy2DAsync(void) { static int seen; return rgp
 RGPU_EXPORT CUresult CUDAAPI cuMemcpy2DUnaligned(void) { static int seen; return rgpu_unsupported("cuMemcpy2DUnaligned", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpy3D(void) { static int seen; return rgpu_unsupported("cuMemcpy3D", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpy3DAsync(void) { static int seen; return rgpu_unsupported("cuMemcpy3DAsync", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpy3DAsync_v2(void) { static int seen; return rgpu_unsupported("cuMemcpy3DAsync_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpy3DAsync_v2_ptsz(void) { static int seen; return rgpu_unsupported("cuMemcpy3DAsync_v2_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpy3DBatchAsync(void) { static int seen; return rgpu_unsupported("cuMemcpy3DBatchAsync", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpy3DBatchAsync_ptsz(void) { static int seen; return rgpu_unsupported("cuMemcpy3DBatchAsync_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpy3DBatchAsync_v2(void) { static int seen; return rgpu_unsupported("cuMemcpy3DBatchAsync_v2", &seen, NULL); }
@@ -2074,37 +2329,21 @@ RGPU_EXPORT CUresult CUDAAPI cuMemcpy3DPeer(void) { static int seen; return rgpu
 RGPU_EXPORT CUresult CUDAAPI cuMemcpy3DPeerAsync(void) { static int seen; return rgpu_unsupported("cuMemcpy3DPeerAsync", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpy3DPeerAsync_ptsz(void) { static int seen; return rgpu_unsupported("cuMemcpy3DPeerAsync_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpy3DPeer_ptds(void) { static int seen; return rgpu_unsupported("cuMemcpy3DPeer_ptds", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpy3D_v2(void) { static int seen; return rgpu_unsupported("cuMemcpy3D_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpy3D_v2_ptds(void) { static int seen; return rgpu_unsupported("cuMemcpy3D_v2_ptds", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoA(void) { static int seen; return rgpu_unsupported("cuMemcpyAtoA", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoA_v2(void) { static int seen; return rgpu_unsupported("cuMemcpyAtoA_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoA_v2_ptds(void) { static int seen; return rgpu_unsupported("cuMemcpyAtoA_v2_ptds", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoD(void) { static int seen; return rgpu_unsupported("cuMemcpyAtoD", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoD_v2(void) { static int seen; return rgpu_unsupported("cuMemcpyAtoD_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoD_v2_ptds(void) { static int seen; return rgpu_unsupported("cuMemcpyAtoD_v2_ptds", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoH(void) { static int seen; return rgpu_unsupported("cuMemcpyAtoH", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoHAsync(void) { static int seen; return rgpu_unsupported("cuMemcpyAtoHAsync", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoHAsync_v2(void) { static int seen; return rgpu_unsupported("cuMemcpyAtoHAsync_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoHAsync_v2_ptsz(void) { static int seen; return rgpu_unsupported("cuMemcpyAtoHAsync_v2_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoH_v2(void) { static int seen; return rgpu_unsupported("cuMemcpyAtoH_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyAtoH_v2_ptds(void) { static int seen; return rgpu_unsupported("cuMemcpyAtoH_v2_ptds", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyBatchAsync(void) { static int seen; return rgpu_unsupported("cuMemcpyBatchAsync", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyBatchAsync_ptsz(void) { static int seen; return rgpu_unsupported("cuMemcpyBatchAsync_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyBatchAsync_v2(void) { static int seen; return rgpu_unsupported("cuMemcpyBatchAsync_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyBatchAsync_v2_ptsz(void) { static int seen; return rgpu_unsupported("cuMemcpyBatchAsync_v2_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoA(void) { static int seen; return rgpu_unsupported("cuMemcpyDtoA", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoA_v2(void) { static int seen; return rgpu_unsupported("cuMemcpyDtoA_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoA_v2_ptds(void) { static int seen; return rgpu_unsupported("cuMemcpyDtoA_v2_ptds", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoD(void) { static int seen; return rgpu_unsupported("cuMemcpyDtoD", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoDAsync(void) { static int seen; return rgpu_unsupported("cuMemcpyDtoDAsync", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoH(void) { static int seen; return rgpu_unsupported("cuMemcpyDtoH", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoHAsync(void) { static int seen; return rgpu_unsupported("cuMemcpyDtoHAsync", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoA(void) { static int seen; return rgpu_unsupported("cuMemcpyHtoA", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoAAsync(void) { static int seen; return rgpu_unsupported("cuMemcpyHtoAAsync", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoAAsync_v2(void) { static int seen; return rgpu_unsupported("cuMemcpyHtoAAsync_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoAAsync_v2_ptsz(void) { static int seen; return rgpu_unsupported("cuMemcpyHtoAAsync_v2_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoA_v2(void) { static int seen; return rgpu_unsupported("cuMemcpyHtoA_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoA_v2_ptds(void) { static int seen; return rgpu_unsupported("cuMemcpyHtoA_v2_ptds", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoD(void) { static int seen; return rgpu_unsupported("cuMemcpyHtoD", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoDAsync(void) { static int seen; return rgpu_unsupported("cuMemcpyHtoDAsync", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD16(void) { static int seen; return rgpu_unsupported("cuMemsetD16", &seen, NULL); }
@@ -2113,14 +2352,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D32(void) { static int seen; return rgpu_
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D8(void) { static int seen; return rgpu_unsupported("cuMemsetD2D8", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD32(void) { static int seen; return rgpu_unsupported("cuMemsetD32", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD8(void) { static int seen; return rgpu_unsupported("cuMemsetD8", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMipmappedArrayCreate(void) { static int seen; return rgpu_unsupported("cuMipmappedArrayCreate", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMipmappedArrayDestroy(void) { static int seen; return rgpu_unsupported("cuMipmappedArrayDestroy", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMipmappedArrayGetLevel(void) { static int seen; return rgpu_unsupported("cuMipmappedArrayGetLevel", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMipmappedArrayGetMemoryRequirements(void) { static int seen; return rgpu_unsupported("cuMipmappedArrayGetMemoryRequirements", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMipmappedArrayGetSparseProperties(void) { static int seen; return rgpu_unsupported("cuMipmappedArrayGetSparseProperties", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuModuleGetGlobal(void) { static int seen; return rgpu_unsupported("cuModuleGetGlobal", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuModuleGetSurfRef(void) { static int seen; return rgpu_unsupported("cuModuleGetSurfRef", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuModuleGetTexRef(void) { static int seen; return rgpu_unsupported("cuModuleGetTexRef", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMulticastAddDevice(void) { static int seen; return rgpu_unsupported("cuMulticastAddDevice", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMulticastBindAddr(void) { static int seen; return rgpu_unsupported("cuMulticastBindAddr", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMulticastBindMem(void) { static int seen; return rgpu_unsupported("cuMulticastBindMem", &seen, NULL); }
@@ -2158,20 +2390,11 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue32(void) { static int seen; retur
 RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue32_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamWriteValue32_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue64(void) { static int seen; return rgpu_unsupported("cuStreamWriteValue64", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue64_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamWriteValue64_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuSurfObjectCreate(void) { static int seen; return rgpu_unsupported("cuSurfObjectCreate", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuSurfObjectDestroy(void) { static int seen; return rgpu_unsupported("cuSurfObjectDestroy", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuSurfObjectGetResourceDesc(void) { static int seen; return rgpu_unsupported("cuSurfObjectGetResourceDesc", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuSurfRefGetArray(void) { static int seen; return rgpu_unsupported("cuSurfRefGetArray", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuSurfRefSetArray(void) { static int seen; return rgpu_unsupported("cuSurfRefSetArray", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTensorMapEncodeIm2col(void) { static int seen; return rgpu_unsupported("cuTensorMapEncodeIm2col", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTensorMapEncodeIm2colWide(void) { static int seen; return rgpu_unsupported("cuTensorMapEncodeIm2colWide", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTensorMapEncodeTiled(void) { static int seen; return rgpu_unsupported("cuTensorMapEncodeTiled", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTensorMapReplaceAddress(void) { static int seen; return rgpu_unsupported("cuTensorMapReplaceAddress", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuTexObjectCreate(void) { static int seen; return rgpu_unsupported("cuTexObjectCreate", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuTexObjectDestroy(void) { static int seen; return rgpu_unsupported("cuTexObjectDestroy", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuTexObjectGetResourceDesc(void) { static int seen; return rgpu_unsupported("cuTexObjectGetResourceDesc", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuTexObjectGetResourceViewDesc(void) { static int seen; return rgpu_unsupported("cuTexObjectGetResourceViewDesc", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuTexObjectGetTextureDesc(void) { static int seen; return rgpu_unsupported("cuTexObjectGetTextureDesc", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTexRefCreate(void) { static int seen; return rgpu_unsupported("cuTexRefCreate", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTexRefDestroy(void) { static int seen; return rgpu_unsupported("cuTexRefDestroy", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTexRefGetAddress(void) { static int seen; return rgpu_unsupported("cuTexRefGetAddress", &seen, NULL); }
@@ -2192,8 +2415,6 @@ RGPU_EXPORT CUresult CUDAAPI cuTexRefSetAddress2D(void) { static int seen; retur
 RGPU_EXPORT CUresult CUDAAPI cuTexRefSetAddress2D_v2(void) { static int seen; return rgpu_unsupported("cuTexRefSetAddress2D_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTexRefSetAddress2D_v3(void) { static int seen; return rgpu_unsupported("cuTexRefSetAddress2D_v3", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTexRefSetAddressMode(void) { static int seen; return rgpu_unsupported("cuTexRefSetAddressMode", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuTexRefSetAddress_v2(void) { static int seen; return rgpu_unsupported("cuTexRefSetAddress_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuTexRefSetArray(void) { static int seen; return rgpu_unsupported("cuTexRefSetArray", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTexRefSetBorderColor(void) { static int seen; return rgpu_unsupported("cuTexRefSetBorderColor", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTexRefSetFilterMode(void) { static int seen; return rgpu_unsupported("cuTexRefSetFilterMode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTexRefSetFlags(void) { static int seen; return rgpu_unsupported("cuTexRefSetFlags", &seen, NULL); }

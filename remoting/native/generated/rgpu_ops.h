@@ -2,8 +2,8 @@
 #ifndef RGPU_OPS_H
 #define RGPU_OPS_H
 
-#define RGPU_PROTOCOL_VERSION 5
-#define RGPU_CUDA_SPEC_SHA256 "17e4df07c51db25c7747a250a59cbc32f56ddc4a6822384336f9032ca2810029"
+#define RGPU_PROTOCOL_VERSION 6
+#define RGPU_CUDA_SPEC_SHA256 "e81e07bdbd357988a8b22ae6bce7515ef5a2edce500f1dd4923e733c8d658217"
 
 enum rgpu_opcode {
     RGPU_OP_cuInit = 32,
@@ -178,6 +178,29 @@ enum rgpu_opcode {
     RGPU_OP_cuMemUnmap = 201,
     RGPU_OP_cuMemSetAccess = 202,
     RGPU_OP_cuMemGetAccess = 203,
+    RGPU_OP_cuArrayCreate_v2 = 204,
+    RGPU_OP_cuArray3DCreate_v2 = 205,
+    RGPU_OP_cuArrayDestroy = 206,
+    RGPU_OP_cuArrayGetDescriptor_v2 = 207,
+    RGPU_OP_cuArray3DGetDescriptor_v2 = 208,
+    RGPU_OP_cuArrayGetMemoryRequirements = 209,
+    RGPU_OP_cuArrayGetSparseProperties = 210,
+    RGPU_OP_cuArrayGetPlane = 211,
+    RGPU_OP_cuMipmappedArrayCreate = 212,
+    RGPU_OP_cuMipmappedArrayDestroy = 213,
+    RGPU_OP_cuMipmappedArrayGetLevel = 214,
+    RGPU_OP_cuMipmappedArrayGetMemoryRequirements = 215,
+    RGPU_OP_cuMipmappedArrayGetSparseProperties = 216,
+    RGPU_OP_rgpuMemcpyArray = 217,
+    RGPU_OP_rgpuMemcpyArrayToHost = 218,
+    RGPU_OP_cuTexObjectCreate = 219,
+    RGPU_OP_cuTexObjectDestroy = 220,
+    RGPU_OP_cuTexObjectGetResourceDesc = 221,
+    RGPU_OP_cuTexObjectGetTextureDesc = 222,
+    RGPU_OP_cuTexObjectGetResourceViewDesc = 223,
+    RGPU_OP_cuSurfObjectCreate = 224,
+    RGPU_OP_cuSurfObjectDestroy = 225,
+    RGPU_OP_cuSurfObjectGetResourceDesc = 226,
     RGPU_OP_nvmlDeviceGetMemoryInfo = 1024,
     RGPU_OP_nvmlDeviceGetMemoryInfo_v2 = 1025,
     RGPU_OP_nvmlDeviceGetBAR1MemoryInfo = 1026,

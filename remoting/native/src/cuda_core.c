@@ -380,6 +380,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxDestroy_v2(CUcontext ctx) {
     if (!x) return CUDA_ERROR_INVALID_CONTEXT;
     rgpu_cls_context_gone(ctx);
     rgpu_cache_forget_functions();
+    rgpu_array_desc_forget(0);
     rgpu_call c;
     r = rgpu_begin_session(&c, RGPU_OP_cuCtxDestroy_v2, x->session);
     if (r != CUDA_SUCCESS) return r;

@@ -504,10 +504,22 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphAddMemcpyNode(CUgraphNode *phGraphNode, CUgr
         memcpy(p + sizeof m, &rc, 8);
         return add_node(NODE_MEMCPY, phGraphNode, hGraph, dependencies, numDependencies, p, sizeof p, NULL);
     }
+    if ((m.srcMemoryType == CU_MEMORYTYPE_ARRAY && dst == 1) || (m.dstMemoryType == CU_MEMORYTYPE_ARRAY && src == 1) ||
+        (m.srcMemoryType == CU_MEMORYTYPE_ARRAY && m.dstMemoryType == CU_MEMORYTYPE_ARRAY)) {
+        /* Between device memory and CUDA arrays: array handles and device pointers are the worker's. */
+        if (m.srcMemoryType != CU_MEMORYTYPE_ARRAY) m.srcMemoryType = CU_MEMORYTYPE_DEVICE;
+        if (m.dstMemoryType != CU_MEMORYTYPE_ARRAY) m.dstMemoryType = CU_MEMORYTYPE_DEVICE;
+        m.srcHost = NULL;
+        m.dstHost = NULL;
+        uint8_t p[sizeof(CUDA_MEMCPY3D) + 8];
+        memcpy(p, &m, sizeof m);
+        memcpy(p + sizeof m, &rc, 8);
+        return add_node(NODE_MEMCPY, phGraphNode, hGraph, dependencies, numDependencies, p, sizeof p, NULL);
+    }
     int one_d = m.Height <= 1 && m.Depth <= 1 && !m.srcY && !m.srcZ && !m.dstY && !m.dstZ && !m.srcLOD && !m.dstLOD;
     if (src < 0 || dst < 0 || src == dst || !one_d || !m.WidthInBytes) {
-        rgpu_log(1, "rgpu: cuGraphAddMemcpyNode: this copy node (arrays, host-to-host, or 2D/3D with a host side) "
-                 "is not remoted yet; device-to-device and 1D host copy nodes are");
+        rgpu_log(1, "rgpu: cuGraphAddMemcpyNode: this copy node (host-to-host, or 2D/3D or CUDA arrays with a host "
+                 "side) is not remoted yet; device-to-device, device-array and 1D host copy nodes are");
         return CUDA_ERROR_NOT_SUPPORTED;
     }
     int to_host = dst == 0;

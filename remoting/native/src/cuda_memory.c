@@ -388,8 +388,8 @@ RGPU_EXPORT CUresult CUDAAPI cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, siz
 }
 
 /* 2D copies: host rows travel as one contiguous block per direction; device-to-device goes
- * to the worker whole. */
-static CUresult copy2d(const CUDA_MEMCPY2D *p, CUstream stream) {
+ * to the worker whole; copies with a CUDA array side go through cuda_array.c. */
+static CUresult copy2d(const CUDA_MEMCPY2D *p, int unaligned, CUstream stream) {
     if (!p) return CUDA_ERROR_INVALID_VALUE;
     CUresult r = rgpu_check_init();
     if (r != CUDA_SUCCESS) return r;
@@ -397,10 +397,8 @@ static CUresult copy2d(const CUDA_MEMCPY2D *p, CUstream stream) {
                    (p->srcMemoryType == CU_MEMORYTYPE_UNIFIED && session_of(p->srcDevice) < 0);
     int dst_host = p->dstMemoryType == CU_MEMORYTYPE_HOST ||
                    (p->dstMemoryType == CU_MEMORYTYPE_UNIFIED && session_of(p->dstDevice) < 0);
-    if (p->srcMemoryType == CU_MEMORYTYPE_ARRAY || p->dstMemoryType == CU_MEMORYTYPE_ARRAY) {
-        static int seen;
-        return rgpu_unsupported("cuMemcpy2D with CUDA arrays", &seen, "CUDA arrays are not remoted in v1");
-    }
+    if (p->srcMemoryType == CU_MEMORYTYPE_ARRAY || p->dstMemoryType == CU_MEMORYTYPE_ARRAY)
+        return rgpu_copy_2d_nd(p, unaligned, stream);   /* cuda_array.c */
     const uint8_t *sh = p->srcMemoryType == CU_MEMORYTYPE_HOST ? p->srcHost : (const void *)(uintptr_t)p->srcDevice;
     uint8_t *dh = p->dstMemoryType == CU_MEMORYTYPE_HOST ? p->dstHost : (void *)(uintptr_t)p->dstDevice;
     CUdeviceptr sd = p->srcDevice, dd = p->dstDevice;
@@ -441,10 +439,10 @@ static CUresult copy2d(const CUDA_MEMCPY2D *p, CUstream stream) {
     return rgpu_async(&c);
 }
 
-RGPU_EXPORT CUresult CUDAAPI cuMemcpy2D_v2(const CUDA_MEMCPY2D *pCopy) { return copy2d(pCopy, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuMemcpy2DUnaligned_v2(const CUDA_MEMCPY2D *pCopy) { return copy2d(pCopy, NULL); }
+RGPU_EXPORT CUresult CUDAAPI cuMemcpy2D_v2(const CUDA_MEMCPY2D *pCopy) { return copy2d(pCopy, 0, NULL); }
+RGPU_EXPORT CUresult CUDAAPI cuMemcpy2DUnaligned_v2(const CUDA_MEMCPY2D *pCopy) { return copy2d(pCopy, 1, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemcpy2DAsync_v2(const CUDA_MEMCPY2D *pCopy, CUstream hStream) {
-    return copy2d(pCopy, hStream);
+    return copy2d(pCopy, 0, hStream);
 }
 
 /* ------------------------------------------------------------------ pointer attributes */

@@ -127,6 +127,13 @@ static inline float rgpu_get_f32(rgpu_call *c) { float v = 0; rgpu_get(c, &v, 4)
 rgpu_ctx *rgpu_ctx_lookup(CUcontext ctx);                  /* NULL if not a live rgpu context */
 rgpu_ctx *rgpu_ctx_current(void);
 rgpu_ctx *rgpu_ctx_of_session(int session);       /* NULL if the application has none there */
+/* 2D and 3D copies with CUDA arrays, and every 3D copy (cuda_array.c). */
+CUresult rgpu_copy_nd(const CUDA_MEMCPY3D *p, int kind, CUstream stream);
+CUresult rgpu_copy_2d_nd(const CUDA_MEMCPY2D *p, int unaligned, CUstream stream);
+int rgpu_array_desc_get(CUarray array, CUDA_ARRAY3D_DESCRIPTOR *out);
+void rgpu_array_desc_put(int session, CUarray array, const CUDA_ARRAY3D_DESCRIPTOR *desc);
+void rgpu_array_desc_forget(uint64_t handle);
+void rgpu_array_level_put(CUarray level, CUmipmappedArray mipmap);
 int rgpu_dtod_between_slices(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream, CUresult *r);
 CUcontext rgpu_ctx_for(int session, uint64_t remote);      /* find or create */
 void rgpu_ctx_forget(rgpu_ctx *ctx);

@@ -29,6 +29,11 @@ typedef struct CUevent_st *CUevent;
 typedef struct CUmemPoolHandle_st *CUmemoryPool;
 typedef struct CUlinkState_st *CUlinkState;
 typedef struct CUarray_st *CUarray;
+typedef struct CUmipmappedArray_st *CUmipmappedArray;
+typedef struct CUtexref_st *CUtexref;
+typedef struct CUsurfref_st *CUsurfref;
+typedef unsigned long long CUtexObject;
+typedef unsigned long long CUsurfObject;
 typedef struct CUgreenCtx_st *CUgreenCtx;
 typedef struct CUgraph_st *CUgraph;
 typedef struct CUgraphExec_st *CUgraphExec;
@@ -147,6 +152,57 @@ typedef struct CUDA_MEM_ALLOC_NODE_PARAMS_st {   /* _v1 */
     size_t bytesize;
     CUdeviceptr dptr;
 } CUDA_MEM_ALLOC_NODE_PARAMS;
+
+/* CUDA arrays, texture and surface objects (CUDA 13 layouts; sizes checked in cuda_array.c). */
+typedef struct CUDA_ARRAY_DESCRIPTOR_st {
+    size_t Width, Height;
+    CUarray_format Format;
+    unsigned int NumChannels;
+} CUDA_ARRAY_DESCRIPTOR;
+typedef struct CUDA_ARRAY3D_DESCRIPTOR_st {
+    size_t Width, Height, Depth;
+    CUarray_format Format;
+    unsigned int NumChannels;
+    unsigned int Flags;
+} CUDA_ARRAY3D_DESCRIPTOR;
+typedef struct CUDA_ARRAY_MEMORY_REQUIREMENTS_st {
+    size_t size, alignment;
+    unsigned int reserved[4];
+} CUDA_ARRAY_MEMORY_REQUIREMENTS;
+typedef struct CUDA_ARRAY_SPARSE_PROPERTIES_st {
+    struct { unsigned int width, height, depth; } tileExtent;
+    unsigned int miptailFirstLevel;
+    unsigned long long miptailSize;
+    unsigned int flags;
+    unsigned int reserved[4];
+} CUDA_ARRAY_SPARSE_PROPERTIES;
+typedef struct CUDA_RESOURCE_DESC_st {
+    int resType;                      /* CUresourcetype */
+    union {
+        struct { CUarray hArray; } array;
+        struct { CUmipmappedArray hMipmappedArray; } mipmap;
+        struct { CUdeviceptr devPtr; CUarray_format format; unsigned int numChannels; size_t sizeInBytes; } linear;
+        struct { CUdeviceptr devPtr; CUarray_format format; unsigned int numChannels; size_t width, height,
+                 pitchInBytes; } pitch2D;
+        struct { int reserved[32]; } reserved;
+    } res;
+    unsigned int flags;
+} CUDA_RESOURCE_DESC;
+typedef struct CUDA_TEXTURE_DESC_st {
+    int addressMode[3];
+    int filterMode;
+    unsigned int flags, maxAnisotropy;
+    int mipmapFilterMode;
+    float mipmapLevelBias, minMipmapLevelClamp, maxMipmapLevelClamp;
+    float borderColor[4];
+    int reserved[12];
+} CUDA_TEXTURE_DESC;
+typedef struct CUDA_RESOURCE_VIEW_DESC_st {
+    int format;                       /* CUresourceViewFormat */
+    size_t width, height, depth;
+    unsigned int firstMipmapLevel, lastMipmapLevel, firstLayer, lastLayer;
+    unsigned int reserved[16];
+} CUDA_RESOURCE_VIEW_DESC;
 
 /* Virtual memory management: both ends share these layouts (x86-64 and aarch64 alike). */
 typedef struct CUmemLocation_st { int type; int id; } CUmemLocation;
