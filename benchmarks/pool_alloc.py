@@ -6,6 +6,7 @@ ever over-committed (sampled during the run and checked at the end).
     python benchmarks/pool_alloc.py [--servers 64,1250] [--gpus-per-server 8] [--clients 4] [--seconds 10] [--json]
     python benchmarks/pool_alloc.py --postgres [--pools 2]    # state in PostgreSQL, clients spread over the daemons
     python benchmarks/pool_alloc.py --grpc-floor              # the same clients against empty gRPC handlers
+    taskset -c 2-9 python benchmarks/pool_alloc.py --pool-cpus 0,1   # the pool on 2 cores of its own
 
 Targets on a 2-core machine: at 10,000 GPUs p99 within 2x of 64 x 8 in the same run; >= 2,000
 pairs/s at 64 x 8 (see the README for the figures and the machine's load when measured).
@@ -191,6 +192,10 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
                                                               w, args.seconds, queue)) for w in range(args.clients)]
                 checker = threading.Thread(target=sampler, daemon=True)
                 pids = [each.pool.proc.pid for each in clusters if each.pool is not None and each.pool.proc]
+                for pid in pids if args.pool_cpus else ():
+                    os.sched_setaffinity(pid, args.pool_cpus)   # its threads, started already, follow below
+                    for task in os.listdir(f"/proc/{pid}/task"):
+                        os.sched_setaffinity(int(task), args.pool_cpus)
                 pool_cpu = sum(cpu_seconds(pid) for pid in pids)
                 start = time.perf_counter()
                 for p in procs:
@@ -226,7 +231,7 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
     latencies.sort()
     load1, load5, _ = os.getloadavg()
     return {
-        "store": "postgresql" if args.postgres else "sqlite", "pool_daemons": args.pools, "servers": servers, "gpus_per_server": gpus_per_server, "gpus": gpus, "clients": args.clients,
+        "store": "postgresql" if args.postgres else "sqlite", "pool_daemons": args.pools, "servers": servers, "gpus_per_server": gpus_per_server, "gpus": gpus, "clients": args.clients, "pool_cpus": sorted(args.pool_cpus) if args.pool_cpus else None,
         "prefill_leases": args.prefill, "pairs": len(latencies), "seconds": round(elapsed, 2),
         "pairs_per_second": round(rate, 1),
         "p50_ms": round(1000 * statistics.median(latencies), 2),
@@ -256,6 +261,9 @@ def main() -> None:
                         help="instead of a pool, empty gRPC handlers (threaded server as the pool's, then grpc.aio): "
                              "what grpcio alone costs per pair with these clients on this machine")
     parser.add_argument("--json", action="store_true", help="print JSON only")
+    parser.add_argument("--pool-cpus", type=lambda v: {int(c) for c in v.split(",")}, default=None,
+                        help="pin the pool daemon(s) to these CPUs, e.g. 0,1 (run the benchmark itself under "
+                             "`taskset -c 2-9` to keep the clients off them): the pool's own rate on 2 cores")
     args = parser.parse_args()
     if args.grpc_floor:
         floors = [run_floor(kind, args) for kind in ("threaded", "aio")]
