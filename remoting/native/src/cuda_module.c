@@ -633,6 +633,21 @@ static void pack_args(const launch_args *a, void **params, uint8_t *out) {
     for (uint32_t i = 0; a->fn && i < a->fn->nparams; i++) memcpy(out + a->fn->offsets[i], params[i], a->fn->sizes[i]);
 }
 
+/* A kernel handed a pointer into this process's page-locked memory would read or write host
+ * memory through UVA (zero-copy, or a flag the host sets while the kernel spins): the GPU is on
+ * another machine, so the access would fault (and under MPS end every session on that GPU).
+ * Refused before it leaves, naming the argument. */
+static CUresult refuse_host_pointers(const char *call, const void *args, size_t n) {
+    uint64_t value = 0;
+    long off = rgpu_args_host_pointer(args, n, &value);
+    if (off < 0) return CUDA_SUCCESS;
+    rgpu_log(1, "rgpu: client: %s: the kernel's argument at byte %ld is a pointer into page-locked host memory "
+                "(0x%llx, from cudaMallocHost/cudaHostAlloc/cudaHostRegister); a GPU across the network cannot read "
+                "this process's memory (zero-copy is not available through rgpu): copy the data to device memory",
+             call, off, (unsigned long long)value);
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
 static CUresult launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
                        unsigned int by, unsigned int bz, unsigned int shmem, CUstream stream, void **params,
                        void **extra, const CUlaunchAttribute *attrs, unsigned int nattrs, int cooperative) {
@@ -649,18 +664,28 @@ static CUresult launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned 
     rgpu_put(&c, head, sizeof head);
     if (nattrs) rgpu_put(&c, attrs, nattrs * sizeof(CUlaunchAttribute));
     if (a.buf) {
+        r = refuse_host_pointers("cuLaunchKernel", a.buf, a.argsize);
+        if (r != CUDA_SUCCESS) {
+            rgpu_abort(&c);
+            return r;
+        }
         rgpu_put(&c, a.buf, a.argsize);
     } else if (a.argsize) {
         uint8_t packed[4096];  /* the common case: no allocation on the launch path */
         uint8_t *p = a.argsize <= sizeof packed ? packed : malloc(a.argsize);
         if (!p) {
-            rgpu_end(&c);
+            rgpu_abort(&c);
             return CUDA_ERROR_OUT_OF_MEMORY;
         }
         memset(p, 0, a.argsize);
         pack_args(&a, params, p);
-        rgpu_put(&c, p, a.argsize);
+        r = refuse_host_pointers("cuLaunchKernel", p, a.argsize);
+        if (r == CUDA_SUCCESS) rgpu_put(&c, p, a.argsize);
         if (p != packed) free(p);
+        if (r != CUDA_SUCCESS) {
+            rgpu_abort(&c);
+            return r;
+        }
     }
     return rgpu_async(&c);
 }
@@ -673,6 +698,11 @@ CUresult rgpu_kernel_args(CUfunction f, void **params, void **extra, uint8_t **o
     uint8_t *p = calloc(1, a.argsize ? a.argsize : 1);
     if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
     pack_args(&a, params, p);
+    r = refuse_host_pointers("a graph's kernel node", p, a.argsize);
+    if (r != CUDA_SUCCESS) {
+        free(p);
+        return r;
+    }
     *out = p;
     *size = a.argsize;
     return CUDA_SUCCESS;

@@ -89,6 +89,7 @@ CUresult rgpu_unsupported(const char *name, int *seen, const char *why);
 /* Calls. */
 CUresult rgpu_begin(rgpu_call *c, uint16_t op);
 CUresult rgpu_begin_session(rgpu_call *c, uint16_t op, int session);
+void rgpu_abort(rgpu_call *c);   /* drop a call begun but not sent (refused in the client) */
 CUresult rgpu_begin_dev(rgpu_call *c, uint16_t op, CUdevice dev);
 CUresult rgpu_begin_ctx(rgpu_call *c, uint16_t op, CUcontext ctx, uint64_t *remote);
 void rgpu_put(rgpu_call *c, const void *p, size_t n);
@@ -215,6 +216,9 @@ int rgpu_dev_range_find(uint64_t ptr, int *session, uint64_t *base, uint64_t *si
 void rgpu_host_range_add(void *base, size_t size, unsigned int flags, int owned);
 int rgpu_host_range_remove(void *base, int *owned, size_t *size);
 int rgpu_host_range_find(const void *ptr, void **base, size_t *size, unsigned int *flags);
+/* The offset of the first 8-byte word of a kernel's packed arguments that points into this
+ * process's page-locked memory (zero-copy: no GPU across the network can read it), or -1. */
+long rgpu_args_host_pointer(const void *args, size_t n, uint64_t *value);
 
 /* Kernel parameter layouts, cached per function (tables.c). */
 typedef struct rgpu_fn {

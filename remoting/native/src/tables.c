@@ -81,10 +81,30 @@ int rgpu_dev_range_find(uint64_t ptr, int *session, uint64_t *base, uint64_t *si
     return r != NULL;
 }
 
+/* The span every page-locked range ever lay in: a launch's arguments are checked against the
+ * ranges only where a word falls inside it (two comparisons per word otherwise). */
+static uint64_t g_host_lo = UINT64_MAX, g_host_hi;
+
 void rgpu_host_range_add(void *base, size_t size, unsigned int flags, int owned) {
     pthread_mutex_lock(&g_lock);
     table_add(&g_host, (range){(uint64_t)(uintptr_t)base, size, -1, flags, owned});
+    uint64_t lo = (uint64_t)(uintptr_t)base, hi = lo + size;
+    if (lo < __atomic_load_n(&g_host_lo, __ATOMIC_RELAXED)) __atomic_store_n(&g_host_lo, lo, __ATOMIC_RELEASE);
+    if (hi > __atomic_load_n(&g_host_hi, __ATOMIC_RELAXED)) __atomic_store_n(&g_host_hi, hi, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&g_lock);
+}
+
+long rgpu_args_host_pointer(const void *args, size_t n, uint64_t *value) {
+    uint64_t lo = __atomic_load_n(&g_host_lo, __ATOMIC_ACQUIRE), hi = __atomic_load_n(&g_host_hi, __ATOMIC_ACQUIRE);
+    if (lo >= hi) return -1;
+    for (size_t off = 0; off + 8 <= n; off += 8) {
+        uint64_t v;
+        memcpy(&v, (const uint8_t *)args + off, 8);
+        if (v < lo || v >= hi || !rgpu_host_range_find((const void *)(uintptr_t)v, NULL, NULL, NULL)) continue;
+        *value = v;
+        return (long)off;
+    }
+    return -1;
 }
 
 int rgpu_host_range_remove(void *base, int *owned, size_t *size) {

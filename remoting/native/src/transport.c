@@ -493,6 +493,17 @@ void rgpu_end(rgpu_call *c) {
     c->s = NULL;
 }
 
+void rgpu_abort(rgpu_call *c) {
+    rgpu_session *s = c->s;
+    if (!s) return;
+    /* Not sent yet (nothing flushes a frame before rgpu_async/rgpu_sync): take it back whole. */
+    if (c->frame_start != (size_t)-1 && c->frame_start <= s->slen) {
+        s->slen = c->frame_start;
+        s->seq--;
+    }
+    rgpu_end(c);
+}
+
 void rgpu_get(rgpu_call *c, void *p, size_t n) {
     size_t avail = c->rlen > c->roff ? c->rlen - c->roff : 0;
     size_t take = n < avail ? n : avail;
