@@ -96,6 +96,8 @@ def test_internal_export_table_answers_what_nvidia_smi_calls(native_libs: build.
         is_mig = pynvml.nvmlDeviceIsMigDeviceHandle(h)
         print("MIG", getattr(is_mig, "value", is_mig), pynvml.nvmlDeviceGetMaxMigDeviceCount(h))
         print("VIRT", pynvml.nvmlDeviceGetVirtualizationMode(h))
+        import ctypes   # pynvml passes the index as given: it must be a ctypes value
+        print("P2P", pynvml.nvmlDeviceGetP2PStatus(h, h, ctypes.c_uint(pynvml.NVML_P2P_CAPS_INDEX_READ)))
         """)])
     out = done.stdout
     assert "SIZE 2048" in out, out + done.stderr
@@ -105,6 +107,7 @@ def test_internal_export_table_answers_what_nvidia_smi_calls(native_libs: build.
     assert "OTHER 0" in out and "NULL 2" in out
     assert "PER-DEVICE 3 7" in out  # NVML_ERROR_NOT_SUPPORTED, output untouched: nvidia-smi -q shows N/A
     assert "MIG 0 0" in out and "VIRT 0" in out
+    assert "P2P 5" in out, done.stderr   # NVML_P2P_STATUS_NOT_SUPPORTED, as cuDeviceCanAccessPeer answers 0
     assert "EVENT TYPES 0" in out and "WAIT timeout" in out  # a slice's event set never fires
 
 

@@ -925,7 +925,6 @@ RGPU_EXPORT nvmlReturn_t nvmlDeviceGetNvLinkVersion(void) { static int seen; ret
 RGPU_EXPORT nvmlReturn_t nvmlDeviceGetNvlinkBwMode(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetNvlinkBwMode", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceGetNvlinkSupportedBwModes(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetNvlinkSupportedBwModes", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceGetOfaUtilization(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetOfaUtilization", &seen); }
-RGPU_EXPORT nvmlReturn_t nvmlDeviceGetP2PStatus(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetP2PStatus", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceGetPciInfo(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetPciInfo", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v2(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetPciInfo_v2", &seen); }
 RGPU_EXPORT nvmlReturn_t nvmlDeviceGetPcieLinkMaxSpeed(void) { static int seen; return rgpu_nvml_unsupported("nvmlDeviceGetPcieLinkMaxSpeed", &seen); }

@@ -305,6 +305,18 @@ RGPU_EXPORT nvmlReturn_t nvmlDeviceGetVirtualizationMode(nvmlDevice_t device, un
     return device_zero(device, pVirtualMode);
 }
 
+/* Two slices never reach each other's memory (they may sit on different servers):
+ * NVML_P2P_STATUS_NOT_SUPPORTED (5) for every capability, as cuDeviceCanAccessPeer answers 0. */
+RGPU_EXPORT nvmlReturn_t nvmlDeviceGetP2PStatus(nvmlDevice_t device1, nvmlDevice_t device2, int p2pIndex,
+                                                int *p2pStatus) {
+    if (!p2pStatus) return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlReturn_t r = check();
+    if (r != NVML_SUCCESS) return r;
+    if (!device_of(device1) || !device_of(device2) || p2pIndex < 0) return NVML_ERROR_INVALID_ARGUMENT;
+    *p2pStatus = 5;
+    return NVML_SUCCESS;
+}
+
 /* nvmlTemperature_v1_t: {unsigned int version; nvmlTemperatureSensors_t sensorType; int temperature;}
  * with version = sizeof | 1 << 24. */
 struct rgpu_nvml_temperature_v1 { unsigned int version; int sensorType; int temperature; };
