@@ -96,8 +96,8 @@ def test_internal_export_table_answers_what_nvidia_smi_calls(native_libs: build.
         is_mig = pynvml.nvmlDeviceIsMigDeviceHandle(h)
         print("MIG", getattr(is_mig, "value", is_mig), pynvml.nvmlDeviceGetMaxMigDeviceCount(h))
         print("VIRT", pynvml.nvmlDeviceGetVirtualizationMode(h))
-        import ctypes   # pynvml passes the index as given: it must be a ctypes value
-        print("P2P", pynvml.nvmlDeviceGetP2PStatus(h, h, ctypes.c_uint(pynvml.NVML_P2P_CAPS_INDEX_READ)))
+        import ctypes   # pynvml passes the index as given: a ctypes value (0: NVML_P2P_CAPS_INDEX_READ)
+        print("P2P", pynvml.nvmlDeviceGetP2PStatus(h, h, ctypes.c_uint(0)))
         """)])
     out = done.stdout
     assert "SIZE 2048" in out, out + done.stderr
