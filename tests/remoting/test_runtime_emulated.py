@@ -28,17 +28,22 @@ def _cudart_dir() -> Path | None:
     return next((c for c in candidates if (c / "libcudart.so.13").exists() or any(c.glob("libcudart.so.*"))), None)
 
 
-@pytest.fixture(scope="module", params=["static", "shared"])
-def runtime_demo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+def build_runtime_program(tmp_path_factory: pytest.TempPathFactory, source: str, cudart: str) -> Path:
+    """examples/cuda/<source> built with nvcc for sm_90, linking cudart `static` or `shared`."""
     nvcc = shutil.which("nvcc")
     if not nvcc:
         pytest.skip("nvcc not found (install the CUDA toolkit to build CUDA-runtime test programs)")
-    out = tmp_path_factory.mktemp("runtime") / f"runtime_demo_{request.param}"
-    argv = [nvcc, "-O2", "-gencode", "arch=compute_90,code=[sm_90,compute_90]", "-cudart", request.param,
-            str(EXAMPLES / "runtime_demo.cu"), "-o", str(out)]
+    out = tmp_path_factory.mktemp("runtime") / f"{Path(source).stem}_{cudart}"
+    argv = [nvcc, "-O2", "-gencode", "arch=compute_90,code=[sm_90,compute_90]", "-cudart", cudart,
+            str(EXAMPLES / source), "-o", str(out)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
-    return request.param, out
+    return out
+
+
+@pytest.fixture(scope="module", params=["static", "shared"])
+def runtime_demo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    return request.param, build_runtime_program(tmp_path_factory, "runtime_demo.cu", request.param)
 
 
 def _run(libs: build.Libraries, emulated: Server, program: Path, **env: str) -> subprocess.CompletedProcess[str]:
@@ -85,15 +90,7 @@ def test_runtime_sees_no_device_without_slices(native_libs: build.Libraries, run
 
 @pytest.fixture(scope="module")
 def graph_host_nodes(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    nvcc = shutil.which("nvcc")
-    if not nvcc:
-        pytest.skip("nvcc not found (install the CUDA toolkit to build CUDA-runtime test programs)")
-    out = tmp_path_factory.mktemp("runtime") / "graph_host_nodes"
-    argv = [nvcc, "-O2", "-gencode", "arch=compute_90,code=[sm_90,compute_90]", "-cudart", "static",
-            str(EXAMPLES / "graph_host_nodes.cu"), "-o", str(out)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr
-    return out
+    return build_runtime_program(tmp_path_factory, "graph_host_nodes.cu", "static")
 
 
 def test_runtime_host_functions_in_graphs_run_in_the_client(native_libs: build.Libraries, emulated: Server,
@@ -115,15 +112,7 @@ def test_runtime_host_functions_in_graphs_run_in_the_client(native_libs: build.L
 
 @pytest.fixture(scope="module", params=["static", "shared"])
 def texture_demo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    nvcc = shutil.which("nvcc")
-    if not nvcc:
-        pytest.skip("nvcc not found (install the CUDA toolkit to build CUDA-runtime test programs)")
-    out = tmp_path_factory.mktemp("texture") / f"texture_demo_{request.param}"
-    argv = [nvcc, "-O2", "-gencode", "arch=compute_90,code=[sm_90,compute_90]", "-cudart", request.param,
-            str(EXAMPLES / "texture_demo.cu"), "-o", str(out)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr
-    return request.param, out
+    return request.param, build_runtime_program(tmp_path_factory, "texture_demo.cu", request.param)
 
 
 def test_runtime_arrays_textures_and_surfaces_move_data_through_rgpu(native_libs: build.Libraries, emulated: Server,
