@@ -25,6 +25,8 @@ SPEC_HASHES = {
         "86e954ccf142cc0e3e5e1ed70d8a4996bec4f60cef66131818bb482ff6208d57"),  # private table 6e163fbe (cuFFT's module walk)
     5: ("17e4df07c51db25c7747a250a59cbc32f56ddc4a6822384336f9032ca2810029",
         "7ae156553f0c913a8e5edc41f22dfd65ec032cc88cfef75ccfd895a4c480a16e"),  # host nodes: HOST_CALL / HOST_DONE frames
+    6: ("bcecea253f61dbe8ad0c5245dcafa3598f2450d0e100de264a02078273267ade",
+        "c48f9d345878824fa1002d6055eccdbcf2e821559763aa89c0d36eba18d3034f"),  # module loads name large images by SHA-256
 }
 
 
