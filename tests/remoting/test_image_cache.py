@@ -226,3 +226,40 @@ def test_a_cache_of_size_zero_is_off(native_libs: build.Libraries, emulated: Ser
     for name in ("one", "two"):
         got = load_in_a_process(native_libs, emulated, path, tmp_path / name)
         assert got["cache_hits"] == 0 and got["bytes_sent"] == path.stat().st_size + 1
+
+
+def test_a_library_mirrored_to_a_second_slice_of_the_node_is_not_sent_again(native_libs: build.Libraries,
+                                                                             emulated: Server, tmp_path: Path) -> None:
+    # library_mirror.c loads a library on every slice; two slices on one GPU node share its cache.
+    path = large_ptx(tmp_path)
+    size = path.stat().st_size + 1
+    t0, t1 = emulated.token(gpu=emulated.gpus[0]), emulated.token(gpu=emulated.gpus[1])
+    done = py_client(native_libs, emulated.slices(t0, t1), f"""
+        check("cuInit", 0)
+        ctxs = []
+        for d in range(2):
+            ctx = ctypes.c_void_p()
+            check("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), d)
+            ctxs.append(ctx)
+        check("cuCtxSetCurrent", ctxs[0])
+        ptx = open({str(path)!r}, "rb").read() + b"\\0"
+        lib_, k, f = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        check("cuLibraryLoadData", ctypes.byref(lib_), ptx, None, None, 0, None, None, 0)
+        check("cuLibraryGetKernel", ctypes.byref(k), lib_, b"mixed")
+        check("cuCtxSetCurrent", ctxs[1])
+        check("cuKernelGetFunction", ctypes.byref(f), k)
+        print("ON SLICE 1 OK")
+        """, RGPU_CLIENT_STATS=str(tmp_path / "two"))
+    assert "ON SLICE 1 OK" in done.stdout, done.stdout + done.stderr
+    files = list(tmp_path.glob("two.*"))
+    assert len(files) == 1, files
+    assert client_stats.images(files[0].read_text()) == {"loads": 2, "cache_hits": 1, "bytes_sent": size}
+
+
+def test_the_profile_reader_shows_image_traffic(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert client_stats.images("# header (sends 1)\n") == {"loads": 0, "cache_hits": 0, "bytes_sent": 0}   # older profiles
+    profile = tmp_path / "p.1"
+    profile.write_text("# rgpu client call profile: op sync_calls sync_wait_ns async_calls (sends 3)\n"
+                       "# module images: loads 2 cache_hits 1 bytes_sent 70000\n")
+    assert client_stats.main([str(profile)]) == 0
+    assert "module images: 2 loaded, 1 from the GPU node's cache, 70000 bytes sent" in capsys.readouterr().out
