@@ -10,13 +10,16 @@ import hashlib
 import logging
 import os
 import shutil
+import struct
 import subprocess
 from pathlib import Path
 
 import pytest
 from rgpu.remoting.datapath.worker import image_cache
 from rgpu.remoting.datapath.worker.image_cache import Entry, ImageCache, evictions, user_folder
+from rgpu.remoting.datapath import protocol
 from rgpu.remoting.native import build, client_stats
+from rgpu.remoting.native.generated import api_gen
 
 from tests.remoting.conftest import EXAMPLES, Server
 from tests.remoting.test_client_emulated import py_client
@@ -88,7 +91,7 @@ def test_one_users_images_are_never_served_to_another(tmp_path: Path) -> None:
 def test_bytes_that_do_not_match_their_hash_are_not_stored(tmp_path: Path) -> None:
     cache = ImageCache(str(tmp_path), 7, 1 << 20)
     assert not cache.put(hashlib.sha256(b"other").digest(), b"these")
-    assert not any((tmp_path / "uid-7").glob("*")) if (tmp_path / "uid-7").exists() else True
+    assert not list(tmp_path.rglob("*"))
 
 
 def test_a_corrupt_or_planted_file_is_removed_not_served(tmp_path: Path) -> None:
@@ -263,3 +266,15 @@ def test_the_profile_reader_shows_image_traffic(tmp_path: Path, capsys: pytest.C
                        "# module images: loads 2 cache_hits 1 bytes_sent 70000\n")
     assert client_stats.main([str(profile)]) == 0
     assert "module images: 2 loaded, 1 from the GPU node's cache, 70000 bytes sent" in capsys.readouterr().out
+
+
+
+def test_a_load_naming_its_image_in_an_unknown_way_is_one_error(emulated: Server) -> None:
+    # A hand-made frame (a hostile or mismatched client): no options, size 8, "how" 9, a short digest.
+    sock, _ = protocol.handshake(emulated.address, emulated.token())
+    with sock:
+        payload = struct.pack("<IIQB", 0, 0, 8, 9) + b"\0" * 5
+        sock.sendall(protocol.pack_frame(api_gen.OPCODES["cuModuleLoadDataEx"], payload))
+        header, body = protocol.recv_frame(sock)
+    assert header[1] == protocol.OP_REPLY and struct.unpack_from("<i", body)[0] == 1   # CUDA_ERROR_INVALID_VALUE
+    assert b"names its image in no way this worker knows" in body, body

@@ -19,7 +19,8 @@ from rgpu.remoting.datapath.worker.codecs import (ALLOC, COPY, HEADER, LAUNCH, L
                                                   MODULE_NODE, U32, U64, fn_bytes, fn_without_handle, lp, read_options,
                                                   take_str)
 from rgpu.remoting.datapath.worker.hostcalls import HostCalls
-from rgpu.remoting.datapath.worker.image_cache import IMAGE_BY_HASH, IMAGE_BYTES_TO_CACHE, ImageCache
+from rgpu.remoting.datapath.worker.image_cache import (IMAGE_BY_HASH, IMAGE_BYTES, IMAGE_BYTES_TO_CACHE,
+                                                           ImageCache)
 from rgpu.remoting.datapath.worker.native_loop import NativeLaunches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 
@@ -184,6 +185,9 @@ class Handlers:
             how = p[off + 8]
             digest = bytes(p[off + 9:off + 41])
             off += 41
+            if how not in (IMAGE_BYTES, IMAGE_BY_HASH, IMAGE_BYTES_TO_CACHE) or len(digest) != 32:
+                raise CudaError(INVALID_VALUE, "rgpu: worker: a module load names its image in no way this worker "
+                                "knows (install the same rgpu version on the CPU and GPU nodes)")
             if how == IMAGE_BY_HASH:
                 image = self.image_cache.get(digest)
                 if image is None or len(image) != size:
