@@ -30,14 +30,22 @@ HASH_MIN = 64 * 1024   # cuda_module.c's IMAGE_HASH_MIN
 
 # ------------------------------------------------------------------ SHA-256 in C
 
-@pytest.fixture(scope="module")
-def sha256_c(tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+@pytest.fixture(scope="module", params=["auto", "portable"])
+def sha256_c(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """sha256.c as its own library: "auto" uses the SHA extensions where the CPU has them,
+    "portable" (RGPU_SHA256_PORTABLE, read at the first call of this copy) the plain C rounds."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         pytest.skip("no C compiler")
-    out = tmp_path_factory.mktemp("sha") / "libsha.so"
+    out = tmp_path_factory.mktemp("sha") / f"libsha-{request.param}.so"
     subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(SRC / "sha256.c")], check=True)
-    return ctypes.CDLL(str(out))
+    lib = ctypes.CDLL(str(out))
+    os.environ["RGPU_SHA256_PORTABLE"] = "1" if request.param == "portable" else ""
+    try:
+        lib.rgpu_sha256(b"", ctypes.c_size_t(0), ctypes.create_string_buffer(32))   # picks the rounds now
+    finally:
+        del os.environ["RGPU_SHA256_PORTABLE"]
+    return lib
 
 
 @pytest.mark.parametrize("size", [0, 1, 3, 55, 56, 57, 63, 64, 65, 119, 120, 128, 1000, HASH_MIN + 7, 1 << 20])
