@@ -10,18 +10,23 @@ import hashlib
 import logging
 import os
 import shutil
+import socket
 import struct
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from rgpu.config import Settings
+from rgpu.errors import ConfigError
+from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.worker import image_cache
 from rgpu.remoting.datapath.worker.image_cache import Entry, ImageCache, evictions, user_folder
-from rgpu.remoting.datapath import protocol
+from rgpu.remoting.dispatcher.daemon import start_data_path
 from rgpu.remoting.native import build, client_stats
 from rgpu.remoting.native.generated import api_gen
 
-from tests.remoting.conftest import EXAMPLES, Server
+from tests.remoting.conftest import EMULATED_GPU, EXAMPLES, Server
 from tests.remoting.test_client_emulated import py_client
 
 SRC = Path(build.__file__).resolve().parent / "src"
@@ -286,3 +291,11 @@ def test_a_load_naming_its_image_in_an_unknown_way_is_one_error(emulated: Server
         header, body = protocol.recv_frame(sock)
     assert header[1] == protocol.OP_REPLY and struct.unpack_from("<i", body)[0] == 1   # CUDA_ERROR_INVALID_VALUE
     assert b"names its image in no way this worker knows" in body, body
+
+
+def test_the_dispatcher_refuses_a_negative_bound() -> None:
+    with socket.socket() as sock:
+        with pytest.raises(ConfigError, match="image_cache_bytes = -1 .* is negative"):
+            start_data_path(sock, "127.0.0.1:1", (EMULATED_GPU,), b"s" * 32, (45201, 45300), "emulated",
+                            replace(Settings(), image_cache_bytes=-1))
+    assert Settings().image_cache_bytes == 4 << 30
