@@ -91,6 +91,8 @@ class Settings:
     gpu_sharing: str = "mps"
     # rgpu-dispatcher, isolated GPUs: a busy session may use the shares its GPU's other sessions leave idle.
     compute_lending: bool = False
+    # rgpu-dispatcher: bound of its module image cache (all users together, LRU); 0 turns it off.
+    image_cache_bytes: int = 4 << 30
     origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def origin(self, key: str) -> str:

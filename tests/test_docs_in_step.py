@@ -30,7 +30,9 @@ def readme_table() -> dict[str, str]:
 def documented_default(value: object) -> str:
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
-    if isinstance(value, (int, float)):
+    if isinstance(value, int):
+        return f"`{value}`"     # exact: `:g` writes 4 GiB as 4.29497e+09
+    if isinstance(value, float):
         return f"`{value:g}`"
     return f"`{value}`" if value else "empty"
 

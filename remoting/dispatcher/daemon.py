@@ -150,9 +150,14 @@ def start_data_path(sock: socket.socket, address: str, gpus: tuple[GpuInfo, ...]
         if not value > 0 or value != value or value == float("inf"):
             raise ConfigError(COMPONENT, f"{key} = {value!r} from {settings.origin(key)} is not a positive number",
                               "it limits handshakes on the session port", f"set {key} to a number above 0")
+    if settings.image_cache_bytes < 0:
+        raise ConfigError(COMPONENT, f"image_cache_bytes = {settings.image_cache_bytes} from "
+                          f"{settings.origin('image_cache_bytes')} is negative", "it bounds the module image cache",
+                          "set image_cache_bytes to 0 (off) or a size in bytes")
     data_path: DataPath = SessionServer(listen_socket=sock, advertised=address, gpus=list(gpus), secret=secret,
                                         port_range=port_range, backend=backend, log=log, front_door=door,
-                                        compute_lending=settings.compute_lending)
+                                        compute_lending=settings.compute_lending,
+                                        image_cache_bytes=settings.image_cache_bytes)
     data_path.start()
     return data_path
 

@@ -137,6 +137,7 @@ def client_description(peer: str, info: dict) -> dict:
 
 
 RUNTIME_PREFIX = "rgpu-sessions-"
+DEFAULT_IMAGE_CACHE_BYTES = 4 << 30   # rgpu.config's image_cache_bytes
 KILL_GRACE_S = 1.0          # a worker ended by the dispatcher gets this long after SIGTERM, then SIGKILL
 FAULT_EXIT_GRACE_S = 5.0    # a worker a GPU fault ended gets this long to let go of the GPU, then SIGKILL
 OWNER_FILE = "owner.pid"
@@ -164,7 +165,8 @@ def sweep_dead_runtime_dirs(tmp: Path, log: logging.Logger) -> list[Path]:
 class SessionServer:
     def __init__(self, *, listen_socket: socket.socket, advertised: str, gpus: list[GpuInfo], secret: bytes,
                  port_range: tuple[int, int], backend: str, log: logging.Logger,
-                 front_door: FrontDoor | None = None, compute_lending: bool = False) -> None:
+                 front_door: FrontDoor | None = None, compute_lending: bool = False,
+                 image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES) -> None:
         if backend not in ("cuda", "emulated"):
             raise ValueError(f"unknown backend {backend!r} (cuda or emulated)")
         self.listen_socket = listen_socket
@@ -186,6 +188,10 @@ class SessionServer:
         os.chmod(self.runtime_dir, 0o700)
         (self.runtime_dir / OWNER_FILE).write_text(f"{os.getpid()}\n")
         self.compute_lending = compute_lending
+        # Module images the workers received, by uid and SHA-256 (worker/image_cache.py): a library's
+        # kernels cross the wire once per node and user while this dispatcher runs.
+        self.image_cache_dir = self.runtime_dir / "images"
+        self.image_cache_bytes = image_cache_bytes
         # Only GPUs shared by MPS are its clients' (isolated and exclusive GPUs run plain contexts).
         self.mps = MpsDaemon([g.uuid for g in gpus if g.sharing == "mps"], self.runtime_dir / "mps", log)
         self._sessions: dict[int, SessionRecord] = {}
@@ -653,6 +659,7 @@ class SessionServer:
             "compute_lending": self.compute_lending, "gpu_dir": str(self._gpu_dir(gpu.uuid)),
             "client": client_description(peer, hello.info), "launch_library": self.launch_library,
             "counters_dir": str(self.counters_dir),
+            "image_cache_dir": str(self.image_cache_dir), "image_cache_bytes": self.image_cache_bytes,
         }
         env = worker_environment(os.environ)
         env["RGPU_WORKER_SESSION"] = json.dumps(spec)

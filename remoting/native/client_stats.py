@@ -47,6 +47,16 @@ def parse(text: str, source: str = "profile") -> tuple[dict[int, OpProfile], int
     return ops, sends
 
 
+def images(text: str) -> dict[str, int]:
+    """The module image line of one PATH.<pid> file: loads, cache_hits (loads the GPU node's image
+    cache served: no image bytes sent) and bytes_sent (image bytes that crossed the wire)."""
+    for line in text.splitlines():
+        if line.startswith("# module images:"):
+            words = line.split(":", 1)[1].split()
+            return {k: int(v) for k, v in zip(words[::2], words[1::2]) if v.isdigit()}
+    return {"loads": 0, "cache_hits": 0, "bytes_sent": 0}
+
+
 def merge(profiles: list[dict[int, OpProfile]]) -> dict[int, OpProfile]:
     total: dict[int, OpProfile] = {}
     for ops in profiles:
@@ -77,16 +87,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args(argv)
     profiles, sends = [], 0
+    loaded = {"loads": 0, "cache_hits": 0, "bytes_sent": 0}
     try:
         for f in args.files:
-            ops, s = parse(f.read_text(), str(f))
+            text = f.read_text()
+            ops, s = parse(text, str(f))
             profiles.append(ops)
             sends += s
+            for k, v in images(text).items():
+                loaded[k] = loaded.get(k, 0) + v
     except (OSError, ConfigError) as exc:
         print(exc if isinstance(exc, ConfigError) else f"rgpu: client-stats: cannot read {exc.filename} ({exc.strerror})",
               file=sys.stderr)
         return 2
     print(render(merge(profiles), sends, args.top))
+    print(f"module images: {loaded['loads']} loaded, {loaded['cache_hits']} from the GPU node's cache, "
+          f"{loaded['bytes_sent']} bytes sent")
     return 0
 
 

@@ -27,6 +27,8 @@ SPEC_HASHES = {
         "7ae156553f0c913a8e5edc41f22dfd65ec032cc88cfef75ccfd895a4c480a16e"),  # host nodes: HOST_CALL / HOST_DONE frames
     6: ("e81e07bdbd357988a8b22ae6bce7515ef5a2edce500f1dd4923e733c8d658217",
         "c48f9d345878824fa1002d6055eccdbcf2e821559763aa89c0d36eba18d3034f"),  # CUDA arrays, texture and surface objects
+    7: ("c1b86c51a81dda4cbfe258ff8f6bc88ff498b62cd6bd995f39af207af54e3aef",
+        "1d5c2a0e7408bce02644ce8c50b75c7d0e293907388c39e0427fbf6801cbb9c3"),  # module loads name large images by SHA-256 (the node's image cache)
 }
 
 

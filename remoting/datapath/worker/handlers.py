@@ -21,6 +21,8 @@ from rgpu.remoting.datapath.worker.codecs import (ALLOC, COPY, HEADER, LAUNCH, L
                                                   MODULE_NODE, U32, U64, fn_bytes, fn_without_handle, lp, read_options,
                                                   take_str)
 from rgpu.remoting.datapath.worker.hostcalls import HostCalls
+from rgpu.remoting.datapath.worker.image_cache import (IMAGE_BY_HASH, IMAGE_BYTES, IMAGE_BYTES_TO_CACHE,
+                                                           ImageCache)
 from rgpu.remoting.datapath.worker.native_loop import NativeLaunches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 from rgpu.units import format_bytes
@@ -51,6 +53,7 @@ class Handlers:
     vmm_refs: dict[int, int]
     graph_allocs: dict[int, int]
     native_launches: NativeLaunches | None
+    image_cache: ImageCache
 
     # ------------------------------------------------------------------ contexts
 
@@ -284,8 +287,20 @@ class Handlers:
             options, off = read_options(p, 0)
             lib_options, off = read_options(p, off)
             (size,) = U64.unpack_from(p, off)
-            off += 8
-            image = bytes(p[off:off + size])
+            how = p[off + 8]
+            digest = bytes(p[off + 9:off + 41])
+            off += 41
+            if how not in (IMAGE_BYTES, IMAGE_BY_HASH, IMAGE_BYTES_TO_CACHE) or len(digest) != 32:
+                raise CudaError(INVALID_VALUE, "rgpu: worker: a module load names its image in no way this worker "
+                                "knows (install the same rgpu version on the CPU and GPU nodes)")
+            if how == IMAGE_BY_HASH:
+                image = self.image_cache.get(digest)
+                if image is None or len(image) != size:
+                    return SUCCESS, b""   # not cached here: the client sends the bytes
+            else:
+                image = bytes(p[off:off + size])
+                if how == IMAGE_BYTES_TO_CACHE:
+                    self.image_cache.put(digest, image)
             res = self.backend.load(kind, image, options, lib_options)
             code = getattr(res, "code", SUCCESS)
             return code, self._load_reply(res, code == SUCCESS)

@@ -23,6 +23,7 @@ from rgpu.remoting.datapath.worker.handlers import Handlers
 from rgpu.remoting.datapath.worker.hostcalls import HostCalls
 from rgpu.remoting.datapath.worker.limiter import ComputeLimiter
 from rgpu.remoting.datapath.worker.native_loop import load_native_launches
+from rgpu.remoting.datapath.worker.image_cache import ImageCache
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 from rgpu.remoting.datapath.usage import SessionStats
 
@@ -59,6 +60,7 @@ class Worker(Handlers):
         self.errors = 0
         self.sent = 0
         self.native_launches = load_native_launches(spec, backend)
+        self.image_cache = ImageCache(spec.image_cache_dir, spec.client.get("uid"), spec.image_cache_bytes)
         # op -> [calls, handler ns], only with RGPU_WORKER_PROFILE (native launches: key -1)
         self.profile: dict[int, list[int]] | None = {} if os.environ.get("RGPU_WORKER_PROFILE") else None
         # A sticky fault ends the session (faults.py; on an MPS GPU, every session of the GPU);

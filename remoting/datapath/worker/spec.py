@@ -32,6 +32,8 @@ class SessionSpec:
     compute_lending: bool = False   # isolated: may use the share the GPU's idle sessions leave
     gpu_dir: str = ""         # files the workers of this GPU share (limiter loads, emulated fault domain)
     faults_dir: str = ""      # where a worker reports a sticky GPU fault and reads the verdict (faults.py)
+    image_cache_dir: str = ""  # module images of this node's workers, by uid and SHA-256 (image_cache.py); "": none
+    image_cache_bytes: int = 0  # its bound (all users together); 0: no cache
 
     @classmethod
     def from_json(cls, text: str) -> SessionSpec:

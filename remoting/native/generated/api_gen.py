@@ -14,9 +14,9 @@ import ctypes
 import struct
 from typing import Any, Callable
 
-PROTOCOL_VERSION = 6
-CUDA_SPEC_SHA256 = "e81e07bdbd357988a8b22ae6bce7515ef5a2edce500f1dd4923e733c8d658217"
-NVML_SPEC_SHA256 = "c48f9d345878824fa1002d6055eccdbcf2e821559763aa89c0d36eba18d3034f"
+PROTOCOL_VERSION = 7
+CUDA_SPEC_SHA256 = "c1b86c51a81dda4cbfe258ff8f6bc88ff498b62cd6bd995f39af207af54e3aef"
+NVML_SPEC_SHA256 = "1d5c2a0e7408bce02644ce8c50b75c7d0e293907388c39e0427fbf6801cbb9c3"
 
 _STRUCTS: dict[str, struct.Struct] = {}
 

@@ -2,8 +2,8 @@
 #ifndef RGPU_OPS_H
 #define RGPU_OPS_H
 
-#define RGPU_PROTOCOL_VERSION 6
-#define RGPU_CUDA_SPEC_SHA256 "e81e07bdbd357988a8b22ae6bce7515ef5a2edce500f1dd4923e733c8d658217"
+#define RGPU_PROTOCOL_VERSION 7
+#define RGPU_CUDA_SPEC_SHA256 "c1b86c51a81dda4cbfe258ff8f6bc88ff498b62cd6bd995f39af207af54e3aef"
 
 enum rgpu_opcode {
     RGPU_OP_cuInit = 32,

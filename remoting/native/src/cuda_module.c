@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "rgpu_client.h"
+#include "rgpu_sha256.h"
 #include "cuda_protos.h"
 
 /* ------------------------------------------------------------------ image sizes
@@ -202,10 +203,17 @@ static void read_functions(rgpu_call *c, uint64_t module) {
     for (uint32_t i = 0; i < n && rgpu_remaining(c) >= 16; i++) read_one_function(c, rgpu_get_u64(c), module);
 }
 
-/* session -1: the current context's slice. *where (if given) says which slice loaded it. */
-static CUresult load_image(uint16_t op, int session, uint64_t *out, int *where, const void *image, size_t size,
-                           unsigned int nopts, CUjit_option *opts, void **vals, unsigned int nlib,
-                           CUlibraryOption *libopts, void **libvals) {
+/* Images at least this large are named by their SHA-256 first: the GPU node's image cache may
+ * have them (worker/image_cache.py), and then no byte of the image crosses the wire. */
+#define IMAGE_HASH_MIN (64u * 1024u)
+enum { IMAGE_BYTES = 0, IMAGE_BY_HASH = 1, IMAGE_BYTES_TO_CACHE = 2 };
+
+/* One load call. how: IMAGE_BYTES (the image follows), IMAGE_BY_HASH (only its SHA-256: the
+ * worker answers success with an empty body when its cache lacks it, "send the bytes"), or
+ * IMAGE_BYTES_TO_CACHE (the image follows, and the worker caches it under the SHA-256). */
+static CUresult load_once(uint16_t op, int session, uint64_t *out, int *where, int how, const uint8_t digest[32],
+                          int *need_bytes, const void *image, size_t size, unsigned int nopts, CUjit_option *opts,
+                          void **vals, unsigned int nlib, CUlibraryOption *libopts, void **libvals) {
     rgpu_call c;
     CUresult r = session < 0 ? rgpu_begin(&c, op) : rgpu_begin_session(&c, op, session);
     if (r != CUDA_SUCCESS) return r;
@@ -227,12 +235,24 @@ static CUresult load_image(uint16_t op, int session, uint64_t *out, int *where, 
         rgpu_put_u64(&c, (uint64_t)(uintptr_t)libvals[i]);
     }
     rgpu_put_u64(&c, size);
-    r = rgpu_put_bulk(&c, image, size);
-    if (r != CUDA_SUCCESS) {
+    rgpu_put_u8(&c, (uint8_t)how);
+    static const uint8_t no_digest[32];
+    rgpu_put(&c, how == IMAGE_BYTES ? no_digest : digest, 32);
+    if (how != IMAGE_BY_HASH) {
+        r = rgpu_put_bulk(&c, image, size);
+        if (r != CUDA_SUCCESS) {
+            rgpu_end(&c);
+            return r;
+        }
+    }
+    r = rgpu_sync(&c);
+    if (how == IMAGE_BY_HASH && r == CUDA_SUCCESS && rgpu_remaining(&c) == 0) {
+        *need_bytes = 1;
         rgpu_end(&c);
         return r;
     }
-    r = rgpu_sync(&c);
+    if (how != IMAGE_BY_HASH) rgpu_stats_image(size, 0);
+    else rgpu_stats_image(0, 1);
     /* Logs come back on failure too: that is when the application reads them. */
     if (rgpu_remaining(&c) >= 8) {
         uint64_t handle = rgpu_get_u64(&c);
@@ -244,6 +264,23 @@ static CUresult load_image(uint16_t op, int session, uint64_t *out, int *where, 
     }
     rgpu_end(&c);
     return r;
+}
+
+/* session -1: the current context's slice. *where (if given) says which slice loaded it. */
+static CUresult load_image(uint16_t op, int session, uint64_t *out, int *where, const void *image, size_t size,
+                           unsigned int nopts, CUjit_option *opts, void **vals, unsigned int nlib,
+                           CUlibraryOption *libopts, void **libvals) {
+    if (size < IMAGE_HASH_MIN)
+        return load_once(op, session, out, where, IMAGE_BYTES, NULL, NULL, image, size, nopts, opts, vals, nlib,
+                         libopts, libvals);
+    uint8_t digest[32];
+    rgpu_sha256(image, size, digest);
+    int need_bytes = 0;
+    CUresult r = load_once(op, session, out, where, IMAGE_BY_HASH, digest, &need_bytes, image, size, nopts, opts,
+                           vals, nlib, libopts, libvals);
+    if (r != CUDA_SUCCESS || !need_bytes) return r;
+    return load_once(op, session, out, where, IMAGE_BYTES_TO_CACHE, digest, NULL, image, size, nopts, opts, vals,
+                     nlib, libopts, libvals);
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuModuleLoadDataEx(CUmodule *module, const void *image, unsigned int numOptions,

@@ -95,6 +95,8 @@ CUresult rgpu_begin_ctx(rgpu_call *c, uint16_t op, CUcontext ctx, uint64_t *remo
 void rgpu_put(rgpu_call *c, const void *p, size_t n);
 CUresult rgpu_put_bulk(rgpu_call *c, const void *p, size_t n); /* ends the frame; streams p */
 CUresult rgpu_sync(rgpu_call *c);
+/* Call profile: module image bytes sent (0 for a load served by the GPU node's image cache). */
+void rgpu_stats_image(uint64_t bytes_sent, int cache_hit);
 CUresult rgpu_async(rgpu_call *c);                             /* ends the call */
 void rgpu_end(rgpu_call *c);
 void rgpu_get(rgpu_call *c, void *p, size_t n);

@@ -72,6 +72,7 @@ CUresult rgpu_unsupported(const char *name, int *seen, const char *why) {
 static int g_stats_on = -1;
 static uint64_t g_sync_calls[STATS_OPS], g_sync_wait_ns[STATS_OPS], g_async_calls[STATS_OPS];
 static uint64_t g_sends;
+static uint64_t g_image_bytes, g_image_loads, g_image_hits;
 
 static int stats_on(void) {
     if (g_stats_on < 0) {
@@ -79,6 +80,13 @@ static int stats_on(void) {
         g_stats_on = v && *v;
     }
     return g_stats_on;
+}
+
+void rgpu_stats_image(uint64_t bytes_sent, int cache_hit) {
+    if (!stats_on()) return;
+    __atomic_add_fetch(&g_image_loads, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&g_image_bytes, bytes_sent, __ATOMIC_RELAXED);
+    if (cache_hit) __atomic_add_fetch(&g_image_hits, 1, __ATOMIC_RELAXED);
 }
 
 static uint64_t now_ns(void) {
@@ -95,6 +103,10 @@ __attribute__((destructor)) static void stats_report(void) {
     if (!f) return;
     fprintf(f, "# rgpu client call profile: op sync_calls sync_wait_ns async_calls (sends %llu)\n",
             (unsigned long long)__atomic_load_n(&g_sends, __ATOMIC_RELAXED));
+    fprintf(f, "# module images: loads %llu cache_hits %llu bytes_sent %llu\n",
+            (unsigned long long)__atomic_load_n(&g_image_loads, __ATOMIC_RELAXED),
+            (unsigned long long)__atomic_load_n(&g_image_hits, __ATOMIC_RELAXED),
+            (unsigned long long)__atomic_load_n(&g_image_bytes, __ATOMIC_RELAXED));
     for (int op = 0; op < STATS_OPS; op++)
         if (g_sync_calls[op] || g_async_calls[op])
             fprintf(f, "%d %llu %llu %llu\n", op, (unsigned long long)g_sync_calls[op],

@@ -1,0 +1,301 @@
+"""The GPU node's module image cache: a large image crosses the wire once per node and user
+(the client names it by SHA-256 first), never served across users, verified before use, bounded,
+and never the reason a load fails. Pure parts (naming, eviction) and the cache's I/O on a real
+folder; the whole path through real client processes and a session server with the emulated GPU."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import socket
+import struct
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from rgpu.config import Settings
+from rgpu.errors import ConfigError
+from rgpu.remoting.datapath import protocol
+from rgpu.remoting.datapath.worker import image_cache
+from rgpu.remoting.datapath.worker.image_cache import Entry, ImageCache, evictions, user_folder
+from rgpu.remoting.dispatcher.daemon import start_data_path
+from rgpu.remoting.native import build, client_stats
+from rgpu.remoting.native.generated import api_gen
+
+from tests.remoting.conftest import EMULATED_GPU, EXAMPLES, Server
+from tests.remoting.test_client_emulated import py_client
+
+SRC = Path(build.__file__).resolve().parent / "src"
+HASH_MIN = 64 * 1024   # cuda_module.c's IMAGE_HASH_MIN
+
+
+# ------------------------------------------------------------------ SHA-256 in C
+
+@pytest.fixture(scope="module", params=["auto", "portable"])
+def sha256_c(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ctypes.CDLL:
+    """sha256.c as its own library: "auto" uses the SHA extensions where the CPU has them,
+    "portable" (RGPU_SHA256_PORTABLE, read at the first call of this copy) the plain C rounds."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.skip("no C compiler")
+    out = tmp_path_factory.mktemp("sha") / f"libsha-{request.param}.so"
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(SRC / "sha256.c")], check=True)
+    lib = ctypes.CDLL(str(out))
+    os.environ["RGPU_SHA256_PORTABLE"] = "1" if request.param == "portable" else ""
+    try:
+        lib.rgpu_sha256(b"", ctypes.c_size_t(0), ctypes.create_string_buffer(32))   # picks the rounds now
+    finally:
+        del os.environ["RGPU_SHA256_PORTABLE"]
+    return lib
+
+
+@pytest.mark.parametrize("size", [0, 1, 3, 55, 56, 57, 63, 64, 65, 119, 120, 128, 1000, HASH_MIN + 7, 1 << 20])
+def test_the_clients_sha256_is_hashlibs(sha256_c: ctypes.CDLL, size: int) -> None:
+    data = hashlib.shake_256(str(size).encode()).digest(size) if size else b""
+    out = ctypes.create_string_buffer(32)
+    sha256_c.rgpu_sha256(data, ctypes.c_size_t(size), out)
+    assert out.raw == hashlib.sha256(data).digest()
+
+
+def test_the_standard_vectors(sha256_c: ctypes.CDLL) -> None:
+    for text, hexdigest in [(b"abc", "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"),
+                            (b"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq",
+                             "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1")]:
+        out = ctypes.create_string_buffer(32)
+        sha256_c.rgpu_sha256(text, ctypes.c_size_t(len(text)), out)
+        assert out.raw.hex() == hexdigest
+
+
+# ------------------------------------------------------------------ pure: naming and eviction
+
+def test_images_are_scoped_by_uid_and_named_by_hash() -> None:
+    assert user_folder(1000) == "uid-1000" and user_folder(1001) == "uid-1001"
+    for bad in (None, True, -1, 2**32, "1000", 1.0):
+        assert user_folder(bad) is None   # no plain uid: no cache at all
+    digest = hashlib.sha256(b"x").digest()
+    assert image_cache.image_name(digest) == digest.hex() and image_cache.is_image_name(digest.hex())
+    assert not image_cache.is_image_name("." + digest.hex()[1:]) and not image_cache.is_image_name("../x")
+    with pytest.raises(ValueError, match="32 bytes"):
+        image_cache.image_name(b"short")
+
+
+def test_eviction_drops_the_least_recently_used_until_the_cache_fits() -> None:
+    entries = [Entry("a", 40, 1.0), Entry("b", 40, 3.0), Entry("c", 40, 2.0), Entry("new", 40, 0.5)]
+    assert evictions(entries, 200) == []
+    assert evictions(entries, 100, keep="new") == ["a", "c"]     # the one just stored stays
+    assert evictions(entries, 30, keep="new") == ["a", "c", "b", "new"]   # alone too large: it goes too
+
+
+# ------------------------------------------------------------------ the cache's I/O on a real folder
+
+def test_one_users_images_are_never_served_to_another(tmp_path: Path) -> None:
+    data = os.urandom(1000)
+    digest = hashlib.sha256(data).digest()
+    assert ImageCache(str(tmp_path), 1000, 1 << 20).put(digest, data)
+    assert ImageCache(str(tmp_path), 1000, 1 << 20).get(digest) == data
+    assert ImageCache(str(tmp_path), 1001, 1 << 20).get(digest) is None
+    assert ImageCache(str(tmp_path), None, 1 << 20).get(digest) is None   # a client that sent no uid
+
+
+def test_bytes_that_do_not_match_their_hash_are_not_stored(tmp_path: Path) -> None:
+    cache = ImageCache(str(tmp_path), 7, 1 << 20)
+    assert not cache.put(hashlib.sha256(b"other").digest(), b"these")
+    assert not list(tmp_path.rglob("*"))
+
+
+def test_a_corrupt_or_planted_file_is_removed_not_served(tmp_path: Path) -> None:
+    data = os.urandom(5000)
+    digest = hashlib.sha256(data).digest()
+    cache = ImageCache(str(tmp_path), 7, 1 << 20)
+    assert cache.put(digest, data)
+    path = tmp_path / "uid-7" / digest.hex()
+    path.write_bytes(data[:-1] + b"\0")
+    assert cache.get(digest) is None and not path.exists()
+    assert cache.put(digest, data) and cache.get(digest) == data
+
+
+def test_an_unusable_cache_folder_logs_once_and_serves_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    blocked = tmp_path / "images"
+    blocked.write_text("a file where the folder should be")   # mkdir fails even for root
+    cache = ImageCache(str(blocked), 7, 1 << 20)
+    data = os.urandom(100)
+    digest = hashlib.sha256(data).digest()
+    with caplog.at_level(logging.WARNING, logger="rgpu.worker"):
+        assert not cache.put(digest, data)
+        assert not cache.put(digest, data)
+        assert cache.get(digest) is None
+    lines = [r.getMessage() for r in caplog.records if "image cache" in r.getMessage()]
+    assert len(lines) == 1 and "images are sent whole" in lines[0], lines
+
+
+def test_the_cache_stays_within_its_bound_and_keeps_what_is_used(tmp_path: Path) -> None:
+    size = 10_000
+    images = [os.urandom(size) for _ in range(6)]
+    digests = [hashlib.sha256(d).digest() for d in images]
+    a, b = ImageCache(str(tmp_path), 1, 3 * size), ImageCache(str(tmp_path), 2, 3 * size)
+    for i, (data, digest) in enumerate(zip(images, digests)):
+        cache = a if i % 2 else b          # the bound covers all users together
+        assert cache.put(digest, data)
+        past = 1_000_000 + i * 10
+        os.utime(cache.folder / digest.hex(), (past, past))   # stored in this order (mtime granularity)
+        if i == 3:
+            assert b.get(digests[2]) == images[2]   # used now: the most recent
+    files = [p for p in tmp_path.glob("uid-*/*")]
+    assert sum(p.stat().st_size for p in files) <= 3 * size
+    names = {p.name for p in files}
+    assert digests[5].hex() in names and digests[4].hex() in names
+    assert digests[0].hex() not in names and digests[1].hex() not in names
+    assert not ImageCache(str(tmp_path), 1, size - 1).put(hashlib.sha256(images[0]).digest(), images[0])  # larger than the bound
+
+
+# ------------------------------------------------------------------ through client processes and a session server
+
+def large_ptx(tmp_path: Path) -> Path:
+    """vecadd.ptx padded past the hash threshold with a comment (the emulated GPU parses PTX)."""
+    ptx = (EXAMPLES / "vecadd.ptx").read_bytes()
+    padding = b"".join(b"// padding line %06d ..............................................\n" % i
+                       for i in range(HASH_MIN // 64 + 200))
+    path = tmp_path / "large.ptx"
+    path.write_bytes(ptx + b"\n" + padding)
+    return path
+
+
+LOAD_AND_CHECK = """
+    setup()
+    ptx = open({path!r}, "rb").read() + b"\\0"
+    mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+    check("{load}", ctypes.byref(mod), ptx{extra})
+    check("{get}", ctypes.byref(fn), mod, b"mixed")
+    off, size = ctypes.c_size_t(), ctypes.c_size_t()
+    layout = []
+    i = 0
+    while lib.cuFuncGetParamInfo(fn, ctypes.c_size_t(i), ctypes.byref(off), ctypes.byref(size)) == 0:
+        layout.append((off.value, size.value)); i += 1
+    print("LAYOUT", layout)
+    print("MISSING", lib.{get}(ctypes.byref(fn), mod, b"no_such_kernel"))
+    """
+
+
+def load_in_a_process(libs: build.Libraries, server: Server, path: Path, stats: Path, library: bool = False) -> dict[str, int]:
+    if library:
+        code = LOAD_AND_CHECK.format(path=str(path), load="cuLibraryLoadData", get="cuLibraryGetKernel",
+                                     extra=", None, None, 0, None, None, 0")
+        code = code.replace('print("LAYOUT"', 'kfn = ctypes.c_void_p(); check("cuKernelGetFunction", ctypes.byref(kfn), fn); fn = kfn\n    print("LAYOUT"')
+    else:
+        code = LOAD_AND_CHECK.format(path=str(path), load="cuModuleLoadData", get="cuModuleGetFunction", extra="")
+    done = py_client(libs, server.slices(server.token()), code, RGPU_CLIENT_STATS=str(stats))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "LAYOUT [(0, 1), (8, 16), (24, 2), (32, 8)]" in done.stdout, done.stdout + done.stderr
+    assert "MISSING 500" in done.stdout, done.stdout   # CUDA_ERROR_NOT_FOUND: the table is the image's
+    files = list(stats.parent.glob(stats.name + ".*"))
+    assert len(files) == 1, files
+    text = files[0].read_text()
+    ops = {p.name: p for p in client_stats.parse(text)[0].values()}
+    load_op = "cuLibraryLoadData" if library else "cuModuleLoadDataEx"
+    return {**client_stats.images(text), "round_trips": ops[load_op].sync_calls}
+
+
+@pytest.mark.parametrize("library", [False, True], ids=["module", "library"])
+def test_a_second_process_of_the_user_sends_no_image_bytes(native_libs: build.Libraries, emulated: Server,
+                                                           tmp_path: Path, library: bool) -> None:
+    path = large_ptx(tmp_path)
+    size = path.stat().st_size + 1
+    first = load_in_a_process(native_libs, emulated, path, tmp_path / "first", library)
+    assert first == {"loads": 1, "cache_hits": 0, "bytes_sent": size, "round_trips": 2}
+    cached = emulated.server.image_cache_dir / f"uid-{os.getuid()}" / hashlib.sha256(path.read_bytes() + b"\0").hexdigest()
+    assert cached.read_bytes() == path.read_bytes() + b"\0"
+    second = load_in_a_process(native_libs, emulated, path, tmp_path / "second", library)
+    assert second == {"loads": 1, "cache_hits": 1, "bytes_sent": 0, "round_trips": 1}
+
+    # A corrupted cache file is detected: the image is sent again and the file replaced.
+    cached.write_bytes(b"planted" + cached.read_bytes()[7:])
+    third = load_in_a_process(native_libs, emulated, path, tmp_path / "third", library)
+    assert third == {"loads": 1, "cache_hits": 0, "bytes_sent": size, "round_trips": 2}
+    assert cached.read_bytes() == path.read_bytes() + b"\0"
+
+
+def test_small_images_are_sent_whole_without_a_hash(native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
+    path = EXAMPLES / "vecadd.ptx"
+    got = load_in_a_process(native_libs, emulated, path, tmp_path / "small")
+    assert got == {"loads": 1, "cache_hits": 0, "bytes_sent": path.stat().st_size + 1, "round_trips": 1}
+    assert not emulated.server.image_cache_dir.exists() or not any(emulated.server.image_cache_dir.rglob("*"))
+
+
+def test_an_unwritable_cache_still_loads(native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_text("x")
+    emulated.server.image_cache_dir = blocked    # the workers spawned from now on get this folder
+    path = large_ptx(tmp_path)
+    size = path.stat().st_size + 1
+    for name in ("one", "two"):
+        got = load_in_a_process(native_libs, emulated, path, tmp_path / name)
+        assert got == {"loads": 1, "cache_hits": 0, "bytes_sent": size, "round_trips": 2}
+
+
+def test_a_cache_of_size_zero_is_off(native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
+    emulated.server.image_cache_bytes = 0
+    path = large_ptx(tmp_path)
+    for name in ("one", "two"):
+        got = load_in_a_process(native_libs, emulated, path, tmp_path / name)
+        assert got["cache_hits"] == 0 and got["bytes_sent"] == path.stat().st_size + 1
+
+
+def test_a_library_mirrored_to_a_second_slice_of_the_node_is_not_sent_again(native_libs: build.Libraries,
+                                                                             emulated: Server, tmp_path: Path) -> None:
+    # library_mirror.c loads a library on every slice; two slices on one GPU node share its cache.
+    path = large_ptx(tmp_path)
+    size = path.stat().st_size + 1
+    t0, t1 = emulated.token(gpu=emulated.gpus[0]), emulated.token(gpu=emulated.gpus[1])
+    done = py_client(native_libs, emulated.slices(t0, t1), f"""
+        check("cuInit", 0)
+        ctxs = []
+        for d in range(2):
+            ctx = ctypes.c_void_p()
+            check("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), d)
+            ctxs.append(ctx)
+        check("cuCtxSetCurrent", ctxs[0])
+        ptx = open({str(path)!r}, "rb").read() + b"\\0"
+        lib_, k, f = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        check("cuLibraryLoadData", ctypes.byref(lib_), ptx, None, None, 0, None, None, 0)
+        check("cuLibraryGetKernel", ctypes.byref(k), lib_, b"mixed")
+        check("cuCtxSetCurrent", ctxs[1])
+        check("cuKernelGetFunction", ctypes.byref(f), k)
+        print("ON SLICE 1 OK")
+        """, RGPU_CLIENT_STATS=str(tmp_path / "two"))
+    assert "ON SLICE 1 OK" in done.stdout, done.stdout + done.stderr
+    files = list(tmp_path.glob("two.*"))
+    assert len(files) == 1, files
+    assert client_stats.images(files[0].read_text()) == {"loads": 2, "cache_hits": 1, "bytes_sent": size}
+
+
+def test_the_profile_reader_shows_image_traffic(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert client_stats.images("# header (sends 1)\n") == {"loads": 0, "cache_hits": 0, "bytes_sent": 0}   # older profiles
+    profile = tmp_path / "p.1"
+    profile.write_text("# rgpu client call profile: op sync_calls sync_wait_ns async_calls (sends 3)\n"
+                       "# module images: loads 2 cache_hits 1 bytes_sent 70000\n")
+    assert client_stats.main([str(profile)]) == 0
+    assert "module images: 2 loaded, 1 from the GPU node's cache, 70000 bytes sent" in capsys.readouterr().out
+
+
+
+def test_a_load_naming_its_image_in_an_unknown_way_is_one_error(emulated: Server) -> None:
+    # A hand-made frame (a hostile or mismatched client): no options, size 8, "how" 9, a short digest.
+    sock, _ = protocol.handshake(emulated.address, emulated.token())
+    with sock:
+        payload = struct.pack("<IIQB", 0, 0, 8, 9) + b"\0" * 5
+        sock.sendall(protocol.pack_frame(api_gen.OPCODES["cuModuleLoadDataEx"], payload))
+        header, body = protocol.recv_frame(sock)
+    assert header[1] == protocol.OP_REPLY and struct.unpack_from("<i", body)[0] == 1   # CUDA_ERROR_INVALID_VALUE
+    assert b"names its image in no way this worker knows" in body, body
+
+
+def test_the_dispatcher_refuses_a_negative_bound() -> None:
+    with socket.socket() as sock:
+        with pytest.raises(ConfigError, match="image_cache_bytes = -1 .* is negative"):
+            start_data_path(sock, "127.0.0.1:1", (EMULATED_GPU,), b"s" * 32, (45201, 45300), "emulated",
+                            replace(Settings(), image_cache_bytes=-1))
+    assert Settings().image_cache_bytes == 4 << 30
