@@ -210,13 +210,13 @@ def test_out_of_memory_beyond_the_slice_and_the_app_goes_on(native_libs: build.L
 SPIN = """
 import ctypes, time, json
 from ctcuda import *
-setup()
+setup({device})
 ptx = open({ptx!r}, "rb").read() + b"\\0"
 mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
 check("cuModuleLoadData", ctypes.byref(mod), ptx)
 check("cuModuleGetFunction", ctypes.byref(fn), mod, b"spin")
 sms = ctypes.c_int()
-check("cuDeviceGetAttribute", ctypes.byref(sms), 16, 0)
+check("cuDeviceGetAttribute", ctypes.byref(sms), 16, {device})
 r, out = alloc(64)
 iters = ctypes.c_int({iters})
 ptr = ctypes.c_uint64(out)
@@ -234,9 +234,14 @@ print("SPIN", json.dumps({{"seconds": dt, "tflops": flops / dt / 1e12}}), flush=
 """
 
 
+def spin_program(iters: int, launches: int, device: int = 0) -> list[str]:
+    """A compute-bound loop on `device`; prints `SPIN {"seconds": .., "tflops": ..}`."""
+    return py(SPIN.format(ptx=str(EXAMPLES / "vecadd.ptx"), iters=iters, launches=launches, device=device))
+
+
 def spin_local(libs: build.Libraries, iters: int, launches: int) -> float:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
-    code = py(SPIN.format(ptx=str(EXAMPLES / "vecadd.ptx"), iters=iters, launches=launches))
+    code = spin_program(iters, launches)
     done = subprocess.run(code, env=env, capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(done.stdout.split("SPIN ", 1)[1])["tflops"]
@@ -247,10 +252,8 @@ def test_half_slice_runs_at_most_60_percent_of_the_whole_gpu(native_libs: build.
     assert gpu_server.server.status()["compute_enforcement"] == "mps", gpu_server.server.status()["mps"]
     iters, launches = 200000, 10
     whole = spin_local(native_libs, iters, launches)
-    half = flexrun(native_libs, gpu_server, tmp_path, py(SPIN.format(ptx=str(EXAMPLES / "vecadd.ptx"), iters=iters,
-                                                                      launches=launches)), percent=50, name="spin-50")
-    full = flexrun(native_libs, gpu_server, tmp_path, py(SPIN.format(ptx=str(EXAMPLES / "vecadd.ptx"), iters=iters,
-                                                                      launches=launches)), percent=100, name="spin-100")
+    half = flexrun(native_libs, gpu_server, tmp_path, spin_program(iters, launches), percent=50, name="spin-50")
+    full = flexrun(native_libs, gpu_server, tmp_path, spin_program(iters, launches), percent=100, name="spin-100")
     t_half = json.loads(half.stdout.split("SPIN ", 1)[1])["tflops"]
     t_full = json.loads(full.stdout.split("SPIN ", 1)[1])["tflops"]
     result = {"whole_gpu_local_tflops": whole, "slice_100_remote_tflops": t_full, "slice_50_remote_tflops": t_half,

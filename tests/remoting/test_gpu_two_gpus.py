@@ -22,7 +22,7 @@ import pytest
 from rgpu.remoting.native import build
 from tests.daemons import RgpuCluster
 from tests.remoting.conftest import EXAMPLES, PY
-from tests.remoting.test_gpu import SPIN, py, spin_local
+from tests.remoting.test_gpu import spin_local, spin_program
 from tests.test_dispatcher import wait_state
 
 pytestmark = pytest.mark.gpu
@@ -107,17 +107,12 @@ def test_each_device_is_a_slice_of_its_own_gpu_and_peer_answers_are_honest(
     assert result["peer_copy_0_to_1"] and result["peer_copy_async_1_to_0"]
 
 
-SPIN_BOTH = SPIN.replace("setup()", "setup(DEVICE)").replace("check(\"cuDeviceGetAttribute\", ctypes.byref(sms), 16, 0)",
-                                                             "check(\"cuDeviceGetAttribute\", ctypes.byref(sms), 16, DEVICE)")
-
-
 def test_each_slice_is_held_to_its_compute_share(two_dispatchers: RgpuCluster, native_libs: build.Libraries) -> None:
     iters, launches = 200000, 10
     whole = spin_local(native_libs, iters, launches)
     shares = []
     for device in (0, 1):
-        code = SPIN_BOTH.format(ptx=str(EXAMPLES / "vecadd.ptx"), iters=iters, launches=launches)
-        _local, remote = run_both(f"spin-{device}", py(f"DEVICE = {device}\n" + code), two_dispatchers, native_libs)
+        _local, remote = run_both(f"spin-{device}", spin_program(iters, launches, device), two_dispatchers, native_libs)
         assert remote.returncode == 0, remote.stdout + remote.stderr
         spin = tagged(remote.stdout, "SPIN")
         assert isinstance(spin, dict)
