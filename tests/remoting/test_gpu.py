@@ -404,7 +404,7 @@ def test_worker_host_memory_stays_bounded_on_the_gpu(native_libs: build.Librarie
         size = {WORKER_MAX_FRAME} + (16 << 20)
         image = ctypes.create_string_buffer(size)
         header = bytearray(64)
-        header[0:5] = b"\\x7fELF\\x02"
+        header[0:6] = b"\\x7fELF\\x02\\x01"
         struct.pack_into("<Q", header, 0x28, size - 64)
         struct.pack_into("<HHH", header, 0x3A, 64, 1, 0)
         ctypes.memmove(image, bytes(header), 64)
@@ -441,3 +441,102 @@ def test_worker_host_memory_stays_bounded_on_the_gpu(native_libs: build.Librarie
     assert any(line.startswith("LOAD 2") for line in seen), seen
     assert "a worker takes frames of at most" in err, err
     assert max(rss[1:]) <= rss[0] + 64 * (1 << 20), rss
+
+
+MODULE_GLOBALS = """
+    from ctcuda import *
+    setup()
+    free0 = mem_info()[0]
+    module = ctypes.c_void_p()
+    image = open({image!r}, "rb").read()
+    r = lib.cuModuleLoadData(ctypes.byref(module), image)
+    print("LOAD", r, flush=True)
+    if r == 0:
+        free1 = mem_info()[0]
+        fn = ctypes.c_void_p()
+        check("cuModuleGetFunction", ctypes.byref(fn), module, b"touch")
+        arg = ctypes.c_int(12345)
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(arg))
+        check("cuLaunchKernel", fn, 1, 1, 1, 1, 1, 1, 0, None, args, None)
+        check("cuCtxSynchronize")
+        free2 = mem_info()[0]
+        check("cuModuleUnload", module)
+        free3 = mem_info()[0]
+        print("FREE-DROP", free0 - free1, free0 - free2, free0 - free3, flush=True)
+    """
+
+
+def test_module_variables_count_against_the_slice_on_a_real_gpu(native_libs: build.Libraries, gpu_server: Server,
+                                                                tmp_path: Path) -> None:
+    """A cubin with a 1 GiB __device__ array (tests/remoting/data/module_images): locally the
+    driver takes the GiB at load; through rgpu the load is charged to the slice (cuMemGetInfo
+    shows it, unload gives it back), and refused in a slice without room for it."""
+    image = str(HERE / "data" / "module_images" / "globals.sm_90.cubin")
+    program = py(MODULE_GLOBALS.format(image=image))
+    local = subprocess.run(program, capture_output=True, text=True, timeout=120, check=False)
+    print("LOCAL", local.stdout, local.stderr[-2000:])
+    assert "LOAD 0" in local.stdout, local.stdout + local.stderr
+    local_drop = [int(x) for x in local.stdout.split("FREE-DROP ", 1)[1].split()]
+    fits = flexrun(native_libs, gpu_server, tmp_path, program, memory=3 * GiB, name="module-globals-fit")
+    assert "LOAD 0" in fits.stdout, fits.stdout + fits.stderr
+    drop = [int(x) for x in fits.stdout.split("FREE-DROP ", 1)[1].split()]
+    refused = flexrun(native_libs, gpu_server, tmp_path, program, memory=GiB + GiB // 2, name="module-globals-refused")
+    (OUT / "gpu-module-globals.json").write_text(json.dumps({"local_free_drop": local_drop, "rgpu_free_drop": drop,
+                                                            "refused_stderr": refused.stderr[-2000:]}, indent=2))
+    # The real driver holds the array once the module is loaded and used (rounded to its pages).
+    assert GiB <= local_drop[1] <= GiB + 64 * (1 << 20), local_drop
+    # rgpu charges the variables at load, exactly, and gives them back at unload.
+    assert GiB < drop[0] == drop[1] <= GiB + 64 * 1024 and drop[2] == 0, drop
+    assert "LOAD 2" in refused.stdout, refused.stdout + refused.stderr
+    assert "cuModuleLoadData (the module's __device__ and __constant__ variables take 1.0 GiB)" in refused.stderr
+
+
+POOL_KEEPS = """
+    from ctcuda import *
+    setup()
+    pool = ctypes.c_void_p()
+    check("cuDeviceGetDefaultMemPool", ctypes.byref(pool), 0)
+    check("cuMemPoolSetAttribute", pool, 4, ctypes.byref(ctypes.c_uint64(2**64 - 1)))
+    def alloc_async(size):
+        ptr = ctypes.c_uint64()
+        return lib.cuMemAllocAsync(ctypes.byref(ptr), ctypes.c_size_t(size), None), ptr.value
+    def reserved():
+        value = ctypes.c_uint64()
+        check("cuMemPoolGetAttribute", pool, 5, ctypes.byref(value))
+        return value.value
+    r, ptr = alloc_async(1 << 30)
+    assert r == 0, r
+    check("cuMemFreeAsync", ctypes.c_uint64(ptr), None)
+    check("cuStreamSynchronize", None)
+    print("KEPT", reserved(), flush=True)
+    r, plain = alloc(1 << 30)
+    print("PLAIN", r, flush=True)
+    if r == 0:
+        check("cuMemFree_v2", ctypes.c_uint64(plain))
+    r, ptr = alloc_async(1 << 30)
+    print("REUSED", r, flush=True)
+    check("cuMemFreeAsync", ctypes.c_uint64(ptr), None)
+    check("cuStreamSynchronize", None)
+    check("cuMemPoolTrimTo", pool, ctypes.c_size_t(0))
+    print("TRIMMED", reserved(), flush=True)
+    r, plain = alloc(1 << 30)
+    print("AFTER-TRIM", r, flush=True)
+    """
+
+
+def test_memory_a_stream_ordered_pool_keeps_counts_on_a_real_gpu(native_libs: build.Libraries, gpu_server: Server,
+                                                                 tmp_path: Path) -> None:
+    """With the release threshold raised, the driver keeps 1 GiB freed by cuMemFreeAsync (local run:
+    RESERVED_MEM_CURRENT); through rgpu in a 2 GiB slice that GiB stays charged, so a plain 1 GiB
+    allocation is refused until the pool is trimmed, while the pool itself can reuse it."""
+    program = py(POOL_KEEPS)
+    local = subprocess.run(program, capture_output=True, text=True, timeout=120, check=False)
+    print("LOCAL", local.stdout, local.stderr[-2000:])
+    assert int(local.stdout.split("KEPT ", 1)[1].split()[0]) >= 1 << 30, local.stdout + local.stderr
+    done = flexrun(native_libs, gpu_server, tmp_path, program, memory=2 * GiB, name="pool-keeps")
+    (OUT / "gpu-pool-keeps.json").write_text(json.dumps({"local": local.stdout, "rgpu": done.stdout,
+                                                        "stderr": done.stderr[-2000:]}, indent=2))
+    assert int(done.stdout.split("KEPT ", 1)[1].split()[0]) >= 1 << 30, done.stdout + done.stderr
+    assert "PLAIN 2" in done.stdout and "REUSED 0" in done.stdout, done.stdout + done.stderr
+    assert "kept by the stream-ordered memory pool after cuMemFreeAsync" in done.stderr, done.stderr
+    assert "TRIMMED 0" in done.stdout and "AFTER-TRIM 0" in done.stdout, done.stdout + done.stderr

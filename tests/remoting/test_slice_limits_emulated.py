@@ -182,7 +182,7 @@ def elf_image(size: int) -> str:
         size = {size}
         image = ctypes.create_string_buffer(size)
         header = bytearray(64)
-        header[0:5] = b"\\x7fELF\\x02"
+        header[0:6] = b"\\x7fELF\\x02\\x01"   # 64-bit, little-endian, as a cubin
         struct.pack_into("<Q", header, 0x28, size - 64)       # e_shoff
         struct.pack_into("<HHH", header, 0x3A, 64, 1, 0)      # e_shentsize, e_shnum, e_shstrndx
         ctypes.memmove(image, bytes(header), 64)
@@ -249,3 +249,101 @@ def test_worker_host_memory_stays_bounded(native_libs: build.Libraries, emulated
     finally:
         _, err = client.communicate("\n", timeout=60)
     assert f"rgpu: worker: a request of {above // MiB}.0 MiB refused (a worker takes frames of at most {WORKER_MAX_FRAME // MiB}.0 MiB into memory" in err, err
+
+
+IMAGES = HERE / "data" / "module_images"
+
+
+def test_module_variables_count_against_the_slice(native_libs: build.Libraries, emulated: Server) -> None:
+    # globals.cu (compiled by nvcc, zstd-compressed fatbin) declares a 1 GiB __device__ array: in a
+    # 1 GiB slice its load is refused before the driver reserves it. A PTX module with a 256 MiB
+    # array fits, shows in cuMemGetInfo, and its unload gives the memory back.
+    done = py_client(native_libs, emulated.slices(emulated.token(memory_limit=GiB)), f"""
+        setup()
+        module = ctypes.c_void_p()
+        image = open({str(IMAGES / "globals.zstd.fatbin")!r}, "rb").read()
+        print("BIG", lib.cuModuleLoadData(ctypes.byref(module), image))
+        ptx = b".version 8.8\\n.target sm_90\\n.address_size 64\\n.global .align 1 .b8 buffer[268435456];\\n\\0"
+        check("cuModuleLoadData", ctypes.byref(module), ptx)
+        free, total = mem_info()
+        print("LOADED", free, total)
+        r, _ = alloc(800 << 20)
+        print("OVER", r)
+        check("cuModuleUnload", module)
+        print("UNLOADED", mem_info()[0])
+        r, _ = alloc(800 << 20)
+        print("FITS", r)
+        """)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"BIG {OUT_OF_MEMORY}" in done.stdout, done.stdout + done.stderr
+    assert "rgpu: worker: cuModuleLoadData (the module's __device__ and __constant__ variables take 1.0 GiB): " \
+           "allocation of 1.0 GiB refused (the slice's memory limit is 1.0 GiB" in done.stderr, done.stderr
+    assert f"LOADED {GiB - 256 * MiB} {GiB}" in done.stdout, done.stdout
+    assert f"OVER {OUT_OF_MEMORY}" in done.stdout, done.stdout
+    assert f"UNLOADED {GiB}" in done.stdout and "FITS 0" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_module_whose_variables_cannot_be_counted_is_refused(native_libs: build.Libraries, emulated: Server) -> None:
+    done = py_client(native_libs, emulated.slices(emulated.token(memory_limit=GiB)), """
+        setup()
+        module = ctypes.c_void_p()
+        cubin = b"\\x7fELF\\x02\\x02" + bytes(58)   # big-endian: no cubin is
+        print("LOAD", lib.cuModuleLoadData(ctypes.byref(module), cubin))
+        r, _ = alloc(1 << 20)
+        print("AFTER", r)
+        """)
+    assert "LOAD 200" in done.stdout and "AFTER 0" in done.stdout, done.stdout + done.stderr   # INVALID_IMAGE
+    assert "rgpu: worker: cuModuleLoadData refused: the memory its variables take cannot be counted" in done.stderr
+
+
+POOL_PRELUDE = """
+    setup()
+    pool = ctypes.c_void_p()
+    check("cuDeviceGetDefaultMemPool", ctypes.byref(pool), 0)
+
+    def alloc_async(size):
+        ptr = ctypes.c_uint64()
+        return lib.cuMemAllocAsync(ctypes.byref(ptr), ctypes.c_size_t(size), None), ptr.value
+    """
+
+
+def test_memory_a_stream_ordered_pool_keeps_counts_against_the_slice(native_libs: build.Libraries,
+                                                                     emulated: Server) -> None:
+    # With the release threshold raised, memory freed with cuMemFreeAsync stays in the pool: it is
+    # still the slice's, so a plain allocation of the same size no longer fits, and cuMemGetInfo
+    # says so. Async allocations reuse it; trimming the pool gives it back.
+    done = py_client(native_libs, emulated.slices(emulated.token(memory_limit=GiB)), POOL_PRELUDE + """
+    check("cuMemPoolSetAttribute", pool, 4, ctypes.byref(ctypes.c_uint64(2**64 - 1)))
+    r, ptr = alloc_async(600 << 20)
+    assert r == 0, r
+    check("cuMemFreeAsync", ctypes.c_uint64(ptr), None)
+    check("cuStreamSynchronize", None)
+    print("KEPT", mem_info()[0])
+    r, _ = alloc(600 << 20)
+    print("PLAIN", r)
+    r, ptr = alloc_async(600 << 20)
+    print("REUSED", r)
+    check("cuMemFreeAsync", ctypes.c_uint64(ptr), None)
+    check("cuMemPoolTrimTo", pool, ctypes.c_size_t(0))
+    print("TRIMMED", mem_info()[0])
+    r, _ = alloc(600 << 20)
+    print("PLAIN", r)
+    """)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"KEPT {GiB - 600 * MiB}" in done.stdout, done.stdout + done.stderr
+    assert f"PLAIN {OUT_OF_MEMORY}" in done.stdout and "REUSED 0" in done.stdout, done.stdout + done.stderr
+    assert "600.0 MiB kept by the stream-ordered memory pool after cuMemFreeAsync" in done.stderr, done.stderr
+    assert f"TRIMMED {GiB}" in done.stdout and "PLAIN 0" in done.stdout, done.stdout + done.stderr
+
+
+def test_a_pool_that_keeps_nothing_gives_freed_memory_back(native_libs: build.Libraries, emulated: Server) -> None:
+    # The default release threshold (0): what cuMemFreeAsync frees is the slice's again.
+    done = py_client(native_libs, emulated.slices(emulated.token(memory_limit=GiB)), POOL_PRELUDE + """
+    r, ptr = alloc_async(600 << 20)
+    assert r == 0, r
+    check("cuMemFreeAsync", ctypes.c_uint64(ptr), None)
+    check("cuStreamSynchronize", None)
+    r, _ = alloc(600 << 20)
+    print("PLAIN", r, mem_info()[0])
+    """)
+    assert f"PLAIN 0 {GiB - 600 * MiB}" in done.stdout, done.stdout + done.stderr

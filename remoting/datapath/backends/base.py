@@ -12,7 +12,7 @@ import fcntl
 import mmap
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -87,6 +87,10 @@ class LoadResult:
 # assumes it, and the pitch the driver really chose is accounted after.
 PITCH_ALIGN_BYTES = 512
 
+# CUmemPool_attribute values the worker reads or models.
+MEMPOOL_RELEASE_THRESHOLD, MEMPOOL_RESERVED_CURRENT, MEMPOOL_RESERVED_HIGH = 4, 5, 6
+MEMPOOL_USED_CURRENT, MEMPOOL_USED_HIGH = 7, 8
+
 # Each session's own CUDA context on the GPU (about 525 MiB measured on an H100, less under MPS),
 # charged to the slice when the session opens. `RGPU_SESSION_CONTEXT_RESERVE` in the dispatcher's
 # environment (bytes or a size such as 600MiB) overrides it; the emulated GPU has no context cost
@@ -124,6 +128,10 @@ class SliceMemory:
         self.reserved = 0
         self.pending = 0
         self.sizes: dict[int, int] = {}
+        # Memory held beyond the allocations themselves, asked for before every check: what the
+        # stream-ordered pool keeps after cuMemFreeAsync (set by the worker once it is used).
+        self.extra = 0
+        self.extra_source: Callable[[], int] | None = None
         self._map: mmap.mmap | None = None
         self._folder: Path | None = None
         if usage_file is not None:
@@ -175,14 +183,29 @@ class SliceMemory:
 
     def _refusal(self, size: int, what: str) -> CudaError:
         in_use = self.slice_used()
+        kept = (f", {format_bytes(self.extra)} kept by the stream-ordered memory pool after cuMemFreeAsync "
+                f"(cuMemPoolTrimTo or a lower release threshold gives it back)") if self.extra else ""
         return CudaError(OUT_OF_MEMORY, (
             f"rgpu: worker: {what + ': ' if what else ''}allocation of {format_bytes(size)} refused (the slice's memory "
             f"limit is {format_bytes(self.limit)}, shared by all of its sessions, and {format_bytes(in_use)} are in use, "
-            f"{format_bytes(self.reserved)} of them this session's context; free memory or ask for a larger slice)"))
+            f"{format_bytes(self.reserved)} of them this session's context{kept}; free memory or ask for a larger "
+            f"slice)"))
+
+    def refresh_extra(self) -> None:
+        """Count what the extra source says is held now (it may have grown or shrunk)."""
+        if self.extra_source is None:
+            return
+        now = max(0, self.extra_source())
+        if now != self.extra:
+            self.used += now - self.extra
+            self.extra = now
+            self.high_water = max(self.high_water, self.used)
+            self._publish()
 
     def check(self, size: int, what: str = "") -> None:
         """Claim `size` bytes for an allocation about to be made; settled by add() or cancel()."""
         self.cancel()
+        self.refresh_extra()
         with self._locked():
             if size > self.limit - self.slice_used():
                 raise self._refusal(size, what)
@@ -223,6 +246,7 @@ class SliceMemory:
 
     def free_bytes(self) -> int:
         """What the slice (all of its sessions) has left."""
+        self.refresh_extra()
         return max(0, self.limit - self.slice_used())
 
     def _publish(self) -> None:
@@ -284,6 +308,7 @@ class Backend(Protocol):
     def mem_alloc(self, kind: str, size: int, stream: int, pool: int, height: int, elem: int) -> tuple[int, int]: ...
     def mem_free(self, ptr: int, stream: int, is_async: bool) -> None: ...
     def mem_info(self) -> tuple[int, int]: ...
+    def pool_reserved(self) -> int: ...
     def total_mem(self) -> int: ...
     def htod(self, dst: int, stream: int, data: memoryview, address: int) -> None: ...
     def dtoh_chunks(self, src: int, stream: int, size: int, chunk: int) -> Iterator[memoryview]: ...

@@ -27,6 +27,7 @@ from rgpu.remoting.datapath.backends.staging_ring import StagingRing
 from rgpu.remoting.datapath.backends.base import (
     INVALID_HANDLE,
     INVALID_VALUE,
+    MEMPOOL_RESERVED_CURRENT,
     NOT_FOUND,
     NOT_SUPPORTED,
     SUCCESS,
@@ -351,6 +352,12 @@ class CudaBackend(CudaDriverCalls):
         total = c_size_t()
         self._check("cuDeviceTotalMem_v2", byref(total), 0)
         return total.value
+
+    def pool_reserved(self) -> int:
+        """What the device's current stream-ordered pool holds from the GPU (in use or kept)."""
+        pool = c_void_p()
+        self._check("cuDeviceGetMemPool", byref(pool), 0)
+        return self.mem_pool_attribute(pool.value or 0, MEMPOOL_RESERVED_CURRENT, 0, False)
 
     def mem_pool_attribute(self, pool: int, attr: int, value: int, set_it: bool) -> int:
         holder: Any = c_int(value) if 1 <= attr <= 3 else c_uint64(value)

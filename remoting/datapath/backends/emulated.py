@@ -29,6 +29,11 @@ from rgpu.remoting.datapath.backends.base import (
     INVALID_HANDLE,
     INVALID_IMAGE,
     INVALID_VALUE,
+    MEMPOOL_RELEASE_THRESHOLD,
+    MEMPOOL_RESERVED_CURRENT,
+    MEMPOOL_RESERVED_HIGH,
+    MEMPOOL_USED_CURRENT,
+    MEMPOOL_USED_HIGH,
     NOT_FOUND,
     NOT_SUPPORTED,
     NVML_ERROR_NOT_SUPPORTED,
@@ -126,6 +131,54 @@ class _EmuArray:
         return desc.row_bytes * desc.rows * desc.planes
 
 
+class _StreamOrderedPool:
+    """The device's default stream-ordered pool, emulated: memory freed with cuMemFreeAsync stays
+    reserved up to the release threshold (as the driver keeps it after its next synchronisation),
+    later async allocations reuse it first, and cuMemPoolTrimTo gives back what is above `keep`."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.kept = 0
+        self.threshold = 0
+        self.reserved_high = self.used_high = 0
+
+    @property
+    def used(self) -> int:
+        return sum(self.live.values())
+
+    @property
+    def reserved(self) -> int:
+        return self.used + self.kept
+
+    def allocate(self, ptr: int, size: int) -> None:
+        self.kept = max(0, self.kept - size)
+        self.live[ptr] = size
+        self.used_high = max(self.used_high, self.used)
+        self.reserved_high = max(self.reserved_high, self.reserved)
+
+    def free(self, ptr: int) -> None:
+        size = self.live.pop(ptr, None)
+        if size is not None:
+            self.kept = min(self.kept + size, max(0, self.threshold - self.used))
+
+    def trim(self, keep: int) -> None:
+        self.kept = min(self.kept, max(0, keep - self.used))
+
+    def attribute(self, attr: int, value: int, set_it: bool) -> int:
+        if attr == MEMPOOL_RELEASE_THRESHOLD:
+            if set_it:
+                self.threshold = value
+            return self.threshold
+        if set_it:
+            if attr == MEMPOOL_RESERVED_HIGH:
+                self.reserved_high = self.reserved
+            elif attr == MEMPOOL_USED_HIGH:
+                self.used_high = self.used
+            return value
+        return {MEMPOOL_RESERVED_CURRENT: self.reserved, MEMPOOL_RESERVED_HIGH: self.reserved_high,
+                MEMPOOL_USED_CURRENT: self.used, MEMPOOL_USED_HIGH: self.used_high}.get(attr, 0)
+
+
 class _Handles:
     def __init__(self, base: int) -> None:
         self.next = base
@@ -196,6 +249,7 @@ class EmulatedBackend:
         self.limits: dict[int, int] = {}
         self.func_attrs: dict[tuple[int, int], int] = {}   # (function or kernel, attribute) -> value set
         self.pools = {0xA000_0000}
+        self.pool = _StreamOrderedPool()
         self.capturing: dict[int, tuple[int, int]] = {}  # stream -> (capture id, graph)
         self.capture_seq = 0
         self.capture_mode = 0
@@ -388,6 +442,8 @@ class EmulatedBackend:
         self.next_address += (size + _ALIGN - 1) // _ALIGN * _ALIGN + _ALIGN  # a gap catches overruns
         self.allocs[ptr] = bytearray(size)
         bisect.insort(self.bases, ptr)
+        if kind in ("async", "pool"):
+            self.pool.allocate(ptr, size)
         return ptr, pitch
 
     def mem_free(self, ptr: int, stream: int, is_async: bool) -> None:
@@ -396,6 +452,10 @@ class EmulatedBackend:
             raise CudaError(INVALID_VALUE)
         del self.allocs[ptr]
         self.bases.remove(ptr)
+        self.pool.free(ptr)
+
+    def pool_reserved(self) -> int:
+        return self.pool.reserved
 
     def mem_info(self) -> tuple[int, int]:
         self._need_ctx()
@@ -405,10 +465,13 @@ class EmulatedBackend:
     def mem_pool_attribute(self, pool: int, attr: int, value: int, set_it: bool) -> int:
         if pool not in self.pools:
             raise CudaError(INVALID_VALUE)
-        return value if set_it else 0
+        return self.pool.attribute(attr, value, set_it)
 
     def cuMemPoolTrimTo(self, pool: int, keep: int) -> tuple[int]:
-        return (SUCCESS,) if pool in self.pools else (INVALID_VALUE,)
+        if pool not in self.pools:
+            return (INVALID_VALUE,)
+        self.pool.trim(keep)
+        return (SUCCESS,)
 
     def _locate(self, ptr: int, size: int) -> tuple[bytearray, int]:
         i = bisect.bisect_right(self.bases, ptr) - 1

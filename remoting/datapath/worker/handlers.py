@@ -15,14 +15,15 @@ from typing import Any
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.backends.arrays import (DESC2D, DESC3D, HOST, MEMCPY3D, RESOURCE_DESC_SIZE,
                                                     TEXTURE_DESC_SIZE, VIEW_DESC_SIZE, parse_copy, parse_desc)
-from rgpu.remoting.datapath.backends.base import (INVALID_VALUE, NOT_FOUND, PITCH_ALIGN_BYTES, SUCCESS, CudaError,
-                                                  LoadResult, SliceMemory)
+from rgpu.remoting.datapath.backends.base import (INVALID_IMAGE, INVALID_VALUE, NOT_FOUND, PITCH_ALIGN_BYTES, SUCCESS,
+                                                  CudaError, LoadResult, SliceMemory)
 from rgpu.remoting.datapath.worker.codecs import (ALLOC, COPY, HEADER, LAUNCH, LAUNCH_ATTR_SIZE, MAX_MODULE_NODES,
                                                   MODULE_NODE, U32, U64, fn_bytes, fn_without_handle, lp, read_options,
                                                   take_str)
 from rgpu.remoting.datapath.worker.hostcalls import HostCalls
 from rgpu.remoting.datapath.worker.image_cache import (IMAGE_BY_HASH, IMAGE_BYTES, IMAGE_BYTES_TO_CACHE,
                                                            ImageCache)
+from rgpu.remoting.datapath.worker.module_footprint import ImageFootprints, ImageUnreadable
 from rgpu.remoting.datapath.worker.native_loop import NativeLaunches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 from rgpu.units import format_bytes
@@ -54,6 +55,9 @@ class Handlers:
     graph_allocs: dict[int, int]
     native_launches: NativeLaunches | None
     image_cache: ImageCache
+    footprints: ImageFootprints
+    pool_allocs: dict[int, int]
+    pool_live: int
 
     # ------------------------------------------------------------------ contexts
 
@@ -98,20 +102,42 @@ class Handlers:
                 self.memory.check(pitch * max(height, 1), label)
             else:
                 label = what
-                self.memory.check(size, what)
+                pooled = kind in ("async", "pool")
+                if pooled:
+                    self.memory.refresh_extra()
+                # From the pool, what it already keeps is reused first: only the rest is new.
+                self.memory.check(max(0, size - self.memory.extra) if pooled else size, what)
             try:
                 ptr, pitch = self.backend.mem_alloc(kind, size, a, b, height, elem)
             except BaseException:
                 self.memory.cancel()
                 raise
             counted = pitch * height if kind == "pitch" else size
+            if kind in ("async", "pool"):
+                self.pool_allocs[ptr] = counted
+                self.pool_live += counted
+                self.memory.extra_source = self._pool_kept
+                self.memory.refresh_extra()   # what it reused is no longer kept
             try:
                 self.memory.add(ptr, counted, label)
             except CudaError:
                 self.backend.mem_free(ptr, 0, False)
+                if self.pool_allocs.pop(ptr, None) is not None:
+                    self.pool_live -= counted
+                    self.memory.refresh_extra()
                 raise
             return SUCCESS, struct.pack("<QQ", ptr, pitch)
         return run
+
+    def _pool_kept(self) -> int:
+        """What the stream-ordered pool holds beyond its live allocations: freed memory it keeps
+        (up to its release threshold, until trimmed) and its rounding."""
+        assert self.memory is not None
+        try:
+            reserved = self.backend.pool_reserved()
+        except CudaError:
+            return self.memory.extra   # unknown now: keep the last figure
+        return max(0, reserved - self.pool_live)
 
     def h_free(self, is_async: bool) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
         def run(p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
@@ -119,6 +145,12 @@ class Handlers:
             self.backend.mem_free(ptr, stream, is_async)
             if self.memory is not None:
                 self.memory.remove(ptr)
+                size = self.pool_allocs.pop(ptr, None)
+                if size is not None:
+                    self.pool_live -= size
+                    # Freed into the pool, which may keep it: counted as kept from now, so the
+                    # slice's other sessions never see room the pool still holds.
+                    self.memory.refresh_extra()
             return SUCCESS, b""
         return run
 
@@ -293,18 +325,51 @@ class Handlers:
             if how not in (IMAGE_BYTES, IMAGE_BY_HASH, IMAGE_BYTES_TO_CACHE) or len(digest) != 32:
                 raise CudaError(INVALID_VALUE, "rgpu: worker: a module load names its image in no way this worker "
                                 "knows (install the same rgpu version on the CPU and GPU nodes)")
+            checked = False   # whether `digest` is the image's, as the worker computed it
             if how == IMAGE_BY_HASH:
                 image = self.image_cache.get(digest)
                 if image is None or len(image) != size:
                     return SUCCESS, b""   # not cached here: the client sends the bytes
+                checked = True
             else:
                 image = bytes(p[off:off + size])
                 if how == IMAGE_BYTES_TO_CACHE:
-                    self.image_cache.put(digest, image)
-            res = self.backend.load(kind, image, options, lib_options)
+                    checked = self.image_cache.put(digest, image)
+            # The module's variables live in device memory from the load on: charged first.
+            footprint, label = self._module_footprint(kind, image, digest if checked else None)
+            try:
+                res = self.backend.load(kind, image, options, lib_options)
+            except BaseException:
+                if footprint and self.memory is not None:
+                    self.memory.cancel()
+                raise
             code = getattr(res, "code", SUCCESS)
+            if footprint and self.memory is not None:
+                if code == SUCCESS:
+                    self.memory.add(self._module_key(kind, res.handle), footprint, label)
+                else:
+                    self.memory.cancel()
             return code, self._load_reply(res, code == SUCCESS)
         return run
+
+    @staticmethod
+    def _module_key(kind: str, handle: int) -> int:
+        return -((4 if kind == "library" else 3) << 64) - handle
+
+    def _module_footprint(self, kind: str, image: bytes, digest: bytes | None) -> tuple[int, str]:
+        """The device memory the image's variables take, claimed against the slice (0: nothing
+        claimed); an image whose variables cannot be counted is refused."""
+        what = "cuLibraryLoadData" if kind == "library" else "cuModuleLoadData"
+        try:
+            footprint = self.footprints.of(image, digest)
+        except ImageUnreadable as exc:
+            raise CudaError(INVALID_IMAGE, f"rgpu: worker: {what} refused: the memory its variables take cannot be "
+                            f"counted against the slice ({exc}); load a cubin, PTX or fatbin made by nvcc, NVRTC or "
+                            f"nvJitLink") from None
+        label = f"{what} (the module's __device__ and __constant__ variables take {format_bytes(footprint)})"
+        if footprint and self.memory is not None:
+            self.memory.check(footprint, label)
+        return footprint, label
 
     def h_get_function(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         (module,) = U64.unpack_from(p, 0)
@@ -319,6 +384,8 @@ class Handlers:
         def run(p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
             (handle,) = U64.unpack_from(p, 0)
             self.backend.unload(kind, handle)
+            if self.memory is not None:
+                self.memory.remove(self._module_key(kind, handle))
             return SUCCESS, b""
         return run
 

@@ -24,6 +24,7 @@ from rgpu.remoting.datapath.worker.hostcalls import HostCalls
 from rgpu.remoting.datapath.worker.limiter import ComputeLimiter
 from rgpu.remoting.datapath.worker.native_loop import load_native_launches
 from rgpu.remoting.datapath.worker.image_cache import ImageCache
+from rgpu.remoting.datapath.worker.module_footprint import ImageFootprints, parse_capability
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 from rgpu.remoting.datapath.usage import SessionStats
 
@@ -51,6 +52,9 @@ class Worker(Handlers):
         self.current_ctx: int | None = None
         self.vmm_refs: dict[int, int] = {}
         self.graph_allocs: dict[int, int] = {}   # graph memory address -> its accounting key
+        self.pool_allocs: dict[int, int] = {}    # live stream-ordered allocations -> their size
+        self.pool_live = 0                        # their sum
+        self.footprints = ImageFootprints(parse_capability(spec.compute_capability))
         self.deferred: tuple[int, str] | None = None
         self.handlers: dict[int, tuple[Callable[[memoryview, int, int], tuple[int, bytes] | None], bool]] = {}
         self.messages = 0
