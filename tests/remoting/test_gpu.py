@@ -376,7 +376,11 @@ def test_sessions_of_one_token_share_the_slice_and_contexts_are_reserved(native_
     print("BUDGET", opened, allocated, per_context)
     assert all(line.startswith("OPEN") for line in opened), (opened, outs)
     # Both contexts are charged to the one slice, and the charge covers what the GPU really spent.
-    assert int(opened[1].split()[1]) == memory - 2 * CONTEXT_RESERVE_BYTES, opened
+    # (Whichever session opened second saw both contexts; the processes open in either order, or
+    # both after both contexts were charged.)
+    first_free, second_free = sorted(int(line.split()[1]) for line in opened)
+    assert first_free == memory - 2 * CONTEXT_RESERVE_BYTES, opened
+    assert second_free in (memory - CONTEXT_RESERVE_BYTES, memory - 2 * CONTEXT_RESERVE_BYTES), opened
     assert per_context <= CONTEXT_RESERVE_BYTES, per_context
     # 2 GiB each does not fit twice in 4 GiB less two contexts: exactly one is refused.
     codes = sorted(int(line.split()[1]) for line in allocated)
@@ -483,8 +487,9 @@ def test_module_variables_count_against_the_slice_on_a_real_gpu(native_libs: bui
     refused = flexrun(native_libs, gpu_server, tmp_path, program, memory=GiB + GiB // 2, name="module-globals-refused")
     (OUT / "gpu-module-globals.json").write_text(json.dumps({"local_free_drop": local_drop, "rgpu_free_drop": drop,
                                                             "refused_stderr": refused.stderr[-2000:]}, indent=2))
-    # The real driver holds the array once the module is loaded and used (rounded to its pages).
-    assert GiB <= local_drop[1] <= GiB + 64 * (1 << 20), local_drop
+    # The real driver takes the array at load (rounded to its pages); the first load also grows
+    # the context by what stays after the unload (local_drop[2]), which is not the module's.
+    assert GiB <= local_drop[0] - local_drop[2] <= GiB + 64 * (1 << 20), local_drop
     # rgpu charges the variables at load, exactly, and gives them back at unload.
     assert GiB < drop[0] == drop[1] <= GiB + 64 * 1024 and drop[2] == 0, drop
     assert "LOAD 2" in refused.stdout, refused.stdout + refused.stderr

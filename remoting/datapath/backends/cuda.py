@@ -355,9 +355,10 @@ class CudaBackend(CudaDriverCalls):
 
     def pool_reserved(self) -> int:
         """What the device's current stream-ordered pool holds from the GPU (in use or kept)."""
-        pool = c_void_p()
-        self._check("cuDeviceGetMemPool", byref(pool), 0)
-        return self.mem_pool_attribute(pool.value or 0, MEMPOOL_RESERVED_CURRENT, 0, False)
+        r, pool = self.cuDeviceGetMemPool(0)
+        if r != SUCCESS:
+            raise CudaError(r)
+        return self.mem_pool_attribute(pool, MEMPOOL_RESERVED_CURRENT, 0, False)
 
     def mem_pool_attribute(self, pool: int, attr: int, value: int, set_it: bool) -> int:
         holder: Any = c_int(value) if 1 <= attr <= 3 else c_uint64(value)
