@@ -545,3 +545,64 @@ def test_memory_a_stream_ordered_pool_keeps_counts_on_a_real_gpu(native_libs: bu
     assert "PLAIN 2" in done.stdout and "REUSED 0" in done.stdout, done.stdout + done.stderr
     assert "kept by the stream-ordered memory pool after cuMemFreeAsync" in done.stderr, done.stderr
     assert "TRIMMED 0" in done.stdout and "AFTER-TRIM 0" in done.stdout, done.stdout + done.stderr
+
+
+CONTEXT_RESERVES = """
+    from ctcuda import *
+    setup()
+    module = ctypes.c_void_p()
+    check("cuModuleLoadData", ctypes.byref(module), open({image!r}, "rb").read())
+    def launch(name, *args):
+        fn = ctypes.c_void_p()
+        check("cuModuleGetFunction", ctypes.byref(fn), module, name)
+        held = [ctypes.c_uint64(0) if a is None else ctypes.c_int(a) for a in args]
+        arr = (ctypes.c_void_p * len(held))(*[ctypes.addressof(h) for h in held])
+        lib.cuLaunchKernel(fn, 1024, 1, 1, 256, 1, 1, 0, None, arr, None)
+        return lib.cuCtxSynchronize()
+    launch(b"trivial", None)   # the context's own first-launch growth, before measuring
+    free0 = mem_info()[0]
+    r = launch(b"big_local", None, 100)
+    print("LOCAL16K", r, free0 - mem_info()[0], flush=True)
+    r = lib.cuCtxSetLimit(0, ctypes.c_size_t(65536))
+    print("STACK64K", r, free0 - mem_info()[0], flush=True)
+    r = lib.cuCtxSetLimit(2, ctypes.c_size_t(1 << 30))
+    r2 = launch(b"heap_user", 1024) if r == 0 else -1
+    print("HEAP1G", r, r2, free0 - mem_info()[0], flush=True)
+    """
+
+
+def test_stack_local_memory_and_heap_count_against_the_slice_on_a_real_gpu(
+        native_libs: build.Libraries, gpu_server: Server, tmp_path: Path) -> None:
+    """What the driver reserves for the stack (cuCtxSetLimit), for a kernel's local memory (16 KiB
+    per thread, at its first launch) and for the malloc heap, measured locally, is charged to the
+    slice through rgpu: refused in a 2 GiB slice, charged as the driver takes it in a 40 GiB one."""
+    program = py(CONTEXT_RESERVES.format(image=str(HERE / "data" / "module_images" / "local_memory.sm_90.cubin")))
+    local = subprocess.run(program, capture_output=True, text=True, timeout=120, check=False)
+    small = flexrun(native_libs, gpu_server, tmp_path, program, memory=2 * GiB, name="reserves-small")
+    large = flexrun(native_libs, gpu_server, tmp_path, program, memory=40 * GiB, name="reserves-large")
+    (OUT / "gpu-context-reserves.json").write_text(json.dumps({"local": local.stdout, "small": small.stdout,
+                                                              "large": large.stdout, "small_stderr": small.stderr[-3000:],
+                                                              "large_stderr": large.stderr[-2000:]}, indent=2))
+
+    def row(out: str, name: str) -> list[int]:
+        return [int(x) for x in out.split(f"{name} ", 1)[1].split("\n", 1)[0].split()]
+
+    print("LOCAL", local.stdout, "SMALL", small.stdout, "LARGE", large.stdout)
+    threads = 132 * 2048 if "H100" in gpu_server.gpus[0].name else None
+    # Locally: the kernel's first launch takes (16 KiB - 1 KiB) per resident thread, the 64 KiB
+    # stack then (64 KiB - 1 KiB) in all; the heap is taken at its first launch.
+    for name, size in (("LOCAL16K", 16384), ("STACK64K", 65536)):
+        here = row(local.stdout, name)
+        assert here[0] == 0 and (threads is None or here[1] == (size - 1024) * threads), (name, here)
+    # In 2 GiB: the kernel's local memory is refused (the kernel does not run), the stack and the
+    # heap too.
+    assert row(small.stdout, "STACK64K")[0] == 2 and row(small.stdout, "LOCAL16K")[0] == 2, small.stdout
+    assert row(small.stdout, "HEAP1G")[0] == 2, small.stdout + small.stderr
+    assert "16.0 KiB of local memory per thread, which the GPU reserves for each of the" in small.stderr, small.stderr
+    # In 40 GiB: everything runs, and what the slice shows gone matches what the driver took.
+    for name in ("STACK64K", "LOCAL16K"):
+        here, there = row(local.stdout, name), row(large.stdout, name)
+        assert here[0] == there[0] == 0 and there[-1] == here[-1], (name, here, there)
+    heap_here, heap_there = row(local.stdout, "HEAP1G"), row(large.stdout, "HEAP1G")
+    assert heap_here[:2] == heap_there[:2] == [0, 0], (heap_here, heap_there)
+    assert 0 <= heap_here[-1] - heap_there[-1] <= 16 << 20, (heap_here, heap_there)

@@ -96,9 +96,42 @@ def worker_library(native_libs: build.Libraries) -> str:
     return str(native_libs.libworker)
 
 
-def test_a_run_of_plain_launches_goes_to_the_driver_in_one_call(worker_library: str) -> None:
+def admitting(native: NativeLaunches, *kernels: int) -> NativeLaunches:
+    """The loop with these kernels admitted, as the worker admits each before its first launch."""
+    for f in kernels:
+        native.admit(f)
+    return native
+
+
+def test_a_kernel_the_worker_has_not_admitted_stops_the_run(worker_library: str) -> None:
+    # Its first launch is the Python worker's: it charges the kernel's local memory to the slice.
+    driver = RecordingDriver()
+    native = admitting(NativeLaunches(worker_library, driver.entry), 0xF00)
+    known, new = launch_frame(0xF00, b"\0" * 8), launch_frame(0xF01, b"\0" * 8)
+    buf = Buffer(known + new + known)
+    assert native.run(buf.address, buf.size, CTX, LAUNCH_OP) == (len(known), 0)
+    native.admit(0xF01)
+    rest = Buffer(new + known)
+    assert native.run(rest.address, rest.size, CTX, LAUNCH_OP) == (rest.size, 0)
+    assert [launch.f for launch in driver.launches] == [0xF00, 0xF01, 0xF00]
+
+
+def test_the_admitted_table_holds_many_kernels_and_stops_growing_when_full(worker_library: str) -> None:
+    from rgpu.remoting.datapath.worker.native_loop import ADMITTED_SLOTS
     driver = RecordingDriver()
     native = NativeLaunches(worker_library, driver.entry)
+    kernels = [0x7F00_0000_0000 + 0x40 * i for i in range(ADMITTED_SLOTS)]   # aligned, like real handles
+    admitting(native, *kernels)
+    full = ADMITTED_SLOTS * 3 // 4
+    frames = [launch_frame(f, b"\0" * 8) for f in (kernels[0], kernels[full - 1], kernels[full])]
+    for frame, runs in zip(frames, (True, True, False)):
+        buf = Buffer(frame)
+        assert native.run(buf.address, buf.size, CTX, LAUNCH_OP)[0] == (buf.size if runs else 0)
+
+
+def test_a_run_of_plain_launches_goes_to_the_driver_in_one_call(worker_library: str) -> None:
+    driver = RecordingDriver()
+    native = admitting(NativeLaunches(worker_library, driver.entry), *(0xF00 + i for i in range(3)))
     frames = [launch_frame(0xF00 + i, struct.pack("<Qi", 0xD000 + i, i), grid=(i + 1, 2, 3), block=(64, 2, 1),
                            shmem=128 * i, stream=0x5000) for i in range(3)]
     data = b"".join(frames) + protocol.pack_frame(SYNC_OP, b"", seq=9, ctx=CTX)
@@ -130,7 +163,7 @@ DECLINED = {
 def test_everything_but_a_plain_launch_is_left_to_the_python_worker(worker_library: str, why: str,
                                                                     frame: bytes) -> None:
     driver = RecordingDriver()
-    native = NativeLaunches(worker_library, driver.entry)
+    native = admitting(NativeLaunches(worker_library, driver.entry), 0xF00)
     first = launch_frame(0xF00, b"\1" * 8)
     buf = Buffer(first + frame + first)
 
@@ -142,7 +175,7 @@ def test_everything_but_a_plain_launch_is_left_to_the_python_worker(worker_libra
 
 def test_a_partial_frame_waits_for_the_rest(worker_library: str) -> None:
     driver = RecordingDriver()
-    native = NativeLaunches(worker_library, driver.entry)
+    native = admitting(NativeLaunches(worker_library, driver.entry), 0xF00)
     frame = launch_frame(0xF00, b"\2" * 16)
     for cut in (0, 10, protocol.HEADER_SIZE, len(frame) - 1):
         buf = Buffer(frame + frame[:cut])
@@ -154,7 +187,7 @@ def test_a_partial_frame_waits_for_the_rest(worker_library: str) -> None:
 @pytest.mark.parametrize("shift", [1, 4])
 def test_misaligned_parameters_reach_the_driver_aligned_and_intact(worker_library: str, shift: int) -> None:
     driver = RecordingDriver()
-    native = NativeLaunches(worker_library, driver.entry)
+    native = admitting(NativeLaunches(worker_library, driver.entry), 0xF00)
     params = bytes(range(40))
     buf = Buffer(launch_frame(0xF00, params), shift=shift)
 
@@ -166,7 +199,7 @@ def test_misaligned_parameters_reach_the_driver_aligned_and_intact(worker_librar
 
 def test_the_first_launch_error_is_kept_and_later_launches_still_run(worker_library: str) -> None:
     driver = RecordingDriver(fail_on={1, 2})
-    native = NativeLaunches(worker_library, driver.entry)
+    native = admitting(NativeLaunches(worker_library, driver.entry), *(0xF00 + i for i in range(4)))
     buf = Buffer(b"".join(launch_frame(0xF00 + i, b"\0" * 8) for i in range(4)))
 
     used, error = native.run(buf.address, buf.size, CTX, LAUNCH_OP)
@@ -188,6 +221,13 @@ class RecordingLaunchBackend(EmulatedBackend):
 
     def launch_entry(self) -> int:
         return self.driver.entry
+
+    def launch_fast(self, f: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shmem: int, stream: int,
+                    address: int, argsize: int) -> int:
+        """A kernel's first launch (the worker admits it in Python), to the same recording driver."""
+        size = ctypes.c_size_t(argsize)
+        extra = (ctypes.c_void_p * 5)(1, address, 2, ctypes.addressof(size), None)
+        return int(self.driver.callback(f, gx, gy, gz, bx, by, bz, shmem, stream, None, extra))
 
 
 def session_spec(launch_library: str) -> SessionSpec:
@@ -228,7 +268,8 @@ def test_worker_runs_launch_storms_natively_and_reports_their_error_at_the_next_
     sock, worker, driver = served
     assert worker.native_launches is not None
     assert call(sock, SYNC_OP, 1) == 0           # makes the context current
-    frames = [launch_frame(0x7000 + i, struct.pack("<Q", i)) for i in range(20000)]
+    # Eight kernels: each one's first launch is admitted in Python, every later one runs natively.
+    frames = [launch_frame(0x7000 + i % 8, struct.pack("<Q", i)) for i in range(20000)]
     stream = b"".join(frames)
     # Uneven writes split frames across receive calls, as TCP does.
     for at in range(0, len(stream), 65521):
@@ -236,9 +277,9 @@ def test_worker_runs_launch_storms_natively_and_reports_their_error_at_the_next_
 
     assert call(sock, SYNC_OP, 2) == LAUNCH_ERROR  # launch 5 failed; the error surfaces here, once
     assert call(sock, SYNC_OP, 3) == 0
-    assert [launch.f for launch in driver.launches] == [0x7000 + i for i in range(20000)]
+    assert [launch.f for launch in driver.launches] == [0x7000 + i % 8 for i in range(20000)]
     assert [launch.params for launch in driver.launches[:3]] == [struct.pack("<Q", i) for i in range(3)]
-    assert worker.native_launches.launched.value == 20000  # frames cut by a receive too
+    assert worker.native_launches.launched.value == 20000 - 8  # frames cut by a receive too
 
 
 def test_without_the_library_the_worker_runs_launches_in_python(worker_library: str) -> None:

@@ -347,3 +347,73 @@ def test_a_pool_that_keeps_nothing_gives_freed_memory_back(native_libs: build.Li
     print("PLAIN", r, mem_info()[0])
     """)
     assert f"PLAIN 0 {GiB - 600 * MiB}" in done.stdout, done.stdout + done.stderr
+
+
+def test_stack_and_heap_limits_count_against_the_slice(native_libs: build.Libraries, emulated: Server) -> None:
+    # The driver reserves the stack for every thread the GPU can hold (132 SMs x 2,048 on the
+    # emulated H100, as on a real one): 8 KiB per thread is 1.8 GiB, beyond a 1 GiB slice; 2 KiB
+    # (264 MiB more than the default 1 KiB) fits. A 2 GiB malloc heap does not fit, 512 MiB does.
+    done = py_client(native_libs, emulated.slices(emulated.token(memory_limit=GiB)), """
+        setup()
+        print("STACK8K", lib.cuCtxSetLimit(0, ctypes.c_size_t(8192)))
+        print("STACK2K", lib.cuCtxSetLimit(0, ctypes.c_size_t(2048)), mem_info()[0])
+        print("HEAP2G", lib.cuCtxSetLimit(2, ctypes.c_size_t(2 << 30)))
+        print("HEAP512M", lib.cuCtxSetLimit(2, ctypes.c_size_t(512 << 20)), mem_info()[0])
+        print("HEAP8M", lib.cuCtxSetLimit(2, ctypes.c_size_t(8 << 20)), mem_info()[0])
+        """)
+    threads = 132 * 2048
+    assert f"STACK8K {OUT_OF_MEMORY}" in done.stdout, done.stdout + done.stderr
+    assert "cuCtxSetLimit(CU_LIMIT_STACK_SIZE): 8.0 KiB of local memory per thread, which the GPU reserves for each " \
+           "of the 270336 threads it can hold resident: allocation of 1.8 GiB refused" in done.stderr, done.stderr
+    stack = 1024 * threads
+    assert f"STACK2K 0 {GiB - stack}" in done.stdout, done.stdout + done.stderr
+    assert f"HEAP2G {OUT_OF_MEMORY}" in done.stdout, done.stdout + done.stderr
+    assert f"HEAP512M 0 {GiB - stack - 504 * MiB}" in done.stdout, done.stdout + done.stderr
+    assert f"HEAP8M 0 {GiB - stack}" in done.stdout, done.stdout + done.stderr
+
+
+LOCAL_ARRAYS_PTX = """.version 8.8
+.target sm_90
+.address_size 64
+.visible .entry small_local(.param .u64 out)
+{
+    .local .align 4 .b8 __local_depot0[2048];
+    ret;
+}
+.visible .entry big_local(.param .u64 out)
+{
+    .local .align 4 .b8 __local_depot1[16384];
+    ret;
+}
+"""
+
+
+def test_kernel_local_memory_counts_at_its_first_launch(native_libs: build.Libraries, emulated: Server) -> None:
+    # A kernel with 16 KiB of local memory per thread makes the driver reserve 16 KiB for each of
+    # the GPU's 270,336 resident threads (4.15 GB measured on an H100): in a 1 GiB slice that
+    # launch is refused (reported at the next synchronising call) and nothing runs; one with
+    # 2 KiB fits and is charged once, at its first launch.
+    image = LOCAL_ARRAYS_PTX.encode() + bytes(1)
+    done = py_client(native_libs, emulated.slices(emulated.token(memory_limit=GiB)), f"""
+        setup()
+        module = ctypes.c_void_p()
+        check("cuModuleLoadData", ctypes.byref(module), {image!r})
+        def launch(name):
+            fn = ctypes.c_void_p()
+            check("cuModuleGetFunction", ctypes.byref(fn), module, name)
+            out = ctypes.c_uint64(0)
+            args = (ctypes.c_void_p * 1)(ctypes.addressof(out))
+            lib.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, None, args, None)
+            return lib.cuCtxSynchronize()
+        print("BIG", launch(b"big_local"))
+        print("SMALL", launch(b"small_local"), mem_info()[0])
+        print("AGAIN", launch(b"small_local"), mem_info()[0])
+        """)
+    charged = (2048 - 1024) * 132 * 2048
+    assert f"BIG {OUT_OF_MEMORY}" in done.stdout, done.stdout + done.stderr
+    assert "kernel launch: 16.0 KiB of local memory per thread, which the GPU reserves for each of the 270336 " \
+           "threads it can hold resident: allocation of 3.9 GiB refused" in done.stderr, done.stderr
+    # (The emulated device runs no kernels: it answers the launch itself with NOT_SUPPORTED, 801,
+    # after the worker charged what a real driver would have reserved.)
+    assert f"SMALL 801 {GiB - charged}" in done.stdout and f"AGAIN 801 {GiB - charged}" in done.stdout, \
+        done.stdout + done.stderr

@@ -235,6 +235,23 @@ class SliceMemory:
         self.pending = 0
         self.sizes[ptr] = size
 
+    def resize(self, key: int, size: int, what: str = "") -> None:
+        """Set what `key` holds to `size`: growth is checked against the limit (raising, with
+        nothing changed, when it does not fit), shrinking always succeeds."""
+        grow = size - self.sizes.get(key, 0)
+        if grow > 0:
+            with self._locked():
+                if grow > self.limit - self.slice_used():
+                    raise self._refusal(grow, what)
+                self._grow(grow)
+        else:
+            self.used += grow
+            self._publish()
+        if size:
+            self.sizes[key] = size
+        else:
+            self.sizes.pop(key, None)
+
     def remove(self, ptr: int) -> int:
         size = self.sizes.pop(ptr, 0)
         self.used -= size

@@ -113,6 +113,18 @@ def ptx_entries(text: str) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
     return out
 
 
+def ptx_local_sizes(text: str) -> dict[str, int]:
+    """Each kernel's local memory per thread: the size of its `__local_depot` (what the driver
+    reports as CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)."""
+    starts = [(m.start(), m.group(1)) for m in _PTX_ENTRY.finditer(text)] + [(len(text), "")]
+    sizes = {}
+    for (at, name), (end, _) in zip(starts, starts[1:]):
+        depot = re.search(r"__local_depot\d*\[(\d+)\]", text[at:end])
+        if depot:
+            sizes[name] = int(depot.group(1))
+    return sizes
+
+
 # CUarray_format values of cuda.h (CUDA 13): what an array may be created with.
 _KNOWN_FORMATS = frozenset({0x01, 0x02, 0x03, 0x08, 0x09, 0x0A, 0x10, 0x20, 0x50, 0xB0, *range(0xC0, 0xCC),
                             *range(0x91, 0xA0), *range(0xA1, 0xAA), *range(0xB1, 0xB6)})
@@ -880,6 +892,7 @@ class EmulatedBackend:
     def load(self, kind: str, image: bytes, options: list[tuple[int, int]], lib_options: list[tuple[int, int]]) -> LoadResult:
         self._need_ctx()
         option_values = [v for _, v in options]
+        local_sizes: dict[str, int] = {}
         if image[:4] == b"\x7fELF" or image[:4] == struct.pack("<I", 0xBA55ED50):
             entries: list[tuple[str, tuple[tuple[int, int], ...]]] = []  # accepted: no kernels known
         else:
@@ -888,10 +901,13 @@ class EmulatedBackend:
                 return LoadResult(code=INVALID_IMAGE, option_values=option_values,
                                   error_log=b"emulated device: not a PTX, cubin or fatbin image")
             entries = ptx_entries(text)
+            local_sizes = ptx_local_sizes(text)
         module = self.handles.new()
         fns = []
         for name, params in entries:
             handle = self.handles.new()
+            if local_sizes.get(name):
+                self.func_attrs[(handle, 3)] = local_sizes[name]   # CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES
             info = FnInfo(handle, name, params)
             self.functions[handle] = (module, info)
             fns.append(info)

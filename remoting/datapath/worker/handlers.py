@@ -23,13 +23,16 @@ from rgpu.remoting.datapath.worker.codecs import (ALLOC, COPY, HEADER, LAUNCH, L
 from rgpu.remoting.datapath.worker.hostcalls import HostCalls
 from rgpu.remoting.datapath.worker.image_cache import (IMAGE_BY_HASH, IMAGE_BYTES, IMAGE_BYTES_TO_CACHE,
                                                            ImageCache)
+from rgpu.remoting.datapath.worker.local_memory import (DEFAULT_STACK_BYTES, FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
+                                                        LIMIT_MALLOC_HEAP_SIZE, LIMIT_STACK_SIZE, ContextReserves)
 from rgpu.remoting.datapath.worker.module_footprint import ImageFootprints, ImageUnreadable
 from rgpu.remoting.datapath.worker.native_loop import NativeLaunches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 from rgpu.units import format_bytes
 
 
-MAX_ARRAY_READ = 64 << 20   # one rgpuMemcpyArrayToHost request (the client sends 4 MiB pieces)
+MAX_ARRAY_READ = 64 << 20
+DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR = 16, 39   # one rgpuMemcpyArrayToHost request (the client sends 4 MiB pieces)
 
 
 def _on_worker_device(data: bytes, at: int) -> bytes:
@@ -58,6 +61,8 @@ class Handlers:
     footprints: ImageFootprints
     pool_allocs: dict[int, int]
     pool_live: int
+    reserves: ContextReserves | None
+    admitted: set[int]
 
     # ------------------------------------------------------------------ contexts
 
@@ -417,8 +422,49 @@ class Handlers:
 
     # ------------------------------------------------------------------ launches
 
+    def _context_reserves(self) -> ContextReserves | None:
+        if self.reserves is None and self.memory is not None:
+            sms = self.backend.cuDeviceGetAttribute(DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, 0)[1]
+            per_sm = self.backend.cuDeviceGetAttribute(DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR, 0)[1]
+            self.reserves = ContextReserves(self.memory, max(1, sms) * max(1, per_sm))
+        return self.reserves
+
+    def _admit(self, f: int) -> None:
+        """Before a kernel's first launch: the local memory it needs per thread, beyond the stack
+        size, is what the driver will reserve for every resident thread at that launch; charged
+        first (raising OUT_OF_MEMORY when it does not fit). Admitted kernels skip this (and may run
+        on the native launch loop)."""
+        if not f or f in self.admitted:
+            return
+        reserves = self._context_reserves()
+        if reserves is not None:
+            r, local = self.backend.cuFuncGetAttribute(FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, f)
+            if r != SUCCESS:   # a library's CUkernel launched as a function
+                r, local = self.backend.cuKernelGetAttribute(FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, f, 0)
+            if r == SUCCESS and local > DEFAULT_STACK_BYTES:
+                reserves.reserve_stack(self.current_ctx or 0, local, "kernel launch")
+        self.admitted.add(f)
+        if self.native_launches is not None:
+            self.native_launches.admit(f)
+
+    def h_set_limit(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        limit, value = struct.unpack_from("<iQ", p, 0)
+        reserves = self._context_reserves()
+        ctx = self.current_ctx or 0
+        heap_before = None
+        if reserves is not None and limit == LIMIT_STACK_SIZE:
+            reserves.reserve_stack(ctx, value, "cuCtxSetLimit(CU_LIMIT_STACK_SIZE)")
+        elif reserves is not None and limit == LIMIT_MALLOC_HEAP_SIZE:
+            heap_before = reserves.reserve_heap(ctx, value, f"cuCtxSetLimit(CU_LIMIT_MALLOC_HEAP_SIZE, "
+                                                            f"{format_bytes(value)})")
+        (r,) = self.backend.cuCtxSetLimit(limit, value)
+        if r != SUCCESS and reserves is not None and heap_before is not None:
+            reserves.reserve_heap(ctx, heap_before, "")   # refused by the driver: the old heap stands
+        return r, b""
+
     def h_launch(self, p: memoryview, address: int, seq: int) -> None:
         f, stream, gx, gy, gz, bx, by, bz, shmem, coop, nattrs, argsize, _, _ = LAUNCH.unpack_from(p, 0)
+        self._admit(f)
         off = LAUNCH.size
         attrs = bytes(p[off:off + nattrs * LAUNCH_ATTR_SIZE]) if nattrs else b""
         off += nattrs * LAUNCH_ATTR_SIZE
@@ -463,6 +509,8 @@ class Handlers:
         size = 0
         if kind == 7:   # a host node: from now on the loop lends its reader while handlers run
             self.hostcalls.active = True
+        if kind == 0 and plen >= 8:   # a kernel node: its kernel's local memory, as at a launch
+            self._admit(U64.unpack_from(payload, 0)[0])
         if kind == 4:   # a graph memory allocation: counted against the slice while its node exists
             (size,) = U64.unpack_from(payload, 88)
             assert self.memory is not None
@@ -521,6 +569,8 @@ class Handlers:
 
     def h_kernel_node_set(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         exe, node, plen = struct.unpack_from("<QQQ", p, 0)
+        if plen >= 8:
+            self._admit(U64.unpack_from(p, 24)[0])
         self.backend.kernel_node_set(exe, node, bytes(p[24:24 + plen]))
         return SUCCESS, b""
 

@@ -24,6 +24,7 @@ from rgpu.remoting.datapath.worker.hostcalls import HostCalls
 from rgpu.remoting.datapath.worker.limiter import ComputeLimiter
 from rgpu.remoting.datapath.worker.native_loop import load_native_launches
 from rgpu.remoting.datapath.worker.image_cache import ImageCache
+from rgpu.remoting.datapath.worker.local_memory import ContextReserves
 from rgpu.remoting.datapath.worker.module_footprint import ImageFootprints, parse_capability
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 from rgpu.remoting.datapath.usage import SessionStats
@@ -54,6 +55,8 @@ class Worker(Handlers):
         self.graph_allocs: dict[int, int] = {}   # graph memory address -> its accounting key
         self.pool_allocs: dict[int, int] = {}    # live stream-ordered allocations -> their size
         self.pool_live = 0                        # their sum
+        self.reserves: ContextReserves | None = None   # stack and heap charges (local_memory.py)
+        self.admitted: set[int] = set()           # kernels whose local memory is charged
         self.footprints = ImageFootprints(parse_capability(spec.compute_capability))
         self.deferred: tuple[int, str] | None = None
         self.handlers: dict[int, tuple[Callable[[memoryview, int, int], tuple[int, bytes] | None], bool]] = {}
@@ -119,6 +122,7 @@ class Worker(Handlers):
             "cuMemFree_v2": (self.h_free(False), False),
             "cuMemFreeAsync": (self.h_free(True), False),
             "cuMemGetInfo_v2": (self.h_mem_info, False),
+            "cuCtxSetLimit": (self.h_set_limit, False),
             "cuMemPoolSetAttribute": (self.h_pool_attribute(True), False),
             "cuMemPoolGetAttribute": (self.h_pool_attribute(False), False),
             "cuMemcpyHtoDAsync_v2": (self.h_htod, True),
@@ -281,6 +285,13 @@ class Worker(Handlers):
                 if not coop and not nattrs:
                     reader.start = at + length
                     self.calls += 1
+                    if f not in self.admitted:
+                        try:
+                            self._admit(f)
+                        except CudaError as exc:   # its local memory does not fit the slice: not launched
+                            log.warning("%s", exc.message)
+                            self._defer(exc.code, exc.message)
+                            continue
                     code = launch_fast(f, gx, gy, gz, bx, by, bz, shmem, stream, reader.base + at + LAUNCH.size, argsize)
                     if code:
                         self._defer(code, "")

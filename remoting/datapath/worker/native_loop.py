@@ -10,6 +10,8 @@ from rgpu.remoting.datapath.worker.spec import SessionSpec
 
 log = logging.getLogger("rgpu.worker")
 
+ADMITTED_SLOTS = 1 << 14   # a power of two
+
 
 class NativeLaunches:
     """The C loop in librgpu-worker.so that runs a whole run of plain launch frames straight from
@@ -21,17 +23,37 @@ class NativeLaunches:
         run = lib.rgpu_run_launches
         run.restype = ctypes.c_size_t
         run.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p,
-                        ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint64)]
+                        ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p,
+                        ctypes.c_uint32]
         self._run = run
+        # The kernels the worker admitted (their local memory charged): the C loop launches only
+        # these, by an open-addressing table of handles kept at most 3/4 full (past that, new
+        # kernels launch in Python, still correct).
+        self._table = (ctypes.c_uint64 * ADMITTED_SLOTS)()
+        self._table_address = ctypes.addressof(self._table)
+        self._admitted = 0
         self._entry = launch_entry
         self.error = ctypes.c_int32(0)
         self.launched = ctypes.c_uint64(0)
         self._error_ref = ctypes.byref(self.error)
         self._launched_ref = ctypes.byref(self.launched)
 
+    def admit(self, f: int) -> None:
+        """Let the C loop launch kernel f."""
+        if not f or self._admitted >= ADMITTED_SLOTS * 3 // 4:
+            return
+        mask = ADMITTED_SLOTS - 1
+        i = (f >> 4) & mask
+        while self._table[i] not in (0, f):
+            i = (i + 1) & mask
+        if self._table[i] == 0:
+            self._table[i] = f
+            self._admitted += 1
+
     def run(self, address: int, available: int, ctx: int, launch_op: int) -> tuple[int, int]:
         """(bytes consumed, first launch error or 0)."""
-        used = self._run(address, available, ctx, launch_op, self._entry, self._error_ref, self._launched_ref)
+        used = self._run(address, available, ctx, launch_op, self._entry, self._error_ref, self._launched_ref,
+                         self._table_address, ADMITTED_SLOTS - 1)
         error = self.error.value
         if error:
             self.error.value = 0

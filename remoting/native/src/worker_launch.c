@@ -32,12 +32,24 @@ static uint32_t u32_at(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return 
 static uint16_t u16_at(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
 static uint64_t u64_at(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 
-/* Runs the plain launches at the start of buf[0, avail). Returns the bytes consumed (whole
- * frames only); *launched counts them, and the first launch error is stored in *first_error
- * unless it already holds one (errors surface at the client's next synchronising call). */
+/* Whether the worker admitted kernel f (charged the local memory it needs to the slice): an open-
+ * addressing table of handles the worker fills (native_loop.py), mask + 1 slots, 0 empty. */
+static int admitted(const uint64_t *table, uint32_t mask, uint64_t f) {
+    for (uint32_t i = (uint32_t)(f >> 4) & mask, n = 0; n <= mask; i = (i + 1) & mask, n++) {
+        if (table[i] == f) return 1;
+        if (table[i] == 0) return 0;
+    }
+    return 0;
+}
+
+/* Runs the plain launches of admitted kernels at the start of buf[0, avail). Returns the bytes
+ * consumed (whole frames only); *launched counts them, and the first launch error is stored in
+ * *first_error unless it already holds one (errors surface at the client's next synchronising
+ * call). A kernel the worker has not admitted yet stops the run: the worker launches it itself. */
 __attribute__((visibility("default")))
 size_t rgpu_run_launches(const uint8_t *buf, size_t avail, uint64_t ctx, uint32_t launch_op,
-                         launch_fn launch, int32_t *first_error, uint64_t *launched) {
+                         launch_fn launch, int32_t *first_error, uint64_t *launched,
+                         const uint64_t *table, uint32_t mask) {
     static __thread uint64_t aligned[MAX_PARAM_BYTES / 8];
     size_t used = 0;
     uint64_t count = 0;
@@ -49,6 +61,7 @@ size_t rgpu_run_launches(const uint8_t *buf, size_t avail, uint64_t ctx, uint32_
         const uint8_t *p = h + HEADER_SIZE;
         uint32_t coop = u32_at(p + 44), nattrs = u32_at(p + 48), argsize = u32_at(p + 52);
         if (coop || nattrs || argsize > MAX_PARAM_BYTES || argsize > len - LAUNCH_SIZE) break;
+        if (!admitted(table, mask, u64_at(p))) break;
         const uint8_t *args = p + LAUNCH_SIZE;
         if ((uintptr_t)args & 7) {  /* the driver reads 8-byte parameters in place */
             memcpy(aligned, args, argsize);

@@ -10,3 +10,4 @@ nvcc -arch=sm_90 -fatbin --compress-mode=default -Xfatbin -compress-all -o globa
 nvcc -gencode arch=compute_90,code=compute_90 -fatbin -o globals.ptx-only.fatbin globals.cu
 nvcc -gencode arch=compute_80,code=sm_80 -gencode arch=compute_90,code=sm_90 -fatbin --compress-mode=none \
      -o globals.sm_80-sm_90.fatbin globals.cu
+nvcc -arch=sm_90 -cubin -o local_memory.sm_90.cubin local_memory.cu
