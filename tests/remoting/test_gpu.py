@@ -575,14 +575,19 @@ def test_stack_local_memory_and_heap_count_against_the_slice_on_a_real_gpu(
         native_libs: build.Libraries, gpu_server: Server, tmp_path: Path) -> None:
     """What the driver reserves for the stack (cuCtxSetLimit), for a kernel's local memory (16 KiB
     per thread, at its first launch) and for the malloc heap, measured locally, is charged to the
-    slice through rgpu: refused in a 2 GiB slice, charged as the driver takes it in a 40 GiB one."""
+    slice through rgpu: refused in a 1.5 GiB slice, charged as the driver takes it in a 40 GiB one."""
     program = py(CONTEXT_RESERVES.format(image=str(HERE / "data" / "module_images" / "local_memory.sm_90.cubin")))
     local = subprocess.run(program, capture_output=True, text=True, timeout=120, check=False)
-    small = flexrun(native_libs, gpu_server, tmp_path, program, memory=2 * GiB, name="reserves-small")
+    # The same program as an MPS client at 50%, as the slice's worker is: the driver then gives the
+    # context half the SMs, and reserves local memory for their threads only.
+    mps_env = gpu_server.server.mps.client_env(50)
+    local_mps = subprocess.run(program, capture_output=True, text=True, timeout=120, check=False,
+                               env={**os.environ, **mps_env}) if mps_env else local
+    small = flexrun(native_libs, gpu_server, tmp_path, program, memory=GiB + GiB // 2, name="reserves-small")
     large = flexrun(native_libs, gpu_server, tmp_path, program, memory=40 * GiB, name="reserves-large")
-    (OUT / "gpu-context-reserves.json").write_text(json.dumps({"local": local.stdout, "small": small.stdout,
-                                                              "large": large.stdout, "small_stderr": small.stderr[-3000:],
-                                                              "large_stderr": large.stderr[-2000:]}, indent=2))
+    (OUT / "gpu-context-reserves.json").write_text(json.dumps({
+        "local": local.stdout, "local_mps_50": local_mps.stdout, "small": small.stdout, "large": large.stdout,
+        "small_stderr": small.stderr[-3000:], "large_stderr": large.stderr[-2000:]}, indent=2))
 
     def row(out: str, name: str) -> list[int]:
         return [int(x) for x in out.split(f"{name} ", 1)[1].split("\n", 1)[0].split()]
@@ -594,15 +599,16 @@ def test_stack_local_memory_and_heap_count_against_the_slice_on_a_real_gpu(
     for name, size in (("LOCAL16K", 16384), ("STACK64K", 65536)):
         here = row(local.stdout, name)
         assert here[0] == 0 and (threads is None or here[1] == (size - 1024) * threads), (name, here)
-    # In 2 GiB: the kernel's local memory is refused (the kernel does not run), the stack and the
-    # heap too.
+    # In 1.5 GiB (0.97 GiB left after the context): the kernel's local memory is refused (the
+    # kernel does not run), the stack and the 1 GiB heap too.
     assert row(small.stdout, "STACK64K")[0] == 2 and row(small.stdout, "LOCAL16K")[0] == 2, small.stdout
     assert row(small.stdout, "HEAP1G")[0] == 2, small.stdout + small.stderr
     assert "16.0 KiB of local memory per thread, which the GPU reserves for each of the" in small.stderr, small.stderr
-    # In 40 GiB: everything runs, and what the slice shows gone matches what the driver took.
+    # In 40 GiB: everything runs, and what the slice shows gone matches what the driver took for
+    # an MPS client of the same share.
     for name in ("STACK64K", "LOCAL16K"):
-        here, there = row(local.stdout, name), row(large.stdout, name)
+        here, there = row(local_mps.stdout, name), row(large.stdout, name)
         assert here[0] == there[0] == 0 and there[-1] == here[-1], (name, here, there)
-    heap_here, heap_there = row(local.stdout, "HEAP1G"), row(large.stdout, "HEAP1G")
+    heap_here, heap_there = row(local_mps.stdout, "HEAP1G"), row(large.stdout, "HEAP1G")
     assert heap_here[:2] == heap_there[:2] == [0, 0], (heap_here, heap_there)
     assert 0 <= heap_here[-1] - heap_there[-1] <= 16 << 20, (heap_here, heap_there)
