@@ -7,6 +7,7 @@ ever over-committed (sampled during the run and checked at the end).
     python benchmarks/pool_alloc.py --postgres [--pools 2]    # state in PostgreSQL, clients spread over the daemons
     python benchmarks/pool_alloc.py --grpc-floor              # the same clients against empty gRPC handlers
     taskset -c 2-9 python benchmarks/pool_alloc.py --pool-cpus 0,1   # the pool on 2 cores of its own
+    python benchmarks/pool_alloc.py --pool-processes 2           # rgpu-poold --processes 2 (one SQLite file)
 
 Targets on a 2-core machine: at 10,000 GPUs p99 within 2x of 64 x 8 in the same run; >= 2,000
 pairs/s at 64 x 8 (see the README for the figures and the machine's load when measured).
@@ -150,6 +151,20 @@ def check_no_overcommit(client: PoolClient) -> int:
     return len(gpus)
 
 
+def process_tree(pid: int) -> list[int]:
+    """pid and its descendants (Linux /proc)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for task in os.listdir(f"/proc/{current}/task"):
+            try:
+                todo.extend(int(c) for c in Path(f"/proc/{current}/task/{task}/children").read_text().split())
+            except OSError:
+                continue
+    return found
+
+
 def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dict[str, object]:
     """One pool of servers x gpus_per_server GPUs: fill it, run the clients, check, measure."""
     with tempfile.TemporaryDirectory(prefix="rgpu-bench-") as tmp:
@@ -164,7 +179,7 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
             for each in clusters:
                 each.write_config(down_after_seconds=600.0, heartbeat_interval_seconds=60.0, log_level="warning",
                                   **({"store_url": postgres.url} if postgres else {}))
-                each.start_pool()
+                each.start_pool(*(("--processes", str(args.pool_processes)) if args.pool_processes > 1 else ()))
             with cluster.client() as client:
                 for n in range(servers):
                     client.register_server(server_to_pb(ServerInfo(
@@ -191,7 +206,8 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
                 procs = [ctx.Process(target=client_loop, args=(clusters[w % len(clusters)].pool_address, cluster.secret,
                                                               w, args.seconds, queue)) for w in range(args.clients)]
                 checker = threading.Thread(target=sampler, daemon=True)
-                pids = [each.pool.proc.pid for each in clusters if each.pool is not None and each.pool.proc]
+                pids = [pid for each in clusters if each.pool is not None and each.pool.proc
+                        for pid in process_tree(each.pool.proc.pid)]   # with --pool-processes: its children too
                 for pid in pids if args.pool_cpus else ():
                     os.sched_setaffinity(pid, args.pool_cpus)   # its threads, started already, follow below
                     for task in os.listdir(f"/proc/{pid}/task"):
@@ -231,7 +247,7 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
     latencies.sort()
     load1, load5, _ = os.getloadavg()
     return {
-        "store": "postgresql" if args.postgres else "sqlite", "pool_daemons": args.pools, "servers": servers, "gpus_per_server": gpus_per_server, "gpus": gpus, "clients": args.clients, "pool_cpus": sorted(args.pool_cpus) if args.pool_cpus else None,
+        "store": "postgresql" if args.postgres else "sqlite", "pool_daemons": args.pools, "pool_processes": args.pool_processes, "servers": servers, "gpus_per_server": gpus_per_server, "gpus": gpus, "clients": args.clients, "pool_cpus": sorted(args.pool_cpus) if args.pool_cpus else None,
         "prefill_leases": args.prefill, "pairs": len(latencies), "seconds": round(elapsed, 2),
         "pairs_per_second": round(rate, 1),
         "p50_ms": round(1000 * statistics.median(latencies), 2),
@@ -260,6 +276,8 @@ def main() -> None:
     parser.add_argument("--grpc-floor", action="store_true",
                         help="instead of a pool, empty gRPC handlers (threaded server as the pool's, then grpc.aio): "
                              "what grpcio alone costs per pair with these clients on this machine")
+    parser.add_argument("--pool-processes", type=int, default=1,
+                        help="rgpu-poold --processes N: N pool processes on one port and one SQLite file")
     parser.add_argument("--json", action="store_true", help="print JSON only")
     parser.add_argument("--pool-cpus", type=lambda v: {int(c) for c in v.split(",")}, default=None,
                         help="pin the pool daemon(s) to these CPUs, e.g. 0,1 (run the benchmark itself under "
@@ -274,6 +292,8 @@ def main() -> None:
                       f"{f['server_cpu_ms_per_pair']} ms, clients {f['client_cpu_ms_per_pair']} ms")
         print(json.dumps(floors))
         return
+    if args.pool_processes > 1 and args.postgres:
+        parser.error("--pool-processes is for the SQLite store (with --postgres, start several daemons: --pools)")
     if args.pools < 1 or (args.pools > 1 and not args.postgres):
         parser.error("--pools above 1 needs --postgres (several daemons share their state through PostgreSQL)")
     sizes = [int(n) for n in args.servers.split(",") if n.strip()]
@@ -283,7 +303,7 @@ def main() -> None:
         result = run_one(servers, args.gpus_per_server, args)
         results.append(result)
         if not args.json:
-            print(f"pool_alloc ({result['store']}, {args.pools} pool daemon(s)): {servers} servers x {args.gpus_per_server} GPUs, {args.clients} client processes, "
+            print(f"pool_alloc ({result['store']}, {args.pools} pool daemon(s) of {args.pool_processes} process(es)): {servers} servers x {args.gpus_per_server} GPUs, {args.clients} client processes, "
                   f"{args.prefill} leases held, load average {result['load_average_1m_5m']} on {result['cpus']} CPUs")
             print(f"  {result['pairs']} allocate+release pairs in {args.seconds:g} s per client = "
                   f"{result['pairs_per_second']} pairs/s")

@@ -35,6 +35,9 @@ class Settings:
     state: str = "/var/lib/rgpu/pool.db"
     # PostgreSQL instead (postgresql://USER@HOST:PORT/DB): several pool daemons share it; "" : SQLite.
     store_url: str = ""
+    # rgpu-poold processes serving `listen` together on the SQLite `state` (SO_REUSEPORT): one per
+    # core the pool host gives it. 1: one process.
+    pool_processes: int = 1
     secret_file: str = "/etc/rgpu/secret"
     placement: str = "binpack"                  # or "spread"
     heartbeat_interval_seconds: float = 5.0     # told to dispatchers at registration

@@ -105,10 +105,18 @@ class PoolClient:
         method = f"/rgpu.v1.Pool/{name}"
         budget = timeout or self.timeout
         if len(self.addresses) == 1:
-            try:
-                return getattr(self._stub, name)(request, timeout=budget, metadata=(self._credential(method),))
-            except grpc.RpcError as exc:
-                raise error_from_rpc(exc, self.address) from None
+            deadline = time.monotonic() + budget
+            for attempt in range(2):
+                try:
+                    return getattr(self._stub, name)(request, timeout=max(0.001, deadline - time.monotonic()),
+                                                     metadata=(self._credential(method),))
+                except grpc.RpcError as exc:
+                    # A connection reset (one process of `rgpu-poold --processes N` died) is tried
+                    # once more, on a new connection, which reaches another process; a pool that is
+                    # down answers the second try as fast as the first. Safe to repeat, as below.
+                    if attempt or exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
+                        raise error_from_rpc(exc, self.address) from None
+            raise AssertionError("unreachable: the second attempt returns or raises")
         deadline = time.monotonic() + budget
         failed: list[str] = []
         while True:

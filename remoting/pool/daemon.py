@@ -39,6 +39,7 @@ from rgpu.remoting.pool.convert import live_to_pb, server_from_pb, server_to_pb,
 from rgpu.remoting.metrics.http import MetricsServer, serve_metrics
 from rgpu.remoting.pool.events import EventLog
 from rgpu.remoting.pool.gpu_listing import GpuListing
+from rgpu.remoting.pool.group import checked_processes, serve_group
 from rgpu.remoting.pool.metrics import PoolMetrics, refusal_reason
 from rgpu.remoting.pool.rules import AllocationRequest, PoolCore
 from rgpu.remoting.pool.store import open_store
@@ -362,11 +363,15 @@ def _start_http(settings: Settings, secret: bytes, core: PoolCore, metrics: Pool
 
 @contextlib.contextmanager
 def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC_WORKERS,
-                 report: Callable[[str, int], None] | None = None) -> Iterator[tuple[int, PoolCore]]:
+                 report: Callable[[str, int], None] | None = None, *, group_member: bool = False,
+                 extras: bool = True) -> Iterator[tuple[int, PoolCore]]:
     """Start the pool on settings.listen (port 0 picks a free one); yield (port, core).
-    `report(what, port)` hears where the metrics endpoint and the dashboard serve, when on."""
+    `report(what, port)` hears where the metrics endpoint and the dashboard serve, when on.
+    A `group_member` is one of the processes of `rgpu-poold --processes N` (group.py): it shares
+    the port (SO_REUSEPORT) and the SQLite file with the others; `extras` (the Slurm integration,
+    metrics, dashboard) run in one of them only."""
     events = EventLog.attach(log)
-    store = open_store(settings.state, settings.store_url)
+    store = open_store(settings.state, settings.store_url, shared=settings.pool_processes > 1)
     try:
         core = PoolCore(store=store, secret=secret, placement=settings.placement,
                         down_after_seconds=settings.down_after_seconds,
@@ -381,13 +386,14 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
                           "restore it from a backup, or move it aside to start an empty pool") from None
     metrics = PoolMetrics(lambda: pool_view(core))
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=[ServerAuth(secret, munge_socket=settings.munge_socket)],
-                         options=[("grpc.so_reuseport", 0)])
+                         options=[("grpc.so_reuseport", 1 if group_member else 0)])
     pb_grpc.add_PoolServicer_to_server(PoolServicer(core, settings.heartbeat_interval_seconds, metrics,
                                                           account_policy(settings)), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
-        _check_bindable(settings.listen)
+        if not group_member:   # the group's parent holds the port (SO_REUSEPORT): no probe could bind it
+            _check_bindable(settings.listen)
         if settings.tls_cert_file:
             creds = grpc.ssl_server_credentials([(Path(settings.tls_key_file).read_bytes(),
                                                   Path(settings.tls_cert_file).read_bytes())])
@@ -400,7 +406,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
         raise ConfigError("poold", f"cannot listen on {settings.listen}", str(exc) or "address in use or invalid",
                           "pick another --listen address or stop the process holding the port") from None
     try:
-        http = _start_http(settings, secret, core, metrics, events, report or (lambda what, port: None))
+        http = _start_http(settings, secret, core, metrics, events, report or (lambda what, port: None)) if extras else []
     except BaseException:
         store.close()
         events.detach()
@@ -410,7 +416,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
                                    args=(core, metrics, min(settings.reclaim_interval_seconds, settings.down_after_seconds / 3),
                                          stop, settings.idle_release))
     # Components that ride on the pool (the Slurm integration) plug in through entry points.
-    running = [start(core, settings, log) for _name, start in plugins.load(plugins.POOL_PLUGINS)]
+    running = [start(core, settings, log) for _name, start in plugins.load(plugins.POOL_PLUGINS)] if extras else []
     for service in ("", "rgpu.v1.Pool"):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     # Serving only once everything is ready: a client that connects may call at once.
@@ -431,6 +437,21 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
         events.detach()
 
 
+def _serve_group_member(settings: Settings, index: int, ready: Any) -> None:
+    """One process of `rgpu-poold --processes N` (started by group.py with spawn)."""
+    logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s [{index}] %(message)s", stream=sys.stderr)
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        with running_pool(settings, load_secret(settings.secret_file), group_member=True, extras=index == 0):
+            ready.put(index)
+            stop.wait()
+    except RgpuError as exc:
+        click.echo(str(exc), err=True)
+        sys.exit(exc.exit_code)
+
+
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="Config file (default /etc/rgpu/rgpu.toml).")
 @click.option("--listen", help="HOST:PORT to serve gRPC on (default 0.0.0.0:50001).")
@@ -445,16 +466,20 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
 @click.option("--dashboard-listen", help="HOST:PORT for the web dashboard (default from config: off).")
 @click.option("--dashboard-port-file", type=click.Path(dir_okay=False),
               help="Write the dashboard's port to this file once serving.")
+@click.option("--processes", type=int, help="Pool processes serving --listen together (default from config: 1).")
 @click.version_option(__version__, prog_name="rgpu-poold")
 def main(config_file: str | None, listen: str | None, state: str | None, placement: str | None,
          secret_file: str | None, port_file: str | None, metrics_listen: str | None,
-         metrics_port_file: str | None, dashboard_listen: str | None, dashboard_port_file: str | None) -> None:
+         metrics_port_file: str | None, dashboard_listen: str | None, dashboard_port_file: str | None,
+         processes: int | None) -> None:
     """Run the rgpu pool daemon."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     try:
         settings = load_settings(config_file, flags={"listen": listen, "state": state, "placement": placement,
                                                      "secret_file": secret_file, "metrics_listen": metrics_listen,
-                                                     "dashboard_listen": dashboard_listen})
+                                                     "dashboard_listen": dashboard_listen,
+                                                     "pool_processes": processes})
+        checked_processes(settings.pool_processes)
         port_files = {"metrics": metrics_port_file, "dashboard": dashboard_port_file}
 
         def report(what: str, bound: int) -> None:
@@ -466,6 +491,14 @@ def main(config_file: str | None, listen: str | None, state: str | None, placeme
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
+        if settings.pool_processes > 1:
+            if any(port_files.values()):
+                log.warning("rgpu-poold: with several processes the metrics and dashboard ports are not "
+                            "written to files; give them fixed ports")
+            serve_group(settings, _serve_group_member, stop,
+                        lambda bound: write_port_file(port_file, bound, "poold") if port_file else None)
+            log.info("rgpu-poold: shutting down")
+            return
         with running_pool(settings, secret, report=report) as (port, core):
             log.info("rgpu-poold: %s serving on %s (port %d), state %s, placement %s, %d server(s) and %d lease(s) "
                      "restored", __version__, settings.listen, port, settings.state, settings.placement,

@@ -5,6 +5,13 @@ loses nothing that a caller was told had happened. WAL with synchronous=NORMAL s
 crash (what `kill -9` is); set synchronous=FULL through `durability="full"` to survive power loss
 too, at the cost of an fsync per change. Tokens are not stored: they are re-signed on demand, so
 the database holds no secret.
+
+One file serves one pool: either one process (the default), or the processes of one
+`rgpu-poold --processes N` on one host (`shared=True`), which work as several daemons on one
+PostgreSQL do (store_pg.py): every change takes the file's write lock (BEGIN IMMEDIATE), reads the
+state's version, and logs which leases, servers and quotas it touched under the next version, so
+each process catches up by reading those rows only; heartbeats and usage reports are stored so
+every process sees the ones another received.
 """
 
 from __future__ import annotations
@@ -22,7 +29,12 @@ from rgpu.errors import ConfigError, Unavailable
 from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
 from rgpu.remoting.pool.accounting import SliceUsageRecord
 
-SCHEMA_VERSION = 1
+# 1: servers, leases, history, quotas. 2: the change log, heartbeats and usage reports of shared
+# mode (tables added in place; a file of layout 1 keeps its leases).
+SCHEMA_VERSION = 2
+# Versions of the change log kept (shared mode); a process further behind reloads everything.
+CHANGE_LOG_KEEP = 20_000
+_USAGE_COLUMNS = "sessions, busy_seconds, memory_high_water_bytes, memory_used_bytes, last_active_unix, calls"
 
 
 class StoreError(Unavailable):
@@ -61,6 +73,33 @@ CREATE TABLE IF NOT EXISTS quotas (
     limit_units INTEGER NOT NULL,
     PRIMARY KEY (kind, name)
 );
+CREATE TABLE IF NOT EXISTS pool_meta (
+    one     INTEGER PRIMARY KEY CHECK (one = 1),
+    version INTEGER NOT NULL,
+    pruned  INTEGER NOT NULL DEFAULT 0
+);
+INSERT OR IGNORE INTO pool_meta(one, version, pruned) VALUES (1, 0, 0);
+CREATE TABLE IF NOT EXISTS pool_changes (
+    version INTEGER NOT NULL,
+    kind    TEXT NOT NULL,
+    key     TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS pool_changes_version ON pool_changes(version);
+CREATE TABLE IF NOT EXISTS heartbeats (
+    address TEXT PRIMARY KEY,
+    unix    REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS slice_usage (
+    job_key          TEXT NOT NULL,
+    slice            INTEGER NOT NULL,
+    sessions         INTEGER NOT NULL,
+    busy_seconds     REAL NOT NULL,
+    memory_high_water_bytes INTEGER NOT NULL,
+    memory_used_bytes INTEGER NOT NULL,
+    last_active_unix REAL NOT NULL,
+    calls            INTEGER NOT NULL,
+    PRIMARY KEY (job_key, slice)
+);
 """
 
 
@@ -74,8 +113,9 @@ class StateVersion:
 
 
 class Store:
-    def __init__(self, path: str | os.PathLike[str], durability: str = "normal") -> None:
+    def __init__(self, path: str | os.PathLike[str], durability: str = "normal", shared: bool = False) -> None:
         self.path = Path(path)
+        self.shared = shared
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             fresh = not self.path.exists()
@@ -102,91 +142,195 @@ class Store:
         except sqlite3.DatabaseError as exc:
             raise ConfigError("store", f"cannot open state database {self.path}", str(exc),
                               "check the path and permissions, or move a damaged file aside") from None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._in_transaction = False
+        self._wrote = False                           # in the open transaction: something changed
+        self._touched: set[tuple[str, str]] = set()   # in the open transaction: (kind, key) changed
+        self.change_log_keep, self.prune_every = CHANGE_LOG_KEEP, 1000
 
     def close(self) -> None:
         self._db.close()
 
-    # -- one daemon per file: nothing to share ------------------------------------------------
+    def _rows(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+        with self._lock:   # never in the middle of another thread's transaction on this connection
+            return self._db.execute(sql, params).fetchall()
+
+    def _failed(self, exc: sqlite3.Error) -> StoreError:
+        # A full disk, a read-only or vanished file, a lock held too long: the change is not made.
+        return StoreError("store", f"cannot save the pool's state in {self.path}", str(exc),
+                          "free space on its disk or fix the file's permissions; nothing was changed")
+
+    # -- shared by the processes of one daemon (shared=True), or one process's alone ---------
     @contextlib.contextmanager
     def transaction(self) -> Iterator[StateVersion]:
-        yield StateVersion(None)
+        """One change: with shared=True, under the file's write lock, with the version seen before
+        and after (PoolCore catches up when another process changed the state in between)."""
+        if not self.shared:
+            yield StateVersion(None)
+            return
+        with self._lock:
+            if self._in_transaction:   # nested: part of the open one
+                yield StateVersion(None)
+                return
+            self._in_transaction, self._wrote, self._touched = True, False, set()
+            try:
+                try:
+                    self._db.execute("BEGIN IMMEDIATE")
+                    state = StateVersion(self._db.execute("SELECT version FROM pool_meta").fetchone()[0])
+                except sqlite3.Error as exc:
+                    raise self._failed(exc) from None
+                try:
+                    yield state
+                    if self._wrote:
+                        state.after = self._log_change(state.before or 0)
+                    self._db.execute("COMMIT")
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                if state.after is not None and state.after % self.prune_every == 0:
+                    self._prune(state.after)
+            finally:
+                self._in_transaction = False
+
+    def _log_change(self, before: int) -> int:
+        """Bump the version and log what the open transaction touched under it."""
+        after = before + 1
+        touched = sorted(self._touched) or [("all", "")]   # a write that named nothing: catch up fully
+        self._db.execute("UPDATE pool_meta SET version = ?", (after,))
+        self._db.executemany("INSERT INTO pool_changes(version, kind, key) VALUES (?, ?, ?)",
+                             [(after, kind, key) for kind, key in touched])
+        return after
+
+    def _prune(self, version: int) -> None:
+        if version <= self.change_log_keep:
+            return
+        with self._lock, contextlib.suppress(sqlite3.Error):   # a later prune catches up
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute("DELETE FROM pool_changes WHERE version <= ?", (version - self.change_log_keep,))
+            self._db.execute("UPDATE pool_meta SET pruned = max(pruned, ?)", (version - self.change_log_keep,))
+            self._db.execute("COMMIT")
 
     def version(self) -> int | None:
-        return None
+        if not self.shared:
+            return None
+        return int(self._rows("SELECT version FROM pool_meta")[0][0])  # type: ignore[call-overload]
 
     def heartbeat(self, address: str, now: float) -> None:
-        """Heartbeats stay in the daemon's memory: it is the only one."""
+        """Shared: stored (not a change others reload for). Alone: the daemon's memory has it."""
+        if self.shared:
+            with self._lock:
+                self._db.execute("INSERT INTO heartbeats(address, unix) VALUES (?, ?) ON CONFLICT(address) "
+                                 "DO UPDATE SET unix = max(unix, excluded.unix)", (address, now))
 
     def load_heartbeats(self) -> dict[str, float]:
-        return {}
+        if not self.shared:
+            return {}
+        return {str(a): float(u) for a, u in self._rows("SELECT address, unix FROM heartbeats")}  # type: ignore[arg-type]
 
     def changes_since(self, version: int) -> list[tuple[str, str]] | None:
-        return None   # never asked: version() is None
+        """(kind, key) of every change after `version`, or None when the log no longer reaches back."""
+        rows = self._rows("SELECT 'pruned', '' FROM pool_meta WHERE pruned > ? UNION ALL "
+                          "SELECT DISTINCT kind, key FROM pool_changes WHERE version > ?", (version, version))
+        return None if any(kind == "pruned" for kind, _ in rows) else [(str(k), str(v)) for k, v in rows]
 
     def load_leases_named(self, job_keys: list[str]) -> list[LeaseRecord]:
-        return [lease for lease in self.load_leases() if lease.job_key in set(job_keys)]
+        wanted = set(job_keys)
+        if not self.shared or len(wanted) > 500:
+            return [lease for lease in self.load_leases() if lease.job_key in wanted]
+        marks = ",".join("?" * len(wanted))
+        return _leases(self._rows("SELECT job_key, user, account, created, expires, slices_json FROM leases "
+                                  f"WHERE job_key IN ({marks})", tuple(wanted)))
 
     def load_servers_named(self, addresses: list[str]) -> list[tuple[ServerInfo, bool]]:
-        return [(info, drained) for info, drained in self.load_servers() if info.address in set(addresses)]
+        wanted = set(addresses)
+        if not self.shared or len(wanted) > 500:
+            return [(info, drained) for info, drained in self.load_servers() if info.address in wanted]
+        marks = ",".join("?" * len(wanted))
+        return [(server_from_json(str(info)), bool(drained)) for info, drained in
+                self._rows(f"SELECT info_json, drained FROM servers WHERE address IN ({marks})", tuple(wanted))]
 
     def save_slice_usage(self, rows: list[tuple[str, int, SliceUsageRecord]]) -> None:
-        """Usage reports stay in the daemon's memory: it is the only one."""
+        """Shared: stored for the other processes. Alone: the daemon's memory has them."""
+        if not self.shared or not rows:
+            return
+        with self._lock:
+            self._db.executemany(
+                f"INSERT INTO slice_usage(job_key, slice, {_USAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                "ON CONFLICT (job_key, slice) DO UPDATE SET sessions=excluded.sessions, "
+                "busy_seconds=excluded.busy_seconds, memory_high_water_bytes=excluded.memory_high_water_bytes, "
+                "memory_used_bytes=excluded.memory_used_bytes, last_active_unix=excluded.last_active_unix, "
+                "calls=excluded.calls",
+                [(key, number, u.sessions, u.busy_seconds, u.memory_high_water_bytes, u.memory_used_bytes,
+                  u.last_active_unix, u.calls) for key, number, u in rows])
 
     def load_slice_usage(self) -> dict[tuple[str, int], SliceUsageRecord]:
-        return {}
+        if not self.shared:
+            return {}
+        return {(str(key), int(number)): SliceUsageRecord(*values)  # type: ignore[arg-type]
+                for key, number, *values in self._rows(f"SELECT job_key, slice, {_USAGE_COLUMNS} FROM slice_usage")}
 
     # -- loading ---------------------------------------------------------------------------
     def load_servers(self) -> list[tuple[ServerInfo, bool]]:
-        rows = self._db.execute("SELECT info_json, drained FROM servers").fetchall()
-        return [(server_from_json(info), bool(drained)) for info, drained in rows]
+        rows = self._rows("SELECT info_json, drained FROM servers")
+        return [(server_from_json(str(info)), bool(drained)) for info, drained in rows]
 
     def load_leases(self) -> list[LeaseRecord]:
-        rows = self._db.execute(
-            "SELECT job_key, user, account, created, expires, slices_json FROM leases").fetchall()
-        return [LeaseRecord(job_key=k, user=u, account=a, created_unix=c, expires_unix=e,
-                            slices=tuple(SliceRecord(**s) for s in json.loads(sj)))
-                for k, u, a, c, e, sj in rows]
+        return _leases(self._rows("SELECT job_key, user, account, created, expires, slices_json FROM leases"))
 
     def load_quotas(self) -> list[QuotaRecord]:
-        rows = self._db.execute("SELECT kind, name, limit_units FROM quotas").fetchall()
-        return [QuotaRecord(kind, name, limit) for kind, name, limit in rows]
+        rows = self._rows("SELECT kind, name, limit_units FROM quotas")
+        return [QuotaRecord(str(kind), str(name), int(limit)) for kind, name, limit in rows]  # type: ignore[call-overload]
 
     # -- changes (each one committed before it returns) -------------------------------------
-    def _write(self, sql: str, params: tuple[object, ...]) -> None:
+    def _write(self, sql: str, params: tuple[object, ...], touched: tuple[str, str] | None = None) -> None:
+        if self.shared and not self._in_transaction:
+            with self.transaction():   # a change on its own: versioned like any other
+                self._write(sql, params, touched)
+            return
         with self._lock:
             try:
                 self._db.execute(sql, params)
-            except sqlite3.Error as exc:   # a full disk, a read-only or vanished file: the change is not made
-                raise StoreError("store", f"cannot save the pool's state in {self.path}", str(exc),
-                                 "free space on its disk or fix the file's permissions; nothing was changed") from None
+            except sqlite3.Error as exc:
+                raise self._failed(exc) from None
+            self._wrote = True
+            if touched is not None:
+                self._touched.add(touched)
 
     def upsert_server(self, server: ServerInfo, registered: float) -> None:
         self._write(
             "INSERT INTO servers(address, info_json, drained, registered) VALUES (?, ?, 0, ?) "
             "ON CONFLICT(address) DO UPDATE SET info_json=excluded.info_json, registered=excluded.registered",
-            (server.address, json.dumps(asdict(server)), registered))
+            (server.address, json.dumps(asdict(server)), registered), ("server", server.address))
 
     def set_drained(self, address: str, drained: bool) -> None:
-        self._write("UPDATE servers SET drained=? WHERE address=?", (int(drained), address))
+        self._write("UPDATE servers SET drained=? WHERE address=?", (int(drained), address), ("server", address))
 
     def delete_server(self, address: str) -> None:
-        self._write("DELETE FROM servers WHERE address=?", (address,))
+        self._write("DELETE FROM servers WHERE address=?", (address,), ("server", address))
 
     def insert_lease(self, lease: LeaseRecord) -> None:
         self._write(
             "INSERT INTO leases(job_key, user, account, created, expires, slices_json) VALUES (?, ?, ?, ?, ?, ?)",
             (lease.job_key, lease.user, lease.account, lease.created_unix, lease.expires_unix,
-             json.dumps([vars(s) for s in lease.slices])))
+             json.dumps([vars(s) for s in lease.slices])), ("lease", lease.job_key))
 
     def set_lease_expiry(self, job_key: str, expires: float) -> None:
-        self._write("UPDATE leases SET expires=? WHERE job_key=?", (expires, job_key))
+        self._write("UPDATE leases SET expires=? WHERE job_key=?", (expires, job_key), ("lease", job_key))
 
     def delete_lease(self, job_key: str) -> None:
-        self._write("DELETE FROM leases WHERE job_key=?", (job_key,))
+        self._write("DELETE FROM leases WHERE job_key=?", (job_key,), ("lease", job_key))
 
     def end_lease(self, lease: LeaseRecord, ended: float, busy_seconds: float = 0.0, how: str = "") -> None:
-        """Delete a lease and record it in lease_history, in one transaction."""
+        """Delete a lease (and its usage reports) and record it in lease_history, in one transaction."""
+        if self.shared:
+            with self.transaction():
+                self._write("DELETE FROM leases WHERE job_key=?", (lease.job_key,), ("lease", lease.job_key))
+                self._write("DELETE FROM slice_usage WHERE job_key=?", (lease.job_key,))
+                self._write("INSERT INTO lease_history(job_key, user, account, units, created, ended, busy_seconds, "
+                            "how) VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (lease.job_key, lease.user, lease.account,
+                                                                     lease.units, lease.created_unix, ended,
+                                                                     busy_seconds, how))
+            return
         with self._lock:
             self._db.execute("BEGIN")
             try:
@@ -217,10 +361,16 @@ class Store:
     def set_quota(self, quota: QuotaRecord) -> None:
         self._write("INSERT INTO quotas(kind, name, limit_units) VALUES (?, ?, ?) "
                     "ON CONFLICT(kind, name) DO UPDATE SET limit_units=excluded.limit_units",
-                    (quota.kind, quota.name, quota.limit_units))
+                    (quota.kind, quota.name, quota.limit_units), ("quota", ""))
 
     def delete_quota(self, kind: str, name: str) -> None:
-        self._write("DELETE FROM quotas WHERE kind=? AND name=?", (kind, name))
+        self._write("DELETE FROM quotas WHERE kind=? AND name=?", (kind, name), ("quota", ""))
+
+
+def _leases(rows: list[tuple[object, ...]]) -> list[LeaseRecord]:
+    return [LeaseRecord(job_key=str(k), user=str(u), account=str(a), created_unix=float(c),  # type: ignore[arg-type]
+                        expires_unix=float(e), slices=tuple(SliceRecord(**s) for s in json.loads(str(sj))))  # type: ignore[arg-type]
+            for k, u, a, c, e, sj in rows]
 
 
 def server_from_json(text: str) -> ServerInfo:
@@ -256,12 +406,13 @@ class PoolStore(Protocol):
     def delete_quota(self, kind: str, name: str) -> None: ...
 
 
-def open_store(state: str, store_url: str = "") -> PoolStore:
-    """The store the settings name: PostgreSQL when store_url is set, else SQLite at `state`."""
+def open_store(state: str, store_url: str = "", shared: bool = False) -> PoolStore:
+    """The store the settings name: PostgreSQL when store_url is set, else SQLite at `state`
+    (shared by the processes of one daemon when `shared`)."""
     if store_url:
         if not store_url.startswith(("postgresql://", "postgres://")):
             raise ConfigError("store", f"store_url {store_url.split('@')[-1]!r} is not a PostgreSQL URL", "",
                               "use postgresql://USER@HOST:PORT/DATABASE, or leave it empty for SQLite")
         from rgpu.remoting.pool.store_pg import PostgresStore
         return PostgresStore(store_url)
-    return Store(state)
+    return Store(state, shared=shared)

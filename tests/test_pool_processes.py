@@ -1,0 +1,231 @@
+"""rgpu-poold --processes N: several pool processes on one port and one SQLite file (shared mode
+of store.py, group.py), with real SQLite files and real daemons on loopback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from rgpu.config import load_settings
+from rgpu.errors import CapacityError, RgpuError
+from rgpu.remoting.pool.client import connect
+from rgpu.remoting.pool.rules import PoolCore
+from rgpu.remoting.pool.store import SCHEMA_VERSION, Store
+from tests.daemons import RgpuCluster, register_servers, wait_for
+from tests.poolcore_helpers import SECRET, Clock, req, server
+
+
+def _core(db: Path, clock: Clock) -> PoolCore:
+    return PoolCore(store=Store(db, shared=True), secret=SECRET, down_after_seconds=1e6, clock=clock,
+                    idle_after_seconds=600.0)
+
+
+@pytest.fixture
+def two_processes(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """Two pool cores on one SQLite file, each on its own connection, as two processes hold them."""
+    clock = Clock()
+    cores = [_core(tmp_path / "pool.db", clock) for _ in range(2)]
+    yield cores[0], cores[1], clock
+    for core in cores:
+        core.store.close()
+
+
+def _state(core: PoolCore) -> tuple[object, ...]:
+    return (sorted(core.list_leases(), key=lambda lease: lease.job_key), core.gpu_statuses(), core.quota_usage(),
+            core.capacity())
+
+
+def test_each_process_sees_what_the_other_changed_from_the_change_log(two_processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    a, b, clock = two_processes
+    for n in range(2):
+        a.register(server(n))
+    a.allocate(req("job-1", count=2))
+    b.allocate(req("job-2", ttl_seconds=60.0))
+    a.release("job-1")
+    b.set_drained("gpu1", True)
+    a.set_quota("user", "alice", 900)
+    b.renew("job-2", 600.0)
+    clock.now += 120
+    assert a.reclaim_expired() == []                    # renewed through b: a must not reclaim it
+    assert _state(a) == _state(b)
+    fresh = _core(tmp_path / "pool.db", clock)
+    try:
+        assert _state(fresh) == _state(a)
+        assert a.token_for(a.get_lease("job-2"), 0) == fresh.token_for(fresh.get_lease("job-2"), 0)
+    finally:
+        fresh.store.close()
+    assert a.full_reloads == b.full_reloads == 0
+
+
+def test_a_process_behind_the_pruned_change_log_reloads(two_processes) -> None:  # type: ignore[no-untyped-def]
+    a, b, _clock = two_processes
+    a.store.change_log_keep, a.store.prune_every = 2, 1
+    a.register(server(0, gpus=4))
+    for n in range(5):
+        a.allocate(req(f"job-{n}", fraction=0.25))
+    assert _state(b) == _state(a) and b.full_reloads == 1
+
+
+def test_heartbeats_and_usage_reports_reach_every_process(two_processes) -> None:  # type: ignore[no-untyped-def]
+    from rgpu.remoting.pool.accounting import SliceUsageRecord
+    a, b, clock = two_processes
+    a.register(server(0))
+    b.down_after_seconds = 30.0
+    clock.now += 20
+    a.heartbeat(server(0).address)                       # the dispatcher's heartbeat went to a
+    clock.now += 20
+    assert b.check_down_servers() == []                  # b sees it: 20 s ago, not 40
+    a.allocate(req("busy"))
+    a.allocate(req("idle"))
+    clock.now += 1000
+    report = SliceUsageRecord(sessions=1, busy_seconds=900.0, last_active_unix=clock.now - 5, calls=10)
+    a.record_usage(server(0).address, [("busy", 0, report)], sent_unix=clock.now)
+    assert b.release_idle() == ["idle"]
+
+
+def test_concurrent_allocations_through_both_never_over_commit(two_processes) -> None:  # type: ignore[no-untyped-def]
+    a, b, _clock = two_processes
+    a.register(server(0, gpus=4))                        # room for 8 half-GPU slices
+    placed: list[str] = []
+    refused: list[str] = []
+    lock = threading.Lock()
+
+    def burst(core: PoolCore, name: str) -> None:
+        for i in range(10):
+            try:
+                core.allocate(req(f"{name}-{i}", fraction=0.5))
+            except CapacityError:
+                with lock:
+                    refused.append(name)
+                continue
+            with lock:
+                placed.append(name)
+
+    threads = [threading.Thread(target=burst, args=(core, f"{n}")) for n, core in enumerate((a, b, a, b))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(placed) == 8 and len(refused) == 32
+    for core in (a, b):
+        assert all(gpu.allocated_percent <= 100 for gpu in core.gpu_statuses())
+
+
+def test_a_state_file_of_the_first_layout_opens_with_its_leases(tmp_path: Path) -> None:
+    db = tmp_path / "pool.db"
+    core = PoolCore(store=Store(db), secret=SECRET, clock=Clock())
+    core.register(server(0))
+    core.allocate(req("kept"))
+    core.store.close()
+    with sqlite3.connect(db) as old:                     # back to layout 1: no shared-mode tables
+        for table in ("pool_meta", "pool_changes", "heartbeats", "slice_usage"):
+            old.execute(f"DROP TABLE {table}")
+        old.execute("PRAGMA user_version=1")
+    for shared in (False, True):
+        again = PoolCore(store=Store(db, shared=shared), secret=SECRET, clock=Clock())
+        assert [lease.job_key for lease in again.list_leases()] == ["kept"]
+        again.store.close()
+    with sqlite3.connect(db) as upgraded:
+        assert upgraded.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+
+
+# ------------------------------------------------------------------ the daemon
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for task in os.listdir(f"/proc/{pid}/task")
+            for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+
+
+def _pool_children(pid: int) -> list[int]:
+    """The pool processes (not multiprocessing's resource tracker)."""
+    return [c for c in _children(pid) if "resource_tracker" not in Path(f"/proc/{c}/cmdline").read_text()]
+
+
+@pytest.mark.integration
+def test_a_burst_through_two_processes_and_kill_9_of_one(tmp_path: Path) -> None:
+    cluster = RgpuCluster(tmp_path)
+    cluster.write_config(down_after_seconds=30.0, heartbeat_interval_seconds=0.5, reclaim_interval_seconds=0.5)
+    cluster.start_pool("--processes", "2")
+    try:
+        assert cluster.pool is not None and cluster.pool.proc is not None
+        parent = cluster.pool.proc.pid
+        wait_for(lambda: len(_pool_children(parent)) == 2, what="two pool processes")
+        with cluster.client() as admin:
+            register_servers(admin, servers=4, gpus=4)        # 16 GPUs: room for 32 half-GPU slices
+        settings = load_settings(env=cluster.env())
+        acknowledged: list[str] = []
+        refused: list[str] = []
+        failures: list[str] = []
+        lock = threading.Lock()
+
+        def worker(n: int) -> None:
+            for i in range(8):                                 # a new connection per call: both processes serve
+                key = f"job-{n}-{i}"
+                try:
+                    with connect(settings, timeout=10.0) as client:
+                        client.allocate(key, f"user{n}", 1, fraction=0.5)
+                except CapacityError:
+                    with lock:
+                        refused.append(key)
+                    continue
+                except RgpuError as exc:
+                    with lock:
+                        failures.append(f"{key}: {exc}")
+                    continue
+                with lock:
+                    acknowledged.append(key)
+
+        threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: len(acknowledged) >= 6, what="the burst to start")
+        victim = _pool_children(parent)[0]
+        os.kill(victim, signal.SIGKILL)                        # kill -9 of one process mid-burst
+        for thread in threads:
+            thread.join(timeout=60)
+        assert not failures, failures
+        assert len(acknowledged) == 32 and len(refused) == 16  # exactly the pool's room, never more
+        with cluster.client() as admin:
+            held = {lease.job_key for lease in admin.list_leases()}
+            assert set(acknowledged) <= held                   # nothing acknowledged was lost
+            for gpu in admin.list_gpus():
+                assert gpu.allocated_percent <= 100
+        wait_for(lambda: len(_pool_children(parent)) == 2 and victim not in _pool_children(parent),
+                 what="the parent to start the killed process again")
+        assert "exited with status -9; starting it again" in cluster.pool.log()
+    finally:
+        cluster.stop_all()
+
+
+@pytest.mark.integration
+def test_another_pool_daemon_cannot_take_the_groups_port(tmp_path: Path) -> None:
+    cluster = RgpuCluster(tmp_path / "a")
+    cluster.start_pool("--processes", "2")
+    try:
+        other = subprocess.run([sys.executable, "-m", "rgpu.remoting.pool.daemon", "--listen", cluster.pool_address,
+                                "--state", str(tmp_path / "other.db")], env=cluster.env(), capture_output=True,
+                               text=True, timeout=60, check=False)
+        assert other.returncode != 0
+        assert f"cannot listen on {cluster.pool_address}" in other.stderr, other.stderr
+    finally:
+        cluster.stop_all()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("value", ["0", "-3", "65", "100000000000000000000"])
+def test_a_process_count_out_of_range_is_one_line(tmp_path: Path, value: str) -> None:
+    cluster = RgpuCluster(tmp_path)
+    cluster.write_config()
+    done = subprocess.run([sys.executable, "-m", "rgpu.remoting.pool.daemon", "--listen", "127.0.0.1:0",
+                           "--state", str(tmp_path / "pool.db"), "--processes", value], env=cluster.env(),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "pool_processes" in lines[0] and "1 to 64" in lines[0], done.stderr
