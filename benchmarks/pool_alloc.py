@@ -212,7 +212,8 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
                     os.sched_setaffinity(pid, args.pool_cpus)   # its threads, started already, follow below
                     for task in os.listdir(f"/proc/{pid}/task"):
                         os.sched_setaffinity(int(task), args.pool_cpus)
-                pool_cpu = sum(cpu_seconds(pid) for pid in pids)
+                cpu_before = {pid: cpu_seconds(pid) for pid in pids}
+                pool_cpu = sum(cpu_before.values())
                 start = time.perf_counter()
                 for p in procs:
                     p.start()
@@ -231,7 +232,8 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
                 for p in procs:
                     p.join()
                 elapsed = time.perf_counter() - start
-                pool_cpu = sum(cpu_seconds(pid) for pid in pids) - pool_cpu
+                cpu_by_process = [cpu_seconds(pid) - cpu_before[pid] for pid in pids]
+                pool_cpu = sum(cpu_by_process)
                 stop.set()
                 checker.join()
                 gpus = check_no_overcommit(client)
@@ -255,6 +257,7 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
         "max_ms": round(1000 * latencies[-1], 2),
         # the pool daemons' CPU per pair, all of them (the over-commit samples included)
         "pool_cpu_ms_per_pair": round(1000 * pool_cpu / len(latencies), 3),
+        "pool_cpu_seconds_by_process": [round(c, 2) for c in cpu_by_process],
         # the benchmark's own clients, on the same cores: what they take is not the pool's to use
         "client_cpu_ms_per_pair": round(1000 * client_cpu / len(latencies), 3),
         "overcommit_samples_checked": samples + 1, "overcommit": False, "cpus": os.cpu_count(),

@@ -9,6 +9,7 @@ import sqlite3
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -181,17 +182,23 @@ def test_a_burst_through_two_processes_and_kill_9_of_one(tmp_path: Path) -> None
                     continue
                 with lock:
                     acknowledged.append(key)
+                time.sleep(0.05)                               # a burst long enough to kill into
 
         threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
         for thread in threads:
             thread.start()
         wait_for(lambda: len(acknowledged) >= 6, what="the burst to start")
-        victim = _pool_children(parent)[0]
-        os.kill(victim, signal.SIGKILL)                        # kill -9 of one process mid-burst
+        # kill -9 mid-burst of the process serving it (this test's channels share one connection)
+        serving = [line for line in cluster.pool.log().splitlines() if "rgpu-poold: lease job-" in line][-1]
+        victim = int(serving.split(" pid ", 1)[1].split("]", 1)[0])
+        assert victim in _pool_children(parent)
+        os.kill(victim, signal.SIGKILL)
+        at_kill = len(acknowledged)
         for thread in threads:
             thread.join(timeout=60)
         assert not failures, failures
         assert len(acknowledged) == 32 and len(refused) == 16  # exactly the pool's room, never more
+        assert at_kill < 32                                     # some were placed after the kill
         with cluster.client() as admin:
             held = {lease.job_key for lease in admin.list_leases()}
             assert set(acknowledged) <= held                   # nothing acknowledged was lost

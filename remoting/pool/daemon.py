@@ -439,7 +439,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
 
 def _serve_group_member(settings: Settings, index: int, ready: Any) -> None:
     """One process of `rgpu-poold --processes N` (started by group.py with spawn)."""
-    logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s [{index}] %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=settings.log_level.upper(), format=f"%(asctime)s [{index} pid %(process)d] %(message)s", stream=sys.stderr)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -495,6 +495,9 @@ def main(config_file: str | None, listen: str | None, state: str | None, placeme
             if any(port_files.values()):
                 log.warning("rgpu-poold: with several processes the metrics and dashboard ports are not "
                             "written to files; give them fixed ports")
+            # The file and its layout first, once: processes starting together must not each
+            # find the other's half-made file.
+            open_store(settings.state, settings.store_url, shared=True).close()
             serve_group(settings, _serve_group_member, stop,
                         lambda bound: write_port_file(port_file, bound, "poold") if port_file else None)
             log.info("rgpu-poold: shutting down")

@@ -17,6 +17,7 @@ every process sees the ones another received.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import sqlite3
@@ -131,6 +132,8 @@ class Store:
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(f"PRAGMA synchronous={'FULL' if durability == 'full' else 'NORMAL'}")
             self._db.execute("PRAGMA busy_timeout=5000")
+            if shared:   # another process's commit empties this connection's page cache: re-read from memory
+                self._db.execute("PRAGMA mmap_size=268435456")
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
                 raise ConfigError("store", f"{self.path} has schema version {version}",
@@ -143,6 +146,9 @@ class Store:
             raise ConfigError("store", f"cannot open state database {self.path}", str(exc),
                               "check the path and permissions, or move a damaged file aside") from None
         self._lock = threading.RLock()
+        self._lock_fd: int | None = None
+        if shared:
+            self._lock_fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self._in_transaction = False
         self._wrote = False                           # in the open transaction: something changed
         self._touched: set[tuple[str, str]] = set()   # in the open transaction: (kind, key) changed
@@ -150,6 +156,9 @@ class Store:
 
     def close(self) -> None:
         self._db.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def _rows(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
         with self._lock:   # never in the middle of another thread's transaction on this connection
@@ -174,23 +183,42 @@ class Store:
                 return
             self._in_transaction, self._wrote, self._touched = True, False, set()
             try:
-                try:
-                    self._db.execute("BEGIN IMMEDIATE")
-                    state = StateVersion(self._db.execute("SELECT version FROM pool_meta").fetchone()[0])
-                except sqlite3.Error as exc:
-                    raise self._failed(exc) from None
-                try:
-                    yield state
-                    if self._wrote:
-                        state.after = self._log_change(state.before or 0)
-                    self._db.execute("COMMIT")
-                except BaseException:
-                    self._db.execute("ROLLBACK")
-                    raise
-                if state.after is not None and state.after % self.prune_every == 0:
-                    self._prune(state.after)
+                with self._writer():
+                    yield from self._change()
             finally:
                 self._in_transaction = False
+
+    @contextlib.contextmanager
+    def _writer(self) -> Iterator[None]:
+        """The processes' writer lock: a lock file taken before SQLite's own write lock, because a
+        process that finds SQLite's lock held sleeps in steps of milliseconds, while one waiting
+        on the file lock wakes as soon as it is free."""
+        if self._lock_fd is None:
+            yield
+            return
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _change(self) -> Iterator[StateVersion]:
+        """The body of one shared transaction (under the writer lock)."""
+        try:
+            self._db.execute("BEGIN IMMEDIATE")
+            state = StateVersion(self._db.execute("SELECT version FROM pool_meta").fetchone()[0])
+        except sqlite3.Error as exc:
+            raise self._failed(exc) from None
+        try:
+            yield state
+            if self._wrote:
+                state.after = self._log_change(state.before or 0)
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        if state.after is not None and state.after % self.prune_every == 0:
+            self._prune(state.after)
 
     def _log_change(self, before: int) -> int:
         """Bump the version and log what the open transaction touched under it."""
@@ -218,7 +246,7 @@ class Store:
     def heartbeat(self, address: str, now: float) -> None:
         """Shared: stored (not a change others reload for). Alone: the daemon's memory has it."""
         if self.shared:
-            with self._lock:
+            with self._lock, self._writer():
                 self._db.execute("INSERT INTO heartbeats(address, unix) VALUES (?, ?) ON CONFLICT(address) "
                                  "DO UPDATE SET unix = max(unix, excluded.unix)", (address, now))
 
@@ -253,7 +281,7 @@ class Store:
         """Shared: stored for the other processes. Alone: the daemon's memory has them."""
         if not self.shared or not rows:
             return
-        with self._lock:
+        with self._lock, self._writer():
             self._db.executemany(
                 f"INSERT INTO slice_usage(job_key, slice, {_USAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
                 "ON CONFLICT (job_key, slice) DO UPDATE SET sessions=excluded.sessions, "
