@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,3 +198,34 @@ def register_servers(client, servers: int = 2, gpus: int = 4) -> None:  # type: 
         client.register_server(server_to_pb(ServerInfo(
             address=f"127.0.0.1:{56000 + n}", hostname=f"gpu{n}", driver_version="580", cuda_version="13.0",
             gpus=tuple(GpuInfo(f"GPU-{n}-{i}", i, "NVIDIA H100", 80 * gib, 80 * gib, "9.0") for i in range(gpus)))))
+
+
+@dataclass
+class AllocationBurst:
+    """Threads asking a pool for half-GPU leases at once, and what each ask got: acknowledged
+    (the pool said yes), refused for capacity, or failed otherwise."""
+
+    acknowledged: list[str] = field(default_factory=list)
+    refused: list[str] = field(default_factory=list)
+    failures: list[str] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def ask(self, client, key: str, user: str) -> None:  # type: ignore[no-untyped-def]
+        from rgpu.errors import CapacityError, RgpuError
+        try:
+            client.allocate(key, user, 1, fraction=0.5)
+        except CapacityError:
+            outcome = self.refused
+        except RgpuError as exc:
+            outcome, key = self.failures, f"{key}: {exc}"
+        else:
+            outcome = self.acknowledged
+        with self.lock:
+            outcome.append(key)
+
+    def start(self, workers: int, body: Callable[[int], None]) -> list[threading.Thread]:
+        threads = [threading.Thread(target=body, args=(n,)) for n in range(workers)]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: len(self.acknowledged) >= workers, what="the burst to start")
+        return threads

@@ -3,11 +3,13 @@ must not import each other."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from rgpu.model import GpuInfo, ServerInfo
 from rgpu.remoting.pool.rules import AllocationRequest, PoolCore
-from rgpu.remoting.pool.store import Store
+from rgpu.remoting.pool.store import PoolStore, Store
 
 GiB = 2**30
 SECRET = b"s" * 32
@@ -36,3 +38,23 @@ def make_core(path: Path, clock: Clock | None = None, servers: int = 2) -> PoolC
 
 def req(key: str, count: int = 1, fraction: float = 0.5, user: str = "alice", **kw) -> AllocationRequest:  # type: ignore[no-untyped-def]
     return AllocationRequest(job_key=key, user=user, count=count, fraction=fraction, **kw)
+
+
+def pool_state(core: PoolCore) -> tuple[object, ...]:
+    """What a pool daemon shows of the state: leases, GPUs (allocation, state), quotas, capacity."""
+    return (sorted(core.list_leases(), key=lambda lease: lease.job_key), core.gpu_statuses(), core.quota_usage(),
+            core.capacity())
+
+
+@contextlib.contextmanager
+def two_cores(make_store: Callable[[], PoolStore]) -> Iterator[tuple[PoolCore, PoolCore, Clock]]:
+    """Two pool cores (what two rgpu-poold, or two processes of one, hold in memory) on one store,
+    one clock."""
+    clock = Clock()
+    cores = [PoolCore(store=make_store(), secret=SECRET, down_after_seconds=1e6, clock=clock,
+                      idle_after_seconds=600.0) for _ in range(2)]
+    try:
+        yield cores[0], cores[1], clock
+    finally:
+        for core in cores:
+            core.store.close()

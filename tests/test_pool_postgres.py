@@ -13,14 +13,15 @@ from pathlib import Path
 import pytest
 
 from rgpu.config import load_settings
-from rgpu.errors import CapacityError, ConfigError, RgpuError, Unavailable
+from rgpu.errors import ConfigError, Unavailable
 from rgpu.remoting.pool.client import connect
 from rgpu.remoting.pool.rules import PoolCore
 from rgpu.remoting.pool.store_pg import PostgresStore
-from tests.daemons import RgpuCluster, register_servers, wait_for
+from tests.daemons import AllocationBurst, RgpuCluster, register_servers, wait_for
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.remoting.pool.accounting import SliceUsageRecord
-from tests.poolcore_helpers import SECRET, Clock, make_core, req, server
+from tests.poolcore_helpers import SECRET, Clock, make_core, pool_state, req, server
+from tests.poolcore_helpers import two_cores as cores_on_one_store
 from tests.postgres import Postgres, server_bin
 
 pytestmark = [pytest.mark.integration,
@@ -70,41 +71,23 @@ def test_a_burst_through_both_never_over_commits_and_kill_9_loses_no_acknowledge
         register_servers(a, servers=4, gpus=4)                    # 16 GPUs: room for 32 half-GPU slices
     settings_ab = load_settings(env=first.env(RGPU_POOL=f"{first.pool_address},{second.pool_address}"))
     settings_ba = load_settings(env=first.env(RGPU_POOL=f"{second.pool_address},{first.pool_address}"))
-    acknowledged: list[str] = []
-    refused: list[str] = []
-    failures: list[str] = []
-    lock = threading.Lock()
+    burst = AllocationBurst()
 
     def worker(n: int) -> None:
         with connect(settings_ab if n % 2 else settings_ba, timeout=10.0) as client:
             for i in range(8):
-                key = f"job-{n}-{i}"
-                try:
-                    client.allocate(key, f"user{n}", 1, fraction=0.5)
-                except CapacityError:
-                    with lock:
-                        refused.append(key)
-                    continue
-                except RgpuError as exc:
-                    with lock:
-                        failures.append(f"{key}: {exc}")
-                    continue
-                with lock:
-                    acknowledged.append(key)
+                burst.ask(client, f"job-{n}-{i}", f"user{n}")
 
-    threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
-    for thread in threads:
-        thread.start()
-    wait_for(lambda: len(acknowledged) >= 6, what="the burst to start")
+    threads = burst.start(6, worker)
     first.pool.kill()                                              # kill -9 mid-burst
     for thread in threads:
         thread.join(timeout=60)
-    assert not failures, failures
-    assert len(acknowledged) + len(refused) == 48
-    assert len(acknowledged) == 32 and len(refused) == 16          # exactly the pool's room, never more
+    assert not burst.failures, burst.failures
+    assert len(burst.acknowledged) + len(burst.refused) == 48
+    assert len(burst.acknowledged) == 32 and len(burst.refused) == 16   # exactly the pool's room, never more
     with second.client() as b:
         held = {lease.job_key for lease in b.list_leases()}
-        assert set(acknowledged) <= held
+        assert set(burst.acknowledged) <= held
         for gpu in b.list_gpus():
             assert gpu.allocated_percent <= 100 and gpu.allocated_memory_bytes <= gpu.gpu.usable_memory_bytes
 
@@ -193,18 +176,8 @@ def test_a_pool_daemon_reconnects_after_postgresql_restarts(two_pools, postgres:
 @pytest.fixture
 def two_cores(postgres: Postgres):  # type: ignore[no-untyped-def]
     """Two pool cores (what two rgpu-poold hold in memory) on one PostgreSQL, one clock."""
-    clock = Clock()
-    cores = [PoolCore(store=PostgresStore(postgres.url), secret=SECRET, down_after_seconds=1e6, clock=clock,
-                      idle_after_seconds=600.0) for _ in range(2)]
-    yield cores[0], cores[1], clock
-    for core in cores:
-        core.store.close()
-
-
-def _seen(core: PoolCore) -> tuple[object, ...]:
-    """What a daemon shows of the state: leases, GPUs (allocation, state), quotas, capacity."""
-    return (sorted(core.list_leases(), key=lambda lease: lease.job_key), core.gpu_statuses(), core.quota_usage(),
-            core.capacity())
+    with cores_on_one_store(lambda: PostgresStore(postgres.url)) as cores:
+        yield cores
 
 
 def test_a_daemon_catches_up_with_what_another_changed_without_reloading(two_cores, postgres: Postgres) -> None:  # type: ignore[no-untyped-def]
@@ -213,7 +186,7 @@ def test_a_daemon_catches_up_with_what_another_changed_without_reloading(two_cor
         a.register(server(n))
     a.allocate(req("job-1", count=2))
     a.allocate(req("job-2", ttl_seconds=60.0))
-    assert _seen(b) == _seen(a)                         # b caught up with registrations and leases
+    assert pool_state(b) == pool_state(a)                         # b caught up with registrations and leases
     b.allocate(req("job-3", fraction=1.0))              # and decides on the state both hold
     a.release("job-1")
     a.set_drained("gpu1", True)
@@ -222,10 +195,10 @@ def test_a_daemon_catches_up_with_what_another_changed_without_reloading(two_cor
     clock.now += 120
     assert b.reclaim_expired() == []
     b.register(server(3))
-    assert _seen(a) == _seen(b)
+    assert pool_state(a) == pool_state(b)
     fresh = PoolCore(store=PostgresStore(postgres.url), secret=SECRET, down_after_seconds=1e6, clock=clock)
     try:
-        assert _seen(fresh) == _seen(a)
+        assert pool_state(fresh) == pool_state(a)
         assert b.token_for(b.get_lease("job-2"), 0) == fresh.token_for(fresh.get_lease("job-2"), 0)
     finally:
         fresh.store.close()
@@ -239,7 +212,7 @@ def test_a_daemon_further_behind_than_the_change_log_reloads_everything(two_core
     for n in range(6):
         a.allocate(req(f"job-{n}", fraction=0.25))
     a.release("job-0")
-    assert _seen(b) == _seen(a)
+    assert pool_state(b) == pool_state(a)
     assert b.full_reloads == 1
 
 

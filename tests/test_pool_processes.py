@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 
 from rgpu.config import load_settings
-from rgpu.errors import CapacityError, RgpuError
+from rgpu.errors import CapacityError
 from rgpu.remoting.pool.client import connect
 from rgpu.remoting.pool.rules import PoolCore
 from rgpu.remoting.pool.store import SCHEMA_VERSION, Store
-from tests.daemons import RgpuCluster, register_servers, wait_for
-from tests.poolcore_helpers import SECRET, Clock, req, server
+from tests.daemons import AllocationBurst, RgpuCluster, register_servers, wait_for
+from tests.poolcore_helpers import SECRET, Clock, pool_state, req, server, two_cores
 
 
 def _core(db: Path, clock: Clock) -> PoolCore:
@@ -31,16 +31,8 @@ def _core(db: Path, clock: Clock) -> PoolCore:
 @pytest.fixture
 def two_processes(tmp_path: Path):  # type: ignore[no-untyped-def]
     """Two pool cores on one SQLite file, each on its own connection, as two processes hold them."""
-    clock = Clock()
-    cores = [_core(tmp_path / "pool.db", clock) for _ in range(2)]
-    yield cores[0], cores[1], clock
-    for core in cores:
-        core.store.close()
-
-
-def _state(core: PoolCore) -> tuple[object, ...]:
-    return (sorted(core.list_leases(), key=lambda lease: lease.job_key), core.gpu_statuses(), core.quota_usage(),
-            core.capacity())
+    with two_cores(lambda: Store(tmp_path / "pool.db", shared=True)) as cores:
+        yield cores
 
 
 def test_each_process_sees_what_the_other_changed_from_the_change_log(two_processes, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -55,10 +47,10 @@ def test_each_process_sees_what_the_other_changed_from_the_change_log(two_proces
     b.renew("job-2", 600.0)
     clock.now += 120
     assert a.reclaim_expired() == []                    # renewed through b: a must not reclaim it
-    assert _state(a) == _state(b)
+    assert pool_state(a) == pool_state(b)
     fresh = _core(tmp_path / "pool.db", clock)
     try:
-        assert _state(fresh) == _state(a)
+        assert pool_state(fresh) == pool_state(a)
         assert a.token_for(a.get_lease("job-2"), 0) == fresh.token_for(fresh.get_lease("job-2"), 0)
     finally:
         fresh.store.close()
@@ -71,7 +63,7 @@ def test_a_process_behind_the_pruned_change_log_reloads(two_processes) -> None: 
     a.register(server(0, gpus=4))
     for n in range(5):
         a.allocate(req(f"job-{n}", fraction=0.25))
-    assert _state(b) == _state(a) and b.full_reloads == 1
+    assert pool_state(b) == pool_state(a) and b.full_reloads == 1
 
 
 def test_heartbeats_and_usage_reports_reach_every_process(two_processes) -> None:  # type: ignore[no-untyped-def]
@@ -161,47 +153,29 @@ def test_a_burst_through_two_processes_and_kill_9_of_one(tmp_path: Path) -> None
         with cluster.client() as admin:
             register_servers(admin, servers=4, gpus=4)        # 16 GPUs: room for 32 half-GPU slices
         settings = load_settings(env=cluster.env())
-        acknowledged: list[str] = []
-        refused: list[str] = []
-        failures: list[str] = []
-        lock = threading.Lock()
+        burst = AllocationBurst()
 
         def worker(n: int) -> None:
-            for i in range(8):                                 # a new connection per call: both processes serve
-                key = f"job-{n}-{i}"
-                try:
-                    with connect(settings, timeout=10.0) as client:
-                        client.allocate(key, f"user{n}", 1, fraction=0.5)
-                except CapacityError:
-                    with lock:
-                        refused.append(key)
-                    continue
-                except RgpuError as exc:
-                    with lock:
-                        failures.append(f"{key}: {exc}")
-                    continue
-                with lock:
-                    acknowledged.append(key)
+            for i in range(8):                                 # a new channel per call
+                with connect(settings, timeout=10.0) as client:
+                    burst.ask(client, f"job-{n}-{i}", f"user{n}")
                 time.sleep(0.05)                               # a burst long enough to kill into
 
-        threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
-        for thread in threads:
-            thread.start()
-        wait_for(lambda: len(acknowledged) >= 6, what="the burst to start")
+        threads = burst.start(6, worker)
         # kill -9 mid-burst of the process serving it (this test's channels share one connection)
         serving = [line for line in cluster.pool.log().splitlines() if "rgpu-poold: lease job-" in line][-1]
         victim = int(serving.split(" pid ", 1)[1].split("]", 1)[0])
         assert victim in _pool_children(parent)
         os.kill(victim, signal.SIGKILL)
-        at_kill = len(acknowledged)
+        at_kill = len(burst.acknowledged)
         for thread in threads:
             thread.join(timeout=60)
-        assert not failures, failures
-        assert len(acknowledged) == 32 and len(refused) == 16  # exactly the pool's room, never more
+        assert not burst.failures, burst.failures
+        assert len(burst.acknowledged) == 32 and len(burst.refused) == 16   # exactly the pool's room, never more
         assert at_kill < 32                                     # some were placed after the kill
         with cluster.client() as admin:
             held = {lease.job_key for lease in admin.list_leases()}
-            assert set(acknowledged) <= held                   # nothing acknowledged was lost
+            assert set(burst.acknowledged) <= held             # nothing acknowledged was lost
             for gpu in admin.list_gpus():
                 assert gpu.allocated_percent <= 100
         wait_for(lambda: len(_pool_children(parent)) == 2 and victim not in _pool_children(parent),

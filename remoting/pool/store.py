@@ -35,7 +35,7 @@ from rgpu.remoting.pool.accounting import SliceUsageRecord
 SCHEMA_VERSION = 2
 # Versions of the change log kept (shared mode); a process further behind reloads everything.
 CHANGE_LOG_KEEP = 20_000
-_USAGE_COLUMNS = "sessions, busy_seconds, memory_high_water_bytes, memory_used_bytes, last_active_unix, calls"
+USAGE_COLUMNS = "sessions, busy_seconds, memory_high_water_bytes, memory_used_bytes, last_active_unix, calls"
 
 
 class StoreError(Unavailable):
@@ -282,20 +282,13 @@ class Store:
         if not self.shared or not rows:
             return
         with self._lock, self._writer():
-            self._db.executemany(
-                f"INSERT INTO slice_usage(job_key, slice, {_USAGE_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT (job_key, slice) DO UPDATE SET sessions=excluded.sessions, "
-                "busy_seconds=excluded.busy_seconds, memory_high_water_bytes=excluded.memory_high_water_bytes, "
-                "memory_used_bytes=excluded.memory_used_bytes, last_active_unix=excluded.last_active_unix, "
-                "calls=excluded.calls",
-                [(key, number, u.sessions, u.busy_seconds, u.memory_high_water_bytes, u.memory_used_bytes,
-                  u.last_active_unix, u.calls) for key, number, u in rows])
+            self._db.executemany(usage_upsert("?"), usage_rows(rows))
 
     def load_slice_usage(self) -> dict[tuple[str, int], SliceUsageRecord]:
         if not self.shared:
             return {}
         return {(str(key), int(number)): SliceUsageRecord(*values)  # type: ignore[arg-type]
-                for key, number, *values in self._rows(f"SELECT job_key, slice, {_USAGE_COLUMNS} FROM slice_usage")}
+                for key, number, *values in self._rows(f"SELECT job_key, slice, {USAGE_COLUMNS} FROM slice_usage")}
 
     # -- loading ---------------------------------------------------------------------------
     def load_servers(self) -> list[tuple[ServerInfo, bool]]:
@@ -393,6 +386,20 @@ class Store:
 
     def delete_quota(self, kind: str, name: str) -> None:
         self._write("DELETE FROM quotas WHERE kind=? AND name=?", (kind, name), ("quota", ""))
+
+
+def usage_upsert(mark: str) -> str:
+    """The statement that stores one slice's usage report (`mark`: the driver's placeholder)."""
+    return (f"INSERT INTO slice_usage(job_key, slice, {USAGE_COLUMNS}) VALUES ({', '.join([mark] * 8)}) "
+            "ON CONFLICT (job_key, slice) DO UPDATE SET sessions=excluded.sessions, "
+            "busy_seconds=excluded.busy_seconds, memory_high_water_bytes=excluded.memory_high_water_bytes, "
+            "memory_used_bytes=excluded.memory_used_bytes, last_active_unix=excluded.last_active_unix, "
+            "calls=excluded.calls")
+
+
+def usage_rows(rows: list[tuple[str, int, SliceUsageRecord]]) -> list[tuple[object, ...]]:
+    return [(key, number, u.sessions, u.busy_seconds, u.memory_high_water_bytes, u.memory_used_bytes,
+             u.last_active_unix, u.calls) for key, number, u in rows]
 
 
 def _leases(rows: list[tuple[object, ...]]) -> list[LeaseRecord]:

@@ -29,7 +29,7 @@ from typing import Any, Iterator
 from rgpu.errors import ConfigError, Unavailable
 from rgpu.model import LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
 from rgpu.remoting.pool.accounting import SliceUsageRecord
-from rgpu.remoting.pool.store import StateVersion, server_from_json
+from rgpu.remoting.pool.store import USAGE_COLUMNS, StateVersion, server_from_json, usage_rows, usage_upsert
 
 LOCK_KEY = 0x72677075   # "rgpu": the advisory lock every change takes
 
@@ -101,7 +101,6 @@ STORE_SCHEMA = 2
 
 # Versions of the change log kept; a daemon more changes behind than this reloads everything.
 CHANGE_LOG_KEEP = 20_000
-_USAGE_COLUMNS = "sessions, busy_seconds, memory_high_water_bytes, memory_used_bytes, last_active_unix, calls"
 
 
 class PostgresStore:
@@ -268,19 +267,12 @@ class PostgresStore:
         if not rows:
             return
         with self._session() as db, db.cursor() as cursor:
-            cursor.executemany(
-                f"INSERT INTO slice_usage(job_key, slice, {_USAGE_COLUMNS}) VALUES (%s, %s, %s, %s, %s, %s, %s, %s) "
-                "ON CONFLICT (job_key, slice) DO UPDATE SET sessions=excluded.sessions, "
-                "busy_seconds=excluded.busy_seconds, memory_high_water_bytes=excluded.memory_high_water_bytes, "
-                "memory_used_bytes=excluded.memory_used_bytes, last_active_unix=excluded.last_active_unix, "
-                "calls=excluded.calls",
-                [(key, number, u.sessions, u.busy_seconds, u.memory_high_water_bytes, u.memory_used_bytes,
-                  u.last_active_unix, u.calls) for key, number, u in rows])
+            cursor.executemany(usage_upsert("%s"), usage_rows(rows))
 
     def load_slice_usage(self) -> dict[tuple[str, int], SliceUsageRecord]:
         return {(key, number): SliceUsageRecord(sessions, busy, high, used, active, calls)
                 for key, number, sessions, busy, high, used, active, calls in self._rows(
-                    f"SELECT job_key, slice, {_USAGE_COLUMNS} FROM slice_usage")}
+                    f"SELECT job_key, slice, {USAGE_COLUMNS} FROM slice_usage")}
 
     def load_quotas(self) -> list[QuotaRecord]:
         return [QuotaRecord(kind, name, limit)
