@@ -152,7 +152,9 @@ def test_a_burst_through_two_processes_and_kill_9_of_one(tmp_path: Path) -> None
         wait_for(lambda: len(_pool_children(parent)) == 2, what="two pool processes")
         with cluster.client() as admin:
             register_servers(admin, servers=4, gpus=4)        # 16 GPUs: room for 32 half-GPU slices
-        settings = load_settings(env=cluster.env())
+        # The address twice: a call whose connection died with its process is tried again on a
+        # new connection (the client's failover), which reaches a live process.
+        settings = load_settings(env=cluster.env(RGPU_POOL=f"{cluster.pool_address},{cluster.pool_address}"))
         burst = AllocationBurst()
 
         def worker(n: int) -> None:
@@ -173,7 +175,7 @@ def test_a_burst_through_two_processes_and_kill_9_of_one(tmp_path: Path) -> None
         assert not burst.failures, burst.failures
         assert len(burst.acknowledged) == 32 and len(burst.refused) == 16   # exactly the pool's room, never more
         assert at_kill < 32                                     # some were placed after the kill
-        with cluster.client() as admin:
+        with connect(settings, timeout=10.0) as admin:
             held = {lease.job_key for lease in admin.list_leases()}
             assert set(burst.acknowledged) <= held             # nothing acknowledged was lost
             for gpu in admin.list_gpus():

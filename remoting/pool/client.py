@@ -50,9 +50,6 @@ FAILOVER_ROUND_PAUSE_SECONDS = 0.2
 # Statuses on which a call goes to the next pool: none answered (down, refused, reset), or none in
 # time (hung, stopped, overloaded).
 FAILOVER_STATUSES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-# One pool address: how long the second try of a call that found its connection gone waits for a
-# new one (gRPC's first reconnect comes after about 1 s).
-RECONNECT_WAIT_SECONDS = 3.0
 
 
 class PoolClient:
@@ -108,21 +105,10 @@ class PoolClient:
         method = f"/rgpu.v1.Pool/{name}"
         budget = timeout or self.timeout
         if len(self.addresses) == 1:
-            deadline = time.monotonic() + budget
-            for attempt in range(2):
-                left = deadline - time.monotonic()
-                try:
-                    # A connection reset (one process of `rgpu-poold --processes N` died) is tried
-                    # once more, waiting up to RECONNECT_WAIT_SECONDS for a new connection, which
-                    # reaches another process; a pool that is down fails that much later. Safe to
-                    # repeat, as below.
-                    return getattr(self._stub, name)(
-                        request, timeout=max(0.001, left if not attempt else min(left, RECONNECT_WAIT_SECONDS)),
-                        metadata=(self._credential(method),), wait_for_ready=bool(attempt))
-                except grpc.RpcError as exc:
-                    if attempt or exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() >= deadline:
-                        raise error_from_rpc(exc, self.address) from None
-            raise AssertionError("unreachable: the second attempt returns or raises")
+            try:
+                return getattr(self._stub, name)(request, timeout=budget, metadata=(self._credential(method),))
+            except grpc.RpcError as exc:
+                raise error_from_rpc(exc, self.address) from None
         deadline = time.monotonic() + budget
         failed: list[str] = []
         while True:

@@ -453,6 +453,11 @@ class CudaBackend(CudaDriverCalls):
             self._captures -= 1
         return res
 
+    def capture_open(self) -> bool:
+        """Whether a stream capture is open: then the worker asks the driver nothing it does not
+        have to (a query in global capture mode can invalidate the capture)."""
+        return self._captures > 0
+
     def _refuse_capture(self, stream: int, what: str) -> None:
         """A copy from or to the client's memory on a capturing stream would become a graph node
         reading a staging buffer: refused (never replayed with stale data)."""

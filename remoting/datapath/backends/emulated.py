@@ -469,6 +469,9 @@ class EmulatedBackend:
     def pool_reserved(self) -> int:
         return self.pool.reserved
 
+    def capture_open(self) -> bool:
+        return bool(self.capturing)
+
     def mem_info(self) -> tuple[int, int]:
         self._need_ctx()
         used = sum(len(b) for b in self.allocs.values())

@@ -138,6 +138,8 @@ class Handlers:
         """What the stream-ordered pool holds beyond its live allocations: freed memory it keeps
         (up to its release threshold, until trimmed) and its rounding."""
         assert self.memory is not None
+        if self.backend.capture_open():   # no query that could invalidate a capture: the last figure stands
+            return self.memory.extra
         try:
             reserved = self.backend.pool_reserved()
         except CudaError:
@@ -435,6 +437,10 @@ class Handlers:
         first (raising OUT_OF_MEMORY when it does not fit). Admitted kernels skip this (and may run
         on the native launch loop)."""
         if not f or f in self.admitted:
+            return
+        if self.backend.capture_open():
+            # A query now could invalidate the capture: the kernel is admitted at its first launch
+            # outside one (a captured kernel that only ever runs in graphs is not charged).
             return
         reserves = self._context_reserves()
         if reserves is not None:
