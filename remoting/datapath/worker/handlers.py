@@ -15,7 +15,7 @@ from typing import Any
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.backends.arrays import (DESC2D, DESC3D, HOST, MEMCPY3D, RESOURCE_DESC_SIZE,
                                                     TEXTURE_DESC_SIZE, VIEW_DESC_SIZE, parse_copy, parse_desc)
-from rgpu.remoting.datapath.backends.base import (INVALID_IMAGE, INVALID_VALUE, NOT_FOUND, PITCH_ALIGN_BYTES, SUCCESS,
+from rgpu.remoting.datapath.backends.base import (CDP_NOT_SUPPORTED, INVALID_IMAGE, INVALID_VALUE, NOT_FOUND, PITCH_ALIGN_BYTES, SUCCESS,
                                                   CudaError, LoadResult, SliceMemory)
 from rgpu.remoting.datapath.worker.codecs import (ALLOC, COPY, HEADER, LAUNCH, LAUNCH_ATTR_SIZE, MAX_MODULE_NODES,
                                                   MODULE_NODE, U32, U64, fn_bytes, fn_without_handle, lp, read_options,
@@ -42,6 +42,18 @@ def _on_worker_device(data: bytes, at: int) -> bytes:
     if kind != 1:   # CU_MEM_LOCATION_TYPE_DEVICE
         return data
     return data[:at] + struct.pack("<ii", kind, 0) + data[at + 8:]
+
+
+def cdp_refused_message(kind: str, spec: SessionSpec) -> str:
+    """The line an application gets when the driver refuses a module that uses dynamic parallelism
+    (kernels that launch kernels): NVIDIA MPS does not run those, an isolated GPU does."""
+    what = "cuLibraryLoadData" if kind == "library" else "cuModuleLoadData"
+    gpu = f"GPU {spec.gpu_index} ({spec.gpu_name}) of {spec.server}"
+    if spec.sharing == "mps":
+        return (f"rgpu: worker: {what}: this module uses CUDA dynamic parallelism (kernels that launch kernels), "
+                f"which NVIDIA MPS does not support, and {gpu} is shared through MPS: ask for isolation=strict "
+                f"(an isolated or exclusive GPU) to run it")
+    return f"rgpu: worker: {what}: the driver of {gpu} does not support CUDA dynamic parallelism here"
 
 
 class Handlers:
@@ -356,6 +368,8 @@ class Handlers:
                     self.memory.add(self._module_key(kind, res.handle), footprint, label)
                 else:
                     self.memory.cancel()
+            if code == CDP_NOT_SUPPORTED:
+                raise CudaError(code, cdp_refused_message(kind, self.spec))
             return code, self._load_reply(res, code == SUCCESS)
         return run
 
