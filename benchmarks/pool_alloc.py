@@ -37,6 +37,7 @@ from tests.daemons import RgpuCluster  # noqa: E402
 from tests.postgres import Postgres  # noqa: E402
 
 GiB = 2**30
+FLOOR_SECRET = b"s" * 32
 
 
 def client_loop(address: str, secret: bytes, worker: int, seconds: float,
@@ -86,8 +87,10 @@ def floor_server(kind: str, out: "mp.Queue[int]") -> None:
             await server.wait_for_termination()
         asyncio.run(serve())
         return
+    from rgpu.remoting.pool.auth import ServerAuth
     from rgpu.remoting.pool.daemon import POOL_GRPC_WORKERS
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=POOL_GRPC_WORKERS))
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=POOL_GRPC_WORKERS),   # as the pool's, auth included
+                         interceptors=[ServerAuth(FLOOR_SECRET)])
     server.add_generic_rpc_handlers([handler])
     out.put(server.add_insecure_port("127.0.0.1:0"))
     server.start()
@@ -100,7 +103,7 @@ def floor_client(port: int, secret: bytes, seconds: float, out: "mp.Queue[tuple[
     from rgpu.remoting.pool.auth import request_credential
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         call = channel.unary_unary("/floor.Floor/Call")
-        call(b"")
+        call(b"", timeout=30, metadata=(("x-rgpu-auth", request_credential(secret, "/floor.Floor/Call")),))   # connect
         pairs, cpu, deadline = 0, time.process_time(), time.perf_counter() + seconds
         while time.perf_counter() < deadline:
             for _ in range(2):   # a pair is two calls, each with a credential like the pool client's
@@ -118,7 +121,7 @@ def run_floor(kind: str, args: argparse.Namespace) -> dict[str, object]:
     try:
         port = ports.get(timeout=60)
         results: mp.Queue[tuple[int, float]] = ctx.Queue()
-        clients = [ctx.Process(target=floor_client, args=(port, b"s" * 32, args.seconds, results))
+        clients = [ctx.Process(target=floor_client, args=(port, FLOOR_SECRET, args.seconds, results))
                    for _ in range(args.clients)]
         server_cpu = cpu_seconds(server.pid)  # type: ignore[arg-type]
         for c in clients:
@@ -277,7 +280,8 @@ def main() -> None:
     parser.add_argument("--pools", type=int, default=1,
                         help="pool daemons on the one PostgreSQL (with --postgres); client N talks to daemon N mod pools")
     parser.add_argument("--grpc-floor", action="store_true",
-                        help="instead of a pool, empty gRPC handlers (threaded server as the pool's, then grpc.aio): "
+                        help="instead of a pool, empty gRPC handlers (threaded server as the pool's, with its auth "
+                             "interceptor, then grpc.aio without one): "
                              "what grpcio alone costs per pair with these clients on this machine")
     parser.add_argument("--pool-processes", type=int, default=1,
                         help="rgpu-poold --processes N: N pool processes on one port and one SQLite file")
