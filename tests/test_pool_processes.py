@@ -212,3 +212,76 @@ def test_a_process_count_out_of_range_is_one_line(tmp_path: Path, value: str) ->
     assert done.returncode != 0
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "pool_processes" in lines[0] and "1 to 64" in lines[0], done.stderr
+
+
+def _call_on_a_new_connection(address: str, method: str, request: object, credential: str) -> object:
+    """One call on a connection of its own (no subchannel shared with other channels), so the kernel
+    may hand it to any of the group's processes."""
+    import grpc
+
+    from rgpu.proto import rgpu_pb2_grpc as pb_grpc
+    from rgpu.remoting.pool.auth import AUTH_HEADER
+    with grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
+        return getattr(pb_grpc.PoolStub(channel), method)(request, metadata=((AUTH_HEADER, credential),), timeout=10)
+
+
+@pytest.mark.integration
+def test_a_credential_is_good_for_one_call_in_whichever_process(tmp_path: Path) -> None:
+    """The processes share the nonces they saw: a replay on another connection (another process,
+    as the kernel spreads connections) is refused like a replay to a single-process pool."""
+    import grpc
+
+    from rgpu.proto import rgpu_pb2 as pb
+    from rgpu.remoting.pool.auth import request_credential
+    cluster = RgpuCluster(tmp_path)
+    cluster.start_pool("--processes", "2")
+    try:
+        credential = request_credential(cluster.secret, "/rgpu.v1.Pool/Capacity")
+        answered, refused = 0, []
+        for _ in range(16):   # all 16 on one process of two: odds of 1 in 32,768
+            try:
+                _call_on_a_new_connection(cluster.pool_address, "Capacity", pb.CapacityRequest(), credential)
+                answered += 1
+            except grpc.RpcError as exc:
+                refused.append((exc.code(), exc.details()))   # type: ignore[attr-defined]
+        assert answered == 1
+        assert all(code == grpc.StatusCode.UNAUTHENTICATED and "replayed credential" in details
+                   for code, details in refused), refused
+        # Each new credential still works, in either process.
+        for _ in range(4):
+            _call_on_a_new_connection(cluster.pool_address, "Capacity", pb.CapacityRequest(),
+                                      request_credential(cluster.secret, "/rgpu.v1.Pool/Capacity"))
+    finally:
+        cluster.stop_all()
+
+
+@pytest.mark.integration
+def test_a_live_servers_address_stays_with_its_host_in_every_process(tmp_path: Path) -> None:
+    """Registration binds a dispatcher's address to its IP for all the group's processes: another
+    host (::1 here, the owner being 127.0.0.1) is refused on every connection."""
+    import grpc
+
+    from rgpu.model import GpuInfo, ServerInfo
+    from rgpu.proto import rgpu_pb2 as pb
+    from rgpu.remoting.pool.auth import request_credential
+    from rgpu.remoting.pool.convert import server_to_pb
+    cluster = RgpuCluster(tmp_path)
+    cluster.start_pool("--processes", "2", "--listen", "[::]:0")
+    try:
+        mine = ServerInfo(address="127.0.0.1:56100", hostname="gpu-r", driver_version="580", cuda_version="13.0",
+                          gpus=(GpuInfo("GPU-r-0", 0, "NVIDIA H100", 80 << 30, 80 << 30, "9.0"),))
+        with cluster.client() as owner:
+            owner.register_server(server_to_pb(mine))
+        other = f"[::1]:{cluster.pool_port}"
+        for _ in range(8):
+            for method, request in (("Heartbeat", pb.HeartbeatRequest(address=mine.address)),
+                                    ("RegisterServer", pb.RegisterServerRequest(server=server_to_pb(mine)))):
+                with pytest.raises(grpc.RpcError) as info:
+                    _call_on_a_new_connection(other, method, request,
+                                              request_credential(cluster.secret, f"/rgpu.v1.Pool/{method}"))
+                assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED   # type: ignore[attr-defined]
+                assert "registered from 127.0.0.1 and is not down" in info.value.details()   # type: ignore[attr-defined]
+        with cluster.client() as owner:
+            assert owner.heartbeat(mine.address).known
+    finally:
+        cluster.stop_all()

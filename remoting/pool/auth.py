@@ -12,14 +12,15 @@ from __future__ import annotations
 import hmac
 import logging
 import secrets
+import sqlite3
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import grpc
 
+from rgpu.remoting.pool.call_guards import CallGuards, MemoryCallGuards
 from rgpu.secret import derive_key
 
 log = logging.getLogger("rgpu-poold")
@@ -84,7 +85,7 @@ class ServerAuth(grpc.ServerInterceptor):
     OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
     def __init__(self, secret: bytes, window: float = AUTH_WINDOW_SECONDS, not_before: float | None = None,
-                 munge_socket: str | None = None) -> None:
+                 munge_socket: str | None = None, guards: CallGuards | None = None) -> None:
         self._key = derive_key(secret, _PURPOSE)
         self._munge_socket = munge_socket   # None: users (MUNGE) are not accepted
         self._window = window
@@ -93,7 +94,8 @@ class ServerAuth(grpc.ServerInterceptor):
         # a restart cannot reopen the window. (A caller whose clock is behind the pool's is refused
         # for that long after a restart; callers retry.)
         self._not_before = time.time() if not_before is None else not_before
-        self._seen: OrderedDict[str, float] = OrderedDict()
+        # Nonces seen within the window: this process's, or those of all processes of one rgpu-poold.
+        self._guards: CallGuards = guards or MemoryCallGuards()
         self._lock = threading.Lock()
         self._last_logged: dict[str, float] = {}
         # Handlers that run as a daemon, per method: built once, not on every call.
@@ -120,13 +122,11 @@ class ServerAuth(grpc.ServerInterceptor):
         if when < self._not_before:
             return ("credential made before this pool started (a replay, or this host's clock is "
                     f"{self._not_before - when:.1f} s behind the pool's; retry)")
-        with self._lock:
-            while self._seen and next(iter(self._seen.values())) < current - self._window:
-                self._seen.popitem(last=False)
-            if nonce in self._seen:
-                return "replayed credential"
-            self._seen[nonce] = current
-        return None
+        try:
+            first = self._guards.first_use(nonce, current, self._window)
+        except sqlite3.Error as exc:   # fail closed: a nonce that cannot be recorded could be replayed
+            return f"cannot record the credential's nonce ({exc}; see the pool host's disk)"
+        return None if first else "replayed credential"
 
     def check_munge(self, method: str, credential: str) -> tuple[Caller | None, str]:
         """(the user, "") for a good MUNGE credential made for `method`, else (None, why)."""

@@ -27,8 +27,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from rgpu import __version__, plugins, validate
 from rgpu.remoting.pool.accounts import AccountPolicy, account_policy
 from rgpu.remoting.pool.auth import ServerAuth, current_caller
+from rgpu.remoting.pool.call_guards import CallGuards, MemoryCallGuards, SharedCallGuards
 from rgpu.config import Settings, load_settings
-from rgpu.errors import ConfigError, InvalidRequest, PermissionDenied, RgpuError
+from rgpu.errors import ConfigError, InvalidRequest, PermissionDenied, RgpuError, Unavailable
 from rgpu.netaddr import split_host_port
 from rgpu.portfile import write_port_file
 from rgpu.model import LeaseRecord
@@ -136,11 +137,11 @@ def checked_faults(faults: Any, sent_unix: float, now: float) -> list[pb.GpuFaul
 
 class PoolServicer(pb_grpc.PoolServicer):
     def __init__(self, core: PoolCore, heartbeat_interval: float, metrics: PoolMetrics | None = None,
-                 accounts: AccountPolicy | None = None) -> None:
+                 accounts: AccountPolicy | None = None, guards: CallGuards | None = None) -> None:
         self.core = core
         self.accounts = accounts or AccountPolicy("off")   # which accounts a user may charge
-        self._registrars: dict[str, str] = {}     # server address -> IP that registered it
-        self._registrars_lock = threading.Lock()
+        # Which IP registered each server address: this process's, or shared by one rgpu-poold's processes.
+        self.guards: CallGuards = guards or MemoryCallGuards()
         self.heartbeat_interval = heartbeat_interval
         self.metrics = metrics or PoolMetrics()
         self._gpu_listing = GpuListing(core)
@@ -169,20 +170,20 @@ class PoolServicer(pb_grpc.PoolServicer):
         address). A down or removed server's address may be taken by a new host; a pool restart
         forgets the bindings and the first registration after it binds again."""
         peer = peer_ip(context.peer() or "")
-        with self._registrars_lock:
-            bound = self._registrars.get(address)
-            entry = self.core.servers.get(address)
-            live = entry is not None and self.core.state_of(entry) != "down"
-            if bound is not None and bound != peer and live:
-                raise PermissionDenied("pool", f"{'registration' if registering else 'heartbeat'} for server "
-                                       f"{address[:80]} from {peer[:64]} refused",
-                                       f"that server registered from {bound} and is not down",
-                                       "each dispatcher registers its own address; remove a server that moved "
-                                       "with `rgpu-admin remove-server`, or wait until it is down")
-            if registering or bound is None:
-                if len(self._registrars) > 8192:   # addresses whose registration was refused
-                    self._registrars = {a: ip for a, ip in self._registrars.items() if a in self.core.servers}
-                self._registrars[address[:300]] = peer
+        self.core.catch_up()   # registered through another process of this pool: known here too
+        entry = self.core.servers.get(address)
+        live = entry is not None and self.core.state_of(entry) != "down"
+        try:
+            bound = self.guards.claim(address, peer, live, registering, set(self.core.servers))
+        except sqlite3.Error as exc:
+            raise Unavailable("pool", f"cannot check which host registered server {address[:80]}", str(exc),
+                              "see the pool host's disk; the dispatcher retries") from None
+        if bound is not None:
+            raise PermissionDenied("pool", f"{'registration' if registering else 'heartbeat'} for server "
+                                   f"{address[:80]} from {peer[:64]} refused",
+                                   f"that server registered from {bound} and is not down",
+                                   "each dispatcher registers its own address; remove a server that moved "
+                                   "with `rgpu-admin remove-server`, or wait until it is down")
 
     def _server_pb(self, entry: Any) -> pb.Server:
         now = self.core.clock()
@@ -385,10 +386,18 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
                           f"{type(exc).__name__}: {str(exc)[:120]}",
                           "restore it from a backup, or move it aside to start an empty pool") from None
     metrics = PoolMetrics(lambda: pool_view(core))
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), interceptors=[ServerAuth(secret, munge_socket=settings.munge_socket)],
+    # The processes of one rgpu-poold share the nonces they saw and the hosts servers registered from.
+    try:
+        guards: CallGuards = SharedCallGuards(f"{settings.state}.calls") if group_member else MemoryCallGuards()
+    except ConfigError:
+        store.close()
+        events.detach()
+        raise
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
+                         interceptors=[ServerAuth(secret, munge_socket=settings.munge_socket, guards=guards)],
                          options=[("grpc.so_reuseport", 1 if group_member else 0)])
     pb_grpc.add_PoolServicer_to_server(PoolServicer(core, settings.heartbeat_interval_seconds, metrics,
-                                                          account_policy(settings)), server)
+                                                          account_policy(settings), guards), server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
@@ -402,6 +411,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
             port = server.add_insecure_port(settings.listen)
     except (OSError, RuntimeError) as exc:
         store.close()
+        guards.close()
         events.detach()
         raise ConfigError("poold", f"cannot listen on {settings.listen}", str(exc) or "address in use or invalid",
                           "pick another --listen address or stop the process holding the port") from None
@@ -409,6 +419,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
         http = _start_http(settings, secret, core, metrics, events, report or (lambda what, port: None)) if extras else []
     except BaseException:
         store.close()
+        guards.close()
         events.detach()
         raise
     stop = threading.Event()
@@ -434,6 +445,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
         server.stop(grace=2).wait()
         maintenance.join(timeout=5)
         store.close()
+        guards.close()
         events.detach()
 
 

@@ -10,9 +10,10 @@ so the kernel spreads new connections over the children. A daemon that does not 
 The parent starts the children with `spawn` (gRPC and fork do not mix), waits until all serve,
 then reports the port; a child that dies is logged and started again; SIGTERM stops them all.
 Components that must run once (the Slurm integration, the metrics endpoint, the dashboard) run in
-child 0 only. Per-process memory stays per process, as with several daemons on one PostgreSQL:
-the registering host each dispatcher address is bound to, and the GPU faults of each
-dispatcher's last heartbeat (shown by health from whichever process answers).
+child 0 only. The nonces of credentials seen (replays) and the host each dispatcher address is
+bound to are shared through `<state>.calls` (call_guards.py). Per process stays, as with several
+daemons on one PostgreSQL: the GPU faults of each dispatcher's last heartbeat (shown by health
+from whichever process answers).
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ every process sees the ones another received.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import sqlite3
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Iterator, Protocol
 
 from rgpu.errors import ConfigError, Unavailable
+from rgpu.filelock import held
 from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
 from rgpu.remoting.pool.accounting import SliceUsageRecord
 
@@ -196,11 +196,8 @@ class Store:
         if self._lock_fd is None:
             yield
             return
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
-        try:
+        with held(self._lock_fd):
             yield
-        finally:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
 
     def _change(self) -> Iterator[StateVersion]:
         """The body of one shared transaction (under the writer lock)."""
