@@ -1,6 +1,6 @@
-"""Replay and registrar guards (remoting/pool/call_guards.py): one process's, in memory, and those
-the processes of one `rgpu-poold --processes N` share through a real SQLite file (two instances
-on one file stand for two processes)."""
+"""Replay and registrar guards (remoting/pool/call_guards.py): one process's, in memory; those the
+processes of one `rgpu-poold --processes N` share through a real SQLite file (two instances on one
+file stand for two processes); those several daemons share in a real PostgreSQL."""
 
 from __future__ import annotations
 
@@ -12,19 +12,36 @@ import pytest
 
 from rgpu.errors import ConfigError
 from rgpu.remoting.pool import call_guards
-from rgpu.remoting.pool.call_guards import CallGuards, MemoryCallGuards, SharedCallGuards
+from rgpu.remoting.pool.call_guards import CallGuards, MemoryCallGuards, PostgresCallGuards, SharedCallGuards
+from tests.postgres import Postgres, server_bin
 
 WINDOW = 300.0
 
 
-@pytest.fixture(params=["memory", "shared"])
+@pytest.fixture(scope="module")
+def postgres() -> Iterator[Postgres]:
+    if server_bin() is None:
+        pytest.skip("PostgreSQL is not installed (apt-get install postgresql)")
+    pytest.importorskip("psycopg")
+    server = Postgres().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["memory", "shared", pytest.param("postgres", marks=pytest.mark.integration)])
 def two_views(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[tuple[CallGuards, CallGuards]]:
-    """Two views of one pool's guards: the same object (one process), or two processes' instances."""
+    """Two views of one pool's guards: the same object (one process), two processes' instances on
+    one file, or two daemons' on one PostgreSQL (a real one on loopback, emptied for each test)."""
     if request.param == "memory":
         one = MemoryCallGuards()
         yield one, one
         return
-    a, b = SharedCallGuards(tmp_path / "pool.db.calls"), SharedCallGuards(tmp_path / "pool.db.calls")
+    if request.param == "postgres":
+        url = request.getfixturevalue("postgres").url
+        a, b = PostgresCallGuards(url), PostgresCallGuards(url)
+        a._db.execute("TRUNCATE pool_nonces, pool_registrars")   # type: ignore[attr-defined]
+    else:
+        a, b = SharedCallGuards(tmp_path / "pool.db.calls"), SharedCallGuards(tmp_path / "pool.db.calls")
     try:
         yield a, b
     finally:
@@ -81,6 +98,8 @@ def test_bindings_of_unknown_addresses_are_bounded(two_views: tuple[CallGuards, 
     if isinstance(a, SharedCallGuards):
         with sqlite3.connect(a.path) as db:
             assert db.execute("SELECT count(*) FROM registrars").fetchone()[0] <= 5
+    elif isinstance(a, PostgresCallGuards):
+        assert a._db.execute("SELECT count(*) FROM pool_registrars").fetchone()[0] <= 5   # type: ignore[attr-defined]
     else:
         assert len(a._registrars) <= 5   # type: ignore[attr-defined]
 

@@ -136,3 +136,45 @@ def test_a_credential_replayed_after_a_pool_restart_is_refused(cluster: RgpuClus
         call()
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert "before this pool started" in info.value.details()
+
+
+class GuardsAway:
+    """Shared call guards whose store is away (a full disk, PostgreSQL down): stands in for the
+    SQLite file or PostgreSQL so the failure can be made on demand."""
+
+    def first_use(self, nonce: str, now: float, window: float) -> bool:
+        from rgpu.remoting.pool.call_guards import GuardError
+        raise GuardError("PostgreSQL: connection refused")
+
+    def claim(self, address: str, peer: str, live: bool, registering: bool, known: set[str]) -> str | None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.integration
+def test_a_credential_whose_nonce_cannot_be_recorded_is_not_run_and_can_be_retried() -> None:
+    """Fail closed (an unrecorded nonce could be replayed), but as UNAVAILABLE with a one-line
+    reason, so clients retry or fail over instead of taking it for a wrong secret."""
+    from concurrent import futures
+    secret = b"s" * 32
+    ran: list[bytes] = []
+    handler = grpc.method_handlers_generic_handler("probe.Probe", {"Call": grpc.unary_unary_rpc_method_handler(
+        lambda request, context: ran.append(request) or b"")})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), interceptors=[ServerAuth(secret, guards=GuardsAway())])
+    server.add_generic_rpc_handlers([handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with pytest.raises(grpc.RpcError) as info:
+                channel.unary_unary("/probe.Probe/Call")(b"x", timeout=10, metadata=(
+                    (AUTH_HEADER, request_credential(secret, "/probe.Probe/Call")),))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE   # type: ignore[attr-defined]
+        details = info.value.details()   # type: ignore[attr-defined]
+        assert "cannot check the call's credential now (PostgreSQL: connection refused)" in details
+        assert "retry" in details and "\n" not in details
+        assert ran == []
+    finally:
+        server.stop(0)

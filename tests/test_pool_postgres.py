@@ -337,3 +337,24 @@ def test_two_daemons_reconcilers_release_a_finished_jobs_lease_once(two_cores, p
     assert a.list_leases() == [] and b.list_leases() == []
     with psycopg.connect(postgres.url, autocommit=True) as db:
         assert db.execute("SELECT count(*) FROM lease_history WHERE job_key = %s", (key,)).fetchone()[0] == 1
+
+
+def test_a_credential_replayed_to_the_other_daemon_is_refused(two_pools) -> None:  # type: ignore[no-untyped-def]
+    """The daemons share the nonces they saw (pool_nonces): a credential captured on its way to one
+    daemon is good for no call on the other, as clients fail over to either."""
+    import grpc
+
+    from rgpu.proto import rgpu_pb2_grpc as pb_grpc
+    from rgpu.remoting.pool.auth import AUTH_HEADER, request_credential
+    first, second = two_pools
+    credential = request_credential(first.secret, "/rgpu.v1.Pool/Capacity")
+
+    def capacity(cluster: RgpuCluster) -> None:
+        with grpc.insecure_channel(cluster.pool_address) as channel:
+            pb_grpc.PoolStub(channel).Capacity(pb.CapacityRequest(), metadata=((AUTH_HEADER, credential),), timeout=10)
+
+    capacity(first)
+    with pytest.raises(grpc.RpcError) as info:
+        capacity(second)
+    assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED   # type: ignore[attr-defined]
+    assert "replayed credential" in info.value.details()   # type: ignore[attr-defined]

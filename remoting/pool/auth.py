@@ -12,7 +12,6 @@ from __future__ import annotations
 import hmac
 import logging
 import secrets
-import sqlite3
 import threading
 import time
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from typing import Any, Callable
 
 import grpc
 
-from rgpu.remoting.pool.call_guards import CallGuards, MemoryCallGuards
+from rgpu.remoting.pool.call_guards import CallGuards, GuardError, MemoryCallGuards
 from rgpu.secret import derive_key
 
 log = logging.getLogger("rgpu-poold")
@@ -103,7 +102,8 @@ class ServerAuth(grpc.ServerInterceptor):
         self._refused_since_log: dict[str, int] = {}
 
     def check(self, method: str, credential: str | None, now: float | None = None) -> str | None:
-        """None when the credential is good, else the reason it is not."""
+        """None when the credential is good, else the reason it is not. Raises GuardError when its
+        nonce cannot be recorded (the shared guards are away): the call is then not run."""
         if not credential:
             return "no credential (the caller has no cluster secret configured)"
         parts = credential.split(".", 3)
@@ -122,11 +122,7 @@ class ServerAuth(grpc.ServerInterceptor):
         if when < self._not_before:
             return ("credential made before this pool started (a replay, or this host's clock is "
                     f"{self._not_before - when:.1f} s behind the pool's; retry)")
-        try:
-            first = self._guards.first_use(nonce, current, self._window)
-        except sqlite3.Error as exc:   # fail closed: a nonce that cannot be recorded could be replayed
-            return f"cannot record the credential's nonce ({exc}; see the pool host's disk)"
-        return None if first else "replayed credential"
+        return None if self._guards.first_use(nonce, current, self._window) else "replayed credential"
 
     def check_munge(self, method: str, credential: str) -> tuple[Caller | None, str]:
         """(the user, "") for a good MUNGE credential made for `method`, else (None, why)."""
@@ -164,7 +160,11 @@ class ServerAuth(grpc.ServerInterceptor):
             if caller is not None:
                 return _with_caller(continuation(handler_call_details), caller)
         else:
-            reason = self.check(method, credential)
+            try:
+                reason = self.check(method, credential)
+            except GuardError as exc:   # fail closed, but as a retry: an unrecorded nonce could be replayed
+                return _refuse(grpc.StatusCode.UNAVAILABLE, f"rgpu: pool: cannot check the call's credential now "
+                               f"({exc}); nothing was done: retry, and see the pool host's disk or PostgreSQL")
             if reason is None:
                 handler = self._as_daemon.get(method)
                 if handler is None:
@@ -175,10 +175,13 @@ class ServerAuth(grpc.ServerInterceptor):
         fix = ("users: check that munged runs on this node; daemons and admins: give this host the cluster "
                "secret via secret_file in rgpu.toml or RGPU_SECRET_FILE") if munge_credential else (
                "give this host the cluster secret via secret_file in rgpu.toml or RGPU_SECRET_FILE")
-        message = f"rgpu: pool: call refused ({reason}; {fix})"
         self._log_refusal(method, reason)
+        return _refuse(grpc.StatusCode.UNAUTHENTICATED, f"rgpu: pool: call refused ({reason}; {fix})")
 
-        def deny(request: Any, context: grpc.ServicerContext) -> Any:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-        return grpc.unary_unary_rpc_method_handler(deny)
+def _refuse(code: grpc.StatusCode, message: str) -> Any:
+    """A handler that answers every call with `code` and the one-line `message`."""
+    def deny(request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(code, message)
+
+    return grpc.unary_unary_rpc_method_handler(deny)

@@ -7,9 +7,10 @@
 One rgpu-poold process keeps both in memory (`MemoryCallGuards`). The processes of one
 `rgpu-poold --processes N` share them through a small SQLite file beside the state file
 (`SharedCallGuards`): the kernel hands each new connection to any of the processes, so a nonce or
-a binding one process saw must hold in all of them. Neither needs to survive a crash of the whole
-group: credentials made before a pool process started are refused anyway, and bindings are made
-again by the next registration, as after a restart of one process.
+a binding one process saw must hold in all of them. Several daemons on one PostgreSQL share them
+in two tables there (`PostgresCallGuards`), for the same reason: a client fails over to any of
+them. None needs to survive a crash: credentials made before a pool process started are refused
+anyway, and bindings are made again by the next registration, as after a restart.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import sqlite3
 import threading
 from collections import OrderedDict
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Callable, Protocol, TypeVar
 
 from rgpu.errors import ConfigError
 from rgpu.filelock import held
+
+T = TypeVar("T")
 
 # Registrar bindings kept for addresses the pool does not know (refused registrations).
 MAX_UNKNOWN_BINDINGS = 8192
@@ -40,6 +43,11 @@ CREATE TABLE IF NOT EXISTS registrars (
     ip      TEXT NOT NULL
 );
 """
+
+
+class GuardError(Exception):
+    """The shared guards could not be read or written (a full disk, PostgreSQL away): callers fail
+    closed, since an unrecorded nonce could be replayed."""
 
 
 class CallGuards(Protocol):
@@ -125,6 +133,12 @@ class SharedCallGuards:
         os.close(self._lock_fd)
 
     def first_use(self, nonce: str, now: float, window: float) -> bool:
+        try:
+            return self._first_use(nonce, now, window)
+        except sqlite3.Error as exc:
+            raise GuardError(f"{self.path}: {exc}") from None
+
+    def _first_use(self, nonce: str, now: float, window: float) -> bool:
         with self._lock, held(self._lock_fd):
             self._calls += 1
             if self._calls % PRUNE_EVERY == 0:
@@ -139,6 +153,12 @@ class SharedCallGuards:
             return True
 
     def claim(self, address: str, peer: str, live: bool, registering: bool, known: set[str]) -> str | None:
+        try:
+            return self._claim(address, peer, live, registering, known)
+        except sqlite3.Error as exc:
+            raise GuardError(f"{self.path}: {exc}") from None
+
+    def _claim(self, address: str, peer: str, live: bool, registering: bool, known: set[str]) -> str | None:
         with self._lock, held(self._lock_fd):
             self._db.execute("BEGIN IMMEDIATE")
             try:
@@ -160,3 +180,93 @@ class SharedCallGuards:
                 raise
             return conflict
 
+
+
+_PG_SCHEMA = """
+CREATE TABLE IF NOT EXISTS pool_nonces (
+    nonce TEXT PRIMARY KEY,
+    unix  DOUBLE PRECISION NOT NULL
+);
+CREATE INDEX IF NOT EXISTS pool_nonces_unix ON pool_nonces(unix);
+CREATE TABLE IF NOT EXISTS pool_registrars (
+    address TEXT PRIMARY KEY,
+    ip      TEXT NOT NULL
+);
+"""
+_PG_REGISTRARS_LOCK = 0x72677076   # one registrar check at a time across daemons ("rgpv")
+
+
+class PostgresCallGuards:
+    """The guards of several rgpu-poold on one PostgreSQL, on a connection of their own (a nonce
+    check must not wait behind a change of the pool's state). One round trip per call; commits do
+    not wait for the WAL flush (synchronous_commit off: see the module's text)."""
+
+    def __init__(self, url: str) -> None:
+        import psycopg   # present: the store opened the same URL first
+        self._psycopg, self._url = psycopg, url
+        self._lock = threading.Lock()
+        self._calls = 0
+        try:
+            self._db = self._connect()
+            self._db.execute(_PG_SCHEMA)
+        except psycopg.Error as exc:
+            raise ConfigError("poold", "cannot set up the call guards' tables in PostgreSQL", _first_line(exc),
+                              "check store_url and that its user may create tables") from None
+
+    def _connect(self) -> Any:
+        db = self._psycopg.connect(self._url, autocommit=True, connect_timeout=5)
+        db.execute("SET synchronous_commit = off")
+        return db
+
+    def _session(self) -> Any:
+        if self._db.closed or self._db.broken:   # PostgreSQL restarted or failed over
+            self._db = self._connect()
+        return self._db
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _retried(self, work: Callable[[Any], T]) -> T:
+        """work(connection), once more on a new connection when the first try finds the old one
+        broken (PostgreSQL restarted or failed over since the last call)."""
+        with self._lock:
+            for attempt in (1, 2):
+                try:
+                    return work(self._session())
+                except self._psycopg.OperationalError as exc:
+                    if attempt == 2 or not self._db.broken:
+                        raise GuardError(f"PostgreSQL: {_first_line(exc)}") from None
+                except self._psycopg.Error as exc:
+                    raise GuardError(f"PostgreSQL: {_first_line(exc)}") from None
+            raise AssertionError("unreachable")
+
+    def first_use(self, nonce: str, now: float, window: float) -> bool:
+        def record(db: Any) -> bool:
+            self._calls += 1
+            if self._calls % PRUNE_EVERY == 0:
+                db.execute("DELETE FROM pool_nonces WHERE unix < %s", (now - window,))
+            # A row comes back when the nonce is new, or was last seen before the window.
+            return db.execute(
+                "INSERT INTO pool_nonces(nonce, unix) VALUES (%s, %s) ON CONFLICT (nonce) DO UPDATE "
+                "SET unix = EXCLUDED.unix WHERE pool_nonces.unix < %s RETURNING 1",
+                (nonce, now, now - window)).fetchone() is not None
+        return self._retried(record)
+
+    def claim(self, address: str, peer: str, live: bool, registering: bool, known: set[str]) -> str | None:
+        def decide(db: Any) -> str | None:
+            with db.transaction():
+                db.execute("SELECT pg_advisory_xact_lock(%s)", (_PG_REGISTRARS_LOCK,))
+                row = db.execute("SELECT ip FROM pool_registrars WHERE address = %s", (address,)).fetchone()
+                conflict, bind = _decide(row[0] if row else None, peer, live, registering)
+                if bind:
+                    count = db.execute("SELECT count(*) FROM pool_registrars").fetchone()[0]
+                    if count > MAX_UNKNOWN_BINDINGS:
+                        db.execute("DELETE FROM pool_registrars WHERE NOT (address = ANY(%s))", (sorted(known),))
+                    db.execute("INSERT INTO pool_registrars(address, ip) VALUES (%s, %s) ON CONFLICT (address) "
+                               "DO UPDATE SET ip = EXCLUDED.ip", (address[:300], peer))
+            return conflict
+        return self._retried(decide)
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -27,7 +27,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from rgpu import __version__, plugins, validate
 from rgpu.remoting.pool.accounts import AccountPolicy, account_policy
 from rgpu.remoting.pool.auth import ServerAuth, current_caller
-from rgpu.remoting.pool.call_guards import CallGuards, MemoryCallGuards, SharedCallGuards
+from rgpu.remoting.pool.call_guards import (CallGuards, GuardError, MemoryCallGuards, PostgresCallGuards,
+                                            SharedCallGuards)
 from rgpu.config import Settings, load_settings
 from rgpu.errors import ConfigError, InvalidRequest, PermissionDenied, RgpuError, Unavailable
 from rgpu.netaddr import split_host_port
@@ -175,9 +176,9 @@ class PoolServicer(pb_grpc.PoolServicer):
         live = entry is not None and self.core.state_of(entry) != "down"
         try:
             bound = self.guards.claim(address, peer, live, registering, set(self.core.servers))
-        except sqlite3.Error as exc:
+        except GuardError as exc:
             raise Unavailable("pool", f"cannot check which host registered server {address[:80]}", str(exc),
-                              "see the pool host's disk; the dispatcher retries") from None
+                              "see the pool host's disk or PostgreSQL; the dispatcher retries") from None
         if bound is not None:
             raise PermissionDenied("pool", f"{'registration' if registering else 'heartbeat'} for server "
                                    f"{address[:80]} from {peer[:64]} refused",
@@ -386,9 +387,11 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
                           f"{type(exc).__name__}: {str(exc)[:120]}",
                           "restore it from a backup, or move it aside to start an empty pool") from None
     metrics = PoolMetrics(lambda: pool_view(core))
-    # The processes of one rgpu-poold share the nonces they saw and the hosts servers registered from.
+    # Daemons on one PostgreSQL, and the processes of one rgpu-poold, share the nonces they saw and
+    # the hosts servers registered from: a client may reach any of them.
     try:
-        guards: CallGuards = SharedCallGuards(f"{settings.state}.calls") if group_member else MemoryCallGuards()
+        guards: CallGuards = (PostgresCallGuards(settings.store_url) if settings.store_url
+                              else SharedCallGuards(f"{settings.state}.calls") if group_member else MemoryCallGuards())
     except ConfigError:
         store.close()
         events.detach()
