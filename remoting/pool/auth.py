@@ -155,6 +155,7 @@ class ServerAuth(grpc.ServerInterceptor):
         metadata = dict(handler_call_details.invocation_metadata or ())
         credential = metadata.get(AUTH_HEADER)
         munge_credential = metadata.get(MUNGE_HEADER)
+        reason: str | None
         if munge_credential and not credential and self._munge_socket is not None:
             caller, reason = self.check_munge(method, munge_credential)
             if caller is not None:
