@@ -1,5 +1,5 @@
 """An exclusive lock on an open file (flock), held for a `with` block: between processes of one host
-(the pool's processes, the workers of one GPU)."""
+(the processes of one rgpu-poold: its state file and its call guards)."""
 
 from __future__ import annotations
 

@@ -167,11 +167,8 @@ class SharedCallGuards:
                 if bind:
                     count = self._db.execute("SELECT count(*) FROM registrars").fetchone()[0]
                     if count > MAX_UNKNOWN_BINDINGS:
-                        kept = [(a,) for a in known]
-                        self._db.execute("CREATE TEMP TABLE IF NOT EXISTS known(address TEXT PRIMARY KEY)")
-                        self._db.execute("DELETE FROM known")
-                        self._db.executemany("INSERT OR IGNORE INTO known(address) VALUES (?)", kept)
-                        self._db.execute("DELETE FROM registrars WHERE address NOT IN (SELECT address FROM known)")
+                        stale = [(a,) for (a,) in self._db.execute("SELECT address FROM registrars") if a not in known]
+                        self._db.executemany("DELETE FROM registrars WHERE address = ?", stale)
                     self._db.execute("INSERT INTO registrars(address, ip) VALUES (?, ?) "
                                      "ON CONFLICT(address) DO UPDATE SET ip = excluded.ip", (address[:300], peer))
                 self._db.execute("COMMIT")
@@ -179,7 +176,6 @@ class SharedCallGuards:
                 self._db.execute("ROLLBACK")
                 raise
             return conflict
-
 
 
 _PG_SCHEMA = """
