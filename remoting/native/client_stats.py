@@ -68,6 +68,17 @@ def merge(profiles: list[dict[int, OpProfile]]) -> dict[int, OpProfile]:
     return total
 
 
+def subtract(after: dict[int, OpProfile], before: dict[int, OpProfile]) -> dict[int, OpProfile]:
+    """What happened between two snapshots of one process (rgpuClientStatsWrite): `after` less `before`."""
+    out: dict[int, OpProfile] = {}
+    for op, a in after.items():
+        b = before.get(op, OpProfile(a.name))
+        d = OpProfile(a.name, a.sync_calls - b.sync_calls, a.sync_wait_ns - b.sync_wait_ns, a.async_calls - b.async_calls)
+        if d.sync_calls or d.async_calls:
+            out[op] = d
+    return out
+
+
 def render(ops: dict[int, OpProfile], sends: int, top: int = 25) -> str:
     rows = sorted(ops.values(), key=lambda p: (p.sync_wait_ns, p.async_calls), reverse=True)[:top]
     sync_total = sum(p.sync_calls for p in ops.values())
@@ -85,7 +96,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--between", action="store_true",
+                        help="two snapshots of one process (rgpuClientStatsWrite): print what happened between them")
     args = parser.parse_args(argv)
+    if args.between:
+        if len(args.files) != 2:
+            print("rgpu: client-stats: --between takes exactly two snapshot files (earlier, later)", file=sys.stderr)
+            return 2
+        try:
+            (before, sent_before), (after, sent_after) = (parse(f.read_text(), str(f)) for f in args.files)
+        except (OSError, ConfigError) as exc:
+            print(exc if isinstance(exc, ConfigError) else f"rgpu: client-stats: cannot read {exc.filename} ({exc.strerror})",
+                  file=sys.stderr)
+            return 2
+        print(render(subtract(after, before), sent_after - sent_before, args.top))
+        return 0
     profiles, sends = [], 0
     loaded = {"loads": 0, "cache_hits": 0, "bytes_sent": 0}
     try:

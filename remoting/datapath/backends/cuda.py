@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import os
 import struct
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -230,6 +231,7 @@ class CudaBackend(CudaDriverCalls):
 
     def __init__(self, spec: Any) -> None:
         self.spec = spec
+        self.enumerate_ns = 0   # time module loads spent building their function tables (worker profile)
         self.lib = _load_driver()
         self.lacking = bind(self, self.lib, CUDA_ARGTYPES, NOT_SUPPORTED)
         self.f: dict[str, Any] = {}
@@ -932,7 +934,9 @@ class CudaBackend(CudaDriverCalls):
                             info_log=logs[JIT_INFO_LOG_BUFFER].value if JIT_INFO_LOG_BUFFER in logs else b"",
                             error_log=logs[JIT_ERROR_LOG_BUFFER].value if JIT_ERROR_LOG_BUFFER in logs else b"")
         if r == SUCCESS:
+            t0 = time.perf_counter_ns()
             result.functions = self._enumerate(result.handle, kind)
+            self.enumerate_ns += time.perf_counter_ns() - t0
         return result
 
     def get_function(self, module: int, name: str) -> FnInfo:

@@ -9,6 +9,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -75,6 +76,7 @@ class Handlers:
     pool_live: int
     reserves: ContextReserves | None
     admitted: set[int]
+    load_steps: dict[str, list[int]] | None
 
     # ------------------------------------------------------------------ contexts
 
@@ -345,6 +347,8 @@ class Handlers:
                 raise CudaError(INVALID_VALUE, "rgpu: worker: a module load names its image in no way this worker "
                                 "knows (install the same rgpu version on the CPU and GPU nodes)")
             checked = False   # whether `digest` is the image's, as the worker computed it
+            step = self._load_step
+            t = step("", 0)
             if how == IMAGE_BY_HASH:
                 image = self.image_cache.get(digest)
                 if image is None or len(image) != size:
@@ -354,10 +358,13 @@ class Handlers:
                 image = bytes(p[off:off + size])
                 if how == IMAGE_BYTES_TO_CACHE:
                     checked = self.image_cache.put(digest, image)
+            t = step("image (cache or wire)", t)
             # The module's variables live in device memory from the load on: charged first.
             footprint, label = self._module_footprint(kind, image, digest if checked else None)
+            t = step("footprint", t)
             try:
                 res = self.backend.load(kind, image, options, lib_options)
+                step("driver load and function table", t)
             except BaseException:
                 if footprint and self.memory is not None:
                     self.memory.cancel()
@@ -372,6 +379,15 @@ class Handlers:
                 raise CudaError(code, cdp_refused_message(kind, self.spec))
             return code, self._load_reply(res, code == SUCCESS)
         return run
+
+    def _load_step(self, name: str, since: int) -> int:
+        """RGPU_WORKER_PROFILE: time spent in each step of module loads (`load_steps` in the profile)."""
+        now = time.perf_counter_ns()
+        if self.load_steps is not None and name:
+            entry = self.load_steps.setdefault(name, [0, 0])
+            entry[0] += 1
+            entry[1] += now - since
+        return now
 
     @staticmethod
     def _module_key(kind: str, handle: int) -> int:

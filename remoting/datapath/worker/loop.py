@@ -70,6 +70,7 @@ class Worker(Handlers):
         self.image_cache = ImageCache(spec.image_cache_dir, spec.client.get("uid"), spec.image_cache_bytes)
         # op -> [calls, handler ns], only with RGPU_WORKER_PROFILE (native launches: key -1)
         self.profile: dict[int, list[int]] | None = {} if os.environ.get("RGPU_WORKER_PROFILE") else None
+        self.load_steps: dict[str, list[int]] | None = {} if self.profile is not None else None
         # A sticky fault ends the session (faults.py; on an MPS GPU, every session of the GPU);
         # `idle` is true while the loop waits for a new frame, the one moment the dispatcher's
         # signal may interrupt it.
@@ -215,7 +216,8 @@ class Worker(Handlers):
         and operator's tool next to the client's RGPU_CLIENT_STATS; off by default)."""
         ops = {("native launch batches" if op == -1 else api_gen.OPS.get(op, str(op))): {"calls": n, "handler_ns": ns} for op, (n, ns) in self.profile.items()}
         report = {"wall_ns": wall_ns, "native_launches": self.native_launches.launched.value if self.native_launches else 0,
-                  "ops": ops}
+                  "ops": ops, "load_steps": {k: {"calls": n, "ns": ns} for k, (n, ns) in (self.load_steps or {}).items()},
+                  "load_function_tables_ns": getattr(self.backend, "enumerate_ns", 0)}
         try:
             path = os.path.join(os.environ["RGPU_WORKER_PROFILE"], f"worker-{os.getpid()}.json")
             with open(path + ".tmp", "w", encoding="utf-8") as out:

@@ -95,10 +95,12 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-__attribute__((destructor)) static void stats_report(void) {
-    if (g_stats_on != 1) return;
+static void stats_write(const char *suffix) {
     char path[4096];
-    snprintf(path, sizeof path, "%s.%d", getenv("RGPU_CLIENT_STATS"), (int)getpid());
+    if (suffix && *suffix)
+        snprintf(path, sizeof path, "%s.%d.%s", getenv("RGPU_CLIENT_STATS"), (int)getpid(), suffix);
+    else
+        snprintf(path, sizeof path, "%s.%d", getenv("RGPU_CLIENT_STATS"), (int)getpid());
     FILE *f = fopen(path, "w");
     if (!f) return;
     fprintf(f, "# rgpu client call profile: op sync_calls sync_wait_ns async_calls (sends %llu)\n",
@@ -107,11 +109,26 @@ __attribute__((destructor)) static void stats_report(void) {
             (unsigned long long)__atomic_load_n(&g_image_loads, __ATOMIC_RELAXED),
             (unsigned long long)__atomic_load_n(&g_image_hits, __ATOMIC_RELAXED),
             (unsigned long long)__atomic_load_n(&g_image_bytes, __ATOMIC_RELAXED));
-    for (int op = 0; op < STATS_OPS; op++)
-        if (g_sync_calls[op] || g_async_calls[op])
-            fprintf(f, "%d %llu %llu %llu\n", op, (unsigned long long)g_sync_calls[op],
-                    (unsigned long long)g_sync_wait_ns[op], (unsigned long long)g_async_calls[op]);
+    for (int op = 0; op < STATS_OPS; op++) {
+        uint64_t sync = __atomic_load_n(&g_sync_calls[op], __ATOMIC_RELAXED);
+        uint64_t async = __atomic_load_n(&g_async_calls[op], __ATOMIC_RELAXED);
+        if (sync || async)
+            fprintf(f, "%d %llu %llu %llu\n", op, (unsigned long long)sync,
+                    (unsigned long long)__atomic_load_n(&g_sync_wait_ns[op], __ATOMIC_RELAXED),
+                    (unsigned long long)async);
+    }
     fclose(f);
+}
+
+__attribute__((destructor)) static void stats_report(void) {
+    if (g_stats_on == 1) stats_write(NULL);
+}
+
+/* The profile so far, into PATH.<pid>.<suffix>, while the application runs: a benchmark takes
+ * one at the start and one at the end of its steady state and subtracts them, which gives the
+ * round trips of the steady state alone (`client_stats --between A B`). */
+RGPU_EXPORT void rgpuClientStatsWrite(const char *suffix) {
+    if (stats_on()) stats_write(suffix ? suffix : "snapshot");
 }
 
 /* ------------------------------------------------------------------ raw socket I/O */
