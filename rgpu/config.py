@@ -95,7 +95,9 @@ class Settings:
     # rgpu-dispatcher, isolated GPUs: a busy session may use the shares its GPU's other sessions leave idle.
     compute_lending: bool = False
     # rgpu-dispatcher: bound of its module image cache (all users together, LRU); 0 turns it off.
-    image_cache_bytes: int = 4 << 30
+    # One PyTorch 2.11 process with cuDNN and cuBLAS loads about 5 GB of fatbins: below that, every
+    # process evicts what the next one needs first and the cache serves nothing.
+    image_cache_bytes: int = 16 << 30
     origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def origin(self, key: str) -> str:

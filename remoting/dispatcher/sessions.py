@@ -137,7 +137,7 @@ def client_description(peer: str, info: dict) -> dict:
 
 
 RUNTIME_PREFIX = "rgpu-sessions-"
-DEFAULT_IMAGE_CACHE_BYTES = 4 << 30   # rgpu.config's image_cache_bytes
+DEFAULT_IMAGE_CACHE_BYTES = 16 << 30   # rgpu.config's image_cache_bytes
 KILL_GRACE_S = 1.0          # a worker ended by the dispatcher gets this long after SIGTERM, then SIGKILL
 FAULT_EXIT_GRACE_S = 5.0    # a worker a GPU fault ended gets this long to let go of the GPU, then SIGKILL
 OWNER_FILE = "owner.pid"

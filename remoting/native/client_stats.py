@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(render(merge(profiles), sends, args.top))
     print(f"module images: {loaded['loads']} loaded, {loaded['cache_hits']} from the GPU node's cache, "
-          f"{loaded['bytes_sent']} bytes sent")
+          f"{loaded['bytes_sent']} bytes sent, {loaded.get('bytes_hashed', 0)} bytes hashed here in "
+          f"{loaded.get('hash_ns', 0) / 1e6:.0f} ms")
     return 0
 
 

@@ -14,6 +14,7 @@ import socket
 import struct
 import subprocess
 from dataclasses import replace
+from unittest.mock import ANY
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from rgpu.errors import ConfigError
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.worker import image_cache
 from rgpu.remoting.datapath.worker.image_cache import Entry, ImageCache, evictions, user_folder
+from rgpu.remoting.datapath.worker.module_footprint import ImageFootprints
 from rgpu.remoting.dispatcher.daemon import start_data_path
 from rgpu.remoting.native import build, client_stats
 from rgpu.remoting.native.generated import api_gen
@@ -92,11 +94,17 @@ def test_eviction_drops_the_least_recently_used_until_the_cache_fits() -> None:
 
 # ------------------------------------------------------------------ the cache's I/O on a real folder
 
+def read(cache: ImageCache, digest: bytes) -> bytes | None:
+    """The cached image's bytes (get() hands out a mapping of the file)."""
+    image = cache.get(digest)
+    return None if image is None else bytes(image)
+
+
 def test_one_users_images_are_never_served_to_another(tmp_path: Path) -> None:
     data = os.urandom(1000)
     digest = hashlib.sha256(data).digest()
     assert ImageCache(str(tmp_path), 1000, 1 << 20).put(digest, data)
-    assert ImageCache(str(tmp_path), 1000, 1 << 20).get(digest) == data
+    assert read(ImageCache(str(tmp_path), 1000, 1 << 20), digest) == data
     assert ImageCache(str(tmp_path), 1001, 1 << 20).get(digest) is None
     assert ImageCache(str(tmp_path), None, 1 << 20).get(digest) is None   # a client that sent no uid
 
@@ -114,8 +122,60 @@ def test_a_corrupt_or_planted_file_is_removed_not_served(tmp_path: Path) -> None
     assert cache.put(digest, data)
     path = tmp_path / "uid-7" / digest.hex()
     path.write_bytes(data[:-1] + b"\0")
+    os.utime(path, ns=(1, 1))   # changed later (mtime's granularity is a kernel tick)
     assert cache.get(digest) is None and not path.exists()
-    assert cache.put(digest, data) and cache.get(digest) == data
+    assert cache.put(digest, data) and read(cache, digest) == data
+
+
+def test_a_checked_file_is_not_hashed_again_until_it_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = os.urandom(5000)
+    digest = hashlib.sha256(data).digest()
+    cache = ImageCache(str(tmp_path), 7, 1 << 20)
+    assert cache.put(digest, data)
+    hashed: list[int] = []
+    real_sha256 = hashlib.sha256
+    monkeypatch.setattr(image_cache.hashlib, "sha256", lambda b=b"": hashed.append(len(b)) or real_sha256(b))
+    assert read(cache, digest) == data and read(cache, digest) == data
+    assert hashed == []   # stored and hashed by put: its facts vouch for it
+    path = tmp_path / "uid-7" / digest.hex()
+    path.write_bytes(data)   # rewritten in place (same bytes, new mtime): hashed once, then trusted
+    os.utime(path, ns=(1, 1))
+    assert read(cache, digest) == data and read(cache, digest) == data
+    assert hashed == [len(data)]
+    (tmp_path / "uid-7" / (digest.hex() + ".facts")).write_text("{not json")   # damaged facts: hashed again
+    assert read(cache, digest) == data and hashed == [len(data)] * 2
+
+
+def test_footprints_are_kept_with_the_checked_image_for_later_workers(tmp_path: Path) -> None:
+    image = (EXAMPLES / "vecadd.sm_90.cubin").read_bytes()
+    digest = hashlib.sha256(image).digest()
+    first = ImageCache(str(tmp_path), 7, 1 << 20)
+    assert first.put(digest, image)
+    counted = ImageFootprints((9, 0), store=first).of(image, digest)
+    later = ImageCache(str(tmp_path), 7, 1 << 20)   # another worker of the node
+    assert later.known_footprint(digest, ImageFootprints((9, 0)).key) == counted
+    assert later.known_footprint(digest, ImageFootprints((8, 0)).key) is None   # another capability counts anew
+    assert ImageFootprints((9, 0), store=later).of(b"not the image: never read", digest) == counted
+    # Facts of a file that was replaced describe nothing: the count is not reused.
+    (tmp_path / "uid-7" / digest.hex()).write_bytes(image)
+    os.utime(tmp_path / "uid-7" / digest.hex(), ns=(1, 1))
+    assert read(later, digest) == image
+    assert later.known_footprint(digest, ImageFootprints((9, 0)).key) is None
+    # An image nobody stored or checked gets no facts.
+    other = hashlib.sha256(b"other").digest()
+    later.remember_footprint(other, "k", 5)
+    assert later.known_footprint(other, "k") is None
+
+
+def test_a_cache_too_small_for_what_its_users_load_says_so_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    size = 10_000
+    cache = ImageCache(str(tmp_path), 7, 2 * size)
+    with caplog.at_level(logging.WARNING, logger="rgpu.worker"):
+        for _ in range(5):   # each store evicts an image stored moments ago
+            data = os.urandom(size)
+            assert cache.put(hashlib.sha256(data).digest(), data)
+    lines = [r.getMessage() for r in caplog.records if "raise image_cache_bytes" in r.getMessage()]
+    assert len(lines) == 1 and "image_cache_bytes = 20000" in lines[0], lines
 
 
 def test_an_unusable_cache_folder_logs_once_and_serves_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -141,10 +201,12 @@ def test_the_cache_stays_within_its_bound_and_keeps_what_is_used(tmp_path: Path)
         cache = a if i % 2 else b          # the bound covers all users together
         assert cache.put(digest, data)
         past = 1_000_000 + i * 10
-        os.utime(cache.folder / digest.hex(), (past, past))   # stored in this order (mtime granularity)
+        for stored in (cache.folder / digest.hex(), cache.folder / (digest.hex() + ".facts")):
+            os.utime(stored, (past, past))   # stored in this order (mtime granularity)
         if i == 3:
-            assert b.get(digests[2]) == images[2]   # used now: the most recent
-    files = [p for p in tmp_path.glob("uid-*/*")]
+            assert read(b, digests[2]) == images[2]   # used now: the most recent
+    files = [p for p in tmp_path.glob("uid-*/*") if image_cache.is_image_name(p.name)]
+    assert {p.name + ".facts" for p in files} == {p.name for p in tmp_path.glob("uid-*/*.facts")}   # none left behind
     assert sum(p.stat().st_size for p in files) <= 3 * size
     names = {p.name for p in files}
     assert digests[5].hex() in names and digests[4].hex() in names
@@ -196,7 +258,8 @@ def load_in_a_process(libs: build.Libraries, server: Server, path: Path, stats: 
     text = files[0].read_text()
     ops = {p.name: p for p in client_stats.parse(text)[0].values()}
     load_op = "cuLibraryLoadData" if library else "cuModuleLoadDataEx"
-    return {**client_stats.images(text), "round_trips": ops[load_op].sync_calls}
+    traffic = {k: v for k, v in client_stats.images(text).items() if k in ("loads", "cache_hits", "bytes_sent")}
+    return {**traffic, "round_trips": ops[load_op].sync_calls}
 
 
 @pytest.mark.parametrize("library", [False, True], ids=["module", "library"])
@@ -216,6 +279,56 @@ def test_a_second_process_of_the_user_sends_no_image_bytes(native_libs: build.Li
     third = load_in_a_process(native_libs, emulated, path, tmp_path / "third", library)
     assert third == {"loads": 1, "cache_hits": 0, "bytes_sent": size, "round_trips": 2}
     assert cached.read_bytes() == path.read_bytes() + b"\0"
+
+
+LOAD_FROM_A_FILE_MAPPING = """
+    import os
+    setup()
+    libc = ctypes.CDLL(None)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    fd = os.open({path!r}, os.O_RDONLY)
+    image = libc.mmap(None, os.fstat(fd).st_size, 1, 2, fd, 0)   # PROT_READ, MAP_PRIVATE: as a library's code
+    mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+    check("cuModuleLoadData", ctypes.byref(mod), ctypes.c_void_p(image))
+    check("cuModuleGetFunction", ctypes.byref(fn), mod, b"mixed")
+    print("LOADED")
+    """
+
+
+def test_digests_of_images_in_library_files_are_remembered_across_processes(native_libs: build.Libraries,
+                                                                           emulated: Server, tmp_path: Path) -> None:
+    # cudart names every fatbin of PyTorch's libraries (about 5 GB) by its SHA-256 at start-up:
+    # an image in a read-only mapping of a file is hashed once, then known by the file's identity.
+    path = tmp_path / "in-a-library.ptx"
+    path.write_bytes(large_ptx(tmp_path).read_bytes() + b"\0")
+    memo = tmp_path / "digests"
+
+    def run(name: str, code: str) -> dict[str, int]:
+        done = py_client(native_libs, emulated.slices(emulated.token()), code,
+                         RGPU_CLIENT_STATS=str(tmp_path / name), RGPU_DIGEST_MEMO=str(memo))
+        assert done.returncode == 0 and ("LOADED" in done.stdout or "LAYOUT" in done.stdout), done.stdout + done.stderr
+        (stats,) = tmp_path.glob(name + ".*")
+        return client_stats.images(stats.read_text())
+
+    from_file = LOAD_FROM_A_FILE_MAPPING.format(path=str(path))
+    size = path.stat().st_size
+    first = run("first", from_file)
+    assert first["bytes_hashed"] == size and first["bytes_sent"] == size
+    assert memo.stat().st_size == 88 and memo.stat().st_mode & 0o777 == 0o600
+    second = run("second", from_file)
+    assert second["bytes_hashed"] == 0 and second["cache_hits"] == 1 and second["bytes_sent"] == 0
+
+    # The same bytes in the application's own memory are always hashed (they may change).
+    anonymous = LOAD_AND_CHECK.format(path=str(path), load="cuModuleLoadData", get="cuModuleGetFunction", extra="")
+    assert run("anonymous", anonymous.replace(' + b"\\0"', ""))["bytes_hashed"] == size
+
+    # A file rewritten since (another mtime) is hashed again; a damaged record is skipped.
+    os.utime(path, ns=(1, 1))
+    with memo.open("ab") as f:
+        f.write(b"torn record")
+    assert run("third", from_file)["bytes_hashed"] == size
+    assert run("fourth", from_file)["bytes_hashed"] == 0
 
 
 def test_small_images_are_sent_whole_without_a_hash(native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
@@ -269,7 +382,8 @@ def test_a_library_mirrored_to_a_second_slice_of_the_node_is_not_sent_again(nati
     assert "ON SLICE 1 OK" in done.stdout, done.stdout + done.stderr
     files = list(tmp_path.glob("two.*"))
     assert len(files) == 1, files
-    assert client_stats.images(files[0].read_text()) == {"loads": 2, "cache_hits": 1, "bytes_sent": size}
+    assert client_stats.images(files[0].read_text()) == {"loads": 2, "cache_hits": 1, "bytes_sent": size,
+                                                         "bytes_hashed": ANY, "hash_ns": ANY}
 
 
 def test_the_profile_reader_shows_image_traffic(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -298,4 +412,4 @@ def test_the_dispatcher_refuses_a_negative_bound() -> None:
         with pytest.raises(ConfigError, match="image_cache_bytes = -1 .* is negative"):
             start_data_path(sock, "127.0.0.1:1", (EMULATED_GPU,), b"s" * 32, (45201, 45300), "emulated",
                             replace(Settings(), image_cache_bytes=-1))
-    assert Settings().image_cache_bytes == 4 << 30
+    assert Settings().image_cache_bytes == 16 << 30

@@ -111,6 +111,24 @@ def test_hostile_compressed_entries_are_refused() -> None:
                             HOPPER) >= VARIABLES
 
 
+def _two_entries(first: bytes, second: bytes) -> bytes:
+    """One container holding the entries of two one-entry fatbins."""
+    bodies = first[16:] + second[16:]
+    return struct.pack("<IHHQ", FATBIN_MAGIC, 1, 16, len(bodies)) + bodies
+
+
+def test_ptx_beside_a_cubin_the_driver_runs_is_not_counted() -> None:
+    # The driver JIT-compiles PTX only where no cubin of the fatbin runs on the device: PyTorch's
+    # fatbins carry both, and reading their PTX was most of a module load's time.
+    cubin = _fatbin(_cubin(), 0, 0)
+    ptx = b".version 8.8\n.target sm_90\n.global .b8 big[3221225472];\n\0"
+    both = _two_entries(cubin, _fatbin(ptx, 0, 0, kind=1, arch=90))
+    assert VARIABLES <= image_data_bytes(both, HOPPER) < 2 * GiB
+    # Where no cubin runs (sm_90 code on an sm_100 device), the PTX is what the driver compiles.
+    assert image_data_bytes(both, (10, 0)) == 3 * GiB
+    assert image_data_bytes(_fatbin(ptx, 0, 0, kind=1, arch=90), HOPPER) == 3 * GiB
+
+
 def test_unchecked_digests_are_never_trusted() -> None:
     small = b".version 8.8\n.target sm_90\n.global .u32 x;\n"
     large = b".version 8.8\n.target sm_90\n.global .b8 x[1073741824];\n"

@@ -16,6 +16,7 @@ costs one ctypes call.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import struct
 import time
@@ -906,7 +907,8 @@ class CudaBackend(CudaDriverCalls):
                 continue  # the client asks for it at its first launch and sees the error then
         return out
 
-    def load(self, kind: str, image: bytes, options: list[tuple[int, int]], lib_options: list[tuple[int, int]]) -> LoadResult:
+    def load(self, kind: str, image: bytes | mmap.mmap, options: list[tuple[int, int]],
+             lib_options: list[tuple[int, int]]) -> LoadResult:
         sizes = {o: v for o, v in options}
         logs: dict[int, Any] = {}
         values = []
@@ -920,7 +922,10 @@ class CudaBackend(CudaDriverCalls):
         n = len(options)
         opts = (c_int * max(n, 1))(*[o for o, _ in options])
         vals = (c_void_p * max(n, 1))(*values)
-        data = ctypes.create_string_buffer(image, len(image))
+        # No copy: ctypes hands the driver a pointer into the bytes, or into the image cache's
+        # mapping of its file; the driver keeps its own copy of what it needs (no
+        # CU_LIBRARY_BINARY_IS_PRESERVED is passed).
+        data = image if isinstance(image, bytes) else (ctypes.c_char * len(image)).from_buffer(image)
         handle = c_void_p()
         if kind == "library":
             m = len(lib_options)

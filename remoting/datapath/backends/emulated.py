@@ -9,6 +9,7 @@ parameter layouts parsed from the PTX. Kernel launches are refused with a clear 
 from __future__ import annotations
 
 import bisect
+import mmap
 import os
 import re
 import signal
@@ -892,8 +893,10 @@ class EmulatedBackend:
 
     # ------------------------------------------------------------------ modules
 
-    def load(self, kind: str, image: bytes, options: list[tuple[int, int]], lib_options: list[tuple[int, int]]) -> LoadResult:
+    def load(self, kind: str, image: bytes | mmap.mmap, options: list[tuple[int, int]],
+             lib_options: list[tuple[int, int]]) -> LoadResult:
         self._need_ctx()
+        image = bytes(image)   # the image cache hands out mappings of its files
         option_values = [v for _, v in options]
         local_sizes: dict[str, int] = {}
         if image[:4] == b"\x7fELF" or image[:4] == struct.pack("<I", 0xBA55ED50):

@@ -358,7 +358,8 @@ class Handlers:
                 image = bytes(p[off:off + size])
                 if how == IMAGE_BYTES_TO_CACHE:
                     checked = self.image_cache.put(digest, image)
-            t = step("image (cache or wire)", t)
+            t = step("image from the cache" if how == IMAGE_BY_HASH else "image from the wire (stored)"
+                     if checked else "image from the wire", t, len(image))
             # The module's variables live in device memory from the load on: charged first.
             footprint, label = self._module_footprint(kind, image, digest if checked else None)
             t = step("footprint", t)
@@ -380,13 +381,14 @@ class Handlers:
             return code, self._load_reply(res, code == SUCCESS)
         return run
 
-    def _load_step(self, name: str, since: int) -> int:
+    def _load_step(self, name: str, since: int, image_bytes: int = 0) -> int:
         """RGPU_WORKER_PROFILE: time spent in each step of module loads (`load_steps` in the profile)."""
         now = time.perf_counter_ns()
         if self.load_steps is not None and name:
-            entry = self.load_steps.setdefault(name, [0, 0])
+            entry = self.load_steps.setdefault(name, [0, 0, 0])
             entry[0] += 1
             entry[1] += now - since
+            entry[2] += image_bytes
         return now
 
     @staticmethod

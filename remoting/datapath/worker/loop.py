@@ -57,7 +57,6 @@ class Worker(Handlers):
         self.pool_live = 0                        # their sum
         self.reserves: ContextReserves | None = None   # stack and heap charges (local_memory.py)
         self.admitted: set[int] = set()           # kernels whose local memory is charged
-        self.footprints = ImageFootprints(parse_capability(spec.compute_capability))
         self.deferred: tuple[int, str] | None = None
         self.handlers: dict[int, tuple[Callable[[memoryview, int, int], tuple[int, bytes] | None], bool]] = {}
         self.messages = 0
@@ -68,6 +67,7 @@ class Worker(Handlers):
         self.sent = 0
         self.native_launches = load_native_launches(spec, backend)
         self.image_cache = ImageCache(spec.image_cache_dir, spec.client.get("uid"), spec.image_cache_bytes)
+        self.footprints = ImageFootprints(parse_capability(spec.compute_capability), store=self.image_cache)
         # op -> [calls, handler ns], only with RGPU_WORKER_PROFILE (native launches: key -1)
         self.profile: dict[int, list[int]] | None = {} if os.environ.get("RGPU_WORKER_PROFILE") else None
         self.load_steps: dict[str, list[int]] | None = {} if self.profile is not None else None
@@ -216,7 +216,7 @@ class Worker(Handlers):
         and operator's tool next to the client's RGPU_CLIENT_STATS; off by default)."""
         ops = {("native launch batches" if op == -1 else api_gen.OPS.get(op, str(op))): {"calls": n, "handler_ns": ns} for op, (n, ns) in self.profile.items()}
         report = {"wall_ns": wall_ns, "native_launches": self.native_launches.launched.value if self.native_launches else 0,
-                  "ops": ops, "load_steps": {k: {"calls": n, "ns": ns} for k, (n, ns) in (self.load_steps or {}).items()},
+                  "ops": ops, "load_steps": {k: {"calls": n, "ns": ns, "bytes": b} for k, (n, ns, b) in (self.load_steps or {}).items()},
                   "load_function_tables_ns": getattr(self.backend, "enumerate_ns", 0)}
         try:
             path = os.path.join(os.environ["RGPU_WORKER_PROFILE"], f"worker-{os.getpid()}.json")

@@ -7,9 +7,11 @@ Pure: bytes in, a byte count out. What is counted:
   room in the file, and initialised ones) and `.nv.constant*` banks;
 - PTX text (JIT-compiled by the driver): the sizes of its module-scope `.global` and `.const`
   variables (arrays by their dimensions, vector types by their width);
-- a fatbin: the entries the driver could load on this device (cubins of the same major compute
-  capability and no higher minor, PTX of no higher capability), the largest of them, decompressed
-  (LZ4 or Zstandard) where the image is compressed.
+- a fatbin: the entries the driver could load on this device, the largest of them, decompressed
+  (LZ4 or Zstandard) where the image is compressed. The driver runs a cubin of the same major
+  compute capability and no higher minor where the fatbin has one, and JIT-compiles its PTX (of
+  no higher capability) only where it has none: so the PTX counts only then. (PyTorch's fatbins
+  carry PTX beside their sm_90 cubins; reading it was most of a module load's time.)
 Kernel code is not counted (it is at most the image's size, which the frame limit bounds, and
 lazy loading brings it in per kernel).
 
@@ -20,11 +22,13 @@ know) raises ImageUnreadable: a load whose memory cannot be counted is refused, 
 from __future__ import annotations
 
 import io
+import mmap
 import re
 import struct
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 FATBIN_MAGIC = 0xBA55ED50
 ELF_MAGIC = b"\x7fELF"
@@ -228,8 +232,9 @@ def image_data_bytes(image: bytes, capability: tuple[int, int]) -> int:
     if image[:4] == ELF_MAGIC:
         return elf_data_bytes(image)
     if len(image) >= 4 and struct.unpack_from("<I", image)[0] == FATBIN_MAGIC:
-        sizes = [entry_data_bytes(e) for e in fatbin_entries(image) if loadable(e, capability)]
-        return max(sizes, default=0)
+        entries = [e for e in fatbin_entries(image) if loadable(e, capability)]
+        cubins = [e for e in entries if e.kind == ENTRY_ELF]
+        return max((entry_data_bytes(e) for e in (cubins or entries)), default=0)
     # Anything else the driver takes is PTX text (NUL-terminated); what it rejects costs nothing.
     return ptx_data_bytes(image.split(b"\0", 1)[0].decode("utf-8", "replace"))
 
@@ -243,24 +248,47 @@ def parse_capability(text: str) -> tuple[int, int]:
         return 99, 9
 
 
+class FootprintStore(Protocol):
+    """Where footprints outlive the worker (the image cache's facts), by checked digest."""
+
+    def known_footprint(self, digest: bytes, key: str) -> int | None: ...
+
+    def remember_footprint(self, digest: bytes, key: str, size: int) -> None: ...
+
+
+# Part of a stored footprint's key: a change to what is counted must not reuse older counts.
+COUNTING_RULE = "cubin-first-1"
+
+
 @dataclass
 class ImageFootprints:
     """image_data_bytes per image, remembered by the image's SHA-256 where the worker checked it
     (libraries load the same image on every slice and in every process; a compressed fatbin is
-    expanded once). A digest the client sent but nobody checked is never a key: another image
-    under it could hide its size."""
+    expanded once): in this worker, and in `store` for the workers after it. A digest the client
+    sent but nobody checked is never a key: another image under it could hide its size."""
 
     capability: tuple[int, int]
     bound: int = 4096
+    store: FootprintStore | None = None
     _known: OrderedDict[bytes, int] = field(default_factory=OrderedDict)
 
-    def of(self, image: bytes, digest: bytes | None) -> int:
+    @property
+    def key(self) -> str:
+        return f"sm_{self.capability[0]}{self.capability[1]}/{COUNTING_RULE}"
+
+    def of(self, image: bytes | mmap.mmap, digest: bytes | None) -> int:
+        """`image`: bytes or any buffer (the image cache maps its files); read only when its
+        footprint is not known yet."""
         if digest is None:
-            return image_data_bytes(image, self.capability)
+            return image_data_bytes(bytes(image), self.capability)
         if digest in self._known:
             self._known.move_to_end(digest)
             return self._known[digest]
-        size = image_data_bytes(image, self.capability)
+        size = self.store.known_footprint(digest, self.key) if self.store is not None else None
+        if size is None:
+            size = image_data_bytes(bytes(image), self.capability)
+            if self.store is not None:
+                self.store.remember_footprint(digest, self.key, size)
         self._known[digest] = size
         if len(self._known) > self.bound:
             self._known.popitem(last=False)

@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -274,7 +275,12 @@ static CUresult load_image(uint16_t op, int session, uint64_t *out, int *where, 
         return load_once(op, session, out, where, IMAGE_BYTES, NULL, NULL, image, size, nopts, opts, vals, nlib,
                          libopts, libvals);
     uint8_t digest[32];
-    rgpu_sha256(image, size, digest);
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    int hashed = rgpu_image_digest(image, size, digest);   /* remembered for images in library files (digest_memo.c) */
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    rgpu_stats_image_hash(hashed ? size : 0,
+                          (uint64_t)(t1.tv_sec - t0.tv_sec) * 1000000000u + (uint64_t)(t1.tv_nsec - t0.tv_nsec));
     int need_bytes = 0;
     CUresult r = load_once(op, session, out, where, IMAGE_BY_HASH, digest, &need_bytes, image, size, nopts, opts,
                            vals, nlib, libopts, libvals);

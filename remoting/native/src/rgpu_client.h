@@ -97,6 +97,10 @@ CUresult rgpu_put_bulk(rgpu_call *c, const void *p, size_t n); /* ends the frame
 CUresult rgpu_sync(rgpu_call *c);
 /* Call profile: module image bytes sent (0 for a load served by the GPU node's image cache). */
 void rgpu_stats_image(uint64_t bytes_sent, int cache_hit);
+void rgpu_stats_image_hash(uint64_t bytes, uint64_t ns);   /* client-side SHA-256 of module images */
+/* The SHA-256 of a module image, remembered across processes for images in library files;
+ * returns 1 where it hashed the bytes, 0 where a record gave the digest. */
+int rgpu_image_digest(const void *image, size_t size, uint8_t digest[32]);
 CUresult rgpu_async(rgpu_call *c);                             /* ends the call */
 void rgpu_end(rgpu_call *c);
 void rgpu_get(rgpu_call *c, void *p, size_t n);

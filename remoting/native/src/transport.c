@@ -72,7 +72,7 @@ CUresult rgpu_unsupported(const char *name, int *seen, const char *why) {
 static int g_stats_on = -1;
 static uint64_t g_sync_calls[STATS_OPS], g_sync_wait_ns[STATS_OPS], g_async_calls[STATS_OPS];
 static uint64_t g_sends;
-static uint64_t g_image_bytes, g_image_loads, g_image_hits;
+static uint64_t g_image_bytes, g_image_loads, g_image_hits, g_image_hashed, g_image_hash_ns;
 
 static int stats_on(void) {
     if (g_stats_on < 0) {
@@ -87,6 +87,12 @@ void rgpu_stats_image(uint64_t bytes_sent, int cache_hit) {
     __atomic_add_fetch(&g_image_loads, 1, __ATOMIC_RELAXED);
     __atomic_add_fetch(&g_image_bytes, bytes_sent, __ATOMIC_RELAXED);
     if (cache_hit) __atomic_add_fetch(&g_image_hits, 1, __ATOMIC_RELAXED);
+}
+
+void rgpu_stats_image_hash(uint64_t bytes, uint64_t ns) {
+    if (!stats_on()) return;
+    __atomic_add_fetch(&g_image_hashed, bytes, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&g_image_hash_ns, ns, __ATOMIC_RELAXED);
 }
 
 static uint64_t now_ns(void) {
@@ -105,10 +111,12 @@ static void stats_write(const char *suffix) {
     if (!f) return;
     fprintf(f, "# rgpu client call profile: op sync_calls sync_wait_ns async_calls (sends %llu)\n",
             (unsigned long long)__atomic_load_n(&g_sends, __ATOMIC_RELAXED));
-    fprintf(f, "# module images: loads %llu cache_hits %llu bytes_sent %llu\n",
+    fprintf(f, "# module images: loads %llu cache_hits %llu bytes_sent %llu bytes_hashed %llu hash_ns %llu\n",
             (unsigned long long)__atomic_load_n(&g_image_loads, __ATOMIC_RELAXED),
             (unsigned long long)__atomic_load_n(&g_image_hits, __ATOMIC_RELAXED),
-            (unsigned long long)__atomic_load_n(&g_image_bytes, __ATOMIC_RELAXED));
+            (unsigned long long)__atomic_load_n(&g_image_bytes, __ATOMIC_RELAXED),
+            (unsigned long long)__atomic_load_n(&g_image_hashed, __ATOMIC_RELAXED),
+            (unsigned long long)__atomic_load_n(&g_image_hash_ns, __ATOMIC_RELAXED));
     for (int op = 0; op < STATS_OPS; op++) {
         uint64_t sync = __atomic_load_n(&g_sync_calls[op], __ATOMIC_RELAXED);
         uint64_t async = __atomic_load_n(&g_async_calls[op], __ATOMIC_RELAXED);
