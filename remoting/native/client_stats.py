@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="+", type=Path)
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--between", action="store_true",
-                        help="two snapshots of one process (rgpuClientStatsWrite): print what happened between them")
+                        help="two snapshots of one process (cuGetProcAddress(\"rgpuClientStatsWrite\")(suffix) writes "
+                             "PATH.<pid>.<suffix>): print what happened between them")
     args = parser.parse_args(argv)
     if args.between:
         if len(args.files) != 2:

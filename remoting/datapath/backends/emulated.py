@@ -923,7 +923,9 @@ class EmulatedBackend:
             handle = self.handles.new()
             self.libraries[handle] = module
         info_log = f"emulated device: loaded {len(fns)} kernel(s)".encode()
-        return LoadResult(handle=handle, option_values=option_values, info_log=info_log, functions=fns)
+        # As the real backend: a library's function table is not sent (the client asks per kernel).
+        return LoadResult(handle=handle, option_values=option_values, info_log=info_log,
+                          functions=[] if kind == "library" else fns)
 
     def get_function(self, module: int, name: str) -> FnInfo:
         for fn in self.modules.get(module, ()):

@@ -76,7 +76,7 @@ class Handlers:
     pool_live: int
     reserves: ContextReserves | None
     admitted: set[int]
-    load_steps: dict[str, list[int]] | None
+    load_steps: dict[str, list[int]] | None = None   # RGPU_WORKER_PROFILE: time per module-load step
 
     # ------------------------------------------------------------------ contexts
 

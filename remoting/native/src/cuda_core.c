@@ -489,6 +489,11 @@ static CUresult get_proc(const char *symbol, void **pfn, int cudaVersion, cuuint
 
 RGPU_EXPORT CUresult CUDAAPI cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion,
                                                  cuuint64_t flags, CUdriverProcAddressQueryResult *symbolStatus) {
+    if (symbol && pfn && strcmp(symbol, "rgpuClientStatsWrite") == 0) {   /* benchmarks' profile snapshots */
+        *pfn = (void *)rgpu_client_stats_write;
+        if (symbolStatus) *symbolStatus = CU_GET_PROC_ADDRESS_SUCCESS;
+        return CUDA_SUCCESS;
+    }
     CUresult r = get_proc(symbol, pfn, cudaVersion, flags, symbolStatus);
     if (rgpu_log_level() >= RGPU_LOG_DEBUG)
         rgpu_log(RGPU_LOG_DEBUG, "cuGetProcAddress(%s, %d, %llu) -> %d", symbol ? symbol : "(null)",

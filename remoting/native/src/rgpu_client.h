@@ -98,6 +98,7 @@ CUresult rgpu_sync(rgpu_call *c);
 /* Call profile: module image bytes sent (0 for a load served by the GPU node's image cache). */
 void rgpu_stats_image(uint64_t bytes_sent, int cache_hit);
 void rgpu_stats_image_hash(uint64_t bytes, uint64_t ns);   /* client-side SHA-256 of module images */
+void rgpu_client_stats_write(const char *suffix);   /* cuGetProcAddress("rgpuClientStatsWrite") */
 /* The SHA-256 of a module image, remembered across processes for images in library files;
  * returns 1 where it hashed the bytes, 0 where a record gave the digest. */
 int rgpu_image_digest(const void *image, size_t size, uint8_t digest[32]);

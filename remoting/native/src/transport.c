@@ -134,8 +134,9 @@ __attribute__((destructor)) static void stats_report(void) {
 
 /* The profile so far, into PATH.<pid>.<suffix>, while the application runs: a benchmark takes
  * one at the start and one at the end of its steady state and subtracts them, which gives the
- * round trips of the steady state alone (`client_stats --between A B`). */
-RGPU_EXPORT void rgpuClientStatsWrite(const char *suffix) {
+ * round trips of the steady state alone (`client_stats --between A B`). The library exports
+ * driver symbols only: a program finds this one as cuGetProcAddress("rgpuClientStatsWrite"). */
+void rgpu_client_stats_write(const char *suffix) {
     if (stats_on()) stats_write(suffix ? suffix : "snapshot");
 }
 
