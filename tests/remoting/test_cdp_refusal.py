@@ -26,7 +26,7 @@ SPEC = SessionSpec(mode="cuda", backend="cuda", gpu_uuid="GPU-1", gpu_index=0, g
 class DriverRefusingCdp:
     """Stands in for the real driver's module load, which refuses dynamic parallelism under MPS."""
 
-    def load(self, kind: str, image: bytes, options: object, lib_options: object) -> LoadResult:
+    def load(self, kind: str, image: bytes, options: object, lib_options: object, want_table: bool = True) -> LoadResult:
         return LoadResult(code=CDP_NOT_SUPPORTED)
 
 

@@ -908,7 +908,7 @@ class CudaBackend(CudaDriverCalls):
         return out
 
     def load(self, kind: str, image: bytes | mmap.mmap, options: list[tuple[int, int]],
-             lib_options: list[tuple[int, int]]) -> LoadResult:
+             lib_options: list[tuple[int, int]], want_table: bool = True) -> LoadResult:
         sizes = {o: v for o, v in options}
         logs: dict[int, Any] = {}
         values = []
@@ -938,12 +938,12 @@ class CudaBackend(CudaDriverCalls):
         result = LoadResult(code=r, handle=handle.value or 0, option_values=[vals[i] or 0 for i in range(n)],
                             info_log=logs[JIT_INFO_LOG_BUFFER].value if JIT_INFO_LOG_BUFFER in logs else b"",
                             error_log=logs[JIT_ERROR_LOG_BUFFER].value if JIT_ERROR_LOG_BUFFER in logs else b"")
-        # A module's table saves the client a round trip per function. A library's is not sent:
-        # cudart registers every fatbin of PyTorch's libraries as a library (tens of thousands of
-        # kernels in all) and runs a few hundred of them; asking each kernel's name and parameters
-        # here took about half a second per process, and the client asks for the few it launches
-        # (rgpuParamInfo, once per kernel).
-        if r == SUCCESS and kind != "library":
+        # The table saves the client a round trip per function. Clients with one slice ask for no
+        # library's: cudart registers every fatbin of PyTorch's libraries as a library (tens of
+        # thousands of kernels in all) and runs a few hundred of them; asking each kernel's name
+        # and parameters here took about half a second per process, and the client asks for the
+        # few it launches (rgpuParamInfo, once per kernel).
+        if r == SUCCESS and want_table:
             t0 = time.perf_counter_ns()
             result.functions = self._enumerate(result.handle, kind)
             self.enumerate_ns += time.perf_counter_ns() - t0

@@ -894,7 +894,7 @@ class EmulatedBackend:
     # ------------------------------------------------------------------ modules
 
     def load(self, kind: str, image: bytes | mmap.mmap, options: list[tuple[int, int]],
-             lib_options: list[tuple[int, int]]) -> LoadResult:
+             lib_options: list[tuple[int, int]], want_table: bool = True) -> LoadResult:
         self._need_ctx()
         image = bytes(image)   # the image cache hands out mappings of its files
         option_values = [v for _, v in options]
@@ -923,9 +923,8 @@ class EmulatedBackend:
             handle = self.handles.new()
             self.libraries[handle] = module
         info_log = f"emulated device: loaded {len(fns)} kernel(s)".encode()
-        # As the real backend: a library's function table is not sent (the client asks per kernel).
         return LoadResult(handle=handle, option_values=option_values, info_log=info_log,
-                          functions=[] if kind == "library" else fns)
+                          functions=fns if want_table else [])
 
     def get_function(self, module: int, name: str) -> FnInfo:
         for fn in self.modules.get(module, ()):

@@ -23,7 +23,7 @@ from rgpu.remoting.datapath.worker.codecs import (ALLOC, COPY, HEADER, LAUNCH, L
                                                   take_str)
 from rgpu.remoting.datapath.worker.hostcalls import HostCalls
 from rgpu.remoting.datapath.worker.image_cache import (IMAGE_BY_HASH, IMAGE_BYTES, IMAGE_BYTES_TO_CACHE,
-                                                           ImageCache)
+                                                           IMAGE_WANT_TABLE, ImageCache)
 from rgpu.remoting.datapath.worker.local_memory import (DEFAULT_STACK_BYTES, FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES,
                                                         LIMIT_MALLOC_HEAP_SIZE, LIMIT_STACK_SIZE, ContextReserves)
 from rgpu.remoting.datapath.worker.module_footprint import ImageFootprints, ImageUnreadable
@@ -340,7 +340,7 @@ class Handlers:
             options, off = read_options(p, 0)
             lib_options, off = read_options(p, off)
             (size,) = U64.unpack_from(p, off)
-            how = p[off + 8]
+            how, want_table = p[off + 8] & ~IMAGE_WANT_TABLE, bool(p[off + 8] & IMAGE_WANT_TABLE)
             digest = bytes(p[off + 9:off + 41])
             off += 41
             if how not in (IMAGE_BYTES, IMAGE_BY_HASH, IMAGE_BYTES_TO_CACHE) or len(digest) != 32:
@@ -364,7 +364,7 @@ class Handlers:
             footprint, label = self._module_footprint(kind, image, digest if checked else None)
             t = step("footprint", t)
             try:
-                res = self.backend.load(kind, image, options, lib_options)
+                res = self.backend.load(kind, image, options, lib_options, want_table)
                 step("driver load and function table", t)
             except BaseException:
                 if footprint and self.memory is not None:

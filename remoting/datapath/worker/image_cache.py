@@ -30,6 +30,9 @@ log = logging.getLogger("rgpu.worker")
 HEX_DIGITS = frozenset("0123456789abcdef")
 # How a load names its image (cuda_module.c): the bytes, only their SHA-256, or both (cache them).
 IMAGE_BYTES, IMAGE_BY_HASH, IMAGE_BYTES_TO_CACHE = 0, 1, 2
+# Or'ed into it: the client wants the function table (always for modules; for libraries only
+# where it has several slices, to match kernels between them, library_mirror.c).
+IMAGE_WANT_TABLE = 0x80
 DEFAULT_BOUND = 16 << 30
 FACTS_SUFFIX = ".facts"
 THRASH_SECONDS = 600   # evicting an image used this recently means the cache is too small for its users

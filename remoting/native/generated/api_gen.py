@@ -14,9 +14,9 @@ import ctypes
 import struct
 from typing import Any, Callable
 
-PROTOCOL_VERSION = 7
-CUDA_SPEC_SHA256 = "c1b86c51a81dda4cbfe258ff8f6bc88ff498b62cd6bd995f39af207af54e3aef"
-NVML_SPEC_SHA256 = "1d5c2a0e7408bce02644ce8c50b75c7d0e293907388c39e0427fbf6801cbb9c3"
+PROTOCOL_VERSION = 8
+CUDA_SPEC_SHA256 = "95c25d4ea2991fb1bd8a7be9dc52e5bbf5c36245707a73afde1321a3d7ea0ed9"
+NVML_SPEC_SHA256 = "d85a206af20eadd91fda2666bfcf286b25794219f2a42f160c16799e3e8c94f2"
 
 _STRUCTS: dict[str, struct.Struct] = {}
 

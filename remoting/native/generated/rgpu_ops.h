@@ -2,8 +2,8 @@
 #ifndef RGPU_OPS_H
 #define RGPU_OPS_H
 
-#define RGPU_PROTOCOL_VERSION 7
-#define RGPU_CUDA_SPEC_SHA256 "c1b86c51a81dda4cbfe258ff8f6bc88ff498b62cd6bd995f39af207af54e3aef"
+#define RGPU_PROTOCOL_VERSION 8
+#define RGPU_CUDA_SPEC_SHA256 "95c25d4ea2991fb1bd8a7be9dc52e5bbf5c36245707a73afde1321a3d7ea0ed9"
 
 enum rgpu_opcode {
     RGPU_OP_cuInit = 32,

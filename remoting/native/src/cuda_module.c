@@ -207,7 +207,7 @@ static void read_functions(rgpu_call *c, uint64_t module) {
 /* Images at least this large are named by their SHA-256 first: the GPU node's image cache may
  * have them (worker/image_cache.py), and then no byte of the image crosses the wire. */
 #define IMAGE_HASH_MIN (64u * 1024u)
-enum { IMAGE_BYTES = 0, IMAGE_BY_HASH = 1, IMAGE_BYTES_TO_CACHE = 2 };
+enum { IMAGE_BYTES = 0, IMAGE_BY_HASH = 1, IMAGE_BYTES_TO_CACHE = 2, IMAGE_WANT_TABLE = 0x80 };
 
 /* One load call. how: IMAGE_BYTES (the image follows), IMAGE_BY_HASH (only its SHA-256: the
  * worker answers success with an empty body when its cache lacks it, "send the bytes"), or
@@ -236,7 +236,10 @@ static CUresult load_once(uint16_t op, int session, uint64_t *out, int *where, i
         rgpu_put_u64(&c, (uint64_t)(uintptr_t)libvals[i]);
     }
     rgpu_put_u64(&c, size);
-    rgpu_put_u8(&c, (uint8_t)how);
+    /* A library's function table is asked for only where library_mirror.c matches kernels
+     * between slices: with one slice the client asks per kernel it launches (rgpuParamInfo). */
+    int want_table = op != RGPU_OP_cuLibraryLoadData || rgpu_session_count > 1;
+    rgpu_put_u8(&c, (uint8_t)(how | (want_table ? IMAGE_WANT_TABLE : 0)));
     static const uint8_t no_digest[32];
     rgpu_put(&c, how == IMAGE_BYTES ? no_digest : digest, 32);
     if (how != IMAGE_BY_HASH) {
