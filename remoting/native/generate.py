@@ -304,6 +304,8 @@ AFTER_HOOKS = {
     # reserved address ranges are device memory for the copy paths and routing
     "cuMemAddressReserve": "if (r == CUDA_SUCCESS) rgpu_dev_range_add(c.s->index, (uint64_t)*ptr, size)",
     "cuMemAddressFree": "if (r == CUDA_SUCCESS) rgpu_dev_range_remove(c.s->index, (uint64_t)ptr)",
+    # kept pointer attributes (cuda_cache.c): the one settable attribute changes
+    "cuPointerSetAttribute": "rgpu_pattr_forget_all()",
     # client-side caches (cuda_cache.c): filled by the answers, emptied by whatever may change them
     "cuKernelGetAttribute": "if (r == CUDA_SUCCESS) rgpu_kattr_put(kernel, attrib, dev, *pi)",
     "cuKernelGetFunction": "if (r == CUDA_SUCCESS) rgpu_kfunc_put(kernel, *pFunc)",
@@ -313,6 +315,15 @@ AFTER_HOOKS = {
     "cuOccupancyMaxActiveBlocksPerMultiprocessor": "if (r == CUDA_SUCCESS) rgpu_occ_put(func, blockSize, dynamicSMemSize, 0, *numBlocks)",
     "cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags": "if (r == CUDA_SUCCESS) rgpu_occ_put(func, blockSize, dynamicSMemSize, flags, *numBlocks)",
     "cuFuncSetAttribute": "rgpu_fattr_changed(hfunc)",
+    "cuFuncGetAttribute": "if (r == CUDA_SUCCESS) rgpu_fattr_put(hfunc, attrib, *pi)",
+    "cuOccupancyAvailableDynamicSMemPerBlock": "if (r == CUDA_SUCCESS) rgpu_occ_smem_put(func, numBlocks, blockSize, *dynamicSmemSize)",
+    **{name: f"if (r == CUDA_SUCCESS) rgpu_stream_query_put(hStream, {what}, (uint64_t)(uintptr_t)*{out})"
+       for name, what, out in (("cuStreamGetFlags", "RGPU_STREAMQ_FLAGS", "flags"),
+                               ("cuStreamGetPriority", "RGPU_STREAMQ_PRIORITY", "priority"),
+                               ("cuStreamGetCtx", "RGPU_STREAMQ_CTX", "pctx"),
+                               ("cuStreamGetDevice", "RGPU_STREAMQ_DEVICE", "device"),
+                               ("cuStreamGetId", "RGPU_STREAMQ_ID", "streamId"))},
+    "cuStreamDestroy_v2": "rgpu_stream_forget(hStream)",
     "cuKernelSetCacheConfig": "rgpu_cache_forget_functions()",
     "cuFuncSetCacheConfig": "rgpu_cache_forget_functions()",
     "cuDevicePrimaryCtxRelease_v2": "rgpu_pstate_forget()",
@@ -371,6 +382,14 @@ BEFORE_HOOKS = {
     "cuKernelSetAttribute": "{ int v_; if (rgpu_kattr_get(kernel, attrib, dev, &v_) && v_ == val) return CUDA_SUCCESS; }",
     "cuOccupancyMaxActiveBlocksPerMultiprocessor": "if (rgpu_occ_get(func, blockSize, dynamicSMemSize, 0, numBlocks)) return CUDA_SUCCESS",
     "cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags": "if (rgpu_occ_get(func, blockSize, dynamicSMemSize, flags, numBlocks)) return CUDA_SUCCESS",
+    "cuOccupancyAvailableDynamicSMemPerBlock": "if (rgpu_occ_smem_get(func, numBlocks, blockSize, dynamicSmemSize)) return CUDA_SUCCESS",
+    "cuFuncGetAttribute": "if (rgpu_fattr_get(hfunc, attrib, pi)) return CUDA_SUCCESS",
+    **{name: f"{{ uint64_t v_; if (rgpu_stream_query_get(hStream, {what}, &v_)) {{ *{out} = ({ctype})(uintptr_t)v_; return CUDA_SUCCESS; }} }}"
+       for name, what, out, ctype in (("cuStreamGetFlags", "RGPU_STREAMQ_FLAGS", "flags", "unsigned int"),
+                                      ("cuStreamGetPriority", "RGPU_STREAMQ_PRIORITY", "priority", "int"),
+                                      ("cuStreamGetCtx", "RGPU_STREAMQ_CTX", "pctx", "CUcontext"),
+                                      ("cuStreamGetDevice", "RGPU_STREAMQ_DEVICE", "device", "CUdevice"),
+                                      ("cuStreamGetId", "RGPU_STREAMQ_ID", "streamId", "unsigned long long"))},
     # cudart's context-local storage: destructors run while the primary context still exists.
     "cuDevicePrimaryCtxReset_v2": "rgpu_before_primary_ctx_reset(dev)",
 }

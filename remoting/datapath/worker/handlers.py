@@ -222,7 +222,9 @@ class Handlers:
             try:
                 out.append(lp(self.backend.pointer_attribute(attr, ptr)))
             except CudaError:
-                out.append(lp(b"\0" * 8))  # cuPointerGetAttributes fills, rather than fails
+                # cuPointerGetAttributes fills, rather than fails: the client writes 8 zero bytes
+                # for an empty answer and keeps no copy of it (it would not be the single query's)
+                out.append(lp(b""))
         return SUCCESS, b"".join(out)
 
     # ------------------------------------------------------------------ arrays, texture and surface objects

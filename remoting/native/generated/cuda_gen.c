@@ -665,6 +665,7 @@ RGPU_EXPORT CUresult CUDAAPI cuPointerSetAttribute(const int *value, CUpointer_a
     { int32_t v_ = (int32_t)attribute; rgpu_put(&c, &v_, 4); }
     { uint64_t v_ = (uint64_t)ptr; rgpu_put(&c, &v_, 8); }
     r = rgpu_sync(&c);
+    rgpu_pattr_forget_all();
     rgpu_end(&c);
     return r;
 }
@@ -704,6 +705,7 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamDestroy_v2(CUstream hStream) {
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
     r = rgpu_sync(&c);
+    rgpu_stream_forget(hStream);
     rgpu_end(&c);
     return r;
 }
@@ -743,6 +745,7 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamWaitEvent(CUstream hStream, CUevent hEvent,
 
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetPriority(CUstream hStream, int *priority) {
     if (priority == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_stream_query_get(hStream, RGPU_STREAMQ_PRIORITY, &v_)) { *priority = (int)(uintptr_t)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamGetPriority);
     if (r != CUDA_SUCCESS) return r;
@@ -751,12 +754,14 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamGetPriority(CUstream hStream, int *priority
     if (r == CUDA_SUCCESS) {
         { int priority_v; memset(&priority_v, 0, sizeof priority_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); priority_v = (int)v_; } if (priority) *priority = priority_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_stream_query_put(hStream, RGPU_STREAMQ_PRIORITY, (uint64_t)(uintptr_t)*priority);
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetFlags(CUstream hStream, unsigned int *flags) {
     if (flags == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_stream_query_get(hStream, RGPU_STREAMQ_FLAGS, &v_)) { *flags = (unsigned int)(uintptr_t)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamGetFlags);
     if (r != CUDA_SUCCESS) return r;
@@ -765,12 +770,14 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamGetFlags(CUstream hStream, unsigned int *fl
     if (r == CUDA_SUCCESS) {
         { unsigned int flags_v; memset(&flags_v, 0, sizeof flags_v); { uint32_t v_; rgpu_get(&c, &v_, sizeof v_); flags_v = (unsigned int)v_; } if (flags) *flags = flags_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_stream_query_put(hStream, RGPU_STREAMQ_FLAGS, (uint64_t)(uintptr_t)*flags);
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetCtx(CUstream hStream, CUcontext *pctx) {
     if (pctx == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_stream_query_get(hStream, RGPU_STREAMQ_CTX, &v_)) { *pctx = (CUcontext)(uintptr_t)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamGetCtx);
     if (r != CUDA_SUCCESS) return r;
@@ -779,12 +786,14 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamGetCtx(CUstream hStream, CUcontext *pctx) {
     if (r == CUDA_SUCCESS) {
         { CUcontext pctx_v; memset(&pctx_v, 0, sizeof pctx_v); pctx_v = rgpu_ctx_out(&c, rgpu_get_u64(&c)); if (pctx) *pctx = pctx_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_stream_query_put(hStream, RGPU_STREAMQ_CTX, (uint64_t)(uintptr_t)*pctx);
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetId(CUstream hStream, unsigned long long *streamId) {
     if (streamId == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_stream_query_get(hStream, RGPU_STREAMQ_ID, &v_)) { *streamId = (unsigned long long)(uintptr_t)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamGetId);
     if (r != CUDA_SUCCESS) return r;
@@ -793,12 +802,14 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamGetId(CUstream hStream, unsigned long long 
     if (r == CUDA_SUCCESS) {
         { unsigned long long streamId_v; memset(&streamId_v, 0, sizeof streamId_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); streamId_v = (unsigned long long)v_; } if (streamId) *streamId = streamId_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_stream_query_put(hStream, RGPU_STREAMQ_ID, (uint64_t)(uintptr_t)*streamId);
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetDevice(CUstream hStream, CUdevice *device) {
     if (device == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_stream_query_get(hStream, RGPU_STREAMQ_DEVICE, &v_)) { *device = (CUdevice)(uintptr_t)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamGetDevice);
     if (r != CUDA_SUCCESS) return r;
@@ -807,6 +818,7 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamGetDevice(CUstream hStream, CUdevice *devic
     if (r == CUDA_SUCCESS) {
         { CUdevice device_v; memset(&device_v, 0, sizeof device_v); device_v = rgpu_dev_out(&c, rgpu_get_i32(&c)); if (device) *device = device_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_stream_query_put(hStream, RGPU_STREAMQ_DEVICE, (uint64_t)(uintptr_t)*device);
     rgpu_end(&c);
     return r;
 }
@@ -1106,6 +1118,7 @@ RGPU_EXPORT CUresult CUDAAPI cuKernelSetCacheConfig(CUkernel kernel, CUfunc_cach
 
 RGPU_EXPORT CUresult CUDAAPI cuFuncGetAttribute(int *pi, CUfunction_attribute attrib, CUfunction hfunc) {
     if (pi == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_fattr_get(hfunc, attrib, pi)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuFuncGetAttribute);
     if (r != CUDA_SUCCESS) return r;
@@ -1115,6 +1128,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncGetAttribute(int *pi, CUfunction_attribute at
     if (r == CUDA_SUCCESS) {
         { int pi_v; memset(&pi_v, 0, sizeof pi_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); pi_v = (int)v_; } if (pi) *pi = pi_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_fattr_put(hfunc, attrib, *pi);
     rgpu_end(&c);
     return r;
 }
@@ -1233,6 +1247,7 @@ RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlag
 
 RGPU_EXPORT CUresult CUDAAPI cuOccupancyAvailableDynamicSMemPerBlock(size_t *dynamicSmemSize, CUfunction func, int numBlocks, int blockSize) {
     if (dynamicSmemSize == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_occ_smem_get(func, numBlocks, blockSize, dynamicSmemSize)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuOccupancyAvailableDynamicSMemPerBlock);
     if (r != CUDA_SUCCESS) return r;
@@ -1243,6 +1258,7 @@ RGPU_EXPORT CUresult CUDAAPI cuOccupancyAvailableDynamicSMemPerBlock(size_t *dyn
     if (r == CUDA_SUCCESS) {
         { size_t dynamicSmemSize_v; memset(&dynamicSmemSize_v, 0, sizeof dynamicSmemSize_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); dynamicSmemSize_v = (size_t)v_; } if (dynamicSmemSize) *dynamicSmemSize = dynamicSmemSize_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_occ_smem_put(func, numBlocks, blockSize, *dynamicSmemSize);
     rgpu_end(&c);
     return r;
 }
