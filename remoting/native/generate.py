@@ -144,9 +144,17 @@ def plan_c(f: Function) -> list[CParamPlan]:
     return plans
 
 
+# Calls whose only handle is an event go to the event's slice (src/cuda_events.c).
+EVENT_ROUTED = {"cuEventQuery": "hEvent", "cuEventSynchronize": "hEvent", "cuEventDestroy_v2": "hEvent",
+                "cuEventElapsedTime": "hStart", "cuEventElapsedTime_v2": "hStart"}
+
+
 def c_route(f: Function) -> str:
     r = f.route
     op = f"RGPU_OP_{f.name}"
+    if r is None and f.name in EVENT_ROUTED:
+        # the slice that holds the event (client-made handles know theirs), whatever is current
+        return f"rgpu_begin_event(&c, {op}, {EVENT_ROUTED[f.name]})"
     if r is None:
         return f"rgpu_begin(&c, {op})"
     if r.wire.kind == "dev":
@@ -198,6 +206,12 @@ def plan_py(f: Function) -> PyPlan:
         else:
             group.append((n, p.wire.fmt))
     flush()
+    # Events are the client's handles (protocol 8): the worker's table gives the driver's.
+    for p in f.inputs:
+        if p.ctype == "CUevent" and not p.pointer:
+            n = _py_name(p.name)
+            take = ", True" if f.name == "cuEventDestroy_v2" else ""
+            decode.append(f"{n} = _event_in(api, {n}, {f.name!r}{take})")
 
     encode: list[str] = []
     outs = f.outputs
@@ -338,9 +352,17 @@ AFTER_HOOKS = {
     "cuFuncSetSharedMemConfig": "rgpu_cache_forget_functions()",
     "cuCtxSetLimit": "rgpu_cache_forget_functions()",
     "cuCtxGetLimit": "if (r == CUDA_SUCCESS) rgpu_limit_put(limit, *pvalue)",
-    # events by slice, for streams that wait for another slice's event (cuda_cache.c)
-    "cuEventCreate": "if (r == CUDA_SUCCESS) rgpu_event_session_put(*phEvent, c.s->index)",
+    # client-made events (cuda_events.c): what the client knows of their completion
     "cuEventDestroy_v2": "rgpu_event_session_forget(hEvent)",
+    "cuEventRecord": "if (r == CUDA_SUCCESS) rgpu_event_recorded(hEvent, hStream)",
+    "cuEventRecordWithFlags": "if (r == CUDA_SUCCESS) rgpu_event_recorded(hEvent, hStream)",
+    "cuCtxRecordEvent": "if (r == CUDA_SUCCESS) rgpu_event_recorded(hEvent, RGPU_EVENT_WHOLE_CONTEXT)",
+    "cuEventQuery": "if (r == CUDA_SUCCESS) rgpu_event_completed(hEvent, ev_seq_)",
+    "cuEventSynchronize": "if (r == CUDA_SUCCESS) rgpu_event_completed(hEvent, ev_seq_)",
+    "cuStreamSynchronize": "if (r == CUDA_SUCCESS) rgpu_stream_synced(hStream, c.s->index, sync_seq_)",
+    "cuStreamQuery": "if (r == CUDA_SUCCESS) rgpu_stream_synced(hStream, c.s->index, sync_seq_)",
+    "cuCtxSynchronize": "if (r == CUDA_SUCCESS) rgpu_ctx_synced(NULL, sync_seq_)",
+    "cuCtxSynchronize_v2": "if (r == CUDA_SUCCESS) rgpu_ctx_synced(ctx, sync_seq_)",
     # copy nodes with a host side (cuda_graph.c): their records follow the graph
     "cuGraphClone": "if (r == CUDA_SUCCESS) rgpu_hostcopy_clone(originalGraph, *phGraphClone)",
     "cuGraphDestroy": "if (r == CUDA_SUCCESS) rgpu_hostcopy_forget(hGraph)",
@@ -373,7 +395,21 @@ BEFORE_HOOKS = {
     "cuDevicePrimaryCtxGetState": "if (rgpu_pstate_get(dev, flags, active)) return CUDA_SUCCESS",
     "cuCtxGetLimit": "if (rgpu_limit_get(limit, pvalue)) return CUDA_SUCCESS",
     "cuArray3DGetDescriptor_v2": "if (rgpu_array_desc_get(hArray, pArrayDescriptor)) return CUDA_SUCCESS",
-    "cuStreamWaitEvent": "{ CUresult r_; if (rgpu_event_elsewhere(hEvent, &r_)) return r_; }",
+    "cuStreamWaitEvent": ("{ CUresult r_ = rgpu_event_check(hEvent); if (r_ != CUDA_SUCCESS) return r_; "
+                          "if (rgpu_event_elsewhere(hEvent, &r_)) return r_; }"),
+    # client-made events (cuda_events.c): a handle the client does not know is refused at once; a
+    # query whose answer the client knows (never recorded, or covered by a finished
+    # synchronisation) costs nothing; a destruction forgets the handle before it travels
+    **{name: f"{{ CUresult r_ = rgpu_event_check({ev}); if (r_ != CUDA_SUCCESS) return r_; }}"
+       for name, ev in (("cuEventRecord", "hEvent"), ("cuEventRecordWithFlags", "hEvent"),
+                        ("cuCtxRecordEvent", "hEvent"), ("cuCtxWaitEvent", "hEvent"))},
+    **{name: ("{ CUresult r_ = rgpu_event_check(hStart); if (r_ == CUDA_SUCCESS) r_ = rgpu_event_check(hEnd); "
+              "if (r_ != CUDA_SUCCESS) return r_; }") for name in ("cuEventElapsedTime", "cuEventElapsedTime_v2")},
+    **{name: "uint64_t ev_seq_ = 0; { CUresult r_; if (rgpu_event_known(hEvent, &ev_seq_, &r_)) return r_; }"
+       for name in ("cuEventQuery", "cuEventSynchronize")},
+    "cuEventDestroy_v2": "{ CUresult r_ = rgpu_event_destroying(hEvent); if (r_ != CUDA_SUCCESS) return r_; }",
+    **{name: "uint64_t sync_seq_ = rgpu_event_clock()" for name in (
+        "cuStreamSynchronize", "cuStreamQuery", "cuCtxSynchronize", "cuCtxSynchronize_v2")},
     # a device-to-device copy between two slices (cudaMemcpy DeviceToDevice from cuda:0 to cuda:1)
     "cuMemcpyDtoD_v2": "{ CUresult r_; if (rgpu_dtod_between_slices(dstDevice, srcDevice, ByteCount, NULL, &r_)) return r_; }",
     "cuMemcpyDtoDAsync_v2": ("{ CUresult r_; if (rgpu_dtod_between_slices(dstDevice, srcDevice, ByteCount, hStream, &r_)) "

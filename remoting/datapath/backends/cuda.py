@@ -288,6 +288,13 @@ class CudaBackend(CudaDriverCalls):
         if r != SUCCESS:
             raise CudaError(r)
 
+    def event_create(self, flags: int) -> int:
+        """rgpuEventCreate: a driver event for the handle the client made (worker/client_handles.py
+        keeps the pair); cuEventCreate is no longer a generated call (protocol 8)."""
+        event = c_void_p()
+        self._check("cuEventCreate", byref(event), flags)
+        return event.value or 0
+
     def set_context(self, ctx: int) -> None:
         self._check("cuCtxSetCurrent", ctx or None)
         self._current = ctx

@@ -18,6 +18,7 @@ from rgpu.remoting.datapath.backends.arrays import (DESC2D, DESC3D, HOST, MEMCPY
                                                     TEXTURE_DESC_SIZE, VIEW_DESC_SIZE, parse_copy, parse_desc)
 from rgpu.remoting.datapath.backends.base import (CDP_NOT_SUPPORTED, INVALID_IMAGE, INVALID_VALUE, NOT_FOUND,
                                                   PITCH_ALIGN_BYTES, SUCCESS, CudaError, LoadResult, SliceMemory)
+from rgpu.remoting.datapath.worker.client_handles import ClientEvents
 from rgpu.remoting.datapath.worker.codecs import (ALLOC, COPY, HEADER, LAUNCH, LAUNCH_ATTR_SIZE, MAX_MODULE_NODES,
                                                   MODULE_NODE, U32, U64, fn_bytes, fn_without_handle, lp, read_options,
                                                   take_str)
@@ -77,6 +78,7 @@ class Handlers:
     reserves: ContextReserves | None
     admitted: set[int]
     load_steps: dict[str, list[int]] | None = None   # RGPU_WORKER_PROFILE: time per module-load step
+    client_events: ClientEvents
 
     # ------------------------------------------------------------------ contexts
 
@@ -507,9 +509,22 @@ class Handlers:
         self._admit(f)
         off = LAUNCH.size
         attrs = bytes(p[off:off + nattrs * LAUNCH_ATTR_SIZE]) if nattrs else b""
+        if attrs:
+            attrs = self.client_events.launch_attrs(attrs, LAUNCH_ATTR_SIZE)
         off += nattrs * LAUNCH_ATTR_SIZE
         self.backend.launch(f, stream, (gx, gy, gz), (bx, by, bz), shmem, bool(coop), attrs,
                             p[off:off + argsize], address + off)
+
+    def h_event_create(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        """rgpuEventCreate (async): the driver's event for the handle the client already gave the
+        application (client_handles.py)."""
+        handle, flags = struct.unpack_from("<QI", p, 0)
+        try:
+            real = self.backend.event_create(flags)
+        except CudaError as exc:
+            raise self.client_events.creation_failed(handle, exc.code) from None
+        self.client_events.created(handle, real)
+        return SUCCESS, b""
 
     def h_potential_block_size(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         f, smem, limit, flags = struct.unpack_from("<QQiI", p, 0)

@@ -16,6 +16,7 @@ from rgpu.remoting.native.generated import api_gen
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.backends.base import (NOT_SUPPORTED, NVML_ERROR_NOT_SUPPORTED, OUT_OF_MEMORY, SUCCESS, UNKNOWN,
                                                   CudaError, SliceMemory)
+from rgpu.remoting.datapath.worker.client_handles import ClientEvents
 from rgpu.remoting.datapath.worker.codecs import HEADER, I32, LAUNCH, lp
 from rgpu.remoting.datapath.worker.faults import STICKY_ERRORS, SessionFaulted, default_message, wait_verdict, write_report
 from rgpu.remoting.datapath.worker.frames import FrameReader, FrameTooLarge
@@ -50,6 +51,10 @@ class Worker(Handlers):
         self.send_lock = threading.Lock()
         self.hostcalls = HostCalls(sock, self.reader, self.send_lock, backend)
         backend.host_calls = self.hostcalls
+        # The client's event handles -> the driver's (client_handles.py; the generated handlers
+        # find the table on the backend).
+        self.client_events = ClientEvents()
+        backend.client_events = self.client_events
         self.current_ctx: int | None = None
         self.vmm_refs: dict[int, int] = {}
         self.graph_allocs: dict[int, int] = {}   # graph memory address -> its accounting key
@@ -141,6 +146,7 @@ class Worker(Handlers):
             "cuLinkComplete": (self.h_link_complete, False),
             "cuLinkDestroy": (self.h_link_destroy, False),
             "cuLaunchKernel": (self.h_launch, True),
+            "rgpuEventCreate": (self.h_event_create, True),
             "rgpuParamInfo": (self.h_param_info, False),
             "rgpuOccupancyMaxPotentialBlockSize": (self.h_potential_block_size, False),
             "cuOccupancyMaxActiveClusters": (self.h_max_active_clusters, False),

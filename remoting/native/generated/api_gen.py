@@ -14,9 +14,9 @@ import ctypes
 import struct
 from typing import Any, Callable
 
-PROTOCOL_VERSION = 7
-CUDA_SPEC_SHA256 = "c1b86c51a81dda4cbfe258ff8f6bc88ff498b62cd6bd995f39af207af54e3aef"
-NVML_SPEC_SHA256 = "1d5c2a0e7408bce02644ce8c50b75c7d0e293907388c39e0427fbf6801cbb9c3"
+PROTOCOL_VERSION = 8
+CUDA_SPEC_SHA256 = "e61ea00ed14b67b98b062b6f4adf5a6cb381f13f1b86be8b988eebe79058c8d7"
+NVML_SPEC_SHA256 = "d85a206af20eadd91fda2666bfcf286b25794219f2a42f160c16799e3e8c94f2"
 
 _STRUCTS: dict[str, struct.Struct] = {}
 
@@ -40,6 +40,13 @@ def _lp(data: bytes) -> bytes:
 
 def _array(fmt: str, items: list[int]) -> bytes:
     return struct.pack(f"<I{len(items)}{fmt}", len(items), *items)
+
+
+def _event_in(api: Any, handle: int, call: str, take: bool = False) -> int:
+    """The driver's event behind a client-made handle (the worker's ClientEvents, set on the
+    backend as `client_events`; a backend driven without a worker gets the value unchanged)."""
+    events = getattr(api, "client_events", None)
+    return handle if events is None else events.real(handle, call, take)
 
 
 # Every operation on the wire, by opcode (hand-written "manual" ones included).
@@ -127,7 +134,7 @@ OPS: dict[int, str] = {
     112: "cuStreamGetCtx",
     113: "cuStreamGetId",
     114: "cuStreamGetDevice",
-    115: "cuEventCreate",
+    115: "rgpuEventCreate",
     116: "cuEventRecord",
     117: "cuEventRecordWithFlags",
     118: "cuEventQuery",
@@ -296,8 +303,8 @@ OPS: dict[int, str] = {
     1078: "nvmlDeviceGetPcieThroughput",
 }
 OPCODES: dict[str, int] = {name: op for op, name in OPS.items()}
-ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 87, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 109, 116, 117, 172, 173, 189, 190, 191, 192, })
-MANUAL_OPS: frozenset[str] = frozenset({ "cuInit", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuCtxDestroy_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuMemAllocAsync", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "rgpuMemcpy2DDevice", "cuPointerGetAttribute", "cuPointerGetAttributes", "cuModuleLoadDataEx", "cuModuleUnload", "cuModuleGetFunction", "cuLinkCreate_v2", "cuLinkAddData_v2", "cuLinkComplete", "cuLinkDestroy", "cuLibraryLoadData", "cuLibraryUnload", "cuLaunchKernel", "rgpuOccupancyMaxPotentialBlockSize", "cuOccupancyMaxActiveClusters", "rgpuParamInfo", "rgpuSessionInfo", "rgpuPrivateTableSize", "rgpuModuleNodes", "rgpuStreamCaptureInfo", "cuGraphGetNodes", "rgpuGraphAddNode", "rgpuGraphHostRefresh", "rgpuGraphHostReadback", "rgpuCaptureHostCopy", "rgpuGraphKernelNodeSetParams", "rgpuCaptureHostFunc", "rgpuGraphHostNode", "cuMemCreate", "cuMemRelease", "cuMemRetainAllocationHandle", "cuMemSetAccess", "cuArrayCreate_v2", "cuArray3DCreate_v2", "cuArrayDestroy", "cuMipmappedArrayCreate", "cuMipmappedArrayDestroy", "rgpuMemcpyArray", "rgpuMemcpyArrayToHost", "cuTexObjectCreate", })
+ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 87, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 109, 116, 117, 120, 172, 173, 189, 190, 191, 192, })
+MANUAL_OPS: frozenset[str] = frozenset({ "cuInit", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuCtxDestroy_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuMemAllocAsync", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "rgpuMemcpy2DDevice", "cuPointerGetAttribute", "cuPointerGetAttributes", "rgpuEventCreate", "cuModuleLoadDataEx", "cuModuleUnload", "cuModuleGetFunction", "cuLinkCreate_v2", "cuLinkAddData_v2", "cuLinkComplete", "cuLinkDestroy", "cuLibraryLoadData", "cuLibraryUnload", "cuLaunchKernel", "rgpuOccupancyMaxPotentialBlockSize", "cuOccupancyMaxActiveClusters", "rgpuParamInfo", "rgpuSessionInfo", "rgpuPrivateTableSize", "rgpuModuleNodes", "rgpuStreamCaptureInfo", "cuGraphGetNodes", "rgpuGraphAddNode", "rgpuGraphHostRefresh", "rgpuGraphHostReadback", "rgpuCaptureHostCopy", "rgpuGraphKernelNodeSetParams", "rgpuCaptureHostFunc", "rgpuGraphHostNode", "cuMemCreate", "cuMemRelease", "cuMemRetainAllocationHandle", "cuMemSetAccess", "cuArrayCreate_v2", "cuArray3DCreate_v2", "cuArrayDestroy", "cuMipmappedArrayCreate", "cuMipmappedArrayDestroy", "rgpuMemcpyArray", "rgpuMemcpyArrayToHost", "cuTexObjectCreate", })
 
 Handler = Callable[[Any, Any, int], tuple[int, bytes]]
 
@@ -499,11 +506,13 @@ def _h_cuCtxResetPersistingL2Cache(api: Any, buf: Any, off: int) -> tuple[int, b
 
 def _h_cuCtxRecordEvent(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hCtx, hEvent = _struct('<QQ').unpack_from(buf, off); off += 16
+    hEvent = _event_in(api, hEvent, 'cuCtxRecordEvent')
     res = api.cuCtxRecordEvent(hCtx, hEvent)
     return res[0], b""
 
 def _h_cuCtxWaitEvent(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hCtx, hEvent = _struct('<QQ').unpack_from(buf, off); off += 16
+    hEvent = _event_in(api, hEvent, 'cuCtxWaitEvent')
     res = api.cuCtxWaitEvent(hCtx, hEvent)
     return res[0], b""
 
@@ -625,6 +634,7 @@ def _h_cuStreamQuery(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
 
 def _h_cuStreamWaitEvent(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hStream, hEvent, Flags = _struct('<QQI').unpack_from(buf, off); off += 20
+    hEvent = _event_in(api, hEvent, 'cuStreamWaitEvent')
     res = api.cuStreamWaitEvent(hStream, hEvent, Flags)
     return res[0], b""
 
@@ -663,40 +673,40 @@ def _h_cuStreamGetDevice(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
         return res[0], b""
     return 0, _struct('<i').pack(res[1])
 
-def _h_cuEventCreate(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
-    Flags, = _struct('<I').unpack_from(buf, off); off += 4
-    res = api.cuEventCreate(Flags)
-    if res[0]:
-        return res[0], b""
-    return 0, _struct('<Q').pack(res[1])
-
 def _h_cuEventRecord(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hEvent, hStream = _struct('<QQ').unpack_from(buf, off); off += 16
+    hEvent = _event_in(api, hEvent, 'cuEventRecord')
     res = api.cuEventRecord(hEvent, hStream)
     return res[0], b""
 
 def _h_cuEventRecordWithFlags(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hEvent, hStream, flags = _struct('<QQI').unpack_from(buf, off); off += 20
+    hEvent = _event_in(api, hEvent, 'cuEventRecordWithFlags')
     res = api.cuEventRecordWithFlags(hEvent, hStream, flags)
     return res[0], b""
 
 def _h_cuEventQuery(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hEvent, = _struct('<Q').unpack_from(buf, off); off += 8
+    hEvent = _event_in(api, hEvent, 'cuEventQuery')
     res = api.cuEventQuery(hEvent)
     return res[0], b""
 
 def _h_cuEventSynchronize(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hEvent, = _struct('<Q').unpack_from(buf, off); off += 8
+    hEvent = _event_in(api, hEvent, 'cuEventSynchronize')
     res = api.cuEventSynchronize(hEvent)
     return res[0], b""
 
 def _h_cuEventDestroy_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hEvent, = _struct('<Q').unpack_from(buf, off); off += 8
+    hEvent = _event_in(api, hEvent, 'cuEventDestroy_v2', True)
     res = api.cuEventDestroy_v2(hEvent)
     return res[0], b""
 
 def _h_cuEventElapsedTime(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hStart, hEnd = _struct('<QQ').unpack_from(buf, off); off += 16
+    hStart = _event_in(api, hStart, 'cuEventElapsedTime')
+    hEnd = _event_in(api, hEnd, 'cuEventElapsedTime')
     res = api.cuEventElapsedTime(hStart, hEnd)
     if res[0]:
         return res[0], b""
@@ -704,6 +714,8 @@ def _h_cuEventElapsedTime(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
 
 def _h_cuEventElapsedTime_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hStart, hEnd = _struct('<QQ').unpack_from(buf, off); off += 16
+    hStart = _event_in(api, hStart, 'cuEventElapsedTime_v2')
+    hEnd = _event_in(api, hEnd, 'cuEventElapsedTime_v2')
     res = api.cuEventElapsedTime_v2(hStart, hEnd)
     if res[0]:
         return res[0], b""
@@ -1582,7 +1594,6 @@ GENERATED_HANDLERS: dict[int, tuple[str, Handler]] = {
     112: ("cuStreamGetCtx", _h_cuStreamGetCtx),
     113: ("cuStreamGetId", _h_cuStreamGetId),
     114: ("cuStreamGetDevice", _h_cuStreamGetDevice),
-    115: ("cuEventCreate", _h_cuEventCreate),
     116: ("cuEventRecord", _h_cuEventRecord),
     117: ("cuEventRecordWithFlags", _h_cuEventRecordWithFlags),
     118: ("cuEventQuery", _h_cuEventQuery),
@@ -1778,7 +1789,6 @@ CUDA_ARGTYPES: dict[str, list[Any]] = {
     "cuStreamGetCtx": [ctypes.c_void_p, ctypes.c_void_p],
     "cuStreamGetId": [ctypes.c_void_p, ctypes.c_void_p],
     "cuStreamGetDevice": [ctypes.c_void_p, ctypes.c_void_p],
-    "cuEventCreate": [ctypes.c_void_p, ctypes.c_uint],
     "cuEventRecord": [ctypes.c_void_p, ctypes.c_void_p],
     "cuEventRecordWithFlags": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint],
     "cuEventQuery": [ctypes.c_void_p],
@@ -2222,11 +2232,6 @@ class CudaDriverCalls:
         device_out = (ctypes.c_int)()
         r = self._fn_cuStreamGetDevice(hStream, ctypes.byref(device_out))
         return (r, device_out.value or 0)
-
-    def cuEventCreate(self, Flags):
-        phEvent_out = (ctypes.c_void_p)()
-        r = self._fn_cuEventCreate(ctypes.byref(phEvent_out), Flags)
-        return (r, phEvent_out.value or 0)
 
     def cuEventRecord(self, hEvent, hStream):
         r = self._fn_cuEventRecord(hEvent, hStream)

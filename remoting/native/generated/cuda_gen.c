@@ -272,22 +272,26 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx) 
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxSynchronize(void) {
+    uint64_t sync_seq_ = rgpu_event_clock();
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuCtxSynchronize);
     if (r != CUDA_SUCCESS) return r;
     r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) rgpu_ctx_synced(NULL, sync_seq_);
     rgpu_end(&c);
     if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxSynchronize_v2(CUcontext ctx) {
+    uint64_t sync_seq_ = rgpu_event_clock();
     rgpu_call c;
     uint64_t ctx_remote = 0;
     CUresult r = rgpu_begin_ctx(&c, RGPU_OP_cuCtxSynchronize_v2, ctx, &ctx_remote);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, ctx_remote);
     r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) rgpu_ctx_synced(ctx, sync_seq_);
     rgpu_end(&c);
     if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
@@ -446,16 +450,20 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxResetPersistingL2Cache(void) {
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxRecordEvent(CUcontext hCtx, CUevent hEvent) {
+    { CUresult r_ = rgpu_event_check(hEvent); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     uint64_t hCtx_remote = 0;
     CUresult r = rgpu_begin_ctx(&c, RGPU_OP_cuCtxRecordEvent, hCtx, &hCtx_remote);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, hCtx_remote);
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEvent);
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) rgpu_event_recorded(hEvent, RGPU_EVENT_WHOLE_CONTEXT);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxWaitEvent(CUcontext hCtx, CUevent hEvent) {
+    { CUresult r_ = rgpu_event_check(hEvent); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     uint64_t hCtx_remote = 0;
     CUresult r = rgpu_begin_ctx(&c, RGPU_OP_cuCtxWaitEvent, hCtx, &hCtx_remote);
@@ -711,29 +719,33 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamDestroy_v2(CUstream hStream) {
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuStreamSynchronize(CUstream hStream) {
+    uint64_t sync_seq_ = rgpu_event_clock();
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamSynchronize);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
     r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) rgpu_stream_synced(hStream, c.s->index, sync_seq_);
     rgpu_end(&c);
     if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuStreamQuery(CUstream hStream) {
+    uint64_t sync_seq_ = rgpu_event_clock();
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamQuery);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
     r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) rgpu_stream_synced(hStream, c.s->index, sync_seq_);
     rgpu_end(&c);
     if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags) {
-    { CUresult r_; if (rgpu_event_elsewhere(hEvent, &r_)) return r_; };
+    { CUresult r_ = rgpu_event_check(hEvent); if (r_ != CUDA_SUCCESS) return r_; if (rgpu_event_elsewhere(hEvent, &r_)) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamWaitEvent);
     if (r != CUDA_SUCCESS) return r;
@@ -823,77 +835,73 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamGetDevice(CUstream hStream, CUdevice *devic
     return r;
 }
 
-RGPU_EXPORT CUresult CUDAAPI cuEventCreate(CUevent *phEvent, unsigned int Flags) {
-    if (phEvent == NULL) return CUDA_ERROR_INVALID_VALUE;
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuEventCreate);
-    if (r != CUDA_SUCCESS) return r;
-    { uint32_t v_ = (uint32_t)Flags; rgpu_put(&c, &v_, 4); }
-    r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) {
-        { CUevent phEvent_v; memset(&phEvent_v, 0, sizeof phEvent_v); phEvent_v = (CUevent)(uintptr_t)rgpu_get_u64(&c); if (phEvent) *phEvent = phEvent_v; }
-    }
-    if (r == CUDA_SUCCESS) rgpu_event_session_put(*phEvent, c.s->index);
-    rgpu_end(&c);
-    return r;
-}
-
 RGPU_EXPORT CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream) {
+    { CUresult r_ = rgpu_event_check(hEvent); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuEventRecord);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEvent);
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) rgpu_event_recorded(hEvent, hStream);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuEventRecordWithFlags(CUevent hEvent, CUstream hStream, unsigned int flags) {
+    { CUresult r_ = rgpu_event_check(hEvent); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuEventRecordWithFlags);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEvent);
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
     { uint32_t v_ = (uint32_t)flags; rgpu_put(&c, &v_, 4); }
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) rgpu_event_recorded(hEvent, hStream);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuEventQuery(CUevent hEvent) {
+    uint64_t ev_seq_ = 0; { CUresult r_; if (rgpu_event_known(hEvent, &ev_seq_, &r_)) return r_; };
     rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuEventQuery);
+    CUresult r = rgpu_begin_event(&c, RGPU_OP_cuEventQuery, hEvent);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEvent);
     r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) rgpu_event_completed(hEvent, ev_seq_);
     rgpu_end(&c);
     if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuEventSynchronize(CUevent hEvent) {
+    uint64_t ev_seq_ = 0; { CUresult r_; if (rgpu_event_known(hEvent, &ev_seq_, &r_)) return r_; };
     rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuEventSynchronize);
+    CUresult r = rgpu_begin_event(&c, RGPU_OP_cuEventSynchronize, hEvent);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEvent);
     r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) rgpu_event_completed(hEvent, ev_seq_);
     rgpu_end(&c);
     if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuEventDestroy_v2(CUevent hEvent) {
+    { CUresult r_ = rgpu_event_destroying(hEvent); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuEventDestroy_v2);
+    CUresult r = rgpu_begin_event(&c, RGPU_OP_cuEventDestroy_v2, hEvent);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEvent);
-    r = rgpu_sync(&c);
+    r = rgpu_async(&c);
     rgpu_event_session_forget(hEvent);
-    rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd) {
     if (pMilliseconds == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { CUresult r_ = rgpu_event_check(hStart); if (r_ == CUDA_SUCCESS) r_ = rgpu_event_check(hEnd); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuEventElapsedTime);
+    CUresult r = rgpu_begin_event(&c, RGPU_OP_cuEventElapsedTime, hStart);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStart);
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEnd);
@@ -907,8 +915,9 @@ RGPU_EXPORT CUresult CUDAAPI cuEventElapsedTime(float *pMilliseconds, CUevent hS
 
 RGPU_EXPORT CUresult CUDAAPI cuEventElapsedTime_v2(float *pMilliseconds, CUevent hStart, CUevent hEnd) {
     if (pMilliseconds == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { CUresult r_ = rgpu_event_check(hStart); if (r_ == CUDA_SUCCESS) r_ = rgpu_event_check(hEnd); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuEventElapsedTime_v2);
+    CUresult r = rgpu_begin_event(&c, RGPU_OP_cuEventElapsedTime_v2, hStart);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStart);
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEnd);

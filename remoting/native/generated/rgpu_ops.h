@@ -2,8 +2,8 @@
 #ifndef RGPU_OPS_H
 #define RGPU_OPS_H
 
-#define RGPU_PROTOCOL_VERSION 7
-#define RGPU_CUDA_SPEC_SHA256 "c1b86c51a81dda4cbfe258ff8f6bc88ff498b62cd6bd995f39af207af54e3aef"
+#define RGPU_PROTOCOL_VERSION 8
+#define RGPU_CUDA_SPEC_SHA256 "e61ea00ed14b67b98b062b6f4adf5a6cb381f13f1b86be8b988eebe79058c8d7"
 
 enum rgpu_opcode {
     RGPU_OP_cuInit = 32,
@@ -89,7 +89,7 @@ enum rgpu_opcode {
     RGPU_OP_cuStreamGetCtx = 112,
     RGPU_OP_cuStreamGetId = 113,
     RGPU_OP_cuStreamGetDevice = 114,
-    RGPU_OP_cuEventCreate = 115,
+    RGPU_OP_rgpuEventCreate = 115,
     RGPU_OP_cuEventRecord = 116,
     RGPU_OP_cuEventRecordWithFlags = 117,
     RGPU_OP_cuEventQuery = 118,

@@ -336,6 +336,18 @@ void rgpu_pattr_forget(uint64_t base) {
 }
 void rgpu_pattr_forget_all(void) { clear(&g_pattr); }
 
+/* Synchronisations that finished (cuda_events.c): per (stream, slice) or context, the event
+ * clock at which the latest began. Only ever raised. */
+static table g_synced;
+uint64_t rgpu_synced_get(uint64_t k1, uint64_t k2) {
+    uint64_t v;
+    return get(&g_synced, k1, k2, 0, &v) ? v : 0;
+}
+void rgpu_synced_put(uint64_t k1, uint64_t k2, uint64_t seq) {
+    uint64_t v;
+    if (!get(&g_synced, k1, k2, 0, &v) || v < seq) put(&g_synced, k1, k2, 0, seq);
+}
+
 /* Stream queries (cuStreamGetFlags, GetPriority, GetCtx, GetDevice, GetId): fixed for a stream's
  * life. Keyed by (stream, slice, query); the special streams (NULL, legacy, per-thread) are never
  * cached (their answers follow the current context). Forgotten when the stream is destroyed, and

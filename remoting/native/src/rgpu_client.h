@@ -199,7 +199,24 @@ const void *rgpu_module_nodes_table(void);
 void rgpu_event_session_put(CUevent event, int session);
 void rgpu_event_session_forget(CUevent event);
 int rgpu_event_elsewhere(CUevent event, CUresult *result);
+/* Events made by the client (cuda_events.c): handles at once, creation and destruction
+ * pipelined, completion known without asking where a finished synchronisation covered it. */
+#define RGPU_EVENT_WHOLE_CONTEXT ((CUstream)(uintptr_t)~(uintptr_t)0)   /* cuCtxRecordEvent's "stream" */
+CUresult rgpu_event_check(CUevent event);
+CUresult rgpu_event_destroying(CUevent event);
+CUresult rgpu_begin_event(rgpu_call *c, uint16_t op, CUevent event);
+uint64_t rgpu_event_clock(void);
+void rgpu_event_recorded(CUevent event, CUstream stream);
+int rgpu_event_known(CUevent event, uint64_t *seq, CUresult *result);
+void rgpu_event_completed(CUevent event, uint64_t seq);
+void rgpu_stream_synced(CUstream stream, int session, uint64_t seq);
+void rgpu_ctx_synced(CUcontext ctx, uint64_t seq);
+void rgpu_events_reset_after_fork(void);
+/* Finished synchronisations by (stream, slice) or context: the clock each began at (cuda_cache.c). */
+uint64_t rgpu_synced_get(uint64_t k1, uint64_t k2);
+void rgpu_synced_put(uint64_t k1, uint64_t k2, uint64_t seq);
 /* Managed memory emulated in the client (managed.c). */
+int rgpu_managed_any(void);
 void rgpu_managed_before_call(uint16_t op);
 void rgpu_managed_sync_point(void);
 int rgpu_managed_find(CUdeviceptr p);
