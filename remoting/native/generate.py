@@ -338,6 +338,15 @@ AFTER_HOOKS = {
                                ("cuStreamGetDevice", "RGPU_STREAMQ_DEVICE", "device"),
                                ("cuStreamGetId", "RGPU_STREAMQ_ID", "streamId"))},
     "cuStreamDestroy_v2": "rgpu_stream_forget(hStream)",
+    **{name: f"if (r == CUDA_SUCCESS) rgpu_ctx_query_put({ctx}, {what}, (uint64_t)*{out})"
+       for name, ctx, what, out in (("cuCtxGetApiVersion", "ctx", "RGPU_CTXQ_API_VERSION", "version"),
+                                    ("cuCtxGetId", "ctx", "RGPU_CTXQ_ID", "ctxId"),
+                                    ("cuCtxGetFlags", "NULL", "RGPU_CTXQ_FLAGS", "flags"),
+                                    ("cuCtxGetCacheConfig", "NULL", "RGPU_CTXQ_CACHE_CONFIG", "pconfig"),
+                                    ("cuCtxGetSharedMemConfig", "NULL", "RGPU_CTXQ_SHARED_CONFIG", "pConfig"))},
+    "cuCtxGetStreamPriorityRange": ("if (r == CUDA_SUCCESS && leastPriority && greatestPriority) "
+                                    "rgpu_ctx_query_put(NULL, RGPU_CTXQ_PRIORITY_RANGE, "
+                                    "(uint64_t)(uint32_t)*leastPriority | (uint64_t)(uint32_t)*greatestPriority << 32)"),
     "cuKernelSetCacheConfig": "rgpu_cache_forget_functions()",
     "cuFuncSetCacheConfig": "rgpu_cache_forget_functions()",
     "cuDevicePrimaryCtxRelease_v2": "rgpu_pstate_forget()",
@@ -345,8 +354,8 @@ AFTER_HOOKS = {
     # array descriptors never change while the array lives (cuda_array.c)
     "cuArray3DGetDescriptor_v2": "if (r == CUDA_SUCCESS) rgpu_array_desc_put(c.s->index, hArray, pArrayDescriptor)",
     "cuMipmappedArrayGetLevel": "if (r == CUDA_SUCCESS) rgpu_array_level_put(*pLevelArray, hMipmappedArray)",
-    "cuDevicePrimaryCtxSetFlags_v2": "rgpu_pstate_forget()",
-    "cuCtxSetFlags": "rgpu_pstate_forget()",
+    "cuDevicePrimaryCtxSetFlags_v2": "rgpu_pstate_forget(); rgpu_ctx_query_forget()",
+    "cuCtxSetFlags": "rgpu_pstate_forget(); rgpu_ctx_query_forget()",
     "cuCtxSetCacheConfig": "rgpu_cache_forget_functions()",
     "cuCtxSetSharedMemConfig": "rgpu_cache_forget_functions()",
     "cuFuncSetSharedMemConfig": "rgpu_cache_forget_functions()",
@@ -408,6 +417,18 @@ BEFORE_HOOKS = {
     **{name: "uint64_t ev_seq_ = 0; { CUresult r_; if (rgpu_event_known(hEvent, &ev_seq_, &r_)) return r_; }"
        for name in ("cuEventQuery", "cuEventSynchronize")},
     "cuEventDestroy_v2": "{ CUresult r_ = rgpu_event_destroying(hEvent); if (r_ != CUDA_SUCCESS) return r_; }",
+    # context queries the client already holds the answer to (cuda_cache.c)
+    **{name: f"{{ uint64_t v_; if (rgpu_ctx_query_get({ctx}, {what}, &v_)) {{ *{out} = ({ctype})v_; return CUDA_SUCCESS; }} }}"
+       for name, ctx, what, out, ctype in (
+           ("cuCtxGetApiVersion", "ctx", "RGPU_CTXQ_API_VERSION", "version", "unsigned int"),
+           ("cuCtxGetId", "ctx", "RGPU_CTXQ_ID", "ctxId", "unsigned long long"),
+           ("cuCtxGetFlags", "NULL", "RGPU_CTXQ_FLAGS", "flags", "unsigned int"),
+           ("cuCtxGetCacheConfig", "NULL", "RGPU_CTXQ_CACHE_CONFIG", "pconfig", "CUfunc_cache"),
+           ("cuCtxGetSharedMemConfig", "NULL", "RGPU_CTXQ_SHARED_CONFIG", "pConfig", "CUsharedconfig"))},
+    "cuCtxGetStreamPriorityRange": ("{ uint64_t v_; if (rgpu_ctx_query_get(NULL, RGPU_CTXQ_PRIORITY_RANGE, &v_)) { "
+                                    "if (leastPriority) *leastPriority = (int)(uint32_t)v_; "
+                                    "if (greatestPriority) *greatestPriority = (int)(uint32_t)(v_ >> 32); "
+                                    "return CUDA_SUCCESS; } }"),
     **{name: "uint64_t sync_seq_ = rgpu_event_clock()" for name in (
         "cuStreamSynchronize", "cuStreamQuery", "cuCtxSynchronize", "cuCtxSynchronize_v2")},
     # a device-to-device copy between two slices (cudaMemcpy DeviceToDevice from cuda:0 to cuda:1)

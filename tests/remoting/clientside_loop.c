@@ -74,6 +74,10 @@ typedef struct answers {
     unsigned long long p[NPATTR], plural[NPATTR];
     unsigned int stream_flags;
     int stream_priority;
+    unsigned int ctx_flags, api_version;
+    unsigned long long ctx_id;
+    int least, greatest;
+    CUfunc_cache cache_config;
 } answers;
 
 /* One iteration's questions; `offset` moves the queried pointer inside the allocation. */
@@ -95,6 +99,11 @@ static void ask(CUfunction fn, CUdeviceptr buf, size_t offset, CUstream stream, 
     QUIET(cuPointerGetAttributes(NPATTR, (CUpointer_attribute *)pattrs, data, buf + offset));
     QUIET(cuStreamGetFlags(stream, &a->stream_flags));
     QUIET(cuStreamGetPriority(stream, &a->stream_priority));
+    QUIET(cuCtxGetFlags(&a->ctx_flags));
+    QUIET(cuCtxGetApiVersion(NULL, &a->api_version));
+    QUIET(cuCtxGetId(NULL, &a->ctx_id));
+    QUIET(cuCtxGetStreamPriorityRange(&a->least, &a->greatest));
+    QUIET(cuCtxGetCacheConfig(&a->cache_config));
 }
 
 static void compare(const answers *a, const answers *first, CUdeviceptr buf, size_t offset) {
@@ -112,6 +121,12 @@ static void compare(const answers *a, const answers *first, CUdeviceptr buf, siz
     }
     SAME("stream flags", a->stream_flags, first->stream_flags);
     SAME("stream priority", a->stream_priority, first->stream_priority);
+    SAME("context flags", a->ctx_flags, first->ctx_flags);
+    SAME("context API version", a->api_version, first->api_version);
+    SAME("context id", a->ctx_id, first->ctx_id);
+    SAME("least stream priority", a->least, first->least);
+    SAME("greatest stream priority", a->greatest, first->greatest);
+    SAME("cache config", a->cache_config, first->cache_config);
 }
 
 static int loop(CUfunction fn, CUdeviceptr buf, size_t words, int n) {
@@ -156,6 +171,15 @@ static int loop(CUfunction fn, CUdeviceptr buf, size_t words, int n) {
     CHECK("cuEventQuery after a new record", cuEventQuery(done));
     CHECK("cuEventDestroy_v2", cuEventDestroy_v2(done));
     CHECK("cuStreamDestroy_v2", cuStreamDestroy_v2(stream));
+    /* What the application sets is what it reads next (the kept answers are forgotten). */
+    unsigned int flags = 0;
+    CHECK("cuCtxSetFlags", cuCtxSetFlags(CU_CTX_SCHED_BLOCKING_SYNC));
+    CHECK("cuCtxGetFlags", cuCtxGetFlags(&flags));
+    CHECK("the flags just set", flags == CU_CTX_SCHED_BLOCKING_SYNC ? CUDA_SUCCESS : CUDA_ERROR_UNKNOWN);
+    int value = 0;
+    CHECK("cuFuncSetAttribute", cuFuncSetAttribute(fn, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, 65536));
+    CHECK("cuFuncGetAttribute", cuFuncGetAttribute(&value, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, fn));
+    CHECK("the attribute just set", value == 65536 ? CUDA_SUCCESS : CUDA_ERROR_UNKNOWN);
     return 0;
 }
 

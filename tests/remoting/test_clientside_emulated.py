@@ -55,7 +55,10 @@ def test_a_loop_of_queries_events_and_memsets_makes_no_round_trip_per_iteration(
                    if p.sync_calls}
     assert all(a == b for a, b in round_trips.values()), round_trips
     # The first answers travelled once each; the loop's events, memsets and destructions are pipelined.
-    assert many["cuFuncGetAttribute"].sync_calls == 10
+    assert many["cuFuncGetAttribute"].sync_calls == 10 + 1   # and once after cuFuncSetAttribute
+    for name in ("cuCtxGetFlags", "cuCtxGetApiVersion", "cuCtxGetId", "cuCtxGetStreamPriorityRange",
+                 "cuCtxGetCacheConfig", "cuStreamGetFlags", "cuStreamGetPriority"):
+        assert many[name].sync_calls == (2 if name == "cuCtxGetFlags" else 1), name   # flags: again after a set
     assert many["cuPointerGetAttribute"].sync_calls == 6
     assert "cuPointerGetAttributes" not in many   # the single queries' answers serve the plural one
     assert many["cuOccupancyAvailableDynamicSMemPerBlock"].sync_calls == 1

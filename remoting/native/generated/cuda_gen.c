@@ -236,7 +236,7 @@ RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigne
     rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
     { uint32_t v_ = (uint32_t)flags; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
-    rgpu_pstate_forget();
+    rgpu_pstate_forget(); rgpu_ctx_query_forget();
     rgpu_end(&c);
     return r;
 }
@@ -299,6 +299,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSynchronize_v2(CUcontext ctx) {
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxGetApiVersion(CUcontext ctx, unsigned int *version) {
     if (version == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_ctx_query_get(ctx, RGPU_CTXQ_API_VERSION, &v_)) { *version = (unsigned int)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     uint64_t ctx_remote = 0;
     CUresult r = rgpu_begin_ctx(&c, RGPU_OP_cuCtxGetApiVersion, ctx, &ctx_remote);
@@ -308,12 +309,14 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetApiVersion(CUcontext ctx, unsigned int *ver
     if (r == CUDA_SUCCESS) {
         { unsigned int version_v; memset(&version_v, 0, sizeof version_v); { uint32_t v_; rgpu_get(&c, &v_, sizeof v_); version_v = (unsigned int)v_; } if (version) *version = version_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_ctx_query_put(ctx, RGPU_CTXQ_API_VERSION, (uint64_t)*version);
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxGetFlags(unsigned int *flags) {
     if (flags == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_ctx_query_get(NULL, RGPU_CTXQ_FLAGS, &v_)) { *flags = (unsigned int)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuCtxGetFlags);
     if (r != CUDA_SUCCESS) return r;
@@ -321,6 +324,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetFlags(unsigned int *flags) {
     if (r == CUDA_SUCCESS) {
         { unsigned int flags_v; memset(&flags_v, 0, sizeof flags_v); { uint32_t v_; rgpu_get(&c, &v_, sizeof v_); flags_v = (unsigned int)v_; } if (flags) *flags = flags_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_ctx_query_put(NULL, RGPU_CTXQ_FLAGS, (uint64_t)*flags);
     rgpu_end(&c);
     return r;
 }
@@ -331,13 +335,14 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSetFlags(unsigned int flags) {
     if (r != CUDA_SUCCESS) return r;
     { uint32_t v_ = (uint32_t)flags; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
-    rgpu_pstate_forget();
+    rgpu_pstate_forget(); rgpu_ctx_query_forget();
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxGetId(CUcontext ctx, unsigned long long *ctxId) {
     if (ctxId == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_ctx_query_get(ctx, RGPU_CTXQ_ID, &v_)) { *ctxId = (unsigned long long)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     uint64_t ctx_remote = 0;
     CUresult r = rgpu_begin_ctx(&c, RGPU_OP_cuCtxGetId, ctx, &ctx_remote);
@@ -347,6 +352,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetId(CUcontext ctx, unsigned long long *ctxId
     if (r == CUDA_SUCCESS) {
         { unsigned long long ctxId_v; memset(&ctxId_v, 0, sizeof ctxId_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); ctxId_v = (unsigned long long)v_; } if (ctxId) *ctxId = ctxId_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_ctx_query_put(ctx, RGPU_CTXQ_ID, (uint64_t)*ctxId);
     rgpu_end(&c);
     return r;
 }
@@ -381,6 +387,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSetLimit(CUlimit limit, size_t value) {
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxGetCacheConfig(CUfunc_cache *pconfig) {
     if (pconfig == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_ctx_query_get(NULL, RGPU_CTXQ_CACHE_CONFIG, &v_)) { *pconfig = (CUfunc_cache)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuCtxGetCacheConfig);
     if (r != CUDA_SUCCESS) return r;
@@ -388,6 +395,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetCacheConfig(CUfunc_cache *pconfig) {
     if (r == CUDA_SUCCESS) {
         { CUfunc_cache pconfig_v; memset(&pconfig_v, 0, sizeof pconfig_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); pconfig_v = (CUfunc_cache)v_; } if (pconfig) *pconfig = pconfig_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_ctx_query_put(NULL, RGPU_CTXQ_CACHE_CONFIG, (uint64_t)*pconfig);
     rgpu_end(&c);
     return r;
 }
@@ -405,6 +413,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSetCacheConfig(CUfunc_cache config) {
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxGetSharedMemConfig(CUsharedconfig *pConfig) {
     if (pConfig == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_ctx_query_get(NULL, RGPU_CTXQ_SHARED_CONFIG, &v_)) { *pConfig = (CUsharedconfig)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuCtxGetSharedMemConfig);
     if (r != CUDA_SUCCESS) return r;
@@ -412,6 +421,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetSharedMemConfig(CUsharedconfig *pConfig) {
     if (r == CUDA_SUCCESS) {
         { CUsharedconfig pConfig_v; memset(&pConfig_v, 0, sizeof pConfig_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); pConfig_v = (CUsharedconfig)v_; } if (pConfig) *pConfig = pConfig_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_ctx_query_put(NULL, RGPU_CTXQ_SHARED_CONFIG, (uint64_t)*pConfig);
     rgpu_end(&c);
     return r;
 }
@@ -428,6 +438,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSetSharedMemConfig(CUsharedconfig config) {
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxGetStreamPriorityRange(int *leastPriority, int *greatestPriority) {
+    { uint64_t v_; if (rgpu_ctx_query_get(NULL, RGPU_CTXQ_PRIORITY_RANGE, &v_)) { if (leastPriority) *leastPriority = (int)(uint32_t)v_; if (greatestPriority) *greatestPriority = (int)(uint32_t)(v_ >> 32); return CUDA_SUCCESS; } };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuCtxGetStreamPriorityRange);
     if (r != CUDA_SUCCESS) return r;
@@ -436,6 +447,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetStreamPriorityRange(int *leastPriority, int
         { int leastPriority_v; memset(&leastPriority_v, 0, sizeof leastPriority_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); leastPriority_v = (int)v_; } if (leastPriority) *leastPriority = leastPriority_v; }
         { int greatestPriority_v; memset(&greatestPriority_v, 0, sizeof greatestPriority_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); greatestPriority_v = (int)v_; } if (greatestPriority) *greatestPriority = greatestPriority_v; }
     }
+    if (r == CUDA_SUCCESS && leastPriority && greatestPriority) rgpu_ctx_query_put(NULL, RGPU_CTXQ_PRIORITY_RANGE, (uint64_t)(uint32_t)*leastPriority | (uint64_t)(uint32_t)*greatestPriority << 32);
     rgpu_end(&c);
     return r;
 }

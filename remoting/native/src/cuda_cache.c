@@ -214,6 +214,7 @@ void rgpu_cache_forget_functions(void) {
     clear(&g_fattr);
     forget_streams();
     rgpu_pattr_forget_all();
+    rgpu_ctx_query_forget();
     rgpu_cache_forget_occupancy();
 }
 
@@ -347,6 +348,21 @@ void rgpu_synced_put(uint64_t k1, uint64_t k2, uint64_t seq) {
     uint64_t v;
     if (!get(&g_synced, k1, k2, 0, &v) || v < seq) put(&g_synced, k1, k2, 0, seq);
 }
+
+/* Context queries (cuCtxGetApiVersion, GetId, GetFlags, GetCacheConfig, GetSharedMemConfig,
+ * GetStreamPriorityRange): per client context (NULL: the current one), changed only by this
+ * process's own set calls, which empty the table, as a context's end does. */
+static table g_ctxq;
+int rgpu_ctx_query_get(CUcontext ctx, int what, uint64_t *out) {
+    rgpu_ctx *x = ctx ? rgpu_ctx_lookup(ctx) : rgpu_ctx_current();
+    if (!x || x->destroyed) return 0;
+    return get(&g_ctxq, (uint64_t)(uintptr_t)x, (uint64_t)what, 0, out);
+}
+void rgpu_ctx_query_put(CUcontext ctx, int what, uint64_t value) {
+    rgpu_ctx *x = ctx ? rgpu_ctx_lookup(ctx) : rgpu_ctx_current();
+    if (x && !x->destroyed) put(&g_ctxq, (uint64_t)(uintptr_t)x, (uint64_t)what, 0, value);
+}
+void rgpu_ctx_query_forget(void) { clear(&g_ctxq); }
 
 /* Stream queries (cuStreamGetFlags, GetPriority, GetCtx, GetDevice, GetId): fixed for a stream's
  * life. Keyed by (stream, slice, query); the special streams (NULL, legacy, per-thread) are never

@@ -191,6 +191,11 @@ enum { RGPU_STREAMQ_FLAGS, RGPU_STREAMQ_PRIORITY, RGPU_STREAMQ_CTX, RGPU_STREAMQ
 int rgpu_stream_query_get(CUstream s, int what, uint64_t *out);
 void rgpu_stream_query_put(CUstream s, int what, uint64_t value);
 void rgpu_stream_forget(CUstream s);
+enum { RGPU_CTXQ_API_VERSION, RGPU_CTXQ_ID, RGPU_CTXQ_FLAGS, RGPU_CTXQ_CACHE_CONFIG, RGPU_CTXQ_SHARED_CONFIG,
+       RGPU_CTXQ_PRIORITY_RANGE };
+int rgpu_ctx_query_get(CUcontext ctx, int what, uint64_t *out);
+void rgpu_ctx_query_put(CUcontext ctx, int what, uint64_t value);
+void rgpu_ctx_query_forget(void);
 /* Function nodes of private table 6e163fbe (module_nodes.c) and the worker's nodes they stand for. */
 void rgpu_fn_private_put(void *node, uint64_t remote);
 CUfunction rgpu_fn_remote(CUfunction f);
