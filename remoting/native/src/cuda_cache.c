@@ -191,6 +191,7 @@ static void forget_kernel_functions(CUkernel k) {
 
 void rgpu_fattr_changed(CUfunction f) {
     forget_first_key(&g_fattr, (uint64_t)(uintptr_t)f);
+    forget_kernel_functions((CUkernel)f);   /* a CUkernel set through cuFuncSetAttribute */
     uint64_t kernels[16];
     int n = 0, unknown = 1;
     pthread_mutex_lock(&g_lock);
@@ -223,14 +224,20 @@ void rgpu_cache_forget_functions(void) {
  * on the first answer; cuFuncSetAttribute forgets that function's answers (and the occupancy
  * answers), cuKernelSetAttribute those of the kernel's functions, a cache-config, shared-memory
  * or limit change, an unload or a context's end all of them. */
+/* A library's kernel used as a function serves every slice (library_mirror.c): keyed by slice too. */
+static uint64_t current_session(void) {
+    if (rgpu_session_count < 2) return 0;
+    rgpu_ctx *cur = rgpu_ctx_current();
+    return cur ? (uint64_t)cur->session : 0;
+}
 int rgpu_fattr_get(CUfunction f, int attrib, int *out) {
     uint64_t v;
-    if (!get(&g_fattr, (uint64_t)(uintptr_t)f, (uint64_t)attrib, 0, &v)) return 0;
+    if (!get(&g_fattr, (uint64_t)(uintptr_t)f, (uint64_t)attrib, current_session(), &v)) return 0;
     *out = (int)v;
     return 1;
 }
 void rgpu_fattr_put(CUfunction f, int attrib, int value) {
-    put(&g_fattr, (uint64_t)(uintptr_t)f, (uint64_t)attrib, 0, (uint64_t)(uint32_t)value);
+    put(&g_fattr, (uint64_t)(uintptr_t)f, (uint64_t)attrib, current_session(), (uint64_t)(uint32_t)value);
 }
 
 /* cuDeviceGetAttribute: a device's attributes do not change. */
