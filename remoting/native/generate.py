@@ -152,6 +152,8 @@ EVENT_ROUTED = {"cuEventQuery": "hEvent", "cuEventSynchronize": "hEvent", "cuEve
 def c_route(f: Function) -> str:
     r = f.route
     op = f"RGPU_OP_{f.name}"
+    if r is None and f.name == "cuStreamDestroy_v2":
+        return f"rgpu_begin_stream(&c, {op}, hStream)"
     if r is None and f.name in EVENT_ROUTED:
         # the slice that holds the event (client-made handles know theirs), whatever is current
         return f"rgpu_begin_event(&c, {op}, {EVENT_ROUTED[f.name]})"
@@ -206,12 +208,13 @@ def plan_py(f: Function) -> PyPlan:
         else:
             group.append((n, p.wire.fmt))
     flush()
-    # Events are the client's handles (protocol 8): the worker's table gives the driver's.
+    # Events and streams are the client's handles (protocol 8): the worker's tables give the driver's.
     for p in f.inputs:
-        if p.ctype == "CUevent" and not p.pointer:
+        if p.ctype in ("CUevent", "CUstream") and not p.pointer:
             n = _py_name(p.name)
-            take = ", True" if f.name == "cuEventDestroy_v2" else ""
-            decode.append(f"{n} = _event_in(api, {n}, {f.name!r}{take})")
+            kind = "event" if p.ctype == "CUevent" else "stream"
+            take = ", True" if f.name in ("cuEventDestroy_v2", "cuStreamDestroy_v2") else ""
+            decode.append(f"{n} = _{kind}_in(api, {n}, {f.name!r}{take})")
 
     encode: list[str] = []
     outs = f.outputs
@@ -417,6 +420,7 @@ BEFORE_HOOKS = {
     **{name: "uint64_t ev_seq_ = 0; { CUresult r_; if (rgpu_event_known(hEvent, &ev_seq_, &r_)) return r_; }"
        for name in ("cuEventQuery", "cuEventSynchronize")},
     "cuEventDestroy_v2": "{ CUresult r_ = rgpu_event_destroying(hEvent); if (r_ != CUDA_SUCCESS) return r_; }",
+    "cuStreamDestroy_v2": "{ CUresult r_ = rgpu_stream_destroying(hStream); if (r_ != CUDA_SUCCESS) return r_; }",
     # context queries the client already holds the answer to (cuda_cache.c)
     **{name: f"{{ uint64_t v_; if (rgpu_ctx_query_get({ctx}, {what}, &v_)) {{ *{out} = ({ctype})v_; return CUDA_SUCCESS; }} }}"
        for name, ctx, what, out, ctype in (

@@ -158,6 +158,11 @@ static int loop(CUfunction fn, CUdeviceptr buf, size_t words, int n) {
         compare(&now, &first, buf, (size_t)(i % 64) * 4);
         QUIET(cuMemsetD32Async(buf, (unsigned int)i, words, stream));
         QUIET(cuMemsetD8Async(buf + words * 4, (unsigned char)i, 16, stream));
+        CUstream side;                                  /* a stream made, used and destroyed */
+        QUIET(cuStreamCreate(&side, CU_STREAM_NON_BLOCKING));
+        QUIET(cuStreamWaitEvent(side, done, 0));
+        QUIET(cuMemsetD8Async(buf + words * 4 + 16, (unsigned char)i, 16, side));
+        QUIET(cuStreamDestroy_v2(side));
     }
     CHECK("cuStreamSynchronize after the loop", cuStreamSynchronize(stream));
     unsigned int *host = malloc(words * 4);
@@ -199,6 +204,24 @@ static void destroyed(void) {
     WANT("the old handle", CUDA_ERROR_INVALID_HANDLE, cuEventRecord(e, NULL));
     printf("HANDLES %s\n", e != f ? "differ" : "equal");
     CHECK("cuCtxSynchronize: nothing failed on the worker", cuCtxSynchronize());
+    /* Streams: a destroyed stream's destruction is refused at once; work queued on it (pipelined)
+     * fails the next synchronising call, which names the call; the session goes on. */
+    CUstream s;
+    CHECK("cuStreamCreate", cuStreamCreate(&s, 0));
+    CHECK("cuStreamDestroy_v2", cuStreamDestroy_v2(s));
+    WANT("cuStreamDestroy_v2 twice", CUDA_ERROR_INVALID_HANDLE, cuStreamDestroy_v2(s));
+    WANT("cuStreamCreate with bad flags", CUDA_ERROR_INVALID_VALUE, cuStreamCreate(&s, 0x10));
+    CUdeviceptr p;
+    CHECK("cuMemAlloc", cuMemAlloc(&p, 64));
+    CHECK("cuMemsetD8Async on the destroyed stream (pipelined)", cuMemsetD8Async(p, 1, 64, s));
+    WANT("cuCtxSynchronize reports it", CUDA_ERROR_INVALID_HANDLE, cuCtxSynchronize());
+    WANT("cuStreamSynchronize of the destroyed stream", CUDA_ERROR_INVALID_HANDLE, cuStreamSynchronize(s));
+    CHECK("cuCtxSynchronize: the session goes on", cuCtxSynchronize());
+    int priority = 1;
+    CHECK("cuStreamCreateWithPriority", cuStreamCreateWithPriority(&s, 0, -3));
+    CHECK("cuStreamGetPriority", cuStreamGetPriority(s, &priority));
+    printf("PRIORITY %d\n", priority);
+    CHECK("cuStreamDestroy_v2", cuStreamDestroy_v2(s));
     float ms = -1;
     CUevent g;
     CHECK("cuEventCreate timed", cuEventCreate(&g, 0));

@@ -14,6 +14,7 @@ import pytest
 from rgpu.remoting.native import build, client_stats
 
 from tests.remoting.conftest import CUDA_INCLUDE, EXAMPLES, Server, run_client
+from tests.remoting.test_cuda_backend_chained import chained  # noqa: F401 - the fixture
 
 HERE = Path(__file__).parent
 
@@ -66,6 +67,8 @@ def test_a_loop_of_queries_events_and_memsets_makes_no_round_trip_per_iteration(
     assert many["rgpuEventCreate"].async_calls == 300 + 1 and many["rgpuEventCreate"].sync_calls == 0
     assert many["cuEventDestroy_v2"].async_calls == 300 + 1
     assert many["cuMemsetD32Async"].async_calls == 300
+    assert "cuStreamCreate" not in many and "cuStreamCreateWithPriority" not in many
+    assert many["rgpuStreamCreate"].async_calls == 300 + 1 and many["cuStreamDestroy_v2"].async_calls == 300 + 1
     # Only the query of an event recorded again after the loop's last synchronisation travelled.
     assert many["cuEventQuery"].sync_calls == 1
     assert "cuEventSynchronize" not in many or many["cuEventSynchronize"].sync_calls == 0
@@ -74,12 +77,15 @@ def test_a_loop_of_queries_events_and_memsets_makes_no_round_trip_per_iteration(
     print(client_stats.render({i: p for i, p in enumerate(many.values())}, 0))
 
 
-def test_a_destroyed_event_is_refused_at_once_and_the_session_goes_on(
+def test_destroyed_events_and_streams_are_refused_and_the_session_goes_on(
         native_libs: build.Libraries, emulated: Server, loop_binary: Path) -> None:
     done = run_client(native_libs, emulated.slices(emulated.token()), [str(loop_binary), str(EXAMPLES / "vecadd.ptx"),
                       "destroyed"])
     assert "DONE 0 failure(s)" in done.stdout, done.stdout + done.stderr
-    assert "HANDLES differ" in done.stdout and "ELAPSED ok" in done.stdout
+    assert "HANDLES differ" in done.stdout and "ELAPSED ok" in done.stdout and "PRIORITY -3" in done.stdout
+    # Work queued on a destroyed stream fails late, and the line names the call.
+    assert "rgpu: worker: cuMemsetD8Async: stream 0x7d" in done.stderr, done.stderr
+    assert "does not exist (destroyed, or made by another process or slice)" in done.stderr
 
 
 def test_an_event_the_worker_could_not_create_fails_the_next_synchronising_call(
@@ -92,3 +98,14 @@ def test_an_event_the_worker_could_not_create_fails_the_next_synchronising_call(
     assert "rgpu: worker: cuEventCreate (event 0x7e" in done.stderr, done.stderr
     assert "failed on the GPU server with CUDA_ERROR_OUT_OF_MEMORY" in done.stderr
     assert "cuEventQuery: event 0x7e" in done.stderr and "its cuEventCreate failed with CUDA_ERROR_OUT_OF_MEMORY" in done.stderr
+
+
+@pytest.mark.parametrize("mode", [["loop", "50"], ["destroyed"]], ids=["loop", "destroyed"])
+def test_the_real_gpu_backend_serves_client_made_events_and_streams(native_libs: build.Libraries, loop_binary: Path,
+                                                                    chained: Server,  # noqa: F811
+                                                                    mode: list[str]) -> None:
+    # backends/cuda.py's event and stream creation and the generated calls' translation, with rgpu's
+    # own libcuda (talking to an emulated worker) as "the driver" (test_cuda_backend_chained.py).
+    done = run_client(native_libs, chained.slices(chained.token(memory_limit=1 << 30)),
+                      [str(loop_binary), str(EXAMPLES / "vecadd.ptx"), *mode])
+    assert "DONE 0 failure(s)" in done.stdout, done.stdout + done.stderr

@@ -29,8 +29,8 @@ SPEC_HASHES = {
         "c48f9d345878824fa1002d6055eccdbcf2e821559763aa89c0d36eba18d3034f"),  # CUDA arrays, texture and surface objects
     7: ("c1b86c51a81dda4cbfe258ff8f6bc88ff498b62cd6bd995f39af207af54e3aef",
         "1d5c2a0e7408bce02644ce8c50b75c7d0e293907388c39e0427fbf6801cbb9c3"),  # module loads name large images by SHA-256 (the node's image cache)
-    8: ("e61ea00ed14b67b98b062b6f4adf5a6cb381f13f1b86be8b988eebe79058c8d7",
-        "d85a206af20eadd91fda2666bfcf286b25794219f2a42f160c16799e3e8c94f2"),  # client-made events (rgpuEventCreate, cuEventDestroy_v2 async)
+    8: ("ab41f958eb2959fb582665da1db3b847627156573a54a2d61d8c757f102b1f1f",
+        "d85a206af20eadd91fda2666bfcf286b25794219f2a42f160c16799e3e8c94f2"),  # client-made events and streams (rgpuEventCreate, rgpuStreamCreate; destruction async)
 }
 
 

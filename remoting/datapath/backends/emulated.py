@@ -833,6 +833,15 @@ class EmulatedBackend:
         self.streams[h] = (flags, priority)
         return (SUCCESS, h)
 
+    def stream_create(self, flags: int, priority: int) -> int:
+        """rgpuStreamCreate: the stream behind a client's handle (worker/client_handles.py)."""
+        if flags & ~0x1:
+            raise CudaError(INVALID_VALUE)
+        r, h = self.cuStreamCreateWithPriority(flags, priority)
+        if r != SUCCESS:
+            raise CudaError(r)
+        return h
+
     def _stream_ok(self, s: int) -> bool:
         return s in (0, 1, 2) or s in self.streams
 

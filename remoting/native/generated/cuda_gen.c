@@ -690,43 +690,14 @@ RGPU_EXPORT CUresult CUDAAPI cuPointerSetAttribute(const int *value, CUpointer_a
     return r;
 }
 
-RGPU_EXPORT CUresult CUDAAPI cuStreamCreate(CUstream *phStream, unsigned int Flags) {
-    if (phStream == NULL) return CUDA_ERROR_INVALID_VALUE;
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamCreate);
-    if (r != CUDA_SUCCESS) return r;
-    { uint32_t v_ = (uint32_t)Flags; rgpu_put(&c, &v_, 4); }
-    r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) {
-        { CUstream phStream_v; memset(&phStream_v, 0, sizeof phStream_v); phStream_v = (CUstream)(uintptr_t)rgpu_get_u64(&c); if (phStream) *phStream = phStream_v; }
-    }
-    rgpu_end(&c);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority) {
-    if (phStream == NULL) return CUDA_ERROR_INVALID_VALUE;
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamCreateWithPriority);
-    if (r != CUDA_SUCCESS) return r;
-    { uint32_t v_ = (uint32_t)flags; rgpu_put(&c, &v_, 4); }
-    { int32_t v_ = (int32_t)priority; rgpu_put(&c, &v_, 4); }
-    r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) {
-        { CUstream phStream_v; memset(&phStream_v, 0, sizeof phStream_v); phStream_v = (CUstream)(uintptr_t)rgpu_get_u64(&c); if (phStream) *phStream = phStream_v; }
-    }
-    rgpu_end(&c);
-    return r;
-}
-
 RGPU_EXPORT CUresult CUDAAPI cuStreamDestroy_v2(CUstream hStream) {
+    { CUresult r_ = rgpu_stream_destroying(hStream); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamDestroy_v2);
+    CUresult r = rgpu_begin_stream(&c, RGPU_OP_cuStreamDestroy_v2, hStream);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
-    r = rgpu_sync(&c);
+    r = rgpu_async(&c);
     rgpu_stream_forget(hStream);
-    rgpu_end(&c);
     return r;
 }
 

@@ -1,4 +1,4 @@
-/* Events made by the client (protocol 8).
+/* Events and streams made by the client (protocol 8).
  *
  * cuDNN's RNN path creates and destroys ~180 events per batch and PyTorch's caching host allocator
  * polls cuEventQuery once per pinned block it reuses: as round trips these cost an LSTM epoch
@@ -30,6 +30,7 @@
 /* A handle: tag | generation (24 bits) | slot index + 1 (32 bits). The generation tells a
  * destroyed handle from the live one that reuses its slot; freed slots are reused oldest first. */
 #define EV_TAG 0x7e00000000000000ull
+#define ST_TAG 0x7d00000000000000ull
 #define EV_TAG_MASK 0xff00000000000000ull
 #define EV_GEN_MASK 0xffffffu
 
@@ -45,56 +46,84 @@ typedef struct ev_slot {
     uint32_t next_free;     /* index + 1 of the next free slot (0: none) */
 } ev_slot;
 
+/* Events and streams each have a table of slots (streams use only gen, live and session). */
+typedef struct handle_table {
+    uint64_t tag;
+    ev_slot *slots;
+    uint32_t n, cap, free_head, free_tail;
+} handle_table;
+
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
-static ev_slot *g_slots;
-static uint32_t g_nslots, g_cap, g_free_head, g_free_tail;
+static handle_table g_events = {EV_TAG, NULL, 0, 0, 0, 0};
+static handle_table g_streams = {ST_TAG, NULL, 0, 0, 0, 0};
 static uint64_t g_clock;
 
 /* cuEventDestroy_v2 frees the slot before its frame is routed: the slice it goes to is kept here. */
 static __thread uint64_t tl_dying_handle;
 static __thread int tl_dying_session;
 
-static uint64_t handle_of(uint32_t index, uint32_t gen) {
-    return EV_TAG | ((uint64_t)(gen & EV_GEN_MASK) << 32) | (uint64_t)(index + 1);
+static uint64_t handle_of(const handle_table *t, uint32_t index, uint32_t gen) {
+    return t->tag | ((uint64_t)(gen & EV_GEN_MASK) << 32) | (uint64_t)(index + 1);
 }
 
 /* The live slot of a handle (the lock is held), or NULL. */
-static ev_slot *slot_of(CUevent event) {
-    uint64_t h = (uint64_t)(uintptr_t)event;
-    if ((h & EV_TAG_MASK) != EV_TAG) return NULL;
+static ev_slot *slot_in(handle_table *t, uint64_t h) {
+    if ((h & EV_TAG_MASK) != t->tag) return NULL;
     uint32_t index = (uint32_t)(h & 0xffffffffu);
-    if (index == 0 || index > g_nslots) return NULL;
-    ev_slot *e = &g_slots[index - 1];
+    if (index == 0 || index > t->n) return NULL;
+    ev_slot *e = &t->slots[index - 1];
     return e->live && e->gen == ((h >> 32) & EV_GEN_MASK) ? e : NULL;
 }
+static ev_slot *slot_of(CUevent event) { return slot_in(&g_events, (uint64_t)(uintptr_t)event); }
 
-static int take_slot(uint32_t *index) {
-    if (g_free_head) {
-        *index = g_free_head - 1;
-        g_free_head = g_slots[*index].next_free;
-        if (!g_free_head) g_free_tail = 0;
+static int take_slot(handle_table *t, uint32_t *index) {
+    if (t->free_head) {
+        *index = t->free_head - 1;
+        t->free_head = t->slots[*index].next_free;
+        if (!t->free_head) t->free_tail = 0;
         return 0;
     }
-    if (g_nslots == g_cap) {
-        uint32_t cap = g_cap ? g_cap * 2 : 1024;
-        ev_slot *n = realloc(g_slots, (size_t)cap * sizeof *n);
+    if (t->n == t->cap) {
+        uint32_t cap = t->cap ? t->cap * 2 : 1024;
+        ev_slot *n = realloc(t->slots, (size_t)cap * sizeof *n);
         if (!n) return -1;
-        g_slots = n;
-        g_cap = cap;
+        t->slots = n;
+        t->cap = cap;
     }
-    *index = g_nslots;
-    g_slots[g_nslots++].gen = 0;
+    *index = t->n;
+    t->slots[t->n++].gen = 0;
     return 0;
 }
 
-static void free_slot(uint32_t index) {
-    ev_slot *e = &g_slots[index];
+static void free_slot(handle_table *t, uint32_t index) {
+    ev_slot *e = &t->slots[index];
     e->live = 0;
     e->gen = (e->gen + 1) & EV_GEN_MASK;
     e->next_free = 0;
-    if (g_free_tail) g_slots[g_free_tail - 1].next_free = index + 1;
-    else g_free_head = index + 1;
-    g_free_tail = index + 1;
+    if (t->free_tail) t->slots[t->free_tail - 1].next_free = index + 1;
+    else t->free_head = index + 1;
+    t->free_tail = index + 1;
+}
+
+/* A new live slot for the current context's slice; 0 when out of memory. */
+static uint64_t new_handle(handle_table *t, int session, uint32_t *index) {
+    pthread_mutex_lock(&g_lock);
+    if (take_slot(t, index)) {
+        pthread_mutex_unlock(&g_lock);
+        return 0;
+    }
+    ev_slot *e = &t->slots[*index];
+    uint32_t gen = e->gen;
+    *e = (ev_slot){.gen = gen, .live = 1, .session = session};
+    uint64_t handle = handle_of(t, *index, gen);
+    pthread_mutex_unlock(&g_lock);
+    return handle;
+}
+
+static void drop_handle(handle_table *t, uint32_t index) {
+    pthread_mutex_lock(&g_lock);
+    free_slot(t, index);
+    pthread_mutex_unlock(&g_lock);
 }
 
 /* Synchronisations that finished: the clock each began at, per (stream, slice) and per context. */
@@ -113,18 +142,9 @@ RGPU_EXPORT CUresult CUDAAPI cuEventCreate(CUevent *phEvent, unsigned int Flags)
     if ((Flags & ~0x7u) || ((Flags & 0x4u) && !(Flags & 0x2u))) return CUDA_ERROR_INVALID_VALUE;
     rgpu_ctx *cur = rgpu_ctx_current();
     if (!cur || cur->destroyed) return CUDA_ERROR_INVALID_CONTEXT;
-    pthread_mutex_lock(&g_lock);
     uint32_t index;
-    if (take_slot(&index)) {
-        pthread_mutex_unlock(&g_lock);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    ev_slot *e = &g_slots[index];
-    uint32_t gen = e->gen;
-    *e = (ev_slot){.gen = gen, .live = 1, .session = cur->session};
-    uint64_t handle = handle_of(index, gen);
-    pthread_mutex_unlock(&g_lock);
-
+    uint64_t handle = new_handle(&g_events, cur->session, &index);
+    if (!handle) return CUDA_ERROR_OUT_OF_MEMORY;
     rgpu_call c;
     r = rgpu_begin_session(&c, RGPU_OP_rgpuEventCreate, cur->session);
     if (r == CUDA_SUCCESS) {
@@ -133,14 +153,74 @@ RGPU_EXPORT CUresult CUDAAPI cuEventCreate(CUevent *phEvent, unsigned int Flags)
         r = rgpu_async(&c);
     }
     if (r != CUDA_SUCCESS) {
-        pthread_mutex_lock(&g_lock);
-        free_slot(index);
-        pthread_mutex_unlock(&g_lock);
+        drop_handle(&g_events, index);
         return r;
     }
     rgpu_event_session_put((CUevent)(uintptr_t)handle, cur->session);
     *phEvent = (CUevent)(uintptr_t)handle;
     return CUDA_SUCCESS;
+}
+
+/* Streams: the handle at once, rgpuStreamCreate pipelined. The driver clamps the priority to the
+ * device's range: cuStreamGetPriority asks the worker (once: cuda_cache.c keeps it). */
+static CUresult stream_create(CUstream *phStream, unsigned int flags, int priority) {
+    if (!phStream) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    if (flags & ~0x1u) return CUDA_ERROR_INVALID_VALUE;   /* CU_STREAM_DEFAULT or CU_STREAM_NON_BLOCKING */
+    rgpu_ctx *cur = rgpu_ctx_current();
+    if (!cur || cur->destroyed) return CUDA_ERROR_INVALID_CONTEXT;
+    uint32_t index;
+    uint64_t handle = new_handle(&g_streams, cur->session, &index);
+    if (!handle) return CUDA_ERROR_OUT_OF_MEMORY;
+    rgpu_call c;
+    r = rgpu_begin_session(&c, RGPU_OP_rgpuStreamCreate, cur->session);
+    if (r == CUDA_SUCCESS) {
+        rgpu_put_u64(&c, handle);
+        rgpu_put_u32(&c, flags);
+        rgpu_put_i32(&c, priority);
+        r = rgpu_async(&c);
+    }
+    if (r != CUDA_SUCCESS) {
+        drop_handle(&g_streams, index);
+        return r;
+    }
+    *phStream = (CUstream)(uintptr_t)handle;
+    return CUDA_SUCCESS;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamCreate(CUstream *phStream, unsigned int Flags) {
+    return stream_create(phStream, Flags, 0);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority) {
+    return stream_create(phStream, flags, priority);
+}
+
+/* cuStreamDestroy_v2: a stream this process made and has not destroyed goes (pipelined, to its
+ * slice); anything else is refused at once. */
+static __thread uint64_t tl_dying_stream;
+static __thread int tl_dying_stream_session;
+CUresult rgpu_stream_destroying(CUstream stream) {
+    pthread_mutex_lock(&g_lock);
+    ev_slot *e = slot_in(&g_streams, (uint64_t)(uintptr_t)stream);
+    if (e) {
+        tl_dying_stream = (uint64_t)(uintptr_t)stream;
+        tl_dying_stream_session = e->session;
+        free_slot(&g_streams, (uint32_t)(e - g_streams.slots));
+    }
+    pthread_mutex_unlock(&g_lock);
+    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+CUresult rgpu_begin_stream(rgpu_call *c, uint16_t op, CUstream stream) {
+    CUresult r = rgpu_check_init();
+    if (r != CUDA_SUCCESS) return r;
+    if (tl_dying_stream && tl_dying_stream == (uint64_t)(uintptr_t)stream) {
+        tl_dying_stream = 0;
+        return rgpu_begin_session(c, op, tl_dying_stream_session);
+    }
+    return rgpu_begin(c, op);
 }
 
 /* A handle the application may use: one this process made and has not destroyed. */
@@ -157,7 +237,7 @@ CUresult rgpu_event_destroying(CUevent event) {
     if (e) {
         tl_dying_handle = (uint64_t)(uintptr_t)event;
         tl_dying_session = e->session;
-        free_slot((uint32_t)(e - g_slots));
+        free_slot(&g_events, (uint32_t)(e - g_events.slots));
     }
     pthread_mutex_unlock(&g_lock);
     return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
@@ -236,9 +316,11 @@ void rgpu_ctx_synced(CUcontext ctx, uint64_t seq) {
     if (x) rgpu_synced_put((uint64_t)(uintptr_t)x, CTX_KEY, seq);
 }
 
-/* After fork() the child has no sessions: its events are gone with them. */
+/* After fork() the child has no sessions: its events and streams are gone with them. */
 void rgpu_events_reset_after_fork(void) {
     pthread_mutex_init(&g_lock, NULL);
-    for (uint32_t i = 0; i < g_nslots; i++)
-        if (g_slots[i].live) free_slot(i);
+    for (uint32_t i = 0; i < g_events.n; i++)
+        if (g_events.slots[i].live) free_slot(&g_events, i);
+    for (uint32_t i = 0; i < g_streams.n; i++)
+        if (g_streams.slots[i].live) free_slot(&g_streams, i);
 }

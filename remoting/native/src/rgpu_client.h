@@ -210,6 +210,8 @@ int rgpu_event_elsewhere(CUevent event, CUresult *result);
 CUresult rgpu_event_check(CUevent event);
 CUresult rgpu_event_destroying(CUevent event);
 CUresult rgpu_begin_event(rgpu_call *c, uint16_t op, CUevent event);
+CUresult rgpu_stream_destroying(CUstream stream);
+CUresult rgpu_begin_stream(rgpu_call *c, uint16_t op, CUstream stream);
 uint64_t rgpu_event_clock(void);
 void rgpu_event_recorded(CUevent event, CUstream stream);
 int rgpu_event_known(CUevent event, uint64_t *seq, CUresult *result);
