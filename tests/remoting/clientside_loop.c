@@ -7,6 +7,7 @@
  *   clientside_loop vecadd.ptx loop N      the loop, N iterations
  *   clientside_loop vecadd.ptx destroyed   a destroyed event used again
  *   clientside_loop vecadd.ptx no-room     events the worker cannot create (RGPU_EMULATED_MAX_EVENTS=2)
+ *   clientside_loop vecadd.ptx realloc     pointer attributes of allocations that come and go
  *
  * Prints "OK <check>" or "FAIL <check> ..." and exits with the number of failures. */
 #include <cuda.h>
@@ -232,6 +233,21 @@ static void destroyed(void) {
     printf("ELAPSED %s\n", ms >= 0 ? "ok" : "negative");
 }
 
+/* Kept pointer attributes follow the allocations: a new allocation (perhaps at a freed one's
+ * address) is asked about afresh. */
+static void realloc_attrs(void) {
+    for (size_t size = 4096; size <= 4 * 4096; size *= 2) {
+        CUdeviceptr p;
+        unsigned long long range = 0, start = 0;
+        CHECK("cuMemAlloc", cuMemAlloc(&p, size));
+        CHECK("RANGE_SIZE", cuPointerGetAttribute(&range, CU_POINTER_ATTRIBUTE_RANGE_SIZE, p + 8));
+        CHECK("RANGE_START_ADDR", cuPointerGetAttribute(&start, CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, p + 8));
+        CHECK("RANGE_SIZE again", cuPointerGetAttribute(&range, CU_POINTER_ATTRIBUTE_RANGE_SIZE, p + 16));
+        CHECK("the allocation's own range", range == size && start == p ? CUDA_SUCCESS : CUDA_ERROR_UNKNOWN);
+        CHECK("cuMemFree", cuMemFree(p));
+    }
+}
+
 static void no_room(void) {
     CUevent e[3];
     for (int i = 0; i < 3; i++) CHECK("cuEventCreate (the handle comes at once)", cuEventCreate(&e[i], 0));
@@ -268,6 +284,7 @@ int main(int argc, char **argv) {
     if (!strcmp(argv[2], "loop") && argc > 3) loop(fn, buf, words, atoi(argv[3]));
     else if (!strcmp(argv[2], "destroyed")) destroyed();
     else if (!strcmp(argv[2], "no-room")) no_room();
+    else if (!strcmp(argv[2], "realloc")) realloc_attrs();
     else return 2;
     printf("DONE %d failure(s)\n", failures);
     return failures;

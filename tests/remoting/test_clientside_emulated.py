@@ -100,6 +100,14 @@ def test_an_event_the_worker_could_not_create_fails_the_next_synchronising_call(
     assert "cuEventQuery: event 0x7e" in done.stderr and "its cuEventCreate failed with CUDA_ERROR_OUT_OF_MEMORY" in done.stderr
 
 
+def test_kept_pointer_attributes_follow_allocations_that_come_and_go(
+        native_libs: build.Libraries, emulated: Server, loop_binary: Path, tmp_path: Path) -> None:
+    done = run_client(native_libs, emulated.slices(emulated.token()), [str(loop_binary), str(EXAMPLES / "vecadd.ptx"),
+                      "realloc"], RGPU_CLIENT_STATS=str(tmp_path / "p"))
+    assert "DONE 0 failure(s)" in done.stdout, done.stdout + done.stderr
+    assert _profile(tmp_path / "p")["cuPointerGetAttribute"].sync_calls == 3 * 2   # twice per allocation
+
+
 @pytest.mark.parametrize("mode", [["loop", "50"], ["destroyed"]], ids=["loop", "destroyed"])
 def test_the_real_gpu_backend_serves_client_made_events_and_streams(native_libs: build.Libraries, loop_binary: Path,
                                                                     chained: Server,  # noqa: F811
