@@ -175,6 +175,13 @@ static int loop(CUfunction fn, CUdeviceptr buf, size_t words, int n) {
     /* A re-recorded event is not known complete: this query travels. */
     CHECK("cuEventRecord again", cuEventRecord(done, stream));
     CHECK("cuEventQuery after a new record", cuEventQuery(done));
+    /* A copy to this process on the stream (as tensor.item() does) completes what was recorded there
+     * before it: the queries after it are local. */
+    unsigned int word = 0;
+    CHECK("cuEventRecord before a copy", cuEventRecord(done, stream));
+    CHECK("cuMemcpyDtoHAsync", cuMemcpyDtoHAsync(&word, buf, 4, stream));
+    CHECK("cuEventQuery after the copy", cuEventQuery(done));
+    CHECK("cuEventSynchronize after the copy", cuEventSynchronize(done));
     CHECK("cuEventDestroy_v2", cuEventDestroy_v2(done));
     CHECK("cuStreamDestroy_v2", cuStreamDestroy_v2(stream));
     /* What the application sets is what it reads next (the kept answers are forgotten). */

@@ -13,7 +13,9 @@
  * The client also knows when an event is complete without asking: one never recorded is; one
  * whose last record was covered by a finished synchronisation (its own cuEventSynchronize or a
  * successful cuEventQuery, cuStreamSynchronize or a successful cuStreamQuery of the stream it was
- * recorded on, cuCtxSynchronize of its context) stays complete until it is recorded again. Those
+ * recorded on, a device-to-host copy on that stream (its data arrives after the stream's earlier
+ * work: the completion rides back on a reply the client waits for anyway), cuCtxSynchronize of its
+ * context) stays complete until it is recorded again. Those
  * queries cost nothing. Records are numbered by one clock; a synchronisation remembers the clock
  * it began at, and covers the records numbered up to it (their frames went out before its own).
  * An event recorded while a stream capture may be under way is never answered here again: a

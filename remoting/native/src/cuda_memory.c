@@ -237,6 +237,7 @@ static CUresult htod(CUdeviceptr dst, const void *src, size_t n, CUstream stream
 static CUresult dtoh(void *dst, CUdeviceptr src, size_t n, CUstream stream, int session) {
     if (n && !dst) return CUDA_ERROR_INVALID_VALUE;
     if (rgpu_stream_capturing(stream)) return rgpu_capture_host_copy(stream, 1, src, dst, n);
+    uint64_t clock = rgpu_event_clock();
     rgpu_call c;
     CUresult r = session >= 0 ? rgpu_begin_session(&c, RGPU_OP_cuMemcpyDtoHAsync_v2, session)
                               : rgpu_begin(&c, RGPU_OP_cuMemcpyDtoHAsync_v2);
@@ -248,6 +249,9 @@ static CUresult dtoh(void *dst, CUdeviceptr src, size_t n, CUstream stream, int 
     c.sink_cap = n;
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS && c.sink_got != n) r = CUDA_ERROR_UNKNOWN;
+    /* The data came after the copy ran on its stream, so after everything queued there before it:
+     * events recorded there are complete (a completion that rides back on the reply; cuda_events.c). */
+    if (r == CUDA_SUCCESS) rgpu_stream_synced(stream, c.s->index, clock);
     rgpu_end(&c);
     return r;
 }
