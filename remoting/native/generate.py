@@ -144,9 +144,19 @@ def plan_c(f: Function) -> list[CParamPlan]:
     return plans
 
 
+# Calls whose only handle is an event go to the event's slice (src/cuda_events.c).
+EVENT_ROUTED = {"cuEventQuery": "hEvent", "cuEventSynchronize": "hEvent", "cuEventDestroy_v2": "hEvent",
+                "cuEventElapsedTime": "hStart", "cuEventElapsedTime_v2": "hStart"}
+
+
 def c_route(f: Function) -> str:
     r = f.route
     op = f"RGPU_OP_{f.name}"
+    if r is None and f.name == "cuStreamDestroy_v2":
+        return f"rgpu_begin_stream(&c, {op}, hStream)"
+    if r is None and f.name in EVENT_ROUTED:
+        # the slice that holds the event (client-made handles know theirs), whatever is current
+        return f"rgpu_begin_event(&c, {op}, {EVENT_ROUTED[f.name]})"
     if r is None:
         return f"rgpu_begin(&c, {op})"
     if r.wire.kind == "dev":
@@ -198,6 +208,13 @@ def plan_py(f: Function) -> PyPlan:
         else:
             group.append((n, p.wire.fmt))
     flush()
+    # Events and streams are the client's handles (protocol 8): the worker's tables give the driver's.
+    for p in f.inputs:
+        if p.ctype in ("CUevent", "CUstream") and not p.pointer:
+            n = _py_name(p.name)
+            kind = "event" if p.ctype == "CUevent" else "stream"
+            take = ", True" if f.name in ("cuEventDestroy_v2", "cuStreamDestroy_v2") else ""
+            decode.append(f"{n} = _{kind}_in(api, {n}, {f.name!r}{take})")
 
     encode: list[str] = []
     outs = f.outputs
@@ -304,6 +321,8 @@ AFTER_HOOKS = {
     # reserved address ranges are device memory for the copy paths and routing
     "cuMemAddressReserve": "if (r == CUDA_SUCCESS) rgpu_dev_range_add(c.s->index, (uint64_t)*ptr, size)",
     "cuMemAddressFree": "if (r == CUDA_SUCCESS) rgpu_dev_range_remove(c.s->index, (uint64_t)ptr)",
+    # kept pointer attributes (cuda_cache.c): the one settable attribute changes
+    "cuPointerSetAttribute": "rgpu_pattr_forget_all()",
     # client-side caches (cuda_cache.c): filled by the answers, emptied by whatever may change them
     "cuKernelGetAttribute": "if (r == CUDA_SUCCESS) rgpu_kattr_put(kernel, attrib, dev, *pi)",
     "cuKernelGetFunction": "if (r == CUDA_SUCCESS) rgpu_kfunc_put(kernel, *pFunc)",
@@ -313,6 +332,24 @@ AFTER_HOOKS = {
     "cuOccupancyMaxActiveBlocksPerMultiprocessor": "if (r == CUDA_SUCCESS) rgpu_occ_put(func, blockSize, dynamicSMemSize, 0, *numBlocks)",
     "cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags": "if (r == CUDA_SUCCESS) rgpu_occ_put(func, blockSize, dynamicSMemSize, flags, *numBlocks)",
     "cuFuncSetAttribute": "rgpu_fattr_changed(hfunc)",
+    "cuFuncGetAttribute": "if (r == CUDA_SUCCESS) rgpu_fattr_put(hfunc, attrib, *pi)",
+    "cuOccupancyAvailableDynamicSMemPerBlock": "if (r == CUDA_SUCCESS) rgpu_occ_smem_put(func, numBlocks, blockSize, *dynamicSmemSize)",
+    **{name: f"if (r == CUDA_SUCCESS) rgpu_stream_query_put(hStream, {what}, (uint64_t)(uintptr_t)*{out})"
+       for name, what, out in (("cuStreamGetFlags", "RGPU_STREAMQ_FLAGS", "flags"),
+                               ("cuStreamGetPriority", "RGPU_STREAMQ_PRIORITY", "priority"),
+                               ("cuStreamGetCtx", "RGPU_STREAMQ_CTX", "pctx"),
+                               ("cuStreamGetDevice", "RGPU_STREAMQ_DEVICE", "device"),
+                               ("cuStreamGetId", "RGPU_STREAMQ_ID", "streamId"))},
+    "cuStreamDestroy_v2": "rgpu_stream_forget(hStream)",
+    **{name: f"if (r == CUDA_SUCCESS) rgpu_ctx_query_put({ctx}, {what}, (uint64_t)*{out})"
+       for name, ctx, what, out in (("cuCtxGetApiVersion", "ctx", "RGPU_CTXQ_API_VERSION", "version"),
+                                    ("cuCtxGetId", "ctx", "RGPU_CTXQ_ID", "ctxId"),
+                                    ("cuCtxGetFlags", "NULL", "RGPU_CTXQ_FLAGS", "flags"),
+                                    ("cuCtxGetCacheConfig", "NULL", "RGPU_CTXQ_CACHE_CONFIG", "pconfig"),
+                                    ("cuCtxGetSharedMemConfig", "NULL", "RGPU_CTXQ_SHARED_CONFIG", "pConfig"))},
+    "cuCtxGetStreamPriorityRange": ("if (r == CUDA_SUCCESS && leastPriority && greatestPriority) "
+                                    "rgpu_ctx_query_put(NULL, RGPU_CTXQ_PRIORITY_RANGE, "
+                                    "(uint64_t)(uint32_t)*leastPriority | (uint64_t)(uint32_t)*greatestPriority << 32)"),
     "cuKernelSetCacheConfig": "rgpu_cache_forget_functions()",
     "cuFuncSetCacheConfig": "rgpu_cache_forget_functions()",
     "cuDevicePrimaryCtxRelease_v2": "rgpu_pstate_forget()",
@@ -320,16 +357,24 @@ AFTER_HOOKS = {
     # array descriptors never change while the array lives (cuda_array.c)
     "cuArray3DGetDescriptor_v2": "if (r == CUDA_SUCCESS) rgpu_array_desc_put(c.s->index, hArray, pArrayDescriptor)",
     "cuMipmappedArrayGetLevel": "if (r == CUDA_SUCCESS) rgpu_array_level_put(*pLevelArray, hMipmappedArray)",
-    "cuDevicePrimaryCtxSetFlags_v2": "rgpu_pstate_forget()",
-    "cuCtxSetFlags": "rgpu_pstate_forget()",
+    "cuDevicePrimaryCtxSetFlags_v2": "rgpu_pstate_forget(); rgpu_ctx_query_forget()",
+    "cuCtxSetFlags": "rgpu_pstate_forget(); rgpu_ctx_query_forget()",
     "cuCtxSetCacheConfig": "rgpu_cache_forget_functions()",
     "cuCtxSetSharedMemConfig": "rgpu_cache_forget_functions()",
     "cuFuncSetSharedMemConfig": "rgpu_cache_forget_functions()",
     "cuCtxSetLimit": "rgpu_cache_forget_functions()",
     "cuCtxGetLimit": "if (r == CUDA_SUCCESS) rgpu_limit_put(limit, *pvalue)",
-    # events by slice, for streams that wait for another slice's event (cuda_cache.c)
-    "cuEventCreate": "if (r == CUDA_SUCCESS) rgpu_event_session_put(*phEvent, c.s->index)",
+    # client-made events (cuda_events.c): what the client knows of their completion
     "cuEventDestroy_v2": "rgpu_event_session_forget(hEvent)",
+    "cuEventRecord": "if (r == CUDA_SUCCESS) rgpu_event_recorded(hEvent, hStream)",
+    "cuEventRecordWithFlags": "if (r == CUDA_SUCCESS) rgpu_event_recorded(hEvent, hStream)",
+    "cuCtxRecordEvent": "if (r == CUDA_SUCCESS) rgpu_event_recorded(hEvent, RGPU_EVENT_WHOLE_CONTEXT)",
+    "cuEventQuery": "if (r == CUDA_SUCCESS) rgpu_event_completed(hEvent, ev_seq_)",
+    "cuEventSynchronize": "if (r == CUDA_SUCCESS) rgpu_event_completed(hEvent, ev_seq_)",
+    "cuStreamSynchronize": "if (r == CUDA_SUCCESS) rgpu_stream_synced(hStream, c.s->index, sync_seq_)",
+    "cuStreamQuery": "if (r == CUDA_SUCCESS) rgpu_stream_synced(hStream, c.s->index, sync_seq_)",
+    "cuCtxSynchronize": "if (r == CUDA_SUCCESS) rgpu_ctx_synced(NULL, sync_seq_)",
+    "cuCtxSynchronize_v2": "if (r == CUDA_SUCCESS) rgpu_ctx_synced(ctx, sync_seq_)",
     # copy nodes with a host side (cuda_graph.c): their records follow the graph
     "cuGraphClone": "if (r == CUDA_SUCCESS) rgpu_hostcopy_clone(originalGraph, *phGraphClone)",
     "cuGraphDestroy": "if (r == CUDA_SUCCESS) rgpu_hostcopy_forget(hGraph)",
@@ -362,7 +407,34 @@ BEFORE_HOOKS = {
     "cuDevicePrimaryCtxGetState": "if (rgpu_pstate_get(dev, flags, active)) return CUDA_SUCCESS",
     "cuCtxGetLimit": "if (rgpu_limit_get(limit, pvalue)) return CUDA_SUCCESS",
     "cuArray3DGetDescriptor_v2": "if (rgpu_array_desc_get(hArray, pArrayDescriptor)) return CUDA_SUCCESS",
-    "cuStreamWaitEvent": "{ CUresult r_; if (rgpu_event_elsewhere(hEvent, &r_)) return r_; }",
+    "cuStreamWaitEvent": ("{ CUresult r_ = rgpu_event_check(hEvent); if (r_ != CUDA_SUCCESS) return r_; "
+                          "if (rgpu_event_elsewhere(hEvent, &r_)) return r_; }"),
+    # client-made events (cuda_events.c): a handle the client does not know is refused at once; a
+    # query whose answer the client knows (never recorded, or covered by a finished
+    # synchronisation) costs nothing; a destruction forgets the handle before it travels
+    **{name: f"{{ CUresult r_ = rgpu_event_check({ev}); if (r_ != CUDA_SUCCESS) return r_; }}"
+       for name, ev in (("cuEventRecord", "hEvent"), ("cuEventRecordWithFlags", "hEvent"),
+                        ("cuCtxRecordEvent", "hEvent"), ("cuCtxWaitEvent", "hEvent"))},
+    **{name: ("{ CUresult r_ = rgpu_event_check(hStart); if (r_ == CUDA_SUCCESS) r_ = rgpu_event_check(hEnd); "
+              "if (r_ != CUDA_SUCCESS) return r_; }") for name in ("cuEventElapsedTime", "cuEventElapsedTime_v2")},
+    **{name: "uint64_t ev_seq_ = 0; { CUresult r_; if (rgpu_event_known(hEvent, &ev_seq_, &r_)) return r_; }"
+       for name in ("cuEventQuery", "cuEventSynchronize")},
+    "cuEventDestroy_v2": "{ CUresult r_ = rgpu_event_destroying(hEvent); if (r_ != CUDA_SUCCESS) return r_; }",
+    "cuStreamDestroy_v2": "{ CUresult r_ = rgpu_stream_destroying(hStream); if (r_ != CUDA_SUCCESS) return r_; }",
+    # context queries the client already holds the answer to (cuda_cache.c)
+    **{name: f"{{ uint64_t v_; if (rgpu_ctx_query_get({ctx}, {what}, &v_)) {{ *{out} = ({ctype})v_; return CUDA_SUCCESS; }} }}"
+       for name, ctx, what, out, ctype in (
+           ("cuCtxGetApiVersion", "ctx", "RGPU_CTXQ_API_VERSION", "version", "unsigned int"),
+           ("cuCtxGetId", "ctx", "RGPU_CTXQ_ID", "ctxId", "unsigned long long"),
+           ("cuCtxGetFlags", "NULL", "RGPU_CTXQ_FLAGS", "flags", "unsigned int"),
+           ("cuCtxGetCacheConfig", "NULL", "RGPU_CTXQ_CACHE_CONFIG", "pconfig", "CUfunc_cache"),
+           ("cuCtxGetSharedMemConfig", "NULL", "RGPU_CTXQ_SHARED_CONFIG", "pConfig", "CUsharedconfig"))},
+    "cuCtxGetStreamPriorityRange": ("{ uint64_t v_; if (rgpu_ctx_query_get(NULL, RGPU_CTXQ_PRIORITY_RANGE, &v_)) { "
+                                    "if (leastPriority) *leastPriority = (int)(uint32_t)v_; "
+                                    "if (greatestPriority) *greatestPriority = (int)(uint32_t)(v_ >> 32); "
+                                    "return CUDA_SUCCESS; } }"),
+    **{name: "uint64_t sync_seq_ = rgpu_event_clock()" for name in (
+        "cuStreamSynchronize", "cuStreamQuery", "cuCtxSynchronize", "cuCtxSynchronize_v2")},
     # a device-to-device copy between two slices (cudaMemcpy DeviceToDevice from cuda:0 to cuda:1)
     "cuMemcpyDtoD_v2": "{ CUresult r_; if (rgpu_dtod_between_slices(dstDevice, srcDevice, ByteCount, NULL, &r_)) return r_; }",
     "cuMemcpyDtoDAsync_v2": ("{ CUresult r_; if (rgpu_dtod_between_slices(dstDevice, srcDevice, ByteCount, hStream, &r_)) "
@@ -371,6 +443,14 @@ BEFORE_HOOKS = {
     "cuKernelSetAttribute": "{ int v_; if (rgpu_kattr_get(kernel, attrib, dev, &v_) && v_ == val) return CUDA_SUCCESS; }",
     "cuOccupancyMaxActiveBlocksPerMultiprocessor": "if (rgpu_occ_get(func, blockSize, dynamicSMemSize, 0, numBlocks)) return CUDA_SUCCESS",
     "cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags": "if (rgpu_occ_get(func, blockSize, dynamicSMemSize, flags, numBlocks)) return CUDA_SUCCESS",
+    "cuOccupancyAvailableDynamicSMemPerBlock": "if (rgpu_occ_smem_get(func, numBlocks, blockSize, dynamicSmemSize)) return CUDA_SUCCESS",
+    "cuFuncGetAttribute": "if (rgpu_fattr_get(hfunc, attrib, pi)) return CUDA_SUCCESS",
+    **{name: f"{{ uint64_t v_; if (rgpu_stream_query_get(hStream, {what}, &v_)) {{ *{out} = ({ctype})(uintptr_t)v_; return CUDA_SUCCESS; }} }}"
+       for name, what, out, ctype in (("cuStreamGetFlags", "RGPU_STREAMQ_FLAGS", "flags", "unsigned int"),
+                                      ("cuStreamGetPriority", "RGPU_STREAMQ_PRIORITY", "priority", "int"),
+                                      ("cuStreamGetCtx", "RGPU_STREAMQ_CTX", "pctx", "CUcontext"),
+                                      ("cuStreamGetDevice", "RGPU_STREAMQ_DEVICE", "device", "CUdevice"),
+                                      ("cuStreamGetId", "RGPU_STREAMQ_ID", "streamId", "unsigned long long"))},
     # cudart's context-local storage: destructors run while the primary context still exists.
     "cuDevicePrimaryCtxReset_v2": "rgpu_before_primary_ctx_reset(dev)",
 }

@@ -29,8 +29,8 @@ SPEC_HASHES = {
         "c48f9d345878824fa1002d6055eccdbcf2e821559763aa89c0d36eba18d3034f"),  # CUDA arrays, texture and surface objects
     7: ("c1b86c51a81dda4cbfe258ff8f6bc88ff498b62cd6bd995f39af207af54e3aef",
         "1d5c2a0e7408bce02644ce8c50b75c7d0e293907388c39e0427fbf6801cbb9c3"),  # module loads name large images by SHA-256 (the node's image cache)
-    8: ("95c25d4ea2991fb1bd8a7be9dc52e5bbf5c36245707a73afde1321a3d7ea0ed9",
-        "d85a206af20eadd91fda2666bfcf286b25794219f2a42f160c16799e3e8c94f2"),  # module loads: IMAGE_WANT_TABLE
+    8: ("ab41f958eb2959fb582665da1db3b847627156573a54a2d61d8c757f102b1f1f",
+        "d85a206af20eadd91fda2666bfcf286b25794219f2a42f160c16799e3e8c94f2"),  # client-made events and streams (rgpuEventCreate, rgpuStreamCreate; destruction async); module loads say whether they want the function table
 }
 
 

@@ -129,11 +129,15 @@ def test_the_admitted_table_holds_many_kernels_and_stops_growing_when_full(worke
         assert native.run(buf.address, buf.size, CTX, LAUNCH_OP)[0] == (buf.size if runs else 0)
 
 
+CLIENT_STREAM = 0x7D00_0001_0000_0001   # a stream handle as the client library makes them (protocol 8)
+
+
 def test_a_run_of_plain_launches_goes_to_the_driver_in_one_call(worker_library: str) -> None:
     driver = RecordingDriver()
     native = admitting(NativeLaunches(worker_library, driver.entry), *(0xF00 + i for i in range(3)))
+    native.set_stream(CLIENT_STREAM, 0x5000)   # the driver's stream behind the client's handle
     frames = [launch_frame(0xF00 + i, struct.pack("<Qi", 0xD000 + i, i), grid=(i + 1, 2, 3), block=(64, 2, 1),
-                           shmem=128 * i, stream=0x5000) for i in range(3)]
+                           shmem=128 * i, stream=CLIENT_STREAM) for i in range(3)]
     data = b"".join(frames) + protocol.pack_frame(SYNC_OP, b"", seq=9, ctx=CTX)
     buf = Buffer(data)
 
@@ -146,6 +150,29 @@ def test_a_run_of_plain_launches_goes_to_the_driver_in_one_call(worker_library: 
     assert driver.launches[2].shmem == 256 and driver.launches[2].stream == 0x5000
     assert driver.launches[1].params == struct.pack("<Qi", 0xD001, 1)
     assert all(launch.params_address % 8 == 0 for launch in driver.launches)
+
+
+def test_streams_the_loop_does_not_know_stop_the_run(worker_library: str) -> None:
+    # The Python worker then says why (an unknown stream: CUDA_ERROR_INVALID_HANDLE at the next sync).
+    from rgpu.remoting.datapath.worker.native_loop import STREAM_SLOTS
+    driver = RecordingDriver()
+    native = admitting(NativeLaunches(worker_library, driver.entry), 0xF00)
+    native.set_stream(CLIENT_STREAM, 0x5000)
+    ok, legacy = launch_frame(0xF00, b"\0" * 8, stream=CLIENT_STREAM), launch_frame(0xF00, b"\0" * 8, stream=1)
+    unknown = launch_frame(0xF00, b"\0" * 8, stream=CLIENT_STREAM + 1)
+    buf = Buffer(ok + legacy + unknown + ok)
+    assert native.run(buf.address, buf.size, CTX, LAUNCH_OP) == (len(ok) + len(legacy), 0)
+    assert [launch.stream for launch in driver.launches] == [0x5000, 1]
+    native.set_stream(CLIENT_STREAM, 0)   # destroyed
+    buf = Buffer(ok)
+    assert native.run(buf.address, buf.size, CTX, LAUNCH_OP) == (0, 0)
+    # Streams come and go: the table is rebuilt from the live ones instead of filling up.
+    for i in range(4 * STREAM_SLOTS):
+        native.set_stream(CLIENT_STREAM + 2 + i, 0x6000 + i)
+        native.set_stream(CLIENT_STREAM + 2 + i, 0)
+    native.set_stream(CLIENT_STREAM, 0x5001)
+    assert native.run(buf.address, buf.size, CTX, LAUNCH_OP) == (len(ok), 0)
+    assert driver.launches[-1].stream == 0x5001
 
 
 DECLINED = {

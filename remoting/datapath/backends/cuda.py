@@ -178,6 +178,8 @@ _MANUAL["cuGraphHostNodeSetParams"] = [c_void_p, c_void_p]
 _MANUAL["cuGraphExecHostNodeSetParams"] = [c_void_p, c_void_p, c_void_p]
 _MANUAL["cuLaunchHostFunc"] = [c_void_p, c_void_p, c_void_p]
 _MANUAL["cuStreamAddCallback"] = [c_void_p, c_void_p, c_void_p, c_uint]
+# rgpuStreamCreate (protocol 8: cuStreamCreate* are the client's, no longer generated calls)
+_MANUAL["cuStreamCreateWithPriority"] = [P(c_void_p), c_uint, c_int]
 
 # The host functions the driver calls for a host node: userData is the id the client registered.
 HOST_FN = ctypes.CFUNCTYPE(None, c_void_p)
@@ -287,6 +289,20 @@ class CudaBackend(CudaDriverCalls):
         r = self.f[name](*args)
         if r != SUCCESS:
             raise CudaError(r)
+
+    def event_create(self, flags: int) -> int:
+        """rgpuEventCreate: a driver event for the handle the client made (worker/client_handles.py
+        keeps the pair); cuEventCreate is no longer a generated call (protocol 8)."""
+        event = c_void_p()
+        self._check("cuEventCreate", byref(event), flags)
+        return event.value or 0
+
+    def stream_create(self, flags: int, priority: int) -> int:
+        """rgpuStreamCreate: a driver stream for the handle the client made (worker/client_handles.py
+        keeps the pair). The driver clamps the priority to the device's range, as it would locally."""
+        stream = c_void_p()
+        self._check("cuStreamCreateWithPriority", byref(stream), flags, priority)
+        return stream.value or 0
 
     def set_context(self, ctx: int) -> None:
         self._check("cuCtxSetCurrent", ctx or None)

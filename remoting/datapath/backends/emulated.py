@@ -38,6 +38,7 @@ from rgpu.remoting.datapath.backends.base import (
     NOT_FOUND,
     NOT_SUPPORTED,
     NVML_ERROR_NOT_SUPPORTED,
+    OUT_OF_MEMORY,
     SUCCESS,
     CudaError,
     FnInfo,
@@ -255,6 +256,9 @@ class EmulatedBackend:
         self.handles = _Handles(0x5000_0000)
         self.streams: dict[int, tuple[int, int]] = {}     # handle -> (flags, priority)
         self.events: dict[int, float | None] = {}
+        # The device's room for events: unbounded unless RGPU_EMULATED_MAX_EVENTS (in the worker's
+        # environment) says otherwise, so tests can make a creation fail as a full GPU's would.
+        self.max_events = int(os.environ.get("RGPU_EMULATED_MAX_EVENTS", "0") or 0)
         self.modules: dict[int, list[FnInfo]] = {}
         self.libraries: dict[int, int] = {}              # library -> its module
         self.functions: dict[int, tuple[int, FnInfo]] = {}  # function or kernel -> (module, info)
@@ -829,6 +833,15 @@ class EmulatedBackend:
         self.streams[h] = (flags, priority)
         return (SUCCESS, h)
 
+    def stream_create(self, flags: int, priority: int) -> int:
+        """rgpuStreamCreate: the stream behind a client's handle (worker/client_handles.py)."""
+        if flags & ~0x1:
+            raise CudaError(INVALID_VALUE)
+        r, h = self.cuStreamCreateWithPriority(flags, priority)
+        if r != SUCCESS:
+            raise CudaError(r)
+        return h
+
     def _stream_ok(self, s: int) -> bool:
         return s in (0, 1, 2) or s in self.streams
 
@@ -862,9 +875,20 @@ class EmulatedBackend:
 
     def cuEventCreate(self, flags: int) -> tuple[int, int]:
         self._need_ctx()
+        if flags & ~0x7 or (flags & 0x4 and not flags & 0x2):   # INTERPROCESS needs DISABLE_TIMING
+            return (INVALID_VALUE, 0)
+        if self.max_events and len(self.events) >= self.max_events:
+            return (OUT_OF_MEMORY, 0)
         h = self.handles.new()
         self.events[h] = None
         return (SUCCESS, h)
+
+    def event_create(self, flags: int) -> int:
+        """rgpuEventCreate: the event behind a client's handle (worker/client_handles.py)."""
+        r, h = self.cuEventCreate(flags)
+        if r != SUCCESS:
+            raise CudaError(r)
+        return h
 
     def cuEventRecord(self, e: int, s: int) -> tuple[int]:
         if e not in self.events or not self._stream_ok(s):
@@ -1023,6 +1047,12 @@ class EmulatedBackend:
 
     def cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags(self, f: int, block: int, smem: int, flags: int) -> tuple[int, int]:
         return self.cuOccupancyMaxActiveBlocksPerMultiprocessor(f, block, smem)
+
+    def cuOccupancyAvailableDynamicSMemPerBlock(self, f: int, blocks: int, block_size: int) -> tuple[int, int]:
+        if f not in self.functions:
+            return (INVALID_HANDLE, 0)
+        # An H100's 228 KiB of shared memory per SM, 1 KiB of it reserved per block.
+        return (SUCCESS, max(0, 228 * 1024 // max(blocks, 1) - 1024))
 
     def max_active_clusters(self, f: int, stream: int, grid: tuple[int, int, int], block: tuple[int, int, int],
                             shmem: int, attrs: bytes) -> int:

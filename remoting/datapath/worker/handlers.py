@@ -18,6 +18,7 @@ from rgpu.remoting.datapath.backends.arrays import (DESC2D, DESC3D, HOST, MEMCPY
                                                     TEXTURE_DESC_SIZE, VIEW_DESC_SIZE, parse_copy, parse_desc)
 from rgpu.remoting.datapath.backends.base import (CDP_NOT_SUPPORTED, INVALID_IMAGE, INVALID_VALUE, NOT_FOUND,
                                                   PITCH_ALIGN_BYTES, SUCCESS, CudaError, LoadResult, SliceMemory)
+from rgpu.remoting.datapath.worker.client_handles import ClientEvents, ClientStreams
 from rgpu.remoting.datapath.worker.codecs import (ALLOC, COPY, HEADER, LAUNCH, LAUNCH_ATTR_SIZE, MAX_MODULE_NODES,
                                                   MODULE_NODE, U32, U64, fn_bytes, fn_without_handle, lp, read_options,
                                                   take_str)
@@ -77,6 +78,8 @@ class Handlers:
     reserves: ContextReserves | None
     admitted: set[int]
     load_steps: dict[str, list[int]] | None = None   # RGPU_WORKER_PROFILE: time per module-load step
+    client_events: ClientEvents
+    client_streams: ClientStreams
 
     # ------------------------------------------------------------------ contexts
 
@@ -112,6 +115,8 @@ class Handlers:
 
         def run(p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
             size, a, b, height, elem = ALLOC.unpack_from(p, 0)
+            if kind in ("async", "pool"):
+                a = self.client_streams.real(a, what)   # the stream
             assert self.memory is not None
             if kind == "pitch":
                 # The GPU reserves pitch x height: claim it at the smallest pitch the driver
@@ -163,6 +168,8 @@ class Handlers:
     def h_free(self, is_async: bool) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
         def run(p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
             ptr, stream = struct.unpack_from("<QQ", p, 0)
+            if is_async:
+                stream = self.client_streams.real(stream, "cuMemFreeAsync")
             self.backend.mem_free(ptr, stream, is_async)
             if self.memory is not None:
                 self.memory.remove(ptr)
@@ -191,6 +198,7 @@ class Handlers:
 
     def h_htod(self, p: memoryview, address: int, seq: int) -> None:
         dst, stream, size = COPY.unpack_from(p, 0)
+        stream = self.client_streams.real(stream, "cuMemcpyHtoDAsync")
         data = p[24:24 + size]
         if len(data) != size:
             raise CudaError(INVALID_VALUE, "rgpu: worker: truncated host-to-device copy")
@@ -198,6 +206,7 @@ class Handlers:
 
     def h_dtoh(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         src, stream, size = COPY.unpack_from(p, 0)
+        stream = self.client_streams.real(stream, "cuMemcpyDtoHAsync")
         for chunk in self.backend.dtoh_chunks(src, stream, size, protocol.CHUNK_BYTES):
             with self.send_lock:   # whole frames: a host node's HOST_CALL may go out between two
                 self.sock.sendall(HEADER.pack(len(chunk), protocol.OP_DATA, 0, 0, 0, 0))
@@ -207,6 +216,7 @@ class Handlers:
 
     def h_dtod_2d(self, p: memoryview, address: int, seq: int) -> None:
         dst, dpitch, src, spitch, width, height, stream = struct.unpack_from("<7Q", p, 0)
+        stream = self.client_streams.real(stream, "cuMemcpy2DAsync")
         self.backend.dtod_2d(dst, dpitch, src, spitch, width, height, stream)
 
     def h_pointer_attribute(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
@@ -222,7 +232,9 @@ class Handlers:
             try:
                 out.append(lp(self.backend.pointer_attribute(attr, ptr)))
             except CudaError:
-                out.append(lp(b"\0" * 8))  # cuPointerGetAttributes fills, rather than fails
+                # cuPointerGetAttributes fills, rather than fails: the client writes 8 zero bytes
+                # for an empty answer and keeps no copy of it (it would not be the single query's)
+                out.append(lp(b""))
         return SUCCESS, b"".join(out)
 
     # ------------------------------------------------------------------ arrays, texture and surface objects
@@ -303,6 +315,7 @@ class Handlers:
     def h_memcpy_array(self, p: memoryview, address: int, seq: int) -> None:
         """A 2D/3D copy with no host side, or with this request's data as its (packed) source."""
         kind, stream, desc, packed = self._array_copy(p, to_host=False)
+        stream = self.client_streams.real(stream, "a 2D/3D copy")
         (size,) = U64.unpack_from(p, 16 + MEMCPY3D.size)
         at = 24 + MEMCPY3D.size
         data = p[at:at + size]
@@ -313,6 +326,7 @@ class Handlers:
     def h_memcpy_array_to_host(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         """A 2D/3D copy into the client's memory: the packed rows come back as DATA frames."""
         kind, stream, desc, packed = self._array_copy(p, to_host=True)
+        stream = self.client_streams.real(stream, "a 2D/3D copy to this process")
         if packed > MAX_ARRAY_READ:
             raise CudaError(INVALID_VALUE, f"rgpu: worker: a 2D/3D copy of {format_bytes(packed)} to the client refused "
                                            f"(at most {format_bytes(MAX_ARRAY_READ)} a request; rgpu's client library "
@@ -502,12 +516,36 @@ class Handlers:
 
     def h_launch(self, p: memoryview, address: int, seq: int) -> None:
         f, stream, gx, gy, gz, bx, by, bz, shmem, coop, nattrs, argsize, _, _ = LAUNCH.unpack_from(p, 0)
+        stream = self.client_streams.real(stream, "cuLaunchKernel")
         self._admit(f)
         off = LAUNCH.size
         attrs = bytes(p[off:off + nattrs * LAUNCH_ATTR_SIZE]) if nattrs else b""
+        if attrs:
+            attrs = self.client_events.launch_attrs(attrs, LAUNCH_ATTR_SIZE)
         off += nattrs * LAUNCH_ATTR_SIZE
         self.backend.launch(f, stream, (gx, gy, gz), (bx, by, bz), shmem, bool(coop), attrs,
                             p[off:off + argsize], address + off)
+
+    def h_event_create(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        """rgpuEventCreate (async): the driver's event for the handle the client already gave the
+        application (client_handles.py)."""
+        handle, flags = struct.unpack_from("<QI", p, 0)
+        try:
+            real = self.backend.event_create(flags)
+        except CudaError as exc:
+            raise self.client_events.creation_failed(handle, exc.code) from None
+        self.client_events.created(handle, real)
+        return SUCCESS, b""
+
+    def h_stream_create(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        """rgpuStreamCreate (async): the driver's stream for the client's handle (client_handles.py)."""
+        handle, flags, priority = struct.unpack_from("<QIi", p, 0)
+        try:
+            real = self.backend.stream_create(flags, priority)
+        except CudaError as exc:
+            raise self.client_streams.creation_failed(handle, exc.code) from None
+        self.client_streams.created(handle, real)
+        return SUCCESS, b""
 
     def h_potential_block_size(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         f, smem, limit, flags = struct.unpack_from("<QQiI", p, 0)
@@ -516,6 +554,7 @@ class Handlers:
 
     def h_max_active_clusters(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         f, stream, gx, gy, gz, bx, by, bz, shmem, nattrs = struct.unpack_from("<QQ8I", p, 0)
+        stream = self.client_streams.real(stream, "cuOccupancyMaxActiveClusters")
         off = struct.calcsize("<QQ8I")
         attrs = bytes(p[off:off + nattrs * LAUNCH_ATTR_SIZE])
         clusters = self.backend.max_active_clusters(f, stream, (gx, gy, gz), (bx, by, bz), shmem, attrs)
@@ -525,6 +564,7 @@ class Handlers:
 
     def h_capture_info(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         stream, what = struct.unpack_from("<QI", p, 0)
+        stream = self.client_streams.real(stream, "cuStreamGetCaptureInfo")
         status, cid, graph, deps, edges = self.backend.capture_info(stream, what)
         out = [struct.pack("<iIQQQ", status, 0, cid, graph, len(deps))]
         out.extend(U64.pack(d) for d in deps)
@@ -577,11 +617,13 @@ class Handlers:
 
     def h_graph_host_readback(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         stream, n = struct.unpack_from("<QQ", p, 0)
+        stream = self.client_streams.real(stream, "cuGraphLaunch")
         pairs = [struct.unpack_from("<QQ", p, 16 + 16 * i) for i in range(n)]
         return SUCCESS, self.backend.graph_host_read(stream, pairs)
 
     def h_capture_host_copy(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         stream, to_host, _, dev, size = struct.unpack_from("<QIIQQ", p, 0)
+        stream = self.client_streams.real(stream, "a copy on a capturing stream")
         data = b"" if to_host else bytes(p[32:32 + size])
         if len(data) != (0 if to_host else size):
             raise CudaError(INVALID_VALUE, "rgpu: worker: truncated captured host copy")
@@ -592,6 +634,7 @@ class Handlers:
         """cuLaunchHostFunc (kind 0) or cuStreamAddCallback (kind 1) on a capturing stream: a host
         node that runs the client's function `fn_id` (an id of the client's table, never an address)."""
         stream, kind, _, fn_id = struct.unpack_from("<QIIQ", p, 0)
+        stream = self.client_streams.real(stream, "cuLaunchHostFunc")
         if kind not in (0, 1):
             raise CudaError(INVALID_VALUE, f"rgpu: worker: unknown captured host function kind {kind} (client and "
                                            "server builds differ; install the same rgpu version on both)")

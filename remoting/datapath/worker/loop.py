@@ -16,6 +16,7 @@ from rgpu.remoting.native.generated import api_gen
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.backends.base import (NOT_SUPPORTED, NVML_ERROR_NOT_SUPPORTED, OUT_OF_MEMORY, SUCCESS, UNKNOWN,
                                                   CudaError, SliceMemory)
+from rgpu.remoting.datapath.worker.client_handles import ClientEvents, ClientStreams
 from rgpu.remoting.datapath.worker.codecs import HEADER, I32, LAUNCH, lp
 from rgpu.remoting.datapath.worker.faults import STICKY_ERRORS, SessionFaulted, default_message, wait_verdict, write_report
 from rgpu.remoting.datapath.worker.frames import FrameReader, FrameTooLarge
@@ -35,6 +36,9 @@ OP = api_gen.OPCODES
 # Calls that wait for a reply but put work on the GPU (the limiter gates them like launches).
 GPU_WORK_OPS = frozenset(OP[name] for name in ("cuMemcpyDtoHAsync_v2", "cuMemcpyDtoD_v2", "cuGraphLaunch",
                                                "cuMemsetD8_v2", "cuMemsetD32_v2", "rgpuMemcpyArrayToHost") if name in OP)
+# Pipelined calls that put no work on the GPU (client-made handles): the limiter lets them through.
+NO_WORK_ASYNC_OPS = frozenset(OP[name] for name in ("rgpuEventCreate", "cuEventDestroy_v2", "rgpuStreamCreate",
+                                                    "cuStreamDestroy_v2"))
 
 
 class Worker(Handlers):
@@ -50,6 +54,12 @@ class Worker(Handlers):
         self.send_lock = threading.Lock()
         self.hostcalls = HostCalls(sock, self.reader, self.send_lock, backend)
         backend.host_calls = self.hostcalls
+        # The client's event handles -> the driver's (client_handles.py; the generated handlers
+        # find the table on the backend).
+        self.client_events = ClientEvents()
+        backend.client_events = self.client_events
+        self.client_streams = ClientStreams()
+        backend.client_streams = self.client_streams
         self.current_ctx: int | None = None
         self.vmm_refs: dict[int, int] = {}
         self.graph_allocs: dict[int, int] = {}   # graph memory address -> its accounting key
@@ -66,6 +76,8 @@ class Worker(Handlers):
         self.errors = 0
         self.sent = 0
         self.native_launches = load_native_launches(spec, backend)
+        if self.native_launches is not None:   # the C loop translates the client's streams too
+            self.client_streams.on_change = self.native_launches.set_stream
         self.image_cache = ImageCache(spec.image_cache_dir, spec.client.get("uid"), spec.image_cache_bytes)
         self.footprints = ImageFootprints(parse_capability(spec.compute_capability), store=self.image_cache)
         # op -> [calls, handler ns], only with RGPU_WORKER_PROFILE (native launches: key -1)
@@ -141,6 +153,8 @@ class Worker(Handlers):
             "cuLinkComplete": (self.h_link_complete, False),
             "cuLinkDestroy": (self.h_link_destroy, False),
             "cuLaunchKernel": (self.h_launch, True),
+            "rgpuEventCreate": (self.h_event_create, True),
+            "rgpuStreamCreate": (self.h_stream_create, True),
             "rgpuParamInfo": (self.h_param_info, False),
             "rgpuOccupancyMaxPotentialBlockSize": (self.h_potential_block_size, False),
             "cuOccupancyMaxActiveClusters": (self.h_max_active_clusters, False),
@@ -243,6 +257,7 @@ class Worker(Handlers):
         sticky = getattr(self.backend, "sticky_error", None)   # the emulated GPU's fault domain
         limiter = self.limiter
         hostcalls = self.hostcalls
+        live_streams = self.client_streams.live
         while True:
             if self.fault is not None:
                 raise self.fault
@@ -284,7 +299,9 @@ class Worker(Handlers):
                     reader._fill(protocol.HEADER_SIZE + length)
                 at = reader.start + protocol.HEADER_SIZE
                 f, stream, gx, gy, gz, bx, by, bz, shmem, coop, nattrs, argsize, _, _ = unpack_launch(view, at)
-                if not coop and not nattrs:
+                # the client's stream -> the driver's (an unknown one takes the generic path, which says so)
+                real_stream = stream if stream <= 2 else live_streams.get(stream)
+                if not coop and not nattrs and real_stream is not None:
                     reader.start = at + length
                     self.calls += 1
                     if f not in self.admitted:
@@ -294,7 +311,8 @@ class Worker(Handlers):
                             log.warning("%s", exc.message)
                             self._defer(exc.code, exc.message)
                             continue
-                    code = launch_fast(f, gx, gy, gz, bx, by, bz, shmem, stream, reader.base + at + LAUNCH.size, argsize)
+                    code = launch_fast(f, gx, gy, gz, bx, by, bz, shmem, real_stream, reader.base + at + LAUNCH.size,
+                                       argsize)
                     if code:
                         self._defer(code, "")
                     continue
@@ -339,7 +357,7 @@ class Worker(Handlers):
                     else:
                         self._reply(seq, exc.code, b"", exc.message)
                     continue
-            if limiter is not None and (is_async or op in GPU_WORK_OPS):
+            if limiter is not None and ((is_async and op not in NO_WORK_ASYNC_OPS) or op in GPU_WORK_OPS):
                 limiter.before_submit()
             if not is_async and self.deferred is not None:
                 code, message = self.deferred

@@ -11,6 +11,7 @@ from rgpu.remoting.datapath.worker.spec import SessionSpec
 log = logging.getLogger("rgpu.worker")
 
 ADMITTED_SLOTS = 1 << 14   # a power of two
+STREAM_SLOTS = 1 << 12     # a power of two: (client handle, driver stream) pairs
 
 
 class NativeLaunches:
@@ -24,7 +25,7 @@ class NativeLaunches:
         run.restype = ctypes.c_size_t
         run.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p,
                         ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p,
-                        ctypes.c_uint32]
+                        ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32]
         self._run = run
         # The kernels the worker admitted (their local memory charged): the C loop launches only
         # these, by an open-addressing table of handles kept at most 3/4 full (past that, new
@@ -32,6 +33,13 @@ class NativeLaunches:
         self._table = (ctypes.c_uint64 * ADMITTED_SLOTS)()
         self._table_address = ctypes.addressof(self._table)
         self._admitted = 0
+        # The client's streams (protocol 8) and the driver's, for the C loop: pairs in an
+        # open-addressing table, rebuilt from `_streams` when destroyed handles crowd it; past 3/4
+        # full, launches on new streams run in Python (still correct).
+        self._stream_table = (ctypes.c_uint64 * (2 * STREAM_SLOTS))()
+        self._stream_table_address = ctypes.addressof(self._stream_table)
+        self._streams: dict[int, int] = {}
+        self._stream_keys = 0
         self._entry = launch_entry
         self.error = ctypes.c_int32(0)
         self.launched = ctypes.c_uint64(0)
@@ -50,10 +58,37 @@ class NativeLaunches:
             self._table[i] = f
             self._admitted += 1
 
+    def set_stream(self, handle: int, real: int) -> None:
+        """The client's stream `handle` is the driver's `real` (0: destroyed)."""
+        if real:
+            self._streams[handle] = real
+        else:
+            self._streams.pop(handle, None)
+        if self._stream_keys >= STREAM_SLOTS * 3 // 4:
+            ctypes.memset(self._stream_table, 0, ctypes.sizeof(self._stream_table))
+            self._stream_keys = 0
+            for h, r in list(self._streams.items())[:STREAM_SLOTS * 3 // 4 - 1]:
+                self._place(h, r)
+            return
+        self._place(handle, real)
+
+    def _place(self, handle: int, real: int) -> None:
+        mask = STREAM_SLOTS - 1
+        i = ((handle ^ (handle >> 29)) & 0xFFFFFFFF) & mask
+        table = self._stream_table
+        while table[2 * i] not in (0, handle):
+            i = (i + 1) & mask
+        if table[2 * i] == 0:
+            if not real:
+                return   # never placed: nothing to mark
+            self._stream_keys += 1
+            table[2 * i] = handle
+        table[2 * i + 1] = real
+
     def run(self, address: int, available: int, ctx: int, launch_op: int) -> tuple[int, int]:
         """(bytes consumed, first launch error or 0)."""
         used = self._run(address, available, ctx, launch_op, self._entry, self._error_ref, self._launched_ref,
-                         self._table_address, ADMITTED_SLOTS - 1)
+                         self._table_address, ADMITTED_SLOTS - 1, self._stream_table_address, STREAM_SLOTS - 1)
         error = self.error.value
         if error:
             self.error.value = 0

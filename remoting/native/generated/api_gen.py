@@ -15,7 +15,7 @@ import struct
 from typing import Any, Callable
 
 PROTOCOL_VERSION = 8
-CUDA_SPEC_SHA256 = "95c25d4ea2991fb1bd8a7be9dc52e5bbf5c36245707a73afde1321a3d7ea0ed9"
+CUDA_SPEC_SHA256 = "ab41f958eb2959fb582665da1db3b847627156573a54a2d61d8c757f102b1f1f"
 NVML_SPEC_SHA256 = "d85a206af20eadd91fda2666bfcf286b25794219f2a42f160c16799e3e8c94f2"
 
 _STRUCTS: dict[str, struct.Struct] = {}
@@ -40,6 +40,19 @@ def _lp(data: bytes) -> bytes:
 
 def _array(fmt: str, items: list[int]) -> bytes:
     return struct.pack(f"<I{len(items)}{fmt}", len(items), *items)
+
+
+def _event_in(api: Any, handle: int, call: str, take: bool = False) -> int:
+    """The driver's event behind a client-made handle (the worker's ClientEvents, set on the
+    backend as `client_events`; a backend driven without a worker gets the value unchanged)."""
+    events = getattr(api, "client_events", None)
+    return handle if events is None else events.real(handle, call, take)
+
+
+def _stream_in(api: Any, handle: int, call: str, take: bool = False) -> int:
+    """The driver's stream behind a client-made handle (NULL, legacy and per-thread pass as they are)."""
+    streams = getattr(api, "client_streams", None)
+    return handle if streams is None else streams.real(handle, call, take)
 
 
 # Every operation on the wire, by opcode (hand-written "manual" ones included).
@@ -116,129 +129,128 @@ OPS: dict[int, str] = {
     101: "cuPointerGetAttribute",
     102: "cuPointerGetAttributes",
     103: "cuPointerSetAttribute",
-    104: "cuStreamCreate",
-    105: "cuStreamCreateWithPriority",
-    106: "cuStreamDestroy_v2",
-    107: "cuStreamSynchronize",
-    108: "cuStreamQuery",
-    109: "cuStreamWaitEvent",
-    110: "cuStreamGetPriority",
-    111: "cuStreamGetFlags",
-    112: "cuStreamGetCtx",
-    113: "cuStreamGetId",
-    114: "cuStreamGetDevice",
-    115: "cuEventCreate",
-    116: "cuEventRecord",
-    117: "cuEventRecordWithFlags",
-    118: "cuEventQuery",
-    119: "cuEventSynchronize",
-    120: "cuEventDestroy_v2",
-    121: "cuEventElapsedTime",
-    122: "cuEventElapsedTime_v2",
-    123: "cuModuleLoadDataEx",
-    124: "cuModuleUnload",
-    125: "cuModuleGetFunction",
-    126: "cuModuleGetGlobal_v2",
-    127: "cuModuleGetFunctionCount",
-    128: "cuModuleEnumerateFunctions",
-    129: "cuLinkCreate_v2",
-    130: "cuLinkAddData_v2",
-    131: "cuLinkComplete",
-    132: "cuLinkDestroy",
-    133: "cuLibraryLoadData",
-    134: "cuLibraryUnload",
-    135: "cuLibraryGetKernel",
-    136: "cuLibraryGetModule",
-    137: "cuKernelGetFunction",
-    138: "cuKernelGetLibrary",
-    139: "cuLibraryGetGlobal",
-    140: "cuLibraryGetKernelCount",
-    141: "cuLibraryEnumerateKernels",
-    142: "cuKernelGetAttribute",
-    143: "cuKernelSetAttribute",
-    144: "cuKernelSetCacheConfig",
-    145: "cuFuncGetAttribute",
-    146: "cuFuncSetAttribute",
-    147: "cuFuncSetCacheConfig",
-    148: "cuFuncSetSharedMemConfig",
-    149: "cuFuncGetModule",
-    150: "cuFuncIsLoaded",
-    151: "cuFuncLoad",
-    152: "cuLaunchKernel",
-    153: "cuOccupancyMaxActiveBlocksPerMultiprocessor",
-    154: "cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags",
-    155: "rgpuOccupancyMaxPotentialBlockSize",
-    156: "cuOccupancyAvailableDynamicSMemPerBlock",
-    157: "cuOccupancyMaxActiveClusters",
-    158: "rgpuParamInfo",
-    159: "rgpuSessionInfo",
-    160: "rgpuPrivateTableSize",
-    161: "rgpuModuleNodes",
-    162: "cuStreamBeginCapture_v2",
-    163: "cuStreamEndCapture",
-    164: "cuThreadExchangeStreamCaptureMode",
-    165: "rgpuStreamCaptureInfo",
-    166: "cuGraphCreate",
-    167: "cuGraphDestroy",
-    168: "cuGraphClone",
-    169: "cuGraphNodeGetType",
-    170: "cuGraphGetNodes",
-    171: "cuGraphInstantiateWithFlags",
-    172: "cuGraphLaunch",
-    173: "cuGraphUpload",
-    174: "cuGraphExecDestroy",
-    175: "cuGraphExecUpdate_v2",
-    176: "rgpuGraphAddNode",
-    177: "rgpuGraphHostRefresh",
-    178: "rgpuGraphHostReadback",
-    179: "rgpuCaptureHostCopy",
-    180: "rgpuGraphKernelNodeSetParams",
-    181: "rgpuCaptureHostFunc",
-    182: "rgpuGraphHostNode",
-    183: "cuDeviceGetGraphMemAttribute",
-    184: "cuDeviceSetGraphMemAttribute",
-    185: "cuDeviceGraphMemTrim",
-    186: "cuStreamSetAttribute",
-    187: "cuStreamGetAttribute",
-    188: "cuStreamCopyAttributes",
-    189: "cuStreamWriteValue32_v2",
-    190: "cuStreamWaitValue32_v2",
-    191: "cuStreamWriteValue64_v2",
-    192: "cuStreamWaitValue64_v2",
-    193: "cuMemGetAllocationGranularity",
-    194: "cuMemCreate",
-    195: "cuMemRelease",
-    196: "cuMemRetainAllocationHandle",
-    197: "cuMemGetAllocationPropertiesFromHandle",
-    198: "cuMemAddressReserve",
-    199: "cuMemAddressFree",
-    200: "cuMemMap",
-    201: "cuMemUnmap",
-    202: "cuMemSetAccess",
-    203: "cuMemGetAccess",
-    204: "cuArrayCreate_v2",
-    205: "cuArray3DCreate_v2",
-    206: "cuArrayDestroy",
-    207: "cuArrayGetDescriptor_v2",
-    208: "cuArray3DGetDescriptor_v2",
-    209: "cuArrayGetMemoryRequirements",
-    210: "cuArrayGetSparseProperties",
-    211: "cuArrayGetPlane",
-    212: "cuMipmappedArrayCreate",
-    213: "cuMipmappedArrayDestroy",
-    214: "cuMipmappedArrayGetLevel",
-    215: "cuMipmappedArrayGetMemoryRequirements",
-    216: "cuMipmappedArrayGetSparseProperties",
-    217: "rgpuMemcpyArray",
-    218: "rgpuMemcpyArrayToHost",
-    219: "cuTexObjectCreate",
-    220: "cuTexObjectDestroy",
-    221: "cuTexObjectGetResourceDesc",
-    222: "cuTexObjectGetTextureDesc",
-    223: "cuTexObjectGetResourceViewDesc",
-    224: "cuSurfObjectCreate",
-    225: "cuSurfObjectDestroy",
-    226: "cuSurfObjectGetResourceDesc",
+    104: "rgpuStreamCreate",
+    105: "cuStreamDestroy_v2",
+    106: "cuStreamSynchronize",
+    107: "cuStreamQuery",
+    108: "cuStreamWaitEvent",
+    109: "cuStreamGetPriority",
+    110: "cuStreamGetFlags",
+    111: "cuStreamGetCtx",
+    112: "cuStreamGetId",
+    113: "cuStreamGetDevice",
+    114: "rgpuEventCreate",
+    115: "cuEventRecord",
+    116: "cuEventRecordWithFlags",
+    117: "cuEventQuery",
+    118: "cuEventSynchronize",
+    119: "cuEventDestroy_v2",
+    120: "cuEventElapsedTime",
+    121: "cuEventElapsedTime_v2",
+    122: "cuModuleLoadDataEx",
+    123: "cuModuleUnload",
+    124: "cuModuleGetFunction",
+    125: "cuModuleGetGlobal_v2",
+    126: "cuModuleGetFunctionCount",
+    127: "cuModuleEnumerateFunctions",
+    128: "cuLinkCreate_v2",
+    129: "cuLinkAddData_v2",
+    130: "cuLinkComplete",
+    131: "cuLinkDestroy",
+    132: "cuLibraryLoadData",
+    133: "cuLibraryUnload",
+    134: "cuLibraryGetKernel",
+    135: "cuLibraryGetModule",
+    136: "cuKernelGetFunction",
+    137: "cuKernelGetLibrary",
+    138: "cuLibraryGetGlobal",
+    139: "cuLibraryGetKernelCount",
+    140: "cuLibraryEnumerateKernels",
+    141: "cuKernelGetAttribute",
+    142: "cuKernelSetAttribute",
+    143: "cuKernelSetCacheConfig",
+    144: "cuFuncGetAttribute",
+    145: "cuFuncSetAttribute",
+    146: "cuFuncSetCacheConfig",
+    147: "cuFuncSetSharedMemConfig",
+    148: "cuFuncGetModule",
+    149: "cuFuncIsLoaded",
+    150: "cuFuncLoad",
+    151: "cuLaunchKernel",
+    152: "cuOccupancyMaxActiveBlocksPerMultiprocessor",
+    153: "cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags",
+    154: "rgpuOccupancyMaxPotentialBlockSize",
+    155: "cuOccupancyAvailableDynamicSMemPerBlock",
+    156: "cuOccupancyMaxActiveClusters",
+    157: "rgpuParamInfo",
+    158: "rgpuSessionInfo",
+    159: "rgpuPrivateTableSize",
+    160: "rgpuModuleNodes",
+    161: "cuStreamBeginCapture_v2",
+    162: "cuStreamEndCapture",
+    163: "cuThreadExchangeStreamCaptureMode",
+    164: "rgpuStreamCaptureInfo",
+    165: "cuGraphCreate",
+    166: "cuGraphDestroy",
+    167: "cuGraphClone",
+    168: "cuGraphNodeGetType",
+    169: "cuGraphGetNodes",
+    170: "cuGraphInstantiateWithFlags",
+    171: "cuGraphLaunch",
+    172: "cuGraphUpload",
+    173: "cuGraphExecDestroy",
+    174: "cuGraphExecUpdate_v2",
+    175: "rgpuGraphAddNode",
+    176: "rgpuGraphHostRefresh",
+    177: "rgpuGraphHostReadback",
+    178: "rgpuCaptureHostCopy",
+    179: "rgpuGraphKernelNodeSetParams",
+    180: "rgpuCaptureHostFunc",
+    181: "rgpuGraphHostNode",
+    182: "cuDeviceGetGraphMemAttribute",
+    183: "cuDeviceSetGraphMemAttribute",
+    184: "cuDeviceGraphMemTrim",
+    185: "cuStreamSetAttribute",
+    186: "cuStreamGetAttribute",
+    187: "cuStreamCopyAttributes",
+    188: "cuStreamWriteValue32_v2",
+    189: "cuStreamWaitValue32_v2",
+    190: "cuStreamWriteValue64_v2",
+    191: "cuStreamWaitValue64_v2",
+    192: "cuMemGetAllocationGranularity",
+    193: "cuMemCreate",
+    194: "cuMemRelease",
+    195: "cuMemRetainAllocationHandle",
+    196: "cuMemGetAllocationPropertiesFromHandle",
+    197: "cuMemAddressReserve",
+    198: "cuMemAddressFree",
+    199: "cuMemMap",
+    200: "cuMemUnmap",
+    201: "cuMemSetAccess",
+    202: "cuMemGetAccess",
+    203: "cuArrayCreate_v2",
+    204: "cuArray3DCreate_v2",
+    205: "cuArrayDestroy",
+    206: "cuArrayGetDescriptor_v2",
+    207: "cuArray3DGetDescriptor_v2",
+    208: "cuArrayGetMemoryRequirements",
+    209: "cuArrayGetSparseProperties",
+    210: "cuArrayGetPlane",
+    211: "cuMipmappedArrayCreate",
+    212: "cuMipmappedArrayDestroy",
+    213: "cuMipmappedArrayGetLevel",
+    214: "cuMipmappedArrayGetMemoryRequirements",
+    215: "cuMipmappedArrayGetSparseProperties",
+    216: "rgpuMemcpyArray",
+    217: "rgpuMemcpyArrayToHost",
+    218: "cuTexObjectCreate",
+    219: "cuTexObjectDestroy",
+    220: "cuTexObjectGetResourceDesc",
+    221: "cuTexObjectGetTextureDesc",
+    222: "cuTexObjectGetResourceViewDesc",
+    223: "cuSurfObjectCreate",
+    224: "cuSurfObjectDestroy",
+    225: "cuSurfObjectGetResourceDesc",
     1024: "nvmlDeviceGetMemoryInfo",
     1025: "nvmlDeviceGetMemoryInfo_v2",
     1026: "nvmlDeviceGetBAR1MemoryInfo",
@@ -296,8 +308,8 @@ OPS: dict[int, str] = {
     1078: "nvmlDeviceGetPcieThroughput",
 }
 OPCODES: dict[str, int] = {name: op for op, name in OPS.items()}
-ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 87, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 109, 116, 117, 172, 173, 189, 190, 191, 192, })
-MANUAL_OPS: frozenset[str] = frozenset({ "cuInit", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuCtxDestroy_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuMemAllocAsync", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "rgpuMemcpy2DDevice", "cuPointerGetAttribute", "cuPointerGetAttributes", "cuModuleLoadDataEx", "cuModuleUnload", "cuModuleGetFunction", "cuLinkCreate_v2", "cuLinkAddData_v2", "cuLinkComplete", "cuLinkDestroy", "cuLibraryLoadData", "cuLibraryUnload", "cuLaunchKernel", "rgpuOccupancyMaxPotentialBlockSize", "cuOccupancyMaxActiveClusters", "rgpuParamInfo", "rgpuSessionInfo", "rgpuPrivateTableSize", "rgpuModuleNodes", "rgpuStreamCaptureInfo", "cuGraphGetNodes", "rgpuGraphAddNode", "rgpuGraphHostRefresh", "rgpuGraphHostReadback", "rgpuCaptureHostCopy", "rgpuGraphKernelNodeSetParams", "rgpuCaptureHostFunc", "rgpuGraphHostNode", "cuMemCreate", "cuMemRelease", "cuMemRetainAllocationHandle", "cuMemSetAccess", "cuArrayCreate_v2", "cuArray3DCreate_v2", "cuArrayDestroy", "cuMipmappedArrayCreate", "cuMipmappedArrayDestroy", "rgpuMemcpyArray", "rgpuMemcpyArrayToHost", "cuTexObjectCreate", })
+ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 87, 89, 90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 105, 108, 115, 116, 119, 171, 172, 188, 189, 190, 191, })
+MANUAL_OPS: frozenset[str] = frozenset({ "cuInit", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuCtxDestroy_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuMemAllocAsync", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "rgpuMemcpy2DDevice", "cuPointerGetAttribute", "cuPointerGetAttributes", "rgpuStreamCreate", "rgpuEventCreate", "cuModuleLoadDataEx", "cuModuleUnload", "cuModuleGetFunction", "cuLinkCreate_v2", "cuLinkAddData_v2", "cuLinkComplete", "cuLinkDestroy", "cuLibraryLoadData", "cuLibraryUnload", "cuLaunchKernel", "rgpuOccupancyMaxPotentialBlockSize", "cuOccupancyMaxActiveClusters", "rgpuParamInfo", "rgpuSessionInfo", "rgpuPrivateTableSize", "rgpuModuleNodes", "rgpuStreamCaptureInfo", "cuGraphGetNodes", "rgpuGraphAddNode", "rgpuGraphHostRefresh", "rgpuGraphHostReadback", "rgpuCaptureHostCopy", "rgpuGraphKernelNodeSetParams", "rgpuCaptureHostFunc", "rgpuGraphHostNode", "cuMemCreate", "cuMemRelease", "cuMemRetainAllocationHandle", "cuMemSetAccess", "cuArrayCreate_v2", "cuArray3DCreate_v2", "cuArrayDestroy", "cuMipmappedArrayCreate", "cuMipmappedArrayDestroy", "rgpuMemcpyArray", "rgpuMemcpyArrayToHost", "cuTexObjectCreate", })
 
 Handler = Callable[[Any, Any, int], tuple[int, bytes]]
 
@@ -499,11 +511,13 @@ def _h_cuCtxResetPersistingL2Cache(api: Any, buf: Any, off: int) -> tuple[int, b
 
 def _h_cuCtxRecordEvent(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hCtx, hEvent = _struct('<QQ').unpack_from(buf, off); off += 16
+    hEvent = _event_in(api, hEvent, 'cuCtxRecordEvent')
     res = api.cuCtxRecordEvent(hCtx, hEvent)
     return res[0], b""
 
 def _h_cuCtxWaitEvent(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hCtx, hEvent = _struct('<QQ').unpack_from(buf, off); off += 16
+    hEvent = _event_in(api, hEvent, 'cuCtxWaitEvent')
     res = api.cuCtxWaitEvent(hCtx, hEvent)
     return res[0], b""
 
@@ -526,6 +540,7 @@ def _h_cuMemcpyDtoD_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
 
 def _h_cuMemcpyDtoDAsync_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     dstDevice, srcDevice, ByteCount, hStream = _struct('<QQQQ').unpack_from(buf, off); off += 32
+    hStream = _stream_in(api, hStream, 'cuMemcpyDtoDAsync_v2')
     res = api.cuMemcpyDtoDAsync_v2(dstDevice, srcDevice, ByteCount, hStream)
     return res[0], b""
 
@@ -546,16 +561,19 @@ def _h_cuMemsetD32_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
 
 def _h_cuMemsetD8Async(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     dstDevice, uc, N, hStream = _struct('<QBQQ').unpack_from(buf, off); off += 25
+    hStream = _stream_in(api, hStream, 'cuMemsetD8Async')
     res = api.cuMemsetD8Async(dstDevice, uc, N, hStream)
     return res[0], b""
 
 def _h_cuMemsetD16Async(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     dstDevice, us, N, hStream = _struct('<QHQQ').unpack_from(buf, off); off += 26
+    hStream = _stream_in(api, hStream, 'cuMemsetD16Async')
     res = api.cuMemsetD16Async(dstDevice, us, N, hStream)
     return res[0], b""
 
 def _h_cuMemsetD32Async(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     dstDevice, ui, N, hStream = _struct('<QIQQ').unpack_from(buf, off); off += 28
+    hStream = _stream_in(api, hStream, 'cuMemsetD32Async')
     res = api.cuMemsetD32Async(dstDevice, ui, N, hStream)
     return res[0], b""
 
@@ -576,16 +594,19 @@ def _h_cuMemsetD2D32_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
 
 def _h_cuMemsetD2D8Async(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     dstDevice, dstPitch, uc, Width, Height, hStream = _struct('<QQBQQQ').unpack_from(buf, off); off += 41
+    hStream = _stream_in(api, hStream, 'cuMemsetD2D8Async')
     res = api.cuMemsetD2D8Async(dstDevice, dstPitch, uc, Width, Height, hStream)
     return res[0], b""
 
 def _h_cuMemsetD2D16Async(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     dstDevice, dstPitch, us, Width, Height, hStream = _struct('<QQHQQQ').unpack_from(buf, off); off += 42
+    hStream = _stream_in(api, hStream, 'cuMemsetD2D16Async')
     res = api.cuMemsetD2D16Async(dstDevice, dstPitch, us, Width, Height, hStream)
     return res[0], b""
 
 def _h_cuMemsetD2D32Async(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     dstDevice, dstPitch, ui, Width, Height, hStream = _struct('<QQIQQQ').unpack_from(buf, off); off += 44
+    hStream = _stream_in(api, hStream, 'cuMemsetD2D32Async')
     res = api.cuMemsetD2D32Async(dstDevice, dstPitch, ui, Width, Height, hStream)
     return res[0], b""
 
@@ -594,42 +615,34 @@ def _h_cuPointerSetAttribute(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     res = api.cuPointerSetAttribute(value, attribute, ptr)
     return res[0], b""
 
-def _h_cuStreamCreate(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
-    Flags, = _struct('<I').unpack_from(buf, off); off += 4
-    res = api.cuStreamCreate(Flags)
-    if res[0]:
-        return res[0], b""
-    return 0, _struct('<Q').pack(res[1])
-
-def _h_cuStreamCreateWithPriority(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
-    flags, priority = _struct('<Ii').unpack_from(buf, off); off += 8
-    res = api.cuStreamCreateWithPriority(flags, priority)
-    if res[0]:
-        return res[0], b""
-    return 0, _struct('<Q').pack(res[1])
-
 def _h_cuStreamDestroy_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hStream, = _struct('<Q').unpack_from(buf, off); off += 8
+    hStream = _stream_in(api, hStream, 'cuStreamDestroy_v2', True)
     res = api.cuStreamDestroy_v2(hStream)
     return res[0], b""
 
 def _h_cuStreamSynchronize(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hStream, = _struct('<Q').unpack_from(buf, off); off += 8
+    hStream = _stream_in(api, hStream, 'cuStreamSynchronize')
     res = api.cuStreamSynchronize(hStream)
     return res[0], b""
 
 def _h_cuStreamQuery(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hStream, = _struct('<Q').unpack_from(buf, off); off += 8
+    hStream = _stream_in(api, hStream, 'cuStreamQuery')
     res = api.cuStreamQuery(hStream)
     return res[0], b""
 
 def _h_cuStreamWaitEvent(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hStream, hEvent, Flags = _struct('<QQI').unpack_from(buf, off); off += 20
+    hStream = _stream_in(api, hStream, 'cuStreamWaitEvent')
+    hEvent = _event_in(api, hEvent, 'cuStreamWaitEvent')
     res = api.cuStreamWaitEvent(hStream, hEvent, Flags)
     return res[0], b""
 
 def _h_cuStreamGetPriority(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hStream, = _struct('<Q').unpack_from(buf, off); off += 8
+    hStream = _stream_in(api, hStream, 'cuStreamGetPriority')
     res = api.cuStreamGetPriority(hStream)
     if res[0]:
         return res[0], b""
@@ -637,6 +650,7 @@ def _h_cuStreamGetPriority(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
 
 def _h_cuStreamGetFlags(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hStream, = _struct('<Q').unpack_from(buf, off); off += 8
+    hStream = _stream_in(api, hStream, 'cuStreamGetFlags')
     res = api.cuStreamGetFlags(hStream)
     if res[0]:
         return res[0], b""
@@ -644,6 +658,7 @@ def _h_cuStreamGetFlags(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
 
 def _h_cuStreamGetCtx(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hStream, = _struct('<Q').unpack_from(buf, off); off += 8
+    hStream = _stream_in(api, hStream, 'cuStreamGetCtx')
     res = api.cuStreamGetCtx(hStream)
     if res[0]:
         return res[0], b""
@@ -651,6 +666,7 @@ def _h_cuStreamGetCtx(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
 
 def _h_cuStreamGetId(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hStream, = _struct('<Q').unpack_from(buf, off); off += 8
+    hStream = _stream_in(api, hStream, 'cuStreamGetId')
     res = api.cuStreamGetId(hStream)
     if res[0]:
         return res[0], b""
@@ -658,45 +674,48 @@ def _h_cuStreamGetId(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
 
 def _h_cuStreamGetDevice(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hStream, = _struct('<Q').unpack_from(buf, off); off += 8
+    hStream = _stream_in(api, hStream, 'cuStreamGetDevice')
     res = api.cuStreamGetDevice(hStream)
     if res[0]:
         return res[0], b""
     return 0, _struct('<i').pack(res[1])
 
-def _h_cuEventCreate(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
-    Flags, = _struct('<I').unpack_from(buf, off); off += 4
-    res = api.cuEventCreate(Flags)
-    if res[0]:
-        return res[0], b""
-    return 0, _struct('<Q').pack(res[1])
-
 def _h_cuEventRecord(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hEvent, hStream = _struct('<QQ').unpack_from(buf, off); off += 16
+    hEvent = _event_in(api, hEvent, 'cuEventRecord')
+    hStream = _stream_in(api, hStream, 'cuEventRecord')
     res = api.cuEventRecord(hEvent, hStream)
     return res[0], b""
 
 def _h_cuEventRecordWithFlags(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hEvent, hStream, flags = _struct('<QQI').unpack_from(buf, off); off += 20
+    hEvent = _event_in(api, hEvent, 'cuEventRecordWithFlags')
+    hStream = _stream_in(api, hStream, 'cuEventRecordWithFlags')
     res = api.cuEventRecordWithFlags(hEvent, hStream, flags)
     return res[0], b""
 
 def _h_cuEventQuery(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hEvent, = _struct('<Q').unpack_from(buf, off); off += 8
+    hEvent = _event_in(api, hEvent, 'cuEventQuery')
     res = api.cuEventQuery(hEvent)
     return res[0], b""
 
 def _h_cuEventSynchronize(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hEvent, = _struct('<Q').unpack_from(buf, off); off += 8
+    hEvent = _event_in(api, hEvent, 'cuEventSynchronize')
     res = api.cuEventSynchronize(hEvent)
     return res[0], b""
 
 def _h_cuEventDestroy_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hEvent, = _struct('<Q').unpack_from(buf, off); off += 8
+    hEvent = _event_in(api, hEvent, 'cuEventDestroy_v2', True)
     res = api.cuEventDestroy_v2(hEvent)
     return res[0], b""
 
 def _h_cuEventElapsedTime(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hStart, hEnd = _struct('<QQ').unpack_from(buf, off); off += 16
+    hStart = _event_in(api, hStart, 'cuEventElapsedTime')
+    hEnd = _event_in(api, hEnd, 'cuEventElapsedTime')
     res = api.cuEventElapsedTime(hStart, hEnd)
     if res[0]:
         return res[0], b""
@@ -704,6 +723,8 @@ def _h_cuEventElapsedTime(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
 
 def _h_cuEventElapsedTime_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hStart, hEnd = _struct('<QQ').unpack_from(buf, off); off += 16
+    hStart = _event_in(api, hStart, 'cuEventElapsedTime_v2')
+    hEnd = _event_in(api, hEnd, 'cuEventElapsedTime_v2')
     res = api.cuEventElapsedTime_v2(hStart, hEnd)
     if res[0]:
         return res[0], b""
@@ -863,11 +884,13 @@ def _h_cuOccupancyAvailableDynamicSMemPerBlock(api: Any, buf: Any, off: int) -> 
 
 def _h_cuStreamBeginCapture_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hStream, mode = _struct('<Qi').unpack_from(buf, off); off += 12
+    hStream = _stream_in(api, hStream, 'cuStreamBeginCapture_v2')
     res = api.cuStreamBeginCapture_v2(hStream, mode)
     return res[0], b""
 
 def _h_cuStreamEndCapture(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hStream, = _struct('<Q').unpack_from(buf, off); off += 8
+    hStream = _stream_in(api, hStream, 'cuStreamEndCapture')
     res = api.cuStreamEndCapture(hStream)
     if res[0]:
         return res[0], b""
@@ -915,11 +938,13 @@ def _h_cuGraphInstantiateWithFlags(api: Any, buf: Any, off: int) -> tuple[int, b
 
 def _h_cuGraphLaunch(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hGraphExec, hStream = _struct('<QQ').unpack_from(buf, off); off += 16
+    hStream = _stream_in(api, hStream, 'cuGraphLaunch')
     res = api.cuGraphLaunch(hGraphExec, hStream)
     return res[0], b""
 
 def _h_cuGraphUpload(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hGraphExec, hStream = _struct('<QQ').unpack_from(buf, off); off += 16
+    hStream = _stream_in(api, hStream, 'cuGraphUpload')
     res = api.cuGraphUpload(hGraphExec, hStream)
     return res[0], b""
 
@@ -954,11 +979,13 @@ def _h_cuDeviceGraphMemTrim(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
 
 def _h_cuStreamSetAttribute(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hStream, attr, value = _struct('<Qi64s').unpack_from(buf, off); off += 76
+    hStream = _stream_in(api, hStream, 'cuStreamSetAttribute')
     res = api.cuStreamSetAttribute(hStream, attr, value)
     return res[0], b""
 
 def _h_cuStreamGetAttribute(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     hStream, attr = _struct('<Qi').unpack_from(buf, off); off += 12
+    hStream = _stream_in(api, hStream, 'cuStreamGetAttribute')
     res = api.cuStreamGetAttribute(hStream, attr)
     if res[0]:
         return res[0], b""
@@ -966,26 +993,32 @@ def _h_cuStreamGetAttribute(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
 
 def _h_cuStreamCopyAttributes(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     dst, src = _struct('<QQ').unpack_from(buf, off); off += 16
+    dst = _stream_in(api, dst, 'cuStreamCopyAttributes')
+    src = _stream_in(api, src, 'cuStreamCopyAttributes')
     res = api.cuStreamCopyAttributes(dst, src)
     return res[0], b""
 
 def _h_cuStreamWriteValue32_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     stream, addr, value, flags = _struct('<QQII').unpack_from(buf, off); off += 24
+    stream = _stream_in(api, stream, 'cuStreamWriteValue32_v2')
     res = api.cuStreamWriteValue32_v2(stream, addr, value, flags)
     return res[0], b""
 
 def _h_cuStreamWaitValue32_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     stream, addr, value, flags = _struct('<QQII').unpack_from(buf, off); off += 24
+    stream = _stream_in(api, stream, 'cuStreamWaitValue32_v2')
     res = api.cuStreamWaitValue32_v2(stream, addr, value, flags)
     return res[0], b""
 
 def _h_cuStreamWriteValue64_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     stream, addr, value, flags = _struct('<QQQI').unpack_from(buf, off); off += 28
+    stream = _stream_in(api, stream, 'cuStreamWriteValue64_v2')
     res = api.cuStreamWriteValue64_v2(stream, addr, value, flags)
     return res[0], b""
 
 def _h_cuStreamWaitValue64_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     stream, addr, value, flags = _struct('<QQQI').unpack_from(buf, off); off += 28
+    stream = _stream_in(api, stream, 'cuStreamWaitValue64_v2')
     res = api.cuStreamWaitValue64_v2(stream, addr, value, flags)
     return res[0], b""
 
@@ -1571,92 +1604,89 @@ GENERATED_HANDLERS: dict[int, tuple[str, Handler]] = {
     99: ("cuMemsetD2D16Async", _h_cuMemsetD2D16Async),
     100: ("cuMemsetD2D32Async", _h_cuMemsetD2D32Async),
     103: ("cuPointerSetAttribute", _h_cuPointerSetAttribute),
-    104: ("cuStreamCreate", _h_cuStreamCreate),
-    105: ("cuStreamCreateWithPriority", _h_cuStreamCreateWithPriority),
-    106: ("cuStreamDestroy_v2", _h_cuStreamDestroy_v2),
-    107: ("cuStreamSynchronize", _h_cuStreamSynchronize),
-    108: ("cuStreamQuery", _h_cuStreamQuery),
-    109: ("cuStreamWaitEvent", _h_cuStreamWaitEvent),
-    110: ("cuStreamGetPriority", _h_cuStreamGetPriority),
-    111: ("cuStreamGetFlags", _h_cuStreamGetFlags),
-    112: ("cuStreamGetCtx", _h_cuStreamGetCtx),
-    113: ("cuStreamGetId", _h_cuStreamGetId),
-    114: ("cuStreamGetDevice", _h_cuStreamGetDevice),
-    115: ("cuEventCreate", _h_cuEventCreate),
-    116: ("cuEventRecord", _h_cuEventRecord),
-    117: ("cuEventRecordWithFlags", _h_cuEventRecordWithFlags),
-    118: ("cuEventQuery", _h_cuEventQuery),
-    119: ("cuEventSynchronize", _h_cuEventSynchronize),
-    120: ("cuEventDestroy_v2", _h_cuEventDestroy_v2),
-    121: ("cuEventElapsedTime", _h_cuEventElapsedTime),
-    122: ("cuEventElapsedTime_v2", _h_cuEventElapsedTime_v2),
-    126: ("cuModuleGetGlobal_v2", _h_cuModuleGetGlobal_v2),
-    127: ("cuModuleGetFunctionCount", _h_cuModuleGetFunctionCount),
-    128: ("cuModuleEnumerateFunctions", _h_cuModuleEnumerateFunctions),
-    135: ("cuLibraryGetKernel", _h_cuLibraryGetKernel),
-    136: ("cuLibraryGetModule", _h_cuLibraryGetModule),
-    137: ("cuKernelGetFunction", _h_cuKernelGetFunction),
-    138: ("cuKernelGetLibrary", _h_cuKernelGetLibrary),
-    139: ("cuLibraryGetGlobal", _h_cuLibraryGetGlobal),
-    140: ("cuLibraryGetKernelCount", _h_cuLibraryGetKernelCount),
-    141: ("cuLibraryEnumerateKernels", _h_cuLibraryEnumerateKernels),
-    142: ("cuKernelGetAttribute", _h_cuKernelGetAttribute),
-    143: ("cuKernelSetAttribute", _h_cuKernelSetAttribute),
-    144: ("cuKernelSetCacheConfig", _h_cuKernelSetCacheConfig),
-    145: ("cuFuncGetAttribute", _h_cuFuncGetAttribute),
-    146: ("cuFuncSetAttribute", _h_cuFuncSetAttribute),
-    147: ("cuFuncSetCacheConfig", _h_cuFuncSetCacheConfig),
-    148: ("cuFuncSetSharedMemConfig", _h_cuFuncSetSharedMemConfig),
-    149: ("cuFuncGetModule", _h_cuFuncGetModule),
-    150: ("cuFuncIsLoaded", _h_cuFuncIsLoaded),
-    151: ("cuFuncLoad", _h_cuFuncLoad),
-    153: ("cuOccupancyMaxActiveBlocksPerMultiprocessor", _h_cuOccupancyMaxActiveBlocksPerMultiprocessor),
-    154: ("cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags", _h_cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags),
-    156: ("cuOccupancyAvailableDynamicSMemPerBlock", _h_cuOccupancyAvailableDynamicSMemPerBlock),
-    162: ("cuStreamBeginCapture_v2", _h_cuStreamBeginCapture_v2),
-    163: ("cuStreamEndCapture", _h_cuStreamEndCapture),
-    164: ("cuThreadExchangeStreamCaptureMode", _h_cuThreadExchangeStreamCaptureMode),
-    166: ("cuGraphCreate", _h_cuGraphCreate),
-    167: ("cuGraphDestroy", _h_cuGraphDestroy),
-    168: ("cuGraphClone", _h_cuGraphClone),
-    169: ("cuGraphNodeGetType", _h_cuGraphNodeGetType),
-    171: ("cuGraphInstantiateWithFlags", _h_cuGraphInstantiateWithFlags),
-    172: ("cuGraphLaunch", _h_cuGraphLaunch),
-    173: ("cuGraphUpload", _h_cuGraphUpload),
-    174: ("cuGraphExecDestroy", _h_cuGraphExecDestroy),
-    175: ("cuGraphExecUpdate_v2", _h_cuGraphExecUpdate_v2),
-    183: ("cuDeviceGetGraphMemAttribute", _h_cuDeviceGetGraphMemAttribute),
-    184: ("cuDeviceSetGraphMemAttribute", _h_cuDeviceSetGraphMemAttribute),
-    185: ("cuDeviceGraphMemTrim", _h_cuDeviceGraphMemTrim),
-    186: ("cuStreamSetAttribute", _h_cuStreamSetAttribute),
-    187: ("cuStreamGetAttribute", _h_cuStreamGetAttribute),
-    188: ("cuStreamCopyAttributes", _h_cuStreamCopyAttributes),
-    189: ("cuStreamWriteValue32_v2", _h_cuStreamWriteValue32_v2),
-    190: ("cuStreamWaitValue32_v2", _h_cuStreamWaitValue32_v2),
-    191: ("cuStreamWriteValue64_v2", _h_cuStreamWriteValue64_v2),
-    192: ("cuStreamWaitValue64_v2", _h_cuStreamWaitValue64_v2),
-    193: ("cuMemGetAllocationGranularity", _h_cuMemGetAllocationGranularity),
-    197: ("cuMemGetAllocationPropertiesFromHandle", _h_cuMemGetAllocationPropertiesFromHandle),
-    198: ("cuMemAddressReserve", _h_cuMemAddressReserve),
-    199: ("cuMemAddressFree", _h_cuMemAddressFree),
-    200: ("cuMemMap", _h_cuMemMap),
-    201: ("cuMemUnmap", _h_cuMemUnmap),
-    203: ("cuMemGetAccess", _h_cuMemGetAccess),
-    207: ("cuArrayGetDescriptor_v2", _h_cuArrayGetDescriptor_v2),
-    208: ("cuArray3DGetDescriptor_v2", _h_cuArray3DGetDescriptor_v2),
-    209: ("cuArrayGetMemoryRequirements", _h_cuArrayGetMemoryRequirements),
-    210: ("cuArrayGetSparseProperties", _h_cuArrayGetSparseProperties),
-    211: ("cuArrayGetPlane", _h_cuArrayGetPlane),
-    214: ("cuMipmappedArrayGetLevel", _h_cuMipmappedArrayGetLevel),
-    215: ("cuMipmappedArrayGetMemoryRequirements", _h_cuMipmappedArrayGetMemoryRequirements),
-    216: ("cuMipmappedArrayGetSparseProperties", _h_cuMipmappedArrayGetSparseProperties),
-    220: ("cuTexObjectDestroy", _h_cuTexObjectDestroy),
-    221: ("cuTexObjectGetResourceDesc", _h_cuTexObjectGetResourceDesc),
-    222: ("cuTexObjectGetTextureDesc", _h_cuTexObjectGetTextureDesc),
-    223: ("cuTexObjectGetResourceViewDesc", _h_cuTexObjectGetResourceViewDesc),
-    224: ("cuSurfObjectCreate", _h_cuSurfObjectCreate),
-    225: ("cuSurfObjectDestroy", _h_cuSurfObjectDestroy),
-    226: ("cuSurfObjectGetResourceDesc", _h_cuSurfObjectGetResourceDesc),
+    105: ("cuStreamDestroy_v2", _h_cuStreamDestroy_v2),
+    106: ("cuStreamSynchronize", _h_cuStreamSynchronize),
+    107: ("cuStreamQuery", _h_cuStreamQuery),
+    108: ("cuStreamWaitEvent", _h_cuStreamWaitEvent),
+    109: ("cuStreamGetPriority", _h_cuStreamGetPriority),
+    110: ("cuStreamGetFlags", _h_cuStreamGetFlags),
+    111: ("cuStreamGetCtx", _h_cuStreamGetCtx),
+    112: ("cuStreamGetId", _h_cuStreamGetId),
+    113: ("cuStreamGetDevice", _h_cuStreamGetDevice),
+    115: ("cuEventRecord", _h_cuEventRecord),
+    116: ("cuEventRecordWithFlags", _h_cuEventRecordWithFlags),
+    117: ("cuEventQuery", _h_cuEventQuery),
+    118: ("cuEventSynchronize", _h_cuEventSynchronize),
+    119: ("cuEventDestroy_v2", _h_cuEventDestroy_v2),
+    120: ("cuEventElapsedTime", _h_cuEventElapsedTime),
+    121: ("cuEventElapsedTime_v2", _h_cuEventElapsedTime_v2),
+    125: ("cuModuleGetGlobal_v2", _h_cuModuleGetGlobal_v2),
+    126: ("cuModuleGetFunctionCount", _h_cuModuleGetFunctionCount),
+    127: ("cuModuleEnumerateFunctions", _h_cuModuleEnumerateFunctions),
+    134: ("cuLibraryGetKernel", _h_cuLibraryGetKernel),
+    135: ("cuLibraryGetModule", _h_cuLibraryGetModule),
+    136: ("cuKernelGetFunction", _h_cuKernelGetFunction),
+    137: ("cuKernelGetLibrary", _h_cuKernelGetLibrary),
+    138: ("cuLibraryGetGlobal", _h_cuLibraryGetGlobal),
+    139: ("cuLibraryGetKernelCount", _h_cuLibraryGetKernelCount),
+    140: ("cuLibraryEnumerateKernels", _h_cuLibraryEnumerateKernels),
+    141: ("cuKernelGetAttribute", _h_cuKernelGetAttribute),
+    142: ("cuKernelSetAttribute", _h_cuKernelSetAttribute),
+    143: ("cuKernelSetCacheConfig", _h_cuKernelSetCacheConfig),
+    144: ("cuFuncGetAttribute", _h_cuFuncGetAttribute),
+    145: ("cuFuncSetAttribute", _h_cuFuncSetAttribute),
+    146: ("cuFuncSetCacheConfig", _h_cuFuncSetCacheConfig),
+    147: ("cuFuncSetSharedMemConfig", _h_cuFuncSetSharedMemConfig),
+    148: ("cuFuncGetModule", _h_cuFuncGetModule),
+    149: ("cuFuncIsLoaded", _h_cuFuncIsLoaded),
+    150: ("cuFuncLoad", _h_cuFuncLoad),
+    152: ("cuOccupancyMaxActiveBlocksPerMultiprocessor", _h_cuOccupancyMaxActiveBlocksPerMultiprocessor),
+    153: ("cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags", _h_cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags),
+    155: ("cuOccupancyAvailableDynamicSMemPerBlock", _h_cuOccupancyAvailableDynamicSMemPerBlock),
+    161: ("cuStreamBeginCapture_v2", _h_cuStreamBeginCapture_v2),
+    162: ("cuStreamEndCapture", _h_cuStreamEndCapture),
+    163: ("cuThreadExchangeStreamCaptureMode", _h_cuThreadExchangeStreamCaptureMode),
+    165: ("cuGraphCreate", _h_cuGraphCreate),
+    166: ("cuGraphDestroy", _h_cuGraphDestroy),
+    167: ("cuGraphClone", _h_cuGraphClone),
+    168: ("cuGraphNodeGetType", _h_cuGraphNodeGetType),
+    170: ("cuGraphInstantiateWithFlags", _h_cuGraphInstantiateWithFlags),
+    171: ("cuGraphLaunch", _h_cuGraphLaunch),
+    172: ("cuGraphUpload", _h_cuGraphUpload),
+    173: ("cuGraphExecDestroy", _h_cuGraphExecDestroy),
+    174: ("cuGraphExecUpdate_v2", _h_cuGraphExecUpdate_v2),
+    182: ("cuDeviceGetGraphMemAttribute", _h_cuDeviceGetGraphMemAttribute),
+    183: ("cuDeviceSetGraphMemAttribute", _h_cuDeviceSetGraphMemAttribute),
+    184: ("cuDeviceGraphMemTrim", _h_cuDeviceGraphMemTrim),
+    185: ("cuStreamSetAttribute", _h_cuStreamSetAttribute),
+    186: ("cuStreamGetAttribute", _h_cuStreamGetAttribute),
+    187: ("cuStreamCopyAttributes", _h_cuStreamCopyAttributes),
+    188: ("cuStreamWriteValue32_v2", _h_cuStreamWriteValue32_v2),
+    189: ("cuStreamWaitValue32_v2", _h_cuStreamWaitValue32_v2),
+    190: ("cuStreamWriteValue64_v2", _h_cuStreamWriteValue64_v2),
+    191: ("cuStreamWaitValue64_v2", _h_cuStreamWaitValue64_v2),
+    192: ("cuMemGetAllocationGranularity", _h_cuMemGetAllocationGranularity),
+    196: ("cuMemGetAllocationPropertiesFromHandle", _h_cuMemGetAllocationPropertiesFromHandle),
+    197: ("cuMemAddressReserve", _h_cuMemAddressReserve),
+    198: ("cuMemAddressFree", _h_cuMemAddressFree),
+    199: ("cuMemMap", _h_cuMemMap),
+    200: ("cuMemUnmap", _h_cuMemUnmap),
+    202: ("cuMemGetAccess", _h_cuMemGetAccess),
+    206: ("cuArrayGetDescriptor_v2", _h_cuArrayGetDescriptor_v2),
+    207: ("cuArray3DGetDescriptor_v2", _h_cuArray3DGetDescriptor_v2),
+    208: ("cuArrayGetMemoryRequirements", _h_cuArrayGetMemoryRequirements),
+    209: ("cuArrayGetSparseProperties", _h_cuArrayGetSparseProperties),
+    210: ("cuArrayGetPlane", _h_cuArrayGetPlane),
+    213: ("cuMipmappedArrayGetLevel", _h_cuMipmappedArrayGetLevel),
+    214: ("cuMipmappedArrayGetMemoryRequirements", _h_cuMipmappedArrayGetMemoryRequirements),
+    215: ("cuMipmappedArrayGetSparseProperties", _h_cuMipmappedArrayGetSparseProperties),
+    219: ("cuTexObjectDestroy", _h_cuTexObjectDestroy),
+    220: ("cuTexObjectGetResourceDesc", _h_cuTexObjectGetResourceDesc),
+    221: ("cuTexObjectGetTextureDesc", _h_cuTexObjectGetTextureDesc),
+    222: ("cuTexObjectGetResourceViewDesc", _h_cuTexObjectGetResourceViewDesc),
+    223: ("cuSurfObjectCreate", _h_cuSurfObjectCreate),
+    224: ("cuSurfObjectDestroy", _h_cuSurfObjectDestroy),
+    225: ("cuSurfObjectGetResourceDesc", _h_cuSurfObjectGetResourceDesc),
     1024: ("nvmlDeviceGetMemoryInfo", _h_nvmlDeviceGetMemoryInfo),
     1025: ("nvmlDeviceGetMemoryInfo_v2", _h_nvmlDeviceGetMemoryInfo_v2),
     1026: ("nvmlDeviceGetBAR1MemoryInfo", _h_nvmlDeviceGetBAR1MemoryInfo),
@@ -1767,8 +1797,6 @@ CUDA_ARGTYPES: dict[str, list[Any]] = {
     "cuMemsetD2D16Async": [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_ushort, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p],
     "cuMemsetD2D32Async": [ctypes.c_uint64, ctypes.c_size_t, ctypes.c_uint, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_void_p],
     "cuPointerSetAttribute": [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64],
-    "cuStreamCreate": [ctypes.c_void_p, ctypes.c_uint],
-    "cuStreamCreateWithPriority": [ctypes.c_void_p, ctypes.c_uint, ctypes.c_int],
     "cuStreamDestroy_v2": [ctypes.c_void_p],
     "cuStreamSynchronize": [ctypes.c_void_p],
     "cuStreamQuery": [ctypes.c_void_p],
@@ -1778,7 +1806,6 @@ CUDA_ARGTYPES: dict[str, list[Any]] = {
     "cuStreamGetCtx": [ctypes.c_void_p, ctypes.c_void_p],
     "cuStreamGetId": [ctypes.c_void_p, ctypes.c_void_p],
     "cuStreamGetDevice": [ctypes.c_void_p, ctypes.c_void_p],
-    "cuEventCreate": [ctypes.c_void_p, ctypes.c_uint],
     "cuEventRecord": [ctypes.c_void_p, ctypes.c_void_p],
     "cuEventRecordWithFlags": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint],
     "cuEventQuery": [ctypes.c_void_p],
@@ -2172,16 +2199,6 @@ class CudaDriverCalls:
         r = self._fn_cuPointerSetAttribute(ctypes.byref(value_in), attribute, ptr)
         return (r,)
 
-    def cuStreamCreate(self, Flags):
-        phStream_out = (ctypes.c_void_p)()
-        r = self._fn_cuStreamCreate(ctypes.byref(phStream_out), Flags)
-        return (r, phStream_out.value or 0)
-
-    def cuStreamCreateWithPriority(self, flags, priority):
-        phStream_out = (ctypes.c_void_p)()
-        r = self._fn_cuStreamCreateWithPriority(ctypes.byref(phStream_out), flags, priority)
-        return (r, phStream_out.value or 0)
-
     def cuStreamDestroy_v2(self, hStream):
         r = self._fn_cuStreamDestroy_v2(hStream)
         return (r,)
@@ -2222,11 +2239,6 @@ class CudaDriverCalls:
         device_out = (ctypes.c_int)()
         r = self._fn_cuStreamGetDevice(hStream, ctypes.byref(device_out))
         return (r, device_out.value or 0)
-
-    def cuEventCreate(self, Flags):
-        phEvent_out = (ctypes.c_void_p)()
-        r = self._fn_cuEventCreate(ctypes.byref(phEvent_out), Flags)
-        return (r, phEvent_out.value or 0)
 
     def cuEventRecord(self, hEvent, hStream):
         r = self._fn_cuEventRecord(hEvent, hStream)

@@ -236,7 +236,7 @@ RGPU_EXPORT CUresult CUDAAPI cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigne
     rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
     { uint32_t v_ = (uint32_t)flags; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
-    rgpu_pstate_forget();
+    rgpu_pstate_forget(); rgpu_ctx_query_forget();
     rgpu_end(&c);
     return r;
 }
@@ -272,22 +272,26 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx) 
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxSynchronize(void) {
+    uint64_t sync_seq_ = rgpu_event_clock();
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuCtxSynchronize);
     if (r != CUDA_SUCCESS) return r;
     r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) rgpu_ctx_synced(NULL, sync_seq_);
     rgpu_end(&c);
     if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxSynchronize_v2(CUcontext ctx) {
+    uint64_t sync_seq_ = rgpu_event_clock();
     rgpu_call c;
     uint64_t ctx_remote = 0;
     CUresult r = rgpu_begin_ctx(&c, RGPU_OP_cuCtxSynchronize_v2, ctx, &ctx_remote);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, ctx_remote);
     r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) rgpu_ctx_synced(ctx, sync_seq_);
     rgpu_end(&c);
     if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
@@ -295,6 +299,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSynchronize_v2(CUcontext ctx) {
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxGetApiVersion(CUcontext ctx, unsigned int *version) {
     if (version == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_ctx_query_get(ctx, RGPU_CTXQ_API_VERSION, &v_)) { *version = (unsigned int)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     uint64_t ctx_remote = 0;
     CUresult r = rgpu_begin_ctx(&c, RGPU_OP_cuCtxGetApiVersion, ctx, &ctx_remote);
@@ -304,12 +309,14 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetApiVersion(CUcontext ctx, unsigned int *ver
     if (r == CUDA_SUCCESS) {
         { unsigned int version_v; memset(&version_v, 0, sizeof version_v); { uint32_t v_; rgpu_get(&c, &v_, sizeof v_); version_v = (unsigned int)v_; } if (version) *version = version_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_ctx_query_put(ctx, RGPU_CTXQ_API_VERSION, (uint64_t)*version);
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxGetFlags(unsigned int *flags) {
     if (flags == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_ctx_query_get(NULL, RGPU_CTXQ_FLAGS, &v_)) { *flags = (unsigned int)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuCtxGetFlags);
     if (r != CUDA_SUCCESS) return r;
@@ -317,6 +324,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetFlags(unsigned int *flags) {
     if (r == CUDA_SUCCESS) {
         { unsigned int flags_v; memset(&flags_v, 0, sizeof flags_v); { uint32_t v_; rgpu_get(&c, &v_, sizeof v_); flags_v = (unsigned int)v_; } if (flags) *flags = flags_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_ctx_query_put(NULL, RGPU_CTXQ_FLAGS, (uint64_t)*flags);
     rgpu_end(&c);
     return r;
 }
@@ -327,13 +335,14 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSetFlags(unsigned int flags) {
     if (r != CUDA_SUCCESS) return r;
     { uint32_t v_ = (uint32_t)flags; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
-    rgpu_pstate_forget();
+    rgpu_pstate_forget(); rgpu_ctx_query_forget();
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxGetId(CUcontext ctx, unsigned long long *ctxId) {
     if (ctxId == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_ctx_query_get(ctx, RGPU_CTXQ_ID, &v_)) { *ctxId = (unsigned long long)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     uint64_t ctx_remote = 0;
     CUresult r = rgpu_begin_ctx(&c, RGPU_OP_cuCtxGetId, ctx, &ctx_remote);
@@ -343,6 +352,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetId(CUcontext ctx, unsigned long long *ctxId
     if (r == CUDA_SUCCESS) {
         { unsigned long long ctxId_v; memset(&ctxId_v, 0, sizeof ctxId_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); ctxId_v = (unsigned long long)v_; } if (ctxId) *ctxId = ctxId_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_ctx_query_put(ctx, RGPU_CTXQ_ID, (uint64_t)*ctxId);
     rgpu_end(&c);
     return r;
 }
@@ -377,6 +387,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSetLimit(CUlimit limit, size_t value) {
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxGetCacheConfig(CUfunc_cache *pconfig) {
     if (pconfig == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_ctx_query_get(NULL, RGPU_CTXQ_CACHE_CONFIG, &v_)) { *pconfig = (CUfunc_cache)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuCtxGetCacheConfig);
     if (r != CUDA_SUCCESS) return r;
@@ -384,6 +395,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetCacheConfig(CUfunc_cache *pconfig) {
     if (r == CUDA_SUCCESS) {
         { CUfunc_cache pconfig_v; memset(&pconfig_v, 0, sizeof pconfig_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); pconfig_v = (CUfunc_cache)v_; } if (pconfig) *pconfig = pconfig_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_ctx_query_put(NULL, RGPU_CTXQ_CACHE_CONFIG, (uint64_t)*pconfig);
     rgpu_end(&c);
     return r;
 }
@@ -401,6 +413,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSetCacheConfig(CUfunc_cache config) {
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxGetSharedMemConfig(CUsharedconfig *pConfig) {
     if (pConfig == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_ctx_query_get(NULL, RGPU_CTXQ_SHARED_CONFIG, &v_)) { *pConfig = (CUsharedconfig)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuCtxGetSharedMemConfig);
     if (r != CUDA_SUCCESS) return r;
@@ -408,6 +421,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetSharedMemConfig(CUsharedconfig *pConfig) {
     if (r == CUDA_SUCCESS) {
         { CUsharedconfig pConfig_v; memset(&pConfig_v, 0, sizeof pConfig_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); pConfig_v = (CUsharedconfig)v_; } if (pConfig) *pConfig = pConfig_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_ctx_query_put(NULL, RGPU_CTXQ_SHARED_CONFIG, (uint64_t)*pConfig);
     rgpu_end(&c);
     return r;
 }
@@ -424,6 +438,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxSetSharedMemConfig(CUsharedconfig config) {
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxGetStreamPriorityRange(int *leastPriority, int *greatestPriority) {
+    { uint64_t v_; if (rgpu_ctx_query_get(NULL, RGPU_CTXQ_PRIORITY_RANGE, &v_)) { if (leastPriority) *leastPriority = (int)(uint32_t)v_; if (greatestPriority) *greatestPriority = (int)(uint32_t)(v_ >> 32); return CUDA_SUCCESS; } };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuCtxGetStreamPriorityRange);
     if (r != CUDA_SUCCESS) return r;
@@ -432,6 +447,7 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetStreamPriorityRange(int *leastPriority, int
         { int leastPriority_v; memset(&leastPriority_v, 0, sizeof leastPriority_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); leastPriority_v = (int)v_; } if (leastPriority) *leastPriority = leastPriority_v; }
         { int greatestPriority_v; memset(&greatestPriority_v, 0, sizeof greatestPriority_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); greatestPriority_v = (int)v_; } if (greatestPriority) *greatestPriority = greatestPriority_v; }
     }
+    if (r == CUDA_SUCCESS && leastPriority && greatestPriority) rgpu_ctx_query_put(NULL, RGPU_CTXQ_PRIORITY_RANGE, (uint64_t)(uint32_t)*leastPriority | (uint64_t)(uint32_t)*greatestPriority << 32);
     rgpu_end(&c);
     return r;
 }
@@ -446,16 +462,20 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxResetPersistingL2Cache(void) {
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxRecordEvent(CUcontext hCtx, CUevent hEvent) {
+    { CUresult r_ = rgpu_event_check(hEvent); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     uint64_t hCtx_remote = 0;
     CUresult r = rgpu_begin_ctx(&c, RGPU_OP_cuCtxRecordEvent, hCtx, &hCtx_remote);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, hCtx_remote);
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEvent);
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) rgpu_event_recorded(hEvent, RGPU_EVENT_WHOLE_CONTEXT);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxWaitEvent(CUcontext hCtx, CUevent hEvent) {
+    { CUresult r_ = rgpu_event_check(hEvent); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     uint64_t hCtx_remote = 0;
     CUresult r = rgpu_begin_ctx(&c, RGPU_OP_cuCtxWaitEvent, hCtx, &hCtx_remote);
@@ -665,73 +685,50 @@ RGPU_EXPORT CUresult CUDAAPI cuPointerSetAttribute(const int *value, CUpointer_a
     { int32_t v_ = (int32_t)attribute; rgpu_put(&c, &v_, 4); }
     { uint64_t v_ = (uint64_t)ptr; rgpu_put(&c, &v_, 8); }
     r = rgpu_sync(&c);
-    rgpu_end(&c);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuStreamCreate(CUstream *phStream, unsigned int Flags) {
-    if (phStream == NULL) return CUDA_ERROR_INVALID_VALUE;
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamCreate);
-    if (r != CUDA_SUCCESS) return r;
-    { uint32_t v_ = (uint32_t)Flags; rgpu_put(&c, &v_, 4); }
-    r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) {
-        { CUstream phStream_v; memset(&phStream_v, 0, sizeof phStream_v); phStream_v = (CUstream)(uintptr_t)rgpu_get_u64(&c); if (phStream) *phStream = phStream_v; }
-    }
-    rgpu_end(&c);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority) {
-    if (phStream == NULL) return CUDA_ERROR_INVALID_VALUE;
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamCreateWithPriority);
-    if (r != CUDA_SUCCESS) return r;
-    { uint32_t v_ = (uint32_t)flags; rgpu_put(&c, &v_, 4); }
-    { int32_t v_ = (int32_t)priority; rgpu_put(&c, &v_, 4); }
-    r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) {
-        { CUstream phStream_v; memset(&phStream_v, 0, sizeof phStream_v); phStream_v = (CUstream)(uintptr_t)rgpu_get_u64(&c); if (phStream) *phStream = phStream_v; }
-    }
+    rgpu_pattr_forget_all();
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuStreamDestroy_v2(CUstream hStream) {
+    { CUresult r_ = rgpu_stream_destroying(hStream); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamDestroy_v2);
+    CUresult r = rgpu_begin_stream(&c, RGPU_OP_cuStreamDestroy_v2, hStream);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
-    r = rgpu_sync(&c);
-    rgpu_end(&c);
+    r = rgpu_async(&c);
+    rgpu_stream_forget(hStream);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuStreamSynchronize(CUstream hStream) {
+    uint64_t sync_seq_ = rgpu_event_clock();
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamSynchronize);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
     r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) rgpu_stream_synced(hStream, c.s->index, sync_seq_);
     rgpu_end(&c);
     if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuStreamQuery(CUstream hStream) {
+    uint64_t sync_seq_ = rgpu_event_clock();
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamQuery);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
     r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) rgpu_stream_synced(hStream, c.s->index, sync_seq_);
     rgpu_end(&c);
     if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags) {
-    { CUresult r_; if (rgpu_event_elsewhere(hEvent, &r_)) return r_; };
+    { CUresult r_ = rgpu_event_check(hEvent); if (r_ != CUDA_SUCCESS) return r_; if (rgpu_event_elsewhere(hEvent, &r_)) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamWaitEvent);
     if (r != CUDA_SUCCESS) return r;
@@ -743,6 +740,7 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamWaitEvent(CUstream hStream, CUevent hEvent,
 
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetPriority(CUstream hStream, int *priority) {
     if (priority == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_stream_query_get(hStream, RGPU_STREAMQ_PRIORITY, &v_)) { *priority = (int)(uintptr_t)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamGetPriority);
     if (r != CUDA_SUCCESS) return r;
@@ -751,12 +749,14 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamGetPriority(CUstream hStream, int *priority
     if (r == CUDA_SUCCESS) {
         { int priority_v; memset(&priority_v, 0, sizeof priority_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); priority_v = (int)v_; } if (priority) *priority = priority_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_stream_query_put(hStream, RGPU_STREAMQ_PRIORITY, (uint64_t)(uintptr_t)*priority);
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetFlags(CUstream hStream, unsigned int *flags) {
     if (flags == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_stream_query_get(hStream, RGPU_STREAMQ_FLAGS, &v_)) { *flags = (unsigned int)(uintptr_t)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamGetFlags);
     if (r != CUDA_SUCCESS) return r;
@@ -765,12 +765,14 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamGetFlags(CUstream hStream, unsigned int *fl
     if (r == CUDA_SUCCESS) {
         { unsigned int flags_v; memset(&flags_v, 0, sizeof flags_v); { uint32_t v_; rgpu_get(&c, &v_, sizeof v_); flags_v = (unsigned int)v_; } if (flags) *flags = flags_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_stream_query_put(hStream, RGPU_STREAMQ_FLAGS, (uint64_t)(uintptr_t)*flags);
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetCtx(CUstream hStream, CUcontext *pctx) {
     if (pctx == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_stream_query_get(hStream, RGPU_STREAMQ_CTX, &v_)) { *pctx = (CUcontext)(uintptr_t)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamGetCtx);
     if (r != CUDA_SUCCESS) return r;
@@ -779,12 +781,14 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamGetCtx(CUstream hStream, CUcontext *pctx) {
     if (r == CUDA_SUCCESS) {
         { CUcontext pctx_v; memset(&pctx_v, 0, sizeof pctx_v); pctx_v = rgpu_ctx_out(&c, rgpu_get_u64(&c)); if (pctx) *pctx = pctx_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_stream_query_put(hStream, RGPU_STREAMQ_CTX, (uint64_t)(uintptr_t)*pctx);
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetId(CUstream hStream, unsigned long long *streamId) {
     if (streamId == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_stream_query_get(hStream, RGPU_STREAMQ_ID, &v_)) { *streamId = (unsigned long long)(uintptr_t)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamGetId);
     if (r != CUDA_SUCCESS) return r;
@@ -793,12 +797,14 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamGetId(CUstream hStream, unsigned long long 
     if (r == CUDA_SUCCESS) {
         { unsigned long long streamId_v; memset(&streamId_v, 0, sizeof streamId_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); streamId_v = (unsigned long long)v_; } if (streamId) *streamId = streamId_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_stream_query_put(hStream, RGPU_STREAMQ_ID, (uint64_t)(uintptr_t)*streamId);
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetDevice(CUstream hStream, CUdevice *device) {
     if (device == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { uint64_t v_; if (rgpu_stream_query_get(hStream, RGPU_STREAMQ_DEVICE, &v_)) { *device = (CUdevice)(uintptr_t)v_; return CUDA_SUCCESS; } };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamGetDevice);
     if (r != CUDA_SUCCESS) return r;
@@ -807,81 +813,78 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamGetDevice(CUstream hStream, CUdevice *devic
     if (r == CUDA_SUCCESS) {
         { CUdevice device_v; memset(&device_v, 0, sizeof device_v); device_v = rgpu_dev_out(&c, rgpu_get_i32(&c)); if (device) *device = device_v; }
     }
-    rgpu_end(&c);
-    return r;
-}
-
-RGPU_EXPORT CUresult CUDAAPI cuEventCreate(CUevent *phEvent, unsigned int Flags) {
-    if (phEvent == NULL) return CUDA_ERROR_INVALID_VALUE;
-    rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuEventCreate);
-    if (r != CUDA_SUCCESS) return r;
-    { uint32_t v_ = (uint32_t)Flags; rgpu_put(&c, &v_, 4); }
-    r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) {
-        { CUevent phEvent_v; memset(&phEvent_v, 0, sizeof phEvent_v); phEvent_v = (CUevent)(uintptr_t)rgpu_get_u64(&c); if (phEvent) *phEvent = phEvent_v; }
-    }
-    if (r == CUDA_SUCCESS) rgpu_event_session_put(*phEvent, c.s->index);
+    if (r == CUDA_SUCCESS) rgpu_stream_query_put(hStream, RGPU_STREAMQ_DEVICE, (uint64_t)(uintptr_t)*device);
     rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuEventRecord(CUevent hEvent, CUstream hStream) {
+    { CUresult r_ = rgpu_event_check(hEvent); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuEventRecord);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEvent);
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) rgpu_event_recorded(hEvent, hStream);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuEventRecordWithFlags(CUevent hEvent, CUstream hStream, unsigned int flags) {
+    { CUresult r_ = rgpu_event_check(hEvent); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuEventRecordWithFlags);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEvent);
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
     { uint32_t v_ = (uint32_t)flags; rgpu_put(&c, &v_, 4); }
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) rgpu_event_recorded(hEvent, hStream);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuEventQuery(CUevent hEvent) {
+    uint64_t ev_seq_ = 0; { CUresult r_; if (rgpu_event_known(hEvent, &ev_seq_, &r_)) return r_; };
     rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuEventQuery);
+    CUresult r = rgpu_begin_event(&c, RGPU_OP_cuEventQuery, hEvent);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEvent);
     r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) rgpu_event_completed(hEvent, ev_seq_);
     rgpu_end(&c);
     if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuEventSynchronize(CUevent hEvent) {
+    uint64_t ev_seq_ = 0; { CUresult r_; if (rgpu_event_known(hEvent, &ev_seq_, &r_)) return r_; };
     rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuEventSynchronize);
+    CUresult r = rgpu_begin_event(&c, RGPU_OP_cuEventSynchronize, hEvent);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEvent);
     r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) rgpu_event_completed(hEvent, ev_seq_);
     rgpu_end(&c);
     if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuEventDestroy_v2(CUevent hEvent) {
+    { CUresult r_ = rgpu_event_destroying(hEvent); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuEventDestroy_v2);
+    CUresult r = rgpu_begin_event(&c, RGPU_OP_cuEventDestroy_v2, hEvent);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEvent);
-    r = rgpu_sync(&c);
+    r = rgpu_async(&c);
     rgpu_event_session_forget(hEvent);
-    rgpu_end(&c);
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd) {
     if (pMilliseconds == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { CUresult r_ = rgpu_event_check(hStart); if (r_ == CUDA_SUCCESS) r_ = rgpu_event_check(hEnd); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuEventElapsedTime);
+    CUresult r = rgpu_begin_event(&c, RGPU_OP_cuEventElapsedTime, hStart);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStart);
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEnd);
@@ -895,8 +898,9 @@ RGPU_EXPORT CUresult CUDAAPI cuEventElapsedTime(float *pMilliseconds, CUevent hS
 
 RGPU_EXPORT CUresult CUDAAPI cuEventElapsedTime_v2(float *pMilliseconds, CUevent hStart, CUevent hEnd) {
     if (pMilliseconds == NULL) return CUDA_ERROR_INVALID_VALUE;
+    { CUresult r_ = rgpu_event_check(hStart); if (r_ == CUDA_SUCCESS) r_ = rgpu_event_check(hEnd); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuEventElapsedTime_v2);
+    CUresult r = rgpu_begin_event(&c, RGPU_OP_cuEventElapsedTime_v2, hStart);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStart);
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hEnd);
@@ -1106,6 +1110,7 @@ RGPU_EXPORT CUresult CUDAAPI cuKernelSetCacheConfig(CUkernel kernel, CUfunc_cach
 
 RGPU_EXPORT CUresult CUDAAPI cuFuncGetAttribute(int *pi, CUfunction_attribute attrib, CUfunction hfunc) {
     if (pi == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_fattr_get(hfunc, attrib, pi)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuFuncGetAttribute);
     if (r != CUDA_SUCCESS) return r;
@@ -1115,6 +1120,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncGetAttribute(int *pi, CUfunction_attribute at
     if (r == CUDA_SUCCESS) {
         { int pi_v; memset(&pi_v, 0, sizeof pi_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); pi_v = (int)v_; } if (pi) *pi = pi_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_fattr_put(hfunc, attrib, *pi);
     rgpu_end(&c);
     return r;
 }
@@ -1233,6 +1239,7 @@ RGPU_EXPORT CUresult CUDAAPI cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlag
 
 RGPU_EXPORT CUresult CUDAAPI cuOccupancyAvailableDynamicSMemPerBlock(size_t *dynamicSmemSize, CUfunction func, int numBlocks, int blockSize) {
     if (dynamicSmemSize == NULL) return CUDA_ERROR_INVALID_VALUE;
+    if (rgpu_occ_smem_get(func, numBlocks, blockSize, dynamicSmemSize)) return CUDA_SUCCESS;
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuOccupancyAvailableDynamicSMemPerBlock);
     if (r != CUDA_SUCCESS) return r;
@@ -1243,6 +1250,7 @@ RGPU_EXPORT CUresult CUDAAPI cuOccupancyAvailableDynamicSMemPerBlock(size_t *dyn
     if (r == CUDA_SUCCESS) {
         { size_t dynamicSmemSize_v; memset(&dynamicSmemSize_v, 0, sizeof dynamicSmemSize_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); dynamicSmemSize_v = (size_t)v_; } if (dynamicSmemSize) *dynamicSmemSize = dynamicSmemSize_v; }
     }
+    if (r == CUDA_SUCCESS) rgpu_occ_smem_put(func, numBlocks, blockSize, *dynamicSmemSize);
     rgpu_end(&c);
     return r;
 }

@@ -26,7 +26,8 @@ typedef struct {
 } table;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
-static table g_kattr, g_kfunc, g_dattr, g_pstate;
+static table g_kattr, g_kfunc, g_dattr, g_pstate, g_fattr, g_stream;
+static void forget_streams(void);
 
 static uint64_t hash(uint64_t a, uint64_t b, uint64_t c) {
     uint64_t h = a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull) * 0xBF58476D1CE4E5B9ull ^ c * 0x94D049BB133111EBull;
@@ -158,15 +159,39 @@ void rgpu_limit_forget(void);
  * are keyed by function). Forgetting everything here made libraries that set attributes on
  * several kernels in turn miss every cache on every call (measured: ~200 round trips per GPT-2
  * training step). */
+static void forget_kernel_functions(CUkernel k);
 void rgpu_kattr_changed(CUkernel k, int attrib, CUdevice dev, int value) {
     forget_first_key(&g_kattr, (uint64_t)(uintptr_t)k);
+    forget_kernel_functions(k);
     rgpu_cache_forget_occupancy();
     rgpu_kattr_put(k, attrib, dev, value);
 }
 
 /* cuFuncSetAttribute: the kernels this function was obtained from (through cuKernelGetFunction)
  * lose their answers; a function the cache does not know may be any kernel's: forget them all. */
+/* The functions a kernel was turned into (cuKernelGetFunction) lose their cached attributes; a
+ * CUkernel may also be used as a CUfunction directly (CUDA 12). */
+static void forget_kernel_functions(CUkernel k) {
+    uint64_t fns[16];
+    int n = 0, overflow = 0;
+    pthread_mutex_lock(&g_lock);
+    for (uint32_t i = 0; i < g_kfunc.size; i++)
+        if (g_kfunc.e[i].used && g_kfunc.e[i].k1 == (uint64_t)(uintptr_t)k) {
+            if (n < 16) fns[n++] = g_kfunc.e[i].value;
+            else overflow = 1;
+        }
+    pthread_mutex_unlock(&g_lock);
+    if (overflow) {
+        clear(&g_fattr);
+        return;
+    }
+    forget_first_key(&g_fattr, (uint64_t)(uintptr_t)k);
+    for (int i = 0; i < n; i++) forget_first_key(&g_fattr, fns[i]);
+}
+
 void rgpu_fattr_changed(CUfunction f) {
+    forget_first_key(&g_fattr, (uint64_t)(uintptr_t)f);
+    forget_kernel_functions((CUkernel)f);   /* a CUkernel set through cuFuncSetAttribute */
     uint64_t kernels[16];
     int n = 0, unknown = 1;
     pthread_mutex_lock(&g_lock);
@@ -182,11 +207,37 @@ void rgpu_fattr_changed(CUfunction f) {
     rgpu_cache_forget_occupancy();
 }
 
+
 void rgpu_cache_forget_functions(void) {
     rgpu_limit_forget();
     clear(&g_kattr);
     clear(&g_kfunc);
+    clear(&g_fattr);
+    forget_streams();
+    rgpu_pattr_forget_all();
+    rgpu_ctx_query_forget();
     rgpu_cache_forget_occupancy();
+}
+
+/* cuFuncGetAttribute (cuDNN's RNN path asks ~180 times per batch): a function's attributes are
+ * fixed after load except those the application sets itself. Cached per (function, attribute)
+ * on the first answer; cuFuncSetAttribute forgets that function's answers (and the occupancy
+ * answers), cuKernelSetAttribute those of the kernel's functions, a cache-config, shared-memory
+ * or limit change, an unload or a context's end all of them. */
+/* A library's kernel used as a function serves every slice (library_mirror.c): keyed by slice too. */
+static uint64_t current_session(void) {
+    if (rgpu_session_count < 2) return 0;
+    rgpu_ctx *cur = rgpu_ctx_current();
+    return cur ? (uint64_t)cur->session : 0;
+}
+int rgpu_fattr_get(CUfunction f, int attrib, int *out) {
+    uint64_t v;
+    if (!get(&g_fattr, (uint64_t)(uintptr_t)f, (uint64_t)attrib, current_session(), &v)) return 0;
+    *out = (int)v;
+    return 1;
+}
+void rgpu_fattr_put(CUfunction f, int attrib, int value) {
+    put(&g_fattr, (uint64_t)(uintptr_t)f, (uint64_t)attrib, current_session(), (uint64_t)(uint32_t)value);
 }
 
 /* cuDeviceGetAttribute: a device's attributes do not change. */
@@ -225,7 +276,117 @@ int rgpu_occ_get(CUfunction f, int block, size_t smem, unsigned int flags, int *
 void rgpu_occ_put(CUfunction f, int block, size_t smem, unsigned int flags, int value) {
     put(&g_occ, (uint64_t)(uintptr_t)f, (uint64_t)(uint32_t)block | ((uint64_t)flags << 32), smem, (uint64_t)(uint32_t)value);
 }
-void rgpu_cache_forget_occupancy(void) { clear(&g_occ); }
+/* cuOccupancyAvailableDynamicSMemPerBlock and the callback-free cuOccupancyMaxPotentialBlockSize:
+ * fixed for their arguments until a function attribute changes (forgotten with the above). */
+static table g_occ_smem, g_occ_potential;
+int rgpu_occ_smem_get(CUfunction f, int blocks, int block_size, size_t *out) {
+    uint64_t v;
+    if (!get(&g_occ_smem, (uint64_t)(uintptr_t)f, (uint64_t)(uint32_t)blocks | ((uint64_t)(uint32_t)block_size << 32), 0, &v))
+        return 0;
+    *out = (size_t)v;
+    return 1;
+}
+void rgpu_occ_smem_put(CUfunction f, int blocks, int block_size, size_t value) {
+    put(&g_occ_smem, (uint64_t)(uintptr_t)f, (uint64_t)(uint32_t)blocks | ((uint64_t)(uint32_t)block_size << 32), 0, value);
+}
+int rgpu_occ_potential_get(CUfunction f, size_t smem, int limit, unsigned int flags, int *min_grid, int *block) {
+    uint64_t v;
+    if (!get(&g_occ_potential, (uint64_t)(uintptr_t)f, smem, (uint64_t)(uint32_t)limit | ((uint64_t)flags << 32), &v))
+        return 0;
+    *min_grid = (int)(uint32_t)v;
+    *block = (int)(v >> 32);
+    return 1;
+}
+void rgpu_occ_potential_put(CUfunction f, size_t smem, int limit, unsigned int flags, int min_grid, int block) {
+    put(&g_occ_potential, (uint64_t)(uintptr_t)f, smem, (uint64_t)(uint32_t)limit | ((uint64_t)flags << 32),
+        (uint64_t)(uint32_t)min_grid | ((uint64_t)(uint32_t)block << 32));
+}
+void rgpu_cache_forget_occupancy(void) {
+    clear(&g_occ);
+    clear(&g_occ_smem);
+    clear(&g_occ_potential);
+}
+
+/* Pointer attributes of plain allocations (cuMemAlloc*; not VMM ranges or graph memory, whose
+ * mappings change): fixed from the allocation until its free, except SYNC_MEMOPS, which only
+ * cuPointerSetAttribute changes (it forgets them all). The bytes the application got are kept,
+ * with their count; the device pointer as its distance from the queried pointer. Attributes
+ * whose answer depends on more than the allocation (host pointer, P2P tokens, access flags,
+ * mappings) always travel. */
+static table g_pattr;
+static int pattr_cacheable(int attr) {
+    switch (attr) {
+    case 1: case 2: case 3: case 6: case 7: case 8: case 9: case 10: case 11: case 12: case 13: case 14: case 15:
+    case 17: case 20:
+        return 1;
+    default:
+        return 0;
+    }
+}
+int rgpu_pattr_get(uint64_t base, uint64_t ptr, int attr, void *data) {
+    uint64_t v, n;
+    if (!pattr_cacheable(attr) || !get(&g_pattr, base, (uint64_t)attr, 0, &v) || !get(&g_pattr, base, (uint64_t)attr, 1, &n))
+        return 0;
+    if (attr == 3) v += ptr;
+    if (data) memcpy(data, &v, (size_t)n);
+    return 1;
+}
+void rgpu_pattr_put(uint64_t base, uint64_t ptr, int attr, const void *data, uint32_t n) {
+    uint64_t v = 0;
+    if (!pattr_cacheable(attr) || n > 8 || !data) return;
+    memcpy(&v, data, n);
+    if (attr == 3) v -= ptr;
+    put(&g_pattr, base, (uint64_t)attr, 1, n);
+    put(&g_pattr, base, (uint64_t)attr, 0, v);
+}
+void rgpu_pattr_forget(uint64_t base) {
+    if (__atomic_load_n(&g_pattr.count, __ATOMIC_RELAXED)) forget_first_key(&g_pattr, base);
+}
+void rgpu_pattr_forget_all(void) { clear(&g_pattr); }
+
+/* Synchronisations that finished (cuda_events.c): per (stream, slice) or context, the event
+ * clock at which the latest began. Only ever raised. */
+static table g_synced;
+uint64_t rgpu_synced_get(uint64_t k1, uint64_t k2) {
+    uint64_t v;
+    return get(&g_synced, k1, k2, 0, &v) ? v : 0;
+}
+void rgpu_synced_put(uint64_t k1, uint64_t k2, uint64_t seq) {
+    uint64_t v;
+    if (!get(&g_synced, k1, k2, 0, &v) || v < seq) put(&g_synced, k1, k2, 0, seq);
+}
+
+/* Context queries (cuCtxGetApiVersion, GetId, GetFlags, GetCacheConfig, GetSharedMemConfig,
+ * GetStreamPriorityRange): per client context (NULL: the current one), changed only by this
+ * process's own set calls, which empty the table, as a context's end does. */
+static table g_ctxq;
+int rgpu_ctx_query_get(CUcontext ctx, int what, uint64_t *out) {
+    rgpu_ctx *x = ctx ? rgpu_ctx_lookup(ctx) : rgpu_ctx_current();
+    if (!x || x->destroyed) return 0;
+    return get(&g_ctxq, (uint64_t)(uintptr_t)x, (uint64_t)what, 0, out);
+}
+void rgpu_ctx_query_put(CUcontext ctx, int what, uint64_t value) {
+    rgpu_ctx *x = ctx ? rgpu_ctx_lookup(ctx) : rgpu_ctx_current();
+    if (x && !x->destroyed) put(&g_ctxq, (uint64_t)(uintptr_t)x, (uint64_t)what, 0, value);
+}
+void rgpu_ctx_query_forget(void) { clear(&g_ctxq); }
+
+/* Stream queries (cuStreamGetFlags, GetPriority, GetCtx, GetDevice, GetId): fixed for a stream's
+ * life. Keyed by (stream, slice, query); the special streams (NULL, legacy, per-thread) are never
+ * cached (their answers follow the current context). Forgotten when the stream is destroyed, and
+ * with the function caches when a context goes. */
+int rgpu_stream_query_get(CUstream s, int what, uint64_t *out) {
+    rgpu_ctx *cur = rgpu_ctx_current();
+    if ((uintptr_t)s <= 2 || !cur) return 0;
+    return get(&g_stream, (uint64_t)(uintptr_t)s, (uint64_t)cur->session, (uint64_t)what, out);
+}
+void rgpu_stream_query_put(CUstream s, int what, uint64_t value) {
+    rgpu_ctx *cur = rgpu_ctx_current();
+    if ((uintptr_t)s <= 2 || !cur) return;
+    put(&g_stream, (uint64_t)(uintptr_t)s, (uint64_t)cur->session, (uint64_t)what, value);
+}
+void rgpu_stream_forget(CUstream s) { forget_first_key(&g_stream, (uint64_t)(uintptr_t)s); }
+static void forget_streams(void) { clear(&g_stream); }
 
 /* cuCtxGetLimit, per context: changed only by cuCtxSetLimit, except the stack size, which the
  * driver raises by itself for kernels that need more (never cached). */

@@ -49,19 +49,24 @@ static const export_uuid UUID_CONTEXT_CHECKS = {{0x26, 0x3e, 0x88, 0x60, 0x7c, 0
 
 /* ------------------------------------------------------------------ unknown slots */
 
-typedef struct slot_stub_info { const char *table; int slot; int seen; } slot_stub_info;
+typedef struct slot_stub_info { const char *table; int slot; int seen; int probe; } slot_stub_info;
 
+/* A slot that libraries are known to probe and to do without (`probe`: cuBLASLt inside PyTorch
+ * calls these on every run and carries on) logs at debug level (RGPU_LOG=debug): the user can do
+ * nothing about it. Any other slot's first call gets one line. */
 static CUresult CUDAAPI unknown_slot(slot_stub_info *info) {
     if (!__atomic_exchange_n(&info->seen, 1, __ATOMIC_RELAXED))
-        rgpu_log(RGPU_LOG_WARN, "the CUDA runtime called slot %d of the driver's private table %s, which rgpu "
+        rgpu_log(info->probe ? RGPU_LOG_DEBUG : RGPU_LOG_WARN, "the CUDA runtime called slot %d of the driver's private table %s, which rgpu "
                  "does not implement (it returns CUDA_ERROR_NOT_SUPPORTED; please report it with the output of `python -m rgpu.remoting.native.trace -- <app>` run on a GPU node)",
                  info->slot, info->table);
     return CUDA_ERROR_NOT_SUPPORTED;
 }
 
-#define SLOT_STUB(tbl, n)                                                                \
-    static slot_stub_info tbl##_info_##n = {#tbl, n, 0};                                 \
+#define SLOT_STUB_(tbl, n, probe)                                                        \
+    static slot_stub_info tbl##_info_##n = {#tbl, n, 0, probe};                          \
     static CUresult CUDAAPI tbl##_slot_##n(void) { return unknown_slot(&tbl##_info_##n); }
+#define SLOT_STUB(tbl, n) SLOT_STUB_(tbl, n, 0)
+#define SLOT_PROBE(tbl, n) SLOT_STUB_(tbl, n, 1)
 
 /* A callable no-op: tools hooks that must exist but do nothing without a profiler. */
 static CUresult CUDAAPI noop(void) { return CUDA_SUCCESS; }
@@ -467,12 +472,13 @@ static const void *g_tools_context[93] = {
  * Present in driver 580 and asked for by cuBLASLt inside PyTorch (the trace shows slots 4 and 13 of
  * 1734dc26, 19, 21, 24 and 25 of 69a28e9f). Callers do not expect NOT_FOUND for them (a NULL table
  * crashed the process), so each is a table of the driver's size whose every slot logs itself
- * and returns CUDA_ERROR_NOT_SUPPORTED, an error the caller reports. */
+ * and returns CUDA_ERROR_NOT_SUPPORTED, an error the caller reports. The slots the trace saw called
+ * (SLOT_PROBE) are probes PyTorch survives: logged at debug level only. */
 
 SLOT_STUB(UNKNOWN_1734DC26, 1)
 SLOT_STUB(UNKNOWN_1734DC26, 2)
 SLOT_STUB(UNKNOWN_1734DC26, 3)
-SLOT_STUB(UNKNOWN_1734DC26, 4)
+SLOT_PROBE(UNKNOWN_1734DC26, 4)
 SLOT_STUB(UNKNOWN_1734DC26, 5)
 SLOT_STUB(UNKNOWN_1734DC26, 6)
 SLOT_STUB(UNKNOWN_1734DC26, 7)
@@ -481,7 +487,7 @@ SLOT_STUB(UNKNOWN_1734DC26, 9)
 SLOT_STUB(UNKNOWN_1734DC26, 10)
 SLOT_STUB(UNKNOWN_1734DC26, 11)
 SLOT_STUB(UNKNOWN_1734DC26, 12)
-SLOT_STUB(UNKNOWN_1734DC26, 13)
+SLOT_PROBE(UNKNOWN_1734DC26, 13)
 SLOT_STUB(UNKNOWN_1734DC26, 14)
 SLOT_STUB(UNKNOWN_1734DC26, 15)
 SLOT_STUB(UNKNOWN_1734DC26, 16)
@@ -524,13 +530,13 @@ SLOT_STUB(UNKNOWN_69A28E9F, 15)
 SLOT_STUB(UNKNOWN_69A28E9F, 16)
 SLOT_STUB(UNKNOWN_69A28E9F, 17)
 SLOT_STUB(UNKNOWN_69A28E9F, 18)
-SLOT_STUB(UNKNOWN_69A28E9F, 19)
+SLOT_PROBE(UNKNOWN_69A28E9F, 19)
 SLOT_STUB(UNKNOWN_69A28E9F, 20)
-SLOT_STUB(UNKNOWN_69A28E9F, 21)
+SLOT_PROBE(UNKNOWN_69A28E9F, 21)
 SLOT_STUB(UNKNOWN_69A28E9F, 22)
 SLOT_STUB(UNKNOWN_69A28E9F, 23)
-SLOT_STUB(UNKNOWN_69A28E9F, 24)
-SLOT_STUB(UNKNOWN_69A28E9F, 25)
+SLOT_PROBE(UNKNOWN_69A28E9F, 24)
+SLOT_PROBE(UNKNOWN_69A28E9F, 25)
 SLOT_STUB(UNKNOWN_69A28E9F, 26)
 SLOT_STUB(UNKNOWN_69A28E9F, 27)
 SLOT_STUB(UNKNOWN_69A28E9F, 28)

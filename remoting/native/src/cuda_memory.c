@@ -27,7 +27,7 @@ static CUresult alloc_common(uint16_t op, CUdeviceptr *dptr, size_t bytes, uint6
         uint64_t pitch = rgpu_get_u64(&c);
         *dptr = ptr;
         if (pitch_out) *pitch_out = pitch;
-        rgpu_dev_range_add(c.s->index, ptr, pitch_out ? pitch * height : bytes);
+        rgpu_dev_alloc_add(c.s->index, ptr, pitch_out ? pitch * height : bytes);
     }
     rgpu_end(&c);
     return r;
@@ -196,12 +196,17 @@ RGPU_EXPORT CUresult CUDAAPI cuMemHostGetFlags(unsigned int *pFlags, void *p) {
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned int Flags) {
+    /* PyTorch's pinned-memory allocator asks on every run and does without the answer: a debug
+     * line only. A program that does need the mapping gets its one clear line where it breaks: at
+     * the launch whose argument points into this process's page-locked memory (cuda_module.c). */
     static int seen;
     (void)pdptr;
     (void)p;
     (void)Flags;
-    return rgpu_unsupported("cuMemHostGetDevicePointer_v2", &seen,
-                            "a remote GPU cannot map this host's memory; copy the data instead");
+    if (!__atomic_exchange_n(&seen, 1, __ATOMIC_RELAXED))
+        rgpu_log(RGPU_LOG_DEBUG, "cuMemHostGetDevicePointer_v2 is not remoted (a remote GPU cannot map this "
+                 "host's memory; it returns CUDA_ERROR_NOT_SUPPORTED)");
+    return CUDA_ERROR_NOT_SUPPORTED;
 }
 
 /* ------------------------------------------------------------------ copies */
@@ -232,6 +237,7 @@ static CUresult htod(CUdeviceptr dst, const void *src, size_t n, CUstream stream
 static CUresult dtoh(void *dst, CUdeviceptr src, size_t n, CUstream stream, int session) {
     if (n && !dst) return CUDA_ERROR_INVALID_VALUE;
     if (rgpu_stream_capturing(stream)) return rgpu_capture_host_copy(stream, 1, src, dst, n);
+    uint64_t clock = rgpu_event_clock();
     rgpu_call c;
     CUresult r = session >= 0 ? rgpu_begin_session(&c, RGPU_OP_cuMemcpyDtoHAsync_v2, session)
                               : rgpu_begin(&c, RGPU_OP_cuMemcpyDtoHAsync_v2);
@@ -243,6 +249,9 @@ static CUresult dtoh(void *dst, CUdeviceptr src, size_t n, CUstream stream, int 
     c.sink_cap = n;
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS && c.sink_got != n) r = CUDA_ERROR_UNKNOWN;
+    /* The data came after the copy ran on its stream, so after everything queued there before it:
+     * events recorded there are complete (a completion that rides back on the reply; cuda_events.c). */
+    if (r == CUDA_SUCCESS) rgpu_stream_synced(stream, c.s->index, clock);
     rgpu_end(&c);
     return r;
 }
@@ -471,24 +480,36 @@ static int local_pointer_attribute(CUpointer_attribute attr, CUdeviceptr ptr, vo
     }
 }
 
-/* Copy one attribute's bytes as the worker's driver wrote them, translating handles. */
-static void store_attribute(rgpu_call *c, CUpointer_attribute attr, void *data) {
+/* Copy one attribute's bytes as the worker's driver wrote them, translating handles; an answer
+ * about a plain allocation (base != 0) is kept for the next question (cuda_cache.c). */
+static void store_attribute(rgpu_call *c, CUpointer_attribute attr, void *data, uint64_t base, CUdeviceptr ptr) {
     uint32_t n = rgpu_get_u32(c);
     uint8_t raw[64] = {0};
     rgpu_get(c, raw, n < sizeof raw ? n : sizeof raw);
     if (n > sizeof raw) c->roff += n - sizeof raw;
-    if (!data) return;
+    uint8_t out[64] = {0};
+    uint32_t wrote = n < sizeof raw ? n : (uint32_t)sizeof raw;
+    if (n == 0) {   /* cuPointerGetAttributes: this one attribute failed on the worker (zero-filled) */
+        if (data) memset(data, 0, 8);
+        return;
+    }
     if (attr == CU_POINTER_ATTRIBUTE_CONTEXT) {
         uint64_t remote;
         memcpy(&remote, raw, 8);
-        *(CUcontext *)data = rgpu_ctx_out(c, remote);
+        CUcontext ctx = rgpu_ctx_out(c, remote);
+        memcpy(out, &ctx, sizeof ctx);
+        wrote = sizeof ctx;
     } else if (attr == CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL) {
         int32_t v;
         memcpy(&v, raw, 4);
-        *(int *)data = v < 0 ? v : c->s->index;
-    } else if (n) {
-        memcpy(data, raw, n < sizeof raw ? n : sizeof raw);
+        int ordinal = v < 0 ? v : c->s->index;
+        memcpy(out, &ordinal, sizeof ordinal);
+        wrote = sizeof ordinal;
+    } else {
+        memcpy(out, raw, wrote);
     }
+    if (data && wrote) memcpy(data, out, wrote);
+    if (base && wrote) rgpu_pattr_put(base, ptr, attr, out, wrote);
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr) {
@@ -497,6 +518,8 @@ RGPU_EXPORT CUresult CUDAAPI cuPointerGetAttribute(void *data, CUpointer_attribu
     if (r != CUDA_SUCCESS) return r;
     int local = local_pointer_attribute(attribute, ptr, data);
     if (local >= 0) return local;
+    uint64_t base = 0;
+    if (rgpu_dev_alloc_find(ptr, &base) && rgpu_pattr_get(base, ptr, attribute, data)) return CUDA_SUCCESS;
     rgpu_call c;
     int s = session_of(ptr);
     r = s >= 0 ? rgpu_begin_session(&c, RGPU_OP_cuPointerGetAttribute, s) : rgpu_begin(&c, RGPU_OP_cuPointerGetAttribute);
@@ -504,7 +527,7 @@ RGPU_EXPORT CUresult CUDAAPI cuPointerGetAttribute(void *data, CUpointer_attribu
     rgpu_put_i32(&c, attribute);
     rgpu_put_u64(&c, ptr);
     r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) store_attribute(&c, attribute, data);
+    if (r == CUDA_SUCCESS) store_attribute(&c, attribute, data, base, ptr);
     rgpu_end(&c);
     return r;
 }
@@ -520,6 +543,16 @@ RGPU_EXPORT CUresult CUDAAPI cuPointerGetAttributes(unsigned int numAttributes, 
                 memset(data[i], 0, 4);
         return CUDA_SUCCESS;
     }
+    uint64_t base = 0;
+    if (rgpu_dev_alloc_find(ptr, &base)) {
+        unsigned int known = 0;
+        while (known < numAttributes && rgpu_pattr_get(base, ptr, attributes[known], NULL)) known++;
+        if (known == numAttributes) {
+            for (unsigned int i = 0; i < numAttributes; i++)
+                if (data[i]) rgpu_pattr_get(base, ptr, attributes[i], data[i]);
+            return CUDA_SUCCESS;
+        }
+    }
     rgpu_call c;
     int s = session_of(ptr);
     r = s >= 0 ? rgpu_begin_session(&c, RGPU_OP_cuPointerGetAttributes, s) : rgpu_begin(&c, RGPU_OP_cuPointerGetAttributes);
@@ -529,7 +562,7 @@ RGPU_EXPORT CUresult CUDAAPI cuPointerGetAttributes(unsigned int numAttributes, 
     rgpu_put_u64(&c, ptr);
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS)
-        for (unsigned int i = 0; i < numAttributes; i++) store_attribute(&c, attributes[i], data[i]);
+        for (unsigned int i = 0; i < numAttributes; i++) store_attribute(&c, attributes[i], data[i], base, ptr);
     rgpu_end(&c);
     return r;
 }

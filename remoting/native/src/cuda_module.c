@@ -786,6 +786,8 @@ static CUresult potential_block_size(int *minGridSize, int *blockSize, CUfunctio
                                      size_t dynamicSMemSize, int blockSizeLimit, unsigned int flags) {
     if (!minGridSize || !blockSize) return CUDA_ERROR_INVALID_VALUE;
     if (!cb) {
+        if (rgpu_occ_potential_get(func, dynamicSMemSize, blockSizeLimit, flags, minGridSize, blockSize))
+            return CUDA_SUCCESS;
         rgpu_call c;
         CUresult r = rgpu_begin(&c, RGPU_OP_rgpuOccupancyMaxPotentialBlockSize);
         if (r != CUDA_SUCCESS) return r;
@@ -797,6 +799,7 @@ static CUresult potential_block_size(int *minGridSize, int *blockSize, CUfunctio
         if (r == CUDA_SUCCESS) {
             *minGridSize = rgpu_get_i32(&c);
             *blockSize = rgpu_get_i32(&c);
+            rgpu_occ_potential_put(func, dynamicSMemSize, blockSizeLimit, flags, *minGridSize, *blockSize);
         }
         rgpu_end(&c);
         return r;

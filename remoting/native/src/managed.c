@@ -136,6 +136,8 @@ int rgpu_managed_routes(const void *host) {
     return !t_moving && rgpu_managed_find((CUdeviceptr)(uintptr_t)host);
 }
 
+int rgpu_managed_any(void) { return __atomic_load_n(&g_count, __ATOMIC_ACQUIRE) != 0; }
+
 int rgpu_managed_find(CUdeviceptr p) {
     if (!__atomic_load_n(&g_count, __ATOMIC_ACQUIRE)) return 0;
     pthread_mutex_lock(&g_lock);

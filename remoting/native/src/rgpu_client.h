@@ -181,6 +181,21 @@ int rgpu_kattr_get(CUkernel k, int attrib, CUdevice dev, int *out);
 void rgpu_kattr_put(CUkernel k, int attrib, CUdevice dev, int value);
 void rgpu_kattr_changed(CUkernel k, int attrib, CUdevice dev, int value);
 void rgpu_fattr_changed(CUfunction f);
+int rgpu_fattr_get(CUfunction f, int attrib, int *out);
+void rgpu_fattr_put(CUfunction f, int attrib, int value);
+int rgpu_occ_smem_get(CUfunction f, int blocks, int block_size, size_t *out);
+void rgpu_occ_smem_put(CUfunction f, int blocks, int block_size, size_t value);
+int rgpu_occ_potential_get(CUfunction f, size_t smem, int limit, unsigned int flags, int *min_grid, int *block);
+void rgpu_occ_potential_put(CUfunction f, size_t smem, int limit, unsigned int flags, int min_grid, int block);
+enum { RGPU_STREAMQ_FLAGS, RGPU_STREAMQ_PRIORITY, RGPU_STREAMQ_CTX, RGPU_STREAMQ_DEVICE, RGPU_STREAMQ_ID };
+int rgpu_stream_query_get(CUstream s, int what, uint64_t *out);
+void rgpu_stream_query_put(CUstream s, int what, uint64_t value);
+void rgpu_stream_forget(CUstream s);
+enum { RGPU_CTXQ_API_VERSION, RGPU_CTXQ_ID, RGPU_CTXQ_FLAGS, RGPU_CTXQ_CACHE_CONFIG, RGPU_CTXQ_SHARED_CONFIG,
+       RGPU_CTXQ_PRIORITY_RANGE };
+int rgpu_ctx_query_get(CUcontext ctx, int what, uint64_t *out);
+void rgpu_ctx_query_put(CUcontext ctx, int what, uint64_t value);
+void rgpu_ctx_query_forget(void);
 /* Function nodes of private table 6e163fbe (module_nodes.c) and the worker's nodes they stand for. */
 void rgpu_fn_private_put(void *node, uint64_t remote);
 CUfunction rgpu_fn_remote(CUfunction f);
@@ -189,7 +204,26 @@ const void *rgpu_module_nodes_table(void);
 void rgpu_event_session_put(CUevent event, int session);
 void rgpu_event_session_forget(CUevent event);
 int rgpu_event_elsewhere(CUevent event, CUresult *result);
+/* Events made by the client (cuda_events.c): handles at once, creation and destruction
+ * pipelined, completion known without asking where a finished synchronisation covered it. */
+#define RGPU_EVENT_WHOLE_CONTEXT ((CUstream)(uintptr_t)~(uintptr_t)0)   /* cuCtxRecordEvent's "stream" */
+CUresult rgpu_event_check(CUevent event);
+CUresult rgpu_event_destroying(CUevent event);
+CUresult rgpu_begin_event(rgpu_call *c, uint16_t op, CUevent event);
+CUresult rgpu_stream_destroying(CUstream stream);
+CUresult rgpu_begin_stream(rgpu_call *c, uint16_t op, CUstream stream);
+uint64_t rgpu_event_clock(void);
+void rgpu_event_recorded(CUevent event, CUstream stream);
+int rgpu_event_known(CUevent event, uint64_t *seq, CUresult *result);
+void rgpu_event_completed(CUevent event, uint64_t seq);
+void rgpu_stream_synced(CUstream stream, int session, uint64_t seq);
+void rgpu_ctx_synced(CUcontext ctx, uint64_t seq);
+void rgpu_events_reset_after_fork(void);
+/* Finished synchronisations by (stream, slice) or context: the clock each began at (cuda_cache.c). */
+uint64_t rgpu_synced_get(uint64_t k1, uint64_t k2);
+void rgpu_synced_put(uint64_t k1, uint64_t k2, uint64_t seq);
 /* Managed memory emulated in the client (managed.c). */
+int rgpu_managed_any(void);
 void rgpu_managed_before_call(uint16_t op);
 void rgpu_managed_sync_point(void);
 int rgpu_managed_find(CUdeviceptr p);
@@ -219,6 +253,13 @@ CUresult rgpu_kernel_args(CUfunction f, void **params, void **extra, uint8_t **o
  * host ranges hold the client's page-locked memory. */
 void rgpu_dev_range_add(int session, uint64_t base, uint64_t size);
 void rgpu_dev_range_remove(int session, uint64_t base);
+void rgpu_dev_alloc_add(int session, uint64_t base, uint64_t size);   /* cuMemAlloc*: a plain allocation */
+int rgpu_dev_alloc_find(uint64_t ptr, uint64_t *base);                 /* the plain allocation holding ptr */
+/* Pointer attributes of plain allocations, kept per (allocation, attribute) (cuda_cache.c). */
+int rgpu_pattr_get(uint64_t base, uint64_t ptr, int attr, void *data);
+void rgpu_pattr_put(uint64_t base, uint64_t ptr, int attr, const void *data, uint32_t n);
+void rgpu_pattr_forget(uint64_t base);
+void rgpu_pattr_forget_all(void);
 int rgpu_dev_range_find(uint64_t ptr, int *session, uint64_t *base, uint64_t *size);
 void rgpu_host_range_add(void *base, size_t size, unsigned int flags, int owned);
 int rgpu_host_range_remove(void *base, int *owned, size_t *size);

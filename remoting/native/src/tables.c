@@ -56,9 +56,21 @@ static const range *table_find(const range_table *t, uint64_t ptr) {
     return (ptr >= r->base && ptr < r->base + (r->size ? r->size : 1)) ? r : NULL;
 }
 
+/* flags of a device range: an allocation made by cuMemAlloc* (its pointer attributes are fixed
+ * for its life and may be kept in the client: cuda_cache.c) */
+#define DEV_PLAIN_ALLOCATION 1u
+
 void rgpu_dev_range_add(int session, uint64_t base, uint64_t size) {
+    rgpu_pattr_forget(base);
     pthread_mutex_lock(&g_lock);
     table_add(&g_dev, (range){base, size, session, 0, 0});
+    pthread_mutex_unlock(&g_lock);
+}
+
+void rgpu_dev_alloc_add(int session, uint64_t base, uint64_t size) {
+    rgpu_pattr_forget(base);
+    pthread_mutex_lock(&g_lock);
+    table_add(&g_dev, (range){base, size, session, DEV_PLAIN_ALLOCATION, 0});
     pthread_mutex_unlock(&g_lock);
 }
 
@@ -67,6 +79,16 @@ void rgpu_dev_range_remove(int session, uint64_t base) {
     pthread_mutex_lock(&g_lock);
     table_remove(&g_dev, base, NULL);
     pthread_mutex_unlock(&g_lock);
+    rgpu_pattr_forget(base);
+}
+
+int rgpu_dev_alloc_find(uint64_t ptr, uint64_t *base) {
+    pthread_mutex_lock(&g_lock);
+    const range *r = table_find(&g_dev, ptr);
+    int plain = r && (r->flags & DEV_PLAIN_ALLOCATION);
+    if (plain) *base = r->base;
+    pthread_mutex_unlock(&g_lock);
+    return plain;
 }
 
 int rgpu_dev_range_find(uint64_t ptr, int *session, uint64_t *base, uint64_t *size) {

@@ -42,14 +42,34 @@ static int admitted(const uint64_t *table, uint32_t mask, uint64_t f) {
     return 0;
 }
 
+/* The driver's stream for the client's handle (protocol 8: streams are the client's handles): an
+ * open-addressing table of (handle, stream) pairs the worker fills (native_loop.py), mask + 1
+ * pairs, key 0 empty, stream 0 a destroyed handle. NULL, legacy and per-thread pass as they are.
+ * 0 when the handle is not there: the run stops and the worker says why. */
+static int real_stream(const uint64_t *table, uint32_t mask, uint64_t s, uint64_t *out) {
+    if (s <= 2) {
+        *out = s;
+        return 1;
+    }
+    for (uint32_t i = (uint32_t)(s ^ (s >> 29)) & mask, n = 0; n <= mask; i = (i + 1) & mask, n++) {
+        if (table[2 * i] == s) {
+            *out = table[2 * i + 1];
+            return *out != 0;
+        }
+        if (table[2 * i] == 0) return 0;
+    }
+    return 0;
+}
+
 /* Runs the plain launches of admitted kernels at the start of buf[0, avail). Returns the bytes
  * consumed (whole frames only); *launched counts them, and the first launch error is stored in
  * *first_error unless it already holds one (errors surface at the client's next synchronising
- * call). A kernel the worker has not admitted yet stops the run: the worker launches it itself. */
+ * call). A kernel the worker has not admitted yet, or a stream it does not know, stops the run: the
+ * worker launches it itself (or says why not). */
 __attribute__((visibility("default")))
 size_t rgpu_run_launches(const uint8_t *buf, size_t avail, uint64_t ctx, uint32_t launch_op,
                          launch_fn launch, int32_t *first_error, uint64_t *launched,
-                         const uint64_t *table, uint32_t mask) {
+                         const uint64_t *table, uint32_t mask, const uint64_t *streams, uint32_t stream_mask) {
     static __thread uint64_t aligned[MAX_PARAM_BYTES / 8];
     size_t used = 0;
     uint64_t count = 0;
@@ -62,6 +82,8 @@ size_t rgpu_run_launches(const uint8_t *buf, size_t avail, uint64_t ctx, uint32_
         uint32_t coop = u32_at(p + 44), nattrs = u32_at(p + 48), argsize = u32_at(p + 52);
         if (coop || nattrs || argsize > MAX_PARAM_BYTES || argsize > len - LAUNCH_SIZE) break;
         if (!admitted(table, mask, u64_at(p))) break;
+        uint64_t stream;
+        if (!real_stream(streams, stream_mask, u64_at(p + 8), &stream)) break;
         const uint8_t *args = p + LAUNCH_SIZE;
         if ((uintptr_t)args & 7) {  /* the driver reads 8-byte parameters in place */
             memcpy(aligned, args, argsize);
@@ -71,7 +93,7 @@ size_t rgpu_run_launches(const uint8_t *buf, size_t avail, uint64_t ctx, uint32_
         void *extra[5] = {PARAM_BUFFER_POINTER, (void *)args, PARAM_BUFFER_SIZE, &size, PARAM_END};
         int r = launch((void *)(uintptr_t)u64_at(p), u32_at(p + 16), u32_at(p + 20), u32_at(p + 24),
                        u32_at(p + 28), u32_at(p + 32), u32_at(p + 36), u32_at(p + 40),
-                       (void *)(uintptr_t)u64_at(p + 8), NULL, extra);
+                       (void *)(uintptr_t)stream, NULL, extra);
         if (r && !*first_error) *first_error = r;
         used += HEADER_SIZE + len;
         count++;

@@ -1,0 +1,128 @@
+"""Handles the client made: events and streams (protocol 8).
+
+`cuEventCreate` and `cuEventDestroy_v2` cost the application no round trip: the client library
+hands out its own handle at once and the creation travels pipelined (`rgpuEventCreate`, async),
+like a launch. The worker creates the real event when the frame arrives and keeps the client's
+handle -> the driver's handle here; every operation that names an event translates it (the
+generated handlers through `real`, which api_gen.py finds as the backend's `client_events`, and
+launch attributes through `launch_attrs`). Streams work the same way (`rgpuStreamCreate`,
+`ClientStreams`); the NULL, legacy and per-thread streams pass unchanged, and the C launch loop
+reads the pairs from a table the worker keeps beside the dict (native_loop.py).
+
+A creation that fails is an asynchronous error: it answers the client's next synchronising call
+with a line naming `cuEventCreate`, and each later use of that handle fails with
+CUDA_ERROR_INVALID_HANDLE naming the failed creation (the client cannot know, the handle was
+already the application's).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+
+from rgpu.remoting.datapath.backends.base import INVALID_HANDLE, CudaError, enums
+
+# CUlaunchAttributeID values whose value is a CUevent (at the start of the value union):
+# CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_EVENT and CU_LAUNCH_ATTRIBUTE_LAUNCH_COMPLETION_EVENT.
+_EVENT_ATTRIBUTES = (4, 12)
+_ATTR_ID = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+def error_name(code: int) -> str:
+    for name, value in enums().get("CUresult", {}).items():
+        if value == code:
+            return name
+    return f"CUDA error {code}"
+
+
+class ClientEvents:
+    """The client's event handles and the driver's events they stand for, for one session."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.failed: dict[int, int] = {}   # client handle -> the code its creation failed with
+
+    def created(self, handle: int, real: int) -> None:
+        self.failed.pop(handle, None)
+        self.live[handle] = real
+
+    def creation_failed(self, handle: int, code: int) -> CudaError:
+        self.failed[handle] = code
+        if len(self.failed) > 4096:   # a bound: the oldest failures go (their uses read as unknown)
+            for old in list(self.failed)[:2048]:
+                del self.failed[old]
+        return CudaError(code, f"rgpu: worker: cuEventCreate (event 0x{handle:x}) failed on the GPU server with "
+                               f"{error_name(code)}; the application's calls after it were pipelined and this is "
+                               "the first synchronising one (free GPU resources, or create fewer events)")
+
+    def real(self, handle: int, call: str, take: bool = False) -> int:
+        """The driver's event for a client handle (NULL stays NULL: the driver refuses it)."""
+        if not handle:
+            return 0
+        real = self.live.pop(handle, None) if take else self.live.get(handle)
+        if real is not None:
+            return real
+        code = self.failed.pop(handle, None) if take else self.failed.get(handle)
+        if code is not None:
+            raise CudaError(INVALID_HANDLE, f"rgpu: worker: {call}: event 0x{handle:x} does not exist (its "
+                                            f"cuEventCreate failed with {error_name(code)})")
+        raise CudaError(INVALID_HANDLE, f"rgpu: worker: {call}: event 0x{handle:x} does not exist (destroyed, or "
+                                        "made by another process or slice)")
+
+    def launch_attrs(self, attrs: bytes, size: int) -> bytes:
+        """Launch attributes with their events translated (programmatic and completion events)."""
+        out: bytearray | None = None
+        for off in range(0, len(attrs) - size + 1, size):
+            (attr_id,) = _ATTR_ID.unpack_from(attrs, off)
+            if attr_id in _EVENT_ATTRIBUTES:
+                if out is None:
+                    out = bytearray(attrs)
+                (handle,) = _U64.unpack_from(attrs, off + 8)
+                _U64.pack_into(out, off + 8, self.real(handle, "cuLaunchKernelEx"))
+        return bytes(out) if out is not None else attrs
+
+
+
+# CU_STREAM_LEGACY and CU_STREAM_PER_THREAD (and NULL): the same values on every side.
+SPECIAL_STREAMS = (0, 1, 2)
+
+
+class ClientStreams:
+    """The client's stream handles and the driver's streams they stand for, for one session.
+    `on_change(handle, real)` (real 0: gone) mirrors the pairs into the C launch loop's table."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, int] = {}
+        self.failed: dict[int, int] = {}
+        self.on_change: Callable[[int, int], None] | None = None
+
+    def created(self, handle: int, real: int) -> None:
+        self.failed.pop(handle, None)
+        self.live[handle] = real
+        if self.on_change is not None:
+            self.on_change(handle, real)
+
+    def creation_failed(self, handle: int, code: int) -> CudaError:
+        self.failed[handle] = code
+        if len(self.failed) > 4096:
+            for old in list(self.failed)[:2048]:
+                del self.failed[old]
+        return CudaError(code, f"rgpu: worker: cuStreamCreate (stream 0x{handle:x}) failed on the GPU server with "
+                               f"{error_name(code)}; the application's calls after it were pipelined and this is "
+                               "the first synchronising one")
+
+    def real(self, handle: int, call: str, take: bool = False) -> int:
+        if handle in SPECIAL_STREAMS:
+            return handle
+        real = self.live.pop(handle, None) if take else self.live.get(handle)
+        if real is not None:
+            if take and self.on_change is not None:
+                self.on_change(handle, 0)
+            return real
+        code = self.failed.pop(handle, None) if take else self.failed.get(handle)
+        if code is not None:
+            raise CudaError(INVALID_HANDLE, f"rgpu: worker: {call}: stream 0x{handle:x} does not exist (its "
+                                            f"cuStreamCreate failed with {error_name(code)})")
+        raise CudaError(INVALID_HANDLE, f"rgpu: worker: {call}: stream 0x{handle:x} does not exist (destroyed, or "
+                                        "made by another process or slice)")

@@ -1,0 +1,119 @@
+"""No round trip the application did not ask for (issue 24): a C driver-API program's loop of event
+create/record/query/destroy, function attribute, occupancy, pointer attribute and stream queries and
+asynchronous memsets, run through the client library against an emulated worker, makes no round trip
+per iteration (RGPU_CLIENT_STATS of runs with different iteration counts are equal) and gets the
+worker's own answers; errors the worker meets later surface at the next synchronising call."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from rgpu.remoting.native import build, client_stats
+
+from tests.remoting.conftest import CUDA_INCLUDE, EXAMPLES, Server, run_client
+from tests.remoting.test_cuda_backend_chained import chained  # noqa: F401 - the fixture
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def loop_binary(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/remoting/clientside_loop.c compiled against NVIDIA's cuda.h, linked to rgpu's libcuda."""
+    if not (CUDA_INCLUDE / "cuda.h").exists():
+        pytest.skip(f"no cuda.h under {CUDA_INCLUDE} (install the CUDA toolkit headers)")
+    out = tmp_path_factory.mktemp("clientside") / "clientside_loop"
+    cc = shutil.which("gcc") or shutil.which("cc")
+    done = subprocess.run([cc, "-O1", "-Wall", f"-I{CUDA_INCLUDE}", str(HERE / "clientside_loop.c"), "-o", str(out),
+                           f"-L{native_libs.folder}", "-lcuda"], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def _profile(path: Path) -> dict[str, client_stats.OpProfile]:
+    files = sorted(path.parent.glob(path.name + ".*"))
+    assert len(files) == 1, files
+    return {p.name: p for p in client_stats.parse(files[0].read_text())[0].values()}
+
+
+def _loop(native_libs: build.Libraries, emulated: Server, binary: Path, n: int,
+          stats: Path) -> dict[str, client_stats.OpProfile]:
+    done = run_client(native_libs, emulated.slices(emulated.token()), [str(binary), str(EXAMPLES / "vecadd.ptx"),
+                      "loop", str(n)], RGPU_CLIENT_STATS=str(stats))
+    assert "DONE 0 failure(s)" in done.stdout, done.stdout + done.stderr
+    assert done.returncode == 0
+    assert done.stderr == "", done.stderr   # nothing printed when nothing is wrong
+    return _profile(stats)
+
+
+def test_a_loop_of_queries_events_and_memsets_makes_no_round_trip_per_iteration(
+        native_libs: build.Libraries, emulated: Server, loop_binary: Path, tmp_path: Path) -> None:
+    few = _loop(native_libs, emulated, loop_binary, 3, tmp_path / "few")
+    many = _loop(native_libs, emulated, loop_binary, 300, tmp_path / "many")
+    round_trips = {name: (few[name].sync_calls if name in few else 0, p.sync_calls) for name, p in many.items()
+                   if p.sync_calls}
+    assert all(a == b for a, b in round_trips.values()), round_trips
+    # The first answers travelled once each; the loop's events, memsets and destructions are pipelined.
+    assert many["cuFuncGetAttribute"].sync_calls == 10 + 1   # and once after cuFuncSetAttribute
+    for name in ("cuCtxGetFlags", "cuCtxGetApiVersion", "cuCtxGetId", "cuCtxGetStreamPriorityRange",
+                 "cuCtxGetCacheConfig", "cuStreamGetFlags", "cuStreamGetPriority"):
+        assert many[name].sync_calls == (2 if name == "cuCtxGetFlags" else 1), name   # flags: again after a set
+    assert many["cuPointerGetAttribute"].sync_calls == 6
+    assert "cuPointerGetAttributes" not in many   # the single queries' answers serve the plural one
+    assert many["cuOccupancyAvailableDynamicSMemPerBlock"].sync_calls == 1
+    assert "cuEventCreate" not in many
+    assert many["rgpuEventCreate"].async_calls == 300 + 1 and many["rgpuEventCreate"].sync_calls == 0
+    assert many["cuEventDestroy_v2"].async_calls == 300 + 1
+    assert many["cuMemsetD32Async"].async_calls == 300
+    assert "cuStreamCreate" not in many and "cuStreamCreateWithPriority" not in many
+    assert many["rgpuStreamCreate"].async_calls == 300 + 1 and many["cuStreamDestroy_v2"].async_calls == 300 + 1
+    # Only the query of an event recorded again after the loop's last synchronisation travelled.
+    assert many["cuEventQuery"].sync_calls == 1
+    assert "cuEventSynchronize" not in many or many["cuEventSynchronize"].sync_calls == 0
+    total = sum(p.sync_calls for p in many.values())
+    print("round trips, 3 iterations:", sum(p.sync_calls for p in few.values()), "300 iterations:", total)
+    print(client_stats.render({i: p for i, p in enumerate(many.values())}, 0))
+
+
+def test_destroyed_events_and_streams_are_refused_and_the_session_goes_on(
+        native_libs: build.Libraries, emulated: Server, loop_binary: Path) -> None:
+    done = run_client(native_libs, emulated.slices(emulated.token()), [str(loop_binary), str(EXAMPLES / "vecadd.ptx"),
+                      "destroyed"])
+    assert "DONE 0 failure(s)" in done.stdout, done.stdout + done.stderr
+    assert "HANDLES differ" in done.stdout and "ELAPSED ok" in done.stdout and "PRIORITY -3" in done.stdout
+    # Work queued on a destroyed stream fails late, and the line names the call.
+    assert "rgpu: worker: cuMemsetD8Async: stream 0x7d" in done.stderr, done.stderr
+    assert "does not exist (destroyed, or made by another process or slice)" in done.stderr
+
+
+def test_an_event_the_worker_could_not_create_fails_the_next_synchronising_call(
+        native_libs: build.Libraries, emulated: Server, loop_binary: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RGPU_EMULATED_MAX_EVENTS", "2")   # the session server's workers inherit it
+    done = run_client(native_libs, emulated.slices(emulated.token()), [str(loop_binary), str(EXAMPLES / "vecadd.ptx"),
+                      "no-room"])
+    assert "DONE 0 failure(s)" in done.stdout, done.stdout + done.stderr
+    # The synchronising call names the call that failed, and the later use of its handle says why.
+    assert "rgpu: worker: cuEventCreate (event 0x7e" in done.stderr, done.stderr
+    assert "failed on the GPU server with CUDA_ERROR_OUT_OF_MEMORY" in done.stderr
+    assert "cuEventQuery: event 0x7e" in done.stderr and "its cuEventCreate failed with CUDA_ERROR_OUT_OF_MEMORY" in done.stderr
+
+
+def test_kept_pointer_attributes_follow_allocations_that_come_and_go(
+        native_libs: build.Libraries, emulated: Server, loop_binary: Path, tmp_path: Path) -> None:
+    done = run_client(native_libs, emulated.slices(emulated.token()), [str(loop_binary), str(EXAMPLES / "vecadd.ptx"),
+                      "realloc"], RGPU_CLIENT_STATS=str(tmp_path / "p"))
+    assert "DONE 0 failure(s)" in done.stdout, done.stdout + done.stderr
+    assert _profile(tmp_path / "p")["cuPointerGetAttribute"].sync_calls == 3 * 2   # twice per allocation
+
+
+@pytest.mark.parametrize("mode", [["loop", "50"], ["destroyed"]], ids=["loop", "destroyed"])
+def test_the_real_gpu_backend_serves_client_made_events_and_streams(native_libs: build.Libraries, loop_binary: Path,
+                                                                    chained: Server,  # noqa: F811
+                                                                    mode: list[str]) -> None:
+    # backends/cuda.py's event and stream creation and the generated calls' translation, with rgpu's
+    # own libcuda (talking to an emulated worker) as "the driver" (test_cuda_backend_chained.py).
+    done = run_client(native_libs, chained.slices(chained.token(memory_limit=1 << 30)),
+                      [str(loop_binary), str(EXAMPLES / "vecadd.ptx"), *mode])
+    assert "DONE 0 failure(s)" in done.stdout, done.stdout + done.stderr
