@@ -6,6 +6,8 @@ worker's own answers; errors the worker meets later surface at the next synchron
 
 from __future__ import annotations
 
+import struct
+
 import shutil
 import subprocess
 from pathlib import Path
@@ -117,3 +119,26 @@ def test_the_real_gpu_backend_serves_client_made_events_and_streams(native_libs:
     done = run_client(native_libs, chained.slices(chained.token(memory_limit=1 << 30)),
                       [str(loop_binary), str(EXAMPLES / "vecadd.ptx"), *mode])
     assert "DONE 0 failure(s)" in done.stdout, done.stdout + done.stderr
+
+
+def test_launch_attributes_translate_events_and_leave_cluster_dimensions_alone() -> None:
+    # cuBLAS launches with CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION (4) = (1, 7, 1): read as a u64 its
+    # value looks like a client handle, and taking it for one failed every PyTorch convolution.
+    from rgpu.remoting.datapath.worker.client_handles import ClientEvents
+    from rgpu.remoting.datapath.worker.codecs import LAUNCH_ATTR_SIZE
+
+    def attribute(attr_id: int, *words: int) -> bytes:
+        value = b"".join(struct.pack("<I", w) for w in words)
+        return struct.pack("<II", attr_id, 0) + value.ljust(LAUNCH_ATTR_SIZE - 8, b"\0")
+
+    events = ClientEvents()
+    events.created(0x700000001, 0xAAAA)
+    cluster = attribute(4, 1, 7, 1)
+    programmatic = attribute(7, 0x00000001, 0x7, 1)    # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_EVENT: event 0x700000001
+    completion = attribute(12, 0x00000001, 0x7, 0)     # CU_LAUNCH_ATTRIBUTE_LAUNCH_COMPLETION_EVENT
+    out = events.launch_attrs(cluster + programmatic + completion, LAUNCH_ATTR_SIZE)
+    assert out[:LAUNCH_ATTR_SIZE] == cluster
+    for at in (LAUNCH_ATTR_SIZE, 2 * LAUNCH_ATTR_SIZE):
+        assert struct.unpack_from("<Q", out, at + 8)[0] == 0xAAAA
+        assert out[at + 16:at + LAUNCH_ATTR_SIZE] == (programmatic if at == LAUNCH_ATTR_SIZE else completion)[16:]
+    assert events.launch_attrs(cluster, LAUNCH_ATTR_SIZE) == cluster

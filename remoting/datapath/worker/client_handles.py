@@ -19,12 +19,20 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
+from functools import lru_cache
 
 from rgpu.remoting.datapath.backends.base import INVALID_HANDLE, CudaError, enums
 
-# CUlaunchAttributeID values whose value is a CUevent (at the start of the value union):
-# CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_EVENT and CU_LAUNCH_ATTRIBUTE_LAUNCH_COMPLETION_EVENT.
-_EVENT_ATTRIBUTES = (4, 12)
+# The CUlaunchAttributeID names whose value is a CUevent (at the start of the value union); their
+# numbers come from cuda.h's enums (cuda_enums.txt). 4 is CLUSTER_DIMENSION: cuBLAS launches with
+# clusters of (1, 7) and (1, 8), which read as a u64 look like event handles.
+_EVENT_ATTRIBUTE_NAMES = ("CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_EVENT", "CU_LAUNCH_ATTRIBUTE_LAUNCH_COMPLETION_EVENT")
+
+
+@lru_cache(maxsize=1)
+def event_attributes() -> frozenset[int]:
+    ids = enums().get("CUlaunchAttributeID", {})
+    return frozenset(ids[name] for name in _EVENT_ATTRIBUTE_NAMES)
 _ATTR_ID = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
@@ -73,9 +81,10 @@ class ClientEvents:
     def launch_attrs(self, attrs: bytes, size: int) -> bytes:
         """Launch attributes with their events translated (programmatic and completion events)."""
         out: bytearray | None = None
+        with_events = event_attributes()
         for off in range(0, len(attrs) - size + 1, size):
             (attr_id,) = _ATTR_ID.unpack_from(attrs, off)
-            if attr_id in _EVENT_ATTRIBUTES:
+            if attr_id in with_events:
                 if out is None:
                     out = bytearray(attrs)
                 (handle,) = _U64.unpack_from(attrs, off + 8)
