@@ -331,7 +331,7 @@ AFTER_HOOKS = {
     "cuKernelSetAttribute": "if (r == CUDA_SUCCESS) rgpu_kattr_changed(kernel, attrib, dev, val); else rgpu_cache_forget_functions()",
     "cuOccupancyMaxActiveBlocksPerMultiprocessor": "if (r == CUDA_SUCCESS) rgpu_occ_put(func, blockSize, dynamicSMemSize, 0, *numBlocks)",
     "cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags": "if (r == CUDA_SUCCESS) rgpu_occ_put(func, blockSize, dynamicSMemSize, flags, *numBlocks)",
-    "cuFuncSetAttribute": "rgpu_fattr_changed(hfunc)",
+    "cuFuncSetAttribute": "rgpu_fattr_changed(hfunc); if (r == CUDA_SUCCESS) rgpu_fattr_put(hfunc, attrib, value)",
     "cuFuncGetAttribute": "if (r == CUDA_SUCCESS) rgpu_fattr_put(hfunc, attrib, *pi)",
     "cuOccupancyAvailableDynamicSMemPerBlock": "if (r == CUDA_SUCCESS) rgpu_occ_smem_put(func, numBlocks, blockSize, *dynamicSmemSize)",
     **{name: f"if (r == CUDA_SUCCESS) rgpu_stream_query_put(hStream, {what}, (uint64_t)(uintptr_t)*{out})"
@@ -403,6 +403,10 @@ BEFORE_HOOKS = {
     "cuCtxGetDevice_v2": "if (rgpu_cached_ctx_device(ctx, device)) return CUDA_SUCCESS",
     "cuKernelGetAttribute": "if (rgpu_kattr_get(kernel, attrib, dev, pi)) return CUDA_SUCCESS",
     "cuKernelGetFunction": "if (rgpu_kfunc_get(kernel, pFunc)) return CUDA_SUCCESS",
+    # setting a function's attribute to the value it has changes nothing (as for kernels, below):
+    # a set that travelled also forgot every kernel's answers when the function was not known as a
+    # kernel's, which made GPT-2's cuKernelSetAttribute no-ops miss (~250 round trips per step)
+    "cuFuncSetAttribute": "{ int v_; if (rgpu_fattr_get(hfunc, attrib, &v_) && v_ == value) return CUDA_SUCCESS; }",
     "cuDeviceGetAttribute": "if (rgpu_dattr_get(attrib, dev, pi)) return CUDA_SUCCESS",
     "cuDevicePrimaryCtxGetState": "if (rgpu_pstate_get(dev, flags, active)) return CUDA_SUCCESS",
     "cuCtxGetLimit": "if (rgpu_limit_get(limit, pvalue)) return CUDA_SUCCESS",

@@ -89,6 +89,39 @@ def test_kernel_attributes_cost_one_round_trip_and_setting_one_kernel_keeps_the_
     assert ops["cuKernelGetFunction"].sync_calls == 1
 
 
+def test_setting_a_functions_attribute_to_its_value_is_free_and_keeps_kernel_answers(
+        native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
+    # GPT-2 on an H100: each step set attributes through both calls; a travelling cuFuncSetAttribute
+    # on a function the cache did not know as a kernel's forgot every kernel's answers, so the
+    # kernels' no-op sets travelled too (~50 round trips per step).
+    done = py_client(native_libs, emulated.slices(emulated.token()), f"""
+        setup()
+        ptx = open({str(EXAMPLES / "vecadd.ptx")!r}, "rb").read() + b"\\0"
+        lib_, mod = ctypes.c_void_p(), ctypes.c_void_p()
+        check("cuLibraryLoadData", ctypes.byref(lib_), ptx, None, None, 0, None, None, 0)
+        check("cuModuleLoadData", ctypes.byref(mod), ptx)
+        k, f = ctypes.c_void_p(), ctypes.c_void_p()
+        check("cuLibraryGetKernel", ctypes.byref(k), lib_, b"vecadd")
+        check("cuModuleGetFunction", ctypes.byref(f), mod, b"spin")
+        for step in range(20):
+            check("cuFuncSetAttribute", f, 8, 2048)
+            check("cuKernelSetAttribute", 8, 4096, k, 0)
+        v = ctypes.c_int()
+        check("cuFuncGetAttribute", ctypes.byref(v), 8, f)
+        print("F", v.value)
+        check("cuKernelGetAttribute", ctypes.byref(v), 8, k, 0)
+        print("K", v.value)
+        check("cuFuncSetAttribute", f, 8, 1024)                                # a real change travels
+        check("cuFuncGetAttribute", ctypes.byref(v), 8, f)
+        print("F2", v.value)
+        """, RGPU_CLIENT_STATS=str(tmp_path / "client"))
+    assert "F 2048" in done.stdout and "K 4096" in done.stdout and "F2 1024" in done.stdout, done.stdout + done.stderr
+    ops = _profile(tmp_path)
+    assert ops["cuFuncSetAttribute"].sync_calls == 2
+    assert ops["cuKernelSetAttribute"].sync_calls == 1
+    assert "cuFuncGetAttribute" not in ops and "cuKernelGetAttribute" not in ops   # the sets' values answer
+
+
 def test_the_caches_grow_instead_of_forgetting(native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
     # 10,000 distinct occupancy questions (more than the first table holds): each travels once.
     done = py_client(native_libs, emulated.slices(emulated.token()), f"""

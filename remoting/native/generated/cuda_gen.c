@@ -1126,6 +1126,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncGetAttribute(int *pi, CUfunction_attribute at
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuFuncSetAttribute(CUfunction hfunc, CUfunction_attribute attrib, int value) {
+    { int v_; if (rgpu_fattr_get(hfunc, attrib, &v_) && v_ == value) return CUDA_SUCCESS; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuFuncSetAttribute);
     if (r != CUDA_SUCCESS) return r;
@@ -1133,7 +1134,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncSetAttribute(CUfunction hfunc, CUfunction_att
     { int32_t v_ = (int32_t)attrib; rgpu_put(&c, &v_, 4); }
     { int32_t v_ = (int32_t)value; rgpu_put(&c, &v_, 4); }
     r = rgpu_sync(&c);
-    rgpu_fattr_changed(hfunc);
+    rgpu_fattr_changed(hfunc); if (r == CUDA_SUCCESS) rgpu_fattr_put(hfunc, attrib, value);
     rgpu_end(&c);
     return r;
 }
