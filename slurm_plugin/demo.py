@@ -168,7 +168,7 @@ def admin(env: dict[str, str], *args: str, user: str | None = None) -> str:
     argv = [sys.executable, "-m", "rgpu.remoting.admin.cli", *args]
     if user:
         argv = [RUNUSER, "-u", user, "--", "env", *(f"{k}={v}" for k, v in env.items()), *argv]
-    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd="/")
+    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd="/", check=False)
     return out.stdout + out.stderr
 
 
@@ -206,8 +206,8 @@ demo: the cluster runs until Ctrl-C (or SIGTERM). In another shell, as root:
   runuser -u {USER} -- env {user_vars} {bin_dir}/rgpu-admin request-gpus -n 1 -p 0.25 -o /tmp/{USER}-adaptor.conf
   runuser -u {USER} -- env {user_vars} {py} -m rgpu.remoting.client.flexrun -n 1 -p 0.25 -- nvidia-smi""")
     else:
-        click.echo(f"demo: users cannot run this rgpu (said above): install it where every user can read it to try "
-                   f"flexrun -n and rgpu-admin request-gpus as a user")
+        click.echo("demo: users cannot run this rgpu (said above): install it where every user can read it to try "
+                   "flexrun -n and rgpu-admin request-gpus as a user")
     click.echo("demo: ready", err=True)   # for scripts and tests waiting on the kept cluster
     while True:
         time.sleep(3600)

@@ -9,7 +9,11 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from rgpu.slurm_plugin.demo import emulated_gpu_memory, host_available_memory, unreadable_folder
+from rgpu.slurm_plugin.demo import (
+    emulated_gpu_memory,
+    host_available_memory,
+    unreadable_folder,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 GiB = 1 << 30

@@ -129,8 +129,8 @@ def test_keep_keeps_a_failed_demo_and_a_user_uses_it_with_munge(demo: Demo) -> N
         stderr = _wait_for_text(logs / "err", "demo: ready", proc, 300)
         stdout = (logs / "out").read_text()
         failure = [line for line in stderr.splitlines() if line.startswith("rgpu: demo:")]
-        assert failure == ["rgpu: demo: the demo job ended FAILED (its output is above; the cluster is kept below: "
-                           "look at its logs)"], stderr
+        assert failure == [("rgpu: demo: the demo job ended FAILED (its output is above; the cluster is kept below: "
+                            "look at its logs)")], stderr
         assert "failing on purpose" in stdout
         match = re.search(r"export SLURM_CONF=(\S+) RGPU_CONFIG=(\S+) PATH=", stdout)
         assert match, stdout
