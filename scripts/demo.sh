@@ -8,8 +8,8 @@
 # so it is made with a Python every user can run (not a pyenv under /root), never inside the
 # checkout, which may lie in a 0700 home.
 #
-# As root: a real Slurm cluster (munge, slurmctld, three slurmd; Slurm is installed with apt when
-# missing) with rgpu's job_submit plugin, prologs and epilogs, the pool daemon with its Slurm
+# As root: a real Slurm cluster (munge, slurmctld, three slurmd; Slurm, munge and gcc are installed
+# with apt when missing) with rgpu's job_submit plugin, prologs and epilogs, the pool daemon with its Slurm
 # integration and MUNGE for users, and two dispatchers with the example static inventories; it
 # submits the mission's
 #   sbatch --gres=rgpu:2 --comment=fraction=0.5 job.sh

@@ -15,8 +15,8 @@ Ctrl-C, with the commands to try it as root and as a user.
 The TaskProlog, which Slurm runs as the job's user, runs from a copy in the cluster's folder, so
 the demo works from a checkout or venv other users cannot read (a 0700 home); flexrun in the job
 and as a user needs this Python and rgpu readable by every user, and the demo says which folder is
-not when they are not (scripts/demo.sh installs them in /opt/rgpu). Installs Slurm with apt-get
-when it is missing (root only).
+not when they are not (scripts/demo.sh installs them in /opt/rgpu). Installs Slurm, munge and gcc
+(flexrun builds its client libraries with it) with apt-get when they are missing (root only).
 """
 
 from __future__ import annotations
@@ -75,17 +75,23 @@ def source_tree() -> Path:
 
 
 def ensure_slurm() -> None:
+    """Root, the host's Slurm and munge, and a C compiler (flexrun builds its client libraries with
+    it): what is missing is installed with apt-get."""
     if os.geteuid() != 0:
         raise RgpuError("demo", "the Slurm demo needs root", "slurmd starts jobs as other users",
                         "run it with sudo")
-    if missing_requirements() is None:
+    slurm_missing = missing_requirements() is not None
+    wanted = [*(SLURM_PACKAGES if slurm_missing else ()), *(() if shutil.which("cc") else ("gcc",))]
+    if not wanted:
         return
     if not shutil.which("apt-get"):
-        raise RgpuError("demo", "Slurm is not installed", "no apt-get here", f"install {' '.join(SLURM_PACKAGES)}")
-    click.echo(f"demo: installing {' '.join(SLURM_PACKAGES)} with apt-get")
+        if slurm_missing:
+            raise RgpuError("demo", "Slurm is not installed", "no apt-get here", f"install {' '.join(SLURM_PACKAGES)}")
+        return     # no compiler: the job skips flexrun (run_demo says so)
+    click.echo(f"demo: installing {' '.join(wanted)} with apt-get")
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     subprocess.run(["apt-get", "update", "-qq"], check=True, env=env)
-    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *SLURM_PACKAGES], check=True, env=env)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "--no-install-recommends", *wanted], check=True, env=env)
     reason = missing_requirements()
     if reason:
         raise RgpuError("demo", "Slurm is still missing after apt-get", reason, "install it by hand")
@@ -295,6 +301,9 @@ def run_demo(keep: bool = False, job_script: str | None = None) -> None:
         user_env = {"RGPU_CONFIG": env["RGPU_CONFIG"], "HOME": "/nonexistent", "PATH": "/usr/bin:/bin"}
         try:
             flexrun_in_job = users_problem is None and shutil.which("cc") is not None
+            if users_problem is None and not flexrun_in_job:
+                click.echo("rgpu: demo: no C compiler (cc) here, so the job skips flexrun (it builds its client "
+                           "libraries with one on first use; install gcc)", err=True)
             click.echo(f"$ sbatch {' '.join(SUBMIT)} job.sh        # as user {USER}")
             job = slurm.submit(SUBMIT, job_script or job_body(flexrun_in_job), user=USER)
             info = slurm.wait_job_state(job, {"RUNNING", "COMPLETED", "FAILED", "CANCELLED"}, 60)
