@@ -250,7 +250,8 @@ def run_demo(keep: bool = False, job_script: str | None = None) -> None:
         "slurm_reconcile_interval_seconds = 2.0\nslurm_reconcile_grace_seconds = 20.0\nslurm_license_sync = true\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RGPU_", "SLURM_", "BF_"))}
     env["RGPU_CONFIG"] = str(root / "pool" / "rgpu.toml")
-    gpu_memory = emulated_gpu_memory(host_available_memory())
+    available = host_available_memory()
+    gpu_memory = emulated_gpu_memory(available)
     daemons = Daemons(root / "pool", env)
     started = False
     failure: BaseException | None = None
@@ -262,7 +263,7 @@ def run_demo(keep: bool = False, job_script: str | None = None) -> None:
                           env={**env, "RGPU_GPU_DEVICE_MEMORY_LIMIT": f"{gpu_memory >> 20}M"})
         click.echo(f"demo: the {DEMO_GPUS} emulated GPUs keep their \"device\" memory in this host's RAM: each offers "
                    f"{format_bytes(gpu_memory)} (RGPU_GPU_DEVICE_MEMORY_LIMIT; {EMULATED_SHARE:.0%} of the "
-                   f"{format_bytes(host_available_memory())} available here, shared by {DEMO_GPUS}), not the 80 GiB "
+                   f"{format_bytes(available)} available here, shared by {DEMO_GPUS}), not the 80 GiB "
                    "their inventories describe")
         client = connect(load_settings(env=env), timeout=3.0)
 

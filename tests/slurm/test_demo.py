@@ -99,7 +99,7 @@ def test_the_demo_caps_its_emulated_gpus_at_what_the_host_can_hold_and_says_so(d
                       r'([\d.]+) (MiB|GiB) \(RGPU_GPU_DEVICE_MEMORY_LIMIT; 50% of the ([\d.]+) GiB available here', demo.output)
     assert match, demo.output[:3000]
     each = float(match.group(1)) / (1024 if match.group(2) == "MiB" else 1)
-    assert 4 * each <= float(match.group(3)) / 2 + 0.1
+    assert 4 * each <= float(match.group(3)) / 2 + 0.25     # both shown rounded to 0.1
     table = demo.output.split("$ rgpu-admin list-gpus", 1)[1].split("\n\n", 1)[0]
     rows = [line for line in table.splitlines() if "NVIDIA H100" in line]
     assert len(rows) == 4 and all(f"{match.group(1)} {match.group(2)}" in row for row in rows), table
