@@ -42,6 +42,7 @@ else
   fi
 fi
 "$py" -m pip install -q --disable-pip-version-check -e '.[test]'
+export PATH="$(dirname "$py"):$PATH"    # its console scripts (rgpu-admin, flexrun...), as when activated
 
 # The real-cluster tests run on each Slurm version in $RGPU_SLURM_VERSIONS (default all three:
 # 22.05, 24.11, 26.05). Versions other than the host's run from Debian roots built with mmdebstrap
