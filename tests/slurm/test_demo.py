@@ -147,6 +147,14 @@ def test_keep_keeps_a_failed_demo_and_a_user_uses_it_with_munge(demo: Demo) -> N
         done = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False, cwd="/")
         assert done.returncode == 0, done.stdout + done.stderr
         assert "RGPU-SMI (remote slices)" in done.stdout and "Traceback" not in done.stderr, done.stdout + done.stderr
+        # The three 12 GiB slices got two emulated workers OOM-killed: no GPU of the demo offers that now.
+        line = next(line.strip() for line in stdout.splitlines() if "rgpu-admin request-gpus -n 1" in line)
+        argv = line.replace("-p 0.25", "-m 12G").split()
+        argv[0] = RUNUSER
+        big = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, cwd="/")
+        assert big.returncode != 0 and len(big.stderr.strip().splitlines()) == 1, big
+        assert big.stderr.startswith("rgpu: ") and "12" in big.stderr, big.stderr
+        print(f"\nnobody asks for a 12 GiB slice on the demo: {big.stderr.strip()}")
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
