@@ -1,27 +1,83 @@
 #!/usr/bin/env bash
-# rgpu demo on one machine, no GPU needed. Everything runs on loopback under a temporary
-# directory and is stopped at the end.
+# rgpu demo on one machine, no GPU needed: `./scripts/demo.sh [--keep]` from any folder, as root or not.
 #
-# As root: a real Slurm cluster (munge, slurmctld, three slurmd; Slurm is installed with apt when
-# missing) with rgpu's job_submit plugin, prologs and epilogs, a pool daemon and two dispatchers
-# with the example static inventories; it submits the mission's
+# First it installs rgpu from this checkout into a virtual environment (Debian's own Python refuses
+# `pip install` outside one): $RGPU_VENV, by default /opt/rgpu as root, else
+# ~/.local/share/rgpu/venv. As root that environment must be readable by every user: Slurm runs
+# jobs (and flexrun in them) as the job's user, and users run flexrun and rgpu-admin themselves;
+# so it is made with a Python every user can run (not a pyenv under /root), never inside the
+# checkout, which may lie in a 0700 home.
+#
+# As root: a real Slurm cluster (munge, slurmctld, three slurmd; Slurm, munge and gcc are installed
+# with apt when missing) with rgpu's job_submit plugin, prologs and epilogs, the pool daemon with its Slurm
+# integration and MUNGE for users, and two dispatchers with the example static inventories; it
+# submits the mission's
 #   sbatch --gres=rgpu:2 --comment=fraction=0.5 job.sh
-# and shows the job's adaptor.conf and `rgpu-admin list-gpus` while it runs.
+# as user nobody, and shows the job's adaptor.conf, `flexrun -- nvidia-smi` in the job,
+# `rgpu-admin list-gpus` while it runs and `rgpu-admin request-gpus` run by nobody. With --keep
+# the cluster stays up until Ctrl-C, also when the demo failed (python -m rgpu.slurm_plugin.demo).
 #
 # Otherwise, or with --no-slurm: the pool daemon and two dispatchers alone, then
 # `rgpu-admin request-gpus -n 2 -p 0.5` and the adaptor.conf it wrote.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+umask 022
+here=$(cd "$(dirname "$0")/.." && pwd)
+
+die() { echo "rgpu: demo: $*" >&2; exit 1; }
+
+if [ "$(id -u)" = 0 ]; then
+  venv=${RGPU_VENV:-/opt/rgpu}
+else
+  venv=${RGPU_VENV:-${XDG_DATA_HOME:-$HOME/.local/share}/rgpu/venv}
+fi
+
+# A Python >= 3.11 for the venv; as root one that every user can run (nobody stands for them).
+usable_python() {  # PYTHON: true when it is 3.11+ (and, as root, runnable by nobody)
+  "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || return 1
+  [ "$(id -u)" != 0 ] && return 0
+  runuser -u nobody -- "$1" -c 'import sys' 2>/dev/null
+}
+pick_python() {
+  local candidate
+  for candidate in ${RGPU_PYTHON:-} "$(command -v python3 || true)" /usr/bin/python3; do
+    [ -n "$candidate" ] && [ -x "$candidate" ] && usable_python "$candidate" && { echo "$candidate"; return 0; }
+  done
+  return 1
+}
+apt_install() {
+  [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || return 1
+  echo "demo: installing $* with apt-get"
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+if [ ! -x "$venv/bin/python" ]; then
+  if ! python=$(pick_python); then
+    apt_install python3 python3-venv || true
+    python=$(pick_python) || die "no Python 3.11 or later that every user can run (python3 is $(command -v python3 || echo missing); install Debian's python3 and python3-venv, or set RGPU_PYTHON)"
+  fi
+  echo "demo: making the virtual environment $venv with $python"
+  mkdir -p "$(dirname "$venv")"
+  if ! "$python" -m venv "$venv" 2>/dev/null; then
+    rm -rf "$venv"
+    # Debian keeps venv's ensurepip in a package of its own.
+    apt_install python3-venv || die "cannot make a virtual environment with $python (install python3-venv)"
+    "$python" -m venv "$venv" || die "cannot make a virtual environment with $python in $venv"
+  fi
+fi
+echo "demo: installing rgpu from $here into $venv"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check "$here" \
+  || die "pip could not install rgpu into $venv (above); set RGPU_VENV to use another virtual environment"
+export PATH="$venv/bin:$PATH"
 
 if [ "${1:-}" != "--no-slurm" ] && [ "$(id -u)" = 0 ]; then
   # Run from outside the checkout: its rgpu/ folder would hide the installed package.
-  export RGPU_SOURCE_TREE="$PWD"
+  export RGPU_SOURCE_TREE="$here"
   cd /
-  exec python3 -m rgpu.slurm_plugin.demo "$@"
+  exec "$venv/bin/python" -m rgpu.slurm_plugin.demo "$@"
 fi
 
 work=$(mktemp -d -t rgpu-demo.XXXXXX)
-here=$(cd "$(dirname "$0")/.." && pwd)
 pids=()
 cleanup() {
   for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
@@ -50,8 +106,11 @@ pids+=($!)
 export RGPU_POOL="127.0.0.1:$(wait_port "$work/poold.port" "$!" "$work/poold.log")"
 echo "== rgpu-poold on $RGPU_POOL (state $work/pool.db)"
 
-echo "== two rgpu-dispatchers with static inventories"
+# Emulated GPUs keep their "device" memory in this host's RAM: the four share half of what is available.
+per_gpu_mib=$(awk '/^MemAvailable:/ { m = int($2 / 1024 / 2 / 4); if (m > 81920) m = 81920; if (m < 256) m = 256; print m }' /proc/meminfo)
+echo "== two rgpu-dispatchers with static inventories; each emulated GPU offers ${per_gpu_mib} MiB (RGPU_GPU_DEVICE_MEMORY_LIMIT: its device memory is this host's RAM)"
 for name in a b; do
+  RGPU_GPU_DEVICE_MEMORY_LIMIT="${per_gpu_mib}M" \
   rgpu-dispatcher -p 0 --port-file "$work/dispatcher-$name.port" --host 127.0.0.1 --advertise 127.0.0.1 \
     --pool "$RGPU_POOL" --inventory "$here/examples/inventory-$name.toml" 2> "$work/dispatcher-$name.log" &
   pids+=($!)

@@ -231,6 +231,13 @@ PartitionName=cpu Nodes={nodes} Default=YES MaxTime=INFINITE State=UP
             env["PATH"] = self.install.path(env.get("PATH", "/usr/bin:/bin"))
             if key != "TaskProlog":   # the job's user cannot chroot; the TaskProlog is sh, run in the root
                 argv = [*self.install.host_prefix(), *argv]
+        if key == "TaskProlog" and len(argv) == 1 and Path(argv[0]).is_file():
+            # It runs as the job's user, who may not reach the script where it lies (a checkout or
+            # a venv in a 0700 home: "TaskProlog failed status=126"): run a copy from this folder.
+            copy = self.root / "bin" / f"{key}.{Path(argv[0]).name}"
+            shutil.copyfile(argv[0], copy)
+            copy.chmod(0o755)
+            argv = [str(copy)]
         exports = "".join(f'export {k}="{v}"\n' for k, v in env.items())
         # Slurm 22.05 drops prolog output: keep stderr in the cluster's log folder.
         # (Not TaskProlog: it runs as the job's user, who cannot write there.)

@@ -3,6 +3,7 @@ real rgpu-poold) registration, re-registration after a pool restart, and being m
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 import socket
@@ -192,6 +193,27 @@ def test_waits_for_pool_quietly_and_stops_on_sigterm(cluster: RgpuCluster) -> No
     assert "SIGTERM received: shutting down" in daemon.log() and "stopped" in daemon.log()
     with socket.socket() as s:   # the port is free again
         s.bind(("127.0.0.1", port))
+
+
+def test_emulated_gpus_bigger_than_the_hosts_memory_are_named_with_the_limit_that_fits(cluster: RgpuCluster) -> None:
+    """The emulated backend keeps "device" memory in host RAM (issue 23: three 12 GiB slices got two
+    workers OOM-killed): a static inventory offering more than is available gets a warning naming
+    the limit to set; with that limit set there is none."""
+    from rgpu.remoting.dispatcher.daemon import host_available_memory
+    from rgpu.units import format_bytes
+
+    available = host_available_memory()
+    if not available or available >= 160 << 30:
+        pytest.skip("this host holds the example inventory's 2 x 80 GiB")
+    daemon, _ = cluster.start_dispatcher(INVENTORY_A)
+    wait_for(lambda: "GPU 1 " in daemon.log(), what="the GPUs in the log")
+    (line,) = [line for line in daemon.log().splitlines() if "emulated GPUs offer" in line]
+    assert f"these 2 emulated GPUs offer {format_bytes(160 << 30)} in all, but their device memory is this host's RAM" in line
+    assert re.search(r"set RGPU_GPU_DEVICE_MEMORY_LIMIT=\d+M \(half of it over 2 GPUs\) or less$", line), line
+    daemon.kill(signal.SIGTERM)
+    capped, _ = cluster.start_dispatcher(INVENTORY_A, env=cluster.env(RGPU_GPU_DEVICE_MEMORY_LIMIT="512M"))
+    wait_for(lambda: "GPU 1 " in capped.log(), what="the GPUs in the log")
+    assert "emulated GPUs offer" not in capped.log() and f"{format_bytes(512 << 20)} usable of {format_bytes(80 << 30)}" in capped.log(), capped.log()
 
 
 # --- with a real pool -------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ import socket
 import sys
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import click
@@ -203,6 +204,17 @@ def _checked_advertise(name: str) -> str:
                           "pass --advertise HOST with the name other nodes reach this machine by") from None
 
 
+def host_available_memory() -> int:
+    """MemAvailable of /proc/meminfo in bytes; 0 where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _log_startup(source: InventorySource, inventory: Inventory, node: NodeSettings, gpus: tuple[GpuInfo, ...],
                  listen: str, address: str, pool: str, data_ports: tuple[int, int]) -> None:
     log.info("%s listening on %s, advertised as %s; pool %s", __version__, listen, address, pool)
@@ -215,6 +227,14 @@ def _log_startup(source: InventorySource, inventory: Inventory, node: NodeSettin
         log.warning("%s is ignored: %s is set too and wins", name, "RGPU_" + name[3:])
     if node.memory_limit:
         log.info("memory limit %s", node.memory_limit.describe())
+    offered = sum(g.usable_memory_bytes for g in gpus)
+    available = host_available_memory()
+    if inventory.static and available and offered > available:
+        # The emulated backend keeps each slice's "device" memory in the worker's host memory.
+        log.warning("these %d emulated GPUs offer %s in all, but their device memory is this host's RAM, of which "
+                    "%s is available: slices that use it get workers killed for lack of memory; set "
+                    "RGPU_GPU_DEVICE_MEMORY_LIMIT=%dM (half of it over %d GPUs) or less", len(gpus), format_bytes(offered),
+                    format_bytes(available), available // 2 // max(1, len(gpus)) >> 20, len(gpus))
     for gpu in gpus:
         log.info("GPU %d %s %s: %s usable of %s, compute capability %s, shared %s", gpu.index, gpu.name, gpu.uuid,
                  format_bytes(gpu.usable_memory_bytes), format_bytes(gpu.total_memory_bytes), gpu.compute_capability,

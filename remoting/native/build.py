@@ -8,16 +8,20 @@ the generated stubs ship inside the Python package. flexrun calls `ensure_built(
 it reuses a build whose stamp matches the sources and the compiler, found in (1) $RGPU_NATIVE_DIR,
 (2) the package's own `lib/` folder (filled at install time by a build hook or an admin running
 this module with `--out <package>/lib`), (3) the user's cache ($XDG_CACHE_HOME or ~/.cache)
-/rgpu/native/<stamp>, building into (3) when none matches. The build is atomic: a folder is
-renamed into place only when every library linked.
+/rgpu/native/<stamp>, (4) a private folder under the temp dir ($TMPDIR, which Slurm jobs get, else
+/tmp) /rgpu-<uid>/native/<stamp>, building into the first of (3) and (4) that can be written: a
+job's user may have no writable home (Debian's `nobody` has HOME=/nonexistent). The build is
+atomic: a folder is renamed into place only when every library linked.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -95,6 +99,43 @@ def _matches(folder: Path, want: str) -> bool:
 def cache_root() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "rgpu" / "native"
+
+
+def temp_cache_root() -> Path:
+    """The fallback cache: this uid's own folder under the temp dir ($TMPDIR, else /tmp)."""
+    return Path(os.environ.get("TMPDIR") or "/tmp") / f"rgpu-{os.getuid()}" / "native"
+
+
+def _private_folder(folder: Path) -> None:
+    """Make `folder` (under a shared temp dir) this uid's alone, or raise OSError saying why not:
+    libraries found there are loaded into applications, so another user's folder is never used."""
+    owner = folder.parent
+    try:
+        owner.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(owner)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise OSError(errno.EPERM, f"{owner} is not a private folder of uid {os.getuid()} (another user's, a link, "
+                      "or writable by others)")
+    folder.mkdir(exist_ok=True)
+
+
+def _writable_cache(candidates: list[Path]) -> tuple[Path | None, list[str]]:
+    """The first cache folder of `candidates` that exists or can be made; why the others cannot."""
+    problems = []
+    for root in candidates:
+        try:
+            if root == temp_cache_root():
+                _private_folder(root)
+            else:
+                root.mkdir(parents=True, exist_ok=True)
+            if not os.access(root, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, "Permission denied")
+            return root, problems
+        except OSError as exc:
+            problems.append(f"{root}: {exc.strerror or exc}")
+    return None, problems
 
 
 def _link(cc: str, sources: list[Path], out: Path, soname: str) -> None:
@@ -189,10 +230,21 @@ def ensure_built() -> Libraries:
                               "", "unset it, or fill it with `python -m rgpu.remoting.native.build --out DIR`")
         return Libraries(folder)
     want = stamp()
-    for folder in (PACKAGE_LIB, cache_root() / want):
+    candidates = [cache_root(), temp_cache_root()]
+    for folder in (PACKAGE_LIB, *(root / want for root in candidates)):
         if _matches(folder, want):
             return Libraries(folder)
-    return build(cache_root() / want)
+    root, problems = _writable_cache(candidates)
+    if root is not None:
+        try:
+            return build(root / want)
+        except OSError as exc:
+            problems.append(f"{root}: {exc.strerror or exc}")
+    raise ConfigError("native", "no writable folder to build rgpu's client libraries in (libcuda.so.1, "
+                      "libnvidia-ml.so.1)", "; ".join(problems),
+                      "set XDG_CACHE_HOME or RGPU_NATIVE_DIR to a folder you can write, or have an admin build them "
+                      "once into the installed package: python -m rgpu.remoting.native.build --out "
+                      "<site-packages>/rgpu/remoting/native/lib")
 
 
 def main(argv: list[str] | None = None) -> int:
