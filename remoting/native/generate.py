@@ -371,10 +371,11 @@ AFTER_HOOKS = {
     "cuCtxRecordEvent": "if (r == CUDA_SUCCESS) rgpu_event_recorded(hEvent, RGPU_EVENT_WHOLE_CONTEXT)",
     "cuEventQuery": "if (r == CUDA_SUCCESS) rgpu_event_completed(hEvent, ev_seq_)",
     "cuEventSynchronize": "if (r == CUDA_SUCCESS) rgpu_event_completed(hEvent, ev_seq_)",
-    "cuStreamSynchronize": "if (r == CUDA_SUCCESS) rgpu_stream_synced(hStream, c.s->index, sync_seq_)",
+    "cuStreamSynchronize": ("if (r == CUDA_SUCCESS) { rgpu_stream_synced(hStream, c.s->index, sync_seq_); "
+                            "rgpu_idle_stream_put(hStream, c.s->index, c.s->seq, 0); }"),
     "cuStreamQuery": "if (r == CUDA_SUCCESS) rgpu_stream_synced(hStream, c.s->index, sync_seq_)",
-    "cuCtxSynchronize": "if (r == CUDA_SUCCESS) rgpu_ctx_synced(NULL, sync_seq_)",
-    "cuCtxSynchronize_v2": "if (r == CUDA_SUCCESS) rgpu_ctx_synced(ctx, sync_seq_)",
+    "cuCtxSynchronize": "if (r == CUDA_SUCCESS) { rgpu_ctx_synced(NULL, sync_seq_); rgpu_idle_ctx_put(NULL, c.s->seq); }",
+    "cuCtxSynchronize_v2": "if (r == CUDA_SUCCESS) { rgpu_ctx_synced(ctx, sync_seq_); rgpu_idle_ctx_put(ctx, c.s->seq); }",
     # copy nodes with a host side (cuda_graph.c): their records follow the graph
     "cuGraphClone": "if (r == CUDA_SUCCESS) rgpu_hostcopy_clone(originalGraph, *phGraphClone)",
     "cuGraphDestroy": "if (r == CUDA_SUCCESS) rgpu_hostcopy_forget(hGraph)",
@@ -439,6 +440,10 @@ BEFORE_HOOKS = {
                                     "return CUDA_SUCCESS; } }"),
     **{name: "uint64_t sync_seq_ = rgpu_event_clock()" for name in (
         "cuStreamSynchronize", "cuStreamQuery", "cuCtxSynchronize", "cuCtxSynchronize_v2")},
+    # a stream or context a finished synchronisation left idle, nothing sent since (idle_streams.c)
+    "cuStreamSynchronize": "if (rgpu_idle_stream(hStream)) return CUDA_SUCCESS; uint64_t sync_seq_ = rgpu_event_clock()",
+    "cuCtxSynchronize": "if (rgpu_idle_ctx(NULL)) return CUDA_SUCCESS; uint64_t sync_seq_ = rgpu_event_clock()",
+    "cuCtxSynchronize_v2": "if (rgpu_idle_ctx(ctx)) return CUDA_SUCCESS; uint64_t sync_seq_ = rgpu_event_clock()",
     # a device-to-device copy between two slices (cudaMemcpy DeviceToDevice from cuda:0 to cuda:1)
     "cuMemcpyDtoD_v2": "{ CUresult r_; if (rgpu_dtod_between_slices(dstDevice, srcDevice, ByteCount, NULL, &r_)) return r_; }",
     "cuMemcpyDtoDAsync_v2": ("{ CUresult r_; if (rgpu_dtod_between_slices(dstDevice, srcDevice, ByteCount, hStream, &r_)) "

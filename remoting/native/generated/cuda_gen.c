@@ -272,26 +272,26 @@ RGPU_EXPORT CUresult CUDAAPI cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx) 
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxSynchronize(void) {
-    uint64_t sync_seq_ = rgpu_event_clock();
+    if (rgpu_idle_ctx(NULL)) return CUDA_SUCCESS; uint64_t sync_seq_ = rgpu_event_clock();
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuCtxSynchronize);
     if (r != CUDA_SUCCESS) return r;
     r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) rgpu_ctx_synced(NULL, sync_seq_);
+    if (r == CUDA_SUCCESS) { rgpu_ctx_synced(NULL, sync_seq_); rgpu_idle_ctx_put(NULL, c.s->seq); };
     rgpu_end(&c);
     if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxSynchronize_v2(CUcontext ctx) {
-    uint64_t sync_seq_ = rgpu_event_clock();
+    if (rgpu_idle_ctx(ctx)) return CUDA_SUCCESS; uint64_t sync_seq_ = rgpu_event_clock();
     rgpu_call c;
     uint64_t ctx_remote = 0;
     CUresult r = rgpu_begin_ctx(&c, RGPU_OP_cuCtxSynchronize_v2, ctx, &ctx_remote);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, ctx_remote);
     r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) rgpu_ctx_synced(ctx, sync_seq_);
+    if (r == CUDA_SUCCESS) { rgpu_ctx_synced(ctx, sync_seq_); rgpu_idle_ctx_put(ctx, c.s->seq); };
     rgpu_end(&c);
     if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;
@@ -702,13 +702,13 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamDestroy_v2(CUstream hStream) {
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuStreamSynchronize(CUstream hStream) {
-    uint64_t sync_seq_ = rgpu_event_clock();
+    if (rgpu_idle_stream(hStream)) return CUDA_SUCCESS; uint64_t sync_seq_ = rgpu_event_clock();
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuStreamSynchronize);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
     r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) rgpu_stream_synced(hStream, c.s->index, sync_seq_);
+    if (r == CUDA_SUCCESS) { rgpu_stream_synced(hStream, c.s->index, sync_seq_); rgpu_idle_stream_put(hStream, c.s->index, c.s->seq, 0); };
     rgpu_end(&c);
     if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;

@@ -251,7 +251,10 @@ static CUresult dtoh(void *dst, CUdeviceptr src, size_t n, CUstream stream, int 
     if (r == CUDA_SUCCESS && c.sink_got != n) r = CUDA_ERROR_UNKNOWN;
     /* The data came after the copy ran on its stream, so after everything queued there before it:
      * events recorded there are complete (a completion that rides back on the reply; cuda_events.c). */
-    if (r == CUDA_SUCCESS) rgpu_stream_synced(stream, c.s->index, clock);
+    if (r == CUDA_SUCCESS) {
+        rgpu_stream_synced(stream, c.s->index, clock);
+        rgpu_idle_stream_put(stream, c.s->index, c.s->seq, 1);   /* idle_streams.c */
+    }
     rgpu_end(&c);
     return r;
 }

@@ -217,6 +217,12 @@ void rgpu_event_recorded(CUevent event, CUstream stream);
 int rgpu_event_known(CUevent event, uint64_t *seq, CUresult *result);
 void rgpu_event_completed(CUevent event, uint64_t seq);
 void rgpu_stream_synced(CUstream stream, int session, uint64_t seq);
+/* Streams and contexts a finished synchronisation left idle (idle_streams.c): `frame` is the
+ * recording call's frame number; by_copy: recorded by a device-to-host copy. */
+void rgpu_idle_stream_put(CUstream stream, int session, uint32_t frame, int by_copy);
+void rgpu_idle_ctx_put(CUcontext ctx, uint32_t frame);
+int rgpu_idle_stream(CUstream stream);
+int rgpu_idle_ctx(CUcontext ctx);
 void rgpu_ctx_synced(CUcontext ctx, uint64_t seq);
 void rgpu_events_reset_after_fork(void);
 /* Finished synchronisations by (stream, slice) or context: the clock each began at (cuda_cache.c). */
