@@ -65,6 +65,11 @@ OP_HOST_CALL = 10
 OP_HOST_DONE = 11
 HOST_DONE_RAN = 0
 HOST_DONE_UNKNOWN_ID = 1
+# Protocol 8: the server tells the client, unasked, that its session's GPU context is gone (an MPS
+# fault of another tenant; worker/tombstone.py sends it when it takes over). The client skips it
+# where it reads; its arrival makes the client stop answering synchronisations itself
+# (idle_streams.c), so the next one meets the sticky error. Payload: none.
+OP_NOTICE = 12
 
 # HELLO flags.
 HELLO_PROBE = 1   # verify the token and versions, start no worker (flexrun's pre-flight check)

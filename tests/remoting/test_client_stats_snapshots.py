@@ -17,10 +17,11 @@ SNAPSHOTS = """
     write = ctypes.c_void_p()
     check("cuGetProcAddress_v2", b"rgpuClientStatsWrite", ctypes.byref(write), 12000, ctypes.c_uint64(0), None)
     snapshot = ctypes.CFUNCTYPE(None, ctypes.c_char_p)(write.value)
-    check("cuCtxSynchronize")
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    check("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
     snapshot(b"start")
     for _ in range(7):
-        check("cuCtxSynchronize")
+        check("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
     snapshot(b"end")
     print("DONE")
     """
@@ -34,7 +35,7 @@ def test_the_round_trips_between_two_snapshots_are_counted(native_libs: build.Li
     (start,) = tmp_path.glob("prof.*.start")
     (end,) = tmp_path.glob("prof.*.end")
     between = client_stats.subtract(client_stats.parse(end.read_text())[0], client_stats.parse(start.read_text())[0])
-    assert {p.name: p.sync_calls for p in between.values()} == {"cuCtxSynchronize": 7}
+    assert {p.name: p.sync_calls for p in between.values()} == {"cuMemGetInfo_v2": 7}
     assert client_stats.main(["--between", str(start), str(end)]) == 0
     assert capsys.readouterr().out.startswith("round trips 7 ")
     assert client_stats.main(["--between", str(start)]) == 2   # one file is no interval

@@ -38,6 +38,8 @@ def _skip(sock: socket.socket, n: int) -> None:
 
 
 def serve(sock: socket.socket, code: int, message: str) -> None:
+    # Unasked: a client that answers idle synchronisations itself must stop and ask (NOTICE).
+    sock.sendall(protocol.HEADER.pack(0, protocol.OP_NOTICE, 0, 0, 0, 0))
     sent_messages = 0
     while True:
         length, op, _flags, seq, _aux, _ctx = protocol.HEADER.unpack(_exact(sock, protocol.HEADER_SIZE))

@@ -16,6 +16,9 @@
  * synchronisation or the context's is recorded for them); anything while a stream capture may be
  * under way (the driver refuses it) or while managed memory exists (managed.c hands the GPU's copy
  * over at each real synchronisation). */
+#define _GNU_SOURCE
+#include <poll.h>
+
 #include "rgpu_client.h"
 #include "cuda_protos.h"
 
@@ -30,6 +33,16 @@
 static uint64_t g_quiet_from[RGPU_MAX_SESSIONS], g_quiet_to[RGPU_MAX_SESSIONS];
 
 static int answerable(void) { return !rgpu_capture_possible() && !rgpu_managed_any(); }
+
+/* Nothing arrived from the worker and the connection stands: a worker that ended (a fault of
+ * another tenant under MPS ends every session of the GPU) closes it, and the next call must meet
+ * that, not an answer from here. One poll(2), about a microsecond. */
+static int connection_quiet(int session) {
+    rgpu_session *s = &rgpu_sessions[session];
+    if (s->dead || s->closed || s->fd < 0) return 0;
+    struct pollfd p = {.fd = s->fd, .events = POLLIN | POLLRDHUP};
+    return poll(&p, 1, 0) == 0;
+}
 
 static uint64_t frames_of(int session) {
     return (uint64_t)__atomic_load_n(&rgpu_sessions[session].seq, __ATOMIC_ACQUIRE) + 1;
@@ -48,7 +61,7 @@ static void quiet(int session, uint32_t frame) {
  * not quiet (work, or any other call, went out after the last synchronisation). */
 static uint64_t quiet_since(int session) {
     uint64_t to = __atomic_load_n(&g_quiet_to[session], __ATOMIC_ACQUIRE);
-    if (!to || to != frames_of(session)) return 0;
+    if (!to || to != frames_of(session) || !connection_quiet(session)) return 0;
     return __atomic_load_n(&g_quiet_from[session], __ATOMIC_RELAXED);
 }
 

@@ -24,7 +24,8 @@
 
 /* Control opcodes (remoting/protocol.py). */
 enum { RGPU_OP_HELLO = 1, RGPU_OP_WELCOME = 2, RGPU_OP_REFUSE = 3, RGPU_OP_REPLY = 4,
-       RGPU_OP_DATA = 5, RGPU_OP_BYE = 6, RGPU_OP_HOST_CALL = 10, RGPU_OP_HOST_DONE = 11 };
+       RGPU_OP_DATA = 5, RGPU_OP_BYE = 6, RGPU_OP_HOST_CALL = 10, RGPU_OP_HOST_DONE = 11,
+       RGPU_OP_NOTICE = 12 /* unasked: the session's GPU context is gone (tombstone.py) */ };
 enum { RGPU_HOST_DONE_RAN = 0, RGPU_HOST_DONE_UNKNOWN_ID = 1 };
 enum { RGPU_HELLO_PROBE = 1, RGPU_HELLO_NVML = 2 };
 enum { RGPU_REPLY_HAS_MESSAGE = 1 };

@@ -479,6 +479,13 @@ static CUresult sync_wait(rgpu_call *c, rgpu_session *s, uint32_t want_seq) {
             }
             continue;
         }
+        if (op == RGPU_OP_NOTICE) {   /* the reply that follows carries what it says */
+            if (len && recv_discard(s->fd, len)) {
+                session_fail(s, strerror(errno));
+                return CUDA_ERROR_DEVICE_UNAVAILABLE;
+            }
+            continue;
+        }
         if (op == RGPU_OP_HOST_CALL) {
             uint32_t aux;
             uint64_t id;
