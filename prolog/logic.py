@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 from rgpu.slurm_plugin.hostlist import expand_hostlist
 from rgpu.slurm_plugin.jobkey import job_key, job_prefix, parse_job_key
+from rgpu.slurm_plugin.jobenv import license_units
 from rgpu.slurm_plugin.request import RECORD_SEPARATOR, RgpuRequest, is_record, parse_record, parse_tres_per_node
 from rgpu.slurm_plugin.scontrol import JobInfo
 from rgpu.slurm_plugin.waiting import waiting_comment
@@ -96,15 +97,6 @@ class AllocationPlan:
     request: RgpuRequest
 
 
-def _license_units(licenses: str, name: str) -> int | None:
-    """Units of license `name` in a job's license list ("matlab:1,rgpu:100"; '*' also separates)."""
-    for entry in licenses.split(","):
-        lic, _, count = entry.strip().replace("*", ":").partition(":")
-        if lic == name:
-            return int(count) if count.isdigit() else 1
-    return None
-
-
 def plan_allocation(job: JobContext, info: JobInfo, gres_name: str = "rgpu",
                     license_name: str = "rgpu") -> AllocationPlan | None:
     """Which leases the job needs (None: it asked for no rgpu). Pure.
@@ -125,7 +117,7 @@ def plan_allocation(job: JobContext, info: JobInfo, gres_name: str = "rgpu",
     if not nodes:
         raise InvalidRequest("prolog-slurmctld", f"job {job.job_id} has no nodes", "Slurm gave no node list",
                              "this is unexpected; see the slurmctld log")
-    units = _license_units(info.licenses, license_name)
+    units = license_units(info.licenses, license_name)
     disagree = [f"{what} {have} (recorded {want})" for what, have, want in (
         ("--gres count", count, record.request.count), ("node count", len(nodes), record.nodes),
         (f"license {license_name}", units, record.units)) if have != want]

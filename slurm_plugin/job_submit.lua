@@ -273,9 +273,24 @@ function rgpu.parse_comment(comment)
 			"give either fraction=F or memory=SIZE")
 	end
 	if memory then
-		return { memory_bytes = memory, isolation = isolation }
+		return { memory_bytes = memory, isolation = isolation, sized = true }
 	end
-	return { fraction = fraction or 1.0, isolation = isolation }
+	return { fraction = fraction or 1.0, isolation = isolation, sized = fraction ~= nil }
+end
+
+-- The comment an rgpu job keeps: the user's, plus "fraction=1" when it names no size. Every rgpu
+-- job's comment then holds a fraction= or memory= word, which is how the node Prolog (told
+-- neither licenses nor GRES by Slurm) passes over other jobs without asking the pool
+-- (comment_may_ask_rgpu in slurm_plugin/jobenv.py).
+function rgpu.normalized_comment(comment, req)
+	if req.sized then
+		return comment
+	end
+	comment = trim(comment or "")
+	if comment == "" then
+		return "fraction=1"
+	end
+	return comment .. " fraction=1"
 end
 
 -- The normalised request, recorded in the job's admin comment (only Slurm and admins write it).
@@ -389,7 +404,7 @@ function rgpu.plan(job, conf)
 	local plan = {
 		rgpu = true, nodes = nodes, count = count, units = units, per_slice = per_slice,
 		fraction = req.fraction, memory_bytes = req.memory_bytes, licenses = table.concat(others, ","),
-		isolation = req.isolation,
+		isolation = req.isolation, comment = rgpu.normalized_comment(job.comment, req),
 	}
 	plan.record = rgpu.record(plan)
 	return plan
@@ -445,7 +460,7 @@ function rgpu.plan_modify(desc, rec, conf, is_admin)
 			return fail("the rgpu request of a job that is not pending cannot change",
 				"its slices are already allocated", "scancel the job and submit it again")
 		end
-		return { change = false }
+		return { change = false, comment = plan.comment }
 	end
 	local record_changed = plan.record ~= rec.admin_comment
 	if record_changed and not is_admin then
@@ -453,7 +468,7 @@ function rgpu.plan_modify(desc, rec, conf, is_admin)
 			"the request is recorded where only Slurm and admins write",
 			"scancel the job and submit it again, or ask an admin to run the scontrol update")
 	end
-	return { change = true, plan = plan, record_changed = record_changed }
+	return { change = true, plan = plan, record_changed = record_changed, comment = plan.comment }
 end
 
 -- ---------------------------------------------------------------- Slurm entry points
@@ -493,6 +508,9 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
 		job_desc.max_nodes = plan.nodes
 		job_desc.licenses = plan.licenses
 		job_desc.admin_comment = plan.record
+		if plan.comment ~= job_desc.comment then
+			job_desc.comment = plan.comment
+		end
 	elseif rgpu.is_record(job_desc.admin_comment) and submit_uid ~= 0 then
 		err = select(2, fail("the admin comment holds an rgpu request record", "only job_submit.lua writes it",
 			"remove the admin comment"))
@@ -527,6 +545,9 @@ function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
 			tostring(modify_uid), err)
 		slurm.log_user("%s", err)
 		return rgpu.ESLURM_INVALID_GRES
+	end
+	if job_desc.comment ~= nil and result.comment ~= nil and result.comment ~= job_desc.comment then
+		job_desc.comment = result.comment     -- an rgpu job's comment keeps its size word
 	end
 	if result.change then
 		job_desc.min_nodes = result.plan.nodes

@@ -54,6 +54,7 @@ local parts = {}
 for _, m in ipairs(messages) do parts[#parts + 1] = json(m) end
 print('{"rc": ' .. json(rc) .. ', "licenses": ' .. json(JOB.licenses) .. ', "min_nodes": ' .. json(JOB.min_nodes)
       .. ', "max_nodes": ' .. json(JOB.max_nodes) .. ', "admin_comment": ' .. json(JOB.admin_comment)
+      .. ', "comment": ' .. json(JOB.comment)
       .. ', "messages": [' .. table.concat(parts, ", ") .. ']}')
 """
 
@@ -116,6 +117,33 @@ def test_accepted_requests_get_the_license(plugin_dir: Path, case: dict[str, Any
         assert result["min_nodes"] == result["max_nodes"] == case["job_nodes"]
     assert result["admin_comment"] == case["record"]   # the same text request.py writes and reads
     assert user_messages(result) == []
+
+
+@pytest.mark.parametrize("case", [c for c in CASES["cases"] if "error" not in c],
+                         ids=lambda c: f"{c['tres']}|{c['comment']}|{c['nodes']}")
+def test_every_rgpu_job_keeps_a_size_word_in_its_comment(plugin_dir: Path, case: dict[str, Any]) -> None:
+    """The node Prolog asks the pool only for jobs whose comment has one (jobenv.py)."""
+    from rgpu.slurm_plugin.jobenv import comment_may_ask_rgpu
+
+    result = call(plugin_dir, job_desc(case["tres"], case["comment"], case["nodes"]))
+    if case["units"] is None:
+        assert result["comment"] == case["comment"]            # other jobs' comments are theirs
+        return
+    assert comment_may_ask_rgpu(result["comment"]), result
+    if comment_may_ask_rgpu(case["comment"]):
+        assert result["comment"] == case["comment"]            # a size word given: left alone
+    else:
+        assert result["comment"].endswith("fraction=1") and (case["comment"] or "").strip() in result["comment"]
+
+
+def test_an_update_cannot_take_the_size_word_out_of_an_rgpu_job_comment(plugin_dir: Path) -> None:
+    for state in (PENDING, RUNNING):
+        rec = job_rec("gres:rgpu:2", "fraction=1 run1", "rgpu:200", state)
+        rec["admin_comment"] = "rgpu:v1 nodes=1 count=2 percent=100 units=200"
+        result = call(plugin_dir, update(comment="run2"), rec, uid=1000)
+        assert (result["rc"], result["comment"]) == (0, "run2 fraction=1"), result
+    plain = call(plugin_dir, update(comment="run2"), job_rec("", "run1", None), uid=1000)
+    assert (plain["rc"], plain["comment"]) == (0, "run2")
 
 
 def test_a_forged_record_in_the_admin_comment_is_refused(plugin_dir: Path) -> None:

@@ -1,0 +1,167 @@
+"""Slurm under real conditions (issue 23, part B) on the session's real cluster: plain jobs owe rgpu
+nothing, no job runs without its slices, requests no GPU can serve are refused at submission,
+heterogeneous jobs. The pool is frozen with SIGSTOP (a hung pool host: connections are accepted
+by the kernel, nothing answers), which is harder on deadlines than a dead one.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from tests.slurm.cluster import missing_requirements, wait_until
+from tests.slurm.conftest import Harness, pool_ready
+from tests.slurm.test_slurm_e2e import FINISHED, JOB_USER, diagnostics, finished, h  # noqa: F401 - h is a fixture
+
+pytestmark = [pytest.mark.slurm,
+              pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements()))]
+
+
+@contextmanager
+def pool_frozen(harness: Harness) -> Iterator[None]:
+    """SIGSTOP the pool daemon (its whole process group) for the block, SIGCONT after."""
+    assert harness.pool.pool is not None and harness.pool.pool.proc is not None
+    group = harness.pool.pool.proc.pid
+    os.killpg(group, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.killpg(group, signal.SIGCONT)
+
+
+def node_prolog_pids(harness: Harness, job_id: str | None = None) -> list[int]:
+    """Node Prolog processes of this cluster (the wrapper script, or rgpu-prolog after its exec)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+            if not any(a.endswith((b"/bin/Prolog", b"/rgpu-prolog")) for a in args):
+                continue
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if str(harness.slurm.conf).encode() not in b"".join(environ):
+            continue
+        if job_id is None or f"SLURM_JOB_ID={job_id}".encode() in environ:
+            found.append(int(proc.name))
+    return found
+
+
+class NodePrologTrap:
+    """Catches the next node Prolog of this cluster as it starts (before it can import its pool
+    client, ~100 ms later), stops it, freezes the pool, and lets the Prolog go on: a deterministic
+    'the pool hung between PrologSlurmctld and the node Prolog'."""
+
+    def __init__(self, harness: Harness) -> None:
+        self.harness = harness
+        self.caught: list[int] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def _watch(self) -> None:
+        deadline = time.monotonic() + 60
+        while not self._done.is_set() and time.monotonic() < deadline:
+            pids = node_prolog_pids(self.harness)
+            if pids:
+                for pid in pids:
+                    os.kill(pid, signal.SIGSTOP)
+                assert self.harness.pool.pool is not None and self.harness.pool.pool.proc is not None
+                os.killpg(self.harness.pool.pool.proc.pid, signal.SIGSTOP)
+                for pid in pids:
+                    os.kill(pid, signal.SIGCONT)
+                self.caught = pids
+                return
+            time.sleep(0.002)
+
+    def __enter__(self) -> NodePrologTrap:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join(5)
+        assert self.harness.pool.pool is not None and self.harness.pool.pool.proc is not None
+        os.killpg(self.harness.pool.pool.proc.pid, signal.SIGCONT)
+
+
+def wait_pool_back(harness: Harness) -> None:
+    wait_until("the pool to answer with 4 GPUs", lambda: pool_ready(harness.pool, 400) or None, 30)
+
+
+# 1. Plain jobs cost nothing ---------------------------------------------------------------------
+def test_plain_jobs_start_and_end_promptly_while_the_pool_is_frozen(h: Harness) -> None:
+    """No Slurm query and no pool call in any prolog or epilog of a job without the rgpu license:
+    before, PrologSlurmctld ran squeue for every job and EpilogSlurmctld retried the frozen pool
+    for 15 s (the job sat in COMPLETING)."""
+    with pool_frozen(h):
+        started = time.monotonic()
+        jobs = [h.slurm.submit(args, "echo PLAIN_RAN\n", user=JOB_USER)
+                for args in ([], ["--comment=my run, seed=4"], ["-N", "2"])]
+        for job in jobs:
+            info = finished(h, job, 20)
+            assert info["JobState"] == "COMPLETED", f"{info}\n{diagnostics(h)}"
+            assert "PLAIN_RAN" in h.slurm.job_output(job)
+        took = time.monotonic() - started
+    wait_pool_back(h)
+    assert took < 8, f"3 plain jobs took {took:.1f} s from submission to COMPLETED with the pool frozen"
+    assert all(int(h.slurm.job_json(j)["restart_cnt"]) == 0 for j in jobs)
+
+
+# 2. No job runs without its slices --------------------------------------------------------------
+SHOW_SLICES = 'echo "RAN conf=$RGPU_ADAPTOR_CONF"; test -s "$RGPU_ADAPTOR_CONF" && echo HAS_CONF\n'
+
+
+def test_a_job_whose_node_prolog_cannot_reach_the_pool_is_requeued_not_run(h: Harness) -> None:
+    """PrologSlurmctld leased the slices, then the pool hung before the node Prolog could fetch
+    them: the job is requeued (never run without its slices, no node drained); once the pool is
+    back the reconciler releases the first attempt's lease, and the job runs with its slices."""
+    with NodePrologTrap(h) as trap:
+        job = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.3"], SHOW_SLICES, user=JOB_USER)
+        wait_until("the node Prolog to be caught", lambda: trap.caught or None, 30)
+
+        def requeued() -> dict | None:
+            info = h.slurm.job_json(job)
+            assert info["job_state"] not in FINISHED, f"{info}\n{diagnostics(h)}"
+            return info if int(info["restart_cnt"]) >= 1 and info["job_state"] == "PENDING" else None
+
+        info = wait_until("the job to be requeued", requeued, 30)
+        assert "RAN" not in h.slurm.job_output(job), h.slurm.job_output(job)
+        # Past EpilogSlurmctld's 15 s of retries: only the reconciler can release the lease now.
+        time.sleep(17)
+    wait_pool_back(h)
+    try:
+        wait_until("the first attempt's lease to be released by the reconciler",
+                   lambda: not [le for le in h.job_leases(job) if le.job_key.endswith(":0:c1")] or None, 30)
+    except TimeoutError:
+        raise AssertionError(f"{[le.job_key for le in h.job_leases(job)]}\n{diagnostics(h)}") from None
+    states = h.slurm.node_states()
+    assert not [s for s in states.values() if "drain" in s or "down" in s], states
+    # Slurm holds a requeued job a while (BeginTime, ~2 min in 22.05); an admin's starttime=now
+    # stands in for the wait: the next attempt gets its slices.
+    h.slurm.command(["scontrol", "update", f"jobid={job}", "starttime=now"])
+    assert finished(h, job, 60)["JobState"] == "COMPLETED", diagnostics(h)
+    out = h.slurm.job_output(job)
+    assert "HAS_CONF" in out, f"{out}\n{info}\n{diagnostics(h)}"
+
+
+def test_a_job_that_cannot_be_requeued_fails_with_the_reason_in_its_output(h: Harness) -> None:
+    with NodePrologTrap(h) as trap:
+        job = h.slurm.submit(["--no-requeue", "--gres=rgpu:1", "--comment=fraction=0.3"], SHOW_SLICES, user=JOB_USER)
+        wait_until("the node Prolog to be caught", lambda: trap.caught or None, 30)
+        info = finished(h, job, 40)
+    wait_pool_back(h)
+    out = h.slurm.job_output(job)
+    assert info["JobState"] == "FAILED", f"{info}\n{out}\n{diagnostics(h)}"
+    assert "RAN" not in out, out
+    lines = [line for line in out.splitlines() if line.startswith("rgpu: ")]
+    assert len(lines) == 1 and "did not answer" in lines[0] and "does not start without its GPU slices" in lines[0], out
+    wait_until("the job's lease to be released", lambda: not h.job_leases(job) or None, 40)
