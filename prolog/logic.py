@@ -18,9 +18,10 @@ from typing import Any, Protocol
 from rgpu.slurm_plugin.hostlist import expand_hostlist
 from rgpu.slurm_plugin.jobkey import job_key, job_prefix, parse_job_key
 from rgpu.slurm_plugin.jobenv import license_units
-from rgpu.slurm_plugin.request import RECORD_SEPARATOR, RgpuRequest, is_record, parse_record, parse_tres_per_node
+from rgpu.slurm_plugin.request import (RECORD_SEPARATOR, RequestRecord, RgpuRequest, is_record, parse_record,
+                                       parse_tres_per_node)
 from rgpu.slurm_plugin.scontrol import JobInfo
-from rgpu.slurm_plugin.waiting import waiting_comment
+from rgpu.slurm_plugin.waiting import never_fits, refused_comment, waiting_comment
 
 from rgpu import validate
 from rgpu.adaptor import write_adaptor_conf, write_private_file
@@ -37,6 +38,7 @@ class Pool(Protocol):
     def release(self, job_key: str) -> bool: ...
     def get_lease(self, job_key: str) -> Any: ...
     def list_leases(self) -> list[Any]: ...
+    def list_gpus(self) -> list[Any]: ...
 
 
 # ---------------------------------------------------------------- the job, from the environment
@@ -95,6 +97,7 @@ def job_dir(run_dir: Path, job_id: int) -> Path:
 class AllocationPlan:
     keys: tuple[str, ...]       # one per node
     request: RgpuRequest
+    record: RequestRecord | None = None
 
 
 def plan_allocation(job: JobContext, info: JobInfo, gres_name: str = "rgpu",
@@ -126,7 +129,7 @@ def plan_allocation(job: JobContext, info: JobInfo, gres_name: str = "rgpu",
                              "the job was changed after job_submit.lua recorded its request",
                              "scancel the job and submit it again")
     validate.name("user", job.user or info.user)
-    return AllocationPlan(keys=tuple(job.key_for(n) for n in nodes), request=record.request)
+    return AllocationPlan(keys=tuple(job.key_for(n) for n in nodes), request=record.request, record=record)
 
 
 def allocate_job(job: JobContext, plan: AllocationPlan, pool: Pool) -> list[str]:
@@ -148,15 +151,22 @@ def allocate_job(job: JobContext, plan: AllocationPlan, pool: Pool) -> list[str]
     return got
 
 
+class NeverServable(InvalidRequest):
+    """No GPU of the pool could hold the request even if all were free: waiting would never end."""
+
+
 def prolog_slurmctld(env: Mapping[str, str], pool_factory: Callable[[], Pool],
                      query_job: Callable[[int], JobInfo], gres_name: str = "rgpu",
                      set_admin_comment: Callable[[int, str], None] | None = None,
-                     notify: Callable[[int, str], None] | None = None) -> list[str]:
+                     notify: Callable[[int, str], None] | None = None,
+                     cancel: Callable[[int], None] | None = None) -> list[str]:
     """Allocate the job's leases; returns their keys ([] for a job without rgpu).
 
     When the pool cannot place the job now, the job is marked as waiting for the pool (its admin
     comment, via `set_admin_comment`) before the CapacityError goes up; the mark is removed once
-    the job got its slices. See slurm_plugin/waiting.py. An interactive job (srun, salloc) is not
+    the job got its slices. See slurm_plugin/waiting.py. When no GPU of the pool could ever place
+    it (job_submit.lua's view of the pool was stale), the admin comment says why and the job is
+    cancelled (`cancel`) rather than requeued for ever. An interactive job (srun, salloc) is not
     requeued but ended by Slurm: `notify` tells its user why, in one line, on the terminal.
     """
     job = JobContext.from_env(env, "prolog-slurmctld")
@@ -166,6 +176,8 @@ def prolog_slurmctld(env: Mapping[str, str], pool_factory: Callable[[], Pool],
     except RgpuError as exc:
         if notify is not None and not info.batch:
             notify(job.job_id, interactive_message(exc))
+        if isinstance(exc, NeverServable) and cancel is not None:
+            cancel(job.job_id)
         raise
 
 
@@ -188,6 +200,14 @@ def _allocate_for(job: JobContext, info: JobInfo, pool_factory: Callable[[], Poo
     try:
         keys = allocate_job(job, plan, pool)
     except CapacityError as exc:
+        if plan.record is not None and never_fits(plan.record, pool.list_gpus()):
+            why = str(exc).removeprefix("rgpu: ")
+            never = NeverServable("prolog-slurmctld", f"no GPU of the pool can ever hold job {job.job_id}'s slices",
+                                  why, "submit it again with a request the pool's GPUs can serve "
+                                       "(rgpu-admin list-gpus shows them)")
+            if set_admin_comment is not None:
+                set_admin_comment(job.job_id, refused_comment(record_text, str(never)))
+            raise never from exc
         if set_admin_comment is not None:
             why = str(exc).removeprefix("rgpu: ")
             set_admin_comment(job.job_id, waiting_comment(record_text, f"{why} -- it starts when the pool can place it"))

@@ -73,6 +73,19 @@ def notify_user(env: Mapping[str, str]) -> Any:
     return notify
 
 
+def cancel_job(env: Mapping[str, str]) -> Any:
+    """`scancel`: for a job no GPU of the pool can ever serve (its admin comment says why)."""
+    from rgpu.slurm_plugin.proc import run_command
+
+    def cancel(job_id: int) -> None:
+        try:
+            run_command(["scancel", str(int(job_id))], env=env, timeout=SLURM_QUERY_TIMEOUT_SECONDS)
+        except RgpuError as exc:
+            log_line("prolog-slurmctld", env, f"could not cancel the job: {exc}")
+
+    return cancel
+
+
 def requeue_job(env: Mapping[str, str]) -> str:
     """`scontrol requeue` this job (the node Prolog runs as root, a Slurm admin). Returns what
     became of the job, for the log line; never raises."""
@@ -120,14 +133,18 @@ def prolog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
     if not holds_rgpu_license(env):
         return 0                     # a plain job: no Slurm query, no pool call
     from rgpu.slurm_plugin import scontrol
-    from rgpu.prolog.logic import prolog_slurmctld
+    from rgpu.prolog.logic import NeverServable, prolog_slurmctld
 
     started = time.monotonic()
     try:
         keys = prolog_slurmctld(env, lambda: connect_pool(env),
                                 lambda job_id: scontrol.query_job(str(job_id), env=env,
                                                                   timeout=SLURM_QUERY_TIMEOUT_SECONDS),
-                                set_admin_comment=set_admin_comment(env), notify=notify_user(env))
+                                set_admin_comment=set_admin_comment(env), notify=notify_user(env),
+                                cancel=cancel_job(env))
+    except NeverServable as exc:
+        log_line("prolog-slurmctld", env, f"{_describe(exc)} -- the job was cancelled")
+        return 1
     except Exception as exc:  # noqa: BLE001 - any failure must become one line and exit 1
         log_line("prolog-slurmctld", env, f"{_describe(exc)} -- the job will be requeued")
         return 1

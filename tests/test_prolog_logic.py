@@ -21,7 +21,7 @@ from rgpu.prolog.logic import (
 from rgpu.slurm_plugin.scontrol import JobInfo
 
 from rgpu.adaptor import read_adaptor_conf
-from rgpu.errors import CapacityError, InvalidRequest
+from rgpu.errors import CapacityError, InvalidRequest, RgpuError
 from tests.daemons import EXAMPLES, REPO, RgpuCluster, wait_for
 
 PROLOG_DIR = REPO / "prolog"
@@ -131,9 +131,35 @@ def test_prolog_slurmctld_leases_the_record_or_nothing(pool: RgpuCluster, tmp_pa
 
 def test_prolog_slurmctld_failure_releases_what_it_got(pool: RgpuCluster, tmp_path: Path) -> None:
     env = job_env(pool, tmp_path, nodes="c[1-3]")
-    with pytest.raises(CapacityError):
+    with pytest.raises(RgpuError):          # 6 whole GPUs of 4: never (NeverServable)
         prolog_slurmctld(env, pool.client, lambda _: info(comment="fraction=1", nodes="c[1-3]"))
     assert keys(pool) == []
+
+
+def test_a_request_no_gpu_can_ever_serve_is_cancelled_with_its_reason(pool: RgpuCluster, tmp_path: Path) -> None:
+    """The pool's GPUs share by MPS: isolation=strict would wait for ever (job_submit.lua refuses it
+    when its config knows the pool; this is the backstop for a stale config)."""
+    from rgpu.prolog.logic import NeverServable
+
+    notes: list[tuple[int, str]] = []
+    cancelled: list[int] = []
+    with pytest.raises(NeverServable, match="no GPU of the pool can ever hold job 42's slices"):
+        prolog_slurmctld(job_env(pool, tmp_path, nodes="c1"), pool.client,
+                         lambda _: info(comment="fraction=0.5 isolation=strict", nodes="c1", tres="gres:rgpu:1",
+                                        licenses="rgpu:50"),
+                         set_admin_comment=lambda job, text: notes.append((job, text)), cancel=cancelled.append)
+    assert cancelled == [42] and keys(pool) == []
+    ((job, text),) = notes
+    assert text.startswith("rgpu:v1 nodes=1 count=1 percent=50 units=50 isolation=strict | rgpu: refused: "
+                           "prolog-slurmctld: no GPU of the pool can ever hold job 42's slices"), text
+    # Busy is not never: a request that fits an empty pool waits (marked), and is not cancelled.
+    with pool.client() as c:
+        c.allocate("admin-held", "nobody", 4, fraction=1.0)
+    with pytest.raises(CapacityError):
+        prolog_slurmctld(job_env(pool, tmp_path, job_id=43, nodes="c1"), pool.client,
+                         lambda _: info(job_id=43, comment="fraction=1", nodes="c1", tres="gres:rgpu:1"),
+                         set_admin_comment=lambda job, text: notes.append((job, text)), cancel=cancelled.append)
+    assert cancelled == [42] and notes[-1][0] == 43 and "| rgpu: waiting: " in notes[-1][1]
 
 
 def test_prolog_slurmctld_entry_point_exit_codes(pool: RgpuCluster, tmp_path: Path) -> None:
