@@ -440,6 +440,14 @@ function rgpu.plan(job, conf)
 		end
 		return { rgpu = false }
 	end
+	if job.het_job_offset ~= nil and job.het_job_offset < rgpu.NO_VAL then
+		-- Slurm starts each component's tasks with the leader's job id, so they would find the
+		-- leader's slices (one host) or none (another host), not their own component's.
+		return fail("a heterogeneous job cannot ask for " .. conf.gres_name,
+			"rgpu gives each job's slices to its tasks by job id, and Slurm gives every component's tasks the leader's",
+			"submit each component that needs " .. conf.gres_name .. " as a job of its own (e.g. chained with --dependency)",
+			"gres")
+	end
 	if count < 1 or count > conf.max_per_node then
 		return fail("invalid --gres=" .. conf.gres_name .. ":" .. count,
 			"the count of slices per node must be from 1 to " .. conf.max_per_node,
@@ -575,7 +583,7 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
 		tres_per_node = job_desc.tres_per_node, tres_per_job = job_desc.tres_per_job,
 		tres_per_task = job_desc.tres_per_task, tres_per_socket = job_desc.tres_per_socket,
 		comment = job_desc.comment, min_nodes = job_desc.min_nodes, max_nodes = job_desc.max_nodes,
-		licenses = job_desc.licenses, licenses_user_given = true,
+		licenses = job_desc.licenses, licenses_user_given = true, het_job_offset = job_desc.het_job_offset,
 	}, conf)
 	if not plan then
 		slurm.log_info("rgpu: refused a job of uid %s: %s", tostring(submit_uid), err)

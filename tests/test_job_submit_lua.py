@@ -192,6 +192,15 @@ def test_each_refusal_carries_the_slurm_code_that_fits(plugin_dir: Path, job: di
     assert len(user_messages(result)) == 1
 
 
+@pytest.mark.parametrize("offset", [0, 1])
+def test_a_heterogeneous_job_asking_for_rgpu_is_refused(plugin_dir: Path, offset: int) -> None:
+    result = call(plugin_dir, job_desc("gres:rgpu:1", "fraction=0.5", het_job_offset=offset))
+    (message,) = user_messages(result)
+    assert result["rc"] == REFUSAL_CODES["gres"] and "a heterogeneous job cannot ask for rgpu" in message, result
+    assert call(plugin_dir, job_desc(None, None, het_job_offset=offset))["rc"] == 0     # without rgpu: untouched
+    assert call(plugin_dir, job_desc("gres:rgpu:1", None, het_job_offset=NO_VAL))["rc"] == 0   # not a hetjob
+
+
 def test_other_licenses_are_kept(plugin_dir: Path) -> None:
     result = call(plugin_dir, job_desc("gres:rgpu:2", "fraction=0.5", licenses="matlab:1,fluent*2"))
     assert result["licenses"] == "matlab:1,fluent*2,rgpu:100"

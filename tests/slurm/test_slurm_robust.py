@@ -165,3 +165,152 @@ def test_a_job_that_cannot_be_requeued_fails_with_the_reason_in_its_output(h: Ha
     lines = [line for line in out.splitlines() if line.startswith("rgpu: ")]
     assert len(lines) == 1 and "did not answer" in lines[0] and "does not start without its GPU slices" in lines[0], out
     wait_until("the job's lease to be released", lambda: not h.job_leases(job) or None, 40)
+
+
+# 3. Requests no GPU can ever serve; waiting only for capacity -----------------------------------
+def test_a_strict_job_a_stale_config_let_through_is_cancelled_with_the_reason(h: Harness) -> None:
+    """job_submit_rgpu.conf without the pool's numbers (pool_gpus = 0: checks off) accepts
+    isolation=strict on an all-MPS pool; PrologSlurmctld then sees that no GPU could ever hold it
+    and cancels it with the reason, instead of a requeue every ~2 minutes for ever."""
+    from tests.slurm.conftest import lua_conf_from_pool
+
+    conf = lua_conf_from_pool(h.pool)
+    h.slurm.set_lua_conf(conf.replace("pool_gpus = 4", "pool_gpus = 0"))
+    try:
+        job = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.5 isolation=strict"], "echo RAN\n", user=JOB_USER)
+        info = finished(h, job, 40)
+    finally:
+        h.slurm.set_lua_conf(conf)
+    shown = h.slurm.job_json(job)
+    assert info["JobState"] == "CANCELLED" and int(shown["restart_cnt"]) <= 1, f"{info}\n{diagnostics(h)}"
+    record, _, reason = shown["admin_comment"].partition(" | ")
+    assert record == "rgpu:v1 nodes=1 count=1 percent=50 units=50 isolation=strict", shown["admin_comment"]
+    assert reason.startswith("rgpu: refused: prolog-slurmctld: no GPU of the pool can ever hold job"), reason
+    assert "isolation=strict" in reason and "\n" not in reason
+    assert "RAN" not in h.slurm.job_output(job) and not h.job_leases(job)
+
+
+ISOLATED_INVENTORY = """\
+format = 1
+hostname = "test-gpu-isolated"
+driver_version = "580.82.07"
+cuda_version = "13.0"
+
+[[gpu]]
+uuid = "GPU-7b1d5a3e-0c44-4e0b-9a51-3f6d2c8e9a10"
+index = 0
+name = "NVIDIA H100 80GB HBM3"
+memory = "80G"
+compute_capability = "9.0"
+"""
+
+
+@contextmanager
+def isolated_gpu(h: Harness, tmp_path: Path) -> Iterator[None]:
+    """A third dispatcher serving one GPU shared "isolated", and job_submit_rgpu.conf saying so;
+    removed again after (server and config), so the session pool is back to its 4 MPS GPUs."""
+    from tests.slurm.conftest import lua_conf_from_pool
+
+    conf = lua_conf_from_pool(h.pool)
+    inventory = tmp_path / "inventory-isolated.toml"
+    inventory.write_text(ISOLATED_INVENTORY)
+    daemon, _ = h.pool.start_dispatcher(inventory, env=h.pool.env(RGPU_GPU_SHARING="isolated"))
+    try:
+        wait_until("the isolated GPU to register", lambda: pool_ready(h.pool, 500) or None, 30)
+        h.slurm.set_lua_conf(lua_conf_from_pool(h.pool))
+        assert "isolated_gpus = 1\n" in lua_conf_from_pool(h.pool)
+        yield
+    finally:
+        h.slurm.set_lua_conf(conf)
+        daemon.kill()
+        with h.client() as c:
+            for server in c.list_servers().servers:
+                if server.hostname == "test-gpu-isolated":
+                    wait_until("the isolated dispatcher to be down and removed",
+                               lambda address=server.address: removed(c, address), 20)
+        wait_pool_back(h)
+
+
+def removed(client, address: str) -> bool | None:  # type: ignore[no-untyped-def]
+    from rgpu.errors import RgpuError
+
+    try:
+        client.remove_server(address)     # refused while the server is up
+    except RgpuError:
+        return None
+    return True
+
+
+def test_a_strict_job_waits_for_an_isolated_gpu_without_a_requeue_loop(h: Harness, tmp_path: Path) -> None:
+    """The only isolated GPU is taken: a second strict job waits (one requeue, marked with the
+    pool's reason) while 4 MPS GPUs stand free, is not started again and again on them (the
+    wake-up used to ignore isolation: a requeue every reconciler pass), and starts within seconds
+    once the isolated GPU is free."""
+    with isolated_gpu(h, tmp_path):
+        blocker = h.slurm.submit(["--gres=rgpu:1", "--comment=isolation=strict"], "sleep 300\n", user=JOB_USER)
+        h.slurm.wait_job_state(blocker, "RUNNING", 30)
+        waiter = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.5 isolation=strict"], SHOW_SLICES, user=JOB_USER)
+
+        def marked() -> dict | None:
+            info = h.slurm.job_json(waiter)
+            assert info["job_state"] not in FINISHED, f"{info}\n{diagnostics(h)}"
+            return info if info["job_state"] == "PENDING" and "| rgpu: waiting: " in info["admin_comment"] else None
+
+        info = wait_until("the strict job to wait with the pool's reason", marked, 60)
+        assert "isolation=strict" in info["admin_comment"].split(" | ", 1)[1], info["admin_comment"]
+        time.sleep(12)                                   # a dozen reconciler passes
+        info = h.slurm.job_json(waiter)
+        assert info["job_state"] == "PENDING" and int(info["restart_cnt"]) == 1, f"{info}\n{diagnostics(h)}"
+        h.slurm.command(["scancel", blocker])
+        freed = time.monotonic()
+        assert finished(h, waiter, 60)["JobState"] == "COMPLETED", diagnostics(h)
+        took = time.monotonic() - freed
+        assert took < 30, f"the strict job took {took:.0f} s to run after the isolated GPU freed"
+        assert "HAS_CONF" in h.slurm.job_output(waiter)
+        assert int(h.slurm.job_json(waiter)["restart_cnt"]) == 1
+
+
+# 4. Heterogeneous jobs --------------------------------------------------------------------------
+@pytest.mark.parametrize("components", [
+    (["--gres=rgpu:1", "--comment=fraction=0.5"], []),
+    ([], ["--gres=rgpu:1", "--comment=fraction=0.5"]),
+], ids=["leader", "component1"])
+def test_a_heterogeneous_job_asking_for_rgpu_is_refused_at_submit(h: Harness, components: tuple[list[str], list[str]]) -> None:
+    first, second = components
+    out = h.slurm.sbatch([*first, ":", *second], "srun --het-group=0,1 true\n", user=JOB_USER, check=False)
+    assert out.returncode != 0, out
+    lines = [line for line in out.stderr.splitlines() if "rgpu" in line]
+    assert len(lines) == 1 and "a heterogeneous job cannot ask for rgpu" in lines[0], out.stderr
+    assert "as a job of its own" in lines[0]
+
+
+def test_a_heterogeneous_job_without_rgpu_runs_untouched(h: Harness) -> None:
+    job = h.slurm.submit([":", "-N", "1"], "srun --het-group=0,1 true && echo HET_RAN\n", user=JOB_USER)
+    assert finished(h, job, 40)["JobState"] == "COMPLETED", diagnostics(h)
+    assert "HET_RAN" in h.slurm.job_output(job)
+
+
+# 5. Refusals say what is wrong, once -------------------------------------------------------------
+@pytest.mark.parametrize("args, rgpu_text, slurm_text", [
+    (["--gres=rgpu:1", "-L", "rgpu:10"], "do not ask for the rgpu license yourself", "Invalid license specification"),
+    (["--gres=rgpu:1", "-N", "1-3"], "variable node count", "Node count specification invalid"),
+    (["--gres=rgpu:1", "--comment=fraction=0.3333333"], "slices are whole hundredths of a GPU; write fraction=0.33",
+     None),
+    (["--gres=rgpu:1", "--comment=fraction=0.005"], "slices are whole hundredths of a GPU; write fraction=0.01", None),
+    (["--gres=rgpu:1", "--comment=fraction=0.5;$(touch /tmp/rgpu-pwned)"], "characters rgpu does not accept", None),
+    (["--gres=rgpu:1", "--comment=memory=" + "9" * 60 + "T"], "invalid memory", None),
+    (["--gres=rgpu:1", "--comment=fraction=1" + "0" * 5000 + "1"], "invalid fraction", None),
+    (["--gres=rgpu:5"], "count of slices per node", "Invalid generic resource"),
+], ids=["license", "nodes", "third", "half-percent", "injection", "huge-memory", "huge-fraction", "gres"])
+def test_a_refusal_is_one_rgpu_line_and_slurms_code_fits_it(h: Harness, args: list[str], rgpu_text: str,
+                                                            slurm_text: str | None) -> None:
+    out = h.slurm.sbatch(args, "true\n", user=JOB_USER, check=False)
+    assert out.returncode != 0, out
+    lines = [line for line in out.stderr.splitlines() if "rgpu" in line]
+    assert len(lines) == 1 and lines[0].startswith("sbatch: error: rgpu: job_submit: "), out.stderr
+    assert rgpu_text in lines[0] and len(lines[0]) < 400, out.stderr
+    if slurm_text:
+        assert slurm_text in out.stderr, out.stderr
+    if "gres" not in rgpu_text and "slices per node" not in rgpu_text:
+        assert "Invalid generic resource" not in out.stderr, out.stderr
+    assert not Path("/tmp/rgpu-pwned").exists()
