@@ -8,14 +8,17 @@ beside it (`rgpu-admin slurm-config` prints one with the pool's live numbers).
 What it does for a job that asks for --gres=rgpu:N:
   * reads N from tres_per_node, in both shapes: "gres:rgpu:N" (Slurm <= 23.02) and
     "gres/rgpu:N" (>= 23.11); "gres:rgpu" alone means N = 1;
-  * reads fraction=F (default 1.0) or memory=SIZE (per slice) from --comment, and
-    isolation=strict (slices only on GPUs shared "isolated" or "exclusive", where another job's
-    GPU fault cannot end this one's work);
-  * refuses bad requests with a message the user sees (slurm.log_user);
+  * reads fraction=F (default 1.0; whole hundredths of a GPU, 0.01 to 1) or memory=SIZE (per
+    slice) from --comment, and isolation=strict (slices only on GPUs shared "isolated" or
+    "exclusive", where another job's GPU fault cannot end this one's work); appends "fraction=1"
+    to a comment that names no size, so the node Prolog can tell rgpu jobs by their comment;
+  * refuses bad requests with a message the user sees (slurm.log_user) and the Slurm error code
+    that fits (rgpu.error_code); refuses requests no GPU of the pool can ever serve (pool_gpus,
+    isolated_gpus, exclusive_gpus in the config) and heterogeneous jobs asking for rgpu;
   * pins the node count (-N 2 stays 2; no -N means 1 node) and adds the cluster license
     rgpu:<units>, units = nodes x N x units_per_slice, so slurmctld keeps the job PENDING
     (reason Licenses) while the pool cannot serve it.
-    units_per_slice = round(100 F) for fraction=F; for memory=SIZE it is
+    units_per_slice = 100 F for fraction=F; for memory=SIZE it is
     ceil(100 x SIZE / gpu_memory_bytes) with gpu_memory_bytes from the config file (the usable
     memory of the smallest GPU in the pool), or 100 (a whole GPU) when that is not configured.
 
