@@ -23,9 +23,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.daemons import RgpuCluster  # noqa: E402
-from tests.slurm.cluster import SlurmCluster, missing_requirements, wait_until  # noqa: E402
-from tests.slurm.conftest import pool_ready, slurm_config, start_pool  # noqa: E402
+from tests.daemons import RgpuCluster
+from tests.slurm.cluster import SlurmCluster, missing_requirements, wait_until
+from tests.slurm.conftest import slurm_config, start_pool
 
 SCRIPTS = ("rgpu-prolog-slurmctld", "rgpu-prolog", "rgpu-task-prolog", "rgpu-epilog", "rgpu-epilog-slurmctld")
 

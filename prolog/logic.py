@@ -15,11 +15,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from rgpu.remoting.pool.convert import lease_to_adaptor
 from rgpu.slurm_plugin.hostlist import expand_hostlist
-from rgpu.slurm_plugin.jobkey import job_key, job_prefix, parse_job_key
 from rgpu.slurm_plugin.jobenv import license_units
-from rgpu.slurm_plugin.request import (RECORD_SEPARATOR, RequestRecord, RgpuRequest, is_record, parse_record,
-                                       parse_tres_per_node)
+from rgpu.slurm_plugin.jobkey import job_key, job_prefix, parse_job_key
+from rgpu.slurm_plugin.request import (
+    RECORD_SEPARATOR,
+    RequestRecord,
+    RgpuRequest,
+    is_record,
+    parse_record,
+    parse_tres_per_node,
+)
 from rgpu.slurm_plugin.scontrol import JobInfo
 from rgpu.slurm_plugin.waiting import never_fits, refused_comment, waiting_comment
 
@@ -28,7 +35,6 @@ from rgpu.adaptor import write_adaptor_conf, write_private_file
 from rgpu.errors import CapacityError, ConfigError, InvalidRequest, NotFound, RgpuError
 from rgpu.paths import ADAPTOR_CONF_NAME, ERROR_NAME
 from rgpu.paths import run_dir as run_dir_from_env
-from rgpu.remoting.pool.convert import lease_to_adaptor
 
 
 class Pool(Protocol):

@@ -13,8 +13,9 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from rgpu.errors import RgpuError, Unavailable
 from rgpu.slurm_plugin.jobenv import comment_may_ask_rgpu, holds_rgpu_license
+
+from rgpu.errors import RgpuError, Unavailable
 
 # Well under Slurm's default MessageTimeout (10 s); one pool call per node at most.
 POOL_TIMEOUT_SECONDS = 4.0
@@ -132,8 +133,8 @@ def prolog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     if not holds_rgpu_license(env):
         return 0                     # a plain job: no Slurm query, no pool call
-    from rgpu.slurm_plugin import scontrol
     from rgpu.prolog.logic import NeverServable, prolog_slurmctld
+    from rgpu.slurm_plugin import scontrol
 
     started = time.monotonic()
     try:
@@ -145,7 +146,7 @@ def prolog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
     except NeverServable as exc:
         log_line("prolog-slurmctld", env, f"{_describe(exc)} -- the job was cancelled")
         return 1
-    except Exception as exc:  # noqa: BLE001 - any failure must become one line and exit 1
+    except Exception as exc:
         log_line("prolog-slurmctld", env, f"{_describe(exc)} -- the job will be requeued")
         return 1
     if keys:
@@ -164,7 +165,7 @@ def prolog_main(env: Mapping[str, str] | None = None) -> int:
 
     try:
         node_prolog(env, lambda: connect_pool(env))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         message = _describe(exc)
         record_node_error(env, message)
         log_line("prolog", env, f"{message} -- the job {requeue_job(env)}")
@@ -192,7 +193,7 @@ def epilog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
                 return 1
             time.sleep(delay)
             delay = min(delay * 2, 4.0)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log_line("epilog-slurmctld", env, f"{_describe(exc)} -- the reconciler in rgpu-poold releases the "
                      "job's slices later")
             return 1
@@ -213,7 +214,7 @@ def epilog_main(env: Mapping[str, str] | None = None) -> int:
 
     try:
         node_epilog(env)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         log_line("epilog", env, _describe(exc))
     return 0
 

@@ -24,7 +24,12 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from rgpu.slurm_plugin.proc import run_command
-from rgpu.slurm_plugin.request import RECORD_SEPARATOR, WAITING_MARK, RequestRecord, parse_record
+from rgpu.slurm_plugin.request import (
+    RECORD_SEPARATOR,
+    WAITING_MARK,
+    RequestRecord,
+    parse_record,
+)
 
 from rgpu.errors import RgpuError
 from rgpu.model import isolation_allows

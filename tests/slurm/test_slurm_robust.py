@@ -13,12 +13,14 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Self
 
 import pytest
 
 from tests.slurm.cluster import missing_requirements, wait_until
 from tests.slurm.conftest import Harness, pool_ready
-from tests.slurm.test_slurm_e2e import FINISHED, JOB_USER, diagnostics, finished, h  # noqa: F401 - h is a fixture
+from tests.slurm.test_slurm_e2e import FINISHED, JOB_USER, diagnostics, finished
+from tests.slurm.test_slurm_e2e import h as idle_cluster  # noqa: F401 - the fixture `h` (an idle session cluster)
 
 pytestmark = [pytest.mark.slurm,
               pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements()))]
@@ -82,7 +84,7 @@ class NodePrologTrap:
                 return
             time.sleep(0.002)
 
-    def __enter__(self) -> NodePrologTrap:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 
