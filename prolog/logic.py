@@ -32,7 +32,7 @@ from rgpu.slurm_plugin.waiting import never_fits, refused_comment, waiting_comme
 
 from rgpu import validate
 from rgpu.adaptor import write_adaptor_conf, write_private_file
-from rgpu.errors import CapacityError, ConfigError, InvalidRequest, NotFound, RgpuError
+from rgpu.errors import CapacityError, ConfigError, InvalidRequest, NotFound, RgpuError, Unavailable
 from rgpu.paths import ADAPTOR_CONF_NAME, ERROR_NAME
 from rgpu.paths import run_dir as run_dir_from_env
 
@@ -217,6 +217,14 @@ def _allocate_for(job: JobContext, info: JobInfo, pool_factory: Callable[[], Poo
         if set_admin_comment is not None:
             why = str(exc).removeprefix("rgpu: ")
             set_admin_comment(job.job_id, waiting_comment(record_text, f"{why} -- it starts when the pool can place it"))
+        raise
+    except Unavailable as exc:
+        # Marked like a job the pool cannot place, so the reconciler in rgpu-poold starts it as
+        # soon as the pool answers again, not after Slurm's requeue delay.
+        if set_admin_comment is not None:
+            why = str(exc).removeprefix("rgpu: ")
+            set_admin_comment(job.job_id, waiting_comment(record_text, f"{why} -- it starts when the pool answers "
+                                                                       "and can place it"))
         raise
     if marked and set_admin_comment is not None:
         set_admin_comment(job.job_id, record_text)

@@ -162,6 +162,20 @@ def test_a_request_no_gpu_can_ever_serve_is_cancelled_with_its_reason(pool: Rgpu
     assert cancelled == [42] and notes[-1][0] == 43 and "| rgpu: waiting: " in notes[-1][1]
 
 
+def test_a_job_the_pool_does_not_answer_for_is_marked_as_waiting(pool: RgpuCluster, tmp_path: Path) -> None:
+    """So the reconciler starts it as soon as the pool is back (waiting.py), not after Slurm's delay."""
+    from rgpu.errors import Unavailable
+
+    env = {**job_env(pool, tmp_path, nodes="c1"), "RGPU_POOL": "127.0.0.1:1"}   # nothing listens there
+    notes: list[str] = []
+    with pytest.raises(Unavailable):
+        prolog_slurmctld(env, lambda: prolog_main.connect_pool(env), lambda _: info(nodes="c1"),
+                         set_admin_comment=lambda _job, text: notes.append(text))
+    (note,) = notes
+    assert note.startswith("rgpu:v1 nodes=1 count=2 percent=50 units=100 | rgpu: waiting: pool: "), note
+    assert "did not answer" in note and note.endswith("it starts when the pool answers and can place it"), note
+
+
 def test_prolog_slurmctld_entry_point_exit_codes(pool: RgpuCluster, tmp_path: Path) -> None:
     env = job_env(pool, tmp_path)
     env["PATH"] = "/nonexistent"           # scontrol cannot run: the failure is one line and exit 1

@@ -316,3 +316,38 @@ def test_a_refusal_is_one_rgpu_line_and_slurms_code_fits_it(h: Harness, args: li
     if "gres" not in rgpu_text and "slices per node" not in rgpu_text:
         assert "Invalid generic resource" not in out.stderr, out.stderr
     assert not Path("/tmp/rgpu-pwned").exists()
+
+
+def test_an_interactive_srun_whose_node_prolog_cannot_reach_the_pool_prints_the_reason_and_runs_nothing(
+        h: Harness) -> None:
+    """srun cannot be requeued: its task fails in the TaskProlog, and the reason reaches the terminal."""
+    with NodePrologTrap(h) as trap:
+        out = h.slurm.command(["srun", f"--chdir={h.slurm.jobs_dir}", "--gres=rgpu:1", "--comment=fraction=0.2",
+                               "sh", "-c", "echo RAN"], user=JOB_USER, timeout=60, check=False)
+        assert trap.caught, out
+    wait_pool_back(h)
+    assert out.returncode != 0 and "RAN" not in out.stdout, out
+    lines = [line for line in (out.stdout + out.stderr).splitlines() if line.startswith("rgpu: ")]
+    assert len(lines) == 1 and "did not answer" in lines[0] and "does not start without its GPU slices" in lines[0], out
+
+
+def test_a_job_submitted_while_the_pool_is_frozen_waits_and_starts_once_it_answers(h: Harness) -> None:
+    """PrologSlurmctld cannot lease: the job is requeued, never run, marked as waiting for the pool,
+    and started by the reconciler within seconds of the pool answering (not Slurm's ~2 min)."""
+    with pool_frozen(h):
+        job = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.4"], SHOW_SLICES, user=JOB_USER)
+
+        def marked() -> dict | None:
+            info = h.slurm.job_json(job)
+            assert info["job_state"] not in FINISHED, f"{info}\n{diagnostics(h)}"
+            return info if info["job_state"] == "PENDING" and "| rgpu: waiting: " in info["admin_comment"] else None
+
+        info = wait_until("the job to wait for the pool", marked, 30)
+        assert "did not answer" in info["admin_comment"], info["admin_comment"]
+        assert "RAN" not in h.slurm.job_output(job)
+    resumed = time.monotonic()
+    assert finished(h, job, 60)["JobState"] == "COMPLETED", diagnostics(h)
+    took = time.monotonic() - resumed
+    assert took < 30, f"the job took {took:.0f} s to run after the pool answered again"
+    assert "HAS_CONF" in h.slurm.job_output(job)
+    assert h.slurm.job_json(job)["admin_comment"] == "rgpu:v1 nodes=1 count=1 percent=40 units=40"
