@@ -32,7 +32,14 @@ from rgpu.slurm_plugin.waiting import never_fits, refused_comment, waiting_comme
 
 from rgpu import validate
 from rgpu.adaptor import write_adaptor_conf, write_private_file
-from rgpu.errors import CapacityError, ConfigError, InvalidRequest, NotFound, RgpuError, Unavailable
+from rgpu.errors import (
+    CapacityError,
+    ConfigError,
+    InvalidRequest,
+    NotFound,
+    RgpuError,
+    Unavailable,
+)
 from rgpu.paths import ADAPTOR_CONF_NAME, ERROR_NAME
 from rgpu.paths import run_dir as run_dir_from_env
 
