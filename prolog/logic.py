@@ -15,18 +15,33 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from rgpu.remoting.pool.convert import lease_to_adaptor
 from rgpu.slurm_plugin.hostlist import expand_hostlist
+from rgpu.slurm_plugin.jobenv import license_units
 from rgpu.slurm_plugin.jobkey import job_key, job_prefix, parse_job_key
-from rgpu.slurm_plugin.request import RECORD_SEPARATOR, RgpuRequest, is_record, parse_record, parse_tres_per_node
+from rgpu.slurm_plugin.request import (
+    RECORD_SEPARATOR,
+    RequestRecord,
+    RgpuRequest,
+    is_record,
+    parse_record,
+    parse_tres_per_node,
+)
 from rgpu.slurm_plugin.scontrol import JobInfo
-from rgpu.slurm_plugin.waiting import waiting_comment
+from rgpu.slurm_plugin.waiting import never_fits, refused_comment, waiting_comment
 
 from rgpu import validate
 from rgpu.adaptor import write_adaptor_conf, write_private_file
-from rgpu.errors import CapacityError, ConfigError, InvalidRequest, NotFound, RgpuError
+from rgpu.errors import (
+    CapacityError,
+    ConfigError,
+    InvalidRequest,
+    NotFound,
+    RgpuError,
+    Unavailable,
+)
 from rgpu.paths import ADAPTOR_CONF_NAME, ERROR_NAME
 from rgpu.paths import run_dir as run_dir_from_env
-from rgpu.remoting.pool.convert import lease_to_adaptor
 
 
 class Pool(Protocol):
@@ -36,6 +51,7 @@ class Pool(Protocol):
     def release(self, job_key: str) -> bool: ...
     def get_lease(self, job_key: str) -> Any: ...
     def list_leases(self) -> list[Any]: ...
+    def list_gpus(self) -> list[Any]: ...
 
 
 # ---------------------------------------------------------------- the job, from the environment
@@ -94,15 +110,7 @@ def job_dir(run_dir: Path, job_id: int) -> Path:
 class AllocationPlan:
     keys: tuple[str, ...]       # one per node
     request: RgpuRequest
-
-
-def _license_units(licenses: str, name: str) -> int | None:
-    """Units of license `name` in a job's license list ("matlab:1,rgpu:100"; '*' also separates)."""
-    for entry in licenses.split(","):
-        lic, _, count = entry.strip().replace("*", ":").partition(":")
-        if lic == name:
-            return int(count) if count.isdigit() else 1
-    return None
+    record: RequestRecord | None = None
 
 
 def plan_allocation(job: JobContext, info: JobInfo, gres_name: str = "rgpu",
@@ -125,7 +133,7 @@ def plan_allocation(job: JobContext, info: JobInfo, gres_name: str = "rgpu",
     if not nodes:
         raise InvalidRequest("prolog-slurmctld", f"job {job.job_id} has no nodes", "Slurm gave no node list",
                              "this is unexpected; see the slurmctld log")
-    units = _license_units(info.licenses, license_name)
+    units = license_units(info.licenses, license_name)
     disagree = [f"{what} {have} (recorded {want})" for what, have, want in (
         ("--gres count", count, record.request.count), ("node count", len(nodes), record.nodes),
         (f"license {license_name}", units, record.units)) if have != want]
@@ -134,7 +142,7 @@ def plan_allocation(job: JobContext, info: JobInfo, gres_name: str = "rgpu",
                              "the job was changed after job_submit.lua recorded its request",
                              "scancel the job and submit it again")
     validate.name("user", job.user or info.user)
-    return AllocationPlan(keys=tuple(job.key_for(n) for n in nodes), request=record.request)
+    return AllocationPlan(keys=tuple(job.key_for(n) for n in nodes), request=record.request, record=record)
 
 
 def allocate_job(job: JobContext, plan: AllocationPlan, pool: Pool) -> list[str]:
@@ -156,15 +164,22 @@ def allocate_job(job: JobContext, plan: AllocationPlan, pool: Pool) -> list[str]
     return got
 
 
+class NeverServable(InvalidRequest):
+    """No GPU of the pool could hold the request even if all were free: waiting would never end."""
+
+
 def prolog_slurmctld(env: Mapping[str, str], pool_factory: Callable[[], Pool],
                      query_job: Callable[[int], JobInfo], gres_name: str = "rgpu",
                      set_admin_comment: Callable[[int, str], None] | None = None,
-                     notify: Callable[[int, str], None] | None = None) -> list[str]:
+                     notify: Callable[[int, str], None] | None = None,
+                     cancel: Callable[[int], None] | None = None) -> list[str]:
     """Allocate the job's leases; returns their keys ([] for a job without rgpu).
 
     When the pool cannot place the job now, the job is marked as waiting for the pool (its admin
     comment, via `set_admin_comment`) before the CapacityError goes up; the mark is removed once
-    the job got its slices. See slurm_plugin/waiting.py. An interactive job (srun, salloc) is not
+    the job got its slices. See slurm_plugin/waiting.py. When no GPU of the pool could ever place
+    it (job_submit.lua's view of the pool was stale), the admin comment says why and the job is
+    cancelled (`cancel`) rather than requeued for ever. An interactive job (srun, salloc) is not
     requeued but ended by Slurm: `notify` tells its user why, in one line, on the terminal.
     """
     job = JobContext.from_env(env, "prolog-slurmctld")
@@ -174,6 +189,8 @@ def prolog_slurmctld(env: Mapping[str, str], pool_factory: Callable[[], Pool],
     except RgpuError as exc:
         if notify is not None and not info.batch:
             notify(job.job_id, interactive_message(exc))
+        if isinstance(exc, NeverServable) and cancel is not None:
+            cancel(job.job_id)
         raise
 
 
@@ -196,9 +213,25 @@ def _allocate_for(job: JobContext, info: JobInfo, pool_factory: Callable[[], Poo
     try:
         keys = allocate_job(job, plan, pool)
     except CapacityError as exc:
+        if plan.record is not None and never_fits(plan.record, pool.list_gpus()):
+            why = str(exc).removeprefix("rgpu: ")
+            never = NeverServable("prolog-slurmctld", f"no GPU of the pool can ever hold job {job.job_id}'s slices",
+                                  why, "submit it again with a request the pool's GPUs can serve "
+                                       "(rgpu-admin list-gpus shows them)")
+            if set_admin_comment is not None:
+                set_admin_comment(job.job_id, refused_comment(record_text, str(never)))
+            raise never from exc
         if set_admin_comment is not None:
             why = str(exc).removeprefix("rgpu: ")
             set_admin_comment(job.job_id, waiting_comment(record_text, f"{why} -- it starts when the pool can place it"))
+        raise
+    except Unavailable as exc:
+        # Marked like a job the pool cannot place, so the reconciler in rgpu-poold starts it as
+        # soon as the pool answers again, not after Slurm's requeue delay.
+        if set_admin_comment is not None:
+            why = str(exc).removeprefix("rgpu: ")
+            set_admin_comment(job.job_id, waiting_comment(record_text, f"{why} -- it starts when the pool answers "
+                                                                       "and can place it"))
         raise
     if marked and set_admin_comment is not None:
         set_admin_comment(job.job_id, record_text)

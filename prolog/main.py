@@ -13,6 +13,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from rgpu.slurm_plugin.jobenv import comment_may_ask_rgpu, holds_rgpu_license
+
 from rgpu.errors import RgpuError, Unavailable
 
 # Well under Slurm's default MessageTimeout (10 s); one pool call per node at most.
@@ -72,6 +74,34 @@ def notify_user(env: Mapping[str, str]) -> Any:
     return notify
 
 
+def cancel_job(env: Mapping[str, str]) -> Any:
+    """`scancel`: for a job no GPU of the pool can ever serve (its admin comment says why)."""
+    from rgpu.slurm_plugin.proc import run_command
+
+    def cancel(job_id: int) -> None:
+        try:
+            run_command(["scancel", str(int(job_id))], env=env, timeout=SLURM_QUERY_TIMEOUT_SECONDS)
+        except RgpuError as exc:
+            log_line("prolog-slurmctld", env, f"could not cancel the job: {exc}")
+
+    return cancel
+
+
+def requeue_job(env: Mapping[str, str]) -> str:
+    """`scontrol requeue` this job (the node Prolog runs as root, a Slurm admin). Returns what
+    became of the job, for the log line; never raises."""
+    from rgpu.slurm_plugin.proc import run_command
+    from rgpu.slurm_plugin.scontrol import requeue_command
+
+    try:
+        run_command(requeue_command(int(env.get("SLURM_JOB_ID", ""))), env=env, timeout=SLURM_QUERY_TIMEOUT_SECONDS)
+    except (RgpuError, ValueError) as exc:
+        # Interactive jobs and --no-requeue ones cannot be requeued: their tasks then fail in the
+        # TaskProlog, which prints this reason into the job's output.
+        return f"not requeued ({' '.join(str(exc).split())[:300]}): its tasks fail with this reason"
+    return "requeued: it runs again once rgpu can give it its slices"
+
+
 def start_waiting(env: Mapping[str, str]) -> Any:
     """After a release: StartTime=now for the jobs waiting for the pool that it can place now."""
     from rgpu.slurm_plugin.squeue import SqueueBackend
@@ -100,17 +130,23 @@ def _describe(exc: BaseException) -> str:
 
 def prolog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
     """0: leases allocated (or no rgpu asked); 1: failed, Slurm requeues the job (no node drained)."""
-    from rgpu.slurm_plugin import scontrol
-    from rgpu.prolog.logic import prolog_slurmctld
-
     env = os.environ if env is None else env
+    if not holds_rgpu_license(env):
+        return 0                     # a plain job: no Slurm query, no pool call
+    from rgpu.prolog.logic import NeverServable, prolog_slurmctld
+    from rgpu.slurm_plugin import scontrol
+
     started = time.monotonic()
     try:
         keys = prolog_slurmctld(env, lambda: connect_pool(env),
                                 lambda job_id: scontrol.query_job(str(job_id), env=env,
                                                                   timeout=SLURM_QUERY_TIMEOUT_SECONDS),
-                                set_admin_comment=set_admin_comment(env), notify=notify_user(env))
-    except Exception as exc:  # noqa: BLE001 - any failure must become one line and exit 1
+                                set_admin_comment=set_admin_comment(env), notify=notify_user(env),
+                                cancel=cancel_job(env))
+    except NeverServable as exc:
+        log_line("prolog-slurmctld", env, f"{_describe(exc)} -- the job was cancelled")
+        return 1
+    except Exception as exc:
         log_line("prolog-slurmctld", env, f"{_describe(exc)} -- the job will be requeued")
         return 1
     if keys:
@@ -119,25 +155,31 @@ def prolog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
 
 
 def prolog_main(env: Mapping[str, str] | None = None) -> int:
-    """Always 0: an rgpu problem must never drain a node. Failures go to <run dir>/<job>/error."""
+    """Always 0: an rgpu problem must never drain a node. On failure the reason goes to
+    <run dir>/<job>/error and the job is requeued; where it cannot be, the TaskProlog fails its
+    tasks with that reason: a job never runs without the slices it was charged for."""
+    env = os.environ if env is None else env
+    if not comment_may_ask_rgpu(env.get("SLURM_JOB_COMMENT")):
+        return 0                     # not an rgpu job: no pool call
     from rgpu.prolog.logic import node_prolog, record_node_error
 
-    env = os.environ if env is None else env
     try:
         node_prolog(env, lambda: connect_pool(env))
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         message = _describe(exc)
-        log_line("prolog", env, message)
         record_node_error(env, message)
+        log_line("prolog", env, f"{message} -- the job {requeue_job(env)}")
     return 0
 
 
 def epilog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
     """0: released (or nothing to release); 1: the pool could not be asked (Slurm only logs it;
     the reconciler releases the lease later)."""
+    env = os.environ if env is None else env
+    if not holds_rgpu_license(env):
+        return 0                     # a plain job: no pool call, no retries while the pool is away
     from rgpu.prolog.logic import epilog_slurmctld
 
-    env = os.environ if env is None else env
     deadline = time.monotonic() + EPILOG_RETRY_SECONDS
     delay = 0.5
     while True:
@@ -151,7 +193,7 @@ def epilog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
                 return 1
             time.sleep(delay)
             delay = min(delay * 2, 4.0)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log_line("epilog-slurmctld", env, f"{_describe(exc)} -- the reconciler in rgpu-poold releases the "
                      "job's slices later")
             return 1
@@ -162,12 +204,17 @@ def epilog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
 
 def epilog_main(env: Mapping[str, str] | None = None) -> int:
     """Always 0: a failing node Epilog would drain the node."""
-    from rgpu.prolog.logic import node_epilog
+    from rgpu.paths import run_dir
 
     env = os.environ if env is None else env
+    job_id = env.get("SLURM_JOB_ID", "")
+    if job_id.isdigit() and not os.path.lexists(run_dir(env) / job_id):
+        return 0                     # the node Prolog made no folder: nothing of rgpu's to remove
+    from rgpu.prolog.logic import node_epilog
+
     try:
         node_epilog(env)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         log_line("epilog", env, _describe(exc))
     return 0
 

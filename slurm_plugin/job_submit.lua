@@ -8,14 +8,17 @@ beside it (`rgpu-admin slurm-config` prints one with the pool's live numbers).
 What it does for a job that asks for --gres=rgpu:N:
   * reads N from tres_per_node, in both shapes: "gres:rgpu:N" (Slurm <= 23.02) and
     "gres/rgpu:N" (>= 23.11); "gres:rgpu" alone means N = 1;
-  * reads fraction=F (default 1.0) or memory=SIZE (per slice) from --comment, and
-    isolation=strict (slices only on GPUs shared "isolated" or "exclusive", where another job's
-    GPU fault cannot end this one's work);
-  * refuses bad requests with a message the user sees (slurm.log_user);
+  * reads fraction=F (default 1.0; whole hundredths of a GPU, 0.01 to 1) or memory=SIZE (per
+    slice) from --comment, and isolation=strict (slices only on GPUs shared "isolated" or
+    "exclusive", where another job's GPU fault cannot end this one's work); appends "fraction=1"
+    to a comment that names no size, so the node Prolog can tell rgpu jobs by their comment;
+  * refuses bad requests with a message the user sees (slurm.log_user) and the Slurm error code
+    that fits (rgpu.error_code); refuses requests no GPU of the pool can ever serve (pool_gpus,
+    isolated_gpus, exclusive_gpus in the config) and heterogeneous jobs asking for rgpu;
   * pins the node count (-N 2 stays 2; no -N means 1 node) and adds the cluster license
     rgpu:<units>, units = nodes x N x units_per_slice, so slurmctld keeps the job PENDING
     (reason Licenses) while the pool cannot serve it.
-    units_per_slice = round(100 F) for fraction=F; for memory=SIZE it is
+    units_per_slice = 100 F for fraction=F; for memory=SIZE it is
     ceil(100 x SIZE / gpu_memory_bytes) with gpu_memory_bytes from the config file (the usable
     memory of the smallest GPU in the pool), or 100 (a whole GPU) when that is not configured.
 
@@ -36,19 +39,44 @@ rgpu.DEFAULTS = {
 	max_per_node = 16,           -- most slices per node (N in --gres=rgpu:N)
 	max_per_job = 64,            -- most slices per job (nodes x N)
 	gpu_memory_bytes = 0,        -- usable memory of the smallest GPU; 0: memory=SIZE counts 100
+	pool_gpus = 0,               -- GPUs in the pool; 0: unknown (the checks below are off)
+	isolated_gpus = 0,           -- of them shared "isolated" (fractional slices, isolation=strict)
+	exclusive_gpus = 0,          -- of them shared "exclusive" (whole-GPU slices only)
 }
 rgpu.UNITS_PER_GPU = 100
 rgpu.CONF_NAME = "job_submit_rgpu.conf"
 -- Slurm's "not set" values for node counts.
 rgpu.NO_VAL = 4294967294
 rgpu.INFINITE = 4294967295
--- ESLURM_INVALID_GRES: sbatch prints "Invalid generic resource (gres) specification".
+-- ESLURM_INVALID_GRES: sbatch prints "Invalid generic resource (gres) specification". Slurm's Lua
+-- API names no such constant; the others below it does (slurm.ESLURM_*).
 rgpu.ESLURM_INVALID_GRES = 2072
+
+-- The Slurm error code for a refusal (sbatch prints its text as "...submission failed: <text>"):
+-- --gres: "Invalid generic resource (gres) specification"; -L: "Invalid license specification";
+-- -N: "Node count specification invalid"; the admin comment or a request only an admin may
+-- change: "Access/permission denied"; the comment, the config file, or what the pool can serve:
+-- SLURM_ERROR, "Unspecified error" (Slurm has no code for a comment).
+function rgpu.error_code(message)
+	local kind = rgpu.kinds[message] or "gres"
+	if kind == "gres" then
+		return rgpu.ESLURM_INVALID_GRES
+	end
+	local name = ({ license = "ESLURM_INVALID_LICENSES", nodes = "ESLURM_INVALID_NODE_COUNT",
+		access = "ESLURM_ACCESS_DENIED" })[kind]
+	return (name and slurm[name]) or slurm.ERROR
+end
 
 local SIZE_MULT = { [""] = 1, K = 1024, M = 1024 ^ 2, G = 1024 ^ 3, T = 1024 ^ 4 }
 
-local function fail(what, why, fix)
-	return nil, string.format("rgpu: job_submit: %s (%s; %s)", what, why, fix)
+-- What each refusal is about, by its message: the entry points return the Slurm error code that
+-- fits (sbatch prints its text after rgpu's line), rather than one code for every refusal.
+rgpu.kinds = {}
+
+local function fail(what, why, fix, kind)
+	local message = string.format("rgpu: job_submit: %s (%s; %s)", what, why, fix)
+	rgpu.kinds[message] = kind or "gres"
+	return nil, message
 end
 rgpu.fail = fail
 
@@ -90,23 +118,23 @@ function rgpu.parse_conf(text, source)
 			value = value and string.gsub(value, '^"(.*)"$', "%1")
 			if not key then
 				return fail(string.format("bad line %d in %s", lineno, source), "expected key = value",
-					"fix the file or regenerate it with rgpu-admin slurm-config")
+					"fix the file or regenerate it with rgpu-admin slurm-config", "config")
 			end
 			local default = rgpu.DEFAULTS[key]
 			if default == nil then
 				return fail(string.format("unknown key %s in %s", key, source), "line " .. lineno,
-					"remove it or regenerate the file with rgpu-admin slurm-config")
+					"remove it or regenerate the file with rgpu-admin slurm-config", "config")
 			end
 			if type(default) == "number" then
 				if not string.match(value, "^%d+$") then
 					return fail(string.format("%s = %s in %s is not a whole number", key, shown(value), source),
-						"line " .. lineno, "fix the value")
+						"line " .. lineno, "fix the value", "config")
 				end
 				conf[key] = tonumber(value)
 			else
 				if not string.match(value, "^[%w_.-]+$") then
 					return fail(string.format("%s = %s in %s is not a name", key, shown(value), source),
-						"line " .. lineno, "fix the value")
+						"line " .. lineno, "fix the value", "config")
 				end
 				conf[key] = value
 			end
@@ -114,7 +142,7 @@ function rgpu.parse_conf(text, source)
 	end
 	if conf.max_per_node < 1 or conf.max_per_job < 1 then
 		return fail("max_per_node and max_per_job must be at least 1 in " .. source, "a job needs one slice",
-			"fix the values")
+			"fix the values", "config")
 	end
 	return conf
 end
@@ -178,17 +206,33 @@ end
 function rgpu.parse_fraction(text)
 	local value = parse_number(text)
 	if value == nil then
-		return fail("invalid fraction " .. shown(text), "not a number", "write e.g. --comment=fraction=0.5")
+		return fail("invalid fraction " .. shown(text), "not a number", "write e.g. --comment=fraction=0.5", "comment")
 	end
 	if not (value > 0 and value <= 1) then
 		return fail("invalid fraction " .. shown(text), "it must be more than 0 and at most 1",
-			"write e.g. --comment=fraction=0.5")
+			"write e.g. --comment=fraction=0.5", "comment")
 	end
-	if math.floor(rgpu.UNITS_PER_GPU * value + 0.5) < 1 then
+	local hundredths = math.floor(rgpu.UNITS_PER_GPU * value + 0.5)
+	if value < 0.005 then
 		return fail("invalid fraction " .. shown(text), "the smallest slice is 0.01 of a GPU",
-			"ask for fraction=0.01 or more")
+			"ask for fraction=0.01 or more", "comment")
+	end
+	-- Read from the text, not the float: digits past the second decimal must be zeros, or the
+	-- slice granted would differ from the one asked for.
+	local decimals = string.match(text, "%.(%d*)$") or ""
+	if string.find(string.sub(decimals, 3), "[^0]") then
+		return fail("invalid fraction " .. shown(text), "slices are whole hundredths of a GPU",
+			"write fraction=" .. rgpu.format_hundredths(math.max(1, hundredths)), "comment")
 	end
 	return value
+end
+
+-- 33 -> "0.33", 100 -> "1", 50 -> "0.5".
+function rgpu.format_hundredths(n)
+	if n >= rgpu.UNITS_PER_GPU then
+		return "1"
+	end
+	return (string.gsub(string.format("0.%02d", n), "0$", ""))
 end
 
 rgpu.MAX_BYTES = 2 ^ 60   -- rgpu.units.MAX_BYTES
@@ -199,12 +243,12 @@ function rgpu.parse_memory(text)
 	local number, suffix, tail = string.match(text, "^([%d.]+)([KkMmGgTt]?)(.*)$")
 	local value = number and #number <= rgpu.MAX_DIGITS and parse_number(number)
 	if not value or not (tail == "" or string.match(tail, "^[iI]?[bB]$")) then
-		return fail("invalid memory " .. shown(text), "not a size", "write e.g. --comment=memory=8G")
+		return fail("invalid memory " .. shown(text), "not a size", "write e.g. --comment=memory=8G", "comment")
 	end
 	local bytes = math.floor(value * SIZE_MULT[string.upper(suffix)])
 	if bytes <= 0 or bytes > rgpu.MAX_BYTES then
 		return fail("invalid memory " .. shown(text), "it must be more than 0 and at most 1 EiB",
-			"write e.g. --comment=memory=8G")
+			"write e.g. --comment=memory=8G", "comment")
 	end
 	return bytes
 end
@@ -228,7 +272,7 @@ function rgpu.parse_comment(comment)
 	if string.find(comment, "[^%w .,_=:/+@-]") then
 		return fail("the job comment holds characters rgpu does not accept",
 			"only letters, digits, space and . , _ = : / + @ - are allowed in the comment of an rgpu job",
-			"write e.g. --comment=fraction=0.5")
+			"write e.g. --comment=fraction=0.5", "comment")
 	end
 	local fraction, memory, isolation, err
 	for word in string.gmatch(comment, "[^ ,]+") do
@@ -238,11 +282,11 @@ function rgpu.parse_comment(comment)
 		if (key == nil or key == "") and (bare == "fraction" or bare == "memory" or bare == "isolation") then
 			-- "fraction = 0.5" would otherwise silently mean a whole GPU.
 			return fail("the comment names " .. bare .. " without its value", "comment is " .. shown(comment),
-				"write " .. bare .. "=VALUE as one word, e.g. --comment=fraction=0.5")
+				"write " .. bare .. "=VALUE as one word, e.g. --comment=fraction=0.5", "comment")
 		end
 		if key == "fraction" then
 			if fraction then
-				return fail("fraction is given twice", "comment is " .. shown(comment), "give fraction=F once")
+				return fail("fraction is given twice", "comment is " .. shown(comment), "give fraction=F once", "comment")
 			end
 			fraction, err = rgpu.parse_fraction(value)
 			if not fraction then
@@ -250,17 +294,17 @@ function rgpu.parse_comment(comment)
 			end
 		elseif key == "isolation" then
 			if isolation then
-				return fail("isolation is given twice", "comment is " .. shown(comment), "give isolation=strict once")
+				return fail("isolation is given twice", "comment is " .. shown(comment), "give isolation=strict once", "comment")
 			end
 			isolation = string.lower(value)
 			if isolation ~= "strict" then
 				return fail("invalid isolation " .. shown(value),
 					"the one level is strict (only GPUs no other job's fault can reach)",
-					"write --comment=isolation=strict, or leave it out")
+					"write --comment=isolation=strict, or leave it out", "comment")
 			end
 		elseif key == "memory" then
 			if memory then
-				return fail("memory is given twice", "comment is " .. shown(comment), "give memory=SIZE once")
+				return fail("memory is given twice", "comment is " .. shown(comment), "give memory=SIZE once", "comment")
 			end
 			memory, err = rgpu.parse_memory(value)
 			if not memory then
@@ -270,12 +314,27 @@ function rgpu.parse_comment(comment)
 	end
 	if fraction and memory then
 		return fail("both fraction and memory are given", "a slice is sized by one of them",
-			"give either fraction=F or memory=SIZE")
+			"give either fraction=F or memory=SIZE", "comment")
 	end
 	if memory then
-		return { memory_bytes = memory, isolation = isolation }
+		return { memory_bytes = memory, isolation = isolation, sized = true }
 	end
-	return { fraction = fraction or 1.0, isolation = isolation }
+	return { fraction = fraction or 1.0, isolation = isolation, sized = fraction ~= nil }
+end
+
+-- The comment an rgpu job keeps: the user's, plus "fraction=1" when it names no size. Every rgpu
+-- job's comment then holds a fraction= or memory= word, which is how the node Prolog (told
+-- neither licenses nor GRES by Slurm) passes over other jobs without asking the pool
+-- (comment_may_ask_rgpu in slurm_plugin/jobenv.py).
+function rgpu.normalized_comment(comment, req)
+	if req.sized then
+		return comment
+	end
+	comment = trim(comment or "")
+	if comment == "" then
+		return "fraction=1"
+	end
+	return comment .. " fraction=1"
 end
 
 -- The normalised request, recorded in the job's admin comment (only Slurm and admins write it).
@@ -311,6 +370,39 @@ function rgpu.units_per_slice(req, conf)
 	return math.floor(rgpu.UNITS_PER_GPU * req.fraction + 0.5)
 end
 
+-- Whether the pool's GPUs (as job_submit_rgpu.conf describes them) could ever hold `count` slices
+-- of `per_slice` units on one node (each on a distinct GPU): isolation=strict needs GPUs shared
+-- isolated (or exclusive, for whole GPUs); a fractional slice cannot go on an exclusive GPU.
+-- A request that fails here would wait for ever, so it is refused at submission.
+function rgpu.check_capabilities(count, per_slice, isolation, conf)
+	if conf.pool_gpus <= 0 then
+		return true
+	end
+	local whole = per_slice >= rgpu.UNITS_PER_GPU
+	local usable, what
+	if isolation == "strict" then
+		usable = conf.isolated_gpus + (whole and conf.exclusive_gpus or 0)
+		what = whole and "shared isolated or exclusive" or "shared isolated (fractional strict slices)"
+	else
+		usable = conf.pool_gpus - (whole and 0 or conf.exclusive_gpus)
+		what = whole and "in the pool" or "that take fractional slices (not exclusive)"
+	end
+	if count <= usable then
+		return true
+	end
+	local asked = string.format("%d slice(s) per node%s", count, isolation == "strict" and " with isolation=strict" or "")
+	local fix
+	if usable == 0 and isolation == "strict" then
+		fix = "leave isolation=strict out, or ask the admin for GPUs with gpu_sharing = isolated"
+	elseif usable == 0 then
+		fix = "ask for whole GPUs (fraction=1)"
+	else
+		fix = string.format("ask for at most %d slice(s) per node", usable)
+	end
+	return fail("no GPU of the pool can ever serve " .. asked,
+		string.format("the pool has %d GPU(s) %s, and one node's slices are on distinct GPUs", usable, what), fix, "pool")
+end
+
 -- Licenses without the rgpu entry; err when the user asked for the rgpu license himself.
 function rgpu.other_licenses(licenses, license_name, user_given)
 	local kept = {}
@@ -320,7 +412,7 @@ function rgpu.other_licenses(licenses, license_name, user_given)
 			if user_given then
 				return fail("do not ask for the " .. license_name .. " license yourself",
 					"rgpu sets it from --gres=" .. license_name .. ":N and the comment",
-					"remove " .. license_name .. " from -L/--licenses")
+					"remove " .. license_name .. " from -L/--licenses", "license")
 			end
 		elseif trim(entry) ~= "" then
 			kept[#kept + 1] = trim(entry)
@@ -351,6 +443,14 @@ function rgpu.plan(job, conf)
 		end
 		return { rgpu = false }
 	end
+	if job.het_job_offset ~= nil and job.het_job_offset < rgpu.NO_VAL then
+		-- Slurm starts each component's tasks with the leader's job id, so they would find the
+		-- leader's slices (one host) or none (another host), not their own component's.
+		return fail("a heterogeneous job cannot ask for " .. conf.gres_name,
+			"rgpu gives each job's slices to its tasks by job id, and Slurm gives every component's tasks the leader's",
+			"submit each component that needs " .. conf.gres_name .. " as a job of its own (e.g. chained with --dependency)",
+			"gres")
+	end
 	if count < 1 or count > conf.max_per_node then
 		return fail("invalid --gres=" .. conf.gres_name .. ":" .. count,
 			"the count of slices per node must be from 1 to " .. conf.max_per_node,
@@ -368,17 +468,21 @@ function rgpu.plan(job, conf)
 	if is_set(job.max_nodes) and job.max_nodes ~= nodes then
 		return fail("a variable node count is not supported with --gres=" .. conf.gres_name,
 			"rgpu must know how many slices to reserve at submit time",
-			"give a fixed count such as -N " .. nodes)
+			"give a fixed count such as -N " .. nodes, "nodes")
 	end
 	if nodes * count > conf.max_per_job then
 		return fail(string.format("%d nodes x %d slices is more than %d slices per job", nodes, count, conf.max_per_job),
-			"the configured maximum", "ask for fewer nodes or slices")
+			"the configured maximum", "ask for fewer nodes or slices", "nodes")
 	end
 	local per_slice = rgpu.units_per_slice(req, conf)
 	if per_slice > rgpu.UNITS_PER_GPU then
 		return fail("memory=" .. rgpu.format_bytes(req.memory_bytes) .. " per slice is more than one GPU holds",
 			"the smallest GPU in the pool has " .. rgpu.format_bytes(conf.gpu_memory_bytes) .. " usable",
-			"ask for less memory per slice, or for more slices")
+			"ask for less memory per slice, or for more slices", "comment")
+	end
+	local cerr = select(2, rgpu.check_capabilities(count, per_slice, req.isolation, conf))
+	if cerr then
+		return nil, cerr
 	end
 	local others, lerr = rgpu.other_licenses(job.licenses, conf.license_name, job.licenses_user_given)
 	if not others then
@@ -389,7 +493,7 @@ function rgpu.plan(job, conf)
 	local plan = {
 		rgpu = true, nodes = nodes, count = count, units = units, per_slice = per_slice,
 		fraction = req.fraction, memory_bytes = req.memory_bytes, licenses = table.concat(others, ","),
-		isolation = req.isolation,
+		isolation = req.isolation, comment = rgpu.normalized_comment(job.comment, req),
 	}
 	plan.record = rgpu.record(plan)
 	return plan
@@ -443,17 +547,17 @@ function rgpu.plan_modify(desc, rec, conf, is_admin)
 		if not old_plan or old_plan.units ~= plan.units or old_plan.count ~= plan.count
 			or desc.tres_per_node ~= nil or user_licenses then
 			return fail("the rgpu request of a job that is not pending cannot change",
-				"its slices are already allocated", "scancel the job and submit it again")
+				"its slices are already allocated", "scancel the job and submit it again", "access")
 		end
-		return { change = false }
+		return { change = false, comment = plan.comment }
 	end
 	local record_changed = plan.record ~= rec.admin_comment
 	if record_changed and not is_admin then
 		return fail("only an admin can change the rgpu request of a submitted job",
 			"the request is recorded where only Slurm and admins write",
-			"scancel the job and submit it again, or ask an admin to run the scontrol update")
+			"scancel the job and submit it again, or ask an admin to run the scontrol update", "access")
 	end
-	return { change = true, plan = plan, record_changed = record_changed }
+	return { change = true, plan = plan, record_changed = record_changed, comment = plan.comment }
 end
 
 -- ---------------------------------------------------------------- Slurm entry points
@@ -467,6 +571,7 @@ local function involves_rgpu(text)
 end
 
 function slurm_job_submit(job_desc, part_list, submit_uid)
+	rgpu.kinds = {}
 	local conf, err = conf_or_err()
 	if not conf then
 		if involves_rgpu(job_desc.tres_per_node) or involves_rgpu(job_desc.licenses) then
@@ -481,29 +586,33 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
 		tres_per_node = job_desc.tres_per_node, tres_per_job = job_desc.tres_per_job,
 		tres_per_task = job_desc.tres_per_task, tres_per_socket = job_desc.tres_per_socket,
 		comment = job_desc.comment, min_nodes = job_desc.min_nodes, max_nodes = job_desc.max_nodes,
-		licenses = job_desc.licenses, licenses_user_given = true,
+		licenses = job_desc.licenses, licenses_user_given = true, het_job_offset = job_desc.het_job_offset,
 	}, conf)
 	if not plan then
 		slurm.log_info("rgpu: refused a job of uid %s: %s", tostring(submit_uid), err)
 		slurm.log_user("%s", err)
-		return rgpu.ESLURM_INVALID_GRES
+		return rgpu.error_code(err)
 	end
 	if plan.rgpu then
 		job_desc.min_nodes = plan.nodes
 		job_desc.max_nodes = plan.nodes
 		job_desc.licenses = plan.licenses
 		job_desc.admin_comment = plan.record
+		if plan.comment ~= job_desc.comment then
+			job_desc.comment = plan.comment
+		end
 	elseif rgpu.is_record(job_desc.admin_comment) and submit_uid ~= 0 then
 		err = select(2, fail("the admin comment holds an rgpu request record", "only job_submit.lua writes it",
-			"remove the admin comment"))
+			"remove the admin comment", "access"))
 		slurm.log_info("rgpu: refused a job of uid %s: %s", tostring(submit_uid), err)
 		slurm.log_user("%s", err)
-		return rgpu.ESLURM_INVALID_GRES
+		return rgpu.error_code(err)
 	end
 	return slurm.SUCCESS
 end
 
 function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
+	rgpu.kinds = {}
 	local conf, err = conf_or_err()
 	if not conf then
 		if involves_rgpu(job_rec.tres_per_node) or involves_rgpu(job_desc.tres_per_node) then
@@ -526,7 +635,10 @@ function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
 		slurm.log_info("rgpu: refused an update of job %s by uid %s: %s", tostring(job_rec.job_id),
 			tostring(modify_uid), err)
 		slurm.log_user("%s", err)
-		return rgpu.ESLURM_INVALID_GRES
+		return rgpu.error_code(err)
+	end
+	if job_desc.comment ~= nil and result.comment ~= nil and result.comment ~= job_desc.comment then
+		job_desc.comment = result.comment     -- an rgpu job's comment keeps its size word
 	end
 	if result.change then
 		job_desc.min_nodes = result.plan.nodes

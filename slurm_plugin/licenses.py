@@ -185,6 +185,8 @@ class SlurmConfigValues:
     gres_name: str = "rgpu"
     license_name: str = "rgpu"
     slurm_version: str = ""        # major.minor of the Slurm the lines are for ("" unknown)
+    isolated_gpus: int = 0         # GPUs shared "isolated" (job_submit.lua's capability check)
+    exclusive_gpus: int = 0        # GPUs shared "exclusive"
 
     @property
     def license_total(self) -> int:
@@ -200,10 +202,12 @@ def config_values(gpu_statuses: Sequence[Any], healthy_units: int, max_slices_pe
                   prolog_dir: str, slurm_version: str = "") -> SlurmConfigValues:
     """From ListGpus records (fields server, gpu.usable_memory_bytes). Pure."""
     memories = [int(g.gpu.usable_memory_bytes) for g in gpu_statuses]
+    sharing = [str(getattr(g.gpu, "sharing", "") or "mps") for g in gpu_statuses]
     return SlurmConfigValues(gpus=len(memories), servers=len({g.server for g in gpu_statuses}),
                              healthy_units=healthy_units, gpu_memory_bytes=min(memories, default=0),
                              max_slices_per_job=max_slices_per_job, prolog_dir=prolog_dir.rstrip("/") or "/",
-                             slurm_version=slurm_version)
+                             slurm_version=slurm_version, isolated_gpus=sharing.count("isolated"),
+                             exclusive_gpus=sharing.count("exclusive"))
 
 
 SECTIONS = {"slurm.conf": "slurm.conf.j2", "gres.conf": "gres.conf.j2", "job_submit_rgpu.conf": "job_submit_rgpu.conf.j2"}
@@ -214,6 +218,7 @@ def render_slurm_config(values: SlurmConfigValues, sections: Sequence[str] = tup
                license_total=values.license_total, license_name=values.license_name, gres_name=values.gres_name,
                gres_per_node=values.max_per_node, max_per_node=values.max_per_node,
                max_per_job=values.max_slices_per_job, gpu_memory_bytes=values.gpu_memory_bytes,
+               pool_gpus=values.gpus, isolated_gpus=values.isolated_gpus, exclusive_gpus=values.exclusive_gpus,
                prolog_dir=values.prolog_dir, reservation=RESERVATION, slurm_version=values.slurm_version,
                # Unknown version: "gres/" (23.11 on) and the one timeout every version knows.
                tres_prefix=tres_gres_prefix(values.slurm_version or TESTED[-1]),

@@ -142,8 +142,13 @@ def _parse_fraction(text: str) -> float:
     if not 0 < value <= 1:
         raise _bad(f"invalid fraction {text!r}", "it must be more than 0 and at most 1",
                    "write e.g. --comment=fraction=0.5")
-    if math.floor(UNITS_PER_GPU * value + 0.5) < 1:
+    if value < 0.005:
         raise _bad(f"invalid fraction {text!r}", "the smallest slice is 0.01 of a GPU", "ask for fraction=0.01 or more")
+    decimals = text.partition(".")[2]
+    if decimals[2:].strip("0"):     # read from the text: a float would hide 0.3333333's tail
+        hundredths = max(1, math.floor(UNITS_PER_GPU * value + 0.5))
+        shown = "1" if hundredths >= UNITS_PER_GPU else f"0.{hundredths:02d}".rstrip("0")
+        raise _bad(f"invalid fraction {text!r}", "slices are whole hundredths of a GPU", f"write fraction={shown}")
     return value
 
 

@@ -94,6 +94,11 @@ def notify_command(job_id: int, message: str) -> list[str]:
     return ["scontrol", "notify", str(int(job_id)), message]
 
 
+def requeue_command(job_id: int) -> list[str]:
+    """`scontrol requeue`: the job goes back to PENDING (a new restart count) and runs again later."""
+    return ["scontrol", "requeue", str(int(job_id))]
+
+
 def parse_jobs_json(text: str, command: str) -> list[dict[str, Any]]:
     try:
         data = json.loads(text)

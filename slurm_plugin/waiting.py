@@ -20,13 +20,19 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from rgpu.slurm_plugin.proc import run_command
-from rgpu.slurm_plugin.request import RECORD_SEPARATOR, WAITING_MARK, RequestRecord, parse_record
+from rgpu.slurm_plugin.request import (
+    RECORD_SEPARATOR,
+    WAITING_MARK,
+    RequestRecord,
+    parse_record,
+)
 
 from rgpu.errors import RgpuError
+from rgpu.model import isolation_allows
 
 
 @dataclass
@@ -36,33 +42,46 @@ class GpuRoom:
     free_percent: int
     free_memory_bytes: int
     usable_memory_bytes: int
+    sharing: str = "mps"        # rgpu.model.SHARING_MODES
 
 
-def rooms(gpu_statuses: Iterable[Any]) -> list[GpuRoom]:
-    """From ListGpus records (pool client) or the pool core's gpu_statuses()."""
+def rooms(gpu_statuses: Iterable[Any], *, empty: bool = False) -> list[GpuRoom]:
+    """From ListGpus records (pool client) or the pool core's gpu_statuses(). empty: every GPU
+    of the pool as if nothing were allocated and every server up (what could ever be placed)."""
     out = []
     for g in gpu_statuses:
-        if getattr(g, "server_state", "up") != "up":
+        if not empty and getattr(g, "server_state", "up") != "up":
             continue
         usable = int(g.gpu.usable_memory_bytes)
-        out.append(GpuRoom(100 - int(g.allocated_percent), usable - int(g.allocated_memory_bytes), usable))
+        sharing = str(getattr(g.gpu, "sharing", "") or "mps")
+        if empty:
+            out.append(GpuRoom(100, usable, usable, sharing))
+        else:
+            out.append(GpuRoom(100 - int(g.allocated_percent), usable - int(g.allocated_memory_bytes), usable, sharing))
     return out
 
 
 def _slice_need(record: RequestRecord, room: GpuRoom) -> tuple[int, int] | None:
+    """(percent, bytes) one slice of `record` takes on this GPU; None: it can never go there
+    (the pool's placement rules: isolation, whole GPUs only on exclusive ones, memory)."""
     req = record.request
+    if not isolation_allows(req.isolation, room.sharing):
+        return None
     if req.memory_bytes:
         if req.memory_bytes > room.usable_memory_bytes:
             return None
-        return max(1, min(100, -(-100 * req.memory_bytes // room.usable_memory_bytes))), req.memory_bytes
-    percent = record.percent
-    return percent, room.usable_memory_bytes * percent // 100
+        need = max(1, min(100, -(-100 * req.memory_bytes // room.usable_memory_bytes))), req.memory_bytes
+    else:
+        need = record.percent, room.usable_memory_bytes * record.percent // 100
+    if room.sharing == "exclusive" and need[0] != 100:
+        return None
+    return need
 
 
 def take(record: RequestRecord, gpus: list[GpuRoom]) -> bool:
     """Place every node's slices (each node's on distinct GPUs), emptiest-fit last; True and
     `gpus` reduced when the whole job fits, else False and `gpus` unchanged. Pure."""
-    trial = [GpuRoom(g.free_percent, g.free_memory_bytes, g.usable_memory_bytes) for g in gpus]
+    trial = [replace(g) for g in gpus]
     for _ in range(record.nodes):
         fitting = []
         for i, room in enumerate(trial):
@@ -76,6 +95,15 @@ def take(record: RequestRecord, gpus: list[GpuRoom]) -> bool:
             trial[i].free_memory_bytes -= memory
     gpus[:] = trial
     return True
+
+
+def never_fits(record: RequestRecord, gpu_statuses: Iterable[Any]) -> bool:
+    """True when no GPU of the pool could hold the request even with nothing else allocated
+    (isolation=strict and no isolated or exclusive GPU; more memory than any GPU has; more
+    slices per node than there are GPUs that suit them): waiting would never end. A pool that
+    lists no GPU yet (just restarted, dispatchers not back) says nothing. Pure."""
+    every = rooms(gpu_statuses, empty=True)
+    return bool(every) and not take(record, every)
 
 
 def waiting_record(admin_comment: str) -> RequestRecord | None:
@@ -132,6 +160,15 @@ def waiting_comment(record_text: str, why: str) -> str:
     why = " ".join(why.replace("|", "/").split())[:300]   # one line
     mark = QUOTA_MARK if "quota of " in why else WAITING_MARK
     return f"{record_text}{RECORD_SEPARATOR}{mark} {why}"
+
+
+REFUSED_MARK = "rgpu: refused:"
+
+
+def refused_comment(record_text: str, why: str) -> str:
+    """The admin comment of a job no GPU of the pool can ever serve (it is cancelled, not woken)."""
+    why = " ".join(why.replace("|", "/").split()).removeprefix("rgpu: ")[:400]
+    return f"{record_text}{RECORD_SEPARATOR}{REFUSED_MARK} {why}"
 
 
 def mark_waiting(job_id: int, record_text: str, why: str, *, env: Mapping[str, str] | None = None,

@@ -36,6 +36,7 @@ local function record(level)
   return function(fmt, ...) messages[#messages + 1] = level .. ": " .. string.format(fmt, ...) end
 end
 slurm = { SUCCESS = 0, ERROR = -1, NO_VAL = 4294967294, NO_VAL16 = 65534,
+          ESLURM_INVALID_LICENSES = 2029, ESLURM_INVALID_NODE_COUNT = 2006, ESLURM_ACCESS_DENIED = 2002,
           log_user = record("user"), log_info = record("info"), log_error = record("error"),
           log_debug = record("debug") }
 local function json(v)
@@ -54,6 +55,7 @@ local parts = {}
 for _, m in ipairs(messages) do parts[#parts + 1] = json(m) end
 print('{"rc": ' .. json(rc) .. ', "licenses": ' .. json(JOB.licenses) .. ', "min_nodes": ' .. json(JOB.min_nodes)
       .. ', "max_nodes": ' .. json(JOB.max_nodes) .. ', "admin_comment": ' .. json(JOB.admin_comment)
+      .. ', "comment": ' .. json(JOB.comment)
       .. ', "messages": [' .. table.concat(parts, ", ") .. ']}')
 """
 
@@ -118,10 +120,37 @@ def test_accepted_requests_get_the_license(plugin_dir: Path, case: dict[str, Any
     assert user_messages(result) == []
 
 
+@pytest.mark.parametrize("case", [c for c in CASES["cases"] if "error" not in c],
+                         ids=lambda c: f"{c['tres']}|{c['comment']}|{c['nodes']}")
+def test_every_rgpu_job_keeps_a_size_word_in_its_comment(plugin_dir: Path, case: dict[str, Any]) -> None:
+    """The node Prolog asks the pool only for jobs whose comment has one (jobenv.py)."""
+    from rgpu.slurm_plugin.jobenv import comment_may_ask_rgpu
+
+    result = call(plugin_dir, job_desc(case["tres"], case["comment"], case["nodes"]))
+    if case["units"] is None:
+        assert result["comment"] == case["comment"]            # other jobs' comments are theirs
+        return
+    assert comment_may_ask_rgpu(result["comment"]), result
+    if comment_may_ask_rgpu(case["comment"]):
+        assert result["comment"] == case["comment"]            # a size word given: left alone
+    else:
+        assert result["comment"].endswith("fraction=1") and (case["comment"] or "").strip() in result["comment"]
+
+
+def test_an_update_cannot_take_the_size_word_out_of_an_rgpu_job_comment(plugin_dir: Path) -> None:
+    for state in (PENDING, RUNNING):
+        rec = job_rec("gres:rgpu:2", "fraction=1 run1", "rgpu:200", state)
+        rec["admin_comment"] = "rgpu:v1 nodes=1 count=2 percent=100 units=200"
+        result = call(plugin_dir, update(comment="run2"), rec, uid=1000)
+        assert (result["rc"], result["comment"]) == (0, "run2 fraction=1"), result
+    plain = call(plugin_dir, update(comment="run2"), job_rec("", "run1", None), uid=1000)
+    assert (plain["rc"], plain["comment"]) == (0, "run2")
+
+
 def test_a_forged_record_in_the_admin_comment_is_refused(plugin_dir: Path) -> None:
     forged = "rgpu:v1 nodes=1 count=4 percent=100 units=400"
     refused = call(plugin_dir, job_desc(None, None, admin_comment=forged))
-    assert refused["rc"] == 2072 and "admin comment holds an rgpu request record" in user_messages(refused)[0]
+    assert refused["rc"] == REFUSAL_CODES["access"] and "admin comment holds an rgpu request record" in user_messages(refused)[0]
     # An rgpu job's record is always the plugin's own, whatever came in.
     result = call(plugin_dir, job_desc("gres:rgpu:1", "fraction=0.1", admin_comment=forged))
     assert result["admin_comment"] == "rgpu:v1 nodes=1 count=1 percent=10 units=10"
@@ -131,12 +160,45 @@ def test_a_forged_record_in_the_admin_comment_is_refused(plugin_dir: Path) -> No
                          ids=lambda c: f"{c['tres']}|{c['comment']!r}|{c['nodes']}")
 def test_bad_requests_are_refused_with_a_message(plugin_dir: Path, case: dict[str, Any]) -> None:
     result = call(plugin_dir, job_desc(case["tres"], case["comment"], case["nodes"]))
-    assert result["rc"] == 2072, result  # ESLURM_INVALID_GRES
+    assert result["rc"] in REFUSAL_CODES.values(), result
     (message,) = user_messages(result)
     assert message.startswith("rgpu: job_submit: ")
     assert case["error"] in message
     assert "\n" not in message and "$(" not in message.replace("$(here)", "")
     assert result["licenses"] is None
+
+
+# The codes the driver's `slurm` table gives (the real ones come from Slurm's Lua API); sbatch prints
+# each one's text after rgpu's line, so it must not contradict it.
+REFUSAL_CODES = {"gres": 2072, "comment": -1, "license": 2029, "nodes": 2006, "access": 2002}
+
+
+@pytest.mark.parametrize("job, kind", [
+    (job_desc("gres:rgpu:0", None), "gres"),
+    (job_desc("gres:rgpu:1", None, tres_per_task="gres:rgpu:1"), "gres"),
+    (job_desc("gres:rgpu:1", "fraction=2"), "comment"),
+    (job_desc("gres:rgpu:1", "fraction=0.5;$(id)"), "comment"),
+    (job_desc("gres:rgpu:1", "memory=99999G"), "comment"),
+    (job_desc("gres:rgpu:1", None, licenses="rgpu:10"), "license"),
+    (job_desc(None, None, licenses="matlab:1,rgpu:10"), "license"),
+    (job_desc("gres:rgpu:1", None, [1, 3]), "nodes"),
+    (job_desc("gres:rgpu:4", None, [3, 3]), "nodes"),
+    (job_desc(None, None, admin_comment="rgpu:v1 nodes=1 count=4 percent=100 units=400"), "access"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_each_refusal_carries_the_slurm_code_that_fits(plugin_dir: Path, job: dict[str, Any], kind: str) -> None:
+    """Not ESLURM_INVALID_GRES ("Invalid generic resource (gres) specification") for everything."""
+    result = call(plugin_dir, job)
+    assert result["rc"] == REFUSAL_CODES[kind], result
+    assert len(user_messages(result)) == 1
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_a_heterogeneous_job_asking_for_rgpu_is_refused(plugin_dir: Path, offset: int) -> None:
+    result = call(plugin_dir, job_desc("gres:rgpu:1", "fraction=0.5", het_job_offset=offset))
+    (message,) = user_messages(result)
+    assert result["rc"] == REFUSAL_CODES["gres"] and "a heterogeneous job cannot ask for rgpu" in message, result
+    assert call(plugin_dir, job_desc(None, None, het_job_offset=offset))["rc"] == 0     # without rgpu: untouched
+    assert call(plugin_dir, job_desc("gres:rgpu:1", None, het_job_offset=NO_VAL))["rc"] == 0   # not a hetjob
 
 
 def test_other_licenses_are_kept(plugin_dir: Path) -> None:
@@ -147,7 +209,7 @@ def test_other_licenses_are_kept(plugin_dir: Path) -> None:
 def test_asking_the_rgpu_license_directly_is_refused(plugin_dir: Path) -> None:
     for tres in ("gres:rgpu:1", None):
         result = call(plugin_dir, job_desc(tres, None, licenses="rgpu:400"))
-        assert result["rc"] == 2072
+        assert result["rc"] == REFUSAL_CODES["license"]
         assert "do not ask for the rgpu license yourself" in user_messages(result)[0]
 
 
@@ -228,7 +290,7 @@ def test_users_cannot_change_the_request_of_a_pending_job(plugin_dir: Path, fiel
     rec = job_rec("gres:rgpu:2", "fraction=0.5", "rgpu:100")
     rec["admin_comment"] = "rgpu:v1 nodes=1 count=2 percent=50 units=100"
     result = call(plugin_dir, update(**fields), rec, uid=1000)
-    assert result["rc"] == 2072 and "only an admin can change the rgpu request" in user_messages(result)[0]
+    assert result["rc"] == REFUSAL_CODES["access"] and "only an admin can change the rgpu request" in user_messages(result)[0]
     assert result["admin_comment"] is None and result["licenses"] is None
 
 
@@ -262,7 +324,7 @@ def test_update_to_rgpu_of_a_plain_pending_job_adds_the_license(plugin_dir: Path
 ])
 def test_bad_updates_of_a_pending_job_are_refused(plugin_dir: Path, fields: dict[str, Any], error: str) -> None:
     result = call(plugin_dir, update(**fields), job_rec("gres:rgpu:2", "fraction=0.5", "rgpu:100"))
-    assert result["rc"] == 2072
+    assert result["rc"] in REFUSAL_CODES.values() and result["rc"] != 0
     assert error in user_messages(result)[0]
     assert any(error in m for m in result["messages"] if m.startswith("info: "))  # the log has it too
 
@@ -271,7 +333,7 @@ def test_running_job_cannot_change_its_rgpu_request(plugin_dir: Path) -> None:
     rec = job_rec("gres:rgpu:2", "fraction=0.5 run1", "rgpu:100", RUNNING)
     for fields in ({"comment": "fraction=0.25"}, {"tres_per_node": "gres:rgpu:2"}):
         result = call(plugin_dir, update(**fields), rec)
-        assert result["rc"] == 2072
+        assert result["rc"] == REFUSAL_CODES["access"]
         assert "not pending cannot change" in user_messages(result)[0]
     # A comment change that keeps the same slices is fine (admins annotate running jobs).
     assert call(plugin_dir, update(comment="fraction=0.5 run1 checked"), rec)["rc"] == 0
@@ -288,3 +350,46 @@ def test_config_rendered_by_slurm_config_is_accepted(plugin_dir: Path) -> None:
     assert call(plugin_dir, job_desc("gres:rgpu:4", "memory=40G"))["licenses"] == "rgpu:200"
     refused = call(plugin_dir, job_desc("gres:rgpu:5", None))
     assert refused["rc"] == 2072 and "from 1 to 4" in user_messages(refused)[0]
+    # The GPUs share by MPS (the default): isolation=strict can never be served.
+    refused = call(plugin_dir, job_desc("gres:rgpu:1", "isolation=strict"))
+    assert "no GPU of the pool can ever serve" in user_messages(refused)[0]
+
+
+# ---------------------------------------------------------------- what the pool can ever serve
+
+POOL_CONF = CONF + "pool_gpus = 4\nisolated_gpus = {isolated}\nexclusive_gpus = {exclusive}\n"
+
+
+@pytest.mark.parametrize("isolated, exclusive, tres, comment, error", [
+    (0, 0, "gres:rgpu:1", "fraction=0.5 isolation=strict", "with isolation=strict (the pool has 0 GPU(s) shared isolated"),
+    (0, 2, "gres:rgpu:1", "isolation=strict fraction=0.5", "leave isolation=strict out"),
+    (1, 0, "gres:rgpu:2", "isolation=strict", "ask for at most 1 slice(s) per node"),
+    (0, 4, "gres:rgpu:1", "fraction=0.5", "ask for whole GPUs"),
+    (0, 3, "gres:rgpu:2", "fraction=0.5", "the pool has 1 GPU(s) that take fractional slices"),
+])
+def test_requests_no_gpu_of_the_pool_can_ever_serve_are_refused(plugin_dir: Path, isolated: int, exclusive: int,
+                                                                 tres: str, comment: str, error: str) -> None:
+    (plugin_dir / "job_submit_rgpu.conf").write_text(POOL_CONF.format(isolated=isolated, exclusive=exclusive))
+    result = call(plugin_dir, job_desc(tres, comment))
+    (message,) = user_messages(result)
+    assert result["rc"] != 0 and message.startswith("rgpu: job_submit: no GPU of the pool can ever serve "), message
+    assert error in message, message
+    assert result["licenses"] is None
+
+
+@pytest.mark.parametrize("isolated, exclusive, tres, comment", [
+    (1, 0, "gres:rgpu:1", "fraction=0.5 isolation=strict"),
+    (0, 1, "gres:rgpu:1", "isolation=strict"),            # a whole GPU may be an exclusive one
+    (1, 1, "gres:rgpu:2", "isolation=strict"),
+    (0, 3, "gres:rgpu:1", "fraction=0.5"),
+    (0, 0, "gres:rgpu:4", "fraction=0.5"),
+])
+def test_requests_the_pool_can_serve_pass_the_capability_check(plugin_dir: Path, isolated: int, exclusive: int,
+                                                               tres: str, comment: str) -> None:
+    (plugin_dir / "job_submit_rgpu.conf").write_text(POOL_CONF.format(isolated=isolated, exclusive=exclusive))
+    result = call(plugin_dir, job_desc(tres, comment))
+    assert result["rc"] == 0 and user_messages(result) == [], result
+
+
+def test_an_unknown_pool_turns_the_capability_check_off(plugin_dir: Path) -> None:
+    assert call(plugin_dir, job_desc("gres:rgpu:1", "isolation=strict"))["rc"] == 0   # CONF has no pool_gpus

@@ -21,7 +21,7 @@ from rgpu.prolog.logic import (
 from rgpu.slurm_plugin.scontrol import JobInfo
 
 from rgpu.adaptor import read_adaptor_conf
-from rgpu.errors import CapacityError, InvalidRequest
+from rgpu.errors import CapacityError, InvalidRequest, RgpuError
 from tests.daemons import EXAMPLES, REPO, RgpuCluster, wait_for
 
 PROLOG_DIR = REPO / "prolog"
@@ -51,7 +51,9 @@ def job_env(pool: RgpuCluster, run_dir: Path, job_id: int = 42, nodes: str = "c[
             "SLURM_JOB_UID": str(NOBODY), "SLURM_JOB_GID": str(NOBODY), "SLURM_JOB_ACCOUNT": "(null)",
             "SLURM_JOB_RESTART_COUNT": str(restart), "SLURM_JOB_NODELIST": nodes, "SLURMD_NODENAME": node,
             "RGPU_POOL": pool.pool_address, "RGPU_SECRET_FILE": str(pool.secret_file),
-            "RGPU_CONFIG": str(pool.root / "rgpu.toml"), "RGPU_RUN_DIR": str(run_dir)}
+            "RGPU_CONFIG": str(pool.root / "rgpu.toml"), "RGPU_RUN_DIR": str(run_dir),
+            # What Slurm hands the prologs of an rgpu job (job_submit.lua set both).
+            "SLURM_JOB_LICENSES": "rgpu:100", "SLURM_JOB_COMMENT": "fraction=0.5"}
 
 
 def info(job_id: int = 42, tres: str = "gres:rgpu:2", comment: str = "fraction=0.5", nodes: str = "c[1-2]",
@@ -129,9 +131,49 @@ def test_prolog_slurmctld_leases_the_record_or_nothing(pool: RgpuCluster, tmp_pa
 
 def test_prolog_slurmctld_failure_releases_what_it_got(pool: RgpuCluster, tmp_path: Path) -> None:
     env = job_env(pool, tmp_path, nodes="c[1-3]")
-    with pytest.raises(CapacityError):
+    with pytest.raises(RgpuError):          # 6 whole GPUs of 4: never (NeverServable)
         prolog_slurmctld(env, pool.client, lambda _: info(comment="fraction=1", nodes="c[1-3]"))
     assert keys(pool) == []
+
+
+def test_a_request_no_gpu_can_ever_serve_is_cancelled_with_its_reason(pool: RgpuCluster, tmp_path: Path) -> None:
+    """The pool's GPUs share by MPS: isolation=strict would wait for ever (job_submit.lua refuses it
+    when its config knows the pool; this is the backstop for a stale config)."""
+    from rgpu.prolog.logic import NeverServable
+
+    notes: list[tuple[int, str]] = []
+    cancelled: list[int] = []
+    with pytest.raises(NeverServable, match="no GPU of the pool can ever hold job 42's slices"):
+        prolog_slurmctld(job_env(pool, tmp_path, nodes="c1"), pool.client,
+                         lambda _: info(comment="fraction=0.5 isolation=strict", nodes="c1", tres="gres:rgpu:1",
+                                        licenses="rgpu:50"),
+                         set_admin_comment=lambda job, text: notes.append((job, text)), cancel=cancelled.append)
+    assert cancelled == [42] and keys(pool) == []
+    ((_, text),) = notes
+    assert text.startswith("rgpu:v1 nodes=1 count=1 percent=50 units=50 isolation=strict | rgpu: refused: "
+                           "prolog-slurmctld: no GPU of the pool can ever hold job 42's slices"), text
+    # Busy is not never: a request that fits an empty pool waits (marked), and is not cancelled.
+    with pool.client() as c:
+        c.allocate("admin-held", "nobody", 4, fraction=1.0)
+    with pytest.raises(CapacityError):
+        prolog_slurmctld(job_env(pool, tmp_path, job_id=43, nodes="c1"), pool.client,
+                         lambda _: info(job_id=43, comment="fraction=1", nodes="c1", tres="gres:rgpu:1"),
+                         set_admin_comment=lambda job, text: notes.append((job, text)), cancel=cancelled.append)
+    assert cancelled == [42] and notes[-1][0] == 43 and "| rgpu: waiting: " in notes[-1][1]
+
+
+def test_a_job_the_pool_does_not_answer_for_is_marked_as_waiting(pool: RgpuCluster, tmp_path: Path) -> None:
+    """So the reconciler starts it as soon as the pool is back (waiting.py), not after Slurm's delay."""
+    from rgpu.errors import Unavailable
+
+    env = {**job_env(pool, tmp_path, nodes="c1"), "RGPU_POOL": "127.0.0.1:1"}   # nothing listens there
+    notes: list[str] = []
+    with pytest.raises(Unavailable):
+        prolog_slurmctld(env, lambda: prolog_main.connect_pool(env), lambda _: info(nodes="c1"),
+                         set_admin_comment=lambda _job, text: notes.append(text))
+    (note,) = notes
+    assert note.startswith("rgpu:v1 nodes=1 count=2 percent=50 units=100 | rgpu: waiting: pool: "), note
+    assert "did not answer" in note and note.endswith("it starts when the pool answers and can place it"), note
 
 
 def test_prolog_slurmctld_entry_point_exit_codes(pool: RgpuCluster, tmp_path: Path) -> None:
@@ -185,7 +227,7 @@ def test_epilogs_are_idempotent(pool: RgpuCluster, tmp_path: Path) -> None:
 
 def test_epilog_slurmctld_reports_an_unreachable_pool(tmp_path: Path) -> None:
     env = {"SLURM_CLUSTER_NAME": "hpc", "SLURM_JOB_ID": "42", "SLURM_JOB_NODELIST": "c1",
-           "RGPU_POOL": "127.0.0.1:1", "RGPU_SECRET_FILE": str(tmp_path / "missing"),
+           "SLURM_JOB_LICENSES": "rgpu:100", "RGPU_POOL": "127.0.0.1:1", "RGPU_SECRET_FILE": str(tmp_path / "missing"),
            "RGPU_CONFIG": str(tmp_path / "none.toml")}
     (tmp_path / "none.toml").write_text("")
     assert prolog_main.epilog_slurmctld_main(env) == 1
@@ -219,12 +261,51 @@ def test_task_prolog(tmp_path: Path, job_id: str, made: bool, expected: str) -> 
     assert out.returncode == 0 and out.stdout == expected.format(run=tmp_path)
 
 
+@pytest.mark.integration   # runs the TaskProlog script
+def test_task_prolog_fails_a_task_whose_slices_the_node_prolog_could_not_set_up(tmp_path: Path) -> None:
+    (tmp_path / "42").mkdir()
+    (tmp_path / "42" / "error").write_text("rgpu: pool: pool daemon at 10.0.0.1:7000 did not answer (x\x1b[2J; y)\n")
+    out = subprocess.run([str(PROLOG_DIR / "rgpu-task-prolog")], env={"SLURM_JOB_ID": "42", "RGPU_RUN_DIR": str(tmp_path)},
+                         capture_output=True, text=True, timeout=10, check=False)
+    # Slurm ends the task (TaskProlog failed) and writes the "print" line into the job's output.
+    assert out.returncode == 1, out
+    assert out.stdout == ("print rgpu: pool: pool daemon at 10.0.0.1:7000 did not answer (x?[2J; y) -- this task does "
+                          "not start without its GPU slices\n"), out.stdout
+    (tmp_path / "42" / "adaptor.conf").write_text("")      # a later prolog succeeded: the conf wins
+    out = subprocess.run([str(PROLOG_DIR / "rgpu-task-prolog")], env={"SLURM_JOB_ID": "42", "RGPU_RUN_DIR": str(tmp_path)},
+                         capture_output=True, text=True, timeout=10, check=False)
+    assert out.returncode == 0 and out.stdout.startswith("export RGPU_ADAPTOR_CONF="), out
+
+
+@pytest.mark.integration   # runs each entry script
+@pytest.mark.parametrize("script", ["rgpu-prolog-slurmctld", "rgpu-prolog", "rgpu-epilog-slurmctld", "rgpu-epilog"])
+def test_prologs_of_a_plain_job_ask_nothing_and_import_no_pool_client(script: str, tmp_path: Path) -> None:
+    """A job without the rgpu license (and no size word in its comment) costs the interpreter's
+    start and nothing else: no Slurm command (PATH leads nowhere), no pool (nothing listens)."""
+    import time
+
+    env = {"PATH": "/nonexistent", "PYTHONPATH": str(REPO), "RGPU_RUN_DIR": str(tmp_path), "SLURM_JOB_ID": "42",
+           "SLURM_CLUSTER_NAME": "hpc", "SLURM_JOB_NODELIST": "c1", "SLURMD_NODENAME": "c1",
+           "SLURM_JOB_LICENSES": "matlab:2", "SLURM_JOB_COMMENT": "my run, seed=4",
+           "RGPU_POOL": "127.0.0.1:1", "RGPU_CONFIG": str(tmp_path / "none.toml")}
+    code = ("import runpy, sys\n"
+            "try:\n"
+            f"    runpy.run_path({str(PROLOG_DIR / script)!r}, run_name='__main__')\n"
+            "except SystemExit as exc:\n"
+            "    print(exc.code, sorted(m for m in sys.modules if m.startswith(('grpc', 'rgpu.remoting', 'rgpu.prolog.logic'))))\n")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=env, check=False)
+    assert out.returncode == 0 and out.stdout == "0 []\n" and out.stderr == "", out
+    assert time.monotonic() - started < 2.0
+
+
 @pytest.mark.integration   # runs each entry script
 @pytest.mark.parametrize("script", ["rgpu-prolog-slurmctld", "rgpu-prolog", "rgpu-epilog-slurmctld", "rgpu-epilog"])
 def test_entry_scripts_run_without_slurm(script: str, tmp_path: Path) -> None:
     """The thin scripts start and map a missing Slurm environment to their documented exit code."""
     out = subprocess.run([sys.executable, str(PROLOG_DIR / script)], capture_output=True, text=True, timeout=30,
-                         env={"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), "RGPU_RUN_DIR": str(tmp_path)})
+                         env={"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO), "RGPU_RUN_DIR": str(tmp_path),
+                              "SLURM_JOB_LICENSES": "rgpu:100", "SLURM_JOB_COMMENT": "fraction=1"})
     expected = {"rgpu-prolog-slurmctld": 1, "rgpu-epilog-slurmctld": 1}.get(script, 0)
     assert out.returncode == expected, out
     assert "$SLURM_JOB_ID is not set" in out.stderr

@@ -138,6 +138,7 @@ def test_render_slurm_config_with_live_numbers() -> None:
     assert "PrologSlurmctld=/usr/libexec/rgpu/rgpu-prolog-slurmctld\n" in text
     assert "Name=rgpu Count=3\n" in text                  # slices per node: at most the GPU count
     assert "max_per_node = 3\n" in text and f"gpu_memory_bytes = {40 << 30}\n" in text
+    assert "pool_gpus = 3\nisolated_gpus = 0\nexclusive_gpus = 0\n" in text
     assert "3 GPU(s) on 2 server(s), 200 of 300 GPU-percent healthy" in text
     only = render_slurm_config(values, ("gres.conf",))
     assert only.startswith("# rgpu: lines for gres.conf") and "Licenses" not in only
@@ -145,9 +146,10 @@ def test_render_slurm_config_with_live_numbers() -> None:
 
 # ---------------------------------------------------------------- jobs waiting for the pool
 
-def room_gpu(allocated: int, usable: int = 80 << 30, state: str = "up", memory: int | None = None) -> SimpleNamespace:
+def room_gpu(allocated: int, usable: int = 80 << 30, state: str = "up", memory: int | None = None,
+             sharing: str = "mps") -> SimpleNamespace:
     used = usable * allocated // 100 if memory is None else memory
-    return SimpleNamespace(server_state=state, gpu=SimpleNamespace(usable_memory_bytes=usable),
+    return SimpleNamespace(server_state=state, gpu=SimpleNamespace(usable_memory_bytes=usable, sharing=sharing),
                            allocated_percent=allocated, allocated_memory_bytes=used)
 
 
@@ -195,6 +197,45 @@ def test_jobs_to_start_counts_each_against_the_free_room() -> None:
     assert jobs_to_start([waiting(1, mem)], [room_gpu(10, memory=30 << 30)]) == [1]
     assert jobs_to_start([waiting(1, "rgpu:v1 nodes=2 count=1 percent=60 units=120")], [room_gpu(0), room_gpu(50)]) == []
     assert jobs_to_start([waiting(1, "rgpu:v1 nodes=2 count=1 percent=60 units=120")], [room_gpu(0), room_gpu(40)]) == [1]
+
+
+def test_waiting_jobs_are_started_only_where_the_pool_would_place_them() -> None:
+    """Isolation and exclusive GPUs count: a strict job is never started on free MPS GPUs (it would
+    fail again: a requeue loop), a fractional one never on a free exclusive GPU."""
+    from rgpu.slurm_plugin import waiting as w
+
+    strict_half = "rgpu:v1 nodes=1 count=1 percent=50 units=50 isolation=strict"
+    strict_whole = "rgpu:v1 nodes=1 count=1 percent=100 units=100 isolation=strict"
+    half = "rgpu:v1 nodes=1 count=1 percent=50 units=50"
+    free_mps = [room_gpu(0)] * 3
+    assert w.jobs_to_start([waiting(1, strict_half)], free_mps) == []
+    assert w.jobs_to_start([waiting(1, strict_half)], [*free_mps, room_gpu(60, sharing="isolated")]) == []
+    assert w.jobs_to_start([waiting(1, strict_half)], [*free_mps, room_gpu(50, sharing="isolated")]) == [(1, False)]
+    assert w.jobs_to_start([waiting(1, strict_half)], [room_gpu(0, sharing="exclusive")]) == []
+    assert w.jobs_to_start([waiting(1, strict_whole)], [room_gpu(0, sharing="exclusive")]) == [(1, False)]
+    assert w.jobs_to_start([waiting(1, half)], [room_gpu(0, sharing="exclusive")]) == []
+
+
+def test_never_fits_ignores_what_is_allocated_now() -> None:
+    from rgpu.slurm_plugin.request import parse_record
+    from rgpu.slurm_plugin.waiting import never_fits, refused_comment
+
+    strict = parse_record("rgpu:v1 nodes=1 count=1 percent=50 units=50 isolation=strict")
+    assert never_fits(strict, [room_gpu(0)] * 4)
+    assert not never_fits(strict, [room_gpu(100, sharing="isolated", state="down")])   # busy or away: it waits
+    two = parse_record("rgpu:v1 nodes=1 count=2 percent=50 units=100")
+    assert never_fits(two, [room_gpu(0)]) and not never_fits(two, [room_gpu(90), room_gpu(90)])
+    big = parse_record(f"rgpu:v1 nodes=1 count=1 memory={100 << 30} units=100")
+    assert never_fits(big, [room_gpu(0)]) and not never_fits(big, [room_gpu(0, usable=141 << 30)])
+    text = refused_comment("rgpu:v1 nodes=1 count=1 percent=50 units=50", "rgpu: prolog-slurmctld: x | y\nz")
+    assert text == "rgpu:v1 nodes=1 count=1 percent=50 units=50 | rgpu: refused: prolog-slurmctld: x / y z"
+    assert w_record_none(text)
+
+
+def w_record_none(admin_comment: str) -> bool:
+    from rgpu.slurm_plugin.waiting import waiting_record
+
+    return waiting_record(admin_comment) is None     # a refused job is never woken
 
 
 def test_slurm_integration_is_on_by_default_only_where_slurm_is_configured(monkeypatch: pytest.MonkeyPatch,
