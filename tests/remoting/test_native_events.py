@@ -157,7 +157,7 @@ def test_launches_and_event_operations_run_in_one_call_with_handles_translated(w
                             ("launch", 0xF00, 0), ("destroy", 0xE000), ("destroy", 0xE001)]
     assert native.event_counts() == {"rgpuEventCreate": 2, "cuEventRecord": 1, "cuEventRecordWithFlags": 1,
                                      "cuStreamWaitEvent": 2, "cuEventDestroy_v2": 2}
-    assert native.launched.value == 2 and native.last_op == DESTROY_OP
+    assert native.launched.value == 2 and native.last_op == DESTROY_OP and native.ran_events == 8
     assert (native.events.get(EVENT), native.events.get(second), len(native.events)) == (None, None, 0)
 
 

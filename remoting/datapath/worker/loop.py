@@ -287,7 +287,6 @@ class Worker(Handlers):
                 # it leaves (a partial frame, a cooperative launch, an unknown handle, another op)
                 # takes the paths below.
                 t0 = clock()
-                events_before = native.event_ops() if stats is not None else 0
                 # The Python path lends the reader while a host node waits, and the emulated GPU's
                 # fault domain answers every call: those event frames stay in Python.
                 events_ok = not hostcalls.active and not (sticky is not None and cuda_mode and sticky())
@@ -298,8 +297,8 @@ class Worker(Handlers):
                     entry_ = profile.setdefault(-1, [0, 0])
                     entry_[0] += 1
                     entry_[1] += clock() - t0
-                if stats is not None and (ran := native.event_ops() - events_before):
-                    stats.account(t0, memory.high_water if memory is not None else 0, ran)
+                if stats is not None and native.ran_events:   # as the Python path accounts each one
+                    stats.account(t0, memory.high_water if memory is not None else 0, native.ran_events)
                 self.errors += native.errors
                 if code and self.deferred is None:
                     self.deferred = (code, "")

@@ -40,7 +40,7 @@ class _Loop(ctypes.Structure):
                 ("launch_op", ctypes.c_uint32), ("event_ops", ctypes.c_uint32 * len(EVENT_OPS)),
                 ("gpu_work_ok", ctypes.c_uint32), ("events_ok", ctypes.c_uint32), ("first_error", ctypes.c_int32),
                 ("last_op", ctypes.c_uint32), ("failed_code", ctypes.c_int32), ("pad", ctypes.c_uint32),
-                ("failed_handle", ctypes.c_uint64), ("errors", ctypes.c_uint64), ("launched", ctypes.c_uint64),
+                ("failed_handle", ctypes.c_uint64), ("errors", ctypes.c_uint64), ("run_events", ctypes.c_uint64), ("launched", ctypes.c_uint64),
                 ("event_counts", ctypes.c_uint64 * len(EVENT_OPS))]
 
 
@@ -134,6 +134,7 @@ class NativeLaunches:
         self.gpu_work_ops = frozenset([loop.launch_op] + [api_gen.OPCODES[n] for n in GPU_WORK_EVENT_OPS]) & self.ops
         self.failed_creation: tuple[int, int] | None = None   # the last run's (client handle, code)
         self.errors = 0      # the last run's failed launches and event operations
+        self.ran_events = 0  # the last run's event operations
         self.last_op = 0     # the last run's last operation
 
     @property
@@ -196,10 +197,10 @@ class NativeLaunches:
         loop.gpu_work_ok = gpu_work
         loop.events_ok = events
         used = self._run(address, available, ctx, self._loop_ref)
-        error, self.errors, self.last_op = loop.first_error, loop.errors, loop.last_op
+        error, self.errors, self.last_op, self.ran_events = loop.first_error, loop.errors, loop.last_op, loop.run_events
         self.failed_creation = (loop.failed_handle, loop.failed_code) if loop.failed_code else None
         loop.first_error = loop.errors = loop.last_op = loop.failed_code = 0
-        loop.failed_handle = 0
+        loop.failed_handle = loop.run_events = 0
         return used, error
 
 

@@ -149,6 +149,7 @@ static int event_one(rgpu_loop *L, int kind, const uint8_t *p, uint32_t len, int
         return 0;
     }
     L->event_counts[kind]++;
+    L->run_events++;
     return 1;
 }
 

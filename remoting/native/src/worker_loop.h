@@ -62,6 +62,7 @@ typedef struct rgpu_loop {
     uint32_t pad;
     uint64_t failed_handle;
     uint64_t errors;                      /* per run: launches, records, waits and destructions that failed */
+    uint64_t run_events;                  /* per run: event operations run */
     uint64_t launched;                    /* in all */
     uint64_t event_counts[RGPU_EV_KINDS]; /* in all */
 } rgpu_loop;
