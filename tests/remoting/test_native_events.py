@@ -182,6 +182,25 @@ def test_the_event_table_holds_many_events_through_creation_and_destruction(work
     assert len(table) == 2500 and table.get(handles[1]) == 0x1001
 
 
+def test_the_event_table_answers_as_a_dict_through_growth_and_crowded_deletions(worker_library: str) -> None:
+    # Deletion moves later entries of a probe run back (no tombstones): every key must stay findable.
+    import random
+    table = native_loop(worker_library, RecordingEventDriver()).events
+    model: dict[int, int] = {}
+    rng = random.Random(24)
+    keys = [EVENT + (rng.randrange(1 << 24) << 32) + rng.randrange(1, 1 << 20) for _ in range(3000)]
+    for step in range(60_000):
+        key = rng.choice(keys)
+        if rng.random() < 0.55:
+            table.put(key, step + 1)
+            model[key] = step + 1
+        else:
+            assert table.take(key) == model.pop(key, None)
+        if step % 5000 == 0:
+            assert all(table.get(k) == model.get(k) for k in keys) and len(table) == len(model)
+    assert all(table.get(k) == model.get(k) for k in keys) and len(table) == len(model)
+
+
 def test_a_failed_creation_ends_the_run_and_leaves_the_handle_marked(worker_library: str) -> None:
     driver = RecordingEventDriver(fail={("create", 1): OUT_OF_MEMORY, ("launch", 0): LAUNCH_FAILED})
     native = native_loop(worker_library, driver)

@@ -12,7 +12,7 @@ reads the pairs from a table the worker keeps beside the dict (native_loop.py).
 A creation that fails is an asynchronous error: it answers the client's next synchronising call
 with a line naming `cuEventCreate`, and each later use of that handle fails with
 CUDA_ERROR_INVALID_HANDLE naming the failed creation (the client cannot know, the handle was
-already the application's).
+already the application's). The failed handle's entry stays until the application destroys it.
 
 The worker's C loop (worker_launch.c) runs plain event creations, records, waits and destructions
 itself, so with it the event table is the C loop's (worker_events.c) and ClientEvents reads and

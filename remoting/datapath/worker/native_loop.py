@@ -97,6 +97,10 @@ class NativeLaunches:
 
     def __init__(self, library: str, launch_entry: int, event_entries: EventEntries | None = None) -> None:
         lib = ctypes.CDLL(library)
+        lib.rgpu_loop_size.restype = ctypes.c_size_t
+        if lib.rgpu_loop_size() != ctypes.sizeof(_Loop):   # a library of another rgpu version
+            raise OSError(f"{library} lays out its loop state in {lib.rgpu_loop_size()} bytes, this worker in "
+                          f"{ctypes.sizeof(_Loop)} (rebuild it: python -m rgpu.remoting.native.build)")
         run = lib.rgpu_run
         run.restype = ctypes.c_size_t
         run.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_void_p]

@@ -153,6 +153,9 @@ static int event_one(rgpu_loop *L, int kind, const uint8_t *p, uint32_t len, int
     return 1;
 }
 
+/* The worker checks its ctypes mirror of rgpu_loop against this before the first run. */
+RGPU_EXPORT size_t rgpu_loop_size(void) { return sizeof(rgpu_loop); }
+
 /* Runs the plain launches of admitted kernels and the plain event operations at the start of
  * buf[0, avail). Returns the bytes consumed (whole frames only). Per run, in *L: the first error
  * (errors surface at the client's next synchronising call), the number of errors, the last
