@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import socket
+import subprocess
+import sys
 import struct
 import threading
 import time
@@ -508,3 +511,19 @@ def test_the_chained_real_gpu_backend_runs_client_events_in_the_c_loop(
         time.sleep(0.1)
     assert counts.get("rgpuEventCreate", 0) >= 50 and counts.get("cuEventRecord", 0) >= 50, counts
     assert counts.get("cuStreamWaitEvent", 0) >= 50 and counts.get("cuEventDestroy_v2", 0) >= 50, counts
+
+
+def test_the_gpu_tiers_in_process_check_passes_on_the_chained_backend(native_libs: build.Libraries,
+                                                                      emulated: Server) -> None:
+    # test_gpu_native_events.py's first test drives the C loop with backends/cuda.py's entry points
+    # in its own process; here "the driver" is rgpu's libcuda talking to an emulated worker.
+    inner = emulated.slices(emulated.token(memory_limit=4 << 30, job_key="inner"))
+    env = dict(os.environ, LD_LIBRARY_PATH=str(native_libs.folder), RGPU_SLICES=inner,
+               RGPU_WORKER_ALLOW_RGPU_LIBCUDA="1", RGPU_LOG="error")
+    code = ("from pathlib import Path\nfrom rgpu.remoting.native import build\n"
+            "from tests.remoting.test_gpu_native_events import "
+            "test_the_c_loop_creates_records_waits_for_and_destroys_events_on_nvidias_driver as check\n"
+            f"check(build.Libraries(Path({str(native_libs.folder)!r})))\nprint('CHECKED')\n")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          check=False, cwd=Path(__file__).parents[2])
+    assert done.returncode == 0 and "CHECKED" in done.stdout, done.stdout + done.stderr
