@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable
-from typing import Protocol
 from functools import lru_cache
+from typing import Protocol
 
 from rgpu.remoting.datapath.backends.base import INVALID_HANDLE, CudaError, enums
 

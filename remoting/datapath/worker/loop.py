@@ -290,7 +290,7 @@ class Worker(Handlers):
                 # The Python path lends the reader while a host node waits, and the emulated GPU's
                 # fault domain answers every call: those event frames stay in Python.
                 events_ok = not hostcalls.active and not (sticky is not None and cuda_mode and sticky())
-                used, code = native.run(reader.base + reader.start, reader.end - reader.start, ctx, launch_op,
+                used, code = native.run(reader.base + reader.start, reader.end - reader.start, ctx,
                                         gpu_work=limiter is None or limiter.holding_since is not None,
                                         events=events_ok)
                 if profile is not None:

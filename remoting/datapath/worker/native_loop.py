@@ -18,7 +18,6 @@ STREAM_SLOTS = 1 << 12     # a power of two: (client handle, driver stream) pair
 EVENT_OPS = ("rgpuEventCreate", "cuEventRecord", "cuEventRecordWithFlags", "cuStreamWaitEvent", "cuEventDestroy_v2")
 # Those that put work on a stream: the compute limiter gates them as it gates launches.
 GPU_WORK_EVENT_OPS = ("cuEventRecord", "cuEventRecordWithFlags", "cuStreamWaitEvent")
-EVENT_FAILED = 1 << 63     # a value in the event table: RGPU_EVENT_FAILED | the code the creation failed with
 
 
 class EventEntries(NamedTuple):
@@ -40,14 +39,15 @@ class _Loop(ctypes.Structure):
                 ("launch_op", ctypes.c_uint32), ("event_ops", ctypes.c_uint32 * len(EVENT_OPS)),
                 ("gpu_work_ok", ctypes.c_uint32), ("events_ok", ctypes.c_uint32), ("first_error", ctypes.c_int32),
                 ("last_op", ctypes.c_uint32), ("failed_code", ctypes.c_int32), ("pad", ctypes.c_uint32),
-                ("failed_handle", ctypes.c_uint64), ("errors", ctypes.c_uint64), ("run_events", ctypes.c_uint64), ("launched", ctypes.c_uint64),
-                ("event_counts", ctypes.c_uint64 * len(EVENT_OPS))]
+                ("failed_handle", ctypes.c_uint64), ("errors", ctypes.c_uint64), ("run_events", ctypes.c_uint64),
+                ("launched", ctypes.c_uint64), ("event_counts", ctypes.c_uint64 * len(EVENT_OPS))]
 
 
 class NativeEventTable:
     """The client's events -> the driver's, kept in C (worker_events.c) because the C loop creates
     and destroys events itself; ClientEvents reads and writes it through here (one table, one
-    truth). Values are the driver's event, or EVENT_FAILED | the code its creation failed with."""
+    truth). Values are the driver's event, or client_handles.EVENT_FAILED | the code its creation
+    failed with."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         lib.rgpu_events_new.restype = ctypes.c_void_p
@@ -192,7 +192,7 @@ class NativeLaunches:
             table[2 * i] = handle
         table[2 * i + 1] = real
 
-    def run(self, address: int, available: int, ctx: int, launch_op: int = 0, *, gpu_work: bool = True,
+    def run(self, address: int, available: int, ctx: int, *, gpu_work: bool = True,
             events: bool = True) -> tuple[int, int]:
         """(bytes consumed, first error or 0). `gpu_work` False stops before a launch, record or
         wait (the compute limiter's turn is not held); `events` False leaves every event frame to
