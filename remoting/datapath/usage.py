@@ -49,11 +49,12 @@ class SessionStats:
                                         name="rgpu-worker-stats", daemon=True)
         self._thread.start()
 
-    def account(self, started_ns: int, high_water: int) -> None:
-        """The call that began at perf_counter_ns() == started_ns has finished."""
+    def account(self, started_ns: int, high_water: int, calls: int = 1) -> None:
+        """The call that began at perf_counter_ns() == started_ns has finished (or `calls` calls,
+        run together by the worker's C loop)."""
         now = time.perf_counter_ns()
         self.busy_ns += now - started_ns
-        self.calls += 1
+        self.calls += calls
         self._last_call_end_ns = now
         self.call_started_ns = 0
         if high_water > self.high_water:

@@ -109,10 +109,10 @@ def test_a_kernel_the_worker_has_not_admitted_stops_the_run(worker_library: str)
     native = admitting(NativeLaunches(worker_library, driver.entry), 0xF00)
     known, new = launch_frame(0xF00, b"\0" * 8), launch_frame(0xF01, b"\0" * 8)
     buf = Buffer(known + new + known)
-    assert native.run(buf.address, buf.size, CTX, LAUNCH_OP) == (len(known), 0)
+    assert native.run(buf.address, buf.size, CTX) == (len(known), 0)
     native.admit(0xF01)
     rest = Buffer(new + known)
-    assert native.run(rest.address, rest.size, CTX, LAUNCH_OP) == (rest.size, 0)
+    assert native.run(rest.address, rest.size, CTX) == (rest.size, 0)
     assert [launch.f for launch in driver.launches] == [0xF00, 0xF01, 0xF00]
 
 
@@ -126,7 +126,7 @@ def test_the_admitted_table_holds_many_kernels_and_stops_growing_when_full(worke
     frames = [launch_frame(f, b"\0" * 8) for f in (kernels[0], kernels[full - 1], kernels[full])]
     for frame, runs in zip(frames, (True, True, False)):
         buf = Buffer(frame)
-        assert native.run(buf.address, buf.size, CTX, LAUNCH_OP)[0] == (buf.size if runs else 0)
+        assert native.run(buf.address, buf.size, CTX)[0] == (buf.size if runs else 0)
 
 
 CLIENT_STREAM = 0x7D00_0001_0000_0001   # a stream handle as the client library makes them (protocol 8)
@@ -141,7 +141,7 @@ def test_a_run_of_plain_launches_goes_to_the_driver_in_one_call(worker_library: 
     data = b"".join(frames) + protocol.pack_frame(SYNC_OP, b"", seq=9, ctx=CTX)
     buf = Buffer(data)
 
-    used, error = native.run(buf.address, buf.size, CTX, LAUNCH_OP)
+    used, error = native.run(buf.address, buf.size, CTX)
 
     assert (used, error) == (sum(map(len, frames)), 0)  # stops before the sync frame, leaving it whole
     assert native.launched.value == 3
@@ -161,17 +161,17 @@ def test_streams_the_loop_does_not_know_stop_the_run(worker_library: str) -> Non
     ok, legacy = launch_frame(0xF00, b"\0" * 8, stream=CLIENT_STREAM), launch_frame(0xF00, b"\0" * 8, stream=1)
     unknown = launch_frame(0xF00, b"\0" * 8, stream=CLIENT_STREAM + 1)
     buf = Buffer(ok + legacy + unknown + ok)
-    assert native.run(buf.address, buf.size, CTX, LAUNCH_OP) == (len(ok) + len(legacy), 0)
+    assert native.run(buf.address, buf.size, CTX) == (len(ok) + len(legacy), 0)
     assert [launch.stream for launch in driver.launches] == [0x5000, 1]
     native.set_stream(CLIENT_STREAM, 0)   # destroyed
     buf = Buffer(ok)
-    assert native.run(buf.address, buf.size, CTX, LAUNCH_OP) == (0, 0)
+    assert native.run(buf.address, buf.size, CTX) == (0, 0)
     # Streams come and go: the table is rebuilt from the live ones instead of filling up.
     for i in range(4 * STREAM_SLOTS):
         native.set_stream(CLIENT_STREAM + 2 + i, 0x6000 + i)
         native.set_stream(CLIENT_STREAM + 2 + i, 0)
     native.set_stream(CLIENT_STREAM, 0x5001)
-    assert native.run(buf.address, buf.size, CTX, LAUNCH_OP) == (len(ok), 0)
+    assert native.run(buf.address, buf.size, CTX) == (len(ok), 0)
     assert driver.launches[-1].stream == 0x5001
 
 
@@ -194,7 +194,7 @@ def test_everything_but_a_plain_launch_is_left_to_the_python_worker(worker_libra
     first = launch_frame(0xF00, b"\1" * 8)
     buf = Buffer(first + frame + first)
 
-    used, error = native.run(buf.address, buf.size, CTX, LAUNCH_OP)
+    used, error = native.run(buf.address, buf.size, CTX)
 
     assert used == len(first), why
     assert len(driver.launches) == 1 and error == 0
@@ -206,7 +206,7 @@ def test_a_partial_frame_waits_for_the_rest(worker_library: str) -> None:
     frame = launch_frame(0xF00, b"\2" * 16)
     for cut in (0, 10, protocol.HEADER_SIZE, len(frame) - 1):
         buf = Buffer(frame + frame[:cut])
-        used, _ = native.run(buf.address, buf.size, CTX, LAUNCH_OP)
+        used, _ = native.run(buf.address, buf.size, CTX)
         assert used == len(frame), cut
     assert len(driver.launches) == 4
 
@@ -218,7 +218,7 @@ def test_misaligned_parameters_reach_the_driver_aligned_and_intact(worker_librar
     params = bytes(range(40))
     buf = Buffer(launch_frame(0xF00, params), shift=shift)
 
-    used, _ = native.run(buf.address, buf.size, CTX, LAUNCH_OP)
+    used, _ = native.run(buf.address, buf.size, CTX)
 
     assert used == buf.size
     assert driver.launches[0].params == params and driver.launches[0].params_address % 8 == 0
@@ -229,11 +229,11 @@ def test_the_first_launch_error_is_kept_and_later_launches_still_run(worker_libr
     native = admitting(NativeLaunches(worker_library, driver.entry), *(0xF00 + i for i in range(4)))
     buf = Buffer(b"".join(launch_frame(0xF00 + i, b"\0" * 8) for i in range(4)))
 
-    used, error = native.run(buf.address, buf.size, CTX, LAUNCH_OP)
+    used, error = native.run(buf.address, buf.size, CTX)
 
     assert used == buf.size and error == LAUNCH_ERROR
     assert len(driver.launches) == 4       # the driver itself decides what an error means for later work
-    assert native.run(buf.address, 0, CTX, LAUNCH_OP) == (0, 0)   # reported once
+    assert native.run(buf.address, 0, CTX) == (0, 0)   # reported once
 
 
 # ------------------------------------------------------------------------- through a real Worker

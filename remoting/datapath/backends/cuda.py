@@ -1070,6 +1070,18 @@ class CudaBackend(CudaDriverCalls):
         """The address of the driver's cuLaunchKernel, for the worker's native launch loop."""
         return int(ctypes.cast(self._launch, c_void_p).value or 0)
 
+    def event_entries(self) -> tuple[int, int, int, int, int]:
+        """The driver's cuEventCreate, cuEventRecord, cuEventRecordWithFlags, cuStreamWaitEvent and
+        cuEventDestroy_v2, by the exact symbols the Python path calls, for the native loop
+        (worker/native_loop.py's EventEntries; 0 where the driver lacks one: it stays in Python)."""
+        def address(name: str) -> int:
+            try:
+                return int(ctypes.cast(getattr(self.lib, name), c_void_p).value or 0)
+            except AttributeError:
+                return 0
+        return (address("cuEventCreate"), address("cuEventRecord"), address("cuEventRecordWithFlags"),
+                address("cuStreamWaitEvent"), address("cuEventDestroy_v2"))
+
     def launch_fast(self, f: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shmem: int, stream: int,
                     address: int, argsize: int) -> int:
         """A plain launch taken straight from the worker's receive buffer (frames are 8-aligned)."""

@@ -12,7 +12,12 @@ reads the pairs from a table the worker keeps beside the dict (native_loop.py).
 A creation that fails is an asynchronous error: it answers the client's next synchronising call
 with a line naming `cuEventCreate`, and each later use of that handle fails with
 CUDA_ERROR_INVALID_HANDLE naming the failed creation (the client cannot know, the handle was
-already the application's).
+already the application's). The failed handle's entry stays until the application destroys it.
+
+The worker's C loop (worker_launch.c) runs plain event creations, records, waits and destructions
+itself, so with it the event table is the C loop's (worker_events.c) and ClientEvents reads and
+writes that one through ctypes (native_loop.NativeEventTable): one table, whichever side ran the
+frame.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable
 from functools import lru_cache
+from typing import Protocol
 
 from rgpu.remoting.datapath.backends.base import INVALID_HANDLE, CudaError, enums
 
@@ -44,22 +50,50 @@ def error_name(code: int) -> str:
     return f"CUDA error {code}"
 
 
-class ClientEvents:
-    """The client's event handles and the driver's events they stand for, for one session."""
+# A value in an event table that is not the driver's event: FAILED | the code the creation failed with.
+EVENT_FAILED = 1 << 63
 
+
+class EventTable(Protocol):
+    """Where the client's event handles and their values live: a dict here, or the C loop's own
+    table (native_loop.NativeEventTable), since the C loop creates and destroys events itself."""
+
+    def get(self, handle: int) -> int | None: ...
+    def take(self, handle: int) -> int | None: ...
+    def put(self, handle: int, value: int) -> None: ...
+
+
+class DictEventTable:
     def __init__(self) -> None:
-        self.live: dict[int, int] = {}
-        self.failed: dict[int, int] = {}   # client handle -> the code its creation failed with
+        self.values: dict[int, int] = {}
+
+    def get(self, handle: int) -> int | None:
+        return self.values.get(handle)
+
+    def take(self, handle: int) -> int | None:
+        return self.values.pop(handle, None)
+
+    def put(self, handle: int, value: int) -> None:
+        self.values[handle] = value
+
+
+class ClientEvents:
+    """The client's event handles and the driver's events they stand for, for one session. One
+    table holds both the live handles and those whose creation failed (with its code): the C loop
+    reads and writes the same one when the worker runs it (native_loop.py)."""
+
+    def __init__(self, table: EventTable | None = None) -> None:
+        self.table: EventTable = table if table is not None else DictEventTable()
 
     def created(self, handle: int, real: int) -> None:
-        self.failed.pop(handle, None)
-        self.live[handle] = real
+        self.table.put(handle, real)
 
     def creation_failed(self, handle: int, code: int) -> CudaError:
-        self.failed[handle] = code
-        if len(self.failed) > 4096:   # a bound: the oldest failures go (their uses read as unknown)
-            for old in list(self.failed)[:2048]:
-                del self.failed[old]
+        self.table.put(handle, EVENT_FAILED | (code & 0xFFFFFFFF))
+        return self.creation_error(handle, code)
+
+    @staticmethod
+    def creation_error(handle: int, code: int) -> CudaError:
         return CudaError(code, f"rgpu: worker: cuEventCreate (event 0x{handle:x}) failed on the GPU server with "
                                f"{error_name(code)}; the application's calls after it were pipelined and this is "
                                "the first synchronising one (free GPU resources, or create fewer events)")
@@ -68,11 +102,12 @@ class ClientEvents:
         """The driver's event for a client handle (NULL stays NULL: the driver refuses it)."""
         if not handle:
             return 0
-        real = self.live.pop(handle, None) if take else self.live.get(handle)
-        if real is not None:
-            return real
-        code = self.failed.pop(handle, None) if take else self.failed.get(handle)
-        if code is not None:
+        value = self.table.take(handle) if take else self.table.get(handle)
+        if value is not None and not value & EVENT_FAILED:
+            return value
+        if value is not None:
+            code = value & 0xFFFFFFFF
+            code = code - (1 << 32) if code & 0x80000000 else code
             raise CudaError(INVALID_HANDLE, f"rgpu: worker: {call}: event 0x{handle:x} does not exist (its "
                                             f"cuEventCreate failed with {error_name(code)})")
         raise CudaError(INVALID_HANDLE, f"rgpu: worker: {call}: event 0x{handle:x} does not exist (destroyed, or "

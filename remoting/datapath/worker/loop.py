@@ -54,12 +54,6 @@ class Worker(Handlers):
         self.send_lock = threading.Lock()
         self.hostcalls = HostCalls(sock, self.reader, self.send_lock, backend)
         backend.host_calls = self.hostcalls
-        # The client's event handles -> the driver's (client_handles.py; the generated handlers
-        # find the table on the backend).
-        self.client_events = ClientEvents()
-        backend.client_events = self.client_events
-        self.client_streams = ClientStreams()
-        backend.client_streams = self.client_streams
         self.current_ctx: int | None = None
         self.vmm_refs: dict[int, int] = {}
         self.graph_allocs: dict[int, int] = {}   # graph memory address -> its accounting key
@@ -76,11 +70,18 @@ class Worker(Handlers):
         self.errors = 0
         self.sent = 0
         self.native_launches = load_native_launches(spec, backend)
+        # The client's event handles -> the driver's (client_handles.py; the generated handlers
+        # find the table on the backend). With the C loop, which creates and destroys events
+        # itself, the table is the C loop's.
+        self.client_events = ClientEvents(self.native_launches.events if self.native_launches is not None else None)
+        backend.client_events = self.client_events
+        self.client_streams = ClientStreams()
+        backend.client_streams = self.client_streams
         if self.native_launches is not None:   # the C loop translates the client's streams too
             self.client_streams.on_change = self.native_launches.set_stream
         self.image_cache = ImageCache(spec.image_cache_dir, spec.client.get("uid"), spec.image_cache_bytes)
         self.footprints = ImageFootprints(parse_capability(spec.compute_capability), store=self.image_cache)
-        # op -> [calls, handler ns], only with RGPU_WORKER_PROFILE (native launches: key -1)
+        # op -> [calls, handler ns], only with RGPU_WORKER_PROFILE (the C loop's runs: key -1)
         self.profile: dict[int, list[int]] | None = {} if os.environ.get("RGPU_WORKER_PROFILE") else None
         self.load_steps: dict[str, list[int]] | None = {} if self.profile is not None else None
         # A sticky fault ends the session (faults.py; on an MPS GPU, every session of the GPU);
@@ -229,7 +230,10 @@ class Worker(Handlers):
         """RGPU_WORKER_PROFILE=DIR: where this session's time went, per operation (a developer's
         and operator's tool next to the client's RGPU_CLIENT_STATS; off by default)."""
         ops = {("native launch batches" if op == -1 else api_gen.OPS.get(op, str(op))): {"calls": n, "handler_ns": ns} for op, (n, ns) in self.profile.items()}
-        report = {"wall_ns": wall_ns, "native_launches": self.native_launches.launched.value if self.native_launches else 0,
+        native = self.native_launches
+        report = {"wall_ns": wall_ns, "native_launches": native.launched.value if native else 0,
+                  # event operations the C loop ran (their time is in "native launch batches")
+                  "native_event_ops": native.event_counts() if native else {},
                   "ops": ops, "load_steps": {k: {"calls": n, "ns": ns, "bytes": b} for k, (n, ns, b) in (self.load_steps or {}).items()},
                   "load_function_tables_ns": getattr(self.backend, "enumerate_ns", 0)}
         try:
@@ -258,6 +262,8 @@ class Worker(Handlers):
         limiter = self.limiter
         hostcalls = self.hostcalls
         live_streams = self.client_streams.live
+        native_ops = native.ops if native is not None else frozenset()   # what the C loop may run
+        native_work_ops = native.gpu_work_ops if native is not None else frozenset()
         while True:
             if self.fault is not None:
                 raise self.fault
@@ -274,21 +280,34 @@ class Worker(Handlers):
                 finally:
                     self.idle = False
             length, op, _flags, _seq, _aux, ctx = unpack_header(view, reader.start)
-            if op == launch_op and limiter is not None:
+            if limiter is not None and (op == launch_op or (op in native_work_ops and ctx == self.current_ctx)):
                 limiter.before_submit()
-            if op == launch_op and native is not None and ctx == self.current_ctx:
-                # Every complete plain launch in the buffer, in one call; what it leaves (a
-                # partial frame, a cooperative launch, another op) takes the paths below.
-                if profile is not None:
-                    t0 = clock()
-                used, code = native.run(reader.base + reader.start, reader.end - reader.start, ctx, launch_op)
+            if op in native_ops and ctx == self.current_ctx:
+                # Every complete plain launch and event operation in the buffer, in one call; what
+                # it leaves (a partial frame, a cooperative launch, an unknown handle, another op)
+                # takes the paths below.
+                t0 = clock()
+                # The Python path lends the reader while a host node waits, and the emulated GPU's
+                # fault domain answers every call: those event frames stay in Python.
+                events_ok = not hostcalls.active and not (sticky is not None and cuda_mode and sticky())
+                used, code = native.run(reader.base + reader.start, reader.end - reader.start, ctx,
+                                        gpu_work=limiter is None or limiter.holding_since is not None,
+                                        events=events_ok)
                 if profile is not None:
                     entry_ = profile.setdefault(-1, [0, 0])
                     entry_[0] += 1
                     entry_[1] += clock() - t0
-                if code:
-                    self._defer(code, "")
+                if stats is not None and native.ran_events:   # as the Python path accounts each one
+                    stats.account(t0, memory.high_water if memory is not None else 0, native.ran_events)
+                self.errors += native.errors
+                if code and self.deferred is None:
+                    self.deferred = (code, "")
+                if native.failed_creation is not None:   # it ended the run, its frame consumed
+                    handle, failed = native.failed_creation
+                    exc = self.client_events.creation_error(handle, failed)
+                    self._defer(exc.code, exc.message)
                 if used:
+                    self.last_op = native.last_op
                     reader.start += used
                     continue
                 if length + 64 <= reader.size and reader.end - reader.start < protocol.HEADER_SIZE + length:
@@ -411,7 +430,8 @@ class Worker(Handlers):
 
     def counters(self) -> tuple[int, int, int, int]:
         """(received bytes, sent bytes, calls, errors): datapath/counters.py's FIELDS."""
-        native = self.native_launches.launched.value if self.native_launches is not None else 0
+        loop = self.native_launches
+        native = loop.launched.value + loop.event_ops() if loop is not None else 0
         return self.reader.received, self.sent + self.hostcalls.sent, self.calls + native, self.errors
 
     def _defer(self, code: int, message: str) -> None:

@@ -1,50 +1,157 @@
-"""The native launch loop (librgpu-worker.so), loaded when the dispatcher built it."""
+"""The native launch loop (librgpu-worker.so), loaded when the dispatcher built it: launches and
+the pipelined event operations, and the table of the client's events it shares with ClientEvents."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
+from rgpu.remoting.native.generated import api_gen
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 
 log = logging.getLogger("rgpu.worker")
 
 ADMITTED_SLOTS = 1 << 14   # a power of two
 STREAM_SLOTS = 1 << 12     # a power of two: (client handle, driver stream) pairs
+# The event operations the C loop runs, in the order of worker_loop.h's RGPU_EV_* (and its arrays).
+EVENT_OPS = ("rgpuEventCreate", "cuEventRecord", "cuEventRecordWithFlags", "cuStreamWaitEvent", "cuEventDestroy_v2")
+# Those that put work on a stream: the compute limiter gates them as it gates launches.
+GPU_WORK_EVENT_OPS = ("cuEventRecord", "cuEventRecordWithFlags", "cuStreamWaitEvent")
+
+
+class EventEntries(NamedTuple):
+    """The driver's entry points for the event operations, by exact symbol (0: not there, the
+    operation stays in Python)."""
+    create: int                 # cuEventCreate
+    record: int                 # cuEventRecord
+    record_with_flags: int      # cuEventRecordWithFlags
+    wait: int                   # cuStreamWaitEvent
+    destroy: int                # cuEventDestroy_v2
+
+
+class _Loop(ctypes.Structure):
+    """worker_loop.h's rgpu_loop, field by field (change both together)."""
+    _fields_ = [("launch", ctypes.c_void_p), ("event_create", ctypes.c_void_p), ("event_record", ctypes.c_void_p),
+                ("event_record_flags", ctypes.c_void_p), ("stream_wait", ctypes.c_void_p),
+                ("event_destroy", ctypes.c_void_p), ("admitted", ctypes.c_void_p), ("streams", ctypes.c_void_p),
+                ("events", ctypes.c_void_p), ("admitted_mask", ctypes.c_uint32), ("stream_mask", ctypes.c_uint32),
+                ("launch_op", ctypes.c_uint32), ("event_ops", ctypes.c_uint32 * len(EVENT_OPS)),
+                ("gpu_work_ok", ctypes.c_uint32), ("events_ok", ctypes.c_uint32), ("first_error", ctypes.c_int32),
+                ("last_op", ctypes.c_uint32), ("failed_code", ctypes.c_int32), ("pad", ctypes.c_uint32),
+                ("failed_handle", ctypes.c_uint64), ("errors", ctypes.c_uint64), ("run_events", ctypes.c_uint64),
+                ("launched", ctypes.c_uint64), ("event_counts", ctypes.c_uint64 * len(EVENT_OPS))]
+
+
+class NativeEventTable:
+    """The client's events -> the driver's, kept in C (worker_events.c) because the C loop creates
+    and destroys events itself; ClientEvents reads and writes it through here (one table, one
+    truth). Values are the driver's event, or client_handles.EVENT_FAILED | the code its creation
+    failed with."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        lib.rgpu_events_new.restype = ctypes.c_void_p
+        lib.rgpu_events_free.argtypes = [ctypes.c_void_p]
+        lib.rgpu_events_free.restype = None
+        lib.rgpu_events_count.argtypes = [ctypes.c_void_p]
+        lib.rgpu_events_count.restype = ctypes.c_uint32
+        for name in ("rgpu_events_get", "rgpu_events_take"):
+            fn = getattr(lib, name)
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)]
+            fn.restype = ctypes.c_int
+        lib.rgpu_events_put.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64]
+        lib.rgpu_events_put.restype = ctypes.c_int
+        self.address = lib.rgpu_events_new()
+        if not self.address:
+            raise MemoryError("rgpu: worker: cannot allocate the native event table")
+        self._free = lib.rgpu_events_free
+        self._get, self._take, self._put = lib.rgpu_events_get, lib.rgpu_events_take, lib.rgpu_events_put
+        self._count = lib.rgpu_events_count
+        self._value = ctypes.c_uint64(0)
+        self._value_ref = ctypes.byref(self._value)
+
+    def get(self, handle: int) -> int | None:
+        return self._value.value if handle and self._get(self.address, handle, self._value_ref) else None
+
+    def take(self, handle: int) -> int | None:
+        return self._value.value if handle and self._take(self.address, handle, self._value_ref) else None
+
+    def put(self, handle: int, value: int) -> None:
+        if handle and not self._put(self.address, handle, value):
+            raise MemoryError("rgpu: worker: the native event table cannot grow")
+
+    def __len__(self) -> int:
+        return int(self._count(self.address))
+
+    def __del__(self) -> None:
+        address, self.address = getattr(self, "address", 0), 0
+        if address:
+            self._free(address)
 
 
 class NativeLaunches:
-    """The C loop in librgpu-worker.so that runs a whole run of plain launch frames straight from
-    the receive buffer with the driver's cuLaunchKernel (remoting/native/src/worker_launch.c).
-    The Python path costs a few microseconds per launch, which would cap a launch storm."""
+    """The C loop in librgpu-worker.so that runs a whole run of plain launch frames, and the
+    plain event operations among them, straight from the receive buffer with the driver's own
+    entry points (remoting/native/src/worker_launch.c). The Python path costs a few microseconds
+    per frame, which would cap a launch storm (and cuDNN's RNNs send two event frames per launch)."""
 
-    def __init__(self, library: str, launch_entry: int) -> None:
+    def __init__(self, library: str, launch_entry: int, event_entries: EventEntries | None = None) -> None:
         lib = ctypes.CDLL(library)
-        run = lib.rgpu_run_launches
+        lib.rgpu_loop_size.restype = ctypes.c_size_t
+        if lib.rgpu_loop_size() != ctypes.sizeof(_Loop):   # a library of another rgpu version
+            raise OSError(f"{library} lays out its loop state in {lib.rgpu_loop_size()} bytes, this worker in "
+                          f"{ctypes.sizeof(_Loop)} (rebuild it: python -m rgpu.remoting.native.build)")
+        run = lib.rgpu_run
         run.restype = ctypes.c_size_t
-        run.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_void_p,
-                        ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p,
-                        ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32]
+        run.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint64, ctypes.c_void_p]
         self._run = run
         # The kernels the worker admitted (their local memory charged): the C loop launches only
         # these, by an open-addressing table of handles kept at most 3/4 full (past that, new
         # kernels launch in Python, still correct).
         self._table = (ctypes.c_uint64 * ADMITTED_SLOTS)()
-        self._table_address = ctypes.addressof(self._table)
         self._admitted = 0
         # The client's streams (protocol 8) and the driver's, for the C loop: pairs in an
         # open-addressing table, rebuilt from `_streams` when destroyed handles crowd it; past 3/4
         # full, launches on new streams run in Python (still correct).
         self._stream_table = (ctypes.c_uint64 * (2 * STREAM_SLOTS))()
-        self._stream_table_address = ctypes.addressof(self._stream_table)
         self._streams: dict[int, int] = {}
         self._stream_keys = 0
-        self._entry = launch_entry
-        self.error = ctypes.c_int32(0)
-        self.launched = ctypes.c_uint64(0)
-        self._error_ref = ctypes.byref(self.error)
-        self._launched_ref = ctypes.byref(self.launched)
+        # The client's events: a table the C loop owns (it creates and destroys events itself).
+        self.events = NativeEventTable(lib)
+        loop = _Loop()
+        loop.launch = launch_entry
+        loop.admitted, loop.admitted_mask = ctypes.addressof(self._table), ADMITTED_SLOTS - 1
+        loop.streams, loop.stream_mask = ctypes.addressof(self._stream_table), STREAM_SLOTS - 1
+        loop.events = self.events.address
+        loop.launch_op = api_gen.OPCODES["cuLaunchKernel"]
+        for i, name in enumerate(EVENT_OPS):
+            loop.event_ops[i] = api_gen.OPCODES[name]
+        if event_entries is not None:
+            (loop.event_create, loop.event_record, loop.event_record_flags, loop.stream_wait,
+             loop.event_destroy) = (address or None for address in event_entries)
+        self._loop = loop
+        self._loop_ref = ctypes.byref(loop)
+        # The operations the C loop may run, and those of them the compute limiter gates.
+        entries = event_entries or EventEntries(0, 0, 0, 0, 0)
+        self.ops = frozenset([loop.launch_op] + [api_gen.OPCODES[name] for name, address in zip(EVENT_OPS, entries)
+                                                 if address])
+        self.gpu_work_ops = frozenset([loop.launch_op] + [api_gen.OPCODES[n] for n in GPU_WORK_EVENT_OPS]) & self.ops
+        self.failed_creation: tuple[int, int] | None = None   # the last run's (client handle, code)
+        self.errors = 0      # the last run's failed launches and event operations
+        self.ran_events = 0  # the last run's event operations
+        self.last_op = 0     # the last run's last operation
+
+    @property
+    def launched(self) -> ctypes.c_uint64:
+        """Launches run in C so far (a c_uint64, as before: `.value`)."""
+        return ctypes.c_uint64(self._loop.launched)
+
+    def event_counts(self) -> dict[str, int]:
+        """Event operations run in C so far, by name (RGPU_WORKER_PROFILE's "native_event_ops")."""
+        return {name: int(n) for name, n in zip(EVENT_OPS, self._loop.event_counts)}
+
+    def event_ops(self) -> int:
+        return int(sum(self._loop.event_counts))
 
     def admit(self, f: int) -> None:
         """Let the C loop launch kernel f."""
@@ -85,13 +192,19 @@ class NativeLaunches:
             table[2 * i] = handle
         table[2 * i + 1] = real
 
-    def run(self, address: int, available: int, ctx: int, launch_op: int) -> tuple[int, int]:
-        """(bytes consumed, first launch error or 0)."""
-        used = self._run(address, available, ctx, launch_op, self._entry, self._error_ref, self._launched_ref,
-                         self._table_address, ADMITTED_SLOTS - 1, self._stream_table_address, STREAM_SLOTS - 1)
-        error = self.error.value
-        if error:
-            self.error.value = 0
+    def run(self, address: int, available: int, ctx: int, *, gpu_work: bool = True,
+            events: bool = True) -> tuple[int, int]:
+        """(bytes consumed, first error or 0). `gpu_work` False stops before a launch, record or
+        wait (the compute limiter's turn is not held); `events` False leaves every event frame to
+        Python. A creation that failed (it ends the run) is left in `failed_creation`."""
+        loop = self._loop
+        loop.gpu_work_ok = gpu_work
+        loop.events_ok = events
+        used = self._run(address, available, ctx, self._loop_ref)
+        error, self.errors, self.last_op, self.ran_events = loop.first_error, loop.errors, loop.last_op, loop.run_events
+        self.failed_creation = (loop.failed_handle, loop.failed_code) if loop.failed_code else None
+        loop.first_error = loop.errors = loop.last_op = loop.failed_code = 0
+        loop.failed_handle = loop.run_events = 0
         return used, error
 
 
@@ -101,8 +214,9 @@ def load_native_launches(spec: SessionSpec, backend: Any) -> NativeLaunches | No
     entry = getattr(backend, "launch_entry", None)
     if not spec.launch_library or entry is None:
         return None
+    events = getattr(backend, "event_entries", None)
     try:
-        return NativeLaunches(spec.launch_library, entry())
+        return NativeLaunches(spec.launch_library, entry(), events() if events is not None else None)
     except (OSError, AttributeError) as exc:
         log.warning("native launch loop unavailable (%s); launches run in Python, at a lower rate", exc)
         return None

@@ -1,20 +1,28 @@
-/* The worker's launch fast path (server side, librgpu-worker.so).
+/* The worker's fast path (server side, librgpu-worker.so): launches and event operations.
  *
  * A session's launches arrive as long runs of small frames (remoting/protocol.py documents the
  * layout). Decoding each one in Python and calling the driver through ctypes costs several
  * microseconds per launch, which caps a remote launch storm well below the native rate; this
  * loop runs a whole run of plain launches from the worker's receive buffer in one call, so a
- * launch costs the driver's own time plus a few nanoseconds of parsing.
+ * launch costs the driver's own time plus a few nanoseconds of parsing. cuDNN's RNNs put about
+ * two pipelined event operations beside every launch (rgpuEventCreate, cuEventRecord,
+ * cuStreamWaitEvent, cuEventDestroy_v2: ~730 per LSTM step), so the loop runs those too, with the
+ * client's events translated through the table in worker_events.c.
  *
  * It handles only the common case and hands everything else back to the Python worker, which
  * stays the reference implementation: it stops, without consuming, at the first frame that is
- * not a plain cuLaunchKernel in the current context (other op, other context, cooperative or
- * attributed launch, malformed or oversized parameters) or that is not complete in the buffer.
- * The worker thread has already made the session's context current.
+ * not one of those in the current context (other op, other context, cooperative or attributed
+ * launch, malformed or oversized parameters, a kernel not admitted yet, a stream or event it does
+ * not know, GPU work while the compute limiter's turn is not held) or that is not complete in the
+ * buffer; the Python worker then runs that frame, or says why not. A creation that fails consumes
+ * its frame and ends the run: the worker words its error. The worker thread has already made the
+ * session's context current.
  */
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "worker_loop.h"
 
 #define HEADER_SIZE 24u   /* u32 len, u16 op, u16 flags, u32 seq, u32 aux, u64 ctx */
 #define LAUNCH_SIZE 64u   /* u64 f, u64 stream, u32 grid[3], block[3], shmem, coop, nattrs, argsize, pad[2] */
@@ -24,9 +32,6 @@
 #define PARAM_BUFFER_POINTER ((void *)(uintptr_t)1)
 #define PARAM_BUFFER_SIZE ((void *)(uintptr_t)2)
 #define PARAM_END ((void *)(uintptr_t)0)
-
-typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
-                         unsigned bz, unsigned shmem, void *stream, void **params, void **extra);
 
 static uint32_t u32_at(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
 static uint16_t u16_at(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
@@ -61,43 +66,122 @@ static int real_stream(const uint64_t *table, uint32_t mask, uint64_t s, uint64_
     return 0;
 }
 
-/* Runs the plain launches of admitted kernels at the start of buf[0, avail). Returns the bytes
- * consumed (whole frames only); *launched counts them, and the first launch error is stored in
- * *first_error unless it already holds one (errors surface at the client's next synchronising
- * call). A kernel the worker has not admitted yet, or a stream it does not know, stops the run: the
- * worker launches it itself (or says why not). */
-__attribute__((visibility("default")))
-size_t rgpu_run_launches(const uint8_t *buf, size_t avail, uint64_t ctx, uint32_t launch_op,
-                         launch_fn launch, int32_t *first_error, uint64_t *launched,
-                         const uint64_t *table, uint32_t mask, const uint64_t *streams, uint32_t stream_mask) {
+/* The driver's event for a client handle: only a live one (not unknown, destroyed, or a failed
+ * creation: the worker words those errors). */
+static int real_event(const rgpu_events *t, uint64_t e, uint64_t *out) {
+    return rgpu_events_get(t, e, out) && *out != 0 && !(*out & RGPU_EVENT_FAILED);
+}
+
+static int event_kind(const rgpu_loop *L, uint32_t op) {
+    for (int k = 0; k < RGPU_EV_KINDS; k++)
+        if (L->event_ops[k] == op) return k;
+    return -1;
+}
+
+/* One plain launch at p (len payload bytes); 0: not plain, left to the worker. */
+static int launch_one(rgpu_loop *L, const uint8_t *p, uint32_t len, int *result) {
     static __thread uint64_t aligned[MAX_PARAM_BYTES / 8];
+    if (len < LAUNCH_SIZE || !L->gpu_work_ok) return 0;
+    uint32_t coop = u32_at(p + 44), nattrs = u32_at(p + 48), argsize = u32_at(p + 52);
+    if (coop || nattrs || argsize > MAX_PARAM_BYTES || argsize > len - LAUNCH_SIZE) return 0;
+    if (!admitted(L->admitted, L->admitted_mask, u64_at(p))) return 0;
+    uint64_t stream;
+    if (!real_stream(L->streams, L->stream_mask, u64_at(p + 8), &stream)) return 0;
+    const uint8_t *args = p + LAUNCH_SIZE;
+    if ((uintptr_t)args & 7) {  /* the driver reads 8-byte parameters in place */
+        memcpy(aligned, args, argsize);
+        args = (const uint8_t *)aligned;
+    }
+    size_t size = argsize;
+    void *extra[5] = {PARAM_BUFFER_POINTER, (void *)args, PARAM_BUFFER_SIZE, &size, PARAM_END};
+    *result = L->launch((void *)(uintptr_t)u64_at(p), u32_at(p + 16), u32_at(p + 20), u32_at(p + 24),
+                        u32_at(p + 28), u32_at(p + 32), u32_at(p + 36), u32_at(p + 40),
+                        (void *)(uintptr_t)stream, NULL, extra);
+    L->launched++;
+    return 1;
+}
+
+/* One event operation at p, with the payloads of the generated handlers (api_gen.py):
+ * rgpuEventCreate <QI handle, flags>, cuEventRecord <QQ event, stream>, cuEventRecordWithFlags
+ * <QQI event, stream, flags>, cuStreamWaitEvent <QQI stream, event, flags>, cuEventDestroy_v2
+ * <Q event>. 0: left to the worker. */
+static int event_one(rgpu_loop *L, int kind, const uint8_t *p, uint32_t len, int *result) {
+    static const uint32_t need[RGPU_EV_KINDS] = {12, 16, 20, 20, 8};
+    uint64_t event, stream;
+    if (len < need[kind]) return 0;
+    switch (kind) {
+    case RGPU_EV_CREATE: {
+        uint64_t handle = u64_at(p);
+        if (!L->event_create || !handle || !rgpu_events_reserve(L->events, 1)) return 0;
+        void *created = NULL;
+        *result = L->event_create(&created, u32_at(p + 8));
+        if (*result) {   /* ends the run: the worker words the error (it names cuEventCreate) */
+            rgpu_events_put(L->events, handle, RGPU_EVENT_FAILED | (uint32_t)*result);
+            L->failed_handle = handle;
+            L->failed_code = *result;
+            *result = 0;
+        } else {
+            rgpu_events_put(L->events, handle, (uint64_t)(uintptr_t)created);
+        }
+        break;
+    }
+    case RGPU_EV_RECORD:
+    case RGPU_EV_RECORD_FLAGS:
+        if (!L->gpu_work_ok || (kind == RGPU_EV_RECORD ? !L->event_record : !L->event_record_flags)) return 0;
+        if (!real_event(L->events, u64_at(p), &event) || !real_stream(L->streams, L->stream_mask, u64_at(p + 8), &stream))
+            return 0;
+        *result = kind == RGPU_EV_RECORD
+                      ? L->event_record((void *)(uintptr_t)event, (void *)(uintptr_t)stream)
+                      : L->event_record_flags((void *)(uintptr_t)event, (void *)(uintptr_t)stream, u32_at(p + 16));
+        break;
+    case RGPU_EV_WAIT:
+        if (!L->gpu_work_ok || !L->stream_wait) return 0;
+        if (!real_stream(L->streams, L->stream_mask, u64_at(p), &stream) || !real_event(L->events, u64_at(p + 8), &event))
+            return 0;
+        *result = L->stream_wait((void *)(uintptr_t)stream, (void *)(uintptr_t)event, u32_at(p + 16));
+        break;
+    case RGPU_EV_DESTROY:
+        if (!L->event_destroy || !real_event(L->events, u64_at(p), &event)) return 0;
+        rgpu_events_take(L->events, u64_at(p), &event);   /* gone whatever the driver says, as in Python */
+        *result = L->event_destroy((void *)(uintptr_t)event);
+        break;
+    default:
+        return 0;
+    }
+    L->event_counts[kind]++;
+    L->run_events++;
+    return 1;
+}
+
+/* The worker checks its ctypes mirror of rgpu_loop against this before the first run. */
+RGPU_EXPORT size_t rgpu_loop_size(void) { return sizeof(rgpu_loop); }
+
+/* Runs the plain launches of admitted kernels and the plain event operations at the start of
+ * buf[0, avail). Returns the bytes consumed (whole frames only). Per run, in *L: the first error
+ * (errors surface at the client's next synchronising call), the number of errors, the last
+ * operation, and a failed creation (which ends the run). */
+RGPU_EXPORT size_t rgpu_run(const uint8_t *buf, size_t avail, uint64_t ctx, rgpu_loop *L) {
     size_t used = 0;
-    uint64_t count = 0;
     while (avail - used >= HEADER_SIZE) {
         const uint8_t *h = buf + used;
-        uint32_t len = u32_at(h);
-        if (u16_at(h + 4) != launch_op || u64_at(h + 16) != ctx) break;
-        if (len < LAUNCH_SIZE || avail - used - HEADER_SIZE < len) break;
+        uint32_t len = u32_at(h), op = u16_at(h + 4);
+        if (u64_at(h + 16) != ctx || avail - used - HEADER_SIZE < len) break;
         const uint8_t *p = h + HEADER_SIZE;
-        uint32_t coop = u32_at(p + 44), nattrs = u32_at(p + 48), argsize = u32_at(p + 52);
-        if (coop || nattrs || argsize > MAX_PARAM_BYTES || argsize > len - LAUNCH_SIZE) break;
-        if (!admitted(table, mask, u64_at(p))) break;
-        uint64_t stream;
-        if (!real_stream(streams, stream_mask, u64_at(p + 8), &stream)) break;
-        const uint8_t *args = p + LAUNCH_SIZE;
-        if ((uintptr_t)args & 7) {  /* the driver reads 8-byte parameters in place */
-            memcpy(aligned, args, argsize);
-            args = (const uint8_t *)aligned;
+        int result = 0, kind;
+        if (op == L->launch_op) {
+            if (!launch_one(L, p, len, &result)) break;
+        } else if ((kind = event_kind(L, op)) >= 0 && L->events_ok) {
+            if (!event_one(L, kind, p, len, &result)) break;
+        } else {
+            break;
         }
-        size_t size = argsize;
-        void *extra[5] = {PARAM_BUFFER_POINTER, (void *)args, PARAM_BUFFER_SIZE, &size, PARAM_END};
-        int r = launch((void *)(uintptr_t)u64_at(p), u32_at(p + 16), u32_at(p + 20), u32_at(p + 24),
-                       u32_at(p + 28), u32_at(p + 32), u32_at(p + 36), u32_at(p + 40),
-                       (void *)(uintptr_t)stream, NULL, extra);
-        if (r && !*first_error) *first_error = r;
+        if (result) {
+            L->errors++;
+            if (!L->first_error) L->first_error = result;
+        }
         used += HEADER_SIZE + len;
-        count++;
+        L->last_op = op;
+        if (L->failed_code) break;
     }
-    *launched += count;
     return used;
 }

@@ -1,0 +1,70 @@
+/* The worker's C loop (librgpu-worker.so): what worker_launch.c and worker_events.c share, and the
+ * state the Python worker hands the loop (remoting/datapath/worker/native_loop.py mirrors
+ * `rgpu_loop` field by field as a ctypes Structure: change both together). */
+#ifndef RGPU_WORKER_LOOP_H
+#define RGPU_WORKER_LOOP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define RGPU_EXPORT __attribute__((visibility("default")))
+
+/* The client's event handles -> the driver's events: an open-addressing table (linear probing,
+ * deletion by backward shift, so no tombstones pile up while cuDNN creates and destroys ~170
+ * events per step) of (handle, value) pairs, key 0 empty. The C loop and the Python worker
+ * (client_handles.py, through ctypes) both read and write this one table. A value is the driver's
+ * event, or RGPU_EVENT_FAILED | the CUresult its creation failed with. */
+#define RGPU_EVENT_FAILED (1ull << 63)
+
+typedef struct rgpu_events {
+    uint64_t *slots;   /* 2 * (mask + 1) words */
+    uint32_t mask;
+    uint32_t count;
+} rgpu_events;
+
+RGPU_EXPORT int rgpu_events_reserve(rgpu_events *t, uint32_t more);   /* 0: out of memory (unchanged) */
+RGPU_EXPORT int rgpu_events_get(const rgpu_events *t, uint64_t handle, uint64_t *value);
+RGPU_EXPORT int rgpu_events_put(rgpu_events *t, uint64_t handle, uint64_t value);
+RGPU_EXPORT int rgpu_events_take(rgpu_events *t, uint64_t handle, uint64_t *value);
+
+/* The driver's entry points, by exact symbol (backends/cuda.py hands their addresses over). */
+typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                         unsigned bz, unsigned shmem, void *stream, void **params, void **extra);
+typedef int (*event_create_fn)(void **event, unsigned flags);              /* cuEventCreate */
+typedef int (*event_record_fn)(void *event, void *stream);                  /* cuEventRecord */
+typedef int (*event_record_flags_fn)(void *event, void *stream, unsigned flags);   /* cuEventRecordWithFlags */
+typedef int (*stream_wait_fn)(void *stream, void *event, unsigned flags);   /* cuStreamWaitEvent */
+typedef int (*event_destroy_fn)(void *event);                               /* cuEventDestroy_v2 */
+
+/* The event operations the loop runs, in the order of rgpu_loop's op and count arrays. */
+enum { RGPU_EV_CREATE, RGPU_EV_RECORD, RGPU_EV_RECORD_FLAGS, RGPU_EV_WAIT, RGPU_EV_DESTROY, RGPU_EV_KINDS };
+
+typedef struct rgpu_loop {
+    /* Set by the worker. */
+    launch_fn launch;
+    event_create_fn event_create;         /* any of these NULL: that operation stays in Python */
+    event_record_fn event_record;
+    event_record_flags_fn event_record_flags;
+    stream_wait_fn stream_wait;
+    event_destroy_fn event_destroy;
+    const uint64_t *admitted;             /* kernels whose local memory the worker charged */
+    const uint64_t *streams;              /* (client stream, driver stream) pairs */
+    rgpu_events *events;
+    uint32_t admitted_mask, stream_mask;
+    uint32_t launch_op;
+    uint32_t event_ops[RGPU_EV_KINDS];    /* opcodes (api_gen.OPCODES) */
+    uint32_t gpu_work_ok;                 /* 0: stop before a launch, record or wait (no limiter turn held) */
+    uint32_t events_ok;                   /* 0: stop at every event frame (a host node is waiting, a fault) */
+    /* What the runs did: the worker reads these and clears the per-run ones. */
+    int32_t first_error;                  /* per run: the first error of a launch, record, wait or destroy */
+    uint32_t last_op;                     /* per run: the last frame's operation */
+    int32_t failed_code;                  /* per run: a creation that failed (it ends the run) */
+    uint32_t pad;
+    uint64_t failed_handle;
+    uint64_t errors;                      /* per run: launches, records, waits and destructions that failed */
+    uint64_t run_events;                  /* per run: event operations run */
+    uint64_t launched;                    /* in all */
+    uint64_t event_counts[RGPU_EV_KINDS]; /* in all */
+} rgpu_loop;
+
+#endif
