@@ -39,10 +39,13 @@ PROGRAM = """
     check("cuMemsetD32Async", ctypes.c_uint64(buf), 1, ctypes.c_size_t(1), stream)
     print("LATE", lib.cuStreamSynchronize(stream))
     print("AGAIN", lib.cuStreamSynchronize(stream))
-    # The NULL stream also waits for other blocking streams: a copy on it does not make it idle.
+    # PyTorch's .item() on its default stream: a copy on the legacy (NULL) stream, then its synchronize.
     r, other = alloc(4)
     check("cuMemcpyDtoH_v2", ctypes.byref(host), ctypes.c_uint64(other), ctypes.c_size_t(4))
     print("NULL", lib.cuStreamSynchronize(None))
+    # The per-thread default stream is one handle for a stream per thread: always asked.
+    check("cuMemcpyDtoHAsync_v2", ctypes.byref(host), ctypes.c_uint64(other), ctypes.c_size_t(4), ctypes.c_void_p(2))
+    print("PER_THREAD", lib.cuStreamSynchronize(ctypes.c_void_p(2)))
     """
 
 
@@ -55,9 +58,10 @@ def test_idle_synchronizations_and_item_synchronizes_cost_no_round_trip(native_l
     assert "AGAIN 0" in done.stdout                               # reported once, then idle again
     assert "NULL 0" in done.stdout
     ops = _profile(stats)
-    assert ops["cuMemcpyDtoHAsync_v2"].sync_calls == 50 + 1   # cuMemcpyDtoH_v2 travels as the same operation
-    # The 50 .item() synchronizes and 20 idle ones are answered here; the 3 that went out: after the
-    # failing memset, its repeat (the memset's frame was the last one sent, but its synchronize
-    # failed), and the NULL stream's.
+    assert "PER_THREAD 0" in done.stdout
+    assert ops["cuMemcpyDtoHAsync_v2"].sync_calls == 50 + 2   # cuMemcpyDtoH_v2 travels as the same operation
+    # The 50 .item() synchronizes, 20 idle ones and the NULL stream's are answered here; the 3 that
+    # went out: after the failing memset, its repeat (the memset's frame was the last one sent, but
+    # its synchronize failed), and the per-thread stream's.
     assert ops["cuStreamSynchronize"].sync_calls == 3, ops["cuStreamSynchronize"]
     assert ops["cuCtxSynchronize"].sync_calls == 1

@@ -11,11 +11,11 @@
  * and these succeeded). That is an idle `torch.cuda.synchronize()`, and the synchronize after `.item()`'s
  * copy, at no round trip.
  *
- * Not answered here: the per-thread default stream (one handle, a stream per thread); the legacy
- * and NULL streams after a copy (they also wait for other blocking streams: only their own
- * synchronisation or the context's is recorded for them); anything while a stream capture may be
- * under way (the driver refuses it) or while managed memory exists (managed.c hands the GPU's copy
- * over at each real synchronisation). */
+ * A copy on the legacy stream (NULL or CU_STREAM_LEGACY: the client maps the per-thread API's NULL
+ * to CU_STREAM_PER_THREAD) ran after every blocking stream's earlier work, as PyTorch's `.item()`
+ * on its default stream does. Not answered here: the per-thread default stream (one handle, a
+ * stream per thread); anything while a stream capture may be under way (the driver refuses it) or
+ * while managed memory exists (managed.c hands the GPU's copy over at each real synchronisation). */
 #define _GNU_SOURCE
 #include <poll.h>
 
@@ -68,7 +68,8 @@ static uint64_t quiet_since(int session) {
 void rgpu_idle_stream_put(CUstream stream, int session, uint32_t frame, int by_copy) {
     if (session < 0 || session >= rgpu_session_count) return;
     quiet(session, frame);
-    if ((uintptr_t)stream == 2 || (by_copy && special(stream))) return;
+    (void)by_copy;   /* a copy on the legacy stream ran after every blocking stream's earlier work */
+    if ((uintptr_t)stream == 2) return;
     rgpu_synced_put((uint64_t)(uintptr_t)stream, IDLE_STREAM_KEY + (uint64_t)session, (uint64_t)frame + 1);
 }
 
