@@ -62,7 +62,7 @@ def _loader(make_batch: Any, batches: int) -> Any:  # type: ignore[no-untyped-de
                                             persistent_workers=True, prefetch_factor=4))
 
 
-def _cnn(feed: str) -> tuple[Any, Any, int]:
+def _cnn(feed: str) -> tuple[Any, int]:
     import torch
     import torch.nn.functional as F
 
@@ -93,10 +93,10 @@ def _cnn(feed: str) -> tuple[Any, Any, int]:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    return step, None, 64
+    return step, 64
 
 
-def _lstm() -> tuple[Any, Any, int]:
+def _lstm() -> tuple[Any, int]:
     import torch
 
     vocab, hidden, batch, bptt = 33278, 200, 20, 35
@@ -133,10 +133,10 @@ def _lstm() -> tuple[Any, Any, int]:
         for p in model.parameters():
             p.data.add_(p.grad, alpha=-lr)
         state["loss"] = loss.item()
-    return step, None, batch
+    return step, batch
 
 
-def _resnet18(feed: str) -> tuple[Any, Any, int]:
+def _resnet18(feed: str) -> tuple[Any, int]:
     import torch
     import torchvision
     model = torchvision.models.resnet18(num_classes=1000).cuda().to(memory_format=torch.channels_last)
@@ -156,10 +156,10 @@ def _resnet18(feed: str) -> tuple[Any, Any, int]:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    return step, None, 64
+    return step, 64
 
 
-def _gpt2() -> tuple[Any, Any, int]:
+def _gpt2() -> tuple[Any, int]:
     import torch
     import torch.nn.functional as F
 
@@ -205,10 +205,10 @@ def _gpt2() -> tuple[Any, Any, int]:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-    return step, None, 8
+    return step, 8
 
 
-def make(name: str) -> tuple[Any, Any, int]:
+def make(name: str) -> tuple[Any, int]:
     return {"cnn": lambda: _cnn("gpu"), "cnn_loader": lambda: _cnn("loader"), "lstm": _lstm,
             "resnet18": lambda: _resnet18("gpu"), "resnet18_loader": lambda: _resnet18("loader"),
             "gpt2": _gpt2}[name]()
@@ -228,7 +228,7 @@ def child(name: str, spawned: float, warmup: int, seconds: float) -> dict[str, f
     import torch
     torch.manual_seed(0)
     torch.backends.cudnn.benchmark = True
-    step, _, batch = make(name)
+    step, batch = make(name)
     for _ in range(warmup):
         step()
     torch.cuda.synchronize()

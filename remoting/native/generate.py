@@ -372,7 +372,7 @@ AFTER_HOOKS = {
     "cuEventQuery": "if (r == CUDA_SUCCESS) rgpu_event_completed(hEvent, ev_seq_)",
     "cuEventSynchronize": "if (r == CUDA_SUCCESS) rgpu_event_completed(hEvent, ev_seq_)",
     "cuStreamSynchronize": ("if (r == CUDA_SUCCESS) { rgpu_stream_synced(hStream, c.s->index, sync_seq_); "
-                            "rgpu_idle_stream_put(hStream, c.s->index, c.s->seq, 0); }"),
+                            "rgpu_idle_stream_put(hStream, c.s->index, c.s->seq); }"),
     "cuStreamQuery": "if (r == CUDA_SUCCESS) rgpu_stream_synced(hStream, c.s->index, sync_seq_)",
     "cuCtxSynchronize": "if (r == CUDA_SUCCESS) { rgpu_ctx_synced(NULL, sync_seq_); rgpu_idle_ctx_put(NULL, c.s->seq); }",
     "cuCtxSynchronize_v2": "if (r == CUDA_SUCCESS) { rgpu_ctx_synced(ctx, sync_seq_); rgpu_idle_ctx_put(ctx, c.s->seq); }",

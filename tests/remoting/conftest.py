@@ -147,17 +147,22 @@ def run_client(libs: build.Libraries, slices: str, argv: list[str], timeout: flo
     return subprocess.run(argv, env=client_env(libs, slices, **extra), capture_output=True, text=True, timeout=timeout, check=False)
 
 
-@pytest.fixture(scope="session")
-def demo_binary(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """examples/cuda/driver_api_demo.c compiled against NVIDIA's cuda.h, linked to rgpu's libcuda."""
+def driver_api_program(libs: build.Libraries, source: Path, out: Path) -> Path:
+    """A C driver-API program compiled against NVIDIA's cuda.h and linked to rgpu's libcuda."""
     if not (CUDA_INCLUDE / "cuda.h").exists():
         pytest.skip(f"no cuda.h under {CUDA_INCLUDE} (install the CUDA toolkit headers)")
-    out = tmp_path_factory.mktemp("demo") / "driver_api_demo"
     cc = shutil.which("gcc") or shutil.which("cc")
-    done = subprocess.run([cc, "-O1", "-Wall", f"-I{CUDA_INCLUDE}", str(EXAMPLES / "driver_api_demo.c"), "-o",
-                           str(out), f"-L{native_libs.folder}", "-lcuda"], capture_output=True, text=True, check=False)
+    done = subprocess.run([cc, "-O1", "-Wall", f"-I{CUDA_INCLUDE}", str(source), "-o", str(out),
+                           f"-L{libs.folder}", "-lcuda"], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     return out
+
+
+@pytest.fixture(scope="session")
+def demo_binary(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """examples/cuda/driver_api_demo.c, built against NVIDIA's cuda.h and rgpu's libcuda."""
+    return driver_api_program(native_libs, EXAMPLES / "driver_api_demo.c",
+                              tmp_path_factory.mktemp("demo") / "driver_api_demo")
 
 
 PY = sys.executable

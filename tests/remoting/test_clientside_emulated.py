@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import struct
 
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 from rgpu.remoting.native import build, client_stats
 
-from tests.remoting.conftest import CUDA_INCLUDE, EXAMPLES, Server, run_client
+from tests.remoting.conftest import EXAMPLES, Server, driver_api_program, run_client
 from tests.remoting.test_cuda_backend_chained import chained  # noqa: F401 - the fixture
 
 HERE = Path(__file__).parent
@@ -23,15 +21,9 @@ HERE = Path(__file__).parent
 
 @pytest.fixture(scope="module")
 def loop_binary(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tests/remoting/clientside_loop.c compiled against NVIDIA's cuda.h, linked to rgpu's libcuda."""
-    if not (CUDA_INCLUDE / "cuda.h").exists():
-        pytest.skip(f"no cuda.h under {CUDA_INCLUDE} (install the CUDA toolkit headers)")
-    out = tmp_path_factory.mktemp("clientside") / "clientside_loop"
-    cc = shutil.which("gcc") or shutil.which("cc")
-    done = subprocess.run([cc, "-O1", "-Wall", f"-I{CUDA_INCLUDE}", str(HERE / "clientside_loop.c"), "-o", str(out),
-                           f"-L{native_libs.folder}", "-lcuda"], capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr
-    return out
+    """tests/remoting/clientside_loop.c, built against NVIDIA's cuda.h and rgpu's libcuda."""
+    return driver_api_program(native_libs, HERE / "clientside_loop.c",
+                              tmp_path_factory.mktemp("clientside") / "clientside_loop")
 
 
 def _profile(path: Path) -> dict[str, client_stats.OpProfile]:

@@ -19,20 +19,10 @@ import pytest
 
 from tests.slurm.cluster import missing_requirements, wait_until
 from tests.slurm.conftest import Harness, pool_ready
-from tests.slurm.test_slurm_e2e import FINISHED, JOB_USER, diagnostics, finished
+from tests.slurm.test_slurm_e2e import FINISHED, JOB_USER, diagnostics, finished, h  # noqa: F401 - h: the fixture
 
 pytestmark = [pytest.mark.slurm,
               pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements()))]
-
-
-@pytest.fixture
-def h(rgpu_slurm: Harness) -> Iterator[Harness]:
-    """The session cluster, idle before and after each test (as in test_slurm_e2e.py)."""
-    rgpu_slurm.slurm.cancel_all_jobs()
-    wait_until("all 4 GPUs registered", lambda: pool_ready(rgpu_slurm.pool, 400) or None, 30)
-    wait_until("leases of earlier tests to go", lambda: not rgpu_slurm.leases() or None, 20)
-    yield rgpu_slurm
-    rgpu_slurm.slurm.cancel_all_jobs()
 
 
 @contextmanager

@@ -129,15 +129,15 @@ class ImageCache:
         except (OSError, ValueError) as exc:
             self._warn("read an image", exc if isinstance(exc, OSError) else OSError(str(exc)))
             return None
-        facts = self._facts(digest)
-        if facts.get("identity") != identity:
-            if hashlib.sha256(data).digest() != digest:
-                log.warning("rgpu: image cache: %s does not match its SHA-256; removed, the image is sent again", path)
-                data.close()
-                self._remove(path)
-                return None
-            facts = {"identity": identity}   # what was known of an older file is not this one's
-        self._write_facts(digest, facts)     # checked, and touched: most recently used
+        if self._facts(digest).get("identity") == identity:
+            self._touch_facts(digest)   # most recently used
+            return data
+        if hashlib.sha256(data).digest() != digest:
+            log.warning("rgpu: image cache: %s does not match its SHA-256; removed, the image is sent again", path)
+            data.close()
+            self._remove(path)
+            return None
+        self._write_facts(digest, {"identity": identity})   # what was known of an older file is not this one's
         return data
 
     def known_footprint(self, digest: bytes, key: str) -> int | None:
@@ -179,6 +179,12 @@ class ImageCache:
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             self._warn("record an image's facts", exc)
+
+    def _touch_facts(self, digest: bytes) -> None:
+        try:
+            os.utime(self._facts_path(digest), follow_symlinks=False)
+        except OSError as exc:
+            self._warn("record an image's use", exc)
 
     @staticmethod
     def _remove(path: Path) -> None:

@@ -708,7 +708,7 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamSynchronize(CUstream hStream) {
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
     r = rgpu_sync(&c);
-    if (r == CUDA_SUCCESS) { rgpu_stream_synced(hStream, c.s->index, sync_seq_); rgpu_idle_stream_put(hStream, c.s->index, c.s->seq, 0); };
+    if (r == CUDA_SUCCESS) { rgpu_stream_synced(hStream, c.s->index, sync_seq_); rgpu_idle_stream_put(hStream, c.s->index, c.s->seq); };
     rgpu_end(&c);
     if (r == CUDA_SUCCESS) rgpu_managed_sync_point();
     return r;

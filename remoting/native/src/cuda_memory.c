@@ -253,7 +253,7 @@ static CUresult dtoh(void *dst, CUdeviceptr src, size_t n, CUstream stream, int 
      * events recorded there are complete (a completion that rides back on the reply; cuda_events.c). */
     if (r == CUDA_SUCCESS) {
         rgpu_stream_synced(stream, c.s->index, clock);
-        rgpu_idle_stream_put(stream, c.s->index, c.s->seq, 1);   /* idle_streams.c */
+        rgpu_idle_stream_put(stream, c.s->index, c.s->seq);   /* idle_streams.c */
     }
     rgpu_end(&c);
     return r;

@@ -65,10 +65,9 @@ static uint64_t quiet_since(int session) {
     return __atomic_load_n(&g_quiet_from[session], __ATOMIC_RELAXED);
 }
 
-void rgpu_idle_stream_put(CUstream stream, int session, uint32_t frame, int by_copy) {
+void rgpu_idle_stream_put(CUstream stream, int session, uint32_t frame) {
     if (session < 0 || session >= rgpu_session_count) return;
     quiet(session, frame);
-    (void)by_copy;   /* a copy on the legacy stream ran after every blocking stream's earlier work */
     if ((uintptr_t)stream == 2) return;
     rgpu_synced_put((uint64_t)(uintptr_t)stream, IDLE_STREAM_KEY + (uint64_t)session, (uint64_t)frame + 1);
 }

@@ -218,9 +218,9 @@ void rgpu_event_recorded(CUevent event, CUstream stream);
 int rgpu_event_known(CUevent event, uint64_t *seq, CUresult *result);
 void rgpu_event_completed(CUevent event, uint64_t seq);
 void rgpu_stream_synced(CUstream stream, int session, uint64_t seq);
-/* Streams and contexts a finished synchronisation left idle (idle_streams.c): `frame` is the
- * recording call's frame number; by_copy: recorded by a device-to-host copy. */
-void rgpu_idle_stream_put(CUstream stream, int session, uint32_t frame, int by_copy);
+/* Streams and contexts a finished synchronisation (or a device-to-host copy) left idle
+ * (idle_streams.c): `frame` is the recording call's frame number. */
+void rgpu_idle_stream_put(CUstream stream, int session, uint32_t frame);
 void rgpu_idle_ctx_put(CUcontext ctx, uint32_t frame);
 int rgpu_idle_stream(CUstream stream);
 int rgpu_idle_ctx(CUcontext ctx);
