@@ -651,7 +651,10 @@ typedef struct launch_args { const void *buf; size_t argsize; rgpu_fn *fn; } lau
 
 static CUresult resolve_args(CUfunction f, void **params, void **extra, launch_args *a) {
     if (!f) return CUDA_ERROR_INVALID_HANDLE;
-    if (params && extra) return CUDA_ERROR_INVALID_VALUE;
+    if (params && extra) {
+        rgpu_log(RGPU_LOG_DEBUG, "a launch refused: both kernelParams and extra given");
+        return CUDA_ERROR_INVALID_VALUE;
+    }
     a->buf = NULL;
     a->argsize = 0;
     a->fn = NULL;
@@ -659,13 +662,25 @@ static CUresult resolve_args(CUfunction f, void **params, void **extra, launch_a
         for (size_t i = 0; extra[i] != CU_LAUNCH_PARAM_END; i += 2) {
             if (extra[i] == CU_LAUNCH_PARAM_BUFFER_POINTER) a->buf = extra[i + 1];
             else if (extra[i] == CU_LAUNCH_PARAM_BUFFER_SIZE) a->argsize = *(size_t *)extra[i + 1];
-            else return CUDA_ERROR_INVALID_VALUE;
+            else {
+                rgpu_log(RGPU_LOG_DEBUG, "a launch refused: unknown key %p in extra",
+                         extra[i]);
+                return CUDA_ERROR_INVALID_VALUE;
+            }
         }
         return CUDA_SUCCESS;
     }
     CUresult r = function_info((uint64_t)(uintptr_t)f, &a->fn);
-    if (r != CUDA_SUCCESS) return r;
-    if (a->fn->nparams && !params) return CUDA_ERROR_INVALID_VALUE;
+    if (r != CUDA_SUCCESS) {
+        rgpu_log(RGPU_LOG_DEBUG, "a launch refused: the parameter layout of function %p: error %d",
+                 (void *)f, (int)r);
+        return r;
+    }
+    if (a->fn->nparams && !params) {
+        rgpu_log(RGPU_LOG_DEBUG, "a launch of %s refused: no kernelParams for %u parameters",
+                 a->fn->name ? a->fn->name : "?", a->fn->nparams);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
     a->argsize = a->fn->argsize;
     return CUDA_SUCCESS;
 }
