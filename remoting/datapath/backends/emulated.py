@@ -80,6 +80,30 @@ _ATTRIBUTES = {
     "MEM_SYNC_DOMAIN_COUNT": 4, "TENSOR_MAP_ACCESS_SUPPORTED": 1, "NUMA_ID": -1, "HOST_NUMA_ID": -1,
 }
 
+# Devices other than the H100/H200 class, by name (the dispatcher's GpuInfo), so that slices of
+# one application can differ as real ones do (an A100's SMs and shared memory).
+_MODELS = {
+    "A100": {"MULTIPROCESSOR_COUNT": 108, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN": 166912,
+             "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR": 167936, "L2_CACHE_SIZE": 41943040, "CLUSTER_LAUNCH": 0,
+             "TENSOR_MAP_ACCESS_SUPPORTED": 0},
+}
+
+
+def device_attributes(gpu_name: str) -> dict[str, int]:
+    """The emulated device's attributes: an H100/H200's, or those of a model named in _MODELS."""
+    model = next((m for key, m in _MODELS.items() if key in gpu_name), {})
+    return {**_ATTRIBUTES, **model}
+
+
+# CUfunction_attribute values the emulated functions answer and check.
+FUNC_SHARED_SIZE_BYTES = 1
+FUNC_MAX_DYNAMIC_SHARED = 8
+FUNC_CARVEOUT = 9
+FUNC_CLUSTER_SIZE_MUST_BE_SET = 10
+FUNC_NON_PORTABLE_CLUSTER = 14
+FUNC_SCHEDULING_POLICY = 15
+_FUNC_DEFAULTS = {0: 1024, 4: 16, 5: 90, 6: 90, FUNC_MAX_DYNAMIC_SHARED: 49152}
+
 _LAUNCH_REFUSED = ("rgpu: worker: kernel launch refused (this dispatcher emulates its GPU and cannot run "
                    "kernels; run the application against a dispatcher started with --backend cuda on a GPU node)")
 
@@ -91,6 +115,9 @@ _LAUNCH_REFUSED = ("rgpu: worker: kernel launch refused (this dispatcher emulate
 # session of that GPU gets it too (the fault domain is a marker file in the GPU's shared folder,
 # which the dispatcher clears when it recovers the GPU, as a restarted MPS server would be clean).
 EMULATED_SPIN = "rgpu_emulated_spin_forever"
+# A kernel the emulated GPU runs: it writes the launch's dynamic shared memory size (u32) to its
+# first parameter, a device pointer, so tests see what a launch got.
+EMULATED_SHARED_PROBE = "rgpu_emulated_shared_probe"
 EMULATED_WILD_WRITE = "rgpu_emulated_wild_write"
 ILLEGAL_ADDRESS = 700
 
@@ -265,6 +292,10 @@ class EmulatedBackend:
         self.links: dict[int, list[bytes]] = {}
         self.limits: dict[int, int] = {}
         self.func_attrs: dict[tuple[int, int], int] = {}   # (function or kernel, attribute) -> value set
+        self.attributes = device_attributes(spec.gpu_name)
+        # A driver stricter than the device's attributes say (RGPU_EMULATED_REFUSE_SHARED_ABOVE, in the
+        # worker's environment): tests make a pipelined attribute set fail on the worker with it.
+        self.refuse_shared_above = int(os.environ.get("RGPU_EMULATED_REFUSE_SHARED_ABOVE", "0") or 0)
         self.pools = {0xA000_0000}
         self.pool = _StreamOrderedPool()
         self.capturing: dict[int, tuple[int, int]] = {}  # stream -> (capture id, graph)
@@ -425,7 +456,7 @@ class EmulatedBackend:
             return (SUCCESS, self.cc[0])
         if name == "COMPUTE_CAPABILITY_MINOR":
             return (SUCCESS, self.cc[1])
-        return (SUCCESS, _ATTRIBUTES.get(name, 0))
+        return (SUCCESS, self.attributes.get(name, 0))
 
     def cuDeviceComputeCapability(self, dev: int) -> tuple[int, int, int]:
         return (SUCCESS, self.cc[0], self.cc[1])
@@ -1021,12 +1052,31 @@ class EmulatedBackend:
     def cuFuncGetAttribute(self, attrib: int, f: int) -> tuple[int, int]:
         if f not in self.functions:
             return (INVALID_HANDLE, 0)
-        values = {0: 1024, 4: 16, 5: 90, 6: 90, 8: 49152}
-        return (SUCCESS, self.func_attrs.get((f, attrib), values.get(attrib, 0)))
+        return (SUCCESS, self.func_attrs.get((f, attrib), _FUNC_DEFAULTS.get(attrib, 0)))
 
     def cuFuncSetAttribute(self, f: int, attrib: int, value: int) -> tuple[int]:
+        """The driver's checks (cuFuncSetAttribute's documentation): read-only attributes, the opt-in
+        shared memory limit, a carveout in percent or -1, cluster sizes of 8 (16 non-portable)."""
         if f not in self.functions:
             return (INVALID_HANDLE,)
+        static = self.cuFuncGetAttribute(FUNC_SHARED_SIZE_BYTES, f)[1]
+        if attrib == FUNC_MAX_DYNAMIC_SHARED:
+            valid = 0 <= value <= self.attributes["MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"] - static
+            if valid and self.refuse_shared_above and value > self.refuse_shared_above:
+                valid = False
+        elif attrib == FUNC_CARVEOUT:
+            valid = -1 <= value <= 100
+        elif FUNC_CLUSTER_SIZE_MUST_BE_SET < attrib < FUNC_NON_PORTABLE_CLUSTER:
+            portable = self.func_attrs.get((f, FUNC_NON_PORTABLE_CLUSTER), 0) == 0
+            valid = 0 <= value <= (8 if portable else 16)
+        elif attrib == FUNC_NON_PORTABLE_CLUSTER:
+            valid = value in (0, 1)
+        elif attrib == FUNC_SCHEDULING_POLICY:
+            valid = value in (0, 1, 2)
+        else:   # read-only, or unknown
+            valid = False
+        if not valid:
+            return (INVALID_VALUE,)
         self.func_attrs[(f, attrib)] = value
         return (SUCCESS,)
 
@@ -1051,8 +1101,9 @@ class EmulatedBackend:
     def cuOccupancyAvailableDynamicSMemPerBlock(self, f: int, blocks: int, block_size: int) -> tuple[int, int]:
         if f not in self.functions:
             return (INVALID_HANDLE, 0)
-        # An H100's 228 KiB of shared memory per SM, 1 KiB of it reserved per block.
-        return (SUCCESS, max(0, 228 * 1024 // max(blocks, 1) - 1024))
+        # The SM's shared memory (228 KiB on an H100), 1 KiB of it reserved per block.
+        per_sm = self.attributes["MAX_SHARED_MEMORY_PER_MULTIPROCESSOR"]
+        return (SUCCESS, max(0, per_sm // max(blocks, 1) - self.attributes["RESERVED_SHARED_MEMORY_PER_BLOCK"]))
 
     def max_active_clusters(self, f: int, stream: int, grid: tuple[int, int, int], block: tuple[int, int, int],
                             shmem: int, attrs: bytes) -> int:
@@ -1064,13 +1115,13 @@ class EmulatedBackend:
             if int.from_bytes(attrs[i * 72:i * 72 + 4], "little") == 4:
                 x, y, z = (int.from_bytes(attrs[i * 72 + 8 + 4 * k:i * 72 + 12 + 4 * k], "little") for k in range(3))
                 size = max(1, x * y * z)
-        return _ATTRIBUTES["MULTIPROCESSOR_COUNT"] // size
+        return self.attributes["MULTIPROCESSOR_COUNT"] // size
 
     def max_potential_block_size(self, f: int, smem: int, limit: int, flags: int) -> tuple[int, int]:
         if f not in self.functions:
             raise CudaError(INVALID_HANDLE)
         block = min(1024, limit) if limit > 0 else 1024
-        return _ATTRIBUTES["MULTIPROCESSOR_COUNT"] * (2048 // block), block
+        return self.attributes["MULTIPROCESSOR_COUNT"] * (2048 // block), block
 
     def link_create(self, options: list[tuple[int, int]]) -> int:
         self._need_ctx()
@@ -1105,6 +1156,14 @@ class EmulatedBackend:
             raise CudaError(INVALID_VALUE, f"rgpu: worker: launch of {self.functions[f][1].name} carried "
                                            f"{len(params)} parameter bytes, expected {size}")
         self.last_launch = (self.functions[f][1].name, bytes(params))
+        limit = self.cuFuncGetAttribute(FUNC_MAX_DYNAMIC_SHARED, f)[1]
+        if shmem > limit:   # as the driver refuses it: the function's attribute was not raised enough
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: launch of {self.last_launch[0]} asked for {shmem} bytes of "
+                                           f"dynamic shared memory; its MAX_DYNAMIC_SHARED_SIZE_BYTES is {limit}")
+        if self.last_launch[0] == EMULATED_SHARED_PROBE and len(params) >= 8:
+            (out,) = struct.unpack_from("<Q", params, 0)
+            self._memset(out, struct.pack("<I", shmem), 1)
+            return
         if self.last_launch[0] == EMULATED_SPIN:
             self.spinning = True
             return

@@ -1081,7 +1081,7 @@ RGPU_EXPORT CUresult CUDAAPI cuKernelGetAttribute(int *pi, CUfunction_attribute 
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuKernelSetAttribute(CUfunction_attribute attrib, int val, CUkernel kernel, CUdevice dev) {
-    { int v_; if (rgpu_kattr_get(kernel, attrib, dev, &v_) && v_ == val) return CUDA_SUCCESS; };
+    { CUresult r_; int v_; if (rgpu_kernel_set_attribute_here(kernel, attrib, val, dev, &r_)) return r_; if (rgpu_kattr_get(kernel, attrib, dev, &v_) && v_ == val) return CUDA_SUCCESS; };
     rgpu_call c;
     CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuKernelSetAttribute, dev);
     if (r != CUDA_SUCCESS) return r;
@@ -1126,7 +1126,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncGetAttribute(int *pi, CUfunction_attribute at
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuFuncSetAttribute(CUfunction hfunc, CUfunction_attribute attrib, int value) {
-    { int v_; if (rgpu_fattr_get(hfunc, attrib, &v_) && v_ == value) return CUDA_SUCCESS; };
+    { CUresult r_; int v_; if (rgpu_func_set_attribute_here(hfunc, attrib, value, &r_)) return r_; if (rgpu_fattr_get(hfunc, attrib, &v_) && v_ == value) return CUDA_SUCCESS; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuFuncSetAttribute);
     if (r != CUDA_SUCCESS) return r;
