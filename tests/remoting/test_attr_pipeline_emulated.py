@@ -14,6 +14,7 @@ from rgpu.remoting.native import build, client_stats
 
 from rgpu.model import GpuInfo
 from tests.remoting.conftest import EMULATED_GPU, Server, driver_api_program, run_client, start_server
+from tests.remoting.test_cuda_backend_chained import chained  # noqa: F401 - the fixture
 
 HERE = Path(__file__).parent
 EMULATED_A100 = GpuInfo(uuid="GPU-32345678-1234-1234-1234-123456789abc", index=1, name="NVIDIA A100-SXM4-80GB",
@@ -102,3 +103,13 @@ def test_occupancy_and_limits_are_each_slices_own_when_the_devices_differ(
     # Both workers hand out the same function handle for the same load; the answers still differ.
     assert "SLICE 0 optin 232448 smem 232448 grid 264 set200000 CUDA_SUCCESS" in out, out
     assert "SLICE 1 optin 166912 smem 166912 grid 216 set200000 CUDA_ERROR_INVALID_VALUE" in out, out
+
+
+@pytest.mark.parametrize("mode", [["loop", "5"], ["invalid"]], ids=["loop", "invalid"])
+def test_the_real_gpu_backend_applies_pipelined_sets(native_libs: build.Libraries, attr_loop: Path,
+                                                     chained: Server,  # noqa: F811
+                                                     mode: list[str]) -> None:
+    # backends/cuda.py's driver calls, with rgpu's own libcuda (talking to an emulated worker) as
+    # "the driver" (test_cuda_backend_chained.py).
+    done = run_client(native_libs, chained.slices(chained.token(memory_limit=1 << 30)), [str(attr_loop), *mode])
+    assert "DONE 0 failure(s)" in done.stdout, done.stdout + done.stderr

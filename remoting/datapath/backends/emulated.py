@@ -9,6 +9,7 @@ parameter layouts parsed from the PTX. Kernel launches are refused with a clear 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import mmap
 import os
 import re
@@ -40,8 +41,13 @@ from rgpu.remoting.datapath.backends.base import (
     NVML_ERROR_NOT_SUPPORTED,
     OUT_OF_MEMORY,
     SUCCESS,
+    TENSOR_MAP_BYTES,
+    TENSOR_MAP_IM2COL_WIDE,
+    TENSOR_MAP_REPLACE,
+    TENSOR_MAP_TILED,
     CudaError,
     FnInfo,
+    TensorMapRequest,
     LoadResult,
     cu,
     enums,
@@ -157,6 +163,35 @@ def ptx_local_sizes(text: str) -> dict[str, int]:
 # CUarray_format values of cuda.h (CUDA 13): what an array may be created with.
 _KNOWN_FORMATS = frozenset({0x01, 0x02, 0x03, 0x08, 0x09, 0x0A, 0x10, 0x20, 0x50, 0xB0, *range(0xC0, 0xCC),
                             *range(0x91, 0xA0), *range(0xA1, 0xAA), *range(0xB1, 0xB6)})
+
+
+# Tensor maps (cuTensorMapEncodeTiled's documentation): element sizes of CUtensorMapDataType 0-12 (the
+# packed 4- and 6-bit types 13-15 count as bytes), the largest enumerator of each option.
+_TENSOR_ELEMENT_BYTES = (1, 2, 4, 4, 8, 8, 2, 4, 8, 2, 4, 4, 4, 1, 1, 1)
+_INTERLEAVE_32B = 2
+_CORNER_BITS = {3: 16, 4: 8, 5: 5}   # im2col corners: signed, by rank
+
+
+def _tensor_map_valid(q: TensorMapRequest) -> bool:
+    rank = q.rank
+    lowest = 3 if q.kind != TENSOR_MAP_TILED or q.interleave else 1
+    if not (lowest <= rank <= 5 and q.data_type < len(_TENSOR_ELEMENT_BYTES) and q.interleave <= 2
+            and q.swizzle <= 7 and q.l2_promotion <= 3 and q.oob_fill <= 1):
+        return False
+    stride_align = 32 if q.interleave == _INTERLEAVE_32B else 16
+    if any(not 0 < d <= 1 << 32 for d in q.dims[:rank]) or any(not 1 <= e <= 8 for e in q.element_strides[:rank]):
+        return False
+    if any(s % stride_align or s >= 1 << 40 for s in q.strides[:rank - 1]):
+        return False
+    if q.kind == TENSOR_MAP_TILED:
+        inner_bytes = q.box[0] * _TENSOR_ELEMENT_BYTES[q.data_type]
+        return all(1 <= b <= 256 for b in q.box[:rank]) and (q.interleave or inner_bytes % 16 == 0)
+    if not (1 <= q.channels <= 256 and 1 <= q.pixels <= 1024):
+        return False
+    if q.kind == TENSOR_MAP_IM2COL_WIDE:
+        return q.wide_mode <= 1 and -32768 <= q.lower_w <= 32767 and -32768 <= q.upper_w <= 32767
+    half = 1 << (_CORNER_BITS[rank] - 1)
+    return all(-half <= c < half for c in (*q.lower[:rank - 2], *q.upper[:rank - 2]))
 
 
 class _EmuArray:
@@ -1122,6 +1157,26 @@ class EmulatedBackend:
             raise CudaError(INVALID_HANDLE)
         block = min(1024, limit) if limit > 0 else 1024
         return self.attributes["MULTIPROCESSOR_COUNT"] * (2048 // block), block
+
+    # ------------------------------------------------------------------ tensor maps
+
+    def tensor_map(self, q: TensorMapRequest) -> bytes:
+        """A deterministic 128-byte encoding (the address, then a digest of the rest) after the
+        checks cuTensorMapEncodeTiled's documentation lists; ReplaceAddress rewrites the address."""
+        if not self.attributes["TENSOR_MAP_ACCESS_SUPPORTED"]:
+            raise CudaError(NOT_SUPPORTED, f"rgpu: worker: tensor maps need compute capability 9.0 ({self.spec.gpu_name})")
+        align = 32 if q.interleave == _INTERLEAVE_32B else 16
+        if q.address % align:
+            raise CudaError(INVALID_VALUE)
+        if q.kind == TENSOR_MAP_REPLACE:
+            return struct.pack("<Q", q.address) + q.map[8:]
+        if not _tensor_map_valid(q):
+            raise CudaError(INVALID_VALUE)
+        digest = hashlib.sha256(TensorMapRequest.WIRE.pack(
+            q.kind, q.rank, q.data_type, q.interleave, q.swizzle, q.l2_promotion, q.oob_fill, q.wide_mode, 0,
+            q.lower_w, q.upper_w, q.channels, q.pixels, *q.dims, *q.strides, *q.box, *q.element_strides, *q.lower,
+            *q.upper, bytes(TENSOR_MAP_BYTES))).digest()
+        return (struct.pack("<Q", q.address) + digest).ljust(TENSOR_MAP_BYTES, b"\0")
 
     def link_create(self, options: list[tuple[int, int]]) -> int:
         self._need_ctx()

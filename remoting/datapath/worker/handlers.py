@@ -17,7 +17,8 @@ from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.backends.arrays import (DESC2D, DESC3D, HOST, MEMCPY3D, RESOURCE_DESC_SIZE,
                                                     TEXTURE_DESC_SIZE, VIEW_DESC_SIZE, parse_copy, parse_desc)
 from rgpu.remoting.datapath.backends.base import (CDP_NOT_SUPPORTED, INVALID_IMAGE, INVALID_VALUE, NOT_FOUND,
-                                                  PITCH_ALIGN_BYTES, SUCCESS, CudaError, LoadResult, SliceMemory)
+                                                  PITCH_ALIGN_BYTES, SUCCESS, CudaError, LoadResult, SliceMemory,
+                                                  TensorMapRequest)
 from rgpu.remoting.datapath.worker.client_handles import ClientEvents, ClientStreams, error_name
 from rgpu.remoting.datapath.worker.codecs import (ALLOC, COPY, HEADER, LAUNCH, LAUNCH_ATTR_SIZE, MAX_MODULE_NODES,
                                                   MODULE_NODE, U32, U64, fn_bytes, fn_without_handle, lp, read_options,
@@ -561,6 +562,13 @@ class Handlers:
                                   f"with {error_name(code)}; it was pipelined and this is the first synchronising "
                                   "call after it")
         return SUCCESS, b""
+
+    def h_tensor_map(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        """rgpuTensorMap: the driver's 128-byte encoding of a tensor map (native/src/tensor_map.c)."""
+        if len(p) < TensorMapRequest.WIRE.size:
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: rgpuTensorMap carried {len(p)} bytes, expected "
+                                           f"{TensorMapRequest.WIRE.size} (client and server builds differ)")
+        return SUCCESS, self.backend.tensor_map(TensorMapRequest.unpack(p))
 
     def h_potential_block_size(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         f, smem, limit, flags = struct.unpack_from("<QQiI", p, 0)

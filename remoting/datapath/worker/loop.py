@@ -159,6 +159,7 @@ class Worker(Handlers):
             "rgpuStreamCreate": (self.h_stream_create, True),
             "rgpuParamInfo": (self.h_param_info, False),
             "rgpuSetAttribute": (self.h_set_attribute, True),
+            "rgpuTensorMap": (self.h_tensor_map, False),
             "rgpuOccupancyMaxPotentialBlockSize": (self.h_potential_block_size, False),
             "cuOccupancyMaxActiveClusters": (self.h_max_active_clusters, False),
             "rgpuSessionInfo": (self.h_session_info, False),

@@ -2400,10 +2400,6 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue32_ptsz(void) { static int seen; 
 RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue64(void) { static int seen; return rgpu_unsupported("cuStreamWriteValue64", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue64_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamWriteValue64_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuSurfRefGetArray(void) { static int seen; return rgpu_unsupported("cuSurfRefGetArray", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuTensorMapEncodeIm2col(void) { static int seen; return rgpu_unsupported("cuTensorMapEncodeIm2col", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuTensorMapEncodeIm2colWide(void) { static int seen; return rgpu_unsupported("cuTensorMapEncodeIm2colWide", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuTensorMapEncodeTiled(void) { static int seen; return rgpu_unsupported("cuTensorMapEncodeTiled", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuTensorMapReplaceAddress(void) { static int seen; return rgpu_unsupported("cuTensorMapReplaceAddress", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTexRefCreate(void) { static int seen; return rgpu_unsupported("cuTexRefCreate", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTexRefDestroy(void) { static int seen; return rgpu_unsupported("cuTexRefDestroy", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTexRefGetAddress(void) { static int seen; return rgpu_unsupported("cuTexRefGetAddress", &seen, NULL); }
