@@ -172,21 +172,17 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s loop N | invalid | other | refused | slices\n", argv[0]);
         return 2;
     }
-    CUdevice dev;
-    CUcontext ctx;
     CUmodule mod;
     CUlibrary lib;
     CUfunction fn;
     CUkernel k;
-    CHECK("cuInit", cuInit(0));
     if (!strcmp(argv[1], "slices")) {
+        CHECK("cuInit", cuInit(0));
         slices();
         printf("DONE %d failure(s)\n", failures);
         return failures;
     }
-    CHECK("cuDeviceGet", cuDeviceGet(&dev, 0));
-    CHECK("cuDevicePrimaryCtxRetain", cuDevicePrimaryCtxRetain(&ctx, dev));
-    CHECK("cuCtxSetCurrent", cuCtxSetCurrent(ctx));
+    CUdevice dev = primary_context();
     CHECK("cuModuleLoadData", cuModuleLoadData(&mod, PTX));
     CHECK("cuModuleGetFunction", cuModuleGetFunction(&fn, mod, "rgpu_emulated_shared_probe"));
     CHECK("cuLibraryLoadData", cuLibraryLoadData(&lib, PTX, NULL, NULL, 0, NULL, NULL, 0));

@@ -232,14 +232,9 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s image.ptx loop N | destroyed | no-room\n", argv[0]);
         return 2;
     }
-    CUdevice dev;
-    CUcontext ctx;
     CUmodule mod;
     CUfunction fn;
-    CHECK("cuInit", cuInit(0));
-    CHECK("cuDeviceGet", cuDeviceGet(&dev, 0));
-    CHECK("cuDevicePrimaryCtxRetain", cuDevicePrimaryCtxRetain(&ctx, dev));
-    CHECK("cuCtxSetCurrent", cuCtxSetCurrent(ctx));
+    primary_context();
     char *image = read_file(argv[1]);
     CHECK("cuModuleLoadData", image ? cuModuleLoadData(&mod, image) : CUDA_ERROR_FILE_NOT_FOUND);
     CHECK("cuModuleGetFunction", cuModuleGetFunction(&fn, mod, "vecadd"));

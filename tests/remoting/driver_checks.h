@@ -53,4 +53,15 @@ static char *read_file(const char *path) {
     return b;
 }
 
+/* cuInit, then device 0's primary context made current; returns the device. */
+static inline CUdevice primary_context(void) {
+    CUdevice dev = 0;
+    CUcontext ctx;
+    CHECK("cuInit", cuInit(0));
+    CHECK("cuDeviceGet", cuDeviceGet(&dev, 0));
+    CHECK("cuDevicePrimaryCtxRetain", cuDevicePrimaryCtxRetain(&ctx, dev));
+    CHECK("cuCtxSetCurrent", cuCtxSetCurrent(ctx));
+    return dev;
+}
+
 #endif

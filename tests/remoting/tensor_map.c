@@ -93,13 +93,8 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s encode | hostile\n", argv[0]);
         return 2;
     }
-    CUdevice dev;
-    CUcontext ctx;
     CUdeviceptr buf;
-    CHECK("cuInit", cuInit(0));
-    CHECK("cuDeviceGet", cuDeviceGet(&dev, 0));
-    CHECK("cuDevicePrimaryCtxRetain", cuDevicePrimaryCtxRetain(&ctx, dev));
-    CHECK("cuCtxSetCurrent", cuCtxSetCurrent(ctx));
+    primary_context();
     CHECK("cuMemAlloc", cuMemAlloc(&buf, ROWS * COLS * 4 * 2));
     if (!strcmp(argv[1], "encode")) encode(buf);
     else if (!strcmp(argv[1], "hostile")) hostile(buf);

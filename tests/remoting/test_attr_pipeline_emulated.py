@@ -13,7 +13,7 @@ import pytest
 from rgpu.remoting.native import build, client_stats
 
 from rgpu.model import GpuInfo
-from tests.remoting.conftest import EMULATED_GPU, Server, driver_api_program, run_client, start_server
+from tests.remoting.conftest import EMULATED_GPU, Server, driver_api_program, run_client, serving
 from tests.remoting.test_cuda_backend_chained import chained  # noqa: F401 - the fixture
 
 HERE = Path(__file__).parent
@@ -28,11 +28,8 @@ def attr_loop(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFac
 
 @pytest.fixture
 def h200_and_a100() -> Iterator[Server]:
-    server, address = start_server("emulated", [EMULATED_GPU, EMULATED_A100])
-    try:
-        yield Server(server, address, [EMULATED_GPU, EMULATED_A100])
-    finally:
-        server.stop()
+    with serving("emulated", [EMULATED_GPU, EMULATED_A100]) as server:
+        yield server
 
 
 def _run(native_libs: build.Libraries, emulated: Server, binary: Path, *args: str, stats: Path | None = None,

@@ -3,7 +3,8 @@
 It exists so that CI, which has no GPU, tests the real client library, protocol, worker, limits
 and error paths end to end: allocations, copies, memsets, memory info, device and context
 queries (values from the dispatcher's GpuInfo), streams and events, PTX module loads with
-parameter layouts parsed from the PTX. Kernel launches are refused with a clear error.
+parameter layouts parsed from the PTX, function attributes checked as the driver checks them,
+tensor maps. Kernel launches are refused with a clear error, except the fake kernels below.
 """
 
 from __future__ import annotations
