@@ -112,11 +112,37 @@ static void forget_matching(table *t, uint64_t k1, uint64_t k2, int mask) {
     entry pattern = {.k1 = k1, .k2 = k2};
     pthread_mutex_lock(&g_lock);
     int hit = 0;
+    if (!t->count) {
+        pthread_mutex_unlock(&g_lock);
+        return;
+    }
     for (uint32_t i = 0; i < t->size && !hit; i++) hit = t->e[i].used && dropped(&t->e[i], &pattern, mask);
     if (hit) rebuild(t, t->size, pattern, mask);
     pthread_mutex_unlock(&g_lock);
 }
 static void forget_first_key(table *t, uint64_t k1) { forget_matching(t, k1, 0, MATCH_K1); }
+
+/* Drop one entry without a scan (a set runs this before each launch): the entries after it in its
+ * probe run move back where their own probe would find them. */
+static void forget_key(table *t, uint64_t a, uint64_t b, uint64_t c) {
+    pthread_mutex_lock(&g_lock);
+    uint32_t i = t->count ? (uint32_t)(hash(a, b, c) % t->size) : 0;
+    for (uint32_t n = 0; t->count && n < t->size && t->e[i].used; i = (i + 1) % t->size, n++) {
+        if (t->e[i].k1 != a || t->e[i].k2 != b || t->e[i].k3 != c) continue;
+        t->e[i].used = 0;
+        t->count--;
+        for (uint32_t j = (i + 1) % t->size; t->e[j].used; j = (j + 1) % t->size) {
+            uint32_t home = (uint32_t)(hash(t->e[j].k1, t->e[j].k2, t->e[j].k3) % t->size);
+            /* j stays where its home lies cyclically in (i, j] */
+            if (i <= j ? (i < home && home <= j) : (i < home || home <= j)) continue;
+            t->e[i] = t->e[j];
+            t->e[j].used = 0;
+            i = j;
+        }
+        break;
+    }
+    pthread_mutex_unlock(&g_lock);
+}
 
 static void clear(table *t) {
     pthread_mutex_lock(&g_lock);
@@ -245,9 +271,13 @@ static void attribute_set(uint64_t h, int attrib, int is_function) {
         rgpu_cache_forget_occupancy();
         return;
     }
+    /* third keys: the slice (functions; 0 with one) and the device (kernels), both below the count */
+    int slices = rgpu_session_count < 2 ? 1 : rgpu_session_count;
     for (int i = 0; i < n; i++) {
-        forget_matching(&g_fattr, related[i], (uint64_t)attrib, MATCH_K1 | MATCH_K2);
-        forget_matching(&g_kattr, related[i], (uint64_t)attrib, MATCH_K1 | MATCH_K2);
+        for (int s = 0; s < slices; s++) {
+            forget_key(&g_fattr, related[i], (uint64_t)attrib, (uint64_t)s);
+            forget_key(&g_kattr, related[i], (uint64_t)attrib, (uint64_t)s);
+        }
         forget_occupancy_of(related[i]);
     }
     /* a function the cache knows no kernel of may still be one's (as rgpu_fattr_changed says) */
@@ -329,8 +359,13 @@ void rgpu_pstate_forget(void) { clear(&g_pstate); }
  * dynamic shared memory and flags until a function attribute changes (forgotten with them).
  * Keyed by slice as well: two workers hand out the same handle values for the same loads, and a
  * library's kernel used as a function serves every slice, while their devices may differ. */
-static table g_occ;
+static table g_occ, g_occ_fns;   /* g_occ_fns: the functions any occupancy table holds answers of */
 static uint64_t occ_key(CUfunction f, uint64_t session) { return (uint64_t)(uintptr_t)f + (session << 56); }
+static uint64_t occ_fn_key(CUfunction f) {
+    uint64_t k = occ_key(f, current_session());
+    put(&g_occ_fns, k, 0, 0, 1);
+    return k;
+}
 int rgpu_occ_get(CUfunction f, int block, size_t smem, unsigned int flags, int *out) {
     uint64_t v;
     if (!get(&g_occ, occ_key(f, current_session()), (uint64_t)(uint32_t)block | ((uint64_t)flags << 32), smem, &v))
@@ -339,7 +374,7 @@ int rgpu_occ_get(CUfunction f, int block, size_t smem, unsigned int flags, int *
     return 1;
 }
 void rgpu_occ_put(CUfunction f, int block, size_t smem, unsigned int flags, int value) {
-    put(&g_occ, occ_key(f, current_session()), (uint64_t)(uint32_t)block | ((uint64_t)flags << 32), smem,
+    put(&g_occ, occ_fn_key(f), (uint64_t)(uint32_t)block | ((uint64_t)flags << 32), smem,
         (uint64_t)(uint32_t)value);
 }
 /* cuOccupancyAvailableDynamicSMemPerBlock and the callback-free cuOccupancyMaxPotentialBlockSize:
@@ -354,7 +389,7 @@ int rgpu_occ_smem_get(CUfunction f, int blocks, int block_size, size_t *out) {
     return 1;
 }
 void rgpu_occ_smem_put(CUfunction f, int blocks, int block_size, size_t value) {
-    put(&g_occ_smem, occ_key(f, current_session()), (uint64_t)(uint32_t)blocks | ((uint64_t)(uint32_t)block_size << 32),
+    put(&g_occ_smem, occ_fn_key(f), (uint64_t)(uint32_t)blocks | ((uint64_t)(uint32_t)block_size << 32),
         0, value);
 }
 int rgpu_occ_potential_get(CUfunction f, size_t smem, int limit, unsigned int flags, int *min_grid, int *block) {
@@ -367,19 +402,22 @@ int rgpu_occ_potential_get(CUfunction f, size_t smem, int limit, unsigned int fl
     return 1;
 }
 void rgpu_occ_potential_put(CUfunction f, size_t smem, int limit, unsigned int flags, int min_grid, int block) {
-    put(&g_occ_potential, occ_key(f, current_session()), smem, (uint64_t)(uint32_t)limit | ((uint64_t)flags << 32),
+    put(&g_occ_potential, occ_fn_key(f), smem, (uint64_t)(uint32_t)limit | ((uint64_t)flags << 32),
         (uint64_t)(uint32_t)min_grid | ((uint64_t)(uint32_t)block << 32));
 }
 void rgpu_cache_forget_occupancy(void) {
     clear(&g_occ);
     clear(&g_occ_smem);
     clear(&g_occ_potential);
+    clear(&g_occ_fns);
 }
 /* One function's occupancy answers, on every slice. */
 static void forget_occupancy_of(uint64_t f) {
     int sessions = rgpu_session_count < 2 ? 1 : rgpu_session_count;
     for (int s = 0; s < sessions; s++) {
-        uint64_t k = occ_key((CUfunction)(uintptr_t)f, (uint64_t)s);
+        uint64_t k = occ_key((CUfunction)(uintptr_t)f, (uint64_t)s), v;
+        if (!get(&g_occ_fns, k, 0, 0, &v)) continue;   /* the usual case: no scan */
+        forget_key(&g_occ_fns, k, 0, 0);
         forget_first_key(&g_occ, k);
         forget_first_key(&g_occ_smem, k);
         forget_first_key(&g_occ_potential, k);
