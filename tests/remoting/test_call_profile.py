@@ -126,6 +126,29 @@ def test_setting_a_functions_attribute_to_its_value_is_free_and_keeps_kernel_ans
     assert ops["cuFuncGetAttribute"].sync_calls == 1 and ops["cuKernelGetAttribute"].sync_calls == 1
 
 
+def test_a_set_forgets_the_occupancy_answers_of_its_function_only(
+        native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
+    # The carveout changes how many blocks fit: a function's occupancy answers go with a set of its
+    # attributes; another function's stay.
+    done = py_client(native_libs, emulated.slices(emulated.token()), f"""
+        setup()
+        ptx = open({str(EXAMPLES / "vecadd.ptx")!r}, "rb").read() + b"\\0"
+        mod, f, g = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        check("cuModuleLoadData", ctypes.byref(mod), ptx)
+        check("cuModuleGetFunction", ctypes.byref(f), mod, b"vecadd")
+        check("cuModuleGetFunction", ctypes.byref(g), mod, b"spin")
+        n = ctypes.c_int()
+        for step in range(3):
+            for fn in (f, g):
+                check("cuOccupancyMaxActiveBlocksPerMultiprocessor", ctypes.byref(n), fn, 128, ctypes.c_size_t(0))
+            check("cuFuncSetAttribute", f, 9, 10 + step)   # PREFERRED_SHARED_MEMORY_CARVEOUT
+        print("BLOCKS", n.value)
+        """, RGPU_CLIENT_STATS=str(tmp_path / "client"))
+    assert "BLOCKS 16" in done.stdout, done.stdout + done.stderr
+    ops = _profile(tmp_path)
+    assert ops["cuOccupancyMaxActiveBlocksPerMultiprocessor"].sync_calls == 3 + 1   # f after each set, g once
+    assert ops["rgpuSetAttribute"].async_calls == 3
+
 def test_the_caches_grow_instead_of_forgetting(native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
     # 10,000 distinct occupancy questions (more than the first table holds): each travels once.
     done = py_client(native_libs, emulated.slices(emulated.token()), f"""
