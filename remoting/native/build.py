@@ -39,7 +39,8 @@ STAMP = "rgpu-native.stamp"
 CUDA_SOURCES = [SRC / "transport.c", SRC / "tables.c", SRC / "cuda_core.c", SRC / "cuda_memory.c", SRC / "cuda_array.c",
                 SRC / "cuda_module.c", SRC / "cuda_graph.c", SRC / "host_nodes.c", SRC / "cuda_cache.c", SRC / "cuda_export.c",
                 SRC / "module_nodes.c", SRC / "managed.c", SRC / "library_mirror.c", SRC / "cuda_events.c",
-                SRC / "integrity.c", SRC / "sha256.c", SRC / "digest_memo.c", SRC / "idle_streams.c", GEN / "cuda_gen.c"]
+                SRC / "integrity.c", SRC / "sha256.c", SRC / "digest_memo.c", SRC / "idle_streams.c", SRC / "func_attrs.c",
+                SRC / "tensor_map.c", GEN / "cuda_gen.c"]
 NVML_SOURCES = [SRC / "transport.c", SRC / "nvml_core.c", GEN / "nvml_gen.c"]
 WORKER_SOURCES = [SRC / "worker_launch.c", SRC / "worker_events.c"]
 TRACE_SOURCES = [SRC / "trace.c", SRC / "integrity.c"]

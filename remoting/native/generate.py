@@ -404,10 +404,10 @@ BEFORE_HOOKS = {
     "cuCtxGetDevice_v2": "if (rgpu_cached_ctx_device(ctx, device)) return CUDA_SUCCESS",
     "cuKernelGetAttribute": "if (rgpu_kattr_get(kernel, attrib, dev, pi)) return CUDA_SUCCESS",
     "cuKernelGetFunction": "if (rgpu_kfunc_get(kernel, pFunc)) return CUDA_SUCCESS",
-    # setting a function's attribute to the value it has changes nothing (as for kernels, below):
-    # a set that travelled also forgot every kernel's answers when the function was not known as a
-    # kernel's, which made GPT-2's cuKernelSetAttribute no-ops miss (~250 round trips per step)
-    "cuFuncSetAttribute": "{ int v_; if (rgpu_fattr_get(hfunc, attrib, &v_) && v_ == value) return CUDA_SUCCESS; }",
+    # the attributes the client can check travel pipelined, or fail at once (func_attrs.c); setting
+    # another to the value it has changes nothing (as for kernels, below)
+    "cuFuncSetAttribute": ("{ CUresult r_; int v_; if (rgpu_func_set_attribute_here(hfunc, attrib, value, &r_)) return r_; "
+                           "if (rgpu_fattr_get(hfunc, attrib, &v_) && v_ == value) return CUDA_SUCCESS; }"),
     "cuDeviceGetAttribute": "if (rgpu_dattr_get(attrib, dev, pi)) return CUDA_SUCCESS",
     "cuDevicePrimaryCtxGetState": "if (rgpu_pstate_get(dev, flags, active)) return CUDA_SUCCESS",
     "cuCtxGetLimit": "if (rgpu_limit_get(limit, pvalue)) return CUDA_SUCCESS",
@@ -448,8 +448,9 @@ BEFORE_HOOKS = {
     "cuMemcpyDtoD_v2": "{ CUresult r_; if (rgpu_dtod_between_slices(dstDevice, srcDevice, ByteCount, NULL, &r_)) return r_; }",
     "cuMemcpyDtoDAsync_v2": ("{ CUresult r_; if (rgpu_dtod_between_slices(dstDevice, srcDevice, ByteCount, hStream, &r_)) "
                              "return r_; }"),
-    # setting an attribute to the value it has is a no-op (cuBLAS sets it before each launch)
-    "cuKernelSetAttribute": "{ int v_; if (rgpu_kattr_get(kernel, attrib, dev, &v_) && v_ == val) return CUDA_SUCCESS; }",
+    # as cuFuncSetAttribute (cuBLAS and PyTorch set the dynamic shared memory before each launch)
+    "cuKernelSetAttribute": ("{ CUresult r_; int v_; if (rgpu_kernel_set_attribute_here(kernel, attrib, val, dev, &r_)) "
+                             "return r_; if (rgpu_kattr_get(kernel, attrib, dev, &v_) && v_ == val) return CUDA_SUCCESS; }"),
     "cuOccupancyMaxActiveBlocksPerMultiprocessor": "if (rgpu_occ_get(func, blockSize, dynamicSMemSize, 0, numBlocks)) return CUDA_SUCCESS",
     "cuOccupancyMaxActiveBlocksPerMultiprocessorWithFlags": "if (rgpu_occ_get(func, blockSize, dynamicSMemSize, flags, numBlocks)) return CUDA_SUCCESS",
     "cuOccupancyAvailableDynamicSMemPerBlock": "if (rgpu_occ_smem_get(func, numBlocks, blockSize, dynamicSmemSize)) return CUDA_SUCCESS",

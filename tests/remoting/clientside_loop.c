@@ -15,52 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int failures;
-
-static const char *name_of(CUresult r) {
-    const char *s = "?";
-    cuGetErrorName(r, &s);
-    return s;
-}
-
-#define WANT(name, want, call)                                                                   \
-    do {                                                                                         \
-        CUresult r_ = (call);                                                                    \
-        if (r_ == (want)) printf("OK %s\n", name);                                               \
-        else {                                                                                   \
-            printf("FAIL %s: %s (%d), wanted %s\n", name, name_of(r_), (int)r_, name_of(want));  \
-            failures++;                                                                          \
-        }                                                                                        \
-    } while (0)
-#define CHECK(name, call) WANT(name, CUDA_SUCCESS, call)
-#define QUIET(call)                                                                              \
-    do {                                                                                         \
-        CUresult r_ = (call);                                                                    \
-        if (r_ != CUDA_SUCCESS) {                                                                \
-            printf("FAIL %s line %d: %s\n", #call, __LINE__, name_of(r_));                      \
-            failures++;                                                                          \
-        }                                                                                        \
-    } while (0)
-#define SAME(what, a, b)                                                                         \
-    do {                                                                                         \
-        if ((a) != (b)) {                                                                        \
-            printf("FAIL %s: %lld, first answer %lld\n", what, (long long)(a), (long long)(b));   \
-            failures++;                                                                          \
-        }                                                                                        \
-    } while (0)
-
-static char *read_file(const char *path) {
-    FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    fseek(f, 0, SEEK_END);
-    long n = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *b = malloc((size_t)n + 1);
-    if (fread(b, 1, (size_t)n, f) != (size_t)n) { fclose(f); free(b); return NULL; }
-    fclose(f);
-    b[n] = 0;
-    return b;
-}
+#include "driver_checks.h"
 
 #define NFATTR 10
 #define NPATTR 6
@@ -277,14 +232,9 @@ int main(int argc, char **argv) {
         fprintf(stderr, "usage: %s image.ptx loop N | destroyed | no-room\n", argv[0]);
         return 2;
     }
-    CUdevice dev;
-    CUcontext ctx;
     CUmodule mod;
     CUfunction fn;
-    CHECK("cuInit", cuInit(0));
-    CHECK("cuDeviceGet", cuDeviceGet(&dev, 0));
-    CHECK("cuDevicePrimaryCtxRetain", cuDevicePrimaryCtxRetain(&ctx, dev));
-    CHECK("cuCtxSetCurrent", cuCtxSetCurrent(ctx));
+    primary_context();
     char *image = read_file(argv[1]);
     CHECK("cuModuleLoadData", image ? cuModuleLoadData(&mod, image) : CUDA_ERROR_FILE_NOT_FOUND);
     CHECK("cuModuleGetFunction", cuModuleGetFunction(&fn, mod, "vecadd"));

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -125,13 +126,20 @@ def start_server(backend: str, gpus: list[GpuInfo]) -> tuple[SessionServer, str]
     return server, address
 
 
-@pytest.fixture
-def emulated() -> Iterator[Server]:
-    server, address = start_server("emulated", [EMULATED_GPU, EMULATED_GPU_2])
+@contextmanager
+def serving(backend: str, gpus: list[GpuInfo]) -> Iterator[Server]:
+    """A session server of these GPUs for the length of the block."""
+    server, address = start_server(backend, gpus)
     try:
-        yield Server(server, address, [EMULATED_GPU, EMULATED_GPU_2])
+        yield Server(server, address, gpus)
     finally:
         server.stop()
+
+
+@pytest.fixture
+def emulated() -> Iterator[Server]:
+    with serving("emulated", [EMULATED_GPU, EMULATED_GPU_2]) as server:
+        yield server
 
 
 def client_env(libs: build.Libraries, slices: str, **extra: str) -> dict[str, str]:

@@ -84,8 +84,11 @@ def test_kernel_attributes_cost_one_round_trip_and_setting_one_kernel_keeps_the_
         """, RGPU_CLIENT_STATS=str(tmp_path / "client"))
     assert "A 66560" in done.stdout and "B 32768" in done.stdout and "A2 1024" in done.stdout, done.stdout + done.stderr
     ops = _profile(tmp_path)
-    assert ops["cuKernelSetAttribute"].sync_calls == 51       # A's 50 changes, B's first set
-    assert ops["cuKernelGetAttribute"].sync_calls == 2        # B's attribute 0 once; A's after cuFuncSetAttribute
+    # A's 50 changes, B's first set and the set through the function, all pipelined (func_attrs.c).
+    assert "cuKernelSetAttribute" not in ops and ops["rgpuSetAttribute"].async_calls == 52
+    # Each kernel's static shared memory once (what a set is checked against), B's attribute 0 once,
+    # A's after cuFuncSetAttribute.
+    assert ops["cuKernelGetAttribute"].sync_calls == 4
     assert ops["cuKernelGetFunction"].sync_calls == 1
 
 
@@ -111,16 +114,40 @@ def test_setting_a_functions_attribute_to_its_value_is_free_and_keeps_kernel_ans
         print("F", v.value)
         check("cuKernelGetAttribute", ctypes.byref(v), 8, k, 0)
         print("K", v.value)
-        check("cuFuncSetAttribute", f, 8, 1024)                                # a real change travels
+        check("cuFuncSetAttribute", f, 8, 1024)                                # a real change is sent
         check("cuFuncGetAttribute", ctypes.byref(v), 8, f)
         print("F2", v.value)
         """, RGPU_CLIENT_STATS=str(tmp_path / "client"))
     assert "F 2048" in done.stdout and "K 4096" in done.stdout and "F2 1024" in done.stdout, done.stdout + done.stderr
     ops = _profile(tmp_path)
-    assert ops["cuFuncSetAttribute"].sync_calls == 2
-    assert ops["cuKernelSetAttribute"].sync_calls == 1
-    assert "cuFuncGetAttribute" not in ops and "cuKernelGetAttribute" not in ops   # the sets' values answer
+    assert "cuFuncSetAttribute" not in ops and "cuKernelSetAttribute" not in ops
+    assert ops["rgpuSetAttribute"].async_calls == 3   # the first two sets and the change, pipelined
+    # Only the static shared memory the first sets are checked against; the sets' values answer.
+    assert ops["cuFuncGetAttribute"].sync_calls == 1 and ops["cuKernelGetAttribute"].sync_calls == 1
 
+
+def test_a_set_forgets_the_occupancy_answers_of_its_function_only(
+        native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
+    # The carveout changes how many blocks fit: a function's occupancy answers go with a set of its
+    # attributes; another function's stay.
+    done = py_client(native_libs, emulated.slices(emulated.token()), f"""
+        setup()
+        ptx = open({str(EXAMPLES / "vecadd.ptx")!r}, "rb").read() + b"\\0"
+        mod, f, g = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+        check("cuModuleLoadData", ctypes.byref(mod), ptx)
+        check("cuModuleGetFunction", ctypes.byref(f), mod, b"vecadd")
+        check("cuModuleGetFunction", ctypes.byref(g), mod, b"spin")
+        n = ctypes.c_int()
+        for step in range(3):
+            for fn in (f, g):
+                check("cuOccupancyMaxActiveBlocksPerMultiprocessor", ctypes.byref(n), fn, 128, ctypes.c_size_t(0))
+            check("cuFuncSetAttribute", f, 9, 10 + step)   # PREFERRED_SHARED_MEMORY_CARVEOUT
+        print("BLOCKS", n.value)
+        """, RGPU_CLIENT_STATS=str(tmp_path / "client"))
+    assert "BLOCKS 16" in done.stdout, done.stdout + done.stderr
+    ops = _profile(tmp_path)
+    assert ops["cuOccupancyMaxActiveBlocksPerMultiprocessor"].sync_calls == 3 + 1   # f after each set, g once
+    assert ops["rgpuSetAttribute"].async_calls == 3
 
 def test_the_caches_grow_instead_of_forgetting(native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
     # 10,000 distinct occupancy questions (more than the first table holds): each travels once.

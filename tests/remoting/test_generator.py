@@ -31,6 +31,8 @@ SPEC_HASHES = {
         "1d5c2a0e7408bce02644ce8c50b75c7d0e293907388c39e0427fbf6801cbb9c3"),  # module loads name large images by SHA-256 (the node's image cache)
     8: ("ab41f958eb2959fb582665da1db3b847627156573a54a2d61d8c757f102b1f1f",
         "d85a206af20eadd91fda2666bfcf286b25794219f2a42f160c16799e3e8c94f2"),  # client-made events and streams (rgpuEventCreate, rgpuStreamCreate; destruction async); module loads say whether they want the function table
+    9: ("bf0c972afb92914750e29be12767bfc5ab093d59862cb2c011d869726b6c1d9a",
+        "7c50e0959e8088c16c5a1ce7a974070a165c157c89f429bbf0ce248556f74ca0"),  # pipelined attribute sets (rgpuSetAttribute); tensor maps
 }
 
 

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from rgpu.remoting.native.apispec import SPEC_DIR, read_enums
 from rgpu.units import format_bytes
@@ -62,6 +62,45 @@ class CudaError(Exception):
         super().__init__(message or f"CUDA error {code}")
         self.code = code
         self.message = message
+
+
+@dataclass(frozen=True)
+class TensorMapRequest:
+    """cuTensorMapEncodeTiled, EncodeIm2col, EncodeIm2colWide or ReplaceAddress (rgpuTensorMap): the
+    client's request, every array at rank 5 with unused elements zero (native/src/tensor_map.c)."""
+
+    kind: int                  # TENSOR_MAP_TILED, _IM2COL, _IM2COL_WIDE, _REPLACE
+    rank: int
+    data_type: int
+    interleave: int
+    swizzle: int
+    l2_promotion: int
+    oob_fill: int
+    wide_mode: int
+    address: int
+    lower_w: int
+    upper_w: int
+    channels: int
+    pixels: int
+    dims: tuple[int, ...]
+    strides: tuple[int, ...]   # rank - 1 of them in use
+    box: tuple[int, ...]
+    element_strides: tuple[int, ...]
+    lower: tuple[int, ...]     # im2col: rank - 2 in use
+    upper: tuple[int, ...]
+    map: bytes                 # ReplaceAddress: the map to change
+
+    WIRE = struct.Struct("<8IQ2i2I5Q5Q5I5I5i5i128s")
+
+    @classmethod
+    def unpack(cls, buf: Any) -> TensorMapRequest:
+        v = cls.WIRE.unpack_from(buf, 0)
+        return cls(*v[:13], dims=v[13:18], strides=v[18:23], box=v[23:28], element_strides=v[28:33],
+                   lower=v[33:38], upper=v[38:43], map=v[43])
+
+
+TENSOR_MAP_TILED, TENSOR_MAP_IM2COL, TENSOR_MAP_IM2COL_WIDE, TENSOR_MAP_REPLACE = range(4)
+TENSOR_MAP_BYTES = 128
 
 
 @dataclass(frozen=True)

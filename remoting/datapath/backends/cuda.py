@@ -34,8 +34,13 @@ from rgpu.remoting.datapath.backends.base import (
     NOT_SUPPORTED,
     SUCCESS,
     CudaError,
+    TENSOR_MAP_BYTES,
+    TENSOR_MAP_IM2COL,
+    TENSOR_MAP_IM2COL_WIDE,
+    TENSOR_MAP_REPLACE,
     FnInfo,
     LoadResult,
+    TensorMapRequest,
     cu,
 )
 
@@ -1107,6 +1112,51 @@ class CudaBackend(CudaDriverCalls):
         clusters = c_int()
         self._check("cuOccupancyMaxActiveClusters", byref(clusters), f, byref(config))
         return clusters.value
+
+    def tensor_map(self, q: TensorMapRequest) -> bytes:
+        """The driver's encoding, made in a 64-byte aligned buffer as it requires. The entry points
+        are looked up at first use: drivers before CUDA 12.8 lack cuTensorMapEncodeIm2colWide."""
+        raw = ctypes.create_string_buffer(TENSOR_MAP_BYTES + 64)
+        at = (ctypes.addressof(raw) + 63) & ~63
+        u64s, u32s, i32s = c_uint64 * 5, ctypes.c_uint32 * 5, c_int * 5
+        dims, strides, elem = u64s(*q.dims), u64s(*q.strides), u32s(*q.element_strides)
+        address = q.address or None
+        if q.kind == TENSOR_MAP_REPLACE:
+            ctypes.memmove(at, q.map, TENSOR_MAP_BYTES)
+            r = self._tensor_map_fn("cuTensorMapReplaceAddress", [c_void_p, c_void_p])(at, address)
+        elif q.kind == TENSOR_MAP_IM2COL:
+            r = self._tensor_map_fn("cuTensorMapEncodeIm2col", [
+                c_void_p, c_int, ctypes.c_uint32, c_void_p, P(c_uint64), P(c_uint64), P(c_int), P(c_int),
+                ctypes.c_uint32, ctypes.c_uint32, P(ctypes.c_uint32), c_int, c_int, c_int, c_int])(
+                at, q.data_type, q.rank, address, dims, strides, i32s(*q.lower), i32s(*q.upper), q.channels, q.pixels,
+                elem, q.interleave, q.swizzle, q.l2_promotion, q.oob_fill)
+        elif q.kind == TENSOR_MAP_IM2COL_WIDE:
+            r = self._tensor_map_fn("cuTensorMapEncodeIm2colWide", [
+                c_void_p, c_int, ctypes.c_uint32, c_void_p, P(c_uint64), P(c_uint64), c_int, c_int, ctypes.c_uint32,
+                ctypes.c_uint32, P(ctypes.c_uint32), c_int, c_int, c_int, c_int, c_int])(
+                at, q.data_type, q.rank, address, dims, strides, q.lower_w, q.upper_w, q.channels, q.pixels, elem,
+                q.interleave, q.wide_mode, q.swizzle, q.l2_promotion, q.oob_fill)
+        else:
+            r = self._tensor_map_fn("cuTensorMapEncodeTiled", [
+                c_void_p, c_int, ctypes.c_uint32, c_void_p, P(c_uint64), P(c_uint64), P(ctypes.c_uint32),
+                P(ctypes.c_uint32), c_int, c_int, c_int, c_int])(
+                at, q.data_type, q.rank, address, dims, strides, u32s(*q.box), elem, q.interleave, q.swizzle,
+                q.l2_promotion, q.oob_fill)
+        if r != SUCCESS:
+            raise CudaError(r)
+        return ctypes.string_at(at, TENSOR_MAP_BYTES)
+
+    def _tensor_map_fn(self, name: str, argtypes: list[Any]) -> Any:
+        fn = self.f.get(name)
+        if fn is None:
+            fn = getattr(self.lib, name, None)
+            if fn is None:
+                raise CudaError(NOT_SUPPORTED, f"rgpu: worker: {name} is not in this GPU node's driver "
+                                               f"({self.driver_version}); update the driver")
+            fn.argtypes = argtypes
+            fn.restype = c_int
+            self.f[name] = fn
+        return fn
 
     def fence(self) -> int:
         """Wait for the current context's work (rgpu's compute limiter, worker/limiter.py); the

@@ -3,12 +3,14 @@
 It exists so that CI, which has no GPU, tests the real client library, protocol, worker, limits
 and error paths end to end: allocations, copies, memsets, memory info, device and context
 queries (values from the dispatcher's GpuInfo), streams and events, PTX module loads with
-parameter layouts parsed from the PTX. Kernel launches are refused with a clear error.
+parameter layouts parsed from the PTX, function attributes checked as the driver checks them,
+tensor maps. Kernel launches are refused with a clear error, except the fake kernels below.
 """
 
 from __future__ import annotations
 
 import bisect
+import hashlib
 import mmap
 import os
 import re
@@ -40,8 +42,13 @@ from rgpu.remoting.datapath.backends.base import (
     NVML_ERROR_NOT_SUPPORTED,
     OUT_OF_MEMORY,
     SUCCESS,
+    TENSOR_MAP_BYTES,
+    TENSOR_MAP_IM2COL_WIDE,
+    TENSOR_MAP_REPLACE,
+    TENSOR_MAP_TILED,
     CudaError,
     FnInfo,
+    TensorMapRequest,
     LoadResult,
     cu,
     enums,
@@ -80,6 +87,30 @@ _ATTRIBUTES = {
     "MEM_SYNC_DOMAIN_COUNT": 4, "TENSOR_MAP_ACCESS_SUPPORTED": 1, "NUMA_ID": -1, "HOST_NUMA_ID": -1,
 }
 
+# Devices other than the H100/H200 class, by name (the dispatcher's GpuInfo), so that slices of
+# one application can differ as real ones do (an A100's SMs and shared memory).
+_MODELS = {
+    "A100": {"MULTIPROCESSOR_COUNT": 108, "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN": 166912,
+             "MAX_SHARED_MEMORY_PER_MULTIPROCESSOR": 167936, "L2_CACHE_SIZE": 41943040, "CLUSTER_LAUNCH": 0,
+             "TENSOR_MAP_ACCESS_SUPPORTED": 0},
+}
+
+
+def device_attributes(gpu_name: str) -> dict[str, int]:
+    """The emulated device's attributes: an H100/H200's, or those of a model named in _MODELS."""
+    model = next((m for key, m in _MODELS.items() if key in gpu_name), {})
+    return {**_ATTRIBUTES, **model}
+
+
+# CUfunction_attribute values the emulated functions answer and check.
+FUNC_SHARED_SIZE_BYTES = 1
+FUNC_MAX_DYNAMIC_SHARED = 8
+FUNC_CARVEOUT = 9
+FUNC_CLUSTER_SIZE_MUST_BE_SET = 10
+FUNC_NON_PORTABLE_CLUSTER = 14
+FUNC_SCHEDULING_POLICY = 15
+_FUNC_DEFAULTS = {0: 1024, 4: 16, 5: 90, 6: 90, FUNC_MAX_DYNAMIC_SHARED: 49152}
+
 _LAUNCH_REFUSED = ("rgpu: worker: kernel launch refused (this dispatcher emulates its GPU and cannot run "
                    "kernels; run the application against a dispatcher started with --backend cuda on a GPU node)")
 
@@ -91,6 +122,9 @@ _LAUNCH_REFUSED = ("rgpu: worker: kernel launch refused (this dispatcher emulate
 # session of that GPU gets it too (the fault domain is a marker file in the GPU's shared folder,
 # which the dispatcher clears when it recovers the GPU, as a restarted MPS server would be clean).
 EMULATED_SPIN = "rgpu_emulated_spin_forever"
+# A kernel the emulated GPU runs: it writes the launch's dynamic shared memory size (u32) to its
+# first parameter, a device pointer, so tests see what a launch got.
+EMULATED_SHARED_PROBE = "rgpu_emulated_shared_probe"
 EMULATED_WILD_WRITE = "rgpu_emulated_wild_write"
 ILLEGAL_ADDRESS = 700
 
@@ -130,6 +164,35 @@ def ptx_local_sizes(text: str) -> dict[str, int]:
 # CUarray_format values of cuda.h (CUDA 13): what an array may be created with.
 _KNOWN_FORMATS = frozenset({0x01, 0x02, 0x03, 0x08, 0x09, 0x0A, 0x10, 0x20, 0x50, 0xB0, *range(0xC0, 0xCC),
                             *range(0x91, 0xA0), *range(0xA1, 0xAA), *range(0xB1, 0xB6)})
+
+
+# Tensor maps (cuTensorMapEncodeTiled's documentation): element sizes of CUtensorMapDataType 0-12 (the
+# packed 4- and 6-bit types 13-15 count as bytes), the largest enumerator of each option.
+_TENSOR_ELEMENT_BYTES = (1, 2, 4, 4, 8, 8, 2, 4, 8, 2, 4, 4, 4, 1, 1, 1)
+_INTERLEAVE_32B = 2
+_CORNER_BITS = {3: 16, 4: 8, 5: 5}   # im2col corners: signed, by rank
+
+
+def _tensor_map_valid(q: TensorMapRequest) -> bool:
+    rank = q.rank
+    lowest = 3 if q.kind != TENSOR_MAP_TILED or q.interleave else 1
+    if not (lowest <= rank <= 5 and q.data_type < len(_TENSOR_ELEMENT_BYTES) and q.interleave <= 2
+            and q.swizzle <= 7 and q.l2_promotion <= 3 and q.oob_fill <= 1):
+        return False
+    stride_align = 32 if q.interleave == _INTERLEAVE_32B else 16
+    if any(not 0 < d <= 1 << 32 for d in q.dims[:rank]) or any(not 1 <= e <= 8 for e in q.element_strides[:rank]):
+        return False
+    if any(s % stride_align or s >= 1 << 40 for s in q.strides[:rank - 1]):
+        return False
+    if q.kind == TENSOR_MAP_TILED:
+        inner_bytes = q.box[0] * _TENSOR_ELEMENT_BYTES[q.data_type]
+        return all(1 <= b <= 256 for b in q.box[:rank]) and (q.interleave or inner_bytes % 16 == 0)
+    if not (1 <= q.channels <= 256 and 1 <= q.pixels <= 1024):
+        return False
+    if q.kind == TENSOR_MAP_IM2COL_WIDE:
+        return q.wide_mode <= 1 and -32768 <= q.lower_w <= 32767 and -32768 <= q.upper_w <= 32767
+    half = 1 << (_CORNER_BITS[rank] - 1)
+    return all(-half <= c < half for c in (*q.lower[:rank - 2], *q.upper[:rank - 2]))
 
 
 class _EmuArray:
@@ -265,6 +328,10 @@ class EmulatedBackend:
         self.links: dict[int, list[bytes]] = {}
         self.limits: dict[int, int] = {}
         self.func_attrs: dict[tuple[int, int], int] = {}   # (function or kernel, attribute) -> value set
+        self.attributes = device_attributes(spec.gpu_name)
+        # A driver stricter than the device's attributes say (RGPU_EMULATED_REFUSE_SHARED_ABOVE, in the
+        # worker's environment): tests make a pipelined attribute set fail on the worker with it.
+        self.refuse_shared_above = int(os.environ.get("RGPU_EMULATED_REFUSE_SHARED_ABOVE", "0") or 0)
         self.pools = {0xA000_0000}
         self.pool = _StreamOrderedPool()
         self.capturing: dict[int, tuple[int, int]] = {}  # stream -> (capture id, graph)
@@ -425,7 +492,7 @@ class EmulatedBackend:
             return (SUCCESS, self.cc[0])
         if name == "COMPUTE_CAPABILITY_MINOR":
             return (SUCCESS, self.cc[1])
-        return (SUCCESS, _ATTRIBUTES.get(name, 0))
+        return (SUCCESS, self.attributes.get(name, 0))
 
     def cuDeviceComputeCapability(self, dev: int) -> tuple[int, int, int]:
         return (SUCCESS, self.cc[0], self.cc[1])
@@ -1021,12 +1088,31 @@ class EmulatedBackend:
     def cuFuncGetAttribute(self, attrib: int, f: int) -> tuple[int, int]:
         if f not in self.functions:
             return (INVALID_HANDLE, 0)
-        values = {0: 1024, 4: 16, 5: 90, 6: 90, 8: 49152}
-        return (SUCCESS, self.func_attrs.get((f, attrib), values.get(attrib, 0)))
+        return (SUCCESS, self.func_attrs.get((f, attrib), _FUNC_DEFAULTS.get(attrib, 0)))
 
     def cuFuncSetAttribute(self, f: int, attrib: int, value: int) -> tuple[int]:
+        """The driver's checks (cuFuncSetAttribute's documentation): read-only attributes, the opt-in
+        shared memory limit, a carveout in percent or -1, cluster sizes of 8 (16 non-portable)."""
         if f not in self.functions:
             return (INVALID_HANDLE,)
+        static = self.cuFuncGetAttribute(FUNC_SHARED_SIZE_BYTES, f)[1]
+        if attrib == FUNC_MAX_DYNAMIC_SHARED:
+            valid = 0 <= value <= self.attributes["MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"] - static
+            if valid and self.refuse_shared_above and value > self.refuse_shared_above:
+                valid = False
+        elif attrib == FUNC_CARVEOUT:
+            valid = -1 <= value <= 100
+        elif FUNC_CLUSTER_SIZE_MUST_BE_SET < attrib < FUNC_NON_PORTABLE_CLUSTER:
+            portable = self.func_attrs.get((f, FUNC_NON_PORTABLE_CLUSTER), 0) == 0
+            valid = 0 <= value <= (8 if portable else 16)
+        elif attrib == FUNC_NON_PORTABLE_CLUSTER:
+            valid = value in (0, 1)
+        elif attrib == FUNC_SCHEDULING_POLICY:
+            valid = value in (0, 1, 2)
+        else:   # read-only, or unknown
+            valid = False
+        if not valid:
+            return (INVALID_VALUE,)
         self.func_attrs[(f, attrib)] = value
         return (SUCCESS,)
 
@@ -1051,8 +1137,9 @@ class EmulatedBackend:
     def cuOccupancyAvailableDynamicSMemPerBlock(self, f: int, blocks: int, block_size: int) -> tuple[int, int]:
         if f not in self.functions:
             return (INVALID_HANDLE, 0)
-        # An H100's 228 KiB of shared memory per SM, 1 KiB of it reserved per block.
-        return (SUCCESS, max(0, 228 * 1024 // max(blocks, 1) - 1024))
+        # The SM's shared memory (228 KiB on an H100), 1 KiB of it reserved per block.
+        per_sm = self.attributes["MAX_SHARED_MEMORY_PER_MULTIPROCESSOR"]
+        return (SUCCESS, max(0, per_sm // max(blocks, 1) - self.attributes["RESERVED_SHARED_MEMORY_PER_BLOCK"]))
 
     def max_active_clusters(self, f: int, stream: int, grid: tuple[int, int, int], block: tuple[int, int, int],
                             shmem: int, attrs: bytes) -> int:
@@ -1064,13 +1151,33 @@ class EmulatedBackend:
             if int.from_bytes(attrs[i * 72:i * 72 + 4], "little") == 4:
                 x, y, z = (int.from_bytes(attrs[i * 72 + 8 + 4 * k:i * 72 + 12 + 4 * k], "little") for k in range(3))
                 size = max(1, x * y * z)
-        return _ATTRIBUTES["MULTIPROCESSOR_COUNT"] // size
+        return self.attributes["MULTIPROCESSOR_COUNT"] // size
 
     def max_potential_block_size(self, f: int, smem: int, limit: int, flags: int) -> tuple[int, int]:
         if f not in self.functions:
             raise CudaError(INVALID_HANDLE)
         block = min(1024, limit) if limit > 0 else 1024
-        return _ATTRIBUTES["MULTIPROCESSOR_COUNT"] * (2048 // block), block
+        return self.attributes["MULTIPROCESSOR_COUNT"] * (2048 // block), block
+
+    # ------------------------------------------------------------------ tensor maps
+
+    def tensor_map(self, q: TensorMapRequest) -> bytes:
+        """A deterministic 128-byte encoding (the address, then a digest of the rest) after the
+        checks cuTensorMapEncodeTiled's documentation lists; ReplaceAddress rewrites the address."""
+        if not self.attributes["TENSOR_MAP_ACCESS_SUPPORTED"]:
+            raise CudaError(NOT_SUPPORTED, f"rgpu: worker: tensor maps need compute capability 9.0 ({self.spec.gpu_name})")
+        align = 32 if q.interleave == _INTERLEAVE_32B else 16
+        if q.address % align:
+            raise CudaError(INVALID_VALUE)
+        if q.kind == TENSOR_MAP_REPLACE:
+            return struct.pack("<Q", q.address) + q.map[8:]
+        if not _tensor_map_valid(q):
+            raise CudaError(INVALID_VALUE)
+        digest = hashlib.sha256(TensorMapRequest.WIRE.pack(
+            q.kind, q.rank, q.data_type, q.interleave, q.swizzle, q.l2_promotion, q.oob_fill, q.wide_mode, 0,
+            q.lower_w, q.upper_w, q.channels, q.pixels, *q.dims, *q.strides, *q.box, *q.element_strides, *q.lower,
+            *q.upper, bytes(TENSOR_MAP_BYTES))).digest()
+        return (struct.pack("<Q", q.address) + digest).ljust(TENSOR_MAP_BYTES, b"\0")
 
     def link_create(self, options: list[tuple[int, int]]) -> int:
         self._need_ctx()
@@ -1105,6 +1212,14 @@ class EmulatedBackend:
             raise CudaError(INVALID_VALUE, f"rgpu: worker: launch of {self.functions[f][1].name} carried "
                                            f"{len(params)} parameter bytes, expected {size}")
         self.last_launch = (self.functions[f][1].name, bytes(params))
+        limit = self.cuFuncGetAttribute(FUNC_MAX_DYNAMIC_SHARED, f)[1]
+        if shmem > limit:   # as the driver refuses it: the function's attribute was not raised enough
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: launch of {self.last_launch[0]} asked for {shmem} bytes of "
+                                           f"dynamic shared memory; its MAX_DYNAMIC_SHARED_SIZE_BYTES is {limit}")
+        if self.last_launch[0] == EMULATED_SHARED_PROBE and len(params) >= 8:
+            (out,) = struct.unpack_from("<Q", params, 0)
+            self._memset(out, struct.pack("<I", shmem), 1)
+            return
         if self.last_launch[0] == EMULATED_SPIN:
             self.spinning = True
             return

@@ -17,8 +17,9 @@ from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.backends.arrays import (DESC2D, DESC3D, HOST, MEMCPY3D, RESOURCE_DESC_SIZE,
                                                     TEXTURE_DESC_SIZE, VIEW_DESC_SIZE, parse_copy, parse_desc)
 from rgpu.remoting.datapath.backends.base import (CDP_NOT_SUPPORTED, INVALID_IMAGE, INVALID_VALUE, NOT_FOUND,
-                                                  PITCH_ALIGN_BYTES, SUCCESS, CudaError, LoadResult, SliceMemory)
-from rgpu.remoting.datapath.worker.client_handles import ClientEvents, ClientStreams
+                                                  PITCH_ALIGN_BYTES, SUCCESS, CudaError, LoadResult, SliceMemory,
+                                                  TensorMapRequest)
+from rgpu.remoting.datapath.worker.client_handles import ClientEvents, ClientStreams, error_name
 from rgpu.remoting.datapath.worker.codecs import (ALLOC, COPY, HEADER, LAUNCH, LAUNCH_ATTR_SIZE, MAX_MODULE_NODES,
                                                   MODULE_NODE, U32, U64, fn_bytes, fn_without_handle, lp, read_options,
                                                   take_str)
@@ -546,6 +547,28 @@ class Handlers:
             raise self.client_streams.creation_failed(handle, exc.code) from None
         self.client_streams.created(handle, real)
         return SUCCESS, b""
+
+    def h_set_attribute(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        """rgpuSetAttribute (async): cuFuncSetAttribute or cuKernelSetAttribute, which the client
+        checked as the driver does (native/src/func_attrs.c). A refusal all the same answers the
+        session's next synchronising call, which learns which call it was."""
+        attrib, value, handle, is_kernel = struct.unpack_from("<iiQI", p, 0)
+        if is_kernel:
+            name, (code,) = "cuKernelSetAttribute", self.backend.cuKernelSetAttribute(attrib, value, handle, 0)
+        else:
+            name, (code,) = "cuFuncSetAttribute", self.backend.cuFuncSetAttribute(handle, attrib, value)
+        if code != SUCCESS:
+            raise CudaError(code, f"rgpu: worker: {name} (attribute {attrib}, value {value}) failed on the GPU server "
+                                  f"with {error_name(code)}; it was pipelined and this is the first synchronising "
+                                  "call after it")
+        return SUCCESS, b""
+
+    def h_tensor_map(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        """rgpuTensorMap: the driver's 128-byte encoding of a tensor map (native/src/tensor_map.c)."""
+        if len(p) < TensorMapRequest.WIRE.size:
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: rgpuTensorMap carried {len(p)} bytes, expected "
+                                           f"{TensorMapRequest.WIRE.size} (client and server builds differ)")
+        return SUCCESS, self.backend.tensor_map(TensorMapRequest.unpack(p))
 
     def h_potential_block_size(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         f, smem, limit, flags = struct.unpack_from("<QQiI", p, 0)

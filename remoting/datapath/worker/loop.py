@@ -36,9 +36,10 @@ OP = api_gen.OPCODES
 # Calls that wait for a reply but put work on the GPU (the limiter gates them like launches).
 GPU_WORK_OPS = frozenset(OP[name] for name in ("cuMemcpyDtoHAsync_v2", "cuMemcpyDtoD_v2", "cuGraphLaunch",
                                                "cuMemsetD8_v2", "cuMemsetD32_v2", "rgpuMemcpyArrayToHost") if name in OP)
-# Pipelined calls that put no work on the GPU (client-made handles): the limiter lets them through.
+# Pipelined calls that put no work on the GPU (client-made handles, attribute sets): the limiter lets
+# them through.
 NO_WORK_ASYNC_OPS = frozenset(OP[name] for name in ("rgpuEventCreate", "cuEventDestroy_v2", "rgpuStreamCreate",
-                                                    "cuStreamDestroy_v2"))
+                                                    "cuStreamDestroy_v2", "rgpuSetAttribute"))
 
 
 class Worker(Handlers):
@@ -157,6 +158,8 @@ class Worker(Handlers):
             "rgpuEventCreate": (self.h_event_create, True),
             "rgpuStreamCreate": (self.h_stream_create, True),
             "rgpuParamInfo": (self.h_param_info, False),
+            "rgpuSetAttribute": (self.h_set_attribute, True),
+            "rgpuTensorMap": (self.h_tensor_map, False),
             "rgpuOccupancyMaxPotentialBlockSize": (self.h_potential_block_size, False),
             "cuOccupancyMaxActiveClusters": (self.h_max_active_clusters, False),
             "rgpuSessionInfo": (self.h_session_info, False),

@@ -1081,7 +1081,7 @@ RGPU_EXPORT CUresult CUDAAPI cuKernelGetAttribute(int *pi, CUfunction_attribute 
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuKernelSetAttribute(CUfunction_attribute attrib, int val, CUkernel kernel, CUdevice dev) {
-    { int v_; if (rgpu_kattr_get(kernel, attrib, dev, &v_) && v_ == val) return CUDA_SUCCESS; };
+    { CUresult r_; int v_; if (rgpu_kernel_set_attribute_here(kernel, attrib, val, dev, &r_)) return r_; if (rgpu_kattr_get(kernel, attrib, dev, &v_) && v_ == val) return CUDA_SUCCESS; };
     rgpu_call c;
     CUresult r = rgpu_begin_dev(&c, RGPU_OP_cuKernelSetAttribute, dev);
     if (r != CUDA_SUCCESS) return r;
@@ -1126,7 +1126,7 @@ RGPU_EXPORT CUresult CUDAAPI cuFuncGetAttribute(int *pi, CUfunction_attribute at
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuFuncSetAttribute(CUfunction hfunc, CUfunction_attribute attrib, int value) {
-    { int v_; if (rgpu_fattr_get(hfunc, attrib, &v_) && v_ == value) return CUDA_SUCCESS; };
+    { CUresult r_; int v_; if (rgpu_func_set_attribute_here(hfunc, attrib, value, &r_)) return r_; if (rgpu_fattr_get(hfunc, attrib, &v_) && v_ == value) return CUDA_SUCCESS; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuFuncSetAttribute);
     if (r != CUDA_SUCCESS) return r;
@@ -2400,10 +2400,6 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue32_ptsz(void) { static int seen; 
 RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue64(void) { static int seen; return rgpu_unsupported("cuStreamWriteValue64", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamWriteValue64_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamWriteValue64_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuSurfRefGetArray(void) { static int seen; return rgpu_unsupported("cuSurfRefGetArray", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuTensorMapEncodeIm2col(void) { static int seen; return rgpu_unsupported("cuTensorMapEncodeIm2col", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuTensorMapEncodeIm2colWide(void) { static int seen; return rgpu_unsupported("cuTensorMapEncodeIm2colWide", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuTensorMapEncodeTiled(void) { static int seen; return rgpu_unsupported("cuTensorMapEncodeTiled", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuTensorMapReplaceAddress(void) { static int seen; return rgpu_unsupported("cuTensorMapReplaceAddress", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTexRefCreate(void) { static int seen; return rgpu_unsupported("cuTexRefCreate", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTexRefDestroy(void) { static int seen; return rgpu_unsupported("cuTexRefDestroy", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuTexRefGetAddress(void) { static int seen; return rgpu_unsupported("cuTexRefGetAddress", &seen, NULL); }

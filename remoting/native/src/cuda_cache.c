@@ -28,6 +28,7 @@ typedef struct {
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static table g_kattr, g_kfunc, g_dattr, g_pstate, g_fattr, g_stream;
 static void forget_streams(void);
+static void forget_occupancy_of(uint64_t f);
 
 static uint64_t hash(uint64_t a, uint64_t b, uint64_t c) {
     uint64_t h = a * 0x9E3779B97F4A7C15ull ^ (b + 0x632BE59BD9B4E019ull) * 0xBF58476D1CE4E5B9ull ^ c * 0x94D049BB133111EBull;
@@ -58,10 +59,16 @@ static void place(table *t, entry x) {
     t->count++;
 }
 
-/* Rebuild t at `size` slots, without the entries whose first key is drop_k1 when dropping (the
- * lock is held). Returns -1
+/* Which entries a rebuild drops: those whose keys selected by `mask` (bit 0: k1, bit 1: k2) equal
+ * the pattern's; mask 0 drops none. */
+enum { MATCH_K1 = 1, MATCH_K2 = 2 };
+static int dropped(const entry *e, const entry *pattern, int mask) {
+    return mask && (!(mask & MATCH_K1) || e->k1 == pattern->k1) && (!(mask & MATCH_K2) || e->k2 == pattern->k2);
+}
+
+/* Rebuild t at `size` slots, without the entries the pattern drops (the lock is held). Returns -1
  * when memory runs out; t is then emptied, which only costs round trips. */
-static int rebuild(table *t, uint32_t size, uint64_t drop_k1, int dropping) {
+static int rebuild(table *t, uint32_t size, entry pattern, int mask) {
     entry *old = t->e;
     uint32_t old_size = t->size;
     t->e = calloc(size, sizeof *t->e);
@@ -73,7 +80,7 @@ static int rebuild(table *t, uint32_t size, uint64_t drop_k1, int dropping) {
     }
     t->size = size;
     for (uint32_t i = 0; i < old_size; i++)
-        if (old[i].used && !(dropping && old[i].k1 == drop_k1)) place(t, old[i]);
+        if (old[i].used && !dropped(&old[i], &pattern, mask)) place(t, old[i]);
     free(old);
     return 0;
 }
@@ -88,7 +95,7 @@ static void put(table *t, uint64_t a, uint64_t b, uint64_t c, uint64_t value) {
             t->size = t->count = 0;
             size = FIRST_SLOTS;
         }
-        if (rebuild(t, size, 0, 0)) {
+        if (rebuild(t, size, (entry){0}, 0)) {
             pthread_mutex_unlock(&g_lock);
             return;
         }
@@ -100,12 +107,40 @@ static void put(table *t, uint64_t a, uint64_t b, uint64_t c, uint64_t value) {
     pthread_mutex_unlock(&g_lock);
 }
 
-/* Drop every entry whose first key is k1 (linear probing: the others are placed again). */
-static void forget_first_key(table *t, uint64_t k1) {
+/* Drop every entry the pattern matches (linear probing: the others are placed again). */
+static void forget_matching(table *t, uint64_t k1, uint64_t k2, int mask) {
+    entry pattern = {.k1 = k1, .k2 = k2};
     pthread_mutex_lock(&g_lock);
     int hit = 0;
-    for (uint32_t i = 0; i < t->size && !hit; i++) hit = t->e[i].used && t->e[i].k1 == k1;
-    if (hit) rebuild(t, t->size, k1, 1);
+    if (!t->count) {
+        pthread_mutex_unlock(&g_lock);
+        return;
+    }
+    for (uint32_t i = 0; i < t->size && !hit; i++) hit = t->e[i].used && dropped(&t->e[i], &pattern, mask);
+    if (hit) rebuild(t, t->size, pattern, mask);
+    pthread_mutex_unlock(&g_lock);
+}
+static void forget_first_key(table *t, uint64_t k1) { forget_matching(t, k1, 0, MATCH_K1); }
+
+/* Drop one entry without a scan (a set runs this before each launch): the entries after it in its
+ * probe run move back where their own probe would find them. */
+static void forget_key(table *t, uint64_t a, uint64_t b, uint64_t c) {
+    pthread_mutex_lock(&g_lock);
+    uint32_t i = t->count ? (uint32_t)(hash(a, b, c) % t->size) : 0;
+    for (uint32_t n = 0; t->count && n < t->size && t->e[i].used; i = (i + 1) % t->size, n++) {
+        if (t->e[i].k1 != a || t->e[i].k2 != b || t->e[i].k3 != c) continue;
+        t->e[i].used = 0;
+        t->count--;
+        for (uint32_t j = (i + 1) % t->size; t->e[j].used; j = (j + 1) % t->size) {
+            uint32_t home = (uint32_t)(hash(t->e[j].k1, t->e[j].k2, t->e[j].k3) % t->size);
+            /* j stays where its home lies cyclically in (i, j] */
+            if (i <= j ? (i < home && home <= j) : (i < home || home <= j)) continue;
+            t->e[i] = t->e[j];
+            t->e[j].used = 0;
+            i = j;
+        }
+        break;
+    }
     pthread_mutex_unlock(&g_lock);
 }
 
@@ -208,6 +243,62 @@ void rgpu_fattr_changed(CUfunction f) {
 }
 
 
+/* A set that travelled pipelined (func_attrs.c) changed one attribute only: its kept answers go for
+ * the handle and the kernels and functions related to it through cuKernelGetFunction (a CUkernel
+ * may also be used as a CUfunction), with their occupancy answers, and the value set answers from
+ * now on. The other attributes (the static sizes the next set is checked against) stay. */
+#define RELATED_MAX 16
+static int related_handles(uint64_t h, uint64_t *out) {
+    int n = 0;
+    out[n++] = h;
+    pthread_mutex_lock(&g_lock);
+    for (uint32_t i = 0; i < g_kfunc.size && n >= 0; i++) {
+        const entry *e = &g_kfunc.e[i];
+        uint64_t other = !e->used ? 0 : e->k1 == h ? e->value : e->value == h ? e->k1 : 0;
+        if (!other) continue;
+        if (n == RELATED_MAX) n = -1;
+        else out[n++] = other;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return n;
+}
+static void attribute_set(uint64_t h, int attrib, int is_function) {
+    uint64_t related[RELATED_MAX];
+    int n = related_handles(h, related);
+    if (n < 0) {
+        forget_matching(&g_fattr, 0, (uint64_t)attrib, MATCH_K2);
+        forget_matching(&g_kattr, 0, (uint64_t)attrib, MATCH_K2);
+        rgpu_cache_forget_occupancy();
+        return;
+    }
+    /* third keys: the slice (functions; 0 with one) and the device (kernels), both below the count */
+    int slices = rgpu_session_count < 2 ? 1 : rgpu_session_count;
+    for (int i = 0; i < n; i++) {
+        for (int s = 0; s < slices; s++) {
+            forget_key(&g_fattr, related[i], (uint64_t)attrib, (uint64_t)s);
+            forget_key(&g_kattr, related[i], (uint64_t)attrib, (uint64_t)s);
+        }
+        forget_occupancy_of(related[i]);
+    }
+    /* a function the cache knows no kernel of may still be one's (as rgpu_fattr_changed says) */
+    if (is_function && n == 1) forget_matching(&g_kattr, 0, (uint64_t)attrib, MATCH_K2);
+}
+void rgpu_fattr_set(CUfunction f, int attrib, int value) {
+    attribute_set((uint64_t)(uintptr_t)f, attrib, 1);
+    rgpu_fattr_put(f, attrib, value);
+}
+void rgpu_kattr_set(CUkernel k, int attrib, CUdevice dev, int value) {
+    attribute_set((uint64_t)(uintptr_t)k, attrib, 0);
+    rgpu_kattr_put(k, attrib, dev, value);
+}
+/* The worker refused a pipelined set (its error answered a later call): the values kept for it
+ * are not the driver's. */
+void rgpu_attr_sets_refused(void) {
+    clear(&g_kattr);
+    clear(&g_fattr);
+    rgpu_cache_forget_occupancy();
+}
+
 void rgpu_cache_forget_functions(void) {
     rgpu_limit_forget();
     clear(&g_kattr);
@@ -265,46 +356,72 @@ void rgpu_pstate_put(CUdevice dev, unsigned int flags, int active) {
 void rgpu_pstate_forget(void) { clear(&g_pstate); }
 
 /* cuOccupancyMaxActiveBlocksPerMultiprocessor(WithFlags): fixed for a function, block size,
- * dynamic shared memory and flags until a function attribute changes (forgotten with them). */
-static table g_occ;
+ * dynamic shared memory and flags until a function attribute changes (forgotten with them).
+ * Keyed by slice as well: two workers hand out the same handle values for the same loads, and a
+ * library's kernel used as a function serves every slice, while their devices may differ. */
+static table g_occ, g_occ_fns;   /* g_occ_fns: the functions any occupancy table holds answers of */
+static uint64_t occ_key(CUfunction f, uint64_t session) { return (uint64_t)(uintptr_t)f + (session << 56); }
+static uint64_t occ_fn_key(CUfunction f) {
+    uint64_t k = occ_key(f, current_session());
+    put(&g_occ_fns, k, 0, 0, 1);
+    return k;
+}
 int rgpu_occ_get(CUfunction f, int block, size_t smem, unsigned int flags, int *out) {
     uint64_t v;
-    if (!get(&g_occ, (uint64_t)(uintptr_t)f, (uint64_t)(uint32_t)block | ((uint64_t)flags << 32), smem, &v)) return 0;
+    if (!get(&g_occ, occ_key(f, current_session()), (uint64_t)(uint32_t)block | ((uint64_t)flags << 32), smem, &v))
+        return 0;
     *out = (int)v;
     return 1;
 }
 void rgpu_occ_put(CUfunction f, int block, size_t smem, unsigned int flags, int value) {
-    put(&g_occ, (uint64_t)(uintptr_t)f, (uint64_t)(uint32_t)block | ((uint64_t)flags << 32), smem, (uint64_t)(uint32_t)value);
+    put(&g_occ, occ_fn_key(f), (uint64_t)(uint32_t)block | ((uint64_t)flags << 32), smem,
+        (uint64_t)(uint32_t)value);
 }
 /* cuOccupancyAvailableDynamicSMemPerBlock and the callback-free cuOccupancyMaxPotentialBlockSize:
  * fixed for their arguments until a function attribute changes (forgotten with the above). */
 static table g_occ_smem, g_occ_potential;
 int rgpu_occ_smem_get(CUfunction f, int blocks, int block_size, size_t *out) {
     uint64_t v;
-    if (!get(&g_occ_smem, (uint64_t)(uintptr_t)f, (uint64_t)(uint32_t)blocks | ((uint64_t)(uint32_t)block_size << 32), 0, &v))
+    if (!get(&g_occ_smem, occ_key(f, current_session()), (uint64_t)(uint32_t)blocks | ((uint64_t)(uint32_t)block_size << 32),
+             0, &v))
         return 0;
     *out = (size_t)v;
     return 1;
 }
 void rgpu_occ_smem_put(CUfunction f, int blocks, int block_size, size_t value) {
-    put(&g_occ_smem, (uint64_t)(uintptr_t)f, (uint64_t)(uint32_t)blocks | ((uint64_t)(uint32_t)block_size << 32), 0, value);
+    put(&g_occ_smem, occ_fn_key(f), (uint64_t)(uint32_t)blocks | ((uint64_t)(uint32_t)block_size << 32),
+        0, value);
 }
 int rgpu_occ_potential_get(CUfunction f, size_t smem, int limit, unsigned int flags, int *min_grid, int *block) {
     uint64_t v;
-    if (!get(&g_occ_potential, (uint64_t)(uintptr_t)f, smem, (uint64_t)(uint32_t)limit | ((uint64_t)flags << 32), &v))
+    if (!get(&g_occ_potential, occ_key(f, current_session()), smem, (uint64_t)(uint32_t)limit | ((uint64_t)flags << 32),
+             &v))
         return 0;
     *min_grid = (int)(uint32_t)v;
     *block = (int)(v >> 32);
     return 1;
 }
 void rgpu_occ_potential_put(CUfunction f, size_t smem, int limit, unsigned int flags, int min_grid, int block) {
-    put(&g_occ_potential, (uint64_t)(uintptr_t)f, smem, (uint64_t)(uint32_t)limit | ((uint64_t)flags << 32),
+    put(&g_occ_potential, occ_fn_key(f), smem, (uint64_t)(uint32_t)limit | ((uint64_t)flags << 32),
         (uint64_t)(uint32_t)min_grid | ((uint64_t)(uint32_t)block << 32));
 }
 void rgpu_cache_forget_occupancy(void) {
     clear(&g_occ);
     clear(&g_occ_smem);
     clear(&g_occ_potential);
+    clear(&g_occ_fns);
+}
+/* One function's occupancy answers, on every slice. */
+static void forget_occupancy_of(uint64_t f) {
+    int sessions = rgpu_session_count < 2 ? 1 : rgpu_session_count;
+    for (int s = 0; s < sessions; s++) {
+        uint64_t k = occ_key((CUfunction)(uintptr_t)f, (uint64_t)s), v;
+        if (!get(&g_occ_fns, k, 0, 0, &v)) continue;   /* the usual case: no scan */
+        forget_key(&g_occ_fns, k, 0, 0);
+        forget_first_key(&g_occ, k);
+        forget_first_key(&g_occ_smem, k);
+        forget_first_key(&g_occ_potential, k);
+    }
 }
 
 /* Pointer attributes of plain allocations (cuMemAlloc*; not VMM ranges or graph memory, whose

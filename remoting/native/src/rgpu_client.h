@@ -48,6 +48,7 @@ typedef struct rgpu_session {
     size_t rcap;
     int messages_shown;
     int flush_armed;           /* the flusher has been woken for what is buffered */
+    int attr_sets_unconfirmed; /* pipelined attribute sets sent since the last reply (func_attrs.c) */
     uint64_t last_send_ns;     /* CLOCK_MONOTONIC of the last send(2) of buffered frames */
     /* From the WELCOME frame. */
     uint32_t version;
@@ -184,6 +185,12 @@ void rgpu_kattr_changed(CUkernel k, int attrib, CUdevice dev, int value);
 void rgpu_fattr_changed(CUfunction f);
 int rgpu_fattr_get(CUfunction f, int attrib, int *out);
 void rgpu_fattr_put(CUfunction f, int attrib, int value);
+/* Pipelined attribute sets (func_attrs.c): the kept answers take the value at once. */
+void rgpu_fattr_set(CUfunction f, int attrib, int value);
+void rgpu_kattr_set(CUkernel k, int attrib, CUdevice dev, int value);
+void rgpu_attr_sets_refused(void);
+int rgpu_func_set_attribute_here(CUfunction f, int attrib, int value, CUresult *result);
+int rgpu_kernel_set_attribute_here(CUkernel k, int attrib, int value, CUdevice dev, CUresult *result);
 int rgpu_occ_smem_get(CUfunction f, int blocks, int block_size, size_t *out);
 void rgpu_occ_smem_put(CUfunction f, int blocks, int block_size, size_t value);
 int rgpu_occ_potential_get(CUfunction f, size_t smem, int limit, unsigned int flags, int *min_grid, int *block);

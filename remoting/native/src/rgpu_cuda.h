@@ -47,7 +47,13 @@ typedef int CUdevice_attribute, CUdevice_P2PAttribute, CUarray_format, CUexecAff
     CUfunction_attribute, CUfunctionLoadingState, CUdriverProcAddressQueryResult,
     CUflushGPUDirectRDMAWritesTarget, CUflushGPUDirectRDMAWritesScope, CUmemorytype,
     CUlaunchAttributeID, CUgraphMem_attribute, CUgraphNodeType, CUstreamAttrID,
-    CUmemAllocationGranularity_flags, CUgraphInstantiateResult, CUgraphExecUpdateResult;
+    CUmemAllocationGranularity_flags, CUgraphInstantiateResult, CUgraphExecUpdateResult,
+    CUtensorMapDataType, CUtensorMapInterleave, CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill,
+    CUtensorMapIm2ColWideMode;
+/* Opaque to applications: 128 bytes the driver writes, 64-byte aligned. */
+typedef struct CUtensorMap_st {
+    _Alignas(64) cuuint64_t opaque[16];
+} CUtensorMap;
 
 typedef struct CUuuid_st { char bytes[16]; } CUuuid;
 

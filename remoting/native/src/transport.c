@@ -284,6 +284,9 @@ __attribute__((weak)) uint64_t rgpu_header_ctx(int session) {
  * managed memory up to date; it must run before the session's lock is taken). */
 __attribute__((weak)) void rgpu_managed_before_call(uint16_t op) { (void)op; }
 
+/* The CUDA library overrides it (cuda_cache.c): a pipelined attribute set may have been refused. */
+__attribute__((weak)) void rgpu_attr_sets_refused(void) {}
+
 /* Set while this thread runs a host node's function (host_nodes.c): CUDA forbids calls from one,
  * and this thread holds the session the function's HOST_CALL came on. */
 __thread int rgpu_in_host_fn;
@@ -410,6 +413,11 @@ CUresult rgpu_sync(rgpu_call *c) {
     uint32_t want_seq = s->seq; /* the lock is held since rgpu_begin numbered this call */
     uint64_t started = stats_on() ? now_ns() : 0;
     CUresult r = sync_wait(c, s, want_seq);
+    /* The first reply after pipelined attribute sets: a failure may be one of them refused. */
+    if (s->attr_sets_unconfirmed) {
+        s->attr_sets_unconfirmed = 0;
+        if (r != CUDA_SUCCESS) rgpu_attr_sets_refused();
+    }
     if (started) {
         __atomic_add_fetch(&g_sync_calls[c->op % STATS_OPS], 1, __ATOMIC_RELAXED);
         __atomic_add_fetch(&g_sync_wait_ns[c->op % STATS_OPS], now_ns() - started, __ATOMIC_RELAXED);
