@@ -21,7 +21,8 @@ pytestmark = pytest.mark.gpu
 
 
 def _profile(stats: Path) -> dict[str, client_stats.OpProfile]:
-    files = sorted(stats.parent.glob(stats.name + ".*"))
+    # PATH.<pid> only: the run's own files (its adaptor.conf) share the prefix
+    files = sorted(f for f in stats.parent.glob(stats.name + ".*") if f.suffix[1:].isdigit())
     assert len(files) == 1, files
     return {p.name: p for p in client_stats.parse(files[0].read_text())[0].values()}
 
