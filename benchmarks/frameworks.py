@@ -195,8 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown program {unknown[0]!r}: choose from {', '.join(PROGRAMS)}")
 
     sys.path.insert(0, str(HERE.parent))
-    from benchmarks.remoting import local_gpu, start_session_server
-    from rgpu import tokens
+    from benchmarks.remoting import local_gpu, slice_env, start_session_server
     from rgpu.remoting.native.build import ensure_built
 
     libs = ensure_built()
@@ -206,16 +205,10 @@ def main(argv: list[str] | None = None) -> int:
     base = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
     base.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")   # JAX side by side with the others on one GPU
     try:
-        def remote_env(name: str) -> dict[str, str]:
-            token = tokens.sign(secret, tokens.SliceClaims(
-                job_key=f"frameworks-{name}", slice_number=0, server=address, gpu_uuid=gpu.uuid, gpu_index=0,
-                memory_limit_bytes=gpu.total_memory_bytes, compute_percent=100, expires_unix=0,
-                issued_unix=time.time()))
-            return dict(base, LD_LIBRARY_PATH=f"{libs.folder}:{base.get('LD_LIBRARY_PATH', '')}",
-                        RGPU_SLICES=f"{address},{token}")
         with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
-            results = list(pool.map(lambda n: run_program(n, base, remote_env(n), args.runs, args.local_runs,
-                                                           args.rtol), names))
+            results = list(pool.map(lambda n: run_program(
+                n, base, slice_env(base, libs.folder, secret, address, gpu, f"frameworks-{n}"), args.runs,
+                args.local_runs, args.rtol), names))
     finally:
         server.stop()
     print(f"\nrgpu frameworks: {gpu.name}, loopback, whole-GPU slice; {args.runs} rgpu runs in a row per program, "

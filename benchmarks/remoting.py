@@ -153,6 +153,20 @@ def start_session_server(gpu, secret: bytes, backend: str = "cuda"):  # type: ig
     return server, address
 
 
+def slice_env(base: dict[str, str], libs_folder: object, secret: bytes, address: str, gpu, job_key: str,  # type: ignore[no-untyped-def]
+              memory_limit_bytes: int = 0, compute_percent: int = 100) -> dict[str, str]:
+    """`base` with rgpu's client library first on LD_LIBRARY_PATH and one slice of `gpu` served at
+    `address` (the whole GPU unless `memory_limit_bytes` says less), its token signed with `secret`
+    and never expiring: how the benchmarks run a program through rgpu without a pool."""
+    from rgpu import tokens
+    token = tokens.sign(secret, tokens.SliceClaims(
+        job_key=job_key, slice_number=0, server=address, gpu_uuid=gpu.uuid, gpu_index=0,
+        memory_limit_bytes=memory_limit_bytes or gpu.total_memory_bytes, compute_percent=compute_percent,
+        expires_unix=0, issued_unix=time.time()))
+    return dict(base, LD_LIBRARY_PATH=f"{libs_folder}:{base.get('LD_LIBRARY_PATH', '')}",
+                RGPU_SLICES=f"{address},{token}")
+
+
 def local_gpu():  # type: ignore[no-untyped-def]
     """The GPU the benchmarks serve: NVML index 0, or the one GPU CUDA_VISIBLE_DEVICES names by index
     (so `CUDA_VISIBLE_DEVICES=1 python benchmarks/...` runs locally and through rgpu on GPU 1)."""
@@ -185,7 +199,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from rgpu.remoting.native.build import ensure_built
 
-    from rgpu import tokens
 
     libs = ensure_built()
     gpu = local_gpu()
@@ -193,13 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     server, address = start_session_server(gpu, secret)
     try:
         limit = gpu.total_memory_bytes // 2
-        token = tokens.sign(secret, tokens.SliceClaims(
-            job_key="bench", slice_number=0, server=address, gpu_uuid=gpu.uuid, gpu_index=0,
-            memory_limit_bytes=limit, compute_percent=args.compute_percent, expires_unix=0, issued_unix=time.time()))
         base = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
         local = run_child(base, args.iterations)
-        remote_env = dict(base, LD_LIBRARY_PATH=f"{libs.folder}:{base.get('LD_LIBRARY_PATH', '')}",
-                          RGPU_SLICES=f"{address},{token}")
+        remote_env = slice_env(base, libs.folder, secret, address, gpu, "bench", memory_limit_bytes=limit,
+                               compute_percent=args.compute_percent)
         remote = run_child(remote_env, args.iterations)
         status = server.status()
         enforcement, launch_path = status["compute_enforcement"], status["launch_path"]

@@ -17,7 +17,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -40,8 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=5000)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(HERE.parent))
-    from benchmarks.remoting import local_gpu, start_session_server
-    from rgpu import tokens
+    from benchmarks.remoting import local_gpu, slice_env, start_session_server
     from rgpu.remoting.native.build import ensure_built
 
     libs = ensure_built()
@@ -51,11 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     server, address = start_session_server(gpu, secret)
     try:
         base = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
-        token = tokens.sign(secret, tokens.SliceClaims(
-            job_key="bench-sync", slice_number=0, server=address, gpu_uuid=gpu.uuid, gpu_index=0,
-            memory_limit_bytes=gpu.total_memory_bytes, compute_percent=100, expires_unix=0, issued_unix=time.time()))
-        remote = dict(base, LD_LIBRARY_PATH=f"{libs.folder}:{base.get('LD_LIBRARY_PATH', '')}",
-                      RGPU_SLICES=f"{address},{token}")
+        remote = slice_env(base, libs.folder, secret, address, gpu, "bench-sync")
         local_env = dict(base, LD_LIBRARY_PATH=":".join(p for p in base.get("LD_LIBRARY_PATH", "").split(":")
                                                         if p and Path(p).resolve() != Path(libs.folder).resolve()))
         results = {}

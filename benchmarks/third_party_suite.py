@@ -72,8 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     sys.path.insert(0, str(HERE.parent))
-    from benchmarks.remoting import local_gpu, start_session_server
-    from rgpu import tokens
+    from benchmarks.remoting import local_gpu, slice_env, start_session_server
     from rgpu.remoting.native.build import ensure_built
 
     plugin_dir = Path(tempfile.mkdtemp(prefix="rgpu-suite-"))
@@ -86,11 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     secret = os.urandom(32)
     server, address = start_session_server(gpu, secret)
     try:
-        token = tokens.sign(secret, tokens.SliceClaims(
-            job_key="third-party-suite", slice_number=0, server=address, gpu_uuid=gpu.uuid, gpu_index=0,
-            memory_limit_bytes=gpu.total_memory_bytes, compute_percent=100, expires_unix=0, issued_unix=time.time()))
-        remote_env = dict(base, LD_LIBRARY_PATH=f"{libs.folder}:{base.get('LD_LIBRARY_PATH', '')}",
-                          RGPU_SLICES=f"{address},{token}", RGPU_LOG="error")
+        remote_env = dict(slice_env(base, libs.folder, secret, address, gpu, "third-party-suite"), RGPU_LOG="error")
         args.logs.mkdir(parents=True, exist_ok=True)
         print(f"local run ({gpu.name})", flush=True)
         local = run_suite(base, args.root, args.paths, args.workers, args.time_limit, args.logs / "suite-local.log")

@@ -297,8 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(HERE.parent))
     import tempfile
 
-    from benchmarks.remoting import local_gpu, start_session_server
-    from rgpu import tokens
+    from benchmarks.remoting import local_gpu, slice_env, start_session_server
     from rgpu.remoting.native.build import ensure_built
 
     libs = ensure_built()
@@ -314,13 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         base = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")}
         cold: dict[str, float] = {}
         for name in names:
-            token = tokens.sign(secret, tokens.SliceClaims(   # a whole-GPU slice
-                job_key=f"bench-{name}", slice_number=0, server=address, gpu_uuid=gpu.uuid, gpu_index=0,
-                memory_limit_bytes=gpu.total_memory_bytes, compute_percent=100, expires_unix=0,
-                issued_unix=time.time()))
             stats = profile_dir / f"client-{name}"
-            remote_env = dict(base, LD_LIBRARY_PATH=f"{libs.folder}:{base.get('LD_LIBRARY_PATH', '')}",
-                              RGPU_SLICES=f"{address},{token}", RGPU_CLIENT_STATS=str(stats))
+            remote_env = dict(slice_env(base, libs.folder, secret, address, gpu, f"bench-{name}"),
+                              RGPU_CLIENT_STATS=str(stats))
             if not args.no_prime:   # a user's first process of this workload: the image cache fills
                 first = run_child(dict(remote_env, RGPU_CLIENT_STATS=str(profile_dir / f"client-prime-{name}")), name, 1, 0.0)
                 cold[name] = first["ready_s"]
