@@ -103,7 +103,7 @@ def requeue_job(env: Mapping[str, str]) -> str:
 
 
 def start_waiting(env: Mapping[str, str]) -> Any:
-    """After a release: StartTime=now for the jobs waiting for the pool that it can place now."""
+    """After a release: release (or StartTime=now) the jobs waiting for the pool that it can place now."""
     from rgpu.slurm_plugin.squeue import SqueueBackend
     from rgpu.slurm_plugin.waiting import start_waiting_jobs
 
@@ -115,9 +115,10 @@ def start_waiting(env: Mapping[str, str]) -> Any:
 
     def run(pool: Any) -> None:
         try:
-            jobs = [j for j in SqueueBackend(env=env, timeout=SLURM_QUERY_TIMEOUT_SECONDS).jobs() if j.state == "PENDING"]
-            if any(j.admin_comment for j in jobs):
-                start_waiting_jobs(jobs, pool.list_gpus(), _Log(), env=env)   # type: ignore[arg-type]
+            jobs = SqueueBackend(env=env, timeout=SLURM_QUERY_TIMEOUT_SECONDS).live_jobs()
+            if any(j.state == "PENDING" and j.admin_comment for j in jobs):
+                leases = pool.list_leases()      # before the GPUs: see start_waiting_jobs
+                start_waiting_jobs(jobs, pool.list_gpus(), _Log(), leases=leases, env=env)   # type: ignore[arg-type]
         except RgpuError as exc:   # the pool's reconciler tries again on its next pass
             log_line("epilog-slurmctld", env, f"could not look for jobs waiting for the pool: {exc}")
 

@@ -55,9 +55,9 @@ def _start_waiting(core: Any, log: logging.Logger, env: Mapping[str, str] | None
     from rgpu.slurm_plugin.waiting import start_waiting_jobs
 
     def run(jobs: list[Any]) -> None:
-        pending = [j for j in jobs if j.state == "PENDING" and j.admin_comment]
-        if pending:
-            start_waiting_jobs(pending, core.gpu_statuses(), log, env=env)
+        if any(j.state == "PENDING" and j.admin_comment for j in jobs):
+            leases = core.list_leases()          # before the GPUs: see start_waiting_jobs
+            start_waiting_jobs(jobs, core.gpu_statuses(), log, leases=leases, env=env)
 
     return run
 
