@@ -42,6 +42,10 @@ def start_slurm_integration(core: Any, *, interval_seconds: float, grace_seconds
                             cluster=cluster or None,
                             cluster_lookup=None if cluster else _cluster_lookup(env),
                             after_pass=_start_waiting(core, log, env)).start()
+    if hasattr(core, "add_room_listener"):
+        # A lease ended: a pass at once releases the held jobs its room lets start. This thread is
+        # the one place that admits jobs, so two admissions never share out the same room.
+        core.add_room_listener(reconciler.wake)
     sync = None
     if license_sync:
         sync = LicenseSync(core, SlurmLicenses(env=env), log).start(interval_seconds)

@@ -7,8 +7,8 @@ requeues it. So the pool admits rgpu jobs before Slurm may start them:
 
 - job_submit.lua submits every rgpu job held (priority 0; Slurm shows reason JobHeldUser) and
   marked: its admin comment is `<record> | rgpu: waiting: ...`;
-- `start_waiting_jobs` (run by EpilogSlurmctld after it released a job's slices, and by the
-  pool's reconciler on every pass) releases the marked held jobs the pool can place now, oldest
+- `start_waiting_jobs` (run by the pool's reconciler on every pass, and at once when a lease
+  ends: one thread, so two admissions never share out the same room) releases the marked held jobs the pool can place now, oldest
   first, each counted against the free room *after* the room of the jobs already released but not
   yet holding their leases (pending, or in PrologSlurmctld), so none is started only to fail; the
   mark goes with the hold (so a later `scontrol hold` of the job is its owner's to release);

@@ -107,6 +107,7 @@ class PoolCore:
     _used_units: dict[tuple[str, str], int] = field(default_factory=dict)
     _tokens: dict[tuple[str, int], str] = field(default_factory=dict)  # signed once per slice
     _listeners: list[Callable[[], None]] = field(default_factory=list)
+    _room_listeners: list[Callable[[], None]] = field(default_factory=list)
     _slice_usage: dict[tuple[str, int], SliceUsageRecord] = field(default_factory=dict)   # in memory only
     _lock: threading.RLock = field(default_factory=threading.RLock)
     # The shared store's version this daemon's memory reflects (PostgreSQL, several daemons);
@@ -221,6 +222,11 @@ class PoolCore:
     # -- listeners: told when healthy capacity may have changed (servers up/down/drained) -----
     def add_capacity_listener(self, callback: Callable[[], None]) -> None:
         self._listeners.append(callback)
+
+    # -- room listeners: told when a lease ended (released, expired, idle): its room is free ----
+    def add_room_listener(self, callback: Callable[[], None]) -> None:
+        """`callback` must be quick and must not call back into the pool (it runs under its lock)."""
+        self._room_listeners.append(callback)
 
     def _capacity_changed(self) -> None:
         for callback in self._listeners:
@@ -531,6 +537,11 @@ class PoolCore:
         self._index_lease(lease, -1)
         for number in range(len(lease.slices)):
             self._slice_usage.pop((lease.job_key, number), None)
+        for callback in self._room_listeners:
+            try:
+                callback()
+            except Exception:  # a listener's failure must never break the pool
+                log.exception("rgpu-poold: room listener failed")
 
     def release(self, job_key: str) -> bool:
         """Idempotent: releasing an unknown or already released key succeeds (returns False)."""
