@@ -36,6 +36,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sleep", type=float, default=5.0, help="seconds each job runs")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--logs", type=Path, help="copy the cluster's and the pool's logs here at the end")
     args = parser.parse_args()
     reason = missing_requirements()
     if reason:
@@ -86,6 +87,10 @@ def main() -> int:
         if slurm is not None:
             slurm.stop()
         pool.stop_all()
+        if args.logs:
+            shutil.copytree(root / "slurm" / "log", args.logs / "slurm", dirs_exist_ok=True)
+            for log in (root / "pool").glob("*.log"):
+                shutil.copy(log, args.logs)
         shutil.rmtree(root, ignore_errors=True)
 
 

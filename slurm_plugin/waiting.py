@@ -22,7 +22,7 @@ requeues it. So the pool admits rgpu jobs before Slurm may start them:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -146,27 +146,56 @@ def _admitted_unleased(job: Any, leased: set[tuple[int, int]]) -> bool:
         return False
     if job.state == "PENDING":
         return job.reason in STARTABLE_REASONS and not getattr(job, "dependency", "")
-    return job.state in ("RUNNING", "CONFIGURING") and ("CONFIGURING" in job.flags or job.reason == "Prolog")
+    # In PrologSlurmctld: 22.05's squeue --json says CONFIGURING as the state, 24.x as a flag.
+    return job.state == "CONFIGURING" or (job.state == "RUNNING" and ("CONFIGURING" in job.flags or job.reason == "Prolog"))
 
 
-def jobs_to_start(jobs: Iterable[Any], gpu_statuses: Iterable[Any],
-                  leases: Iterable[Any] = ()) -> list[tuple[int, tuple[str, ...]]]:
+# One lease's request as the pool's order-proof check takes it: (count, fraction or 0.0,
+# memory_bytes or 0, isolation).
+LeaseRequest = tuple[int, float, int, str]
+
+
+def lease_requests(record: RequestRecord) -> list[LeaseRequest]:
+    """One per node: each node's lease reaches the pool as an Allocate of its own. Pure."""
+    req = record.request
+    return [(req.count, req.fraction if not req.memory_bytes else 0.0, req.memory_bytes, req.isolation)] * record.nodes
+
+
+def jobs_to_start(jobs: Iterable[Any], gpu_statuses: Iterable[Any], leases: Iterable[Any] = (),
+                  fits: Callable[[list[LeaseRequest]], bool] | None = None) -> list[tuple[int, tuple[str, ...]]]:
     """(id, steps) for the marked pending jobs the pool can place now, oldest first, each counted
-    against the free room left once the jobs already let go but not yet leased have theirs. Steps:
-    RELEASE for a job held for admission (or by Slurm after repeated requeues), START for a
-    requeued one. A held job no GPU could ever serve is released too: its PrologSlurmctld then
-    cancels it with the reason. `jobs`: SlurmJob records (squeue.py), every live one; `leases`: the
-    pool's (job_key). Pure."""
+    with the jobs already let go but not yet leased. Steps: RELEASE for a job held for admission
+    (or by Slurm after repeated requeues), START for a requeued one. A held job no GPU could ever
+    serve is released too: its PrologSlurmctld then cancels it with the reason.
+
+    `fits(requests)`: the pool's own check that all these leases can be placed whatever order
+    their prologs ask in (PoolCore.fits_in_every_order); without it, each job is placed in turn on
+    `gpu_statuses` with `take` (the order they are listed in). `jobs`: SlurmJob records
+    (squeue.py), every live one; `leases`: the pool's (job_key). Pure when `fits` is."""
     jobs = sorted(jobs, key=lambda j: j.job_id)
     gpu_statuses = list(gpu_statuses)
     leased = {(p.job_id, p.restart_count) for p in (parse_job_key(le.job_key) for le in leases) if p is not None}
     free = rooms(gpu_statuses)
+    admitted: list[LeaseRequest] = []
     for job in jobs:
         if is_record(job.admin_comment) and _admitted_unleased(job, leased):
             try:
-                take(parse_record(job.admin_comment), free)
+                record = parse_record(job.admin_comment)
             except RgpuError:
                 continue
+            take(record, free)
+            admitted += lease_requests(record)
+
+    def placeable(record: RequestRecord) -> bool:
+        nonlocal admitted
+        if fits is None:
+            return take(record, free)
+        trial = admitted + lease_requests(record)
+        if not fits(trial):
+            return False
+        admitted = trial
+        return True
+
     chosen: list[tuple[int, tuple[str, ...]]] = []
     for job in jobs:
         if job.state != "PENDING" or getattr(job, "dependency", ""):
@@ -175,12 +204,12 @@ def jobs_to_start(jobs: Iterable[Any], gpu_statuses: Iterable[Any],
         if record is None:
             continue
         if job.reason == ADMISSION_HOLD:
-            if take(record, free) or never_fits(record, gpu_statuses):
+            if placeable(record) or never_fits(record, gpu_statuses):
                 chosen.append((job.job_id, (RELEASE,)))
         elif job.reason == MAX_REQUEUE_HOLD:
-            if take(record, free):
+            if placeable(record):
                 chosen.append((job.job_id, (RELEASE, START)))
-        elif job.reason not in STARTABLE_REASONS and job.reason != ADMIN_HOLD and take(record, free):
+        elif job.reason not in STARTABLE_REASONS and job.reason != ADMIN_HOLD and placeable(record):
             chosen.append((job.job_id, (START,)))
     return chosen
 
@@ -232,24 +261,28 @@ def clear_mark(job_id: int, admin_comment: str, *, env: Mapping[str, str] | None
 
 
 def start_waiting_jobs(jobs: Sequence[Any], gpu_statuses: Iterable[Any], log: logging.Logger | logging.LoggerAdapter[Any],
-                       *, leases: Iterable[Any] = (), env: Mapping[str, str] | None = None,
-                       timeout: float = 4.0) -> list[int]:
+                       *, leases: Iterable[Any] = (), fits: Callable[[list[LeaseRequest]], bool] | None = None,
+                       env: Mapping[str, str] | None = None, timeout: float = 4.0) -> list[int]:
     """Release (or StartTime=now) every waiting job the pool can place now; returns their ids.
     Read `leases` before `gpu_statuses`: a lease made between the two reads is then counted twice
     (a job waits one more pass), never not at all (a job started into room that is gone)."""
     started = []
     # The record alone, once released (PrologSlurmctld also removes a mark it finds).
     marked = {j.job_id: j.admin_comment.partition(RECORD_SEPARATOR)[0] for j in jobs if j.reason == ADMISSION_HOLD}
-    for job_id, steps in jobs_to_start(jobs, gpu_statuses, leases):
+    for job_id, steps in jobs_to_start(jobs, gpu_statuses, leases, fits):
         try:
             for step in steps:
                 run_command(release_command(job_id) if step == RELEASE else start_command(job_id), env=env,
                             timeout=timeout)
             started.append(job_id)
-            if RELEASE in steps and job_id in marked:
-                run_command(mark_command(job_id, marked[job_id]), env=env, timeout=timeout)
         except RgpuError as exc:
             log.warning("rgpu: slurm: could not start waiting job %s: %s", job_id, exc)
+    for job_id in started:          # after every release, which is what the jobs wait for
+        if job_id in marked:
+            try:
+                run_command(mark_command(job_id, marked[job_id]), env=env, timeout=timeout)
+            except RgpuError as exc:   # PrologSlurmctld removes a mark it finds
+                log.warning("rgpu: slurm: could not unmark released job %s: %s", job_id, exc)
     if started:
         log.info("rgpu: slurm: the pool can place waiting job(s) %s now: released", ", ".join(map(str, started)))
     return started

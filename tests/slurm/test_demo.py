@@ -166,3 +166,41 @@ def test_keep_keeps_a_failed_demo_and_a_user_uses_it_with_munge(demo: Demo) -> N
     assert not Path(marker).exists()
     assert not leftover_daemons(marker), leftover_daemons(marker)
     shutil.rmtree(logs, ignore_errors=True)
+
+
+def test_keep_keeps_a_cluster_whose_start_failed_until_sigterm(demo: Demo) -> None:
+    """slurmctld refuses its configuration: with --keep the demo says so in one line, keeps the
+    pool, munge and the cluster's files and logs for a look, and ends them all on SIGTERM."""
+    logs = Path(tempfile.mkdtemp(prefix="rgpu-demo-keep-start-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RGPU_", "SLURM_", "VIRTUAL_ENV"))}
+    env["RGPU_SOURCE_TREE"] = str(demo.clone)
+    python = demo.venv / "bin" / "python"
+    with open(logs / "out", "wb") as out, open(logs / "err", "wb") as err:
+        proc = subprocess.Popen([str(python), "-m", "rgpu.slurm_plugin.demo", "--keep", "--extra-slurm-conf",
+                                 "RgpuNoSuchKey=1"], cwd="/", env=env, stdout=out, stderr=err)
+    try:
+        stderr = _wait_for_text(logs / "err", "demo: ready", proc, 300)
+        stdout = (logs / "out").read_text()
+        failure = [line for line in stderr.splitlines() if line.startswith("rgpu: demo:")]
+        assert len(failure) == 1 and "slurmctld exited" in failure[0], stderr
+        assert "the cluster is kept as far as it came, until Ctrl-C; logs: " in failure[0], stderr
+        slurm_logs = Path(failure[0].split("logs: ", 1)[1].split("/ and ", 1)[0])
+        assert "RgpuNoSuchKey" in (slurm_logs / "slurmctld.out").read_text(errors="replace")
+        match = re.search(r"export SLURM_CONF=(\S+) RGPU_CONFIG=(\S+) PATH=", stdout)
+        assert match, stdout
+        marker = str(Path(match.group(2)).parents[1])
+        listing = subprocess.run([str(python), "-m", "rgpu.remoting.admin.cli", "list-gpus"], cwd="/",
+                                 env={**env, "RGPU_CONFIG": match.group(2)}, capture_output=True, text=True, timeout=60)
+        assert listing.returncode == 0 and listing.stdout.count("NVIDIA H100") == 4, listing   # the pool is kept
+        assert leftover_daemons(marker)                     # munged and the pool's daemons still run
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode != 0
+    assert not Path(marker).exists()
+    assert not leftover_daemons(marker), leftover_daemons(marker)
+    shutil.rmtree(logs, ignore_errors=True)

@@ -192,7 +192,8 @@ def test_held_jobs_are_released_only_into_room_no_released_job_has_taken_yet() -
     two_gpus = [room_gpu(0), room_gpu(0)]
     assert jobs_to_start([held(1, whole), held(2, whole), held(3, half)], two_gpus) == [(1, ("release",)), (2, ("release",))]
     for state, flags, reason in (("PENDING", (), "Priority"), ("PENDING", (), "None"), ("PENDING", (), "Resources"),
-                                 ("RUNNING", ("CONFIGURING",), "None"), ("RUNNING", (), "Prolog")):
+                                 ("RUNNING", ("CONFIGURING",), "None"), ("RUNNING", (), "Prolog"),
+                                 ("CONFIGURING", (), "None")):            # 22.05's squeue --json
         job = admitted(1, whole, state=state, flags=flags, reason=reason)
         assert jobs_to_start([job, held(2, whole), held(3, whole)], two_gpus) == [(2, ("release",))], (state, reason)
     # Once its lease is in the pool, the pool's room already shows it: not counted twice.
