@@ -421,3 +421,11 @@ def test_pyslurm_backend_without_a_usable_pyslurm_is_one_line(monkeypatch: pytes
     text = str(info.value)
     assert text.startswith("rgpu: slurm: slurm_backend = pyslurm, but pyslurm cannot be imported (")
     assert "\n" not in text and "slurm_backend = auto" in text and "25.11" in text
+
+
+def test_the_mixed_batchs_ideal_counts_rounds_of_jobs_started_as_soon_as_they_fit() -> None:
+    from benchmarks.slurm_mixed_batch import batch, ideal_rounds
+
+    assert ideal_rounds([(1, "1.0")] * 4) == 1 and ideal_rounds([(1, "1.0")] * 5) == 2
+    assert ideal_rounds([(2, "0.5")] * 4) == 1 and ideal_rounds([(2, "1.0"), (1, "0.25"), (2, "1.0")]) == 2
+    assert ideal_rounds(batch()) == 5          # 1,650 GPU-percent of jobs on 400: at least 5 rounds

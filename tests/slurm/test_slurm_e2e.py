@@ -480,6 +480,9 @@ def test_fragmented_capacity_makes_a_job_wait_pending_then_start_within_seconds(
     assert job is not None and int(job["restart_cnt"]) == 0 and job["state_reason"] == "JobHeldUser", job
     shown = h.slurm.command(["scontrol", "show", "job", waiting]).stdout
     assert "AdminComment=rgpu:v1 nodes=1 count=1 percent=50 units=50 | rgpu: waiting: " in shown, shown
+    # No Slurm lets anyone but slurmctld write a job's Reason: squeue shows rgpu's beside it.
+    line = h.slurm.command(["squeue", "-h", "-j", waiting, "-O", "Reason:14,admin_comment:200"]).stdout.strip()
+    assert line.startswith("JobHeldUser") and "| rgpu: waiting: held until the pool can place its slices" in line, line
     assert not h.job_leases(waiting)
     h.slurm.command(["scancel", blockers[0]])
     freed = time.monotonic()

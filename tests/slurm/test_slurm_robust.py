@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Self
@@ -59,11 +59,12 @@ def node_prolog_pids(harness: Harness, job_id: str | None = None) -> list[int]:
 
 class NodePrologTrap:
     """Catches the next node Prolog of this cluster as it starts (before it can import its pool
-    client, ~100 ms later), stops it, freezes the pool, and lets the Prolog go on: a deterministic
-    'the pool hung between PrologSlurmctld and the node Prolog'."""
+    client, ~100 ms later), stops it, freezes the pool (or runs `meanwhile`), and lets the Prolog
+    go on: a deterministic 'the pool hung between PrologSlurmctld and the node Prolog'."""
 
-    def __init__(self, harness: Harness) -> None:
+    def __init__(self, harness: Harness, meanwhile: Callable[[], None] | None = None) -> None:
         self.harness = harness
+        self.meanwhile = meanwhile
         self.caught: list[int] = []
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -76,7 +77,10 @@ class NodePrologTrap:
                 for pid in pids:
                     os.kill(pid, signal.SIGSTOP)
                 assert self.harness.pool.pool is not None and self.harness.pool.pool.proc is not None
-                os.killpg(self.harness.pool.pool.proc.pid, signal.SIGSTOP)
+                if self.meanwhile is not None:
+                    self.meanwhile()
+                else:
+                    os.killpg(self.harness.pool.pool.proc.pid, signal.SIGSTOP)
                 for pid in pids:
                     os.kill(pid, signal.SIGCONT)
                 self.caught = pids
@@ -152,6 +156,41 @@ def test_a_job_whose_node_prolog_cannot_reach_the_pool_is_requeued_not_run(h: Ha
     assert finished(h, job, 60)["JobState"] == "COMPLETED", diagnostics(h)
     out = h.slurm.job_output(job)
     assert "HAS_CONF" in out, f"{out}\n{info}\n{diagnostics(h)}"
+
+
+def test_a_job_whose_lease_is_gone_when_its_node_prolog_runs_is_requeued_not_run_plain(h: Harness) -> None:
+    """PrologSlurmctld leased the slices; an admin (or a pool that lost its state) released the
+    lease before the node Prolog fetched it. The node Prolog finds no lease for a job that holds
+    the rgpu license: the job is requeued, never run without its slices, and its next attempt
+    leases new ones and runs with them."""
+    def release_the_lease() -> None:
+        leases = h.job_leases(job)
+        assert leases, "PrologSlurmctld's lease should exist when the node Prolog starts"
+        with h.client() as c:
+            for lease in leases:
+                c.release(lease.job_key)
+
+    job = ""
+    with NodePrologTrap(h, meanwhile=release_the_lease) as trap:
+        job = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.3"], SHOW_SLICES, user=JOB_USER)
+        wait_until("the node Prolog to be caught", lambda: trap.caught or None, 30)
+
+        def requeued() -> dict | None:
+            info = h.slurm.job_json(job)
+            assert info["job_state"] not in FINISHED, f"{info}\n{h.slurm.job_output(job)}\n{diagnostics(h)}"
+            return info if int(info["restart_cnt"]) >= 1 and info["job_state"] == "PENDING" else None
+
+        wait_until("the job to be requeued", requeued, 30)
+    assert "RAN" not in h.slurm.job_output(job), h.slurm.job_output(job)
+    log = (h.slurm.logs / "Prolog.log").read_text()
+    line = next(line for line in log.splitlines() if f"[job {job}]" in line and "has no lease" in line)
+    assert "which holds the rgpu license" in line and line.endswith("-- the job requeued: it runs again once rgpu "
+                                                                    "can give it its slices"), line
+    states = h.slurm.node_states()
+    assert not [s for s in states.values() if "drain" in s or "down" in s], states
+    h.slurm.command(["scontrol", "update", f"jobid={job}", "starttime=now"])   # Slurm's requeue delay
+    assert finished(h, job, 60)["JobState"] == "COMPLETED", diagnostics(h)
+    assert "HAS_CONF" in h.slurm.job_output(job)
 
 
 def test_a_job_that_cannot_be_requeued_fails_with_the_reason_in_its_output(h: Harness) -> None:
