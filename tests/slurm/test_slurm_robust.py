@@ -98,6 +98,16 @@ class NodePrologTrap:
         os.killpg(self.harness.pool.pool.proc.pid, signal.SIGCONT)
 
 
+def wait_requeued(h: Harness, job: str) -> dict:  # type: ignore[type-arg]
+    """Until the job is PENDING again after a requeue; fails at once should it end instead."""
+    def requeued() -> dict | None:  # type: ignore[type-arg]
+        info = h.slurm.job_json(job)
+        assert info["job_state"] not in FINISHED, f"{info}\n{h.slurm.job_output(job)}\n{diagnostics(h)}"
+        return info if int(info["restart_cnt"]) >= 1 and info["job_state"] == "PENDING" else None
+
+    return wait_until("the job to be requeued", requeued, 30)
+
+
 def wait_pool_back(harness: Harness) -> None:
     wait_until("the pool to answer with 4 GPUs", lambda: pool_ready(harness.pool, 400) or None, 30)
 
@@ -132,13 +142,7 @@ def test_a_job_whose_node_prolog_cannot_reach_the_pool_is_requeued_not_run(h: Ha
     with NodePrologTrap(h) as trap:
         job = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.3"], SHOW_SLICES, user=JOB_USER)
         wait_until("the node Prolog to be caught", lambda: trap.caught or None, 30)
-
-        def requeued() -> dict | None:
-            info = h.slurm.job_json(job)
-            assert info["job_state"] not in FINISHED, f"{info}\n{diagnostics(h)}"
-            return info if int(info["restart_cnt"]) >= 1 and info["job_state"] == "PENDING" else None
-
-        info = wait_until("the job to be requeued", requeued, 30)
+        info = wait_requeued(h, job)
         assert "RAN" not in h.slurm.job_output(job), h.slurm.job_output(job)
         # Past EpilogSlurmctld's 15 s of retries: only the reconciler can release the lease now.
         time.sleep(17)
@@ -174,13 +178,7 @@ def test_a_job_whose_lease_is_gone_when_its_node_prolog_runs_is_requeued_not_run
     with NodePrologTrap(h, meanwhile=release_the_lease) as trap:
         job = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.3"], SHOW_SLICES, user=JOB_USER)
         wait_until("the node Prolog to be caught", lambda: trap.caught or None, 30)
-
-        def requeued() -> dict | None:
-            info = h.slurm.job_json(job)
-            assert info["job_state"] not in FINISHED, f"{info}\n{h.slurm.job_output(job)}\n{diagnostics(h)}"
-            return info if int(info["restart_cnt"]) >= 1 and info["job_state"] == "PENDING" else None
-
-        wait_until("the job to be requeued", requeued, 30)
+        wait_requeued(h, job)
     assert "RAN" not in h.slurm.job_output(job), h.slurm.job_output(job)
     log = (h.slurm.logs / "Prolog.log").read_text()
     line = next(line for line in log.splitlines() if f"[job {job}]" in line and "has no lease" in line)
