@@ -137,7 +137,7 @@ class Reconciler:
         return decision
 
     def wake(self) -> None:
-        """Run the next pass now (cheap, never blocks: a pool's room listener). Wakes that come
+        """Run the next pass now (cheap, never blocks: the pool core's lease listener). Wakes that come
         during a pass make one more pass, not one each."""
         self._wake.set()
 
