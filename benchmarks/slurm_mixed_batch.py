@@ -1,7 +1,11 @@
 """The mixed batch of issue 10 on the real 3-node test cluster: 20 rgpu jobs submitted at once,
 fractions 0.25 / 0.5 / 1.0, one and two slices per job, each sleeping a few seconds, on a pool of
 4 GPUs. Prints the batch's total time (first submit to last job finished), how many jobs were
-requeued, and the reasons pending jobs showed. Needs root and Slurm (like `pytest -m slurm`).
+requeued, the reasons pending jobs showed, and the ideal: how many rounds a scheduler that starts
+every job the moment the pool can place it needs (`ideal_rounds`: the jobs in submission order,
+each started as soon as it fits, on 4 empty GPUs, every job as long as the others), times the
+mean time one job of this batch ran (Slurm's StartTime to EndTime, prologs and epilogs
+included). Needs root and Slurm (like `pytest -m slurm`).
 
     python benchmarks/slurm_mixed_batch.py [--sleep 5]
 """
@@ -32,10 +36,31 @@ def batch() -> list[tuple[int, str]]:
     return [(1 + (i // 3) % 2, FRACTIONS[i % 3]) for i in range(20)]
 
 
+def ideal_rounds(shapes: list[tuple[int, str]], gpus: int = 4) -> int:
+    """Rounds of equal-length jobs a perfect scheduler needs: in submission order, each job starts
+    as soon as its slices fit (each on a distinct GPU, `take` binpack), a round ends when all its
+    jobs do. Pure."""
+    from rgpu.slurm_plugin.request import parse_record
+    from rgpu.slurm_plugin.waiting import GpuRoom, take
+
+    records = [parse_record(f"rgpu:v1 nodes=1 count={n} percent={round(100 * float(f))} "
+                            f"units={n * round(100 * float(f))}") for n, f in shapes]
+    waiting, rounds = list(records), 0
+    while waiting:
+        room = [GpuRoom(100, 100, 100) for _ in range(gpus)]
+        started = [r for r in waiting if take(r, room)]
+        if not started:
+            raise ValueError("a job fits on no GPU of an empty pool")
+        waiting = [r for r in waiting if not any(r is s for s in started)]
+        rounds += 1
+    return rounds
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sleep", type=float, default=5.0, help="seconds each job runs")
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument("--logs", type=Path, help="copy the cluster's and the pool's logs here at the end")
     args = parser.parse_args()
     reason = missing_requirements()
     if reason:
@@ -76,17 +101,34 @@ def main() -> int:
 
         wait_until("the batch to finish", all_done, args.timeout, interval=0.5)
         elapsed = time.monotonic() - started
-        restarts = sum(int(slurm.show_job(j).get("Restarts", "0") or 0) for j in jobs)
+        shown = [slurm.show_job(j) for j in jobs]
+        restarts = sum(int(info.get("Restarts", "0") or 0) for info in shown)
+        ran = sorted(_seconds(info["EndTime"]) - _seconds(info["StartTime"]) for info in shown)
+        mean = sum(ran) / len(ran)       # Slurm's times are whole seconds: a mean of 20 is finer than one
+        rounds = ideal_rounds(shapes)
         states = collections.Counter(done.values())
         print(f"mixed batch: {len(jobs)} jobs ({', '.join(f'{n}x{f}' for n, f in shapes)}), sleep {args.sleep:g} s each")
         print(f"total {elapsed:.1f} s; states {dict(states)}; requeues {restarts}")
+        print(f"ideal {rounds * mean:.1f} s: {rounds} rounds x {mean:.2f} s, the mean job's StartTime to EndTime "
+              f"(jobs ran {ran[0]:.0f}-{ran[-1]:.0f} s); total/ideal {elapsed / (rounds * mean):.2f}")
         print("pending reasons seen: " + ", ".join(f"{r} ({len(j)} jobs)" for r, j in sorted(reasons.items())))
         return 0 if states == {"COMPLETED": len(jobs)} else 1
     finally:
         if slurm is not None:
             slurm.stop()
         pool.stop_all()
+        if args.logs:
+            shutil.copytree(root / "slurm" / "log", args.logs / "slurm", dirs_exist_ok=True)
+            for log in (root / "pool").glob("*.log"):
+                shutil.copy(log, args.logs)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _seconds(stamp: str) -> float:
+    """Slurm's StartTime/EndTime (2026-11-27T20:48:06) as seconds since the epoch."""
+    import datetime
+
+    return datetime.datetime.fromisoformat(stamp).timestamp()
 
 
 if __name__ == "__main__":

@@ -253,8 +253,17 @@ def _make_job_dir(path: Path, uid: int, gid: int) -> None:
     path.chmod(0o700)
 
 
-def node_prolog(env: Mapping[str, str], pool_factory: Callable[[], Pool]) -> Path | None:
-    """Write this node's adaptor.conf; None when the job holds no rgpu lease. Raises on failure."""
+def charged_for_rgpu(info: JobInfo, license_name: str = "rgpu") -> bool:
+    """Whether Slurm charged the job for rgpu slices (its rgpu license, or job_submit.lua's
+    record). Pure."""
+    return bool(license_units(info.licenses, license_name)) or is_record(info.admin_comment)
+
+
+def node_prolog(env: Mapping[str, str], pool_factory: Callable[[], Pool],
+                query_job: Callable[[int], JobInfo] | None = None) -> Path | None:
+    """Write this node's adaptor.conf; None when the job asked for no rgpu. Raises on failure,
+    also when the pool has no lease for a job charged for rgpu (asked with `query_job`, only
+    then): a lease lost after PrologSlurmctld must not let the job run without its slices."""
     job = JobContext.from_env(env, "prolog")
     node = job.node or _env(env, "SLURMD_NODENAME", "prolog")
     key = job.key_for(node)
@@ -262,7 +271,12 @@ def node_prolog(env: Mapping[str, str], pool_factory: Callable[[], Pool]) -> Pat
     try:
         lease = pool.get_lease(key)
     except NotFound:
-        return None                                   # a job without rgpu
+        if query_job is not None and charged_for_rgpu(query_job(job.job_id)):
+            raise NotFound("prolog", f"the pool has no lease {key} for job {job.job_id}, which holds the rgpu license",
+                           "the lease was released or lost after PrologSlurmctld leased it",
+                           "nothing to do: the job is requeued and leases new slices; if it repeats, "
+                           "see rgpu-admin leases and the pool's log") from None
+        return None                                   # a job without rgpu (a size word in a plain comment)
     if job.user and lease.user != job.user:
         raise InvalidRequest("prolog", f"lease {key} belongs to {lease.user!r}, not to {job.user!r}",
                              "the pool's state does not match this job", "release it with rgpu-admin and requeue the job")
@@ -329,19 +343,15 @@ def keys_to_release(leases: list[Any], cluster: str, job_id: int, restart_count:
     return sorted(keys)
 
 
-def epilog_slurmctld(env: Mapping[str, str], pool_factory: Callable[[], Pool],
-                     start_waiting: Callable[[Pool], Any] | None = None) -> list[str]:
-    """Release the job's leases; idempotent (nothing to release is a success). When something was
-    released, `start_waiting(pool)` starts the jobs waiting for the pool that now fit."""
+def epilog_slurmctld(env: Mapping[str, str], pool_factory: Callable[[], Pool]) -> list[str]:
+    """Release the job's leases; idempotent (nothing to release is a success). The pool's
+    reconciler, woken by the release, then lets the jobs waiting for that room start."""
     job = JobContext.from_env(env, "epilog-slurmctld")
     pool = pool_factory()
     keys = set(keys_to_release(pool.list_leases(), job.cluster, job.job_id, job.restart_count))
     # Also the keys this attempt would have, in case ListLeases raced with an allocation.
     keys.update(job.key_for(n) for n in job.nodes)
-    released = [key for key in sorted(keys) if pool.release(key)]
-    if released and start_waiting is not None:
-        start_waiting(pool)
-    return released
+    return [key for key in sorted(keys) if pool.release(key)]
 
 
 def node_epilog(env: Mapping[str, str]) -> bool:

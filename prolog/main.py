@@ -102,28 +102,6 @@ def requeue_job(env: Mapping[str, str]) -> str:
     return "requeued: it runs again once rgpu can give it its slices"
 
 
-def start_waiting(env: Mapping[str, str]) -> Any:
-    """After a release: StartTime=now for the jobs waiting for the pool that it can place now."""
-    from rgpu.slurm_plugin.squeue import SqueueBackend
-    from rgpu.slurm_plugin.waiting import start_waiting_jobs
-
-    class _Log:
-        def info(self, fmt: str, *args: Any) -> None:
-            log_line("epilog-slurmctld", env, fmt % args)
-
-        warning = info
-
-    def run(pool: Any) -> None:
-        try:
-            jobs = [j for j in SqueueBackend(env=env, timeout=SLURM_QUERY_TIMEOUT_SECONDS).jobs() if j.state == "PENDING"]
-            if any(j.admin_comment for j in jobs):
-                start_waiting_jobs(jobs, pool.list_gpus(), _Log(), env=env)   # type: ignore[arg-type]
-        except RgpuError as exc:   # the pool's reconciler tries again on its next pass
-            log_line("epilog-slurmctld", env, f"could not look for jobs waiting for the pool: {exc}")
-
-    return run
-
-
 def _describe(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, RgpuError) else f"rgpu: internal error: {type(exc).__name__}: {exc}"
 
@@ -162,9 +140,12 @@ def prolog_main(env: Mapping[str, str] | None = None) -> int:
     if not comment_may_ask_rgpu(env.get("SLURM_JOB_COMMENT")):
         return 0                     # not an rgpu job: no pool call
     from rgpu.prolog.logic import node_prolog, record_node_error
+    from rgpu.slurm_plugin import scontrol
 
     try:
-        node_prolog(env, lambda: connect_pool(env))
+        # Slurm is asked only when the pool has no lease for the job (query_job's one call).
+        node_prolog(env, lambda: connect_pool(env),
+                    lambda job_id: scontrol.query_job(str(job_id), env=env, timeout=SLURM_QUERY_TIMEOUT_SECONDS))
     except Exception as exc:
         message = _describe(exc)
         record_node_error(env, message)
@@ -184,7 +165,7 @@ def epilog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
     delay = 0.5
     while True:
         try:
-            released = epilog_slurmctld(env, lambda: connect_pool(env), start_waiting(env))
+            released = epilog_slurmctld(env, lambda: connect_pool(env))
             break
         except Unavailable as exc:
             if time.monotonic() + delay > deadline:

@@ -32,18 +32,9 @@ else
 fi
 
 # A Python >= 3.11 for the venv; as root one that every user can run (nobody stands for them).
-usable_python() {  # PYTHON: true when it is 3.11+ (and, as root, runnable by nobody)
-  "$1" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || return 1
-  [ "$(id -u)" != 0 ] && return 0
-  runuser -u nobody -- "$1" -c 'import sys' 2>/dev/null
-}
-pick_python() {
-  local candidate
-  for candidate in ${RGPU_PYTHON:-} "$(command -v python3 || true)" /usr/bin/python3; do
-    [ -n "$candidate" ] && [ -x "$candidate" ] && usable_python "$candidate" && { echo "$candidate"; return 0; }
-  done
-  return 1
-}
+# shellcheck source=scripts/pick-python.sh
+. "$here/scripts/pick-python.sh"
+candidates=("${RGPU_PYTHON:-}" "$(command -v python3 || true)" /usr/bin/python3 /usr/local/bin/python3)
 apt_install() {
   [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || return 1
   echo "demo: installing $* with apt-get"
@@ -52,9 +43,9 @@ apt_install() {
 }
 
 if [ ! -x "$venv/bin/python" ]; then
-  if ! python=$(pick_python); then
+  if ! python=$(pick_python "${candidates[@]}"); then
     apt_install python3 python3-venv || true
-    python=$(pick_python) || die "no Python 3.11 or later that every user can run (python3 is $(command -v python3 || echo missing); install Debian's python3 and python3-venv, or set RGPU_PYTHON)"
+    python=$(pick_python "${candidates[@]}") || { why_no_python "${candidates[@]}" >&2; exit 1; }
   fi
   echo "demo: making the virtual environment $venv with $python"
   mkdir -p "$(dirname "$venv")"

@@ -219,7 +219,7 @@ demo: the cluster runs until Ctrl-C (or SIGTERM). In another shell, as root:
         time.sleep(3600)
 
 
-def run_demo(keep: bool = False, job_script: str | None = None) -> None:
+def run_demo(keep: bool = False, job_script: str | None = None, extra_slurm_conf: str = "") -> None:
     from rgpu.remoting.pool.client import connect
 
     from rgpu.config import load_settings
@@ -285,22 +285,25 @@ def run_demo(keep: bool = False, job_script: str | None = None) -> None:
                      "EpilogSlurmctld": [py, str(prolog / "rgpu-epilog-slurmctld")]},
             script_env={"RGPU_CONFIG": env["RGPU_CONFIG"], "RGPU_RUN_DIR": f"{root}/run-rgpu/${{SLURMD_NODENAME}}",
                         "PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+        if extra_slurm_conf:
+            slurm.config.extra_conf = extra_slurm_conf
         started = True
-        slurm.start()
-        # rgpu-poold looks for Slurm when it starts: now that slurm.conf exists, start it again
-        # (same state, same port) beside it, as a site runs it: reconciler and license sync on.
-        daemons.stop("poold")
-        pool_log = root / "pool" / "poold.log"
-        seen = pool_log.stat().st_size
-        daemons.start("poold", "rgpu.remoting.pool.daemon", env={**env, **slurm.client_env})
-        wait_until("4 GPUs registered again", four_gpus, 30)
-        integration = wait_until("the pool's Slurm integration", lambda: next(
-            (line.split("rgpu-poold: ", 1)[-1] for line in pool_log.read_bytes()[seen:].decode(errors="replace").splitlines()
-             if "Slurm reconciler every" in line or "Slurm integration off" in line), None), 20)
-        click.echo(f"demo: Slurm cluster up (nodes c1-c3, Licenses=rgpu:{100 * DEMO_GPUS}), pool at {pool_addr}: "
-                   f"{integration}\n")
         user_env = {"RGPU_CONFIG": env["RGPU_CONFIG"], "HOME": "/nonexistent", "PATH": "/usr/bin:/bin"}
         try:
+            # With --keep a cluster whose start failed stays as far as it came, to be looked at.
+            slurm.start(keep_on_failure=keep)
+            # rgpu-poold looks for Slurm when it starts: now that slurm.conf exists, start it again
+            # (same state, same port) beside it, as a site runs it: reconciler and license sync on.
+            daemons.stop("poold")
+            pool_log = root / "pool" / "poold.log"
+            seen = pool_log.stat().st_size
+            daemons.start("poold", "rgpu.remoting.pool.daemon", env={**env, **slurm.client_env})
+            wait_until("4 GPUs registered again", four_gpus, 30)
+            integration = wait_until("the pool's Slurm integration", lambda: next(
+                (line.split("rgpu-poold: ", 1)[-1] for line in pool_log.read_bytes()[seen:].decode(errors="replace").splitlines()
+                 if "Slurm reconciler every" in line or "Slurm integration off" in line), None), 20)
+            click.echo(f"demo: Slurm cluster up (nodes c1-c3, Licenses=rgpu:{100 * DEMO_GPUS}), pool at {pool_addr}: "
+                       f"{integration}\n")
             flexrun_in_job = users_problem is None and shutil.which("cc") is not None
             if users_problem is None and not flexrun_in_job:
                 click.echo("rgpu: demo: no C compiler (cc) here, so the job skips flexrun (it builds its client "
@@ -329,7 +332,12 @@ def run_demo(keep: bool = False, job_script: str | None = None) -> None:
             if not keep:
                 raise
             failure = exc
-            click.echo(str(exc) if isinstance(exc, RgpuError) else f"rgpu: demo: {exc}", err=True)
+            if isinstance(exc, RgpuError):
+                click.echo(str(exc), err=True)
+            else:   # the cluster's start failed: its first line, and where the rest is
+                first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+                click.echo(f"rgpu: demo: {first} (the cluster is kept as far as it came, until Ctrl-C; "
+                           f"logs: {slurm.logs}/ and {root / 'pool'}/)", err=True)
         if keep:
             hold(slurm, env, user_env, users_problem is None)
     finally:
@@ -349,11 +357,12 @@ def _interrupt(_signum: int, _frame: object) -> None:
 @click.option("--keep", is_flag=True,
               help="Keep the cluster running after the demo job, until Ctrl-C (also when the demo failed).")
 @click.option("--job-script", hidden=True, help="The demo job's script body instead of the demo's (tests).")
-def main(keep: bool, job_script: str | None) -> None:
+@click.option("--extra-slurm-conf", hidden=True, default="", help="Lines added to slurm.conf (tests).")
+def main(keep: bool, job_script: str | None, extra_slurm_conf: str) -> None:
     """Run rgpu with a real local Slurm cluster and one sbatch job."""
     signal.signal(signal.SIGTERM, _interrupt)     # a kept cluster ends on SIGTERM as on Ctrl-C
     try:
-        run_demo(keep, job_script)
+        run_demo(keep, job_script, extra_slurm_conf)
     except RgpuError as exc:
         click.echo(str(exc), err=True)
         sys.exit(exc.exit_code)

@@ -20,7 +20,11 @@ What it does for a job that asks for --gres=rgpu:N:
     (reason Licenses) while the pool cannot serve it.
     units_per_slice = 100 F for fraction=F; for memory=SIZE it is
     ceil(100 x SIZE / gpu_memory_bytes) with gpu_memory_bytes from the config file (the usable
-    memory of the smallest GPU in the pool), or 100 (a whole GPU) when that is not configured.
+    memory of the smallest GPU in the pool), or 100 (a whole GPU) when that is not configured;
+  * with hold_until_placed = 1 (what `rgpu-admin slurm-config` writes), submits the job held
+    (priority 0; Slurm shows reason JobHeldUser) and marked in its admin comment: rgpu-poold releases it once the pool
+    can place its slices, on distinct GPUs, so a job the license admits but the pool cannot
+    place (fragmented GPUs) waits PENDING instead of being started, refused and requeued.
 
 Configuration: job_submit_rgpu.conf beside this script, read on every call (so a change needs
 no reconfigure), lines `key = value`, `#` comments. Keys and defaults are in DEFAULTS below. A
@@ -42,6 +46,7 @@ rgpu.DEFAULTS = {
 	pool_gpus = 0,               -- GPUs in the pool; 0: unknown (the checks below are off)
 	isolated_gpus = 0,           -- of them shared "isolated" (fractional slices, isolation=strict)
 	exclusive_gpus = 0,          -- of them shared "exclusive" (whole-GPU slices only)
+	hold_until_placed = 0,       -- 1: submit rgpu jobs held; rgpu-poold releases each once the pool can place it
 }
 rgpu.UNITS_PER_GPU = 100
 rgpu.CONF_NAME = "job_submit_rgpu.conf"
@@ -360,6 +365,36 @@ function rgpu.is_record(text)
 	return text ~= nil and string.sub(text, 1, #rgpu.RECORD_PREFIX - 1) == string.sub(rgpu.RECORD_PREFIX, 1, -2)
 end
 
+-- The admin comment is "<record>" or "<record> | <rgpu's note>" (RECORD_SEPARATOR in request.py).
+rgpu.RECORD_SEPARATOR = " | "
+
+-- The record and the note ("" when there is none) of an admin comment.
+function rgpu.split_admin_comment(text)
+	local at = string.find(text or "", rgpu.RECORD_SEPARATOR, 1, true)
+	if not at then
+		return text, ""
+	end
+	return string.sub(text, 1, at - 1), string.sub(text, at)
+end
+
+-- The mark of a job held until the pool can place it (WAITING_MARK in request.py).
+rgpu.ADMISSION_NOTE = rgpu.RECORD_SEPARATOR .. "rgpu: waiting: held until the pool can place its slices "
+	.. "(rgpu-poold releases the job then)"
+
+-- What a new rgpu job gets: its admin comment, and whether it is submitted held. With
+-- hold_until_placed, a job whose priority nobody set is held and marked; rgpu-poold releases it
+-- once the pool can place its slices (slurm_plugin/waiting.py), so Slurm never starts a job the
+-- pool would refuse. Slurm counts a hold set here as the user's own (reason JobHeldUser): a user
+-- who releases the job himself skips the pool's check (PrologSlurmctld still refuses a job it
+-- cannot place; Slurm then requeues it). A job submitted with --hold or a priority keeps it and
+-- is not marked: its release is its owner's.
+function rgpu.admission(plan, conf, priority)
+	if conf.hold_until_placed == 1 and (priority == nil or priority == rgpu.NO_VAL) then
+		return plan.record .. rgpu.ADMISSION_NOTE, true
+	end
+	return plan.record, false
+end
+
 function rgpu.units_per_slice(req, conf)
 	if req.memory_bytes then
 		if conf.gpu_memory_bytes <= 0 then
@@ -551,13 +586,16 @@ function rgpu.plan_modify(desc, rec, conf, is_admin)
 		end
 		return { change = false, comment = plan.comment }
 	end
-	local record_changed = plan.record ~= rec.admin_comment
+	local old_record, note = rgpu.split_admin_comment(rec.admin_comment)
+	local record_changed = plan.record ~= old_record
 	if record_changed and not is_admin then
 		return fail("only an admin can change the rgpu request of a submitted job",
 			"the request is recorded where only Slurm and admins write",
 			"scancel the job and submit it again, or ask an admin to run the scontrol update", "access")
 	end
-	return { change = true, plan = plan, record_changed = record_changed, comment = plan.comment }
+	-- rgpu's note stays (a job held until the pool can place it is still released by rgpu-poold).
+	return { change = true, plan = plan, record_changed = record_changed, comment = plan.comment,
+		admin_comment = plan.record .. note }
 end
 
 -- ---------------------------------------------------------------- Slurm entry points
@@ -597,7 +635,11 @@ function slurm_job_submit(job_desc, part_list, submit_uid)
 		job_desc.min_nodes = plan.nodes
 		job_desc.max_nodes = plan.nodes
 		job_desc.licenses = plan.licenses
-		job_desc.admin_comment = plan.record
+		local hold
+		job_desc.admin_comment, hold = rgpu.admission(plan, conf, job_desc.priority)
+		if hold then
+			job_desc.priority = 0
+		end
 		if plan.comment ~= job_desc.comment then
 			job_desc.comment = plan.comment
 		end
@@ -645,7 +687,7 @@ function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
 		job_desc.max_nodes = result.plan.nodes
 		job_desc.licenses = result.plan.licenses
 		if result.record_changed then
-			job_desc.admin_comment = result.plan.record
+			job_desc.admin_comment = result.admin_comment
 		end
 	end
 	return slurm.SUCCESS

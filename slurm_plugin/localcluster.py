@@ -288,7 +288,9 @@ PartitionName=cpu Nodes={nodes} Default=YES MaxTime=INFINITE State=UP
             raise RuntimeError(f"{name} exited {proc.returncode} at start:\n{out}\n{self.log_tail()}")
         return False
 
-    def start(self, timeout: float = 60.0) -> SlurmCluster:
+    def start(self, timeout: float = 60.0, keep_on_failure: bool = False) -> SlurmCluster:
+        """Start munge, slurmctld and the slurmd; on failure stop what started (`keep_on_failure`:
+        leave it running, and its files, for the caller to look at and stop)."""
         try:
             self._write_configs()
             self._start_munge()
@@ -300,7 +302,8 @@ PartitionName=cpu Nodes={nodes} Default=YES MaxTime=INFINITE State=UP
                 self._spawn(f"slurmd-{n}", [self._binary("slurmd"), "-D", "-N", n, "-f", str(self.conf)])
             wait_until("all nodes idle", self.all_nodes_idle, timeout, interval=0.5)
         except BaseException:
-            self.stop()
+            if not keep_on_failure:
+                self.stop()
             raise
         return self
 

@@ -38,10 +38,16 @@ def start_slurm_integration(core: Any, *, interval_seconds: float, grace_seconds
     log = log or logging.getLogger("rgpu-poold")
     if interval_seconds <= 0:
         return SlurmIntegration(None, None)
+    admission = _Admission(core, log, env)
     reconciler = Reconciler(core, backend_for(backend, env=env), interval_seconds, grace_seconds, log,
                             cluster=cluster or None,
                             cluster_lookup=None if cluster else _cluster_lookup(env),
-                            after_pass=_start_waiting(core, log, env)).start()
+                            after_pass=admission.run).start()
+    if hasattr(core, "add_lease_listener"):
+        # This thread is the one place that admits jobs, so two admissions never share out the
+        # same room. A lease that ended frees room; one that started settles where a released
+        # job's slices went: either may let a held job start, so a pass runs at once.
+        core.add_lease_listener(lambda ended: reconciler.wake() if ended or admission.jobs_held else None)
     sync = None
     if license_sync:
         sync = LicenseSync(core, SlurmLicenses(env=env), log).start(interval_seconds)
@@ -51,15 +57,26 @@ def start_slurm_integration(core: Any, *, interval_seconds: float, grace_seconds
     return SlurmIntegration(reconciler, sync)
 
 
-def _start_waiting(core: Any, log: logging.Logger, env: Mapping[str, str] | None) -> Any:
-    from rgpu.slurm_plugin.waiting import start_waiting_jobs
+@dataclass
+class _Admission:
+    """After each reconciler pass: let the held jobs the pool can place start (waiting.py)."""
 
-    def run(jobs: list[Any]) -> None:
+    core: Any
+    log: logging.Logger
+    env: Mapping[str, str] | None
+    jobs_held: bool = False        # some were still held after the last pass
+
+    def run(self, jobs: list[Any]) -> None:
+        from rgpu.slurm_plugin.waiting import start_waiting_jobs
+
         pending = [j for j in jobs if j.state == "PENDING" and j.admin_comment]
         if pending:
-            start_waiting_jobs(pending, core.gpu_statuses(), log, env=env)
-
-    return run
+            leases = self.core.list_leases()          # before the GPUs: see start_waiting_jobs
+            started = start_waiting_jobs(jobs, self.core.gpu_statuses(), self.log, leases=leases, env=self.env,
+                                         fits=getattr(self.core, "fits_in_every_order", None))
+            self.jobs_held = len(started) < len(pending)
+        else:
+            self.jobs_held = False
 
 
 def slurm_configured(env: Mapping[str, str] | None = None) -> str | None:

@@ -94,6 +94,7 @@ class Reconciler:
     _absent_since: dict[str, float] = field(default_factory=dict)
     _reported_missing: set[int] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _wake: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
     def _cluster(self) -> str:
@@ -135,13 +136,19 @@ class Reconciler:
                 self.log.warning("rgpu reconciler: %s", exc)
         return decision
 
+    def wake(self) -> None:
+        """Run the next pass now (cheap, never blocks: the pool core's lease listener). Wakes that come
+        during a pass make one more pass, not one each."""
+        self._wake.set()
+
     def run_forever(self) -> None:
         while not self._stop.is_set():
+            self._wake.clear()
             try:
                 self.run_once()
             except Exception:
                 self.log.exception("rgpu reconciler: pass failed (will retry)")
-            self._stop.wait(self.interval_seconds)
+            self._wake.wait(self.interval_seconds)
 
     def start(self) -> Reconciler:
         self._thread = threading.Thread(target=self.run_forever, name="rgpu-reconciler", daemon=True)
@@ -150,5 +157,6 @@ class Reconciler:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)

@@ -44,6 +44,7 @@ class SlurmJob:
     comment: str
     reason: str = ""           # state_reason, e.g. "Licenses", "Prolog"
     admin_comment: str = ""    # job_submit.lua's request record (waiting.py adds a mark)
+    dependency: str = ""       # dependencies not yet satisfied ("" none)
 
     @property
     def live(self) -> bool:
@@ -105,7 +106,8 @@ def parse_job(raw: Mapping[str, Any]) -> SlurmJob:
                     restart_count=_number(raw.get("restart_cnt")), user=_text(raw.get("user_name")),
                     cluster=_text(raw.get("cluster")), nodes=_text(raw.get("nodes")),
                     tres_per_node=_text(raw.get("tres_per_node")), comment=_text(raw.get("comment")),
-                    reason=_text(raw.get("state_reason")), admin_comment=_admin_comment(raw))
+                    reason=_text(raw.get("state_reason")), admin_comment=_admin_comment(raw),
+                    dependency=_text(raw.get("dependency")))
 
 
 def _admin_comment(raw: Mapping[str, Any]) -> str:

@@ -1,17 +1,20 @@
-"""Jobs that wait for the pool, and starting them as soon as it can place them.
+"""Jobs that wait for the pool, and starting them only when it can place them.
 
 The license admits a job by GPU percent; the pool places slices on distinct GPUs, so a job the
-license admitted can still find no GPU with room (fragmentation, leases made outside Slurm, a
-dispatcher that went away). Its PrologSlurmctld then fails and Slurm requeues it, and Slurm 22.05
-holds a requeued job for about two minutes (reason BeginTime). Here:
+license admits can still find no GPU with room (fragmentation: 160 GPU-percent free as 40 on each
+of four GPUs holds no half-GPU slice). Started anyway, its PrologSlurmctld fails and Slurm
+requeues it. So the pool admits rgpu jobs before Slurm may start them:
 
-- the prolog marks the job: its admin comment becomes `<record> | rgpu: waiting: <why>`, which
-  the user sees in `scontrol show job` (AdminComment=) and `squeue --json` (22.05's `squeue -O`
-  has no admin comment field); a job that then gets its slices has the mark removed;
-- `start_waiting_jobs` (run by EpilogSlurmctld after it released a job's slices, and by the
-  pool's reconciler on every pass) sets `StartTime=now` on marked pending jobs the pool can place
-  now, oldest first, counting each against the free capacity, so none is started only to fail
-  again (each retry is a requeue: a restart, a new lease key, log lines).
+- job_submit.lua submits every rgpu job held (priority 0; Slurm shows reason JobHeldUser) and
+  marked: its admin comment is `<record> | rgpu: waiting: ...`;
+- `start_waiting_jobs` (run by the pool's reconciler on every pass, and at once when a lease
+  ends: one thread, so two admissions never share out the same room) releases the marked held jobs the pool can place now, oldest
+  first, each counted against the free room *after* the room of the jobs already released but not
+  yet holding their leases (pending, or in PrologSlurmctld), so none is started only to fail; the
+  mark goes with the hold (so a later `scontrol hold` of the job is its owner's to release);
+- a job that failed anyway (leases made outside Slurm took the room, the pool did not answer) is
+  requeued by Slurm, marked by its prolog, and held by Slurm for its requeue delay (reason
+  BeginTime; about two minutes in 22.05): it gets `StartTime=now` as soon as it fits.
 
 `jobs_to_start` is pure; the rest runs scontrol.
 """
@@ -19,15 +22,17 @@ holds a requeued job for about two minutes (reason BeginTime). Here:
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from rgpu.slurm_plugin.jobkey import parse_job_key
 from rgpu.slurm_plugin.proc import run_command
 from rgpu.slurm_plugin.request import (
     RECORD_SEPARATOR,
     WAITING_MARK,
     RequestRecord,
+    is_record,
     parse_record,
 )
 
@@ -121,20 +126,91 @@ def waiting_record(admin_comment: str) -> RequestRecord | None:
 # PrologSlurmctld failure was not counted (12 failed starts in a row, no hold); should another
 # version count them, a held job that waited for the pool is released when it fits.
 MAX_REQUEUE_HOLD = "JobHoldMaxRequeue"
+# The hold job_submit.lua puts on rgpu jobs: Slurm takes a priority of 0 set by the plugin as the
+# user's own (22.05 to 26.05: the reason is JobHeldUser), so rgpu's are told apart by their mark.
+ADMISSION_HOLD = "JobHeldUser"
+ADMIN_HOLD = "JobHeldAdmin"      # an admin's hold: never released by rgpu
+# Reasons of a pending job Slurm may start at its next scheduling pass: a job released by rgpu
+# shows these until it starts, and its room is kept for it meanwhile.
+STARTABLE_REASONS = frozenset({"", "None", "Priority", "Resources", "Licenses"})
+
+# What to do for a job the pool can place now: scontrol release (held), then StartTime=now
+# (requeued: Slurm's requeue delay).
+RELEASE, START = "release", "start"
 
 
-def jobs_to_start(jobs: Iterable[Any], gpu_statuses: Iterable[Any]) -> list[tuple[int, bool]]:
-    """(id, held) of marked pending jobs the pool can place now, oldest first, each counted
-    against the free room; held: Slurm holds it after repeated requeues (release it first).
-    `jobs`: SlurmJob records (squeue.py). Pure."""
+def _admitted_unleased(job: Any, leased: set[tuple[int, int]]) -> bool:
+    """A job rgpu (or an admin) let go that holds no lease yet: pending and startable, or in its
+    PrologSlurmctld; its slices are about to be taken from the pool's free room."""
+    if (job.job_id, job.restart_count) in leased:
+        return False
+    if job.state == "PENDING":
+        return job.reason in STARTABLE_REASONS and not getattr(job, "dependency", "")
+    # In PrologSlurmctld: 22.05's squeue --json says CONFIGURING as the state, 24.x as a flag.
+    return job.state == "CONFIGURING" or (job.state == "RUNNING" and ("CONFIGURING" in job.flags or job.reason == "Prolog"))
+
+
+# One lease's request as the pool's order-proof check takes it: (count, fraction or 0.0,
+# memory_bytes or 0, isolation).
+LeaseRequest = tuple[int, float, int, str]
+
+
+def lease_requests(record: RequestRecord) -> list[LeaseRequest]:
+    """One per node: each node's lease reaches the pool as an Allocate of its own. Pure."""
+    req = record.request
+    return [(req.count, req.fraction if not req.memory_bytes else 0.0, req.memory_bytes, req.isolation)] * record.nodes
+
+
+def jobs_to_start(jobs: Iterable[Any], gpu_statuses: Iterable[Any], leases: Iterable[Any] = (),
+                  fits: Callable[[list[LeaseRequest]], bool] | None = None) -> list[tuple[int, tuple[str, ...]]]:
+    """(id, steps) for the marked pending jobs the pool can place now, oldest first, each counted
+    with the jobs already let go but not yet leased. Steps: RELEASE for a job held for admission
+    (or by Slurm after repeated requeues), START for a requeued one. A held job no GPU could ever
+    serve is released too: its PrologSlurmctld then cancels it with the reason.
+
+    `fits(requests)`: the pool's own check that all these leases can be placed whatever order
+    their prologs ask in (PoolCore.fits_in_every_order); without it, each job is placed in turn on
+    `gpu_statuses` with `take` (the order they are listed in). `jobs`: SlurmJob records
+    (squeue.py), every live one; `leases`: the pool's (job_key). Pure when `fits` is."""
+    jobs = sorted(jobs, key=lambda j: j.job_id)
+    gpu_statuses = list(gpu_statuses)
+    leased = {(p.job_id, p.restart_count) for p in (parse_job_key(le.job_key) for le in leases) if p is not None}
     free = rooms(gpu_statuses)
-    chosen = []
-    for job in sorted(jobs, key=lambda j: j.job_id):
-        if job.state != "PENDING":
+    admitted: list[LeaseRequest] = []
+    for job in jobs:
+        if is_record(job.admin_comment) and _admitted_unleased(job, leased):
+            try:
+                record = parse_record(job.admin_comment)
+            except RgpuError:
+                continue
+            take(record, free)
+            admitted += lease_requests(record)
+
+    def placeable(record: RequestRecord) -> bool:
+        nonlocal admitted
+        if fits is None:
+            return take(record, free)
+        trial = admitted + lease_requests(record)
+        if not fits(trial):
+            return False
+        admitted = trial
+        return True
+
+    chosen: list[tuple[int, tuple[str, ...]]] = []
+    for job in jobs:
+        if job.state != "PENDING" or getattr(job, "dependency", ""):
             continue
         record = waiting_record(job.admin_comment)
-        if record is not None and take(record, free):
-            chosen.append((job.job_id, job.reason == MAX_REQUEUE_HOLD))
+        if record is None:
+            continue
+        if job.reason == ADMISSION_HOLD:
+            if placeable(record) or never_fits(record, gpu_statuses):
+                chosen.append((job.job_id, (RELEASE,)))
+        elif job.reason == MAX_REQUEUE_HOLD:
+            if placeable(record):
+                chosen.append((job.job_id, (RELEASE, START)))
+        elif job.reason not in STARTABLE_REASONS and job.reason != ADMIN_HOLD and placeable(record):
+            chosen.append((job.job_id, (START,)))
     return chosen
 
 
@@ -185,17 +261,28 @@ def clear_mark(job_id: int, admin_comment: str, *, env: Mapping[str, str] | None
 
 
 def start_waiting_jobs(jobs: Sequence[Any], gpu_statuses: Iterable[Any], log: logging.Logger | logging.LoggerAdapter[Any],
-                       *, env: Mapping[str, str] | None = None, timeout: float = 4.0) -> list[int]:
-    """StartTime=now for every waiting job the pool can place now; returns their ids."""
+                       *, leases: Iterable[Any] = (), fits: Callable[[list[LeaseRequest]], bool] | None = None,
+                       env: Mapping[str, str] | None = None, timeout: float = 4.0) -> list[int]:
+    """Release (or StartTime=now) every waiting job the pool can place now; returns their ids.
+    Read `leases` before `gpu_statuses`: a lease made between the two reads is then counted twice
+    (a job waits one more pass), never not at all (a job started into room that is gone)."""
     started = []
-    for job_id, held in jobs_to_start(jobs, gpu_statuses):
+    # The record alone, once released (PrologSlurmctld also removes a mark it finds).
+    marked = {j.job_id: j.admin_comment.partition(RECORD_SEPARATOR)[0] for j in jobs if j.reason == ADMISSION_HOLD}
+    for job_id, steps in jobs_to_start(jobs, gpu_statuses, leases, fits):
         try:
-            if held:
-                run_command(release_command(job_id), env=env, timeout=timeout)
-            run_command(start_command(job_id), env=env, timeout=timeout)
+            for step in steps:
+                run_command(release_command(job_id) if step == RELEASE else start_command(job_id), env=env,
+                            timeout=timeout)
             started.append(job_id)
         except RgpuError as exc:
             log.warning("rgpu: slurm: could not start waiting job %s: %s", job_id, exc)
+    for job_id in started:          # after every release, which is what the jobs wait for
+        if job_id in marked:
+            try:
+                run_command(mark_command(job_id, marked[job_id]), env=env, timeout=timeout)
+            except RgpuError as exc:   # PrologSlurmctld removes a mark it finds
+                log.warning("rgpu: slurm: could not unmark released job %s: %s", job_id, exc)
     if started:
-        log.info("rgpu: slurm: the pool can place waiting job(s) %s now: StartTime=now", ", ".join(map(str, started)))
+        log.info("rgpu: slurm: the pool can place waiting job(s) %s now: released", ", ".join(map(str, started)))
     return started

@@ -55,7 +55,7 @@ local parts = {}
 for _, m in ipairs(messages) do parts[#parts + 1] = json(m) end
 print('{"rc": ' .. json(rc) .. ', "licenses": ' .. json(JOB.licenses) .. ', "min_nodes": ' .. json(JOB.min_nodes)
       .. ', "max_nodes": ' .. json(JOB.max_nodes) .. ', "admin_comment": ' .. json(JOB.admin_comment)
-      .. ', "comment": ' .. json(JOB.comment)
+      .. ', "comment": ' .. json(JOB.comment) .. ', "priority": ' .. json(JOB.priority)
       .. ', "messages": [' .. table.concat(parts, ", ") .. ']}')
 """
 
@@ -145,6 +145,37 @@ def test_an_update_cannot_take_the_size_word_out_of_an_rgpu_job_comment(plugin_d
         assert (result["rc"], result["comment"]) == (0, "run2 fraction=1"), result
     plain = call(plugin_dir, update(comment="run2"), job_rec("", "run1", None), uid=1000)
     assert (plain["rc"], plain["comment"]) == (0, "run2")
+
+
+def test_with_hold_until_placed_an_rgpu_job_is_submitted_held_and_marked(plugin_dir: Path) -> None:
+    """rgpu-poold releases it once the pool can place it (slurm_plugin/waiting.py); a job given its
+    own hold or priority keeps it, unmarked; other jobs are never held."""
+    from rgpu.slurm_plugin.request import parse_record
+    from rgpu.slurm_plugin.waiting import waiting_record
+
+    (plugin_dir / "job_submit_rgpu.conf").write_text(CONF + "hold_until_placed = 1\n")
+    result = call(plugin_dir, job_desc("gres:rgpu:2", "fraction=0.5", priority=NO_VAL))
+    assert result["rc"] == 0 and result["priority"] == 0, result
+    record = "rgpu:v1 nodes=1 count=2 percent=50 units=100"
+    assert result["admin_comment"].startswith(record + " | rgpu: waiting: held until the pool can place")
+    assert waiting_record(result["admin_comment"]) == parse_record(record)
+    for given in (0, 5000):                                  # sbatch --hold; an admin's --priority
+        own = call(plugin_dir, job_desc("gres:rgpu:2", "fraction=0.5", priority=given))
+        assert (own["priority"], own["admin_comment"]) == (given, record), own
+    plain = call(plugin_dir, job_desc(None, None, priority=NO_VAL))
+    assert (plain["priority"], plain["admin_comment"]) == (NO_VAL, None)
+    (plugin_dir / "job_submit_rgpu.conf").write_text(CONF)  # the default: jobs start on the license alone
+    assert call(plugin_dir, job_desc("gres:rgpu:2", "fraction=0.5", priority=NO_VAL))["priority"] == NO_VAL
+
+
+def test_root_changing_a_held_job_keeps_rgpus_mark(plugin_dir: Path) -> None:
+    rec = job_rec("gres:rgpu:2", "fraction=0.5", "rgpu:100")
+    rec["admin_comment"] = "rgpu:v1 nodes=1 count=2 percent=50 units=100 | rgpu: waiting: held until the pool can place"
+    result = call(plugin_dir, update(comment="fraction=0.25"), rec, uid=0)
+    assert result["admin_comment"] == "rgpu:v1 nodes=1 count=2 percent=25 units=50 | rgpu: waiting: held until the pool can place"
+    # A user's update that leaves the request as it is passes, mark or not.
+    same = call(plugin_dir, update(comment="note fraction=0.5"), rec, uid=1000)
+    assert same["rc"] == 0 and same["admin_comment"] is None
 
 
 def test_a_forged_record_in_the_admin_comment_is_refused(plugin_dir: Path) -> None:

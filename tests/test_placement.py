@@ -149,3 +149,32 @@ def test_strict_isolation_goes_only_on_isolated_or_exclusive_gpus() -> None:
     assert {p.gpu.uuid for p in placed} == {"GPU-mps", "GPU-iso"}
     with pytest.raises(CapacityError):
         place(slots, SliceRequest(count=3, fraction=0.25))
+
+
+def place_in_turn(gpus: list[GpuSlot], requests: list[SliceRequest]) -> None:
+    """Place each request on what the ones before it left; CapacityError when one does not fit."""
+    gpus = list(gpus)
+    for request in requests:
+        for p in place(gpus, request):
+            i = gpus.index(p.gpu)
+            gpus[i] = replace(p.gpu, allocated_percent=p.gpu.allocated_percent + p.compute_percent,
+                              allocated_memory_bytes=p.gpu.allocated_memory_bytes + p.memory_limit_bytes)
+
+
+def test_fits_in_every_order_tries_each_order_the_leases_may_come_in() -> None:
+    """Jobs let start together reach the pool in any order, and binpack's choice depends on it:
+    the mixed batch's first seven jobs (400 GPU-percent on 4 GPUs) fit in some orders, not in
+    every one (in the batch the 2x0.25 job came last and found one GPU with room)."""
+    from rgpu.remoting.pool.placement import fits_in_every_order
+
+    gpus = [GpuSlot(server=f"s{i // 2}", hostname=f"h{i // 2}", uuid=f"GPU-{i}", index=i % 2, name="H100",
+                    usable_memory_bytes=80 << 30) for i in range(4)]
+    quarter, half, whole = (SliceRequest(count=1, fraction=f) for f in (0.25, 0.5, 1.0))
+    two_quarters, two_halves = SliceRequest(count=2, fraction=0.25), SliceRequest(count=2, fraction=0.5)
+    place_in_turn(gpus, [two_halves, two_quarters, half, half, quarter, quarter, whole])
+    with pytest.raises(CapacityError):
+        place_in_turn(gpus, [quarter, half, two_halves, whole, quarter, half, two_quarters])
+    assert not fits_in_every_order(gpus, [quarter, half, whole, two_quarters, two_halves, quarter, half])
+    assert fits_in_every_order(gpus, [half] * 8) and not fits_in_every_order(gpus, [half] * 9)
+    assert fits_in_every_order(gpus, [quarter, half, two_quarters, quarter, two_halves])
+    assert not fits_in_every_order(gpus, [quarter] * 16, budget=3)        # too many states to look at: "no"

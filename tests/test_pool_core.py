@@ -139,3 +139,22 @@ def test_a_gpu_served_by_two_live_dispatchers_is_refused(tmp_path: Path) -> None
         core.register(twin)
     clock.now += 11  # the first dispatcher is down: its GPUs may move
     core.register(twin)
+
+
+def test_lease_listeners_hear_each_lease_start_and_end_and_the_core_checks_every_order(tmp_path: Path) -> None:
+    """What rgpu-poold's Slurm admission hangs on (slurm_plugin/poolhooks.py): a pass at once when
+    a lease starts or ends, and the pool's own placement asked for a set of leases in any order."""
+    core = make_core(tmp_path / "pool.db")           # 2 servers x 2 GPUs
+    heard: list[bool] = []
+    core.add_lease_listener(heard.append)
+    core.add_lease_listener(lambda ended: 1 / 0)      # a broken listener breaks nothing
+    core.allocate(req("a", count=1, fraction=0.5))
+    core.allocate(req("a", count=1, fraction=0.5))    # the same lease again: nothing started
+    assert core.release("a") and not core.release("a")
+    assert heard == [False, True]
+    half, whole = (1, 0.5, 0, ""), (1, 1.0, 0, "")
+    assert core.fits_in_every_order([half] * 8) and not core.fits_in_every_order([half] * 9)
+    core.allocate(req("b", count=1, fraction=0.6))
+    assert core.fits_in_every_order([whole] * 3) and not core.fits_in_every_order([whole] * 4)
+    assert not core.fits_in_every_order([(1, 0.0, 100 * GiB, "")])            # more memory than a GPU has
+    assert not core.fits_in_every_order([(1, 0.5, 0, "strict")])             # no isolated GPU here

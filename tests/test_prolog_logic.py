@@ -200,6 +200,38 @@ def test_node_prolog_without_a_lease_writes_nothing(pool: RgpuCluster, tmp_path:
     assert not (tmp_path / "7").exists()
 
 
+def test_node_prolog_of_a_job_charged_for_rgpu_whose_lease_is_gone_fails_instead_of_running_it_plain(
+        pool: RgpuCluster, tmp_path: Path) -> None:
+    """A lease released or lost between PrologSlurmctld and the node Prolog: Slurm is asked (only
+    then) whether the job holds the rgpu license; it does, so the Prolog fails (prolog_main records
+    why and requeues the job) rather than let it run without its slices."""
+    from rgpu.errors import NotFound
+    from rgpu.prolog.logic import charged_for_rgpu
+
+    env = job_env(pool, tmp_path)
+    prolog_slurmctld(env, pool.client, lambda _: info())
+    with pool.client() as c:
+        c.release("slurm:hpc:42:0:c1")
+    asked: list[int] = []
+
+    def query(job_id: int) -> JobInfo:
+        asked.append(job_id)
+        return info(record="rgpu:v1 nodes=2 count=2 percent=50 units=200", licenses="rgpu:200")
+
+    with pytest.raises(NotFound) as caught:
+        node_prolog(env, pool.client, query)
+    assert asked == [42]
+    text = str(caught.value)
+    assert text.startswith("rgpu: prolog: the pool has no lease slurm:hpc:42:0:c1 for job 42, which holds the rgpu license")
+    assert "job is requeued" in text and "\n" not in text
+    assert not (tmp_path / "42" / "adaptor.conf").exists()
+    # A plain job whose comment merely holds a size word: still nothing written, no failure.
+    assert node_prolog(job_env(pool, tmp_path, job_id=7), pool.client, lambda _: info(tres="", licenses="")) is None
+    assert not charged_for_rgpu(info(tres="", licenses="")) and charged_for_rgpu(info(licenses="matlab:1,rgpu:50"))
+    # The other node's lease is there: that node's Prolog asks Slurm nothing.
+    assert node_prolog({**env, "SLURMD_NODENAME": "c2"}, pool.client, query) is not None and asked == [42]
+
+
 def test_node_prolog_never_fails_and_records_why(pool: RgpuCluster, tmp_path: Path) -> None:
     env = job_env(pool, tmp_path)
     env["RGPU_POOL"] = "127.0.0.1:1"       # nothing listens there

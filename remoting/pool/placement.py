@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 from rgpu.errors import CapacityError, InvalidRequest
@@ -190,3 +190,46 @@ def _free_summary(gpus: Sequence[GpuSlot], request: SliceRequest, fitting: int) 
     whole = sum(1 for g in eligible if g.allocated_percent == 0 and g.allocated_memory_bytes == 0)
     return (f"asked {request.count} slice(s); {fitting} GPU(s) can take one now; free: {free_units} "
             f"GPU-percent on {len(eligible)} usable GPU(s), {whole} of them wholly free")
+
+
+def fits_in_every_order(gpus: Sequence[GpuSlot], requests: Sequence[SliceRequest], policy: str = "binpack",
+                        budget: int = 5000) -> bool:
+    """Whether every request can be placed (with `place`, each on what the ones before it left),
+    in whatever order they come. Jobs let start together reach the pool in any order, and the
+    order decides where each lands: binpack placing 1x0.25, 1x0.5, 2x0.5, 1x1, 1x0.25, 1x0.5 and
+    then 2x0.25 on 4 GPUs leaves room for the last job's two slices in one order and not in
+    another. False when more than `budget` distinct states would have to be looked at (so many
+    requests at once: ask again once some are placed). Pure."""
+    distinct = list(dict.fromkeys(requests))
+    start = tuple(requests.count(r) for r in distinct)
+    proven: set[tuple[tuple[tuple[int, int], ...], tuple[int, ...]]] = set()
+    looked = [0]
+
+    def all_orders_fit(slots: tuple[GpuSlot, ...], left: tuple[int, ...]) -> bool:
+        key = (tuple((g.allocated_percent, g.allocated_memory_bytes) for g in slots), left)
+        if key in proven:
+            return True
+        looked[0] += 1
+        if looked[0] > budget:
+            raise OverflowError
+        for i, n in enumerate(left):
+            if not n:
+                continue
+            try:
+                placed = place(list(slots), distinct[i], policy)
+            except CapacityError:
+                return False
+            taken = {id(p.gpu): p for p in placed}
+            after = tuple(g if id(g) not in taken else
+                          replace(g, allocated_percent=g.allocated_percent + taken[id(g)].compute_percent,
+                                  allocated_memory_bytes=g.allocated_memory_bytes + taken[id(g)].memory_limit_bytes)
+                          for g in slots)
+            if not all_orders_fit(after, left[:i] + (n - 1,) + left[i + 1:]):
+                return False
+        proven.add(key)
+        return True
+
+    try:
+        return all_orders_fit(tuple(gpus), start)
+    except OverflowError:
+        return False

@@ -19,7 +19,7 @@ from rgpu.live_leases import LiveLeases
 from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
 from rgpu.remoting.pool.accounting import (Interval, SliceUsageRecord, UsageTotal, idle_seconds, idle_since, is_idle,
                                            to_pool_clock, totals)
-from rgpu.remoting.pool.placement import GpuSlot, SliceRequest, place
+from rgpu.remoting.pool.placement import GpuSlot, SliceRequest, fits_in_every_order, place
 from rgpu.remoting.pool.placement_index import PlacementIndex
 from rgpu.remoting.pool.store import PoolStore
 
@@ -107,6 +107,7 @@ class PoolCore:
     _used_units: dict[tuple[str, str], int] = field(default_factory=dict)
     _tokens: dict[tuple[str, int], str] = field(default_factory=dict)  # signed once per slice
     _listeners: list[Callable[[], None]] = field(default_factory=list)
+    _lease_listeners: list[Callable[[bool], None]] = field(default_factory=list)
     _slice_usage: dict[tuple[str, int], SliceUsageRecord] = field(default_factory=dict)   # in memory only
     _lock: threading.RLock = field(default_factory=threading.RLock)
     # The shared store's version this daemon's memory reflects (PostgreSQL, several daemons);
@@ -221,6 +222,29 @@ class PoolCore:
     # -- listeners: told when healthy capacity may have changed (servers up/down/drained) -----
     def add_capacity_listener(self, callback: Callable[[], None]) -> None:
         self._listeners.append(callback)
+
+    def fits_in_every_order(self, requests: list[tuple[int, float, int, str]]) -> bool:
+        """Whether the pool could place all these requests now, whatever order they come in
+        (placement.fits_in_every_order on the GPUs of up servers). Each is (count, fraction or
+        0.0, memory_bytes or 0, isolation); one per lease, so a two-node job is two requests."""
+        wanted = [SliceRequest(count=count, fraction=fraction if not memory else None, memory_bytes=memory or None,
+                               isolation=isolation) for count, fraction, memory, isolation in requests]
+        self.catch_up()
+        with self._lock:
+            slots = self._slots(self.clock())
+        return fits_in_every_order(slots, wanted, self.placement)
+
+    # -- lease listeners: told when a lease started (False) or ended (True: released, expired, idle)
+    def add_lease_listener(self, callback: Callable[[bool], None]) -> None:
+        """`callback(ended)` must be quick and must not call back into the pool (it runs under its lock)."""
+        self._lease_listeners.append(callback)
+
+    def _lease_changed(self, ended: bool) -> None:
+        for callback in self._lease_listeners:
+            try:
+                callback(ended)
+            except Exception:  # a listener's failure must never break the pool
+                log.exception("rgpu-poold: lease listener failed")
 
     def _capacity_changed(self) -> None:
         for callback in self._listeners:
@@ -496,6 +520,7 @@ class PoolCore:
             self._check_quotas(req, lease.units)
             self.store.insert_lease(lease)
             self._index_lease(lease, +1)
+            self._lease_changed(False)
         if log.isEnabledFor(logging.INFO):   # the slice list is built only when logged
             log.info("rgpu-poold: lease %s for %s: %s", lease.job_key, lease.user,
                      ", ".join(f"{s.server}/{s.gpu_index}@{s.compute_percent}%" for s in lease.slices))
@@ -531,6 +556,7 @@ class PoolCore:
         self._index_lease(lease, -1)
         for number in range(len(lease.slices)):
             self._slice_usage.pop((lease.job_key, number), None)
+        self._lease_changed(True)
 
     def release(self, job_key: str) -> bool:
         """Idempotent: releasing an unknown or already released key succeeds (returns False)."""

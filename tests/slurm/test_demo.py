@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,44 +118,32 @@ def _wait_for_text(path: Path, text: str, proc: subprocess.Popen[bytes], timeout
     raise AssertionError(f"no {text!r} in {path} (demo exit {proc.poll()}):\n{path.read_text(errors='replace')[-4000:]}")
 
 
-def test_keep_keeps_a_failed_demo_and_a_user_uses_it_with_munge(demo: Demo) -> None:
+@dataclass
+class Kept:
+    stdout: str
+    stderr: str
+    env: dict[str, str]
+    rgpu_config: str
+
+
+@contextmanager
+def kept_demo(demo: Demo, *args: str) -> Iterator[Kept]:
+    """`python -m rgpu.slurm_plugin.demo --keep ARGS` until it says it is ready; then SIGTERM, and
+    every daemon and file of it must be gone."""
     logs = Path(tempfile.mkdtemp(prefix="rgpu-demo-keep-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RGPU_", "SLURM_", "VIRTUAL_ENV"))}
     env["RGPU_SOURCE_TREE"] = str(demo.clone)
-    python = demo.venv / "bin" / "python"
     with open(logs / "out", "wb") as out, open(logs / "err", "wb") as err:
-        proc = subprocess.Popen([str(python), "-m", "rgpu.slurm_plugin.demo", "--keep", "--job-script",
-                                 "echo failing on purpose; exit 3\n"], cwd="/", env=env, stdout=out, stderr=err)
+        proc = subprocess.Popen([str(demo.venv / "bin" / "python"), "-m", "rgpu.slurm_plugin.demo", "--keep", *args],
+                                cwd="/", env=env, stdout=out, stderr=err)
+    marker = ""
     try:
         stderr = _wait_for_text(logs / "err", "demo: ready", proc, 300)
         stdout = (logs / "out").read_text()
-        failure = [line for line in stderr.splitlines() if line.startswith("rgpu: demo:")]
-        assert failure == [("rgpu: demo: the demo job ended FAILED (its output is above; the cluster is kept below: "
-                            "look at its logs)")], stderr
-        assert "failing on purpose" in stdout
         match = re.search(r"export SLURM_CONF=(\S+) RGPU_CONFIG=(\S+) PATH=", stdout)
         assert match, stdout
-        slurm_conf, rgpu_config = match.groups()
-        marker = str(Path(rgpu_config).parents[1])
-        ping = subprocess.run(["scontrol", "ping"], env={**env, "SLURM_CONF": slurm_conf}, capture_output=True, text=True,
-                              timeout=30, check=False)
-        assert ping.returncode == 0 and "UP" in ping.stdout, ping
-        # The user's commands as the kept demo prints them: nobody, MUNGE, no writable home.
-        line = next(line.strip() for line in stdout.splitlines() if "rgpu.remoting.client.flexrun -n 1" in line)
-        assert line.startswith(f"runuser -u nobody -- env RGPU_CONFIG={rgpu_config} HOME=/nonexistent PATH=/usr/bin:/bin ")
-        argv = line.split()
-        argv[0] = RUNUSER
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False, cwd="/")
-        assert done.returncode == 0, done.stdout + done.stderr
-        assert "RGPU-SMI (remote slices)" in done.stdout and "Traceback" not in done.stderr, done.stdout + done.stderr
-        # The issue's three 12 GiB slices got two emulated workers OOM-killed: no GPU of the demo offers that now.
-        line = next(line.strip() for line in stdout.splitlines() if "rgpu-admin request-gpus -n 1" in line)
-        argv = line.replace("-p 0.25", "-m 12G").split()
-        argv[0] = RUNUSER
-        big = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, cwd="/")
-        assert big.returncode != 0 and len(big.stderr.strip().splitlines()) == 1, big
-        assert big.stderr.startswith("rgpu: ") and "12" in big.stderr, big.stderr
-        print(f"\nnobody asks for a 12 GiB slice on the demo: {big.stderr.strip()}")
+        marker = str(Path(match.group(2)).parents[1])
+        yield Kept(stdout, stderr, env, match.group(2))
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -163,6 +152,51 @@ def test_keep_keeps_a_failed_demo_and_a_user_uses_it_with_munge(demo: Demo) -> N
             proc.kill()
             proc.wait(10)
     assert proc.returncode != 0
-    assert not Path(marker).exists()
+    assert marker and not Path(marker).exists()
     assert not leftover_daemons(marker), leftover_daemons(marker)
     shutil.rmtree(logs, ignore_errors=True)
+
+
+def test_keep_keeps_a_failed_demo_and_a_user_uses_it_with_munge(demo: Demo) -> None:
+    with kept_demo(demo, "--job-script", "echo failing on purpose; exit 3\n") as kept:
+        failure = [line for line in kept.stderr.splitlines() if line.startswith("rgpu: demo:")]
+        assert failure == [("rgpu: demo: the demo job ended FAILED (its output is above; the cluster is kept below: "
+                            "look at its logs)")], kept.stderr
+        assert "failing on purpose" in kept.stdout
+        slurm_conf = re.search(r"export SLURM_CONF=(\S+) ", kept.stdout).group(1)  # type: ignore[union-attr]
+        ping = subprocess.run(["scontrol", "ping"], env={**kept.env, "SLURM_CONF": slurm_conf}, capture_output=True,
+                              text=True, timeout=30, check=False)
+        assert ping.returncode == 0 and "UP" in ping.stdout, ping
+        # The user's commands as the kept demo prints them: nobody, MUNGE, no writable home.
+        line = next(line.strip() for line in kept.stdout.splitlines() if "rgpu.remoting.client.flexrun -n 1" in line)
+        assert line.startswith(f"runuser -u nobody -- env RGPU_CONFIG={kept.rgpu_config} HOME=/nonexistent "
+                               "PATH=/usr/bin:/bin ")
+        argv = line.split()
+        argv[0] = RUNUSER
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=240, check=False, cwd="/")
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "RGPU-SMI (remote slices)" in done.stdout and "Traceback" not in done.stderr, done.stdout + done.stderr
+        # The issue's three 12 GiB slices got two emulated workers OOM-killed: no GPU of the demo offers that now.
+        line = next(line.strip() for line in kept.stdout.splitlines() if "rgpu-admin request-gpus -n 1" in line)
+        argv = line.replace("-p 0.25", "-m 12G").split()
+        argv[0] = RUNUSER
+        big = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=False, cwd="/")
+        assert big.returncode != 0 and len(big.stderr.strip().splitlines()) == 1, big
+        assert big.stderr.startswith("rgpu: ") and "12" in big.stderr, big.stderr
+        print(f"\nnobody asks for a 12 GiB slice on the demo: {big.stderr.strip()}")
+
+
+def test_keep_keeps_a_cluster_whose_start_failed_until_sigterm(demo: Demo) -> None:
+    """slurmctld refuses its configuration: with --keep the demo says so in one line, keeps the
+    pool, munge and the cluster's files and logs for a look, and ends them all on SIGTERM."""
+    with kept_demo(demo, "--extra-slurm-conf", "RgpuNoSuchKey=1") as kept:
+        failure = [line for line in kept.stderr.splitlines() if line.startswith("rgpu: demo:")]
+        assert len(failure) == 1 and "slurmctld exited" in failure[0], kept.stderr
+        assert "the cluster is kept as far as it came, until Ctrl-C; logs: " in failure[0], kept.stderr
+        slurm_logs = Path(failure[0].split("logs: ", 1)[1].split("/ and ", 1)[0])
+        assert "RgpuNoSuchKey" in (slurm_logs / "slurmctld.out").read_text(errors="replace")
+        listing = subprocess.run([str(demo.venv / "bin" / "python"), "-m", "rgpu.remoting.admin.cli", "list-gpus"],
+                                 cwd="/", env={**kept.env, "RGPU_CONFIG": kept.rgpu_config}, capture_output=True,
+                                 text=True, timeout=60, check=False)
+        assert listing.returncode == 0 and listing.stdout.count("NVIDIA H100") == 4, listing   # the pool is kept
+        assert leftover_daemons(str(Path(kept.rgpu_config).parents[1]))     # munged and the pool still run

@@ -153,12 +153,84 @@ def room_gpu(allocated: int, usable: int = 80 << 30, state: str = "up", memory: 
                            allocated_percent=allocated, allocated_memory_bytes=used)
 
 
-def waiting(job_id: int, record: str, state: str = "PENDING", reason: str = "BeginTime") -> SlurmJob:
+def waiting(job_id: int, record: str, state: str = "PENDING", reason: str = "BeginTime", restart: int = 1,
+            flags: tuple[str, ...] = (), dependency: str = "") -> SlurmJob:
     from rgpu.slurm_plugin.waiting import waiting_comment
 
-    return SlurmJob(job_id=job_id, state=state, flags=(), restart_count=1, user="alice", cluster="hpc", nodes="",
-                    tres_per_node="gres:rgpu:1", comment="", reason=reason,
+    return SlurmJob(job_id=job_id, state=state, flags=flags, restart_count=restart, user="alice", cluster="hpc",
+                    nodes="", tres_per_node="gres:rgpu:1", comment="", reason=reason, dependency=dependency,
                     admin_comment=waiting_comment(record, "rgpu: pool: cannot place 1 slice(s) | of 50%\nnext"))
+
+
+def held(job_id: int, record: str, **kw) -> SlurmJob:  # type: ignore[no-untyped-def]
+    """A job as job_submit.lua submits it with hold_until_placed: held by an admin hold, marked."""
+    from dataclasses import replace
+
+    return replace(waiting(job_id, record, reason="JobHeldUser", **{"restart": 0, **kw}),
+                   admin_comment=record + " | rgpu: waiting: held until the pool can place its slices")
+
+
+def admitted(job_id: int, record: str, reason: str = "Priority", **kw) -> SlurmJob:  # type: ignore[no-untyped-def]
+    """Released by rgpu, not yet holding its lease (pending, or in its PrologSlurmctld)."""
+    from dataclasses import replace
+
+    return replace(held(job_id, record, **kw), reason=reason)
+
+
+def lease(job_id: int, restart: int = 0) -> SimpleNamespace:
+    return SimpleNamespace(job_key=f"slurm:hpc:{job_id}:{restart}:c1")
+
+
+def test_held_jobs_are_released_only_into_room_no_released_job_has_taken_yet() -> None:
+    """The admission: jobs released but not yet leased (pending, or in PrologSlurmctld) keep their
+    room, so the next pass (or an epilog's, at once) never releases a job into the same room."""
+    from rgpu.slurm_plugin.waiting import jobs_to_start
+
+    half = "rgpu:v1 nodes=1 count=1 percent=50 units=50"
+    whole = "rgpu:v1 nodes=1 count=1 percent=100 units=100"
+    two_halves = "rgpu:v1 nodes=1 count=2 percent=50 units=100"
+    two_gpus = [room_gpu(0), room_gpu(0)]
+    assert jobs_to_start([held(1, whole), held(2, whole), held(3, half)], two_gpus) == [(1, ("release",)), (2, ("release",))]
+    for state, flags, reason in (("PENDING", (), "Priority"), ("PENDING", (), "None"), ("PENDING", (), "Resources"),
+                                 ("RUNNING", ("CONFIGURING",), "None"), ("RUNNING", (), "Prolog"),
+                                 ("CONFIGURING", (), "None")):            # 22.05's squeue --json
+        job = admitted(1, whole, state=state, flags=flags, reason=reason)
+        assert jobs_to_start([job, held(2, whole), held(3, whole)], two_gpus) == [(2, ("release",))], (state, reason)
+    # Once its lease is in the pool, the pool's room already shows it: not counted twice.
+    running = admitted(1, whole, state="RUNNING", reason="None")
+    assert jobs_to_start([running, held(2, whole)], [room_gpu(100), room_gpu(0)], [lease(1)]) == [(2, ("release",))]
+    assert jobs_to_start([admitted(1, whole), held(2, whole)], [room_gpu(100), room_gpu(0)], [lease(1)]) == [(2, ("release",))]
+    # A lease of an earlier attempt does not stand for this one.
+    assert jobs_to_start([admitted(1, whole, restart=1), held(2, whole)], [room_gpu(0)], [lease(1, 0)]) == []
+    # Fragmentation: 160 GPU-percent free as 40 per GPU holds no half-GPU slice; a job waits held.
+    assert jobs_to_start([held(1, half)], [room_gpu(60)] * 4) == []
+    # Two slices go on two distinct GPUs.
+    assert jobs_to_start([held(1, two_halves)], [room_gpu(0), room_gpu(60)]) == []
+    assert jobs_to_start([held(1, two_halves)], [room_gpu(50), room_gpu(50)]) == [(1, ("release",))]
+
+
+def test_jobs_rgpu_did_not_hold_or_that_cannot_start_yet_are_left_alone() -> None:
+    from dataclasses import replace
+
+    from rgpu.slurm_plugin.waiting import jobs_to_start
+
+    half = "rgpu:v1 nodes=1 count=1 percent=50 units=50"
+    free = [room_gpu(0)]
+    unmarked = replace(held(1, half), admin_comment=half)                  # an admin's own hold
+    assert jobs_to_start([unmarked], free) == []
+    assert jobs_to_start([replace(held(1, half), reason="JobHeldAdmin")], free) == []    # an admin hold
+    assert jobs_to_start([held(1, half, dependency="afterok:7(unfulfilled)")], free) == []
+    # A released job waiting on something else than resources (a dependency) keeps no room.
+    assert jobs_to_start([admitted(1, half, reason="Dependency", dependency="afterok:7"), held(2, half)],
+                         free) == [(2, ("release",))]
+
+
+def test_a_held_job_no_gpu_could_ever_serve_is_released_for_its_prolog_to_cancel() -> None:
+    from rgpu.slurm_plugin.waiting import jobs_to_start
+
+    strict = "rgpu:v1 nodes=1 count=1 percent=50 units=50 isolation=strict"
+    assert jobs_to_start([held(1, strict)], [room_gpu(100)] * 2) == [(1, ("release",))]
+    assert jobs_to_start([held(1, strict)], [room_gpu(100, sharing="isolated")]) == []     # busy: it waits
 
 
 def test_waiting_comment_is_one_line_and_keeps_the_record() -> None:
@@ -210,9 +282,9 @@ def test_waiting_jobs_are_started_only_where_the_pool_would_place_them() -> None
     free_mps = [room_gpu(0)] * 3
     assert w.jobs_to_start([waiting(1, strict_half)], free_mps) == []
     assert w.jobs_to_start([waiting(1, strict_half)], [*free_mps, room_gpu(60, sharing="isolated")]) == []
-    assert w.jobs_to_start([waiting(1, strict_half)], [*free_mps, room_gpu(50, sharing="isolated")]) == [(1, False)]
+    assert w.jobs_to_start([waiting(1, strict_half)], [*free_mps, room_gpu(50, sharing="isolated")]) == [(1, ("start",))]
     assert w.jobs_to_start([waiting(1, strict_half)], [room_gpu(0, sharing="exclusive")]) == []
-    assert w.jobs_to_start([waiting(1, strict_whole)], [room_gpu(0, sharing="exclusive")]) == [(1, False)]
+    assert w.jobs_to_start([waiting(1, strict_whole)], [room_gpu(0, sharing="exclusive")]) == [(1, ("start",))]
     assert w.jobs_to_start([waiting(1, half)], [room_gpu(0, sharing="exclusive")]) == []
 
 
@@ -284,7 +356,7 @@ def test_a_job_slurm_held_after_repeated_requeues_is_released_when_it_fits() -> 
 
     half = "rgpu:v1 nodes=1 count=1 percent=50 units=50"
     jobs = [waiting(1, half, reason="JobHoldMaxRequeue"), waiting(2, half)]
-    assert jobs_to_start(jobs, [room_gpu(0)]) == [(1, True), (2, False)]
+    assert jobs_to_start(jobs, [room_gpu(0)]) == [(1, ("release", "start")), (2, ("start",))]
 
 
 def test_a_job_over_its_quota_is_marked_but_not_started_early() -> None:
@@ -349,3 +421,11 @@ def test_pyslurm_backend_without_a_usable_pyslurm_is_one_line(monkeypatch: pytes
     text = str(info.value)
     assert text.startswith("rgpu: slurm: slurm_backend = pyslurm, but pyslurm cannot be imported (")
     assert "\n" not in text and "slurm_backend = auto" in text and "25.11" in text
+
+
+def test_the_mixed_batchs_ideal_counts_rounds_of_jobs_started_as_soon_as_they_fit() -> None:
+    from benchmarks.slurm_mixed_batch import batch, ideal_rounds
+
+    assert ideal_rounds([(1, "1.0")] * 4) == 1 and ideal_rounds([(1, "1.0")] * 5) == 2
+    assert ideal_rounds([(2, "0.5")] * 4) == 1 and ideal_rounds([(2, "1.0"), (1, "0.25"), (2, "1.0")]) == 2
+    assert ideal_rounds(batch()) == 5          # 1,650 GPU-percent of jobs on 400: at least 5 rounds

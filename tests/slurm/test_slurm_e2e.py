@@ -106,14 +106,15 @@ def test_fraction_job_gets_two_half_slices_on_distinct_gpus(h: Harness) -> None:
 
 
 # 2 -----------------------------------------------------------------------------------------------
-def test_demand_above_capacity_waits_on_licenses_then_runs(h: Harness) -> None:
-    # 3 jobs of 2 whole GPUs each on a pool of 4 GPUs: the third must wait, then run.
+def test_demand_above_capacity_waits_held_by_rgpu_then_runs(h: Harness) -> None:
+    # 3 jobs of 2 whole GPUs each on a pool of 4 GPUs: the third waits, held until the pool can
+    # place it (job_submit_rgpu.conf: hold_until_placed = 1), then runs; nothing is requeued.
     jobs = [h.slurm.submit(["--gres=rgpu:2", "--comment=fraction=1"], "sleep 4\n", user=JOB_USER) for _ in range(3)]
     wait_until("two jobs running", lambda: sum(h.slurm.job_state(j) == "RUNNING" for j in jobs) == 2 or None, 30)
     (waiting,) = [j for j in jobs if h.slurm.job_state(j) == "PENDING"]
-    # Slurm shows "Priority" until a scheduler pass has looked at the job's licenses.
-    wait_until("the third job to wait on Licenses",
-               lambda: h.slurm.show_job(waiting).get("Reason") == "Licenses" or None, 15)
+    shown = h.slurm.show_job(waiting)
+    assert shown.get("Reason") == "JobHeldUser", shown
+    assert " | rgpu: waiting: held until the pool can place its slices" in shown.get("AdminComment", ""), shown
     states = [finished(h, j, 60)["JobState"] for j in jobs]
     assert states == ["COMPLETED"] * 3, f"{states}\n{diagnostics(h)}"
     assert all(h.slurm.show_job(j)["Restarts"] == "0" for j in jobs), "a job was requeued: the prolog failed"
@@ -299,7 +300,9 @@ def test_license_reservation_follows_drained_servers(h: Harness) -> None:
             assert plan is not None and (plan.action, plan.units) == ("create", 200)
             assert slurm.current_hold() == 200 and slurm.license().reserved == 200
             job = h.slurm.submit(["--gres=rgpu:3", "--comment=fraction=1"], "true\n", user=JOB_USER)
-            wait_until("the job to wait on Licenses", lambda: h.slurm.show_job(job).get("Reason") == "Licenses" or None, 15)
+            # Held by rgpu (the pool cannot place 3 GPUs now) and, without that, by the license.
+            time.sleep(3)
+            assert h.slurm.show_job(job).get("Reason") in ("Licenses", "JobHeldUser"), h.slurm.show_job(job)
         finally:
             pool.set_server_state(server, drained=False)
         # The loop the pool daemon runs: a trigger (capacity listener) syncs at once.
@@ -456,11 +459,10 @@ def test_hostile_names_comments_workdirs_and_updates_never_change_what_is_leased
 
 
 # Fragmentation -----------------------------------------------------------------------------------
-def test_fragmented_capacity_makes_a_job_wait_with_a_reason_then_start_within_seconds(h: Harness) -> None:
+def test_fragmented_capacity_makes_a_job_wait_pending_then_start_within_seconds(h: Harness) -> None:
     # Four 0.6 slices leave 40% on each GPU: 160 GPU-percent free in licenses, yet no GPU can hold
-    # a 0.5 slice. Slurm starts the 0.5 job (its license is free), the pool refuses it: the job
-    # waits (requeued, never failed) with an rgpu reason in its admin comment, and starts within
-    # seconds of a blocker leaving, not after Slurm's requeue delay (over 120 s in 22.05).
+    # a 0.5 slice. The job waits PENDING, held and marked (it was never started: no requeue), and
+    # starts within seconds of a blocker leaving.
     blockers = [h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.6"], "sleep 300\n", user=JOB_USER)
                 for _ in range(4)]
     for job in blockers:
@@ -470,13 +472,17 @@ def test_fragmented_capacity_makes_a_job_wait_with_a_reason_then_start_within_se
     def marked_and_pending() -> dict | None:
         job = h.slurm.job_json(waiting)
         assert job["job_state"] not in FINISHED, f"the fragmented job ended: {job}\n{diagnostics(h)}"
-        return job if (job["restart_cnt"] >= 1 and job["job_state"] == "PENDING"
-                       and "| rgpu: waiting: " in job["admin_comment"]) else None
+        return job if job["job_state"] == "PENDING" and "| rgpu: waiting: " in job["admin_comment"] else None
 
-    job = wait_until("the fragmented job to be requeued, pending and marked", marked_and_pending, 60)
-    assert "cannot place 1 slice" in job["admin_comment"], job["admin_comment"]
+    wait_until("the fragmented job to be pending and marked", marked_and_pending, 60)
+    time.sleep(3)                                    # a few reconciler passes: still held, never started
+    job = marked_and_pending()
+    assert job is not None and int(job["restart_cnt"]) == 0 and job["state_reason"] == "JobHeldUser", job
     shown = h.slurm.command(["scontrol", "show", "job", waiting]).stdout
     assert "AdminComment=rgpu:v1 nodes=1 count=1 percent=50 units=50 | rgpu: waiting: " in shown, shown
+    # No Slurm lets anyone but slurmctld write a job's Reason: squeue shows rgpu's beside it.
+    line = h.slurm.command(["squeue", "-h", "-j", waiting, "-O", "Reason:14,admin_comment:200"]).stdout.strip()
+    assert line.startswith("JobHeldUser") and "| rgpu: waiting: held until the pool can place its slices" in line, line
     assert not h.job_leases(waiting)
     h.slurm.command(["scancel", blockers[0]])
     freed = time.monotonic()
@@ -486,6 +492,7 @@ def test_fragmented_capacity_makes_a_job_wait_with_a_reason_then_start_within_se
     assert started < 30, f"the waiting job took {started:.0f} s to run after capacity freed"
     job = h.slurm.job_json(waiting)
     assert job["admin_comment"] == "rgpu:v1 nodes=1 count=1 percent=50 units=50", job["admin_comment"]
+    assert int(job["restart_cnt"]) == 0, job
 
 
 def test_a_strict_isolation_job_is_refused_at_submit_while_every_gpu_is_shared_by_mps(h: Harness) -> None:
@@ -500,17 +507,31 @@ def test_a_strict_isolation_job_is_refused_at_submit_while_every_gpu_is_shared_b
     assert "Invalid generic resource" not in out.stderr, out.stderr
 
 
-def test_interactive_srun_the_pool_cannot_place_gets_one_rgpu_line(h: Harness) -> None:
+def test_interactive_srun_the_pool_cannot_place_waits_then_runs(h: Harness) -> None:
+    """srun cannot be requeued: it waits, held until the pool can place its slice, and runs then."""
     blockers = [h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.6"], "sleep 300\n", user=JOB_USER)
                 for _ in range(4)]
     for job in blockers:
         h.slurm.wait_job_state(job, "RUNNING", 30)
-    out = h.slurm.command(["srun", f"--chdir={h.slurm.jobs_dir}", "--gres=rgpu:1", "--comment=fraction=0.5", "true"],
-                          user=JOB_USER, timeout=60, check=False)
-    assert out.returncode != 0, out
-    lines = [line for line in out.stderr.splitlines() if "rgpu" in line]
-    assert len(lines) == 1, out.stderr
-    assert "cannot place 1 slice" in lines[0] and "submit with sbatch" in lines[0], out.stderr
+    argv = h.slurm.install.wrap(["runuser", "-u", JOB_USER, "--", "srun", f"--chdir={h.slurm.jobs_dir}", "--gres=rgpu:1",
+                                 "--comment=fraction=0.5", "sh", "-c", 'test -s "$RGPU_ADAPTOR_CONF" && echo SRUN_HAS_CONF'])
+    srun = subprocess.Popen(argv, env=h.slurm.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        def held() -> dict | None:
+            pending = [j for j in h.slurm.command(["squeue", "-h", "-t", "PD", "-o", "%i %r"]).stdout.split("\n") if j]
+            return dict(line.split() for line in pending) or None   # type: ignore[misc]
+
+        waiting = wait_until("srun's job to wait", held, 30)
+        time.sleep(3)
+        assert srun.poll() is None and list(held().values()) == ["JobHeldUser"], waiting   # type: ignore[union-attr]
+        h.slurm.command(["scancel", blockers[0]])
+        out, err = srun.communicate(timeout=60)
+    finally:
+        if srun.poll() is None:
+            srun.kill()
+            srun.communicate()
+    assert srun.returncode == 0 and "SRUN_HAS_CONF" in out, f"{out}\n{err}\n{diagnostics(h)}"
+    assert not [line for line in err.splitlines() if "rgpu" in line], err
 
 
 # Versions ----------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Self
@@ -59,11 +59,12 @@ def node_prolog_pids(harness: Harness, job_id: str | None = None) -> list[int]:
 
 class NodePrologTrap:
     """Catches the next node Prolog of this cluster as it starts (before it can import its pool
-    client, ~100 ms later), stops it, freezes the pool, and lets the Prolog go on: a deterministic
-    'the pool hung between PrologSlurmctld and the node Prolog'."""
+    client, ~100 ms later), stops it, freezes the pool (or runs `meanwhile`), and lets the Prolog
+    go on: a deterministic 'the pool hung between PrologSlurmctld and the node Prolog'."""
 
-    def __init__(self, harness: Harness) -> None:
+    def __init__(self, harness: Harness, meanwhile: Callable[[], None] | None = None) -> None:
         self.harness = harness
+        self.meanwhile = meanwhile
         self.caught: list[int] = []
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._watch, daemon=True)
@@ -76,7 +77,10 @@ class NodePrologTrap:
                 for pid in pids:
                     os.kill(pid, signal.SIGSTOP)
                 assert self.harness.pool.pool is not None and self.harness.pool.pool.proc is not None
-                os.killpg(self.harness.pool.pool.proc.pid, signal.SIGSTOP)
+                if self.meanwhile is not None:
+                    self.meanwhile()
+                else:
+                    os.killpg(self.harness.pool.pool.proc.pid, signal.SIGSTOP)
                 for pid in pids:
                     os.kill(pid, signal.SIGCONT)
                 self.caught = pids
@@ -92,6 +96,16 @@ class NodePrologTrap:
         self._thread.join(5)
         assert self.harness.pool.pool is not None and self.harness.pool.pool.proc is not None
         os.killpg(self.harness.pool.pool.proc.pid, signal.SIGCONT)
+
+
+def wait_requeued(h: Harness, job: str) -> dict:  # type: ignore[type-arg]
+    """Until the job is PENDING again after a requeue; fails at once should it end instead."""
+    def requeued() -> dict | None:  # type: ignore[type-arg]
+        info = h.slurm.job_json(job)
+        assert info["job_state"] not in FINISHED, f"{info}\n{h.slurm.job_output(job)}\n{diagnostics(h)}"
+        return info if int(info["restart_cnt"]) >= 1 and info["job_state"] == "PENDING" else None
+
+    return wait_until("the job to be requeued", requeued, 30)
 
 
 def wait_pool_back(harness: Harness) -> None:
@@ -128,13 +142,7 @@ def test_a_job_whose_node_prolog_cannot_reach_the_pool_is_requeued_not_run(h: Ha
     with NodePrologTrap(h) as trap:
         job = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.3"], SHOW_SLICES, user=JOB_USER)
         wait_until("the node Prolog to be caught", lambda: trap.caught or None, 30)
-
-        def requeued() -> dict | None:
-            info = h.slurm.job_json(job)
-            assert info["job_state"] not in FINISHED, f"{info}\n{diagnostics(h)}"
-            return info if int(info["restart_cnt"]) >= 1 and info["job_state"] == "PENDING" else None
-
-        info = wait_until("the job to be requeued", requeued, 30)
+        info = wait_requeued(h, job)
         assert "RAN" not in h.slurm.job_output(job), h.slurm.job_output(job)
         # Past EpilogSlurmctld's 15 s of retries: only the reconciler can release the lease now.
         time.sleep(17)
@@ -152,6 +160,34 @@ def test_a_job_whose_node_prolog_cannot_reach_the_pool_is_requeued_not_run(h: Ha
     assert finished(h, job, 60)["JobState"] == "COMPLETED", diagnostics(h)
     out = h.slurm.job_output(job)
     assert "HAS_CONF" in out, f"{out}\n{info}\n{diagnostics(h)}"
+
+
+def test_a_job_whose_lease_is_gone_when_its_node_prolog_runs_is_requeued_not_run_plain(h: Harness) -> None:
+    """PrologSlurmctld leased the slices; an admin (or a pool that lost its state) released the
+    lease before the node Prolog fetched it. The node Prolog finds no lease for a job that holds
+    the rgpu license: the job is requeued, not run without its slices, no node drained."""
+    def release_the_lease() -> None:
+        leases = h.job_leases(job)
+        assert leases, "PrologSlurmctld's lease should exist when the node Prolog starts"
+        with h.client() as c:
+            for lease in leases:
+                c.release(lease.job_key)
+
+    job = ""
+    with NodePrologTrap(h, meanwhile=release_the_lease) as trap:
+        job = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.3"], SHOW_SLICES, user=JOB_USER)
+        wait_until("the node Prolog to be caught", lambda: trap.caught or None, 30)
+        wait_requeued(h, job)
+    assert "RAN" not in h.slurm.job_output(job), h.slurm.job_output(job)
+    log = (h.slurm.logs / "Prolog.log").read_text()
+    line = next(line for line in log.splitlines() if f"[job {job}]" in line and "has no lease" in line)
+    assert "which holds the rgpu license" in line and line.endswith("-- the job requeued: it runs again once rgpu "
+                                                                    "can give it its slices"), line
+    states = h.slurm.node_states()
+    assert not [s for s in states.values() if "drain" in s or "down" in s], states
+    # Not run here: the next attempt after `starttime=now`. On 22.05 one restarted within seconds
+    # ran its batch script without slurmd running the node Prolog again ("reissued job
+    # credential"), so without its slices: open, see the report of issue 23.
 
 
 def test_a_job_that_cannot_be_requeued_fails_with_the_reason_in_its_output(h: Harness) -> None:
@@ -242,10 +278,9 @@ def removed(client, address: str) -> bool | None:  # type: ignore[no-untyped-def
     return True
 
 
-def test_a_strict_job_waits_for_an_isolated_gpu_without_a_requeue_loop(h: Harness, tmp_path: Path) -> None:
-    """The only isolated GPU is taken: a second strict job waits (one requeue, marked with the
-    pool's reason) while 4 MPS GPUs stand free, is not started again and again on them (the
-    wake-up used to ignore isolation: a requeue every reconciler pass), and starts within seconds
+def test_a_strict_job_waits_for_an_isolated_gpu_without_a_requeue(h: Harness, tmp_path: Path) -> None:
+    """The only isolated GPU is taken: a second strict job waits PENDING, held and marked, while
+    4 MPS GPUs stand free, is never started on them (no requeue at all), and starts within seconds
     once the isolated GPU is free."""
     with isolated_gpu(h, tmp_path):
         blocker = h.slurm.submit(["--gres=rgpu:1", "--comment=isolation=strict"], "sleep 300\n", user=JOB_USER)
@@ -257,18 +292,18 @@ def test_a_strict_job_waits_for_an_isolated_gpu_without_a_requeue_loop(h: Harnes
             assert info["job_state"] not in FINISHED, f"{info}\n{diagnostics(h)}"
             return info if info["job_state"] == "PENDING" and "| rgpu: waiting: " in info["admin_comment"] else None
 
-        info = wait_until("the strict job to wait with the pool's reason", marked, 60)
-        assert "isolation=strict" in info["admin_comment"].split(" | ", 1)[1], info["admin_comment"]
+        info = wait_until("the strict job to wait, marked", marked, 60)
+        assert info["admin_comment"].startswith("rgpu:v1 nodes=1 count=1 percent=50 units=50 isolation=strict | "), info
         time.sleep(12)                                   # a dozen reconciler passes
         info = h.slurm.job_json(waiter)
-        assert info["job_state"] == "PENDING" and int(info["restart_cnt"]) == 1, f"{info}\n{diagnostics(h)}"
+        assert info["job_state"] == "PENDING" and int(info["restart_cnt"]) == 0, f"{info}\n{diagnostics(h)}"
         h.slurm.command(["scancel", blocker])
         freed = time.monotonic()
         assert finished(h, waiter, 60)["JobState"] == "COMPLETED", diagnostics(h)
         took = time.monotonic() - freed
         assert took < 30, f"the strict job took {took:.0f} s to run after the isolated GPU freed"
         assert "HAS_CONF" in h.slurm.job_output(waiter)
-        assert int(h.slurm.job_json(waiter)["restart_cnt"]) == 1
+        assert int(h.slurm.job_json(waiter)["restart_cnt"]) == 0
 
 
 # 4. Heterogeneous jobs --------------------------------------------------------------------------
@@ -331,8 +366,8 @@ def test_an_interactive_srun_whose_node_prolog_cannot_reach_the_pool_prints_the_
 
 
 def test_a_job_submitted_while_the_pool_is_frozen_waits_and_starts_once_it_answers(h: Harness) -> None:
-    """PrologSlurmctld cannot lease: the job is requeued, never run, marked as waiting for the pool,
-    and started by the reconciler within seconds of the pool answering (not Slurm's ~2 min)."""
+    """Nobody can tell whether the pool can place the job: it waits PENDING, held and marked, never
+    started (no requeue), and is released within seconds of the pool answering."""
     with pool_frozen(h):
         job = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.4"], SHOW_SLICES, user=JOB_USER)
 
@@ -341,8 +376,10 @@ def test_a_job_submitted_while_the_pool_is_frozen_waits_and_starts_once_it_answe
             assert info["job_state"] not in FINISHED, f"{info}\n{diagnostics(h)}"
             return info if info["job_state"] == "PENDING" and "| rgpu: waiting: " in info["admin_comment"] else None
 
-        info = wait_until("the job to wait for the pool", marked, 30)
-        assert "did not answer" in info["admin_comment"], info["admin_comment"]
+        wait_until("the job to wait for the pool", marked, 30)
+        time.sleep(5)
+        info = h.slurm.job_json(job)
+        assert info["job_state"] == "PENDING" and info["state_reason"] == "JobHeldUser", info
         assert "RAN" not in h.slurm.job_output(job)
     resumed = time.monotonic()
     assert finished(h, job, 60)["JobState"] == "COMPLETED", diagnostics(h)
@@ -350,3 +387,4 @@ def test_a_job_submitted_while_the_pool_is_frozen_waits_and_starts_once_it_answe
     assert took < 30, f"the job took {took:.0f} s to run after the pool answered again"
     assert "HAS_CONF" in h.slurm.job_output(job)
     assert h.slurm.job_json(job)["admin_comment"] == "rgpu:v1 nodes=1 count=1 percent=40 units=40"
+    assert int(h.slurm.job_json(job)["restart_cnt"]) == 0
