@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +41,7 @@ from rgpu.errors import (
     RgpuError,
     Unavailable,
 )
-from rgpu.paths import ADAPTOR_CONF_NAME, ERROR_NAME
+from rgpu.paths import ADAPTOR_CONF_NAME, ENDED_KEEP_SECONDS, ENDED_SUFFIX, ERROR_NAME
 from rgpu.paths import run_dir as run_dir_from_env
 
 
@@ -102,6 +103,11 @@ class JobContext:
 
 def job_dir(run_dir: Path, job_id: int) -> Path:
     return run_dir / str(int(job_id))
+
+
+def ended_mark(run_dir: Path, job_id: int) -> Path:
+    """Where the node Epilog records that an rgpu job ran here (rgpu.paths.ENDED_SUFFIX)."""
+    return run_dir / f"{int(job_id)}{ENDED_SUFFIX}"
 
 
 # ---------------------------------------------------------------- PrologSlurmctld
@@ -282,6 +288,7 @@ def node_prolog(env: Mapping[str, str], pool_factory: Callable[[], Pool],
                              "the pool's state does not match this job", "release it with rgpu-admin and requeue the job")
     directory = job_dir(run_dir_from_env(env), job.job_id)
     _make_job_dir(directory, job.uid, job.gid)
+    ended_mark(directory.parent, job.job_id).unlink(missing_ok=True)
     conf = lease_to_adaptor(lease)       # lease.user is the job's user (checked above)
     path = write_adaptor_conf(directory / ADAPTOR_CONF_NAME, conf, uid=job.uid if job.uid >= 0 else None,
                               gid=job.gid if job.gid >= 0 else None)
@@ -301,7 +308,16 @@ def sweep_stale_job_dirs(run_dir: Path, current_job_id: int, pool: Pool) -> list
         entries = sorted(run_dir.iterdir())
     except OSError:
         return removed
+    old_marks = time.time() - ENDED_KEEP_SECONDS
     for entry in entries:
+        if entry.name.endswith(ENDED_SUFFIX) and entry.name[:-len(ENDED_SUFFIX)].isdigit():
+            try:
+                if entry.lstat().st_mtime < old_marks:
+                    entry.unlink()
+                    removed.append(entry)
+            except OSError:
+                pass
+            continue
         if not entry.name.isdigit() or int(entry.name) == current_job_id or entry.is_symlink() or not entry.is_dir():
             continue
         try:
@@ -323,6 +339,7 @@ def record_node_error(env: Mapping[str, str], message: str) -> Path | None:
         gid = int(env.get("SLURM_JOB_GID", "-1") or -1)
         directory = job_dir(run_dir_from_env(env), job_id)
         _make_job_dir(directory, uid, gid)
+        ended_mark(directory.parent, job_id).unlink(missing_ok=True)
         (directory / ADAPTOR_CONF_NAME).unlink(missing_ok=True)
         return write_private_file(directory / ERROR_NAME, message.rstrip("\n") + "\n",
                                   uid if uid >= 0 else None, gid if gid >= 0 else None)
@@ -355,15 +372,21 @@ def epilog_slurmctld(env: Mapping[str, str], pool_factory: Callable[[], Pool]) -
 
 
 def node_epilog(env: Mapping[str, str]) -> bool:
-    """Remove the job's files on this node; True when there was something to remove."""
+    """Remove the job's files on this node, leaving its ended mark (a later attempt of the job that
+    starts here without its Prolog is refused by the TaskProlog); True when there was something to
+    remove."""
     job = JobContext.from_env(env, "epilog")
     directory = job_dir(run_dir_from_env(env), job.job_id)
     if directory.is_symlink():
         directory.unlink()
-        return True
-    if not directory.exists():
+    elif directory.exists():
+        shutil.rmtree(directory)   # does not follow symlinks the job may have left inside
+    else:
         return False
-    shutil.rmtree(directory)   # does not follow symlinks the job may have left inside
+    mark = ended_mark(directory.parent, job.job_id)
+    if mark.is_symlink():
+        mark.unlink()
+    mark.touch(mode=0o644)
     return True
 
 

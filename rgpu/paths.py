@@ -9,6 +9,11 @@ from pathlib import Path
 DEFAULT_RUN_DIR = "/run/rgpu"     # per-job folders on CPU nodes; $RGPU_RUN_DIR overrides
 ADAPTOR_CONF_NAME = "adaptor.conf"
 ERROR_NAME = "error"              # why the node Prolog could not prepare the job (read by flexrun)
+# <run dir>/<job id>.ended: left by the node Epilog of an rgpu job, removed by its next Prolog. A task
+# that finds it and no job folder belongs to an attempt whose Prolog never ran here (Slurm 22.05
+# can restart a requeued job on the same node without it): the TaskProlog refuses to start it.
+ENDED_SUFFIX = ".ended"
+ENDED_KEEP_SECONDS = 7 * 24 * 3600   # the Prolog's sweep removes older marks
 
 
 def run_dir(env: Mapping[str, str] | None = None) -> Path:

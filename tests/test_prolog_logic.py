@@ -7,6 +7,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from rgpu.prolog.logic import (
     node_epilog,
     node_prolog,
     prolog_slurmctld,
+    sweep_stale_job_dirs,
 )
 from rgpu.slurm_plugin.scontrol import JobInfo
 
@@ -276,6 +278,47 @@ def test_node_epilog_removes_what_the_job_left_without_following_links(tmp_path:
     assert prolog_main.epilog_main(env) == 0
     assert not job_dir.exists() and (outside / "keep").exists()
     assert prolog_main.epilog_main({"SLURM_JOB_ID": "not-a-number"}) == 0   # never fails
+
+
+def test_an_ended_rgpu_job_leaves_a_mark_its_next_prolog_removes(pool: RgpuCluster, tmp_path: Path) -> None:
+    env = job_env(pool, tmp_path)
+    prolog_slurmctld(env, pool.client, lambda _: info())
+    node_prolog(env, pool.client)
+    assert node_epilog(env) is True
+    mark = tmp_path / "42.ended"
+    assert mark.is_file() and not (tmp_path / "42").exists()
+    # The requeued attempt's Prolog sets the job up again and takes the mark away.
+    prolog_slurmctld(dict(env, SLURM_RESTART_COUNT="1"), pool.client, lambda _: info())
+    node_prolog(dict(env, SLURM_RESTART_COUNT="1"), pool.client)
+    assert (tmp_path / "42" / "adaptor.conf").exists() and not mark.exists()
+
+
+def test_the_prolog_sweep_removes_old_ended_marks_only(pool: RgpuCluster, tmp_path: Path) -> None:
+    old, recent, odd = tmp_path / "7.ended", tmp_path / "8.ended", tmp_path / "x.ended"
+    for mark in (old, recent, odd):
+        mark.touch()
+    week_ago = time.time() - 8 * 24 * 3600
+    os.utime(old, (week_ago, week_ago))
+    os.utime(odd, (week_ago, week_ago))
+    assert old in sweep_stale_job_dirs(tmp_path, 42, pool.client())
+    assert not old.exists() and recent.exists() and odd.exists()
+
+
+@pytest.mark.integration   # runs the TaskProlog script
+def test_task_prolog_refuses_an_attempt_that_started_without_its_node_prolog(tmp_path: Path) -> None:
+    # Slurm 22.05 can restart a requeued job on the same node without running the node Prolog again:
+    # the Epilog of the earlier attempt left its mark, and there is no job folder.
+    (tmp_path / "42.ended").touch()
+    out = subprocess.run([str(PROLOG_DIR / "rgpu-task-prolog")], env={"SLURM_JOB_ID": "42", "RGPU_RUN_DIR": str(tmp_path)},
+                         capture_output=True, text=True, timeout=10, check=False)
+    assert out.returncode == 1, out
+    assert out.stdout.startswith("print rgpu: task prolog: job 42 was restarted on this node without its node Prolog")
+    assert out.stdout.count("\n") == 1
+    (tmp_path / "42").mkdir()                         # its Prolog ran after all: the folder wins
+    (tmp_path / "42" / "adaptor.conf").write_text("")
+    out = subprocess.run([str(PROLOG_DIR / "rgpu-task-prolog")], env={"SLURM_JOB_ID": "42", "RGPU_RUN_DIR": str(tmp_path)},
+                         capture_output=True, text=True, timeout=10, check=False)
+    assert out.returncode == 0 and out.stdout.startswith("export RGPU_ADAPTOR_CONF="), out
 
 
 @pytest.mark.parametrize("job_id, made, expected", [
