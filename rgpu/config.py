@@ -53,6 +53,7 @@ class Settings:
     # pool): on wherever Slurm is configured on the pool's host; 0 turns it off.
     slurm_reconcile_interval_seconds: float = 10.0
     slurm_reconcile_grace_seconds: float = 60.0  # a lease without a live job is released after this
+    slurm_admission_poll_seconds: float = 2.0    # look for new held rgpu jobs this often (0: off)
     slurm_cluster: str = ""                      # Slurm ClusterName; "" asks `scontrol show config`
     slurm_backend: str = "auto"                  # auto | squeue | pyslurm
     slurm_license_sync: bool = True              # keep the rgpu license reservation in step with capacity
@@ -225,8 +226,9 @@ def load_settings(config_file: str | os.PathLike[str] | None = None,
     if settings.account_cache_seconds < 0:
         raise ConfigError("config", "account_cache_seconds must not be negative", "",
                           "set 0 (ask sacctmgr every time) or a positive number of seconds")
-    if settings.slurm_reconcile_grace_seconds < 0 or settings.slurm_reconcile_interval_seconds < 0:
-        raise ConfigError("config", "slurm_reconcile_* settings must not be negative", "",
+    if min(settings.slurm_reconcile_grace_seconds, settings.slurm_reconcile_interval_seconds,
+           settings.slurm_admission_poll_seconds) < 0:
+        raise ConfigError("config", "slurm_reconcile_* and slurm_admission_poll_seconds must not be negative", "",
                           "set 0 or a positive number of seconds")
     if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
         raise ConfigError("config", "tls_cert_file and tls_key_file must be set together", "",

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rgpu.slurm_plugin.heldwatch import HeldJobWatch, squeue_runner
 from rgpu.slurm_plugin.licenses import LicenseSync, SlurmLicenses
 from rgpu.slurm_plugin.reconcile import Reconciler
 from rgpu.slurm_plugin.squeue import backend_for
@@ -23,16 +24,17 @@ from rgpu.slurm_plugin.squeue import backend_for
 class SlurmIntegration:
     reconciler: Reconciler | None
     license_sync: LicenseSync | None
+    held_watch: HeldJobWatch | None = None
 
     def stop(self) -> None:
-        for part in (self.reconciler, self.license_sync):
+        for part in (self.held_watch, self.reconciler, self.license_sync):
             if part is not None:
                 part.stop()
 
 
 def start_slurm_integration(core: Any, *, interval_seconds: float, grace_seconds: float, cluster: str = "",
                             backend: str = "auto", license_sync: bool = False,
-                            log: logging.Logger | None = None,
+                            admission_poll_seconds: float = 0.0, log: logging.Logger | None = None,
                             env: Mapping[str, str] | None = None) -> SlurmIntegration:
     """interval_seconds <= 0 starts nothing (a pool with no Slurm cluster beside it)."""
     log = log or logging.getLogger("rgpu-poold")
@@ -48,13 +50,18 @@ def start_slurm_integration(core: Any, *, interval_seconds: float, grace_seconds
         # same room. A lease that ended frees room; one that started settles where a released
         # job's slices went: either may let a held job start, so a pass runs at once.
         core.add_lease_listener(lambda ended: reconciler.wake() if ended or admission.jobs_held else None)
+    # New held jobs wake the reconciler at once, not at its next pass (heldwatch.py).
+    watch = None
+    if admission_poll_seconds > 0:
+        watch = HeldJobWatch(reconciler.wake, admission_poll_seconds, squeue_runner(env), log).start()
     sync = None
     if license_sync:
         sync = LicenseSync(core, SlurmLicenses(env=env), log).start(interval_seconds)
         core.add_capacity_listener(sync.trigger)   # servers down/drained/back: sync at once
-    log.info("rgpu-poold: Slurm reconciler every %g s (grace %g s)%s", interval_seconds, grace_seconds,
+    log.info("rgpu-poold: Slurm reconciler every %g s (grace %g s)%s%s", interval_seconds, grace_seconds,
+             f", new held jobs looked for every {admission_poll_seconds:g} s" if watch else "",
              ", license sync on" if sync else "")
-    return SlurmIntegration(reconciler, sync)
+    return SlurmIntegration(reconciler, sync, watch)
 
 
 @dataclass
@@ -109,7 +116,8 @@ def start_from_settings(core: Any, settings: Any, log: logging.Logger) -> SlurmI
     return start_slurm_integration(core, interval_seconds=settings.slurm_reconcile_interval_seconds,
                                    grace_seconds=settings.slurm_reconcile_grace_seconds,
                                    cluster=settings.slurm_cluster, backend=settings.slurm_backend,
-                                   license_sync=settings.slurm_license_sync, log=log)
+                                   license_sync=settings.slurm_license_sync,
+                                   admission_poll_seconds=settings.slurm_admission_poll_seconds, log=log)
 
 
 def _cluster_lookup(env: Mapping[str, str] | None) -> Any:

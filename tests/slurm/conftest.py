@@ -97,7 +97,8 @@ def start_pool(pool: RgpuCluster, slurm_conf: Path | None = None, install: Slurm
     pool runs its Slurm integration as it does by default beside a Slurm cluster (of `install`)."""
     pool.write_config(down_after_seconds=3.0, heartbeat_interval_seconds=0.5, reclaim_interval_seconds=0.5,
                       max_slices_per_job=MAX_SLICES_PER_JOB, slurm_reconcile_interval_seconds=RECONCILE_INTERVAL_SECONDS,
-                      slurm_reconcile_grace_seconds=RECONCILE_GRACE_SECONDS, slurm_license_sync=False)
+                      slurm_reconcile_grace_seconds=RECONCILE_GRACE_SECONDS, slurm_admission_poll_seconds=0.5,
+                      slurm_license_sync=False)
     path = (install or SlurmInstall("")).path(os.environ.get("PATH", "/usr/bin:/bin"))
     pool.start_pool(env=pool.env(SLURM_CONF=str(slurm_conf), PATH=path) if slurm_conf else None)
     for inventory in ("inventory-a.toml", "inventory-b.toml"):

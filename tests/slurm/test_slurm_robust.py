@@ -6,6 +6,7 @@ by the kernel, nothing answers), which is harder on deadlines than a dead one.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import threading
@@ -218,6 +219,25 @@ def test_a_job_that_cannot_be_requeued_fails_with_the_reason_in_its_output(h: Ha
     lines = [line for line in out.splitlines() if line.startswith("rgpu: ")]
     assert len(lines) == 1 and "did not answer" in lines[0] and "does not start without its GPU slices" in lines[0], out
     wait_until("the job's lease to be released", lambda: not h.job_leases(job) or None, 40)
+
+
+def test_the_admission_watch_reads_this_slurms_held_jobs(h: Harness) -> None:
+    """rgpu-poold's admission watch (slurm_plugin/heldwatch.py) against this version's squeue: a job
+    held by its user (as job_submit holds every new rgpu job) is seen, and seeing it wakes the
+    reconciler once; a running one is not."""
+    from rgpu.slurm_plugin.heldwatch import HeldJobWatch
+
+    wakes: list[int] = []
+    watch = HeldJobWatch(lambda: wakes.append(1), 1.0, lambda argv: h.slurm.command(argv).stdout,
+                         logging.getLogger("test"))
+    watch.poll_once()
+    job = h.slurm.submit(["--hold"], "sleep 1\n", user=JOB_USER)
+    try:
+        assert watch.poll_once() and wakes == [1], h.slurm.command(["squeue"]).stdout
+        assert not watch.poll_once() and wakes == [1]
+        assert job in watch._seen
+    finally:
+        h.slurm.command(["scancel", job])
 
 
 # 3. Requests no GPU can ever serve; waiting only for capacity -----------------------------------
