@@ -30,7 +30,7 @@ typedef uint64_t ucp_tag_t;
 typedef struct { ucp_tag_t sender_tag; size_t length; } ucp_tag_recv_info_t;
 typedef struct { uint64_t field_mask; uint64_t features; char rest[256]; } ucp_params_t;
 typedef struct { uint64_t field_mask; int thread_mode; char rest[256]; } ucp_worker_params_t;
-typedef struct { uint64_t field_mask; const ucp_address_t *address; int err_mode; char rest[256]; } ucp_ep_params_t;
+typedef struct { uint64_t field_mask; const ucp_address_t *address; char rest[256]; } ucp_ep_params_t;
 typedef struct { uint32_t op_attr_mask; uint32_t flags; void *request; char rest[256]; } ucp_request_param_t;
 #define UCS_OK 0
 #define UCS_INPROGRESS 1
@@ -44,8 +44,6 @@ typedef struct { uint32_t op_attr_mask; uint32_t flags; void *request; char rest
 #define UCS_THREAD_MODE_SINGLE 0
 #define UCS_THREAD_MODE_SERIALIZED 1
 #define UCP_EP_PARAM_FIELD_REMOTE_ADDRESS (1u << 0)
-#define UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE (1u << 1)
-#define UCP_ERR_HANDLING_MODE_PEER 1
 #define UCP_OP_ATTR_FIELD_FLAGS (1u << 4)
 #define UCP_OP_ATTR_FLAG_NO_IMM_CMPL (1u << 16)
 #define UCP_EP_CLOSE_FLAG_FORCE (1u << 0)
@@ -97,7 +95,7 @@ static void *open_library(const char *folder, char *why, size_t whylen) {
             void *h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
             if (h) return h;
         }
-        snprintf(why, whylen, "no loadable libucp.so.0 or libucp.so in RGPU_UCX_LIB=%s (%s)", folder, dlerror());
+        snprintf(why, whylen, "RGPU_UCX_LIB=%s has no loadable libucp.so.0 or libucp.so: %s", folder, dlerror());
         return NULL;
     }
     void *h = dlopen("libucp.so.0", RTLD_NOW | RTLD_LOCAL);
@@ -185,9 +183,11 @@ int rgpu_ucx_connect(rgpu_ucx *u, const void *peer, size_t len, char *why, size_
     (void)len;
     ucp_ep_params_t ep;
     memset(&ep, 0, sizeof ep);
-    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    /* No UCP_ERR_HANDLING_MODE_PEER: UCX 1.13 then refuses its shared-memory transports ("no peer
+     * failure handler"). A dead peer is noticed by rgpu_ucx_wait instead (the session's TCP socket
+     * ends, or nothing progresses for the idle limit). */
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
     ep.address = peer;
-    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;   /* a dead peer fails requests instead of hanging them */
     ucs_status_t st = u->f.ep_create(u->worker, &ep, &u->ep);
     if (st != UCS_OK) {
         u->ep = NULL;
