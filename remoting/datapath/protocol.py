@@ -232,8 +232,9 @@ def client_info() -> dict:
 
 
 def handshake(server: str, token: str, *, flags: int = 0, timeout: float = HELLO_TIMEOUT_S,
-              version: int = PROTOCOL_VERSION) -> tuple[socket.socket, Welcome]:
-    """Open a session (or, with HELLO_PROBE, just check one could be opened).
+              version: int = PROTOCOL_VERSION, ucx_address: bytes = b"") -> tuple[socket.socket, Welcome]:
+    """Open a session (or, with HELLO_PROBE, just check one could be opened). `ucx_address`: this
+    end's UCX worker address, offering UCX (the WELCOME then carries the worker's, or none).
 
     Raises Unavailable when the server cannot be reached, AuthError when it refuses the token,
     ProtocolError on a version mismatch; each message names the server and what to do.
@@ -247,7 +248,8 @@ def handshake(server: str, token: str, *, flags: int = 0, timeout: float = HELLO
                           "check that rgpu-dispatcher runs there and that the port is open") from None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(encode_hello(token, flags=flags, info=client_info(), version=version))
+        info = client_info() | ({"ucx": ucx_address.hex()} if ucx_address else {})
+        sock.sendall(encode_hello(token, flags=flags, info=info, version=version))
         (_, op, _, _, _, _), payload = recv_frame(sock, 1 << 20)
     except (OSError, ValueError, ConnectionError) as exc:
         sock.close()
