@@ -1,0 +1,55 @@
+"""The transport decisions and the handshake's UCX fields (datapath/transport.py, protocol.py): pure."""
+
+from __future__ import annotations
+
+import pytest
+from rgpu.errors import ConfigError
+from rgpu.remoting.datapath import protocol
+from rgpu.remoting.datapath.transport import (MAX_ADDRESS_BYTES, fallback_line, parse_peer_address, parse_transport,
+                                              worker_choice)
+
+
+@pytest.mark.parametrize("text,want", [(None, "auto"), ("", "auto"), (" UCX ", "ucx"), ("tcp", "tcp"), ("auto", "auto")])
+def test_transport_settings_parse(text: str | None, want: str) -> None:
+    assert parse_transport(text) == want
+
+
+def test_an_unknown_transport_is_refused_with_what_is_accepted() -> None:
+    with pytest.raises(ConfigError, match=r"RGPU_TRANSPORT='rdma' is not a transport \(want auto, ucx or tcp; "
+                                          r"fix RGPU_TRANSPORT, or unset it for auto\)"):
+        parse_transport("rdma")
+
+
+def test_the_worker_takes_ucx_only_when_offered_allowed_and_a_cuda_session() -> None:
+    assert worker_choice("auto", True, "cuda").try_ucx
+    assert worker_choice("ucx", True, "cuda").try_ucx
+    tcp = worker_choice("tcp", True, "cuda")
+    assert not tcp.try_ucx and "transport setting is tcp" in tcp.why
+    unoffered = worker_choice("auto", False, "cuda")
+    assert not unoffered.try_ucx and "the client did not offer UCX" in unoffered.why
+    assert not worker_choice("auto", True, "nvml").try_ucx
+    assert fallback_line("x") == "copies of this session go over TCP, not UCX (x)"
+
+
+@pytest.mark.parametrize("info,want", [
+    ({"ucx": "00ff10"}, b"\x00\xff\x10"),
+    ({}, b""),
+    ({"ucx": 5}, b""),                  # not a string
+    ({"ucx": "abc"}, b""),              # odd length
+    ({"ucx": "zz"}, b""),               # not hex
+    ({"ucx": "00" * (MAX_ADDRESS_BYTES + 1)}, b""),   # larger than any worker address
+])
+def test_a_clients_ucx_address_is_taken_only_when_well_formed(info: dict, want: bytes) -> None:
+    assert parse_peer_address(info) == want
+
+
+def test_welcome_carries_the_workers_ucx_address_and_older_layouts_read_as_none() -> None:
+    frame = protocol.encode_welcome(driver_version=13000, memory_limit_bytes=5, compute_percent=50, flags=1,
+                                    description="d", ucx_address=b"\x01\x02")
+    w = protocol.decode_welcome(frame[protocol.HEADER_SIZE:])
+    assert (w.description, w.ucx_address) == ("d", b"\x01\x02")
+    bare = protocol.encode_welcome(driver_version=1, memory_limit_bytes=1, compute_percent=1, flags=0, description="e")
+    assert protocol.decode_welcome(bare[protocol.HEADER_SIZE:]).ucx_address == b""
+    # Without the field at all (a version-9 WELCOME's layout): none, not an error.
+    assert protocol.decode_welcome(bare[protocol.HEADER_SIZE:-4]).ucx_address == b""
+    assert protocol.UCX_COPY.size == 24
