@@ -53,3 +53,19 @@ def test_welcome_carries_the_workers_ucx_address_and_older_layouts_read_as_none(
     # Without the field at all (a version-9 WELCOME's layout): none, not an error.
     assert protocol.decode_welcome(bare[protocol.HEADER_SIZE:-4]).ucx_address == b""
     assert protocol.UCX_COPY.size == 24
+
+
+@pytest.mark.integration   # runs the C compiler
+def test_the_ucx_link_builds_without_ucx_headers(tmp_path) -> None:   # type: ignore[no-untyped-def]
+    """Nodes without libucx-dev still build the client: ucx_link.c then declares UCP's types itself."""
+    import shutil
+    import subprocess
+
+    from rgpu.remoting.native.build import CFLAGS, SRC
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler")
+    flags = [f for f in CFLAGS if f != "-shared"]
+    done = subprocess.run([cc, *flags, "-Werror", "-DRGPU_UCX_NO_HEADER", "-c", str(SRC / "ucx_link.c"),
+                           "-o", str(tmp_path / "ucx_link.o")], capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
