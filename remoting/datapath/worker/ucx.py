@@ -32,7 +32,7 @@ class UcxLink:
         lib.rgpu_ucx_post.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
                                       ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]
         lib.rgpu_ucx_wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_double,
-                                      ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+                                      ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
         lib.rgpu_ucx_cancel.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         lib.rgpu_ucx_cancel.restype = None
         lib.rgpu_ucx_close.argtypes = [ctypes.c_void_p]
@@ -64,7 +64,7 @@ class UcxLink:
         req = ctypes.c_void_p()
         if self._lib.rgpu_ucx_post(self._handle, 1, tag, address, n, ctypes.byref(req), self._why, WHY_BYTES):
             raise self._fail("cannot receive a host-to-device copy over UCX")
-        if self._lib.rgpu_ucx_wait(self._handle, req, 1, n, self.idle_s, fd, self._why, WHY_BYTES):
+        if self._lib.rgpu_ucx_wait(self._handle, req, 1, n, self.idle_s, fd, 0, self._why, WHY_BYTES):
             raise self._fail("a host-to-device copy over UCX failed")
 
     def post_send(self, tag: int, address: int, n: int) -> int:
@@ -76,7 +76,7 @@ class UcxLink:
 
     def finish_send(self, req: int, n: int, fd: int) -> str:
         """Wait for a send; "" when done, else why it failed (the reply has gone already)."""
-        if req and self._lib.rgpu_ucx_wait(self._handle, req, 0, n, self.idle_s, fd, self._why, WHY_BYTES):
+        if req and self._lib.rgpu_ucx_wait(self._handle, req, 0, n, self.idle_s, fd, 0, self._why, WHY_BYTES):
             return self._why.value.decode(errors="replace")
         return ""
 

@@ -762,6 +762,42 @@ static CUresult read_welcome(rgpu_session *s, uint8_t **ucx_peer, size_t *ucx_le
 }
 
 /* Connect every slice: all HELLOs go out first, so the workers start in parallel. */
+/* One frame the worker sent unasked (no reply is due: the session is locked, nothing synchronous
+ * outstanding): a host function's HOST_CALL, or a NOTICE. 0, or -1 with the session failed. */
+static int serve_unasked(rgpu_session *s, const char *during) {
+    uint8_t h[RGPU_HEADER_SIZE];
+    if (recv_all(s->fd, h, sizeof h)) {
+        session_fail(s, errno == ECONNRESET ? "connection closed by the server" : strerror(errno));
+        return -1;
+    }
+    uint32_t len, seq, aux;
+    uint16_t op;
+    uint64_t id;
+    memcpy(&len, h, 4);
+    memcpy(&op, h + 4, 2);
+    memcpy(&seq, h + 8, 4);
+    memcpy(&aux, h + 12, 4);
+    memcpy(&id, h + 16, 8);
+    if (op == RGPU_OP_HOST_CALL) {
+        if (host_call(s, seq, id, (int32_t)aux, len)) {
+            if (!s->dead) session_fail(s, strerror(errno));
+            return -1;
+        }
+        return 0;
+    }
+    if (op == RGPU_OP_NOTICE) {
+        if (len && recv_discard(s->fd, len)) {
+            session_fail(s, strerror(errno));
+            return -1;
+        }
+        return 0;
+    }
+    char why[160];
+    snprintf(why, sizeof why, "protocol error: frame op %u seq %u %s", op, seq, during);
+    session_fail(s, why);
+    return -1;
+}
+
 /* ------------------------------------------------------------------ transport (UCX or TCP)
  * RGPU_TRANSPORT=auto|ucx|tcp (flexrun passes the slice environment): auto carries copies on UCX
  * when both ends have it, ucx insists on it (a session without it fails), tcp never offers it. */
@@ -812,8 +848,15 @@ CUresult rgpu_ucx_put_bulk(rgpu_call *c, const void *p, size_t n) {
     if (flush_locked(s)) return CUDA_ERROR_DEVICE_UNAVAILABLE;
     char why[512];
     void *req = NULL;
-    if (rgpu_ucx_post(s->ucx, 0, s->seq, (void *)p, n, &req, why, sizeof why) ||
-        rgpu_ucx_wait(s->ucx, req, 0, n, ucx_idle_s(), s->fd, why, sizeof why)) {
+    int w = rgpu_ucx_post(s->ucx, 0, s->seq, (void *)p, n, &req, why, sizeof why);
+    /* The worker may be waiting for this process first (a graph's host function queued before
+     * the copy): serve what it sends while the bytes wait to be taken. */
+    while (w == 0 && (w = rgpu_ucx_wait(s->ucx, req, 0, n, ucx_idle_s(), s->fd, RGPU_UCX_YIELD_READABLE, why,
+                                        sizeof why)) == 1) {
+        if (serve_unasked(s, "while a copy's bytes went over UCX")) return CUDA_ERROR_DEVICE_UNAVAILABLE;
+        w = 0;
+    }
+    if (w) {
         char line[600];
         snprintf(line, sizeof line, "a host-to-device copy over UCX failed: %s", why);
         session_fail(s, line);
@@ -839,7 +882,7 @@ CUresult rgpu_ucx_finish(rgpu_call *c, void *req, size_t n, CUresult result) {
         return result;
     }
     char why[512];
-    if (rgpu_ucx_wait(s->ucx, req, 1, n, ucx_idle_s(), s->fd, why, sizeof why)) {
+    if (rgpu_ucx_wait(s->ucx, req, 1, n, ucx_idle_s(), s->fd, 0, why, sizeof why)) {
         char line[600];
         snprintf(line, sizeof line, "a device-to-host copy over UCX failed: %s", why);
         session_fail(s, line);

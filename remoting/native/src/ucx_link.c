@@ -228,13 +228,17 @@ static double seconds(void) {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-static int peer_gone(int fd) {
+/* The session's socket: 2 it ended (the peer is gone), 1 it has bytes to read, 0 neither. */
+static int socket_state(int fd) {
     if (fd < 0) return 0;
-    struct pollfd pfd = {.fd = fd, .events = POLLRDHUP};
-    return poll(&pfd, 1, 0) > 0 && (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR));
+    struct pollfd pfd = {.fd = fd, .events = POLLIN | POLLRDHUP};
+    if (poll(&pfd, 1, 0) <= 0) return 0;
+    if (pfd.revents & (POLLRDHUP | POLLHUP | POLLERR)) return 2;
+    return (pfd.revents & POLLIN) ? 1 : 0;
 }
 
-int rgpu_ucx_wait(rgpu_ucx *u, void *req, int recv, size_t want, double idle_s, int fd, char *why, size_t whylen) {
+int rgpu_ucx_wait(rgpu_ucx *u, void *req, int recv, size_t want, double idle_s, int fd, int flags, char *why,
+                  size_t whylen) {
     if (!req) {
         if (recv) {   /* receives are posted with NO_IMM_CMPL: they always give a request */
             snprintf(why, whylen, "UCX receive completed without a request (unexpected)");
@@ -255,7 +259,11 @@ int rgpu_ucx_wait(rgpu_ucx *u, void *req, int recv, size_t want, double idle_s, 
         }
         if (++spins % 4096 == 0) {
             double now = seconds();
-            if (now - last > idle_s || peer_gone(fd)) {
+            int sock = socket_state(fd);
+            /* A frame came while this waits (a host function's call, the client's HOST_CALL): the
+             * caller serves it, the peer may need that before it takes these bytes. */
+            if (sock == 1 && (flags & RGPU_UCX_YIELD_READABLE)) return 1;
+            if (now - last > idle_s || sock == 2) {
                 u->f.request_cancel(u->worker, req);
                 while (u->f.request_check_status(req) == UCS_INPROGRESS) u->f.worker_progress(u->worker);
                 u->f.request_free(req);

@@ -29,9 +29,11 @@ RGPU_UCX_API int rgpu_ucx_post(rgpu_ucx *u, int recv, uint64_t tag, void *p, siz
                                size_t whylen);
 /* Progress until `req` completes. A receive must have brought exactly `want` bytes. Gives up
  * (cancels) when nothing progressed for idle_s seconds, and, when fd >= 0, when that socket
- * ends (the peer is gone). 0 or -1 with `why`. */
-RGPU_UCX_API int rgpu_ucx_wait(rgpu_ucx *u, void *req, int recv, size_t want, double idle_s, int fd, char *why,
-                               size_t whylen);
+ * ends (the peer is gone). 0 or -1 with `why`; with RGPU_UCX_YIELD_READABLE in `flags`, 1 when fd
+ * has bytes to read first (the request still runs: read, then wait again). */
+#define RGPU_UCX_YIELD_READABLE 1
+RGPU_UCX_API int rgpu_ucx_wait(rgpu_ucx *u, void *req, int recv, size_t want, double idle_s, int fd, int flags,
+                               char *why, size_t whylen);
 /* Cancel a posted request and release it. */
 RGPU_UCX_API void rgpu_ucx_cancel(rgpu_ucx *u, void *req);
 RGPU_UCX_API void rgpu_ucx_close(rgpu_ucx *u);
