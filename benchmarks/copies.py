@@ -112,7 +112,11 @@ int main(int argc, char **argv) {
 """
 
 CONFIGS = {   # name: (client environment, worker environment: set in this process before its server starts)
-    "ucx-shm": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "posix,cma,self"}, {"UCX_TLS": "posix,cma,self"}),
+    # Shared memory: UCX's posix transport (copy-in/copy-out through a shared segment, pipelined by
+    # both processes), and with cma (single-copy process_vm_readv rendezvous, UCX's choice by default
+    # when both are allowed; slower than posix alone on some VMs' kernels).
+    "ucx-shm": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "posix,self"}, {"UCX_TLS": "posix,self"}),
+    "ucx-shm-cma": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "posix,cma,self"}, {"UCX_TLS": "posix,cma,self"}),
     "ucx-tcp": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "tcp"}, {"UCX_TLS": "tcp"}),
     "rgpu-tcp": ({"RGPU_TRANSPORT": "tcp"}, {}),
 }
@@ -215,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rgpu copy benchmark: {args.backend} backend, loopback, {os.cpu_count()} CPUs, median of {args.reps}")
     print("raw single-stream loopback TCP (C): " + ", ".join(f"{raw[m]:.2f} GB/s ({m} MiB x 8)" for m in sizes))
     names = list(results)
-    print(f"{'copy':<24}" + "".join(f"{n:>20}" for n in names))
+    print(f"{'copy':<24}" + "".join(f"{n:>20}" for n in names) + "   (GB/s, and x raw TCP)")
     for metric in next(iter(results.values())):
         mib = int(metric.split("_")[2].removesuffix("MiB"))
         cells = "".join(f"{results[n][metric]:>9.2f} ({results[n][metric] / raw[mib]:>4.2f}x)".rjust(20) for n in names)
