@@ -19,11 +19,12 @@ TRANSPORTS = ("auto", "ucx", "tcp")
 MAX_ADDRESS_BYTES = 16 << 10
 
 
-def parse_transport(text: str | None, source: str = "RGPU_TRANSPORT") -> str:
+def parse_transport(text: str | None, source: str = "RGPU_TRANSPORT", origin: str = "") -> str:
     """The setting, "auto" when unset; a ConfigError that says what is accepted otherwise."""
     value = (text or "").strip().lower() or "auto"
     if value not in TRANSPORTS:
-        raise ConfigError("transport", f"{source}={text!r} is not a transport", "want auto, ucx or tcp",
+        where = f" from {origin}" if origin else ""
+        raise ConfigError("transport", f"{source} = {text!r}{where} is not a transport", "want auto, ucx or tcp",
                           f"fix {source}, or unset it for auto")
     return value
 

@@ -167,7 +167,7 @@ class SessionServer:
     def __init__(self, *, listen_socket: socket.socket, advertised: str, gpus: list[GpuInfo], secret: bytes,
                  port_range: tuple[int, int], backend: str, log: logging.Logger,
                  front_door: FrontDoor | None = None, compute_lending: bool = False,
-                 image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES) -> None:
+                 image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES, transport: str | None = None) -> None:
         if backend not in ("cuda", "emulated"):
             raise ValueError(f"unknown backend {backend!r} (cuda or emulated)")
         self.listen_socket = listen_socket
@@ -209,7 +209,7 @@ class SessionServer:
         self.launch_library = ""
         self.launch_path = "python"
         # Copies' transport (datapath/transport.py): the workers inherit RGPU_TRANSPORT too.
-        self.transport = parse_transport(os.environ.get("RGPU_TRANSPORT"))
+        self.transport = transport or parse_transport(os.environ.get("RGPU_TRANSPORT"))
         self.ucx_library = ""
         self._live: LiveLeases | None = None   # the pool's latest list; None: tokens are checked offline only
         # GPU faults (dispatcher/faults.py): reports from workers, events decided, recoveries pending.

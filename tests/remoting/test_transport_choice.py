@@ -15,9 +15,23 @@ def test_transport_settings_parse(text: str | None, want: str) -> None:
 
 
 def test_an_unknown_transport_is_refused_with_what_is_accepted() -> None:
-    with pytest.raises(ConfigError, match=r"RGPU_TRANSPORT='rdma' is not a transport \(want auto, ucx or tcp; "
+    with pytest.raises(ConfigError, match=r"RGPU_TRANSPORT = 'rdma' is not a transport \(want auto, ucx or tcp; "
                                           r"fix RGPU_TRANSPORT, or unset it for auto\)"):
         parse_transport("rdma")
+    with pytest.raises(ConfigError, match=r"transport = 'rdma' from /etc/rgpu/rgpu.toml is not a transport"):
+        parse_transport("rdma", "transport", "/etc/rgpu/rgpu.toml")
+
+
+def test_the_dispatcher_takes_its_transport_from_its_settings() -> None:
+    import socket
+    from dataclasses import replace
+
+    from rgpu.config import Settings
+    from rgpu.remoting.dispatcher.daemon import start_data_path
+    with socket.socket() as sock:
+        with pytest.raises(ConfigError, match="transport = 'rdma' from default is not a transport"):
+            start_data_path(sock, "127.0.0.1:1", (), b"s" * 32, (45201, 45300), "emulated",
+                            replace(Settings(), transport="rdma"))
 
 
 def test_the_worker_takes_ucx_only_when_offered_allowed_and_a_cuda_session() -> None:
