@@ -202,3 +202,70 @@ def test_hostile_ucx_copy_frames_get_clear_errors_and_the_session_goes_on(ucx_se
     _send(link, 13, bytes(range(256)) * 4096)
     code, body = _sync(sock, sync, b"", 14, ctx)
     assert code == 0, body
+
+
+# ---- the path a real GPU takes (no device memory the worker can address): through a host buffer ----
+
+class _HostOnlyBackend:
+    """A backend like the CUDA one as the UCX handlers see it: no device_window, so bytes go through
+    the worker's staging buffer to htod, and come from dtoh_chunks (in pieces, as its pinned ring's)."""
+
+    def __init__(self, size: int) -> None:
+        self.device = bytearray(size)
+        self.htod_calls: list[tuple[int, int, int]] = []
+
+    def htod(self, dst: int, stream: int, data: memoryview, address: int) -> None:
+        assert bytes(data) == ctypes.string_at(address, len(data))   # the address names the same bytes
+        self.htod_calls.append((dst, stream, len(data)))
+        self.device[dst:dst + len(data)] = data
+
+    def dtoh_chunks(self, src: int, stream: int, size: int, chunk: int) -> Iterator[memoryview]:
+        for at in range(0, size, 1000):   # pieces of another size than the copy's
+            yield memoryview(self.device)[src + at:src + min(size, at + 1000)]
+
+
+class _Streams:
+    def real(self, handle: int, call: str) -> int:
+        return handle
+
+
+def test_the_staging_path_a_real_gpu_takes_carries_bytes_both_ways(native_libs: build.Libraries) -> None:
+    """Handlers.h_htod_ucx / h_dtoh_ucx with a host-only backend, against a second UCX worker in this
+    process (small, eager messages: neither side waits for the other to progress). The CUDA backend's
+    own htod/dtoh_chunks under it are not run here (no GPU)."""
+    import socket
+    import types
+
+    from rgpu.remoting.datapath.worker.handlers import Handlers
+
+    worker_link = UcxLink(str(native_libs.libworker), "")
+    client_link = UcxLink(str(native_libs.libworker), "")
+    worker_link.connect(client_link.address)
+    client_link.connect(worker_link.address)
+    a, b = socket.socketpair()
+    replies: list[tuple[int, int]] = []
+    fake = types.SimpleNamespace(ucx=worker_link, sock=a, backend=_HostOnlyBackend(8192), client_streams=_Streams(),
+                                 spec=types.SimpleNamespace(memory_limit=1 << 20), sent=0,
+                                 _reply=lambda seq, result, payload, message: replies.append((seq, result)))
+    fake._ucx_staging = types.MethodType(Handlers._ucx_staging, fake)
+    fake._ucx_copy = types.MethodType(Handlers._ucx_copy, fake)
+    try:
+        data = bytes(range(256)) * 12 + b"odd"   # 3075 bytes
+        _send(client_link, 41, data)
+        Handlers.h_htod_ucx(fake, memoryview(protocol.UCX_COPY.pack(100, len(data), 7)), 0, 41)   # type: ignore[arg-type]
+        assert fake.backend.htod_calls == [(100, 7, len(data))]
+        assert bytes(fake.backend.device[100:100 + len(data)]) == data
+        back = ctypes.create_string_buffer(len(data))
+        req = ctypes.c_void_p()
+        assert client_link._lib.rgpu_ucx_post(client_link._handle, 1, 42, ctypes.addressof(back), len(data),
+                                              ctypes.byref(req), client_link._why, 1024) == 0
+        assert Handlers.h_dtoh_ucx(fake, memoryview(protocol.UCX_COPY.pack(100, len(data), 7)), 0, 42) is None   # type: ignore[arg-type]
+        assert replies == [(42, 0)]   # the reply went before the bytes were taken
+        assert client_link._lib.rgpu_ucx_wait(client_link._handle, req, 1, len(data), 5.0, -1, 0, client_link._why,
+                                              1024) == 0, client_link._why.value
+        assert back.raw == data
+    finally:
+        a.close()
+        b.close()
+        worker_link.close()
+        client_link.close()
