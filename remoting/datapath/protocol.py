@@ -16,7 +16,7 @@ A session:
                     copies stay on TCP)                  (or REFUSE: u32 version, u32 len + text)
   Protocol 10: HELLO's info may carry "ucx": the client's UCX worker address in hex (it offers UCX;
   datapath/transport.py decides). A session with UCX sends copies of at least 1 MiB as
-  rgpuMemcpyHtoDUcx / rgpuMemcpyDtoHUcx frames (u64 device address, u64 size, u64 stream) whose
+  rgpuMemcpyHtoDUcx / rgpuMemcpyDtoHUcx frames (u64 device address, u64 stream, u64 size) whose
   bytes travel as one UCP tag message tagged with the frame's seq: after the frame for host to
   device, after the REPLY for device to host.
   then API frames. A `sync` call gets one REPLY (i32 CUresult, optional message, outputs),
@@ -89,7 +89,8 @@ WELCOME_PERF = 2      # the server serves a perf session (older servers ignore H
 # REPLY flags.
 REPLY_HAS_MESSAGE = 1  # payload: i32 result, u32 len, message, outputs
 
-# A UCX copy's control frame (rgpuMemcpyHtoDUcx / rgpuMemcpyDtoHUcx): device address, size, stream.
+# A UCX copy's control frame (rgpuMemcpyHtoDUcx / rgpuMemcpyDtoHUcx): device address, stream, size
+# (the layout of cuMemcpyHtoDAsync_v2's, without the bytes).
 UCX_COPY = struct.Struct("<QQQ")
 
 # Copies travel in chunks of this size so that network transfer and PCIe copies overlap.

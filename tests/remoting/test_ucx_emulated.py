@@ -136,7 +136,7 @@ def test_a_ucx_copy_frame_on_a_tcp_session_is_an_error_not_a_crash(emulated: Ser
     sock, welcome = protocol.handshake(emulated.address, emulated.token())
     with sock:
         assert welcome.ucx_address == b""   # offered nothing, given nothing
-        code, body = _sync(sock, OP["rgpuMemcpyDtoHUcx"], protocol.UCX_COPY.pack(0x1000, 1 << 20, 0), 1)
+        code, body = _sync(sock, OP["rgpuMemcpyDtoHUcx"], protocol.UCX_COPY.pack(0x1000, 0, 1 << 20), 1)
         assert code == 1 and b"rgpuMemcpyDtoHUcx on a session that did not negotiate UCX" in body, body
         code, _ = _sync(sock, OP["rgpuSessionInfo"], b"", 2)
         assert code == 0   # the session goes on
@@ -176,29 +176,29 @@ def test_hostile_ucx_copy_frames_get_clear_errors_and_the_session_goes_on(ucx_se
     code, body = _sync(sock, OP["rgpuMemcpyDtoHUcx"], struct.pack("<Q", dev), 3, ctx)
     assert code == 1 and b"truncated rgpuMemcpyDtoHUcx frame (8 bytes, want 24" in body, body
     # A size beyond the slice.
-    code, body = _sync(sock, OP["rgpuMemcpyDtoHUcx"], protocol.UCX_COPY.pack(dev, 1 << 40, 0), 4, ctx)
+    code, body = _sync(sock, OP["rgpuMemcpyDtoHUcx"], protocol.UCX_COPY.pack(dev, 0, 1 << 40), 4, ctx)
     assert code == 1 and b"rgpuMemcpyDtoHUcx of 1099511627776 bytes (want 1 byte up to the slice's 1.0 GiB)" in body
     # Fewer bytes than announced: the copy fails at the next synchronising call, and says why.
-    sock.sendall(protocol.pack_frame(OP["rgpuMemcpyHtoDUcx"], protocol.UCX_COPY.pack(dev, 4 << 20, 0), seq=5, ctx=ctx))
+    sock.sendall(protocol.pack_frame(OP["rgpuMemcpyHtoDUcx"], protocol.UCX_COPY.pack(dev, 0, 4 << 20), seq=5, ctx=ctx))
     _send(link, 5, b"x" * (1 << 20))
     code, body = _sync(sock, sync, b"", 6, ctx)
     assert code == 1 and b"UCX receive brought 1048576 bytes where 4194304 were announced" in body, body
     # More than announced.
-    sock.sendall(protocol.pack_frame(OP["rgpuMemcpyHtoDUcx"], protocol.UCX_COPY.pack(dev, 1 << 20, 0), seq=7, ctx=ctx))
+    sock.sendall(protocol.pack_frame(OP["rgpuMemcpyHtoDUcx"], protocol.UCX_COPY.pack(dev, 0, 1 << 20), seq=7, ctx=ctx))
     _send(link, 7, b"y" * (2 << 20))
     code, body = _sync(sock, sync, b"", 8, ctx)
     assert code == 1 and b"a host-to-device copy over UCX failed" in body and b"truncated" in body.lower(), body
     # Announced, never sent: the worker gives up after RGPU_UCX_IDLE_S.
-    sock.sendall(protocol.pack_frame(OP["rgpuMemcpyHtoDUcx"], protocol.UCX_COPY.pack(dev, 1 << 20, 0), seq=9, ctx=ctx))
+    sock.sendall(protocol.pack_frame(OP["rgpuMemcpyHtoDUcx"], protocol.UCX_COPY.pack(dev, 0, 1 << 20), seq=9, ctx=ctx))
     code, body = _sync(sock, sync, b"", 10, ctx)
     assert code == 1 and b"made no progress for 2 s (the peer never sent them; cancelled)" in body, body
     # An address outside any allocation: refused, and its bytes taken off the wire.
-    sock.sendall(protocol.pack_frame(OP["rgpuMemcpyHtoDUcx"], protocol.UCX_COPY.pack(8, 1 << 20, 0), seq=11, ctx=ctx))
+    sock.sendall(protocol.pack_frame(OP["rgpuMemcpyHtoDUcx"], protocol.UCX_COPY.pack(8, 0, 1 << 20), seq=11, ctx=ctx))
     _send(link, 11, b"z" * (1 << 20))
     code, body = _sync(sock, sync, b"", 12, ctx)
     assert code == 1, body
     # After all that, a good copy still lands.
-    sock.sendall(protocol.pack_frame(OP["rgpuMemcpyHtoDUcx"], protocol.UCX_COPY.pack(dev, 1 << 20, 0), seq=13, ctx=ctx))
+    sock.sendall(protocol.pack_frame(OP["rgpuMemcpyHtoDUcx"], protocol.UCX_COPY.pack(dev, 0, 1 << 20), seq=13, ctx=ctx))
     _send(link, 13, bytes(range(256)) * 4096)
     code, body = _sync(sock, sync, b"", 14, ctx)
     assert code == 0, body
@@ -252,14 +252,14 @@ def test_the_staging_path_a_real_gpu_takes_carries_bytes_both_ways(native_libs: 
     try:
         data = bytes(range(256)) * 12 + b"odd"   # 3075 bytes
         _send(client_link, 41, data)
-        Handlers.h_htod_ucx(fake, memoryview(protocol.UCX_COPY.pack(100, len(data), 7)), 0, 41)   # type: ignore[arg-type]
+        Handlers.h_htod_ucx(fake, memoryview(protocol.UCX_COPY.pack(100, 7, len(data))), 0, 41)   # type: ignore[arg-type]
         assert fake.backend.htod_calls == [(100, 7, len(data))]
         assert bytes(fake.backend.device[100:100 + len(data)]) == data
         back = ctypes.create_string_buffer(len(data))
         req = ctypes.c_void_p()
         assert client_link._lib.rgpu_ucx_post(client_link._handle, 1, 42, ctypes.addressof(back), len(data),
                                               ctypes.byref(req), client_link._why, 1024) == 0
-        assert Handlers.h_dtoh_ucx(fake, memoryview(protocol.UCX_COPY.pack(100, len(data), 7)), 0, 42) is None   # type: ignore[arg-type]
+        assert Handlers.h_dtoh_ucx(fake, memoryview(protocol.UCX_COPY.pack(100, 7, len(data))), 0, 42) is None   # type: ignore[arg-type]
         assert replies == [(42, 0)]   # the reply went before the bytes were taken
         assert client_link._lib.rgpu_ucx_wait(client_link._handle, req, 1, len(data), 5.0, -1, 0, client_link._why,
                                               1024) == 0, client_link._why.value

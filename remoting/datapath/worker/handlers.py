@@ -227,7 +227,7 @@ class Handlers:
         if len(p) < protocol.UCX_COPY.size:
             raise CudaError(INVALID_VALUE, f"rgpu: worker: truncated {name} frame ({len(p)} bytes, want "
                             f"{protocol.UCX_COPY.size}; install the same rgpu version on both sides)")
-        dev, size, stream = protocol.UCX_COPY.unpack_from(p, 0)
+        dev, stream, size = protocol.UCX_COPY.unpack_from(p, 0)
         if not 0 < size <= self.spec.memory_limit:
             raise CudaError(INVALID_VALUE, f"rgpu: worker: {name} of {size} bytes (want 1 byte up to the slice's "
                             f"{format_bytes(self.spec.memory_limit)})")

@@ -216,30 +216,24 @@ static CUresult htod(CUdeviceptr dst, const void *src, size_t n, CUstream stream
     if (rgpu_stream_capturing(stream)) return rgpu_capture_host_copy(stream, 0, dst, (void *)src, n);
     const uint8_t *p = src;
     size_t done = 0;
-    if (n) {
-        /* A session with UCX carries a large copy's bytes there, in one message, behind its control
-         * frame on TCP (which keeps the copy in order with the launches around it). */
-        rgpu_call c;
-        CUresult r = session >= 0 ? rgpu_begin_session(&c, RGPU_OP_rgpuMemcpyHtoDUcx, session)
-                                  : rgpu_begin(&c, RGPU_OP_rgpuMemcpyHtoDUcx);
-        if (r != CUDA_SUCCESS) return r;
-        if (rgpu_ucx_carries(&c, n)) {
-            rgpu_put_u64(&c, dst);
-            rgpu_put_u64(&c, n);
-            rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
-            r = rgpu_ucx_put_bulk(&c, src, n);
-            if (r == CUDA_SUCCESS) r = rgpu_async(&c);
-            else rgpu_end(&c);
-            return r;
-        }
-        rgpu_abort(&c);
-    }
     do {
         size_t k = n - done < RGPU_CHUNK_BYTES ? n - done : RGPU_CHUNK_BYTES;
         rgpu_call c;
         CUresult r = session >= 0 ? rgpu_begin_session(&c, RGPU_OP_cuMemcpyHtoDAsync_v2, session)
                                   : rgpu_begin(&c, RGPU_OP_cuMemcpyHtoDAsync_v2);
         if (r != CUDA_SUCCESS) return r;
+        if (!done && rgpu_ucx_carries(&c, n)) {
+            /* A session with UCX carries a large copy's bytes there, in one message, behind its
+             * control frame on TCP (which keeps the copy in order with the launches around it). */
+            rgpu_retarget(&c, RGPU_OP_rgpuMemcpyHtoDUcx);
+            rgpu_put_u64(&c, dst);
+            rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+            rgpu_put_u64(&c, n);
+            r = rgpu_ucx_put_bulk(&c, src, n);
+            if (r == CUDA_SUCCESS) r = rgpu_async(&c);
+            else rgpu_end(&c);
+            return r;
+        }
         rgpu_put_u64(&c, dst + done);
         rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
         rgpu_put_u64(&c, k);
@@ -260,15 +254,12 @@ static CUresult dtoh(void *dst, CUdeviceptr src, size_t n, CUstream stream, int 
     CUresult r = session >= 0 ? rgpu_begin_session(&c, RGPU_OP_cuMemcpyDtoHAsync_v2, session)
                               : rgpu_begin(&c, RGPU_OP_cuMemcpyDtoHAsync_v2);
     if (r != CUDA_SUCCESS) return r;
-    void *ucx_req = NULL;
+    rgpu_put_u64(&c, src);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+    rgpu_put_u64(&c, n);
     if (rgpu_ucx_carries(&c, n)) {   /* the bytes come back on UCX: a receive straight into dst */
-        rgpu_abort(&c);
-        r = session >= 0 ? rgpu_begin_session(&c, RGPU_OP_rgpuMemcpyDtoHUcx, session)
-                         : rgpu_begin(&c, RGPU_OP_rgpuMemcpyDtoHUcx);
-        if (r != CUDA_SUCCESS) return r;
-        rgpu_put_u64(&c, src);
-        rgpu_put_u64(&c, n);
-        rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+        void *ucx_req = NULL;
+        rgpu_retarget(&c, RGPU_OP_rgpuMemcpyDtoHUcx);
         r = rgpu_ucx_expect(&c, dst, n, &ucx_req);
         if (r != CUDA_SUCCESS) {
             rgpu_abort(&c);
@@ -277,9 +268,6 @@ static CUresult dtoh(void *dst, CUdeviceptr src, size_t n, CUstream stream, int 
         r = rgpu_ucx_finish(&c, ucx_req, n, rgpu_sync(&c));
         c.sink_got = n;
     } else {
-        rgpu_put_u64(&c, src);
-        rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
-        rgpu_put_u64(&c, n);
         c.sink = dst;
         c.sink_cap = n;
         r = rgpu_sync(&c);

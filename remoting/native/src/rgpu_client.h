@@ -100,6 +100,7 @@ void rgpu_abort(rgpu_call *c);   /* drop a call begun but not sent (refused in t
 CUresult rgpu_begin_dev(rgpu_call *c, uint16_t op, CUdevice dev);
 CUresult rgpu_begin_ctx(rgpu_call *c, uint16_t op, CUcontext ctx, uint64_t *remote);
 void rgpu_put(rgpu_call *c, const void *p, size_t n);
+void rgpu_retarget(rgpu_call *c, uint16_t op);   /* a call begun as one operation, sent as another */
 CUresult rgpu_put_bulk(rgpu_call *c, const void *p, size_t n); /* ends the frame; streams p */
 /* UCX (transport.c): whether this call's session carries copies of n bytes on UCX; the bytes of a
  * frame sent that way (ends the frame, returns once p may be reused); a device-to-host copy's

@@ -327,6 +327,11 @@ CUresult rgpu_begin_session(rgpu_call *c, uint16_t op, int session) {
     return CUDA_SUCCESS;
 }
 
+void rgpu_retarget(rgpu_call *c, uint16_t op) {
+    c->op = op;
+    memcpy(c->s->sbuf + c->frame_start + 4, &op, 2);
+}
+
 void rgpu_put(rgpu_call *c, const void *p, size_t n) {
     rgpu_session *s = c->s;
     if (reserve(s, n)) {
