@@ -208,7 +208,8 @@ class SessionServer:
         self._ended_outcomes: dict[str, int] = {"ok": 0, "failed": 0, "revoked": 0, "fault": 0}
         self.launch_library = ""
         self.launch_path = "python"
-        # Copies' transport (datapath/transport.py): the workers inherit RGPU_TRANSPORT too.
+        # Copies' transport (datapath/transport.py): rgpu.toml's `transport` (the daemon passes it), else
+        # RGPU_TRANSPORT (a session server started by a test or a benchmark).
         self.transport = transport or parse_transport(os.environ.get("RGPU_TRANSPORT"))
         self.ucx_library = ""
         self._live: LiveLeases | None = None   # the pool's latest list; None: tokens are checked offline only
@@ -293,7 +294,7 @@ class SessionServer:
     def _find_ucx_library(self) -> None:
         """The workers drive UCX with librgpu-worker.so's ucx_link.c (loaded only when a client offers it)."""
         if self.transport == "tcp":
-            self.log.info("transport: tcp (RGPU_TRANSPORT=tcp): copies go over the session's TCP stream")
+            self.log.info("transport: tcp (the transport setting): copies go over each session's TCP stream")
             return
         if self.launch_library:
             self.ucx_library = self.launch_library

@@ -15,11 +15,11 @@ from typing import Any
 from rgpu.remoting.datapath.worker.lifeline import tie_to_parent
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.counters import Publisher, counters_path
+from rgpu.remoting.datapath.transport import fallback_line, worker_choice
 from rgpu.remoting.datapath.backends.base import NOT_SUPPORTED, CudaError, SliceMemory, context_reserve
 from rgpu.remoting.datapath.usage import STATS_SUFFIX, SessionStats
 from rgpu.remoting.datapath.worker.faults import SessionFaulted, become_tombstone, default_message, read_verdict
 from rgpu.remoting.datapath.worker.loop import Worker
-from rgpu.remoting.datapath.transport import fallback_line, worker_choice
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 from rgpu.remoting.datapath.worker.ucx import UcxLink, UcxUnavailable
 from rgpu.units import format_bytes

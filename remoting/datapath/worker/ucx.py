@@ -40,6 +40,8 @@ class UcxLink:
         self._lib = lib
         self._why = ctypes.create_string_buffer(WHY_BYTES)
         folder = os.environ.get("RGPU_UCX_LIB", "") if folder is None else folder
+        # Single-threaded: handlers run on the worker's main thread (with a host node waiting, it is
+        # the reader that is lent to another thread, loop.py's _lending), which opened this link.
         self._handle = lib.rgpu_ucx_open(folder.encode() or None, 0, self._why, WHY_BYTES)
         if not self._handle:
             raise UcxUnavailable(self._why.value.decode(errors="replace"))
