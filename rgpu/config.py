@@ -99,6 +99,9 @@ class Settings:
     # One PyTorch 2.11 process with cuDNN and cuBLAS loads about 5 GB of fatbins: below that, every
     # process evicts what the next one needs first and the cache serves nothing.
     image_cache_bytes: int = 16 << 30
+    # rgpu-dispatcher: what carries its sessions' host<->device copies: auto (UCX when the client
+    # offers it), ucx, tcp (remoting/datapath/transport.py). Clients read RGPU_TRANSPORT themselves.
+    transport: str = "auto"
     origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def origin(self, key: str) -> str:

@@ -12,7 +12,13 @@ runs the call, so client threads keep their own context stacks without extra rou
 A session:
   client -> HELLO   magic "RGPU", u32 version, u32 flags, u32 len + lease token, u32 len + info
   server -> WELCOME u32 version, i32 driver version, u64 memory limit, u32 compute percent,
-                    u32 flags, u32 len + description       (or REFUSE: u32 version, u32 len + text)
+                    u32 flags, u32 len + description, u32 len + UCX worker address (protocol 10; len 0:
+                    copies stay on TCP)                  (or REFUSE: u32 version, u32 len + text)
+  Protocol 10: HELLO's info may carry "ucx": the client's UCX worker address in hex (it offers UCX;
+  datapath/transport.py decides). A session with UCX sends copies of at least 1 MiB as
+  rgpuMemcpyHtoDUcx / rgpuMemcpyDtoHUcx frames (u64 device address, u64 stream, u64 size) whose
+  bytes travel as one UCP tag message tagged with the frame's seq: after the frame for host to
+  device, after the REPLY for device to host.
   then API frames. A `sync` call gets one REPLY (i32 CUresult, optional message, outputs),
   preceded by DATA frames when it returns bulk data (device-to-host copies). `async` calls get
   no reply: the worker keeps the first error and answers the next sync call with it instead of
@@ -36,7 +42,7 @@ from rgpu.netaddr import split_host_port
 
 # The data path's protocol version. It is also recorded in spec/cuda.spec: a spec change that
 # alters the wire format must bump both (tests/remoting/test_generator.py checks the pairing).
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 MAGIC = b"RGPU"
 
 HEADER = struct.Struct("<IHHIIQ")
@@ -83,6 +89,10 @@ WELCOME_PERF = 2      # the server serves a perf session (older servers ignore H
 # REPLY flags.
 REPLY_HAS_MESSAGE = 1  # payload: i32 result, u32 len, message, outputs
 
+# A UCX copy's control frame (rgpuMemcpyHtoDUcx / rgpuMemcpyDtoHUcx): device address, stream, size
+# (the layout of cuMemcpyHtoDAsync_v2's, without the bytes).
+UCX_COPY = struct.Struct("<QQQ")
+
 # Copies travel in chunks of this size so that network transfer and PCIe copies overlap.
 CHUNK_BYTES = 1 << 20
 MAX_FRAME = 1 << 30
@@ -110,6 +120,7 @@ class Welcome:
     compute_percent: int
     flags: int
     description: str
+    ucx_address: bytes = b""
 
 
 def pack_frame(op: int, payload: bytes = b"", *, flags: int = 0, seq: int = 0, aux: int = 0,
@@ -161,16 +172,17 @@ def decode_hello(payload: bytes) -> Hello:
 
 
 def encode_welcome(*, driver_version: int, memory_limit_bytes: int, compute_percent: int,
-                   flags: int, description: str, version: int = PROTOCOL_VERSION) -> bytes:
+                   flags: int, description: str, version: int = PROTOCOL_VERSION, ucx_address: bytes = b"") -> bytes:
     body = struct.pack("<IiQII", version, driver_version, memory_limit_bytes, compute_percent, flags) + \
-        _lp(description.encode())
+        _lp(description.encode()) + _lp(ucx_address)
     return pack_frame(OP_WELCOME, body)
 
 
 def decode_welcome(payload: bytes) -> Welcome:
     version, driver, limit, percent, flags = struct.unpack_from("<IiQII", payload, 0)
-    text, _ = _take_lp(payload, struct.calcsize("<IiQII"))
-    return Welcome(version, driver, limit, percent, flags, text.decode("utf-8", "replace"))
+    text, off = _take_lp(payload, struct.calcsize("<IiQII"))
+    ucx = _take_lp(payload, off)[0] if off + 4 <= len(payload) else b""
+    return Welcome(version, driver, limit, percent, flags, text.decode("utf-8", "replace"), ucx)
 
 
 def encode_refuse(message: str, version: int = PROTOCOL_VERSION) -> bytes:
@@ -221,8 +233,9 @@ def client_info() -> dict:
 
 
 def handshake(server: str, token: str, *, flags: int = 0, timeout: float = HELLO_TIMEOUT_S,
-              version: int = PROTOCOL_VERSION) -> tuple[socket.socket, Welcome]:
-    """Open a session (or, with HELLO_PROBE, just check one could be opened).
+              version: int = PROTOCOL_VERSION, ucx_address: bytes = b"") -> tuple[socket.socket, Welcome]:
+    """Open a session (or, with HELLO_PROBE, just check one could be opened). `ucx_address`: this
+    end's UCX worker address, offering UCX (the WELCOME then carries the worker's, or none).
 
     Raises Unavailable when the server cannot be reached, AuthError when it refuses the token,
     ProtocolError on a version mismatch; each message names the server and what to do.
@@ -236,7 +249,8 @@ def handshake(server: str, token: str, *, flags: int = 0, timeout: float = HELLO
                           "check that rgpu-dispatcher runs there and that the port is open") from None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.sendall(encode_hello(token, flags=flags, info=client_info(), version=version))
+        info = client_info() | ({"ucx": ucx_address.hex()} if ucx_address else {})
+        sock.sendall(encode_hello(token, flags=flags, info=info, version=version))
         (_, op, _, _, _, _), payload = recv_frame(sock, 1 << 20)
     except (OSError, ValueError, ConnectionError) as exc:
         sock.close()

@@ -155,10 +155,12 @@ def start_data_path(sock: socket.socket, address: str, gpus: tuple[GpuInfo, ...]
         raise ConfigError(COMPONENT, f"image_cache_bytes = {settings.image_cache_bytes} from "
                           f"{settings.origin('image_cache_bytes')} is negative", "it bounds the module image cache",
                           "set image_cache_bytes to 0 (off) or a size in bytes")
+    from rgpu.remoting.datapath.transport import parse_transport
+    transport = parse_transport(settings.transport, "transport", settings.origin("transport"))
     data_path: DataPath = SessionServer(listen_socket=sock, advertised=address, gpus=list(gpus), secret=secret,
                                         port_range=port_range, backend=backend, log=log, front_door=door,
                                         compute_lending=settings.compute_lending,
-                                        image_cache_bytes=settings.image_cache_bytes)
+                                        image_cache_bytes=settings.image_cache_bytes, transport=transport)
     data_path.start()
     return data_path
 

@@ -42,6 +42,7 @@ from rgpu.remoting.datapath.backends.base import slice_usage
 from rgpu.remoting.datapath.counters import FIELDS as TRAFFIC_FIELDS
 from rgpu.remoting.datapath.counters import counters_path, read_counters
 from rgpu.remoting.datapath.perf import serve_perf
+from rgpu.remoting.datapath.transport import parse_peer_address, parse_transport
 from rgpu.remoting.datapath.usage import read_slice_stats
 from rgpu.remoting.datapath.worker.faults import EMULATED_MPS_FAULT, EMULATED_MPS_LOG, RELEASED, REPORTS, VERDICTS
 from rgpu.remoting.dispatcher.faults import SETTLE_S, FaultEvent, FaultReport, GpuView, SessionView, decide
@@ -166,7 +167,7 @@ class SessionServer:
     def __init__(self, *, listen_socket: socket.socket, advertised: str, gpus: list[GpuInfo], secret: bytes,
                  port_range: tuple[int, int], backend: str, log: logging.Logger,
                  front_door: FrontDoor | None = None, compute_lending: bool = False,
-                 image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES) -> None:
+                 image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES, transport: str | None = None) -> None:
         if backend not in ("cuda", "emulated"):
             raise ValueError(f"unknown backend {backend!r} (cuda or emulated)")
         self.listen_socket = listen_socket
@@ -207,6 +208,10 @@ class SessionServer:
         self._ended_outcomes: dict[str, int] = {"ok": 0, "failed": 0, "revoked": 0, "fault": 0}
         self.launch_library = ""
         self.launch_path = "python"
+        # Copies' transport (datapath/transport.py): rgpu.toml's `transport` (the daemon passes it), else
+        # RGPU_TRANSPORT (a session server started by a test or a benchmark).
+        self.transport = transport or parse_transport(os.environ.get("RGPU_TRANSPORT"))
+        self.ucx_library = ""
         self._live: LiveLeases | None = None   # the pool's latest list; None: tokens are checked offline only
         # GPU faults (dispatcher/faults.py): reports from workers, events decided, recoveries pending.
         self.faults_dir = self.runtime_dir / "faults"
@@ -232,6 +237,7 @@ class SessionServer:
         else:
             self.mps.disable("the emulated backend has no GPU to share")
             self.launch_path = "none (the emulated device runs no kernels)"
+        self._find_ucx_library()
         self.listen_socket.settimeout(0.5)  # lets the accept loop notice stop()
         for target, name in ((self._accept_loop, "rgpu-sessions-accept"), (self._reap_loop, "rgpu-sessions-reap")):
             t = threading.Thread(target=target, name=name, daemon=True)
@@ -284,6 +290,24 @@ class SessionServer:
         except (ConfigError, OSError) as exc:
             self.launch_path = f"python ({exc})"
             self.log.warning("workers run kernel launches in Python, at a lower launch rate: %s", exc)
+
+    def _find_ucx_library(self) -> None:
+        """The workers drive UCX with librgpu-worker.so's ucx_link.c (loaded only when a client offers it)."""
+        if self.transport == "tcp":
+            self.log.info("transport: tcp (the transport setting): copies go over each session's TCP stream")
+            return
+        if self.launch_library:
+            self.ucx_library = self.launch_library
+        else:
+            from rgpu.errors import ConfigError
+            from rgpu.remoting.native.build import ensure_built
+            try:
+                self.ucx_library = str(ensure_built().libworker)
+            except (ConfigError, OSError) as exc:
+                self.log.warning("transport: tcp (no librgpu-worker.so to drive UCX with: %s)", exc)
+                return
+        self.log.info("transport: %s (copies of 1 MiB and more go over UCX with clients that offer it; "
+                      "each session's log says which it uses)", self.transport)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -660,6 +684,8 @@ class SessionServer:
             "client": client_description(peer, hello.info), "launch_library": self.launch_library,
             "counters_dir": str(self.counters_dir),
             "image_cache_dir": str(self.image_cache_dir), "image_cache_bytes": self.image_cache_bytes,
+            "transport": self.transport, "ucx_library": self.ucx_library,
+            "ucx_peer": parse_peer_address(hello.info).hex(),
         }
         env = worker_environment(os.environ)
         env["RGPU_WORKER_SESSION"] = json.dumps(spec)

@@ -33,6 +33,8 @@ SPEC_HASHES = {
         "d85a206af20eadd91fda2666bfcf286b25794219f2a42f160c16799e3e8c94f2"),  # client-made events and streams (rgpuEventCreate, rgpuStreamCreate; destruction async); module loads say whether they want the function table
     9: ("bf0c972afb92914750e29be12767bfc5ab093d59862cb2c011d869726b6c1d9a",
         "7c50e0959e8088c16c5a1ce7a974070a165c157c89f429bbf0ce248556f74ca0"),  # pipelined attribute sets (rgpuSetAttribute); tensor maps
+    10: ("b513671ab8b509b201ef8fe75d6a1ed0f349c7b99b063169037ed3677b518b23",
+         "85e4d033188ba47da28e530c2e80e060e445466e1597b66cb7a07ce0a9f9e798"),  # UCX underneath copies (rgpuMemcpyHtoDUcx/DtoHUcx; WELCOME's UCX address, HELLO info "ucx")
 }
 
 

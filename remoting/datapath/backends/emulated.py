@@ -576,6 +576,13 @@ class EmulatedBackend:
         buf, off = self._locate(dst, len(data))
         buf[off:off + len(data)] = data
 
+    def device_window(self, ptr: int, size: int, stream: int, what: str) -> memoryview:
+        """The emulated device's bytes [ptr, ptr+size), writable: UCX copies land there directly."""
+        self._need_ctx()
+        self._refuse_capture(stream, what)
+        buf, off = self._locate(ptr, size)
+        return memoryview(buf)[off:off + size]
+
     def dtoh_chunks(self, src: int, stream: int, size: int, chunk: int) -> Iterator[memoryview]:
         self._need_ctx()
         self._refuse_capture(stream, "cuMemcpyDtoHAsync")

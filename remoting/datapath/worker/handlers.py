@@ -215,6 +215,87 @@ class Handlers:
             self.sent += protocol.HEADER_SIZE + len(chunk)
         return SUCCESS, b""
 
+    # ---- copies whose bytes travel on UCX (protocol 10; datapath/transport.py) ----
+
+    def _ucx_copy(self, p: memoryview, name: str) -> tuple[Any, int, int, int]:
+        """(the session's UCX link, device address, size, the driver's stream) of a UCX copy frame,
+        or a CudaError that says what is wrong with it."""
+        link = getattr(self, "ucx", None)
+        if link is None:
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: {name} on a session that did not negotiate UCX (a client "
+                            "of another rgpu version, or not rgpu's; install the same rgpu version on both sides)")
+        if len(p) < protocol.UCX_COPY.size:
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: truncated {name} frame ({len(p)} bytes, want "
+                            f"{protocol.UCX_COPY.size}; install the same rgpu version on both sides)")
+        dev, stream, size = protocol.UCX_COPY.unpack_from(p, 0)
+        if not 0 < size <= self.spec.memory_limit:
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: {name} of {size} bytes (want 1 byte up to the slice's "
+                            f"{format_bytes(self.spec.memory_limit)})")
+        return link, dev, size, stream
+
+    def _ucx_staging(self, size: int) -> Any:
+        """A host buffer for a backend whose device memory the worker cannot address (a real GPU):
+        kept between copies. UNVERIFIED on a GPU: bytes land here, then take the backend's htod
+        (through its pinned ring); device-to-host gathers the backend's chunks here before sending."""
+        import ctypes
+        buf = getattr(self, "_ucx_buf", None)
+        if buf is None or ctypes.sizeof(buf) < size:
+            buf = self._ucx_buf = (ctypes.c_char * size)()
+        return buf
+
+    def h_htod_ucx(self, p: memoryview, address: int, seq: int) -> None:
+        import ctypes
+        link, dst, size, stream = self._ucx_copy(p, "rgpuMemcpyHtoDUcx")
+        fd = self.sock.fileno()
+        try:
+            real = self.client_streams.real(stream, "cuMemcpyHtoDAsync")
+            window = getattr(self.backend, "device_window", None)
+            target = window(dst, size, real, "cuMemcpyHtoDAsync") if window is not None else None
+        except CudaError:
+            # The client sends the bytes whatever the answer: take them off the wire (truncated into
+            # a scratch word), so the next copy's message is not mistaken for this one's.
+            scratch = ctypes.c_uint64()
+            try:
+                link.recv(seq, ctypes.addressof(scratch), ctypes.sizeof(scratch), fd)
+            except CudaError:
+                pass
+            raise
+        if target is not None:   # the emulated device: straight into its memory
+            holder = (ctypes.c_char * size).from_buffer(target)
+            link.recv(seq, ctypes.addressof(holder), size, fd)
+            del holder
+        else:
+            staging = self._ucx_staging(size)
+            link.recv(seq, ctypes.addressof(staging), size, fd)
+            self.backend.htod(dst, real, memoryview(staging).cast("B")[:size], ctypes.addressof(staging))
+        self.ucx_received = getattr(self, "ucx_received", 0) + size
+
+    def h_dtoh_ucx(self, p: memoryview, address: int, seq: int) -> None:
+        import ctypes
+        link, src, size, stream = self._ucx_copy(p, "rgpuMemcpyDtoHUcx")
+        real = self.client_streams.real(stream, "cuMemcpyDtoHAsync")
+        window = getattr(self.backend, "device_window", None)
+        if window is not None:
+            holder: Any = (ctypes.c_char * size).from_buffer(window(src, size, real, "cuMemcpyDtoHAsync"))
+        else:
+            holder = self._ucx_staging(size)
+            view, at = memoryview(holder).cast("B"), 0
+            for chunk in self.backend.dtoh_chunks(src, real, size, protocol.CHUNK_BYTES):
+                view[at:at + len(chunk)] = chunk
+                at += len(chunk)
+            del view
+        # The bytes go first (the client's receive is posted), then the REPLY on TCP; the send
+        # completes once the client, having read the reply, takes them.
+        req = link.post_send(seq, ctypes.addressof(holder), size)
+        self._reply(seq, SUCCESS, b"", "")
+        why = link.finish_send(req, size, self.sock.fileno())
+        del holder
+        if why:   # the client was told success: the session cannot go on truthfully
+            log.error("rgpu: worker: a device-to-host copy over UCX failed after its reply (%s); ending the session", why)
+            raise ConnectionError(why)
+        self.sent += size
+        return None
+
     def h_dtod_2d(self, p: memoryview, address: int, seq: int) -> None:
         dst, dpitch, src, spitch, width, height, stream = struct.unpack_from("<7Q", p, 0)
         stream = self.client_streams.real(stream, "cuMemcpy2DAsync")

@@ -70,6 +70,8 @@ class Worker(Handlers):
         self.calls = 0
         self.errors = 0
         self.sent = 0
+        self.ucx: Any = None          # the session's UCX link (worker/ucx.py), set by session.py
+        self.ucx_received = 0         # bytes of host-to-device copies that came on UCX
         self.native_launches = load_native_launches(spec, backend)
         # The client's event handles -> the driver's (client_handles.py; the generated handlers
         # find the table on the backend). With the C loop, which creates and destroys events
@@ -142,6 +144,8 @@ class Worker(Handlers):
             "cuMemPoolGetAttribute": (self.h_pool_attribute(False), False),
             "cuMemcpyHtoDAsync_v2": (self.h_htod, True),
             "cuMemcpyDtoHAsync_v2": (self.h_dtoh, False),
+            "rgpuMemcpyHtoDUcx": (self.h_htod_ucx, True),
+            "rgpuMemcpyDtoHUcx": (self.h_dtoh_ucx, False),
             "rgpuMemcpy2DDevice": (self.h_dtod_2d, True),
             "cuPointerGetAttribute": (self.h_pointer_attribute, False),
             "cuPointerGetAttributes": (self.h_pointer_attributes, False),
@@ -435,7 +439,7 @@ class Worker(Handlers):
         """(received bytes, sent bytes, calls, errors): datapath/counters.py's FIELDS."""
         loop = self.native_launches
         native = loop.launched.value + loop.event_ops() if loop is not None else 0
-        return self.reader.received, self.sent + self.hostcalls.sent, self.calls + native, self.errors
+        return self.reader.received + self.ucx_received, self.sent + self.hostcalls.sent, self.calls + native, self.errors
 
     def _defer(self, code: int, message: str) -> None:
         self.errors += 1

@@ -15,11 +15,13 @@ from typing import Any
 from rgpu.remoting.datapath.worker.lifeline import tie_to_parent
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.counters import Publisher, counters_path
+from rgpu.remoting.datapath.transport import fallback_line, worker_choice
 from rgpu.remoting.datapath.backends.base import NOT_SUPPORTED, CudaError, SliceMemory, context_reserve
 from rgpu.remoting.datapath.usage import STATS_SUFFIX, SessionStats
 from rgpu.remoting.datapath.worker.faults import SessionFaulted, become_tombstone, default_message, read_verdict
 from rgpu.remoting.datapath.worker.loop import Worker
 from rgpu.remoting.datapath.worker.spec import SessionSpec
+from rgpu.remoting.datapath.worker.ucx import UcxLink, UcxUnavailable
 from rgpu.units import format_bytes
 
 log = logging.getLogger("rgpu.worker")
@@ -60,14 +62,19 @@ def run_session(sock: socket.socket, spec: SessionSpec) -> int:
         log.error("%s\n%s", message, traceback.format_exc())
         sock.sendall(protocol.encode_refuse(message))
         return 1
+    ucx, transport_why = _open_ucx(spec)
     description = (f"{spec.gpu_name} slice of {format_bytes(spec.memory_limit)}, {spec.compute_percent}% compute "
                    f"({spec.compute_enforcement}{', emulated' if getattr(backend, 'emulated', False) else ''})")
     sock.sendall(protocol.encode_welcome(
         driver_version=getattr(backend, "driver_version", 13000), memory_limit_bytes=spec.memory_limit,
         compute_percent=spec.compute_percent, flags=protocol.WELCOME_EMULATED if getattr(backend, "emulated", False) else 0,
-        description=description))
-    log.info("session open: job %s slice %d, %s mode, client %s", spec.job_key, spec.slice_number, spec.mode, spec.client)
+        description=description, ucx_address=ucx.address if ucx is not None else b""))
+    log.info("session open: job %s slice %d, %s mode, client %s, transport %s", spec.job_key, spec.slice_number,
+             spec.mode, spec.client, "ucx" if ucx is not None else "tcp")
+    if transport_why:
+        log.info("%s", fallback_line(transport_why))
     worker = Worker(sock, backend, spec, memory, stats)
+    worker.ucx = ucx
     if spec.faults_dir:
         _end_on_dispatcher_signal(worker, spec)
     publisher = None
@@ -100,6 +107,8 @@ def run_session(sock: socket.socket, spec: SessionSpec) -> int:
             stats.close(memory.high_water if memory is not None else 0)
         if memory is not None:
             memory.close()
+        if ucx is not None:
+            ucx.close()
     log.info("session closed after %.1f s: %s", time.monotonic() - started, why)
     if faulted is not None:
         become_tombstone(sock.fileno(), faulted.code, faulted.message, spec.faults_dir)
@@ -110,6 +119,24 @@ def run_session(sock: socket.socket, spec: SessionSpec) -> int:
         logging.shutdown()
         os._exit(0)
     return 0
+
+
+def _open_ucx(spec: SessionSpec) -> tuple[UcxLink | None, str]:
+    """The session's UCX link when the client offered UCX and this end can take it, else None and
+    why not ("" where nothing needs saying: an NVML session)."""
+    choice = worker_choice(spec.transport, bool(spec.ucx_peer), spec.mode)
+    if not choice.try_ucx:
+        return None, choice.why if spec.mode == "cuda" else ""
+    try:
+        link = UcxLink(spec.ucx_library)
+    except UcxUnavailable as exc:
+        return None, f"this GPU node cannot use UCX: {exc}"
+    try:
+        link.connect(bytes.fromhex(spec.ucx_peer))
+    except (UcxUnavailable, ValueError) as exc:
+        link.close()
+        return None, f"cannot reach the client's UCX worker: {exc}"
+    return link, ""
 
 
 def _end_on_dispatcher_signal(worker: Worker, spec: SessionSpec) -> None:

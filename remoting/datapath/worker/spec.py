@@ -34,6 +34,9 @@ class SessionSpec:
     faults_dir: str = ""      # where a worker reports a sticky GPU fault and reads the verdict (faults.py)
     image_cache_dir: str = ""  # module images of this node's workers, by uid and SHA-256 (image_cache.py); "": none
     image_cache_bytes: int = 0  # its bound (all users together); 0: no cache
+    transport: str = "auto"   # the dispatcher's transport setting (datapath/transport.py)
+    ucx_peer: str = ""        # the client's UCX worker address (hex) from HELLO; "": it offered none
+    ucx_library: str = ""     # librgpu-worker.so, whose ucx_link.c drives UCX; "": none built
 
     @classmethod
     def from_json(cls, text: str) -> SessionSpec:

@@ -222,6 +222,18 @@ static CUresult htod(CUdeviceptr dst, const void *src, size_t n, CUstream stream
         CUresult r = session >= 0 ? rgpu_begin_session(&c, RGPU_OP_cuMemcpyHtoDAsync_v2, session)
                                   : rgpu_begin(&c, RGPU_OP_cuMemcpyHtoDAsync_v2);
         if (r != CUDA_SUCCESS) return r;
+        if (!done && rgpu_ucx_carries(&c, n)) {
+            /* A session with UCX carries a large copy's bytes there, in one message, behind its
+             * control frame on TCP (which keeps the copy in order with the launches around it). */
+            rgpu_retarget(&c, RGPU_OP_rgpuMemcpyHtoDUcx);
+            rgpu_put_u64(&c, dst);
+            rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+            rgpu_put_u64(&c, n);
+            r = rgpu_ucx_put_bulk(&c, src, n);
+            if (r == CUDA_SUCCESS) r = rgpu_async(&c);
+            else rgpu_end(&c);
+            return r;
+        }
         rgpu_put_u64(&c, dst + done);
         rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
         rgpu_put_u64(&c, k);
@@ -245,9 +257,21 @@ static CUresult dtoh(void *dst, CUdeviceptr src, size_t n, CUstream stream, int 
     rgpu_put_u64(&c, src);
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
     rgpu_put_u64(&c, n);
-    c.sink = dst;
-    c.sink_cap = n;
-    r = rgpu_sync(&c);
+    if (rgpu_ucx_carries(&c, n)) {   /* the bytes come back on UCX: a receive straight into dst */
+        void *ucx_req = NULL;
+        rgpu_retarget(&c, RGPU_OP_rgpuMemcpyDtoHUcx);
+        r = rgpu_ucx_expect(&c, dst, n, &ucx_req);
+        if (r != CUDA_SUCCESS) {
+            rgpu_abort(&c);
+            return r;
+        }
+        r = rgpu_ucx_finish(&c, ucx_req, n, rgpu_sync(&c));
+        c.sink_got = n;
+    } else {
+        c.sink = dst;
+        c.sink_cap = n;
+        r = rgpu_sync(&c);
+    }
     if (r == CUDA_SUCCESS && c.sink_got != n) r = CUDA_ERROR_UNKNOWN;
     /* The data came after the copy ran on its stream, so after everything queued there before it:
      * events recorded there are complete (a completion that rides back on the reply; cuda_events.c). */

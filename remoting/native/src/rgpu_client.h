@@ -21,6 +21,8 @@
 #define RGPU_MAX_SESSIONS 64
 #define RGPU_HEADER_SIZE 24
 #define RGPU_CHUNK_BYTES (1u << 20)
+/* Copies of at least this many bytes go on UCX where the session has it (RGPU_UCX_MIN_BYTES overrides). */
+#define RGPU_UCX_MIN_BYTES (1u << 20)
 
 /* Control opcodes (remoting/protocol.py). */
 enum { RGPU_OP_HELLO = 1, RGPU_OP_WELCOME = 2, RGPU_OP_REFUSE = 3, RGPU_OP_REPLY = 4,
@@ -57,6 +59,9 @@ typedef struct rgpu_session {
     uint32_t compute_percent;
     uint32_t welcome_flags;
     char description[256];
+    /* UCX underneath (protocol 10, ucx_link.h): set when both ends negotiated it in the handshake;
+     * copies of at least RGPU_UCX_MIN_BYTES then carry their bytes on it. */
+    struct rgpu_ucx *ucx;
 } rgpu_session;
 
 typedef struct rgpu_call {
@@ -95,7 +100,15 @@ void rgpu_abort(rgpu_call *c);   /* drop a call begun but not sent (refused in t
 CUresult rgpu_begin_dev(rgpu_call *c, uint16_t op, CUdevice dev);
 CUresult rgpu_begin_ctx(rgpu_call *c, uint16_t op, CUcontext ctx, uint64_t *remote);
 void rgpu_put(rgpu_call *c, const void *p, size_t n);
+void rgpu_retarget(rgpu_call *c, uint16_t op);   /* a call begun as one operation, sent as another */
 CUresult rgpu_put_bulk(rgpu_call *c, const void *p, size_t n); /* ends the frame; streams p */
+/* UCX (transport.c): whether this call's session carries copies of n bytes on UCX; the bytes of a
+ * frame sent that way (ends the frame, returns once p may be reused); a device-to-host copy's
+ * receive, posted before rgpu_sync and finished after it (result: rgpu_sync's). */
+int rgpu_ucx_carries(const rgpu_call *c, size_t n);
+CUresult rgpu_ucx_put_bulk(rgpu_call *c, const void *p, size_t n);
+CUresult rgpu_ucx_expect(rgpu_call *c, void *dst, size_t n, void **req);
+CUresult rgpu_ucx_finish(rgpu_call *c, void *req, size_t n, CUresult result);
 CUresult rgpu_sync(rgpu_call *c);
 /* Call profile: module image bytes sent (0 for a load served by the GPU node's image cache). */
 void rgpu_stats_image(uint64_t bytes_sent, int cache_hit);

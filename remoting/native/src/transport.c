@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "rgpu_client.h"
+#include "ucx_link.h"
 
 rgpu_session rgpu_sessions[RGPU_MAX_SESSIONS];
 int rgpu_session_count;
@@ -324,6 +325,11 @@ CUresult rgpu_begin_session(rgpu_call *c, uint16_t op, int session) {
     put_header(s->sbuf + s->slen, 0, op, 0, ++s->seq, 0, rgpu_header_ctx(session));
     s->slen += RGPU_HEADER_SIZE;
     return CUDA_SUCCESS;
+}
+
+void rgpu_retarget(rgpu_call *c, uint16_t op) {
+    c->op = op;
+    memcpy(c->s->sbuf + c->frame_start + 4, &op, 2);
 }
 
 void rgpu_put(rgpu_call *c, const void *p, size_t n) {
@@ -639,14 +645,27 @@ static int parse_slices(const char *text) {
 }
 
 static void hello_frame(rgpu_session *s, int flags, uint8_t **out, size_t *outlen) {
-    char info[512];
     char prog[256] = "";
     ssize_t k = readlink("/proc/self/exe", prog, sizeof prog - 1);
     if (k > 0) prog[k] = 0;
     for (char *q = prog; *q; q++)
         if (*q == '"' || *q == '\\' || (unsigned char)*q < 0x20) *q = '?';
-    int il = snprintf(info, sizeof info, "{\"pid\":%d,\"uid\":%d,\"program\":\"%s\"}", (int)getpid(),
-                      (int)getuid(), prog);
+    /* Protocol 10: "ucx" carries this session's UCX worker address (hex) when it offers UCX. */
+    const void *address = NULL;
+    size_t alen = s->ucx ? rgpu_ucx_address(s->ucx, &address) : 0;
+    size_t cap = 512 + 2 * alen;
+    char *info = malloc(cap);
+    int il = snprintf(info, cap, "{\"pid\":%d,\"uid\":%d,\"program\":\"%s\"", (int)getpid(), (int)getuid(), prog);
+    if (alen) {
+        static const char hex[] = "0123456789abcdef";
+        il += snprintf(info + il, cap - (size_t)il, ",\"ucx\":\"");
+        for (size_t i = 0; i < alen; i++) {
+            info[il++] = hex[((const uint8_t *)address)[i] >> 4];
+            info[il++] = hex[((const uint8_t *)address)[i] & 15];
+        }
+        info[il++] = '"';
+    }
+    info[il++] = '}';
     uint32_t tl = (uint32_t)strlen(s->token), ilen = (uint32_t)il;
     uint32_t version = RGPU_PROTOCOL_VERSION, fl = (uint32_t)flags;
     size_t plen = 4 + 4 + 4 + 4 + tl + 4 + ilen;
@@ -660,11 +679,13 @@ static void hello_frame(rgpu_session *s, int flags, uint8_t **out, size_t *outle
     memcpy(b + 16, s->token, tl);
     memcpy(b + 16 + tl, &ilen, 4);
     memcpy(b + 20 + tl, info, ilen);
+    free(info);
     *out = f;
     *outlen = RGPU_HEADER_SIZE + plen;
 }
 
-static CUresult read_welcome(rgpu_session *s) {
+/* The worker's UCX address from WELCOME (after the description; none: the server chose TCP). */
+static CUresult read_welcome(rgpu_session *s, uint8_t **ucx_peer, size_t *ucx_len) {
     uint8_t h[RGPU_HEADER_SIZE];
     if (recv_all(s->fd, h, sizeof h)) {
         rgpu_log(RGPU_LOG_ERROR, "GPU server %s closed the connection during the handshake "
@@ -675,6 +696,8 @@ static CUresult read_welcome(rgpu_session *s) {
     uint16_t op;
     memcpy(&len, h, 4);
     memcpy(&op, h + 4, 2);
+    *ucx_peer = NULL;
+    *ucx_len = 0;
     if (len > (1u << 20) || (op != RGPU_OP_WELCOME && op != RGPU_OP_REFUSE)) {
         rgpu_log(RGPU_LOG_ERROR, "GPU server %s sent frame %u during the handshake (is that port an "
                  "rgpu dispatcher?; check the adaptor.conf server address)", s->server, op);
@@ -724,6 +747,13 @@ static CUresult read_welcome(rgpu_session *s) {
             size_t n = dl < sizeof s->description - 1 ? dl : sizeof s->description - 1;
             memcpy(s->description, b + 28, n);
             s->description[n] = 0;
+            size_t at = 28 + (size_t)dl;
+            uint32_t ul = 0;
+            if (at + 4 <= len) memcpy(&ul, b + at, 4);
+            if (ul && at + 4 + (size_t)ul <= len && (*ucx_peer = malloc(ul))) {
+                memcpy(*ucx_peer, b + at + 4, ul);
+                *ucx_len = ul;
+            }
         }
         if (s->version != RGPU_PROTOCOL_VERSION) {
             rgpu_log(RGPU_LOG_ERROR, "protocol version mismatch with %s (client speaks %u, server speaks %u; "
@@ -737,8 +767,143 @@ static CUresult read_welcome(rgpu_session *s) {
 }
 
 /* Connect every slice: all HELLOs go out first, so the workers start in parallel. */
+/* One frame the worker sent unasked (no reply is due: the session is locked, nothing synchronous
+ * outstanding): a host function's HOST_CALL, or a NOTICE. 0, or -1 with the session failed. */
+static int serve_unasked(rgpu_session *s, const char *during) {
+    uint8_t h[RGPU_HEADER_SIZE];
+    if (recv_all(s->fd, h, sizeof h)) {
+        session_fail(s, errno == ECONNRESET ? "connection closed by the server" : strerror(errno));
+        return -1;
+    }
+    uint32_t len, seq, aux;
+    uint16_t op;
+    uint64_t id;
+    memcpy(&len, h, 4);
+    memcpy(&op, h + 4, 2);
+    memcpy(&seq, h + 8, 4);
+    memcpy(&aux, h + 12, 4);
+    memcpy(&id, h + 16, 8);
+    if (op == RGPU_OP_HOST_CALL) {
+        if (host_call(s, seq, id, (int32_t)aux, len)) {
+            if (!s->dead) session_fail(s, strerror(errno));
+            return -1;
+        }
+        return 0;
+    }
+    if (op == RGPU_OP_NOTICE) {
+        if (len && recv_discard(s->fd, len)) {
+            session_fail(s, strerror(errno));
+            return -1;
+        }
+        return 0;
+    }
+    char why[160];
+    snprintf(why, sizeof why, "protocol error: frame op %u seq %u %s", op, seq, during);
+    session_fail(s, why);
+    return -1;
+}
+
+/* ------------------------------------------------------------------ transport (UCX or TCP)
+ * RGPU_TRANSPORT=auto|ucx|tcp (flexrun passes the slice environment): auto carries copies on UCX
+ * when both ends have it, ucx insists on it (a session without it fails), tcp never offers it. */
+
+enum { TRANSPORT_AUTO, TRANSPORT_UCX, TRANSPORT_TCP, TRANSPORT_BAD };
+
+static int transport_setting(void) {
+    const char *v = getenv("RGPU_TRANSPORT");
+    if (!v || !*v || !strcmp(v, "auto")) return TRANSPORT_AUTO;
+    if (!strcmp(v, "ucx")) return TRANSPORT_UCX;
+    if (!strcmp(v, "tcp")) return TRANSPORT_TCP;
+    return TRANSPORT_BAD;
+}
+
+static size_t g_ucx_min = 0;
+
+static size_t ucx_min_bytes(void) {
+    if (!g_ucx_min) {
+        const char *v = getenv("RGPU_UCX_MIN_BYTES");
+        char *end = NULL;
+        unsigned long long n = v && *v ? strtoull(v, &end, 10) : 0;
+        g_ucx_min = (end && !*end && n) ? (size_t)n : RGPU_UCX_MIN_BYTES;
+    }
+    return g_ucx_min;
+}
+
+/* The one line a fallback to TCP gets (per process: a job of 8 slices says it once). */
+static void say_tcp_once(int level, const char *server, const char *why) {
+    static int said;
+    if (!__atomic_exchange_n(&said, 1, __ATOMIC_RELAXED))
+        rgpu_log(level, "copies to %s go over TCP, not UCX (%s)", server, why);
+}
+
+int rgpu_ucx_carries(const rgpu_call *c, size_t n) {
+    return c->s && c->s->ucx && n >= ucx_min_bytes();
+}
+
+static double ucx_idle_s(void) {
+    const char *v = getenv("RGPU_UCX_IDLE_S");
+    double d = v && *v ? atof(v) : 0;
+    return d > 0 ? d : 60.0;
+}
+
+CUresult rgpu_ucx_put_bulk(rgpu_call *c, const void *p, size_t n) {
+    rgpu_session *s = c->s;
+    patch_length(c, 0);
+    c->frame_start = (size_t)-1;   /* complete: its bytes follow on UCX, tagged with its seq */
+    if (flush_locked(s)) return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    char why[512];
+    void *req = NULL;
+    int w = rgpu_ucx_post(s->ucx, 0, s->seq, (void *)p, n, &req, why, sizeof why);
+    /* The worker may be waiting for this process first (a graph's host function queued before
+     * the copy): serve what it sends while the bytes wait to be taken. */
+    while (w == 0 && (w = rgpu_ucx_wait(s->ucx, req, 0, n, ucx_idle_s(), s->fd, RGPU_UCX_YIELD_READABLE, why,
+                                        sizeof why)) == 1) {
+        if (serve_unasked(s, "while a copy's bytes went over UCX")) return CUDA_ERROR_DEVICE_UNAVAILABLE;
+        w = 0;
+    }
+    if (w) {
+        char line[600];
+        snprintf(line, sizeof line, "a host-to-device copy over UCX failed: %s", why);
+        session_fail(s, line);
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult rgpu_ucx_expect(rgpu_call *c, void *dst, size_t n, void **req) {
+    char why[512];
+    if (rgpu_ucx_post(c->s->ucx, 1, c->s->seq, dst, n, req, why, sizeof why)) {
+        rgpu_log(RGPU_LOG_ERROR, "GPU server %s: cannot post a UCX receive (%s)", c->s->server, why);
+        return CUDA_ERROR_UNKNOWN;
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult rgpu_ucx_finish(rgpu_call *c, void *req, size_t n, CUresult result) {
+    rgpu_session *s = c->s;
+    if (!req) return result;
+    if (result != CUDA_SUCCESS || s->dead) {   /* the worker sent nothing: take the receive back */
+        if (!s->dead) rgpu_ucx_cancel(s->ucx, req);
+        return result;
+    }
+    char why[512];
+    if (rgpu_ucx_wait(s->ucx, req, 1, n, ucx_idle_s(), s->fd, 0, why, sizeof why)) {
+        char line[600];
+        snprintf(line, sizeof line, "a device-to-host copy over UCX failed: %s", why);
+        session_fail(s, line);
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
+    return CUDA_SUCCESS;
+}
+
 CUresult rgpu_connect_all(int flags, const char *component) {
     g_component = component;
+    int transport = (flags & RGPU_HELLO_NVML) ? TRANSPORT_TCP : transport_setting();
+    if (transport == TRANSPORT_BAD) {
+        rgpu_log(RGPU_LOG_ERROR, "RGPU_TRANSPORT=%s is not a transport (want auto, ucx or tcp; unset it for auto)",
+                 getenv("RGPU_TRANSPORT"));
+        return CUDA_ERROR_NO_DEVICE;
+    }
     const char *slices = getenv("RGPU_SLICES");
     if (!slices || !*slices) {
         rgpu_log(RGPU_LOG_ERROR, "no GPU slices for this process (RGPU_SLICES is not set; run the "
@@ -763,6 +928,20 @@ CUresult rgpu_connect_all(int flags, const char *component) {
             result = CUDA_ERROR_DEVICE_UNAVAILABLE;
             continue;
         }
+        if (transport != TRANSPORT_TCP) {
+            char ywhy[512] = "unknown error";
+            s->ucx = rgpu_ucx_open(getenv("RGPU_UCX_LIB"), 1, ywhy, sizeof ywhy);
+            if (!s->ucx && transport == TRANSPORT_UCX) {
+                rgpu_log(RGPU_LOG_ERROR, "RGPU_TRANSPORT=ucx, but this process cannot use UCX for device %d (%s; "
+                         "or set RGPU_TRANSPORT=auto to fall back to TCP)", i, ywhy);
+                close(s->fd);
+                s->fd = -1;
+                s->dead = 1;
+                result = CUDA_ERROR_DEVICE_UNAVAILABLE;
+                continue;
+            }
+            if (!s->ucx) say_tcp_once(RGPU_LOG_INFO, s->server, ywhy);
+        }
         uint8_t *f;
         size_t fl;
         hello_frame(s, flags, &f, &fl);
@@ -776,14 +955,39 @@ CUresult rgpu_connect_all(int flags, const char *component) {
     for (int i = 0; i < rgpu_session_count; i++) {
         rgpu_session *s = &rgpu_sessions[i];
         if (s->dead) continue;
-        CUresult r = read_welcome(s);
+        uint8_t *peer = NULL;
+        size_t peer_len = 0;
+        CUresult r = read_welcome(s, &peer, &peer_len);
+        if (r == CUDA_SUCCESS && s->ucx) {
+            char ywhy[512] = "";
+            if (!peer)
+                snprintf(ywhy, sizeof ywhy, "the GPU server did not take UCX: its transport setting is tcp or its "
+                         "worker cannot load UCX; its log says which");
+            else if (rgpu_ucx_connect(s->ucx, peer, peer_len, ywhy, sizeof ywhy) == 0)
+                ywhy[0] = 0;
+            if (ywhy[0]) {
+                rgpu_ucx_close(s->ucx);
+                s->ucx = NULL;
+                if (transport == TRANSPORT_UCX) {
+                    rgpu_log(RGPU_LOG_ERROR, "RGPU_TRANSPORT=ucx, but device %d cannot use UCX (%s; or set "
+                             "RGPU_TRANSPORT=auto to fall back to TCP)", i, ywhy);
+                    r = CUDA_ERROR_DEVICE_UNAVAILABLE;
+                } else {
+                    say_tcp_once(RGPU_LOG_INFO, s->server, ywhy);
+                }
+            }
+        }
+        free(peer);
         if (r != CUDA_SUCCESS) {
+            if (s->ucx) rgpu_ucx_close(s->ucx);
+            s->ucx = NULL;
             close(s->fd);
             s->fd = -1;
             s->dead = 1;
             result = r;
         } else {
-            rgpu_log(RGPU_LOG_INFO, "device %d: %s (%s)", i, s->server, s->description);
+            rgpu_log(RGPU_LOG_INFO, "device %d: %s (%s; transport %s)", i, s->server, s->description,
+                     s->ucx ? "ucx" : "tcp");
         }
     }
     return result;
@@ -797,6 +1001,7 @@ void rgpu_transport_reset_after_fork(void) {
         if (s->fd >= 0) close(s->fd);
         s->fd = -1;
         s->dead = 1;
+        s->ucx = NULL;   /* the parent's UCX worker stays the parent's: the child only forgets it */
         pthread_mutex_init(&s->lock, NULL);
         s->slen = 0;
     }
