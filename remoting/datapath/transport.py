@@ -48,11 +48,16 @@ class Choice:
     why: str
 
 
-def worker_choice(setting: str, client_offered: bool, mode: str) -> Choice:
+def worker_choice(setting: str, client_offered: bool, mode: str, backend: str = "emulated") -> Choice:
     if mode != "cuda":
         return Choice(False, "an NVML session moves no bulk data")
     if setting == "tcp":
         return Choice(False, "the dispatcher's transport setting is tcp (RGPU_TRANSPORT)")
+    if setting == "auto" and backend == "cuda":
+        # The staging path on a real GPU is written and tested on a host-only stand-in, not yet
+        # run on a GPU: until it is, a GPU node takes UCX only when its setting asks for it.
+        return Choice(False, "UCX copies on a real GPU are not verified yet: set transport = ucx on the "
+                             "dispatcher (rgpu.toml or RGPU_TRANSPORT) to use them")
     if not client_offered:
         return Choice(False, "the client did not offer UCX (its RGPU_TRANSPORT is tcp, or it cannot load "
                              "libucp; its RGPU_LOG=info line says which)")

@@ -124,7 +124,7 @@ def run_session(sock: socket.socket, spec: SessionSpec) -> int:
 def _open_ucx(spec: SessionSpec) -> tuple[UcxLink | None, str]:
     """The session's UCX link when the client offered UCX and this end can take it, else None and
     why not ("" where nothing needs saying: an NVML session)."""
-    choice = worker_choice(spec.transport, bool(spec.ucx_peer), spec.mode)
+    choice = worker_choice(spec.transport, bool(spec.ucx_peer), spec.mode, spec.backend)
     if not choice.try_ucx:
         return None, choice.why if spec.mode == "cuda" else ""
     try:
