@@ -76,7 +76,8 @@ def test_the_readme_demo_runs_as_root_from_a_fresh_clone_in_a_0700_folder(demo: 
 
 
 def test_the_demo_pool_runs_with_its_slurm_settings(demo: Demo) -> None:
-    assert re.search(r"pool at 127\.0\.0\.1:\d+: Slurm reconciler every 2 s \(grace 20 s\), license sync on", demo.output), \
+    assert re.search(r"pool at 127\.0\.0\.1:\d+: Slurm reconciler every 2 s \(grace 20 s\), new held jobs looked for every 2 s, "
+                     r"license sync on", demo.output), \
         demo.output[:3000]
 
 
