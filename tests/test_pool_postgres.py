@@ -358,3 +358,18 @@ def test_a_credential_replayed_to_the_other_daemon_is_refused(two_pools) -> None
         capacity(second)
     assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED   # type: ignore[attr-defined]
     assert "replayed credential" in info.value.details()   # type: ignore[attr-defined]
+
+
+def test_two_daemons_decide_ownership_after_catching_up(two_cores) -> None:  # type: ignore[no-untyped-def]
+    """Issue 26, HIGH 1, with two rgpu-poold on one PostgreSQL: another user's Release or Renew
+    through the daemon that has not seen the lease yet is refused inside the change."""
+    from rgpu.errors import PermissionDenied
+
+    a, b, _clock = two_cores
+    a.register(server(0))
+    lease = a.allocate(req("job-alice", ttl_seconds=60.0))
+    with pytest.raises(PermissionDenied, match="cannot release lease job-alice"):
+        b.release("job-alice", owner="mallory")
+    with pytest.raises(PermissionDenied, match="cannot renew lease job-alice"):
+        b.renew("job-alice", 365 * 24 * 3600.0, owner="mallory")
+    assert a.get_lease("job-alice").expires_unix == lease.expires_unix

@@ -285,3 +285,22 @@ def test_a_live_servers_address_stays_with_its_host_in_every_process(tmp_path: P
             assert owner.heartbeat(mine.address).known
     finally:
         cluster.stop_all()
+
+
+def test_ownership_is_decided_after_catching_up_with_the_other_process(two_processes) -> None:  # type: ignore[no-untyped-def]
+    """Issue 26, HIGH 1: a lease made a moment ago through one process was nobody's in the other's
+    memory, so another user's Release or Renew there passed the check and then acted. The core
+    decides ownership inside the change, after catching up."""
+    from rgpu.errors import PermissionDenied
+
+    a, b, clock = two_processes
+    a.register(server(0))
+    lease = a.allocate(req("job-alice", ttl_seconds=60.0))
+    assert "job-alice" not in b.leases                  # b has not caught up yet
+    with pytest.raises(PermissionDenied, match="cannot release lease job-alice"):
+        b.release("job-alice", owner="mallory")
+    with pytest.raises(PermissionDenied, match="cannot renew lease job-alice"):
+        b.renew("job-alice", 365 * 24 * 3600.0, owner="mallory")
+    assert a.get_lease("job-alice").expires_unix == lease.expires_unix    # neither released nor renewed
+    assert b.renew("job-alice", 120.0, owner=lease.user).expires_unix == clock.now + 120.0
+    assert b.release("job-alice", owner=lease.user) and "job-alice" not in b.leases

@@ -43,7 +43,7 @@ from rgpu.remoting.pool.events import EventLog
 from rgpu.remoting.pool.gpu_listing import GpuListing
 from rgpu.remoting.pool.group import checked_processes, serve_group
 from rgpu.remoting.pool.metrics import PoolMetrics, refusal_reason
-from rgpu.remoting.pool.rules import AllocationRequest, PoolCore
+from rgpu.remoting.pool.rules import AllocationRequest, PoolCore, check_owner
 from rgpu.remoting.pool.store import open_store
 from rgpu.remoting.pool.views import pool_view
 from rgpu.secret import load_secret
@@ -82,15 +82,11 @@ def peer_ip(peer: str) -> str:
     return peer
 
 
-def _own(core: PoolCore, job_key: str, what: str) -> None:
-    """A user may only act on leases of their own (a lease that does not exist is left to the call)."""
+def _owner() -> str | None:
+    """The user a call acts for (None: a daemon, which acts on any lease). The pool core checks it
+    inside the change itself, after catching up with the pool's other processes or daemons."""
     caller = current_caller()
-    if caller.is_daemon:
-        return
-    lease = core.leases.get(job_key)
-    if lease is not None and lease.user != caller.user:
-        raise PermissionDenied("pool", f"cannot {what} lease {job_key[:80]}", f"it belongs to {lease.user}, "
-                               f"you are {caller.user}", "act on your own leases (rgpu-admin leases lists them)")
+    return None if caller.is_daemon else caller.user
 
 
 def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -223,7 +219,10 @@ class PoolServicer(pb_grpc.PoolServicer):
                     raise PermissionDenied("pool", f"cannot lease GPUs as {user[:64]}",
                                            f"MUNGE says you are {caller.user}", "lease as yourself (leave --user out)")
                 user = caller.user
-                _own(self.core, request.job_key, "reuse")
+                # Said here as a permission error; the core decides again inside the change
+                # (another user's key is "a different lease" there, whatever this process saw).
+                self.core.catch_up()
+                check_owner(self.core.leases.get(request.job_key), user, "reuse", request.job_key)
                 # Only an account the user belongs to; none named: their default one.
                 account = self.accounts.account_for(user, request.account)
             lease = self.core.allocate(AllocationRequest(
@@ -242,19 +241,17 @@ class PoolServicer(pb_grpc.PoolServicer):
 
     @_rpc
     def Renew(self, request: pb.RenewRequest, context: Any) -> pb.Lease:
-        _own(self.core, request.job_key, "renew")
-        return self._lease_pb(self.core.renew(request.job_key, request.ttl_seconds))
+        return self._lease_pb(self.core.renew(request.job_key, request.ttl_seconds, owner=_owner()))
 
     @_rpc
     def Release(self, request: pb.ReleaseRequest, context: Any) -> pb.ReleaseReply:
-        _own(self.core, request.job_key, "release")
-        released = self.core.release(request.job_key)
+        released = self.core.release(request.job_key, owner=_owner())
         self.metrics.releases.labels("released" if released else "unknown").inc()
         return pb.ReleaseReply(released=released)
 
     @_rpc
     def GetLease(self, request: pb.GetLeaseRequest, context: Any) -> pb.Lease:
-        return self._lease_pb(self.core.get_lease(request.job_key))
+        return self._lease_pb(self.core.get_lease(request.job_key))   # another's: shown without tokens
 
     @_rpc
     def ListLeases(self, request: pb.ListLeasesRequest, context: Any) -> pb.ListLeasesReply:

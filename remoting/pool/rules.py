@@ -526,13 +526,15 @@ class PoolCore:
                      ", ".join(f"{s.server}/{s.gpu_index}@{s.compute_percent}%" for s in lease.slices))
         return lease
 
-    def renew(self, job_key: str, ttl_seconds: float) -> LeaseRecord:
+    def renew(self, job_key: str, ttl_seconds: float, owner: str | None = None) -> LeaseRecord:
         """Extend a TTL lease to now + ttl_seconds. Never creates one: a lease that expired (and so
-        may already be reclaimed, its GPU share given to another job) stays gone."""
+        may already be reclaimed, its GPU share given to another job) stays gone. `owner`: the user
+        who asks (None: a daemon), checked inside the change, after catching up with the others."""
         _check_ttl(ttl_seconds, allow_zero=False)
         with self._change():   # a change others must see: a renewed lease is not theirs to reclaim
             now = self.clock()
             lease = self.leases.get(job_key)
+            check_owner(lease, owner, "renew", job_key)
             if lease is not None and lease.expired(now):
                 self._drop(lease, "expired")
                 lease = None
@@ -558,10 +560,13 @@ class PoolCore:
             self._slice_usage.pop((lease.job_key, number), None)
         self._lease_changed(True)
 
-    def release(self, job_key: str) -> bool:
-        """Idempotent: releasing an unknown or already released key succeeds (returns False)."""
+    def release(self, job_key: str, owner: str | None = None) -> bool:
+        """Idempotent: releasing an unknown or already released key succeeds (returns False).
+        `owner` as for renew: decided inside the change, after catching up with other processes or
+        daemons of the pool (before, a lease made a moment ago elsewhere was nobody's here)."""
         with self._change():
             lease = self.leases.get(job_key)
+            check_owner(lease, owner, "release", job_key)
             if lease is None:
                 return False
             self._drop(lease, "released")
@@ -750,6 +755,14 @@ class PoolCore:
         with self._lock:
             return [(QuotaRecord(kind, name, limit), self._used_units.get((kind, name), 0))
                     for (kind, name), limit in sorted(self.quotas.items())]
+
+
+def check_owner(lease: LeaseRecord | None, owner: str | None, what: str, job_key: str) -> None:
+    """A user (owner not None) may only act on leases of their own; a lease that does not exist is
+    left to the call."""
+    if owner is not None and lease is not None and lease.user != owner:
+        raise PermissionDenied("pool", f"cannot {what} lease {job_key[:80]}", f"it belongs to {lease.user}, "
+                               f"you are {owner}", "act on your own leases (rgpu-admin leases lists them)")
 
 
 def _check_ttl(ttl_seconds: float, *, allow_zero: bool) -> None:
