@@ -393,9 +393,12 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
         store.close()
         events.detach()
         raise
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         interceptors=[ServerAuth(secret, munge_socket=settings.munge_socket, guards=guards)],
-                         options=[("grpc.so_reuseport", 1 if group_member else 0)])
+    auth = ServerAuth(secret, munge_socket=settings.munge_socket, guards=guards)
+    # A user's call waits for munged on its serving thread (at most munge_gate.TIMEOUT_SECONDS, and
+    # at most MungeGate.capacity such calls at once): threads beyond those stay for the calls made
+    # with the secret (dispatchers, Slurm's prologs, admins), whatever munged does.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers + auth.munge_waiters),
+                         interceptors=[auth], options=[("grpc.so_reuseport", 1 if group_member else 0)])
     pb_grpc.add_PoolServicer_to_server(PoolServicer(core, settings.heartbeat_interval_seconds, metrics,
                                                           account_policy(settings), guards), server)
     health_servicer = health.HealthServicer()
@@ -412,6 +415,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
     except (OSError, RuntimeError) as exc:
         store.close()
         guards.close()
+        auth.close()
         events.detach()
         raise ConfigError("poold", f"cannot listen on {settings.listen}", str(exc) or "address in use or invalid",
                           "pick another --listen address or stop the process holding the port") from None
@@ -420,6 +424,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
     except BaseException:
         store.close()
         guards.close()
+        auth.close()
         events.detach()
         raise
     stop = threading.Event()
@@ -446,6 +451,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
         maintenance.join(timeout=5)
         store.close()
         guards.close()
+        auth.close()
         events.detach()
 
 
