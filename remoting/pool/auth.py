@@ -128,6 +128,7 @@ class ServerAuth(grpc.ServerInterceptor):
         self._key = derive_key(secret, _PURPOSE)
         # None: users (MUNGE) are not accepted. Decoded off gRPC's threads, with a deadline (munge_gate.py).
         self._munge: MungeGate | None = munge_gate or (MungeGate(munge_socket) if munge_socket is not None else None)
+        self._munge_down: tuple[Unavailable, Any] | None = None
         self._window = window
         # The nonce cache lives in memory, so a restarted pool has forgotten the nonces it saw.
         # Credentials made before this pool started are refused, so none of those can be replayed:
@@ -202,6 +203,15 @@ class ServerAuth(grpc.ServerInterceptor):
             raise Refused(grpc.StatusCode.UNAUTHENTICATED, f"rgpu: pool: call refused ({reason}; {MUNGE_FIX})")
         return caller
 
+    def _munge_down_handler(self) -> Any:
+        """The handler that answers users while munged is taken as down: one per refusal text."""
+        assert self._munge is not None
+        refusal = self._munge.unavailable()
+        cached = self._munge_down
+        if cached is None or cached[0] is not refusal:
+            cached = self._munge_down = (refusal, _refuse(grpc.StatusCode.UNAVAILABLE, str(refusal)))
+        return cached[1]
+
     @property
     def munge_waiters(self) -> int:
         """How many serving threads users' calls may hold waiting for munged at once."""
@@ -235,7 +245,7 @@ class ServerAuth(grpc.ServerInterceptor):
             # This runs on gRPC's one polling thread: nothing here may wait for munged.
             if self._munge.refusing():
                 self._log_refusal(method, "munged is not answering")
-                return _refuse(grpc.StatusCode.UNAVAILABLE, str(self._munge.unavailable()))
+                return self._munge_down_handler()
             return _checked_first(continuation(handler_call_details),
                                   lambda: self._munge_caller(method, munge_credential))
         else:

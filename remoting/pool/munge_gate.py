@@ -45,6 +45,7 @@ class MungeGate:
         self._lock = threading.Lock()
         self._open_until = 0.0    # while the clock is before this, munged is taken as down
         self._why = ""
+        self._refusal: Unavailable | None = None
         self._probing = False
 
     def refusing(self) -> bool:
@@ -53,9 +54,16 @@ class MungeGate:
         return self._clock() < self._open_until
 
     def unavailable(self) -> Unavailable:
-        return Unavailable("pool", "cannot check the MUNGE credential",
-                           f"munged at {self._where} is not answering: {self._why or 'no answer'}",
-                           "start munged on the pool host (or fix munge_socket in rgpu.toml); retry")
+        """The one-line refusal while munged is taken as down (made once per trip: a flood of calls
+        is answered with the same object)."""
+        refusal = self._refusal
+        if refusal is None or refusal.why != self._why_text():
+            refusal = self._refusal = Unavailable("pool", "cannot check the MUNGE credential", self._why_text(),
+                                                  "start munged on the pool host (or fix munge_socket in rgpu.toml); retry")
+        return refusal
+
+    def _why_text(self) -> str:
+        return f"munged at {self._where} is not answering: {self._why or 'no answer'}"
 
     def decode(self, credential: str) -> munge.Identity:
         """Who made `credential`. Raises AuthError (munged refused it) or Unavailable (munged did
