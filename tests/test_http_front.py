@@ -126,6 +126,19 @@ def test_an_oversized_head_is_closed_without_an_answer() -> None:
         front.stop()
 
 
+def test_metrics_at_an_address_without_a_host_serve_localhost_only() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from rgpu.remoting.metrics.http import serve_metrics
+
+    server = serve_metrics(":0", CollectorRegistry(), "test")
+    try:
+        assert server.host == "127.0.0.1"
+        assert get(server.port, "/metrics")[0] == 200
+    finally:
+        server.stop()
+
+
 # --- the real daemons -----------------------------------------------------------------------------------
 
 @pytest.fixture

@@ -121,6 +121,7 @@ class HttpFront:
             self._workers.shutdown(wait=False)
             raise
         self._sock.setblocking(False)
+        self.host: str = self._sock.getsockname()[0]
         self.port: int = self._sock.getsockname()[1]
         self._next_accept = 0.0
         self._loop.create_task(self._accept_loop())

@@ -478,7 +478,7 @@ def _serve_group_member(settings: Settings, index: int, ready: Any) -> None:
 @click.option("--secret-file", help="Cluster secret file (mode 0600).")
 @click.option("--port-file", type=click.Path(dir_okay=False),
               help="Write the port served on to this file once serving (with --listen HOST:0).")
-@click.option("--metrics-listen", help="HOST:PORT for the Prometheus endpoint (default from config: off).")
+@click.option("--metrics-listen", help="HOST:PORT for the Prometheus endpoint (:PORT is 127.0.0.1 only; default from config: off).")
 @click.option("--metrics-port-file", type=click.Path(dir_okay=False),
               help="Write the metrics endpoint's port to this file once serving.")
 @click.option("--dashboard-listen", help="HOST:PORT for the web dashboard (default from config: off).")
