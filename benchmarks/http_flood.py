@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import resource
-import statistics
 import sys
 import tempfile
 import time
@@ -20,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.admin_calls import admin_latencies, percentiles  # noqa: E402
 from rgpu.remoting.datapath import protocol  # noqa: E402
 from tests.daemons import EXAMPLES, Daemon, RgpuCluster, wait_for_port_file  # noqa: E402
 from tests.test_dispatcher import wait_state  # noqa: E402
@@ -28,30 +28,17 @@ from tests.test_http_front import TRICKLE, answers, open_files_of, threads_of  #
 
 
 def latencies(cluster: RgpuCluster, address: str, token: str, seconds: float) -> tuple[list[float], list[float]]:
-    """(admin ListServers latencies, session open latencies) over `seconds`."""
-    admin_calls: list[float] = []
+    """(admin ListServers latencies, session open latencies: one every 50 admin calls) over `seconds`."""
     sessions: list[float] = []
-    deadline = time.monotonic() + seconds
-    with cluster.client() as admin:
-        while time.monotonic() < deadline:
+
+    def between(n: int) -> None:
+        if n % 50 == 0:
             started = time.perf_counter()
-            admin.list_servers()
-            admin_calls.append(time.perf_counter() - started)
-            if len(admin_calls) % 50 == 0:
-                started = time.perf_counter()
-                assert "slice ready" in protocol.probe(address, token, timeout=30).description
-                sessions.append(time.perf_counter() - started)
-            time.sleep(0.01)
-    return admin_calls, sessions
+            assert "slice ready" in protocol.probe(address, token, timeout=30).description
+            sessions.append(time.perf_counter() - started)
+        time.sleep(0.01)
 
-
-def summary(name: str, samples: list[float]) -> str:
-    if not samples:
-        return f"{name}: none"
-    ordered = sorted(samples)
-    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    return (f"{name}: {len(ordered)}, p50 {statistics.median(ordered) * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms, "
-            f"max {ordered[-1] * 1e3:.1f} ms")
+    return admin_latencies(cluster, seconds, between), sessions
 
 
 def state(daemon: Daemon) -> str:
@@ -89,7 +76,7 @@ def main() -> None:
               f"a byte every {args.every:g} s, {args.seconds:g} s measured")
         print(f"  idle:  pool {state(pool)}; dispatcher {state(dispatcher)}")
         idle_admin, idle_sessions = latencies(cluster, address, token, args.seconds / 2)
-        print("  idle:  " + summary("admin calls", idle_admin) + "; " + summary("session opens", idle_sessions))
+        print("  idle:  " + percentiles("admin calls", idle_admin) + "; " + percentiles("session opens", idle_sessions))
         each = args.connections // len(ports)
         attacks = [Slowloris(p, count=each, sources=50, every=args.every, trickle=TRICKLE, data_port=False)
                    for p in ports.values()]
@@ -99,7 +86,7 @@ def main() -> None:
             time.sleep(3.0)
             flood_admin, flood_sessions = latencies(cluster, address, token, args.seconds)
             print(f"  flood: pool {state(pool)}; dispatcher {state(dispatcher)}")
-            print("  flood: " + summary("admin calls", flood_admin) + "; " + summary("session opens", flood_sessions))
+            print("  flood: " + percentiles("admin calls", flood_admin) + "; " + percentiles("session opens", flood_sessions))
             scrapes = {name: answers(p, "/metrics" if "metrics" in name else "/") for name, p in ports.items()}
             print(f"  flood: one request sent at once to each endpoint answered with {scrapes} (0: turned away)")
         finally:

@@ -16,7 +16,6 @@ import argparse
 import multiprocessing as mp
 import os
 import signal
-import statistics
 import sys
 import tempfile
 import time
@@ -30,6 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 from rgpu.proto import rgpu_pb2 as pb  # noqa: E402
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc  # noqa: E402
 from rgpu.remoting.pool.auth import MUNGE_HEADER  # noqa: E402
+from benchmarks.admin_calls import admin_latencies, p99, percentiles  # noqa: E402
 from tests import munged  # noqa: E402
 from tests.daemons import RgpuCluster, register_servers  # noqa: E402
 
@@ -58,29 +58,11 @@ def flood(address: str, seconds: float, index: int, answered: "mp.Value[int]", h
         answered.value += count
 
 
-def admin_latencies(cluster: RgpuCluster, seconds: float) -> list[float]:
-    out = []
-    deadline = time.monotonic() + seconds
-    with cluster.client() as admin:
-        while time.monotonic() < deadline:
-            started = time.perf_counter()
-            admin.list_servers()
-            out.append(time.perf_counter() - started)
-    return out
-
-
 def pool_cpu_seconds(cluster: RgpuCluster) -> float:
     """The pool process's CPU time so far (user + system)."""
     assert cluster.pool is not None and cluster.pool.proc is not None
     fields = Path(f"/proc/{cluster.pool.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def figures(name: str, samples: list[float]) -> str:
-    ordered = sorted(samples)
-    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    return (f"{name:>8}: {len(ordered):6d} admin calls, p50 {statistics.median(ordered) * 1e3:7.2f} ms, "
-            f"p99 {p99 * 1e3:7.2f} ms, max {ordered[-1] * 1e3:8.2f} ms")
 
 
 def main() -> None:
@@ -128,9 +110,9 @@ def main() -> None:
         what = "health checks (the floor)" if args.health_floor else "garbage MUNGE headers"
         print(f"munge_flood: munged {args.munged}, {args.clients} clients flooding {what}, {args.seconds:g} s each phase"
               f"{f', pool and admin on CPUs {args.pool_cpus}, flood on {args.flood_cpus}' if pool_cpus else ''}")
-        print(figures("idle", idle))
-        print(figures("flood", loaded))
-        ratio = sorted(loaded)[int(0.99 * (len(loaded) - 1))] / sorted(idle)[int(0.99 * (len(idle) - 1))]
+        print(percentiles("idle admin calls", idle))
+        print(percentiles("flood admin calls", loaded))
+        ratio = p99(loaded) / p99(idle)
         rate = answered.value / (args.seconds + 2)
         print(f"   flood: {answered.value} flood calls answered ({rate:.0f}/s); pool CPU {cpu_used / args.seconds:.2f} "
               f"cores while measuring; admin p99 flood/idle {ratio:.2f}x (target <= 2x)")

@@ -65,22 +65,6 @@ def current_caller() -> Caller:
     return getattr(_current, "caller", DAEMON)
 
 
-def _with_caller(handler: Any, caller: Caller) -> Any:
-    if handler is None or handler.unary_unary is None:
-        return handler
-    inner = handler.unary_unary
-
-    def call(request: Any, context: Any) -> Any:
-        _current.caller = caller
-        try:
-            return inner(request, context)
-        finally:
-            _current.caller = DAEMON
-
-    return grpc.unary_unary_rpc_method_handler(call, request_deserializer=handler.request_deserializer,
-                                               response_serializer=handler.response_serializer)
-
-
 class Refused(Exception):
     """A call refused before it ran: the status and the one-line message to answer with."""
 
@@ -89,18 +73,19 @@ class Refused(Exception):
         self.code, self.message = code, message
 
 
-def _checked_first(handler: Any, check: Callable[[], Caller]) -> Any:
-    """`handler` run as the caller `check()` names, on the serving thread that runs the call
-    (never on gRPC's polling thread, which every call shares); Refused is answered as its status."""
+def _as_caller(handler: Any, caller_of: Callable[[], Caller]) -> Any:
+    """`handler` run as the caller `caller_of()` names, asked on the serving thread that runs the
+    call (never on gRPC's polling thread, which every call shares); Refused is answered as its
+    status. The pool's calls are all unary: any other kind is refused, never run unchecked."""
     if handler is None:
         return None
     if handler.unary_unary is None:
-        return _refuse(grpc.StatusCode.UNIMPLEMENTED, "rgpu: pool: only unary calls take MUNGE credentials")
+        return _refuse(grpc.StatusCode.UNIMPLEMENTED, "rgpu: pool: only unary calls are served")
     inner = handler.unary_unary
 
     def call(request: Any, context: Any) -> Any:
         try:
-            caller = check()
+            caller = caller_of()
         except Refused as refused:
             context.abort(refused.code, refused.message)
         _current.caller = caller
@@ -246,8 +231,8 @@ class ServerAuth(grpc.ServerInterceptor):
             if self._munge.refusing():
                 self._log_refusal(method, "munged is not answering")
                 return self._munge_down_handler()
-            return _checked_first(continuation(handler_call_details),
-                                  lambda: self._munge_caller(method, munge_credential))
+            return _as_caller(continuation(handler_call_details),
+                              lambda: self._munge_caller(method, munge_credential))
         else:
             try:
                 reason = self.check(method, credential)
@@ -257,7 +242,7 @@ class ServerAuth(grpc.ServerInterceptor):
             if reason is None:
                 handler = self._as_daemon.get(method)
                 if handler is None:
-                    handler = _with_caller(continuation(handler_call_details), DAEMON)
+                    handler = _as_caller(continuation(handler_call_details), lambda: DAEMON)
                     if handler is not None and len(self._as_daemon) < 256:   # known methods only
                         self._as_daemon[method] = handler
                 return handler
