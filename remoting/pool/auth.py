@@ -21,6 +21,7 @@ from typing import Any, Callable
 import grpc
 
 from rgpu.errors import AuthError, Unavailable
+from rgpu.log_limit import LogLimit, held_note
 from rgpu.remoting.pool.call_guards import CallGuards, GuardError, MemoryCallGuards
 from rgpu.remoting.pool.munge_gate import MungeGate
 from rgpu.secret import derive_key
@@ -122,11 +123,9 @@ class ServerAuth(grpc.ServerInterceptor):
         self._not_before = time.time() if not_before is None else not_before
         # Nonces seen within the window: this process's, or those of all processes of one rgpu-poold.
         self._guards: CallGuards = guards or MemoryCallGuards()
-        self._lock = threading.Lock()
-        self._last_logged: dict[str, float] = {}
+        self._refusals = LogLimit()
         # Handlers that run as a daemon, per method: built once, not on every call.
         self._as_daemon: dict[str, Any] = {}
-        self._refused_since_log: dict[str, int] = {}
 
     def check(self, method: str, credential: str | None, now: float | None = None) -> str | None:
         """None when the credential is good, else the reason it is not. Raises GuardError when its
@@ -208,15 +207,9 @@ class ServerAuth(grpc.ServerInterceptor):
 
     def _log_refusal(self, method: str, reason: str) -> None:
         # One line per reason per minute: a misconfigured host retrying must not flood the log.
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last_logged.get(reason, -1e9) < 60:
-                self._refused_since_log[reason] = self._refused_since_log.get(reason, 0) + 1
-                return
-            self._last_logged[reason] = now
-            repeated = self._refused_since_log.pop(reason, 0)
-        more = f" ({repeated} more like it in the last minute)" if repeated else ""
-        log.warning("rgpu-poold: refused %s: %s%s", method, reason, more)
+        held = self._refusals.allow(reason)
+        if held is not None:
+            log.warning("rgpu-poold: refused %s: %s%s", method, reason, held_note(held))
 
     def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
         method = handler_call_details.method

@@ -5,6 +5,7 @@ async operations. Generated handlers live in api_gen; the dispatch table is in l
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import struct
@@ -32,6 +33,8 @@ from rgpu.remoting.datapath.worker.module_footprint import ImageFootprints, Imag
 from rgpu.remoting.datapath.worker.native_loop import NativeLaunches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 from rgpu.units import format_bytes
+
+log = logging.getLogger("rgpu.worker")
 
 
 MAX_ARRAY_READ = 64 << 20
@@ -598,6 +601,9 @@ class Handlers:
 
     def h_launch(self, p: memoryview, address: int, seq: int) -> None:
         f, stream, gx, gy, gz, bx, by, bz, shmem, coop, nattrs, argsize, _, _ = LAUNCH.unpack_from(p, 0)
+        if LAUNCH.size + nattrs * LAUNCH_ATTR_SIZE + argsize > len(p):   # checked before the driver reads them
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: a launch's attributes and arguments ({nattrs} and "
+                            f"{argsize} bytes) overrun its request ({len(p)} bytes)")
         stream = self.client_streams.real(stream, "cuLaunchKernel")
         self._admit(f)
         off = LAUNCH.size
