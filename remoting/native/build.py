@@ -42,7 +42,7 @@ CUDA_SOURCES = [SRC / "transport.c", SRC / "tables.c", SRC / "cuda_core.c", SRC 
                 SRC / "integrity.c", SRC / "sha256.c", SRC / "digest_memo.c", SRC / "idle_streams.c", SRC / "func_attrs.c",
                 SRC / "tensor_map.c", SRC / "ucx_link.c", GEN / "cuda_gen.c"]
 NVML_SOURCES = [SRC / "transport.c", SRC / "nvml_core.c", SRC / "ucx_link.c", GEN / "nvml_gen.c"]
-WORKER_SOURCES = [SRC / "worker_launch.c", SRC / "worker_events.c", SRC / "worker_ucx.c"]
+WORKER_SOURCES = [SRC / "worker_launch.c", SRC / "worker_events.c", SRC / "worker_copies.c", SRC / "worker_ucx.c"]
 TRACE_SOURCES = [SRC / "trace.c", SRC / "integrity.c"]
 SPEC = HERE / "spec"
 TRACE_SPECIAL = {"cuGetProcAddress", "cuGetProcAddress_v2", "cuGetExportTable"}  # written in C (trace.c)

@@ -1079,13 +1079,21 @@ class CudaBackend(CudaDriverCalls):
         """The driver's cuEventCreate, cuEventRecord, cuEventRecordWithFlags, cuStreamWaitEvent and
         cuEventDestroy_v2, by the exact symbols the Python path calls, for the native loop
         (worker/native_loop.py's EventEntries; 0 where the driver lacks one: it stays in Python)."""
-        def address(name: str) -> int:
-            try:
-                return int(ctypes.cast(getattr(self.lib, name), c_void_p).value or 0)
-            except AttributeError:
-                return 0
+        address = self._entry
         return (address("cuEventCreate"), address("cuEventRecord"), address("cuEventRecordWithFlags"),
                 address("cuStreamWaitEvent"), address("cuEventDestroy_v2"))
+
+    def copy_entries(self) -> tuple[int, int]:
+        """The driver's cuMemcpyDtoHAsync_v2 and cuStreamIsCapturing, for the native loop's small
+        device-to-host copies (worker/native_loop.py's CopyEntries; 0: they stay in Python)."""
+        return self._entry("cuMemcpyDtoHAsync_v2"), self._entry("cuStreamIsCapturing")
+
+    def _entry(self, name: str) -> int:
+        """The address of the driver's `name`, by exact symbol; 0 where the driver lacks it."""
+        try:
+            return int(ctypes.cast(getattr(self.lib, name), c_void_p).value or 0)
+        except AttributeError:
+            return 0
 
     def launch_fast(self, f: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shmem: int, stream: int,
                     address: int, argsize: int) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import socket
+import time
 
 from rgpu.remoting.datapath import protocol
 from rgpu.units import format_bytes, parse_size
@@ -23,6 +24,26 @@ def worker_max_frame() -> int:
     if not text:
         return WORKER_MAX_FRAME
     return min(parse_size(text, "RGPU_WORKER_MAX_FRAME", component="worker"), protocol.MAX_FRAME)
+
+
+# How long the worker polls its socket before it sleeps in recv, in microseconds
+# (`RGPU_WORKER_SPIN_US` in the dispatcher's environment; 0: never poll). The next frame of a
+# busy session (the copy after a launch, the next step's first call) often arrives within tens of
+# microseconds, and a thread woken from recv pays several more on loopback or a fast network:
+# the `tensor.item()` pattern waits for that twice per call. An idle session costs one such poll.
+# Only where the worker may use SPIN_MIN_CPUS or more CPUs: on fewer, a polling worker takes the
+# CPU its own client (or another session) needs, and every call gets slower.
+WORKER_SPIN_US = 50
+SPIN_MIN_CPUS = 4
+
+
+def worker_spin_ns() -> int:
+    text = os.environ.get("RGPU_WORKER_SPIN_US", "").strip()
+    try:
+        us = int(text) if text else (WORKER_SPIN_US if len(os.sched_getaffinity(0)) >= SPIN_MIN_CPUS else 0)
+    except ValueError:
+        us = WORKER_SPIN_US
+    return max(0, min(us, 10_000)) * 1000
 
 
 class FrameTooLarge(Exception):
@@ -61,6 +82,7 @@ class FrameReader:
         self.spill = bytearray()
         # The stream offset of the buffer's first byte (a waiting host node scans each frame once).
         self.origin = 0
+        self.spin_ns = worker_spin_ns()
 
     def _recv(self, view: memoryview, n: int) -> int:
         if self.spill:
@@ -68,6 +90,18 @@ class FrameReader:
             view[:k] = self.spill[:k]
             del self.spill[:k]
             return k
+        if self.spin_ns:
+            clock = time.perf_counter_ns
+            deadline = 0
+            while True:
+                try:
+                    return self.sock.recv_into(view, n, socket.MSG_DONTWAIT)
+                except (BlockingIOError, InterruptedError):
+                    now = clock()
+                    if not deadline:
+                        deadline = now + self.spin_ns
+                    elif now >= deadline:
+                        break
         return self.sock.recv_into(view, n)
 
     def _fill(self, need: int) -> None:

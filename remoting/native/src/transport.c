@@ -5,6 +5,8 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -465,10 +467,41 @@ static int host_call(rgpu_session *s, uint32_t seq, uint64_t id, int32_t status,
     return 0;
 }
 
+/* How long a synchronous call polls for its reply before it sleeps in recv (RGPU_REPLY_SPIN_US;
+ * 0: never poll). A small call's reply (`tensor.item()`, a query) comes back within tens of
+ * microseconds, and waking a thread that slept for it costs several more on loopback or a fast
+ * network; the application's thread is waiting for the reply anyway, as CUDA's own
+ * synchronisation spins before it yields. By default 50 us where the process may use 4 CPUs or
+ * more (on fewer, a polling client takes the CPU that a worker on the same host needs). */
+static long reply_spin_ns(void) {
+    static long ns = -1;
+    if (ns < 0) {
+        const char *v = getenv("RGPU_REPLY_SPIN_US");
+        cpu_set_t cpus;
+        long fallback = sched_getaffinity(0, sizeof cpus, &cpus) == 0 && CPU_COUNT(&cpus) >= 4 ? 50 : 0;
+        long us = v && *v ? strtol(v, NULL, 10) : fallback;
+        ns = us < 0 ? 0 : us > 10000 ? 10000000 : us * 1000;
+    }
+    return ns;
+}
+
+static void spin_for_reply(int fd) {
+    long budget = reply_spin_ns();
+    if (!budget) return;
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    do {
+        if (poll(&p, 1, 0) != 0) return;   /* readable, or an error recv will report */
+        clock_gettime(CLOCK_MONOTONIC, &t);
+    } while ((t.tv_sec - t0.tv_sec) * 1000000000L + (t.tv_nsec - t0.tv_nsec) < budget);
+}
+
 static CUresult sync_wait(rgpu_call *c, rgpu_session *s, uint32_t want_seq) {
     if (flush_locked(s)) return CUDA_ERROR_DEVICE_UNAVAILABLE;
     for (;;) {
         uint8_t h[RGPU_HEADER_SIZE];
+        spin_for_reply(s->fd);
         if (recv_all(s->fd, h, sizeof h)) {
             session_fail(s, errno == ECONNRESET ? "connection closed by the server" : strerror(errno));
             return CUDA_ERROR_DEVICE_UNAVAILABLE;
