@@ -86,7 +86,7 @@ def loop(library: str, driver: CopyDriver, sock: socket.socket, launches: Record
     launches = launches or RecordingDriver()
     native = admitting(NativeLaunches(library, launches.entry, None, driver.entries, sock.fileno()), 0xF00)
     native.set_stream(STREAM, 0x5000)
-    native.keep = launches   # type: ignore[attr-defined]   (the callback must outlive the loop)
+    native.keep = (launches, driver)   # type: ignore[attr-defined]   (the callbacks must outlive the loop)
     return native
 
 

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "rgpu_client.h"
+#include "rgpu_frame.h"
 #include "ucx_link.h"
 
 rgpu_session rgpu_sessions[RGPU_MAX_SESSIONS];
@@ -266,15 +267,6 @@ static void wake_flusher(void) {
 
 /* ------------------------------------------------------------------ frames */
 
-static void put_header(uint8_t *h, uint32_t len, uint16_t op, uint16_t flags, uint32_t seq,
-                       uint32_t aux, uint64_t ctx) {
-    memcpy(h, &len, 4);
-    memcpy(h + 4, &op, 2);
-    memcpy(h + 6, &flags, 2);
-    memcpy(h + 8, &seq, 4);
-    memcpy(h + 12, &aux, 4);
-    memcpy(h + 16, &ctx, 8);
-}
 
 /* The worker makes this context current before running the call (0: none). The CUDA
  * library overrides it; NVML sessions have no contexts. */
@@ -324,7 +316,7 @@ CUresult rgpu_begin_session(rgpu_call *c, uint16_t op, int session) {
     c->s = s;
     c->op = op;
     c->frame_start = s->slen;
-    put_header(s->sbuf + s->slen, 0, op, 0, ++s->seq, 0, rgpu_header_ctx(session));
+    rgpu_put_header(s->sbuf + s->slen, 0, op, 0, ++s->seq, 0, rgpu_header_ctx(session));
     s->slen += RGPU_HEADER_SIZE;
     return CUDA_SUCCESS;
 }
@@ -456,7 +448,7 @@ static int host_call(rgpu_session *s, uint32_t seq, uint64_t id, int32_t status,
                  "registered (refused; the graph goes on without it; check that client and server run the same "
                  "rgpu version)", s->server, (unsigned long long)id);
     uint8_t h[RGPU_HEADER_SIZE];
-    put_header(h, (uint32_t)outlen, RGPU_OP_HOST_DONE, 0, seq,
+    rgpu_put_header(h, (uint32_t)outlen, RGPU_OP_HOST_DONE, 0, seq,
                ran < 0 ? RGPU_HOST_DONE_UNKNOWN_ID : RGPU_HOST_DONE_RAN, 0);
     int failed = send_all(s->fd, h, sizeof h) || (outlen && send_all(s->fd, out, outlen));
     free(out);
@@ -703,7 +695,7 @@ static void hello_frame(rgpu_session *s, int flags, uint8_t **out, size_t *outle
     uint32_t version = RGPU_PROTOCOL_VERSION, fl = (uint32_t)flags;
     size_t plen = 4 + 4 + 4 + 4 + tl + 4 + ilen;
     uint8_t *f = malloc(RGPU_HEADER_SIZE + plen);
-    put_header(f, (uint32_t)plen, RGPU_OP_HELLO, 0, 0, 0, 0);
+    rgpu_put_header(f, (uint32_t)plen, RGPU_OP_HELLO, 0, 0, 0, 0);
     uint8_t *b = f + RGPU_HEADER_SIZE;
     memcpy(b, "RGPU", 4);
     memcpy(b + 4, &version, 4);
@@ -1052,7 +1044,7 @@ void rgpu_say_goodbye(void) {
         rgpu_session *s = &rgpu_sessions[i];
         if (pthread_mutex_trylock(&s->lock)) continue;
         if (!s->dead && reserve(s, RGPU_HEADER_SIZE) == 0) {
-            put_header(s->sbuf + s->slen, 0, RGPU_OP_BYE, 0, ++s->seq, 0, 0);
+            rgpu_put_header(s->sbuf + s->slen, 0, RGPU_OP_BYE, 0, ++s->seq, 0, 0);
             s->slen += RGPU_HEADER_SIZE;
             flush_locked(s);
         }

@@ -20,24 +20,13 @@
 #include <sys/socket.h>
 #include <sys/uio.h>
 
+#include "rgpu_frame.h"
 #include "worker_loop.h"
 
-#define HEADER_SIZE 24u
+#define HEADER_SIZE RGPU_FRAME_HEADER_SIZE
 #define COPY_SIZE 24u   /* u64 device address, u64 stream, u64 size */
 #define OP_REPLY 4u
 #define OP_DATA 5u
-
-static void header(uint8_t *h, uint32_t len, uint16_t op, uint32_t seq) {
-    uint16_t flags = 0;
-    uint32_t aux = 0;
-    uint64_t ctx = 0;
-    memcpy(h, &len, 4);
-    memcpy(h + 4, &op, 2);
-    memcpy(h + 6, &flags, 2);
-    memcpy(h + 8, &seq, 4);
-    memcpy(h + 12, &aux, 4);
-    memcpy(h + 16, &ctx, 8);
-}
 
 /* All of iov[0, n) on sock, whether the socket blocks or not (Python's socket timeouts make it
  * non-blocking underneath). 0, or the errno that ended the session. */
@@ -86,8 +75,8 @@ int rgpu_small_dtoh(rgpu_loop *L, const uint8_t *p, uint32_t len, uint32_t seq) 
     }
     uint8_t data_header[HEADER_SIZE], reply[HEADER_SIZE + 4];
     int32_t ok = 0;
-    header(data_header, (uint32_t)size, OP_DATA, 0);
-    header(reply, 4, OP_REPLY, seq);
+    rgpu_put_header(data_header, (uint32_t)size, OP_DATA, 0, 0, 0, 0);
+    rgpu_put_header(reply, 4, OP_REPLY, 0, seq, 0, 0);
     memcpy(reply + HEADER_SIZE, &ok, 4);
     struct iovec iov[3] = {{data_header, HEADER_SIZE}, {L->dtoh_buf, (size_t)size}, {reply, sizeof reply}};
     L->send_errno = send_all(L->sock, iov, 3);
