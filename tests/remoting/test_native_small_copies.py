@@ -188,17 +188,12 @@ def test_a_copy_larger_than_the_socket_buffer_is_sent_whole_on_a_non_blocking_so
 
 # ------------------------------------------------------------------------- real function pointers
 
-@pytest.mark.parametrize("spin_us", ["0", "100"])
-def test_item_pattern_through_the_chained_real_gpu_backend_is_answered_in_c(
-        native_libs: build.Libraries, chained: Server, tmp_path: Path,  # noqa: F811
-        monkeypatch: pytest.MonkeyPatch, spin_us: str) -> None:
-    # backends/cuda.py hands the C loop rgpu's own libcuda's cuMemcpyDtoHAsync_v2 (talking to an
-    # emulated worker): many small reads of values that change, a large one (Python's chunked
-    # path), and a bad address whose error reaches the application at the copy; with the client
-    # and the worker polling for their next frame (as on a GPU node with many CPUs) and without.
-    monkeypatch.setenv("RGPU_WORKER_PROFILE", str(tmp_path))
-    monkeypatch.setenv("RGPU_WORKER_SPIN_US", spin_us)
-    done = run_client(native_libs, chained.slices(chained.token(memory_limit=1 << 30)), [PY, "-c", textwrap.dedent(f"""
+def item_program(reads: int, big: int = 1 << 20) -> str:
+    """A program doing what `tensor.item()` does `reads` times on values that change, then one
+    `big` read (Python's chunked path past 64 KiB), a read from an address no allocation holds (its
+    error must reach the application at the copy) and one more good read. Prints
+    "BAD <wrong values> BIG <bool> WILD <code> AFTER <bool>"."""
+    return textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(HERE)!r})
         from ctcuda import *
         setup()
@@ -207,25 +202,46 @@ def test_item_pattern_through_the_chained_real_gpu_backend_is_answered_in_c(
         check("cuStreamCreate", ctypes.byref(stream), 1)
         value = ctypes.c_uint32(0)
         bad = 0
-        for i in range(60):
-            check("cuMemsetD32Async", ctypes.c_uint64(p), i * 7 + 1, ctypes.c_size_t(4), stream)
-            check("cuMemcpyDtoHAsync_v2", ctypes.byref(value), ctypes.c_uint64(p), ctypes.c_size_t(4), stream)
+        for i in range({reads}):
+            at = ctypes.c_uint64(p + 4 * (i % 7))
+            check("cuMemsetD32Async", at, i * 7 + 1, ctypes.c_size_t(1), stream)
+            check("cuMemcpyDtoHAsync_v2", ctypes.byref(value), at, ctypes.c_size_t(4), stream)
             check("cuStreamSynchronize", stream)
             bad += value.value != i * 7 + 1
-        big = ctypes.create_string_buffer(1 << 20)
-        check("cuMemsetD8Async", ctypes.c_uint64(p), 0x5A, ctypes.c_size_t(1 << 20), stream)
-        check("cuMemcpyDtoHAsync_v2", big, ctypes.c_uint64(p), ctypes.c_size_t(1 << 20), stream)
+        big = ctypes.create_string_buffer({big})
+        check("cuMemsetD8Async", ctypes.c_uint64(p), 0x5A, ctypes.c_size_t({big}), stream)
+        check("cuMemcpyDtoHAsync_v2", big, ctypes.c_uint64(p), ctypes.c_size_t({big}), stream)
         check("cuStreamSynchronize", stream)
-        print("BAD", bad, "BIG", big.raw == b"\\x5a" * (1 << 20))
-        code = lib.cuMemcpyDtoHAsync_v2(ctypes.byref(value), ctypes.c_uint64(0x10), ctypes.c_size_t(4), stream)
-        print("WILD", code)
-        """)], RGPU_REPLY_SPIN_US=spin_us)
-    assert "BAD 0 BIG True" in done.stdout, done.stdout + done.stderr
-    wild = int(done.stdout.split("WILD")[1].split()[0])
-    assert wild != 0, done.stdout
+        wild = lib.cuMemcpyDtoHAsync_v2(ctypes.byref(value), ctypes.c_uint64(0x10), ctypes.c_size_t(4), stream)
+        check("cuMemsetD32Async", ctypes.c_uint64(p), 99, ctypes.c_size_t(1), stream)
+        check("cuMemcpyDtoHAsync_v2", ctypes.byref(value), ctypes.c_uint64(p), ctypes.c_size_t(4), stream)
+        check("cuStreamSynchronize", stream)
+        print("BAD", bad, "BIG", big.raw == b"\\x5a" * {big}, "WILD", wild, "AFTER", value.value == 99)
+        """)
+
+
+def copies_answered_in_c(profiles: Path, want: int) -> int:
+    """Small copies the C loop answered, from the workers' profiles (RGPU_WORKER_PROFILE), waiting
+    up to 20 s for `want` (a worker writes its profile when its session ends)."""
     deadline = time.monotonic() + 20
     answered = 0
-    while time.monotonic() < deadline and answered < 60:
-        answered = sum(json.loads(p.read_text()).get("native_small_dtoh", 0) for p in tmp_path.glob("worker-*.json"))
+    while time.monotonic() < deadline and answered < want:
+        answered = sum(json.loads(p.read_text()).get("native_small_dtoh", 0) for p in profiles.glob("worker-*.json"))
         time.sleep(0.1)
-    assert answered >= 60
+    return answered
+
+
+@pytest.mark.parametrize("spin_us", ["0", "100"])
+def test_item_pattern_through_the_chained_real_gpu_backend_is_answered_in_c(
+        native_libs: build.Libraries, chained: Server, tmp_path: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch, spin_us: str) -> None:
+    # backends/cuda.py hands the C loop rgpu's own libcuda's cuMemcpyDtoHAsync_v2 (talking to an
+    # emulated worker); with the client and the worker polling for their next frame (as on a GPU
+    # node with many CPUs) and without.
+    monkeypatch.setenv("RGPU_WORKER_PROFILE", str(tmp_path))
+    monkeypatch.setenv("RGPU_WORKER_SPIN_US", spin_us)
+    done = run_client(native_libs, chained.slices(chained.token(memory_limit=1 << 30)), [PY, "-c", item_program(60)],
+                      RGPU_REPLY_SPIN_US=spin_us)
+    assert "BAD 0 BIG True" in done.stdout and "AFTER True" in done.stdout, done.stdout + done.stderr
+    assert int(done.stdout.split("WILD")[1].split()[0]) != 0, done.stdout
+    assert copies_answered_in_c(tmp_path, 61) >= 61
