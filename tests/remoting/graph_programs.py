@@ -212,9 +212,24 @@ p = params(0, "Q7I4xQQQQ", fn.value, 1, 1, 1, 64, 1, 1, 0, ctypes.addressof(argv
 code, kn = add(gk, [], p)
 print("KERNELNODE", code, node_type(kn) if code == 0 else None)
 
+# Event wait and record nodes name the application's events; a recorded one is then known recorded.
+e1, e2 = V(), V()
+check("cuEventCreate", byref(e1), 0)
+check("cuEventCreate", byref(e2), 0)
+ge = new_graph()
+code_w, wn = add(ge, [], params(6, "Q", e1.value))
+code_r, rn = add(ge, [wn], params(7, "Q", e2.value))
+print("EVENTNODES", code_w, node_type(wn), code_r, node_type(rn))
+check("cuEventRecord", e1, s)
+ms = ctypes.c_float()
+print("BEFORE", call("cuEventElapsedTime", byref(ms), e1, e2))     # e2 never recorded yet
+launch(ge)
+print("AFTER", call("cuEventElapsedTime", byref(ms), e1, e2), ms.value >= 0, call("cuEventQuery", e2))
+print("ERR_EVENT_NULL", add(ge, [], params(7, "Q", 0))[0])
+
 # What rgpu does not carry is refused, never built differently.
 print("ERR_PORT", add(g, [results["empty"][1]], params(5), edges=(c_uint64 * 1)(1))[0])
-print("ERR_EVENT", add(g, [], params(7, "Q", 0))[0])
+print("ERR_SEMAPHORE", add(g, [], params(8))[0])
 print("ERR_CONDITIONAL", add(g, [], params(13))[0])
 p = params(5)
 struct.pack_into("<i", p, 4, 1)
@@ -237,7 +252,11 @@ def expect_generic_nodes(out: str, err: str) -> None:
     assert "FREENODE 0" in out
     assert "KERNELNODE 0 0" in out
     assert "ERR_PORT 801" in out                # CUDA_ERROR_NOT_SUPPORTED, with its line
-    assert "ERR_EVENT 801" in out
+    assert "EVENTNODES 0 6 0 7" in out           # CU_GRAPH_NODE_TYPE_WAIT_EVENT, _EVENT_RECORD
+    assert "BEFORE 400" in out                  # CUDA_ERROR_INVALID_HANDLE: not recorded yet
+    assert "AFTER 0 True 0" in out
+    assert "ERR_EVENT_NULL 1" in out
+    assert "ERR_SEMAPHORE 801" in out
     assert "ERR_CONDITIONAL 801" in out
     assert "ERR_RESERVED 1" in out
     assert "ERR_NULL 1" in out
@@ -247,7 +266,7 @@ def expect_generic_nodes(out: str, err: str) -> None:
 def expect_generic_refusals_said_why(err: str) -> None:
     """rgpu's own lines (only through rgpu: NVIDIA's driver builds these nodes)."""
     assert "rgpu: client: cuGraphAddNode_v2: dependencies with edge data are not remoted yet" in err, err
-    assert "rgpu: client: cuGraphAddNode_v2: event record nodes (type 7) are not remoted yet" in err
+    assert "rgpu: client: cuGraphAddNode_v2: external semaphore signal nodes (type 8) are not remoted yet" in err
     assert "rgpu: client: cuGraphAddNode_v2: conditional nodes (type 13) are not remoted yet" in err
 
 

@@ -601,6 +601,12 @@ class CudaBackend(CudaDriverCalls):
             r = fn(*head, child or None)
             if r != SUCCESS:
                 raise CudaError(r)
+        elif kind in (9, 10):   # an event record or wait node (the worker's event)
+            (event,) = struct.unpack_from("<Q", payload, 0)
+            name = "cuGraphAddEventRecordNode" if kind == 9 else "cuGraphAddEventWaitNode"
+            r = self._late_fn(name, [P(c_void_p), c_void_p, c_void_p, c_size_t, c_void_p])(*head, event or None)
+            if r != SUCCESS:
+                raise CudaError(r)
         elif kind == 6:   # a 1D copy with a host side: through a pinned buffer of this worker's
             to_host, _, dev, size, ctx = struct.unpack_from("<IIQQQ", payload, 0)
             aux = self._graph_host_buffer(size)

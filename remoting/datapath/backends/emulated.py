@@ -266,7 +266,7 @@ class _Handles:
 
 
 # CUgraphNodeType of the node kinds rgpuGraphAddNode builds (cuda_graph.c's NODE_*).
-_NODE_TYPES = {0: 5, 1: 0, 2: 2, 3: 1, 4: 10, 5: 11, 6: 1, 7: 3, 8: 4}
+_NODE_TYPES = {0: 5, 1: 0, 2: 2, 3: 1, 4: 10, 5: 11, 6: 1, 7: 3, 8: 4, 9: 7, 10: 6}
 NODE_TYPE_HOST = 3
 NODE_TYPE_MEMSET, NODE_TYPE_MEMCPY = 2, 1
 
@@ -1416,6 +1416,12 @@ class EmulatedBackend:
             node = self.handles.new()
             op = self.host_nodes[node] = _HostNode(self, node, struct.unpack_from("<Q", payload, 0)[0],
                                                    self.graph_regions.setdefault(graph, []))
+        elif kind in (9, 10):   # event record and wait nodes (the emulated device runs in order: a wait has nothing to do)
+            (event,) = struct.unpack_from("<Q", payload, 0)
+            if event not in self.events:
+                raise CudaError(INVALID_HANDLE)
+            if kind == 9:
+                op = lambda: self.cuEventRecord(event, 0)  # noqa: E731
         elif kind == 8:   # a child graph, cloned into the node as CUDA clones it
             (child,) = struct.unpack_from("<Q", payload, 0)
             code, owned = self.cuGraphClone(child)

@@ -718,6 +718,9 @@ class Handlers:
             self.hostcalls.active = True
         if kind == 0 and plen >= 8:   # a kernel node: its kernel's local memory, as at a launch
             self._admit(U64.unpack_from(payload, 0)[0])
+        if kind in (9, 10):   # an event record or wait node: the client's event, mapped to the driver's
+            name = "cuGraphAddEventRecordNode" if kind == 9 else "cuGraphAddEventWaitNode"
+            payload = U64.pack(self.client_events.real(U64.unpack_from(payload, 0)[0], name))
         if kind == 4:   # a graph memory allocation: counted against the slice while its node exists
             (size,) = U64.unpack_from(payload, 88)
             assert self.memory is not None

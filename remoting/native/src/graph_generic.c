@@ -11,6 +11,8 @@
 #include "rgpu_client.h"
 #include "cuda_protos.h"
 
+enum { NODE_EVENT_RECORD = 9, NODE_EVENT_WAIT = 10 };   /* rgpuGraphAddNode's kinds (cuda_graph.c's NODE_*) */
+
 enum {
     TYPE_KERNEL = 0, TYPE_MEMCPY = 1, TYPE_MEMSET = 2, TYPE_HOST = 3, TYPE_GRAPH = 4, TYPE_EMPTY = 5,
     TYPE_WAIT_EVENT = 6, TYPE_EVENT_RECORD = 7, TYPE_MEM_ALLOC = 10, TYPE_MEM_FREE = 11,
@@ -34,6 +36,30 @@ static CUresult refuse_edges(const char *call) {
     rgpu_log(1, "%s: dependencies with edge data are not remoted yet (programmatic and launch-order ports; "
              "pass NULL or all-zero edge data for full dependencies)", call);
     return CUDA_ERROR_NOT_SUPPORTED;
+}
+
+/* Event nodes: the event is this process's handle (the worker maps it, cuda_events.c); one that a
+ * node records is always asked about afterwards, since only the worker knows when the graph ran. */
+static CUresult add_event_node(uint32_t kind, CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *deps,
+                               size_t ndeps, CUevent event) {
+    if (!event) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = rgpu_event_check(event);
+    if (r != CUDA_SUCCESS) return r;
+    if (kind == NODE_EVENT_RECORD) rgpu_event_in_graph(event);
+    uint64_t e = (uint64_t)(uintptr_t)event;
+    return rgpu_graph_add_node(kind, phGraphNode, hGraph, deps, ndeps, &e, 8, NULL);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphAddEventRecordNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                                       const CUgraphNode *dependencies, size_t numDependencies,
+                                                       CUevent event) {
+    return add_event_node(NODE_EVENT_RECORD, phGraphNode, hGraph, dependencies, numDependencies, event);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphAddEventWaitNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                                     const CUgraphNode *dependencies, size_t numDependencies,
+                                                     CUevent event) {
+    return add_event_node(NODE_EVENT_WAIT, phGraphNode, hGraph, dependencies, numDependencies, event);
 }
 
 static CUresult add_generic(const char *call, CUgraphNode *phGraphNode, CUgraph hGraph, const CUgraphNode *deps,
@@ -65,6 +91,10 @@ static CUresult add_generic(const char *call, CUgraphNode *phGraphNode, CUgraph 
             return CUDA_ERROR_NOT_SUPPORTED;
         }
         return cuGraphAddChildGraphNode(phGraphNode, hGraph, deps, ndeps, p->u.graph.graph);
+    case TYPE_EVENT_RECORD:
+        return cuGraphAddEventRecordNode(phGraphNode, hGraph, deps, ndeps, p->u.event.event);
+    case TYPE_WAIT_EVENT:
+        return cuGraphAddEventWaitNode(phGraphNode, hGraph, deps, ndeps, p->u.event.event);
     case TYPE_MEM_ALLOC:
         return cuGraphAddMemAllocNode(phGraphNode, hGraph, deps, ndeps, &p->u.alloc);
     case TYPE_MEM_FREE:
@@ -74,8 +104,7 @@ static CUresult add_generic(const char *call, CUgraphNode *phGraphNode, CUgraph 
     }
     int known = p->type >= 0 && p->type < (int)(sizeof TYPE_NAMES / sizeof *TYPE_NAMES);
     rgpu_log(1, "%s: %s nodes (type %d) are not remoted yet (rgpu builds empty, kernel, memcpy, memset, host, child "
-             "graph, memory allocation and memory free nodes; event nodes can be captured with cuEventRecord and "
-             "cuStreamWaitEvent on a capturing stream)", call, known ? TYPE_NAMES[p->type] : "unknown", p->type);
+             "graph, event record and wait, memory allocation and memory free nodes)", call, known ? TYPE_NAMES[p->type] : "unknown", p->type);
     return CUDA_ERROR_NOT_SUPPORTED;
 }
 
