@@ -221,6 +221,7 @@ code_w, wn = add(ge, [], params(6, "Q", e1.value))
 code_r, rn = add(ge, [wn], params(7, "Q", e2.value))
 print("EVENTNODES", code_w, node_type(wn), code_r, node_type(rn))
 check("cuEventRecord", e1, s)
+check("cuStreamSynchronize", s)                                   # e1 complete: only e2 is in question
 ms = ctypes.c_float()
 print("BEFORE", call("cuEventElapsedTime", byref(ms), e1, e2))     # e2 never recorded yet
 launch(ge)
@@ -235,6 +236,7 @@ p = params(5)
 struct.pack_into("<i", p, 4, 1)
 print("ERR_RESERVED", add(g, [], p)[0])
 print("ERR_NULL", call("cuGraphAddNode_v2", byref(V()), g, None, None, c_size_t(0), None))
+print("ERR_FOREIGN_DEP", add(g, [memset_node(child, [], a + 576, 1, 4)], params(5))[0])
 print("DONE")
 """
 
@@ -260,6 +262,7 @@ def expect_generic_nodes(out: str, err: str) -> None:
     assert "ERR_CONDITIONAL 801" in out
     assert "ERR_RESERVED 1" in out
     assert "ERR_NULL 1" in out
+    assert "ERR_FOREIGN_DEP 1" in out
     assert "DONE" in out
 
 
@@ -293,6 +296,9 @@ print("RUN", words(a, 1)[0], words(a + 60, 2), words(b, 1)[0], words(b + 252, 1)
 
 # Errors CUDA documents for a bad graph, and edge data rgpu does not carry.
 print("ERR_NULL_GRAPH", call("cuStreamBeginCaptureToGraph", s, None, None, None, c_size_t(0), 2))
+elsewhere = new_graph()
+foreign = memset_node(elsewhere, [], a + 3072, 4, 4)
+print("ERR_FOREIGN_DEP", call("cuStreamBeginCaptureToGraph", s, g, deps_of([foreign]), None, c_size_t(1), 2))
 edge = (c_uint64 * 1)(1)
 print("ERR_PORT", call("cuStreamBeginCaptureToGraph", s, g, deps_of([A]), edge, c_size_t(1), 2))
 st = ctypes.c_int(9)
@@ -313,6 +319,7 @@ def expect_capture_to_graph(out: str) -> None:
     assert "NODES 4 ROOTS 2 True" in out
     assert "RUN 3 [3, 1] 3 1 2" in out
     assert "ERR_NULL_GRAPH 1" in out
+    assert "ERR_FOREIGN_DEP 1" in out           # a dependency that is not a node of the graph
     assert "NOTCAPTURING 0" in out
     assert "AGAIN 5 3" in out                   # no dependencies given: a new root
     assert "DONE" in out
