@@ -5,6 +5,7 @@ async operations. Generated handlers live in api_gen; the dispatch table is in l
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import struct
@@ -32,6 +33,8 @@ from rgpu.remoting.datapath.worker.module_footprint import ImageFootprints, Imag
 from rgpu.remoting.datapath.worker.native_loop import NativeLaunches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 from rgpu.units import format_bytes
+
+log = logging.getLogger("rgpu.worker")
 
 
 MAX_ARRAY_READ = 64 << 20
@@ -716,7 +719,7 @@ class Handlers:
         size = 0
         if kind == 7:   # a host node: from now on the loop lends its reader while handlers run
             self.hostcalls.active = True
-        if kind == 0 and plen >= 8:   # a kernel node: its kernel's local memory, as at a launch
+        if kind == 1 and plen >= 8:   # a kernel node (cuda_graph.c's NODE_KERNEL): its kernel's local memory, as at a launch
             self._admit(U64.unpack_from(payload, 0)[0])
         if kind in (9, 10):   # an event record or wait node: the client's event, mapped to the driver's
             name = "cuGraphAddEventRecordNode" if kind == 9 else "cuGraphAddEventWaitNode"
