@@ -8,7 +8,8 @@ requeues it. So the pool admits rgpu jobs before Slurm may start them:
 - job_submit.lua submits every rgpu job held (priority 0; Slurm shows reason JobHeldUser) and
   marked: its admin comment is `<record> | rgpu: waiting: ...`;
 - `start_waiting_jobs` (run by the pool's reconciler on every pass, and at once when a lease
-  ends: one thread, so two admissions never share out the same room) releases the marked held jobs the pool can place now, oldest
+  ends: one thread, and one daemon of the pool at a time (PoolCore.admitting), so two admissions
+  never share out the same room) releases the marked held jobs the pool can place now, oldest
   first, each counted against the free room *after* the room of the jobs already released but not
   yet holding their leases (pending, or in PrologSlurmctld), so none is started only to fail; the
   mark goes with the hold (so a later `scontrol hold` of the job is its owner's to release);
@@ -262,25 +263,27 @@ def clear_mark(job_id: int, admin_comment: str, *, env: Mapping[str, str] | None
 
 def start_waiting_jobs(jobs: Sequence[Any], gpu_statuses: Iterable[Any], log: logging.Logger | logging.LoggerAdapter[Any],
                        *, leases: Iterable[Any] = (), fits: Callable[[list[LeaseRequest]], bool] | None = None,
-                       env: Mapping[str, str] | None = None, timeout: float = 4.0) -> list[int]:
+                       env: Mapping[str, str] | None = None, timeout: float = 4.0,
+                       scontrol: Callable[[list[str]], Any] | None = None) -> list[int]:
     """Release (or StartTime=now) every waiting job the pool can place now; returns their ids.
     Read `leases` before `gpu_statuses`: a lease made between the two reads is then counted twice
-    (a job waits one more pass), never not at all (a job started into room that is gone)."""
+    (a job waits one more pass), never not at all (a job started into room that is gone).
+    `scontrol(argv)` runs each command (default: run_command with `env` and `timeout`)."""
+    run = scontrol or (lambda argv: run_command(argv, env=env, timeout=timeout))
     started = []
     # The record alone, once released (PrologSlurmctld also removes a mark it finds).
     marked = {j.job_id: j.admin_comment.partition(RECORD_SEPARATOR)[0] for j in jobs if j.reason == ADMISSION_HOLD}
     for job_id, steps in jobs_to_start(jobs, gpu_statuses, leases, fits):
         try:
             for step in steps:
-                run_command(release_command(job_id) if step == RELEASE else start_command(job_id), env=env,
-                            timeout=timeout)
+                run(release_command(job_id) if step == RELEASE else start_command(job_id))
             started.append(job_id)
         except RgpuError as exc:
             log.warning("rgpu: slurm: could not start waiting job %s: %s", job_id, exc)
     for job_id in started:          # after every release, which is what the jobs wait for
         if job_id in marked:
             try:
-                run_command(mark_command(job_id, marked[job_id]), env=env, timeout=timeout)
+                run(mark_command(job_id, marked[job_id]))
             except RgpuError as exc:   # PrologSlurmctld removes a mark it finds
                 log.warning("rgpu: slurm: could not unmark released job %s: %s", job_id, exc)
     if started:
