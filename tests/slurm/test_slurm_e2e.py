@@ -150,6 +150,30 @@ def test_a_user_cannot_release_his_job_held_for_the_pool_and_the_pool_releases_i
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", f"{info}\n{diagnostics(h)}"
 
 
+def test_a_released_job_the_pool_cannot_place_is_held_again_before_slurm_starts_it(h: Harness) -> None:
+    """A job let go whose room went (here: an admin released it while every GPU is busy; in the
+    mixed batch: a lease that ended changed where the next slices go) is marked and given a user
+    hold again by the pool before Slurm starts it (it waits on the license), then released once it
+    fits, and runs without a requeue."""
+    blockers = [h.slurm.submit(["--gres=rgpu:2", "--comment=fraction=1"], "sleep 300\n", user=JOB_USER)
+                for _ in range(2)]
+    for job in blockers:
+        h.slurm.wait_job_state(job, "RUNNING", 30)
+    waiting = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.5"], "true\n", user=JOB_USER)
+    wait_until("the job to wait held", lambda: h.slurm.show_job(waiting).get("Reason") == "JobHeldUser" or None, 30)
+    h.slurm.command(["scontrol", "release", waiting])              # root: the job waits on the license now
+
+    def held_again() -> dict | None:
+        job = h.slurm.job_json(waiting)
+        assert job["job_state"] == "PENDING", f"the job left PENDING: {job}\n{diagnostics(h)}"
+        return job if job["state_reason"] == "JobHeldUser" and "| rgpu: waiting: held again" in job["admin_comment"] else None
+
+    wait_until("the pool to hold the job again", held_again, 20)
+    h.slurm.command(["scancel", blockers[0]])
+    info = finished(h, waiting, 60)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", f"{info}\n{diagnostics(h)}"
+
+
 # 3 -----------------------------------------------------------------------------------------------
 def test_scancel_releases_the_lease_within_seconds(h: Harness) -> None:
     job = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.25"], "sleep 300\n", user=JOB_USER)
