@@ -120,17 +120,23 @@ def test_demand_above_capacity_waits_held_by_rgpu_then_runs(h: Harness) -> None:
     assert all(h.slurm.show_job(j)["Restarts"] == "0" for j in jobs), "a job was requeued: the prolog failed"
 
 
-def test_a_user_cannot_release_his_job_held_for_the_pool_and_the_pool_releases_it(h: Harness) -> None:
-    """Slurm counts rgpu's hold as the user's own (JobHeldUser): `scontrol release` and `scontrol
-    update priority=` by the user reach job_submit.lua's job_modify, which refuses them for a marked
-    job; the job stays held and marked, and runs once the pool releases it (its scontrol runs as
-    root here, SlurmUser)."""
+def held_behind_a_full_pool(h: Harness) -> tuple[list[str], str]:
+    """Two jobs running on all 4 GPUs, and a half-GPU job held until the pool can place it."""
     blockers = [h.slurm.submit(["--gres=rgpu:2", "--comment=fraction=1"], "sleep 300\n", user=JOB_USER)
                 for _ in range(2)]
     for job in blockers:
         h.slurm.wait_job_state(job, "RUNNING", 30)
     waiting = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.5"], "true\n", user=JOB_USER)
     wait_until("the job to wait held", lambda: h.slurm.show_job(waiting).get("Reason") == "JobHeldUser" or None, 30)
+    return blockers, waiting
+
+
+def test_a_user_cannot_release_his_job_held_for_the_pool_and_the_pool_releases_it(h: Harness) -> None:
+    """Slurm counts rgpu's hold as the user's own (JobHeldUser): `scontrol release` and `scontrol
+    update priority=` by the user reach job_submit.lua's job_modify, which refuses them for a marked
+    job; the job stays held and marked, and runs once the pool releases it (its scontrol runs as
+    root here, SlurmUser)."""
+    blockers, waiting = held_behind_a_full_pool(h)
     uid = h.slurm.install.passwd_ids(JOB_USER)[0]
     for argv, priority in ((["scontrol", "release", waiting], "4294967295"),
                            (["scontrol", "update", f"jobid={waiting}", "priority=100"], "100")):
@@ -155,12 +161,7 @@ def test_a_released_job_the_pool_cannot_place_is_held_again_before_slurm_starts_
     mixed batch: a lease that ended changed where the next slices go) is marked and given a user
     hold again by the pool before Slurm starts it (it waits on the license), then released once it
     fits, and runs without a requeue."""
-    blockers = [h.slurm.submit(["--gres=rgpu:2", "--comment=fraction=1"], "sleep 300\n", user=JOB_USER)
-                for _ in range(2)]
-    for job in blockers:
-        h.slurm.wait_job_state(job, "RUNNING", 30)
-    waiting = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.5"], "true\n", user=JOB_USER)
-    wait_until("the job to wait held", lambda: h.slurm.show_job(waiting).get("Reason") == "JobHeldUser" or None, 30)
+    blockers, waiting = held_behind_a_full_pool(h)
     h.slurm.command(["scontrol", "release", waiting])              # root: the job waits on the license now
 
     def held_again() -> dict | None:
