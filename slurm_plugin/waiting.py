@@ -252,15 +252,24 @@ def jobs_to_start(jobs: Iterable[Any], gpu_statuses: Iterable[Any], leases: Iter
 
 def hold_again(job_id: int, record_text: str, run: Callable[[list[str]], Any],
                log: logging.Logger | logging.LoggerAdapter[Any]) -> bool:
-    """Mark, then hold (a user hold, which rgpu releases: the job waits as it was submitted).
-    False when Slurm started the job meanwhile (its PrologSlurmctld removes the mark)."""
+    """Mark, then hold (a user hold, which rgpu releases: the job waits as it was submitted; marked
+    first, so a held job always carries the mark). False when Slurm started the job meanwhile: the
+    mark is taken off again."""
     try:
         run(mark_command(job_id, waiting_comment(record_text, HELD_AGAIN)))
+    except RgpuError as exc:
+        log.warning("rgpu: slurm: could not mark released job %s to hold it again: %s", job_id, exc)
+        return False
+    try:
         run(user_hold_command(job_id))
         return True
     except RgpuError as exc:
         log.info("rgpu: slurm: could not hold released job %s again (started meanwhile?): %s", job_id, exc)
-        return False
+    try:
+        run(mark_command(job_id, record_text))
+    except RgpuError as exc:        # its PrologSlurmctld removes a mark it finds
+        log.warning("rgpu: slurm: could not unmark job %s: %s", job_id, exc)
+    return False
 
 
 HELD_AGAIN = "held again until the pool can place its slices (released, then its room went; rgpu-poold releases it once it fits)"

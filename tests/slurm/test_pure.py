@@ -462,8 +462,8 @@ def test_a_released_job_a_lease_end_left_without_room_is_held_again_before_it_st
 
 
 def test_a_job_held_again_is_marked_first_then_given_a_user_hold() -> None:
-    """Marked first: a job Slurm started meanwhile then fails only the hold (its PrologSlurmctld
-    removes the mark), and a held job always carries the mark rgpu releases it by."""
+    """Marked first, so a held job always carries the mark rgpu releases it by; a job Slurm started
+    meanwhile fails the hold and is unmarked again."""
     import logging
 
     from rgpu.errors import RgpuError
@@ -481,9 +481,11 @@ def test_a_job_held_again_is_marked_first_then_given_a_user_hold() -> None:
     started = start_waiting_jobs(jobs, [room_gpu(0)], logging.getLogger("test.waiting"), scontrol=scontrol,
                                  fits=lambda requests: len(requests) <= 0)
     assert started == []
-    assert [argv[:2] + argv[2:3] for argv in ran] == [["scontrol", "update", "jobid=2"], ["scontrol", "uhold", "2"],
-                                                      ["scontrol", "update", "jobid=1"], ["scontrol", "uhold", "1"]]
-    assert waiting_record(ran[2][3].split("=", 1)[1]) is not None      # the mark rgpu releases it by
+    assert [argv[:3] for argv in ran] == [["scontrol", "update", "jobid=2"], ["scontrol", "uhold", "2"],
+                                          ["scontrol", "update", "jobid=2"],     # started meanwhile: unmarked
+                                          ["scontrol", "update", "jobid=1"], ["scontrol", "uhold", "1"]]
+    assert ran[2][3] == f"admincomment={whole}"
+    assert waiting_record(ran[3][3].split("=", 1)[1]) is not None      # the mark rgpu releases it by
 
 
 def test_a_released_job_no_gpu_could_ever_serve_is_not_held_again_and_takes_no_room(tmp_path) -> None:  # type: ignore[no-untyped-def]
