@@ -45,6 +45,7 @@ from rgpu.remoting.datapath.perf import serve_perf
 from rgpu.remoting.datapath.transport import parse_peer_address, parse_transport
 from rgpu.remoting.datapath.usage import read_slice_stats
 from rgpu.remoting.datapath.worker.faults import EMULATED_MPS_FAULT, EMULATED_MPS_LOG, RELEASED, REPORTS, VERDICTS
+from rgpu.remoting.dispatcher.admission import Admission, SessionCaps, SessionLedger
 from rgpu.remoting.dispatcher.faults import SETTLE_S, FaultEvent, FaultReport, GpuView, SessionView, decide
 from rgpu.remoting.dispatcher.mps import MpsDaemon
 from rgpu.remoting.dispatcher.sharing import enforcement
@@ -71,9 +72,11 @@ class SessionRecord:
     ended_by: str = ""            # why the dispatcher ended it, if it did
     kill_at: float = 0.0          # monotonic time after which a worker the dispatcher ended gets SIGKILL
     sharing: str = "mps"
+    admission: Admission | None = field(default=None, repr=False, compare=False)
 
     def public(self) -> dict:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__ if name not in ("popen", "kill_at")}
+        return {name: getattr(self, name) for name in self.__dataclass_fields__
+                if name not in ("popen", "kill_at", "admission")}
 
 
 def worker_environment(base: os._Environ[str] | dict[str, str]) -> dict[str, str]:
@@ -167,7 +170,8 @@ class SessionServer:
     def __init__(self, *, listen_socket: socket.socket, advertised: str, gpus: list[GpuInfo], secret: bytes,
                  port_range: tuple[int, int], backend: str, log: logging.Logger,
                  front_door: FrontDoor | None = None, compute_lending: bool = False,
-                 image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES, transport: str | None = None) -> None:
+                 image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES, transport: str | None = None,
+                 caps: SessionCaps | None = None) -> None:
         if backend not in ("cuda", "emulated"):
             raise ValueError(f"unknown backend {backend!r} (cuda or emulated)")
         self.listen_socket = listen_socket
@@ -179,6 +183,9 @@ class SessionServer:
         self.log = log
         self.front_door = front_door or FrontDoor()
         self.max_handshakes = self.front_door.capped_by_open_files()
+        # Sessions per slice and kind, in all, and opens per slice (admission.py); under self._lock.
+        self.caps = caps or SessionCaps()
+        self._ledger = SessionLedger(self.caps)
         self._pending: dict[int, _Pending] = {}     # id(conn) -> handshake in progress, oldest first
         self._per_host: dict[str, int] = {}
         self._door_lock = threading.Lock()
@@ -363,6 +370,8 @@ class SessionServer:
             "front_door": {"hello_deadline_seconds": self.front_door.hello_deadline_s,
                            "max_handshakes": self.max_handshakes, "per_address": self.front_door.per_address,
                            "in_progress": len(self._pending), "dropped": dict(self._dropped)},
+            "caps": {"sessions_max": self.caps.sessions_max, "live": self._ledger.total,
+                     "perf_live": self._ledger.perf, "refused": dict(self._ledger.refused)},
         }
 
     # ------------------------------------------------------------------ accepting
@@ -554,20 +563,37 @@ class SessionServer:
             self._refuse(conn, peer, f"rgpu: session: GPU {gpu.index} ({gpu.uuid}) of {self.advertised} is recovering "
                          "from a GPU fault that ended the sessions sharing it under MPS (retry in a few seconds)")
             return
-        if hello.flags & protocol.HELLO_PERF:
-            self._serve_perf(conn, peer, claims)
+        kind = "perf" if hello.flags & protocol.HELLO_PERF else "nvml" if hello.flags & protocol.HELLO_NVML else "cuda"
+        key = (claims.job_key, claims.slice_number, claims.gpu_uuid)
+        probe = bool(hello.flags & protocol.HELLO_PROBE) and kind != "perf"
+        with self._lock:
+            admitted = self._ledger.take_open(key, time.monotonic()) if probe else \
+                self._ledger.admit(key, kind, time.monotonic())
+        if isinstance(admitted, str) and admitted:
+            self._refuse(conn, peer, admitted)
             return
-        mode = "nvml" if hello.flags & protocol.HELLO_NVML else "cuda"
-        if hello.flags & protocol.HELLO_PROBE:
+        if kind == "perf":
+            assert isinstance(admitted, Admission)
+            try:
+                self._serve_perf(conn, peer, claims)
+            finally:
+                with self._lock:
+                    self._ledger.release(admitted)
+            return
+        mode = kind
+        if probe:
             conn.sendall(protocol.encode_welcome(
                 driver_version=0, memory_limit_bytes=claims.memory_limit_bytes,
                 compute_percent=claims.compute_percent, flags=0,
                 description=f"{gpu.name} slice ready ({self.backend} backend, {self.gpu_enforcement(gpu)})"))
             conn.close()
             return
+        assert isinstance(admitted, Admission)
         try:
-            self._spawn(conn, peer, hello, claims, gpu, mode)
+            self._spawn(conn, peer, hello, claims, gpu, mode, admitted)
         except OSError as exc:
+            with self._lock:
+                self._ledger.release(admitted)
             self._refuse(conn, peer, f"rgpu: session: cannot start a worker ({exc}; check the dispatcher host)")
             return
         conn.close()  # the worker holds its own copy now
@@ -587,7 +613,7 @@ class SessionServer:
         conn.sendall(protocol.encode_welcome(
             driver_version=0, memory_limit_bytes=claims.memory_limit_bytes, compute_percent=claims.compute_percent,
             flags=protocol.WELCOME_PERF, description="perf session"))
-        moved = serve_perf(conn)
+        moved = serve_perf(conn, idle_s=self.caps.perf_idle_s)
         self.log.info("perf session from %s (job %s) moved %d bytes", peer, claims.job_key, moved)
 
     def _slice_dir(self, claims: tokens.SliceClaims) -> Path:
@@ -669,7 +695,7 @@ class SessionServer:
             shutil.rmtree(path, ignore_errors=True)
 
     def _spawn(self, conn: socket.socket, peer: str, hello: protocol.Hello, claims: tokens.SliceClaims,
-               gpu: GpuInfo, mode: str) -> None:
+               gpu: GpuInfo, mode: str, admission: Admission | None = None) -> None:
         conn.settimeout(None)
         spec = {
             "mode": mode, "backend": self.backend, "gpu_uuid": gpu.uuid, "gpu_index": gpu.index,
@@ -686,6 +712,7 @@ class SessionServer:
             "image_cache_dir": str(self.image_cache_dir), "image_cache_bytes": self.image_cache_bytes,
             "transport": self.transport, "ucx_library": self.ucx_library,
             "ucx_peer": parse_peer_address(hello.info).hex(),
+            "frame_stall_s": self.caps.frame_stall_s,
         }
         env = worker_environment(os.environ)
         env["RGPU_WORKER_SESSION"] = json.dumps(spec)
@@ -705,7 +732,7 @@ class SessionServer:
                             gpu_uuid=gpu.uuid, mode=mode, client=peer,
                             memory_limit_bytes=spec["memory_limit"], compute_percent=claims.compute_percent,
                             started_unix=time.time(), lease_issued_unix=claims.issued_unix, popen=popen,
-                            sharing=gpu.sharing)
+                            sharing=gpu.sharing, admission=admission)
         with self._lock:
             self._sessions[popen.pid] = rec
             self._stopped.discard(popen.pid)   # a recycled pid: this worker is new
@@ -849,6 +876,8 @@ class SessionServer:
                 for pid, rec in done:
                     del self._sessions[pid]
                     self._collect_traffic(rec)
+                    if rec.admission is not None:
+                        self._ledger.release(rec.admission)
             for pid, rec in done:
                 for sub in (VERDICTS, RELEASED):
                     (self.faults_dir / sub / str(pid)).unlink(missing_ok=True)
