@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from rgpu.errors import RgpuError
 from rgpu.remoting.datapath import protocol
 from tests.daemons import EXAMPLES, RgpuCluster
 from tests.test_dispatcher import wait_state
@@ -215,3 +216,86 @@ def test_a_frame_other_than_hello_and_a_huge_frame_are_refused_in_one_line(clust
     assert "expected HELLO" in _refusal_for(address, protocol.pack_frame(7, b"x"))
     huge = protocol.HEADER.pack(1 << 30, protocol.OP_HELLO, 0, 0, 0, 0)
     assert "larger than allowed" in _refusal_for(address, huge)
+
+
+class Neighbour:
+    """A user on the same CPU node (source 127.0.0.1, like the legitimate client): holds `count`
+    connections to the port, sending nothing (or a byte every 0.5 s with `trickle`), and opens a
+    new one whenever the dispatcher closes one."""
+
+    def __init__(self, port: int, count: int, trickle: bool = False) -> None:
+        self.port, self.count, self.trickle = port, count, trickle
+        self.sel = selectors.DefaultSelector()
+        self.reopened = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _open(self) -> None:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.setblocking(False)
+        try:
+            s.connect(("127.0.0.1", self.port))
+        except BlockingIOError:
+            pass
+        self.sel.register(s, selectors.EVENT_READ)
+
+    def _run(self) -> None:
+        for _ in range(self.count):
+            self._open()
+        last = time.monotonic()
+        while not self._stop.is_set():
+            for key, _ in self.sel.select(timeout=0.05):
+                try:
+                    if key.fileobj.recv(4096):   # type: ignore[union-attr]
+                        continue
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    pass
+                self.sel.unregister(key.fileobj)
+                key.fileobj.close()   # type: ignore[union-attr]
+                self.reopened += 1
+                self._open()
+            if self.trickle and time.monotonic() - last >= 0.5:
+                last = time.monotonic()
+                for key in list(self.sel.get_map().values()):
+                    try:
+                        key.fileobj.send(b"\x40")   # type: ignore[union-attr]
+                    except OSError:
+                        pass
+
+    def __enter__(self) -> "Neighbour":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        for key in list(self.sel.get_map().values()):
+            key.fileobj.close()   # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("trickle,sessions", [(False, 30), (True, 15)])
+def test_a_neighbours_idle_connections_do_not_lock_out_its_node(cluster: RgpuCluster, trickle: bool,
+                                                                sessions: int) -> None:
+    """Issue 26, MED 6: 20 connections from the same address as the legitimate client, held idle
+    (or trickling) and reopened as the dispatcher closes them, past the 16 slots of one address."""
+    _daemon, address, token = _up(cluster)
+    port = int(address.rsplit(":", 1)[1])
+    opened, failures = 0, []
+    with Neighbour(port, count=20, trickle=trickle) as neighbour:
+        time.sleep(DEADLINE + 1.0)        # the first wave has been closed at its deadline and reopened
+        for _ in range(sessions):
+            try:
+                sock, _welcome = protocol.handshake(address, token, timeout=10)
+            except RgpuError as exc:
+                failures.append(str(exc))
+                continue
+            opened += 1
+            sock.close()
+        reopened = neighbour.reopened
+    print(f"\nneighbour on 127.0.0.1 ({'trickling' if trickle else 'idle'}, 20 held, {reopened} reopened): "
+          f"{opened} of {sessions} sessions from 127.0.0.1 opened")
+    assert opened == sessions, failures[:3]
+    assert reopened >= 4, reopened       # the neighbour did hold the address's slots
