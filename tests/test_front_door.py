@@ -68,13 +68,16 @@ class Slowloris:
         n = self.opened
         self.opened += 1
         s = socket.socket()
-        s.bind((f"127.0.0.{2 + n % self.sources}", 0))
+        s.bind((self._source_address(n), 0))
         s.setblocking(False)
         try:
             s.connect(("127.0.0.1", self.port))
         except BlockingIOError:
             pass
         self.sel.register(s, selectors.EVENT_READ, [time.monotonic(), b""])
+
+    def _source_address(self, n: int) -> str:
+        return f"127.0.0.{2 + n % self.sources}"
 
     def held(self) -> int:
         return len(self.sel.get_map())
@@ -218,62 +221,12 @@ def test_a_frame_other_than_hello_and_a_huge_frame_are_refused_in_one_line(clust
     assert "larger than allowed" in _refusal_for(address, huge)
 
 
-class Neighbour:
-    """A user on the same CPU node (source 127.0.0.1, like the legitimate client): holds `count`
-    connections to the port, sending nothing (or a byte every 0.5 s with `trickle`), and opens a
-    new one whenever the dispatcher closes one."""
+class Neighbour(Slowloris):
+    """A user on the same CPU node: its connections come from 127.0.0.1, like the legitimate
+    client's (every=inf: they send nothing)."""
 
-    def __init__(self, port: int, count: int, trickle: bool = False) -> None:
-        self.port, self.count, self.trickle = port, count, trickle
-        self.sel = selectors.DefaultSelector()
-        self.reopened = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _open(self) -> None:
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        s.setblocking(False)
-        try:
-            s.connect(("127.0.0.1", self.port))
-        except BlockingIOError:
-            pass
-        self.sel.register(s, selectors.EVENT_READ)
-
-    def _run(self) -> None:
-        for _ in range(self.count):
-            self._open()
-        last = time.monotonic()
-        while not self._stop.is_set():
-            for key, _ in self.sel.select(timeout=0.05):
-                try:
-                    if key.fileobj.recv(4096):   # type: ignore[union-attr]
-                        continue
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError:
-                    pass
-                self.sel.unregister(key.fileobj)
-                key.fileobj.close()   # type: ignore[union-attr]
-                self.reopened += 1
-                self._open()
-            if self.trickle and time.monotonic() - last >= 0.5:
-                last = time.monotonic()
-                for key in list(self.sel.get_map().values()):
-                    try:
-                        key.fileobj.send(b"\x40")   # type: ignore[union-attr]
-                    except OSError:
-                        pass
-
-    def __enter__(self) -> "Neighbour":
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        for key in list(self.sel.get_map().values()):
-            key.fileobj.close()   # type: ignore[union-attr]
+    def _source_address(self, n: int) -> str:
+        return "127.0.0.1"
 
 
 @pytest.mark.parametrize("trickle,sessions", [(False, 30), (True, 15)])
@@ -284,7 +237,7 @@ def test_a_neighbours_idle_connections_do_not_lock_out_its_node(cluster: RgpuClu
     _daemon, address, token = _up(cluster)
     port = int(address.rsplit(":", 1)[1])
     opened, failures = 0, []
-    with Neighbour(port, count=20, trickle=trickle) as neighbour:
+    with Neighbour(port, count=20, sources=1, every=0.5 if trickle else float("inf")) as neighbour:
         time.sleep(DEADLINE + 1.0)        # the first wave has been closed at its deadline and reopened
         for _ in range(sessions):
             try:
@@ -294,7 +247,7 @@ def test_a_neighbours_idle_connections_do_not_lock_out_its_node(cluster: RgpuClu
                 continue
             opened += 1
             sock.close()
-        reopened = neighbour.reopened
+        reopened = neighbour.closed_by_server
     print(f"\nneighbour on 127.0.0.1 ({'trickling' if trickle else 'idle'}, 20 held, {reopened} reopened): "
           f"{opened} of {sessions} sessions from 127.0.0.1 opened")
     assert opened == sessions, failures[:3]

@@ -39,6 +39,16 @@ def _open(server: Server, token: str, flags: int = 0) -> socket.socket | str:
     return sock
 
 
+def _timed_open(server: Server, token: str) -> float:
+    """Seconds a CUDA session takes to open (it is closed at once)."""
+    t0 = time.monotonic()
+    s = _open(server, token)
+    took = time.monotonic() - t0
+    assert isinstance(s, socket.socket), s
+    s.close()
+    return took
+
+
 def _workers(server: Server) -> int:
     return len(server.server.status()["sessions"])
 
@@ -278,24 +288,14 @@ def test_the_probes_of_issue_26_measured(capsys: pytest.CaptureFixture[str]) -> 
                 else:
                     loops["refused"] += 1
         bystander = server.token()
-        quiet = []
-        for _ in range(3):
-            t0 = time.monotonic()
-            s = _open(server, bystander)
-            quiet.append(time.monotonic() - t0)
-            assert isinstance(s, socket.socket), s
-            s.close()
+        quiet = [_timed_open(server, bystander) for _ in range(3)]
         attackers = [threading.Thread(target=churn, daemon=True) for _ in range(4)]
         for attacker in attackers:
             attacker.start()
         time.sleep(2.0)
         loaded = []
         for _ in range(5):
-            t0 = time.monotonic()
-            s = _open(server, bystander)
-            loaded.append(time.monotonic() - t0)
-            assert isinstance(s, socket.socket), s
-            s.close()
+            loaded.append(_timed_open(server, bystander))
             time.sleep(0.3)
         stop.set()
         for attacker in attackers:
