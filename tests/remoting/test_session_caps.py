@@ -90,6 +90,19 @@ def test_frame_progress_counts_waiting_and_resets_per_frame_and_per_64_kib() -> 
     assert p.allowed(500) <= 0
 
 
+@pytest.mark.parametrize("key,value", [("sessions_max", 0), ("session_opens_per_second", float("nan")),
+                                       ("session_frame_stall_seconds", -1.0)])
+def test_a_cap_that_is_not_a_positive_number_is_refused_at_start(key: str, value: float) -> None:
+    from rgpu.config import Settings
+    from rgpu.errors import ConfigError
+    from rgpu.remoting.dispatcher.daemon import start_data_path
+    with socket.socket() as sock, pytest.raises(ConfigError) as info:
+        start_data_path(sock, "127.0.0.1:1", (EMULATED_GPU,), b"s" * 32, (1, 1), "emulated",
+                        Settings(**{key: value}))
+    text = str(info.value)
+    assert text.startswith("rgpu: dispatcher: ") and key in text and "\n" not in text, text
+
+
 # ------------------------------------------------------------------ on the session server
 
 integration = pytest.mark.integration
