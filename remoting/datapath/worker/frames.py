@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import socket
 import time
 
@@ -46,6 +47,45 @@ def worker_spin_ns() -> int:
     return max(0, min(us, 10_000)) * 1000
 
 
+# An unfinished frame must keep coming: the worker waits at most FRAME_STALL_S (the dispatcher's
+# session_frame_stall_seconds, passed in the session's spec) for PROGRESS_BYTES more of it (or its
+# end), counting only the time it waits for the socket. A large frame over a slow link is fine
+# (64 KiB in 30 s is 2 KiB/s); a client that sends part of a frame, then nothing or a trickle,
+# ends its session instead of holding the frame's memory for ever. A session idle between frames
+# has no deadline.
+FRAME_STALL_S = 30.0
+PROGRESS_BYTES = 64 << 10
+NVML_MAX_FRAME = 1 << 20   # NVML sessions send small queries only
+
+
+class FrameStalled(ConnectionError):
+    """A frame's bytes stopped coming (FrameProgress); the session ends."""
+
+
+class FrameProgress:
+    """How long the reader may still wait for the frame starting at stream offset `frame_at`
+    (pure: callers pass the offsets, byte counts and seconds waited)."""
+
+    def __init__(self, stall_s: float = FRAME_STALL_S, progress_bytes: int = PROGRESS_BYTES) -> None:
+        self.stall_s = stall_s
+        self.progress_bytes = progress_bytes
+        self.frame_at = -1
+        self.waited = 0.0     # seconds waited since the frame began or last made progress
+        self.got = 0          # bytes since then
+
+    def allowed(self, frame_at: int) -> float:
+        """Seconds the next wait for this frame may last (<= 0: it has stalled)."""
+        if frame_at != self.frame_at:
+            self.frame_at, self.waited, self.got = frame_at, 0.0, 0
+        return self.stall_s - self.waited
+
+    def waited_for(self, seconds: float, got: int) -> None:
+        self.waited += seconds
+        self.got += got
+        if self.got >= self.progress_bytes:
+            self.waited, self.got = 0.0, 0
+
+
 class FrameTooLarge(Exception):
     """A frame above the worker's maximum, read and discarded; its operation gets this error."""
 
@@ -66,7 +106,7 @@ class FrameReader:
     serving loop drops as soon as its operation returns.
     """
 
-    def __init__(self, sock: socket.socket, size: int = 8 << 20) -> None:
+    def __init__(self, sock: socket.socket, size: int = 8 << 20, stall_s: float = FRAME_STALL_S) -> None:
         self.sock = sock
         self.size = size
         self.cbuf = (ctypes.c_char * size)()
@@ -83,8 +123,13 @@ class FrameReader:
         # The stream offset of the buffer's first byte (a waiting host node scans each frame once).
         self.origin = 0
         self.spin_ns = worker_spin_ns()
+        self.progress = FrameProgress(stall_s) if stall_s > 0 else None
+        self._poll = select.poll()
+        self._poll.register(sock.fileno(), select.POLLIN)
 
-    def _recv(self, view: memoryview, n: int) -> int:
+    def _recv(self, view: memoryview, n: int, frame_at: int = -1) -> int:
+        """Bytes into `view`; `frame_at`: the stream offset of the unfinished frame they belong
+        to (its wait is bounded by FrameProgress), -1 while waiting for a new frame."""
         if self.spill:
             k = min(n, len(self.spill))
             view[:k] = self.spill[:k]
@@ -102,9 +147,26 @@ class FrameReader:
                         deadline = now + self.spin_ns
                     elif now >= deadline:
                         break
-        return self.sock.recv_into(view, n)
+        if frame_at < 0 or self.progress is None:
+            return self.sock.recv_into(view, n)
+        return self._recv_in_frame(view, n, frame_at, self.progress)
 
-    def _fill(self, need: int) -> None:
+    def _recv_in_frame(self, view: memoryview, n: int, frame_at: int, progress: FrameProgress) -> int:
+        """A blocking read of an unfinished frame's bytes, which must come within the frame's
+        allowance. poll() rather than a socket timeout: the socket stays blocking for the C loop."""
+        allowed = progress.allowed(frame_at)
+        t0 = time.monotonic()
+        ready = allowed > 0 and self._poll.poll(max(1, int(allowed * 1000)))
+        if not ready:
+            progress.waited_for(time.monotonic() - t0, 0)
+            if progress.allowed(frame_at) > 0:
+                return self._recv_in_frame(view, n, frame_at, progress)   # woken early (a signal)
+            raise FrameStalled(f"a frame's bytes stopped coming for {progress.stall_s:g} s")
+        k = self.sock.recv_into(view, n)
+        progress.waited_for(time.monotonic() - t0, k)
+        return k
+
+    def _fill(self, need: int, in_frame: bool = False) -> None:
         if self.end - self.start >= need:
             return
         if self.start + need > self.size:
@@ -112,8 +174,12 @@ class FrameReader:
             self.view[0:n] = self.view[self.start:self.end]
             self.origin += self.start
             self.start, self.end = 0, n
+        # Bytes of the frame already here: the wait is for the rest of it, which must keep coming.
+        frame_at = self.origin + self.start if (self.end > self.start or in_frame) else -1
         while self.end - self.start < need:
-            k = self._recv(self.view[self.end:], self.size - self.end)
+            k = self._recv(self.view[self.end:], self.size - self.end, frame_at)
+            if frame_at < 0:
+                frame_at = self.origin + self.start
             if k == 0:
                 raise EOFError
             self.end += k
@@ -129,7 +195,7 @@ class FrameReader:
             self._discard(length)
             raise FrameTooLarge(op, seq, length, self.max_frame)
         if length + 64 <= self.size:
-            self._fill(length)
+            self._fill(length, in_frame=length > 0)
             payload = self.view[self.start:self.start + length]
             address = self.base + self.start
             self.start += length
@@ -142,8 +208,9 @@ class FrameReader:
         self.start += have
         self.origin += length - have   # bytes of the stream that never pass through the buffer
         got = have
+        frame_at = self.origin + self.start
         while got < length:
-            k = self._recv(bview[got:], length - got)
+            k = self._recv(bview[got:], length - got, frame_at)
             if k == 0:
                 raise EOFError
             got += k
@@ -158,8 +225,9 @@ class FrameReader:
         self.start += have
         left = length - have
         self.origin += self.end + left
+        frame_at = self.origin
         while left:
-            k = self._recv(self.view, min(left, self.size))
+            k = self._recv(self.view, min(left, self.size), frame_at)
             if k == 0:
                 raise EOFError
             left -= k

@@ -19,7 +19,7 @@ from rgpu.remoting.datapath.backends.base import (NOT_SUPPORTED, NVML_ERROR_NOT_
 from rgpu.remoting.datapath.worker.client_handles import ClientEvents, ClientStreams
 from rgpu.remoting.datapath.worker.codecs import HEADER, I32, LAUNCH, lp
 from rgpu.remoting.datapath.worker.faults import STICKY_ERRORS, SessionFaulted, default_message, wait_verdict, write_report
-from rgpu.remoting.datapath.worker.frames import FrameReader, FrameTooLarge
+from rgpu.remoting.datapath.worker.frames import NVML_MAX_FRAME, FrameReader, FrameStalled, FrameTooLarge
 from rgpu.remoting.datapath.worker.handlers import Handlers
 from rgpu.remoting.datapath.worker.hostcalls import HostCalls
 from rgpu.remoting.datapath.worker.limiter import ComputeLimiter
@@ -50,7 +50,9 @@ class Worker(Handlers):
         self.backend = backend
         self.spec = spec
         self.memory = memory
-        self.reader = FrameReader(sock)
+        self.reader = FrameReader(sock, stall_s=spec.frame_stall_s)
+        if spec.mode == "nvml":
+            self.reader.max_frame = min(self.reader.max_frame, NVML_MAX_FRAME)
         # Host nodes send from the driver's threads: every frame goes out whole under this lock.
         self.send_lock = threading.Lock()
         self.hostcalls = HostCalls(sock, self.reader, self.send_lock, backend)
@@ -228,6 +230,9 @@ class Worker(Handlers):
         hostcalls.reader_lock.acquire()   # the loop reads; it lends the reader while a handler runs
         try:
             return self._serve()
+        except FrameStalled as exc:
+            return (f"rgpu: worker: {exc} (the client sent part of a request and then too little of the rest; "
+                    "a slow or broken network, or a client that is not rgpu's; see session_frame_stall_seconds)")
         except (EOFError, ConnectionError, OSError):
             return "client disconnected"
         finally:
