@@ -16,10 +16,14 @@ import ctypes.util
 import pwd
 from dataclasses import dataclass
 
-from rgpu.errors import AuthError, ConfigError
+from rgpu.errors import AuthError, ConfigError, Unavailable
 
 MUNGE_OPT_SOCKET = 8
+EMUNGE_SOCKET = 6
+EMUNGE_TIMEOUT = 7
 EMUNGE_CRED_REPLAYED = 17
+# Where libmunge looks when no socket is configured (Debian's munged default).
+DEFAULT_SOCKET = "/run/munge/munge.socket.2"
 PAYLOAD_PREFIX = "rgpu-grpc:"
 
 _lib: ctypes.CDLL | None = None
@@ -72,6 +76,10 @@ def encode(payload: str, socket_path: str = "") -> str:
         lib.munge_ctx_destroy(ctx)
 
 
+class MungedUnreachable(Unavailable):
+    """munged did not answer (not running, or its socket gone): the credential was not judged."""
+
+
 @dataclass(frozen=True)
 class Identity:
     uid: int
@@ -81,7 +89,8 @@ class Identity:
 
 
 def decode(credential: str, socket_path: str = "") -> Identity:
-    """Who made `credential` (munged checks it, its TTL and that it is used once). Raises AuthError."""
+    """Who made `credential` (munged checks it, its TTL and that it is used once). Raises AuthError,
+    or MungedUnreachable when munged did not answer (libmunge retries for about 2 s first)."""
     lib = _libmunge()
     ctx = _ctx(lib, socket_path)
     buf = ctypes.c_void_p()
@@ -95,6 +104,9 @@ def decode(credential: str, socket_path: str = "") -> Identity:
             ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").free(buf)
         if err:
             why = lib.munge_strerror(err).decode(errors="replace")
+            if err in (EMUNGE_SOCKET, EMUNGE_TIMEOUT):
+                raise MungedUnreachable("munge", f"munged at {socket_path or DEFAULT_SOCKET} is not answering", why,
+                                        "start munged (or fix munge_socket in rgpu.toml)")
             raise AuthError("munge", "MUNGE credential refused", "replayed" if err == EMUNGE_CRED_REPLAYED else why,
                             "make a new credential for each call; check munged and the nodes' clocks")
     finally:

@@ -138,7 +138,7 @@ class RgpuCluster:
         lines = [f"{k} = {toml(v)}" for k, v in values.items()]
         (self.root / "rgpu.toml").write_text("\n".join(lines) + "\n")
 
-    def start_pool(self, *extra_args: str, env: dict[str, str] | None = None) -> Daemon:
+    def start_pool(self, *extra_args: str, env: dict[str, str] | None = None, nofile: int | None = None) -> Daemon:
         """Start rgpu-poold: on a port of its choosing the first time, on the same port again after
         a kill (dispatchers and clients keep their address)."""
         if not (self.root / "rgpu.toml").exists():
@@ -153,7 +153,7 @@ class RgpuCluster:
         listen = "127.0.0.1:0" if first else self.pool_address
         daemon = Daemon("rgpu-poold", [sys.executable, "-m", "rgpu.remoting.pool.daemon", "--listen", listen,
                                        "--state", str(self.state), "--port-file", str(port_file), *extra_args],
-                        self.root / "poold.log", env or self.env()).start()
+                        self.root / "poold.log", env or self.env(), nofile=nofile).start()
         self.pool = daemon
         self.daemons.append(daemon)
         self.pool_port = wait_for_port_file(port_file, daemon)

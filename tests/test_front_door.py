@@ -52,10 +52,13 @@ def _up(cluster: RgpuCluster, nofile: int | None = None) -> tuple[object, str, s
 class Slowloris:
     """Keeps `count` connections open to the port from source addresses 127.0.0.2.. (`sources` of
     them), each sending one byte of a HELLO header every `every` seconds, and opens a new one
-    whenever the dispatcher closes one."""
+    whenever the dispatcher closes one. `trickle`: the bytes sent, one at a time (default: a HELLO
+    header's first byte, over and over); `data_port`: read the dispatcher's refusals."""
 
-    def __init__(self, port: int, count: int, sources: int, every: float = 0.5) -> None:
+    def __init__(self, port: int, count: int, sources: int, every: float = 0.5, trickle: bytes = b"\x40",
+                 data_port: bool = True) -> None:
         self.port, self.count, self.sources, self.every = port, count, sources, every
+        self.trickle, self.data_port = trickle, data_port
         self.sel = selectors.DefaultSelector()
         self.opened = 0
         self.closed_by_server = 0
@@ -85,7 +88,7 @@ class Slowloris:
     def _run(self) -> None:
         for _ in range(self.count):
             self._open()
-        last = 0.0
+        last, sent = 0.0, 0
         while not self._stop.is_set():
             for key, _ in self.sel.select(timeout=0.05):
                 s, (born, got) = key.fileobj, key.data
@@ -100,16 +103,18 @@ class Slowloris:
                     continue
                 self.closed_by_server += 1
                 self.lifetimes.append(time.monotonic() - born)
-                if len(got) > protocol.HEADER_SIZE:
+                if self.data_port and len(got) > protocol.HEADER_SIZE:
                     self.refusals.append(protocol.decode_refuse(got[protocol.HEADER_SIZE:])[1])
                 self.sel.unregister(s)
                 s.close()   # type: ignore[union-attr]
                 self._open()
             if time.monotonic() - last >= self.every:
                 last = time.monotonic()
+                byte = self.trickle[sent % len(self.trickle):][:1]
+                sent += 1
                 for key in list(self.sel.get_map().values()):
                     try:
-                        key.fileobj.send(b"\x40")   # type: ignore[union-attr]
+                        key.fileobj.send(byte)   # type: ignore[union-attr]
                     except OSError:
                         pass
 

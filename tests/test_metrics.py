@@ -3,6 +3,8 @@ real dispatchers scraped over HTTP on loopback and parsed with prometheus-client
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import re
 import struct
@@ -72,11 +74,28 @@ def test_pool_families_from_a_view() -> None:
     assert value(found, "rgpu_pool_servers", state="drained") == 0
     assert value(found, "rgpu_pool_gpu_allocated_compute_percent", gpu=GPU.uuid) == 25
     assert value(found, "rgpu_pool_gpu_allocated_memory_bytes", gpu=GPU.uuid) == 20 * GIB
-    assert value(found, "rgpu_pool_slice_memory_bytes", job_key="job-1", slice="0", user="alice") == 20 * GIB
+    assert value(found, "rgpu_pool_slice_memory_bytes", gpu=GPU.uuid, slot="0", user="alice") == 20 * GIB
     assert value(found, "rgpu_pool_leases", state="active") == 1
     assert value(found, "rgpu_pool_leases_idle") == 0
     assert value(found, "rgpu_pool_quota_used_units", kind="user", name="alice") == 25
     assert value(found, "rgpu_pool_server_info", server="h:1", compute_enforcement="mps") == 1
+
+
+def test_job_keys_are_no_labels_and_series_stay_bounded() -> None:
+    """A user leasing and releasing under ever new job keys makes no new series: a slice is
+    labelled with its slot on its GPU (issue 26: 836 series from one user on 4 GPUs)."""
+    seen: set[tuple[str, tuple[tuple[str, str], ...]]] = set()
+    for run in range(50):
+        view = a_view()
+        leases = tuple(LeaseView(LeaseRecord(f"user-chosen-{run}-{n}", "alice", "physics", 100.0 + n, 0.0,
+                                             (SliceRecord("h:1", GPU.uuid, 0, GPU.name, GIB, 10),)), "active")
+                       for n in range(3))
+        for family in pool_families(dataclasses.replace(view, leases=leases)):
+            for sample in family.samples:
+                assert "job_key" not in sample.labels and not any("user-chosen" in v for v in sample.labels.values())
+                seen.add((sample.name, tuple(sorted(sample.labels.items()))))
+    slice_series = {s for s in seen if s[0] == "rgpu_pool_slice_memory_bytes"}
+    assert len(slice_series) == 3, slice_series   # slots 0-2, whatever the job keys were
 
 
 def a_snapshot() -> DispatcherSnapshot:
@@ -98,7 +117,7 @@ def test_dispatcher_families_from_a_snapshot() -> None:
     assert value(found, "rgpu_dispatcher_sessions", gpu=GPU.uuid, mode="cuda") == 1
     assert value(found, "rgpu_datapath_received_bytes_total", gpu=GPU.uuid) == 100
     assert value(found, "rgpu_datapath_calls_total", gpu=GPU.uuid) == 3
-    assert value(found, "rgpu_dispatcher_slice_memory_used_bytes", job_key="job-1", slice="0") == GIB
+    assert value(found, "rgpu_dispatcher_slice_memory_used_bytes", gpu=GPU.uuid, slot="0") == GIB
     assert value(found, "rgpu_dispatcher_gpu_memory_used_bytes", gpu=GPU.uuid) == GIB
     assert value(found, "rgpu_dispatcher_heartbeats_total", result="failed") == 1
     assert value(found, "rgpu_dispatcher_mps_running") == 0
@@ -163,7 +182,7 @@ def test_pool_and_dispatcher_metrics_over_http(cluster: RgpuCluster) -> None:
     assert value(found, "rgpu_pool_allocate_duration_seconds_count") == 4
     assert value(found, "rgpu_pool_leases", state="active") == 1
     assert value(found, "rgpu_pool_gpu_allocated_compute_percent", gpu=gpu) == 50
-    assert value(found, "rgpu_pool_slice_compute_percent", job_key="job-m1", slice="0", user="alice") == 50
+    assert value(found, "rgpu_pool_slice_compute_percent", gpu=gpu, slot="0", user="alice") == 50
     assert value(found, "rgpu_pool_gpus", state="up") == 2
     assert value(found, "rgpu_pool_heartbeats_total", result="known") >= 1
     assert value(found, "rgpu_pool_quota_limit_units", kind="user", name="bob") == 10
@@ -184,8 +203,8 @@ def test_pool_and_dispatcher_metrics_over_http(cluster: RgpuCluster) -> None:
         call("cuMemAlloc_v2", struct.pack("<QQQQI", 3 * GIB, 0, 0, 0, 0), 3, ctx)   # 3 GiB of the slice
         found = scrape(dispatcher_metrics)
         assert value(found, "rgpu_dispatcher_sessions", gpu=gpu, mode="cuda") == 1
-        assert value(found, "rgpu_dispatcher_slice_memory_used_bytes", gpu=gpu, job_key="job-m1") == 3 * GIB
-        assert value(found, "rgpu_dispatcher_slice_memory_limit_bytes", gpu=gpu, job_key="job-m1") == 40 * GIB
+        assert value(found, "rgpu_dispatcher_slice_memory_used_bytes", gpu=gpu, slot="0") == 3 * GIB
+        assert value(found, "rgpu_dispatcher_slice_memory_limit_bytes", gpu=gpu, slot="0") == 40 * GIB
         assert value(found, "rgpu_dispatcher_gpu_memory_used_bytes", gpu=gpu) == 3 * GIB
         wait_for(lambda: value(scrape(dispatcher_metrics), "rgpu_datapath_calls_total", gpu=gpu) == 3,
                  what="the worker to publish its counters")

@@ -12,10 +12,8 @@ from __future__ import annotations
 import json
 import os
 import pwd
-import shutil
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,8 +24,8 @@ from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
 from rgpu.remoting.pool.auth import MUNGE_HEADER
 from rgpu.remoting.pool.client import PoolClient
-from rgpu.remoting.pool.convert import server_to_pb
-from tests.daemons import EXAMPLES, RgpuCluster, register_servers, wait_for
+from tests import munged
+from tests.daemons import EXAMPLES, RgpuCluster, register_servers
 from tests.user_runtime import UserRuntime
 
 pytestmark = pytest.mark.integration
@@ -36,34 +34,13 @@ USER = "nobody"
 
 @pytest.fixture(scope="module")
 def munge_socket() -> Iterator[str]:
-    munged = shutil.which("munged") or "/usr/sbin/munged"
-    if os.geteuid() != 0 or not os.path.exists(munged) or not shutil.which("munge"):
-        pytest.skip("needs root, munged and munge(1) (Debian: munge, libmunge2)")
+    if munged.missing():
+        pytest.skip(munged.missing())
+    key = munged.MungeKey()
     try:
-        owner = pwd.getpwnam("munge")
-        pwd.getpwnam(USER)
-    except KeyError:
-        pytest.skip("needs the munge and nobody users")
-    root = Path(tempfile.mkdtemp(prefix="rgpu-munge-"))
-    root.chmod(0o755)                      # users must reach the socket
-    key = root / "munge.key"
-    key.write_bytes(os.urandom(1024))
-    key.chmod(0o400)
-    for p in (root, key):
-        os.chown(p, owner.pw_uid, owner.pw_gid)
-    sock = root / "munge.socket"
-    proc = subprocess.Popen(["runuser", "-u", "munge", "--", munged, "--foreground", "--force", f"--socket={sock}",
-                             f"--key-file={key}", f"--pid-file={root / 'munged.pid'}",
-                             f"--log-file={root / 'munged.log'}", f"--seed-file={root / 'munged.seed'}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        wait_for(lambda: sock.exists() or proc.poll() is not None, what="munged's socket")
-        assert proc.poll() is None, "munged exited at start"
-        yield str(sock)
+        yield key.start().socket
     finally:
-        os.killpg(proc.pid, 9)
-        proc.wait()
-        shutil.rmtree(root, ignore_errors=True)
+        key.remove()
 
 
 @pytest.fixture

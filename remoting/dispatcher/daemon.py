@@ -354,7 +354,7 @@ def run(options: Options, env: dict[str, str] | None = None) -> int:
 @click.option("--secret-file", help="Cluster secret file (mode 0600).")
 @click.option("--port-file", type=click.Path(dir_okay=False),
               help="Write the session port to this file once serving (with -p 0).")
-@click.option("--metrics-listen", help="HOST:PORT for the Prometheus endpoint (default: dispatcher_metrics_listen, off).")
+@click.option("--metrics-listen", help="HOST:PORT for the Prometheus endpoint (:PORT is 127.0.0.1 only; default: dispatcher_metrics_listen, off).")
 @click.option("--metrics-port-file", type=click.Path(dir_okay=False),
               help="Write the metrics endpoint's port to this file once serving.")
 @click.version_option(__version__, prog_name="rgpu-dispatcher")

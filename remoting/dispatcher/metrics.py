@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 from rgpu.model import GpuInfo
 from rgpu.remoting.datapath.counters import FIELDS as TRAFFIC_FIELDS
+from rgpu.remoting.metrics.slots import slots
 
 TRAFFIC = {  # counters-file field: (metric name without _total, help)
     "received_bytes": ("rgpu_datapath_received_bytes", "Bytes received from clients on the data path"),
@@ -55,7 +56,7 @@ def dispatcher_families(snap: DispatcherSnapshot) -> list[Metric]:
             sessions.add_metric([*gpu_key(g.uuid), mode],
                                 sum(s["gpu_uuid"] == g.uuid and s["mode"] == mode for s in obs["sessions"]))
     # Per slice, not per session: a slice's sessions (CUDA and NVML, several processes) share its limit.
-    slice_labels = ["gpu", "job_key", "slice"]
+    slice_labels = ["gpu", "slot"]   # no job key: bounded series (slots.py)
     used = GaugeMetricFamily("rgpu_dispatcher_slice_memory_used_bytes",
                              "GPU memory a slice's sessions hold (exact: the worker sees every allocation)",
                              labels=slice_labels)
@@ -66,9 +67,10 @@ def dispatcher_families(snap: DispatcherSnapshot) -> list[Metric]:
     slices: dict[tuple[str, str, int], dict[str, Any]] = {}
     for s in obs["sessions"]:
         slices.setdefault((s["gpu_uuid"], s["job_key"], s["slice_number"]), s)
+    slot = slots((uuid, (job_key, number)) for uuid, job_key, number in sorted(slices))
     for (uuid, job_key, number), s in sorted(slices.items()):
-        used.add_metric([uuid, job_key, str(number)], s["memory_used_bytes"])
-        limit.add_metric([uuid, job_key, str(number)], s["memory_limit_bytes"])
+        used.add_metric([uuid, slot[(uuid, (job_key, number))]], s["memory_used_bytes"])
+        limit.add_metric([uuid, slot[(uuid, (job_key, number))]], s["memory_limit_bytes"])
     for g in snap.gpus:
         gpu_used.add_metric(gpu_key(g.uuid), sum(s["memory_used_bytes"] for key, s in slices.items() if key[0] == g.uuid))
     families: list[Metric] = [memory, gpu_used, sessions, used, limit]

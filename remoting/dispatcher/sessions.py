@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rgpu.log_limit import LogLimit, held_note
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.backends.base import slice_usage
 from rgpu.remoting.datapath.counters import FIELDS as TRAFFIC_FIELDS
@@ -240,6 +241,7 @@ class SessionServer:
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._refused = 0
+        self._refusal_log = LogLimit()
         self._accepted = 0
         self._ended: list[dict] = []
         self.counters_dir = self.runtime_dir / "counters"
@@ -528,7 +530,10 @@ class SessionServer:
 
     def _refuse(self, conn: socket.socket, peer: str, message: str) -> None:
         self._refused += 1
-        self.log.warning("session from %s refused: %s", peer, message)
+        # Anyone who reaches the port decides how often this runs: one line a minute per kind.
+        held = self._refusal_log.allow(message.split("(", 1)[0])
+        if held is not None:
+            self.log.warning("session from %s refused: %s%s", peer, message, held_note(held))
         try:
             conn.sendall(protocol.encode_refuse(message))
         except OSError:

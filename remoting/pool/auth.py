@@ -9,6 +9,7 @@ is in memory; this keeps a restart from reopening the window).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import secrets
@@ -19,7 +20,10 @@ from typing import Any, Callable
 
 import grpc
 
+from rgpu.errors import AuthError, Unavailable
+from rgpu.log_limit import LogLimit, held_note
 from rgpu.remoting.pool.call_guards import CallGuards, GuardError, MemoryCallGuards
+from rgpu.remoting.pool.munge_gate import MungeGate
 from rgpu.secret import derive_key
 
 log = logging.getLogger("rgpu-poold")
@@ -62,12 +66,29 @@ def current_caller() -> Caller:
     return getattr(_current, "caller", DAEMON)
 
 
-def _with_caller(handler: Any, caller: Caller) -> Any:
-    if handler is None or handler.unary_unary is None:
-        return handler
+class Refused(Exception):
+    """A call refused before it ran: the status and the one-line message to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def _as_caller(handler: Any, caller_of: Callable[[], Caller]) -> Any:
+    """`handler` run as the caller `caller_of()` names, asked on the serving thread that runs the
+    call (never on gRPC's polling thread, which every call shares); Refused is answered as its
+    status. The pool's calls are all unary: any other kind is refused, never run unchecked."""
+    if handler is None:
+        return None
+    if handler.unary_unary is None:
+        return _refuse(grpc.StatusCode.UNIMPLEMENTED, "rgpu: pool: only unary calls are served")
     inner = handler.unary_unary
 
     def call(request: Any, context: Any) -> Any:
+        try:
+            caller = caller_of()
+        except Refused as refused:
+            context.abort(refused.code, refused.message)
         _current.caller = caller
         try:
             return inner(request, context)
@@ -78,15 +99,22 @@ def _with_caller(handler: Any, caller: Caller) -> Any:
                                                response_serializer=handler.response_serializer)
 
 
+MUNGE_FIX = ("users: check that munged runs on this node; daemons and admins: give this host the cluster "
+             "secret via secret_file in rgpu.toml or RGPU_SECRET_FILE")
+
+
 class ServerAuth(grpc.ServerInterceptor):
     """Refuses calls without a valid credential, except the standard health service."""
 
     OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
     def __init__(self, secret: bytes, window: float = AUTH_WINDOW_SECONDS, not_before: float | None = None,
-                 munge_socket: str | None = None, guards: CallGuards | None = None) -> None:
+                 munge_socket: str | None = None, guards: CallGuards | None = None,
+                 munge_gate: MungeGate | None = None) -> None:
         self._key = derive_key(secret, _PURPOSE)
-        self._munge_socket = munge_socket   # None: users (MUNGE) are not accepted
+        # None: users (MUNGE) are not accepted. Decoded off gRPC's threads, with a deadline (munge_gate.py).
+        self._munge: MungeGate | None = munge_gate or (MungeGate(munge_socket) if munge_socket is not None else None)
+        self._munge_down: tuple[Unavailable, Any] | None = None
         self._window = window
         # The nonce cache lives in memory, so a restarted pool has forgotten the nonces it saw.
         # Credentials made before this pool started are refused, so none of those can be replayed:
@@ -95,11 +123,9 @@ class ServerAuth(grpc.ServerInterceptor):
         self._not_before = time.time() if not_before is None else not_before
         # Nonces seen within the window: this process's, or those of all processes of one rgpu-poold.
         self._guards: CallGuards = guards or MemoryCallGuards()
-        self._lock = threading.Lock()
-        self._last_logged: dict[str, float] = {}
+        self._refusals = LogLimit()
         # Handlers that run as a daemon, per method: built once, not on every call.
         self._as_daemon: dict[str, Any] = {}
-        self._refused_since_log: dict[str, int] = {}
 
     def check(self, method: str, credential: str | None, now: float | None = None) -> str | None:
         """None when the credential is good, else the reason it is not. Raises GuardError when its
@@ -125,28 +151,65 @@ class ServerAuth(grpc.ServerInterceptor):
         return None if self._guards.first_use(nonce, current, self._window) else "replayed credential"
 
     def check_munge(self, method: str, credential: str) -> tuple[Caller | None, str]:
-        """(the user, "") for a good MUNGE credential made for `method`, else (None, why)."""
+        """(the user, "") for a good MUNGE credential made for `method`, else (None, why). Raises
+        Unavailable when munged does not answer in time or the call guards are away (nothing is
+        then known about the credential)."""
         from rgpu import munge
-        from rgpu.errors import RgpuError
+        if self._munge is None:
+            return None, "MUNGE credentials are not accepted here"
         try:
-            identity = munge.decode(credential, self._munge_socket or "")
-        except RgpuError as exc:
+            identity = self._munge.decode(credential)
+        except AuthError as exc:
             return None, f"MUNGE credential refused: {exc.why or exc.what}"
         if identity.payload != munge.PAYLOAD_PREFIX + method:
             return None, "MUNGE credential made for another call"
+        # munged refuses a replay only to itself: the pool's other processes or daemons (other
+        # hosts, other munged) share what was seen in the call guards, for munged's TTL.
+        seen = "munge:" + hashlib.sha256(credential.encode()).hexdigest()
+        try:
+            fresh = self._guards.first_use(seen, time.time(), self._window)
+        except GuardError as exc:
+            raise Unavailable("pool", "cannot check the call's credential now", str(exc),
+                              "nothing was done: retry, and see the pool host's disk or PostgreSQL") from None
+        if not fresh:
+            return None, "MUNGE credential refused: replayed (used at this pool before)"
         return Caller("user", identity.user, identity.uid), ""
+
+    def _munge_caller(self, method: str, credential: str) -> Caller:
+        """The user behind `credential`, or Refused (run on the call's own serving thread)."""
+        try:
+            caller, reason = self.check_munge(method, credential)
+        except Unavailable as exc:
+            self._log_refusal(method, exc.why or exc.what)
+            raise Refused(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
+        if caller is None:
+            self._log_refusal(method, reason)
+            raise Refused(grpc.StatusCode.UNAUTHENTICATED, f"rgpu: pool: call refused ({reason}; {MUNGE_FIX})")
+        return caller
+
+    def _munge_down_handler(self) -> Any:
+        """The handler that answers users while munged is taken as down: one per refusal text."""
+        assert self._munge is not None
+        refusal = self._munge.unavailable()
+        cached = self._munge_down
+        if cached is None or cached[0] is not refusal:
+            cached = self._munge_down = (refusal, _refuse(grpc.StatusCode.UNAVAILABLE, str(refusal)))
+        return cached[1]
+
+    @property
+    def munge_waiters(self) -> int:
+        """How many serving threads users' calls may hold waiting for munged at once."""
+        return self._munge.capacity if self._munge is not None else 0
+
+    def close(self) -> None:
+        if self._munge is not None:
+            self._munge.close()
 
     def _log_refusal(self, method: str, reason: str) -> None:
         # One line per reason per minute: a misconfigured host retrying must not flood the log.
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last_logged.get(reason, -1e9) < 60:
-                self._refused_since_log[reason] = self._refused_since_log.get(reason, 0) + 1
-                return
-            self._last_logged[reason] = now
-            repeated = self._refused_since_log.pop(reason, 0)
-        more = f" ({repeated} more like it in the last minute)" if repeated else ""
-        log.warning("rgpu-poold: refused %s: %s%s", method, reason, more)
+        held = self._refusals.allow(reason)
+        if held is not None:
+            log.warning("rgpu-poold: refused %s: %s%s", method, reason, held_note(held))
 
     def intercept_service(self, continuation: Callable[..., Any], handler_call_details: Any) -> Any:
         method = handler_call_details.method
@@ -156,10 +219,13 @@ class ServerAuth(grpc.ServerInterceptor):
         credential = metadata.get(AUTH_HEADER)
         munge_credential = metadata.get(MUNGE_HEADER)
         reason: str | None
-        if munge_credential and not credential and self._munge_socket is not None:
-            caller, reason = self.check_munge(method, munge_credential)
-            if caller is not None:
-                return _with_caller(continuation(handler_call_details), caller)
+        if munge_credential and not credential and self._munge is not None:
+            # This runs on gRPC's one polling thread: nothing here may wait for munged.
+            if self._munge.refusing():
+                self._log_refusal(method, "munged is not answering")
+                return self._munge_down_handler()
+            return _as_caller(continuation(handler_call_details),
+                              lambda: self._munge_caller(method, munge_credential))
         else:
             try:
                 reason = self.check(method, credential)
@@ -169,12 +235,11 @@ class ServerAuth(grpc.ServerInterceptor):
             if reason is None:
                 handler = self._as_daemon.get(method)
                 if handler is None:
-                    handler = _with_caller(continuation(handler_call_details), DAEMON)
+                    handler = _as_caller(continuation(handler_call_details), lambda: DAEMON)
                     if handler is not None and len(self._as_daemon) < 256:   # known methods only
                         self._as_daemon[method] = handler
                 return handler
-        fix = ("users: check that munged runs on this node; daemons and admins: give this host the cluster "
-               "secret via secret_file in rgpu.toml or RGPU_SECRET_FILE") if munge_credential else (
+        fix = MUNGE_FIX if munge_credential else (
                "give this host the cluster secret via secret_file in rgpu.toml or RGPU_SECRET_FILE")
         self._log_refusal(method, reason)
         return _refuse(grpc.StatusCode.UNAUTHENTICATED, f"rgpu: pool: call refused ({reason}; {fix})")

@@ -398,9 +398,12 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
         store.close()
         events.detach()
         raise
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         interceptors=[ServerAuth(secret, munge_socket=settings.munge_socket, guards=guards)],
-                         options=[("grpc.so_reuseport", 1 if group_member else 0)])
+    auth = ServerAuth(secret, munge_socket=settings.munge_socket, guards=guards)
+    # A user's call waits for munged on its serving thread (at most munge_gate.TIMEOUT_SECONDS, and
+    # at most MungeGate.capacity such calls at once): threads beyond those stay for the calls made
+    # with the secret (dispatchers, Slurm's prologs, admins), whatever munged does.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers + auth.munge_waiters),
+                         interceptors=[auth], options=[("grpc.so_reuseport", 1 if group_member else 0)])
     pb_grpc.add_PoolServicer_to_server(PoolServicer(core, settings.heartbeat_interval_seconds, metrics,
                                                           account_policy(settings), guards), server)
     health_servicer = health.HealthServicer()
@@ -417,6 +420,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
     except (OSError, RuntimeError) as exc:
         store.close()
         guards.close()
+        auth.close()
         events.detach()
         raise ConfigError("poold", f"cannot listen on {settings.listen}", str(exc) or "address in use or invalid",
                           "pick another --listen address or stop the process holding the port") from None
@@ -425,6 +429,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
     except BaseException:
         store.close()
         guards.close()
+        auth.close()
         events.detach()
         raise
     stop = threading.Event()
@@ -451,6 +456,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
         maintenance.join(timeout=5)
         store.close()
         guards.close()
+        auth.close()
         events.detach()
 
 
@@ -477,7 +483,7 @@ def _serve_group_member(settings: Settings, index: int, ready: Any) -> None:
 @click.option("--secret-file", help="Cluster secret file (mode 0600).")
 @click.option("--port-file", type=click.Path(dir_okay=False),
               help="Write the port served on to this file once serving (with --listen HOST:0).")
-@click.option("--metrics-listen", help="HOST:PORT for the Prometheus endpoint (default from config: off).")
+@click.option("--metrics-listen", help="HOST:PORT for the Prometheus endpoint (:PORT is 127.0.0.1 only; default from config: off).")
 @click.option("--metrics-port-file", type=click.Path(dir_okay=False),
               help="Write the metrics endpoint's port to this file once serving.")
 @click.option("--dashboard-listen", help="HOST:PORT for the web dashboard (default from config: off).")

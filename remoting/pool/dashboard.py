@@ -16,7 +16,6 @@ from __future__ import annotations
 import errno
 import json
 import logging
-import socket
 import ssl
 import threading
 import time
@@ -24,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from http import HTTPStatus
 from http.cookies import CookieError, SimpleCookie
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from importlib import resources
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -33,6 +32,7 @@ from rgpu import weblogin
 from rgpu.config import Settings
 from rgpu.errors import AuthError, ConfigError, InvalidRequest
 from rgpu.netaddr import split_host_port
+from rgpu.remoting.metrics.front import HttpFront
 from rgpu.remoting.pool.dashboard_data import dashboard_state
 from rgpu.remoting.pool.events import EventLog
 from rgpu.remoting.pool.views import PoolView
@@ -103,13 +103,10 @@ class RefusalLog:
 class DashboardServer:
     port: int
     url: str
-    _httpd: ThreadingHTTPServer
-    _thread: threading.Thread
+    _front: HttpFront
 
     def stop(self) -> None:
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
+        self._front.stop()
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -217,14 +214,6 @@ class _Handler(BaseHTTPRequestHandler):
     do_PUT = do_DELETE = do_PATCH = do_POST
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-
-
-class _Server6(_Server):
-    address_family = socket.AF_INET6
-
-
 def serve_dashboard(settings: Settings, secret: bytes, read_view: Callable[[], PoolView],
                     events: EventLog) -> DashboardServer:
     try:
@@ -238,24 +227,20 @@ def serve_dashboard(settings: Settings, secret: bytes, read_view: Callable[[], P
         "refusals": RefusalLog(),
         "read_state": staticmethod(lambda: dashboard_state(read_view(), events.recent())),
     })
-    server_class = _Server6 if ":" in host else _Server
-    try:
-        httpd = server_class((host or "0.0.0.0", port), handler)
-    except OSError as exc:
-        why = "the port is in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
-        raise ConfigError("poold", f"cannot serve the dashboard on {settings.dashboard_listen}", why,
-                          "pick another dashboard_listen (or empty to turn it off), or stop the process on that port") from None
+    context = None
     if settings.tls_cert_file:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         try:
             context.load_cert_chain(settings.tls_cert_file, settings.tls_key_file)
         except (OSError, ssl.SSLError) as exc:
-            httpd.server_close()
             raise ConfigError("poold", "cannot load tls_cert_file/tls_key_file for the dashboard", str(exc),
                               "fix the files, or unset dashboard_listen") from None
-        # The handshake happens on the first read, in the request's thread, not in the accept loop.
-        httpd.socket = context.wrap_socket(httpd.socket, server_side=True, do_handshake_on_connect=False)
-    bound = httpd.server_address[1]
-    thread = threading.Thread(target=httpd.serve_forever, name="dashboard", daemon=True)
-    thread.start()
-    return DashboardServer(port=bound, url=weblogin.dashboard_base_url(settings, bound), _httpd=httpd, _thread=thread)
+    try:
+        # Timeouts, a worker pool and a cap on connections (front.py); the TLS handshake happens
+        # in the front's loop, within the request's deadline.
+        front = HttpFront(host or "0.0.0.0", port, handler, name="dashboard", ssl_context=context)
+    except OSError as exc:
+        why = "the port is in use" if exc.errno == errno.EADDRINUSE else (exc.strerror or str(exc))
+        raise ConfigError("poold", f"cannot serve the dashboard on {settings.dashboard_listen}", why,
+                          "pick another dashboard_listen (or empty to turn it off), or stop the process on that port") from None
+    return DashboardServer(port=front.port, url=weblogin.dashboard_base_url(settings, front.port), _front=front)

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.metrics_core import Metric
 
 from rgpu.errors import CapacityError, InvalidRequest, NotFound, PermissionDenied, QuotaExceeded
+from rgpu.remoting.metrics.slots import slots
 from rgpu.remoting.pool.views import LEASE_STATES, SERVER_STATES, PoolView
 
 # Allocation takes ~1 ms in the pool; the tail is the SQLite commit and lock contention.
@@ -49,7 +50,7 @@ def _gauge(name: str, documentation: str, labels: list[str],
 def pool_families(view: PoolView) -> list[Metric]:
     """The pool's state as metric families. Pure."""
     gpu_labels = ["server", "gpu", "index", "model"]
-    slice_labels = ["server", "gpu", "job_key", "slice", "user", "account"]
+    slice_labels = ["server", "gpu", "slot", "user", "account"]   # no job key: bounded series (slots.py)
 
     def gpu_key(g: object) -> list[str]:
         return [g.server, g.gpu.uuid, str(g.gpu.index), g.gpu.name]  # type: ignore[attr-defined]
@@ -61,7 +62,9 @@ def pool_families(view: PoolView) -> list[Metric]:
                                              "driver_version": s.driver_version,
                                              "compute_enforcement": s.compute_enforcement or "unknown",
                                              "static_inventory": str(s.static_inventory).lower()})
-    slices = [(lv.lease, n, s) for lv in view.leases for n, s in enumerate(lv.lease.slices)]
+    slices = sorted(((lv.lease, n, s) for lv in view.leases for n, s in enumerate(lv.lease.slices)),
+                    key=lambda x: (x[2].gpu_uuid, x[0].created_unix, x[0].job_key, x[1]))
+    slot = slots((s.gpu_uuid, (lease.job_key, n)) for lease, n, s in slices)
     return [
         _gauge("rgpu_pool_servers", "Dispatchers by state", ["state"],
                (([state], sum(s.state == state for s in view.servers)) for state in SERVER_STATES)),
@@ -81,11 +84,11 @@ def pool_families(view: PoolView) -> list[Metric]:
         _gauge("rgpu_pool_gpu_slices", "Leased slices on the GPU", gpu_labels,
                ((gpu_key(g), g.slices) for g in view.gpus)),
         _gauge("rgpu_pool_slice_memory_bytes", "Memory limit of a leased slice", slice_labels,
-               (([s.server, s.gpu_uuid, lease.job_key, str(n), lease.user, lease.account], s.memory_limit_bytes)
-                for lease, n, s in slices)),
+               (([s.server, s.gpu_uuid, slot[(s.gpu_uuid, (lease.job_key, n))], lease.user, lease.account],
+                 s.memory_limit_bytes) for lease, n, s in slices)),
         _gauge("rgpu_pool_slice_compute_percent", "Compute share of a leased slice", slice_labels,
-               (([s.server, s.gpu_uuid, lease.job_key, str(n), lease.user, lease.account], s.compute_percent)
-                for lease, n, s in slices)),
+               (([s.server, s.gpu_uuid, slot[(s.gpu_uuid, (lease.job_key, n))], lease.user, lease.account],
+                 s.compute_percent) for lease, n, s in slices)),
         _gauge("rgpu_pool_leases", "Leases by state (expired: not reclaimed yet)", ["state"],
                (([state], sum(lv.state == state for lv in view.leases)) for state in LEASE_STATES)),
         _gauge("rgpu_pool_leases_idle", "Leases whose slices ran no call for idle_after_seconds", [],

@@ -601,6 +601,9 @@ class Handlers:
 
     def h_launch(self, p: memoryview, address: int, seq: int) -> None:
         f, stream, gx, gy, gz, bx, by, bz, shmem, coop, nattrs, argsize, _, _ = LAUNCH.unpack_from(p, 0)
+        if LAUNCH.size + nattrs * LAUNCH_ATTR_SIZE + argsize > len(p):   # checked before the driver reads them
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: a launch's attributes and arguments ({nattrs} and "
+                            f"{argsize} bytes) overrun its request ({len(p)} bytes)")
         stream = self.client_streams.real(stream, "cuLaunchKernel")
         self._admit(f)
         off = LAUNCH.size

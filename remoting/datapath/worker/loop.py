@@ -6,15 +6,18 @@ import json
 import logging
 import os
 import socket
+import struct
 import threading
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+from rgpu.log_limit import LogLimit, held_note
 from rgpu.remoting.native.generated import api_gen
 from rgpu.remoting.datapath import protocol
-from rgpu.remoting.datapath.backends.base import (NOT_SUPPORTED, NVML_ERROR_NOT_SUPPORTED, OUT_OF_MEMORY, SUCCESS, UNKNOWN,
+from rgpu.remoting.datapath.backends.base import (INVALID_VALUE, NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT,
+                                                  NVML_ERROR_NOT_SUPPORTED, OUT_OF_MEMORY, SUCCESS, UNKNOWN,
                                                   CudaError, SliceMemory)
 from rgpu.remoting.datapath.worker.client_handles import ClientEvents, ClientStreams
 from rgpu.remoting.datapath.worker.codecs import HEADER, I32, LAUNCH, lp
@@ -40,6 +43,14 @@ GPU_WORK_OPS = frozenset(OP[name] for name in ("cuMemcpyDtoHAsync_v2", "cuMemcpy
 # them through.
 NO_WORK_ASYNC_OPS = frozenset(OP[name] for name in ("rgpuEventCreate", "cuEventDestroy_v2", "rgpuStreamCreate",
                                                     "cuStreamDestroy_v2", "rgpuSetAttribute"))
+
+
+def malformed(op: int, length: int) -> tuple[int, str]:
+    """The answer to a request too short for its operation's layout: (error code, one line)."""
+    name = api_gen.OPS.get(op, str(op))
+    code = NVML_ERROR_INVALID_ARGUMENT if name.startswith("nvml") else INVALID_VALUE
+    return code, (f"rgpu: worker: malformed {name} request ({length} bytes do not fit its layout; the client is "
+                  "another rgpu build, or not rgpu's: use one rgpu version on both sides)")
 
 
 class Worker(Handlers):
@@ -72,6 +83,7 @@ class Worker(Handlers):
         self.calls = 0
         self.errors = 0
         self.sent = 0
+        self.log_limit = LogLimit()   # lines a client's frames cause: once a minute per kind and operation
         self.ucx: Any = None          # the session's UCX link (worker/ucx.py), set by session.py
         self.ucx_received = 0         # bytes of host-to-device copies that came on UCX
         self.native_launches = load_native_launches(spec, backend, sock.fileno())
@@ -338,14 +350,16 @@ class Worker(Handlers):
                 if length + 64 <= reader.size and reader.end - reader.start < protocol.HEADER_SIZE + length:
                     reader._fill(protocol.HEADER_SIZE + length)  # cut by a receive: complete it, retry
                     continue
-            if op == launch_op and launch_fast is not None and ctx == self.current_ctx and length + 64 <= reader.size:
+            if (op == launch_op and launch_fast is not None and ctx == self.current_ctx and length + 64 <= reader.size
+                    and length >= LAUNCH.size):   # shorter: the generic path refuses it
                 if reader.end - reader.start < protocol.HEADER_SIZE + length:
                     reader._fill(protocol.HEADER_SIZE + length)
                 at = reader.start + protocol.HEADER_SIZE
                 f, stream, gx, gy, gz, bx, by, bz, shmem, coop, nattrs, argsize, _, _ = unpack_launch(view, at)
                 # the client's stream -> the driver's (an unknown one takes the generic path, which says so)
                 real_stream = stream if stream <= 2 else live_streams.get(stream)
-                if not coop and not nattrs and real_stream is not None:
+                # Arguments beyond the frame: the generic path refuses them (INVALID_VALUE).
+                if not coop and not nattrs and real_stream is not None and argsize <= length - LAUNCH.size:
                     reader.start = at + length
                     self.calls += 1
                     if f not in self.admitted:
@@ -421,9 +435,21 @@ class Worker(Handlers):
                 continue
             except (BrokenPipeError, ConnectionError):
                 return "client disconnected"
+            except struct.error:   # a request shorter than its operation's layout: the client's fault
+                code, message = malformed(op, len(payload))
+                held = self.log_limit.allow("malformed")   # one line a minute, whatever the operations
+                if held is not None:
+                    log.warning("%s%s", message, held_note(held))
+                if is_async:
+                    self._defer(code, message)
+                else:
+                    self._reply(seq, code, b"", message)
+                continue
             except Exception as exc:  # noqa: BLE001 - a bug here must not kill every later call of the session
                 name = api_gen.OPS.get(op, str(op))
-                log.error("internal error in %s: %s\n%s", name, exc, traceback.format_exc())
+                held = self.log_limit.allow(("internal", op))   # the client chooses how often this runs
+                if held is not None:
+                    log.error("internal error in %s: %s%s\n%s", name, exc, held_note(held), traceback.format_exc())
                 message = f"rgpu: worker: internal error in {name} ({exc!r}; please report it with the dispatcher's log)"
                 if is_async:
                     self._defer(UNKNOWN, message)

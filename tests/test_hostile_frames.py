@@ -1,0 +1,95 @@
+"""Malformed frames on a real session (issue 26, MED 8): a request shorter than its operation's
+layout is answered with CUDA_ERROR_INVALID_VALUE and one line, not a traceback, and 120 KB of
+such frames leave the dispatcher's log a few lines longer, not megabytes. Real rgpu-poold and
+rgpu-dispatcher (emulated GPUs) on loopback."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rgpu.remoting.datapath import protocol
+from rgpu.remoting.datapath.backends.base import INVALID_VALUE, UNKNOWN
+from rgpu.remoting.native.generated import api_gen
+from tests.daemons import EXAMPLES, RgpuCluster
+from tests.test_dispatcher import wait_state
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def session(tmp_path: Path) -> Iterator[tuple[RgpuCluster, object]]:
+    cluster = RgpuCluster(tmp_path / "cluster")
+    cluster.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5)
+    try:
+        cluster.start_pool()
+        daemon, port = cluster.start_dispatcher(EXAMPLES / "inventory-a.toml")
+        address = f"127.0.0.1:{port}"
+        wait_state(cluster, address, "up")
+        with cluster.client() as client:
+            token = client.allocate("job-hostile", "alice", 1, fraction=0.5).slices[0].token
+        sock, _welcome = protocol.handshake(address, token)
+        try:
+            yield cluster, sock
+        finally:
+            sock.close()
+    finally:
+        cluster.stop_all()
+
+
+def call(sock: object, name: str, payload: bytes, seq: int, ctx: int = 0) -> tuple[int, bytes]:
+    sock.sendall(protocol.pack_frame(api_gen.OPCODES[name], payload, seq=seq, ctx=ctx))   # type: ignore[attr-defined]
+    (_, op, _, _, _, _), reply = protocol.recv_frame(sock)   # type: ignore[arg-type]
+    assert op == protocol.OP_REPLY
+    return struct.unpack_from("<i", reply)[0], bytes(reply[4:])
+
+
+def test_short_requests_are_invalid_values_and_log_little(session) -> None:  # type: ignore[no-untyped-def]
+    cluster, sock = session
+    sock.settimeout(10)
+    dispatcher = cluster.daemons[-1]
+    assert call(sock, "cuInit", struct.pack("<I", 0), 1)[0] == 0
+    (code, out) = call(sock, "cuDevicePrimaryCtxRetain", struct.pack("<i", 0), 2)
+    assert code == 0
+    (ctx,) = struct.unpack("<Q", out[:8])
+    log_before = len(dispatcher.log())
+    marker = api_gen.OPCODES["cuCtxSynchronize"]
+    sent, seq, answers = 0, 10, []
+    while sent < 120_000:
+        for name, op in sorted(api_gen.OPCODES.items()):
+            # Every operation, 3 bytes long (shorter than any layout), then a synchronize: an
+            # operation that answers does so first, one that does not has its error deferred to it.
+            seq += 2
+            frame = protocol.pack_frame(op, b"\x01\x02\x03", seq=seq, ctx=ctx)
+            sock.sendall(frame + protocol.pack_frame(marker, b"", seq=seq + 1, ctx=ctx))
+            sent += len(frame)
+            while True:
+                (_, reply_op, _, reply_seq, _, _), reply = protocol.recv_frame(sock)
+                assert reply_op == protocol.OP_REPLY
+                answers.append((name, struct.unpack_from("<i", reply)[0], bytes(reply[4:])))
+                if reply_seq == seq + 1:
+                    break
+    internal = sorted({name for name, code, _ in answers if code == UNKNOWN})
+    assert internal == [], [a for a in answers if a[1] == UNKNOWN][:5]
+    refused = [text for _name, code, text in answers if code == INVALID_VALUE]
+    said = [text for text in refused if b"malformed" in text]   # the worker says a message once, then the code
+    assert len(refused) > 1000 and said and all(b"\n" not in text for text in said), answers[:5]
+    grown = dispatcher.log()[log_before:]
+    assert len(grown) < 20_000 and "Traceback" not in grown, grown[:3000]
+    assert "more like it" in grown or grown.count("malformed") <= 2, grown[:3000]
+    assert call(sock, "cuCtxSynchronize", b"", seq + 2, ctx)[0] == 0    # the session still serves
+
+
+def test_a_launch_whose_arguments_overrun_its_frame_is_refused(session) -> None:  # type: ignore[no-untyped-def]
+    _cluster, sock = session
+    assert call(sock, "cuInit", struct.pack("<I", 0), 1)[0] == 0
+    (ctx,) = struct.unpack("<Q", call(sock, "cuDevicePrimaryCtxRetain", struct.pack("<i", 0), 2)[1][:8])
+    # f, stream, grid, block, shmem, coop, nattrs, argsize (1 GiB: far beyond the frame), pad
+    launch = struct.pack("<QQIIIIIIIIIIII", 1, 0, 1, 1, 1, 1, 1, 1, 0, 0, 0, 1 << 30, 0, 0)
+    sock.sendall(protocol.pack_frame(api_gen.OPCODES["cuLaunchKernel"], launch, seq=3, ctx=ctx))   # type: ignore[attr-defined]
+    code, message = call(sock, "cuCtxSynchronize", b"", 4, ctx)        # the launch's error comes here
+    assert code == INVALID_VALUE, (code, message)
+    assert call(sock, "cuCtxSynchronize", b"", 5, ctx)[0] == 0

@@ -1,0 +1,192 @@
+"""A dead or paused munged on the pool host must not stall the pool (issue 26, HIGH 2).
+
+Real rgpu-poold and rgpu-dispatcher on loopback, and two real munged sharing one key: the client
+node's (users make credentials there) and the pool host's (the pool decodes them there), which
+the tests kill -9 or SIGSTOP while four clients flood the pool with garbage MUNGE headers."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from rgpu.proto import rgpu_pb2 as pb
+from rgpu.proto import rgpu_pb2_grpc as pb_grpc
+from rgpu.remoting.pool.auth import MUNGE_HEADER
+from tests import munged
+from tests.daemons import EXAMPLES, RgpuCluster
+from tests.test_dispatcher import wait_state
+
+pytestmark = pytest.mark.integration
+LIST_GPUS = "/rgpu.v1.Pool/ListGpus"
+
+
+@pytest.fixture
+def munge_key() -> Iterator[munged.MungeKey]:
+    if munged.missing():
+        pytest.skip(munged.missing())
+    key = munged.MungeKey()
+    try:
+        yield key
+    finally:
+        key.remove()
+
+
+def credential(sock: str, method: str = LIST_GPUS, user: str = "nobody") -> str:
+    done = subprocess.run(["runuser", "-u", user, "--", "munge", "-S", sock, "-s", f"rgpu-grpc:{method}"],
+                          capture_output=True, text=True, timeout=10, check=True)
+    return done.stdout.strip()
+
+
+def user_call(address: str, cred: str, timeout: float = 10.0) -> pb.ListGpusReply:
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.PoolStub(channel).ListGpus(pb.ListGpusRequest(), metadata=[(MUNGE_HEADER, cred)],
+                                                  timeout=timeout)
+
+
+class GarbageFlood:
+    """`clients` threads, each on its own channel, sending calls with garbage MUNGE headers."""
+
+    def __init__(self, address: str, clients: int = 4) -> None:
+        self.address, self.stop, self.sent = address, threading.Event(), 0
+        self.threads = [threading.Thread(target=self._run, args=(n,), daemon=True) for n in range(clients)]
+
+    def _run(self, n: int) -> None:
+        with grpc.insecure_channel(self.address) as channel:
+            stub = pb_grpc.PoolStub(channel)
+            i = 0
+            while not self.stop.is_set():
+                i += 1
+                try:
+                    stub.ListGpus(pb.ListGpusRequest(), metadata=[(MUNGE_HEADER, f"MUNGE:garbage-{n}-{i}:")],
+                                  timeout=30)
+                except grpc.RpcError:
+                    pass
+                self.sent += 1
+
+    def __enter__(self) -> "GarbageFlood":
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=40)
+
+
+@pytest.fixture
+def pool(tmp_path: Path, munge_key: munged.MungeKey) -> Iterator[tuple[RgpuCluster, munged.Munged, munged.Munged, str]]:
+    client_munged, pool_munged = munge_key.start("client"), munge_key.start("pool")
+    cluster = RgpuCluster(tmp_path / "cluster")
+    cluster.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5,
+                         munge_socket=pool_munged.socket, account_check="off")
+    try:
+        cluster.start_pool()
+        _daemon, port = cluster.start_dispatcher(EXAMPLES / "inventory-a.toml")
+        dispatcher = f"127.0.0.1:{port}"
+        wait_state(cluster, dispatcher, "up")
+        user_call(cluster.pool_address, credential(client_munged.socket))   # munged up: users are served
+        yield cluster, client_munged, pool_munged, dispatcher
+    finally:
+        pool_munged.signal(signal.SIGCONT)
+        cluster.stop_all()
+
+
+def assert_pool_serves_daemons(cluster: RgpuCluster, dispatcher: str, seconds: float) -> list[float]:
+    """Admin calls (the secret) answered throughout `seconds`, and the dispatcher's heartbeats
+    (the secret) with them: it stays up, heard from within a second. Returns the calls' latencies."""
+    latencies = []
+    deadline = time.monotonic() + seconds
+    with cluster.client() as admin:
+        while time.monotonic() < deadline:
+            started = time.monotonic()
+            servers = {s.address: s for s in admin.list_servers().servers}
+            latencies.append(time.monotonic() - started)
+            assert servers[dispatcher].state == "up", servers[dispatcher]
+            assert servers[dispatcher].heartbeat_age_seconds < 1.5, servers[dispatcher]
+            time.sleep(0.2)
+    assert max(latencies) < 1.0, latencies
+    return latencies
+
+
+def assert_fails_fast(cluster: RgpuCluster, cred: str, pool_socket: str) -> str:
+    started = time.monotonic()
+    with pytest.raises(grpc.RpcError) as info:
+        user_call(cluster.pool_address, cred)
+    took = time.monotonic() - started
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+    details = info.value.details()
+    assert "\n" not in details and details.startswith("rgpu: pool: cannot check the MUNGE credential ("), details
+    assert f"munged at {pool_socket} is not answering" in details and "start munged" in details, details
+    assert took < 1.5, took
+    return details
+
+
+def test_a_killed_munged_leaves_admins_and_dispatchers_served_and_users_told_at_once(pool) -> None:  # type: ignore[no-untyped-def]
+    cluster, client_munged, pool_munged, dispatcher = pool
+    pool_munged.kill()
+    with GarbageFlood(cluster.pool_address) as flood:
+        assert_pool_serves_daemons(cluster, dispatcher, seconds=5.0)   # longer than down_after_seconds
+        for _ in range(3):
+            assert_fails_fast(cluster, credential(client_munged.socket), pool_munged.socket)
+    assert flood.sent > 20, flood.sent
+    pool_munged.start()   # back: the next probe finds it, and users are served again
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            user_call(cluster.pool_address, credential(client_munged.socket))
+            break
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, exc.details()
+            time.sleep(0.5)
+    assert "Traceback" not in cluster.pool.log()   # type: ignore[union-attr]
+
+
+def test_a_paused_munged_holds_no_serving_thread_for_long(pool) -> None:  # type: ignore[no-untyped-def]
+    cluster, client_munged, pool_munged, dispatcher = pool
+    pool_munged.signal(signal.SIGSTOP)
+    with GarbageFlood(cluster.pool_address):
+        assert_pool_serves_daemons(cluster, dispatcher, seconds=5.0)
+        assert_fails_fast(cluster, credential(client_munged.socket), pool_munged.socket)
+    pool_munged.signal(signal.SIGCONT)
+
+
+def test_a_munge_credential_is_good_for_one_call_across_pool_daemons(tmp_path: Path,
+                                                                    munge_key: munged.MungeKey) -> None:
+    """Two daemons on one PostgreSQL, on two hosts with a munged each: munged's replay cache is its
+    own, so the pools' shared call guards must refuse the second use."""
+    from tests.postgres import Postgres, server_bin
+
+    if server_bin() is None:
+        pytest.skip("PostgreSQL is not installed (apt-get install postgresql)")
+    pytest.importorskip("psycopg")
+    import shutil
+
+    postgres = Postgres().start()
+    first = RgpuCluster(tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    shutil.copy(first.secret_file, tmp_path / "b" / "secret")
+    second = RgpuCluster(tmp_path / "b")
+    munged_a, munged_b, client_munged = munge_key.start("a"), munge_key.start("b"), munge_key.start("client")
+    try:
+        for cluster, mine in ((first, munged_a), (second, munged_b)):
+            cluster.write_config(store_url=postgres.url, munge_socket=mine.socket, account_check="off")
+            cluster.start_pool()
+        cred = credential(client_munged.socket)
+        user_call(first.pool_address, cred)
+        with pytest.raises(grpc.RpcError) as info:
+            user_call(second.pool_address, cred)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value.details()
+        assert "replayed" in info.value.details()
+        user_call(second.pool_address, credential(client_munged.socket))   # a fresh one is fine
+    finally:
+        first.stop_all()
+        second.stop_all()
+        postgres.stop()
