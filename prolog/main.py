@@ -161,7 +161,8 @@ def epilog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
         return 0                     # a plain job: no pool call, no retries while the pool is away
     from rgpu.prolog.logic import epilog_slurmctld
 
-    deadline = time.monotonic() + EPILOG_RETRY_SECONDS
+    started = time.monotonic()
+    deadline = started + EPILOG_RETRY_SECONDS
     delay = 0.5
     while True:
         try:
@@ -179,7 +180,7 @@ def epilog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
                      "job's slices later")
             return 1
     if released:
-        log_line("epilog-slurmctld", env, f"released {', '.join(released)}")
+        log_line("epilog-slurmctld", env, f"released {', '.join(released)} in {time.monotonic() - started:.2f} s")
     return 0
 
 

@@ -90,6 +90,19 @@ class Settings:
     session_hello_deadline_seconds: float = 10.0
     session_handshakes_max: int = 256
     session_handshakes_per_address: int = 16
+    # rgpu-dispatcher: sessions one slice (a lease token) may hold at once, per kind; sessions of the
+    # whole dispatcher; session opens per slice (a burst, then a rate); see dispatcher/admission.py.
+    session_cuda_per_slice: int = 32
+    session_nvml_per_slice: int = 16
+    session_perf_per_slice: int = 2
+    session_perf_max: int = 8
+    sessions_max: int = 512
+    session_opens_burst: int = 40
+    session_opens_per_second: float = 5.0
+    # rgpu-dispatcher: an unfinished request frame whose bytes stop coming this long ends its session;
+    # a net-perf session idle this long ends.
+    session_frame_stall_seconds: float = 30.0
+    session_perf_idle_seconds: float = 10.0
     # rgpu-dispatcher: how its GPUs are shared: mps | isolated | exclusive, for all GPUs or per GPU
     # ("0=exclusive,1=isolated"; a bare mode is the default for the rest). See dispatcher/sharing.py.
     gpu_sharing: str = "mps"

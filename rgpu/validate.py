@@ -26,6 +26,10 @@ TOKEN_RE = re.compile(r"^[A-Za-z0-9_.-]{1,4096}$")
 RFC3339_RE = re.compile(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d+)?(?:Z|[+-]\d{2}:\d{2})$")
 
 MAX_SLICES = 64
+# Job-key prefixes that only daemons (holders of the cluster secret) make: Slurm's PrologSlurmctld
+# leases `slurm:<cluster>:<job>:<restart>:<node>` (slurm_plugin/jobkey.py). A user who leased such
+# a key first would make the real job's prolog fail, so users' requests with them are refused.
+RESERVED_JOB_KEY_PREFIXES = ("slurm:",)
 
 
 def _bad(field: str, value: object, rule: str) -> InvalidRequest:
@@ -39,6 +43,12 @@ def job_key(value: str) -> str:
     if not isinstance(value, str) or not JOB_KEY_RE.fullmatch(value):
         raise _bad("job key", value, "1-128 characters from A-Z a-z 0-9 . _ : + @ -")
     return value
+
+
+def reserved_job_key_prefix(value: str) -> str:
+    """The reserved prefix `value` starts with (case-insensitively), else ''."""
+    lowered = value.lower() if isinstance(value, str) else ""
+    return next((p for p in RESERVED_JOB_KEY_PREFIXES if lowered.startswith(p)), "")
 
 
 def name(field: str, value: str) -> str:

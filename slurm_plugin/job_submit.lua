@@ -47,6 +47,7 @@ rgpu.DEFAULTS = {
 	isolated_gpus = 0,           -- of them shared "isolated" (fractional slices, isolation=strict)
 	exclusive_gpus = 0,          -- of them shared "exclusive" (whole-GPU slices only)
 	hold_until_placed = 0,       -- 1: submit rgpu jobs held; rgpu-poold releases each once the pool can place it
+	release_uid = 0,             -- the pool's uid where it is neither root nor SlurmUser (a Slurm operator); 0: none
 }
 rgpu.UNITS_PER_GPU = 100
 rgpu.CONF_NAME = "job_submit_rgpu.conf"
@@ -384,15 +385,55 @@ rgpu.ADMISSION_NOTE = rgpu.RECORD_SEPARATOR .. "rgpu: waiting: held until the po
 -- What a new rgpu job gets: its admin comment, and whether it is submitted held. With
 -- hold_until_placed, a job whose priority nobody set is held and marked; rgpu-poold releases it
 -- once the pool can place its slices (slurm_plugin/waiting.py), so Slurm never starts a job the
--- pool would refuse. Slurm counts a hold set here as the user's own (reason JobHeldUser): a user
--- who releases the job himself skips the pool's check (PrologSlurmctld still refuses a job it
--- cannot place; Slurm then requeues it). A job submitted with --hold or a priority keeps it and
--- is not marked: its release is its owner's.
+-- pool would refuse. Slurm counts a hold set here as the user's own (reason JobHeldUser; a
+-- priority of 0 from job_submit is never an admin hold, 22.05 to 26.05), so slurm_job_modify
+-- refuses the user's release of a marked job (rgpu.check_release). A job submitted with --hold
+-- or a priority keeps it and is not marked: its release is its owner's.
 function rgpu.admission(plan, conf, priority)
 	if conf.hold_until_placed == 1 and (priority == nil or priority == rgpu.NO_VAL) then
 		return plan.record .. rgpu.ADMISSION_NOTE, true
 	end
 	return plan.record, false
+end
+
+-- Whether an admin comment carries rgpu's waiting mark (WAITING_MARK, QUOTA_MARK in waiting.py).
+function rgpu.is_waiting(admin_comment)
+	local record, note = rgpu.split_admin_comment(admin_comment)
+	local mark = rgpu.RECORD_SEPARATOR .. "rgpu: waiting"
+	return rgpu.is_record(record) and string.sub(note, 1, #mark) == mark
+end
+
+-- `scontrol release` reaches job_modify as priority INFINITE, `scontrol update priority=N` as N,
+-- a hold as 0 (22.05 to 26.05). Releasing a held job that carries rgpu's waiting mark is the
+-- pool's alone (root, SlurmUser, or release_uid: how rgpu-poold's scontrol runs): the user's own
+-- release would start the job before the pool's placement check. Holds pass; so do changes of
+-- jobs that are not held (Slurm allows a user no more than to lower his job's priority).
+function rgpu.check_release(job_id, desc_priority, rec_priority, admin_comment, privileged)
+	if privileged or desc_priority == nil or desc_priority == 0 or desc_priority == rgpu.NO_VAL
+		or rec_priority ~= 0 or not rgpu.is_waiting(admin_comment) then
+		return true
+	end
+	local id = tostring(job_id)
+	return fail("job " .. id .. " is held until the pool can place its slices, and only rgpu-poold releases it",
+		"a release by its user would start it before the pool's placement check",
+		"wait: rgpu-poold releases it once its slices fit; `scontrol show job " .. id
+		.. "` (AdminComment) says why it waits, `rgpu-admin list-gpus` shows the pool's room", "access")
+end
+
+-- The uid slurmctld runs as (SlurmUser): job_submit.lua runs inside it. nil where /proc is not
+-- readable (then root and release_uid alone may release rgpu's held jobs).
+function rgpu.own_uid()
+	local f = io.open("/proc/self/status", "r")
+	if not f then
+		return nil
+	end
+	local text = f:read("*a")
+	f:close()
+	return tonumber(string.match(text, "\nUid:%s*(%d+)"))
+end
+
+function rgpu.may_release(uid, conf)
+	return uid == 0 or uid == rgpu.own_uid() or (conf.release_uid > 0 and uid == conf.release_uid)
 end
 
 function rgpu.units_per_slice(req, conf)
@@ -662,6 +703,15 @@ function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
 			return slurm.ERROR
 		end
 		return slurm.SUCCESS
+	end
+	local ok
+	ok, err = rgpu.check_release(job_rec.job_id, job_desc.priority, job_rec.priority, job_rec.admin_comment,
+		rgpu.may_release(modify_uid, conf))
+	if not ok then
+		slurm.log_info("rgpu: refused a release of job %s by uid %s (priority=%s): %s", tostring(job_rec.job_id),
+			tostring(modify_uid), tostring(job_desc.priority), err)
+		slurm.log_user("%s", err)
+		return rgpu.error_code(err)
 	end
 	local result
 	result, err = rgpu.plan_modify({

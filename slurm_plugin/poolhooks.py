@@ -10,14 +10,14 @@ host (squeue, scontrol; $SLURM_CONF or /etc/slurm/slurm.conf; munge).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from rgpu.slurm_plugin.heldwatch import HeldJobWatch, squeue_runner
 from rgpu.slurm_plugin.licenses import LicenseSync, SlurmLicenses
 from rgpu.slurm_plugin.reconcile import Reconciler
-from rgpu.slurm_plugin.squeue import backend_for
+from rgpu.slurm_plugin.squeue import JobSource, backend_for
 
 
 @dataclass
@@ -40,15 +40,15 @@ def start_slurm_integration(core: Any, *, interval_seconds: float, grace_seconds
     log = log or logging.getLogger("rgpu-poold")
     if interval_seconds <= 0:
         return SlurmIntegration(None, None)
-    admission = _Admission(core, log, env)
-    reconciler = Reconciler(core, backend_for(backend, env=env), interval_seconds, grace_seconds, log,
-                            cluster=cluster or None,
-                            cluster_lookup=None if cluster else _cluster_lookup(env),
-                            after_pass=admission.run).start()
+    reconciler, admission = admitting_reconciler(core, backend_for(backend, env=env), interval_seconds, grace_seconds,
+                                                 log, cluster=cluster or None,
+                                                 cluster_lookup=None if cluster else _cluster_lookup(env), env=env)
+    reconciler.start()
     if hasattr(core, "add_lease_listener"):
-        # This thread is the one place that admits jobs, so two admissions never share out the
-        # same room. A lease that ended frees room; one that started settles where a released
-        # job's slices went: either may let a held job start, so a pass runs at once.
+        # This thread is the one place of this daemon that admits jobs, and its passes hold the
+        # pool's admission lock, so two admissions never share out the same room. A lease that
+        # ended frees room; one that started settles where a released job's slices went: either
+        # may let a held job start, so a pass runs at once.
         core.add_lease_listener(lambda ended: reconciler.wake() if ended or admission.jobs_held else None)
     # New held jobs wake the reconciler at once, not at its next pass (heldwatch.py).
     watch = None
@@ -64,13 +64,28 @@ def start_slurm_integration(core: Any, *, interval_seconds: float, grace_seconds
     return SlurmIntegration(reconciler, sync, watch)
 
 
+def admitting_reconciler(core: Any, backend: JobSource, interval_seconds: float, grace_seconds: float,
+                         log: logging.Logger, *, cluster: str | None = None, cluster_lookup: Any = None,
+                         env: Mapping[str, str] | None = None,
+                         scontrol: Callable[[list[str]], Any] | None = None) -> tuple[Reconciler, Admission]:
+    """The reconciler whose passes end with the admission, each pass under the pool's admission
+    lock (`core.admitting()`: one daemon or process at a time, from reading the jobs to the last
+    release). Not started. `scontrol(argv)` runs the admission's Slurm commands."""
+    admission = Admission(core, log, env, scontrol)
+    reconciler = Reconciler(core, backend, interval_seconds, grace_seconds, log, cluster=cluster,
+                            cluster_lookup=cluster_lookup, after_pass=admission.run,
+                            exclusive=getattr(core, "admitting", None))
+    return reconciler, admission
+
+
 @dataclass
-class _Admission:
+class Admission:
     """After each reconciler pass: let the held jobs the pool can place start (waiting.py)."""
 
     core: Any
     log: logging.Logger
     env: Mapping[str, str] | None
+    scontrol: Callable[[list[str]], Any] | None = None    # None: run_command (proc.py)
     jobs_held: bool = False        # some were still held after the last pass
 
     def run(self, jobs: list[Any]) -> None:
@@ -80,7 +95,7 @@ class _Admission:
         if pending:
             leases = self.core.list_leases()          # before the GPUs: see start_waiting_jobs
             started = start_waiting_jobs(jobs, self.core.gpu_statuses(), self.log, leases=leases, env=self.env,
-                                         fits=getattr(self.core, "fits_in_every_order", None))
+                                         fits=getattr(self.core, "fits_in_every_order", None), scontrol=self.scontrol)
             self.jobs_held = len(started) < len(pending)
         else:
             self.jobs_held = False

@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -91,6 +92,9 @@ class Reconciler:
     cluster_lookup: Callable[[], str] | None = None
     # Called with the live jobs after each pass (waiting.py: start jobs waiting for the pool).
     after_pass: Callable[[list[SlurmJob]], Any] | None = None
+    # Held for the whole pass, from reading the jobs to the last release (PoolCore.admitting):
+    # the pool's other daemons admit only before or after it, never from the same look.
+    exclusive: Callable[[], AbstractContextManager[Any]] | None = None
     _absent_since: dict[str, float] = field(default_factory=dict)
     _reported_missing: set[int] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -108,6 +112,16 @@ class Reconciler:
 
     def run_once(self) -> Decision | None:
         """One look; None when Slurm or the pool could not be read (nothing is released then)."""
+        if self.exclusive is None:
+            return self._look()
+        try:
+            with self.exclusive():
+                return self._look()
+        except RgpuError as exc:       # the lock could not be taken (PostgreSQL away, another pass stuck)
+            self.log.warning("rgpu reconciler: skipped a pass: %s", exc)
+            return None
+
+    def _look(self) -> Decision | None:
         try:
             cluster = self._cluster()
             jobs = self.backend.live_jobs()

@@ -8,7 +8,8 @@ requeues it. So the pool admits rgpu jobs before Slurm may start them:
 - job_submit.lua submits every rgpu job held (priority 0; Slurm shows reason JobHeldUser) and
   marked: its admin comment is `<record> | rgpu: waiting: ...`;
 - `start_waiting_jobs` (run by the pool's reconciler on every pass, and at once when a lease
-  ends: one thread, so two admissions never share out the same room) releases the marked held jobs the pool can place now, oldest
+  ends: one thread, and one daemon of the pool at a time (PoolCore.admitting), so two admissions
+  never share out the same room) releases the marked held jobs the pool can place now, oldest
   first, each counted against the free room *after* the room of the jobs already released but not
   yet holding their leases (pending, or in PrologSlurmctld), so none is started only to fail; the
   mark goes with the hold (so a later `scontrol hold` of the job is its owner's to release);
@@ -135,8 +136,9 @@ ADMIN_HOLD = "JobHeldAdmin"      # an admin's hold: never released by rgpu
 STARTABLE_REASONS = frozenset({"", "None", "Priority", "Resources", "Licenses"})
 
 # What to do for a job the pool can place now: scontrol release (held), then StartTime=now
-# (requeued: Slurm's requeue delay).
-RELEASE, START = "release", "start"
+# (requeued: Slurm's requeue delay). HOLD: a job let go that Slurm has not started yet, whose room
+# is no longer there (marked again, then `scontrol uhold`: it waits as it was submitted).
+RELEASE, START, HOLD = "release", "start", "hold"
 
 
 def _admitted_unleased(job: Any, leased: set[tuple[int, int]]) -> bool:
@@ -161,12 +163,42 @@ def lease_requests(record: RequestRecord) -> list[LeaseRequest]:
     return [(req.count, req.fraction if not req.memory_bytes else 0.0, req.memory_bytes, req.isolation)] * record.nodes
 
 
+def _held_back(let_go: list[tuple[Any, RequestRecord]], fits: Callable[[list[LeaseRequest]], bool] | None) -> list[int]:
+    """The jobs let go but not started yet to hold again until the others fit in every order: the
+    youngest whose hold alone is enough, else the youngest, and so on. Each fitted with those
+    before it when it was let go, and a lease that starts keeps that true; one that ends can break
+    it: binpack places the next slices on the room it left, which may leave no whole GPU for a job
+    let go earlier (found in the mixed batch). So can an admin's or a user's release of a job the
+    pool cannot place. Pure when `fits` is; none without it."""
+    if fits is None or not let_go:
+        return []
+
+    def requests(jobs: list[tuple[Any, RequestRecord]]) -> list[LeaseRequest]:
+        return [r for _, record in jobs for r in lease_requests(record)]
+
+    def without(job: Any) -> list[tuple[Any, RequestRecord]]:
+        return [(j, r) for j, r in kept if j is not job]
+
+    kept = list(let_go)
+    held: list[int] = []
+    while not fits(requests(kept)):
+        pending = [j for j, _ in reversed(kept) if j.state == "PENDING"]   # one in PrologSlurmctld cannot be held
+        if not pending:
+            break
+        # The youngest whose hold alone makes room, else the youngest, and look again.
+        one = next((j for j in pending if fits(requests(without(j)))), pending[0])
+        kept = without(one)
+        held.append(one.job_id)
+    return held
+
+
 def jobs_to_start(jobs: Iterable[Any], gpu_statuses: Iterable[Any], leases: Iterable[Any] = (),
                   fits: Callable[[list[LeaseRequest]], bool] | None = None) -> list[tuple[int, tuple[str, ...]]]:
     """(id, steps) for the marked pending jobs the pool can place now, oldest first, each counted
     with the jobs already let go but not yet leased. Steps: RELEASE for a job held for admission
-    (or by Slurm after repeated requeues), START for a requeued one. A held job no GPU could ever
-    serve is released too: its PrologSlurmctld then cancels it with the reason.
+    (or by Slurm after repeated requeues), START for a requeued one, HOLD (listed first) for a job
+    let go that Slurm has not started and that no longer fits (`_held_back`). A held job no GPU
+    could ever serve is released too: its PrologSlurmctld then cancels it with the reason.
 
     `fits(requests)`: the pool's own check that all these leases can be placed whatever order
     their prologs ask in (PoolCore.fits_in_every_order); without it, each job is placed in turn on
@@ -176,15 +208,19 @@ def jobs_to_start(jobs: Iterable[Any], gpu_statuses: Iterable[Any], leases: Iter
     gpu_statuses = list(gpu_statuses)
     leased = {(p.job_id, p.restart_count) for p in (parse_job_key(le.job_key) for le in leases) if p is not None}
     free = rooms(gpu_statuses)
-    admitted: list[LeaseRequest] = []
+    let_go: list[tuple[Any, RequestRecord]] = []
     for job in jobs:
         if is_record(job.admin_comment) and _admitted_unleased(job, leased):
             try:
                 record = parse_record(job.admin_comment)
             except RgpuError:
                 continue
+            if never_fits(record, gpu_statuses):
+                continue            # its PrologSlurmctld cancels it: it takes no room, and is not held again
             take(record, free)
-            admitted += lease_requests(record)
+            let_go.append((job, record))
+    held_back = _held_back(let_go, fits)
+    admitted = [r for job, record in let_go if job.job_id not in held_back for r in lease_requests(record)]
 
     def placeable(record: RequestRecord) -> bool:
         nonlocal admitted
@@ -196,9 +232,9 @@ def jobs_to_start(jobs: Iterable[Any], gpu_statuses: Iterable[Any], leases: Iter
         admitted = trial
         return True
 
-    chosen: list[tuple[int, tuple[str, ...]]] = []
+    chosen: list[tuple[int, tuple[str, ...]]] = [(job_id, (HOLD,)) for job_id in held_back]
     for job in jobs:
-        if job.state != "PENDING" or getattr(job, "dependency", ""):
+        if job.state != "PENDING" or getattr(job, "dependency", "") or job.job_id in held_back:
             continue
         record = waiting_record(job.admin_comment)
         if record is None:
@@ -212,6 +248,35 @@ def jobs_to_start(jobs: Iterable[Any], gpu_statuses: Iterable[Any], leases: Iter
         elif job.reason not in STARTABLE_REASONS and job.reason != ADMIN_HOLD and placeable(record):
             chosen.append((job.job_id, (START,)))
     return chosen
+
+
+def hold_again(job_id: int, record_text: str, run: Callable[[list[str]], Any],
+               log: logging.Logger | logging.LoggerAdapter[Any]) -> bool:
+    """Mark, then hold (a user hold, which rgpu releases: the job waits as it was submitted; marked
+    first, so a held job always carries the mark). False when Slurm started the job meanwhile: the
+    mark is taken off again."""
+    try:
+        run(mark_command(job_id, waiting_comment(record_text, HELD_AGAIN)))
+    except RgpuError as exc:
+        log.warning("rgpu: slurm: could not mark released job %s to hold it again: %s", job_id, exc)
+        return False
+    try:
+        run(user_hold_command(job_id))
+        return True
+    except RgpuError as exc:
+        log.info("rgpu: slurm: could not hold released job %s again (started meanwhile?): %s", job_id, exc)
+    try:
+        run(mark_command(job_id, record_text))
+    except RgpuError as exc:        # its PrologSlurmctld removes a mark it finds
+        log.warning("rgpu: slurm: could not unmark job %s: %s", job_id, exc)
+    return False
+
+
+HELD_AGAIN = "held again until the pool can place its slices (released, then its room went; rgpu-poold releases it once it fits)"
+
+
+def user_hold_command(job_id: int) -> list[str]:
+    return ["scontrol", "uhold", str(int(job_id))]
 
 
 def mark_command(job_id: int, admin_comment: str) -> list[str]:
@@ -262,25 +327,36 @@ def clear_mark(job_id: int, admin_comment: str, *, env: Mapping[str, str] | None
 
 def start_waiting_jobs(jobs: Sequence[Any], gpu_statuses: Iterable[Any], log: logging.Logger | logging.LoggerAdapter[Any],
                        *, leases: Iterable[Any] = (), fits: Callable[[list[LeaseRequest]], bool] | None = None,
-                       env: Mapping[str, str] | None = None, timeout: float = 4.0) -> list[int]:
+                       env: Mapping[str, str] | None = None, timeout: float = 4.0,
+                       scontrol: Callable[[list[str]], Any] | None = None) -> list[int]:
     """Release (or StartTime=now) every waiting job the pool can place now; returns their ids.
     Read `leases` before `gpu_statuses`: a lease made between the two reads is then counted twice
-    (a job waits one more pass), never not at all (a job started into room that is gone)."""
+    (a job waits one more pass), never not at all (a job started into room that is gone).
+    `scontrol(argv)` runs each command (default: run_command with `env` and `timeout`)."""
+    run = scontrol or (lambda argv: run_command(argv, env=env, timeout=timeout))
     started = []
     # The record alone, once released (PrologSlurmctld also removes a mark it finds).
     marked = {j.job_id: j.admin_comment.partition(RECORD_SEPARATOR)[0] for j in jobs if j.reason == ADMISSION_HOLD}
+    records = {j.job_id: j.admin_comment.partition(RECORD_SEPARATOR)[0] for j in jobs}
+    held = []
     for job_id, steps in jobs_to_start(jobs, gpu_statuses, leases, fits):
+        if steps == (HOLD,):
+            if hold_again(job_id, records[job_id], run, log):
+                held.append(job_id)
+            continue
         try:
             for step in steps:
-                run_command(release_command(job_id) if step == RELEASE else start_command(job_id), env=env,
-                            timeout=timeout)
+                run(release_command(job_id) if step == RELEASE else start_command(job_id))
             started.append(job_id)
         except RgpuError as exc:
             log.warning("rgpu: slurm: could not start waiting job %s: %s", job_id, exc)
+    if held:
+        log.info("rgpu: slurm: the pool can no longer place released job(s) %s (their room went): held again "
+                 "until it can", ", ".join(map(str, held)))
     for job_id in started:          # after every release, which is what the jobs wait for
         if job_id in marked:
             try:
-                run_command(mark_command(job_id, marked[job_id]), env=env, timeout=timeout)
+                run(mark_command(job_id, marked[job_id]))
             except RgpuError as exc:   # PrologSlurmctld removes a mark it finds
                 log.warning("rgpu: slurm: could not unmark released job %s: %s", job_id, exc)
     if started:

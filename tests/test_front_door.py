@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from rgpu.errors import RgpuError
 from rgpu.remoting.datapath import protocol
 from tests.daemons import EXAMPLES, RgpuCluster
 from tests.test_dispatcher import wait_state
@@ -70,13 +71,16 @@ class Slowloris:
         n = self.opened
         self.opened += 1
         s = socket.socket()
-        s.bind((f"127.0.0.{2 + n % self.sources}", 0))
+        s.bind((self._source_address(n), 0))
         s.setblocking(False)
         try:
             s.connect(("127.0.0.1", self.port))
         except BlockingIOError:
             pass
         self.sel.register(s, selectors.EVENT_READ, [time.monotonic(), b""])
+
+    def _source_address(self, n: int) -> str:
+        return f"127.0.0.{2 + n % self.sources}"
 
     def held(self) -> int:
         return len(self.sel.get_map())
@@ -220,3 +224,36 @@ def test_a_frame_other_than_hello_and_a_huge_frame_are_refused_in_one_line(clust
     assert "expected HELLO" in _refusal_for(address, protocol.pack_frame(7, b"x"))
     huge = protocol.HEADER.pack(1 << 30, protocol.OP_HELLO, 0, 0, 0, 0)
     assert "larger than allowed" in _refusal_for(address, huge)
+
+
+class Neighbour(Slowloris):
+    """A user on the same CPU node: its connections come from 127.0.0.1, like the legitimate
+    client's (every=inf: they send nothing)."""
+
+    def _source_address(self, n: int) -> str:
+        return "127.0.0.1"
+
+
+@pytest.mark.parametrize("trickle,sessions", [(False, 30), (True, 15)])
+def test_a_neighbours_idle_connections_do_not_lock_out_its_node(cluster: RgpuCluster, trickle: bool,
+                                                                sessions: int) -> None:
+    """Issue 26, MED 6: 20 connections from the same address as the legitimate client, held idle
+    (or trickling) and reopened as the dispatcher closes them, past the 16 slots of one address."""
+    _daemon, address, token = _up(cluster)
+    port = int(address.rsplit(":", 1)[1])
+    opened, failures = 0, []
+    with Neighbour(port, count=20, sources=1, every=0.5 if trickle else float("inf")) as neighbour:
+        time.sleep(DEADLINE + 1.0)        # the first wave has been closed at its deadline and reopened
+        for _ in range(sessions):
+            try:
+                sock, _welcome = protocol.handshake(address, token, timeout=10)
+            except RgpuError as exc:
+                failures.append(str(exc))
+                continue
+            opened += 1
+            sock.close()
+        reopened = neighbour.closed_by_server
+    print(f"\nneighbour on 127.0.0.1 ({'trickling' if trickle else 'idle'}, 20 held, {reopened} reopened): "
+          f"{opened} of {sessions} sessions from 127.0.0.1 opened")
+    assert opened == sessions, failures[:3]
+    assert reopened >= 4, reopened       # the neighbour did hold the address's slots

@@ -8,6 +8,7 @@ dofile and calls its Slurm entry points with job_desc / job_rec tables, then pri
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -176,6 +177,50 @@ def test_root_changing_a_held_job_keeps_rgpus_mark(plugin_dir: Path) -> None:
     # A user's update that leaves the request as it is passes, mark or not.
     same = call(plugin_dir, update(comment="note fraction=0.5"), rec, uid=1000)
     assert same["rc"] == 0 and same["admin_comment"] is None
+
+
+WAITING = ("rgpu:v1 nodes=1 count=2 percent=50 units=100 | rgpu: waiting: held until the pool can place its slices "
+           "(rgpu-poold releases the job then)")
+INFINITE = 4294967295   # what `scontrol release` asks for (the priority field of the update)
+
+
+def held_rec(admin_comment: str = WAITING, priority: int = 0) -> dict[str, Any]:
+    return {**job_rec("gres:rgpu:2", "fraction=0.5", "rgpu:100"), "admin_comment": admin_comment, "priority": priority}
+
+
+@pytest.mark.parametrize("priority", [INFINITE, 100])
+def test_a_user_cannot_release_a_job_rgpu_holds_for_the_pool(plugin_dir: Path, priority: int) -> None:
+    """`scontrol release` (and `update priority=`) of a marked held job by its user would start it
+    before the pool's placement check: one line says who releases it and where to see why it waits."""
+    refused = call(plugin_dir, update(priority=priority), held_rec(), uid=1000)
+    assert refused["rc"] == REFUSAL_CODES["access"], refused
+    (line,) = user_messages(refused)
+    assert line.startswith("rgpu: job_submit: job 42 is held until the pool can place its slices, "
+                           "and only rgpu-poold releases it ("), line
+    assert "`scontrol show job 42` (AdminComment)" in line and "rgpu-admin list-gpus" in line and "\n" not in line
+    quota = held_rec("rgpu:v1 nodes=1 count=2 percent=50 units=100 | rgpu: waiting for quota: over")
+    assert call(plugin_dir, update(priority=priority), quota, uid=1000)["rc"] == REFUSAL_CODES["access"]
+
+
+def test_the_pool_releases_and_users_hold_or_release_their_own_holds(plugin_dir: Path) -> None:
+    # rgpu-poold runs scontrol as root (or SlurmUser: the uid slurmctld, and so this script, runs as).
+    assert call(plugin_dir, update(priority=INFINITE), held_rec(), uid=0)["rc"] == 0
+    for rec in (held_rec("rgpu:v1 nodes=1 count=2 percent=50 units=100"),   # sbatch --hold: no mark
+                held_rec(priority=1000)):                                  # released, mark not yet gone
+        assert call(plugin_dir, update(priority=INFINITE), rec, uid=1000)["rc"] == 0, rec
+    assert call(plugin_dir, update(priority=0), held_rec(), uid=1000)["rc"] == 0        # scontrol hold
+    assert call(plugin_dir, update(comment="fraction=0.5 x"), held_rec(), uid=1000)["rc"] == 0
+    # A pool run as a Slurm operator (neither root nor SlurmUser) is named in the config.
+    (plugin_dir / "job_submit_rgpu.conf").write_text(CONF + "release_uid = 1000\n")
+    assert call(plugin_dir, update(priority=INFINITE), held_rec(), uid=1000)["rc"] == 0
+    assert call(plugin_dir, update(priority=INFINITE), held_rec(), uid=1001)["rc"] == REFUSAL_CODES["access"]
+
+
+def test_slurmuser_is_the_uid_the_script_runs_as(plugin_dir: Path) -> None:
+    driver = plugin_dir / "uid.lua"
+    driver.write_text(f"dofile({lua_value(str(plugin_dir / 'job_submit.lua'))})\nprint(rgpu_job_submit.own_uid())\n")
+    proc = subprocess.run([LUA, str(driver)], capture_output=True, text=True, timeout=10)
+    assert proc.stdout.strip() == str(os.getuid()), proc
 
 
 def test_a_forged_record_in_the_admin_comment_is_refused(plugin_dir: Path) -> None:

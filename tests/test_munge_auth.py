@@ -322,3 +322,18 @@ def test_flexrun_run_by_another_uid_leases_as_that_user(tmp_path: Path, munge_so
             assert root.list_leases() == []                    # released when the application ended
     finally:
         c.stop_all()
+
+
+def test_slurm_job_keys_are_reserved_for_the_daemons(cluster: RgpuCluster, munge_socket: str) -> None:
+    """A user cannot squat the key the real job's PrologSlurmctld will lease (issue 26, MED 5)."""
+    key = "slurm:test:4242:0:c1"
+    for squat in (key, "SLURM:test:4243:0:c1"):
+        text = refused(grpc.StatusCode.PERMISSION_DENIED, lambda: as_user(
+            cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key=squat, count=1, fraction=0.25)))
+        assert "is reserved" in text and "Slurm prologs" in text and "pick another key" in text, text
+    with cluster.client() as prolog:   # the secret: what PrologSlurmctld holds
+        lease = prolog.allocate(key, USER, 1, fraction=0.25, account="physics")
+        assert lease.job_key == key and lease.user == USER
+    lease = as_user(cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key="my-slurm:run", count=1,
+                                                                         fraction=0.25))
+    assert lease.job_key == "my-slurm:run"   # type: ignore[attr-defined]

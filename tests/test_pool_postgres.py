@@ -373,3 +373,14 @@ def test_two_daemons_decide_ownership_after_catching_up(two_cores) -> None:  # t
     with pytest.raises(PermissionDenied, match="cannot renew lease job-alice"):
         b.renew("job-alice", 365 * 24 * 3600.0, owner="mallory")
     assert a.get_lease("job-alice").expires_unix == lease.expires_unix
+
+
+def test_two_daemons_admitting_from_one_look_never_release_more_than_the_pool_holds(two_cores) -> None:  # type: ignore[no-untyped-def]
+    """Each daemon's reconciler releases held Slurm jobs the pool can place; an admission pass holds
+    the database's admission lock from reading the queue to its last release, so the second pass
+    looks after the first one's release, and never releases a job into room already given out."""
+    from tests.admission_race import admit_from_one_look, released_fit
+
+    a, b, _clock = two_cores
+    released, core = admit_from_one_look(a, b)
+    assert released and released_fit(released, core), f"jobs {released} released into room for fewer"

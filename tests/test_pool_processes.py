@@ -304,3 +304,13 @@ def test_ownership_is_decided_after_catching_up_with_the_other_process(two_proce
     assert a.get_lease("job-alice").expires_unix == lease.expires_unix    # neither released nor renewed
     assert b.renew("job-alice", 120.0, owner=lease.user).expires_unix == clock.now + 120.0
     assert b.release("job-alice", owner=lease.user) and "job-alice" not in b.leases
+
+
+def test_two_processes_admitting_from_one_look_never_release_more_than_the_pool_holds(two_processes) -> None:  # type: ignore[no-untyped-def]
+    """As two daemons on PostgreSQL (test_pool_postgres.py): an admission pass holds the state
+    file's admission lock, so two processes never release held jobs into the same room."""
+    from tests.admission_race import admit_from_one_look, released_fit
+
+    a, b, _clock = two_processes
+    released, core = admit_from_one_look(a, b)
+    assert released and released_fit(released, core), f"jobs {released} released into room for fewer"

@@ -400,3 +400,11 @@ def test_node_prolog_removes_folders_of_jobs_whose_lease_is_gone(pool: RgpuClust
     prolog_slurmctld(job_env(pool, tmp_path, job_id=9), pool.client, lambda _: info(job_id=9))
     node_prolog({**job_env(pool, tmp_path, job_id=9), "SLURM_JOB_UID": "", "SLURM_JOB_GID": ""}, pool.client)
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["8", "9", "notajob", "pool"]   # pool: the fixture's
+
+
+def test_the_keys_the_prologs_make_are_reserved_for_the_daemons() -> None:
+    from rgpu import validate
+    from rgpu.slurm_plugin.jobkey import job_key
+    key = job_key("hpc", 4242, 0, "c17")
+    assert validate.reserved_job_key_prefix(key) == "slurm:"
+    assert validate.reserved_job_key_prefix("flexrun-c17-42-abc") == ""

@@ -216,7 +216,7 @@ int main(int argc, char **argv) {
     /* An entry point rgpu does not remote: present, and it says so instead of crashing. */
     CUgraphNode node = NULL;
     EXPECT("unremoted entry point returns CUDA_ERROR_NOT_SUPPORTED",
-           cuGraphAddEventRecordNode(&node, NULL, NULL, 0, NULL) == CUDA_ERROR_NOT_SUPPORTED);
+           cuGraphAddExternalSemaphoresSignalNode(&node, NULL, NULL, 0, NULL) == CUDA_ERROR_NOT_SUPPORTED);
     void *pfn = NULL;
     CUdriverProcAddressQueryResult qr;
     CHECK("cuGetProcAddress cuMemAlloc", cuGetProcAddress("cuMemAlloc", &pfn, 12000, CU_GET_PROC_ADDRESS_DEFAULT, &qr));

@@ -19,7 +19,9 @@ from rgpu.errors import Unavailable
 from rgpu.remoting.datapath import protocol
 
 PERF_SESSION_LIMIT_S = 120.0       # a perf session never holds an acceptor thread longer
+PERF_IDLE_S = 10.0                 # ... nor waits longer than this for the next bytes of a frame
 MAX_PERF_FRAME = 4 << 20
+_FILLER = bytes(MAX_PERF_FRAME)    # SOURCE's data, one copy for all sessions (it was 4 MiB each)
 MAX_SOURCE_BYTES = 1 << 30
 _SOURCE = struct.Struct("<QI")
 _U64 = struct.Struct("<Q")
@@ -27,40 +29,46 @@ _U64 = struct.Struct("<Q")
 
 # ------------------------------------------------------------------ server side (dispatcher)
 
-def serve_perf(conn: socket.socket, limit_s: float = PERF_SESSION_LIMIT_S) -> int:
-    """Answer perf frames on an accepted, token-checked connection; returns bytes moved."""
+def serve_perf(conn: socket.socket, limit_s: float = PERF_SESSION_LIMIT_S, idle_s: float = PERF_IDLE_S) -> int:
+    """Answer perf frames on an accepted, token-checked connection; returns bytes moved. The
+    session ends at `limit_s`, or when the client sends nothing (or stops sending a frame, or
+    stops reading) for `idle_s`."""
     deadline = time.monotonic() + limit_s
     moved = 0
     received = 0
-    filler = bytes(MAX_PERF_FRAME)
-    while time.monotonic() < deadline:
-        conn.settimeout(max(0.1, deadline - time.monotonic()))
-        try:
-            (_, op, _, seq, aux, _), payload = protocol.recv_frame(conn, MAX_PERF_FRAME)
-        except (OSError, ValueError, ConnectionError):
-            break
-        if op == protocol.OP_ECHO:
-            conn.sendall(protocol.pack_frame(protocol.OP_ECHO, payload, seq=seq))
-            moved += 2 * len(payload)
-        elif op == protocol.OP_SINK:
-            received += len(payload)
-            moved += len(payload)
-            if aux == 1:
-                conn.sendall(protocol.pack_frame(protocol.OP_REPLY, _U64.pack(received), seq=seq))
-                received = 0
-        elif op == protocol.OP_SOURCE and len(payload) >= _SOURCE.size:
-            total, chunk = _SOURCE.unpack_from(payload)
-            total, chunk = min(total, MAX_SOURCE_BYTES), max(1, min(chunk, MAX_PERF_FRAME))
-            left = total
-            while left > 0:
-                n = min(chunk, left)
-                conn.sendall(protocol.pack_frame(protocol.OP_DATA, filler[:n], seq=seq))
-                left -= n
-            conn.sendall(protocol.pack_frame(protocol.OP_REPLY, _U64.pack(total), seq=seq))
-            moved += total
-        else:   # BYE, or anything a perf session does not know
-            break
-    conn.close()
+    filler = _FILLER
+    try:
+        while time.monotonic() < deadline:
+            conn.settimeout(max(0.1, min(idle_s, deadline - time.monotonic())))
+            try:
+                (_, op, _, seq, aux, _), payload = protocol.recv_frame(conn, MAX_PERF_FRAME)
+            except (OSError, ValueError, ConnectionError):
+                break
+            if op == protocol.OP_ECHO:
+                conn.sendall(protocol.pack_frame(protocol.OP_ECHO, payload, seq=seq))
+                moved += 2 * len(payload)
+            elif op == protocol.OP_SINK:
+                received += len(payload)
+                moved += len(payload)
+                if aux == 1:
+                    conn.sendall(protocol.pack_frame(protocol.OP_REPLY, _U64.pack(received), seq=seq))
+                    received = 0
+            elif op == protocol.OP_SOURCE and len(payload) >= _SOURCE.size:
+                total, chunk = _SOURCE.unpack_from(payload)
+                total, chunk = min(total, MAX_SOURCE_BYTES), max(1, min(chunk, MAX_PERF_FRAME))
+                left = total
+                while left > 0:
+                    n = min(chunk, left)
+                    conn.sendall(protocol.pack_frame(protocol.OP_DATA, filler[:n], seq=seq))
+                    left -= n
+                conn.sendall(protocol.pack_frame(protocol.OP_REPLY, _U64.pack(total), seq=seq))
+                moved += total
+            else:   # BYE, or anything a perf session does not know
+                break
+    except (OSError, ConnectionError):   # a client that stops reading, or leaves, mid-answer
+        pass
+    finally:
+        conn.close()
     return moved
 
 

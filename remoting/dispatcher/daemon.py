@@ -140,6 +140,7 @@ class DataPath(Protocol):
 def start_data_path(sock: socket.socket, address: str, gpus: tuple[GpuInfo, ...], secret: bytes,
                     port_range: tuple[int, int], backend: str, settings: Settings | None = None) -> DataPath:
     # Imported here: the CUDA/NVML data path is not needed to parse flags or report config errors.
+    from rgpu.remoting.dispatcher.admission import SessionCaps
     from rgpu.remoting.dispatcher.sessions import FrontDoor, SessionServer
 
     settings = settings or Settings()
@@ -151,6 +152,17 @@ def start_data_path(sock: socket.socket, address: str, gpus: tuple[GpuInfo, ...]
         if not value > 0 or value != value or value == float("inf"):
             raise ConfigError(COMPONENT, f"{key} = {value!r} from {settings.origin(key)} is not a positive number",
                               "it limits handshakes on the session port", f"set {key} to a number above 0")
+    caps = SessionCaps(cuda_per_slice=settings.session_cuda_per_slice, nvml_per_slice=settings.session_nvml_per_slice,
+                       perf_per_slice=settings.session_perf_per_slice, perf_max=settings.session_perf_max,
+                       sessions_max=settings.sessions_max, opens_burst=settings.session_opens_burst,
+                       opens_per_second=settings.session_opens_per_second,
+                       frame_stall_s=settings.session_frame_stall_seconds,
+                       perf_idle_s=settings.session_perf_idle_seconds)
+    bad = caps.invalid()
+    if bad:
+        key = bad.split(" = ", 1)[0]
+        raise ConfigError(COMPONENT, f"{bad} from {settings.origin(key)} is not a positive number",
+                          "it limits the sessions a lease token may hold or open", f"set {key} to a number above 0")
     if settings.image_cache_bytes < 0:
         raise ConfigError(COMPONENT, f"image_cache_bytes = {settings.image_cache_bytes} from "
                           f"{settings.origin('image_cache_bytes')} is negative", "it bounds the module image cache",
@@ -160,7 +172,8 @@ def start_data_path(sock: socket.socket, address: str, gpus: tuple[GpuInfo, ...]
     data_path: DataPath = SessionServer(listen_socket=sock, advertised=address, gpus=list(gpus), secret=secret,
                                         port_range=port_range, backend=backend, log=log, front_door=door,
                                         compute_lending=settings.compute_lending,
-                                        image_cache_bytes=settings.image_cache_bytes, transport=transport)
+                                        image_cache_bytes=settings.image_cache_bytes, transport=transport,
+                                        caps=caps)
     data_path.start()
     return data_path
 

@@ -18,6 +18,7 @@ compute percent; without MPS it falls back to time-slicing and says so in status
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -30,9 +31,11 @@ import struct
 import subprocess
 import sys
 import tempfile
+import termios
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +49,7 @@ from rgpu.remoting.datapath.perf import serve_perf
 from rgpu.remoting.datapath.transport import parse_peer_address, parse_transport
 from rgpu.remoting.datapath.usage import read_slice_stats
 from rgpu.remoting.datapath.worker.faults import EMULATED_MPS_FAULT, EMULATED_MPS_LOG, RELEASED, REPORTS, VERDICTS
+from rgpu.remoting.dispatcher.admission import Admission, SessionCaps, SessionLedger
 from rgpu.remoting.dispatcher.faults import SETTLE_S, FaultEvent, FaultReport, GpuView, SessionView, decide
 from rgpu.remoting.dispatcher.mps import MpsDaemon
 from rgpu.remoting.dispatcher.sharing import enforcement
@@ -72,9 +76,11 @@ class SessionRecord:
     ended_by: str = ""            # why the dispatcher ended it, if it did
     kill_at: float = 0.0          # monotonic time after which a worker the dispatcher ended gets SIGKILL
     sharing: str = "mps"
+    admission: Admission | None = field(default=None, repr=False, compare=False)
 
     def public(self) -> dict:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__ if name not in ("popen", "kill_at")}
+        return {name: getattr(self, name) for name in self.__dataclass_fields__
+                if name not in ("popen", "kill_at", "admission")}
 
 
 def worker_environment(base: os._Environ[str] | dict[str, str]) -> dict[str, str]:
@@ -98,6 +104,10 @@ class FrontDoor:
     max_handshakes: int = 256          # in progress at once, all sources
     per_address: int = 16              # in progress at once from one source address
     evict_after_s: float = 1.0         # when full, a handshake older than this gives way to a new one
+    first_byte_s: float = 3.0          # a connection that has sent nothing this long is closed
+
+    def first_byte_deadline_s(self) -> float:
+        return min(self.first_byte_s, self.hello_deadline_s)
 
     def capped_by_open_files(self) -> int:
         """max_handshakes, lowered so that handshakes can never use up the process's file
@@ -114,6 +124,32 @@ class _Pending:
     host: str
     accepted: float
     evicted: bool = False
+    got: int = 0       # bytes of the HELLO read so far (its handshake thread counts them)
+    need: int = 0      # the whole HELLO's size, once its header is read; 0 before
+
+    def waiting_bytes(self) -> int:
+        """Bytes that arrived but are not read yet (FIONREAD); 0 if it cannot tell."""
+        try:
+            return struct.unpack("i", fcntl.ioctl(self.conn.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+        except (OSError, ValueError):
+            return 0
+
+    def hello_in_hand(self) -> bool:
+        """The whole HELLO has arrived (read or waiting): a client that means it, about to be served."""
+        if self.need:
+            return self.got + self.waiting_bytes() >= self.need
+        if self.got:
+            return False    # part of a header read, the rest not: a trickle
+        # A header waiting, not read yet: its thread reads it within moments and knows the size
+        # then; until then it is taken as a HELLO in hand (a peek here could block the accept loop).
+        return self.waiting_bytes() >= protocol.HEADER_SIZE
+
+
+def door_victim(pending: Iterable[_Pending], now: float, min_age_s: float) -> _Pending | None:
+    """Which of these handshakes (oldest first) gives way to a newcomer: the oldest one at least
+    min_age_s old whose whole HELLO has not arrived (idle or trickling); never one whose has, so
+    a client that means it never loses its slot to idle ones. Lazy: usually one ioctl."""
+    return next((p for p in pending if now - p.accepted >= min_age_s and not p.hello_in_hand()), None)
 
 
 def read_text_or_empty(path: Path) -> str:
@@ -168,7 +204,8 @@ class SessionServer:
     def __init__(self, *, listen_socket: socket.socket, advertised: str, gpus: list[GpuInfo], secret: bytes,
                  port_range: tuple[int, int], backend: str, log: logging.Logger,
                  front_door: FrontDoor | None = None, compute_lending: bool = False,
-                 image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES, transport: str | None = None) -> None:
+                 image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES, transport: str | None = None,
+                 caps: SessionCaps | None = None) -> None:
         if backend not in ("cuda", "emulated"):
             raise ValueError(f"unknown backend {backend!r} (cuda or emulated)")
         self.listen_socket = listen_socket
@@ -180,6 +217,9 @@ class SessionServer:
         self.log = log
         self.front_door = front_door or FrontDoor()
         self.max_handshakes = self.front_door.capped_by_open_files()
+        # Sessions per slice and kind, in all, and opens per slice (admission.py); under self._lock.
+        self.caps = caps or SessionCaps()
+        self._ledger = SessionLedger(self.caps)
         self._pending: dict[int, _Pending] = {}     # id(conn) -> handshake in progress, oldest first
         self._per_host: dict[str, int] = {}
         self._door_lock = threading.Lock()
@@ -365,6 +405,8 @@ class SessionServer:
             "front_door": {"hello_deadline_seconds": self.front_door.hello_deadline_s,
                            "max_handshakes": self.max_handshakes, "per_address": self.front_door.per_address,
                            "in_progress": len(self._pending), "dropped": dict(self._dropped)},
+            "caps": {"sessions_max": self.caps.sessions_max, "live": self._ledger.total,
+                     "perf_live": self._ledger.perf, "refused": dict(self._ledger.refused)},
         }
 
     # ------------------------------------------------------------------ accepting
@@ -392,16 +434,26 @@ class SessionServer:
         """Take a new connection into the handshakes in progress, or drop it. One source address
         holds at most per_address of them; when all max_handshakes are taken, one gives way as
         _victim_locked says (a client that means it sends HELLO at once, so only connections that
-        trickle or idle are ever old). Nothing here blocks the accept loop."""
+        trickle or idle are ever old). At the per-address cap the address's own idle or stuck
+        handshake makes way (door_victim); a handshake whose HELLO has arrived never does.
+        Nothing here blocks the accept loop."""
         host = str(addr[0]) if isinstance(addr, tuple) and addr else str(addr)
         now = time.monotonic()
         victim: _Pending | None = None
         admitted: _Pending | None = None
         with self._door_lock:
             if self._per_host.get(host, 0) >= self.front_door.per_address:
+                # The address's slots are full: its oldest idle (or stuck) handshake makes way, so
+                # idle connections from a shared node cannot lock its other users out.
+                victim = door_victim((p for p in self._pending.values() if p.host == host), now, 0.0)
+                if victim is not None:
+                    victim.evicted = True
+                    self._forget_locked(victim)
+                    self._dropped["evicted"] += 1
+            if self._per_host.get(host, 0) >= self.front_door.per_address:
                 self._dropped["per_address"] += 1
             else:
-                if len(self._pending) >= self.max_handshakes:
+                if len(self._pending) >= self.max_handshakes and victim is None:
                     victim = self._victim_locked(host, now)
                     if victim is not None:
                         victim.evicted = True
@@ -425,16 +477,17 @@ class SessionServer:
         return admitted
 
     def _victim_locked(self, host: str, now: float) -> _Pending | None:
-        """Whom a new connection from `host` replaces when every slot is taken: first the oldest
-        of the source holding the most slots, if that is more than the newcomer's source would
-        hold with it (so an attacker's many connections give way to another address's first);
-        else the oldest handshake, if it has waited evict_after_s; else nobody (the newcomer
-        is dropped)."""
+        """Whom a new connection from `host` replaces when every slot is taken: first one of the
+        source holding the most slots (door_victim's choice), if that is more than the newcomer's
+        source would hold with it (so an attacker's many connections give way to another
+        address's first); else door_victim's choice of all, at least evict_after_s old; else
+        nobody (the newcomer is dropped)."""
         busiest = max(self._per_host, key=self._per_host.__getitem__)
         if self._per_host.get(host, 0) + 1 < self._per_host[busiest]:
-            return next(p for p in self._pending.values() if p.host == busiest)
-        oldest = next(iter(self._pending.values()))
-        return oldest if now - oldest.accepted >= self.front_door.evict_after_s else None
+            victim = door_victim((p for p in self._pending.values() if p.host == busiest), now, 0.0)
+            if victim is not None:
+                return victim
+        return door_victim(self._pending.values(), now, self.front_door.evict_after_s)
 
     def _forget_locked(self, pending: _Pending) -> None:
         if self._pending.pop(id(pending.conn), None) is None:
@@ -449,12 +502,13 @@ class SessionServer:
         """The HELLO frame, read by a deadline counted from the accept: a peer sending a byte
         at a time gains nothing. Raises TimeoutError, ConnectionError or ValueError."""
         deadline = pending.accepted + self.front_door.hello_deadline_s
+        first_byte = pending.accepted + self.front_door.first_byte_deadline_s()
         conn = pending.conn
 
         def exact(n: int) -> bytes:
             buf = bytearray()
             while len(buf) < n:
-                left = deadline - time.monotonic()
+                left = (deadline if pending.got else first_byte) - time.monotonic()
                 if left <= 0:
                     raise TimeoutError
                 conn.settimeout(left)
@@ -462,6 +516,7 @@ class SessionServer:
                 if not chunk:
                     raise ConnectionError("connection closed by peer")
                 buf += chunk
+                pending.got += len(chunk)
             return bytes(buf)
 
         try:
@@ -470,6 +525,7 @@ class SessionServer:
             raise ValueError(str(exc)) from None
         if length > 64 << 10:
             raise ValueError(f"a HELLO of {length} bytes is larger than allowed (65536)")
+        pending.need = protocol.HEADER_SIZE + length
         return op, exact(length) if length else b""
 
     def _refuse(self, conn: socket.socket, peer: str, message: str) -> None:
@@ -494,7 +550,8 @@ class SessionServer:
                 self._dropped["deadline"] += 1
                 self._forget_locked(pending)
             conn.settimeout(1.0)
-            self._refuse(conn, peer, f"rgpu: session: no HELLO within {self.front_door.hello_deadline_s:g} s of "
+            limit = self.front_door.hello_deadline_s if pending.got else self.front_door.first_byte_deadline_s()
+            self._refuse(conn, peer, f"rgpu: session: no HELLO within {limit:g} s of "
                          "connecting (the connection was too slow or idle; check the network, and that the "
                          "client is rgpu's)")
             return
@@ -559,20 +616,37 @@ class SessionServer:
             self._refuse(conn, peer, f"rgpu: session: GPU {gpu.index} ({gpu.uuid}) of {self.advertised} is recovering "
                          "from a GPU fault that ended the sessions sharing it under MPS (retry in a few seconds)")
             return
-        if hello.flags & protocol.HELLO_PERF:
-            self._serve_perf(conn, peer, claims)
+        kind = "perf" if hello.flags & protocol.HELLO_PERF else "nvml" if hello.flags & protocol.HELLO_NVML else "cuda"
+        key = (claims.job_key, claims.slice_number, claims.gpu_uuid)
+        probe = bool(hello.flags & protocol.HELLO_PROBE) and kind != "perf"
+        with self._lock:
+            admitted = self._ledger.take_open(key, time.monotonic()) if probe else \
+                self._ledger.admit(key, kind, time.monotonic())
+        if isinstance(admitted, str) and admitted:
+            self._refuse(conn, peer, admitted)
             return
-        mode = "nvml" if hello.flags & protocol.HELLO_NVML else "cuda"
-        if hello.flags & protocol.HELLO_PROBE:
+        if kind == "perf":
+            assert isinstance(admitted, Admission)
+            try:
+                self._serve_perf(conn, peer, claims)
+            finally:
+                with self._lock:
+                    self._ledger.release(admitted)
+            return
+        mode = kind
+        if probe:
             conn.sendall(protocol.encode_welcome(
                 driver_version=0, memory_limit_bytes=claims.memory_limit_bytes,
                 compute_percent=claims.compute_percent, flags=0,
                 description=f"{gpu.name} slice ready ({self.backend} backend, {self.gpu_enforcement(gpu)})"))
             conn.close()
             return
+        assert isinstance(admitted, Admission)
         try:
-            self._spawn(conn, peer, hello, claims, gpu, mode)
+            self._spawn(conn, peer, hello, claims, gpu, mode, admitted)
         except OSError as exc:
+            with self._lock:
+                self._ledger.release(admitted)
             self._refuse(conn, peer, f"rgpu: session: cannot start a worker ({exc}; check the dispatcher host)")
             return
         conn.close()  # the worker holds its own copy now
@@ -592,7 +666,7 @@ class SessionServer:
         conn.sendall(protocol.encode_welcome(
             driver_version=0, memory_limit_bytes=claims.memory_limit_bytes, compute_percent=claims.compute_percent,
             flags=protocol.WELCOME_PERF, description="perf session"))
-        moved = serve_perf(conn)
+        moved = serve_perf(conn, idle_s=self.caps.perf_idle_s)
         self.log.info("perf session from %s (job %s) moved %d bytes", peer, claims.job_key, moved)
 
     def _slice_dir(self, claims: tokens.SliceClaims) -> Path:
@@ -674,7 +748,7 @@ class SessionServer:
             shutil.rmtree(path, ignore_errors=True)
 
     def _spawn(self, conn: socket.socket, peer: str, hello: protocol.Hello, claims: tokens.SliceClaims,
-               gpu: GpuInfo, mode: str) -> None:
+               gpu: GpuInfo, mode: str, admission: Admission | None = None) -> None:
         conn.settimeout(None)
         spec = {
             "mode": mode, "backend": self.backend, "gpu_uuid": gpu.uuid, "gpu_index": gpu.index,
@@ -691,6 +765,7 @@ class SessionServer:
             "image_cache_dir": str(self.image_cache_dir), "image_cache_bytes": self.image_cache_bytes,
             "transport": self.transport, "ucx_library": self.ucx_library,
             "ucx_peer": parse_peer_address(hello.info).hex(),
+            "frame_stall_s": self.caps.frame_stall_s,
         }
         env = worker_environment(os.environ)
         env["RGPU_WORKER_SESSION"] = json.dumps(spec)
@@ -710,7 +785,7 @@ class SessionServer:
                             gpu_uuid=gpu.uuid, mode=mode, client=peer,
                             memory_limit_bytes=spec["memory_limit"], compute_percent=claims.compute_percent,
                             started_unix=time.time(), lease_issued_unix=claims.issued_unix, popen=popen,
-                            sharing=gpu.sharing)
+                            sharing=gpu.sharing, admission=admission)
         with self._lock:
             self._sessions[popen.pid] = rec
             self._stopped.discard(popen.pid)   # a recycled pid: this worker is new
@@ -854,6 +929,8 @@ class SessionServer:
                 for pid, rec in done:
                     del self._sessions[pid]
                     self._collect_traffic(rec)
+                    if rec.admission is not None:
+                        self._ledger.release(rec.admission)
             for pid, rec in done:
                 for sub in (VERDICTS, RELEASED):
                     (self.faults_dir / sub / str(pid)).unlink(missing_ok=True)

@@ -219,6 +219,11 @@ class PoolServicer(pb_grpc.PoolServicer):
                     raise PermissionDenied("pool", f"cannot lease GPUs as {user[:64]}",
                                            f"MUNGE says you are {caller.user}", "lease as yourself (leave --user out)")
                 user = caller.user
+                reserved = validate.reserved_job_key_prefix(request.job_key)
+                if reserved:
+                    raise PermissionDenied("pool", f"job key {request.job_key[:128]!r} is reserved",
+                                           f"keys starting with {reserved!r} are made by rgpu's Slurm prologs for "
+                                           "Slurm jobs", "pick another key, or leave --job-key out for a generated one")
                 # Said here as a permission error; the core decides again inside the change
                 # (another user's key is "a different lease" there, whatever this process saw).
                 self.core.catch_up()

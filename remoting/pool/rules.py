@@ -214,6 +214,12 @@ class PoolCore:
                     self._catch_up()
                     self._seen_version = version
 
+    def admitting(self) -> contextlib.AbstractContextManager[None]:
+        """Held for one admission pass (slurm_plugin/waiting.py: releasing the Slurm jobs held until
+        the pool can place them) by one daemon or process of the pool at a time: two that each
+        found room for a different held job could release both into one GPU's remaining room."""
+        return self.store.admitting()
+
     @property
     def lock(self) -> threading.RLock:
         """Held by readers that need several views at one instant (remoting/pool/views.py)."""

@@ -147,8 +147,11 @@ class Store:
                               "check the path and permissions, or move a damaged file aside") from None
         self._lock = threading.RLock()
         self._lock_fd: int | None = None
+        self._admission_fd: int | None = None
+        self._admission_lock = threading.Lock()
         if shared:
             self._lock_fd = os.open(f"{self.path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            self._admission_fd = os.open(f"{self.path}.admission.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         self._in_transaction = False
         self._wrote = False                           # in the open transaction: something changed
         self._touched: set[tuple[str, str]] = set()   # in the open transaction: (kind, key) changed
@@ -156,9 +159,23 @@ class Store:
 
     def close(self) -> None:
         self._db.close()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        for name in ("_lock_fd", "_admission_fd"):
+            fd = getattr(self, name)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, name, None)
+
+    @contextlib.contextmanager
+    def admitting(self) -> Iterator[None]:
+        """Held for one admission pass (the Slurm reconciler's release of held jobs): by one thread,
+        and with shared=True by one process of the pool at a time (a lock file beside the state,
+        apart from the writer lock, so allocations go on meanwhile)."""
+        with self._admission_lock:
+            if self._admission_fd is None:
+                yield
+                return
+            with held(self._admission_fd):
+                yield
 
     def _rows(self, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
         with self._lock:   # never in the middle of another thread's transaction on this connection
@@ -416,6 +433,7 @@ class PoolStore(Protocol):
 
     def close(self) -> None: ...
     def transaction(self) -> contextlib.AbstractContextManager[StateVersion]: ...
+    def admitting(self) -> contextlib.AbstractContextManager[None]: ...
     def version(self) -> int | None: ...
     def heartbeat(self, address: str, now: float) -> None: ...
     def load_heartbeats(self) -> dict[str, float]: ...

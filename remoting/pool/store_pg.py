@@ -10,6 +10,8 @@ The same interface as the SQLite Store (store.py), plus what several daemons nee
   `load_leases_named`, `load_servers_named`); the log keeps the last CHANGE_LOG_KEEP versions,
   and a daemon further behind than that reloads everything;
 - `version()`: the version, read without the lock, so reads catch up with other daemons' changes;
+- `admitting()`: held by one daemon at a time for one admission pass (a session advisory lock on a
+  connection of its own), so two daemons never release held jobs into the same room;
 - heartbeats are stored per server, so a daemon sees dispatchers that heartbeat to another;
 - usage reports (busy time, last activity per slice) are stored per slice, so the daemon that
   decides `idle_release` sees reports that dispatchers sent to another (`load_slice_usage`).
@@ -32,6 +34,10 @@ from rgpu.remoting.pool.accounting import SliceUsageRecord
 from rgpu.remoting.pool.store import USAGE_COLUMNS, StateVersion, server_from_json, usage_rows, usage_upsert
 
 LOCK_KEY = 0x72677075   # "rgpu": the advisory lock every change takes
+# "rgpa": the advisory lock one admission pass holds (the Slurm reconciler's release of held jobs),
+# apart from LOCK_KEY so allocations go on meanwhile.
+ADMISSION_LOCK_KEY = 0x72677061
+ADMISSION_WAIT_SECONDS = 60
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS servers (
@@ -129,6 +135,8 @@ class PostgresStore:
             raise ConfigError("store", "cannot open the PostgreSQL state database", _first_line(exc),
                               "check store_url (host, port, database, user, password) and that PostgreSQL runs") from None
         self._lock = threading.RLock()
+        self._admission_lock = threading.Lock()
+        self._admission_db: Any = None       # its own connection: the pass may take seconds
         self._in_transaction = False
         self._wrote = False   # in the open transaction: a change that others must catch up with
         self._touched: set[tuple[str, str]] = set()   # in the open transaction: (kind, key) changed
@@ -148,11 +156,43 @@ class PostgresStore:
                     self._db = self._connect()
                 yield self._db
             except self._psycopg.OperationalError as exc:
-                raise Unavailable("store", "PostgreSQL is unreachable", _first_line(exc),
-                                  "check that PostgreSQL runs and store_url; the pool reconnects by itself") from None
+                raise _unreachable(exc) from None
 
     def close(self) -> None:
         self._db.close()
+        if self._admission_db is not None:
+            self._admission_db.close()
+
+    @contextlib.contextmanager
+    def admitting(self) -> Iterator[None]:
+        """Held for one admission pass, by one daemon (and one thread) at a time. Should the
+        connection break meanwhile, PostgreSQL lets the lock go with it."""
+        with self._admission_lock:
+            db = self._admission_session()
+            try:
+                db.execute(f"SET lock_timeout = '{ADMISSION_WAIT_SECONDS}s'")
+                db.execute("SELECT pg_advisory_lock(%s)", (ADMISSION_LOCK_KEY,))
+            except self._psycopg.errors.LockNotAvailable:
+                raise Unavailable("store", f"another pool daemon has held the admission lock for over "
+                                  f"{ADMISSION_WAIT_SECONDS} s", "its admission pass is stuck (Slurm commands hanging?)",
+                                  "check the other rgpu-poold's log; this daemon tries again at its next pass") from None
+            except self._psycopg.OperationalError as exc:
+                raise _unreachable(exc) from None
+            try:
+                yield
+            finally:
+                try:
+                    db.execute("SELECT pg_advisory_unlock(%s)", (ADMISSION_LOCK_KEY,))
+                except self._psycopg.Error:
+                    db.close()           # closing the session lets the lock go
+
+    def _admission_session(self) -> Any:
+        if self._admission_db is None or self._admission_db.closed or self._admission_db.broken:
+            try:
+                self._admission_db = self._connect()
+            except self._psycopg.OperationalError as exc:
+                raise _unreachable(exc) from None
+        return self._admission_db
 
     def _rows(self, sql: str, params: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         with self._session() as db:
@@ -332,6 +372,11 @@ class PostgresStore:
 
     def delete_quota(self, kind: str, name: str) -> None:
         self._write("DELETE FROM quotas WHERE kind=%s AND name=%s", (kind, name), ("quota", ""))
+
+
+def _unreachable(exc: BaseException) -> Unavailable:
+    return Unavailable("store", "PostgreSQL is unreachable", _first_line(exc),
+                       "check that PostgreSQL runs and store_url; the pool reconnects by itself")
 
 
 def _first_line(exc: BaseException) -> str:

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 from rgpu.live_leases import LiveLeases
 from rgpu.remoting.native import build
+from rgpu.remoting.dispatcher.admission import SessionCaps
 from rgpu.remoting.dispatcher.sessions import SessionServer
 
 from rgpu import tokens
@@ -113,23 +114,24 @@ class Server:
         raise AssertionError(f"expected {n} sessions, have {self.server.status()['sessions']}")
 
 
-def start_server(backend: str, gpus: list[GpuInfo]) -> tuple[SessionServer, str]:
+def start_server(backend: str, gpus: list[GpuInfo], caps: SessionCaps | None = None) -> tuple[SessionServer, str]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     sock.listen(64)
     address = f"127.0.0.1:{sock.getsockname()[1]}"
     server = SessionServer(listen_socket=sock, advertised=address, gpus=gpus, secret=SECRET,
-                           port_range=(45201, 46225), backend=backend, log=logging.getLogger("rgpu.test.sessions"))
+                           port_range=(45201, 46225), backend=backend, log=logging.getLogger("rgpu.test.sessions"),
+                           caps=caps)
     server.start()
     server.update_live(LiveLeases.of(0.0, []))   # no pool here: a view in which no token is revoked
     return server, address
 
 
 @contextmanager
-def serving(backend: str, gpus: list[GpuInfo]) -> Iterator[Server]:
+def serving(backend: str, gpus: list[GpuInfo], caps: SessionCaps | None = None) -> Iterator[Server]:
     """A session server of these GPUs for the length of the block."""
-    server, address = start_server(backend, gpus)
+    server, address = start_server(backend, gpus, caps)
     try:
         yield Server(server, address, gpus)
     finally:

@@ -35,7 +35,7 @@ def test_c_driver_api_program_runs_against_an_emulated_worker(native_libs: build
     # Clear messages for what the worker refused, on the application's stderr.
     assert "kernel launch refused" in done.stderr
     assert "allocation of 1.1 GiB refused (the slice's memory limit is 1.0 GiB" in done.stderr
-    assert "cuGraphAddEventRecordNode is not remoted" in done.stderr
+    assert "cuGraphAddExternalSemaphoresSignalNode is not remoted" in done.stderr
     # Only rgpu's libcuda is mapped, and no /dev/nvidia* is open.
     maps = [line.split(" ", 1)[1] for line in done.stdout.splitlines() if line.startswith("MAP ")]
     assert maps and all(path.startswith(str(native_libs.folder)) for path in maps), maps

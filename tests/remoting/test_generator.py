@@ -35,6 +35,8 @@ SPEC_HASHES = {
         "7c50e0959e8088c16c5a1ce7a974070a165c157c89f429bbf0ce248556f74ca0"),  # pipelined attribute sets (rgpuSetAttribute); tensor maps
     10: ("b513671ab8b509b201ef8fe75d6a1ed0f349c7b99b063169037ed3677b518b23",
          "85e4d033188ba47da28e530c2e80e060e445466e1597b66cb7a07ce0a9f9e798"),  # UCX underneath copies (rgpuMemcpyHtoDUcx/DtoHUcx; WELCOME's UCX address, HELLO info "ucx")
+    11: ("31f59045d1145d450cc0b848b81006059afb9350ea2938fe3768289501a811b1",
+         "ef39bd37b13941d28a745febdddaa99c007154e08ff247f5ad8937813defe306"),  # root nodes, child graphs, cuGraphAddNode(_v2), cuStreamBeginCaptureToGraph (JAX)
 }
 
 

@@ -417,3 +417,33 @@ def test_kernel_local_memory_counts_at_its_first_launch(native_libs: build.Libra
     # after the worker charged what a real driver would have reserved.)
     assert f"SMALL 801 {GiB - charged}" in done.stdout and f"AGAIN 801 {GiB - charged}" in done.stdout, \
         done.stdout + done.stderr
+
+
+def test_a_kernel_graph_node_counts_its_local_memory_as_a_launch_does(native_libs: build.Libraries,
+                                                                      emulated: Server) -> None:
+    # A graph's kernel node launches its kernel whenever the graph does: the worker charges the
+    # kernel's local memory when the node is added, and refuses the node when it cannot fit.
+    image = LOCAL_ARRAYS_PTX.encode() + bytes(1)
+    done = py_client(native_libs, emulated.slices(emulated.token(memory_limit=GiB)), f"""
+        setup()
+        module = ctypes.c_void_p()
+        check("cuModuleLoadData", ctypes.byref(module), {image!r})
+        class KernelNodeParams(ctypes.Structure):
+            _fields_ = [("func", ctypes.c_void_p)] + [(n, ctypes.c_uint) for n in
+                        ("gx", "gy", "gz", "bx", "by", "bz", "shmem")] + [("params", ctypes.c_void_p), ("extra", ctypes.c_void_p)]
+        graph = ctypes.c_void_p()
+        check("cuGraphCreate", ctypes.byref(graph), 0)
+        out = ctypes.c_uint64(0)
+        args = (ctypes.c_void_p * 1)(ctypes.addressof(out))
+        def add(name):
+            fn = ctypes.c_void_p()
+            check("cuModuleGetFunction", ctypes.byref(fn), module, name)
+            p = KernelNodeParams(fn, 1, 1, 1, 32, 1, 1, 0, ctypes.cast(args, ctypes.c_void_p), None)
+            node = ctypes.c_void_p()
+            return lib.cuGraphAddKernelNode(ctypes.byref(node), graph, None, ctypes.c_size_t(0), ctypes.byref(p))
+        print("BIG", add(b"big_local"))
+        print("SMALL", add(b"small_local"), mem_info()[0])
+        """)
+    charged = (2048 - 1024) * 132 * 2048
+    assert f"BIG {OUT_OF_MEMORY}" in done.stdout, done.stdout + done.stderr
+    assert f"SMALL 0 {GiB - charged}" in done.stdout, done.stdout + done.stderr

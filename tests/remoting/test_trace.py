@@ -68,12 +68,12 @@ def test_trace_names_what_rgpu_does_not_remote() -> None:
     from collections import Counter
 
     from rgpu.remoting.native.trace import render
-    counts = Counter({("cuda", "cuMemAlloc"): 2, ("cuda", "cuGraphAddEventRecordNode"): 1, ("nvml", "nvmlInit_v2"): 1,
+    counts = Counter({("cuda", "cuMemAlloc"): 2, ("cuda", "cuGraphAddExternalSemaphoresSignalNode"): 1, ("nvml", "nvmlInit_v2"): 1,
                       ("cuda", "export 21318c60-9714-3248-8ca6-41ff7324c8f2 slot 4"): 3,
                       ("cuda", "export 6e163fbe-b958-444d-835c-e182aff1991e slot 7"): 1})
     text = render(counts, set(), ["1 /bin/app"])
-    assert "cuGraphAddEventRecordNode  [NOT REMOTED]" in text
+    assert "cuGraphAddExternalSemaphoresSignalNode  [NOT REMOTED]" in text
     assert "export 21318c60-9714-3248-8ca6-41ff7324c8f2 slot 4  [answered in the client]" in text
     assert "export 6e163fbe-b958-444d-835c-e182aff1991e slot 7  [NOT ANSWERED]" in text
-    assert text.rstrip().endswith("used that rgpu does not remote: cuGraphAddEventRecordNode, "
+    assert text.rstrip().endswith("used that rgpu does not remote: cuGraphAddExternalSemaphoresSignalNode, "
                                   "export 6e163fbe-b958-444d-835c-e182aff1991e slot 7")

@@ -429,3 +429,72 @@ def test_the_mixed_batchs_ideal_counts_rounds_of_jobs_started_as_soon_as_they_fi
     assert ideal_rounds([(1, "1.0")] * 4) == 1 and ideal_rounds([(1, "1.0")] * 5) == 2
     assert ideal_rounds([(2, "0.5")] * 4) == 1 and ideal_rounds([(2, "1.0"), (1, "0.25"), (2, "1.0")]) == 2
     assert ideal_rounds(batch()) == 5          # 1,650 GPU-percent of jobs on 400: at least 5 rounds
+
+
+def test_a_released_job_a_lease_end_left_without_room_is_held_again_before_it_starts(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Found in the mixed batch: jobs 10, 9, 16 (2x0.25, 1x1.0, 2x0.25) released, not yet leased,
+    then 15 (1x1.0): all four fit in every order. Then job 13's lease ends, and binpack puts the
+    whole-GPU job on the GPU 13 left and both 2x0.25 on the other server: no whole GPU for 15. The
+    next pass holds the youngest job Slurm has not started again (a job in PrologSlurmctld cannot be)."""
+    from rgpu.slurm_plugin.waiting import jobs_to_start
+    from tests.poolcore_helpers import make_core, req
+
+    core = make_core(tmp_path / "pool.db", servers=2)                  # 2 servers x 2 GPUs
+    core.allocate(req("slurm:hpc:20:0:c1", fraction=0.5))              # GPU 0 of server 0: 50%
+    core.allocate(req("filler", fraction=0.6, server="127.0.0.1:55001"))
+    core.allocate(req("slurm:hpc:13:0:c1", fraction=0.25, server="127.0.0.1:55001"))   # GPU 1: 25%
+    core.release("filler")
+    whole, quarters = "rgpu:v1 nodes=1 count=1 percent=100 units=100", "rgpu:v1 nodes=1 count=2 percent=25 units=50"
+    jobs = [admitted(10, quarters), admitted(9, whole, state="CONFIGURING", reason="None"),
+            admitted(16, quarters), admitted(15, whole)]
+
+    def look() -> list[tuple[int, tuple[str, ...]]]:
+        leases = core.list_leases()
+        return jobs_to_start(jobs, core.gpu_statuses(), leases, core.fits_in_every_order)
+
+    assert look() == []                                                 # all four fit: nothing to do
+    core.release("slurm:hpc:13:0:c1")
+    assert look() == [(15, ("hold",))]
+    jobs[3] = held(15, whole)                                           # held again and marked
+    assert look() == []                                                 # it waits
+    core.release("slurm:hpc:20:0:c1")
+    assert look() == [(15, ("release",))]
+
+
+def test_a_job_held_again_is_marked_first_then_given_a_user_hold() -> None:
+    """Marked first, so a held job always carries the mark rgpu releases it by; a job Slurm started
+    meanwhile fails the hold and is unmarked again."""
+    import logging
+
+    from rgpu.errors import RgpuError
+    from rgpu.slurm_plugin.waiting import start_waiting_jobs, waiting_record
+
+    whole = "rgpu:v1 nodes=1 count=1 percent=100 units=100"
+    ran: list[list[str]] = []
+
+    def scontrol(argv: list[str]) -> None:
+        ran.append(argv)
+        if argv[:2] == ["scontrol", "uhold"] and argv[2] == "2":
+            raise RgpuError("slurm", "`scontrol uhold 2` exited 1", "Job has already started", "")
+
+    jobs = [admitted(1, whole), admitted(2, whole)]
+    started = start_waiting_jobs(jobs, [room_gpu(0)], logging.getLogger("test.waiting"), scontrol=scontrol,
+                                 fits=lambda requests: len(requests) <= 0)
+    assert started == []
+    assert [argv[:3] for argv in ran] == [["scontrol", "update", "jobid=2"], ["scontrol", "uhold", "2"],
+                                          ["scontrol", "update", "jobid=2"],     # started meanwhile: unmarked
+                                          ["scontrol", "update", "jobid=1"], ["scontrol", "uhold", "1"]]
+    assert ran[2][3] == f"admincomment={whole}"
+    assert waiting_record(ran[3][3].split("=", 1)[1]) is not None      # the mark rgpu releases it by
+
+
+def test_a_released_job_no_gpu_could_ever_serve_is_not_held_again_and_takes_no_room(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """It was released for its PrologSlurmctld to cancel with the reason: holding it again would
+    keep it waiting for ever, and counting it would keep every other job waiting."""
+    from rgpu.slurm_plugin.waiting import jobs_to_start
+    from tests.poolcore_helpers import make_core
+
+    core = make_core(tmp_path / "pool.db", servers=1)                   # GPUs shared by MPS
+    strict = "rgpu:v1 nodes=1 count=1 percent=50 units=50 isolation=strict"
+    jobs = [admitted(1, strict), held(2, "rgpu:v1 nodes=1 count=2 percent=50 units=100")]
+    assert jobs_to_start(jobs, core.gpu_statuses(), [], core.fits_in_every_order) == [(2, ("release",))]

@@ -120,6 +120,61 @@ def test_demand_above_capacity_waits_held_by_rgpu_then_runs(h: Harness) -> None:
     assert all(h.slurm.show_job(j)["Restarts"] == "0" for j in jobs), "a job was requeued: the prolog failed"
 
 
+def held_behind_a_full_pool(h: Harness) -> tuple[list[str], str]:
+    """Two jobs running on all 4 GPUs, and a half-GPU job held until the pool can place it."""
+    blockers = [h.slurm.submit(["--gres=rgpu:2", "--comment=fraction=1"], "sleep 300\n", user=JOB_USER)
+                for _ in range(2)]
+    for job in blockers:
+        h.slurm.wait_job_state(job, "RUNNING", 30)
+    waiting = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.5"], "true\n", user=JOB_USER)
+    wait_until("the job to wait held", lambda: h.slurm.show_job(waiting).get("Reason") == "JobHeldUser" or None, 30)
+    return blockers, waiting
+
+
+def test_a_user_cannot_release_his_job_held_for_the_pool_and_the_pool_releases_it(h: Harness) -> None:
+    """Slurm counts rgpu's hold as the user's own (JobHeldUser): `scontrol release` and `scontrol
+    update priority=` by the user reach job_submit.lua's job_modify, which refuses them for a marked
+    job; the job stays held and marked, and runs once the pool releases it (its scontrol runs as
+    root here, SlurmUser)."""
+    blockers, waiting = held_behind_a_full_pool(h)
+    uid = h.slurm.install.passwd_ids(JOB_USER)[0]
+    for argv, priority in ((["scontrol", "release", waiting], "4294967295"),
+                           (["scontrol", "update", f"jobid={waiting}", "priority=100"], "100")):
+        out = h.slurm.command(argv, user=JOB_USER, check=False)
+        assert out.returncode != 0, out
+        if h.version >= "23.02":       # 22.05 shows no job_submit text for updates: its log has it
+            (line,) = [line for line in out.stderr.splitlines() if "rgpu" in line]
+            assert f"job {waiting} is held until the pool can place its slices, and only rgpu-poold releases it" in line
+        log = (h.slurm.logs / "slurmctld.log").read_text(errors="replace")
+        assert f"rgpu: refused a release of job {waiting} by uid {uid} (priority={priority}): " in log, log[-3000:]
+    time.sleep(2)                    # several reconciler passes: still held, never started
+    job = h.slurm.job_json(waiting)
+    assert job["job_state"] == "PENDING" and job["state_reason"] == "JobHeldUser", job
+    assert "| rgpu: waiting: held until the pool can place its slices" in job["admin_comment"], job
+    h.slurm.command(["scancel", blockers[0]])
+    info = finished(h, waiting, 60)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", f"{info}\n{diagnostics(h)}"
+
+
+def test_a_released_job_the_pool_cannot_place_is_held_again_before_slurm_starts_it(h: Harness) -> None:
+    """A job let go whose room went (here: an admin released it while every GPU is busy; in the
+    mixed batch: a lease that ended changed where the next slices go) is marked and given a user
+    hold again by the pool before Slurm starts it (it waits on the license), then released once it
+    fits, and runs without a requeue."""
+    blockers, waiting = held_behind_a_full_pool(h)
+    h.slurm.command(["scontrol", "release", waiting])              # root: the job waits on the license now
+
+    def held_again() -> dict | None:
+        job = h.slurm.job_json(waiting)
+        assert job["job_state"] == "PENDING", f"the job left PENDING: {job}\n{diagnostics(h)}"
+        return job if job["state_reason"] == "JobHeldUser" and "| rgpu: waiting: held again" in job["admin_comment"] else None
+
+    wait_until("the pool to hold the job again", held_again, 20)
+    h.slurm.command(["scancel", blockers[0]])
+    info = finished(h, waiting, 60)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", f"{info}\n{diagnostics(h)}"
+
+
 # 3 -----------------------------------------------------------------------------------------------
 def test_scancel_releases_the_lease_within_seconds(h: Harness) -> None:
     job = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.25"], "sleep 300\n", user=JOB_USER)

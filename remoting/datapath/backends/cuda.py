@@ -512,18 +512,40 @@ class CudaBackend(CudaDriverCalls):
         edge_list = list((c_uint64 * count).from_address(edges.value)) if count and edges.value else [0] * count
         return status.value, cid.value, graph.value or 0, dep_list, edge_list
 
-    def graph_nodes(self, graph: int, cap: int, want: bool) -> tuple[int, list[int]]:
+    def _node_list(self, fn: Any, graph: int, cap: int, want: bool) -> tuple[int, list[int]]:
         n = c_size_t(cap)
         if not want:
-            r = self.f["cuGraphGetNodes"](graph, None, byref(n))
+            r = fn(graph, None, byref(n))
             if r != SUCCESS:
                 raise CudaError(r)
             return n.value, []
         arr = (c_void_p * max(cap, 1))()
-        r = self.f["cuGraphGetNodes"](graph, arr, byref(n))
+        r = fn(graph, arr, byref(n))
         if r != SUCCESS:
             raise CudaError(r)
         return n.value, [v or 0 for v in arr[:min(cap, n.value)]]
+
+    def graph_nodes(self, graph: int, cap: int, want: bool) -> tuple[int, list[int]]:
+        return self._node_list(self.f["cuGraphGetNodes"], graph, cap, want)
+
+    def graph_roots(self, graph: int, cap: int, want: bool) -> tuple[int, list[int]]:
+        fn = self._late_fn("cuGraphGetRootNodes", [c_void_p, c_void_p, P(c_size_t)])
+        return self._node_list(fn, graph, cap, want)
+
+    def capture_to_graph(self, stream: int, graph: int, deps: list[int], mode: int) -> None:
+        """cuStreamBeginCaptureToGraph with default edges (the client refuses others)."""
+        d = (c_void_p * max(len(deps), 1))(*deps)
+        fn = self._late_fn("cuStreamBeginCaptureToGraph", [c_void_p, c_void_p, c_void_p, c_void_p, c_size_t, c_int])
+        r = fn(stream or None, graph or None, d if deps else None, None, len(deps), mode)
+        if r != SUCCESS:
+            raise CudaError(r)
+        self._captures += 1
+
+    def exec_child_set(self, exe: int, node: int, child: int) -> None:
+        fn = self._late_fn("cuGraphExecChildGraphNodeSetParams", [c_void_p, c_void_p, c_void_p])
+        r = fn(exe or None, node or None, child or None)
+        if r != SUCCESS:
+            raise CudaError(r)
 
     def _kernel_params(self, payload: bytes) -> tuple[CUDA_KERNEL_NODE_PARAMS_v2, list[Any]]:
         """The packed node parameters as the driver's struct; the arguments go as one buffer."""
@@ -573,6 +595,18 @@ class CudaBackend(CudaDriverCalls):
             (fn_id,) = struct.unpack_from("<Q", payload, 0)
             params = CUDA_HOST_NODE_PARAMS(self._host_fn_address, self._host_token(fn_id, self._regions(graph)))
             self._check("cuGraphAddHostNode", *head, byref(params))
+        elif kind == 8:   # a child graph: the driver clones it into the node
+            (child,) = struct.unpack_from("<Q", payload, 0)
+            fn = self._late_fn("cuGraphAddChildGraphNode", [P(c_void_p), c_void_p, c_void_p, c_size_t, c_void_p])
+            r = fn(*head, child or None)
+            if r != SUCCESS:
+                raise CudaError(r)
+        elif kind in (9, 10):   # an event record or wait node (the worker's event)
+            (event,) = struct.unpack_from("<Q", payload, 0)
+            name = "cuGraphAddEventRecordNode" if kind == 9 else "cuGraphAddEventWaitNode"
+            r = self._late_fn(name, [P(c_void_p), c_void_p, c_void_p, c_size_t, c_void_p])(*head, event or None)
+            if r != SUCCESS:
+                raise CudaError(r)
         elif kind == 6:   # a 1D copy with a host side: through a pinned buffer of this worker's
             to_host, _, dev, size, ctx = struct.unpack_from("<IIQQQ", payload, 0)
             aux = self._graph_host_buffer(size)
@@ -1079,13 +1113,21 @@ class CudaBackend(CudaDriverCalls):
         """The driver's cuEventCreate, cuEventRecord, cuEventRecordWithFlags, cuStreamWaitEvent and
         cuEventDestroy_v2, by the exact symbols the Python path calls, for the native loop
         (worker/native_loop.py's EventEntries; 0 where the driver lacks one: it stays in Python)."""
-        def address(name: str) -> int:
-            try:
-                return int(ctypes.cast(getattr(self.lib, name), c_void_p).value or 0)
-            except AttributeError:
-                return 0
+        address = self._entry
         return (address("cuEventCreate"), address("cuEventRecord"), address("cuEventRecordWithFlags"),
                 address("cuStreamWaitEvent"), address("cuEventDestroy_v2"))
+
+    def copy_entries(self) -> tuple[int, int]:
+        """The driver's cuMemcpyDtoHAsync_v2 and cuStreamIsCapturing, for the native loop's small
+        device-to-host copies (worker/native_loop.py's CopyEntries; 0: they stay in Python)."""
+        return self._entry("cuMemcpyDtoHAsync_v2"), self._entry("cuStreamIsCapturing")
+
+    def _entry(self, name: str) -> int:
+        """The address of the driver's `name`, by exact symbol; 0 where the driver lacks it."""
+        try:
+            return int(ctypes.cast(getattr(self.lib, name), c_void_p).value or 0)
+        except AttributeError:
+            return 0
 
     def launch_fast(self, f: int, gx: int, gy: int, gz: int, bx: int, by: int, bz: int, shmem: int, stream: int,
                     address: int, argsize: int) -> int:
@@ -1123,21 +1165,21 @@ class CudaBackend(CudaDriverCalls):
         address = q.address or None
         if q.kind == TENSOR_MAP_REPLACE:
             ctypes.memmove(at, q.map, TENSOR_MAP_BYTES)
-            r = self._tensor_map_fn("cuTensorMapReplaceAddress", [c_void_p, c_void_p])(at, address)
+            r = self._late_fn("cuTensorMapReplaceAddress", [c_void_p, c_void_p])(at, address)
         elif q.kind == TENSOR_MAP_IM2COL:
-            r = self._tensor_map_fn("cuTensorMapEncodeIm2col", [
+            r = self._late_fn("cuTensorMapEncodeIm2col", [
                 c_void_p, c_int, ctypes.c_uint32, c_void_p, P(c_uint64), P(c_uint64), P(c_int), P(c_int),
                 ctypes.c_uint32, ctypes.c_uint32, P(ctypes.c_uint32), c_int, c_int, c_int, c_int])(
                 at, q.data_type, q.rank, address, dims, strides, i32s(*q.lower), i32s(*q.upper), q.channels, q.pixels,
                 elem, q.interleave, q.swizzle, q.l2_promotion, q.oob_fill)
         elif q.kind == TENSOR_MAP_IM2COL_WIDE:
-            r = self._tensor_map_fn("cuTensorMapEncodeIm2colWide", [
+            r = self._late_fn("cuTensorMapEncodeIm2colWide", [
                 c_void_p, c_int, ctypes.c_uint32, c_void_p, P(c_uint64), P(c_uint64), c_int, c_int, ctypes.c_uint32,
                 ctypes.c_uint32, P(ctypes.c_uint32), c_int, c_int, c_int, c_int, c_int])(
                 at, q.data_type, q.rank, address, dims, strides, q.lower_w, q.upper_w, q.channels, q.pixels, elem,
                 q.interleave, q.wide_mode, q.swizzle, q.l2_promotion, q.oob_fill)
         else:
-            r = self._tensor_map_fn("cuTensorMapEncodeTiled", [
+            r = self._late_fn("cuTensorMapEncodeTiled", [
                 c_void_p, c_int, ctypes.c_uint32, c_void_p, P(c_uint64), P(c_uint64), P(ctypes.c_uint32),
                 P(ctypes.c_uint32), c_int, c_int, c_int, c_int])(
                 at, q.data_type, q.rank, address, dims, strides, u32s(*q.box), elem, q.interleave, q.swizzle,
@@ -1146,7 +1188,7 @@ class CudaBackend(CudaDriverCalls):
             raise CudaError(r)
         return ctypes.string_at(at, TENSOR_MAP_BYTES)
 
-    def _tensor_map_fn(self, name: str, argtypes: list[Any]) -> Any:
+    def _late_fn(self, name: str, argtypes: list[Any]) -> Any:
         fn = self.f.get(name)
         if fn is None:
             fn = getattr(self.lib, name, None)

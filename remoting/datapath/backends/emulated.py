@@ -266,8 +266,9 @@ class _Handles:
 
 
 # CUgraphNodeType of the node kinds rgpuGraphAddNode builds (cuda_graph.c's NODE_*).
-_NODE_TYPES = {0: 5, 1: 0, 2: 2, 3: 1, 4: 10, 5: 11, 6: 1, 7: 3}
+_NODE_TYPES = {0: 5, 1: 0, 2: 2, 3: 1, 4: 10, 5: 11, 6: 1, 7: 3, 8: 4, 9: 7, 10: 6}
 NODE_TYPE_HOST = 3
+NODE_TYPE_MEMSET, NODE_TYPE_MEMCPY = 2, 1
 
 
 class _HostNode:
@@ -288,10 +289,28 @@ class _HostNode:
         return (SUCCESS,)
 
 
+class _ChildNode:
+    """A child graph node: runs its own copy of the child graph's operations (CUDA clones the
+    child into the node), in order, as the emulated device runs every graph."""
+
+    def __init__(self, node: int, graph: int, ops: list[Any]) -> None:
+        self.node, self.graph, self.ops = node, graph, ops
+
+    def copy(self) -> "_ChildNode":
+        return _ChildNode(self.node, self.graph, _instance(self.ops))
+
+    def __call__(self) -> tuple[int]:
+        for op in self.ops:
+            r = op()[0]
+            if r != SUCCESS:
+                return (r,)
+        return (SUCCESS,)
+
+
 def _instance(ops: list[Any]) -> list[Any]:
-    """A graph's operations for a clone or an executable graph: host nodes get their own
-    parameters (setting one graph's node leaves the other's as it was)."""
-    return [op.copy() if isinstance(op, _HostNode) else op for op in ops]
+    """A graph's operations for a clone or an executable graph: host and child graph nodes get
+    their own parameters (setting one graph's node leaves the other's as it was)."""
+    return [op.copy() if isinstance(op, (_HostNode, _ChildNode)) else op for op in ops]
 
 
 class EmulatedBackend:
@@ -338,9 +357,12 @@ class EmulatedBackend:
         self.capture_seq = 0
         self.capture_mode = 0
         self.graphs: dict[int, list[Any]] = {}            # graph -> its operations
+        self.graph_deps: dict[int, dict[int, tuple[int, ...]]] = {}   # graph -> its nodes -> their dependencies
+        self.capture_tail: dict[int, list[int]] = {}      # capturing stream -> what its next node depends on
         self.execs: dict[int, list[Any]] = {}
         self.node_types: dict[int, int] = {}              # nodes added by hand or host nodes -> CUgraphNodeType
         self.host_nodes: dict[int, _HostNode] = {}        # a graph's host nodes
+        self.child_nodes: dict[int, _ChildNode] = {}      # child graph nodes
         self.host_calls: Any = None                       # the worker's HostCalls (set by the worker)
         self.graph_regions: dict[int, list[tuple[int, int, bool]]] = {}   # graph -> its host-copy buffers
         self.physical: dict[int, list[Any]] = {}          # handle -> [bytes, references]
@@ -599,7 +621,7 @@ class EmulatedBackend:
         return (SUCCESS,)
 
     def cuMemcpyDtoDAsync_v2(self, dst: int, src: int, n: int, stream: int) -> tuple[int]:
-        return self._on_stream(stream, lambda: self.cuMemcpyDtoD_v2(dst, src, n))
+        return self._on_stream(stream, lambda: self.cuMemcpyDtoD_v2(dst, src, n), NODE_TYPE_MEMCPY)
 
     def dtod_2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int) -> None:
         for row in range(height):
@@ -881,7 +903,7 @@ class EmulatedBackend:
         def run() -> tuple[int]:
             self._copy_nd(kind, desc, None, None)
             return (SUCCESS,)
-        r = self._on_stream(stream, run)[0]
+        r = self._on_stream(stream, run, NODE_TYPE_MEMCPY)[0]
         if r != SUCCESS:
             raise CudaError(r)
 
@@ -1243,11 +1265,30 @@ class EmulatedBackend:
     # A capturing stream records its memsets and device copies (the operations this backend runs)
     # as the graph's nodes; a launched executable graph runs them in order.
 
-    def _on_stream(self, stream: int, op: Any) -> tuple[int]:
+    def _on_stream(self, stream: int, op: Any, node_type: int = NODE_TYPE_MEMSET) -> tuple[int]:
         if stream in self.capturing:
-            self.graphs[self.capturing[stream][1]].append(op)
+            self._captured(stream, op, node_type)
             return (SUCCESS,)
         return op()
+
+    def _captured(self, stream: int, op: Any, node_type: int, node: int = 0) -> int:
+        """A captured operation: a node of the capture's graph after the stream's last one."""
+        graph = self.capturing[stream][1]
+        node = self._node(graph, op, self.capture_tail.get(stream, []), node_type, node)
+        self.capture_tail[stream] = [node]
+        return node
+
+    def _node(self, graph: int, op: Any, deps: list[int], node_type: int, node: int = 0) -> int:
+        """A node of `graph` depending on `deps`, running `op` (None: nothing to run)."""
+        known = self.graph_deps.setdefault(graph, {})
+        if len(set(deps)) != len(deps) or any(d not in known for d in deps):
+            raise CudaError(INVALID_VALUE)   # CUDA: a dependency that is not a node of this graph
+        node = node or self.handles.new()
+        known[node] = tuple(deps)
+        self.node_types[node] = node_type
+        if op is not None:
+            self.graphs[graph].append(op)
+        return node
 
     def _refuse_capture(self, stream: int, what: str) -> None:
         if stream in self.capturing:
@@ -1261,14 +1302,30 @@ class EmulatedBackend:
             return (INVALID_HANDLE,)
         graph = self.handles.new()
         self.graphs[graph] = []
+        self.graph_deps[graph] = {}
         self.capture_seq += 1
         self.capturing[stream] = (self.capture_seq, graph)
+        self.capture_tail[stream] = []
         return (SUCCESS,)
+
+    def capture_to_graph(self, stream: int, graph: int, deps: list[int], mode: int) -> None:
+        """cuStreamBeginCaptureToGraph: the capture appends to `graph`, after `deps`."""
+        if stream in self.capturing:
+            raise CudaError(401)   # CUDA_ERROR_ILLEGAL_STATE
+        if stream and not self._stream_ok(stream):
+            raise CudaError(INVALID_HANDLE)
+        known = self.graph_deps.get(graph)
+        if graph not in self.graphs or known is None or any(d not in known for d in deps):
+            raise CudaError(INVALID_VALUE)
+        self.capture_seq += 1
+        self.capturing[stream] = (self.capture_seq, graph)
+        self.capture_tail[stream] = list(deps)
 
     def cuStreamEndCapture(self, stream: int) -> tuple[int, int]:
         if stream not in self.capturing:
             return (401, 0)
         _, graph = self.capturing.pop(stream)
+        self.capture_tail.pop(stream, None)
         return (SUCCESS, graph)
 
     def cuThreadExchangeStreamCaptureMode(self, mode: int) -> tuple[int, int]:
@@ -1278,36 +1335,55 @@ class EmulatedBackend:
     def capture_info(self, stream: int, what: int) -> tuple[int, int, int, list[int], list[int]]:
         if stream in self.capturing:
             cid, graph = self.capturing[stream]
-            return 1, cid, graph, [], []
+            tail = self.capture_tail.get(stream, [])
+            return 1, cid, graph, list(tail), [0] * len(tail)
         return 0, 0, 0, [], []
 
     def cuGraphCreate(self, flags: int) -> tuple[int, int]:
         graph = self.handles.new()
         self.graphs[graph] = []
+        self.graph_deps[graph] = {}
         return (SUCCESS, graph)
 
     def cuGraphDestroy(self, graph: int) -> tuple[int]:
+        self.graph_deps.pop(graph, None)
         return (SUCCESS,) if self.graphs.pop(graph, None) is not None else (INVALID_VALUE,)
 
     def cuGraphClone(self, graph: int) -> tuple[int, int]:
+        """The clone keeps the original's node handles (the emulated device's shortcut; CUDA makes
+        new ones, found with cuGraphNodeFindInClone, which rgpu does not remote)."""
         if graph not in self.graphs:
             return (INVALID_VALUE, 0)
         clone = self.handles.new()
         self.graphs[clone] = _instance(self.graphs[graph])
+        self.graph_deps[clone] = dict(self.graph_deps.get(graph, {}))
         return (SUCCESS, clone)
 
     def graph_nodes(self, graph: int, cap: int, want: bool) -> tuple[int, list[int]]:
+        return self._listed(graph, list(self.graph_deps.get(graph, {})), cap, want)
+
+    def graph_roots(self, graph: int, cap: int, want: bool) -> tuple[int, list[int]]:
+        """The nodes without dependencies, in the order they were added."""
+        return self._listed(graph, [n for n, d in self.graph_deps.get(graph, {}).items() if not d], cap, want)
+
+    def _listed(self, graph: int, nodes: list[int], cap: int, want: bool) -> tuple[int, list[int]]:
+        """cuGraphGetNodes' and cuGraphGetRootNodes' answer: the count, or up to `cap` nodes and
+        how many were given."""
         if graph not in self.graphs:
             raise CudaError(INVALID_VALUE)
-        n = len(self.graphs[graph])
-        return n, [graph + 1 + i for i in range(min(cap, n))] if want else []
+        if not want:
+            return len(nodes), []
+        return min(cap, len(nodes)), nodes[:cap]
 
     def graph_add_node(self, kind: int, graph: int, deps: list[int], payload: bytes) -> tuple[int, int]:
         """Nodes built by hand run in the order they were added (a valid order of a chain)."""
         if graph not in self.graphs:
             raise CudaError(INVALID_VALUE)
-        ops = self.graphs[graph]
-        aux = 0
+        known = self.graph_deps.setdefault(graph, {})
+        if len(set(deps)) != len(deps) or any(d not in known for d in deps):
+            raise CudaError(INVALID_VALUE)   # CUDA: a dependency that is not a node of this graph
+        op: Any = None
+        node = aux = 0
         if kind == 1:
             name = self.functions.get(struct.unpack_from("<Q", payload, 0)[0], (0, None))[1]
             if name is None:
@@ -1315,34 +1391,45 @@ class EmulatedBackend:
 
             def refuse() -> tuple[int]:
                 raise CudaError(NOT_SUPPORTED, _LAUNCH_REFUSED)
-            ops.append(refuse)
+            op = refuse
         elif kind == 2:
             dst, pitch, value, elem, width, height = struct.unpack_from("<QQIIQQ", payload, 0)
             pattern = struct.pack({1: "<B", 2: "<H", 4: "<I"}[elem], value & ((1 << (8 * elem)) - 1))
-            ops.append(lambda: self._memset2d(dst, pitch, pattern, width, height))
+            op = lambda: self._memset2d(dst, pitch, pattern, width, height)  # noqa: E731
         elif kind == 3 and ARRAY in struct.unpack_from("<i", payload, 32) + struct.unpack_from("<i", payload, 120):
             desc = bytes(payload[:200])
             copy = parse_copy(desc)
             if any(side.kind == ARRAY and side.array not in self.arrays for side in (copy.src, copy.dst)):
                 raise CudaError(INVALID_HANDLE)   # when the node is added, as the driver refuses it
-            ops.append(lambda: (self._copy_nd(2, desc, None, None), (SUCCESS,))[1])
+            op = lambda: (self._copy_nd(2, desc, None, None), (SUCCESS,))[1]  # noqa: E731
         elif kind == 3:
             src_x, dst_x, width = (struct.unpack_from("<Q", payload, o)[0] for o in (0, 88, 176))
             src, dst = struct.unpack_from("<Q", payload, 48)[0], struct.unpack_from("<Q", payload, 136)[0]
-            ops.append(lambda: self.cuMemcpyDtoD_v2(dst + dst_x, src + src_x, width))
+            op = lambda: self.cuMemcpyDtoD_v2(dst + dst_x, src + src_x, width)  # noqa: E731
         elif kind == 4:
             (size,) = struct.unpack_from("<Q", payload, 88)
             aux, _ = self.mem_alloc("plain", size, 0, 0, 0, 0)
         elif kind == 5:
             ptr = struct.unpack_from("<Q", payload, 0)[0]
-            ops.append(lambda: (self.mem_free(ptr, 0, True), (SUCCESS,))[1])
+            op = lambda: (self.mem_free(ptr, 0, True), (SUCCESS,))[1]  # noqa: E731
         elif kind == 7:
             node = self.handles.new()
-            host = self.host_nodes[node] = _HostNode(self, node, struct.unpack_from("<Q", payload, 0)[0],
-                                                     self.graph_regions.setdefault(graph, []))
-            ops.append(host)
-            self.node_types[node] = NODE_TYPE_HOST
-            return node, 0
+            op = self.host_nodes[node] = _HostNode(self, node, struct.unpack_from("<Q", payload, 0)[0],
+                                                   self.graph_regions.setdefault(graph, []))
+        elif kind in (9, 10):   # event record and wait nodes (the emulated device runs in order: a wait has nothing to do)
+            (event,) = struct.unpack_from("<Q", payload, 0)
+            if event not in self.events:
+                raise CudaError(INVALID_HANDLE)
+            if kind == 9:
+                op = lambda: self.cuEventRecord(event, 0)  # noqa: E731
+        elif kind == 8:   # a child graph, cloned into the node as CUDA clones it
+            (child,) = struct.unpack_from("<Q", payload, 0)
+            code, owned = self.cuGraphClone(child)
+            if code != SUCCESS:
+                raise CudaError(code)
+            self.graph_regions.setdefault(graph, []).extend(self.graph_regions.get(child, []))
+            node = self.handles.new()
+            op = self.child_nodes[node] = _ChildNode(node, owned, self.graphs[owned])
         elif kind == 6:
             to_host, _, dev, size, _ctx = struct.unpack_from("<IIQQQ", payload, 0)
             aux = self.handles.new()
@@ -1356,12 +1443,10 @@ class EmulatedBackend:
                 else:
                     dbuf[off:off + size] = buf
                 return (SUCCESS,)
-            ops.append(copy)
+            op = copy
         elif kind != 0:
             raise CudaError(INVALID_VALUE, f"rgpu: worker: unknown graph node kind {kind}")
-        node = self.handles.new()
-        self.node_types[node] = _NODE_TYPES[kind]
-        return node, aux
+        return self._node(graph, op, deps, _NODE_TYPES[kind], node), aux
 
     def cuGraphNodeGetType(self, node: int) -> tuple[int, int]:
         return (SUCCESS, self.node_types[node]) if node in self.node_types else (INVALID_VALUE, 0)
@@ -1376,8 +1461,7 @@ class EmulatedBackend:
         node = self.handles.new()
         graph = self.capturing[stream][1]
         host = self.host_nodes[node] = _HostNode(self, node, fn_id, self.graph_regions.setdefault(graph, []))
-        self.graphs[graph].append(host)
-        self.node_types[node] = NODE_TYPE_HOST
+        self._captured(stream, host, NODE_TYPE_HOST, node)
 
     def host_node_params(self, exe: int, node: int, fn_id: int | None) -> int:
         """A host node's function id; with `fn_id`, set it first (on the executable graph's
@@ -1408,7 +1492,7 @@ class EmulatedBackend:
             else:
                 dbuf[off:off + size] = buf
             return (SUCCESS,)
-        self.graphs[graph].append(copy)
+        self._captured(stream, copy, NODE_TYPE_MEMCPY)
         return buffer, graph
 
     def graph_host_write(self, buffer: int, data: memoryview) -> None:
@@ -1428,6 +1512,23 @@ class EmulatedBackend:
         if any(len(self.graph_host.get(b, b"")) < n for b, n in pairs):
             raise CudaError(INVALID_VALUE)
         return b"".join(bytes(self.graph_host[b][:n]) for b, n in pairs)
+
+    def cuGraphChildGraphNodeGetGraph(self, node: int) -> tuple[int, int]:
+        child = self.child_nodes.get(node)
+        return (SUCCESS, child.graph) if child is not None else (INVALID_VALUE, 0)
+
+    def exec_child_set(self, exe: int, node: int, child: int) -> None:
+        """cuGraphExecChildGraphNodeSetParams: the executable graph's instance of the node runs a
+        copy of `child` from now on; CUDA requires the same topology (checked here as the same
+        node count and types, in insertion order)."""
+        found = [op for op in self.execs.get(exe, []) if isinstance(op, _ChildNode) and op.node == node]
+        if not found or child not in self.graphs:
+            raise CudaError(INVALID_VALUE)
+        old = self.graph_deps.get(found[0].graph, {})
+        new = self.graph_deps.get(child, {})
+        if [self.node_types.get(n) for n in old] != [self.node_types.get(n) for n in new]:
+            raise CudaError(INVALID_VALUE)
+        found[0].ops = _instance(self.graphs[child])
 
     def kernel_node_set(self, exe: int, node: int, payload: bytes) -> None:
         if exe and exe not in self.execs:

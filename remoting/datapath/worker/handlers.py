@@ -682,10 +682,35 @@ class Handlers:
             out.extend(U64.pack(e) for e in edges)
         return SUCCESS, b"".join(out)
 
-    def h_graph_nodes(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+    @staticmethod
+    def _node_list(p: memoryview, lister: Callable[[int, int, bool], tuple[int, list[int]]]) -> tuple[int, bytes]:
         graph, cap, want = struct.unpack_from("<QQI", p, 0)
-        total, nodes = self.backend.graph_nodes(graph, cap, bool(want))
+        total, nodes = lister(graph, cap, bool(want))
         return SUCCESS, struct.pack("<QQ", total, len(nodes)) + b"".join(U64.pack(n) for n in nodes)
+
+    def h_graph_nodes(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        return self._node_list(p, self.backend.graph_nodes)
+
+    def h_graph_roots(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        """cuGraphGetRootNodes, answered as cuGraphGetNodes is (protocol 11)."""
+        return self._node_list(p, self.backend.graph_roots)
+
+    def h_capture_to_graph(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        """cuStreamBeginCaptureToGraph: the stream's capture appends to an existing graph, after
+        the given nodes (protocol 11)."""
+        stream, graph, mode, _, ndeps = struct.unpack_from("<QQiIQ", p, 0)
+        stream = self.client_streams.real(stream, "cuStreamBeginCaptureToGraph")
+        if 32 + 8 * ndeps > len(p):
+            raise CudaError(INVALID_VALUE, "rgpu: worker: truncated cuStreamBeginCaptureToGraph request")
+        deps = list(struct.unpack_from(f"<{ndeps}Q", p, 32))
+        self.backend.capture_to_graph(stream, graph, deps, mode)
+        return SUCCESS, b""
+
+    def h_exec_child_set(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        """cuGraphExecChildGraphNodeSetParams (protocol 11)."""
+        exe, node, child = struct.unpack_from("<QQQ", p, 0)
+        self.backend.exec_child_set(exe, node, child)
+        return SUCCESS, b""
 
     def h_graph_add_node(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         graph, kind, _, ndeps = struct.unpack_from("<QIIQ", p, 0)
@@ -697,8 +722,11 @@ class Handlers:
         size = 0
         if kind == 7:   # a host node: from now on the loop lends its reader while handlers run
             self.hostcalls.active = True
-        if kind == 0 and plen >= 8:   # a kernel node: its kernel's local memory, as at a launch
+        if kind == 1 and plen >= 8:   # a kernel node (cuda_graph.c's NODE_KERNEL): its kernel's local memory, as at a launch
             self._admit(U64.unpack_from(payload, 0)[0])
+        if kind in (9, 10):   # an event record or wait node: the client's event, mapped to the driver's
+            name = "cuGraphAddEventRecordNode" if kind == 9 else "cuGraphAddEventWaitNode"
+            payload = U64.pack(self.client_events.real(U64.unpack_from(payload, 0)[0], name))
         if kind == 4:   # a graph memory allocation: counted against the slice while its node exists
             (size,) = U64.unpack_from(payload, 88)
             assert self.memory is not None

@@ -22,7 +22,7 @@ from rgpu.remoting.datapath.backends.base import (INVALID_VALUE, NOT_SUPPORTED, 
 from rgpu.remoting.datapath.worker.client_handles import ClientEvents, ClientStreams
 from rgpu.remoting.datapath.worker.codecs import HEADER, I32, LAUNCH, lp
 from rgpu.remoting.datapath.worker.faults import STICKY_ERRORS, SessionFaulted, default_message, wait_verdict, write_report
-from rgpu.remoting.datapath.worker.frames import FrameReader, FrameTooLarge
+from rgpu.remoting.datapath.worker.frames import NVML_MAX_FRAME, FrameReader, FrameStalled, FrameTooLarge
 from rgpu.remoting.datapath.worker.handlers import Handlers
 from rgpu.remoting.datapath.worker.hostcalls import HostCalls
 from rgpu.remoting.datapath.worker.limiter import ComputeLimiter
@@ -61,7 +61,9 @@ class Worker(Handlers):
         self.backend = backend
         self.spec = spec
         self.memory = memory
-        self.reader = FrameReader(sock)
+        self.reader = FrameReader(sock, stall_s=spec.frame_stall_s)
+        if spec.mode == "nvml":
+            self.reader.max_frame = min(self.reader.max_frame, NVML_MAX_FRAME)
         # Host nodes send from the driver's threads: every frame goes out whole under this lock.
         self.send_lock = threading.Lock()
         self.hostcalls = HostCalls(sock, self.reader, self.send_lock, backend)
@@ -84,7 +86,7 @@ class Worker(Handlers):
         self.log_limit = LogLimit()   # lines a client's frames cause: once a minute per kind and operation
         self.ucx: Any = None          # the session's UCX link (worker/ucx.py), set by session.py
         self.ucx_received = 0         # bytes of host-to-device copies that came on UCX
-        self.native_launches = load_native_launches(spec, backend)
+        self.native_launches = load_native_launches(spec, backend, sock.fileno())
         # The client's event handles -> the driver's (client_handles.py; the generated handlers
         # find the table on the backend). With the C loop, which creates and destroys events
         # itself, the table is the C loop's.
@@ -183,6 +185,9 @@ class Worker(Handlers):
             "rgpuModuleNodes": (self.h_module_nodes, False),
             "rgpuStreamCaptureInfo": (self.h_capture_info, False),
             "cuGraphGetNodes": (self.h_graph_nodes, False),
+            "cuGraphGetRootNodes": (self.h_graph_roots, False),
+            "cuStreamBeginCaptureToGraph": (self.h_capture_to_graph, False),
+            "cuGraphExecChildGraphNodeSetParams": (self.h_exec_child_set, False),
             "rgpuGraphAddNode": (self.h_graph_add_node, False),
             "rgpuGraphKernelNodeSetParams": (self.h_kernel_node_set, False),
             "rgpuCaptureHostFunc": (self.h_capture_host_func, False),
@@ -237,6 +242,9 @@ class Worker(Handlers):
         hostcalls.reader_lock.acquire()   # the loop reads; it lends the reader while a handler runs
         try:
             return self._serve()
+        except FrameStalled as exc:
+            return (f"rgpu: worker: {exc} (the client sent part of a request and then too little of the rest; "
+                    "a slow or broken network, or a client that is not rgpu's; see session_frame_stall_seconds)")
         except (EOFError, ConnectionError, OSError):
             return "client disconnected"
         finally:
@@ -253,6 +261,7 @@ class Worker(Handlers):
         report = {"wall_ns": wall_ns, "native_launches": native.launched.value if native else 0,
                   # event operations the C loop ran (their time is in "native launch batches")
                   "native_event_ops": native.event_counts() if native else {},
+                  "native_small_dtoh": native.copies if native else 0,
                   "ops": ops, "load_steps": {k: {"calls": n, "ns": ns, "bytes": b} for k, (n, ns, b) in (self.load_steps or {}).items()},
                   "load_function_tables_ns": getattr(self.backend, "enumerate_ns", 0)}
         try:
@@ -309,15 +318,20 @@ class Worker(Handlers):
                 # The Python path lends the reader while a host node waits, and the emulated GPU's
                 # fault domain answers every call: those event frames stay in Python.
                 events_ok = not hostcalls.active and not (sticky is not None and cuda_mode and sticky())
+                # A copy's reply must carry a waiting error, and leaves only while nothing else may send.
+                replies_ok = events_ok and self.deferred is None
                 used, code = native.run(reader.base + reader.start, reader.end - reader.start, ctx,
                                         gpu_work=limiter is None or limiter.holding_since is not None,
-                                        events=events_ok)
+                                        events=events_ok, replies=replies_ok)
                 if profile is not None:
                     entry_ = profile.setdefault(-1, [0, 0])
                     entry_[0] += 1
                     entry_[1] += clock() - t0
-                if stats is not None and native.ran_events:   # as the Python path accounts each one
-                    stats.account(t0, memory.high_water if memory is not None else 0, native.ran_events)
+                if native.send_error:
+                    return "client disconnected"
+                ran = native.ran_events + native.ran_copies
+                if stats is not None and ran:   # as the Python path accounts each one
+                    stats.account(t0, memory.high_water if memory is not None else 0, ran)
                 self.errors += native.errors
                 if code and self.deferred is None:
                     self.deferred = (code, "")
@@ -325,6 +339,10 @@ class Worker(Handlers):
                     handle, failed = native.failed_creation
                     exc = self.client_events.creation_error(handle, failed)
                     self._defer(exc.code, exc.message)
+                if native.failed_copy is not None:   # it ended the run, its frame consumed
+                    seq, failed = native.failed_copy
+                    self.calls += 1
+                    self._reply(seq, failed, b"", "")
                 if used:
                     self.last_op = native.last_op
                     reader.start += used
@@ -464,8 +482,9 @@ class Worker(Handlers):
     def counters(self) -> tuple[int, int, int, int]:
         """(received bytes, sent bytes, calls, errors): datapath/counters.py's FIELDS."""
         loop = self.native_launches
-        native = loop.launched.value + loop.event_ops() if loop is not None else 0
-        return self.reader.received + self.ucx_received, self.sent + self.hostcalls.sent, self.calls + native, self.errors
+        native = loop.launched.value + loop.event_ops() + loop.copies if loop is not None else 0
+        sent = self.sent + self.hostcalls.sent + (loop.sent if loop is not None else 0)
+        return self.reader.received + self.ucx_received, sent, self.calls + native, self.errors
 
     def _defer(self, code: int, message: str) -> None:
         self.errors += 1

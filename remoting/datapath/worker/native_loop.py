@@ -18,6 +18,10 @@ STREAM_SLOTS = 1 << 12     # a power of two: (client handle, driver stream) pair
 EVENT_OPS = ("rgpuEventCreate", "cuEventRecord", "cuEventRecordWithFlags", "cuStreamWaitEvent", "cuEventDestroy_v2")
 # Those that put work on a stream: the compute limiter gates them as it gates launches.
 GPU_WORK_EVENT_OPS = ("cuEventRecord", "cuEventRecordWithFlags", "cuStreamWaitEvent")
+# The copy the C loop answers when it is small (worker_copies.c), and how small: what `tensor.item()`
+# and other small reads of results ask for; larger ones take the chunked path in Python.
+DTOH_OP = "cuMemcpyDtoHAsync_v2"
+SMALL_DTOH_MAX = 65536
 
 
 class EventEntries(NamedTuple):
@@ -40,7 +44,12 @@ class _Loop(ctypes.Structure):
                 ("gpu_work_ok", ctypes.c_uint32), ("events_ok", ctypes.c_uint32), ("first_error", ctypes.c_int32),
                 ("last_op", ctypes.c_uint32), ("failed_code", ctypes.c_int32), ("pad", ctypes.c_uint32),
                 ("failed_handle", ctypes.c_uint64), ("errors", ctypes.c_uint64), ("run_events", ctypes.c_uint64),
-                ("launched", ctypes.c_uint64), ("event_counts", ctypes.c_uint64 * len(EVENT_OPS))]
+                ("launched", ctypes.c_uint64), ("event_counts", ctypes.c_uint64 * len(EVENT_OPS)),
+                ("memcpy_dtoh", ctypes.c_void_p), ("stream_capturing", ctypes.c_void_p), ("dtoh_buf", ctypes.c_void_p),
+                ("dtoh_max", ctypes.c_uint32), ("sock", ctypes.c_int32), ("dtoh_op", ctypes.c_uint32),
+                ("replies_ok", ctypes.c_uint32), ("copy_failed", ctypes.c_int32), ("copy_seq", ctypes.c_uint32),
+                ("send_errno", ctypes.c_int32), ("pad2", ctypes.c_uint32),
+                ("copies", ctypes.c_uint64), ("sent", ctypes.c_uint64)]
 
 
 class NativeEventTable:
@@ -89,13 +98,21 @@ class NativeEventTable:
             self._free(address)
 
 
+class CopyEntries(NamedTuple):
+    """The driver's entry points for the small device-to-host copies the C loop answers
+    (worker_copies.c), by exact symbol; 0 in either: copies stay in Python."""
+    memcpy_dtoh: int            # cuMemcpyDtoHAsync_v2
+    stream_capturing: int       # cuStreamIsCapturing
+
+
 class NativeLaunches:
     """The C loop in librgpu-worker.so that runs a whole run of plain launch frames, and the
     plain event operations among them, straight from the receive buffer with the driver's own
     entry points (remoting/native/src/worker_launch.c). The Python path costs a few microseconds
     per frame, which would cap a launch storm (and cuDNN's RNNs send two event frames per launch)."""
 
-    def __init__(self, library: str, launch_entry: int, event_entries: EventEntries | None = None) -> None:
+    def __init__(self, library: str, launch_entry: int, event_entries: EventEntries | None = None,
+                 copy_entries: CopyEntries | None = None, sock: int = -1) -> None:
         lib = ctypes.CDLL(library)
         lib.rgpu_loop_size.restype = ctypes.c_size_t
         if lib.rgpu_loop_size() != ctypes.sizeof(_Loop):   # a library of another rgpu version
@@ -129,17 +146,27 @@ class NativeLaunches:
         if event_entries is not None:
             (loop.event_create, loop.event_record, loop.event_record_flags, loop.stream_wait,
              loop.event_destroy) = (address or None for address in event_entries)
+        # Small device-to-host copies (worker_copies.c): their data and reply go out on `sock`.
+        self._dtoh_buf = ctypes.create_string_buffer(SMALL_DTOH_MAX)
+        loop.sock = sock
+        if copy_entries is not None and all(copy_entries) and sock >= 0:
+            loop.memcpy_dtoh, loop.stream_capturing = copy_entries
+            loop.dtoh_buf, loop.dtoh_max = ctypes.addressof(self._dtoh_buf), SMALL_DTOH_MAX
+            loop.dtoh_op = api_gen.OPCODES[DTOH_OP]
         self._loop = loop
         self._loop_ref = ctypes.byref(loop)
         # The operations the C loop may run, and those of them the compute limiter gates.
         entries = event_entries or EventEntries(0, 0, 0, 0, 0)
         self.ops = frozenset([loop.launch_op] + [api_gen.OPCODES[name] for name, address in zip(EVENT_OPS, entries)
-                                                 if address])
-        self.gpu_work_ops = frozenset([loop.launch_op] + [api_gen.OPCODES[n] for n in GPU_WORK_EVENT_OPS]) & self.ops
+                                                 if address] + ([loop.dtoh_op] if loop.dtoh_op else []))
+        self.gpu_work_ops = frozenset([loop.launch_op, loop.dtoh_op] + [api_gen.OPCODES[n] for n in GPU_WORK_EVENT_OPS]) & self.ops
+        self.failed_copy: tuple[int, int] | None = None       # the last run's refused copy (seq, code)
+        self.send_error = 0  # the last run's socket error (errno): the session is over
         self.failed_creation: tuple[int, int] | None = None   # the last run's (client handle, code)
         self.errors = 0      # the last run's failed launches and event operations
         self.ran_events = 0  # the last run's event operations
         self.last_op = 0     # the last run's last operation
+        self.ran_copies = 0  # the last run's copies answered
 
     @property
     def launched(self) -> ctypes.c_uint64:
@@ -152,6 +179,16 @@ class NativeLaunches:
 
     def event_ops(self) -> int:
         return int(sum(self._loop.event_counts))
+
+    @property
+    def copies(self) -> int:
+        """Small device-to-host copies answered in C so far."""
+        return int(self._loop.copies)
+
+    @property
+    def sent(self) -> int:
+        """Bytes the C loop sent so far (the copies' data and replies)."""
+        return int(self._loop.sent)
 
     def admit(self, f: int) -> None:
         """Let the C loop launch kernel f."""
@@ -193,30 +230,41 @@ class NativeLaunches:
         table[2 * i + 1] = real
 
     def run(self, address: int, available: int, ctx: int, *, gpu_work: bool = True,
-            events: bool = True) -> tuple[int, int]:
-        """(bytes consumed, first error or 0). `gpu_work` False stops before a launch, record or
-        wait (the compute limiter's turn is not held); `events` False leaves every event frame to
-        Python. A creation that failed (it ends the run) is left in `failed_creation`."""
+            events: bool = True, replies: bool = True) -> tuple[int, int]:
+        """(bytes consumed, first error or 0). `gpu_work` False stops before a launch, record,
+        wait or copy (the compute limiter's turn is not held); `events` False leaves every event
+        frame to Python; `replies` False leaves copies to Python (an error waits to be reported, or
+        another thread may send). A creation that failed (it ends the run) is left in
+        `failed_creation`, a copy the driver refused (it ends the run, unanswered) in
+        `failed_copy`, a socket that failed in `send_error`."""
         loop = self._loop
         loop.gpu_work_ok = gpu_work
         loop.events_ok = events
+        loop.replies_ok = replies
+        copies_before = loop.copies
         used = self._run(address, available, ctx, self._loop_ref)
         error, self.errors, self.last_op, self.ran_events = loop.first_error, loop.errors, loop.last_op, loop.run_events
+        self.ran_copies = loop.copies - copies_before
         self.failed_creation = (loop.failed_handle, loop.failed_code) if loop.failed_code else None
+        self.failed_copy = (loop.copy_seq, loop.copy_failed) if loop.copy_failed else None
+        self.send_error = loop.send_errno
         loop.first_error = loop.errors = loop.last_op = loop.failed_code = 0
         loop.failed_handle = loop.run_events = 0
+        loop.copy_failed = loop.copy_seq = loop.send_errno = 0
         return used, error
 
 
-def load_native_launches(spec: SessionSpec, backend: Any) -> NativeLaunches | None:
+def load_native_launches(spec: SessionSpec, backend: Any, sock: int = -1) -> NativeLaunches | None:
     """The native launch loop when the dispatcher built it and the backend launches on a real
     driver; None runs launches in Python (the emulated device, or no C compiler on the node)."""
     entry = getattr(backend, "launch_entry", None)
     if not spec.launch_library or entry is None:
         return None
     events = getattr(backend, "event_entries", None)
+    copies = getattr(backend, "copy_entries", None)
     try:
-        return NativeLaunches(spec.launch_library, entry(), events() if events is not None else None)
+        return NativeLaunches(spec.launch_library, entry(), events() if events is not None else None,
+                              CopyEntries(*copies()) if copies is not None else None, sock)
     except (OSError, AttributeError) as exc:
         log.warning("native launch loop unavailable (%s); launches run in Python, at a lower rate", exc)
         return None

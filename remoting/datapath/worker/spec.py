@@ -37,6 +37,7 @@ class SessionSpec:
     transport: str = "auto"   # the dispatcher's transport setting (datapath/transport.py)
     ucx_peer: str = ""        # the client's UCX worker address (hex) from HELLO; "": it offered none
     ucx_library: str = ""     # librgpu-worker.so, whose ucx_link.c drives UCX; "": none built
+    frame_stall_s: float = 30.0   # an unfinished frame's bytes may stop this long (frames.FrameProgress); 0: no limit
 
     @classmethod
     def from_json(cls, text: str) -> SessionSpec:

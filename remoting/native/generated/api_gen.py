@@ -14,9 +14,9 @@ import ctypes
 import struct
 from typing import Any, Callable
 
-PROTOCOL_VERSION = 10
-CUDA_SPEC_SHA256 = "b513671ab8b509b201ef8fe75d6a1ed0f349c7b99b063169037ed3677b518b23"
-NVML_SPEC_SHA256 = "85e4d033188ba47da28e530c2e80e060e445466e1597b66cb7a07ce0a9f9e798"
+PROTOCOL_VERSION = 11
+CUDA_SPEC_SHA256 = "31f59045d1145d450cc0b848b81006059afb9350ea2938fe3768289501a811b1"
+NVML_SPEC_SHA256 = "ef39bd37b13941d28a745febdddaa99c007154e08ff247f5ad8937813defe306"
 
 _STRUCTS: dict[str, struct.Struct] = {}
 
@@ -199,62 +199,66 @@ OPS: dict[int, str] = {
     171: "cuGraphClone",
     172: "cuGraphNodeGetType",
     173: "cuGraphGetNodes",
-    174: "cuGraphInstantiateWithFlags",
-    175: "cuGraphLaunch",
-    176: "cuGraphUpload",
-    177: "cuGraphExecDestroy",
-    178: "cuGraphExecUpdate_v2",
-    179: "rgpuGraphAddNode",
-    180: "rgpuGraphHostRefresh",
-    181: "rgpuGraphHostReadback",
-    182: "rgpuCaptureHostCopy",
-    183: "rgpuGraphKernelNodeSetParams",
-    184: "rgpuCaptureHostFunc",
-    185: "rgpuGraphHostNode",
-    186: "cuDeviceGetGraphMemAttribute",
-    187: "cuDeviceSetGraphMemAttribute",
-    188: "cuDeviceGraphMemTrim",
-    189: "cuStreamSetAttribute",
-    190: "cuStreamGetAttribute",
-    191: "cuStreamCopyAttributes",
-    192: "cuStreamWriteValue32_v2",
-    193: "cuStreamWaitValue32_v2",
-    194: "cuStreamWriteValue64_v2",
-    195: "cuStreamWaitValue64_v2",
-    196: "cuMemGetAllocationGranularity",
-    197: "cuMemCreate",
-    198: "cuMemRelease",
-    199: "cuMemRetainAllocationHandle",
-    200: "cuMemGetAllocationPropertiesFromHandle",
-    201: "cuMemAddressReserve",
-    202: "cuMemAddressFree",
-    203: "cuMemMap",
-    204: "cuMemUnmap",
-    205: "cuMemSetAccess",
-    206: "cuMemGetAccess",
-    207: "cuArrayCreate_v2",
-    208: "cuArray3DCreate_v2",
-    209: "cuArrayDestroy",
-    210: "cuArrayGetDescriptor_v2",
-    211: "cuArray3DGetDescriptor_v2",
-    212: "cuArrayGetMemoryRequirements",
-    213: "cuArrayGetSparseProperties",
-    214: "cuArrayGetPlane",
-    215: "cuMipmappedArrayCreate",
-    216: "cuMipmappedArrayDestroy",
-    217: "cuMipmappedArrayGetLevel",
-    218: "cuMipmappedArrayGetMemoryRequirements",
-    219: "cuMipmappedArrayGetSparseProperties",
-    220: "rgpuMemcpyArray",
-    221: "rgpuMemcpyArrayToHost",
-    222: "cuTexObjectCreate",
-    223: "cuTexObjectDestroy",
-    224: "cuTexObjectGetResourceDesc",
-    225: "cuTexObjectGetTextureDesc",
-    226: "cuTexObjectGetResourceViewDesc",
-    227: "cuSurfObjectCreate",
-    228: "cuSurfObjectDestroy",
-    229: "cuSurfObjectGetResourceDesc",
+    174: "cuGraphGetRootNodes",
+    175: "cuGraphInstantiateWithFlags",
+    176: "cuGraphLaunch",
+    177: "cuGraphUpload",
+    178: "cuGraphExecDestroy",
+    179: "cuGraphExecUpdate_v2",
+    180: "rgpuGraphAddNode",
+    181: "rgpuGraphHostRefresh",
+    182: "rgpuGraphHostReadback",
+    183: "rgpuCaptureHostCopy",
+    184: "rgpuGraphKernelNodeSetParams",
+    185: "cuGraphExecChildGraphNodeSetParams",
+    186: "cuGraphChildGraphNodeGetGraph",
+    187: "cuStreamBeginCaptureToGraph",
+    188: "rgpuCaptureHostFunc",
+    189: "rgpuGraphHostNode",
+    190: "cuDeviceGetGraphMemAttribute",
+    191: "cuDeviceSetGraphMemAttribute",
+    192: "cuDeviceGraphMemTrim",
+    193: "cuStreamSetAttribute",
+    194: "cuStreamGetAttribute",
+    195: "cuStreamCopyAttributes",
+    196: "cuStreamWriteValue32_v2",
+    197: "cuStreamWaitValue32_v2",
+    198: "cuStreamWriteValue64_v2",
+    199: "cuStreamWaitValue64_v2",
+    200: "cuMemGetAllocationGranularity",
+    201: "cuMemCreate",
+    202: "cuMemRelease",
+    203: "cuMemRetainAllocationHandle",
+    204: "cuMemGetAllocationPropertiesFromHandle",
+    205: "cuMemAddressReserve",
+    206: "cuMemAddressFree",
+    207: "cuMemMap",
+    208: "cuMemUnmap",
+    209: "cuMemSetAccess",
+    210: "cuMemGetAccess",
+    211: "cuArrayCreate_v2",
+    212: "cuArray3DCreate_v2",
+    213: "cuArrayDestroy",
+    214: "cuArrayGetDescriptor_v2",
+    215: "cuArray3DGetDescriptor_v2",
+    216: "cuArrayGetMemoryRequirements",
+    217: "cuArrayGetSparseProperties",
+    218: "cuArrayGetPlane",
+    219: "cuMipmappedArrayCreate",
+    220: "cuMipmappedArrayDestroy",
+    221: "cuMipmappedArrayGetLevel",
+    222: "cuMipmappedArrayGetMemoryRequirements",
+    223: "cuMipmappedArrayGetSparseProperties",
+    224: "rgpuMemcpyArray",
+    225: "rgpuMemcpyArrayToHost",
+    226: "cuTexObjectCreate",
+    227: "cuTexObjectDestroy",
+    228: "cuTexObjectGetResourceDesc",
+    229: "cuTexObjectGetTextureDesc",
+    230: "cuTexObjectGetResourceViewDesc",
+    231: "cuSurfObjectCreate",
+    232: "cuSurfObjectDestroy",
+    233: "cuSurfObjectGetResourceDesc",
     1024: "nvmlDeviceGetMemoryInfo",
     1025: "nvmlDeviceGetMemoryInfo_v2",
     1026: "nvmlDeviceGetBAR1MemoryInfo",
@@ -312,8 +316,8 @@ OPS: dict[int, str] = {
     1078: "nvmlDeviceGetPcieThroughput",
 }
 OPCODES: dict[str, int] = {name: op for op, name in OPS.items()}
-ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 89, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 107, 110, 117, 118, 121, 175, 176, 192, 193, 194, 195, })
-MANUAL_OPS: frozenset[str] = frozenset({ "cuInit", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuCtxDestroy_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuMemAllocAsync", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "rgpuMemcpyHtoDUcx", "rgpuMemcpyDtoHUcx", "rgpuMemcpy2DDevice", "cuPointerGetAttribute", "cuPointerGetAttributes", "rgpuStreamCreate", "rgpuEventCreate", "cuModuleLoadDataEx", "cuModuleUnload", "cuModuleGetFunction", "cuLinkCreate_v2", "cuLinkAddData_v2", "cuLinkComplete", "cuLinkDestroy", "cuLibraryLoadData", "cuLibraryUnload", "cuLaunchKernel", "rgpuOccupancyMaxPotentialBlockSize", "cuOccupancyMaxActiveClusters", "rgpuParamInfo", "rgpuSessionInfo", "rgpuPrivateTableSize", "rgpuModuleNodes", "rgpuSetAttribute", "rgpuTensorMap", "rgpuStreamCaptureInfo", "cuGraphGetNodes", "rgpuGraphAddNode", "rgpuGraphHostRefresh", "rgpuGraphHostReadback", "rgpuCaptureHostCopy", "rgpuGraphKernelNodeSetParams", "rgpuCaptureHostFunc", "rgpuGraphHostNode", "cuMemCreate", "cuMemRelease", "cuMemRetainAllocationHandle", "cuMemSetAccess", "cuArrayCreate_v2", "cuArray3DCreate_v2", "cuArrayDestroy", "cuMipmappedArrayCreate", "cuMipmappedArrayDestroy", "rgpuMemcpyArray", "rgpuMemcpyArrayToHost", "cuTexObjectCreate", })
+ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 89, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 107, 110, 117, 118, 121, 176, 177, 196, 197, 198, 199, })
+MANUAL_OPS: frozenset[str] = frozenset({ "cuInit", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuCtxDestroy_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuMemAllocAsync", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "rgpuMemcpyHtoDUcx", "rgpuMemcpyDtoHUcx", "rgpuMemcpy2DDevice", "cuPointerGetAttribute", "cuPointerGetAttributes", "rgpuStreamCreate", "rgpuEventCreate", "cuModuleLoadDataEx", "cuModuleUnload", "cuModuleGetFunction", "cuLinkCreate_v2", "cuLinkAddData_v2", "cuLinkComplete", "cuLinkDestroy", "cuLibraryLoadData", "cuLibraryUnload", "cuLaunchKernel", "rgpuOccupancyMaxPotentialBlockSize", "cuOccupancyMaxActiveClusters", "rgpuParamInfo", "rgpuSessionInfo", "rgpuPrivateTableSize", "rgpuModuleNodes", "rgpuSetAttribute", "rgpuTensorMap", "rgpuStreamCaptureInfo", "cuGraphGetNodes", "cuGraphGetRootNodes", "rgpuGraphAddNode", "rgpuGraphHostRefresh", "rgpuGraphHostReadback", "rgpuCaptureHostCopy", "rgpuGraphKernelNodeSetParams", "cuGraphExecChildGraphNodeSetParams", "cuStreamBeginCaptureToGraph", "rgpuCaptureHostFunc", "rgpuGraphHostNode", "cuMemCreate", "cuMemRelease", "cuMemRetainAllocationHandle", "cuMemSetAccess", "cuArrayCreate_v2", "cuArray3DCreate_v2", "cuArrayDestroy", "cuMipmappedArrayCreate", "cuMipmappedArrayDestroy", "rgpuMemcpyArray", "rgpuMemcpyArrayToHost", "cuTexObjectCreate", })
 
 Handler = Callable[[Any, Any, int], tuple[int, bytes]]
 
@@ -963,6 +967,13 @@ def _h_cuGraphExecUpdate_v2(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     if res[0]:
         return res[0], b""
     return 0, _struct('<24s').pack(res[1])
+
+def _h_cuGraphChildGraphNodeGetGraph(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    hNode, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.cuGraphChildGraphNodeGetGraph(hNode)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<Q').pack(res[1])
 
 def _h_cuDeviceGetGraphMemAttribute(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     device, attr = _struct('<ii').unpack_from(buf, off); off += 8
@@ -1654,43 +1665,44 @@ GENERATED_HANDLERS: dict[int, tuple[str, Handler]] = {
     170: ("cuGraphDestroy", _h_cuGraphDestroy),
     171: ("cuGraphClone", _h_cuGraphClone),
     172: ("cuGraphNodeGetType", _h_cuGraphNodeGetType),
-    174: ("cuGraphInstantiateWithFlags", _h_cuGraphInstantiateWithFlags),
-    175: ("cuGraphLaunch", _h_cuGraphLaunch),
-    176: ("cuGraphUpload", _h_cuGraphUpload),
-    177: ("cuGraphExecDestroy", _h_cuGraphExecDestroy),
-    178: ("cuGraphExecUpdate_v2", _h_cuGraphExecUpdate_v2),
-    186: ("cuDeviceGetGraphMemAttribute", _h_cuDeviceGetGraphMemAttribute),
-    187: ("cuDeviceSetGraphMemAttribute", _h_cuDeviceSetGraphMemAttribute),
-    188: ("cuDeviceGraphMemTrim", _h_cuDeviceGraphMemTrim),
-    189: ("cuStreamSetAttribute", _h_cuStreamSetAttribute),
-    190: ("cuStreamGetAttribute", _h_cuStreamGetAttribute),
-    191: ("cuStreamCopyAttributes", _h_cuStreamCopyAttributes),
-    192: ("cuStreamWriteValue32_v2", _h_cuStreamWriteValue32_v2),
-    193: ("cuStreamWaitValue32_v2", _h_cuStreamWaitValue32_v2),
-    194: ("cuStreamWriteValue64_v2", _h_cuStreamWriteValue64_v2),
-    195: ("cuStreamWaitValue64_v2", _h_cuStreamWaitValue64_v2),
-    196: ("cuMemGetAllocationGranularity", _h_cuMemGetAllocationGranularity),
-    200: ("cuMemGetAllocationPropertiesFromHandle", _h_cuMemGetAllocationPropertiesFromHandle),
-    201: ("cuMemAddressReserve", _h_cuMemAddressReserve),
-    202: ("cuMemAddressFree", _h_cuMemAddressFree),
-    203: ("cuMemMap", _h_cuMemMap),
-    204: ("cuMemUnmap", _h_cuMemUnmap),
-    206: ("cuMemGetAccess", _h_cuMemGetAccess),
-    210: ("cuArrayGetDescriptor_v2", _h_cuArrayGetDescriptor_v2),
-    211: ("cuArray3DGetDescriptor_v2", _h_cuArray3DGetDescriptor_v2),
-    212: ("cuArrayGetMemoryRequirements", _h_cuArrayGetMemoryRequirements),
-    213: ("cuArrayGetSparseProperties", _h_cuArrayGetSparseProperties),
-    214: ("cuArrayGetPlane", _h_cuArrayGetPlane),
-    217: ("cuMipmappedArrayGetLevel", _h_cuMipmappedArrayGetLevel),
-    218: ("cuMipmappedArrayGetMemoryRequirements", _h_cuMipmappedArrayGetMemoryRequirements),
-    219: ("cuMipmappedArrayGetSparseProperties", _h_cuMipmappedArrayGetSparseProperties),
-    223: ("cuTexObjectDestroy", _h_cuTexObjectDestroy),
-    224: ("cuTexObjectGetResourceDesc", _h_cuTexObjectGetResourceDesc),
-    225: ("cuTexObjectGetTextureDesc", _h_cuTexObjectGetTextureDesc),
-    226: ("cuTexObjectGetResourceViewDesc", _h_cuTexObjectGetResourceViewDesc),
-    227: ("cuSurfObjectCreate", _h_cuSurfObjectCreate),
-    228: ("cuSurfObjectDestroy", _h_cuSurfObjectDestroy),
-    229: ("cuSurfObjectGetResourceDesc", _h_cuSurfObjectGetResourceDesc),
+    175: ("cuGraphInstantiateWithFlags", _h_cuGraphInstantiateWithFlags),
+    176: ("cuGraphLaunch", _h_cuGraphLaunch),
+    177: ("cuGraphUpload", _h_cuGraphUpload),
+    178: ("cuGraphExecDestroy", _h_cuGraphExecDestroy),
+    179: ("cuGraphExecUpdate_v2", _h_cuGraphExecUpdate_v2),
+    186: ("cuGraphChildGraphNodeGetGraph", _h_cuGraphChildGraphNodeGetGraph),
+    190: ("cuDeviceGetGraphMemAttribute", _h_cuDeviceGetGraphMemAttribute),
+    191: ("cuDeviceSetGraphMemAttribute", _h_cuDeviceSetGraphMemAttribute),
+    192: ("cuDeviceGraphMemTrim", _h_cuDeviceGraphMemTrim),
+    193: ("cuStreamSetAttribute", _h_cuStreamSetAttribute),
+    194: ("cuStreamGetAttribute", _h_cuStreamGetAttribute),
+    195: ("cuStreamCopyAttributes", _h_cuStreamCopyAttributes),
+    196: ("cuStreamWriteValue32_v2", _h_cuStreamWriteValue32_v2),
+    197: ("cuStreamWaitValue32_v2", _h_cuStreamWaitValue32_v2),
+    198: ("cuStreamWriteValue64_v2", _h_cuStreamWriteValue64_v2),
+    199: ("cuStreamWaitValue64_v2", _h_cuStreamWaitValue64_v2),
+    200: ("cuMemGetAllocationGranularity", _h_cuMemGetAllocationGranularity),
+    204: ("cuMemGetAllocationPropertiesFromHandle", _h_cuMemGetAllocationPropertiesFromHandle),
+    205: ("cuMemAddressReserve", _h_cuMemAddressReserve),
+    206: ("cuMemAddressFree", _h_cuMemAddressFree),
+    207: ("cuMemMap", _h_cuMemMap),
+    208: ("cuMemUnmap", _h_cuMemUnmap),
+    210: ("cuMemGetAccess", _h_cuMemGetAccess),
+    214: ("cuArrayGetDescriptor_v2", _h_cuArrayGetDescriptor_v2),
+    215: ("cuArray3DGetDescriptor_v2", _h_cuArray3DGetDescriptor_v2),
+    216: ("cuArrayGetMemoryRequirements", _h_cuArrayGetMemoryRequirements),
+    217: ("cuArrayGetSparseProperties", _h_cuArrayGetSparseProperties),
+    218: ("cuArrayGetPlane", _h_cuArrayGetPlane),
+    221: ("cuMipmappedArrayGetLevel", _h_cuMipmappedArrayGetLevel),
+    222: ("cuMipmappedArrayGetMemoryRequirements", _h_cuMipmappedArrayGetMemoryRequirements),
+    223: ("cuMipmappedArrayGetSparseProperties", _h_cuMipmappedArrayGetSparseProperties),
+    227: ("cuTexObjectDestroy", _h_cuTexObjectDestroy),
+    228: ("cuTexObjectGetResourceDesc", _h_cuTexObjectGetResourceDesc),
+    229: ("cuTexObjectGetTextureDesc", _h_cuTexObjectGetTextureDesc),
+    230: ("cuTexObjectGetResourceViewDesc", _h_cuTexObjectGetResourceViewDesc),
+    231: ("cuSurfObjectCreate", _h_cuSurfObjectCreate),
+    232: ("cuSurfObjectDestroy", _h_cuSurfObjectDestroy),
+    233: ("cuSurfObjectGetResourceDesc", _h_cuSurfObjectGetResourceDesc),
     1024: ("nvmlDeviceGetMemoryInfo", _h_nvmlDeviceGetMemoryInfo),
     1025: ("nvmlDeviceGetMemoryInfo_v2", _h_nvmlDeviceGetMemoryInfo_v2),
     1026: ("nvmlDeviceGetBAR1MemoryInfo", _h_nvmlDeviceGetBAR1MemoryInfo),
@@ -1852,6 +1864,7 @@ CUDA_ARGTYPES: dict[str, list[Any]] = {
     "cuGraphUpload": [ctypes.c_void_p, ctypes.c_void_p],
     "cuGraphExecDestroy": [ctypes.c_void_p],
     "cuGraphExecUpdate_v2": [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p],
+    "cuGraphChildGraphNodeGetGraph": [ctypes.c_void_p, ctypes.c_void_p],
     "cuDeviceGetGraphMemAttribute": [ctypes.c_int, ctypes.c_int, ctypes.c_void_p],
     "cuDeviceSetGraphMemAttribute": [ctypes.c_int, ctypes.c_int, ctypes.c_void_p],
     "cuDeviceGraphMemTrim": [ctypes.c_int],
@@ -2439,6 +2452,11 @@ class CudaDriverCalls:
         resultInfo_out = (ctypes.c_char * 24)()
         r = self._fn_cuGraphExecUpdate_v2(hGraphExec, hGraph, ctypes.byref(resultInfo_out))
         return (r, bytes(resultInfo_out))
+
+    def cuGraphChildGraphNodeGetGraph(self, hNode):
+        phGraph_out = (ctypes.c_void_p)()
+        r = self._fn_cuGraphChildGraphNodeGetGraph(hNode, ctypes.byref(phGraph_out))
+        return (r, phGraph_out.value or 0)
 
     def cuDeviceGetGraphMemAttribute(self, device, attr):
         value_out = (ctypes.c_uint64)()

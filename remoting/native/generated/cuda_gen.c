@@ -1415,6 +1415,20 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphExecUpdate_v2(CUgraphExec hGraphExec, CUgrap
     return r;
 }
 
+RGPU_EXPORT CUresult CUDAAPI cuGraphChildGraphNodeGetGraph(CUgraphNode hNode, CUgraph *phGraph) {
+    if (phGraph == NULL) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuGraphChildGraphNodeGetGraph);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hNode);
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { CUgraph phGraph_v; memset(&phGraph_v, 0, sizeof phGraph_v); phGraph_v = (CUgraph)(uintptr_t)rgpu_get_u64(&c); if (phGraph) *phGraph = phGraph_v; }
+    }
+    rgpu_end(&c);
+    return r;
+}
+
 RGPU_EXPORT CUresult CUDAAPI cuDeviceGetGraphMemAttribute(CUdevice device, CUgraphMem_attribute attr, cuuint64_t *value) {
     if (value == NULL) return CUDA_ERROR_INVALID_VALUE;
     rgpu_call c;
@@ -2092,6 +2106,10 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphUpload_ptsz(CUgraphExec hGraphExec, CUstream
     if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
     return cuGraphUpload(hGraphExec, hStream);
 }
+RGPU_EXPORT CUresult CUDAAPI cuStreamBeginCaptureToGraph_ptsz(CUstream hStream, CUgraph hGraph, const CUgraphNode *dependencies, const CUgraphEdgeData *dependencyData, size_t numDependencies, CUstreamCaptureMode mode) {
+    if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
+    return cuStreamBeginCaptureToGraph(hStream, hGraph, dependencies, dependencyData, numDependencies, mode);
+}
 RGPU_EXPORT CUresult CUDAAPI cuStreamSetAttribute_ptsz(CUstream hStream, CUstreamAttrID attr, const CUlaunchAttributeValue *value) {
     if (hStream == NULL) hStream = CU_STREAM_PER_THREAD;
     return cuStreamSetAttribute(hStream, attr, value);
@@ -2190,18 +2208,12 @@ RGPU_EXPORT CUresult CUDAAPI cuExternalMemoryGetMappedMipmappedArray(void) { sta
 RGPU_EXPORT CUresult CUDAAPI cuFuncSetBlockShape(void) { static int seen; return rgpu_unsupported("cuFuncSetBlockShape", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuFuncSetSharedSize(void) { static int seen; return rgpu_unsupported("cuFuncSetSharedSize", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddBatchMemOpNode(void) { static int seen; return rgpu_unsupported("cuGraphAddBatchMemOpNode", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphAddChildGraphNode(void) { static int seen; return rgpu_unsupported("cuGraphAddChildGraphNode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddDependencies(void) { static int seen; return rgpu_unsupported("cuGraphAddDependencies", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddDependencies_v2(void) { static int seen; return rgpu_unsupported("cuGraphAddDependencies_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphAddEventRecordNode(void) { static int seen; return rgpu_unsupported("cuGraphAddEventRecordNode", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphAddEventWaitNode(void) { static int seen; return rgpu_unsupported("cuGraphAddEventWaitNode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddExternalSemaphoresSignalNode(void) { static int seen; return rgpu_unsupported("cuGraphAddExternalSemaphoresSignalNode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddExternalSemaphoresWaitNode(void) { static int seen; return rgpu_unsupported("cuGraphAddExternalSemaphoresWaitNode", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphAddNode(void) { static int seen; return rgpu_unsupported("cuGraphAddNode", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphAddNode_v2(void) { static int seen; return rgpu_unsupported("cuGraphAddNode_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphBatchMemOpNodeGetParams(void) { static int seen; return rgpu_unsupported("cuGraphBatchMemOpNodeGetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphBatchMemOpNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphBatchMemOpNodeSetParams", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphChildGraphNodeGetGraph(void) { static int seen; return rgpu_unsupported("cuGraphChildGraphNodeGetGraph", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphConditionalHandleCreate(void) { static int seen; return rgpu_unsupported("cuGraphConditionalHandleCreate", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphDebugDotPrint(void) { static int seen; return rgpu_unsupported("cuGraphDebugDotPrint", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphDestroyNode(void) { static int seen; return rgpu_unsupported("cuGraphDestroyNode", &seen, NULL); }
@@ -2210,7 +2222,6 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphEventRecordNodeSetEvent(void) { static int s
 RGPU_EXPORT CUresult CUDAAPI cuGraphEventWaitNodeGetEvent(void) { static int seen; return rgpu_unsupported("cuGraphEventWaitNodeGetEvent", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphEventWaitNodeSetEvent(void) { static int seen; return rgpu_unsupported("cuGraphEventWaitNodeSetEvent", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecBatchMemOpNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExecBatchMemOpNodeSetParams", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphExecChildGraphNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExecChildGraphNodeSetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecEventRecordNodeSetEvent(void) { static int seen; return rgpu_unsupported("cuGraphExecEventRecordNodeSetEvent", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecEventWaitNodeSetEvent(void) { static int seen; return rgpu_unsupported("cuGraphExecEventWaitNodeSetEvent", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphExecExternalSemaphoresSignalNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExecExternalSemaphoresSignalNodeSetParams", &seen, NULL); }
@@ -2226,7 +2237,6 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphExternalSemaphoresWaitNodeGetParams(void) { 
 RGPU_EXPORT CUresult CUDAAPI cuGraphExternalSemaphoresWaitNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphExternalSemaphoresWaitNodeSetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphGetEdges(void) { static int seen; return rgpu_unsupported("cuGraphGetEdges", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphGetEdges_v2(void) { static int seen; return rgpu_unsupported("cuGraphGetEdges_v2", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphGetRootNodes(void) { static int seen; return rgpu_unsupported("cuGraphGetRootNodes", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphKernelNodeCopyAttributes(void) { static int seen; return rgpu_unsupported("cuGraphKernelNodeCopyAttributes", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphKernelNodeGetAttribute(void) { static int seen; return rgpu_unsupported("cuGraphKernelNodeGetAttribute", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphKernelNodeGetParams(void) { static int seen; return rgpu_unsupported("cuGraphKernelNodeGetParams", &seen, NULL); }
@@ -2381,8 +2391,6 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamBatchMemOp(void) { static int seen; return 
 RGPU_EXPORT CUresult CUDAAPI cuStreamBatchMemOp_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamBatchMemOp_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamBatchMemOp_v2(void) { static int seen; return rgpu_unsupported("cuStreamBatchMemOp_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamBatchMemOp_v2_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamBatchMemOp_v2_ptsz", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamBeginCaptureToGraph(void) { static int seen; return rgpu_unsupported("cuStreamBeginCaptureToGraph", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuStreamBeginCaptureToGraph_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamBeginCaptureToGraph_ptsz", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamDestroy(void) { static int seen; return rgpu_unsupported("cuStreamDestroy", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetCtx_v2(void) { static int seen; return rgpu_unsupported("cuStreamGetCtx_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuStreamGetCtx_v2_ptsz(void) { static int seen; return rgpu_unsupported("cuStreamGetCtx_v2_ptsz", &seen, NULL); }

@@ -279,6 +279,16 @@ void rgpu_event_recorded(CUevent event, CUstream stream) {
     pthread_mutex_unlock(&g_lock);
 }
 
+/* An event an event record node of a graph records: whenever the graph runs, unknown here, so its
+ * queries always go to the worker. INVALID_HANDLE for a handle this process does not hold. */
+CUresult rgpu_event_in_graph(CUevent event) {
+    pthread_mutex_lock(&g_lock);
+    ev_slot *e = slot_of(event);
+    if (e) e->uncertain = 1;
+    pthread_mutex_unlock(&g_lock);
+    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
 /* cuEventQuery / cuEventSynchronize: 1 when answered here (*result: SUCCESS for an event known
  * complete, INVALID_HANDLE for one this process does not hold); 0 when the worker must answer,
  * with *seq the record the answer will be about. */

@@ -44,6 +44,8 @@ static const export_uuid UUID_1734DC26 = {{0x17, 0x34, 0xdc, 0x26, 0x80, 0x0d, 0
                                           0xe7, 0xdd, 0x8b, 0xca}};
 static const export_uuid UUID_69A28E9F = {{0x69, 0xa2, 0x8e, 0x9f, 0x24, 0x49, 0x8b, 0x47, 0xb0, 0x30, 0xc5, 0xda,
                                           0x33, 0x0e, 0xa4, 0xe9}};
+static const export_uuid UUID_COMPUTE_CACHE = {{0xda, 0x91, 0x51, 0xd3, 0x3a, 0xe6, 0xcc, 0x41, 0xa5, 0xc0, 0x4f,
+                                                0x26, 0xd5, 0x33, 0xe3, 0x28}};
 static const export_uuid UUID_CONTEXT_CHECKS = {{0x26, 0x3e, 0x88, 0x60, 0x7c, 0xd2, 0x61, 0x43, 0x92, 0xf6, 0xbb,
                                                  0xd5, 0x00, 0x6d, 0xfa, 0x7e}};
 
@@ -642,6 +644,8 @@ static const void *g_rgpu_internal[3] = {(void *)(3 * sizeof(void *)), (void *)r
 
 /* ------------------------------------------------------------------ cuGetExportTable */
 
+extern const void *const rgpu_compute_cache_table[7];
+
 typedef struct export_table { const export_uuid *uuid; const char *name; const void *table; } export_table;
 
 static const export_table g_tables[] = {
@@ -655,6 +659,7 @@ static const export_table g_tables[] = {
     {&UUID_1734DC26, "1734dc26", g_unknown_1734dc26},
     {&UUID_69A28E9F, "69a28e9f", g_unknown_69a28e9f},
     {&UUID_RGPU_INTERNAL, "RGPU_INTERNAL", g_rgpu_internal},
+    {&UUID_COMPUTE_CACHE, "COMPUTE_CACHE", rgpu_compute_cache_table},   /* NVRTC's cache (compute_cache.c) */
 };
 
 static void format_uuid(const uint8_t *b, char out[40]) {

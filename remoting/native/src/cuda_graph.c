@@ -118,25 +118,37 @@ RGPU_EXPORT CUresult CUDAAPI cuStreamBeginCapture(CUstream hStream) {
 
 /* ------------------------------------------------------------------ graphs */
 
-RGPU_EXPORT CUresult CUDAAPI cuGraphGetNodes(CUgraph hGraph, CUgraphNode *nodes, size_t *numNodes) {
-    if (!numNodes) return CUDA_ERROR_INVALID_VALUE;
+/* cuGraphGetNodes and cuGraphGetRootNodes: the count, or up to *num handles (the rest of the
+ * caller's array NULL, as CUDA documents) and the number the worker's driver gave. */
+static CUresult node_list(uint16_t op, CUgraph hGraph, CUgraphNode *nodes, size_t *num) {
+    if (!num) return CUDA_ERROR_INVALID_VALUE;
     rgpu_call c;
-    CUresult r = rgpu_begin(&c, RGPU_OP_cuGraphGetNodes);
+    CUresult r = rgpu_begin(&c, op);
     if (r != CUDA_SUCCESS) return r;
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hGraph);
-    rgpu_put_u64(&c, nodes ? (uint64_t)*numNodes : 0);
+    rgpu_put_u64(&c, nodes ? (uint64_t)*num : 0);
     rgpu_put_u32(&c, nodes != NULL);
     r = rgpu_sync(&c);
     if (r == CUDA_SUCCESS) {
         uint64_t total = rgpu_get_u64(&c), m = rgpu_get_u64(&c);
         for (uint64_t i = 0; i < m; i++) {
             CUgraphNode n = (CUgraphNode)(uintptr_t)rgpu_get_u64(&c);
-            if (nodes && i < *numNodes) nodes[i] = n;
+            if (nodes && i < *num) nodes[i] = n;
         }
-        *numNodes = (size_t)total;
+        if (nodes)
+            for (size_t i = (size_t)m; i < *num; i++) nodes[i] = NULL;
+        *num = (size_t)total;
     }
     rgpu_end(&c);
     return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphGetNodes(CUgraph hGraph, CUgraphNode *nodes, size_t *numNodes) {
+    return node_list(RGPU_OP_cuGraphGetNodes, hGraph, nodes, numNodes);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphGetRootNodes(CUgraph hGraph, CUgraphNode *rootNodes, size_t *numRootNodes) {
+    return node_list(RGPU_OP_cuGraphGetRootNodes, hGraph, rootNodes, numRootNodes);
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuGraphInstantiateWithParams(CUgraphExec *phGraphExec, CUgraph hGraph,
@@ -233,7 +245,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemSetAccess(CUdeviceptr ptr, size_t size, const 
  * would read or write it when the graph runs on the server: refused, naming the call. */
 
 enum { NODE_EMPTY = 0, NODE_KERNEL = 1, NODE_MEMSET = 2, NODE_MEMCPY = 3, NODE_MEM_ALLOC = 4, NODE_MEM_FREE = 5,
-       NODE_MEMCPY_HOST = 6 }; /* NODE_HOST = 7: host_nodes.c */
+       NODE_MEMCPY_HOST = 6, NODE_CHILD = 8 }; /* NODE_HOST = 7: host_nodes.c */
 
 #define add_node rgpu_graph_add_node
 CUresult rgpu_graph_add_node(uint32_t kind, CUgraphNode *phNode, CUgraph hGraph, const CUgraphNode *deps, size_t ndeps,
@@ -284,8 +296,8 @@ static CUresult kernel_payload(CUfunction func, CUkernel kern, const unsigned in
     return CUDA_SUCCESS;
 }
 
-static CUresult add_kernel(CUgraphNode *phNode, CUgraph hGraph, const CUgraphNode *deps, size_t ndeps,
-                           CUfunction func, CUkernel kern, const unsigned int dims[7], void **params, void **extra) {
+CUresult rgpu_graph_add_kernel(CUgraphNode *phNode, CUgraph hGraph, const CUgraphNode *deps, size_t ndeps,
+                               CUfunction func, CUkernel kern, const unsigned int dims[7], void **params, void **extra) {
     uint8_t *p = NULL;
     size_t len = 0;
     CUresult r = kernel_payload(func, kern, dims, params, extra, &p, &len);
@@ -302,7 +314,7 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphAddKernelNode(CUgraphNode *phGraphNode, CUgr
     const CUDA_KERNEL_NODE_PARAMS *k = nodeParams;
     unsigned int dims[7] = {k->gridDimX, k->gridDimY, k->gridDimZ, k->blockDimX, k->blockDimY, k->blockDimZ,
                             k->sharedMemBytes};
-    return add_kernel(phGraphNode, hGraph, dependencies, numDependencies, k->func, NULL, dims, k->kernelParams,
+    return rgpu_graph_add_kernel(phGraphNode, hGraph, dependencies, numDependencies, k->func, NULL, dims, k->kernelParams,
                       k->extra);
 }
 
@@ -313,7 +325,7 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphAddKernelNode_v2(CUgraphNode *phGraphNode, C
     const CUDA_KERNEL_NODE_PARAMS_v2 *k = nodeParams;
     unsigned int dims[7] = {k->gridDimX, k->gridDimY, k->gridDimZ, k->blockDimX, k->blockDimY, k->blockDimZ,
                             k->sharedMemBytes};
-    return add_kernel(phGraphNode, hGraph, dependencies, numDependencies, k->func, k->kern, dims, k->kernelParams,
+    return rgpu_graph_add_kernel(phGraphNode, hGraph, dependencies, numDependencies, k->func, k->kern, dims, k->kernelParams,
                       k->extra);
 }
 
@@ -567,6 +579,45 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphAddMemFreeNode(CUgraphNode *phGraphNode, CUg
                                                    const CUgraphNode *dependencies, size_t numDependencies,
                                                    CUdeviceptr dptr) {
     return add_node(NODE_MEM_FREE, phGraphNode, hGraph, dependencies, numDependencies, &dptr, 8, NULL);
+}
+
+/* The worker's driver clones the child graph into the node, as CUDA does; the child's copy nodes
+ * with a host side come along (their records now also belong to the parent). {u64 child} */
+RGPU_EXPORT CUresult CUDAAPI cuGraphAddChildGraphNode(CUgraphNode *phGraphNode, CUgraph hGraph,
+                                                      const CUgraphNode *dependencies, size_t numDependencies,
+                                                      CUgraph childGraph) {
+    if (!childGraph) return CUDA_ERROR_INVALID_VALUE;
+    uint64_t child = (uint64_t)(uintptr_t)childGraph;
+    CUresult r = add_node(NODE_CHILD, phGraphNode, hGraph, dependencies, numDependencies, &child, 8, NULL);
+    if (r == CUDA_SUCCESS) rgpu_hostcopy_clone(childGraph, hGraph);
+    return r;
+}
+
+/* The executable graph's copy of a child node takes another child graph's parameters. The
+ * records of host-side copy nodes are per executable graph, not per node: a child graph holding
+ * one cannot be swapped in faithfully, so it is refused. */
+RGPU_EXPORT CUresult CUDAAPI cuGraphExecChildGraphNodeSetParams(CUgraphExec hGraphExec, CUgraphNode hNode,
+                                                                CUgraph childGraph) {
+    if (!hGraphExec || !hNode || !childGraph) return CUDA_ERROR_INVALID_VALUE;
+    int host_side = 0;
+    pthread_mutex_lock(&g_copies_lock);
+    for (hostcopy *h = g_copies; h && !host_side; h = h->next) host_side = h->owner == (void *)childGraph;
+    pthread_mutex_unlock(&g_copies_lock);
+    if (host_side) {
+        rgpu_log(1, "cuGraphExecChildGraphNodeSetParams: a child graph with copy nodes from or to this process's "
+                 "memory cannot be swapped into an executable graph yet (instantiate the parent graph again, or copy "
+                 "device to device in the child)");
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuGraphExecChildGraphNodeSetParams);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hGraphExec);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hNode);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)childGraph);
+    r = rgpu_sync(&c);
+    rgpu_end(&c);
+    return r;
 }
 
 _Static_assert(sizeof(CUDA_MEMCPY3D) == 200, "CUDA_MEMCPY3D layout");

@@ -190,6 +190,9 @@ void *rgpu_hostcopy_host(uint64_t buffer, size_t size); /* this process's memory
 extern __thread int rgpu_in_host_fn;
 CUresult rgpu_graph_add_node(uint32_t kind, CUgraphNode *phNode, CUgraph hGraph, const CUgraphNode *deps, size_t ndeps,
                              const void *payload, size_t plen, uint64_t *aux);
+CUresult rgpu_event_in_graph(CUevent event);   /* an event a graph node records: always asked for */
+CUresult rgpu_graph_add_kernel(CUgraphNode *phNode, CUgraph hGraph, const CUgraphNode *deps, size_t ndeps,
+                               CUfunction func, CUkernel kern, const unsigned int dims[7], void **params, void **extra);
 /* Client-side answers to repeated queries (cuda_cache.c). */
 int rgpu_cached_ctx_device(CUcontext ctx, CUdevice *device);
 int rgpu_kattr_get(CUkernel k, int attrib, CUdevice dev, int *out);

@@ -159,6 +159,28 @@ typedef struct CUDA_MEM_ALLOC_NODE_PARAMS_st {   /* _v1 */
     CUdeviceptr dptr;
 } CUDA_MEM_ALLOC_NODE_PARAMS;
 
+/* The generic node API (cuGraphAddNode, CUDA 12.2+; cuGraphAddNode_v2 and edge data, 12.3+). Only the
+ * members rgpu builds nodes from are spelled out; sizes are checked in graph_generic.c. */
+typedef struct CUgraphEdgeData_st {
+    unsigned char from_port, to_port, type, reserved[5];
+} CUgraphEdgeData;
+typedef struct CUgraphNodeParams_st {
+    CUgraphNodeType type;
+    int reserved0[3];
+    union {
+        long long reserved1[29];
+        CUDA_KERNEL_NODE_PARAMS_v2 kernel;   /* _v3: the same layout */
+        struct { int flags, reserved; CUcontext copyCtx; CUDA_MEMCPY3D copyParams; } memcpy;
+        struct { CUDA_MEMSET_NODE_PARAMS params; CUcontext ctx; } memset;   /* _v2: _v1 and a context */
+        CUDA_HOST_NODE_PARAMS host;          /* _v2: the same layout */
+        struct { CUgraph graph; int ownership; } graph;
+        struct { CUevent event; } event;     /* eventWait and eventRecord */
+        CUDA_MEM_ALLOC_NODE_PARAMS alloc;    /* _v2: the same layout */
+        struct { CUdeviceptr dptr; } free;
+    } u;
+    long long reserved2;
+} CUgraphNodeParams;
+
 /* CUDA arrays, texture and surface objects (CUDA 13 layouts; sizes checked in cuda_array.c). */
 typedef struct CUDA_ARRAY_DESCRIPTOR_st {
     size_t Width, Height;

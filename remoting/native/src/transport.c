@@ -5,6 +5,8 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -14,6 +16,7 @@
 #include <unistd.h>
 
 #include "rgpu_client.h"
+#include "rgpu_frame.h"
 #include "ucx_link.h"
 
 rgpu_session rgpu_sessions[RGPU_MAX_SESSIONS];
@@ -264,15 +267,6 @@ static void wake_flusher(void) {
 
 /* ------------------------------------------------------------------ frames */
 
-static void put_header(uint8_t *h, uint32_t len, uint16_t op, uint16_t flags, uint32_t seq,
-                       uint32_t aux, uint64_t ctx) {
-    memcpy(h, &len, 4);
-    memcpy(h + 4, &op, 2);
-    memcpy(h + 6, &flags, 2);
-    memcpy(h + 8, &seq, 4);
-    memcpy(h + 12, &aux, 4);
-    memcpy(h + 16, &ctx, 8);
-}
 
 /* The worker makes this context current before running the call (0: none). The CUDA
  * library overrides it; NVML sessions have no contexts. */
@@ -322,7 +316,7 @@ CUresult rgpu_begin_session(rgpu_call *c, uint16_t op, int session) {
     c->s = s;
     c->op = op;
     c->frame_start = s->slen;
-    put_header(s->sbuf + s->slen, 0, op, 0, ++s->seq, 0, rgpu_header_ctx(session));
+    rgpu_put_header(s->sbuf + s->slen, 0, op, 0, ++s->seq, 0, rgpu_header_ctx(session));
     s->slen += RGPU_HEADER_SIZE;
     return CUDA_SUCCESS;
 }
@@ -454,7 +448,7 @@ static int host_call(rgpu_session *s, uint32_t seq, uint64_t id, int32_t status,
                  "registered (refused; the graph goes on without it; check that client and server run the same "
                  "rgpu version)", s->server, (unsigned long long)id);
     uint8_t h[RGPU_HEADER_SIZE];
-    put_header(h, (uint32_t)outlen, RGPU_OP_HOST_DONE, 0, seq,
+    rgpu_put_header(h, (uint32_t)outlen, RGPU_OP_HOST_DONE, 0, seq,
                ran < 0 ? RGPU_HOST_DONE_UNKNOWN_ID : RGPU_HOST_DONE_RAN, 0);
     int failed = send_all(s->fd, h, sizeof h) || (outlen && send_all(s->fd, out, outlen));
     free(out);
@@ -465,10 +459,41 @@ static int host_call(rgpu_session *s, uint32_t seq, uint64_t id, int32_t status,
     return 0;
 }
 
+/* How long a synchronous call polls for its reply before it sleeps in recv (RGPU_REPLY_SPIN_US;
+ * 0: never poll). A small call's reply (`tensor.item()`, a query) comes back within tens of
+ * microseconds, and waking a thread that slept for it costs several more on loopback or a fast
+ * network; the application's thread is waiting for the reply anyway, as CUDA's own
+ * synchronisation spins before it yields. By default 50 us where the process may use 4 CPUs or
+ * more (on fewer, a polling client takes the CPU that a worker on the same host needs). */
+static long reply_spin_ns(void) {
+    static long ns = -1;
+    if (ns < 0) {
+        const char *v = getenv("RGPU_REPLY_SPIN_US");
+        cpu_set_t cpus;
+        long fallback = sched_getaffinity(0, sizeof cpus, &cpus) == 0 && CPU_COUNT(&cpus) >= 4 ? 50 : 0;
+        long us = v && *v ? strtol(v, NULL, 10) : fallback;
+        ns = us < 0 ? 0 : us > 10000 ? 10000000 : us * 1000;
+    }
+    return ns;
+}
+
+static void spin_for_reply(int fd) {
+    long budget = reply_spin_ns();
+    if (!budget) return;
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    do {
+        if (poll(&p, 1, 0) != 0) return;   /* readable, or an error recv will report */
+        clock_gettime(CLOCK_MONOTONIC, &t);
+    } while ((t.tv_sec - t0.tv_sec) * 1000000000L + (t.tv_nsec - t0.tv_nsec) < budget);
+}
+
 static CUresult sync_wait(rgpu_call *c, rgpu_session *s, uint32_t want_seq) {
     if (flush_locked(s)) return CUDA_ERROR_DEVICE_UNAVAILABLE;
     for (;;) {
         uint8_t h[RGPU_HEADER_SIZE];
+        spin_for_reply(s->fd);
         if (recv_all(s->fd, h, sizeof h)) {
             session_fail(s, errno == ECONNRESET ? "connection closed by the server" : strerror(errno));
             return CUDA_ERROR_DEVICE_UNAVAILABLE;
@@ -670,7 +695,7 @@ static void hello_frame(rgpu_session *s, int flags, uint8_t **out, size_t *outle
     uint32_t version = RGPU_PROTOCOL_VERSION, fl = (uint32_t)flags;
     size_t plen = 4 + 4 + 4 + 4 + tl + 4 + ilen;
     uint8_t *f = malloc(RGPU_HEADER_SIZE + plen);
-    put_header(f, (uint32_t)plen, RGPU_OP_HELLO, 0, 0, 0, 0);
+    rgpu_put_header(f, (uint32_t)plen, RGPU_OP_HELLO, 0, 0, 0, 0);
     uint8_t *b = f + RGPU_HEADER_SIZE;
     memcpy(b, "RGPU", 4);
     memcpy(b + 4, &version, 4);
@@ -1019,7 +1044,7 @@ void rgpu_say_goodbye(void) {
         rgpu_session *s = &rgpu_sessions[i];
         if (pthread_mutex_trylock(&s->lock)) continue;
         if (!s->dead && reserve(s, RGPU_HEADER_SIZE) == 0) {
-            put_header(s->sbuf + s->slen, 0, RGPU_OP_BYE, 0, ++s->seq, 0, 0);
+            rgpu_put_header(s->sbuf + s->slen, 0, RGPU_OP_BYE, 0, ++s->seq, 0, 0);
             s->slen += RGPU_HEADER_SIZE;
             flush_locked(s);
         }

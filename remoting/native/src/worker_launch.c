@@ -9,6 +9,8 @@
  * cuStreamWaitEvent, cuEventDestroy_v2: ~730 per LSTM step), so the loop runs those too, with the
  * client's events translated through the table in worker_events.c.
  *
+ * Small device-to-host copies (`tensor.item()`) are answered here too (worker_copies.c).
+ *
  * It handles only the common case and hands everything else back to the Python worker, which
  * stays the reference implementation: it stops, without consuming, at the first frame that is
  * not one of those in the current context (other op, other context, cooperative or attributed
@@ -51,7 +53,7 @@ static int admitted(const uint64_t *table, uint32_t mask, uint64_t f) {
  * open-addressing table of (handle, stream) pairs the worker fills (native_loop.py), mask + 1
  * pairs, key 0 empty, stream 0 a destroyed handle. NULL, legacy and per-thread pass as they are.
  * 0 when the handle is not there: the run stops and the worker says why. */
-static int real_stream(const uint64_t *table, uint32_t mask, uint64_t s, uint64_t *out) {
+int rgpu_real_stream(const uint64_t *table, uint32_t mask, uint64_t s, uint64_t *out) {
     if (s <= 2) {
         *out = s;
         return 1;
@@ -86,7 +88,7 @@ static int launch_one(rgpu_loop *L, const uint8_t *p, uint32_t len, int *result)
     if (coop || nattrs || argsize > MAX_PARAM_BYTES || argsize > len - LAUNCH_SIZE) return 0;
     if (!admitted(L->admitted, L->admitted_mask, u64_at(p))) return 0;
     uint64_t stream;
-    if (!real_stream(L->streams, L->stream_mask, u64_at(p + 8), &stream)) return 0;
+    if (!rgpu_real_stream(L->streams, L->stream_mask, u64_at(p + 8), &stream)) return 0;
     const uint8_t *args = p + LAUNCH_SIZE;
     if ((uintptr_t)args & 7) {  /* the driver reads 8-byte parameters in place */
         memcpy(aligned, args, argsize);
@@ -128,7 +130,7 @@ static int event_one(rgpu_loop *L, int kind, const uint8_t *p, uint32_t len, int
     case RGPU_EV_RECORD:
     case RGPU_EV_RECORD_FLAGS:
         if (!L->gpu_work_ok || (kind == RGPU_EV_RECORD ? !L->event_record : !L->event_record_flags)) return 0;
-        if (!real_event(L->events, u64_at(p), &event) || !real_stream(L->streams, L->stream_mask, u64_at(p + 8), &stream))
+        if (!real_event(L->events, u64_at(p), &event) || !rgpu_real_stream(L->streams, L->stream_mask, u64_at(p + 8), &stream))
             return 0;
         *result = kind == RGPU_EV_RECORD
                       ? L->event_record((void *)(uintptr_t)event, (void *)(uintptr_t)stream)
@@ -136,7 +138,7 @@ static int event_one(rgpu_loop *L, int kind, const uint8_t *p, uint32_t len, int
         break;
     case RGPU_EV_WAIT:
         if (!L->gpu_work_ok || !L->stream_wait) return 0;
-        if (!real_stream(L->streams, L->stream_mask, u64_at(p), &stream) || !real_event(L->events, u64_at(p + 8), &event))
+        if (!rgpu_real_stream(L->streams, L->stream_mask, u64_at(p), &stream) || !real_event(L->events, u64_at(p + 8), &event))
             return 0;
         *result = L->stream_wait((void *)(uintptr_t)stream, (void *)(uintptr_t)event, u32_at(p + 16));
         break;
@@ -172,6 +174,8 @@ RGPU_EXPORT size_t rgpu_run(const uint8_t *buf, size_t avail, uint64_t ctx, rgpu
             if (!launch_one(L, p, len, &result)) break;
         } else if ((kind = event_kind(L, op)) >= 0 && L->events_ok) {
             if (!event_one(L, kind, p, len, &result)) break;
+        } else if (op == L->dtoh_op && L->dtoh_op) {
+            if (!rgpu_small_dtoh(L, p, len, u32_at(h + 8))) break;
         } else {
             break;
         }
@@ -181,7 +185,7 @@ RGPU_EXPORT size_t rgpu_run(const uint8_t *buf, size_t avail, uint64_t ctx, rgpu
         }
         used += HEADER_SIZE + len;
         L->last_op = op;
-        if (L->failed_code) break;
+        if (L->failed_code || L->copy_failed || L->send_errno) break;
     }
     return used;
 }

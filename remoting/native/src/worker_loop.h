@@ -35,6 +35,9 @@ typedef int (*event_record_fn)(void *event, void *stream);                  /* c
 typedef int (*event_record_flags_fn)(void *event, void *stream, unsigned flags);   /* cuEventRecordWithFlags */
 typedef int (*stream_wait_fn)(void *stream, void *event, unsigned flags);   /* cuStreamWaitEvent */
 typedef int (*event_destroy_fn)(void *event);                               /* cuEventDestroy_v2 */
+typedef int (*memcpy_dtoh_fn)(void *dst, uint64_t src, size_t n, void *stream);   /* cuMemcpyDtoHAsync_v2 */
+typedef int (*stream_capturing_fn)(void *stream, int *status);              /* cuStreamIsCapturing */
+
 
 /* The event operations the loop runs, in the order of rgpu_loop's op and count arrays. */
 enum { RGPU_EV_CREATE, RGPU_EV_RECORD, RGPU_EV_RECORD_FLAGS, RGPU_EV_WAIT, RGPU_EV_DESTROY, RGPU_EV_KINDS };
@@ -65,6 +68,32 @@ typedef struct rgpu_loop {
     uint64_t run_events;                  /* per run: event operations run */
     uint64_t launched;                    /* in all */
     uint64_t event_counts[RGPU_EV_KINDS]; /* in all */
+    /* Small device-to-host copies, answered from C (worker_copies.c). Set by the worker: */
+    memcpy_dtoh_fn memcpy_dtoh;           /* NULL: copies stay in Python */
+    stream_capturing_fn stream_capturing; /* NULL: copies stay in Python */
+    uint8_t *dtoh_buf;                    /* dtoh_max bytes: the largest copy the loop answers (what
+                                           * `tensor.item()` and other small reads ask for; larger
+                                           * ones take the worker's chunked path) */
+    uint32_t dtoh_max;
+    int32_t sock;                         /* the session's socket, for the copy's data and reply */
+    uint32_t dtoh_op;
+    uint32_t replies_ok;                  /* 0: stop at a copy (an error waits to be reported first, or a
+                                           * host node may be sending on the socket) */
+    /* What the runs did: */
+    int32_t copy_failed;                  /* per run: a copy the driver refused (it ends the run; the worker replies) */
+    uint32_t copy_seq;                    /* its frame's sequence number */
+    int32_t send_errno;                   /* per run: the socket failed (the session is over) */
+    uint32_t pad2;
+    uint64_t copies;                      /* in all: copies answered */
+    uint64_t sent;                        /* in all: bytes sent */
 } rgpu_loop;
+
+/* The driver's stream for the client's handle s, from the worker's (handle, stream) table
+ * (worker_launch.c); 0 when it is not there. */
+int rgpu_real_stream(const uint64_t *table, uint32_t mask, uint64_t s, uint64_t *out);
+
+/* One small device-to-host copy (payload p, len bytes, the frame's seq): copied, its data and
+ * reply sent. 0: left to the worker (worker_copies.c). */
+int rgpu_small_dtoh(rgpu_loop *L, const uint8_t *p, uint32_t len, uint32_t seq);
 
 #endif

@@ -1,0 +1,34 @@
+"""UCX under host<->device copies on a real GPU (issue 25): the staging path a GPU node takes (bytes
+land in a host buffer of the worker's, then go to the device through its pinned ring; device-to-host
+gathers the chunks there before they leave), run with the GPU node's transport set to ucx.
+
+Run on a GPU machine with UCX (libucp.so.0):
+    python -m pytest -m gpu tests/remoting/test_gpu_ucx.py -v -s
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rgpu.remoting.native import build
+
+from tests.remoting.conftest import run_client, serving
+from tests.remoting.test_gpu import local_gpu
+from tests.remoting.test_ucx_emulated import UCX_COPIES, _have_ucx, _ucx_ops, copies  # noqa: F401 - the fixture
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _have_ucx(), reason="UCX is not installed (no libucp.so.0)")]
+
+
+@pytest.mark.parametrize("tls", ["posix,cma,self", "tcp"], ids=["shared-memory", "tcp"])
+def test_copies_of_every_size_arrive_whole_over_ucx_on_a_gpu(copies: Path, native_libs: build.Libraries,  # noqa: F811
+                                                            tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            tls: str) -> None:
+    monkeypatch.setenv("UCX_TLS", tls)            # both ends: the client's environment and the worker's
+    monkeypatch.setenv("RGPU_TRANSPORT", "ucx")   # the GPU node's setting (read when its server starts)
+    with serving("cuda", [local_gpu()]) as s:
+        done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(copies)], timeout=300,
+                          RGPU_LOG="info", RGPU_CLIENT_STATS=str(tmp_path / "p"))
+    assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
+    assert "; transport ucx)" in done.stderr, done.stderr
+    assert _ucx_ops(tmp_path / "p") == UCX_COPIES
