@@ -55,15 +55,13 @@ class Daemon:
 
     def start(self) -> "Daemon":
         log = open(self.log_path, "ab")
-        preexec = None
-        if self.nofile is not None:
-            import resource
-            limit = self.nofile
+        limit = self.nofile
 
-            def preexec() -> None:
-                resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+        def lower_open_files() -> None:
+            import resource
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
         self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True, preexec_fn=preexec)
+                                     start_new_session=True, preexec_fn=lower_open_files if limit is not None else None)
         log.close()
         return self
 
