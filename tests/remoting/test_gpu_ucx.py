@@ -29,6 +29,8 @@ def test_copies_of_every_size_arrive_whole_over_ucx_on_a_gpu(copies: Path, nativ
     with serving("cuda", [local_gpu()]) as s:
         done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(copies)], timeout=300,
                           RGPU_LOG="info", RGPU_CLIENT_STATS=str(tmp_path / "p"))
-    assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
+    # (UCX may print its own warnings on stdout, e.g. a transport its build lacks: the program's
+    # verdict is its last line.)
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-1:] == ["OK"], done.stdout + done.stderr
     assert "; transport ucx)" in done.stderr, done.stderr
     assert _ucx_ops(tmp_path / "p") == UCX_COPIES
