@@ -56,6 +56,20 @@ def test_a_zero_length_state_file_is_refused(cluster: RgpuCluster, tmp_path: Pat
     assert _one_line(done.stderr).startswith(f"rgpu: store: state database {state} is empty (0 bytes)")
 
 
+@pytest.mark.parametrize("blocked", ["a file where its folder goes", "a folder where the file goes"])
+def test_a_state_path_that_cannot_be_made_is_one_line(cluster: RgpuCluster, tmp_path: Path, blocked: str) -> None:
+    # (A read-only mount fails the same calls; root ignores permission bits, so a file stands in.)
+    if blocked == "a file where its folder goes":
+        (tmp_path / "afile").write_text("")
+        state = tmp_path / "afile" / "pool.db"
+    else:
+        state = tmp_path / "adir"
+        state.mkdir()
+    done = _pool_once(cluster, state)
+    assert done.returncode != 0
+    assert _one_line(done.stderr).startswith(f"rgpu: store: cannot open state database {state}")
+
+
 @pytest.mark.parametrize("damage", ["garbage", "row"])
 def test_a_damaged_state_file_is_one_line(cluster: RgpuCluster, tmp_path: Path, damage: str) -> None:
     state = tmp_path / "pool.db"

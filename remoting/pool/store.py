@@ -145,6 +145,9 @@ class Store:
         except sqlite3.DatabaseError as exc:
             raise ConfigError("store", f"cannot open state database {self.path}", str(exc),
                               "check the path and permissions, or move a damaged file aside") from None
+        except OSError as exc:   # its folder cannot be made or read (a file in the way, a read-only mount)
+            raise ConfigError("store", f"cannot open state database {self.path}", exc.strerror or str(exc),
+                              "point --state at a file in a writable folder of the pool host") from None
         self._lock = threading.RLock()
         self._lock_fd: int | None = None
         self._admission_fd: int | None = None
