@@ -188,6 +188,34 @@ def test_a_burst_through_two_processes_and_kill_9_of_one(tmp_path: Path) -> None
 
 
 @pytest.mark.integration
+def test_the_processes_end_with_a_parent_killed_with_kill_9(tmp_path: Path) -> None:
+    # Left serving, they would answer beside a new pool started on their port's neighbour, with
+    # nothing to restart them (issue 26, LOW).
+    cluster = RgpuCluster(tmp_path)
+    cluster.start_pool("--processes", "2")
+    try:
+        assert cluster.pool is not None and cluster.pool.proc is not None
+        parent = cluster.pool.proc.pid
+        wait_for(lambda: len(_pool_children(parent)) == 2, what="two pool processes")
+        children = _pool_children(parent)
+        os.kill(parent, signal.SIGKILL)
+
+        def gone() -> bool:
+            alive = []
+            for pid in children:
+                try:
+                    state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
+                except (FileNotFoundError, IndexError):
+                    continue
+                if state != "Z":
+                    alive.append(pid)
+            return not alive
+        wait_for(gone, what="the pool processes to end with their parent", timeout=20)
+    finally:
+        cluster.stop_all()
+
+
+@pytest.mark.integration
 def test_another_pool_daemon_cannot_take_the_groups_port(tmp_path: Path) -> None:
     cluster = RgpuCluster(tmp_path / "a")
     cluster.start_pool("--processes", "2")

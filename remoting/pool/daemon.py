@@ -41,7 +41,7 @@ from rgpu.remoting.pool.convert import live_to_pb, server_from_pb, server_to_pb,
 from rgpu.remoting.metrics.http import MetricsServer, serve_metrics
 from rgpu.remoting.pool.events import EventLog
 from rgpu.remoting.pool.gpu_listing import GpuListing
-from rgpu.remoting.pool.group import checked_processes, serve_group
+from rgpu.remoting.pool.group import checked_processes, die_with_parent, serve_group
 from rgpu.remoting.pool.metrics import PoolMetrics, refusal_reason
 from rgpu.remoting.pool.rules import AllocationRequest, PoolCore, check_owner
 from rgpu.remoting.pool.store import open_store
@@ -466,6 +466,7 @@ def _serve_group_member(settings: Settings, index: int, ready: Any) -> None:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    die_with_parent()
     try:
         with running_pool(settings, load_secret(settings.secret_file), group_member=True, extras=index == 0):
             ready.put(index)

@@ -18,9 +18,12 @@ from whichever process answers).
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import multiprocessing as mp
+import os
 import queue
+import signal
 import socket
 import threading
 import time
@@ -65,6 +68,21 @@ def reserve_port(listen: str) -> tuple[socket.socket, str]:
                           "pick another --listen address or stop the process holding the port") from None
     bound = holder.getsockname()[1]
     return holder, f"[{bind_host}]:{bound}" if family == socket.AF_INET6 else f"{host or '0.0.0.0'}:{bound}"
+
+
+PR_SET_PDEATHSIG = 1   # prctl(2)
+
+
+def die_with_parent() -> None:
+    """In a child: SIGTERM when the parent dies (kill -9 included), so no child serves on without
+    the parent that restarts its siblings while a new pool starts beside it."""
+    parent = os.getppid()
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):   # not Linux: the check below still catches a parent gone at start
+        log.warning("rgpu-poold: this process cannot ask to end with its parent (no prctl)")
+    if os.getppid() != parent or parent == 1:   # the parent died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def serve_group(settings: Settings, child: Callable[..., None], stop: threading.Event,
