@@ -114,7 +114,7 @@ MISMATCH_FIX = ("make a new credential for each call, with the same rgpu version
 
 
 class ServerAuth(grpc.ServerInterceptor):
-    """Refuses calls without a valid credential, except the standard health service."""
+    """Refuses calls without a valid credential, except the standard health service and PoolName."""
 
     OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.", POOL_NAME_METHOD)
 
