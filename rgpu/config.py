@@ -31,6 +31,9 @@ class Settings:
     pool: str = f"localhost:{DEFAULT_POOL_PORT}"
     # The pool daemon's own listening address.
     listen: str = f"0.0.0.0:{DEFAULT_POOL_PORT}"
+    # The name users' MUNGE credentials must carry (the pool answers it to PoolName): "" is
+    # HOSTNAME:PORT of the listening pool. Give each pool its own.
+    pool_name: str = ""
     # SQLite file holding leases, quotas and servers.
     state: str = "/var/lib/rgpu/pool.db"
     # PostgreSQL instead (postgresql://USER@HOST:PORT/DB): several pool daemons share it; "" : SQLite.

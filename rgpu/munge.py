@@ -4,7 +4,10 @@ Users (flexrun -n, rgpu-admin request-gpus/release-gpus/leases/list-gpus) authen
 with a MUNGE credential, the one Slurm sites already run: munged on every node shares a key, a
 credential names the uid and gid of the process that made it, and munged decodes each credential
 once only (its own replay cache) within its TTL (300 s by default). The payload binds the
-credential to one gRPC method. Daemons and admins use the cluster secret instead (rgpu.secret).
+credential to one call: the gRPC method, the pool's name (which the pool answers to PoolName, asked
+without a credential) and the SHA-256 of the serialized request, so a credential seen on the wire
+can be neither sent with another request nor to another pool. Daemons and admins use the cluster
+secret instead (rgpu.secret).
 
 Debian packages: munge (munged) and libmunge2 (libmunge.so.2).
 """
@@ -13,6 +16,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import hashlib
+import hmac
 import pwd
 from dataclasses import dataclass
 
@@ -24,9 +29,29 @@ EMUNGE_TIMEOUT = 7
 EMUNGE_CRED_REPLAYED = 17
 # Where libmunge looks when no socket is configured (Debian's munged default).
 DEFAULT_SOCKET = "/run/munge/munge.socket.2"
-PAYLOAD_PREFIX = "rgpu-grpc:"
+PAYLOAD_PREFIX = "rgpu-grpc-2:"   # changed with what the payload binds: an older rgpu's credentials are refused
 
 _lib: ctypes.CDLL | None = None
+
+
+def call_payload(method: str, pool: str, request: bytes) -> str:
+    """The payload of a credential for one call: `method` with the serialized `request`, at `pool`."""
+    return f"{PAYLOAD_PREFIX}{method}\n{pool}\n{hashlib.sha256(request).hexdigest()}"
+
+
+def payload_mismatch(payload: str, method: str, pool: str, request: bytes) -> str | None:
+    """None when `payload` was made for this call at this pool, else what does not match."""
+    parts = payload.split("\n")
+    if len(parts) != 3 or not parts[0].startswith(PAYLOAD_PREFIX):
+        return "MUNGE credential is not in this rgpu's format (the client runs another rgpu version)"
+    made_method, made_pool, made_hash = parts[0][len(PAYLOAD_PREFIX):], parts[1], parts[2]
+    if made_method != method:
+        return "MUNGE credential made for another call"
+    if made_pool != pool:
+        return f"MUNGE credential made for another pool (this is {pool!r})"   # nothing the caller chose: log lines stay few
+    if not hmac.compare_digest(made_hash, hashlib.sha256(request).hexdigest()):
+        return "MUNGE credential made for another request (the request was changed after it was signed)"
+    return None
 
 
 def _libmunge() -> ctypes.CDLL:

@@ -81,3 +81,25 @@ class Munged:
             self.signal(signal.SIGCONT)
             self.signal(signal.SIGKILL)
             self.proc.wait()
+
+
+def pool_name(address: str) -> str:
+    """The name the pool at `address` answers to (PoolName, open): what users' credentials carry."""
+    import grpc
+
+    from rgpu.proto import rgpu_pb2 as pb
+    from rgpu.proto import rgpu_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        return pb_grpc.PoolStub(channel).PoolName(pb.PoolNameRequest(), timeout=10).name
+
+
+def user_credential(socket: str, method: str, request: bytes = b"", pool: str = "", user: str = "nobody") -> str:
+    """A MUNGE credential made by `user` (a separate uid, without the secret) with munge(1), for one
+    call of `method` with the serialized `request` at the pool named `pool`, as rgpu's client makes it."""
+    from rgpu import munge
+
+    done = subprocess.run(["runuser", "-u", user, "--", "munge", "-S", socket, "-s",
+                           munge.call_payload(method, pool, request)],
+                          capture_output=True, text=True, timeout=10, check=True)
+    return done.stdout.strip()

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -58,19 +59,17 @@ def cluster(tmp_path: Path, munge_socket: str) -> Iterator[RgpuCluster]:
         c.stop_all()
 
 
-def user_credential(munge_socket: str, method: str, user: str = USER) -> str:
-    """A MUNGE credential made by `user` (a separate uid, without the secret) for one method."""
-    done = subprocess.run(["runuser", "-u", user, "--", "munge", "-S", munge_socket, "-s", f"rgpu-grpc:{method}"],
-                          capture_output=True, text=True, timeout=10, check=True)
-    return done.stdout.strip()
+def user_credential(munge_socket: str, cluster: RgpuCluster, name: str, request: Any) -> str:
+    """A MUNGE credential made by USER (a separate uid, without the secret) for one call at `cluster`'s pool."""
+    return munged.user_credential(munge_socket, f"/rgpu.v1.Pool/{name}", request.SerializeToString(),
+                                  munged.pool_name(cluster.pool_address), USER)
 
 
-def as_user(cluster: RgpuCluster, munge_socket: str, name: str, request: object,
-            credential: str | None = None) -> object:
-    method = f"/rgpu.v1.Pool/{name}"
+def as_user(cluster: RgpuCluster, munge_socket: str, name: str, request: Any, credential: str | None = None) -> Any:
     with grpc.insecure_channel(cluster.pool_address) as channel:
         return getattr(pb_grpc.PoolStub(channel), name)(
-            request, metadata=[(MUNGE_HEADER, credential or user_credential(munge_socket, method))], timeout=10)
+            request, metadata=[(MUNGE_HEADER, credential or user_credential(munge_socket, cluster, name, request))],
+            timeout=10)
 
 
 def refused(code: grpc.StatusCode, call: object) -> str:
@@ -132,13 +131,84 @@ def test_only_daemons_and_admins_register_drain_and_set_quotas(cluster: RgpuClus
 
 
 def test_munge_credentials_are_bound_to_one_call_and_used_once(cluster: RgpuCluster, munge_socket: str) -> None:
-    cred = user_credential(munge_socket, "/rgpu.v1.Pool/ListGpus")
+    cred = user_credential(munge_socket, cluster, "ListGpus", pb.ListGpusRequest())
     as_user(cluster, munge_socket, "ListGpus", pb.ListGpusRequest(), cred)
     assert "replayed" in refused(grpc.StatusCode.UNAUTHENTICATED,
                                  lambda: as_user(cluster, munge_socket, "ListGpus", pb.ListGpusRequest(), cred))
-    other = user_credential(munge_socket, "/rgpu.v1.Pool/ListGpus")
+    other = user_credential(munge_socket, cluster, "ListGpus", pb.ListGpusRequest())
     assert "made for another call" in refused(grpc.StatusCode.UNAUTHENTICATED, lambda: as_user(
         cluster, munge_socket, "ListLeases", pb.ListLeasesRequest(), other))
+
+
+def test_a_credential_sent_with_a_rewritten_request_is_refused(cluster: RgpuCluster, munge_socket: str) -> None:
+    """Issue 26, MED 7: a Release credential with the request rewritten released another lease of the user's."""
+    for key in ("keep", "drop"):
+        as_user(cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key=key, count=1, fraction=0.25,
+                                                                          ttl_seconds=60))
+    for name, signed, sent in (
+            ("Release", pb.ReleaseRequest(job_key="drop"), pb.ReleaseRequest(job_key="keep")),
+            ("Renew", pb.RenewRequest(job_key="keep", ttl_seconds=60), pb.RenewRequest(job_key="keep",
+                                                                                       ttl_seconds=10**7)),
+            ("Allocate", pb.AllocateRequest(job_key="small", count=1, fraction=0.1),
+             pb.AllocateRequest(job_key="small", count=1, fraction=0.9))):
+        cred = user_credential(munge_socket, cluster, name, signed)
+        text = refused(grpc.StatusCode.UNAUTHENTICATED, lambda: as_user(cluster, munge_socket, name, sent, cred))
+        assert text == ("rgpu: pool: call refused (MUNGE credential made for another request (the request was "
+                        "changed after it was signed); make a new credential for each call, with the same rgpu "
+                        "version as the pool's (rgpu's client does); the pool's name is what PoolName answers)"), text
+    with cluster.client() as admin:
+        leases = {x.job_key: x for x in admin.list_leases()}
+        assert sorted(leases) == ["drop", "keep"] and leases["keep"].expires_unix - leases["keep"].created_unix < 10**6
+    # An older rgpu's credential (the method alone) is refused, saying so.
+    done = subprocess.run(["runuser", "-u", USER, "--", "munge", "-S", munge_socket, "-s",
+                           "rgpu-grpc:/rgpu.v1.Pool/ListGpus"], capture_output=True, text=True, timeout=10, check=True)
+    text = refused(grpc.StatusCode.UNAUTHENTICATED, lambda: as_user(
+        cluster, munge_socket, "ListGpus", pb.ListGpusRequest(), done.stdout.strip()))
+    assert "not in this rgpu's format (the client runs another rgpu version)" in text and "same rgpu version" in text
+    # Signed as sent, each works.
+    assert as_user(cluster, munge_socket, "Release", pb.ReleaseRequest(job_key="drop")).released
+    assert as_user(cluster, munge_socket, "Renew", pb.RenewRequest(job_key="keep", ttl_seconds=60)).job_key == "keep"
+
+
+def test_a_credential_made_for_one_pool_is_refused_at_another(tmp_path: Path) -> None:
+    """Issue 26, MED 7: a credential used at pool A was accepted at pool B, whose munged (same key, other
+    host) had not seen it. Two pools, each with its own munged on one key; PoolClient at both works."""
+    if munged.missing():
+        pytest.skip(munged.missing())
+    key = munged.MungeKey()
+    pools = []
+    try:
+        sockets = {name: key.start(name).socket for name in ("a", "b")}
+        munge_socket = sockets["a"]   # the user's node's munged
+        for name in ("a", "b"):
+            c = RgpuCluster(tmp_path / name)
+            c.write_config(munge_socket=sockets[name], account_check="off")
+            c.start_pool()
+            with c.client() as admin:
+                register_servers(admin, servers=1, gpus=2)
+            pools.append(c)
+        a, b = pools
+        assert munged.pool_name(a.pool_address) != munged.pool_name(b.pool_address)
+        request = pb.AllocateRequest(job_key="at-a", count=1, fraction=0.9)
+        cred = user_credential(munge_socket, a, "Allocate", request)   # made by the munged the user's node runs
+        assert as_user(a, munge_socket, "Allocate", request, cred).user == USER
+        text = refused(grpc.StatusCode.UNAUTHENTICATED, lambda: as_user(b, munge_socket, "Allocate", request, cred))
+        assert f"MUNGE credential made for another pool (this is {munged.pool_name(b.pool_address)!r})" in text
+        assert "same rgpu version" in text, text
+        with b.client() as admin:
+            assert admin.list_leases() == []
+        # rgpu's own client learns each pool's name: allocate, renew, list and release at both.
+        for c in pools:
+            with PoolClient(c.pool_address, None, munge_socket=munge_socket) as client:
+                assert client.allocate("mine", "", 1, fraction=0.25, ttl_seconds=60).job_key == "mine"
+                assert client.renew("mine", 120).job_key == "mine"
+                assert "mine" in [x.job_key for x in client.list_leases()]
+                assert client.list_gpus() and client.capacity().gpus == 2
+                assert client.release("mine")
+    finally:
+        for c in pools:
+            c.stop_all()
+        key.remove()
 
 
 def test_rgpus_own_client_uses_munge_without_the_secret(cluster: RgpuCluster, munge_socket: str,

@@ -7,7 +7,6 @@ the tests kill -9 or SIGSTOP while four clients flood the pool with garbage MUNG
 from __future__ import annotations
 
 import signal
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -38,10 +37,9 @@ def munge_key() -> Iterator[munged.MungeKey]:
         key.remove()
 
 
-def credential(sock: str, method: str = LIST_GPUS, user: str = "nobody") -> str:
-    done = subprocess.run(["runuser", "-u", user, "--", "munge", "-S", sock, "-s", f"rgpu-grpc:{method}"],
-                          capture_output=True, text=True, timeout=10, check=True)
-    return done.stdout.strip()
+def credential(sock: str, address: str, method: str = LIST_GPUS) -> str:
+    """A user's credential for ListGpus at the pool at `address`."""
+    return munged.user_credential(sock, method, pb.ListGpusRequest().SerializeToString(), munged.pool_name(address))
 
 
 def user_call(address: str, cred: str, timeout: float = 10.0) -> pb.ListGpusReply:
@@ -92,7 +90,7 @@ def pool(tmp_path: Path, munge_key: munged.MungeKey) -> Iterator[tuple[RgpuClust
         _daemon, port = cluster.start_dispatcher(EXAMPLES / "inventory-a.toml")
         dispatcher = f"127.0.0.1:{port}"
         wait_state(cluster, dispatcher, "up")
-        user_call(cluster.pool_address, credential(client_munged.socket))   # munged up: users are served
+        user_call(cluster.pool_address, credential(client_munged.socket, cluster.pool_address))   # munged up: users are served
         yield cluster, client_munged, pool_munged, dispatcher
     finally:
         pool_munged.signal(signal.SIGCONT)
@@ -135,13 +133,13 @@ def test_a_killed_munged_leaves_admins_and_dispatchers_served_and_users_told_at_
     with GarbageFlood(cluster.pool_address) as flood:
         assert_pool_serves_daemons(cluster, dispatcher, seconds=5.0)   # longer than down_after_seconds
         for _ in range(3):
-            assert_fails_fast(cluster, credential(client_munged.socket), pool_munged.socket)
+            assert_fails_fast(cluster, credential(client_munged.socket, cluster.pool_address), pool_munged.socket)
     assert flood.sent > 20, flood.sent
     pool_munged.start()   # back: the next probe finds it, and users are served again
     deadline = time.monotonic() + 15
     while True:
         try:
-            user_call(cluster.pool_address, credential(client_munged.socket))
+            user_call(cluster.pool_address, credential(client_munged.socket, cluster.pool_address))
             break
         except grpc.RpcError as exc:
             assert exc.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < deadline, exc.details()
@@ -154,14 +152,15 @@ def test_a_paused_munged_holds_no_serving_thread_for_long(pool) -> None:  # type
     pool_munged.signal(signal.SIGSTOP)
     with GarbageFlood(cluster.pool_address):
         assert_pool_serves_daemons(cluster, dispatcher, seconds=5.0)
-        assert_fails_fast(cluster, credential(client_munged.socket), pool_munged.socket)
+        assert_fails_fast(cluster, credential(client_munged.socket, cluster.pool_address), pool_munged.socket)
     pool_munged.signal(signal.SIGCONT)
 
 
 def test_a_munge_credential_is_good_for_one_call_across_pool_daemons(tmp_path: Path,
                                                                     munge_key: munged.MungeKey) -> None:
-    """Two daemons on one PostgreSQL, on two hosts with a munged each: munged's replay cache is its
-    own, so the pools' shared call guards must refuse the second use."""
+    """Two daemons on one PostgreSQL, on two hosts with a munged each, under one pool_name (so a
+    credential is good at either): munged's replay cache is its own, so the pools' shared call guards
+    must refuse the second use."""
     from tests.postgres import Postgres, server_bin
 
     if server_bin() is None:
@@ -177,15 +176,16 @@ def test_a_munge_credential_is_good_for_one_call_across_pool_daemons(tmp_path: P
     munged_a, munged_b, client_munged = munge_key.start("a"), munge_key.start("b"), munge_key.start("client")
     try:
         for cluster, mine in ((first, munged_a), (second, munged_b)):
-            cluster.write_config(store_url=postgres.url, munge_socket=mine.socket, account_check="off")
+            cluster.write_config(store_url=postgres.url, munge_socket=mine.socket, account_check="off",
+                                 pool_name="pool-on-one-store")
             cluster.start_pool()
-        cred = credential(client_munged.socket)
+        cred = credential(client_munged.socket, first.pool_address)
         user_call(first.pool_address, cred)
         with pytest.raises(grpc.RpcError) as info:
             user_call(second.pool_address, cred)
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED, info.value.details()
         assert "replayed" in info.value.details()
-        user_call(second.pool_address, credential(client_munged.socket))   # a fresh one is fine
+        user_call(second.pool_address, credential(client_munged.socket, second.pool_address))   # a fresh one is fine
     finally:
         first.stop_all()
         second.stop_all()

@@ -29,7 +29,8 @@ from rgpu.secret import derive_key
 log = logging.getLogger("rgpu-poold")
 
 AUTH_HEADER = "x-rgpu-auth"
-MUNGE_HEADER = "x-rgpu-munge"   # users: a MUNGE credential whose payload names the method
+MUNGE_HEADER = "x-rgpu-munge"   # users: a MUNGE credential for one call (method, pool, request hash)
+POOL_NAME_METHOD = "/rgpu.v1.Pool/PoolName"   # open: a user's client asks it before making credentials
 AUTH_WINDOW_SECONDS = 300.0
 _PURPOSE = "grpc-request"
 
@@ -74,44 +75,55 @@ class Refused(Exception):
         self.code, self.message = code, message
 
 
-def _as_caller(handler: Any, caller_of: Callable[[], Caller]) -> Any:
-    """`handler` run as the caller `caller_of()` names, asked on the serving thread that runs the
-    call (never on gRPC's polling thread, which every call shares); Refused is answered as its
-    status. The pool's calls are all unary: any other kind is refused, never run unchecked."""
+def _as_caller(handler: Any, caller_of: Callable[[bytes], Caller]) -> Any:
+    """`handler` run as the caller `caller_of(request bytes)` names, asked on the serving thread that
+    runs the call (never on gRPC's polling thread, which every call shares); Refused is answered as
+    its status. The bytes are the request as it came on the wire (a MUNGE credential binds their
+    hash). The pool's calls are all unary: any other kind is refused, never run unchecked."""
     if handler is None:
         return None
     if handler.unary_unary is None:
         return _refuse(grpc.StatusCode.UNIMPLEMENTED, "rgpu: pool: only unary calls are served")
     inner = handler.unary_unary
+    parse = handler.request_deserializer or (lambda raw: raw)
 
-    def call(request: Any, context: Any) -> Any:
+    def keep_raw(raw: bytes) -> tuple[bytes, Any]:
+        return raw, parse(raw)
+
+    def call(request: tuple[bytes, Any], context: Any) -> Any:
+        raw, parsed = request
         try:
-            caller = caller_of()
+            caller = caller_of(raw)
         except Refused as refused:
             context.abort(refused.code, refused.message)
         _current.caller = caller
         try:
-            return inner(request, context)
+            return inner(parsed, context)
         finally:
             _current.caller = DAEMON
 
-    return grpc.unary_unary_rpc_method_handler(call, request_deserializer=handler.request_deserializer,
+    return grpc.unary_unary_rpc_method_handler(call, request_deserializer=keep_raw,
                                                response_serializer=handler.response_serializer)
 
 
 MUNGE_FIX = ("users: check that munged runs on this node; daemons and admins: give this host the cluster "
              "secret via secret_file in rgpu.toml or RGPU_SECRET_FILE")
+# A credential made for another call, request or pool (munge.payload_mismatch).
+MISMATCH_FIX = ("make a new credential for each call, with the same rgpu version as the pool's "
+                "(rgpu's client does); the pool's name is what PoolName answers")
 
 
 class ServerAuth(grpc.ServerInterceptor):
-    """Refuses calls without a valid credential, except the standard health service."""
+    """Refuses calls without a valid credential, except the standard health service and PoolName."""
 
-    OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+    OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.", POOL_NAME_METHOD)
 
     def __init__(self, secret: bytes, window: float = AUTH_WINDOW_SECONDS, not_before: float | None = None,
                  munge_socket: str | None = None, guards: CallGuards | None = None,
-                 munge_gate: MungeGate | None = None) -> None:
+                 munge_gate: MungeGate | None = None, pool_name: str = "") -> None:
         self._key = derive_key(secret, _PURPOSE)
+        # What users' credentials must name (set once the pool knows its port; see daemon.pool_name).
+        self.pool_name = pool_name
         # None: users (MUNGE) are not accepted. Decoded off gRPC's threads, with a deadline (munge_gate.py).
         self._munge: MungeGate | None = munge_gate or (MungeGate(munge_socket) if munge_socket is not None else None)
         self._munge_down: tuple[Unavailable, Any] | None = None
@@ -150,8 +162,9 @@ class ServerAuth(grpc.ServerInterceptor):
                     f"{self._not_before - when:.1f} s behind the pool's; retry)")
         return None if self._guards.first_use(nonce, current, self._window) else "replayed credential"
 
-    def check_munge(self, method: str, credential: str) -> tuple[Caller | None, str]:
-        """(the user, "") for a good MUNGE credential made for `method`, else (None, why). Raises
+    def check_munge(self, method: str, credential: str, request: bytes) -> tuple[Caller | None, str]:
+        """(the user, "") for a good MUNGE credential made for `method` with the serialized `request`
+        at this pool, else (None, why). Raises
         Unavailable when munged does not answer in time or the call guards are away (nothing is
         then known about the credential)."""
         from rgpu import munge
@@ -161,8 +174,9 @@ class ServerAuth(grpc.ServerInterceptor):
             identity = self._munge.decode(credential)
         except AuthError as exc:
             return None, f"MUNGE credential refused: {exc.why or exc.what}"
-        if identity.payload != munge.PAYLOAD_PREFIX + method:
-            return None, "MUNGE credential made for another call"
+        mismatch = munge.payload_mismatch(identity.payload, method, self.pool_name, request)
+        if mismatch is not None:
+            return None, mismatch
         # munged refuses a replay only to itself: the pool's other processes or daemons (other
         # hosts, other munged) share what was seen in the call guards, for munged's TTL.
         seen = "munge:" + hashlib.sha256(credential.encode()).hexdigest()
@@ -175,16 +189,18 @@ class ServerAuth(grpc.ServerInterceptor):
             return None, "MUNGE credential refused: replayed (used at this pool before)"
         return Caller("user", identity.user, identity.uid), ""
 
-    def _munge_caller(self, method: str, credential: str) -> Caller:
+    def _munge_caller(self, method: str, credential: str, request: bytes) -> Caller:
         """The user behind `credential`, or Refused (run on the call's own serving thread)."""
         try:
-            caller, reason = self.check_munge(method, credential)
+            caller, reason = self.check_munge(method, credential, request)
         except Unavailable as exc:
             self._log_refusal(method, exc.why or exc.what)
             raise Refused(grpc.StatusCode.UNAVAILABLE, str(exc)) from None
         if caller is None:
             self._log_refusal(method, reason)
-            raise Refused(grpc.StatusCode.UNAUTHENTICATED, f"rgpu: pool: call refused ({reason}; {MUNGE_FIX})")
+            fix = MISMATCH_FIX if reason.startswith("MUNGE credential made for") or "rgpu version" in reason \
+                else MUNGE_FIX
+            raise Refused(grpc.StatusCode.UNAUTHENTICATED, f"rgpu: pool: call refused ({reason}; {fix})")
         return caller
 
     def _munge_down_handler(self) -> Any:
@@ -225,7 +241,7 @@ class ServerAuth(grpc.ServerInterceptor):
                 self._log_refusal(method, "munged is not answering")
                 return self._munge_down_handler()
             return _as_caller(continuation(handler_call_details),
-                              lambda: self._munge_caller(method, munge_credential))
+                              lambda request: self._munge_caller(method, munge_credential, request))
         else:
             try:
                 reason = self.check(method, credential)
@@ -235,7 +251,7 @@ class ServerAuth(grpc.ServerInterceptor):
             if reason is None:
                 handler = self._as_daemon.get(method)
                 if handler is None:
-                    handler = _as_caller(continuation(handler_call_details), lambda: DAEMON)
+                    handler = _as_caller(continuation(handler_call_details), lambda _request: DAEMON)
                     if handler is not None and len(self._as_daemon) < 256:   # known methods only
                         self._as_daemon[method] = handler
                 return handler

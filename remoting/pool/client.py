@@ -66,6 +66,8 @@ class PoolClient:
         self._tls = (tls_ca_file, tls_server_name)
         self._current = 0
         self._channels: dict[int, tuple[grpc.Channel, pb_grpc.PoolStub]] = {}
+        self._calls: dict[tuple[int, str], Any] = {}   # (address number, method name): its callable
+        self._pool_names: dict[int, str] = {}          # address number: the name that pool answers to
         self._secret = secret
         self._munge_socket = munge_socket
         self._use(0)
@@ -82,12 +84,34 @@ class PoolClient:
         self._current = number
         self._raw, self._stub = self._channels[number]
 
-    def _credential(self, method: str) -> tuple[str, str]:
-        """A fresh credential per attempt (a MUNGE credential decodes only once)."""
+    def _credential(self, method: str, request: bytes, timeout: float) -> tuple[str, str]:
+        """A fresh credential per attempt (a MUNGE credential decodes only once). A user's names
+        the method, the pool now called (by the name it answers to PoolName) and the request's hash."""
         if self._secret is not None:
             return AUTH_HEADER, request_credential(self._secret, method)
         from rgpu import munge
-        return MUNGE_HEADER, munge.encode(munge.PAYLOAD_PREFIX + method, self._munge_socket)
+        return MUNGE_HEADER, munge.encode(munge.call_payload(method, self._pool_name(timeout), request),
+                                          self._munge_socket)
+
+    def _pool_name(self, timeout: float) -> str:
+        """The name of the pool now called, asked once per address (open: no credential)."""
+        name = self._pool_names.get(self._current)
+        if name is None:
+            name = self._pool_names[self._current] = self._stub.PoolName(pb.PoolNameRequest(), timeout=timeout).name
+        return name
+
+    def _send(self, name: str, request: bytes, timeout: float) -> Any:
+        """One attempt at the pool now called, with the request serialized once: the bytes that a
+        user's credential hashes are the bytes sent."""
+        key = (self._current, name)
+        call = self._calls.get(key)
+        if call is None:
+            reply = getattr(pb, pb.DESCRIPTOR.services_by_name["Pool"].methods_by_name[name].output_type.name)
+            call = self._calls[key] = self._raw.unary_unary(f"/rgpu.v1.Pool/{name}", request_serializer=None,
+                                                            response_deserializer=reply.FromString)
+        started = time.monotonic()
+        metadata = (self._credential(f"/rgpu.v1.Pool/{name}", request, timeout),)
+        return call(request, timeout=max(0.001, timeout - (time.monotonic() - started)), metadata=metadata)
 
     def close(self) -> None:
         for raw, _ in self._channels.values():
@@ -102,11 +126,11 @@ class PoolClient:
     def _call(self, name: str, request: Any, timeout: float | None = None) -> Any:
         # The credential goes in each call's metadata (no interceptor: it costs the client more
         # CPU per call than the HMAC itself).
-        method = f"/rgpu.v1.Pool/{name}"
+        data = request.SerializeToString()
         budget = timeout or self.timeout
         if len(self.addresses) == 1:
             try:
-                return getattr(self._stub, name)(request, timeout=budget, metadata=(self._credential(method),))
+                return self._send(name, data, budget)
             except grpc.RpcError as exc:
                 raise error_from_rpc(exc, self.address) from None
         deadline = time.monotonic() + budget
@@ -115,8 +139,7 @@ class PoolClient:
             # An equal share of what is left for each address not yet tried in this round.
             untried = len(self.addresses) - len(failed) % len(self.addresses)
             try:
-                return getattr(self._stub, name)(request, timeout=max(0.001, (deadline - time.monotonic()) / untried),
-                                                 metadata=(self._credential(method),))
+                return self._send(name, data, max(0.001, (deadline - time.monotonic()) / untried))
             except grpc.RpcError as exc:
                 if exc.code() not in FAILOVER_STATUSES:
                     raise error_from_rpc(exc, self.address) from None

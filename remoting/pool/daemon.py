@@ -140,6 +140,7 @@ class PoolServicer(pb_grpc.PoolServicer):
         # Which IP registered each server address: this process's, or shared by one rgpu-poold's processes.
         self.guards: CallGuards = guards or MemoryCallGuards()
         self.heartbeat_interval = heartbeat_interval
+        self.pool_name = ""   # set once the pool listens (pool_name)
         self.metrics = metrics or PoolMetrics()
         self._gpu_listing = GpuListing(core)
         # Each dispatcher's recent GPU faults as its last heartbeat reported them (shown by health).
@@ -308,6 +309,10 @@ class PoolServicer(pb_grpc.PoolServicer):
             for t in self.core.usage_totals(since, until)])
 
     @_rpc
+    def PoolName(self, request: pb.PoolNameRequest, context: Any) -> pb.PoolNameReply:
+        return pb.PoolNameReply(name=self.pool_name)   # open (no credential): users' clients ask it first
+
+    @_rpc
     def Capacity(self, request: pb.CapacityRequest, context: Any) -> pb.CapacityReply:
         cap = self.core.capacity()
         return pb.CapacityReply(total_units=cap.total_units, allocated_units=cap.allocated_units,
@@ -365,6 +370,17 @@ def _start_http(settings: Settings, secret: bytes, core: PoolCore, metrics: Pool
     return started
 
 
+def pool_name(settings: Settings, port: int) -> str:
+    """The name users' MUNGE credentials must carry to be accepted here: `pool_name`, else this
+    host's name and the port the pool listens on (the processes of one rgpu-poold share both, and
+    two pools differ in one). Clients learn it from PoolName, so how they dial does not matter."""
+    name = settings.pool_name or f"{socket.gethostname()}:{port}"
+    if not name.isprintable() or len(name) > 200:
+        raise ConfigError("poold", f"pool_name {name[:60]!r} cannot be carried in a MUNGE credential",
+                          "it holds a control character or is over 200 characters", "give a short printable name")
+    return name
+
+
 @contextlib.contextmanager
 def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC_WORKERS,
                  report: Callable[[str, int], None] | None = None, *, group_member: bool = False,
@@ -404,8 +420,8 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
     # with the secret (dispatchers, Slurm's prologs, admins), whatever munged does.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers + auth.munge_waiters),
                          interceptors=[auth], options=[("grpc.so_reuseport", 1 if group_member else 0)])
-    pb_grpc.add_PoolServicer_to_server(PoolServicer(core, settings.heartbeat_interval_seconds, metrics,
-                                                          account_policy(settings), guards), server)
+    servicer = PoolServicer(core, settings.heartbeat_interval_seconds, metrics, account_policy(settings), guards)
+    pb_grpc.add_PoolServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
@@ -425,6 +441,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
         raise ConfigError("poold", f"cannot listen on {settings.listen}", str(exc) or "address in use or invalid",
                           "pick another --listen address or stop the process holding the port") from None
     try:
+        servicer.pool_name = auth.pool_name = pool_name(settings, port)
         http = _start_http(settings, secret, core, metrics, events, report or (lambda what, port: None)) if extras else []
     except BaseException:
         store.close()

@@ -109,6 +109,11 @@ class PoolStub:
                 request_serializer=rgpu_dot_proto_dot_rgpu__pb2.UsageRequest.SerializeToString,
                 response_deserializer=rgpu_dot_proto_dot_rgpu__pb2.UsageReply.FromString,
                 _registered_method=True)
+        self.PoolName = channel.unary_unary(
+                '/rgpu.v1.Pool/PoolName',
+                request_serializer=rgpu_dot_proto_dot_rgpu__pb2.PoolNameRequest.SerializeToString,
+                response_deserializer=rgpu_dot_proto_dot_rgpu__pb2.PoolNameReply.FromString,
+                _registered_method=True)
 
 
 class PoolServicer:
@@ -204,6 +209,12 @@ class PoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PoolName(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PoolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -281,6 +292,11 @@ def add_PoolServicer_to_server(servicer, server):
                     servicer.Usage,
                     request_deserializer=rgpu_dot_proto_dot_rgpu__pb2.UsageRequest.FromString,
                     response_serializer=rgpu_dot_proto_dot_rgpu__pb2.UsageReply.SerializeToString,
+            ),
+            'PoolName': grpc.unary_unary_rpc_method_handler(
+                    servicer.PoolName,
+                    request_deserializer=rgpu_dot_proto_dot_rgpu__pb2.PoolNameRequest.FromString,
+                    response_serializer=rgpu_dot_proto_dot_rgpu__pb2.PoolNameReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -688,6 +704,33 @@ class Pool:
             '/rgpu.v1.Pool/Usage',
             rgpu_dot_proto_dot_rgpu__pb2.UsageRequest.SerializeToString,
             rgpu_dot_proto_dot_rgpu__pb2.UsageReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PoolName(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rgpu.v1.Pool/PoolName',
+            rgpu_dot_proto_dot_rgpu__pb2.PoolNameRequest.SerializeToString,
+            rgpu_dot_proto_dot_rgpu__pb2.PoolNameReply.FromString,
             options,
             channel_credentials,
             insecure,
