@@ -113,7 +113,7 @@ static CUresult CUDAAPI generate_key(void **key, int kind, const void *data, uin
                                      const char *host, const char *build, int a, int b) {
     if (!key || (!data && size)) return CUDA_ERROR_INVALID_VALUE;
     static const char domain[] = "rgpu compute cache 1";
-    size_t lens[4] = {text_len(options), text_len(host), text_len(build), 0};
+    size_t lens[3] = {text_len(options), text_len(host), text_len(build)};
     size_t total = sizeof domain + 3 * sizeof(int) + sizeof size + size + lens[0] + lens[1] + lens[2] + 3 * sizeof(size_t);
     uint8_t *buf = malloc(total), *p = buf;
     cache_key *k = malloc(sizeof *k);
