@@ -43,3 +43,23 @@ def test_a_launch_with_a_pinned_host_pointer_is_refused_in_the_client(native_lib
     # its answer comes at the next synchronisation).
     assert "DEVICE_ONLY 0 801" in out and "kernel launch refused" in err
     assert err.count("page-locked host memory") == 1
+
+
+def test_a_pipelined_memset_of_pinned_host_memory_fails_late_naming_the_memset(native_libs: build.Libraries,
+                                                                               emulated: Server) -> None:
+    """XLA's autotuner zeroes a pinned host word with cuMemsetD32Async before its redzone kernel
+    (issue 24's JAX failure). The memset travels pipelined; the worker's driver refuses the address,
+    and the error surfaces at the next synchronising call, whose line names the memset (before, the
+    line was empty and the refusal looked like the later call's own)."""
+    done = py_client(native_libs, emulated.slices(emulated.token()), """
+        setup()
+        host = ctypes.c_void_p()
+        check("cuMemAllocHost_v2", ctypes.byref(host), ctypes.c_size_t(4096))
+        print("MEMSET", lib.cuMemsetD32Async(ctypes.c_uint64(host.value), 0, ctypes.c_size_t(2), None))
+        print("SYNC", lib.cuCtxSynchronize())
+        print("AGAIN", lib.cuCtxSynchronize())                               # reported once
+        """)
+    out, err = done.stdout, done.stderr
+    assert "MEMSET 0" in out, out + err
+    assert "SYNC 1" in out and "AGAIN 0" in out, out + err
+    assert "rgpu: worker: cuMemsetD32Async failed with CUDA_ERROR_INVALID_VALUE; reported at this later call" in err, err
