@@ -51,6 +51,9 @@ class Settings:
     tls_key_file: str = ""
     tls_ca_file: str = ""                       # clients: trust this CA for the pool's cert
     tls_server_name: str = ""                   # clients: expected name in the pool's cert
+    # auto: TLS where the files above are set; required (what install-units writes): no plaintext
+    # gRPC at all; off: plaintext even with the files (logged as a warning). See rgpu/grpc_tls.py.
+    grpc_tls: str = "auto"
     log_level: str = "info"
     # Slurm integration in rgpu-poold (reconciler, license sync, starting jobs that wait for the
     # pool): on wherever Slurm is configured on the pool's host; 0 turns it off.
@@ -249,6 +252,9 @@ def load_settings(config_file: str | os.PathLike[str] | None = None,
            settings.slurm_admission_poll_seconds) < 0:
         raise ConfigError("config", "slurm_reconcile_* and slurm_admission_poll_seconds must not be negative", "",
                           "set 0 or a positive number of seconds")
+    if settings.grpc_tls not in ("auto", "required", "off"):
+        raise ConfigError("config", f"grpc_tls {settings.grpc_tls[:40]!r} from {settings.origin('grpc_tls')} is unknown",
+                          "", "use required (production), off (plaintext) or auto")
     if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
         raise ConfigError("config", "tls_cert_file and tls_key_file must be set together", "",
                           "set both to serve TLS, or neither")

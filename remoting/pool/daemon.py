@@ -24,7 +24,7 @@ import click
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from rgpu import __version__, plugins, validate
+from rgpu import __version__, grpc_tls, plugins, validate
 from rgpu.remoting.pool.accounts import AccountPolicy, account_policy
 from rgpu.remoting.pool.auth import ServerAuth, current_caller
 from rgpu.remoting.pool.call_guards import (CallGuards, GuardError, MemoryCallGuards, PostgresCallGuards,
@@ -333,6 +333,18 @@ def _maintenance_loop(core: PoolCore, metrics: PoolMetrics, interval: float, sto
             log.exception("rgpu-poold: maintenance failed (will retry)")
 
 
+def _server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
+    files = {}
+    for key, path in (("tls_cert_file", cert_file), ("tls_key_file", key_file)):
+        try:
+            files[key] = Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError("poold", f"cannot read {key} {path}", exc.strerror or str(exc),
+                              f"fix {key} in rgpu.toml, or run `rgpu-admin install-units` to make the pool's "
+                              "certificate") from None
+    return grpc.ssl_server_credentials([(files["tls_key_file"], files["tls_cert_file"])])
+
+
 def _check_bindable(listen: str) -> None:
     """Fail early with a clear reason (gRPC's own bind error is a log line, not a message)."""
     try:
@@ -427,12 +439,17 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
     try:
         if not group_member:   # the group's parent holds the port (SO_REUSEPORT): no probe could bind it
             _check_bindable(settings.listen)
-        if settings.tls_cert_file:
-            creds = grpc.ssl_server_credentials([(Path(settings.tls_key_file).read_bytes(),
-                                                  Path(settings.tls_cert_file).read_bytes())])
-            port = server.add_secure_port(settings.listen, creds)
+        tls = grpc_tls.server_files(settings)
+        if tls is not None:
+            port = server.add_secure_port(settings.listen, _server_credentials(*tls))
         else:
             port = server.add_insecure_port(settings.listen)
+    except ConfigError:
+        store.close()
+        guards.close()
+        auth.close()
+        events.detach()
+        raise
     except (OSError, RuntimeError) as exc:
         store.close()
         guards.close()
@@ -455,6 +472,9 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
                                          stop, settings.idle_release))
     # Components that ride on the pool (the Slurm integration) plug in through entry points.
     running = [start(core, settings, log) for _name, start in plugins.load(plugins.POOL_PLUGINS)] if extras else []
+    warning = grpc_tls.plaintext_warning(settings, "poold")
+    if warning and extras:
+        log.warning("%s", warning)
     for service in ("", "rgpu.v1.Pool"):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     # Serving only once everything is ready: a client that connects may call at once.
