@@ -209,6 +209,76 @@ def test_a_full_disk_is_a_clear_error_and_the_pool_restarts(tmp_path: Path) -> N
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
+def _fill(disk: Path) -> Path:
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return filler
+
+
+@pytest.mark.parametrize("processes", ["1", "2"])
+def test_release_on_a_full_disk_is_one_line_naming_the_state_file_and_its_disk(tmp_path: Path, processes: str) -> None:
+    disk = tmp_path / "disk"
+    if not _mount_tmpfs(disk, "4m"):
+        pytest.skip("needs root to mount a small tmpfs as the full disk")
+    cluster = RgpuCluster(tmp_path / "cluster")
+    cluster.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5)
+    cluster.state = disk / "pool.db"
+    try:
+        cluster.start_pool("--processes", processes)
+        with cluster.client() as client:
+            register_servers(client, servers=1, gpus=4)
+            for n in range(20):
+                client.allocate(f"job-{n}", "alice", 1, fraction=0.01)
+        filler = _fill(disk)
+        refused = []
+        with cluster.client() as client:
+            for n in range(20):
+                try:
+                    client.release(f"job-{n}")
+                except RgpuError as exc:
+                    refused.append(str(exc))
+        assert refused, "every release found room on the full disk"
+        for message in refused:
+            line = _one_line(message)
+            assert "a bug" not in line and "internal error" not in line, line
+            # With several processes the shared call guards beside the state file may be the first
+            # write to fail: "cannot check the call's credential now (.../pool.db.calls: ... full)".
+            assert line.startswith((f"rgpu: store: cannot save the pool's state in {cluster.state}",
+                                    "rgpu: pool: cannot check the call's credential now")), line
+            assert str(disk) in line and "full" in line, line
+        assert cluster.pool is not None and cluster.pool.alive
+        filler.unlink()
+        with cluster.client() as client:
+            for n in range(20):
+                client.release(f"job-{n}")
+            assert client.list_leases() == []
+    finally:
+        cluster.stop_all()
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_fresh_state_path_on_a_read_only_mount_is_one_line(cluster: RgpuCluster, tmp_path: Path) -> None:
+    disk = tmp_path / "ro"
+    if not _mount_tmpfs(disk, "1m"):
+        pytest.skip("needs root to mount a tmpfs")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True, capture_output=True)
+        done = _pool_once(cluster, disk / "pool.db")
+        assert done.returncode != 0
+        line = _one_line(done.stderr)
+        assert line.startswith(f"rgpu: store: cannot open state database {disk / 'pool.db'}"), line
+        assert "read-only" in line, line
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
 def test_not_found_messages_name_the_key_briefly(cluster: RgpuCluster) -> None:
     cluster.start_pool()
     with cluster.client() as client:

@@ -28,6 +28,7 @@ from typing import Iterator, Protocol
 from rgpu.errors import ConfigError, Unavailable
 from rgpu.filelock import held
 from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
+from rgpu.remoting.pool import disk_note
 from rgpu.remoting.pool.accounting import SliceUsageRecord
 
 # 1: servers, leases, history, quotas. 2: the change log, heartbeats and usage reports of shared
@@ -143,6 +144,10 @@ class Store:
                 self._db.executescript(_SCHEMA)
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.DatabaseError as exc:
+            if disk_note.read_only(self.path):
+                raise ConfigError("store", f"cannot open state database {self.path}",
+                                  f"{exc}: {disk_note.describe(self.path)}",
+                                  "point --state at a file on a writable file system of the pool host") from None
             raise ConfigError("store", f"cannot open state database {self.path}", str(exc),
                               "check the path and permissions, or move a damaged file aside") from None
         except OSError as exc:   # its folder cannot be made or read (a file in the way, a read-only mount)
@@ -186,8 +191,10 @@ class Store:
 
     def _failed(self, exc: sqlite3.Error) -> StoreError:
         # A full disk, a read-only or vanished file, a lock held too long: the change is not made.
-        return StoreError("store", f"cannot save the pool's state in {self.path}", str(exc),
-                          "free space on its disk or fix the file's permissions; nothing was changed")
+        disk = disk_note.describe(self.path)
+        return StoreError("store", f"cannot save the pool's state in {self.path}",
+                          f"{exc}: {disk}" if disk else str(exc),
+                          "free space on that disk or fix the file's permissions; nothing was changed")
 
     # -- shared by the processes of one daemon (shared=True), or one process's alone ---------
     @contextlib.contextmanager
@@ -231,8 +238,11 @@ class Store:
             if self._wrote:
                 state.after = self._log_change(state.before or 0)
             self._db.execute("COMMIT")
-        except BaseException:
-            self._db.execute("ROLLBACK")
+        except BaseException as exc:
+            if self._db.in_transaction:   # a failed COMMIT (full disk) may have rolled back already
+                self._db.execute("ROLLBACK")
+            if isinstance(exc, sqlite3.Error):
+                raise self._failed(exc) from None
             raise
         if state.after is not None and state.after % self.prune_every == 0:
             self._prune(state.after)
@@ -370,18 +380,21 @@ class Store:
                                                                      busy_seconds, how))
             return
         with self._lock:
-            self._db.execute("BEGIN")
             try:
+                self._db.execute("BEGIN")
                 self._db.execute("DELETE FROM leases WHERE job_key=?", (lease.job_key,))
                 self._db.execute(
                     "INSERT INTO lease_history(job_key, user, account, units, created, ended, busy_seconds, how) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (lease.job_key, lease.user, lease.account, lease.units, lease.created_unix, ended,
                      busy_seconds, how))
-            except BaseException:
-                self._db.execute("ROLLBACK")
+                self._db.execute("COMMIT")
+            except BaseException as exc:
+                if self._db.in_transaction:   # a failed COMMIT (full disk) may have rolled back already
+                    self._db.execute("ROLLBACK")
+                if isinstance(exc, sqlite3.Error):
+                    raise self._failed(exc) from None
                 raise
-            self._db.execute("COMMIT")
 
     def load_history(self, since: float, until: float) -> list[tuple[str, str, int, float, float, float]]:
         """(user, account, units, created, ended, busy_seconds) of ended leases overlapping [since, until)."""
