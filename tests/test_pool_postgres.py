@@ -384,3 +384,16 @@ def test_two_daemons_admitting_from_one_look_never_release_more_than_the_pool_ho
     a, b, _clock = two_cores
     released, core = admit_from_one_look(a, b)
     assert released and released_fit(released, core), f"jobs {released} released into room for fewer"
+
+
+def test_dashboard_credentials_spent_at_one_daemon_are_spent_at_the_other(postgres: Postgres) -> None:
+    first, second = PostgresStore(postgres.url), PostgresStore(postgres.url)
+    try:
+        assert first.spend_web_nonce("link1:abc", expires=2000.0, now=1000.0)
+        assert not second.spend_web_nonce("link1:abc", expires=2000.0, now=1000.0)   # used once, anywhere
+        assert second.web_nonce_spent("link1:abc") and not second.web_nonce_spent("sess1:abc")
+        assert second.spend_web_nonce("sess1:x", expires=3000.0, now=2500.0)          # the link's row expired
+        assert not first.web_nonce_spent("link1:abc")
+    finally:
+        first.close()
+        second.close()

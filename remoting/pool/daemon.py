@@ -370,7 +370,7 @@ def _start_http(settings: Settings, secret: bytes, core: PoolCore, metrics: Pool
             report("metrics", server.port)
         if settings.dashboard_listen:
             from rgpu.remoting.pool.dashboard import serve_dashboard
-            dashboard = serve_dashboard(settings, secret, lambda: pool_view(core), events)
+            dashboard = serve_dashboard(settings, secret, lambda: pool_view(core), events, core.store)
             started.append(dashboard)
             log.info("rgpu-poold: dashboard on %s (port %d); `rgpu-admin dashboard-url` prints a login link",
                      dashboard.url, dashboard.port)

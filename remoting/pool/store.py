@@ -32,8 +32,9 @@ from rgpu.remoting.pool import disk_note
 from rgpu.remoting.pool.accounting import SliceUsageRecord
 
 # 1: servers, leases, history, quotas. 2: the change log, heartbeats and usage reports of shared
-# mode (tables added in place; a file of layout 1 keeps its leases).
-SCHEMA_VERSION = 2
+# mode (tables added in place; a file of layout 1 keeps its leases). 3: web_spent (dashboard
+# credentials spent or logged out).
+SCHEMA_VERSION = 3
 # Versions of the change log kept (shared mode); a process further behind reloads everything.
 CHANGE_LOG_KEEP = 20_000
 USAGE_COLUMNS = "sessions, busy_seconds, memory_high_water_bytes, memory_used_bytes, last_active_unix, calls"
@@ -90,6 +91,12 @@ CREATE INDEX IF NOT EXISTS pool_changes_version ON pool_changes(version);
 CREATE TABLE IF NOT EXISTS heartbeats (
     address TEXT PRIMARY KEY,
     unix    REAL NOT NULL
+);
+-- Dashboard credentials used up, until they expire: login links exchanged and sessions logged out
+-- (kept here, not in memory, so a pool restart does not make them good again).
+CREATE TABLE IF NOT EXISTS web_spent (
+    nonce   TEXT PRIMARY KEY,
+    expires REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS slice_usage (
     job_key          TEXT NOT NULL,
@@ -409,6 +416,23 @@ class Store:
             return self._db.execute("SELECT job_key, user, account, units, created, ended, busy_seconds, how "
                                     "FROM lease_history").fetchall()
 
+    # -- dashboard credentials spent (login links) or revoked (logged-out sessions) ------------
+    def spend_web_nonce(self, nonce: str, expires: float, now: float) -> bool:
+        """Record `nonce` as used up until `expires`; False when it was already."""
+        try:
+            with self._lock, self._writer():
+                self._db.execute("DELETE FROM web_spent WHERE expires <= ?", (now,))
+                return self._db.execute("INSERT INTO web_spent(nonce, expires) VALUES (?, ?) "
+                                        "ON CONFLICT(nonce) DO NOTHING", (nonce, expires)).rowcount == 1
+        except sqlite3.Error as exc:
+            raise self._failed(exc) from None
+
+    def web_nonce_spent(self, nonce: str) -> bool:
+        try:
+            return bool(self._rows("SELECT 1 FROM web_spent WHERE nonce = ?", (nonce,)))
+        except sqlite3.Error as exc:
+            raise self._failed(exc) from None
+
     def set_quota(self, quota: QuotaRecord) -> None:
         self._write("INSERT INTO quotas(kind, name, limit_units) VALUES (?, ?, ?) "
                     "ON CONFLICT(kind, name) DO UPDATE SET limit_units=excluded.limit_units",
@@ -470,6 +494,8 @@ class PoolStore(Protocol):
     def load_history(self, since: float, until: float) -> list[tuple[str, str, int, float, float, float]]: ...
     def set_quota(self, quota: QuotaRecord) -> None: ...
     def delete_quota(self, kind: str, name: str) -> None: ...
+    def spend_web_nonce(self, nonce: str, expires: float, now: float) -> bool: ...
+    def web_nonce_spent(self, nonce: str) -> bool: ...
 
 
 def open_store(state: str, store_url: str = "", shared: bool = False) -> PoolStore:
