@@ -215,6 +215,37 @@ def test_the_processes_end_with_a_parent_killed_with_kill_9(tmp_path: Path) -> N
         cluster.stop_all()
 
 
+def _zombies(pid: int) -> list[int]:
+    found = []
+    for child in _children(pid):
+        try:
+            if Path(f"/proc/{child}/stat").read_text().split(") ", 1)[1][0] == "Z":
+                found.append(child)
+        except (FileNotFoundError, IndexError):
+            continue
+    return found
+
+
+@pytest.mark.integration
+def test_a_restarted_process_leaves_no_zombie(tmp_path: Path) -> None:
+    cluster = RgpuCluster(tmp_path)
+    cluster.start_pool("--processes", "2")
+    try:
+        assert cluster.pool is not None and cluster.pool.proc is not None
+        parent = cluster.pool.proc.pid
+        wait_for(lambda: len(_pool_children(parent)) == 2, what="two pool processes")
+        for round_ in range(2):
+            victim = _pool_children(parent)[0]
+            os.kill(victim, signal.SIGKILL)
+            wait_for(lambda: victim not in _children(parent) and len(_pool_children(parent)) == 2
+                     and not _zombies(parent), what=f"a restart without a zombie (round {round_}): "
+                     f"zombies {_zombies(parent)}", timeout=20)
+        with cluster.client() as client:
+            assert client.capacity().total_units == 0
+    finally:
+        cluster.stop_all()
+
+
 @pytest.mark.integration
 def test_another_pool_daemon_cannot_take_the_groups_port(tmp_path: Path) -> None:
     cluster = RgpuCluster(tmp_path / "a")
