@@ -309,6 +309,64 @@ def test_a_live_dispatchers_address_cannot_be_taken_from_another_host(cluster: R
         assert other.heartbeat("127.0.0.1:56100").known
 
 
+def test_registrations_whose_clients_gave_up_bind_nothing(tmp_path: Path) -> None:
+    """Issue 26 (LOW): a registration answered after its client gave up must not bind the address
+    to an empty peer (which would refuse the real dispatcher while the server is live). Two ways to
+    give up while the pool holds the call (the shared call guards' lock, held here): a deadline, and
+    a client process killed. Neither call is served; the dispatcher's own registration then is, and
+    binds the address to its host."""
+    import fcntl
+    import textwrap
+    cluster = RgpuCluster(tmp_path / "cluster")
+    cluster.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=30.0, reclaim_interval_seconds=0.5)
+    info = ServerInfo(address="127.0.0.1:56000", hostname="gpu0", driver_version="580", cuda_version="13.0",
+                      gpus=(GpuInfo("GPU-0-0", 0, "NVIDIA H100", 80 * GiB, 80 * GiB, "9.0"),))
+    program = textwrap.dedent(f"""
+        from rgpu.model import GpuInfo, ServerInfo
+        from rgpu.remoting.pool.client import PoolClient
+        from rgpu.remoting.pool.convert import server_to_pb
+        from rgpu.secret import load_secret
+        info = ServerInfo(address="127.0.0.1:56000", hostname="gpu0", driver_version="580", cuda_version="13.0",
+                          gpus=(GpuInfo("GPU-0-0", 0, "NVIDIA H100", {80 * GiB}, {80 * GiB}, "9.0"),))
+        with PoolClient("{{address}}", load_secret("{cluster.secret_file}"), timeout=60) as client:
+            client.register_server(server_to_pb(info))
+    """)
+    try:
+        cluster.start_pool("--processes", "2", "--listen", "[::]:0")   # 127.0.0.1 and ::1: two hosts
+        with cluster.client() as client:
+            client.capacity()
+        lock = os.open(f"{cluster.state}.calls.lock", os.O_RDWR)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            from rgpu.remoting.pool.client import PoolClient
+            with PoolClient(cluster.pool_address, cluster.secret, timeout=0.5) as impatient:
+                with pytest.raises(RgpuError, match="did not answer"):
+                    impatient.register_server(server_to_pb(info))
+            killed = subprocess.Popen([sys.executable, "-c", program.replace("{address}", cluster.pool_address)],
+                                      env=cluster.env())
+            wait_for(lambda: len(os.listdir(f"/proc/{killed.pid}/task")) > 2, what="the client to call")
+            killed.kill()
+            killed.wait()
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            os.close(lock)
+        with cluster.client() as client:
+            client.register_server(server_to_pb(info))       # the dispatcher's own: served
+            assert [s.address for s in client.list_servers().servers] == ["127.0.0.1:56000"]
+        from rgpu.remoting.pool.client import PoolClient
+        with PoolClient(f"[::1]:{cluster.pool_port}", cluster.secret, timeout=5) as other:
+            with pytest.raises(RgpuError, match="registered from 127.0.0.1"):   # bound to its host, not ""
+                other.register_server(server_to_pb(info))
+    finally:
+        cluster.stop_all()
+
+
+def test_a_peer_that_is_no_ip_binds_nothing() -> None:
+    from rgpu.remoting.pool.daemon import _is_ip
+    assert _is_ip("10.0.0.7") and _is_ip("::1")
+    assert not _is_ip("") and not _is_ip("unix:/run/x") and not _is_ip("unknown")
+
+
 def test_peer_ip_reads_grpc_peer_strings() -> None:
     from rgpu.remoting.pool.daemon import peer_ip
     assert peer_ip("ipv4:10.0.0.7:5555") == "10.0.0.7"

@@ -6,6 +6,7 @@ The gRPC servicer only validates and translates; rules live in PoolCore, durabil
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import re
 import signal
@@ -68,6 +69,14 @@ def bounded_message(message: str, limit: int = 600) -> str:
 # renew and release their own slices, and see everyone's leases without their tokens.
 USER_METHODS = frozenset({"Allocate", "Renew", "Release", "GetLease", "ListLeases", "ListGpus", "ListServers",
                           "ListQuotas", "Capacity"})
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def peer_ip(peer: str) -> str:
@@ -168,6 +177,12 @@ class PoolServicer(pb_grpc.PoolServicer):
         address). A down or removed server's address may be taken by a new host; a pool restart
         forgets the bindings and the first registration after it binds again."""
         peer = peer_ip(context.peer() or "")
+        if not _is_ip(peer):
+            # A call answered after its client gave up may have no peer left: bound to "", the
+            # address would lock its own dispatcher out for as long as the server is not down.
+            raise Unavailable("pool", f"cannot tell which host sent the {'registration' if registering else 'heartbeat'} "
+                              f"for server {address[:80]}", f"the call's peer is {peer[:64]!r} (its client gave up, "
+                              "or it did not come over TCP)", "nothing was recorded; the dispatcher retries")
         self.core.catch_up()   # registered through another process of this pool: known here too
         entry = self.core.servers.get(address)
         live = entry is not None and self.core.state_of(entry) != "down"
