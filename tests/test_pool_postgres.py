@@ -397,3 +397,15 @@ def test_dashboard_credentials_spent_at_one_daemon_are_spent_at_the_other(postgr
     finally:
         first.close()
         second.close()
+
+
+def test_history_pruning_on_postgresql_is_bounded_per_pass(postgres: Postgres) -> None:
+    store = PostgresStore(postgres.url)
+    try:
+        store.insert_history([(f"job-{n}", "alice", "", 50, float(n), 100.0 + n, 0.0, "released") for n in range(10)])
+        assert store.prune_history(ended_before=105.0, max_rows=0, limit=3) == 3
+        assert store.prune_history(ended_before=105.0, max_rows=0, limit=3) == 2
+        assert store.prune_history(ended_before=None, max_rows=2, limit=10) == 3
+        assert sorted(key for key, *_ in store._rows("SELECT job_key FROM lease_history")) == ["job-8", "job-9"]
+    finally:
+        store.close()

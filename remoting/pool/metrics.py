@@ -132,6 +132,10 @@ class PoolMetrics:
         self.heartbeats = Counter("rgpu_pool_heartbeats", "Dispatcher heartbeats (unknown: the dispatcher "
                                   "must register again)", ["result"], registry=r)
         self.registrations = Counter("rgpu_pool_registrations", "Dispatcher registrations", registry=r)
+        self.rate_limited = Counter("rgpu_pool_user_lease_calls_limited", "Users' Allocate, Renew and Release "
+                                    "calls refused by user_lease_calls_burst/_per_second", registry=r)
+        self.history_pruned = Counter("rgpu_pool_history_pruned", "Ended-lease history rows pruned "
+                                      "(history_keep_days, history_max_rows)", registry=r)
         self.servers_down = Counter("rgpu_pool_server_down_events", "Dispatchers found without heartbeat",
                                     registry=r)
         for result in ("new", "existing"):

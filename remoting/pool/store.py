@@ -416,6 +416,25 @@ class Store:
             return self._db.execute("SELECT job_key, user, account, units, created, ended, busy_seconds, how "
                                     "FROM lease_history").fetchall()
 
+    def prune_history(self, ended_before: float | None, max_rows: int, limit: int) -> int:
+        """Delete at most `limit` of the oldest ended leases: those ended before `ended_before`
+        (None: none by age), then the oldest beyond `max_rows` (0: no cap). Returns how many."""
+        try:
+            with self._lock, self._writer():
+                gone = 0
+                if ended_before is not None:
+                    gone = self._db.execute("DELETE FROM lease_history WHERE rowid IN (SELECT rowid FROM lease_history "
+                                            "WHERE ended < ? ORDER BY ended LIMIT ?)", (ended_before, limit)).rowcount
+                if max_rows and gone < limit:
+                    excess = self._db.execute("SELECT count(*) FROM lease_history").fetchone()[0] - max_rows
+                    if excess > 0:
+                        gone += self._db.execute("DELETE FROM lease_history WHERE rowid IN (SELECT rowid FROM "
+                                                 "lease_history ORDER BY ended LIMIT ?)",
+                                                 (min(excess, limit - gone),)).rowcount
+                return gone
+        except sqlite3.Error as exc:
+            raise self._failed(exc) from None
+
     # -- dashboard credentials spent (login links) or revoked (logged-out sessions) ------------
     def spend_web_nonce(self, nonce: str, expires: float, now: float) -> bool:
         """Record `nonce` as used up until `expires`; False when it was already."""
@@ -495,6 +514,7 @@ class PoolStore(Protocol):
     def set_quota(self, quota: QuotaRecord) -> None: ...
     def delete_quota(self, kind: str, name: str) -> None: ...
     def spend_web_nonce(self, nonce: str, expires: float, now: float) -> bool: ...
+    def prune_history(self, ended_before: float | None, max_rows: int, limit: int) -> int: ...
     def web_nonce_spent(self, nonce: str) -> bool: ...
 
 

@@ -371,6 +371,20 @@ class PostgresStore:
                 'INSERT INTO lease_history(job_key, "user", account, units, created, ended, busy_seconds, how) '
                 "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)", rows)
 
+    def prune_history(self, ended_before: float | None, max_rows: int, limit: int) -> int:
+        """As Store.prune_history: at most `limit` of the oldest ended leases, by age, then by count."""
+        with self._session() as db:
+            gone = 0
+            if ended_before is not None:
+                gone = db.execute("DELETE FROM lease_history WHERE ctid IN (SELECT ctid FROM lease_history "
+                                  "WHERE ended < %s ORDER BY ended LIMIT %s)", (ended_before, limit)).rowcount
+            if max_rows and gone < limit:
+                excess = db.execute("SELECT count(*) FROM lease_history").fetchone()[0] - max_rows
+                if excess > 0:
+                    gone += db.execute("DELETE FROM lease_history WHERE ctid IN (SELECT ctid FROM lease_history "
+                                       "ORDER BY ended LIMIT %s)", (min(excess, limit - gone),)).rowcount
+            return gone
+
     def spend_web_nonce(self, nonce: str, expires: float, now: float) -> bool:
         """Record `nonce` as used up until `expires`; False when it was already (any daemon)."""
         with self._session() as db:
