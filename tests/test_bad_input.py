@@ -163,6 +163,19 @@ def _mount_tmpfs(path: Path, size: str) -> bool:
                           capture_output=True, check=False).returncode == 0
 
 
+def _fill(disk: Path) -> Path:
+    filler = disk / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    return filler
+
+
 def test_a_full_disk_is_a_clear_error_and_the_pool_restarts(tmp_path: Path) -> None:
     disk = tmp_path / "disk"
     if not _mount_tmpfs(disk, "1m"):
@@ -175,15 +188,7 @@ def test_a_full_disk_is_a_clear_error_and_the_pool_restarts(tmp_path: Path) -> N
         with cluster.client() as client:
             register_servers(client, servers=1, gpus=4)
             client.allocate("job-before", "alice", 1, fraction=0.25)
-        filler = disk / "filler"
-        fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            while True:
-                os.write(fd, b"\0" * 4096)
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
-        finally:
-            os.close(fd)
+        filler = _fill(disk)
         refused = None
         with cluster.client() as client:
             for n in range(200):
@@ -207,19 +212,6 @@ def test_a_full_disk_is_a_clear_error_and_the_pool_restarts(tmp_path: Path) -> N
     finally:
         cluster.stop_all()
         subprocess.run(["umount", "-l", str(disk)], check=False)
-
-
-def _fill(disk: Path) -> Path:
-    filler = disk / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        while True:
-            os.write(fd, b"\0" * 4096)
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC
-    finally:
-        os.close(fd)
-    return filler
 
 
 @pytest.mark.parametrize("processes", ["1", "2"])

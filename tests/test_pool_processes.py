@@ -136,6 +136,14 @@ def _children(pid: int) -> list[int]:
             for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
 
 
+def _state(pid: int) -> str | None:
+    """A process's state letter ("Z": a zombie), None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
+    except (FileNotFoundError, IndexError):
+        return None
+
+
 def _pool_children(pid: int) -> list[int]:
     """The pool processes (not multiprocessing's resource tracker)."""
     return [c for c in _children(pid) if "resource_tracker" not in Path(f"/proc/{c}/cmdline").read_text()]
@@ -200,30 +208,14 @@ def test_the_processes_end_with_a_parent_killed_with_kill_9(tmp_path: Path) -> N
         children = _pool_children(parent)
         os.kill(parent, signal.SIGKILL)
 
-        def gone() -> bool:
-            alive = []
-            for pid in children:
-                try:
-                    state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
-                except (FileNotFoundError, IndexError):
-                    continue
-                if state != "Z":
-                    alive.append(pid)
-            return not alive
-        wait_for(gone, what="the pool processes to end with their parent", timeout=20)
+        wait_for(lambda: all(_state(pid) in (None, "Z") for pid in children),
+                 what="the pool processes to end with their parent", timeout=20)
     finally:
         cluster.stop_all()
 
 
 def _zombies(pid: int) -> list[int]:
-    found = []
-    for child in _children(pid):
-        try:
-            if Path(f"/proc/{child}/stat").read_text().split(") ", 1)[1][0] == "Z":
-                found.append(child)
-        except (FileNotFoundError, IndexError):
-            continue
-    return found
+    return [child for child in _children(pid) if _state(child) == "Z"]
 
 
 @pytest.mark.integration

@@ -203,6 +203,14 @@ class Store:
                           f"{exc}: {disk}" if disk else str(exc),
                           "free space on that disk or fix the file's permissions; nothing was changed")
 
+    def _abort(self, exc: BaseException) -> None:
+        """After a transaction failed: roll back what is left of it (a failed COMMIT on a full disk
+        may have rolled back already); a database error is raised as the store's one-line error."""
+        if self._db.in_transaction:
+            self._db.execute("ROLLBACK")
+        if isinstance(exc, sqlite3.Error):
+            raise self._failed(exc) from None
+
     # -- shared by the processes of one daemon (shared=True), or one process's alone ---------
     @contextlib.contextmanager
     def transaction(self) -> Iterator[StateVersion]:
@@ -246,10 +254,7 @@ class Store:
                 state.after = self._log_change(state.before or 0)
             self._db.execute("COMMIT")
         except BaseException as exc:
-            if self._db.in_transaction:   # a failed COMMIT (full disk) may have rolled back already
-                self._db.execute("ROLLBACK")
-            if isinstance(exc, sqlite3.Error):
-                raise self._failed(exc) from None
+            self._abort(exc)
             raise
         if state.after is not None and state.after % self.prune_every == 0:
             self._prune(state.after)
@@ -397,10 +402,7 @@ class Store:
                      busy_seconds, how))
                 self._db.execute("COMMIT")
             except BaseException as exc:
-                if self._db.in_transaction:   # a failed COMMIT (full disk) may have rolled back already
-                    self._db.execute("ROLLBACK")
-                if isinstance(exc, sqlite3.Error):
-                    raise self._failed(exc) from None
+                self._abort(exc)
                 raise
 
     def load_history(self, since: float, until: float) -> list[tuple[str, str, int, float, float, float]]:
