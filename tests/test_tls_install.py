@@ -127,8 +127,11 @@ def test_the_plaintext_opt_out_is_written_and_logged(cluster: RgpuCluster) -> No
     assert tomllib.loads((cluster.root / "rgpu.toml").read_text())["grpc_tls"] == "off"
     cluster.start_pool()
     wait_for(lambda: "gRPC to the pool is PLAINTEXT" in cluster.pool.log(), what="the pool's warning")
+    dispatcher, _port = cluster.start_dispatcher(EXAMPLES / "inventory-a.toml")
+    wait_for(lambda: "rgpu: dispatcher: gRPC to the pool is PLAINTEXT" in dispatcher.log(),
+             what="the dispatcher's warning")
     with cluster.client() as client:
-        assert client.capacity().total_units == 0
+        wait_for(lambda: client.capacity().total_units == 200, what="the dispatcher registered in plaintext")
 
 
 def test_a_node_with_the_pools_config_but_not_its_ca_is_refused(tmp_path: Path) -> None:
