@@ -221,6 +221,12 @@ class Worker(Handlers):
         for name in api_gen.MANUAL_OPS:
             if OP[name] not in self.handlers:
                 self.handlers[OP[name]] = (self._unsupported(name), False)
+        if self.spec.mode == "nvml":
+            # A management session has no CUDA context, and its backend no CUDA calls: each CUDA
+            # operation is answered at once (none is deferred to a synchronize) with one line.
+            for name, opcode in OP.items():
+                if not name.startswith("nvml"):
+                    self.handlers[opcode] = (self._not_in_nvml(name), False)
 
     def _generated(self, gen: Callable[[Any, memoryview, int], tuple[int, bytes]]) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
         backend = self.backend
@@ -249,6 +255,14 @@ class Worker(Handlers):
 
         def run(payload: memoryview, address: int, seq: int) -> tuple[int, bytes]:
             raise CudaError(code, message)
+        return run
+
+    def _not_in_nvml(self, name: str) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
+        message = (f"rgpu: worker: {name} is not served in an NVML session (a management session has no CUDA "
+                   "context; CUDA calls need a CUDA session of the slice)")
+
+        def run(payload: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+            raise CudaError(NOT_SUPPORTED, message)
         return run
 
     # ------------------------------------------------------------------ serving
