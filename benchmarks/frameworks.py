@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         if "local_failed" in r:
             print(f"{r['program']:<13} local run failed: {r['local_failed']}")
             continue
-        wall = lambda k: sorted(x["wall_s"] for x in r[k])[len(r[k]) // 2]
+        def wall(k: str) -> float:
+            return sorted(x["wall_s"] for x in r[k])[len(r[k]) // 2]
         print(f"{r['program']:<13} {r['passes']}/{len(r['rgpu'])} passed; largest loss difference "
               f"{r['largest_difference']:.1e} (local runs among themselves {r['local_spread']:.1e}); "
               f"median wall local {wall('local'):.1f} s, rgpu {wall('rgpu'):.1f} s")

@@ -177,7 +177,8 @@ def local_gpu():  # type: ignore[no-untyped-def]
     index = int(visible) if visible.isdigit() else 0
     pynvml.nvmlInit()
     h = pynvml.nvmlDeviceGetHandleByIndex(index)
-    as_text = lambda v: v.decode() if isinstance(v, bytes) else v
+    def as_text(v: str | bytes) -> str:
+        return v.decode() if isinstance(v, bytes) else v
     major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
     gpu = GpuInfo(uuid=as_text(pynvml.nvmlDeviceGetUUID(h)), index=index, name=as_text(pynvml.nvmlDeviceGetName(h)),
                   total_memory_bytes=pynvml.nvmlDeviceGetMemoryInfo(h).total,

@@ -81,10 +81,12 @@ def _cnn(feed: str) -> tuple[Any, int]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if feed == "gpu":
         x, y = torch.randn(64, 3, 32, 32, device="cuda"), torch.randint(0, 10, (64,), device="cuda")
-        data = lambda: (x, y)
+        def data() -> tuple[Any, ...]:
+            return (x, y)
     else:
         it = _loader(lambda: (torch.randn(64, 3, 32, 32), torch.randint(0, 10, (64,))), 16)
-        data = lambda: tuple(t.cuda(non_blocking=True) for t in next(it))
+        def data() -> tuple[Any, ...]:
+            return tuple(t.cuda(non_blocking=True) for t in next(it))
 
     def step() -> None:
         x, y = data()
@@ -144,10 +146,12 @@ def _resnet18(feed: str) -> tuple[Any, int]:
     if feed == "gpu":
         x = torch.randn(64, 3, 224, 224, device="cuda").to(memory_format=torch.channels_last)
         y = torch.randint(0, 1000, (64,), device="cuda")
-        data = lambda: (x, y)
+        def data() -> tuple[Any, ...]:
+            return (x, y)
     else:
         it = _loader(lambda: (torch.randn(64, 3, 224, 224), torch.randint(0, 1000, (64,))), 6)
-        data = lambda: tuple(t.cuda(non_blocking=True) for t in next(it))
+        def data() -> tuple[Any, ...]:
+            return tuple(t.cuda(non_blocking=True) for t in next(it))
 
     def step() -> None:
         x, y = data()
@@ -333,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
                    "steady_ratio": med["local"]["step_ms"] / med["rgpu"]["step_ms"],
                    "round_trips_per_step": statistics.median(r["round_trips_per_step"] for r in runs["rgpu"])}
             rows.append(row)
-            spread = lambda k, m: "/".join(f"{x[m]:.2f}" for x in runs[k])
+            def spread(k: str, m: str) -> str:
+                return "/".join(f"{x[m]:.2f}" for x in runs[k])
             print(f"{name}: ready local {spread('local', 'ready_s')} s, rgpu {spread('rgpu', 'ready_s')} s; "
                   f"step local {spread('local', 'step_ms')} ms, rgpu {spread('rgpu', 'step_ms')} ms; "
                   f"round trips/step {row['round_trips_per_step']:.1f}", flush=True)

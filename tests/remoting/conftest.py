@@ -176,3 +176,31 @@ def demo_binary(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathF
 
 
 PY = sys.executable
+
+
+def local_gpu() -> GpuInfo:
+    import pynvml
+    pynvml.nvmlInit()
+    try:
+        h = pynvml.nvmlDeviceGetHandleByIndex(0)
+        name = pynvml.nvmlDeviceGetName(h)
+        name = name.decode() if isinstance(name, bytes) else name
+        uuid = pynvml.nvmlDeviceGetUUID(h)
+        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+        total = pynvml.nvmlDeviceGetMemoryInfo(h).total
+        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
+    finally:
+        pynvml.nvmlShutdown()
+    return GpuInfo(uuid=uuid, index=0, name=name, total_memory_bytes=total, usable_memory_bytes=total,
+                   compute_capability=f"{major}.{minor}")
+
+
+@pytest.fixture(scope="module")
+def gpu_server() -> Iterator[Server]:
+    """A CUDA session server of this host's GPU 0 (the gpu tier's tests)."""
+    gpu = local_gpu()
+    server, address = start_server("cuda", [gpu])
+    try:
+        yield Server(server, address, [gpu])
+    finally:
+        server.stop()

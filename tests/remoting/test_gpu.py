@@ -12,47 +12,18 @@ import os
 import subprocess
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from rgpu.remoting.native import build
 
 from rgpu.adaptor import AdaptorConf, AdaptorSlice, write_adaptor_conf
-from rgpu.model import GpuInfo
-from tests.remoting.conftest import EXAMPLES, PY, Server, start_server
+from tests.remoting.conftest import EXAMPLES, PY, Server
 
 pytestmark = pytest.mark.gpu
 GiB = 1 << 30
 HERE = Path(__file__).parent
 OUT = Path(os.environ.get("RGPU_TEST_OUT", "/tmp"))
-
-
-def local_gpu() -> GpuInfo:
-    import pynvml
-    pynvml.nvmlInit()
-    try:
-        h = pynvml.nvmlDeviceGetHandleByIndex(0)
-        name = pynvml.nvmlDeviceGetName(h)
-        name = name.decode() if isinstance(name, bytes) else name
-        uuid = pynvml.nvmlDeviceGetUUID(h)
-        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
-        total = pynvml.nvmlDeviceGetMemoryInfo(h).total
-        major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(h)
-    finally:
-        pynvml.nvmlShutdown()
-    return GpuInfo(uuid=uuid, index=0, name=name, total_memory_bytes=total, usable_memory_bytes=total,
-                   compute_capability=f"{major}.{minor}")
-
-
-@pytest.fixture(scope="module")
-def gpu_server() -> Iterator[Server]:
-    gpu = local_gpu()
-    server, address = start_server("cuda", [gpu])
-    try:
-        yield Server(server, address, [gpu])
-    finally:
-        server.stop()
 
 
 def flexrun(libs: build.Libraries, server: Server, tmp: Path, argv: list[str], *, memory: int = 4 * GiB,
@@ -429,15 +400,15 @@ def test_worker_host_memory_stays_bounded_on_the_gpu(native_libs: build.Librarie
         (pid,) = cuda_pids() - before
         rss = []
         for _ in range(2):
-            rss.append(int(next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines()
-                                if l.startswith("VmRSS:")).split()[1]) * 1024)
+            rss.append(int(next(row for row in Path(f"/proc/{pid}/status").read_text().splitlines()
+                                if row.startswith("VmRSS:")).split()[1]) * 1024)
             client.stdin.write("\n")
             client.stdin.flush()
             while not (line := client.stdout.readline()).startswith("STEP"):
                 assert line, client.stderr.read() if client.stderr else ""
                 seen.append(line)
-        rss.append(int(next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines()
-                            if l.startswith("VmRSS:")).split()[1]) * 1024)
+        rss.append(int(next(row for row in Path(f"/proc/{pid}/status").read_text().splitlines()
+                            if row.startswith("VmRSS:")).split()[1]) * 1024)
     finally:
         _, err = client.communicate("\n", timeout=120)
     (OUT / "gpu-worker-rss.json").write_text(json.dumps({"rss_bytes": rss, "output": seen, "stderr": err}, indent=2))

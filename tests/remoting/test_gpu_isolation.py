@@ -32,7 +32,7 @@ import pytest
 from rgpu.live_leases import LiveLeases
 from rgpu.remoting.native import build
 from tests.remoting.conftest import Server, client_env, run_nvcc, start_server
-from tests.remoting.test_gpu import local_gpu
+from tests.remoting.conftest import local_gpu
 
 pytestmark = pytest.mark.gpu
 HERE = Path(__file__).parent

@@ -19,7 +19,7 @@ from rgpu.remoting.datapath.worker.native_loop import EventEntries, NativeLaunch
 
 from tests.remoting.conftest import EXAMPLES, Server
 from tests.remoting.test_clientside_emulated import loop_binary  # noqa: F401 - the fixture
-from tests.remoting.test_gpu import flexrun, gpu_server  # noqa: F401 - the fixture
+from tests.remoting.test_gpu import flexrun
 from tests.remoting.test_native_events import EVENT, STREAM, frame
 from tests.remoting.test_native_launches import Buffer, session_spec
 

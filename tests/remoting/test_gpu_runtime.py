@@ -18,7 +18,7 @@ import pytest
 from rgpu.remoting.native import build
 
 from tests.remoting.conftest import EXAMPLES, PY, Server, run_nvcc
-from tests.remoting.test_gpu import GiB, flexrun, gpu_server, py  # noqa: F401 - the fixture is used by name
+from tests.remoting.test_gpu import GiB, flexrun, py
 from tests.remoting.test_host_nodes_emulated import DYING, HOST_PROGRAM_HEAD, LARGE_COPY
 
 pytestmark = pytest.mark.gpu

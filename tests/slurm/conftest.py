@@ -27,7 +27,7 @@ import pytest
 from tests.daemons import EXAMPLES, REPO, RgpuCluster, wait_for
 from rgpu.errors import RgpuError
 from rgpu.slurm_plugin.slurmroot import VERSIONS, SlurmInstall, install_for
-from tests.slurm.cluster import ClusterConfig, SlurmCluster, missing_requirements
+from tests.slurm.cluster import ClusterConfig, SlurmCluster, missing_requirements, wait_until
 
 PROLOG_DIR = REPO / "prolog"
 LUA_SCRIPT = REPO / "slurm_plugin" / "job_submit.lua"
@@ -217,3 +217,13 @@ def rgpu_slurm(slurm_install: SlurmInstall) -> Iterator[Harness]:
         left = leftover_daemons(str(root))
         shutil.rmtree(root, ignore_errors=True)
         assert not left, f"daemons left running after teardown: {left}"
+
+
+@pytest.fixture
+def h(rgpu_slurm: Harness) -> Iterator[Harness]:
+    """The session cluster, idle before and after each test (no job, no lease, all 4 GPUs up)."""
+    rgpu_slurm.slurm.cancel_all_jobs()
+    wait_until("all 4 GPUs registered", lambda: pool_ready(rgpu_slurm.pool, 400) or None, 30)
+    wait_until("leases of earlier tests to go", lambda: not rgpu_slurm.leases() or None, 20)
+    yield rgpu_slurm
+    rgpu_slurm.slurm.cancel_all_jobs()

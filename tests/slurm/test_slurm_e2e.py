@@ -11,7 +11,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,16 +31,6 @@ def diagnostics(h: Harness) -> str:
     prolog_logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
                             for p in sorted(h.slurm.logs.glob("*Prolog*.log")) + sorted(h.slurm.logs.glob("*Epilog*.log")))
     return f"{h.slurm.log_tail(25)}\n{prolog_logs}\n--- poold\n{h.pool.pool.log()[-2000:] if h.pool.pool else ''}"
-
-
-@pytest.fixture
-def h(rgpu_slurm: Harness) -> Iterator[Harness]:
-    """The session cluster, idle before and after each test (no job, no lease, all 4 GPUs up)."""
-    rgpu_slurm.slurm.cancel_all_jobs()
-    wait_until("all 4 GPUs registered", lambda: pool_ready(rgpu_slurm.pool, 400) or None, 30)
-    wait_until("leases of earlier tests to go", lambda: not rgpu_slurm.leases() or None, 20)
-    yield rgpu_slurm
-    rgpu_slurm.slurm.cancel_all_jobs()
 
 
 def finished(h: Harness, job_id: str, timeout: float = 60.0) -> dict[str, str]:
