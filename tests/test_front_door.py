@@ -137,8 +137,9 @@ def test_legitimate_sessions_are_served_through_a_slowloris(cluster: RgpuCluster
     port = int(address.rsplit(":", 1)[1])
     timings: list[float] = []
     with Slowloris(port, count=300, sources=40) as attack:
-        wait_for(lambda: any(t >= DEADLINE - 0.2 for t in list(attack.lifetimes)), timeout=60,
-                 what="the dispatcher to close a trickling connection held to its HELLO deadline")
+        # The attack runs past one deadline before the probes (pacing, not a measure: most of its
+        # connections are evicted for newcomers long before their deadline).
+        time.sleep(DEADLINE + 1.5)
         for _ in range(10):
             t0 = time.monotonic()
             welcome = protocol.probe(address, token, timeout=10)
@@ -147,9 +148,10 @@ def test_legitimate_sessions_are_served_through_a_slowloris(cluster: RgpuCluster
             time.sleep(0.2)
         held = attack.held()
         lifetimes, bytes_sent = sorted(attack.lifetimes), list(attack.bytes_sent)
-    # Trickling a byte every 0.5 s keeps no connection past the deadline counted from its accept:
-    # each is closed before its 24-byte header is complete (at most about 7 bytes in 3 s, fewer on
-    # a loaded host). A deadline that each byte reset would keep it until the header (12 s) instead.
+    # Trickling a byte every 0.5 s keeps no connection: each is closed, evicted for a newcomer or
+    # at its deadline, before its 24-byte header is complete (at most about 7 bytes in the 3 s
+    # deadline, fewer on a loaded host); held until then, it would live 12 s. The deadline's own
+    # rule (from the accept, never reset by a byte) is the next test's.
     assert bytes_sent and max(bytes_sent) < protocol.HEADER_SIZE, sorted(bytes_sent)[-5:]
     log = daemon.log()
     assert "Too many open files" not in log and "accept failed" not in log, log[-2000:]
