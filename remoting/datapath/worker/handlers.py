@@ -17,7 +17,7 @@ from typing import Any
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.backends.arrays import (DESC2D, DESC3D, HOST, MEMCPY3D, RESOURCE_DESC_SIZE,
                                                     TEXTURE_DESC_SIZE, VIEW_DESC_SIZE, parse_copy, parse_desc)
-from rgpu.remoting.datapath.backends.base import (CDP_NOT_SUPPORTED, INVALID_IMAGE, INVALID_VALUE, NOT_FOUND,
+from rgpu.remoting.datapath.backends.base import (CDP_NOT_SUPPORTED, INVALID_IMAGE, INVALID_VALUE, NOT_FOUND, NOT_SUPPORTED,
                                                   PITCH_ALIGN_BYTES, SUCCESS, CudaError, LoadResult, SliceMemory,
                                                   TensorMapRequest)
 from rgpu.remoting.datapath.worker.client_handles import ClientEvents, ClientStreams, error_name
@@ -299,6 +299,44 @@ class Handlers:
             raise ConnectionError(why)
         self.sent += size
         return None
+
+    # ---- copies whose bytes come striped over the session's data lanes (protocol 12; worker/lanes.py) ----
+
+    def h_htod_lanes(self, p: memoryview, address: int, seq: int) -> None:
+        import ctypes
+        lanes = getattr(self, "lanes", None)
+        if lanes is None:
+            raise CudaError(INVALID_VALUE, "rgpu: worker: rgpuMemcpyHtoDLanes on a session that has no data lanes (a "
+                                           "client of another rgpu version, or not rgpu's; install the same rgpu "
+                                           "version on both sides)")
+        if len(p) < protocol.LANES_COPY.size:
+            lanes.close("a truncated striped copy frame")
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: truncated rgpuMemcpyHtoDLanes frame ({len(p)} bytes, want "
+                                           f"{protocol.LANES_COPY.size}; install the same rgpu version on both sides)")
+        dst, stream, size, chunk = protocol.LANES_COPY.unpack_from(p, 0)
+        lanes.check(size, chunk)
+        try:
+            if size > self.spec.memory_limit:
+                raise CudaError(INVALID_VALUE, f"rgpu: worker: a host-to-device copy of {size} bytes (more than the "
+                                               f"slice's {format_bytes(self.spec.memory_limit)})")
+            real = self.client_streams.real(stream, "cuMemcpyHtoDAsync")
+            striped = getattr(self.backend, "htod_lanes", None)
+            window = getattr(self.backend, "device_window", None)
+            target = None if striped is not None or window is None else window(dst, size, real, "cuMemcpyHtoDAsync")
+        except CudaError:
+            lanes.receive(seq, size, chunk, 0)   # the client sends the bytes whatever the answer: drop them
+            raise
+        if striped is not None:   # a real GPU: through pinned staging, each chunk's copy queued as it lands
+            striped(dst, real, size, chunk, seq, lanes)
+        elif target is not None:   # the emulated device: straight into its memory
+            holder = (ctypes.c_char * size).from_buffer(target)
+            try:
+                lanes.receive(seq, size, chunk, ctypes.addressof(holder))
+            finally:
+                del holder
+        else:
+            lanes.receive(seq, size, chunk, 0)
+            raise CudaError(NOT_SUPPORTED, "rgpu: worker: this backend cannot take striped copies")
 
     def h_dtod_2d(self, p: memoryview, address: int, seq: int) -> None:
         dst, dpitch, src, spitch, width, height, stream = struct.unpack_from("<7Q", p, 0)

@@ -94,6 +94,7 @@ class Worker(Handlers):
         self.log_limit = LogLimit()   # lines a client's frames cause: once a minute per kind and operation
         self.ucx: Any = None          # the session's UCX link (worker/ucx.py), set by session.py
         self.ucx_received = 0         # bytes of host-to-device copies that came on UCX
+        self.lanes: Any = None        # the session's data lanes (worker/lanes.py), set by session.py
         self.native_launches = load_native_launches(spec, backend, sock.fileno())
         # The client's event handles -> the driver's (client_handles.py; the generated handlers
         # find the table on the backend). With the C loop, which creates and destroys events
@@ -168,6 +169,7 @@ class Worker(Handlers):
             "cuMemcpyDtoHAsync_v2": (self.h_dtoh, False),
             "rgpuMemcpyHtoDUcx": (self.h_htod_ucx, True),
             "rgpuMemcpyDtoHUcx": (self.h_dtoh_ucx, False),
+            "rgpuMemcpyHtoDLanes": (self.h_htod_lanes, True),
             "rgpuMemcpy2DDevice": (self.h_dtod_2d, True),
             "cuPointerGetAttribute": (self.h_pointer_attribute, False),
             "cuPointerGetAttributes": (self.h_pointer_attributes, False),
@@ -517,7 +519,8 @@ class Worker(Handlers):
         loop = self.native_launches
         native = loop.launched.value + loop.event_ops() + loop.copies if loop is not None else 0
         sent = self.sent + self.hostcalls.sent + (loop.sent if loop is not None else 0)
-        return self.reader.received + self.ucx_received, sent, self.calls + native, self.errors
+        lanes = self.lanes.received if self.lanes is not None else 0
+        return self.reader.received + self.ucx_received + lanes, sent, self.calls + native, self.errors
 
     def _defer(self, code: int, message: str) -> None:
         self.errors += 1
