@@ -104,12 +104,34 @@ class Lanes:
         r = self._recv(self._fds, self.count, seq & 0xFFFFFFFF, size, chunk, address or None,
                        ctypes.byref(gpu) if gpu is not None else None, self.stall_s, self._why, WHY_BYTES)
         if r:
-            why = self._why.value.decode(errors="replace")
+            why, count = self._why.value.decode(errors="replace"), self.count
             self.close(why)
-            raise CudaError(UNKNOWN, f"rgpu: worker: a host-to-device copy of {size} bytes over {self.count} data "
+            raise CudaError(UNKNOWN, f"rgpu: worker: a host-to-device copy of {size} bytes over {count} data "
                                      f"lanes failed ({why}); the copy did not complete; the session goes on, its "
                                      "later copies on its one connection")
         self.received += size
+
+    # ---- pinned staging for a real GPU (lanes.h; backends/cuda.py owns the memory and the events) ----
+
+    def staging_new(self, base: int, slots: int, slot_bytes: int) -> int:
+        handle = self.lib.rgpu_lanes_staging_new(base, slots, slot_bytes)
+        if not handle:
+            raise MemoryError("rgpu: worker: cannot allocate the data lanes' staging table")
+        return int(handle)
+
+    def staging_drain(self, handle: int, event_sync: int) -> int:
+        """Wait for every slot's queued copy; the first error, or 0."""
+        return int(self.lib.rgpu_lanes_staging_drain(handle, event_sync)) if handle else 0
+
+    def staging_free(self, handle: int) -> None:
+        if handle:
+            self.lib.rgpu_lanes_staging_free(handle)
+
+    @staticmethod
+    def gpu_copy(*, memcpy_htod: int, event_record: int, event_sync: int, stream: int, dst: int, events: int,
+                 staging: int) -> GpuCopy:
+        return GpuCopy(memcpy_htod=memcpy_htod, event_record=event_record, event_sync=event_sync,
+                       stream=stream or None, dst=dst, events=events, staging=staging)
 
     def close(self, why: str = "the session ended") -> None:
         if not self.failed:
