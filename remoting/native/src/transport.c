@@ -1156,8 +1156,11 @@ CUresult rgpu_connect_all(int flags, const char *component) {
             s->dead = 1;
             result = r;
         } else {
-            rgpu_log(RGPU_LOG_INFO, "device %d: %s (%s; transport %s, %d data lanes)", i, s->server, s->description,
-                     s->ucx ? "ucx" : "tcp", s->nlanes);
+            if (s->ucx) close_lanes(s);   /* UCX carries the large copies: the lanes would stay idle */
+            char lanes[48] = "";
+            if (s->nlanes) snprintf(lanes, sizeof lanes, ", %d data lanes", s->nlanes);
+            rgpu_log(RGPU_LOG_INFO, "device %d: %s (%s; transport %s%s)", i, s->server, s->description,
+                     s->ucx ? "ucx" : "tcp", lanes);
         }
     }
     return result;
