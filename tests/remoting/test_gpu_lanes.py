@@ -1,6 +1,6 @@
 """Data lanes on a real GPU (protocol 12, issue 25 item 2): striped host-to-device copies received into
-the worker's pinned slots, each chunk's cuMemcpyHtoDAsync queued as it lands (backends/cuda.py,
-src/lanes.c), byte for byte for sizes around the threshold and chunk boundaries, pageable and pinned;
+the worker's pinned slots, each chunk's cuMemcpyHtoDAsync queued as it lands, and device-to-host
+copies queued into the slots and sent as each completes (backends/cuda.py, src/lanes.c), byte for byte for sizes around the threshold and chunk boundaries, pageable and pinned;
 and a lane cut mid-copy on a real GPU.
 
 Run on a GPU machine:
@@ -31,7 +31,7 @@ def test_striped_copies_of_every_size_arrive_whole_on_a_gpu(lane_copies: Path, n
                           **(LANE_ENV | {"RGPU_LANE_CHUNK_BYTES": str(chunk)}))
     assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
     assert f"transport tcp, {LANES} data lanes)" in done.stderr, done.stderr
-    assert _striped(tmp_path / "p") == STRIPED
+    assert _striped(tmp_path / "p") == (STRIPED, STRIPED)
 
 
 def test_a_lane_cut_mid_copy_on_a_gpu_fails_that_copy_and_the_session_goes_on(native_libs: build.Libraries,

@@ -1,4 +1,4 @@
-"""Data lanes (protocol 12, issue 25 item 2): large host-to-device copies striped over several TCP
+"""Data lanes (protocol 12, issue 25 item 2): large host<->device copies striped over several TCP
 connections of one session, against the emulated worker (and the real-GPU backend chained to it).
 Copies of many sizes arrive byte for byte; lanes are opened at the handshake and each must prove it
 belongs to its session; a lane cut mid-copy fails that copy and the session goes on; RGPU_LANES=1
@@ -44,13 +44,13 @@ def lane_copies(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathF
     return driver_api_program(native_libs, HERE / "lane_copies.c", tmp_path_factory.mktemp("lanes") / "lane_copies")
 
 
-def _striped(profile_prefix: Path) -> int:
-    """Host-to-device copies the client striped over its lanes, from its call profile."""
+def _striped(profile_prefix: Path) -> tuple[int, int]:
+    """(host-to-device, device-to-host) copies the client striped over its lanes, from its call profile."""
     files = list(profile_prefix.parent.glob(profile_prefix.name + ".*"))
     assert len(files) == 1, files
     ops, _ = client_stats.parse(files[0].read_text())
-    entry = ops.get(OP["rgpuMemcpyHtoDLanes"])
-    return entry.async_calls if entry else 0
+    htod, dtoh = ops.get(OP["rgpuMemcpyHtoDLanes"]), ops.get(OP["rgpuMemcpyDtoHLanes"])
+    return (htod.async_calls if htod else 0), (dtoh.sync_calls if dtoh else 0)
 
 
 def test_copies_of_every_size_arrive_whole_over_data_lanes(lane_copies: Path, native_libs: build.Libraries,
@@ -60,7 +60,7 @@ def test_copies_of_every_size_arrive_whole_over_data_lanes(lane_copies: Path, na
                           timeout=300, RGPU_CLIENT_STATS=str(tmp_path / "p"), **LANE_ENV)
     assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
     assert f"transport tcp, {LANES} data lanes)" in done.stderr, done.stderr
-    assert _striped(tmp_path / "p") == STRIPED
+    assert _striped(tmp_path / "p") == (STRIPED, STRIPED)
 
 
 def test_lanes_1_keeps_the_one_connection(lane_copies: Path, native_libs: build.Libraries, tmp_path: Path) -> None:
@@ -70,7 +70,7 @@ def test_lanes_1_keeps_the_one_connection(lane_copies: Path, native_libs: build.
         sessions = s.server.status()
     assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
     assert "; transport tcp)" in done.stderr, done.stderr
-    assert _striped(tmp_path / "p") == 0
+    assert _striped(tmp_path / "p") == (0, 0)
     assert sessions["refused"] == 0
 
 
@@ -82,7 +82,7 @@ def test_a_worker_that_cannot_drive_lanes_gives_none_and_copies_stay_on_one_conn
                           timeout=300, RGPU_CLIENT_STATS=str(tmp_path / "p"), **LANE_ENV)
     assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
     assert f"copies stay on one connection (asked for {LANES} data lanes, the GPU server took 0" in done.stderr
-    assert _striped(tmp_path / "p") == 0
+    assert _striped(tmp_path / "p") == (0, 0)
 
 
 @pytest.fixture(scope="module")
@@ -311,6 +311,59 @@ def test_a_refused_chunk_fails_the_copy_but_every_chunk_is_read(native_libs: bui
         lanes.close()
 
 
+DTOH_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p)
+
+
+class DeviceSource(StagedDriver):
+    """StagedDriver plus cuMemcpyDtoHAsync_v2 from `device` (whose copy at `fail_at` fails)."""
+
+    def __init__(self, data: bytes, fail_at: int = -1) -> None:
+        super().__init__(len(data), fail_at)
+        self.device[:] = data
+
+        def dtoh(dst, src, n, stream):  # type: ignore[no-untyped-def]
+            if src == self.fail_at:
+                return 700
+            self.copies += 1
+            ctypes.memmove(dst, bytes(self.device[src:src + n]), n)
+            return 0
+        self.callbacks = (*self.callbacks, DTOH_FN(dtoh))
+
+
+@pytest.mark.parametrize("fail_at_chunk", [-1, 9], ids=["whole", "refused-part-way"])
+def test_device_chunks_leave_through_few_slots_and_arrive_whole_or_aborted(native_libs: build.Libraries,
+                                                                           fail_at_chunk: int) -> None:
+    pairs = [socket.socketpair() for _ in range(3)]
+    worker = Lanes(str(native_libs.libworker), [a for a, _ in pairs], stall_s=10)
+    client = Lanes(str(native_libs.libworker), [b for _, b in pairs], stall_s=10)
+    size, chunk, slots = 2 * MiB + 12345, 64 << 10, 2
+    data = os.urandom(size)
+    driver = DeviceSource(data, fail_at=fail_at_chunk * chunk if fail_at_chunk >= 0 else -1)
+    pinned = ctypes.create_string_buffer(slots * chunk)
+    staging = worker.staging_new(ctypes.addressof(pinned), slots, chunk)
+    events = (ctypes.c_void_p * slots)(1, 2)
+    target = ctypes.create_string_buffer(size)
+    got: list[int] = []
+    receiver = threading.Thread(target=lambda: got.append(client.receive(5, size, chunk, ctypes.addressof(target))))
+    receiver.start()
+    try:
+        gpu = worker.gpu_copy(memcpy_htod=driver.entry(0), event_record=driver.entry(1), event_sync=driver.entry(2),
+                              stream=0, dst=0, events=ctypes.addressof(events), staging=staging,
+                              memcpy_dtoh=driver.entry(3))
+        assert worker.send(5, size, chunk, 0, gpu) == ""
+        receiver.join()
+        if fail_at_chunk < 0:
+            assert gpu.error == 0 and got == [0] and target.raw == data
+        else:   # the chunks before it arrived; it and every later one say the driver's code
+            assert gpu.error == 700 and got == [700]
+            assert target.raw[:fail_at_chunk * chunk] == data[:fail_at_chunk * chunk]
+        assert worker.open and client.open
+    finally:
+        worker.staging_free(staging)
+        worker.close()
+        client.close()
+
+
 def test_a_chunk_out_of_place_ends_the_lanes_with_what_was_due(native_libs: build.Libraries) -> None:
     pairs = [socket.socketpair() for _ in range(2)]
     lanes = Lanes(str(native_libs.libworker), [a for a, _ in pairs], stall_s=10)
@@ -335,10 +388,10 @@ def test_striped_copies_through_the_cuda_backend_arrive_whole(lane_copies: Path,
                       **LANE_ENV)
     assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
     assert f"{LANES} data lanes)" in done.stderr
-    assert _striped(tmp_path / "p") == 2 * 2 * 2
+    assert _striped(tmp_path / "p") == (2 * 2 * 2, 2 * 2 * 2)
 
 
 def test_struct_layouts_match_lanes_h() -> None:
     from rgpu.remoting.datapath.worker.lanes import GpuCopy
-    assert ctypes.sizeof(GpuCopy) == 8 * 7 + 8
+    assert ctypes.sizeof(GpuCopy) == 8 * 7 + 8 + 8
     assert struct.calcsize("<QQQQ") == protocol.LANES_COPY.size

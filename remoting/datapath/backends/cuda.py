@@ -794,6 +794,12 @@ class CudaBackend(CudaDriverCalls):
         if gpu.error:
             raise CudaError(gpu.error)
 
+    def dtoh_lanes(self, src: int, stream: int, size: int, chunk: int, lanes: Any) -> Any:
+        """The staging of a striped device-to-host copy, for lanes.send (lanes.c queues each chunk's copy
+        into a free slot and sends it once its event completes); a CudaError before anything is sent."""
+        self._refuse_capture(stream, "cuMemcpyDtoHAsync")
+        return self._lane_copy(lanes, chunk, src, stream)
+
     def _lane_copy(self, lanes: Any, chunk: int, dst: int, stream: int) -> Any:
         if self._lane_staging and (chunk > self._lane_chunk or lanes is not self._lanes):
             self._drop_lane_staging()
@@ -811,7 +817,8 @@ class CudaBackend(CudaDriverCalls):
             self._lane_events[self._current] = events
         return lanes.gpu_copy(memcpy_htod=self._entry("cuMemcpyHtoDAsync_v2"), event_record=self._entry("cuEventRecord"),
                               event_sync=self._entry("cuEventSynchronize"), stream=stream, dst=dst,
-                              events=ctypes.addressof(events), staging=self._lane_staging)
+                              events=ctypes.addressof(events), staging=self._lane_staging,
+                              memcpy_dtoh=self._entry("cuMemcpyDtoHAsync_v2"))
 
     def _drop_lane_staging(self) -> None:
         if self._lane_staging:

@@ -338,6 +338,43 @@ class Handlers:
             lanes.receive(seq, size, chunk, 0)
             raise CudaError(NOT_SUPPORTED, "rgpu: worker: this backend cannot take striped copies")
 
+    def h_dtoh_lanes(self, p: memoryview, address: int, seq: int) -> None:
+        """The REPLY goes first (an error: nothing follows on the lanes), then the bytes, striped."""
+        import ctypes
+        lanes = getattr(self, "lanes", None)
+        if lanes is None:
+            raise CudaError(INVALID_VALUE, "rgpu: worker: rgpuMemcpyDtoHLanes on a session that has no data lanes (a "
+                                           "client of another rgpu version, or not rgpu's; install the same rgpu "
+                                           "version on both sides)")
+        if len(p) < protocol.LANES_COPY.size:
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: truncated rgpuMemcpyDtoHLanes frame ({len(p)} bytes, want "
+                                           f"{protocol.LANES_COPY.size}; install the same rgpu version on both sides)")
+        src, stream, size, chunk = protocol.LANES_COPY.unpack_from(p, 0)
+        lanes.check(size, chunk)
+        if size > self.spec.memory_limit:
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: a device-to-host copy of {size} bytes (more than the "
+                                           f"slice's {format_bytes(self.spec.memory_limit)})")
+        real = self.client_streams.real(stream, "cuMemcpyDtoHAsync")
+        striped = getattr(self.backend, "dtoh_lanes", None)
+        if striped is not None:   # a real GPU: through pinned staging, each chunk sent as its copy completes
+            gpu = striped(src, real, size, chunk, lanes)
+            self._reply(seq, SUCCESS, b"", "")
+            why = lanes.send(seq, size, chunk, 0, gpu)
+        else:
+            window = getattr(self.backend, "device_window", None)
+            if window is None:
+                raise CudaError(NOT_SUPPORTED, "rgpu: worker: this backend cannot send striped copies")
+            holder = (ctypes.c_char * size).from_buffer(window(src, size, real, "cuMemcpyDtoHAsync"))
+            self._reply(seq, SUCCESS, b"", "")
+            try:
+                why = lanes.send(seq, size, chunk, ctypes.addressof(holder))
+            finally:
+                del holder
+        if why:   # the client was told success and reads its lanes: it sees them fail too
+            log.warning("rgpu: worker: a device-to-host copy of %d bytes over data lanes failed (%s); the session's "
+                        "lanes are closed, its later copies use its one connection", size, why)
+        return None
+
     def h_dtod_2d(self, p: memoryview, address: int, seq: int) -> None:
         dst, dpitch, src, spitch, width, height, stream = struct.unpack_from("<7Q", p, 0)
         stream = self.client_streams.real(stream, "cuMemcpy2DAsync")

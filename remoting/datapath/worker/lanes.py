@@ -1,5 +1,6 @@
 """The worker's data lanes (protocol 12, issue 25): extra TCP connections of one session over which a
-large host-to-device copy's bytes come striped. librgpu-worker.so's lanes.c receives a whole copy
+large copy's bytes travel striped (host to device: they come; device to host: they leave, after the
+copy's REPLY). librgpu-worker.so's lanes.c receives a whole copy
 per call, one thread per lane, straight into the device's memory (the emulated device) or into
 pinned staging slots whose GPU copies it queues as each chunk lands (a real GPU: backends/cuda.py
 hands it the driver's entry points); no Python runs per chunk.
@@ -50,7 +51,8 @@ class GpuCopy(ctypes.Structure):
     """lanes.h's rgpu_lanes_gpu, field by field (change both together)."""
     _fields_ = [("memcpy_htod", ctypes.c_void_p), ("event_record", ctypes.c_void_p), ("event_sync", ctypes.c_void_p),
                 ("stream", ctypes.c_void_p), ("dst", ctypes.c_uint64), ("events", ctypes.c_void_p),
-                ("staging", ctypes.c_void_p), ("error", ctypes.c_int32), ("pad", ctypes.c_uint32)]
+                ("staging", ctypes.c_void_p), ("error", ctypes.c_int32), ("pad", ctypes.c_uint32),
+                ("memcpy_dtoh", ctypes.c_void_p)]
 
 
 class Lanes:
@@ -63,8 +65,20 @@ class Lanes:
         except (OSError, AttributeError) as exc:
             raise LanesUnavailable(f"cannot load data lane support from {library} ({exc})") from None
         recv.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64, ctypes.c_uint64,
-                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double, ctypes.c_char_p, ctypes.c_size_t]
+                         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                         ctypes.c_double, ctypes.POINTER(ctypes.c_int32), ctypes.c_char_p, ctypes.c_size_t]
         recv.restype = ctypes.c_int
+        send = lib.rgpu_lanes_send
+        send.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint64,
+                         ctypes.c_uint64, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double,
+                         ctypes.c_char_p, ctypes.c_size_t]
+        send.restype = ctypes.c_int
+        send_device = lib.rgpu_lanes_send_device
+        send_device.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64,
+                                ctypes.c_uint64, ctypes.c_void_p, ctypes.c_double, ctypes.c_char_p, ctypes.c_size_t]
+        send_device.restype = ctypes.c_int
+        self._send, self._send_device = send, send_device
+        self._aborted = ctypes.c_int32(0)
         lib.rgpu_lanes_staging_new.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint64]
         lib.rgpu_lanes_staging_new.restype = ctypes.c_void_p
         lib.rgpu_lanes_staging_drain.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
@@ -80,6 +94,7 @@ class Lanes:
         self._why = ctypes.create_string_buffer(WHY_BYTES)
         self.failed = ""       # why the lanes ended ("" while they serve)
         self.received = 0      # bytes that came on them
+        self.sent = 0          # bytes that left on them
 
     @property
     def open(self) -> bool:
@@ -98,11 +113,13 @@ class Lanes:
                                            f"bytes (chunks are {protocol.MIN_LANE_CHUNK} to {protocol.MAX_LANE_CHUNK} "
                                            "bytes; install the same rgpu version on both sides)")
 
-    def receive(self, seq: int, size: int, chunk: int, address: int, gpu: GpuCopy | None = None) -> None:
+    def receive(self, seq: int, size: int, chunk: int, address: int, gpu: GpuCopy | None = None) -> int:
         """One striped copy: into memory at `address` (0 with `gpu`: through its staging; 0 without:
-        read and dropped). A lane failure closes every lane and raises a CudaError saying so."""
+        read and dropped). A lane failure closes every lane and raises a CudaError saying so; the
+        code of chunks the sender aborted, or 0."""
         r = self._recv(self._fds, self.count, seq & 0xFFFFFFFF, size, chunk, address or None,
-                       ctypes.byref(gpu) if gpu is not None else None, self.stall_s, self._why, WHY_BYTES)
+                       ctypes.byref(gpu) if gpu is not None else None, -1, None, None, self.stall_s,
+                       ctypes.byref(self._aborted), self._why, WHY_BYTES)
         if r:
             why, count = self._why.value.decode(errors="replace"), self.count
             self.close(why)
@@ -110,6 +127,24 @@ class Lanes:
                                      f"lanes failed ({why}); the copy did not complete; the session goes on, its "
                                      "later copies on its one connection")
         self.received += size
+        return int(self._aborted.value)
+
+    def send(self, seq: int, size: int, chunk: int, address: int = 0, gpu: GpuCopy | None = None) -> str:
+        """One striped device-to-host copy, after its REPLY went out: from memory at `address`, or from
+        the device through `gpu`'s staging (a chunk the driver refuses goes as an aborted frame, and
+        gpu.error says so). "" when every chunk left, else why the lanes failed (they are closed)."""
+        if gpu is not None:
+            r = self._send_device(self._fds, self.count, seq & 0xFFFFFFFF, size, chunk, ctypes.byref(gpu),
+                                  self.stall_s, self._why, WHY_BYTES)
+        else:
+            r = self._send(self._fds, self.count, seq & 0xFFFFFFFF, address, size, chunk, -1, None, None,
+                           self.stall_s, self._why, WHY_BYTES)
+        if r:
+            why = self._why.value.decode(errors="replace")
+            self.close(why)
+            return why
+        self.sent += size
+        return ""
 
     # ---- pinned staging for a real GPU (lanes.h; backends/cuda.py owns the memory and the events) ----
 
@@ -129,9 +164,10 @@ class Lanes:
 
     @staticmethod
     def gpu_copy(*, memcpy_htod: int, event_record: int, event_sync: int, stream: int, dst: int, events: int,
-                 staging: int) -> GpuCopy:
+                 staging: int, memcpy_dtoh: int = 0) -> GpuCopy:
+        """`dst`: the device address (the destination to the device, the source to the host)."""
         return GpuCopy(memcpy_htod=memcpy_htod, event_record=event_record, event_sync=event_sync,
-                       stream=stream or None, dst=dst, events=events, staging=staging)
+                       stream=stream or None, dst=dst, events=events, staging=staging, memcpy_dtoh=memcpy_dtoh)
 
     def close(self, why: str = "the session ended") -> None:
         if not self.failed:

@@ -283,7 +283,16 @@ static CUresult dtoh(void *dst, CUdeviceptr src, size_t n, CUstream stream, int 
     rgpu_put_u64(&c, src);
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
     rgpu_put_u64(&c, n);
-    if (rgpu_ucx_carries(&c, n)) {   /* the bytes come back on UCX: a receive straight into dst */
+    if (!rgpu_ucx_carries(&c, n) && rgpu_lanes_carry(&c, n)) {
+        /* Protocol 12: the REPLY first (an error: nothing follows), then the bytes striped over the
+         * session's data lanes, received straight into dst. */
+        uint64_t chunk = rgpu_lane_chunk_bytes();
+        rgpu_retarget(&c, RGPU_OP_rgpuMemcpyDtoHLanes);
+        rgpu_put_u64(&c, chunk);
+        r = rgpu_sync(&c);
+        if (r == CUDA_SUCCESS) r = rgpu_lanes_get_bulk(&c, dst, n, chunk);
+        if (r == CUDA_SUCCESS) c.sink_got = n;
+    } else if (rgpu_ucx_carries(&c, n)) {   /* the bytes come back on UCX: a receive straight into dst */
         void *ucx_req = NULL;
         rgpu_retarget(&c, RGPU_OP_rgpuMemcpyDtoHUcx);
         r = rgpu_ucx_expect(&c, dst, n, &ucx_req);

@@ -49,10 +49,17 @@ typedef struct {
     uint32_t *ready;        /* chunks whole in a slot, not yet queued to the GPU: (slot, chunk) pairs */
     uint32_t nready;
     uint64_t queued;        /* chunks handed to the GPU (or dropped after a driver error) */
+    int32_t aborted;        /* the code of the first aborted chunk received (0: none) */
     /* send */
     const uint8_t *src;
-    int wake_fd;            /* eventfd: a lane thread ended */
+    int wake_fd;            /* eventfd: a lane thread ended (-1: nobody watches) */
+    /* send from the device through staging: per chunk, its slot and state */
+    int32_t *chunk_slot;
+    uint8_t *chunk_state;   /* 0 not read yet, 1 whole in its slot, 2 aborted */
+    int32_t device_error;
 } copy_state;
+
+enum { CHUNK_PENDING = 0, CHUNK_READY = 1, CHUNK_ABORTED = 2 };
 
 typedef struct {
     copy_state *c;
@@ -121,6 +128,19 @@ static int recv_exact(copy_state *c, int lane, uint8_t *p, size_t n, const char 
     return 0;
 }
 
+/* A lane thread is done: count it, wake whoever waits (the condition, or the watcher's eventfd). */
+static void lane_exit(copy_state *c) {
+    pthread_mutex_lock(&c->lock);
+    c->exited++;
+    pthread_cond_broadcast(&c->cond);
+    pthread_mutex_unlock(&c->lock);
+    if (c->wake_fd >= 0) {
+        uint64_t one = 1;
+        ssize_t ignored = write(c->wake_fd, &one, sizeof one);
+        (void)ignored;
+    }
+}
+
 /* ------------------------------------------------------------------ staging */
 
 rgpu_lanes_staging *rgpu_lanes_staging_new(uint8_t *base, uint32_t count, uint64_t slot_bytes) {
@@ -164,6 +184,14 @@ int rgpu_lanes_staging_drain(rgpu_lanes_staging *st, int (*event_sync)(void *)) 
 
 /* ------------------------------------------------------------------ receiving */
 
+typedef struct {
+    int watch_fd;
+    int (*on_readable)(void *);
+    void *arg;
+} watch_args;
+
+static int watch_middle(copy_state *c, void *arg);
+
 static void *recv_lane(void *arg) {
     lane_arg *a = arg;
     copy_state *c = a->c;
@@ -175,13 +203,23 @@ static void *recv_lane(void *arg) {
         snprintf(what, sizeof what, "chunk %llu of copy %u", (unsigned long long)i, c->seq);
         if (recv_exact(c, a->lane, h, HEADER, what)) break;
         uint32_t len, seq, aux;
-        uint16_t op;
+        uint16_t op, flags;
         uint64_t at;
         memcpy(&len, h, 4);
         memcpy(&op, h + 4, 2);
+        memcpy(&flags, h + 6, 2);
         memcpy(&seq, h + 8, 4);
         memcpy(&aux, h + 12, 4);
         memcpy(&at, h + 16, 8);
+        if (op == RGPU_OP_LANE_DATA && (flags & RGPU_LANE_ABORTED) && len == 4 && seq == c->seq && aux == (uint32_t)i &&
+            at == off) {
+            int32_t code;
+            if (recv_exact(c, a->lane, (uint8_t *)&code, 4, what)) break;
+            pthread_mutex_lock(&c->lock);
+            if (!c->aborted) c->aborted = code ? code : 999;
+            pthread_mutex_unlock(&c->lock);
+            continue;
+        }
         if (op != RGPU_OP_LANE_DATA || seq != c->seq || aux != (uint32_t)i || at != off || len != n) {
             fail(c, "data lane %d sent frame op %u seq %u chunk %u offset %llu of %u bytes where chunk %llu of copy "
                  "%u (offset %llu, %llu bytes) was due", a->lane, op, seq, aux, (unsigned long long)at, len,
@@ -225,10 +263,7 @@ static void *recv_lane(void *arg) {
         pthread_cond_broadcast(&c->cond);
         pthread_mutex_unlock(&c->lock);
     }
-    pthread_mutex_lock(&c->lock);
-    c->exited++;
-    pthread_cond_broadcast(&c->cond);
-    pthread_mutex_unlock(&c->lock);
+    lane_exit(c);
     return NULL;
 }
 
@@ -343,8 +378,10 @@ static int finish(copy_state *c, char *why, size_t whylen) {
 }
 
 int rgpu_lanes_recv(const int *fds, int nfds, uint32_t seq, uint64_t size, uint64_t chunk, uint8_t *direct,
-                    rgpu_lanes_gpu *gpu, double stall_s, char *why, size_t whylen) {
+                    rgpu_lanes_gpu *gpu, int watch_fd, int (*on_readable)(void *), void *arg, double stall_s,
+                    int32_t *aborted, char *why, size_t whylen) {
     copy_state c;
+    if (aborted) *aborted = 0;
     if (init_state(&c, fds, nfds, seq, size, chunk, stall_s, why, whylen)) return -1;
     if (!direct && gpu) {
         rgpu_lanes_staging *st = gpu->staging;
@@ -365,9 +402,14 @@ int rgpu_lanes_recv(const int *fds, int nfds, uint32_t seq, uint64_t size, uint6
     }
     c.direct = direct;
     c.gpu = gpu;
-    run_lanes(&c, recv_lane, direct || !gpu ? NULL : feed_gpu_middle, NULL);
+    watch_args w = {watch_fd, on_readable, arg};
+    int watching = !(gpu && !direct) && watch_fd >= 0 && on_readable;
+    if (watching && (c.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0) watching = 0;
+    run_lanes(&c, recv_lane, direct || !gpu ? (watching ? watch_middle : NULL) : feed_gpu_middle, &w);
+    if (c.wake_fd >= 0) close(c.wake_fd);
     free(c.free_slots);
     free(c.ready);
+    if (aborted) *aborted = c.aborted;
     return finish(&c, why, whylen);
 }
 
@@ -425,20 +467,9 @@ static void *send_lane(void *arg) {
         snprintf(what, sizeof what, "chunk %llu of copy %u", (unsigned long long)i, c->seq);
         if (send_exact(c, a->lane, iov, 2, what)) break;
     }
-    pthread_mutex_lock(&c->lock);
-    c->exited++;
-    pthread_mutex_unlock(&c->lock);
-    uint64_t one = 1;
-    ssize_t ignored = write(c->wake_fd, &one, sizeof one);
-    (void)ignored;
+    lane_exit(c);
     return NULL;
 }
-
-typedef struct {
-    int watch_fd;
-    int (*on_readable)(void *);
-    void *arg;
-} watch_args;
 
 /* The calling thread: serve the session's connection while the lanes send. */
 static int watch_middle(copy_state *c, void *arg) {
@@ -458,7 +489,7 @@ static int watch_middle(copy_state *c, void *arg) {
         }
         if (k > 0 && w->watch_fd >= 0 && w->on_readable && p[1].revents) {
             if (w->on_readable(w->arg)) {
-                fail(c, "the session's connection failed while a striped copy was sent");
+                fail(c, "the session's connection failed during a striped copy");
                 w->watch_fd = -1;
             }
         }
@@ -478,5 +509,154 @@ int rgpu_lanes_send(const int *fds, int nfds, uint32_t seq, const uint8_t *p, ui
     watch_args w = {watch_fd, on_readable, arg};
     run_lanes(&c, send_lane, watch_middle, &w);
     close(c.wake_fd);
+    return finish(&c, why, whylen);
+}
+
+/* ------------------------------------------------------------------ sending from the device */
+
+static int send_abort(copy_state *c, int lane, uint64_t i, int32_t code, const char *what) {
+    uint8_t h[HEADER];
+    uint64_t off = i * c->chunk;
+    uint32_t len = 4, aux = (uint32_t)i;
+    uint16_t op = RGPU_OP_LANE_DATA, flags = RGPU_LANE_ABORTED;
+    memcpy(h, &len, 4);
+    memcpy(h + 4, &op, 2);
+    memcpy(h + 6, &flags, 2);
+    memcpy(h + 8, &c->seq, 4);
+    memcpy(h + 12, &aux, 4);
+    memcpy(h + 16, &off, 8);
+    struct iovec iov[2] = {{h, HEADER}, {&code, 4}};
+    return send_exact(c, lane, iov, 2, what);
+}
+
+static void *send_device_lane(void *arg) {
+    lane_arg *a = arg;
+    copy_state *c = a->c;
+    rgpu_lanes_staging *st = c->gpu->staging;
+    char what[96];
+    for (uint64_t i = (uint64_t)a->lane; i < c->chunks; i += (uint64_t)c->nfds) {
+        pthread_mutex_lock(&c->lock);
+        while (c->chunk_state[i] == CHUNK_PENDING && !c->failed) pthread_cond_wait(&c->cond, &c->lock);
+        int state = c->chunk_state[i], failed = c->failed;
+        int32_t slot = c->chunk_slot[i], code = c->device_error;
+        pthread_mutex_unlock(&c->lock);
+        if (failed) break;
+        snprintf(what, sizeof what, "chunk %llu of copy %u", (unsigned long long)i, c->seq);
+        if (state == CHUNK_ABORTED) {
+            if (send_abort(c, a->lane, i, code, what)) break;
+            continue;
+        }
+        uint64_t off = i * c->chunk;
+        uint64_t n = c->size - off < c->chunk ? c->size - off : c->chunk;
+        uint8_t h[HEADER];
+        uint32_t len = (uint32_t)n, aux = (uint32_t)i;
+        uint16_t op = RGPU_OP_LANE_DATA, flags = 0;
+        memcpy(h, &len, 4);
+        memcpy(h + 4, &op, 2);
+        memcpy(h + 6, &flags, 2);
+        memcpy(h + 8, &c->seq, 4);
+        memcpy(h + 12, &aux, 4);
+        memcpy(h + 16, &off, 8);
+        struct iovec iov[2] = {{h, HEADER}, {st->base + (uint64_t)slot * st->slot_bytes, n}};
+        int r = send_exact(c, a->lane, iov, 2, what);
+        pthread_mutex_lock(&c->lock);
+        c->free_slots[c->nfree++] = (uint32_t)slot;
+        pthread_cond_broadcast(&c->cond);
+        pthread_mutex_unlock(&c->lock);
+        if (r) break;
+    }
+    lane_exit(c);
+    return NULL;
+}
+
+/* The calling thread: queue chunk copies into free slots, in order, and hand each over once its
+ * event says it is whole. */
+static int feed_lanes_middle(copy_state *c, void *arg) {
+    (void)arg;
+    rgpu_lanes_gpu *g = c->gpu;
+    rgpu_lanes_staging *st = g->staging;
+    uint64_t next = 0, done = 0;   /* chunks queued; chunks handed over (in order) */
+    pthread_mutex_lock(&c->lock);
+    while (done < c->chunks && !c->failed) {
+        if (next < c->chunks && c->nfree && !c->device_error) {
+            uint32_t slot = c->free_slots[--c->nfree];
+            pthread_mutex_unlock(&c->lock);
+            uint64_t off = next * c->chunk;
+            uint64_t n = c->size - off < c->chunk ? c->size - off : c->chunk;
+            int r = g->memcpy_dtoh(st->base + (uint64_t)slot * st->slot_bytes, g->dst + off, n, g->stream);
+            if (!r) r = g->event_record(g->events[slot], g->stream);
+            pthread_mutex_lock(&c->lock);
+            c->chunk_slot[next] = (int32_t)slot;
+            if (r) {
+                /* This chunk and every later one go as aborted frames; those queued before are waited for. */
+                c->device_error = r;
+                c->free_slots[c->nfree++] = slot;
+                for (uint64_t j = next; j < c->chunks; j++) c->chunk_state[j] = CHUNK_ABORTED;
+                pthread_cond_broadcast(&c->cond);
+                next = c->chunks;
+            } else {
+                next++;
+            }
+            continue;
+        }
+        if (done < next && c->chunk_state[done] == CHUNK_PENDING) {
+            int32_t slot = c->chunk_slot[done];
+            pthread_mutex_unlock(&c->lock);
+            int r = g->event_sync(g->events[slot]);
+            pthread_mutex_lock(&c->lock);
+            if (r && !c->device_error) {
+                c->device_error = r;
+                for (uint64_t j = done; j < c->chunks; j++)
+                    if (c->chunk_state[j] == CHUNK_PENDING || j >= next) c->chunk_state[j] = CHUNK_ABORTED;
+                c->free_slots[c->nfree++] = (uint32_t)slot;
+                next = c->chunks;
+            } else if (!r) {
+                c->chunk_state[done] = CHUNK_READY;
+            }
+            done++;
+            pthread_cond_broadcast(&c->cond);
+            continue;
+        }
+        if (done < next || (next == c->chunks && done < c->chunks)) {   /* aborted ones: nothing to wait for */
+            done++;
+            continue;
+        }
+        pthread_cond_wait(&c->cond, &c->lock);   /* every slot is on its way out: wait for one back */
+    }
+    pthread_mutex_unlock(&c->lock);
+    return 0;
+}
+
+int rgpu_lanes_send_device(const int *fds, int nfds, uint32_t seq, uint64_t size, uint64_t chunk, rgpu_lanes_gpu *gpu,
+                           double stall_s, char *why, size_t whylen) {
+    copy_state c;
+    if (init_state(&c, fds, nfds, seq, size, chunk, stall_s, why, whylen)) return -1;
+    rgpu_lanes_staging *st = gpu ? gpu->staging : NULL;
+    if (!st || st->slot_bytes < chunk || st->count < 1) {
+        snprintf(why, whylen, "no staging for chunks of %llu bytes", (unsigned long long)chunk);
+        return finish(&c, why, whylen), -1;
+    }
+    int error = rgpu_lanes_staging_drain(st, gpu->event_sync);   /* the slots' host-to-device copies first */
+    c.gpu = gpu;
+    c.free_slots = malloc(st->count * sizeof *c.free_slots);
+    c.chunk_slot = calloc(c.chunks ? c.chunks : 1, sizeof *c.chunk_slot);
+    c.chunk_state = calloc(c.chunks ? c.chunks : 1, 1);
+    if (!c.free_slots || !c.chunk_slot || !c.chunk_state) {
+        free(c.free_slots);
+        free(c.chunk_slot);
+        free(c.chunk_state);
+        snprintf(why, whylen, "out of memory");
+        return finish(&c, why, whylen), -1;
+    }
+    for (uint32_t s = st->count; s-- > 0;) c.free_slots[c.nfree++] = s;
+    if (error) {   /* an earlier copy's error: this one reads nothing */
+        c.device_error = error;
+        memset(c.chunk_state, CHUNK_ABORTED, c.chunks);
+    }
+    run_lanes(&c, send_device_lane, feed_lanes_middle, NULL);
+    gpu->error = c.device_error;
+    free(c.free_slots);
+    free(c.chunk_slot);
+    free(c.chunk_state);
     return finish(&c, why, whylen);
 }

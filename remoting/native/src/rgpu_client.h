@@ -130,6 +130,8 @@ CUresult rgpu_ucx_finish(rgpu_call *c, void *req, size_t n, CUresult result);
 int rgpu_lanes_carry(const rgpu_call *c, size_t n);
 uint64_t rgpu_lane_chunk_bytes(void);
 CUresult rgpu_lanes_put_bulk(rgpu_call *c, const void *p, size_t n);
+/* A device-to-host copy's bytes from the lanes, straight into dst, after its REPLY said they follow. */
+CUresult rgpu_lanes_get_bulk(rgpu_call *c, void *dst, size_t n, uint64_t chunk);
 CUresult rgpu_sync(rgpu_call *c);
 /* Call profile: module image bytes sent (0 for a load served by the GPU node's image cache). */
 void rgpu_stats_image(uint64_t bytes_sent, int cache_hit);

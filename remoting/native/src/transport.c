@@ -1054,6 +1054,23 @@ CUresult rgpu_lanes_put_bulk(rgpu_call *c, const void *p, size_t n) {
     return CUDA_ERROR_UNKNOWN;
 }
 
+CUresult rgpu_lanes_get_bulk(rgpu_call *c, void *dst, size_t n, uint64_t chunk) {
+    rgpu_session *s = c->s;
+    char why[512];
+    int32_t aborted = 0;
+    /* Only unasked frames (a host node's HOST_CALL, a NOTICE) may come on the session's connection
+     * meanwhile: the calling thread serves them while the lane threads receive. */
+    if (rgpu_lanes_recv(s->lanes, s->nlanes, s->seq, n, chunk, dst, NULL, s->fd, serve_while_striping, s, ucx_idle_s(),
+                        &aborted, why, sizeof why) == 0)
+        return (CUresult)aborted;   /* the driver's refusal of part of the copy, or 0 */
+    if (s->dead) return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    rgpu_log(RGPU_LOG_ERROR, "a device-to-host copy of %zu bytes from GPU server %s failed: %s (the copy did not "
+             "complete: CUDA_ERROR_UNKNOWN; the session goes on, its later copies on its one connection)", n,
+             s->server, why);
+    close_lanes(s);
+    return CUDA_ERROR_UNKNOWN;
+}
+
 CUresult rgpu_connect_all(int flags, const char *component) {
     g_component = component;
     int transport = (flags & RGPU_HELLO_NVML) ? TRANSPORT_TCP : transport_setting();
