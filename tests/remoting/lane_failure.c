@@ -1,12 +1,14 @@
 /* A striped copy whose data lane breaks (lane_cut.c cuts it): the copy fails, the next synchronising
- * call reports the worker's side of it, and the session goes on: later copies arrive whole. Prints
- * COPY <code>, SYNC <code>, then OK. */
+ * call reports the worker's side of it, and the session goes on: later copies arrive whole. argv[1]:
+ * htod (the cut copy goes to the device) or dtoh (it comes back). Prints COPY <code>, SYNC <code>,
+ * then OK. */
 #include <cuda.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-int main(void) {
+int main(int argc, char **argv) {
+    int dtoh = argc > 1 && !strcmp(argv[1], "dtoh");
     CUdevice d;
     CUcontext ctx;
     size_t n = 16u << 20;
@@ -15,7 +17,8 @@ int main(void) {
     for (size_t j = 0; j < n; j++) a[j] = (unsigned char)(j * 7 + (j >> 16));
     CUdeviceptr p;
     if (cuMemAlloc(&p, n)) return 2;
-    printf("COPY %d\n", (int)cuMemcpyHtoD(p, a, n));
+    if (dtoh && cuMemcpyHtoD(p, a, n)) return 3;
+    printf("COPY %d\n", (int)(dtoh ? cuMemcpyDtoH(b, p, n) : cuMemcpyHtoD(p, a, n)));
     printf("SYNC %d\n", (int)cuCtxSynchronize());
     for (int k = 0; k < 2; k++) {
         a[k] ^= 0x5a;

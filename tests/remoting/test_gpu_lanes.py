@@ -39,7 +39,7 @@ def test_a_lane_cut_mid_copy_on_a_gpu_fails_that_copy_and_the_session_goes_on(na
                                                                               tmp_path: Path) -> None:
     program = driver_api_program(native_libs, HERE / "lane_failure.c", tmp_path / "lane_failure")
     with serving("cuda", [local_gpu()]) as s:
-        done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(program)], timeout=300,
+        done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(program), "htod"], timeout=300,
                           LD_PRELOAD=str(lane_cut), RGPU_TEST_CUT_SENDMSG="5", **LANE_ENV)
     assert done.returncode == 0 and done.stdout.startswith("COPY 999\nSYNC 999\n"), done.stdout + done.stderr
     assert done.stdout.strip().endswith("OK")

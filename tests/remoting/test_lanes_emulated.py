@@ -95,13 +95,17 @@ def lane_cut(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFact
     return out
 
 
+@pytest.fixture(scope="module")
+def lane_failure(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return driver_api_program(native_libs, HERE / "lane_failure.c", tmp_path_factory.mktemp("fail") / "lane_failure")
+
+
 def test_a_lane_cut_mid_copy_fails_that_copy_and_the_session_goes_on(native_libs: build.Libraries, lane_cut: Path,
-                                                                     tmp_path: Path) -> None:
-    program = driver_api_program(native_libs, HERE / "lane_failure.c", tmp_path / "lane_failure")
+                                                                     lane_failure: Path) -> None:
     with serving("emulated", [EMULATED_GPU]) as s:
         # The 5th chunk's send breaks: 4 chunks of the 16 MiB copy went, 252 did not.
-        done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(program)], timeout=300,
-                          LD_PRELOAD=str(lane_cut), RGPU_TEST_CUT_SENDMSG="5", **LANE_ENV)
+        done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(lane_failure), "htod"],
+                          timeout=300, LD_PRELOAD=str(lane_cut), RGPU_TEST_CUT_SENDMSG="5", **LANE_ENV)
     lines = done.stdout.split()
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr
     assert done.stdout.startswith("COPY 999\nSYNC 999\n"), done.stdout   # CUDA_ERROR_UNKNOWN, each end once
@@ -111,6 +115,19 @@ def test_a_lane_cut_mid_copy_fails_that_copy_and_the_session_goes_on(native_libs
     assert "rgpu: worker: a host-to-device copy of 16777216 bytes over 3 data lanes failed (data lane" in done.stderr
     assert "lost the session" not in done.stderr
     assert lines.count("OK") == 1
+
+
+def test_a_lane_cut_while_a_copy_comes_back_fails_that_copy_and_the_session_goes_on(
+        native_libs: build.Libraries, lane_cut: Path, lane_failure: Path) -> None:
+    with serving("emulated", [EMULATED_GPU]) as s:
+        # A receive of the device-to-host copy breaks (the host-to-device copy before it is whole).
+        done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(lane_failure), "dtoh"],
+                          timeout=300, LD_PRELOAD=str(lane_cut), RGPU_TEST_CUT_RECV="40", **LANE_ENV)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr
+    # The copy fails at once; the worker, told success before it sent, has nothing to report later.
+    assert done.stdout.startswith("COPY 999\nSYNC 0\n"), done.stdout
+    assert "a device-to-host copy of 16777216 bytes from GPU server" in done.stderr, done.stderr
+    assert "lost the session" not in done.stderr
 
 
 # ---- the handshake: lanes must prove they belong to their session --------------------------------
