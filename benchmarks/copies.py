@@ -8,7 +8,7 @@ each beside raw loopback TCP on the same number of streams, measured in the same
 One run prints, for 128 and 256 MiB pinned (cuMemAllocHost) and pageable (malloc) buffers, host to
 device and device to host: GB/s (median of --reps) and the fraction of raw TCP on the same streams
 (1 for the UCX configurations and rgpu-tcp, --lanes for rgpu-lanes; raw TCP runs just before each
-configuration). Device-to-host copies still travel on the session's one connection with lanes on. The emulated
+configuration). The emulated
 backend (CPU only; the "device" is the worker's memory) measures the data path alone; on a GPU
 machine `--backend cuda` adds the PCIe copy behind it. Every configuration starts its own session
 server, so UCX_TLS applies to both ends. The CI target: same-host pinned 128 MiB copies over UCX at

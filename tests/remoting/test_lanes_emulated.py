@@ -412,3 +412,82 @@ def test_struct_layouts_match_lanes_h() -> None:
     from rgpu.remoting.datapath.worker.lanes import GpuCopy
     assert ctypes.sizeof(GpuCopy) == 8 * 7 + 8 + 8
     assert struct.calcsize("<QQQQ") == protocol.LANES_COPY.size
+
+
+# ---- hostile or refused striped copy frames, from a hand-made client ------------------------------
+
+def _sync(sock: socket.socket, op: int, payload: bytes, seq: int, ctx: int = 0) -> tuple[int, bytes]:
+    sock.sendall(protocol.pack_frame(op, payload, seq=seq, ctx=ctx))
+    while True:
+        header, body = protocol.recv_frame(sock)
+        if header[1] == protocol.OP_REPLY:
+            assert header[3] == seq
+            return struct.unpack_from("<i", body)[0], body
+
+
+def _receive_striped(lanes: list[socket.socket], seq: int, size: int, chunk: int) -> bytes:
+    out = bytearray(size)
+    for i in range((size + chunk - 1) // chunk):
+        (length, op, flags, got_seq, aux, at), body = protocol.recv_frame(lanes[i % len(lanes)])
+        assert (op, flags, got_seq, aux, at) == (protocol.OP_LANE_DATA, 0, seq, i, i * chunk)
+        out[at:at + length] = body
+    return bytes(out)
+
+
+def test_refused_striped_copies_keep_the_lanes_in_step_and_hostile_ones_end_them(emulated: Server) -> None:
+    sock, welcome, lanes = protocol.handshake_with_lanes(emulated.address, emulated.token(memory_limit=1 << 30), 2)
+    chunk, size = 64 << 10, 1 * MiB + 5
+    sync = OP["cuCtxSynchronize"]
+    with sock:
+        assert welcome.lanes == 2 and len(lanes) == 2
+        code, body = _sync(sock, OP["cuDevicePrimaryCtxRetain"], struct.pack("<i", 0), 1)
+        (ctx,) = struct.unpack_from("<Q", body, 4)
+        code, body = _sync(sock, OP["cuMemAlloc_v2"], struct.pack("<QQQQI", 4 << 20, 0, 0, 0, 0), 2, ctx)
+        assert code == 0, body
+        (dev,) = struct.unpack_from("<Q", body, 4)
+        data = os.urandom(size)
+        htod, dtoh = OP["rgpuMemcpyHtoDLanes"], OP["rgpuMemcpyDtoHLanes"]
+        # Refused by the worker (a stream it never made; a range beyond the allocation): its bytes are
+        # read and dropped, the error waits for the next synchronisation, and the lanes stay in step.
+        for seq, (address, stream) in enumerate(((dev, 0x7D00_0000_0000_0042), (dev + (4 << 20) - 8, 0)), start=3):
+            sock.sendall(protocol.pack_frame(htod, protocol.LANES_COPY.pack(address, stream, size, chunk), seq=seq,
+                                             ctx=ctx))
+            for t in _send_striped(lanes, seq, data, chunk):
+                t.join()
+            code, body = _sync(sock, sync, b"", seq + 10, ctx)
+            assert code != 0, body
+        # A good one, there and back.
+        sock.sendall(protocol.pack_frame(htod, protocol.LANES_COPY.pack(dev, 0, size, chunk), seq=20, ctx=ctx))
+        for t in _send_striped(lanes, 20, data, chunk):
+            t.join()
+        code, body = _sync(sock, dtoh, protocol.LANES_COPY.pack(dev, 0, size, chunk), 21, ctx)
+        assert code == 0, body
+        assert _receive_striped(lanes, 21, size, chunk) == data
+        # Refused back (beyond the slice): the REPLY says so and nothing comes on the lanes.
+        code, body = _sync(sock, dtoh, protocol.LANES_COPY.pack(dev, 0, 2 << 30, chunk), 22, ctx)
+        assert code == 1 and b"more than the slice's" in body, body
+        code, body = _sync(sock, dtoh, protocol.LANES_COPY.pack(dev, 0, size, chunk), 23, ctx)
+        assert code == 0 and _receive_striped(lanes, 23, size, chunk) == data
+        # A chunk size outside the protocol's bounds cannot be kept in step: the lanes end, clearly.
+        code, body = _sync(sock, dtoh, protocol.LANES_COPY.pack(dev, 0, size, 100), 24, ctx)
+        assert code == 1 and b"in chunks of 100 bytes" in body, body
+        code, body = _sync(sock, dtoh, protocol.LANES_COPY.pack(dev, 0, size, chunk), 25, ctx)
+        assert code == 999 and b"whose data lanes ended" in body, body
+        code, body = _sync(sock, OP["rgpuSessionInfo"], b"", 26)
+        assert code == 0   # the session goes on
+    for lane in lanes:
+        lane.close()
+
+
+def test_a_striped_copy_frame_on_a_session_without_lanes_is_an_error_not_a_crash(emulated: Server) -> None:
+    sock, welcome = protocol.handshake(emulated.address, emulated.token())
+    with sock:
+        assert welcome.lanes == 0
+        code, body = _sync(sock, OP["rgpuMemcpyDtoHLanes"], protocol.LANES_COPY.pack(0x1000, 0, 8 << 20, 1 << 20), 1)
+        assert code == 1 and b"rgpuMemcpyDtoHLanes on a session that has no data lanes" in body, body
+        sock.sendall(protocol.pack_frame(OP["rgpuMemcpyHtoDLanes"], protocol.LANES_COPY.pack(0x1000, 0, 8 << 20, 1 << 20),
+                                         seq=2))
+        code, body = _sync(sock, OP["rgpuSessionInfo"], b"", 3)
+        assert code == 1 and b"rgpuMemcpyHtoDLanes on a session that has no data lanes" in body, body
+        code, body = _sync(sock, OP["rgpuSessionInfo"], b"", 4)
+        assert code == 0
