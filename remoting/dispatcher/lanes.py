@@ -21,7 +21,7 @@ from typing import Any
 
 from rgpu.remoting.datapath import protocol
 
-LANE_WAIT_S = 5.0   # how long a session waits for its lanes, and a lane for its session
+LANE_WAIT_S = 3.0   # how long a session waits for its lanes, and a lane for its session
 
 
 def parse_lane_request(info: dict) -> tuple[int, bytes] | None:

@@ -2,6 +2,7 @@
  * Shared by libcuda.so.1 and libnvidia-ml.so.1; each library opens its own sessions. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -632,7 +633,31 @@ static int socket_buffer_bytes(void) {
     return bytes;
 }
 
-static int dial(const char *server, char *why, size_t whylen) {
+/* connect(2), giving up after timeout_ms (< 0: as long as the kernel tries). */
+static int connect_within(int fd, const struct sockaddr *addr, socklen_t len, int timeout_ms) {
+    if (timeout_ms < 0) return connect(fd, addr, len);
+    int fl = fcntl(fd, F_GETFL);
+    fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+    int r = connect(fd, addr, len);
+    if (r && errno == EINPROGRESS) {
+        struct pollfd p = {.fd = fd, .events = POLLOUT};
+        int k = poll(&p, 1, timeout_ms);
+        int err = 0;
+        socklen_t el = sizeof err;
+        if (k == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) == 0 && !err) r = 0;
+        else errno = k == 0 ? ETIMEDOUT : err ? err : errno;
+    }
+    int saved = errno;
+    fcntl(fd, F_SETFL, fl);
+    errno = saved;
+    return r;
+}
+
+static int dial_within(const char *server, int timeout_ms, char *why, size_t whylen);
+
+static int dial(const char *server, char *why, size_t whylen) { return dial_within(server, -1, why, whylen); }
+
+static int dial_within(const char *server, int timeout_ms, char *why, size_t whylen) {
     char host[256];
     const char *colon = strrchr(server, ':');
     if (!colon || colon == server) {
@@ -658,7 +683,7 @@ static int dial(const char *server, char *why, size_t whylen) {
     for (struct addrinfo *a = res; a; a = a->ai_next) {
         fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
         if (fd < 0) continue;
-        if (connect(fd, a->ai_addr, a->ai_addrlen) == 0) break;
+        if (connect_within(fd, a->ai_addr, a->ai_addrlen, timeout_ms) == 0) break;
         snprintf(why, whylen, "cannot connect: %s", strerror(errno));
         close(fd);
         fd = -1;
@@ -770,13 +795,16 @@ static void hello_frame(rgpu_session *s, int flags, int lanes, uint8_t **out, si
     free(info);
 }
 
-/* Open the session's data lanes (after its HELLO went out): each a connection whose HELLO carries
- * the session's token and lane key. Lanes that cannot connect leave the session without lanes (the
- * dispatcher, missing some, gives it none). */
+/* Open the session's data lanes (before its HELLO goes out): each a connection whose HELLO carries
+ * the session's token and lane key. A lane that cannot connect leaves the session without lanes. */
+#define LANE_CONNECT_MS 2000
+
 static void open_lanes(rgpu_session *s, int lanes) {
     char why[512];
     for (int i = 0; i < lanes; i++) {
-        int fd = dial(s->server, why, sizeof why);
+        /* A server that does not accept at once (not a dispatcher, or a stuck one) costs 2 s, not
+         * the kernel's minutes of retries. */
+        int fd = dial_within(s->server, LANE_CONNECT_MS, why, sizeof why);
         if (fd < 0) {
             rgpu_log(RGPU_LOG_WARN, "cannot open data lane %d to GPU server %s (%s); its copies stay on one "
                      "connection", i, s->server, why);
@@ -1121,13 +1149,20 @@ CUresult rgpu_connect_all(int flags, const char *component) {
         size_t fl;
         int lanes = (flags & RGPU_HELLO_NVML) ? 1 : lanes_setting();
         if (lanes > 1 && getrandom(s->lane_key, sizeof s->lane_key, 0) != (ssize_t)sizeof s->lane_key) lanes = 1;
+        /* The lanes first: the session asks for them only once all of them are open, so a lane that
+         * cannot connect never keeps the dispatcher waiting for it (it drops the ones that came). */
+        if (lanes > 1) {
+            open_lanes(s, lanes);
+            if (s->nlanes != lanes) {
+                close_lanes(s);
+                lanes = 1;
+            }
+        }
         hello_frame(s, flags, lanes, &f, &fl);
         if (send_all(s->fd, f, fl)) {
             rgpu_log(RGPU_LOG_ERROR, "cannot send to GPU server %s (%s)", s->server, strerror(errno));
             s->dead = 1;
             result = CUDA_ERROR_DEVICE_UNAVAILABLE;
-        } else if (lanes > 1) {
-            open_lanes(s, lanes);
         }
         free(f);
     }
