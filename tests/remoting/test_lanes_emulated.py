@@ -491,3 +491,44 @@ def test_a_striped_copy_frame_on_a_session_without_lanes_is_an_error_not_a_crash
         assert code == 1 and b"rgpuMemcpyHtoDLanes on a session that has no data lanes" in body, body
         code, body = _sync(sock, OP["rgpuSessionInfo"], b"", 4)
         assert code == 0
+
+
+@pytest.mark.integration
+def test_a_lane_that_stops_mid_copy_ends_the_lanes_after_the_stall_and_the_session_goes_on() -> None:
+    from rgpu.remoting.dispatcher.admission import SessionCaps
+    with serving("emulated", [EMULATED_GPU], SessionCaps(frame_stall_s=1.0)) as s:
+        sock, welcome, lanes = protocol.handshake_with_lanes(s.address, s.token(memory_limit=1 << 30), 2)
+        chunk, size = 64 << 10, 1 * MiB
+        with sock:
+            assert welcome.lanes == 2
+            code, body = _sync(sock, OP["cuDevicePrimaryCtxRetain"], struct.pack("<i", 0), 1)
+            (ctx,) = struct.unpack_from("<Q", body, 4)
+            code, body = _sync(sock, OP["cuMemAlloc_v2"], struct.pack("<QQQQI", 4 << 20, 0, 0, 0, 0), 2, ctx)
+            (dev,) = struct.unpack_from("<Q", body, 4)
+            sock.sendall(protocol.pack_frame(OP["rgpuMemcpyHtoDLanes"], protocol.LANES_COPY.pack(dev, 0, size, chunk),
+                                             seq=3, ctx=ctx))
+            # Chunk 0 on lane 0 and half of chunk 1 on lane 1, then nothing.
+            lanes[0].sendall(protocol.HEADER.pack(chunk, protocol.OP_LANE_DATA, 0, 3, 0, 0) + bytes(chunk))
+            lanes[1].sendall(protocol.HEADER.pack(chunk, protocol.OP_LANE_DATA, 0, 3, 1, chunk) + bytes(chunk // 2))
+            code, body = _sync(sock, OP["cuCtxSynchronize"], b"", 4, ctx)
+            assert code == 999 and b"sent nothing for 1 s during chunk" in body, body
+            for lane in lanes:   # the worker closed its ends
+                lane.settimeout(10)
+                assert lane.recv(1) == b""
+            # The session goes on: a copy on its one connection, and back.
+            data = os.urandom(4096)
+            sock.sendall(protocol.pack_frame(OP["cuMemcpyHtoDAsync_v2"], struct.pack("<QQQ", dev, 0, len(data)) + data,
+                                             seq=5, ctx=ctx))
+            sock.sendall(protocol.pack_frame(OP["cuMemcpyDtoHAsync_v2"], struct.pack("<QQQ", dev, 0, len(data)), seq=6,
+                                             ctx=ctx))
+            back = b""
+            while True:
+                header, payload = protocol.recv_frame(sock)
+                if header[1] == protocol.OP_DATA:
+                    back += payload
+                elif header[1] == protocol.OP_REPLY:
+                    assert struct.unpack_from("<i", payload)[0] == 0
+                    break
+            assert back == data
+        for lane in lanes:
+            lane.close()
