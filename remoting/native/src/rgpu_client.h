@@ -76,6 +76,7 @@ typedef struct rgpu_session {
     /* Data lanes (protocol 12): opened beside fd at the handshake, kept when WELCOME took them all. */
     int lanes[RGPU_MAX_LANES];
     int nlanes;
+    int striping;              /* lane threads use the lanes now: a failing session leaves them open */
     uint8_t lane_key[RGPU_LANE_KEY_BYTES];
 } rgpu_session;
 

@@ -198,7 +198,7 @@ static void session_fail(rgpu_session *s, const char *why) {
     if (s->dead) return;
     s->dead = 1;
     if (s->fd >= 0) { close(s->fd); s->fd = -1; }
-    close_lanes(s);
+    if (!s->striping) close_lanes(s);   /* else the striped copy closes them once its threads are done */
     rgpu_log(RGPU_LOG_ERROR,
              "lost the session with GPU server %s (device %d: %s; the worker serving this slice ended, "
              "so its memory and kernels are gone; calls now return CUDA_ERROR_DEVICE_UNAVAILABLE; "
@@ -1071,10 +1071,15 @@ CUresult rgpu_lanes_put_bulk(rgpu_call *c, const void *p, size_t n) {
     char why[512];
     /* The worker may be waiting for this process first (a graph's host function queued before the
      * copy): the calling thread serves the session's connection while the lanes send. */
-    if (rgpu_lanes_send(s->lanes, s->nlanes, s->seq, p, n, rgpu_lane_chunk_bytes(), s->fd, serve_while_striping, s,
-                        ucx_idle_s(), why, sizeof why) == 0)
-        return CUDA_SUCCESS;
-    if (s->dead) return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    s->striping = 1;
+    int r = rgpu_lanes_send(s->lanes, s->nlanes, s->seq, p, n, rgpu_lane_chunk_bytes(), s->fd, serve_while_striping, s,
+                            ucx_idle_s(), why, sizeof why);
+    s->striping = 0;
+    if (s->dead) {
+        close_lanes(s);
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
+    if (r == 0) return CUDA_SUCCESS;
     rgpu_log(RGPU_LOG_ERROR, "a host-to-device copy of %zu bytes to GPU server %s failed: %s (the copy did not "
              "complete: CUDA_ERROR_UNKNOWN; the session goes on, its later copies on its one connection)", n,
              s->server, why);
@@ -1088,10 +1093,15 @@ CUresult rgpu_lanes_get_bulk(rgpu_call *c, void *dst, size_t n, uint64_t chunk) 
     int32_t aborted = 0;
     /* Only unasked frames (a host node's HOST_CALL, a NOTICE) may come on the session's connection
      * meanwhile: the calling thread serves them while the lane threads receive. */
-    if (rgpu_lanes_recv(s->lanes, s->nlanes, s->seq, n, chunk, dst, NULL, s->fd, serve_while_striping, s, ucx_idle_s(),
-                        &aborted, why, sizeof why) == 0)
-        return (CUresult)aborted;   /* the driver's refusal of part of the copy, or 0 */
-    if (s->dead) return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    s->striping = 1;
+    int r = rgpu_lanes_recv(s->lanes, s->nlanes, s->seq, n, chunk, dst, NULL, s->fd, serve_while_striping, s,
+                            ucx_idle_s(), &aborted, why, sizeof why);
+    s->striping = 0;
+    if (s->dead) {
+        close_lanes(s);
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
+    if (r == 0) return (CUresult)aborted;   /* the driver's refusal of part of the copy, or 0 */
     rgpu_log(RGPU_LOG_ERROR, "a device-to-host copy of %zu bytes from GPU server %s failed: %s (the copy did not "
              "complete: CUDA_ERROR_UNKNOWN; the session goes on, its later copies on its one connection)", n,
              s->server, why);
