@@ -27,6 +27,18 @@ struct rgpu_lanes_staging {
     uint32_t head, len;
 };
 
+/* A LANE_DATA frame's header: chunk i of copy `seq`, at offset `off`. */
+static void lane_header(uint8_t h[HEADER], uint32_t len, uint16_t flags, uint32_t seq, uint64_t i, uint64_t off) {
+    uint16_t op = RGPU_OP_LANE_DATA;
+    uint32_t aux = (uint32_t)i;
+    memcpy(h, &len, 4);
+    memcpy(h + 4, &op, 2);
+    memcpy(h + 6, &flags, 2);
+    memcpy(h + 8, &seq, 4);
+    memcpy(h + 12, &aux, 4);
+    memcpy(h + 16, &off, 8);
+}
+
 /* ------------------------------------------------------------------ one copy's shared state */
 
 typedef struct {
@@ -455,14 +467,7 @@ static void *send_lane(void *arg) {
         uint64_t off = i * c->chunk;
         uint64_t n = c->size - off < c->chunk ? c->size - off : c->chunk;
         uint8_t h[HEADER];
-        uint32_t len = (uint32_t)n, aux = (uint32_t)i;
-        uint16_t op = RGPU_OP_LANE_DATA, flags = 0;
-        memcpy(h, &len, 4);
-        memcpy(h + 4, &op, 2);
-        memcpy(h + 6, &flags, 2);
-        memcpy(h + 8, &c->seq, 4);
-        memcpy(h + 12, &aux, 4);
-        memcpy(h + 16, &off, 8);
+        lane_header(h, (uint32_t)n, 0, c->seq, i, off);
         struct iovec iov[2] = {{h, HEADER}, {(void *)(c->src + off), n}};
         snprintf(what, sizeof what, "chunk %llu of copy %u", (unsigned long long)i, c->seq);
         if (send_exact(c, a->lane, iov, 2, what)) break;
@@ -516,15 +521,7 @@ int rgpu_lanes_send(const int *fds, int nfds, uint32_t seq, const uint8_t *p, ui
 
 static int send_abort(copy_state *c, int lane, uint64_t i, int32_t code, const char *what) {
     uint8_t h[HEADER];
-    uint64_t off = i * c->chunk;
-    uint32_t len = 4, aux = (uint32_t)i;
-    uint16_t op = RGPU_OP_LANE_DATA, flags = RGPU_LANE_ABORTED;
-    memcpy(h, &len, 4);
-    memcpy(h + 4, &op, 2);
-    memcpy(h + 6, &flags, 2);
-    memcpy(h + 8, &c->seq, 4);
-    memcpy(h + 12, &aux, 4);
-    memcpy(h + 16, &off, 8);
+    lane_header(h, 4, RGPU_LANE_ABORTED, c->seq, i, i * c->chunk);
     struct iovec iov[2] = {{h, HEADER}, {&code, 4}};
     return send_exact(c, lane, iov, 2, what);
 }
@@ -549,14 +546,7 @@ static void *send_device_lane(void *arg) {
         uint64_t off = i * c->chunk;
         uint64_t n = c->size - off < c->chunk ? c->size - off : c->chunk;
         uint8_t h[HEADER];
-        uint32_t len = (uint32_t)n, aux = (uint32_t)i;
-        uint16_t op = RGPU_OP_LANE_DATA, flags = 0;
-        memcpy(h, &len, 4);
-        memcpy(h + 4, &op, 2);
-        memcpy(h + 6, &flags, 2);
-        memcpy(h + 8, &c->seq, 4);
-        memcpy(h + 12, &aux, 4);
-        memcpy(h + 16, &off, 8);
+        lane_header(h, (uint32_t)n, 0, c->seq, i, off);
         struct iovec iov[2] = {{h, HEADER}, {st->base + (uint64_t)slot * st->slot_bytes, n}};
         int r = send_exact(c, a->lane, iov, 2, what);
         pthread_mutex_lock(&c->lock);
