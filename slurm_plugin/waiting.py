@@ -135,10 +135,12 @@ ADMIN_HOLD = "JobHeldAdmin"      # an admin's hold: never released by rgpu
 # shows these until it starts, and its room is kept for it meanwhile.
 STARTABLE_REASONS = frozenset({"", "None", "Priority", "Resources", "Licenses"})
 
-# What to do for a job the pool can place now: scontrol release (held), then StartTime=now
-# (requeued: Slurm's requeue delay). HOLD: a job let go that Slurm has not started yet, whose room
-# is no longer there (marked again, then `scontrol uhold`: it waits as it was submitted).
-RELEASE, START, HOLD = "release", "start", "hold"
+# What to do for a job the pool can place now: reserve its placement in the pool (PoolCore.reserve:
+# nothing else may take that room until its PrologSlurmctld claims it), then scontrol release
+# (held), then StartTime=now (requeued: Slurm's requeue delay). HOLD: a job let go without a
+# reservation (by an admin, or before reservations) that Slurm has not started yet, whose room is
+# no longer there (marked again, then `scontrol uhold`: it waits as it was submitted).
+RESERVE, RELEASE, START, HOLD = "reserve", "release", "start", "hold"
 
 
 def _admitted_unleased(job: Any, leased: set[tuple[int, int]]) -> bool:
@@ -240,14 +242,40 @@ def jobs_to_start(jobs: Iterable[Any], gpu_statuses: Iterable[Any], leases: Iter
         if record is None:
             continue
         if job.reason == ADMISSION_HOLD:
-            if placeable(record) or never_fits(record, gpu_statuses):
-                chosen.append((job.job_id, (RELEASE,)))
+            if placeable(record):
+                chosen.append((job.job_id, (RESERVE, RELEASE)))
+            elif never_fits(record, gpu_statuses):
+                chosen.append((job.job_id, (RELEASE,)))      # for its PrologSlurmctld to cancel: no room to hold
         elif job.reason == MAX_REQUEUE_HOLD:
             if placeable(record):
-                chosen.append((job.job_id, (RELEASE, START)))
+                chosen.append((job.job_id, (RESERVE, RELEASE, START)))
         elif job.reason not in STARTABLE_REASONS and job.reason != ADMIN_HOLD and placeable(record):
-            chosen.append((job.job_id, (START,)))
+            chosen.append((job.job_id, (RESERVE, START)))
     return chosen
+
+
+def reservation_upkeep(jobs: Iterable[Any], leases: Iterable[Any]) -> tuple[list[Any], list[tuple[int, int]]]:
+    """For the pool's reservations of Slurm jobs (keys `slurm:<cluster>:<job>:<restart>:+r<n>`,
+    PoolCore.reserve): the jobs whose reservations to keep (renew: the job is let go, pending or in
+    its PrologSlurmctld), and the (job id, restart count) of those to give back (the job is held
+    again, waits on a dependency, was requeued since, or is past its prologs). Reservations of jobs gone from Slurm's
+    list are left to the reconciler (`decide`) and to their expiry. Pure."""
+    by_id = {j.job_id: j for j in jobs}
+    keep: list[Any] = []
+    drop: list[tuple[int, int]] = []
+    for attempt in sorted({(p.job_id, p.restart_count) for p in (parse_job_key(le.job_key) for le in leases)
+                           if p is not None and p.node.startswith(RESERVATION_NODE)}):
+        job = by_id.get(attempt[0])
+        if job is None or not job.live:
+            continue
+        if job.restart_count == attempt[1] and _admitted_unleased(job, set()):
+            keep.append(job)
+        else:
+            drop.append(attempt)
+    return keep, drop
+
+
+RESERVATION_NODE = "+"     # reservation keys end in `+r<n>` where lease keys end in a node name
 
 
 def hold_again(job_id: int, record_text: str, run: Callable[[list[str]], Any],
@@ -328,12 +356,16 @@ def clear_mark(job_id: int, admin_comment: str, *, env: Mapping[str, str] | None
 def start_waiting_jobs(jobs: Sequence[Any], gpu_statuses: Iterable[Any], log: logging.Logger | logging.LoggerAdapter[Any],
                        *, leases: Iterable[Any] = (), fits: Callable[[list[LeaseRequest]], bool] | None = None,
                        env: Mapping[str, str] | None = None, timeout: float = 4.0,
-                       scontrol: Callable[[list[str]], Any] | None = None) -> list[int]:
+                       scontrol: Callable[[list[str]], Any] | None = None,
+                       reserve: Callable[[Any, RequestRecord], Any] | None = None) -> list[int]:
     """Release (or StartTime=now) every waiting job the pool can place now; returns their ids.
     Read `leases` before `gpu_statuses`: a lease made between the two reads is then counted twice
     (a job waits one more pass), never not at all (a job started into room that is gone).
-    `scontrol(argv)` runs each command (default: run_command with `env` and `timeout`)."""
+    `scontrol(argv)` runs each command (default: run_command with `env` and `timeout`).
+    `reserve(job, record)` holds the job's placement in the pool before it is let go (PoolCore.reserve);
+    a job whose reservation fails (RgpuError) is not let go this pass."""
     run = scontrol or (lambda argv: run_command(argv, env=env, timeout=timeout))
+    by_id = {j.job_id: j for j in jobs}
     started = []
     # The record alone, once released (PrologSlurmctld also removes a mark it finds).
     marked = {j.job_id: j.admin_comment.partition(RECORD_SEPARATOR)[0] for j in jobs if j.reason == ADMISSION_HOLD}
@@ -346,7 +378,11 @@ def start_waiting_jobs(jobs: Sequence[Any], gpu_statuses: Iterable[Any], log: lo
             continue
         try:
             for step in steps:
-                run(release_command(job_id) if step == RELEASE else start_command(job_id))
+                if step == RESERVE:
+                    if reserve is not None:
+                        reserve(by_id[job_id], parse_record(records[job_id]))
+                else:
+                    run(release_command(job_id) if step == RELEASE else start_command(job_id))
             started.append(job_id)
         except RgpuError as exc:
             log.warning("rgpu: slurm: could not start waiting job %s: %s", job_id, exc)
