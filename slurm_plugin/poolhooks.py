@@ -109,7 +109,7 @@ class Admission:
             leases = self.core.list_leases()          # before the GPUs: see start_waiting_jobs
             started = start_waiting_jobs(jobs, self.core.gpu_statuses(), self.log, leases=leases, env=self.env,
                                          fits=getattr(self.core, "fits_in_every_order", None), scontrol=self.scontrol,
-                                         reserve=reserve)
+                                         reserve=reserve, room=getattr(self.core, "room_for_head", None) if reserve else None)
             self.jobs_held = len(started) < len(pending)
         else:
             self.jobs_held = False
@@ -120,12 +120,13 @@ class Admission:
         assert self.cluster is not None
         return attempt_prefix(self.cluster(), job_id, restart_count)
 
-    def _reserve(self, job: Any, record: Any) -> None:
-        """Hold the job's placement in the pool until its PrologSlurmctld claims it (PoolCore.reserve)."""
+    def _reserve(self, job: Any, record: Any, avoid: frozenset[tuple[str, str]] = frozenset()) -> None:
+        """Hold the job's placement in the pool (off the GPUs in `avoid`) until its
+        PrologSlurmctld claims it (PoolCore.reserve)."""
         from rgpu.slurm_plugin.waiting import lease_requests
 
         self.core.reserve(self._prefix(job.job_id, job.restart_count), job.user, lease_requests(record),
-                          self.reservation_seconds)
+                          self.reservation_seconds, avoid)
 
     def _upkeep(self, jobs: list[Any]) -> None:
         """Renew the reservations of jobs still let go; give back those of jobs that are not."""

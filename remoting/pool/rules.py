@@ -14,13 +14,14 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 from rgpu import tokens, validate
-from rgpu.errors import InvalidRequest, NotFound, PermissionDenied, QuotaExceeded
+from rgpu.errors import CapacityError, InvalidRequest, NotFound, PermissionDenied, QuotaExceeded
 from rgpu.live_leases import LiveLeases
 from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
 from rgpu.remoting.pool.accounting import (Interval, SliceUsageRecord, UsageTotal, idle_seconds, idle_since, is_idle,
                                            to_pool_clock, totals)
 from rgpu.remoting.pool.placement import (GpuSlot, PlacedSlice, SliceRequest, fits_in_every_order, percent_of_fraction,
                                           place)
+from rgpu.remoting.pool.backfill import Avoid, head_room, place_in_turn, with_placed, without
 from rgpu.remoting.pool.placement_index import PlacementIndex
 from rgpu.remoting.pool.reservations import claim_prefixes, fits_request, reservation_key, reservation_prefix
 from rgpu.remoting.pool.store import PoolStore
@@ -233,16 +234,35 @@ class PoolCore:
     def add_capacity_listener(self, callback: Callable[[], None]) -> None:
         self._listeners.append(callback)
 
-    def fits_in_every_order(self, requests: list[tuple[int, float, int, str]]) -> bool:
+    def fits_in_every_order(self, requests: list[tuple[int, float, int, str]],
+                            first: list[tuple[tuple[int, float, int, str], Avoid]] | None = None) -> bool:
         """Whether the pool could place all these requests now, whatever order they come in
         (placement.fits_in_every_order on the GPUs of up servers). Each is (count, fraction or
-        0.0, memory_bytes or 0, isolation); one per lease, so a two-node job is two requests."""
-        wanted = [SliceRequest(count=count, fraction=fraction if not memory else None, memory_bytes=memory or None,
-                               isolation=isolation) for count, fraction, memory, isolation in requests]
+        0.0, memory_bytes or 0, isolation); one per lease, so a two-node job is two requests.
+        `first`: (request, GPUs it may not use) placed before those, one after the other in this
+        order, as `reserve` places them."""
         self.catch_up()
         with self._lock:
             slots = self._slots(self.clock())
-        return fits_in_every_order(slots, wanted, self.placement)
+        try:
+            slots = place_in_turn(slots, [(_slice_request(r), avoid) for r, avoid in first or []], self.placement)
+        except CapacityError:
+            return False
+        return fits_in_every_order(slots, [_slice_request(r) for r in requests], self.placement)
+
+    def room_for_head(self, head: list[tuple[int, float, int, str]],
+                      first: list[tuple[tuple[int, float, int, str], Avoid]] | None = None) -> Avoid:
+        """The GPUs, as (server address, UUID), that a job waiting at the head of the queue (its
+        requests, one per lease) will get once the oldest leases end (backfill.head_room), after
+        `first` (as for fits_in_every_order: reservations about to be made, which end last)."""
+        self.catch_up()
+        with self._lock:
+            slots, leases = self._slots(self.clock()), list(self.leases.values())
+        try:
+            slots = place_in_turn(slots, [(_slice_request(r), avoid) for r, avoid in first or []], self.placement)
+        except CapacityError:
+            return frozenset()
+        return head_room(slots, leases, [_slice_request(r) for r in head], self.placement)
 
     # -- lease listeners: told when a lease started (False) or ended (True: released, expired, idle)
     def add_lease_listener(self, callback: Callable[[bool], None]) -> None:
@@ -570,12 +590,13 @@ class PoolCore:
         return None
 
     def reserve(self, prefix: str, user: str, requests: list[tuple[int, float, int, str]],
-                ttl_seconds: float) -> list[LeaseRecord]:
+                ttl_seconds: float, avoid: Avoid = frozenset()) -> list[LeaseRecord]:
         """Hold room for the leases about to be asked for under keys that start with `prefix` (one
         ending in ':'; reservations.py): one reservation per request (count, fraction or 0.0,
         memory_bytes or 0, isolation), placed as Allocates would place them now one after the
-        other, all or none (CapacityError), each expiring `ttl_seconds` from now. A prefix that
-        holds reservations already gets their expiry moved to now + ttl_seconds instead."""
+        other, all or none (CapacityError), each expiring `ttl_seconds` from now, on none of the
+        GPUs in `avoid` ((server address, UUID): kept for a job that waits). A prefix that holds
+        reservations already gets their expiry moved to now + ttl_seconds instead."""
         if not prefix.endswith(":") or reservation_prefix(reservation_key(prefix, 0)) != prefix:
             raise InvalidRequest("pool", f"cannot reserve under {prefix[:80]!r}", "a reservation prefix ends with ':'",
                                  "this is a bug in the caller")
@@ -595,15 +616,11 @@ class PoolCore:
                     self.store.set_lease_expiry(r.job_key, r.expires_unix)
                     self.leases[r.job_key] = r
                 return renewed
-            slots, planned = self._slots(now), []
+            slots, planned = without(self._slots(now), avoid), []
             for one in wanted:      # CapacityError here leaves everything as it was
                 placed = place(slots, SliceRequest(count=one.count, fraction=one.fraction, memory_bytes=one.memory_bytes,
                                                    isolation=one.isolation), self.placement)
-                taken = {id(p.gpu): p for p in placed}
-                slots = [g if id(g) not in taken else
-                         replace(g, allocated_percent=g.allocated_percent + taken[id(g)].compute_percent,
-                                 allocated_memory_bytes=g.allocated_memory_bytes + taken[id(g)].memory_limit_bytes)
-                         for g in slots]
+                slots = with_placed(slots, placed)
                 planned.append(LeaseRecord(job_key=one.job_key, user=user, account="", created_unix=now,
                                            expires_unix=now + ttl_seconds, slices=_slice_records(placed)))
             for reservation in planned:
@@ -863,6 +880,14 @@ class PoolCore:
         with self._lock:
             return [(QuotaRecord(kind, name, limit), self._used_units.get((kind, name), 0))
                     for (kind, name), limit in sorted(self.quotas.items())]
+
+
+def _slice_request(request: tuple[int, float, int, str]) -> SliceRequest:
+    """(count, fraction or 0.0, memory_bytes or 0, isolation): one lease's request as the Slurm
+    admission passes it."""
+    count, fraction, memory, isolation = request
+    return SliceRequest(count=count, fraction=fraction if not memory else None, memory_bytes=memory or None,
+                        isolation=isolation)
 
 
 def _slice_records(placed: list[PlacedSlice]) -> tuple[SliceRecord, ...]:

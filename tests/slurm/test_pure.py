@@ -479,7 +479,7 @@ def test_a_job_held_again_is_marked_first_then_given_a_user_hold() -> None:
 
     jobs = [admitted(1, whole), admitted(2, whole)]
     started = start_waiting_jobs(jobs, [room_gpu(0)], logging.getLogger("test.waiting"), scontrol=scontrol,
-                                 fits=lambda requests: len(requests) <= 0)
+                                 fits=lambda requests, first=None: len(requests) <= 0)
     assert started == []
     assert [argv[:3] for argv in ran] == [["scontrol", "update", "jobid=2"], ["scontrol", "uhold", "2"],
                                           ["scontrol", "update", "jobid=2"],     # started meanwhile: unmarked
