@@ -35,7 +35,7 @@ class SlurmIntegration:
 def start_slurm_integration(core: Any, *, interval_seconds: float, grace_seconds: float, cluster: str = "",
                             backend: str = "auto", license_sync: bool = False,
                             admission_poll_seconds: float = 0.0, log: logging.Logger | None = None,
-                            env: Mapping[str, str] | None = None) -> SlurmIntegration:
+                            env: Mapping[str, str] | None = None, keep_room_for_head: bool = False) -> SlurmIntegration:
     """interval_seconds <= 0 starts nothing (a pool with no Slurm cluster beside it)."""
     log = log or logging.getLogger("rgpu-poold")
     if interval_seconds <= 0:
@@ -43,6 +43,7 @@ def start_slurm_integration(core: Any, *, interval_seconds: float, grace_seconds
     reconciler, admission = admitting_reconciler(core, backend_for(backend, env=env), interval_seconds, grace_seconds,
                                                  log, cluster=cluster or None,
                                                  cluster_lookup=None if cluster else _cluster_lookup(env), env=env)
+    admission.keep_room_for_head = keep_room_for_head
     reconciler.start()
     if hasattr(core, "add_lease_listener"):
         # This thread is the one place of this daemon that admits jobs, and its passes hold the
@@ -97,6 +98,9 @@ class Admission:
     jobs_held: bool = False        # some were still held after the last pass
     cluster: Callable[[], str] | None = None              # the reconciler's (reservation keys)
     reservation_seconds: float = 30.0
+    # Backfill that never delays the oldest waiting job (waiting.plan_admission's `room`): off by
+    # default, as it costs throughput when jobs run alike (the mixed batch: README, figures).
+    keep_room_for_head: bool = False
 
     def run(self, jobs: list[Any]) -> None:
         from rgpu.slurm_plugin.waiting import start_waiting_jobs
@@ -109,7 +113,9 @@ class Admission:
             leases = self.core.list_leases()          # before the GPUs: see start_waiting_jobs
             started = start_waiting_jobs(jobs, self.core.gpu_statuses(), self.log, leases=leases, env=self.env,
                                          fits=getattr(self.core, "fits_in_every_order", None), scontrol=self.scontrol,
-                                         reserve=reserve, room=getattr(self.core, "room_for_head", None) if reserve else None)
+                                         reserve=reserve,
+                                         room=getattr(self.core, "room_for_head", None)
+                                         if reserve and self.keep_room_for_head else None)
             self.jobs_held = len(started) < len(pending)
         else:
             self.jobs_held = False
@@ -179,7 +185,8 @@ def start_from_settings(core: Any, settings: Any, log: logging.Logger) -> SlurmI
                                    grace_seconds=settings.slurm_reconcile_grace_seconds,
                                    cluster=settings.slurm_cluster, backend=settings.slurm_backend,
                                    license_sync=settings.slurm_license_sync,
-                                   admission_poll_seconds=settings.slurm_admission_poll_seconds, log=log)
+                                   admission_poll_seconds=settings.slurm_admission_poll_seconds, log=log,
+                                   keep_room_for_head=settings.slurm_keep_room_for_head)
 
 
 def _cluster_lookup(env: Mapping[str, str] | None) -> Any:

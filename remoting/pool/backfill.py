@@ -35,25 +35,32 @@ def with_placed(slots: list[GpuSlot], placed: list[PlacedSlice]) -> list[GpuSlot
             for g in slots]
 
 
+def place_one(slots: list[GpuSlot], request: SliceRequest, avoid: Avoid,
+              policy: str) -> tuple[list[GpuSlot], list[PlacedSlice]]:
+    """`place` off the GPUs in `avoid`: the slots after it, and its slices (on those slots)."""
+    placed = place(without(slots, avoid), request, policy)
+    by_key = {(p.gpu.server, p.gpu.uuid): p for p in placed}
+    placed = [replace(by_key[(g.server, g.uuid)], gpu=g) for g in slots if (g.server, g.uuid) in by_key]
+    return with_placed(slots, placed), placed
+
+
 def place_in_turn(slots: list[GpuSlot], requests: Iterable[tuple[SliceRequest, Avoid]],
                   policy: str) -> list[GpuSlot]:
     """Each request placed on what the ones before it left (none on the GPUs in its avoid set);
     CapacityError when one does not fit."""
     for request, avoid in requests:
-        placed = place(without(slots, avoid), request, policy)
-        by_key = {(p.gpu.server, p.gpu.uuid): p for p in placed}
-        slots = with_placed(slots, [replace(p, gpu=g) for g in slots
-                                    for p in [by_key.get((g.server, g.uuid))] if p is not None])
+        slots, _ = place_one(slots, request, avoid, policy)
     return slots
 
 
 def head_room(slots: list[GpuSlot], leases: Sequence[LeaseRecord], head: Sequence[SliceRequest],
               policy: str) -> Avoid:
     """The GPUs the head job's leases (one request per node) would be placed on once the oldest
-    leases ended, as few as it takes; empty when it would not fit even with all of them gone."""
+    leases ended (in the order given: oldest first), as few as it takes; empty when it would not
+    fit even with all of them gone."""
     state = list(slots)
     index = {(g.server, g.uuid): i for i, g in enumerate(state)}
-    for lease in [None, *sorted(leases, key=lambda le: le.created_unix)]:
+    for lease in [None, *leases]:
         if lease is not None:
             for s in lease.slices:
                 i = index.get((s.server, s.gpu_uuid))

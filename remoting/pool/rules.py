@@ -21,7 +21,7 @@ from rgpu.remoting.pool.accounting import (Interval, SliceUsageRecord, UsageTota
                                            to_pool_clock, totals)
 from rgpu.remoting.pool.placement import (GpuSlot, PlacedSlice, SliceRequest, fits_in_every_order, percent_of_fraction,
                                           place)
-from rgpu.remoting.pool.backfill import Avoid, head_room, place_in_turn, with_placed, without
+from rgpu.remoting.pool.backfill import Avoid, head_room, place_in_turn, place_one
 from rgpu.remoting.pool.placement_index import PlacementIndex
 from rgpu.remoting.pool.reservations import claim_prefixes, fits_request, reservation_key, reservation_prefix
 from rgpu.remoting.pool.store import PoolStore
@@ -257,11 +257,15 @@ class PoolCore:
         `first` (as for fits_in_every_order: reservations about to be made, which end last)."""
         self.catch_up()
         with self._lock:
-            slots, leases = self._slots(self.clock()), list(self.leases.values())
-        try:
-            slots = place_in_turn(slots, [(_slice_request(r), avoid) for r, avoid in first or []], self.placement)
-        except CapacityError:
-            return frozenset()
+            slots = self._slots(self.clock())
+            leases = sorted(self.leases.values(), key=lambda lease: lease.created_unix)
+        for request, avoid in first or []:     # about to be reserved: the youngest, so they end last
+            try:
+                slots, placed = place_one(slots, _slice_request(request), avoid, self.placement)
+            except CapacityError:
+                return frozenset()
+            leases.append(LeaseRecord(job_key="", user="", account="", created_unix=0.0, expires_unix=0.0,
+                                      slices=_slice_records(placed)))
         return head_room(slots, leases, [_slice_request(r) for r in head], self.placement)
 
     # -- lease listeners: told when a lease started (False) or ended (True: released, expired, idle)
@@ -616,11 +620,11 @@ class PoolCore:
                     self.store.set_lease_expiry(r.job_key, r.expires_unix)
                     self.leases[r.job_key] = r
                 return renewed
-            slots, planned = without(self._slots(now), avoid), []
+            slots, planned = self._slots(now), []
             for one in wanted:      # CapacityError here leaves everything as it was
-                placed = place(slots, SliceRequest(count=one.count, fraction=one.fraction, memory_bytes=one.memory_bytes,
-                                                   isolation=one.isolation), self.placement)
-                slots = with_placed(slots, placed)
+                slots, placed = place_one(slots, SliceRequest(count=one.count, fraction=one.fraction,
+                                                              memory_bytes=one.memory_bytes, isolation=one.isolation),
+                                          avoid, self.placement)
                 planned.append(LeaseRecord(job_key=one.job_key, user=user, account="", created_unix=now,
                                            expires_unix=now + ttl_seconds, slices=_slice_records(placed)))
             for reservation in planned:
