@@ -299,7 +299,8 @@ def reservation_upkeep(jobs: Iterable[Any], leases: Iterable[Any]) -> tuple[list
     """For the pool's reservations of Slurm jobs (keys `slurm:<cluster>:<job>:<restart>:+r<n>`,
     PoolCore.reserve): the jobs whose reservations to keep (renew: the job is let go, pending or in
     its PrologSlurmctld), and the (job id, restart count) of those to give back (the job is held
-    again, waits on a dependency, was requeued since, or is past its prologs). Reservations of jobs gone from Slurm's
+    again, waits on a dependency, was requeued since, is past its prologs, or ended: cancelled
+    while pending). Reservations of jobs gone from Slurm's
     list are left to the reconciler (`decide`) and to their expiry. Pure."""
     by_id = {j.job_id: j for j in jobs}
     keep: list[Any] = []
@@ -307,9 +308,9 @@ def reservation_upkeep(jobs: Iterable[Any], leases: Iterable[Any]) -> tuple[list
     for attempt in sorted({(p.job_id, p.restart_count) for p in (parse_job_key(le.job_key) for le in leases)
                            if p is not None and p.node.startswith(RESERVATION_NODE)}):
         job = by_id.get(attempt[0])
-        if job is None or not job.live:
+        if job is None:
             continue
-        if job.restart_count == attempt[1] and _admitted_unleased(job, set()):
+        if job.live and job.restart_count == attempt[1] and _admitted_unleased(job, set()):
             keep.append(job)
         else:
             drop.append(attempt)

@@ -554,4 +554,5 @@ def test_reservations_are_renewed_while_their_job_is_let_go_and_given_back_when_
     assert {p: [r.expires_unix for r in rs] for p, rs in core.reservations().items()} == {"slurm:hpc:1:0:": [clock.now + 30]}
     # A requeued attempt's reservation goes too; one of a job gone from Slurm is the reconciler's.
     assert reservation_upkeep([replace(jobs[0], restart_count=1)], core.list_leases()) == ([], [(1, 0)])
+    assert reservation_upkeep([replace(jobs[0], state="CANCELLED")], core.list_leases()) == ([], [(1, 0)])
     assert reservation_upkeep([], core.list_leases()) == ([], [])
