@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rgpu.errors import CapacityError, QuotaExceeded
+from rgpu.errors import CapacityError, InvalidRequest, QuotaExceeded
 from rgpu.remoting.pool.reservations import claim_prefixes, reservation_key, reservation_prefix
 from rgpu.remoting.pool.rules import PoolCore
 from rgpu.remoting.pool.store import Store
@@ -26,6 +26,15 @@ def test_reservation_keys_are_told_apart_from_every_lease_key() -> None:
     assert reservation_prefix("slurm:hpc:42:0:c1") is None and reservation_prefix("x+r1") is None
     assert claim_prefixes("slurm:hpc:42:0:c1") == ["slurm:", "slurm:hpc:", "slurm:hpc:42:", JOB]
     assert claim_prefixes("slurm:hpc:42:0:+r1") == []        # a reservation claims nothing
+
+
+def test_nobody_makes_a_reservation_through_allocate(tmp_path: Path) -> None:
+    """A lease with a reservation's key would leave no usage history and never be released as idle."""
+    core = make_core(tmp_path / "pool.db", servers=1)
+    for key in ("mine:+r0", "slurm:hpc:42:0:+r1"):
+        with pytest.raises(InvalidRequest, match="has the form of a reservation"):
+            core.allocate(req(key, fraction=0.5))
+    assert core.list_leases() == []
 
 
 def test_an_allocate_of_the_job_claims_its_reserved_slices(tmp_path: Path) -> None:

@@ -12,7 +12,8 @@ A job that never starts gives its room back when the reservation expires (or whe
 finds the job held again, or the reconciler finds it gone).
 
 Reservations are leases so that every daemon of a pool sees them (the store and its change log)
-and every listing shows them; they leave no history (they were never used).
+and every listing shows them; they leave no history (they were never used) and are never released
+as idle, so Allocate refuses keys of their form: only PoolCore.reserve makes them.
 """
 
 from __future__ import annotations

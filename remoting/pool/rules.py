@@ -534,6 +534,11 @@ class PoolCore:
 
     def allocate(self, req: AllocationRequest) -> LeaseRecord:
         self._validate(req)
+        if reservation_prefix(req.job_key) is not None:
+            # Such a lease would be taken for a reservation: no history, never idle, claimable.
+            raise InvalidRequest("pool", f"job key {req.job_key[:80]!r} has the form of a reservation",
+                                 "keys ending in ':+r<number>' are the pool's reservations for Slurm jobs",
+                                 "pick another key")
         with self._change():
             now = self.clock()
             existing = self.leases.get(req.job_key)
