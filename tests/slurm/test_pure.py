@@ -556,3 +556,19 @@ def test_reservations_are_renewed_while_their_job_is_let_go_and_given_back_when_
     assert reservation_upkeep([replace(jobs[0], restart_count=1)], core.list_leases()) == ([], [(1, 0)])
     assert reservation_upkeep([replace(jobs[0], state="CANCELLED")], core.list_leases()) == ([], [(1, 0)])
     assert reservation_upkeep([], core.list_leases()) == ([], [])
+
+
+def test_jobs_one_pass_reserves_are_placed_in_turn_so_the_first_round_fills_the_pool(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The mixed batch on 4 empty GPUs: the jobs one pass lets go are reserved one after the other,
+    so they are checked in that order, not in every order their prologs might ask in (which let 5
+    of the 7 jobs that fit go, and the other two only once the first leases were in)."""
+    from benchmarks.slurm_mixed_batch import batch
+    from rgpu.slurm_plugin.waiting import jobs_to_start
+    from tests.poolcore_helpers import make_core
+
+    core = make_core(tmp_path / "pool.db", servers=2)
+    jobs = [held(i + 1, f"rgpu:v1 nodes=1 count={n} percent={round(100 * float(f))} "
+                        f"units={n * round(100 * float(f))}") for i, (n, f) in enumerate(batch())]
+    chosen = jobs_to_start(jobs, core.gpu_statuses(), [], core.fits_in_every_order)
+    assert [job_id for job_id, _ in chosen] == [1, 2, 3, 4, 5, 7, 10]
+    assert sum(int(jobs[i - 1].admin_comment.split("units=")[1].split()[0]) for i, _ in chosen) == 400
