@@ -605,7 +605,8 @@ class PoolCore:
         memory_bytes or 0, isolation), placed as Allocates would place them now one after the
         other, all or none (CapacityError), each expiring `ttl_seconds` from now, on none of the
         GPUs in `avoid` ((server address, UUID): kept for a job that waits). A prefix that holds
-        reservations already gets their expiry moved to now + ttl_seconds instead."""
+        reservations already gets their expiry moved to now + ttl_seconds instead (once less than
+        half of ttl_seconds is left of it)."""
         if not prefix.endswith(":") or reservation_prefix(reservation_key(prefix, 0)) != prefix:
             raise InvalidRequest("pool", f"cannot reserve under {prefix[:80]!r}", "a reservation prefix ends with ':'",
                                  "this is a bug in the caller")
@@ -619,6 +620,8 @@ class PoolCore:
         with self._change():
             now = self.clock()
             held = [self.leases[key] for key in sorted(self._reserved.get(prefix, ()))]
+            if held and all(r.expires_unix - now > ttl_seconds / 2 for r in held):
+                return held             # renewed lately: no write on every admission pass
             if held:
                 renewed = [replace(r, expires_unix=now + ttl_seconds) for r in held]
                 for r in renewed:
