@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
