@@ -47,10 +47,21 @@ class Settings:
     down_after_seconds: float = 15.0            # no heartbeat this long: server is down
     reclaim_interval_seconds: float = 5.0       # how often expired leases are reclaimed
     max_slices_per_job: int = 16
+    # Ended leases kept for `rgpu-admin usage`: this many days, and at most this many rows (the
+    # oldest go first; at most HISTORY_PRUNE_PER_PASS rows a maintenance pass). 0: no limit.
+    history_keep_days: float = 30.0
+    history_max_rows: int = 1_000_000
+    # Lease calls (Allocate, Renew, Release) one user (MUNGE) may make: a burst, then a rate, per
+    # pool process. 0 a second: no limit. Daemons and admins (the secret) are not limited.
+    user_lease_calls_burst: int = 30
+    user_lease_calls_per_second: float = 10.0
     tls_cert_file: str = ""                     # set cert and key to serve gRPC over TLS
     tls_key_file: str = ""
     tls_ca_file: str = ""                       # clients: trust this CA for the pool's cert
     tls_server_name: str = ""                   # clients: expected name in the pool's cert
+    # auto: TLS where the files above are set; required (what install-units writes): no plaintext
+    # gRPC at all; off: plaintext even with the files (logged as a warning). See rgpu/grpc_tls.py.
+    grpc_tls: str = "auto"
     log_level: str = "info"
     # Slurm integration in rgpu-poold (reconciler, license sync, starting jobs that wait for the
     # pool): on wherever Slurm is configured on the pool's host; 0 turns it off.
@@ -250,9 +261,20 @@ def load_settings(config_file: str | os.PathLike[str] | None = None,
            settings.slurm_admission_poll_seconds) < 0:
         raise ConfigError("config", "slurm_reconcile_* and slurm_admission_poll_seconds must not be negative", "",
                           "set 0 or a positive number of seconds")
+    if settings.grpc_tls not in ("auto", "required", "off"):
+        raise ConfigError("config", f"grpc_tls {settings.grpc_tls[:40]!r} from {settings.origin('grpc_tls')} is unknown",
+                          "", "use required (production), off (plaintext) or auto")
     if bool(settings.tls_cert_file) != bool(settings.tls_key_file):
         raise ConfigError("config", "tls_cert_file and tls_key_file must be set together", "",
                           "set both to serve TLS, or neither")
+    for key in ("history_keep_days", "history_max_rows", "user_lease_calls_per_second"):
+        if getattr(settings, key) < 0:
+            raise ConfigError("config", f"{key} must not be negative", f"it is {getattr(settings, key)} from "
+                              f"{settings.origin(key)}", "set 0 (no limit) or a positive number")
+    if settings.user_lease_calls_burst < 1:
+        raise ConfigError("config", "user_lease_calls_burst must be at least 1", f"it is "
+                          f"{settings.user_lease_calls_burst} from {settings.origin('user_lease_calls_burst')}",
+                          "set the calls a user may make at once, e.g. 30")
     if settings.idle_after_seconds < 0:
         raise ConfigError("config", "idle_after_seconds must not be negative", "",
                           "set 0 (off) or a positive number of seconds")

@@ -131,6 +131,33 @@ def test_no_anonymous_access_and_links_work_once(cluster: RgpuCluster) -> None:
     assert get(port, "/login?t=link1.9999999999.00.forged").status == 403
 
 
+def login(port: int, link: str) -> str:
+    reply = get(port, link.removeprefix(f"http://127.0.0.1:{port}"))
+    assert reply.status == 303, reply.status
+    return reply.getheader("Set-Cookie").split(";")[0]
+
+
+@pytest.mark.integration
+def test_logout_revokes_the_cookie_and_spent_links_stay_spent_across_a_restart(cluster: RgpuCluster) -> None:
+    port = start_pool_with_dashboard(cluster)
+    first_link, second_link = admin(cluster, port, "dashboard-url"), admin(cluster, port, "dashboard-url")
+    kept, logged_out = login(port, first_link), login(port, second_link)
+    assert get(port, "/api/state", logged_out).status == 200
+    reply = get(port, "/logout", logged_out)
+    assert reply.status == 200 and "Max-Age=0" in reply.getheader("Set-Cookie")
+    assert get(port, "/api/state", logged_out).status == 401     # the copied cookie no longer works
+    assert get(port, "/api/state", kept).status == 200            # another session is not touched
+
+    assert cluster.pool is not None
+    cluster.pool.kill()
+    port = start_pool_with_dashboard(cluster)
+    for link in (first_link, second_link):
+        path = link.split("/login", 1)[1]
+        assert get(port, "/login" + path).status == 403, "a spent link worked again after a restart"
+    assert get(port, "/api/state", logged_out).status == 401
+    assert get(port, "/api/state", kept).status == 200
+
+
 @pytest.mark.integration
 def test_dashboard_url_needs_the_dashboards_address(cluster: RgpuCluster) -> None:
     done = subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", "dashboard-url"], env=cluster.env(),

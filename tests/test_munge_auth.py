@@ -407,3 +407,31 @@ def test_slurm_job_keys_are_reserved_for_the_daemons(cluster: RgpuCluster, munge
     lease = as_user(cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key="my-slurm:run", count=1,
                                                                          fraction=0.25))
     assert lease.job_key == "my-slurm:run"   # type: ignore[attr-defined]
+
+
+def test_a_users_lease_calls_are_rate_limited_with_the_time_to_retry(cluster: RgpuCluster, munge_socket: str) -> None:
+    """Issue 26 (LOW): one user's Allocate/Renew/Release calls are a token bucket of their own
+    (burst 3, then one every 2 s here); the refusal is one RESOURCE_EXHAUSTED line with the time
+    to retry. Another user and the secret holders are not held back by it."""
+    from rgpu.errors import CapacityError
+    assert cluster.pool is not None
+    cluster.pool.kill()
+    cluster.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5,
+                         munge_socket=munge_socket, account_check="off", user_lease_calls_burst=3,
+                         user_lease_calls_per_second=0.5)
+    cluster.start_pool()
+    with PoolClient(cluster.pool_address, None, munge_socket=munge_socket) as me:
+        for n in range(3):
+            me.allocate(f"burst-{n}", "", 1, fraction=0.1)
+        with pytest.raises(CapacityError) as info:
+            me.release("burst-0")
+        text = str(info.value)
+        assert "\n" not in text and text.startswith("rgpu: pool: user ") and "faster than this pool allows" in text
+        assert "retry in " in text and "user_lease_calls_per_second" in text, text
+        assert [x.job_key for x in me.list_leases()]          # listing is not a lease call: not limited
+    lease = as_user(cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key="other-user", count=1, fraction=0.1))
+    assert lease.user == USER                                  # another user's own bucket
+    with cluster.client() as admin:
+        for n in range(10):                                    # the secret holders: not limited
+            admin.allocate(f"admin-{n}", "ops", 1, fraction=0.05)
+            admin.release(f"admin-{n}")

@@ -384,3 +384,28 @@ def test_two_daemons_admitting_from_one_look_never_release_more_than_the_pool_ho
     a, b, _clock = two_cores
     released, core = admit_from_one_look(a, b)
     assert released and released_fit(released, core), f"jobs {released} released into room for fewer"
+
+
+def test_dashboard_credentials_spent_at_one_daemon_are_spent_at_the_other(postgres: Postgres) -> None:
+    first, second = PostgresStore(postgres.url), PostgresStore(postgres.url)
+    try:
+        assert first.spend_web_nonce("link1:abc", expires=2000.0, now=1000.0)
+        assert not second.spend_web_nonce("link1:abc", expires=2000.0, now=1000.0)   # used once, anywhere
+        assert second.web_nonce_spent("link1:abc") and not second.web_nonce_spent("sess1:abc")
+        assert second.spend_web_nonce("sess1:x", expires=3000.0, now=2500.0)          # the link's row expired
+        assert not first.web_nonce_spent("link1:abc")
+    finally:
+        first.close()
+        second.close()
+
+
+def test_history_pruning_on_postgresql_is_bounded_per_pass(postgres: Postgres) -> None:
+    store = PostgresStore(postgres.url)
+    try:
+        store.insert_history([(f"job-{n}", "alice", "", 50, float(n), 100.0 + n, 0.0, "released") for n in range(10)])
+        assert store.prune_history(ended_before=105.0, max_rows=0, limit=3) == 3
+        assert store.prune_history(ended_before=105.0, max_rows=0, limit=3) == 2
+        assert store.prune_history(ended_before=None, max_rows=2, limit=10) == 3
+        assert sorted(key for key, *_ in store._rows("SELECT job_key FROM lease_history")) == ["job-8", "job-9"]
+    finally:
+        store.close()

@@ -136,6 +136,14 @@ def _children(pid: int) -> list[int]:
             for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
 
 
+def _state(pid: int) -> str | None:
+    """A process's state letter ("Z": a zombie), None when it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
+    except (FileNotFoundError, IndexError):
+        return None
+
+
 def _pool_children(pid: int) -> list[int]:
     """The pool processes (not multiprocessing's resource tracker)."""
     return [c for c in _children(pid) if "resource_tracker" not in Path(f"/proc/{c}/cmdline").read_text()]
@@ -200,17 +208,32 @@ def test_the_processes_end_with_a_parent_killed_with_kill_9(tmp_path: Path) -> N
         children = _pool_children(parent)
         os.kill(parent, signal.SIGKILL)
 
-        def gone() -> bool:
-            alive = []
-            for pid in children:
-                try:
-                    state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
-                except (FileNotFoundError, IndexError):
-                    continue
-                if state != "Z":
-                    alive.append(pid)
-            return not alive
-        wait_for(gone, what="the pool processes to end with their parent", timeout=20)
+        wait_for(lambda: all(_state(pid) in (None, "Z") for pid in children),
+                 what="the pool processes to end with their parent", timeout=20)
+    finally:
+        cluster.stop_all()
+
+
+def _zombies(pid: int) -> list[int]:
+    return [child for child in _children(pid) if _state(child) == "Z"]
+
+
+@pytest.mark.integration
+def test_a_restarted_process_leaves_no_zombie(tmp_path: Path) -> None:
+    cluster = RgpuCluster(tmp_path)
+    cluster.start_pool("--processes", "2")
+    try:
+        assert cluster.pool is not None and cluster.pool.proc is not None
+        parent = cluster.pool.proc.pid
+        wait_for(lambda: len(_pool_children(parent)) == 2, what="two pool processes")
+        for round_ in range(2):
+            victim = _pool_children(parent)[0]
+            os.kill(victim, signal.SIGKILL)
+            wait_for(lambda: victim not in _children(parent) and len(_pool_children(parent)) == 2
+                     and not _zombies(parent), what=f"a restart without a zombie (round {round_}): "
+                     f"zombies {_zombies(parent)}", timeout=20)
+        with cluster.client() as client:
+            assert client.capacity().total_units == 0
     finally:
         cluster.stop_all()
 

@@ -58,11 +58,12 @@ def test_relative_paths_and_bad_users_are_refused() -> None:
 def test_install_units_writes_both_files(tmp_path: Path) -> None:
     result = CliRunner().invoke(admin_main, ["install-units", "--dest", str(tmp_path), "--poold-bin", "/x/rgpu-poold",
                                              "--dispatcher-bin", "/x/rgpu-dispatcher", "--dispatcher-arg=-p",
-                                             "--dispatcher-arg=55001"])
+                                             "--dispatcher-arg=55001", "--config", str(tmp_path / "rgpu.toml"),
+                                             "--tls-dir", str(tmp_path / "tls"), "--poold-user", "root"])
     assert result.exit_code == 0, result.output
     assert "systemctl daemon-reload" in result.output
     text = (tmp_path / "rgpu-dispatcher.service").read_text()
-    assert "ExecStart=/x/rgpu-dispatcher --config /etc/rgpu/rgpu.toml -p 55001\n" in text
+    assert f"ExecStart=/x/rgpu-dispatcher --config {tmp_path / 'rgpu.toml'} -p 55001\n" in text
     assert oct((tmp_path / "rgpu-poold.service").stat().st_mode & 0o777) == "0o644"
 
 

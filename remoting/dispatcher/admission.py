@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from rgpu.rate import TokenBucket
+
 KINDS = ("cuda", "nvml", "perf")
 LABELS = {"cuda": "CUDA", "nvml": "NVML", "perf": "net-perf"}
 
@@ -45,29 +47,6 @@ class SessionCaps:
             if not value > 0 or value != value or value == float("inf"):
                 return f"{key} = {value!r}"
         return ""
-
-
-@dataclass
-class TokenBucket:
-    """`capacity` opens at once, refilled at `rate` a second."""
-    capacity: float
-    rate: float
-    tokens: float = -1.0
-    at: float = 0.0
-
-    def take(self, now: float) -> float:
-        """Take one token: 0.0 when taken, else the seconds until one is there (nothing taken)."""
-        if self.tokens < 0:
-            self.tokens, self.at = self.capacity, now
-        self.tokens = min(self.capacity, self.tokens + max(0.0, now - self.at) * self.rate)
-        self.at = now
-        if self.tokens >= 1.0:
-            self.tokens -= 1.0
-            return 0.0
-        return (1.0 - self.tokens) / self.rate
-
-    def full(self, now: float) -> bool:
-        return self.tokens < 0 or self.tokens + max(0.0, now - self.at) * self.rate >= self.capacity
 
 
 SliceKey = tuple[str, int, str]    # job key, slice number, GPU UUID

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import click
 
-from rgpu import __version__, validate
+from rgpu import __version__, grpc_tls, validate
 from rgpu.config import DEFAULT_DISPATCHER_PORT, Settings, load_settings, pool_addresses
 from rgpu.errors import ConfigError, InvalidRequest, RgpuError
 from rgpu.live_leases import LiveLeases
@@ -291,6 +291,9 @@ def run(options: Options, env: dict[str, str] | None = None) -> int:
     advertise = _checked_advertise(options.advertise or default_advertise(options.host))
     connect = pool_connector(settings, secret)
     connect().close()   # a bad TLS file is a startup error, not a retry loop
+    warning = grpc_tls.plaintext_warning(settings, COMPONENT)
+    if warning:
+        log.warning("%s", warning)
 
     stop = threading.Event()
 

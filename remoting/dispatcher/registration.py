@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rgpu import grpc_tls
 from rgpu.config import Settings
 from rgpu.errors import ConfigError, RgpuError
 from rgpu.live_leases import LiveLeases
@@ -164,9 +165,10 @@ class Registrar:
 
 def pool_connector(settings: Settings, secret: bytes) -> Callable[[], PoolClient]:
     def connect_to_pool() -> PoolClient:
+        ca = grpc_tls.client_ca(settings, COMPONENT)   # grpc_tls = "required" without a CA: refused here
         try:
             return connect(settings, secret=secret, timeout=POOL_CALL_TIMEOUT)
-        except ConfigError as exc:   # the only local failure: an unreadable CA file
-            raise ConfigError(COMPONENT, f"cannot read tls_ca_file {settings.tls_ca_file}", exc.why,
+        except ConfigError as exc:   # the only other local failure: an unreadable CA file
+            raise ConfigError(COMPONENT, f"cannot read tls_ca_file {ca}", exc.why,
                               f"fix tls_ca_file (from {settings.origin('tls_ca_file')})") from None
     return connect_to_pool

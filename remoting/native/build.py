@@ -40,7 +40,8 @@ CUDA_SOURCES = [SRC / "transport.c", SRC / "tables.c", SRC / "cuda_core.c", SRC 
                 SRC / "cuda_module.c", SRC / "cuda_graph.c", SRC / "host_nodes.c", SRC / "cuda_cache.c", SRC / "cuda_export.c",
                 SRC / "module_nodes.c", SRC / "managed.c", SRC / "library_mirror.c", SRC / "cuda_events.c",
                 SRC / "integrity.c", SRC / "sha256.c", SRC / "digest_memo.c", SRC / "idle_streams.c", SRC / "func_attrs.c",
-                SRC / "tensor_map.c", SRC / "graph_generic.c", SRC / "ucx_link.c", SRC / "compute_cache.c", GEN / "cuda_gen.c"]
+                SRC / "tensor_map.c", SRC / "graph_generic.c", SRC / "ucx_link.c", SRC / "compute_cache.c", SRC / "zero_copy.c",
+                GEN / "cuda_gen.c"]
 NVML_SOURCES = [SRC / "transport.c", SRC / "nvml_core.c", SRC / "ucx_link.c", GEN / "nvml_gen.c"]
 WORKER_SOURCES = [SRC / "worker_launch.c", SRC / "worker_events.c", SRC / "worker_copies.c", SRC / "worker_ucx.c"]
 TRACE_SOURCES = [SRC / "trace.c", SRC / "integrity.c"]

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from rgpu import grpc_tls
 from rgpu.config import Settings, pool_addresses
 from rgpu.errors import ConfigError, RgpuError, Unavailable
 from rgpu.proto import rgpu_pb2 as pb
@@ -225,7 +226,7 @@ class PoolClient:
 
 def connect(settings: Settings, *, secret: bytes | None = None, timeout: float = 10.0,
             user: bool = False) -> PoolClient:
-    """The pool client every component uses: address(es), secret and TLS from the settings (the
+    """The pool client every component uses: address(es), secret and TLS (rgpu/grpc_tls.py) from the settings (the
     secret is read from `secret_file` unless given). With several pool addresses a call fails over
     to the next one that answers, within `timeout`. With user=True (user tools: flexrun,
     request-gpus, leases...) a caller that cannot read the secret authenticates with MUNGE instead."""
@@ -238,5 +239,5 @@ def connect(settings: Settings, *, secret: bytes | None = None, timeout: float =
             if not user or not ("does not exist" in exc.what or exc.why == "permission denied"):
                 raise
             secret = None
-    return PoolClient(pool_addresses(settings.pool), secret, timeout=timeout, tls_ca_file=settings.tls_ca_file or None,
+    return PoolClient(pool_addresses(settings.pool), secret, timeout=timeout, tls_ca_file=grpc_tls.client_ca(settings),
                       tls_server_name=settings.tls_server_name or None, munge_socket=settings.munge_socket)

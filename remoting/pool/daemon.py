@@ -6,6 +6,7 @@ The gRPC servicer only validates and translates; rules live in PoolCore, durabil
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import re
 import signal
@@ -24,15 +25,16 @@ import click
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from rgpu import __version__, plugins, validate
+from rgpu import __version__, grpc_tls, plugins, validate
 from rgpu.remoting.pool.accounts import AccountPolicy, account_policy
 from rgpu.remoting.pool.auth import ServerAuth, current_caller
 from rgpu.remoting.pool.call_guards import (CallGuards, GuardError, MemoryCallGuards, PostgresCallGuards,
                                             SharedCallGuards)
 from rgpu.config import Settings, load_settings
-from rgpu.errors import ConfigError, InvalidRequest, PermissionDenied, RgpuError, Unavailable
+from rgpu.errors import CapacityError, ConfigError, InvalidRequest, PermissionDenied, RgpuError, Unavailable
 from rgpu.netaddr import split_host_port
 from rgpu.portfile import write_port_file
+from rgpu.rate import KeyedBuckets
 from rgpu.model import LeaseRecord
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
@@ -68,6 +70,16 @@ def bounded_message(message: str, limit: int = 600) -> str:
 # renew and release their own slices, and see everyone's leases without their tokens.
 USER_METHODS = frozenset({"Allocate", "Renew", "Release", "GetLease", "ListLeases", "ListGpus", "ListServers",
                           "ListQuotas", "Capacity"})
+# The calls that change leases (and write the state and its history): limited per user.
+USER_LEASE_CALLS = frozenset({"Allocate", "Renew", "Release"})
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def peer_ip(peer: str) -> str:
@@ -99,6 +111,8 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
                 raise PermissionDenied("pool", f"{method.__name__} is for daemons and admins",
                                        f"you called as user {caller.user} (MUNGE)",
                                        "run it where the cluster secret is readable (root or the rgpu admin)")
+            if not caller.is_daemon and method.__name__ in USER_LEASE_CALLS:
+                self.check_user_rate(caller.user)
             return method(self, request, context)
         except RgpuError as exc:
             context.abort(status_for(exc), bounded_message(str(exc)))
@@ -134,8 +148,11 @@ def checked_faults(faults: Any, sent_unix: float, now: float) -> list[pb.GpuFaul
 
 class PoolServicer(pb_grpc.PoolServicer):
     def __init__(self, core: PoolCore, heartbeat_interval: float, metrics: PoolMetrics | None = None,
-                 accounts: AccountPolicy | None = None, guards: CallGuards | None = None) -> None:
+                 accounts: AccountPolicy | None = None, guards: CallGuards | None = None,
+                 user_calls: KeyedBuckets | None = None) -> None:
         self.core = core
+        # Each user's bucket of lease calls (user_lease_calls_*); None: not limited.
+        self.user_calls = user_calls
         self.accounts = accounts or AccountPolicy("off")   # which accounts a user may charge
         # Which IP registered each server address: this process's, or shared by one rgpu-poold's processes.
         self.guards: CallGuards = guards or MemoryCallGuards()
@@ -145,6 +162,18 @@ class PoolServicer(pb_grpc.PoolServicer):
         self._gpu_listing = GpuListing(core)
         # Each dispatcher's recent GPU faults as its last heartbeat reported them (shown by health).
         self._faults: dict[str, list[pb.GpuFault]] = {}
+
+    def check_user_rate(self, user: str) -> None:
+        """A user's lease call within their bucket, else RESOURCE_EXHAUSTED with the time to retry."""
+        if self.user_calls is None:
+            return
+        wait = self.user_calls.take(user, time.monotonic())
+        if wait > 0:
+            self.metrics.rate_limited.inc()
+            raise CapacityError("pool", f"user {user[:64]} makes lease calls faster than this pool allows",
+                                f"{self.user_calls.capacity:g} at once, then {self.user_calls.rate:g} a second "
+                                "(user_lease_calls_burst, user_lease_calls_per_second)",
+                                f"retry in {max(wait, 0.1):.1f} s")
 
     def _lease_pb(self, lease: LeaseRecord) -> pb.Lease:
         caller = current_caller()
@@ -168,6 +197,12 @@ class PoolServicer(pb_grpc.PoolServicer):
         address). A down or removed server's address may be taken by a new host; a pool restart
         forgets the bindings and the first registration after it binds again."""
         peer = peer_ip(context.peer() or "")
+        if not _is_ip(peer):
+            # A call answered after its client gave up may have no peer left: bound to "", the
+            # address would lock its own dispatcher out for as long as the server is not down.
+            raise Unavailable("pool", f"cannot tell which host sent the {'registration' if registering else 'heartbeat'} "
+                              f"for server {address[:80]}", f"the call's peer is {peer[:64]!r} (its client gave up, "
+                              "or it did not come over TCP)", "nothing was recorded; the dispatcher retries")
         self.core.catch_up()   # registered through another process of this pool: known here too
         entry = self.core.servers.get(address)
         live = entry is not None and self.core.state_of(entry) != "down"
@@ -319,18 +354,46 @@ class PoolServicer(pb_grpc.PoolServicer):
                                 free_units=cap.free_units, gpus=cap.gpus)
 
 
+# Ended-lease history rows one maintenance pass deletes at most (history_keep_days, history_max_rows):
+# a backlog goes over several passes, never in one long write that holds up allocations.
+HISTORY_PRUNE_PER_PASS = 5000
+
+
+def _prune_history(core: PoolCore, settings: Settings) -> int:
+    ended_before = core.clock() - settings.history_keep_days * 86400 if settings.history_keep_days > 0 else None
+    if ended_before is None and not settings.history_max_rows:
+        return 0
+    return core.store.prune_history(ended_before, settings.history_max_rows, HISTORY_PRUNE_PER_PASS)
+
+
 def _maintenance_loop(core: PoolCore, metrics: PoolMetrics, interval: float, stop: threading.Event,
-                      idle_release: bool = False) -> None:
-    """Reclaim expired leases, release idle ones (idle_release), notice servers that stopped heartbeating."""
+                      settings: Settings) -> None:
+    """Reclaim expired leases, release idle ones (idle_release), notice servers that stopped
+    heartbeating, prune the ended-lease history (a bounded batch a pass)."""
     while not stop.wait(interval):
         try:
             core.load_shared_usage()   # several daemons: reports others received (no-op with SQLite)
             metrics.reclaimed.inc(len(core.reclaim_expired()))
-            if idle_release:
+            if settings.idle_release:
                 metrics.idle_released.inc(len(core.release_idle()))
             metrics.servers_down.inc(len(core.check_down_servers()))
+            metrics.history_pruned.inc(_prune_history(core, settings))
+        except RgpuError as exc:
+            log.warning("rgpu-poold: maintenance: %s (will retry)", exc)
         except Exception:
             log.exception("rgpu-poold: maintenance failed (will retry)")
+
+
+def _server_credentials(cert_file: str, key_file: str) -> grpc.ServerCredentials:
+    files = {}
+    for key, path in (("tls_cert_file", cert_file), ("tls_key_file", key_file)):
+        try:
+            files[key] = Path(path).read_bytes()
+        except OSError as exc:
+            raise ConfigError("poold", f"cannot read {key} {path}", exc.strerror or str(exc),
+                              f"fix {key} in rgpu.toml, or run `rgpu-admin install-units` to make the pool's "
+                              "certificate") from None
+    return grpc.ssl_server_credentials([(files["tls_key_file"], files["tls_cert_file"])])
 
 
 def _check_bindable(listen: str) -> None:
@@ -358,7 +421,7 @@ def _start_http(settings: Settings, secret: bytes, core: PoolCore, metrics: Pool
             report("metrics", server.port)
         if settings.dashboard_listen:
             from rgpu.remoting.pool.dashboard import serve_dashboard
-            dashboard = serve_dashboard(settings, secret, lambda: pool_view(core), events)
+            dashboard = serve_dashboard(settings, secret, lambda: pool_view(core), events, core.store)
             started.append(dashboard)
             log.info("rgpu-poold: dashboard on %s (port %d); `rgpu-admin dashboard-url` prints a login link",
                      dashboard.url, dashboard.port)
@@ -420,19 +483,25 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
     # with the secret (dispatchers, Slurm's prologs, admins), whatever munged does.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers + auth.munge_waiters),
                          interceptors=[auth], options=[("grpc.so_reuseport", 1 if group_member else 0)])
-    servicer = PoolServicer(core, settings.heartbeat_interval_seconds, metrics, account_policy(settings), guards)
+    servicer = PoolServicer(core, settings.heartbeat_interval_seconds, metrics, account_policy(settings), guards,
+                            KeyedBuckets(settings.user_lease_calls_burst, settings.user_lease_calls_per_second))
     pb_grpc.add_PoolServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     try:
         if not group_member:   # the group's parent holds the port (SO_REUSEPORT): no probe could bind it
             _check_bindable(settings.listen)
-        if settings.tls_cert_file:
-            creds = grpc.ssl_server_credentials([(Path(settings.tls_key_file).read_bytes(),
-                                                  Path(settings.tls_cert_file).read_bytes())])
-            port = server.add_secure_port(settings.listen, creds)
+        tls = grpc_tls.server_files(settings)
+        if tls is not None:
+            port = server.add_secure_port(settings.listen, _server_credentials(*tls))
         else:
             port = server.add_insecure_port(settings.listen)
+    except ConfigError:
+        store.close()
+        guards.close()
+        auth.close()
+        events.detach()
+        raise
     except (OSError, RuntimeError) as exc:
         store.close()
         guards.close()
@@ -452,9 +521,12 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
     stop = threading.Event()
     maintenance = threading.Thread(target=_maintenance_loop, name="maintenance", daemon=True,
                                    args=(core, metrics, min(settings.reclaim_interval_seconds, settings.down_after_seconds / 3),
-                                         stop, settings.idle_release))
+                                         stop, settings))
     # Components that ride on the pool (the Slurm integration) plug in through entry points.
     running = [start(core, settings, log) for _name, start in plugins.load(plugins.POOL_PLUGINS)] if extras else []
+    warning = grpc_tls.plaintext_warning(settings, "poold")
+    if warning and extras:
+        log.warning("%s", warning)
     for service in ("", "rgpu.v1.Pool"):
         health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     # Serving only once everything is ready: a client that connects may call at once.

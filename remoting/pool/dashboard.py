@@ -8,7 +8,7 @@ tls_key_file are set, with the gRPC server's certificate.
 
     GET /login?t=LINK   exchange a login link for a session   GET /api/state  the pool, as JSON
     GET /               the page                              GET /static/F   its files
-    GET /logout         end the session
+    GET /logout         end the session (its cookie is refused from then on, restarts included)
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ from http import HTTPStatus
 from http.cookies import CookieError, SimpleCookie
 from http.server import BaseHTTPRequestHandler
 from importlib import resources
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, urlsplit
 
 from rgpu import weblogin
 from rgpu.config import Settings
-from rgpu.errors import AuthError, ConfigError, InvalidRequest
+from rgpu.errors import AuthError, ConfigError, InvalidRequest, RgpuError
 from rgpu.netaddr import split_host_port
 from rgpu.remoting.metrics.front import HttpFront
 from rgpu.remoting.pool.dashboard_data import dashboard_state
@@ -38,6 +38,13 @@ from rgpu.remoting.pool.events import EventLog
 from rgpu.remoting.pool.views import PoolView
 
 log = logging.getLogger("rgpu-poold")
+
+
+class WebNonces(Protocol):
+    """What the dashboard needs of the pool's store (store.py, store_pg.py)."""
+
+    def spend_web_nonce(self, nonce: str, expires: float, now: float) -> bool: ...
+    def web_nonce_spent(self, nonce: str) -> bool: ...
 
 COOKIE = "rgpu_session"
 STATIC_TYPES = {".html": "text/html; charset=utf-8", ".css": "text/css; charset=utf-8",
@@ -63,20 +70,31 @@ def _static_files() -> dict[str, tuple[bytes, str]]:
     return files
 
 
-class LinkLedger:
-    """Login links already exchanged, until they expire: each works once."""
+class CredentialLedger:
+    """Login links already exchanged and sessions logged out, until they expire, kept in the pool's
+    state store: each link works once, a logged-out cookie is refused, a pool restart changes
+    neither, and daemons on one PostgreSQL share them. A store that cannot answer refuses."""
 
-    def __init__(self) -> None:
-        self._used: dict[str, float] = {}
-        self._lock = threading.Lock()
+    def __init__(self, store: WebNonces) -> None:
+        self._store = store
+
+    @staticmethod
+    def _key(credential: weblogin.Credential) -> str:
+        return f"{credential.kind}:{credential.nonce}"
 
     def spend(self, credential: weblogin.Credential, now: float) -> bool:
-        with self._lock:
-            for nonce in [n for n, expires in self._used.items() if expires <= now]:
-                del self._used[nonce]
-            if credential.nonce in self._used:
-                return False
-            self._used[credential.nonce] = credential.expires_unix
+        """True the first time `credential` is used up (a link exchanged, a session logged out)."""
+        try:
+            return self._store.spend_web_nonce(self._key(credential), credential.expires_unix, now)
+        except RgpuError as exc:
+            log.warning("rgpu-poold: dashboard: %s", exc)
+            return False
+
+    def spent(self, credential: weblogin.Credential) -> bool:
+        try:
+            return self._store.web_nonce_spent(self._key(credential))
+        except RgpuError as exc:
+            log.warning("rgpu-poold: dashboard: %s", exc)
             return True
 
 
@@ -116,7 +134,7 @@ class _Handler(BaseHTTPRequestHandler):
     tls: bool
     files: dict[str, tuple[bytes, str]]
     read_state: Callable[[], dict[str, Any]]
-    links: LinkLedger
+    links: CredentialLedger
     refusals: "RefusalLog"
     clock: Callable[[], float] = time.time
 
@@ -140,19 +158,24 @@ class _Handler(BaseHTTPRequestHandler):
                 f"<p>{text}</p></main>").encode()
         self._send(status, body, STATIC_TYPES[".html"], headers)
 
-    def _session(self) -> bool:
+    def _session_credential(self) -> weblogin.Credential | None:
+        """The request's session, when its cookie is signed, unexpired (not yet checked against
+        logouts)."""
         try:
             cookie = SimpleCookie(self.headers.get("Cookie", ""))
         except CookieError:
-            return False
+            return None
         morsel = cookie.get(COOKIE)
         if morsel is None:
-            return False
+            return None
         try:
-            weblogin.verify(self.secret, weblogin.SESSION, morsel.value, self.clock())
+            return weblogin.verify(self.secret, weblogin.SESSION, morsel.value, self.clock())
         except AuthError:
-            return False
-        return True
+            return None
+
+    def _session(self) -> bool:
+        credential = self._session_credential()
+        return credential is not None and not self.links.spent(credential)
 
     def _cookie(self, value: str, max_age: int) -> str:
         secure = "; Secure" if self.tls else ""
@@ -168,6 +191,9 @@ class _Handler(BaseHTTPRequestHandler):
         if url.path == "/login":
             return self._login(parse_qs(url.query).get("t", [""])[0])
         if url.path == "/logout":
+            session = self._session_credential()
+            if session is not None:   # revoked where the pool keeps its state, not only in this browser
+                self.links.spend(session, self.clock())
             return self._page(HTTPStatus.OK, "Logged out", "Run <code>rgpu-admin dashboard-url</code> for a new link.",
                               {"Set-Cookie": self._cookie("", 0)})
         if not self._session():
@@ -215,7 +241,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def serve_dashboard(settings: Settings, secret: bytes, read_view: Callable[[], PoolView],
-                    events: EventLog) -> DashboardServer:
+                    events: EventLog, store: WebNonces) -> DashboardServer:
     try:
         host, port = split_host_port(settings.dashboard_listen, what="dashboard_listen", allow_empty_host=True,
                                      allow_port_zero=True)
@@ -223,7 +249,7 @@ def serve_dashboard(settings: Settings, secret: bytes, read_view: Callable[[], P
         raise ConfigError("poold", f"dashboard_listen {settings.dashboard_listen!r} is not HOST:PORT", exc.why,
                           "set dashboard_listen to e.g. 0.0.0.0:50080, or empty to turn the dashboard off") from None
     handler = type("DashboardHandler", (_Handler,), {
-        "secret": secret, "tls": bool(settings.tls_cert_file), "files": _static_files(), "links": LinkLedger(),
+        "secret": secret, "tls": bool(settings.tls_cert_file), "files": _static_files(), "links": CredentialLedger(store),
         "refusals": RefusalLog(),
         "read_state": staticmethod(lambda: dashboard_state(read_view(), events.recent())),
     })

@@ -17,6 +17,7 @@ from prometheus_client.metrics_core import Metric
 
 from rgpu.errors import CapacityError, InvalidRequest, NotFound, PermissionDenied, QuotaExceeded
 from rgpu.remoting.metrics.slots import slots
+from rgpu.remoting.pool.rules import QUOTA_KINDS
 from rgpu.remoting.pool.views import LEASE_STATES, SERVER_STATES, PoolView
 
 # Allocation takes ~1 ms in the pool; the tail is the SQLite commit and lock contention.
@@ -50,7 +51,9 @@ def _gauge(name: str, documentation: str, labels: list[str],
 def pool_families(view: PoolView) -> list[Metric]:
     """The pool's state as metric families. Pure."""
     gpu_labels = ["server", "gpu", "index", "model"]
-    slice_labels = ["server", "gpu", "slot", "user", "account"]   # no job key: bounded series (slots.py)
+    # No job key, user or account: the endpoint needs no credential, and the series stay bounded by
+    # the GPUs' slots (slots.py). Who holds a slot: `rgpu-admin leases`, or the dashboard (login).
+    slice_labels = ["server", "gpu", "slot"]
 
     def gpu_key(g: object) -> list[str]:
         return [g.server, g.gpu.uuid, str(g.gpu.index), g.gpu.name]  # type: ignore[attr-defined]
@@ -84,10 +87,10 @@ def pool_families(view: PoolView) -> list[Metric]:
         _gauge("rgpu_pool_gpu_slices", "Leased slices on the GPU", gpu_labels,
                ((gpu_key(g), g.slices) for g in view.gpus)),
         _gauge("rgpu_pool_slice_memory_bytes", "Memory limit of a leased slice", slice_labels,
-               (([s.server, s.gpu_uuid, slot[(s.gpu_uuid, (lease.job_key, n))], lease.user, lease.account],
+               (([s.server, s.gpu_uuid, slot[(s.gpu_uuid, (lease.job_key, n))]],
                  s.memory_limit_bytes) for lease, n, s in slices)),
         _gauge("rgpu_pool_slice_compute_percent", "Compute share of a leased slice", slice_labels,
-               (([s.server, s.gpu_uuid, slot[(s.gpu_uuid, (lease.job_key, n))], lease.user, lease.account],
+               (([s.server, s.gpu_uuid, slot[(s.gpu_uuid, (lease.job_key, n))]],
                  s.compute_percent) for lease, n, s in slices)),
         _gauge("rgpu_pool_leases", "Leases by state (expired: not reclaimed yet)", ["state"],
                (([state], sum(lv.state == state for lv in view.leases)) for state in LEASE_STATES)),
@@ -97,10 +100,15 @@ def pool_families(view: PoolView) -> list[Metric]:
                [([], view.total_units)]),
         _gauge("rgpu_pool_allocated_units", "GPU-percent leased on dispatchers that are up", [],
                [([], view.allocated_units)]),
-        _gauge("rgpu_pool_quota_limit_units", "Quota in GPU-percent", ["kind", "name"],
-               (([q.kind, q.name], q.limit_units) for q, _used in view.quotas)),
-        _gauge("rgpu_pool_quota_used_units", "GPU-percent leased under the quota", ["kind", "name"],
-               (([q.kind, q.name], used) for q, used in view.quotas)),
+        # Quotas are named by users and accounts: per kind only (each quota's use: `rgpu-admin quotas`).
+        _gauge("rgpu_pool_quotas", "Quotas set, by kind (user, account)", ["kind"],
+               (([kind], sum(q.kind == kind for q, _used in view.quotas)) for kind in QUOTA_KINDS)),
+        _gauge("rgpu_pool_quotas_at_limit", "Quotas whose leases hold all they allow, by kind", ["kind"],
+               (([kind], sum(q.kind == kind and used >= q.limit_units for q, used in view.quotas))
+                for kind in QUOTA_KINDS)),
+        _gauge("rgpu_pool_quota_use_max", "The fullest quota of the kind: used / limit (0 to 1)", ["kind"],
+               (([kind], max((used / q.limit_units if q.limit_units else 1.0 for q, used in view.quotas
+                              if q.kind == kind), default=0.0)) for kind in QUOTA_KINDS)),
     ]
 
 
@@ -132,6 +140,10 @@ class PoolMetrics:
         self.heartbeats = Counter("rgpu_pool_heartbeats", "Dispatcher heartbeats (unknown: the dispatcher "
                                   "must register again)", ["result"], registry=r)
         self.registrations = Counter("rgpu_pool_registrations", "Dispatcher registrations", registry=r)
+        self.rate_limited = Counter("rgpu_pool_user_lease_calls_limited", "Users' Allocate, Renew and Release "
+                                    "calls refused by user_lease_calls_burst/_per_second", registry=r)
+        self.history_pruned = Counter("rgpu_pool_history_pruned", "Ended-lease history rows pruned "
+                                      "(history_keep_days, history_max_rows)", registry=r)
         self.servers_down = Counter("rgpu_pool_server_down_events", "Dispatchers found without heartbeat",
                                     registry=r)
         for result in ("new", "existing"):

@@ -28,11 +28,13 @@ from typing import Iterator, Protocol
 from rgpu.errors import ConfigError, Unavailable
 from rgpu.filelock import held
 from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
+from rgpu.remoting.pool import disk_note
 from rgpu.remoting.pool.accounting import SliceUsageRecord
 
 # 1: servers, leases, history, quotas. 2: the change log, heartbeats and usage reports of shared
-# mode (tables added in place; a file of layout 1 keeps its leases).
-SCHEMA_VERSION = 2
+# mode (tables added in place; a file of layout 1 keeps its leases). 3: web_spent (dashboard
+# credentials spent or logged out).
+SCHEMA_VERSION = 3
 # Versions of the change log kept (shared mode); a process further behind reloads everything.
 CHANGE_LOG_KEEP = 20_000
 USAGE_COLUMNS = "sessions, busy_seconds, memory_high_water_bytes, memory_used_bytes, last_active_unix, calls"
@@ -90,6 +92,12 @@ CREATE TABLE IF NOT EXISTS heartbeats (
     address TEXT PRIMARY KEY,
     unix    REAL NOT NULL
 );
+-- Dashboard credentials used up, until they expire: login links exchanged and sessions logged out
+-- (kept here, not in memory, so a pool restart does not make them good again).
+CREATE TABLE IF NOT EXISTS web_spent (
+    nonce   TEXT PRIMARY KEY,
+    expires REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS slice_usage (
     job_key          TEXT NOT NULL,
     slice            INTEGER NOT NULL,
@@ -143,6 +151,10 @@ class Store:
                 self._db.executescript(_SCHEMA)
                 self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except sqlite3.DatabaseError as exc:
+            if disk_note.read_only(self.path):
+                raise ConfigError("store", f"cannot open state database {self.path}",
+                                  f"{exc}: {disk_note.describe(self.path)}",
+                                  "point --state at a file on a writable file system of the pool host") from None
             raise ConfigError("store", f"cannot open state database {self.path}", str(exc),
                               "check the path and permissions, or move a damaged file aside") from None
         except OSError as exc:   # its folder cannot be made or read (a file in the way, a read-only mount)
@@ -186,8 +198,18 @@ class Store:
 
     def _failed(self, exc: sqlite3.Error) -> StoreError:
         # A full disk, a read-only or vanished file, a lock held too long: the change is not made.
-        return StoreError("store", f"cannot save the pool's state in {self.path}", str(exc),
-                          "free space on its disk or fix the file's permissions; nothing was changed")
+        disk = disk_note.describe(self.path)
+        return StoreError("store", f"cannot save the pool's state in {self.path}",
+                          f"{exc}: {disk}" if disk else str(exc),
+                          "free space on that disk or fix the file's permissions; nothing was changed")
+
+    def _abort(self, exc: BaseException) -> None:
+        """After a transaction failed: roll back what is left of it (a failed COMMIT on a full disk
+        may have rolled back already); a database error is raised as the store's one-line error."""
+        if self._db.in_transaction:
+            self._db.execute("ROLLBACK")
+        if isinstance(exc, sqlite3.Error):
+            raise self._failed(exc) from None
 
     # -- shared by the processes of one daemon (shared=True), or one process's alone ---------
     @contextlib.contextmanager
@@ -231,8 +253,8 @@ class Store:
             if self._wrote:
                 state.after = self._log_change(state.before or 0)
             self._db.execute("COMMIT")
-        except BaseException:
-            self._db.execute("ROLLBACK")
+        except BaseException as exc:
+            self._abort(exc)
             raise
         if state.after is not None and state.after % self.prune_every == 0:
             self._prune(state.after)
@@ -370,18 +392,18 @@ class Store:
                                                                      busy_seconds, how))
             return
         with self._lock:
-            self._db.execute("BEGIN")
             try:
+                self._db.execute("BEGIN")
                 self._db.execute("DELETE FROM leases WHERE job_key=?", (lease.job_key,))
                 self._db.execute(
                     "INSERT INTO lease_history(job_key, user, account, units, created, ended, busy_seconds, how) "
                     "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                     (lease.job_key, lease.user, lease.account, lease.units, lease.created_unix, ended,
                      busy_seconds, how))
-            except BaseException:
-                self._db.execute("ROLLBACK")
+                self._db.execute("COMMIT")
+            except BaseException as exc:
+                self._abort(exc)
                 raise
-            self._db.execute("COMMIT")
 
     def load_history(self, since: float, until: float) -> list[tuple[str, str, int, float, float, float]]:
         """(user, account, units, created, ended, busy_seconds) of ended leases overlapping [since, until)."""
@@ -395,6 +417,42 @@ class Store:
         with self._lock:
             return self._db.execute("SELECT job_key, user, account, units, created, ended, busy_seconds, how "
                                     "FROM lease_history").fetchall()
+
+    def prune_history(self, ended_before: float | None, max_rows: int, limit: int) -> int:
+        """Delete at most `limit` of the oldest ended leases: those ended before `ended_before`
+        (None: none by age), then the oldest beyond `max_rows` (0: no cap). Returns how many."""
+        try:
+            with self._lock, self._writer():
+                gone = 0
+                if ended_before is not None:
+                    gone = self._db.execute("DELETE FROM lease_history WHERE rowid IN (SELECT rowid FROM lease_history "
+                                            "WHERE ended < ? ORDER BY ended LIMIT ?)", (ended_before, limit)).rowcount
+                if max_rows and gone < limit:
+                    excess = self._db.execute("SELECT count(*) FROM lease_history").fetchone()[0] - max_rows
+                    if excess > 0:
+                        gone += self._db.execute("DELETE FROM lease_history WHERE rowid IN (SELECT rowid FROM "
+                                                 "lease_history ORDER BY ended LIMIT ?)",
+                                                 (min(excess, limit - gone),)).rowcount
+                return gone
+        except sqlite3.Error as exc:
+            raise self._failed(exc) from None
+
+    # -- dashboard credentials spent (login links) or revoked (logged-out sessions) ------------
+    def spend_web_nonce(self, nonce: str, expires: float, now: float) -> bool:
+        """Record `nonce` as used up until `expires`; False when it was already."""
+        try:
+            with self._lock, self._writer():
+                self._db.execute("DELETE FROM web_spent WHERE expires <= ?", (now,))
+                return self._db.execute("INSERT INTO web_spent(nonce, expires) VALUES (?, ?) "
+                                        "ON CONFLICT(nonce) DO NOTHING", (nonce, expires)).rowcount == 1
+        except sqlite3.Error as exc:
+            raise self._failed(exc) from None
+
+    def web_nonce_spent(self, nonce: str) -> bool:
+        try:
+            return bool(self._rows("SELECT 1 FROM web_spent WHERE nonce = ?", (nonce,)))
+        except sqlite3.Error as exc:
+            raise self._failed(exc) from None
 
     def set_quota(self, quota: QuotaRecord) -> None:
         self._write("INSERT INTO quotas(kind, name, limit_units) VALUES (?, ?, ?) "
@@ -458,6 +516,9 @@ class PoolStore(Protocol):
     def load_history(self, since: float, until: float) -> list[tuple[str, str, int, float, float, float]]: ...
     def set_quota(self, quota: QuotaRecord) -> None: ...
     def delete_quota(self, kind: str, name: str) -> None: ...
+    def spend_web_nonce(self, nonce: str, expires: float, now: float) -> bool: ...
+    def prune_history(self, ended_before: float | None, max_rows: int, limit: int) -> int: ...
+    def web_nonce_spent(self, nonce: str) -> bool: ...
 
 
 def open_store(state: str, store_url: str = "", shared: bool = False) -> PoolStore:

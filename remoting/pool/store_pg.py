@@ -87,6 +87,12 @@ CREATE TABLE IF NOT EXISTS pool_changes (
     key     TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS pool_changes_version ON pool_changes(version);
+-- Dashboard credentials used up (login links exchanged, sessions logged out), until they expire.
+-- Added in place: daemons of layout 2 do not read it.
+CREATE TABLE IF NOT EXISTS web_spent (
+    nonce   TEXT PRIMARY KEY,
+    expires DOUBLE PRECISION NOT NULL
+);
 CREATE TABLE IF NOT EXISTS slice_usage (
     job_key          TEXT NOT NULL,
     slice            INTEGER NOT NULL,
@@ -364,6 +370,30 @@ class PostgresStore:
             cursor.executemany(
                 'INSERT INTO lease_history(job_key, "user", account, units, created, ended, busy_seconds, how) '
                 "VALUES (%s, %s, %s, %s, %s, %s, %s, %s)", rows)
+
+    def prune_history(self, ended_before: float | None, max_rows: int, limit: int) -> int:
+        """As Store.prune_history: at most `limit` of the oldest ended leases, by age, then by count."""
+        with self._session() as db:
+            gone = 0
+            if ended_before is not None:
+                gone = db.execute("DELETE FROM lease_history WHERE ctid IN (SELECT ctid FROM lease_history "
+                                  "WHERE ended < %s ORDER BY ended LIMIT %s)", (ended_before, limit)).rowcount
+            if max_rows and gone < limit:
+                excess = db.execute("SELECT count(*) FROM lease_history").fetchone()[0] - max_rows
+                if excess > 0:
+                    gone += db.execute("DELETE FROM lease_history WHERE ctid IN (SELECT ctid FROM lease_history "
+                                       "ORDER BY ended LIMIT %s)", (min(excess, limit - gone),)).rowcount
+            return gone
+
+    def spend_web_nonce(self, nonce: str, expires: float, now: float) -> bool:
+        """Record `nonce` as used up until `expires`; False when it was already (any daemon)."""
+        with self._session() as db:
+            db.execute("DELETE FROM web_spent WHERE expires <= %s", (now,))
+            return db.execute("INSERT INTO web_spent(nonce, expires) VALUES (%s, %s) ON CONFLICT (nonce) DO NOTHING",
+                              (nonce, expires)).rowcount == 1
+
+    def web_nonce_spent(self, nonce: str) -> bool:
+        return bool(self._rows("SELECT 1 FROM web_spent WHERE nonce = %s", (nonce,)))
 
     def set_quota(self, quota: QuotaRecord) -> None:
         self._write("INSERT INTO quotas(kind, name, limit_units) VALUES (%s, %s, %s) "

@@ -78,9 +78,11 @@ def test_a_host_access_while_the_gpu_owns_managed_memory_stops_the_program_with_
     assert "the host touched managed memory while the GPU may be using it" in done.stderr
 
 
-def test_pinned_host_memory_is_not_mapped_for_the_gpu(native_libs: build.Libraries, emulated: Server) -> None:
-    # The GPU is on another machine: page-locked memory here is not mapped for it. Saying it was
-    # made the runtime hand a kernel this host address (NVIDIA's UnifiedMemoryPerf, zero-copy mode).
+def test_pinned_host_memory_is_mapped_for_the_gpu_only_where_rgpu_can_back_it(native_libs: build.Libraries,
+                                                                               emulated: Server) -> None:
+    # The GPU is on another machine: page-locked memory here is mapped for it only where the worker
+    # can back it at the same address (zero_copy.c). Saying it was mapped otherwise made the runtime
+    # hand a kernel this host address (NVIDIA's UnifiedMemoryPerf, zero-copy mode).
     program = """
         setup()
         p = ctypes.c_void_p()
@@ -88,12 +90,15 @@ def test_pinned_host_memory_is_not_mapped_for_the_gpu(native_libs: build.Librari
         mapped = ctypes.c_ubyte(9)
         check("cuPointerGetAttribute", ctypes.byref(mapped), 13, ctypes.c_uint64(p.value))   # MAPPED
         d = ctypes.c_uint64()
-        print("MAPPED", mapped.value, "DEVPTR", lib.cuMemHostGetDevicePointer_v2(ctypes.byref(d), p, 0), flush=True)
+        print("MAPPED", mapped.value, "DEVPTR", lib.cuMemHostGetDevicePointer_v2(ctypes.byref(d), p, 0),
+              "SAME", d.value == p.value, flush=True)
         """
     done = py_client(native_libs, emulated.slices(emulated.token()), program)
+    assert "DEVPTR 0 SAME True" in done.stdout, done.stdout + done.stderr
+    done = py_client(native_libs, emulated.slices(emulated.token()), program, RGPU_ZERO_COPY="0")
     assert "MAPPED 0 DEVPTR 801" in done.stdout, done.stdout + done.stderr
     # PyTorch asks on every run and does without it: quiet unless RGPU_LOG=debug (a launch that
     # hands a kernel such a pointer gets the clear line, test_zero_copy_emulated.py).
     assert "cuMemHostGetDevicePointer_v2" not in done.stderr, done.stderr
-    done = py_client(native_libs, emulated.slices(emulated.token()), program, RGPU_LOG="debug")
+    done = py_client(native_libs, emulated.slices(emulated.token()), program, RGPU_LOG="debug", RGPU_ZERO_COPY="0")
     assert "cuMemHostGetDevicePointer_v2 is not remoted (a remote GPU cannot map this host's memory" in done.stderr

@@ -1,8 +1,10 @@
-"""Zero-copy through a remote GPU: a kernel handed a pointer into the application's page-locked
-memory (cudaHostGetDevicePointer, or a host-set flag the kernel spins on, as NVIDIA's
-UnifiedMemoryPerf does) would fault on the GPU node, and under MPS end every session there. The
-client refuses such a launch before it leaves, with one line naming the argument; the session
-goes on."""
+"""Zero-copy through a remote GPU. Page-locked memory from cuMemHostAlloc/cuMemAllocHost is placed at
+an address the worker reserved, and backed there by device memory the first time the GPU is handed it
+(a launch argument, a memset's target): its bytes then move at the GPU's next work and the next
+synchronisation (remoting/native/src/zero_copy.c, managed.c). XLA's autotuner zeroes such a word and
+has its redzone kernel count into it (issue 24's JAX failure). Page-locked memory that cannot be
+placed so (cudaHostRegister, RGPU_ZERO_COPY=0) would fault on the GPU node, and under MPS end every
+session there: the client refuses a launch or memset handed it, with one line; the session goes on."""
 
 from __future__ import annotations
 
@@ -11,35 +13,138 @@ from rgpu.remoting.native import build
 from tests.remoting.conftest import EXAMPLES, Server
 from tests.remoting.test_client_emulated import py_client
 
-
-def test_a_launch_with_a_pinned_host_pointer_is_refused_in_the_client(native_libs: build.Libraries,
-                                                                      emulated: Server) -> None:
-    done = py_client(native_libs, emulated.slices(emulated.token()), f"""
-        setup()
+# A vecadd launch whose second argument is `host` (a page-locked pointer), then the session goes on.
+LAUNCH_WITH_HOST_POINTER = f"""
         ptx = open({str(EXAMPLES / "vecadd.ptx")!r}, "rb").read() + b"\\0"
         mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
         check("cuModuleLoadData", ctypes.byref(mod), ptx)
         check("cuModuleGetFunction", ctypes.byref(fn), mod, b"vecadd")
-        host = ctypes.c_void_p()
-        check("cuMemAllocHost_v2", ctypes.byref(host), ctypes.c_size_t(1 << 20))
         r, dev = alloc(1 << 20)
-        a, b = ctypes.c_uint64(dev), ctypes.c_uint64(host.value + 4096)     # b: inside the pinned block
+        a, b = ctypes.c_uint64(dev), ctypes.c_uint64(host.value + 4096)     # b: inside the page-locked block
         c, n = ctypes.c_uint64(dev), ctypes.c_int(16)
         params = (ctypes.c_void_p * 4)(*(ctypes.addressof(x) for x in (a, b, c, n)))
         print("LAUNCH", lib.cuLaunchKernel(fn, 1, 1, 1, 16, 1, 1, 0, None, params, None))
-        print("SYNC", lib.cuCtxSynchronize())                               # the session goes on
+        print("SYNC", lib.cuCtxSynchronize())
         out = ctypes.create_string_buffer(64)
         check("cuMemsetD8_v2", ctypes.c_uint64(dev), 7, ctypes.c_size_t(64))
         check("cuMemcpyDtoH_v2", out, ctypes.c_uint64(dev), ctypes.c_size_t(64))
         print("AFTER", out.raw == bytes([7]) * 64)
-        b.value = dev                                                         # device pointers only: sent
-        print("DEVICE_ONLY", lib.cuLaunchKernel(fn, 1, 1, 1, 16, 1, 1, 0, None, params, None), lib.cuCtxSynchronize())
-        """)
+"""
+
+
+def test_a_launch_with_registered_host_memory_is_refused_in_the_client(native_libs: build.Libraries,
+                                                                       emulated: Server) -> None:
+    done = py_client(native_libs, emulated.slices(emulated.token()), """
+        setup()
+        block = ctypes.create_string_buffer(1 << 20)
+        host = ctypes.c_void_p(ctypes.addressof(block))
+        check("cuMemHostRegister_v2", host, ctypes.c_size_t(1 << 20), 0)
+        """ + LAUNCH_WITH_HOST_POINTER)
     out, err = done.stdout, done.stderr
     assert "LAUNCH 801" in out, out + err
     assert "SYNC 0" in out and "AFTER True" in out
     assert "argument at byte 8 is a pointer into page-locked host memory" in err
-    # The launch with device pointers reached the worker (which emulates, and refuses to run kernels:
-    # its answer comes at the next synchronisation).
-    assert "DEVICE_ONLY 0 801" in out and "kernel launch refused" in err
     assert err.count("page-locked host memory") == 1
+
+
+def test_with_zero_copy_off_a_launch_with_allocated_page_locked_memory_is_refused(
+        native_libs: build.Libraries, emulated: Server) -> None:
+    done = py_client(native_libs, emulated.slices(emulated.token()), """
+        setup()
+        host = ctypes.c_void_p()
+        check("cuMemAllocHost_v2", ctypes.byref(host), ctypes.c_size_t(1 << 20))
+        """ + LAUNCH_WITH_HOST_POINTER, RGPU_ZERO_COPY="0")
+    assert "LAUNCH 801" in done.stdout and "AFTER True" in done.stdout, done.stdout + done.stderr
+    assert "argument at byte 8 is a pointer into page-locked host memory" in done.stderr
+
+
+def test_a_launch_with_allocated_page_locked_memory_reaches_the_worker(native_libs: build.Libraries,
+                                                                       emulated: Server) -> None:
+    done = py_client(native_libs, emulated.slices(emulated.token()), """
+        setup()
+        host = ctypes.c_void_p()
+        check("cuMemAllocHost_v2", ctypes.byref(host), ctypes.c_size_t(1 << 20))
+        """ + LAUNCH_WITH_HOST_POINTER)
+    out, err = done.stdout, done.stderr
+    # The client sent it (the emulated worker runs no kernel: its refusal comes at the next sync).
+    assert "LAUNCH 0" in out and "SYNC 801" in out and "AFTER True" in out, out + err
+    assert "page-locked host memory" not in err and "kernel launch refused" in err, err
+
+
+def test_memsets_and_copies_of_page_locked_memory_move_its_bytes_both_ways(native_libs: build.Libraries,
+                                                                           emulated: Server) -> None:
+    """The JAX pattern: the GPU zeroes a page-locked word (cuMemsetD32Async), the host reads it after a
+    synchronisation; the host writes, and the GPU's copies see what it wrote. Freeing gives the slice's
+    memory back."""
+    done = py_client(native_libs, emulated.slices(emulated.token()), """
+        setup()
+        free0, total = ctypes.c_size_t(), ctypes.c_size_t()
+        check("cuMemGetInfo_v2", ctypes.byref(free0), ctypes.byref(total))
+        host = ctypes.c_void_p()
+        check("cuMemHostAlloc", ctypes.byref(host), ctypes.c_size_t(4096), 2)     # DEVICEMAP
+        word = (ctypes.c_uint32 * 1024).from_address(host.value)
+        for i in range(1024):
+            word[i] = 0xFFFFFFFF
+        devptr = ctypes.c_uint64()
+        check("cuMemHostGetDevicePointer_v2", ctypes.byref(devptr), host, 0)
+        print("SAME", devptr.value == host.value)
+        check("cuMemsetD32Async", ctypes.c_uint64(host.value), 0x11223344, ctypes.c_size_t(2), None)
+        check("cuCtxSynchronize")
+        print("ZEROED", [hex(word[i]) for i in range(3)])
+        free1 = ctypes.c_size_t()
+        check("cuMemGetInfo_v2", ctypes.byref(free1), ctypes.byref(total))
+        print("BACKED", free0.value - free1.value)
+        for i in range(1024):
+            word[i] = i
+        r, dev = alloc(4096)
+        check("cuMemcpyDtoD_v2", ctypes.c_uint64(dev), ctypes.c_uint64(host.value), ctypes.c_size_t(4096))
+        out = (ctypes.c_uint32 * 1024)()
+        check("cuMemcpyDtoH_v2", out, ctypes.c_uint64(dev), ctypes.c_size_t(4096))
+        print("SEEN", list(out) == list(range(1024)))
+        flags = ctypes.c_uint()
+        check("cuMemHostGetFlags", ctypes.byref(flags), host)
+        print("FLAGS", flags.value)
+        check("cuMemFreeHost", host)
+        check("cuMemFree_v2", ctypes.c_uint64(dev))
+        free2 = ctypes.c_size_t()
+        check("cuMemGetInfo_v2", ctypes.byref(free2), ctypes.byref(total))
+        print("RETURNED", free0.value - free2.value)
+        """)
+    out, err = done.stdout, done.stderr
+    assert done.returncode == 0, out + err
+    assert "SAME True" in out
+    assert "ZEROED ['0x11223344', '0x11223344', '0xffffffff']" in out, out + err
+    assert "BACKED 2097152" in out            # one 2 MiB granule of the slice
+    assert "SEEN True" in out and "FLAGS 2" in out and "RETURNED 0" in out, out + err
+    assert "rgpu:" not in err, err
+
+
+def test_a_memset_of_registered_host_memory_is_refused_in_one_line(native_libs: build.Libraries,
+                                                                   emulated: Server) -> None:
+    done = py_client(native_libs, emulated.slices(emulated.token()), """
+        setup()
+        block = ctypes.create_string_buffer(4096)
+        check("cuMemHostRegister_v2", ctypes.c_void_p(ctypes.addressof(block)), ctypes.c_size_t(4096), 0)
+        print("MEMSET", lib.cuMemsetD32Async(ctypes.c_uint64(ctypes.addressof(block)), 0, ctypes.c_size_t(2), None))
+        print("SYNC", lib.cuCtxSynchronize())
+        """)
+    out, err = done.stdout, done.stderr
+    assert "MEMSET 801" in out and "SYNC 0" in out, out + err
+    assert "cuMemsetD32Async: 0x" in err and "is page-locked host memory that cannot be placed" in err, err
+
+
+def test_a_pipelined_memset_the_worker_refuses_fails_late_naming_the_memset(native_libs: build.Libraries,
+                                                                            emulated: Server) -> None:
+    """A memset travels pipelined; the worker's driver refuses the address, and the error surfaces at
+    the next synchronising call, whose line names the memset (before, the line was empty and the
+    refusal looked like the later call's own: JAX's redzone launch)."""
+    done = py_client(native_libs, emulated.slices(emulated.token()), """
+        setup()
+        print("MEMSET", lib.cuMemsetD32Async(ctypes.c_uint64(0xdead0000), 0, ctypes.c_size_t(2), None))
+        print("SYNC", lib.cuCtxSynchronize())
+        print("AGAIN", lib.cuCtxSynchronize())                               # reported once
+        """)
+    out, err = done.stdout, done.stderr
+    assert "MEMSET 0" in out, out + err
+    assert "SYNC 1" in out and "AGAIN 0" in out, out + err
+    assert "rgpu: worker: cuMemsetD32Async failed with CUDA_ERROR_INVALID_VALUE; reported at this later call" in err, err

@@ -623,7 +623,19 @@ class EmulatedBackend:
     def cuMemcpyDtoDAsync_v2(self, dst: int, src: int, n: int, stream: int) -> tuple[int]:
         return self._on_stream(stream, lambda: self.cuMemcpyDtoD_v2(dst, src, n), NODE_TYPE_MEMCPY)
 
+    def _check_2d(self, ptr: int, pitch: int, row_bytes: int, height: int) -> None:
+        """Every row inside one allocation, checked once before any row is touched: a height past
+        the allocation (2^62 rows at pitch 0) is INVALID_VALUE, not a loop that never ends."""
+        if height > 1 and pitch < row_bytes:
+            raise CudaError(INVALID_VALUE)
+        self._locate(ptr, pitch * (height - 1) + row_bytes)
+
     def dtod_2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int) -> None:
+        self._need_ctx()
+        if not width or not height:
+            return
+        self._check_2d(dst, dpitch, width, height)
+        self._check_2d(src, spitch, width, height)
         for row in range(height):
             self.cuMemcpyDtoD_v2(dst + row * dpitch, src + row * spitch, width)
 
@@ -652,6 +664,10 @@ class EmulatedBackend:
         return self._on_stream(stream, lambda: self.cuMemsetD32_v2(dst, value, n))
 
     def _memset2d(self, dst: int, pitch: int, pattern: bytes, width: int, height: int) -> tuple[int]:
+        self._need_ctx()
+        if not width or not height:
+            return (SUCCESS,)
+        self._check_2d(dst, pitch, len(pattern) * width, height)
         for row in range(height):
             self._memset(dst + row * pitch, pattern, width)
         return (SUCCESS,)

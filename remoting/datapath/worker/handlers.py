@@ -517,7 +517,13 @@ class Handlers:
 
     def h_param_info(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         (handle,) = U64.unpack_from(p, 0)
-        return SUCCESS, fn_without_handle(self.backend.param_info(handle))
+        try:
+            return SUCCESS, fn_without_handle(self.backend.param_info(handle))
+        except CudaError as e:
+            # The client launches through a handle this worker's driver does not know: say which,
+            # since the client only sees the error code.
+            log.info("rgpuParamInfo: the driver knows no function or kernel %#x (error %d)", handle, e.code)
+            raise
 
     def h_unload(self, kind: str) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
         def run(p: memoryview, address: int, seq: int) -> tuple[int, bytes]:

@@ -19,7 +19,7 @@ from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.backends.base import (INVALID_VALUE, NOT_SUPPORTED, NVML_ERROR_INVALID_ARGUMENT,
                                                   NVML_ERROR_NOT_SUPPORTED, OUT_OF_MEMORY, SUCCESS, UNKNOWN,
                                                   CudaError, SliceMemory)
-from rgpu.remoting.datapath.worker.client_handles import ClientEvents, ClientStreams
+from rgpu.remoting.datapath.worker.client_handles import ClientEvents, ClientStreams, error_name
 from rgpu.remoting.datapath.worker.codecs import HEADER, I32, LAUNCH, lp
 from rgpu.remoting.datapath.worker.faults import STICKY_ERRORS, SessionFaulted, default_message, wait_verdict, write_report
 from rgpu.remoting.datapath.worker.frames import NVML_MAX_FRAME, FrameReader, FrameStalled, FrameTooLarge
@@ -34,6 +34,14 @@ from rgpu.remoting.datapath.worker.spec import SessionSpec
 from rgpu.remoting.datapath.usage import SessionStats
 
 log = logging.getLogger("rgpu.worker")
+
+
+def late_error(code: int, call: str) -> str:
+    """The line for an error of pipelined work, which the client learns at its next synchronising
+    call: it names the call that failed, as the application's own call is not the one at fault."""
+    return (f"rgpu: worker: {call} failed with {error_name(code)}; reported at this later call, as CUDA "
+            "reports errors of asynchronous work")
+
 
 OP = api_gen.OPCODES
 # Calls that wait for a reply but put work on the GPU (the limiter gates them like launches).
@@ -213,13 +221,30 @@ class Worker(Handlers):
         for name in api_gen.MANUAL_OPS:
             if OP[name] not in self.handlers:
                 self.handlers[OP[name]] = (self._unsupported(name), False)
+        if self.spec.mode == "nvml":
+            # A management session has no CUDA context, and its backend no CUDA calls: each CUDA
+            # operation is answered at once (none is deferred to a synchronize) with one line.
+            for name, opcode in OP.items():
+                if not name.startswith("nvml"):
+                    self.handlers[opcode] = (self._not_in_nvml(name), False)
 
     def _generated(self, gen: Callable[[Any, memoryview, int], tuple[int, bytes]]) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
         backend = self.backend
 
-        def run(payload: memoryview, address: int, seq: int) -> tuple[int, bytes]:
-            return gen(backend, payload, 0)
-        return run
+        if not log.isEnabledFor(logging.DEBUG):
+            def run(payload: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+                return gen(backend, payload, 0)
+            return run
+
+        def run_logged(payload: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+            # RGPU_WORKER_LOG_LEVEL=debug: a call the driver refuses is logged with its arguments
+            # as the client sent them (the client learns only the code, and for pipelined calls late).
+            result = gen(backend, payload, 0)
+            if result[0] != SUCCESS:
+                log.debug("%s refused with %d; its arguments: %s", getattr(gen, "__name__", "?").removeprefix("_h_"),
+                          result[0], bytes(payload[:96]).hex())
+            return result
+        return run_logged
 
     def _unsupported(self, name: str) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
         code = NVML_ERROR_NOT_SUPPORTED if name.startswith("nvml") else NOT_SUPPORTED
@@ -230,6 +255,14 @@ class Worker(Handlers):
 
         def run(payload: memoryview, address: int, seq: int) -> tuple[int, bytes]:
             raise CudaError(code, message)
+        return run
+
+    def _not_in_nvml(self, name: str) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
+        message = (f"rgpu: worker: {name} is not served in an NVML session (a management session has no CUDA "
+                   "context; CUDA calls need a CUDA session of the slice)")
+
+        def run(payload: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+            raise CudaError(NOT_SUPPORTED, message)
         return run
 
     # ------------------------------------------------------------------ serving
@@ -334,7 +367,7 @@ class Worker(Handlers):
                     stats.account(t0, memory.high_water if memory is not None else 0, ran)
                 self.errors += native.errors
                 if code and self.deferred is None:
-                    self.deferred = (code, "")
+                    self.deferred = (code, late_error(code, api_gen.OPS.get(native.first_error_op, "a launch")))
                 if native.failed_creation is not None:   # it ended the run, its frame consumed
                     handle, failed = native.failed_creation
                     exc = self.client_events.creation_error(handle, failed)
@@ -489,7 +522,7 @@ class Worker(Handlers):
     def _defer(self, code: int, message: str) -> None:
         self.errors += 1
         if self.deferred is None:
-            self.deferred = (code, message)
+            self.deferred = (code, message or late_error(code, api_gen.OPS.get(self.last_op, f"operation {self.last_op}")))
 
     def _sticky_fault(self, result: int) -> str:
         """Report a sticky fault to the dispatcher and return its verdict (the line the application gets)."""

@@ -42,7 +42,7 @@ class _Loop(ctypes.Structure):
                 ("events", ctypes.c_void_p), ("admitted_mask", ctypes.c_uint32), ("stream_mask", ctypes.c_uint32),
                 ("launch_op", ctypes.c_uint32), ("event_ops", ctypes.c_uint32 * len(EVENT_OPS)),
                 ("gpu_work_ok", ctypes.c_uint32), ("events_ok", ctypes.c_uint32), ("first_error", ctypes.c_int32),
-                ("last_op", ctypes.c_uint32), ("failed_code", ctypes.c_int32), ("pad", ctypes.c_uint32),
+                ("last_op", ctypes.c_uint32), ("failed_code", ctypes.c_int32), ("first_error_op", ctypes.c_uint32),
                 ("failed_handle", ctypes.c_uint64), ("errors", ctypes.c_uint64), ("run_events", ctypes.c_uint64),
                 ("launched", ctypes.c_uint64), ("event_counts", ctypes.c_uint64 * len(EVENT_OPS)),
                 ("memcpy_dtoh", ctypes.c_void_p), ("stream_capturing", ctypes.c_void_p), ("dtoh_buf", ctypes.c_void_p),
@@ -166,6 +166,7 @@ class NativeLaunches:
         self.errors = 0      # the last run's failed launches and event operations
         self.ran_events = 0  # the last run's event operations
         self.last_op = 0     # the last run's last operation
+        self.first_error_op = 0   # the operation of the last run's first error
         self.ran_copies = 0  # the last run's copies answered
 
     @property
@@ -244,11 +245,12 @@ class NativeLaunches:
         copies_before = loop.copies
         used = self._run(address, available, ctx, self._loop_ref)
         error, self.errors, self.last_op, self.ran_events = loop.first_error, loop.errors, loop.last_op, loop.run_events
+        self.first_error_op = loop.first_error_op
         self.ran_copies = loop.copies - copies_before
         self.failed_creation = (loop.failed_handle, loop.failed_code) if loop.failed_code else None
         self.failed_copy = (loop.copy_seq, loop.copy_failed) if loop.copy_failed else None
         self.send_error = loop.send_errno
-        loop.first_error = loop.errors = loop.last_op = loop.failed_code = 0
+        loop.first_error = loop.errors = loop.last_op = loop.failed_code = loop.first_error_op = 0
         loop.failed_handle = loop.run_events = 0
         loop.copy_failed = loop.copy_seq = loop.send_errno = 0
         return used, error

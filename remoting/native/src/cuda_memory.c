@@ -137,18 +137,24 @@ RGPU_EXPORT CUresult CUDAAPI cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_
 }
 
 /* ------------------------------------------------------------------ page-locked host memory
- * The GPU is across the network, so no GPU can map this memory; it is plain memory of this
- * process, remembered so that pointer queries and cuMemFreeHost behave as CUDA's do. */
+ * The GPU is across the network, so no GPU can map this memory: it is memory of this process,
+ * remembered so that pointer queries and cuMemFreeHost behave as CUDA's do, and placed where the
+ * worker can back it with device memory at the same address should a kernel or memset be handed it
+ * (zero_copy.c). */
 
 static CUresult host_alloc(void **pp, size_t bytesize, unsigned int flags) {
     if (!pp) return CUDA_ERROR_INVALID_VALUE;
     CUresult r = rgpu_check_init();
     if (r != CUDA_SUCCESS) return r;
     if (!rgpu_ctx_current()) return CUDA_ERROR_INVALID_CONTEXT;
-    void *p = NULL;
     if (bytesize == 0) bytesize = 1;
-    if (posix_memalign(&p, 4096, bytesize)) return CUDA_ERROR_OUT_OF_MEMORY;
-    rgpu_host_range_add(p, bytesize, flags, 1);
+    void *p = rgpu_zero_copy_alloc(bytesize, flags);
+    if (p) {
+        rgpu_host_range_add(p, bytesize, flags, 0);   /* zero_copy.c frees it */
+    } else {
+        if (posix_memalign(&p, 4096, bytesize)) return CUDA_ERROR_OUT_OF_MEMORY;
+        rgpu_host_range_add(p, bytesize, flags, 1);
+    }
     *pp = p;
     return CUDA_SUCCESS;
 }
@@ -162,6 +168,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemHostAlloc(void **pp, size_t bytesize, unsigned
 RGPU_EXPORT CUresult CUDAAPI cuMemFreeHost(void *p) {
     CUresult r = rgpu_check_init();
     if (r != CUDA_SUCCESS) return r;
+    if (rgpu_zero_copy_free(p, &r)) return r;
     int owned = 0;
     if (!rgpu_host_range_remove(p, &owned, NULL)) return CUDA_ERROR_INVALID_VALUE;
     if (owned) free(p);
@@ -190,19 +197,25 @@ RGPU_EXPORT CUresult CUDAAPI cuMemHostGetFlags(unsigned int *pFlags, void *p) {
     CUresult r = rgpu_check_init();
     if (r != CUDA_SUCCESS) return r;
     unsigned int flags;
-    if (!rgpu_host_range_find(p, NULL, NULL, &flags)) return CUDA_ERROR_INVALID_VALUE;
+    if (!rgpu_host_range_find(p, NULL, NULL, &flags) && !rgpu_zero_copy_flags(p, &flags)) return CUDA_ERROR_INVALID_VALUE;
     *pFlags = flags;
     return CUDA_SUCCESS;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, void *p, unsigned int Flags) {
-    /* PyTorch's pinned-memory allocator asks on every run and does without the answer: a debug
-     * line only. A program that does need the mapping gets its one clear line where it breaks: at
-     * the launch whose argument points into this process's page-locked memory (cuda_module.c). */
+    /* Zero-copy memory allocated as mapped (CU_MEMHOSTALLOC_DEVICEMAP, zero_copy.c) is the GPU's at
+     * the same address, once backed there: the backing waits for the GPU's first real use of it (a
+     * launch argument or a memset's target), not for this question. PyTorch's pinned-memory
+     * allocator asks for its unmapped allocations on every run and does without the answer, so
+     * those keep no GPU address here (a kernel handed them directly still gets them backed): a
+     * debug line only, and a program that needs it gets its one clear line where it breaks. */
     static int seen;
-    (void)pdptr;
-    (void)p;
-    (void)Flags;
+    if (!pdptr || Flags) return CUDA_ERROR_INVALID_VALUE;
+    unsigned int flags;
+    if (p && rgpu_zero_copy_flags(p, &flags) && (flags & 0x02)) {   /* CU_MEMHOSTALLOC_DEVICEMAP */
+        *pdptr = (CUdeviceptr)(uintptr_t)p;
+        return CUDA_SUCCESS;
+    }
     if (!__atomic_exchange_n(&seen, 1, __ATOMIC_RELAXED))
         rgpu_log(RGPU_LOG_DEBUG, "cuMemHostGetDevicePointer_v2 is not remoted (a remote GPU cannot map this "
                  "host's memory; it returns CUDA_ERROR_NOT_SUPPORTED)");

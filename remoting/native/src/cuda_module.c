@@ -694,19 +694,28 @@ static void pack_args(const launch_args *a, void **params, uint8_t *out) {
     for (uint32_t i = 0; a->fn && i < a->fn->nparams; i++) memcpy(out + a->fn->offsets[i], params[i], a->fn->sizes[i]);
 }
 
-/* A kernel handed a pointer into this process's page-locked memory would read or write host
- * memory through UVA (zero-copy, or a flag the host sets while the kernel spins): the GPU is on
- * another machine, so the access would fault (and under MPS end every session on that GPU).
- * Refused before it leaves, naming the argument. */
-static CUresult refuse_host_pointers(const char *call, const void *args, size_t n) {
-    uint64_t value = 0;
-    long off = rgpu_args_host_pointer(args, n, &value);
-    if (off < 0) return CUDA_SUCCESS;
-    rgpu_log(1, "rgpu: client: %s: the kernel's argument at byte %ld is a pointer into page-locked host memory "
-                "(0x%llx, from cudaMallocHost/cudaHostAlloc/cudaHostRegister); a GPU across the network cannot read "
-                "this process's memory (zero-copy is not available through rgpu): copy the data to device memory",
-             call, off, (unsigned long long)value);
-    return CUDA_ERROR_NOT_SUPPORTED;
+/* A kernel handed a pointer into this process's page-locked memory reads or writes host memory
+ * through UVA (zero-copy, or a flag the host sets while the kernel spins). Memory from
+ * cuMemHostAlloc/cuMemAllocHost lies where the worker can back it with device memory at the same
+ * address (zero_copy.c): it is backed now, and its bytes move at the launch and the next
+ * synchronisation. Other page-locked memory (cudaHostRegister) would fault on the GPU node (under
+ * MPS ending every session on that GPU): the launch is refused before it leaves, naming the
+ * argument. */
+static CUresult host_pointers_for_gpu(const char *call, const void *args, size_t n) {
+    for (;;) {
+        uint64_t value = 0;
+        long off = rgpu_args_host_pointer(args, n, &value);
+        if (off < 0) return CUDA_SUCCESS;
+        int found = 0;
+        CUresult r = rgpu_zero_copy_promote(value, &found);
+        if (found && r != CUDA_SUCCESS) return r;
+        if (found) continue;   /* backed: no longer plain host memory */
+        rgpu_log(1, "rgpu: client: %s: the kernel's argument at byte %ld is a pointer into page-locked host memory "
+                    "(0x%llx, from cudaHostRegister, or with RGPU_ZERO_COPY=0); a GPU across the network cannot read "
+                    "this process's memory there: copy the data to device memory",
+                 call, off, (unsigned long long)value);
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
 }
 
 static CUresult launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned int gz, unsigned int bx,
@@ -716,38 +725,32 @@ static CUresult launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned 
     launch_args a;
     CUresult r = resolve_args(f, params, extra, &a);
     if (r != CUDA_SUCCESS) return r;
+    /* The arguments are packed (and page-locked memory among them backed on the GPU) before the
+     * call begins: backing it makes calls of its own. */
+    uint8_t packed[4096];  /* the common case: no allocation on the launch path */
+    uint8_t *heap = NULL;
+    const void *args = a.buf;
+    if (!args && a.argsize) {
+        uint8_t *p = a.argsize <= sizeof packed ? packed : (heap = malloc(a.argsize));
+        if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
+        memset(p, 0, a.argsize);
+        pack_args(&a, params, p);
+        args = p;
+    }
+    if (a.argsize) r = host_pointers_for_gpu("cuLaunchKernel", args, a.argsize);
     rgpu_call c;
-    r = rgpu_begin(&c, RGPU_OP_cuLaunchKernel);
-    if (r != CUDA_SUCCESS) return r;
+    if (r == CUDA_SUCCESS) r = rgpu_begin(&c, RGPU_OP_cuLaunchKernel);
+    if (r != CUDA_SUCCESS) {
+        free(heap);
+        return r;
+    }
     uint32_t head[12] = {gx, gy, gz, bx, by, bz, shmem, (uint32_t)cooperative, nattrs, (uint32_t)a.argsize, 0, 0};
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)f);
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
     rgpu_put(&c, head, sizeof head);
     if (nattrs) rgpu_put(&c, attrs, nattrs * sizeof(CUlaunchAttribute));
-    if (a.buf) {
-        r = refuse_host_pointers("cuLaunchKernel", a.buf, a.argsize);
-        if (r != CUDA_SUCCESS) {
-            rgpu_abort(&c);
-            return r;
-        }
-        rgpu_put(&c, a.buf, a.argsize);
-    } else if (a.argsize) {
-        uint8_t packed[4096];  /* the common case: no allocation on the launch path */
-        uint8_t *p = a.argsize <= sizeof packed ? packed : malloc(a.argsize);
-        if (!p) {
-            rgpu_abort(&c);
-            return CUDA_ERROR_OUT_OF_MEMORY;
-        }
-        memset(p, 0, a.argsize);
-        pack_args(&a, params, p);
-        r = refuse_host_pointers("cuLaunchKernel", p, a.argsize);
-        if (r == CUDA_SUCCESS) rgpu_put(&c, p, a.argsize);
-        if (p != packed) free(p);
-        if (r != CUDA_SUCCESS) {
-            rgpu_abort(&c);
-            return r;
-        }
-    }
+    if (a.argsize) rgpu_put(&c, args, a.argsize);
+    free(heap);
     return rgpu_async(&c);
 }
 
@@ -759,7 +762,7 @@ CUresult rgpu_kernel_args(CUfunction f, void **params, void **extra, uint8_t **o
     uint8_t *p = calloc(1, a.argsize ? a.argsize : 1);
     if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
     pack_args(&a, params, p);
-    r = refuse_host_pointers("a graph's kernel node", p, a.argsize);
+    r = host_pointers_for_gpu("a graph's kernel node", p, a.argsize);
     if (r != CUDA_SUCCESS) {
         free(p);
         return r;

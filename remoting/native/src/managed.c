@@ -33,6 +33,7 @@ typedef struct managed_region {
     size_t size;         /* bytes asked for */
     size_t mapped;       /* host bytes mapped at user (whole pages) */
     int gpu_owned;       /* 1: the GPU has the current copy; the host pages are inaccessible */
+    int pinned;          /* page-locked memory the GPU uses directly (zero_copy.c): no allocation of its own here */
 } managed_region;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -160,7 +161,13 @@ static void on_segv(int sig, siginfo_t *info, void *uctx) {
                 "rgpu: client: the host touched managed memory while the GPU may be using it; rgpu provides managed "
                 "memory without concurrent access (CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS is 0): synchronise "
                 "(cudaDeviceSynchronize, cudaStreamSynchronize) before the host reads or writes it\n";
-            ssize_t ignored = write(2, line, sizeof line - 1);
+            static const char pinned_line[] =
+                "rgpu: client: the host touched page-locked memory that a kernel or memset on the GPU may be using; "
+                "through a GPU across the network such memory is copied at synchronisation points, not shared while "
+                "the GPU runs: synchronise (cudaDeviceSynchronize, cudaStreamSynchronize) before the host reads or "
+                "writes it\n";
+            ssize_t ignored = g_regions[i].pinned ? write(2, pinned_line, sizeof pinned_line - 1)
+                                                  : write(2, line, sizeof line - 1);
             (void)ignored;
             signal(SIGSEGV, SIG_DFL);
             raise(SIGSEGV);
@@ -222,7 +229,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesiz
         g_regions = grown;
         g_cap = cap;
     }
-    g_regions[g_count] = (managed_region){user, real, bytesize, mapped, 0};
+    g_regions[g_count] = (managed_region){user, real, bytesize, mapped, 0, 0};
     __atomic_store_n(&g_count, g_count + 1, __ATOMIC_RELEASE);
     /* The host owns it first: zeros, copied to the GPU with the next work it is given. */
     __atomic_store_n(&g_any_host_owned, 1, __ATOMIC_RELEASE);
@@ -233,11 +240,52 @@ RGPU_EXPORT CUresult CUDAAPI cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesiz
     return CUDA_SUCCESS;
 }
 
+/* Adds a region whose host pages and worker mapping zero_copy.c made, at the same address; the host
+ * owns it first (its bytes go to the GPU with the next work the GPU is given). 0: out of memory. */
+int rgpu_managed_adopt(CUdeviceptr user, size_t size, size_t mapped) {
+    pthread_mutex_lock(&g_lock);
+    if (g_count == g_cap) {
+        size_t cap = g_cap ? g_cap * 2 : 16;
+        managed_region *grown = realloc(g_regions, cap * sizeof *grown);
+        if (!grown) {
+            pthread_mutex_unlock(&g_lock);
+            return 0;
+        }
+        g_regions = grown;
+        g_cap = cap;
+    }
+    g_regions[g_count] = (managed_region){user, 0, size, mapped, 0, 1};
+    __atomic_store_n(&g_count, g_count + 1, __ATOMIC_RELEASE);
+    __atomic_store_n(&g_any_host_owned, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&g_lock);
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, install_handler);
+    return 1;
+}
+
+/* Takes an adopted region out (its memory is zero_copy.c's to free); its host pages are accessible
+ * again. 0: no such region. */
+int rgpu_managed_forget(CUdeviceptr user) {
+    pthread_mutex_lock(&g_lock);
+    managed_region *m = find_locked(user);
+    if (!m || m->user != user || !m->pinned) {
+        pthread_mutex_unlock(&g_lock);
+        return 0;
+    }
+    managed_region gone = *m;
+    *m = g_regions[g_count - 1];
+    __atomic_store_n(&g_count, g_count - 1, __ATOMIC_RELEASE);
+    recount_owners_locked();
+    pthread_mutex_unlock(&g_lock);
+    if (gone.gpu_owned) mprotect((void *)(uintptr_t)gone.user, gone.mapped, PROT_READ | PROT_WRITE);
+    return 1;
+}
+
 /* cuMemFree of a managed address: the host mirror goes, then the worker's allocation. */
 CUresult rgpu_managed_free(CUdeviceptr user) {
     pthread_mutex_lock(&g_lock);
     managed_region *m = find_locked(user);
-    if (!m || m->user != user) {
+    if (!m || m->user != user || m->pinned) {
         pthread_mutex_unlock(&g_lock);
         return CUDA_ERROR_INVALID_VALUE;
     }

@@ -181,7 +181,10 @@ RGPU_EXPORT size_t rgpu_run(const uint8_t *buf, size_t avail, uint64_t ctx, rgpu
         }
         if (result) {
             L->errors++;
-            if (!L->first_error) L->first_error = result;
+            if (!L->first_error) {
+                L->first_error = result;
+                L->first_error_op = op;
+            }
         }
         used += HEADER_SIZE + len;
         L->last_op = op;

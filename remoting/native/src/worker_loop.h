@@ -62,7 +62,7 @@ typedef struct rgpu_loop {
     int32_t first_error;                  /* per run: the first error of a launch, record, wait or destroy */
     uint32_t last_op;                     /* per run: the last frame's operation */
     int32_t failed_code;                  /* per run: a creation that failed (it ends the run) */
-    uint32_t pad;
+    uint32_t first_error_op;              /* per run: the operation of first_error */
     uint64_t failed_handle;
     uint64_t errors;                      /* per run: launches, records, waits and destructions that failed */
     uint64_t run_events;                  /* per run: event operations run */

@@ -1,0 +1,228 @@
+/* Page-locked host memory that a GPU kernel uses directly (zero-copy), with the GPU across the network.
+ *
+ * With unified addressing, memory from cuMemHostAlloc/cuMemAllocHost is also the GPU's, at the same
+ * address: a kernel may read and write it, and cuMemset* may fill it. XLA's autotuner does both (it
+ * zeroes a page-locked word, and its redzone kernel counts mismatches into it); so do NVIDIA's
+ * zero-copy samples. Here the GPU is on another machine, so each such allocation is placed where the
+ * worker can put device memory at the very same address:
+ *   - at allocation, the worker reserves a range of its GPU's address space (cuMemAddressReserve:
+ *     an address, no memory), and this process maps the allocation's pages at that address;
+ *   - the first time the GPU is handed the allocation (a launch argument, a memset's target, a
+ *     device pointer asked of it), the worker backs the range with device memory (cuMemCreate,
+ *     cuMemMap, cuMemSetAccess) and the allocation becomes managed memory (managed.c): its bytes
+ *     go to the GPU before the GPU's next work and come back at the next synchronisation.
+ * An allocation the GPU never touches directly (the staging buffers of copies, nearly all of them)
+ * costs one round trip when it is made and one when it is freed, and no device memory. Where the
+ * worker's address is taken in this process, or with RGPU_ZERO_COPY=0, the allocation is plain
+ * memory as before, and a kernel or memset handed it is refused with one line. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include "rgpu_client.h"
+#include "cuda_protos.h"
+
+typedef struct zc_alloc {
+    uint64_t base;        /* the program's address, the worker's reserved range too */
+    size_t size;          /* bytes asked for */
+    size_t mapped;        /* host bytes mapped (whole pages) */
+    size_t reserved;      /* the worker's range (whole granules) */
+    unsigned int flags;   /* cuMemHostAlloc's */
+    int device;           /* the slice whose worker holds the range */
+    int promoted;         /* 1: device memory is mapped there and managed.c moves the bytes */
+    CUmemGenericAllocationHandle handle;
+} zc_alloc;
+
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+/* cuda.h's values (rgpu_cuda.h carries the layouts only). */
+enum { MEM_ALLOCATION_TYPE_PINNED = 1, MEM_LOCATION_TYPE_DEVICE = 1, MEM_ALLOC_GRANULARITY_MINIMUM = 0,
+       MEM_ACCESS_FLAGS_PROT_READWRITE = 3 };
+
+static zc_alloc *g_allocs;
+static size_t g_count, g_cap;
+
+static int enabled(void) {
+    static int on = -1;
+    if (on < 0) {
+        const char *v = getenv("RGPU_ZERO_COPY");
+        on = !(v && (!strcmp(v, "0") || !strcmp(v, "off") || !strcmp(v, "no")));
+    }
+    return on;
+}
+
+static size_t round_up(size_t n, size_t unit) { return (n + unit - 1) / unit * unit; }
+
+static CUmemAllocationProp device_prop(int device) {
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = device;
+    return prop;
+}
+
+/* The worker's mapping granule for `device`, asked once (0: unknown, zero-copy off). */
+static size_t granule(int device) {
+    static size_t cached[RGPU_MAX_SESSIONS];
+    if (device < 0 || device >= RGPU_MAX_SESSIONS) return 0;
+    if (!cached[device]) {
+        CUmemAllocationProp prop = device_prop(device);
+        size_t g = 0;
+        if (cuMemGetAllocationGranularity(&g, &prop, MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS || !g ||
+            (g & (g - 1)))
+            return 0;
+        cached[device] = g;
+    }
+    return cached[device];
+}
+
+static zc_alloc *find_locked(uint64_t p) {
+    for (size_t i = 0; i < g_count; i++)
+        if (p >= g_allocs[i].base && p < g_allocs[i].base + g_allocs[i].size) return &g_allocs[i];
+    return NULL;
+}
+
+/* An allocation at an address the worker reserved, or NULL (the caller makes plain memory). */
+void *rgpu_zero_copy_alloc(size_t bytesize, unsigned int flags) {
+    rgpu_ctx *cur = rgpu_ctx_current();
+    if (!enabled() || !cur) return NULL;
+    int device = cur->session;
+    size_t g = granule(device), page = (size_t)sysconf(_SC_PAGESIZE);
+    if (!g || bytesize > SIZE_MAX - g) return NULL;
+    size_t reserved = round_up(bytesize, g), mapped = round_up(bytesize, page);
+    CUdeviceptr at = 0;
+    if (cuMemAddressReserve(&at, reserved, g, 0, 0) != CUDA_SUCCESS || !at) return NULL;
+    void *host = mmap((void *)(uintptr_t)at, mapped, PROT_READ | PROT_WRITE,
+                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+    if (host != (void *)(uintptr_t)at) {
+        if (host != MAP_FAILED) munmap(host, mapped);
+        cuMemAddressFree(at, reserved);
+        static int seen;
+        if (!__atomic_exchange_n(&seen, 1, __ATOMIC_RELAXED))
+            rgpu_log(RGPU_LOG_DEBUG, "page-locked memory: the GPU's address 0x%llx is in use in this process; "
+                     "this allocation is plain memory, which a kernel cannot be handed", (unsigned long long)at);
+        return NULL;
+    }
+    pthread_mutex_lock(&g_lock);
+    if (g_count == g_cap) {
+        size_t cap = g_cap ? g_cap * 2 : 16;
+        zc_alloc *grown = realloc(g_allocs, cap * sizeof *grown);
+        if (!grown) {
+            pthread_mutex_unlock(&g_lock);
+            munmap(host, mapped);
+            cuMemAddressFree(at, reserved);
+            return NULL;
+        }
+        g_allocs = grown;
+        g_cap = cap;
+    }
+    g_allocs[g_count++] = (zc_alloc){at, bytesize, mapped, reserved, flags, device, 0, 0};
+    pthread_mutex_unlock(&g_lock);
+    return host;
+}
+
+/* cuMemFreeHost of a zero-copy allocation: 0 when p is not one (*result untouched). */
+int rgpu_zero_copy_free(void *p, CUresult *result) {
+    pthread_mutex_lock(&g_lock);
+    zc_alloc *z = find_locked((uint64_t)(uintptr_t)p);
+    if (!z || z->base != (uint64_t)(uintptr_t)p) {
+        pthread_mutex_unlock(&g_lock);
+        return 0;
+    }
+    zc_alloc gone = *z;
+    *z = g_allocs[--g_count];
+    pthread_mutex_unlock(&g_lock);
+    CUresult r = CUDA_SUCCESS;
+    if (gone.promoted) {
+        rgpu_managed_forget(gone.base);
+        r = cuMemUnmap(gone.base, gone.reserved);
+        CUresult released = cuMemRelease(gone.handle);
+        if (r == CUDA_SUCCESS) r = released;
+    } else {
+        int owned = 0;
+        rgpu_host_range_remove(p, &owned, NULL);
+    }
+    CUresult freed = cuMemAddressFree(gone.base, gone.reserved);
+    if (r == CUDA_SUCCESS) r = freed;
+    munmap(p, gone.mapped);
+    *result = r;
+    return 1;
+}
+
+int rgpu_zero_copy_flags(const void *p, unsigned int *flags) {
+    pthread_mutex_lock(&g_lock);
+    zc_alloc *z = find_locked((uint64_t)(uintptr_t)p);
+    if (z) *flags = z->flags;
+    pthread_mutex_unlock(&g_lock);
+    return z != NULL;
+}
+
+/* Backs the zero-copy allocation holding ptr with device memory at its own address, once.
+ * *found: 0 when ptr is in no zero-copy allocation (nothing done). */
+CUresult rgpu_zero_copy_promote(uint64_t ptr, int *found) {
+    *found = 0;
+    if (!__atomic_load_n(&g_count, __ATOMIC_ACQUIRE)) return CUDA_SUCCESS;
+    pthread_mutex_lock(&g_lock);
+    zc_alloc *z = find_locked(ptr);
+    if (!z) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_SUCCESS;
+    }
+    *found = 1;
+    if (z->promoted) {
+        pthread_mutex_unlock(&g_lock);
+        return CUDA_SUCCESS;
+    }
+    zc_alloc a = *z;
+    /* Held across the calls: two threads must not map one range twice (promotions are rare). */
+    CUmemAllocationProp prop = device_prop(a.device);
+    CUmemGenericAllocationHandle handle = 0;
+    CUresult r = cuMemCreate(&handle, a.reserved, &prop, 0);
+    if (r == CUDA_SUCCESS) {
+        r = cuMemMap(a.base, a.reserved, 0, handle, 0);
+        if (r != CUDA_SUCCESS) cuMemRelease(handle);
+    }
+    if (r == CUDA_SUCCESS) {
+        CUmemAccessDesc access;
+        memset(&access, 0, sizeof access);
+        access.location = prop.location;
+        access.flags = MEM_ACCESS_FLAGS_PROT_READWRITE;
+        r = cuMemSetAccess(a.base, a.reserved, &access, 1);
+        if (r != CUDA_SUCCESS) {
+            cuMemUnmap(a.base, a.reserved);
+            cuMemRelease(handle);
+        }
+    }
+    if (r == CUDA_SUCCESS && !rgpu_managed_adopt(a.base, a.size, a.mapped)) {
+        cuMemUnmap(a.base, a.reserved);
+        cuMemRelease(handle);
+        r = CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (r == CUDA_SUCCESS) {
+        z->promoted = 1;
+        z->handle = handle;
+        int owned = 0;
+        rgpu_host_range_remove((void *)(uintptr_t)a.base, &owned, NULL);   /* managed.c routes it now */
+    }
+    pthread_mutex_unlock(&g_lock);
+    if (r != CUDA_SUCCESS)
+        rgpu_log(RGPU_LOG_ERROR, "rgpu: client: page-locked memory at 0x%llx (%zu bytes) could not be given to the "
+                 "GPU (CUDA error %d: the slice's memory holds its copy there)", (unsigned long long)a.base, a.size,
+                 (int)r);
+    return r;
+}
+
+/* A call that hands the GPU `ptr` as device memory (a memset's target): a zero-copy allocation is
+ * backed first; plain page-locked memory is refused with one line, as a launch is. */
+CUresult rgpu_zero_copy_target(const char *call, CUdeviceptr ptr) {
+    int found = 0;
+    CUresult r = rgpu_zero_copy_promote(ptr, &found);
+    if (found || !rgpu_host_range_find((const void *)(uintptr_t)ptr, NULL, NULL, NULL)) return r;
+    rgpu_log(RGPU_LOG_ERROR, "rgpu: client: %s: 0x%llx is page-locked host memory that cannot be placed at a GPU "
+             "address (registered with cudaHostRegister, or RGPU_ZERO_COPY=0); a GPU across the network cannot "
+             "write this process's memory there: use device memory and a copy", call, (unsigned long long)ptr);
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
