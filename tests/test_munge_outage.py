@@ -190,3 +190,59 @@ def test_a_munge_credential_is_good_for_one_call_across_pool_daemons(tmp_path: P
         first.stop_all()
         second.stop_all()
         postgres.stop()
+
+
+def test_refusals_take_no_serving_thread_so_a_flood_of_them_waits_behind_none(munge_key: munged.MungeKey) -> None:
+    """While munged is taken as down, a call with a MUNGE header (garbage or not) is refused on gRPC's
+    polling thread, as is a call with a wrong secret: with the pool's one serving thread held by an
+    admin's call, both are still answered, and the admin's call goes on (before, each refusal waited
+    for a serving thread, so a flood of them queued beside the calls made with the secret)."""
+    from concurrent import futures
+
+    from rgpu.remoting.pool.auth import AUTH_HEADER, ServerAuth, request_credential
+    from rgpu.remoting.pool.munge_gate import MungeGate
+
+    pool_munged = munge_key.start("pool")
+    pool_munged.kill()
+    secret = b"s" * 32
+    gate = MungeGate(pool_munged.socket, clock=lambda: 1000.0)   # time stands still: once open, the breaker stays open
+    started, release = threading.Event(), threading.Event()
+
+    def hold(request: bytes, context: object) -> bytes:
+        started.set()
+        release.wait(60)
+        return b""
+
+    handler = grpc.method_handlers_generic_handler("rgpu.v1.Pool", {
+        "ListServers": grpc.unary_unary_rpc_method_handler(hold),
+        "ListGpus": grpc.unary_unary_rpc_method_handler(lambda request, context: b"")})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), interceptors=[ServerAuth(secret, munge_gate=gate)])
+    server.add_generic_rpc_handlers([handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            list_gpus = channel.unary_unary(LIST_GPUS)
+            garbage = ((MUNGE_HEADER, "MUNGE:garbage:"),)
+            with pytest.raises(grpc.RpcError) as info:   # finds munged down (on the serving thread): the breaker opens
+                list_gpus(b"", timeout=30, metadata=garbage)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()   # type: ignore[attr-defined]
+            held = channel.unary_unary("/rgpu.v1.Pool/ListServers").future(
+                b"", timeout=60, metadata=((AUTH_HEADER, request_credential(secret, "/rgpu.v1.Pool/ListServers")),))
+            assert started.wait(30)   # the only serving thread is now the admin's
+            for metadata, code, words in (
+                    (garbage, grpc.StatusCode.UNAVAILABLE, f"munged at {pool_munged.socket} is not answering"),
+                    (((AUTH_HEADER, request_credential(b"w" * 32, LIST_GPUS)),), grpc.StatusCode.UNAUTHENTICATED,
+                     "wrong cluster secret")):
+                with pytest.raises(grpc.RpcError) as info:
+                    list_gpus(b"", timeout=10, metadata=metadata)
+                details = info.value.details()   # type: ignore[attr-defined]
+                assert info.value.code() == code, details   # type: ignore[attr-defined]
+                assert details.startswith("rgpu: pool: ") and words in details and "\n" not in details, details
+            assert not held.done()
+            release.set()
+            assert held.result() == b""
+    finally:
+        release.set()
+        server.stop(grace=None)
+        gate.close()
