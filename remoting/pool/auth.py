@@ -15,7 +15,6 @@ import logging
 import secrets
 import threading
 import time
-from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -25,6 +24,7 @@ from rgpu.errors import AuthError, Unavailable
 from rgpu.log_limit import LogLimit, held_note
 from rgpu.remoting.pool.call_guards import CallGuards, GuardError, MemoryCallGuards
 from rgpu.remoting.pool.munge_gate import MungeGate
+from rgpu.remoting.pool.refusals import PacedRefusals, refusal
 from rgpu.secret import derive_key
 
 log = logging.getLogger("rgpu-poold")
@@ -84,7 +84,7 @@ def _as_caller(handler: Any, caller_of: Callable[[bytes], Caller]) -> Any:
     if handler is None:
         return None
     if handler.unary_unary is None:
-        return _refuse(grpc.StatusCode.UNIMPLEMENTED, "rgpu: pool: only unary calls are served")
+        return refusal(grpc.StatusCode.UNIMPLEMENTED, "rgpu: pool: only unary calls are served")
     inner = handler.unary_unary
     parse = handler.request_deserializer or (lambda raw: raw)
 
@@ -121,8 +121,11 @@ class ServerAuth(grpc.ServerInterceptor):
 
     def __init__(self, secret: bytes, window: float = AUTH_WINDOW_SECONDS, not_before: float | None = None,
                  munge_socket: str | None = None, guards: CallGuards | None = None,
-                 munge_gate: MungeGate | None = None, pool_name: str = "") -> None:
+                 munge_gate: MungeGate | None = None, pool_name: str = "",
+                 refusals: PacedRefusals | None = None) -> None:
         self._key = derive_key(secret, _PURPOSE)
+        # Calls refused here are answered off the serving threads, paced (refusals.py).
+        self._paced = refusals or PacedRefusals()
         # What users' credentials must name (set once the pool knows its port; see daemon.pool_name).
         self.pool_name = pool_name
         # None: users (MUNGE) are not accepted. Decoded off gRPC's threads, with a deadline (munge_gate.py).
@@ -207,10 +210,10 @@ class ServerAuth(grpc.ServerInterceptor):
     def _munge_down_handler(self) -> Any:
         """The handler that answers users while munged is taken as down: one per refusal text."""
         assert self._munge is not None
-        refusal = self._munge.unavailable()
+        down = self._munge.unavailable()
         cached = self._munge_down
-        if cached is None or cached[0] is not refusal:
-            cached = self._munge_down = (refusal, _refuse(grpc.StatusCode.UNAVAILABLE, str(refusal)))
+        if cached is None or cached[0] is not down:
+            cached = self._munge_down = (down, self._refuse(grpc.StatusCode.UNAVAILABLE, str(down)))
         return cached[1]
 
     @property
@@ -247,7 +250,7 @@ class ServerAuth(grpc.ServerInterceptor):
             try:
                 reason = self.check(method, credential)
             except GuardError as exc:   # fail closed, but as a retry: an unrecorded nonce could be replayed
-                return _refuse(grpc.StatusCode.UNAVAILABLE, f"rgpu: pool: cannot check the call's credential now "
+                return self._refuse(grpc.StatusCode.UNAVAILABLE, f"rgpu: pool: cannot check the call's credential now "
                                f"({exc}); nothing was done: retry, and see the pool host's disk or PostgreSQL")
             if reason is None:
                 handler = self._as_daemon.get(method)
@@ -259,38 +262,7 @@ class ServerAuth(grpc.ServerInterceptor):
         fix = MUNGE_FIX if munge_credential else (
                "give this host the cluster secret via secret_file in rgpu.toml or RGPU_SECRET_FILE")
         self._log_refusal(method, reason)
-        return _refuse(grpc.StatusCode.UNAUTHENTICATED, f"rgpu: pool: call refused ({reason}; {fix})")
+        return self._refuse(grpc.StatusCode.UNAUTHENTICATED, f"rgpu: pool: call refused ({reason}; {fix})")
 
-
-class _AtOnce(futures.ThreadPoolExecutor):
-    """Runs what it is given at once, on the thread that submits it, and starts no thread."""
-
-    def __init__(self) -> None:
-        super().__init__(max_workers=1)
-
-    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> "futures.Future[Any]":
-        done: futures.Future[Any] = futures.Future()
-        try:
-            done.set_result(fn(*args, **kwargs))
-        except BaseException as exc:
-            done.set_exception(exc)
-        return done
-
-
-_AT_ONCE = _AtOnce()
-
-
-def _refuse(code: grpc.StatusCode, message: str) -> Any:
-    """A handler that answers every call with `code` and the one-line `message`, at once on gRPC's
-    polling thread: a refusal takes no serving thread and never reads the request. (A flood of
-    refused calls, garbage MUNGE headers while munged is down among them, otherwise queued for the
-    serving threads beside the calls they refuse nothing to, and each made five thread hand-overs.)
-    gRPC runs a handler on the executor its behaviour names (`experimental_thread_pool`), here one
-    that runs it where it is submitted; a client-streaming handler's request is an iterator the
-    refusal never reads, where a unary handler's would first wait for the message. Were gRPC to drop
-    that attribute, the refusal would still be answered, on a serving thread."""
-    def deny(requests: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(code, message)
-
-    deny.experimental_thread_pool = _AT_ONCE   # type: ignore[attr-defined]
-    return grpc.stream_unary_rpc_method_handler(deny)
+    def _refuse(self, code: grpc.StatusCode, message: str) -> Any:
+        return refusal(code, message, self._paced)
