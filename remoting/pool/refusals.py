@@ -2,7 +2,7 @@
 taken as down): on no serving thread, without reading the request, and paced.
 
 A refusal used to be a unary handler run on a serving thread: it waited there for the request,
-then answered, five thread hand-overs per call, queued beside the calls made with the cluster
+then answered, several thread hand-overs per call, queued beside the calls made with the cluster
 secret. A flood of garbage MUNGE headers while munged was down so doubled and tripled admins'
 latency (issue 26, HIGH 2). Here:
 
