@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from rgpu.errors import NotFound  # noqa: E402
 from tests import munged  # noqa: E402
-from tests.daemons import RgpuCluster, register_servers  # noqa: E402
+from tests.daemons import RgpuCluster, register_servers, two_clusters  # noqa: E402
 
 OWNER, INTRUDER = "nobody", "daemon"
 YEAR = 365 * 24 * 3600.0
@@ -95,8 +95,13 @@ class UserProcess:
         return self.pipe.recv()   # type: ignore[no-any-return]
 
     def stop(self) -> None:
-        self.pipe.send(None)
+        try:
+            self.pipe.send(None)
+        except OSError:   # it died: its error is on stderr
+            pass
         self.proc.join(timeout=10)
+        if self.proc.is_alive():
+            self.proc.kill()
 
 
 @contextmanager
@@ -114,10 +119,7 @@ def pools(args: argparse.Namespace, munge_socket: str, root: Path) -> Iterator[t
         return
     from tests.postgres import Postgres
     postgres = Postgres().start()
-    first = RgpuCluster(root / "a")
-    (root / "b").mkdir()
-    shutil.copy(first.secret_file, root / "b" / "secret")
-    second = RgpuCluster(root / "b")
+    first, second = two_clusters(root)   # one cluster secret
     try:
         for cluster in (first, second):
             cluster.write_config(store_url=postgres.url, munge_socket=munge_socket, account_check="off",

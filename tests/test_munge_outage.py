@@ -20,7 +20,7 @@ from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
 from rgpu.remoting.pool.auth import MUNGE_HEADER
 from tests import munged
-from tests.daemons import EXAMPLES, RgpuCluster, wait_for
+from tests.daemons import EXAMPLES, RgpuCluster, two_clusters, wait_for
 from tests.test_dispatcher import wait_state
 
 pytestmark = pytest.mark.integration
@@ -167,13 +167,9 @@ def test_a_munge_credential_is_good_for_one_call_across_pool_daemons(tmp_path: P
     if server_bin() is None:
         pytest.skip("PostgreSQL is not installed (apt-get install postgresql)")
     pytest.importorskip("psycopg")
-    import shutil
 
     postgres = Postgres().start()
-    first = RgpuCluster(tmp_path / "a")
-    (tmp_path / "b").mkdir()
-    shutil.copy(first.secret_file, tmp_path / "b" / "secret")
-    second = RgpuCluster(tmp_path / "b")
+    first, second = two_clusters(tmp_path)   # one cluster secret
     munged_a, munged_b, client_munged = munge_key.start("a"), munge_key.start("b"), munge_key.start("client")
     try:
         for cluster, mine in ((first, munged_a), (second, munged_b)):
