@@ -18,6 +18,7 @@ Target: admin p99 under a 4-client flood with munged down within 2x of idle.
 from __future__ import annotations
 
 import argparse
+import base64
 import multiprocessing as mp
 import os
 import signal
@@ -38,6 +39,11 @@ from rgpu.remoting.pool.auth import MUNGE_HEADER  # noqa: E402
 from benchmarks.admin_calls import admin_latencies, p99, percentiles  # noqa: E402
 from tests import munged  # noqa: E402
 from tests.daemons import RgpuCluster, register_servers, wait_for  # noqa: E402
+
+
+def junk(index: int, count: int) -> str:
+    """A credential munged did not make, in the shape of one: the pool must ask munged about it."""
+    return f"MUNGE:{base64.b64encode(f'junk-{index}-{count}'.encode()).decode()}:"
 
 
 def flood(address: str, seconds: float, index: int, answered: "mp.Value[int]", health: bool,   # type: ignore[type-arg]
@@ -61,7 +67,7 @@ def flood(address: str, seconds: float, index: int, answered: "mp.Value[int]", h
                 if health:
                     check.Check(health_pb2.HealthCheckRequest(), timeout=30)
                 else:
-                    stub.ListGpus(pb.ListGpusRequest(), metadata=[(MUNGE_HEADER, f"MUNGE:junk-{index}-{count}:")],
+                    stub.ListGpus(pb.ListGpusRequest(), metadata=[(MUNGE_HEADER, junk(index, count))],
                                   timeout=30)
             except grpc.RpcError:
                 pass
@@ -77,7 +83,7 @@ def flood_in_flight(stub: pb_grpc.PoolStub, index: int, deadline: float, in_flig
     def call() -> "grpc.Future":
         nonlocal sent
         sent += 1
-        return stub.ListGpus.future(pb.ListGpusRequest(), metadata=[(MUNGE_HEADER, f"MUNGE:junk-{index}-{sent}:")],
+        return stub.ListGpus.future(pb.ListGpusRequest(), metadata=[(MUNGE_HEADER, junk(index, sent))],
                                     timeout=30)
 
     pending = deque(call() for _ in range(in_flight))

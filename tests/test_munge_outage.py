@@ -6,6 +6,7 @@ the tests kill -9 or SIGSTOP while four clients flood the pool with garbage MUNG
 
 from __future__ import annotations
 
+import base64
 import signal
 import threading
 import time
@@ -49,6 +50,11 @@ def user_call(address: str, cred: str, timeout: float = 10.0) -> pb.ListGpusRepl
                                                   timeout=timeout)
 
 
+def garbage_credential(tag: str) -> str:
+    """A credential munged did not make, in the shape of one (so only munged can tell)."""
+    return f"MUNGE:{base64.b64encode(f'garbage-{tag}'.encode()).decode()}:"
+
+
 class GarbageFlood:
     """`clients` threads, each on its own channel, sending calls with garbage MUNGE headers."""
 
@@ -63,7 +69,7 @@ class GarbageFlood:
             while not self.stop.is_set():
                 i += 1
                 try:
-                    stub.ListGpus(pb.ListGpusRequest(), metadata=[(MUNGE_HEADER, f"MUNGE:garbage-{n}-{i}:")],
+                    stub.ListGpus(pb.ListGpusRequest(), metadata=[(MUNGE_HEADER, garbage_credential(f"{n}-{i}"))],
                                   timeout=30)
                 except grpc.RpcError:
                     pass
@@ -232,7 +238,7 @@ def admin_metadata(method: str = "/rgpu.v1.Pool/ListServers") -> tuple[tuple[str
     return ((AUTH_HEADER, request_credential(SECRET, method)),)
 
 
-GARBAGE = ((MUNGE_HEADER, "MUNGE:garbage:"),)
+GARBAGE = ((MUNGE_HEADER, garbage_credential("one")),)
 
 
 def test_refusals_take_no_serving_thread_so_a_flood_of_them_waits_behind_none(munge_key: munged.MungeKey) -> None:
@@ -319,3 +325,29 @@ def test_a_refused_caller_hears_why_after_a_pause_and_at_most_a_bounded_number_w
         now[0] += 1.0
         for call in waiting:
             refused_with(call.result, grpc.StatusCode.UNAUTHENTICATED, "call refused")
+
+
+def test_a_header_that_is_no_munge_credential_is_refused_without_asking_munged(munge_key: munged.MungeKey) -> None:
+    """A MUNGE header not in munged's shape (MUNGE:<base64>:) is refused at once, off the serving
+    threads and without a decoder: with munged up and the one serving thread held, it is still
+    answered (before, each was queued for a serving thread and sent to munged to be refused)."""
+    from rgpu.remoting.pool.auth import ServerAuth
+    from rgpu.remoting.pool.munge_gate import MungeGate
+
+    pool_munged = munge_key.start("pool")
+    gate = MungeGate(pool_munged.socket)
+    hold, holding = threading.Event(), threading.Event()
+    with one_thread_pool(ServerAuth(SECRET, munge_gate=gate), hold, holding) as channel:
+        list_gpus = channel.unary_unary(LIST_GPUS)
+        held = channel.unary_unary("/rgpu.v1.Pool/ListServers").future(b"", timeout=60, metadata=admin_metadata())
+        assert holding.wait(30)
+        for header in ("MUNGE:junk-1:", "garbage", "MUNGE:" + "A" * 9000 + ":"):
+            refused_with(lambda: list_gpus(b"", timeout=10, metadata=((MUNGE_HEADER, header),)),
+                         grpc.StatusCode.UNAUTHENTICATED, "MUNGE credential refused: ")
+        assert not held.done()
+        hold.set()
+        assert held.result() == b""
+        # One in munged's shape is munged's to judge (on a serving thread, now free).
+        refused_with(lambda: list_gpus(b"", timeout=10, metadata=GARBAGE), grpc.StatusCode.UNAUTHENTICATED,
+                     "MUNGE credential refused: ")
+    gate.close()

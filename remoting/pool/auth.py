@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import grpc
 
+from rgpu import munge
 from rgpu.errors import AuthError, Unavailable
 from rgpu.log_limit import LogLimit, held_note
 from rgpu.remoting.pool.call_guards import CallGuards, GuardError, MemoryCallGuards
@@ -171,7 +172,6 @@ class ServerAuth(grpc.ServerInterceptor):
         at this pool, else (None, why). Raises
         Unavailable when munged does not answer in time or the call guards are away (nothing is
         then known about the credential)."""
-        from rgpu import munge
         if self._munge is None:
             return None, "MUNGE credentials are not accepted here"
         try:
@@ -241,6 +241,11 @@ class ServerAuth(grpc.ServerInterceptor):
         reason: str | None
         if munge_credential and not credential and self._munge is not None:
             # This runs on gRPC's one polling thread: nothing here may wait for munged.
+            fault = munge.credential_shape_fault(munge_credential)
+            if fault is not None:   # munged would refuse it too: refused without a serving thread or a decoder
+                reason = f"MUNGE credential refused: {fault}"
+                self._log_refusal(method, reason)
+                return self._refuse(grpc.StatusCode.UNAUTHENTICATED, f"rgpu: pool: call refused ({reason}; {MUNGE_FIX})")
             if self._munge.refusing():
                 self._log_refusal(method, "munged is not answering")
                 return self._munge_down_handler()
