@@ -8,6 +8,7 @@ killed at teardown, also when a test fails.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -193,6 +194,14 @@ class RgpuCluster:
         if self._no_pool is not None:
             self._no_pool.close()
             self._no_pool = None
+
+
+def two_clusters(root: Path) -> tuple[RgpuCluster, RgpuCluster]:
+    """Two daemons' folders, `root`/a and `root`/b, with one cluster secret (as on two pool hosts)."""
+    first = RgpuCluster(root / "a")
+    (root / "b").mkdir(parents=True, exist_ok=True)
+    shutil.copy(first.secret_file, root / "b" / "secret")
+    return first, RgpuCluster(root / "b")
 
 
 def register_servers(client, servers: int = 2, gpus: int = 4) -> None:  # type: ignore[no-untyped-def]
