@@ -168,6 +168,30 @@ def test_dashboard_url_needs_the_dashboards_address(cluster: RgpuCluster) -> Non
 
 
 @pytest.mark.integration
+def test_listeners_on_port_0_are_logged_with_the_port_they_got(cluster: RgpuCluster) -> None:
+    pool = cluster.start_pool("--dashboard-listen", "127.0.0.1:0", "--dashboard-port-file",
+                              str(cluster.root / "dashboard.port"), "--metrics-listen", "127.0.0.1:0",
+                              "--metrics-port-file", str(cluster.root / "metrics.port"))
+    dashboard = wait_for_port_file(cluster.root / "dashboard.port", pool)
+    metrics = wait_for_port_file(cluster.root / "metrics.port", pool)
+    wait_for(lambda: "serving on" in pool.log(), what="the pool's start line")
+    log = pool.log()
+    assert f"serving on 127.0.0.1:{cluster.pool_port}," in log
+    assert f"metrics on http://127.0.0.1:{metrics}/metrics" in log
+    assert f"dashboard on http://127.0.0.1:{dashboard} " in log
+    assert "127.0.0.1:0" not in log, log
+    # rgpu-admin on this host cannot know the port rgpu-poold picked: it says so, and how to fix it.
+    done = subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", "dashboard-url"],
+                          env=cluster.env(RGPU_DASHBOARD_LISTEN="127.0.0.1:0"),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("rgpu: dashboard: the dashboard's port is unknown here (dashboard_listen = "
+                                  "'127.0.0.1:0' lets rgpu-poold pick one when it starts; rgpu-poold's log names "
+                                  "the port it bound"), done.stderr
+    assert "127.0.0.1:0/login" not in done.stdout
+
+
+@pytest.mark.integration
 def test_dashboard_over_tls(cluster: RgpuCluster, tmp_path: Path) -> None:
     import ssl
 

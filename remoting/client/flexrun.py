@@ -49,7 +49,7 @@ from pathlib import Path
 
 import click
 
-from rgpu import paths
+from rgpu import __version__, paths
 from rgpu.errors import ConfigError, InvalidRequest, RgpuError
 from rgpu.remoting.client.cli import tool_command
 from rgpu.units import parse_size
@@ -268,6 +268,7 @@ _CONTEXT = {"help_option_names": ["-h", "--help"],
               help="With -n/-l: only GPUs where no other job's GPU fault can end this one's work "
                    "(shared isolated or exclusive).")
 @click.option("--probe-timeout", type=float, default=15.0, hidden=True)
+@click.version_option(__version__, prog_name=TOOL)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def cli(command: tuple[str, ...], adaptor_conf: str | None, server_list: str | None, num_gpus: int | None,
         partial: float | None, memory: str | None, isolation: str | None, probe_timeout: float) -> int:

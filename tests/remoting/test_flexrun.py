@@ -182,6 +182,14 @@ def test_usage_errors_through_main(capsys: pytest.CaptureFixture[str]) -> None:
     assert "-m, --memory SIZE" in capsys.readouterr().out
 
 
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from rgpu import __version__
+
+    assert flexrun.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"flexrun, version {__version__}\n"
+    assert flexrun.parse_args(["-n", "1", "app", "--version"]).command == ["app", "--version"]   # the app's own
+
+
 def test_environment_puts_rgpu_libraries_first(tmp_path: Path) -> None:
     env = flexrun.build_env([flexrun.Slice("h:1", "t1"), flexrun.Slice("h:2", "t2")], tmp_path,
                             {"LD_LIBRARY_PATH": "/usr/lib/x"})
