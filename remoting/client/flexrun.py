@@ -315,6 +315,16 @@ def _run_child(command: list[str], env: dict[str, str]) -> int:
     return code
 
 
+BUILD_NOTE = f"rgpu: {TOOL}: building the client libraries for this node (once, about 15 s)..."
+
+
+def client_libraries():  # type: ignore[no-untyped-def]  # -> rgpu.remoting.native.build.Libraries
+    """rgpu's libcuda/libnvidia-ml for this node; a first build (about 15 s) says so on stderr."""
+    from rgpu.remoting.native.build import ensure_built
+
+    return ensure_built(on_build=lambda: print(BUILD_NOTE, file=sys.stderr, flush=True))
+
+
 def use_rgpu_smi(env: dict[str, str]) -> bool:
     """rgpu's smi where NVIDIA's binary is missing (or RGPU_SMI=rgpu); NVIDIA's runs on rgpu's NVML."""
     choice = env.get("RGPU_SMI", "auto")
@@ -344,8 +354,7 @@ def run(args: Options) -> int:
             raise ConfigError("flexrun", "no GPU slices for this run", "the slice list is empty",
                               "ask for GPUs (sbatch --gres=rgpu:N, or flexrun -n N)")
         probe_all(slices, args.probe_timeout)
-        from rgpu.remoting.native.build import ensure_built
-        libs = ensure_built()
+        libs = client_libraries()
         env = build_env(slices, libs.folder)
         command = args.command
         if os.path.basename(command[0]) == "nvidia-smi" and use_rgpu_smi(env):

@@ -198,6 +198,19 @@ def test_environment_puts_rgpu_libraries_first(tmp_path: Path) -> None:
 
 
 @pytest.mark.integration   # runs the C compiler
+def test_a_first_build_says_so_on_stderr_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("RGPU_NATIVE_DIR", raising=False)
+    monkeypatch.setattr(build, "PACKAGE_LIB", tmp_path / "none")
+    monkeypatch.setattr(build, "temp_cache_root", lambda: tmp_path / "tmp-cache")
+    assert flexrun.client_libraries().libcuda.exists()
+    assert capsys.readouterr() == ("", "rgpu: flexrun: building the client libraries for this node (once, about 15 s)...\n")
+    assert flexrun.client_libraries().libcuda.exists()
+    assert capsys.readouterr() == ("", "")          # cached: nothing
+
+
+@pytest.mark.integration   # runs the C compiler
 def test_native_build_is_reused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("RGPU_NATIVE_DIR", raising=False)
