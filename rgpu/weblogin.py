@@ -77,10 +77,10 @@ def dashboard_base_url(settings: Settings, port: int | None = None) -> str:
     host = listen_host if listen_host not in ("", "0.0.0.0", "::") else pool_host
     if not port and not listen_port:
         # Port 0: rgpu-poold picked a free port when it started, and only it knows which.
-        raise ConfigError("dashboard", f"the dashboard's port is unknown here (dashboard_listen = "
-                          f"{settings.dashboard_listen!r} lets rgpu-poold pick one when it starts)",
-                          "rgpu-poold's log names the port it bound (\"dashboard on http://HOST:PORT\")",
-                          "set dashboard_url to that address, or give dashboard_listen a fixed port")
+        raise ConfigError("dashboard", "the dashboard's port is unknown here",
+                          f"dashboard_listen = {settings.dashboard_listen!r} lets rgpu-poold pick one when it starts",
+                          "set dashboard_url to the address rgpu-poold's log names (\"dashboard on http://HOST:PORT\"), "
+                          "or give dashboard_listen a fixed port")
     return f"{scheme}://{join_host_port(host, port or listen_port)}"
 
 
