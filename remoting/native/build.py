@@ -25,6 +25,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,8 +223,9 @@ def build(out: Path, cc: str | None = None) -> Libraries:
     return Libraries(out)
 
 
-def ensure_built() -> Libraries:
-    """The native libraries for this rgpu version, building them into the cache if needed."""
+def ensure_built(on_build: Callable[[], None] | None = None) -> Libraries:
+    """The native libraries for this rgpu version, building them into the cache if needed;
+    `on_build` is called once before a build starts (not when a matching build is found)."""
     explicit = os.environ.get("RGPU_NATIVE_DIR")
     if explicit:
         folder = Path(explicit)
@@ -239,6 +241,8 @@ def ensure_built() -> Libraries:
             return Libraries(folder)
     root, problems = _writable_cache(candidates)
     if root is not None:
+        if on_build is not None:
+            on_build()
         try:
             return build(root / want)
         except OSError as exc:

@@ -498,7 +498,10 @@ class PoolCore:
         validate.name("user", req.user)
         if req.account:
             validate.name("account", req.account)
-        if not isinstance(req.count, int) or not 1 <= req.count <= self.max_slices_per_job:
+        if not isinstance(req.count, int) or req.count < 1:
+            raise InvalidRequest("pool", f"invalid count {req.count}", "a job asks for at least 1 slice",
+                                 "ask for 1 or more slices (e.g. -n 1)")
+        if req.count > self.max_slices_per_job:
             raise InvalidRequest("pool", f"invalid count {req.count}",
                                  f"a job may hold 1 to {self.max_slices_per_job} slices",
                                  "ask for fewer slices (max_slices_per_job in rgpu.toml sets the limit)")
