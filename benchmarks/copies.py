@@ -1,10 +1,14 @@
-"""Copy benchmark (issue 25): host<->device copies through rgpu over UCX shared memory, UCX TCP and
-rgpu's own TCP stream, beside the raw single-stream loopback TCP figure of the same machine.
+"""Copy benchmark (issue 25): host<->device copies through rgpu over UCX shared memory, UCX TCP,
+rgpu's own TCP stream and rgpu's data lanes (protocol 12: copies striped over --lanes connections),
+each beside raw loopback TCP on the same number of streams, measured in the same run.
 
-    python benchmarks/copies.py [--backend emulated|cuda] [--sizes 128,256] [--reps 5] [--json out.json]
+    python benchmarks/copies.py [--backend emulated|cuda] [--sizes 128,256] [--reps 5] [--lanes 4]
+                                [--configs rgpu-tcp,rgpu-lanes] [--socket-buffer BYTES] [--json out.json]
 
 One run prints, for 128 and 256 MiB pinned (cuMemAllocHost) and pageable (malloc) buffers, host to
-device and device to host: GB/s (median of --reps) and the fraction of raw TCP. The emulated
+device and device to host: GB/s (median of --reps) and the fraction of raw TCP on the same streams
+(1 for the UCX configurations and rgpu-tcp, --lanes for rgpu-lanes; raw TCP runs just before each
+configuration). The emulated
 backend (CPU only; the "device" is the worker's memory) measures the data path alone; on a GPU
 machine `--backend cuda` adds the PCIe copy behind it. Every configuration starts its own session
 server, so UCX_TLS applies to both ends. The CI target: same-host pinned 128 MiB copies over UCX at
@@ -73,10 +77,13 @@ int main(int argc, char **argv) {
 }
 """
 
-# One TCP stream over loopback, in C: what a single socket moves on this machine (the yardstick).
+# N TCP streams over loopback, in C, one sender and one receiver thread each (argv: MiB in all, streams,
+# SO_SNDBUF/SO_RCVBUF bytes or 0 for the kernel's autotuning): what N sockets move on this machine, the
+# yardstick for a copy striped over N lanes (1: the session's one connection).
 RAW_TCP_C = r"""
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -84,30 +91,54 @@ RAW_TCP_C = r"""
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
+static size_t per, chunk = 1u << 20;
+static int bufsz;
+static void *rx(void *arg) {
+    int c = (int)(long)arg;
+    char *b = malloc(chunk);
+    size_t got = 0; ssize_t k;
+    while ((k = recv(c, b, chunk, 0)) > 0) got += k;
+    free(b);
+    return (void *)got;
+}
+static void *tx(void *arg) {
+    struct sockaddr_in *a = arg;
+    int s = socket(AF_INET, SOCK_STREAM, 0);
+    if (bufsz) setsockopt(s, SOL_SOCKET, SO_SNDBUF, &bufsz, sizeof bufsz);
+    connect(s, (void *)a, sizeof *a);
+    char *b = malloc(chunk); memset(b, 1, chunk);
+    for (size_t sent = 0; sent < per;) { ssize_t k = send(s, b, per - sent < chunk ? per - sent : chunk, 0); if (k <= 0) break; sent += k; }
+    close(s);
+    return NULL;
+}
 int main(int argc, char **argv) {
-    size_t total = (size_t)atoll(argv[1]) << 20, chunk = 4u << 20;
-    int ls = socket(AF_INET, SOCK_STREAM, 0), one = 1, big = 4 << 20;
+    size_t total = (size_t)atoll(argv[1]) << 20;
+    int n = atoi(argv[2]);
+    bufsz = argc > 3 ? atoi(argv[3]) : 0;
+    per = total / n;
+    int ls = socket(AF_INET, SOCK_STREAM, 0), one = 1;
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     socklen_t al = sizeof a;
     setsockopt(ls, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    bind(ls, (void *)&a, sizeof a); listen(ls, 1); getsockname(ls, (void *)&a, &al);
-    char *buf = malloc(chunk); memset(buf, 1, chunk);
+    if (bufsz) setsockopt(ls, SOL_SOCKET, SO_RCVBUF, &bufsz, sizeof bufsz);
+    bind(ls, (void *)&a, sizeof a); listen(ls, 64); getsockname(ls, (void *)&a, &al);
     if (fork() == 0) {
-        int s = socket(AF_INET, SOCK_STREAM, 0);
-        setsockopt(s, SOL_SOCKET, SO_SNDBUF, &big, sizeof big);
-        connect(s, (void *)&a, sizeof a);
-        for (size_t sent = 0; sent < total;) { ssize_t k = send(s, buf, chunk, 0); if (k <= 0) _exit(1); sent += k; }
-        close(s); _exit(0);
+        pthread_t t[64];
+        for (int i = 0; i < n; i++) pthread_create(&t[i], NULL, tx, &a);
+        for (int i = 0; i < n; i++) pthread_join(t[i], NULL);
+        _exit(0);
     }
-    int c = accept(ls, NULL, NULL);
-    setsockopt(c, SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
+    int cs[64];
+    for (int i = 0; i < n; i++) cs[i] = accept(ls, NULL, NULL);
     struct timespec t0, t1; clock_gettime(CLOCK_MONOTONIC, &t0);
-    size_t got = 0; ssize_t k;
-    while ((k = recv(c, buf, chunk, 0)) > 0) got += k;
+    pthread_t t[64];
+    for (int i = 0; i < n; i++) pthread_create(&t[i], NULL, rx, (void *)(long)cs[i]);
+    size_t got = 0;
+    for (int i = 0; i < n; i++) { void *g; pthread_join(t[i], &g); got += (size_t)g; }
     clock_gettime(CLOCK_MONOTONIC, &t1);
     wait(NULL);
     printf("%.3f\n", got / ((t1.tv_sec - t0.tv_sec) + (t1.tv_nsec - t0.tv_nsec) * 1e-9) / 1e9);
-    return got == total ? 0 : 1;
+    return got == per * n ? 0 : 1;
 }
 """
 
@@ -118,8 +149,12 @@ CONFIGS = {   # name: (client environment, worker environment: set in this proce
     "ucx-shm": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "posix,self"}, {"UCX_TLS": "posix,self"}),
     "ucx-shm-cma": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "posix,cma,self"}, {"UCX_TLS": "posix,cma,self"}),
     "ucx-tcp": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "tcp"}, {"UCX_TLS": "tcp"}),
-    "rgpu-tcp": ({"RGPU_TRANSPORT": "tcp"}, {}),
+    "rgpu-tcp": ({"RGPU_TRANSPORT": "tcp", "RGPU_LANES": "1"}, {}),
+    # Protocol 12: copies of RGPU_LANE_MIN_BYTES and more striped over --lanes TCP connections.
+    "rgpu-lanes": ({"RGPU_TRANSPORT": "tcp"}, {}),
 }
+# The raw TCP figure each configuration is compared with: streams (None: --lanes).
+STREAMS = {"ucx-shm": 1, "ucx-shm-cma": 1, "ucx-tcp": 1, "rgpu-tcp": 1, "rgpu-lanes": None}
 
 
 def _cuda_include() -> Path:
@@ -140,9 +175,9 @@ def _compile(source: str, out: Path, *extra: str) -> Path:
     return out
 
 
-def raw_tcp(binary: Path, mib: int, reps: int) -> float:
-    runs = [float(subprocess.run([str(binary), str(mib)], capture_output=True, text=True, check=True,
-                                 timeout=300).stdout) for _ in range(reps)]
+def raw_tcp(binary: Path, mib: int, reps: int, streams: int = 1, buffer_bytes: int = 4 << 20) -> float:
+    runs = [float(subprocess.run([str(binary), str(mib), str(streams), str(buffer_bytes)], capture_output=True,
+                                 text=True, check=True, timeout=300).stdout) for _ in range(reps)]
     return statistics.median(runs)
 
 
@@ -163,7 +198,8 @@ def gpu_info(backend: str):  # type: ignore[no-untyped-def]
                    total_memory_bytes=64 << 30, usable_memory_bytes=64 << 30, compute_capability="9.0")
 
 
-def run_config(name: str, backend: str, workload: Path, sizes: list[int], reps: int, libs) -> dict[str, float]:  # type: ignore[no-untyped-def]
+def run_config(name: str, backend: str, workload: Path, sizes: list[int], reps: int, libs,  # type: ignore[no-untyped-def]
+               lanes: int = 4) -> dict[str, float]:
     from rgpu import tokens
     start_session_server = _remoting_bench().start_session_server
     client_extra, worker_env = CONFIGS[name]
@@ -178,7 +214,10 @@ def run_config(name: str, backend: str, workload: Path, sizes: list[int], reps: 
             memory_limit_bytes=max(sizes) * MiB * 2 + (1 << 30), compute_percent=100, expires_unix=0,
             issued_unix=time.time()))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RGPU_", "UCX_"))}
-        env.update(client_extra, LD_LIBRARY_PATH=f"{libs.folder}:{env.get('LD_LIBRARY_PATH', '')}",
+        env.update(client_extra, **({"RGPU_LANES": str(lanes)} if name == "rgpu-lanes" else {}))
+        if "RGPU_SOCKET_BUFFER_BYTES" in os.environ:
+            env["RGPU_SOCKET_BUFFER_BYTES"] = os.environ["RGPU_SOCKET_BUFFER_BYTES"]
+        env.update(LD_LIBRARY_PATH=f"{libs.folder}:{env.get('LD_LIBRARY_PATH', '')}",
                    RGPU_SLICES=f"{address},{token}", RGPU_LOG="info")
         done = subprocess.run([str(workload), str(reps), *map(str, sizes)], env=env, capture_output=True, text=True,
                               timeout=900, check=False)
@@ -191,7 +230,8 @@ def run_config(name: str, backend: str, workload: Path, sizes: list[int], reps: 
                 os.environ[k] = v
     if done.returncode:
         raise SystemExit(f"benchmarks/copies.py: {name} failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
-    want = "transport tcp" if name == "rgpu-tcp" else "transport ucx"
+    want = ("; transport tcp)" if name == "rgpu-tcp" else f"transport tcp, {lanes} data lanes"
+            if name == "rgpu-lanes" else "transport ucx")
     if want not in done.stderr:
         raise SystemExit(f"benchmarks/copies.py: {name} did not run on {want}:\n{done.stderr}")
     return json.loads(done.stdout)
@@ -203,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", default="128,256", help="MiB, comma-separated")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--configs", default=",".join(CONFIGS), help="of " + ", ".join(CONFIGS))
+    parser.add_argument("--lanes", type=int, default=4, help="data lanes of rgpu-lanes (and raw TCP's streams beside it)")
+    parser.add_argument("--socket-buffer", type=int, default=4 << 20,
+                        help="SO_SNDBUF/SO_RCVBUF bytes for rgpu and raw TCP alike (0: the kernel's autotuning)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     sys.path.insert(0, str(HERE.parent))
@@ -212,24 +255,37 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [int(s) for s in args.sizes.split(",")]
     with tempfile.TemporaryDirectory(prefix="rgpu-copies-") as tmp:
         workload = _compile(WORKLOAD_C, Path(tmp) / "copies", f"-I{_cuda_include()}", f"-L{libs.folder}", "-lcuda")
-        raw_bin = _compile(RAW_TCP_C, Path(tmp) / "raw_tcp")
-        raw = {mib: raw_tcp(raw_bin, mib * 8, args.reps) for mib in sizes}   # 8 buffers' worth per run
-        results = {name: run_config(name, args.backend, workload, sizes, args.reps, libs)
-                   for name in args.configs.split(",")}
-    print(f"rgpu copy benchmark: {args.backend} backend, loopback, {os.cpu_count()} CPUs, median of {args.reps}")
-    print("raw single-stream loopback TCP (C): " + ", ".join(f"{raw[m]:.2f} GB/s ({m} MiB x 8)" for m in sizes))
-    names = list(results)
-    print(f"{'copy':<24}" + "".join(f"{n:>20}" for n in names) + "   (GB/s, and x raw TCP)")
+        raw_bin = _compile(RAW_TCP_C, Path(tmp) / "raw_tcp", "-pthread")
+        os.environ["RGPU_SOCKET_BUFFER_BYTES"] = str(args.socket_buffer)   # the workers' (and the clients')
+        names = args.configs.split(",")
+        streams = {name: STREAMS[name] or args.lanes for name in names}
+        results: dict[str, dict[str, float]] = {}
+        raw: dict[int, dict[int, float]] = {}   # streams -> MiB -> GB/s
+        for name in names:   # raw TCP on the same streams just before each configuration (one run, one load)
+            for mib in sizes:
+                raw.setdefault(streams[name], {})[mib] = raw_tcp(raw_bin, mib * 8, args.reps, streams[name],
+                                                                 args.socket_buffer)   # 8 buffers' worth per run
+            results[name] = run_config(name, args.backend, workload, sizes, args.reps, libs, args.lanes)
+    print(f"rgpu copy benchmark: {args.backend} backend, loopback, {os.cpu_count()} CPUs, median of {args.reps}, "
+          f"socket buffers {args.socket_buffer or 'autotuned'}")
+    for n, by_size in sorted(raw.items()):
+        print(f"raw loopback TCP (C), {n} stream{'s' if n > 1 else ''}: "
+              + ", ".join(f"{by_size[m]:.2f} GB/s ({m} MiB x 8)" for m in sizes))
+    print(f"{'copy':<24}" + "".join(f"{n + ' (' + str(streams[n]) + ')':>22}" for n in names)
+          + "   (GB/s, and x raw TCP on the same streams)")
     for metric in next(iter(results.values())):
         mib = int(metric.split("_")[2].removesuffix("MiB"))
-        cells = "".join(f"{results[n][metric]:>9.2f} ({results[n][metric] / raw[mib]:>4.2f}x)".rjust(20) for n in names)
+        cells = "".join(f"{results[n][metric]:>9.2f} ({results[n][metric] / raw[streams[n]][mib]:>4.2f}x)".rjust(22)
+                        for n in names)
         print(f"{metric.removesuffix('_GBps'):<24}{cells}")
+    raw1 = raw.get(1, {})
     target = results.get("ucx-shm", {}).get("h2d_pinned_128MiB_GBps")
-    if target is not None and 128 in raw:
-        ratio = min(results["ucx-shm"]["h2d_pinned_128MiB_GBps"], results["ucx-shm"]["d2h_pinned_128MiB_GBps"]) / raw[128]
+    if target is not None and 128 in raw1:
+        ratio = min(results["ucx-shm"]["h2d_pinned_128MiB_GBps"], results["ucx-shm"]["d2h_pinned_128MiB_GBps"]) / raw1[128]
         print(f"target: same-host pinned 128 MiB over UCX >= 2x raw TCP: {ratio:.2f}x "
               f"({'PASS' if ratio >= 2 else 'FAIL'})")
-    out = {"backend": args.backend, "raw_tcp_GBps": raw, "results": results}
+    out = {"backend": args.backend, "lanes": args.lanes, "socket_buffer_bytes": args.socket_buffer,
+           "raw_tcp_GBps_by_streams": raw, "streams": streams, "results": results}
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     print(json.dumps(out))

@@ -7,7 +7,7 @@ each started as soon as it fits, on 4 empty GPUs, every job as long as the other
 mean time one job of this batch ran (Slurm's StartTime to EndTime, prologs and epilogs
 included). Needs root and Slurm (like `pytest -m slurm`).
 
-    python benchmarks/slurm_mixed_batch.py [--sleep 5]
+    python benchmarks/slurm_mixed_batch.py [--sleep 5] [--keep-room-for-head]
 """
 
 from __future__ import annotations
@@ -61,6 +61,8 @@ def main() -> int:
     parser.add_argument("--sleep", type=float, default=5.0, help="seconds each job runs")
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--logs", type=Path, help="copy the cluster's and the pool's logs here at the end")
+    parser.add_argument("--keep-room-for-head", action="store_true",
+                        help="run the pool with slurm_keep_room_for_head = true (backfill off the oldest waiting job's GPUs)")
     args = parser.parse_args()
     reason = missing_requirements()
     if reason:
@@ -79,6 +81,9 @@ def main() -> int:
         # integration (reconciler; starting jobs that wait for the pool), as it does by default.
         assert pool.pool is not None
         pool.pool.stop()
+        if args.keep_room_for_head:
+            config = pool.root / "rgpu.toml"
+            config.write_text(config.read_text() + "slurm_keep_room_for_head = true\n")
         pool.start_pool(env=pool.env(SLURM_CONF=str(slurm.conf)))
         wait_until("4 GPUs registered again", lambda: pool_ready(pool, 400), 30)
         shapes = batch()
@@ -107,7 +112,7 @@ def main() -> int:
         mean = sum(ran) / len(ran)       # Slurm's times are whole seconds: a mean of 20 is finer than one
         rounds = ideal_rounds(shapes)
         states = collections.Counter(done.values())
-        print(f"mixed batch: {len(jobs)} jobs ({', '.join(f'{n}x{f}' for n, f in shapes)}), sleep {args.sleep:g} s each")
+        print(f"mixed batch{' (room kept for the head job)' if args.keep_room_for_head else ''}: {len(jobs)} jobs ({', '.join(f'{n}x{f}' for n, f in shapes)}), sleep {args.sleep:g} s each")
         print(f"total {elapsed:.1f} s; states {dict(states)}; requeues {restarts}")
         print(f"ideal {rounds * mean:.1f} s: {rounds} rounds x {mean:.2f} s, the mean job's StartTime to EndTime "
               f"(jobs ran {ran[0]:.0f}-{ran[-1]:.0f} s); total/ideal {elapsed / (rounds * mean):.2f}")

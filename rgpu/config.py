@@ -71,6 +71,7 @@ class Settings:
     slurm_cluster: str = ""                      # Slurm ClusterName; "" asks `scontrol show config`
     slurm_backend: str = "auto"                  # auto | squeue | pyslurm
     slurm_license_sync: bool = True              # keep the rgpu license reservation in step with capacity
+    slurm_keep_room_for_head: bool = False       # admission: younger jobs leave the oldest waiting job's GPUs alone
     # rgpu-admin health --deep: how to reach hosts over SSH, and which client nodes to check.
     ssh_user: str = ""                           # "" : the user running rgpu-admin
     ssh_port: int = 22

@@ -74,3 +74,10 @@ class Unavailable(RgpuError):
     """A daemon that should answer does not."""
 
     exit_code = 6
+
+
+class Unhealthy(RgpuError):
+    """The pool answers, but something it serves with is not well: a dispatcher down, none
+    registered, or a `health --deep` check failed (exit 6 is kept for a pool that does not answer)."""
+
+    exit_code = 7

@@ -19,6 +19,7 @@ import ctypes.util
 import hashlib
 import hmac
 import pwd
+import re
 from dataclasses import dataclass
 
 from rgpu.errors import AuthError, ConfigError, Unavailable
@@ -37,6 +38,20 @@ _lib: ctypes.CDLL | None = None
 def call_payload(method: str, pool: str, request: bytes) -> str:
     """The payload of a credential for one call: `method` with the serialized `request`, at `pool`."""
     return f"{PAYLOAD_PREFIX}{method}\n{pool}\n{hashlib.sha256(request).hexdigest()}"
+
+
+# What munged makes: "MUNGE:", base64 (its own, standard alphabet, no line breaks), ":".
+_CREDENTIAL_SHAPE = re.compile(r"MUNGE:[A-Za-z0-9+/]+=*:")
+MAX_CREDENTIAL = 8192   # bytes handed to munged at most
+
+
+def credential_shape_fault(credential: str) -> str | None:
+    """None when `credential` looks like one munged made (worth asking munged about), else why not."""
+    if len(credential) > MAX_CREDENTIAL:
+        return f"over {MAX_CREDENTIAL} characters"
+    if _CREDENTIAL_SHAPE.fullmatch(credential) is None:
+        return "not a MUNGE credential (MUNGE:<base64>:)"
+    return None
 
 
 def payload_mismatch(payload: str, method: str, pool: str, request: bytes) -> str | None:
@@ -122,7 +137,7 @@ def decode(credential: str, socket_path: str = "") -> Identity:
     length = ctypes.c_int()
     uid, gid = ctypes.c_uint32(), ctypes.c_uint32()
     try:
-        err = lib.munge_decode(credential.encode()[:8192], ctx, ctypes.byref(buf), ctypes.byref(length),
+        err = lib.munge_decode(credential.encode()[:MAX_CREDENTIAL], ctx, ctypes.byref(buf), ctypes.byref(length),
                                ctypes.byref(uid), ctypes.byref(gid))
         payload = ctypes.string_at(buf, length.value).decode(errors="replace") if buf.value else ""
         if buf.value:

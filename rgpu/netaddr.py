@@ -41,3 +41,13 @@ def split_host_port(value: str, *, what: str = "address", allow_empty_host: bool
 def join_host_port(host: str, port: int) -> str:
     """'host:port', bracketing an IPv6 address (inverse of split_host_port)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def bound_address(listen: str, port: int) -> str:
+    """What a listener configured as `listen` (port 0: any free one) really listens on, for logs:
+    ':0' becomes the bound port. `listen` that does not parse is returned with the port beside it."""
+    try:
+        host, _ = split_host_port(listen, allow_empty_host=True, allow_port_zero=True)
+    except InvalidRequest:
+        return f"{listen} (port {port})"
+    return join_host_port(host, port)

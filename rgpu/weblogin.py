@@ -15,7 +15,7 @@ import secrets
 from dataclasses import dataclass
 
 from rgpu.config import Settings, pool_addresses
-from rgpu.errors import AuthError
+from rgpu.errors import AuthError, ConfigError
 from rgpu.netaddr import join_host_port, split_host_port
 from rgpu.secret import derive_key
 
@@ -75,6 +75,12 @@ def dashboard_base_url(settings: Settings, port: int | None = None) -> str:
     listen_host, listen_port = split_host_port(settings.dashboard_listen, what="dashboard_listen",
                                                allow_empty_host=True, allow_port_zero=True)
     host = listen_host if listen_host not in ("", "0.0.0.0", "::") else pool_host
+    if not port and not listen_port:
+        # Port 0: rgpu-poold picked a free port when it started, and only it knows which.
+        raise ConfigError("dashboard", "the dashboard's port is unknown here",
+                          f"dashboard_listen = {settings.dashboard_listen!r} lets rgpu-poold pick one when it starts",
+                          "set dashboard_url to the address rgpu-poold's log names (\"dashboard on http://HOST:PORT\"), "
+                          "or give dashboard_listen a fixed port")
     return f"{scheme}://{join_host_port(host, port or listen_port)}"
 
 

@@ -50,6 +50,12 @@ def job_prefix(cluster: str, job_id: int | None = None) -> str:
     return f"{PREFIX}:{cluster}:" if job_id is None else f"{PREFIX}:{cluster}:{job_id}:"
 
 
+def attempt_prefix(cluster: str, job_id: int, restart_count: int) -> str:
+    """Prefix of the keys of one attempt (restart count) of one job: its leases and the pool's
+    reservations for them (`slurm:<cluster>:<job id>:<restart>:+r<n>`, remoting/pool/reservations.py)."""
+    return f"{job_prefix(cluster, int(job_id))}{int(restart_count)}:"
+
+
 def parse_job_key(key: str) -> JobKey | None:
     """The parts of a Slurm lease key; None for keys rgpu's Slurm integration did not make."""
     parts = key.split(":")

@@ -35,7 +35,7 @@ class SlurmIntegration:
 def start_slurm_integration(core: Any, *, interval_seconds: float, grace_seconds: float, cluster: str = "",
                             backend: str = "auto", license_sync: bool = False,
                             admission_poll_seconds: float = 0.0, log: logging.Logger | None = None,
-                            env: Mapping[str, str] | None = None) -> SlurmIntegration:
+                            env: Mapping[str, str] | None = None, keep_room_for_head: bool = False) -> SlurmIntegration:
     """interval_seconds <= 0 starts nothing (a pool with no Slurm cluster beside it)."""
     log = log or logging.getLogger("rgpu-poold")
     if interval_seconds <= 0:
@@ -43,6 +43,7 @@ def start_slurm_integration(core: Any, *, interval_seconds: float, grace_seconds
     reconciler, admission = admitting_reconciler(core, backend_for(backend, env=env), interval_seconds, grace_seconds,
                                                  log, cluster=cluster or None,
                                                  cluster_lookup=None if cluster else _cluster_lookup(env), env=env)
+    admission.keep_room_for_head = keep_room_for_head
     reconciler.start()
     if hasattr(core, "add_lease_listener"):
         # This thread is the one place of this daemon that admits jobs, and its passes hold the
@@ -71,11 +72,19 @@ def admitting_reconciler(core: Any, backend: JobSource, interval_seconds: float,
     """The reconciler whose passes end with the admission, each pass under the pool's admission
     lock (`core.admitting()`: one daemon or process at a time, from reading the jobs to the last
     release). Not started. `scontrol(argv)` runs the admission's Slurm commands."""
-    admission = Admission(core, log, env, scontrol)
+    admission = Admission(core, log, env, scontrol, reservation_seconds=reservation_seconds(interval_seconds))
     reconciler = Reconciler(core, backend, interval_seconds, grace_seconds, log, cluster=cluster,
                             cluster_lookup=cluster_lookup, after_pass=admission.run,
                             exclusive=getattr(core, "admitting", None))
+    admission.cluster = reconciler._cluster
     return reconciler, admission
+
+
+def reservation_seconds(interval_seconds: float) -> float:
+    """How long the pool holds a released job's room for its PrologSlurmctld: every pass renews it
+    while the job is let go (pending or in its PrologSlurmctld), so this only bounds how long a
+    job that never starts (its pool daemon gone with it) keeps room: three passes, at least 30 s."""
+    return max(30.0, 3 * interval_seconds)
 
 
 @dataclass
@@ -87,18 +96,62 @@ class Admission:
     env: Mapping[str, str] | None
     scontrol: Callable[[list[str]], Any] | None = None    # None: run_command (proc.py)
     jobs_held: bool = False        # some were still held after the last pass
+    cluster: Callable[[], str] | None = None              # the reconciler's (reservation keys)
+    reservation_seconds: float = 30.0
+    # Backfill that never delays the oldest waiting job (waiting.plan_admission's `room`): off by
+    # default, as it costs throughput when jobs run alike (the mixed batch: README, figures).
+    keep_room_for_head: bool = False
 
     def run(self, jobs: list[Any]) -> None:
         from rgpu.slurm_plugin.waiting import start_waiting_jobs
 
+        reserve = self._reserve if self.cluster is not None and hasattr(self.core, "reserve") else None
+        if reserve is not None:
+            self._upkeep(jobs)
         pending = [j for j in jobs if j.state == "PENDING" and j.admin_comment]
         if pending:
             leases = self.core.list_leases()          # before the GPUs: see start_waiting_jobs
             started = start_waiting_jobs(jobs, self.core.gpu_statuses(), self.log, leases=leases, env=self.env,
-                                         fits=getattr(self.core, "fits_in_every_order", None), scontrol=self.scontrol)
+                                         fits=getattr(self.core, "fits_in_every_order", None), scontrol=self.scontrol,
+                                         reserve=reserve,
+                                         room=getattr(self.core, "room_for_head", None)
+                                         if reserve and self.keep_room_for_head else None)
             self.jobs_held = len(started) < len(pending)
         else:
             self.jobs_held = False
+
+    def _prefix(self, job_id: int, restart_count: int) -> str:
+        from rgpu.slurm_plugin.jobkey import attempt_prefix
+
+        assert self.cluster is not None
+        return attempt_prefix(self.cluster(), job_id, restart_count)
+
+    def _reserve(self, job: Any, record: Any, avoid: frozenset[tuple[str, str]] = frozenset()) -> None:
+        """Hold the job's placement in the pool (off the GPUs in `avoid`) until its
+        PrologSlurmctld claims it (PoolCore.reserve)."""
+        from rgpu.slurm_plugin.waiting import lease_requests
+
+        self.core.reserve(self._prefix(job.job_id, job.restart_count), job.user, lease_requests(record),
+                          self.reservation_seconds, avoid)
+
+    def _upkeep(self, jobs: list[Any]) -> None:
+        """Renew the reservations of jobs still let go; give back those of jobs that are not."""
+        from rgpu.errors import RgpuError
+        from rgpu.slurm_plugin.request import is_record, parse_record
+        from rgpu.slurm_plugin.waiting import reservation_upkeep
+
+        keep, drop = reservation_upkeep(jobs, self.core.list_leases())
+        for job in keep:
+            try:
+                if is_record(job.admin_comment):
+                    self._reserve(job, parse_record(job.admin_comment))
+            except RgpuError as exc:
+                self.log.warning("rgpu: slurm: could not renew the reservation of job %s: %s", job.job_id, exc)
+        for job_id, restart_count in drop:
+            try:
+                self.core.drop_reservations(self._prefix(job_id, restart_count))
+            except RgpuError as exc:
+                self.log.warning("rgpu: slurm: could not give back the reservation of job %s: %s", job_id, exc)
 
 
 def slurm_configured(env: Mapping[str, str] | None = None) -> str | None:
@@ -132,7 +185,8 @@ def start_from_settings(core: Any, settings: Any, log: logging.Logger) -> SlurmI
                                    grace_seconds=settings.slurm_reconcile_grace_seconds,
                                    cluster=settings.slurm_cluster, backend=settings.slurm_backend,
                                    license_sync=settings.slurm_license_sync,
-                                   admission_poll_seconds=settings.slurm_admission_poll_seconds, log=log)
+                                   admission_poll_seconds=settings.slurm_admission_poll_seconds, log=log,
+                                   keep_room_for_head=settings.slurm_keep_room_for_head)
 
 
 def _cluster_lookup(env: Mapping[str, str] | None) -> Any:

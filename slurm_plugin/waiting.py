@@ -135,10 +135,12 @@ ADMIN_HOLD = "JobHeldAdmin"      # an admin's hold: never released by rgpu
 # shows these until it starts, and its room is kept for it meanwhile.
 STARTABLE_REASONS = frozenset({"", "None", "Priority", "Resources", "Licenses"})
 
-# What to do for a job the pool can place now: scontrol release (held), then StartTime=now
-# (requeued: Slurm's requeue delay). HOLD: a job let go that Slurm has not started yet, whose room
-# is no longer there (marked again, then `scontrol uhold`: it waits as it was submitted).
-RELEASE, START, HOLD = "release", "start", "hold"
+# What to do for a job the pool can place now: reserve its placement in the pool (PoolCore.reserve:
+# nothing else may take that room until its PrologSlurmctld claims it), then scontrol release
+# (held), then StartTime=now (requeued: Slurm's requeue delay). HOLD: a job let go without a
+# reservation (by an admin, or before reservations) that Slurm has not started yet, whose room is
+# no longer there (marked again, then `scontrol uhold`: it waits as it was submitted).
+RESERVE, RELEASE, START, HOLD = "reserve", "release", "start", "hold"
 
 
 def _admitted_unleased(job: Any, leased: set[tuple[int, int]]) -> bool:
@@ -163,7 +165,7 @@ def lease_requests(record: RequestRecord) -> list[LeaseRequest]:
     return [(req.count, req.fraction if not req.memory_bytes else 0.0, req.memory_bytes, req.isolation)] * record.nodes
 
 
-def _held_back(let_go: list[tuple[Any, RequestRecord]], fits: Callable[[list[LeaseRequest]], bool] | None) -> list[int]:
+def _held_back(let_go: list[tuple[Any, RequestRecord]], fits: Fits | None) -> list[int]:
     """The jobs let go but not started yet to hold again until the others fit in every order: the
     youngest whose hold alone is enough, else the youngest, and so on. Each fitted with those
     before it when it was let go, and a lease that starts keeps that true; one that ends can break
@@ -192,18 +194,48 @@ def _held_back(let_go: list[tuple[Any, RequestRecord]], fits: Callable[[list[Lea
     return held
 
 
-def jobs_to_start(jobs: Iterable[Any], gpu_statuses: Iterable[Any], leases: Iterable[Any] = (),
-                  fits: Callable[[list[LeaseRequest]], bool] | None = None) -> list[tuple[int, tuple[str, ...]]]:
-    """(id, steps) for the marked pending jobs the pool can place now, oldest first, each counted
-    with the jobs already let go but not yet leased. Steps: RELEASE for a job held for admission
-    (or by Slurm after repeated requeues), START for a requeued one, HOLD (listed first) for a job
-    let go that Slurm has not started and that no longer fits (`_held_back`). A held job no GPU
-    could ever serve is released too: its PrologSlurmctld then cancels it with the reason.
+# GPUs as (server address, UUID): the room kept for the job at the head of the queue
+# (remoting/pool/backfill.py), which reservations made after it must leave alone.
+Avoid = frozenset[tuple[str, str]]
+# fits(requests, first): whether the pool can place `requests` in every order after `first`
+# ((request, GPUs it may not use), placed one after the other): PoolCore.fits_in_every_order.
+Fits = Callable[..., bool]
+# room(head requests, first): the GPUs the head will get once the oldest leases end: PoolCore.room_for_head.
+Room = Callable[[list[LeaseRequest], list[tuple[LeaseRequest, Avoid]]], Avoid]
 
-    `fits(requests)`: the pool's own check that all these leases can be placed whatever order
-    their prologs ask in (PoolCore.fits_in_every_order); without it, each job is placed in turn on
-    `gpu_statuses` with `take` (the order they are listed in). `jobs`: SlurmJob records
-    (squeue.py), every live one; `leases`: the pool's (job_key). Pure when `fits` is."""
+
+@dataclass(frozen=True)
+class AdmissionPlan:
+    steps: list[tuple[int, tuple[str, ...]]]     # (job id, steps), in the order to run them
+    avoid: dict[int, Avoid]                      # per job reserved after the head: the head's GPUs
+    head: int | None = None                      # the oldest waiting job that does not fit yet
+
+
+def jobs_to_start(jobs: Iterable[Any], gpu_statuses: Iterable[Any], leases: Iterable[Any] = (),
+                  fits: Fits | None = None, room: Room | None = None) -> list[tuple[int, tuple[str, ...]]]:
+    """(id, steps) of `plan_admission`."""
+    return plan_admission(jobs, gpu_statuses, leases, fits, room).steps
+
+
+def plan_admission(jobs: Iterable[Any], gpu_statuses: Iterable[Any], leases: Iterable[Any] = (),
+                   fits: Fits | None = None, room: Room | None = None) -> AdmissionPlan:
+    """The marked pending jobs the pool can place now, oldest first, each counted with the jobs
+    already let go but not yet leased and with those this pass reserves before it. Steps: RESERVE
+    then RELEASE for a job held for admission (or by Slurm after repeated requeues), RESERVE then
+    START for a requeued one, HOLD (listed first) for a job let go without a reservation that Slurm
+    has not started and that no longer fits (`_held_back`). A held job no GPU could ever serve is
+    released too (no reservation): its PrologSlurmctld then cancels it with the reason.
+
+    Backfill that does not delay the head: the oldest waiting job that does not fit (the head)
+    gets the GPUs `room` says it will get once the oldest leases end, and every younger job is
+    placed, and reserved, off those GPUs (`avoid`), so small jobs never keep a whole-GPU job
+    waiting by taking each GPU as it frees.
+
+    `fits(requests, first)`: the pool's own check (PoolCore.fits_in_every_order): the requests of
+    jobs let go without a reservation in every order their prologs may ask in, after this pass's
+    reservations `first` placed one after the other. Without it, each job is placed in turn on
+    `gpu_statuses` with `take` (and no room is kept). `jobs`: SlurmJob records (squeue.py), every
+    live one; `leases`: the pool's (job_key). Pure when `fits` and `room` are."""
     jobs = sorted(jobs, key=lambda j: j.job_id)
     gpu_statuses = list(gpu_statuses)
     leased = {(p.job_id, p.restart_count) for p in (parse_job_key(le.job_key) for le in leases) if p is not None}
@@ -221,18 +253,22 @@ def jobs_to_start(jobs: Iterable[Any], gpu_statuses: Iterable[Any], leases: Iter
             let_go.append((job, record))
     held_back = _held_back(let_go, fits)
     admitted = [r for job, record in let_go if job.job_id not in held_back for r in lease_requests(record)]
+    first: list[tuple[LeaseRequest, Avoid]] = []
+    kept: Avoid = frozenset()
 
     def placeable(record: RequestRecord) -> bool:
-        nonlocal admitted
+        nonlocal first
         if fits is None:
             return take(record, free)
-        trial = admitted + lease_requests(record)
-        if not fits(trial):
+        trial = first + [(r, kept) for r in lease_requests(record)]
+        if not fits(admitted, trial):
             return False
-        admitted = trial
+        first = trial
         return True
 
-    chosen: list[tuple[int, tuple[str, ...]]] = [(job_id, (HOLD,)) for job_id in held_back]
+    steps: list[tuple[int, tuple[str, ...]]] = [(job_id, (HOLD,)) for job_id in held_back]
+    avoid: dict[int, Avoid] = {}
+    head = None
     for job in jobs:
         if job.state != "PENDING" or getattr(job, "dependency", "") or job.job_id in held_back:
             continue
@@ -240,14 +276,48 @@ def jobs_to_start(jobs: Iterable[Any], gpu_statuses: Iterable[Any], leases: Iter
         if record is None:
             continue
         if job.reason == ADMISSION_HOLD:
-            if placeable(record) or never_fits(record, gpu_statuses):
-                chosen.append((job.job_id, (RELEASE,)))
+            todo: tuple[str, ...] = (RESERVE, RELEASE)
         elif job.reason == MAX_REQUEUE_HOLD:
-            if placeable(record):
-                chosen.append((job.job_id, (RELEASE, START)))
-        elif job.reason not in STARTABLE_REASONS and job.reason != ADMIN_HOLD and placeable(record):
-            chosen.append((job.job_id, (START,)))
-    return chosen
+            todo = (RESERVE, RELEASE, START)
+        elif job.reason not in STARTABLE_REASONS and job.reason != ADMIN_HOLD:
+            todo = (RESERVE, START)
+        else:
+            continue
+        if placeable(record):
+            steps.append((job.job_id, todo))
+            if kept:
+                avoid[job.job_id] = kept
+        elif job.reason == ADMISSION_HOLD and never_fits(record, gpu_statuses):
+            steps.append((job.job_id, (RELEASE,)))      # for its PrologSlurmctld to cancel: no room to hold
+        elif head is None and room is not None:
+            head = job.job_id
+            kept = room(lease_requests(record), first)
+    return AdmissionPlan(steps, avoid, head)
+
+
+def reservation_upkeep(jobs: Iterable[Any], leases: Iterable[Any]) -> tuple[list[Any], list[tuple[int, int]]]:
+    """For the pool's reservations of Slurm jobs (keys `slurm:<cluster>:<job>:<restart>:+r<n>`,
+    PoolCore.reserve): the jobs whose reservations to keep (renew: the job is let go, pending or in
+    its PrologSlurmctld), and the (job id, restart count) of those to give back (the job is held
+    again, waits on a dependency, was requeued since, is past its prologs, or ended: cancelled
+    while pending). Reservations of jobs gone from Slurm's
+    list are left to the reconciler (`decide`) and to their expiry. Pure."""
+    by_id = {j.job_id: j for j in jobs}
+    keep: list[Any] = []
+    drop: list[tuple[int, int]] = []
+    for attempt in sorted({(p.job_id, p.restart_count) for p in (parse_job_key(le.job_key) for le in leases)
+                           if p is not None and p.node.startswith(RESERVATION_NODE)}):
+        job = by_id.get(attempt[0])
+        if job is None:
+            continue
+        if job.live and job.restart_count == attempt[1] and _admitted_unleased(job, set()):
+            keep.append(job)
+        else:
+            drop.append(attempt)
+    return keep, drop
+
+
+RESERVATION_NODE = "+"     # reservation keys end in `+r<n>` where lease keys end in a node name
 
 
 def hold_again(job_id: int, record_text: str, run: Callable[[list[str]], Any],
@@ -326,27 +396,37 @@ def clear_mark(job_id: int, admin_comment: str, *, env: Mapping[str, str] | None
 
 
 def start_waiting_jobs(jobs: Sequence[Any], gpu_statuses: Iterable[Any], log: logging.Logger | logging.LoggerAdapter[Any],
-                       *, leases: Iterable[Any] = (), fits: Callable[[list[LeaseRequest]], bool] | None = None,
+                       *, leases: Iterable[Any] = (), fits: Fits | None = None, room: Room | None = None,
                        env: Mapping[str, str] | None = None, timeout: float = 4.0,
-                       scontrol: Callable[[list[str]], Any] | None = None) -> list[int]:
+                       scontrol: Callable[[list[str]], Any] | None = None,
+                       reserve: Callable[[Any, RequestRecord, Avoid], Any] | None = None) -> list[int]:
     """Release (or StartTime=now) every waiting job the pool can place now; returns their ids.
     Read `leases` before `gpu_statuses`: a lease made between the two reads is then counted twice
     (a job waits one more pass), never not at all (a job started into room that is gone).
-    `scontrol(argv)` runs each command (default: run_command with `env` and `timeout`)."""
+    `scontrol(argv)` runs each command (default: run_command with `env` and `timeout`).
+    `reserve(job, record, avoid)` holds the job's placement in the pool, off the GPUs in `avoid`,
+    before it is let go (PoolCore.reserve); a job whose reservation fails (RgpuError) is not let go
+    this pass. `room`: see plan_admission."""
     run = scontrol or (lambda argv: run_command(argv, env=env, timeout=timeout))
+    by_id = {j.job_id: j for j in jobs}
     started = []
     # The record alone, once released (PrologSlurmctld also removes a mark it finds).
     marked = {j.job_id: j.admin_comment.partition(RECORD_SEPARATOR)[0] for j in jobs if j.reason == ADMISSION_HOLD}
     records = {j.job_id: j.admin_comment.partition(RECORD_SEPARATOR)[0] for j in jobs}
     held = []
-    for job_id, steps in jobs_to_start(jobs, gpu_statuses, leases, fits):
+    plan = plan_admission(jobs, gpu_statuses, leases, fits, room)
+    for job_id, steps in plan.steps:
         if steps == (HOLD,):
             if hold_again(job_id, records[job_id], run, log):
                 held.append(job_id)
             continue
         try:
             for step in steps:
-                run(release_command(job_id) if step == RELEASE else start_command(job_id))
+                if step == RESERVE:
+                    if reserve is not None:
+                        reserve(by_id[job_id], parse_record(records[job_id]), plan.avoid.get(job_id, frozenset()))
+                else:
+                    run(release_command(job_id) if step == RELEASE else start_command(job_id))
             started.append(job_id)
         except RgpuError as exc:
             log.warning("rgpu: slurm: could not start waiting job %s: %s", job_id, exc)

@@ -8,6 +8,7 @@ killed at teardown, also when a test fails.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -52,16 +53,23 @@ class Daemon:
     env: dict[str, str]
     proc: subprocess.Popen[bytes] | None = None
     nofile: int | None = None     # RLIMIT_NOFILE for the daemon (front-door tests)
+    ids: tuple[int, int] | None = None   # (uid, gid) to run as (a pool that is not root); None: ours
 
     def start(self) -> "Daemon":
         log = open(self.log_path, "ab")
-        limit = self.nofile
+        limit, ids = self.nofile, self.ids
 
-        def lower_open_files() -> None:
-            import resource
-            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+        def before_exec() -> None:
+            if limit is not None:
+                import resource
+                resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+            if ids is not None:
+                os.setgroups([])
+                os.setgid(ids[1])
+                os.setuid(ids[0])
         self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                     start_new_session=True, preexec_fn=lower_open_files if limit is not None else None)
+                                     start_new_session=True,
+                                     preexec_fn=before_exec if limit is not None or ids is not None else None)
         log.close()
         return self
 
@@ -136,9 +144,11 @@ class RgpuCluster:
         lines = [f"{k} = {toml(v)}" for k, v in values.items()]
         (self.root / "rgpu.toml").write_text("\n".join(lines) + "\n")
 
-    def start_pool(self, *extra_args: str, env: dict[str, str] | None = None, nofile: int | None = None) -> Daemon:
+    def start_pool(self, *extra_args: str, env: dict[str, str] | None = None, nofile: int | None = None,
+                   ids: tuple[int, int] | None = None, python: str = sys.executable) -> Daemon:
         """Start rgpu-poold: on a port of its choosing the first time, on the same port again after
-        a kill (dispatchers and clients keep their address)."""
+        a kill (dispatchers and clients keep their address); as (uid, gid) `ids` when given, with
+        a `python` that uid can run (tests/user_runtime.py)."""
         if not (self.root / "rgpu.toml").exists():
             self.write_config(down_after_seconds=3.0, heartbeat_interval_seconds=0.5,
                               reclaim_interval_seconds=0.5)
@@ -149,9 +159,9 @@ class RgpuCluster:
         port_file = self.root / "poold.port"
         port_file.unlink(missing_ok=True)
         listen = "127.0.0.1:0" if first else self.pool_address
-        daemon = Daemon("rgpu-poold", [sys.executable, "-m", "rgpu.remoting.pool.daemon", "--listen", listen,
+        daemon = Daemon("rgpu-poold", [python, "-m", "rgpu.remoting.pool.daemon", "--listen", listen,
                                        "--state", str(self.state), "--port-file", str(port_file), *extra_args],
-                        self.root / "poold.log", env or self.env(), nofile=nofile).start()
+                        self.root / "poold.log", env or self.env(), nofile=nofile, ids=ids).start()
         self.pool = daemon
         self.daemons.append(daemon)
         self.pool_port = wait_for_port_file(port_file, daemon)
@@ -184,6 +194,14 @@ class RgpuCluster:
         if self._no_pool is not None:
             self._no_pool.close()
             self._no_pool = None
+
+
+def two_clusters(root: Path) -> tuple[RgpuCluster, RgpuCluster]:
+    """Two daemons' folders, `root`/a and `root`/b, with one cluster secret (as on two pool hosts)."""
+    first = RgpuCluster(root / "a")
+    (root / "b").mkdir(parents=True, exist_ok=True)
+    shutil.copy(first.secret_file, root / "b" / "secret")
+    return first, RgpuCluster(root / "b")
 
 
 def register_servers(client, servers: int = 2, gpus: int = 4) -> None:  # type: ignore[no-untyped-def]

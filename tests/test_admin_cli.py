@@ -107,6 +107,14 @@ def test_a_ttl_lease_is_kept_by_renewing_it(cluster: RgpuCluster, tmp_path: Path
     (["drain", "nosuch"], 5, "rgpu: pool: no server 'nosuch'"),
     (["quota", "set", "user", "bad name", "5"], 2, "invalid user"),
     (["release-gpus", "-f", "/nonexistent"], 2, "rgpu: adaptor.conf: cannot read /nonexistent"),
+    (["request-gpus", "-n", "1", "-p", "abc", "-o", "x"], 2,
+     "rgpu: admin: invalid command line (Invalid value for '-p' / '--partial': 'abc' is not a valid float; "
+     "see `rgpu-admin request-gpus --help`)"),
+    (["request-gpus", "-n", "0", "-p", "0.5", "-o", "x"], 2,
+     "rgpu: pool: invalid count 0 (a job asks for at least 1 slice; ask for 1 or more slices"),
+    (["drain"], 2, "rgpu: admin: invalid command line (Missing argument 'SERVER'; see `rgpu-admin drain --help`)"),
+    (["no-such-command"], 2, "rgpu: admin: invalid command line (No such command 'no-such-command'"),
+    (["--json", "secret", "create", "x"], 2, "rgpu: admin: `secret create` has no JSON output"),
 ])
 def test_errors_are_one_line(cluster: RgpuCluster, tmp_path: Path, args: list[str], code: int, message: str) -> None:
     with cluster.client() as client:
@@ -138,7 +146,7 @@ def heartbeating(client: PoolClient, address: str, every: float = 0.2) -> Iterat
 
 def test_health_drain_and_quota(cluster: RgpuCluster, tmp_path: Path) -> None:
     run = admin(cluster, "health", ok=False)
-    assert run.returncode != 0 and "no dispatcher has registered" in run.stderr
+    assert run.returncode == 7 and "no dispatcher has registered" in run.stderr
     with cluster.client() as client:
         register(client, servers=2, gpus=1)
         # Server 0 stays alive for the whole test (each rgpu-admin start can take longer than the 2 s
@@ -147,7 +155,7 @@ def test_health_drain_and_quota(cluster: RgpuCluster, tmp_path: Path) -> None:
             wait_for(lambda: any(s.state == "down" for s in client.list_servers().servers),
                      timeout=10, what="server 1 down")
             run = admin(cluster, "health", ok=False)
-            assert run.returncode == 6 and "1 server(s) down: 127.0.0.1:56001" in run.stderr
+            assert run.returncode == 7 and "1 server(s) down: 127.0.0.1:56001" in run.stderr
             rows = {r["server"]: r for r in json.loads(admin(cluster, "health", "--json", ok=False).stdout)}
             assert rows["127.0.0.1:56001"]["state"] == "down" and rows["127.0.0.1:56000"]["healthy"]
             assert "drained" in admin(cluster, "drain", "gpu0").stdout
@@ -161,6 +169,45 @@ def test_health_drain_and_quota(cluster: RgpuCluster, tmp_path: Path) -> None:
 def test_unreachable_pool(cluster: RgpuCluster) -> None:
     run = admin(cluster, "--pool", "127.0.0.1:1", "health", ok=False)
     assert run.returncode == 6 and run.stderr.startswith("rgpu: health: pool daemon at 127.0.0.1:1 is not serving")
+
+
+def test_health_help_documents_its_exit_codes_and_json() -> None:
+    text = " ".join(run_admin(["health", "--help"]).stdout.split())
+    assert "6 the pool does not answer" in text and "7 the pool answers, but a dispatcher is down" in text
+    assert 'with --deep one object, {"servers": [...], "checks": [...]}' in text
+
+
+def test_commands_that_change_things_print_json(cluster: RgpuCluster, tmp_path: Path) -> None:
+    with cluster.client() as client:
+        register(client, servers=1, gpus=2)
+    conf = tmp_path / "a.conf"
+    made = json.loads(admin(cluster, "--json", "request-gpus", "-n", "2", "-p", "0.5", "--ttl", "1h", "--user", "alice",
+                            "--job-key", "k1", "-o", str(conf)).stdout)
+    assert made["job_key"] == "k1" and made["adaptor_conf"] == str(conf) and made["user"] == "alice"
+    assert [(s["compute_percent"], s["memory_limit_bytes"]) for s in made["slices"]] == [(50, 40 * 2**30)] * 2
+    assert made["expires_unix"] > time.time()
+    renewed = json.loads(admin(cluster, "renew-gpus", "--job-key", "k1", "--ttl", "2h", "--json").stdout)
+    assert renewed["job_key"] == "k1" and renewed["expires_unix"] > made["expires_unix"]
+    assert json.loads(admin(cluster, "drain", "gpu0", "--json").stdout)["state"] == "drained"
+    assert json.loads(admin(cluster, "--json", "resume", "gpu0").stdout)["state"] == "up"
+    assert json.loads(admin(cluster, "quota", "set", "user", "alice", "150", "--json").stdout) == {
+        "kind": "user", "name": "alice", "limit_units": 150, "used_units": 100}
+    assert json.loads(admin(cluster, "quota", "remove", "user", "alice", "--json").stdout) == {
+        "kind": "user", "name": "alice", "removed": True}
+    assert json.loads(admin(cluster, "release-gpus", "-f", str(conf), "--json").stdout) == [
+        {"job_key": "k1", "released": True}]
+    assert json.loads(admin(cluster, "--json", "release-gpus", "--job-key", "k1").stdout) == [
+        {"job_key": "k1", "released": False}]
+
+
+def test_a_missing_secret_file_is_named_when_munge_fails_too(cluster: RgpuCluster, tmp_path: Path) -> None:
+    run = run_admin(["--secret-file", str(tmp_path / "no-secret"), "drain", "gpu0"],
+                    {"RGPU_POOL": cluster.pool_address, "RGPU_CONFIG": str(cluster.root / "rgpu.toml"),
+                     "RGPU_MUNGE_SOCKET": str(tmp_path / "no-munged.socket")})
+    assert run.returncode == 4, run.stderr
+    assert run.stderr.startswith(f"rgpu: pool: no credential for this call (secret file {tmp_path / 'no-secret'} "
+                                 "does not exist, and MUNGE failed: cannot get a MUNGE credential"), run.stderr
+    assert "give a readable secret file" in run.stderr and run.stderr.count("\n") == 1
 
 
 def test_secret_create(tmp_path: Path) -> None:

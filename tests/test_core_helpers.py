@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from rgpu import paths
 from rgpu.errors import ConfigError, InvalidRequest
-from rgpu.netaddr import join_host_port, split_host_port
+from rgpu.netaddr import bound_address, join_host_port, split_host_port
 from rgpu.portfile import read_port_file, write_port_file
 from rgpu.units import MAX_BYTES, format_bytes, parse_duration, parse_size
 
@@ -58,6 +58,13 @@ def test_split_host_port_options() -> None:
         split_host_port(50001)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequest, match="rgpu: flexrun: "):
         split_host_port("x", component="flexrun")
+
+
+def test_bound_address_names_the_port_a_listener_got() -> None:
+    assert bound_address("127.0.0.1:0", 43211) == "127.0.0.1:43211"
+    assert bound_address("[::]:0", 50080) == "[::]:50080"
+    assert bound_address(":0", 50001) == ":50001"
+    assert bound_address("not an address", 7) == "not an address (port 7)"
 
 
 @given(st.text(max_size=60))

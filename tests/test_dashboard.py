@@ -71,6 +71,63 @@ def test_state_document_from_a_view() -> None:
     json.dumps(state)   # what the page gets
 
 
+def test_the_allocated_share_keeps_its_base_when_a_server_goes_down() -> None:
+    # Two GPUs held 50% each, one on a server that went down: placement's capacity drops the down
+    # one (50 of 100), but the header's base stays every registered GPU (100 of 200).
+    gpus = tuple(GpuView(f"h:{n}", state, GpuInfo(f"GPU-{n}", 0, "NVIDIA H100", 80 * GIB, 80 * GIB, "9.0"), 50,
+                         40 * GIB, 1) for n, state in ((1, "up"), (2, "down")))
+    view = PoolView(now=0.0, servers=(), gpus=gpus, leases=(), quotas=(), total_units=100, allocated_units=50)
+    capacity = dashboard_state(view, [])["capacity"]
+    assert (capacity["held_units"], capacity["all_units"], capacity["gpus"]) == (100, 200, 2)
+
+
+# Colour distance (CIE76 in CIELAB) as seen with normal vision and, simulated (Viénot, Brettel and
+# Mollon 1999, in linear RGB), with deuteranopia and protanopia.
+DICHROMAT = {"deuteranopia": ((0.29275, 0.70725, 0.0), (0.29275, 0.70725, 0.0), (-0.02234, 0.02234, 1.0)),
+             "protanopia": ((0.11238, 0.88762, 0.0), (0.11238, 0.88762, 0.0), (0.00401, -0.00401, 1.0))}
+
+
+def _linear(hex_colour: str) -> tuple[float, ...]:
+    channels = (int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5))
+    return tuple(c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4 for c in channels)
+
+
+def _lab(rgb: tuple[float, ...]) -> tuple[float, float, float]:
+    r, g, b = rgb
+    x, y, z = (0.4124 * r + 0.3576 * g + 0.1805 * b) / 0.95047, 0.2126 * r + 0.7152 * g + 0.0722 * b, \
+        (0.0193 * r + 0.1192 * g + 0.9505 * b) / 1.08883
+    f = [t ** (1 / 3) if t > 0.008856 else 7.787 * t + 16 / 116 for t in (x, y, z)]
+    return 116 * f[1] - 16, 500 * (f[0] - f[1]), 200 * (f[1] - f[2])
+
+
+def _seen(hex_colour: str, vision: str) -> tuple[float, float, float]:
+    rgb = _linear(hex_colour)
+    if vision in DICHROMAT:
+        rgb = tuple(min(1.0, max(0.0, sum(m * c for m, c in zip(row, rgb)))) for row in DICHROMAT[vision])
+    return _lab(rgb)
+
+
+def _contrast(a: str, b: str) -> float:
+    lum = [0.2126 * r + 0.7152 * g + 0.0722 * b_ for r, g, b_ in (_linear(a), _linear(b))]
+    return (max(lum) + 0.05) / (min(lum) + 0.05)
+
+
+def test_user_colours_are_told_apart_also_by_colour_blind_viewers() -> None:
+    import itertools
+    import math
+    import re
+
+    text = (Path(__file__).parent.parent / "site" / "static" / "app.js").read_text()
+    palette = re.findall(r'\["(#[0-9a-f]{6})", "(#[0-9a-f]{6})"\]', text.split("const PALETTE", 1)[1].split(";", 1)[0])
+    assert len(palette) == 8
+    for vision in ("normal", "deuteranopia", "protanopia"):
+        for (a, _), (b, _) in itertools.combinations(palette, 2):
+            distance = math.dist(_seen(a, vision), _seen(b, vision))
+            assert distance >= 20, f"{a} and {b} are {distance:.1f} apart with {vision}"
+    for background, foreground in palette:   # the label on a segment reads (WCAG AA: 4.5)
+        assert _contrast(background, foreground) >= 4.5, (background, foreground)
+
+
 # --- a real pool -----------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -168,6 +225,30 @@ def test_dashboard_url_needs_the_dashboards_address(cluster: RgpuCluster) -> Non
 
 
 @pytest.mark.integration
+def test_listeners_on_port_0_are_logged_with_the_port_they_got(cluster: RgpuCluster) -> None:
+    pool = cluster.start_pool("--dashboard-listen", "127.0.0.1:0", "--dashboard-port-file",
+                              str(cluster.root / "dashboard.port"), "--metrics-listen", "127.0.0.1:0",
+                              "--metrics-port-file", str(cluster.root / "metrics.port"))
+    dashboard = wait_for_port_file(cluster.root / "dashboard.port", pool)
+    metrics = wait_for_port_file(cluster.root / "metrics.port", pool)
+    wait_for(lambda: "serving on" in pool.log(), what="the pool's start line")
+    log = pool.log()
+    assert f"serving on 127.0.0.1:{cluster.pool_port}," in log
+    assert f"metrics on http://127.0.0.1:{metrics}/metrics" in log
+    assert f"dashboard on http://127.0.0.1:{dashboard} " in log
+    assert "127.0.0.1:0" not in log, log
+    # rgpu-admin on this host cannot know the port rgpu-poold picked: it says so, and how to fix it.
+    done = subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", "dashboard-url"],
+                          env=cluster.env(RGPU_DASHBOARD_LISTEN="127.0.0.1:0"),
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("rgpu: dashboard: the dashboard's port is unknown here (dashboard_listen = "
+                                  "'127.0.0.1:0' lets rgpu-poold pick one when it starts; set dashboard_url to the "
+                                  "address rgpu-poold's log names"), done.stderr
+    assert "127.0.0.1:0/login" not in done.stdout
+
+
+@pytest.mark.integration
 def test_dashboard_over_tls(cluster: RgpuCluster, tmp_path: Path) -> None:
     import ssl
 
@@ -191,6 +272,25 @@ def test_dashboard_over_tls(cluster: RgpuCluster, tmp_path: Path) -> None:
 
 
 # --- in a browser ----------------------------------------------------------------------------------
+
+def check_layout(page, width: int, screenshot: Path) -> None:  # type: ignore[no-untyped-def]
+    """At `width` px: nothing overflows sideways, every GPU's bar has the same width (one scale),
+    and each table stays inside its card (scrolling there if it must). The screenshot is kept in
+    $RGPU_SCREENSHOT_DIR when set."""
+    page.set_viewport_size({"width": width, "height": 900})
+    page.wait_for_function(f"window.innerWidth === {width}")
+    overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+    assert overflow <= 0, f"the page is {overflow} px wider than a {width} px window"
+    bars = page.evaluate("[...document.querySelectorAll('#gpus .bar.compute')].map(b => b.getBoundingClientRect().width)")
+    assert len(bars) == 4 and max(bars) - min(bars) < 1 and min(bars) > 0.4 * width - 200, (width, bars)
+    cards = page.evaluate("""[...document.querySelectorAll('table')].map(t => {
+        const card = t.closest('section').getBoundingClientRect();
+        return [t.id, card.left, card.right, t.parentElement.getBoundingClientRect().right]; })""")
+    for table, left, right, scroller in cards:
+        assert left >= 0 and right <= width and scroller <= right, (width, table, left, right, scroller)
+    page.screenshot(path=str(screenshot), full_page=True)
+    if os.environ.get("RGPU_SCREENSHOT_DIR"):
+        page.screenshot(path=os.path.join(os.environ["RGPU_SCREENSHOT_DIR"], screenshot.name), full_page=True)
 
 def chromium() -> str:
     """Debian's Chromium (Playwright's own browser download is not used: clusters may be offline)."""
@@ -248,9 +348,13 @@ def test_dashboard_in_chromium(cluster: RgpuCluster, tmp_path: Path) -> None:
             page.wait_for_selector("#leases tbody tr:has-text('slurm-4243') .state.idle", timeout=10_000)
             summary = page.locator("#summary").inner_text()
             assert "2/2 dispatchers up" in summary and "2 leases" in summary and "4 GPUs" in summary
+            assert "% of 4 GPUs allocated" in summary
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
             if os.environ.get("RGPU_SCREENSHOT"):
                 page.screenshot(path=os.environ["RGPU_SCREENSHOT"], full_page=True)
+            for width in (1440, 820, 390):
+                check_layout(page, width, tmp_path / f"dashboard-{width}.png")
+            page.set_viewport_size({"width": 1200, "height": 760})
 
             # Live: a release shows without a reload.
             admin(cluster, port, "release-gpus", "-f", str(tmp_path / "adaptor.conf"))

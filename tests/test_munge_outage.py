@@ -6,10 +6,12 @@ the tests kill -9 or SIGSTOP while four clients flood the pool with garbage MUNG
 
 from __future__ import annotations
 
+import base64
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -19,7 +21,7 @@ from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
 from rgpu.remoting.pool.auth import MUNGE_HEADER
 from tests import munged
-from tests.daemons import EXAMPLES, RgpuCluster
+from tests.daemons import EXAMPLES, RgpuCluster, two_clusters, wait_for
 from tests.test_dispatcher import wait_state
 
 pytestmark = pytest.mark.integration
@@ -48,6 +50,11 @@ def user_call(address: str, cred: str, timeout: float = 10.0) -> pb.ListGpusRepl
                                                   timeout=timeout)
 
 
+def garbage_credential(tag: str) -> str:
+    """A credential munged did not make, in the shape of one (so only munged can tell)."""
+    return f"MUNGE:{base64.b64encode(f'garbage-{tag}'.encode()).decode()}:"
+
+
 class GarbageFlood:
     """`clients` threads, each on its own channel, sending calls with garbage MUNGE headers."""
 
@@ -62,7 +69,7 @@ class GarbageFlood:
             while not self.stop.is_set():
                 i += 1
                 try:
-                    stub.ListGpus(pb.ListGpusRequest(), metadata=[(MUNGE_HEADER, f"MUNGE:garbage-{n}-{i}:")],
+                    stub.ListGpus(pb.ListGpusRequest(), metadata=[(MUNGE_HEADER, garbage_credential(f"{n}-{i}"))],
                                   timeout=30)
                 except grpc.RpcError:
                     pass
@@ -166,13 +173,9 @@ def test_a_munge_credential_is_good_for_one_call_across_pool_daemons(tmp_path: P
     if server_bin() is None:
         pytest.skip("PostgreSQL is not installed (apt-get install postgresql)")
     pytest.importorskip("psycopg")
-    import shutil
 
     postgres = Postgres().start()
-    first = RgpuCluster(tmp_path / "a")
-    (tmp_path / "b").mkdir()
-    shutil.copy(first.secret_file, tmp_path / "b" / "secret")
-    second = RgpuCluster(tmp_path / "b")
+    first, second = two_clusters(tmp_path)   # one cluster secret
     munged_a, munged_b, client_munged = munge_key.start("a"), munge_key.start("b"), munge_key.start("client")
     try:
         for cluster, mine in ((first, munged_a), (second, munged_b)):
@@ -190,3 +193,161 @@ def test_a_munge_credential_is_good_for_one_call_across_pool_daemons(tmp_path: P
         first.stop_all()
         second.stop_all()
         postgres.stop()
+
+
+
+SECRET = b"s" * 32
+
+
+@contextmanager
+def one_thread_pool(auth: object, hold: threading.Event, holding: threading.Event) -> Iterator[grpc.Channel]:
+    """A gRPC server on port 0 with `auth` and one serving thread; its ListServers holds that thread
+    (setting `holding`) until `hold` is set, its ListGpus answers at once. Yields a channel to it."""
+    from concurrent import futures
+
+    def held(request: bytes, context: object) -> bytes:
+        holding.set()
+        hold.wait(60)
+        return b""
+
+    handler = grpc.method_handlers_generic_handler("rgpu.v1.Pool", {
+        "ListServers": grpc.unary_unary_rpc_method_handler(held),
+        "ListGpus": grpc.unary_unary_rpc_method_handler(lambda request, context: b"")})
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=1), interceptors=[auth])
+    server.add_generic_rpc_handlers([handler])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield channel
+    finally:
+        hold.set()
+        server.stop(grace=None)
+
+
+def refused_with(call: Callable[[], object], code: grpc.StatusCode, words: str) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        call()
+    details = info.value.details()   # type: ignore[attr-defined]
+    assert info.value.code() == code, details   # type: ignore[attr-defined]
+    assert details.startswith("rgpu: pool: ") and words in details and "\n" not in details, details
+
+
+def admin_metadata(method: str = "/rgpu.v1.Pool/ListServers") -> tuple[tuple[str, str], ...]:
+    from rgpu.remoting.pool.auth import AUTH_HEADER, request_credential
+    return ((AUTH_HEADER, request_credential(SECRET, method)),)
+
+
+GARBAGE = ((MUNGE_HEADER, garbage_credential("one")),)
+
+
+def test_refusals_take_no_serving_thread_so_a_flood_of_them_waits_behind_none(munge_key: munged.MungeKey) -> None:
+    """While munged is taken as down, a call with a MUNGE header (garbage or not) is refused off the
+    serving threads, as is a call with a wrong secret: with the pool's one serving thread held by an
+    admin's call, both are still answered, and the admin's call goes on (before, each refusal waited
+    for a serving thread, so a flood of them queued beside the calls made with the secret)."""
+    from rgpu.remoting.pool.auth import AUTH_HEADER, ServerAuth, request_credential
+    from rgpu.remoting.pool.munge_gate import MungeGate
+
+    pool_munged = munge_key.start("pool")
+    pool_munged.kill()
+    gate = MungeGate(pool_munged.socket, clock=lambda: 1000.0)   # time stands still: once open, the breaker stays open
+    hold, holding = threading.Event(), threading.Event()
+    with one_thread_pool(ServerAuth(SECRET, munge_gate=gate), hold, holding) as channel:
+        list_gpus = channel.unary_unary(LIST_GPUS)
+        # The first finds munged down (on the serving thread): the breaker opens.
+        refused_with(lambda: list_gpus(b"", timeout=30, metadata=GARBAGE), grpc.StatusCode.UNAVAILABLE,
+                     "is not answering")
+        held = channel.unary_unary("/rgpu.v1.Pool/ListServers").future(b"", timeout=60, metadata=admin_metadata())
+        assert holding.wait(30)   # the only serving thread is now the admin's
+        refused_with(lambda: list_gpus(b"", timeout=10, metadata=GARBAGE), grpc.StatusCode.UNAVAILABLE,
+                     f"munged at {pool_munged.socket} is not answering")
+        refused_with(lambda: list_gpus(b"", timeout=10, metadata=((AUTH_HEADER, request_credential(b"w" * 32, LIST_GPUS)),)),
+                     grpc.StatusCode.UNAUTHENTICATED, "wrong cluster secret")
+        assert not held.done()
+        hold.set()
+        assert held.result() == b""
+    gate.close()
+
+
+def test_while_one_call_probes_munged_the_others_are_refused_without_a_serving_thread() -> None:
+    """Once the breaker's wait is over, one call probes munged (on a serving thread, up to the
+    decode deadline); the calls that come meanwhile are refused as while the breaker is open, not
+    on serving threads of their own (before, each took one only to be refused)."""
+    from rgpu import munge
+    from rgpu.remoting.pool.auth import ServerAuth
+    from rgpu.remoting.pool.munge_gate import MungeGate
+
+    now = [1000.0]
+    probing, answer = threading.Event(), threading.Event()
+
+    def munged_away(credential: str, socket: str) -> munge.Identity:
+        if now[0] > 1000.0:   # the probe: munged does not answer until the test lets it
+            probing.set()
+            answer.wait(60)
+        raise munge.MungedUnreachable("munge", "munged is not answering", "socket gone", "start munged")
+
+    gate = MungeGate("/nonexistent/munge.socket", decode=munged_away, timeout=60, clock=lambda: now[0])
+    hold, holding = threading.Event(), threading.Event()
+    with one_thread_pool(ServerAuth(SECRET, munge_gate=gate), hold, holding) as channel:
+        list_gpus = channel.unary_unary(LIST_GPUS)
+        refused_with(lambda: list_gpus(b"", timeout=30, metadata=GARBAGE), grpc.StatusCode.UNAVAILABLE,
+                     "is not answering")   # the breaker opens
+        now[0] += 60   # its wait is over: the next call probes
+        probe = list_gpus.future(b"", timeout=60, metadata=GARBAGE)
+        assert probing.wait(30)   # the only serving thread waits for munged's answer
+        refused_with(lambda: list_gpus(b"", timeout=10, metadata=GARBAGE), grpc.StatusCode.UNAVAILABLE,
+                     "/nonexistent/munge.socket is not answering")
+        answer.set()
+        refused_with(probe.result, grpc.StatusCode.UNAVAILABLE, "is not answering")
+    gate.close()
+
+
+def test_a_refused_caller_hears_why_after_a_pause_and_at_most_a_bounded_number_wait() -> None:
+    """Refusals are answered after a short pause, so a client that calls again as soon as it is
+    refused (a retry loop, a flood) costs the pool a few calls a second, not thousands; beyond a
+    bounded number waiting, a refusal is answered at once."""
+    from rgpu.remoting.pool.auth import ServerAuth
+    from rgpu.remoting.pool.refusals import PacedRefusals
+
+    now = [1000.0]
+    paced = PacedRefusals(delay=0.1, held=2, clock=lambda: now[0])   # time stands still: the first two wait
+    hold, holding = threading.Event(), threading.Event()
+    wrong = (("x-rgpu-auth", "1.2.3.4"),)
+    with one_thread_pool(ServerAuth(SECRET, refusals=paced), hold, holding) as channel:
+        list_gpus = channel.unary_unary(LIST_GPUS)
+        waiting = [list_gpus.future(b"", timeout=60, metadata=wrong) for _ in range(2)]
+        wait_for(lambda: paced.waiting == 2, what="two refusals waiting")
+        refused_with(lambda: list_gpus(b"", timeout=10, metadata=wrong), grpc.StatusCode.UNAUTHENTICATED,
+                     "call refused")   # the third: answered at once
+        assert not any(call.done() for call in waiting) and paced.waiting == 2
+        assert list_gpus(b"", timeout=10, metadata=admin_metadata(LIST_GPUS)) == b""   # calls with the secret run
+        now[0] += 1.0
+        for call in waiting:
+            refused_with(call.result, grpc.StatusCode.UNAUTHENTICATED, "call refused")
+
+
+def test_a_header_that_is_no_munge_credential_is_refused_without_asking_munged(munge_key: munged.MungeKey) -> None:
+    """A MUNGE header not in munged's shape (MUNGE:<base64>:) is refused at once, off the serving
+    threads and without a decoder: with munged up and the one serving thread held, it is still
+    answered (before, each was queued for a serving thread and sent to munged to be refused)."""
+    from rgpu.remoting.pool.auth import ServerAuth
+    from rgpu.remoting.pool.munge_gate import MungeGate
+
+    pool_munged = munge_key.start("pool")
+    gate = MungeGate(pool_munged.socket)
+    hold, holding = threading.Event(), threading.Event()
+    with one_thread_pool(ServerAuth(SECRET, munge_gate=gate), hold, holding) as channel:
+        list_gpus = channel.unary_unary(LIST_GPUS)
+        held = channel.unary_unary("/rgpu.v1.Pool/ListServers").future(b"", timeout=60, metadata=admin_metadata())
+        assert holding.wait(30)
+        for header in ("MUNGE:junk-1:", "garbage", "MUNGE:" + "A" * 9000 + ":"):
+            refused_with(lambda: list_gpus(b"", timeout=10, metadata=((MUNGE_HEADER, header),)),
+                         grpc.StatusCode.UNAUTHENTICATED, "MUNGE credential refused: ")
+        assert not held.done()
+        hold.set()
+        assert held.result() == b""
+        # One in munged's shape is munged's to judge (on a serving thread, now free).
+        refused_with(lambda: list_gpus(b"", timeout=10, metadata=GARBAGE), grpc.StatusCode.UNAUTHENTICATED,
+                     "MUNGE credential refused: ")
+    gate.close()

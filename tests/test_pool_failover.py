@@ -5,7 +5,6 @@ rgpu-admin and dispatchers use). Two real pools here, one killed or stopped (SIG
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import pytest
 from rgpu.config import load_settings, pool_addresses
 from rgpu.errors import Unavailable
 from rgpu.remoting.pool.client import connect
-from tests.daemons import RgpuCluster, register_servers, wait_for
+from tests.daemons import register_servers, two_clusters, wait_for
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -30,10 +29,7 @@ def test_pool_setting_takes_a_toml_list_or_commas(tmp_path: Path) -> None:
 
 @pytest.fixture
 def two_pools(tmp_path: Path):  # type: ignore[no-untyped-def]
-    first = RgpuCluster(tmp_path / "a")
-    (tmp_path / "b").mkdir()
-    shutil.copy(first.secret_file, tmp_path / "b" / "secret")   # one cluster secret
-    second = RgpuCluster(tmp_path / "b")
+    first, second = two_clusters(tmp_path)   # one cluster secret
     for cluster in (first, second):
         cluster.start_pool()
     yield first, second

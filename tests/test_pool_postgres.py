@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -17,7 +16,7 @@ from rgpu.errors import ConfigError, Unavailable
 from rgpu.remoting.pool.client import connect
 from rgpu.remoting.pool.rules import PoolCore
 from rgpu.remoting.pool.store_pg import PostgresStore
-from tests.daemons import AllocationBurst, RgpuCluster, register_servers, wait_for
+from tests.daemons import AllocationBurst, RgpuCluster, register_servers, two_clusters, wait_for
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.remoting.pool.accounting import SliceUsageRecord
 from tests.poolcore_helpers import SECRET, Clock, make_core, pool_state, req, server
@@ -39,10 +38,7 @@ def postgres():  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def two_pools(tmp_path: Path, postgres: Postgres):  # type: ignore[no-untyped-def]
-    first = RgpuCluster(tmp_path / "a")
-    (tmp_path / "b").mkdir()
-    shutil.copy(first.secret_file, tmp_path / "b" / "secret")
-    second = RgpuCluster(tmp_path / "b")
+    first, second = two_clusters(tmp_path)   # one cluster secret
     for cluster in (first, second):
         cluster.write_config(down_after_seconds=30.0, heartbeat_interval_seconds=0.5, reclaim_interval_seconds=0.5,
                              store_url=postgres.url)
@@ -93,10 +89,7 @@ def test_a_burst_through_both_never_over_commits_and_kill_9_loses_no_acknowledge
 
 
 def test_a_dispatcher_heartbeating_to_one_daemon_is_up_on_the_other(tmp_path: Path, postgres: Postgres) -> None:
-    first = RgpuCluster(tmp_path / "a")
-    (tmp_path / "b").mkdir()
-    shutil.copy(first.secret_file, tmp_path / "b" / "secret")
-    second = RgpuCluster(tmp_path / "b")
+    first, second = two_clusters(tmp_path)   # one cluster secret
     try:
         for cluster in (first, second):
             cluster.write_config(down_after_seconds=2.0, heartbeat_interval_seconds=0.3,
@@ -234,10 +227,7 @@ def test_usage_reported_to_one_daemon_counts_for_idle_release_on_the_other(two_c
 def test_idle_release_on_one_daemon_sees_usage_reported_to_the_other(tmp_path: Path, postgres: Postgres) -> None:
     """Real daemons: the dispatcher (here its Heartbeat calls, made directly) reports to the first,
     which does not release idle leases; the second does, and must keep the busy lease."""
-    first = RgpuCluster(tmp_path / "a")
-    (tmp_path / "b").mkdir()
-    shutil.copy(first.secret_file, tmp_path / "b" / "secret")
-    second = RgpuCluster(tmp_path / "b")
+    first, second = two_clusters(tmp_path)   # one cluster secret
     try:
         for cluster, idle_release in ((first, False), (second, True)):
             cluster.write_config(down_after_seconds=60.0, heartbeat_interval_seconds=0.3, reclaim_interval_seconds=0.3,

@@ -60,10 +60,12 @@ def _closure(root: str) -> list[md.Distribution]:
         name = re.sub(r"[-_.]+", "-", todo.pop()).lower()
         if name in seen:
             continue
-        try:
-            dist = md.distribution(name)
-        except md.PackageNotFoundError:
+        # Installed metadata first: run from a checkout, the working folder (on sys.path) holds the
+        # editable build's rgpu.egg-info, which has no entry points to copy.
+        found = sorted(md.distributions(name=name), key=lambda d: not str(getattr(d, "_path", "")).endswith(".dist-info"))
+        if not found:
             continue     # an optional or platform-specific requirement that is not installed
+        dist = found[0]
         seen[name] = dist
         todo.extend(_requirement_names(dist))
     return list(seen.values())

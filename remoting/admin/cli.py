@@ -1,7 +1,9 @@
 """rgpu-admin: the operator's and user's command line for the pool.
 
-Tables for people; `--json` on every listing prints a JSON array of objects. Errors are one line
-(`rgpu: <component>: <what> (<why>; <how to fix>)`) with a non-zero exit status.
+Tables for people; `--json` on every listing prints a JSON array of objects, and on commands that
+change things what they made, changed or released; a command without JSON output refuses --json.
+Errors, usage errors too, are one line (`rgpu: <component>: <what> (<why>; <how to fix>)`) with a
+non-zero exit status (2 for usage).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import json
 import secrets
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -20,7 +23,7 @@ from tabulate import tabulate
 from rgpu import __version__, plugins
 from rgpu.adaptor import read_adaptor_conf, write_adaptor_conf
 from rgpu.config import Settings, load_settings
-from rgpu.errors import InvalidRequest, RgpuError, Unavailable
+from rgpu.errors import InvalidRequest, RgpuError, Unavailable, Unhealthy
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.remoting.admin.dashboard import dashboard_url
 from rgpu.secret import create_secret
@@ -51,11 +54,59 @@ def _emit(ctx: Context, rows: Sequence[dict[str, Any]], columns: Sequence[tuple[
         click.echo(tabulate([[r[key] for key, _ in columns] for r in rows], headers=[h for _, h in columns]))
 
 
+def _leaf_command(group: click.Group, ctx: click.Context, args: Sequence[str]) -> tuple[click.Command, str] | None:
+    """The command `args` name below `group` (subgroups followed by their first word) and its
+    words ("secret create"), or None."""
+    command: click.Command = group
+    path: list[str] = []
+    words = [a for a in args if not a.startswith("-")]
+    while isinstance(command, click.Group) and words:
+        found = command.get_command(ctx, words.pop(0))
+        if found is None:
+            return None
+        command = found
+        path.append(found.name or "")
+    return command, " ".join(path)
+
+
+def _takes_json(command: click.Command) -> bool:
+    return any("--json" in param.opts for param in command.params)
+
+
 class _Group(click.Group):
-    """Turns rgpu errors into one line and an exit status, at the edge only."""
+    """Turns rgpu errors and usage errors into one line and an exit status, at the edge only."""
+
+    def main(self, args: Sequence[str] | None = None, prog_name: str | None = None,  # type: ignore[override]
+             complete_var: str | None = None, standalone_mode: bool = True, **extra: Any) -> Any:
+        from rgpu.remoting.client.cli import usage_error
+
+        try:
+            result = super().main(args=list(sys.argv[1:] if args is None else args), prog_name=prog_name,
+                                  complete_var=complete_var, standalone_mode=False, **extra)
+            code = result if isinstance(result, int) else 0    # --help and --version return their status
+        except click.exceptions.NoArgsIsHelpError as exc:   # a bare group: its help, as click shows it
+            exc.show()
+            code = exc.exit_code
+        except click.ClickException as exc:
+            where = exc.ctx.command_path if getattr(exc, "ctx", None) is not None else "rgpu-admin"  # type: ignore[attr-defined]
+            click.echo(str(usage_error("admin", exc, help_command=where)), err=True)
+            code = InvalidRequest.exit_code
+        except click.Abort:
+            code = 130
+        if standalone_mode:
+            sys.exit(code)
+        return code
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
+            if ctx.params.get("json_output") and ctx.parent is None:
+                with warnings.catch_warnings():   # click < 9 keeps the subcommand's name apart from ctx.args
+                    warnings.simplefilter("ignore", DeprecationWarning)
+                    words = [*getattr(ctx, "protected_args", ()), *ctx.args]
+                leaf = _leaf_command(self, ctx, words)
+                if leaf is not None and not _takes_json(leaf[0]):
+                    raise InvalidRequest("admin", f"`{leaf[1]}` has no JSON output", "--json is not one of its options",
+                                         f"drop --json, or see `rgpu-admin {leaf[1]} --help`")
             return super().invoke(ctx)
         except RgpuError as exc:
             click.echo(str(exc), err=True)
@@ -66,7 +117,9 @@ class _Group(click.Group):
 @click.option("--pool", envvar="RGPU_POOL", help="Pool daemon HOST:PORT (default from rgpu.toml, else localhost:50001).")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="Config file (default /etc/rgpu/rgpu.toml).")
 @click.option("--secret-file", help="Cluster secret file.")
-@click.option("--json", "json_output", is_flag=True, help="Print listings as a JSON array of objects.")
+@click.option("--json", "json_output", is_flag=True,
+              help="Print JSON: listings as an array of objects, commands that change things what they made, "
+                   "changed or released. Refused by commands without JSON output.")
 @click.version_option(__version__, prog_name="rgpu-admin")
 @click.pass_context
 def main(ctx: click.Context, pool: str | None, config_file: str | None, secret_file: str | None,
@@ -80,15 +133,25 @@ def main(ctx: click.Context, pool: str | None, config_file: str | None, secret_f
     ctx.obj = Context(settings, json_output)
 
 
-def _json_flag(f: Callable[..., Any]) -> Callable[..., Any]:
+def _json_flag(f: Callable[..., Any] | None = None, *, text: str = "Print a JSON array of objects.") -> Any:
     """Accept --json after the subcommand too (`rgpu-admin list-gpus --json`)."""
 
     def set_json(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
         if value:
             ctx.find_object(Context).json_output = True  # type: ignore[union-attr]
 
-    return click.option("--json", "json_output_local", is_flag=True, expose_value=False, callback=set_json,
-                        help="Print a JSON array of objects.")(f)
+    decorate = click.option("--json", "json_output_local", is_flag=True, expose_value=False, callback=set_json,
+                            help=text)
+    return decorate if f is None else decorate(f)
+
+
+def _emit_done(ctx: Context, record: Any, lines: Sequence[str]) -> None:
+    """What a command made, changed or released: `record` as JSON, else the lines for people."""
+    if ctx.json_output:
+        click.echo(json.dumps(record, indent=2))
+    else:
+        for line in lines:
+            click.echo(line)
 
 
 @main.command("list-gpus")
@@ -142,6 +205,7 @@ def leases(ctx: Context) -> None:
 
 
 @main.command("request-gpus")
+@_json_flag(text="Print the lease made (key, adaptor.conf, slices) as a JSON object.")
 @click.option("-n", "--num", "count", type=int, required=True, help="Number of slices (each on its own GPU).")
 @click.option("-p", "--partial", "fraction", type=float, help="Fraction of a GPU per slice, in (0, 1].")
 @click.option("-m", "--memory", help="Memory per slice, e.g. 8G (exclusive with -p).")
@@ -178,13 +242,18 @@ def request_gpus(ctx: Context, count: int, fraction: float | None, memory: str |
         except (OSError, RgpuError) as exc:
             client.release(key)  # nothing lost, nothing leaked: no file, no lease
             raise RgpuError("admin", f"cannot write {output}", str(exc), "pick a writable path; the lease was released") from None
-    click.echo(f"leased {len(lease.slices)} slice(s) as {key}; adaptor.conf written to {path}")
-    for s in lease.slices:
-        click.echo(f"  {s.server} GPU {s.gpu_index} ({s.gpu_name}): {format_bytes(s.memory_limit_bytes)}, "
-                   f"{s.compute_percent}% compute")
-    click.echo(f"release with: rgpu-admin release-gpus -f {path}")
+    lines = [f"leased {len(lease.slices)} slice(s) as {key}; adaptor.conf written to {path}"]
+    lines += [f"  {s.server} GPU {s.gpu_index} ({s.gpu_name}): {format_bytes(s.memory_limit_bytes)}, "
+              f"{s.compute_percent}% compute" for s in lease.slices]
+    lines.append(f"release with: rgpu-admin release-gpus -f {path}")
     if ttl:
-        click.echo(f"it expires in {ttl}; keep it with: rgpu-admin renew-gpus -f {path} --ttl {ttl}")
+        lines.append(f"it expires in {ttl}; keep it with: rgpu-admin renew-gpus -f {path} --ttl {ttl}")
+    record = {"job_key": key, "adaptor_conf": str(path), "user": lease.user, "account": lease.account,
+              "units": lease.units, "expires_unix": lease.expires_unix,
+              "slices": [{"server": s.server, "gpu_uuid": s.gpu_uuid, "gpu_index": s.gpu_index, "model": s.gpu_name,
+                          "memory_limit_bytes": s.memory_limit_bytes, "compute_percent": s.compute_percent}
+                         for s in lease.slices]}
+    _emit_done(ctx, record, lines)
 
 
 def slurm_job_keys(keys: list[str], job_id: str, cluster: str) -> list[str]:
@@ -199,6 +268,7 @@ def slurm_job_keys(keys: list[str], job_id: str, cluster: str) -> list[str]:
 
 
 @main.command("release-gpus")
+@_json_flag(text="Print a JSON array with one object per lease: its key and whether this call released it.")
 @click.option("-f", "--file", "conf_file", type=click.Path(dir_okay=False),
               help="adaptor.conf written by request-gpus (or by the Slurm prolog).")
 @click.option("--job-key", "job_keys", multiple=True, metavar="KEY",
@@ -228,14 +298,15 @@ def release_gpus(ctx: Context, conf_file: str | None, job_keys: tuple[str, ...],
                 raise InvalidRequest("admin", f"Slurm job {slurm_job} has leases in clusters {', '.join(clusters)}",
                                      "job ids repeat across clusters", "add --cluster NAME")
             if not keys:
-                click.echo(f"Slurm job {slurm_job} holds no lease{f' in cluster {cluster}' if cluster else ''}")
+                _emit_done(ctx, [], [f"Slurm job {slurm_job} holds no lease{f' in cluster {cluster}' if cluster else ''}"])
                 return
-        for key in keys:
-            released = client.release(key)
-            click.echo(f"released {key}" if released else f"{key} was already released")
+        done = [(key, bool(client.release(key))) for key in keys]
+    _emit_done(ctx, [{"job_key": key, "released": released} for key, released in done],
+               [f"released {key}" if released else f"{key} was already released" for key, released in done])
 
 
 @main.command("renew-gpus")
+@_json_flag(text="Print the renewed lease's key and new expiry as a JSON object.")
 @click.option("-f", "--file", "conf_file", type=click.Path(dir_okay=False),
               help="adaptor.conf written by request-gpus.")
 @click.option("--job-key", default=None, metavar="KEY", help="Renew this lease by its key.")
@@ -249,17 +320,20 @@ def renew_gpus(ctx: Context, conf_file: str | None, job_key: str | None, ttl: st
     seconds = parse_duration(ttl, "ttl")
     with ctx.client() as client:
         lease = client.renew(key, seconds)
-    click.echo(f"renewed {key} for {ttl} (until {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(lease.expires_unix))})")
+    _emit_done(ctx, {"job_key": key, "expires_unix": lease.expires_unix},
+               [f"renewed {key} for {ttl} (until {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(lease.expires_unix))})"])
 
 
 def _set_state(ctx: Context, server: str, drained: bool) -> None:
     with ctx.client() as client:
         result = client.set_server_state(server, drained)
-    click.echo(f"{result.address}: {result.state}")
+    _emit_done(ctx, {"server": result.address, "hostname": result.hostname, "state": result.state},
+               [f"{result.address}: {result.state}"])
 
 
 @main.command()
 @click.argument("server")
+@_json_flag(text="Print what changed as a JSON object.")
 @click.pass_obj
 def drain(ctx: Context, server: str) -> None:
     """Stop placing new slices on SERVER (address or hostname); existing leases stay."""
@@ -268,6 +342,7 @@ def drain(ctx: Context, server: str) -> None:
 
 @main.command()
 @click.argument("server")
+@_json_flag(text="Print what changed as a JSON object.")
 @click.pass_obj
 def resume(ctx: Context, server: str) -> None:
     """Place slices on a drained SERVER again."""
@@ -276,13 +351,14 @@ def resume(ctx: Context, server: str) -> None:
 
 @main.command("remove-server")
 @click.argument("server")
+@_json_flag(text="Print what changed as a JSON object.")
 @click.pass_obj
 def remove_server(ctx: Context, server: str) -> None:
     """Forget SERVER (address or hostname) for good: it must be down and hold no lease. `health`
     stops reporting it; if its dispatcher ever starts again, it registers anew."""
     with ctx.client() as client:
         address = client.remove_server(server)
-    click.echo(f"{address}: removed")
+    _emit_done(ctx, {"server": address, "removed": True}, [f"{address}: removed"])
 
 
 @main.group()
@@ -294,23 +370,26 @@ def quota() -> None:
 @click.argument("kind", type=click.Choice(["user", "account"]))
 @click.argument("name")
 @click.argument("units", type=click.IntRange(min=0))
+@_json_flag(text="Print what changed as a JSON object.")
 @click.pass_obj
 def quota_set(ctx: Context, kind: str, name: str, units: int) -> None:
     """Limit KIND NAME to UNITS GPU-percent (100 = one GPU; 0 forbids rgpu use)."""
     with ctx.client() as client:
         q = client.set_quota(kind, name, units)
-    click.echo(f"quota of {kind} {name}: {q.used_units} / {q.limit_units} GPU-percent in use")
+    _emit_done(ctx, {"kind": kind, "name": name, "limit_units": q.limit_units, "used_units": q.used_units},
+               [f"quota of {kind} {name}: {q.used_units} / {q.limit_units} GPU-percent in use"])
 
 
 @quota.command("remove")
 @click.argument("kind", type=click.Choice(["user", "account"]))
 @click.argument("name")
+@_json_flag(text="Print what changed as a JSON object.")
 @click.pass_obj
 def quota_remove(ctx: Context, kind: str, name: str) -> None:
     """Remove the quota of KIND NAME (no limit)."""
     with ctx.client() as client:
         client.set_quota(kind, name, -1)
-    click.echo(f"quota of {kind} {name} removed")
+    _emit_done(ctx, {"kind": kind, "name": name, "removed": True}, [f"quota of {kind} {name} removed"])
 
 
 @quota.command("show")
@@ -364,13 +443,21 @@ def _sharing_summary(server: pb.Server) -> str:
 
 
 @main.command()
-@_json_flag
+@_json_flag(text="Print a JSON array with one object per server; with --deep one object, "
+                 '{"servers": [...], "checks": [...]}.')
 @click.option("--deep", is_flag=True, help="Also log in to every host over SSH: driver, MPS, clocks, ECC, Xid, "
                                             "disk, rgpu's libraries, clock skew, round trips to the dispatchers.")
 @click.option("--host", "hosts", multiple=True, help="With --deep: only this host (repeat).")
 @click.pass_obj
 def health(ctx: Context, deep: bool, hosts: tuple[str, ...]) -> None:
-    """Check the pool and every dispatcher; exit non-zero when anything is unhealthy."""
+    """Check the pool and every dispatcher; exit non-zero when anything is unhealthy.
+
+    \b
+    Exit status:
+      0  the pool serves and every dispatcher is up (and, with --deep, every check passed)
+      6  the pool does not answer (not running, or --pool / RGPU_POOL points elsewhere)
+      7  the pool answers, but a dispatcher is down, none has registered, or a --deep check failed
+    """
     problem = _pool_serving(ctx.settings)
     if problem:
         raise Unavailable("health", f"pool daemon at {ctx.settings.pool} is not serving", problem,
@@ -415,13 +502,13 @@ def health(ctx: Context, deep: bool, hosts: tuple[str, ...]) -> None:
         from rgpu.remoting.admin.cli_ops import deep_checks
         failed_checks = deep_checks(ctx.settings, reply, rows, hosts, json_output=ctx.json_output)
     if not rows:
-        raise Unavailable("health", "no dispatcher has registered", "the pool has no GPUs to serve",
+        raise Unhealthy("health", "no dispatcher has registered", "the pool has no GPUs to serve",
                           "start rgpu-dispatcher on the GPU nodes with --pool pointing here")
     if unhealthy:
-        raise Unavailable("health", f"{len(unhealthy)} server(s) down: {', '.join(unhealthy)}",
+        raise Unhealthy("health", f"{len(unhealthy)} server(s) down: {', '.join(unhealthy)}",
                           "no heartbeat within the limit", "check rgpu-dispatcher on those hosts")
     if failed_checks:
-        raise Unavailable("health", f"{len(failed_checks)} deep check(s) failed: {', '.join(failed_checks)}",
+        raise Unhealthy("health", f"{len(failed_checks)} deep check(s) failed: {', '.join(failed_checks)}",
                           "see the FIX column", "fix them, then run rgpu-admin health --deep again")
 
 

@@ -12,7 +12,6 @@ from rgpu.errors import InvalidRequest
 from rgpu.grpc_tls import PLAINTEXT_WARNING
 from rgpu.netaddr import split_host_port
 from rgpu.remoting.admin.config_edit import set_keys
-from rgpu.remoting.admin.tls_setup import default_names, set_up_tls
 from rgpu.remoting.admin.units import DEFAULT_UNIT_DIR, UnitOptions, default_executable, render_units, write_units
 
 DEFAULT_TLS_DIR = Path("/etc/rgpu/tls")
@@ -40,6 +39,9 @@ def _install_tls(config: Path, tls_dir: Path, names: tuple[str, ...], ca_cert: P
         set_keys(config, {"grpc_tls": "off"})
         click.echo("warning: " + PLAINTEXT_WARNING.format(component="install-units", origin=config), err=True)
         return
+    # cryptography is loaded for this command only: every other rgpu-admin command starts without it.
+    from rgpu.remoting.admin.tls_setup import default_names, set_up_tls
+
     files = set_up_tls(tls_dir, configured_ca=settings.tls_ca_file, names=list(names) or default_names(_pool_hosts(settings)),
                        ca_cert=ca_cert, ca_key=ca_key, poold_user=poold_user)
     values = {"grpc_tls": "required", "tls_ca_file": files.ca_file}

@@ -14,9 +14,9 @@ from rgpu.errors import InvalidRequest
 USAGE_EXIT = InvalidRequest.exit_code   # 2, as click and argparse use for usage errors
 
 
-def usage_error(tool: str, exc: click.ClickException) -> InvalidRequest:
-    message = exc.format_message().rstrip(".")
-    return InvalidRequest(tool, "invalid command line", message, f"see `{tool} --help`")
+def usage_error(tool: str, exc: click.ClickException, help_command: str = "") -> InvalidRequest:
+    message = " ".join(exc.format_message().split()).rstrip(".")
+    return InvalidRequest(tool, "invalid command line", message, f"see `{help_command or tool} --help`")
 
 
 class ToolCommand(click.Command):

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import click
 
-from rgpu import paths
+from rgpu import __version__, paths
 from rgpu.errors import ConfigError, InvalidRequest, RgpuError
 from rgpu.remoting.client.cli import tool_command
 from rgpu.units import parse_size
@@ -268,6 +268,7 @@ _CONTEXT = {"help_option_names": ["-h", "--help"],
               help="With -n/-l: only GPUs where no other job's GPU fault can end this one's work "
                    "(shared isolated or exclusive).")
 @click.option("--probe-timeout", type=float, default=15.0, hidden=True)
+@click.version_option(__version__, prog_name=TOOL)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def cli(command: tuple[str, ...], adaptor_conf: str | None, server_list: str | None, num_gpus: int | None,
         partial: float | None, memory: str | None, isolation: str | None, probe_timeout: float) -> int:
@@ -314,6 +315,16 @@ def _run_child(command: list[str], env: dict[str, str]) -> int:
     return code
 
 
+BUILD_NOTE = f"rgpu: {TOOL}: building the client libraries for this node (once, about 15 s)..."
+
+
+def client_libraries():  # type: ignore[no-untyped-def]  # -> rgpu.remoting.native.build.Libraries
+    """rgpu's libcuda/libnvidia-ml for this node; a first build (about 15 s) says so on stderr."""
+    from rgpu.remoting.native.build import ensure_built
+
+    return ensure_built(on_build=lambda: print(BUILD_NOTE, file=sys.stderr, flush=True))
+
+
 def use_rgpu_smi(env: dict[str, str]) -> bool:
     """rgpu's smi where NVIDIA's binary is missing (or RGPU_SMI=rgpu); NVIDIA's runs on rgpu's NVML."""
     choice = env.get("RGPU_SMI", "auto")
@@ -343,8 +354,7 @@ def run(args: Options) -> int:
             raise ConfigError("flexrun", "no GPU slices for this run", "the slice list is empty",
                               "ask for GPUs (sbatch --gres=rgpu:N, or flexrun -n N)")
         probe_all(slices, args.probe_timeout)
-        from rgpu.remoting.native.build import ensure_built
-        libs = ensure_built()
+        libs = client_libraries()
         env = build_env(slices, libs.folder)
         command = args.command
         if os.path.basename(command[0]) == "nvidia-smi" and use_rgpu_smi(env):

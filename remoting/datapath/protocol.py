@@ -19,6 +19,16 @@ A session:
   rgpuMemcpyHtoDUcx / rgpuMemcpyDtoHUcx frames (u64 device address, u64 stream, u64 size) whose
   bytes travel as one UCP tag message tagged with the frame's seq: after the frame for host to
   device, after the REPLY for device to host.
+  Protocol 12 (data lanes): HELLO's info may carry "lanes" (2-16) and "lane_key" (32 random bytes,
+  hex): the client then opens that many more connections to the same port, each sending a HELLO
+  with HELLO_LANE, the same token and info {"lane_key", "lane": index}. The dispatcher gives the
+  worker the lanes whose token and key match the session's (any other is refused and closed), and
+  WELCOME ends with u32 lanes: how many it took (0: none; copies stay on this connection). A session
+  with lanes sends host-to-device copies of at least RGPU_LANE_MIN_BYTES as rgpuMemcpyHtoDLanes
+  frames (u64 device address, u64 stream, u64 size, u64 chunk) whose bytes follow on the lanes,
+  striped: chunk i on lane i % lanes, as a LANE_DATA frame (seq: the copy's seq, aux: i, ctx: the
+  chunk's offset). A lane that fails ends the lanes of the session (both ends): that copy fails,
+  later ones travel on this connection.
   then API frames. A `sync` call gets one REPLY (i32 CUresult, optional message, outputs),
   preceded by DATA frames when it returns bulk data (device-to-host copies). `async` calls get
   no reply: the worker keeps the first error and answers the next sync call with it instead of
@@ -35,6 +45,7 @@ import json
 import os
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rgpu.errors import AuthError, ConfigError, InvalidRequest, RgpuError, Unavailable
@@ -42,7 +53,7 @@ from rgpu.netaddr import split_host_port
 
 # The data path's protocol version. It is also recorded in spec/cuda.spec: a spec change that
 # alters the wire format must bump both (tests/remoting/test_generator.py checks the pairing).
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 MAGIC = b"RGPU"
 
 HEADER = struct.Struct("<IHHIIQ")
@@ -76,11 +87,15 @@ HOST_DONE_UNKNOWN_ID = 1
 # where it reads; its arrival makes the client stop answering synchronisations itself
 # (idle_streams.c), so the next one meets the sticky error. Payload: none.
 OP_NOTICE = 12
+# Protocol 12: a chunk of a striped copy on a data lane (seq: the copy's, aux: the chunk's index,
+# ctx: its offset in the copy). Only on lanes, never on the session's connection.
+OP_LANE_DATA = 13
 
 # HELLO flags.
 HELLO_PROBE = 1   # verify the token and versions, start no worker (flexrun's pre-flight check)
 HELLO_NVML = 2    # a management session: NVML queries only, no CUDA context on the GPU
 HELLO_PERF = 4    # a network probe (rgpu-admin net-perf): echo and bulk frames, no worker
+HELLO_LANE = 8    # a data lane of a session being opened (protocol 12; info: lane_key, lane)
 
 # WELCOME flags.
 WELCOME_EMULATED = 1  # the server emulates the device (no GPU): launches are refused
@@ -92,6 +107,13 @@ REPLY_HAS_MESSAGE = 1  # payload: i32 result, u32 len, message, outputs
 # A UCX copy's control frame (rgpuMemcpyHtoDUcx / rgpuMemcpyDtoHUcx): device address, stream, size
 # (the layout of cuMemcpyHtoDAsync_v2's, without the bytes).
 UCX_COPY = struct.Struct("<QQQ")
+# A striped copy's control frame (rgpuMemcpyHtoDLanes): device address, stream, size, chunk size.
+LANES_COPY = struct.Struct("<QQQQ")
+MAX_LANES = 16
+LANE_KEY_BYTES = 32
+# A striped copy's chunks are at least 64 KiB and at most 64 MiB (the worker's staging slots).
+MIN_LANE_CHUNK = 64 << 10
+MAX_LANE_CHUNK = 64 << 20
 
 # Copies travel in chunks of this size so that network transfer and PCIe copies overlap.
 CHUNK_BYTES = 1 << 20
@@ -121,6 +143,7 @@ class Welcome:
     flags: int
     description: str
     ucx_address: bytes = b""
+    lanes: int = 0
 
 
 def pack_frame(op: int, payload: bytes = b"", *, flags: int = 0, seq: int = 0, aux: int = 0,
@@ -172,17 +195,22 @@ def decode_hello(payload: bytes) -> Hello:
 
 
 def encode_welcome(*, driver_version: int, memory_limit_bytes: int, compute_percent: int,
-                   flags: int, description: str, version: int = PROTOCOL_VERSION, ucx_address: bytes = b"") -> bytes:
+                   flags: int, description: str, version: int = PROTOCOL_VERSION, ucx_address: bytes = b"",
+                   lanes: int = 0) -> bytes:
     body = struct.pack("<IiQII", version, driver_version, memory_limit_bytes, compute_percent, flags) + \
-        _lp(description.encode()) + _lp(ucx_address)
+        _lp(description.encode()) + _lp(ucx_address) + struct.pack("<I", lanes)
     return pack_frame(OP_WELCOME, body)
 
 
 def decode_welcome(payload: bytes) -> Welcome:
     version, driver, limit, percent, flags = struct.unpack_from("<IiQII", payload, 0)
     text, off = _take_lp(payload, struct.calcsize("<IiQII"))
-    ucx = _take_lp(payload, off)[0] if off + 4 <= len(payload) else b""
-    return Welcome(version, driver, limit, percent, flags, text.decode("utf-8", "replace"), ucx)
+    ucx, lanes = b"", 0
+    if off + 4 <= len(payload):
+        ucx, off = _take_lp(payload, off)
+        if off + 4 <= len(payload):
+            (lanes,) = struct.unpack_from("<I", payload, off)
+    return Welcome(version, driver, limit, percent, flags, text.decode("utf-8", "replace"), ucx, lanes)
 
 
 def encode_refuse(message: str, version: int = PROTOCOL_VERSION) -> bytes:
@@ -232,14 +260,7 @@ def client_info() -> dict:
     return {"pid": os.getpid(), "host": socket.gethostname(), "uid": os.getuid()}
 
 
-def handshake(server: str, token: str, *, flags: int = 0, timeout: float = HELLO_TIMEOUT_S,
-              version: int = PROTOCOL_VERSION, ucx_address: bytes = b"") -> tuple[socket.socket, Welcome]:
-    """Open a session (or, with HELLO_PROBE, just check one could be opened). `ucx_address`: this
-    end's UCX worker address, offering UCX (the WELCOME then carries the worker's, or none).
-
-    Raises Unavailable when the server cannot be reached, AuthError when it refuses the token,
-    ProtocolError on a version mismatch; each message names the server and what to do.
-    """
+def _connect(server: str, timeout: float) -> socket.socket:
     host, port = split_address(server)
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
@@ -247,10 +268,61 @@ def handshake(server: str, token: str, *, flags: int = 0, timeout: float = HELLO
         raise Unavailable("flexrun", f"cannot reach the GPU server {server}",
                           exc.strerror or str(exc),
                           "check that rgpu-dispatcher runs there and that the port is open") from None
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def open_lane(server: str, token: str, key: bytes, index: int, *, timeout: float = HELLO_TIMEOUT_S,
+              version: int = PROTOCOL_VERSION) -> socket.socket:
+    """One data lane of a session being opened (protocol 12): a connection whose HELLO proves it
+    belongs to the session (its token and lane key). The dispatcher answers nothing on it when it
+    takes it; it refuses (and closes) one that belongs to no session."""
+    sock = _connect(server, timeout)
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        info = client_info() | ({"ucx": ucx_address.hex()} if ucx_address else {})
+        sock.sendall(encode_hello(token, flags=HELLO_LANE, info={"lane_key": key.hex(), "lane": index},
+                                  version=version))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def handshake_with_lanes(server: str, token: str, lanes: int, *, timeout: float = HELLO_TIMEOUT_S,
+                         key: bytes | None = None) -> tuple[socket.socket, Welcome, list[socket.socket]]:
+    """A session with `lanes` data lanes (protocol 12): the session's socket, its WELCOME and the
+    lanes the worker took (all of them, or none when WELCOME says 0)."""
+    key = key if key is not None else os.urandom(LANE_KEY_BYTES)
+    opened: list[socket.socket] = []
+
+    def open_all() -> None:
+        for i in range(lanes):
+            opened.append(open_lane(server, token, key, i, timeout=timeout))
+    sock, welcome = handshake(server, token, timeout=timeout, info_extra={"lanes": lanes, "lane_key": key.hex()},
+                              after_hello=open_all)
+    if welcome.lanes != lanes:
+        for lane in opened:
+            lane.close()
+        opened = []
+    for lane in opened:
+        lane.settimeout(None)
+    return sock, welcome, opened
+
+
+def handshake(server: str, token: str, *, flags: int = 0, timeout: float = HELLO_TIMEOUT_S,
+              version: int = PROTOCOL_VERSION, ucx_address: bytes = b"", info_extra: dict | None = None,
+              after_hello: Callable[[], None] | None = None) -> tuple[socket.socket, Welcome]:
+    """Open a session (or, with HELLO_PROBE, just check one could be opened). `ucx_address`: this
+    end's UCX worker address, offering UCX (the WELCOME then carries the worker's, or none).
+
+    Raises Unavailable when the server cannot be reached, AuthError when it refuses the token,
+    ProtocolError on a version mismatch; each message names the server and what to do.
+    """
+    sock = _connect(server, timeout)
+    try:
+        info = client_info() | ({"ucx": ucx_address.hex()} if ucx_address else {}) | (info_extra or {})
         sock.sendall(encode_hello(token, flags=flags, info=info, version=version))
+        if after_hello is not None:
+            after_hello()
         (_, op, _, _, _, _), payload = recv_frame(sock, 1 << 20)
     except (OSError, ValueError, ConnectionError) as exc:
         sock.close()

@@ -32,7 +32,7 @@ from rgpu import __version__, grpc_tls, validate
 from rgpu.config import DEFAULT_DISPATCHER_PORT, Settings, load_settings, pool_addresses
 from rgpu.errors import ConfigError, InvalidRequest, RgpuError
 from rgpu.live_leases import LiveLeases
-from rgpu.netaddr import join_host_port
+from rgpu.netaddr import bound_address, join_host_port
 from rgpu.portfile import write_port_file
 from rgpu.model import GpuInfo, ServerInfo
 from rgpu.proto import rgpu_pb2 as pb
@@ -269,7 +269,7 @@ def _serve_metrics(settings: Settings, options: Options, address: str, gpus: tup
 
     server = serve_metrics(settings.dispatcher_metrics_listen, dispatcher_registry(snapshot), COMPONENT,
                            key="dispatcher_metrics_listen")
-    log.info("metrics on http://%s/metrics (port %d)", settings.dispatcher_metrics_listen, server.port)
+    log.info("metrics on http://%s/metrics", bound_address(settings.dispatcher_metrics_listen, server.port))
     if options.metrics_port_file:
         write_port_file(options.metrics_port_file, server.port, COMPONENT)
     return server

@@ -50,6 +50,7 @@ from rgpu.remoting.datapath.transport import parse_peer_address, parse_transport
 from rgpu.remoting.datapath.usage import read_slice_stats
 from rgpu.remoting.datapath.worker.faults import EMULATED_MPS_FAULT, EMULATED_MPS_LOG, RELEASED, REPORTS, VERDICTS
 from rgpu.remoting.dispatcher.admission import Admission, SessionCaps, SessionLedger
+from rgpu.remoting.dispatcher.lanes import LaneBook, parse_lane_offer, parse_lane_request
 from rgpu.remoting.dispatcher.faults import SETTLE_S, FaultEvent, FaultReport, GpuView, SessionView, decide
 from rgpu.remoting.dispatcher.mps import MpsDaemon
 from rgpu.remoting.dispatcher.sharing import enforcement
@@ -266,6 +267,7 @@ class SessionServer:
         self._fault_handled: set[int] = set()   # workers a decided fault already ended (their late reports)
         self._stopped: set[int] = set()         # workers the dispatcher stopped (lease ended): their errors are ours
         self._slice_dirs: dict[Path, tuple[str, int, float]] = {}   # usage folder -> (job key, slice, issued)
+        self._lanes = LaneBook()   # sessions being opened that wait for their data lanes (lanes.py)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -611,6 +613,9 @@ class SessionServer:
                          "was released or reclaimed by the pool, so its token is no longer valid (request new "
                          "slices: rerun the job, or `flexrun -n N -p F`)")
             return
+        if hello.flags & protocol.HELLO_LANE:
+            self._take_lane(conn, peer, hello)
+            return
         gpu = self.gpus[claims.gpu_uuid]
         if gpu.uuid in self.recovering_gpus and not hello.flags & (protocol.HELLO_PERF | protocol.HELLO_NVML):
             self._refuse(conn, peer, f"rgpu: session: GPU {gpu.index} ({gpu.uuid}) of {self.advertised} is recovering "
@@ -642,14 +647,42 @@ class SessionServer:
             conn.close()
             return
         assert isinstance(admitted, Admission)
+        lanes = self._collect_lanes(peer, hello) if mode == "cuda" else []
         try:
-            self._spawn(conn, peer, hello, claims, gpu, mode, admitted)
+            self._spawn(conn, peer, hello, claims, gpu, mode, admitted, lanes)
         except OSError as exc:
             with self._lock:
                 self._ledger.release(admitted)
             self._refuse(conn, peer, f"rgpu: session: cannot start a worker ({exc}; check the dispatcher host)")
             return
+        finally:
+            for lane in lanes:
+                lane.close()   # the worker holds its own copies now
         conn.close()  # the worker holds its own copy now
+
+    def _take_lane(self, conn: socket.socket, peer: str, hello: protocol.Hello) -> None:
+        """A data lane (protocol 12), its token verified: handed to the session it names, which
+        closes it once its worker holds it; refused when it proves no session's."""
+        offer = parse_lane_offer(hello.info)
+        conn.settimeout(None)   # blocking, as the worker's C receive expects it
+        if offer is None or not self._lanes.offer(offer[0], hello.token, offer[1], conn):
+            self._refuse(conn, peer, "rgpu: session: a data lane that belongs to no session being opened (its lane "
+                         "key and token match none, or it came too late; the session's copies stay on its own "
+                         "connection)")
+
+    def _collect_lanes(self, peer: str, hello: protocol.Hello) -> list[socket.socket]:
+        """The session's data lanes when its HELLO asked for some and all of them came in time."""
+        request = parse_lane_request(hello.info)
+        if request is None:
+            return []
+        count, key = request
+        lanes, late = self._lanes.collect(key, hello.token, count)
+        if not lanes:
+            self.log.warning("session from %s asked for %d data lanes and %d came within %g s: its copies stay on "
+                             "its one connection", peer, count, len(late), self._lanes.wait_s)
+            for lane in late:
+                lane.close()
+        return lanes
 
     def _gpu_dir(self, gpu_uuid: str) -> Path:
         """Files the workers of one GPU share: their limiters' loads (lending), the emulated fault domain."""
@@ -748,7 +781,8 @@ class SessionServer:
             shutil.rmtree(path, ignore_errors=True)
 
     def _spawn(self, conn: socket.socket, peer: str, hello: protocol.Hello, claims: tokens.SliceClaims,
-               gpu: GpuInfo, mode: str, admission: Admission | None = None) -> None:
+               gpu: GpuInfo, mode: str, admission: Admission | None = None,
+               lanes: list[socket.socket] | None = None) -> None:
         conn.settimeout(None)
         spec = {
             "mode": mode, "backend": self.backend, "gpu_uuid": gpu.uuid, "gpu_index": gpu.index,
@@ -776,11 +810,15 @@ class SessionServer:
             if mode == "cuda" and gpu.sharing == "mps":
                 env.update(self.mps.client_env(claims.compute_percent))
         fd = conn.fileno()
+        lane_fds = [lane.fileno() for lane in lanes or []]
+        argv = [sys.executable, "-m", "rgpu.remoting.datapath.worker", "--fd", str(fd)]
+        if lane_fds:
+            argv += ["--lanes", ",".join(map(str, lane_fds))]
         # Forked from the one long-lived spawner thread: the worker's parent-death signal fires when
         # the forking thread ends, and handshake threads end right after this (lifeline.py).
         popen = self._spawner.submit(
-            subprocess.Popen, [sys.executable, "-m", "rgpu.remoting.datapath.worker", "--fd", str(fd)],
-            pass_fds=[fd], env=env, stdin=subprocess.DEVNULL, close_fds=True).result()
+            subprocess.Popen, argv, pass_fds=[fd, *lane_fds], env=env, stdin=subprocess.DEVNULL,
+            close_fds=True).result()
         rec = SessionRecord(pid=popen.pid, job_key=claims.job_key, slice_number=claims.slice_number,
                             gpu_uuid=gpu.uuid, mode=mode, client=peer,
                             memory_limit_bytes=spec["memory_limit"], compute_percent=claims.compute_percent,

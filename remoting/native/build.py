@@ -25,6 +25,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,9 +42,10 @@ CUDA_SOURCES = [SRC / "transport.c", SRC / "tables.c", SRC / "cuda_core.c", SRC 
                 SRC / "module_nodes.c", SRC / "managed.c", SRC / "library_mirror.c", SRC / "cuda_events.c",
                 SRC / "integrity.c", SRC / "sha256.c", SRC / "digest_memo.c", SRC / "idle_streams.c", SRC / "func_attrs.c",
                 SRC / "tensor_map.c", SRC / "graph_generic.c", SRC / "ucx_link.c", SRC / "compute_cache.c", SRC / "zero_copy.c",
-                GEN / "cuda_gen.c"]
-NVML_SOURCES = [SRC / "transport.c", SRC / "nvml_core.c", SRC / "ucx_link.c", GEN / "nvml_gen.c"]
-WORKER_SOURCES = [SRC / "worker_launch.c", SRC / "worker_events.c", SRC / "worker_copies.c", SRC / "worker_ucx.c"]
+                SRC / "lanes.c", GEN / "cuda_gen.c"]
+NVML_SOURCES = [SRC / "transport.c", SRC / "nvml_core.c", SRC / "ucx_link.c", SRC / "lanes.c", GEN / "nvml_gen.c"]
+WORKER_SOURCES = [SRC / "worker_launch.c", SRC / "worker_events.c", SRC / "worker_copies.c", SRC / "worker_ucx.c",
+                  SRC / "worker_lanes.c"]
 TRACE_SOURCES = [SRC / "trace.c", SRC / "integrity.c"]
 SPEC = HERE / "spec"
 TRACE_SPECIAL = {"cuGetProcAddress", "cuGetProcAddress_v2", "cuGetExportTable"}  # written in C (trace.c)
@@ -221,8 +223,9 @@ def build(out: Path, cc: str | None = None) -> Libraries:
     return Libraries(out)
 
 
-def ensure_built() -> Libraries:
-    """The native libraries for this rgpu version, building them into the cache if needed."""
+def ensure_built(on_build: Callable[[], None] | None = None) -> Libraries:
+    """The native libraries for this rgpu version, building them into the cache if needed;
+    `on_build` is called once before a build starts (not when a matching build is found)."""
     explicit = os.environ.get("RGPU_NATIVE_DIR")
     if explicit:
         folder = Path(explicit)
@@ -238,6 +241,8 @@ def ensure_built() -> Libraries:
             return Libraries(folder)
     root, problems = _writable_cache(candidates)
     if root is not None:
+        if on_build is not None:
+            on_build()
         try:
             return build(root / want)
         except OSError as exc:

@@ -20,10 +20,12 @@ from typing import Any, Callable
 
 import grpc
 
+from rgpu import munge
 from rgpu.errors import AuthError, Unavailable
 from rgpu.log_limit import LogLimit, held_note
 from rgpu.remoting.pool.call_guards import CallGuards, GuardError, MemoryCallGuards
 from rgpu.remoting.pool.munge_gate import MungeGate
+from rgpu.remoting.pool.refusals import PacedRefusals, refusal
 from rgpu.secret import derive_key
 
 log = logging.getLogger("rgpu-poold")
@@ -83,7 +85,7 @@ def _as_caller(handler: Any, caller_of: Callable[[bytes], Caller]) -> Any:
     if handler is None:
         return None
     if handler.unary_unary is None:
-        return _refuse(grpc.StatusCode.UNIMPLEMENTED, "rgpu: pool: only unary calls are served")
+        return refusal(grpc.StatusCode.UNIMPLEMENTED, "rgpu: pool: only unary calls are served")
     inner = handler.unary_unary
     parse = handler.request_deserializer or (lambda raw: raw)
 
@@ -120,8 +122,11 @@ class ServerAuth(grpc.ServerInterceptor):
 
     def __init__(self, secret: bytes, window: float = AUTH_WINDOW_SECONDS, not_before: float | None = None,
                  munge_socket: str | None = None, guards: CallGuards | None = None,
-                 munge_gate: MungeGate | None = None, pool_name: str = "") -> None:
+                 munge_gate: MungeGate | None = None, pool_name: str = "",
+                 refusals: PacedRefusals | None = None) -> None:
         self._key = derive_key(secret, _PURPOSE)
+        # Calls refused here are answered off the serving threads, paced (refusals.py).
+        self._paced = refusals or PacedRefusals()
         # What users' credentials must name (set once the pool knows its port; see daemon.pool_name).
         self.pool_name = pool_name
         # None: users (MUNGE) are not accepted. Decoded off gRPC's threads, with a deadline (munge_gate.py).
@@ -167,7 +172,6 @@ class ServerAuth(grpc.ServerInterceptor):
         at this pool, else (None, why). Raises
         Unavailable when munged does not answer in time or the call guards are away (nothing is
         then known about the credential)."""
-        from rgpu import munge
         if self._munge is None:
             return None, "MUNGE credentials are not accepted here"
         try:
@@ -206,10 +210,10 @@ class ServerAuth(grpc.ServerInterceptor):
     def _munge_down_handler(self) -> Any:
         """The handler that answers users while munged is taken as down: one per refusal text."""
         assert self._munge is not None
-        refusal = self._munge.unavailable()
+        down = self._munge.unavailable()
         cached = self._munge_down
-        if cached is None or cached[0] is not refusal:
-            cached = self._munge_down = (refusal, _refuse(grpc.StatusCode.UNAVAILABLE, str(refusal)))
+        if cached is None or cached[0] is not down:
+            cached = self._munge_down = (down, self._refuse(grpc.StatusCode.UNAVAILABLE, str(down)))
         return cached[1]
 
     @property
@@ -237,6 +241,11 @@ class ServerAuth(grpc.ServerInterceptor):
         reason: str | None
         if munge_credential and not credential and self._munge is not None:
             # This runs on gRPC's one polling thread: nothing here may wait for munged.
+            fault = munge.credential_shape_fault(munge_credential)
+            if fault is not None:   # munged would refuse it too: refused without a serving thread or a decoder
+                reason = f"MUNGE credential refused: {fault}"
+                self._log_refusal(method, reason)
+                return self._refuse(grpc.StatusCode.UNAUTHENTICATED, f"rgpu: pool: call refused ({reason}; {MUNGE_FIX})")
             if self._munge.refusing():
                 self._log_refusal(method, "munged is not answering")
                 return self._munge_down_handler()
@@ -246,7 +255,7 @@ class ServerAuth(grpc.ServerInterceptor):
             try:
                 reason = self.check(method, credential)
             except GuardError as exc:   # fail closed, but as a retry: an unrecorded nonce could be replayed
-                return _refuse(grpc.StatusCode.UNAVAILABLE, f"rgpu: pool: cannot check the call's credential now "
+                return self._refuse(grpc.StatusCode.UNAVAILABLE, f"rgpu: pool: cannot check the call's credential now "
                                f"({exc}); nothing was done: retry, and see the pool host's disk or PostgreSQL")
             if reason is None:
                 handler = self._as_daemon.get(method)
@@ -258,12 +267,7 @@ class ServerAuth(grpc.ServerInterceptor):
         fix = MUNGE_FIX if munge_credential else (
                "give this host the cluster secret via secret_file in rgpu.toml or RGPU_SECRET_FILE")
         self._log_refusal(method, reason)
-        return _refuse(grpc.StatusCode.UNAUTHENTICATED, f"rgpu: pool: call refused ({reason}; {fix})")
+        return self._refuse(grpc.StatusCode.UNAUTHENTICATED, f"rgpu: pool: call refused ({reason}; {fix})")
 
-
-def _refuse(code: grpc.StatusCode, message: str) -> Any:
-    """A handler that answers every call with `code` and the one-line `message`."""
-    def deny(request: Any, context: grpc.ServicerContext) -> Any:
-        context.abort(code, message)
-
-    return grpc.unary_unary_rpc_method_handler(deny)
+    def _refuse(self, code: grpc.StatusCode, message: str) -> Any:
+        return refusal(code, message, self._paced)

@@ -56,9 +56,10 @@ FAILOVER_STATUSES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEE
 class PoolClient:
     def __init__(self, address: str | Sequence[str], secret: bytes | None, *, timeout: float = 10.0,
                  tls_ca_file: str | None = None, tls_server_name: str | None = None,
-                 munge_socket: str = "") -> None:
+                 munge_socket: str = "", no_secret_because: str = "") -> None:
         """With a secret: a daemon's or admin's client. Without one (secret None): a user's, whose
-        calls carry a MUNGE credential naming the calling process's uid."""
+        calls carry a MUNGE credential naming the calling process's uid; `no_secret_because` (the
+        secret file's problem) is named when MUNGE fails too."""
         self.addresses = pool_addresses(address) if isinstance(address, str) else list(address)
         if not self.addresses:
             raise ConfigError("pool", "no pool address given", "the pool setting is empty",
@@ -71,6 +72,7 @@ class PoolClient:
         self._pool_names: dict[int, str] = {}          # address number: the name that pool answers to
         self._secret = secret
         self._munge_socket = munge_socket
+        self._no_secret_because = no_secret_because
         self._use(0)
 
     @property
@@ -91,8 +93,17 @@ class PoolClient:
         if self._secret is not None:
             return AUTH_HEADER, request_credential(self._secret, method)
         from rgpu import munge
-        return MUNGE_HEADER, munge.encode(munge.call_payload(method, self._pool_name(timeout), request),
-                                          self._munge_socket)
+        payload = munge.call_payload(method, self._pool_name(timeout), request)
+        try:
+            return MUNGE_HEADER, munge.encode(payload, self._munge_socket)
+        except RgpuError as exc:
+            if not self._no_secret_because:
+                raise
+            # Neither credential: the secret file's problem comes first, MUNGE's second.
+            raise type(exc)("pool", "no credential for this call", f"{self._no_secret_because}, and MUNGE failed: "
+                            f"{exc.what}" + (f" ({exc.why})" if exc.why else ""),
+                            "give a readable secret file (--secret-file, secret_file or RGPU_SECRET_FILE), "
+                            "or start munged on this node (munge_socket in rgpu.toml)") from None
 
     def _pool_name(self, timeout: float) -> str:
         """The name of the pool now called, asked once per address (open: no credential)."""
@@ -230,6 +241,7 @@ def connect(settings: Settings, *, secret: bytes | None = None, timeout: float =
     secret is read from `secret_file` unless given). With several pool addresses a call fails over
     to the next one that answers, within `timeout`. With user=True (user tools: flexrun,
     request-gpus, leases...) a caller that cannot read the secret authenticates with MUNGE instead."""
+    no_secret_because = ""
     if secret is None:
         try:
             secret = load_secret(settings.secret_file)
@@ -239,5 +251,7 @@ def connect(settings: Settings, *, secret: bytes | None = None, timeout: float =
             if not user or not ("does not exist" in exc.what or exc.why == "permission denied"):
                 raise
             secret = None
+            no_secret_because = exc.what
     return PoolClient(pool_addresses(settings.pool), secret, timeout=timeout, tls_ca_file=grpc_tls.client_ca(settings),
-                      tls_server_name=settings.tls_server_name or None, munge_socket=settings.munge_socket)
+                      tls_server_name=settings.tls_server_name or None, munge_socket=settings.munge_socket,
+                      no_secret_because=no_secret_because)

@@ -32,7 +32,7 @@ from rgpu.remoting.pool.call_guards import (CallGuards, GuardError, MemoryCallGu
                                             SharedCallGuards)
 from rgpu.config import Settings, load_settings
 from rgpu.errors import CapacityError, ConfigError, InvalidRequest, PermissionDenied, RgpuError, Unavailable
-from rgpu.netaddr import split_host_port
+from rgpu.netaddr import bound_address, split_host_port
 from rgpu.portfile import write_port_file
 from rgpu.rate import KeyedBuckets
 from rgpu.model import LeaseRecord
@@ -417,7 +417,7 @@ def _start_http(settings: Settings, secret: bytes, core: PoolCore, metrics: Pool
         if settings.metrics_listen:
             server: MetricsServer = serve_metrics(settings.metrics_listen, metrics.registry, "poold")
             started.append(server)
-            log.info("rgpu-poold: metrics on http://%s/metrics (port %d)", settings.metrics_listen, server.port)
+            log.info("rgpu-poold: metrics on http://%s/metrics", bound_address(settings.metrics_listen, server.port))
             report("metrics", server.port)
         if settings.dashboard_listen:
             from rgpu.remoting.pool.dashboard import serve_dashboard
@@ -616,8 +616,8 @@ def main(config_file: str | None, listen: str | None, state: str | None, placeme
             log.info("rgpu-poold: shutting down")
             return
         with running_pool(settings, secret, report=report) as (port, core):
-            log.info("rgpu-poold: %s serving on %s (port %d), state %s, placement %s, %d server(s) and %d lease(s) "
-                     "restored", __version__, settings.listen, port, settings.state, settings.placement,
+            log.info("rgpu-poold: %s serving on %s, state %s, placement %s, %d server(s) and %d lease(s) "
+                     "restored", __version__, bound_address(settings.listen, port), settings.state, settings.placement,
                      len(core.servers), len(core.leases))
             if port_file:
                 write_port_file(port_file, port, "poold")

@@ -22,7 +22,10 @@ def dashboard_state(view: PoolView, events: list[Event]) -> dict[str, Any]:
     return {
         "version": STATE_VERSION,
         "now_unix": view.now,
+        # total/allocated_units: the GPUs of servers that are up (placement's view); all/held_units:
+        # every registered GPU, down ones included, so the page's "% allocated" keeps one base.
         "capacity": {"total_units": view.total_units, "allocated_units": view.allocated_units,
+                     "all_units": 100 * len(view.gpus), "held_units": sum(g.allocated_percent for g in view.gpus),
                      "gpus": len(view.gpus), "leases": len(view.leases)},
         "gpus": [{
             "server": g.server, "server_state": g.server_state, "uuid": g.gpu.uuid, "index": g.gpu.index,

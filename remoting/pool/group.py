@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 from rgpu.config import Settings
 from rgpu.errors import ConfigError, InvalidRequest
-from rgpu.netaddr import split_host_port
+from rgpu.netaddr import bound_address, split_host_port
 
 log = logging.getLogger("rgpu-poold")
 
@@ -117,7 +117,7 @@ def serve_group(settings: Settings, child: Callable[..., None], stop: threading.
                 raise ConfigError("poold", "the pool's processes did not start", why, "see the lines above for why")
         if stop.is_set():
             return
-        log.info("rgpu-poold: %d processes serving on %s (port %d), state %s", count, listen, port, settings.state)
+        log.info("rgpu-poold: %d processes serving on %s, state %s", count, bound_address(listen, port), settings.state)
         on_ready(port)
         while not stop.wait(0.5):
             for index, process in list(children.items()):

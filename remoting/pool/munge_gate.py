@@ -49,9 +49,9 @@ class MungeGate:
         self._probing = False
 
     def refusing(self) -> bool:
-        """True while munged is taken as down and it is not yet time to probe it again (cheap: the
-        caller may answer at once, without a serving thread)."""
-        return self._clock() < self._open_until
+        """True while munged is taken as down and it is not yet time to probe it again, or another
+        call probes it now (cheap: the caller may answer at once, without a serving thread)."""
+        return self._probing or self._clock() < self._open_until
 
     def unavailable(self) -> Unavailable:
         """The one-line refusal while munged is taken as down (made once per trip: a flood of calls

@@ -14,13 +14,16 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator
 
 from rgpu import tokens, validate
-from rgpu.errors import InvalidRequest, NotFound, PermissionDenied, QuotaExceeded
+from rgpu.errors import CapacityError, InvalidRequest, NotFound, PermissionDenied, QuotaExceeded
 from rgpu.live_leases import LiveLeases
 from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
 from rgpu.remoting.pool.accounting import (Interval, SliceUsageRecord, UsageTotal, idle_seconds, idle_since, is_idle,
                                            to_pool_clock, totals)
-from rgpu.remoting.pool.placement import GpuSlot, SliceRequest, fits_in_every_order, place
+from rgpu.remoting.pool.placement import (GpuSlot, PlacedSlice, SliceRequest, fits_in_every_order, percent_of_fraction,
+                                          place)
+from rgpu.remoting.pool.backfill import Avoid, head_room, place_in_turn, place_one
 from rgpu.remoting.pool.placement_index import PlacementIndex
+from rgpu.remoting.pool.reservations import claim_prefixes, fits_request, reservation_key, reservation_prefix
 from rgpu.remoting.pool.store import PoolStore
 
 MAX_SERVERS = 4096   # dispatchers one pool keeps; bounds what registrations can make it store
@@ -104,6 +107,8 @@ class PoolCore:
     # Job keys holding slices per server: a heartbeat (every server, every few seconds) looks at
     # its own server's leases only.
     _leases_on: dict[str, set[str]] = field(default_factory=dict)
+    # Reservation keys per prefix (reservations.py): an Allocate looks up its own prefixes only.
+    _reserved: dict[str, set[str]] = field(default_factory=dict)
     _used_units: dict[tuple[str, str], int] = field(default_factory=dict)
     _tokens: dict[tuple[str, int], str] = field(default_factory=dict)  # signed once per slice
     _listeners: list[Callable[[], None]] = field(default_factory=list)
@@ -130,7 +135,7 @@ class PoolCore:
         old = self.servers
         stored = self.store.load_heartbeats()
         self.servers, self.leases, self.quotas = {}, {}, {}
-        self._usage, self._used_units, self._tokens, self._leases_on = {}, {}, {}, {}
+        self._usage, self._used_units, self._tokens, self._leases_on, self._reserved = {}, {}, {}, {}, {}
         self._slot_cache, self._index = {}, PlacementIndex()
         for info, drained in self.store.load_servers():
             before = old.get(info.address)
@@ -229,16 +234,39 @@ class PoolCore:
     def add_capacity_listener(self, callback: Callable[[], None]) -> None:
         self._listeners.append(callback)
 
-    def fits_in_every_order(self, requests: list[tuple[int, float, int, str]]) -> bool:
+    def fits_in_every_order(self, requests: list[tuple[int, float, int, str]],
+                            first: list[tuple[tuple[int, float, int, str], Avoid]] | None = None) -> bool:
         """Whether the pool could place all these requests now, whatever order they come in
         (placement.fits_in_every_order on the GPUs of up servers). Each is (count, fraction or
-        0.0, memory_bytes or 0, isolation); one per lease, so a two-node job is two requests."""
-        wanted = [SliceRequest(count=count, fraction=fraction if not memory else None, memory_bytes=memory or None,
-                               isolation=isolation) for count, fraction, memory, isolation in requests]
+        0.0, memory_bytes or 0, isolation); one per lease, so a two-node job is two requests.
+        `first`: (request, GPUs it may not use) placed before those, one after the other in this
+        order, as `reserve` places them."""
         self.catch_up()
         with self._lock:
             slots = self._slots(self.clock())
-        return fits_in_every_order(slots, wanted, self.placement)
+        try:
+            slots = place_in_turn(slots, [(_slice_request(r), avoid) for r, avoid in first or []], self.placement)
+        except CapacityError:
+            return False
+        return fits_in_every_order(slots, [_slice_request(r) for r in requests], self.placement)
+
+    def room_for_head(self, head: list[tuple[int, float, int, str]],
+                      first: list[tuple[tuple[int, float, int, str], Avoid]] | None = None) -> Avoid:
+        """The GPUs, as (server address, UUID), that a job waiting at the head of the queue (its
+        requests, one per lease) will get once the oldest leases end (backfill.head_room), after
+        `first` (as for fits_in_every_order: reservations about to be made, which end last)."""
+        self.catch_up()
+        with self._lock:
+            slots = self._slots(self.clock())
+            leases = sorted(self.leases.values(), key=lambda lease: lease.created_unix)
+        for request, avoid in first or []:     # about to be reserved: the youngest, so they end last
+            try:
+                slots, placed = place_one(slots, _slice_request(request), avoid, self.placement)
+            except CapacityError:
+                return frozenset()
+            leases.append(LeaseRecord(job_key="", user="", account="", created_unix=0.0, expires_unix=0.0,
+                                      slices=_slice_records(placed)))
+        return head_room(slots, leases, [_slice_request(r) for r in head], self.placement)
 
     # -- lease listeners: told when a lease started (False) or ended (True: released, expired, idle)
     def add_lease_listener(self, callback: Callable[[bool], None]) -> None:
@@ -419,6 +447,12 @@ class PoolCore:
                 holders.discard(lease.job_key)
                 if not holders:
                     del self._leases_on[server]
+        prefix = reservation_prefix(lease.job_key)
+        if prefix is not None:
+            keys = self._reserved.setdefault(prefix, set())
+            (keys.add if sign > 0 else keys.discard)(lease.job_key)
+            if not keys:
+                del self._reserved[prefix]
         if sign > 0:
             self.leases[lease.job_key] = lease
         else:
@@ -464,7 +498,10 @@ class PoolCore:
         validate.name("user", req.user)
         if req.account:
             validate.name("account", req.account)
-        if not isinstance(req.count, int) or not 1 <= req.count <= self.max_slices_per_job:
+        if not isinstance(req.count, int) or req.count < 1:
+            raise InvalidRequest("pool", f"invalid count {req.count}", "a job asks for at least 1 slice",
+                                 "ask for 1 or more slices (e.g. -n 1)")
+        if req.count > self.max_slices_per_job:
             raise InvalidRequest("pool", f"invalid count {req.count}",
                                  f"a job may hold 1 to {self.max_slices_per_job} slices",
                                  "ask for fewer slices (max_slices_per_job in rgpu.toml sets the limit)")
@@ -481,12 +518,15 @@ class PoolCore:
         _check_ttl(req.ttl_seconds, allow_zero=True)
         validate.isolation(req.isolation)
 
-    def _check_quotas(self, req: AllocationRequest, units: int) -> None:
+    def _check_quotas(self, req: AllocationRequest, units: int, instead_of: LeaseRecord | None = None) -> None:
+        """`instead_of`: a lease (a reservation) this one replaces: its units are not counted."""
         for kind, name in (("user", req.user), ("account", req.account)):
             limit = self.quotas.get((kind, name))
             if not name or limit is None:
                 continue
             used = self._used_units.get((kind, name), 0)
+            if instead_of is not None and name == (instead_of.user if kind == "user" else instead_of.account):
+                used -= instead_of.units
             if limit == 0:
                 raise PermissionDenied("pool", f"{kind} {name} may not use rgpu GPUs", "its quota is 0",
                                        f"ask an admin to raise it (rgpu-admin quota set {kind} {name} UNITS)")
@@ -497,6 +537,11 @@ class PoolCore:
 
     def allocate(self, req: AllocationRequest) -> LeaseRecord:
         self._validate(req)
+        if reservation_prefix(req.job_key) is not None:
+            # Such a lease would be taken for a reservation: no history, never idle, claimable.
+            raise InvalidRequest("pool", f"job key {req.job_key[:80]!r} has the form of a reservation",
+                                 "keys ending in ':+r<number>' are the pool's reservations for Slurm jobs",
+                                 "pick another key")
         with self._change():
             now = self.clock()
             existing = self.leases.get(req.job_key)
@@ -510,27 +555,113 @@ class PoolCore:
                         f"{len(existing.slices)} slice(s) for {existing.user}",
                         "release it first, or use another job key")
                 return existing  # a retried prolog gets the same lease, never a second one
-            request = SliceRequest(count=req.count, fraction=req.fraction, memory_bytes=req.memory_bytes,
-                                   gpu_model=req.gpu_model, server=req.server,
-                                   min_memory_bytes=req.min_memory_bytes, isolation=req.isolation)
-            placed = self._index.place(request, self.placement,
-                                       lambda address: self.state_of(self.servers[address], now) == "up")
-            if placed is None:  # no room: the reference over every GPU says what is free
-                placed = place(self._slots(now), request, self.placement)
-            lease = LeaseRecord(
-                job_key=req.job_key, user=req.user, account=req.account, created_unix=now,
-                expires_unix=now + req.ttl_seconds if req.ttl_seconds else 0.0,
-                slices=tuple(SliceRecord(server=p.gpu.server, gpu_uuid=p.gpu.uuid, gpu_index=p.gpu.index,
-                                         gpu_name=p.gpu.name, memory_limit_bytes=p.memory_limit_bytes,
-                                         compute_percent=p.compute_percent) for p in placed))
-            self._check_quotas(req, lease.units)
-            self.store.insert_lease(lease)
+            expires = now + req.ttl_seconds if req.ttl_seconds else 0.0
+            reserved = self._reservation_for(req, now)
+            if reserved is not None:    # the admission held these slices for this job: they are its own
+                lease = LeaseRecord(job_key=req.job_key, user=req.user, account=req.account, created_unix=now,
+                                    expires_unix=expires, slices=reserved.slices)
+                self._check_quotas(req, lease.units, instead_of=reserved)
+                self.store.delete_lease(reserved.job_key)
+                self.store.insert_lease(lease)
+                self._index_lease(reserved, -1)
+            else:
+                request = SliceRequest(count=req.count, fraction=req.fraction, memory_bytes=req.memory_bytes,
+                                       gpu_model=req.gpu_model, server=req.server,
+                                       min_memory_bytes=req.min_memory_bytes, isolation=req.isolation)
+                placed = self._index.place(request, self.placement,
+                                           lambda address: self.state_of(self.servers[address], now) == "up")
+                if placed is None:  # no room: the reference over every GPU says what is free
+                    placed = place(self._slots(now), request, self.placement)
+                lease = LeaseRecord(job_key=req.job_key, user=req.user, account=req.account, created_unix=now,
+                                    expires_unix=expires, slices=_slice_records(placed))
+                self._check_quotas(req, lease.units)
+                self.store.insert_lease(lease)
             self._index_lease(lease, +1)
             self._lease_changed(False)
         if log.isEnabledFor(logging.INFO):   # the slice list is built only when logged
             log.info("rgpu-poold: lease %s for %s: %s", lease.job_key, lease.user,
                      ", ".join(f"{s.server}/{s.gpu_index}@{s.compute_percent}%" for s in lease.slices))
         return lease
+
+    def _reservation_for(self, req: AllocationRequest, now: float) -> LeaseRecord | None:
+        """A live reservation this request takes over (reservations.py): under one of its key's
+        prefixes, for its user, with the slices it would get, on GPUs of up servers. Requests with
+        filters (model, server, memory) place as usual."""
+        if not self._reserved or req.gpu_model or req.server or req.min_memory_bytes:
+            return None
+        percent = percent_of_fraction(req.fraction) if req.fraction is not None else None
+        for prefix in claim_prefixes(req.job_key):
+            for key in sorted(self._reserved.get(prefix, ())):
+                reservation = self.leases[key]
+                servers = [self.servers.get(s.server) for s in reservation.slices]
+                if reservation.expired(now) or any(e is None or self.state_of(e, now) != "up" for e in servers):
+                    continue
+                sharing = {g.uuid: g.sharing for e in servers if e is not None for g in e.info.gpus}
+                if fits_request(reservation, req.user, req.count, percent, req.memory_bytes, sharing, req.isolation):
+                    return reservation
+        return None
+
+    def reserve(self, prefix: str, user: str, requests: list[tuple[int, float, int, str]],
+                ttl_seconds: float, avoid: Avoid = frozenset()) -> list[LeaseRecord]:
+        """Hold room for the leases about to be asked for under keys that start with `prefix` (one
+        ending in ':'; reservations.py): one reservation per request (count, fraction or 0.0,
+        memory_bytes or 0, isolation), placed as Allocates would place them now one after the
+        other, all or none (CapacityError), each expiring `ttl_seconds` from now, on none of the
+        GPUs in `avoid` ((server address, UUID): kept for a job that waits). A prefix that holds
+        reservations already gets their expiry moved to now + ttl_seconds instead (once less than
+        half of ttl_seconds is left of it)."""
+        if not prefix.endswith(":") or reservation_prefix(reservation_key(prefix, 0)) != prefix:
+            raise InvalidRequest("pool", f"cannot reserve under {prefix[:80]!r}", "a reservation prefix ends with ':'",
+                                 "this is a bug in the caller")
+        _check_ttl(ttl_seconds, allow_zero=False)
+        wanted = [AllocationRequest(job_key=reservation_key(prefix, n), user=user, count=count,
+                                    fraction=fraction if not memory else None, memory_bytes=memory or None,
+                                    ttl_seconds=ttl_seconds, isolation=isolation)
+                  for n, (count, fraction, memory, isolation) in enumerate(requests)]
+        for one in wanted:
+            self._validate(one)
+        with self._change():
+            now = self.clock()
+            held = [self.leases[key] for key in sorted(self._reserved.get(prefix, ()))]
+            if held and all(r.expires_unix - now > ttl_seconds / 2 for r in held):
+                return held             # renewed lately: no write on every admission pass
+            if held:
+                renewed = [replace(r, expires_unix=now + ttl_seconds) for r in held]
+                for r in renewed:
+                    self.store.set_lease_expiry(r.job_key, r.expires_unix)
+                    self.leases[r.job_key] = r
+                return renewed
+            slots, planned = self._slots(now), []
+            for one in wanted:      # CapacityError here leaves everything as it was
+                slots, placed = place_one(slots, SliceRequest(count=one.count, fraction=one.fraction,
+                                                              memory_bytes=one.memory_bytes, isolation=one.isolation),
+                                          avoid, self.placement)
+                planned.append(LeaseRecord(job_key=one.job_key, user=user, account="", created_unix=now,
+                                           expires_unix=now + ttl_seconds, slices=_slice_records(placed)))
+            for reservation in planned:
+                self.store.insert_lease(reservation)
+                self._index_lease(reservation, +1)
+            if planned:
+                self._lease_changed(False)
+        log.info("rgpu-poold: reserved %s for %s: %s", prefix, user, "; ".join(
+            ", ".join(f"{s.server}/{s.gpu_index}@{s.compute_percent}%" for s in r.slices) for r in planned))
+        return planned
+
+    def drop_reservations(self, prefix: str) -> int:
+        """Give back the room held under `prefix` (its job will not start now); how many went."""
+        with self._change():
+            held = [self.leases[key] for key in sorted(self._reserved.get(prefix, ()))]
+            for reservation in held:
+                self._drop(reservation, "unclaimed")
+        if held:
+            log.info("rgpu-poold: dropped %d reservation(s) of %s", len(held), prefix)
+        return len(held)
+
+    def reservations(self) -> dict[str, list[LeaseRecord]]:
+        """The live reservations, by prefix."""
+        self.catch_up()
+        with self._lock:
+            return {prefix: [self.leases[k] for k in sorted(keys)] for prefix, keys in self._reserved.items()}
 
     def renew(self, job_key: str, ttl_seconds: float, owner: str | None = None) -> LeaseRecord:
         """Extend a TTL lease to now + ttl_seconds. Never creates one: a lease that expired (and so
@@ -559,8 +690,11 @@ class PoolCore:
         return renewed
 
     def _drop(self, lease: LeaseRecord, how: str) -> None:
-        busy = sum(u.busy_seconds for u in self._usages(lease) if u is not None)
-        self.store.end_lease(lease, self.clock(), busy, how)
+        if reservation_prefix(lease.job_key) is not None:
+            self.store.delete_lease(lease.job_key)      # never used: no history, no usage
+        else:
+            busy = sum(u.busy_seconds for u in self._usages(lease) if u is not None)
+            self.store.end_lease(lease, self.clock(), busy, how)
         self._index_lease(lease, -1)
         for number in range(len(lease.slices)):
             self._slice_usage.pop((lease.job_key, number), None)
@@ -656,8 +790,8 @@ class PoolCore:
             if self._shared:   # reports other daemons received count (read under the change's lock)
                 self._slice_usage = self.store.load_slice_usage()
             now = self.clock()
-            idle = [lease for lease in self.leases.values()
-                    if is_idle(idle_seconds(lease, self._usages(lease), now), self.idle_after_seconds)]
+            idle = [lease for lease in self.leases.values() if reservation_prefix(lease.job_key) is None
+                    and is_idle(idle_seconds(lease, self._usages(lease), now), self.idle_after_seconds)]
             for lease in idle:
                 self._drop(lease, "idle")
         for lease in idle:
@@ -761,6 +895,20 @@ class PoolCore:
         with self._lock:
             return [(QuotaRecord(kind, name, limit), self._used_units.get((kind, name), 0))
                     for (kind, name), limit in sorted(self.quotas.items())]
+
+
+def _slice_request(request: tuple[int, float, int, str]) -> SliceRequest:
+    """(count, fraction or 0.0, memory_bytes or 0, isolation): one lease's request as the Slurm
+    admission passes it."""
+    count, fraction, memory, isolation = request
+    return SliceRequest(count=count, fraction=fraction if not memory else None, memory_bytes=memory or None,
+                        isolation=isolation)
+
+
+def _slice_records(placed: list[PlacedSlice]) -> tuple[SliceRecord, ...]:
+    return tuple(SliceRecord(server=p.gpu.server, gpu_uuid=p.gpu.uuid, gpu_index=p.gpu.index, gpu_name=p.gpu.name,
+                             memory_limit_bytes=p.memory_limit_bytes, compute_percent=p.compute_percent)
+                 for p in placed)
 
 
 def check_owner(lease: LeaseRecord | None, owner: str | None, what: str, job_key: str) -> None:

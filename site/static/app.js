@@ -30,8 +30,11 @@ function age(seconds) {
 
 function clock(unix) { return new Date(unix * 1000).toLocaleTimeString(); }
 
-// One colour per user, stable across refreshes (red stays for trouble: down, expired).
-const PALETTE = ["#4a6fd1", "#2e8f83", "#8a5cc7", "#c8772a", "#3d8fc4", "#b4507f", "#5a8f2e", "#9a7b1c"];
+// One colour per user, stable across refreshes (red stays for trouble: down, expired). Paul Tol's
+// "muted" scheme without its rose: told apart also with deuteranopia and protanopia
+// (tests/test_dashboard.py checks it); each with the text colour that reads on it.
+const PALETTE = [["#332288", "#ffffff"], ["#117733", "#ffffff"], ["#44aa99", "#1d2330"], ["#88ccee", "#1d2330"],
+                 ["#ddcc77", "#1d2330"], ["#999933", "#1d2330"], ["#aa4499", "#ffffff"], ["#882255", "#ffffff"]];
 function colour(name) {
   let h = 0;
   for (const c of name) h = (h * 31 + c.charCodeAt(0)) >>> 0;
@@ -52,19 +55,22 @@ function fillTable(id, rows, columns, empty) {
 
 function drawSummary(s) {
   const c = s.capacity;
-  const pct = c.total_units ? Math.round((100 * c.allocated_units) / c.total_units) : 0;
+  // One base whatever is down: every registered GPU, and what leases hold on them.
+  const pct = c.all_units ? Math.round((100 * c.held_units) / c.all_units) : 0;
   const up = s.servers.filter((x) => x.state === "up").length;
   document.getElementById("summary").replaceChildren(
-    el("span", {}, el("b", {}, `${pct}%`), " allocated"),
+    el("span", { title: "GPU-percent held by leases, over 100 per registered GPU (those of down dispatchers included)" },
+      el("b", {}, `${pct}%`), ` of ${c.gpus} GPUs allocated`),
     el("span", {}, el("b", {}, String(c.gpus)), " GPUs"),
     el("span", {}, el("b", {}, `${up}/${s.servers.length}`), " dispatchers up"),
     el("span", {}, el("b", {}, String(c.leases)), " leases"));
 }
 
 function segment(slice, width, label) {
+  const [background, text] = colour(slice.user);
   return el("div", { class: "seg", title: `${slice.job_key} (${slice.user}) slice ${slice.slice}: ` +
     `${slice.compute_percent}% compute, ${bytes(slice.memory_bytes)}`,
-    style: { width: `${width}%`, background: colour(slice.user) } }, label);
+    style: { width: `${width}%`, background, color: text } }, label);
 }
 
 function drawGpus(gpus) {
@@ -79,7 +85,7 @@ function drawGpus(gpus) {
       memory.append(segment(s, g.memory_bytes ? (100 * s.memory_bytes) / g.memory_bytes : 0, ""));
     }
     box.append(el("div", { class: `gpu ${g.server_state}`, "data-gpu": g.uuid },
-      el("div", {}, el("div", { class: "name" }, `${g.name}`),
+      el("div", { class: "label" }, el("div", { class: "name" }, `${g.name}`),
         el("div", { class: "where" }, `${g.server} · GPU ${g.index} · ${g.sharing || "mps"} `, state(g.server_state))),
       el("div", { class: "bars" }, compute, memory),
       el("div", { class: "numbers" }, `${g.allocated_percent}% compute`, el("br"),

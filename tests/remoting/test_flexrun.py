@@ -182,11 +182,32 @@ def test_usage_errors_through_main(capsys: pytest.CaptureFixture[str]) -> None:
     assert "-m, --memory SIZE" in capsys.readouterr().out
 
 
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from rgpu import __version__
+
+    assert flexrun.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"flexrun, version {__version__}\n"
+    assert flexrun.parse_args(["-n", "1", "app", "--version"]).command == ["app", "--version"]   # the app's own
+
+
 def test_environment_puts_rgpu_libraries_first(tmp_path: Path) -> None:
     env = flexrun.build_env([flexrun.Slice("h:1", "t1"), flexrun.Slice("h:2", "t2")], tmp_path,
                             {"LD_LIBRARY_PATH": "/usr/lib/x"})
     assert env["LD_LIBRARY_PATH"] == f"{tmp_path}:/usr/lib/x"
     assert env["RGPU_SLICES"] == "h:1,t1;h:2,t2"
+
+
+@pytest.mark.integration   # runs the C compiler
+def test_a_first_build_says_so_on_stderr_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("RGPU_NATIVE_DIR", raising=False)
+    monkeypatch.setattr(build, "PACKAGE_LIB", tmp_path / "none")
+    monkeypatch.setattr(build, "temp_cache_root", lambda: tmp_path / "tmp-cache")
+    assert flexrun.client_libraries().libcuda.exists()
+    assert capsys.readouterr() == ("", "rgpu: flexrun: building the client libraries for this node (once, about 15 s)...\n")
+    assert flexrun.client_libraries().libcuda.exists()
+    assert capsys.readouterr() == ("", "")          # cached: nothing
 
 
 @pytest.mark.integration   # runs the C compiler

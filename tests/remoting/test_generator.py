@@ -37,6 +37,8 @@ SPEC_HASHES = {
          "85e4d033188ba47da28e530c2e80e060e445466e1597b66cb7a07ce0a9f9e798"),  # UCX underneath copies (rgpuMemcpyHtoDUcx/DtoHUcx; WELCOME's UCX address, HELLO info "ucx")
     11: ("31f59045d1145d450cc0b848b81006059afb9350ea2938fe3768289501a811b1",
          "ef39bd37b13941d28a745febdddaa99c007154e08ff247f5ad8937813defe306"),  # root nodes, child graphs, cuGraphAddNode(_v2), cuStreamBeginCaptureToGraph (JAX)
+    12: ("628bfae87fb52fc3dd185cfa0559fcbf732af6641a105b8944b00f93aabfe137",
+         "9bb836b0c606cfc59fd6a723fe65b491dade8627f4bb4aa856f0dfb0f81d55ed"),  # data lanes: striped copies (rgpuMemcpyHtoDLanes, rgpuMemcpyDtoHLanes; HELLO_LANE, LANE_DATA, WELCOME's lane count)
 }
 
 

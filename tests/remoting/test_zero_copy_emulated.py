@@ -148,3 +148,39 @@ def test_a_pipelined_memset_the_worker_refuses_fails_late_naming_the_memset(nati
     assert "MEMSET 0" in out, out + err
     assert "SYNC 1" in out and "AGAIN 0" in out, out + err
     assert "rgpu: worker: cuMemsetD32Async failed with CUDA_ERROR_INVALID_VALUE; reported at this later call" in err, err
+
+
+def test_the_host_may_fill_other_parts_of_page_locked_memory_while_the_gpu_writes_one(
+        native_libs: build.Libraries, emulated: Server) -> None:
+    """XLA fills buffers of its page-locked pool while its kernels write another: no page is taken
+    from the host while the GPU works. At the synchronisation the GPU's bytes are merged in and the
+    host's own writes stay; copies read the host's bytes as written."""
+    done = py_client(native_libs, emulated.slices(emulated.token()), """
+        setup()
+        host = ctypes.c_void_p()
+        check("cuMemAllocHost_v2", ctypes.byref(host), ctypes.c_size_t(8192))
+        words = (ctypes.c_uint32 * 2048).from_address(host.value)
+        for i in range(2048):
+            words[i] = 1
+        check("cuMemsetD32Async", ctypes.c_uint64(host.value), 0xABCD, ctypes.c_size_t(4), None)   # the GPU's part
+        for i in range(1024, 2048):                                             # the host's, meanwhile
+            words[i] = 5000 + i
+        r, dev = alloc(4096)
+        check("cuMemcpyHtoD_v2", ctypes.c_uint64(dev), ctypes.c_void_p(host.value + 4096), ctypes.c_size_t(4096))
+        back = (ctypes.c_uint32 * 1024)()
+        check("cuMemcpyDtoH_v2", back, ctypes.c_uint64(dev), ctypes.c_size_t(4096))
+        print("COPIED", list(back) == [5000 + i for i in range(1024, 2048)])
+        check("cuCtxSynchronize")
+        print("GPU", [hex(words[i]) for i in range(5)])
+        print("HOST", all(words[i] == 5000 + i for i in range(1024, 2048)), all(words[i] == 1 for i in range(4, 1024)))
+        check("cuMemsetD32Async", ctypes.c_uint64(host.value + 16), 7, ctypes.c_size_t(1), None)   # a second round
+        check("cuCtxSynchronize")
+        print("AGAIN", [words[i] for i in range(3, 6)])
+        check("cuMemFreeHost", host)
+        """)
+    out, err = done.stdout, done.stderr
+    assert done.returncode == 0, out + err
+    assert "COPIED True" in out, out + err
+    assert "GPU ['0xabcd', '0xabcd', '0xabcd', '0xabcd', '0x1']" in out, out + err
+    assert "HOST True True" in out and "AGAIN [43981, 7, 1]" in out, out + err
+    assert "rgpu:" not in err, err

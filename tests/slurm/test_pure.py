@@ -190,23 +190,23 @@ def test_held_jobs_are_released_only_into_room_no_released_job_has_taken_yet() -
     whole = "rgpu:v1 nodes=1 count=1 percent=100 units=100"
     two_halves = "rgpu:v1 nodes=1 count=2 percent=50 units=100"
     two_gpus = [room_gpu(0), room_gpu(0)]
-    assert jobs_to_start([held(1, whole), held(2, whole), held(3, half)], two_gpus) == [(1, ("release",)), (2, ("release",))]
+    assert jobs_to_start([held(1, whole), held(2, whole), held(3, half)], two_gpus) == [(1, ("reserve", "release")), (2, ("reserve", "release"))]
     for state, flags, reason in (("PENDING", (), "Priority"), ("PENDING", (), "None"), ("PENDING", (), "Resources"),
                                  ("RUNNING", ("CONFIGURING",), "None"), ("RUNNING", (), "Prolog"),
                                  ("CONFIGURING", (), "None")):            # 22.05's squeue --json
         job = admitted(1, whole, state=state, flags=flags, reason=reason)
-        assert jobs_to_start([job, held(2, whole), held(3, whole)], two_gpus) == [(2, ("release",))], (state, reason)
+        assert jobs_to_start([job, held(2, whole), held(3, whole)], two_gpus) == [(2, ("reserve", "release"))], (state, reason)
     # Once its lease is in the pool, the pool's room already shows it: not counted twice.
     running = admitted(1, whole, state="RUNNING", reason="None")
-    assert jobs_to_start([running, held(2, whole)], [room_gpu(100), room_gpu(0)], [lease(1)]) == [(2, ("release",))]
-    assert jobs_to_start([admitted(1, whole), held(2, whole)], [room_gpu(100), room_gpu(0)], [lease(1)]) == [(2, ("release",))]
+    assert jobs_to_start([running, held(2, whole)], [room_gpu(100), room_gpu(0)], [lease(1)]) == [(2, ("reserve", "release"))]
+    assert jobs_to_start([admitted(1, whole), held(2, whole)], [room_gpu(100), room_gpu(0)], [lease(1)]) == [(2, ("reserve", "release"))]
     # A lease of an earlier attempt does not stand for this one.
     assert jobs_to_start([admitted(1, whole, restart=1), held(2, whole)], [room_gpu(0)], [lease(1, 0)]) == []
     # Fragmentation: 160 GPU-percent free as 40 per GPU holds no half-GPU slice; a job waits held.
     assert jobs_to_start([held(1, half)], [room_gpu(60)] * 4) == []
     # Two slices go on two distinct GPUs.
     assert jobs_to_start([held(1, two_halves)], [room_gpu(0), room_gpu(60)]) == []
-    assert jobs_to_start([held(1, two_halves)], [room_gpu(50), room_gpu(50)]) == [(1, ("release",))]
+    assert jobs_to_start([held(1, two_halves)], [room_gpu(50), room_gpu(50)]) == [(1, ("reserve", "release"))]
 
 
 def test_jobs_rgpu_did_not_hold_or_that_cannot_start_yet_are_left_alone() -> None:
@@ -222,7 +222,7 @@ def test_jobs_rgpu_did_not_hold_or_that_cannot_start_yet_are_left_alone() -> Non
     assert jobs_to_start([held(1, half, dependency="afterok:7(unfulfilled)")], free) == []
     # A released job waiting on something else than resources (a dependency) keeps no room.
     assert jobs_to_start([admitted(1, half, reason="Dependency", dependency="afterok:7"), held(2, half)],
-                         free) == [(2, ("release",))]
+                         free) == [(2, ("reserve", "release"))]
 
 
 def test_a_held_job_no_gpu_could_ever_serve_is_released_for_its_prolog_to_cancel() -> None:
@@ -282,9 +282,9 @@ def test_waiting_jobs_are_started_only_where_the_pool_would_place_them() -> None
     free_mps = [room_gpu(0)] * 3
     assert w.jobs_to_start([waiting(1, strict_half)], free_mps) == []
     assert w.jobs_to_start([waiting(1, strict_half)], [*free_mps, room_gpu(60, sharing="isolated")]) == []
-    assert w.jobs_to_start([waiting(1, strict_half)], [*free_mps, room_gpu(50, sharing="isolated")]) == [(1, ("start",))]
+    assert w.jobs_to_start([waiting(1, strict_half)], [*free_mps, room_gpu(50, sharing="isolated")]) == [(1, ("reserve", "start"))]
     assert w.jobs_to_start([waiting(1, strict_half)], [room_gpu(0, sharing="exclusive")]) == []
-    assert w.jobs_to_start([waiting(1, strict_whole)], [room_gpu(0, sharing="exclusive")]) == [(1, ("start",))]
+    assert w.jobs_to_start([waiting(1, strict_whole)], [room_gpu(0, sharing="exclusive")]) == [(1, ("reserve", "start"))]
     assert w.jobs_to_start([waiting(1, half)], [room_gpu(0, sharing="exclusive")]) == []
 
 
@@ -356,7 +356,7 @@ def test_a_job_slurm_held_after_repeated_requeues_is_released_when_it_fits() -> 
 
     half = "rgpu:v1 nodes=1 count=1 percent=50 units=50"
     jobs = [waiting(1, half, reason="JobHoldMaxRequeue"), waiting(2, half)]
-    assert jobs_to_start(jobs, [room_gpu(0)]) == [(1, ("release", "start")), (2, ("start",))]
+    assert jobs_to_start(jobs, [room_gpu(0)]) == [(1, ("reserve", "release", "start")), (2, ("reserve", "start"))]
 
 
 def test_a_job_over_its_quota_is_marked_but_not_started_early() -> None:
@@ -458,7 +458,7 @@ def test_a_released_job_a_lease_end_left_without_room_is_held_again_before_it_st
     jobs[3] = held(15, whole)                                           # held again and marked
     assert look() == []                                                 # it waits
     core.release("slurm:hpc:20:0:c1")
-    assert look() == [(15, ("release",))]
+    assert look() == [(15, ("reserve", "release"))]
 
 
 def test_a_job_held_again_is_marked_first_then_given_a_user_hold() -> None:
@@ -479,7 +479,7 @@ def test_a_job_held_again_is_marked_first_then_given_a_user_hold() -> None:
 
     jobs = [admitted(1, whole), admitted(2, whole)]
     started = start_waiting_jobs(jobs, [room_gpu(0)], logging.getLogger("test.waiting"), scontrol=scontrol,
-                                 fits=lambda requests: len(requests) <= 0)
+                                 fits=lambda requests, first=None: len(requests) <= 0)
     assert started == []
     assert [argv[:3] for argv in ran] == [["scontrol", "update", "jobid=2"], ["scontrol", "uhold", "2"],
                                           ["scontrol", "update", "jobid=2"],     # started meanwhile: unmarked
@@ -497,4 +497,78 @@ def test_a_released_job_no_gpu_could_ever_serve_is_not_held_again_and_takes_no_r
     core = make_core(tmp_path / "pool.db", servers=1)                   # GPUs shared by MPS
     strict = "rgpu:v1 nodes=1 count=1 percent=50 units=50 isolation=strict"
     jobs = [admitted(1, strict), held(2, "rgpu:v1 nodes=1 count=2 percent=50 units=100")]
-    assert jobs_to_start(jobs, core.gpu_statuses(), [], core.fits_in_every_order) == [(2, ("release",))]
+    assert jobs_to_start(jobs, core.gpu_statuses(), [], core.fits_in_every_order) == [(2, ("reserve", "release"))]
+
+
+def test_the_admission_reserves_a_released_jobs_room_and_its_allocate_claims_it(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The requeue window of issue 23: a job released into the one whole GPU left; right after, a
+    lease ends and another request (2 half GPUs) would take that GPU and the freed one, and the
+    job's PrologSlurmctld would find no room. The admission reserves the job's placement before it
+    releases the job: the request is refused, and the job's Allocate gets the reserved GPU."""
+    import logging
+
+    import pytest as _pytest
+
+    from rgpu.errors import CapacityError
+    from rgpu.slurm_plugin.poolhooks import Admission
+    from tests.poolcore_helpers import make_core, req
+
+    core = make_core(tmp_path / "pool.db", servers=1)                   # 2 GPUs
+    core.allocate(req("slurm:hpc:7:0:c1", fraction=0.5))                # GPU 0: 50
+    ran: list[list[str]] = []
+    admission = Admission(core, logging.getLogger("test.admission"), None, ran.append, cluster=lambda: "hpc")
+    whole = "rgpu:v1 nodes=1 count=1 percent=100 units=100"
+    admission.run([held(15, whole)])
+    assert ran[0] == ["scontrol", "release", "15"]
+    assert [le.job_key for le in core.list_leases()] == ["slurm:hpc:7:0:c1", "slurm:hpc:15:0:+r0"]
+    core.release("slurm:hpc:7:0:c1")                                    # a lease ends
+    with _pytest.raises(CapacityError):
+        core.allocate(req("manual", count=2, fraction=0.5))
+    lease = core.allocate(req("slurm:hpc:15:0:c1", fraction=1.0))       # its PrologSlurmctld
+    assert lease.slices[0].gpu_index == 1 and [le.job_key for le in core.list_leases()] == ["slurm:hpc:15:0:c1"]
+
+
+def test_reservations_are_renewed_while_their_job_is_let_go_and_given_back_when_it_is_not(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import logging
+    from dataclasses import replace
+
+    from rgpu.slurm_plugin.poolhooks import Admission
+    from rgpu.slurm_plugin.waiting import reservation_upkeep
+    from tests.poolcore_helpers import Clock, make_core, server
+
+    clock = Clock()
+    core = make_core(tmp_path / "pool.db", clock=clock, servers=1)
+    half = "rgpu:v1 nodes=1 count=1 percent=50 units=50"
+    admission = Admission(core, logging.getLogger("test.admission"), None, lambda argv: None, cluster=lambda: "hpc",
+                          reservation_seconds=30)
+    admission.run([held(1, half), held(2, half), held(3, half)])
+    assert len(core.reservations()) == 3
+    jobs = [replace(admitted(1, half), admin_comment=half),                       # let go, pending
+            replace(admitted(2, half, state="RUNNING"), admin_comment=half),      # past its prologs
+            replace(held(3, half), reason="JobHeldAdmin")]                        # held by an admin
+    keep, drop = reservation_upkeep(jobs, core.list_leases())
+    assert [j.job_id for j in keep] == [1] and drop == [(2, 0), (3, 0)]
+    clock.now += 20
+    core.heartbeat(server(0).address)
+    admission.run(jobs)
+    assert {p: [r.expires_unix for r in rs] for p, rs in core.reservations().items()} == {"slurm:hpc:1:0:": [clock.now + 30]}
+    # A requeued attempt's reservation goes too; one of a job gone from Slurm is the reconciler's.
+    assert reservation_upkeep([replace(jobs[0], restart_count=1)], core.list_leases()) == ([], [(1, 0)])
+    assert reservation_upkeep([replace(jobs[0], state="CANCELLED")], core.list_leases()) == ([], [(1, 0)])
+    assert reservation_upkeep([], core.list_leases()) == ([], [])
+
+
+def test_jobs_one_pass_reserves_are_placed_in_turn_so_the_first_round_fills_the_pool(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The mixed batch on 4 empty GPUs: the jobs one pass lets go are reserved one after the other,
+    so they are checked in that order, not in every order their prologs might ask in (which let 5
+    of the 7 jobs that fit go, and the other two only once the first leases were in)."""
+    from benchmarks.slurm_mixed_batch import batch
+    from rgpu.slurm_plugin.waiting import jobs_to_start
+    from tests.poolcore_helpers import make_core
+
+    core = make_core(tmp_path / "pool.db", servers=2)
+    jobs = [held(i + 1, f"rgpu:v1 nodes=1 count={n} percent={round(100 * float(f))} "
+                        f"units={n * round(100 * float(f))}") for i, (n, f) in enumerate(batch())]
+    chosen = jobs_to_start(jobs, core.gpu_statuses(), [], core.fits_in_every_order)
+    assert [job_id for job_id, _ in chosen] == [1, 2, 3, 4, 5, 7, 10]
+    assert sum(int(jobs[i - 1].admin_comment.split("units=")[1].split()[0]) for i, _ in chosen) == 400

@@ -164,6 +164,50 @@ def test_a_released_job_the_pool_cannot_place_is_held_again_before_slurm_starts_
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", f"{info}\n{diagnostics(h)}"
 
 
+def test_a_lease_change_right_after_admission_cannot_take_the_released_jobs_room(h: Harness) -> None:
+    """Issue 23's requeue window: between the pool's release of a job and its PrologSlurmctld's
+    Allocate, another lease ended and the next lease took the room the job was released into. Now
+    the admission reserves the job's placement (a reservation under its key, `+r0`), no other
+    request can take it, and the job's Allocate claims it. The job is kept from starting (its node
+    is busy) so the window is as long as the test needs; a mixed batch of other jobs runs beside."""
+    busy = h.slurm.submit(["-w", "c1", "--exclusive"], "sleep 300\n", user=JOB_USER)   # plain: no rgpu
+    h.slurm.wait_job_state(busy, "RUNNING", 30)
+    with h.client() as c:
+        c.allocate("test-fill-a", "root", 2, fraction=1.0)               # one server's two GPUs
+        fill_b = c.allocate("test-fill-b", "root", 1, fraction=1.0)      # one of the other's
+    try:
+        job = h.slurm.submit(["-w", "c1", "--gres=rgpu:1", "--comment=fraction=1.0"], "true\n", user=JOB_USER)
+
+        def released_and_reserved() -> list | None:
+            shown = h.slurm.show_job(job)
+            assert shown["JobState"] == "PENDING", f"{shown}\n{diagnostics(h)}"
+            held = [le for le in h.job_leases(job) if le.job_key == f"slurm:rgputest:{job}:0:+r0"]
+            return held if shown.get("Reason") != "JobHeldUser" and held else None
+
+        (reservation,) = wait_until("the pool to release the job into a reserved GPU", released_and_reserved, 30)
+        others = [h.slurm.submit(["--gres=rgpu:1", f"--comment=fraction={f}"], "sleep 1\n", user=JOB_USER)
+                  for f in ("0.25", "0.5")]
+        with h.client() as c:
+            c.release("test-fill-b")                                     # a lease ends: one GPU free
+            with pytest.raises(Exception, match="cannot place 2 slice"):
+                c.allocate("test-steal", "root", 2, fraction=0.5)        # it would need the reserved GPU
+        for other in others:
+            assert finished(h, other, 60)["JobState"] == "COMPLETED", diagnostics(h)
+        time.sleep(2)                                                    # passes renew the reservation
+        assert [le.slices for le in h.job_leases(job)] == [reservation.slices]
+        h.slurm.command(["scancel", busy])
+        info = finished(h, job, 60)
+        assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", f"{info}\n{diagnostics(h)}"
+        log = h.pool.pool.log() if h.pool.pool else ""
+        assert f"lease slurm:rgputest:{job}:0:c1 for {JOB_USER}: {reservation.slices[0].server}/" \
+               f"{reservation.slices[0].gpu_index}@100%" in log, log[-3000:]
+        assert fill_b.slices[0].gpu_uuid != reservation.slices[0].gpu_uuid
+    finally:
+        with h.client() as c:
+            for key in ("test-fill-a", "test-fill-b", "test-steal"):
+                c.release(key)
+
+
 # 3 -----------------------------------------------------------------------------------------------
 def test_scancel_releases_the_lease_within_seconds(h: Harness) -> None:
     job = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.25"], "sleep 300\n", user=JOB_USER)

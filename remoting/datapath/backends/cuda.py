@@ -51,6 +51,7 @@ P = ctypes.POINTER
 STAGING_RING_BYTES = 16 << 20   # host-to-device copies in flight (pinned)
 STAGING_CHUNK = 4 << 20         # a bigger copy goes through the ring in pieces of this size
 DTOH_CHUNK = 4 << 20
+LANE_SLOTS = 8                  # pinned slots (one chunk each) of striped copies (worker/lanes.py)
 MAX_PARAM_BYTES = 32768
 
 JIT_INFO_LOG_BUFFER = 3
@@ -266,6 +267,13 @@ class CudaBackend(CudaDriverCalls):
         self._ring: StagingRing[tuple[int, Any]] = StagingRing(STAGING_RING_BYTES)   # tag: (context, event)
         self._dtoh: list[int] = []
         self._events: dict[int, tuple[list[Any], list[Any]]] = {}  # context -> (free ring events, dtoh events)
+        # Striped copies (protocol 12): LANE_SLOTS pinned chunks that lanes.c fills and queues to the GPU
+        # itself, its staging table (the slots' copies in flight), one event per slot per context.
+        self._lanes: Any = None
+        self._lane_base = 0
+        self._lane_chunk = 0
+        self._lane_staging = 0
+        self._lane_events: dict[int, Any] = {}
         self._param_buf = (ctypes.c_char * MAX_PARAM_BYTES)()
         self._param_size = c_size_t(0)
         self._extra = (c_void_p * 5)(1, ctypes.addressof(self._param_buf), 2, ctypes.addressof(self._param_size), 0)
@@ -326,12 +334,15 @@ class CudaBackend(CudaDriverCalls):
 
     def ctx_destroy(self, ctx: int) -> None:
         self._forget_events(ctx)
+        self._forget_lane_events(ctx)
         self._check("cuCtxDestroy_v2", ctx)
 
     def cuDevicePrimaryCtxReset_v2(self, dev: int) -> tuple[int]:
         # A reset destroys the primary context whatever its references: release the staging
         # buffers first; they are made again on next use.
         self._drop_staging()
+        self._drop_lane_staging()
+        self._forget_lane_events(self.primary.value or 0)
         self._forget_events(self.primary.value or 0)
         r = self._call("cuDevicePrimaryCtxReset_v2", 0)
         ctx = c_void_p()
@@ -769,6 +780,57 @@ class CudaBackend(CudaDriverCalls):
             # Nothing tracks this copy's DMA: wait for the stream before its bytes are reused.
             self._call("cuStreamSynchronize", stream or None)
             raise CudaError(r)
+
+    def htod_lanes(self, dst: int, stream: int, size: int, chunk: int, seq: int, lanes: Any) -> None:
+        """A striped copy (worker/lanes.py): lanes.c receives each chunk into a pinned slot and queues
+        its copy to `dst` on `stream` as it lands; the slots stay busy until their events complete."""
+        try:
+            self._refuse_capture(stream, "cuMemcpyHtoDAsync")
+            gpu = self._lane_copy(lanes, chunk, dst, stream)
+        except CudaError:
+            lanes.receive(seq, size, chunk, 0)   # the client sends the bytes whatever the answer: drop them
+            raise
+        lanes.receive(seq, size, chunk, 0, gpu)
+        if gpu.error:
+            raise CudaError(gpu.error)
+
+    def dtoh_lanes(self, src: int, stream: int, size: int, chunk: int, lanes: Any) -> Any:
+        """The staging of a striped device-to-host copy, for lanes.send (lanes.c queues each chunk's copy
+        into a free slot and sends it once its event completes); a CudaError before anything is sent."""
+        self._refuse_capture(stream, "cuMemcpyDtoHAsync")
+        return self._lane_copy(lanes, chunk, src, stream)
+
+    def _lane_copy(self, lanes: Any, chunk: int, dst: int, stream: int) -> Any:
+        if self._lane_staging and (chunk > self._lane_chunk or lanes is not self._lanes):
+            self._drop_lane_staging()
+        if not self._lane_staging:
+            def make() -> int:
+                p = c_void_p()
+                self._check("cuMemHostAlloc", byref(p), LANE_SLOTS * chunk, MEMHOSTALLOC_PORTABLE)
+                return p.value or 0
+            self._lane_base = self._with_primary(make)
+            self._lanes, self._lane_chunk = lanes, chunk
+            self._lane_staging = lanes.staging_new(self._lane_base, LANE_SLOTS, chunk)
+        events = self._lane_events.get(self._current)
+        if events is None:
+            events = (c_void_p * LANE_SLOTS)(*[self._new_event().value for _ in range(LANE_SLOTS)])
+            self._lane_events[self._current] = events
+        return lanes.gpu_copy(memcpy_htod=self._entry("cuMemcpyHtoDAsync_v2"), event_record=self._entry("cuEventRecord"),
+                              event_sync=self._entry("cuEventSynchronize"), stream=stream, dst=dst,
+                              events=ctypes.addressof(events), staging=self._lane_staging,
+                              memcpy_dtoh=self._entry("cuMemcpyDtoHAsync_v2"))
+
+    def _drop_lane_staging(self) -> None:
+        if self._lane_staging:
+            self._lanes.staging_drain(self._lane_staging, self._entry("cuEventSynchronize"))
+            self._lanes.staging_free(self._lane_staging)
+            self._call("cuMemFreeHost", self._lane_base)
+        self._lane_staging, self._lane_base, self._lane_chunk = 0, 0, 0
+
+    def _forget_lane_events(self, ctx: int) -> None:
+        """Before a context goes: the slots' copies finish (their events may be its own)."""
+        if self._lane_events.pop(ctx, None) is not None and self._lane_staging:
+            self._lanes.staging_drain(self._lane_staging, self._entry("cuEventSynchronize"))
 
     def dtoh_chunks(self, src: int, stream: int, size: int, chunk: int) -> Iterator[memoryview]:
         """Device-to-host through two pinned buffers: copy chunk i+1 while chunk i is sent."""

@@ -17,7 +17,7 @@ from typing import Any
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.backends.arrays import (DESC2D, DESC3D, HOST, MEMCPY3D, RESOURCE_DESC_SIZE,
                                                     TEXTURE_DESC_SIZE, VIEW_DESC_SIZE, parse_copy, parse_desc)
-from rgpu.remoting.datapath.backends.base import (CDP_NOT_SUPPORTED, INVALID_IMAGE, INVALID_VALUE, NOT_FOUND,
+from rgpu.remoting.datapath.backends.base import (CDP_NOT_SUPPORTED, INVALID_IMAGE, INVALID_VALUE, NOT_FOUND, NOT_SUPPORTED,
                                                   PITCH_ALIGN_BYTES, SUCCESS, CudaError, LoadResult, SliceMemory,
                                                   TensorMapRequest)
 from rgpu.remoting.datapath.worker.client_handles import ClientEvents, ClientStreams, error_name
@@ -298,6 +298,81 @@ class Handlers:
             log.error("rgpu: worker: a device-to-host copy over UCX failed after its reply (%s); ending the session", why)
             raise ConnectionError(why)
         self.sent += size
+        return None
+
+    # ---- copies whose bytes come striped over the session's data lanes (protocol 12; worker/lanes.py) ----
+
+    def h_htod_lanes(self, p: memoryview, address: int, seq: int) -> None:
+        import ctypes
+        lanes = getattr(self, "lanes", None)
+        if lanes is None:
+            raise CudaError(INVALID_VALUE, "rgpu: worker: rgpuMemcpyHtoDLanes on a session that has no data lanes (a "
+                                           "client of another rgpu version, or not rgpu's; install the same rgpu "
+                                           "version on both sides)")
+        if len(p) < protocol.LANES_COPY.size:
+            lanes.close("a truncated striped copy frame")
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: truncated rgpuMemcpyHtoDLanes frame ({len(p)} bytes, want "
+                                           f"{protocol.LANES_COPY.size}; install the same rgpu version on both sides)")
+        dst, stream, size, chunk = protocol.LANES_COPY.unpack_from(p, 0)
+        lanes.check(size, chunk)
+        try:
+            if size > self.spec.memory_limit:
+                raise CudaError(INVALID_VALUE, f"rgpu: worker: a host-to-device copy of {size} bytes (more than the "
+                                               f"slice's {format_bytes(self.spec.memory_limit)})")
+            real = self.client_streams.real(stream, "cuMemcpyHtoDAsync")
+            striped = getattr(self.backend, "htod_lanes", None)
+            window = getattr(self.backend, "device_window", None)
+            target = None if striped is not None or window is None else window(dst, size, real, "cuMemcpyHtoDAsync")
+        except CudaError:
+            lanes.receive(seq, size, chunk, 0)   # the client sends the bytes whatever the answer: drop them
+            raise
+        if striped is not None:   # a real GPU: through pinned staging, each chunk's copy queued as it lands
+            striped(dst, real, size, chunk, seq, lanes)
+        elif target is not None:   # the emulated device: straight into its memory
+            holder = (ctypes.c_char * size).from_buffer(target)
+            try:
+                lanes.receive(seq, size, chunk, ctypes.addressof(holder))
+            finally:
+                del holder
+        else:
+            lanes.receive(seq, size, chunk, 0)
+            raise CudaError(NOT_SUPPORTED, "rgpu: worker: this backend cannot take striped copies")
+
+    def h_dtoh_lanes(self, p: memoryview, address: int, seq: int) -> None:
+        """The REPLY goes first (an error: nothing follows on the lanes), then the bytes, striped."""
+        import ctypes
+        lanes = getattr(self, "lanes", None)
+        if lanes is None:
+            raise CudaError(INVALID_VALUE, "rgpu: worker: rgpuMemcpyDtoHLanes on a session that has no data lanes (a "
+                                           "client of another rgpu version, or not rgpu's; install the same rgpu "
+                                           "version on both sides)")
+        if len(p) < protocol.LANES_COPY.size:
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: truncated rgpuMemcpyDtoHLanes frame ({len(p)} bytes, want "
+                                           f"{protocol.LANES_COPY.size}; install the same rgpu version on both sides)")
+        src, stream, size, chunk = protocol.LANES_COPY.unpack_from(p, 0)
+        lanes.check(size, chunk)
+        if size > self.spec.memory_limit:
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: a device-to-host copy of {size} bytes (more than the "
+                                           f"slice's {format_bytes(self.spec.memory_limit)})")
+        real = self.client_streams.real(stream, "cuMemcpyDtoHAsync")
+        striped = getattr(self.backend, "dtoh_lanes", None)
+        if striped is not None:   # a real GPU: through pinned staging, each chunk sent as its copy completes
+            gpu = striped(src, real, size, chunk, lanes)
+            self._reply(seq, SUCCESS, b"", "")
+            why = lanes.send(seq, size, chunk, 0, gpu)
+        else:
+            window = getattr(self.backend, "device_window", None)
+            if window is None:
+                raise CudaError(NOT_SUPPORTED, "rgpu: worker: this backend cannot send striped copies")
+            holder = (ctypes.c_char * size).from_buffer(window(src, size, real, "cuMemcpyDtoHAsync"))
+            self._reply(seq, SUCCESS, b"", "")
+            try:
+                why = lanes.send(seq, size, chunk, ctypes.addressof(holder))
+            finally:
+                del holder
+        if why:   # the client was told success and reads its lanes: it sees them fail too
+            log.warning("rgpu: worker: a device-to-host copy of %d bytes over data lanes failed (%s); the session's "
+                        "lanes are closed, its later copies use its one connection", size, why)
         return None
 
     def h_dtod_2d(self, p: memoryview, address: int, seq: int) -> None:

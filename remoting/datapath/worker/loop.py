@@ -45,7 +45,7 @@ def late_error(code: int, call: str) -> str:
 
 OP = api_gen.OPCODES
 # Calls that wait for a reply but put work on the GPU (the limiter gates them like launches).
-GPU_WORK_OPS = frozenset(OP[name] for name in ("cuMemcpyDtoHAsync_v2", "cuMemcpyDtoD_v2", "cuGraphLaunch",
+GPU_WORK_OPS = frozenset(OP[name] for name in ("cuMemcpyDtoHAsync_v2", "rgpuMemcpyDtoHLanes", "cuMemcpyDtoD_v2", "cuGraphLaunch",
                                                "cuMemsetD8_v2", "cuMemsetD32_v2", "rgpuMemcpyArrayToHost") if name in OP)
 # Pipelined calls that put no work on the GPU (client-made handles, attribute sets): the limiter lets
 # them through.
@@ -94,6 +94,7 @@ class Worker(Handlers):
         self.log_limit = LogLimit()   # lines a client's frames cause: once a minute per kind and operation
         self.ucx: Any = None          # the session's UCX link (worker/ucx.py), set by session.py
         self.ucx_received = 0         # bytes of host-to-device copies that came on UCX
+        self.lanes: Any = None        # the session's data lanes (worker/lanes.py), set by session.py
         self.native_launches = load_native_launches(spec, backend, sock.fileno())
         # The client's event handles -> the driver's (client_handles.py; the generated handlers
         # find the table on the backend). With the C loop, which creates and destroys events
@@ -168,6 +169,8 @@ class Worker(Handlers):
             "cuMemcpyDtoHAsync_v2": (self.h_dtoh, False),
             "rgpuMemcpyHtoDUcx": (self.h_htod_ucx, True),
             "rgpuMemcpyDtoHUcx": (self.h_dtoh_ucx, False),
+            "rgpuMemcpyHtoDLanes": (self.h_htod_lanes, True),
+            "rgpuMemcpyDtoHLanes": (self.h_dtoh_lanes, False),
             "rgpuMemcpy2DDevice": (self.h_dtod_2d, True),
             "cuPointerGetAttribute": (self.h_pointer_attribute, False),
             "cuPointerGetAttributes": (self.h_pointer_attributes, False),
@@ -516,8 +519,10 @@ class Worker(Handlers):
         """(received bytes, sent bytes, calls, errors): datapath/counters.py's FIELDS."""
         loop = self.native_launches
         native = loop.launched.value + loop.event_ops() + loop.copies if loop is not None else 0
-        sent = self.sent + self.hostcalls.sent + (loop.sent if loop is not None else 0)
-        return self.reader.received + self.ucx_received, sent, self.calls + native, self.errors
+        sent = self.sent + self.hostcalls.sent + (loop.sent if loop is not None else 0) + \
+            (self.lanes.sent if self.lanes is not None else 0)
+        lanes = self.lanes.received if self.lanes is not None else 0
+        return self.reader.received + self.ucx_received + lanes, sent, self.calls + native, self.errors
 
     def _defer(self, code: int, message: str) -> None:
         self.errors += 1

@@ -21,6 +21,7 @@ from rgpu.remoting.datapath.usage import STATS_SUFFIX, SessionStats
 from rgpu.remoting.datapath.worker.faults import SessionFaulted, become_tombstone, default_message, read_verdict
 from rgpu.remoting.datapath.worker.loop import Worker
 from rgpu.remoting.datapath.worker.spec import SessionSpec
+from rgpu.remoting.datapath.worker.lanes import Lanes, LanesUnavailable, size_socket_buffers, socket_buffer_bytes
 from rgpu.remoting.datapath.worker.ucx import UcxLink, UcxUnavailable
 from rgpu.units import format_bytes
 
@@ -42,7 +43,7 @@ def _make_backend(spec: SessionSpec) -> Any:
     raise CudaError(NOT_SUPPORTED, f"rgpu: worker: unknown backend {spec.backend!r}")
 
 
-def run_session(sock: socket.socket, spec: SessionSpec) -> int:
+def run_session(sock: socket.socket, spec: SessionSpec, lanes: list[socket.socket] | None = None) -> int:
     started = time.monotonic()
     memory: SliceMemory | None = None
     stats: SessionStats | None = None
@@ -63,18 +64,24 @@ def run_session(sock: socket.socket, spec: SessionSpec) -> int:
         sock.sendall(protocol.encode_refuse(message))
         return 1
     ucx, transport_why = _open_ucx(spec)
+    lane_link, lanes_why = _open_lanes(spec, lanes or [])
     description = (f"{spec.gpu_name} slice of {format_bytes(spec.memory_limit)}, {spec.compute_percent}% compute "
                    f"({spec.compute_enforcement}{', emulated' if getattr(backend, 'emulated', False) else ''})")
     sock.sendall(protocol.encode_welcome(
         driver_version=getattr(backend, "driver_version", 13000), memory_limit_bytes=spec.memory_limit,
         compute_percent=spec.compute_percent, flags=protocol.WELCOME_EMULATED if getattr(backend, "emulated", False) else 0,
-        description=description, ucx_address=ucx.address if ucx is not None else b""))
-    log.info("session open: job %s slice %d, %s mode, client %s, transport %s", spec.job_key, spec.slice_number,
-             spec.mode, spec.client, "ucx" if ucx is not None else "tcp")
+        description=description, ucx_address=ucx.address if ucx is not None else b"",
+        lanes=lane_link.count if lane_link is not None else 0))
+    log.info("session open: job %s slice %d, %s mode, client %s, transport %s%s", spec.job_key, spec.slice_number,
+             spec.mode, spec.client, "ucx" if ucx is not None else "tcp",
+             f", {lane_link.count} data lanes" if lane_link is not None else "")
     if transport_why:
         log.info("%s", fallback_line(transport_why))
+    if lanes_why:
+        log.warning("%s", lanes_why)
     worker = Worker(sock, backend, spec, memory, stats)
     worker.ucx = ucx
+    worker.lanes = lane_link
     if spec.faults_dir:
         _end_on_dispatcher_signal(worker, spec)
     publisher = None
@@ -109,6 +116,8 @@ def run_session(sock: socket.socket, spec: SessionSpec) -> int:
             memory.close()
         if ucx is not None:
             ucx.close()
+        if worker.lanes is not None:
+            worker.lanes.close()
     log.info("session closed after %.1f s: %s", time.monotonic() - started, why)
     if faulted is not None:
         become_tombstone(sock.fileno(), faulted.code, faulted.message, spec.faults_dir)
@@ -139,6 +148,19 @@ def _open_ucx(spec: SessionSpec) -> tuple[UcxLink | None, str]:
     return link, ""
 
 
+def _open_lanes(spec: SessionSpec, lanes: list[socket.socket]) -> tuple[Lanes | None, str]:
+    """The session's data lanes (protocol 12) when the dispatcher handed it some and the worker's C
+    library can drive them, else None and why not ("" when none were asked for)."""
+    if not lanes:
+        return None, ""
+    try:
+        return Lanes(spec.ucx_library or spec.launch_library, lanes, spec.frame_stall_s), ""
+    except LanesUnavailable as exc:
+        for lane in lanes:
+            lane.close()
+        return None, f"copies of this session stay on its one connection, not on {len(lanes)} data lanes ({exc})"
+
+
 def _end_on_dispatcher_signal(worker: Worker, spec: SessionSpec) -> None:
     """SIGUSR1 from the dispatcher: another session's fault ended this one's context (faults.py).
     The verdict file says why; an idle worker ends at once, a busy one after its current call."""
@@ -155,6 +177,8 @@ def _end_on_dispatcher_signal(worker: Worker, spec: SessionSpec) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="rgpu session worker (started by the dispatcher)")
     parser.add_argument("--fd", type=int, required=True, help="the accepted session socket, inherited")
+    parser.add_argument("--lanes", default="", help="the session's data lanes (protocol 12): inherited sockets, "
+                        "comma-separated")
     args = parser.parse_args(argv)
     spec = SessionSpec.from_json(os.environ["RGPU_WORKER_SESSION"])
     logging.basicConfig(level=os.environ.get("RGPU_WORKER_LOG_LEVEL", "INFO").upper(),
@@ -163,11 +187,10 @@ def main(argv: list[str] | None = None) -> int:
     tie_to_parent(int(os.environ.get("RGPU_WORKER_PARENT_PID", "0") or 0))
     sock = socket.socket(fileno=args.fd)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-    except OSError:
-        pass
-    return run_session(sock, spec)
+    lanes = [socket.socket(fileno=int(fd)) for fd in args.lanes.split(",") if fd]
+    buffer_bytes = socket_buffer_bytes()
+    for s in [sock, *lanes]:
+        size_socket_buffers(s, buffer_bytes)
+    return run_session(sock, spec, lanes)
 
 

@@ -235,6 +235,19 @@ static CUresult htod(CUdeviceptr dst, const void *src, size_t n, CUstream stream
         CUresult r = session >= 0 ? rgpu_begin_session(&c, RGPU_OP_cuMemcpyHtoDAsync_v2, session)
                                   : rgpu_begin(&c, RGPU_OP_cuMemcpyHtoDAsync_v2);
         if (r != CUDA_SUCCESS) return r;
+        if (!done && !rgpu_ucx_carries(&c, n) && rgpu_lanes_carry(&c, n)) {
+            /* Protocol 12: the bytes follow striped over the session's data lanes, behind the control
+             * frame on the session's connection (which keeps the copy in order with the work around it). */
+            rgpu_retarget(&c, RGPU_OP_rgpuMemcpyHtoDLanes);
+            rgpu_put_u64(&c, dst);
+            rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+            rgpu_put_u64(&c, n);
+            rgpu_put_u64(&c, rgpu_lane_chunk_bytes());
+            r = rgpu_lanes_put_bulk(&c, src, n);
+            if (r == CUDA_SUCCESS) r = rgpu_async(&c);
+            else rgpu_end(&c);
+            return r;
+        }
         if (!done && rgpu_ucx_carries(&c, n)) {
             /* A session with UCX carries a large copy's bytes there, in one message, behind its
              * control frame on TCP (which keeps the copy in order with the launches around it). */
@@ -270,7 +283,16 @@ static CUresult dtoh(void *dst, CUdeviceptr src, size_t n, CUstream stream, int 
     rgpu_put_u64(&c, src);
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
     rgpu_put_u64(&c, n);
-    if (rgpu_ucx_carries(&c, n)) {   /* the bytes come back on UCX: a receive straight into dst */
+    if (!rgpu_ucx_carries(&c, n) && rgpu_lanes_carry(&c, n)) {
+        /* Protocol 12: the REPLY first (an error: nothing follows), then the bytes striped over the
+         * session's data lanes, received straight into dst. */
+        uint64_t chunk = rgpu_lane_chunk_bytes();
+        rgpu_retarget(&c, RGPU_OP_rgpuMemcpyDtoHLanes);
+        rgpu_put_u64(&c, chunk);
+        r = rgpu_sync(&c);
+        if (r == CUDA_SUCCESS) r = rgpu_lanes_get_bulk(&c, dst, n, chunk);
+        if (r == CUDA_SUCCESS) c.sink_got = n;
+    } else if (rgpu_ucx_carries(&c, n)) {   /* the bytes come back on UCX: a receive straight into dst */
         void *ucx_req = NULL;
         rgpu_retarget(&c, RGPU_OP_rgpuMemcpyDtoHUcx);
         r = rgpu_ucx_expect(&c, dst, n, &ucx_req);

@@ -34,6 +34,7 @@ typedef struct managed_region {
     size_t mapped;       /* host bytes mapped at user (whole pages) */
     int gpu_owned;       /* 1: the GPU has the current copy; the host pages are inaccessible */
     int pinned;          /* page-locked memory the GPU uses directly (zero_copy.c): no allocation of its own here */
+    uint8_t *snapshot;   /* pinned: the bytes last sent to the GPU (what the GPU changed differs from them) */
 } managed_region;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -60,17 +61,44 @@ static void recount_owners_locked(void) {
     __atomic_store_n(&g_any_gpu_owned, gpu, __ATOMIC_RELEASE);
 }
 
+/* Page-locked memory stays the host's while the GPU uses it (the program may fill one buffer of a
+ * page-locked pool while a kernel writes another: XLA does), so its bytes are merged, not handed
+ * over: the host's go to the GPU (and are kept) when the GPU gets work, and at synchronisation the
+ * GPU's copy comes back where it differs from what was sent, that is, where the GPU wrote. */
+static CUresult pinned_to_gpu(const managed_region *m) {
+    memcpy(m->snapshot, (const void *)(uintptr_t)m->user, m->size);
+    return cuMemcpyHtoD_v2(m->user, m->snapshot, m->size);
+}
+
+static CUresult pinned_from_gpu(const managed_region *m) {
+    uint8_t *gpu = malloc(m->size);
+    if (!gpu) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult r = cuMemcpyDtoH_v2(gpu, m->user, m->size);
+    if (r == CUDA_SUCCESS) {
+        uint8_t *host = (uint8_t *)(uintptr_t)m->user;
+        for (size_t at = 0; at < m->size; at += 64) {
+            size_t k = m->size - at < 64 ? m->size - at : 64;
+            if (!memcmp(gpu + at, m->snapshot + at, k)) continue;   /* the GPU left these alone */
+            for (size_t i = at; i < at + k; i++)
+                if (gpu[i] != m->snapshot[i]) host[i] = gpu[i];
+        }
+    }
+    free(gpu);
+    return r;
+}
+
 /* Hand every region owned by the other side over to `to_gpu`'s side. The regions change owner
- * under the lock; the copies (calls themselves) run without it. While the GPU owns a region its
- * host pages are inaccessible, so a host access at the wrong time stops the program with a clear
- * line (handler below) instead of reading stale data or losing a write. */
+ * under the lock; the copies (calls themselves) run without it. While the GPU owns a managed
+ * region its host pages are inaccessible, so a host access at the wrong time stops the program with
+ * a clear line (handler below) instead of reading stale data or losing a write. */
 static void hand_over(int to_gpu) {
     pthread_mutex_lock(&g_lock);
     managed_region *moving = g_count ? malloc(g_count * sizeof *moving) : NULL;
     size_t n = 0;
     for (size_t i = 0; moving && i < g_count; i++) {
         if (g_regions[i].gpu_owned == to_gpu) continue;
-        if (!to_gpu) mprotect((void *)(uintptr_t)g_regions[i].user, g_regions[i].mapped, PROT_READ | PROT_WRITE);
+        if (!to_gpu && !g_regions[i].pinned)
+            mprotect((void *)(uintptr_t)g_regions[i].user, g_regions[i].mapped, PROT_READ | PROT_WRITE);
         g_regions[i].gpu_owned = to_gpu;
         moving[n++] = g_regions[i];
     }
@@ -80,9 +108,14 @@ static void hand_over(int to_gpu) {
     t_moving = 1;
     for (size_t i = 0; i < n; i++) {
         void *host = (void *)(uintptr_t)moving[i].user;
-        CUresult r = to_gpu ? cuMemcpyHtoD_v2(moving[i].user, host, moving[i].size)
-                            : cuMemcpyDtoH_v2(host, moving[i].user, moving[i].size);
-        if (to_gpu) mprotect(host, moving[i].mapped, PROT_NONE);
+        CUresult r;
+        if (moving[i].pinned) {
+            r = to_gpu ? pinned_to_gpu(&moving[i]) : pinned_from_gpu(&moving[i]);
+        } else {
+            r = to_gpu ? cuMemcpyHtoD_v2(moving[i].user, host, moving[i].size)
+                       : cuMemcpyDtoH_v2(host, moving[i].user, moving[i].size);
+            if (to_gpu) mprotect(host, moving[i].mapped, PROT_NONE);
+        }
         if (r != CUDA_SUCCESS) {
             static int seen;
             if (!__atomic_exchange_n(&seen, 1, __ATOMIC_RELAXED))
@@ -132,9 +165,15 @@ static managed_region *find_locked(CUdeviceptr p) {
 }
 
 /* A host pointer of a copy that is really managed memory (not while this library hands it over):
- * the copy is the GPU's, device to device. */
+ * the copy is the GPU's, device to device. Page-locked memory's host bytes are the program's own
+ * (pinned_to_gpu above): its copies read and write them, as any page-locked memory's. */
 int rgpu_managed_routes(const void *host) {
-    return !t_moving && rgpu_managed_find((CUdeviceptr)(uintptr_t)host);
+    if (t_moving || !__atomic_load_n(&g_count, __ATOMIC_ACQUIRE)) return 0;
+    pthread_mutex_lock(&g_lock);
+    managed_region *m = find_locked((CUdeviceptr)(uintptr_t)host);
+    int routes = m && !m->pinned;
+    pthread_mutex_unlock(&g_lock);
+    return routes;
 }
 
 int rgpu_managed_any(void) { return __atomic_load_n(&g_count, __ATOMIC_ACQUIRE) != 0; }
@@ -156,18 +195,12 @@ static void on_segv(int sig, siginfo_t *info, void *uctx) {
     uintptr_t at = (uintptr_t)info->si_addr;
     size_t n = __atomic_load_n(&g_count, __ATOMIC_ACQUIRE);
     for (size_t i = 0; g_regions && i < n; i++) {
-        if (at >= g_regions[i].user && at < g_regions[i].user + g_regions[i].mapped) {
+        if (!g_regions[i].pinned && at >= g_regions[i].user && at < g_regions[i].user + g_regions[i].mapped) {
             static const char line[] =
                 "rgpu: client: the host touched managed memory while the GPU may be using it; rgpu provides managed "
                 "memory without concurrent access (CU_DEVICE_ATTRIBUTE_CONCURRENT_MANAGED_ACCESS is 0): synchronise "
                 "(cudaDeviceSynchronize, cudaStreamSynchronize) before the host reads or writes it\n";
-            static const char pinned_line[] =
-                "rgpu: client: the host touched page-locked memory that a kernel or memset on the GPU may be using; "
-                "through a GPU across the network such memory is copied at synchronisation points, not shared while "
-                "the GPU runs: synchronise (cudaDeviceSynchronize, cudaStreamSynchronize) before the host reads or "
-                "writes it\n";
-            ssize_t ignored = g_regions[i].pinned ? write(2, pinned_line, sizeof pinned_line - 1)
-                                                  : write(2, line, sizeof line - 1);
+            ssize_t ignored = write(2, line, sizeof line - 1);
             (void)ignored;
             signal(SIGSEGV, SIG_DFL);
             raise(SIGSEGV);
@@ -229,7 +262,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesiz
         g_regions = grown;
         g_cap = cap;
     }
-    g_regions[g_count] = (managed_region){user, real, bytesize, mapped, 0, 0};
+    g_regions[g_count] = (managed_region){user, real, bytesize, mapped, 0, 0, NULL};
     __atomic_store_n(&g_count, g_count + 1, __ATOMIC_RELEASE);
     /* The host owns it first: zeros, copied to the GPU with the next work it is given. */
     __atomic_store_n(&g_any_host_owned, 1, __ATOMIC_RELEASE);
@@ -240,8 +273,9 @@ RGPU_EXPORT CUresult CUDAAPI cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesiz
     return CUDA_SUCCESS;
 }
 
-/* Adds a region whose host pages and worker mapping zero_copy.c made, at the same address; the host
- * owns it first (its bytes go to the GPU with the next work the GPU is given). 0: out of memory. */
+/* Adds a region whose host pages and worker mapping zero_copy.c made, at the same address: its bytes
+ * go to the GPU with the next work the GPU is given, and are merged back at synchronisation (never
+ * protected: the host may use the rest of it meanwhile). 0: out of memory. */
 int rgpu_managed_adopt(CUdeviceptr user, size_t size, size_t mapped) {
     pthread_mutex_lock(&g_lock);
     if (g_count == g_cap) {
@@ -254,12 +288,15 @@ int rgpu_managed_adopt(CUdeviceptr user, size_t size, size_t mapped) {
         g_regions = grown;
         g_cap = cap;
     }
-    g_regions[g_count] = (managed_region){user, 0, size, mapped, 0, 1};
+    uint8_t *snapshot = malloc(size ? size : 1);
+    if (!snapshot) {
+        pthread_mutex_unlock(&g_lock);
+        return 0;
+    }
+    g_regions[g_count] = (managed_region){user, 0, size, mapped, 0, 1, snapshot};
     __atomic_store_n(&g_count, g_count + 1, __ATOMIC_RELEASE);
     __atomic_store_n(&g_any_host_owned, 1, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&g_lock);
-    static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, install_handler);
     return 1;
 }
 
@@ -277,7 +314,7 @@ int rgpu_managed_forget(CUdeviceptr user) {
     __atomic_store_n(&g_count, g_count - 1, __ATOMIC_RELEASE);
     recount_owners_locked();
     pthread_mutex_unlock(&g_lock);
-    if (gone.gpu_owned) mprotect((void *)(uintptr_t)gone.user, gone.mapped, PROT_READ | PROT_WRITE);
+    free(gone.snapshot);
     return 1;
 }
 

@@ -24,12 +24,23 @@
 /* Copies of at least this many bytes go on UCX where the session has it (RGPU_UCX_MIN_BYTES overrides). */
 #define RGPU_UCX_MIN_BYTES (1u << 20)
 
+/* Data lanes (protocol 12, lanes.h): RGPU_LANES connections carry a large copy's bytes (1: the
+ * session's own; default 4), for copies of at least RGPU_LANE_MIN_BYTES, in chunks of
+ * RGPU_LANE_CHUNK_BYTES. */
+#define RGPU_MAX_LANES 16
+#define RGPU_DEFAULT_LANES 4
+#define RGPU_LANE_MIN_BYTES (8u << 20)
+#define RGPU_LANE_CHUNK_BYTES (2u << 20)
+#define RGPU_LANE_KEY_BYTES 32
+/* SO_SNDBUF/SO_RCVBUF of every data-path socket (RGPU_SOCKET_BUFFER_BYTES; 0: the kernel's autotuning). */
+#define RGPU_SOCKET_BUFFER_BYTES (4u << 20)
+
 /* Control opcodes (remoting/protocol.py). */
 enum { RGPU_OP_HELLO = 1, RGPU_OP_WELCOME = 2, RGPU_OP_REFUSE = 3, RGPU_OP_REPLY = 4,
        RGPU_OP_DATA = 5, RGPU_OP_BYE = 6, RGPU_OP_HOST_CALL = 10, RGPU_OP_HOST_DONE = 11,
        RGPU_OP_NOTICE = 12 /* unasked: the session's GPU context is gone (tombstone.py) */ };
 enum { RGPU_HOST_DONE_RAN = 0, RGPU_HOST_DONE_UNKNOWN_ID = 1 };
-enum { RGPU_HELLO_PROBE = 1, RGPU_HELLO_NVML = 2 };
+enum { RGPU_HELLO_PROBE = 1, RGPU_HELLO_NVML = 2, RGPU_HELLO_LANE = 8 };
 enum { RGPU_REPLY_HAS_MESSAGE = 1 };
 enum { RGPU_WELCOME_EMULATED = 1 };
 
@@ -62,6 +73,11 @@ typedef struct rgpu_session {
     /* UCX underneath (protocol 10, ucx_link.h): set when both ends negotiated it in the handshake;
      * copies of at least RGPU_UCX_MIN_BYTES then carry their bytes on it. */
     struct rgpu_ucx *ucx;
+    /* Data lanes (protocol 12): opened beside fd at the handshake, kept when WELCOME took them all. */
+    int lanes[RGPU_MAX_LANES];
+    int nlanes;
+    int striping;              /* lane threads use the lanes now: a failing session leaves them open */
+    uint8_t lane_key[RGPU_LANE_KEY_BYTES];
 } rgpu_session;
 
 typedef struct rgpu_call {
@@ -109,6 +125,14 @@ int rgpu_ucx_carries(const rgpu_call *c, size_t n);
 CUresult rgpu_ucx_put_bulk(rgpu_call *c, const void *p, size_t n);
 CUresult rgpu_ucx_expect(rgpu_call *c, void *dst, size_t n, void **req);
 CUresult rgpu_ucx_finish(rgpu_call *c, void *req, size_t n, CUresult result);
+/* Data lanes (transport.c): whether this call's session stripes a copy of n bytes over its lanes;
+ * the chunk size; the bytes of a frame sent that way (ends the frame, returns once p may be reused;
+ * a lane that fails ends the session's lanes and fails this copy). */
+int rgpu_lanes_carry(const rgpu_call *c, size_t n);
+uint64_t rgpu_lane_chunk_bytes(void);
+CUresult rgpu_lanes_put_bulk(rgpu_call *c, const void *p, size_t n);
+/* A device-to-host copy's bytes from the lanes, straight into dst, after its REPLY said they follow. */
+CUresult rgpu_lanes_get_bulk(rgpu_call *c, void *dst, size_t n, uint64_t chunk);
 CUresult rgpu_sync(rgpu_call *c);
 /* Call profile: module image bytes sent (0 for a load served by the GPU node's image cache). */
 void rgpu_stats_image(uint64_t bytes_sent, int cache_hit);

@@ -2,6 +2,7 @@
  * Shared by libcuda.so.1 and libnvidia-ml.so.1; each library opens its own sessions. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -18,6 +19,8 @@
 #include "rgpu_client.h"
 #include "rgpu_frame.h"
 #include "ucx_link.h"
+#include "lanes.h"
+#include <sys/random.h>
 
 rgpu_session rgpu_sessions[RGPU_MAX_SESSIONS];
 int rgpu_session_count;
@@ -185,10 +188,17 @@ static int recv_discard(int fd, size_t n) {
     return 0;
 }
 
+static void close_lanes(rgpu_session *s) {
+    for (int i = 0; i < s->nlanes; i++)
+        if (s->lanes[i] >= 0) close(s->lanes[i]);
+    s->nlanes = 0;
+}
+
 static void session_fail(rgpu_session *s, const char *why) {
     if (s->dead) return;
     s->dead = 1;
     if (s->fd >= 0) { close(s->fd); s->fd = -1; }
+    if (!s->striping) close_lanes(s);   /* else the striped copy closes them once its threads are done */
     rgpu_log(RGPU_LOG_ERROR,
              "lost the session with GPU server %s (device %d: %s; the worker serving this slice ended, "
              "so its memory and kernels are gone; calls now return CUDA_ERROR_DEVICE_UNAVAILABLE; "
@@ -600,7 +610,54 @@ size_t rgpu_remaining(const rgpu_call *c) { return c->rlen > c->roff ? c->rlen -
 
 /* ------------------------------------------------------------------ connecting */
 
-static int dial(const char *server, char *why, size_t whylen) {
+/* A size setting in bytes from the environment: `fallback` when unset or not a number, clamped to
+ * [lo, hi]. */
+static uint64_t env_bytes(const char *name, uint64_t fallback, uint64_t lo, uint64_t hi) {
+    const char *v = getenv(name);
+    char *end = NULL;
+    unsigned long long n = v && *v ? strtoull(v, &end, 10) : 0;
+    if (!v || !*v || !end || *end) {
+        if (v && *v) rgpu_log(RGPU_LOG_WARN, "%s=%s is not a number of bytes (using %llu)", name, v,
+                              (unsigned long long)fallback);
+        return fallback;
+    }
+    return n < lo ? lo : n > hi ? hi : n;
+}
+
+/* SO_SNDBUF/SO_RCVBUF of each data-path socket (RGPU_SOCKET_BUFFER_BYTES; 0: leave them to the
+ * kernel). Striped copies want each lane's buffer to cover its share of the link's bandwidth-delay
+ * product; Linux caps an explicit size at net.core.rmem_max/wmem_max. */
+static int socket_buffer_bytes(void) {
+    static int bytes = -1;
+    if (bytes < 0) bytes = (int)env_bytes("RGPU_SOCKET_BUFFER_BYTES", RGPU_SOCKET_BUFFER_BYTES, 0, 1u << 30);
+    return bytes;
+}
+
+/* connect(2), giving up after timeout_ms (< 0: as long as the kernel tries). */
+static int connect_within(int fd, const struct sockaddr *addr, socklen_t len, int timeout_ms) {
+    if (timeout_ms < 0) return connect(fd, addr, len);
+    int fl = fcntl(fd, F_GETFL);
+    fcntl(fd, F_SETFL, fl | O_NONBLOCK);
+    int r = connect(fd, addr, len);
+    if (r && errno == EINPROGRESS) {
+        struct pollfd p = {.fd = fd, .events = POLLOUT};
+        int k = poll(&p, 1, timeout_ms);
+        int err = 0;
+        socklen_t el = sizeof err;
+        if (k == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el) == 0 && !err) r = 0;
+        else errno = k == 0 ? ETIMEDOUT : err ? err : errno;
+    }
+    int saved = errno;
+    fcntl(fd, F_SETFL, fl);
+    errno = saved;
+    return r;
+}
+
+static int dial_within(const char *server, int timeout_ms, char *why, size_t whylen);
+
+static int dial(const char *server, char *why, size_t whylen) { return dial_within(server, -1, why, whylen); }
+
+static int dial_within(const char *server, int timeout_ms, char *why, size_t whylen) {
     char host[256];
     const char *colon = strrchr(server, ':');
     if (!colon || colon == server) {
@@ -626,7 +683,7 @@ static int dial(const char *server, char *why, size_t whylen) {
     for (struct addrinfo *a = res; a; a = a->ai_next) {
         fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
         if (fd < 0) continue;
-        if (connect(fd, a->ai_addr, a->ai_addrlen) == 0) break;
+        if (connect_within(fd, a->ai_addr, a->ai_addrlen, timeout_ms) == 0) break;
         snprintf(why, whylen, "cannot connect: %s", strerror(errno));
         close(fd);
         fd = -1;
@@ -635,9 +692,11 @@ static int dial(const char *server, char *why, size_t whylen) {
     if (fd >= 0) {
         int one = 1;
         setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-        int big = 4 << 20;
-        setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &big, sizeof big);
-        setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
+        int big = socket_buffer_bytes();
+        if (big > 0) {   /* 0: the kernel sizes them (autotuning, up to net.ipv4.tcp_rmem/tcp_wmem's max) */
+            setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &big, sizeof big);
+            setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &big, sizeof big);
+        }
     }
     return fd;
 }
@@ -669,7 +728,41 @@ static int parse_slices(const char *text) {
     return rgpu_session_count > 0 ? 0 : -1;
 }
 
-static void hello_frame(rgpu_session *s, int flags, uint8_t **out, size_t *outlen) {
+static void hex_into(char *out, const uint8_t *p, size_t n) {
+    static const char hex[] = "0123456789abcdef";
+    for (size_t i = 0; i < n; i++) {
+        out[2 * i] = hex[p[i] >> 4];
+        out[2 * i + 1] = hex[p[i] & 15];
+    }
+}
+
+/* A HELLO frame: the token and `info` (JSON), flags. */
+static void hello_bytes(const char *token, int flags, const char *info, size_t ilen_, uint8_t **out, size_t *outlen) {
+    uint32_t tl = (uint32_t)strlen(token), ilen = (uint32_t)ilen_;
+    uint32_t version = RGPU_PROTOCOL_VERSION, fl = (uint32_t)flags;
+    size_t plen = 4 + 4 + 4 + 4 + tl + 4 + ilen;
+    uint8_t *f = malloc(RGPU_HEADER_SIZE + plen);
+    rgpu_put_header(f, (uint32_t)plen, RGPU_OP_HELLO, 0, 0, 0, 0);
+    uint8_t *b = f + RGPU_HEADER_SIZE;
+    memcpy(b, "RGPU", 4);
+    memcpy(b + 4, &version, 4);
+    memcpy(b + 8, &fl, 4);
+    memcpy(b + 12, &tl, 4);
+    memcpy(b + 16, token, tl);
+    memcpy(b + 16 + tl, &ilen, 4);
+    memcpy(b + 20 + tl, info, ilen);
+    *out = f;
+    *outlen = RGPU_HEADER_SIZE + plen;
+}
+
+/* How many connections carry a large copy's bytes (RGPU_LANES; 1: the session's own). */
+static int lanes_setting(void) {
+    static int lanes = -1;
+    if (lanes < 0) lanes = (int)env_bytes("RGPU_LANES", RGPU_DEFAULT_LANES, 1, RGPU_MAX_LANES);
+    return lanes;
+}
+
+static void hello_frame(rgpu_session *s, int flags, int lanes, uint8_t **out, size_t *outlen) {
     char prog[256] = "";
     ssize_t k = readlink("/proc/self/exe", prog, sizeof prog - 1);
     if (k > 0) prog[k] = 0;
@@ -678,7 +771,7 @@ static void hello_frame(rgpu_session *s, int flags, uint8_t **out, size_t *outle
     /* Protocol 10: "ucx" carries this session's UCX worker address (hex) when it offers UCX. */
     const void *address = NULL;
     size_t alen = s->ucx ? rgpu_ucx_address(s->ucx, &address) : 0;
-    size_t cap = 512 + 2 * alen;
+    size_t cap = 640 + 2 * alen;
     char *info = malloc(cap);
     int il = snprintf(info, cap, "{\"pid\":%d,\"uid\":%d,\"program\":\"%s\"", (int)getpid(), (int)getuid(), prog);
     if (alen) {
@@ -690,27 +783,55 @@ static void hello_frame(rgpu_session *s, int flags, uint8_t **out, size_t *outle
         }
         info[il++] = '"';
     }
+    /* Protocol 12: the data lanes this session opens, and the key each of them proves itself with. */
+    if (lanes > 1) {
+        il += snprintf(info + il, cap - (size_t)il, ",\"lanes\":%d,\"lane_key\":\"", lanes);
+        hex_into(info + il, s->lane_key, sizeof s->lane_key);
+        il += 2 * (int)sizeof s->lane_key;
+        info[il++] = '"';
+    }
     info[il++] = '}';
-    uint32_t tl = (uint32_t)strlen(s->token), ilen = (uint32_t)il;
-    uint32_t version = RGPU_PROTOCOL_VERSION, fl = (uint32_t)flags;
-    size_t plen = 4 + 4 + 4 + 4 + tl + 4 + ilen;
-    uint8_t *f = malloc(RGPU_HEADER_SIZE + plen);
-    rgpu_put_header(f, (uint32_t)plen, RGPU_OP_HELLO, 0, 0, 0, 0);
-    uint8_t *b = f + RGPU_HEADER_SIZE;
-    memcpy(b, "RGPU", 4);
-    memcpy(b + 4, &version, 4);
-    memcpy(b + 8, &fl, 4);
-    memcpy(b + 12, &tl, 4);
-    memcpy(b + 16, s->token, tl);
-    memcpy(b + 16 + tl, &ilen, 4);
-    memcpy(b + 20 + tl, info, ilen);
+    hello_bytes(s->token, flags, info, (size_t)il, out, outlen);
     free(info);
-    *out = f;
-    *outlen = RGPU_HEADER_SIZE + plen;
+}
+
+/* Open the session's data lanes (before its HELLO goes out): each a connection whose HELLO carries
+ * the session's token and lane key. A lane that cannot connect leaves the session without lanes. */
+#define LANE_CONNECT_MS 2000
+
+static void open_lanes(rgpu_session *s, int lanes) {
+    char why[512];
+    for (int i = 0; i < lanes; i++) {
+        /* A server that does not accept at once (not a dispatcher, or a stuck one) costs 2 s, not
+         * the kernel's minutes of retries. */
+        int fd = dial_within(s->server, LANE_CONNECT_MS, why, sizeof why);
+        if (fd < 0) {
+            rgpu_log(RGPU_LOG_WARN, "cannot open data lane %d to GPU server %s (%s); its copies stay on one "
+                     "connection", i, s->server, why);
+            break;
+        }
+        s->lanes[s->nlanes++] = fd;
+        char info[160];
+        int il = snprintf(info, sizeof info, "{\"lane\":%d,\"lane_key\":\"", i);
+        hex_into(info + il, s->lane_key, sizeof s->lane_key);
+        il += 2 * (int)sizeof s->lane_key;
+        info[il++] = '"';
+        info[il++] = '}';
+        uint8_t *f;
+        size_t fl;
+        hello_bytes(s->token, RGPU_HELLO_LANE, info, (size_t)il, &f, &fl);
+        int failed = send_all(fd, f, fl);
+        free(f);
+        if (failed) {
+            rgpu_log(RGPU_LOG_WARN, "cannot send to data lane %d of GPU server %s (%s); its copies stay on one "
+                     "connection", i, s->server, strerror(errno));
+            break;
+        }
+    }
 }
 
 /* The worker's UCX address from WELCOME (after the description; none: the server chose TCP). */
-static CUresult read_welcome(rgpu_session *s, uint8_t **ucx_peer, size_t *ucx_len) {
+static CUresult read_welcome(rgpu_session *s, uint8_t **ucx_peer, size_t *ucx_len, uint32_t *lanes) {
     uint8_t h[RGPU_HEADER_SIZE];
     if (recv_all(s->fd, h, sizeof h)) {
         rgpu_log(RGPU_LOG_ERROR, "GPU server %s closed the connection during the handshake "
@@ -779,6 +900,8 @@ static CUresult read_welcome(rgpu_session *s, uint8_t **ucx_peer, size_t *ucx_le
                 memcpy(*ucx_peer, b + at + 4, ul);
                 *ucx_len = ul;
             }
+            at += 4 + (size_t)ul;
+            if (at + 4 <= len) memcpy(lanes, b + at, 4);   /* protocol 12: the lanes the worker took */
         }
         if (s->version != RGPU_PROTOCOL_VERSION) {
             rgpu_log(RGPU_LOG_ERROR, "protocol version mismatch with %s (client speaks %u, server speaks %u; "
@@ -921,6 +1044,71 @@ CUresult rgpu_ucx_finish(rgpu_call *c, void *req, size_t n, CUresult result) {
     return CUDA_SUCCESS;
 }
 
+/* ------------------------------------------------------------------ data lanes (protocol 12) */
+
+int rgpu_lanes_carry(const rgpu_call *c, size_t n) {
+    static uint64_t min_bytes;
+    if (!min_bytes) min_bytes = env_bytes("RGPU_LANE_MIN_BYTES", RGPU_LANE_MIN_BYTES, 1, UINT64_MAX);
+    return c->s && c->s->nlanes > 1 && n >= min_bytes;
+}
+
+uint64_t rgpu_lane_chunk_bytes(void) {
+    static uint64_t chunk;
+    /* The worker's staging slots are this size: within the protocol's bounds (64 KiB to 64 MiB). */
+    if (!chunk) chunk = env_bytes("RGPU_LANE_CHUNK_BYTES", RGPU_LANE_CHUNK_BYTES, 64u << 10, 64u << 20);
+    return chunk;
+}
+
+static int serve_while_striping(void *arg) {
+    return serve_unasked((rgpu_session *)arg, "while a copy's bytes went over its data lanes");
+}
+
+CUresult rgpu_lanes_put_bulk(rgpu_call *c, const void *p, size_t n) {
+    rgpu_session *s = c->s;
+    patch_length(c, 0);
+    c->frame_start = (size_t)-1;   /* complete: its bytes follow on the lanes */
+    if (flush_locked(s)) return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    char why[512];
+    /* The worker may be waiting for this process first (a graph's host function queued before the
+     * copy): the calling thread serves the session's connection while the lanes send. */
+    s->striping = 1;
+    int r = rgpu_lanes_send(s->lanes, s->nlanes, s->seq, p, n, rgpu_lane_chunk_bytes(), s->fd, serve_while_striping, s,
+                            ucx_idle_s(), why, sizeof why);
+    s->striping = 0;
+    if (s->dead) {
+        close_lanes(s);
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
+    if (r == 0) return CUDA_SUCCESS;
+    rgpu_log(RGPU_LOG_ERROR, "a host-to-device copy of %zu bytes to GPU server %s failed: %s (the copy did not "
+             "complete: CUDA_ERROR_UNKNOWN; the session goes on, its later copies on its one connection)", n,
+             s->server, why);
+    close_lanes(s);
+    return CUDA_ERROR_UNKNOWN;
+}
+
+CUresult rgpu_lanes_get_bulk(rgpu_call *c, void *dst, size_t n, uint64_t chunk) {
+    rgpu_session *s = c->s;
+    char why[512];
+    int32_t aborted = 0;
+    /* Only unasked frames (a host node's HOST_CALL, a NOTICE) may come on the session's connection
+     * meanwhile: the calling thread serves them while the lane threads receive. */
+    s->striping = 1;
+    int r = rgpu_lanes_recv(s->lanes, s->nlanes, s->seq, n, chunk, dst, NULL, s->fd, serve_while_striping, s,
+                            ucx_idle_s(), &aborted, why, sizeof why);
+    s->striping = 0;
+    if (s->dead) {
+        close_lanes(s);
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
+    if (r == 0) return (CUresult)aborted;   /* the driver's refusal of part of the copy, or 0 */
+    rgpu_log(RGPU_LOG_ERROR, "a device-to-host copy of %zu bytes from GPU server %s failed: %s (the copy did not "
+             "complete: CUDA_ERROR_UNKNOWN; the session goes on, its later copies on its one connection)", n,
+             s->server, why);
+    close_lanes(s);
+    return CUDA_ERROR_UNKNOWN;
+}
+
 CUresult rgpu_connect_all(int flags, const char *component) {
     g_component = component;
     int transport = (flags & RGPU_HELLO_NVML) ? TRANSPORT_TCP : transport_setting();
@@ -969,7 +1157,18 @@ CUresult rgpu_connect_all(int flags, const char *component) {
         }
         uint8_t *f;
         size_t fl;
-        hello_frame(s, flags, &f, &fl);
+        int lanes = (flags & RGPU_HELLO_NVML) ? 1 : lanes_setting();
+        if (lanes > 1 && getrandom(s->lane_key, sizeof s->lane_key, 0) != (ssize_t)sizeof s->lane_key) lanes = 1;
+        /* The lanes first: the session asks for them only once all of them are open, so a lane that
+         * cannot connect never keeps the dispatcher waiting for it (it drops the ones that came). */
+        if (lanes > 1) {
+            open_lanes(s, lanes);
+            if (s->nlanes != lanes) {
+                close_lanes(s);
+                lanes = 1;
+            }
+        }
+        hello_frame(s, flags, lanes, &f, &fl);
         if (send_all(s->fd, f, fl)) {
             rgpu_log(RGPU_LOG_ERROR, "cannot send to GPU server %s (%s)", s->server, strerror(errno));
             s->dead = 1;
@@ -982,7 +1181,14 @@ CUresult rgpu_connect_all(int flags, const char *component) {
         if (s->dead) continue;
         uint8_t *peer = NULL;
         size_t peer_len = 0;
-        CUresult r = read_welcome(s, &peer, &peer_len);
+        uint32_t took = 0;
+        CUresult r = read_welcome(s, &peer, &peer_len, &took);
+        if (r == CUDA_SUCCESS && s->nlanes && took != (uint32_t)s->nlanes) {
+            /* An older dispatcher, lanes that did not all arrive, or a worker that cannot drive them. */
+            rgpu_log(RGPU_LOG_INFO, "device %d: copies stay on one connection (asked for %d data lanes, the GPU "
+                     "server took %u; its log says why)", i, s->nlanes, took);
+            close_lanes(s);
+        }
         if (r == CUDA_SUCCESS && s->ucx) {
             char ywhy[512] = "";
             if (!peer)
@@ -1006,13 +1212,17 @@ CUresult rgpu_connect_all(int flags, const char *component) {
         if (r != CUDA_SUCCESS) {
             if (s->ucx) rgpu_ucx_close(s->ucx);
             s->ucx = NULL;
+            close_lanes(s);
             close(s->fd);
             s->fd = -1;
             s->dead = 1;
             result = r;
         } else {
-            rgpu_log(RGPU_LOG_INFO, "device %d: %s (%s; transport %s)", i, s->server, s->description,
-                     s->ucx ? "ucx" : "tcp");
+            if (s->ucx) close_lanes(s);   /* UCX carries the large copies: the lanes would stay idle */
+            char lanes[48] = "";
+            if (s->nlanes) snprintf(lanes, sizeof lanes, ", %d data lanes", s->nlanes);
+            rgpu_log(RGPU_LOG_INFO, "device %d: %s (%s; transport %s%s)", i, s->server, s->description,
+                     s->ucx ? "ucx" : "tcp", lanes);
         }
     }
     return result;
@@ -1025,6 +1235,7 @@ void rgpu_transport_reset_after_fork(void) {
         rgpu_session *s = &rgpu_sessions[i];
         if (s->fd >= 0) close(s->fd);
         s->fd = -1;
+        close_lanes(s);
         s->dead = 1;
         s->ucx = NULL;   /* the parent's UCX worker stays the parent's: the child only forgets it */
         pthread_mutex_init(&s->lock, NULL);

@@ -1,0 +1,652 @@
+/* Data lanes: a striped copy's chunks, one thread per lane (lanes.h says what and why). */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <stdarg.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "lanes.h"
+
+#define HEADER 24u
+#define POLL_SLICE_MS 100
+
+struct rgpu_lanes_staging {
+    uint8_t *base;
+    uint32_t count;
+    uint64_t slot_bytes;
+    void **busy;            /* per slot: the event its queued copy recorded; NULL: free */
+    uint32_t *fifo;         /* busy slots, oldest first (a ring of count entries) */
+    uint32_t head, len;
+};
+
+/* A LANE_DATA frame's header: chunk i of copy `seq`, at offset `off`. */
+static void lane_header(uint8_t h[HEADER], uint32_t len, uint16_t flags, uint32_t seq, uint64_t i, uint64_t off) {
+    uint16_t op = RGPU_OP_LANE_DATA;
+    uint32_t aux = (uint32_t)i;
+    memcpy(h, &len, 4);
+    memcpy(h + 4, &op, 2);
+    memcpy(h + 6, &flags, 2);
+    memcpy(h + 8, &seq, 4);
+    memcpy(h + 12, &aux, 4);
+    memcpy(h + 16, &off, 8);
+}
+
+/* ------------------------------------------------------------------ one copy's shared state */
+
+typedef struct {
+    const int *fds;
+    int nfds;
+    uint32_t seq;
+    uint64_t size, chunk, chunks;
+    double stall_s;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    int failed;
+    char why[512];
+    int exited;             /* lane threads done */
+    /* receive through staging */
+    uint8_t *direct;
+    rgpu_lanes_gpu *gpu;
+    uint32_t *free_slots;   /* a stack */
+    uint32_t nfree;
+    int want;               /* lane threads waiting for a free slot */
+    uint32_t *ready;        /* chunks whole in a slot, not yet queued to the GPU: (slot, chunk) pairs */
+    uint32_t nready;
+    uint64_t queued;        /* chunks handed to the GPU (or dropped after a driver error) */
+    int32_t aborted;        /* the code of the first aborted chunk received (0: none) */
+    /* send */
+    const uint8_t *src;
+    int wake_fd;            /* eventfd: a lane thread ended (-1: nobody watches) */
+    /* send from the device through staging: per chunk, its slot and state */
+    int32_t *chunk_slot;
+    uint8_t *chunk_state;   /* 0 not read yet, 1 whole in its slot, 2 aborted */
+    int32_t device_error;
+} copy_state;
+
+enum { CHUNK_PENDING = 0, CHUNK_READY = 1, CHUNK_ABORTED = 2 };
+
+typedef struct {
+    copy_state *c;
+    int lane;
+} lane_arg;
+
+static void fail(copy_state *c, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void fail(copy_state *c, const char *fmt, ...) {
+    pthread_mutex_lock(&c->lock);
+    if (!c->failed) {
+        c->failed = 1;
+        va_list ap;
+        va_start(ap, fmt);
+        vsnprintf(c->why, sizeof c->why, fmt, ap);
+        va_end(ap);
+        /* Wake every lane thread blocked in the kernel: the session's lanes are over. */
+        for (int i = 0; i < c->nfds; i++) shutdown(c->fds[i], SHUT_RDWR);
+    }
+    pthread_cond_broadcast(&c->cond);
+    pthread_mutex_unlock(&c->lock);
+}
+
+static int is_failed(copy_state *c) { return __atomic_load_n(&c->failed, __ATOMIC_ACQUIRE); }
+
+/* Wait until fd is ready for `events`, at most stall_s in all without progress; 0 ready, -1 stalled
+ * or failed elsewhere (the caller says which). */
+static int wait_ready(copy_state *c, int fd, short events, double *idle) {
+    struct pollfd p = {.fd = fd, .events = events};
+    for (;;) {
+        if (is_failed(c)) return -1;
+        int k = poll(&p, 1, POLL_SLICE_MS);
+        if (k > 0) return 0;
+        if (k < 0 && errno != EINTR) return -1;
+        if (k == 0) {
+            *idle += POLL_SLICE_MS / 1000.0;
+            if (*idle >= c->stall_s) return -1;
+        }
+    }
+}
+
+static int recv_exact(copy_state *c, int lane, uint8_t *p, size_t n, const char *what) {
+    double idle = 0;
+    while (n) {
+        ssize_t k = recv(c->fds[lane], p, n, MSG_DONTWAIT);
+        if (k > 0) {
+            p += k;
+            n -= (size_t)k;
+            idle = 0;
+            continue;
+        }
+        if (k == 0) {
+            fail(c, "data lane %d closed by the peer during %s", lane, what);
+            return -1;
+        }
+        if (errno == EINTR) continue;
+        if (errno != EAGAIN && errno != EWOULDBLOCK) {
+            fail(c, "data lane %d failed during %s: %s", lane, what, strerror(errno));
+            return -1;
+        }
+        if (wait_ready(c, c->fds[lane], POLLIN, &idle)) {
+            if (!is_failed(c)) fail(c, "data lane %d sent nothing for %g s during %s", lane, c->stall_s, what);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* A lane thread is done: count it, wake whoever waits (the condition, or the watcher's eventfd). */
+static void lane_exit(copy_state *c) {
+    pthread_mutex_lock(&c->lock);
+    c->exited++;
+    pthread_cond_broadcast(&c->cond);
+    pthread_mutex_unlock(&c->lock);
+    if (c->wake_fd >= 0) {
+        uint64_t one = 1;
+        ssize_t ignored = write(c->wake_fd, &one, sizeof one);
+        (void)ignored;
+    }
+}
+
+/* ------------------------------------------------------------------ staging */
+
+rgpu_lanes_staging *rgpu_lanes_staging_new(uint8_t *base, uint32_t count, uint64_t slot_bytes) {
+    rgpu_lanes_staging *st = calloc(1, sizeof *st);
+    if (!st) return NULL;
+    st->busy = calloc(count, sizeof *st->busy);
+    st->fifo = calloc(count, sizeof *st->fifo);
+    if (!st->busy || !st->fifo) {
+        rgpu_lanes_staging_free(st);
+        return NULL;
+    }
+    st->base = base;
+    st->count = count;
+    st->slot_bytes = slot_bytes;
+    return st;
+}
+
+void rgpu_lanes_staging_free(rgpu_lanes_staging *st) {
+    if (!st) return;
+    free(st->busy);
+    free(st->fifo);
+    free(st);
+}
+
+/* Wait for the oldest busy slot; its index. */
+static uint32_t retire_oldest(rgpu_lanes_staging *st, int (*event_sync)(void *), int *error) {
+    uint32_t slot = st->fifo[st->head];
+    st->head = (st->head + 1) % st->count;
+    st->len--;
+    int r = event_sync(st->busy[slot]);
+    if (r && error && !*error) *error = r;
+    st->busy[slot] = NULL;
+    return slot;
+}
+
+int rgpu_lanes_staging_drain(rgpu_lanes_staging *st, int (*event_sync)(void *)) {
+    int error = 0;
+    while (st && st->len) retire_oldest(st, event_sync, &error);
+    return error;
+}
+
+/* ------------------------------------------------------------------ receiving */
+
+typedef struct {
+    int watch_fd;
+    int (*on_readable)(void *);
+    void *arg;
+} watch_args;
+
+static int watch_middle(copy_state *c, void *arg);
+
+static void *recv_lane(void *arg) {
+    lane_arg *a = arg;
+    copy_state *c = a->c;
+    char what[96];
+    for (uint64_t i = (uint64_t)a->lane; i < c->chunks && !is_failed(c); i += (uint64_t)c->nfds) {
+        uint64_t off = i * c->chunk;
+        uint64_t n = c->size - off < c->chunk ? c->size - off : c->chunk;
+        uint8_t h[HEADER];
+        snprintf(what, sizeof what, "chunk %llu of copy %u", (unsigned long long)i, c->seq);
+        if (recv_exact(c, a->lane, h, HEADER, what)) break;
+        uint32_t len, seq, aux;
+        uint16_t op, flags;
+        uint64_t at;
+        memcpy(&len, h, 4);
+        memcpy(&op, h + 4, 2);
+        memcpy(&flags, h + 6, 2);
+        memcpy(&seq, h + 8, 4);
+        memcpy(&aux, h + 12, 4);
+        memcpy(&at, h + 16, 8);
+        if (op == RGPU_OP_LANE_DATA && (flags & RGPU_LANE_ABORTED) && len == 4 && seq == c->seq && aux == (uint32_t)i &&
+            at == off) {
+            int32_t code;
+            if (recv_exact(c, a->lane, (uint8_t *)&code, 4, what)) break;
+            pthread_mutex_lock(&c->lock);
+            if (!c->aborted) c->aborted = code ? code : 999;
+            pthread_mutex_unlock(&c->lock);
+            continue;
+        }
+        if (op != RGPU_OP_LANE_DATA || seq != c->seq || aux != (uint32_t)i || at != off || len != n) {
+            fail(c, "data lane %d sent frame op %u seq %u chunk %u offset %llu of %u bytes where chunk %llu of copy "
+                 "%u (offset %llu, %llu bytes) was due", a->lane, op, seq, aux, (unsigned long long)at, len,
+                 (unsigned long long)i, c->seq, (unsigned long long)off, (unsigned long long)n);
+            break;
+        }
+        if (c->direct) {
+            if (recv_exact(c, a->lane, c->direct + off, n, what)) break;
+            continue;
+        }
+        if (!c->gpu) {   /* a copy the worker refused: its bytes are read and dropped, the lanes stay in step */
+            uint8_t scratch[16384];
+            uint64_t left = n;
+            while (left) {
+                uint64_t k = left < sizeof scratch ? left : sizeof scratch;
+                if (recv_exact(c, a->lane, scratch, k, what)) break;
+                left -= k;
+            }
+            if (left) break;
+            continue;
+        }
+        rgpu_lanes_staging *st = c->gpu->staging;
+        pthread_mutex_lock(&c->lock);
+        while (!c->nfree && !c->failed) {
+            c->want++;
+            pthread_cond_broadcast(&c->cond);
+            pthread_cond_wait(&c->cond, &c->lock);
+            c->want--;
+        }
+        if (c->failed) {
+            pthread_mutex_unlock(&c->lock);
+            break;
+        }
+        uint32_t slot = c->free_slots[--c->nfree];
+        pthread_mutex_unlock(&c->lock);
+        if (recv_exact(c, a->lane, st->base + (uint64_t)slot * st->slot_bytes, n, what)) break;
+        pthread_mutex_lock(&c->lock);
+        c->ready[2 * c->nready] = slot;
+        c->ready[2 * c->nready + 1] = (uint32_t)i;
+        c->nready++;
+        pthread_cond_broadcast(&c->cond);
+        pthread_mutex_unlock(&c->lock);
+    }
+    lane_exit(c);
+    return NULL;
+}
+
+/* The calling thread queues each whole chunk's GPU copy and frees slots for the lane threads. */
+static void feed_gpu(copy_state *c) {
+    rgpu_lanes_gpu *g = c->gpu;
+    rgpu_lanes_staging *st = g->staging;
+    uint32_t batch[2 * RGPU_LANES_MAX * 4];
+    pthread_mutex_lock(&c->lock);
+    for (;;) {
+        while (!c->nready && !(c->want && !c->nfree && st->len) && c->exited < c->nfds)
+            pthread_cond_wait(&c->cond, &c->lock);
+        if (c->nready) {
+            uint32_t k = c->nready < sizeof batch / sizeof *batch / 2 ? c->nready : sizeof batch / sizeof *batch / 2;
+            memcpy(batch, c->ready + 2 * (c->nready - k), 2 * k * sizeof *batch);
+            c->nready -= k;
+            pthread_mutex_unlock(&c->lock);
+            for (uint32_t j = 0; j < k; j++) {
+                uint32_t slot = batch[2 * j], i = batch[2 * j + 1];
+                uint64_t off = (uint64_t)i * c->chunk;
+                uint64_t n = c->size - off < c->chunk ? c->size - off : c->chunk;
+                int r = g->error ? g->error : g->memcpy_htod(g->dst + off, st->base + (uint64_t)slot * st->slot_bytes, n,
+                                                             g->stream);
+                if (!r && !g->error) r = g->event_record(g->events[slot], g->stream);
+                if (r && !g->error) g->error = r;
+                pthread_mutex_lock(&c->lock);
+                if (r) {
+                    /* Nothing tracks a copy the driver refused: the slot is free (a queued copy that
+                     * then failed to get its event waits for the stream at the end). */
+                    c->free_slots[c->nfree++] = slot;
+                } else {
+                    st->busy[slot] = g->events[slot];
+                    st->fifo[(st->head + st->len) % st->count] = slot;
+                    st->len++;
+                }
+                c->queued++;
+                pthread_cond_broadcast(&c->cond);
+                pthread_mutex_unlock(&c->lock);
+            }
+            pthread_mutex_lock(&c->lock);
+            continue;
+        }
+        if (c->want && !c->nfree && st->len) {
+            pthread_mutex_unlock(&c->lock);
+            int error = 0;
+            uint32_t slot = retire_oldest(st, g->event_sync, &error);
+            pthread_mutex_lock(&c->lock);
+            if (error && !g->error) g->error = error;
+            c->free_slots[c->nfree++] = slot;
+            pthread_cond_broadcast(&c->cond);
+            continue;
+        }
+        break;   /* every lane thread ended and nothing is left to queue */
+    }
+    pthread_mutex_unlock(&c->lock);
+}
+
+static int run_lanes(copy_state *c, void *(*fn)(void *), int (*middle)(copy_state *, void *), void *arg) {
+    pthread_t t[RGPU_LANES_MAX];
+    lane_arg args[RGPU_LANES_MAX];
+    int started = 0;
+    for (int i = 0; i < c->nfds; i++) {
+        args[i].c = c;
+        args[i].lane = i;
+        if (pthread_create(&t[i], NULL, fn, &args[i])) {
+            fail(c, "cannot start a thread for data lane %d: %s", i, strerror(errno));
+            pthread_mutex_lock(&c->lock);
+            c->exited += c->nfds - i;   /* the lanes never started count as ended */
+            pthread_cond_broadcast(&c->cond);
+            pthread_mutex_unlock(&c->lock);
+            break;
+        }
+        started++;
+    }
+    int r = middle ? middle(c, arg) : 0;
+    for (int i = 0; i < started; i++) pthread_join(t[i], NULL);
+    return r;
+}
+
+static int feed_gpu_middle(copy_state *c, void *arg) {
+    (void)arg;
+    feed_gpu(c);
+    return 0;
+}
+
+static int init_state(copy_state *c, const int *fds, int nfds, uint32_t seq, uint64_t size, uint64_t chunk,
+                      double stall_s, char *why, size_t whylen) {
+    memset(c, 0, sizeof *c);
+    if (nfds < 1 || nfds > RGPU_LANES_MAX || !chunk) {
+        snprintf(why, whylen, "bad striped copy: %d lanes, chunks of %llu bytes", nfds, (unsigned long long)chunk);
+        return -1;
+    }
+    c->fds = fds;
+    c->nfds = nfds;
+    c->seq = seq;
+    c->size = size;
+    c->chunk = chunk;
+    c->chunks = rgpu_lanes_chunks(size, chunk);
+    c->stall_s = stall_s > 0 ? stall_s : 30.0;
+    c->wake_fd = -1;
+    pthread_mutex_init(&c->lock, NULL);
+    pthread_cond_init(&c->cond, NULL);
+    return 0;
+}
+
+static int finish(copy_state *c, char *why, size_t whylen) {
+    int r = c->failed ? -1 : 0;
+    if (r) snprintf(why, whylen, "%s", c->why);
+    pthread_mutex_destroy(&c->lock);
+    pthread_cond_destroy(&c->cond);
+    return r;
+}
+
+int rgpu_lanes_recv(const int *fds, int nfds, uint32_t seq, uint64_t size, uint64_t chunk, uint8_t *direct,
+                    rgpu_lanes_gpu *gpu, int watch_fd, int (*on_readable)(void *), void *arg, double stall_s,
+                    int32_t *aborted, char *why, size_t whylen) {
+    copy_state c;
+    if (aborted) *aborted = 0;
+    if (init_state(&c, fds, nfds, seq, size, chunk, stall_s, why, whylen)) return -1;
+    if (!direct && gpu) {
+        rgpu_lanes_staging *st = gpu->staging;
+        if (!st || st->slot_bytes < chunk || st->count < 1) {
+            snprintf(why, whylen, "no staging for chunks of %llu bytes", (unsigned long long)chunk);
+            return finish(&c, why, whylen), -1;
+        }
+        c.free_slots = malloc(st->count * sizeof *c.free_slots);
+        c.ready = malloc(2 * (size_t)st->count * sizeof *c.ready);
+        if (!c.free_slots || !c.ready) {
+            free(c.free_slots);
+            free(c.ready);
+            snprintf(why, whylen, "out of memory");
+            return finish(&c, why, whylen), -1;
+        }
+        for (uint32_t s = st->count; s-- > 0;)
+            if (!st->busy[s]) c.free_slots[c.nfree++] = s;
+    }
+    c.direct = direct;
+    c.gpu = gpu;
+    watch_args w = {watch_fd, on_readable, arg};
+    int watching = !(gpu && !direct) && watch_fd >= 0 && on_readable;
+    if (watching && (c.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) < 0) watching = 0;
+    run_lanes(&c, recv_lane, direct || !gpu ? (watching ? watch_middle : NULL) : feed_gpu_middle, &w);
+    if (c.wake_fd >= 0) close(c.wake_fd);
+    free(c.free_slots);
+    free(c.ready);
+    if (aborted) *aborted = c.aborted;
+    return finish(&c, why, whylen);
+}
+
+/* ------------------------------------------------------------------ sending */
+
+static int send_exact(copy_state *c, int lane, struct iovec *iov, int iovcnt, const char *what) {
+    double idle = 0;
+    struct msghdr m = {.msg_iov = iov, .msg_iovlen = (size_t)iovcnt};
+    while (m.msg_iovlen) {
+        ssize_t k = sendmsg(c->fds[lane], &m, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (k < 0) {
+            if (errno == EINTR) continue;
+            if (errno != EAGAIN && errno != EWOULDBLOCK) {
+                fail(c, "data lane %d failed during %s: %s", lane, what, strerror(errno));
+                return -1;
+            }
+            if (wait_ready(c, c->fds[lane], POLLOUT, &idle)) {
+                if (!is_failed(c)) fail(c, "data lane %d took nothing for %g s during %s", lane, c->stall_s, what);
+                return -1;
+            }
+            continue;
+        }
+        idle = 0;
+        size_t left = (size_t)k;
+        while (m.msg_iovlen && left >= m.msg_iov[0].iov_len) {
+            left -= m.msg_iov[0].iov_len;
+            m.msg_iov++;
+            m.msg_iovlen--;
+        }
+        if (m.msg_iovlen) {
+            m.msg_iov[0].iov_base = (uint8_t *)m.msg_iov[0].iov_base + left;
+            m.msg_iov[0].iov_len -= left;
+        }
+    }
+    return 0;
+}
+
+static void *send_lane(void *arg) {
+    lane_arg *a = arg;
+    copy_state *c = a->c;
+    char what[96];
+    for (uint64_t i = (uint64_t)a->lane; i < c->chunks && !is_failed(c); i += (uint64_t)c->nfds) {
+        uint64_t off = i * c->chunk;
+        uint64_t n = c->size - off < c->chunk ? c->size - off : c->chunk;
+        uint8_t h[HEADER];
+        lane_header(h, (uint32_t)n, 0, c->seq, i, off);
+        struct iovec iov[2] = {{h, HEADER}, {(void *)(c->src + off), n}};
+        snprintf(what, sizeof what, "chunk %llu of copy %u", (unsigned long long)i, c->seq);
+        if (send_exact(c, a->lane, iov, 2, what)) break;
+    }
+    lane_exit(c);
+    return NULL;
+}
+
+/* The calling thread: serve the session's connection while the lanes send. */
+static int watch_middle(copy_state *c, void *arg) {
+    watch_args *w = arg;
+    for (;;) {
+        pthread_mutex_lock(&c->lock);
+        int done = c->exited == c->nfds;
+        pthread_mutex_unlock(&c->lock);
+        if (done) return 0;
+        struct pollfd p[2] = {{.fd = c->wake_fd, .events = POLLIN}, {.fd = w->watch_fd, .events = POLLIN}};
+        int k = poll(p, w->watch_fd >= 0 && w->on_readable ? 2 : 1, -1);
+        if (k < 0 && errno != EINTR) return 0;
+        if (p[0].revents) {
+            uint64_t v;
+            ssize_t ignored = read(c->wake_fd, &v, sizeof v);
+            (void)ignored;
+        }
+        if (k > 0 && w->watch_fd >= 0 && w->on_readable && p[1].revents) {
+            if (w->on_readable(w->arg)) {
+                fail(c, "the session's connection failed during a striped copy");
+                w->watch_fd = -1;
+            }
+        }
+    }
+}
+
+int rgpu_lanes_send(const int *fds, int nfds, uint32_t seq, const uint8_t *p, uint64_t size, uint64_t chunk,
+                    int watch_fd, int (*on_readable)(void *), void *arg, double stall_s, char *why, size_t whylen) {
+    copy_state c;
+    if (init_state(&c, fds, nfds, seq, size, chunk, stall_s, why, whylen)) return -1;
+    c.src = p;
+    c.wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (c.wake_fd < 0) {
+        snprintf(why, whylen, "eventfd: %s", strerror(errno));
+        return finish(&c, why, whylen), -1;
+    }
+    watch_args w = {watch_fd, on_readable, arg};
+    run_lanes(&c, send_lane, watch_middle, &w);
+    close(c.wake_fd);
+    return finish(&c, why, whylen);
+}
+
+/* ------------------------------------------------------------------ sending from the device */
+
+static int send_abort(copy_state *c, int lane, uint64_t i, int32_t code, const char *what) {
+    uint8_t h[HEADER];
+    lane_header(h, 4, RGPU_LANE_ABORTED, c->seq, i, i * c->chunk);
+    struct iovec iov[2] = {{h, HEADER}, {&code, 4}};
+    return send_exact(c, lane, iov, 2, what);
+}
+
+static void *send_device_lane(void *arg) {
+    lane_arg *a = arg;
+    copy_state *c = a->c;
+    rgpu_lanes_staging *st = c->gpu->staging;
+    char what[96];
+    for (uint64_t i = (uint64_t)a->lane; i < c->chunks; i += (uint64_t)c->nfds) {
+        pthread_mutex_lock(&c->lock);
+        while (c->chunk_state[i] == CHUNK_PENDING && !c->failed) pthread_cond_wait(&c->cond, &c->lock);
+        int state = c->chunk_state[i], failed = c->failed;
+        int32_t slot = c->chunk_slot[i], code = c->device_error;
+        pthread_mutex_unlock(&c->lock);
+        if (failed) break;
+        snprintf(what, sizeof what, "chunk %llu of copy %u", (unsigned long long)i, c->seq);
+        if (state == CHUNK_ABORTED) {
+            if (send_abort(c, a->lane, i, code, what)) break;
+            continue;
+        }
+        uint64_t off = i * c->chunk;
+        uint64_t n = c->size - off < c->chunk ? c->size - off : c->chunk;
+        uint8_t h[HEADER];
+        lane_header(h, (uint32_t)n, 0, c->seq, i, off);
+        struct iovec iov[2] = {{h, HEADER}, {st->base + (uint64_t)slot * st->slot_bytes, n}};
+        int r = send_exact(c, a->lane, iov, 2, what);
+        pthread_mutex_lock(&c->lock);
+        c->free_slots[c->nfree++] = (uint32_t)slot;
+        pthread_cond_broadcast(&c->cond);
+        pthread_mutex_unlock(&c->lock);
+        if (r) break;
+    }
+    lane_exit(c);
+    return NULL;
+}
+
+/* The calling thread: queue chunk copies into free slots, in order, and hand each over once its
+ * event says it is whole. */
+static int feed_lanes_middle(copy_state *c, void *arg) {
+    (void)arg;
+    rgpu_lanes_gpu *g = c->gpu;
+    rgpu_lanes_staging *st = g->staging;
+    uint64_t next = 0, done = 0;   /* chunks queued; chunks handed over (in order) */
+    pthread_mutex_lock(&c->lock);
+    while (done < c->chunks && !c->failed) {
+        if (next < c->chunks && c->nfree && !c->device_error) {
+            uint32_t slot = c->free_slots[--c->nfree];
+            pthread_mutex_unlock(&c->lock);
+            uint64_t off = next * c->chunk;
+            uint64_t n = c->size - off < c->chunk ? c->size - off : c->chunk;
+            int r = g->memcpy_dtoh(st->base + (uint64_t)slot * st->slot_bytes, g->dst + off, n, g->stream);
+            if (!r) r = g->event_record(g->events[slot], g->stream);
+            pthread_mutex_lock(&c->lock);
+            c->chunk_slot[next] = (int32_t)slot;
+            if (r) {
+                /* This chunk and every later one go as aborted frames; those queued before are waited for. */
+                c->device_error = r;
+                c->free_slots[c->nfree++] = slot;
+                for (uint64_t j = next; j < c->chunks; j++) c->chunk_state[j] = CHUNK_ABORTED;
+                pthread_cond_broadcast(&c->cond);
+                next = c->chunks;
+            } else {
+                next++;
+            }
+            continue;
+        }
+        if (done < next && c->chunk_state[done] == CHUNK_PENDING) {
+            int32_t slot = c->chunk_slot[done];
+            pthread_mutex_unlock(&c->lock);
+            int r = g->event_sync(g->events[slot]);
+            pthread_mutex_lock(&c->lock);
+            if (r && !c->device_error) {
+                c->device_error = r;
+                for (uint64_t j = done; j < c->chunks; j++)
+                    if (c->chunk_state[j] == CHUNK_PENDING || j >= next) c->chunk_state[j] = CHUNK_ABORTED;
+                c->free_slots[c->nfree++] = (uint32_t)slot;
+                next = c->chunks;
+            } else if (!r) {
+                c->chunk_state[done] = CHUNK_READY;
+            }
+            done++;
+            pthread_cond_broadcast(&c->cond);
+            continue;
+        }
+        if (done < next || (next == c->chunks && done < c->chunks)) {   /* aborted ones: nothing to wait for */
+            done++;
+            continue;
+        }
+        pthread_cond_wait(&c->cond, &c->lock);   /* every slot is on its way out: wait for one back */
+    }
+    pthread_mutex_unlock(&c->lock);
+    return 0;
+}
+
+int rgpu_lanes_send_device(const int *fds, int nfds, uint32_t seq, uint64_t size, uint64_t chunk, rgpu_lanes_gpu *gpu,
+                           double stall_s, char *why, size_t whylen) {
+    copy_state c;
+    if (init_state(&c, fds, nfds, seq, size, chunk, stall_s, why, whylen)) return -1;
+    rgpu_lanes_staging *st = gpu ? gpu->staging : NULL;
+    if (!st || st->slot_bytes < chunk || st->count < 1) {
+        snprintf(why, whylen, "no staging for chunks of %llu bytes", (unsigned long long)chunk);
+        return finish(&c, why, whylen), -1;
+    }
+    int error = rgpu_lanes_staging_drain(st, gpu->event_sync);   /* the slots' host-to-device copies first */
+    c.gpu = gpu;
+    c.free_slots = malloc(st->count * sizeof *c.free_slots);
+    c.chunk_slot = calloc(c.chunks ? c.chunks : 1, sizeof *c.chunk_slot);
+    c.chunk_state = calloc(c.chunks ? c.chunks : 1, 1);
+    if (!c.free_slots || !c.chunk_slot || !c.chunk_state) {
+        free(c.free_slots);
+        free(c.chunk_slot);
+        free(c.chunk_state);
+        snprintf(why, whylen, "out of memory");
+        return finish(&c, why, whylen), -1;
+    }
+    for (uint32_t s = st->count; s-- > 0;) c.free_slots[c.nfree++] = s;
+    if (error) {   /* an earlier copy's error: this one reads nothing */
+        c.device_error = error;
+        memset(c.chunk_state, CHUNK_ABORTED, c.chunks);
+    }
+    run_lanes(&c, send_device_lane, feed_lanes_middle, NULL);
+    gpu->error = c.device_error;
+    free(c.free_slots);
+    free(c.chunk_slot);
+    free(c.chunk_state);
+    return finish(&c, why, whylen);
+}

@@ -1,0 +1,79 @@
+/* Data lanes (protocol 12, remoting/datapath/protocol.py): a large copy's bytes striped over
+ * several TCP connections of one session, chunk i on lane i % lanes as a LANE_DATA frame (seq: the
+ * copy's, aux: i, ctx: the chunk's offset). One thread per lane moves its chunks; no Python runs
+ * per chunk. Built into libcuda.so.1 (hidden: the client sends) and librgpu-worker.so (exported:
+ * the worker's Python, worker/lanes.py, receives one copy per call). */
+#ifndef RGPU_LANES_H
+#define RGPU_LANES_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifndef RGPU_LANES_API
+#define RGPU_LANES_API __attribute__((visibility("hidden")))
+#endif
+
+#define RGPU_LANES_MAX 16
+#define RGPU_OP_LANE_DATA 13u
+
+/* Pinned staging for host-to-device copies on a real GPU: `count` slots of `slot_bytes` each at
+ * `base` (the worker's pinned memory). A chunk lands in a free slot; the GPU copy from it is queued
+ * as soon as it is whole, and the slot is free again once the event recorded after that copy has
+ * completed: the network fills one slot while PCIe drains another. Slots stay busy across copies
+ * (the copies are asynchronous); the oldest busy slot is waited for only when none is free. */
+typedef struct rgpu_lanes_staging rgpu_lanes_staging;
+RGPU_LANES_API rgpu_lanes_staging *rgpu_lanes_staging_new(uint8_t *base, uint32_t count, uint64_t slot_bytes);
+/* Wait for every slot's copy (before a context or the staging memory goes); `event_sync` is the
+ * driver's cuEventSynchronize. Returns the first error, or 0. */
+RGPU_LANES_API int rgpu_lanes_staging_drain(rgpu_lanes_staging *st, int (*event_sync)(void *));
+RGPU_LANES_API void rgpu_lanes_staging_free(rgpu_lanes_staging *st);
+
+/* The GPU side of one host-to-device copy through staging: the driver's entry points, the
+ * destination, the stream and one event per slot (of the stream's context). */
+typedef struct rgpu_lanes_gpu {
+    int (*memcpy_htod)(uint64_t dst, const void *src, size_t n, void *stream);   /* cuMemcpyHtoDAsync_v2 */
+    int (*event_record)(void *event, void *stream);                               /* cuEventRecord */
+    int (*event_sync)(void *event);                                               /* cuEventSynchronize */
+    void *stream;
+    uint64_t dst;               /* the device address: the copy's destination, or its source (to host) */
+    void **events;              /* the staging's count events */
+    rgpu_lanes_staging *staging;
+    int32_t error;              /* out: the first code the driver returned (the copy is incomplete) */
+    uint32_t pad;
+    int (*memcpy_dtoh)(void *dst, uint64_t src, size_t n, void *stream);         /* cuMemcpyDtoHAsync_v2 */
+} rgpu_lanes_gpu;
+
+/* A LANE_DATA frame with this flag carries no data but an i32 CUresult: the sender could not read
+ * that chunk (a device-to-host copy the driver refused part way); every later chunk says so too. */
+#define RGPU_LANE_ABORTED 1u
+
+/* Receive a striped copy of `size` bytes in chunks of `chunk`: straight into `direct` when it is
+ * not NULL, else through `gpu`'s staging into device memory; with neither, the bytes are read and
+ * dropped (a copy the worker refused: the lanes stay in step). Every chunk is read off its lane even
+ * after a driver error (the lanes stay in step; gpu->error says the copy failed). A lane that ends,
+ * sends a frame that is not the chunk due, or stops for `stall_s` seconds fails the copy: -1 with
+ * `why`, and every lane is shut down (the session's lanes are over). 0: every chunk arrived, whole or
+ * aborted by the sender (then `*aborted` is its code). `watch_fd`/`on_readable`: as rgpu_lanes_send. */
+RGPU_LANES_API int rgpu_lanes_recv(const int *fds, int nfds, uint32_t seq, uint64_t size, uint64_t chunk,
+                                   uint8_t *direct, rgpu_lanes_gpu *gpu, int watch_fd, int (*on_readable)(void *),
+                                   void *arg, double stall_s, int32_t *aborted, char *why, size_t whylen);
+
+/* Send a striped copy: `size` bytes at `p` in chunks of `chunk`. While the lanes send, the calling
+ * thread watches `watch_fd` (the session's connection; -1: none) and calls `on_readable(arg)` when
+ * it has something to read (the worker may need this process first: a graph's host node); a
+ * non-zero return from it fails the copy. 0, or -1 with `why` (every lane is shut down). */
+RGPU_LANES_API int rgpu_lanes_send(const int *fds, int nfds, uint32_t seq, const uint8_t *p, uint64_t size,
+                                   uint64_t chunk, int watch_fd, int (*on_readable)(void *), void *arg,
+                                   double stall_s, char *why, size_t whylen);
+/* Send a striped device-to-host copy from `gpu->dst` (the device address) through its staging: the
+ * calling thread queues each chunk's copy into a free slot, waits for it in order and hands it to
+ * its lane's thread; the staging's host-to-device copies are waited for first. A chunk the driver
+ * refuses, and every later one, goes as an aborted frame (gpu->error is the code); -1 only for a
+ * lane failure. */
+RGPU_LANES_API int rgpu_lanes_send_device(const int *fds, int nfds, uint32_t seq, uint64_t size, uint64_t chunk,
+                                          rgpu_lanes_gpu *gpu, double stall_s, char *why, size_t whylen);
+
+/* The chunk count of a striped copy. */
+static inline uint64_t rgpu_lanes_chunks(uint64_t size, uint64_t chunk) { return (size + chunk - 1) / chunk; }
+
+#endif

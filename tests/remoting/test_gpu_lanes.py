@@ -1,0 +1,45 @@
+"""Data lanes on a real GPU (protocol 12, issue 25 item 2): striped host-to-device copies received into
+the worker's pinned slots, each chunk's cuMemcpyHtoDAsync queued as it lands, and device-to-host
+copies queued into the slots and sent as each completes (backends/cuda.py, src/lanes.c), byte for byte for sizes around the threshold and chunk boundaries, pageable and pinned;
+and a lane cut mid-copy on a real GPU.
+
+Run on a GPU machine:
+    python -m pytest -m gpu tests/remoting/test_gpu_lanes.py -v -s
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from rgpu.remoting.native import build
+
+from tests.remoting.conftest import driver_api_program, run_client, serving
+from tests.remoting.test_gpu import local_gpu
+from tests.remoting.test_lanes_emulated import (HERE, LANE_ENV, LANES, SIZES, STRIPED, _striped, lane_copies,  # noqa: F401
+                                                lane_cut)
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("chunk", [64 << 10, 2 << 20], ids=["64KiB-chunks", "2MiB-chunks"])
+def test_striped_copies_of_every_size_arrive_whole_on_a_gpu(lane_copies: Path, native_libs: build.Libraries,  # noqa: F811
+                                                            tmp_path: Path, chunk: int) -> None:
+    with serving("cuda", [local_gpu()]) as s:
+        done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(lane_copies), *map(str, SIZES)],
+                          timeout=300, RGPU_CLIENT_STATS=str(tmp_path / "p"),
+                          **(LANE_ENV | {"RGPU_LANE_CHUNK_BYTES": str(chunk)}))
+    assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
+    assert f"transport tcp, {LANES} data lanes)" in done.stderr, done.stderr
+    assert _striped(tmp_path / "p") == (STRIPED, STRIPED)
+
+
+def test_a_lane_cut_mid_copy_on_a_gpu_fails_that_copy_and_the_session_goes_on(native_libs: build.Libraries,
+                                                                              lane_cut: Path,  # noqa: F811
+                                                                              tmp_path: Path) -> None:
+    program = driver_api_program(native_libs, HERE / "lane_failure.c", tmp_path / "lane_failure")
+    with serving("cuda", [local_gpu()]) as s:
+        done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(program), "htod"], timeout=300,
+                          LD_PRELOAD=str(lane_cut), RGPU_TEST_CUT_SENDMSG="5", **LANE_ENV)
+    assert done.returncode == 0 and done.stdout.startswith("COPY 999\nSYNC 999\n"), done.stdout + done.stderr
+    assert done.stdout.strip().endswith("OK")
