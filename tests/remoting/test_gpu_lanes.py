@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from rgpu.remoting.native import build
 
-from tests.remoting.conftest import driver_api_program, run_client, serving
-from tests.remoting.test_gpu import local_gpu
+from tests.remoting.conftest import driver_api_program, local_gpu, run_client, serving
 from tests.remoting.test_lanes_emulated import (HERE, LANE_ENV, LANES, SIZES, STRIPED, _striped, lane_copies,  # noqa: F401
                                                 lane_cut)
 
