@@ -61,6 +61,7 @@ PROGRAM = textwrap.dedent(f"""
 
 def test_a_kernel_and_a_memset_read_and_write_page_locked_memory(native_libs: build.Libraries,  # noqa: F811
                                                                   gpu_server: Server, tmp_path: Path) -> None:
-    done = flexrun(native_libs, gpu_server, tmp_path, [PY, "-c", PROGRAM], name="zero-copy")
+    done = flexrun(native_libs, gpu_server, tmp_path, [PY, "-c", PROGRAM], name="zero-copy",
+                   extra_env={"RGPU_ZERO_COPY": "1"})
     assert "BAD 0" in done.stdout, done.stdout + done.stderr
     assert "page-locked" not in done.stderr, done.stderr

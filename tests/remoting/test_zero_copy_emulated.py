@@ -3,7 +3,7 @@ an address the worker reserved, and backed there by device memory the first time
 (a launch argument, a memset's target): its bytes then move at the GPU's next work and the next
 synchronisation (remoting/native/src/zero_copy.c, managed.c). XLA's autotuner zeroes such a word and
 has its redzone kernel count into it (issue 24's JAX failure). Page-locked memory that cannot be
-placed so (cudaHostRegister, RGPU_ZERO_COPY=0) would fault on the GPU node, and under MPS end every
+placed so (cudaHostRegister, or without RGPU_ZERO_COPY=1: it is off by default) would fault on the GPU node, and under MPS end every
 session there: the client refuses a launch or memset handed it, with one line; the session goes on."""
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ def test_a_launch_with_registered_host_memory_is_refused_in_the_client(native_li
     assert err.count("page-locked host memory") == 1
 
 
-def test_with_zero_copy_off_a_launch_with_allocated_page_locked_memory_is_refused(
+def test_by_default_a_launch_with_allocated_page_locked_memory_is_refused(
         native_libs: build.Libraries, emulated: Server) -> None:
     done = py_client(native_libs, emulated.slices(emulated.token()), """
         setup()
         host = ctypes.c_void_p()
         check("cuMemAllocHost_v2", ctypes.byref(host), ctypes.c_size_t(1 << 20))
-        """ + LAUNCH_WITH_HOST_POINTER, RGPU_ZERO_COPY="0")
+        """ + LAUNCH_WITH_HOST_POINTER)
     assert "LAUNCH 801" in done.stdout and "AFTER True" in done.stdout, done.stdout + done.stderr
     assert "argument at byte 8 is a pointer into page-locked host memory" in done.stderr
 
@@ -64,7 +64,7 @@ def test_a_launch_with_allocated_page_locked_memory_reaches_the_worker(native_li
         setup()
         host = ctypes.c_void_p()
         check("cuMemAllocHost_v2", ctypes.byref(host), ctypes.c_size_t(1 << 20))
-        """ + LAUNCH_WITH_HOST_POINTER)
+        """ + LAUNCH_WITH_HOST_POINTER, RGPU_ZERO_COPY="1")
     out, err = done.stdout, done.stderr
     # The client sent it (the emulated worker runs no kernel: its refusal comes at the next sync).
     assert "LAUNCH 0" in out and "SYNC 801" in out and "AFTER True" in out, out + err
@@ -109,7 +109,7 @@ def test_memsets_and_copies_of_page_locked_memory_move_its_bytes_both_ways(nativ
         free2 = ctypes.c_size_t()
         check("cuMemGetInfo_v2", ctypes.byref(free2), ctypes.byref(total))
         print("RETURNED", free0.value - free2.value)
-        """)
+        """, RGPU_ZERO_COPY="1")
     out, err = done.stdout, done.stderr
     assert done.returncode == 0, out + err
     assert "SAME True" in out
@@ -127,7 +127,7 @@ def test_a_memset_of_registered_host_memory_is_refused_in_one_line(native_libs: 
         check("cuMemHostRegister_v2", ctypes.c_void_p(ctypes.addressof(block)), ctypes.c_size_t(4096), 0)
         print("MEMSET", lib.cuMemsetD32Async(ctypes.c_uint64(ctypes.addressof(block)), 0, ctypes.c_size_t(2), None))
         print("SYNC", lib.cuCtxSynchronize())
-        """)
+        """, RGPU_ZERO_COPY="1")
     out, err = done.stdout, done.stderr
     assert "MEMSET 801" in out and "SYNC 0" in out, out + err
     assert "cuMemsetD32Async: 0x" in err and "is page-locked host memory that cannot be placed" in err, err
@@ -177,7 +177,7 @@ def test_the_host_may_fill_other_parts_of_page_locked_memory_while_the_gpu_write
         check("cuCtxSynchronize")
         print("AGAIN", [words[i] for i in range(3, 6)])
         check("cuMemFreeHost", host)
-        """)
+        """, RGPU_ZERO_COPY="1")
     out, err = done.stdout, done.stderr
     assert done.returncode == 0, out + err
     assert "COPIED True" in out, out + err

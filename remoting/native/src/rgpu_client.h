@@ -28,7 +28,7 @@
  * session's own; default 4), for copies of at least RGPU_LANE_MIN_BYTES, in chunks of
  * RGPU_LANE_CHUNK_BYTES. */
 #define RGPU_MAX_LANES 16
-#define RGPU_DEFAULT_LANES 4
+#define RGPU_DEFAULT_LANES 1   /* off until their speed on a GPU is measured (RGPU_LANES=4 turns them on) */
 #define RGPU_LANE_MIN_BYTES (8u << 20)
 #define RGPU_LANE_CHUNK_BYTES (2u << 20)
 #define RGPU_LANE_KEY_BYTES 32
