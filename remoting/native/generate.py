@@ -410,8 +410,7 @@ BEFORE_HOOKS = {
                            "if (rgpu_fattr_get(hfunc, attrib, &v_) && v_ == value) return CUDA_SUCCESS; }"),
     "cuDeviceGetAttribute": "if (rgpu_dattr_get(attrib, dev, pi)) return CUDA_SUCCESS",
     # a memset of page-locked memory: backed by device memory at its address first (zero_copy.c)
-    **{f"cuMemset{kind}{suffix}": f'{{ CUresult r_ = rgpu_zero_copy_target("cuMemset{kind}{suffix}", dstDevice); '
-                                  'if (r_ != CUDA_SUCCESS) return r_; }'
+    **{f"cuMemset{kind}{suffix}": "{ CUresult r_ = rgpu_zero_copy_target(dstDevice); if (r_ != CUDA_SUCCESS) return r_; }"
        for kind in ("D8", "D16", "D32", "D2D8", "D2D16", "D2D32") for suffix in ("_v2", "Async")},
     "cuDevicePrimaryCtxGetState": "if (rgpu_pstate_get(dev, flags, active)) return CUDA_SUCCESS",
     "cuCtxGetLimit": "if (rgpu_limit_get(limit, pvalue)) return CUDA_SUCCESS",

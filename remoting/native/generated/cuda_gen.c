@@ -534,7 +534,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoDAsync_v2(CUdeviceptr dstDevice, CUdevic
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N) {
-    { CUresult r_ = rgpu_zero_copy_target("cuMemsetD8_v2", dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
+    { CUresult r_ = rgpu_zero_copy_target(dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuMemsetD8_v2);
     if (r != CUDA_SUCCESS) return r;
@@ -545,7 +545,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char 
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD16_v2(CUdeviceptr dstDevice, unsigned short us, size_t N) {
-    { CUresult r_ = rgpu_zero_copy_target("cuMemsetD16_v2", dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
+    { CUresult r_ = rgpu_zero_copy_target(dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuMemsetD16_v2);
     if (r != CUDA_SUCCESS) return r;
@@ -556,7 +556,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD16_v2(CUdeviceptr dstDevice, unsigned shor
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD32_v2(CUdeviceptr dstDevice, unsigned int ui, size_t N) {
-    { CUresult r_ = rgpu_zero_copy_target("cuMemsetD32_v2", dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
+    { CUresult r_ = rgpu_zero_copy_target(dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuMemsetD32_v2);
     if (r != CUDA_SUCCESS) return r;
@@ -567,7 +567,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD32_v2(CUdeviceptr dstDevice, unsigned int 
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream) {
-    { CUresult r_ = rgpu_zero_copy_target("cuMemsetD8Async", dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
+    { CUresult r_ = rgpu_zero_copy_target(dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuMemsetD8Async);
     if (r != CUDA_SUCCESS) return r;
@@ -579,7 +579,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dstDevice, unsigned cha
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD16Async(CUdeviceptr dstDevice, unsigned short us, size_t N, CUstream hStream) {
-    { CUresult r_ = rgpu_zero_copy_target("cuMemsetD16Async", dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
+    { CUresult r_ = rgpu_zero_copy_target(dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuMemsetD16Async);
     if (r != CUDA_SUCCESS) return r;
@@ -591,7 +591,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD16Async(CUdeviceptr dstDevice, unsigned sh
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD32Async(CUdeviceptr dstDevice, unsigned int ui, size_t N, CUstream hStream) {
-    { CUresult r_ = rgpu_zero_copy_target("cuMemsetD32Async", dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
+    { CUresult r_ = rgpu_zero_copy_target(dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuMemsetD32Async);
     if (r != CUDA_SUCCESS) return r;
@@ -603,7 +603,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD32Async(CUdeviceptr dstDevice, unsigned in
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D8_v2(CUdeviceptr dstDevice, size_t dstPitch, unsigned char uc, size_t Width, size_t Height) {
-    { CUresult r_ = rgpu_zero_copy_target("cuMemsetD2D8_v2", dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
+    { CUresult r_ = rgpu_zero_copy_target(dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuMemsetD2D8_v2);
     if (r != CUDA_SUCCESS) return r;
@@ -616,7 +616,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D8_v2(CUdeviceptr dstDevice, size_t dstPi
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D16_v2(CUdeviceptr dstDevice, size_t dstPitch, unsigned short us, size_t Width, size_t Height) {
-    { CUresult r_ = rgpu_zero_copy_target("cuMemsetD2D16_v2", dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
+    { CUresult r_ = rgpu_zero_copy_target(dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuMemsetD2D16_v2);
     if (r != CUDA_SUCCESS) return r;
@@ -629,7 +629,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D16_v2(CUdeviceptr dstDevice, size_t dstP
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D32_v2(CUdeviceptr dstDevice, size_t dstPitch, unsigned int ui, size_t Width, size_t Height) {
-    { CUresult r_ = rgpu_zero_copy_target("cuMemsetD2D32_v2", dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
+    { CUresult r_ = rgpu_zero_copy_target(dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuMemsetD2D32_v2);
     if (r != CUDA_SUCCESS) return r;
@@ -642,7 +642,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D32_v2(CUdeviceptr dstDevice, size_t dstP
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D8Async(CUdeviceptr dstDevice, size_t dstPitch, unsigned char uc, size_t Width, size_t Height, CUstream hStream) {
-    { CUresult r_ = rgpu_zero_copy_target("cuMemsetD2D8Async", dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
+    { CUresult r_ = rgpu_zero_copy_target(dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuMemsetD2D8Async);
     if (r != CUDA_SUCCESS) return r;
@@ -656,7 +656,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D8Async(CUdeviceptr dstDevice, size_t dst
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D16Async(CUdeviceptr dstDevice, size_t dstPitch, unsigned short us, size_t Width, size_t Height, CUstream hStream) {
-    { CUresult r_ = rgpu_zero_copy_target("cuMemsetD2D16Async", dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
+    { CUresult r_ = rgpu_zero_copy_target(dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuMemsetD2D16Async);
     if (r != CUDA_SUCCESS) return r;
@@ -670,7 +670,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D16Async(CUdeviceptr dstDevice, size_t ds
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D32Async(CUdeviceptr dstDevice, size_t dstPitch, unsigned int ui, size_t Width, size_t Height, CUstream hStream) {
-    { CUresult r_ = rgpu_zero_copy_target("cuMemsetD2D32Async", dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
+    { CUresult r_ = rgpu_zero_copy_target(dstDevice); if (r_ != CUDA_SUCCESS) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuMemsetD2D32Async);
     if (r != CUDA_SUCCESS) return r;

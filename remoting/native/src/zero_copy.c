@@ -220,13 +220,11 @@ CUresult rgpu_zero_copy_promote(uint64_t ptr, int *found) {
 }
 
 /* A call that hands the GPU `ptr` as device memory (a memset's target): a zero-copy allocation is
- * backed first; plain page-locked memory is refused with one line, as a launch is. */
-CUresult rgpu_zero_copy_target(const char *call, CUdeviceptr ptr) {
+ * backed first. Anything else goes as it is (a device pointer, or page-locked memory the worker's
+ * driver will refuse: its error names the memset at the next synchronising call). Page-locked
+ * memory is not refused here by its address alone: a device pointer of the worker may have the
+ * value of an address of this process. */
+CUresult rgpu_zero_copy_target(CUdeviceptr ptr) {
     int found = 0;
-    CUresult r = rgpu_zero_copy_promote(ptr, &found);
-    if (found || !rgpu_host_range_find((const void *)(uintptr_t)ptr, NULL, NULL, NULL)) return r;
-    rgpu_log(RGPU_LOG_ERROR, "rgpu: client: %s: 0x%llx is page-locked host memory that cannot be placed at a GPU "
-             "address (RGPU_ZERO_COPY=1 places cudaHostAlloc's memory so, never cudaHostRegister's); a GPU "
-             "across the network cannot write this process's memory there: use device memory and a copy", call, (unsigned long long)ptr);
-    return CUDA_ERROR_NOT_SUPPORTED;
+    return rgpu_zero_copy_promote(ptr, &found);
 }
