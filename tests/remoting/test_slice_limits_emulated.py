@@ -447,3 +447,17 @@ def test_a_kernel_graph_node_counts_its_local_memory_as_a_launch_does(native_lib
     charged = (2048 - 1024) * 132 * 2048
     assert f"BIG {OUT_OF_MEMORY}" in done.stdout, done.stdout + done.stderr
     assert f"SMALL 0 {GiB - charged}" in done.stdout, done.stdout + done.stderr
+
+
+def test_an_emulated_allocation_the_host_cannot_hold_is_out_of_memory_in_one_line() -> None:
+    """The emulated GPU keeps its "device" memory in the worker's host RAM: a size the host cannot
+    hold is CUDA_ERROR_OUT_OF_MEMORY with a line saying why, not "internal error ... please report
+    it" (issue 29; 2**62 bytes fails on any host)."""
+    from rgpu.remoting.datapath.backends.base import OUT_OF_MEMORY, CudaError
+    from rgpu.remoting.datapath.backends.emulated import device_bytes
+
+    with pytest.raises(CudaError) as refused:
+        device_bytes(1 << 62)
+    assert refused.value.code == OUT_OF_MEMORY
+    assert "keeps its device memory in this host's RAM" in refused.value.message
+    assert len(device_bytes(4096)) == 4096

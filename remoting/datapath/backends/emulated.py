@@ -313,6 +313,17 @@ def _instance(ops: list[Any]) -> list[Any]:
     return [op.copy() if isinstance(op, (_HostNode, _ChildNode)) else op for op in ops]
 
 
+def device_bytes(size: int) -> bytearray:
+    """An emulated allocation's bytes, which live in the worker's host RAM: a size the host cannot hold
+    is the GPU's OUT_OF_MEMORY with one line, not an internal error (issue 29)."""
+    try:
+        return bytearray(size)
+    except (MemoryError, OverflowError):
+        raise CudaError(OUT_OF_MEMORY, f"rgpu: worker: the emulated GPU keeps its device memory in this host's RAM, "
+                        f"which cannot hold {size} more bytes (RGPU_GPU_DEVICE_MEMORY_LIMIT caps what an emulated "
+                        "GPU offers)") from None
+
+
 class EmulatedBackend:
     """One emulated GPU for one session (device 0 of the worker)."""
 
@@ -544,9 +555,10 @@ class EmulatedBackend:
             raise CudaError(INVALID_VALUE)
         if kind == "pool" and b not in self.pools:
             raise CudaError(INVALID_VALUE)
+        data = device_bytes(size)
         ptr = self.next_address
         self.next_address += (size + _ALIGN - 1) // _ALIGN * _ALIGN + _ALIGN  # a gap catches overruns
-        self.allocs[ptr] = bytearray(size)
+        self.allocs[ptr] = data
         bisect.insort(self.bases, ptr)
         if kind in ("async", "pool"):
             self.pool.allocate(ptr, size)
@@ -1592,7 +1604,7 @@ class EmulatedBackend:
         if size == 0 or size % (2 << 20):
             raise CudaError(INVALID_VALUE)
         handle = self.handles.new()
-        self.physical[handle] = [bytearray(size), 1]
+        self.physical[handle] = [device_bytes(size), 1]
         return handle
 
     def vmm_release(self, handle: int) -> None:
