@@ -302,19 +302,26 @@ class Handlers:
 
     # ---- copies whose bytes come striped over the session's data lanes (protocol 12; worker/lanes.py) ----
 
-    def h_htod_lanes(self, p: memoryview, address: int, seq: int) -> None:
-        import ctypes
+    def _striped_copy(self, p: memoryview, name: str, close_if_truncated: bool) -> tuple[Any, tuple[int, int, int, int]]:
+        """The session's lanes and a striped copy's (address, stream, size, chunk), or the CudaError
+        that refuses the frame (no lanes, a truncated frame, sizes the lanes refuse)."""
         lanes = getattr(self, "lanes", None)
         if lanes is None:
-            raise CudaError(INVALID_VALUE, "rgpu: worker: rgpuMemcpyHtoDLanes on a session that has no data lanes (a "
-                                           "client of another rgpu version, or not rgpu's; install the same rgpu "
-                                           "version on both sides)")
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: {name} on a session that has no data lanes (a client of "
+                                           "another rgpu version, or not rgpu's; install the same rgpu version on "
+                                           "both sides)")
         if len(p) < protocol.LANES_COPY.size:
-            lanes.close("a truncated striped copy frame")
-            raise CudaError(INVALID_VALUE, f"rgpu: worker: truncated rgpuMemcpyHtoDLanes frame ({len(p)} bytes, want "
+            if close_if_truncated:
+                lanes.close("a truncated striped copy frame")
+            raise CudaError(INVALID_VALUE, f"rgpu: worker: truncated {name} frame ({len(p)} bytes, want "
                                            f"{protocol.LANES_COPY.size}; install the same rgpu version on both sides)")
-        dst, stream, size, chunk = protocol.LANES_COPY.unpack_from(p, 0)
-        lanes.check(size, chunk)
+        fields = protocol.LANES_COPY.unpack_from(p, 0)
+        lanes.check(fields[2], fields[3])
+        return lanes, fields
+
+    def h_htod_lanes(self, p: memoryview, address: int, seq: int) -> None:
+        import ctypes
+        lanes, (dst, stream, size, chunk) = self._striped_copy(p, "rgpuMemcpyHtoDLanes", close_if_truncated=True)
         try:
             if size > self.spec.memory_limit:
                 raise CudaError(INVALID_VALUE, f"rgpu: worker: a host-to-device copy of {size} bytes (more than the "
@@ -341,16 +348,7 @@ class Handlers:
     def h_dtoh_lanes(self, p: memoryview, address: int, seq: int) -> None:
         """The REPLY goes first (an error: nothing follows on the lanes), then the bytes, striped."""
         import ctypes
-        lanes = getattr(self, "lanes", None)
-        if lanes is None:
-            raise CudaError(INVALID_VALUE, "rgpu: worker: rgpuMemcpyDtoHLanes on a session that has no data lanes (a "
-                                           "client of another rgpu version, or not rgpu's; install the same rgpu "
-                                           "version on both sides)")
-        if len(p) < protocol.LANES_COPY.size:
-            raise CudaError(INVALID_VALUE, f"rgpu: worker: truncated rgpuMemcpyDtoHLanes frame ({len(p)} bytes, want "
-                                           f"{protocol.LANES_COPY.size}; install the same rgpu version on both sides)")
-        src, stream, size, chunk = protocol.LANES_COPY.unpack_from(p, 0)
-        lanes.check(size, chunk)
+        lanes, (src, stream, size, chunk) = self._striped_copy(p, "rgpuMemcpyDtoHLanes", close_if_truncated=False)
         if size > self.spec.memory_limit:
             raise CudaError(INVALID_VALUE, f"rgpu: worker: a device-to-host copy of {size} bytes (more than the "
                                            f"slice's {format_bytes(self.spec.memory_limit)})")
@@ -592,13 +590,7 @@ class Handlers:
 
     def h_param_info(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
         (handle,) = U64.unpack_from(p, 0)
-        try:
-            return SUCCESS, fn_without_handle(self.backend.param_info(handle))
-        except CudaError as e:
-            # The client launches through a handle this worker's driver does not know: say which,
-            # since the client only sees the error code.
-            log.info("rgpuParamInfo: the driver knows no function or kernel %#x (error %d)", handle, e.code)
-            raise
+        return SUCCESS, fn_without_handle(self.backend.param_info(handle))
 
     def h_unload(self, kind: str) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
         def run(p: memoryview, address: int, seq: int) -> tuple[int, bytes]:

@@ -63,7 +63,7 @@ static void map_put(uint64_t handle, int session, int direction, uint64_t value)
     pthread_mutex_lock(&g_lock);
     if ((g_count + 1) * 4 > g_size * 3 && grow()) {
         pthread_mutex_unlock(&g_lock);
-        rgpu_log(1, "rgpu: client: out of memory while recording a library's handles on slice %d", session);
+        rgpu_log(1, "out of memory while recording a library's handles on slice %d", session);
         return;
     }
     size_t i = slot_of(handle, key2, g_size);
@@ -121,7 +121,7 @@ static void pair_kernels(int origin, uint64_t library, int session, uint64_t mir
     if (!mine || !theirs) {
         free(mine);
         free(theirs);
-        rgpu_log(1, "rgpu: client: out of memory while matching a library's kernels on device %d", session);
+        rgpu_log(1, "out of memory while matching a library's kernels on device %d", session);
         return;
     }
     n = rgpu_fn_list_module(origin, library, mine, n);
@@ -173,7 +173,7 @@ static void mirror_one(lib_rec *rec, int s) {
     }
     if (r != CUDA_SUCCESS) {
         /* The application goes on; a use of this library on device s fails there, naming the call. */
-        rgpu_log(1, "rgpu: client: loading a library on device %d failed (CUDA error %d); its kernels will not run "
+        rgpu_log(1, "loading a library on device %d failed (CUDA error %d); its kernels will not run "
                     "on that device", s, (int)r);
         return;
     }
@@ -194,7 +194,7 @@ void rgpu_library_loaded(int origin, uint64_t library, const void *image, size_t
         lib_rec *grown = realloc(g_recs, cap * sizeof *grown);
         if (!grown) {
             pthread_mutex_unlock(&g_rec_lock);
-            rgpu_log(1, "rgpu: client: out of memory while recording a library: it runs on device %d only", origin);
+            rgpu_log(1, "out of memory while recording a library: it runs on device %d only", origin);
             return;
         }
         g_recs = grown;
@@ -210,7 +210,7 @@ void rgpu_library_loaded(int origin, uint64_t library, const void *image, size_t
         rec->owned = malloc(size ? size : 1);
         if (!rec->owned) {
             pthread_mutex_unlock(&g_rec_lock);
-            rgpu_log(1, "rgpu: client: out of memory while recording a library: it runs on device %d only", origin);
+            rgpu_log(1, "out of memory while recording a library: it runs on device %d only", origin);
             return;
         }
         memcpy(rec->owned, image, size);

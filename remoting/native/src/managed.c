@@ -164,6 +164,38 @@ static managed_region *find_locked(CUdeviceptr p) {
     return NULL;
 }
 
+/* Appends a region (the lock is held). 0: out of memory. */
+static int append_locked(managed_region region) {
+    if (g_count == g_cap) {
+        size_t cap = g_cap ? g_cap * 2 : 16;
+        managed_region *grown = realloc(g_regions, cap * sizeof *grown);
+        if (!grown) return 0;
+        g_regions = grown;
+        g_cap = cap;
+    }
+    g_regions[g_count] = region;
+    __atomic_store_n(&g_count, g_count + 1, __ATOMIC_RELEASE);
+    /* The host owns a new region: its bytes go to the GPU with the next work the GPU is given. */
+    __atomic_store_n(&g_any_host_owned, 1, __ATOMIC_RELEASE);
+    return 1;
+}
+
+/* Takes out the region that starts at `user` and is (pinned) or is not (managed) page-locked
+ * memory, into *gone. 0: no such region. */
+static int take_out(CUdeviceptr user, int pinned, managed_region *gone) {
+    pthread_mutex_lock(&g_lock);
+    managed_region *m = find_locked(user);
+    int found = m && m->user == user && m->pinned == pinned;
+    if (found) {
+        *gone = *m;
+        *m = g_regions[g_count - 1];
+        __atomic_store_n(&g_count, g_count - 1, __ATOMIC_RELEASE);
+        recount_owners_locked();
+    }
+    pthread_mutex_unlock(&g_lock);
+    return found;
+}
+
 /* A host pointer of a copy that is really managed memory (not while this library hands it over):
  * the copy is the GPU's, device to device. Page-locked memory's host bytes are the program's own
  * (pinned_to_gpu above): its copies read and write them, as any page-locked memory's. */
@@ -250,23 +282,13 @@ RGPU_EXPORT CUresult CUDAAPI cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesiz
         return CUDA_ERROR_NOT_SUPPORTED;
     }
     pthread_mutex_lock(&g_lock);
-    if (g_count == g_cap) {
-        size_t cap = g_cap ? g_cap * 2 : 16;
-        managed_region *grown = realloc(g_regions, cap * sizeof *grown);
-        if (!grown) {
-            pthread_mutex_unlock(&g_lock);
-            munmap(host, mapped);
-            cuMemFree_v2(real);
-            return CUDA_ERROR_OUT_OF_MEMORY;
-        }
-        g_regions = grown;
-        g_cap = cap;
-    }
-    g_regions[g_count] = (managed_region){user, real, bytesize, mapped, 0, 0, NULL};
-    __atomic_store_n(&g_count, g_count + 1, __ATOMIC_RELEASE);
-    /* The host owns it first: zeros, copied to the GPU with the next work it is given. */
-    __atomic_store_n(&g_any_host_owned, 1, __ATOMIC_RELEASE);
+    int added = append_locked((managed_region){user, real, bytesize, mapped, 0, 0, NULL});   /* zeros, host-owned */
     pthread_mutex_unlock(&g_lock);
+    if (!added) {
+        munmap(host, mapped);
+        cuMemFree_v2(real);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, install_handler);
     *dptr = user;
@@ -277,60 +299,27 @@ RGPU_EXPORT CUresult CUDAAPI cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesiz
  * go to the GPU with the next work the GPU is given, and are merged back at synchronisation (never
  * protected: the host may use the rest of it meanwhile). 0: out of memory. */
 int rgpu_managed_adopt(CUdeviceptr user, size_t size, size_t mapped) {
-    pthread_mutex_lock(&g_lock);
-    if (g_count == g_cap) {
-        size_t cap = g_cap ? g_cap * 2 : 16;
-        managed_region *grown = realloc(g_regions, cap * sizeof *grown);
-        if (!grown) {
-            pthread_mutex_unlock(&g_lock);
-            return 0;
-        }
-        g_regions = grown;
-        g_cap = cap;
-    }
     uint8_t *snapshot = malloc(size ? size : 1);
-    if (!snapshot) {
-        pthread_mutex_unlock(&g_lock);
-        return 0;
-    }
-    g_regions[g_count] = (managed_region){user, 0, size, mapped, 0, 1, snapshot};
-    __atomic_store_n(&g_count, g_count + 1, __ATOMIC_RELEASE);
-    __atomic_store_n(&g_any_host_owned, 1, __ATOMIC_RELEASE);
+    if (!snapshot) return 0;
+    pthread_mutex_lock(&g_lock);
+    int added = append_locked((managed_region){user, 0, size, mapped, 0, 1, snapshot});
     pthread_mutex_unlock(&g_lock);
-    return 1;
+    if (!added) free(snapshot);
+    return added;
 }
 
-/* Takes an adopted region out (its memory is zero_copy.c's to free); its host pages are accessible
- * again. 0: no such region. */
+/* Takes an adopted region out (its memory is zero_copy.c's to free). 0: no such region. */
 int rgpu_managed_forget(CUdeviceptr user) {
-    pthread_mutex_lock(&g_lock);
-    managed_region *m = find_locked(user);
-    if (!m || m->user != user || !m->pinned) {
-        pthread_mutex_unlock(&g_lock);
-        return 0;
-    }
-    managed_region gone = *m;
-    *m = g_regions[g_count - 1];
-    __atomic_store_n(&g_count, g_count - 1, __ATOMIC_RELEASE);
-    recount_owners_locked();
-    pthread_mutex_unlock(&g_lock);
+    managed_region gone;
+    if (!take_out(user, 1, &gone)) return 0;
     free(gone.snapshot);
     return 1;
 }
 
 /* cuMemFree of a managed address: the host mirror goes, then the worker's allocation. */
 CUresult rgpu_managed_free(CUdeviceptr user) {
-    pthread_mutex_lock(&g_lock);
-    managed_region *m = find_locked(user);
-    if (!m || m->user != user || m->pinned) {
-        pthread_mutex_unlock(&g_lock);
-        return CUDA_ERROR_INVALID_VALUE;
-    }
-    managed_region gone = *m;
-    *m = g_regions[g_count - 1];
-    __atomic_store_n(&g_count, g_count - 1, __ATOMIC_RELEASE);
-    recount_owners_locked();
-    pthread_mutex_unlock(&g_lock);
+    managed_region gone;
+    if (!take_out(user, 0, &gone)) return CUDA_ERROR_INVALID_VALUE;
     munmap((void *)(uintptr_t)gone.user, gone.mapped);
     return cuMemFree_v2(gone.real);
 }

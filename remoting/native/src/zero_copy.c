@@ -213,7 +213,7 @@ CUresult rgpu_zero_copy_promote(uint64_t ptr, int *found) {
     }
     pthread_mutex_unlock(&g_lock);
     if (r != CUDA_SUCCESS)
-        rgpu_log(RGPU_LOG_ERROR, "rgpu: client: page-locked memory at 0x%llx (%zu bytes) could not be given to the "
+        rgpu_log(RGPU_LOG_ERROR, "page-locked memory at 0x%llx (%zu bytes) could not be given to the "
                  "GPU (CUDA error %d: the slice's memory holds its copy there)", (unsigned long long)a.base, a.size,
                  (int)r);
     return r;
