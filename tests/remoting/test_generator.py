@@ -39,6 +39,8 @@ SPEC_HASHES = {
          "ef39bd37b13941d28a745febdddaa99c007154e08ff247f5ad8937813defe306"),  # root nodes, child graphs, cuGraphAddNode(_v2), cuStreamBeginCaptureToGraph (JAX)
     12: ("628bfae87fb52fc3dd185cfa0559fcbf732af6641a105b8944b00f93aabfe137",
          "9bb836b0c606cfc59fd6a723fe65b491dade8627f4bb4aa856f0dfb0f81d55ed"),  # data lanes: striped copies (rgpuMemcpyHtoDLanes, rgpuMemcpyDtoHLanes; HELLO_LANE, LANE_DATA, WELCOME's lane count)
+    13: ("5e521e6bbe895d8f509e7bc7b3507d509a3059d6f8c5a2c89c85e3e9337550d3",
+         "6d0ac18533ae488d1c2096b1ca6142f62405fe3ff9423857abf0318013b89f8f"),  # graph edge data (rgpuGraphAddEdges: cuGraphAddDependencies(_v2), cuGraphAddNode_v2's ports), cuGraphDestroyNode
 }
 
 

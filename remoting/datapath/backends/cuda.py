@@ -552,6 +552,19 @@ class CudaBackend(CudaDriverCalls):
             raise CudaError(r)
         self._captures += 1
 
+    def graph_add_edges(self, graph: int, froms: list[int], tos: list[int], edges: bytes, drop_new_node: bool) -> None:
+        """cuGraphAddDependencies_v2 with the application's edge data (8 bytes an edge); with
+        `drop_new_node`, the node `tos[0]` was just added for these edges and goes if they fail."""
+        n = len(froms)
+        f, t = (c_void_p * max(n, 1))(*froms), (c_void_p * max(n, 1))(*tos)
+        data = ctypes.create_string_buffer(edges, max(len(edges), 1))
+        fn = self._late_fn("cuGraphAddDependencies_v2", [c_void_p, c_void_p, c_void_p, c_void_p, c_size_t])
+        r = fn(graph or None, f, t, data, n)
+        if r != SUCCESS:
+            if drop_new_node and tos:
+                self._late_fn("cuGraphDestroyNode", [c_void_p])(tos[0] or None)
+            raise CudaError(r)
+
     def exec_child_set(self, exe: int, node: int, child: int) -> None:
         fn = self._late_fn("cuGraphExecChildGraphNodeSetParams", [c_void_p, c_void_p, c_void_p])
         r = fn(exe or None, node or None, child or None)

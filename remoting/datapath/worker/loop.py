@@ -200,6 +200,7 @@ class Worker(Handlers):
             "cuStreamBeginCaptureToGraph": (self.h_capture_to_graph, False),
             "cuGraphExecChildGraphNodeSetParams": (self.h_exec_child_set, False),
             "rgpuGraphAddNode": (self.h_graph_add_node, False),
+            "rgpuGraphAddEdges": (self.h_graph_add_edges, False),
             "rgpuGraphKernelNodeSetParams": (self.h_kernel_node_set, False),
             "rgpuCaptureHostFunc": (self.h_capture_host_func, False),
             "rgpuGraphHostNode": (self.h_host_node, False),
