@@ -25,10 +25,10 @@
 #define RGPU_UCX_MIN_BYTES (1u << 20)
 
 /* Data lanes (protocol 12, lanes.h): RGPU_LANES connections carry a large copy's bytes (1: the
- * session's own; default 4), for copies of at least RGPU_LANE_MIN_BYTES, in chunks of
+ * session's own; default 8), for copies of at least RGPU_LANE_MIN_BYTES, in chunks of
  * RGPU_LANE_CHUNK_BYTES. */
 #define RGPU_MAX_LANES 16
-#define RGPU_DEFAULT_LANES 1   /* off until their speed on a GPU is measured (RGPU_LANES=4 turns them on) */
+#define RGPU_DEFAULT_LANES 8   /* measured on an H200: 256 MiB copies 15-19 GB/s on 8 lanes, 2-3 GB/s on one connection */
 #define RGPU_LANE_MIN_BYTES (8u << 20)
 #define RGPU_LANE_CHUNK_BYTES (2u << 20)
 #define RGPU_LANE_KEY_BYTES 32
