@@ -2,8 +2,11 @@
 #include "cuda_protos.h"
 #include "rgpu_nccl_bridge.h"
 
+/* cuInit once: after that it is a round trip to device 0's worker, which may be running a
+ * collective that waits for this very call's slice. */
 static CUresult current_session(int *session) {
-    CUresult r = cuInit(0);
+    CUresult r = rgpu_check_init();
+    if (r == CUDA_ERROR_NOT_INITIALIZED) r = cuInit(0);
     if (r != CUDA_SUCCESS) return r;
     rgpu_ctx *cur = rgpu_ctx_current();
     *session = cur ? cur->session : 0;   /* no current context: device 0, as cudart's default device */
