@@ -44,7 +44,7 @@ SPEC_HASHES = {
 }
 # nccl.spec (from protocol 13): its wire operations share the protocol version of the other two.
 NCCL_SPEC_HASHES = {
-    13: "f880edec34c585b623419cc7d497052a313c2cf677d8a46c819544296927b367",   # communicators, collectives, send/recv
+    13: "a09cf80cd3b3deb9908ff6c916ae17c4563ef8a09a0a1827b276aedea8baba71",   # communicators, groups, collectives, send/recv
 }
 
 

@@ -19,6 +19,7 @@ import pytest
 from rgpu.remoting.native import build
 
 from .conftest import CUDA_INCLUDE, EMULATED_GPU, EMULATED_GPU_2, Server, client_env, serving
+from .test_cuda_backend_chained import chained  # noqa: F401 - the fixture
 
 HERE = Path(__file__).parent
 COUNT = 1000
@@ -152,3 +153,32 @@ def test_a_rank_whose_worker_dies_fails_the_others_with_one_line_and_nothing_han
     assert lines == ["rgpu: worker: ncclAllReduce (emulated NCCL, rank 0 of 2): rank 1's worker went away (its "
                      "connection closed); the communicator is aborted"], err
     assert "synchronize 999 async_error 6" in out, out
+
+
+def test_the_real_gpu_workers_nccl_path_runs_chained_to_emulated_workers(
+        nccl_ranks: Path, native_libs: build.Libraries, chained: Server, tmp_path: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """backends/nccl_cuda.py without a GPU: the "cuda" workers load rgpu's own libnccl.so.2 as their
+    NCCL (RGPU_NCCL_LIBRARY), which carries their calls to emulated workers; every NCCL call of the
+    real-GPU path runs (dlopen, ids, the join thread, groups, collectives by exact symbol)."""
+    monkeypatch.setenv("RGPU_NCCL_LIBRARY", str(native_libs.libnccl))
+    procs = _rank_processes(native_libs, nccl_ranks, [chained], 2, tmp_path)
+    outputs = [p.communicate(timeout=120) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0 and out.strip() == "OK", f"rank {rank}: {out}{err}"
+        _check(tmp_path / f"out.{rank}", rank, 2)
+
+
+def test_a_gpu_node_without_nccl_refuses_it_with_one_line(nccl_ranks: Path, native_libs: build.Libraries,
+                                                          chained: Server, tmp_path: Path,  # noqa: F811
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RGPU_NCCL_LIBRARY", str(tmp_path / "no-such" / "libnccl.so.2"))
+    procs = _rank_processes(native_libs, nccl_ranks, [chained], 1, tmp_path)
+    out, err = procs[0].communicate(timeout=60)
+    assert procs[0].returncode == 3, out + err
+    lines = [line for line in err.splitlines() if "NCCL" in line]
+    assert lines[0].startswith(f"rgpu: worker: NCCL is not installed on GPU node {chained.address} (cannot load "
+                               f"{tmp_path / 'no-such' / 'libnccl.so.2'}: "), err
+    assert lines[0].endswith("install NCCL there, e.g. pip install nvidia-nccl-cu13, and point RGPU_NCCL_LIBRARY in "
+                             "the dispatcher's environment at its libnccl.so.2)"), err
+    assert "ncclGetUniqueId(&id) -> NCCL 2 (unhandled system error" in err, err

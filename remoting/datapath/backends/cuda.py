@@ -25,6 +25,7 @@ from typing import Any
 
 from rgpu.remoting.native.generated.api_gen import CUDA_ARGTYPES, CudaDriverCalls, bind
 from rgpu.remoting.datapath.backends.arrays import DEFERRED_MAPPING, HOST, ArrayDesc, footprint
+from rgpu.remoting.datapath.backends.nccl_cuda import CudaNccl
 from rgpu.remoting.datapath.backends.staging_ring import StagingRing
 from rgpu.remoting.datapath.backends.base import (
     INVALID_HANDLE,
@@ -235,7 +236,7 @@ class _Link:
         self.inputs: list[bytes] = []   # kept alive until the link is destroyed
 
 
-class CudaBackend(CudaDriverCalls):
+class CudaBackend(CudaDriverCalls, CudaNccl):
     emulated = False
 
     def __init__(self, spec: Any) -> None:

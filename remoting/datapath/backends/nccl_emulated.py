@@ -91,6 +91,12 @@ class EmulatedNccl:
         comm = self._comm(handle, "ncclCommGetAsyncError")
         return (nccl_ops.SUCCESS, comm.code if comm.joined.is_set() else 7)   # ncclInProgress while joining
 
+    def rgpuNcclGroupStart(self, dev: int) -> tuple[int]:
+        return (nccl_ops.SUCCESS,)   # each operation runs as it comes: a send never waits for its receive
+
+    def rgpuNcclGroupEnd(self, dev: int) -> tuple[int]:
+        return (nccl_ops.SUCCESS,)
+
     # ------------------------------------------------------------------ the collectives
 
     def _run(self, call: str, handle: int, stream: int, body: Any) -> tuple[int]:

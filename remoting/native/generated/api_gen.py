@@ -17,7 +17,7 @@ from typing import Any, Callable
 PROTOCOL_VERSION = 13
 CUDA_SPEC_SHA256 = "a52ffcd5888fa64663cc09f746459b75ce3d2b06baa7732c8603b06f74d23afe"
 NVML_SPEC_SHA256 = "6d0ac18533ae488d1c2096b1ca6142f62405fe3ff9423857abf0318013b89f8f"
-NCCL_SPEC_SHA256 = "f880edec34c585b623419cc7d497052a313c2cf677d8a46c819544296927b367"
+NCCL_SPEC_SHA256 = "a09cf80cd3b3deb9908ff6c916ae17c4563ef8a09a0a1827b276aedea8baba71"
 
 _STRUCTS: dict[str, struct.Struct] = {}
 
@@ -322,16 +322,18 @@ OPS: dict[int, str] = {
     1538: "rgpuNcclCommReady",
     1539: "rgpuNcclCommDestroy",
     1540: "rgpuNcclCommGetAsyncError",
-    1541: "ncclAllReduce",
-    1542: "ncclBroadcast",
-    1543: "ncclReduce",
-    1544: "ncclAllGather",
-    1545: "ncclReduceScatter",
-    1546: "ncclSend",
-    1547: "ncclRecv",
+    1541: "rgpuNcclGroupStart",
+    1542: "rgpuNcclGroupEnd",
+    1543: "ncclAllReduce",
+    1544: "ncclBroadcast",
+    1545: "ncclReduce",
+    1546: "ncclAllGather",
+    1547: "ncclReduceScatter",
+    1548: "ncclSend",
+    1549: "ncclRecv",
 }
 OPCODES: dict[str, int] = {name: op for op, name in OPS.items()}
-ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 91, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 109, 112, 119, 120, 123, 178, 179, 198, 199, 200, 201, 1541, 1542, 1543, 1544, 1545, 1546, 1547, })
+ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 91, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 109, 112, 119, 120, 123, 178, 179, 198, 199, 200, 201, 1541, 1542, 1543, 1544, 1545, 1546, 1547, 1548, 1549, })
 MANUAL_OPS: frozenset[str] = frozenset({ "cuInit", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuCtxDestroy_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuMemAllocAsync", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "rgpuMemcpyHtoDUcx", "rgpuMemcpyDtoHUcx", "rgpuMemcpyHtoDLanes", "rgpuMemcpyDtoHLanes", "rgpuMemcpy2DDevice", "cuPointerGetAttribute", "cuPointerGetAttributes", "rgpuStreamCreate", "rgpuEventCreate", "cuModuleLoadDataEx", "cuModuleUnload", "cuModuleGetFunction", "cuLinkCreate_v2", "cuLinkAddData_v2", "cuLinkComplete", "cuLinkDestroy", "cuLibraryLoadData", "cuLibraryUnload", "cuLaunchKernel", "rgpuOccupancyMaxPotentialBlockSize", "cuOccupancyMaxActiveClusters", "rgpuParamInfo", "rgpuSessionInfo", "rgpuPrivateTableSize", "rgpuModuleNodes", "rgpuSetAttribute", "rgpuTensorMap", "rgpuStreamCaptureInfo", "cuGraphGetNodes", "cuGraphGetRootNodes", "rgpuGraphAddNode", "rgpuGraphHostRefresh", "rgpuGraphHostReadback", "rgpuCaptureHostCopy", "rgpuGraphKernelNodeSetParams", "cuGraphExecChildGraphNodeSetParams", "cuStreamBeginCaptureToGraph", "rgpuCaptureHostFunc", "rgpuGraphHostNode", "cuMemCreate", "cuMemRelease", "cuMemRetainAllocationHandle", "cuMemSetAccess", "cuArrayCreate_v2", "cuArray3DCreate_v2", "cuArrayDestroy", "cuMipmappedArrayCreate", "cuMipmappedArrayDestroy", "rgpuMemcpyArray", "rgpuMemcpyArrayToHost", "cuTexObjectCreate", })
 
 Handler = Callable[[Any, Any, int], tuple[int, bytes]]
@@ -1612,6 +1614,16 @@ def _h_rgpuNcclCommGetAsyncError(api: Any, buf: Any, off: int) -> tuple[int, byt
         return res[0], b""
     return 0, _struct('<i').pack(res[1])
 
+def _h_rgpuNcclGroupStart(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    dev, = _struct('<i').unpack_from(buf, off); off += 4
+    res = api.rgpuNcclGroupStart(dev)
+    return res[0], b""
+
+def _h_rgpuNcclGroupEnd(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    dev, = _struct('<i').unpack_from(buf, off); off += 4
+    res = api.rgpuNcclGroupEnd(dev)
+    return res[0], b""
+
 def _h_ncclAllReduce(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     sendbuff, recvbuff, count, datatype, op, comm, stream = _struct('<QQQiiQQ').unpack_from(buf, off); off += 48
     stream = _stream_in(api, stream, 'ncclAllReduce')
@@ -1851,13 +1863,15 @@ GENERATED_HANDLERS: dict[int, tuple[str, Handler]] = {
     1538: ("rgpuNcclCommReady", _h_rgpuNcclCommReady),
     1539: ("rgpuNcclCommDestroy", _h_rgpuNcclCommDestroy),
     1540: ("rgpuNcclCommGetAsyncError", _h_rgpuNcclCommGetAsyncError),
-    1541: ("ncclAllReduce", _h_ncclAllReduce),
-    1542: ("ncclBroadcast", _h_ncclBroadcast),
-    1543: ("ncclReduce", _h_ncclReduce),
-    1544: ("ncclAllGather", _h_ncclAllGather),
-    1545: ("ncclReduceScatter", _h_ncclReduceScatter),
-    1546: ("ncclSend", _h_ncclSend),
-    1547: ("ncclRecv", _h_ncclRecv),
+    1541: ("rgpuNcclGroupStart", _h_rgpuNcclGroupStart),
+    1542: ("rgpuNcclGroupEnd", _h_rgpuNcclGroupEnd),
+    1543: ("ncclAllReduce", _h_ncclAllReduce),
+    1544: ("ncclBroadcast", _h_ncclBroadcast),
+    1545: ("ncclReduce", _h_ncclReduce),
+    1546: ("ncclAllGather", _h_ncclAllGather),
+    1547: ("ncclReduceScatter", _h_ncclReduceScatter),
+    1548: ("ncclSend", _h_ncclSend),
+    1549: ("ncclRecv", _h_ncclRecv),
 }
 
 # Generated entry points and their ctypes argument types, for NVIDIA's libcuda.so.1.

@@ -74,6 +74,24 @@ ncclResult_t rgpuNcclCommGetAsyncError(ncclComm_t comm, int *asyncError) {
     return rgpu_nccl_reply(r);
 }
 
+ncclResult_t rgpuNcclGroupStart(CUdevice dev) {
+    rgpu_call c;
+    CUresult r = rgpu_begin_session(&c, RGPU_OP_rgpuNcclGroupStart, (int)dev);
+    if (r != CUDA_SUCCESS) return rgpu_nccl_not_sent("rgpuNcclGroupStart", r);
+    rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
+    r = rgpu_async(&c);
+    return r == CUDA_SUCCESS ? ncclSuccess : rgpu_nccl_not_sent("rgpuNcclGroupStart", r);
+}
+
+ncclResult_t rgpuNcclGroupEnd(CUdevice dev) {
+    rgpu_call c;
+    CUresult r = rgpu_begin_session(&c, RGPU_OP_rgpuNcclGroupEnd, (int)dev);
+    if (r != CUDA_SUCCESS) return rgpu_nccl_not_sent("rgpuNcclGroupEnd", r);
+    rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
+    r = rgpu_async(&c);
+    return r == CUDA_SUCCESS ? ncclSuccess : rgpu_nccl_not_sent("rgpuNcclGroupEnd", r);
+}
+
 RGPU_EXPORT ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
     rgpu_call c;
     CUresult r = rgpu_nccl_begin_comm(&c, RGPU_OP_ncclAllReduce, comm);

@@ -270,13 +270,15 @@ enum rgpu_opcode {
     RGPU_OP_rgpuNcclCommReady = 1538,
     RGPU_OP_rgpuNcclCommDestroy = 1539,
     RGPU_OP_rgpuNcclCommGetAsyncError = 1540,
-    RGPU_OP_ncclAllReduce = 1541,
-    RGPU_OP_ncclBroadcast = 1542,
-    RGPU_OP_ncclReduce = 1543,
-    RGPU_OP_ncclAllGather = 1544,
-    RGPU_OP_ncclReduceScatter = 1545,
-    RGPU_OP_ncclSend = 1546,
-    RGPU_OP_ncclRecv = 1547,
+    RGPU_OP_rgpuNcclGroupStart = 1541,
+    RGPU_OP_rgpuNcclGroupEnd = 1542,
+    RGPU_OP_ncclAllReduce = 1543,
+    RGPU_OP_ncclBroadcast = 1544,
+    RGPU_OP_ncclReduce = 1545,
+    RGPU_OP_ncclAllGather = 1546,
+    RGPU_OP_ncclReduceScatter = 1547,
+    RGPU_OP_ncclSend = 1548,
+    RGPU_OP_ncclRecv = 1549,
 };
 
 #endif

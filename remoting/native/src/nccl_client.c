@@ -84,10 +84,29 @@ void rgpu_abort(rgpu_call *c) { g_bridge->abort_(c); }
 
 static int comm_ok(ncclComm_t comm) { return comm && comm->magic == RGPU_NCCL_COMM_MAGIC; }
 
+/* Group calls: the depth is the calling thread's; a slice's worker opens NCCL's group before the
+ * group's first operation on that slice (so its sends and receives are matched as NCCL requires) and
+ * closes it at the outermost ncclGroupEnd. Communicators joined inside a group wait for their peers
+ * there too (ncclCommInitAll's way, and NCCL's for several devices in one thread). */
+static __thread int tl_group_depth;
+static __thread uint64_t tl_group_slices;   /* bit i: slice i has an open group */
+static __thread ncclComm_t tl_pending[RGPU_MAX_SESSIONS];
+static __thread int tl_pending_n;
+
 CUresult rgpu_nccl_begin_comm(rgpu_call *c, uint16_t op, ncclComm_t comm) {
     if (!comm_ok(comm)) {
         memset(c, 0, sizeof *c);
         return CUDA_ERROR_INVALID_HANDLE;
+    }
+    uint64_t bit = 1ull << (comm->session & 63);
+    int collective = op >= RGPU_OP_ncclAllReduce && op <= RGPU_OP_ncclRecv;   /* nccl.spec's last section */
+    if (tl_group_depth > 0 && collective && !(tl_group_slices & bit)) {
+        ncclResult_t r = rgpuNcclGroupStart(comm->session);
+        if (r != ncclSuccess) {
+            memset(c, 0, sizeof *c);
+            return CUDA_ERROR_DEVICE_UNAVAILABLE;
+        }
+        tl_group_slices |= bit;
     }
     return rgpu_begin_session(c, op, comm->session);
 }
@@ -155,12 +174,6 @@ RGPU_EXPORT ncclResult_t ncclGetUniqueId(ncclUniqueId *uniqueId) {
     if (r != CUDA_SUCCESS) return rgpu_nccl_not_sent("ncclGetUniqueId", r);
     return rgpuNcclGetUniqueId(uniqueId, session);
 }
-
-/* Communicators joined inside a group wait for their peers at ncclGroupEnd (ncclCommInitAll's way,
- * and NCCL's for several devices in one thread). */
-static __thread int tl_group_depth;
-static __thread ncclComm_t tl_pending[RGPU_MAX_SESSIONS];
-static __thread int tl_pending_n;
 
 static ncclResult_t wait_ready(ncclComm_t comm) {
     ncclResult_t r = rgpuNcclCommReady(comm);
@@ -232,6 +245,12 @@ RGPU_EXPORT ncclResult_t ncclGroupEnd(void) {
     if (tl_group_depth <= 0) return rgpu_nccl_invalid("ncclGroupEnd", "no ncclGroupStart before it");
     if (--tl_group_depth > 0) return ncclSuccess;
     ncclResult_t first = ncclSuccess;
+    for (int i = 0; i < 64; i++) {
+        if (!(tl_group_slices & (1ull << i))) continue;
+        ncclResult_t r = rgpuNcclGroupEnd(i);
+        if (first == ncclSuccess) first = r;
+    }
+    tl_group_slices = 0;
     for (int i = 0; i < tl_pending_n; i++) {
         ncclResult_t r = wait_ready(tl_pending[i]);
         if (first == ncclSuccess) first = r;

@@ -29,5 +29,7 @@ ncclResult_t rgpuNcclCommJoin(unsigned long long *remote, const ncclUniqueId *co
 ncclResult_t rgpuNcclCommReady(ncclComm_t comm);
 ncclResult_t rgpuNcclCommDestroy(ncclComm_t comm, int abort);
 ncclResult_t rgpuNcclCommGetAsyncError(ncclComm_t comm, int *asyncError);
+ncclResult_t rgpuNcclGroupStart(CUdevice dev);
+ncclResult_t rgpuNcclGroupEnd(CUdevice dev);
 
 #endif
