@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import pytest
 from rgpu.remoting.native import build
 
 from .conftest import CUDA_INCLUDE, EMULATED_GPU, EMULATED_GPU_2, Server, client_env, serving
+from .test_flexrun import conf_for, run_flexrun
 from .test_cuda_backend_chained import chained  # noqa: F401 - the fixture
 
 HERE = Path(__file__).parent
@@ -182,3 +184,18 @@ def test_a_gpu_node_without_nccl_refuses_it_with_one_line(nccl_ranks: Path, nati
     assert lines[0].endswith("install NCCL there, e.g. pip install nvidia-nccl-cu13, and point RGPU_NCCL_LIBRARY in "
                              "the dispatcher's environment at its libnccl.so.2)"), err
     assert "ncclGetUniqueId(&id) -> NCCL 2 (unhandled system error" in err, err
+
+
+def test_two_ranks_run_through_flexrun(nccl_ranks: Path, native_libs: build.Libraries, emulated: Server,
+                                       tmp_path: Path) -> None:
+    """What a job's tasks do (`srun -n 2 flexrun -- ./app`): each rank's flexrun puts rgpu's libraries,
+    libnccl.so.2 among them, first on the library path; here each rank has an adaptor.conf of its own slice."""
+    def rank(r: int) -> subprocess.CompletedProcess[str]:
+        conf = conf_for(emulated, tmp_path / f"adaptor.{r}.conf", emulated.token(memory_limit=256 << 20))
+        return run_flexrun(["-f", str(conf), "--", str(nccl_ranks), "rank", str(r), "2", str(tmp_path / "id"), str(COUNT),
+                            str(tmp_path / f"out.{r}")], native_libs, timeout=120)
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(rank, range(2)))
+    for r, d in enumerate(done):
+        assert d.returncode == 0 and d.stdout.strip() == "OK", f"rank {r}: {d.stdout}{d.stderr}"
+        _check(tmp_path / f"out.{r}", r, 2)
