@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from rgpu.remoting.native import build
 
-from .conftest import CUDA_INCLUDE, EMULATED_GPU, EMULATED_GPU_2, Server, client_env, serving
+from .conftest import CUDA_INCLUDE, EMULATED_GPU, EMULATED_GPU_2, PY, Server, client_env, serving
 from .test_flexrun import conf_for, run_flexrun
 from .test_cuda_backend_chained import chained  # noqa: F401 - the fixture
 
@@ -199,3 +199,23 @@ def test_two_ranks_run_through_flexrun(nccl_ranks: Path, native_libs: build.Libr
     for r, d in enumerate(done):
         assert d.returncode == 0 and d.stdout.strip() == "OK", f"rank {r}: {d.stdout}{d.stderr}"
         _check(tmp_path / f"out.{r}", r, 2)
+
+
+REMOTED = ["ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRank", "ncclCommInitAll", "ncclCommInitRankConfig",
+           "ncclCommDestroy", "ncclCommAbort", "ncclCommGetAsyncError", "ncclCommCount", "ncclCommCuDevice",
+           "ncclCommUserRank", "ncclGroupStart", "ncclGroupEnd", "ncclAllReduce", "ncclBroadcast", "ncclBcast",
+           "ncclReduce", "ncclAllGather", "ncclReduceScatter", "ncclSend", "ncclRecv", "ncclGetErrorString",
+           "ncclGetLastError"]
+
+
+def test_libnccl_exports_only_nccl_names_and_the_rest_of_the_api_says_not_yet(native_libs: build.Libraries) -> None:
+    names = subprocess.run(["nm", "-D", "--defined-only", str(native_libs.libnccl)], capture_output=True, text=True,
+                           check=True).stdout.split()[2::3]
+    assert set(REMOTED) <= set(names) and all(n.startswith("nccl") for n in names), names
+    done = subprocess.run([PY, "-c", "import ctypes; lib = ctypes.CDLL('libnccl.so.2'); "
+                           "print(lib.ncclCommSplit(None, 0, 0, None, None), lib.ncclCommSplit(None, 0, 0, None, None))"],
+                          env=client_env(native_libs, ""), capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["5", "5"], done.stdout + done.stderr   # ncclInvalidUsage
+    assert done.stderr.splitlines() == [
+        "rgpu: nccl: ncclCommSplit is not supported by rgpu's NCCL yet (rgpu remotes communicators from "
+        "ncclGetUniqueId, groups, all-reduce, broadcast, reduce, all-gather, reduce-scatter, send and receive)"]

@@ -195,3 +195,27 @@ RGPU_EXPORT ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t d
     return r == CUDA_SUCCESS ? ncclSuccess : rgpu_nccl_not_sent("ncclRecv", r);
 }
 
+/* Every other NCCL entry point of nccl.spec: present, logs its name once, ncclInvalidUsage. */
+RGPU_EXPORT ncclResult_t ncclMemAlloc(void) { static int seen; return rgpu_nccl_unsupported("ncclMemAlloc", &seen); }
+RGPU_EXPORT ncclResult_t ncclMemFree(void) { static int seen; return rgpu_nccl_unsupported("ncclMemFree", &seen); }
+RGPU_EXPORT ncclResult_t ncclCommFinalize(void) { static int seen; return rgpu_nccl_unsupported("ncclCommFinalize", &seen); }
+RGPU_EXPORT ncclResult_t ncclCommSplit(void) { static int seen; return rgpu_nccl_unsupported("ncclCommSplit", &seen); }
+RGPU_EXPORT ncclResult_t ncclCommShrink(void) { static int seen; return rgpu_nccl_unsupported("ncclCommShrink", &seen); }
+RGPU_EXPORT ncclResult_t ncclCommInitRankScalable(void) { static int seen; return rgpu_nccl_unsupported("ncclCommInitRankScalable", &seen); }
+RGPU_EXPORT ncclResult_t ncclCommRegister(void) { static int seen; return rgpu_nccl_unsupported("ncclCommRegister", &seen); }
+RGPU_EXPORT ncclResult_t ncclCommDeregister(void) { static int seen; return rgpu_nccl_unsupported("ncclCommDeregister", &seen); }
+RGPU_EXPORT ncclResult_t ncclCommWindowRegister(void) { static int seen; return rgpu_nccl_unsupported("ncclCommWindowRegister", &seen); }
+RGPU_EXPORT ncclResult_t ncclCommWindowDeregister(void) { static int seen; return rgpu_nccl_unsupported("ncclCommWindowDeregister", &seen); }
+RGPU_EXPORT ncclResult_t ncclRedOpCreatePreMulSum(void) { static int seen; return rgpu_nccl_unsupported("ncclRedOpCreatePreMulSum", &seen); }
+RGPU_EXPORT ncclResult_t ncclRedOpDestroy(void) { static int seen; return rgpu_nccl_unsupported("ncclRedOpDestroy", &seen); }
+RGPU_EXPORT ncclResult_t ncclGroupSimulateEnd(void) { static int seen; return rgpu_nccl_unsupported("ncclGroupSimulateEnd", &seen); }
+RGPU_EXPORT ncclResult_t ncclAlltoAll(void) { static int seen; return rgpu_nccl_unsupported("ncclAlltoAll", &seen); }
+RGPU_EXPORT ncclResult_t ncclGather(void) { static int seen; return rgpu_nccl_unsupported("ncclGather", &seen); }
+RGPU_EXPORT ncclResult_t ncclScatter(void) { static int seen; return rgpu_nccl_unsupported("ncclScatter", &seen); }
+RGPU_EXPORT ncclResult_t ncclCommRevoke(void) { static int seen; return rgpu_nccl_unsupported("ncclCommRevoke", &seen); }
+RGPU_EXPORT ncclResult_t ncclCommGetUniqueId(void) { static int seen; return rgpu_nccl_unsupported("ncclCommGetUniqueId", &seen); }
+RGPU_EXPORT ncclResult_t ncclCommGrow(void) { static int seen; return rgpu_nccl_unsupported("ncclCommGrow", &seen); }
+RGPU_EXPORT ncclResult_t ncclCommSuspend(void) { static int seen; return rgpu_nccl_unsupported("ncclCommSuspend", &seen); }
+RGPU_EXPORT ncclResult_t ncclCommResume(void) { static int seen; return rgpu_nccl_unsupported("ncclCommResume", &seen); }
+RGPU_EXPORT ncclResult_t ncclCommMemStats(void) { static int seen; return rgpu_nccl_unsupported("ncclCommMemStats", &seen); }
+RGPU_EXPORT ncclResult_t ncclWinGetUserPtr(void) { static int seen; return rgpu_nccl_unsupported("ncclWinGetUserPtr", &seen); }

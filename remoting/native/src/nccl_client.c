@@ -141,6 +141,15 @@ ncclResult_t rgpu_nccl_invalid(const char *call, const char *why) {
     return ncclInvalidArgument;
 }
 
+ncclResult_t rgpu_nccl_unsupported(const char *call, int *seen) {
+    if (!__atomic_exchange_n(seen, 1, __ATOMIC_RELAXED))
+        say("%s is not supported by rgpu's NCCL yet (rgpu remotes communicators from ncclGetUniqueId, groups, "
+            "all-reduce, broadcast, reduce, all-gather, reduce-scatter, send and receive)", call);
+    else
+        snprintf(tl_last_error, sizeof tl_last_error, "%s is not supported by rgpu's NCCL yet", call);
+    return ncclInvalidUsage;
+}
+
 /* ------------------------------------------------------------------ answered here */
 
 RGPU_EXPORT ncclResult_t ncclGetVersion(int *version) {

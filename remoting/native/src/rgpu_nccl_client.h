@@ -22,6 +22,7 @@ uint64_t rgpu_nccl_remote(ncclComm_t comm);
 ncclResult_t rgpu_nccl_not_sent(const char *call, CUresult r);
 ncclResult_t rgpu_nccl_reply(CUresult r);
 ncclResult_t rgpu_nccl_invalid(const char *call, const char *why);
+ncclResult_t rgpu_nccl_unsupported(const char *call, int *seen);
 
 /* The generated communicator operations (nccl.spec). */
 ncclResult_t rgpuNcclGetUniqueId(ncclUniqueId *uniqueId, CUdevice dev);
