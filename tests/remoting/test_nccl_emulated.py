@@ -164,6 +164,7 @@ def test_the_real_gpu_workers_nccl_path_runs_chained_to_emulated_workers(
     NCCL (RGPU_NCCL_LIBRARY), which carries their calls to emulated workers; every NCCL call of the
     real-GPU path runs (dlopen, ids, the join thread, groups, collectives by exact symbol)."""
     monkeypatch.setenv("RGPU_NCCL_LIBRARY", str(native_libs.libnccl))
+    monkeypatch.setenv("RGPU_LOG", "warn")   # the workers' own client (of the emulated workers) says why, if it must
     procs = _rank_processes(native_libs, nccl_ranks, [chained], 2, tmp_path)
     outputs = [p.communicate(timeout=120) for p in procs]
     for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):

@@ -80,7 +80,7 @@ class CudaNccl:
         code = self._nccl().ncclGetUniqueId(ctypes.byref(uid))
         if code:
             raise CudaError(code, f"rgpu: worker: ncclGetUniqueId: {self._nccl_text(code)}")
-        return (nccl_ops.SUCCESS, bytes(uid.internal))
+        return (nccl_ops.SUCCESS, bytes(uid))   # all 128 bytes (the field's value would stop at the first NUL)
 
     def rgpuNcclCommJoin(self, comm_id: bytes, nranks: int, rank: int, dev: int) -> tuple[int, int]:
         lib = self._nccl()

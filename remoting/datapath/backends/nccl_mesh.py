@@ -2,8 +2,8 @@
 through a rendezvous named by the unique id and exchange host memory over TCP, every rank with every
 other (a full mesh: communicators here have a handful of ranks).
 
-The unique id (128 bytes, as NCCL's) is `MAGIC | port (u16) | tag (16 random bytes) | host (NUL
-padded)`: the address of a rendezvous listener in the worker that made it. Each rank's worker opens a
+The unique id (128 bytes, as NCCL's) is `MAGIC | format (u16, 1) | port (u16) | tag (16 random bytes) |
+host (NUL padded)`: binary, with a NUL in its fifth word, as real NCCL's ids may be anywhere: the address of a rendezvous listener in the worker that made it. Each rank's worker opens a
 listener of its own for its peers, tells the rendezvous (tag, nranks, rank, its address), and gets
 every rank's address back once all have come; then rank i connects to each lower rank. Every message
 is length-prefixed, sent by one thread per peer (a rank may send to a peer that is sending to it) and
@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 MAGIC = b"RGPUNCL1"
 ID_BYTES = 128
-_ID_HEAD = struct.Struct("<8sH16s")
+ID_FORMAT = 1
+_ID_HEAD = struct.Struct("<8sHH16s")
 _LEN = struct.Struct("<Q")
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -45,14 +46,14 @@ class UniqueId:
         host = self.host.encode()
         if len(host) > ID_BYTES - _ID_HEAD.size - 1:
             raise ValueError(f"host name {self.host!r} is too long for an NCCL unique id")
-        return (_ID_HEAD.pack(MAGIC, self.port, self.tag) + host).ljust(ID_BYTES, b"\0")
+        return (_ID_HEAD.pack(MAGIC, ID_FORMAT, self.port, self.tag) + host).ljust(ID_BYTES, b"\0")
 
     @classmethod
     def unpack(cls, data: bytes) -> UniqueId:
         if len(data) != ID_BYTES:
             raise ValueError(f"an NCCL unique id has {ID_BYTES} bytes, not {len(data)}")
-        magic, port, tag = _ID_HEAD.unpack_from(data)
-        if magic != MAGIC:
+        magic, form, port, tag = _ID_HEAD.unpack_from(data)
+        if magic != MAGIC or form != ID_FORMAT:
             raise ValueError("not a unique id of rgpu's emulated NCCL (made by another NCCL, or not by ncclGetUniqueId)")
         host = data[_ID_HEAD.size:].split(b"\0", 1)[0].decode()
         return cls(host, port, tag)
