@@ -131,30 +131,48 @@ def _worker_pid(server: Server, job_key: str) -> int:
     raise AssertionError(f"no session of {job_key}: {server.server.status()['sessions']}")
 
 
+def _kill_a_rank_midway(binary: Path, libs: build.Libraries, servers: list[Server], tmp_path: Path,
+                        **env: str) -> tuple[int, str, str]:
+    """Two ranks all-reduce once; rank 1's worker is SIGKILLed; rank 0 all-reduces again and synchronizes.
+    Returns rank 0's (exit code, stdout, stderr)."""
+    go = tmp_path / "go"
+    procs = _rank_processes(libs, binary, servers, 2, tmp_path, ["die", "{rank}", "2", str(tmp_path / "id"), str(go)],
+                            **env)
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            assert p.stdout.readline().strip() == "READY", p.communicate(timeout=30)
+        os.kill(_worker_pid(servers[-1], "rank1"), signal.SIGKILL)
+        go.touch()
+        out, err = procs[0].communicate(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return procs[0].returncode, out, err
+
+
 def test_a_rank_whose_worker_dies_fails_the_others_with_one_line_and_nothing_hangs(
         nccl_ranks: Path, native_libs: build.Libraries, tmp_path: Path) -> None:
-    go = tmp_path / "go"
     with ExitStack() as stack:
-        servers = _servers(stack, 2)
-        procs = _rank_processes(native_libs, nccl_ranks, servers, 2, tmp_path,
-                                ["die", "{rank}", "2", str(tmp_path / "id"), str(go)])
-        try:
-            for p in procs:
-                assert p.stdout is not None
-                assert p.stdout.readline().strip() == "READY", p.communicate(timeout=30)
-            os.kill(_worker_pid(servers[1], "rank1"), signal.SIGKILL)
-            go.touch()
-            out, err = procs[0].communicate(timeout=60)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.communicate()
-    assert procs[0].returncode == 7, out + err
+        code, out, err = _kill_a_rank_midway(nccl_ranks, native_libs, _servers(stack, 2), tmp_path)
+    assert code == 7, out + err
     lines = [line for line in err.splitlines() if "ncclAllReduce" in line]
     assert lines == ["rgpu: worker: ncclAllReduce (emulated NCCL, rank 0 of 2): rank 1's worker went away (its "
                      "connection closed); the communicator is aborted"], err
     assert "synchronize 999 async_error 6" in out, out
+
+
+def test_on_the_real_gpu_path_a_rank_whose_worker_dies_fails_the_others_and_nothing_hangs(
+        nccl_ranks: Path, native_libs: build.Libraries, chained: Server, tmp_path: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The "cuda" workers (nccl_cuda.py, its watchdog included) chained to emulated ones, as above."""
+    monkeypatch.setenv("RGPU_NCCL_LIBRARY", str(native_libs.libnccl))
+    monkeypatch.setenv("RGPU_NCCL_WATCHDOG_S", "0.1")
+    code, out, err = _kill_a_rank_midway(nccl_ranks, native_libs, [chained], tmp_path)
+    assert code == 7, out + err
+    assert "synchronize 999 async_error 6" in out, out + err
 
 
 def test_the_real_gpu_workers_nccl_path_runs_chained_to_emulated_workers(

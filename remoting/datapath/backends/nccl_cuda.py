@@ -9,6 +9,11 @@ rank has joined, so it runs in a thread (with the session's context current) and
 waits for it. Collectives are queued by NCCL on the session's stream and return at once, as
 launches do; NCCL's errors fail the operation with a line naming the call and NCCL's text.
 
+A peer that dies leaves this rank's NCCL kernels waiting on the GPU; NCCL only reports it through
+ncclCommGetAsyncError. So, as PyTorch's watchdog does, a thread per communicator polls it (every
+RGPU_NCCL_WATCHDOG_S, default 1 s) and aborts the communicator on an error: the kernels end, the
+slice's synchronisation returns, and later operations on it fail with the reason.
+
 RGPU_NCCL_LIBRARY (the dispatcher's environment) names the library to load; default `libnccl.so.2`
 from the loader's path (pip's nvidia-nccl-cu13 keeps it in site-packages/nvidia/nccl/lib)."""
 
@@ -53,6 +58,15 @@ class _Comm:
     joined: threading.Event = field(default_factory=threading.Event)
     code: int = nccl_ops.SUCCESS
     error: str = ""
+    closed: threading.Event = field(default_factory=threading.Event)   # destroyed, or aborted by the watchdog
+    lock: threading.Lock = field(default_factory=threading.Lock)        # the watchdog's calls vs. destruction
+
+
+def _watchdog_interval() -> float:
+    try:
+        return max(float(os.environ.get("RGPU_NCCL_WATCHDOG_S", "") or 1.0), 0.05)
+    except ValueError:
+        return 1.0
 
 
 class CudaNccl:
@@ -96,10 +110,27 @@ class CudaNccl:
                     comm.code, comm.error = code, self._nccl_text(code)
             finally:
                 comm.joined.set()
+            if not comm.code:
+                self._watch(comm, ctx)
         key = id(comm)
         self._nccl_comms[key] = comm
         threading.Thread(target=join, name="rgpu-nccl-join", daemon=True).start()
         return (nccl_ops.SUCCESS, key)
+
+    def _watch(self, comm: _Comm, ctx: int) -> None:
+        """Poll the communicator's asynchronous error until it is destroyed; abort it on one."""
+        lib = self._nccl()
+        value = ctypes.c_int()
+        while not comm.closed.wait(_watchdog_interval()):
+            with comm.lock:
+                if comm.closed.is_set() or lib.ncclCommGetAsyncError(comm.handle, ctypes.byref(value)) or \
+                        value.value in (0, IN_PROGRESS):
+                    continue
+                comm.code = value.value
+                comm.error = f"{self._nccl_text(value.value, comm)}; rgpu aborted the communicator (a peer failed or left)"
+                self.lib.cuCtxSetCurrent(ctypes.c_void_p(ctx))   # type: ignore[attr-defined]
+                lib.ncclCommAbort(comm.handle)
+                comm.closed.set()
 
     def _comm(self, key: int, call: str, code: int = nccl_ops.INVALID_ARGUMENT) -> _Comm:
         self._nccl()
@@ -118,19 +149,23 @@ class CudaNccl:
     def rgpuNcclCommDestroy(self, key: int, abort: int) -> tuple[int]:
         comm = self._nccl_comms.pop(key, None) if self._nccl_lib is not None else None
         if comm is None or not comm.joined.is_set() or not comm.handle:
-            return (nccl_ops.SUCCESS,)
-        lib = self._nccl()
-        code = (lib.ncclCommAbort if abort else lib.ncclCommDestroy)(comm.handle)
-        return (code,)
+            return (nccl_ops.SUCCESS,)   # never formed
+        with comm.lock:
+            if comm.closed.is_set():
+                return (nccl_ops.SUCCESS,)   # aborted by the watchdog
+            comm.closed.set()
+            lib = self._nccl()
+            return ((lib.ncclCommAbort if abort else lib.ncclCommDestroy)(comm.handle),)
 
     def rgpuNcclCommGetAsyncError(self, key: int) -> tuple[int, int]:
         comm = self._comm(key, "ncclCommGetAsyncError")
         if not comm.joined.is_set():
             return (nccl_ops.SUCCESS, IN_PROGRESS)
-        if comm.code:
-            return (nccl_ops.SUCCESS, comm.code)
-        value = ctypes.c_int()
-        code = self._nccl().ncclCommGetAsyncError(comm.handle, ctypes.byref(value))
+        with comm.lock:
+            if comm.code or comm.closed.is_set():
+                return (nccl_ops.SUCCESS, comm.code)
+            value = ctypes.c_int()
+            code = self._nccl().ncclCommGetAsyncError(comm.handle, ctypes.byref(value))
         return (code, value.value)
 
     def rgpuNcclGroupStart(self, dev: int) -> tuple[int]:
@@ -149,7 +184,8 @@ class CudaNccl:
         comm = self._comm(key, call, FAILED)
         comm.joined.wait()
         if comm.code:
-            raise CudaError(FAILED, f"rgpu: worker: {call}: the communicator never formed ({comm.error})")
+            raise CudaError(FAILED, f"rgpu: worker: {call} (rank {comm.rank} of {comm.nranks}): the communicator "
+                                    f"failed ({comm.error})")
         code = getattr(self._nccl(), call)(*args[:-1], comm.handle, ctypes.c_void_p(args[-1] or None))
         if code:
             raise CudaError(FAILED, f"rgpu: worker: {call} (rank {comm.rank} of {comm.nranks}): {self._nccl_text(code, comm)}")
