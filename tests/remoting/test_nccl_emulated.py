@@ -164,6 +164,19 @@ def test_a_rank_whose_worker_dies_fails_the_others_with_one_line_and_nothing_han
     assert "synchronize 999 async_error 6" in out, out
 
 
+def test_a_rank_that_never_comes_fails_the_join_after_the_timeout_with_one_line(
+        nccl_ranks: Path, native_libs: build.Libraries, emulated: Server, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RGPU_NCCL_TIMEOUT_S", "1")
+    (p,) = _rank_processes(native_libs, nccl_ranks, [emulated], 1, tmp_path,
+                           ["rank", "0", "2", str(tmp_path / "id"), "10", str(tmp_path / "out")])
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 3, out + err
+    assert [line for line in err.splitlines() if line.startswith("rgpu: worker:")] == [
+        "rgpu: worker: ncclCommInitRank (emulated NCCL): rank 0 of 2 could not join: not every rank joined within 1 s "
+        "(RGPU_NCCL_TIMEOUT_S)"], err
+
+
 def test_on_the_real_gpu_path_a_rank_whose_worker_dies_fails_the_others_and_nothing_hangs(
         nccl_ranks: Path, native_libs: build.Libraries, chained: Server, tmp_path: Path,  # noqa: F811
         monkeypatch: pytest.MonkeyPatch) -> None:

@@ -106,7 +106,7 @@ class Rendezvous:
     def _serve(self) -> None:
         members: dict[int, tuple[socket.socket, str, int]] = {}
         nranks = 0
-        deadline = time.monotonic() + self.timeout_s
+        deadline = time.monotonic() + self.timeout_s + 5   # the ranks' own wait ends first, with its reason
         try:
             while not nranks or len(members) < nranks:
                 left = deadline - time.monotonic()
