@@ -1,11 +1,16 @@
-"""The emulated NCCL's pure parts: reductions as the GPU computes them, and the unique id's layout."""
+"""The emulated NCCL's parts below the worker: reductions as the GPU computes them, the unique id's
+layout, and the mesh's wording of a peer that went away."""
 
 from __future__ import annotations
+
+import socket
+import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 from rgpu.remoting.datapath.backends import nccl_ops
-from rgpu.remoting.datapath.backends.nccl_mesh import ID_BYTES, UniqueId
+from rgpu.remoting.datapath.backends.nccl_mesh import ID_BYTES, Mesh, MeshError, Rendezvous, UniqueId
 
 DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64, 6: np.float16, 7: np.float32,
           8: np.float64}
@@ -42,3 +47,27 @@ def test_a_unique_id_is_128_bytes_and_a_foreign_one_is_refused() -> None:
     assert len(packed) == ID_BYTES and UniqueId.unpack(packed) == uid
     with pytest.raises(ValueError, match="not a unique id of rgpu's emulated NCCL"):
         UniqueId.unpack(bytes(ID_BYTES))
+
+
+def _pair() -> tuple[Mesh, Mesh]:
+    """Two ranks of one communicator, connected on loopback."""
+    uid = Rendezvous("127.0.0.1", 10.0).id.pack()
+    with ThreadPoolExecutor(2) as pool:
+        m0, m1 = pool.map(lambda r: Mesh(uid, 2, r, "127.0.0.1", 10.0), range(2))
+    return m0, m1
+
+
+@pytest.mark.parametrize("reset", [False, True])
+def test_a_peer_that_goes_away_reads_the_same_whether_its_socket_closed_or_reset(reset: bool) -> None:
+    m0, m1 = _pair()
+    try:
+        m0.send(1, b"ping")
+        assert m1.recv(0, 4) == b"ping"
+        if reset:   # SO_LINGER 0: the kernel answers with RST, as for a process killed with unread data
+            m1.peers[0].setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        m1.close()
+        with pytest.raises(MeshError) as err:
+            m0.recv(1, 4)
+        assert str(err.value) == "rank 1's worker went away (its connection closed)"
+    finally:
+        m0.close()

@@ -36,6 +36,14 @@ class MeshError(Exception):
     """An exchange with a peer failed; the text says which peer and why."""
 
 
+def _gone(peer: int, exc: BaseException) -> str:
+    """Why a peer's connection failed, in the same words however the kernel noticed it (end of stream,
+    reset, broken pipe: its worker or host went away)."""
+    if isinstance(exc, (EOFError, ConnectionResetError, BrokenPipeError, ConnectionAbortedError)):
+        return f"rank {peer}'s worker went away (its connection closed)"
+    return f"rank {peer}'s worker went away ({getattr(exc, 'strerror', None) or exc})"
+
+
 @dataclass(frozen=True)
 class UniqueId:
     host: str
@@ -216,7 +224,7 @@ class Mesh:
                 sock.sendall(data)
             except OSError as exc:
                 if not self.failure:
-                    self.failure = f"sending to rank {peer} failed ({exc.strerror or exc})"
+                    self.failure = _gone(peer, exc)
                 return
 
     def send(self, peer: int, data: bytes) -> None:
@@ -234,10 +242,8 @@ class Mesh:
             return _recv_exact(sock, n)
         except socket.timeout as exc:
             raise MeshError(f"rank {peer} sent nothing for {self.timeout_s:g} s (RGPU_NCCL_TIMEOUT_S)") from exc
-        except EOFError as exc:
-            raise MeshError(f"rank {peer}'s worker went away (its connection closed)") from exc
-        except OSError as exc:
-            raise MeshError(f"rank {peer}'s worker went away ({exc.strerror or exc})") from exc
+        except (EOFError, OSError) as exc:
+            raise MeshError(_gone(peer, exc)) from exc
 
     def close(self) -> None:
         if self._closed:
