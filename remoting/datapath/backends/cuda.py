@@ -25,6 +25,7 @@ from typing import Any
 
 from rgpu.remoting.native.generated.api_gen import CUDA_ARGTYPES, CudaDriverCalls, bind
 from rgpu.remoting.datapath.backends.arrays import DEFERRED_MAPPING, HOST, ArrayDesc, footprint
+from rgpu.remoting.datapath.backends.nccl_cuda import CudaNccl
 from rgpu.remoting.datapath.backends.staging_ring import StagingRing
 from rgpu.remoting.datapath.backends.base import (
     INVALID_HANDLE,
@@ -241,7 +242,7 @@ def preserved_library_options(options: list[tuple[int, int]]) -> list[tuple[int,
     return [(o, v) for o, v in options if o != LIBRARY_BINARY_IS_PRESERVED] + [(LIBRARY_BINARY_IS_PRESERVED, 1)]
 
 
-class CudaBackend(CudaDriverCalls):
+class CudaBackend(CudaDriverCalls, CudaNccl):
     emulated = False
 
     def __init__(self, spec: Any) -> None:

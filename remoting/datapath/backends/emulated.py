@@ -27,6 +27,7 @@ from rgpu.remoting.datapath.backends.arrays import (ARRAY, CHANNEL_BYTES, CUBEMA
                                                     LAYERED, RESOURCE_ARRAY, RESOURCE_LINEAR, RESOURCE_MIPMAPPED_ARRAY,
                                                     RESOURCE_PITCH2D, SURFACE_LDST, VIEW_DESC_SIZE, ArrayDesc, CopySide,
                                                     parse_copy)
+from rgpu.remoting.datapath.backends.nccl_emulated import EmulatedNccl
 from rgpu.remoting.datapath.backends.base import (
     INVALID_CONTEXT,
     INVALID_HANDLE,
@@ -324,8 +325,8 @@ def device_bytes(size: int) -> bytearray:
                         "GPU offers)") from None
 
 
-class EmulatedBackend:
-    """One emulated GPU for one session (device 0 of the worker)."""
+class EmulatedBackend(EmulatedNccl):
+    """One emulated GPU for one session (device 0 of the worker); its NCCL is nccl_emulated.py."""
 
     emulated = True
     driver_version = EMULATED_DRIVER_VERSION

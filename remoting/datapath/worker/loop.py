@@ -103,6 +103,8 @@ class Worker(Handlers):
         backend.client_events = self.client_events
         self.client_streams = ClientStreams()
         backend.client_streams = self.client_streams
+        # NCCL's peers reach this worker where its client did (backends/nccl_emulated.py, nccl_cuda.py)
+        backend.nccl_host = sock.getsockname()[0] if sock.family == socket.AF_INET else "127.0.0.1"
         if self.native_launches is not None:   # the C loop translates the client's streams too
             self.client_streams.on_change = self.native_launches.set_stream
         self.image_cache = ImageCache(spec.image_cache_dir, spec.client.get("uid"), spec.image_cache_bytes)

@@ -142,6 +142,7 @@ void rgpu_client_stats_write(const char *suffix);   /* cuGetProcAddress("rgpuCli
  * returns 1 where it hashed the bytes, 0 where a record gave the digest. */
 int rgpu_image_digest(const void *image, size_t size, uint8_t digest[32]);
 CUresult rgpu_async(rgpu_call *c);                             /* ends the call */
+CUresult rgpu_async_now(rgpu_call *c);                         /* ends the call and sends it at once */
 void rgpu_end(rgpu_call *c);
 void rgpu_get(rgpu_call *c, void *p, size_t n);
 size_t rgpu_remaining(const rgpu_call *c);
