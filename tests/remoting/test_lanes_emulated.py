@@ -305,6 +305,42 @@ def test_staged_chunks_reach_the_device_whole_through_few_slots(native_libs: bui
             b.close()
 
 
+def _lane_threads() -> set[int]:
+    """This process's threads named rgpu-lane (lanes.c's), by thread id."""
+    out = set()
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if (task / "comm").read_text().strip() == "rgpu-lane":
+                out.add(int(task.name))
+        except OSError:
+            pass
+    return out
+
+
+def test_copies_after_the_first_start_no_lane_threads(native_libs: build.Libraries) -> None:
+    pairs = [socket.socketpair() for _ in range(4)]
+    lanes = Lanes(str(native_libs.libworker), [a for a, _ in pairs], stall_s=10)
+    size, chunk = 1 * MiB + 17, 64 << 10
+    seen = []
+    try:
+        for seq in range(1, 6):
+            data = os.urandom(size)
+            into = ctypes.create_string_buffer(size)
+            senders = _send_striped([b for _, b in pairs], seq, data, chunk)
+            lanes.receive(seq, size, chunk, ctypes.addressof(into), None)
+            for t in senders:
+                t.join()
+            assert into.raw == data
+            seen.append(_lane_threads())
+    finally:
+        lanes.close()
+        for _, b in pairs:
+            b.close()
+    # The first copy started one thread per lane; every later copy ran on the same ones.
+    assert len(seen[0]) >= 4, seen
+    assert all(s == seen[0] for s in seen), seen
+
+
 def test_a_refused_chunk_fails_the_copy_but_every_chunk_is_read(native_libs: build.Libraries) -> None:
     pairs = [socket.socketpair() for _ in range(2)]
     lanes = Lanes(str(native_libs.libworker), [a for a, _ in pairs], stall_s=10)
