@@ -85,6 +85,16 @@ def test_a_worker_that_cannot_drive_lanes_gives_none_and_copies_stay_on_one_conn
     assert _striped(tmp_path / "p") == (0, 0)
 
 
+def test_a_forked_child_copies_over_lanes_of_its_own(native_libs: build.Libraries, tmp_path: Path) -> None:
+    # The parent's lane threads are kept between copies; a child forked after them has none of them.
+    program = driver_api_program(native_libs, HERE / "lane_fork.c", tmp_path / "lane_fork")
+    with serving("emulated", [EMULATED_GPU]) as s:
+        done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(program), str(4 * MiB + 3)],
+                          timeout=120, RGPU_CLIENT_STATS=str(tmp_path / "p"), **LANE_ENV)
+    assert done.returncode == 0 and done.stdout.split() == ["CHILD", "OK", "OK"], done.stdout + done.stderr
+    assert done.stderr.count(f"transport tcp, {LANES} data lanes)") == 2, done.stderr   # the parent's and the child's
+
+
 @pytest.fixture(scope="module")
 def lane_cut(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("cut") / "lane_cut.so"
