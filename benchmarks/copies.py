@@ -147,12 +147,14 @@ CONFIGS = {   # name: (client environment, worker environment: set in this proce
     # Shared memory: UCX's posix transport (copy-in/copy-out through a shared segment, pipelined by
     # both processes), and with cma (single-copy process_vm_readv rendezvous, UCX's choice by default
     # when both are allowed; slower than posix alone on some VMs' kernels).
-    "ucx-shm": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "posix,self"}, {"UCX_TLS": "posix,self"}),
-    "ucx-shm-cma": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "posix,cma,self"}, {"UCX_TLS": "posix,cma,self"}),
-    # What the same-host path takes with nothing set (flexrun local, a job on a GPU node): UCX's own
-    # choice among its transports, or rgpu's (transport.py's same-host default) where UCX_TLS is unset.
-    "ucx-auto": ({"RGPU_TRANSPORT": "ucx"}, {}),
-    "ucx-tcp": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "tcp"}, {"UCX_TLS": "tcp"}),
+    # The GPU server's transport is ucx in these (auto keeps TCP on a real GPU until UCX is measured faster).
+    "ucx-shm": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "posix,self"}, {"UCX_TLS": "posix,self", "RGPU_TRANSPORT": "ucx"}),
+    "ucx-shm-cma": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "posix,cma,self"},
+                    {"UCX_TLS": "posix,cma,self", "RGPU_TRANSPORT": "ucx"}),
+    # What the same-host path takes with no UCX_TLS set (flexrun local, a job on a GPU node): UCX's own
+    # choice among its transports.
+    "ucx-auto": ({"RGPU_TRANSPORT": "ucx"}, {"RGPU_TRANSPORT": "ucx"}),
+    "ucx-tcp": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "tcp"}, {"UCX_TLS": "tcp", "RGPU_TRANSPORT": "ucx"}),
     "rgpu-tcp": ({"RGPU_TRANSPORT": "tcp", "RGPU_LANES": "1"}, {}),
     # Protocol 12: copies of RGPU_LANE_MIN_BYTES and more striped over --lanes TCP connections.
     "rgpu-lanes": ({"RGPU_TRANSPORT": "tcp"}, {}),
