@@ -95,6 +95,31 @@ def test_a_forked_child_copies_over_lanes_of_its_own(native_libs: build.Librarie
     assert done.stderr.count(f"transport tcp, {LANES} data lanes)") == 2, done.stderr   # the parent's and the child's
 
 
+def _receive_buffer(port: int, pid: int) -> int:
+    """SO_RCVBUF as the kernel holds it (skmem rb) of process `pid`'s TCP socket on local `port`."""
+    out = subprocess.run(["ss", "-tmpnH", "state", "established", f"sport = :{port}"], capture_output=True,
+                         text=True, check=True).stdout
+    for block in out.replace("\n\t", " ").splitlines():
+        if f"pid={pid}," in block and "skmem:(" in block:
+            return int(block.split(",rb")[1].split(",")[0])
+    raise AssertionError(f"no socket of pid {pid} on port {port}: {out}")
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_the_dispatchers_socket_buffer_setting_reaches_its_workers() -> None:
+    from .conftest import start_server
+    server, address = start_server("emulated", [EMULATED_GPU], socket_buffer_bytes=96 << 10)
+    try:
+        sock, _ = protocol.handshake(address, Server(server, address, [EMULATED_GPU]).token())
+        with sock:
+            (worker,) = [s["pid"] for s in server.status()["sessions"]]
+            # Linux keeps twice the size asked for (for its own bookkeeping); the default is 4 MiB.
+            assert _receive_buffer(int(address.rsplit(":", 1)[1]), worker) == 2 * (96 << 10)
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def lane_cut(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("cut") / "lane_cut.so"
