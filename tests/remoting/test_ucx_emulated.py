@@ -280,12 +280,8 @@ def test_through_the_cuda_backend_a_ucx_copy_is_one_dma_from_pinned_memory(
     from there: the chained driver sees one copy per UCX copy, not the staging ring's 4 MiB pieces;
     and device to host, one copy into it, not 4 MiB chunks. Byte for byte, every size."""
     from .conftest import start_server
-    inner = emulated.slices(emulated.token(memory_limit=4 << 30, job_key="inner"))
-    monkeypatch.setenv("LD_LIBRARY_PATH", str(native_libs.folder))
-    monkeypatch.setenv("RGPU_SLICES", inner)
-    monkeypatch.setenv("RGPU_WORKER_ALLOW_RGPU_LIBCUDA", "1")
-    monkeypatch.setenv("RGPU_LOG", "error")
-    monkeypatch.setenv("RGPU_SESSION_CONTEXT_RESERVE", "0")
+    from .test_cuda_backend_chained import chain_to
+    chain_to(native_libs, emulated, monkeypatch)
     monkeypatch.setenv("RGPU_TRANSPORT", "ucx")            # the GPU node takes UCX (auto keeps TCP on a real GPU)
     monkeypatch.setenv("RGPU_CLIENT_STATS", str(tmp_path / "inner"))   # the worker's calls to its "driver"
     server, address = start_server("cuda", [EMULATED_GPU])
