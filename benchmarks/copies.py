@@ -8,7 +8,8 @@ each beside raw loopback TCP on the same number of streams, measured in the same
 One run prints, for 128 and 256 MiB pinned (cuMemAllocHost) and pageable (malloc) buffers, host to
 device and device to host: GB/s (median of --reps) and the fraction of raw TCP on the same streams
 (1 for the UCX configurations and rgpu-tcp, --lanes for rgpu-lanes; raw TCP runs just before each
-configuration). The emulated
+configuration), and each UCX configuration as a fraction of UCX's own link on the same transports
+(`ucx_perftest` tag bandwidth, run just after it, where ucx-utils is installed). The emulated
 backend (CPU only; the "device" is the worker's memory) measures the data path alone; on a GPU
 machine `--backend cuda` adds the PCIe copy behind it. Every configuration starts its own session
 server, so UCX_TLS applies to both ends. The CI target: same-host pinned 128 MiB copies over UCX at
@@ -146,15 +147,20 @@ CONFIGS = {   # name: (client environment, worker environment: set in this proce
     # Shared memory: UCX's posix transport (copy-in/copy-out through a shared segment, pipelined by
     # both processes), and with cma (single-copy process_vm_readv rendezvous, UCX's choice by default
     # when both are allowed; slower than posix alone on some VMs' kernels).
-    "ucx-shm": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "posix,self"}, {"UCX_TLS": "posix,self"}),
-    "ucx-shm-cma": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "posix,cma,self"}, {"UCX_TLS": "posix,cma,self"}),
-    "ucx-tcp": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "tcp"}, {"UCX_TLS": "tcp"}),
+    # The GPU server's transport is ucx in these (auto keeps TCP on a real GPU until UCX is measured faster).
+    "ucx-shm": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "posix,self"}, {"UCX_TLS": "posix,self", "RGPU_TRANSPORT": "ucx"}),
+    "ucx-shm-cma": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "posix,cma,self"},
+                    {"UCX_TLS": "posix,cma,self", "RGPU_TRANSPORT": "ucx"}),
+    # What the same-host path takes with no UCX_TLS set (flexrun local, a job on a GPU node): UCX's own
+    # choice among its transports.
+    "ucx-auto": ({"RGPU_TRANSPORT": "ucx"}, {"RGPU_TRANSPORT": "ucx"}),
+    "ucx-tcp": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "tcp"}, {"UCX_TLS": "tcp", "RGPU_TRANSPORT": "ucx"}),
     "rgpu-tcp": ({"RGPU_TRANSPORT": "tcp", "RGPU_LANES": "1"}, {}),
     # Protocol 12: copies of RGPU_LANE_MIN_BYTES and more striped over --lanes TCP connections.
     "rgpu-lanes": ({"RGPU_TRANSPORT": "tcp"}, {}),
 }
 # The raw TCP figure each configuration is compared with: streams (None: --lanes).
-STREAMS = {"ucx-shm": 1, "ucx-shm-cma": 1, "ucx-tcp": 1, "rgpu-tcp": 1, "rgpu-lanes": None}
+STREAMS = {"ucx-shm": 1, "ucx-shm-cma": 1, "ucx-auto": 1, "ucx-tcp": 1, "rgpu-tcp": 1, "rgpu-lanes": None}
 
 
 def _cuda_include() -> Path:
@@ -178,6 +184,44 @@ def _compile(source: str, out: Path, *extra: str) -> Path:
 def raw_tcp(binary: Path, mib: int, reps: int, streams: int = 1, buffer_bytes: int = 4 << 20) -> float:
     runs = [float(subprocess.run([str(binary), str(mib), str(streams), str(buffer_bytes)], capture_output=True,
                                  text=True, check=True, timeout=300).stdout) for _ in range(reps)]
+    return statistics.median(runs)
+
+
+# UCX's own figure for each UCX configuration: ucx_perftest's tag bandwidth between two processes of
+# this host on the same UCX_TLS (None: UCX's own choice), where ucx_perftest is installed (ucx-utils).
+UCX_TLS_OF = {"ucx-shm": "posix,self", "ucx-shm-cma": "posix,cma,self", "ucx-auto": None, "ucx-tcp": "tcp"}
+
+
+def ucx_perftest(mib: int, reps: int, tls: str | None) -> float | None:
+    """GB/s of UCX's tag_bw test, `mib` MiB messages, median of `reps` runs; None without ucx_perftest."""
+    tool = shutil.which("ucx_perftest")
+    if tool is None:
+        return None
+    import socket
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    if tls:
+        env["UCX_TLS"] = tls
+    runs = []
+    for _ in range(reps):
+        with socket.socket() as probe:   # a free port for the server (a benchmark may take the race)
+            probe.bind(("127.0.0.1", 0))
+            port = str(probe.getsockname()[1])
+        args = ["-t", "tag_bw", "-s", str(mib * MiB), "-n", "4", "-w", "1", "-p", port]
+        server = subprocess.Popen([tool, *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            for _attempt in range(50):   # the server listens within a moment
+                time.sleep(0.1)
+                done = subprocess.run([tool, "127.0.0.1", *args], env=env, capture_output=True, text=True,
+                                      timeout=300, check=False)
+                if done.returncode == 0:
+                    break
+            final = [line.split() for line in done.stdout.splitlines() if line.startswith("Final:")]
+            if done.returncode or not final:
+                return None
+            runs.append(float(final[-1][6]) * MiB / 1e9)   # "overall" bandwidth, UCX's MB/s of 2^20 bytes
+        finally:
+            server.kill()
+            server.wait()
     return statistics.median(runs)
 
 
@@ -261,11 +305,14 @@ def main(argv: list[str] | None = None) -> int:
         streams = {name: STREAMS[name] or args.lanes for name in names}
         results: dict[str, dict[str, float]] = {}
         raw: dict[int, dict[int, float]] = {}   # streams -> MiB -> GB/s
+        raw_ucx: dict[str, dict[int, float | None]] = {}   # UCX configuration -> MiB -> ucx_perftest GB/s
         for name in names:   # raw TCP on the same streams just before each configuration (one run, one load)
             for mib in sizes:
                 raw.setdefault(streams[name], {})[mib] = raw_tcp(raw_bin, mib * 8, args.reps, streams[name],
                                                                  args.socket_buffer)   # 8 buffers' worth per run
             results[name] = run_config(name, args.backend, workload, sizes, args.reps, libs, args.lanes)
+            if name in UCX_TLS_OF:   # UCX's own link on the same transports, just after
+                raw_ucx[name] = {mib: ucx_perftest(mib, args.reps, UCX_TLS_OF[name]) for mib in sizes}
     print(f"rgpu copy benchmark: {args.backend} backend, loopback, {os.cpu_count()} CPUs, median of {args.reps}, "
           f"socket buffers {args.socket_buffer or 'autotuned'}")
     for n, by_size in sorted(raw.items()):
@@ -278,6 +325,16 @@ def main(argv: list[str] | None = None) -> int:
         cells = "".join(f"{results[n][metric]:>9.2f} ({results[n][metric] / raw[streams[n]][mib]:>4.2f}x)".rjust(22)
                         for n in names)
         print(f"{metric.removesuffix('_GBps'):<24}{cells}")
+    for name, by_size in raw_ucx.items():   # each UCX configuration beside UCX's own link on its transports
+        tls = UCX_TLS_OF[name] or "UCX's own choice"
+        for mib, link in by_size.items():
+            if link is None:
+                print(f"{name}: no ucx_perftest figure (install ucx-utils)")
+                continue
+            cells = ", ".join(f"{metric.split('_')[0]} {metric.split('_')[1]} {value / link:.2f}x"
+                              for metric, value in results[name].items() if metric.endswith(f"_{mib}MiB_GBps"))
+            print(f"{name} beside UCX's own link (ucx_perftest tag_bw, UCX_TLS {tls}, {mib} MiB): {link:.2f} GB/s; "
+                  f"{cells}")
     raw1 = raw.get(1, {})
     target = results.get("ucx-shm", {}).get("h2d_pinned_128MiB_GBps")
     if target is not None and 128 in raw1:
@@ -285,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"target: same-host pinned 128 MiB over UCX >= 2x raw TCP: {ratio:.2f}x "
               f"({'PASS' if ratio >= 2 else 'FAIL'})")
     out = {"backend": args.backend, "lanes": args.lanes, "socket_buffer_bytes": args.socket_buffer,
-           "raw_tcp_GBps_by_streams": raw, "streams": streams, "results": results}
+           "raw_tcp_GBps_by_streams": raw, "raw_ucx_GBps_by_config": raw_ucx, "streams": streams, "results": results}
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     print(json.dumps(out))

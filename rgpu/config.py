@@ -130,6 +130,16 @@ class Settings:
     # rgpu-dispatcher: what carries its sessions' host<->device copies: auto (UCX when the client
     # offers it), ucx, tcp (remoting/datapath/transport.py). Clients read RGPU_TRANSPORT themselves.
     transport: str = "auto"
+    # Data lanes (protocol 12, remoting/native/README.md "Data lanes"): host<->device copies of at least
+    # lane_min_bytes striped over `lanes` TCP connections of a session, in chunks of lane_chunk_bytes.
+    # Read by applications (flexrun passes the file's values on as RGPU_LANES...; the environment wins).
+    # 1: the session's one connection; the client library's default is 8 (RGPU_DEFAULT_LANES).
+    lanes: int = 8
+    lane_min_bytes: int = 8 << 20
+    lane_chunk_bytes: int = 2 << 20
+    # SO_SNDBUF/SO_RCVBUF of every data-path socket, in applications (through flexrun) and in the
+    # dispatcher's workers; 0: the kernel's autotuning.
+    socket_buffer_bytes: int = 4 << 20
     origins: dict[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def origin(self, key: str) -> str:
@@ -202,6 +212,30 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     except (TypeError, ValueError):
         raise ConfigError("config", f"{key} = {value!r} from {source} is not a {want.__name__}", "",
                           f"fix {key} in {source}") from None
+
+
+# The data lanes' keys and their bounds (the client library's, remoting/native/src/transport.c).
+MAX_LANES = 16
+LANE_KEYS = {"lanes": (1, MAX_LANES, "e.g. 4 (1: no lanes)"),
+             "lane_min_bytes": (1, 1 << 62, "e.g. 8388608 (8 MiB)"),
+             "lane_chunk_bytes": (64 << 10, 64 << 20, "64 KiB to 64 MiB, e.g. 2097152 (2 MiB)"),
+             "socket_buffer_bytes": (0, 1 << 30, "0 (the kernel's autotuning) to 1 GiB, e.g. 4194304")}
+
+
+def check_lanes(settings: Settings) -> None:
+    """The data lanes' keys within their bounds, or one line naming the key, its value and source."""
+    for key, (lo, hi, example) in LANE_KEYS.items():
+        value = getattr(settings, key)
+        if not lo <= value <= hi:
+            raise ConfigError("config", f"{key} = {value} from {settings.origin(key)} is out of range",
+                              f"it must be {lo} to {hi}", f"set {key} to {example}")
+
+
+def lane_environment(settings: Settings) -> dict[str, str]:
+    """RGPU_LANES, RGPU_LANE_MIN_BYTES, ... for an application, from the keys rgpu.toml sets (the
+    environment's own values stay; defaults are the client library's)."""
+    return {env_name(key): str(getattr(settings, key)) for key in LANE_KEYS
+            if settings.origin(key) not in ("default",) and not settings.origin(key).startswith(("$", "--"))}
 
 
 def load_settings(config_file: str | os.PathLike[str] | None = None,
@@ -286,6 +320,7 @@ def load_settings(config_file: str | os.PathLike[str] | None = None,
         except InvalidRequest as exc:
             raise ConfigError("config", f"{key} {value!r} from {settings.origin(key)} is not HOST:PORT", exc.why,
                               f"set {key} to an address such as 127.0.0.1:9401, or empty to turn it off") from None
+    check_lanes(settings)
     for key in ("heartbeat_interval_seconds", "down_after_seconds", "reclaim_interval_seconds"):
         if getattr(settings, key) <= 0:
             raise ConfigError("config", f"{key} must be positive", f"it is {getattr(settings, key)} from {settings.origin(key)}",

@@ -59,3 +59,35 @@ def test_bad_environment_value_names_the_variable(tmp_path: Path) -> None:
 def test_explicit_missing_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_settings(tmp_path / "nope.toml", env={})
+
+
+@pytest.mark.parametrize("text, message", [
+    ("lanes = 0\n", "lanes = 0 from .* is out of range \\(it must be 1 to 16; set lanes to e.g. 4"),
+    ("lanes = 17\n", "lanes = 17 from .* is out of range"),
+    ('lanes = "four"\n', "lanes = 'four' from .* is not a int"),
+    ("lane_chunk_bytes = 1024\n", "lane_chunk_bytes = 1024 from .* is out of range \\(it must be 65536 to 67108864"),
+    ("lane_min_bytes = 0\n", "lane_min_bytes = 0 from .* is out of range"),
+    ("socket_buffer_bytes = -1\n", "socket_buffer_bytes = -1 from .* is out of range"),
+])
+def test_data_lane_keys_out_of_range_are_one_line(tmp_path: Path, text: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message) as err:
+        load_settings(write(tmp_path, text), env={})
+    assert str(err.value).startswith("rgpu: config: ") and "\n" not in str(err.value)
+
+
+def test_data_lane_keys_reach_applications_unless_their_environment_sets_them(tmp_path: Path) -> None:
+    from rgpu.config import lane_environment
+
+    cfg = write(tmp_path, "lanes = 4\nlane_chunk_bytes = 1048576\nsocket_buffer_bytes = 0\n")
+    s = load_settings(cfg, env={"RGPU_SOCKET_BUFFER_BYTES": "65536"})
+    assert (s.lanes, s.lane_chunk_bytes, s.lane_min_bytes, s.socket_buffer_bytes) == (4, 1 << 20, 8 << 20, 65536)
+    # The file's keys only: the environment's own value is already the application's; defaults are the library's.
+    assert lane_environment(s) == {"RGPU_LANES": "4", "RGPU_LANE_CHUNK_BYTES": "1048576"}
+    assert lane_environment(load_settings(None, env={"RGPU_CONFIG": ""})) == {}
+
+
+def test_the_lane_bound_is_the_protocols() -> None:
+    from rgpu.config import MAX_LANES
+    from rgpu.remoting.datapath import protocol
+
+    assert MAX_LANES == protocol.MAX_LANES

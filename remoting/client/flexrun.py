@@ -1,12 +1,17 @@
 """flexrun: run an unmodified CUDA application on remote GPU slices.
 
     flexrun [-f adaptor.conf | -l "host:port;host:port" | -n N] [-p F | -m SIZE] [--] app [args...]
+    flexrun local [-n N] [-p F | -m SIZE] [--] app [args...]
 
 Which slices:
   -f FILE     the slices of an adaptor.conf (what the Slurm prolog writes for a job)
   -n N        ask the pool for N slices, release them at exit
   -l LIST     ask the pool for one slice on each listed dispatcher, release them at exit
   (none)      $RGPU_ADAPTOR_CONF, then ~/.rgpu/adaptor.conf, then /etc/rgpu/adaptor.conf
+  local       ask the pool for N slices (default 1) of this node's own GPUs, release them at exit:
+              the application runs under a slice of a GPU beside it, its copies through the same-host
+              path (UCX shared memory where the GPU server takes UCX; one line on stderr where it does
+              not). An application named `local` runs as `flexrun -- local`.
 How big, with -n or -l (one of them; default a whole GPU):
   -p F        fraction of a GPU per slice, 0 < F <= 1
   -m SIZE     GPU memory per slice, e.g. 8G or 512M (binary units)
@@ -18,7 +23,9 @@ command line, passed on untouched.
 Slice i appears to the application as CUDA device i; slices on different servers form one
 multi-GPU machine. flexrun checks every slice with its server before the application starts, so
 a refused token, an unreachable server, or the node prolog's recorded error is one clear line on
-stderr and a non-zero exit, not a CUDA error deep inside the application. Then it puts rgpu's
+stderr and a non-zero exit, not a CUDA error deep inside the application. The data lanes' keys of
+rgpu.toml (lanes, lane_min_bytes, lane_chunk_bytes, socket_buffer_bytes) reach the application as
+RGPU_LANES, ... unless its environment sets them. Then it puts rgpu's
 libcuda.so.1, libnvidia-ml.so.1 and libnccl.so.2 first on LD_LIBRARY_PATH, passes the slices in RGPU_SLICES
 ("host:port,token;..."), and runs the application: stdin, stdout, stderr, signals and the exit
 status pass through (with an adaptor.conf flexrun replaces itself with the application).
@@ -128,7 +135,7 @@ class Lease:
     renewed from a thread while the run goes on; released when it ends. A flexrun killed with
     SIGKILL stops renewing, and the pool reclaims its lease within one TTL."""
 
-    def __init__(self, count: int, size: SliceSize, servers: list[str]) -> None:
+    def __init__(self, count: int, size: SliceSize, servers: list[str], local: bool = False) -> None:
         from rgpu.config import load_settings
         from rgpu.remoting.pool.client import connect
 
@@ -146,18 +153,44 @@ class Lease:
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         try:
-            requests = [(f"{base}-{i}", 1, s) for i, s in enumerate(servers)] if servers else [(base, count, "")]
-            for key, n, server in requests:
-                lease = self.client.allocate(key, self.user, n, fraction=size.fraction,
-                                             memory_bytes=size.memory_bytes, server=server, ttl_seconds=self.ttl,
-                                             isolation=size.isolation)
-                self.keys.append(key)
-                self.slices += [Slice(s.server, s.token) for s in lease.slices]
+            if local:
+                self._allocate_here(base, count, size)
+            else:
+                requests = [(f"{base}-{i}", 1, s) for i, s in enumerate(servers)] if servers else [(base, count, "")]
+                for key, n, server in requests:
+                    self._allocate(key, n, size, server)
         except BaseException:
             self.release()
             raise
         self._renewer = threading.Thread(target=self._renew_loop, name="rgpu-flexrun-renew", daemon=True)
         self._renewer.start()
+
+    def _allocate(self, key: str, count: int, size: SliceSize, server: str) -> None:
+        lease = self.client.allocate(key, self.user, count, fraction=size.fraction, memory_bytes=size.memory_bytes,
+                                     server=server, ttl_seconds=self.ttl, isolation=size.isolation)
+        self.keys.append(key)
+        self.slices += [Slice(s.server, s.token) for s in lease.slices]
+
+    def _allocate_here(self, key: str, count: int, size: SliceSize) -> None:
+        """`count` slices on a GPU server of this node: the first of them with room."""
+        from rgpu.errors import CapacityError
+        from rgpu.remoting.client.local import local_servers
+
+        known = list(self.client.list_servers().servers)
+        here = local_servers([s.address for s in known], [s.state for s in known])
+        if not here:
+            listed = ", ".join(f"{s.address} ({s.state})" for s in known[:8]) or "none"
+            raise ConfigError(TOOL, f"no GPU server of the pool is up on this node ({socket.gethostname()})",
+                              f"the pool's servers: {listed}",
+                              "run flexrun local on a GPU node whose rgpu-dispatcher is up, or use flexrun -n N")
+        refused: CapacityError | None = None
+        for server in here:
+            try:
+                return self._allocate(key, count, size, server)
+            except CapacityError as exc:   # this node's next dispatcher may have room
+                refused = exc
+        assert refused is not None
+        raise refused
 
     def _renew_loop(self) -> None:
         from rgpu.errors import NotFound
@@ -196,11 +229,20 @@ def probe_all(slices: list[Slice], timeout: float) -> None:
             fut.result()
 
 
-def build_env(slices: list[Slice], libdir: Path, env: dict[str, str] | os._Environ = os.environ) -> dict[str, str]:
+def build_env(slices: list[Slice], libdir: Path, env: dict[str, str] | os._Environ = os.environ,
+              settings_env: dict[str, str] | None = None, same_host: bool = False) -> dict[str, str]:
+    """The application's environment: rgpu's libraries first, its slices, `settings_env` (rgpu.toml's
+    keys for applications, config.lane_environment) where `env` does not set them, and RGPU_SAME_HOST=1
+    for `flexrun local` (the client library then says at the default log level when a copy path is
+    not the same-host one)."""
     out = dict(env)
     old = out.get("LD_LIBRARY_PATH", "")
     out["LD_LIBRARY_PATH"] = str(libdir) + (os.pathsep + old if old else "")
     out["RGPU_SLICES"] = ";".join(f"{s.server},{s.token}" for s in slices)
+    for name, value in (settings_env or {}).items():
+        out.setdefault(name, value)
+    if same_host:
+        out.setdefault("RGPU_SAME_HOST", "1")
     return out
 
 
@@ -212,6 +254,7 @@ class Options:
     num_gpus: int | None = None
     size: SliceSize = SliceSize()
     probe_timeout: float = 15.0
+    local: bool = False                # `flexrun local`: slices of this node's own GPUs
 
 
 def _bad_usage(what: str, why: str = "") -> InvalidRequest:
@@ -220,8 +263,11 @@ def _bad_usage(what: str, why: str = "") -> InvalidRequest:
 
 def make_options(command: Sequence[str], adaptor_conf: str | None = None, server_list: str | None = None,
                  num_gpus: int | None = None, partial: float | None = None, memory: str | None = None,
-                 probe_timeout: float = 15.0, isolation: str | None = None) -> Options:
+                 probe_timeout: float = 15.0, isolation: str | None = None, local: bool = False) -> Options:
     """Options from the command line's values, checked together (pure; raises InvalidRequest)."""
+    if local and (adaptor_conf is not None or server_list is not None):
+        raise _bad_usage(f"flexrun local cannot be used with {'-f' if adaptor_conf is not None else '-l'}",
+                         "it asks the pool for slices of this node's own GPUs")
     given = [flag for flag, value in (("-f", adaptor_conf), ("-l", server_list), ("-n", num_gpus)) if value is not None]
     if len(given) > 1:
         raise _bad_usage(f"{' and '.join(given)} cannot be used together", "they name the slices in different ways")
@@ -247,8 +293,9 @@ def make_options(command: Sequence[str], adaptor_conf: str | None = None, server
         size = replace(size, isolation=isolation)
     if not command:
         raise _bad_usage("no application given", f"write {TOOL} [options] -- app [args...]")
-    return Options(command=list(command), adaptor_conf=adaptor_conf, server_list=server_list, num_gpus=num_gpus,
-                   size=size, probe_timeout=probe_timeout)
+    return Options(command=list(command), adaptor_conf=adaptor_conf, server_list=server_list,
+                   num_gpus=num_gpus if num_gpus is not None or not local else 1, size=size,
+                   probe_timeout=probe_timeout, local=local)
 
 
 _CONTEXT = {"help_option_names": ["-h", "--help"],
@@ -268,14 +315,16 @@ _CONTEXT = {"help_option_names": ["-h", "--help"],
               help="With -n/-l: only GPUs where no other job's GPU fault can end this one's work "
                    "(shared isolated or exclusive).")
 @click.option("--probe-timeout", type=float, default=15.0, hidden=True)
+@click.option("--local", "local", is_flag=True, hidden=True)   # `flexrun local ...` (main() spells it so)
 @click.version_option(__version__, prog_name=TOOL)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def cli(command: tuple[str, ...], adaptor_conf: str | None, server_list: str | None, num_gpus: int | None,
-        partial: float | None, memory: str | None, isolation: str | None, probe_timeout: float) -> int:
+        partial: float | None, memory: str | None, isolation: str | None, probe_timeout: float,
+        local: bool) -> int:
     """The command line, parsed by click; `run` does the work."""
     try:
         options = make_options(command, adaptor_conf, server_list, num_gpus, partial, memory, probe_timeout,
-                               isolation)
+                               isolation, local)
     except RgpuError as exc:
         click.echo(str(exc), err=True)
         return exc.exit_code
@@ -285,11 +334,17 @@ def cli(command: tuple[str, ...], adaptor_conf: str | None, server_list: str | N
 def parse_args(argv: Sequence[str]) -> Options:
     """Options from a command line (for tests and callers); usage errors raise InvalidRequest."""
     try:
-        with cli.make_context(TOOL, list(argv)) as ctx:
+        with cli.make_context(TOOL, local_argv(argv)) as ctx:
             return make_options(**{k: v for k, v in ctx.params.items()})
     except click.ClickException as exc:
         from rgpu.remoting.client.cli import usage_error
         raise usage_error(TOOL, exc) from None
+
+
+def local_argv(argv: Sequence[str]) -> list[str]:
+    """`flexrun local ...` as click parses it (`--local ...`); any other command line as it is."""
+    argv = list(argv)
+    return ["--local", *argv[1:]] if argv[:1] == ["local"] else argv
 
 
 def _run_child(command: list[str], env: dict[str, str]) -> int:
@@ -340,7 +395,12 @@ def run(args: Options) -> int:
     lease: Lease | None = None
     try:
         check_prolog_error()
-        if args.adaptor_conf:
+        from rgpu.config import lane_environment, load_settings
+        settings_env = lane_environment(load_settings())
+        if args.local:
+            lease = Lease(args.num_gpus or 1, args.size, [], local=True)
+            slices = lease.slices
+        elif args.adaptor_conf:
             slices = slices_from_conf(Path(args.adaptor_conf))
         elif args.num_gpus or args.server_list:
             servers = [s.strip() for s in (args.server_list or "").split(";") if s.strip()]
@@ -355,7 +415,7 @@ def run(args: Options) -> int:
                               "ask for GPUs (sbatch --gres=rgpu:N, or flexrun -n N)")
         probe_all(slices, args.probe_timeout)
         libs = client_libraries()
-        env = build_env(slices, libs.folder)
+        env = build_env(slices, libs.folder, settings_env=settings_env, same_host=args.local)
         command = args.command
         if os.path.basename(command[0]) == "nvidia-smi" and use_rgpu_smi(env):
             command = [sys.executable, "-m", "rgpu.remoting.client.smi", *command[1:]]
@@ -389,7 +449,7 @@ def run(args: Options) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return cli.main(args=argv, standalone_mode=False)
+    return cli.main(args=local_argv(sys.argv[1:] if argv is None else argv), standalone_mode=False)
 
 
 if __name__ == "__main__":

@@ -54,12 +54,12 @@ def worker_choice(setting: str, client_offered: bool, mode: str, backend: str = 
     if setting == "tcp":
         return Choice(False, "the dispatcher's transport setting is tcp (RGPU_TRANSPORT)")
     if setting == "auto" and backend == "cuda":
-        # On a real GPU UCX's bytes land in a host buffer and are copied again into the pinned
-        # ring: correct (tests/remoting/test_gpu_ucx.py on an H100) but no faster than TCP's
-        # receive straight into pinned memory (3.2-3.4 against 3.0-4.5 GB/s on shared memory), so a
-        # GPU node takes UCX only when its setting asks for it, until UCX receives into pinned memory.
-        return Choice(False, "on a GPU node UCX copies are no faster than TCP yet (their bytes are staged "
-                             "twice): set transport = ucx on the dispatcher (rgpu.toml or RGPU_TRANSPORT) to use them")
+        # On an H100 UCX's bytes, landing in a host buffer and copied again into the pinned ring,
+        # were no faster than TCP's receive straight into pinned memory (3.2-3.4 against 3.0-4.5
+        # GB/s on shared memory). They now land in pinned memory, one DMA from there (2026-11-28),
+        # not yet measured on a GPU: a GPU node takes UCX only when its setting asks for it until then.
+        return Choice(False, "on a GPU node UCX copies are not measured faster than TCP yet: set transport = ucx "
+                             "on the dispatcher (rgpu.toml or RGPU_TRANSPORT) to use them")
     if not client_offered:
         return Choice(False, "the client did not offer UCX (its RGPU_TRANSPORT is tcp, or it cannot load "
                              "libucp; its RGPU_LOG=info line says which)")

@@ -173,7 +173,7 @@ def start_data_path(sock: socket.socket, address: str, gpus: tuple[GpuInfo, ...]
                                         port_range=port_range, backend=backend, log=log, front_door=door,
                                         compute_lending=settings.compute_lending,
                                         image_cache_bytes=settings.image_cache_bytes, transport=transport,
-                                        caps=caps)
+                                        caps=caps, socket_buffer_bytes=settings.socket_buffer_bytes)
     data_path.start()
     return data_path
 

@@ -206,7 +206,7 @@ class SessionServer:
                  port_range: tuple[int, int], backend: str, log: logging.Logger,
                  front_door: FrontDoor | None = None, compute_lending: bool = False,
                  image_cache_bytes: int = DEFAULT_IMAGE_CACHE_BYTES, transport: str | None = None,
-                 caps: SessionCaps | None = None) -> None:
+                 caps: SessionCaps | None = None, socket_buffer_bytes: int | None = None) -> None:
         if backend not in ("cuda", "emulated"):
             raise ValueError(f"unknown backend {backend!r} (cuda or emulated)")
         self.listen_socket = listen_socket
@@ -254,6 +254,9 @@ class SessionServer:
         # Copies' transport (datapath/transport.py): rgpu.toml's `transport` (the daemon passes it), else
         # RGPU_TRANSPORT (a session server started by a test or a benchmark).
         self.transport = transport or parse_transport(os.environ.get("RGPU_TRANSPORT"))
+        # Its workers' SO_SNDBUF/SO_RCVBUF (rgpu.toml's socket_buffer_bytes; None: RGPU_SOCKET_BUFFER_BYTES as
+        # inherited, else the worker's default).
+        self.socket_buffer_bytes = socket_buffer_bytes
         self.ucx_library = ""
         self._live: LiveLeases | None = None   # the pool's latest list; None: tokens are checked offline only
         # GPU faults (dispatcher/faults.py): reports from workers, events decided, recoveries pending.
@@ -804,6 +807,8 @@ class SessionServer:
         env = worker_environment(os.environ)
         env["RGPU_WORKER_SESSION"] = json.dumps(spec)
         env["RGPU_WORKER_PARENT_PID"] = str(os.getpid())
+        if self.socket_buffer_bytes is not None:
+            env["RGPU_SOCKET_BUFFER_BYTES"] = str(self.socket_buffer_bytes)
         if self.backend == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = gpu.uuid
             env.pop("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", None)

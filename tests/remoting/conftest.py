@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rgpu.live_leases import LiveLeases
@@ -114,7 +115,8 @@ class Server:
         raise AssertionError(f"expected {n} sessions, have {self.server.status()['sessions']}")
 
 
-def start_server(backend: str, gpus: list[GpuInfo], caps: SessionCaps | None = None) -> tuple[SessionServer, str]:
+def start_server(backend: str, gpus: list[GpuInfo], caps: SessionCaps | None = None,
+                 **options: Any) -> tuple[SessionServer, str]:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -122,7 +124,7 @@ def start_server(backend: str, gpus: list[GpuInfo], caps: SessionCaps | None = N
     address = f"127.0.0.1:{sock.getsockname()[1]}"
     server = SessionServer(listen_socket=sock, advertised=address, gpus=gpus, secret=SECRET,
                            port_range=(45201, 46225), backend=backend, log=logging.getLogger("rgpu.test.sessions"),
-                           caps=caps)
+                           caps=caps, **options)
     server.start()
     server.update_live(LiveLeases.of(0.0, []))   # no pool here: a view in which no token is revoked
     return server, address

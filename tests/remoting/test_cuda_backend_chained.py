@@ -24,8 +24,9 @@ from tests.remoting.conftest import (
 HERE = Path(__file__).parent
 
 
-@pytest.fixture
-def chained(native_libs: build.Libraries, emulated: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
+def chain_to(native_libs: build.Libraries, emulated: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment in which a CUDA-backend session server started next drives `emulated`
+    through rgpu's own client library."""
     inner = emulated.slices(emulated.token(memory_limit=4 << 30, job_key="inner"))
     monkeypatch.setenv("LD_LIBRARY_PATH", str(native_libs.folder))
     monkeypatch.setenv("RGPU_SLICES", inner)
@@ -33,6 +34,11 @@ def chained(native_libs: build.Libraries, emulated: Server, monkeypatch: pytest.
     monkeypatch.setenv("RGPU_LOG", "error")
     # The GPU behind the chain is emulated: its contexts take no memory, so no reservation.
     monkeypatch.setenv("RGPU_SESSION_CONTEXT_RESERVE", "0")
+
+
+@pytest.fixture
+def chained(native_libs: build.Libraries, emulated: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
+    chain_to(native_libs, emulated, monkeypatch)
     server, address = start_server("cuda", [EMULATED_GPU])
     try:
         yield Server(server, address, [EMULATED_GPU])

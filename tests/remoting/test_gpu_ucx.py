@@ -1,6 +1,6 @@
-"""UCX under host<->device copies on a real GPU (issue 25): the staging path a GPU node takes (bytes
-land in a host buffer of the worker's, then go to the device through its pinned ring; device-to-host
-gathers the chunks there before they leave), run with the GPU node's transport set to ucx.
+"""UCX under host<->device copies on a real GPU (issue 25): the path a GPU node takes (bytes land in
+the worker's pinned UCX buffer and go to the device in one DMA from there; device-to-host, one DMA
+into it before they leave), run with the GPU node's transport set to ucx.
 
 Run on a GPU machine with UCX (libucp.so.0):
     python -m pytest -m gpu tests/remoting/test_gpu_ucx.py -v -s

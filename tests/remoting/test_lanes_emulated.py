@@ -85,6 +85,41 @@ def test_a_worker_that_cannot_drive_lanes_gives_none_and_copies_stay_on_one_conn
     assert _striped(tmp_path / "p") == (0, 0)
 
 
+def test_a_forked_child_copies_over_lanes_of_its_own(native_libs: build.Libraries, tmp_path: Path) -> None:
+    # The parent's lane threads are kept between copies; a child forked after them has none of them.
+    program = driver_api_program(native_libs, HERE / "lane_fork.c", tmp_path / "lane_fork")
+    with serving("emulated", [EMULATED_GPU]) as s:
+        done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(program), str(4 * MiB + 3)],
+                          timeout=120, RGPU_CLIENT_STATS=str(tmp_path / "p"), **LANE_ENV)
+    assert done.returncode == 0 and done.stdout.split() == ["CHILD", "OK", "OK"], done.stdout + done.stderr
+    assert done.stderr.count(f"transport tcp, {LANES} data lanes)") == 2, done.stderr   # the parent's and the child's
+
+
+def _receive_buffer(port: int, pid: int) -> int:
+    """SO_RCVBUF as the kernel holds it (skmem rb) of process `pid`'s TCP socket on local `port`."""
+    out = subprocess.run(["ss", "-tmpnH", "state", "established", f"sport = :{port}"], capture_output=True,
+                         text=True, check=True).stdout
+    for block in out.replace("\n\t", " ").splitlines():
+        if f"pid={pid}," in block and "skmem:(" in block:
+            return int(block.split(",rb")[1].split(",")[0])
+    raise AssertionError(f"no socket of pid {pid} on port {port}: {out}")
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+def test_the_dispatchers_socket_buffer_setting_reaches_its_workers() -> None:
+    from .conftest import start_server
+    server, address = start_server("emulated", [EMULATED_GPU], socket_buffer_bytes=96 << 10)
+    try:
+        sock, _ = protocol.handshake(address, Server(server, address, [EMULATED_GPU]).token())
+        with sock:
+            (worker,) = [s["pid"] for s in server.status()["sessions"]]
+            # Linux keeps twice the size asked for (for its own bookkeeping); the default is 4 MiB.
+            assert _receive_buffer(int(address.rsplit(":", 1)[1]), worker) == 2 * (96 << 10)
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def lane_cut(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("cut") / "lane_cut.so"
@@ -303,6 +338,42 @@ def test_staged_chunks_reach_the_device_whole_through_few_slots(native_libs: bui
         lanes.close()
         for _, b in pairs:
             b.close()
+
+
+def _lane_threads() -> set[int]:
+    """This process's threads named rgpu-lane (lanes.c's), by thread id."""
+    out = set()
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if (task / "comm").read_text().strip() == "rgpu-lane":
+                out.add(int(task.name))
+        except OSError:
+            pass
+    return out
+
+
+def test_copies_after_the_first_start_no_lane_threads(native_libs: build.Libraries) -> None:
+    pairs = [socket.socketpair() for _ in range(4)]
+    lanes = Lanes(str(native_libs.libworker), [a for a, _ in pairs], stall_s=10)
+    size, chunk = 1 * MiB + 17, 64 << 10
+    seen = []
+    try:
+        for seq in range(1, 6):
+            data = os.urandom(size)
+            into = ctypes.create_string_buffer(size)
+            senders = _send_striped([b for _, b in pairs], seq, data, chunk)
+            lanes.receive(seq, size, chunk, ctypes.addressof(into), None)
+            for t in senders:
+                t.join()
+            assert into.raw == data
+            seen.append(_lane_threads())
+    finally:
+        lanes.close()
+        for _, b in pairs:
+            b.close()
+    # The first copy started one thread per lane; every later copy ran on the same ones.
+    assert len(seen[0]) >= 4, seen
+    assert all(s == seen[0] for s in seen), seen
 
 
 def test_a_refused_chunk_fails_the_copy_but_every_chunk_is_read(native_libs: build.Libraries) -> None:

@@ -42,7 +42,7 @@ def test_the_worker_takes_ucx_only_when_offered_allowed_and_a_cuda_session() -> 
     unoffered = worker_choice("auto", False, "cuda")
     assert not unoffered.try_ucx and "the client did not offer UCX" in unoffered.why
     assert not worker_choice("auto", True, "nvml").try_ucx
-    # A real GPU takes UCX only when asked: its staging path is no faster than TCP yet.
+    # A real GPU takes UCX only when asked: its path is not measured faster than TCP yet.
     real = worker_choice("auto", True, "cuda", "cuda")
     assert not real.try_ucx and "transport = ucx" in real.why
     assert worker_choice("ucx", True, "cuda", "cuda").try_ucx

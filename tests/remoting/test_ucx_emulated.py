@@ -248,6 +248,7 @@ def test_the_staging_path_a_real_gpu_takes_carries_bytes_both_ways(native_libs: 
                                  spec=types.SimpleNamespace(memory_limit=1 << 20), sent=0,
                                  _reply=lambda seq, result, payload, message: replies.append((seq, result)))
     fake._ucx_staging = types.MethodType(Handlers._ucx_staging, fake)
+    fake._ucx_pinned = types.MethodType(Handlers._ucx_pinned, fake)
     fake._ucx_copy = types.MethodType(Handlers._ucx_copy, fake)
     try:
         data = bytes(range(256)) * 12 + b"odd"   # 3075 bytes
@@ -269,3 +270,27 @@ def test_the_staging_path_a_real_gpu_takes_carries_bytes_both_ways(native_libs: 
         b.close()
         worker_link.close()
         client_link.close()
+
+
+def test_through_the_cuda_backend_a_ucx_copy_is_one_dma_from_pinned_memory(
+        copies: Path, native_libs: build.Libraries, emulated: Server, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real-GPU backend (its worker's "driver" is rgpu's client library, chained to an emulated
+    worker: test_cuda_backend_chained.py) takes a UCX copy into its pinned buffer and queues one DMA
+    from there: the chained driver sees one copy per UCX copy, not the staging ring's 4 MiB pieces;
+    and device to host, one copy into it, not 4 MiB chunks. Byte for byte, every size."""
+    from .conftest import start_server
+    from .test_cuda_backend_chained import chain_to
+    chain_to(native_libs, emulated, monkeypatch)
+    monkeypatch.setenv("RGPU_TRANSPORT", "ucx")            # the GPU node takes UCX (auto keeps TCP on a real GPU)
+    monkeypatch.setenv("RGPU_CLIENT_STATS", str(tmp_path / "inner"))   # the worker's calls to its "driver"
+    server, address = start_server("cuda", [EMULATED_GPU])
+    try:
+        chained = Server(server, address, [EMULATED_GPU])
+        done = run_client(native_libs, chained.slices(chained.token(memory_limit=1 << 30)), [str(copies)], timeout=300,
+                          RGPU_TRANSPORT="ucx", RGPU_LOG="info", UCX_TLS="posix,self")
+    finally:
+        server.stop()
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr
+    assert "transport ucx)" in done.stderr, done.stderr
+    assert _ucx_ops(tmp_path / "inner") == UCX_COPIES

@@ -52,6 +52,9 @@ P = ctypes.POINTER
 STAGING_RING_BYTES = 16 << 20   # host-to-device copies in flight (pinned)
 STAGING_CHUNK = 4 << 20         # a bigger copy goes through the ring in pieces of this size
 DTOH_CHUNK = 4 << 20
+# A UCX copy (protocol 10) lands in one pinned buffer, kept and grown up to this size, and its DMA
+# goes straight from there (RGPU_UCX_PINNED_MAX_BYTES; larger copies take the staging ring).
+UCX_PINNED_MAX_BYTES = 256 << 20
 LANE_SLOTS = 8                  # pinned slots (one chunk each) of striped copies (worker/lanes.py)
 MAX_PARAM_BYTES = 32768
 
@@ -281,6 +284,12 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
         self._lane_chunk = 0
         self._lane_staging = 0
         self._lane_events: dict[int, Any] = {}
+        # UCX copies: a pinned buffer they land in (or leave from), and the DMA queued from it that
+        # must finish before it is written again: (context, event), or None.
+        self._ucx_base = 0
+        self._ucx_bytes = 0
+        self._ucx_pending: tuple[int, Any] | None = None
+        self._ucx_events: dict[int, Any] = {}   # context -> the event its UCX DMA records
         self._param_buf = (ctypes.c_char * MAX_PARAM_BYTES)()
         self._param_size = c_size_t(0)
         self._extra = (c_void_p * 5)(1, ctypes.addressof(self._param_buf), 2, ctypes.addressof(self._param_size), 0)
@@ -433,9 +442,63 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
 
     def _drop_staging(self) -> None:
         self._wait_busy()
-        for address in ([self._ring_base] if self._ring_base else []) + self._dtoh:
+        self._ucx_wait()
+        for address in ([self._ring_base] if self._ring_base else []) + self._dtoh + \
+                ([self._ucx_base] if self._ucx_base else []):
             self._call("cuMemFreeHost", address)
         self._ring_base, self._dtoh = 0, []
+        self._ucx_base = self._ucx_bytes = 0
+
+    # ------------------------------------------------------------------ UCX copies' pinned buffer
+
+    def _ucx_wait(self) -> None:
+        """Wait for the DMA queued from the UCX buffer (its bytes may then be overwritten)."""
+        if self._ucx_pending is not None:
+            _, event = self._ucx_pending
+            self._ucx_pending = None
+            self._call("cuEventSynchronize", event)
+
+    def ucx_buffer(self, n: int) -> int:
+        """Pinned memory for a UCX copy of n bytes to land in or leave from, free to write (the
+        previous copy's DMA from it has finished); 0 when n is beyond UCX_PINNED_MAX_BYTES."""
+        limit = int(os.environ.get("RGPU_UCX_PINNED_MAX_BYTES") or UCX_PINNED_MAX_BYTES)
+        if n > limit:
+            return 0
+        self._ucx_wait()
+        if self._ucx_bytes < n:
+            if self._ucx_base:
+                self._call("cuMemFreeHost", self._ucx_base)
+                self._ucx_base = self._ucx_bytes = 0
+            size = max(n, 16 << 20)
+
+            def make() -> None:
+                p = c_void_p()
+                self._check("cuMemHostAlloc", byref(p), size, MEMHOSTALLOC_PORTABLE)
+                self._ucx_base, self._ucx_bytes = p.value or 0, size
+            self._with_primary(make)
+        return self._ucx_base
+
+    def htod_ucx(self, dst: int, stream: int, n: int) -> None:
+        """Queue the DMA of a UCX copy's n bytes from the UCX buffer to dst; the buffer stays busy
+        until it has run (the next UCX copy waits for it, not this one)."""
+        self._refuse_capture(stream, "cuMemcpyHtoDAsync")
+        event = self._ucx_events.get(self._current)
+        if event is None:   # one per context, as the ring's (it goes with its context)
+            event = self._ucx_events[self._current] = self._new_event()
+        r = self._call("cuMemcpyHtoDAsync_v2", dst, self._ucx_base, n, stream or None)
+        if r == SUCCESS:
+            r = self._call("cuEventRecord", event, stream or None)
+        if r != SUCCESS:
+            # Nothing tracks this copy's DMA: wait for the stream before the buffer is reused.
+            self._call("cuStreamSynchronize", stream or None)
+            raise CudaError(r)
+        self._ucx_pending = (self._current, event)
+
+    def dtoh_ucx(self, src: int, stream: int, n: int) -> None:
+        """Copy n bytes at src into the UCX buffer, in stream order, and wait for them there."""
+        self._refuse_capture(stream, "cuMemcpyDtoHAsync")
+        self._check("cuMemcpyDtoHAsync_v2", self._ucx_base, src, n, stream or None)
+        self._check("cuStreamSynchronize", stream or None)
 
     def _context_events(self) -> tuple[list[Any], list[Any]]:
         """The current context's events: free ones for ring copies (made as needed), and two for
@@ -467,6 +530,9 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
 
     def _forget_events(self, ctx: int) -> None:
         """Before a context goes: its copies finish, its events go with it."""
+        if self._ucx_pending is not None and self._ucx_pending[0] == ctx:
+            self._ucx_wait()
+        self._ucx_events.pop(ctx, None)
         if ctx in self._events:
             if any(owner == ctx for owner, _ in self._ring.tags()):
                 self._wait_busy()

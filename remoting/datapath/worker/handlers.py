@@ -237,15 +237,23 @@ class Handlers:
         return link, dev, size, stream
 
     def _ucx_staging(self, size: int) -> Any:
-        """A host buffer for a backend whose device memory the worker cannot address (a real GPU):
-        kept between copies. Bytes land here, then take the backend's htod (through its pinned
-        ring); device-to-host gathers the backend's chunks here before sending (whole on an H100,
-        tests/remoting/test_gpu_ucx.py; the second copy keeps it no faster than TCP)."""
+        """A host buffer for a backend whose device memory the worker cannot address and that has
+        no pinned buffer for the copy (_ucx_pinned): kept between copies. Bytes land here, then take
+        the backend's htod (through its pinned ring); device-to-host gathers the backend's chunks
+        here before sending (whole on an H100, tests/remoting/test_gpu_ucx.py, before the pinned
+        buffer; the second copy kept it no faster than TCP)."""
         import ctypes
         buf = getattr(self, "_ucx_buf", None)
         if buf is None or ctypes.sizeof(buf) < size:
             buf = self._ucx_buf = (ctypes.c_char * size)()
         return buf
+
+    def _ucx_pinned(self, size: int) -> int:
+        """The backend's pinned buffer for a UCX copy of `size` bytes (the CUDA backend: its DMA goes
+        straight from or into it, no second host copy), or 0: none (a backend without one, or a copy
+        larger than it keeps), then the bytes take _ucx_staging."""
+        buffer = getattr(self.backend, "ucx_buffer", None)
+        return buffer(size) if buffer is not None else 0
 
     def h_htod_ucx(self, p: memoryview, address: int, seq: int) -> None:
         import ctypes
@@ -268,6 +276,9 @@ class Handlers:
             holder = (ctypes.c_char * size).from_buffer(target)
             link.recv(seq, ctypes.addressof(holder), size, fd)
             del holder
+        elif (pinned := self._ucx_pinned(size)):   # a real GPU: into pinned memory, one DMA from there
+            link.recv(seq, pinned, size, fd)
+            self.backend.htod_ucx(dst, real, size)
         else:
             staging = self._ucx_staging(size)
             link.recv(seq, ctypes.addressof(staging), size, fd)
@@ -281,6 +292,9 @@ class Handlers:
         window = getattr(self.backend, "device_window", None)
         if window is not None:
             holder: Any = (ctypes.c_char * size).from_buffer(window(src, size, real, "cuMemcpyDtoHAsync"))
+        elif (pinned := self._ucx_pinned(size)):   # a real GPU: one DMA into pinned memory, sent from there
+            self.backend.dtoh_ucx(src, real, size)
+            holder = (ctypes.c_char * size).from_address(pinned)
         else:
             holder = self._ucx_staging(size)
             view, at = memoryview(holder).cast("B"), 0

@@ -1,9 +1,11 @@
-/* Data lanes: a striped copy's chunks, one thread per lane (lanes.h says what and why). */
+/* Data lanes: a striped copy's chunks, one thread per lane, kept between copies (lanes.h says what
+ * and why). */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <stdarg.h>
 #include <poll.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -52,6 +54,7 @@ typedef struct {
     int failed;
     char why[512];
     int exited;             /* lane threads done */
+    int finished;           /* lane jobs that will not touch this state again */
     /* receive through staging */
     uint8_t *direct;
     rgpu_lanes_gpu *gpu;
@@ -333,15 +336,115 @@ static void feed_gpu(copy_state *c) {
     pthread_mutex_unlock(&c->lock);
 }
 
+/* ------------------------------------------------------------------ the lane threads
+ *
+ * A process keeps its lane threads between copies (named "rgpu-lane"): a copy hands each lane's
+ * work to an idle one and starts a thread only when none is idle, so a training loop's copies start
+ * no threads after its first. Every job handed over has an idle thread of its own (idle >= pending),
+ * so a copy's lanes always run at once, side by side, whatever other copies of the process do. A
+ * child forked while they exist has none of them: it starts with an empty pool. */
+
+typedef struct lane_job {
+    void *(*fn)(void *);
+    void *arg;
+    struct lane_job *next;
+} lane_job;
+
+static pthread_mutex_t pool_lock = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t pool_cond = PTHREAD_COND_INITIALIZER;
+static lane_job *pool_head, *pool_tail;
+static int pool_idle, pool_pending;
+static pthread_once_t pool_fork_once = PTHREAD_ONCE_INIT;
+
+static void pool_after_fork_child(void) {
+    pthread_mutex_init(&pool_lock, NULL);
+    pthread_cond_init(&pool_cond, NULL);
+    pool_head = pool_tail = NULL;
+    pool_idle = pool_pending = 0;
+}
+
+static void pool_register_fork(void) { pthread_atfork(NULL, NULL, pool_after_fork_child); }
+
+static void *pool_thread(void *unused) {
+    (void)unused;
+    pthread_setname_np(pthread_self(), "rgpu-lane");
+    pthread_mutex_lock(&pool_lock);
+    for (;;) {
+        while (!pool_head) pthread_cond_wait(&pool_cond, &pool_lock);
+        lane_job *j = pool_head;
+        pool_head = j->next;
+        if (!pool_head) pool_tail = NULL;
+        pool_pending--;
+        pool_idle--;
+        pthread_mutex_unlock(&pool_lock);
+        j->fn(j->arg);   /* j lives in the copy's frame: not touched after this */
+        pthread_mutex_lock(&pool_lock);
+        pool_idle++;
+    }
+    return NULL;
+}
+
+/* Hand `j` to an idle lane thread, starting one when none is free; errno-style code on failure. */
+static int pool_run(lane_job *j) {
+    pthread_once(&pool_fork_once, pool_register_fork);
+    pthread_mutex_lock(&pool_lock);
+    if (pool_idle <= pool_pending) {
+        pthread_t t;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        sigset_t all, old;
+        sigfillset(&all);   /* the application's signals go to its own threads, not to ours */
+        pthread_sigmask(SIG_SETMASK, &all, &old);
+        int r = pthread_create(&t, &attr, pool_thread, NULL);
+        pthread_sigmask(SIG_SETMASK, &old, NULL);
+        pthread_attr_destroy(&attr);
+        if (r) {
+            pthread_mutex_unlock(&pool_lock);
+            return r;
+        }
+        pool_idle++;
+    }
+    j->next = NULL;
+    if (pool_tail) pool_tail->next = j;
+    else pool_head = j;
+    pool_tail = j;
+    pool_pending++;
+    pthread_cond_signal(&pool_cond);
+    pthread_mutex_unlock(&pool_lock);
+    return 0;
+}
+
+typedef struct {
+    lane_arg lane;
+    lane_job job;
+    void *(*fn)(void *);
+} lane_task;
+
+/* A lane's work, then the last touch of the copy's state: the copy may return once all are done. */
+static void *lane_task_run(void *arg) {
+    lane_task *t = arg;
+    t->fn(&t->lane);
+    copy_state *c = t->lane.c;
+    pthread_mutex_lock(&c->lock);
+    c->finished++;
+    pthread_cond_broadcast(&c->cond);
+    pthread_mutex_unlock(&c->lock);
+    return NULL;
+}
+
 static int run_lanes(copy_state *c, void *(*fn)(void *), int (*middle)(copy_state *, void *), void *arg) {
-    pthread_t t[RGPU_LANES_MAX];
-    lane_arg args[RGPU_LANES_MAX];
+    lane_task tasks[RGPU_LANES_MAX];
     int started = 0;
     for (int i = 0; i < c->nfds; i++) {
-        args[i].c = c;
-        args[i].lane = i;
-        if (pthread_create(&t[i], NULL, fn, &args[i])) {
-            fail(c, "cannot start a thread for data lane %d: %s", i, strerror(errno));
+        tasks[i].lane.c = c;
+        tasks[i].lane.lane = i;
+        tasks[i].fn = fn;
+        tasks[i].job.fn = lane_task_run;
+        tasks[i].job.arg = &tasks[i];
+        int r = pool_run(&tasks[i].job);
+        if (r) {
+            fail(c, "cannot start a thread for data lane %d: %s", i, strerror(r));
             pthread_mutex_lock(&c->lock);
             c->exited += c->nfds - i;   /* the lanes never started count as ended */
             pthread_cond_broadcast(&c->cond);
@@ -351,7 +454,9 @@ static int run_lanes(copy_state *c, void *(*fn)(void *), int (*middle)(copy_stat
         started++;
     }
     int r = middle ? middle(c, arg) : 0;
-    for (int i = 0; i < started; i++) pthread_join(t[i], NULL);
+    pthread_mutex_lock(&c->lock);
+    while (c->finished < started) pthread_cond_wait(&c->cond, &c->lock);
+    pthread_mutex_unlock(&c->lock);
     return r;
 }
 

@@ -1,6 +1,7 @@
 /* Data lanes (protocol 12, remoting/datapath/protocol.py): a large copy's bytes striped over
  * several TCP connections of one session, chunk i on lane i % lanes as a LANE_DATA frame (seq: the
- * copy's, aux: i, ctx: the chunk's offset). One thread per lane moves its chunks; no Python runs
+ * copy's, aux: i, ctx: the chunk's offset). One thread per lane moves its chunks (threads kept
+ * between copies, named rgpu-lane); no Python runs
  * per chunk. Built into libcuda.so.1 (hidden: the client sends) and librgpu-worker.so (exported:
  * the worker's Python, worker/lanes.py, receives one copy per call). */
 #ifndef RGPU_LANES_H

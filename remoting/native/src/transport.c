@@ -989,11 +989,17 @@ static size_t ucx_min_bytes(void) {
     return g_ucx_min;
 }
 
-/* The one line a fallback to TCP gets (per process: a job of 8 slices says it once). */
+/* The one line a fallback to TCP gets (per process: a job of 8 slices says it once). An application
+ * that expects the same-host path (RGPU_SAME_HOST=1: `flexrun local` sets it) sees it at the default
+ * log level; others at RGPU_LOG=info. */
 static void say_tcp_once(int level, const char *server, const char *why) {
     static int said;
+    const char *same_host = getenv("RGPU_SAME_HOST");
+    int expected = same_host && !strcmp(same_host, "1");
+    if (expected && level > RGPU_LOG_WARN) level = RGPU_LOG_WARN;
     if (!__atomic_exchange_n(&said, 1, __ATOMIC_RELAXED))
-        rgpu_log(level, "copies to %s go over TCP, not UCX (%s)", server, why);
+        rgpu_log(level, "copies to %s go over TCP, not UCX%s (%s)", server,
+                 expected ? " (not the same-host path)" : "", why);
 }
 
 int rgpu_ucx_carries(const rgpu_call *c, size_t n) {

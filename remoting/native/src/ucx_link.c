@@ -4,6 +4,7 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -257,7 +258,10 @@ int rgpu_ucx_wait(rgpu_ucx *u, void *req, int recv, size_t want, double idle_s, 
             spins = 0;
             continue;
         }
-        if (++spins % 4096 == 0) {
+        /* Shared-memory transports need both ends to run: on a busy node (a GPU node running jobs) a
+         * waiter that only spins keeps its peer off the core it waits for. */
+        if (++spins % 64 == 0) sched_yield();
+        if (spins % 4096 == 0) {
             double now = seconds();
             int sock = socket_state(fd);
             /* A frame came while this waits (a host function's call, the client's HOST_CALL): the
