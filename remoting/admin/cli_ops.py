@@ -77,8 +77,10 @@ def deep_checks(settings: Settings, reply: pb.ListServersReply, rows: list[dict[
 @click.option("--json", "json_local", is_flag=True, help="Print a JSON array of objects.")
 @click.pass_obj
 def stats(ctx: Any, idle_only: bool, json_local: bool) -> None:
-    """Usage of every slice as its dispatcher reports it: open sessions, busy time, memory in use
-    and peak against the limit, last activity; idle leases flagged (idle_after_seconds)."""
+    """Usage of every slice as its dispatcher reports it: open sessions, busy time, compute used
+    (busy share of the last heartbeat interval) against the share held, memory in use and peak
+    against the limit, last activity; idle leases flagged IDLE (idle_after_seconds), slices that
+    use under a quarter of 4 GiB or more flagged UNUSED."""
     from rgpu.remoting.admin.usage_view import slice_rows
 
     with ctx.client() as client:
@@ -88,10 +90,10 @@ def stats(ctx: Any, idle_only: bool, json_local: bool) -> None:
     elif not rows:
         click.echo("no idle leases" if idle_only else "no leases")
     else:
-        click.echo(tabulate([[r["job_key"], r["user"], r["slice"], r["where"], r["sessions"], r["busy"], r["memory"],
-                              r["last_active"], r["flag"]] for r in rows],
-                            headers=["JOB KEY", "USER", "SLICE", "GPU", "SESSIONS", "BUSY", "MEMORY", "LAST ACTIVE",
-                                     "FLAG"]))
+        click.echo(tabulate([[r["job_key"], r["user"], r["slice"], r["where"], r["sessions"], r["busy"], r["compute"],
+                              r["memory"], r["last_active"], r["flag"]] for r in rows],
+                            headers=["JOB KEY", "USER", "SLICE", "GPU", "SESSIONS", "BUSY", "COMPUTE USED/HELD", "MEMORY",
+                                     "LAST ACTIVE", "FLAG"]))
 
 
 def _when(text: str | None, what: str) -> float:

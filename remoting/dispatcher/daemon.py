@@ -267,7 +267,8 @@ def _serve_metrics(settings: Settings, options: Options, address: str, gpus: tup
     def snapshot() -> DispatcherSnapshot:
         return DispatcherSnapshot(address=address, gpus=gpus, sessions=data_path.observe(),
                                   registered=registrar.registered, heartbeats=dict(registrar.heartbeats),
-                                  registrations=registrar.registrations)
+                                  registrations=registrar.registrations, telemetry=tuple(telemetry.readings()),
+                                  compute_rates=telemetry.compute_rates())
 
     server = serve_metrics(settings.dispatcher_metrics_listen, dispatcher_registry(snapshot), COMPONENT,
                            key="dispatcher_metrics_listen")

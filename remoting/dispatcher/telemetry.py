@@ -268,6 +268,10 @@ class Telemetry:
         with self._lock:
             return list(self.latest)
 
+    def compute_rates(self) -> dict[tuple[str, int], float]:
+        with self._lock:
+            return dict(self.rates)
+
     def close(self) -> None:
         self.source.close()
 

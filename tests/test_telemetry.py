@@ -1,0 +1,155 @@
+"""Used beside held (issue 29): GPU readings and each slice's use, from the GPU node to the pool.
+The pure parts on hand-made numbers; then a real pool and a real dispatcher on loopback (the
+emulated backend, whose readings say so), a real session holding 2 GiB of a 40 GiB slice, and what
+the pool's metrics, ListServers and `rgpu-admin stats` then say."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from rgpu.model import GpuInfo
+from rgpu.proto import rgpu_pb2 as pb
+from rgpu.remoting.dispatcher.telemetry import compute_rates, emulated_readings, per_gpu
+from rgpu.remoting.pool.telemetry import checked_telemetry
+from tests.daemons import EXAMPLES, RgpuCluster, wait_for, wait_for_port_file
+from tests.test_metrics import scrape, value
+
+GIB = 1 << 30
+GPU = GpuInfo("GPU-00000000-0000-0000-0000-000000000001", 0, "NVIDIA H100", 80 * GIB, 80 * GIB, "9.0")
+
+
+# --- pure ------------------------------------------------------------------------------------------
+
+def test_a_slices_compute_use_is_its_busy_time_over_the_interval_and_new_slices_read_zero() -> None:
+    previous: dict[tuple[str, int], tuple[float, float]] = {}
+    first = compute_rates(previous, [{"job_key": "j", "slice_number": 0, "busy_seconds": 50.0}], now=100.0)
+    assert first == {("j", 0): 0.0}                       # its 50 s may span any time: not a rate yet
+    later = compute_rates(previous, [{"job_key": "j", "slice_number": 0, "busy_seconds": 51.5}], now=105.0)
+    assert later == {("j", 0): 30.0}                      # 1.5 s busy in 5 s
+    capped = compute_rates(previous, [{"job_key": "j", "slice_number": 0, "busy_seconds": 70.0}], now=106.0)
+    assert capped == {("j", 0): 100.0}                    # workers of several sessions: never above all of it
+    assert compute_rates(previous, [], now=107.0) == {} and previous == {}   # gone slices are forgotten
+
+
+def test_emulated_readings_follow_the_sessions_and_say_they_are_emulated() -> None:
+    usage = [{"job_key": "j", "slice_number": 0, "memory_used_bytes": 2 * GIB, "busy_seconds": 1.0},
+             {"job_key": "k", "slice_number": 0, "memory_used_bytes": GIB, "busy_seconds": 1.0}]
+    sessions = [{"job_key": "j", "slice_number": 0, "gpu_uuid": GPU.uuid},
+                {"job_key": "k", "slice_number": 0, "gpu_uuid": GPU.uuid}]
+    memory, busy = per_gpu([GPU], usage, sessions, {("j", 0): 30.0, ("k", 0): 20.0})
+    assert memory == {GPU.uuid: 3 * GIB} and busy == {GPU.uuid: 50.0}
+    (idle,) = emulated_readings([GPU], {}, {}, {}, now=1.0)
+    (busy_gpu,) = emulated_readings([GPU], memory, busy, {GPU.uuid: 2}, now=1.0)
+    assert idle.source == busy_gpu.source == "emulated"
+    assert idle.utilization_percent == 0 and busy_gpu.utilization_percent == 50
+    assert idle.temperature_celsius < busy_gpu.temperature_celsius and idle.power_watts < busy_gpu.power_watts
+    assert busy_gpu.memory_used_bytes == 3 * GIB and (busy_gpu.xid_errors, busy_gpu.last_xid) == (2, 43)
+
+
+def test_the_pool_keeps_readings_of_its_servers_gpus_only_and_absurd_figures_as_unknown() -> None:
+    readings = [pb.GpuTelemetry(gpu_uuid=GPU.uuid, source="nvml", utilization_percent=float("nan"),
+                                temperature_celsius=55.0, power_watts=1e12, read_unix=90.0),
+                pb.GpuTelemetry(gpu_uuid="GPU-not-registered", source="nvml"),
+                pb.GpuTelemetry(gpu_uuid=GPU.uuid, source="made-up")]
+    kept = checked_telemetry(readings, {GPU.uuid}, sent_unix=100.0, now=110.0)
+    assert [r.gpu_uuid for r in kept] == [GPU.uuid, GPU.uuid]
+    assert kept[0].utilization_percent == -1 and kept[0].power_watts == -1 and kept[0].temperature_celsius == 55
+    assert kept[0].read_unix == 100.0                     # on the pool's clock (10 s skew)
+    assert kept[1].source == "unknown"
+
+
+# --- real daemons ----------------------------------------------------------------------------------
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
+    c = RgpuCluster(tmp_path / "cluster")
+    c.write_config(heartbeat_interval_seconds=0.3, down_after_seconds=3.0, reclaim_interval_seconds=0.5)
+    try:
+        yield c
+    finally:
+        c.stop_all()
+
+
+@pytest.mark.integration
+def test_a_slice_that_holds_40_gib_and_uses_2_gib_shows_both_in_metrics_servers_and_stats(cluster: RgpuCluster) -> None:
+    from rgpu.remoting.datapath import protocol
+    from rgpu.remoting.native.generated import api_gen
+
+    pool = cluster.start_pool("--metrics-listen", "127.0.0.1:0", "--metrics-port-file",
+                              str(cluster.root / "pool-metrics.port"))
+    pool_metrics = wait_for_port_file(cluster.root / "pool-metrics.port", pool)
+    daemon, port = cluster.start_dispatcher(EXAMPLES / "inventory-a.toml", None, "--metrics-listen", "127.0.0.1:0",
+                                            "--metrics-port-file", str(cluster.root / "d-metrics.port"))
+    dispatcher_metrics = wait_for_port_file(cluster.root / "d-metrics.port", daemon)
+    address = f"127.0.0.1:{port}"
+    with cluster.client() as client:
+        lease = client.allocate("job-t1", "alice", 1, fraction=0.5)
+    gpu = lease.slices[0].gpu_uuid
+    # Readings come with every heartbeat, sessions or not; an emulated GPU says it is one.
+    wait_for(lambda: ("rgpu_pool_gpu_telemetry_source", (("gpu", gpu), ("index", "0"), ("model", "NVIDIA H100 80GB HBM3"),
+                      ("server", address), ("source", "emulated"))) in scrape(pool_metrics), what="the GPU's readings")
+    found = scrape(pool_metrics)
+    assert value(found, "rgpu_pool_gpu_utilization_percent", gpu=gpu) == 0
+    assert value(found, "rgpu_pool_gpu_temperature_celsius", gpu=gpu) > 0
+    assert value(found, "rgpu_pool_gpu_power_limit_watts", gpu=gpu) > value(found, "rgpu_pool_gpu_power_watts", gpu=gpu)
+    assert value(found, "rgpu_pool_gpu_ecc_errors_total", gpu=gpu, type="uncorrected") == 0
+    assert value(found, "rgpu_pool_gpu_recent_faults", gpu=gpu) == 0
+
+    token = lease.slices[0].token
+    session, _ = protocol.handshake(address, token)
+
+    def call(name: str, payload: bytes, seq: int, ctx: int = 0) -> bytes:
+        session.sendall(protocol.pack_frame(api_gen.OPCODES[name], payload, seq=seq, ctx=ctx))
+        (_, op, _, _, _, _), reply = protocol.recv_frame(session)
+        assert op == protocol.OP_REPLY and struct.unpack_from("<i", reply)[0] == 0, (name, reply)
+        return reply[4:]
+
+    try:
+        call("cuInit", struct.pack("<I", 0), 1)
+        (ctx,) = struct.unpack("<Q", call("cuDevicePrimaryCtxRetain", struct.pack("<i", 0), 2))
+        call("cuMemAlloc_v2", struct.pack("<QQQQI", 2 * GIB, 0, 0, 0, 0), 3, ctx)   # 2 GiB of a 40 GiB slice
+
+        def used_reported() -> bool:
+            found = scrape(pool_metrics)
+            return value(found, "rgpu_pool_slice_memory_used_bytes", gpu=gpu, slot="0") == 2 * GIB
+
+        wait_for(used_reported, what="the slice's use to reach the pool")
+        found = scrape(pool_metrics)
+        assert value(found, "rgpu_pool_slice_memory_bytes", gpu=gpu, slot="0") == 40 * GIB
+        assert 0 <= value(found, "rgpu_pool_slice_compute_used_percent", gpu=gpu, slot="0") <= 100
+        assert value(found, "rgpu_pool_gpu_memory_used_bytes", gpu=gpu) == 2 * GIB
+        wait_for(lambda: value(scrape(pool_metrics), "rgpu_pool_gpu_device_memory_used_bytes", gpu=gpu) == 2 * GIB,
+                 what="the emulated GPU's memory in use")
+        # The dispatcher's own endpoint says the same per GPU and per slice.
+        found = scrape(dispatcher_metrics)
+        assert value(found, "rgpu_dispatcher_gpu_telemetry_source", gpu=gpu, source="emulated") == 1
+        assert value(found, "rgpu_dispatcher_gpu_device_memory_used_bytes", gpu=gpu) == 2 * GIB
+        assert 0 <= value(found, "rgpu_dispatcher_slice_compute_used_percent", gpu=gpu, slot="0") <= 100
+
+        with cluster.client() as client:
+            server = next(s for s in client.list_servers().servers if s.address == address)
+        reading = next(t for t in server.telemetry if t.gpu_uuid == gpu)
+        assert reading.source == "emulated" and reading.memory_used_bytes == 2 * GIB
+        assert {t.gpu_uuid for t in server.telemetry} == {g.uuid for g in server.gpus}
+
+        done = subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", "stats", "--json"], env=cluster.env(),
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
+        (row,) = json.loads(done.stdout)
+        assert row["memory_used_bytes"] == 2 * GIB and row["memory_limit_bytes"] == 40 * GIB
+        assert row["mostly_unused"] is True and 0 <= row["compute_used_percent"] <= 100
+        done = subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", "stats"], env=cluster.env(),
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert "2.0 GiB now" in done.stdout and "UNUSED" in done.stdout, done.stdout
+    finally:
+        session.sendall(protocol.pack_frame(protocol.OP_BYE))
+        session.close()
+    # Per-user figures stay off the public endpoint (README, Security): no user or job label.
+    assert not any(label in dict(labels) for _name, labels in scrape(pool_metrics) for label in ("user", "job"))
