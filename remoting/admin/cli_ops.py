@@ -12,7 +12,7 @@ from tabulate import tabulate
 from rgpu import __version__
 from rgpu.config import Settings
 from rgpu.proto import rgpu_pb2 as pb
-from rgpu.errors import RgpuError, Unavailable
+from rgpu.errors import DispatcherUnavailable, RgpuError
 from rgpu.remoting.admin import netperf
 from rgpu.remoting.admin.progress import progress
 from rgpu.units import parse_size
@@ -35,7 +35,7 @@ def net_perf(ctx: Any, servers: tuple[str, ...], pings: int, size: str, json_loc
     with ctx.client() as client:
         targets = netperf.up_servers(client, servers)
         if not targets:
-            raise Unavailable("net-perf", "no dispatcher to measure", "no server is up" + (
+            raise DispatcherUnavailable("net-perf", "no dispatcher to measure", "no server is up" + (
                 f" among {', '.join(servers)}" if servers else ""), "see `rgpu-admin health`")
         rows = [netperf.probe_server(client, server, user=getpass.getuser(), pings=pings, bulk_bytes=bulk)
                 for server in progress(targets, "net-perf", describe=str)]
@@ -45,7 +45,7 @@ def net_perf(ctx: Any, servers: tuple[str, ...], pings: int, size: str, json_loc
         click.echo(tabulate([netperf.table_cells(r) for r in rows], headers=netperf.TABLE_HEADERS))
     failed = [r["server"] for r in rows if not r["ok"]]
     if failed:
-        raise Unavailable("net-perf", f"{len(failed)} dispatcher(s) could not be measured: {', '.join(failed)}",
+        raise DispatcherUnavailable("net-perf", f"{len(failed)} dispatcher(s) could not be measured: {', '.join(failed)}",
                           "see the ERROR column", "check those dispatchers with `rgpu-admin health`")
 
 
