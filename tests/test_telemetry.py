@@ -148,6 +148,11 @@ def test_a_slice_that_holds_40_gib_and_uses_2_gib_shows_both_in_metrics_servers_
         done = subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", "stats"], env=cluster.env(),
                               capture_output=True, text=True, timeout=60, check=False)
         assert "2.0 GiB now" in done.stdout and "UNUSED" in done.stdout, done.stdout
+        done = subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", "health", "--json"], env=cluster.env(),
+                              capture_output=True, text=True, timeout=60, check=False)
+        (server_row,) = json.loads(done.stdout)
+        assert {t["source"] for t in server_row["gpu_telemetry"]} == {"emulated"}
+        assert len(server_row["gpu_telemetry"]) == server_row["gpus"]
     finally:
         session.sendall(protocol.pack_frame(protocol.OP_BYE))
         session.close()
