@@ -245,3 +245,24 @@ class AllocationBurst:
             thread.start()
         wait_for(lambda: len(self.acknowledged) >= workers, what="the burst to start")
         return threads
+
+
+def open_session_holding(server: str, token: str, size: int):  # type: ignore[no-untyped-def]
+    """A real data-path session on a slice (emulated GPU) that holds `size` bytes of it; close the
+    socket (after sending BYE, if a clean end matters) to end it."""
+    import struct
+
+    from rgpu.remoting.datapath import protocol
+    from rgpu.remoting.native.generated import api_gen
+
+    session, _ = protocol.handshake(server, token)
+    ctx = 0
+    for seq, (name, payload) in enumerate((("cuInit", struct.pack("<I", 0)),
+                                           ("cuDevicePrimaryCtxRetain", struct.pack("<i", 0)),
+                                           ("cuMemAlloc_v2", struct.pack("<QQQQI", size, 0, 0, 0, 0))), 1):
+        session.sendall(protocol.pack_frame(api_gen.OPCODES[name], payload, seq=seq, ctx=ctx))
+        (_, op, _, _, _, _), reply = protocol.recv_frame(session)
+        assert op == protocol.OP_REPLY and struct.unpack_from("<i", reply)[0] == 0, (name, reply)
+        if name == "cuDevicePrimaryCtxRetain":
+            (ctx,) = struct.unpack_from("<Q", reply, 4)
+    return session

@@ -23,7 +23,7 @@ from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, SliceRecord
 from rgpu.remoting.pool.dashboard_data import dashboard_state
 from rgpu.remoting.pool.events import Event
 from rgpu.remoting.pool.views import GpuView, LeaseView, PoolView, ServerView
-from tests.daemons import EXAMPLES, RgpuCluster, wait_for, wait_for_port_file
+from tests.daemons import EXAMPLES, RgpuCluster, open_session_holding, wait_for, wait_for_port_file
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 GIB = 1 << 30
@@ -313,30 +313,10 @@ def check_layout(page, width: int, screenshot: Path) -> None:  # type: ignore[no
     if os.environ.get("RGPU_SCREENSHOT_DIR"):
         page.screenshot(path=os.path.join(os.environ["RGPU_SCREENSHOT_DIR"], screenshot.name), full_page=True)
 
-def lease_token(cluster: RgpuCluster, job_key: str) -> tuple[str, str]:
+def lease_slice(cluster: RgpuCluster, job_key: str) -> tuple[str, str]:
     with cluster.client() as client:
         lease = client.get_lease(job_key)
     return lease.slices[0].server, lease.slices[0].token
-
-
-def open_session_using(where: tuple[str, str], size: int):  # type: ignore[no-untyped-def]
-    """A real data-path session on a slice (emulated GPU) that holds `size` bytes; close it to end."""
-    import struct
-
-    from rgpu.remoting.datapath import protocol
-    from rgpu.remoting.native.generated import api_gen
-
-    session, _ = protocol.handshake(*where)
-    ctx = 0
-    for seq, (name, payload) in enumerate((("cuInit", struct.pack("<I", 0)),
-                                           ("cuDevicePrimaryCtxRetain", struct.pack("<i", 0)),
-                                           ("cuMemAlloc_v2", struct.pack("<QQQQI", size, 0, 0, 0, 0))), 1):
-        session.sendall(protocol.pack_frame(api_gen.OPCODES[name], payload, seq=seq, ctx=ctx))
-        (_, op, _, _, _, _), reply = protocol.recv_frame(session)
-        assert op == protocol.OP_REPLY and struct.unpack_from("<i", reply)[0] == 0, (name, reply)
-        if name == "cuDevicePrimaryCtxRetain":
-            (ctx,) = struct.unpack_from("<Q", reply, 4)
-    return session
 
 
 def chromium() -> str:
@@ -401,7 +381,7 @@ def test_dashboard_in_chromium(cluster: RgpuCluster, tmp_path: Path) -> None:
             assert "% of 4 GPUs allocated" in summary
             # Used beside held: a session holds 2 GiB of alice's 40 GiB slice; the page draws the 2 GiB
             # inside the 40 and hatches the slice (mostly unused).
-            session = open_session_using(lease_token(cluster, "slurm-4242"), 2 * GIB)
+            session = open_session_holding(*lease_slice(cluster, "slurm-4242"), 2 * GIB)
             page.wait_for_function("[...document.querySelectorAll('#gpus .bar.memory .seg .used')]"
                                    ".some(u => u.style.width === '5%')", timeout=10_000)
             assert page.evaluate("[...document.querySelectorAll('#gpus .bar.memory .seg .used')]"

@@ -6,7 +6,6 @@ the pool's metrics, ListServers and `rgpu-admin stats` then say."""
 from __future__ import annotations
 
 import json
-import struct
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ from rgpu.model import GpuInfo
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.remoting.dispatcher.telemetry import compute_rates, emulated_readings, per_gpu
 from rgpu.remoting.pool.telemetry import checked_telemetry
-from tests.daemons import EXAMPLES, RgpuCluster, wait_for, wait_for_port_file
+from tests.daemons import EXAMPLES, RgpuCluster, open_session_holding, wait_for, wait_for_port_file
 from tests.test_metrics import scrape, value
 
 GIB = 1 << 30
@@ -79,9 +78,6 @@ def cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
 
 @pytest.mark.integration
 def test_a_slice_that_holds_40_gib_and_uses_2_gib_shows_both_in_metrics_servers_and_stats(cluster: RgpuCluster) -> None:
-    from rgpu.remoting.datapath import protocol
-    from rgpu.remoting.native.generated import api_gen
-
     pool = cluster.start_pool("--metrics-listen", "127.0.0.1:0", "--metrics-port-file",
                               str(cluster.root / "pool-metrics.port"))
     pool_metrics = wait_for_port_file(cluster.root / "pool-metrics.port", pool)
@@ -102,20 +98,8 @@ def test_a_slice_that_holds_40_gib_and_uses_2_gib_shows_both_in_metrics_servers_
     assert value(found, "rgpu_pool_gpu_ecc_errors_total", gpu=gpu, type="uncorrected") == 0
     assert value(found, "rgpu_pool_gpu_recent_faults", gpu=gpu) == 0
 
-    token = lease.slices[0].token
-    session, _ = protocol.handshake(address, token)
-
-    def call(name: str, payload: bytes, seq: int, ctx: int = 0) -> bytes:
-        session.sendall(protocol.pack_frame(api_gen.OPCODES[name], payload, seq=seq, ctx=ctx))
-        (_, op, _, _, _, _), reply = protocol.recv_frame(session)
-        assert op == protocol.OP_REPLY and struct.unpack_from("<i", reply)[0] == 0, (name, reply)
-        return reply[4:]
-
+    session = open_session_holding(address, lease.slices[0].token, 2 * GIB)   # 2 GiB of a 40 GiB slice
     try:
-        call("cuInit", struct.pack("<I", 0), 1)
-        (ctx,) = struct.unpack("<Q", call("cuDevicePrimaryCtxRetain", struct.pack("<i", 0), 2))
-        call("cuMemAlloc_v2", struct.pack("<QQQQI", 2 * GIB, 0, 0, 0, 0), 3, ctx)   # 2 GiB of a 40 GiB slice
-
         def used_reported() -> bool:
             found = scrape(pool_metrics)
             return value(found, "rgpu_pool_slice_memory_used_bytes", gpu=gpu, slot="0") == 2 * GIB
@@ -154,7 +138,6 @@ def test_a_slice_that_holds_40_gib_and_uses_2_gib_shows_both_in_metrics_servers_
         assert {t["source"] for t in server_row["gpu_telemetry"]} == {"emulated"}
         assert len(server_row["gpu_telemetry"]) == server_row["gpus"]
     finally:
-        session.sendall(protocol.pack_frame(protocol.OP_BYE))
         session.close()
     # Per-user figures stay off the public endpoint (README, Security): no user or job label.
     assert not any(label in dict(labels) for _name, labels in scrape(pool_metrics) for label in ("user", "job"))
