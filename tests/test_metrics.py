@@ -181,18 +181,23 @@ def cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
         c.stop_all()
 
 
-@pytest.mark.integration
-def test_pool_and_dispatcher_metrics_over_http(cluster: RgpuCluster) -> None:
-    from rgpu.remoting.datapath import protocol
-    from rgpu.remoting.native.generated import api_gen
-
+def start_with_metrics(cluster: RgpuCluster) -> tuple[int, int, str]:
+    """A pool and an emulated dispatcher (inventory-a), each with its metrics endpoint: (pool's
+    metrics port, dispatcher's metrics port, dispatcher's address)."""
     pool = cluster.start_pool("--metrics-listen", "127.0.0.1:0", "--metrics-port-file",
                               str(cluster.root / "pool-metrics.port"))
     pool_metrics = wait_for_port_file(cluster.root / "pool-metrics.port", pool)
     daemon, port = cluster.start_dispatcher(EXAMPLES / "inventory-a.toml", None, "--metrics-listen", "127.0.0.1:0",
                                             "--metrics-port-file", str(cluster.root / "d-metrics.port"))
-    dispatcher_metrics = wait_for_port_file(cluster.root / "d-metrics.port", daemon)
-    address = f"127.0.0.1:{port}"
+    return pool_metrics, wait_for_port_file(cluster.root / "d-metrics.port", daemon), f"127.0.0.1:{port}"
+
+
+@pytest.mark.integration
+def test_pool_and_dispatcher_metrics_over_http(cluster: RgpuCluster) -> None:
+    from rgpu.remoting.datapath import protocol
+    from rgpu.remoting.native.generated import api_gen
+
+    pool_metrics, dispatcher_metrics, address = start_with_metrics(cluster)
     wait_for(lambda: value(scrape(pool_metrics), "rgpu_pool_servers", state="up") == 1, what="the dispatcher up")
 
     with cluster.client() as client:

@@ -17,8 +17,8 @@ from rgpu.model import GpuInfo
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.remoting.dispatcher.telemetry import compute_rates, emulated_readings, per_gpu
 from rgpu.remoting.pool.telemetry import checked_telemetry
-from tests.daemons import EXAMPLES, RgpuCluster, open_session_holding, wait_for, wait_for_port_file
-from tests.test_metrics import scrape, value
+from tests.daemons import RgpuCluster, open_session_holding, wait_for
+from tests.test_metrics import scrape, start_with_metrics, value
 
 GIB = 1 << 30
 GPU = GpuInfo("GPU-00000000-0000-0000-0000-000000000001", 0, "NVIDIA H100", 80 * GIB, 80 * GIB, "9.0")
@@ -78,13 +78,7 @@ def cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
 
 @pytest.mark.integration
 def test_a_slice_that_holds_40_gib_and_uses_2_gib_shows_both_in_metrics_servers_and_stats(cluster: RgpuCluster) -> None:
-    pool = cluster.start_pool("--metrics-listen", "127.0.0.1:0", "--metrics-port-file",
-                              str(cluster.root / "pool-metrics.port"))
-    pool_metrics = wait_for_port_file(cluster.root / "pool-metrics.port", pool)
-    daemon, port = cluster.start_dispatcher(EXAMPLES / "inventory-a.toml", None, "--metrics-listen", "127.0.0.1:0",
-                                            "--metrics-port-file", str(cluster.root / "d-metrics.port"))
-    dispatcher_metrics = wait_for_port_file(cluster.root / "d-metrics.port", daemon)
-    address = f"127.0.0.1:{port}"
+    pool_metrics, dispatcher_metrics, address = start_with_metrics(cluster)
     with cluster.client() as client:
         lease = client.allocate("job-t1", "alice", 1, fraction=0.5)
     gpu = lease.slices[0].gpu_uuid
