@@ -135,3 +135,32 @@ def test_a_slice_that_holds_40_gib_and_uses_2_gib_shows_both_in_metrics_servers_
         session.close()
     # Per-user figures stay off the public endpoint (README, Security): no user or job label.
     assert not any(label in dict(labels) for _name, labels in scrape(pool_metrics) for label in ("user", "job"))
+
+
+def test_every_process_of_one_pool_sees_the_readings_another_received(tmp_path: Path) -> None:
+    """rgpu-poold --processes N: a dispatcher's heartbeats reach one process; the one serving the
+    metrics and the page reads them from the shared SQLite file (two stores on one file, as two
+    processes hold it)."""
+    from rgpu.remoting.pool.store import Store
+    from rgpu.remoting.pool.telemetry import REFRESH_S, TelemetryBoard
+
+    now = [0.0]
+    receiver = TelemetryBoard(Store(tmp_path / "pool.db", shared=True), clock=lambda: now[0])
+    shower = TelemetryBoard(Store(tmp_path / "pool.db", shared=True), clock=lambda: now[0])
+    heartbeat = pb.HeartbeatRequest(
+        address="h:1", sent_unix=100.0,
+        telemetry=[pb.GpuTelemetry(gpu_uuid=GPU.uuid, source="nvml", utilization_percent=61.0, read_unix=100.0)],
+        faults=[pb.GpuFault(gpu_uuid=GPU.uuid, error="CUDA_ERROR_ILLEGAL_ADDRESS", unix=99.0)],
+        usage=[pb.SliceUsage(job_key="job-1", slice_number=0, compute_used_percent=42.0)])
+    assert shower.readings("h:1") == []                      # read now: nothing yet
+    receiver.record("h:1", heartbeat, {GPU.uuid}, now=100.0)
+    now[0] += REFRESH_S
+    (reading,) = shower.readings("h:1")
+    assert (reading.source, reading.utilization_percent) == ("nvml", 61.0)
+    assert [f.error for f in shower.faults("h:1")] == ["CUDA_ERROR_ILLEGAL_ADDRESS"]
+    assert shower.compute_used("h:1", "job-1", 0) == 42.0 and shower.compute_used("h:1", "job-1", 1) == -1
+    # One process alone (not shared): its memory is the board, the file holds nothing.
+    alone = TelemetryBoard(Store(tmp_path / "alone.db"))
+    alone.record("h:1", heartbeat, {GPU.uuid}, now=100.0)
+    assert alone.readings("h:1")[0].utilization_percent == 61.0
+    assert Store(tmp_path / "alone.db").load_server_reports() == {}

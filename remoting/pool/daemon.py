@@ -455,7 +455,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
         raise ConfigError("store", f"cannot read the pool's state from {where}",
                           f"{type(exc).__name__}: {str(exc)[:120]}",
                           "restore it from a backup, or move it aside to start an empty pool") from None
-    board = TelemetryBoard()
+    board = TelemetryBoard(store)
     metrics = PoolMetrics(lambda: pool_view(core, board))
     # Daemons on one PostgreSQL, and the processes of one rgpu-poold, share the nonces they saw and
     # the hosts servers registered from: a client may reach any of them.

@@ -1,15 +1,17 @@
 """What the dispatchers' last heartbeats said their GPUs do: readings per GPU (utilisation, memory,
 temperature, power, ECC, Xid), each slice's compute use, and recent GPU faults. Held in memory by
-the pool process that received the heartbeat (a report, not state: a restarted pool has it again
-after one heartbeat interval). Validation is pure; the board is a lock and three dictionaries.
+the pool process that received the heartbeat and, where several processes or daemons share a
+store, in the store too (a report, not state: a restarted pool has it again after one heartbeat
+interval). Validation is pure; the board is a lock, three dictionaries and that store.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from rgpu import validate
 from rgpu.errors import InvalidRequest
@@ -72,9 +74,23 @@ def checked_compute(usage: Iterable[pb.SliceUsage]) -> dict[tuple[str, int], flo
     return {(u.job_key, u.slice_number): _finite(u.compute_used_percent, 0, 100) for u in usage}
 
 
+class ReportStore(Protocol):
+    """Where the processes of one rgpu-poold (and daemons on one PostgreSQL) share the reports:
+    the pool's store (save is a no-op and load empty where one process serves alone)."""
+
+    def save_server_report(self, address: str, report: bytes, received: float) -> None: ...
+    def load_server_reports(self) -> dict[str, bytes]: ...
+
+
+REFRESH_S = 1.0   # how stale another process's reports may be when read here
+
+
 class TelemetryBoard:
-    def __init__(self) -> None:
+    def __init__(self, store: ReportStore | None = None, clock: Any = time.monotonic) -> None:
         self._lock = threading.Lock()
+        self._store = store
+        self._clock = clock
+        self._loaded = -REFRESH_S
         self._faults: dict[str, list[pb.GpuFault]] = {}
         self._readings: dict[str, list[pb.GpuTelemetry]] = {}
         self._compute: dict[str, dict[tuple[str, int], float]] = {}
@@ -84,31 +100,49 @@ class TelemetryBoard:
         readings = checked_telemetry(request.telemetry, gpus, request.sent_unix, now)
         compute = checked_compute(request.usage)
         with self._lock:
-            self._faults[address] = faults
-            self._readings[address] = readings
-            self._compute[address] = compute
+            self._take(address, faults, readings, compute)
+        if self._store is not None:
+            report = pb.HeartbeatRequest(address=address, faults=faults, telemetry=readings, usage=[
+                pb.SliceUsage(job_key=k, slice_number=n, compute_used_percent=v) for (k, n), v in compute.items()])
+            self._store.save_server_report(address, report.SerializeToString(), now)
 
-    def forget(self, address: str) -> None:
-        with self._lock:
-            for table in (self._faults, self._readings, self._compute):
-                table.pop(address, None)
+    def _take(self, address: str, faults: list[pb.GpuFault], readings: list[pb.GpuTelemetry],
+              compute: dict[tuple[str, int], float]) -> None:
+        self._faults[address] = faults
+        self._readings[address] = readings
+        self._compute[address] = compute
+
+    def _refresh(self) -> None:
+        """With a shared store: every process's reports, read at most once per REFRESH_S."""
+        if self._store is None or self._clock() - self._loaded < REFRESH_S:
+            return
+        self._loaded = self._clock()
+        for address, blob in self._store.load_server_reports().items():
+            report = pb.HeartbeatRequest.FromString(blob)
+            with self._lock:
+                self._take(address, list(report.faults), list(report.telemetry),
+                           {(u.job_key, u.slice_number): u.compute_used_percent for u in report.usage})
 
     def faults(self, address: str) -> list[pb.GpuFault]:
+        self._refresh()
         with self._lock:
             return list(self._faults.get(address, ()))
 
     def readings(self, address: str) -> list[pb.GpuTelemetry]:
+        self._refresh()
         with self._lock:
             return list(self._readings.get(address, ()))
 
     def compute_used(self, address: str, job_key: str, number: int) -> float:
         """-1 where the slice's dispatcher did not report it (no session yet, or an older dispatcher)."""
+        self._refresh()
         with self._lock:
             return self._compute.get(address, {}).get((job_key, number), -1.0)
 
     def snapshot(self) -> tuple[dict[str, list[pb.GpuFault]], dict[tuple[str, str], pb.GpuTelemetry],
                                 dict[tuple[str, str, int], float]]:
         """(faults by server, readings by (server, GPU), compute by (server, job key, slice)) for views."""
+        self._refresh()
         with self._lock:
             faults = {a: list(f) for a, f in self._faults.items()}
             readings = {(a, r.gpu_uuid): r for a, rs in self._readings.items() for r in rs}
