@@ -23,7 +23,7 @@ from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, SliceRecord
 from rgpu.remoting.pool.dashboard_data import dashboard_state
 from rgpu.remoting.pool.events import Event
 from rgpu.remoting.pool.views import GpuView, LeaseView, PoolView, ServerView
-from tests.daemons import EXAMPLES, RgpuCluster, open_session_holding, wait_for, wait_for_port_file
+from tests.daemons import EXAMPLES, HoldingSession, RgpuCluster, wait_for, wait_for_port_file
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 GIB = 1 << 30
@@ -381,7 +381,7 @@ def test_dashboard_in_chromium(cluster: RgpuCluster, tmp_path: Path) -> None:
             assert "% of 4 GPUs allocated" in summary
             # Used beside held: a session holds 2 GiB of alice's 40 GiB slice; the page draws the 2 GiB
             # inside the 40 and hatches the slice (mostly unused).
-            session = open_session_holding(*lease_slice(cluster, "slurm-4242"), 2 * GIB)
+            session = HoldingSession(*lease_slice(cluster, "slurm-4242"), 2 * GIB)
             page.wait_for_function("[...document.querySelectorAll('#gpus .bar.memory .seg .used')]"
                                    ".some(u => u.style.width === '5%')", timeout=10_000)
             assert page.evaluate("[...document.querySelectorAll('#gpus .bar.memory .seg .used')]"

@@ -17,7 +17,7 @@ from rgpu.model import GpuInfo
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.remoting.dispatcher.telemetry import compute_rates, emulated_readings, per_gpu
 from rgpu.remoting.pool.telemetry import checked_telemetry
-from tests.daemons import RgpuCluster, open_session_holding, wait_for
+from tests.daemons import HoldingSession, RgpuCluster, wait_for
 from tests.test_metrics import scrape, start_with_metrics, value
 
 GIB = 1 << 30
@@ -92,7 +92,7 @@ def test_a_slice_that_holds_40_gib_and_uses_2_gib_shows_both_in_metrics_servers_
     assert value(found, "rgpu_pool_gpu_ecc_errors_total", gpu=gpu, type="uncorrected") == 0
     assert value(found, "rgpu_pool_gpu_recent_faults", gpu=gpu) == 0
 
-    session = open_session_holding(address, lease.slices[0].token, 2 * GIB)   # 2 GiB of a 40 GiB slice
+    session = HoldingSession(address, lease.slices[0].token, 2 * GIB)   # 2 GiB of a 40 GiB slice
     try:
         def used_reported() -> bool:
             found = scrape(pool_metrics)
@@ -105,6 +105,14 @@ def test_a_slice_that_holds_40_gib_and_uses_2_gib_shows_both_in_metrics_servers_
         assert value(found, "rgpu_pool_gpu_memory_used_bytes", gpu=gpu) == 2 * GIB
         wait_for(lambda: value(scrape(pool_metrics), "rgpu_pool_gpu_device_memory_used_bytes", gpu=gpu) == 2 * GIB,
                  what="the emulated GPU's memory in use")
+        # Work on the slice: its compute use and, on the emulated GPU, its utilisation rise.
+        def busy() -> bool:
+            session.work(64 << 20, 4)
+            found = scrape(pool_metrics)
+            return (value(found, "rgpu_pool_slice_compute_used_percent", gpu=gpu, slot="0") > 0
+                    and value(found, "rgpu_pool_gpu_utilization_percent", gpu=gpu) > 0)
+
+        wait_for(busy, timeout=60, what="the slice's work to show as compute used")
         # The dispatcher's own endpoint says the same per GPU and per slice.
         found = scrape(dispatcher_metrics)
         assert value(found, "rgpu_dispatcher_gpu_telemetry_source", gpu=gpu, source="emulated") == 1
