@@ -382,8 +382,9 @@ def test_dashboard_in_chromium(cluster: RgpuCluster, tmp_path: Path) -> None:
             # Used beside held: a session holds 2 GiB of alice's 40 GiB slice; the page draws the 2 GiB
             # inside the 40 and hatches the slice (mostly unused).
             session = HoldingSession(*lease_slice(cluster, "slurm-4242"), 2 * GIB)
-            page.wait_for_function("[...document.querySelectorAll('#gpus .bar.memory .seg .used')]"
-                                   ".some(u => u.style.width === '5%')", timeout=10_000)
+            # Polled from here: the page's CSP (no eval) refuses wait_for_function's string predicates.
+            wait_for(lambda: page.evaluate("[...document.querySelectorAll('#gpus .bar.memory .seg .used')]"
+                                           ".some(u => u.style.width === '5%')"), what="the 2 GiB drawn in the slice")
             assert page.evaluate("[...document.querySelectorAll('#gpus .bar.memory .seg .used')]"
                                  ".filter(u => u.style.width === '5%').map(u => u.parentElement.className)") == ["seg unused"]
             page.wait_for_selector("#gpus .gpu:has-text('2 GiB used / ')", timeout=10_000)
