@@ -172,3 +172,76 @@ def test_every_process_of_one_pool_sees_the_readings_another_received(tmp_path: 
     alone.record("h:1", heartbeat, {GPU.uuid}, now=100.0)
     assert alone.readings("h:1")[0].utilization_percent == 61.0
     assert Store(tmp_path / "alone.db").load_server_reports() == {}
+
+
+class FakeNvml:
+    """pynvml as a GPU node's driver answers it (no GPU here): an H100 drawing 312.5 W of 700 that
+    reports no ECC counts, and one Xid 79 event queued. Fakes only what cannot exist in CI."""
+
+    class NVMLError(Exception):
+        pass
+
+    class NVMLError_Timeout(NVMLError):
+        pass
+
+    class NVMLError_NotSupported(NVMLError):
+        pass
+
+    NVML_TEMPERATURE_GPU, NVML_VOLATILE_ECC = 0, 1
+    NVML_MEMORY_ERROR_TYPE_CORRECTED, NVML_MEMORY_ERROR_TYPE_UNCORRECTED = 0, 1
+    nvmlEventTypeXidCriticalError = 8
+
+    def __init__(self) -> None:
+        import types
+        self.events = [types.SimpleNamespace(device=GPU.uuid, eventData=79)]
+        self.shut = False
+
+    def nvmlInit(self) -> None: ...
+    def nvmlShutdown(self) -> None: self.shut = True
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> str: return uuid
+    def nvmlDeviceGetUUID(self, handle: str) -> bytes: return handle.encode()
+    def nvmlEventSetCreate(self) -> object: return object()
+    def nvmlDeviceRegisterEvents(self, handle: str, kinds: int, events: object) -> None: ...
+    def nvmlEventSetFree(self, events: object) -> None: ...
+
+    def nvmlEventSetWait_v2(self, events: object, timeout_ms: int) -> object:
+        if self.events:
+            return self.events.pop()
+        import time
+        time.sleep(timeout_ms / 1000)
+        raise self.NVMLError_Timeout()
+
+    def nvmlDeviceGetUtilizationRates(self, handle: str) -> object:
+        import types
+        return types.SimpleNamespace(gpu=37, memory=12)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: str) -> object:
+        import types
+        return types.SimpleNamespace(used=5 * GIB, total=80 * GIB)
+
+    def nvmlDeviceGetTemperature(self, handle: str, sensor: int) -> int: return 48
+    def nvmlDeviceGetPowerUsage(self, handle: str) -> int: return 312_500          # mW
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: str) -> int: return 700_000  # mW
+
+    def nvmlDeviceGetTotalEccErrors(self, handle: str, kind: int, counter: int) -> int:
+        raise self.NVMLError_NotSupported()
+
+
+def test_nvml_readings_in_their_units_unsupported_ecc_as_no_count_and_xid_events_counted(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from rgpu.remoting.dispatcher.telemetry import NvmlTelemetry
+    from tests.daemons import wait_for
+
+    fake = FakeNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    reader = NvmlTelemetry([GPU])
+    try:
+        wait_for(lambda: not fake.events, what="the Xid event to be taken")
+        wait_for(lambda: reader.read([GPU], [], [], 5.0, {}, {})[0].xid_errors == 1, what="the Xid event counted")
+        (reading,) = reader.read([GPU], [], [], 5.0, {}, {})
+    finally:
+        reader.close()
+    assert fake.shut
+    assert (reading.source, reading.utilization_percent, reading.memory_used_bytes) == ("nvml", 37.0, 5 * GIB)
+    assert (reading.temperature_celsius, reading.power_watts, reading.power_limit_watts) == (48.0, 312.5, 700.0)
+    assert (reading.ecc_corrected, reading.ecc_uncorrected) == (0, 0)       # not supported: no count
+    assert (reading.xid_errors, reading.last_xid, reading.read_unix) == (1, 79, 5.0)

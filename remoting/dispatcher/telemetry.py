@@ -165,7 +165,6 @@ class NvmlTelemetry:
 
     def _watch_xids(self) -> None:
         nvml = self._nvml
-        by_handle = {id(h): u for u, h in self._handles.items()}
         while not self._stop.is_set():
             try:
                 data = nvml.nvmlEventSetWait_v2(self._events, 500)
@@ -174,13 +173,11 @@ class NvmlTelemetry:
             except nvml.NVMLError as exc:
                 log.warning("waiting for Xid events failed (%s); Xids are no longer counted", exc)
                 return
-            uuid = by_handle.get(id(data.device))
-            if uuid is None:
-                try:
-                    uuid = nvml.nvmlDeviceGetUUID(data.device)
-                    uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
-                except nvml.NVMLError:
-                    continue
+            try:
+                uuid = nvml.nvmlDeviceGetUUID(data.device)
+            except nvml.NVMLError:
+                continue
+            uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
             with self._lock:
                 entry = self._xids.setdefault(uuid, [0, 0])
                 entry[0] += 1
