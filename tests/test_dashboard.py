@@ -87,6 +87,7 @@ def test_state_document_from_a_view() -> None:
             state["capacity"]["gpus_ecc_uncorrected"]) == (1, 1, 1)
     assert state["gpus"][0]["sharing"] == "mps"
     assert state["leases"][0]["age_seconds"] == 60.0 and state["leases"][0]["idle"] is False
+    assert state["leases"][0]["slices"][0]["memory_used_bytes"] == 2 * GIB
     assert state["quotas"] == [{"kind": "user", "name": "alice", "limit_units": 100, "used_units": 50}]
     assert state["events"][0]["message"] == "lease job-7 for alice"
     json.dumps(state)   # what the page gets
@@ -388,6 +389,7 @@ def test_dashboard_in_chromium(cluster: RgpuCluster, tmp_path: Path) -> None:
             assert page.evaluate("[...document.querySelectorAll('#gpus .bar.memory .seg .used')]"
                                  ".filter(u => u.style.width === '5%').map(u => u.parentElement.className)") == ["seg unused"]
             page.wait_for_selector("#gpus .gpu:has-text('2 GiB used / ')", timeout=10_000)
+            assert "40 GiB (uses 2 GiB)" in page.locator("#leases tbody tr", has_text="slurm-4242").inner_text()
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
             if os.environ.get("RGPU_SCREENSHOT"):
                 page.screenshot(path=os.environ["RGPU_SCREENSHOT"], full_page=True)

@@ -68,8 +68,9 @@ def dashboard_state(view: PoolView, events: list[Event]) -> dict[str, Any]:
             "age_seconds": max(0.0, view.now - lv.lease.created_unix), "expires_unix": lv.lease.expires_unix,
             "units": lv.lease.units,
             "slices": [{"server": s.server, "gpu_index": s.gpu_index, "gpu_name": s.gpu_name,
-                        "memory_bytes": s.memory_limit_bytes, "compute_percent": s.compute_percent}
-                       for s in lv.lease.slices],
+                        "memory_bytes": s.memory_limit_bytes, "compute_percent": s.compute_percent,
+                        "memory_used_bytes": u.memory_used_bytes if u is not None else 0}
+                       for s, u in zip(lv.lease.slices, lv.usage or [None] * len(lv.lease.slices))],
         } for lv in view.leases],
         "servers": [{
             "address": s.address, "hostname": s.hostname, "state": s.state,

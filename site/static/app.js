@@ -147,7 +147,8 @@ function draw(s) {
   drawSummary(s);
   drawGpus(s.gpus);
   fillTable("leases", s.leases.map((l) => [l.job_key, l.user, l.account || "–",
-    l.slices.map((x) => `${x.server}/${x.gpu_index} ${x.compute_percent}% ${bytes(x.memory_bytes)}`).join(", "),
+    l.slices.map((x) => `${x.server}/${x.gpu_index} ${x.compute_percent}% ${bytes(x.memory_bytes)}` +
+      ` (uses ${bytes(x.memory_used_bytes)})`).join(", "),
     String(l.units), age(l.age_seconds), l.expires_unix ? clock(l.expires_unix) : "never",
     l.idle ? el("span", {}, state(l.state), " ", el("span", { class: "state idle",
       title: "no call since " + clock(l.idle_since_unix) }, "idle")) : state(l.state)]),
