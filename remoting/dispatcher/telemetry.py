@@ -2,12 +2,14 @@
 temperature, power, ECC errors and Xid events (from NVML on a real GPU), and each slice's compute
 use (its workers' busy time over the report interval).
 
-Two readers behind one small interface (`read(gpus, sessions, now) -> list[GpuReading]`):
+Two readers behind one small interface (`TelemetrySource.read(gpus, usage, sessions, now, rates,
+faults) -> list[GpuReading]`), sampled once per heartbeat by `Telemetry`:
 
-* `NvmlTelemetry` asks the driver (pynvml); a field the GPU does not support reads as unknown (-1
-  or 0), never as an error. Xid events come from an NVML event set a background thread waits on.
+* `NvmlTelemetry` asks the driver (pynvml); a field the GPU does not support reads as unknown (-1;
+  ECC counts as 0), never as an error. Xid events come from an NVML event set a background thread waits on.
 * `EmulatedTelemetry` serves the emulated backend (a static --inventory): figures derived from the
   sessions' own work, so CI can test the path end to end; every reading says `source="emulated"`.
+  A CUDA node whose NVML cannot start gets it too (logged).
 
 `compute_rates` (pure) turns the slices' cumulative busy seconds into a percentage of wall time
 between two reports.
