@@ -102,12 +102,24 @@ def requeue_job(env: Mapping[str, str]) -> str:
     return "requeued: it runs again once rgpu can give it its slices"
 
 
+def version_asked(script: str, argv: list[str] | None = None) -> bool:
+    """`rgpu-<script> --version` (or -V) by hand prints the version; Slurm passes no arguments."""
+    args = sys.argv[1:] if argv is None else argv
+    if args in (["--version"], ["-V"]):
+        from rgpu import __version__
+        print(f"rgpu-{script}, version {__version__}")
+        return True
+    return False
+
+
 def _describe(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, RgpuError) else f"rgpu: internal error: {type(exc).__name__}: {exc}"
 
 
 def prolog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
     """0: leases allocated (or no rgpu asked); 1: failed, Slurm requeues the job (no node drained)."""
+    if env is None and version_asked("prolog-slurmctld"):
+        return 0
     env = os.environ if env is None else env
     if not holds_rgpu_license(env):
         return 0                     # a plain job: no Slurm query, no pool call
@@ -136,6 +148,8 @@ def prolog_main(env: Mapping[str, str] | None = None) -> int:
     """Always 0: an rgpu problem must never drain a node. On failure the reason goes to
     <run dir>/<job>/error and the job is requeued; where it cannot be, the TaskProlog fails its
     tasks with that reason: a job never runs without the slices it was charged for."""
+    if env is None and version_asked("prolog"):
+        return 0
     env = os.environ if env is None else env
     if not comment_may_ask_rgpu(env.get("SLURM_JOB_COMMENT")):
         return 0                     # not an rgpu job: no pool call
@@ -156,6 +170,8 @@ def prolog_main(env: Mapping[str, str] | None = None) -> int:
 def epilog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
     """0: released (or nothing to release); 1: the pool could not be asked (Slurm only logs it;
     the reconciler releases the lease later)."""
+    if env is None and version_asked("epilog-slurmctld"):
+        return 0
     env = os.environ if env is None else env
     if not holds_rgpu_license(env):
         return 0                     # a plain job: no pool call, no retries while the pool is away
@@ -186,6 +202,8 @@ def epilog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
 
 def epilog_main(env: Mapping[str, str] | None = None) -> int:
     """Always 0: a failing node Epilog would drain the node."""
+    if env is None and version_asked("epilog"):
+        return 0
     from rgpu.paths import run_dir
 
     env = os.environ if env is None else env

@@ -76,6 +76,13 @@ class Unavailable(RgpuError):
     exit_code = 6
 
 
+class DispatcherUnavailable(Unavailable):
+    """A GPU server (rgpu-dispatcher) does not answer: its own exit status (7), so a script tells
+    it from a pool that does not answer (6). Caught as Unavailable where the difference does not matter."""
+
+    exit_code = 7
+
+
 class Unhealthy(RgpuError):
     """The pool answers, but something it serves with is not well: a dispatcher down, none
     registered, or a `health --deep` check failed (exit 6 is kept for a pool that does not answer)."""

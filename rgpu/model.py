@@ -87,3 +87,14 @@ class QuotaRecord:
     kind: str                      # "user" or "account"
     name: str
     limit_units: int
+
+
+# A slice stands out as mostly unused when its sessions hold under this share of its memory limit
+# and the limit is worth noticing: a 40 GiB slice using 2 GiB does, a 1 GiB one using 100 MiB not.
+# The dashboard hatches such a slice and `rgpu-admin stats` flags it UNUSED.
+UNUSED_SHARE = 0.25
+UNUSED_MIN_LIMIT_BYTES = 4 << 30
+
+
+def mostly_unused(limit_bytes: int, used_bytes: int) -> bool:
+    return limit_bytes >= UNUSED_MIN_LIMIT_BYTES and used_bytes < UNUSED_SHARE * limit_bytes

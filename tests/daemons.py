@@ -11,6 +11,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -245,3 +246,43 @@ class AllocationBurst:
             thread.start()
         wait_for(lambda: len(self.acknowledged) >= workers, what="the burst to start")
         return threads
+
+
+class HoldingSession:
+    """A real data-path session on a slice (emulated GPU) that holds `size` bytes of it at `pointer`;
+    close() ends it."""
+
+    def __init__(self, server: str, token: str, size: int) -> None:
+        from rgpu.remoting.datapath import protocol
+
+        self.socket, _ = protocol.handshake(server, token)
+        self.seq = 0
+        self.ctx = 0
+        self.call("cuInit", struct.pack("<I", 0))
+        (self.ctx,) = struct.unpack_from("<Q", self.call("cuDevicePrimaryCtxRetain", struct.pack("<i", 0)))
+        (self.pointer,) = struct.unpack_from("<Q", self.call("cuMemAlloc_v2", struct.pack("<QQQQI", size, 0, 0, 0, 0)))
+
+    def send(self, name: str, payload: bytes) -> None:
+        from rgpu.remoting.datapath import protocol
+        from rgpu.remoting.native.generated import api_gen
+
+        self.seq += 1
+        self.socket.sendall(protocol.pack_frame(api_gen.OPCODES[name], payload, seq=self.seq, ctx=self.ctx))
+
+    def call(self, name: str, payload: bytes) -> bytes:
+        """A call that answers: its reply's data after the status, which must be success."""
+        from rgpu.remoting.datapath import protocol
+
+        self.send(name, payload)
+        (_, op, _, _, _, _), reply = protocol.recv_frame(self.socket)
+        assert op == protocol.OP_REPLY and struct.unpack_from("<i", reply)[0] == 0, (name, reply)
+        return reply[4:]
+
+    def work(self, size: int, times: int) -> None:
+        """Keep the worker busy: `times` memsets of `size` bytes (pipelined), then a synchronize."""
+        for _ in range(times):
+            self.send("cuMemsetD8_v2", struct.pack("<QBQ", self.pointer, 7, size))
+        self.call("cuCtxSynchronize", b"")
+
+    def close(self) -> None:
+        self.socket.close()

@@ -23,7 +23,7 @@ from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, SliceRecord
 from rgpu.remoting.pool.dashboard_data import dashboard_state
 from rgpu.remoting.pool.events import Event
 from rgpu.remoting.pool.views import GpuView, LeaseView, PoolView, ServerView
-from tests.daemons import EXAMPLES, RgpuCluster, wait_for, wait_for_port_file
+from tests.daemons import EXAMPLES, HoldingSession, RgpuCluster, wait_for, wait_for_port_file
 
 SECRET = b"0123456789abcdef0123456789abcdef"
 GIB = 1 << 30
@@ -56,16 +56,38 @@ def test_dashboard_url_from_the_settings() -> None:
 
 
 def test_state_document_from_a_view() -> None:
+    from rgpu.proto import rgpu_pb2 as pb
+    from rgpu.remoting.pool.accounting import SliceUsageRecord
+
     gpu = GpuInfo("GPU-00000000-0000-0000-0000-000000000001", 0, "NVIDIA H100", 80 * GIB, 80 * GIB, "9.0")
     lease = LeaseRecord("job-7", "alice", "physics", 100.0, 0.0, (SliceRecord("h:1", gpu.uuid, 0, gpu.name, 40 * GIB, 50),))
-    view = PoolView(now=160.0, servers=(ServerView("h:1", "h", "up", 0.4, "0.1.0", "580", "mps", "native", False, 1),),
-                    gpus=(GpuView("h:1", "up", gpu, 50, 40 * GIB, 1),), leases=(LeaseView(lease, "active"),),
+    reading = pb.GpuTelemetry(gpu_uuid=gpu.uuid, source="nvml", utilization_percent=12.0, memory_used_bytes=3 * GIB,
+                              temperature_celsius=41.0, power_watts=120.0, power_limit_watts=700.0, ecc_uncorrected=1)
+    fault = pb.GpuFault(gpu_uuid=gpu.uuid, error="CUDA_ERROR_ILLEGAL_ADDRESS", unix=150.0, sessions_ended=2,
+                        cross_tenant=True, faulting="job job-7 slice 0")
+    view = PoolView(now=160.0, servers=(ServerView("h:1", "h", "up", 0.4, "0.1.0", "580", "mps", "native", False, 1),
+                                        ServerView("h:2", "h2", "down", 40.0, "0.1.0", "580", "mps", "native", False, 1)),
+                    gpus=(GpuView("h:1", "up", gpu, 50, 40 * GIB, 1, reading, (fault,)),),
+                    leases=(LeaseView(lease, "active", usage=(SliceUsageRecord(sessions=1, memory_used_bytes=2 * GIB),),
+                                      compute_used=(7.5,)),),
                     quotas=((QuotaRecord("user", "alice", 100), 50),), total_units=100, allocated_units=50)
     state = dashboard_state(view, [Event(150.0, "info", "lease job-7 for alice")])
+    # Used beside held: a slice that holds 40 GiB and uses 2 GiB is marked mostly unused.
     assert state["gpus"][0]["slices"] == [{"job_key": "job-7", "user": "alice", "account": "physics", "slice": 0,
-                                           "memory_bytes": 40 * GIB, "compute_percent": 50, "lease_state": "active"}]
+                                           "memory_bytes": 40 * GIB, "compute_percent": 50, "lease_state": "active",
+                                           "memory_used_bytes": 2 * GIB, "compute_used_percent": 7.5, "sessions": 1,
+                                           "mostly_unused": True}]
+    assert state["gpus"][0]["memory_used_bytes"] == 2 * GIB
+    assert state["gpus"][0]["telemetry"]["utilization_percent"] == 12.0
+    assert state["gpus"][0]["telemetry"]["source"] == "nvml"
+    assert state["gpus"][0]["faults"] == [{"unix": 150.0, "error": "CUDA_ERROR_ILLEGAL_ADDRESS", "cross_tenant": True,
+                                           "sessions_ended": 2, "faulting": "job job-7 slice 0"}]
+    # Trouble at a glance: down servers, GPUs with faults or uncorrected ECC errors.
+    assert (state["capacity"]["servers_down"], state["capacity"]["gpus_faulted"],
+            state["capacity"]["gpus_ecc_uncorrected"]) == (1, 1, 1)
     assert state["gpus"][0]["sharing"] == "mps"
     assert state["leases"][0]["age_seconds"] == 60.0 and state["leases"][0]["idle"] is False
+    assert state["leases"][0]["slices"][0]["memory_used_bytes"] == 2 * GIB
     assert state["quotas"] == [{"kind": "user", "name": "alice", "limit_units": 100, "used_units": 50}]
     assert state["events"][0]["message"] == "lease job-7 for alice"
     json.dumps(state)   # what the page gets
@@ -292,6 +314,12 @@ def check_layout(page, width: int, screenshot: Path) -> None:  # type: ignore[no
     if os.environ.get("RGPU_SCREENSHOT_DIR"):
         page.screenshot(path=os.path.join(os.environ["RGPU_SCREENSHOT_DIR"], screenshot.name), full_page=True)
 
+def lease_slice(cluster: RgpuCluster, job_key: str) -> tuple[str, str]:
+    with cluster.client() as client:
+        lease = client.get_lease(job_key)
+    return lease.slices[0].server, lease.slices[0].token
+
+
 def chromium() -> str:
     """Debian's Chromium (Playwright's own browser download is not used: clusters may be offline)."""
     for name in ("chromium", "chromium-browser"):
@@ -338,7 +366,10 @@ def test_dashboard_in_chromium(cluster: RgpuCluster, tmp_path: Path) -> None:
             assert alice.first.evaluate("e => e.style.width") == "50%"
             shared = page.locator("#gpus .gpu", has=page.locator(".seg", has_text="bob"))
             assert shared.locator(".bar.compute .seg").count() == 2
-            assert "75% compute" in shared.inner_text() and "60 GiB / 80 GiB" in shared.inner_text()
+            assert "75% compute held" in shared.inner_text() and "60 GiB held / 80 GiB" in shared.inner_text()
+            # Readings of each GPU beside what is held; an emulated GPU says so.
+            assert page.locator("#gpus .gpu .telemetry .tag", has_text="emulated").count() == 4
+            assert "util 0%" in shared.locator(".telemetry").inner_text()
             # The lease, its user and age; the dispatchers up; the quota in use; events.
             row = page.locator("#leases tbody tr", has_text="slurm-4242")
             assert "alice" in row.inner_text() and "physics" in row.inner_text() and "active" in row.inner_text()
@@ -349,6 +380,16 @@ def test_dashboard_in_chromium(cluster: RgpuCluster, tmp_path: Path) -> None:
             summary = page.locator("#summary").inner_text()
             assert "2/2 dispatchers up" in summary and "2 leases" in summary and "4 GPUs" in summary
             assert "% of 4 GPUs allocated" in summary
+            # Used beside held: a session holds 2 GiB of alice's 40 GiB slice; the page draws the 2 GiB
+            # inside the 40 and hatches the slice (mostly unused).
+            session = HoldingSession(*lease_slice(cluster, "slurm-4242"), 2 * GIB)
+            # Polled from here: the page's CSP (no eval) refuses wait_for_function's string predicates.
+            wait_for(lambda: page.evaluate("[...document.querySelectorAll('#gpus .bar.memory .seg .used')]"
+                                           ".some(u => u.style.width === '5%')"), what="the 2 GiB drawn in the slice")
+            assert page.evaluate("[...document.querySelectorAll('#gpus .bar.memory .seg .used')]"
+                                 ".filter(u => u.style.width === '5%').map(u => u.parentElement.className)") == ["seg unused"]
+            page.wait_for_selector("#gpus .gpu:has-text('2 GiB used / ')", timeout=10_000)
+            assert "40 GiB (uses 2 GiB)" in page.locator("#leases tbody tr", has_text="slurm-4242").inner_text()
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
             if os.environ.get("RGPU_SCREENSHOT"):
                 page.screenshot(path=os.environ["RGPU_SCREENSHOT"], full_page=True)
@@ -357,9 +398,15 @@ def test_dashboard_in_chromium(cluster: RgpuCluster, tmp_path: Path) -> None:
             page.set_viewport_size({"width": 1200, "height": 760})
 
             # Live: a release shows without a reload.
+            session.close()
             admin(cluster, port, "release-gpus", "-f", str(tmp_path / "adaptor.conf"))
             page.wait_for_selector("#leases tbody tr:has-text('slurm-4242')", state="detached", timeout=10_000)
             assert page.locator("#gpus .bar.compute .seg").count() == 1   # bob's
+            # A dispatcher that stops heartbeating is in the header, in red, at a glance.
+            assert page.locator("#alarm-down").count() == 0
+            cluster.daemons[-1].kill()
+            page.wait_for_selector("#alarm-down:has-text('1 dispatcher(s) down')", timeout=15_000)
+            page.screenshot(path=str(tmp_path / "dashboard-down.png"), full_page=True)
             assert not errors, errors
         finally:
             browser.close()

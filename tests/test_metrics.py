@@ -17,7 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from rgpu.errors import CapacityError, InvalidRequest, PermissionDenied, QuotaExceeded
 from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, SliceRecord
+from rgpu.proto import rgpu_pb2 as pb
 from rgpu.remoting.dispatcher.metrics import DispatcherSnapshot, dispatcher_families
+from rgpu.remoting.dispatcher.telemetry import GpuReading
+from rgpu.remoting.pool.accounting import SliceUsageRecord
 from rgpu.remoting.pool.metrics import PoolMetrics, pool_families, refusal_reason
 from rgpu.remoting.pool.views import GpuView, LeaseView, PoolView, ServerView
 from tests.daemons import EXAMPLES, REPO, RgpuCluster, wait_for, wait_for_port_file
@@ -54,6 +57,11 @@ def test_refusal_reasons() -> None:
     assert refusal_reason(RuntimeError()) == "error"
 
 
+READING = pb.GpuTelemetry(gpu_uuid=GPU.uuid, source="nvml", utilization_percent=40.0, memory_used_bytes=3 * GIB,
+                          temperature_celsius=51.0, power_watts=-1.0, power_limit_watts=700.0, ecc_corrected=2,
+                          ecc_uncorrected=0, xid_errors=1, last_xid=31)
+
+
 def a_view() -> PoolView:
     lease = LeaseRecord("job-1", "alice", "physics", 100.0, 0.0,
                         (SliceRecord("h:1", GPU.uuid, 0, GPU.name, 20 * GIB, 25),))
@@ -61,8 +69,9 @@ def a_view() -> PoolView:
         now=160.0,
         servers=(ServerView("h:1", "h", "up", 1.5, "0.1.0", "580", "mps", "native", False, 1),
                  ServerView("h:2", "h2", "down", 99.0, "0.1.0", "580", "", "", True, 0)),
-        gpus=(GpuView("h:1", "up", GPU, 25, 20 * GIB, 1),),
-        leases=(LeaseView(lease, "active"),),
+        gpus=(GpuView("h:1", "up", GPU, 25, 20 * GIB, 1, READING, (pb.GpuFault(gpu_uuid=GPU.uuid, error="X"),)),),
+        leases=(LeaseView(lease, "active", usage=(SliceUsageRecord(sessions=1, memory_used_bytes=2 * GIB),),
+                          compute_used=(12.5,)),),
         quotas=((QuotaRecord("user", "alice", 200), 25),),
         total_units=100, allocated_units=25)
 
@@ -81,6 +90,19 @@ def test_pool_families_from_a_view() -> None:
     assert value(found, "rgpu_pool_quota_use_max", kind="user") == 0.125
     assert value(found, "rgpu_pool_quotas_at_limit", kind="user") == 0
     assert value(found, "rgpu_pool_server_info", server="h:1", compute_enforcement="mps") == 1
+    # Used beside held, per slice and per GPU, and the GPU's readings with DCGM-like names.
+    assert value(found, "rgpu_pool_slice_memory_used_bytes", gpu=GPU.uuid, slot="0") == 2 * GIB
+    assert value(found, "rgpu_pool_slice_compute_used_percent", gpu=GPU.uuid, slot="0") == 12.5
+    assert value(found, "rgpu_pool_gpu_memory_used_bytes", gpu=GPU.uuid) == 2 * GIB
+    assert value(found, "rgpu_pool_gpu_device_memory_used_bytes", gpu=GPU.uuid, server="h:1") == 3 * GIB
+    assert value(found, "rgpu_pool_gpu_utilization_percent", gpu=GPU.uuid) == 40
+    assert value(found, "rgpu_pool_gpu_temperature_celsius", gpu=GPU.uuid) == 51
+    assert not any(name == "rgpu_pool_gpu_power_watts" for name, _ in found)     # unknown: left out, not -1
+    assert value(found, "rgpu_pool_gpu_ecc_errors_total", gpu=GPU.uuid, type="corrected") == 2
+    assert value(found, "rgpu_pool_gpu_xid_events_total", gpu=GPU.uuid) == 1
+    assert value(found, "rgpu_pool_gpu_last_xid", gpu=GPU.uuid) == 31
+    assert value(found, "rgpu_pool_gpu_recent_faults", gpu=GPU.uuid) == 1
+    assert value(found, "rgpu_pool_gpu_telemetry_source", gpu=GPU.uuid, source="nvml") == 1
 
 
 def test_job_keys_are_no_labels_and_series_stay_bounded() -> None:
@@ -111,7 +133,10 @@ def a_snapshot() -> DispatcherSnapshot:
                   "ended": {"ok": 1, "failed": 0, "revoked": 0, "fault": 2}, "accepted": 2, "refused": 1,
                   "faults": {GPU.uuid: {"cross_tenant": 1, "own": 0, "sessions": 2}},
                   "mps": {"running": False, "restarts": 0, "reason": "x"}, "compute_enforcement": "time-slicing",
-                  "launch_path": "python (no compiler)", "backend": "emulated"})
+                  "launch_path": "python (no compiler)", "backend": "emulated"},
+        telemetry=(GpuReading(GPU.uuid, "emulated", utilization_percent=30.0, memory_used_bytes=GIB,
+                              temperature_celsius=40.0, power_watts=200.0, power_limit_watts=700.0),),
+        compute_rates={("job-1", 0): 30.0})
 
 
 def test_dispatcher_families_from_a_snapshot() -> None:
@@ -128,12 +153,16 @@ def test_dispatcher_families_from_a_snapshot() -> None:
     assert value(found, "rgpu_dispatcher_gpu_fault_sessions_ended_total", gpu=GPU.uuid) == 2
     assert value(found, "rgpu_dispatcher_sessions_ended_total", outcome="fault") == 2
     assert value(found, "rgpu_dispatcher_info", compute_enforcement="time-slicing", launch_path="python") == 1
+    assert value(found, "rgpu_dispatcher_slice_compute_used_percent", gpu=GPU.uuid, slot="0") == 30
+    assert value(found, "rgpu_dispatcher_gpu_utilization_percent", gpu=GPU.uuid) == 30
+    assert value(found, "rgpu_dispatcher_gpu_telemetry_source", gpu=GPU.uuid, source="emulated") == 1
 
 
 def test_grafana_dashboard_uses_only_exported_metrics() -> None:
     """Every rgpu_* series the shipped Grafana dashboard queries is one the daemons export."""
     exported = {s.name for f in PoolMetrics(a_view).registry.collect() for s in f.samples}
     exported |= {s.name for f in dispatcher_families(a_snapshot()) for s in f.samples}
+    exported |= {f.name for f in pool_families(a_view()) if f.type == "gauge"}   # unknown readings leave no sample
     dashboard = json.loads((REPO / "site" / "grafana" / "rgpu-pool.json").read_text())
     queried = {name for panel in dashboard["panels"] for target in panel.get("targets", [])
                for name in re.findall(r"\brgpu_[a-z_]+", target["expr"])}
@@ -152,18 +181,23 @@ def cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
         c.stop_all()
 
 
-@pytest.mark.integration
-def test_pool_and_dispatcher_metrics_over_http(cluster: RgpuCluster) -> None:
-    from rgpu.remoting.datapath import protocol
-    from rgpu.remoting.native.generated import api_gen
-
+def start_with_metrics(cluster: RgpuCluster) -> tuple[int, int, str]:
+    """A pool and an emulated dispatcher (inventory-a), each with its metrics endpoint: (pool's
+    metrics port, dispatcher's metrics port, dispatcher's address)."""
     pool = cluster.start_pool("--metrics-listen", "127.0.0.1:0", "--metrics-port-file",
                               str(cluster.root / "pool-metrics.port"))
     pool_metrics = wait_for_port_file(cluster.root / "pool-metrics.port", pool)
     daemon, port = cluster.start_dispatcher(EXAMPLES / "inventory-a.toml", None, "--metrics-listen", "127.0.0.1:0",
                                             "--metrics-port-file", str(cluster.root / "d-metrics.port"))
-    dispatcher_metrics = wait_for_port_file(cluster.root / "d-metrics.port", daemon)
-    address = f"127.0.0.1:{port}"
+    return pool_metrics, wait_for_port_file(cluster.root / "d-metrics.port", daemon), f"127.0.0.1:{port}"
+
+
+@pytest.mark.integration
+def test_pool_and_dispatcher_metrics_over_http(cluster: RgpuCluster) -> None:
+    from rgpu.remoting.datapath import protocol
+    from rgpu.remoting.native.generated import api_gen
+
+    pool_metrics, dispatcher_metrics, address = start_with_metrics(cluster)
     wait_for(lambda: value(scrape(pool_metrics), "rgpu_pool_servers", state="up") == 1, what="the dispatcher up")
 
     with cluster.client() as client:

@@ -399,3 +399,19 @@ def test_history_pruning_on_postgresql_is_bounded_per_pass(postgres: Postgres) -
         assert sorted(key for key, *_ in store._rows("SELECT job_key FROM lease_history")) == ["job-8", "job-9"]
     finally:
         store.close()
+
+
+def test_gpu_readings_reported_to_one_daemon_show_on_the_other(postgres: Postgres) -> None:
+    """Issue 29: a dispatcher heartbeats to one daemon; the other's metrics and page read its GPU
+    readings, faults and slices' compute use from PostgreSQL."""
+    from rgpu.proto import rgpu_pb2 as pb
+    from rgpu.remoting.pool.telemetry import TelemetryBoard
+
+    receiver, shower = (TelemetryBoard(PostgresStore(postgres.url)) for _ in range(2))
+    heartbeat = pb.HeartbeatRequest(address="h:1", sent_unix=100.0,
+                                    telemetry=[pb.GpuTelemetry(gpu_uuid="GPU-1", source="nvml", power_watts=250.0)],
+                                    usage=[pb.SliceUsage(job_key="job-1", slice_number=0, compute_used_percent=7.0)])
+    receiver.record("h:1", heartbeat, {"GPU-1"}, now=100.0)
+    receiver.record("h:1", heartbeat, {"GPU-1"}, now=101.0)   # the same server again: one row, replaced
+    assert [r.power_watts for r in shower.readings("h:1")] == [250.0]
+    assert shower.compute_used("h:1", "job-1", 0) == 7.0

@@ -432,6 +432,30 @@ def _fault_notes(server: pb.Server, now: float) -> list[str]:
     return notes
 
 
+def _telemetry_notes(server: pb.Server) -> list[str]:
+    """One note per GPU whose readings show trouble: uncorrected ECC errors, Xid events."""
+    index = {g.uuid: g.index for g in server.gpus}
+    notes = []
+    for t in server.telemetry:
+        trouble = []
+        if t.ecc_uncorrected:
+            trouble.append(f"{t.ecc_uncorrected} uncorrected ECC error(s)")
+        if t.xid_errors:
+            trouble.append(f"{t.xid_errors} Xid event(s), last Xid {t.last_xid}")
+        if trouble:
+            notes.append(f"GPU {index.get(t.gpu_uuid, '?')}: {', '.join(trouble)}"
+                         + (" (emulated)" if t.source == "emulated" else ""))
+    return notes
+
+
+def _telemetry_row(t: pb.GpuTelemetry) -> dict[str, Any]:
+    return {"gpu_uuid": t.gpu_uuid, "source": t.source, "utilization_percent": t.utilization_percent,
+            "memory_used_bytes": t.memory_used_bytes, "temperature_celsius": t.temperature_celsius,
+            "power_watts": t.power_watts, "power_limit_watts": t.power_limit_watts,
+            "ecc_corrected": t.ecc_corrected, "ecc_uncorrected": t.ecc_uncorrected, "xid_errors": t.xid_errors,
+            "last_xid": t.last_xid, "read_unix": t.read_unix}
+
+
 def _sharing_summary(server: pb.Server) -> str:
     """GPU indexes per sharing mode: "mps" when all are, else e.g. "0,1 mps; 2 isolated"."""
     modes: dict[str, list[str]] = {}
@@ -473,6 +497,7 @@ def health(ctx: Context, deep: bool, hosts: tuple[str, ...]) -> None:
         if s.compute_enforcement == "time-slicing" and "mps" in sharing:
             notes.append("no MPS: compute shares not enforced")
         notes += _fault_notes(s, time.time())
+        notes += _telemetry_notes(s)
         if s.launch_path.startswith("python"):
             notes.append("kernel launches run in Python (no C compiler on the node?): lower launch rate")
         rows.append({"server": s.address, "hostname": s.hostname, "state": s.state,
@@ -484,6 +509,8 @@ def health(ctx: Context, deep: bool, hosts: tuple[str, ...]) -> None:
                                      "cross_tenant": f.cross_tenant, "sessions_ended": f.sessions_ended,
                                      "faulting": f.faulting, "recovered_seconds": f.recovered_seconds}
                                     for f in s.faults],
+                     # -1: a figure the GPU does not report; source "emulated": no real GPU behind it
+                     "gpu_telemetry": [_telemetry_row(t) for t in s.telemetry],
                      "notes": "; ".join(notes), "healthy": s.state != "down"})
     unhealthy = [r["server"] for r in rows if not r["healthy"]]
     if ctx.json_output and not deep:

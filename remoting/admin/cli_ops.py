@@ -12,7 +12,7 @@ from tabulate import tabulate
 from rgpu import __version__
 from rgpu.config import Settings
 from rgpu.proto import rgpu_pb2 as pb
-from rgpu.errors import RgpuError, Unavailable
+from rgpu.errors import DispatcherUnavailable, RgpuError
 from rgpu.remoting.admin import netperf
 from rgpu.remoting.admin.progress import progress
 from rgpu.units import parse_size
@@ -35,7 +35,7 @@ def net_perf(ctx: Any, servers: tuple[str, ...], pings: int, size: str, json_loc
     with ctx.client() as client:
         targets = netperf.up_servers(client, servers)
         if not targets:
-            raise Unavailable("net-perf", "no dispatcher to measure", "no server is up" + (
+            raise DispatcherUnavailable("net-perf", "no dispatcher to measure", "no server is up" + (
                 f" among {', '.join(servers)}" if servers else ""), "see `rgpu-admin health`")
         rows = [netperf.probe_server(client, server, user=getpass.getuser(), pings=pings, bulk_bytes=bulk)
                 for server in progress(targets, "net-perf", describe=str)]
@@ -45,7 +45,7 @@ def net_perf(ctx: Any, servers: tuple[str, ...], pings: int, size: str, json_loc
         click.echo(tabulate([netperf.table_cells(r) for r in rows], headers=netperf.TABLE_HEADERS))
     failed = [r["server"] for r in rows if not r["ok"]]
     if failed:
-        raise Unavailable("net-perf", f"{len(failed)} dispatcher(s) could not be measured: {', '.join(failed)}",
+        raise DispatcherUnavailable("net-perf", f"{len(failed)} dispatcher(s) could not be measured: {', '.join(failed)}",
                           "see the ERROR column", "check those dispatchers with `rgpu-admin health`")
 
 
@@ -77,8 +77,10 @@ def deep_checks(settings: Settings, reply: pb.ListServersReply, rows: list[dict[
 @click.option("--json", "json_local", is_flag=True, help="Print a JSON array of objects.")
 @click.pass_obj
 def stats(ctx: Any, idle_only: bool, json_local: bool) -> None:
-    """Usage of every slice as its dispatcher reports it: open sessions, busy time, memory in use
-    and peak against the limit, last activity; idle leases flagged (idle_after_seconds)."""
+    """Usage of every slice as its dispatcher reports it: open sessions, busy time, compute used
+    (busy share of the last heartbeat interval) against the share held, memory in use and peak
+    against the limit, last activity; idle leases flagged IDLE (idle_after_seconds), slices that
+    use under a quarter of 4 GiB or more flagged UNUSED."""
     from rgpu.remoting.admin.usage_view import slice_rows
 
     with ctx.client() as client:
@@ -88,10 +90,10 @@ def stats(ctx: Any, idle_only: bool, json_local: bool) -> None:
     elif not rows:
         click.echo("no idle leases" if idle_only else "no leases")
     else:
-        click.echo(tabulate([[r["job_key"], r["user"], r["slice"], r["where"], r["sessions"], r["busy"], r["memory"],
-                              r["last_active"], r["flag"]] for r in rows],
-                            headers=["JOB KEY", "USER", "SLICE", "GPU", "SESSIONS", "BUSY", "MEMORY", "LAST ACTIVE",
-                                     "FLAG"]))
+        click.echo(tabulate([[r["job_key"], r["user"], r["slice"], r["where"], r["sessions"], r["busy"], r["compute"],
+                              r["memory"], r["last_active"], r["flag"]] for r in rows],
+                            headers=["JOB KEY", "USER", "SLICE", "GPU", "SESSIONS", "BUSY", "COMPUTE USED/HELD", "MEMORY",
+                                     "LAST ACTIVE", "FLAG"]))
 
 
 def _when(text: str | None, what: str) -> float:

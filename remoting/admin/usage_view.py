@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from rgpu.model import mostly_unused
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.units import format_bytes
 
@@ -51,12 +52,19 @@ def slice_rows(leases: Sequence[pb.Lease], now: float | None = None) -> list[dic
                 "busy_seconds": u.busy_seconds, "calls": u.calls,
                 "memory_high_water_bytes": u.memory_high_water_bytes, "memory_used_bytes": u.memory_used_bytes,
                 "last_active_unix": u.last_active_unix, "lease_idle_seconds": idle_for, "lease_idle": lease.idle,
+                # -1: not reported (no session yet, or an older pool or dispatcher)
+                "compute_used_percent": round(u.compute_used_percent, 1) if u.compute_used_percent >= 0 else -1,
+                "mostly_unused": mostly_unused(s.memory_limit_bytes, u.memory_used_bytes),
                 "where": f"{s.server}/{s.gpu_index}",
                 "memory": f"{format_bytes(u.memory_used_bytes)} now, {format_bytes(u.memory_high_water_bytes)} peak "
                           f"of {format_bytes(s.memory_limit_bytes)}",
                 "busy": duration(u.busy_seconds) if u.busy_seconds else "-",
+                "compute": (f"{u.compute_used_percent:.0f}% of {s.compute_percent}%" if u.compute_used_percent >= 0
+                            else f"- of {s.compute_percent}%"),
                 "last_active": f"{duration(now - u.last_active_unix)} ago" if u.last_active_unix else "never",
-                "flag": "IDLE" if lease.idle else "",
+                "flag": " ".join(f for f in ("IDLE" if lease.idle else "",
+                                             "UNUSED" if mostly_unused(s.memory_limit_bytes, u.memory_used_bytes)
+                                             else "") if f),
             })
     return rows
 

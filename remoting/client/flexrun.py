@@ -33,9 +33,10 @@ status pass through (with an adaptor.conf flexrun replaces itself with the appli
 rgpu's NVML-based view of the slices (remoting/client/smi.py) on nodes without it (CPU nodes usually have
 no NVIDIA driver tools). RGPU_SMI=nvidia or RGPU_SMI=rgpu picks one.
 
-Exit codes of flexrun's own failures: 2 usage or configuration, 3 no capacity, 4 token or
-permission, 6 a server unreachable, 1 the node prolog's recorded error or anything else; each is
-one line, `rgpu: <component>: <what> (<why>; <how to fix>)`.
+Exit codes of flexrun's own failures (the README's "Exit status" table): 2 usage or configuration,
+3 no capacity, 4 token or permission, 5 no such lease, 6 the pool unreachable, 7 a GPU server
+(dispatcher) unreachable, 1 the node prolog's recorded error or anything else; each is one line,
+`rgpu: <component>: <what> (<why>; <how to fix>)`.
 """
 
 from __future__ import annotations

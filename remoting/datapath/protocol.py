@@ -48,7 +48,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from rgpu.errors import AuthError, ConfigError, InvalidRequest, RgpuError, Unavailable
+from rgpu.errors import AuthError, ConfigError, DispatcherUnavailable, InvalidRequest, RgpuError, Unavailable
 from rgpu.netaddr import split_host_port
 
 # The data path's protocol version. It is also recorded in spec/cuda.spec: a spec change that
@@ -265,7 +265,7 @@ def _connect(server: str, timeout: float) -> socket.socket:
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:
-        raise Unavailable("flexrun", f"cannot reach the GPU server {server}",
+        raise DispatcherUnavailable("flexrun", f"cannot reach the GPU server {server}",
                           exc.strerror or str(exc),
                           "check that rgpu-dispatcher runs there and that the port is open") from None
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -326,7 +326,7 @@ def handshake(server: str, token: str, *, flags: int = 0, timeout: float = HELLO
         (_, op, _, _, _, _), payload = recv_frame(sock, 1 << 20)
     except (OSError, ValueError, ConnectionError) as exc:
         sock.close()
-        raise Unavailable("flexrun", f"the GPU server {server} ended the handshake", str(exc),
+        raise DispatcherUnavailable("flexrun", f"the GPU server {server} ended the handshake", str(exc),
                           "check the dispatcher's log") from None
     if op == OP_REFUSE:
         sock.close()

@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -42,6 +43,7 @@ from rgpu.remoting.dispatcher.inventory import (Inventory, InventorySource, Node
 from rgpu.remoting.dispatcher.metrics import DispatcherSnapshot, dispatcher_registry
 from rgpu.remoting.dispatcher.registration import POOL_CALL_TIMEOUT, Registrar, pool_connector
 from rgpu.remoting.dispatcher.sharing import parse_sharing, with_sharing
+from rgpu.remoting.dispatcher.telemetry import Telemetry, open_telemetry
 from rgpu.remoting.metrics.http import MetricsServer, serve_metrics
 from rgpu.secret import load_secret
 from rgpu.units import format_bytes
@@ -257,7 +259,7 @@ def _log_startup(source: InventorySource, inventory: Inventory, node: NodeSettin
 
 
 def _serve_metrics(settings: Settings, options: Options, address: str, gpus: tuple[GpuInfo, ...],
-                   data_path: DataPath, registrar: Registrar) -> MetricsServer | None:
+                   data_path: DataPath, registrar: Registrar, telemetry: Telemetry) -> MetricsServer | None:
     """The Prometheus endpoint, where dispatcher_metrics_listen (or --metrics-listen) puts it."""
     if not settings.dispatcher_metrics_listen:
         return None
@@ -265,7 +267,8 @@ def _serve_metrics(settings: Settings, options: Options, address: str, gpus: tup
     def snapshot() -> DispatcherSnapshot:
         return DispatcherSnapshot(address=address, gpus=gpus, sessions=data_path.observe(),
                                   registered=registrar.registered, heartbeats=dict(registrar.heartbeats),
-                                  registrations=registrar.registrations)
+                                  registrations=registrar.registrations, telemetry=tuple(telemetry.readings()),
+                                  compute_rates=telemetry.compute_rates())
 
     server = serve_metrics(settings.dispatcher_metrics_listen, dispatcher_registry(snapshot), COMPONENT,
                            key="dispatcher_metrics_listen")
@@ -326,16 +329,23 @@ def run(options: Options, env: dict[str, str] | None = None) -> int:
                               compute_enforcement=enforcement, launch_path=str(status.get("launch_path", "")))
             if options.port_file:
                 write_port_file(options.port_file, port, COMPONENT)
+            telemetry = open_telemetry(source.backend, gpus)
+
+            def usage_report() -> list[pb.SliceUsage]:
+                report = telemetry.sample(data_path.usage(), data_path.observe(), time.time())
+                return [pb.SliceUsage(**u) for u in report]
+
             registrar = Registrar(server_to_pb(info), connect, pool, on_live=data_path.update_live,
-                                  usage=lambda: [pb.SliceUsage(**u) for u in data_path.usage()],
-                                  faults=lambda: [pb.GpuFault(**f) for f in data_path.faults()])
-            metrics = _serve_metrics(settings, options, address, gpus, data_path, registrar)
+                                  usage=usage_report, faults=lambda: [pb.GpuFault(**f) for f in data_path.faults()],
+                                  telemetry=lambda: [pb.GpuTelemetry(**r.as_dict()) for r in telemetry.readings()])
+            metrics = _serve_metrics(settings, options, address, gpus, data_path, registrar, telemetry)
             thread = threading.Thread(target=registrar.run, args=(stop,), name="registrar", daemon=True)
             thread.start()
             stop.wait()
             thread.join(timeout=POOL_CALL_TIMEOUT + 1)
             if metrics is not None:
                 metrics.stop()
+            telemetry.close()
         finally:
             data_path.stop()
     finally:

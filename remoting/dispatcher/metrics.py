@@ -5,6 +5,7 @@ the registrar's counts. `dispatcher_families` is pure; the endpoint is remoting/
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from prometheus_client.registry import Collector
 
 from rgpu.model import GpuInfo
 from rgpu.remoting.datapath.counters import FIELDS as TRAFFIC_FIELDS
+from rgpu.remoting.metrics.gpu_telemetry import telemetry_families
 from rgpu.remoting.metrics.slots import slots
 
 TRAFFIC = {  # counters-file field: (metric name without _total, help)
@@ -34,6 +36,8 @@ class DispatcherSnapshot:
     registered: bool
     heartbeats: dict[str, int]          # ok | unknown | failed
     registrations: int
+    telemetry: tuple[Any, ...] = ()                            # telemetry.GpuReading, one per GPU
+    compute_rates: dict[tuple[str, int], float] = dataclasses.field(default_factory=dict)   # (job key, slice) -> %
 
 
 def dispatcher_families(snap: DispatcherSnapshot) -> list[Metric]:
@@ -64,6 +68,9 @@ def dispatcher_families(snap: DispatcherSnapshot) -> list[Metric]:
                               labels=slice_labels)
     gpu_used = GaugeMetricFamily("rgpu_dispatcher_gpu_memory_used_bytes", "GPU memory held by the slices' sessions",
                                  labels=gpu_labels)
+    compute = GaugeMetricFamily("rgpu_dispatcher_slice_compute_used_percent",
+                                "A slice's workers' busy time over the last heartbeat interval, % of wall time "
+                                "(as HAMi's Device_utilization_desc_of_container)", labels=slice_labels)
     slices: dict[tuple[str, str, int], dict[str, Any]] = {}
     for s in obs["sessions"]:
         slices.setdefault((s["gpu_uuid"], s["job_key"], s["slice_number"]), s)
@@ -71,9 +78,12 @@ def dispatcher_families(snap: DispatcherSnapshot) -> list[Metric]:
     for (uuid, job_key, number), s in sorted(slices.items()):
         used.add_metric([uuid, slot[(uuid, (job_key, number))]], s["memory_used_bytes"])
         limit.add_metric([uuid, slot[(uuid, (job_key, number))]], s["memory_limit_bytes"])
+        compute.add_metric([uuid, slot[(uuid, (job_key, number))]], snap.compute_rates.get((job_key, number), 0.0))
     for g in snap.gpus:
         gpu_used.add_metric(gpu_key(g.uuid), sum(s["memory_used_bytes"] for key, s in slices.items() if key[0] == g.uuid))
-    families: list[Metric] = [memory, gpu_used, sessions, used, limit]
+    families: list[Metric] = [memory, gpu_used, sessions, used, limit, compute]
+    families += telemetry_families("rgpu_dispatcher", gpu_labels,
+                                   ((gpu_key(r.gpu_uuid), r) for r in snap.telemetry if r.gpu_uuid in by_uuid))
     for field, (name, documentation) in TRAFFIC.items():
         family = CounterMetricFamily(name, documentation, labels=gpu_labels)
         for g in snap.gpus:

@@ -62,8 +62,10 @@ class Registrar:
     def __init__(self, server: pb.Server, connect: Callable[[], PoolClient], pool: str,
                  on_live: Callable[[LiveLeases], None] | None = None,
                  usage: Callable[[], list[pb.SliceUsage]] | None = None,
-                 faults: Callable[[], list[pb.GpuFault]] | None = None) -> None:
+                 faults: Callable[[], list[pb.GpuFault]] | None = None,
+                 telemetry: Callable[[], list[pb.GpuTelemetry]] | None = None) -> None:
         self._server = server
+        self._telemetry = telemetry   # read after usage: the readings of the same sample
         self._on_live = on_live
         self._usage = usage
         self._faults = faults
@@ -131,7 +133,13 @@ class Registrar:
                 faults = self._faults()
             except Exception:  # a report too
                 log.exception("reading the GPU faults failed; heartbeat without them")
-        reply = client.heartbeat(self._server.address, usage, time.time(), faults)
+        telemetry: list[pb.GpuTelemetry] = []
+        if self._telemetry is not None:
+            try:
+                telemetry = self._telemetry()
+            except Exception:  # a report too
+                log.exception("reading the GPUs' telemetry failed; heartbeat without it")
+        reply = client.heartbeat(self._server.address, usage, time.time(), faults, telemetry)
         self.heartbeats["ok" if reply.known else "unknown"] += 1
         if reply.known:
             live = live_from_pb(reply)

@@ -6,8 +6,8 @@ libnvidia-ml.so.1, libnccl.so.2) and the GPU worker's launch fast path (librgpu-
 Needs only a C compiler (cc/gcc; $CC overrides): no CUDA toolkit, no download. The sources and
 the generated stubs ship inside the Python package. flexrun calls `ensure_built()` on first use:
 it reuses a build whose stamp matches the sources and the compiler, found in (1) $RGPU_NATIVE_DIR,
-(2) the package's own `lib/` folder (filled at install time by a build hook or an admin running
-this module with `--out <package>/lib`), (3) the user's cache ($XDG_CACHE_HOME or ~/.cache)
+(2) the package's own `lib/` folder (filled at install time by setup.py's build hook where a C
+compiler is present, or by an admin running this module with `--out <package>/lib`), (3) the user's cache ($XDG_CACHE_HOME or ~/.cache)
 /rgpu/native/<stamp>, (4) a private folder under the temp dir ($TMPDIR, which Slurm jobs get, else
 /tmp) /rgpu-<uid>/native/<stamp>, building into the first of (3) and (4) that can be written: a
 job's user may have no writable home (Debian's `nobody` has HOME=/nonexistent). The build is
@@ -20,6 +20,7 @@ import argparse
 import errno
 import hashlib
 import os
+import platform
 import shutil
 import stat
 import subprocess
@@ -95,6 +96,9 @@ def stamp() -> str:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     h.update(" ".join(CFLAGS).encode())
+    # A build made elsewhere (a wheel built at install time on another machine) is no use on a
+    # different architecture.
+    h.update(platform.machine().encode())
     return h.hexdigest()[:24]
 
 

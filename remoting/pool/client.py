@@ -185,9 +185,10 @@ class PoolClient:
         return self._call("RegisterServer", pb.RegisterServerRequest(server=server))
 
     def heartbeat(self, address: str, usage: list[pb.SliceUsage] | None = None,
-                  sent_unix: float = 0.0, faults: list[pb.GpuFault] | None = None) -> pb.HeartbeatReply:
+                  sent_unix: float = 0.0, faults: list[pb.GpuFault] | None = None,
+                  telemetry: list[pb.GpuTelemetry] | None = None) -> pb.HeartbeatReply:
         return self._call("Heartbeat", pb.HeartbeatRequest(address=address, usage=usage or [], sent_unix=sent_unix,
-                                                           faults=faults or []))
+                                                           faults=faults or [], telemetry=telemetry or []))
 
     def allocate(self, job_key: str, user: str, count: int, *, fraction: float = 0.0,
                  memory_bytes: int = 0, account: str = "", ttl_seconds: float = 0.0,

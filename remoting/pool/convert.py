@@ -72,10 +72,12 @@ def usage_from_pb(msg: pb.SliceUsage) -> tuple[str, int, "SliceUsageRecord"]:
         memory_used_bytes=msg.memory_used_bytes, last_active_unix=msg.last_active_unix, calls=msg.calls)
 
 
-def usage_to_pb(job_key: str, number: int, usage: "SliceUsageRecord | None") -> pb.SliceUsage:
+def usage_to_pb(job_key: str, number: int, usage: "SliceUsageRecord | None",
+                compute_used_percent: float = -1.0) -> pb.SliceUsage:
+    """compute_used_percent < 0: not reported (the message's default 0 would read as idle)."""
     if usage is None:
-        return pb.SliceUsage(job_key=job_key, slice_number=number)
+        return pb.SliceUsage(job_key=job_key, slice_number=number, compute_used_percent=compute_used_percent)
     return pb.SliceUsage(job_key=job_key, slice_number=number, sessions=usage.sessions,
                          busy_seconds=usage.busy_seconds, memory_high_water_bytes=usage.memory_high_water_bytes,
                          memory_used_bytes=usage.memory_used_bytes, last_active_unix=usage.last_active_unix,
-                         calls=usage.calls)
+                         calls=usage.calls, compute_used_percent=compute_used_percent)

@@ -47,6 +47,7 @@ from rgpu.remoting.pool.group import checked_processes, die_with_parent, serve_g
 from rgpu.remoting.pool.metrics import PoolMetrics, refusal_reason
 from rgpu.remoting.pool.rules import AllocationRequest, PoolCore, check_owner
 from rgpu.remoting.pool.store import open_store
+from rgpu.remoting.pool.telemetry import TelemetryBoard
 from rgpu.remoting.pool.views import pool_view
 from rgpu.secret import load_secret
 
@@ -126,30 +127,10 @@ def _rpc(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 
-MAX_FAULTS_PER_SERVER = 20
-
-
-def checked_faults(faults: Any, sent_unix: float, now: float) -> list[pb.GpuFault]:
-    """A heartbeat's GPU faults, bounded and printable, their times moved to the pool's clock."""
-    out = []
-    skew = now - sent_unix if sent_unix > 0 else 0.0
-    for fault in list(faults)[-MAX_FAULTS_PER_SERVER:]:
-        try:
-            validate.text("GPU fault", fault.gpu_uuid, 128)
-            validate.text("GPU fault", fault.error, 64)
-            validate.text("GPU fault", fault.faulting, 256)
-        except InvalidRequest:
-            continue   # a report, not a command: a bad entry is dropped, the heartbeat stands
-        copy = pb.GpuFault()
-        copy.CopyFrom(fault)
-        copy.unix = fault.unix + skew
-        out.append(copy)
-    return out
-
 class PoolServicer(pb_grpc.PoolServicer):
     def __init__(self, core: PoolCore, heartbeat_interval: float, metrics: PoolMetrics | None = None,
                  accounts: AccountPolicy | None = None, guards: CallGuards | None = None,
-                 user_calls: KeyedBuckets | None = None) -> None:
+                 user_calls: KeyedBuckets | None = None, board: TelemetryBoard | None = None) -> None:
         self.core = core
         # Each user's bucket of lease calls (user_lease_calls_*); None: not limited.
         self.user_calls = user_calls
@@ -160,8 +141,9 @@ class PoolServicer(pb_grpc.PoolServicer):
         self.pool_name = ""   # set once the pool listens (pool_name)
         self.metrics = metrics or PoolMetrics()
         self._gpu_listing = GpuListing(core)
-        # Each dispatcher's recent GPU faults as its last heartbeat reported them (shown by health).
-        self._faults: dict[str, list[pb.GpuFault]] = {}
+        # Each dispatcher's GPU readings, slices' compute use and recent GPU faults, as its last
+        # heartbeat reported them (health, stats, the metrics and the dashboard show them).
+        self.board = board or TelemetryBoard()
 
     def check_user_rate(self, user: str) -> None:
         """A user's lease call within their bucket, else RESOURCE_EXHAUSTED with the time to retry."""
@@ -187,7 +169,9 @@ class PoolServicer(pb_grpc.PoolServicer):
             idle_since_unix=since, idle=idle,
             slices=[pb.Slice(server=s.server, gpu_uuid=s.gpu_uuid, gpu_index=s.gpu_index, gpu_name=s.gpu_name,
                              memory_limit_bytes=s.memory_limit_bytes, compute_percent=s.compute_percent,
-                             token=self.core.token_for(lease, i) if tokens else "", usage=usage_to_pb(lease.job_key, i, usages[i]))
+                             token=self.core.token_for(lease, i) if tokens else "",
+                             usage=usage_to_pb(lease.job_key, i, usages[i],
+                                               self.board.compute_used(s.server, lease.job_key, i)))
                     for i, s in enumerate(lease.slices)])
 
     def _check_registrar(self, address: str, context: Any, *, registering: bool) -> None:
@@ -221,7 +205,8 @@ class PoolServicer(pb_grpc.PoolServicer):
     def _server_pb(self, entry: Any) -> pb.Server:
         now = self.core.clock()
         server = server_to_pb(entry.info, self.core.state_of(entry, now), max(0.0, now - entry.last_heartbeat))
-        server.faults.extend(self._faults.get(entry.info.address, ()))
+        server.faults.extend(self.board.faults(entry.info.address))
+        server.telemetry.extend(self.board.readings(entry.info.address))
         return server
 
     @_rpc
@@ -240,7 +225,9 @@ class PoolServicer(pb_grpc.PoolServicer):
         self.metrics.heartbeats.labels("known").inc()
         if request.usage:
             self.core.record_usage(request.address, [usage_from_pb(u) for u in request.usage], request.sent_unix)
-        self._faults[request.address] = checked_faults(request.faults, request.sent_unix, self.core.clock())
+        entry = self.core.servers.get(request.address)
+        gpus = {g.uuid for g in entry.info.gpus} if entry is not None else set()
+        self.board.record(request.address, request, gpus, self.core.clock())
         return live_to_pb(self.core.live_slices(request.address))
 
     @_rpc
@@ -409,7 +396,8 @@ def _check_bindable(listen: str) -> None:
         probe.bind((host, port))
 
 
-def _start_http(settings: Settings, secret: bytes, core: PoolCore, metrics: PoolMetrics, events: EventLog,
+def _start_http(settings: Settings, secret: bytes, core: PoolCore, board: TelemetryBoard, metrics: PoolMetrics,
+                events: EventLog,
                 report: Callable[[str, int], None]) -> list[Any]:
     """The metrics endpoint and the dashboard, each where the settings put it (none by default)."""
     started: list[Any] = []
@@ -421,7 +409,7 @@ def _start_http(settings: Settings, secret: bytes, core: PoolCore, metrics: Pool
             report("metrics", server.port)
         if settings.dashboard_listen:
             from rgpu.remoting.pool.dashboard import serve_dashboard
-            dashboard = serve_dashboard(settings, secret, lambda: pool_view(core), events, core.store)
+            dashboard = serve_dashboard(settings, secret, lambda: pool_view(core, board), events, core.store)
             started.append(dashboard)
             log.info("rgpu-poold: dashboard on %s (port %d); `rgpu-admin dashboard-url` prints a login link",
                      dashboard.url, dashboard.port)
@@ -467,7 +455,8 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
         raise ConfigError("store", f"cannot read the pool's state from {where}",
                           f"{type(exc).__name__}: {str(exc)[:120]}",
                           "restore it from a backup, or move it aside to start an empty pool") from None
-    metrics = PoolMetrics(lambda: pool_view(core))
+    board = TelemetryBoard(store)
+    metrics = PoolMetrics(lambda: pool_view(core, board))
     # Daemons on one PostgreSQL, and the processes of one rgpu-poold, share the nonces they saw and
     # the hosts servers registered from: a client may reach any of them.
     try:
@@ -484,7 +473,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers + auth.munge_waiters),
                          interceptors=[auth], options=[("grpc.so_reuseport", 1 if group_member else 0)])
     servicer = PoolServicer(core, settings.heartbeat_interval_seconds, metrics, account_policy(settings), guards,
-                            KeyedBuckets(settings.user_lease_calls_burst, settings.user_lease_calls_per_second))
+                            KeyedBuckets(settings.user_lease_calls_burst, settings.user_lease_calls_per_second), board)
     pb_grpc.add_PoolServicer_to_server(servicer, server)
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -511,7 +500,8 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
                           "pick another --listen address or stop the process holding the port") from None
     try:
         servicer.pool_name = auth.pool_name = pool_name(settings, port)
-        http = _start_http(settings, secret, core, metrics, events, report or (lambda what, port: None)) if extras else []
+        http = _start_http(settings, secret, core, board, metrics, events,
+                           report or (lambda what, port: None)) if extras else []
     except BaseException:
         store.close()
         guards.close()

@@ -16,6 +16,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.metrics_core import Metric
 
 from rgpu.errors import CapacityError, InvalidRequest, NotFound, PermissionDenied, QuotaExceeded
+from rgpu.remoting.metrics.gpu_telemetry import telemetry_families
 from rgpu.remoting.metrics.slots import slots
 from rgpu.remoting.pool.rules import QUOTA_KINDS
 from rgpu.remoting.pool.views import LEASE_STATES, SERVER_STATES, PoolView
@@ -68,6 +69,16 @@ def pool_families(view: PoolView) -> list[Metric]:
     slices = sorted(((lv.lease, n, s) for lv in view.leases for n, s in enumerate(lv.lease.slices)),
                     key=lambda x: (x[2].gpu_uuid, x[0].created_unix, x[0].job_key, x[1]))
     slot = slots((s.gpu_uuid, (lease.job_key, n)) for lease, n, s in slices)
+    # Used beside held: what each slice's sessions hold and how busy they are, as the dispatchers report.
+    used: dict[tuple[str, int], tuple[int, float]] = {}
+    for lv in view.leases:
+        for n in range(len(lv.lease.slices)):
+            record = lv.usage[n] if n < len(lv.usage) else None
+            used[(lv.lease.job_key, n)] = (record.memory_used_bytes if record is not None else 0,
+                                           lv.compute_used[n] if n < len(lv.compute_used) else -1.0)
+    gpu_used: dict[tuple[str, str], int] = {}
+    for lease, n, s in slices:
+        gpu_used[(s.server, s.gpu_uuid)] = gpu_used.get((s.server, s.gpu_uuid), 0) + used[(lease.job_key, n)][0]
     return [
         _gauge("rgpu_pool_servers", "Dispatchers by state", ["state"],
                (([state], sum(s.state == state for s in view.servers)) for state in SERVER_STATES)),
@@ -92,6 +103,20 @@ def pool_families(view: PoolView) -> list[Metric]:
         _gauge("rgpu_pool_slice_compute_percent", "Compute share of a leased slice", slice_labels,
                (([s.server, s.gpu_uuid, slot[(s.gpu_uuid, (lease.job_key, n))]],
                  s.compute_percent) for lease, n, s in slices)),
+        _gauge("rgpu_pool_slice_memory_used_bytes", "GPU memory a leased slice's sessions hold now, as its "
+               "dispatcher reports (as HAMi's vGPU_device_memory_usage_in_bytes)", slice_labels,
+               (([s.server, s.gpu_uuid, slot[(s.gpu_uuid, (lease.job_key, n))]],
+                 used[(lease.job_key, n)][0]) for lease, n, s in slices)),
+        _gauge("rgpu_pool_slice_compute_used_percent", "A leased slice's workers' busy time over its dispatcher's "
+               "last heartbeat interval, % of wall time (absent: not reported yet)", slice_labels,
+               (([s.server, s.gpu_uuid, slot[(s.gpu_uuid, (lease.job_key, n))]],
+                 used[(lease.job_key, n)][1]) for lease, n, s in slices if used[(lease.job_key, n)][1] >= 0)),
+        _gauge("rgpu_pool_gpu_memory_used_bytes", "GPU memory the leased slices' sessions hold now", gpu_labels,
+               ((gpu_key(g), gpu_used.get((g.server, g.gpu.uuid), 0)) for g in view.gpus)),
+        _gauge("rgpu_pool_gpu_recent_faults", "GPU faults in the dispatcher's last report (its last 20; "
+               "`rgpu-admin health` lists them)", gpu_labels, ((gpu_key(g), len(g.faults)) for g in view.gpus)),
+        *telemetry_families("rgpu_pool", gpu_labels,
+                            ((gpu_key(g), g.telemetry) for g in view.gpus if g.telemetry is not None)),
         _gauge("rgpu_pool_leases", "Leases by state (expired: not reclaimed yet)", ["state"],
                (([state], sum(lv.state == state for lv in view.leases)) for state in LEASE_STATES)),
         _gauge("rgpu_pool_leases_idle", "Leases whose slices ran no call for idle_after_seconds", [],

@@ -109,6 +109,13 @@ CREATE TABLE IF NOT EXISTS slice_usage (
     calls            INTEGER NOT NULL,
     PRIMARY KEY (job_key, slice)
 );
+-- Each dispatcher's last report of its GPUs (readings, faults, slices' compute use: a serialized
+-- pb.HeartbeatRequest), shared by the processes of one rgpu-poold (telemetry.py).
+CREATE TABLE IF NOT EXISTS server_reports (
+    address  TEXT PRIMARY KEY,
+    report   BLOB NOT NULL,
+    received REAL NOT NULL
+);
 """
 
 
@@ -329,6 +336,18 @@ class Store:
         return {(str(key), int(number)): SliceUsageRecord(*values)  # type: ignore[arg-type]
                 for key, number, *values in self._rows(f"SELECT job_key, slice, {USAGE_COLUMNS} FROM slice_usage")}
 
+    def save_server_report(self, address: str, report: bytes, received: float) -> None:
+        """Shared: stored for the other processes. Alone: the daemon's memory has it."""
+        if not self.shared:
+            return
+        with self._lock, self._writer():
+            self._db.execute(REPORT_UPSERT.replace("%s", "?"), (address, report, received))
+
+    def load_server_reports(self) -> dict[str, bytes]:
+        if not self.shared:
+            return {}
+        return {str(a): bytes(r) for a, r in self._rows("SELECT address, report FROM server_reports")}  # type: ignore[arg-type]
+
     # -- loading ---------------------------------------------------------------------------
     def load_servers(self) -> list[tuple[ServerInfo, bool]]:
         rows = self._rows("SELECT info_json, drained FROM servers")
@@ -463,6 +482,10 @@ class Store:
         self._write("DELETE FROM quotas WHERE kind=? AND name=?", (kind, name), ("quota", ""))
 
 
+REPORT_UPSERT = ("INSERT INTO server_reports(address, report, received) VALUES (%s, %s, %s) "
+                 "ON CONFLICT (address) DO UPDATE SET report=excluded.report, received=excluded.received")
+
+
 def usage_upsert(mark: str) -> str:
     """The statement that stores one slice's usage report (`mark`: the driver's placeholder)."""
     return (f"INSERT INTO slice_usage(job_key, slice, {USAGE_COLUMNS}) VALUES ({', '.join([mark] * 8)}) "
@@ -503,6 +526,8 @@ class PoolStore(Protocol):
     def load_servers_named(self, addresses: list[str]) -> list[tuple[ServerInfo, bool]]: ...
     def save_slice_usage(self, rows: list[tuple[str, int, SliceUsageRecord]]) -> None: ...
     def load_slice_usage(self) -> dict[tuple[str, int], SliceUsageRecord]: ...
+    def save_server_report(self, address: str, report: bytes, received: float) -> None: ...
+    def load_server_reports(self) -> dict[str, bytes]: ...
     def load_servers(self) -> list[tuple[ServerInfo, bool]]: ...
     def load_leases(self) -> list[LeaseRecord]: ...
     def load_quotas(self) -> list[QuotaRecord]: ...

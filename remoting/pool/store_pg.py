@@ -31,7 +31,8 @@ from typing import Any, Iterator
 from rgpu.errors import ConfigError, Unavailable
 from rgpu.model import LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
 from rgpu.remoting.pool.accounting import SliceUsageRecord
-from rgpu.remoting.pool.store import USAGE_COLUMNS, StateVersion, server_from_json, usage_rows, usage_upsert
+from rgpu.remoting.pool.store import (REPORT_UPSERT, USAGE_COLUMNS, StateVersion, server_from_json, usage_rows,
+                                      usage_upsert)
 
 LOCK_KEY = 0x72677075   # "rgpu": the advisory lock every change takes
 # "rgpa": the advisory lock one admission pass holds (the Slurm reconciler's release of held jobs),
@@ -103,6 +104,12 @@ CREATE TABLE IF NOT EXISTS slice_usage (
     last_active_unix DOUBLE PRECISION NOT NULL,
     calls            BIGINT NOT NULL,
     PRIMARY KEY (job_key, slice)
+);
+-- Each dispatcher's last report of its GPUs (telemetry.py). Added in place: older daemons do not read it.
+CREATE TABLE IF NOT EXISTS server_reports (
+    address  TEXT PRIMARY KEY,
+    report   BYTEA NOT NULL,
+    received DOUBLE PRECISION NOT NULL
 );
 """
 
@@ -319,6 +326,13 @@ class PostgresStore:
         return {(key, number): SliceUsageRecord(sessions, busy, high, used, active, calls)
                 for key, number, sessions, busy, high, used, active, calls in self._rows(
                     f"SELECT job_key, slice, {USAGE_COLUMNS} FROM slice_usage")}
+
+    def save_server_report(self, address: str, report: bytes, received: float) -> None:
+        with self._session() as db, db.cursor() as cursor:
+            cursor.execute(REPORT_UPSERT, (address, report, received))
+
+    def load_server_reports(self) -> dict[str, bytes]:
+        return {address: bytes(report) for address, report in self._rows("SELECT address, report FROM server_reports")}
 
     def load_quotas(self) -> list[QuotaRecord]:
         return [QuotaRecord(kind, name, limit)

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Any
+
 from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord
+from rgpu.remoting.pool.accounting import SliceUsageRecord
 from rgpu.remoting.pool.rules import PoolCore
+from rgpu.remoting.pool.telemetry import TelemetryBoard
 
 SERVER_STATES = ("up", "down", "drained")
 LEASE_STATES = ("active", "on_down_server", "expired")
@@ -35,6 +39,8 @@ class GpuView:
     allocated_percent: int
     allocated_memory_bytes: int
     slices: int
+    telemetry: Any = None          # pb.GpuTelemetry of its dispatcher's last heartbeat; None: none yet
+    faults: tuple[Any, ...] = ()   # pb.GpuFault: its recent GPU faults
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,8 @@ class LeaseView:
     state: str                     # active | on_down_server | expired (not reclaimed yet)
     idle: bool = False             # no call for idle_after_seconds (PoolCore.lease_idle)
     idle_since_unix: float = 0.0   # its last activity (or its start), by the pool's clock
+    usage: tuple[SliceUsageRecord | None, ...] = ()   # per slice, as its dispatcher last reported it
+    compute_used: tuple[float, ...] = ()              # per slice: % of wall time busy; < 0: not reported
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,8 @@ class PoolView:
     allocated_units: int
 
 
-def pool_view(core: PoolCore) -> PoolView:
+def pool_view(core: PoolCore, board: TelemetryBoard | None = None) -> PoolView:
+    faults, readings, compute = board.snapshot() if board is not None else ({}, {}, {})
     with core.lock:   # one consistent read: the views below take the same (reentrant) lock
         now = core.clock()
         servers = []
@@ -78,9 +87,13 @@ def pool_view(core: PoolCore) -> PoolView:
             else:
                 lease_state = "active"
             since, idle = core.lease_idle(lease)
-            leases.append(LeaseView(lease, lease_state, idle, since))
+            leases.append(LeaseView(lease, lease_state, idle, since, tuple(core.slice_usage(lease)),
+                                    tuple(compute.get((s.server, lease.job_key, n), -1.0)
+                                          for n, s in enumerate(lease.slices))))
         gpus = tuple(GpuView(g.server, g.server_state, g.gpu, g.allocated_percent,  # type: ignore[arg-type]
-                             g.allocated_memory_bytes, g.slices) for g in core.gpu_statuses())
+                             g.allocated_memory_bytes, g.slices, readings.get((g.server, g.gpu.uuid)),  # type: ignore[attr-defined]
+                             tuple(f for f in faults.get(g.server, ()) if f.gpu_uuid == g.gpu.uuid))  # type: ignore[attr-defined]
+                     for g in core.gpu_statuses())
         capacity = core.capacity()
         return PoolView(now=now, servers=tuple(servers), gpus=gpus, leases=tuple(leases),
                         quotas=tuple(core.quota_usage()), total_units=capacity.total_units,

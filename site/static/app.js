@@ -63,14 +63,53 @@ function drawSummary(s) {
       el("b", {}, `${pct}%`), ` of ${c.gpus} GPUs allocated`),
     el("span", {}, el("b", {}, String(c.gpus)), " GPUs"),
     el("span", {}, el("b", {}, `${up}/${s.servers.length}`), " dispatchers up"),
-    el("span", {}, el("b", {}, String(c.leases)), " leases"));
+    el("span", {}, el("b", {}, String(c.leases)), " leases"),
+    // Trouble at a glance: shown only when there is some, in red.
+    ...(c.servers_down ? [el("span", { class: "alarm", id: "alarm-down" }, `${c.servers_down} dispatcher(s) down`)] : []),
+    ...(c.gpus_faulted ? [el("span", { class: "alarm", id: "alarm-faults" }, `${c.gpus_faulted} GPU(s) with faults`)] : []),
+    ...(c.gpus_ecc_uncorrected ? [el("span", { class: "alarm", id: "alarm-ecc" },
+      `${c.gpus_ecc_uncorrected} GPU(s) with uncorrected ECC errors`)] : []));
 }
 
-function segment(slice, width, label) {
+function used(slice) {
+  const compute = slice.compute_used_percent >= 0 ? `, uses ${Math.round(slice.compute_used_percent)}% of the GPU's time` : "";
+  return `uses ${bytes(slice.memory_used_bytes)} of ${bytes(slice.memory_bytes)}${compute}` +
+    (slice.mostly_unused ? " (mostly unused)" : "");
+}
+
+function telemetry(g) {
+  const t = g.telemetry;
+  if (!t) return el("div", { class: "telemetry" }, "no readings yet");
+  const parts = [];
+  if (t.utilization_percent >= 0) parts.push(`util ${Math.round(t.utilization_percent)}%`);
+  if (t.temperature_celsius >= 0) parts.push(`${Math.round(t.temperature_celsius)} °C`);
+  if (t.power_watts >= 0) parts.push(`${Math.round(t.power_watts)} W`);
+  return el("div", { class: "telemetry", title: `GPU memory in use (all processes): ${bytes(t.memory_used_bytes)}` },
+    parts.join(" · ") || "no readings", ...(t.source === "emulated" ? [" ", el("span", { class: "tag" }, "emulated")] : []));
+}
+
+function trouble(g) {
+  const badges = [];
+  if (g.faults.length) {
+    const last = g.faults[g.faults.length - 1];
+    badges.push(el("span", { class: "badge fault", title: `last: ${last.error} at ${clock(last.unix)}` +
+      (last.faulting ? ` (${last.faulting})` : "") }, `${g.faults.length} fault${g.faults.length > 1 ? "s" : ""}`));
+  }
+  const t = g.telemetry;
+  if (t && t.ecc_uncorrected) badges.push(el("span", { class: "badge fault" }, `ECC ${t.ecc_uncorrected}`));
+  if (t && t.last_xid) badges.push(el("span", { class: "badge fault", title: `${t.xid_errors} Xid event(s)` }, `Xid ${t.last_xid}`));
+  return badges.length ? [el("div", { class: "trouble" }, ...badges)] : [];
+}
+
+function segment(slice, width, label, fill) {
   const [background, text] = colour(slice.user);
-  return el("div", { class: "seg", title: `${slice.job_key} (${slice.user}) slice ${slice.slice}: ` +
-    `${slice.compute_percent}% compute, ${bytes(slice.memory_bytes)}`,
-    style: { width: `${width}%`, background, color: text } }, label);
+  const seg = el("div", { class: "seg" + (slice.mostly_unused ? " unused" : ""),
+    title: `${slice.job_key} (${slice.user}) slice ${slice.slice}: ` +
+    `holds ${slice.compute_percent}% compute, ${bytes(slice.memory_bytes)}; ${used(slice)}`,
+    style: { width: `${width}%`, backgroundColor: background, color: text } }, label);
+  // What the slice uses, drawn inside what it holds.
+  if (fill !== undefined) seg.append(el("div", { class: "used", style: { width: `${Math.min(100, fill)}%` } }));
+  return seg;
 }
 
 function drawGpus(gpus) {
@@ -81,15 +120,21 @@ function drawGpus(gpus) {
     const compute = el("div", { class: "bar compute" });
     const memory = el("div", { class: "bar memory" });
     for (const s of g.slices) {
-      compute.append(segment(s, s.compute_percent, `${s.job_key} · ${s.user} · ${s.compute_percent}%`));
-      memory.append(segment(s, g.memory_bytes ? (100 * s.memory_bytes) / g.memory_bytes : 0, ""));
+      const uses = s.compute_used_percent >= 0 ? ` (uses ${Math.round(s.compute_used_percent)}%)` : "";
+      compute.append(segment(s, s.compute_percent, `${s.job_key} · ${s.user} · ${s.compute_percent}%${uses}`));
+      memory.append(segment(s, g.memory_bytes ? (100 * s.memory_bytes) / g.memory_bytes : 0, "",
+        s.memory_bytes ? (100 * s.memory_used_bytes) / s.memory_bytes : 0));
     }
-    box.append(el("div", { class: `gpu ${g.server_state}`, "data-gpu": g.uuid },
+    const faulted = g.faults.length || (g.telemetry && g.telemetry.ecc_uncorrected) ? " faulted" : "";
+    box.append(el("div", { class: `gpu ${g.server_state}${faulted}`, "data-gpu": g.uuid },
       el("div", { class: "label" }, el("div", { class: "name" }, `${g.name}`),
-        el("div", { class: "where" }, `${g.server} · GPU ${g.index} · ${g.sharing || "mps"} `, state(g.server_state))),
+        el("div", { class: "where" }, `${g.server} · GPU ${g.index} · ${g.sharing || "mps"} `, state(g.server_state)),
+        ...trouble(g)),
       el("div", { class: "bars" }, compute, memory),
-      el("div", { class: "numbers" }, `${g.allocated_percent}% compute`, el("br"),
-        `${bytes(g.allocated_memory_bytes)} / ${bytes(g.memory_bytes)}`)));
+      el("div", { class: "numbers" }, `${g.allocated_percent}% compute held`, el("br"),
+        el("span", { title: "memory the slices' sessions use / hold / the GPU offers" },
+          `${bytes(g.memory_used_bytes)} used / ${bytes(g.allocated_memory_bytes)} held / ${bytes(g.memory_bytes)}`),
+        telemetry(g))));
   }
 }
 
@@ -102,7 +147,8 @@ function draw(s) {
   drawSummary(s);
   drawGpus(s.gpus);
   fillTable("leases", s.leases.map((l) => [l.job_key, l.user, l.account || "–",
-    l.slices.map((x) => `${x.server}/${x.gpu_index} ${x.compute_percent}% ${bytes(x.memory_bytes)}`).join(", "),
+    l.slices.map((x) => `${x.server}/${x.gpu_index} ${x.compute_percent}% ${bytes(x.memory_bytes)}` +
+      ` (uses ${bytes(x.memory_used_bytes)})`).join(", "),
     String(l.units), age(l.age_seconds), l.expires_unix ? clock(l.expires_unix) : "never",
     l.idle ? el("span", {}, state(l.state), " ", el("span", { class: "state idle",
       title: "no call since " + clock(l.idle_since_unix) }, "idle")) : state(l.state)]),

@@ -264,5 +264,10 @@ def test_faults_reach_the_pool_and_rgpu_admin_health(native_libs: build.Librarie
         assert "GPU 0: 1 fault(s), 1 across tenants" in note and "faulting job attacker slice 0" in note
         assert "serving again after" in note and "CUDA_ERROR_ILLEGAL_ADDRESS" in note
         assert "MPS fault ended 2 sessions" in admin(cluster, "health").stdout
+        # The GPU's readings count it too (an emulated GPU stands a fault in for the driver's Xid 43).
+        gpu = next(t for t in json.loads(admin(cluster, "health", "--json").stdout)[0]["gpu_telemetry"]
+                   if t["gpu_uuid"] == slices["victim"].gpu_uuid)
+        assert (gpu["source"], gpu["xid_errors"], gpu["last_xid"]) == ("emulated", 1, 43)
+        assert "GPU 0: 1 Xid event(s), last Xid 43 (emulated)" in health_note()
     finally:
         cluster.stop_all()

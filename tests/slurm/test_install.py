@@ -87,3 +87,20 @@ def test_every_script_slurm_config_names_exists_and_runs_from_the_installed_whee
     run = subprocess.run([paths["TaskProlog"]], env={**clean, "SLURM_JOB_ID": "5", "RGPU_RUN_DIR": str(venv)},
                          capture_output=True, text=True, timeout=10)
     assert run.stdout == ""   # no <run dir>/5: not an rgpu job
+
+
+def test_the_installed_wheel_carries_client_libraries_so_a_first_flexrun_builds_nothing(venv: Path, tmp_path: Path) -> None:
+    """Issue 29: built at install time where a C compiler is present (setup.py), found by flexrun
+    before any cache, so the first run on a node neither waits for a build nor prints its line."""
+    if not (shutil.which("cc") or shutil.which("gcc")):
+        pytest.skip("no C compiler: the wheel carries no libraries (flexrun builds them on first use)")
+    code = ("from rgpu.remoting.native import build; built = []; "
+            "libs = build.ensure_built(lambda: built.append(1)); print(libs.folder, len(built))")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "TMPDIR": str(tmp_path)}
+    done = subprocess.run([str(venv / "bin" / "python"), "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120, check=False, cwd=tmp_path)   # not the checkout: its rgpu/ would shadow
+    assert done.returncode == 0, done.stderr
+    folder, builds = done.stdout.split()
+    assert folder.startswith(str(venv)) and folder.endswith("rgpu/remoting/native/lib") and builds == "0", done.stdout
+    assert not (tmp_path / "cache").exists()
