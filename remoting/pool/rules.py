@@ -19,13 +19,15 @@ from rgpu.live_leases import LiveLeases
 from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, ServerInfo, SliceRecord
 from rgpu.remoting.pool.accounting import (Interval, SliceUsageRecord, UsageTotal, idle_seconds, idle_since, is_idle,
                                            to_pool_clock, totals)
-from rgpu.remoting.pool.placement import (GpuSlot, PlacedSlice, SliceRequest, fits_in_every_order, percent_of_fraction,
-                                          place)
+from rgpu.remoting.pool.placement import (GpuSlot, PlacedSlice, SliceRequest, fits_in_every_order, place)
 from rgpu.remoting.pool.backfill import Avoid, head_room, place_in_turn, place_one
 from rgpu.remoting.pool.placement_index import PlacementIndex
 from rgpu.remoting.pool.reservations import claim_prefixes, fits_request, reservation_key, reservation_prefix
 from rgpu.remoting.pool.store import PoolStore
 
+# One lease's request as the Slurm admission passes it: (count, percent of a GPU per slice or 0,
+# memory_bytes per slice or 0, isolation).
+LeaseRequest = tuple[int, int, int, str]
 MAX_SERVERS = 4096   # dispatchers one pool keeps; bounds what registrations can make it store
 
 log = logging.getLogger("rgpu-poold")
@@ -53,7 +55,7 @@ class AllocationRequest:
     job_key: str
     user: str
     count: int
-    fraction: float | None = None
+    percent: int | None = None          # of one GPU per slice (1-100); exactly one of percent / memory_bytes
     memory_bytes: int | None = None
     account: str = ""
     ttl_seconds: float = 0.0
@@ -234,11 +236,11 @@ class PoolCore:
     def add_capacity_listener(self, callback: Callable[[], None]) -> None:
         self._listeners.append(callback)
 
-    def fits_in_every_order(self, requests: list[tuple[int, float, int, str]],
-                            first: list[tuple[tuple[int, float, int, str], Avoid]] | None = None) -> bool:
+    def fits_in_every_order(self, requests: list[LeaseRequest],
+                            first: list[tuple[LeaseRequest, Avoid]] | None = None) -> bool:
         """Whether the pool could place all these requests now, whatever order they come in
-        (placement.fits_in_every_order on the GPUs of up servers). Each is (count, fraction or
-        0.0, memory_bytes or 0, isolation); one per lease, so a two-node job is two requests.
+        (placement.fits_in_every_order on the GPUs of up servers). Each is (count, percent or
+        0, memory_bytes or 0, isolation); one per lease, so a two-node job is two requests.
         `first`: (request, GPUs it may not use) placed before those, one after the other in this
         order, as `reserve` places them."""
         self.catch_up()
@@ -250,8 +252,8 @@ class PoolCore:
             return False
         return fits_in_every_order(slots, [_slice_request(r) for r in requests], self.placement)
 
-    def room_for_head(self, head: list[tuple[int, float, int, str]],
-                      first: list[tuple[tuple[int, float, int, str], Avoid]] | None = None) -> Avoid:
+    def room_for_head(self, head: list[LeaseRequest],
+                      first: list[tuple[LeaseRequest, Avoid]] | None = None) -> Avoid:
         """The GPUs, as (server address, UUID), that a job waiting at the head of the queue (its
         requests, one per lease) will get once the oldest leases end (backfill.head_room), after
         `first` (as for fits_in_every_order: reservations about to be made, which end last)."""
@@ -505,14 +507,14 @@ class PoolCore:
             raise InvalidRequest("pool", f"invalid count {req.count}",
                                  f"a job may hold 1 to {self.max_slices_per_job} slices",
                                  "ask for fewer slices (max_slices_per_job in rgpu.toml sets the limit)")
-        if req.fraction is not None and req.memory_bytes is not None:
+        if req.percent is not None and req.memory_bytes is not None:
             raise InvalidRequest("pool", "both a fraction and a memory size were given", "they are exclusive",
                                  "give one of them")
-        if req.fraction is None and req.memory_bytes is None:
+        if req.percent is None and req.memory_bytes is None:
             raise InvalidRequest("pool", "neither a fraction nor a memory size was given", "",
                                  "give a fraction in (0, 1] or a memory size per slice")
-        if req.fraction is not None:
-            validate.fraction(req.fraction)
+        if req.percent is not None:
+            validate.percent(req.percent)
         if req.memory_bytes is not None and not 0 < req.memory_bytes <= 2**60:
             raise InvalidRequest("pool", f"invalid memory size {req.memory_bytes}", "", "give a size above 0")
         _check_ttl(req.ttl_seconds, allow_zero=True)
@@ -565,7 +567,7 @@ class PoolCore:
                 self.store.insert_lease(lease)
                 self._index_lease(reserved, -1)
             else:
-                request = SliceRequest(count=req.count, fraction=req.fraction, memory_bytes=req.memory_bytes,
+                request = SliceRequest(count=req.count, percent=req.percent, memory_bytes=req.memory_bytes,
                                        gpu_model=req.gpu_model, server=req.server,
                                        min_memory_bytes=req.min_memory_bytes, isolation=req.isolation)
                 placed = self._index.place(request, self.placement,
@@ -589,7 +591,6 @@ class PoolCore:
         filters (model, server, memory) place as usual."""
         if not self._reserved or req.gpu_model or req.server or req.min_memory_bytes:
             return None
-        percent = percent_of_fraction(req.fraction) if req.fraction is not None else None
         for prefix in claim_prefixes(req.job_key):
             for key in sorted(self._reserved.get(prefix, ())):
                 reservation = self.leases[key]
@@ -597,14 +598,14 @@ class PoolCore:
                 if reservation.expired(now) or any(e is None or self.state_of(e, now) != "up" for e in servers):
                     continue
                 sharing = {g.uuid: g.sharing for e in servers if e is not None for g in e.info.gpus}
-                if fits_request(reservation, req.user, req.count, percent, req.memory_bytes, sharing, req.isolation):
+                if fits_request(reservation, req.user, req.count, req.percent, req.memory_bytes, sharing, req.isolation):
                     return reservation
         return None
 
-    def reserve(self, prefix: str, user: str, requests: list[tuple[int, float, int, str]],
+    def reserve(self, prefix: str, user: str, requests: list[LeaseRequest],
                 ttl_seconds: float, avoid: Avoid = frozenset()) -> list[LeaseRecord]:
         """Hold room for the leases about to be asked for under keys that start with `prefix` (one
-        ending in ':'; reservations.py): one reservation per request (count, fraction or 0.0,
+        ending in ':'; reservations.py): one reservation per request (count, percent or 0,
         memory_bytes or 0, isolation), placed as Allocates would place them now one after the
         other, all or none (CapacityError), each expiring `ttl_seconds` from now, on none of the
         GPUs in `avoid` ((server address, UUID): kept for a job that waits). A prefix that holds
@@ -615,9 +616,9 @@ class PoolCore:
                                  "this is a bug in the caller")
         _check_ttl(ttl_seconds, allow_zero=False)
         wanted = [AllocationRequest(job_key=reservation_key(prefix, n), user=user, count=count,
-                                    fraction=fraction if not memory else None, memory_bytes=memory or None,
+                                    percent=percent if not memory else None, memory_bytes=memory or None,
                                     ttl_seconds=ttl_seconds, isolation=isolation)
-                  for n, (count, fraction, memory, isolation) in enumerate(requests)]
+                  for n, (count, percent, memory, isolation) in enumerate(requests)]
         for one in wanted:
             self._validate(one)
         with self._change():
@@ -633,7 +634,7 @@ class PoolCore:
                 return renewed
             slots, planned = self._slots(now), []
             for one in wanted:      # CapacityError here leaves everything as it was
-                slots, placed = place_one(slots, SliceRequest(count=one.count, fraction=one.fraction,
+                slots, placed = place_one(slots, SliceRequest(count=one.count, percent=one.percent,
                                                               memory_bytes=one.memory_bytes, isolation=one.isolation),
                                           avoid, self.placement)
                 planned.append(LeaseRecord(job_key=one.job_key, user=user, account="", created_unix=now,
@@ -897,11 +898,11 @@ class PoolCore:
                     for (kind, name), limit in sorted(self.quotas.items())]
 
 
-def _slice_request(request: tuple[int, float, int, str]) -> SliceRequest:
-    """(count, fraction or 0.0, memory_bytes or 0, isolation): one lease's request as the Slurm
+def _slice_request(request: LeaseRequest) -> SliceRequest:
+    """(count, percent or 0, memory_bytes or 0, isolation): one lease's request as the Slurm
     admission passes it."""
-    count, fraction, memory, isolation = request
-    return SliceRequest(count=count, fraction=fraction if not memory else None, memory_bytes=memory or None,
+    count, percent, memory, isolation = request
+    return SliceRequest(count=count, percent=percent if not memory else None, memory_bytes=memory or None,
                         isolation=isolation)
 
 
