@@ -303,7 +303,7 @@ def sweep_stale_job_dirs(run_dir: Path, current_job_id: int, pool: Pool) -> list
     without adaptor.conf (a failed prolog's `error`, which flexrun reports) are kept. Never raises."""
     from rgpu.adaptor import read_adaptor_conf
 
-    removed = []
+    removed: list[Path] = []
     try:
         entries = sorted(run_dir.iterdir())
     except OSError:

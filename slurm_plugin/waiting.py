@@ -272,9 +272,10 @@ def plan_admission(jobs: Iterable[Any], gpu_statuses: Iterable[Any], leases: Ite
     for job in jobs:
         if job.state != "PENDING" or getattr(job, "dependency", "") or job.job_id in held_back:
             continue
-        record = waiting_record(job.admin_comment)
-        if record is None:
+        waiting = waiting_record(job.admin_comment)
+        if waiting is None:
             continue
+        record = waiting
         if job.reason == ADMISSION_HOLD:
             todo: tuple[str, ...] = (RESERVE, RELEASE)
         elif job.reason == MAX_REQUEUE_HOLD:

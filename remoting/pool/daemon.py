@@ -597,8 +597,9 @@ def main(config_file: str | None, listen: str | None, state: str | None, placeme
         port_files = {"metrics": metrics_port_file, "dashboard": dashboard_port_file}
 
         def report(what: str, bound: int) -> None:
-            if port_files.get(what):
-                write_port_file(port_files[what], bound, "poold")
+            path = port_files.get(what)
+            if path:
+                write_port_file(path, bound, "poold")
 
         logging.getLogger().setLevel(settings.log_level.upper())
         secret = load_secret(settings.secret_file)

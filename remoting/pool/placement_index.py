@@ -124,8 +124,8 @@ class PlacementIndex:
             by_key.setdefault((-len(fit.candidates), sign * fit.free), []).append(group)
             fit_of[id(group)] = fit
         chosen: list[PlacedSlice] = []
-        for key in sorted(by_key):
-            groups = by_key[key]
+        for order in sorted(by_key):
+            groups = by_key[order]
             for address, fit in heapq.merge(*(self._up_members_with(group, fit_of[id(group)], is_up)
                                                for group in groups), key=lambda each: each[0]):
                 chosen.extend(self._placed(address, fit.candidates[: request.count - len(chosen)]))

@@ -171,15 +171,15 @@ class PoolCore:
                 before = self.servers.get(address)
                 if address not in stored:
                     self.servers.pop(address, None)
-                    for key in [k for k in self._usage if k[0] == address]:
-                        del self._usage[key]
+                    for gpu_key in [k for k in self._usage if k[0] == address]:
+                        del self._usage[gpu_key]
                 else:
                     info, drained = stored[address]
                     self.servers[address] = ServerEntry(info, drained, before.last_heartbeat if before else now,
                                                         before.reported_down if before else False)
                 self._refresh(address)
         if job_keys:
-            ended = {}
+            ended: dict[str, LeaseRecord] = {}
             for key in job_keys:
                 old = self.leases.get(key)
                 if old is not None:

@@ -326,7 +326,7 @@ class Store:
     def load_slice_usage(self) -> dict[tuple[str, int], SliceUsageRecord]:
         if not self.shared:
             return {}
-        return {(str(key), int(number)): SliceUsageRecord(*values)  # type: ignore[arg-type]
+        return {(str(key), int(number)): SliceUsageRecord(*values)  # type: ignore[arg-type,call-overload]
                 for key, number, *values in self._rows(f"SELECT job_key, slice, {USAGE_COLUMNS} FROM slice_usage")}
 
     # -- loading ---------------------------------------------------------------------------
