@@ -24,7 +24,7 @@ from rgpu.config import Settings, pool_addresses
 from rgpu.errors import ConfigError, RgpuError, Unavailable
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
-from rgpu.remoting.pool.auth import AUTH_HEADER, MUNGE_HEADER, request_credential
+from rgpu.remoting.pool.signing import AUTH_HEADER, MUNGE_HEADER, request_credential
 from rgpu.remoting.pool.errors import error_from_status
 from rgpu.secret import load_secret
 
