@@ -4,18 +4,18 @@ together)."""
 
 from __future__ import annotations
 
-from __future__ import annotations
-
 import logging
 from dataclasses import replace
 
 from rgpu import validate
 from rgpu.errors import InvalidRequest, NotFound, PermissionDenied, QuotaExceeded
 from rgpu.model import LeaseRecord, QuotaRecord
-from rgpu.remoting.pool.placement import (SliceRequest, place)
+from rgpu.remoting.pool.placement import SliceRequest, place
 from rgpu.remoting.pool.backfill import Avoid, place_one
 from rgpu.remoting.pool.reservations import claim_prefixes, fits_request, reservation_key, reservation_prefix
-from rgpu.remoting.pool.rules_types import AllocationRequest, CoreParts, LeaseRequest, QUOTA_KINDS, check_owner, log, _check_ttl, _slice_records
+from rgpu.remoting.pool.rules_types import (QUOTA_KINDS, AllocationRequest, CoreParts, LeaseRequest, _check_ttl,
+                                            _slice_records, check_owner, log)
+
 
 class LeaseRules(CoreParts):
     """Leases, reservations and quotas (mixed into PoolCore)."""
@@ -291,4 +291,3 @@ class LeaseRules(CoreParts):
         with self._lock:
             return [(QuotaRecord(kind, name, limit), self._used_units.get((kind, name), 0))
                     for (kind, name), limit in sorted(self.quotas.items())]
-

@@ -4,16 +4,15 @@ PoolCore is put together)."""
 
 from __future__ import annotations
 
-from __future__ import annotations
-
-
 from rgpu import validate
 from rgpu.errors import InvalidRequest, NotFound
 from rgpu.live_leases import LiveLeases
 from rgpu.model import GpuInfo, LeaseRecord, ServerInfo
-from rgpu.remoting.pool.placement import (GpuSlot)
+from rgpu.remoting.pool.placement import GpuSlot
 from rgpu.remoting.pool.reservations import reservation_prefix
-from rgpu.remoting.pool.rules_types import Capacity, CoreParts, GpuStatusRecord, GpuUsage, MAX_SERVERS, ServerEntry, log
+from rgpu.remoting.pool.rules_types import (MAX_SERVERS, Capacity, CoreParts, GpuStatusRecord, GpuUsage, ServerEntry,
+                                            log)
+
 
 class ServerRules(CoreParts):
     """Dispatchers and their GPUs (mixed into PoolCore)."""
@@ -268,4 +267,3 @@ class ServerRules(CoreParts):
                        if self.state_of(entry, now) == "up" for g in entry.info.gpus]
             allocated = sum(self._usage.get(key, GpuUsage()).percent for key in up_gpus)
             return Capacity(total_units=100 * len(up_gpus), allocated_units=allocated, gpus=len(up_gpus))
-

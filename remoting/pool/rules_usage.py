@@ -4,15 +4,13 @@ is put together)."""
 
 from __future__ import annotations
 
-from __future__ import annotations
-
-
 from rgpu import tokens
 from rgpu.model import LeaseRecord
 from rgpu.remoting.pool.accounting import (Interval, SliceUsageRecord, UsageTotal, idle_seconds, idle_since, is_idle,
                                            to_pool_clock, totals)
 from rgpu.remoting.pool.reservations import reservation_prefix
 from rgpu.remoting.pool.rules_types import CoreParts, log
+
 
 class UsageRules(CoreParts):
     """Use, idleness, accounting and tokens (mixed into PoolCore)."""
@@ -101,4 +99,3 @@ class UsageRules(CoreParts):
         if self.leases.get(lease.job_key) is lease:
             self._tokens[(lease.job_key, number)] = token
         return token
-
