@@ -19,7 +19,7 @@ Slice i appears to the application as CUDA device i; slices on different servers
 multi-GPU machine. flexrun checks every slice with its server before the application starts, so
 a refused token, an unreachable server, or the node prolog's recorded error is one clear line on
 stderr and a non-zero exit, not a CUDA error deep inside the application. Then it puts rgpu's
-libcuda.so.1 and libnvidia-ml.so.1 first on LD_LIBRARY_PATH, passes the slices in RGPU_SLICES
+libcuda.so.1, libnvidia-ml.so.1 and libnccl.so.2 first on LD_LIBRARY_PATH, passes the slices in RGPU_SLICES
 ("host:port,token;..."), and runs the application: stdin, stdout, stderr, signals and the exit
 status pass through (with an adaptor.conf flexrun replaces itself with the application).
 `flexrun -- nvidia-smi ...` runs NVIDIA's nvidia-smi on rgpu's NVML where it is installed, and

@@ -1,4 +1,4 @@
-"""Parse the reviewed API specs (spec/cuda.spec, spec/nvml.spec) into typed records.
+"""Parse the reviewed API specs (spec/cuda.spec, spec/nvml.spec, spec/nccl.spec) into typed records.
 
 Pure: reads text, returns dataclasses; the generator and the tests share it. The spec format is
 described at the top of spec/cuda.spec.
@@ -22,7 +22,7 @@ class WireType:
 
     c: str            # C spelling in generated code
     fmt: str          # struct format ("i", "Q", "16s"); "" for variable-length kinds
-    kind: str         # "int" | "float" | "handle" | "ctx" | "dev" | "bytes" | "str" | "nvmldev"
+    kind: str         # "int" | "float" | "handle" | "ctx" | "dev" | "bytes" | "str" | "nvmldev" | "ncclcomm" | "devptr"
     ctypes: str       # ctypes type used by the server's driver calls
 
 
@@ -55,6 +55,12 @@ TYPES: dict[str, WireType] = {
     # NVML
     "nvmlDevice_t": WireType("nvmlDevice_t", "I", "nvmldev", "ctypes.c_void_p"),
     "nvmlReturn_t": _enum("nvmlReturn_t"),
+    # NCCL: a communicator is a client object (its slice and the worker's communicator), buffers are
+    # the slice's device addresses, the stream is the client's handle (the worker maps it)
+    "ncclComm_t": WireType("ncclComm_t", "Q", "ncclcomm", "ctypes.c_void_p"),
+    "void": WireType("void", "Q", "devptr", "ctypes.c_void_p"),
+    "cudaStream_t": _handle("cudaStream_t"),
+    "ncclUniqueId": WireType("ncclUniqueId", "128s", "bytes", "ctypes.c_char * 128"),
 }
 # NVML structs travel as raw bytes: both ends share the C layout (x86-64 and aarch64 alike).
 for _name, _size in (("nvmlMemory_t", 24), ("nvmlMemory_v2_t", 40), ("nvmlBAR1Memory_t", 24),
@@ -81,7 +87,8 @@ for _name in ("CUresult", "CUdevice_attribute", "CUarray_format", "CUexecAffinit
               "nvmlTemperatureSensors_t", "nvmlClockType_t", "nvmlClockId_t", "nvmlPstates_t",
               "nvmlEnableState_t", "nvmlComputeMode_t", "nvmlBrandType_t", "nvmlMemoryErrorType_t",
               "nvmlEccCounterType_t", "nvmlTemperatureThresholds_t", "nvmlDeviceArchitecture_t",
-              "nvmlPcieUtilCounter_t", "nvmlInforomObject_t", "nvmlGpuOperationMode_t"):
+              "nvmlPcieUtilCounter_t", "nvmlInforomObject_t", "nvmlGpuOperationMode_t",
+              "ncclResult_t", "ncclDataType_t", "ncclRedOp_t"):
     TYPES[_name] = _enum(_name)
 
 
@@ -147,9 +154,9 @@ class Function:
 
     @property
     def route(self) -> Param | None:
-        """The input that picks the session: the first CUdevice, CUcontext or nvmlDevice_t."""
+        """The input that picks the session: the first CUdevice, CUcontext, nvmlDevice_t or ncclComm_t."""
         for p in self.params:
-            if p.direction == "in" and not p.pointer and p.wire and p.wire.kind in ("dev", "ctx", "nvmldev"):
+            if p.direction == "in" and not p.pointer and p.wire and p.wire.kind in ("dev", "ctx", "nvmldev", "ncclcomm"):
                 return p
         return None
 
@@ -232,7 +239,8 @@ def parse_spec(path: Path, first_opcode: int = FIRST_OPCODE) -> Spec:
             for p in params:
                 if p.is_string or p.length:
                     continue
-                if p.wire is None or (p.pointer and p.direction == "in" and not p.const):
+                device_buffer = p.wire is not None and p.wire.kind == "devptr" and p.pointer
+                if p.wire is None or (p.pointer and p.direction == "in" and not p.const and not device_buffer):
                     raise SpecError(f"{where}: {name}: parameter {p.raw!r} cannot be generated; "
                                     "mark the function manual or local")
             if mode == "async" and any(p.is_output for p in params):

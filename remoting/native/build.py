@@ -1,5 +1,5 @@
 """Build rgpu's native libraries with the system C compiler: the client libraries (libcuda.so.1,
-libnvidia-ml.so.1) and the GPU worker's launch fast path (librgpu-worker.so).
+libnvidia-ml.so.1, libnccl.so.2) and the GPU worker's launch fast path (librgpu-worker.so).
 
     python -m rgpu.remoting.native.build [--out DIR] [--force]
 
@@ -42,15 +42,16 @@ CUDA_SOURCES = [SRC / "transport.c", SRC / "tables.c", SRC / "cuda_core.c", SRC 
                 SRC / "module_nodes.c", SRC / "managed.c", SRC / "library_mirror.c", SRC / "cuda_events.c",
                 SRC / "integrity.c", SRC / "sha256.c", SRC / "digest_memo.c", SRC / "idle_streams.c", SRC / "func_attrs.c",
                 SRC / "tensor_map.c", SRC / "graph_generic.c", SRC / "ucx_link.c", SRC / "compute_cache.c", SRC / "zero_copy.c",
-                SRC / "lanes.c", GEN / "cuda_gen.c"]
+                SRC / "lanes.c", SRC / "nccl_bridge.c", GEN / "cuda_gen.c"]
 NVML_SOURCES = [SRC / "transport.c", SRC / "nvml_core.c", SRC / "ucx_link.c", SRC / "lanes.c", GEN / "nvml_gen.c"]
+NCCL_SOURCES = [SRC / "nccl_client.c", GEN / "nccl_gen.c"]   # rides on libcuda.so.1's sessions (nccl_bridge.c)
 WORKER_SOURCES = [SRC / "worker_launch.c", SRC / "worker_events.c", SRC / "worker_copies.c", SRC / "worker_ucx.c",
                   SRC / "worker_lanes.c"]
 TRACE_SOURCES = [SRC / "trace.c", SRC / "integrity.c"]
 SPEC = HERE / "spec"
 TRACE_SPECIAL = {"cuGetProcAddress", "cuGetProcAddress_v2", "cuGetExportTable"}  # written in C (trace.c)
 TRACE_DYN_SLOTS = 8192
-LIBRARY_NAMES = ("libcuda.so.1", "libnvidia-ml.so.1", "librgpu-worker.so")
+LIBRARY_NAMES = ("libcuda.so.1", "libnvidia-ml.so.1", "libnccl.so.2", "librgpu-worker.so")
 HEADERS = sorted(SRC.glob("*.h")) + sorted(GEN.glob("*.h"))
 CFLAGS = ["-O2", "-g", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-fvisibility=hidden",
           "-Wall", "-Wextra", "-Wno-unused-parameter", "-Wno-missing-field-initializers"]
@@ -69,6 +70,10 @@ class Libraries:
         return self.folder / "libnvidia-ml.so.1"
 
     @property
+    def libnccl(self) -> Path:
+        return self.folder / "libnccl.so.2"
+
+    @property
     def libworker(self) -> Path:
         return self.folder / "librgpu-worker.so"
 
@@ -85,7 +90,7 @@ def compiler() -> str:
 def stamp() -> str:
     """A digest of every source and the flags: equal stamps mean an equivalent build."""
     h = hashlib.sha256()
-    for path in sorted(set(CUDA_SOURCES + NVML_SOURCES + WORKER_SOURCES + TRACE_SOURCES + HEADERS
+    for path in sorted(set(CUDA_SOURCES + NVML_SOURCES + NCCL_SOURCES + WORKER_SOURCES + TRACE_SOURCES + HEADERS
                            + [SPEC / "cuda_exports.txt", SPEC / "nvml_exports.txt"])):
         h.update(path.name.encode())
         h.update(path.read_bytes())
@@ -205,11 +210,13 @@ def build(out: Path, cc: str | None = None) -> Libraries:
     try:
         _link(cc, CUDA_SOURCES, tmp / "libcuda.so.1", "libcuda.so.1")
         _link(cc, NVML_SOURCES, tmp / "libnvidia-ml.so.1", "libnvidia-ml.so.1")
+        _link(cc, NCCL_SOURCES, tmp / "libnccl.so.2", "libnccl.so.2")
         _link(cc, WORKER_SOURCES, tmp / "librgpu-worker.so", "librgpu-worker.so")
         build_trace(tmp / "trace", cc)
         # Programs that dlopen the unversioned names find these too.
         os.symlink("libcuda.so.1", tmp / "libcuda.so")
         os.symlink("libnvidia-ml.so.1", tmp / "libnvidia-ml.so")
+        os.symlink("libnccl.so.2", tmp / "libnccl.so")
         (tmp / STAMP).write_text(want + "\n")
         os.chmod(tmp, 0o755)
         if out.exists():

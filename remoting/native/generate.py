@@ -3,8 +3,9 @@
     python -m rgpu.remoting.native.generate          # rewrite the generated files
     python -m rgpu.remoting.native.generate --check  # exit 1 if any is stale (CI, tests)
 
-From spec/cuda.spec (+ cuda_exports.txt, cuda_procs.txt, cuda_enums.txt) and spec/nvml.spec:
+From spec/cuda.spec (+ cuda_exports.txt, cuda_procs.txt, cuda_enums.txt), spec/nvml.spec and spec/nccl.spec:
   generated/rgpu_ops.h, generated/cuda_gen.c, generated/nvml_gen.c   client stubs and tables
+  generated/nccl_gen.c                                                 libnccl.so.2's remoted entry points
   generated/api_gen.py                                                 server handlers, ctypes calls
 The outputs are committed, so building the client needs only a C compiler; a test fails when
 they no longer match the specs.
@@ -34,6 +35,7 @@ GENERATED = HERE / "generated"
 TEMPLATES = HERE / "templates"
 PY_OUT = GENERATED / "api_gen.py"
 NVML_FIRST_OPCODE = 1024
+NCCL_FIRST_OPCODE = 1536
 DYNAMIC_STUBS = 64
 
 
@@ -68,6 +70,10 @@ def _c_scalar_put(p: Param, expr: str) -> str:
         return f"rgpu_put_u64(&c, (uint64_t)(uintptr_t){expr});"
     if w.kind == "nvmldev":
         return "rgpu_put_u32(&c, 0);"
+    if w.kind == "ncclcomm":   # the worker's communicator behind the client's (src/nccl_client.c)
+        return f"rgpu_put_u64(&c, rgpu_nccl_remote({expr}));"
+    if w.kind == "devptr":     # a device buffer: the slice's address
+        return f"rgpu_put_u64(&c, (uint64_t)(uintptr_t){expr});"
     size = {"i": 4, "I": 4, "B": 1, "H": 2, "Q": 8, "f": 4}[w.fmt]
     ctype = {"i": "int32_t", "I": "uint32_t", "B": "uint8_t", "H": "uint16_t", "Q": "uint64_t", "f": "float"}[w.fmt]
     return f"{{ {ctype} v_ = ({ctype}){expr}; rgpu_put(&c, &v_, {size}); }}"
@@ -107,6 +113,8 @@ def plan_c(f: Function) -> list[CParamPlan]:
             plan.check = f"{p.name} == NULL"
             plan.put = _c_scalar_put(p, f"*{p.name}")
             plan.get = _c_scalar_get(p, f"*{p.name}")
+        elif p.direction == "in" and p.known_wire.kind == "devptr":
+            plan.put = _c_scalar_put(p, p.name)
         elif p.direction == "in" and p.pointer and p.const and p.known_wire.kind == "bytes" and not p.is_string:
             # A struct read by the call (CUmemAllocationProp): its bytes travel.
             plan.check = f"{p.name} == NULL"
@@ -165,6 +173,8 @@ def c_route(f: Function) -> str:
         return f"rgpu_begin_ctx(&c, {op}, {r.name}, &{r.name}_remote)"
     if r.known_wire.kind == "nvmldev":
         return f"rgpu_nvml_begin_dev(&c, {op}, {r.name})"
+    if r.known_wire.kind == "ncclcomm":
+        return f"rgpu_nccl_begin_comm(&c, {op}, {r.name})"
     raise AssertionError(r)
 
 
@@ -210,7 +220,7 @@ def plan_py(f: Function) -> PyPlan:
     flush()
     # Events and streams are the client's handles (protocol 8): the worker's tables give the driver's.
     for p in f.inputs:
-        if p.ctype in ("CUevent", "CUstream") and not p.pointer:
+        if p.ctype in ("CUevent", "CUstream", "cudaStream_t") and not p.pointer:
             n = _py_name(p.name)
             kind = "event" if p.ctype == "CUevent" else "stream"
             take = ", True" if f.name in ("cuEventDestroy_v2", "cuStreamDestroy_v2") else ""
@@ -242,6 +252,9 @@ def plan_py(f: Function) -> PyPlan:
                 argtypes.append("ctypes.c_char_p")
             elif w is not None and w.kind == "nvmldev":
                 cargs.append("self.nvml_device")
+                argtypes.append("ctypes.c_void_p")
+            elif w is not None and w.kind == "devptr":
+                cargs.append(n)
                 argtypes.append("ctypes.c_void_p")
             elif p.pointer and p.const and w.kind == "bytes":
                 pre.append(f"{n}_in = ({w.ctypes}).from_buffer_copy({n})")
@@ -475,11 +488,13 @@ def render_all() -> Outputs:
     env.filters["cstr"] = lambda s: s.replace("\\", "\\\\").replace('"', '\\"')
     cuda = parse_spec(SPEC_DIR / "cuda.spec")
     nvml = parse_spec(SPEC_DIR / "nvml.spec", first_opcode=NVML_FIRST_OPCODE)
+    nccl = parse_spec(SPEC_DIR / "nccl.spec", first_opcode=NCCL_FIRST_OPCODE)
     exports = read_exports(SPEC_DIR / "cuda_exports.txt")
     procs = read_procs(SPEC_DIR / "cuda_procs.txt")
     enums = read_enums(SPEC_DIR / "cuda_enums.txt")
     nvml_exports = read_exports(SPEC_DIR / "nvml_exports.txt")
     validate(cuda, exports, nvml, nvml_exports)
+    validate_nccl(cuda, nccl)
 
     export_set = set(exports)
     listed = {f.name for f in cuda.functions}
@@ -509,6 +524,8 @@ def render_all() -> Outputs:
         "nvml_defaults": nvml_defaults, "nvml_symbols": sorted(nvml_listed | set(nvml_defaults)),
         "plan_py": plan_py, "wire_cuda": [f for f in cuda.wire_functions],
         "wire_nvml": [f for f in nvml.wire_functions], "py_name": _py_name,
+        "nccl": nccl, "wire_nccl": [f for f in nccl.wire_functions],
+        "nccl_generated": [f for f in nccl.functions if f.mode in ("sync", "async")],
     }
     files = {
         GENERATED / "rgpu_ops.h": env.get_template("rgpu_ops.h.j2").render(**ctx),
@@ -516,6 +533,7 @@ def render_all() -> Outputs:
         GENERATED / "cuda_protos.h": env.get_template("cuda_protos.h.j2").render(**ctx),
         GENERATED / "nvml_protos.h": env.get_template("nvml_protos.h.j2").render(**ctx),
         GENERATED / "nvml_gen.c": env.get_template("nvml_gen.c.j2").render(**ctx),
+        GENERATED / "nccl_gen.c": env.get_template("nccl_gen.c.j2").render(**ctx),
         PY_OUT: env.get_template("api_gen.py.j2").render(**ctx),
     }
     return Outputs(files)
@@ -537,6 +555,16 @@ def validate(cuda: Spec, exports: list[str], nvml: Spec, nvml_exports: list[str]
     if cuda.protocol_version != PROTOCOL_VERSION:
         raise SystemExit(f"rgpu: generate: cuda.spec says protocol_version {cuda.protocol_version} but "
                          f"protocol.py says {PROTOCOL_VERSION}; make them equal")
+
+
+def validate_nccl(cuda: Spec, nccl: Spec) -> None:
+    """nccl.spec names only NCCL's entry points and rgpu's own operations, at the protocol version of cuda.spec."""
+    for f in nccl.functions:
+        if not f.name.startswith(("nccl", "rgpuNccl")):
+            raise SystemExit(f"rgpu: generate: {f.name} (nccl.spec line {f.line}) is neither an NCCL entry point nor "
+                             "an rgpuNccl operation")
+    if nccl.protocol_version != cuda.protocol_version:
+        raise SystemExit("rgpu: generate: cuda.spec and nccl.spec name different protocol versions")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -212,6 +212,18 @@ p = params(0, "Q7I4xQQQQ", fn.value, 1, 1, 1, 64, 1, 1, 0, ctypes.addressof(argv
 code, kn = add(gk, [], p)
 print("KERNELNODE", code, node_type(kn) if code == 0 else None)
 
+# Edge data (XLA's programmatic dependencies between kernels) go to the driver as they are.
+PROGRAMMATIC = (c_uint64 * 1)(0x10001)    # from_port CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC, type PROGRAMMATIC
+code, kn2 = add(gk, [kn], p, edges=PROGRAMMATIC)
+print("PROGRAMMATIC_EDGE", code, node_list("cuGraphGetNodes", gk)[0], node_list("cuGraphGetRootNodes", gk)[0])
+code, kn3 = add(gk, [], p)
+print("ADD_DEPENDENCIES", call("cuGraphAddDependencies_v2", gk, deps_of([kn2]), deps_of([kn3]), PROGRAMMATIC,
+                               c_size_t(1)), node_list("cuGraphGetRootNodes", gk)[0])
+print("ADD_DEPENDENCIES_V1", call("cuGraphAddDependencies", gk, deps_of([kn]), deps_of([kn3]), c_size_t(1)),
+      call("cuGraphAddDependencies", gk, deps_of([kn]), deps_of([kn3]), c_size_t(1)))   # the second: it exists
+print("DESTROY_NODE", call("cuGraphDestroyNode", c_void_p(kn3)), node_list("cuGraphGetNodes", gk)[0],
+      node_list("cuGraphGetRootNodes", gk)[0])
+
 # Event wait and record nodes name the application's events; a recorded one is then known recorded.
 e1, e2 = V(), V()
 check("cuEventCreate", byref(e1), 0)
@@ -229,7 +241,8 @@ print("AFTER", call("cuEventElapsedTime", byref(ms), e1, e2), ms.value >= 0, cal
 print("ERR_EVENT_NULL", add(ge, [], params(7, "Q", 0))[0])
 
 # What rgpu does not carry is refused, never built differently.
-print("ERR_PORT", add(g, [results["empty"][1]], params(5), edges=(c_uint64 * 1)(1))[0])
+# A programmatic port between empty nodes is refused by the driver, and the node is not added.
+print("ERR_PORT", add(g, [results["empty"][1]], params(5), edges=(c_uint64 * 1)(1))[0], node_list("cuGraphGetNodes", g)[0])
 print("ERR_SEMAPHORE", add(g, [], params(8))[0])
 print("ERR_CONDITIONAL", add(g, [], params(13))[0])
 p = params(5)
@@ -253,7 +266,11 @@ def expect_generic_nodes(out: str, err: str) -> None:
     assert "ALLOCNODE 0 10 True" in out
     assert "FREENODE 0" in out
     assert "KERNELNODE 0 0" in out
-    assert "ERR_PORT 801" in out                # CUDA_ERROR_NOT_SUPPORTED, with its line
+    assert "PROGRAMMATIC_EDGE 0 2 1" in out
+    assert "ADD_DEPENDENCIES 0 1" in out
+    assert "ADD_DEPENDENCIES_V1 0 1" in out     # CUDA_ERROR_INVALID_VALUE: the edge exists
+    assert "DESTROY_NODE 0 2 1" in out
+    assert "ERR_PORT 1 6" in out                # CUDA_ERROR_INVALID_VALUE; the graph keeps its 6 nodes
     assert "EVENTNODES 0 6 0 7" in out           # CU_GRAPH_NODE_TYPE_WAIT_EVENT, _EVENT_RECORD
     assert "BEFORE 400" in out                  # CUDA_ERROR_INVALID_HANDLE: not recorded yet
     assert "AFTER 0 True 0" in out
@@ -268,7 +285,6 @@ def expect_generic_nodes(out: str, err: str) -> None:
 
 def expect_generic_refusals_said_why(err: str) -> None:
     """rgpu's own lines (only through rgpu: NVIDIA's driver builds these nodes)."""
-    assert "rgpu: client: cuGraphAddNode_v2: dependencies with edge data are not remoted yet" in err, err
     assert "rgpu: client: cuGraphAddNode_v2: external semaphore signal nodes (type 8) are not remoted yet" in err
     assert "rgpu: client: cuGraphAddNode_v2: conditional nodes (type 13) are not remoted yet" in err
 

@@ -73,11 +73,27 @@ def test_cuda_backend_copies_pointer_attributes_and_modules(native_libs: build.L
         off, size = ctypes.c_size_t(), ctypes.c_size_t()
         check("cuFuncGetParamInfo", fn, ctypes.c_size_t(1), ctypes.byref(off), ctypes.byref(size))
         print("PARAM1", off.value, size.value)
+        # Libraries are loaded with LIBRARY_BINARY_IS_PRESERVED: the worker keeps each image until
+        # its cuLibraryUnload, and a library loaded again after that gets its image again.
+        for k in range(2):
+            lib, kern = ctypes.c_void_p(), ctypes.c_void_p()
+            check("cuLibraryLoadData", ctypes.byref(lib), ptx, None, None, 0, None, None, 0)
+            check("cuLibraryGetKernel", ctypes.byref(kern), lib, b"mixed")
+            check("cuLibraryUnload", lib)
+        print("LIBRARIES", "loaded and unloaded twice")
         """)])
     assert "SAME True" in done.stdout, done.stdout + done.stderr
     # MEMORY_TYPE is 4 bytes: only those were written into the caller's 8-byte variable.
     assert "KIND 0xffffffff00000002" in done.stdout
     assert "PARAM1 8 16" in done.stdout
+    assert "LIBRARIES loaded and unloaded twice" in done.stdout, done.stdout + done.stderr
+
+
+def test_library_loads_ask_the_driver_to_read_the_image_in_place() -> None:
+    from rgpu.remoting.datapath.backends.cuda import LIBRARY_BINARY_IS_PRESERVED, preserved_library_options
+    assert preserved_library_options([]) == [(LIBRARY_BINARY_IS_PRESERVED, 1)]
+    # the application's own promise is replaced by the worker's (it is the worker's copy that is kept)
+    assert preserved_library_options([(LIBRARY_BINARY_IS_PRESERVED, 0), (7, 9)]) == [(7, 9), (LIBRARY_BINARY_IS_PRESERVED, 1)]
 
 
 @pytest.mark.parametrize("program", ["PROGRAM_2D", "PROGRAM_3D", "PROGRAM_PIECES", "PROGRAM_OBJECTS", "PROGRAM_GRAPHS"])

@@ -11,7 +11,7 @@ from rgpu.remoting.native.generated import api_gen
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.native import apispec, build, generate
 
-# Changing cuda.spec or nvml.spec changes the wire protocol. When you change them on purpose,
+# Changing cuda.spec, nvml.spec or nccl.spec changes the wire protocol. When you change them on purpose,
 # bump protocol_version in both specs and PROTOCOL_VERSION in protocol.py, regenerate, and
 # record the new hashes here.
 SPEC_HASHES = {
@@ -39,6 +39,12 @@ SPEC_HASHES = {
          "ef39bd37b13941d28a745febdddaa99c007154e08ff247f5ad8937813defe306"),  # root nodes, child graphs, cuGraphAddNode(_v2), cuStreamBeginCaptureToGraph (JAX)
     12: ("628bfae87fb52fc3dd185cfa0559fcbf732af6641a105b8944b00f93aabfe137",
          "9bb836b0c606cfc59fd6a723fe65b491dade8627f4bb4aa856f0dfb0f81d55ed"),  # data lanes: striped copies (rgpuMemcpyHtoDLanes, rgpuMemcpyDtoHLanes; HELLO_LANE, LANE_DATA, WELCOME's lane count)
+    13: ("5e521e6bbe895d8f509e7bc7b3507d509a3059d6f8c5a2c89c85e3e9337550d3",
+         "6d0ac18533ae488d1c2096b1ca6142f62405fe3ff9423857abf0318013b89f8f"),  # graph edge data (rgpuGraphAddEdges: cuGraphAddDependencies(_v2), cuGraphAddNode_v2's ports), cuGraphDestroyNode; NCCL: nccl.spec's operations (libnccl.so.2)
+}
+# nccl.spec (from protocol 13): its wire operations share the protocol version of the other two.
+NCCL_SPEC_HASHES = {
+    13: "a09cf80cd3b3deb9908ff6c916ae17c4563ef8a09a0a1827b276aedea8baba71",   # communicators, groups, collectives, send/recv
 }
 
 
@@ -55,6 +61,14 @@ def test_spec_changes_bump_the_protocol_version() -> None:
     assert SPEC_HASHES.get(protocol.PROTOCOL_VERSION) == (cuda.sha256, nvml.sha256), (
         "the API spec changed: bump protocol_version (cuda.spec, nvml.spec, protocol.py) and record "
         f"({cuda.sha256!r}, {nvml.sha256!r}) in SPEC_HASHES")
+
+
+def test_nccl_spec_changes_bump_the_protocol_version() -> None:
+    nccl = apispec.parse_spec(apispec.SPEC_DIR / "nccl.spec", first_opcode=generate.NCCL_FIRST_OPCODE)
+    assert nccl.protocol_version == protocol.PROTOCOL_VERSION
+    assert NCCL_SPEC_HASHES.get(protocol.PROTOCOL_VERSION) == nccl.sha256, (
+        "nccl.spec changed: bump protocol_version (cuda.spec, nvml.spec, nccl.spec, protocol.py) and record "
+        f"{nccl.sha256!r} in NCCL_SPEC_HASHES")
 
 
 def test_every_spec_entry_is_a_driver_export() -> None:

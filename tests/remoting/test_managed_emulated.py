@@ -93,12 +93,12 @@ def test_pinned_host_memory_is_mapped_for_the_gpu_only_where_rgpu_can_back_it(na
         print("MAPPED", mapped.value, "DEVPTR", lib.cuMemHostGetDevicePointer_v2(ctypes.byref(d), p, 0),
               "SAME", d.value == p.value, flush=True)
         """
-    done = py_client(native_libs, emulated.slices(emulated.token()), program, RGPU_ZERO_COPY="1")
+    done = py_client(native_libs, emulated.slices(emulated.token()), program)   # zero-copy is on by default
     assert "DEVPTR 0 SAME True" in done.stdout, done.stdout + done.stderr
-    done = py_client(native_libs, emulated.slices(emulated.token()), program)
+    done = py_client(native_libs, emulated.slices(emulated.token()), program, RGPU_ZERO_COPY="0")
     assert "MAPPED 0 DEVPTR 801" in done.stdout, done.stdout + done.stderr
     # PyTorch asks on every run and does without it: quiet unless RGPU_LOG=debug (a launch that
     # hands a kernel such a pointer gets the clear line, test_zero_copy_emulated.py).
     assert "cuMemHostGetDevicePointer_v2" not in done.stderr, done.stderr
-    done = py_client(native_libs, emulated.slices(emulated.token()), program, RGPU_LOG="debug")
+    done = py_client(native_libs, emulated.slices(emulated.token()), program, RGPU_LOG="debug", RGPU_ZERO_COPY="0")
     assert "cuMemHostGetDevicePointer_v2 is not remoted (a remote GPU cannot map this host's memory" in done.stderr

@@ -77,7 +77,7 @@ def test_a_client_that_cannot_load_ucx_copies_over_tcp_and_says_why_once(copies:
     lines = [ln for ln in done.stderr.splitlines() if "not UCX" in ln]
     assert len(lines) == 1, done.stderr
     assert f"go over TCP, not UCX (RGPU_UCX_LIB={empty} has no loadable libucp.so.0 or libucp.so" in lines[0]
-    assert "; transport tcp)" in done.stderr   # UCX absent: TCP carries the large copies (data lanes are off by default)
+    assert "; transport tcp, 8 data lanes)" in done.stderr   # UCX absent: TCP carries the large copies, on 8 lanes
     assert _ucx_ops(tmp_path / "p") == (0, 0)
 
 
@@ -86,7 +86,7 @@ def test_transport_tcp_on_the_client_offers_no_ucx(copies: Path, native_libs: bu
         done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(copies)], timeout=300,
                           RGPU_LOG="info", RGPU_TRANSPORT="tcp", RGPU_CLIENT_STATS=str(tmp_path / "p"))
     assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
-    assert "; transport tcp)" in done.stderr and "not UCX" not in done.stderr   # asked for: nothing to explain
+    assert "; transport tcp, 8 data lanes)" in done.stderr and "not UCX" not in done.stderr   # asked for: nothing to explain
     assert _ucx_ops(tmp_path / "p") == (0, 0)
 
 

@@ -3,7 +3,7 @@ an address the worker reserved, and backed there by device memory the first time
 (a launch argument, a memset's target): its bytes then move at the GPU's next work and the next
 synchronisation (remoting/native/src/zero_copy.c, managed.c). XLA's autotuner zeroes such a word and
 has its redzone kernel count into it (issue 24's JAX failure). Page-locked memory that cannot be
-placed so (cudaHostRegister, or without RGPU_ZERO_COPY=1: it is off by default) would fault on the GPU node, and under MPS end every
+placed so (cudaHostRegister, or with RGPU_ZERO_COPY=0: it is on by default) would fault on the GPU node, and under MPS end every
 session there: the client refuses a launch or memset handed it, with one line; the session goes on."""
 
 from __future__ import annotations
@@ -47,13 +47,13 @@ def test_a_launch_with_registered_host_memory_is_refused_in_the_client(native_li
     assert err.count("page-locked host memory") == 1
 
 
-def test_by_default_a_launch_with_allocated_page_locked_memory_is_refused(
+def test_with_zero_copy_off_a_launch_with_allocated_page_locked_memory_is_refused(
         native_libs: build.Libraries, emulated: Server) -> None:
     done = py_client(native_libs, emulated.slices(emulated.token()), """
         setup()
         host = ctypes.c_void_p()
         check("cuMemAllocHost_v2", ctypes.byref(host), ctypes.c_size_t(1 << 20))
-        """ + LAUNCH_WITH_HOST_POINTER)
+        """ + LAUNCH_WITH_HOST_POINTER, RGPU_ZERO_COPY="0")
     assert "LAUNCH 801" in done.stdout and "AFTER True" in done.stdout, done.stdout + done.stderr
     assert "argument at byte 8 is a pointer into page-locked host memory" in done.stderr
 
@@ -64,7 +64,7 @@ def test_a_launch_with_allocated_page_locked_memory_reaches_the_worker(native_li
         setup()
         host = ctypes.c_void_p()
         check("cuMemAllocHost_v2", ctypes.byref(host), ctypes.c_size_t(1 << 20))
-        """ + LAUNCH_WITH_HOST_POINTER, RGPU_ZERO_COPY="1")
+        """ + LAUNCH_WITH_HOST_POINTER)   # zero-copy is on by default
     out, err = done.stdout, done.stderr
     # The client sent it (the emulated worker runs no kernel: its refusal comes at the next sync).
     assert "LAUNCH 0" in out and "SYNC 801" in out and "AFTER True" in out, out + err

@@ -25,6 +25,7 @@ from typing import Any
 
 from rgpu.remoting.native.generated.api_gen import CUDA_ARGTYPES, CudaDriverCalls, bind
 from rgpu.remoting.datapath.backends.arrays import DEFERRED_MAPPING, HOST, ArrayDesc, footprint
+from rgpu.remoting.datapath.backends.nccl_cuda import CudaNccl
 from rgpu.remoting.datapath.backends.staging_ring import StagingRing
 from rgpu.remoting.datapath.backends.base import (
     INVALID_HANDLE,
@@ -55,6 +56,7 @@ LANE_SLOTS = 8                  # pinned slots (one chunk each) of striped copie
 MAX_PARAM_BYTES = 32768
 
 JIT_INFO_LOG_BUFFER = 3
+LIBRARY_BINARY_IS_PRESERVED = 1   # CUlibraryOption: the driver reads the image where it lies, no copy
 JIT_INFO_LOG_BUFFER_SIZE = 4
 JIT_ERROR_LOG_BUFFER = 5
 JIT_ERROR_LOG_BUFFER_SIZE = 6
@@ -235,7 +237,12 @@ class _Link:
         self.inputs: list[bytes] = []   # kept alive until the link is destroyed
 
 
-class CudaBackend(CudaDriverCalls):
+def preserved_library_options(options: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """cuLibraryLoadData's options with LIBRARY_BINARY_IS_PRESERVED set (the worker keeps the image)."""
+    return [(o, v) for o, v in options if o != LIBRARY_BINARY_IS_PRESERVED] + [(LIBRARY_BINARY_IS_PRESERVED, 1)]
+
+
+class CudaBackend(CudaDriverCalls, CudaNccl):
     emulated = False
 
     def __init__(self, spec: Any) -> None:
@@ -279,6 +286,8 @@ class CudaBackend(CudaDriverCalls):
         self._extra = (c_void_p * 5)(1, ctypes.addressof(self._param_buf), 2, ctypes.addressof(self._param_size), 0)
         self._current = 0
         self._links: dict[int, _Link] = {}
+        # Library images the driver reads in place (LIBRARY_BINARY_IS_PRESERVED) until cuLibraryUnload.
+        self._preserved: dict[int, tuple[Any, Any]] = {}
         self._launch = self.f["cuLaunchKernel"]
         self._captures = 0   # begun minus ended stream captures: while 0, no copy checks its stream
         self._graph_host: dict[int, int] = {}   # pinned buffers of graph copy nodes -> size
@@ -551,6 +560,19 @@ class CudaBackend(CudaDriverCalls):
         if r != SUCCESS:
             raise CudaError(r)
         self._captures += 1
+
+    def graph_add_edges(self, graph: int, froms: list[int], tos: list[int], edges: bytes, drop_new_node: bool) -> None:
+        """cuGraphAddDependencies_v2 with the application's edge data (8 bytes an edge); with
+        `drop_new_node`, the node `tos[0]` was just added for these edges and goes if they fail."""
+        n = len(froms)
+        f, t = (c_void_p * max(n, 1))(*froms), (c_void_p * max(n, 1))(*tos)
+        data = ctypes.create_string_buffer(edges, max(len(edges), 1))
+        fn = self._late_fn("cuGraphAddDependencies_v2", [c_void_p, c_void_p, c_void_p, c_void_p, c_size_t])
+        r = fn(graph or None, f, t, data, n)
+        if r != SUCCESS:
+            if drop_new_node and tos:
+                self._late_fn("cuGraphDestroyNode", [c_void_p])(tos[0] or None)
+            raise CudaError(r)
 
     def exec_child_set(self, exe: int, node: int, child: int) -> None:
         fn = self._late_fn("cuGraphExecChildGraphNodeSetParams", [c_void_p, c_void_p, c_void_p])
@@ -1045,6 +1067,10 @@ class CudaBackend(CudaDriverCalls):
         data = image if isinstance(image, bytes) else (ctypes.c_char * len(image)).from_buffer(image)
         handle = c_void_p()
         if kind == "library":
+            # The driver's own copy of each image cost PyTorch's start about 10 ms a library (an
+            # image of ~90 MB read through): the image (bytes, or the cache file's mapping) is
+            # kept instead, until the library is unloaded, as cudart keeps its fatbins locally.
+            lib_options = preserved_library_options(lib_options)
             m = len(lib_options)
             lopts = (c_int * max(m, 1))(*[o for o, _ in lib_options])
             lvals = (c_void_p * max(m, 1))(*[v for _, v in lib_options])
@@ -1060,6 +1086,8 @@ class CudaBackend(CudaDriverCalls):
         # thousands of kernels in all) and runs a few hundred of them; asking each kernel's name
         # and parameters here took about half a second per process, and the client asks for the
         # few it launches (rgpuParamInfo, once per kernel).
+        if r == SUCCESS and kind == "library":
+            self._preserved[result.handle] = (image, data)
         if r == SUCCESS and want_table:
             t0 = time.perf_counter_ns()
             result.functions = self._enumerate(result.handle, kind)
@@ -1107,6 +1135,8 @@ class CudaBackend(CudaDriverCalls):
 
     def unload(self, kind: str, handle: int) -> None:
         self._check("cuLibraryUnload" if kind == "library" else "cuModuleUnload", handle)
+        if kind == "library":
+            self._preserved.pop(handle, None)
 
     def link_create(self, options: list[tuple[int, int]]) -> int:
         link = _Link(options)

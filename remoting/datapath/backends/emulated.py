@@ -27,6 +27,7 @@ from rgpu.remoting.datapath.backends.arrays import (ARRAY, CHANNEL_BYTES, CUBEMA
                                                     LAYERED, RESOURCE_ARRAY, RESOURCE_LINEAR, RESOURCE_MIPMAPPED_ARRAY,
                                                     RESOURCE_PITCH2D, SURFACE_LDST, VIEW_DESC_SIZE, ArrayDesc, CopySide,
                                                     parse_copy)
+from rgpu.remoting.datapath.backends.nccl_emulated import EmulatedNccl
 from rgpu.remoting.datapath.backends.base import (
     INVALID_CONTEXT,
     INVALID_HANDLE,
@@ -324,8 +325,8 @@ def device_bytes(size: int) -> bytearray:
                         "GPU offers)") from None
 
 
-class EmulatedBackend:
-    """One emulated GPU for one session (device 0 of the worker)."""
+class EmulatedBackend(EmulatedNccl):
+    """One emulated GPU for one session (device 0 of the worker); its NCCL is nccl_emulated.py."""
 
     emulated = True
     driver_version = EMULATED_DRIVER_VERSION
@@ -369,6 +370,7 @@ class EmulatedBackend:
         self.capture_mode = 0
         self.graphs: dict[int, list[Any]] = {}            # graph -> its operations
         self.graph_deps: dict[int, dict[int, tuple[int, ...]]] = {}   # graph -> its nodes -> their dependencies
+        self.node_ops: dict[int, Any] = {}   # node -> what it runs (to take a node out again)
         self.capture_tail: dict[int, list[int]] = {}      # capturing stream -> what its next node depends on
         self.execs: dict[int, list[Any]] = {}
         self.node_types: dict[int, int] = {}              # nodes added by hand or host nodes -> CUgraphNodeType
@@ -1316,7 +1318,36 @@ class EmulatedBackend:
         self.node_types[node] = node_type
         if op is not None:
             self.graphs[graph].append(op)
+            self.node_ops[node] = op
         return node
+
+    def graph_add_edges(self, graph: int, froms: list[int], tos: list[int], edges: bytes, drop_new_node: bool) -> None:
+        """cuGraphAddDependencies_v2. The emulated device runs a graph's nodes in the order they were
+        added, so an edge may only point to a later node; every port and type then means "after",
+        a valid schedule of a programmatic edge too."""
+        known = self.graph_deps.get(graph)
+        try:
+            if known is None or graph not in self.graphs:
+                raise CudaError(INVALID_VALUE)
+            order = list(known)
+            pairs = list(zip(froms, tos))
+            for i, (a, b) in enumerate(pairs):
+                edge = edges[8 * i:8 * i + 8]
+                if a not in known or b not in known or a == b or a in known[b] or pairs.index((a, b)) != i:
+                    raise CudaError(INVALID_VALUE)   # CUDA: unknown node, self-edge or an edge that exists
+                if edge[2] > 1 or edge[0] > 2 or edge[1] != 0 or any(edge[3:]):
+                    raise CudaError(INVALID_VALUE)   # an edge type or port CUDA does not define
+                if any(edge) and (self.node_types.get(a) != 0 or self.node_types.get(b) != 0):
+                    raise CudaError(INVALID_VALUE)   # CUDA: ports and programmatic edges join kernel nodes only
+                if order.index(a) > order.index(b):
+                    raise CudaError(NOT_SUPPORTED, "rgpu: worker: the emulated GPU runs a graph's nodes in the order "
+                                                   "they were added; an edge to an earlier node is not emulated")
+        except CudaError:
+            if drop_new_node and tos:
+                self.cuGraphDestroyNode(tos[0])
+            raise
+        for a, b in zip(froms, tos):
+            known[b] = known[b] + (a,)
 
     def _refuse_capture(self, stream: int, what: str) -> None:
         if stream in self.capturing:
@@ -1475,6 +1506,21 @@ class EmulatedBackend:
         elif kind != 0:
             raise CudaError(INVALID_VALUE, f"rgpu: worker: unknown graph node kind {kind}")
         return self._node(graph, op, deps, _NODE_TYPES[kind], node), aux
+
+    def cuGraphDestroyNode(self, node: int) -> tuple[int]:
+        """The node and every edge to or from it leave its graph."""
+        for graph, known in self.graph_deps.items():
+            if node in known:
+                del known[node]
+                for other, deps in known.items():
+                    if node in deps:
+                        known[other] = tuple(d for d in deps if d != node)
+                op = self.node_ops.pop(node, None)
+                if op is not None and op in self.graphs.get(graph, []):
+                    self.graphs[graph].remove(op)
+                self.node_types.pop(node, None)
+                return (SUCCESS,)
+        return (INVALID_VALUE,)
 
     def cuGraphNodeGetType(self, node: int) -> tuple[int, int]:
         return (SUCCESS, self.node_types[node]) if node in self.node_types else (INVALID_VALUE, 0)

@@ -823,6 +823,18 @@ class Handlers:
                 self.memory.remove(key)
         return SUCCESS, struct.pack("<QQ", node, aux)
 
+    def h_graph_add_edges(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        """cuGraphAddDependencies(_v2), and cuGraphAddNode_v2's edge data (graph_generic.c): the
+        edges go to the driver as they are; flag 1 removes the just-added `to` node if they fail."""
+        graph, flags, _, n = struct.unpack_from("<QIIQ", p, 0)
+        if len(p) != 24 + 24 * n:
+            raise CudaError(INVALID_VALUE, "rgpu: worker: truncated graph dependencies")
+        froms = list(struct.unpack_from(f"<{n}Q", p, 24))
+        tos = list(struct.unpack_from(f"<{n}Q", p, 24 + 8 * n))
+        edges = bytes(p[24 + 16 * n:24 + 24 * n])
+        self.backend.graph_add_edges(graph, froms, tos, edges, drop_new_node=bool(flags & 1))
+        return SUCCESS, b""
+
     def h_graph_host_refresh(self, p: memoryview, address: int, seq: int) -> None:
         buffer, size = struct.unpack_from("<QQ", p, 0)
         data = p[16:16 + size]

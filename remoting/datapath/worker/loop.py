@@ -103,6 +103,8 @@ class Worker(Handlers):
         backend.client_events = self.client_events
         self.client_streams = ClientStreams()
         backend.client_streams = self.client_streams
+        # NCCL's peers reach this worker where its client did (backends/nccl_emulated.py, nccl_cuda.py)
+        backend.nccl_host = sock.getsockname()[0] if sock.family == socket.AF_INET else "127.0.0.1"
         if self.native_launches is not None:   # the C loop translates the client's streams too
             self.client_streams.on_change = self.native_launches.set_stream
         self.image_cache = ImageCache(spec.image_cache_dir, spec.client.get("uid"), spec.image_cache_bytes)
@@ -200,6 +202,7 @@ class Worker(Handlers):
             "cuStreamBeginCaptureToGraph": (self.h_capture_to_graph, False),
             "cuGraphExecChildGraphNodeSetParams": (self.h_exec_child_set, False),
             "rgpuGraphAddNode": (self.h_graph_add_node, False),
+            "rgpuGraphAddEdges": (self.h_graph_add_edges, False),
             "rgpuGraphKernelNodeSetParams": (self.h_kernel_node_set, False),
             "rgpuCaptureHostFunc": (self.h_capture_host_func, False),
             "rgpuGraphHostNode": (self.h_host_node, False),

@@ -1363,6 +1363,16 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphNodeGetType(CUgraphNode hNode, CUgraphNodeTy
     return r;
 }
 
+RGPU_EXPORT CUresult CUDAAPI cuGraphDestroyNode(CUgraphNode hNode) {
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_cuGraphDestroyNode);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hNode);
+    r = rgpu_sync(&c);
+    rgpu_end(&c);
+    return r;
+}
+
 RGPU_EXPORT CUresult CUDAAPI cuGraphInstantiateWithFlags(CUgraphExec *phGraphExec, CUgraph hGraph, unsigned long long flags) {
     if (phGraphExec == NULL) return CUDA_ERROR_INVALID_VALUE;
     rgpu_call c;
@@ -2220,15 +2230,12 @@ RGPU_EXPORT CUresult CUDAAPI cuExternalMemoryGetMappedMipmappedArray(void) { sta
 RGPU_EXPORT CUresult CUDAAPI cuFuncSetBlockShape(void) { static int seen; return rgpu_unsupported("cuFuncSetBlockShape", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuFuncSetSharedSize(void) { static int seen; return rgpu_unsupported("cuFuncSetSharedSize", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddBatchMemOpNode(void) { static int seen; return rgpu_unsupported("cuGraphAddBatchMemOpNode", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphAddDependencies(void) { static int seen; return rgpu_unsupported("cuGraphAddDependencies", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphAddDependencies_v2(void) { static int seen; return rgpu_unsupported("cuGraphAddDependencies_v2", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddExternalSemaphoresSignalNode(void) { static int seen; return rgpu_unsupported("cuGraphAddExternalSemaphoresSignalNode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddExternalSemaphoresWaitNode(void) { static int seen; return rgpu_unsupported("cuGraphAddExternalSemaphoresWaitNode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphBatchMemOpNodeGetParams(void) { static int seen; return rgpu_unsupported("cuGraphBatchMemOpNodeGetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphBatchMemOpNodeSetParams(void) { static int seen; return rgpu_unsupported("cuGraphBatchMemOpNodeSetParams", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphConditionalHandleCreate(void) { static int seen; return rgpu_unsupported("cuGraphConditionalHandleCreate", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphDebugDotPrint(void) { static int seen; return rgpu_unsupported("cuGraphDebugDotPrint", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuGraphDestroyNode(void) { static int seen; return rgpu_unsupported("cuGraphDestroyNode", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphEventRecordNodeGetEvent(void) { static int seen; return rgpu_unsupported("cuGraphEventRecordNodeGetEvent", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphEventRecordNodeSetEvent(void) { static int seen; return rgpu_unsupported("cuGraphEventRecordNodeSetEvent", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuGraphEventWaitNodeGetEvent(void) { static int seen; return rgpu_unsupported("cuGraphEventWaitNodeGetEvent", &seen, NULL); }

@@ -24,6 +24,7 @@
 #include "rgpu_client.h"
 #include "cuda_protos.h"
 #include "rgpu_integrity.h"
+#include "rgpu_nccl_bridge.h"
 
 typedef struct export_uuid { uint8_t b[16]; } export_uuid;
 
@@ -644,6 +645,10 @@ static const void *g_rgpu_internal[3] = {(void *)(3 * sizeof(void *)), (void *)r
 
 /* ------------------------------------------------------------------ cuGetExportTable */
 
+/* rgpu's libnccl.so.2 calls through this one (nccl_bridge.c). */
+static const export_uuid UUID_RGPU_NCCL_BRIDGE = {RGPU_NCCL_BRIDGE_UUID};
+extern const rgpu_nccl_bridge rgpu_nccl_bridge_table;
+
 extern const void *const rgpu_compute_cache_table[7];
 
 typedef struct export_table { const export_uuid *uuid; const char *name; const void *table; } export_table;
@@ -659,6 +664,7 @@ static const export_table g_tables[] = {
     {&UUID_1734DC26, "1734dc26", g_unknown_1734dc26},
     {&UUID_69A28E9F, "69a28e9f", g_unknown_69a28e9f},
     {&UUID_RGPU_INTERNAL, "RGPU_INTERNAL", g_rgpu_internal},
+    {&UUID_RGPU_NCCL_BRIDGE, "RGPU_NCCL_BRIDGE", &rgpu_nccl_bridge_table},
     {&UUID_COMPUTE_CACHE, "COMPUTE_CACHE", rgpu_compute_cache_table},   /* NVRTC's cache (compute_cache.c) */
 };
 

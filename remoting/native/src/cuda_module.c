@@ -711,7 +711,7 @@ static CUresult host_pointers_for_gpu(const char *call, const void *args, size_t
         if (found && r != CUDA_SUCCESS) return r;
         if (found) continue;   /* backed: no longer plain host memory */
         rgpu_log(1, "%s: the kernel's argument at byte %ld is a pointer into page-locked host memory "
-                    "(0x%llx; RGPU_ZERO_COPY=1 places cudaHostAlloc's memory where the GPU can use it, never cudaHostRegister's); "
+                    "(0x%llx; rgpu places cudaHostAlloc's memory where the GPU can use it unless RGPU_ZERO_COPY=0, never cudaHostRegister's); "
                     "a GPU across the network cannot read this process's memory there: copy the data to device memory",
                  call, off, (unsigned long long)value);
         return CUDA_ERROR_NOT_SUPPORTED;

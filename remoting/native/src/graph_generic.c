@@ -2,9 +2,13 @@
  * (cuStreamBeginCaptureToGraph), which JAX/XLA build their graphs with.
  *
  * A generic node is built as the cuGraphAdd*Node call of its type builds it (cuda_graph.c,
- * host_nodes.c), so each type carries exactly what that call carries. Types rgpu does not build,
- * and edge data other than the default (programmatic ports), are refused with one line naming
- * what was asked: never a node that would run differently from the application's request. */
+ * host_nodes.c), so each type carries exactly what that call carries. Types rgpu does not build
+ * are refused with one line naming what was asked: never a node that would run differently from
+ * the application's request. Edge data (programmatic and launch-order ports, which XLA uses) go
+ * to the worker's driver as they are (rgpuGraphAddEdges, protocol 13): a node with such
+ * dependencies is added without them, then joined to them; if the driver refuses the edges, the
+ * worker removes the node again, so the graph is as CUDA would have left it. Capture into a graph
+ * after dependencies with edge data is still refused. */
 #include <stddef.h>
 #include <string.h>
 
@@ -113,11 +117,50 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphAddNode(CUgraphNode *phGraphNode, CUgraph hG
     return add_generic("cuGraphAddNode", phGraphNode, hGraph, dependencies, numDependencies, nodeParams);
 }
 
+enum { EDGES_DROP_NEW_NODE = 1 };   /* rgpuGraphAddEdges' flag: `to` was just added; remove it if the edges fail */
+
+/* {u64 graph, u32 flags, u32 0, u64 n, n x u64 from, n x u64 to, n x CUgraphEdgeData (zero: the default)} */
+static CUresult add_edges(CUgraph hGraph, const CUgraphNode *from, const CUgraphNode *to, size_t to_count,
+                          const CUgraphEdgeData *edges, size_t n, uint32_t flags) {
+    static const CUgraphEdgeData zero;
+    rgpu_call c;
+    CUresult r = rgpu_begin(&c, RGPU_OP_rgpuGraphAddEdges);
+    if (r != CUDA_SUCCESS) return r;
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)hGraph);
+    rgpu_put_u32(&c, flags);
+    rgpu_put_u32(&c, 0);
+    rgpu_put_u64(&c, n);
+    for (size_t i = 0; i < n; i++) rgpu_put_u64(&c, (uint64_t)(uintptr_t)from[i]);
+    for (size_t i = 0; i < n; i++) rgpu_put_u64(&c, (uint64_t)(uintptr_t)to[to_count == 1 ? 0 : i]);
+    for (size_t i = 0; i < n; i++) rgpu_put(&c, edges ? &edges[i] : &zero, sizeof zero);
+    r = rgpu_sync(&c);
+    rgpu_end(&c);
+    return r;
+}
+
 RGPU_EXPORT CUresult CUDAAPI cuGraphAddNode_v2(CUgraphNode *phGraphNode, CUgraph hGraph,
                                                const CUgraphNode *dependencies, const CUgraphEdgeData *dependencyData,
                                                size_t numDependencies, CUgraphNodeParams *nodeParams) {
-    if (!default_edges(dependencyData, numDependencies)) return refuse_edges("cuGraphAddNode_v2");
-    return add_generic("cuGraphAddNode_v2", phGraphNode, hGraph, dependencies, numDependencies, nodeParams);
+    if (default_edges(dependencyData, numDependencies))
+        return add_generic("cuGraphAddNode_v2", phGraphNode, hGraph, dependencies, numDependencies, nodeParams);
+    if (!dependencies) return CUDA_ERROR_INVALID_VALUE;
+    CUresult r = add_generic("cuGraphAddNode_v2", phGraphNode, hGraph, NULL, 0, nodeParams);
+    if (r != CUDA_SUCCESS) return r;
+    r = add_edges(hGraph, dependencies, phGraphNode, 1, dependencyData, numDependencies, EDGES_DROP_NEW_NODE);
+    if (r != CUDA_SUCCESS) *phGraphNode = NULL;
+    return r;
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphAddDependencies_v2(CUgraph hGraph, const CUgraphNode *from, const CUgraphNode *to,
+                                                       const CUgraphEdgeData *edgeData, size_t numDependencies) {
+    if (!hGraph || (numDependencies && (!from || !to))) return CUDA_ERROR_INVALID_VALUE;
+    if (!numDependencies) return CUDA_SUCCESS;
+    return add_edges(hGraph, from, to, numDependencies, edgeData, numDependencies, 0);
+}
+
+RGPU_EXPORT CUresult CUDAAPI cuGraphAddDependencies(CUgraph hGraph, const CUgraphNode *from, const CUgraphNode *to,
+                                                    size_t numDependencies) {
+    return cuGraphAddDependencies_v2(hGraph, from, to, NULL, numDependencies);
 }
 
 /* {u64 stream, u64 graph, i32 mode, u32 0, u64 n, n x u64 dependency}: the worker's driver

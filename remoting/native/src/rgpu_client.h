@@ -25,10 +25,10 @@
 #define RGPU_UCX_MIN_BYTES (1u << 20)
 
 /* Data lanes (protocol 12, lanes.h): RGPU_LANES connections carry a large copy's bytes (1: the
- * session's own; default 4), for copies of at least RGPU_LANE_MIN_BYTES, in chunks of
+ * session's own; default 8), for copies of at least RGPU_LANE_MIN_BYTES, in chunks of
  * RGPU_LANE_CHUNK_BYTES. */
 #define RGPU_MAX_LANES 16
-#define RGPU_DEFAULT_LANES 1   /* off until their speed on a GPU is measured (RGPU_LANES=4 turns them on) */
+#define RGPU_DEFAULT_LANES 8   /* measured on an H200: 256 MiB copies 15-21 GB/s on 8 lanes, 3-4 GB/s on one connection */
 #define RGPU_LANE_MIN_BYTES (8u << 20)
 #define RGPU_LANE_CHUNK_BYTES (2u << 20)
 #define RGPU_LANE_KEY_BYTES 32
@@ -142,6 +142,7 @@ void rgpu_client_stats_write(const char *suffix);   /* cuGetProcAddress("rgpuCli
  * returns 1 where it hashed the bytes, 0 where a record gave the digest. */
 int rgpu_image_digest(const void *image, size_t size, uint8_t digest[32]);
 CUresult rgpu_async(rgpu_call *c);                             /* ends the call */
+CUresult rgpu_async_now(rgpu_call *c);                         /* ends the call and sends it at once */
 void rgpu_end(rgpu_call *c);
 void rgpu_get(rgpu_call *c, void *p, size_t n);
 size_t rgpu_remaining(const rgpu_call *c);

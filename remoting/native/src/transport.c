@@ -398,6 +398,18 @@ CUresult rgpu_async(rgpu_call *c) {
     return r;
 }
 
+/* A pipelined call that other processes wait for (an NCCL collective: its peers' workers block until
+ * this one's worker runs it): sent now, not when the flusher next runs. */
+CUresult rgpu_async_now(rgpu_call *c) {
+    rgpu_session *s = c->s;
+    if (c->frame_start != (size_t)-1) patch_length(c, 0);
+    if (stats_on()) __atomic_add_fetch(&g_async_calls[c->op % STATS_OPS], 1, __ATOMIC_RELAXED);
+    CUresult r = s->dead || flush_locked(s) ? CUDA_ERROR_DEVICE_UNAVAILABLE : CUDA_SUCCESS;
+    pthread_mutex_unlock(&s->lock);
+    c->s = NULL;
+    return r;
+}
+
 static void show_message(rgpu_session *s, const char *msg, size_t n) {
     if (s->messages_shown >= MAX_MESSAGES_SHOWN) return;
     s->messages_shown++;

@@ -12,9 +12,9 @@
  *     cuMemMap, cuMemSetAccess) and the allocation becomes managed memory (managed.c): its bytes
  *     go to the GPU before the GPU's next work and come back at the next synchronisation.
  * An allocation the GPU never touches directly (the staging buffers of copies, nearly all of them)
- * costs one round trip when it is made and one when it is freed, and no device memory. Without
- * RGPU_ZERO_COPY=1, or where the worker's address is taken in this process, the allocation is plain
- * memory as before, and a kernel or memset handed it is refused with one line. */
+ * costs one round trip when it is made and one when it is freed, and no device memory. With
+ * RGPU_ZERO_COPY=0, or where the worker's address is taken in this process, the allocation is plain
+ * memory, and a kernel or memset handed it is refused with one line. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdlib.h>
@@ -44,15 +44,15 @@ enum { MEM_ALLOCATION_TYPE_PINNED = 1, MEM_LOCATION_TYPE_DEVICE = 1, MEM_ALLOC_G
 static zc_alloc *g_allocs;
 static size_t g_count, g_cap;
 
-/* Off unless RGPU_ZERO_COPY=1: verified on an H200 for a kernel and memsets writing page-locked memory
- * the host reads after synchronising, but each synchronisation copies a backed allocation whole, and a
- * JAX run with it (and data lanes) on did not finish its first step within 35 s there (not diagnosed):
- * not yet a default. */
+/* On unless RGPU_ZERO_COPY=0: verified on an H200 for a kernel and memsets writing page-locked memory
+ * the host reads after synchronising, and with JAX, whose jit'ed training steps need it (XLA's
+ * autotuner) and whose losses then equal a local run's (2026-11-28). Applications that never hand
+ * page-locked memory to the GPU pay one round trip per allocation and per free. */
 static int enabled(void) {
     static int on = -1;
     if (on < 0) {
         const char *v = getenv("RGPU_ZERO_COPY");
-        on = v && (!strcmp(v, "1") || !strcmp(v, "on") || !strcmp(v, "yes"));
+        on = !(v && (!strcmp(v, "0") || !strcmp(v, "off") || !strcmp(v, "no")));
     }
     return on;
 }

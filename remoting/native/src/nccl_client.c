@@ -1,0 +1,314 @@
+/* libnccl.so.2: NCCL's entry points that rgpu answers in the client (nccl.spec's `local` lines),
+ * communicators, group calls, and the calls the generated stubs make, carried by libcuda.so.1's
+ * sessions through its private bridge table (nccl_bridge.c). */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "rgpu_nccl_bridge.h"
+#include "rgpu_nccl_client.h"
+
+static const rgpu_nccl_bridge *g_bridge;
+static pthread_once_t g_bridge_once = PTHREAD_ONCE_INIT;
+static char g_bridge_problem[400];
+static __thread char tl_last_error[600];
+
+static void say(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void say(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(tl_last_error, sizeof tl_last_error, fmt, ap);
+    va_end(ap);
+    if (g_bridge) {
+        g_bridge->log_line(RGPU_LOG_ERROR, tl_last_error);
+    } else {
+        char line[700];
+        int n = snprintf(line, sizeof line, "rgpu: nccl: %s\n", tl_last_error);
+        ssize_t ignored = write(2, line, (size_t)n);
+        (void)ignored;
+    }
+}
+
+static void find_bridge(void) {
+    void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    typedef CUresult (*get_table_fn)(const void **, const CUuuid *);
+    get_table_fn get_table = cuda ? (get_table_fn)dlsym(cuda, "cuGetExportTable") : NULL;
+    static const CUuuid id = {RGPU_NCCL_BRIDGE_UUID};
+    const void *table = NULL;
+    if (!get_table || get_table(&table, &id) != CUDA_SUCCESS || !table) {
+        snprintf(g_bridge_problem, sizeof g_bridge_problem,
+                 "libcuda.so.1 in this process is not rgpu's (%s); rgpu's libnccl.so.2 carries NCCL calls to the "
+                 "slices' GPU servers through rgpu's libcuda: run the program through flexrun",
+                 cuda ? "it has no rgpu bridge table" : dlerror());
+        return;
+    }
+    const rgpu_nccl_bridge *b = table;
+    if (b->size != sizeof *b || b->version != RGPU_NCCL_BRIDGE_VERSION || b->protocol != RGPU_PROTOCOL_VERSION) {
+        snprintf(g_bridge_problem, sizeof g_bridge_problem,
+                 "rgpu's libcuda.so.1 and libnccl.so.2 in this process come from different rgpu builds (protocol %d "
+                 "and %d); put one build's folder first on LD_LIBRARY_PATH (flexrun does)", b->protocol,
+                 RGPU_PROTOCOL_VERSION);
+        return;
+    }
+    g_bridge = b;
+}
+
+static const rgpu_nccl_bridge *bridge(void) {
+    pthread_once(&g_bridge_once, find_bridge);
+    if (!g_bridge) say("%s", g_bridge_problem);
+    return g_bridge;
+}
+
+/* ------------------------------------------------------------------ the calls of generated stubs */
+
+CUresult rgpu_begin_session(rgpu_call *c, uint16_t op, int session) {
+    memset(c, 0, sizeof *c);
+    const rgpu_nccl_bridge *b = bridge();
+    if (!b) return CUDA_ERROR_NOT_INITIALIZED;
+    int ignored;
+    CUresult r = b->current_session(&ignored);   /* cuInit: the sessions exist */
+    if (r != CUDA_SUCCESS) return r;
+    if (session < 0 || session >= b->session_count()) return CUDA_ERROR_INVALID_DEVICE;
+    return b->begin_session(c, op, session);
+}
+void rgpu_put(rgpu_call *c, const void *p, size_t n) { g_bridge->put(c, p, n); }
+CUresult rgpu_async(rgpu_call *c) { return g_bridge->async_now(c); }
+CUresult rgpu_sync(rgpu_call *c) { return g_bridge->sync(c); }
+void rgpu_get(rgpu_call *c, void *p, size_t n) { g_bridge->get(c, p, n); }
+void rgpu_end(rgpu_call *c) { g_bridge->end(c); }
+void rgpu_abort(rgpu_call *c) { g_bridge->abort_(c); }
+
+static int comm_ok(ncclComm_t comm) { return comm && comm->magic == RGPU_NCCL_COMM_MAGIC; }
+
+/* Group calls: the depth is the calling thread's; a slice's worker opens NCCL's group before the
+ * group's first operation on that slice (so its sends and receives are matched as NCCL requires) and
+ * closes it at the outermost ncclGroupEnd. Communicators joined inside a group wait for their peers
+ * there too (ncclCommInitAll's way, and NCCL's for several devices in one thread). */
+static __thread int tl_group_depth;
+static __thread uint64_t tl_group_slices;   /* bit i: slice i has an open group */
+static __thread ncclComm_t tl_pending[RGPU_MAX_SESSIONS];
+static __thread int tl_pending_n;
+
+CUresult rgpu_nccl_begin_comm(rgpu_call *c, uint16_t op, ncclComm_t comm) {
+    if (!comm_ok(comm)) {
+        memset(c, 0, sizeof *c);
+        return CUDA_ERROR_INVALID_HANDLE;
+    }
+    uint64_t bit = 1ull << (comm->session & 63);
+    int collective = op >= RGPU_OP_ncclAllReduce && op <= RGPU_OP_ncclRecv;   /* nccl.spec's last section */
+    if (tl_group_depth > 0 && collective && !(tl_group_slices & bit)) {
+        ncclResult_t r = rgpuNcclGroupStart(comm->session);
+        if (r != ncclSuccess) {
+            memset(c, 0, sizeof *c);
+            return CUDA_ERROR_DEVICE_UNAVAILABLE;
+        }
+        tl_group_slices |= bit;
+    }
+    return rgpu_begin_session(c, op, comm->session);
+}
+
+CUresult rgpu_nccl_begin_current(rgpu_call *c, uint16_t op) {
+    const rgpu_nccl_bridge *b = bridge();
+    if (!b) return CUDA_ERROR_NOT_INITIALIZED;
+    int session;
+    CUresult r = b->current_session(&session);
+    return r == CUDA_SUCCESS ? rgpu_begin_session(c, op, session) : r;
+}
+
+uint64_t rgpu_nccl_remote(ncclComm_t comm) { return comm->remote; }
+
+ncclResult_t rgpu_nccl_not_sent(const char *call, CUresult r) {
+    if (r == CUDA_ERROR_INVALID_HANDLE) return rgpu_nccl_invalid(call, "the communicator is not one this process "
+                                                                       "made, or was destroyed");
+    if (r == CUDA_ERROR_NOT_INITIALIZED && !g_bridge) return ncclSystemError;   /* said by bridge() */
+    say("%s: not sent to the GPU server (CUDA error %d: the slice's session is not usable; earlier lines say why)",
+        call, (int)r);
+    return ncclUnhandledCudaError;
+}
+
+/* The worker answers NCCL's own codes; any other is a CUDA error of earlier pipelined work (its
+ * line is already on stderr) that this call reports. */
+ncclResult_t rgpu_nccl_reply(CUresult r) {
+    return (int)r >= 0 && (int)r < ncclNumResults ? (ncclResult_t)r : ncclUnhandledCudaError;
+}
+
+ncclResult_t rgpu_nccl_invalid(const char *call, const char *why) {
+    say("%s: invalid argument (%s)", call, why);
+    return ncclInvalidArgument;
+}
+
+ncclResult_t rgpu_nccl_unsupported(const char *call, int *seen) {
+    if (!__atomic_exchange_n(seen, 1, __ATOMIC_RELAXED))
+        say("%s is not supported by rgpu's NCCL yet (rgpu remotes communicators from ncclGetUniqueId, groups, "
+            "all-reduce, broadcast, reduce, all-gather, reduce-scatter, send and receive)", call);
+    else
+        snprintf(tl_last_error, sizeof tl_last_error, "%s is not supported by rgpu's NCCL yet", call);
+    return ncclInvalidUsage;
+}
+
+/* ------------------------------------------------------------------ answered here */
+
+RGPU_EXPORT ncclResult_t ncclGetVersion(int *version) {
+    if (!version) return rgpu_nccl_invalid("ncclGetVersion", "version is NULL");
+    *version = NCCL_VERSION_CODE;
+    return ncclSuccess;
+}
+
+RGPU_EXPORT const char *ncclGetErrorString(ncclResult_t result) {
+    switch (result) {
+    case ncclSuccess: return "no error";
+    case ncclUnhandledCudaError: return "unhandled cuda error (run with NCCL_DEBUG=INFO for details)";
+    case ncclSystemError: return "unhandled system error (run with NCCL_DEBUG=INFO for details)";
+    case ncclInternalError: return "internal error - please report this issue to the NCCL developers";
+    case ncclInvalidArgument: return "invalid argument (run with NCCL_DEBUG=WARN for details)";
+    case ncclInvalidUsage: return "invalid usage (run with NCCL_DEBUG=WARN for details)";
+    case ncclRemoteError: return "remote process exited or there was a network error";
+    case ncclInProgress: return "NCCL operation in progress";
+    default: return "unknown result code";
+    }
+}
+
+RGPU_EXPORT const char *ncclGetLastError(ncclComm_t comm) { return tl_last_error; }
+
+RGPU_EXPORT ncclResult_t ncclGetUniqueId(ncclUniqueId *uniqueId) {
+    if (!uniqueId) return rgpu_nccl_invalid("ncclGetUniqueId", "uniqueId is NULL");
+    const rgpu_nccl_bridge *b = bridge();
+    if (!b) return ncclSystemError;
+    int session;
+    CUresult r = b->current_session(&session);
+    if (r != CUDA_SUCCESS) return rgpu_nccl_not_sent("ncclGetUniqueId", r);
+    return rgpuNcclGetUniqueId(uniqueId, session);
+}
+
+static ncclResult_t wait_ready(ncclComm_t comm) {
+    ncclResult_t r = rgpuNcclCommReady(comm);
+    comm->ready = r == ncclSuccess;
+    return r;
+}
+
+static ncclResult_t join(ncclComm_t *out, int session, int nranks, const ncclUniqueId *id, int rank) {
+    if (!out) return rgpu_nccl_invalid("ncclCommInitRank", "comm is NULL");
+    if (nranks < 1 || rank < 0 || rank >= nranks) return rgpu_nccl_invalid("ncclCommInitRank", "rank or nranks out of range");
+    ncclComm_t comm = calloc(1, sizeof *comm);
+    if (!comm) return ncclSystemError;
+    unsigned long long remote = 0;
+    ncclResult_t r = rgpuNcclCommJoin(&remote, id, nranks, rank, session);
+    if (r != ncclSuccess) {
+        free(comm);
+        return r;
+    }
+    *comm = (struct ncclComm){.magic = RGPU_NCCL_COMM_MAGIC, .session = session, .remote = remote, .rank = rank,
+                              .nranks = nranks};
+    *out = comm;
+    if (tl_group_depth > 0 && tl_pending_n < RGPU_MAX_SESSIONS) {
+        tl_pending[tl_pending_n++] = comm;
+        return ncclSuccess;
+    }
+    return wait_ready(comm);
+}
+
+RGPU_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank) {
+    const rgpu_nccl_bridge *b = bridge();
+    if (!b) return ncclSystemError;
+    int session;
+    CUresult r = b->current_session(&session);
+    if (r != CUDA_SUCCESS) return rgpu_nccl_not_sent("ncclCommInitRank", r);
+    return join(comm, session, nranks, &commId, rank);
+}
+
+RGPU_EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank,
+                                                ncclConfig_t *config) {
+    return ncclCommInitRank(comm, nranks, commId, rank);   /* blocking; no field of the config applies yet */
+}
+
+RGPU_EXPORT ncclResult_t ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {
+    if (!comms || ndev < 1) return rgpu_nccl_invalid("ncclCommInitAll", "comms is NULL or ndev < 1");
+    const rgpu_nccl_bridge *b = bridge();
+    if (!b) return ncclSystemError;
+    int ignored;
+    CUresult cr = b->current_session(&ignored);
+    if (cr != CUDA_SUCCESS) return rgpu_nccl_not_sent("ncclCommInitAll", cr);
+    for (int i = 0; i < ndev; i++) {
+        int dev = devlist ? devlist[i] : i;
+        if (dev < 0 || dev >= b->session_count()) return rgpu_nccl_invalid("ncclCommInitAll", "a device of devlist is not a slice of this job");
+    }
+    ncclUniqueId id;
+    ncclResult_t r = rgpuNcclGetUniqueId(&id, devlist ? devlist[0] : 0);
+    if (r != ncclSuccess) return r;
+    ncclGroupStart();
+    for (int i = 0; i < ndev && r == ncclSuccess; i++) r = join(&comms[i], devlist ? devlist[i] : i, ndev, &id, i);
+    ncclResult_t end = ncclGroupEnd();
+    return r != ncclSuccess ? r : end;
+}
+
+RGPU_EXPORT ncclResult_t ncclGroupStart(void) {
+    tl_group_depth++;
+    return ncclSuccess;
+}
+
+RGPU_EXPORT ncclResult_t ncclGroupEnd(void) {
+    if (tl_group_depth <= 0) return rgpu_nccl_invalid("ncclGroupEnd", "no ncclGroupStart before it");
+    if (--tl_group_depth > 0) return ncclSuccess;
+    ncclResult_t first = ncclSuccess;
+    for (int i = 0; i < 64; i++) {
+        if (!(tl_group_slices & (1ull << i))) continue;
+        ncclResult_t r = rgpuNcclGroupEnd(i);
+        if (first == ncclSuccess) first = r;
+    }
+    tl_group_slices = 0;
+    for (int i = 0; i < tl_pending_n; i++) {
+        ncclResult_t r = wait_ready(tl_pending[i]);
+        if (first == ncclSuccess) first = r;
+    }
+    tl_pending_n = 0;
+    return first;
+}
+
+static ncclResult_t finish(ncclComm_t comm, int abort) {
+    if (!comm) return ncclSuccess;   /* as NCCL: destroying NULL does nothing */
+    if (!comm_ok(comm)) return rgpu_nccl_invalid(abort ? "ncclCommAbort" : "ncclCommDestroy", "not a communicator");
+    ncclResult_t r = rgpuNcclCommDestroy(comm, abort);
+    comm->magic = 0;
+    free(comm);
+    return abort ? ncclSuccess : r;
+}
+
+RGPU_EXPORT ncclResult_t ncclCommDestroy(ncclComm_t comm) { return finish(comm, 0); }
+RGPU_EXPORT ncclResult_t ncclCommAbort(ncclComm_t comm) { return finish(comm, 1); }
+
+RGPU_EXPORT ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError) {
+    if (!comm_ok(comm) || !asyncError) return rgpu_nccl_invalid("ncclCommGetAsyncError", "not a communicator, or asyncError is NULL");
+    int value = 0;
+    ncclResult_t r = rgpuNcclCommGetAsyncError(comm, &value);
+    if (r == ncclUnhandledCudaError)   /* an earlier pipelined call's error answered this call: ask again */
+        r = rgpuNcclCommGetAsyncError(comm, &value);
+    *asyncError = (ncclResult_t)value;
+    return r;
+}
+
+RGPU_EXPORT ncclResult_t ncclCommCount(const ncclComm_t comm, int *count) {
+    if (!comm_ok(comm) || !count) return rgpu_nccl_invalid("ncclCommCount", "not a communicator, or count is NULL");
+    *count = comm->nranks;
+    return ncclSuccess;
+}
+
+RGPU_EXPORT ncclResult_t ncclCommCuDevice(const ncclComm_t comm, int *device) {
+    if (!comm_ok(comm) || !device) return rgpu_nccl_invalid("ncclCommCuDevice", "not a communicator, or device is NULL");
+    *device = comm->session;
+    return ncclSuccess;
+}
+
+RGPU_EXPORT ncclResult_t ncclCommUserRank(const ncclComm_t comm, int *rank) {
+    if (!comm_ok(comm) || !rank) return rgpu_nccl_invalid("ncclCommUserRank", "not a communicator, or rank is NULL");
+    *rank = comm->rank;
+    return ncclSuccess;
+}
+
+RGPU_EXPORT ncclResult_t ncclBcast(void *buff, size_t count, ncclDataType_t datatype, int root, ncclComm_t comm,
+                                   cudaStream_t stream) {
+    return ncclBroadcast(buff, buff, count, datatype, root, comm, stream);
+}

@@ -1,0 +1,225 @@
+/* NCCL through rgpu: the collectives of one rank (one process, one slice), or of every slice of one
+ * process (ncclCommInitAll), on device buffers; results go to a file that the test compares with
+ * numpy. Built with cc against NVIDIA's cuda.h and rgpu's rgpu_nccl.h, linked to rgpu's libcuda.so.1
+ * and libnccl.so.2.
+ *
+ *   nccl_ranks rank RANK NRANKS IDFILE COUNT OUT    one rank; rank 0 writes the unique id to IDFILE
+ *   nccl_ranks all NDEV COUNT OUT                   every slice of this process (OUT.0, OUT.1, ...)
+ *   nccl_ranks die RANK NRANKS IDFILE GOFILE        an all-reduce, "READY", then (after GOFILE appears)
+ *                                                   another all-reduce and a synchronize
+ *
+ * Inputs: rank r's element i is (r + 1) * (i % 7 + 1) (float32), or r * 1000 + i (int32, int64).
+ * OUT holds, in order: all-reduce sum (float32, COUNT), all-reduce max (int32, COUNT), broadcast
+ * from the last rank (float32, COUNT), reduce sum to rank 0 (int64, COUNT; rank 0's only), all-gather
+ * (float32, NRANKS*COUNT), reduce-scatter sum (float32, COUNT), ring send/recv from rank r-1 (int32,
+ * COUNT), in-place all-reduce avg (float64, COUNT). */
+#include <cuda.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "rgpu_nccl.h"
+
+#define CU(x) do { CUresult r_ = (x); if (r_ != CUDA_SUCCESS) { fprintf(stderr, "%s:%d %s -> CUDA %d\n", __FILE__, __LINE__, #x, r_); exit(2); } } while (0)
+#define NC(x) do { ncclResult_t r_ = (x); if (r_ != ncclSuccess) { fprintf(stderr, "%s:%d %s -> NCCL %d (%s)\n", __FILE__, __LINE__, #x, r_, ncclGetErrorString(r_)); exit(3); } } while (0)
+#define MAXDEV 8
+
+typedef struct rank_bufs {
+    CUcontext ctx;
+    CUstream stream;
+    CUdeviceptr f_in, f_out, i_in, i_out, l_in, l_out, gather, scatter_in, d_io;
+} rank_bufs;
+
+static void fill(int rank, int nranks, size_t count, rank_bufs *b) {
+    float *f = malloc(count * sizeof *f * nranks);
+    int32_t *i32 = malloc(count * sizeof *i32);
+    int64_t *i64 = malloc(count * sizeof *i64);
+    double *d = malloc(count * sizeof *d);
+    for (size_t i = 0; i < count; i++) {
+        f[i] = (float)((rank + 1) * (int)(i % 7 + 1));
+        i32[i] = rank * 1000 + (int32_t)i;
+        i64[i] = (int64_t)rank * 1000 + (int64_t)i;
+        d[i] = (double)((rank + 1) * (int)(i % 5 + 1));
+    }
+    CU(cuMemcpyHtoD(b->f_in, f, count * sizeof *f));
+    CU(cuMemcpyHtoD(b->i_in, i32, count * sizeof *i32));
+    CU(cuMemcpyHtoD(b->l_in, i64, count * sizeof *i64));
+    CU(cuMemcpyHtoD(b->d_io, d, count * sizeof *d));
+    for (size_t i = 0; i < count * nranks; i++) f[i] = (float)((rank + 1) * (int)(i % 11 + 1));
+    CU(cuMemcpyHtoD(b->scatter_in, f, count * nranks * sizeof *f));
+    free(f); free(i32); free(i64); free(d);
+}
+
+static void alloc_bufs(int nranks, size_t count, rank_bufs *b) {
+    CU(cuStreamCreate(&b->stream, 0));
+    CU(cuMemAlloc(&b->f_in, count * 4)); CU(cuMemAlloc(&b->f_out, count * 4));
+    CU(cuMemAlloc(&b->i_in, count * 4)); CU(cuMemAlloc(&b->i_out, count * 4));
+    CU(cuMemAlloc(&b->l_in, count * 8)); CU(cuMemAlloc(&b->l_out, count * 8));
+    CU(cuMemAlloc(&b->gather, count * 4 * nranks)); CU(cuMemAlloc(&b->scatter_in, count * 4 * nranks));
+    CU(cuMemAlloc(&b->d_io, count * 8));
+}
+
+/* Every collective of one rank, queued on its stream (inside a group when several ranks share the thread). */
+static void collectives(ncclComm_t comm, int rank, int nranks, size_t count, rank_bufs *b, int step) {
+    cudaStream_t s = (cudaStream_t)b->stream;
+    void *fi = (void *)(uintptr_t)b->f_in, *fo = (void *)(uintptr_t)b->f_out;
+    switch (step) {
+    case 0: NC(ncclAllReduce(fi, fo, count, ncclFloat32, ncclSum, comm, s)); break;
+    case 1: NC(ncclAllReduce((void *)(uintptr_t)b->i_in, (void *)(uintptr_t)b->i_out, count, ncclInt32, ncclMax, comm, s)); break;
+    case 2: NC(ncclBroadcast(fi, fo, count, ncclFloat32, nranks - 1, comm, s)); break;
+    case 3: NC(ncclReduce((void *)(uintptr_t)b->l_in, (void *)(uintptr_t)b->l_out, count, ncclInt64, ncclSum, 0, comm, s)); break;
+    case 4: NC(ncclAllGather(fi, (void *)(uintptr_t)b->gather, count, ncclFloat32, comm, s)); break;
+    case 5: NC(ncclReduceScatter((void *)(uintptr_t)b->scatter_in, fo, count, ncclFloat32, ncclSum, comm, s)); break;
+    case 6: NC(ncclSend((void *)(uintptr_t)b->i_in, count, ncclInt32, (rank + 1) % nranks, comm, s));
+            NC(ncclRecv((void *)(uintptr_t)b->i_out, count, ncclInt32, (rank + nranks - 1) % nranks, comm, s)); break;
+    case 7: NC(ncclAllReduce((void *)(uintptr_t)b->d_io, (void *)(uintptr_t)b->d_io, count, ncclFloat64, ncclAvg, comm, s)); break;
+    }
+}
+
+static void save(FILE *out, CUdeviceptr p, size_t n) {
+    void *h = malloc(n);
+    CU(cuMemcpyDtoH(h, p, n));
+    fwrite(h, 1, n, out);
+    free(h);
+}
+
+/* What step `step` left, appended to OUT (the device buffer it wrote). */
+static void save_step(FILE *out, int rank, int nranks, size_t count, rank_bufs *b, int step) {
+    CU(cuStreamSynchronize(b->stream));
+    switch (step) {
+    case 0: case 2: case 5: save(out, b->f_out, count * 4); break;
+    case 1: case 6: save(out, b->i_out, count * 4); break;
+    case 3: if (rank == 0) save(out, b->l_out, count * 8); break;
+    case 4: save(out, b->gather, count * 4 * nranks); break;
+    case 7: save(out, b->d_io, count * 8); break;
+    }
+}
+
+static void write_id(const char *path, const ncclUniqueId *id) {
+    char tmp[4096];
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "wb");
+    fwrite(id, 1, sizeof *id, f);
+    fclose(f);
+    rename(tmp, path);
+}
+
+static void read_id(const char *path, ncclUniqueId *id) {
+    FILE *f;
+    while (!(f = fopen(path, "rb"))) usleep(10000);
+    if (fread(id, 1, sizeof *id, f) != sizeof *id) { fprintf(stderr, "short id file\n"); exit(4); }
+    fclose(f);
+}
+
+static ncclComm_t init_rank(int rank, int nranks, const char *idfile) {
+    ncclUniqueId id;
+    if (rank == 0) {
+        NC(ncclGetUniqueId(&id));
+        write_id(idfile, &id);
+    } else {
+        read_id(idfile, &id);
+    }
+    ncclComm_t comm;
+    NC(ncclCommInitRank(&comm, nranks, id, rank));
+    int n = -1, r = -1, dev = -1;
+    NC(ncclCommCount(comm, &n)); NC(ncclCommUserRank(comm, &r)); NC(ncclCommCuDevice(comm, &dev));
+    if (n != nranks || r != rank || dev != 0) { fprintf(stderr, "comm says %d ranks, rank %d, device %d\n", n, r, dev); exit(5); }
+    return comm;
+}
+
+static int one_rank(int rank, int nranks, const char *idfile, size_t count, const char *outpath) {
+    CUdevice dev;
+    rank_bufs b;
+    CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuCtxCreate(&b.ctx, NULL, 0, dev));
+    alloc_bufs(nranks, count, &b);
+    fill(rank, nranks, count, &b);
+    ncclComm_t comm = init_rank(rank, nranks, idfile);
+    FILE *out = fopen(outpath, "wb");
+    for (int step = 0; step < 8; step++) {
+        if (step == 6) NC(ncclGroupStart());
+        collectives(comm, rank, nranks, count, &b, step);
+        if (step == 6) NC(ncclGroupEnd());
+        save_step(out, rank, nranks, count, &b, step);
+    }
+    fclose(out);
+    ncclResult_t async_error = ncclInternalError;
+    NC(ncclCommGetAsyncError(comm, &async_error));
+    if (async_error != ncclSuccess) { fprintf(stderr, "async error %d\n", async_error); return 6; }
+    NC(ncclCommDestroy(comm));
+    printf("OK\n");
+    return 0;
+}
+
+static int all_in_one(int ndev, size_t count, const char *outprefix) {
+    rank_bufs b[MAXDEV];
+    ncclComm_t comms[MAXDEV];
+    CU(cuInit(0));
+    for (int d = 0; d < ndev; d++) {
+        CUdevice dev;
+        CU(cuDeviceGet(&dev, d)); CU(cuCtxCreate(&b[d].ctx, NULL, 0, dev));
+        alloc_bufs(ndev, count, &b[d]);
+        fill(d, ndev, count, &b[d]);
+    }
+    NC(ncclCommInitAll(comms, ndev, NULL));
+    FILE *out[MAXDEV];
+    for (int d = 0; d < ndev; d++) {
+        char path[4096];
+        snprintf(path, sizeof path, "%s.%d", outprefix, d);
+        out[d] = fopen(path, "wb");
+        int dev = -1;
+        NC(ncclCommCuDevice(comms[d], &dev));
+        if (dev != d) { fprintf(stderr, "comm %d is on device %d\n", d, dev); return 5; }
+    }
+    for (int step = 0; step < 8; step++) {
+        NC(ncclGroupStart());
+        for (int d = 0; d < ndev; d++) {
+            CU(cuCtxSetCurrent(b[d].ctx));
+            collectives(comms[d], d, ndev, count, &b[d], step);
+        }
+        NC(ncclGroupEnd());
+        for (int d = 0; d < ndev; d++) {
+            CU(cuCtxSetCurrent(b[d].ctx));
+            save_step(out[d], d, ndev, count, &b[d], step);
+        }
+    }
+    for (int d = 0; d < ndev; d++) {
+        fclose(out[d]);
+        NC(ncclCommDestroy(comms[d]));
+    }
+    printf("OK\n");
+    return 0;
+}
+
+static int die(int rank, int nranks, const char *idfile, const char *gofile) {
+    CUdevice dev;
+    rank_bufs b;
+    size_t count = 1024;
+    CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuCtxCreate(&b.ctx, NULL, 0, dev));
+    alloc_bufs(nranks, count, &b);
+    fill(rank, nranks, count, &b);
+    ncclComm_t comm = init_rank(rank, nranks, idfile);
+    collectives(comm, rank, nranks, count, &b, 0);
+    CU(cuStreamSynchronize(b.stream));
+    printf("READY\n");
+    fflush(stdout);
+    while (access(gofile, F_OK) != 0) usleep(10000);
+    ncclResult_t nr = ncclAllReduce((void *)(uintptr_t)b.f_in, (void *)(uintptr_t)b.f_out, count, ncclFloat32, ncclSum, comm,
+                                    (cudaStream_t)b.stream);
+    CUresult cr = nr == ncclSuccess ? cuStreamSynchronize(b.stream) : CUDA_SUCCESS;
+    ncclResult_t async_error = ncclSuccess;
+    ncclResult_t gr = ncclCommGetAsyncError(comm, &async_error);
+    printf("allreduce %d synchronize %d async_error %d (get %d)\n", (int)nr, (int)cr, (int)async_error, (int)gr);
+    ncclCommAbort(comm);
+    return cr != CUDA_SUCCESS || nr != ncclSuccess ? 7 : 0;
+}
+
+int main(int argc, char **argv) {
+    if (argc == 7 && !strcmp(argv[1], "rank"))
+        return one_rank(atoi(argv[2]), atoi(argv[3]), argv[4], (size_t)atol(argv[5]), argv[6]);
+    if (argc == 5 && !strcmp(argv[1], "all")) return all_in_one(atoi(argv[2]), (size_t)atol(argv[3]), argv[4]);
+    if (argc == 6 && !strcmp(argv[1], "die")) return die(atoi(argv[2]), atoi(argv[3]), argv[4], argv[5]);
+    fprintf(stderr, "usage: see the comment at the top of %s\n", __FILE__);
+    return 1;
+}

@@ -1,0 +1,253 @@
+"""NCCL through rgpu on the emulated GPU (issue 27): rgpu's libnccl.so.2 carries the collectives to the
+slices' workers, which run them on host memory among themselves over TCP. Two and four ranks, one
+process per rank (each its own slice) and one process with every slice (ncclCommInitAll), on one and
+on several session servers (dispatchers); results equal numpy's. A rank whose worker dies fails the
+other ranks' next collective with one line naming it, and nothing hangs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rgpu.remoting.native import build
+
+from .conftest import CUDA_INCLUDE, EMULATED_GPU, EMULATED_GPU_2, PY, Server, client_env, serving
+from .test_flexrun import conf_for, run_flexrun
+from .test_cuda_backend_chained import chained  # noqa: F401 - the fixture
+
+HERE = Path(__file__).parent
+COUNT = 1000
+
+
+@pytest.fixture(scope="module")
+def nccl_ranks(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/remoting/nccl_ranks.c, built with cc against cuda.h and rgpu's own rgpu_nccl.h."""
+    if not (CUDA_INCLUDE / "cuda.h").exists():
+        pytest.skip(f"no cuda.h under {CUDA_INCLUDE} (install the CUDA toolkit headers)")
+    out = tmp_path_factory.mktemp("nccl") / "nccl_ranks"
+    cc = shutil.which("gcc") or shutil.which("cc")
+    done = subprocess.run([cc, "-O1", "-Wall", f"-I{CUDA_INCLUDE}", f"-I{build.SRC}", str(HERE / "nccl_ranks.c"),
+                           "-o", str(out), f"-L{native_libs.folder}", "-lcuda", "-lnccl"],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+def _inputs(rank: int, nranks: int) -> dict[str, np.ndarray]:
+    i = np.arange(COUNT)
+    return {"f": ((rank + 1) * (i % 7 + 1)).astype(np.float32), "i32": (rank * 1000 + i).astype(np.int32),
+            "i64": (rank * 1000 + i).astype(np.int64), "d": ((rank + 1) * (i % 5 + 1)).astype(np.float64),
+            "scatter": ((rank + 1) * (np.arange(COUNT * nranks) % 11 + 1)).astype(np.float32)}
+
+
+def _expected(rank: int, nranks: int) -> list[tuple[str, np.ndarray]]:
+    """What nccl_ranks.c's rank `rank` writes, computed with numpy (its comment gives the order)."""
+    ins = [_inputs(r, nranks) for r in range(nranks)]
+    out = [("all-reduce sum", sum(x["f"] for x in ins).astype(np.float32)),
+           ("all-reduce max", np.max([x["i32"] for x in ins], axis=0)),
+           ("broadcast", ins[-1]["f"])]
+    if rank == 0:
+        out.append(("reduce", sum(x["i64"] for x in ins)))
+    out += [("all-gather", np.concatenate([x["f"] for x in ins])),
+            ("reduce-scatter", sum(x["scatter"] for x in ins)[rank * COUNT:(rank + 1) * COUNT].astype(np.float32)),
+            ("send/recv", ins[(rank - 1) % nranks]["i32"]),
+            ("all-reduce avg", sum(x["d"] for x in ins) / nranks)]
+    return out
+
+
+def _check(path: Path, rank: int, nranks: int) -> None:
+    data = path.read_bytes()
+    at = 0
+    for name, want in _expected(rank, nranks):
+        got = np.frombuffer(data, dtype=want.dtype, count=want.size, offset=at)
+        at += want.nbytes
+        assert np.array_equal(got, want), f"rank {rank} of {nranks}: {name} differs from numpy's"
+    assert at == len(data)
+
+
+def _servers(stack: ExitStack, n: int) -> list[Server]:
+    return [stack.enter_context(serving("emulated", [EMULATED_GPU, EMULATED_GPU_2])) for _ in range(n)]
+
+
+def _rank_processes(libs: build.Libraries, binary: Path, servers: list[Server], nranks: int, tmp: Path,
+                    argv: list[str] | None = None, **env: str) -> list[subprocess.Popen[str]]:
+    procs = []
+    for rank in range(nranks):
+        s = servers[rank % len(servers)]
+        slices = s.slices(s.token(memory_limit=256 << 20, job_key=f"rank{rank}"))
+        args = argv or ["rank", str(rank), str(nranks), str(tmp / "id"), str(COUNT), str(tmp / f"out.{rank}")]
+        if argv:
+            args = [a.replace("{rank}", str(rank)) for a in argv]
+        procs.append(subprocess.Popen([str(binary), *args], env=client_env(libs, slices, **env), stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+@pytest.mark.parametrize(("nranks", "dispatchers"), [(2, 1), (2, 2), (4, 1), (4, 2)])
+def test_collectives_of_ranks_in_their_own_processes_equal_numpys(
+        nccl_ranks: Path, native_libs: build.Libraries, tmp_path: Path, nranks: int, dispatchers: int) -> None:
+    with ExitStack() as stack:
+        servers = _servers(stack, dispatchers)
+        procs = _rank_processes(native_libs, nccl_ranks, servers, nranks, tmp_path)
+        outputs = [p.communicate(timeout=120) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0 and out.strip() == "OK", f"rank {rank}: {out}{err}"
+        _check(tmp_path / f"out.{rank}", rank, nranks)
+
+
+@pytest.mark.parametrize(("ndev", "dispatchers"), [(2, 1), (2, 2), (4, 2)])
+def test_collectives_of_every_slice_of_one_process_equal_numpys(
+        nccl_ranks: Path, native_libs: build.Libraries, tmp_path: Path, ndev: int, dispatchers: int) -> None:
+    with ExitStack() as stack:
+        servers = _servers(stack, dispatchers)
+        # slice d on dispatcher d % dispatchers; two slices of one dispatcher on its two GPUs
+        toks = []
+        for d in range(ndev):
+            s = servers[d % dispatchers]
+            gpu = s.gpus[(d // dispatchers) % len(s.gpus)]
+            toks.append(f"{s.address},{s.token(memory_limit=256 << 20, gpu=gpu, job_key='one-process')}")
+        done = subprocess.run([str(nccl_ranks), "all", str(ndev), str(COUNT), str(tmp_path / "out")],
+                              env=client_env(native_libs, ";".join(toks)), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
+    for d in range(ndev):
+        _check(tmp_path / f"out.{d}", d, ndev)
+
+
+def _worker_pid(server: Server, job_key: str) -> int:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        for s in server.server.status()["sessions"]:
+            if s["job_key"] == job_key and s["mode"] == "cuda":
+                return int(s["pid"])
+        time.sleep(0.05)
+    raise AssertionError(f"no session of {job_key}: {server.server.status()['sessions']}")
+
+
+def _kill_a_rank_midway(binary: Path, libs: build.Libraries, servers: list[Server], tmp_path: Path,
+                        **env: str) -> tuple[int, str, str]:
+    """Two ranks all-reduce once; rank 1's worker is SIGKILLed; rank 0 all-reduces again and synchronizes.
+    Returns rank 0's (exit code, stdout, stderr)."""
+    go = tmp_path / "go"
+    procs = _rank_processes(libs, binary, servers, 2, tmp_path, ["die", "{rank}", "2", str(tmp_path / "id"), str(go)],
+                            **env)
+    try:
+        for p in procs:
+            assert p.stdout is not None
+            assert p.stdout.readline().strip() == "READY", p.communicate(timeout=30)
+        os.kill(_worker_pid(servers[-1], "rank1"), signal.SIGKILL)
+        go.touch()
+        out, err = procs[0].communicate(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return procs[0].returncode, out, err
+
+
+def test_a_rank_whose_worker_dies_fails_the_others_with_one_line_and_nothing_hangs(
+        nccl_ranks: Path, native_libs: build.Libraries, tmp_path: Path) -> None:
+    with ExitStack() as stack:
+        code, out, err = _kill_a_rank_midway(nccl_ranks, native_libs, _servers(stack, 2), tmp_path)
+    assert code == 7, out + err
+    lines = [line for line in err.splitlines() if "ncclAllReduce" in line]
+    assert lines == ["rgpu: worker: ncclAllReduce (emulated NCCL, rank 0 of 2): rank 1's worker went away (its "
+                     "connection closed); the communicator is aborted"], err
+    assert "synchronize 999 async_error 6" in out, out
+
+
+def test_a_rank_that_never_comes_fails_the_join_after_the_timeout_with_one_line(
+        nccl_ranks: Path, native_libs: build.Libraries, emulated: Server, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RGPU_NCCL_TIMEOUT_S", "1")
+    (p,) = _rank_processes(native_libs, nccl_ranks, [emulated], 1, tmp_path,
+                           ["rank", "0", "2", str(tmp_path / "id"), "10", str(tmp_path / "out")])
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 3, out + err
+    assert [line for line in err.splitlines() if line.startswith("rgpu: worker:")] == [
+        "rgpu: worker: ncclCommInitRank (emulated NCCL): rank 0 of 2 could not join: not every rank joined within 1 s "
+        "(RGPU_NCCL_TIMEOUT_S)"], err
+
+
+def test_on_the_real_gpu_path_a_rank_whose_worker_dies_fails_the_others_and_nothing_hangs(
+        nccl_ranks: Path, native_libs: build.Libraries, chained: Server, tmp_path: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The "cuda" workers (nccl_cuda.py, its watchdog included) chained to emulated ones, as above."""
+    monkeypatch.setenv("RGPU_NCCL_LIBRARY", str(native_libs.libnccl))
+    monkeypatch.setenv("RGPU_NCCL_WATCHDOG_S", "0.1")
+    code, out, err = _kill_a_rank_midway(nccl_ranks, native_libs, [chained], tmp_path)
+    assert code == 7, out + err
+    assert "synchronize 999 async_error 6" in out, out + err
+
+
+def test_the_real_gpu_workers_nccl_path_runs_chained_to_emulated_workers(
+        nccl_ranks: Path, native_libs: build.Libraries, chained: Server, tmp_path: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """backends/nccl_cuda.py without a GPU: the "cuda" workers load rgpu's own libnccl.so.2 as their
+    NCCL (RGPU_NCCL_LIBRARY), which carries their calls to emulated workers; every NCCL call of the
+    real-GPU path runs (dlopen, ids, the join thread, groups, collectives by exact symbol)."""
+    monkeypatch.setenv("RGPU_NCCL_LIBRARY", str(native_libs.libnccl))
+    monkeypatch.setenv("RGPU_LOG", "warn")   # the workers' own client (of the emulated workers) says why, if it must
+    procs = _rank_processes(native_libs, nccl_ranks, [chained], 2, tmp_path)
+    outputs = [p.communicate(timeout=120) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0 and out.strip() == "OK", f"rank {rank}: {out}{err}"
+        _check(tmp_path / f"out.{rank}", rank, 2)
+
+
+def test_a_gpu_node_without_nccl_refuses_it_with_one_line(nccl_ranks: Path, native_libs: build.Libraries,
+                                                          chained: Server, tmp_path: Path,  # noqa: F811
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RGPU_NCCL_LIBRARY", str(tmp_path / "no-such" / "libnccl.so.2"))
+    procs = _rank_processes(native_libs, nccl_ranks, [chained], 1, tmp_path)
+    out, err = procs[0].communicate(timeout=60)
+    assert procs[0].returncode == 3, out + err
+    lines = [line for line in err.splitlines() if "NCCL" in line]
+    assert lines[0].startswith(f"rgpu: worker: NCCL is not installed on GPU node {chained.address} (cannot load "
+                               f"{tmp_path / 'no-such' / 'libnccl.so.2'}: "), err
+    assert lines[0].endswith("install NCCL there, e.g. pip install nvidia-nccl-cu13, and point RGPU_NCCL_LIBRARY in "
+                             "the dispatcher's environment at its libnccl.so.2)"), err
+    assert "ncclGetUniqueId(&id) -> NCCL 2 (unhandled system error" in err, err
+
+
+def test_two_ranks_run_through_flexrun(nccl_ranks: Path, native_libs: build.Libraries, emulated: Server,
+                                       tmp_path: Path) -> None:
+    """What a job's tasks do (`srun -n 2 flexrun -- ./app`): each rank's flexrun puts rgpu's libraries,
+    libnccl.so.2 among them, first on the library path; here each rank has an adaptor.conf of its own slice."""
+    def rank(r: int) -> subprocess.CompletedProcess[str]:
+        conf = conf_for(emulated, tmp_path / f"adaptor.{r}.conf", emulated.token(memory_limit=256 << 20))
+        return run_flexrun(["-f", str(conf), "--", str(nccl_ranks), "rank", str(r), "2", str(tmp_path / "id"), str(COUNT),
+                            str(tmp_path / f"out.{r}")], native_libs, timeout=120)
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(rank, range(2)))
+    for r, d in enumerate(done):
+        assert d.returncode == 0 and d.stdout.strip() == "OK", f"rank {r}: {d.stdout}{d.stderr}"
+        _check(tmp_path / f"out.{r}", r, 2)
+
+
+REMOTED = ["ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRank", "ncclCommInitAll", "ncclCommInitRankConfig",
+           "ncclCommDestroy", "ncclCommAbort", "ncclCommGetAsyncError", "ncclCommCount", "ncclCommCuDevice",
+           "ncclCommUserRank", "ncclGroupStart", "ncclGroupEnd", "ncclAllReduce", "ncclBroadcast", "ncclBcast",
+           "ncclReduce", "ncclAllGather", "ncclReduceScatter", "ncclSend", "ncclRecv", "ncclGetErrorString",
+           "ncclGetLastError"]
+
+
+def test_libnccl_exports_only_nccl_names_and_the_rest_of_the_api_says_not_yet(native_libs: build.Libraries) -> None:
+    names = subprocess.run(["nm", "-D", "--defined-only", str(native_libs.libnccl)], capture_output=True, text=True,
+                           check=True).stdout.split()[2::3]
+    assert set(REMOTED) <= set(names) and all(n.startswith("nccl") for n in names), names
+    done = subprocess.run([PY, "-c", "import ctypes; lib = ctypes.CDLL('libnccl.so.2'); "
+                           "print(lib.ncclCommSplit(None, 0, 0, None, None), lib.ncclCommSplit(None, 0, 0, None, None))"],
+                          env=client_env(native_libs, ""), capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["5", "5"], done.stdout + done.stderr   # ncclInvalidUsage
+    assert done.stderr.splitlines() == [
+        "rgpu: nccl: ncclCommSplit is not supported by rgpu's NCCL yet (rgpu remotes communicators from "
+        "ncclGetUniqueId, groups, all-reduce, broadcast, reduce, all-gather, reduce-scatter, send and receive)"]
