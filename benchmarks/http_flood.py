@@ -70,7 +70,7 @@ def main() -> None:
                  "dashboard": wait_for_port_file(root / "dashboard.port", pool),
                  "dispatcher /metrics": wait_for_port_file(root / "dmetrics.port", dispatcher)}
         with cluster.client() as admin:
-            token = admin.allocate("bench", "alice", 1, fraction=0.5).slices[0].token
+            token = admin.allocate("bench", "alice", 1, percent=50).slices[0].token
         latencies(cluster, address, token, 1.0)   # warm-up
         print(f"http_flood: {args.connections} slow connections over {len(ports)} endpoints, "
               f"a byte every {args.every:g} s, {args.seconds:g} s measured")

@@ -70,7 +70,7 @@ def _as_user(user: str, munge_socket: str, commands: Connection) -> None:
         try:
             with PoolClient(address, None, timeout=10.0, munge_socket=munge_socket) as client:
                 if operation == "allocate":
-                    lease = client.allocate(job_key, "", 1, fraction=0.01, ttl_seconds=TTL)
+                    lease = client.allocate(job_key, "", 1, percent=1, ttl_seconds=TTL)
                     commands.send(("ok", lease.expires_unix))
                 elif operation == "renew":
                     commands.send(("ok", client.renew(job_key, YEAR).expires_unix))

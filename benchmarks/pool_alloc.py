@@ -52,7 +52,7 @@ def client_loop(address: str, secret: bytes, worker: int, seconds: float,
         while time.perf_counter() < deadline:
             key = f"bench-{worker}-{i}"
             start = time.perf_counter()
-            client.allocate(key, f"user{worker}", rng.choice([1, 1, 2, 4]), fraction=rng.choice([0.25, 0.5, 1.0]))
+            client.allocate(key, f"user{worker}", rng.choice([1, 1, 2, 4]), percent=rng.choice([25, 50, 100]))
             client.release(key)
             latencies.append(time.perf_counter() - start)
             i += 1
@@ -191,7 +191,7 @@ def run_one(servers: int, gpus_per_server: int, args: argparse.Namespace) -> dic
                                                                 80 * GiB, 80 * GiB, "9.0")
                                                         for i in range(gpus_per_server)))))
                 for i in range(args.prefill):
-                    client.allocate(f"prefill-{i}", "prefill", 1, fraction=0.5)
+                    client.allocate(f"prefill-{i}", "prefill", 1, percent=50)
 
                 samples = 0
                 stop = threading.Event()

@@ -42,7 +42,7 @@ def fill(path: Path, shared: bool, servers: int, gpus_per_server: int, prefill: 
                                  gpus=tuple(GpuInfo(f"GPU-{n:04d}-{i}", i, "NVIDIA H100 80GB HBM3", 80 * GiB,
                                                     80 * GiB, "9.0") for i in range(gpus_per_server))))
     for i in range(prefill):
-        core.allocate(AllocationRequest(job_key=f"prefill-{i}", user="prefill", count=1, fraction=0.5))
+        core.allocate(AllocationRequest(job_key=f"prefill-{i}", user="prefill", count=1, percent=50))
     core.store.close()
 
 
@@ -56,7 +56,7 @@ def worker(path: str, shared: bool, number: int, seconds: float, start_at: float
     while time.perf_counter() < deadline:
         key = f"bench-{number}-{pairs}"
         core.allocate(AllocationRequest(job_key=key, user=f"user{number}", count=rng.choice([1, 1, 2, 4]),
-                                        fraction=rng.choice([0.25, 0.5, 1.0])))
+                                        percent=rng.choice([25, 50, 100])))
         core.token_for(core.get_lease(key), 0)   # what the daemon's reply signs
         core.release(key)
         pairs += 1

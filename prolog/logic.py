@@ -46,7 +46,7 @@ from rgpu.paths import run_dir as run_dir_from_env
 
 
 class Pool(Protocol):
-    def allocate(self, job_key: str, user: str, count: int, *, fraction: float = 0.0, memory_bytes: int = 0,
+    def allocate(self, job_key: str, user: str, count: int, *, percent: int = 0, memory_bytes: int = 0,
                  account: str = "", ttl_seconds: float = 0.0, gpu_model: str = "", server: str = "",
                  min_memory_bytes: int = 0, isolation: str = "") -> Any: ...
     def release(self, job_key: str) -> bool: ...
@@ -157,8 +157,8 @@ def allocate_job(job: JobContext, plan: AllocationPlan, pool: Pool) -> list[str]
     req = plan.request
     try:
         for key in plan.keys:
-            pool.allocate(key, job.user, req.count, fraction=req.fraction if not req.memory_bytes else 0.0,
-                          memory_bytes=req.memory_bytes, account=job.account, isolation=req.isolation)
+            pool.allocate(key, job.user, req.count, percent=req.size.percent,
+                          memory_bytes=req.size.memory_bytes, account=job.account, isolation=req.isolation)
             got.append(key)
     except RgpuError:
         for key in got:
@@ -303,7 +303,7 @@ def sweep_stale_job_dirs(run_dir: Path, current_job_id: int, pool: Pool) -> list
     without adaptor.conf (a failed prolog's `error`, which flexrun reports) are kept. Never raises."""
     from rgpu.adaptor import read_adaptor_conf
 
-    removed = []
+    removed: list[Path] = []
     try:
         entries = sorted(run_dir.iterdir())
     except OSError:

@@ -7,7 +7,6 @@ allow-lists: nothing that could end a line, a quoted string or a shell word gets
 from __future__ import annotations
 
 import ipaddress
-import math
 import re
 from typing import TYPE_CHECKING
 
@@ -97,10 +96,11 @@ def rfc3339_or_empty(value: str) -> str:
     return value
 
 
-def fraction(value: float) -> float:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or not 0 < value <= 1:
-        raise _bad("fraction", value, "a number in (0, 1], e.g. 0.5 for half a GPU")
-    return float(value)
+def percent(value: int) -> int:
+    """A slice's size in percent of one GPU (rgpu.slice_size parses what people write)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 100:
+        raise _bad("percent", value, "a whole number from 1 to 100 (percent of one GPU per slice)")
+    return value
 
 
 def count(value: int) -> int:

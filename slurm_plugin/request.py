@@ -22,32 +22,31 @@ cases that both implementations are tested against, so the two cannot drift apar
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
 
 from rgpu.errors import InvalidRequest
-from rgpu.units import parse_size
+from rgpu.slice_size import PERCENT_PER_GPU, WHOLE_GPU, SliceSize, parse_fraction, parse_memory, percent_of_memory
 
-UNITS_PER_GPU = 100
+UNITS_PER_GPU = PERCENT_PER_GPU
 COMMENT_ALLOWED_RE = re.compile(r"^[A-Za-z0-9 .,_=:/+@-]*$")
-_NUMBER_RE = re.compile(r"^(?:\d+|\d+\.\d*|\.\d+)$")
 
 
 @dataclass(frozen=True)
 class RgpuRequest:
-    count: int                 # slices per node
-    fraction: float = 1.0      # of one GPU, per slice; 0 when memory_bytes is set
-    memory_bytes: int = 0      # per slice; 0 when fraction is used
-    isolation: str = ""        # "" or "strict"
+    count: int                      # slices per node
+    size: SliceSize = WHOLE_GPU     # of each slice
+    isolation: str = ""             # "" or "strict"
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.size.memory_bytes
 
     def units_per_slice(self, gpu_memory_bytes: int = 0) -> int:
         """GPU percent one slice counts for in the Slurm license."""
-        if self.memory_bytes:
-            if gpu_memory_bytes <= 0:
-                return UNITS_PER_GPU
-            return min(UNITS_PER_GPU, math.ceil(UNITS_PER_GPU * self.memory_bytes / gpu_memory_bytes))
-        return int(math.floor(UNITS_PER_GPU * self.fraction + 0.5))
+        if self.size.memory_bytes:
+            return percent_of_memory(self.size.memory_bytes, gpu_memory_bytes)
+        return self.size.percent
 
     def license_units(self, nodes: int, gpu_memory_bytes: int = 0) -> int:
         return nodes * self.count * self.units_per_slice(gpu_memory_bytes)
@@ -99,9 +98,9 @@ def parse_record(text: str | None) -> RequestRecord:
             raise InvalidRequest("prolog-slurmctld", f"the job's rgpu record {text!r} does not add up",
                                  "units must be nodes x count x percent (percent at most 100)",
                                  "scancel the job and submit it again")
-        request = RgpuRequest(count=int(count), fraction=int(percent) / UNITS_PER_GPU, isolation=isolation)
+        request = RgpuRequest(count=int(count), size=SliceSize(percent=int(percent)), isolation=isolation)
     else:
-        request = RgpuRequest(count=int(count), fraction=0.0, memory_bytes=int(memory), isolation=isolation)
+        request = RgpuRequest(count=int(count), size=SliceSize(memory_bytes=int(memory)), isolation=isolation)
     return RequestRecord(nodes=int(nodes), request=request, units=int(units))
 
 
@@ -135,35 +134,13 @@ def parse_tres_per_node(tres: str | None, gres_name: str = "rgpu") -> int | None
     return found
 
 
-def _parse_fraction(text: str) -> float:
-    if not _NUMBER_RE.match(text):
-        raise _bad(f"invalid fraction {text!r}", "not a number", "write e.g. --comment=fraction=0.5")
-    value = float(text)
-    if not 0 < value <= 1:
-        raise _bad(f"invalid fraction {text!r}", "it must be more than 0 and at most 1",
-                   "write e.g. --comment=fraction=0.5")
-    if value < 0.005:
-        raise _bad(f"invalid fraction {text!r}", "the smallest slice is 0.01 of a GPU", "ask for fraction=0.01 or more")
-    decimals = text.partition(".")[2]
-    if decimals[2:].strip("0"):     # read from the text: a float would hide 0.3333333's tail
-        hundredths = max(1, math.floor(UNITS_PER_GPU * value + 0.5))
-        shown = "1" if hundredths >= UNITS_PER_GPU else f"0.{hundredths:02d}".rstrip("0")
-        raise _bad(f"invalid fraction {text!r}", "slices are whole hundredths of a GPU", f"write fraction={shown}")
-    return value
-
-
-def _parse_memory(text: str) -> int:
-    # One size grammar for the whole project (rgpu.units); job_submit.lua mirrors it.
-    return parse_size(text, "memory", component="job_submit")
-
-
 def parse_comment(comment: str | None, count: int) -> RgpuRequest:
     comment = comment or ""
     if not COMMENT_ALLOWED_RE.fullmatch(comment):
         raise _bad("the job comment holds characters rgpu does not accept",
                    "only letters, digits, space and . , _ = : / + @ - are allowed in the comment of an rgpu job",
                    "write e.g. --comment=fraction=0.5")
-    fraction: float | None = None
+    percent: int | None = None
     memory: int | None = None
     isolation: str | None = None
     keys = ("fraction", "memory", "isolation")
@@ -185,16 +162,19 @@ def parse_comment(comment: str | None, count: int) -> RgpuRequest:
                            "the one level is strict (only GPUs no other job's fault can reach)",
                            "write --comment=isolation=strict, or leave it out")
         elif key == "fraction":
-            if fraction is not None:
+            if percent is not None:
                 raise _bad("fraction is given twice", f"comment is {comment!r}", "give fraction=F once")
-            fraction = _parse_fraction(value)
+            # One slice-size grammar for the whole project (rgpu.slice_size); job_submit.lua mirrors it.
+            percent = parse_fraction(value, component="job_submit", option="fraction=",
+                                     example="--comment=fraction=0.5")
         else:
             if memory is not None:
                 raise _bad("memory is given twice", f"comment is {comment!r}", "give memory=SIZE once")
-            memory = _parse_memory(value)
-    if fraction is not None and memory is not None:
+            memory = parse_memory(value, component="job_submit")
+    if percent is not None and memory is not None:
         raise _bad("both fraction and memory are given", "a slice is sized by one of them",
                    "give either fraction=F or memory=SIZE")
     if memory is not None:
-        return RgpuRequest(count=count, fraction=0.0, memory_bytes=memory, isolation=isolation or "")
-    return RgpuRequest(count=count, fraction=1.0 if fraction is None else fraction, isolation=isolation or "")
+        return RgpuRequest(count=count, size=SliceSize(memory_bytes=memory), isolation=isolation or "")
+    return RgpuRequest(count=count, size=WHOLE_GPU if percent is None else SliceSize(percent=percent),
+                       isolation=isolation or "")

@@ -154,15 +154,15 @@ def _admitted_unleased(job: Any, leased: set[tuple[int, int]]) -> bool:
     return job.state == "CONFIGURING" or (job.state == "RUNNING" and ("CONFIGURING" in job.flags or job.reason == "Prolog"))
 
 
-# One lease's request as the pool's order-proof check takes it: (count, fraction or 0.0,
+# One lease's request as the pool's order-proof check takes it: (count, percent or 0,
 # memory_bytes or 0, isolation).
-LeaseRequest = tuple[int, float, int, str]
+LeaseRequest = tuple[int, int, int, str]
 
 
 def lease_requests(record: RequestRecord) -> list[LeaseRequest]:
     """One per node: each node's lease reaches the pool as an Allocate of its own. Pure."""
     req = record.request
-    return [(req.count, req.fraction if not req.memory_bytes else 0.0, req.memory_bytes, req.isolation)] * record.nodes
+    return [(req.count, req.size.percent, req.size.memory_bytes, req.isolation)] * record.nodes
 
 
 def _held_back(let_go: list[tuple[Any, RequestRecord]], fits: Fits | None) -> list[int]:
@@ -272,9 +272,10 @@ def plan_admission(jobs: Iterable[Any], gpu_statuses: Iterable[Any], leases: Ite
     for job in jobs:
         if job.state != "PENDING" or getattr(job, "dependency", "") or job.job_id in held_back:
             continue
-        record = waiting_record(job.admin_comment)
-        if record is None:
+        waiting = waiting_record(job.admin_comment)
+        if waiting is None:
             continue
+        record = waiting
         if job.reason == ADMISSION_HOLD:
             todo: tuple[str, ...] = (RESERVE, RELEASE)
         elif job.reason == MAX_REQUEUE_HOLD:

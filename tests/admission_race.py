@@ -77,7 +77,7 @@ def admit_from_one_look(a: PoolCore, b: PoolCore) -> tuple[list[int], PoolCore]:
     reads the queue; daemon a admits job 11 into the free GPU, and the running job ends; then b
     goes on from its look, which still shows job 11 held. Returns the jobs released."""
     a.register(server(0, gpus=2))
-    a.allocate(req("running", count=1, fraction=1.0))
+    a.allocate(req("running", count=1, percent=100))
     b_read, room_freed = threading.Event(), threading.Event()
 
     def first_release_frees_the_running_jobs_gpu() -> None:

@@ -230,7 +230,7 @@ class AllocationBurst:
     def ask(self, client, key: str, user: str) -> None:  # type: ignore[no-untyped-def]
         from rgpu.errors import CapacityError, RgpuError
         try:
-            client.allocate(key, user, 1, fraction=0.5)
+            client.allocate(key, user, 1, percent=50)
         except CapacityError:
             outcome = self.refused
         except RgpuError as exc:

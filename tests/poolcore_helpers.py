@@ -36,8 +36,8 @@ def make_core(path: Path, clock: Clock | None = None, servers: int = 2) -> PoolC
     return core
 
 
-def req(key: str, count: int = 1, fraction: float = 0.5, user: str = "alice", **kw) -> AllocationRequest:  # type: ignore[no-untyped-def]
-    return AllocationRequest(job_key=key, user=user, count=count, fraction=fraction, **kw)
+def req(key: str, count: int = 1, percent: int = 50, user: str = "alice", **kw) -> AllocationRequest:  # type: ignore[no-untyped-def]
+    return AllocationRequest(job_key=key, user=user, count=count, percent=percent, **kw)
 
 
 def pool_state(core: PoolCore) -> tuple[object, ...]:

@@ -100,16 +100,17 @@ def test_a_ttl_lease_is_kept_by_renewing_it(cluster: RgpuCluster, tmp_path: Path
 
 
 @pytest.mark.parametrize("args, code, message", [
-    (["request-gpus", "-n", "1", "-p", "1.5", "-o", "x"], 2, "rgpu: request: invalid fraction 1.5"),
-    (["request-gpus", "-n", "1", "-p", "0.5", "-m", "1G", "-o", "x"], 2, "exactly one of -p FRACTION or -m SIZE"),
+    (["request-gpus", "-n", "1", "-p", "1.5", "-o", "x"], 2, "rgpu: admin: invalid fraction '1.5' (it must be more than 0 and at most 1"),
+    (["request-gpus", "-n", "1", "-p", "0.5", "-m", "1G", "-o", "x"], 2, "rgpu: admin: -p and -m cannot be used together"),
     (["request-gpus", "-n", "9", "-p", "0.5", "-o", "x"], 3, "rgpu: pool: cannot place 9 slice(s)"),
-    (["request-gpus", "-n", "1", "-m", "lots", "-o", "x"], 2, "rgpu: units: invalid memory"),
+    (["request-gpus", "-n", "1", "-m", "lots", "-o", "x"], 2, "rgpu: admin: invalid memory 'lots'"),
     (["drain", "nosuch"], 5, "rgpu: pool: no server 'nosuch'"),
     (["quota", "set", "user", "bad name", "5"], 2, "invalid user"),
     (["release-gpus", "-f", "/nonexistent"], 2, "rgpu: adaptor.conf: cannot read /nonexistent"),
     (["request-gpus", "-n", "1", "-p", "abc", "-o", "x"], 2,
-     "rgpu: admin: invalid command line (Invalid value for '-p' / '--partial': 'abc' is not a valid float; "
-     "see `rgpu-admin request-gpus --help`)"),
+     "rgpu: admin: invalid fraction 'abc' (not a number; write e.g. -p 0.5)"),
+    (["request-gpus", "-n", "1", "-p", "0.001", "-o", "x"], 2,
+     "rgpu: admin: invalid fraction '0.001' (the smallest slice is 0.01 of a GPU; ask for -p 0.01 or more)"),
     (["request-gpus", "-n", "0", "-p", "0.5", "-o", "x"], 2,
      "rgpu: pool: invalid count 0 (a job asks for at least 1 slice; ask for 1 or more slices"),
     (["drain"], 2, "rgpu: admin: invalid command line (Missing argument 'SERVER'; see `rgpu-admin drain --help`)"),

@@ -45,7 +45,7 @@ def test_slurm_job_keys_match_whole_fields_only() -> None:
 def test_release_by_key_and_by_slurm_job(cluster: RgpuCluster) -> None:
     with cluster.client() as client:
         for key in ("slurm:hpc:7:0:c1", "slurm:hpc:7:1:c2", "slurm:hpc:77:0:c1", "slurm:other:7:0:c1", "manual-x"):
-            client.allocate(key, "alice", 1, fraction=0.1)
+            client.allocate(key, "alice", 1, percent=10)
     out = admin(cluster, "--job-key", "manual-x")
     assert out.returncode == 0 and out.stdout == "released manual-x\n", out
     assert admin(cluster, "--job-key", "manual-x").stdout == "manual-x was already released\n"
@@ -76,7 +76,7 @@ def test_remove_server_gone_for_good(tmp_path: Path) -> None:
     try:
         with c.client() as client:
             register_servers(client, servers=2, gpus=1)     # they never heartbeat: down after 1 s
-            client.allocate("job-on-gpu0", "alice", 1, fraction=0.5, server="127.0.0.1:56000")
+            client.allocate("job-on-gpu0", "alice", 1, percent=50, server="127.0.0.1:56000")
             up = subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", "remove-server", "gpu1"],
                                 env=c.env(), capture_output=True, text=True, timeout=60)
             assert up.returncode != 0 and "is not down" in up.stderr, up

@@ -96,7 +96,7 @@ def test_long_input_is_echoed_only_in_part(cluster: RgpuCluster) -> None:
         register_servers(client, servers=1, gpus=1)
         for call in (lambda: client.get_lease(big), lambda: client.set_server_state(big, True),
                      lambda: client.set_quota(big, "x", 5),
-                     lambda: client.allocate("k", "alice", 1, fraction=0.5, gpu_model=big)):
+                     lambda: client.allocate("k", "alice", 1, percent=50, gpu_model=big)):
             with pytest.raises(RgpuError) as info:
                 call()
             text = str(info.value)
@@ -128,7 +128,7 @@ def test_a_reregistration_dropping_leased_gpus_is_refused(cluster: RgpuCluster) 
     cluster.start_pool()
     with cluster.client() as client:
         client.register_server(server_to_pb(_server("127.0.0.1:56100", gpus=2)))
-        lease = client.allocate("job-held", "alice", 2, fraction=0.5)
+        lease = client.allocate("job-held", "alice", 2, percent=50)
         with pytest.raises(InvalidRequest, match="re-registers without GPU.* that live leases hold"):
             client.register_server(server_to_pb(_server("127.0.0.1:56100", gpus=0)))
         assert len(client.get_lease("job-held").slices) == len(lease.slices) == 2
@@ -144,7 +144,7 @@ def test_the_client_cannot_set_the_address_worker_logs_show(cluster: RgpuCluster
     address = f"127.0.0.1:{port}"
     wait_state(cluster, address, "up")
     with cluster.client() as client:
-        token = client.allocate("job-addr", "alice", 1, fraction=0.5).slices[0].token
+        token = client.allocate("job-addr", "alice", 1, percent=50).slices[0].token
     s = socket.create_connection(("127.0.0.1", port), timeout=10)
     s.sendall(protocol.encode_hello(token, info={"address": "6.6.6.6:66", "host": "evil\nforged line", "pid": 1}))
     (_, op, _, _, _, _), _payload = protocol.recv_frame(s, 1 << 20)
@@ -187,13 +187,13 @@ def test_a_full_disk_is_a_clear_error_and_the_pool_restarts(tmp_path: Path) -> N
         cluster.start_pool()
         with cluster.client() as client:
             register_servers(client, servers=1, gpus=4)
-            client.allocate("job-before", "alice", 1, fraction=0.25)
+            client.allocate("job-before", "alice", 1, percent=25)
         filler = _fill(disk)
         refused = None
         with cluster.client() as client:
             for n in range(200):
                 try:
-                    client.allocate(f"job-{n}", "alice", 1, fraction=0.01)
+                    client.allocate(f"job-{n}", "alice", 1, percent=1)
                 except RgpuError as exc:
                     refused = str(exc)
                     break
@@ -208,7 +208,7 @@ def test_a_full_disk_is_a_clear_error_and_the_pool_restarts(tmp_path: Path) -> N
             assert "job-before" in [lease.job_key for lease in client.list_leases()]
         filler.unlink()
         with cluster.client() as client:
-            client.allocate("job-after", "alice", 1, fraction=0.25)
+            client.allocate("job-after", "alice", 1, percent=25)
     finally:
         cluster.stop_all()
         subprocess.run(["umount", "-l", str(disk)], check=False)
@@ -227,7 +227,7 @@ def test_release_on_a_full_disk_is_one_line_naming_the_state_file_and_its_disk(t
         with cluster.client() as client:
             register_servers(client, servers=1, gpus=4)
             for n in range(20):
-                client.allocate(f"job-{n}", "alice", 1, fraction=0.01)
+                client.allocate(f"job-{n}", "alice", 1, percent=1)
         filler = _fill(disk)
         refused = []
         with cluster.client() as client:

@@ -296,7 +296,7 @@ def test_a_released_lease_loses_its_sessions_and_its_token(cluster: RgpuCluster)
     address = f"127.0.0.1:{port}"
     wait_state(cluster, address, "up")
     with cluster.client() as client:
-        token = client.allocate("job-revoke", "alice", 1, fraction=0.5).slices[0].token
+        token = client.allocate("job-revoke", "alice", 1, percent=50).slices[0].token
     protocol.probe(address, token)
     session, _ = protocol.handshake(address, token)   # a worker process now serves it (emulated device)
     try:
@@ -316,7 +316,7 @@ def test_a_released_lease_loses_its_sessions_and_its_token(cluster: RgpuCluster)
 
     # The same job key leased again: the new token works at once, the old one stays refused.
     with cluster.client() as client:
-        fresh = client.allocate("job-revoke", "alice", 1, fraction=0.5).slices[0].token
+        fresh = client.allocate("job-revoke", "alice", 1, percent=50).slices[0].token
     assert fresh != token
     protocol.probe(address, fresh)
     with pytest.raises(AuthError, match="was released or reclaimed"):

@@ -49,7 +49,7 @@ def test_session_workers_die_with_their_dispatcher(cluster: RgpuCluster) -> None
     address = f"127.0.0.1:{port}"
     wait_state(cluster, address, "up")
     with cluster.client() as client:
-        token = client.allocate("job-orphan", "alice", 1, fraction=0.5).slices[0].token
+        token = client.allocate("job-orphan", "alice", 1, percent=50).slices[0].token
     sessions = [protocol.handshake(address, token)[0] for _ in range(2)]
     wait_for(lambda: daemon.log().count(": job job-orphan slice 0 on ") >= 2, what="the sessions")
     pids = [int(line.split("session ", 1)[1].split(":", 1)[0]) for line in daemon.log().splitlines()
@@ -76,7 +76,7 @@ def test_a_dispatcher_that_has_not_heard_from_the_pool_refuses_tokens(cluster: R
     address = f"127.0.0.1:{port}"
     wait_state(cluster, address, "up")
     with cluster.client() as client:
-        token = client.allocate("job-revoked", "alice", 1, fraction=0.5).slices[0].token
+        token = client.allocate("job-revoked", "alice", 1, percent=50).slices[0].token
         assert client.release("job-revoked")
     assert cluster.pool is not None
     cluster.pool.kill()
@@ -91,7 +91,7 @@ def test_a_dispatcher_that_has_not_heard_from_the_pool_refuses_tokens(cluster: R
     wait_for(lambda: _refusal(address, token) is not None and "released or reclaimed" in _refusal(address, token),
              what="the revoked token to be refused as revoked")
     with cluster.client() as client:
-        fresh = client.allocate("job-fresh", "alice", 1, fraction=0.5).slices[0].token
+        fresh = client.allocate("job-fresh", "alice", 1, percent=50).slices[0].token
     protocol.probe(address, fresh, timeout=5)
 
 

@@ -45,7 +45,7 @@ def _up(cluster: RgpuCluster, nofile: int | None = None) -> tuple[object, str, s
     address = f"127.0.0.1:{port}"
     wait_state(cluster, address, "up")
     with cluster.client() as client:
-        token = client.allocate("job-door", "alice", 1, fraction=0.5).slices[0].token
+        token = client.allocate("job-door", "alice", 1, percent=50).slices[0].token
     return daemon, address, token
 
 

@@ -20,7 +20,7 @@ def test_listing_follows_leases_drains_down_servers_and_removals(tmp_path: Path)
         return [(g.server, g.server_state, g.gpu.index, g.allocated_percent) for g in core.gpu_statuses()]
 
     assert view() == expected() and len(view()) == 6
-    core.allocate(req("a", count=2, fraction=0.5))
+    core.allocate(req("a", count=2, percent=50))
     assert view() == expected()
     core.set_drained("gpu1", True)
     assert view() == expected()

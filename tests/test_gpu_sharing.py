@@ -44,8 +44,8 @@ def test_bad_sharing_settings_are_one_line_errors(text: str, error: str) -> None
 
 
 def test_flexrun_isolation_option() -> None:
-    assert parse_args(["-n", "1", "-p", "0.5", "--isolation", "strict", "--", "app"]).size.isolation == "strict"
-    assert parse_args(["-n", "1", "--", "app"]).size.isolation == ""
+    assert parse_args(["-n", "1", "-p", "0.5", "--isolation", "strict", "--", "app"]).isolation == "strict"
+    assert parse_args(["-n", "1", "--", "app"]).isolation == ""
     with pytest.raises(InvalidRequest, match="--isolation 'loose' is unknown"):
         parse_args(["-n", "1", "--isolation", "loose", "--", "app"])
     with pytest.raises(InvalidRequest, match="cannot be used with -f"):

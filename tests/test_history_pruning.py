@@ -33,7 +33,7 @@ def churn(cluster: RgpuCluster, count: int) -> None:
     with cluster.client() as client:
         register_servers(client, servers=1, gpus=1)
         for n in range(count):
-            client.allocate(f"job-{n:02d}", "alice", 1, fraction=0.5)
+            client.allocate(f"job-{n:02d}", "alice", 1, percent=50)
             client.release(f"job-{n:02d}")
 
 

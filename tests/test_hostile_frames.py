@@ -33,7 +33,7 @@ def served_session(root: Path, flags: int = 0) -> Iterator[tuple[RgpuCluster, so
         address = f"127.0.0.1:{port}"
         wait_state(cluster, address, "up")
         with cluster.client() as client:
-            token = client.allocate("job-hostile", "alice", 1, fraction=0.5).slices[0].token
+            token = client.allocate("job-hostile", "alice", 1, percent=50).slices[0].token
         sock, _welcome = protocol.handshake(address, token, flags=flags)
         try:
             yield cluster, sock

@@ -169,7 +169,7 @@ def test_slow_connections_to_the_pools_dashboard_and_metrics_leave_admins_served
         time.sleep(2.0)
         for n in range(10):
             with cluster.client() as admin:
-                lease = admin.allocate(f"job-{n}", "alice", 1, fraction=0.1)
+                lease = admin.allocate(f"job-{n}", "alice", 1, percent=10)
                 assert [x.job_key for x in admin.list_leases()] == [f"job-{n}"]
                 admin.release(lease.job_key)
             time.sleep(0.2)
@@ -191,7 +191,7 @@ def test_idle_connections_to_a_dispatchers_metrics_leave_its_sessions_open(clust
     wait_state(cluster, address, "up")
     metrics_port = wait_for_port_file(cluster.root / "dmetrics.port", daemon)
     with cluster.client() as client:
-        token = client.allocate("job-m", "alice", 1, fraction=0.5).slices[0].token
+        token = client.allocate("job-m", "alice", 1, percent=50).slices[0].token
     assert daemon.proc is not None
     threads_before = threads_of(daemon.proc.pid)
     idle = []

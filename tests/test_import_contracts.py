@@ -1,13 +1,15 @@
 """Dependencies point one way (README, "Architecture"): the import-linter contracts in
-pyproject.toml, run by `lint-imports` on the package's import layout.
+pyproject.toml, run by `lint-imports` on the checkout.
 
 The editable install maps `rgpu.remoting` to remoting/ (and so on) through an import hook, which
-import-linter's graph builder cannot follow; so the test lays the package out as it installs (a
-copy of its .py files, folder by folder, after pyproject's package-dir mapping) and checks that.
+import-linter's graph builder cannot follow; so the test lays the checkout out at its import paths
+with scripts/package_view.py (symbolic links, nothing copied: what is checked is the checkout's own
+files) and checks that, as .ci/run does.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -25,26 +27,13 @@ def _config() -> dict:
     return tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))
 
 
-def _folder(package: str, package_dir: dict[str, str]) -> Path:
-    """The source folder of `package` under setuptools' package-dir mapping (longest prefix wins)."""
-    parts = package.split(".")
-    for n in range(len(parts), 0, -1):
-        prefix = ".".join(parts[:n])
-        if prefix in package_dir:
-            return REPO / package_dir[prefix] / Path(*parts[n:])
-    return REPO / Path(*parts)
-
-
-def installed_layout(root: Path) -> Path:
-    """The package's .py files under `root`, at their import paths."""
-    setuptools = _config()["tool"]["setuptools"]
-    for package in setuptools["packages"]:
-        source = _folder(package, setuptools.get("package-dir", {}))
-        target = root / Path(*package.split("."))
-        target.mkdir(parents=True, exist_ok=True)
-        for path in source.glob("*.py"):
-            shutil.copy2(path, target / path.name)
-    return root
+def package_view(root: Path) -> Path:
+    """The checkout at its import paths under `root`, as links (scripts/package_view.py, in-process)."""
+    spec = importlib.util.spec_from_file_location("package_view", REPO / "scripts" / "package_view.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.build(root)
 
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
@@ -53,13 +42,13 @@ def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
     if exe is None:
         pytest.fail("lint-imports is missing: install the test extra (pip install -e '.[test]')")
     env = {**os.environ, "PYTHONPATH": str(root)}
-    return subprocess.run([exe, "--config", str(PYPROJECT), "--no-cache"], cwd=root, env=env, capture_output=True,
+    return subprocess.run([exe, "--no-cache", str(PYPROJECT)], cwd=root, env=env, capture_output=True,
                           text=True, timeout=300, check=False)
 
 
 @pytest.mark.integration   # runs lint-imports
 def test_the_import_contracts_hold(tmp_path: Path) -> None:
-    run = lint_imports(installed_layout(tmp_path))
+    run = lint_imports(package_view(tmp_path / "view"))
     assert run.returncode == 0, f"an import breaks a contract in pyproject.toml:\n{run.stdout}\n{run.stderr}"
     count = len(_config()["tool"]["importlinter"]["contracts"])
     assert f"Contracts: {count} kept, 0 broken." in run.stdout, run.stdout
@@ -67,13 +56,24 @@ def test_the_import_contracts_hold(tmp_path: Path) -> None:
 
 @pytest.mark.integration
 def test_a_broken_contract_fails(tmp_path: Path) -> None:
-    root = installed_layout(tmp_path)
-    units = root / "rgpu" / "units.py"
-    units.write_text(units.read_text() + "\nimport rgpu.remoting.pool.daemon  # a core module importing the pool\n")
+    root = package_view(tmp_path / "view")
+    units = root / "rgpu" / "units.py"           # a link into the checkout: replaced, not written through
+    text = units.read_text()
+    units.unlink()
+    units.write_text(text + "\nimport rgpu.remoting.pool.daemon  # a core module importing the pool\n")
+    assert "rgpu.remoting" not in (REPO / "rgpu" / "units.py").read_text()
     run = lint_imports(root)
     assert run.returncode != 0, run.stdout
     assert "the core (rgpu/*.py, rgpu.proto) imports no component BROKEN" in run.stdout, run.stdout
     assert "rgpu.units -> rgpu.remoting.pool.daemon" in run.stdout, run.stdout
+
+
+def test_the_view_links_every_file_of_the_package_and_copies_none(tmp_path: Path) -> None:
+    root = package_view(tmp_path / "view")
+    assert (root / "rgpu" / "units.py").resolve() == REPO / "rgpu" / "units.py"
+    assert (root / "rgpu" / "remoting").resolve() == REPO / "remoting"
+    assert (root / "rgpu" / "remoting" / "pool" / "rules.py").is_file()
+    assert not [p for p in (root / "rgpu").iterdir() if not p.is_symlink()]
 
 
 def test_the_core_contracts_name_every_core_module() -> None:

@@ -469,3 +469,21 @@ def test_requests_the_pool_can_serve_pass_the_capability_check(plugin_dir: Path,
 
 def test_an_unknown_pool_turns_the_capability_check_off(plugin_dir: Path) -> None:
     assert call(plugin_dir, job_desc("gres:rgpu:1", "isolation=strict"))["rc"] == 0   # CONF has no pool_gpus
+
+
+SIZES = json.loads((REPO / "tests" / "data" / "slice_size_cases.json").read_text())
+
+
+@pytest.mark.parametrize("case", SIZES["fractions"] + SIZES["memory"], ids=lambda c: repr(c["text"]))
+def test_slurms_gate_takes_and_refuses_the_sizes_every_tool_does(plugin_dir: Path, case: dict[str, Any]) -> None:
+    """tests/data/slice_size_cases.json: the cases rgpu.slice_size, rgpu-admin, flexrun and the pool
+    are tested against (tests/test_slice_size.py)."""
+    word = "fraction" if case in SIZES["fractions"] else "memory"
+    result = call(plugin_dir, job_desc("gres:rgpu:1", f"{word}={case['text']}"))
+    if "what" in case:
+        (message,) = user_messages(result)
+        assert message.startswith(f"rgpu: job_submit: {case['what']} (") and case.get("why", "") in message, message
+        return
+    assert result["rc"] == 0 and user_messages(result) == [], result
+    size = f"percent={case['percent']}" if word == "fraction" else f"memory={case['bytes']}"
+    assert f" {size} " in result["admin_comment"], result

@@ -35,11 +35,11 @@ def test_pool_lists_live_unexpired_slices_per_server(tmp_path: Path) -> None:
     clock = Clock()
     core = make_core(tmp_path / "p.db", clock)
     mine, other = server(0).address, server(1).address
-    spread = core.allocate(req("job-spread", 2, fraction=1.0))
+    spread = core.allocate(req("job-spread", 2, percent=100))
     clock.now += 1
-    short = core.allocate(req("job-ttl", 1, fraction=0.5, ttl_seconds=10))
+    short = core.allocate(req("job-ttl", 1, percent=50, ttl_seconds=10))
     clock.now += 1
-    gone = core.allocate(req("job-gone", 1, fraction=0.25))
+    gone = core.allocate(req("job-gone", 1, percent=25))
     core.release("job-gone")
     clock.now += 1
 

@@ -202,10 +202,10 @@ def test_pool_and_dispatcher_metrics_over_http(cluster: RgpuCluster) -> None:
 
     with cluster.client() as client:
         client.set_quota("user", "bob", 10)
-        lease = client.allocate("job-m1", "alice", 2, fraction=0.5)
-        client.allocate("job-m1", "alice", 2, fraction=0.5)                    # the same lease again
+        lease = client.allocate("job-m1", "alice", 2, percent=50)
+        client.allocate("job-m1", "alice", 2, percent=50)                    # the same lease again
         with pytest.raises(CapacityError):
-            client.allocate("job-m2", "bob", 1, fraction=0.5)                 # over bob's quota
+            client.allocate("job-m2", "bob", 1, percent=50)                 # over bob's quota
         with pytest.raises(CapacityError):
             client.allocate("job-m3", "carol", 1, memory_bytes=10_000 * GIB)  # no GPU that large
 

@@ -82,23 +82,23 @@ def refused(code: grpc.StatusCode, call: object) -> str:
 
 
 def test_a_user_leases_as_who_munge_says_never_as_someone_else(cluster: RgpuCluster, munge_socket: str) -> None:
-    lease = as_user(cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key="u1", count=1, fraction=0.5))
+    lease = as_user(cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key="u1", count=1, percent=50))
     assert lease.user == USER and lease.slices[0].token   # type: ignore[attr-defined]
     text = refused(grpc.StatusCode.PERMISSION_DENIED, lambda: as_user(
-        cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key="u2", user="victim", count=1, fraction=0.5)))
+        cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key="u2", user="victim", count=1, percent=50)))
     assert "cannot lease GPUs as victim" in text and f"MUNGE says you are {USER}" in text
     with cluster.client() as admin:
         assert [(x.job_key, x.user) for x in admin.list_leases()] == [("u1", USER)]
         admin.set_quota("user", USER, 0)
     refused(grpc.StatusCode.PERMISSION_DENIED, lambda: as_user(
-        cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key="u3", count=1, fraction=0.5)))
+        cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key="u3", count=1, percent=50)))
 
 
 def test_a_user_sees_others_leases_without_tokens_and_cannot_touch_them(cluster: RgpuCluster,
                                                                        munge_socket: str) -> None:
     with cluster.client() as admin:
-        admin.allocate("alice-job", "alice", 1, fraction=0.5)
-    as_user(cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key="mine", count=1, fraction=0.25))
+        admin.allocate("alice-job", "alice", 1, percent=50)
+    as_user(cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key="mine", count=1, percent=25))
     leases = {x.job_key: x for x in as_user(cluster, munge_socket, "ListLeases", pb.ListLeasesRequest()).leases}
     assert leases["alice-job"].user == "alice" and all(s.token == "" for s in leases["alice-job"].slices)
     assert all(s.token for s in leases["mine"].slices)
@@ -106,7 +106,7 @@ def test_a_user_sees_others_leases_without_tokens_and_cannot_touch_them(cluster:
     assert all(s.token == "" for s in other.slices)   # type: ignore[attr-defined]
     for name, request in (("Release", pb.ReleaseRequest(job_key="alice-job")),
                           ("Renew", pb.RenewRequest(job_key="alice-job", ttl_seconds=60)),
-                          ("Allocate", pb.AllocateRequest(job_key="alice-job", count=1, fraction=0.5))):
+                          ("Allocate", pb.AllocateRequest(job_key="alice-job", count=1, percent=50))):
         text = refused(grpc.StatusCode.PERMISSION_DENIED, lambda: as_user(cluster, munge_socket, name, request))
         assert "belongs to alice" in text
     assert as_user(cluster, munge_socket, "Release", pb.ReleaseRequest(job_key="mine")).released
@@ -143,14 +143,14 @@ def test_munge_credentials_are_bound_to_one_call_and_used_once(cluster: RgpuClus
 def test_a_credential_sent_with_a_rewritten_request_is_refused(cluster: RgpuCluster, munge_socket: str) -> None:
     """Issue 26, MED 7: a Release credential with the request rewritten released another lease of the user's."""
     for key in ("keep", "drop"):
-        as_user(cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key=key, count=1, fraction=0.25,
+        as_user(cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key=key, count=1, percent=25,
                                                                           ttl_seconds=60))
     for name, signed, sent in (
             ("Release", pb.ReleaseRequest(job_key="drop"), pb.ReleaseRequest(job_key="keep")),
             ("Renew", pb.RenewRequest(job_key="keep", ttl_seconds=60), pb.RenewRequest(job_key="keep",
                                                                                        ttl_seconds=10**7)),
-            ("Allocate", pb.AllocateRequest(job_key="small", count=1, fraction=0.1),
-             pb.AllocateRequest(job_key="small", count=1, fraction=0.9))):
+            ("Allocate", pb.AllocateRequest(job_key="small", count=1, percent=10),
+             pb.AllocateRequest(job_key="small", count=1, percent=90))):
         cred = user_credential(munge_socket, cluster, name, signed)
         text = refused(grpc.StatusCode.UNAUTHENTICATED, lambda: as_user(cluster, munge_socket, name, sent, cred))
         assert text == ("rgpu: pool: call refused (MUNGE credential made for another request (the request was "
@@ -189,7 +189,7 @@ def test_a_credential_made_for_one_pool_is_refused_at_another(tmp_path: Path) ->
             pools.append(c)
         a, b = pools
         assert munged.pool_name(a.pool_address) != munged.pool_name(b.pool_address)
-        request = pb.AllocateRequest(job_key="at-a", count=1, fraction=0.9)
+        request = pb.AllocateRequest(job_key="at-a", count=1, percent=90)
         cred = user_credential(munge_socket, a, "Allocate", request)   # made by the munged the user's node runs
         assert as_user(a, munge_socket, "Allocate", request, cred).user == USER
         text = refused(grpc.StatusCode.UNAUTHENTICATED, lambda: as_user(b, munge_socket, "Allocate", request, cred))
@@ -200,7 +200,7 @@ def test_a_credential_made_for_one_pool_is_refused_at_another(tmp_path: Path) ->
         # rgpu's own client learns each pool's name: allocate, renew, list and release at both.
         for c in pools:
             with PoolClient(c.pool_address, None, munge_socket=munge_socket) as client:
-                assert client.allocate("mine", "", 1, fraction=0.25, ttl_seconds=60).job_key == "mine"
+                assert client.allocate("mine", "", 1, percent=25, ttl_seconds=60).job_key == "mine"
                 assert client.renew("mine", 120).job_key == "mine"
                 assert "mine" in [x.job_key for x in client.list_leases()]
                 assert client.list_gpus() and client.capacity().gpus == 2
@@ -215,7 +215,7 @@ def test_rgpus_own_client_uses_munge_without_the_secret(cluster: RgpuCluster, mu
                                                         tmp_path: Path) -> None:
     me = pwd.getpwuid(os.getuid()).pw_name
     with PoolClient(cluster.pool_address, None, munge_socket=munge_socket) as client:
-        lease = client.allocate("via-libmunge", "", 1, fraction=0.5)
+        lease = client.allocate("via-libmunge", "", 1, percent=50)
         assert lease.user == me
     env = cluster.env(RGPU_SECRET_FILE=str(tmp_path / "no-secret-here"))
     admin = [sys.executable, "-m", "rgpu.remoting.admin.cli"]
@@ -244,7 +244,7 @@ HOSTILE_ACCOUNTS = ["x" * 100_000, "chem\nphysics", f"chem;touch {PWNED}", f"$(t
 def test_a_user_charges_only_accounts_the_map_gives_them(cluster: RgpuCluster, munge_socket: str) -> None:
     def lease(job_key: str, account: str) -> object:
         return as_user(cluster, munge_socket, "Allocate",
-                       pb.AllocateRequest(job_key=job_key, account=account, count=1, fraction=0.1))
+                       pb.AllocateRequest(job_key=job_key, account=account, count=1, percent=10))
 
     assert lease("own", "chem").account == "chem"             # type: ignore[attr-defined]
     assert lease("default", "").account == "physics"          # type: ignore[attr-defined]
@@ -259,7 +259,7 @@ def test_a_user_charges_only_accounts_the_map_gives_them(cluster: RgpuCluster, m
         assert "\n" not in details and len(details) < 700 and details.startswith("rgpu: request: invalid account ")
     assert not Path(PWNED).exists()
     with cluster.client() as admin:                           # the secret: Slurm's prologs charge the job's account
-        assert admin.allocate("slurm:job", USER, 1, fraction=0.1, account="bio").account == "bio"
+        assert admin.allocate("slurm:job", USER, 1, percent=10, account="bio").account == "bio"
         assert sorted((x.job_key, x.account) for x in admin.list_leases()) == [
             ("default", "physics"), ("own", "chem"), ("slurm:job", "bio")]
 
@@ -283,7 +283,7 @@ def test_accounts_come_from_a_real_slurmdbd_and_fail_closed_without_it(tmp_path:
 
         def lease(job_key: str, account: str) -> object:
             return as_user(c, munge_socket, "Allocate",
-                           pb.AllocateRequest(job_key=job_key, account=account, count=1, fraction=0.1))
+                           pb.AllocateRequest(job_key=job_key, account=account, count=1, percent=10))
 
         assert lease("default", "").account == "chem"        # type: ignore[attr-defined]
         assert lease("own", "physics").account == "physics"  # type: ignore[attr-defined]
@@ -300,7 +300,7 @@ def test_accounts_come_from_a_real_slurmdbd_and_fail_closed_without_it(tmp_path:
         assert "\n" not in details and details.startswith(f"rgpu: pool: cannot check which accounts {USER} may charge")
         assert "sacctmgr" in details and "Connection refused" in details and "slurmdbd" in details, details
         with c.client() as admin:                            # daemons and admins do not depend on slurmdbd
-            assert admin.allocate("slurm:job", USER, 1, fraction=0.1, account="physics").account == "physics"
+            assert admin.allocate("slurm:job", USER, 1, percent=10, account="physics").account == "physics"
     finally:
         c.stop_all()
         dbd.stop()
@@ -349,7 +349,7 @@ def test_rgpu_admin_run_by_another_uid_acts_as_that_user_only(cluster: RgpuClust
     with cluster.client() as root:
         mine = root.get_lease("cli-mine")
         assert (mine.user, mine.account) == (USER, "physics")     # who MUNGE says; their default account
-        root.allocate("root-job", "root", 1, fraction=0.1)
+        root.allocate("root-job", "root", 1, percent=10)
     one_line_refusal(user_runtime.run([*request, "--job-key", "as-root", "--user", "root"], env),
                      "cannot lease GPUs as root", f"MUNGE says you are {USER}")
     one_line_refusal(user_runtime.run([*request, "--job-key", "env-root"], {**env, "USER": "root", "LOGNAME": "root"}),
@@ -399,13 +399,13 @@ def test_slurm_job_keys_are_reserved_for_the_daemons(cluster: RgpuCluster, munge
     key = "slurm:test:4242:0:c1"
     for squat in (key, "SLURM:test:4243:0:c1"):
         text = refused(grpc.StatusCode.PERMISSION_DENIED, lambda: as_user(
-            cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key=squat, count=1, fraction=0.25)))
+            cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key=squat, count=1, percent=25)))
         assert "is reserved" in text and "Slurm prologs" in text and "pick another key" in text, text
     with cluster.client() as prolog:   # the secret: what PrologSlurmctld holds
-        lease = prolog.allocate(key, USER, 1, fraction=0.25, account="physics")
+        lease = prolog.allocate(key, USER, 1, percent=25, account="physics")
         assert lease.job_key == key and lease.user == USER
     lease = as_user(cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key="my-slurm:run", count=1,
-                                                                         fraction=0.25))
+                                                                         percent=25))
     assert lease.job_key == "my-slurm:run"   # type: ignore[attr-defined]
 
 
@@ -422,16 +422,16 @@ def test_a_users_lease_calls_are_rate_limited_with_the_time_to_retry(cluster: Rg
     cluster.start_pool()
     with PoolClient(cluster.pool_address, None, munge_socket=munge_socket) as me:
         for n in range(3):
-            me.allocate(f"burst-{n}", "", 1, fraction=0.1)
+            me.allocate(f"burst-{n}", "", 1, percent=10)
         with pytest.raises(CapacityError) as info:
             me.release("burst-0")
         text = str(info.value)
         assert "\n" not in text and text.startswith("rgpu: pool: user ") and "faster than this pool allows" in text
         assert "retry in " in text and "user_lease_calls_per_second" in text, text
         assert [x.job_key for x in me.list_leases()]          # listing is not a lease call: not limited
-    lease = as_user(cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key="other-user", count=1, fraction=0.1))
+    lease = as_user(cluster, munge_socket, "Allocate", pb.AllocateRequest(job_key="other-user", count=1, percent=10))
     assert lease.user == USER                                  # another user's own bucket
     with cluster.client() as admin:
         for n in range(10):                                    # the secret holders: not limited
-            admin.allocate(f"admin-{n}", "ops", 1, fraction=0.05)
+            admin.allocate(f"admin-{n}", "ops", 1, percent=5)
             admin.release(f"admin-{n}")

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rgpu.errors import CapacityError, InvalidRequest
-from rgpu.remoting.pool.placement import GpuSlot, SliceRequest, percent_of_fraction, place
+from rgpu.remoting.pool.placement import GpuSlot, SliceRequest, place
 
 GiB = 2**30
 
@@ -34,9 +34,9 @@ def apply(slots: list[GpuSlot], placed) -> list[GpuSlot]:  # type: ignore[no-unt
 requests = st.builds(
     SliceRequest,
     count=st.integers(1, 6),
-    fraction=st.one_of(st.none(), st.floats(0.01, 1.0)),
+    percent=st.one_of(st.none(), st.integers(1, 100)),
     memory_bytes=st.none(),
-).map(lambda r: r if r.fraction is not None else SliceRequest(count=r.count, memory_bytes=r.count * 7 * GiB))
+).map(lambda r: r if r.percent is not None else SliceRequest(count=r.count, memory_bytes=r.count * 7 * GiB))
 
 
 @settings(max_examples=200, deadline=None)
@@ -58,48 +58,47 @@ def test_never_overcommits_and_uses_distinct_gpus(reqs, policy, servers, per_ser
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.floats(0.001, 1.0))
-def test_fraction_sizes(fraction):  # type: ignore[no-untyped-def]
-    [placed] = place(gpus(1, 1), SliceRequest(count=1, fraction=fraction))
-    assert placed.memory_limit_bytes == int(fraction * 80 * GiB)
-    assert 1 <= placed.compute_percent <= 100
-    assert placed.compute_percent == max(1, int(100 * fraction + 0.5))
+@given(st.integers(1, 100))
+def test_percent_sizes(percent):  # type: ignore[no-untyped-def]
+    [placed] = place(gpus(1, 1), SliceRequest(count=1, percent=percent))
+    assert placed.memory_limit_bytes == 80 * GiB * percent // 100
+    assert placed.compute_percent == percent
 
 
 def test_half_slices_binpack_fill_one_gpu_before_the_next() -> None:
     slots = gpus(2, 2)
-    a = place(slots, SliceRequest(count=1, fraction=0.5))
+    a = place(slots, SliceRequest(count=1, percent=50))
     slots = apply(slots, a)
-    b = place(slots, SliceRequest(count=1, fraction=0.5))
+    b = place(slots, SliceRequest(count=1, percent=50))
     assert a[0].gpu.uuid == b[0].gpu.uuid  # binpack keeps the other GPUs whole
 
 
 def test_spread_uses_empty_gpus_first() -> None:
     slots = gpus(1, 2)
-    a = place(slots, SliceRequest(count=1, fraction=0.5), "spread")
-    b = place(apply(slots, a), SliceRequest(count=1, fraction=0.5), "spread")
+    a = place(slots, SliceRequest(count=1, percent=50), "spread")
+    b = place(apply(slots, a), SliceRequest(count=1, percent=50), "spread")
     assert a[0].gpu.uuid != b[0].gpu.uuid
 
 
 def test_job_prefers_one_server_and_spans_servers_only_when_needed() -> None:
     slots = gpus(3, 4)
-    placed = place(slots, SliceRequest(count=4, fraction=1.0))
+    placed = place(slots, SliceRequest(count=4, percent=100))
     assert len({p.gpu.server for p in placed}) == 1
-    placed = place(slots, SliceRequest(count=6, fraction=1.0))
+    placed = place(slots, SliceRequest(count=6, percent=100))
     assert len({p.gpu.server for p in placed}) == 2
 
 
 def test_never_places_on_ineligible_servers() -> None:
     slots = [replace(g, eligible=g.server.startswith("10.0.0.1")) for g in gpus(2, 2)]
-    placed = place(slots, SliceRequest(count=2, fraction=1.0))
+    placed = place(slots, SliceRequest(count=2, percent=100))
     assert {p.gpu.server for p in placed} == {"10.0.0.1:55001"}
     with pytest.raises(CapacityError):
-        place(slots, SliceRequest(count=3, fraction=1.0))
+        place(slots, SliceRequest(count=3, percent=100))
 
 
 def test_capacity_error_says_what_is_free_and_what_was_asked() -> None:
     with pytest.raises(CapacityError) as err:
-        place(gpus(1, 2), SliceRequest(count=3, fraction=0.5))
+        place(gpus(1, 2), SliceRequest(count=3, percent=50))
     text = str(err.value)
     assert text.startswith("rgpu: pool: cannot place 3 slice(s) of fraction 0.5")
     assert "200 GPU-percent" in text and "asked 3" in text
@@ -109,11 +108,11 @@ def test_filters() -> None:
     slots = gpus(1, 2, name="NVIDIA H100") + [
         GpuSlot(server="10.0.0.9:55001", hostname="big", uuid="GPU-big", index=0, name="NVIDIA H200",
                 usable_memory_bytes=141 * GiB)]
-    assert place(slots, SliceRequest(count=1, fraction=0.5, gpu_model="h200"))[0].gpu.uuid == "GPU-big"
-    assert place(slots, SliceRequest(count=1, fraction=0.5, server="big"))[0].gpu.uuid == "GPU-big"
-    assert place(slots, SliceRequest(count=1, fraction=0.5, min_memory_bytes=100 * GiB))[0].gpu.uuid == "GPU-big"
+    assert place(slots, SliceRequest(count=1, percent=50, gpu_model="h200"))[0].gpu.uuid == "GPU-big"
+    assert place(slots, SliceRequest(count=1, percent=50, server="big"))[0].gpu.uuid == "GPU-big"
+    assert place(slots, SliceRequest(count=1, percent=50, min_memory_bytes=100 * GiB))[0].gpu.uuid == "GPU-big"
     with pytest.raises(CapacityError):
-        place(slots, SliceRequest(count=2, fraction=0.5, gpu_model="h200"))
+        place(slots, SliceRequest(count=2, percent=50, gpu_model="h200"))
 
 
 def test_memory_sized_slices() -> None:
@@ -127,8 +126,7 @@ def test_bad_requests() -> None:
     with pytest.raises(InvalidRequest):
         place(gpus(1, 1), SliceRequest(count=1))
     with pytest.raises(InvalidRequest):
-        place(gpus(1, 1), SliceRequest(count=1, fraction=0.5), "random")
-    assert percent_of_fraction(0.125) == 13 and percent_of_fraction(0.001) == 1
+        place(gpus(1, 1), SliceRequest(count=1, percent=50), "random")
 
 
 def test_strict_isolation_goes_only_on_isolated_or_exclusive_gpus() -> None:
@@ -138,17 +136,17 @@ def test_strict_isolation_goes_only_on_isolated_or_exclusive_gpus() -> None:
                      usable_memory_bytes=80 * GiB, sharing="isolated"),
              GpuSlot(server="10.0.0.1:55001", hostname="a", uuid="GPU-excl", index=2, name="NVIDIA H100",
                      usable_memory_bytes=80 * GiB, sharing="exclusive")]
-    (half,) = place(slots, SliceRequest(count=1, fraction=0.5, isolation="strict"))
+    (half,) = place(slots, SliceRequest(count=1, percent=50, isolation="strict"))
     assert half.gpu.uuid == "GPU-iso"                  # the exclusive GPU takes whole GPUs only
-    both = place(slots, SliceRequest(count=2, fraction=1.0, isolation="strict"))
+    both = place(slots, SliceRequest(count=2, percent=100, isolation="strict"))
     assert {p.gpu.uuid for p in both} == {"GPU-iso", "GPU-excl"}
     with pytest.raises(CapacityError, match="isolation=strict"):
-        place(slots, SliceRequest(count=3, fraction=1.0, isolation="strict"))
+        place(slots, SliceRequest(count=3, percent=100, isolation="strict"))
     # Without isolation a partial slice may go on mps or isolated GPUs, never on the exclusive one.
-    placed = place(slots, SliceRequest(count=2, fraction=0.25))
+    placed = place(slots, SliceRequest(count=2, percent=25))
     assert {p.gpu.uuid for p in placed} == {"GPU-mps", "GPU-iso"}
     with pytest.raises(CapacityError):
-        place(slots, SliceRequest(count=3, fraction=0.25))
+        place(slots, SliceRequest(count=3, percent=25))
 
 
 def place_in_turn(gpus: list[GpuSlot], requests: list[SliceRequest]) -> None:
@@ -169,8 +167,8 @@ def test_fits_in_every_order_tries_each_order_the_leases_may_come_in() -> None:
 
     gpus = [GpuSlot(server=f"s{i // 2}", hostname=f"h{i // 2}", uuid=f"GPU-{i}", index=i % 2, name="H100",
                     usable_memory_bytes=80 << 30) for i in range(4)]
-    quarter, half, whole = (SliceRequest(count=1, fraction=f) for f in (0.25, 0.5, 1.0))
-    two_quarters, two_halves = SliceRequest(count=2, fraction=0.25), SliceRequest(count=2, fraction=0.5)
+    quarter, half, whole = (SliceRequest(count=1, percent=p) for p in (25, 50, 100))
+    two_quarters, two_halves = SliceRequest(count=2, percent=25), SliceRequest(count=2, percent=50)
     place_in_turn(gpus, [two_halves, two_quarters, half, half, quarter, quarter, whole])
     with pytest.raises(CapacityError):
         place_in_turn(gpus, [quarter, half, two_halves, whole, quarter, half, two_quarters])

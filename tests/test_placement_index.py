@@ -43,13 +43,13 @@ def pools(draw: st.DrawFn) -> tuple[list[GpuSlot], dict[str, bool]]:
 requests = st.builds(
     SliceRequest,
     count=st.integers(1, 9),
-    fraction=st.one_of(st.none(), st.sampled_from([0.1, 0.25, 0.3, 0.5, 0.75, 1.0]), st.floats(0.01, 1.0)),
+    percent=st.one_of(st.none(), st.sampled_from([10, 25, 30, 50, 75, 100]), st.integers(1, 100)),
     memory_bytes=st.sampled_from([5 * GiB, 20 * GiB, 41 * GiB]),
     gpu_model=st.sampled_from(["", "", "", "h100", "A100", "l4"]),
     server=st.sampled_from(["", "", "", "", "gpu1", "10.0.1.1:55001", "10.0.0.3:55001", "nowhere"]),
     min_memory_bytes=st.sampled_from([0, 0, 0, 60 * GiB]),
     isolation=st.sampled_from(["", "", "strict"]),
-).map(lambda r: replace(r, memory_bytes=None) if r.fraction is not None else r)
+).map(lambda r: replace(r, memory_bytes=None) if r.percent is not None else r)
 
 
 def indexed(slots: list[GpuSlot], up: dict[str, bool]) -> PlacementIndex:
@@ -110,17 +110,17 @@ def test_servers_left_out_of_the_index_are_never_used() -> None:
     slot = GpuSlot(server="10.0.0.1:55001", hostname="gpu1", uuid="GPU-1", index=0, name="NVIDIA H100",
                    usable_memory_bytes=80 * GiB)
     index.set_server(slot.server, [slot])
-    assert index.place(SliceRequest(count=1, fraction=0.5), "binpack", lambda a: True)
+    assert index.place(SliceRequest(count=1, percent=50), "binpack", lambda a: True)
     index.set_server(slot.server, None)   # drained: the pool takes it out
-    assert index.place(SliceRequest(count=1, fraction=0.5), "binpack", lambda a: True) is None
+    assert index.place(SliceRequest(count=1, percent=50), "binpack", lambda a: True) is None
     assert len(index) == 0
 
 
 def test_bad_requests_are_refused_as_by_the_reference() -> None:
     with pytest.raises(InvalidRequest):
-        PlacementIndex().place(SliceRequest(count=1, fraction=0.5), "roundrobin", lambda a: True)
+        PlacementIndex().place(SliceRequest(count=1, percent=50), "roundrobin", lambda a: True)
     with pytest.raises(InvalidRequest):
-        PlacementIndex().place(SliceRequest(count=0, fraction=0.5), "binpack", lambda a: True)
+        PlacementIndex().place(SliceRequest(count=0, percent=50), "binpack", lambda a: True)
 
 
 @settings(max_examples=300, deadline=None)

@@ -43,7 +43,7 @@ def test_random_allocate_release_keeps_accounting_exact(tmp_path: Path, ops) -> 
     for key, allocate, count in ops:
         if allocate:
             try:
-                lease = core.allocate(req(key, count, 0.5))
+                lease = core.allocate(req(key, count, 50))
             except (CapacityError, InvalidRequest):
                 continue
             if key in held:
@@ -64,22 +64,22 @@ def test_random_allocate_release_keeps_accounting_exact(tmp_path: Path, ops) -> 
 def test_quota_refusal_says_used_and_limit(tmp_path: Path) -> None:
     core = make_core(tmp_path / "p.db")
     core.set_quota("user", "alice", 150)
-    core.allocate(req("j1", 2, 0.5))
+    core.allocate(req("j1", 2, 50))
     with pytest.raises(CapacityError, match=r"used 100 / limit 150 GPU-percent, asked 100"):
-        core.allocate(req("j2", 2, 0.5))
-    core.allocate(req("j3", 1, 0.5))
+        core.allocate(req("j2", 2, 50))
+    core.allocate(req("j3", 1, 50))
     core.set_quota("account", "physics", 0)
     with pytest.raises(PermissionDenied):
-        core.allocate(req("j4", 1, 0.1, user="bob", account="physics"))
+        core.allocate(req("j4", 1, 10, user="bob", account="physics"))
     core.set_quota("account", "physics", -1)
-    core.allocate(req("j4", 1, 0.1, user="bob", account="physics"))
+    core.allocate(req("j4", 1, 10, user="bob", account="physics"))
     assert dict(((q.kind, q.name), u) for q, u in core.quota_usage()) == {("user", "alice"): 150}
 
 
 def test_ttl_leases_are_reclaimed(tmp_path: Path) -> None:
     clock = Clock()
     core = make_core(tmp_path / "p.db", clock)
-    lease = core.allocate(req("tmp", 1, 1.0, ttl_seconds=60))
+    lease = core.allocate(req("tmp", 1, 100, ttl_seconds=60))
     assert lease.expires_unix == clock.now + 60
     clock.now += 61
     with pytest.raises(NotFound):
@@ -91,16 +91,16 @@ def test_ttl_leases_are_reclaimed(tmp_path: Path) -> None:
 def test_down_and_drained_servers_get_no_placements(tmp_path: Path) -> None:
     clock = Clock()
     core = make_core(tmp_path / "p.db", clock)
-    held = core.allocate(req("held", 1, 1.0))
+    held = core.allocate(req("held", 1, 100))
     core.set_drained("gpu0", True)
-    assert all(s.server == "127.0.0.1:55002" for s in core.allocate(req("x", 2, 0.5)).slices)
+    assert all(s.server == "127.0.0.1:55002" for s in core.allocate(req("x", 2, 50)).slices)
     clock.now += 11  # no heartbeats: server 1 goes down; server 0 is drained, which an admin chose
     assert core.check_down_servers() == ["127.0.0.1:55002"]
     assert core.check_down_servers() == []  # reported once
     states = {g.server: g.server_state for g in core.gpu_statuses()}
     assert states == {"127.0.0.1:55001": "drained", "127.0.0.1:55002": "down"}
     with pytest.raises(CapacityError):
-        core.allocate(req("y", 1, 0.1))
+        core.allocate(req("y", 1, 10))
     core.set_drained("127.0.0.1:55001", False)
     assert core.lease_on_down_server(held)  # resumed, but it missed heartbeats too
     assert core.capacity().total_units == 0
@@ -122,8 +122,8 @@ def test_tokens_bind_job_gpu_and_server(tmp_path: Path) -> None:
 def test_hostile_request_fields_are_refused(tmp_path: Path) -> None:
     core = make_core(tmp_path / "p.db")
     for bad in [req("x\n[[slice]]"), req("ok", user="a'; rm -rf /"), req("ok", 0), req("ok", 10**9),
-                req("ok", 1, 0.0), req("ok", 1, -1.0), req("ok", 1, float("nan")), req("ok", 1, 1.5),
-                AllocationRequest(job_key="ok", user="alice", count=1, fraction=0.5, memory_bytes=GiB),
+                req("ok", 1, 0), req("ok", 1, -100), req("ok", 1, 0.5), req("ok", 1, 150),
+                AllocationRequest(job_key="ok", user="alice", count=1, percent=50, memory_bytes=GiB),
                 AllocationRequest(job_key="ok", user="alice", count=1)]:
         with pytest.raises(InvalidRequest):
             core.allocate(bad)
@@ -148,13 +148,13 @@ def test_lease_listeners_hear_each_lease_start_and_end_and_the_core_checks_every
     heard: list[bool] = []
     core.add_lease_listener(heard.append)
     core.add_lease_listener(lambda ended: 1 / 0)      # a broken listener breaks nothing
-    core.allocate(req("a", count=1, fraction=0.5))
-    core.allocate(req("a", count=1, fraction=0.5))    # the same lease again: nothing started
+    core.allocate(req("a", count=1, percent=50))
+    core.allocate(req("a", count=1, percent=50))    # the same lease again: nothing started
     assert core.release("a") and not core.release("a")
     assert heard == [False, True]
-    half, whole = (1, 0.5, 0, ""), (1, 1.0, 0, "")
+    half, whole = (1, 50, 0, ""), (1, 100, 0, "")
     assert core.fits_in_every_order([half] * 8) and not core.fits_in_every_order([half] * 9)
-    core.allocate(req("b", count=1, fraction=0.6))
+    core.allocate(req("b", count=1, percent=60))
     assert core.fits_in_every_order([whole] * 3) and not core.fits_in_every_order([whole] * 4)
-    assert not core.fits_in_every_order([(1, 0.0, 100 * GiB, "")])            # more memory than a GPU has
-    assert not core.fits_in_every_order([(1, 0.5, 0, "strict")])             # no isolated GPU here
+    assert not core.fits_in_every_order([(1, 0, 100 * GiB, "")])            # more memory than a GPU has
+    assert not core.fits_in_every_order([(1, 50, 0, "strict")])             # no isolated GPU here

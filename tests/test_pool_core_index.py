@@ -15,7 +15,7 @@ from rgpu.remoting.pool.store import Store
 from tests.poolcore_helpers import SECRET, Clock, make_core, req
 
 ops = st.lists(st.tuples(st.sampled_from(["allocate", "release", "drain", "resume"]), st.integers(0, 7),
-                         st.integers(1, 3), st.sampled_from([0.25, 0.5, 1.0])), min_size=1, max_size=30)
+                         st.integers(1, 3), st.sampled_from([25, 50, 100])), min_size=1, max_size=30)
 
 
 def scanned_live(core: PoolCore, address: str) -> LiveLeases:
@@ -31,11 +31,11 @@ def test_indexes_match_a_full_scan(tmp_path: Path, steps) -> None:  # type: igno
     db.unlink(missing_ok=True)
     clock = Clock()
     core = make_core(db, clock, servers=3)
-    for op, n, count, fraction in steps:
+    for op, n, count, percent in steps:
         key = f"job-{n}"
         if op == "allocate":
             try:
-                core.allocate(req(key, count=count, fraction=fraction))
+                core.allocate(req(key, count=count, percent=percent))
             except (CapacityError, Exception) as exc:  # same key, other shape: refused
                 assert "capacity" in type(exc).__name__.lower() or "different lease" in str(exc)
         elif op == "release":

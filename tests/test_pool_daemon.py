@@ -35,7 +35,7 @@ def test_kill_9_loses_no_lease_quota_or_server(cluster: RgpuCluster) -> None:
     with cluster.client() as client:
         register(client)
         client.set_quota("user", "alice", 300)
-        before = client.allocate("slurm-1-0", "alice", 2, fraction=0.5)
+        before = client.allocate("slurm-1-0", "alice", 2, percent=50)
     cluster.pool.kill()  # SIGKILL: no chance to flush anything
     cluster.start_pool()
     with cluster.client() as client:
@@ -43,7 +43,7 @@ def test_kill_9_loses_no_lease_quota_or_server(cluster: RgpuCluster) -> None:
         assert after == before  # same slices, same tokens
         assert [(q.name, q.used_units, q.limit_units) for q in client.list_quotas()] == [("alice", 100, 300)]
         assert sorted(s.address for s in client.list_servers().servers) == ["127.0.0.1:56000", "127.0.0.1:56001"]
-        assert client.allocate("slurm-1-0", "alice", 2, fraction=0.5) == before  # a retried prolog
+        assert client.allocate("slurm-1-0", "alice", 2, percent=50) == before  # a retried prolog
         assert client.release("slurm-1-0") is True
 
 
@@ -60,7 +60,7 @@ def test_kill_9_during_a_burst_keeps_every_acknowledged_lease(cluster: RgpuClust
             while not stop.is_set():
                 key = f"burst-{n}-{i}"
                 try:
-                    client.allocate(key, "bob", 1, fraction=0.1)
+                    client.allocate(key, "bob", 1, percent=10)
                 except Unavailable:
                     return
                 except Exception:
@@ -129,3 +129,30 @@ def test_tls(cluster: RgpuCluster, tmp_path: Path) -> None:
     with PoolClient(cluster.pool_address, cluster.secret, timeout=2) as plain:  # plaintext to a TLS port
         with pytest.raises(Unavailable):
             plain.capacity()
+
+
+def test_allocate_carries_a_whole_percent_and_still_reads_an_older_clients_fraction(cluster: RgpuCluster) -> None:
+    """AllocateRequest's size is a oneof: `percent` (this client), `memory_bytes`, or the `fraction`
+    double clients before the percent field send, read as Slurm reads a fraction: 0.5 is 50%, and
+    0.001 is refused as below the smallest slice (it once leased 1%)."""
+    from rgpu.errors import InvalidRequest
+    from rgpu.proto import rgpu_pb2 as pb
+
+    cluster.start_pool()
+    with cluster.client() as client:
+        register(client, servers=1, gpus=4)
+        assert [s.compute_percent for s in client.allocate("new", "alice", 1, percent=25).slices] == [25]
+        old = client._call("Allocate", pb.AllocateRequest(job_key="old", user="alice", count=1, fraction=0.5))
+        assert [(s.compute_percent, s.memory_limit_bytes) for s in old.slices] == [(50, 40 * GiB)]
+        assert pb.AllocateRequest.FromString(pb.AllocateRequest(fraction=0.5).SerializeToString()).WhichOneof(
+            "size") == "fraction"
+        for request, message in (
+                (pb.AllocateRequest(job_key="tiny", user="alice", count=1, fraction=0.001),
+                 "invalid fraction 0.001 (the smallest slice is 0.01 of a GPU"),
+                (pb.AllocateRequest(job_key="zero", user="alice", count=1, percent=0), "invalid percent 0"),
+                (pb.AllocateRequest(job_key="none", user="alice", count=1),
+                 "neither a fraction nor a memory size was given")):
+            with pytest.raises(InvalidRequest) as info:
+                client._call("Allocate", request)
+            assert message in str(info.value)
+        assert sorted(lease.job_key for lease in client.list_leases()) == ["new", "old"]

@@ -45,10 +45,10 @@ def test_calls_go_to_the_next_pool_when_one_is_killed(two_pools, tmp_path: Path)
             register_servers(client)
     settings = load_settings(env=first.env(RGPU_POOL=f"{first.pool_address},{second.pool_address}"))
     with connect(settings, timeout=5.0) as client:
-        assert client.allocate("job-1", "alice", 1, fraction=0.5).slices
+        assert client.allocate("job-1", "alice", 1, percent=50).slices
         assert client.address == first.pool_address
         first.pool.kill()                                    # kill -9
-        lease = client.allocate("job-2", "alice", 1, fraction=0.5)
+        lease = client.allocate("job-2", "alice", 1, percent=50)
         assert lease.slices and client.address == second.pool_address
         assert [lease.job_key for lease in client.list_leases()] == ["job-2"]
     # A client whose first address is already dead starts on the next one.
@@ -66,11 +66,11 @@ def test_a_hung_pool_is_skipped_within_the_callers_timeout(two_pools) -> None:  
             register_servers(client)
     settings = load_settings(env=first.env(RGPU_POOL=f"{first.pool_address},{second.pool_address}"))
     with connect(settings, timeout=4.0) as client:
-        assert client.allocate("job-1", "alice", 1, fraction=0.5).slices
+        assert client.allocate("job-1", "alice", 1, percent=50).slices
         assert client.address == first.pool_address
         os.kill(first.pool.proc.pid, signal.SIGSTOP)       # hung: its connection stays open, silent
         try:
-            lease = client.allocate("job-2", "alice", 1, fraction=0.5)
+            lease = client.allocate("job-2", "alice", 1, percent=50)
             assert lease.slices and client.address == second.pool_address
             # A new client whose first address is the hung pool (connect succeeds, nothing answers).
             with connect(settings, timeout=4.0) as fresh:
@@ -111,4 +111,4 @@ def test_a_dispatcher_registers_with_the_next_pool_when_its_pool_dies(two_pools)
     first.pool.kill()
     with second.client() as client:
         wait_for(lambda: len(client.list_servers().servers) == 1, what="registration with the second pool")
-        assert client.allocate("job-1", "alice", 1, fraction=0.5).slices
+        assert client.allocate("job-1", "alice", 1, percent=50).slices

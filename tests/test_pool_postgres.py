@@ -52,8 +52,8 @@ def test_both_pools_see_one_state(two_pools) -> None:  # type: ignore[no-untyped
     first, second = two_pools
     with first.client() as a, second.client() as b:
         register_servers(a, servers=2, gpus=2)
-        lease = a.allocate("job-1", "alice", 1, fraction=0.5)
-        again = b.allocate("job-1", "alice", 1, fraction=0.5)     # the same job key on the other daemon
+        lease = a.allocate("job-1", "alice", 1, percent=50)
+        again = b.allocate("job-1", "alice", 1, percent=50)     # the same job key on the other daemon
         assert again.slices[0].token == lease.slices[0].token
         assert b.get_lease("job-1").job_key == "job-1"
         assert len(b.list_gpus()) == 4
@@ -100,7 +100,7 @@ def test_a_dispatcher_heartbeating_to_one_daemon_is_up_on_the_other(tmp_path: Pa
             wait_for(lambda: [s.state for s in b.list_servers().servers] == ["up"], what="the server on the other daemon")
             time.sleep(3.0)                                         # longer than down_after_seconds
             assert [s.state for s in b.list_servers().servers] == ["up"]
-            assert b.allocate("job-1", "alice", 1, fraction=0.5).slices
+            assert b.allocate("job-1", "alice", 1, percent=50).slices
     finally:
         for cluster in (first, second):
             cluster.stop_all()
@@ -110,8 +110,8 @@ def test_rgpu_admin_migrates_sqlite_state_into_postgresql(tmp_path: Path, postgr
     clock = Clock()
     db = tmp_path / "pool.db"
     before = make_core(db, clock, servers=2)
-    lease = before.allocate(req("job-1", count=2, fraction=0.5, account="physics"))
-    before.allocate(req("job-2", fraction=0.25))
+    lease = before.allocate(req("job-1", count=2, percent=50, account="physics"))
+    before.allocate(req("job-2", percent=25))
     clock.now += 3600
     before.release("job-2")                                         # history
     before.set_drained("gpu1", True)
@@ -148,13 +148,13 @@ def test_a_pool_daemon_reconnects_after_postgresql_restarts(two_pools, postgres:
     first, _second = two_pools
     with first.client() as a:
         register_servers(a, servers=1, gpus=2)
-        a.allocate("job-1", "alice", 1, fraction=0.5)
+        a.allocate("job-1", "alice", 1, percent=50)
         postgres.restart()
         errors: list[str] = []
 
         def allocated() -> bool:
             try:
-                a.allocate("job-2", "alice", 1, fraction=0.5)
+                a.allocate("job-2", "alice", 1, percent=50)
                 return True
             except Unavailable as exc:           # the call that meets the broken connection
                 errors.append(str(exc))
@@ -180,7 +180,7 @@ def test_a_daemon_catches_up_with_what_another_changed_without_reloading(two_cor
     a.allocate(req("job-1", count=2))
     a.allocate(req("job-2", ttl_seconds=60.0))
     assert pool_state(b) == pool_state(a)                         # b caught up with registrations and leases
-    b.allocate(req("job-3", fraction=1.0))              # and decides on the state both hold
+    b.allocate(req("job-3", percent=100))              # and decides on the state both hold
     a.release("job-1")
     a.set_drained("gpu1", True)
     a.set_quota("user", "alice", 900)
@@ -203,7 +203,7 @@ def test_a_daemon_further_behind_than_the_change_log_reloads_everything(two_core
     a.store.change_log_keep, a.store.prune_every = 2, 1  # forget all but the last 2 changes
     a.register(server(0, gpus=4))
     for n in range(6):
-        a.allocate(req(f"job-{n}", fraction=0.25))
+        a.allocate(req(f"job-{n}", percent=25))
     a.release("job-0")
     assert pool_state(b) == pool_state(a)
     assert b.full_reloads == 1
@@ -236,8 +236,8 @@ def test_idle_release_on_one_daemon_sees_usage_reported_to_the_other(tmp_path: P
         with first.client() as a, second.client() as b:
             register_servers(a, servers=1, gpus=2)
             address = a.list_servers().servers[0].address
-            a.allocate("busy", "alice", 1, fraction=0.5)
-            a.allocate("idle", "alice", 1, fraction=0.5)
+            a.allocate("busy", "alice", 1, percent=50)
+            a.allocate("idle", "alice", 1, percent=50)
             beats = 0
 
             def busy_report() -> None:

@@ -62,7 +62,7 @@ def test_a_process_behind_the_pruned_change_log_reloads(two_processes) -> None: 
     a.store.change_log_keep, a.store.prune_every = 2, 1
     a.register(server(0, gpus=4))
     for n in range(5):
-        a.allocate(req(f"job-{n}", fraction=0.25))
+        a.allocate(req(f"job-{n}", percent=25))
     assert pool_state(b) == pool_state(a) and b.full_reloads == 1
 
 
@@ -93,7 +93,7 @@ def test_concurrent_allocations_through_both_never_over_commit(two_processes) ->
     def burst(core: PoolCore, name: str) -> None:
         for i in range(10):
             try:
-                core.allocate(req(f"{name}-{i}", fraction=0.5))
+                core.allocate(req(f"{name}-{i}", percent=50))
             except CapacityError:
                 with lock:
                     refused.append(name)

@@ -156,7 +156,7 @@ def test_a_request_no_gpu_can_ever_serve_is_cancelled_with_its_reason(pool: Rgpu
                            "prolog-slurmctld: no GPU of the pool can ever hold job 42's slices"), text
     # Busy is not never: a request that fits an empty pool waits (marked), and is not cancelled.
     with pool.client() as c:
-        c.allocate("admin-held", "nobody", 4, fraction=1.0)
+        c.allocate("admin-held", "nobody", 4, percent=100)
     with pytest.raises(CapacityError):
         prolog_slurmctld(job_env(pool, tmp_path, job_id=43, nodes="c1"), pool.client,
                          lambda _: info(job_id=43, comment="fraction=1", nodes="c1", tres="gres:rgpu:1"),

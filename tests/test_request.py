@@ -38,7 +38,7 @@ def test_accepted_cases_read_the_same(case: dict[str, Any]) -> None:
     if req.memory_bytes:
         assert record.request.memory_bytes == req.memory_bytes
     else:
-        assert record.request.fraction * 100 == record.percent == req.units_per_slice()
+        assert record.request.size.percent == record.percent == req.units_per_slice()
         assert record.units == record.nodes * record.request.count * record.percent
 
 
@@ -69,6 +69,6 @@ def test_refused_cases_are_refused_the_same(case: dict[str, Any]) -> None:
 
 def test_memory_request() -> None:
     req = parse_comment("memory=8G", 2)
-    assert (req.memory_bytes, req.fraction) == (8 * 2**30, 0.0)
+    assert (req.size.memory_bytes, req.size.percent) == (8 * 2**30, 0)
     assert req.units_per_slice(0) == 100
     assert req.units_per_slice(80 * 2**30) == 10

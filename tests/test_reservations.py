@@ -14,7 +14,7 @@ from rgpu.remoting.pool.store import Store
 from tests.poolcore_helpers import SECRET, Clock, make_core, req, server, two_cores
 
 JOB = "slurm:hpc:42:0:"
-WHOLE, HALF, QUARTER = (1, 1.0, 0, ""), (1, 0.5, 0, ""), (1, 0.25, 0, "")
+WHOLE, HALF, QUARTER = (1, 100, 0, ""), (1, 50, 0, ""), (1, 25, 0, "")
 
 
 def gpus_used(core: PoolCore) -> list[int]:
@@ -33,15 +33,15 @@ def test_nobody_makes_a_reservation_through_allocate(tmp_path: Path) -> None:
     core = make_core(tmp_path / "pool.db", servers=1)
     for key in ("mine:+r0", "slurm:hpc:42:0:+r1"):
         with pytest.raises(InvalidRequest, match="has the form of a reservation"):
-            core.allocate(req(key, fraction=0.5))
+            core.allocate(req(key, percent=50))
     assert core.list_leases() == []
 
 
 def test_an_allocate_of_the_job_claims_its_reserved_slices(tmp_path: Path) -> None:
     core = make_core(tmp_path / "pool.db", servers=2)
-    [reservation] = core.reserve(JOB, "alice", [(2, 0.5, 0, "")], ttl_seconds=30)
+    [reservation] = core.reserve(JOB, "alice", [(2, 50, 0, "")], ttl_seconds=30)
     assert reservation.job_key == "slurm:hpc:42:0:+r0" and sum(gpus_used(core)) == 100
-    lease = core.allocate(req("slurm:hpc:42:0:c1", count=2, fraction=0.5, account="physics"))
+    lease = core.allocate(req("slurm:hpc:42:0:c1", count=2, percent=50, account="physics"))
     assert lease.slices == reservation.slices and lease.account == "physics" and lease.expires_unix == 0.0
     assert [le.job_key for le in core.list_leases()] == ["slurm:hpc:42:0:c1"]
     assert sum(gpus_used(core)) == 100 and core.reservations() == {}
@@ -51,15 +51,15 @@ def test_an_allocate_of_the_job_claims_its_reserved_slices(tmp_path: Path) -> No
 
 def test_other_requests_cannot_take_reserved_room(tmp_path: Path) -> None:
     core = make_core(tmp_path / "pool.db", servers=1)                    # 2 GPUs
-    core.reserve(JOB, "alice", [(2, 1.0, 0, "")], ttl_seconds=30)
-    for other in (req("manual", fraction=0.25), req("slurm:hpc:43:0:c1", fraction=0.25),
-                  req("slurm:hpc:42:1:c1", count=2, fraction=1.0),       # a later attempt of the job: not its room
-                  req("slurm:hpc:42:0:c1", count=2, fraction=1.0, user="bob"),     # another user
-                  req("slurm:hpc:42:0:c1", count=1, fraction=1.0)):      # another request
+    core.reserve(JOB, "alice", [(2, 100, 0, "")], ttl_seconds=30)
+    for other in (req("manual", percent=25), req("slurm:hpc:43:0:c1", percent=25),
+                  req("slurm:hpc:42:1:c1", count=2, percent=100),       # a later attempt of the job: not its room
+                  req("slurm:hpc:42:0:c1", count=2, percent=100, user="bob"),     # another user
+                  req("slurm:hpc:42:0:c1", count=1, percent=100)):      # another request
         with pytest.raises(CapacityError):
             core.allocate(other)
     assert gpus_used(core) == [100, 100]
-    assert core.allocate(req("slurm:hpc:42:0:c1", count=2, fraction=1.0)).units == 200
+    assert core.allocate(req("slurm:hpc:42:0:c1", count=2, percent=100)).units == 200
 
 
 def test_a_lease_that_ends_after_the_admission_no_longer_moves_the_jobs_placement(tmp_path: Path) -> None:
@@ -67,11 +67,11 @@ def test_a_lease_that_ends_after_the_admission_no_longer_moves_the_jobs_placemen
     quarter on the GPU that was to be the job's own. With the reservation the quarter goes elsewhere
     (or waits), and the job's Allocate gets the GPU it was admitted for."""
     core = make_core(tmp_path / "pool.db", servers=1)                    # 2 GPUs
-    core.allocate(req("slurm:hpc:7:0:c1", fraction=0.5))                 # GPU 0: 50
+    core.allocate(req("slurm:hpc:7:0:c1", percent=50))                 # GPU 0: 50
     [reservation] = core.reserve(JOB, "alice", [WHOLE], ttl_seconds=30)  # GPU 1: the job's
     core.release("slurm:hpc:7:0:c1")                                     # GPU 0 empty again
-    assert core.allocate(req("slurm:hpc:8:0:c1", fraction=0.25)).slices[0].gpu_index == 0
-    lease = core.allocate(req("slurm:hpc:42:0:c1", fraction=1.0))
+    assert core.allocate(req("slurm:hpc:8:0:c1", percent=25)).slices[0].gpu_index == 0
+    lease = core.allocate(req("slurm:hpc:42:0:c1", percent=100))
     assert lease.slices == reservation.slices and gpus_used(core) == [25, 100]
 
 
@@ -90,10 +90,10 @@ def test_a_reservation_nobody_claims_expires_and_gives_its_room_back(tmp_path: P
     assert gpus_used(core) == [100, 100]
     later(2)
     with pytest.raises(CapacityError):      # an expired reservation is claimed by nobody, not even its job
-        core.allocate(req("slurm:hpc:42:0:c1", fraction=1.0, server="gpu0"))
+        core.allocate(req("slurm:hpc:42:0:c1", percent=100, server="gpu0"))
     assert sorted(core.reclaim_expired()) == ["slurm:hpc:42:0:+r0", "slurm:hpc:42:0:+r1"]
     assert gpus_used(core) == [0, 0] and core.store.dump_history() == []
-    assert core.allocate(req("manual", count=2, fraction=1.0)).units == 200
+    assert core.allocate(req("manual", count=2, percent=100)).units == 200
 
 
 def test_a_reservation_is_all_or_nothing_and_dropped_on_request(tmp_path: Path) -> None:
@@ -111,7 +111,7 @@ def test_a_claim_on_a_server_that_went_down_places_anew(tmp_path: Path) -> None:
     [reservation] = core.reserve(JOB, "alice", [WHOLE], ttl_seconds=300)
     clock.now += 20                                                      # every server missed heartbeats
     core.heartbeat(server(1 - int(reservation.slices[0].server.endswith("55002"))).address)
-    lease = core.allocate(req("slurm:hpc:42:0:c1", fraction=1.0))
+    lease = core.allocate(req("slurm:hpc:42:0:c1", percent=100))
     assert lease.slices[0].server != reservation.slices[0].server
 
 
@@ -119,10 +119,10 @@ def test_a_claim_counts_against_the_quota_once(tmp_path: Path) -> None:
     core = make_core(tmp_path / "pool.db", servers=1)
     core.set_quota("user", "alice", 100)
     core.reserve(JOB, "alice", [WHOLE], ttl_seconds=30)
-    assert core.allocate(req("slurm:hpc:42:0:c1", fraction=1.0)).units == 100
+    assert core.allocate(req("slurm:hpc:42:0:c1", percent=100)).units == 100
     core.reserve("slurm:hpc:43:0:", "alice", [WHOLE], ttl_seconds=30)
     with pytest.raises(QuotaExceeded):
-        core.allocate(req("slurm:hpc:43:0:c1", fraction=1.0))
+        core.allocate(req("slurm:hpc:43:0:c1", percent=100))
     assert gpus_used(core) == [100, 100]                                 # the reservation is still held
 
 
@@ -131,8 +131,8 @@ def test_a_reservation_made_by_one_daemon_is_claimed_through_another(tmp_path: P
         a.register(server(0))
         [reservation] = a.reserve(JOB, "alice", [HALF], ttl_seconds=30)
         with pytest.raises(CapacityError):
-            b.allocate(req("other", count=2, fraction=0.75))
-        assert b.allocate(req("slurm:hpc:42:0:c1", fraction=0.5)).slices == reservation.slices
+            b.allocate(req("other", count=2, percent=75))
+        assert b.allocate(req("slurm:hpc:42:0:c1", percent=50)).slices == reservation.slices
         assert a.reservations() == {} and [le.job_key for le in a.list_leases()] == ["slurm:hpc:42:0:c1"]
 
 
@@ -142,4 +142,4 @@ def test_reservations_survive_a_restart_of_the_pool(tmp_path: Path) -> None:
     core.store.close()
     again = PoolCore(store=Store(tmp_path / "pool.db"), secret=SECRET, down_after_seconds=10, clock=core.clock)
     assert again.reservations() == {JOB: [reservation]}
-    assert again.allocate(req("slurm:hpc:42:0:c1", fraction=0.5)).slices == reservation.slices
+    assert again.allocate(req("slurm:hpc:42:0:c1", percent=50)).slices == reservation.slices

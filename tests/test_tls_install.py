@@ -68,7 +68,7 @@ def test_a_tls_install_serves_the_pool_its_dispatchers_and_admins_end_to_end(clu
     settings = load_settings(config, env=cluster.env())
     with connect(settings) as client:             # the secret holder's client, over TLS from the config
         wait_for(lambda: len(client.list_servers().servers) == 1, what="the dispatcher to register over TLS")
-        lease = client.allocate("tls-job", user="alice", count=1, fraction=0.5)
+        lease = client.allocate("tls-job", user="alice", count=1, percent=50)
         assert len(lease.slices) == 1
         client.release("tls-job")
     listing = admin(cluster, "list-gpus")

@@ -27,6 +27,7 @@ from rgpu.errors import InvalidRequest, RgpuError, Unavailable, Unhealthy
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.remoting.admin.dashboard import dashboard_url
 from rgpu.secret import create_secret
+from rgpu.slice_size import from_options
 from rgpu.units import format_bytes, parse_duration, parse_size
 from rgpu.remoting.admin.cli_ops import net_perf, stats, usage
 from rgpu.remoting.admin.cli_units import install_units
@@ -207,7 +208,8 @@ def leases(ctx: Context) -> None:
 @main.command("request-gpus")
 @_json_flag(text="Print the lease made (key, adaptor.conf, slices) as a JSON object.")
 @click.option("-n", "--num", "count", type=int, required=True, help="Number of slices (each on its own GPU).")
-@click.option("-p", "--partial", "fraction", type=float, help="Fraction of a GPU per slice, in (0, 1].")
+@click.option("-p", "--partial", "fraction", metavar="F",
+              help="Fraction of a GPU per slice: whole hundredths from 0.01 to 1 (as Slurm's --comment=fraction=F).")
 @click.option("-m", "--memory", help="Memory per slice, e.g. 8G (exclusive with -p).")
 @click.option("--ttl", help="Release automatically after this long, e.g. 2h.")
 @click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="adaptor.conf to write.")
@@ -221,19 +223,19 @@ def leases(ctx: Context) -> None:
 @click.option("--isolation", type=click.Choice(["strict"]), default=None,
               help="Only GPUs shared isolated or exclusive (no other job's GPU fault can end this one's work).")
 @click.pass_obj
-def request_gpus(ctx: Context, count: int, fraction: float | None, memory: str | None, ttl: str | None,
+def request_gpus(ctx: Context, count: int, fraction: str | None, memory: str | None, ttl: str | None,
                  output: str, user: str | None, account: str, job_key: str | None, gpu_model: str,
                  server: str, min_memory: str | None, isolation: str | None) -> None:
     """Lease GPU slices outside Slurm and write their adaptor.conf (mode 0600)."""
     from rgpu.remoting.pool.convert import lease_to_adaptor
 
-    if (fraction is None) == (memory is None):
-        raise InvalidRequest("admin", "give exactly one of -p FRACTION or -m SIZE", "", "e.g. -p 0.5 or -m 8G")
+    # The one slice-size grammar (rgpu.slice_size): the sizes Slurm's gate takes, refused with its words.
+    size = from_options(fraction, memory, component="admin", fraction_option="-p ", memory_option="-m ", default=None)
     user = user or getpass.getuser()
     key = job_key or f"manual-{user}-{secrets.token_hex(4)}"
     with ctx.client() as client:
         lease = client.allocate(
-            key, user, count, fraction=fraction or 0.0, memory_bytes=parse_size(memory, "memory") if memory else 0,
+            key, user, count, percent=size.percent, memory_bytes=size.memory_bytes,
             account=account, ttl_seconds=parse_duration(ttl, "ttl") if ttl else 0.0, gpu_model=gpu_model,
             server=server, min_memory_bytes=parse_size(min_memory, "min memory") if min_memory else 0,
             isolation=isolation or "")

@@ -154,7 +154,8 @@ def set_up_tls(tls_dir: Path, *, configured_ca: str, names: list[str], ca_cert: 
         ca_path = tls_dir / "ca.crt"
         key_path = tls_dir / "ca.key"
         if ca_cert is not None and ca_key is not None:
-            ca_pem, ca_key_pem = _read(ca_cert, "CA certificate"), _read(ca_key, "CA key")
+            ca_pem = _read(ca_cert, "CA certificate")
+            ca_key_pem: bytes | None = _read(ca_key, "CA key")
             if ca_cert.resolve() != ca_path.resolve():
                 _write(ca_path, ca_pem, 0o644)
                 made.append(str(ca_path))

@@ -13,7 +13,7 @@ Which slices:
               path (UCX shared memory where the GPU server takes UCX; one line on stderr where it does
               not). An application named `local` runs as `flexrun -- local`.
 How big, with -n or -l (one of them; default a whole GPU):
-  -p F        fraction of a GPU per slice, 0 < F <= 1
+  -p F        fraction of a GPU per slice, whole hundredths from 0.01 to 1 (as --comment=fraction=F)
   -m SIZE     GPU memory per slice, e.g. 8G or 512M (binary units)
   --isolation strict   only GPUs shared isolated or exclusive, where another job's GPU fault
               cannot end this one's work (with -n or -l)
@@ -52,7 +52,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -60,7 +60,7 @@ import click
 from rgpu import __version__, paths
 from rgpu.errors import ConfigError, InvalidRequest, RgpuError
 from rgpu.remoting.client.cli import tool_command
-from rgpu.units import parse_size
+from rgpu.slice_size import WHOLE_GPU, SliceSize, from_options
 
 TOOL = "flexrun"
 CONF_SEARCH = ("~/.rgpu/adaptor.conf", "/etc/rgpu/adaptor.conf")
@@ -122,21 +122,13 @@ def slices_from_conf(path: Path) -> list[Slice]:
     return [Slice(s.server, s.token) for s in conf.slices]
 
 
-@dataclass(frozen=True)
-class SliceSize:
-    """How big each slice asked from the pool is: a fraction of a GPU or an amount of its memory."""
-
-    fraction: float = 1.0
-    memory_bytes: int = 0      # when set, fraction is 0
-    isolation: str = ""        # "strict": only GPUs shared isolated or exclusive (--isolation strict)
-
-
 class Lease:
     """Slices requested from the pool for this run only, with a TTL (flexrun_lease_ttl_seconds)
     renewed from a thread while the run goes on; released when it ends. A flexrun killed with
     SIGKILL stops renewing, and the pool reclaims its lease within one TTL."""
 
-    def __init__(self, count: int, size: SliceSize, servers: list[str], local: bool = False) -> None:
+    def __init__(self, count: int, size: SliceSize, servers: list[str], isolation: str = "",
+                 local: bool = False) -> None:
         from rgpu.config import load_settings
         from rgpu.remoting.pool.client import connect
 
@@ -148,6 +140,7 @@ class Lease:
                               "it must be 1 second to a year", "set it to e.g. 60")
         self.client = connect(settings, user=True)
         self.user = getpass.getuser()
+        self.isolation = isolation
         base = f"flexrun-{socket.gethostname().split('.')[0]}-{os.getpid()}-{pysecrets.token_hex(3)}"
         self.keys: list[str] = []
         self.slices: list[Slice] = []
@@ -167,8 +160,8 @@ class Lease:
         self._renewer.start()
 
     def _allocate(self, key: str, count: int, size: SliceSize, server: str) -> None:
-        lease = self.client.allocate(key, self.user, count, fraction=size.fraction, memory_bytes=size.memory_bytes,
-                                     server=server, ttl_seconds=self.ttl, isolation=size.isolation)
+        lease = self.client.allocate(key, self.user, count, percent=size.percent, memory_bytes=size.memory_bytes,
+                                     server=server, ttl_seconds=self.ttl, isolation=self.isolation)
         self.keys.append(key)
         self.slices += [Slice(s.server, s.token) for s in lease.slices]
 
@@ -253,7 +246,8 @@ class Options:
     adaptor_conf: str | None = None
     server_list: str | None = None
     num_gpus: int | None = None
-    size: SliceSize = SliceSize()
+    size: SliceSize = WHOLE_GPU
+    isolation: str = ""                # "strict": only GPUs shared isolated or exclusive (--isolation strict)
     probe_timeout: float = 15.0
     local: bool = False                # `flexrun local`: slices of this node's own GPUs
 
@@ -263,7 +257,7 @@ def _bad_usage(what: str, why: str = "") -> InvalidRequest:
 
 
 def make_options(command: Sequence[str], adaptor_conf: str | None = None, server_list: str | None = None,
-                 num_gpus: int | None = None, partial: float | None = None, memory: str | None = None,
+                 num_gpus: int | None = None, partial: str | None = None, memory: str | None = None,
                  probe_timeout: float = 15.0, isolation: str | None = None, local: bool = False) -> Options:
     """Options from the command line's values, checked together (pure; raises InvalidRequest)."""
     if local and (adaptor_conf is not None or server_list is not None):
@@ -272,8 +266,6 @@ def make_options(command: Sequence[str], adaptor_conf: str | None = None, server
     given = [flag for flag, value in (("-f", adaptor_conf), ("-l", server_list), ("-n", num_gpus)) if value is not None]
     if len(given) > 1:
         raise _bad_usage(f"{' and '.join(given)} cannot be used together", "they name the slices in different ways")
-    if partial is not None and memory is not None:
-        raise _bad_usage("-p and -m cannot be used together", "a slice is sized by a fraction or by memory")
     if (partial is not None or memory is not None) and adaptor_conf is not None:
         raise _bad_usage(f"{'-p' if partial is not None else '-m'} cannot be used with -f",
                          "the adaptor.conf's slices are already sized")
@@ -283,20 +275,13 @@ def make_options(command: Sequence[str], adaptor_conf: str | None = None, server
         raise _bad_usage(f"--isolation {isolation[:40]!r} is unknown", "the one level is strict")
     if num_gpus is not None and num_gpus < 1:
         raise _bad_usage(f"-n {num_gpus} asks for no GPU", "-n must be at least 1")
-    if partial is not None and not 0 < partial <= 1:
-        raise _bad_usage(f"-p {partial:g} is not a fraction of a GPU", "-p must be in (0, 1], e.g. 0.5")
-    size = SliceSize()
-    if partial is not None:
-        size = SliceSize(fraction=partial)
-    elif memory is not None:
-        size = SliceSize(fraction=0.0, memory_bytes=parse_size(memory, "memory per slice (-m)", component=TOOL))
-    if isolation:
-        size = replace(size, isolation=isolation)
+    # The one slice-size grammar (rgpu.slice_size): the sizes Slurm's gate takes, refused with its words.
+    size = from_options(partial, memory, component=TOOL, fraction_option="-p ", memory_option="-m ")
     if not command:
         raise _bad_usage("no application given", f"write {TOOL} [options] -- app [args...]")
     return Options(command=list(command), adaptor_conf=adaptor_conf, server_list=server_list,
                    num_gpus=num_gpus if num_gpus is not None or not local else 1, size=size,
-                   probe_timeout=probe_timeout, local=local)
+                   isolation=isolation or "", probe_timeout=probe_timeout, local=local)
 
 
 _CONTEXT = {"help_option_names": ["-h", "--help"],
@@ -310,7 +295,7 @@ _CONTEXT = {"help_option_names": ["-h", "--help"],
 @click.option("-l", "--server-list", metavar="LIST",
               help='One slice on each of these dispatchers, "host:port;host:port" (asks the pool).')
 @click.option("-n", "--num-gpus", type=int, metavar="N", help="Ask the pool for N slices.")
-@click.option("-p", "--partial", type=float, metavar="F", help="Fraction of a GPU per slice with -n/-l (default 1.0).")
+@click.option("-p", "--partial", metavar="F", help="Fraction of a GPU per slice with -n/-l (default 1.0).")
 @click.option("-m", "--memory", metavar="SIZE", help="GPU memory per slice with -n/-l, e.g. 8G (instead of -p).")
 @click.option("--isolation", metavar="strict",
               help="With -n/-l: only GPUs where no other job's GPU fault can end this one's work "
@@ -320,7 +305,7 @@ _CONTEXT = {"help_option_names": ["-h", "--help"],
 @click.version_option(__version__, prog_name=TOOL)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def cli(command: tuple[str, ...], adaptor_conf: str | None, server_list: str | None, num_gpus: int | None,
-        partial: float | None, memory: str | None, isolation: str | None, probe_timeout: float,
+        partial: str | None, memory: str | None, isolation: str | None, probe_timeout: float,
         local: bool) -> int:
     """The command line, parsed by click; `run` does the work."""
     try:
@@ -399,7 +384,7 @@ def run(args: Options) -> int:
         from rgpu.config import lane_environment, load_settings
         settings_env = lane_environment(load_settings())
         if args.local:
-            lease = Lease(args.num_gpus or 1, args.size, [], local=True)
+            lease = Lease(args.num_gpus or 1, args.size, [], args.isolation, local=True)
             slices = lease.slices
         elif args.adaptor_conf:
             slices = slices_from_conf(Path(args.adaptor_conf))
@@ -407,7 +392,7 @@ def run(args: Options) -> int:
             servers = [s.strip() for s in (args.server_list or "").split(";") if s.strip()]
             if args.server_list and not servers:
                 raise InvalidRequest("flexrun", "empty server list", "", 'use -l "host:port;host:port"')
-            lease = Lease(args.num_gpus or len(servers), args.size, servers)
+            lease = Lease(args.num_gpus or len(servers), args.size, servers, args.isolation)
             slices = lease.slices
         else:
             slices = slices_from_conf(find_adaptor_conf())

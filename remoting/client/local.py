@@ -21,7 +21,7 @@ Bindable = Callable[[str], bool]
 def resolve(host: str) -> list[str]:
     """The IP addresses `host` names ([] when it does not resolve)."""
     try:
-        return sorted({info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)})
+        return sorted({str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)})
     except (socket.gaierror, UnicodeError, OSError):
         return []
 

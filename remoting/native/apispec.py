@@ -107,6 +107,14 @@ class Param:
         return TYPES.get(self.ctype)
 
     @property
+    def known_wire(self) -> WireType:
+        """`wire` where the spec's checks (load) have made sure there is one: the generator's view."""
+        w = TYPES.get(self.ctype)
+        if w is None:
+            raise ValueError(f"rgpu: apispec: parameter {self.name} has C type {self.ctype!r} with no wire type")
+        return w
+
+    @property
     def is_output(self) -> bool:
         return self.direction in ("out", "out?", "inout")
 

@@ -136,7 +136,7 @@ def _private_folder(folder: Path) -> None:
 
 def _writable_cache(candidates: list[Path]) -> tuple[Path | None, list[str]]:
     """The first cache folder of `candidates` that exists or can be made; why the others cannot."""
-    problems = []
+    problems: list[str] = []
     for root in candidates:
         try:
             if root == temp_cache_root():

@@ -56,7 +56,7 @@ MIRRORED_HANDLES = ("CUlibrary", "CUkernel")
 
 
 def _c_scalar_put(p: Param, expr: str) -> str:
-    w = p.wire
+    w = p.known_wire
     assert w is not None
     if w.kind == "dev":
         return "rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */"
@@ -81,7 +81,7 @@ def _c_scalar_put(p: Param, expr: str) -> str:
 
 def _c_scalar_get(p: Param, target: str) -> str:
     """Read one output value into *target (target is an lvalue of the param's C type)."""
-    w = p.wire
+    w = p.known_wire
     assert w is not None
     if w.kind == "dev":
         return f"{target} = rgpu_dev_out(&c, rgpu_get_i32(&c));"
@@ -103,7 +103,7 @@ def plan_c(f: Function) -> list[CParamPlan]:
     plans = []
     for p in f.params:
         plan = CParamPlan(p)
-        if p.direction == "inout" and p.wire.kind == "bytes":
+        if p.direction == "inout" and p.known_wire.kind == "bytes":
             # Structs travel both ways (NVML's versioned structs): raw bytes out and back.
             plan.check = f"{p.name} == NULL"
             plan.put = f"rgpu_put(&c, {p.name}, sizeof *{p.name});"
@@ -113,9 +113,9 @@ def plan_c(f: Function) -> list[CParamPlan]:
             plan.check = f"{p.name} == NULL"
             plan.put = _c_scalar_put(p, f"*{p.name}")
             plan.get = _c_scalar_get(p, f"*{p.name}")
-        elif p.direction == "in" and p.wire.kind == "devptr":
+        elif p.direction == "in" and p.known_wire.kind == "devptr":
             plan.put = _c_scalar_put(p, p.name)
-        elif p.direction == "in" and p.pointer and p.const and p.wire.kind == "bytes" and not p.is_string:
+        elif p.direction == "in" and p.pointer and p.const and p.known_wire.kind == "bytes" and not p.is_string:
             # A struct read by the call (CUmemAllocationProp): its bytes travel.
             plan.check = f"{p.name} == NULL"
             plan.put = f"rgpu_put(&c, {p.name}, sizeof *{p.name});"
@@ -167,13 +167,13 @@ def c_route(f: Function) -> str:
         return f"rgpu_begin_event(&c, {op}, {EVENT_ROUTED[f.name]})"
     if r is None:
         return f"rgpu_begin(&c, {op})"
-    if r.wire.kind == "dev":
+    if r.known_wire.kind == "dev":
         return f"rgpu_begin_dev(&c, {op}, {r.name})"
-    if r.wire.kind == "ctx":
+    if r.known_wire.kind == "ctx":
         return f"rgpu_begin_ctx(&c, {op}, {r.name}, &{r.name}_remote)"
-    if r.wire.kind == "nvmldev":
+    if r.known_wire.kind == "nvmldev":
         return f"rgpu_nvml_begin_dev(&c, {op}, {r.name})"
-    if r.wire.kind == "ncclcomm":
+    if r.known_wire.kind == "ncclcomm":
         return f"rgpu_nccl_begin_comm(&c, {op}, {r.name})"
     raise AssertionError(r)
 
@@ -216,7 +216,7 @@ def plan_py(f: Function) -> PyPlan:
             flush()
             decode.append(f"{n}, off = _take_str(buf, off)")
         else:
-            group.append((n, p.wire.fmt))
+            group.append((n, p.known_wire.fmt))
     flush()
     # Events and streams are the client's handles (protocol 8): the worker's tables give the driver's.
     for p in f.inputs:
@@ -234,9 +234,9 @@ def plan_py(f: Function) -> PyPlan:
             if p.ctype == "char":
                 parts.append(f"_lp(res[{i}])")
             else:
-                parts.append(f"_array({p.wire.fmt!r}, res[{i}])")
+                parts.append(f"_array({p.known_wire.fmt!r}, res[{i}])")
         else:
-            parts.append(f"_struct('<{p.wire.fmt}').pack(res[{i}])")
+            parts.append(f"_struct('<{p.known_wire.fmt}').pack(res[{i}])")
     encode.append(" + ".join(parts) if parts else 'b""')
 
     pre: list[str] = []
@@ -245,7 +245,7 @@ def plan_py(f: Function) -> PyPlan:
     rets: list[str] = []
     for p in f.params:
         n = _py_name(p.name)
-        w = p.wire
+        w = p.known_wire
         if p.direction == "in":
             if p.is_string:
                 cargs.append(f"{n}.encode()")

@@ -86,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("include", type=Path, help="the CUDA include folder, e.g. /usr/local/cuda/include")
     args = parser.parse_args(argv)
-    version = re.search(r"#define\s+CUDA_VERSION\s+(\d+)", (args.include / "cuda.h").read_text()).group(1)
+    found = re.search(r"#define\s+CUDA_VERSION\s+(\d+)", (args.include / "cuda.h").read_text())
+    if found is None:
+        raise SystemExit(f"rgpu: refresh_from_cuda_h: {args.include / 'cuda.h'} defines no CUDA_VERSION "
+                         "(is this a CUDA include folder?)")
+    version = found.group(1)
     head = f"# Extracted from CUDA {version} headers by refresh_from_cuda_h.py; do not edit by hand.\n"
     syms = exported_symbols(args.include)
     (SPEC_DIR / "cuda_exports.txt").write_text(head + "\n".join(syms) + "\n")

@@ -108,7 +108,7 @@ def render(counts: Counter[tuple[str, str]], tables: set[str], programs: list[st
             if mode is None and lib == "cuda":
                 # cuGetProcAddress labels carry the base name: any versioned variant in the spec.
                 mode = next((m for s, m in status.items() if s.startswith(name + "_v") and m != "unsupported"), None)
-            how = {None: "NOT REMOTED", "unsupported": "NOT REMOTED"}.get(mode, mode)
+            how = "NOT REMOTED" if mode in (None, "unsupported") else str(mode)
             if how == "NOT REMOTED":
                 missing.append(name)
         lines.append(f"{lib} {n:>9}  {name}  [{how}]")

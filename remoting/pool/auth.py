@@ -1,8 +1,8 @@
-"""Request authentication for the control plane: no anonymous gRPC call.
+"""Request authentication for the control plane, the pool's side: no anonymous gRPC call.
 
 Every call carries `x-rgpu-auth: <unix time>.<nonce>.<hex HMAC>` computed with a key derived
-from the cluster secret over the method name, time and nonce. The secret itself never crosses
-the wire. The server refuses stale times (clock skew beyond AUTH_WINDOW_SECONDS), replays of
+from the cluster secret over the method name, time and nonce (signing.py: the client's half). The
+secret itself never crosses the wire. The server refuses stale times (clock skew beyond AUTH_WINDOW_SECONDS), replays of
 a nonce inside the window, and credentials stamped before the server started (its nonce cache
 is in memory; this keeps a restart from reopening the window).
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -26,25 +25,16 @@ from rgpu.log_limit import LogLimit, held_note
 from rgpu.remoting.pool.call_guards import CallGuards, GuardError, MemoryCallGuards
 from rgpu.remoting.pool.munge_gate import MungeGate
 from rgpu.remoting.pool.refusals import PacedRefusals, refusal
+# The client's names stay importable from here for the pool's own code and older callers.
+from rgpu.remoting.pool.signing import AUTH_HEADER, MUNGE_HEADER, PURPOSE, mac, request_credential
 from rgpu.secret import derive_key
 
 log = logging.getLogger("rgpu-poold")
 
-AUTH_HEADER = "x-rgpu-auth"
-MUNGE_HEADER = "x-rgpu-munge"   # users: a MUNGE credential for one call (method, pool, request hash)
+__all__ = ["AUTH_HEADER", "MUNGE_HEADER", "request_credential", "ServerAuth", "Caller", "current_caller"]
+
 POOL_NAME_METHOD = "/rgpu.v1.Pool/PoolName"   # open: a user's client asks it before making credentials
 AUTH_WINDOW_SECONDS = 300.0
-_PURPOSE = "grpc-request"
-
-
-def _mac(key: bytes, method: str, stamp: str, nonce: str) -> str:
-    return hmac.digest(key, f"{method}\n{stamp}\n{nonce}".encode(), "sha256").hex()   # one-shot: the fast C path
-
-
-def request_credential(secret: bytes, method: str, now: float | None = None) -> str:
-    stamp = f"{time.time() if now is None else now:.3f}"
-    nonce = secrets.token_hex(12)
-    return f"{stamp}.{nonce}.{_mac(derive_key(secret, _PURPOSE), method, stamp, nonce)}"
 
 
 @dataclass(frozen=True)
@@ -124,7 +114,7 @@ class ServerAuth(grpc.ServerInterceptor):
                  munge_socket: str | None = None, guards: CallGuards | None = None,
                  munge_gate: MungeGate | None = None, pool_name: str = "",
                  refusals: PacedRefusals | None = None) -> None:
-        self._key = derive_key(secret, _PURPOSE)
+        self._key = derive_key(secret, PURPOSE)
         # Calls refused here are answered off the serving threads, paced (refusals.py).
         self._paced = refusals or PacedRefusals()
         # What users' credentials must name (set once the pool knows its port; see daemon.pool_name).
@@ -152,7 +142,7 @@ class ServerAuth(grpc.ServerInterceptor):
         parts = credential.split(".", 3)
         if len(parts) != 4:
             return "malformed credential"
-        stamp, nonce, mac = f"{parts[0]}.{parts[1]}", parts[2], parts[3]
+        stamp, nonce, given = f"{parts[0]}.{parts[1]}", parts[2], parts[3]
         try:
             when = float(stamp)
         except ValueError:
@@ -160,7 +150,7 @@ class ServerAuth(grpc.ServerInterceptor):
         current = time.time() if now is None else now
         if abs(current - when) > self._window:
             return f"credential time is {current - when:+.0f} s off (clocks out of step?)"
-        if not hmac.compare_digest(_mac(self._key, method, stamp, nonce), mac):
+        if not hmac.compare_digest(mac(self._key, method, stamp, nonce), given):
             return "wrong cluster secret"
         if when < self._not_before:
             return ("credential made before this pool started (a replay, or this host's clock is "

@@ -24,7 +24,7 @@ from rgpu.config import Settings, pool_addresses
 from rgpu.errors import ConfigError, RgpuError, Unavailable
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
-from rgpu.remoting.pool.auth import AUTH_HEADER, MUNGE_HEADER, request_credential
+from rgpu.remoting.pool.signing import AUTH_HEADER, MUNGE_HEADER, request_credential
 from rgpu.remoting.pool.errors import error_from_status
 from rgpu.secret import load_secret
 
@@ -190,13 +190,16 @@ class PoolClient:
         return self._call("Heartbeat", pb.HeartbeatRequest(address=address, usage=usage or [], sent_unix=sent_unix,
                                                            faults=faults or [], telemetry=telemetry or []))
 
-    def allocate(self, job_key: str, user: str, count: int, *, fraction: float = 0.0,
+    def allocate(self, job_key: str, user: str, count: int, *, percent: int = 0,
                  memory_bytes: int = 0, account: str = "", ttl_seconds: float = 0.0,
                  gpu_model: str = "", server: str = "", min_memory_bytes: int = 0,
                  isolation: str = "") -> pb.Lease:
+        """Lease `count` slices of `percent` of a GPU or of `memory_bytes` each (exactly one is
+        non-zero; rgpu.slice_size.SliceSize carries them)."""
+        size = {"memory_bytes": memory_bytes} if memory_bytes else {"percent": percent}
         return self._call("Allocate", pb.AllocateRequest(
-            job_key=job_key, user=user, account=account, count=count, fraction=fraction,
-            memory_bytes=memory_bytes, ttl_seconds=ttl_seconds, gpu_model=gpu_model, server=server,
+            job_key=job_key, user=user, account=account, count=count, **size,
+            ttl_seconds=ttl_seconds, gpu_model=gpu_model, server=server,
             min_memory_bytes=min_memory_bytes, isolation=isolation))
 
     def renew(self, job_key: str, ttl_seconds: float) -> pb.Lease:

@@ -7,10 +7,24 @@ from typing import TYPE_CHECKING
 from rgpu.live_leases import LiveLeases
 from rgpu.model import GpuInfo, ServerInfo
 from rgpu.proto import rgpu_pb2 as pb
+from rgpu.slice_size import percent_of_fraction_value
 
 if TYPE_CHECKING:
     from rgpu.adaptor import AdaptorConf
     from rgpu.remoting.pool.accounting import SliceUsageRecord
+
+
+def size_from_pb(request: pb.AllocateRequest) -> tuple[int | None, int | None]:
+    """(percent, memory_bytes) an Allocate asks for, one of them None (both None: neither was
+    given). The `fraction` of clients before the percent field is read as Slurm reads a fraction."""
+    which = request.WhichOneof("size")
+    if which == "percent":
+        return request.percent, None
+    if which == "memory_bytes":
+        return None, request.memory_bytes
+    if which == "fraction":
+        return percent_of_fraction_value(request.fraction, component="pool"), None
+    return None, None
 
 
 def gpu_to_pb(gpu: GpuInfo) -> pb.Gpu:

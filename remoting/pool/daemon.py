@@ -39,7 +39,8 @@ from rgpu.model import LeaseRecord
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
 from rgpu.remoting.pool.errors import status_for
-from rgpu.remoting.pool.convert import live_to_pb, server_from_pb, server_to_pb, usage_from_pb, usage_to_pb
+from rgpu.remoting.pool.convert import (live_to_pb, server_from_pb, server_to_pb, size_from_pb, usage_from_pb,
+                                        usage_to_pb)
 from rgpu.remoting.metrics.http import MetricsServer, serve_metrics
 from rgpu.remoting.pool.events import EventLog
 from rgpu.remoting.pool.gpu_listing import GpuListing
@@ -253,10 +254,10 @@ class PoolServicer(pb_grpc.PoolServicer):
                 check_owner(self.core.leases.get(request.job_key), user, "reuse", request.job_key)
                 # Only an account the user belongs to; none named: their default one.
                 account = self.accounts.account_for(user, request.account)
+            percent, memory_bytes = size_from_pb(request)
             lease = self.core.allocate(AllocationRequest(
                 job_key=request.job_key, user=user, account=account, count=request.count,
-                fraction=request.fraction if request.fraction else None,
-                memory_bytes=request.memory_bytes if request.memory_bytes else None,
+                percent=percent, memory_bytes=memory_bytes,
                 ttl_seconds=request.ttl_seconds, gpu_model=request.gpu_model, server=request.server,
                 min_memory_bytes=request.min_memory_bytes, isolation=request.isolation))
         except Exception as exc:
@@ -586,8 +587,9 @@ def main(config_file: str | None, listen: str | None, state: str | None, placeme
         port_files = {"metrics": metrics_port_file, "dashboard": dashboard_port_file}
 
         def report(what: str, bound: int) -> None:
-            if port_files.get(what):
-                write_port_file(port_files[what], bound, "poold")
+            path = port_files.get(what)
+            if path:
+                write_port_file(path, bound, "poold")
 
         logging.getLogger().setLevel(settings.log_level.upper())
         secret = load_secret(settings.secret_file)

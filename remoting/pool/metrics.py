@@ -77,8 +77,9 @@ def pool_families(view: PoolView) -> list[Metric]:
             used[(lv.lease.job_key, n)] = (record.memory_used_bytes if record is not None else 0,
                                            lv.compute_used[n] if n < len(lv.compute_used) else -1.0)
     gpu_used: dict[tuple[str, str], int] = {}
-    for lease, n, s in slices:
-        gpu_used[(s.server, s.gpu_uuid)] = gpu_used.get((s.server, s.gpu_uuid), 0) + used[(lease.job_key, n)][0]
+    for lease, n, placed in slices:
+        key = (placed.server, placed.gpu_uuid)
+        gpu_used[key] = gpu_used.get(key, 0) + used[(lease.job_key, n)][0]
     return [
         _gauge("rgpu_pool_servers", "Dispatchers by state", ["state"],
                (([state], sum(s.state == state for s in view.servers)) for state in SERVER_STATES)),

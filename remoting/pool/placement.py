@@ -15,13 +15,13 @@ Rules, all enforced here:
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 from rgpu.errors import CapacityError, InvalidRequest
 from rgpu.model import isolation_allows
+from rgpu.slice_size import PERCENT_PER_GPU, format_hundredths, memory_of_percent, percent_of_memory
 
 POLICIES = ("binpack", "spread")
 
@@ -53,7 +53,7 @@ class GpuSlot:
 @dataclass(frozen=True)
 class SliceRequest:
     count: int
-    fraction: float | None = None         # exactly one of fraction / memory_bytes
+    percent: int | None = None            # of one GPU (1-100); exactly one of percent / memory_bytes
     memory_bytes: int | None = None
     gpu_model: str = ""                   # case-insensitive substring of the GPU name
     server: str = ""                      # dispatcher address or hostname
@@ -68,20 +68,13 @@ class PlacedSlice:
     compute_percent: int
 
 
-def percent_of_fraction(fraction: float) -> int:
-    # round half up (not Python's round-half-even), and at least 1%: a slice with no compute
-    # share would never run.
-    return max(1, min(100, math.floor(100 * fraction + 0.5)))
-
-
 def slice_size(gpu: GpuSlot, request: SliceRequest) -> tuple[int, int]:
     """(memory_limit_bytes, compute_percent) a slice of this request takes on this GPU."""
-    if request.fraction is not None:
-        return math.floor(request.fraction * gpu.usable_memory_bytes), percent_of_fraction(request.fraction)
+    if request.percent is not None:
+        return memory_of_percent(request.percent, gpu.usable_memory_bytes), request.percent
     assert request.memory_bytes is not None
     # A memory-sized slice gets the same share of compute as of memory, rounded up.
-    percent = max(1, min(100, math.ceil(100 * request.memory_bytes / gpu.usable_memory_bytes)))
-    return request.memory_bytes, percent
+    return request.memory_bytes, percent_of_memory(request.memory_bytes, gpu.usable_memory_bytes)
 
 
 def _matches_filters(gpu: GpuSlot, request: SliceRequest) -> bool:
@@ -113,7 +106,7 @@ def check_request(request: SliceRequest, policy: str) -> None:
         raise InvalidRequest("placement", f"unknown policy {policy!r}", "", f"use one of {', '.join(POLICIES)}")
     if request.count < 1:
         raise InvalidRequest("placement", f"count {request.count}", "at least one slice", "ask for 1 or more")
-    if (request.fraction is None) == (request.memory_bytes is None):
+    if (request.percent is None) == (request.memory_bytes is None):
         raise InvalidRequest("placement", "give either a fraction or a memory size per slice", "", "")
 
 
@@ -123,8 +116,7 @@ def place(gpus: Iterable[GpuSlot], request: SliceRequest, policy: str = "binpack
 
     all_gpus = gpus if isinstance(gpus, list) else list(gpus)
     model = request.gpu_model.lower()
-    fraction = request.fraction
-    fixed_percent = percent_of_fraction(fraction) if fraction is not None else 0
+    fixed_percent = request.percent
     filtered = bool(model or request.server or request.min_memory_bytes or request.isolation)
     # This loop runs over every GPU of the pool on each allocation: keep it to plain arithmetic
     # on locals.
@@ -135,8 +127,8 @@ def place(gpus: Iterable[GpuSlot], request: SliceRequest, policy: str = "binpack
         if not gpu.eligible or (filtered and not _matches_filters(gpu, request)):
             continue
         usable = gpu.usable_memory_bytes
-        if fraction is not None:
-            memory, percent = math.floor(fraction * usable), fixed_percent
+        if fixed_percent is not None:
+            memory, percent = usable * fixed_percent // PERCENT_PER_GPU, fixed_percent
         elif request.memory_bytes > usable:  # type: ignore[operator]
             continue
         else:
@@ -173,8 +165,8 @@ def place(gpus: Iterable[GpuSlot], request: SliceRequest, policy: str = "binpack
 
 
 def _describe(request: SliceRequest) -> str:
-    if request.fraction is not None:
-        size = f"fraction {request.fraction:g}"
+    if request.percent is not None:
+        size = f"fraction {format_hundredths(request.percent)}"
     else:
         size = f"{(request.memory_bytes or 0) / 2**30:.1f} GiB"
     filters = [f"model~{request.gpu_model}"] if request.gpu_model else []

@@ -19,13 +19,13 @@ from __future__ import annotations
 import bisect
 import functools
 import heapq
-import math
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 from rgpu.errors import CapacityError
 from rgpu.model import isolation_allows
-from rgpu.remoting.pool.placement import (GpuSlot, PlacedSlice, SliceRequest, check_request, percent_of_fraction, place,
+from rgpu.slice_size import memory_of_percent, percent_of_memory
+from rgpu.remoting.pool.placement import (GpuSlot, PlacedSlice, SliceRequest, check_request, place,
                                           sharing_allows)
 
 # A GPU as the shape of a server sees it: (index, name, usable memory, allocated %, allocated memory,
@@ -124,8 +124,8 @@ class PlacementIndex:
             by_key.setdefault((-len(fit.candidates), sign * fit.free), []).append(group)
             fit_of[id(group)] = fit
         chosen: list[PlacedSlice] = []
-        for key in sorted(by_key):
-            groups = by_key[key]
+        for order in sorted(by_key):
+            groups = by_key[order]
             for address, fit in heapq.merge(*(self._up_members_with(group, fit_of[id(group)], is_up)
                                                for group in groups), key=lambda each: each[0]):
                 chosen.extend(self._placed(address, fit.candidates[: request.count - len(chosen)]))
@@ -172,14 +172,14 @@ def _fit(shape: Shape, request: SliceRequest, policy: str) -> _Fit | None:
             continue
         if usable < request.min_memory_bytes:
             continue
-        if request.fraction is not None:
-            memory, percent = math.floor(request.fraction * usable), percent_of_fraction(request.fraction)
+        if request.percent is not None:
+            memory, percent = memory_of_percent(request.percent, usable), request.percent
         else:
             assert request.memory_bytes is not None
             if request.memory_bytes > usable:
                 continue
             memory = request.memory_bytes
-            percent = max(1, min(100, math.ceil(100 * memory / usable)))
+            percent = percent_of_memory(memory, usable)
         if not sharing_allows(sharing, percent):
             continue
         if allocated + percent <= 100 and allocated_memory + memory <= usable:

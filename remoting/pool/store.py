@@ -333,7 +333,7 @@ class Store:
     def load_slice_usage(self) -> dict[tuple[str, int], SliceUsageRecord]:
         if not self.shared:
             return {}
-        return {(str(key), int(number)): SliceUsageRecord(*values)  # type: ignore[arg-type]
+        return {(str(key), int(number)): SliceUsageRecord(*values)  # type: ignore[arg-type,call-overload]
                 for key, number, *values in self._rows(f"SELECT job_key, slice, {USAGE_COLUMNS} FROM slice_usage")}
 
     def save_server_report(self, address: str, report: bytes, received: float) -> None:
@@ -346,7 +346,7 @@ class Store:
     def load_server_reports(self) -> dict[str, bytes]:
         if not self.shared:
             return {}
-        return {str(a): bytes(r) for a, r in self._rows("SELECT address, report FROM server_reports")}  # type: ignore[arg-type]
+        return {str(a): bytes(r) for a, r in self._rows("SELECT address, report FROM server_reports")}  # type: ignore[call-overload]
 
     # -- loading ---------------------------------------------------------------------------
     def load_servers(self) -> list[tuple[ServerInfo, bool]]:

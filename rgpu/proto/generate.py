@@ -1,4 +1,4 @@
-"""Regenerate rgpu_pb2.py and rgpu_pb2_grpc.py from rgpu.proto.
+"""Regenerate rgpu_pb2.py, its type stub rgpu_pb2.pyi (for mypy) and rgpu_pb2_grpc.py from rgpu.proto.
 
 Usage: python -m rgpu.proto.generate [OUTPUT_ROOT]
 The generated files are committed; tests/test_proto_generated.py fails when they are stale.
@@ -22,6 +22,7 @@ def generate(output_root: Path) -> None:
         "grpc_tools.protoc",
         f"-I{SOURCE_ROOT}",
         f"--python_out={output_root}",
+        f"--pyi_out={output_root}",
         f"--grpc_python_out={output_root}",
         str(Path("rgpu") / "proto" / "rgpu.proto"),
     ]

@@ -139,12 +139,12 @@ def test_usage_errors() -> None:
     args = flexrun.parse_args(["-f", "x.conf", "--", "app", "-n", "3"])
     assert args.command == ["app", "-n", "3"] and args.adaptor_conf == "x.conf"
     args = flexrun.parse_args(["-n", "2", "-p", "0.5", "python", "train.py"])
-    assert args.num_gpus == 2 and args.size == flexrun.SliceSize(fraction=0.5) and args.command == ["python", "train.py"]
+    assert args.num_gpus == 2 and args.size == flexrun.SliceSize(percent=50) and args.command == ["python", "train.py"]
 
 
 def test_memory_per_slice() -> None:
     args = flexrun.parse_args(["-n", "2", "-m", "8G", "--", "app"])
-    assert args.size == flexrun.SliceSize(fraction=0.0, memory_bytes=8 << 30) and args.command == ["app"]
+    assert args.size == flexrun.SliceSize(percent=0, memory_bytes=8 << 30) and args.command == ["app"]
     assert flexrun.parse_args(["-l", "h:1;h:2", "-m", "512MiB", "app"]).size.memory_bytes == 512 << 20
 
 
@@ -161,10 +161,10 @@ def test_the_application_argv_is_untouched() -> None:
     (["-x", "app"], "rgpu: flexrun: invalid command line (No such option '-x'"),
     (["-n", "two", "app"], "rgpu: flexrun: invalid command line (Invalid value for '-n'"),
     (["-n", "0", "app"], "rgpu: flexrun: -n 0 asks for no GPU"),
-    (["-n", "1", "-p", "1.5", "app"], "rgpu: flexrun: -p 1.5 is not a fraction of a GPU"),
+    (["-n", "1", "-p", "1.5", "app"], "rgpu: flexrun: invalid fraction '1.5' (it must be more than 0 and at most 1"),
     (["-n", "1", "-p", "0.5", "-m", "8G", "app"], "rgpu: flexrun: -p and -m cannot be used together"),
-    (["-n", "1", "-m", "lots", "app"], "rgpu: flexrun: invalid memory per slice (-m) 'lots'"),
-    (["-n", "1", "-m", "99999999999999999999999T", "app"], "rgpu: flexrun: invalid memory per slice (-m)"),
+    (["-n", "1", "-m", "lots", "app"], "rgpu: flexrun: invalid memory 'lots'"),
+    (["-n", "1", "-m", "99999999999999999999999T", "app"], "rgpu: flexrun: invalid memory '999"),
     (["-f", "a.conf", "-n", "1", "app"], "rgpu: flexrun: -f and -n cannot be used together"),
     (["-f", "a.conf", "-m", "8G", "app"], "rgpu: flexrun: -m cannot be used with -f"),
 ])

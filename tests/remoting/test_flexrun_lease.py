@@ -104,7 +104,7 @@ def test_renew_extends_and_never_creates(cluster: RgpuCluster) -> None:
     cluster.start_pool()
     with cluster.client() as client:
         register_servers(client, servers=1, gpus=2)
-        lease = client.allocate("job-ttl", "alice", 1, fraction=0.5, ttl_seconds=TTL)
+        lease = client.allocate("job-ttl", "alice", 1, percent=50, ttl_seconds=TTL)
         renewed = client.renew("job-ttl", 100)
         assert renewed.expires_unix > lease.expires_unix + 90
         assert renewed.slices[0].token == lease.slices[0].token   # the running application's token stays good
@@ -112,7 +112,7 @@ def test_renew_extends_and_never_creates(cluster: RgpuCluster) -> None:
         with pytest.raises(NotFound, match="no lease 'job-ttl' to renew"):
             client.renew("job-ttl", 100)
         assert client.list_leases() == []
-        client.allocate("job-forever", "alice", 1, fraction=0.5)
+        client.allocate("job-forever", "alice", 1, percent=50)
         with pytest.raises(InvalidRequest, match="has no TTL to renew"):
             client.renew("job-forever", 100)
 
@@ -127,13 +127,13 @@ def test_a_bad_ttl_is_invalid_argument(cluster: RgpuCluster, ttl: float) -> None
     with cluster.client() as client:
         register_servers(client, servers=1, gpus=1)
         with pytest.raises(InvalidRequest, match="invalid TTL") as info:
-            client.allocate("job-nan", "alice", 1, fraction=0.5, ttl_seconds=ttl)
+            client.allocate("job-nan", "alice", 1, percent=50, ttl_seconds=ttl)
         assert "\n" not in str(info.value)
     method = "/rgpu.v1.Pool/Allocate"
     with grpc.insecure_channel(cluster.pool_address) as channel:
         with pytest.raises(grpc.RpcError) as raw:
             pb_grpc.PoolStub(channel).Allocate(
-                pb.AllocateRequest(job_key="job-nan", user="alice", count=1, fraction=0.5, ttl_seconds=ttl),
+                pb.AllocateRequest(job_key="job-nan", user="alice", count=1, percent=50, ttl_seconds=ttl),
                 metadata=[(AUTH_HEADER, request_credential(cluster.secret, method))], timeout=5)
     assert raw.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 

@@ -53,7 +53,7 @@ def test_busy_time_and_memory_peak_reach_rgpu_admin(native_libs: build.Libraries
     cluster, address = start(tmp_path, idle_after_seconds=2.0)
     try:
         with cluster.client() as client:
-            lease = client.allocate("job-usage", "alice", 1, fraction=0.25, account="physics")
+            lease = client.allocate("job-usage", "alice", 1, percent=25, account="physics")
         program = tmp_path / "prog.py"
         program.write_text(PROGRAM.format(tests=str(Path(__file__).parent)))
         run = run_client(native_libs, f"{address},{lease.slices[0].token}", [sys.executable, str(program)])
@@ -87,7 +87,7 @@ def test_idle_release_frees_an_unused_lease_and_accounts_for_it(tmp_path: Path) 
     cluster, _ = start(tmp_path, idle_after_seconds=1.0, idle_release=True)
     try:
         with cluster.client() as client:
-            client.allocate("job-idle", "bob", 1, fraction=0.5, account="chem")
+            client.allocate("job-idle", "bob", 1, percent=50, account="chem")
             wait_for(lambda: client.list_leases() == [], what="the idle lease's release")
         assert "was idle for 1 s and was released" in cluster.pool.log()
         usage = json.loads(admin(cluster, "usage", "--by", "account", "--json").stdout)

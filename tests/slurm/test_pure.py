@@ -440,9 +440,9 @@ def test_a_released_job_a_lease_end_left_without_room_is_held_again_before_it_st
     from tests.poolcore_helpers import make_core, req
 
     core = make_core(tmp_path / "pool.db", servers=2)                  # 2 servers x 2 GPUs
-    core.allocate(req("slurm:hpc:20:0:c1", fraction=0.5))              # GPU 0 of server 0: 50%
-    core.allocate(req("filler", fraction=0.6, server="127.0.0.1:55001"))
-    core.allocate(req("slurm:hpc:13:0:c1", fraction=0.25, server="127.0.0.1:55001"))   # GPU 1: 25%
+    core.allocate(req("slurm:hpc:20:0:c1", percent=50))              # GPU 0 of server 0: 50%
+    core.allocate(req("filler", percent=60, server="127.0.0.1:55001"))
+    core.allocate(req("slurm:hpc:13:0:c1", percent=25, server="127.0.0.1:55001"))   # GPU 1: 25%
     core.release("filler")
     whole, quarters = "rgpu:v1 nodes=1 count=1 percent=100 units=100", "rgpu:v1 nodes=1 count=2 percent=25 units=50"
     jobs = [admitted(10, quarters), admitted(9, whole, state="CONFIGURING", reason="None"),
@@ -514,7 +514,7 @@ def test_the_admission_reserves_a_released_jobs_room_and_its_allocate_claims_it(
     from tests.poolcore_helpers import make_core, req
 
     core = make_core(tmp_path / "pool.db", servers=1)                   # 2 GPUs
-    core.allocate(req("slurm:hpc:7:0:c1", fraction=0.5))                # GPU 0: 50
+    core.allocate(req("slurm:hpc:7:0:c1", percent=50))                # GPU 0: 50
     ran: list[list[str]] = []
     admission = Admission(core, logging.getLogger("test.admission"), None, ran.append, cluster=lambda: "hpc")
     whole = "rgpu:v1 nodes=1 count=1 percent=100 units=100"
@@ -523,8 +523,8 @@ def test_the_admission_reserves_a_released_jobs_room_and_its_allocate_claims_it(
     assert [le.job_key for le in core.list_leases()] == ["slurm:hpc:7:0:c1", "slurm:hpc:15:0:+r0"]
     core.release("slurm:hpc:7:0:c1")                                    # a lease ends
     with _pytest.raises(CapacityError):
-        core.allocate(req("manual", count=2, fraction=0.5))
-    lease = core.allocate(req("slurm:hpc:15:0:c1", fraction=1.0))       # its PrologSlurmctld
+        core.allocate(req("manual", count=2, percent=50))
+    lease = core.allocate(req("slurm:hpc:15:0:c1", percent=100))       # its PrologSlurmctld
     assert lease.slices[0].gpu_index == 1 and [le.job_key for le in core.list_leases()] == ["slurm:hpc:15:0:c1"]
 
 

@@ -173,8 +173,8 @@ def test_a_lease_change_right_after_admission_cannot_take_the_released_jobs_room
     busy = h.slurm.submit(["-w", "c1", "--exclusive"], "sleep 300\n", user=JOB_USER)   # plain: no rgpu
     h.slurm.wait_job_state(busy, "RUNNING", 30)
     with h.client() as c:
-        c.allocate("test-fill-a", "root", 2, fraction=1.0)               # one server's two GPUs
-        fill_b = c.allocate("test-fill-b", "root", 1, fraction=1.0)      # one of the other's
+        c.allocate("test-fill-a", "root", 2, percent=100)               # one server's two GPUs
+        fill_b = c.allocate("test-fill-b", "root", 1, percent=100)      # one of the other's
     try:
         job = h.slurm.submit(["-w", "c1", "--gres=rgpu:1", "--comment=fraction=1.0"], "true\n", user=JOB_USER)
 
@@ -190,7 +190,7 @@ def test_a_lease_change_right_after_admission_cannot_take_the_released_jobs_room
         with h.client() as c:
             c.release("test-fill-b")                                     # a lease ends: one GPU free
             with pytest.raises(Exception, match="cannot place 2 slice"):
-                c.allocate("test-steal", "root", 2, fraction=0.5)        # it would need the reserved GPU
+                c.allocate("test-steal", "root", 2, percent=50)        # it would need the reserved GPU
         for other in others:
             assert finished(h, other, 60)["JobState"] == "COMPLETED", diagnostics(h)
         time.sleep(2)                                                    # passes renew the reservation
@@ -329,8 +329,8 @@ def test_epilogs_run_twice_or_after_release_are_harmless(h: Harness) -> None:
             assert out.returncode == 0 and out.stderr == "", (script, out)
     # A lease the epilog has to release, twice, and one of a later restart it must not touch.
     with h.client() as c:
-        c.allocate(f"slurm:rgputest:{job}:0:{node}", JOB_USER, 1, fraction=0.1)
-        c.allocate(f"slurm:rgputest:{job}:1:{node}", JOB_USER, 1, fraction=0.1)
+        c.allocate(f"slurm:rgputest:{job}:0:{node}", JOB_USER, 1, percent=10)
+        c.allocate(f"slurm:rgputest:{job}:1:{node}", JOB_USER, 1, percent=10)
     assert run_script(h, "rgpu-epilog-slurmctld", env).returncode == 0
     assert run_script(h, "rgpu-epilog-slurmctld", env).returncode == 0
     assert [lease.job_key for lease in h.job_leases(job)] == [f"slurm:rgputest:{job}:1:{node}"]
@@ -349,9 +349,9 @@ def test_reconciler_releases_leases_of_gone_jobs_and_reports_missing(h: Harness)
     h.slurm.wait_job_state(job, "RUNNING", 30)
     wait_until("the job's lease", lambda: h.job_leases(job) or None, 10)
     with h.client() as pool:
-        pool.allocate("slurm:rgputest:999999:0:c1", "nobody", 1, fraction=0.1)   # its job never existed
-        pool.allocate("slurm:othercluster:999999:0:c1", "nobody", 1, fraction=0.1)
-        pool.allocate("admin-request-1", "nobody", 1, fraction=0.1)
+        pool.allocate("slurm:rgputest:999999:0:c1", "nobody", 1, percent=10)   # its job never existed
+        pool.allocate("slurm:othercluster:999999:0:c1", "nobody", 1, percent=10)
+        pool.allocate("admin-request-1", "nobody", 1, percent=10)
         rec = Reconciler(pool, SqueueBackend(env=h.slurm.env), interval_seconds=0.5, grace_seconds=1.0,
                          log=logging.getLogger("test-reconciler"), cluster_lookup=lambda: "rgputest")
         first = rec.run_once()
@@ -419,7 +419,7 @@ def test_pool_daemon_hooks_reconcile_and_sync_licenses(h: Harness, tmp_path: Pat
     gpus = tuple(GpuInfo(f"GPU-0000000{i}-hook", i, "Test GPU", 80 << 30, 80 << 30, "9.0") for i in range(2))
     with running_pool(settings, h.pool.secret) as (_, core):
         core.register(ServerInfo("127.0.0.1:1", "hooks", "580", "13.0", gpus, static_inventory=True))
-        core.allocate(AllocationRequest(job_key="slurm:rgputest:999998:0:c1", user="nobody", count=1, fraction=0.5))
+        core.allocate(AllocationRequest(job_key="slurm:rgputest:999998:0:c1", user="nobody", count=1, percent=50))
         hooks = start_slurm_integration(core, interval_seconds=0.3, grace_seconds=0.5, backend="squeue",
                                         license_sync=True, log=logging.getLogger("test-hooks"), env=h.slurm.env)
         try:
@@ -483,8 +483,8 @@ def test_the_pool_releases_leases_of_gone_jobs_by_default(h: Harness) -> None:
     """The reconciler runs in rgpu-poold because Slurm is configured beside it (the session pool's
     rgpu.toml sets only the interval and grace, for speed)."""
     with h.client() as pool:
-        pool.allocate("slurm:rgputest:999999:0:c1", JOB_USER, 1, fraction=0.1)   # its job never existed
-        pool.allocate("admin-kept", JOB_USER, 1, fraction=0.1)
+        pool.allocate("slurm:rgputest:999999:0:c1", JOB_USER, 1, percent=10)   # its job never existed
+        pool.allocate("admin-kept", JOB_USER, 1, percent=10)
     try:
         wait_until("the gone job's lease to be released", lambda: not h.job_leases("999999") or None, 30)
         assert "admin-kept" in {lease.job_key for lease in h.leases()}

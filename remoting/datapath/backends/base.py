@@ -95,7 +95,7 @@ class TensorMapRequest:
     @classmethod
     def unpack(cls, buf: Any) -> TensorMapRequest:
         v = cls.WIRE.unpack_from(buf, 0)
-        return cls(*v[:13], dims=v[13:18], strides=v[18:23], box=v[23:28], element_strides=v[28:33],
+        return cls(*v[:13], dims=v[13:18],  # type: ignore[misc]  # mypy cannot count v[:13] strides=v[18:23], box=v[23:28], element_strides=v[28:33],
                    lower=v[33:38], upper=v[38:43], map=v[43])
 
 

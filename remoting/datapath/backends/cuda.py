@@ -175,7 +175,7 @@ _MANUAL = {
 
 for _name in ("cuGraphAddEmptyNode", "cuGraphAddKernelNode_v2", "cuGraphAddMemsetNode", "cuGraphAddMemcpyNode",
               "cuGraphAddMemAllocNode", "cuGraphAddMemFreeNode"):
-    _MANUAL[_name] = [P(c_void_p), c_void_p, c_void_p, c_size_t] + {
+    _MANUAL[_name] = [P(c_void_p), c_void_p, c_void_p, c_size_t] + {  # type: ignore[operator]
         "cuGraphAddEmptyNode": [], "cuGraphAddKernelNode_v2": [c_void_p], "cuGraphAddMemsetNode": [c_void_p, c_void_p],
         "cuGraphAddMemcpyNode": [c_void_p, c_void_p], "cuGraphAddMemAllocNode": [c_void_p],
         "cuGraphAddMemFreeNode": [c_uint64]}[_name]
@@ -692,8 +692,8 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
             self._check("cuGraphAddMemFreeNode", *head, dptr)
         elif kind == 7:   # a host node: the driver calls our trampoline with the client's function id
             (fn_id,) = struct.unpack_from("<Q", payload, 0)
-            params = CUDA_HOST_NODE_PARAMS(self._host_fn_address, self._host_token(fn_id, self._regions(graph)))
-            self._check("cuGraphAddHostNode", *head, byref(params))
+            host_params = CUDA_HOST_NODE_PARAMS(self._host_fn_address, self._host_token(fn_id, self._regions(graph)))
+            self._check("cuGraphAddHostNode", *head, byref(host_params))
         elif kind == 8:   # a child graph: the driver clones it into the node
             (child,) = struct.unpack_from("<Q", payload, 0)
             fn = self._late_fn("cuGraphAddChildGraphNode", [P(c_void_p), c_void_p, c_void_p, c_size_t, c_void_p])
@@ -1189,7 +1189,7 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
         callback = ctypes.CFUNCTYPE(None, c_void_p, c_void_p, c_uint64)(
             lambda _opaque, node, owner: found.append((node or 0, owner)))
         walk(ctx, module, ctypes.cast(callback, c_void_p).value or 0, 0, module, 0)
-        nodes = []
+        nodes: list[tuple[int, ...]] = []
         for node, owner in found:
             word = lambda off, n=node: c_uint64.from_address(n + off).value  # noqa: E731
             nodes.append((node, owner, word(0x0), word(0x10), word(0x18), word(0x28),

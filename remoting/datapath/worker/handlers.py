@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import socket
 import struct
@@ -84,6 +85,8 @@ class Handlers:
     load_steps: dict[str, list[int]] | None = None   # RGPU_WORKER_PROFILE: time per module-load step
     client_events: ClientEvents
     client_streams: ClientStreams
+    sent: int                                          # bytes this session sent (loop.py counts them)
+    _reply: Callable[[int, int, bytes, str], None]     # the Worker's (loop.py)
 
     # ------------------------------------------------------------------ contexts
 
@@ -582,7 +585,7 @@ class Handlers:
     def _module_key(kind: str, handle: int) -> int:
         return -((4 if kind == "library" else 3) << 64) - handle
 
-    def _module_footprint(self, kind: str, image: bytes, digest: bytes | None) -> tuple[int, str]:
+    def _module_footprint(self, kind: str, image: bytes | mmap.mmap, digest: bytes | None) -> tuple[int, str]:
         """The device memory the image's variables take, claimed against the slice (0: nothing
         claimed); an image whose variables cannot be counted is refused."""
         what = "cuLibraryLoadData" if kind == "library" else "cuModuleLoadData"

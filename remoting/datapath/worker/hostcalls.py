@@ -189,7 +189,7 @@ class HostCalls:
             else:
                 target = r.view[r.end:]
             try:
-                readable, _, _ = select.select([self.sock, self._wake_r], [], [], _SELECT_S)
+                readable, _, _ = select.select([self.sock, self._wake_r], [], [], _SELECT_S)  # type: ignore[type-var]
                 if self._wake_r in readable:
                     self._drain_wake()
                     return   # the loop wants its reader: it reads the rest itself, or lends it again

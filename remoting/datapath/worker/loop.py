@@ -295,7 +295,7 @@ class Worker(Handlers):
     def _write_profile(self, wall_ns: int) -> None:
         """RGPU_WORKER_PROFILE=DIR: where this session's time went, per operation (a developer's
         and operator's tool next to the client's RGPU_CLIENT_STATS; off by default)."""
-        ops = {("native launch batches" if op == -1 else api_gen.OPS.get(op, str(op))): {"calls": n, "handler_ns": ns} for op, (n, ns) in self.profile.items()}
+        ops = {("native launch batches" if op == -1 else api_gen.OPS.get(op, str(op))): {"calls": n, "handler_ns": ns} for op, (n, ns) in (self.profile or {}).items()}
         native = self.native_launches
         report = {"wall_ns": wall_ns, "native_launches": native.launched.value if native else 0,
                   # event operations the C loop ran (their time is in "native launch batches")
@@ -350,6 +350,7 @@ class Worker(Handlers):
             if limiter is not None and (op == launch_op or (op in native_work_ops and ctx == self.current_ctx)):
                 limiter.before_submit()
             if op in native_ops and ctx == self.current_ctx:
+                assert native is not None       # native_ops is empty without it
                 # Every complete plain launch and event operation in the buffer, in one call; what
                 # it leaves (a partial frame, a cooperative launch, an unknown handle, another op)
                 # takes the paths below.

@@ -51,7 +51,7 @@ class UcxLink:
     def address(self) -> bytes:
         p = ctypes.c_void_p()
         n = self._lib.rgpu_ucx_address(self._handle, ctypes.byref(p))
-        return ctypes.string_at(p.value, n) if n else b""
+        return ctypes.string_at(p.value or 0, n) if n else b""
 
     def connect(self, peer: bytes) -> None:
         if self._lib.rgpu_ucx_connect(self._handle, peer, len(peer), self._why, WHY_BYTES):
