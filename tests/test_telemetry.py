@@ -80,7 +80,7 @@ def cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
 def test_a_slice_that_holds_40_gib_and_uses_2_gib_shows_both_in_metrics_servers_and_stats(cluster: RgpuCluster) -> None:
     pool_metrics, dispatcher_metrics, address = start_with_metrics(cluster)
     with cluster.client() as client:
-        lease = client.allocate("job-t1", "alice", 1, fraction=0.5)
+        lease = client.allocate("job-t1", "alice", 1, percent=50)
     gpu = lease.slices[0].gpu_uuid
     # Readings come with every heartbeat, sessions or not; an emulated GPU says it is one.
     wait_for(lambda: ("rgpu_pool_gpu_telemetry_source", (("gpu", gpu), ("index", "0"), ("model", "NVIDIA H100 80GB HBM3"),
