@@ -95,8 +95,8 @@ class TensorMapRequest:
     @classmethod
     def unpack(cls, buf: Any) -> TensorMapRequest:
         v = cls.WIRE.unpack_from(buf, 0)
-        return cls(*v[:13], dims=v[13:18],  # type: ignore[misc]  # mypy cannot count v[:13] strides=v[18:23], box=v[23:28], element_strides=v[28:33],
-                   lower=v[33:38], upper=v[38:43], map=v[43])
+        return cls(*v[:13], dims=v[13:18], strides=v[18:23],  # type: ignore[misc]  # mypy cannot count v[:13]
+                   box=v[23:28], element_strides=v[28:33], lower=v[33:38], upper=v[38:43], map=v[43])
 
 
 TENSOR_MAP_TILED, TENSOR_MAP_IM2COL, TENSOR_MAP_IM2COL_WIDE, TENSOR_MAP_REPLACE = range(4)
