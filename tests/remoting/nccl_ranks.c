@@ -12,7 +12,11 @@
  * OUT holds, in order: all-reduce sum (float32, COUNT), all-reduce max (int32, COUNT), broadcast
  * from the last rank (float32, COUNT), reduce sum to rank 0 (int64, COUNT; rank 0's only), all-gather
  * (float32, NRANKS*COUNT), reduce-scatter sum (float32, COUNT), ring send/recv from rank r-1 (int32,
- * COUNT), in-place all-reduce avg (float64, COUNT). */
+ * COUNT), in-place all-reduce avg (float64, COUNT).
+ * Each device's primary context, as the CUDA runtime (and so PyTorch) uses: with contexts made by
+ * cuCtxCreate, every collective failed on two H200s with NCCL's 'Cuda failure 400 invalid resource
+ * handle' at its enqueue (2026-11-28), while benchmarks/nccl_allreduce.c on primary contexts ran;
+ * presumably NCCL's threads bind its resources to the primary context (cudaSetDevice). */
 #include <cuda.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -132,7 +136,7 @@ static ncclComm_t init_rank(int rank, int nranks, const char *idfile) {
 static int one_rank(int rank, int nranks, const char *idfile, size_t count, const char *outpath) {
     CUdevice dev;
     rank_bufs b;
-    CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuCtxCreate(&b.ctx, NULL, 0, dev));
+    CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuDevicePrimaryCtxRetain(&b.ctx, dev)); CU(cuCtxSetCurrent(b.ctx));
     alloc_bufs(nranks, count, &b);
     fill(rank, nranks, count, &b);
     ncclComm_t comm = init_rank(rank, nranks, idfile);
@@ -158,7 +162,7 @@ static int all_in_one(int ndev, size_t count, const char *outprefix) {
     CU(cuInit(0));
     for (int d = 0; d < ndev; d++) {
         CUdevice dev;
-        CU(cuDeviceGet(&dev, d)); CU(cuCtxCreate(&b[d].ctx, NULL, 0, dev));
+        CU(cuDeviceGet(&dev, d)); CU(cuDevicePrimaryCtxRetain(&b[d].ctx, dev)); CU(cuCtxSetCurrent(b[d].ctx));
         alloc_bufs(ndev, count, &b[d]);
         fill(d, ndev, count, &b[d]);
     }
@@ -196,7 +200,7 @@ static int die(int rank, int nranks, const char *idfile, const char *gofile) {
     CUdevice dev;
     rank_bufs b;
     size_t count = 1024;
-    CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuCtxCreate(&b.ctx, NULL, 0, dev));
+    CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuDevicePrimaryCtxRetain(&b.ctx, dev)); CU(cuCtxSetCurrent(b.ctx));
     alloc_bufs(nranks, count, &b);
     fill(rank, nranks, count, &b);
     ncclComm_t comm = init_rank(rank, nranks, idfile);
