@@ -132,6 +132,26 @@ def test_plain_jobs_start_and_end_promptly_while_the_pool_is_frozen(h: Harness) 
     assert all(int(h.slurm.job_json(j)["restart_cnt"]) == 0 for j in jobs)
 
 
+
+def test_a_plain_job_whose_comment_names_a_size_runs_while_the_pool_is_frozen(h: Harness) -> None:
+    """A job without --gres=rgpu whose comment happens to hold a size word ("memory=4G" is a
+    common note) is a plain job: the node Prolog, which Slurm tells neither GRES nor licenses,
+    asks the pool about it, but a pool that does not answer must not requeue it (before: the
+    Prolog's 4 s pool timeout, then a requeue, of a job that owes rgpu nothing)."""
+    with pool_frozen(h):
+        job = h.slurm.submit(["--comment=memory=4G fraction=0.5 seed=4"], "echo PLAIN_RAN\n", user=JOB_USER)
+
+        def ended_or_requeued() -> dict | None:  # type: ignore[type-arg]
+            info = h.slurm.job_json(job)
+            return info if info["job_state"] in FINISHED or int(info["restart_cnt"]) >= 1 else None
+
+        info = wait_until("the plain job to end (or be requeued)", ended_or_requeued, 60)
+    wait_pool_back(h)
+    assert info["job_state"] == "COMPLETED" and int(info["restart_cnt"]) == 0, f"{info}\n{diagnostics(h)}"
+    assert "PLAIN_RAN" in h.slurm.job_output(job)
+    states = h.slurm.node_states()
+    assert not [s for s in states.values() if "drain" in s or "down" in s], states
+
 # 2. No job runs without its slices --------------------------------------------------------------
 SHOW_SLICES = 'echo "RAN conf=$RGPU_ADAPTOR_CONF"; test -s "$RGPU_ADAPTOR_CONF" && echo HAS_CONF\n'
 
