@@ -107,6 +107,8 @@ class ClusterConfig:
     scripts: dict[str, Sequence[str]] = field(default_factory=dict)
     script_env: dict[str, str] = field(default_factory=dict)
     extra_conf: str = ""
+    # Backfill every second (a test cluster's jobs are seconds long; Slurm's default is 30 s).
+    scheduler_parameters: str = "bf_interval=1"
     install: SlurmInstall = SlurmInstall("")   # the host's Slurm
     # Host folders that jobs or the TaskProlog read inside a Slurm root (the cluster's own
     # folder and /tmp are always there), e.g. the folder of the TaskProlog script.
@@ -201,7 +203,7 @@ ReturnToService=2
 MessageTimeout=10
 KillWait=2
 MinJobAge=600
-SchedulerParameters=bf_interval=1
+SchedulerParameters={c.scheduler_parameters}
 GresTypes=rgpu
 Licenses=rgpu:{c.license_total}
 PrologFlags=Alloc
