@@ -380,6 +380,20 @@ def test_a_heterogeneous_job_asking_for_rgpu_is_refused_at_submit(h: Harness, co
     assert "as a job of its own" in lines[0]
 
 
+@pytest.mark.parametrize("component", ["+0", "+1"], ids=["leader", "component1"])
+def test_a_heterogeneous_job_cannot_be_updated_into_asking_for_rgpu(h: Harness, component: str) -> None:
+    """The refusal at submission is not bypassed by an update of a pending component (before: the
+    update was accepted and the component charged for slices its tasks could not find)."""
+    job = h.slurm.submit(["--hold", ":", "-N", "1"], "srun --het-group=0,1 true\n", user=JOB_USER)
+    out = h.slurm.command(["scontrol", "update", f"jobid={job}{component}", "gres=rgpu:1", "comment=fraction=0.5"],
+                          check=False)
+    shown = h.slurm.command(["scontrol", "show", "job", f"{job}{component}"]).stdout
+    h.slurm.command(["scancel", job])
+    assert out.returncode != 0, f"{out}\n{shown}"
+    assert "rgpu" not in shown.split("Licenses=", 1)[1].split()[0], shown
+    assert "TresPerNode=gres" not in shown or "rgpu" not in shown.split("TresPerNode=", 1)[1].split()[0], shown
+
+
 def test_a_heterogeneous_job_without_rgpu_runs_untouched(h: Harness) -> None:
     job = h.slurm.submit([":", "-N", "1"], "srun --het-group=0,1 true && echo HET_RAN\n", user=JOB_USER)
     assert finished(h, job, 40)["JobState"] == "COMPLETED", diagnostics(h)
