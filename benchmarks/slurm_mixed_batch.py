@@ -7,7 +7,11 @@ each started as soon as it fits, on 4 empty GPUs, every job as long as the other
 mean time one job of this batch ran (Slurm's StartTime to EndTime, prologs and epilogs
 included). Needs root and Slurm (like `pytest -m slurm`).
 
-    python benchmarks/slurm_mixed_batch.py [--sleep 5] [--keep-room-for-head]
+    python benchmarks/slurm_mixed_batch.py [--sleep 5] [--keep-room-for-head] [--slurm-version 22.05]
+        [--scheduler-parameters bf_interval=1,batch_sched_delay=1]
+
+`--scheduler-parameters` is the cluster's SchedulerParameters line (default: the test cluster's,
+`ClusterConfig.scheduler_parameters`); compare runs of two lines in the same sitting.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from tests.daemons import RgpuCluster  # noqa: E402
-from tests.slurm.cluster import SlurmCluster, missing_requirements, wait_until  # noqa: E402
+from rgpu.slurm_plugin.slurmroot import VERSIONS, host_version, install_for  # noqa: E402
+from tests.slurm.cluster import ClusterConfig, SlurmCluster, missing_requirements, wait_until  # noqa: E402
 from tests.slurm.conftest import pool_ready, slurm_config, start_pool  # noqa: E402
 
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"}
@@ -63,8 +68,18 @@ def main() -> int:
     parser.add_argument("--logs", type=Path, help="copy the cluster's and the pool's logs here at the end")
     parser.add_argument("--keep-room-for-head", action="store_true",
                         help="run the pool with slurm_keep_room_for_head = true (backfill off the oldest waiting job's GPUs)")
+    parser.add_argument("--slurm-version", choices=VERSIONS,
+                        help="run on this Slurm (the host's where it is that version, else Debian's in a cached root); "
+                             "default: the host's")
+    parser.add_argument("--scheduler-parameters", default=ClusterConfig.scheduler_parameters,
+                        help="the cluster's SchedulerParameters (default: %(default)s)")
     args = parser.parse_args()
     reason = missing_requirements()
+    if reason:
+        print(f"skipped: {reason}")
+        return 0
+    install = install_for(args.slurm_version or host_version())
+    reason = missing_requirements(install)
     if reason:
         print(f"skipped: {reason}")
         return 0
@@ -73,18 +88,20 @@ def main() -> int:
     pool = RgpuCluster(root / "pool")
     slurm = None
     try:
-        start_pool(pool, slurm_conf=root / "slurm" / "etc" / "slurm.conf")
+        start_pool(pool, slurm_conf=root / "slurm" / "etc" / "slurm.conf", install=install)
         (root / "slurm").mkdir()
-        slurm = SlurmCluster(slurm_config(pool, root / "run-rgpu"), root=root / "slurm")
+        config = slurm_config(pool, root / "run-rgpu", install)
+        config.scheduler_parameters = args.scheduler_parameters
+        slurm = SlurmCluster(config, root=root / "slurm")
         slurm.start()
         # As the test session does: rgpu-poold restarted now that slurm.conf exists runs its Slurm
         # integration (reconciler; starting jobs that wait for the pool), as it does by default.
         assert pool.pool is not None
         pool.pool.stop()
         if args.keep_room_for_head:
-            config = pool.root / "rgpu.toml"
-            config.write_text(config.read_text() + "slurm_keep_room_for_head = true\n")
-        pool.start_pool(env=pool.env(SLURM_CONF=str(slurm.conf)))
+            toml = pool.root / "rgpu.toml"
+            toml.write_text(toml.read_text() + "slurm_keep_room_for_head = true\n")
+        pool.start_pool(env=pool.env(**slurm.client_env))
         wait_until("4 GPUs registered again", lambda: pool_ready(pool, 400), 30)
         shapes = batch()
         started = time.monotonic()
@@ -112,6 +129,7 @@ def main() -> int:
         mean = sum(ran) / len(ran)       # Slurm's times are whole seconds: a mean of 20 is finer than one
         rounds = ideal_rounds(shapes)
         states = collections.Counter(done.values())
+        print(f"Slurm {install.version or 'of the host'}, SchedulerParameters={args.scheduler_parameters}")
         print(f"mixed batch{' (room kept for the head job)' if args.keep_room_for_head else ''}: {len(jobs)} jobs ({', '.join(f'{n}x{f}' for n, f in shapes)}), sleep {args.sleep:g} s each")
         print(f"total {elapsed:.1f} s; states {dict(states)}; requeues {restarts}")
         print(f"ideal {rounds * mean:.1f} s: {rounds} rounds x {mean:.2f} s, the mean job's StartTime to EndTime "

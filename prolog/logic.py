@@ -265,6 +265,15 @@ def charged_for_rgpu(info: JobInfo, license_name: str = "rgpu") -> bool:
     return bool(license_units(info.licenses, license_name)) or is_record(info.admin_comment)
 
 
+def _not_charged(query_job: Callable[[int], JobInfo], job_id: int) -> bool:
+    """True only when Slurm answers that the job holds no rgpu license and no rgpu record; a
+    failed query is not an answer."""
+    try:
+        return not charged_for_rgpu(query_job(job_id))
+    except RgpuError:
+        return False
+
+
 def node_prolog(env: Mapping[str, str], pool_factory: Callable[[], Pool],
                 query_job: Callable[[int], JobInfo] | None = None) -> Path | None:
     """Write this node's adaptor.conf; None when the job asked for no rgpu. Raises on failure,
@@ -283,6 +292,12 @@ def node_prolog(env: Mapping[str, str], pool_factory: Callable[[], Pool],
                            "nothing to do: the job is requeued and leases new slices; if it repeats, "
                            "see rgpu-admin leases and the pool's log") from None
         return None                                   # a job without rgpu (a size word in a plain comment)
+    except Unavailable:
+        # A plain job whose comment happens to name a size owes the pool nothing: Slurm, not the
+        # pool, says whether the job was charged for rgpu; only a charged one is requeued.
+        if query_job is not None and _not_charged(query_job, job.job_id):
+            return None
+        raise
     if job.user and lease.user != job.user:
         raise InvalidRequest("prolog", f"lease {key} belongs to {lease.user!r}, not to {job.user!r}",
                              "the pool's state does not match this job", "release it with rgpu-admin and requeue the job")

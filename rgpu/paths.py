@@ -23,3 +23,15 @@ def run_dir(env: Mapping[str, str] | None = None) -> Path:
 
 def job_dir(job_id: str, env: Mapping[str, str] | None = None) -> Path:
     return run_dir(env) / job_id
+
+
+def unreadable_folder(path: Path) -> Path | None:
+    """The outermost folder on `path` other users cannot enter or list (no r-x for others), or None."""
+    path = Path(os.path.realpath(path))
+    for folder in reversed((path, *path.parents) if path.is_dir() else path.parents):
+        try:
+            if folder.stat().st_mode & 0o005 != 0o005:
+                return folder
+        except OSError:
+            return folder
+    return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import sysconfig
+from pathlib import Path
 
 import click
 from rgpu.slurm_plugin.licenses import SECTIONS, config_values, render_slurm_config
@@ -21,6 +22,27 @@ def default_prolog_dir() -> str:
     installation (a virtual environment's bin/, or e.g. /usr/local/bin), whose Python ones start
     with this installation's interpreter, so they import this rgpu."""
     return sysconfig.get_path("scripts")
+
+
+def task_prolog_problem(prolog_dir: str) -> str | None:
+    """One line when the TaskProlog in `prolog_dir` exists here and other users cannot run it:
+    Slurm runs it as the job's user, and fails every task of every job, rgpu or not, with
+    "TaskProlog failed status=126" when that user cannot reach it. None when it is fine, or not on
+    this host (slurm-config may run elsewhere than the CPU nodes)."""
+    from rgpu.paths import unreadable_folder
+
+    script = Path(prolog_dir) / "rgpu-task-prolog"
+    try:
+        mode = script.stat().st_mode
+    except OSError:
+        return None
+    blocked = unreadable_folder(script) or (script if mode & 0o005 != 0o005 else None)
+    if blocked is None:
+        return None
+    return (f"rgpu: slurm-config: other users cannot reach the TaskProlog {script} ({blocked} is not open to them); "
+            "Slurm runs it as the job's user and would fail every job, rgpu or not, with 'TaskProlog failed "
+            "status=126' -- install rgpu where every user can read it (e.g. a venv in /opt/rgpu) and run "
+            "slurm-config from there")
 
 
 def _client(ctx: click.Context):  # type: ignore[no-untyped-def]
@@ -72,6 +94,9 @@ def slurm_config(ctx: click.Context, prolog_dir: str | None, sections: tuple[str
         if not _PATH_RE.match(prolog_dir):
             raise InvalidRequest("slurm-config", f"--prolog-dir {prolog_dir!r} is not a plain absolute path",
                                  "it is written into slurm.conf", "use letters, digits and / . _ - + @ only")
+        problem = task_prolog_problem(prolog_dir)
+        if problem:
+            click.echo(problem, err=True)
         client, settings = _client(ctx)
         with client:
             gpus, units = client.list_gpus(), int(client.capacity().total_units)

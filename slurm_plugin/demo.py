@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import click
+from rgpu.paths import unreadable_folder
 from rgpu.slurm_plugin.licenses import config_values, render_slurm_config
 from rgpu.slurm_plugin.localcluster import (
     ClusterConfig,
@@ -113,18 +114,6 @@ def emulated_gpu_memory(available: int, gpus: int = DEMO_GPUS, described: int = 
     whole MiB, at most what the inventory describes and at least 256 MiB."""
     share = int(available * EMULATED_SHARE) // gpus >> 20 << 20
     return max(256 << 20, min(described, share)) if available else described
-
-
-def unreadable_folder(path: Path) -> Path | None:
-    """The outermost folder on `path` other users cannot enter or list (no r-x for others), or None."""
-    path = Path(os.path.realpath(path))
-    for folder in reversed((path, *path.parents) if path.is_dir() else path.parents):
-        try:
-            if folder.stat().st_mode & 0o005 != 0o005:
-                return folder
-        except OSError:
-            return folder
-    return None
 
 
 def users_can_run_rgpu(user: str = USER) -> str | None:

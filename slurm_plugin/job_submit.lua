@@ -604,6 +604,8 @@ function rgpu.plan_modify(desc, rec, conf, is_admin)
 		min_nodes = min_nodes, max_nodes = max_nodes,
 		licenses = user_licenses and desc.licenses or rec.licenses,
 		licenses_user_given = user_licenses,
+		-- A component of a heterogeneous job (het_job_id set) is refused as at submission.
+		het_job_offset = (rec.het_job_id or 0) > 0 and (rec.het_job_offset or 0) or nil,
 	}, conf)
 	if not plan then
 		return nil, err
@@ -720,7 +722,7 @@ function slurm_job_modify(job_desc, job_rec, part_list, modify_uid)
 	}, {
 		tres_per_node = job_rec.tres_per_node, comment = job_rec.comment, licenses = job_rec.licenses,
 		min_nodes = job_rec.min_nodes, max_nodes = job_rec.max_nodes, job_state = job_rec.job_state,
-		admin_comment = job_rec.admin_comment,
+		admin_comment = job_rec.admin_comment, het_job_id = job_rec.het_job_id, het_job_offset = job_rec.het_job_offset,
 	}, conf, modify_uid == 0)
 	if not result then
 		-- Slurm 22.05 does not show log_user text for updates (fixed in 23.02): the log has it.

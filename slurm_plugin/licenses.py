@@ -210,6 +210,10 @@ def config_values(gpu_statuses: Sequence[Any], healthy_units: int, max_slices_pe
                              exclusive_gpus=sharing.count("exclusive"))
 
 
+# What slurm.conf's SchedulerParameters should hold for rgpu (templates/slurm.conf.j2 says why):
+# a job rgpu-poold releases starts within about a second (measured: benchmarks/slurm_mixed_batch.py).
+SCHEDULER_PARAMETERS = "batch_sched_delay=1"
+
 SECTIONS = {"slurm.conf": "slurm.conf.j2", "gres.conf": "gres.conf.j2", "job_submit_rgpu.conf": "job_submit_rgpu.conf.j2"}
 
 
@@ -222,7 +226,8 @@ def render_slurm_config(values: SlurmConfigValues, sections: Sequence[str] = tup
                prolog_dir=values.prolog_dir, reservation=RESERVATION, slurm_version=values.slurm_version,
                # Unknown version: "gres/" (23.11 on) and the one timeout every version knows.
                tres_prefix=tres_gres_prefix(values.slurm_version or TESTED[-1]),
-               split_prolog_timeouts=has_split_prolog_timeouts(values.slurm_version))
+               split_prolog_timeouts=has_split_prolog_timeouts(values.slurm_version),
+               scheduler_parameters=SCHEDULER_PARAMETERS)
     parts = []
     for section in sections:
         text = render(SECTIONS[section], **ctx)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from rgpu.slurm_plugin.licenses import SCHEDULER_PARAMETERS
 from rgpu.slurm_plugin.proc import run_command
 from rgpu.slurm_plugin.scontrol import parse_show_job
 from rgpu.slurm_plugin.slurmroot import SlurmInstall
@@ -107,6 +108,9 @@ class ClusterConfig:
     scripts: dict[str, Sequence[str]] = field(default_factory=dict)
     script_env: dict[str, str] = field(default_factory=dict)
     extra_conf: str = ""
+    # What `rgpu-admin slurm-config` recommends, and backfill every second (a test cluster's jobs
+    # are seconds long; Slurm's default is 30 s).
+    scheduler_parameters: str = f"bf_interval=1,{SCHEDULER_PARAMETERS}"
     install: SlurmInstall = SlurmInstall("")   # the host's Slurm
     # Host folders that jobs or the TaskProlog read inside a Slurm root (the cluster's own
     # folder and /tmp are always there), e.g. the folder of the TaskProlog script.
@@ -201,7 +205,7 @@ ReturnToService=2
 MessageTimeout=10
 KillWait=2
 MinJobAge=600
-SchedulerParameters=bf_interval=1
+SchedulerParameters={c.scheduler_parameters}
 GresTypes=rgpu
 Licenses=rgpu:{c.license_total}
 PrologFlags=Alloc

@@ -383,6 +383,8 @@ def test_slurm_config_lines_follow_the_slurm_version(version: str, prefix: str, 
     assert ("PrologTimeout=20\nEpilogTimeout=30\n" in text) == split
     assert ("PrologEpilogTimeout=30\n" in text) == (not split)
     assert "AccountingStorageTRES=gres/rgpu,license/rgpu\n" in text      # "gres/" there in every version
+    # A job rgpu-poold releases starts within about a second, not Slurm's default 3 s.
+    assert "\nSchedulerParameters=batch_sched_delay=1\n" in text
     assert (f"for Slurm {version})" in text) == bool(version)
 
 

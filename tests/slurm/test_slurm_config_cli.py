@@ -48,6 +48,35 @@ def test_refuses_a_prolog_dir_that_would_break_slurm_conf(pool: RgpuCluster) -> 
     assert result.exit_code == 2 and "rgpu: slurm-config: --prolog-dir" in result.output
 
 
+def test_a_task_prolog_other_users_cannot_reach_is_named_in_one_line(pool: RgpuCluster, tmp_path: Path) -> None:
+    """Issue 23, finding 1 on a real cluster: a TaskProlog in a 0700 folder (a venv in root's home)
+    fails every job, rgpu or not; slurm-config says so before the admin pastes the lines."""
+    import shutil
+    import tempfile
+
+    from tests.daemons import REPO
+
+    assert tmp_path.parent.stat().st_mode & 0o077 == 0     # pytest's folders are 0700
+    hidden = tmp_path / "venv" / "bin"
+    hidden.mkdir(parents=True)
+    shutil.copy(REPO / "prolog" / "rgpu-task-prolog", hidden)
+    result = CliRunner().invoke(slurm_config, ["--prolog-dir", str(hidden)], env=pool.env())
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stderr.splitlines() if line.startswith("rgpu: ")]
+    assert len(lines) == 1 and "other users cannot reach the TaskProlog" in lines[0], result.stderr
+    assert "TaskProlog failed status=126" in lines[0] and "/opt/rgpu" in lines[0]
+    assert f"TaskProlog={hidden}/rgpu-task-prolog\n" in result.stdout     # the lines still come
+    shared = Path(tempfile.mkdtemp(prefix="rgpu-prolog-"))
+    try:
+        shared.chmod(0o755)
+        shutil.copy(REPO / "prolog" / "rgpu-task-prolog", shared)
+        (shared / "rgpu-task-prolog").chmod(0o755)
+        result = CliRunner().invoke(slurm_config, ["--prolog-dir", str(shared)], env=pool.env())
+        assert result.exit_code == 0 and "rgpu: " not in result.stderr, result.stderr
+    finally:
+        shutil.rmtree(shared)
+
+
 def test_unreachable_pool_is_one_line(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_text("x" * 32)

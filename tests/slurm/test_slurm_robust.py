@@ -132,6 +132,26 @@ def test_plain_jobs_start_and_end_promptly_while_the_pool_is_frozen(h: Harness) 
     assert all(int(h.slurm.job_json(j)["restart_cnt"]) == 0 for j in jobs)
 
 
+
+def test_a_plain_job_whose_comment_names_a_size_runs_while_the_pool_is_frozen(h: Harness) -> None:
+    """A job without --gres=rgpu whose comment happens to hold a size word ("memory=4G" is a
+    common note) is a plain job: the node Prolog, which Slurm tells neither GRES nor licenses,
+    asks the pool about it, but a pool that does not answer must not requeue it (before: the
+    Prolog's 4 s pool timeout, then a requeue, of a job that owes rgpu nothing)."""
+    with pool_frozen(h):
+        job = h.slurm.submit(["--comment=memory=4G fraction=0.5 seed=4"], "echo PLAIN_RAN\n", user=JOB_USER)
+
+        def ended_or_requeued() -> dict | None:  # type: ignore[type-arg]
+            info = h.slurm.job_json(job)
+            return info if info["job_state"] in FINISHED or int(info["restart_cnt"]) >= 1 else None
+
+        info = wait_until("the plain job to end (or be requeued)", ended_or_requeued, 60)
+    wait_pool_back(h)
+    assert info["job_state"] == "COMPLETED" and int(info["restart_cnt"]) == 0, f"{info}\n{diagnostics(h)}"
+    assert "PLAIN_RAN" in h.slurm.job_output(job)
+    states = h.slurm.node_states()
+    assert not [s for s in states.values() if "drain" in s or "down" in s], states
+
 # 2. No job runs without its slices --------------------------------------------------------------
 SHOW_SLICES = 'echo "RAN conf=$RGPU_ADAPTOR_CONF"; test -s "$RGPU_ADAPTOR_CONF" && echo HAS_CONF\n'
 
@@ -358,6 +378,20 @@ def test_a_heterogeneous_job_asking_for_rgpu_is_refused_at_submit(h: Harness, co
     lines = [line for line in out.stderr.splitlines() if "rgpu" in line]
     assert len(lines) == 1 and "a heterogeneous job cannot ask for rgpu" in lines[0], out.stderr
     assert "as a job of its own" in lines[0]
+
+
+@pytest.mark.parametrize("component", ["+0", "+1"], ids=["leader", "component1"])
+def test_a_heterogeneous_job_cannot_be_updated_into_asking_for_rgpu(h: Harness, component: str) -> None:
+    """The refusal at submission is not bypassed by an update of a pending component (before: the
+    update was accepted and the component charged for slices its tasks could not find)."""
+    job = h.slurm.submit(["--hold", ":", "-N", "1"], "srun --het-group=0,1 true\n", user=JOB_USER)
+    out = h.slurm.command(["scontrol", "update", f"jobid={job}{component}", "gres=rgpu:1", "comment=fraction=0.5"],
+                          check=False)
+    shown = h.slurm.command(["scontrol", "show", "job", f"{job}{component}"]).stdout
+    h.slurm.command(["scancel", job])
+    assert out.returncode != 0, f"{out}\n{shown}"
+    assert "rgpu" not in shown.split("Licenses=", 1)[1].split()[0], shown
+    assert "TresPerNode=gres" not in shown or "rgpu" not in shown.split("TresPerNode=", 1)[1].split()[0], shown
 
 
 def test_a_heterogeneous_job_without_rgpu_runs_untouched(h: Harness) -> None:
