@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 
 import click
+from rgpu import __version__
 from rgpu.paths import unreadable_folder
 from rgpu.slurm_plugin.licenses import config_values, render_slurm_config
 from rgpu.slurm_plugin.localcluster import (
@@ -343,6 +344,7 @@ def _interrupt(_signum: int, _frame: object) -> None:
 
 
 @click.command()
+@click.version_option(__version__, prog_name="rgpu-slurm-demo")
 @click.option("--keep", is_flag=True,
               help="Keep the cluster running after the demo job, until Ctrl-C (also when the demo failed).")
 @click.option("--job-script", hidden=True, help="The demo job's script body instead of the demo's (tests).")
