@@ -12,8 +12,11 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+from tests.daemons import RgpuCluster
 
 TIERS = ("unit", "integration", "slurm", "gpu")
 # Fixtures that start servers or processes (tests/remoting/conftest.py, tests/slurm/conftest.py,
@@ -58,3 +61,15 @@ def _unit_tests_start_no_processes(request: pytest.FixtureRequest, monkeypatch: 
             if hasattr(os, name):
                 monkeypatch.setattr(os, name, guard)
     yield
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
+    """A pool and its dispatchers as real processes (tests/daemons.py), quick heartbeats; a module
+    that needs other timings defines its own `cluster`."""
+    c = RgpuCluster(tmp_path / "cluster")
+    c.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5)
+    try:
+        yield c
+    finally:
+        c.stop_all()

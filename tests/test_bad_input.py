@@ -10,7 +10,6 @@ import os
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,16 +23,6 @@ from tests.test_dispatcher import wait_state
 
 pytestmark = pytest.mark.integration
 GiB = 2**30
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
-    c = RgpuCluster(tmp_path / "cluster")
-    c.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5)
-    try:
-        yield c
-    finally:
-        c.stop_all()
 
 
 def _pool_once(cluster: RgpuCluster, state: Path) -> subprocess.CompletedProcess[str]:

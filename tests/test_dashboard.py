@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -151,16 +150,6 @@ def test_user_colours_are_told_apart_also_by_colour_blind_viewers() -> None:
 
 
 # --- a real pool -----------------------------------------------------------------------------------
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
-    c = RgpuCluster(tmp_path / "cluster")
-    c.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5)
-    try:
-        yield c
-    finally:
-        c.stop_all()
-
 
 def start_pool_with_dashboard(cluster: RgpuCluster, *dispatchers: Path) -> int:
     pool = cluster.start_pool("--dashboard-listen", "127.0.0.1:0", "--dashboard-port-file",

@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import tomllib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,16 +51,6 @@ def test_every_command_answers_version(script: str) -> None:
                           stdin=subprocess.DEVNULL)
     assert done.returncode == 0 and done.stdout.strip() == f"{script}, version {__version__}", (done.stdout,
                                                                                                  done.stderr)
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
-    c = RgpuCluster(tmp_path / "cluster")
-    c.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5)
-    try:
-        yield c
-    finally:
-        c.stop_all()
 
 
 @pytest.mark.integration

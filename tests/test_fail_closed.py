@@ -7,8 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -22,16 +20,6 @@ from tests.daemons import EXAMPLES, RgpuCluster, wait_for
 from tests.test_dispatcher import wait_state
 
 INVENTORY = EXAMPLES / "inventory-a.toml"
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
-    c = RgpuCluster(tmp_path / "cluster")
-    c.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5)
-    try:
-        yield c
-    finally:
-        c.stop_all()
 
 
 def _gone(pid: int) -> bool:

@@ -10,7 +10,6 @@ import re
 import struct
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -170,16 +169,6 @@ def test_grafana_dashboard_uses_only_exported_metrics() -> None:
 
 
 # --- real daemons ----------------------------------------------------------------------------------
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
-    c = RgpuCluster(tmp_path / "cluster")
-    c.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5)
-    try:
-        yield c
-    finally:
-        c.stop_all()
-
 
 def start_with_metrics(cluster: RgpuCluster) -> tuple[int, int, str]:
     """A pool and an emulated dispatcher (inventory-a), each with its metrics endpoint: (pool's

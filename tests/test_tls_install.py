@@ -9,7 +9,6 @@ import pwd
 import subprocess
 import sys
 import tomllib
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,16 +39,6 @@ def install(config: Path, tls_dir: Path, *args: str) -> str:
 def admin(cluster: RgpuCluster, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "rgpu.remoting.admin.cli", *args], env=cluster.env(**env),
                           capture_output=True, text=True, timeout=60, check=False)
-
-
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
-    c = RgpuCluster(tmp_path / "cluster")
-    c.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5)
-    try:
-        yield c
-    finally:
-        c.stop_all()
 
 
 def test_a_tls_install_serves_the_pool_its_dispatchers_and_admins_end_to_end(cluster: RgpuCluster) -> None:
