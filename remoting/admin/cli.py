@@ -23,7 +23,7 @@ from tabulate import tabulate
 from rgpu import __version__, plugins
 from rgpu.adaptor import read_adaptor_conf, write_adaptor_conf
 from rgpu.config import Settings, load_settings
-from rgpu.errors import InvalidRequest, RgpuError, Unavailable, Unhealthy
+from rgpu.errors import CapacityError, InvalidRequest, RgpuError, Unavailable, Unhealthy
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.remoting.admin.dashboard import dashboard_url
 from rgpu.secret import create_secret
@@ -227,6 +227,7 @@ def request_gpus(ctx: Context, count: int, fraction: str | None, memory: str | N
                  output: str, user: str | None, account: str, job_key: str | None, gpu_model: str,
                  server: str, min_memory: str | None, isolation: str | None) -> None:
     """Lease GPU slices outside Slurm and write their adaptor.conf (mode 0600)."""
+    from rgpu.remoting.pool.client import explain_capacity
     from rgpu.remoting.pool.convert import lease_to_adaptor
 
     # The one slice-size grammar (rgpu.slice_size): the sizes Slurm's gate takes, refused with its words.
@@ -234,11 +235,14 @@ def request_gpus(ctx: Context, count: int, fraction: str | None, memory: str | N
     user = user or getpass.getuser()
     key = job_key or f"manual-{user}-{secrets.token_hex(4)}"
     with ctx.client() as client:
-        lease = client.allocate(
-            key, user, count, percent=size.percent, memory_bytes=size.memory_bytes,
-            account=account, ttl_seconds=parse_duration(ttl, "ttl") if ttl else 0.0, gpu_model=gpu_model,
-            server=server, min_memory_bytes=parse_size(min_memory, "min memory") if min_memory else 0,
-            isolation=isolation or "")
+        try:
+            lease = client.allocate(
+                key, user, count, percent=size.percent, memory_bytes=size.memory_bytes,
+                account=account, ttl_seconds=parse_duration(ttl, "ttl") if ttl else 0.0, gpu_model=gpu_model,
+                server=server, min_memory_bytes=parse_size(min_memory, "min memory") if min_memory else 0,
+                isolation=isolation or "")
+        except CapacityError as exc:
+            raise explain_capacity(client, exc, isolation or "", "admin") from None
         try:
             path = write_adaptor_conf(output, lease_to_adaptor(lease))
         except (OSError, RgpuError) as exc:

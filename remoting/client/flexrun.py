@@ -160,8 +160,13 @@ class Lease:
         self._renewer.start()
 
     def _allocate(self, key: str, count: int, size: SliceSize, server: str) -> None:
-        lease = self.client.allocate(key, self.user, count, percent=size.percent, memory_bytes=size.memory_bytes,
-                                     server=server, ttl_seconds=self.ttl, isolation=self.isolation)
+        from rgpu.errors import CapacityError
+        from rgpu.remoting.pool.client import explain_capacity
+        try:
+            lease = self.client.allocate(key, self.user, count, percent=size.percent, memory_bytes=size.memory_bytes,
+                                         server=server, ttl_seconds=self.ttl, isolation=self.isolation)
+        except CapacityError as exc:
+            raise explain_capacity(self.client, exc, self.isolation, TOOL) from None
         self.keys.append(key)
         self.slices += [Slice(s.server, s.token) for s in lease.slices]
 

@@ -21,7 +21,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from rgpu import grpc_tls
 from rgpu.config import Settings, pool_addresses
-from rgpu.errors import ConfigError, RgpuError, Unavailable
+from rgpu.errors import CapacityError, ConfigError, InvalidRequest, RgpuError, Unavailable
+from rgpu.model import isolation_allows
 from rgpu.proto import rgpu_pb2 as pb
 from rgpu.proto import rgpu_pb2_grpc as pb_grpc
 from rgpu.remoting.pool.signing import AUTH_HEADER, MUNGE_HEADER, request_credential
@@ -259,3 +260,17 @@ def connect(settings: Settings, *, secret: bytes | None = None, timeout: float =
     return PoolClient(pool_addresses(settings.pool), secret, timeout=timeout, tls_ca_file=grpc_tls.client_ca(settings),
                       tls_server_name=settings.tls_server_name or None, munge_socket=settings.munge_socket,
                       no_secret_because=no_secret_because)
+
+
+def explain_capacity(client: PoolClient, exc: CapacityError, isolation: str, tool: str) -> RgpuError:
+    """What a tool says when the pool could not place its request: for isolation=strict in a pool
+    with no GPU shared isolated or exclusive no wait could ever place it, so a usage error (exit 2,
+    one line); otherwise the pool's own CapacityError (exit 3: wait or ask for less)."""
+    if isolation:
+        sharings = [g.gpu.sharing or "mps" for g in client.list_gpus()]
+        if sharings and not any(isolation_allows(isolation, sharing) for sharing in sharings):
+            return InvalidRequest(tool, f"isolation={isolation} asks for GPUs shared isolated or exclusive, and "
+                                  "this pool has none", "every GPU is shared with MPS or time-slicing",
+                                  "ask without --isolation strict, or ask an admin to share a GPU isolated or "
+                                  "exclusive (the dispatcher's gpu_sharing)")
+    return exc

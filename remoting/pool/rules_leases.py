@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from rgpu import validate
 from rgpu.errors import InvalidRequest, NotFound, PermissionDenied, QuotaExceeded
-from rgpu.model import LeaseRecord, QuotaRecord, isolation_allows
+from rgpu.model import LeaseRecord, QuotaRecord
 from rgpu.remoting.pool.placement import SliceRequest, place
 from rgpu.remoting.pool.backfill import Avoid, place_one
 from rgpu.remoting.pool.reservations import claim_prefixes, fits_request, reservation_key, reservation_prefix
@@ -62,16 +62,6 @@ class LeaseRules(CoreParts):
                                     f"used {used} / limit {limit} GPU-percent, asked {units}",
                                     "release other leases or ask an admin to raise the quota")
 
-    def _check_isolation_possible(self, req: AllocationRequest) -> None:
-        """isolation=strict where no GPU of the pool (up or not) is shared isolated or exclusive can
-        never be placed: a usage error now, not "wait for capacity" (Slurm's gate refuses it too)."""
-        sharings = [gpu.sharing for entry in self.servers.values() for gpu in entry.info.gpus]
-        if req.isolation and sharings and not any(isolation_allows(req.isolation, s) for s in sharings):
-            raise InvalidRequest("pool", "isolation=strict asks for GPUs shared isolated or exclusive, and this "
-                                 "pool has none", "every GPU is shared with MPS or time-slicing",
-                                 "ask without isolation=strict, or ask an admin to share a GPU isolated or "
-                                 "exclusive (the dispatcher's gpu_sharing)")
-
     def allocate(self, req: AllocationRequest) -> LeaseRecord:
         self._validate(req)
         if reservation_prefix(req.job_key) is not None:
@@ -102,7 +92,6 @@ class LeaseRules(CoreParts):
                 self.store.insert_lease(lease)
                 self._index_lease(reserved, -1)
             else:
-                self._check_isolation_possible(req)
                 request = SliceRequest(count=req.count, percent=req.percent, memory_bytes=req.memory_bytes,
                                        gpu_model=req.gpu_model, server=req.server,
                                        min_memory_bytes=req.min_memory_bytes, isolation=req.isolation)

@@ -147,8 +147,9 @@ def test_flexrun_isolation_strict_goes_only_on_isolated_gpus(cluster: RgpuCluste
     strict = [sys.executable, "-m", "rgpu.remoting.client.flexrun", "-n", "1", "-p", "0.5", "--isolation", "strict",
               "--", sys.executable, "-c", "import os; print('SLICES', os.environ['RGPU_SLICES'].split(',')[0])"]
     refused = subprocess.run(strict, env=env, capture_output=True, text=True, timeout=60, check=False)
-    assert refused.returncode == 3, refused.stderr                           # no capacity
-    assert "isolation=strict" in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    assert refused.returncode == 2, refused.stderr         # no GPU could ever take it: a usage error, not a wait
+    assert "isolation=strict" in refused.stderr and "this pool has none" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
     _d2, port2 = cluster.start_dispatcher(EXAMPLES / "inventory-b.toml", env=cluster.env(RGPU_GPU_SHARING="isolated"))
     wait_state(cluster, f"127.0.0.1:{port2}", "up")
     done = subprocess.run(strict, env=env, capture_output=True, text=True, timeout=60, check=False)
