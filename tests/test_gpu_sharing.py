@@ -101,24 +101,20 @@ def test_sharing_modes_registered_listed_and_strict_requests_placed_only_on_them
 
 
 @pytest.mark.integration
-def test_strict_isolation_in_a_pool_without_isolated_gpus_is_a_usage_error_not_a_wait(tmp_path: Path) -> None:
+def test_strict_isolation_in_a_pool_without_isolated_gpus_is_a_usage_error_not_a_wait(cluster: RgpuCluster,
+                                                                                     tmp_path: Path) -> None:
     """Issue 29: it said "wait for capacity" with exit 3, though no wait could ever place it."""
-    cluster = RgpuCluster(tmp_path)
-    cluster.write_config(down_after_seconds=3.0, heartbeat_interval_seconds=0.5, reclaim_interval_seconds=0.5)
-    try:
-        cluster.start_pool()
-        cluster.start_dispatcher(INVENTORY_A)   # MPS, the default
-        with cluster.client() as client:
-            wait_for(lambda: len(client.list_gpus()) >= 2, what="the dispatcher registered")
-        run = admin(cluster, "request-gpus", "-o", str(tmp_path / "s.conf"), "--job-key", "s", "-n", "1", "-p", "0.5",
-                    "--isolation", "strict", ok=False)
-        lines = (run.stderr + run.stdout).strip().splitlines()
-        assert run.returncode == 2, (run.returncode, lines)
-        assert len(lines) == 1 and "this pool has none" in lines[0] and "wait for capacity" not in lines[0], lines
-        # The same pool still places what it can hold.
-        admin(cluster, "request-gpus", "-o", str(tmp_path / "m.conf"), "--job-key", "m", "-n", "1", "-p", "0.5")
-    finally:
-        cluster.stop_all()
+    cluster.start_pool()
+    cluster.start_dispatcher(INVENTORY_A)   # MPS, the default
+    with cluster.client() as client:
+        wait_for(lambda: len(client.list_gpus()) >= 2, what="the dispatcher registered")
+    run = admin(cluster, "request-gpus", "-o", str(tmp_path / "s.conf"), "--job-key", "s", "-n", "1", "-p", "0.5",
+                "--isolation", "strict", ok=False)
+    lines = (run.stderr + run.stdout).strip().splitlines()
+    assert run.returncode == 2, (run.returncode, lines)
+    assert len(lines) == 1 and "this pool has none" in lines[0] and "wait for capacity" not in lines[0], lines
+    # The same pool still places what it can hold.
+    admin(cluster, "request-gpus", "-o", str(tmp_path / "m.conf"), "--job-key", "m", "-n", "1", "-p", "0.5")
 
 
 def test_sharing_survives_the_pools_state_and_old_rows_read_as_mps() -> None:
