@@ -149,7 +149,10 @@ def main(argv: list[str] | None = None) -> int:
                 job_key=f"ddp-bench-{r}", slice_number=0, server=address, gpu_uuid=gpu.uuid, gpu_index=gpu.index,
                 memory_limit_bytes=gpu.total_memory_bytes, compute_percent=100, expires_unix=0, issued_unix=time.time()))
             slices.append(f"{address},{token}")
-        rgpu_env = dict(base, LD_LIBRARY_PATH=f"{libs.folder}:{base.get('LD_LIBRARY_PATH', '')}")
+        # As flexrun does: PyTorch's libtorch_cuda finds NCCL through its RPATH, ahead of LD_LIBRARY_PATH,
+        # so rgpu's libnccl.so.2 is preloaded (one library of that soname is then loaded, rgpu's).
+        rgpu_env = dict(base, LD_LIBRARY_PATH=f"{libs.folder}:{base.get('LD_LIBRARY_PATH', '')}",
+                        LD_PRELOAD=" ".join(filter(None, [f"{libs.folder}/libnccl.so.2", base.get("LD_PRELOAD", "")])))
         with tempfile.TemporaryDirectory():
             for shape in args.shapes.split(","):
                 if shape == "per-task":
