@@ -212,6 +212,9 @@ CUresult rgpu_zero_copy_promote(uint64_t ptr, int *found) {
         rgpu_host_range_remove((void *)(uintptr_t)a.base, &owned, NULL);   /* managed.c routes it now */
     }
     pthread_mutex_unlock(&g_lock);
+    if (r == CUDA_SUCCESS)
+        rgpu_log(RGPU_LOG_INFO, "page-locked memory at 0x%llx (%zu bytes) is now backed on the GPU (a kernel was "
+                 "handed it): its bytes move at launches and synchronisations", (unsigned long long)a.base, a.size);
     if (r != CUDA_SUCCESS)
         rgpu_log(RGPU_LOG_ERROR, "page-locked memory at 0x%llx (%zu bytes) could not be given to the "
                  "GPU (CUDA error %d: the slice's memory holds its copy there)", (unsigned long long)a.base, a.size,
