@@ -290,7 +290,7 @@ int rgpu_managed_forget(CUdeviceptr user);
 void *rgpu_zero_copy_alloc(size_t bytesize, unsigned int flags);
 int rgpu_zero_copy_free(void *p, CUresult *result);
 int rgpu_zero_copy_flags(const void *p, unsigned int *flags);
-CUresult rgpu_zero_copy_promote(uint64_t ptr, int *found);
+CUresult rgpu_zero_copy_promote(uint64_t ptr, int *found, const char *why);
 CUresult rgpu_zero_copy_target(CUdeviceptr ptr);
 int rgpu_kfunc_get(CUkernel k, CUfunction *out);
 void rgpu_kfunc_put(CUkernel k, CUfunction f);
