@@ -226,6 +226,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, vo
 
 static CUresult htod(CUdeviceptr dst, const void *src, size_t n, CUstream stream, int session) {
     if (n && !src) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_managed_hand(dst);   /* page-locked memory backed on the GPU as the target: its bytes go first */
     if (rgpu_stream_capturing(stream)) return rgpu_capture_host_copy(stream, 0, dst, (void *)src, n);
     const uint8_t *p = src;
     size_t done = 0;
@@ -274,6 +275,7 @@ static CUresult htod(CUdeviceptr dst, const void *src, size_t n, CUstream stream
 
 static CUresult dtoh(void *dst, CUdeviceptr src, size_t n, CUstream stream, int session) {
     if (n && !dst) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_managed_hand(src);
     if (rgpu_stream_capturing(stream)) return rgpu_capture_host_copy(stream, 1, src, dst, n);
     uint64_t clock = rgpu_event_clock();
     rgpu_call c;
@@ -415,6 +417,8 @@ RGPU_EXPORT CUresult CUDAAPI cuMemcpyPeerAsync(CUdeviceptr dstDevice, CUcontext 
 static CUresult unified(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream) {
     CUresult r = rgpu_check_init();
     if (r != CUDA_SUCCESS) return r;
+    rgpu_managed_hand(dst);
+    rgpu_managed_hand(src);
     int ds = session_of(dst), ss = session_of(src);
     if (ds >= 0 && ss >= 0) {
         if (ds != ss)
