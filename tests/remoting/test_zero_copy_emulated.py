@@ -234,3 +234,26 @@ def test_page_locked_memory_moves_only_with_work_that_is_handed_it(native_libs: 
                 if p.name.startswith(("cuMemcpyHtoD", "cuMemcpyDtoH", "rgpuMemcpy"))}
     assert moved("start", "middle") == {}, moved("start", "middle")
     assert sum(moved("middle", "end").values()) >= 2, moved("middle", "end")   # the block went and came back
+
+
+def test_plain_page_locked_memory_is_never_on_the_heap(native_libs: build.Libraries, emulated: Server) -> None:
+    """With zero-copy off, page-locked memory is this process's own pages from mmap. On the heap (a
+    non-PIE Python's lies below 4 GiB) its addresses matched ordinary integers in kernel arguments and
+    launches were refused: PyTorch's reduce kernel, with RGPU_ZERO_COPY=0, on an H200."""
+    done = py_client(native_libs, emulated.slices(emulated.token()), """
+        setup()
+        heap = [line.split()[0] for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]")]
+        lo, hi = (int(x, 16) for x in heap[0].split("-")) if heap else (0, 0)
+        ptrs = []
+        for size in (64, 4096, 100000):
+            host = ctypes.c_void_p()
+            check("cuMemAllocHost_v2", ctypes.byref(host), ctypes.c_size_t(size))
+            ctypes.memset(host, 0x5A, size)
+            ptrs.append(host.value)
+        print("ON HEAP", [lo <= p < hi for p in ptrs], "ALIGNED", all(p % 4096 == 0 for p in ptrs))
+        for p in ptrs:
+            check("cuMemFreeHost", ctypes.c_void_p(p))
+        print("FREED")
+        """, RGPU_ZERO_COPY="0")
+    assert "ON HEAP [False, False, False] ALIGNED True" in done.stdout, done.stdout + done.stderr
+    assert "FREED" in done.stdout

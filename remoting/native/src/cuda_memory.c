@@ -152,7 +152,12 @@ static CUresult host_alloc(void **pp, size_t bytesize, unsigned int flags) {
     if (p) {
         rgpu_host_range_add(p, bytesize, flags, 0);   /* zero_copy.c frees it */
     } else {
-        if (posix_memalign(&p, 4096, bytesize)) return CUDA_ERROR_OUT_OF_MEMORY;
+        /* Its own pages from mmap, never the heap: a launch is refused when an 8-byte word of its
+         * arguments falls in page-locked memory, and heap addresses below 4 GiB (a non-PIE Python's)
+         * match ordinary integers there (two ints, a size): a PyTorch ResNet-18's reduce kernel was
+         * refused so with RGPU_ZERO_COPY=0 on an H200 (2026-11-28). */
+        p = mmap(NULL, bytesize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
         rgpu_host_range_add(p, bytesize, flags, 1);
     }
     *pp = p;
@@ -170,8 +175,9 @@ RGPU_EXPORT CUresult CUDAAPI cuMemFreeHost(void *p) {
     if (r != CUDA_SUCCESS) return r;
     if (rgpu_zero_copy_free(p, &r)) return r;
     int owned = 0;
-    if (!rgpu_host_range_remove(p, &owned, NULL)) return CUDA_ERROR_INVALID_VALUE;
-    if (owned) free(p);
+    size_t size = 0;
+    if (!rgpu_host_range_remove(p, &owned, &size)) return CUDA_ERROR_INVALID_VALUE;
+    if (owned) munmap(p, size);
     return CUDA_SUCCESS;
 }
 
