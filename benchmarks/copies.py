@@ -245,6 +245,7 @@ def gpu_info(backend: str):  # type: ignore[no-untyped-def]
 def run_config(name: str, backend: str, workload: Path, sizes: list[int], reps: int, libs,  # type: ignore[no-untyped-def]
                lanes: int = 4) -> dict[str, float]:
     from rgpu import tokens
+    from rgpu.remoting.client.flexrun import library_env
     start_session_server = _remoting_bench().start_session_server
     client_extra, worker_env = CONFIGS[name]
     saved = {k: os.environ.get(k) for k in worker_env}
@@ -261,8 +262,8 @@ def run_config(name: str, backend: str, workload: Path, sizes: list[int], reps: 
         env.update(client_extra, **({"RGPU_LANES": str(lanes)} if name == "rgpu-lanes" else {}))
         if "RGPU_SOCKET_BUFFER_BYTES" in os.environ:
             env["RGPU_SOCKET_BUFFER_BYTES"] = os.environ["RGPU_SOCKET_BUFFER_BYTES"]
-        env.update(LD_LIBRARY_PATH=f"{libs.folder}:{env.get('LD_LIBRARY_PATH', '')}",
-                   RGPU_SLICES=f"{address},{token}", RGPU_LOG="info")
+        env.update(library_env(libs.folder, env))
+        env.update(RGPU_SLICES=f"{address},{token}", RGPU_LOG="info")
         done = subprocess.run([str(workload), str(reps), *map(str, sizes)], env=env, capture_output=True, text=True,
                               timeout=900, check=False)
     finally:

@@ -127,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     from nccl_allreduce import _remoting_bench, nccl_library
 
     from rgpu import tokens
+    from rgpu.remoting.client.flexrun import library_env
     from rgpu.remoting.native import build
 
     bench = _remoting_bench()
@@ -149,10 +150,9 @@ def main(argv: list[str] | None = None) -> int:
                 job_key=f"ddp-bench-{r}", slice_number=0, server=address, gpu_uuid=gpu.uuid, gpu_index=gpu.index,
                 memory_limit_bytes=gpu.total_memory_bytes, compute_percent=100, expires_unix=0, issued_unix=time.time()))
             slices.append(f"{address},{token}")
-        # As flexrun does: PyTorch's libtorch_cuda finds NCCL through its RPATH, ahead of LD_LIBRARY_PATH,
-        # so rgpu's libnccl.so.2 is preloaded (one library of that soname is then loaded, rgpu's).
-        rgpu_env = dict(base, LD_LIBRARY_PATH=f"{libs.folder}:{base.get('LD_LIBRARY_PATH', '')}",
-                        LD_PRELOAD=" ".join(filter(None, [f"{libs.folder}/libnccl.so.2", base.get("LD_PRELOAD", "")])))
+        # flexrun's library environment: PyTorch's libtorch_cuda finds NCCL through its RPATH, ahead of
+        # LD_LIBRARY_PATH, so rgpu's libnccl.so.2 is preloaded (one library of that soname is then loaded, rgpu's).
+        rgpu_env = dict(base, **library_env(libs.folder, base))
         with tempfile.TemporaryDirectory():
             for shape in args.shapes.split(","):
                 if shape == "per-task":

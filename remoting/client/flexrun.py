@@ -26,7 +26,8 @@ a refused token, an unreachable server, or the node prolog's recorded error is o
 stderr and a non-zero exit, not a CUDA error deep inside the application. The data lanes' keys of
 rgpu.toml (lanes, lane_min_bytes, lane_chunk_bytes, socket_buffer_bytes) reach the application as
 RGPU_LANES, ... unless its environment sets them. Then it puts rgpu's
-libcuda.so.1, libnvidia-ml.so.1 and libnccl.so.2 first on LD_LIBRARY_PATH, passes the slices in RGPU_SLICES
+libcuda.so.1, libnvidia-ml.so.1 and libnccl.so.2 first on LD_LIBRARY_PATH, preloads its libnccl.so.2
+(LD_PRELOAD: PyTorch finds NCCL through an RPATH, which LD_LIBRARY_PATH does not override), passes the slices in RGPU_SLICES
 ("host:port,token;..."), and runs the application: stdin, stdout, stderr, signals and the exit
 status pass through (with an adaptor.conf flexrun replaces itself with the application).
 `flexrun -- nvidia-smi ...` runs NVIDIA's nvidia-smi on rgpu's NVML where it is installed, and
@@ -228,6 +229,24 @@ def probe_all(slices: list[Slice], timeout: float) -> None:
             fut.result()
 
 
+def library_env(libdir: Path, env: dict[str, str] | os._Environ = os.environ) -> dict[str, str]:
+    """LD_LIBRARY_PATH and LD_PRELOAD that make an application load rgpu's libraries from `libdir`.
+
+    rgpu's folder goes first on LD_LIBRARY_PATH (libcuda.so.1, libnvidia-ml.so.1, libnccl.so.2). That
+    is not enough for NCCL: PyTorch's libtorch_cuda.so finds libnccl.so.2 through a DT_RPATH
+    ($ORIGIN/../../nvidia/nccl/lib), and the loader searches an RPATH before LD_LIBRARY_PATH, so PyTorch
+    would load NVIDIA's NCCL, which cannot run on rgpu's driver. So rgpu's libnccl.so.2 is also preloaded
+    (in front of any LD_PRELOAD already set): a soname already loaded satisfies every later NEEDED entry
+    for it, whatever the RPATH says. It is cheap to preload into every process of a job: it has no
+    constructor and needs nothing beyond libc (it finds libcuda only when an NCCL call comes)."""
+    old = env.get("LD_LIBRARY_PATH", "")
+    nccl = str(Path(libdir) / "libnccl.so.2")
+    # LD_PRELOAD takes spaces or colons between entries; a nested flexrun keeps one copy.
+    preload = [p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p != nccl]
+    return {"LD_LIBRARY_PATH": str(libdir) + (os.pathsep + old if old else ""),
+            "LD_PRELOAD": " ".join([nccl, *preload])}
+
+
 def build_env(slices: list[Slice], libdir: Path, env: dict[str, str] | os._Environ = os.environ,
               settings_env: dict[str, str] | None = None, same_host: bool = False) -> dict[str, str]:
     """The application's environment: rgpu's libraries first, its slices, `settings_env` (rgpu.toml's
@@ -235,8 +254,7 @@ def build_env(slices: list[Slice], libdir: Path, env: dict[str, str] | os._Envir
     for `flexrun local` (the client library then says at the default log level when a copy path is
     not the same-host one)."""
     out = dict(env)
-    old = out.get("LD_LIBRARY_PATH", "")
-    out["LD_LIBRARY_PATH"] = str(libdir) + (os.pathsep + old if old else "")
+    out.update(library_env(libdir, env))
     out["RGPU_SLICES"] = ";".join(f"{s.server},{s.token}" for s in slices)
     for name, value in (settings_env or {}).items():
         out.setdefault(name, value)
