@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from rgpu.remoting.native import build
+from rgpu.remoting.native import apispec, build
 
 from .conftest import CUDA_INCLUDE, EMULATED_GPU, EMULATED_GPU_2, PY, Server, client_env, serving
 from .test_flexrun import conf_for, run_flexrun
@@ -240,10 +240,23 @@ REMOTED = ["ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRank", "ncclCommIni
            "ncclGetLastError"]
 
 
+# nm -D --undefined-only libtorch_cuda.so (torch 2.11.0+cu130): every NCCL name PyTorch imports.
+TORCH_2_11 = ("ncclAllGather ncclAllReduce ncclAlltoAll ncclBcast ncclBroadcast ncclCommAbort ncclCommCount "
+              "ncclCommDeregister ncclCommDestroy ncclCommFinalize ncclCommGetAsyncError ncclCommInitAll "
+              "ncclCommInitRank ncclCommInitRankConfig ncclCommInitRankScalable ncclCommRegister ncclCommShrink "
+              "ncclCommSplit ncclCommUserRank ncclCommWindowDeregister ncclCommWindowRegister ncclDevCommCreate "
+              "ncclDevCommDestroy ncclGetErrorString ncclGetLastError ncclGetUniqueId ncclGetVersion ncclGroupEnd "
+              "ncclGroupSimulateEnd ncclGroupStart ncclMemAlloc ncclMemFree ncclRecv ncclRedOpCreatePreMulSum "
+              "ncclRedOpDestroy ncclReduce ncclReduceScatter ncclSend").split()
+
+
 def test_libnccl_exports_only_nccl_names_and_the_rest_of_the_api_says_not_yet(native_libs: build.Libraries) -> None:
     names = subprocess.run(["nm", "-D", "--defined-only", str(native_libs.libnccl)], capture_output=True, text=True,
                            check=True).stdout.split()[2::3]
     assert set(REMOTED) <= set(names) and all(n.startswith("nccl") for n in names), names
+    nccl_228 = apispec.read_exports(apispec.SPEC_DIR / "nccl_exports.txt")   # every export of NVIDIA's 2.28.9
+    assert sorted(set(nccl_228) - set(names)) == [], "a program linked against NCCL 2.28 would not load"
+    assert set(TORCH_2_11) <= set(names)
     done = subprocess.run([PY, "-c", "import ctypes; lib = ctypes.CDLL('libnccl.so.2'); "
                            "print(lib.ncclCommSplit(None, 0, 0, None, None), lib.ncclCommSplit(None, 0, 0, None, None))"],
                           env=client_env(native_libs, ""), capture_output=True, text=True, timeout=60)

@@ -219,3 +219,16 @@ RGPU_EXPORT ncclResult_t ncclCommSuspend(void) { static int seen; return rgpu_nc
 RGPU_EXPORT ncclResult_t ncclCommResume(void) { static int seen; return rgpu_nccl_unsupported("ncclCommResume", &seen); }
 RGPU_EXPORT ncclResult_t ncclCommMemStats(void) { static int seen; return rgpu_nccl_unsupported("ncclCommMemStats", &seen); }
 RGPU_EXPORT ncclResult_t ncclWinGetUserPtr(void) { static int seen; return rgpu_nccl_unsupported("ncclWinGetUserPtr", &seen); }
+RGPU_EXPORT ncclResult_t ncclDevCommCreate(void) { static int seen; return rgpu_nccl_unsupported("ncclDevCommCreate", &seen); }
+RGPU_EXPORT ncclResult_t ncclDevCommDestroy(void) { static int seen; return rgpu_nccl_unsupported("ncclDevCommDestroy", &seen); }
+RGPU_EXPORT ncclResult_t ncclGinBarrierCreateRequirement(void) { static int seen; return rgpu_nccl_unsupported("ncclGinBarrierCreateRequirement", &seen); }
+RGPU_EXPORT ncclResult_t ncclLsaBarrierCreateRequirement(void) { static int seen; return rgpu_nccl_unsupported("ncclLsaBarrierCreateRequirement", &seen); }
+RGPU_EXPORT ncclResult_t ncclLLA2ACreateRequirement(void) { static int seen; return rgpu_nccl_unsupported("ncclLLA2ACreateRequirement", &seen); }
+RGPU_EXPORT ncclResult_t ncclLLA2ACalcSlots(void) { static int seen; return rgpu_nccl_unsupported("ncclLLA2ACalcSlots", &seen); }
+RGPU_EXPORT ncclResult_t ncclTeamWorld(void) { static int seen; return rgpu_nccl_unsupported("ncclTeamWorld", &seen); }
+RGPU_EXPORT ncclResult_t ncclTeamLsa(void) { static int seen; return rgpu_nccl_unsupported("ncclTeamLsa", &seen); }
+RGPU_EXPORT ncclResult_t ncclTeamRail(void) { static int seen; return rgpu_nccl_unsupported("ncclTeamRail", &seen); }
+RGPU_EXPORT ncclResult_t ncclTeamRankToLsa(void) { static int seen; return rgpu_nccl_unsupported("ncclTeamRankToLsa", &seen); }
+RGPU_EXPORT ncclResult_t ncclTeamRankToWorld(void) { static int seen; return rgpu_nccl_unsupported("ncclTeamRankToWorld", &seen); }
+RGPU_EXPORT ncclResult_t ncclResetDebugInit(void) { static int seen; return rgpu_nccl_unsupported("ncclResetDebugInit", &seen); }
+RGPU_EXPORT ncclResult_t ncclResetDebugInitInternal(void) { static int seen; return rgpu_nccl_unsupported("ncclResetDebugInitInternal", &seen); }
