@@ -7,6 +7,7 @@
  *   nccl_ranks all NDEV COUNT OUT                   every slice of this process (OUT.0, OUT.1, ...)
  *   nccl_ranks die RANK NRANKS IDFILE GOFILE        an all-reduce, "READY", then (after GOFILE appears)
  *                                                   another all-reduce and a synchronize
+ *   nccl_ranks more RANK NRANKS IDFILE COUNT OUT    what PyTorch's ProcessGroupNCCL adds (see more() below)
  *
  * Inputs: rank r's element i is (r + 1) * (i % 7 + 1) (float32), or r * 1000 + i (int32, int64).
  * OUT holds, in order: all-reduce sum (float32, COUNT), all-reduce max (int32, COUNT), broadcast
@@ -219,11 +220,92 @@ static int die(int rank, int nranks, const char *idfile, const char *gofile) {
     return cr != CUDA_SUCCESS || nr != ncclSuccess ? 7 : 0;
 }
 
+/* A non-blocking communicator (ncclCommInitRankConfig, blocking = 0, polled with ncclCommGetAsyncError),
+ * then, in OUT: all-reduce with a PreMulSum of 0.5 held by the host (float32, COUNT), with a PreMulSum of
+ * 0.25 in device memory (float64, COUNT), all-to-all (float32, NRANKS*COUNT), all-reduce sum over a split
+ * by color rank % 2 and key NRANKS - rank (float32, COUNT; a blocking config), all-reduce max over a split
+ * where rank 0 has no color (int32, COUNT; not rank 0's; no config: non-blocking as its parent). Prints "split I of N" (the first split's rank and size), then "OK".
+ * Every communicator is finalized, then destroyed. */
+static int more(int rank, int nranks, const char *idfile, size_t count, const char *outpath) {
+    CUdevice dev;
+    rank_bufs b;
+    CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuDevicePrimaryCtxRetain(&b.ctx, dev)); CU(cuCtxSetCurrent(b.ctx));
+    alloc_bufs(nranks, count, &b);
+    fill(rank, nranks, count, &b);
+    ncclUniqueId id;
+    if (rank == 0) {
+        NC(ncclGetUniqueId(&id));
+        write_id(idfile, &id);
+    } else {
+        read_id(idfile, &id);
+    }
+    ncclConfig_t cfg = {sizeof cfg, 0xcafebeef, NCCL_VERSION_CODE, 0, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT,
+                        NCCL_CONFIG_UNDEF_INT, NULL, NCCL_CONFIG_UNDEF_INT};
+    ncclComm_t comm;
+    ncclResult_t r = ncclCommInitRankConfig(&comm, nranks, id, rank, &cfg);
+    if (r != ncclSuccess && r != ncclInProgress) NC(r);
+    ncclResult_t state = ncclInProgress;
+    while (state == ncclInProgress) {
+        NC(ncclCommGetAsyncError(comm, &state));
+        if (state == ncclInProgress) usleep(1000);
+    }
+    NC(state);
+    int n = -1, me = -1;
+    NC(ncclCommCount(comm, &n)); NC(ncclCommUserRank(comm, &me));
+    if (n != nranks || me != rank) { fprintf(stderr, "non-blocking comm says %d ranks, rank %d\n", n, me); return 5; }
+    cudaStream_t s = (cudaStream_t)b.stream;
+    FILE *out = fopen(outpath, "wb");
+
+    ncclRedOp_t half, quarter;
+    float h = 0.5f;
+    double q = 0.25;
+    CUdeviceptr qdev;
+    CU(cuMemAlloc(&qdev, sizeof q)); CU(cuMemcpyHtoD(qdev, &q, sizeof q));
+    NC(ncclRedOpCreatePreMulSum(&half, &h, ncclFloat32, ncclScalarHostImmediate, comm));
+    h = 8.0f;   /* host-immediate: read at creation, not at use */
+    NC(ncclRedOpCreatePreMulSum(&quarter, (void *)(uintptr_t)qdev, ncclFloat64, ncclScalarDevice, comm));
+    NC(ncclAllReduce((void *)(uintptr_t)b.f_in, (void *)(uintptr_t)b.f_out, count, ncclFloat32, half, comm, s));
+    CU(cuStreamSynchronize(b.stream)); save(out, b.f_out, count * 4);
+    NC(ncclAllReduce((void *)(uintptr_t)b.d_io, (void *)(uintptr_t)b.d_io, count, ncclFloat64, quarter, comm, s));
+    CU(cuStreamSynchronize(b.stream)); save(out, b.d_io, count * 8);
+    NC(ncclRedOpDestroy(half, comm)); NC(ncclRedOpDestroy(quarter, comm));
+
+    NC(ncclAlltoAll((void *)(uintptr_t)b.scatter_in, (void *)(uintptr_t)b.gather, count, ncclFloat32, comm, s));
+    CU(cuStreamSynchronize(b.stream)); save(out, b.gather, count * 4 * nranks);
+
+    ncclComm_t sub = NULL, most = NULL;
+    ncclConfig_t blocking = cfg;
+    blocking.blocking = 1;
+    NC(ncclCommSplit(comm, rank % 2, nranks - rank, &sub, &blocking));
+    NC(ncclCommCount(sub, &n)); NC(ncclCommUserRank(sub, &me));
+    printf("split %d of %d\n", me, n);
+    NC(ncclAllReduce((void *)(uintptr_t)b.f_in, (void *)(uintptr_t)b.f_out, count, ncclFloat32, ncclSum, sub, s));
+    CU(cuStreamSynchronize(b.stream)); save(out, b.f_out, count * 4);
+
+    r = ncclCommSplit(comm, rank == 0 ? NCCL_SPLIT_NOCOLOR : 7, rank, &most, NULL);   /* non-blocking, as its parent */
+    if (r != ncclSuccess && r != ncclInProgress) NC(r);
+    for (state = r; most && state == ncclInProgress; usleep(1000)) NC(ncclCommGetAsyncError(most, &state));
+    NC(state);
+    if ((most == NULL) != (rank == 0)) { fprintf(stderr, "rank %d: no-color split gave %p\n", rank, (void *)most); return 5; }
+    if (most) {
+        NC(ncclAllReduce((void *)(uintptr_t)b.i_in, (void *)(uintptr_t)b.i_out, count, ncclInt32, ncclMax, most, s));
+        CU(cuStreamSynchronize(b.stream)); save(out, b.i_out, count * 4);
+        NC(ncclCommFinalize(most)); NC(ncclCommDestroy(most));
+    }
+    fclose(out);
+    NC(ncclCommFinalize(sub)); NC(ncclCommDestroy(sub));
+    NC(ncclCommFinalize(comm)); NC(ncclCommDestroy(comm));
+    printf("OK\n");
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc == 7 && !strcmp(argv[1], "rank"))
         return one_rank(atoi(argv[2]), atoi(argv[3]), argv[4], (size_t)atol(argv[5]), argv[6]);
     if (argc == 5 && !strcmp(argv[1], "all")) return all_in_one(atoi(argv[2]), (size_t)atol(argv[3]), argv[4]);
     if (argc == 6 && !strcmp(argv[1], "die")) return die(atoi(argv[2]), atoi(argv[3]), argv[4], argv[5]);
+    if (argc == 7 && !strcmp(argv[1], "more"))
+        return more(atoi(argv[2]), atoi(argv[3]), argv[4], (size_t)atol(argv[5]), argv[6]);
     fprintf(stderr, "usage: see the comment at the top of %s\n", __FILE__);
     return 1;
 }

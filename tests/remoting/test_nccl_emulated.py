@@ -233,7 +233,8 @@ def test_two_ranks_run_through_flexrun(nccl_ranks: Path, native_libs: build.Libr
         _check(tmp_path / f"out.{r}", r, 2)
 
 
-REMOTED = ["ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRank", "ncclCommInitAll", "ncclCommInitRankConfig",
+REMOTED = ["ncclCommSplit", "ncclCommFinalize", "ncclRedOpCreatePreMulSum", "ncclRedOpDestroy", "ncclAlltoAll",
+           "ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRank", "ncclCommInitAll", "ncclCommInitRankConfig",
            "ncclCommDestroy", "ncclCommAbort", "ncclCommGetAsyncError", "ncclCommCount", "ncclCommCuDevice",
            "ncclCommUserRank", "ncclGroupStart", "ncclGroupEnd", "ncclAllReduce", "ncclBroadcast", "ncclBcast",
            "ncclReduce", "ncclAllGather", "ncclReduceScatter", "ncclSend", "ncclRecv", "ncclGetErrorString",
@@ -258,9 +259,66 @@ def test_libnccl_exports_only_nccl_names_and_the_rest_of_the_api_says_not_yet(na
     assert sorted(set(nccl_228) - set(names)) == [], "a program linked against NCCL 2.28 would not load"
     assert set(TORCH_2_11) <= set(names)
     done = subprocess.run([PY, "-c", "import ctypes; lib = ctypes.CDLL('libnccl.so.2'); "
-                           "print(lib.ncclCommSplit(None, 0, 0, None, None), lib.ncclCommSplit(None, 0, 0, None, None))"],
+                           "print(lib.ncclCommRegister(None, None, 0, None), lib.ncclCommRegister(None, None, 0, None))"],
                           env=client_env(native_libs, ""), capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["5", "5"], done.stdout + done.stderr   # ncclInvalidUsage
     assert done.stderr.splitlines() == [
-        "rgpu: nccl: ncclCommSplit is not supported by rgpu's NCCL yet (rgpu remotes communicators from "
-        "ncclGetUniqueId, groups, all-reduce, broadcast, reduce, all-gather, reduce-scatter, send and receive)"]
+        "rgpu: nccl: ncclCommRegister is not supported by rgpu's NCCL yet (rgpu remotes communicators from "
+        "ncclGetUniqueId and their splits, groups, all-reduce, broadcast, reduce, all-gather, reduce-scatter, "
+        "all-to-all, send and receive, PreMulSum operators)"]
+
+
+def _expected_more(rank: int, nranks: int) -> list[tuple[str, np.ndarray]]:
+    """What nccl_ranks.c's `more` writes for rank `rank` (its comment gives the order)."""
+    ins = [_inputs(r, nranks) for r in range(nranks)]
+    mine = slice(rank * COUNT, (rank + 1) * COUNT)
+    out = [("premul sum, host scalar 0.5", sum(np.float32(0.5) * x["f"] for x in ins).astype(np.float32)),
+           ("premul sum, device scalar 0.25", sum(0.25 * x["d"] for x in ins)),
+           ("all-to-all", np.concatenate([x["scatter"][mine] for x in ins])),
+           ("split by rank % 2", sum(ins[r]["f"] for r in range(nranks) if r % 2 == rank % 2).astype(np.float32))]
+    if rank != 0:
+        out.append(("split without rank 0", np.max([ins[r]["i32"] for r in range(1, nranks)], axis=0)))
+    return out
+
+
+@pytest.mark.parametrize(("nranks", "dispatchers"), [(2, 1), (4, 2)])
+def test_pytorchs_calls_split_premulsum_alltoall_nonblocking_init_and_finalize_equal_numpys(
+        nccl_ranks: Path, native_libs: build.Libraries, tmp_path: Path, nranks: int, dispatchers: int) -> None:
+    """What ProcessGroupNCCL adds to the collectives: a non-blocking ncclCommInitRankConfig polled with
+    ncclCommGetAsyncError, PreMulSum operators (a host scalar and a device one), ncclAlltoAll,
+    ncclCommSplit (by color, ordered by key; NCCL_SPLIT_NOCOLOR gives NULL), ncclCommFinalize then
+    ncclCommDestroy."""
+    with ExitStack() as stack:
+        procs = _rank_processes(native_libs, nccl_ranks, _servers(stack, dispatchers), nranks, tmp_path,
+                                ["more", "{rank}", str(nranks), str(tmp_path / "id"), str(COUNT),
+                                 str(tmp_path / "out.{rank}")])
+        outputs = [p.communicate(timeout=120) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0 and out.splitlines()[-1] == "OK", f"rank {rank}: {out}{err}"
+        same_color = sorted((r for r in range(nranks) if r % 2 == rank % 2), key=lambda r: nranks - r)
+        assert out.splitlines()[0] == f"split {same_color.index(rank)} of {len(same_color)}", out
+        data, at = (tmp_path / f"out.{rank}").read_bytes(), 0
+        for name, want in _expected_more(rank, nranks):
+            got = np.frombuffer(data, dtype=want.dtype, count=want.size, offset=at)
+            at += want.nbytes
+            assert np.array_equal(got, want), f"rank {rank} of {nranks}: {name} differs from numpy's"
+        assert at == len(data)
+
+
+def test_the_real_gpu_workers_split_premulsum_alltoall_and_finalize_run_chained_to_emulated_workers(
+        nccl_ranks: Path, native_libs: build.Libraries, chained: Server, tmp_path: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """backends/nccl_cuda.py's ncclCommSplit thread, PreMulSum (host and device scalars), all-to-all and
+    finalize, through "cuda" workers whose NCCL is rgpu's own libnccl.so.2 (as above)."""
+    monkeypatch.setenv("RGPU_NCCL_LIBRARY", str(native_libs.libnccl))
+    monkeypatch.setenv("RGPU_LOG", "warn")
+    procs = _rank_processes(native_libs, nccl_ranks, [chained], 2, tmp_path,
+                            ["more", "{rank}", "2", str(tmp_path / "id"), str(COUNT), str(tmp_path / "out.{rank}")])
+    outputs = [p.communicate(timeout=120) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0 and out.splitlines() == ["split 0 of 1", "OK"], f"rank {rank}: {out}{err}"
+        data, at = (tmp_path / f"out.{rank}").read_bytes(), 0
+        for name, want in _expected_more(rank, 2):
+            got = np.frombuffer(data, dtype=want.dtype, count=want.size, offset=at)
+            at += want.nbytes
+            assert np.array_equal(got, want), f"rank {rank}: {name} differs from numpy's"

@@ -17,7 +17,7 @@ from typing import Any, Callable
 PROTOCOL_VERSION = 13
 CUDA_SPEC_SHA256 = "5e521e6bbe895d8f509e7bc7b3507d509a3059d6f8c5a2c89c85e3e9337550d3"
 NVML_SPEC_SHA256 = "6d0ac18533ae488d1c2096b1ca6142f62405fe3ff9423857abf0318013b89f8f"
-NCCL_SPEC_SHA256 = "a09cf80cd3b3deb9908ff6c916ae17c4563ef8a09a0a1827b276aedea8baba71"
+NCCL_SPEC_SHA256 = "348586fc9e7c78ed2d4ddf87b4e3c5484cf73127730b2d3f73775565115eae1c"
 
 _STRUCTS: dict[str, struct.Struct] = {}
 
@@ -322,20 +322,25 @@ OPS: dict[int, str] = {
     1536: "rgpuNcclGetUniqueId",
     1537: "rgpuNcclCommJoin",
     1538: "rgpuNcclCommReady",
-    1539: "rgpuNcclCommDestroy",
-    1540: "rgpuNcclCommGetAsyncError",
-    1541: "rgpuNcclGroupStart",
-    1542: "rgpuNcclGroupEnd",
-    1543: "ncclAllReduce",
-    1544: "ncclBroadcast",
-    1545: "ncclReduce",
-    1546: "ncclAllGather",
-    1547: "ncclReduceScatter",
-    1548: "ncclSend",
-    1549: "ncclRecv",
+    1539: "rgpuNcclCommSplit",
+    1540: "ncclCommFinalize",
+    1541: "rgpuNcclRedOpCreatePreMulSum",
+    1542: "ncclRedOpDestroy",
+    1543: "rgpuNcclCommDestroy",
+    1544: "rgpuNcclCommGetAsyncError",
+    1545: "rgpuNcclGroupStart",
+    1546: "rgpuNcclGroupEnd",
+    1547: "ncclAllReduce",
+    1548: "ncclBroadcast",
+    1549: "ncclReduce",
+    1550: "ncclAllGather",
+    1551: "ncclReduceScatter",
+    1552: "ncclSend",
+    1553: "ncclRecv",
+    1554: "ncclAlltoAll",
 }
 OPCODES: dict[str, int] = {name: op for op, name in OPS.items()}
-ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 91, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 109, 112, 119, 120, 123, 179, 180, 200, 201, 202, 203, 1541, 1542, 1543, 1544, 1545, 1546, 1547, 1548, 1549, })
+ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 91, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 109, 112, 119, 120, 123, 179, 180, 200, 201, 202, 203, 1545, 1546, 1547, 1548, 1549, 1550, 1551, 1552, 1553, 1554, })
 MANUAL_OPS: frozenset[str] = frozenset({ "cuInit", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuCtxDestroy_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuMemAllocAsync", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "rgpuMemcpyHtoDUcx", "rgpuMemcpyDtoHUcx", "rgpuMemcpyHtoDLanes", "rgpuMemcpyDtoHLanes", "rgpuMemcpy2DDevice", "cuPointerGetAttribute", "cuPointerGetAttributes", "rgpuStreamCreate", "rgpuEventCreate", "cuModuleLoadDataEx", "cuModuleUnload", "cuModuleGetFunction", "cuLinkCreate_v2", "cuLinkAddData_v2", "cuLinkComplete", "cuLinkDestroy", "cuLibraryLoadData", "cuLibraryUnload", "cuLaunchKernel", "rgpuOccupancyMaxPotentialBlockSize", "cuOccupancyMaxActiveClusters", "rgpuParamInfo", "rgpuSessionInfo", "rgpuPrivateTableSize", "rgpuModuleNodes", "rgpuSetAttribute", "rgpuTensorMap", "rgpuStreamCaptureInfo", "cuGraphGetNodes", "cuGraphGetRootNodes", "rgpuGraphAddNode", "rgpuGraphAddEdges", "rgpuGraphHostRefresh", "rgpuGraphHostReadback", "rgpuCaptureHostCopy", "rgpuGraphKernelNodeSetParams", "cuGraphExecChildGraphNodeSetParams", "cuStreamBeginCaptureToGraph", "rgpuCaptureHostFunc", "rgpuGraphHostNode", "cuMemCreate", "cuMemRelease", "cuMemRetainAllocationHandle", "cuMemSetAccess", "cuArrayCreate_v2", "cuArray3DCreate_v2", "cuArrayDestroy", "cuMipmappedArrayCreate", "cuMipmappedArrayDestroy", "rgpuMemcpyArray", "rgpuMemcpyArrayToHost", "cuTexObjectCreate", })
 
 Handler = Callable[[Any, Any, int], tuple[int, bytes]]
@@ -1607,6 +1612,32 @@ def _h_rgpuNcclCommJoin(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
 def _h_rgpuNcclCommReady(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     comm, = _struct('<Q').unpack_from(buf, off); off += 8
     res = api.rgpuNcclCommReady(comm)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<i').pack(res[1]) + _struct('<i').pack(res[2])
+
+def _h_rgpuNcclCommSplit(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    comm, color, key = _struct('<Qii').unpack_from(buf, off); off += 16
+    res = api.rgpuNcclCommSplit(comm, color, key)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<Q').pack(res[1])
+
+def _h_ncclCommFinalize(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    comm, = _struct('<Q').unpack_from(buf, off); off += 8
+    res = api.ncclCommFinalize(comm)
+    return res[0], b""
+
+def _h_rgpuNcclRedOpCreatePreMulSum(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    scalar, datatype, residence, comm = _struct('<QiiQ').unpack_from(buf, off); off += 24
+    res = api.rgpuNcclRedOpCreatePreMulSum(scalar, datatype, residence, comm)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<i').pack(res[1])
+
+def _h_ncclRedOpDestroy(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    op, comm = _struct('<iQ').unpack_from(buf, off); off += 12
+    res = api.ncclRedOpDestroy(op, comm)
     return res[0], b""
 
 def _h_rgpuNcclCommDestroy(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
@@ -1671,6 +1702,12 @@ def _h_ncclRecv(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     recvbuff, count, datatype, peer, comm, stream = _struct('<QQiiQQ').unpack_from(buf, off); off += 40
     stream = _stream_in(api, stream, 'ncclRecv')
     res = api.ncclRecv(recvbuff, count, datatype, peer, comm, stream)
+    return res[0], b""
+
+def _h_ncclAlltoAll(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    sendbuff, recvbuff, count, datatype, comm, stream = _struct('<QQQiQQ').unpack_from(buf, off); off += 44
+    stream = _stream_in(api, stream, 'ncclAlltoAll')
+    res = api.ncclAlltoAll(sendbuff, recvbuff, count, datatype, comm, stream)
     return res[0], b""
 
 
@@ -1869,17 +1906,22 @@ GENERATED_HANDLERS: dict[int, tuple[str, Handler]] = {
     1536: ("rgpuNcclGetUniqueId", _h_rgpuNcclGetUniqueId),
     1537: ("rgpuNcclCommJoin", _h_rgpuNcclCommJoin),
     1538: ("rgpuNcclCommReady", _h_rgpuNcclCommReady),
-    1539: ("rgpuNcclCommDestroy", _h_rgpuNcclCommDestroy),
-    1540: ("rgpuNcclCommGetAsyncError", _h_rgpuNcclCommGetAsyncError),
-    1541: ("rgpuNcclGroupStart", _h_rgpuNcclGroupStart),
-    1542: ("rgpuNcclGroupEnd", _h_rgpuNcclGroupEnd),
-    1543: ("ncclAllReduce", _h_ncclAllReduce),
-    1544: ("ncclBroadcast", _h_ncclBroadcast),
-    1545: ("ncclReduce", _h_ncclReduce),
-    1546: ("ncclAllGather", _h_ncclAllGather),
-    1547: ("ncclReduceScatter", _h_ncclReduceScatter),
-    1548: ("ncclSend", _h_ncclSend),
-    1549: ("ncclRecv", _h_ncclRecv),
+    1539: ("rgpuNcclCommSplit", _h_rgpuNcclCommSplit),
+    1540: ("ncclCommFinalize", _h_ncclCommFinalize),
+    1541: ("rgpuNcclRedOpCreatePreMulSum", _h_rgpuNcclRedOpCreatePreMulSum),
+    1542: ("ncclRedOpDestroy", _h_ncclRedOpDestroy),
+    1543: ("rgpuNcclCommDestroy", _h_rgpuNcclCommDestroy),
+    1544: ("rgpuNcclCommGetAsyncError", _h_rgpuNcclCommGetAsyncError),
+    1545: ("rgpuNcclGroupStart", _h_rgpuNcclGroupStart),
+    1546: ("rgpuNcclGroupEnd", _h_rgpuNcclGroupEnd),
+    1547: ("ncclAllReduce", _h_ncclAllReduce),
+    1548: ("ncclBroadcast", _h_ncclBroadcast),
+    1549: ("ncclReduce", _h_ncclReduce),
+    1550: ("ncclAllGather", _h_ncclAllGather),
+    1551: ("ncclReduceScatter", _h_ncclReduceScatter),
+    1552: ("ncclSend", _h_ncclSend),
+    1553: ("ncclRecv", _h_ncclRecv),
+    1554: ("ncclAlltoAll", _h_ncclAlltoAll),
 }
 
 # Generated entry points and their ctypes argument types, for NVIDIA's libcuda.so.1.
