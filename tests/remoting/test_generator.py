@@ -41,10 +41,13 @@ SPEC_HASHES = {
          "9bb836b0c606cfc59fd6a723fe65b491dade8627f4bb4aa856f0dfb0f81d55ed"),  # data lanes: striped copies (rgpuMemcpyHtoDLanes, rgpuMemcpyDtoHLanes; HELLO_LANE, LANE_DATA, WELCOME's lane count)
     13: ("5e521e6bbe895d8f509e7bc7b3507d509a3059d6f8c5a2c89c85e3e9337550d3",
          "6d0ac18533ae488d1c2096b1ca6142f62405fe3ff9423857abf0318013b89f8f"),  # graph edge data (rgpuGraphAddEdges: cuGraphAddDependencies(_v2), cuGraphAddNode_v2's ports), cuGraphDestroyNode; NCCL: nccl.spec's operations (libnccl.so.2)
+    14: ("85b537b5f8b45ea96b88f5a7612a5703a6ea720953231fe6a13a19a97c1076b7",
+         "b2cee1b1d97ece7a4f67441537def314add95297c927ea9cf0818cffac4a504d"),  # cuda.spec and nvml.spec unchanged; nccl.spec's split, finalize, PreMulSum, all-to-all
 }
 # nccl.spec (from protocol 13): its wire operations share the protocol version of the other two.
 NCCL_SPEC_HASHES = {
     13: "a09cf80cd3b3deb9908ff6c916ae17c4563ef8a09a0a1827b276aedea8baba71",   # communicators, groups, collectives, send/recv
+    14: "aeba3eabe0f7d2acb562025ae2a0a9288d17893855bd45137f98c0a46a855aa8",   # rgpuNcclCommSplit, ncclCommFinalize, PreMulSum (rgpuNcclRedOpCreatePreMulSum, ncclRedOpDestroy), ncclAlltoAll; rgpuNcclCommReady answers rank and size
 }
 
 
