@@ -17,6 +17,10 @@ How big, with -n or -l (one of them; default a whole GPU):
   -m SIZE     GPU memory per slice, e.g. 8G or 512M (binary units)
   --isolation strict   only GPUs shared isolated or exclusive, where another job's GPU fault
               cannot end this one's work (with -n or -l)
+  --per-task  this task gets only its own slice of the job's slices on this node, number SLURM_LOCALID
+              (its index on the node), as CUDA device 0: `srun -n N flexrun --per-task -- app` for
+              programs that each use device 0. Without it every task sees every slice, which is what
+              `flexrun -- torchrun --nproc_per_node N` and programs that pick device LOCAL_RANK need.
 Everything after `--`, or from the first word that is not an option, is the application's
 command line, passed on untouched.
 
@@ -247,6 +251,22 @@ def library_env(libdir: Path, env: dict[str, str] | os._Environ = os.environ) ->
             "LD_PRELOAD": " ".join([nccl, *preload])}
 
 
+def task_slice(slices: list[Slice], env: dict[str, str] | os._Environ = os.environ) -> list[Slice]:
+    """--per-task: the one slice of this task, number SLURM_LOCALID (the task's index on this node; the
+    node's adaptor.conf lists this node's slices). Pure; raises InvalidRequest."""
+    local_id = env.get("SLURM_LOCALID", "")
+    if not local_id.isdigit():
+        raise InvalidRequest(TOOL, "--per-task needs SLURM_LOCALID", "it picks this task's slice by the task's index "
+                             "on its node, which srun sets", "run it as `srun -n N flexrun --per-task -- app`")
+    index = int(local_id)
+    if index >= len(slices):
+        raise InvalidRequest(TOOL, f"task {index} on this node has no slice of its own (--per-task)",
+                             f"the job has {len(slices)} slice{'s' if len(slices) != 1 else ''} on this node",
+                             "ask for as many slices as tasks per node (--gres=rgpu:N with --ntasks-per-node=N), or "
+                             "run without --per-task so every task sees every slice and picks one (LOCAL_RANK)")
+    return [slices[index]]
+
+
 def build_env(slices: list[Slice], libdir: Path, env: dict[str, str] | os._Environ = os.environ,
               settings_env: dict[str, str] | None = None, same_host: bool = False) -> dict[str, str]:
     """The application's environment: rgpu's libraries first, its slices, `settings_env` (rgpu.toml's
@@ -273,6 +293,7 @@ class Options:
     isolation: str = ""                # "strict": only GPUs shared isolated or exclusive (--isolation strict)
     probe_timeout: float = 15.0
     local: bool = False                # `flexrun local`: slices of this node's own GPUs
+    per_task: bool = False             # --per-task: only slice SLURM_LOCALID of the job's slices
 
 
 def _bad_usage(what: str, why: str = "") -> InvalidRequest:
@@ -281,7 +302,8 @@ def _bad_usage(what: str, why: str = "") -> InvalidRequest:
 
 def make_options(command: Sequence[str], adaptor_conf: str | None = None, server_list: str | None = None,
                  num_gpus: int | None = None, partial: str | None = None, memory: str | None = None,
-                 probe_timeout: float = 15.0, isolation: str | None = None, local: bool = False) -> Options:
+                 probe_timeout: float = 15.0, isolation: str | None = None, local: bool = False,
+                 per_task: bool = False) -> Options:
     """Options from the command line's values, checked together (pure; raises InvalidRequest)."""
     if local and (adaptor_conf is not None or server_list is not None):
         raise _bad_usage(f"flexrun local cannot be used with {'-f' if adaptor_conf is not None else '-l'}",
@@ -296,6 +318,9 @@ def make_options(command: Sequence[str], adaptor_conf: str | None = None, server
         raise _bad_usage("--isolation cannot be used with -f", "the adaptor.conf's slices are already placed")
     if isolation is not None and isolation != "strict":
         raise _bad_usage(f"--isolation {isolation[:40]!r} is unknown", "the one level is strict")
+    if per_task and (local or num_gpus is not None or server_list is not None):
+        raise _bad_usage("--per-task takes the task's slice of the job's slices (an adaptor.conf)",
+                         "with -n, -l or local each task asks the pool for its own slices already")
     if num_gpus is not None and num_gpus < 1:
         raise _bad_usage(f"-n {num_gpus} asks for no GPU", "-n must be at least 1")
     # The one slice-size grammar (rgpu.slice_size): the sizes Slurm's gate takes, refused with its words.
@@ -304,7 +329,7 @@ def make_options(command: Sequence[str], adaptor_conf: str | None = None, server
         raise _bad_usage("no application given", f"write {TOOL} [options] -- app [args...]")
     return Options(command=list(command), adaptor_conf=adaptor_conf, server_list=server_list,
                    num_gpus=num_gpus if num_gpus is not None or not local else 1, size=size,
-                   isolation=isolation or "", probe_timeout=probe_timeout, local=local)
+                   isolation=isolation or "", probe_timeout=probe_timeout, local=local, per_task=per_task)
 
 
 _CONTEXT = {"help_option_names": ["-h", "--help"],
@@ -323,17 +348,20 @@ _CONTEXT = {"help_option_names": ["-h", "--help"],
 @click.option("--isolation", metavar="strict",
               help="With -n/-l: only GPUs where no other job's GPU fault can end this one's work "
                    "(shared isolated or exclusive).")
+@click.option("--per-task", is_flag=True,
+              help="Only this task's own slice, number SLURM_LOCALID of the job's slices on this node, as "
+                   "device 0 (srun -n N flexrun --per-task -- app). Default: every slice.")
 @click.option("--probe-timeout", type=float, default=15.0, hidden=True)
 @click.option("--local", "local", is_flag=True, hidden=True)   # `flexrun local ...` (main() spells it so)
 @click.version_option(__version__, prog_name=TOOL)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def cli(command: tuple[str, ...], adaptor_conf: str | None, server_list: str | None, num_gpus: int | None,
         partial: str | None, memory: str | None, isolation: str | None, probe_timeout: float,
-        local: bool) -> int:
+        local: bool, per_task: bool) -> int:
     """The command line, parsed by click; `run` does the work."""
     try:
         options = make_options(command, adaptor_conf, server_list, num_gpus, partial, memory, probe_timeout,
-                               isolation, local)
+                               isolation, local, per_task)
     except RgpuError as exc:
         click.echo(str(exc), err=True)
         return exc.exit_code
@@ -422,6 +450,8 @@ def run(args: Options) -> int:
         if not slices:
             raise ConfigError("flexrun", "no GPU slices for this run", "the slice list is empty",
                               "ask for GPUs (sbatch --gres=rgpu:N, or flexrun -n N)")
+        if args.per_task:
+            slices = task_slice(slices)
         probe_all(slices, args.probe_timeout)
         libs = client_libraries()
         env = build_env(slices, libs.folder, settings_env=settings_env, same_host=args.local)

@@ -118,7 +118,7 @@ static void read_id(const char *path, ncclUniqueId *id) {
     fclose(f);
 }
 
-static ncclComm_t init_rank(int rank, int nranks, const char *idfile) {
+static ncclComm_t init_rank(int rank, int nranks, const char *idfile, int ordinal) {
     ncclUniqueId id;
     if (rank == 0) {
         NC(ncclGetUniqueId(&id));
@@ -130,17 +130,20 @@ static ncclComm_t init_rank(int rank, int nranks, const char *idfile) {
     NC(ncclCommInitRank(&comm, nranks, id, rank));
     int n = -1, r = -1, dev = -1;
     NC(ncclCommCount(comm, &n)); NC(ncclCommUserRank(comm, &r)); NC(ncclCommCuDevice(comm, &dev));
-    if (n != nranks || r != rank || dev != 0) { fprintf(stderr, "comm says %d ranks, rank %d, device %d\n", n, r, dev); exit(5); }
+    if (n != nranks || r != rank || dev != ordinal) { fprintf(stderr, "comm says %d ranks, rank %d, device %d\n", n, r, dev); exit(5); }
     return comm;
 }
 
+/* Device LOCAL_RANK where it is set (every rank sees every slice and picks its own, as PyTorch under
+ * torchrun), else device 0 (each rank sees only its own slice). */
 static int one_rank(int rank, int nranks, const char *idfile, size_t count, const char *outpath) {
     CUdevice dev;
     rank_bufs b;
-    CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuDevicePrimaryCtxRetain(&b.ctx, dev)); CU(cuCtxSetCurrent(b.ctx));
+    int ordinal = getenv("LOCAL_RANK") ? atoi(getenv("LOCAL_RANK")) : 0;
+    CU(cuInit(0)); CU(cuDeviceGet(&dev, ordinal)); CU(cuDevicePrimaryCtxRetain(&b.ctx, dev)); CU(cuCtxSetCurrent(b.ctx));
     alloc_bufs(nranks, count, &b);
     fill(rank, nranks, count, &b);
-    ncclComm_t comm = init_rank(rank, nranks, idfile);
+    ncclComm_t comm = init_rank(rank, nranks, idfile, ordinal);
     FILE *out = fopen(outpath, "wb");
     for (int step = 0; step < 8; step++) {
         if (step == 6) NC(ncclGroupStart());
@@ -204,7 +207,7 @@ static int die(int rank, int nranks, const char *idfile, const char *gofile) {
     CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuDevicePrimaryCtxRetain(&b.ctx, dev)); CU(cuCtxSetCurrent(b.ctx));
     alloc_bufs(nranks, count, &b);
     fill(rank, nranks, count, &b);
-    ncclComm_t comm = init_rank(rank, nranks, idfile);
+    ncclComm_t comm = init_rank(rank, nranks, idfile, 0);
     collectives(comm, rank, nranks, count, &b, 0);
     CU(cuStreamSynchronize(b.stream));
     printf("READY\n");

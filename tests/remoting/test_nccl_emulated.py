@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rgpu.remoting.client import flexrun
 from rgpu.remoting.native import apispec, build
 
 from .conftest import CUDA_INCLUDE, EMULATED_GPU, EMULATED_GPU_2, PY, Server, client_env, serving
@@ -322,3 +323,60 @@ def test_the_real_gpu_workers_split_premulsum_alltoall_and_finalize_run_chained_
             got = np.frombuffer(data, dtype=want.dtype, count=want.size, offset=at)
             at += want.nbytes
             assert np.array_equal(got, want), f"rank {rank}: {name} differs from numpy's"
+
+
+def _two_slice_conf(server: Server, path: Path) -> Path:
+    return conf_for(server, path, *(server.token(memory_limit=256 << 20, gpu=server.gpus[i], job_key="two-tasks")
+                                    for i in range(2)))
+
+
+def _ranks_through_flexrun(binary: Path, libs: build.Libraries, tmp_path: Path, flexrun_args: list[str],
+                           rank_env: str) -> list[subprocess.CompletedProcess[str]]:
+    def rank(r: int) -> subprocess.CompletedProcess[str]:
+        return run_flexrun([*flexrun_args, "--", str(binary), "rank", str(r), "2", str(tmp_path / "id"), str(COUNT),
+                            str(tmp_path / f"out.{r}")], libs, env_extra={rank_env: str(r)}, timeout=120)
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(rank, range(2)))
+
+
+def test_tasks_that_see_every_slice_each_use_device_local_rank(nccl_ranks: Path, native_libs: build.Libraries,
+                                                               emulated: Server, tmp_path: Path) -> None:
+    """`flexrun -n 2 -- torchrun --nproc_per_node 2 train.py`: each process sees both slices and PyTorch
+    picks device LOCAL_RANK; each rank's communicator is on its own slice (nccl_ranks checks
+    ncclCommCuDevice == LOCAL_RANK), with sessions from both processes on each slice."""
+    conf = _two_slice_conf(emulated, tmp_path / "adaptor.conf")
+    done = _ranks_through_flexrun(nccl_ranks, native_libs, tmp_path, ["-f", str(conf)], "LOCAL_RANK")
+    for r, d in enumerate(done):
+        assert d.returncode == 0 and d.stdout.strip() == "OK", f"rank {r}: {d.stdout}{d.stderr}"
+        _check(tmp_path / f"out.{r}", r, 2)
+
+
+def test_srun_tasks_with_per_task_each_get_their_own_slice_as_device_0(nccl_ranks: Path, native_libs: build.Libraries,
+                                                                       emulated: Server, tmp_path: Path) -> None:
+    """`srun -n 2 flexrun --per-task -- app`: task SLURM_LOCALID gets slice SLURM_LOCALID of the job's two,
+    as its device 0 (nccl_ranks uses device 0 without LOCAL_RANK); the ranks' slices differ, so their
+    communicators are on different GPUs, as NCCL requires."""
+    conf = _two_slice_conf(emulated, tmp_path / "adaptor.conf")
+    done = _ranks_through_flexrun(nccl_ranks, native_libs, tmp_path, ["--per-task", "-f", str(conf)], "SLURM_LOCALID")
+    for r, d in enumerate(done):
+        assert d.returncode == 0 and d.stdout.strip() == "OK", f"rank {r}: {d.stdout}{d.stderr}"
+        _check(tmp_path / f"out.{r}", r, 2)
+    slices = flexrun.slices_from_conf(conf)
+    for r in range(2):   # what each task's application was given
+        seen = run_flexrun(["--per-task", "-f", str(conf), "--", PY, "-c", "import os; print(os.environ['RGPU_SLICES'])"],
+                           native_libs, env_extra={"SLURM_LOCALID": str(r)})
+        assert seen.returncode == 0 and seen.stdout.strip() == f"{slices[r].server},{slices[r].token}", seen.stderr
+
+
+def test_per_task_says_in_one_line_when_a_task_has_no_slice_of_its_own(native_libs: build.Libraries,
+                                                                       emulated: Server, tmp_path: Path) -> None:
+    conf = _two_slice_conf(emulated, tmp_path / "adaptor.conf")
+    done = run_flexrun(["--per-task", "-f", str(conf), "--", "true"], native_libs, env_extra={"SLURM_LOCALID": "2"})
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "rgpu: flexrun: task 2 on this node has no slice of its own (--per-task) (the job has 2 slices on this node; "
+        "ask for as many slices as tasks per node (--gres=rgpu:N with --ntasks-per-node=N), or run without --per-task "
+        "so every task sees every slice and picks one (LOCAL_RANK))"], done.stderr
+    done = run_flexrun(["--per-task", "-f", str(conf), "--", "true"], native_libs)
+    assert done.returncode == 2 and "--per-task needs SLURM_LOCALID" in done.stderr, done.stderr
+    done = run_flexrun(["--per-task", "-n", "2", "--", "true"], native_libs)
+    assert done.returncode == 2 and "--per-task takes the task's slice of the job's slices" in done.stderr, done.stderr
