@@ -1,6 +1,6 @@
 """Data-parallel PyTorch (DistributedDataParallel, NCCL backend) through rgpu beside local, same run (issue 27).
 
-    python benchmarks/ddp_train.py [--ranks 2] [--steps 30] [--shapes per-task,local-rank] [--mib 256]
+    python benchmarks/ddp_train.py [--ranks 2] [--steps 30] [--shapes per-task,local-rank] [--mib 256] [--json]
 
 Issue 27's workload: an MLP of three 4096-wide layers, batch 256 per rank, SGD, one process per rank
 (as `torchrun --nproc_per_node N` starts them: RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT).
@@ -117,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mib", type=int, default=256)
     parser.add_argument("--shapes", default="per-task,local-rank")
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object (for tests)")
     parser.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.rank_main:
@@ -166,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         for server in servers:
             server.stop()
     local = results["local"]
+    if args.json:
+        print(json.dumps(results))
+        return 0
     for name, r in results.items():
         if "failed" in r:
             print(f"{name:18s} FAILED {r['failed']}")

@@ -4,13 +4,16 @@ workers running NVIDIA's NCCL among themselves. Run on a machine with two GPUs:
     RGPU_NCCL_LIBRARY=/path/to/libnccl.so.2 python -m pytest -m gpu -s tests/remoting/test_gpu_nccl.py
 
 (RGPU_NCCL_LIBRARY defaults to the nvidia-nccl wheel's library where one is installed. Skipped with
-fewer than two GPUs.) Results must equal numpy's, as on the emulated GPU."""
+fewer than two GPUs.) Results must equal numpy's, as on the emulated GPU; PyTorch DDP's losses must
+equal a local run's."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -69,3 +72,35 @@ def test_two_ranks_on_two_gpus_run_real_nccl_collectives(nccl_ranks: Path, nativ
         print(f"rank {rank}: {out}{err}")
         assert p.returncode == 0 and out.strip() == "OK", f"rank {rank}: {out}{err}"
         _check(tmp_path / f"out.{rank}", rank, 2)
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("shape", ["per-task", "local-rank"])
+def test_pytorch_ddp_with_the_nccl_backend_through_rgpu_has_a_local_runs_losses(shape: str, tmp_path: Path) -> None:
+    """benchmarks/ddp_train.py's DDP (2 ranks, NCCL backend, an MLP of three 4096-wide layers) locally and
+    through rgpu (one whole-GPU slice per rank, each on its own GPU and session server), in the shape
+    named: each rank sees only its slice (per-task), or both and picks LOCAL_RANK. Losses within 1e-5."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("needs torch")
+    if len(nvml_gpus()) < 2:
+        pytest.skip("needs two GPUs")
+    env = dict(os.environ)
+    if not env.get("RGPU_NCCL_LIBRARY"):
+        found = _wheel_nccl()
+        if not found:
+            pytest.skip("no NCCL: set RGPU_NCCL_LIBRARY to a libnccl.so.2")
+        env["RGPU_NCCL_LIBRARY"] = found
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ddp_train.py"), "--steps", "5", "--mib", "16",
+                           "--shapes", shape, "--json", "--timeout", "400"], env=env, capture_output=True, text=True,
+                          timeout=900, cwd=tmp_path, check=False)
+    print(done.stdout, done.stderr[-4000:])
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    local, remote = results["local"], results[f"rgpu {shape}"]
+    assert "failed" not in local, local
+    assert "failed" not in remote, remote["failed"]
+    assert len(remote["losses"]) == len(local["losses"]) == 8
+    worst = max(abs(a - b) for a, b in zip(remote["losses"], local["losses"]))
+    assert worst <= 1e-5, (remote["losses"], local["losses"])
