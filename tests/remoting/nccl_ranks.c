@@ -118,7 +118,8 @@ static void read_id(const char *path, ncclUniqueId *id) {
     fclose(f);
 }
 
-static ncclComm_t init_rank(int rank, int nranks, const char *idfile, int ordinal) {
+/* Rank 0 makes the unique id and writes it to IDFILE; the others read it from there. */
+static ncclUniqueId shared_id(int rank, const char *idfile) {
     ncclUniqueId id;
     if (rank == 0) {
         NC(ncclGetUniqueId(&id));
@@ -126,6 +127,11 @@ static ncclComm_t init_rank(int rank, int nranks, const char *idfile, int ordina
     } else {
         read_id(idfile, &id);
     }
+    return id;
+}
+
+static ncclComm_t init_rank(int rank, int nranks, const char *idfile, int ordinal) {
+    ncclUniqueId id = shared_id(rank, idfile);
     ncclComm_t comm;
     NC(ncclCommInitRank(&comm, nranks, id, rank));
     int n = -1, r = -1, dev = -1;
@@ -235,13 +241,7 @@ static int more(int rank, int nranks, const char *idfile, size_t count, const ch
     CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuDevicePrimaryCtxRetain(&b.ctx, dev)); CU(cuCtxSetCurrent(b.ctx));
     alloc_bufs(nranks, count, &b);
     fill(rank, nranks, count, &b);
-    ncclUniqueId id;
-    if (rank == 0) {
-        NC(ncclGetUniqueId(&id));
-        write_id(idfile, &id);
-    } else {
-        read_id(idfile, &id);
-    }
+    ncclUniqueId id = shared_id(rank, idfile);
     ncclConfig_t cfg = {sizeof cfg, 0xcafebeef, NCCL_VERSION_CODE, 0, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT,
                         NCCL_CONFIG_UNDEF_INT, NULL, NCCL_CONFIG_UNDEF_INT};
     ncclComm_t comm;

@@ -224,6 +224,15 @@ class EmulatedNccl:
             mesh.send(peer, mine)
         return [mine if r == mesh.rank else mesh.recv(r, len(mine)) for r in range(mesh.nranks)]
 
+    def _exchange_chunks(self, mesh: Mesh, send: int, n: int) -> list[bytes]:
+        """Chunk p of `n` bytes of this rank's send buffer goes to rank p; returns the chunks every rank sent
+        this one, in rank order (reduce-scatter reduces them, all-to-all lays them side by side)."""
+        whole = self._read(send, n * mesh.nranks)
+        for peer in mesh.peers:
+            mesh.send(peer, whole[peer * n:(peer + 1) * n])
+        mine = mesh.rank * n
+        return [whole[mine:mine + n] if r == mesh.rank else mesh.recv(r, n) for r in range(mesh.nranks)]
+
     def ncclAllReduce(self, send: int, recv: int, count: int, dtype: int, op: int, comm: int, stream: int) -> tuple[int]:
         def body(mesh: Mesh) -> None:
             n = count * nccl_ops.element_size(dtype)
@@ -263,12 +272,7 @@ class EmulatedNccl:
     def ncclReduceScatter(self, send: int, recv: int, count: int, dtype: int, op: int, comm: int,
                           stream: int) -> tuple[int]:
         def body(mesh: Mesh) -> None:
-            n = count * nccl_ops.element_size(dtype)
-            whole = self._read(send, n * mesh.nranks)
-            for peer in mesh.peers:
-                mesh.send(peer, whole[peer * n:(peer + 1) * n])
-            mine = mesh.rank * n
-            parts = [whole[mine:mine + n] if r == mesh.rank else mesh.recv(r, n) for r in range(mesh.nranks)]
+            parts = self._exchange_chunks(mesh, send, count * nccl_ops.element_size(dtype))
             self._write(recv, self._reduce(self._comms()[comm], parts, dtype, op))
         return self._run("ncclReduceScatter", comm, stream, body)
 
@@ -288,11 +292,5 @@ class EmulatedNccl:
 
     def ncclAlltoAll(self, send: int, recv: int, count: int, dtype: int, comm: int, stream: int) -> tuple[int]:
         def body(mesh: Mesh) -> None:
-            n = count * nccl_ops.element_size(dtype)
-            whole = self._read(send, n * mesh.nranks)
-            for peer in mesh.peers:
-                mesh.send(peer, whole[peer * n:(peer + 1) * n])
-            mine = mesh.rank * n
-            self._write(recv, b"".join(whole[mine:mine + n] if r == mesh.rank else mesh.recv(r, n)
-                                       for r in range(mesh.nranks)))
+            self._write(recv, b"".join(self._exchange_chunks(mesh, send, count * nccl_ops.element_size(dtype))))
         return self._run("ncclAlltoAll", comm, stream, body)
