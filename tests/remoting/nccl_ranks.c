@@ -4,7 +4,9 @@
  * and libnccl.so.2.
  *
  *   nccl_ranks rank RANK NRANKS IDFILE COUNT OUT    one rank; rank 0 writes the unique id to IDFILE
- *   nccl_ranks all NDEV COUNT OUT                   every slice of this process (OUT.0, OUT.1, ...)
+ *   nccl_ranks all NDEV COUNT OUT                   every slice of this process (OUT.0, OUT.1, ...); then
+ *                                                   every communicator split in one group by d % 2 and
+ *                                                   an all-reduce sum on each half (float32, COUNT, appended)
  *   nccl_ranks die RANK NRANKS IDFILE GOFILE        an all-reduce, "READY", then (after GOFILE appears)
  *                                                   another all-reduce and a synchronize
  *   nccl_ranks more RANK NRANKS IDFILE COUNT OUT    what PyTorch's ProcessGroupNCCL adds (see more() below)
@@ -198,8 +200,27 @@ static int all_in_one(int ndev, size_t count, const char *outprefix) {
             save_step(out[d], d, ndev, count, &b[d], step);
         }
     }
+    /* Split every slice's communicator in one group (by color d % 2, key d), then all-reduce on the halves. */
+    ncclComm_t subs[MAXDEV];
+    NC(ncclGroupStart());
+    for (int d = 0; d < ndev; d++) NC(ncclCommSplit(comms[d], d % 2, d, &subs[d], NULL));
+    NC(ncclGroupEnd());
+    NC(ncclGroupStart());
     for (int d = 0; d < ndev; d++) {
+        int n = -1, me = -1;
+        NC(ncclCommCount(subs[d], &n)); NC(ncclCommUserRank(subs[d], &me));
+        if (n != (ndev + 1 - d % 2) / 2 || me != d / 2) { fprintf(stderr, "split %d: rank %d of %d\n", d, me, n); return 5; }
+        CU(cuCtxSetCurrent(b[d].ctx));
+        NC(ncclAllReduce((void *)(uintptr_t)b[d].f_in, (void *)(uintptr_t)b[d].f_out, count, ncclFloat32, ncclSum, subs[d],
+                         (cudaStream_t)b[d].stream));
+    }
+    NC(ncclGroupEnd());
+    for (int d = 0; d < ndev; d++) {
+        CU(cuCtxSetCurrent(b[d].ctx));
+        CU(cuStreamSynchronize(b[d].stream));
+        save(out[d], b[d].f_out, count * 4);
         fclose(out[d]);
+        NC(ncclCommDestroy(subs[d]));
         NC(ncclCommDestroy(comms[d]));
     }
     printf("OK\n");

@@ -64,10 +64,14 @@ def _expected(rank: int, nranks: int) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-def _check(path: Path, rank: int, nranks: int) -> None:
+def _check(path: Path, rank: int, nranks: int, split_halves: bool = False) -> None:
     data = path.read_bytes()
     at = 0
-    for name, want in _expected(rank, nranks):
+    expected = _expected(rank, nranks)
+    if split_halves:   # nccl_ranks all: a split by rank % 2, then all-reduce sum on each half
+        half = sum(_inputs(r, nranks)["f"] for r in range(nranks) if r % 2 == rank % 2).astype(np.float32)
+        expected.append(("split all-reduce", half))
+    for name, want in expected:
         got = np.frombuffer(data, dtype=want.dtype, count=want.size, offset=at)
         at += want.nbytes
         assert np.array_equal(got, want), f"rank {rank} of {nranks}: {name} differs from numpy's"
@@ -105,7 +109,7 @@ def test_collectives_of_ranks_in_their_own_processes_equal_numpys(
 
 
 @pytest.mark.parametrize(("ndev", "dispatchers"), [(2, 1), (2, 2), (4, 2)])
-def test_collectives_of_every_slice_of_one_process_equal_numpys(
+def test_collectives_and_a_grouped_split_of_every_slice_of_one_process_equal_numpys(
         nccl_ranks: Path, native_libs: build.Libraries, tmp_path: Path, ndev: int, dispatchers: int) -> None:
     with ExitStack() as stack:
         servers = _servers(stack, dispatchers)
@@ -119,7 +123,7 @@ def test_collectives_of_every_slice_of_one_process_equal_numpys(
                               env=client_env(native_libs, ";".join(toks)), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
     for d in range(ndev):
-        _check(tmp_path / f"out.{d}", d, ndev)
+        _check(tmp_path / f"out.{d}", d, ndev, split_halves=True)
 
 
 def _worker_pid(server: Server, job_key: str) -> int:
