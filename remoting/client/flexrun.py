@@ -17,6 +17,8 @@ How big, with -n or -l (one of them; default a whole GPU):
   -m SIZE     GPU memory per slice, e.g. 8G or 512M (binary units)
   --isolation strict   only GPUs shared isolated or exclusive, where another job's GPU fault
               cannot end this one's work (with -n or -l)
+  --same-node with -n: every slice on one GPU server (NCCL's collectives between them stay on the
+              node's NVLink or PCIe), else refused as no capacity
   --per-task  this task gets only its own slice of the job's slices on this node, number SLURM_LOCALID
               (its index on the node), as CUDA device 0: `srun -n N flexrun --per-task -- app` for
               programs that each use device 0. Without it every task sees every slice, which is what
@@ -133,7 +135,7 @@ class Lease:
     SIGKILL stops renewing, and the pool reclaims its lease within one TTL."""
 
     def __init__(self, count: int, size: SliceSize, servers: list[str], isolation: str = "",
-                 local: bool = False) -> None:
+                 local: bool = False, same_node: bool = False) -> None:
         from rgpu.config import load_settings
         from rgpu.remoting.pool.client import connect
 
@@ -146,6 +148,7 @@ class Lease:
         self.client = connect(settings, user=True)
         self.user = getpass.getuser()
         self.isolation = isolation
+        self.same_node = same_node
         base = f"flexrun-{socket.gethostname().split('.')[0]}-{os.getpid()}-{pysecrets.token_hex(3)}"
         self.keys: list[str] = []
         self.slices: list[Slice] = []
@@ -169,7 +172,8 @@ class Lease:
         from rgpu.remoting.pool.client import explain_capacity
         try:
             lease = self.client.allocate(key, self.user, count, percent=size.percent, memory_bytes=size.memory_bytes,
-                                         server=server, ttl_seconds=self.ttl, isolation=self.isolation)
+                                         server=server, ttl_seconds=self.ttl, isolation=self.isolation,
+                                         same_node=self.same_node)
         except CapacityError as exc:
             raise explain_capacity(self.client, exc, self.isolation, TOOL) from None
         self.keys.append(key)
@@ -294,6 +298,7 @@ class Options:
     probe_timeout: float = 15.0
     local: bool = False                # `flexrun local`: slices of this node's own GPUs
     per_task: bool = False             # --per-task: only slice SLURM_LOCALID of the job's slices
+    same_node: bool = False            # --same-node: every slice of -n N on one GPU server
 
 
 def _bad_usage(what: str, why: str = "") -> InvalidRequest:
@@ -303,7 +308,7 @@ def _bad_usage(what: str, why: str = "") -> InvalidRequest:
 def make_options(command: Sequence[str], adaptor_conf: str | None = None, server_list: str | None = None,
                  num_gpus: int | None = None, partial: str | None = None, memory: str | None = None,
                  probe_timeout: float = 15.0, isolation: str | None = None, local: bool = False,
-                 per_task: bool = False) -> Options:
+                 per_task: bool = False, same_node: bool = False) -> Options:
     """Options from the command line's values, checked together (pure; raises InvalidRequest)."""
     if local and (adaptor_conf is not None or server_list is not None):
         raise _bad_usage(f"flexrun local cannot be used with {'-f' if adaptor_conf is not None else '-l'}",
@@ -321,6 +326,8 @@ def make_options(command: Sequence[str], adaptor_conf: str | None = None, server
     if per_task and (local or num_gpus is not None or server_list is not None):
         raise _bad_usage("--per-task takes the task's slice of the job's slices (an adaptor.conf)",
                          "with -n, -l or local each task asks the pool for its own slices already")
+    if same_node and num_gpus is None:
+        raise _bad_usage("--same-node goes with -n N", "it asks the pool to put the N slices on one GPU server")
     if num_gpus is not None and num_gpus < 1:
         raise _bad_usage(f"-n {num_gpus} asks for no GPU", "-n must be at least 1")
     # The one slice-size grammar (rgpu.slice_size): the sizes Slurm's gate takes, refused with its words.
@@ -329,7 +336,8 @@ def make_options(command: Sequence[str], adaptor_conf: str | None = None, server
         raise _bad_usage("no application given", f"write {TOOL} [options] -- app [args...]")
     return Options(command=list(command), adaptor_conf=adaptor_conf, server_list=server_list,
                    num_gpus=num_gpus if num_gpus is not None or not local else 1, size=size,
-                   isolation=isolation or "", probe_timeout=probe_timeout, local=local, per_task=per_task)
+                   isolation=isolation or "", probe_timeout=probe_timeout, local=local, per_task=per_task,
+                   same_node=same_node)
 
 
 _CONTEXT = {"help_option_names": ["-h", "--help"],
@@ -348,6 +356,8 @@ _CONTEXT = {"help_option_names": ["-h", "--help"],
 @click.option("--isolation", metavar="strict",
               help="With -n/-l: only GPUs where no other job's GPU fault can end this one's work "
                    "(shared isolated or exclusive).")
+@click.option("--same-node", is_flag=True,
+              help="With -n N: every slice on one GPU server (NCCL stays on its NVLink or PCIe), else no capacity.")
 @click.option("--per-task", is_flag=True,
               help="Only this task's own slice, number SLURM_LOCALID of the job's slices on this node, as "
                    "device 0 (srun -n N flexrun --per-task -- app). Default: every slice.")
@@ -357,11 +367,11 @@ _CONTEXT = {"help_option_names": ["-h", "--help"],
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def cli(command: tuple[str, ...], adaptor_conf: str | None, server_list: str | None, num_gpus: int | None,
         partial: str | None, memory: str | None, isolation: str | None, probe_timeout: float,
-        local: bool, per_task: bool) -> int:
+        local: bool, per_task: bool, same_node: bool) -> int:
     """The command line, parsed by click; `run` does the work."""
     try:
         options = make_options(command, adaptor_conf, server_list, num_gpus, partial, memory, probe_timeout,
-                               isolation, local, per_task)
+                               isolation, local, per_task, same_node)
     except RgpuError as exc:
         click.echo(str(exc), err=True)
         return exc.exit_code
@@ -443,7 +453,7 @@ def run(args: Options) -> int:
             servers = [s.strip() for s in (args.server_list or "").split(";") if s.strip()]
             if args.server_list and not servers:
                 raise InvalidRequest("flexrun", "empty server list", "", 'use -l "host:port;host:port"')
-            lease = Lease(args.num_gpus or len(servers), args.size, servers, args.isolation)
+            lease = Lease(args.num_gpus or len(servers), args.size, servers, args.isolation, same_node=args.same_node)
             slices = lease.slices
         else:
             slices = slices_from_conf(find_adaptor_conf())
