@@ -17,13 +17,14 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from rgpu.model import GpuInfo
 from rgpu.remoting.native import build
 
 from .conftest import Server, client_env, local_gpu, start_server
 from .test_gpu_two_gpus import nvml_gpus
-from .test_nccl_emulated import _check, nccl_ranks  # noqa: F401 - the fixture
+from .test_nccl_emulated import _check, _expected_more, nccl_ranks  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.gpu
 
@@ -72,6 +73,34 @@ def test_two_ranks_on_two_gpus_run_real_nccl_collectives(nccl_ranks: Path, nativ
         print(f"rank {rank}: {out}{err}")
         assert p.returncode == 0 and out.strip() == "OK", f"rank {rank}: {out}{err}"
         _check(tmp_path / f"out.{rank}", rank, 2)
+
+
+
+def test_two_ranks_on_two_gpus_split_premulsum_alltoall_nonblocking_and_finalize_with_real_nccl(
+        nccl_ranks: Path, native_libs: build.Libraries, two_gpu_server: Server, tmp_path: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """nccl_ranks.c's `more` (what ProcessGroupNCCL adds) on the workers' real NCCL; numpy's results."""
+    if not os.environ.get("RGPU_NCCL_LIBRARY"):
+        found = _wheel_nccl()
+        if not found:
+            pytest.skip("no NCCL: set RGPU_NCCL_LIBRARY to a libnccl.so.2")
+        monkeypatch.setenv("RGPU_NCCL_LIBRARY", found)
+    s = two_gpu_server
+    procs = []
+    for rank in range(2):
+        slices = s.slices(s.token(memory_limit=8 << 30, compute_percent=100, gpu=s.gpus[rank], job_key=f"more{rank}"))
+        procs.append(subprocess.Popen([str(nccl_ranks), "more", str(rank), "2", str(tmp_path / "id"), "1000",
+                                       str(tmp_path / f"out.{rank}")], env=client_env(native_libs, slices),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        print(f"rank {rank}: {out}{err}")
+        assert p.returncode == 0 and out.splitlines() == ["split 0 of 1", "OK"], f"rank {rank}: {out}{err}"
+        data, at = (tmp_path / f"out.{rank}").read_bytes(), 0
+        for name, want in _expected_more(rank, 2):
+            got = np.frombuffer(data, dtype=want.dtype, count=want.size, offset=at)
+            at += want.nbytes
+            assert np.array_equal(got, want), f"rank {rank}: {name} differs from numpy's"
 
 
 ROOT = Path(__file__).resolve().parents[2]
