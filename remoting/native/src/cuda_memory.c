@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "rgpu_client.h"
 #include "cuda_protos.h"
@@ -604,6 +605,16 @@ RGPU_EXPORT CUresult CUDAAPI cuPointerGetAttribute(void *data, CUpointer_attribu
     return r;
 }
 
+/* ptr is memory of this process that no table here knows (not page-locked, not a device range, not
+ * managed): a plain host address, whose page is mapped here. The worker would be asked about an
+ * address of another process. */
+static int plain_host_memory(CUdeviceptr ptr) {
+    if (rgpu_dev_range_find(ptr, NULL, NULL, NULL) || rgpu_managed_find(ptr)) return 0;
+    long page = sysconf(_SC_PAGESIZE);
+    unsigned char resident;
+    return page > 0 && mincore((void *)(uintptr_t)(ptr & ~(uint64_t)(page - 1)), 1, &resident) == 0;
+}
+
 RGPU_EXPORT CUresult CUDAAPI cuPointerGetAttributes(unsigned int numAttributes, CUpointer_attribute *attributes,
                                                     void **data, CUdeviceptr ptr) {
     if (!attributes || !data || numAttributes == 0) return CUDA_ERROR_INVALID_VALUE;
@@ -613,6 +624,14 @@ RGPU_EXPORT CUresult CUDAAPI cuPointerGetAttributes(unsigned int numAttributes, 
         for (unsigned int i = 0; i < numAttributes; i++)
             if (data[i] && local_pointer_attribute(attributes[i], ptr, data[i]) != CUDA_SUCCESS)
                 memset(data[i], 0, 4);
+        return CUDA_SUCCESS;
+    }
+    /* Pageable memory (PyTorch's DataLoader asks is_pinned of every batch it receives): CUDA answers
+     * the plural query with default (zero) values and success, as the worker did, here without the
+     * round trip (0.7-1 ms each on an H200, 2026-11-28). */
+    if (plain_host_memory(ptr)) {
+        for (unsigned int i = 0; i < numAttributes; i++)
+            if (data[i]) memset(data[i], 0, 8);
         return CUDA_SUCCESS;
     }
     uint64_t base = 0;
