@@ -64,6 +64,7 @@ JIT_INFO_LOG_BUFFER_SIZE = 4
 JIT_ERROR_LOG_BUFFER = 5
 JIT_ERROR_LOG_BUFFER_SIZE = 6
 MEMHOSTALLOC_PORTABLE = 1
+MEMHOSTREGISTER_PORTABLE = 1
 MODULE_NODES_TABLE = bytes.fromhex("6e163fbeb958444d835ce182aff1991e")
 LAUNCH_ATTRIBUTE_COOPERATIVE = cu("CU_LAUNCH_ATTRIBUTE_COOPERATIVE")
 
@@ -123,6 +124,8 @@ _MANUAL = {
     "cuMemPoolGetAttribute": [c_void_p, c_int, c_void_p],
     "cuMemHostAlloc": [P(c_void_p), c_size_t, c_uint],
     "cuMemFreeHost": [c_void_p],
+    "cuMemHostRegister_v2": [c_void_p, c_size_t, c_uint],
+    "cuMemHostUnregister": [c_void_p],
     "cuMemcpyHtoDAsync_v2": [c_uint64, c_void_p, c_size_t, c_void_p],
     "cuMemcpyDtoHAsync_v2": [c_void_p, c_uint64, c_size_t, c_void_p],
     "cuMemcpy2DAsync_v2": [c_void_p, c_void_p],
@@ -498,6 +501,33 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
         """Copy n bytes at src into the UCX buffer, in stream order, and wait for them there."""
         self._refuse_capture(stream, "cuMemcpyDtoHAsync")
         self._check("cuMemcpyDtoHAsync_v2", self._ucx_base, src, n, stream or None)
+        self._check("cuStreamSynchronize", stream or None)
+
+    # ------------------------------------------------------------------ the client's shared page-locked memory
+    # Same host (protocol 14, worker/shared_pinned.py): the client's cuMemHostAlloc pages, mapped here
+    # from its memfd, page-locked once; a copy is then one DMA from or into the application's pages.
+
+    def host_register(self, address: int, size: int) -> None:
+        self._with_primary(lambda: self._check("cuMemHostRegister_v2", address, size, MEMHOSTREGISTER_PORTABLE))
+
+    def host_unregister(self, address: int) -> None:
+        """As cuMemFreeHost: the device's work finishes first (a DMA may still read the pages)."""
+        def unregister() -> None:
+            self._call("cuCtxSynchronize")
+            self._check("cuMemHostUnregister", address)
+        self._with_primary(unregister)
+
+    def htod_host(self, dst: int, stream: int, address: int, n: int, wait: bool) -> None:
+        """One DMA from registered host memory; `wait`: return once it has read the pages."""
+        self._refuse_capture(stream, "cuMemcpyHtoDAsync")
+        self._check("cuMemcpyHtoDAsync_v2", dst, address, n, stream or None)
+        if wait:
+            self._check("cuStreamSynchronize", stream or None)
+
+    def dtoh_host(self, src: int, stream: int, address: int, n: int) -> None:
+        """One DMA into registered host memory, in stream order, waited for."""
+        self._refuse_capture(stream, "cuMemcpyDtoHAsync")
+        self._check("cuMemcpyDtoHAsync_v2", address, src, n, stream or None)
         self._check("cuStreamSynchronize", stream or None)
 
     def _context_events(self) -> tuple[list[Any], list[Any]]:

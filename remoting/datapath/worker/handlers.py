@@ -32,6 +32,7 @@ from rgpu.remoting.datapath.worker.local_memory import (DEFAULT_STACK_BYTES, FUN
                                                         LIMIT_MALLOC_HEAP_SIZE, LIMIT_STACK_SIZE, ContextReserves)
 from rgpu.remoting.datapath.worker.module_footprint import ImageFootprints, ImageUnreadable
 from rgpu.remoting.datapath.worker.native_loop import NativeLaunches
+from rgpu.remoting.datapath.worker.shared_pinned import SHARE, SHARED_COPY, SharedRegions
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 from rgpu.units import format_bytes
 
@@ -316,6 +317,57 @@ class Handlers:
             raise ConnectionError(why)
         self.sent += size
         return None
+
+    # ---- same-host page-locked memory read in place (protocol 14; worker/shared_pinned.py) ----
+
+    def _shared(self) -> SharedRegions:
+        regions: SharedRegions | None = getattr(self, "shared_regions", None)
+        if regions is None:
+            regions = self.shared_regions = SharedRegions(self.spec.client.get("uid"),
+                                                          getattr(self.backend, "host_register", None),
+                                                          getattr(self.backend, "host_unregister", None))
+        return regions
+
+    def h_host_share(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        size, nonce = SHARE.unpack_from(p, 0)
+        if not hasattr(self.backend, "device_window") and not hasattr(self.backend, "htod_host"):
+            raise CudaError(NOT_SUPPORTED, "")   # a backend that cannot copy from host memory in place
+        if size == 0:
+            return SUCCESS, self._shared().socket_name()
+        return SUCCESS, U64.pack(self._shared().add(size, nonce))
+
+    def h_host_unshare(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        (region,) = U64.unpack_from(p, 0)
+        self._shared().remove(region)
+        return SUCCESS, b""
+
+    def h_htod_shared(self, wait: bool) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
+        def run(p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+            dst, stream, region, offset, size = SHARED_COPY.unpack_from(p, 0)
+            at, host = self._shared().span(region, offset, size, "cuMemcpyHtoD from shared page-locked memory")
+            real = self.client_streams.real(stream, "cuMemcpyHtoDAsync")
+            window = getattr(self.backend, "device_window", None)
+            if window is not None:   # the emulated device: from the client's pages into its memory
+                window(dst, size, real, "cuMemcpyHtoDAsync")[:] = host
+            else:                    # a GPU: one DMA from the client's registered pages
+                self.backend.htod_host(dst, real, at, size, wait)
+            del host
+            self.shared_bytes = getattr(self, "shared_bytes", 0) + size
+            return SUCCESS, b""
+        return run
+
+    def h_dtoh_shared(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        src, stream, region, offset, size = SHARED_COPY.unpack_from(p, 0)
+        at, host = self._shared().span(region, offset, size, "cuMemcpyDtoH into shared page-locked memory")
+        real = self.client_streams.real(stream, "cuMemcpyDtoHAsync")
+        window = getattr(self.backend, "device_window", None)
+        if window is not None:
+            host[:] = window(src, size, real, "cuMemcpyDtoHAsync")
+        else:
+            self.backend.dtoh_host(src, real, at, size)
+        del host
+        self.shared_bytes = getattr(self, "shared_bytes", 0) + size
+        return SUCCESS, b""
 
     # ---- copies whose bytes come striped over the session's data lanes (protocol 12; worker/lanes.py) ----
 
