@@ -26,6 +26,7 @@ from rgpu.remoting.native import build, client_stats
 from rgpu.remoting.native.generated import api_gen
 
 from .conftest import EMULATED_GPU, Server, client_env, serving
+from .test_cuda_backend_chained import chained  # noqa: F401 - the fixture
 from .conftest import PY
 from .test_client_emulated import HERE, py_client
 
@@ -291,3 +292,14 @@ def test_a_process_of_another_uid_cannot_share_memory_into_a_session(emulated: S
         finally:
             other.kill()
             other.wait()
+
+
+def test_through_the_cuda_backend_a_shared_copy_is_one_dma_from_the_registered_pages(
+        native_libs: build.Libraries, chained: Server, tmp_path: Path) -> None:  # noqa: F811
+    """backends/cuda.py over rgpu's own driver, chained to an emulated worker: the worker registers the
+    client's pages (cuMemHostRegister) and copies straight from and into them (cuMemcpy*Async)."""
+    done = py_client(native_libs, chained.slices(chained.token()), COPIES, RGPU_CLIENT_STATS=str(tmp_path / "p"))
+    assert "SYNC True" in done.stdout and "ASYNC True" in done.stdout, done.stdout + done.stderr
+    ops = _ops(tmp_path / "p")
+    assert ops.get("rgpuMemcpyHtoDSharedWait") == 1 and ops.get("rgpuMemcpyDtoHShared") == 2, ops
+    assert ops.get("rgpuHostUnshare") == 1, ops

@@ -284,6 +284,8 @@ def test_through_the_cuda_backend_a_ucx_copy_is_one_dma_from_pinned_memory(
     chain_to(native_libs, emulated, monkeypatch)
     monkeypatch.setenv("RGPU_TRANSPORT", "ucx")            # the GPU node takes UCX (auto keeps TCP on a real GPU)
     monkeypatch.setenv("RGPU_CLIENT_STATS", str(tmp_path / "inner"))   # the worker's calls to its "driver"
+    # Its pinned buffer on the chained driver: counted as copies, not read in place by the inner worker (protocol 14)
+    monkeypatch.setenv("RGPU_SHARED_PINNED", "0")
     server, address = start_server("cuda", [EMULATED_GPU])
     try:
         chained = Server(server, address, [EMULATED_GPU])
