@@ -106,7 +106,8 @@ static int link_ready(int session) {
     }
     g_fd[session] = fd;
     g_state[session] = LINK_READY;
-    rgpu_log(RGPU_LOG_DEBUG, "device %d: page-locked memory is shared with the worker (same host)", session);
+    rgpu_log(RGPU_LOG_INFO, "device %d: page-locked memory is shared with the worker (same host: copies from "
+             "and to it are read and written in place)", session);
     return 1;
 }
 
