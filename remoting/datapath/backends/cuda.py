@@ -512,6 +512,8 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
 
     def host_unregister(self, address: int) -> None:
         """As cuMemFreeHost: the device's work finishes first (a DMA may still read the pages)."""
+        self._call("cuCtxSynchronize")   # the session's current context; the primary one below
+
         def unregister() -> None:
             self._call("cuCtxSynchronize")
             self._check("cuMemHostUnregister", address)
