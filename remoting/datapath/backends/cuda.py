@@ -293,6 +293,7 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
         self._ucx_bytes = 0
         self._ucx_pending: tuple[int, Any] | None = None
         self._ucx_events: dict[int, Any] = {}   # context -> the event its UCX DMA records
+        self._ucx_chunk_events: dict[int, list[Any]] = {}   # context -> events of a device-to-host UCX copy's chunks
         self._param_buf = (ctypes.c_char * MAX_PARAM_BYTES)()
         self._param_size = c_size_t(0)
         self._extra = (c_void_p * 5)(1, ctypes.addressof(self._param_buf), 2, ctypes.addressof(self._param_size), 0)
@@ -481,14 +482,15 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
             self._with_primary(make)
         return self._ucx_base
 
-    def htod_ucx(self, dst: int, stream: int, n: int) -> None:
-        """Queue the DMA of a UCX copy's n bytes from the UCX buffer to dst; the buffer stays busy
-        until it has run (the next UCX copy waits for it, not this one)."""
+    def htod_ucx(self, dst: int, stream: int, n: int, offset: int = 0) -> None:
+        """Queue the DMA of n bytes at `offset` of the UCX buffer to dst (a UCX copy's chunk, the
+        moment it is in); the buffer stays busy until the last one queued has run (the next UCX copy
+        waits for it, not this one)."""
         self._refuse_capture(stream, "cuMemcpyHtoDAsync")
         event = self._ucx_events.get(self._current)
         if event is None:   # one per context, as the ring's (it goes with its context)
             event = self._ucx_events[self._current] = self._new_event()
-        r = self._call("cuMemcpyHtoDAsync_v2", dst, self._ucx_base, n, stream or None)
+        r = self._call("cuMemcpyHtoDAsync_v2", dst, self._ucx_base + offset, n, stream or None)
         if r == SUCCESS:
             r = self._call("cuEventRecord", event, stream or None)
         if r != SUCCESS:
@@ -499,9 +501,30 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
 
     def dtoh_ucx(self, src: int, stream: int, n: int) -> None:
         """Copy n bytes at src into the UCX buffer, in stream order, and wait for them there."""
+        for _ in self.dtoh_ucx_chunks(src, stream, n, n):
+            pass
+
+    def dtoh_ucx_chunks(self, src: int, stream: int, n: int, chunk: int) -> Iterator[tuple[int, int]]:
+        """Queue n bytes at src into the UCX buffer as DMAs of `chunk` bytes, each followed by an
+        event; yield (offset, length) of each chunk once it is there (the first may be sent while
+        the others are still copied down)."""
         self._refuse_capture(stream, "cuMemcpyDtoHAsync")
-        self._check("cuMemcpyDtoHAsync_v2", self._ucx_base, src, n, stream or None)
-        self._check("cuStreamSynchronize", stream or None)
+        events = self._ucx_chunk_events.setdefault(self._current, [])
+        spans = [(at, min(chunk, n - at)) for at in range(0, n, chunk)]
+        while len(events) < len(spans):
+            events.append(self._new_event())
+        queued = 0
+        try:
+            for (at, k), event in zip(spans, events):
+                self._check("cuMemcpyDtoHAsync_v2", self._ucx_base + at, src + at, k, stream or None)
+                self._check("cuEventRecord", event, stream or None)
+                queued += 1
+            for (at, k), event in zip(spans, events):
+                self._check("cuEventSynchronize", event)
+                yield at, k
+        finally:
+            if queued:   # the buffer is free again only once every DMA into it has run
+                self._call("cuEventSynchronize", events[queued - 1])
 
     # ------------------------------------------------------------------ the client's shared page-locked memory
     # Same host (protocol 14, worker/shared_pinned.py): the client's cuMemHostAlloc pages, mapped here
@@ -565,6 +588,7 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
         if self._ucx_pending is not None and self._ucx_pending[0] == ctx:
             self._ucx_wait()
         self._ucx_events.pop(ctx, None)
+        self._ucx_chunk_events.pop(ctx, None)
         if ctx in self._events:
             if any(owner == ctx for owner, _ in self._ring.tags()):
                 self._wait_busy()

@@ -23,6 +23,10 @@
 #define RGPU_CHUNK_BYTES (1u << 20)
 /* Copies of at least this many bytes go on UCX where the session has it (RGPU_UCX_MIN_BYTES overrides). */
 #define RGPU_UCX_MIN_BYTES (1u << 20)
+/* Protocol 14: a UCX copy's bytes go as messages of this size (the last one shorter), chunk i tagged
+ * seq | i << 32 (remoting/datapath/protocol.py's UCX_CHUNK_BYTES): the worker moves each over PCIe
+ * while the next one arrives. */
+#define RGPU_UCX_CHUNK_BYTES (4u << 20)
 
 /* Data lanes (protocol 12, lanes.h): RGPU_LANES connections carry a large copy's bytes (1: the
  * session's own; default 8), for copies of at least RGPU_LANE_MIN_BYTES, in chunks of
