@@ -55,7 +55,15 @@ DTOH_CHUNK = 4 << 20
 # A UCX copy (protocol 10) lands in one pinned buffer, kept and grown up to this size, and its DMA
 # goes straight from there (RGPU_UCX_PINNED_MAX_BYTES; larger copies take the staging ring).
 UCX_PINNED_MAX_BYTES = 256 << 20
-LANE_SLOTS = 8                  # pinned slots (one chunk each) of striped copies (worker/lanes.py)
+# Pinned slots (one chunk each) of striped copies (worker/lanes.py); RGPU_LANE_SLOTS in the dispatcher's
+# environment overrides it. 16: with 8 lanes, 8 slots left no slot free while chunks' DMAs ran (every
+# lane waited for one), which the H200's 0.54-0.78x of raw TCP on 8 lanes may owe to; not measured yet.
+LANE_SLOTS = 16
+
+
+def lane_slots() -> int:
+    text = os.environ.get("RGPU_LANE_SLOTS", "").strip()
+    return max(2, min(int(text), 256)) if text.isdigit() else LANE_SLOTS
 MAX_PARAM_BYTES = 32768
 
 JIT_INFO_LOG_BUFFER = 3
@@ -293,6 +301,7 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
         self._ucx_bytes = 0
         self._ucx_pending: tuple[int, Any] | None = None
         self._ucx_events: dict[int, Any] = {}   # context -> the event its UCX DMA records
+        self._lane_slots = lane_slots()
         self._ucx_chunk_events: dict[int, list[Any]] = {}   # context -> events of a device-to-host UCX copy's chunks
         self._param_buf = (ctypes.c_char * MAX_PARAM_BYTES)()
         self._param_size = c_size_t(0)
@@ -950,14 +959,14 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
         if not self._lane_staging:
             def make() -> int:
                 p = c_void_p()
-                self._check("cuMemHostAlloc", byref(p), LANE_SLOTS * chunk, MEMHOSTALLOC_PORTABLE)
+                self._check("cuMemHostAlloc", byref(p), self._lane_slots * chunk, MEMHOSTALLOC_PORTABLE)
                 return p.value or 0
             self._lane_base = self._with_primary(make)
             self._lanes, self._lane_chunk = lanes, chunk
-            self._lane_staging = lanes.staging_new(self._lane_base, LANE_SLOTS, chunk)
+            self._lane_staging = lanes.staging_new(self._lane_base, self._lane_slots, chunk)
         events = self._lane_events.get(self._current)
         if events is None:
-            events = (c_void_p * LANE_SLOTS)(*[self._new_event().value for _ in range(LANE_SLOTS)])
+            events = (c_void_p * self._lane_slots)(*[self._new_event().value for _ in range(self._lane_slots)])
             self._lane_events[self._current] = events
         return lanes.gpu_copy(memcpy_htod=self._entry("cuMemcpyHtoDAsync_v2"), event_record=self._entry("cuEventRecord"),
                               event_sync=self._entry("cuEventSynchronize"), stream=stream, dst=dst,
