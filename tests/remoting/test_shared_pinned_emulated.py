@@ -13,7 +13,6 @@ import os
 import socket
 import struct
 import subprocess
-import sys
 import tempfile
 import textwrap
 import time
@@ -29,6 +28,7 @@ from .conftest import EMULATED_GPU, Server, client_env, serving
 from .test_cuda_backend_chained import chained  # noqa: F401 - the fixture
 from .conftest import PY
 from .test_client_emulated import HERE, py_client
+from .test_lanes_emulated import _sync
 
 OP = api_gen.OPCODES
 MiB = 1 << 20
@@ -185,15 +185,6 @@ def test_after_fork_the_child_has_its_own_pages_and_the_parent_goes_on(native_li
 
 
 # ---- a hostile client, by hand ---------------------------------------------------------------------
-
-def _sync(sock: socket.socket, op: int, payload: bytes, seq: int, ctx: int = 0) -> tuple[int, bytes]:
-    sock.sendall(protocol.pack_frame(op, payload, seq=seq, ctx=ctx))
-    while True:
-        header, body = protocol.recv_frame(sock)
-        if header[1] == protocol.OP_REPLY:
-            assert header[3] == seq
-            return struct.unpack_from("<i", body)[0], body
-
 
 def _memfd(size: int, seal: bool = True) -> int:
     import fcntl
