@@ -255,6 +255,9 @@ def test_a_hostile_client_gets_one_line_per_fault_and_the_worker_goes_on(emulate
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to connect as another uid")
 def test_a_process_of_another_uid_cannot_share_memory_into_a_session(emulated: Server) -> None:
+    """Abstract socket names are listed in /proc/net/unix, so another tenant of the GPU node may find
+    the session's socket and connect: it is refused (its memfd never mapped), and the session's own
+    client, connecting after it, still shares."""
     sock, _ = protocol.handshake(emulated.address, emulated.token())
     with sock:
         code, body = _sync(sock, OP["cuDevicePrimaryCtxRetain"], struct.pack("<i", 0), 1)
@@ -272,17 +275,35 @@ def test_a_process_of_another_uid_cannot_share_memory_into_a_session(emulated: S
             print("SENT", flush=True)
             input()
         """)
-        other = subprocess.Popen(["/usr/bin/python3", "-c", intruder], user=65534, stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True)
-        try:
+
+        def intrude() -> subprocess.Popen[str]:
+            other = subprocess.Popen(["/usr/bin/python3", "-c", intruder], user=65534, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
             assert other.stdout is not None and other.stdout.readline().strip() == "SENT"
+            return other
+
+        other = intrude()
+        try:   # only the intruder came
             code, body = _sync(sock, OP["rgpuHostShare"], SHARE.pack(MiB, 5), 3, ctx)
-            assert code == 1 and b"is of uid 65534, not the session's (0)" in body, body
-            code, _ = _sync(sock, OP["rgpuSessionInfo"], b"", 4)
-            assert code == 0   # the session goes on
+            assert code == 1 and b"only processes of uid 65534, not the session's (0), connected" in body, body
         finally:
             other.kill()
             other.wait()
+        other = intrude()
+        try:   # the intruder first, then the session's own process
+            unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            unix.connect(name)
+            fd = _memfd(MiB)
+            socket.send_fds(unix, [MESSAGE.pack(MiB, 6)], [fd])
+            code, body = _sync(sock, OP["rgpuHostShare"], SHARE.pack(MiB, 6), 4, ctx)
+            assert code == 0, body
+            os.close(fd)
+            unix.close()
+        finally:
+            other.kill()
+            other.wait()
+        code, _ = _sync(sock, OP["rgpuSessionInfo"], b"", 5)
+        assert code == 0   # the session goes on
 
 
 def test_through_the_cuda_backend_a_shared_copy_is_one_dma_from_the_registered_pages(

@@ -508,11 +508,6 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
             raise CudaError(r)
         self._ucx_pending = (self._current, event)
 
-    def dtoh_ucx(self, src: int, stream: int, n: int) -> None:
-        """Copy n bytes at src into the UCX buffer, in stream order, and wait for them there."""
-        for _ in self.dtoh_ucx_chunks(src, stream, n, n):
-            pass
-
     def dtoh_ucx_chunks(self, src: int, stream: int, n: int, chunk: int) -> Iterator[tuple[int, int]]:
         """Queue n bytes at src into the UCX buffer as DMAs of `chunk` bytes, each followed by an
         event; yield (offset, length) of each chunk once it is there (the first may be sent while

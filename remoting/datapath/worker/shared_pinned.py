@@ -23,6 +23,7 @@ import secrets
 import socket
 import stat
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -104,23 +105,30 @@ class SharedRegions:
         if self.listener is None:
             raise CudaError(INVALID_VALUE, "rgpu: worker: rgpuHostShare before the session's shared-memory socket was "
                                            "asked for (a client that is not rgpu's, or another version)")
-        self.listener.settimeout(ACCEPT_TIMEOUT_S)
-        try:
-            conn, _ = self.listener.accept()
-        except OSError as exc:
-            raise CudaError(INVALID_VALUE, f"rgpu: worker: rgpuHostShare: no client connected to the session's "
-                                           f"shared-memory socket ({exc})") from None
-        finally:
-            self.listener.close()   # one connection per session, ever
-            self.listener = None
-        _pid, uid, _gid = UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size))
-        if uid != self.client_uid:
-            conn.close()
-            log.warning("rgpu: worker: a process of uid %d connected to the shared-memory socket of a session of uid "
-                        "%s: refused", uid, self.client_uid)
-            raise CudaError(INVALID_VALUE, f"rgpu: worker: rgpuHostShare: the process on the shared-memory socket is of "
-                                           f"uid {uid}, not the session's ({self.client_uid}); page-locked memory is "
-                                           "shared only by the session's own processes")
+        # Abstract names are listed in /proc/net/unix: a process of another uid may connect first.
+        # It is refused, and the session's own client may still connect, until the deadline.
+        deadline = time.monotonic() + ACCEPT_TIMEOUT_S
+        refused: list[int] = []
+        conn = None
+        while conn is None:
+            self.listener.settimeout(max(0.0, deadline - time.monotonic()))
+            try:
+                conn, _ = self.listener.accept()
+            except OSError as exc:
+                whose = (f"only processes of uid {', '.join(map(str, refused))}, not the session's "
+                         f"({self.client_uid}), connected: page-locked memory is shared only by the session's own "
+                         "processes" if refused else f"no client connected ({exc})")
+                raise CudaError(INVALID_VALUE, f"rgpu: worker: rgpuHostShare: {whose}") from None
+            _pid, uid, _gid = UCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, UCRED.size))
+            if uid != self.client_uid:
+                conn.close()
+                conn = None
+                refused.append(uid)
+                if len(refused) == 1:   # one line, however many try
+                    log.warning("rgpu: worker: a process of uid %d connected to the shared-memory socket of a session "
+                                "of uid %s: refused", uid, self.client_uid)
+        self.listener.close()   # one connection per session, ever
+        self.listener = None
         conn.settimeout(ACCEPT_TIMEOUT_S)
         self.conn = conn
         return conn
