@@ -1,7 +1,7 @@
 """Copy benchmark (issue 25): host<->device copies through rgpu over UCX shared memory, UCX TCP,
 rgpu's own TCP stream and rgpu's data lanes (protocol 12: copies striped over --lanes connections),
 each beside raw loopback TCP on the same number of streams, measured in the same run; and the
-same-host path (protocol 14: page-locked memory read in place by the worker) beside local copies.
+same-host path (protocol 15: page-locked memory read in place by the worker) beside local copies.
 
     python benchmarks/copies.py [--backend emulated|cuda] [--sizes 128,256] [--reps 5] [--lanes 4]
                                 [--configs rgpu-tcp,rgpu-lanes] [--socket-buffer BYTES] [--json out.json]
@@ -167,7 +167,7 @@ CONFIGS = {   # name: (client environment, worker environment: set in this proce
     # Protocol 12: copies of RGPU_LANE_MIN_BYTES and more striped over --lanes TCP connections.
     "rgpu-lanes": (NET | {"RGPU_TRANSPORT": "tcp"}, {}),
     # The same-host path as flexrun local and a job on a GPU node get it, nothing set: page-locked
-    # memory read in place (protocol 14); pageable copies over UCX where the GPU node takes it under
+    # memory read in place (protocol 15); pageable copies over UCX where the GPU node takes it under
     # auto (the emulated backend), else over --lanes data lanes (a real GPU).
     "same-host": ({}, {}),
     # ... with the GPU node's transport ucx: pageable copies over UCX's shared memory.

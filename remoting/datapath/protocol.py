@@ -107,7 +107,7 @@ REPLY_HAS_MESSAGE = 1  # payload: i32 result, u32 len, message, outputs
 # A UCX copy's control frame (rgpuMemcpyHtoDUcx / rgpuMemcpyDtoHUcx): device address, stream, size
 # (the layout of cuMemcpyHtoDAsync_v2's, without the bytes).
 UCX_COPY = struct.Struct("<QQQ")
-# Protocol 14: a UCX copy's bytes go as messages of UCX_CHUNK_BYTES (the last one shorter), chunk i
+# Protocol 15: a UCX copy's bytes go as messages of UCX_CHUNK_BYTES (the last one shorter), chunk i
 # tagged seq | i << 32, so the worker moves each chunk over PCIe while the next one arrives.
 UCX_CHUNK_BYTES = 4 << 20
 

@@ -1,4 +1,4 @@
-"""Same-host page-locked memory read in place on NVIDIA's driver (protocol 14): the worker maps the
+"""Same-host page-locked memory read in place on NVIDIA's driver (protocol 15): the worker maps the
 application's cuMemHostAlloc pages from their memfd, registers them (cuMemHostRegister) and copies
 with one DMA from and into them; no byte of the copy crosses the session's socket.
 

@@ -1,4 +1,4 @@
-"""Same-host page-locked memory read in place (issue 25, protocol 14), against the emulated worker.
+"""Same-host page-locked memory read in place (issue 25, protocol 15), against the emulated worker.
 
 On the worker's host, cuMemAllocHost/cuMemHostAlloc memory is a memfd the client passes to its worker
 over a Unix socket (SCM_RIGHTS): copies from and to it carry (region, offset, length), and the

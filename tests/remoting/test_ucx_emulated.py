@@ -279,7 +279,7 @@ def test_through_the_cuda_backend_a_ucx_copy_is_one_dma_from_pinned_memory(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The real-GPU backend (its worker's "driver" is rgpu's client library, chained to an emulated
     worker: test_cuda_backend_chained.py) takes a UCX copy into its pinned buffer and queues a DMA
-    from there for each chunk the moment it is in (protocol 14), and device to host one DMA per chunk
+    from there for each chunk the moment it is in (protocol 15), and device to host one DMA per chunk
     into it, each sent once there: the chained driver sees one copy per chunk (those of at least
     1 MiB on its own UCX), not the staging ring's pieces. Byte for byte, every size."""
     from .conftest import start_server
@@ -287,7 +287,7 @@ def test_through_the_cuda_backend_a_ucx_copy_is_one_dma_from_pinned_memory(
     chain_to(native_libs, emulated, monkeypatch)
     monkeypatch.setenv("RGPU_TRANSPORT", "ucx")            # the GPU node takes UCX (auto keeps TCP on a real GPU)
     monkeypatch.setenv("RGPU_CLIENT_STATS", str(tmp_path / "inner"))   # the worker's calls to its "driver"
-    # Its pinned buffer on the chained driver: counted as copies, not read in place by the inner worker (protocol 14)
+    # Its pinned buffer on the chained driver: counted as copies, not read in place by the inner worker (protocol 15)
     monkeypatch.setenv("RGPU_SHARED_PINNED", "0")
     server, address = start_server("cuda", [EMULATED_GPU])
     try:
@@ -303,7 +303,7 @@ def test_through_the_cuda_backend_a_ucx_copy_is_one_dma_from_pinned_memory(
 
 
 def test_a_ucx_copy_travels_in_chunks_each_tagged_with_its_index(ucx_session: tuple) -> None:
-    """Protocol 14: a UCX copy's bytes are messages of UCX_CHUNK_BYTES, chunk i tagged seq | i << 32,
+    """Protocol 15: a UCX copy's bytes are messages of UCX_CHUNK_BYTES, chunk i tagged seq | i << 32,
     both ways (the worker moves each chunk over PCIe while the next one travels)."""
     sock, link, ctx, _ = ucx_session
     size = 2 * protocol.UCX_CHUNK_BYTES + 12345

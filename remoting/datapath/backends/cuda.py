@@ -531,7 +531,7 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
                 self._call("cuEventSynchronize", events[queued - 1])
 
     # ------------------------------------------------------------------ the client's shared page-locked memory
-    # Same host (protocol 14, worker/shared_pinned.py): the client's cuMemHostAlloc pages, mapped here
+    # Same host (protocol 15, worker/shared_pinned.py): the client's cuMemHostAlloc pages, mapped here
     # from its memfd, page-locked once; a copy is then one DMA from or into the application's pages.
 
     def host_register(self, address: int, size: int) -> None:

@@ -260,7 +260,7 @@ class Handlers:
         return buffer(size) if buffer is not None else 0
 
     def h_htod_ucx(self, p: memoryview, address: int, seq: int) -> None:
-        """Protocol 14: the bytes come in chunks (protocol.ucx_chunks); on a GPU each chunk's DMA is
+        """Protocol 15: the bytes come in chunks (protocol.ucx_chunks); on a GPU each chunk's DMA is
         queued the moment it is in, so PCIe moves one chunk while the next arrives."""
         import ctypes
         link, dst, size, stream = self._ucx_copy(p, "rgpuMemcpyHtoDUcx")
@@ -300,7 +300,7 @@ class Handlers:
         self.ucx_received = getattr(self, "ucx_received", 0) + size
 
     def h_dtoh_ucx(self, p: memoryview, address: int, seq: int) -> None:
-        """Protocol 14: the bytes go in chunks; on a GPU every chunk's DMA is queued at once and each
+        """Protocol 15: the bytes go in chunks; on a GPU every chunk's DMA is queued at once and each
         chunk is sent the moment its DMA is done, so the network moves one while PCIe fills the next."""
         import ctypes
         link, src, size, stream = self._ucx_copy(p, "rgpuMemcpyDtoHUcx")
@@ -342,7 +342,7 @@ class Handlers:
         self.sent += size
         return None
 
-    # ---- same-host page-locked memory read in place (protocol 14; worker/shared_pinned.py) ----
+    # ---- same-host page-locked memory read in place (protocol 15; worker/shared_pinned.py) ----
 
     def _shared(self) -> SharedRegions:
         regions: SharedRegions | None = getattr(self, "shared_regions", None)

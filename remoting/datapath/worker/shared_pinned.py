@@ -1,4 +1,4 @@
-"""Same-host page-locked memory the client shares with its worker (protocol 14; the client's half is
+"""Same-host page-locked memory the client shares with its worker (protocol 15; the client's half is
 remoting/native/src/shared_pinned.c).
 
 The worker opens, for its session alone, a Unix socket under a random abstract name that it tells

@@ -230,7 +230,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, vo
 
 /* ------------------------------------------------------------------ copies */
 
-/* A copy between the device and page-locked memory the worker maps too (same host, protocol 14,
+/* A copy between the device and page-locked memory the worker maps too (same host, protocol 15,
  * shared_pinned.c): the frame names the region and offset, the worker reads or writes the pages in
  * place. 0: not such memory, nothing added to the call. */
 static int shared_copy(rgpu_call *c, uint16_t op, CUdeviceptr dev, const void *host, size_t n, CUstream stream) {

@@ -23,7 +23,7 @@
 #define RGPU_CHUNK_BYTES (1u << 20)
 /* Copies of at least this many bytes go on UCX where the session has it (RGPU_UCX_MIN_BYTES overrides). */
 #define RGPU_UCX_MIN_BYTES (1u << 20)
-/* Protocol 14: a UCX copy's bytes go as messages of this size (the last one shorter), chunk i tagged
+/* Protocol 15: a UCX copy's bytes go as messages of this size (the last one shorter), chunk i tagged
  * seq | i << 32 (remoting/datapath/protocol.py's UCX_CHUNK_BYTES): the worker moves each over PCIe
  * while the next one arrives. */
 #define RGPU_UCX_CHUNK_BYTES (4u << 20)
@@ -299,7 +299,7 @@ CUresult rgpu_zero_copy_promote(uint64_t ptr, int *found, const char *why);
 CUresult rgpu_zero_copy_target(CUdeviceptr ptr);
 int rgpu_zero_copy_shared(const void *p, size_t n, int session, uint64_t *region, uint64_t *offset);
 void rgpu_zero_copy_reset_after_fork(void);
-/* Same-host page-locked memory read in place (shared_pinned.c, protocol 14). */
+/* Same-host page-locked memory read in place (shared_pinned.c, protocol 15). */
 size_t rgpu_shared_min_bytes(void);
 void *rgpu_shared_pinned_map(int session, void *at, size_t mapped, uint64_t *region, int *memfd);
 CUresult rgpu_shared_pinned_unshare(int session, uint64_t region);

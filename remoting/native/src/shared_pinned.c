@@ -1,4 +1,4 @@
-/* Same-host page-locked memory read in place (protocol 14).
+/* Same-host page-locked memory read in place (protocol 15).
  *
  * When the application and its slice's worker run on one host (flexrun local, a Slurm job on a GPU
  * node), the pages of a zero-copy allocation (zero_copy.c: cuMemHostAlloc/cuMemAllocHost at an

@@ -1019,7 +1019,7 @@ static size_t ucx_chunk_len(size_t n, size_t i) {
     return n - at < RGPU_UCX_CHUNK_BYTES ? n - at : RGPU_UCX_CHUNK_BYTES;
 }
 
-/* A UCX copy's requests, one per chunk (protocol 14). */
+/* A UCX copy's requests, one per chunk (protocol 15). */
 typedef struct ucx_chunks {
     size_t count;
     void *req[];
