@@ -289,6 +289,7 @@ int rgpu_managed_find(CUdeviceptr p);
 int rgpu_managed_routes(const void *host);
 CUresult rgpu_managed_free(CUdeviceptr user);
 void rgpu_managed_hand(CUdeviceptr p);
+void rgpu_managed_hand_args(const void *args, size_t n);
 int rgpu_managed_adopt(CUdeviceptr user, size_t size, size_t mapped);
 int rgpu_managed_forget(CUdeviceptr user);
 /* Page-locked memory a GPU kernel uses directly (zero_copy.c). */
