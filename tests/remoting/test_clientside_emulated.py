@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from rgpu.remoting.native import build, client_stats
 
-from tests.remoting.conftest import EXAMPLES, Server, driver_api_program, run_client
+from tests.remoting.conftest import EXAMPLES, Server, calls_between, driver_api_program, run_client
 from tests.remoting.test_client_emulated import py_client
 from tests.remoting.test_cuda_backend_chained import chained  # noqa: F401 - the fixture
 
@@ -146,9 +146,6 @@ def test_pointer_queries_about_pageable_memory_make_no_round_trip(native_libs: b
     stats = tmp_path / "prof"
     done = py_client(native_libs, emulated.slices(emulated.token()), """
         setup()
-        write = ctypes.c_void_p()
-        check("cuGetProcAddress_v2", b"rgpuClientStatsWrite", ctypes.byref(write), 12000, ctypes.c_uint64(0), None)
-        snapshot = ctypes.CFUNCTYPE(None, ctypes.c_char_p)(write.value)
         r, dev = alloc(4096)
         pageable = ctypes.create_string_buffer(1 << 16)
         ids = (ctypes.c_int * 3)(2, 1, 9)                          # MEMORY_TYPE, CONTEXT, DEVICE_ORDINAL
@@ -167,7 +164,5 @@ def test_pointer_queries_about_pageable_memory_make_no_round_trip(native_libs: b
     assert done.returncode == 0, out + done.stderr
     assert "PAGEABLE ['0x0', '0x0', '0x0'] 1" in out, out + done.stderr
     assert "DEVICE 0xffffffff00000002" in out, out          # CU_MEMORYTYPE_DEVICE, 4 bytes written
-    (start,) = tmp_path.glob("prof.*.start")
-    (end,) = tmp_path.glob("prof.*.end")
-    between = client_stats.subtract(client_stats.parse(end.read_text())[0], client_stats.parse(start.read_text())[0])
-    assert {p.name: p.sync_calls for p in between.values() if p.sync_calls} == {}, between
+    between = calls_between(tmp_path, "start", "end")
+    assert {name: p.sync_calls for name, p in between.items() if p.sync_calls} == {}, between

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rgpu.remoting.native import build, client_stats
+from rgpu.remoting.native import build
 
-from tests.remoting.conftest import EXAMPLES, Server
+from tests.remoting.conftest import EXAMPLES, Server, calls_between
 from tests.remoting.test_client_emulated import py_client
 
 # A vecadd launch whose second argument is `host` (a page-locked pointer), then the session goes on.
@@ -201,9 +201,6 @@ def test_page_locked_memory_moves_only_with_work_that_is_handed_it(native_libs: 
     stats = tmp_path / "prof"
     done = py_client(native_libs, emulated.slices(emulated.token()), """
         setup()
-        write = ctypes.c_void_p()
-        check("cuGetProcAddress_v2", b"rgpuClientStatsWrite", ctypes.byref(write), 12000, ctypes.c_uint64(0), None)
-        snapshot = ctypes.CFUNCTYPE(None, ctypes.c_char_p)(write.value)
         host = ctypes.c_void_p()
         check("cuMemAllocHost_v2", ctypes.byref(host), ctypes.c_size_t(1 << 20))
         words = (ctypes.c_uint32 * 4).from_address(host.value)
@@ -227,11 +224,8 @@ def test_page_locked_memory_moves_only_with_work_that_is_handed_it(native_libs: 
     assert "WORDS ['0xabcd', '0x68', '0x77', '0x0']" in out, out + err      # the GPU's words merged, the host's kept
 
     def moved(first: str, last: str) -> dict[str, int]:
-        (a,) = tmp_path.glob(f"prof.*.{first}")
-        (b,) = tmp_path.glob(f"prof.*.{last}")
-        between = client_stats.subtract(client_stats.parse(b.read_text())[0], client_stats.parse(a.read_text())[0])
-        return {p.name: p.sync_calls + p.async_calls for p in between.values()
-                if p.name.startswith(("cuMemcpyHtoD", "cuMemcpyDtoH", "rgpuMemcpy"))}
+        return {name: p.sync_calls + p.async_calls for name, p in calls_between(tmp_path, first, last).items()
+                if name.startswith(("cuMemcpyHtoD", "cuMemcpyDtoH", "rgpuMemcpy"))}
     assert moved("start", "middle") == {}, moved("start", "middle")
     assert sum(moved("middle", "end").values()) >= 2, moved("middle", "end")   # the block went and came back
 
@@ -268,9 +262,6 @@ def test_a_later_launch_handed_backed_page_locked_memory_takes_its_bytes_again(
     stats = tmp_path / "prof"
     done = py_client(native_libs, emulated.slices(emulated.token()), """
         setup()
-        write = ctypes.c_void_p()
-        check("cuGetProcAddress_v2", b"rgpuClientStatsWrite", ctypes.byref(write), 12000, ctypes.c_uint64(0), None)
-        snapshot = ctypes.CFUNCTYPE(None, ctypes.c_char_p)(write.value)
         host = ctypes.c_void_p()
         check("cuMemAllocHost_v2", ctypes.byref(host), ctypes.c_size_t(1 << 20))
         ptx = open(%r, "rb").read() + b"\\0"
@@ -290,9 +281,6 @@ def test_a_later_launch_handed_backed_page_locked_memory_takes_its_bytes_again(
         """ % str(EXAMPLES / "vecadd.ptx"), RGPU_ZERO_COPY="1", RGPU_CLIENT_STATS=str(stats), RGPU_LOG="info")
     assert "LAUNCH 0" in done.stdout, done.stdout + done.stderr
     assert "is now backed on the GPU (a memset's target)" in done.stderr, done.stderr
-    (start,) = tmp_path.glob("prof.*.start")
-    (end,) = tmp_path.glob("prof.*.end")
-    between = client_stats.subtract(client_stats.parse(end.read_text())[0], client_stats.parse(start.read_text())[0])
-    moved = {p.name: p.sync_calls + p.async_calls for p in between.values()
-             if p.name.startswith(("cuMemcpyHtoD", "rgpuMemcpyHtoD"))}
-    assert sum(moved.values()) >= 1, (between, done.stderr)
+    between = calls_between(tmp_path, "start", "end")
+    assert sum(p.sync_calls + p.async_calls for name, p in between.items()
+               if name.startswith(("cuMemcpyHtoD", "rgpuMemcpyHtoD"))) >= 1, (between, done.stderr)
