@@ -1,6 +1,6 @@
 """GPU faults that cross sessions, on the emulated backend (CI has no GPU).
 
-The emulated GPU's fake kernels (backends/emulated.py) stand in for what a real GPU does: a wild
+The emulated GPU's fake kernels (backends/emulated_modules.py) stand in for what a real GPU does: a wild
 write gives the context a sticky CUDA_ERROR_ILLEGAL_ADDRESS, and on a GPU shared by MPS every other
 session of that GPU gets it too, as NVIDIA documents for MPS. The real session server, workers and
 client library run; tests/remoting/test_gpu_isolation.py runs the same cases on a real GPU.

@@ -454,7 +454,7 @@ def test_an_emulated_allocation_the_host_cannot_hold_is_out_of_memory_in_one_lin
     hold is CUDA_ERROR_OUT_OF_MEMORY with a line saying why, not "internal error ... please report
     it" (issue 29; 2**62 bytes fails on any host)."""
     from rgpu.remoting.datapath.backends.base import OUT_OF_MEMORY, CudaError
-    from rgpu.remoting.datapath.backends.emulated import device_bytes
+    from rgpu.remoting.datapath.backends.emulated_objects import device_bytes
 
     with pytest.raises(CudaError) as refused:
         device_bytes(1 << 62)

@@ -30,7 +30,8 @@ log = logging.getLogger("rgpu.worker")
 
 def _make_backend(spec: SessionSpec) -> Any:
     if spec.backend == "emulated":
-        from rgpu.remoting.datapath.backends.emulated import EmulatedBackend, EmulatedNvml
+        from rgpu.remoting.datapath.backends.emulated import EmulatedBackend
+        from rgpu.remoting.datapath.backends.emulated_nvml import EmulatedNvml
         if spec.mode == "nvml":
             return EmulatedNvml(spec)
         return EmulatedBackend(spec)
