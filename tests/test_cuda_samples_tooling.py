@@ -233,7 +233,7 @@ def failed(name: str, mode: str = "rgpu", rc: int | None = 1, line: str = "boom"
 
 
 def test_recovering_refusal_is_recognised_as_the_session_server_writes_it() -> None:
-    source = (REPO / "remoting" / "dispatcher" / "sessions.py").read_text()
+    source = (REPO / "remoting" / "dispatcher" / "session_accept.py").read_text()
     assert 'f"rgpu: session: GPU {gpu.index} ({gpu.uuid}) of {self.advertised} is recovering "' in source
     assert '"from a GPU fault' in source
     # The client library writes the refusal with the server and device appended.

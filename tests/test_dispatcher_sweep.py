@@ -6,7 +6,7 @@ import logging
 import os
 from pathlib import Path
 
-from rgpu.remoting.dispatcher.sessions import OWNER_FILE, RUNTIME_PREFIX, sweep_dead_runtime_dirs
+from rgpu.remoting.dispatcher.session_state import OWNER_FILE, RUNTIME_PREFIX, sweep_dead_runtime_dirs
 
 
 def test_only_folders_of_dead_owners_are_removed(tmp_path: Path) -> None:

@@ -143,7 +143,8 @@ def start_data_path(sock: socket.socket, address: str, gpus: tuple[GpuInfo, ...]
                     port_range: tuple[int, int], backend: str, settings: Settings | None = None) -> DataPath:
     # Imported here: the CUDA/NVML data path is not needed to parse flags or report config errors.
     from rgpu.remoting.dispatcher.admission import SessionCaps
-    from rgpu.remoting.dispatcher.sessions import FrontDoor, SessionServer
+    from rgpu.remoting.dispatcher.front_door import FrontDoor
+    from rgpu.remoting.dispatcher.sessions import SessionServer
 
     settings = settings or Settings()
     door = FrontDoor(hello_deadline_s=settings.session_hello_deadline_seconds,

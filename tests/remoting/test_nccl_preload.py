@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from rgpu.remoting.client import flexrun
-from rgpu.remoting.dispatcher.sessions import worker_environment
+from rgpu.remoting.dispatcher.session_state import worker_environment
 from rgpu.remoting.native import build
 
 from .conftest import PY
