@@ -247,11 +247,12 @@ class SessionState:
                gpu: GpuInfo, mode: str, admission: Admission | None = None,
                lanes: list[socket.socket] | None = None) -> None:
         conn.settimeout(None)
+        memory_limit = min(claims.memory_limit_bytes, gpu.usable_memory_bytes or claims.memory_limit_bytes)
         spec = {
             "mode": mode, "backend": self.backend, "gpu_uuid": gpu.uuid, "gpu_index": gpu.index,
             "gpu_name": gpu.name, "gpu_total_memory": gpu.total_memory_bytes,
             "compute_capability": gpu.compute_capability,
-            "memory_limit": min(claims.memory_limit_bytes, gpu.usable_memory_bytes or claims.memory_limit_bytes),
+            "memory_limit": memory_limit,
             "compute_percent": claims.compute_percent, "job_key": claims.job_key,
             "slice_number": claims.slice_number, "usage_dir": str(self._slice_dir(claims)),
             "server": self.advertised, "compute_enforcement": self.gpu_enforcement(gpu), "sharing": gpu.sharing,
@@ -286,7 +287,7 @@ class SessionState:
             close_fds=True).result()
         rec = SessionRecord(pid=popen.pid, job_key=claims.job_key, slice_number=claims.slice_number,
                             gpu_uuid=gpu.uuid, mode=mode, client=peer,
-                            memory_limit_bytes=spec["memory_limit"], compute_percent=claims.compute_percent,
+                            memory_limit_bytes=memory_limit, compute_percent=claims.compute_percent,
                             started_unix=time.time(), lease_issued_unix=claims.issued_unix, popen=popen,
                             sharing=gpu.sharing, admission=admission)
         with self._lock:

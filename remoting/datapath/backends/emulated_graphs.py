@@ -4,6 +4,7 @@ host and child graph nodes, executable graphs (run in the order their nodes were
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import Any
 
 from rgpu.remoting.datapath.backends.arrays import ARRAY, parse_copy
@@ -160,10 +161,14 @@ class EmulatedGraphs(EmulatedMemory, EmulatedArrays, EmulatedStreams):
             op = lambda: self._memset2d(dst, pitch, pattern, width, height)  # noqa: E731
         elif kind == 3 and ARRAY in struct.unpack_from("<i", payload, 32) + struct.unpack_from("<i", payload, 120):
             desc = bytes(payload[:200])
-            copy = parse_copy(desc)
-            if any(side.kind == ARRAY and side.array not in self.arrays for side in (copy.src, copy.dst)):
+            sides = parse_copy(desc)
+            if any(side.kind == ARRAY and side.array not in self.arrays for side in (sides.src, sides.dst)):
                 raise CudaError(INVALID_HANDLE)   # when the node is added, as the driver refuses it
-            op = lambda: (self._copy_nd(2, desc, None, None), (SUCCESS,))[1]  # noqa: E731
+
+            def copy_3d() -> tuple[int]:
+                self._copy_nd(2, desc, None, None)
+                return (SUCCESS,)
+            op = copy_3d
         elif kind == 3:
             src_x, dst_x, width = (struct.unpack_from("<Q", payload, o)[0] for o in (0, 88, 176))
             src, dst = struct.unpack_from("<Q", payload, 48)[0], struct.unpack_from("<Q", payload, 136)[0]
@@ -173,7 +178,11 @@ class EmulatedGraphs(EmulatedMemory, EmulatedArrays, EmulatedStreams):
             aux, _ = self.mem_alloc("plain", size, 0, 0, 0, 0)
         elif kind == 5:
             ptr = struct.unpack_from("<Q", payload, 0)[0]
-            op = lambda: (self.mem_free(ptr, 0, True), (SUCCESS,))[1]  # noqa: E731
+
+            def free() -> tuple[int]:
+                self.mem_free(ptr, 0, True)
+                return (SUCCESS,)
+            op = free
         elif kind == 7:
             node = self.handles.new()
             op = self.host_nodes[node] = _HostNode(self, node, struct.unpack_from("<Q", payload, 0)[0],
@@ -197,15 +206,7 @@ class EmulatedGraphs(EmulatedMemory, EmulatedArrays, EmulatedStreams):
             aux = self.handles.new()
             buf = self.graph_host[aux] = bytearray(size)
             self.graph_regions.setdefault(graph, []).append((aux, size, bool(to_host)))
-
-            def copy() -> tuple[int]:
-                dbuf, off = self._locate(dev, size)
-                if to_host:
-                    buf[:] = dbuf[off:off + size]
-                else:
-                    dbuf[off:off + size] = buf
-                return (SUCCESS,)
-            op = copy
+            op = self._host_copy(dev, size, buf, bool(to_host))
         elif kind != 0:
             raise CudaError(INVALID_VALUE, f"rgpu: worker: unknown graph node kind {kind}")
         return self._node(graph, op, deps, _NODE_TYPES[kind], node), aux
@@ -261,7 +262,12 @@ class EmulatedGraphs(EmulatedMemory, EmulatedArrays, EmulatedStreams):
         buffer = self.handles.new()
         buf = self.graph_host[buffer] = bytearray(data if not to_host else bytes(size))
         self.graph_regions.setdefault(graph, []).append((buffer, size, to_host))
+        self._captured(stream, self._host_copy(dev, size, buf, to_host), NODE_TYPE_MEMCPY)
+        return buffer, graph
 
+    def _host_copy(self, dev: int, size: int, buf: bytearray, to_host: bool) -> Callable[[], tuple[int]]:
+        """A copy node with a host side: its bytes wait in `buf` (the graph's host-copy buffer, which
+        the client fills before and reads after a launch)."""
         def copy() -> tuple[int]:
             dbuf, off = self._locate(dev, size)
             if to_host:
@@ -269,8 +275,7 @@ class EmulatedGraphs(EmulatedMemory, EmulatedArrays, EmulatedStreams):
             else:
                 dbuf[off:off + size] = buf
             return (SUCCESS,)
-        self._captured(stream, copy, NODE_TYPE_MEMCPY)
-        return buffer, graph
+        return copy
 
     def graph_host_write(self, buffer: int, data: memoryview) -> None:
         if len(self.graph_host.get(buffer, b"")) < len(data):

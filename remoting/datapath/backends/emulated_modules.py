@@ -109,7 +109,7 @@ def _tensor_map_valid(q: TensorMapRequest) -> bool:
         return False
     if q.kind == TENSOR_MAP_TILED:
         inner_bytes = q.box[0] * _TENSOR_ELEMENT_BYTES[q.data_type]
-        return all(1 <= b <= 256 for b in q.box[:rank]) and (q.interleave or inner_bytes % 16 == 0)
+        return all(1 <= b <= 256 for b in q.box[:rank]) and (q.interleave != 0 or inner_bytes % 16 == 0)
     if not (1 <= q.channels <= 256 and 1 <= q.pixels <= 1024):
         return False
     if q.kind == TENSOR_MAP_IM2COL_WIDE:
