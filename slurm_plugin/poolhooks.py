@@ -99,7 +99,7 @@ class Admission:
     cluster: Callable[[], str] | None = None              # the reconciler's (reservation keys)
     reservation_seconds: float = 30.0
     # Backfill that never delays the oldest waiting job (waiting.plan_admission's `room`): off by
-    # default, as it costs throughput when jobs run alike (the mixed batch: README, figures).
+    # default, as it costs throughput when jobs run alike (the mixed batch: docs/benchmarks.md).
     keep_room_for_head: bool = False
 
     def run(self, jobs: list[Any]) -> None:

@@ -1,4 +1,4 @@
-"""Dependencies point one way (README, "Architecture"): the import-linter contracts in
+"""Dependencies point one way (docs/architecture.md): the import-linter contracts in
 pyproject.toml, run by `lint-imports` on the checkout.
 
 The editable install maps `rgpu.remoting` to remoting/ (and so on) through an import hook, which

@@ -141,7 +141,7 @@ def test_a_slice_that_holds_40_gib_and_uses_2_gib_shows_both_in_metrics_servers_
         assert len(server_row["gpu_telemetry"]) == server_row["gpus"]
     finally:
         session.close()
-    # Per-user figures stay off the public endpoint (README, Security): no user or job label.
+    # Per-user figures stay off the public endpoint (docs/security.md): no user or job label.
     assert not any(label in dict(labels) for _name, labels in scrape(pool_metrics) for label in ("user", "job"))
 
 

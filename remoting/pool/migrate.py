@@ -1,5 +1,5 @@
 """`rgpu-admin migrate-state`: copy a pool's SQLite state into PostgreSQL, once, when a site moves
-from one pool host to several pool daemons on PostgreSQL (README, "One host or several").
+from one pool host to several pool daemons on PostgreSQL (docs/admin-guide.md, "One host or several").
 
 Stop rgpu-poold first (the SQLite file must not change during the copy). Servers (with their
 drained flag), live leases, quotas and the lease history are copied in one PostgreSQL
