@@ -17,6 +17,7 @@ from pathlib import Path
 from rgpu import validate
 from rgpu.errors import ConfigError, InvalidRequest
 from rgpu.render import render
+from rgpu.slice_size import SliceLimits
 
 FORMAT_VERSION = 1
 
@@ -34,10 +35,7 @@ class AdaptorSlice:
         validate.server_address(self.server)
         validate.gpu_uuid(self.gpu_uuid)
         validate.non_negative_int("gpu_index", self.gpu_index, 1023)
-        validate.non_negative_int("memory_limit_bytes", self.memory_limit_bytes)
-        if not isinstance(self.compute_percent, int) or not 1 <= self.compute_percent <= 100:
-            raise InvalidRequest("adaptor.conf", f"invalid compute_percent {self.compute_percent!r}",
-                                 "a whole number from 1 to 100", "fix the value")
+        SliceLimits(self.memory_limit_bytes, self.compute_percent, component="adaptor.conf")
         validate.token(self.token)
         return self
 

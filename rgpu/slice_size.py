@@ -6,6 +6,9 @@ that. The smallest slice, the rounding and the error wording live here and nowhe
 job_submit.lua keeps its own copy of the grammar, and tests/data/slice_size_cases.json holds the
 cases every one of them is tested against.
 
+A granted slice (SliceLimits) holds both: the bytes and the percent the pool placed it with. The
+token, adaptor.conf and a worker's session spec carry those two integers and check them here.
+
 A fraction is written as text with at most two meaningful decimals ("0.5", "0.25", ".5", "1"):
 slices are whole hundredths of a GPU, so "0.333" is refused with the nearest one named, and
 anything below 0.005 (which would round to 0) is refused as below the smallest slice, 0.01.
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rgpu.errors import InvalidRequest
 from rgpu.units import MAX_BYTES, format_bytes, parse_size
@@ -23,6 +26,21 @@ from rgpu.units import MAX_BYTES, format_bytes, parse_size
 PERCENT_PER_GPU = 100
 # The grammar job_submit.lua accepts too: "1", "0.5", ".5", "1." (no sign, no exponent).
 _NUMBER_RE = re.compile(r"^(?:\d+|\d+\.\d*|\.\d+)$", re.ASCII)
+
+
+def _shown(text: object) -> str:
+    shown = repr(text)
+    return shown if len(shown) <= 42 else shown[:39] + "..."
+
+
+def _check_percent(component: str, name: str, value: object) -> None:
+    if not (type(value) is int and 1 <= value <= PERCENT_PER_GPU):
+        raise InvalidRequest(component, f"invalid {name} {_shown(value)}", "a whole number from 1 to 100", "")
+
+
+def _check_memory(component: str, name: str, value: object) -> None:
+    if not (type(value) is int and 0 < value <= MAX_BYTES):
+        raise InvalidRequest(component, f"invalid {name} {_shown(value)}", "more than 0 and at most 1 EiB", "")
 
 
 @dataclass(frozen=True)
@@ -37,11 +55,10 @@ class SliceSize:
         if by_percent == by_memory:
             raise InvalidRequest("slice size", "give either a fraction or a memory size per slice",
                                  "a slice is sized by exactly one of them", "")
-        if by_percent and not (type(self.percent) is int and 1 <= self.percent <= PERCENT_PER_GPU):
-            raise InvalidRequest("slice size", f"invalid percent {self.percent!r}", "a whole number from 1 to 100", "")
-        if by_memory and not (type(self.memory_bytes) is int and 0 < self.memory_bytes <= MAX_BYTES):
-            raise InvalidRequest("slice size", f"invalid memory size {self.memory_bytes!r}",
-                                 "more than 0 and at most 1 EiB", "")
+        if by_percent:
+            _check_percent("slice size", "percent", self.percent)
+        if by_memory:
+            _check_memory("slice size", "memory size", self.memory_bytes)
 
     @property
     def fraction(self) -> float:
@@ -58,16 +75,32 @@ class SliceSize:
 WHOLE_GPU = SliceSize(percent=PERCENT_PER_GPU)
 
 
+@dataclass(frozen=True)
+class SliceLimits:
+    """What a granted slice holds: `memory_limit_bytes` of its GPU's memory and `compute_percent` of
+    its compute, both set (the pool's placement turns a SliceSize into these). Checked where they
+    are read back from text (the token's claims, adaptor.conf, a worker's session spec), with the
+    reader named as `component`, so a bad value is one line saying where it came from."""
+
+    memory_limit_bytes: int
+    compute_percent: int
+    component: str = field(default="slice limits", compare=False)
+
+    def __post_init__(self) -> None:
+        _check_memory(self.component, "memory_limit_bytes", self.memory_limit_bytes)
+        _check_percent(self.component, "compute_percent", self.compute_percent)
+
+    @property
+    def share(self) -> float:
+        """The compute percent as a share of the GPU (0.01-1.0), as the limiter meters it."""
+        return self.compute_percent / PERCENT_PER_GPU
+
+
 def format_hundredths(percent: int) -> str:
     """33 -> '0.33', 50 -> '0.5', 100 -> '1' (job_submit.lua's rgpu.format_hundredths)."""
     if percent >= PERCENT_PER_GPU:
         return "1"
     return f"0.{percent:02d}".rstrip("0")
-
-
-def _shown(text: object) -> str:
-    shown = repr(text)
-    return shown if len(shown) <= 42 else shown[:39] + "..."
 
 
 def parse_fraction(text: str, *, component: str, option: str = "fraction=", example: str = "") -> int:

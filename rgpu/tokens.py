@@ -15,8 +15,9 @@ import json
 import time
 from dataclasses import dataclass
 
-from rgpu.errors import AuthError
+from rgpu.errors import AuthError, InvalidRequest
 from rgpu.secret import derive_key
+from rgpu.slice_size import SliceLimits
 
 TOKEN_PREFIX = "rgpu1"
 _PURPOSE = "lease-token"
@@ -81,6 +82,10 @@ def verify(
         claims = SliceClaims(**json.loads(_unb64(body)))
     except (ValueError, TypeError):
         raise refuse("malformed claims") from None
+    try:
+        SliceLimits(claims.memory_limit_bytes, claims.compute_percent, component="token")
+    except InvalidRequest as exc:
+        raise refuse(f"malformed claims: {exc.what}, which must be {exc.why}") from None
     current = time.time() if now is None else now
     if claims.expires_unix and current > claims.expires_unix:
         raise refuse(f"expired {current - claims.expires_unix:.0f} s ago")

@@ -57,6 +57,7 @@ HOSTILE = [
     {"slices": (AdaptorSlice("host:1", "GPU-a", 0, 1, 101, "t"),)},
     {"slices": (AdaptorSlice("host:1", "GPU-a", -1, 1, 50, "t"),)},
     {"slices": (AdaptorSlice("host:1", "GPU-a", 0, 1, 50, 't"\nx="'),)},
+    {"slices": (AdaptorSlice("host:1", "GPU-a", 0, 0, 50, "t"),)},      # no memory: no slice
     {"slices": ()},
 ]
 
@@ -92,4 +93,14 @@ def test_a_failed_write_leaves_the_old_file(tmp_path: Path) -> None:
 def test_malformed_files_give_one_line(text: str, why: str) -> None:
     with pytest.raises(ConfigError, match=why) as err:
         parse_adaptor_conf(text)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("field, value, what", [("compute_percent", 0, "invalid compute_percent 0"),
+                                                ("memory_limit_bytes", 0, "invalid memory_limit_bytes 0")])
+def test_a_slice_without_compute_or_memory_is_refused_in_one_line(field: str, value: int, what: str) -> None:
+    text = render_adaptor_conf(sample()).replace(f"{field} = {getattr(sample().slices[0], field)}", f"{field} = {value}", 1)
+    with pytest.raises(ConfigError) as err:
+        parse_adaptor_conf(text, "/run/rgpu/7/adaptor.conf")
+    assert str(err.value).startswith(f"rgpu: adaptor.conf: cannot use /run/rgpu/7/adaptor.conf ({what}: ")
     assert "\n" not in str(err.value)

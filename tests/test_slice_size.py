@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from rgpu.errors import InvalidRequest
 from rgpu.remoting.admin.cli import main as admin_main
 from rgpu.remoting.client import flexrun
-from rgpu.slice_size import SliceSize, format_hundredths, parse_fraction, parse_memory, percent_of_fraction_value
+from rgpu.slice_size import SliceLimits, SliceSize, format_hundredths, parse_fraction, parse_memory, percent_of_fraction_value
 from rgpu.slurm_plugin.request import parse_comment
 
 SIZES = json.loads((Path(__file__).parent / "data" / "slice_size_cases.json").read_text())
@@ -124,3 +124,14 @@ def test_a_slice_size_is_a_percent_or_bytes_never_both_nor_neither() -> None:
         with pytest.raises(InvalidRequest):
             SliceSize(**bad)
     assert [format_hundredths(p) for p in (1, 10, 33, 50, 100)] == ["0.01", "0.1", "0.33", "0.5", "1"]
+
+
+def test_a_granted_slices_limits_are_bytes_and_percent_both_set_checked_with_the_readers_name() -> None:
+    limits = SliceLimits(8 << 30, 25)
+    assert limits.share == 0.25 and limits == SliceLimits(8 << 30, 25, component="token")
+    for memory, percent, what in ((8 << 30, 0, "invalid compute_percent 0"), (8 << 30, 101, "invalid compute_percent 101"),
+                                  (8 << 30, 50.0, "invalid compute_percent 50.0"), (0, 50, "invalid memory_limit_bytes 0"),
+                                  (True, 50, "invalid memory_limit_bytes True")):
+        with pytest.raises(InvalidRequest) as info:
+            SliceLimits(memory, percent, component="adaptor.conf")   # type: ignore[arg-type]
+        assert str(info.value).startswith(f"rgpu: adaptor.conf: {what} (") and "\n" not in str(info.value)

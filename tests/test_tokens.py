@@ -72,3 +72,15 @@ def test_secret_file_rules(tmp_path: Path) -> None:
     os.chmod(short, 0o600)
     with pytest.raises(ConfigError, match="holds 3 bytes"):
         load_secret(short)
+
+
+@pytest.mark.parametrize("field, value", [("compute_percent", 0), ("compute_percent", 250), ("memory_limit_bytes", 0),
+                                          ("memory_limit_bytes", "8G")])
+def test_signed_claims_with_impossible_limits_are_refused_in_one_line(field: str, value: object) -> None:
+    # Signed with the secret (a broken pool, or a program holding the secret): the limits are still
+    # checked as every reader of a slice's limits checks them (rgpu.slice_size.SliceLimits).
+    token = tokens.sign(SECRET, tokens.SliceClaims(**{**CLAIMS.__dict__, field: value}))
+    with pytest.raises(AuthError) as info:
+        tokens.verify(SECRET, token, now=1500.0)
+    assert str(info.value).startswith(f"rgpu: token: lease token refused (malformed claims: invalid {field} ")
+    assert "\n" not in str(info.value)

@@ -5,6 +5,7 @@ a real GPU are measured by tests/remoting/test_gpu_isolation.py."""
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import subprocess
 import sys
@@ -18,6 +19,9 @@ import pytest
 from rgpu.remoting.datapath.worker.limiter import (BURST_S, QUANTUM_S, TURN_FILE, ComputeLimiter, RecentUse,
                                                    TokenBucket, allowance, others_use)
 from rgpu.remoting.native import build
+from rgpu.errors import InvalidRequest
+from rgpu.remoting.datapath.worker.spec import SessionSpec
+from rgpu.slice_size import SliceLimits
 from tests.remoting.conftest import EMULATED_GPU, Server, client_env, start_server
 
 HERE = Path(__file__).parent
@@ -62,7 +66,7 @@ def test_recent_use_follows_the_duty_cycle() -> None:
 def test_turns_are_exclusive_and_published(tmp_path: Path) -> None:
     fences: list[int] = []
     clock = [0.0]
-    first = ComputeLimiter(0.5, str(tmp_path), False, lambda: fences.append(1), clock=lambda: clock[0])
+    first = ComputeLimiter(SliceLimits(1 << 30, 50), str(tmp_path), False, lambda: fences.append(1), clock=lambda: clock[0])
     first.before_submit()
     probe = os.open(tmp_path / TURN_FILE, os.O_RDWR)
     with pytest.raises(BlockingIOError):
@@ -118,7 +122,7 @@ def test_a_turn_held_by_a_kernel_that_runs_on_is_yielded(tmp_path: Path) -> None
     from rgpu.remoting.datapath.worker.limiter import OVERRUN_S
 
     clock = [0.0]
-    limiter = ComputeLimiter(0.5, str(tmp_path), False, lambda: None, clock=lambda: clock[0])
+    limiter = ComputeLimiter(SliceLimits(1 << 30, 50), str(tmp_path), False, lambda: None, clock=lambda: clock[0])
     limiter.before_submit()
     probe = os.open(tmp_path / TURN_FILE, os.O_RDWR)
     clock[0] += OVERRUN_S                     # the worker is stuck in the application's synchronise
@@ -132,3 +136,20 @@ def test_a_turn_held_by_a_kernel_that_runs_on_is_yielded(tmp_path: Path) -> None
     assert limiter.busy_s == pytest.approx(OVERRUN_S + 1.0)
     limiter.close()
     os.close(probe)
+
+
+def test_the_session_spec_checks_the_slices_limits_once_and_the_limiter_meters_its_share(tmp_path: Path) -> None:
+    fields = dict(mode="cuda", backend="emulated", gpu_uuid="GPU-1", gpu_index=0, gpu_name="NVIDIA H200",
+                  gpu_total_memory=1 << 30, compute_capability="9.0", memory_limit=1 << 30, compute_percent=25,
+                  job_key="j", slice_number=0, usage_dir="", server="gpu1:7100", compute_enforcement="isolated",
+                  client={})
+    spec = SessionSpec.from_json(json.dumps(fields))
+    limiter = ComputeLimiter(spec.limits, str(tmp_path), False, lambda: None)
+    try:
+        assert limiter.share == 0.25
+    finally:
+        limiter.close()
+    # A spec the session server should never write (a percent of 0 was metered as 1% before) is one line.
+    with pytest.raises(InvalidRequest) as info:
+        SessionSpec.from_json(json.dumps({**fields, "compute_percent": 0}))
+    assert str(info.value).startswith("rgpu: worker: invalid compute_percent 0 (")

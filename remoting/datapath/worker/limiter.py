@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rgpu.slice_size import SliceLimits
+
 QUANTUM_S = 0.020          # the longest turn before the GPU is offered to the others
 OVERRUN_S = 0.250          # a turn held this long (a kernel that runs on) is yielded to the driver's time-slicing
 IDLE_RELEASE_S = 0.002     # a turn is given back when the application sends nothing for this long
@@ -122,9 +124,9 @@ def others_use(gpu_dir: str, me: int, now: float, stale_s: float = 2.0) -> float
 class ComputeLimiter:
     """The worker's side: gate submissions on the GPU's turn and the session's share."""
 
-    def __init__(self, share: float, gpu_dir: str, lending: bool, fence: Callable[[], None],
+    def __init__(self, limits: SliceLimits, gpu_dir: str, lending: bool, fence: Callable[[], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.share = max(0.01, min(1.0, share))
+        self.share = limits.share        # 0.01-1.0: SliceLimits checked the percent
         self.gpu_dir = gpu_dir
         self.lending = lending
         self.fence = fence               # waits for the session's GPU work to finish

@@ -139,7 +139,7 @@ class Worker(Handlers):
                 self._defer(code, "")   # an error of the application's work: its next sync call gets it
         log.info("compute limiter on: %d%% of the GPU%s", spec.compute_percent,
                  ", lending idle shares" if spec.compute_lending else "")
-        return ComputeLimiter(spec.compute_percent / 100, spec.gpu_dir, spec.compute_lending, wait_for_own_work)
+        return ComputeLimiter(spec.limits, spec.gpu_dir, spec.compute_lending, wait_for_own_work)
 
     # ------------------------------------------------------------------ dispatch table
 

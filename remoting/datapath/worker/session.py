@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -23,6 +24,7 @@ from rgpu.remoting.datapath.worker.loop import Worker
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 from rgpu.remoting.datapath.worker.lanes import Lanes, LanesUnavailable, size_socket_buffers, socket_buffer_bytes
 from rgpu.remoting.datapath.worker.ucx import UcxLink, UcxUnavailable
+from rgpu.errors import InvalidRequest
 from rgpu.units import format_bytes
 
 log = logging.getLogger("rgpu.worker")
@@ -184,7 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lanes", default="", help="the session's data lanes (protocol 12): inherited sockets, "
                         "comma-separated")
     args = parser.parse_args(argv)
-    spec = SessionSpec.from_json(os.environ["RGPU_WORKER_SESSION"])
+    try:
+        spec = SessionSpec.from_json(os.environ["RGPU_WORKER_SESSION"])
+    except InvalidRequest as exc:    # the session server wrote it from a verified token: a bug there
+        print(exc.format(), file=sys.stderr)
+        return 2
     logging.basicConfig(level=os.environ.get("RGPU_WORKER_LOG_LEVEL", "INFO").upper(),
                         format=f"%(asctime)s rgpu-worker[{os.getpid()}] job={spec.job_key} slice={spec.slice_number} "
                                "%(levelname)s %(message)s")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from rgpu.slice_size import SliceLimits
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,12 @@ class SessionSpec:
     ucx_peer: str = ""        # the client's UCX worker address (hex) from HELLO; "": it offered none
     ucx_library: str = ""     # librgpu-worker.so, whose ucx_link.c drives UCX; "": none built
     frame_stall_s: float = 30.0   # an unfinished frame's bytes may stop this long (frames.FrameProgress); 0: no limit
+
+    def __post_init__(self) -> None:
+        # The slice's bytes and percent, checked once here (InvalidRequest, one line).
+        object.__setattr__(self, "limits", SliceLimits(self.memory_limit, self.compute_percent, component="worker"))
+
+    limits: SliceLimits = field(init=False, repr=False, compare=False)
 
     @classmethod
     def from_json(cls, text: str) -> SessionSpec:
