@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from rgpu import grpc_tls
+from rgpu import __version__, grpc_tls
 from rgpu.config import Settings, pool_addresses
 from rgpu.errors import CapacityError, ConfigError, InvalidRequest, RgpuError, Unavailable
 from rgpu.model import isolation_allows
@@ -32,6 +32,21 @@ from rgpu.secret import load_secret
 
 def error_from_rpc(exc: grpc.RpcError, address: str) -> RgpuError:
     return error_from_status(exc.code(), exc.details() or "", address)
+
+
+# What a pool from before AllocateRequest.percent answers a size in percent: it skips the field it
+# does not know and finds no size at all (a client of this version always sends one).
+_NO_SIZE_SEEN = "neither a fraction nor a memory size was given"
+
+
+def older_pool_error(address: str) -> InvalidRequest:
+    """The line for a pool too old to read a slice size in percent (the `fraction` it reads instead
+    was a double where 0 meant unset; this client sends whole percent)."""
+    return InvalidRequest("pool", f"the pool daemon at {address} is older than this client: it does not read slice "
+                          "sizes in percent, and saw none", "it predates AllocateRequest.percent",
+                          f"install this client's rgpu release (rgpu {__version__} with AllocateRequest.percent) on "
+                          "the pool host and restart rgpu-poold; until then ask by memory size (-m 8G, "
+                          "--comment=memory=8G), which it reads")
 
 
 def open_channel(address: str, tls_ca_file: str | None = None, tls_server_name: str | None = None) -> grpc.Channel:
@@ -198,10 +213,15 @@ class PoolClient:
         """Lease `count` slices of `percent` of a GPU or of `memory_bytes` each (exactly one is
         non-zero; rgpu.slice_size.SliceSize carries them); `same_node`: all on one GPU server."""
         size = {"memory_bytes": memory_bytes} if memory_bytes else {"percent": percent}
-        return self._call("Allocate", pb.AllocateRequest(
-            job_key=job_key, user=user, account=account, count=count, **size,
-            ttl_seconds=ttl_seconds, gpu_model=gpu_model, server=server,
-            min_memory_bytes=min_memory_bytes, isolation=isolation, same_node=same_node))
+        try:
+            return self._call("Allocate", pb.AllocateRequest(
+                job_key=job_key, user=user, account=account, count=count, **size,
+                ttl_seconds=ttl_seconds, gpu_model=gpu_model, server=server,
+                min_memory_bytes=min_memory_bytes, isolation=isolation, same_node=same_node))
+        except InvalidRequest as exc:
+            if not memory_bytes and str(exc).startswith(f"rgpu: pool: {_NO_SIZE_SEEN}"):
+                raise older_pool_error(self.address) from None
+            raise
 
     def renew(self, job_key: str, ttl_seconds: float) -> pb.Lease:
         return self._call("Renew", pb.RenewRequest(job_key=job_key, ttl_seconds=ttl_seconds))
