@@ -175,7 +175,7 @@ def epilog_slurmctld_main(env: Mapping[str, str] | None = None) -> int:
     env = os.environ if env is None else env
     if not holds_rgpu_license(env):
         return 0                     # a plain job: no pool call, no retries while the pool is away
-    from rgpu.prolog.logic import epilog_slurmctld
+    from rgpu.prolog.epilogs import epilog_slurmctld
 
     started = time.monotonic()
     deadline = started + EPILOG_RETRY_SECONDS
@@ -210,7 +210,7 @@ def epilog_main(env: Mapping[str, str] | None = None) -> int:
     job_id = env.get("SLURM_JOB_ID", "")
     if job_id.isdigit() and not os.path.lexists(run_dir(env) / job_id):
         return 0                     # the node Prolog made no folder: nothing of rgpu's to remove
-    from rgpu.prolog.logic import node_epilog
+    from rgpu.prolog.epilogs import node_epilog
 
     try:
         node_epilog(env)

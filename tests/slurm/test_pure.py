@@ -16,7 +16,7 @@ from rgpu.slurm_plugin.licenses import (
     plan_reservation,
     render_slurm_config,
 )
-from rgpu.prolog.logic import keys_to_release
+from rgpu.prolog.epilogs import keys_to_release
 from rgpu.slurm_plugin.reconcile import decide
 from rgpu.slurm_plugin.squeue import SlurmJob
 
