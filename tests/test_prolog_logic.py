@@ -292,24 +292,28 @@ def test_epilog_slurmctld_releases_the_leases_it_can_name_before_it_lists_the_po
 @pytest.mark.parametrize("script", ["rgpu-epilog-slurmctld", "rgpu-epilog"])
 def test_epilogs_of_an_rgpu_job_load_only_what_the_release_needs(script: str, pool: RgpuCluster, tmp_path: Path) -> None:
     """The next held job waits for the ended job's release and license: the epilogs load neither
-    the node Prolog's rendering (jinja2) nor the Slurm queries and admission (the prologs' logic)."""
+    the node Prolog's rendering (jinja2) nor the Slurm queries and admission (the prologs' logic),
+    and EpilogSlurmctld, once done, exits without unloading what it loaded, its line written."""
     env = job_env(pool, tmp_path)
     prolog_slurmctld(env, pool.client, lambda _: info())
     node_prolog(env, pool.client)
-    code = ("import runpy, sys\n"
-            "try:\n"
-            f"    runpy.run_path({str(PROLOG_DIR / script)!r}, run_name='__main__')\n"
-            "except SystemExit as exc:\n"
-            "    heavy = ('jinja2', 'rgpu.adaptor', 'rgpu.prolog.logic', 'rgpu.slurm_plugin.scontrol',\n"
-            "             'rgpu.slurm_plugin.waiting', 'rgpu.remoting.pool.convert')\n"
-            "    print(exc.code, sorted(m for m in sys.modules if m.startswith(heavy)))\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=False,
-                         env={**env, "PATH": os.environ["PATH"], "PYTHONPATH": str(REPO)})
-    assert out.returncode == 0 and out.stdout == "0 []\n", out
+    hook = tmp_path / "hook"        # an exit handler that says when the interpreter's teardown runs
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text("import atexit, sys\natexit.register(lambda: print('teardown', file=sys.stderr))\n")
+    out = subprocess.run([sys.executable, "-X", "importtime", str(PROLOG_DIR / script)], capture_output=True, text=True,
+                         timeout=30, check=False,
+                         env={**env, "PATH": os.environ["PATH"], "PYTHONPATH": f"{REPO}:{hook}"})
+    loaded = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    heavy = ("jinja2", "rgpu.adaptor", "rgpu.prolog.logic", "rgpu.slurm_plugin.scontrol", "rgpu.slurm_plugin.waiting",
+             "rgpu.remoting.pool.convert")
+    assert out.returncode == 0 and "rgpu.prolog.main" in loaded, out
+    assert sorted(m for m in loaded if m.startswith(heavy)) == [], out
     if script == "rgpu-epilog-slurmctld":
-        assert keys(pool) == [] and "released slurm:hpc:42:0:c1, slurm:hpc:42:0:c2" in out.stderr, out
+        assert keys(pool) == [] and "rgpu-epilog-slurmctld[job 42]: released slurm:hpc:42:0:c1, slurm:hpc:42:0:c2 in " \
+            in out.stderr, out.stderr
+        assert "teardown" not in out.stderr
     else:
-        assert not (tmp_path / "42").exists()
+        assert not (tmp_path / "42").exists() and "teardown" in out.stderr   # nothing heavy to unload
 
 
 def test_epilog_slurmctld_reports_an_unreachable_pool(tmp_path: Path) -> None:
