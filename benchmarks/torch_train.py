@@ -284,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="steady state per run, at least")
     parser.add_argument("--rounds", type=int, default=2, help="local and rgpu runs, alternated, per workload")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--rgpu-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="set in the rgpu runs' environment only (e.g. RGPU_ZERO_COPY=0), repeatable")
     parser.add_argument("--no-prime", action="store_true", help="skip the first rgpu process of each workload, which "
                         "fills the GPU node's module image cache (its start-up is printed apart: a user's first "
                         "process on a node)")
@@ -320,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             stats = profile_dir / f"client-{name}"
             remote_env = dict(slice_env(base, libs.folder, secret, address, gpu, f"bench-{name}"),
                               RGPU_CLIENT_STATS=str(stats))
+            remote_env.update(dict(item.split("=", 1) for item in args.rgpu_env))
             if not args.no_prime:   # a user's first process of this workload: the image cache fills
                 first = run_child(dict(remote_env, RGPU_CLIENT_STATS=str(profile_dir / f"client-prime-{name}")), name, 1, 0.0)
                 cold[name] = first["ready_s"]

@@ -461,8 +461,9 @@ BEFORE_HOOKS = {
     "cuCtxSynchronize": "if (rgpu_idle_ctx(NULL)) return CUDA_SUCCESS; uint64_t sync_seq_ = rgpu_event_clock()",
     "cuCtxSynchronize_v2": "if (rgpu_idle_ctx(ctx)) return CUDA_SUCCESS; uint64_t sync_seq_ = rgpu_event_clock()",
     # a device-to-device copy between two slices (cudaMemcpy DeviceToDevice from cuda:0 to cuda:1)
-    "cuMemcpyDtoD_v2": "{ CUresult r_; if (rgpu_dtod_between_slices(dstDevice, srcDevice, ByteCount, NULL, &r_)) return r_; }",
-    "cuMemcpyDtoDAsync_v2": ("{ CUresult r_; if (rgpu_dtod_between_slices(dstDevice, srcDevice, ByteCount, hStream, &r_)) "
+    # (page-locked memory backed on the GPU, either side: its bytes go with the copy, managed.c)
+    "cuMemcpyDtoD_v2": "{ CUresult r_; rgpu_managed_hand(dstDevice); rgpu_managed_hand(srcDevice); if (rgpu_dtod_between_slices(dstDevice, srcDevice, ByteCount, NULL, &r_)) return r_; }",
+    "cuMemcpyDtoDAsync_v2": ("{ CUresult r_; rgpu_managed_hand(dstDevice); rgpu_managed_hand(srcDevice); if (rgpu_dtod_between_slices(dstDevice, srcDevice, ByteCount, hStream, &r_)) "
                              "return r_; }"),
     # as cuFuncSetAttribute (cuBLAS and PyTorch set the dynamic shared memory before each launch)
     "cuKernelSetAttribute": ("{ CUresult r_; int v_; if (rgpu_kernel_set_attribute_here(kernel, attrib, val, dev, &r_)) "

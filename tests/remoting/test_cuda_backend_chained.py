@@ -72,6 +72,12 @@ def test_cuda_backend_copies_pointer_attributes_and_modules(native_libs: build.L
         kind = ctypes.c_uint64(0xFFFFFFFFFFFFFFFF)
         check("cuPointerGetAttribute", ctypes.byref(kind), 2, ctypes.c_uint64(p))
         print("KIND", hex(kind.value))
+        # The plural query travels as one (the worker asks its driver for all of them at once).
+        ids = (ctypes.c_int * 3)(2, 3, 12)                  # MEMORY_TYPE, DEVICE_POINTER, RANGE_SIZE
+        vals = [ctypes.c_uint64(0xFFFFFFFFFFFFFFFF) for _ in range(3)]
+        slots = (ctypes.c_void_p * 3)(*(ctypes.addressof(v) for v in vals))
+        check("cuPointerGetAttributes", 3, ids, slots, ctypes.c_uint64(p + 16))
+        print("PLURAL", [hex(v.value) for v in vals], vals[1].value == p + 16, vals[2].value == n)
         ptx = open({str(EXAMPLES / "vecadd.ptx")!r}, "rb").read() + b"\\0"
         mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
         check("cuModuleLoadData", ctypes.byref(mod), ptx)
@@ -91,6 +97,7 @@ def test_cuda_backend_copies_pointer_attributes_and_modules(native_libs: build.L
     assert "SAME True" in done.stdout, done.stdout + done.stderr
     # MEMORY_TYPE is 4 bytes: only those were written into the caller's 8-byte variable.
     assert "KIND 0xffffffff00000002" in done.stdout
+    assert "PLURAL ['0xffffffff00000002'" in done.stdout and "True True" in done.stdout, done.stdout + done.stderr
     assert "PARAM1 8 16" in done.stdout
     assert "LIBRARIES loaded and unloaded twice" in done.stdout, done.stdout + done.stderr
 

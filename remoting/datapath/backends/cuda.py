@@ -952,6 +952,31 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
                           dstPitch=dpitch, WidthInBytes=width, Height=height)
         self._check("cuMemcpy2DAsync_v2", byref(p), stream or None)
 
+    def pointer_attributes(self, attrs: tuple[int, ...], ptr: int) -> list[bytes | None]:
+        """cuPointerGetAttributes: each attribute's bytes (None where it failed), in two driver calls
+        for all of them (one per fill) rather than two per attribute: PyTorch's pinned DataLoader asks
+        this of every batch it receives (is_pinned of pageable memory), and asking each attribute
+        alone took about 1 ms on an H200 (2026-11-28). The plural call fills defaults for memory CUDA
+        does not know, as the client's own call does; if the driver refuses the list as a whole, each
+        attribute is asked alone."""
+        n = len(attrs)
+        fn = self._late_fn("cuPointerGetAttributes", [c_uint, c_void_p, c_void_p, c_uint64])
+        ids = (c_int * n)(*attrs)
+        fills = []
+        for fill in (0x00, 0xFF):
+            bufs = [(ctypes.c_ubyte * 64)(*([fill] * 64)) for _ in range(n)]
+            slots = (c_void_p * n)(*(ctypes.addressof(b) for b in bufs))
+            if fn(n, ids, slots, ptr) != SUCCESS:
+                return [self._one_attribute(attr, ptr) for attr in attrs]
+            fills.append([bytes(b) for b in bufs])
+        return [_written(low, high) for low, high in zip(*fills)]
+
+    def _one_attribute(self, attr: int, ptr: int) -> bytes | None:
+        try:
+            return self.pointer_attribute(attr, ptr)
+        except CudaError:
+            return None
+
     def pointer_attribute(self, attr: int, ptr: int) -> bytes:
         """The attribute's bytes, exactly as many as the driver writes (found with two fills)."""
         outs = []
@@ -961,8 +986,7 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
             if r != SUCCESS:
                 raise CudaError(r)
             outs.append(bytes(buf))
-        written = [i for i in range(64) if outs[0][i] != 0x00 or outs[1][i] != 0xFF]
-        return outs[0][:(max(written) + 1) if written else 1]
+        return _written(outs[0], outs[1])
 
     # ------------------------------------------------------------------ arrays, texture objects, copies with arrays
 
@@ -1369,3 +1393,9 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
 
     def close(self) -> None:
         pass  # the process exits: the driver frees everything the session held
+
+
+def _written(low: bytes, high: bytes) -> bytes:
+    """The bytes the driver wrote into a buffer filled once with 0x00 (low) and once with 0xFF (high)."""
+    written = [i for i in range(len(low)) if low[i] != 0x00 or high[i] != 0xFF]
+    return low[:(max(written) + 1) if written else 1]

@@ -711,6 +711,15 @@ class EmulatedBackend(EmulatedNccl):
             return (NOT_FOUND, 0, 0)
         return (SUCCESS, ptr - off, len(buf))
 
+    def pointer_attributes(self, attrs: tuple[int, ...], ptr: int) -> list[bytes | None]:
+        out: list[bytes | None] = []
+        for attr in attrs:
+            try:
+                out.append(self.pointer_attribute(attr, ptr))
+            except CudaError:
+                out.append(None)
+        return out
+
     def pointer_attribute(self, attr: int, ptr: int) -> bytes:
         try:
             buf, off = self._locate(ptr, 1)

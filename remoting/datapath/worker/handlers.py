@@ -403,15 +403,10 @@ class Handlers:
         (n,) = U32.unpack_from(p, 0)
         attrs = struct.unpack_from(f"<{n}i", p, 4)
         (ptr,) = U64.unpack_from(p, 4 + 4 * n)
-        out = []
-        for attr in attrs:
-            try:
-                out.append(lp(self.backend.pointer_attribute(attr, ptr)))
-            except CudaError:
-                # cuPointerGetAttributes fills, rather than fails: the client writes 8 zero bytes
-                # for an empty answer and keeps no copy of it (it would not be the single query's)
-                out.append(lp(b""))
-        return SUCCESS, b"".join(out)
+        # cuPointerGetAttributes fills, rather than fails: for an attribute that failed the client
+        # writes 8 zero bytes (an empty answer) and keeps no copy of it (it would not be the single query's)
+        answers = self.backend.pointer_attributes(tuple(attrs), ptr)
+        return SUCCESS, b"".join(lp(a if a is not None else b"") for a in answers)
 
     # ------------------------------------------------------------------ arrays, texture and surface objects
     # Every array counts against the slice from its creation until it is destroyed, at the footprint

@@ -511,7 +511,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesT
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoD_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount) {
-    { CUresult r_; if (rgpu_dtod_between_slices(dstDevice, srcDevice, ByteCount, NULL, &r_)) return r_; };
+    { CUresult r_; rgpu_managed_hand(dstDevice); rgpu_managed_hand(srcDevice); if (rgpu_dtod_between_slices(dstDevice, srcDevice, ByteCount, NULL, &r_)) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuMemcpyDtoD_v2);
     if (r != CUDA_SUCCESS) return r;
@@ -522,7 +522,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoD_v2(CUdeviceptr dstDevice, CUdeviceptr 
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyDtoDAsync_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream) {
-    { CUresult r_; if (rgpu_dtod_between_slices(dstDevice, srcDevice, ByteCount, hStream, &r_)) return r_; };
+    { CUresult r_; rgpu_managed_hand(dstDevice); rgpu_managed_hand(srcDevice); if (rgpu_dtod_between_slices(dstDevice, srcDevice, ByteCount, hStream, &r_)) return r_; };
     rgpu_call c;
     CUresult r = rgpu_begin(&c, RGPU_OP_cuMemcpyDtoDAsync_v2);
     if (r != CUDA_SUCCESS) return r;

@@ -152,7 +152,12 @@ static CUresult host_alloc(void **pp, size_t bytesize, unsigned int flags) {
     if (p) {
         rgpu_host_range_add(p, bytesize, flags, 0);   /* zero_copy.c frees it */
     } else {
-        if (posix_memalign(&p, 4096, bytesize)) return CUDA_ERROR_OUT_OF_MEMORY;
+        /* Its own pages from mmap, never the heap: a launch is refused when an 8-byte word of its
+         * arguments falls in page-locked memory, and heap addresses below 4 GiB (a non-PIE Python's)
+         * match ordinary integers there (two ints, a size): a PyTorch ResNet-18's reduce kernel was
+         * refused so with RGPU_ZERO_COPY=0 on an H200 (2026-11-28). */
+        p = mmap(NULL, bytesize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (p == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
         rgpu_host_range_add(p, bytesize, flags, 1);
     }
     *pp = p;
@@ -170,8 +175,9 @@ RGPU_EXPORT CUresult CUDAAPI cuMemFreeHost(void *p) {
     if (r != CUDA_SUCCESS) return r;
     if (rgpu_zero_copy_free(p, &r)) return r;
     int owned = 0;
-    if (!rgpu_host_range_remove(p, &owned, NULL)) return CUDA_ERROR_INVALID_VALUE;
-    if (owned) free(p);
+    size_t size = 0;
+    if (!rgpu_host_range_remove(p, &owned, &size)) return CUDA_ERROR_INVALID_VALUE;
+    if (owned) munmap(p, size);
     return CUDA_SUCCESS;
 }
 
@@ -226,6 +232,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemHostGetDevicePointer_v2(CUdeviceptr *pdptr, vo
 
 static CUresult htod(CUdeviceptr dst, const void *src, size_t n, CUstream stream, int session) {
     if (n && !src) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_managed_hand(dst);   /* page-locked memory backed on the GPU as the target: its bytes go first */
     if (rgpu_stream_capturing(stream)) return rgpu_capture_host_copy(stream, 0, dst, (void *)src, n);
     const uint8_t *p = src;
     size_t done = 0;
@@ -274,6 +281,7 @@ static CUresult htod(CUdeviceptr dst, const void *src, size_t n, CUstream stream
 
 static CUresult dtoh(void *dst, CUdeviceptr src, size_t n, CUstream stream, int session) {
     if (n && !dst) return CUDA_ERROR_INVALID_VALUE;
+    rgpu_managed_hand(src);
     if (rgpu_stream_capturing(stream)) return rgpu_capture_host_copy(stream, 1, src, dst, n);
     uint64_t clock = rgpu_event_clock();
     rgpu_call c;
@@ -415,6 +423,8 @@ RGPU_EXPORT CUresult CUDAAPI cuMemcpyPeerAsync(CUdeviceptr dstDevice, CUcontext 
 static CUresult unified(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream stream) {
     CUresult r = rgpu_check_init();
     if (r != CUDA_SUCCESS) return r;
+    rgpu_managed_hand(dst);
+    rgpu_managed_hand(src);
     int ds = session_of(dst), ss = session_of(src);
     if (ds >= 0 && ss >= 0) {
         if (ds != ss)

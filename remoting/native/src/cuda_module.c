@@ -701,19 +701,21 @@ static void pack_args(const launch_args *a, void **params, uint8_t *out) {
  * synchronisation. Other page-locked memory (cudaHostRegister) would fault on the GPU node (under
  * MPS ending every session on that GPU): the launch is refused before it leaves, naming the
  * argument. */
-static CUresult host_pointers_for_gpu(const char *call, const void *args, size_t n) {
+static CUresult host_pointers_for_gpu(const char *call, const char *kernel, const void *args, size_t n) {
     for (;;) {
         uint64_t value = 0;
         long off = rgpu_args_host_pointer(args, n, &value);
         if (off < 0) return CUDA_SUCCESS;
         int found = 0;
-        CUresult r = rgpu_zero_copy_promote(value, &found);
+        char why[320];
+        snprintf(why, sizeof why, "kernel %.200s was handed it, argument byte %ld", kernel ? kernel : "?", off);
+        CUresult r = rgpu_zero_copy_promote(value, &found, why);
         if (found && r != CUDA_SUCCESS) return r;
         if (found) continue;   /* backed: no longer plain host memory */
-        rgpu_log(1, "%s: the kernel's argument at byte %ld is a pointer into page-locked host memory "
+        rgpu_log(1, "%s: kernel %.200s's argument at byte %ld is a pointer into page-locked host memory "
                     "(0x%llx; rgpu places cudaHostAlloc's memory where the GPU can use it unless RGPU_ZERO_COPY=0, never cudaHostRegister's); "
                     "a GPU across the network cannot read this process's memory there: copy the data to device memory",
-                 call, off, (unsigned long long)value);
+                 call, kernel ? kernel : "?", off, (unsigned long long)value);
         return CUDA_ERROR_NOT_SUPPORTED;
     }
 }
@@ -737,7 +739,7 @@ static CUresult launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned 
         pack_args(&a, params, p);
         args = p;
     }
-    if (a.argsize) r = host_pointers_for_gpu("cuLaunchKernel", args, a.argsize);
+    if (a.argsize) r = host_pointers_for_gpu("cuLaunchKernel", a.fn ? a.fn->name : NULL, args, a.argsize);
     rgpu_call c;
     if (r == CUDA_SUCCESS) r = rgpu_begin(&c, RGPU_OP_cuLaunchKernel);
     if (r != CUDA_SUCCESS) {
@@ -762,7 +764,7 @@ CUresult rgpu_kernel_args(CUfunction f, void **params, void **extra, uint8_t **o
     uint8_t *p = calloc(1, a.argsize ? a.argsize : 1);
     if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
     pack_args(&a, params, p);
-    r = host_pointers_for_gpu("a graph's kernel node", p, a.argsize);
+    r = host_pointers_for_gpu("a graph's kernel node", a.fn ? a.fn->name : NULL, p, a.argsize);
     if (r != CUDA_SUCCESS) {
         free(p);
         return r;

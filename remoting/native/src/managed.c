@@ -34,6 +34,7 @@ typedef struct managed_region {
     size_t mapped;       /* host bytes mapped at user (whole pages) */
     int gpu_owned;       /* 1: the GPU has the current copy; the host pages are inaccessible */
     int pinned;          /* page-locked memory the GPU uses directly (zero_copy.c): no allocation of its own here */
+    int handed;          /* pinned: a call since its bytes last came back hands it to the GPU (rgpu_managed_hand) */
     uint8_t *snapshot;   /* pinned: the bytes last sent to the GPU (what the GPU changed differs from them) */
 } managed_region;
 
@@ -54,7 +55,7 @@ static size_t page_size(void) {
 static void recount_owners_locked(void) {
     int host = 0, gpu = 0;
     for (size_t i = 0; i < g_count; i++) {
-        host |= !g_regions[i].gpu_owned;
+        host |= !g_regions[i].gpu_owned && (!g_regions[i].pinned || g_regions[i].handed);
         gpu |= g_regions[i].gpu_owned;
     }
     __atomic_store_n(&g_any_host_owned, host, __ATOMIC_RELEASE);
@@ -63,8 +64,14 @@ static void recount_owners_locked(void) {
 
 /* Page-locked memory stays the host's while the GPU uses it (the program may fill one buffer of a
  * page-locked pool while a kernel writes another: XLA does), so its bytes are merged, not handed
- * over: the host's go to the GPU (and are kept) when the GPU gets work, and at synchronisation the
- * GPU's copy comes back where it differs from what was sent, that is, where the GPU wrote. */
+ * over: the host's go to the GPU (and are kept) with work that is handed the memory (a kernel's
+ * argument, a memset's target: rgpu_managed_hand), and at the next synchronisation the GPU's copy
+ * comes back where it differs from what was sent, that is, where the GPU wrote. Work that is not
+ * handed it moves none of its bytes: a pool of page-locked staging buffers (PyTorch's pinned
+ * DataLoader: 64 MiB blocks) once promoted by one kernel argument must not cross the network at
+ * every launch and synchronisation after it (that made a pinned-loader ResNet-18 run 4.6x slower
+ * on an H200, 2026-11-28). A kernel reaching page-locked memory only through a pointer stored in
+ * device memory is not seen (nor was it before promotion existed). */
 static CUresult pinned_to_gpu(const managed_region *m) {
     memcpy(m->snapshot, (const void *)(uintptr_t)m->user, m->size);
     return cuMemcpyHtoD_v2(m->user, m->snapshot, m->size);
@@ -91,12 +98,14 @@ static CUresult pinned_from_gpu(const managed_region *m) {
  * under the lock; the copies (calls themselves) run without it. While the GPU owns a managed
  * region its host pages are inaccessible, so a host access at the wrong time stops the program with
  * a clear line (handler below) instead of reading stale data or losing a write. */
-static void hand_over(int to_gpu) {
+static void hand_over(int to_gpu, int every_pinned) {
     pthread_mutex_lock(&g_lock);
     managed_region *moving = g_count ? malloc(g_count * sizeof *moving) : NULL;
     size_t n = 0;
     for (size_t i = 0; moving && i < g_count; i++) {
         if (g_regions[i].gpu_owned == to_gpu) continue;
+        if (to_gpu && g_regions[i].pinned && !g_regions[i].handed && !every_pinned) continue;   /* not this work's */
+        g_regions[i].handed = 0;
         if (!to_gpu && !g_regions[i].pinned)
             mprotect((void *)(uintptr_t)g_regions[i].user, g_regions[i].mapped, PROT_READ | PROT_WRITE);
         g_regions[i].gpu_owned = to_gpu;
@@ -148,14 +157,22 @@ static int gives_work(uint16_t op) {
 }
 
 void rgpu_managed_before_call(uint16_t op) {
-    if (__builtin_expect(!__atomic_load_n(&g_any_host_owned, __ATOMIC_ACQUIRE), 1) || t_moving || !gives_work(op))
-        return;
-    hand_over(1);
+    if (t_moving || !gives_work(op)) return;
+    /* A graph's kernel nodes were handed their page-locked memory when the graph was built, and
+     * 2D/3D copies, captured host copies and stream memory operations name addresses this file does
+     * not see: every page-locked region goes with those. */
+    int graph = __atomic_load_n(&g_count, __ATOMIC_ACQUIRE) &&
+                (op == RGPU_OP_cuGraphLaunch || op == RGPU_OP_rgpuMemcpy2DDevice || op == RGPU_OP_rgpuCaptureHostCopy ||
+                 op == RGPU_OP_rgpuGraphHostRefresh || op == RGPU_OP_cuStreamWriteValue32_v2 ||
+                 op == RGPU_OP_cuStreamWriteValue64_v2 || op == RGPU_OP_cuStreamWaitValue32_v2 ||
+                 op == RGPU_OP_cuStreamWaitValue64_v2);
+    if (__builtin_expect(!__atomic_load_n(&g_any_host_owned, __ATOMIC_ACQUIRE), 1) && !graph) return;
+    hand_over(1, graph);
 }
 
 void rgpu_managed_sync_point(void) {
     if (__builtin_expect(!__atomic_load_n(&g_any_gpu_owned, __ATOMIC_ACQUIRE), 1) || t_moving) return;
-    hand_over(0);
+    hand_over(0, 0);
 }
 
 static managed_region *find_locked(CUdeviceptr p) {
@@ -206,6 +223,19 @@ int rgpu_managed_routes(const void *host) {
     int routes = m && !m->pinned;
     pthread_mutex_unlock(&g_lock);
     return routes;
+}
+
+/* Work about to be sent hands the GPU the page-locked region holding p (a kernel's argument, a
+ * memset's target): its bytes go with that work. No-op for other memory. */
+void rgpu_managed_hand(CUdeviceptr p) {
+    if (t_moving || !__atomic_load_n(&g_count, __ATOMIC_ACQUIRE)) return;   /* not this file's own copies */
+    pthread_mutex_lock(&g_lock);
+    managed_region *m = find_locked(p);
+    if (m && m->pinned && !m->gpu_owned) {
+        m->handed = 1;
+        __atomic_store_n(&g_any_host_owned, 1, __ATOMIC_RELEASE);
+    }
+    pthread_mutex_unlock(&g_lock);
 }
 
 int rgpu_managed_any(void) { return __atomic_load_n(&g_count, __ATOMIC_ACQUIRE) != 0; }
@@ -282,7 +312,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesiz
         return CUDA_ERROR_NOT_SUPPORTED;
     }
     pthread_mutex_lock(&g_lock);
-    int added = append_locked((managed_region){user, real, bytesize, mapped, 0, 0, NULL});   /* zeros, host-owned */
+    int added = append_locked((managed_region){user, real, bytesize, mapped, 0, 0, 0, NULL});   /* zeros, host-owned */
     pthread_mutex_unlock(&g_lock);
     if (!added) {
         munmap(host, mapped);
@@ -302,7 +332,7 @@ int rgpu_managed_adopt(CUdeviceptr user, size_t size, size_t mapped) {
     uint8_t *snapshot = malloc(size ? size : 1);
     if (!snapshot) return 0;
     pthread_mutex_lock(&g_lock);
-    int added = append_locked((managed_region){user, 0, size, mapped, 0, 1, snapshot});
+    int added = append_locked((managed_region){user, 0, size, mapped, 0, 1, 1, snapshot});   /* handed now */
     pthread_mutex_unlock(&g_lock);
     if (!added) free(snapshot);
     return added;

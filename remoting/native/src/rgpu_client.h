@@ -284,13 +284,14 @@ void rgpu_managed_sync_point(void);
 int rgpu_managed_find(CUdeviceptr p);
 int rgpu_managed_routes(const void *host);
 CUresult rgpu_managed_free(CUdeviceptr user);
+void rgpu_managed_hand(CUdeviceptr p);
 int rgpu_managed_adopt(CUdeviceptr user, size_t size, size_t mapped);
 int rgpu_managed_forget(CUdeviceptr user);
 /* Page-locked memory a GPU kernel uses directly (zero_copy.c). */
 void *rgpu_zero_copy_alloc(size_t bytesize, unsigned int flags);
 int rgpu_zero_copy_free(void *p, CUresult *result);
 int rgpu_zero_copy_flags(const void *p, unsigned int *flags);
-CUresult rgpu_zero_copy_promote(uint64_t ptr, int *found);
+CUresult rgpu_zero_copy_promote(uint64_t ptr, int *found, const char *why);
 CUresult rgpu_zero_copy_target(CUdeviceptr ptr);
 int rgpu_kfunc_get(CUkernel k, CUfunction *out);
 void rgpu_kfunc_put(CUkernel k, CUfunction f);

@@ -166,7 +166,7 @@ int rgpu_zero_copy_flags(const void *p, unsigned int *flags) {
 
 /* Backs the zero-copy allocation holding ptr with device memory at its own address, once.
  * *found: 0 when ptr is in no zero-copy allocation (nothing done). */
-CUresult rgpu_zero_copy_promote(uint64_t ptr, int *found) {
+CUresult rgpu_zero_copy_promote(uint64_t ptr, int *found, const char *why) {
     *found = 0;
     if (!__atomic_load_n(&g_count, __ATOMIC_ACQUIRE)) return CUDA_SUCCESS;
     pthread_mutex_lock(&g_lock);
@@ -178,6 +178,7 @@ CUresult rgpu_zero_copy_promote(uint64_t ptr, int *found) {
     *found = 1;
     if (z->promoted) {
         pthread_mutex_unlock(&g_lock);
+        rgpu_managed_hand(ptr);   /* its bytes go with the work being handed it */
         return CUDA_SUCCESS;
     }
     zc_alloc a = *z;
@@ -212,6 +213,9 @@ CUresult rgpu_zero_copy_promote(uint64_t ptr, int *found) {
         rgpu_host_range_remove((void *)(uintptr_t)a.base, &owned, NULL);   /* managed.c routes it now */
     }
     pthread_mutex_unlock(&g_lock);
+    if (r == CUDA_SUCCESS)
+        rgpu_log(RGPU_LOG_INFO, "page-locked memory at 0x%llx (%zu bytes) is now backed on the GPU (%s): its bytes "
+                 "move at launches and synchronisations", (unsigned long long)a.base, a.size, why);
     if (r != CUDA_SUCCESS)
         rgpu_log(RGPU_LOG_ERROR, "page-locked memory at 0x%llx (%zu bytes) could not be given to the "
                  "GPU (CUDA error %d: the slice's memory holds its copy there)", (unsigned long long)a.base, a.size,
@@ -226,5 +230,5 @@ CUresult rgpu_zero_copy_promote(uint64_t ptr, int *found) {
  * value of an address of this process. */
 CUresult rgpu_zero_copy_target(CUdeviceptr ptr) {
     int found = 0;
-    return rgpu_zero_copy_promote(ptr, &found);
+    return rgpu_zero_copy_promote(ptr, &found, "a memset's target");
 }
