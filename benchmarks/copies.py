@@ -1,9 +1,15 @@
 """Copy benchmark (issue 25): host<->device copies through rgpu over UCX shared memory, UCX TCP,
 rgpu's own TCP stream and rgpu's data lanes (protocol 12: copies striped over --lanes connections),
-each beside raw loopback TCP on the same number of streams, measured in the same run.
+each beside raw loopback TCP on the same number of streams, measured in the same run; and the
+same-host path (protocol 15: page-locked memory read in place by the worker) beside local copies.
 
     python benchmarks/copies.py [--backend emulated|cuda] [--sizes 128,256] [--reps 5] [--lanes 4]
                                 [--configs rgpu-tcp,rgpu-lanes] [--socket-buffer BYTES] [--json out.json]
+
+On a GPU machine, the same-host targets and lanes against raw TCP in one command:
+
+    python benchmarks/copies.py --backend cuda --sizes 256 --reps 5 --lanes 8 \
+        --configs local,same-host,same-host-ucx,rgpu-lanes,rgpu-tcp
 
 One run prints, for 128 and 256 MiB pinned (cuMemAllocHost) and pageable (malloc) buffers, host to
 device and device to host: GB/s (median of --reps) and the fraction of raw TCP on the same streams
@@ -143,24 +149,36 @@ int main(int argc, char **argv) {
 }
 """
 
+# The network path's configurations turn the same-host path's shared page-locked memory off
+# (RGPU_SHARED_PINNED=0): on one host pinned copies would otherwise be read in place, not cross a link.
+NET = {"RGPU_SHARED_PINNED": "0"}
 CONFIGS = {   # name: (client environment, worker environment: set in this process before its server starts)
     # Shared memory: UCX's posix transport (copy-in/copy-out through a shared segment, pipelined by
     # both processes), and with cma (single-copy process_vm_readv rendezvous, UCX's choice by default
     # when both are allowed; slower than posix alone on some VMs' kernels).
     # The GPU server's transport is ucx in these (auto keeps TCP on a real GPU until UCX is measured faster).
-    "ucx-shm": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "posix,self"}, {"UCX_TLS": "posix,self", "RGPU_TRANSPORT": "ucx"}),
-    "ucx-shm-cma": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "posix,cma,self"},
+    "ucx-shm": (NET | {"RGPU_TRANSPORT": "ucx", "UCX_TLS": "posix,self"}, {"UCX_TLS": "posix,self", "RGPU_TRANSPORT": "ucx"}),
+    "ucx-shm-cma": (NET | {"RGPU_TRANSPORT": "ucx", "UCX_TLS": "posix,cma,self"},
                     {"UCX_TLS": "posix,cma,self", "RGPU_TRANSPORT": "ucx"}),
-    # What the same-host path takes with no UCX_TLS set (flexrun local, a job on a GPU node): UCX's own
-    # choice among its transports.
-    "ucx-auto": ({"RGPU_TRANSPORT": "ucx"}, {"RGPU_TRANSPORT": "ucx"}),
-    "ucx-tcp": ({"RGPU_TRANSPORT": "ucx", "UCX_TLS": "tcp"}, {"UCX_TLS": "tcp", "RGPU_TRANSPORT": "ucx"}),
-    "rgpu-tcp": ({"RGPU_TRANSPORT": "tcp", "RGPU_LANES": "1"}, {}),
+    # UCX's own choice among its transports, with no UCX_TLS set.
+    "ucx-auto": (NET | {"RGPU_TRANSPORT": "ucx"}, {"RGPU_TRANSPORT": "ucx"}),
+    "ucx-tcp": (NET | {"RGPU_TRANSPORT": "ucx", "UCX_TLS": "tcp"}, {"UCX_TLS": "tcp", "RGPU_TRANSPORT": "ucx"}),
+    "rgpu-tcp": (NET | {"RGPU_TRANSPORT": "tcp", "RGPU_LANES": "1"}, {}),
     # Protocol 12: copies of RGPU_LANE_MIN_BYTES and more striped over --lanes TCP connections.
-    "rgpu-lanes": ({"RGPU_TRANSPORT": "tcp"}, {}),
+    "rgpu-lanes": (NET | {"RGPU_TRANSPORT": "tcp"}, {}),
+    # The same-host path as flexrun local and a job on a GPU node get it, nothing set: page-locked
+    # memory read in place (protocol 15); pageable copies over UCX where the GPU node takes it under
+    # auto (the emulated backend), else over --lanes data lanes (a real GPU).
+    "same-host": ({}, {}),
+    # ... with the GPU node's transport ucx: pageable copies over UCX's shared memory.
+    "same-host-ucx": ({"RGPU_TRANSPORT": "ucx"}, {"RGPU_TRANSPORT": "ucx"}),
+    # NVIDIA's own driver, no rgpu (--backend cuda only): what the same-host path is measured against.
+    "local": ({}, {}),
 }
 # The raw TCP figure each configuration is compared with: streams (None: --lanes).
-STREAMS = {"ucx-shm": 1, "ucx-shm-cma": 1, "ucx-auto": 1, "ucx-tcp": 1, "rgpu-tcp": 1, "rgpu-lanes": None}
+STREAMS = {"ucx-shm": 1, "ucx-shm-cma": 1, "ucx-auto": 1, "ucx-tcp": 1, "rgpu-tcp": 1, "rgpu-lanes": None,
+           "same-host": 1, "same-host-ucx": 1, "local": 1}
+SAME_HOST = ("same-host", "same-host-ucx")
 
 
 def _cuda_include() -> Path:
@@ -242,9 +260,25 @@ def gpu_info(backend: str):  # type: ignore[no-untyped-def]
                    total_memory_bytes=64 << 30, usable_memory_bytes=64 << 30, compute_capability="9.0")
 
 
+def run_local(workload: Path, sizes: list[int], reps: int) -> dict[str, float]:
+    """The workload on NVIDIA's driver, no rgpu anywhere on the library path."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RGPU_", "UCX_"))}
+    env.pop("LD_PRELOAD", None)
+    done = subprocess.run([str(workload), str(reps), *map(str, sizes)], env=env, capture_output=True, text=True,
+                          timeout=900, check=False)
+    if done.returncode:
+        raise SystemExit(f"benchmarks/copies.py: local failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
+    return json.loads(done.stdout)
+
+
 def run_config(name: str, backend: str, workload: Path, sizes: list[int], reps: int, libs,  # type: ignore[no-untyped-def]
                lanes: int = 4) -> dict[str, float]:
     from rgpu import tokens
+    from rgpu.remoting.client.flexrun import library_env
+    if name == "local":
+        if backend != "cuda":
+            raise SystemExit("benchmarks/copies.py: local needs --backend cuda (a GPU and NVIDIA's driver)")
+        return run_local(workload, sizes, reps)
     start_session_server = _remoting_bench().start_session_server
     client_extra, worker_env = CONFIGS[name]
     saved = {k: os.environ.get(k) for k in worker_env}
@@ -258,11 +292,11 @@ def run_config(name: str, backend: str, workload: Path, sizes: list[int], reps: 
             memory_limit_bytes=max(sizes) * MiB * 2 + (1 << 30), compute_percent=100, expires_unix=0,
             issued_unix=time.time()))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RGPU_", "UCX_"))}
-        env.update(client_extra, **({"RGPU_LANES": str(lanes)} if name == "rgpu-lanes" else {}))
+        env.update(client_extra, **({"RGPU_LANES": str(lanes)} if name in ("rgpu-lanes", "same-host") else {}))
         if "RGPU_SOCKET_BUFFER_BYTES" in os.environ:
             env["RGPU_SOCKET_BUFFER_BYTES"] = os.environ["RGPU_SOCKET_BUFFER_BYTES"]
-        env.update(LD_LIBRARY_PATH=f"{libs.folder}:{env.get('LD_LIBRARY_PATH', '')}",
-                   RGPU_SLICES=f"{address},{token}", RGPU_LOG="info")
+        env.update(library_env(libs.folder, env))
+        env.update(RGPU_SLICES=f"{address},{token}", RGPU_LOG="info")
         done = subprocess.run([str(workload), str(reps), *map(str, sizes)], env=env, capture_output=True, text=True,
                               timeout=900, check=False)
     finally:
@@ -275,7 +309,8 @@ def run_config(name: str, backend: str, workload: Path, sizes: list[int], reps: 
     if done.returncode:
         raise SystemExit(f"benchmarks/copies.py: {name} failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
     want = ("; transport tcp)" if name == "rgpu-tcp" else f"transport tcp, {lanes} data lanes"
-            if name == "rgpu-lanes" else "transport ucx")
+            if name == "rgpu-lanes" else "page-locked memory is shared with the worker" if name in SAME_HOST
+            else "transport ucx")
     if want not in done.stderr:
         raise SystemExit(f"benchmarks/copies.py: {name} did not run on {want}:\n{done.stderr}")
     return json.loads(done.stdout)
@@ -286,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", choices=("emulated", "cuda"), default="emulated")
     parser.add_argument("--sizes", default="128,256", help="MiB, comma-separated")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--configs", default=",".join(CONFIGS), help="of " + ", ".join(CONFIGS))
+    parser.add_argument("--configs", default="", help="of " + ", ".join(CONFIGS) + " (default: all; local only with "
+                        "--backend cuda)")
     parser.add_argument("--lanes", type=int, default=4, help="data lanes of rgpu-lanes (and raw TCP's streams beside it)")
     parser.add_argument("--socket-buffer", type=int, default=4 << 20,
                         help="SO_SNDBUF/SO_RCVBUF bytes for rgpu and raw TCP alike (0: the kernel's autotuning)")
@@ -301,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         workload = _compile(WORKLOAD_C, Path(tmp) / "copies", f"-I{_cuda_include()}", f"-L{libs.folder}", "-lcuda")
         raw_bin = _compile(RAW_TCP_C, Path(tmp) / "raw_tcp", "-pthread")
         os.environ["RGPU_SOCKET_BUFFER_BYTES"] = str(args.socket_buffer)   # the workers' (and the clients')
-        names = args.configs.split(",")
+        names = args.configs.split(",") if args.configs else [n for n in CONFIGS if n != "local" or args.backend == "cuda"]
         streams = {name: STREAMS[name] or args.lanes for name in names}
         results: dict[str, dict[str, float]] = {}
         raw: dict[int, dict[int, float]] = {}   # streams -> MiB -> GB/s
@@ -336,6 +372,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} beside UCX's own link (ucx_perftest tag_bw, UCX_TLS {tls}, {mib} MiB): {link:.2f} GB/s; "
                   f"{cells}")
     raw1 = raw.get(1, {})
+    local = results.get("local")
+    for name in (n for n in SAME_HOST if n in results and local):   # issue 25's same-host targets
+        for metric, value in results[name].items():
+            want = 0.5 if "_pinned_" in metric else 0.8
+            ratio = value / local[metric]
+            print(f"target: {name} {metric.removesuffix('_GBps')} >= {want:.0%} of local: {value:.2f} / "
+                  f"{local[metric]:.2f} GB/s = {ratio:.2f}x ({'PASS' if ratio >= want else 'FAIL'})")
+    for name in (n for n in SAME_HOST if n in results and 128 in raw1):   # the CI target, where no GPU is
+        ratio = min(results[name]["h2d_pinned_128MiB_GBps"], results[name]["d2h_pinned_128MiB_GBps"]) / raw1[128]
+        print(f"target: {name} pinned 128 MiB >= 2x raw single-stream TCP: {ratio:.2f}x "
+              f"({'PASS' if ratio >= 2 else 'FAIL'})")
     target = results.get("ucx-shm", {}).get("h2d_pinned_128MiB_GBps")
     if target is not None and 128 in raw1:
         ratio = min(results["ucx-shm"]["h2d_pinned_128MiB_GBps"], results["ucx-shm"]["d2h_pinned_128MiB_GBps"]) / raw1[128]

@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
     from rgpu import tokens
     from rgpu.model import GpuInfo
+    from rgpu.remoting.client.flexrun import library_env
     from rgpu.remoting.native import build
 
     bench = _remoting_bench()
@@ -108,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                     job_key=f"nccl-bench-{r}", slice_number=0, server=address, gpu_uuid=gpu.uuid, gpu_index=gpu.index,
                     memory_limit_bytes=gpu.total_memory_bytes, compute_percent=100, expires_unix=0,
                     issued_unix=time.time()))
-                envs.append(dict(base, LD_LIBRARY_PATH=f"{libs.folder}:{base.get('LD_LIBRARY_PATH', '')}",
-                                 RGPU_SLICES=f"{address},{token}"))
+                envs.append(dict(base, **library_env(libs.folder, base), RGPU_SLICES=f"{address},{token}"))
             results["rgpu"] = run_ranks(program, envs, args.mib, args.iters, folder)
         finally:
             for server in servers:

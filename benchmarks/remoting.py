@@ -155,7 +155,7 @@ def start_session_server(gpu, secret: bytes, backend: str = "cuda"):  # type: ig
 
 def slice_env(base: dict[str, str], libs_folder: object, secret: bytes, address: str, gpu, job_key: str,  # type: ignore[no-untyped-def]
               memory_limit_bytes: int = 0, compute_percent: int = 100) -> dict[str, str]:
-    """`base` with rgpu's client library first on LD_LIBRARY_PATH and one slice of `gpu` served at
+    """`base` with rgpu's client libraries first on LD_LIBRARY_PATH (libnccl.so.2 preloaded, as flexrun does) and one slice of `gpu` served at
     `address` (the whole GPU unless `memory_limit_bytes` says less), its token signed with `secret`
     and never expiring: how the benchmarks run a program through rgpu without a pool."""
     from rgpu import tokens
@@ -163,8 +163,8 @@ def slice_env(base: dict[str, str], libs_folder: object, secret: bytes, address:
         job_key=job_key, slice_number=0, server=address, gpu_uuid=gpu.uuid, gpu_index=0,
         memory_limit_bytes=memory_limit_bytes or gpu.total_memory_bytes, compute_percent=compute_percent,
         expires_unix=0, issued_unix=time.time()))
-    return dict(base, LD_LIBRARY_PATH=f"{libs_folder}:{base.get('LD_LIBRARY_PATH', '')}",
-                RGPU_SLICES=f"{address},{token}")
+    from rgpu.remoting.client.flexrun import library_env
+    return dict(base, **library_env(Path(str(libs_folder)), base), RGPU_SLICES=f"{address},{token}")
 
 
 def local_gpu():  # type: ignore[no-untyped-def]

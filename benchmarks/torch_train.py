@@ -163,7 +163,8 @@ def _resnet18(feed: str) -> tuple[Any, int]:
     return step, 64
 
 
-def _gpt2() -> tuple[Any, int]:
+def gpt2_model() -> Any:
+    """A GPT-2-small-shaped decoder (12 layers, d 768, 12 heads, vocabulary 50257, context 1024), on the CPU."""
     import torch
     import torch.nn.functional as F
 
@@ -198,7 +199,14 @@ def _gpt2() -> tuple[Any, int]:
                 x = blk(x)
             return self.head(self.ln(x))
 
-    model = GPT().cuda()
+    return GPT()
+
+
+def _gpt2() -> tuple[Any, int]:
+    import torch
+    import torch.nn.functional as F
+
+    model = gpt2_model().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     idx = torch.randint(0, 50257, (8, 1024), device="cuda")
 

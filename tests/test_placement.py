@@ -88,6 +88,18 @@ def test_job_prefers_one_server_and_spans_servers_only_when_needed() -> None:
     assert len({p.gpu.server for p in placed}) == 2
 
 
+def test_a_same_node_job_goes_on_one_server_or_is_refused_saying_so() -> None:
+    slots = gpus(3, 4)
+    placed = place(slots, SliceRequest(count=4, percent=100, same_node=True))
+    assert len({p.gpu.server for p in placed}) == 1
+    with pytest.raises(CapacityError) as refused:
+        place(slots, SliceRequest(count=6, percent=100, same_node=True))   # spreads without same_node (above)
+    assert str(refused.value) == (
+        "rgpu: pool: cannot place 6 slice(s) of fraction 1 (same node) on one GPU server (12 GPU(s) can take one "
+        "now, at most 4 of them on one server; wait for capacity, ask for fewer or smaller slices, or ask without "
+        "--same-node so the slices may spread over several GPU servers)")
+
+
 def test_never_places_on_ineligible_servers() -> None:
     slots = [replace(g, eligible=g.server.startswith("10.0.0.1")) for g in gpus(2, 2)]
     placed = place(slots, SliceRequest(count=2, percent=100))

@@ -49,6 +49,7 @@ requests = st.builds(
     server=st.sampled_from(["", "", "", "", "gpu1", "10.0.1.1:55001", "10.0.0.3:55001", "nowhere"]),
     min_memory_bytes=st.sampled_from([0, 0, 0, 60 * GiB]),
     isolation=st.sampled_from(["", "", "strict"]),
+    same_node=st.sampled_from([False, False, True]),
 ).map(lambda r: replace(r, memory_bytes=None) if r.percent is not None else r)
 
 

@@ -17,6 +17,12 @@ How big, with -n or -l (one of them; default a whole GPU):
   -m SIZE     GPU memory per slice, e.g. 8G or 512M (binary units)
   --isolation strict   only GPUs shared isolated or exclusive, where another job's GPU fault
               cannot end this one's work (with -n or -l)
+  --same-node with -n: every slice on one GPU server (NCCL's collectives between them stay on the
+              node's NVLink or PCIe), else refused as no capacity
+  --per-task  this task gets only its own slice of the job's slices on this node, number SLURM_LOCALID
+              (its index on the node), as CUDA device 0: `srun -n N flexrun --per-task -- app` for
+              programs that each use device 0. Without it every task sees every slice, which is what
+              `flexrun -- torchrun --nproc_per_node N` and programs that pick device LOCAL_RANK need.
 Everything after `--`, or from the first word that is not an option, is the application's
 command line, passed on untouched.
 
@@ -26,7 +32,8 @@ a refused token, an unreachable server, or the node prolog's recorded error is o
 stderr and a non-zero exit, not a CUDA error deep inside the application. The data lanes' keys of
 rgpu.toml (lanes, lane_min_bytes, lane_chunk_bytes, socket_buffer_bytes) reach the application as
 RGPU_LANES, ... unless its environment sets them. Then it puts rgpu's
-libcuda.so.1, libnvidia-ml.so.1 and libnccl.so.2 first on LD_LIBRARY_PATH, passes the slices in RGPU_SLICES
+libcuda.so.1, libnvidia-ml.so.1 and libnccl.so.2 first on LD_LIBRARY_PATH, preloads its libnccl.so.2
+(LD_PRELOAD: PyTorch finds NCCL through an RPATH, which LD_LIBRARY_PATH does not override), passes the slices in RGPU_SLICES
 ("host:port,token;..."), and runs the application: stdin, stdout, stderr, signals and the exit
 status pass through (with an adaptor.conf flexrun replaces itself with the application).
 `flexrun -- nvidia-smi ...` runs NVIDIA's nvidia-smi on rgpu's NVML where it is installed, and
@@ -128,7 +135,7 @@ class Lease:
     SIGKILL stops renewing, and the pool reclaims its lease within one TTL."""
 
     def __init__(self, count: int, size: SliceSize, servers: list[str], isolation: str = "",
-                 local: bool = False) -> None:
+                 local: bool = False, same_node: bool = False) -> None:
         from rgpu.config import load_settings
         from rgpu.remoting.pool.client import connect
 
@@ -141,6 +148,7 @@ class Lease:
         self.client = connect(settings, user=True)
         self.user = getpass.getuser()
         self.isolation = isolation
+        self.same_node = same_node
         base = f"flexrun-{socket.gethostname().split('.')[0]}-{os.getpid()}-{pysecrets.token_hex(3)}"
         self.keys: list[str] = []
         self.slices: list[Slice] = []
@@ -164,7 +172,8 @@ class Lease:
         from rgpu.remoting.pool.client import explain_capacity
         try:
             lease = self.client.allocate(key, self.user, count, percent=size.percent, memory_bytes=size.memory_bytes,
-                                         server=server, ttl_seconds=self.ttl, isolation=self.isolation)
+                                         server=server, ttl_seconds=self.ttl, isolation=self.isolation,
+                                         same_node=self.same_node)
         except CapacityError as exc:
             raise explain_capacity(self.client, exc, self.isolation, TOOL) from None
         self.keys.append(key)
@@ -228,6 +237,40 @@ def probe_all(slices: list[Slice], timeout: float) -> None:
             fut.result()
 
 
+def library_env(libdir: Path, env: dict[str, str] | os._Environ = os.environ) -> dict[str, str]:
+    """LD_LIBRARY_PATH and LD_PRELOAD that make an application load rgpu's libraries from `libdir`.
+
+    rgpu's folder goes first on LD_LIBRARY_PATH (libcuda.so.1, libnvidia-ml.so.1, libnccl.so.2). That
+    is not enough for NCCL: PyTorch's libtorch_cuda.so finds libnccl.so.2 through a DT_RPATH
+    ($ORIGIN/../../nvidia/nccl/lib), and the loader searches an RPATH before LD_LIBRARY_PATH, so PyTorch
+    would load NVIDIA's NCCL, which cannot run on rgpu's driver. So rgpu's libnccl.so.2 is also preloaded
+    (in front of any LD_PRELOAD already set): a soname already loaded satisfies every later NEEDED entry
+    for it, whatever the RPATH says. It is cheap to preload into every process of a job: it has no
+    constructor and needs nothing beyond libc (it finds libcuda only when an NCCL call comes)."""
+    old = env.get("LD_LIBRARY_PATH", "")
+    nccl = str(Path(libdir) / "libnccl.so.2")
+    # LD_PRELOAD takes spaces or colons between entries; a nested flexrun keeps one copy.
+    preload = [p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p != nccl]
+    return {"LD_LIBRARY_PATH": str(libdir) + (os.pathsep + old if old else ""),
+            "LD_PRELOAD": " ".join([nccl, *preload])}
+
+
+def task_slice(slices: list[Slice], env: dict[str, str] | os._Environ = os.environ) -> list[Slice]:
+    """--per-task: the one slice of this task, number SLURM_LOCALID (the task's index on this node; the
+    node's adaptor.conf lists this node's slices). Pure; raises InvalidRequest."""
+    local_id = env.get("SLURM_LOCALID", "")
+    if not local_id.isdigit():
+        raise InvalidRequest(TOOL, "--per-task needs SLURM_LOCALID", "it picks this task's slice by the task's index "
+                             "on its node, which srun sets", "run it as `srun -n N flexrun --per-task -- app`")
+    index = int(local_id)
+    if index >= len(slices):
+        raise InvalidRequest(TOOL, f"task {index} on this node has no slice of its own (--per-task)",
+                             f"the job has {len(slices)} slice{'s' if len(slices) != 1 else ''} on this node",
+                             "ask for as many slices as tasks per node (--gres=rgpu:N with --ntasks-per-node=N), or "
+                             "run without --per-task so every task sees every slice and picks one (LOCAL_RANK)")
+    return [slices[index]]
+
+
 def build_env(slices: list[Slice], libdir: Path, env: dict[str, str] | os._Environ = os.environ,
               settings_env: dict[str, str] | None = None, same_host: bool = False) -> dict[str, str]:
     """The application's environment: rgpu's libraries first, its slices, `settings_env` (rgpu.toml's
@@ -235,8 +278,7 @@ def build_env(slices: list[Slice], libdir: Path, env: dict[str, str] | os._Envir
     for `flexrun local` (the client library then says at the default log level when a copy path is
     not the same-host one)."""
     out = dict(env)
-    old = out.get("LD_LIBRARY_PATH", "")
-    out["LD_LIBRARY_PATH"] = str(libdir) + (os.pathsep + old if old else "")
+    out.update(library_env(libdir, env))
     out["RGPU_SLICES"] = ";".join(f"{s.server},{s.token}" for s in slices)
     for name, value in (settings_env or {}).items():
         out.setdefault(name, value)
@@ -255,6 +297,8 @@ class Options:
     isolation: str = ""                # "strict": only GPUs shared isolated or exclusive (--isolation strict)
     probe_timeout: float = 15.0
     local: bool = False                # `flexrun local`: slices of this node's own GPUs
+    per_task: bool = False             # --per-task: only slice SLURM_LOCALID of the job's slices
+    same_node: bool = False            # --same-node: every slice of -n N on one GPU server
 
 
 def _bad_usage(what: str, why: str = "") -> InvalidRequest:
@@ -263,7 +307,8 @@ def _bad_usage(what: str, why: str = "") -> InvalidRequest:
 
 def make_options(command: Sequence[str], adaptor_conf: str | None = None, server_list: str | None = None,
                  num_gpus: int | None = None, partial: str | None = None, memory: str | None = None,
-                 probe_timeout: float = 15.0, isolation: str | None = None, local: bool = False) -> Options:
+                 probe_timeout: float = 15.0, isolation: str | None = None, local: bool = False,
+                 per_task: bool = False, same_node: bool = False) -> Options:
     """Options from the command line's values, checked together (pure; raises InvalidRequest)."""
     if local and (adaptor_conf is not None or server_list is not None):
         raise _bad_usage(f"flexrun local cannot be used with {'-f' if adaptor_conf is not None else '-l'}",
@@ -278,6 +323,11 @@ def make_options(command: Sequence[str], adaptor_conf: str | None = None, server
         raise _bad_usage("--isolation cannot be used with -f", "the adaptor.conf's slices are already placed")
     if isolation is not None and isolation != "strict":
         raise _bad_usage(f"--isolation {isolation[:40]!r} is unknown", "the one level is strict")
+    if per_task and (local or num_gpus is not None or server_list is not None):
+        raise _bad_usage("--per-task takes the task's slice of the job's slices (an adaptor.conf)",
+                         "with -n, -l or local each task asks the pool for its own slices already")
+    if same_node and num_gpus is None:
+        raise _bad_usage("--same-node goes with -n N", "it asks the pool to put the N slices on one GPU server")
     if num_gpus is not None and num_gpus < 1:
         raise _bad_usage(f"-n {num_gpus} asks for no GPU", "-n must be at least 1")
     # The one slice-size grammar (rgpu.slice_size): the sizes Slurm's gate takes, refused with its words.
@@ -286,7 +336,8 @@ def make_options(command: Sequence[str], adaptor_conf: str | None = None, server
         raise _bad_usage("no application given", f"write {TOOL} [options] -- app [args...]")
     return Options(command=list(command), adaptor_conf=adaptor_conf, server_list=server_list,
                    num_gpus=num_gpus if num_gpus is not None or not local else 1, size=size,
-                   isolation=isolation or "", probe_timeout=probe_timeout, local=local)
+                   isolation=isolation or "", probe_timeout=probe_timeout, local=local, per_task=per_task,
+                   same_node=same_node)
 
 
 _CONTEXT = {"help_option_names": ["-h", "--help"],
@@ -305,17 +356,22 @@ _CONTEXT = {"help_option_names": ["-h", "--help"],
 @click.option("--isolation", metavar="strict",
               help="With -n/-l: only GPUs where no other job's GPU fault can end this one's work "
                    "(shared isolated or exclusive).")
+@click.option("--same-node", is_flag=True,
+              help="With -n N: every slice on one GPU server (NCCL stays on its NVLink or PCIe), else no capacity.")
+@click.option("--per-task", is_flag=True,
+              help="Only this task's own slice, number SLURM_LOCALID of the job's slices on this node, as "
+                   "device 0 (srun -n N flexrun --per-task -- app). Default: every slice.")
 @click.option("--probe-timeout", type=float, default=15.0, hidden=True)
 @click.option("--local", "local", is_flag=True, hidden=True)   # `flexrun local ...` (main() spells it so)
 @click.version_option(__version__, prog_name=TOOL)
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 def cli(command: tuple[str, ...], adaptor_conf: str | None, server_list: str | None, num_gpus: int | None,
         partial: str | None, memory: str | None, isolation: str | None, probe_timeout: float,
-        local: bool) -> int:
+        local: bool, per_task: bool, same_node: bool) -> int:
     """The command line, parsed by click; `run` does the work."""
     try:
         options = make_options(command, adaptor_conf, server_list, num_gpus, partial, memory, probe_timeout,
-                               isolation, local)
+                               isolation, local, per_task, same_node)
     except RgpuError as exc:
         click.echo(str(exc), err=True)
         return exc.exit_code
@@ -397,13 +453,15 @@ def run(args: Options) -> int:
             servers = [s.strip() for s in (args.server_list or "").split(";") if s.strip()]
             if args.server_list and not servers:
                 raise InvalidRequest("flexrun", "empty server list", "", 'use -l "host:port;host:port"')
-            lease = Lease(args.num_gpus or len(servers), args.size, servers, args.isolation)
+            lease = Lease(args.num_gpus or len(servers), args.size, servers, args.isolation, same_node=args.same_node)
             slices = lease.slices
         else:
             slices = slices_from_conf(find_adaptor_conf())
         if not slices:
             raise ConfigError("flexrun", "no GPU slices for this run", "the slice list is empty",
                               "ask for GPUs (sbatch --gres=rgpu:N, or flexrun -n N)")
+        if args.per_task:
+            slices = task_slice(slices)
         probe_all(slices, args.probe_timeout)
         libs = client_libraries()
         env = build_env(slices, libs.folder, settings_env=settings_env, same_host=args.local)

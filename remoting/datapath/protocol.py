@@ -53,7 +53,7 @@ from rgpu.netaddr import split_host_port
 
 # The data path's protocol version. It is also recorded in spec/cuda.spec: a spec change that
 # alters the wire format must bump both (tests/remoting/test_generator.py checks the pairing).
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 15
 MAGIC = b"RGPU"
 
 HEADER = struct.Struct("<IHHIIQ")
@@ -107,6 +107,19 @@ REPLY_HAS_MESSAGE = 1  # payload: i32 result, u32 len, message, outputs
 # A UCX copy's control frame (rgpuMemcpyHtoDUcx / rgpuMemcpyDtoHUcx): device address, stream, size
 # (the layout of cuMemcpyHtoDAsync_v2's, without the bytes).
 UCX_COPY = struct.Struct("<QQQ")
+# Protocol 15: a UCX copy's bytes go as messages of UCX_CHUNK_BYTES (the last one shorter), chunk i
+# tagged seq | i << 32, so the worker moves each chunk over PCIe while the next one arrives.
+UCX_CHUNK_BYTES = 4 << 20
+
+
+def ucx_chunks(size: int) -> list[tuple[int, int, int]]:
+    """(index, offset, length) of each message of a UCX copy of `size` bytes."""
+    return [(i, at, min(UCX_CHUNK_BYTES, size - at)) for i, at in enumerate(range(0, size, UCX_CHUNK_BYTES))]
+
+
+def ucx_tag(seq: int, index: int) -> int:
+    """The UCX tag of chunk `index` of the copy whose frame has `seq`."""
+    return seq | index << 32
 # A striped copy's control frame (rgpuMemcpyHtoDLanes): device address, stream, size, chunk size.
 LANES_COPY = struct.Struct("<QQQQ")
 MAX_LANES = 16

@@ -95,6 +95,9 @@ def worker_environment(base: os._Environ[str] | dict[str, str]) -> dict[str, str
         kept = [p for p in env["LD_LIBRARY_PATH"].split(os.pathsep)
                 if p and not os.path.exists(os.path.join(p, "rgpu-native.stamp"))]
         env["LD_LIBRARY_PATH"] = os.pathsep.join(kept)
+    if env.get("LD_PRELOAD"):   # flexrun preloads rgpu's libnccl.so.2; the worker loads NVIDIA's
+        env["LD_PRELOAD"] = " ".join(p for p in env["LD_PRELOAD"].replace(":", " ").split()
+                                     if not os.path.exists(os.path.join(os.path.dirname(p), "rgpu-native.stamp")))
     return env
 
 

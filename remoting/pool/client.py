@@ -194,14 +194,14 @@ class PoolClient:
     def allocate(self, job_key: str, user: str, count: int, *, percent: int = 0,
                  memory_bytes: int = 0, account: str = "", ttl_seconds: float = 0.0,
                  gpu_model: str = "", server: str = "", min_memory_bytes: int = 0,
-                 isolation: str = "") -> pb.Lease:
+                 isolation: str = "", same_node: bool = False) -> pb.Lease:
         """Lease `count` slices of `percent` of a GPU or of `memory_bytes` each (exactly one is
-        non-zero; rgpu.slice_size.SliceSize carries them)."""
+        non-zero; rgpu.slice_size.SliceSize carries them); `same_node`: all on one GPU server."""
         size = {"memory_bytes": memory_bytes} if memory_bytes else {"percent": percent}
         return self._call("Allocate", pb.AllocateRequest(
             job_key=job_key, user=user, account=account, count=count, **size,
             ttl_seconds=ttl_seconds, gpu_model=gpu_model, server=server,
-            min_memory_bytes=min_memory_bytes, isolation=isolation))
+            min_memory_bytes=min_memory_bytes, isolation=isolation, same_node=same_node))
 
     def renew(self, job_key: str, ttl_seconds: float) -> pb.Lease:
         return self._call("Renew", pb.RenewRequest(job_key=job_key, ttl_seconds=ttl_seconds))

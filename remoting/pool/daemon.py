@@ -259,7 +259,8 @@ class PoolServicer(pb_grpc.PoolServicer):
                 job_key=request.job_key, user=user, account=account, count=request.count,
                 percent=percent, memory_bytes=memory_bytes,
                 ttl_seconds=request.ttl_seconds, gpu_model=request.gpu_model, server=request.server,
-                min_memory_bytes=request.min_memory_bytes, isolation=request.isolation))
+                min_memory_bytes=request.min_memory_bytes, isolation=request.isolation,
+                same_node=request.same_node))
         except Exception as exc:
             self.metrics.refusals.labels(refusal_reason(exc)).inc()
             raise

@@ -5,7 +5,8 @@ Rules, all enforced here:
 - a GPU never holds more than 100% compute or more than its usable memory;
 - only GPUs of servers that are up and not drained are candidates;
 - a job's slices prefer one server; only when no single server can hold them all do they spread
-  over several, using as few servers as possible;
+  over several, using as few servers as possible (never with `same_node`: NCCL's collectives between
+  slices of one node stay on NVLink or PCIe);
 - a GPU shared `exclusive` takes whole-GPU slices only (100% compute); a request with
   isolation "strict" goes only on GPUs shared `isolated` or `exclusive` (never `mps`, where one
   tenant's fault ends the others' work);
@@ -59,6 +60,7 @@ class SliceRequest:
     server: str = ""                      # dispatcher address or hostname
     min_memory_bytes: int = 0
     isolation: str = ""                   # "strict": only GPUs shared isolated or exclusive
+    same_node: bool = False               # every slice on one server (pack=node, flexrun --same-node)
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,12 @@ def place(gpus: Iterable[GpuSlot], request: SliceRequest, policy: str = "binpack
     if single:
         best = min(single, key=lambda s: (sign * server_free[s], s))
         chosen = sorted(by_server[best], key=lambda c: order(c[0]))[: request.count]
+    elif request.same_node:
+        most = max((len(c) for c in by_server.values()), default=0)
+        raise CapacityError("pool", f"cannot place {request.count} slice(s) of {_describe(request)} on one GPU server",
+                            f"{fitting} GPU(s) can take one now, at most {most} of them on one server",
+                            "wait for capacity, ask for fewer or smaller slices, or ask without --same-node so "
+                            "the slices may spread over several GPU servers")
     else:
         # Several servers: those with most candidates first, so the job touches few servers.
         chosen = []
@@ -173,6 +181,7 @@ def _describe(request: SliceRequest) -> str:
     filters += [f"server={request.server}"] if request.server else []
     filters += [f"min memory {request.min_memory_bytes / 2**30:.1f} GiB"] if request.min_memory_bytes else []
     filters += [f"isolation={request.isolation}"] if request.isolation else []
+    filters += ["same node"] if request.same_node else []
     return size + (f" ({', '.join(filters)})" if filters else "")
 
 

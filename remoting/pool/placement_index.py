@@ -117,6 +117,8 @@ class PlacementIndex:
                     best = (address, fit)
             if best is not None:
                 return self._placed(best[0], best[1].candidates[: request.count])
+        if request.same_node:
+            return None   # one server or none: the reference says so
         # Several servers: most candidates first, then fullest (binpack) or emptiest (spread), then address.
         by_key: dict[tuple[int, int], list[_Group]] = {}
         fit_of: dict[int, _Fit] = {}

@@ -94,7 +94,8 @@ class LeaseRules(CoreParts):
             else:
                 request = SliceRequest(count=req.count, percent=req.percent, memory_bytes=req.memory_bytes,
                                        gpu_model=req.gpu_model, server=req.server,
-                                       min_memory_bytes=req.min_memory_bytes, isolation=req.isolation)
+                                       min_memory_bytes=req.min_memory_bytes, isolation=req.isolation,
+                                       same_node=req.same_node)
                 placed = self._index.place(request, self.placement,
                                            lambda address: self.state_of(self.servers[address], now) == "up")
                 if placed is None:  # no room: the reference over every GPU says what is free

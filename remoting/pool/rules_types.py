@@ -60,6 +60,7 @@ class AllocationRequest:
     server: str = ""
     min_memory_bytes: int = 0
     isolation: str = ""            # "strict": only GPUs shared "isolated" or "exclusive"
+    same_node: bool = False        # every slice on one GPU server, else CapacityError
 
 
 @dataclass(frozen=True)

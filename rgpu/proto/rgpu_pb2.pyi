@@ -217,7 +217,7 @@ class Lease(_message.Message):
     def __init__(self, job_key: _Optional[str] = ..., user: _Optional[str] = ..., account: _Optional[str] = ..., slices: _Optional[_Iterable[_Union[Slice, _Mapping]]] = ..., created_unix: _Optional[float] = ..., expires_unix: _Optional[float] = ..., server_down: _Optional[bool] = ..., units: _Optional[int] = ..., idle_since_unix: _Optional[float] = ..., idle: _Optional[bool] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("job_key", "user", "account", "count", "percent", "memory_bytes", "fraction", "ttl_seconds", "gpu_model", "server", "min_memory_bytes", "isolation")
+    __slots__ = ("job_key", "user", "account", "count", "percent", "memory_bytes", "fraction", "ttl_seconds", "gpu_model", "server", "min_memory_bytes", "isolation", "same_node")
     JOB_KEY_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
     ACCOUNT_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class AllocateRequest(_message.Message):
     SERVER_FIELD_NUMBER: _ClassVar[int]
     MIN_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     ISOLATION_FIELD_NUMBER: _ClassVar[int]
+    SAME_NODE_FIELD_NUMBER: _ClassVar[int]
     job_key: str
     user: str
     account: str
@@ -242,7 +243,8 @@ class AllocateRequest(_message.Message):
     server: str
     min_memory_bytes: int
     isolation: str
-    def __init__(self, job_key: _Optional[str] = ..., user: _Optional[str] = ..., account: _Optional[str] = ..., count: _Optional[int] = ..., percent: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., fraction: _Optional[float] = ..., ttl_seconds: _Optional[float] = ..., gpu_model: _Optional[str] = ..., server: _Optional[str] = ..., min_memory_bytes: _Optional[int] = ..., isolation: _Optional[str] = ...) -> None: ...
+    same_node: bool
+    def __init__(self, job_key: _Optional[str] = ..., user: _Optional[str] = ..., account: _Optional[str] = ..., count: _Optional[int] = ..., percent: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., fraction: _Optional[float] = ..., ttl_seconds: _Optional[float] = ..., gpu_model: _Optional[str] = ..., server: _Optional[str] = ..., min_memory_bytes: _Optional[int] = ..., isolation: _Optional[str] = ..., same_node: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("job_key",)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from rgpu.live_leases import LiveLeases
-from rgpu.remoting.native import build
+from rgpu.remoting.native import build, client_stats
 from rgpu.remoting.dispatcher.admission import SessionCaps
 from rgpu.remoting.dispatcher.sessions import SessionServer
 
@@ -206,3 +206,11 @@ def gpu_server() -> Iterator[Server]:
         yield Server(server, address, [gpu])
     finally:
         server.stop()
+
+
+def calls_between(folder: Path, first: str, last: str) -> dict[str, client_stats.OpProfile]:
+    """The client's calls between two of its snapshots (ctcuda.snapshot) in `folder`, by name."""
+    (a,) = folder.glob(f"*.{first}")
+    (b,) = folder.glob(f"*.{last}")
+    between = client_stats.subtract(client_stats.parse(b.read_text())[0], client_stats.parse(a.read_text())[0])
+    return {p.name: p for p in between.values()}

@@ -99,3 +99,10 @@ def resource_desc(kind: int, words: bytes) -> ctypes.Array:
     """A CUDA_RESOURCE_DESC (144 bytes): resType, then the union's bytes at offset 8, flags 0."""
     import struct
     return ctypes.create_string_buffer(struct.pack("<i4x", kind) + words.ljust(128, b"\0") + bytes(8), 144)
+
+
+def snapshot(label: bytes) -> None:
+    """Write the client's call profile so far as RGPU_CLIENT_STATS.<pid>.<label> (a no-op without it)."""
+    write = ctypes.c_void_p()
+    check("cuGetProcAddress_v2", b"rgpuClientStatsWrite", ctypes.byref(write), 12000, ctypes.c_uint64(0), None)
+    ctypes.CFUNCTYPE(None, ctypes.c_char_p)(write.value)(label)

@@ -4,9 +4,12 @@
  * and libnccl.so.2.
  *
  *   nccl_ranks rank RANK NRANKS IDFILE COUNT OUT    one rank; rank 0 writes the unique id to IDFILE
- *   nccl_ranks all NDEV COUNT OUT                   every slice of this process (OUT.0, OUT.1, ...)
+ *   nccl_ranks all NDEV COUNT OUT                   every slice of this process (OUT.0, OUT.1, ...); then
+ *                                                   every communicator split in one group by d % 2 and
+ *                                                   an all-reduce sum on each half (float32, COUNT, appended)
  *   nccl_ranks die RANK NRANKS IDFILE GOFILE        an all-reduce, "READY", then (after GOFILE appears)
  *                                                   another all-reduce and a synchronize
+ *   nccl_ranks more RANK NRANKS IDFILE COUNT OUT    what PyTorch's ProcessGroupNCCL adds (see more() below)
  *
  * Inputs: rank r's element i is (r + 1) * (i % 7 + 1) (float32), or r * 1000 + i (int32, int64).
  * OUT holds, in order: all-reduce sum (float32, COUNT), all-reduce max (int32, COUNT), broadcast
@@ -117,7 +120,8 @@ static void read_id(const char *path, ncclUniqueId *id) {
     fclose(f);
 }
 
-static ncclComm_t init_rank(int rank, int nranks, const char *idfile) {
+/* Rank 0 makes the unique id and writes it to IDFILE; the others read it from there. */
+static ncclUniqueId shared_id(int rank, const char *idfile) {
     ncclUniqueId id;
     if (rank == 0) {
         NC(ncclGetUniqueId(&id));
@@ -125,21 +129,29 @@ static ncclComm_t init_rank(int rank, int nranks, const char *idfile) {
     } else {
         read_id(idfile, &id);
     }
+    return id;
+}
+
+static ncclComm_t init_rank(int rank, int nranks, const char *idfile, int ordinal) {
+    ncclUniqueId id = shared_id(rank, idfile);
     ncclComm_t comm;
     NC(ncclCommInitRank(&comm, nranks, id, rank));
     int n = -1, r = -1, dev = -1;
     NC(ncclCommCount(comm, &n)); NC(ncclCommUserRank(comm, &r)); NC(ncclCommCuDevice(comm, &dev));
-    if (n != nranks || r != rank || dev != 0) { fprintf(stderr, "comm says %d ranks, rank %d, device %d\n", n, r, dev); exit(5); }
+    if (n != nranks || r != rank || dev != ordinal) { fprintf(stderr, "comm says %d ranks, rank %d, device %d\n", n, r, dev); exit(5); }
     return comm;
 }
 
+/* Device LOCAL_RANK where it is set (every rank sees every slice and picks its own, as PyTorch under
+ * torchrun), else device 0 (each rank sees only its own slice). */
 static int one_rank(int rank, int nranks, const char *idfile, size_t count, const char *outpath) {
     CUdevice dev;
     rank_bufs b;
-    CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuDevicePrimaryCtxRetain(&b.ctx, dev)); CU(cuCtxSetCurrent(b.ctx));
+    int ordinal = getenv("LOCAL_RANK") ? atoi(getenv("LOCAL_RANK")) : 0;
+    CU(cuInit(0)); CU(cuDeviceGet(&dev, ordinal)); CU(cuDevicePrimaryCtxRetain(&b.ctx, dev)); CU(cuCtxSetCurrent(b.ctx));
     alloc_bufs(nranks, count, &b);
     fill(rank, nranks, count, &b);
-    ncclComm_t comm = init_rank(rank, nranks, idfile);
+    ncclComm_t comm = init_rank(rank, nranks, idfile, ordinal);
     FILE *out = fopen(outpath, "wb");
     for (int step = 0; step < 8; step++) {
         if (step == 6) NC(ncclGroupStart());
@@ -188,8 +200,27 @@ static int all_in_one(int ndev, size_t count, const char *outprefix) {
             save_step(out[d], d, ndev, count, &b[d], step);
         }
     }
+    /* Split every slice's communicator in one group (by color d % 2, key d), then all-reduce on the halves. */
+    ncclComm_t subs[MAXDEV];
+    NC(ncclGroupStart());
+    for (int d = 0; d < ndev; d++) NC(ncclCommSplit(comms[d], d % 2, d, &subs[d], NULL));
+    NC(ncclGroupEnd());
+    NC(ncclGroupStart());
     for (int d = 0; d < ndev; d++) {
+        int n = -1, me = -1;
+        NC(ncclCommCount(subs[d], &n)); NC(ncclCommUserRank(subs[d], &me));
+        if (n != (ndev + 1 - d % 2) / 2 || me != d / 2) { fprintf(stderr, "split %d: rank %d of %d\n", d, me, n); return 5; }
+        CU(cuCtxSetCurrent(b[d].ctx));
+        NC(ncclAllReduce((void *)(uintptr_t)b[d].f_in, (void *)(uintptr_t)b[d].f_out, count, ncclFloat32, ncclSum, subs[d],
+                         (cudaStream_t)b[d].stream));
+    }
+    NC(ncclGroupEnd());
+    for (int d = 0; d < ndev; d++) {
+        CU(cuCtxSetCurrent(b[d].ctx));
+        CU(cuStreamSynchronize(b[d].stream));
+        save(out[d], b[d].f_out, count * 4);
         fclose(out[d]);
+        NC(ncclCommDestroy(subs[d]));
         NC(ncclCommDestroy(comms[d]));
     }
     printf("OK\n");
@@ -203,7 +234,7 @@ static int die(int rank, int nranks, const char *idfile, const char *gofile) {
     CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuDevicePrimaryCtxRetain(&b.ctx, dev)); CU(cuCtxSetCurrent(b.ctx));
     alloc_bufs(nranks, count, &b);
     fill(rank, nranks, count, &b);
-    ncclComm_t comm = init_rank(rank, nranks, idfile);
+    ncclComm_t comm = init_rank(rank, nranks, idfile, 0);
     collectives(comm, rank, nranks, count, &b, 0);
     CU(cuStreamSynchronize(b.stream));
     printf("READY\n");
@@ -219,11 +250,86 @@ static int die(int rank, int nranks, const char *idfile, const char *gofile) {
     return cr != CUDA_SUCCESS || nr != ncclSuccess ? 7 : 0;
 }
 
+/* A non-blocking communicator (ncclCommInitRankConfig, blocking = 0, polled with ncclCommGetAsyncError),
+ * then, in OUT: all-reduce with a PreMulSum of 0.5 held by the host (float32, COUNT), with a PreMulSum of
+ * 0.25 in device memory (float64, COUNT), all-to-all (float32, NRANKS*COUNT), all-reduce sum over a split
+ * by color rank % 2 and key NRANKS - rank (float32, COUNT; a blocking config), all-reduce max over a split
+ * where rank 0 has no color (int32, COUNT; not rank 0's; no config: non-blocking as its parent). Prints "split I of N" (the first split's rank and size), then "OK".
+ * Every communicator is finalized, then destroyed. */
+static int more(int rank, int nranks, const char *idfile, size_t count, const char *outpath) {
+    CUdevice dev;
+    rank_bufs b;
+    CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuDevicePrimaryCtxRetain(&b.ctx, dev)); CU(cuCtxSetCurrent(b.ctx));
+    alloc_bufs(nranks, count, &b);
+    fill(rank, nranks, count, &b);
+    ncclUniqueId id = shared_id(rank, idfile);
+    ncclConfig_t cfg = {sizeof cfg, 0xcafebeef, NCCL_VERSION_CODE, 0, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT,
+                        NCCL_CONFIG_UNDEF_INT, NULL, NCCL_CONFIG_UNDEF_INT};
+    ncclComm_t comm;
+    ncclResult_t r = ncclCommInitRankConfig(&comm, nranks, id, rank, &cfg);
+    if (r != ncclSuccess && r != ncclInProgress) NC(r);
+    ncclResult_t state = ncclInProgress;
+    while (state == ncclInProgress) {
+        NC(ncclCommGetAsyncError(comm, &state));
+        if (state == ncclInProgress) usleep(1000);
+    }
+    NC(state);
+    int n = -1, me = -1;
+    NC(ncclCommCount(comm, &n)); NC(ncclCommUserRank(comm, &me));
+    if (n != nranks || me != rank) { fprintf(stderr, "non-blocking comm says %d ranks, rank %d\n", n, me); return 5; }
+    cudaStream_t s = (cudaStream_t)b.stream;
+    FILE *out = fopen(outpath, "wb");
+
+    ncclRedOp_t half, quarter;
+    float h = 0.5f;
+    double q = 0.25;
+    CUdeviceptr qdev;
+    CU(cuMemAlloc(&qdev, sizeof q)); CU(cuMemcpyHtoD(qdev, &q, sizeof q));
+    NC(ncclRedOpCreatePreMulSum(&half, &h, ncclFloat32, ncclScalarHostImmediate, comm));
+    h = 8.0f;   /* host-immediate: read at creation, not at use */
+    NC(ncclRedOpCreatePreMulSum(&quarter, (void *)(uintptr_t)qdev, ncclFloat64, ncclScalarDevice, comm));
+    NC(ncclAllReduce((void *)(uintptr_t)b.f_in, (void *)(uintptr_t)b.f_out, count, ncclFloat32, half, comm, s));
+    CU(cuStreamSynchronize(b.stream)); save(out, b.f_out, count * 4);
+    NC(ncclAllReduce((void *)(uintptr_t)b.d_io, (void *)(uintptr_t)b.d_io, count, ncclFloat64, quarter, comm, s));
+    CU(cuStreamSynchronize(b.stream)); save(out, b.d_io, count * 8);
+    NC(ncclRedOpDestroy(half, comm)); NC(ncclRedOpDestroy(quarter, comm));
+
+    NC(ncclAlltoAll((void *)(uintptr_t)b.scatter_in, (void *)(uintptr_t)b.gather, count, ncclFloat32, comm, s));
+    CU(cuStreamSynchronize(b.stream)); save(out, b.gather, count * 4 * nranks);
+
+    ncclComm_t sub = NULL, most = NULL;
+    ncclConfig_t blocking = cfg;
+    blocking.blocking = 1;
+    NC(ncclCommSplit(comm, rank % 2, nranks - rank, &sub, &blocking));
+    NC(ncclCommCount(sub, &n)); NC(ncclCommUserRank(sub, &me));
+    printf("split %d of %d\n", me, n);
+    NC(ncclAllReduce((void *)(uintptr_t)b.f_in, (void *)(uintptr_t)b.f_out, count, ncclFloat32, ncclSum, sub, s));
+    CU(cuStreamSynchronize(b.stream)); save(out, b.f_out, count * 4);
+
+    r = ncclCommSplit(comm, rank == 0 ? NCCL_SPLIT_NOCOLOR : 7, rank, &most, NULL);   /* non-blocking, as its parent */
+    if (r != ncclSuccess && r != ncclInProgress) NC(r);
+    for (state = r; most && state == ncclInProgress; usleep(1000)) NC(ncclCommGetAsyncError(most, &state));
+    NC(state);
+    if ((most == NULL) != (rank == 0)) { fprintf(stderr, "rank %d: no-color split gave %p\n", rank, (void *)most); return 5; }
+    if (most) {
+        NC(ncclAllReduce((void *)(uintptr_t)b.i_in, (void *)(uintptr_t)b.i_out, count, ncclInt32, ncclMax, most, s));
+        CU(cuStreamSynchronize(b.stream)); save(out, b.i_out, count * 4);
+        NC(ncclCommFinalize(most)); NC(ncclCommDestroy(most));
+    }
+    fclose(out);
+    NC(ncclCommFinalize(sub)); NC(ncclCommDestroy(sub));
+    NC(ncclCommFinalize(comm)); NC(ncclCommDestroy(comm));
+    printf("OK\n");
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc == 7 && !strcmp(argv[1], "rank"))
         return one_rank(atoi(argv[2]), atoi(argv[3]), argv[4], (size_t)atol(argv[5]), argv[6]);
     if (argc == 5 && !strcmp(argv[1], "all")) return all_in_one(atoi(argv[2]), (size_t)atol(argv[3]), argv[4]);
     if (argc == 6 && !strcmp(argv[1], "die")) return die(atoi(argv[2]), atoi(argv[3]), argv[4], argv[5]);
+    if (argc == 7 && !strcmp(argv[1], "more"))
+        return more(atoi(argv[2]), atoi(argv[3]), argv[4], (size_t)atol(argv[5]), argv[6]);
     fprintf(stderr, "usage: see the comment at the top of %s\n", __FILE__);
     return 1;
 }

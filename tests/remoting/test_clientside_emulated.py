@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from rgpu.remoting.native import build, client_stats
 
-from tests.remoting.conftest import EXAMPLES, Server, driver_api_program, run_client
+from tests.remoting.conftest import EXAMPLES, Server, calls_between, driver_api_program, run_client
+from tests.remoting.test_client_emulated import py_client
 from tests.remoting.test_cuda_backend_chained import chained  # noqa: F401 - the fixture
 
 HERE = Path(__file__).parent
@@ -134,3 +135,34 @@ def test_launch_attributes_translate_events_and_leave_cluster_dimensions_alone()
         assert struct.unpack_from("<Q", out, at + 8)[0] == 0xAAAA
         assert out[at + 16:at + LAUNCH_ATTR_SIZE] == (programmatic if at == LAUNCH_ATTR_SIZE else completion)[16:]
     assert events.launch_attrs(cluster, LAUNCH_ATTR_SIZE) == cluster
+
+
+def test_pointer_queries_about_pageable_memory_make_no_round_trip(native_libs: build.Libraries, emulated: Server,
+                                                                  tmp_path: Path) -> None:
+    """PyTorch's DataLoader asks is_pinned (cudaPointerGetAttributes) of every batch it receives, in
+    pageable shared memory: the client answers as CUDA does for memory it does not know (success,
+    default zero values) without asking the worker about an address of another process. Device
+    memory is still the worker's to describe."""
+    stats = tmp_path / "prof"
+    done = py_client(native_libs, emulated.slices(emulated.token()), """
+        setup()
+        r, dev = alloc(4096)
+        pageable = ctypes.create_string_buffer(1 << 16)
+        ids = (ctypes.c_int * 3)(2, 1, 9)                          # MEMORY_TYPE, CONTEXT, DEVICE_ORDINAL
+        def ask(ptr):
+            vals = [ctypes.c_uint64(0xFFFFFFFFFFFFFFFF) for _ in range(3)]
+            slots = (ctypes.c_void_p * 3)(*(ctypes.addressof(v) for v in vals))
+            check("cuPointerGetAttributes", 3, ids, slots, ctypes.c_uint64(ptr))
+            return [hex(v.value) for v in vals]
+        snapshot(b"start")
+        answers = [ask(ctypes.addressof(pageable) + 100 * i) for i in range(20)]
+        snapshot(b"end")
+        print("PAGEABLE", answers[0], len(set(map(tuple, answers))))
+        print("DEVICE", ask(dev)[0])
+        """, RGPU_CLIENT_STATS=str(stats))
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert "PAGEABLE ['0x0', '0x0', '0x0'] 1" in out, out + done.stderr
+    assert "DEVICE 0xffffffff00000002" in out, out          # CU_MEMORYTYPE_DEVICE, 4 bytes written
+    between = calls_between(tmp_path, "start", "end")
+    assert {name: p.sync_calls for name, p in between.items() if p.sync_calls} == {}, between

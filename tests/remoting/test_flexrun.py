@@ -278,3 +278,12 @@ def test_which_smi_runs(tmp_path: Path) -> None:
     assert use_rgpu_smi({"PATH": "/nonexistent", "RGPU_SMI": "nvidia"}) is False
     with pytest.raises(ConfigError, match="RGPU_SMI='both' is not known"):
         use_rgpu_smi({"RGPU_SMI": "both"})
+
+
+def test_same_node_and_per_task_refuse_the_ways_of_naming_slices_they_do_not_fit() -> None:
+    assert flexrun.parse_args(["-n", "2", "--same-node", "app"]).same_node
+    assert flexrun.parse_args(["--per-task", "app"]).per_task
+    with pytest.raises(InvalidRequest, match="--same-node goes with -n N"):
+        flexrun.parse_args(["--same-node", "app"])
+    with pytest.raises(InvalidRequest, match="--per-task takes the task's slice"):
+        flexrun.parse_args(["--per-task", "-n", "2", "app"])

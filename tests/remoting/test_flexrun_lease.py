@@ -4,6 +4,7 @@ INVALID_ARGUMENT. Real rgpu-poold and rgpu-dispatcher on loopback."""
 
 from __future__ import annotations
 
+import ast
 import os
 import signal
 import subprocess
@@ -155,4 +156,35 @@ def test_flexrun_isolation_strict_goes_only_on_isolated_gpus(cluster: RgpuCluste
     done = subprocess.run(strict, env=env, capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 0, done.stderr
     assert f"SLICES 127.0.0.1:{port2}" in done.stdout
+    assert _leases(cluster) == []
+
+
+def test_flexrun_same_node_puts_every_slice_on_one_gpu_server_or_says_why_not(cluster: RgpuCluster,
+                                                                              native_libs: build.Libraries) -> None:
+    """`flexrun -n N --same-node` (issue 27: NCCL between a job's slices stays on one node's NVLink or PCIe).
+    Two GPU servers of two GPUs each: two slices land on one server; three are refused (no capacity, one
+    line) though they would spread over both without --same-node."""
+    cluster.start_pool()
+    ports = []
+    for inventory in ("inventory-a.toml", "inventory-b.toml"):
+        _d, port = cluster.start_dispatcher(EXAMPLES / inventory)
+        wait_state(cluster, f"127.0.0.1:{port}", "up")
+        ports.append(port)
+    env = cluster.env(RGPU_NATIVE_DIR=str(native_libs.folder))
+    show = [sys.executable, "-c", "import os; print(sorted({s.split(',')[0] for s in os.environ['RGPU_SLICES'].split(';')}))"]
+
+    def flexrun(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "rgpu.remoting.client.flexrun", *args, "--", *show], env=env,
+                              capture_output=True, text=True, timeout=60, check=False)
+    two = flexrun("-n", "2", "-p", "0.5", "--same-node")
+    assert two.returncode == 0, two.stderr
+    assert len(ast.literal_eval(two.stdout)) == 1, two.stdout
+    three = flexrun("-n", "3", "-p", "0.5", "--same-node")
+    assert three.returncode == 3, three.stderr
+    assert three.stderr.splitlines() == [
+        "rgpu: pool: cannot place 3 slice(s) of fraction 0.5 (same node) on one GPU server (4 GPU(s) can take one now, "
+        "at most 2 of them on one server; wait for capacity, ask for fewer or smaller slices, or ask without "
+        "--same-node so the slices may spread over several GPU servers)"], three.stderr
+    spread = flexrun("-n", "3", "-p", "0.5")
+    assert spread.returncode == 0 and len(ast.literal_eval(spread.stdout)) == 2, spread.stdout + spread.stderr
     assert _leases(cluster) == []

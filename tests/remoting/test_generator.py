@@ -41,10 +41,16 @@ SPEC_HASHES = {
          "9bb836b0c606cfc59fd6a723fe65b491dade8627f4bb4aa856f0dfb0f81d55ed"),  # data lanes: striped copies (rgpuMemcpyHtoDLanes, rgpuMemcpyDtoHLanes; HELLO_LANE, LANE_DATA, WELCOME's lane count)
     13: ("5e521e6bbe895d8f509e7bc7b3507d509a3059d6f8c5a2c89c85e3e9337550d3",
          "6d0ac18533ae488d1c2096b1ca6142f62405fe3ff9423857abf0318013b89f8f"),  # graph edge data (rgpuGraphAddEdges: cuGraphAddDependencies(_v2), cuGraphAddNode_v2's ports), cuGraphDestroyNode; NCCL: nccl.spec's operations (libnccl.so.2)
+    14: ("85b537b5f8b45ea96b88f5a7612a5703a6ea720953231fe6a13a19a97c1076b7",
+         "b2cee1b1d97ece7a4f67441537def314add95297c927ea9cf0818cffac4a504d"),  # cuda.spec and nvml.spec unchanged; nccl.spec's split, finalize, PreMulSum, all-to-all
+    15: ("fd8cfacd9425a4f64a2e90df7f5d1627e378d8d20a6f38e275a482b59f3b9501",
+         "58f254eb65d77fcb308738b07266e7dd8fe5f5498c571869e60f3815f2351a27"),  # same-host page-locked memory read in place (rgpuHostShare/Unshare, rgpuMemcpyHtoDShared(Wait), rgpuMemcpyDtoHShared); UCX copies in 4 MiB chunks tagged seq | i << 32
 }
 # nccl.spec (from protocol 13): its wire operations share the protocol version of the other two.
 NCCL_SPEC_HASHES = {
     13: "a09cf80cd3b3deb9908ff6c916ae17c4563ef8a09a0a1827b276aedea8baba71",   # communicators, groups, collectives, send/recv
+    14: "aeba3eabe0f7d2acb562025ae2a0a9288d17893855bd45137f98c0a46a855aa8",   # rgpuNcclCommSplit, ncclCommFinalize, PreMulSum (rgpuNcclRedOpCreatePreMulSum, ncclRedOpDestroy), ncclAlltoAll; rgpuNcclCommReady answers rank and size
+    15: "2cc3097b4cc9797511cdf1c134d6854db2f7fa606318f55e97a67c55f62faa80",   # the version only (protocol 15: shared page-locked memory, chunked UCX copies)
 }
 
 

@@ -4,23 +4,27 @@ workers running NVIDIA's NCCL among themselves. Run on a machine with two GPUs:
     RGPU_NCCL_LIBRARY=/path/to/libnccl.so.2 python -m pytest -m gpu -s tests/remoting/test_gpu_nccl.py
 
 (RGPU_NCCL_LIBRARY defaults to the nvidia-nccl wheel's library where one is installed. Skipped with
-fewer than two GPUs.) Results must equal numpy's, as on the emulated GPU."""
+fewer than two GPUs.) Results must equal numpy's, as on the emulated GPU; PyTorch DDP's losses must
+equal a local run's."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from rgpu.model import GpuInfo
 from rgpu.remoting.native import build
 
 from .conftest import Server, client_env, local_gpu, start_server
 from .test_gpu_two_gpus import nvml_gpus
-from .test_nccl_emulated import _check, nccl_ranks  # noqa: F401 - the fixture
+from .test_nccl_emulated import _check, _expected_more, nccl_ranks  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.gpu
 
@@ -69,3 +73,63 @@ def test_two_ranks_on_two_gpus_run_real_nccl_collectives(nccl_ranks: Path, nativ
         print(f"rank {rank}: {out}{err}")
         assert p.returncode == 0 and out.strip() == "OK", f"rank {rank}: {out}{err}"
         _check(tmp_path / f"out.{rank}", rank, 2)
+
+
+
+def test_two_ranks_on_two_gpus_split_premulsum_alltoall_nonblocking_and_finalize_with_real_nccl(
+        nccl_ranks: Path, native_libs: build.Libraries, two_gpu_server: Server, tmp_path: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """nccl_ranks.c's `more` (what ProcessGroupNCCL adds) on the workers' real NCCL; numpy's results."""
+    if not os.environ.get("RGPU_NCCL_LIBRARY"):
+        found = _wheel_nccl()
+        if not found:
+            pytest.skip("no NCCL: set RGPU_NCCL_LIBRARY to a libnccl.so.2")
+        monkeypatch.setenv("RGPU_NCCL_LIBRARY", found)
+    s = two_gpu_server
+    procs = []
+    for rank in range(2):
+        slices = s.slices(s.token(memory_limit=8 << 30, compute_percent=100, gpu=s.gpus[rank], job_key=f"more{rank}"))
+        procs.append(subprocess.Popen([str(nccl_ranks), "more", str(rank), "2", str(tmp_path / "id"), "1000",
+                                       str(tmp_path / f"out.{rank}")], env=client_env(native_libs, slices),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = [p.communicate(timeout=300) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        print(f"rank {rank}: {out}{err}")
+        assert p.returncode == 0 and out.splitlines() == ["split 0 of 1", "OK"], f"rank {rank}: {out}{err}"
+        data, at = (tmp_path / f"out.{rank}").read_bytes(), 0
+        for name, want in _expected_more(rank, 2):
+            got = np.frombuffer(data, dtype=want.dtype, count=want.size, offset=at)
+            at += want.nbytes
+            assert np.array_equal(got, want), f"rank {rank}: {name} differs from numpy's"
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("shape", ["per-task", "local-rank"])
+def test_pytorch_ddp_with_the_nccl_backend_through_rgpu_has_a_local_runs_losses(shape: str, tmp_path: Path) -> None:
+    """benchmarks/ddp_train.py's DDP (2 ranks, NCCL backend, an MLP of three 4096-wide layers) locally and
+    through rgpu (one whole-GPU slice per rank, each on its own GPU and session server), in the shape
+    named: each rank sees only its slice (per-task), or both and picks LOCAL_RANK. Losses within 1e-5."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("needs torch")
+    if len(nvml_gpus()) < 2:
+        pytest.skip("needs two GPUs")
+    env = dict(os.environ)
+    if not env.get("RGPU_NCCL_LIBRARY"):
+        found = _wheel_nccl()
+        if not found:
+            pytest.skip("no NCCL: set RGPU_NCCL_LIBRARY to a libnccl.so.2")
+        env["RGPU_NCCL_LIBRARY"] = found
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ddp_train.py"), "--steps", "5", "--mib", "16",
+                           "--shapes", shape, "--json", "--timeout", "400"], env=env, capture_output=True, text=True,
+                          timeout=900, cwd=tmp_path, check=False)
+    print(done.stdout, done.stderr[-4000:])
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    local, remote = results["local"], results[f"rgpu {shape}"]
+    assert "failed" not in local, local
+    assert "failed" not in remote, remote["failed"]
+    assert len(remote["losses"]) == len(local["losses"]) == 8
+    worst = max(abs(a - b) for a, b in zip(remote["losses"], local["losses"]))
+    assert worst <= 1e-5, (remote["losses"], local["losses"])

@@ -36,7 +36,8 @@ SIZES = [1, CHUNK - 1, CHUNK + 1, THRESHOLD - 1, THRESHOLD, THRESHOLD + 1, THRES
          THRESHOLD + LANES * CHUNK + 1, 5_000_007, 32 * MiB + 13]
 STRIPED = sum(1 for n in SIZES if n >= THRESHOLD) * 2 * 2   # pageable and pinned, whole and at an offset
 LANE_ENV = {"RGPU_LANES": str(LANES), "RGPU_LANE_MIN_BYTES": str(THRESHOLD), "RGPU_LANE_CHUNK_BYTES": str(CHUNK),
-            "RGPU_TRANSPORT": "tcp", "RGPU_LOG": "info"}
+            "RGPU_TRANSPORT": "tcp", "RGPU_LOG": "info",
+            "RGPU_SHARED_PINNED": "0"}   # the network path: pinned buffers of one host are read in place (protocol 15)
 
 
 @pytest.fixture(scope="module")

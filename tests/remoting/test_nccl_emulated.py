@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from rgpu.remoting.native import build
+from rgpu.remoting.client import flexrun
+from rgpu.remoting.native import apispec, build
 
 from .conftest import CUDA_INCLUDE, EMULATED_GPU, EMULATED_GPU_2, PY, Server, client_env, serving
 from .test_flexrun import conf_for, run_flexrun
@@ -63,10 +64,14 @@ def _expected(rank: int, nranks: int) -> list[tuple[str, np.ndarray]]:
     return out
 
 
-def _check(path: Path, rank: int, nranks: int) -> None:
+def _check(path: Path, rank: int, nranks: int, split_halves: bool = False) -> None:
     data = path.read_bytes()
     at = 0
-    for name, want in _expected(rank, nranks):
+    expected = _expected(rank, nranks)
+    if split_halves:   # nccl_ranks all: a split by rank % 2, then all-reduce sum on each half
+        half = sum(_inputs(r, nranks)["f"] for r in range(nranks) if r % 2 == rank % 2).astype(np.float32)
+        expected.append(("split all-reduce", half))
+    for name, want in expected:
         got = np.frombuffer(data, dtype=want.dtype, count=want.size, offset=at)
         at += want.nbytes
         assert np.array_equal(got, want), f"rank {rank} of {nranks}: {name} differs from numpy's"
@@ -104,7 +109,7 @@ def test_collectives_of_ranks_in_their_own_processes_equal_numpys(
 
 
 @pytest.mark.parametrize(("ndev", "dispatchers"), [(2, 1), (2, 2), (4, 2)])
-def test_collectives_of_every_slice_of_one_process_equal_numpys(
+def test_collectives_and_a_grouped_split_of_every_slice_of_one_process_equal_numpys(
         nccl_ranks: Path, native_libs: build.Libraries, tmp_path: Path, ndev: int, dispatchers: int) -> None:
     with ExitStack() as stack:
         servers = _servers(stack, dispatchers)
@@ -118,7 +123,7 @@ def test_collectives_of_every_slice_of_one_process_equal_numpys(
                               env=client_env(native_libs, ";".join(toks)), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
     for d in range(ndev):
-        _check(tmp_path / f"out.{d}", d, ndev)
+        _check(tmp_path / f"out.{d}", d, ndev, split_halves=True)
 
 
 def _worker_pid(server: Server, job_key: str) -> int:
@@ -233,21 +238,149 @@ def test_two_ranks_run_through_flexrun(nccl_ranks: Path, native_libs: build.Libr
         _check(tmp_path / f"out.{r}", r, 2)
 
 
-REMOTED = ["ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRank", "ncclCommInitAll", "ncclCommInitRankConfig",
+REMOTED = ["ncclCommSplit", "ncclCommFinalize", "ncclRedOpCreatePreMulSum", "ncclRedOpDestroy", "ncclAlltoAll",
+           "ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRank", "ncclCommInitAll", "ncclCommInitRankConfig",
            "ncclCommDestroy", "ncclCommAbort", "ncclCommGetAsyncError", "ncclCommCount", "ncclCommCuDevice",
            "ncclCommUserRank", "ncclGroupStart", "ncclGroupEnd", "ncclAllReduce", "ncclBroadcast", "ncclBcast",
            "ncclReduce", "ncclAllGather", "ncclReduceScatter", "ncclSend", "ncclRecv", "ncclGetErrorString",
            "ncclGetLastError"]
 
 
+# nm -D --undefined-only libtorch_cuda.so (torch 2.11.0+cu130): every NCCL name PyTorch imports.
+TORCH_2_11 = ("ncclAllGather ncclAllReduce ncclAlltoAll ncclBcast ncclBroadcast ncclCommAbort ncclCommCount "
+              "ncclCommDeregister ncclCommDestroy ncclCommFinalize ncclCommGetAsyncError ncclCommInitAll "
+              "ncclCommInitRank ncclCommInitRankConfig ncclCommInitRankScalable ncclCommRegister ncclCommShrink "
+              "ncclCommSplit ncclCommUserRank ncclCommWindowDeregister ncclCommWindowRegister ncclDevCommCreate "
+              "ncclDevCommDestroy ncclGetErrorString ncclGetLastError ncclGetUniqueId ncclGetVersion ncclGroupEnd "
+              "ncclGroupSimulateEnd ncclGroupStart ncclMemAlloc ncclMemFree ncclRecv ncclRedOpCreatePreMulSum "
+              "ncclRedOpDestroy ncclReduce ncclReduceScatter ncclSend").split()
+
+
 def test_libnccl_exports_only_nccl_names_and_the_rest_of_the_api_says_not_yet(native_libs: build.Libraries) -> None:
     names = subprocess.run(["nm", "-D", "--defined-only", str(native_libs.libnccl)], capture_output=True, text=True,
                            check=True).stdout.split()[2::3]
     assert set(REMOTED) <= set(names) and all(n.startswith("nccl") for n in names), names
+    nccl_228 = apispec.read_exports(apispec.SPEC_DIR / "nccl_exports.txt")   # every export of NVIDIA's 2.28.9
+    assert sorted(set(nccl_228) - set(names)) == [], "a program linked against NCCL 2.28 would not load"
+    assert set(TORCH_2_11) <= set(names)
     done = subprocess.run([PY, "-c", "import ctypes; lib = ctypes.CDLL('libnccl.so.2'); "
-                           "print(lib.ncclCommSplit(None, 0, 0, None, None), lib.ncclCommSplit(None, 0, 0, None, None))"],
+                           "print(lib.ncclCommRegister(None, None, 0, None), lib.ncclCommRegister(None, None, 0, None))"],
                           env=client_env(native_libs, ""), capture_output=True, text=True, timeout=60)
     assert done.stdout.split() == ["5", "5"], done.stdout + done.stderr   # ncclInvalidUsage
     assert done.stderr.splitlines() == [
-        "rgpu: nccl: ncclCommSplit is not supported by rgpu's NCCL yet (rgpu remotes communicators from "
-        "ncclGetUniqueId, groups, all-reduce, broadcast, reduce, all-gather, reduce-scatter, send and receive)"]
+        "rgpu: nccl: ncclCommRegister is not supported by rgpu's NCCL yet (rgpu remotes communicators from "
+        "ncclGetUniqueId and their splits, groups, all-reduce, broadcast, reduce, all-gather, reduce-scatter, "
+        "all-to-all, send and receive, PreMulSum operators)"]
+
+
+def _expected_more(rank: int, nranks: int) -> list[tuple[str, np.ndarray]]:
+    """What nccl_ranks.c's `more` writes for rank `rank` (its comment gives the order)."""
+    ins = [_inputs(r, nranks) for r in range(nranks)]
+    mine = slice(rank * COUNT, (rank + 1) * COUNT)
+    out = [("premul sum, host scalar 0.5", sum(np.float32(0.5) * x["f"] for x in ins).astype(np.float32)),
+           ("premul sum, device scalar 0.25", sum(0.25 * x["d"] for x in ins)),
+           ("all-to-all", np.concatenate([x["scatter"][mine] for x in ins])),
+           ("split by rank % 2", sum(ins[r]["f"] for r in range(nranks) if r % 2 == rank % 2).astype(np.float32))]
+    if rank != 0:
+        out.append(("split without rank 0", np.max([ins[r]["i32"] for r in range(1, nranks)], axis=0)))
+    return out
+
+
+@pytest.mark.parametrize(("nranks", "dispatchers"), [(2, 1), (4, 2)])
+def test_pytorchs_calls_split_premulsum_alltoall_nonblocking_init_and_finalize_equal_numpys(
+        nccl_ranks: Path, native_libs: build.Libraries, tmp_path: Path, nranks: int, dispatchers: int) -> None:
+    """What ProcessGroupNCCL adds to the collectives: a non-blocking ncclCommInitRankConfig polled with
+    ncclCommGetAsyncError, PreMulSum operators (a host scalar and a device one), ncclAlltoAll,
+    ncclCommSplit (by color, ordered by key; NCCL_SPLIT_NOCOLOR gives NULL), ncclCommFinalize then
+    ncclCommDestroy."""
+    with ExitStack() as stack:
+        procs = _rank_processes(native_libs, nccl_ranks, _servers(stack, dispatchers), nranks, tmp_path,
+                                ["more", "{rank}", str(nranks), str(tmp_path / "id"), str(COUNT),
+                                 str(tmp_path / "out.{rank}")])
+        outputs = [p.communicate(timeout=120) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0 and out.splitlines()[-1] == "OK", f"rank {rank}: {out}{err}"
+        same_color = sorted((r for r in range(nranks) if r % 2 == rank % 2), key=lambda r: nranks - r)
+        assert out.splitlines()[0] == f"split {same_color.index(rank)} of {len(same_color)}", out
+        data, at = (tmp_path / f"out.{rank}").read_bytes(), 0
+        for name, want in _expected_more(rank, nranks):
+            got = np.frombuffer(data, dtype=want.dtype, count=want.size, offset=at)
+            at += want.nbytes
+            assert np.array_equal(got, want), f"rank {rank} of {nranks}: {name} differs from numpy's"
+        assert at == len(data)
+
+
+def test_the_real_gpu_workers_split_premulsum_alltoall_and_finalize_run_chained_to_emulated_workers(
+        nccl_ranks: Path, native_libs: build.Libraries, chained: Server, tmp_path: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """backends/nccl_cuda.py's ncclCommSplit thread, PreMulSum (host and device scalars), all-to-all and
+    finalize, through "cuda" workers whose NCCL is rgpu's own libnccl.so.2 (as above)."""
+    monkeypatch.setenv("RGPU_NCCL_LIBRARY", str(native_libs.libnccl))
+    monkeypatch.setenv("RGPU_LOG", "warn")
+    procs = _rank_processes(native_libs, nccl_ranks, [chained], 2, tmp_path,
+                            ["more", "{rank}", "2", str(tmp_path / "id"), str(COUNT), str(tmp_path / "out.{rank}")])
+    outputs = [p.communicate(timeout=120) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0 and out.splitlines() == ["split 0 of 1", "OK"], f"rank {rank}: {out}{err}"
+        data, at = (tmp_path / f"out.{rank}").read_bytes(), 0
+        for name, want in _expected_more(rank, 2):
+            got = np.frombuffer(data, dtype=want.dtype, count=want.size, offset=at)
+            at += want.nbytes
+            assert np.array_equal(got, want), f"rank {rank}: {name} differs from numpy's"
+
+
+def _two_slice_conf(server: Server, path: Path) -> Path:
+    return conf_for(server, path, *(server.token(memory_limit=256 << 20, gpu=server.gpus[i], job_key="two-tasks")
+                                    for i in range(2)))
+
+
+def _ranks_through_flexrun(binary: Path, libs: build.Libraries, tmp_path: Path, flexrun_args: list[str],
+                           rank_env: str) -> list[subprocess.CompletedProcess[str]]:
+    def rank(r: int) -> subprocess.CompletedProcess[str]:
+        return run_flexrun([*flexrun_args, "--", str(binary), "rank", str(r), "2", str(tmp_path / "id"), str(COUNT),
+                            str(tmp_path / f"out.{r}")], libs, env_extra={rank_env: str(r)}, timeout=120)
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(rank, range(2)))
+
+
+def test_tasks_that_see_every_slice_each_use_device_local_rank(nccl_ranks: Path, native_libs: build.Libraries,
+                                                               emulated: Server, tmp_path: Path) -> None:
+    """`flexrun -n 2 -- torchrun --nproc_per_node 2 train.py`: each process sees both slices and PyTorch
+    picks device LOCAL_RANK; each rank's communicator is on its own slice (nccl_ranks checks
+    ncclCommCuDevice == LOCAL_RANK), with sessions from both processes on each slice."""
+    conf = _two_slice_conf(emulated, tmp_path / "adaptor.conf")
+    done = _ranks_through_flexrun(nccl_ranks, native_libs, tmp_path, ["-f", str(conf)], "LOCAL_RANK")
+    for r, d in enumerate(done):
+        assert d.returncode == 0 and d.stdout.strip() == "OK", f"rank {r}: {d.stdout}{d.stderr}"
+        _check(tmp_path / f"out.{r}", r, 2)
+
+
+def test_srun_tasks_with_per_task_each_get_their_own_slice_as_device_0(nccl_ranks: Path, native_libs: build.Libraries,
+                                                                       emulated: Server, tmp_path: Path) -> None:
+    """`srun -n 2 flexrun --per-task -- app`: task SLURM_LOCALID gets slice SLURM_LOCALID of the job's two,
+    as its device 0 (nccl_ranks uses device 0 without LOCAL_RANK); the ranks' slices differ, so their
+    communicators are on different GPUs, as NCCL requires."""
+    conf = _two_slice_conf(emulated, tmp_path / "adaptor.conf")
+    done = _ranks_through_flexrun(nccl_ranks, native_libs, tmp_path, ["--per-task", "-f", str(conf)], "SLURM_LOCALID")
+    for r, d in enumerate(done):
+        assert d.returncode == 0 and d.stdout.strip() == "OK", f"rank {r}: {d.stdout}{d.stderr}"
+        _check(tmp_path / f"out.{r}", r, 2)
+    slices = flexrun.slices_from_conf(conf)
+    for r in range(2):   # what each task's application was given
+        seen = run_flexrun(["--per-task", "-f", str(conf), "--", PY, "-c", "import os; print(os.environ['RGPU_SLICES'])"],
+                           native_libs, env_extra={"SLURM_LOCALID": str(r)})
+        assert seen.returncode == 0 and seen.stdout.strip() == f"{slices[r].server},{slices[r].token}", seen.stderr
+
+
+def test_per_task_says_in_one_line_when_a_task_has_no_slice_of_its_own(native_libs: build.Libraries,
+                                                                       emulated: Server, tmp_path: Path) -> None:
+    conf = _two_slice_conf(emulated, tmp_path / "adaptor.conf")
+    done = run_flexrun(["--per-task", "-f", str(conf), "--", "true"], native_libs, env_extra={"SLURM_LOCALID": "2"})
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "rgpu: flexrun: task 2 on this node has no slice of its own (--per-task) (the job has 2 slices on this node; "
+        "ask for as many slices as tasks per node (--gres=rgpu:N with --ntasks-per-node=N), or run without --per-task "
+        "so every task sees every slice and picks one (LOCAL_RANK))"], done.stderr
+    done = run_flexrun(["--per-task", "-f", str(conf), "--", "true"], native_libs)
+    assert done.returncode == 2 and "--per-task needs SLURM_LOCALID" in done.stderr, done.stderr
+    done = run_flexrun(["--per-task", "-n", "2", "--", "true"], native_libs)
+    assert done.returncode == 2 and "--per-task takes the task's slice of the job's slices" in done.stderr, done.stderr

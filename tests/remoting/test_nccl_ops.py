@@ -71,3 +71,13 @@ def test_a_peer_that_goes_away_reads_the_same_whether_its_socket_closed_or_reset
         assert str(err.value) == "rank 1's worker went away (its connection closed)"
     finally:
         m0.close()
+
+
+def test_premulsum_scales_each_ranks_elements_before_summing_them() -> None:
+    parts = [np.array([1, 2, 3], np.float32).tobytes(), np.array([4, 5, 6], np.float32).tobytes()]
+    scale = nccl_ops.scalar(np.float32(0.5).tobytes(), 7)
+    got = np.frombuffer(nccl_ops.reduce(parts, 7, nccl_ops.SUM, scale=scale), np.float32)
+    assert got.tolist() == [2.5, 3.5, 4.5]
+    ints = [np.array([2**31 - 1], np.int32).tobytes(), np.array([1], np.int32).tobytes()]
+    wrapped = np.frombuffer(nccl_ops.reduce(ints, 2, nccl_ops.SUM, scale=nccl_ops.scalar(np.int32(2).tobytes(), 2)), np.int32)
+    assert wrapped.tolist() == [0]   # (2^31 - 1) * 2 wraps to -2, plus 2: as the GPU's int32 arithmetic

@@ -51,6 +51,8 @@ def _ucx_ops(profile_prefix: Path) -> tuple[int, int]:
 
 # ucx_copies.c copies 4 sizes of at least 1 MiB whole and 2 at an offset: 6 each way go on UCX.
 UCX_COPIES = (6, 6)
+UCX_SIZES = [1 << 20, (1 << 20) + 3, 5_000_007, 128 << 20, 5_000_007 - 64, (128 << 20) - 64]
+assert len(UCX_SIZES) == UCX_COPIES[0]
 
 
 @pytest.mark.parametrize("tls", ["posix,cma,self", "tcp"], ids=["shared-memory", "tcp"])
@@ -276,14 +278,17 @@ def test_through_the_cuda_backend_a_ucx_copy_is_one_dma_from_pinned_memory(
         copies: Path, native_libs: build.Libraries, emulated: Server, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The real-GPU backend (its worker's "driver" is rgpu's client library, chained to an emulated
-    worker: test_cuda_backend_chained.py) takes a UCX copy into its pinned buffer and queues one DMA
-    from there: the chained driver sees one copy per UCX copy, not the staging ring's 4 MiB pieces;
-    and device to host, one copy into it, not 4 MiB chunks. Byte for byte, every size."""
+    worker: test_cuda_backend_chained.py) takes a UCX copy into its pinned buffer and queues a DMA
+    from there for each chunk the moment it is in (protocol 15), and device to host one DMA per chunk
+    into it, each sent once there: the chained driver sees one copy per chunk (those of at least
+    1 MiB on its own UCX), not the staging ring's pieces. Byte for byte, every size."""
     from .conftest import start_server
     from .test_cuda_backend_chained import chain_to
     chain_to(native_libs, emulated, monkeypatch)
     monkeypatch.setenv("RGPU_TRANSPORT", "ucx")            # the GPU node takes UCX (auto keeps TCP on a real GPU)
     monkeypatch.setenv("RGPU_CLIENT_STATS", str(tmp_path / "inner"))   # the worker's calls to its "driver"
+    # Its pinned buffer on the chained driver: counted as copies, not read in place by the inner worker (protocol 15)
+    monkeypatch.setenv("RGPU_SHARED_PINNED", "0")
     server, address = start_server("cuda", [EMULATED_GPU])
     try:
         chained = Server(server, address, [EMULATED_GPU])
@@ -293,4 +298,30 @@ def test_through_the_cuda_backend_a_ucx_copy_is_one_dma_from_pinned_memory(
         server.stop()
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr
     assert "transport ucx)" in done.stderr, done.stderr
-    assert _ucx_ops(tmp_path / "inner") == UCX_COPIES
+    chunks = sum(1 for n in UCX_SIZES for _, _, k in protocol.ucx_chunks(n) if k >= 1 << 20)
+    assert _ucx_ops(tmp_path / "inner") == (chunks, chunks)
+
+
+def test_a_ucx_copy_travels_in_chunks_each_tagged_with_its_index(ucx_session: tuple) -> None:
+    """Protocol 15: a UCX copy's bytes are messages of UCX_CHUNK_BYTES, chunk i tagged seq | i << 32,
+    both ways (the worker moves each chunk over PCIe while the next one travels)."""
+    sock, link, ctx, _ = ucx_session
+    size = 2 * protocol.UCX_CHUNK_BYTES + 12345
+    code, body = _sync(sock, OP["cuMemAlloc_v2"], struct.pack("<QQQQI", size, 0, 0, 0, 0), 20, ctx)
+    assert code == 0, body
+    (dev,) = struct.unpack_from("<Q", body, 4)
+    data = bytes(range(251)) * (size // 251 + 1)
+    sock.sendall(protocol.pack_frame(OP["rgpuMemcpyHtoDUcx"], protocol.UCX_COPY.pack(dev, 0, size), seq=21, ctx=ctx))
+    chunks = protocol.ucx_chunks(size)
+    assert [n for _, _, n in chunks] == [protocol.UCX_CHUNK_BYTES, protocol.UCX_CHUNK_BYTES, 12345]
+    for i, at, n in chunks:
+        _send(link, protocol.ucx_tag(21, i), data[at:at + n])
+    code, body = _sync(sock, OP["cuCtxSynchronize"], b"", 22, ctx)
+    assert code == 0, body
+    sock.sendall(protocol.pack_frame(OP["rgpuMemcpyDtoHUcx"], protocol.UCX_COPY.pack(dev, 0, size), seq=23, ctx=ctx))
+    header, body = protocol.recv_frame(sock)
+    assert header[1] == protocol.OP_REPLY and struct.unpack_from("<i", body)[0] == 0, body
+    back = ctypes.create_string_buffer(size)
+    for i, at, n in chunks:
+        link.recv(protocol.ucx_tag(23, i), ctypes.addressof(back) + at, n, -1)
+    assert back.raw == data[:size]

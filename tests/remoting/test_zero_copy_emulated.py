@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rgpu.remoting.native import build, client_stats
+from rgpu.remoting.native import build
 
-from tests.remoting.conftest import EXAMPLES, Server
+from tests.remoting.conftest import EXAMPLES, Server, calls_between
 from tests.remoting.test_client_emulated import py_client
 
 # A vecadd launch whose second argument is `host` (a page-locked pointer), then the session goes on.
@@ -201,9 +201,6 @@ def test_page_locked_memory_moves_only_with_work_that_is_handed_it(native_libs: 
     stats = tmp_path / "prof"
     done = py_client(native_libs, emulated.slices(emulated.token()), """
         setup()
-        write = ctypes.c_void_p()
-        check("cuGetProcAddress_v2", b"rgpuClientStatsWrite", ctypes.byref(write), 12000, ctypes.c_uint64(0), None)
-        snapshot = ctypes.CFUNCTYPE(None, ctypes.c_char_p)(write.value)
         host = ctypes.c_void_p()
         check("cuMemAllocHost_v2", ctypes.byref(host), ctypes.c_size_t(1 << 20))
         words = (ctypes.c_uint32 * 4).from_address(host.value)
@@ -227,11 +224,8 @@ def test_page_locked_memory_moves_only_with_work_that_is_handed_it(native_libs: 
     assert "WORDS ['0xabcd', '0x68', '0x77', '0x0']" in out, out + err      # the GPU's words merged, the host's kept
 
     def moved(first: str, last: str) -> dict[str, int]:
-        (a,) = tmp_path.glob(f"prof.*.{first}")
-        (b,) = tmp_path.glob(f"prof.*.{last}")
-        between = client_stats.subtract(client_stats.parse(b.read_text())[0], client_stats.parse(a.read_text())[0])
-        return {p.name: p.sync_calls + p.async_calls for p in between.values()
-                if p.name.startswith(("cuMemcpyHtoD", "cuMemcpyDtoH", "rgpuMemcpy"))}
+        return {name: p.sync_calls + p.async_calls for name, p in calls_between(tmp_path, first, last).items()
+                if name.startswith(("cuMemcpyHtoD", "cuMemcpyDtoH", "rgpuMemcpy"))}
     assert moved("start", "middle") == {}, moved("start", "middle")
     assert sum(moved("middle", "end").values()) >= 2, moved("middle", "end")   # the block went and came back
 
@@ -257,3 +251,36 @@ def test_plain_page_locked_memory_is_never_on_the_heap(native_libs: build.Librar
         """, RGPU_ZERO_COPY="0")
     assert "ON HEAP [False, False, False] ALIGNED True" in done.stdout, done.stdout + done.stderr
     assert "FREED" in done.stdout
+
+
+def test_a_later_launch_handed_backed_page_locked_memory_takes_its_bytes_again(
+        native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
+    """A memset backs a page-locked block on the GPU; a later launch handed the same block takes the
+    host's bytes with it (the XLA pattern: the host resets a word, a kernel
+    counts into it, every autotuning round). A backed block leaves the host ranges that the refusal
+    scan reads, so the launch's arguments are also matched against backed blocks."""
+    stats = tmp_path / "prof"
+    done = py_client(native_libs, emulated.slices(emulated.token()), """
+        setup()
+        host = ctypes.c_void_p()
+        check("cuMemAllocHost_v2", ctypes.byref(host), ctypes.c_size_t(1 << 20))
+        ptx = open(%r, "rb").read() + b"\\0"
+        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        check("cuModuleLoadData", ctypes.byref(mod), ptx)
+        check("cuModuleGetFunction", ctypes.byref(fn), mod, b"vecadd")
+        r, dev = alloc(1 << 20)
+        a, b = ctypes.c_uint64(dev), ctypes.c_uint64(host.value + 64)
+        c, n = ctypes.c_uint64(dev), ctypes.c_int(16)
+        params = (ctypes.c_void_p * 4)(*(ctypes.addressof(x) for x in (a, b, c, n)))
+        check("cuMemsetD32Async", ctypes.c_uint64(host.value), 0, ctypes.c_size_t(4), None)   # backed, sent
+        check("cuCtxSynchronize")                                                           # and back
+        snapshot(b"start")
+        # (the emulated worker runs no kernel: it refuses the launch at the next synchronisation)
+        print("LAUNCH", lib.cuLaunchKernel(fn, 1, 1, 1, 16, 1, 1, 0, None, params, None))
+        snapshot(b"end")
+        """ % str(EXAMPLES / "vecadd.ptx"), RGPU_ZERO_COPY="1", RGPU_CLIENT_STATS=str(stats), RGPU_LOG="info")
+    assert "LAUNCH 0" in done.stdout, done.stdout + done.stderr
+    assert "is now backed on the GPU (a memset's target)" in done.stderr, done.stderr
+    between = calls_between(tmp_path, "start", "end")
+    assert sum(p.sync_calls + p.async_calls for name, p in between.items()
+               if name.startswith(("cuMemcpyHtoD", "rgpuMemcpyHtoD"))) >= 1, (between, done.stderr)

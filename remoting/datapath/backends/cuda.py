@@ -55,7 +55,15 @@ DTOH_CHUNK = 4 << 20
 # A UCX copy (protocol 10) lands in one pinned buffer, kept and grown up to this size, and its DMA
 # goes straight from there (RGPU_UCX_PINNED_MAX_BYTES; larger copies take the staging ring).
 UCX_PINNED_MAX_BYTES = 256 << 20
-LANE_SLOTS = 8                  # pinned slots (one chunk each) of striped copies (worker/lanes.py)
+# Pinned slots (one chunk each) of striped copies (worker/lanes.py); RGPU_LANE_SLOTS in the dispatcher's
+# environment overrides it. 16: with 8 lanes, 8 slots left no slot free while chunks' DMAs ran (every
+# lane waited for one), which the H200's 0.54-0.78x of raw TCP on 8 lanes may owe to; not measured yet.
+LANE_SLOTS = 16
+
+
+def lane_slots() -> int:
+    text = os.environ.get("RGPU_LANE_SLOTS", "").strip()
+    return max(2, min(int(text), 256)) if text.isdigit() else LANE_SLOTS
 MAX_PARAM_BYTES = 32768
 
 JIT_INFO_LOG_BUFFER = 3
@@ -64,6 +72,7 @@ JIT_INFO_LOG_BUFFER_SIZE = 4
 JIT_ERROR_LOG_BUFFER = 5
 JIT_ERROR_LOG_BUFFER_SIZE = 6
 MEMHOSTALLOC_PORTABLE = 1
+MEMHOSTREGISTER_PORTABLE = 1
 MODULE_NODES_TABLE = bytes.fromhex("6e163fbeb958444d835ce182aff1991e")
 LAUNCH_ATTRIBUTE_COOPERATIVE = cu("CU_LAUNCH_ATTRIBUTE_COOPERATIVE")
 
@@ -123,6 +132,8 @@ _MANUAL = {
     "cuMemPoolGetAttribute": [c_void_p, c_int, c_void_p],
     "cuMemHostAlloc": [P(c_void_p), c_size_t, c_uint],
     "cuMemFreeHost": [c_void_p],
+    "cuMemHostRegister_v2": [c_void_p, c_size_t, c_uint],
+    "cuMemHostUnregister": [c_void_p],
     "cuMemcpyHtoDAsync_v2": [c_uint64, c_void_p, c_size_t, c_void_p],
     "cuMemcpyDtoHAsync_v2": [c_void_p, c_uint64, c_size_t, c_void_p],
     "cuMemcpy2DAsync_v2": [c_void_p, c_void_p],
@@ -290,6 +301,8 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
         self._ucx_bytes = 0
         self._ucx_pending: tuple[int, Any] | None = None
         self._ucx_events: dict[int, Any] = {}   # context -> the event its UCX DMA records
+        self._lane_slots = lane_slots()
+        self._ucx_chunk_events: dict[int, list[Any]] = {}   # context -> events of a device-to-host UCX copy's chunks
         self._param_buf = (ctypes.c_char * MAX_PARAM_BYTES)()
         self._param_size = c_size_t(0)
         self._extra = (c_void_p * 5)(1, ctypes.addressof(self._param_buf), 2, ctypes.addressof(self._param_size), 0)
@@ -478,14 +491,15 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
             self._with_primary(make)
         return self._ucx_base
 
-    def htod_ucx(self, dst: int, stream: int, n: int) -> None:
-        """Queue the DMA of a UCX copy's n bytes from the UCX buffer to dst; the buffer stays busy
-        until it has run (the next UCX copy waits for it, not this one)."""
+    def htod_ucx(self, dst: int, stream: int, n: int, offset: int = 0) -> None:
+        """Queue the DMA of n bytes at `offset` of the UCX buffer to dst (a UCX copy's chunk, the
+        moment it is in); the buffer stays busy until the last one queued has run (the next UCX copy
+        waits for it, not this one)."""
         self._refuse_capture(stream, "cuMemcpyHtoDAsync")
         event = self._ucx_events.get(self._current)
         if event is None:   # one per context, as the ring's (it goes with its context)
             event = self._ucx_events[self._current] = self._new_event()
-        r = self._call("cuMemcpyHtoDAsync_v2", dst, self._ucx_base, n, stream or None)
+        r = self._call("cuMemcpyHtoDAsync_v2", dst, self._ucx_base + offset, n, stream or None)
         if r == SUCCESS:
             r = self._call("cuEventRecord", event, stream or None)
         if r != SUCCESS:
@@ -494,10 +508,55 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
             raise CudaError(r)
         self._ucx_pending = (self._current, event)
 
-    def dtoh_ucx(self, src: int, stream: int, n: int) -> None:
-        """Copy n bytes at src into the UCX buffer, in stream order, and wait for them there."""
+    def dtoh_ucx_chunks(self, src: int, stream: int, n: int, chunk: int) -> Iterator[tuple[int, int]]:
+        """Queue n bytes at src into the UCX buffer as DMAs of `chunk` bytes, each followed by an
+        event; yield (offset, length) of each chunk once it is there (the first may be sent while
+        the others are still copied down)."""
         self._refuse_capture(stream, "cuMemcpyDtoHAsync")
-        self._check("cuMemcpyDtoHAsync_v2", self._ucx_base, src, n, stream or None)
+        events = self._ucx_chunk_events.setdefault(self._current, [])
+        spans = [(at, min(chunk, n - at)) for at in range(0, n, chunk)]
+        while len(events) < len(spans):
+            events.append(self._new_event())
+        queued = 0
+        try:
+            for (at, k), event in zip(spans, events):
+                self._check("cuMemcpyDtoHAsync_v2", self._ucx_base + at, src + at, k, stream or None)
+                self._check("cuEventRecord", event, stream or None)
+                queued += 1
+            for (at, k), event in zip(spans, events):
+                self._check("cuEventSynchronize", event)
+                yield at, k
+        finally:
+            if queued:   # the buffer is free again only once every DMA into it has run
+                self._call("cuEventSynchronize", events[queued - 1])
+
+    # ------------------------------------------------------------------ the client's shared page-locked memory
+    # Same host (protocol 15, worker/shared_pinned.py): the client's cuMemHostAlloc pages, mapped here
+    # from its memfd, page-locked once; a copy is then one DMA from or into the application's pages.
+
+    def host_register(self, address: int, size: int) -> None:
+        self._with_primary(lambda: self._check("cuMemHostRegister_v2", address, size, MEMHOSTREGISTER_PORTABLE))
+
+    def host_unregister(self, address: int) -> None:
+        """As cuMemFreeHost: the device's work finishes first (a DMA may still read the pages)."""
+        self._call("cuCtxSynchronize")   # the session's current context; the primary one below
+
+        def unregister() -> None:
+            self._call("cuCtxSynchronize")
+            self._check("cuMemHostUnregister", address)
+        self._with_primary(unregister)
+
+    def htod_host(self, dst: int, stream: int, address: int, n: int, wait: bool) -> None:
+        """One DMA from registered host memory; `wait`: return once it has read the pages."""
+        self._refuse_capture(stream, "cuMemcpyHtoDAsync")
+        self._check("cuMemcpyHtoDAsync_v2", dst, address, n, stream or None)
+        if wait:
+            self._check("cuStreamSynchronize", stream or None)
+
+    def dtoh_host(self, src: int, stream: int, address: int, n: int) -> None:
+        """One DMA into registered host memory, in stream order, waited for."""
+        self._refuse_capture(stream, "cuMemcpyDtoHAsync")
+        self._check("cuMemcpyDtoHAsync_v2", address, src, n, stream or None)
         self._check("cuStreamSynchronize", stream or None)
 
     def _context_events(self) -> tuple[list[Any], list[Any]]:
@@ -533,6 +592,7 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
         if self._ucx_pending is not None and self._ucx_pending[0] == ctx:
             self._ucx_wait()
         self._ucx_events.pop(ctx, None)
+        self._ucx_chunk_events.pop(ctx, None)
         if ctx in self._events:
             if any(owner == ctx for owner, _ in self._ring.tags()):
                 self._wait_busy()
@@ -894,14 +954,14 @@ class CudaBackend(CudaDriverCalls, CudaNccl):
         if not self._lane_staging:
             def make() -> int:
                 p = c_void_p()
-                self._check("cuMemHostAlloc", byref(p), LANE_SLOTS * chunk, MEMHOSTALLOC_PORTABLE)
+                self._check("cuMemHostAlloc", byref(p), self._lane_slots * chunk, MEMHOSTALLOC_PORTABLE)
                 return p.value or 0
             self._lane_base = self._with_primary(make)
             self._lanes, self._lane_chunk = lanes, chunk
-            self._lane_staging = lanes.staging_new(self._lane_base, LANE_SLOTS, chunk)
+            self._lane_staging = lanes.staging_new(self._lane_base, self._lane_slots, chunk)
         events = self._lane_events.get(self._current)
         if events is None:
-            events = (c_void_p * LANE_SLOTS)(*[self._new_event().value for _ in range(LANE_SLOTS)])
+            events = (c_void_p * self._lane_slots)(*[self._new_event().value for _ in range(self._lane_slots)])
             self._lane_events[self._current] = events
         return lanes.gpu_copy(memcpy_htod=self._entry("cuMemcpyHtoDAsync_v2"), event_record=self._entry("cuEventRecord"),
                               event_sync=self._entry("cuEventSynchronize"), stream=stream, dst=dst,

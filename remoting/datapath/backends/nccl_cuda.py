@@ -60,6 +60,9 @@ class _Comm:
     error: str = ""
     closed: threading.Event = field(default_factory=threading.Event)   # destroyed, or aborted by the watchdog
     lock: threading.Lock = field(default_factory=threading.Lock)        # the watchdog's calls vs. destruction
+    # Held by an operation's call into NCCL, and by a split from its call until ncclCommSplit returned in
+    # its thread: the slice's later operations on the parent reach NCCL after the split, as they were sent.
+    busy: threading.Lock = field(default_factory=threading.Lock)
 
 
 def _watchdog_interval() -> float:
@@ -139,11 +142,80 @@ class CudaNccl:
             raise CudaError(code, f"rgpu: worker: {call}: no such communicator on this GPU")
         return comm
 
-    def rgpuNcclCommReady(self, key: int) -> tuple[int]:
+    def rgpuNcclCommReady(self, key: int) -> tuple[int, int, int]:
         comm = self._comm(key, "ncclCommInitRank")
         comm.joined.wait()   # NCCL's own bootstrap timeout ends a join whose peers never come
         if comm.code:
             raise CudaError(comm.code, f"rgpu: worker: ncclCommInitRank (rank {comm.rank} of {comm.nranks}): {comm.error}")
+        return (nccl_ops.SUCCESS, comm.rank, comm.nranks)
+
+    def rgpuNcclCommSplit(self, key: int, color: int, split_key: int) -> tuple[int, int]:
+        """ncclCommSplit (blocking: it waits for every rank of the parent) in a thread, as the join; the
+        new communicator inherits the parent's configuration. NCCL_SPLIT_NOCOLOR gives no communicator
+        (0 ranks at rgpuNcclCommReady)."""
+        lib = self._nccl()
+        parent = self._comm(key, "ncclCommSplit")
+        child = _Comm(nranks=-1, rank=-1)
+        ctx = getattr(self, "_current", 0) or self.primary.value   # type: ignore[attr-defined]
+        parent.busy.acquire()
+
+        def split() -> None:
+            try:
+                try:
+                    parent.joined.wait()
+                    if parent.code or parent.closed.is_set():
+                        child.code, child.error = parent.code or nccl_ops.INVALID_USAGE, f"the parent failed ({parent.error})"
+                        return
+                    self.lib.cuCtxSetCurrent(ctypes.c_void_p(ctx))   # type: ignore[attr-defined]
+                    code = lib.ncclCommSplit(parent.handle, color, split_key, ctypes.byref(child.handle), None)
+                finally:
+                    parent.busy.release()
+                if code:
+                    child.code, child.error = code, self._nccl_text(code, parent)
+                elif not child.handle:
+                    child.nranks = 0
+                else:
+                    rank, count = ctypes.c_int(), ctypes.c_int()
+                    lib.ncclCommUserRank(child.handle, ctypes.byref(rank))
+                    lib.ncclCommCount(child.handle, ctypes.byref(count))
+                    child.rank, child.nranks = rank.value, count.value
+            finally:
+                child.joined.set()
+            if not child.code and child.handle:
+                self._watch(child, ctx)
+        new = id(child)
+        self._nccl_comms[new] = child
+        threading.Thread(target=split, name="rgpu-nccl-split", daemon=True).start()
+        return (nccl_ops.SUCCESS, new)
+
+    def ncclCommFinalize(self, key: int) -> tuple[int]:
+        comm = self._comm(key, "ncclCommFinalize")
+        comm.joined.wait()
+        if comm.code or not comm.handle or comm.closed.is_set():
+            return (nccl_ops.SUCCESS,)   # failed or aborted: ncclCommDestroy is what is left
+        with comm.busy:
+            code = self._nccl().ncclCommFinalize(comm.handle)   # blocking: the queued operations complete
+        if code:
+            raise CudaError(code, f"rgpu: worker: ncclCommFinalize (rank {comm.rank} of {comm.nranks}): "
+                                  f"{self._nccl_text(code, comm)}")
+        return (nccl_ops.SUCCESS,)
+
+    def rgpuNcclRedOpCreatePreMulSum(self, scalar: int, dtype: int, residence: int, key: int) -> tuple[int, int]:
+        comm = self._comm(key, "ncclRedOpCreatePreMulSum")
+        comm.joined.wait()
+        op = ctypes.c_int()
+        value = ctypes.c_uint64(scalar)   # host-immediate: NCCL reads the scalar's bytes now
+        where = ctypes.byref(value) if residence == 1 else ctypes.c_void_p(scalar or None)
+        code = self._nccl().ncclRedOpCreatePreMulSum(ctypes.byref(op), where, dtype, residence, comm.handle)
+        if code:
+            raise CudaError(code, f"rgpu: worker: ncclRedOpCreatePreMulSum: {self._nccl_text(code, comm)}")
+        return (nccl_ops.SUCCESS, op.value)
+
+    def ncclRedOpDestroy(self, op: int, key: int) -> tuple[int]:
+        comm = self._comm(key, "ncclRedOpDestroy")
+        code = self._nccl().ncclRedOpDestroy(op, comm.handle)
+        if code:
+            raise CudaError(code, f"rgpu: worker: ncclRedOpDestroy: {self._nccl_text(code, comm)}")
         return (nccl_ops.SUCCESS,)
 
     def rgpuNcclCommDestroy(self, key: int, abort: int) -> tuple[int]:
@@ -186,7 +258,8 @@ class CudaNccl:
         if comm.code:
             raise CudaError(FAILED, f"rgpu: worker: {call} (rank {comm.rank} of {comm.nranks}): the communicator "
                                     f"failed ({comm.error})")
-        code = getattr(self._nccl(), call)(*args[:-1], comm.handle, ctypes.c_void_p(args[-1] or None))
+        with comm.busy:
+            code = getattr(self._nccl(), call)(*args[:-1], comm.handle, ctypes.c_void_p(args[-1] or None))
         if code:
             raise CudaError(FAILED, f"rgpu: worker: {call} (rank {comm.rank} of {comm.nranks}): {self._nccl_text(code, comm)}")
         return (nccl_ops.SUCCESS,)
@@ -221,3 +294,6 @@ class CudaNccl:
 
     def ncclRecv(self, recv: int, count: int, dtype: int, peer: int, comm: int, stream: int) -> tuple[int]:
         return self._collective("ncclRecv", comm, self._p(recv), ctypes.c_size_t(count), dtype, peer, stream)
+
+    def ncclAlltoAll(self, send: int, recv: int, count: int, dtype: int, comm: int, stream: int) -> tuple[int]:
+        return self._collective("ncclAlltoAll", comm, self._p(send), self._p(recv), ctypes.c_size_t(count), dtype, stream)

@@ -10,15 +10,19 @@ error (ncclCommGetAsyncError: ncclRemoteError) and refuses later operations with
 
 from __future__ import annotations
 
+import struct
 import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 from rgpu.remoting.datapath.backends import nccl_ops
 from rgpu.remoting.datapath.backends.base import INVALID_VALUE, NOT_SUPPORTED, CudaError
-from rgpu.remoting.datapath.backends.nccl_mesh import Mesh, MeshError, Rendezvous, timeout_from_env
+from rgpu.remoting.datapath.backends.nccl_mesh import ID_BYTES, Mesh, MeshError, Rendezvous, timeout_from_env
 
 FAILED = 999   # CUDA_ERROR_UNKNOWN for the next synchronising call (not a sticky fault: the context lives on)
+NOCOLOR = -1   # NCCL_SPLIT_NOCOLOR
+HOST_IMMEDIATE = 1   # ncclScalarHostImmediate (else ncclScalarDevice: the scalar's device address)
+_COLOR_KEY = struct.Struct("<ii")
 
 
 @dataclass
@@ -29,6 +33,11 @@ class _Comm:
     mesh: Mesh | None = None
     error: str = ""           # why the join or an operation failed
     code: int = nccl_ops.SUCCESS
+    # Held while an operation uses the mesh, and by a split from its call until its exchange over this
+    # (the parent's) mesh is done: later operations on the parent wait for it, so the ranks' messages
+    # over the parent keep one order.
+    busy: threading.Lock = field(default_factory=threading.Lock)
+    premul: dict[int, tuple[int, int, int]] = field(default_factory=dict)   # op -> (dtype, residence, scalar)
 
 
 class EmulatedNccl:
@@ -73,13 +82,91 @@ class EmulatedNccl:
             raise CudaError(code, f"rgpu: worker: {call}: no such communicator on this emulated GPU")
         return comm
 
-    def rgpuNcclCommReady(self, handle: int) -> tuple[int]:
+    def rgpuNcclCommReady(self, handle: int) -> tuple[int, int, int]:
         comm = self._comm(handle, "ncclCommInitRank")
         if not comm.joined.wait(timeout_from_env() + 5):
             comm.error, comm.code = "the join did not finish", nccl_ops.SYSTEM_ERROR
         if comm.code != nccl_ops.SUCCESS:
             raise CudaError(comm.code, f"rgpu: worker: ncclCommInitRank (emulated NCCL): {comm.error}")
+        return (nccl_ops.SUCCESS, comm.rank, comm.nranks)
+
+    def rgpuNcclCommSplit(self, handle: int, color: int, key: int) -> tuple[int, int]:
+        """Every rank of the parent sends its (color, key) to every other over the parent's mesh; the ranks
+        of one color, ordered by (key, parent rank), form a new mesh through a rendezvous that the color's
+        lowest parent rank opens and names to the others over the parent. In the background: a process
+        with several slices splits each before any waits (ncclGroupStart/End)."""
+        parent = self._comm(handle, "ncclCommSplit")
+        child = _Comm(nranks=-1, rank=-1)
+        new = self._nccl_next
+        self._nccl_next += 1
+        self._comms()[new] = child
+        parent.busy.acquire()
+
+        def split() -> None:
+            uid = b""
+            try:
+                try:
+                    if not parent.joined.wait(timeout_from_env()) or parent.mesh is None or parent.code:
+                        raise MeshError(f"the parent communicator did not form ({parent.error or 'timed out'})")
+                    mesh = parent.mesh
+                    table = [_COLOR_KEY.unpack(b) for b in self._gather(mesh, _COLOR_KEY.pack(color, key))]
+                    if color == NOCOLOR:
+                        child.nranks = 0
+                        return
+                    members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(table) if c == color)]
+                    child.rank, child.nranks = members.index(mesh.rank), len(members)
+                    if mesh.rank == members[0]:
+                        uid = Rendezvous(self.nccl_host, timeout_from_env()).id.pack()
+                        for r in members[1:]:
+                            mesh.send(r, uid)
+                    else:
+                        uid = mesh.recv(members[0], ID_BYTES)
+                finally:
+                    parent.busy.release()
+                if uid:
+                    child.mesh = Mesh(uid, child.nranks, child.rank, self.nccl_host, timeout_from_env())
+            except (MeshError, OSError, ValueError) as exc:
+                child.error = f"rank {parent.rank} of {parent.nranks} could not split: {exc}"
+                child.code = nccl_ops.REMOTE_ERROR if isinstance(exc, MeshError) else nccl_ops.SYSTEM_ERROR
+            finally:
+                child.joined.set()
+        threading.Thread(target=split, name="rgpu-nccl-split", daemon=True).start()
+        return (nccl_ops.SUCCESS, new)
+
+    def ncclCommFinalize(self, handle: int) -> tuple[int]:
+        self._comm(handle, "ncclCommFinalize")   # every operation ran as it came: nothing is left to flush
         return (nccl_ops.SUCCESS,)
+
+    def rgpuNcclRedOpCreatePreMulSum(self, scalar: int, dtype: int, residence: int, handle: int) -> tuple[int, int]:
+        comm = self._comm(handle, "ncclRedOpCreatePreMulSum")
+        try:
+            nccl_ops.element_size(dtype)
+        except nccl_ops.Unsupported as exc:
+            raise CudaError(nccl_ops.INVALID_ARGUMENT, f"rgpu: worker: ncclRedOpCreatePreMulSum: {exc}") from None
+        op = nccl_ops.NUM_OPS + len(comm.premul)
+        while op in comm.premul:
+            op += 1
+        comm.premul[op] = (dtype, residence, scalar)
+        return (nccl_ops.SUCCESS, op)
+
+    def ncclRedOpDestroy(self, op: int, handle: int) -> tuple[int]:
+        if self._comm(handle, "ncclRedOpDestroy").premul.pop(op, None) is None:
+            raise CudaError(nccl_ops.INVALID_ARGUMENT, f"rgpu: worker: ncclRedOpDestroy: operator {op} was not made "
+                                                       "by ncclRedOpCreatePreMulSum on this communicator")
+        return (nccl_ops.SUCCESS,)
+
+    def _reduce(self, comm: _Comm, parts: list[bytes], dtype: int, op: int) -> bytes:
+        """nccl_ops.reduce, with this communicator's PreMulSum operators (a device scalar is read now, in
+        the stream's order, as NCCL's kernel reads it)."""
+        if op not in comm.premul:
+            return nccl_ops.reduce(parts, dtype, op)
+        op_dtype, residence, scalar = comm.premul[op]
+        if op_dtype != dtype:
+            raise nccl_ops.Unsupported(f"PreMulSum operator {op} was made for {nccl_ops.DTYPE_NAMES.get(op_dtype)}, "
+                                       f"not {nccl_ops.DTYPE_NAMES.get(dtype)}")
+        size = nccl_ops.element_size(dtype)
+        raw = scalar.to_bytes(8, "little")[:size] if residence == HOST_IMMEDIATE else self._read(scalar, size)
+        return nccl_ops.reduce(parts, dtype, nccl_ops.SUM, scale=nccl_ops.scalar(raw, dtype))
 
     def rgpuNcclCommDestroy(self, handle: int, abort: int) -> tuple[int]:
         comm = self._comms().pop(handle, None)
@@ -101,6 +188,10 @@ class EmulatedNccl:
 
     def _run(self, call: str, handle: int, stream: int, body: Any) -> tuple[int]:
         comm = self._comm(handle, call, INVALID_VALUE)
+        with comm.busy:
+            return self._run_locked(call, comm, stream, body)
+
+    def _run_locked(self, call: str, comm: _Comm, stream: int, body: Any) -> tuple[int]:
         if stream in getattr(self, "capturing", {}):
             raise CudaError(NOT_SUPPORTED, f"rgpu: worker: {call} on a capturing stream is not supported by the "
                                            "emulated GPU's NCCL")
@@ -133,10 +224,19 @@ class EmulatedNccl:
             mesh.send(peer, mine)
         return [mine if r == mesh.rank else mesh.recv(r, len(mine)) for r in range(mesh.nranks)]
 
+    def _exchange_chunks(self, mesh: Mesh, send: int, n: int) -> list[bytes]:
+        """Chunk p of `n` bytes of this rank's send buffer goes to rank p; returns the chunks every rank sent
+        this one, in rank order (reduce-scatter reduces them, all-to-all lays them side by side)."""
+        whole = self._read(send, n * mesh.nranks)
+        for peer in mesh.peers:
+            mesh.send(peer, whole[peer * n:(peer + 1) * n])
+        mine = mesh.rank * n
+        return [whole[mine:mine + n] if r == mesh.rank else mesh.recv(r, n) for r in range(mesh.nranks)]
+
     def ncclAllReduce(self, send: int, recv: int, count: int, dtype: int, op: int, comm: int, stream: int) -> tuple[int]:
         def body(mesh: Mesh) -> None:
             n = count * nccl_ops.element_size(dtype)
-            self._write(recv, nccl_ops.reduce(self._gather(mesh, self._read(send, n)), dtype, op))
+            self._write(recv, self._reduce(self._comms()[comm], self._gather(mesh, self._read(send, n)), dtype, op))
         return self._run("ncclAllReduce", comm, stream, body)
 
     def ncclBroadcast(self, send: int, recv: int, count: int, dtype: int, root: int, comm: int, stream: int) -> tuple[int]:
@@ -160,7 +260,7 @@ class EmulatedNccl:
                 mesh.send(root, mine)
                 return
             parts = [mine if r == root else mesh.recv(r, n) for r in range(mesh.nranks)]
-            self._write(recv, nccl_ops.reduce(parts, dtype, op))
+            self._write(recv, self._reduce(self._comms()[comm], parts, dtype, op))
         return self._run("ncclReduce", comm, stream, body)
 
     def ncclAllGather(self, send: int, recv: int, count: int, dtype: int, comm: int, stream: int) -> tuple[int]:
@@ -172,13 +272,8 @@ class EmulatedNccl:
     def ncclReduceScatter(self, send: int, recv: int, count: int, dtype: int, op: int, comm: int,
                           stream: int) -> tuple[int]:
         def body(mesh: Mesh) -> None:
-            n = count * nccl_ops.element_size(dtype)
-            whole = self._read(send, n * mesh.nranks)
-            for peer in mesh.peers:
-                mesh.send(peer, whole[peer * n:(peer + 1) * n])
-            mine = mesh.rank * n
-            parts = [whole[mine:mine + n] if r == mesh.rank else mesh.recv(r, n) for r in range(mesh.nranks)]
-            self._write(recv, nccl_ops.reduce(parts, dtype, op))
+            parts = self._exchange_chunks(mesh, send, count * nccl_ops.element_size(dtype))
+            self._write(recv, self._reduce(self._comms()[comm], parts, dtype, op))
         return self._run("ncclReduceScatter", comm, stream, body)
 
     def ncclSend(self, send: int, count: int, dtype: int, peer: int, comm: int, stream: int) -> tuple[int]:
@@ -194,3 +289,8 @@ class EmulatedNccl:
                 raise CudaError(INVALID_VALUE, f"rgpu: worker: ncclRecv: peer {peer} is not another rank")
             self._write(recv, mesh.recv(peer, count * nccl_ops.element_size(dtype)))
         return self._run("ncclRecv", comm, stream, body)
+
+    def ncclAlltoAll(self, send: int, recv: int, count: int, dtype: int, comm: int, stream: int) -> tuple[int]:
+        def body(mesh: Mesh) -> None:
+            self._write(recv, b"".join(self._exchange_chunks(mesh, send, count * nccl_ops.element_size(dtype))))
+        return self._run("ncclAlltoAll", comm, stream, body)

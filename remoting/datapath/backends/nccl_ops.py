@@ -10,6 +10,7 @@ from array import array
 SUCCESS, UNHANDLED_CUDA_ERROR, SYSTEM_ERROR, INTERNAL_ERROR, INVALID_ARGUMENT, INVALID_USAGE, REMOTE_ERROR = range(7)
 # ncclRedOp_t
 SUM, PROD, MAX, MIN, AVG = range(5)
+NUM_OPS = 5   # ncclNumOps: operators from ncclRedOpCreatePreMulSum are numbered from here
 OP_NAMES = {SUM: "sum", PROD: "prod", MAX: "max", MIN: "min", AVG: "avg"}
 
 # ncclDataType_t -> (struct format, size, is an integer type)
@@ -48,13 +49,23 @@ def _pack(values: list, fmt: str, size: int, integer: bool) -> bytes:
     return struct.pack(f"<{len(values)}{fmt}", *values)
 
 
-def reduce(parts: list[bytes], dtype: int, op: int) -> bytes:
-    """Element-wise `op` over the ranks' buffers, in rank order (so every rank computes the same bytes)."""
+def scalar(raw: bytes, dtype: int) -> int | float:
+    """One element of `dtype` from its bytes (a PreMulSum operator's scalar)."""
+    fmt, size, _ = DTYPES[dtype]
+    return struct.unpack(f"<{fmt}", raw[:size])[0]
+
+
+def reduce(parts: list[bytes], dtype: int, op: int, scale: int | float | None = None) -> bytes:
+    """Element-wise `op` over the ranks' buffers, in rank order (so every rank computes the same bytes).
+    `scale` (with SUM): each rank's element is multiplied by it first, as ncclRedOpCreatePreMulSum's
+    operator does."""
     fmt, size, integer = DTYPES[dtype] if dtype in DTYPES else ("", 0, False)
     if not fmt:
         raise Unsupported(f"data type {DTYPE_NAMES.get(dtype, dtype)} is not supported by the emulated GPU's NCCL")
     if op not in OP_NAMES:
         raise Unsupported(f"reduction operator {op} is not supported by the emulated GPU's NCCL (sum, prod, max, min, avg)")
+    if scale is not None:
+        parts = [_pack([v * scale for v in _values(p, fmt)], fmt, size, integer) for p in parts]
     acc = _values(parts[0], fmt)
     for part in parts[1:]:
         other = _values(part, fmt)

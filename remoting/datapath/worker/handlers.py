@@ -32,6 +32,7 @@ from rgpu.remoting.datapath.worker.local_memory import (DEFAULT_STACK_BYTES, FUN
                                                         LIMIT_MALLOC_HEAP_SIZE, LIMIT_STACK_SIZE, ContextReserves)
 from rgpu.remoting.datapath.worker.module_footprint import ImageFootprints, ImageUnreadable
 from rgpu.remoting.datapath.worker.native_loop import NativeLaunches
+from rgpu.remoting.datapath.worker.shared_pinned import SHARE, SHARED_COPY, SharedRegions
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 from rgpu.units import format_bytes
 
@@ -259,45 +260,59 @@ class Handlers:
         return buffer(size) if buffer is not None else 0
 
     def h_htod_ucx(self, p: memoryview, address: int, seq: int) -> None:
+        """Protocol 15: the bytes come in chunks (protocol.ucx_chunks); on a GPU each chunk's DMA is
+        queued the moment it is in, so PCIe moves one chunk while the next arrives."""
         import ctypes
         link, dst, size, stream = self._ucx_copy(p, "rgpuMemcpyHtoDUcx")
         fd = self.sock.fileno()
+        chunks = protocol.ucx_chunks(size)
         try:
             real = self.client_streams.real(stream, "cuMemcpyHtoDAsync")
             window = getattr(self.backend, "device_window", None)
             target = window(dst, size, real, "cuMemcpyHtoDAsync") if window is not None else None
         except CudaError:
             # The client sends the bytes whatever the answer: take them off the wire (truncated into
-            # a scratch word), so the next copy's message is not mistaken for this one's.
+            # a scratch word), so the next copy's messages are not mistaken for this one's.
             scratch = ctypes.c_uint64()
-            try:
-                link.recv(seq, ctypes.addressof(scratch), ctypes.sizeof(scratch), fd)
-            except CudaError:
-                pass
+            for i, _at, _n in chunks:
+                try:
+                    link.recv(protocol.ucx_tag(seq, i), ctypes.addressof(scratch), ctypes.sizeof(scratch), fd)
+                except CudaError:
+                    pass
             raise
         if target is not None:   # the emulated device: straight into its memory
             holder = (ctypes.c_char * size).from_buffer(target)
-            link.recv(seq, ctypes.addressof(holder), size, fd)
+            base = ctypes.addressof(holder)
+            for i, at, n in chunks:
+                link.recv(protocol.ucx_tag(seq, i), base + at, n, fd)
             del holder
-        elif (pinned := self._ucx_pinned(size)):   # a real GPU: into pinned memory, one DMA from there
-            link.recv(seq, pinned, size, fd)
-            self.backend.htod_ucx(dst, real, size)
+        elif (pinned := self._ucx_pinned(size)):   # a real GPU: into pinned memory, a DMA per chunk from there
+            for i, at, n in chunks:
+                link.recv(protocol.ucx_tag(seq, i), pinned + at, n, fd)
+                self.backend.htod_ucx(dst + at, real, n, at)
         else:
             staging = self._ucx_staging(size)
-            link.recv(seq, ctypes.addressof(staging), size, fd)
-            self.backend.htod(dst, real, memoryview(staging).cast("B")[:size], ctypes.addressof(staging))
+            base, view = ctypes.addressof(staging), memoryview(staging).cast("B")
+            for i, at, n in chunks:
+                link.recv(protocol.ucx_tag(seq, i), base + at, n, fd)
+                self.backend.htod(dst + at, real, view[at:at + n], base + at)
+            del view
         self.ucx_received = getattr(self, "ucx_received", 0) + size
 
     def h_dtoh_ucx(self, p: memoryview, address: int, seq: int) -> None:
+        """Protocol 15: the bytes go in chunks; on a GPU every chunk's DMA is queued at once and each
+        chunk is sent the moment its DMA is done, so the network moves one while PCIe fills the next."""
         import ctypes
         link, src, size, stream = self._ucx_copy(p, "rgpuMemcpyDtoHUcx")
         real = self.client_streams.real(stream, "cuMemcpyDtoHAsync")
+        chunks = protocol.ucx_chunks(size)
         window = getattr(self.backend, "device_window", None)
+        ready: Any = ((at, n) for _, at, n in chunks)
         if window is not None:
             holder: Any = (ctypes.c_char * size).from_buffer(window(src, size, real, "cuMemcpyDtoHAsync"))
-        elif (pinned := self._ucx_pinned(size)):   # a real GPU: one DMA into pinned memory, sent from there
-            self.backend.dtoh_ucx(src, real, size)
+        elif (pinned := self._ucx_pinned(size)):   # a real GPU: DMAs into pinned memory, sent from there
             holder = (ctypes.c_char * size).from_address(pinned)
+            ready = self.backend.dtoh_ucx_chunks(src, real, size, protocol.UCX_CHUNK_BYTES)
         else:
             holder = self._ucx_staging(size)
             view, at = memoryview(holder).cast("B"), 0
@@ -305,17 +320,78 @@ class Handlers:
                 view[at:at + len(chunk)] = chunk
                 at += len(chunk)
             del view
-        # The bytes go first (the client's receive is posted), then the REPLY on TCP; the send
-        # completes once the client, having read the reply, takes them.
-        req = link.post_send(seq, ctypes.addressof(holder), size)
-        self._reply(seq, SUCCESS, b"", "")
-        why = link.finish_send(req, size, self.sock.fileno())
+        # Each chunk's send is posted (the client's receives are), the REPLY on TCP after the first;
+        # the sends complete once the client, having read the reply, takes them.
+        base, sends, replied, why = ctypes.addressof(holder), [], False, ""
+        try:
+            for i, (at, n) in enumerate(ready):
+                sends.append((link.post_send(protocol.ucx_tag(seq, i), base + at, n), n))
+                if not replied:
+                    self._reply(seq, SUCCESS, b"", "")
+                    replied = True
+        except CudaError as exc:
+            if not replied:
+                raise            # nothing was sent: the client gets the error
+            why = exc.message    # the client was told success: the session cannot go on truthfully
+        for req, n in sends:
+            why = link.finish_send(req, n, self.sock.fileno()) or why
         del holder
-        if why:   # the client was told success: the session cannot go on truthfully
+        if why:
             log.error("rgpu: worker: a device-to-host copy over UCX failed after its reply (%s); ending the session", why)
             raise ConnectionError(why)
         self.sent += size
         return None
+
+    # ---- same-host page-locked memory read in place (protocol 15; worker/shared_pinned.py) ----
+
+    def _shared(self) -> SharedRegions:
+        regions: SharedRegions | None = getattr(self, "shared_regions", None)
+        if regions is None:
+            regions = self.shared_regions = SharedRegions(self.spec.client.get("uid"),
+                                                          getattr(self.backend, "host_register", None),
+                                                          getattr(self.backend, "host_unregister", None))
+        return regions
+
+    def h_host_share(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        size, nonce = SHARE.unpack_from(p, 0)
+        if not hasattr(self.backend, "device_window") and not hasattr(self.backend, "htod_host"):
+            raise CudaError(NOT_SUPPORTED, "")   # a backend that cannot copy from host memory in place
+        if size == 0:
+            return SUCCESS, self._shared().socket_name()
+        return SUCCESS, U64.pack(self._shared().add(size, nonce))
+
+    def h_host_unshare(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        (region,) = U64.unpack_from(p, 0)
+        self._shared().remove(region)
+        return SUCCESS, b""
+
+    def h_htod_shared(self, wait: bool) -> Callable[[memoryview, int, int], tuple[int, bytes]]:
+        def run(p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+            dst, stream, region, offset, size = SHARED_COPY.unpack_from(p, 0)
+            at, host = self._shared().span(region, offset, size, "cuMemcpyHtoD from shared page-locked memory")
+            real = self.client_streams.real(stream, "cuMemcpyHtoDAsync")
+            window = getattr(self.backend, "device_window", None)
+            if window is not None:   # the emulated device: from the client's pages into its memory
+                window(dst, size, real, "cuMemcpyHtoDAsync")[:] = host
+            else:                    # a GPU: one DMA from the client's registered pages
+                self.backend.htod_host(dst, real, at, size, wait)
+            del host
+            self.shared_bytes = getattr(self, "shared_bytes", 0) + size
+            return SUCCESS, b""
+        return run
+
+    def h_dtoh_shared(self, p: memoryview, address: int, seq: int) -> tuple[int, bytes]:
+        src, stream, region, offset, size = SHARED_COPY.unpack_from(p, 0)
+        at, host = self._shared().span(region, offset, size, "cuMemcpyDtoH into shared page-locked memory")
+        real = self.client_streams.real(stream, "cuMemcpyDtoHAsync")
+        window = getattr(self.backend, "device_window", None)
+        if window is not None:
+            host[:] = window(src, size, real, "cuMemcpyDtoHAsync")
+        else:
+            self.backend.dtoh_host(src, real, at, size)
+        del host
+        self.shared_bytes = getattr(self, "shared_bytes", 0) + size
+        return SUCCESS, b""
 
     # ---- copies whose bytes come striped over the session's data lanes (protocol 12; worker/lanes.py) ----
 

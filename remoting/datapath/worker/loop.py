@@ -45,7 +45,8 @@ def late_error(code: int, call: str) -> str:
 
 OP = api_gen.OPCODES
 # Calls that wait for a reply but put work on the GPU (the limiter gates them like launches).
-GPU_WORK_OPS = frozenset(OP[name] for name in ("cuMemcpyDtoHAsync_v2", "rgpuMemcpyDtoHLanes", "cuMemcpyDtoD_v2", "cuGraphLaunch",
+GPU_WORK_OPS = frozenset(OP[name] for name in ("cuMemcpyDtoHAsync_v2", "rgpuMemcpyDtoHLanes", "rgpuMemcpyDtoHShared",
+                                               "rgpuMemcpyHtoDSharedWait", "cuMemcpyDtoD_v2", "cuGraphLaunch",
                                                "cuMemsetD8_v2", "cuMemsetD32_v2", "rgpuMemcpyArrayToHost") if name in OP)
 # Pipelined calls that put no work on the GPU (client-made handles, attribute sets): the limiter lets
 # them through.
@@ -173,6 +174,11 @@ class Worker(Handlers):
             "rgpuMemcpyDtoHUcx": (self.h_dtoh_ucx, False),
             "rgpuMemcpyHtoDLanes": (self.h_htod_lanes, True),
             "rgpuMemcpyDtoHLanes": (self.h_dtoh_lanes, False),
+            "rgpuHostShare": (self.h_host_share, False),
+            "rgpuHostUnshare": (self.h_host_unshare, False),
+            "rgpuMemcpyHtoDShared": (self.h_htod_shared(False), True),
+            "rgpuMemcpyHtoDSharedWait": (self.h_htod_shared(True), False),
+            "rgpuMemcpyDtoHShared": (self.h_dtoh_shared, False),
             "rgpuMemcpy2DDevice": (self.h_dtod_2d, True),
             "cuPointerGetAttribute": (self.h_pointer_attribute, False),
             "cuPointerGetAttributes": (self.h_pointer_attributes, False),

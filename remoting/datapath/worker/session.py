@@ -105,6 +105,9 @@ def run_session(sock: socket.socket, spec: SessionSpec, lanes: list[socket.socke
                 log.warning("closing the compute limiter failed: %s", exc)
             log.info("compute limiter: %.2f s of GPU turns, held back %.2f s", worker.limiter.busy_s,
                      worker.limiter.held_back_s)
+        shared = getattr(worker, "shared_regions", None)
+        if shared is not None and faulted is None:   # unregistered while the context lives; unmapped
+            shared.close()
         try:
             if faulted is None:   # a dead MPS context is let go by exec below, not torn down call by call
                 backend.close()

@@ -39,10 +39,70 @@ ncclResult_t rgpuNcclCommJoin(unsigned long long *remote, const ncclUniqueId *co
     return rgpu_nccl_reply(r);
 }
 
-ncclResult_t rgpuNcclCommReady(ncclComm_t comm) {
+ncclResult_t rgpuNcclCommReady(ncclComm_t comm, int *rank, int *nranks) {
+    if (rank == NULL) return rgpu_nccl_invalid("rgpuNcclCommReady", "rank is NULL");
+    if (nranks == NULL) return rgpu_nccl_invalid("rgpuNcclCommReady", "nranks is NULL");
     rgpu_call c;
     CUresult r = rgpu_nccl_begin_comm(&c, RGPU_OP_rgpuNcclCommReady, comm);
     if (r != CUDA_SUCCESS) return rgpu_nccl_not_sent("rgpuNcclCommReady", r);
+    rgpu_put_u64(&c, rgpu_nccl_remote(comm));
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { int rank_v; memset(&rank_v, 0, sizeof rank_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); rank_v = (int)v_; } if (rank) *rank = rank_v; }
+        { int nranks_v; memset(&nranks_v, 0, sizeof nranks_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); nranks_v = (int)v_; } if (nranks) *nranks = nranks_v; }
+    }
+    rgpu_end(&c);
+    return rgpu_nccl_reply(r);
+}
+
+ncclResult_t rgpuNcclCommSplit(unsigned long long *remote, ncclComm_t comm, int color, int key) {
+    if (remote == NULL) return rgpu_nccl_invalid("rgpuNcclCommSplit", "remote is NULL");
+    rgpu_call c;
+    CUresult r = rgpu_nccl_begin_comm(&c, RGPU_OP_rgpuNcclCommSplit, comm);
+    if (r != CUDA_SUCCESS) return rgpu_nccl_not_sent("rgpuNcclCommSplit", r);
+    rgpu_put_u64(&c, rgpu_nccl_remote(comm));
+    { int32_t v_ = (int32_t)color; rgpu_put(&c, &v_, 4); }
+    { int32_t v_ = (int32_t)key; rgpu_put(&c, &v_, 4); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { unsigned long long remote_v; memset(&remote_v, 0, sizeof remote_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); remote_v = (unsigned long long)v_; } if (remote) *remote = remote_v; }
+    }
+    rgpu_end(&c);
+    return rgpu_nccl_reply(r);
+}
+
+RGPU_EXPORT ncclResult_t ncclCommFinalize(ncclComm_t comm) {
+    rgpu_call c;
+    CUresult r = rgpu_nccl_begin_comm(&c, RGPU_OP_ncclCommFinalize, comm);
+    if (r != CUDA_SUCCESS) return rgpu_nccl_not_sent("ncclCommFinalize", r);
+    rgpu_put_u64(&c, rgpu_nccl_remote(comm));
+    r = rgpu_sync(&c);
+    rgpu_end(&c);
+    return rgpu_nccl_reply(r);
+}
+
+ncclResult_t rgpuNcclRedOpCreatePreMulSum(int *op, unsigned long long scalar, ncclDataType_t datatype, int residence, ncclComm_t comm) {
+    if (op == NULL) return rgpu_nccl_invalid("rgpuNcclRedOpCreatePreMulSum", "op is NULL");
+    rgpu_call c;
+    CUresult r = rgpu_nccl_begin_comm(&c, RGPU_OP_rgpuNcclRedOpCreatePreMulSum, comm);
+    if (r != CUDA_SUCCESS) return rgpu_nccl_not_sent("rgpuNcclRedOpCreatePreMulSum", r);
+    { uint64_t v_ = (uint64_t)scalar; rgpu_put(&c, &v_, 8); }
+    { int32_t v_ = (int32_t)datatype; rgpu_put(&c, &v_, 4); }
+    { int32_t v_ = (int32_t)residence; rgpu_put(&c, &v_, 4); }
+    rgpu_put_u64(&c, rgpu_nccl_remote(comm));
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { int op_v; memset(&op_v, 0, sizeof op_v); { int32_t v_; rgpu_get(&c, &v_, sizeof v_); op_v = (int)v_; } if (op) *op = op_v; }
+    }
+    rgpu_end(&c);
+    return rgpu_nccl_reply(r);
+}
+
+RGPU_EXPORT ncclResult_t ncclRedOpDestroy(ncclRedOp_t op, ncclComm_t comm) {
+    rgpu_call c;
+    CUresult r = rgpu_nccl_begin_comm(&c, RGPU_OP_ncclRedOpDestroy, comm);
+    if (r != CUDA_SUCCESS) return rgpu_nccl_not_sent("ncclRedOpDestroy", r);
+    { int32_t v_ = (int32_t)op; rgpu_put(&c, &v_, 4); }
     rgpu_put_u64(&c, rgpu_nccl_remote(comm));
     r = rgpu_sync(&c);
     rgpu_end(&c);
@@ -195,21 +255,30 @@ RGPU_EXPORT ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t d
     return r == CUDA_SUCCESS ? ncclSuccess : rgpu_nccl_not_sent("ncclRecv", r);
 }
 
+RGPU_EXPORT ncclResult_t ncclAlltoAll(const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype, ncclComm_t comm, cudaStream_t stream) {
+    rgpu_call c;
+    CUresult r = rgpu_nccl_begin_comm(&c, RGPU_OP_ncclAlltoAll, comm);
+    if (r != CUDA_SUCCESS) return rgpu_nccl_not_sent("ncclAlltoAll", r);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)sendbuff);
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)recvbuff);
+    { uint64_t v_ = (uint64_t)count; rgpu_put(&c, &v_, 8); }
+    { int32_t v_ = (int32_t)datatype; rgpu_put(&c, &v_, 4); }
+    rgpu_put_u64(&c, rgpu_nccl_remote(comm));
+    rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
+    r = rgpu_async(&c);
+    return r == CUDA_SUCCESS ? ncclSuccess : rgpu_nccl_not_sent("ncclAlltoAll", r);
+}
+
 /* Every other NCCL entry point of nccl.spec: present, logs its name once, ncclInvalidUsage. */
 RGPU_EXPORT ncclResult_t ncclMemAlloc(void) { static int seen; return rgpu_nccl_unsupported("ncclMemAlloc", &seen); }
 RGPU_EXPORT ncclResult_t ncclMemFree(void) { static int seen; return rgpu_nccl_unsupported("ncclMemFree", &seen); }
-RGPU_EXPORT ncclResult_t ncclCommFinalize(void) { static int seen; return rgpu_nccl_unsupported("ncclCommFinalize", &seen); }
-RGPU_EXPORT ncclResult_t ncclCommSplit(void) { static int seen; return rgpu_nccl_unsupported("ncclCommSplit", &seen); }
 RGPU_EXPORT ncclResult_t ncclCommShrink(void) { static int seen; return rgpu_nccl_unsupported("ncclCommShrink", &seen); }
 RGPU_EXPORT ncclResult_t ncclCommInitRankScalable(void) { static int seen; return rgpu_nccl_unsupported("ncclCommInitRankScalable", &seen); }
 RGPU_EXPORT ncclResult_t ncclCommRegister(void) { static int seen; return rgpu_nccl_unsupported("ncclCommRegister", &seen); }
 RGPU_EXPORT ncclResult_t ncclCommDeregister(void) { static int seen; return rgpu_nccl_unsupported("ncclCommDeregister", &seen); }
 RGPU_EXPORT ncclResult_t ncclCommWindowRegister(void) { static int seen; return rgpu_nccl_unsupported("ncclCommWindowRegister", &seen); }
 RGPU_EXPORT ncclResult_t ncclCommWindowDeregister(void) { static int seen; return rgpu_nccl_unsupported("ncclCommWindowDeregister", &seen); }
-RGPU_EXPORT ncclResult_t ncclRedOpCreatePreMulSum(void) { static int seen; return rgpu_nccl_unsupported("ncclRedOpCreatePreMulSum", &seen); }
-RGPU_EXPORT ncclResult_t ncclRedOpDestroy(void) { static int seen; return rgpu_nccl_unsupported("ncclRedOpDestroy", &seen); }
 RGPU_EXPORT ncclResult_t ncclGroupSimulateEnd(void) { static int seen; return rgpu_nccl_unsupported("ncclGroupSimulateEnd", &seen); }
-RGPU_EXPORT ncclResult_t ncclAlltoAll(void) { static int seen; return rgpu_nccl_unsupported("ncclAlltoAll", &seen); }
 RGPU_EXPORT ncclResult_t ncclGather(void) { static int seen; return rgpu_nccl_unsupported("ncclGather", &seen); }
 RGPU_EXPORT ncclResult_t ncclScatter(void) { static int seen; return rgpu_nccl_unsupported("ncclScatter", &seen); }
 RGPU_EXPORT ncclResult_t ncclCommRevoke(void) { static int seen; return rgpu_nccl_unsupported("ncclCommRevoke", &seen); }
@@ -219,3 +288,16 @@ RGPU_EXPORT ncclResult_t ncclCommSuspend(void) { static int seen; return rgpu_nc
 RGPU_EXPORT ncclResult_t ncclCommResume(void) { static int seen; return rgpu_nccl_unsupported("ncclCommResume", &seen); }
 RGPU_EXPORT ncclResult_t ncclCommMemStats(void) { static int seen; return rgpu_nccl_unsupported("ncclCommMemStats", &seen); }
 RGPU_EXPORT ncclResult_t ncclWinGetUserPtr(void) { static int seen; return rgpu_nccl_unsupported("ncclWinGetUserPtr", &seen); }
+RGPU_EXPORT ncclResult_t ncclDevCommCreate(void) { static int seen; return rgpu_nccl_unsupported("ncclDevCommCreate", &seen); }
+RGPU_EXPORT ncclResult_t ncclDevCommDestroy(void) { static int seen; return rgpu_nccl_unsupported("ncclDevCommDestroy", &seen); }
+RGPU_EXPORT ncclResult_t ncclGinBarrierCreateRequirement(void) { static int seen; return rgpu_nccl_unsupported("ncclGinBarrierCreateRequirement", &seen); }
+RGPU_EXPORT ncclResult_t ncclLsaBarrierCreateRequirement(void) { static int seen; return rgpu_nccl_unsupported("ncclLsaBarrierCreateRequirement", &seen); }
+RGPU_EXPORT ncclResult_t ncclLLA2ACreateRequirement(void) { static int seen; return rgpu_nccl_unsupported("ncclLLA2ACreateRequirement", &seen); }
+RGPU_EXPORT ncclResult_t ncclLLA2ACalcSlots(void) { static int seen; return rgpu_nccl_unsupported("ncclLLA2ACalcSlots", &seen); }
+RGPU_EXPORT ncclResult_t ncclTeamWorld(void) { static int seen; return rgpu_nccl_unsupported("ncclTeamWorld", &seen); }
+RGPU_EXPORT ncclResult_t ncclTeamLsa(void) { static int seen; return rgpu_nccl_unsupported("ncclTeamLsa", &seen); }
+RGPU_EXPORT ncclResult_t ncclTeamRail(void) { static int seen; return rgpu_nccl_unsupported("ncclTeamRail", &seen); }
+RGPU_EXPORT ncclResult_t ncclTeamRankToLsa(void) { static int seen; return rgpu_nccl_unsupported("ncclTeamRankToLsa", &seen); }
+RGPU_EXPORT ncclResult_t ncclTeamRankToWorld(void) { static int seen; return rgpu_nccl_unsupported("ncclTeamRankToWorld", &seen); }
+RGPU_EXPORT ncclResult_t ncclResetDebugInit(void) { static int seen; return rgpu_nccl_unsupported("ncclResetDebugInit", &seen); }
+RGPU_EXPORT ncclResult_t ncclResetDebugInitInternal(void) { static int seen; return rgpu_nccl_unsupported("ncclResetDebugInitInternal", &seen); }

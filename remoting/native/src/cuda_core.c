@@ -24,6 +24,7 @@ static void after_fork_child(void) {
     rgpu_tables_reset();
     rgpu_cls_reset_after_fork();
     rgpu_events_reset_after_fork();
+    rgpu_zero_copy_reset_after_fork();
     pthread_mutex_init(&g_init_lock, NULL);
     g_init_done = 0;
     g_init_result = CUDA_ERROR_NOT_INITIALIZED;

@@ -702,6 +702,7 @@ static void pack_args(const launch_args *a, void **params, uint8_t *out) {
  * MPS ending every session on that GPU): the launch is refused before it leaves, naming the
  * argument. */
 static CUresult host_pointers_for_gpu(const char *call, const char *kernel, const void *args, size_t n) {
+    rgpu_managed_hand_args(args, n);   /* memory backed by an earlier launch: its bytes go with this one */
     for (;;) {
         uint64_t value = 0;
         long off = rgpu_args_host_pointer(args, n, &value);

@@ -238,6 +238,30 @@ void rgpu_managed_hand(CUdeviceptr p) {
     pthread_mutex_unlock(&g_lock);
 }
 
+/* A launch's packed arguments: every page-locked region backed on the GPU whose address one of its
+ * 8-byte words holds goes with the launch (such regions left the host ranges the refusal scan reads
+ * when they were backed, so that scan does not see them again). */
+void rgpu_managed_hand_args(const void *args, size_t n) {
+    if (t_moving || !__atomic_load_n(&g_count, __ATOMIC_ACQUIRE) || n < 8) return;
+    pthread_mutex_lock(&g_lock);
+    uint64_t lo = UINT64_MAX, hi = 0;
+    for (size_t i = 0; i < g_count; i++)
+        if (g_regions[i].pinned && !g_regions[i].gpu_owned) {
+            if (g_regions[i].user < lo) lo = g_regions[i].user;
+            if (g_regions[i].user + g_regions[i].size > hi) hi = g_regions[i].user + g_regions[i].size;
+        }
+    int any = 0;
+    for (size_t off = 0; lo < hi && off + 8 <= n; off += 8) {
+        uint64_t v;
+        memcpy(&v, (const uint8_t *)args + off, 8);
+        if (v < lo || v >= hi) continue;
+        managed_region *m = find_locked(v);
+        if (m && m->pinned && !m->gpu_owned) m->handed = any = 1;
+    }
+    if (any) __atomic_store_n(&g_any_host_owned, 1, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&g_lock);
+}
+
 int rgpu_managed_any(void) { return __atomic_load_n(&g_count, __ATOMIC_ACQUIRE) != 0; }
 
 int rgpu_managed_find(CUdeviceptr p) {

@@ -99,7 +99,7 @@ CUresult rgpu_nccl_begin_comm(rgpu_call *c, uint16_t op, ncclComm_t comm) {
         return CUDA_ERROR_INVALID_HANDLE;
     }
     uint64_t bit = 1ull << (comm->session & 63);
-    int collective = op >= RGPU_OP_ncclAllReduce && op <= RGPU_OP_ncclRecv;   /* nccl.spec's last section */
+    int collective = op >= RGPU_OP_ncclAllReduce && op <= RGPU_OP_ncclAlltoAll;   /* nccl.spec's last section */
     if (tl_group_depth > 0 && collective && !(tl_group_slices & bit)) {
         ncclResult_t r = rgpuNcclGroupStart(comm->session);
         if (r != ncclSuccess) {
@@ -143,8 +143,9 @@ ncclResult_t rgpu_nccl_invalid(const char *call, const char *why) {
 
 ncclResult_t rgpu_nccl_unsupported(const char *call, int *seen) {
     if (!__atomic_exchange_n(seen, 1, __ATOMIC_RELAXED))
-        say("%s is not supported by rgpu's NCCL yet (rgpu remotes communicators from ncclGetUniqueId, groups, "
-            "all-reduce, broadcast, reduce, all-gather, reduce-scatter, send and receive)", call);
+        say("%s is not supported by rgpu's NCCL yet (rgpu remotes communicators from ncclGetUniqueId and their "
+            "splits, groups, all-reduce, broadcast, reduce, all-gather, reduce-scatter, all-to-all, send and receive, "
+            "PreMulSum operators)", call);
     else
         snprintf(tl_last_error, sizeof tl_last_error, "%s is not supported by rgpu's NCCL yet", call);
     return ncclInvalidUsage;
@@ -184,13 +185,46 @@ RGPU_EXPORT ncclResult_t ncclGetUniqueId(ncclUniqueId *uniqueId) {
     return rgpuNcclGetUniqueId(uniqueId, session);
 }
 
+/* Waits for the worker's communicator; a split's rank and size are learnt here. A rank that split
+ * with NCCL_SPLIT_NOCOLOR has no communicator: NULL goes to the caller's pointer and it is freed. */
 static ncclResult_t wait_ready(ncclComm_t comm) {
-    ncclResult_t r = rgpuNcclCommReady(comm);
+    int rank = comm->rank, nranks = comm->nranks;
+    ncclResult_t r = rgpuNcclCommReady(comm, &rank, &nranks);
     comm->ready = r == ncclSuccess;
-    return r;
+    if (r != ncclSuccess) return r;
+    comm->rank = rank;
+    comm->nranks = nranks;
+    if (nranks == 0) {
+        if (comm->out) *comm->out = NULL;
+        rgpuNcclCommDestroy(comm, 0);
+        comm->magic = 0;
+        free(comm);
+    }
+    return ncclSuccess;
 }
 
-static ncclResult_t join(ncclComm_t *out, int session, int nranks, const ncclUniqueId *id, int rank) {
+/* config->blocking (NCCL_CONFIG_UNDEF_INT: NCCL_COMM_BLOCKING, else blocking). */
+static int config_blocking(const ncclConfig_t *config, int inherited) {
+    if (config && config->blocking != NCCL_CONFIG_UNDEF_INT) return config->blocking != 0;
+    if (config || inherited < 0) {
+        const char *env = getenv("NCCL_COMM_BLOCKING");
+        return !(env && !strcmp(env, "0"));
+    }
+    return inherited;
+}
+
+/* A communicator started on the worker: wait for it now, at the group's end, or (non-blocking) when
+ * ncclCommGetAsyncError asks. */
+static ncclResult_t started(ncclComm_t comm) {
+    if (tl_group_depth > 0 && tl_pending_n < RGPU_MAX_SESSIONS) {
+        tl_pending[tl_pending_n++] = comm;
+        return ncclSuccess;
+    }
+    if (!comm->blocking) return ncclInProgress;
+    return wait_ready(comm);
+}
+
+static ncclResult_t join(ncclComm_t *out, int session, int nranks, const ncclUniqueId *id, int rank, int blocking) {
     if (!out) return rgpu_nccl_invalid("ncclCommInitRank", "comm is NULL");
     if (nranks < 1 || rank < 0 || rank >= nranks) return rgpu_nccl_invalid("ncclCommInitRank", "rank or nranks out of range");
     ncclComm_t comm = calloc(1, sizeof *comm);
@@ -202,27 +236,64 @@ static ncclResult_t join(ncclComm_t *out, int session, int nranks, const ncclUni
         return r;
     }
     *comm = (struct ncclComm){.magic = RGPU_NCCL_COMM_MAGIC, .session = session, .remote = remote, .rank = rank,
-                              .nranks = nranks};
+                              .nranks = nranks, .blocking = blocking};
     *out = comm;
-    if (tl_group_depth > 0 && tl_pending_n < RGPU_MAX_SESSIONS) {
-        tl_pending[tl_pending_n++] = comm;
-        return ncclSuccess;
-    }
-    return wait_ready(comm);
+    return started(comm);
 }
 
-RGPU_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank) {
+static ncclResult_t init_rank(ncclComm_t *comm, int nranks, const ncclUniqueId *id, int rank, int blocking) {
     const rgpu_nccl_bridge *b = bridge();
     if (!b) return ncclSystemError;
     int session;
     CUresult r = b->current_session(&session);
     if (r != CUDA_SUCCESS) return rgpu_nccl_not_sent("ncclCommInitRank", r);
-    return join(comm, session, nranks, &commId, rank);
+    return join(comm, session, nranks, id, rank, blocking);
 }
 
+RGPU_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank) {
+    return init_rank(comm, nranks, &commId, rank, config_blocking(NULL, -1));
+}
+
+/* Of the config only `blocking` applies (the rest tunes NCCL's kernels and network; the worker's NCCL
+ * uses its defaults). Non-blocking: the join starts and ncclInProgress answers at once, as NCCL's. */
 RGPU_EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank,
                                                 ncclConfig_t *config) {
-    return ncclCommInitRank(comm, nranks, commId, rank);   /* blocking; no field of the config applies yet */
+    return init_rank(comm, nranks, &commId, rank, config_blocking(config, -1));
+}
+
+/* Collective over the parent's ranks: each worker exchanges (color, key) over the parent and forms
+ * the new communicator in the background; the new one's rank and size come at rgpuNcclCommReady. */
+RGPU_EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config) {
+    if (!comm_ok(comm) || !newcomm) return rgpu_nccl_invalid("ncclCommSplit", "not a communicator, or newcomm is NULL");
+    if (color < 0 && color != NCCL_SPLIT_NOCOLOR) return rgpu_nccl_invalid("ncclCommSplit", "color must be >= 0 or NCCL_SPLIT_NOCOLOR");
+    ncclComm_t child = calloc(1, sizeof *child);
+    if (!child) return ncclSystemError;
+    unsigned long long remote = 0;
+    ncclResult_t r = rgpuNcclCommSplit(&remote, comm, color, key);
+    if (r != ncclSuccess) {
+        free(child);
+        return r;
+    }
+    *child = (struct ncclComm){.magic = RGPU_NCCL_COMM_MAGIC, .session = comm->session, .remote = remote,
+                               .rank = -1, .nranks = -1, .out = newcomm,
+                               /* no color: waited for (here or at the group's end), then NULL */
+                               .blocking = color == NCCL_SPLIT_NOCOLOR || config_blocking(config, comm->blocking)};
+    *newcomm = child;
+    return started(child);
+}
+
+RGPU_EXPORT ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t *op, void *scalar, ncclDataType_t datatype,
+                                                  ncclScalarResidence_t residence, ncclComm_t comm) {
+    static const int sizes[ncclNumTypes] = {1, 1, 4, 4, 8, 8, 2, 4, 8, 2};
+    if (!op || !scalar) return rgpu_nccl_invalid("ncclRedOpCreatePreMulSum", "op or scalar is NULL");
+    if ((int)datatype < 0 || datatype >= ncclNumTypes) return rgpu_nccl_invalid("ncclRedOpCreatePreMulSum", "unknown datatype");
+    unsigned long long value = 0;   /* host-immediate: the scalar's bytes, read now; on the device: its address */
+    if (residence == ncclScalarHostImmediate) memcpy(&value, scalar, (size_t)sizes[datatype]);
+    else value = (unsigned long long)(uintptr_t)scalar;
+    int made = 0;
+    ncclResult_t r = rgpuNcclRedOpCreatePreMulSum(&made, value, datatype, (int)residence, comm);
+    if (r == ncclSuccess) *op = (ncclRedOp_t)made;
+    return r;
 }
 
 RGPU_EXPORT ncclResult_t ncclCommInitAll(ncclComm_t *comms, int ndev, const int *devlist) {
@@ -240,7 +311,7 @@ RGPU_EXPORT ncclResult_t ncclCommInitAll(ncclComm_t *comms, int ndev, const int 
     ncclResult_t r = rgpuNcclGetUniqueId(&id, devlist ? devlist[0] : 0);
     if (r != ncclSuccess) return r;
     ncclGroupStart();
-    for (int i = 0; i < ndev && r == ncclSuccess; i++) r = join(&comms[i], devlist ? devlist[i] : i, ndev, &id, i);
+    for (int i = 0; i < ndev && r == ncclSuccess; i++) r = join(&comms[i], devlist ? devlist[i] : i, ndev, &id, i, 1);
     ncclResult_t end = ncclGroupEnd();
     return r != ncclSuccess ? r : end;
 }
@@ -261,7 +332,8 @@ RGPU_EXPORT ncclResult_t ncclGroupEnd(void) {
     }
     tl_group_slices = 0;
     for (int i = 0; i < tl_pending_n; i++) {
-        ncclResult_t r = wait_ready(tl_pending[i]);
+        ncclComm_t comm = tl_pending[i];
+        ncclResult_t r = comm->blocking ? wait_ready(comm) : ncclInProgress;   /* non-blocking: ncclCommGetAsyncError */
         if (first == ncclSuccess) first = r;
     }
     tl_pending_n = 0;
@@ -286,6 +358,8 @@ RGPU_EXPORT ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *as
     ncclResult_t r = rgpuNcclCommGetAsyncError(comm, &value);
     if (r == ncclUnhandledCudaError)   /* an earlier pipelined call's error answered this call: ask again */
         r = rgpuNcclCommGetAsyncError(comm, &value);
+    if (r == ncclSuccess && value == ncclSuccess && !comm->ready)
+        r = wait_ready(comm);   /* formed: learn its rank and size (answers at once; never NOCOLOR's, which blocks) */
     *asyncError = (ncclResult_t)value;
     return r;
 }

@@ -23,6 +23,10 @@
 #define RGPU_CHUNK_BYTES (1u << 20)
 /* Copies of at least this many bytes go on UCX where the session has it (RGPU_UCX_MIN_BYTES overrides). */
 #define RGPU_UCX_MIN_BYTES (1u << 20)
+/* Protocol 15: a UCX copy's bytes go as messages of this size (the last one shorter), chunk i tagged
+ * seq | i << 32 (remoting/datapath/protocol.py's UCX_CHUNK_BYTES): the worker moves each over PCIe
+ * while the next one arrives. */
+#define RGPU_UCX_CHUNK_BYTES (4u << 20)
 
 /* Data lanes (protocol 12, lanes.h): RGPU_LANES connections carry a large copy's bytes (1: the
  * session's own; default 8), for copies of at least RGPU_LANE_MIN_BYTES, in chunks of
@@ -285,6 +289,7 @@ int rgpu_managed_find(CUdeviceptr p);
 int rgpu_managed_routes(const void *host);
 CUresult rgpu_managed_free(CUdeviceptr user);
 void rgpu_managed_hand(CUdeviceptr p);
+void rgpu_managed_hand_args(const void *args, size_t n);
 int rgpu_managed_adopt(CUdeviceptr user, size_t size, size_t mapped);
 int rgpu_managed_forget(CUdeviceptr user);
 /* Page-locked memory a GPU kernel uses directly (zero_copy.c). */
@@ -293,6 +298,14 @@ int rgpu_zero_copy_free(void *p, CUresult *result);
 int rgpu_zero_copy_flags(const void *p, unsigned int *flags);
 CUresult rgpu_zero_copy_promote(uint64_t ptr, int *found, const char *why);
 CUresult rgpu_zero_copy_target(CUdeviceptr ptr);
+int rgpu_zero_copy_shared(const void *p, size_t n, int session, uint64_t *region, uint64_t *offset);
+void rgpu_zero_copy_reset_after_fork(void);
+/* Same-host page-locked memory read in place (shared_pinned.c, protocol 15). */
+size_t rgpu_shared_min_bytes(void);
+void *rgpu_shared_pinned_map(int session, void *at, size_t mapped, uint64_t *region, int *memfd);
+CUresult rgpu_shared_pinned_unshare(int session, uint64_t region);
+void rgpu_shared_pinned_privatize(void *base, size_t mapped, int memfd);
+void rgpu_shared_pinned_reset_after_fork(void);
 int rgpu_kfunc_get(CUkernel k, CUfunction *out);
 void rgpu_kfunc_put(CUkernel k, CUfunction f);
 void rgpu_cache_forget_functions(void);

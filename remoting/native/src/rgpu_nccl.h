@@ -25,6 +25,11 @@ typedef enum {
     ncclInvalidArgument = 4, ncclInvalidUsage = 5, ncclRemoteError = 6, ncclInProgress = 7, ncclNumResults = 8
 } ncclResult_t;
 
+typedef enum { ncclScalarDevice = 0, ncclScalarHostImmediate = 1 } ncclScalarResidence_t;
+
+#define NCCL_SPLIT_NOCOLOR -1
+#define NCCL_CONFIG_UNDEF_INT (-2147483647 - 1)
+
 typedef enum { ncclSum = 0, ncclProd = 1, ncclMax = 2, ncclMin = 3, ncclAvg = 4, ncclNumOps = 5 } ncclRedOp_t;
 
 typedef enum {
@@ -33,8 +38,8 @@ typedef enum {
     ncclDouble = 8, ncclBfloat16 = 9, ncclNumTypes = 10
 } ncclDataType_t;
 
-/* ncclConfig_t's fields are read only as far as rgpu needs them (none yet): its size and version
- * come first, as in NCCL. */
+/* ncclConfig_t's fields are read only as far as rgpu needs them (`blocking`; NCCL 2.28's struct is
+ * longer, its first fields are these): its size and version come first, as in NCCL. */
 typedef struct ncclConfig_v21700 {
     size_t size;
     unsigned int magic;
@@ -60,6 +65,11 @@ ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t *asyncError);
 ncclResult_t ncclCommCount(const ncclComm_t comm, int *count);
 ncclResult_t ncclCommCuDevice(const ncclComm_t comm, int *device);
 ncclResult_t ncclCommUserRank(const ncclComm_t comm, int *rank);
+ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newcomm, ncclConfig_t *config);
+ncclResult_t ncclCommFinalize(ncclComm_t comm);
+ncclResult_t ncclRedOpCreatePreMulSum(ncclRedOp_t *op, void *scalar, ncclDataType_t datatype,
+                                      ncclScalarResidence_t residence, ncclComm_t comm);
+ncclResult_t ncclRedOpDestroy(ncclRedOp_t op, ncclComm_t comm);
 ncclResult_t ncclGroupStart(void);
 ncclResult_t ncclGroupEnd(void);
 ncclResult_t ncclAllReduce(const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype, ncclRedOp_t op,
@@ -77,6 +87,9 @@ ncclResult_t ncclSend(const void *sendbuff, size_t count, ncclDataType_t datatyp
                       cudaStream_t stream);
 ncclResult_t ncclRecv(void *recvbuff, size_t count, ncclDataType_t datatype, int peer, ncclComm_t comm,
                       cudaStream_t stream);
+
+ncclResult_t ncclAlltoAll(const void *sendbuff, void *recvbuff, size_t count, ncclDataType_t datatype, ncclComm_t comm,
+                          cudaStream_t stream);
 
 #ifdef __cplusplus
 }

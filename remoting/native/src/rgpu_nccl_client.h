@@ -14,6 +14,8 @@ struct ncclComm {
     uint64_t remote;    /* the worker's communicator */
     int rank, nranks;
     int ready;          /* rgpuNcclCommReady answered ncclSuccess */
+    int blocking;       /* 0: ncclCommInitRankConfig/ncclCommSplit answered ncclInProgress (config->blocking = 0) */
+    ncclComm_t *out;    /* a split's caller's pointer: NULL is written there when the rank has no color */
 };
 
 CUresult rgpu_nccl_begin_comm(rgpu_call *c, uint16_t op, ncclComm_t comm);
@@ -27,7 +29,10 @@ ncclResult_t rgpu_nccl_unsupported(const char *call, int *seen);
 /* The generated communicator operations (nccl.spec). */
 ncclResult_t rgpuNcclGetUniqueId(ncclUniqueId *uniqueId, CUdevice dev);
 ncclResult_t rgpuNcclCommJoin(unsigned long long *remote, const ncclUniqueId *commId, int nranks, int rank, CUdevice dev);
-ncclResult_t rgpuNcclCommReady(ncclComm_t comm);
+ncclResult_t rgpuNcclCommReady(ncclComm_t comm, int *rank, int *nranks);
+ncclResult_t rgpuNcclCommSplit(unsigned long long *remote, ncclComm_t comm, int color, int key);
+ncclResult_t rgpuNcclRedOpCreatePreMulSum(int *op, unsigned long long scalar, ncclDataType_t datatype, int residence,
+                                          ncclComm_t comm);
 ncclResult_t rgpuNcclCommDestroy(ncclComm_t comm, int abort);
 ncclResult_t rgpuNcclCommGetAsyncError(ncclComm_t comm, int *asyncError);
 ncclResult_t rgpuNcclGroupStart(CUdevice dev);

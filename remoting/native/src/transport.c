@@ -1012,21 +1012,47 @@ static double ucx_idle_s(void) {
     return d > 0 ? d : 60.0;
 }
 
+static uint64_t ucx_tag(uint32_t seq, size_t i) { return (uint64_t)seq | (uint64_t)i << 32; }
+static size_t ucx_chunk_count(size_t n) { return n ? (n + RGPU_UCX_CHUNK_BYTES - 1) / RGPU_UCX_CHUNK_BYTES : 1; }
+static size_t ucx_chunk_len(size_t n, size_t i) {
+    size_t at = i * (size_t)RGPU_UCX_CHUNK_BYTES;
+    return n - at < RGPU_UCX_CHUNK_BYTES ? n - at : RGPU_UCX_CHUNK_BYTES;
+}
+
+/* A UCX copy's requests, one per chunk (protocol 15). */
+typedef struct ucx_chunks {
+    size_t count;
+    void *req[];
+} ucx_chunks;
+
 CUresult rgpu_ucx_put_bulk(rgpu_call *c, const void *p, size_t n) {
     rgpu_session *s = c->s;
     patch_length(c, 0);
-    c->frame_start = (size_t)-1;   /* complete: its bytes follow on UCX, tagged with its seq */
+    c->frame_start = (size_t)-1;   /* complete: its bytes follow on UCX, chunk i tagged seq | i << 32 */
     if (flush_locked(s)) return CUDA_ERROR_DEVICE_UNAVAILABLE;
     char why[512];
-    void *req = NULL;
-    int w = rgpu_ucx_post(s->ucx, 0, s->seq, (void *)p, n, &req, why, sizeof why);
+    size_t count = ucx_chunk_count(n);
+    ucx_chunks *chunks = calloc(1, sizeof *chunks + count * sizeof(void *));
+    if (!chunks) {
+        session_fail(s, "out of memory for a UCX copy's requests");
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
+    int w = 0;
+    for (size_t i = 0; i < count && !w; i++)   /* all posted: UCX moves them while the worker takes each */
+        w = rgpu_ucx_post(s->ucx, 0, ucx_tag(s->seq, i), (uint8_t *)p + i * (size_t)RGPU_UCX_CHUNK_BYTES,
+                          ucx_chunk_len(n, i), &chunks->req[i], why, sizeof why);
     /* The worker may be waiting for this process first (a graph's host function queued before
      * the copy): serve what it sends while the bytes wait to be taken. */
-    while (w == 0 && (w = rgpu_ucx_wait(s->ucx, req, 0, n, ucx_idle_s(), s->fd, RGPU_UCX_YIELD_READABLE, why,
-                                        sizeof why)) == 1) {
-        if (serve_unasked(s, "while a copy's bytes went over UCX")) return CUDA_ERROR_DEVICE_UNAVAILABLE;
-        w = 0;
+    for (size_t i = 0; i < count && !w; i++) {
+        while ((w = rgpu_ucx_wait(s->ucx, chunks->req[i], 0, ucx_chunk_len(n, i), ucx_idle_s(), s->fd,
+                                  RGPU_UCX_YIELD_READABLE, why, sizeof why)) == 1) {
+            if (serve_unasked(s, "while a copy's bytes went over UCX")) {
+                free(chunks);
+                return CUDA_ERROR_DEVICE_UNAVAILABLE;
+            }
+        }
     }
+    free(chunks);
     if (w) {
         char line[600];
         snprintf(line, sizeof line, "a host-to-device copy over UCX failed: %s", why);
@@ -1038,27 +1064,46 @@ CUresult rgpu_ucx_put_bulk(rgpu_call *c, const void *p, size_t n) {
 
 CUresult rgpu_ucx_expect(rgpu_call *c, void *dst, size_t n, void **req) {
     char why[512];
-    if (rgpu_ucx_post(c->s->ucx, 1, c->s->seq, dst, n, req, why, sizeof why)) {
-        rgpu_log(RGPU_LOG_ERROR, "GPU server %s: cannot post a UCX receive (%s)", c->s->server, why);
-        return CUDA_ERROR_UNKNOWN;
+    size_t count = ucx_chunk_count(n);
+    ucx_chunks *chunks = calloc(1, sizeof *chunks + count * sizeof(void *));
+    if (!chunks) return CUDA_ERROR_OUT_OF_MEMORY;
+    for (size_t i = 0; i < count; i++) {
+        if (rgpu_ucx_post(c->s->ucx, 1, ucx_tag(c->s->seq, i), (uint8_t *)dst + i * (size_t)RGPU_UCX_CHUNK_BYTES,
+                          ucx_chunk_len(n, i), &chunks->req[i], why, sizeof why)) {
+            rgpu_log(RGPU_LOG_ERROR, "GPU server %s: cannot post a UCX receive (%s)", c->s->server, why);
+            for (size_t k = 0; k < i; k++)
+                if (chunks->req[k]) rgpu_ucx_cancel(c->s->ucx, chunks->req[k]);
+            free(chunks);
+            return CUDA_ERROR_UNKNOWN;
+        }
+        chunks->count = i + 1;
     }
+    *req = chunks;
     return CUDA_SUCCESS;
 }
 
 CUresult rgpu_ucx_finish(rgpu_call *c, void *req, size_t n, CUresult result) {
     rgpu_session *s = c->s;
-    if (!req) return result;
-    if (result != CUDA_SUCCESS || s->dead) {   /* the worker sent nothing: take the receive back */
-        if (!s->dead) rgpu_ucx_cancel(s->ucx, req);
+    ucx_chunks *chunks = req;
+    if (!chunks) return result;
+    if (result != CUDA_SUCCESS || s->dead) {   /* the worker sent nothing: take the receives back */
+        if (!s->dead)
+            for (size_t i = 0; i < chunks->count; i++)
+                if (chunks->req[i]) rgpu_ucx_cancel(s->ucx, chunks->req[i]);
+        free(chunks);
         return result;
     }
     char why[512];
-    if (rgpu_ucx_wait(s->ucx, req, 1, n, ucx_idle_s(), s->fd, 0, why, sizeof why)) {
-        char line[600];
-        snprintf(line, sizeof line, "a device-to-host copy over UCX failed: %s", why);
-        session_fail(s, line);
-        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    for (size_t i = 0; i < chunks->count; i++) {
+        if (rgpu_ucx_wait(s->ucx, chunks->req[i], 1, ucx_chunk_len(n, i), ucx_idle_s(), s->fd, 0, why, sizeof why)) {
+            free(chunks);
+            char line[600];
+            snprintf(line, sizeof line, "a device-to-host copy over UCX failed: %s", why);
+            session_fail(s, line);
+            return CUDA_ERROR_DEVICE_UNAVAILABLE;
+        }
     }
+    free(chunks);
     return CUDA_SUCCESS;
 }
 

@@ -14,7 +14,9 @@
  * An allocation the GPU never touches directly (the staging buffers of copies, nearly all of them)
  * costs one round trip when it is made and one when it is freed, and no device memory. With
  * RGPU_ZERO_COPY=0, or where the worker's address is taken in this process, the allocation is plain
- * memory, and a kernel or memset handed it is refused with one line. */
+ * memory, and a kernel or memset handed it is refused with one line.
+ * On the worker's own host the pages are a memfd's the worker maps too (shared_pinned.c): copies
+ * from and to the allocation then carry no bytes, the worker reads and writes them in place. */
 #define _GNU_SOURCE
 #include <pthread.h>
 #include <stdlib.h>
@@ -29,11 +31,13 @@ typedef struct zc_alloc {
     uint64_t base;        /* the program's address, the worker's reserved range too */
     size_t size;          /* bytes asked for */
     size_t mapped;        /* host bytes mapped (whole pages) */
-    size_t reserved;      /* the worker's range (whole granules) */
+    size_t reserved;      /* the worker's range (whole granules); 0: shared pages at an address of ours */
     unsigned int flags;   /* cuMemHostAlloc's */
     int device;           /* the slice whose worker holds the range */
     int promoted;         /* 1: device memory is mapped there and managed.c moves the bytes */
     CUmemGenericAllocationHandle handle;
+    uint64_t region;      /* the worker's id of these pages, shared with it (shared_pinned.c); 0: not shared */
+    int memfd;            /* their memfd while shared (kept for a forked child's private mapping); -1 */
 } zc_alloc;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -89,41 +93,66 @@ static zc_alloc *find_locked(uint64_t p) {
     return NULL;
 }
 
-/* An allocation at an address the worker reserved, or NULL (the caller makes plain memory). */
-void *rgpu_zero_copy_alloc(size_t bytesize, unsigned int flags) {
-    rgpu_ctx *cur = rgpu_ctx_current();
-    if (!enabled() || !cur) return NULL;
-    int device = cur->session;
-    size_t g = granule(device), page = (size_t)sysconf(_SC_PAGESIZE);
-    if (!g || bytesize > SIZE_MAX - g) return NULL;
-    size_t reserved = round_up(bytesize, g), mapped = round_up(bytesize, page);
+/* The worker's address for an allocation of `bytesize`, mapped here (shared with the worker where it
+ * can be, shared_pinned.c): the host address, or NULL (*reserved 0) where it cannot be placed so. */
+static void *place(int device, size_t bytesize, size_t mapped, size_t *reserved, uint64_t *region, int *memfd) {
+    size_t g = granule(device);
+    *reserved = 0;
+    if (!enabled() || !g || bytesize > SIZE_MAX - g) return NULL;
+    size_t want = round_up(bytesize, g);
     CUdeviceptr at = 0;
-    if (cuMemAddressReserve(&at, reserved, g, 0, 0) != CUDA_SUCCESS || !at) return NULL;
-    void *host = mmap((void *)(uintptr_t)at, mapped, PROT_READ | PROT_WRITE,
-                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
+    if (cuMemAddressReserve(&at, want, g, 0, 0) != CUDA_SUCCESS || !at) return NULL;
+    void *host = rgpu_shared_pinned_map(device, (void *)(uintptr_t)at, mapped, region, memfd);
+    if (!host)
+        host = mmap((void *)(uintptr_t)at, mapped, PROT_READ | PROT_WRITE,
+                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED_NOREPLACE, -1, 0);
     if (host != (void *)(uintptr_t)at) {
         if (host != MAP_FAILED) munmap(host, mapped);
-        cuMemAddressFree(at, reserved);
+        cuMemAddressFree(at, want);
         static int seen;
         if (!__atomic_exchange_n(&seen, 1, __ATOMIC_RELAXED))
             rgpu_log(RGPU_LOG_DEBUG, "page-locked memory: the GPU's address 0x%llx is in use in this process; "
                      "this allocation is plain memory, which a kernel cannot be handed", (unsigned long long)at);
         return NULL;
     }
+    *reserved = want;
+    return host;
+}
+
+/* An allocation at an address the worker reserved; else, on the worker's host, pages shared with it
+ * at any address (which a kernel cannot be handed, as plain memory); else NULL (the caller makes
+ * plain memory). */
+void *rgpu_zero_copy_alloc(size_t bytesize, unsigned int flags) {
+    rgpu_ctx *cur = rgpu_ctx_current();
+    if (!cur) return NULL;
+    int device = cur->session;
+    size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    if (bytesize > SIZE_MAX - page) return NULL;
+    size_t mapped = round_up(bytesize, page), reserved = 0;
+    uint64_t region = 0;
+    int memfd = -1;
+    void *host = place(device, bytesize, mapped, &reserved, &region, &memfd);
+    if (!host) host = rgpu_shared_pinned_map(device, NULL, mapped, &region, &memfd);
+    if (!host) return NULL;
     pthread_mutex_lock(&g_lock);
     if (g_count == g_cap) {
         size_t cap = g_cap ? g_cap * 2 : 16;
         zc_alloc *grown = realloc(g_allocs, cap * sizeof *grown);
         if (!grown) {
             pthread_mutex_unlock(&g_lock);
+            if (region) {
+                rgpu_shared_pinned_unshare(device, region);
+                close(memfd);
+            }
             munmap(host, mapped);
-            cuMemAddressFree(at, reserved);
+            if (reserved) cuMemAddressFree((CUdeviceptr)(uintptr_t)host, reserved);
             return NULL;
         }
         g_allocs = grown;
         g_cap = cap;
     }
-    g_allocs[g_count++] = (zc_alloc){at, bytesize, mapped, reserved, flags, device, 0, 0};
+    g_allocs[g_count++] = (zc_alloc){(uint64_t)(uintptr_t)host, bytesize, mapped, reserved, flags, device, 0, 0,
+                                     region, memfd};
     pthread_mutex_unlock(&g_lock);
     return host;
 }
@@ -140,28 +169,67 @@ int rgpu_zero_copy_free(void *p, CUresult *result) {
     *z = g_allocs[--g_count];
     pthread_mutex_unlock(&g_lock);
     CUresult r = CUDA_SUCCESS;
+    if (gone.region) {   /* the worker lets go of the pages first */
+        r = rgpu_shared_pinned_unshare(gone.device, gone.region);
+        close(gone.memfd);
+    }
     if (gone.promoted) {
         rgpu_managed_forget(gone.base);
-        r = cuMemUnmap(gone.base, gone.reserved);
+        CUresult unmapped = cuMemUnmap(gone.base, gone.reserved);
+        if (r == CUDA_SUCCESS) r = unmapped;
         CUresult released = cuMemRelease(gone.handle);
         if (r == CUDA_SUCCESS) r = released;
     } else {
         int owned = 0;
         rgpu_host_range_remove(p, &owned, NULL);
     }
-    CUresult freed = cuMemAddressFree(gone.base, gone.reserved);
-    if (r == CUDA_SUCCESS) r = freed;
+    if (gone.reserved) {
+        CUresult freed = cuMemAddressFree(gone.base, gone.reserved);
+        if (r == CUDA_SUCCESS) r = freed;
+    }
     munmap(p, gone.mapped);
     *result = r;
     return 1;
 }
 
+/* Whether [p, p+n) lies in one allocation shared with `session`'s worker and not backed on the GPU
+ * (managed.c moves those): its region and the offset of p in it. */
+int rgpu_zero_copy_shared(const void *p, size_t n, int session, uint64_t *region, uint64_t *offset) {
+    if (!__atomic_load_n(&g_count, __ATOMIC_ACQUIRE) || n < rgpu_shared_min_bytes()) return 0;
+    uint64_t at = (uint64_t)(uintptr_t)p;
+    pthread_mutex_lock(&g_lock);
+    zc_alloc *z = find_locked(at);
+    int ok = z && z->region && !z->promoted && z->device == session && n <= z->base + z->mapped - at;
+    if (ok) {
+        *region = z->region;
+        *offset = at - z->base;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return ok;
+}
+
+/* After fork() the child's sessions are gone: shared pages become its own (shared_pinned.c). */
+void rgpu_zero_copy_reset_after_fork(void) {
+    pthread_mutex_init(&g_lock, NULL);
+    for (size_t i = 0; i < g_count; i++) {
+        zc_alloc *z = &g_allocs[i];
+        if (!z->region) continue;
+        rgpu_shared_pinned_privatize((void *)(uintptr_t)z->base, z->mapped, z->memfd);
+        z->region = 0;
+        z->memfd = -1;
+    }
+    rgpu_shared_pinned_reset_after_fork();
+}
+
+/* 1: p is in an allocation of this table (*flags: its cuMemHostAlloc flags); 2: one at an address
+ * of the worker's, which a kernel may be handed. */
 int rgpu_zero_copy_flags(const void *p, unsigned int *flags) {
     pthread_mutex_lock(&g_lock);
     zc_alloc *z = find_locked((uint64_t)(uintptr_t)p);
     if (z) *flags = z->flags;
+    int found = z ? (z->reserved ? 2 : 1) : 0;
     pthread_mutex_unlock(&g_lock);
-    return z != NULL;
+    return found;
 }
 
 /* Backs the zero-copy allocation holding ptr with device memory at its own address, once.
@@ -171,7 +239,7 @@ CUresult rgpu_zero_copy_promote(uint64_t ptr, int *found, const char *why) {
     if (!__atomic_load_n(&g_count, __ATOMIC_ACQUIRE)) return CUDA_SUCCESS;
     pthread_mutex_lock(&g_lock);
     zc_alloc *z = find_locked(ptr);
-    if (!z) {
+    if (!z || !z->reserved) {   /* not at an address of the worker's: plain memory to a kernel */
         pthread_mutex_unlock(&g_lock);
         return CUDA_SUCCESS;
     }
