@@ -8,7 +8,11 @@ mean time one job of this batch ran (Slurm's StartTime to EndTime, prologs and e
 included). Needs root and Slurm (like `pytest -m slurm`).
 
     python benchmarks/slurm_mixed_batch.py [--sleep 5] [--keep-room-for-head] [--slurm-version 22.05]
-        [--scheduler-parameters bf_interval=1,batch_sched_delay=1]
+        [--scheduler-parameters bf_interval=1,batch_sched_delay=1] [--trace]
+
+`--trace` also prints, for each job a lease's end let go, when each step of the hand-over
+happened (the ended job's EpilogSlurmctld and Epilog, the pool's release of the lease and of the
+held job, Slurm's start of it; `slurm_batch_trace.py`).
 
 `--scheduler-parameters` is the cluster's SchedulerParameters line (default: the test cluster's,
 `ClusterConfig.scheduler_parameters`); compare runs of two lines in the same sitting.
@@ -71,6 +75,8 @@ def main() -> int:
     parser.add_argument("--slurm-version", choices=VERSIONS,
                         help="run on this Slurm (the host's where it is that version, else Debian's in a cached root); "
                              "default: the host's")
+    parser.add_argument("--trace", action="store_true",
+                        help="time the prolog/epilog scripts and print where each hand-over's time goes")
     parser.add_argument("--scheduler-parameters", default=ClusterConfig.scheduler_parameters,
                         help="the cluster's SchedulerParameters (default: %(default)s)")
     args = parser.parse_args()
@@ -92,6 +98,12 @@ def main() -> int:
         (root / "slurm").mkdir()
         config = slurm_config(pool, root / "run-rgpu", install)
         config.scheduler_parameters = args.scheduler_parameters
+        trace_file = root / "slurm" / "log" / "trace.txt"
+        if args.trace:
+            from benchmarks.slurm_batch_trace import trace_wrapper
+
+            config.scripts = {key: trace_wrapper(key, list(argv), str(trace_file)) if key != "TaskProlog" else argv
+                              for key, argv in config.scripts.items()}
         slurm = SlurmCluster(config, root=root / "slurm")
         slurm.start()
         # As the test session does: rgpu-poold restarted now that slurm.conf exists runs its Slurm
@@ -111,14 +123,18 @@ def main() -> int:
         done: dict[str, str] = {}
 
         def all_done() -> bool:
-            for job in jobs:
-                if job in done:
+            # One squeue for the batch per look: a `scontrol show job` per job, 20 processes every
+            # half second, loaded the 2-core host beside the scripts being measured.
+            out = slurm.command(["squeue", "--noheader", "--states=all", f"--jobs={','.join(jobs)}",
+                                 "--format=%i %T %r"]).stdout
+            for line in out.splitlines():
+                job, state, reason = (line.split(None, 2) + ["", ""])[:3]
+                if job not in jobs or job in done:
                     continue
-                info = slurm.show_job(job)
-                if info.get("JobState") in FINISHED:
-                    done[job] = info["JobState"]
-                elif info.get("JobState") == "PENDING":
-                    reasons[info.get("Reason", "")].add(job)
+                if state in FINISHED:
+                    done[job] = state
+                elif state == "PENDING":
+                    reasons[reason.strip()].add(job)
             return len(done) == len(jobs)
 
         wait_until("the batch to finish", all_done, args.timeout, interval=0.5)
@@ -135,6 +151,8 @@ def main() -> int:
         print(f"ideal {rounds * mean:.1f} s: {rounds} rounds x {mean:.2f} s, the mean job's StartTime to EndTime "
               f"(jobs ran {ran[0]:.0f}-{ran[-1]:.0f} s); total/ideal {elapsed / (rounds * mean):.2f}")
         print("pending reasons seen: " + ", ".join(f"{r} ({len(j)} jobs)" for r, j in sorted(reasons.items())))
+        if args.trace:
+            _print_trace(root / "slurm" / "log" / "slurmctld.log", pool.root / "poold.log", trace_file)
         return 0 if states == {"COMPLETED": len(jobs)} else 1
     finally:
         if slurm is not None:
@@ -145,6 +163,15 @@ def main() -> int:
             for log in (root / "pool").glob("*.log"):
                 shutil.copy(log, args.logs)
         shutil.rmtree(root, ignore_errors=True)
+
+
+def _print_trace(slurmctld_log: Path, pool_log: Path, trace_file: Path) -> None:
+    from benchmarks.slurm_batch_trace import parse, report, transitions
+
+    def lines(path: Path) -> list[str]:
+        return path.read_text(errors="replace").splitlines() if path.exists() else []
+
+    print(report(transitions(parse(lines(slurmctld_log), lines(pool_log), lines(trace_file)))))
 
 
 def _seconds(stamp: str) -> float:

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from rgpu.prolog.job import JobContext, ended_mark, env_value, job_dir
 from rgpu.remoting.pool.convert import lease_to_adaptor
 from rgpu.slurm_plugin.hostlist import expand_hostlist
 from rgpu.slurm_plugin.jobenv import license_units
-from rgpu.slurm_plugin.jobkey import job_key, job_prefix, parse_job_key
 from rgpu.slurm_plugin.request import (
     RECORD_SEPARATOR,
     RequestRecord,
@@ -35,7 +35,6 @@ from rgpu import validate
 from rgpu.adaptor import write_adaptor_conf, write_private_file
 from rgpu.errors import (
     CapacityError,
-    ConfigError,
     InvalidRequest,
     NotFound,
     RgpuError,
@@ -53,61 +52,6 @@ class Pool(Protocol):
     def get_lease(self, job_key: str) -> Any: ...
     def list_leases(self) -> list[Any]: ...
     def list_gpus(self) -> list[Any]: ...
-
-
-# ---------------------------------------------------------------- the job, from the environment
-
-def _env(env: Mapping[str, str], name: str, context: str) -> str:
-    value = env.get(name, "")
-    if not value:
-        raise ConfigError(context, f"${name} is not set", "this script must be run by Slurm",
-                          f"configure it in slurm.conf, not by hand (or export {name} to test it)")
-    return value
-
-
-def _null(value: str | None) -> str:
-    return "" if value in (None, "(null)") else str(value)
-
-
-@dataclass(frozen=True)
-class JobContext:
-    """The job as Slurm's prolog/epilog environment describes it."""
-
-    cluster: str
-    job_id: int
-    restart_count: int
-    user: str = ""
-    uid: int = -1
-    gid: int = -1
-    account: str = ""
-    nodes: tuple[str, ...] = ()
-    node: str = ""              # this node (node Prolog/Epilog only)
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str], context: str) -> JobContext:
-        job_id = _env(env, "SLURM_JOB_ID", context)
-        if not job_id.isdigit():
-            raise InvalidRequest(context, f"$SLURM_JOB_ID is {job_id!r}", "not a job number", "")
-        restart = env.get("SLURM_JOB_RESTART_COUNT", "0") or "0"
-        nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
-        uid, gid = env.get("SLURM_JOB_UID", ""), env.get("SLURM_JOB_GID", "")
-        return cls(cluster=_env(env, "SLURM_CLUSTER_NAME", context), job_id=int(job_id),
-                   restart_count=int(restart) if restart.isdigit() else 0,
-                   user=_null(env.get("SLURM_JOB_USER")), uid=int(uid) if uid.isdigit() else -1,
-                   gid=int(gid) if gid.isdigit() else -1, account=_null(env.get("SLURM_JOB_ACCOUNT")),
-                   nodes=tuple(expand_hostlist(nodes)), node=env.get("SLURMD_NODENAME", ""))
-
-    def key_for(self, node: str) -> str:
-        return job_key(self.cluster, self.job_id, self.restart_count, node)
-
-
-def job_dir(run_dir: Path, job_id: int) -> Path:
-    return run_dir / str(int(job_id))
-
-
-def ended_mark(run_dir: Path, job_id: int) -> Path:
-    """Where the node Epilog records that an rgpu job ran here (rgpu.paths.ENDED_SUFFIX)."""
-    return run_dir / f"{int(job_id)}{ENDED_SUFFIX}"
 
 
 # ---------------------------------------------------------------- PrologSlurmctld
@@ -280,7 +224,7 @@ def node_prolog(env: Mapping[str, str], pool_factory: Callable[[], Pool],
     also when the pool has no lease for a job charged for rgpu (asked with `query_job`, only
     then): a lease lost after PrologSlurmctld must not let the job run without its slices."""
     job = JobContext.from_env(env, "prolog")
-    node = job.node or _env(env, "SLURMD_NODENAME", "prolog")
+    node = job.node or env_value(env, "SLURMD_NODENAME", "prolog")
     key = job.key_for(node)
     pool = pool_factory()
     try:
@@ -363,48 +307,3 @@ def record_node_error(env: Mapping[str, str], message: str) -> Path | None:
 
 
 # ---------------------------------------------------------------- epilogs
-
-def keys_to_release(leases: list[Any], cluster: str, job_id: int, restart_count: int) -> list[str]:
-    """This job's leases up to this restart: never a later attempt's (an epilog may run late). Pure."""
-    keys = []
-    for lease in leases:
-        parsed = parse_job_key(lease.job_key)
-        if (parsed and parsed.cluster == cluster and parsed.job_id == job_id
-                and parsed.restart_count <= restart_count):
-            keys.append(lease.job_key)
-    return sorted(keys)
-
-
-def epilog_slurmctld(env: Mapping[str, str], pool_factory: Callable[[], Pool]) -> list[str]:
-    """Release the job's leases; idempotent (nothing to release is a success). The pool's
-    reconciler, woken by the release, then lets the jobs waiting for that room start."""
-    job = JobContext.from_env(env, "epilog-slurmctld")
-    pool = pool_factory()
-    keys = set(keys_to_release(pool.list_leases(), job.cluster, job.job_id, job.restart_count))
-    # Also the keys this attempt would have, in case ListLeases raced with an allocation.
-    keys.update(job.key_for(n) for n in job.nodes)
-    return [key for key in sorted(keys) if pool.release(key)]
-
-
-def node_epilog(env: Mapping[str, str]) -> bool:
-    """Remove the job's files on this node, leaving its ended mark (a later attempt of the job that
-    starts here without its Prolog is refused by the TaskProlog); True when there was something to
-    remove."""
-    job = JobContext.from_env(env, "epilog")
-    directory = job_dir(run_dir_from_env(env), job.job_id)
-    if directory.is_symlink():
-        directory.unlink()
-    elif directory.exists():
-        shutil.rmtree(directory)   # does not follow symlinks the job may have left inside
-    else:
-        return False
-    mark = ended_mark(directory.parent, job.job_id)
-    if mark.is_symlink():
-        mark.unlink()
-    mark.touch(mode=0o644)
-    return True
-
-
-def job_prefix_of(env: Mapping[str, str]) -> str:
-    job = JobContext.from_env(env, "epilog-slurmctld")
-    return job_prefix(job.cluster, job.job_id)

@@ -14,12 +14,11 @@ from pathlib import Path
 import pytest
 from rgpu.prolog import main as prolog_main
 from rgpu.prolog.logic import (
-    epilog_slurmctld,
-    node_epilog,
     node_prolog,
     prolog_slurmctld,
     sweep_stale_job_dirs,
 )
+from rgpu.prolog.epilogs import epilog_slurmctld, node_epilog
 from rgpu.slurm_plugin.scontrol import JobInfo
 
 from rgpu.adaptor import read_adaptor_conf
@@ -257,6 +256,64 @@ def test_epilogs_are_idempotent(pool: RgpuCluster, tmp_path: Path) -> None:
     assert node_epilog(env) is True and node_epilog(env) is False
     assert not (tmp_path / "42").exists()
     assert prolog_main.epilog_slurmctld_main(env) == 0 and prolog_main.epilog_main(env) == 0
+
+
+class RecordingPool:
+    """A real pool client that notes the calls an epilog makes, in order."""
+
+    def __init__(self, client: object) -> None:
+        self.client, self.calls = client, []   # type: ignore[var-annotated]
+
+    def release(self, job_key: str) -> bool:
+        self.calls.append(f"release {job_key}")
+        return self.client.release(job_key)   # type: ignore[attr-defined,no-any-return]
+
+    def list_leases(self) -> list[object]:
+        self.calls.append("list")
+        return self.client.list_leases()      # type: ignore[attr-defined,no-any-return]
+
+
+def test_epilog_slurmctld_releases_the_leases_it_can_name_before_it_lists_the_pool(pool: RgpuCluster,
+                                                                                  tmp_path: Path) -> None:
+    """Slurm keeps the job's license until EpilogSlurmctld exits, and the next held job waits for
+    the room: the first call frees it. An earlier attempt's lease (restart 0, its epilog lost)
+    is still found in the list and released."""
+    prolog_slurmctld(job_env(pool, tmp_path, restart=0), pool.client, lambda _: info())
+    env = job_env(pool, tmp_path, restart=1)
+    prolog_slurmctld(env, pool.client, lambda _: info())
+    recorder = RecordingPool(pool.client())
+    released = epilog_slurmctld(env, lambda: recorder)
+    assert recorder.calls[:2] == ["release slurm:hpc:42:1:c1", "release slurm:hpc:42:1:c2"], recorder.calls
+    assert released == ["slurm:hpc:42:0:c1", "slurm:hpc:42:0:c2", "slurm:hpc:42:1:c1", "slurm:hpc:42:1:c2"]
+    assert keys(pool) == []
+
+
+@pytest.mark.integration   # runs each entry script
+@pytest.mark.parametrize("script", ["rgpu-epilog-slurmctld", "rgpu-epilog"])
+def test_epilogs_of_an_rgpu_job_load_only_what_the_release_needs(script: str, pool: RgpuCluster, tmp_path: Path) -> None:
+    """The next held job waits for the ended job's release and license: the epilogs load neither
+    the node Prolog's rendering (jinja2) nor the Slurm queries and admission (the prologs' logic),
+    and EpilogSlurmctld, once done, exits without unloading what it loaded, its line written."""
+    env = job_env(pool, tmp_path)
+    prolog_slurmctld(env, pool.client, lambda _: info())
+    node_prolog(env, pool.client)
+    hook = tmp_path / "hook"        # an exit handler that says when the interpreter's teardown runs
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text("import atexit, sys\natexit.register(lambda: print('teardown', file=sys.stderr))\n")
+    out = subprocess.run([sys.executable, "-X", "importtime", str(PROLOG_DIR / script)], capture_output=True, text=True,
+                         timeout=30, check=False,
+                         env={**env, "PATH": os.environ["PATH"], "PYTHONPATH": f"{REPO}:{hook}"})
+    loaded = {line.split("|")[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time:")}
+    heavy = ("jinja2", "rgpu.adaptor", "rgpu.prolog.logic", "rgpu.slurm_plugin.scontrol", "rgpu.slurm_plugin.waiting",
+             "rgpu.remoting.pool.convert")
+    assert out.returncode == 0 and "rgpu.prolog.main" in loaded, out
+    assert sorted(m for m in loaded if m.startswith(heavy)) == [], out
+    if script == "rgpu-epilog-slurmctld":
+        assert keys(pool) == [] and "rgpu-epilog-slurmctld[job 42]: released slurm:hpc:42:0:c1, slurm:hpc:42:0:c2 in " \
+            in out.stderr, out.stderr
+        assert "teardown" not in out.stderr
+    else:
+        assert not (tmp_path / "42").exists() and "teardown" in out.stderr   # nothing heavy to unload
 
 
 def test_epilog_slurmctld_reports_an_unreachable_pool(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from rgpu.slurm_plugin.licenses import (
     plan_reservation,
     render_slurm_config,
 )
-from rgpu.prolog.logic import keys_to_release
+from rgpu.prolog.epilogs import keys_to_release
 from rgpu.slurm_plugin.reconcile import decide
 from rgpu.slurm_plugin.squeue import SlurmJob
 
@@ -574,3 +574,33 @@ def test_jobs_one_pass_reserves_are_placed_in_turn_so_the_first_round_fills_the_
     chosen = jobs_to_start(jobs, core.gpu_statuses(), [], core.fits_in_every_order)
     assert [job_id for job_id, _ in chosen] == [1, 2, 3, 4, 5, 7, 10]
     assert sum(int(jobs[i - 1].admin_comment.split("units=")[1].split()[0]) for i, _ in chosen) == 400
+
+
+def test_the_batch_trace_times_each_hand_over_from_the_ended_jobs_end() -> None:
+    """benchmarks/slurm_batch_trace.py on lines shaped as 22.05's slurmctld, rgpu-poold and the
+    scripts' wrappers write them: job 1 ends, its lease goes, the pool lets job 2 go."""
+    import datetime
+
+    from benchmarks.slurm_batch_trace import parse, report, transitions
+
+    def epoch(clock: str) -> float:
+        return datetime.datetime.fromisoformat(f"2026-11-28T10:00:{clock}").timestamp()
+
+    slurmctld = ["[2026-11-28T10:00:00.101] sched: _release_job_rec: release hold on JobId=1 by uid 0",
+                 "[2026-11-28T10:00:00.300] sched/backfill: _start_job: Started JobId=1 in cpu on c1",
+                 "[2026-11-28T10:00:05.000] _job_complete: JobId=1 WEXITSTATUS 0",
+                 "[2026-11-28T10:00:05.000] _job_complete: JobId=1 done",
+                 "[2026-11-28T10:00:05.551] sched: _release_job_rec: release hold on JobId=2 by uid 0",
+                 "[2026-11-28T10:00:06.050] sched: Allocate JobId=2 NodeList=c1 #CPUs=1 Partition=cpu"]
+    pool = ["2026-11-28 10:00:00,100 rgpu: slurm: the pool can place waiting job(s) 1 now: released",
+            "2026-11-28 10:00:00,900 rgpu-poold: lease slurm:rgputest:1:0:c1 for nobody: 127.0.0.1:1/0@100%",
+            "2026-11-28 10:00:05,500 rgpu-poold: released lease slurm:rgputest:1:0:c1",
+            "2026-11-28 10:00:05,550 rgpu: slurm: the pool can place waiting job(s) 2, 3 now: released"]
+    trace = [f"EpilogSlurmctld start 1 {epoch('05.010')}", f"Epilog start 1 {epoch('05.020')}",
+             f"Epilog end 1 {epoch('05.300')}", f"EpilogSlurmctld end 1 {epoch('05.600')}", "garbage line"]
+    found = transitions(parse(slurmctld, pool, trace))
+    assert [(t.ended, t.released) for t in found] == [(1, 2)]      # job 3 never started; job 1: first pass
+    assert {k: round(v, 3) for k, v in found[0].stages.items()} == {
+        "EpilogSlurmctld start": 0.01, "lease released": 0.5, "job released": 0.55, "EpilogSlurmctld end": 0.6,
+        "Epilog end": 0.3, "job started": 1.05}
+    assert "    1 ->   2: 0.01, 0.50, 0.55, 0.60, 0.30, 1.05" in report(found)

@@ -338,6 +338,39 @@ def test_epilogs_run_twice_or_after_release_are_harmless(h: Harness) -> None:
         c.release(f"slurm:rgputest:{job}:1:{node}")
 
 
+def test_the_epilog_slurmctld_slurm_runs_loads_only_the_release_and_exits_at_once(h: Harness) -> None:
+    """Slurm holds an ended job's license until its EpilogSlurmctld exits, and the next held job
+    waits for its release: the script Slurm runs for an rgpu job loads no jinja2, Slurm query or
+    admission module, and ends without the interpreter's teardown (no exit handler runs). Its
+    wrapper runs it with PYTHONPROFILEIMPORTTIME and an exit-handler hook for this one job."""
+    wrapper = h.slurm.root / "bin" / "EpilogSlurmctld"
+    saved = wrapper.read_text()
+    hook = h.slurm.root / "epilog-hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text("import atexit, sys\natexit.register(lambda: print('teardown', file=sys.stderr))\n")
+    trace = h.slurm.root / "epilog-hook" / "stderr.txt"
+    trace.unlink(missing_ok=True)
+    lines = saved.splitlines()
+    exec_at = next(i for i, line in enumerate(lines) if line.startswith("exec "))
+    lines[exec_at] = re.sub(r" 2>>'[^']*'$", f" 2>>'{trace}'", lines[exec_at])
+    lines[exec_at:exec_at] = ["export PYTHONPROFILEIMPORTTIME=1", f'export PYTHONPATH="$PYTHONPATH:{hook}"']
+    try:
+        wrapper.write_text("\n".join(lines) + "\n")
+        job = h.slurm.submit(["--gres=rgpu:1", "--comment=fraction=0.5"], "true\n", user=JOB_USER)
+        assert finished(h, job)["JobState"] == "COMPLETED"
+        no_lease_soon(h, job)
+        wait_until("the EpilogSlurmctld's line", lambda: "released" in (trace.read_text() if trace.exists() else "")
+                   or None, 15)
+    finally:
+        wrapper.write_text(saved)
+    text = trace.read_text()
+    loaded = {line.split("|")[-1].strip() for line in text.splitlines() if line.startswith("import time:")}
+    heavy = ("jinja2", "rgpu.adaptor", "rgpu.prolog.logic", "rgpu.slurm_plugin.scontrol", "rgpu.slurm_plugin.waiting",
+             "rgpu.remoting.pool.convert")
+    assert "rgpu.prolog.main" in loaded and f"rgpu-epilog-slurmctld[job {job}]: released" in text, text[-2000:]
+    assert sorted(m for m in loaded if m.startswith(heavy)) == [] and "teardown" not in text, text[-2000:]
+
+
 # ----------------------------------------------------------------------------------------------
 def test_reconciler_releases_leases_of_gone_jobs_and_reports_missing(h: Harness) -> None:
     import logging
