@@ -47,7 +47,7 @@ from rgpu.paths import run_dir as run_dir_from_env
 class Pool(Protocol):
     def allocate(self, job_key: str, user: str, count: int, *, percent: int = 0, memory_bytes: int = 0,
                  account: str = "", ttl_seconds: float = 0.0, gpu_model: str = "", server: str = "",
-                 min_memory_bytes: int = 0, isolation: str = "") -> Any: ...
+                 min_memory_bytes: int = 0, isolation: str = "", same_node: bool = False) -> Any: ...
     def release(self, job_key: str) -> bool: ...
     def get_lease(self, job_key: str) -> Any: ...
     def list_leases(self) -> list[Any]: ...
@@ -102,7 +102,8 @@ def allocate_job(job: JobContext, plan: AllocationPlan, pool: Pool) -> list[str]
     try:
         for key in plan.keys:
             pool.allocate(key, job.user, req.count, percent=req.size.percent,
-                          memory_bytes=req.size.memory_bytes, account=job.account, isolation=req.isolation)
+                          memory_bytes=req.size.memory_bytes, account=job.account, isolation=req.isolation,
+                          same_node=req.pack == "node")
             got.append(key)
     except RgpuError:
         for key in got:

@@ -280,12 +280,12 @@ function rgpu.parse_comment(comment)
 			"only letters, digits, space and . , _ = : / + @ - are allowed in the comment of an rgpu job",
 			"write e.g. --comment=fraction=0.5", "comment")
 	end
-	local fraction, memory, isolation, err
+	local fraction, memory, isolation, pack, err
 	for word in string.gmatch(comment, "[^ ,]+") do
 		local key, value = string.match(word, "^([^=]*)=(.*)$")
 		key = key and string.lower(key)
 		local bare = string.lower(string.gsub(word, "=", ""))
-		if (key == nil or key == "") and (bare == "fraction" or bare == "memory" or bare == "isolation") then
+		if (key == nil or key == "") and (bare == "fraction" or bare == "memory" or bare == "isolation" or bare == "pack") then
 			-- "fraction = 0.5" would otherwise silently mean a whole GPU.
 			return fail("the comment names " .. bare .. " without its value", "comment is " .. shown(comment),
 				"write " .. bare .. "=VALUE as one word, e.g. --comment=fraction=0.5", "comment")
@@ -308,6 +308,16 @@ function rgpu.parse_comment(comment)
 					"the one level is strict (only GPUs no other job's fault can reach)",
 					"write --comment=isolation=strict, or leave it out", "comment")
 			end
+		elseif key == "pack" then
+			if pack then
+				return fail("pack is given twice", "comment is " .. shown(comment), "give pack=node once", "comment")
+			end
+			pack = string.lower(value)
+			if pack ~= "node" then
+				return fail("invalid pack " .. shown(value),
+					"the one packing is node (each node's slices on one GPU server, so NCCL stays on its NVLink or PCIe)",
+					"write --comment=pack=node, or leave it out", "comment")
+			end
 		elseif key == "memory" then
 			if memory then
 				return fail("memory is given twice", "comment is " .. shown(comment), "give memory=SIZE once", "comment")
@@ -323,9 +333,9 @@ function rgpu.parse_comment(comment)
 			"give either fraction=F or memory=SIZE", "comment")
 	end
 	if memory then
-		return { memory_bytes = memory, isolation = isolation, sized = true }
+		return { memory_bytes = memory, isolation = isolation, pack = pack, sized = true }
 	end
-	return { fraction = fraction or 1.0, isolation = isolation, sized = fraction ~= nil }
+	return { fraction = fraction or 1.0, isolation = isolation, pack = pack, sized = fraction ~= nil }
 end
 
 -- The comment an rgpu job keeps: the user's, plus "fraction=1" when it names no size. Every rgpu
@@ -358,8 +368,12 @@ function rgpu.record(plan)
 	if plan.isolation then
 		isolation = " isolation=" .. plan.isolation
 	end
-	return string.format("%snodes=%d count=%d %s units=%d%s", rgpu.RECORD_PREFIX, plan.nodes, plan.count, size,
-		plan.units, isolation)
+	local pack = ""
+	if plan.pack then
+		pack = " pack=" .. plan.pack
+	end
+	return string.format("%snodes=%d count=%d %s units=%d%s%s", rgpu.RECORD_PREFIX, plan.nodes, plan.count, size,
+		plan.units, isolation, pack)
 end
 
 function rgpu.is_record(text)
@@ -569,7 +583,7 @@ function rgpu.plan(job, conf)
 	local plan = {
 		rgpu = true, nodes = nodes, count = count, units = units, per_slice = per_slice,
 		fraction = req.fraction, memory_bytes = req.memory_bytes, licenses = table.concat(others, ","),
-		isolation = req.isolation, comment = rgpu.normalized_comment(job.comment, req),
+		isolation = req.isolation, pack = req.pack, comment = rgpu.normalized_comment(job.comment, req),
 	}
 	plan.record = rgpu.record(plan)
 	return plan

@@ -13,10 +13,13 @@ cases that both implementations are tested against, so the two cannot drift apar
   `fraction` or `memory` word (as in `fraction = 0.5`) is refused. Only ASCII letters, digits,
   space and `. , _ = : / + @ -` may appear in the comment of an rgpu job (no tabs, newlines or
   other unicode). `isolation=strict` (the only level; case-insensitive) asks for GPUs shared
-  `isolated` or `exclusive` only; a bare `isolation` word or a second one is refused.
+  `isolated` or `exclusive` only; a bare `isolation` word or a second one is refused. `pack=node`
+  (the only packing; case-insensitive) asks for each node's slices on one GPU server, so NCCL's
+  collectives between them stay on that server's NVLink or PCIe; a bare `pack` or a second one is
+  refused.
 - the **record**: job_submit.lua writes the normalised request into the job's admin comment,
   which only Slurm and admins can write: `rgpu:v1 nodes=N count=C percent=P units=U` or
-  `rgpu:v1 nodes=N count=C memory=BYTES units=U`, either followed by ` isolation=strict` when asked. PrologSlurmctld leases exactly this
+  `rgpu:v1 nodes=N count=C memory=BYTES units=U`, either followed by ` isolation=strict` and then ` pack=node` when asked. PrologSlurmctld leases exactly this
   (`parse_record`, which accepts nothing else), never what it reads from user-controlled fields.
 """
 
@@ -37,6 +40,7 @@ class RgpuRequest:
     count: int                      # slices per node
     size: SliceSize = WHOLE_GPU     # of each slice
     isolation: str = ""             # "" or "strict"
+    pack: str = ""                  # "" or "node": each node's slices on one GPU server
 
     @property
     def memory_bytes(self) -> int:
@@ -55,8 +59,9 @@ class RgpuRequest:
         """The admin-comment record job_submit.lua writes for this request (same text)."""
         size = f"memory={self.memory_bytes}" if self.memory_bytes else f"percent={self.units_per_slice()}"
         isolation = f" isolation={self.isolation}" if self.isolation else ""
+        pack = f" pack={self.pack}" if self.pack else ""
         return (f"{RECORD_PREFIX}nodes={nodes} count={self.count} {size} "
-                f"units={self.license_units(nodes, gpu_memory_bytes)}{isolation}")
+                f"units={self.license_units(nodes, gpu_memory_bytes)}{isolation}{pack}")
 
 
 RECORD_PREFIX = "rgpu:v1 "
@@ -64,7 +69,7 @@ RECORD_PREFIX = "rgpu:v1 "
 RECORD_SEPARATOR = " | "
 WAITING_MARK = "rgpu: waiting:"
 _RECORD_RE = re.compile(r"rgpu:v1 nodes=([1-9]\d{0,5}) count=([1-9]\d{0,5}) "
-                        r"(?:percent=([1-9]\d{0,2})|memory=([1-9]\d{0,18})) units=(\d{1,9})( isolation=strict)?")
+                        r"(?:percent=([1-9]\d{0,2})|memory=([1-9]\d{0,18})) units=(\d{1,9})( isolation=strict)?( pack=node)?")
 
 
 @dataclass(frozen=True)
@@ -91,16 +96,17 @@ def parse_record(text: str | None) -> RequestRecord:
         raise InvalidRequest("prolog-slurmctld", f"the job's rgpu record {str(text)[:80]!r} is not one job_submit.lua writes",
                              "the admin comment was changed, or the job was submitted before rgpu recorded requests",
                              "scancel the job and submit it again")
-    nodes, count, percent, memory, units, strict = m.groups()
+    nodes, count, percent, memory, units, strict, packed = m.groups()
     isolation = "strict" if strict else ""
+    pack = "node" if packed else ""
     if percent is not None:
         if int(percent) > UNITS_PER_GPU or int(units) != int(nodes) * int(count) * int(percent):
             raise InvalidRequest("prolog-slurmctld", f"the job's rgpu record {text!r} does not add up",
                                  "units must be nodes x count x percent (percent at most 100)",
                                  "scancel the job and submit it again")
-        request = RgpuRequest(count=int(count), size=SliceSize(percent=int(percent)), isolation=isolation)
+        request = RgpuRequest(count=int(count), size=SliceSize(percent=int(percent)), isolation=isolation, pack=pack)
     else:
-        request = RgpuRequest(count=int(count), size=SliceSize(memory_bytes=int(memory)), isolation=isolation)
+        request = RgpuRequest(count=int(count), size=SliceSize(memory_bytes=int(memory)), isolation=isolation, pack=pack)
     return RequestRecord(nodes=int(nodes), request=request, units=int(units))
 
 
@@ -143,7 +149,8 @@ def parse_comment(comment: str | None, count: int) -> RgpuRequest:
     percent: int | None = None
     memory: int | None = None
     isolation: str | None = None
-    keys = ("fraction", "memory", "isolation")
+    pack: str | None = None
+    keys = ("fraction", "memory", "isolation", "pack")
     for word in re.split(r"[ ,]+", comment):
         key, sep, value = word.partition("=")
         key = key.lower()
@@ -161,6 +168,14 @@ def parse_comment(comment: str | None, count: int) -> RgpuRequest:
                 raise _bad(f"invalid isolation {value!r}",
                            "the one level is strict (only GPUs no other job's fault can reach)",
                            "write --comment=isolation=strict, or leave it out")
+        elif key == "pack":
+            if pack is not None:
+                raise _bad("pack is given twice", f"comment is {comment!r}", "give pack=node once")
+            pack = value.lower()
+            if pack != "node":
+                raise _bad(f"invalid pack {value!r}",
+                           "the one packing is node (each node's slices on one GPU server, so NCCL stays on its "
+                           "NVLink or PCIe)", "write --comment=pack=node, or leave it out")
         elif key == "fraction":
             if percent is not None:
                 raise _bad("fraction is given twice", f"comment is {comment!r}", "give fraction=F once")
@@ -175,6 +190,6 @@ def parse_comment(comment: str | None, count: int) -> RgpuRequest:
         raise _bad("both fraction and memory are given", "a slice is sized by one of them",
                    "give either fraction=F or memory=SIZE")
     if memory is not None:
-        return RgpuRequest(count=count, size=SliceSize(memory_bytes=memory), isolation=isolation or "")
+        return RgpuRequest(count=count, size=SliceSize(memory_bytes=memory), isolation=isolation or "", pack=pack or "")
     return RgpuRequest(count=count, size=WHOLE_GPU if percent is None else SliceSize(percent=percent),
-                       isolation=isolation or "")
+                       isolation=isolation or "", pack=pack or "")

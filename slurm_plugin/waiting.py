@@ -49,6 +49,7 @@ class GpuRoom:
     free_memory_bytes: int
     usable_memory_bytes: int
     sharing: str = "mps"        # rgpu.model.SHARING_MODES
+    server: str = ""            # the GPU server it is on (pack=node: a node's slices on one)
 
 
 def rooms(gpu_statuses: Iterable[Any], *, empty: bool = False) -> list[GpuRoom]:
@@ -60,10 +61,12 @@ def rooms(gpu_statuses: Iterable[Any], *, empty: bool = False) -> list[GpuRoom]:
             continue
         usable = int(g.gpu.usable_memory_bytes)
         sharing = str(getattr(g.gpu, "sharing", "") or "mps")
+        server = str(getattr(g, "server", ""))
         if empty:
-            out.append(GpuRoom(100, usable, usable, sharing))
+            out.append(GpuRoom(100, usable, usable, sharing, server))
         else:
-            out.append(GpuRoom(100 - int(g.allocated_percent), usable - int(g.allocated_memory_bytes), usable, sharing))
+            out.append(GpuRoom(100 - int(g.allocated_percent), usable - int(g.allocated_memory_bytes), usable, sharing,
+                               server))
     return out
 
 
@@ -85,8 +88,9 @@ def _slice_need(record: RequestRecord, room: GpuRoom) -> tuple[int, int] | None:
 
 
 def take(record: RequestRecord, gpus: list[GpuRoom]) -> bool:
-    """Place every node's slices (each node's on distinct GPUs), emptiest-fit last; True and
-    `gpus` reduced when the whole job fits, else False and `gpus` unchanged. Pure."""
+    """Place every node's slices (each node's on distinct GPUs; with pack=node on GPUs of one
+    server, the fullest server that holds them), emptiest-fit last; True and `gpus` reduced when the
+    whole job fits, else False and `gpus` unchanged. Pure."""
     trial = [replace(g) for g in gpus]
     for _ in range(record.nodes):
         fitting = []
@@ -94,6 +98,12 @@ def take(record: RequestRecord, gpus: list[GpuRoom]) -> bool:
             need = _slice_need(record, room)
             if need and room.free_percent >= need[0] and room.free_memory_bytes >= need[1]:
                 fitting.append((room.free_percent, i, need))
+        if record.request.pack == "node":
+            by_server: dict[str, list[tuple[int, int, tuple[int, int]]]] = {}
+            for fit in fitting:
+                by_server.setdefault(trial[fit[1]].server, []).append(fit)
+            holding = [fits for fits in by_server.values() if len(fits) >= record.request.count]
+            fitting = min(holding, key=lambda fits: sum(f[0] for f in fits)) if holding else []
         if len(fitting) < record.request.count:
             return False
         for _, i, (percent, memory) in sorted(fitting)[:record.request.count]:   # binpack: fullest first

@@ -465,3 +465,26 @@ def test_the_keys_the_prologs_make_are_reserved_for_the_daemons() -> None:
     key = job_key("hpc", 4242, 0, "c17")
     assert validate.reserved_job_key_prefix(key) == "slurm:"
     assert validate.reserved_job_key_prefix("flexrun-c17-42-abc") == ""
+
+
+def test_pack_node_puts_each_nodes_slices_on_one_gpu_server_or_cancels_what_never_fits(
+        pool: RgpuCluster, tmp_path: Path) -> None:
+    """--comment=pack=node (issue 27): PrologSlurmctld asks the pool for each node's slices on one GPU
+    server. Two half slices fit one server of two GPUs; three never do (each server has two), so the job
+    is cancelled with the reason instead of waiting for ever, although the pool's four GPUs hold three
+    unpacked."""
+    from rgpu.prolog.logic import NeverServable
+
+    got = prolog_slurmctld(job_env(pool, tmp_path, nodes="c1"), pool.client,
+                           lambda _: info(comment="fraction=0.5 pack=node", nodes="c1", tres="gres:rgpu:2",
+                                          licenses="rgpu:100"))
+    with pool.client() as c:
+        lease = c.get_lease(got[0])
+    assert len(lease.slices) == 2 and len({s.server for s in lease.slices}) == 1, lease
+    cancelled: list[int] = []
+    with pytest.raises(NeverServable, match="no GPU of the pool can ever hold job 43's slices"):
+        prolog_slurmctld(job_env(pool, tmp_path, job_id=43, nodes="c1"), pool.client,
+                         lambda _: info(job_id=43, comment="fraction=0.5,pack=node", nodes="c1", tres="gres:rgpu:3",
+                                        licenses="rgpu:150"),
+                         set_admin_comment=lambda _job, _text: None, cancel=cancelled.append)
+    assert cancelled == [43] and keys(pool) == got

@@ -147,10 +147,10 @@ def test_render_slurm_config_with_live_numbers() -> None:
 # ---------------------------------------------------------------- jobs waiting for the pool
 
 def room_gpu(allocated: int, usable: int = 80 << 30, state: str = "up", memory: int | None = None,
-             sharing: str = "mps") -> SimpleNamespace:
+             sharing: str = "mps", server: str = "gpu1:7000") -> SimpleNamespace:
     used = usable * allocated // 100 if memory is None else memory
     return SimpleNamespace(server_state=state, gpu=SimpleNamespace(usable_memory_bytes=usable, sharing=sharing),
-                           allocated_percent=allocated, allocated_memory_bytes=used)
+                           allocated_percent=allocated, allocated_memory_bytes=used, server=server)
 
 
 def waiting(job_id: int, record: str, state: str = "PENDING", reason: str = "BeginTime", restart: int = 1,
@@ -299,6 +299,11 @@ def test_never_fits_ignores_what_is_allocated_now() -> None:
     assert never_fits(two, [room_gpu(0)]) and not never_fits(two, [room_gpu(90), room_gpu(90)])
     big = parse_record(f"rgpu:v1 nodes=1 count=1 memory={100 << 30} units=100")
     assert never_fits(big, [room_gpu(0)]) and not never_fits(big, [room_gpu(0, usable=141 << 30)])
+    # pack=node: a node's slices on GPUs of one server
+    packed = parse_record("rgpu:v1 nodes=1 count=2 percent=50 units=100 pack=node")
+    split = [room_gpu(0, server="gpu1:7000"), room_gpu(0, server="gpu2:7000")]
+    assert never_fits(packed, split) and not never_fits(two, split)
+    assert not never_fits(packed, split + [room_gpu(0, server="gpu2:7000")])
     text = refused_comment("rgpu:v1 nodes=1 count=1 percent=50 units=50", "rgpu: prolog-slurmctld: x | y\nz")
     assert text == "rgpu:v1 nodes=1 count=1 percent=50 units=50 | rgpu: refused: prolog-slurmctld: x / y z"
     assert w_record_none(text)
@@ -604,3 +609,15 @@ def test_the_batch_trace_times_each_hand_over_from_the_ended_jobs_end() -> None:
         "EpilogSlurmctld start": 0.01, "lease released": 0.5, "job released": 0.55, "EpilogSlurmctld end": 0.6,
         "Epilog end": 0.3, "job started": 1.05}
     assert "    1 ->   2: 0.01, 0.50, 0.55, 0.60, 0.30, 1.05" in report(found)
+
+
+def test_pack_node_takes_a_nodes_slices_from_one_server_the_fullest_that_holds_them() -> None:
+    from rgpu.slurm_plugin.request import parse_record
+    from rgpu.slurm_plugin.waiting import rooms, take
+
+    packed = parse_record("rgpu:v1 nodes=2 count=2 percent=50 units=200 pack=node")
+    gpus = rooms([room_gpu(0, server="a"), room_gpu(40, server="b"), room_gpu(40, server="b"), room_gpu(0, server="c"),
+                  room_gpu(0, server="c")])
+    assert take(packed, gpus)          # node 1 on b (the fullest that holds two), node 2 on c; a has one GPU
+    assert [g.free_percent for g in gpus] == [100, 10, 10, 50, 50]
+    assert not take(packed, gpus) and [g.free_percent for g in gpus] == [100, 10, 10, 50, 50]   # unchanged
