@@ -214,3 +214,25 @@ def calls_between(folder: Path, first: str, last: str) -> dict[str, client_stats
     (b,) = folder.glob(f"*.{last}")
     between = client_stats.subtract(client_stats.parse(b.read_text())[0], client_stats.parse(a.read_text())[0])
     return {p.name: p for p in between.values()}
+
+
+def chain_to(native_libs: build.Libraries, emulated: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment in which a CUDA-backend session server started next drives `emulated`
+    through rgpu's own client library."""
+    inner = emulated.slices(emulated.token(memory_limit=4 << 30, job_key="inner"))
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(native_libs.folder))
+    monkeypatch.setenv("RGPU_SLICES", inner)
+    monkeypatch.setenv("RGPU_WORKER_ALLOW_RGPU_LIBCUDA", "1")
+    monkeypatch.setenv("RGPU_LOG", "error")
+    # The GPU behind the chain is emulated: its contexts take no memory, so no reservation.
+    monkeypatch.setenv("RGPU_SESSION_CONTEXT_RESERVE", "0")
+
+
+@pytest.fixture
+def chained(native_libs: build.Libraries, emulated: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
+    chain_to(native_libs, emulated, monkeypatch)
+    server, address = start_server("cuda", [EMULATED_GPU])
+    try:
+        yield Server(server, address, [EMULATED_GPU])
+    finally:
+        server.stop()

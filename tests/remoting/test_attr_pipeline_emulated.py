@@ -14,7 +14,6 @@ from rgpu.remoting.native import build, client_stats
 
 from rgpu.model import GpuInfo
 from tests.remoting.conftest import EMULATED_GPU, Server, driver_api_program, run_client, serving
-from tests.remoting.test_cuda_backend_chained import chained  # noqa: F401 - the fixture
 
 HERE = Path(__file__).parent
 EMULATED_A100 = GpuInfo(uuid="GPU-32345678-1234-1234-1234-123456789abc", index=1, name="NVIDIA A100-SXM4-80GB",

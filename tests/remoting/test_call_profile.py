@@ -13,7 +13,7 @@ from rgpu.errors import ConfigError
 from rgpu.remoting.native import build, client_stats
 
 from tests.remoting.conftest import EXAMPLES, Server
-from tests.remoting.test_client_emulated import py_client
+from tests.remoting.client_helpers import py_client
 from tests.remoting.test_runtime_emulated import _run, runtime_demo  # noqa: F401 - the program fixture
 
 

@@ -15,15 +15,9 @@ from rgpu.remoting.native import build
 
 from tests.remoting.conftest import (EMULATED_GPU, EMULATED_GPU_2, EXAMPLES, PY, Server, client_env, run_client,
                                      start_server)
+from tests.remoting.client_helpers import HERE, py_client
 
-HERE = Path(__file__).parent
 GiB = 1 << 30
-
-
-def py_client(libs: build.Libraries, slices: str, code: str, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
-    """Run a small Python program that drives libcuda.so.1 through ctypes (tests/remoting/ctcuda.py)."""
-    program = f"import sys; sys.path.insert(0, {str(HERE)!r})\nfrom ctcuda import *\nimport ctypes\n" + textwrap.dedent(code)
-    return run_client(libs, slices, [PY, "-c", program], timeout=timeout, **env)
 
 
 def test_c_driver_api_program_runs_against_an_emulated_worker(native_libs: build.Libraries, demo_binary: Path,

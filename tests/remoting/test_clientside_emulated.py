@@ -14,8 +14,7 @@ import pytest
 from rgpu.remoting.native import build, client_stats
 
 from tests.remoting.conftest import EXAMPLES, Server, calls_between, driver_api_program, run_client
-from tests.remoting.test_client_emulated import py_client
-from tests.remoting.test_cuda_backend_chained import chained  # noqa: F401 - the fixture
+from tests.remoting.client_helpers import py_client
 
 HERE = Path(__file__).parent
 

@@ -6,44 +6,19 @@ loads with function tables from cuModuleEnumerateFunctions/cuFuncGetParamInfo.""
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from rgpu.remoting.native import build
 
 from tests.remoting.conftest import (
-    EMULATED_GPU,
     EXAMPLES,
     PY,
     Server,
     run_client,
-    start_server,
 )
 
 HERE = Path(__file__).parent
-
-
-def chain_to(native_libs: build.Libraries, emulated: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The environment in which a CUDA-backend session server started next drives `emulated`
-    through rgpu's own client library."""
-    inner = emulated.slices(emulated.token(memory_limit=4 << 30, job_key="inner"))
-    monkeypatch.setenv("LD_LIBRARY_PATH", str(native_libs.folder))
-    monkeypatch.setenv("RGPU_SLICES", inner)
-    monkeypatch.setenv("RGPU_WORKER_ALLOW_RGPU_LIBCUDA", "1")
-    monkeypatch.setenv("RGPU_LOG", "error")
-    # The GPU behind the chain is emulated: its contexts take no memory, so no reservation.
-    monkeypatch.setenv("RGPU_SESSION_CONTEXT_RESERVE", "0")
-
-
-@pytest.fixture
-def chained(native_libs: build.Libraries, emulated: Server, monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
-    chain_to(native_libs, emulated, monkeypatch)
-    server, address = start_server("cuda", [EMULATED_GPU])
-    try:
-        yield Server(server, address, [EMULATED_GPU])
-    finally:
-        server.stop()
 
 
 def test_driver_api_program_through_the_cuda_backend(native_libs: build.Libraries, demo_binary: Path, chained: Server) -> None:
@@ -114,7 +89,7 @@ def test_arrays_copies_and_texture_objects_through_the_cuda_backend(native_libs:
                                                                     program: str) -> None:
     # The CUDA backend's array paths (ctypes structs, cuMemcpy2DAsync/2DUnaligned/3DAsync with the
     # host side in the worker's receive buffer or its own buffer, the footprint probe) byte for byte.
-    from tests.remoting import test_arrays_emulated as arrays
+    from tests.remoting import arrays_helpers as arrays
     out = arrays.run(native_libs, chained, getattr(arrays, program))
     assert out.count("\nOK ") + out.startswith("OK ") >= 1, out
 
@@ -123,7 +98,7 @@ def test_cuda_backend_charges_the_footprint_the_driver_reports(native_libs: buil
     # The backend asks "the driver" for a deferred-mapping array's memory requirements (here the
     # emulated GPU's exact texel bytes, not rgpu's padded estimate) and charges that, for an array and
     # for each level of a mipmapped array; beyond the slice, refused.
-    from tests.remoting import test_arrays_emulated as arrays
+    from tests.remoting import arrays_helpers as arrays
     out = arrays.run(native_libs, chained, """
         free0, total = mem_info()
         r, a = array2d(37, 19, FMT_FLOAT, 1)

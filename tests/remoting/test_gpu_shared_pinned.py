@@ -16,7 +16,7 @@ import pytest
 from rgpu.remoting.native import build
 
 from tests.remoting.conftest import Server
-from tests.remoting.test_client_emulated import py_client
+from tests.remoting.client_helpers import py_client
 from tests.remoting.test_shared_pinned_emulated import COPIES, _ops
 
 pytestmark = pytest.mark.gpu

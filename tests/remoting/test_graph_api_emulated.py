@@ -11,8 +11,7 @@ from rgpu.remoting.native import build
 
 from tests.remoting import graph_programs as programs
 from tests.remoting.conftest import Server
-from tests.remoting.test_client_emulated import py_client
-from tests.remoting.test_cuda_backend_chained import chained  # noqa: F401 - a fixture, used by name
+from tests.remoting.client_helpers import py_client
 
 
 @pytest.fixture(params=["emulated", "chained"])

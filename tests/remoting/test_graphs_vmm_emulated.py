@@ -12,8 +12,7 @@ from rgpu.remoting.native import build, client_stats
 import pytest
 
 from tests.remoting.conftest import EXAMPLES, Server
-from tests.remoting.test_client_emulated import py_client
-from tests.remoting.test_cuda_backend_chained import chained  # noqa: F401 - a fixture, used by name
+from tests.remoting.client_helpers import py_client
 
 
 @pytest.fixture(params=["emulated", "chained"])

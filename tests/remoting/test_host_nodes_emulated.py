@@ -17,8 +17,7 @@ from rgpu.remoting.datapath import protocol
 from rgpu.remoting.native import build
 
 from tests.remoting.conftest import PY, Server, run_client
-from tests.remoting.test_client_emulated import py_client
-from tests.remoting.test_cuda_backend_chained import chained  # noqa: F401 - a fixture, used by name
+from tests.remoting.client_helpers import py_client
 
 HOST_PROGRAM_HEAD = """
     setup()

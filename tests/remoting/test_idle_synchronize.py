@@ -10,7 +10,7 @@ from pathlib import Path
 from rgpu.remoting.native import build, client_stats
 
 from tests.remoting.conftest import Server
-from tests.remoting.test_client_emulated import py_client
+from tests.remoting.client_helpers import py_client
 
 
 def _profile(stats: Path) -> dict[str, client_stats.OpProfile]:

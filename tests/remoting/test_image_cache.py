@@ -29,7 +29,7 @@ from rgpu.remoting.native import build, client_stats
 from rgpu.remoting.native.generated import api_gen
 
 from tests.remoting.conftest import EMULATED_GPU, EXAMPLES, Server
-from tests.remoting.test_client_emulated import py_client
+from tests.remoting.client_helpers import py_client
 
 SRC = Path(build.__file__).resolve().parent / "src"
 HASH_MIN = 64 * 1024   # cuda_module.c's IMAGE_HASH_MIN

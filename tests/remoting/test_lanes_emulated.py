@@ -23,7 +23,6 @@ from rgpu.remoting.native import build, client_stats
 from rgpu.remoting.native.generated import api_gen
 
 from .conftest import EMULATED_GPU, Server, driver_api_program, run_client, serving
-from .test_cuda_backend_chained import chained  # noqa: F401 - the fixture
 
 HERE = Path(__file__).parent
 OP = api_gen.OPCODES

@@ -9,7 +9,7 @@ from __future__ import annotations
 from rgpu.remoting.native import build
 
 from tests.remoting.conftest import EXAMPLES, Server
-from tests.remoting.test_client_emulated import py_client
+from tests.remoting.client_helpers import py_client
 
 
 def test_extra_buffer_launch_carries_the_callers_bytes(native_libs: build.Libraries, emulated: Server) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from rgpu.remoting.native import build
 
 from tests.remoting.conftest import Server
-from tests.remoting.test_client_emulated import py_client
+from tests.remoting.client_helpers import py_client
 
 
 def test_managed_memory_is_one_address_kept_coherent_at_synchronisation(native_libs: build.Libraries,

@@ -7,7 +7,7 @@ from __future__ import annotations
 from rgpu.remoting.native import build
 
 from tests.remoting.conftest import EXAMPLES, Server
-from tests.remoting.test_client_emulated import py_client
+from tests.remoting.client_helpers import py_client
 
 
 def test_the_module_walk_hands_out_nodes_that_work_as_functions(native_libs: build.Libraries, emulated: Server) -> None:

@@ -38,7 +38,6 @@ from rgpu.remoting.datapath.worker.spec import SessionSpec
 
 from tests.remoting.conftest import EXAMPLES, Server, run_client
 from tests.remoting.test_clientside_emulated import loop_binary  # noqa: F401 - the fixture
-from tests.remoting.test_cuda_backend_chained import chained  # noqa: F401 - the fixture
 from tests.remoting.test_native_launches import (CTX, LAUNCH_FN, LAUNCH_OP, SYNC_OP, Buffer, admitting,
                                                  launch_frame, session_spec)
 

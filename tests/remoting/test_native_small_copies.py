@@ -26,9 +26,9 @@ from rgpu.remoting.native import build
 from rgpu.remoting.datapath.worker.native_loop import SMALL_DTOH_MAX, CopyEntries, NativeLaunches
 
 from tests.remoting.conftest import PY, Server, run_client
-from tests.remoting.test_cuda_backend_chained import HERE, chained  # noqa: F401 - the fixture
 from tests.remoting.test_native_launches import CTX, LAUNCH_ERROR, Buffer, RecordingDriver, admitting, launch_frame
 
+HERE = Path(__file__).parent
 DTOH_OP = api_gen.OPCODES["cuMemcpyDtoHAsync_v2"]
 STREAM = 0x7D00_0001_0000_0001
 ILLEGAL_ADDRESS = 700

@@ -22,7 +22,6 @@ from rgpu.remoting.native import apispec, build
 
 from .conftest import CUDA_INCLUDE, EMULATED_GPU, EMULATED_GPU_2, PY, Server, client_env, serving
 from .test_flexrun import conf_for, run_flexrun
-from .test_cuda_backend_chained import chained  # noqa: F401 - the fixture
 
 HERE = Path(__file__).parent
 COUNT = 1000

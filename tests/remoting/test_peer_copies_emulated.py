@@ -7,7 +7,7 @@ from __future__ import annotations
 from rgpu.remoting.native import build
 
 from tests.remoting.conftest import EMULATED_GPU_2, EXAMPLES, Server
-from tests.remoting.test_client_emulated import py_client
+from tests.remoting.client_helpers import py_client
 
 
 def test_copies_between_two_slices_go_through_the_client(native_libs: build.Libraries, emulated: Server) -> None:

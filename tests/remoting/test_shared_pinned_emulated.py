@@ -25,9 +25,8 @@ from rgpu.remoting.native import build, client_stats
 from rgpu.remoting.native.generated import api_gen
 
 from .conftest import EMULATED_GPU, Server, client_env, serving
-from .test_cuda_backend_chained import chained  # noqa: F401 - the fixture
 from .conftest import PY
-from .test_client_emulated import HERE, py_client
+from .client_helpers import HERE, py_client
 from .test_lanes_emulated import _sync
 
 OP = api_gen.OPCODES

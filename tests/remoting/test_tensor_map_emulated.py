@@ -11,7 +11,6 @@ import pytest
 from rgpu.remoting.native import build, client_stats
 
 from tests.remoting.conftest import Server, driver_api_program, run_client
-from tests.remoting.test_cuda_backend_chained import chained  # noqa: F401 - the fixture
 
 HERE = Path(__file__).parent
 

@@ -283,7 +283,7 @@ def test_through_the_cuda_backend_a_ucx_copy_is_one_dma_from_pinned_memory(
     into it, each sent once there: the chained driver sees one copy per chunk (those of at least
     1 MiB on its own UCX), not the staging ring's pieces. Byte for byte, every size."""
     from .conftest import start_server
-    from .test_cuda_backend_chained import chain_to
+    from .conftest import chain_to
     chain_to(native_libs, emulated, monkeypatch)
     monkeypatch.setenv("RGPU_TRANSPORT", "ucx")            # the GPU node takes UCX (auto keeps TCP on a real GPU)
     monkeypatch.setenv("RGPU_CLIENT_STATS", str(tmp_path / "inner"))   # the worker's calls to its "driver"

@@ -13,7 +13,7 @@ from pathlib import Path
 from rgpu.remoting.native import build
 
 from tests.remoting.conftest import EXAMPLES, Server, calls_between
-from tests.remoting.test_client_emulated import py_client
+from tests.remoting.client_helpers import py_client
 
 # A vecadd launch whose second argument is `host` (a page-locked pointer), then the session goes on.
 LAUNCH_WITH_HOST_POINTER = f"""
