@@ -27,6 +27,7 @@ from rgpu import tokens
 from rgpu.model import GpuInfo
 
 REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).parent
 EXAMPLES = REPO / "examples" / "cuda"
 def _cuda_include() -> Path:
     """NVIDIA's headers: $CUDA_HOME, /usr/local/cuda, or beside nvcc."""
@@ -236,3 +237,26 @@ def chained(native_libs: build.Libraries, emulated: Server, monkeypatch: pytest.
         yield Server(server, address, [EMULATED_GPU])
     finally:
         server.stop()
+
+
+
+@pytest.fixture(scope="module")
+def lane_copies(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return driver_api_program(native_libs, HERE / "lane_copies.c", tmp_path_factory.mktemp("lanes") / "lane_copies")
+
+
+
+@pytest.fixture(scope="module")
+def lane_cut(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("cut") / "lane_cut.so"
+    cc = shutil.which("gcc") or shutil.which("cc")
+    done = subprocess.run([cc, "-O1", "-shared", "-fPIC", str(HERE / "lane_cut.c"), "-o", str(out), "-ldl"],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+
+@pytest.fixture(scope="module")
+def copies(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return driver_api_program(native_libs, HERE / "ucx_copies.c", tmp_path_factory.mktemp("ucx") / "ucx_copies")

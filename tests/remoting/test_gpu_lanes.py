@@ -15,8 +15,7 @@ import pytest
 from rgpu.remoting.native import build
 
 from tests.remoting.conftest import driver_api_program, local_gpu, run_client, serving
-from tests.remoting.test_lanes_emulated import (HERE, LANE_ENV, LANES, SIZES, STRIPED, _striped, lane_copies,  # noqa: F401
-                                                lane_cut)
+from tests.remoting.lanes_helpers import HERE, LANES, LANE_ENV, SIZES, STRIPED, _striped
 
 pytestmark = pytest.mark.gpu
 

@@ -20,8 +20,8 @@ from rgpu.remoting.datapath.worker.native_loop import EventEntries, NativeLaunch
 from tests.remoting.conftest import EXAMPLES, Server
 from tests.remoting.test_clientside_emulated import loop_binary  # noqa: F401 - the fixture
 from tests.remoting.test_gpu import flexrun
-from tests.remoting.test_native_events import EVENT, STREAM, frame
-from tests.remoting.test_native_launches import Buffer, session_spec
+from tests.remoting.native_events_helpers import EVENT, STREAM, frame
+from tests.remoting.native_launches_helpers import Buffer, session_spec
 
 pytestmark = pytest.mark.gpu
 OP = api_gen.OPCODES

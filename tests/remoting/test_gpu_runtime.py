@@ -19,7 +19,7 @@ from rgpu.remoting.native import build
 
 from tests.remoting.conftest import EXAMPLES, PY, Server, run_nvcc
 from tests.remoting.test_gpu import GiB, flexrun, py
-from tests.remoting.test_host_nodes_emulated import DYING, HOST_PROGRAM_HEAD, LARGE_COPY
+from tests.remoting.host_nodes_helpers import DYING, HOST_PROGRAM_HEAD, LARGE_COPY
 
 pytestmark = pytest.mark.gpu
 

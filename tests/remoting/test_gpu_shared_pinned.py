@@ -17,7 +17,7 @@ from rgpu.remoting.native import build
 
 from tests.remoting.conftest import Server
 from tests.remoting.client_helpers import py_client
-from tests.remoting.test_shared_pinned_emulated import COPIES, _ops
+from tests.remoting.shared_pinned_helpers import COPIES, _ops
 
 pytestmark = pytest.mark.gpu
 

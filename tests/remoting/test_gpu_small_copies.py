@@ -14,7 +14,7 @@ import pytest
 
 from tests.remoting.conftest import PY, Server
 from tests.remoting.test_gpu import flexrun
-from tests.remoting.test_native_small_copies import copies_answered_in_c, item_program
+from tests.remoting.small_copies_helpers import copies_answered_in_c, item_program
 from rgpu.remoting.native import build
 
 pytestmark = pytest.mark.gpu

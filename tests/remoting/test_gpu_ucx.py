@@ -15,7 +15,7 @@ from rgpu.remoting.native import build
 
 from tests.remoting.conftest import run_client, serving
 from tests.remoting.conftest import local_gpu
-from tests.remoting.test_ucx_emulated import UCX_COPIES, _have_ucx, _ucx_ops, copies  # noqa: F401 - the fixture
+from tests.remoting.ucx_helpers import UCX_COPIES, _have_ucx, _ucx_ops
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _have_ucx(), reason="UCX is not installed (no libucp.so.0)")]
 

@@ -19,38 +19,10 @@ import pytest
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.worker.lanes import Lanes
 from rgpu.remoting.dispatcher.lanes import LaneBook, parse_lane_offer, parse_lane_request
-from rgpu.remoting.native import build, client_stats
-from rgpu.remoting.native.generated import api_gen
+from rgpu.remoting.native import build
 
 from .conftest import EMULATED_GPU, Server, driver_api_program, run_client, serving
-
-HERE = Path(__file__).parent
-OP = api_gen.OPCODES
-MiB = 1 << 20
-THRESHOLD = 1 * MiB     # RGPU_LANE_MIN_BYTES in these tests
-CHUNK = 64 << 10        # RGPU_LANE_CHUNK_BYTES: the smallest the protocol allows, many chunks per copy
-LANES = 3
-# Odd sizes, around the threshold and around chunk and stripe boundaries (a stripe: one chunk per lane).
-SIZES = [1, CHUNK - 1, CHUNK + 1, THRESHOLD - 1, THRESHOLD, THRESHOLD + 1, THRESHOLD + LANES * CHUNK - 1,
-         THRESHOLD + LANES * CHUNK + 1, 5_000_007, 32 * MiB + 13]
-STRIPED = sum(1 for n in SIZES if n >= THRESHOLD) * 2 * 2   # pageable and pinned, whole and at an offset
-LANE_ENV = {"RGPU_LANES": str(LANES), "RGPU_LANE_MIN_BYTES": str(THRESHOLD), "RGPU_LANE_CHUNK_BYTES": str(CHUNK),
-            "RGPU_TRANSPORT": "tcp", "RGPU_LOG": "info",
-            "RGPU_SHARED_PINNED": "0"}   # the network path: pinned buffers of one host are read in place (protocol 15)
-
-
-@pytest.fixture(scope="module")
-def lane_copies(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return driver_api_program(native_libs, HERE / "lane_copies.c", tmp_path_factory.mktemp("lanes") / "lane_copies")
-
-
-def _striped(profile_prefix: Path) -> tuple[int, int]:
-    """(host-to-device, device-to-host) copies the client striped over its lanes, from its call profile."""
-    files = list(profile_prefix.parent.glob(profile_prefix.name + ".*"))
-    assert len(files) == 1, files
-    ops, _ = client_stats.parse(files[0].read_text())
-    htod, dtoh = ops.get(OP["rgpuMemcpyHtoDLanes"]), ops.get(OP["rgpuMemcpyDtoHLanes"])
-    return (htod.async_calls if htod else 0), (dtoh.sync_calls if dtoh else 0)
+from tests.remoting.lanes_helpers import CHUNK, HERE, LANES, LANE_ENV, MiB, OP, SIZES, STRIPED, THRESHOLD, _striped, _sync
 
 
 def test_copies_of_every_size_arrive_whole_over_data_lanes(lane_copies: Path, native_libs: build.Libraries,
@@ -118,16 +90,6 @@ def test_the_dispatchers_socket_buffer_setting_reaches_its_workers() -> None:
             assert _receive_buffer(int(address.rsplit(":", 1)[1]), worker) == 2 * (96 << 10)
     finally:
         server.stop()
-
-
-@pytest.fixture(scope="module")
-def lane_cut(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("cut") / "lane_cut.so"
-    cc = shutil.which("gcc") or shutil.which("cc")
-    done = subprocess.run([cc, "-O1", "-shared", "-fPIC", str(HERE / "lane_cut.c"), "-o", str(out), "-ldl"],
-                          capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -486,14 +448,6 @@ def test_struct_layouts_match_lanes_h() -> None:
 
 
 # ---- hostile or refused striped copy frames, from a hand-made client ------------------------------
-
-def _sync(sock: socket.socket, op: int, payload: bytes, seq: int, ctx: int = 0) -> tuple[int, bytes]:
-    sock.sendall(protocol.pack_frame(op, payload, seq=seq, ctx=ctx))
-    while True:
-        header, body = protocol.recv_frame(sock)
-        if header[1] == protocol.OP_REPLY:
-            assert header[3] == seq
-            return struct.unpack_from("<i", body)[0], body
 
 
 def _receive_striped(lanes: list[socket.socket], seq: int, size: int, chunk: int) -> bytes:

@@ -38,8 +38,8 @@ from rgpu.remoting.datapath.worker.spec import SessionSpec
 
 from tests.remoting.conftest import EXAMPLES, Server, run_client
 from tests.remoting.test_clientside_emulated import loop_binary  # noqa: F401 - the fixture
-from tests.remoting.test_native_launches import (CTX, LAUNCH_FN, LAUNCH_OP, SYNC_OP, Buffer, admitting,
-                                                 launch_frame, session_spec)
+from tests.remoting.native_launches_helpers import Buffer, CTX, LAUNCH_FN, LAUNCH_OP, SYNC_OP, admitting, launch_frame, session_spec
+from tests.remoting.native_events_helpers import EVENT, STREAM, frame
 
 OP = api_gen.OPCODES
 CREATE_OP, RECORD_OP, RECORD_FLAGS_OP = OP["rgpuEventCreate"], OP["cuEventRecord"], OP["cuEventRecordWithFlags"]
@@ -51,9 +51,6 @@ CREATE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctyp
 RECORD_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 WITH_FLAGS_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
 DESTROY_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
-
-EVENT = 0x7E00_0001_0000_0001     # client handles as the client library makes them (protocol 8)
-STREAM = 0x7D00_0001_0000_0001
 
 
 @dataclass
@@ -102,11 +99,6 @@ class RecordingEventDriver:
     @property
     def event_entries(self) -> EventEntries:
         return EventEntries(*(self.address(i) for i in range(1, 6)))
-
-
-def frame(op: int, fmt: str, *values: int, ctx: int = CTX) -> bytes:
-    body = struct.pack(fmt, *values)
-    return protocol.pack_frame(op, body + b"\0" * (-len(body) % 8), seq=1, ctx=ctx)
 
 
 def create(handle: int, flags: int = 2, ctx: int = CTX) -> bytes:

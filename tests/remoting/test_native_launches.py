@@ -13,11 +13,9 @@ import socket
 import struct
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from rgpu.remoting.native.generated import api_gen
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.backends.emulated import EmulatedBackend
 from rgpu.remoting.native import build
@@ -26,81 +24,12 @@ from rgpu.remoting.datapath.worker.native_loop import NativeLaunches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 
 from tests.remoting.conftest import Server
-
-LAUNCH_OP = api_gen.OPCODES["cuLaunchKernel"]
-SYNC_OP = api_gen.OPCODES["cuCtxSynchronize"]
-LAUNCH = struct.Struct("<QQ12I")
-CTX = 0x9000_0000
-LAUNCH_ERROR = 719  # CUDA_ERROR_LAUNCH_FAILED
-
-LAUNCH_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint,
-                             ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p,
-                             ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
-
-
-@dataclass
-class Launch:
-    f: int
-    grid: tuple[int, int, int]
-    block: tuple[int, int, int]
-    shmem: int
-    stream: int
-    params: bytes
-    params_address: int
-
-
-@dataclass
-class RecordingDriver:
-    """Test double for the driver's cuLaunchKernel: records each launch, reading the parameter
-    block through the CU_LAUNCH_PARAM_BUFFER_* array as the driver does."""
-
-    fail_on: set[int] = field(default_factory=set)   # call numbers (0-based) that return LAUNCH_ERROR
-    launches: list[Launch] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        def launch(f, gx, gy, gz, bx, by, bz, shmem, stream, params, extra):  # type: ignore[no-untyped-def]
-            assert params is None
-            assert (extra[0], extra[2], extra[4]) == (1, 2, None)
-            size = ctypes.cast(extra[3], ctypes.POINTER(ctypes.c_size_t))[0]
-            self.launches.append(Launch(f or 0, (gx, gy, gz), (bx, by, bz), shmem, stream or 0,
-                                        ctypes.string_at(extra[1], size), extra[1]))
-            return LAUNCH_ERROR if len(self.launches) - 1 in self.fail_on else 0
-        self.callback = LAUNCH_FN(launch)
-
-    @property
-    def entry(self) -> int:
-        return int(ctypes.cast(self.callback, ctypes.c_void_p).value or 0)
-
-
-def launch_frame(f: int, params: bytes, *, ctx: int = CTX, grid: tuple[int, int, int] = (1, 1, 1),
-                 block: tuple[int, int, int] = (32, 1, 1), shmem: int = 0, stream: int = 0, coop: int = 0,
-                 nattrs: int = 0, argsize: int | None = None) -> bytes:
-    body = LAUNCH.pack(f, stream, *grid, *block, shmem, coop, nattrs,
-                       len(params) if argsize is None else argsize, 0, 0) + params
-    body += b"\0" * (-len(body) % 8)
-    return protocol.pack_frame(LAUNCH_OP, body, seq=1, ctx=ctx)
-
-
-class Buffer:
-    """Frames in a ctypes buffer, optionally starting `shift` bytes past an 8-byte boundary."""
-
-    def __init__(self, data: bytes, shift: int = 0) -> None:
-        self.raw = (ctypes.c_uint64 * ((len(data) + shift) // 8 + 2))()
-        self.address = ctypes.addressof(self.raw) + shift
-        ctypes.memmove(self.address, data, len(data))
-        self.size = len(data)
+from tests.remoting.native_launches_helpers import Buffer, CTX, LAUNCH_ERROR, LAUNCH_OP, RecordingDriver, SYNC_OP, admitting, launch_frame, session_spec
 
 
 @pytest.fixture(scope="module")
 def worker_library(native_libs: build.Libraries) -> str:
     return str(native_libs.libworker)
-
-
-def admitting(native: NativeLaunches, *kernels: int) -> NativeLaunches:
-    """The loop with these kernels admitted, as the worker admits each before its first launch."""
-    for f in kernels:
-        native.admit(f)
-    return native
 
 
 def test_a_kernel_the_worker_has_not_admitted_stops_the_run(worker_library: str) -> None:
@@ -255,14 +184,6 @@ class RecordingLaunchBackend(EmulatedBackend):
         size = ctypes.c_size_t(argsize)
         extra = (ctypes.c_void_p * 5)(1, address, 2, ctypes.addressof(size), None)
         return int(self.driver.callback(f, gx, gy, gz, bx, by, bz, shmem, stream, None, extra))
-
-
-def session_spec(launch_library: str) -> SessionSpec:
-    return SessionSpec(mode="cuda", backend="emulated", gpu_uuid="GPU-0", gpu_index=0, gpu_name="NVIDIA H200",
-                       gpu_total_memory=1 << 30, compute_capability="9.0", memory_limit=1 << 30,
-                       compute_percent=100, job_key="native-launch-test", slice_number=0, usage_dir="",
-                       server="127.0.0.1:1", compute_enforcement="time-slicing", client={},
-                       launch_library=launch_library)
 
 
 @pytest.fixture

@@ -21,50 +21,17 @@ from pathlib import Path
 import pytest
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.worker.shared_pinned import MESSAGE, SHARE, SHARED_COPY
-from rgpu.remoting.native import build, client_stats
+from rgpu.remoting.native import build
 from rgpu.remoting.native.generated import api_gen
 
 from .conftest import EMULATED_GPU, Server, client_env, serving
 from .conftest import PY
 from .client_helpers import HERE, py_client
-from .test_lanes_emulated import _sync
+from .lanes_helpers import _sync
+from tests.remoting.shared_pinned_helpers import COPIES, _ops
 
 OP = api_gen.OPCODES
 MiB = 1 << 20
-
-# 8 MiB of page-locked memory, filled, copied to the device synchronously and back; a sub-range at an
-# odd offset asynchronously; prints what came back.
-COPIES = """
-    setup()
-    n = 8 << 20
-    host = ctypes.c_void_p()
-    check("cuMemHostAlloc", ctypes.byref(host), ctypes.c_size_t(n), 0)
-    pattern = bytes(range(251)) * (n // 251 + 1)
-    ctypes.memmove(host, pattern, n)
-    r, dev = alloc(n)
-    check("cuMemcpyHtoD_v2", ctypes.c_uint64(dev), host, ctypes.c_size_t(n))
-    ctypes.memset(host, 0, n)
-    check("cuMemcpyDtoH_v2", host, ctypes.c_uint64(dev), ctypes.c_size_t(n))
-    print("SYNC", ctypes.string_at(host.value, n) == pattern[:n])
-    off, k = 12345, 3 << 20
-    ctypes.memset(host.value + off, 0xAB, k)
-    check("cuMemcpyHtoDAsync_v2", ctypes.c_uint64(dev + 7), ctypes.c_void_p(host.value + off), ctypes.c_size_t(k), None)
-    check("cuCtxSynchronize")
-    ctypes.memset(host, 0, n)
-    check("cuMemcpyDtoHAsync_v2", ctypes.c_void_p(host.value + 1), ctypes.c_uint64(dev), ctypes.c_size_t(k + 7), None)
-    check("cuCtxSynchronize")
-    got = ctypes.string_at(host.value + 1, k + 7)
-    print("ASYNC", got == pattern[:7] + bytes([0xAB]) * k)
-    check("cuMemFreeHost", host)
-"""
-
-
-def _ops(prefix: Path) -> dict[str, int]:
-    """The client's operations by name and count (sync + async), from its call profile."""
-    files = list(prefix.parent.glob(prefix.name + ".*"))
-    assert len(files) == 1, files
-    ops, _ = client_stats.parse(files[0].read_text())
-    return {api_gen.OPS.get(op, str(op)): p.sync_calls + p.async_calls for op, p in ops.items()}
 
 
 def test_same_host_page_locked_copies_are_read_in_place_with_no_bytes_on_the_socket(

@@ -13,44 +13,16 @@ from pathlib import Path
 import pytest
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.worker.ucx import UcxLink
-from rgpu.remoting.native import build, client_stats
-from rgpu.remoting.native.generated import api_gen
+from rgpu.remoting.native import build
 
-from .conftest import EMULATED_GPU, Server, driver_api_program, run_client, serving
-
-HERE = Path(__file__).parent
-OP = api_gen.OPCODES
-
-
-def _have_ucx() -> bool:
-    try:
-        ctypes.CDLL("libucp.so.0")
-        return True
-    except OSError:
-        return False
+from .conftest import EMULATED_GPU, Server, run_client, serving
+from tests.remoting.ucx_helpers import OP, UCX_COPIES, _have_ucx, _ucx_ops
 
 
 pytestmark = pytest.mark.skipif(not _have_ucx(), reason="UCX is not installed (no libucp.so.0: apt-get install "
                                 "libucx-dev, as scripts/test.sh does from .ci/debian-packages.txt)")
 
 
-@pytest.fixture(scope="module")
-def copies(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return driver_api_program(native_libs, HERE / "ucx_copies.c", tmp_path_factory.mktemp("ucx") / "ucx_copies")
-
-
-def _ucx_ops(profile_prefix: Path) -> tuple[int, int]:
-    """(host-to-device, device-to-host) copies the client sent as UCX copies, from its call profile."""
-    files = list(profile_prefix.parent.glob(profile_prefix.name + ".*"))
-    assert len(files) == 1, files
-    ops, _ = client_stats.parse(files[0].read_text())
-    htod = ops.get(OP["rgpuMemcpyHtoDUcx"])
-    dtoh = ops.get(OP["rgpuMemcpyDtoHUcx"])
-    return (htod.async_calls if htod else 0), (dtoh.sync_calls if dtoh else 0)
-
-
-# ucx_copies.c copies 4 sizes of at least 1 MiB whole and 2 at an offset: 6 each way go on UCX.
-UCX_COPIES = (6, 6)
 UCX_SIZES = [1 << 20, (1 << 20) + 3, 5_000_007, 128 << 20, 5_000_007 - 64, (128 << 20) - 64]
 assert len(UCX_SIZES) == UCX_COPIES[0]
 
