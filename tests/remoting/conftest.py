@@ -260,3 +260,47 @@ def lane_cut(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFact
 @pytest.fixture(scope="module")
 def copies(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return driver_api_program(native_libs, HERE / "ucx_copies.c", tmp_path_factory.mktemp("ucx") / "ucx_copies")
+
+
+@pytest.fixture(scope="module")
+def loop_binary(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/remoting/clientside_loop.c, built against NVIDIA's cuda.h and rgpu's libcuda."""
+    return driver_api_program(native_libs, HERE / "clientside_loop.c",
+                              tmp_path_factory.mktemp("clientside") / "clientside_loop")
+
+
+@pytest.fixture(scope="module")
+def attr_loop(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return driver_api_program(native_libs, HERE / "attr_loop.c", tmp_path_factory.mktemp("attrs") / "attr_loop")
+
+
+@pytest.fixture(scope="module")
+def tensor_map(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return driver_api_program(native_libs, HERE / "tensor_map.c", tmp_path_factory.mktemp("tmap") / "tensor_map")
+
+
+def _cudart_dir() -> Path | None:
+    nvcc = shutil.which("nvcc")
+    candidates = [Path("/usr/local/cuda/lib64")]
+    if nvcc:
+        root = Path(nvcc).resolve().parent.parent
+        candidates += [root / "lib64", root / "targets" / "x86_64-linux" / "lib"]
+    return next((c for c in candidates if (c / "libcudart.so.13").exists() or any(c.glob("libcudart.so.*"))), None)
+
+
+def build_runtime_program(tmp_path_factory: pytest.TempPathFactory, source: str, cudart: str) -> Path:
+    """examples/cuda/<source> built with nvcc for sm_90, linking cudart `static` or `shared`."""
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        pytest.skip("nvcc not found (install the CUDA toolkit to build CUDA-runtime test programs)")
+    out = tmp_path_factory.mktemp("runtime") / f"{Path(source).stem}_{cudart}"
+    argv = [nvcc, "-O2", "-gencode", "arch=compute_90,code=[sm_90,compute_90]", "-cudart", cudart,
+            str(EXAMPLES / source), "-o", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    return out
+
+
+@pytest.fixture(scope="module", params=["static", "shared"])
+def runtime_demo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    return request.param, build_runtime_program(tmp_path_factory, "runtime_demo.cu", request.param)

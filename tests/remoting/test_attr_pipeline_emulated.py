@@ -13,16 +13,10 @@ import pytest
 from rgpu.remoting.native import build, client_stats
 
 from rgpu.model import GpuInfo
-from tests.remoting.conftest import EMULATED_GPU, Server, driver_api_program, run_client, serving
+from tests.remoting.conftest import EMULATED_GPU, Server, run_client, serving
 
-HERE = Path(__file__).parent
 EMULATED_A100 = GpuInfo(uuid="GPU-32345678-1234-1234-1234-123456789abc", index=1, name="NVIDIA A100-SXM4-80GB",
                         total_memory_bytes=80 << 30, usable_memory_bytes=80 << 30, compute_capability="8.0")
-
-
-@pytest.fixture(scope="module")
-def attr_loop(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return driver_api_program(native_libs, HERE / "attr_loop.c", tmp_path_factory.mktemp("attrs") / "attr_loop")
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from rgpu.remoting.native import build, client_stats
 
 from tests.remoting.conftest import EXAMPLES, Server
 from tests.remoting.client_helpers import py_client
-from tests.remoting.test_runtime_emulated import _run, runtime_demo  # noqa: F401 - the program fixture
+from tests.remoting.runtime_helpers import _run
 
 
 def test_profiles_name_the_round_trips_of_a_runtime_program(native_libs: build.Libraries, emulated: Server,

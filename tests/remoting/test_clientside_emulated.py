@@ -13,17 +13,8 @@ from pathlib import Path
 import pytest
 from rgpu.remoting.native import build, client_stats
 
-from tests.remoting.conftest import EXAMPLES, Server, calls_between, driver_api_program, run_client
+from tests.remoting.conftest import EXAMPLES, Server, calls_between, run_client
 from tests.remoting.client_helpers import py_client
-
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(scope="module")
-def loop_binary(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tests/remoting/clientside_loop.c, built against NVIDIA's cuda.h and rgpu's libcuda."""
-    return driver_api_program(native_libs, HERE / "clientside_loop.c",
-                              tmp_path_factory.mktemp("clientside") / "clientside_loop")
 
 
 def _profile(path: Path) -> dict[str, client_stats.OpProfile]:

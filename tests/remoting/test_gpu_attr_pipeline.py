@@ -13,9 +13,7 @@ import pytest
 from rgpu.remoting.native import build, client_stats
 
 from tests.remoting.conftest import Server
-from tests.remoting.test_attr_pipeline_emulated import attr_loop  # noqa: F401 - the fixture
 from tests.remoting.test_gpu import flexrun
-from tests.remoting.test_tensor_map_emulated import tensor_map  # noqa: F401 - the fixture
 
 pytestmark = pytest.mark.gpu
 

@@ -18,7 +18,6 @@ from rgpu.remoting.datapath.worker.client_handles import EVENT_FAILED
 from rgpu.remoting.datapath.worker.native_loop import EventEntries, NativeLaunches
 
 from tests.remoting.conftest import EXAMPLES, Server
-from tests.remoting.test_clientside_emulated import loop_binary  # noqa: F401 - the fixture
 from tests.remoting.test_gpu import flexrun
 from tests.remoting.native_events_helpers import EVENT, STREAM, frame
 from tests.remoting.native_launches_helpers import Buffer, session_spec

@@ -37,7 +37,6 @@ from rgpu.remoting.datapath.worker.native_loop import EventEntries, NativeLaunch
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 
 from tests.remoting.conftest import EXAMPLES, Server, run_client
-from tests.remoting.test_clientside_emulated import loop_binary  # noqa: F401 - the fixture
 from tests.remoting.native_launches_helpers import Buffer, CTX, LAUNCH_FN, LAUNCH_OP, SYNC_OP, admitting, launch_frame, session_spec
 from tests.remoting.native_events_helpers import EVENT, STREAM, frame
 

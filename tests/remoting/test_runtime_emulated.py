@@ -6,7 +6,6 @@ program runs without `launch` here; tests/remoting/test_gpu.py launches on a rea
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,44 +13,9 @@ from pathlib import Path
 import pytest
 from rgpu.remoting.native import build
 
-from tests.remoting.conftest import EXAMPLES, Server, run_client
-
-GiB = 1 << 30
-
-
-def _cudart_dir() -> Path | None:
-    nvcc = shutil.which("nvcc")
-    candidates = [Path("/usr/local/cuda/lib64")]
-    if nvcc:
-        root = Path(nvcc).resolve().parent.parent
-        candidates += [root / "lib64", root / "targets" / "x86_64-linux" / "lib"]
-    return next((c for c in candidates if (c / "libcudart.so.13").exists() or any(c.glob("libcudart.so.*"))), None)
-
-
-def build_runtime_program(tmp_path_factory: pytest.TempPathFactory, source: str, cudart: str) -> Path:
-    """examples/cuda/<source> built with nvcc for sm_90, linking cudart `static` or `shared`."""
-    nvcc = shutil.which("nvcc")
-    if not nvcc:
-        pytest.skip("nvcc not found (install the CUDA toolkit to build CUDA-runtime test programs)")
-    out = tmp_path_factory.mktemp("runtime") / f"{Path(source).stem}_{cudart}"
-    argv = [nvcc, "-O2", "-gencode", "arch=compute_90,code=[sm_90,compute_90]", "-cudart", cudart,
-            str(EXAMPLES / source), "-o", str(out)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
-    assert done.returncode == 0, done.stderr
-    return out
-
-
-@pytest.fixture(scope="module", params=["static", "shared"])
-def runtime_demo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    return request.param, build_runtime_program(tmp_path_factory, "runtime_demo.cu", request.param)
-
-
-def _run(libs: build.Libraries, emulated: Server, program: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    slices = emulated.slices(emulated.token(memory_limit=GiB))
-    cudart = _cudart_dir()
-    extra = {"LD_LIBRARY_PATH": f"{libs.folder}{os.pathsep}{cudart}" if cudart else str(libs.folder)}
-    extra.update(env)
-    return run_client(libs, slices, [str(program)], timeout=120, **extra)
+from tests.remoting.conftest import Server, run_client
+from tests.remoting.conftest import _cudart_dir, build_runtime_program
+from tests.remoting.runtime_helpers import _run
 
 
 def test_runtime_program_initialises_and_moves_data_through_rgpu(native_libs: build.Libraries, emulated: Server,

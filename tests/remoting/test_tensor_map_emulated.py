@@ -10,14 +10,7 @@ from pathlib import Path
 import pytest
 from rgpu.remoting.native import build, client_stats
 
-from tests.remoting.conftest import Server, driver_api_program, run_client
-
-HERE = Path(__file__).parent
-
-
-@pytest.fixture(scope="module")
-def tensor_map(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return driver_api_program(native_libs, HERE / "tensor_map.c", tmp_path_factory.mktemp("tmap") / "tensor_map")
+from tests.remoting.conftest import Server, run_client
 
 
 def _run(native_libs: build.Libraries, server: Server, binary: Path, mode: str, stats: Path, **extra: str) -> str:
