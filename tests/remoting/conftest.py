@@ -26,6 +26,7 @@ from rgpu.remoting.dispatcher.sessions import SessionServer
 from rgpu import tokens
 from rgpu.model import GpuInfo
 
+
 REPO = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).parent
 EXAMPLES = REPO / "examples" / "cuda"
@@ -239,11 +240,9 @@ def chained(native_libs: build.Libraries, emulated: Server, monkeypatch: pytest.
         server.stop()
 
 
-
 @pytest.fixture(scope="module")
 def lane_copies(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return driver_api_program(native_libs, HERE / "lane_copies.c", tmp_path_factory.mktemp("lanes") / "lane_copies")
-
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +253,6 @@ def lane_cut(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFact
                           capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     return out
-
 
 
 @pytest.fixture(scope="module")
@@ -304,3 +302,17 @@ def build_runtime_program(tmp_path_factory: pytest.TempPathFactory, source: str,
 @pytest.fixture(scope="module", params=["static", "shared"])
 def runtime_demo(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
     return request.param, build_runtime_program(tmp_path_factory, "runtime_demo.cu", request.param)
+
+
+@pytest.fixture(scope="module")
+def nccl_ranks(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/remoting/nccl_ranks.c, built with cc against cuda.h and rgpu's own rgpu_nccl.h."""
+    if not (CUDA_INCLUDE / "cuda.h").exists():
+        pytest.skip(f"no cuda.h under {CUDA_INCLUDE} (install the CUDA toolkit headers)")
+    out = tmp_path_factory.mktemp("nccl") / "nccl_ranks"
+    cc = shutil.which("gcc") or shutil.which("cc")
+    done = subprocess.run([cc, "-O1", "-Wall", f"-I{CUDA_INCLUDE}", f"-I{build.SRC}", str(HERE / "nccl_ranks.c"),
+                           "-o", str(out), f"-L{native_libs.folder}", "-lcuda", "-lnccl"],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    return out

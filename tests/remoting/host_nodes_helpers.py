@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-
-
-
-
 HOST_PROGRAM_HEAD = """
     setup()
     HOSTFN = ctypes.CFUNCTYPE(None, ctypes.c_void_p)

@@ -26,7 +26,6 @@ LANE_ENV = {"RGPU_LANES": str(LANES), "RGPU_LANE_MIN_BYTES": str(THRESHOLD), "RG
             "RGPU_SHARED_PINNED": "0"}   # the network path: pinned buffers of one host are read in place (protocol 15)
 
 
-
 def _striped(profile_prefix: Path) -> tuple[int, int]:
     """(host-to-device, device-to-host) copies the client striped over its lanes, from its call profile."""
     files = list(profile_prefix.parent.glob(profile_prefix.name + ".*"))
@@ -34,7 +33,6 @@ def _striped(profile_prefix: Path) -> tuple[int, int]:
     ops, _ = client_stats.parse(files[0].read_text())
     htod, dtoh = ops.get(OP["rgpuMemcpyHtoDLanes"]), ops.get(OP["rgpuMemcpyDtoHLanes"])
     return (htod.async_calls if htod else 0), (dtoh.sync_calls if dtoh else 0)
-
 
 
 def _sync(sock: socket.socket, op: int, payload: bytes, seq: int, ctx: int = 0) -> tuple[int, bytes]:

@@ -15,27 +15,10 @@ from rgpu.errors import InvalidRequest
 from rgpu.remoting.client import flexrun
 from rgpu.remoting.native import build
 
-from rgpu.adaptor import AdaptorConf, AdaptorSlice, write_adaptor_conf
 from tests.remoting.conftest import EXAMPLES, PY, Server
+from tests.remoting.flexrun_helpers import conf_for, run_flexrun
 
 HERE = Path(__file__).parent
-
-
-def conf_for(server: Server, path: Path, *tokens: str) -> Path:
-    slices = tuple(AdaptorSlice(server=server.address, gpu_uuid=server.gpus[i % 2].uuid, gpu_index=i % 2,
-                                memory_limit_bytes=1 << 30, compute_percent=50, token=t)
-                   for i, t in enumerate(tokens))
-    return write_adaptor_conf(path, AdaptorConf(job_id="1234", user="alice", slices=slices))
-
-
-def run_flexrun(args: list[str], native_libs: build.Libraries, env_extra: dict[str, str] | None = None,
-                timeout: float = 60, **kw: object) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("RGPU_", "SLURM_"))}
-    env["RGPU_NATIVE_DIR"] = str(native_libs.folder)
-    env["HOME"] = str(Path(env.get("TMPDIR", "/tmp")) / "flexrun-test-home-none")
-    env.update(env_extra or {})
-    return subprocess.run([PY, "-m", "rgpu.remoting.client.flexrun", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout, **kw, check=False)  # type: ignore[arg-type]
 
 
 def test_runs_a_driver_api_program_from_an_adaptor_conf(native_libs: build.Libraries, demo_binary: Path,

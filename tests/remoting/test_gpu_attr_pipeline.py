@@ -13,7 +13,7 @@ import pytest
 from rgpu.remoting.native import build, client_stats
 
 from tests.remoting.conftest import Server
-from tests.remoting.test_gpu import flexrun
+from tests.remoting.gpu_helpers import flexrun
 
 pytestmark = pytest.mark.gpu
 

@@ -15,7 +15,7 @@ from rgpu.remoting.native import build
 
 from tests.remoting import graph_programs as programs
 from tests.remoting.conftest import EXAMPLES, Server
-from tests.remoting.test_gpu import flexrun, py
+from tests.remoting.gpu_helpers import flexrun, py
 
 pytestmark = pytest.mark.gpu
 

@@ -18,7 +18,7 @@ from rgpu.remoting.datapath.worker.client_handles import EVENT_FAILED
 from rgpu.remoting.datapath.worker.native_loop import EventEntries, NativeLaunches
 
 from tests.remoting.conftest import EXAMPLES, Server
-from tests.remoting.test_gpu import flexrun
+from tests.remoting.gpu_helpers import flexrun
 from tests.remoting.native_events_helpers import EVENT, STREAM, frame
 from tests.remoting.native_launches_helpers import Buffer, session_spec
 

@@ -23,8 +23,8 @@ from rgpu.model import GpuInfo
 from rgpu.remoting.native import build
 
 from .conftest import Server, client_env, local_gpu, start_server
-from .test_gpu_two_gpus import nvml_gpus
-from .test_nccl_emulated import _check, _expected_more, nccl_ranks  # noqa: F401 - the fixture
+from .two_gpus_helpers import nvml_gpus
+from .nccl_helpers import _check, _expected_more
 
 pytestmark = pytest.mark.gpu
 

@@ -18,7 +18,7 @@ import pytest
 from rgpu.remoting.native import build
 
 from tests.remoting.conftest import EXAMPLES, PY, Server, run_nvcc
-from tests.remoting.test_gpu import GiB, flexrun, py
+from tests.remoting.gpu_helpers import GiB, flexrun, py
 from tests.remoting.host_nodes_helpers import DYING, HOST_PROGRAM_HEAD, LARGE_COPY
 
 pytestmark = pytest.mark.gpu

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.remoting.conftest import PY, Server
-from tests.remoting.test_gpu import flexrun
+from tests.remoting.gpu_helpers import flexrun
 from tests.remoting.small_copies_helpers import copies_answered_in_c, item_program
 from rgpu.remoting.native import build
 

@@ -39,7 +39,7 @@ def test_nvml_readings_of_gpu_0_are_measured_figures() -> None:
 
 
 def test_the_pool_shows_gpu_0_busy_while_a_slice_spins(tmp_path: Path) -> None:
-    from tests.remoting.test_gpu import spin_program
+    from tests.remoting.gpu_helpers import spin_program
 
     gpu = local_gpu()
     cluster = RgpuCluster(tmp_path / "cluster")

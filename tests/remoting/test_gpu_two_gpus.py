@@ -22,29 +22,15 @@ import pytest
 from rgpu.remoting.native import build
 from tests.daemons import RgpuCluster
 from tests.remoting.conftest import EXAMPLES, PY
-from tests.remoting.test_gpu import spin_local, spin_program
+from tests.remoting.gpu_helpers import spin_local, spin_program
 from tests.test_dispatcher import wait_state
+from tests.remoting.two_gpus_helpers import nvml_gpus
 
 pytestmark = pytest.mark.gpu
 HERE = Path(__file__).parent
 TORCH_EXAMPLES = HERE.parents[1] / "examples" / "torch"
 OUT = Path(os.environ.get("RGPU_TEST_OUT", "/tmp"))
 FRACTION = 0.5
-
-
-def nvml_gpus() -> list[tuple[str, int]]:
-    """(UUID, total memory) of every GPU NVML sees."""
-    import pynvml
-    pynvml.nvmlInit()
-    try:
-        gpus = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            uuid = pynvml.nvmlDeviceGetUUID(h)
-            gpus.append((uuid.decode() if isinstance(uuid, bytes) else uuid, pynvml.nvmlDeviceGetMemoryInfo(h).total))
-        return gpus
-    finally:
-        pynvml.nvmlShutdown()
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.remoting.conftest import EXAMPLES, PY, Server
-from tests.remoting.test_gpu import flexrun
+from tests.remoting.gpu_helpers import flexrun
 from rgpu.remoting.native import build
 
 pytestmark = pytest.mark.gpu

@@ -7,7 +7,6 @@ other ranks' next collective with one line naming it, and nothing hangs."""
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -20,61 +19,9 @@ import pytest
 from rgpu.remoting.client import flexrun
 from rgpu.remoting.native import apispec, build
 
-from .conftest import CUDA_INCLUDE, EMULATED_GPU, EMULATED_GPU_2, PY, Server, client_env, serving
-from .test_flexrun import conf_for, run_flexrun
-
-HERE = Path(__file__).parent
-COUNT = 1000
-
-
-@pytest.fixture(scope="module")
-def nccl_ranks(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """tests/remoting/nccl_ranks.c, built with cc against cuda.h and rgpu's own rgpu_nccl.h."""
-    if not (CUDA_INCLUDE / "cuda.h").exists():
-        pytest.skip(f"no cuda.h under {CUDA_INCLUDE} (install the CUDA toolkit headers)")
-    out = tmp_path_factory.mktemp("nccl") / "nccl_ranks"
-    cc = shutil.which("gcc") or shutil.which("cc")
-    done = subprocess.run([cc, "-O1", "-Wall", f"-I{CUDA_INCLUDE}", f"-I{build.SRC}", str(HERE / "nccl_ranks.c"),
-                           "-o", str(out), f"-L{native_libs.folder}", "-lcuda", "-lnccl"],
-                          capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr
-    return out
-
-
-def _inputs(rank: int, nranks: int) -> dict[str, np.ndarray]:
-    i = np.arange(COUNT)
-    return {"f": ((rank + 1) * (i % 7 + 1)).astype(np.float32), "i32": (rank * 1000 + i).astype(np.int32),
-            "i64": (rank * 1000 + i).astype(np.int64), "d": ((rank + 1) * (i % 5 + 1)).astype(np.float64),
-            "scatter": ((rank + 1) * (np.arange(COUNT * nranks) % 11 + 1)).astype(np.float32)}
-
-
-def _expected(rank: int, nranks: int) -> list[tuple[str, np.ndarray]]:
-    """What nccl_ranks.c's rank `rank` writes, computed with numpy (its comment gives the order)."""
-    ins = [_inputs(r, nranks) for r in range(nranks)]
-    out = [("all-reduce sum", sum(x["f"] for x in ins).astype(np.float32)),
-           ("all-reduce max", np.max([x["i32"] for x in ins], axis=0)),
-           ("broadcast", ins[-1]["f"])]
-    if rank == 0:
-        out.append(("reduce", sum(x["i64"] for x in ins)))
-    out += [("all-gather", np.concatenate([x["f"] for x in ins])),
-            ("reduce-scatter", sum(x["scatter"] for x in ins)[rank * COUNT:(rank + 1) * COUNT].astype(np.float32)),
-            ("send/recv", ins[(rank - 1) % nranks]["i32"]),
-            ("all-reduce avg", sum(x["d"] for x in ins) / nranks)]
-    return out
-
-
-def _check(path: Path, rank: int, nranks: int, split_halves: bool = False) -> None:
-    data = path.read_bytes()
-    at = 0
-    expected = _expected(rank, nranks)
-    if split_halves:   # nccl_ranks all: a split by rank % 2, then all-reduce sum on each half
-        half = sum(_inputs(r, nranks)["f"] for r in range(nranks) if r % 2 == rank % 2).astype(np.float32)
-        expected.append(("split all-reduce", half))
-    for name, want in expected:
-        got = np.frombuffer(data, dtype=want.dtype, count=want.size, offset=at)
-        at += want.nbytes
-        assert np.array_equal(got, want), f"rank {rank} of {nranks}: {name} differs from numpy's"
-    assert at == len(data)
+from .conftest import EMULATED_GPU, EMULATED_GPU_2, PY, Server, client_env, serving
+from .flexrun_helpers import conf_for, run_flexrun
+from tests.remoting.nccl_helpers import COUNT, _check, _expected_more
 
 
 def _servers(stack: ExitStack, n: int) -> list[Server]:
@@ -270,19 +217,6 @@ def test_libnccl_exports_only_nccl_names_and_the_rest_of_the_api_says_not_yet(na
         "rgpu: nccl: ncclCommRegister is not supported by rgpu's NCCL yet (rgpu remotes communicators from "
         "ncclGetUniqueId and their splits, groups, all-reduce, broadcast, reduce, all-gather, reduce-scatter, "
         "all-to-all, send and receive, PreMulSum operators)"]
-
-
-def _expected_more(rank: int, nranks: int) -> list[tuple[str, np.ndarray]]:
-    """What nccl_ranks.c's `more` writes for rank `rank` (its comment gives the order)."""
-    ins = [_inputs(r, nranks) for r in range(nranks)]
-    mine = slice(rank * COUNT, (rank + 1) * COUNT)
-    out = [("premul sum, host scalar 0.5", sum(np.float32(0.5) * x["f"] for x in ins).astype(np.float32)),
-           ("premul sum, device scalar 0.25", sum(0.25 * x["d"] for x in ins)),
-           ("all-to-all", np.concatenate([x["scatter"][mine] for x in ins])),
-           ("split by rank % 2", sum(ins[r]["f"] for r in range(nranks) if r % 2 == rank % 2).astype(np.float32))]
-    if rank != 0:
-        out.append(("split without rank 0", np.max([ins[r]["i32"] for r in range(1, nranks)], axis=0)))
-    return out
 
 
 @pytest.mark.parametrize(("nranks", "dispatchers"), [(2, 1), (4, 2)])

@@ -16,7 +16,7 @@ from rgpu.adaptor import read_adaptor_conf
 from rgpu.remoting.native import build
 from tests.daemons import RgpuCluster, wait_for
 from tests.remoting.conftest import client_env
-from tests.remoting.test_faults_emulated import PRELUDE, PY, attacker_code, start_client, wait_line
+from tests.remoting.faults_helpers import PRELUDE, PY, attacker_code, start_client, wait_line
 from tests.test_admin_cli import admin
 
 REPO = Path(__file__).resolve().parents[2]

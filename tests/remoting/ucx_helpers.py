@@ -21,7 +21,6 @@ def _have_ucx() -> bool:
         return False
 
 
-
 def _ucx_ops(profile_prefix: Path) -> tuple[int, int]:
     """(host-to-device, device-to-host) copies the client sent as UCX copies, from its call profile."""
     files = list(profile_prefix.parent.glob(profile_prefix.name + ".*"))
