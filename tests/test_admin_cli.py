@@ -6,21 +6,17 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import subprocess
 import time
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from rgpu.adaptor import read_adaptor_conf
-from rgpu.remoting.admin.cli import main as admin_main
 from rgpu.remoting.pool.client import PoolClient
 from tests.daemons import RgpuCluster, register_servers as register, wait_for
-
+from tests.admin_helpers import admin, run_admin
 
 
 @pytest.fixture
@@ -30,23 +26,6 @@ def cluster(tmp_path: Path):  # type: ignore[no-untyped-def]
     c.start_pool()
     yield c
     c.stop_all()
-
-
-def run_admin(args: Sequence[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """rgpu-admin ARGS in-process, with `env` as its whole RGPU_* environment."""
-    overlay: dict[str, str | None] = {k: None for k in os.environ if k.startswith(("RGPU_", "BF_"))}
-    overlay.update(env or {})
-    result = CliRunner().invoke(admin_main, list(args), env=overlay, prog_name="rgpu-admin")
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return subprocess.CompletedProcess(["rgpu-admin", *args], result.exit_code, result.stdout, result.stderr)
-
-
-def admin(cluster: RgpuCluster, *args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
-    run = run_admin(args, {k: v for k, v in cluster.env().items() if k.startswith("RGPU_")})
-    if ok:
-        assert run.returncode == 0, run.stderr
-    return run
 
 
 def test_request_list_release(cluster: RgpuCluster, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from rgpu.slurm_plugin.poolhooks import Admission
 from rgpu.slurm_plugin.waiting import plan_admission
 from tests.poolcore_helpers import Clock, make_core, req
-from tests.slurm.test_pure import held
+from tests.slurm.pure_helpers import held
 
 S0, S1 = "127.0.0.1:55001", "127.0.0.1:55002"
 THREE_WHOLE = "rgpu:v1 nodes=1 count=3 percent=100 units=300"

@@ -19,7 +19,7 @@ from rgpu.model import GpuInfo, ServerInfo
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.pool.convert import server_to_pb
 from tests.daemons import EXAMPLES, RgpuCluster, register_servers, wait_for
-from tests.test_dispatcher import wait_state
+from tests.dispatcher_helpers import wait_state
 
 pytestmark = pytest.mark.integration
 GiB = 2**30

@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from rgpu.errors import RgpuError
-from rgpu.proto import rgpu_pb2 as pb
 from rgpu.remoting.dispatcher.daemon import default_advertise, join_host_port
 from rgpu.remoting.dispatcher.registration import Backoff, sane_interval
 from tests.daemons import EXAMPLES, Daemon, RgpuCluster, wait_for
+from tests.dispatcher_helpers import wait_state
 
 INVENTORY_A = EXAMPLES / "inventory-a.toml"
 INVENTORY_B = EXAMPLES / "inventory-b.toml"
@@ -73,20 +72,6 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: 
 def wait_listening(daemon: Daemon) -> None:
     wait_for(lambda: " listening on " in daemon.log() or not daemon.alive, what=f"{daemon.name} to listen")
     assert daemon.alive, daemon.log()
-
-
-def servers(cluster: RgpuCluster) -> dict[str, pb.Server]:
-    try:
-        with cluster.client() as client:
-            return {s.address: s for s in client.list_servers().servers}
-    except RgpuError:
-        return {}
-
-
-def wait_state(cluster: RgpuCluster, address: str, state: str, timeout: float = 15.0) -> pb.Server:
-    wait_for(lambda: address in servers(cluster) and servers(cluster)[address].state == state, timeout,
-             f"{address} to be {state}")
-    return servers(cluster)[address]
 
 
 # --- small pure parts -----------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from rgpu.proto import rgpu_pb2_grpc as pb_grpc
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.pool.auth import AUTH_HEADER, ServerAuth, request_credential
 from tests.daemons import EXAMPLES, RgpuCluster, wait_for
-from tests.test_dispatcher import wait_state
+from tests.dispatcher_helpers import wait_state
 
 INVENTORY = EXAMPLES / "inventory-a.toml"
 

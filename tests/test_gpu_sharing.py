@@ -14,7 +14,7 @@ from rgpu.model import GpuInfo
 from rgpu.remoting.client.flexrun import parse_args
 from rgpu.remoting.dispatcher.sharing import parse_sharing
 from tests.daemons import RgpuCluster, wait_for
-from tests.test_admin_cli import admin
+from tests.admin_helpers import admin
 
 REPO = Path(__file__).resolve().parent.parent
 INVENTORY_A = REPO / "examples" / "inventory-a.toml"

@@ -13,7 +13,7 @@ import pytest
 from rgpu.remoting.admin import deepcheck as dc
 from tests.daemons import EXAMPLES, RgpuCluster, wait_for
 from tests.sshd import Sshd, start_sshd
-from tests.test_admin_cli import run_admin
+from tests.admin_helpers import run_admin
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.backends.base import INVALID_VALUE, NOT_SUPPORTED, UNKNOWN
 from rgpu.remoting.native.generated import api_gen
 from tests.daemons import EXAMPLES, RgpuCluster
-from tests.test_dispatcher import wait_state
+from tests.dispatcher_helpers import wait_state
 
 pytestmark = pytest.mark.integration
 

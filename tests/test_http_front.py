@@ -18,8 +18,8 @@ import pytest
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.metrics.front import FrontLimits, HttpFront
 from tests.daemons import EXAMPLES, RgpuCluster, register_servers, wait_for, wait_for_port_file
-from tests.test_dispatcher import wait_state
-from tests.test_front_door import Slowloris
+from tests.dispatcher_helpers import wait_state
+from tests.front_door_helpers import Slowloris
 
 NOFILE = 256
 TRICKLE = b"GET /metrics HTTP/1.1\r\nHost: x\r\n"   # never a whole head

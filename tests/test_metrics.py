@@ -9,10 +9,8 @@ import json
 import re
 import struct
 import urllib.request
-from collections.abc import Iterator
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from rgpu.errors import CapacityError, InvalidRequest, PermissionDenied, QuotaExceeded
 from rgpu.model import GpuInfo, LeaseRecord, QuotaRecord, SliceRecord
@@ -22,28 +20,11 @@ from rgpu.remoting.dispatcher.telemetry import GpuReading
 from rgpu.remoting.pool.accounting import SliceUsageRecord
 from rgpu.remoting.pool.metrics import PoolMetrics, pool_families, refusal_reason
 from rgpu.remoting.pool.views import GpuView, LeaseView, PoolView, ServerView
-from tests.daemons import EXAMPLES, REPO, RgpuCluster, wait_for, wait_for_port_file
+from tests.daemons import REPO, RgpuCluster, wait_for
+from tests.metrics_helpers import samples, scrape, start_with_metrics, value
 
 GIB = 1 << 30
 GPU = GpuInfo("GPU-00000000-0000-0000-0000-000000000001", 0, "NVIDIA H100", 80 * GIB, 80 * GIB, "9.0")
-
-
-def samples(families: Iterator | list) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """{(sample name, sorted labels): value} of parsed or built families."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in families for s in f.samples}
-
-
-def value(found: dict, metric: str, **labels: str) -> float:
-    """The one sample of `name` whose labels include `labels`."""
-    hits = [v for (n, ls), v in found.items() if n == metric and set(labels.items()) <= set(ls)]
-    assert len(hits) == 1, f"{len(hits)} samples of {metric} with {labels}: {sorted(k for k in found if k[0] == metric)}"
-    return hits[0]
-
-
-def scrape(port: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
-        assert reply.status == 200
-        return samples(text_string_to_metric_families(reply.read().decode()))
 
 
 # --- pure ------------------------------------------------------------------------------------------
@@ -169,16 +150,6 @@ def test_grafana_dashboard_uses_only_exported_metrics() -> None:
 
 
 # --- real daemons ----------------------------------------------------------------------------------
-
-def start_with_metrics(cluster: RgpuCluster) -> tuple[int, int, str]:
-    """A pool and an emulated dispatcher (inventory-a), each with its metrics endpoint: (pool's
-    metrics port, dispatcher's metrics port, dispatcher's address)."""
-    pool = cluster.start_pool("--metrics-listen", "127.0.0.1:0", "--metrics-port-file",
-                              str(cluster.root / "pool-metrics.port"))
-    pool_metrics = wait_for_port_file(cluster.root / "pool-metrics.port", pool)
-    daemon, port = cluster.start_dispatcher(EXAMPLES / "inventory-a.toml", None, "--metrics-listen", "127.0.0.1:0",
-                                            "--metrics-port-file", str(cluster.root / "d-metrics.port"))
-    return pool_metrics, wait_for_port_file(cluster.root / "d-metrics.port", daemon), f"127.0.0.1:{port}"
 
 
 @pytest.mark.integration

@@ -370,7 +370,7 @@ def test_rgpu_admin_run_by_another_uid_acts_as_that_user_only(cluster: RgpuClust
 
 def test_flexrun_run_by_another_uid_leases_as_that_user(tmp_path: Path, munge_socket: str,
                                                        user_runtime: UserRuntime) -> None:
-    from tests.test_dispatcher import wait_state
+    from tests.dispatcher_helpers import wait_state
 
     c = RgpuCluster(tmp_path / "cluster")
     c.write_config(heartbeat_interval_seconds=0.5, down_after_seconds=3.0, reclaim_interval_seconds=0.5,

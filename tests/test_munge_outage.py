@@ -22,7 +22,7 @@ from rgpu.proto import rgpu_pb2_grpc as pb_grpc
 from rgpu.remoting.pool.auth import MUNGE_HEADER
 from tests import munged
 from tests.daemons import EXAMPLES, RgpuCluster, two_clusters, wait_for
-from tests.test_dispatcher import wait_state
+from tests.dispatcher_helpers import wait_state
 
 pytestmark = pytest.mark.integration
 LIST_GPUS = "/rgpu.v1.Pool/ListGpus"

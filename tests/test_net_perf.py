@@ -11,7 +11,7 @@ import pytest
 from rgpu.errors import AuthError
 from rgpu.remoting.datapath import perf
 from tests.daemons import EXAMPLES, RgpuCluster, wait_for
-from tests.test_admin_cli import admin
+from tests.admin_helpers import admin
 
 
 @pytest.fixture

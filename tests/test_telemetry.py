@@ -18,7 +18,7 @@ from rgpu.proto import rgpu_pb2 as pb
 from rgpu.remoting.dispatcher.telemetry import compute_rates, emulated_readings, per_gpu
 from rgpu.remoting.pool.telemetry import checked_telemetry
 from tests.daemons import HoldingSession, RgpuCluster, wait_for
-from tests.test_metrics import scrape, start_with_metrics, value
+from tests.metrics_helpers import scrape, start_with_metrics, value
 
 GIB = 1 << 30
 GPU = GpuInfo("GPU-00000000-0000-0000-0000-000000000001", 0, "NVIDIA H100", 80 * GIB, 80 * GIB, "9.0")

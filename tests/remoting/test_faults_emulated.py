@@ -185,7 +185,7 @@ def test_faults_reach_the_pool_and_rgpu_admin_health(native_libs: build.Librarie
     """A real pool and dispatcher: the fault is in the heartbeat, `health` shows it per GPU."""
     from rgpu.adaptor import read_adaptor_conf
     from tests.daemons import RgpuCluster, wait_for
-    from tests.test_admin_cli import admin
+    from tests.admin_helpers import admin
 
     cluster = RgpuCluster(tmp_path)
     cluster.write_config(down_after_seconds=3.0, heartbeat_interval_seconds=0.5, reclaim_interval_seconds=0.5)

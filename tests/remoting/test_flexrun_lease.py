@@ -19,7 +19,7 @@ import pytest
 from rgpu.errors import InvalidRequest, NotFound
 from rgpu.remoting.native import build
 from tests.daemons import EXAMPLES, RgpuCluster, wait_for
-from tests.test_dispatcher import wait_state
+from tests.dispatcher_helpers import wait_state
 
 TTL = 3.0
 pytestmark = pytest.mark.integration

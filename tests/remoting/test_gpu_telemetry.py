@@ -17,7 +17,7 @@ import pytest
 from rgpu.remoting.dispatcher.telemetry import NvmlTelemetry
 from tests.daemons import RgpuCluster, wait_for
 from tests.remoting.conftest import PY, local_gpu
-from tests.test_dispatcher import wait_state
+from tests.dispatcher_helpers import wait_state
 
 pytestmark = pytest.mark.gpu
 

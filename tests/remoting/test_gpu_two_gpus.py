@@ -23,7 +23,7 @@ from rgpu.remoting.native import build
 from tests.daemons import RgpuCluster
 from tests.remoting.conftest import EXAMPLES, PY
 from tests.remoting.gpu_helpers import spin_local, spin_program
-from tests.test_dispatcher import wait_state
+from tests.dispatcher_helpers import wait_state
 from tests.remoting.two_gpus_helpers import nvml_gpus
 
 pytestmark = pytest.mark.gpu

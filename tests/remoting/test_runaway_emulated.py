@@ -17,7 +17,7 @@ from rgpu.remoting.native import build
 from tests.daemons import RgpuCluster, wait_for
 from tests.remoting.conftest import client_env
 from tests.remoting.faults_helpers import PRELUDE, PY, attacker_code, start_client, wait_line
-from tests.test_admin_cli import admin
+from tests.admin_helpers import admin
 
 REPO = Path(__file__).resolve().parents[2]
 HEARTBEAT_S = 0.5

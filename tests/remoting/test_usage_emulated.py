@@ -14,7 +14,7 @@ import pytest
 from rgpu.remoting.native import build
 from tests.daemons import EXAMPLES, RgpuCluster, wait_for
 from tests.remoting.conftest import run_client
-from tests.test_admin_cli import admin
+from tests.admin_helpers import admin
 
 PROGRAM = """
 import ctypes, sys

@@ -21,6 +21,7 @@ from rgpu.slurm_plugin.reconcile import decide
 from rgpu.slurm_plugin.squeue import SlurmJob
 
 from rgpu.errors import InvalidRequest
+from tests.slurm.pure_helpers import held, waiting
 
 
 @pytest.mark.parametrize("expr, hosts", [
@@ -151,23 +152,6 @@ def room_gpu(allocated: int, usable: int = 80 << 30, state: str = "up", memory: 
     used = usable * allocated // 100 if memory is None else memory
     return SimpleNamespace(server_state=state, gpu=SimpleNamespace(usable_memory_bytes=usable, sharing=sharing),
                            allocated_percent=allocated, allocated_memory_bytes=used, server=server)
-
-
-def waiting(job_id: int, record: str, state: str = "PENDING", reason: str = "BeginTime", restart: int = 1,
-            flags: tuple[str, ...] = (), dependency: str = "") -> SlurmJob:
-    from rgpu.slurm_plugin.waiting import waiting_comment
-
-    return SlurmJob(job_id=job_id, state=state, flags=flags, restart_count=restart, user="alice", cluster="hpc",
-                    nodes="", tres_per_node="gres:rgpu:1", comment="", reason=reason, dependency=dependency,
-                    admin_comment=waiting_comment(record, "rgpu: pool: cannot place 1 slice(s) | of 50%\nnext"))
-
-
-def held(job_id: int, record: str, **kw) -> SlurmJob:  # type: ignore[no-untyped-def]
-    """A job as job_submit.lua submits it with hold_until_placed: held by an admin hold, marked."""
-    from dataclasses import replace
-
-    return replace(waiting(job_id, record, reason="JobHeldUser", **{"restart": 0, **kw}),
-                   admin_comment=record + " | rgpu: waiting: held until the pool can place its slices")
 
 
 def admitted(job_id: int, record: str, reason: str = "Priority", **kw) -> SlurmJob:  # type: ignore[no-untyped-def]

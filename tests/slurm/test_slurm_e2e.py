@@ -19,25 +19,10 @@ from rgpu.adaptor import parse_adaptor_conf
 from rgpu.slurm_plugin.versions import tres_gres_prefix
 from tests.slurm.cluster import missing_requirements, wait_until
 from tests.slurm.conftest import PROLOG_DIR, Harness, pool_ready
+from tests.slurm.e2e_helpers import FINISHED, JOB_USER, diagnostics, finished
 
 pytestmark = [pytest.mark.slurm,
               pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements()))]
-
-JOB_USER = "nobody"   # jobs run as an ordinary user, so file ownership is tested for real
-FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
-
-
-def diagnostics(h: Harness) -> str:
-    prolog_logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}"
-                            for p in sorted(h.slurm.logs.glob("*Prolog*.log")) + sorted(h.slurm.logs.glob("*Epilog*.log")))
-    return f"{h.slurm.log_tail(25)}\n{prolog_logs}\n--- poold\n{h.pool.pool.log()[-2000:] if h.pool.pool else ''}"
-
-
-def finished(h: Harness, job_id: str, timeout: float = 60.0) -> dict[str, str]:
-    try:
-        return h.slurm.wait_job_state(job_id, FINISHED, timeout)
-    except TimeoutError as exc:
-        raise AssertionError(f"{exc}\n{h.slurm.show_job(job_id)}\n{diagnostics(h)}") from None
 
 
 def no_lease_soon(h: Harness, job_id: str, timeout: float = 15.0) -> None:

@@ -27,7 +27,7 @@ from tests.slurm.conftest import (
     lua_conf_from_pool,
     pool_ready,
 )
-from tests.slurm.test_slurm_e2e import JOB_USER, diagnostics, finished
+from tests.slurm.e2e_helpers import JOB_USER, diagnostics, finished
 
 pytestmark = [pytest.mark.slurm,
               pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements()))]

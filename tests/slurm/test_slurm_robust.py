@@ -20,7 +20,7 @@ import pytest
 
 from tests.slurm.cluster import missing_requirements, wait_until
 from tests.slurm.conftest import Harness, pool_ready
-from tests.slurm.test_slurm_e2e import FINISHED, JOB_USER, diagnostics, finished
+from tests.slurm.e2e_helpers import FINISHED, JOB_USER, diagnostics, finished
 
 pytestmark = [pytest.mark.slurm,
               pytest.mark.skipif(missing_requirements() is not None, reason=str(missing_requirements()))]
