@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.admin_calls import admin_latencies, percentiles  # noqa: E402
 from rgpu.remoting.datapath import protocol  # noqa: E402
 from tests.daemons import EXAMPLES, Daemon, RgpuCluster, wait_for_port_file  # noqa: E402
-from tests.test_dispatcher import wait_state  # noqa: E402
-from tests.test_front_door import Slowloris  # noqa: E402
-from tests.test_http_front import TRICKLE, answers, open_files_of, threads_of  # noqa: E402
+from tests.dispatcher_helpers import wait_state  # noqa: E402
+from tests.front_door_helpers import Slowloris  # noqa: E402
+from tests.http_front_helpers import TRICKLE, answers, open_files_of, threads_of  # noqa: E402
 
 
 def latencies(cluster: RgpuCluster, address: str, token: str, seconds: float) -> tuple[list[float], list[float]]:

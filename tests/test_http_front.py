@@ -5,7 +5,6 @@ hundreds of connections trickle request heads at them."""
 
 from __future__ import annotations
 
-import http.client
 import resource
 import socket
 import time
@@ -20,9 +19,9 @@ from rgpu.remoting.metrics.front import FrontLimits, HttpFront
 from tests.daemons import EXAMPLES, RgpuCluster, register_servers, wait_for, wait_for_port_file
 from tests.dispatcher_helpers import wait_state
 from tests.front_door_helpers import Slowloris
+from tests.http_front_helpers import TRICKLE, answers, get, open_files_of, threads_of
 
 NOFILE = 256
-TRICKLE = b"GET /metrics HTTP/1.1\r\nHost: x\r\n"   # never a whole head
 
 
 @pytest.fixture(autouse=True)
@@ -42,32 +41,6 @@ class Hello(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002
         pass
-
-
-def get(port: int, path: str = "/", timeout: float = 5.0, source: str = "127.0.0.1") -> tuple[int, bytes]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout, source_address=(source, 0))
-    try:
-        conn.request("GET", path)
-        reply = conn.getresponse()
-        return reply.status, reply.read()
-    finally:
-        conn.close()
-
-
-def answers(port: int, path: str) -> int:
-    try:
-        return get(port, path, timeout=2.0)[0]
-    except OSError:
-        return 0
-
-
-def threads_of(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
-
-
-def open_files_of(pid: int) -> int:
-    return len(list(Path(f"/proc/{pid}/fd").iterdir()))
 
 
 # --- the front, in process ---------------------------------------------------------------------------
