@@ -1,4 +1,4 @@
-"""No test module imports another (issue 28): what tests share lives in a helper module beside them
+"""No test module imports another, nor does a benchmark (issue 28): what tests share lives in a helper module beside them
 (tests/daemons.py, tests/remoting/client_helpers.py, ...) or, for fixtures, in the folder's
 conftest.py. A test module that imports another ties itself to that file's module-level code and
 fixtures, so a change to one test file silently changes others."""
@@ -41,8 +41,8 @@ def imports_of_test_modules(root: Path) -> list[str]:
             for path in sorted(root.rglob("*.py")) for line, module in imported_test_modules(path, root)]
 
 
-def test_no_file_under_tests_imports_a_test_module() -> None:
-    found = imports_of_test_modules(TESTS)
+def test_no_file_under_tests_or_benchmarks_imports_a_test_module() -> None:
+    found = imports_of_test_modules(TESTS) + imports_of_test_modules(TESTS.parent / "benchmarks")
     assert not found, ("tests: these files import test modules; move what they share into a helper module "
                        "beside them (tests/remoting/*_helpers.py) or, for a fixture, into the folder's "
                        "conftest.py:\n" + "\n".join(found))
