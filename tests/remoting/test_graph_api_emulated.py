@@ -1,7 +1,7 @@
 """The graph calls JAX/XLA make (issue 24, item 7) through rgpu's libcuda.so.1: root nodes, child
 graph nodes and their executable-graph updates, the generic cuGraphAddNode(_v2), and capture into
 an existing graph; against the emulated worker and the real-GPU backend's code chained to it
-(test_cuda_backend_chained.py's fixture). The programs and what CUDA documents for them are in
+(the `chained` fixture in conftest.py). The programs and what CUDA documents for them are in
 graph_programs.py; test_gpu_graph_api.py runs the same on a GPU."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Stream capture, CUDA graphs and virtual memory management through rgpu's libcuda.so.1,
 against an emulated worker (which records a capturing stream's memsets and device copies as
 the graph's nodes and runs them when the executable graph is launched), and again through the
-real-GPU backend's code chained to it (test_cuda_backend_chained.py's fixture)."""
+real-GPU backend's code chained to it (the `chained` fixture in conftest.py)."""
 
 from __future__ import annotations
 
