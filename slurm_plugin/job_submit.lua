@@ -270,6 +270,20 @@ function rgpu.format_bytes(value)
 	return string.format("%.0f B", value)
 end
 
+-- A comment word whose one allowed value is `choice` (isolation=strict, pack=node), given once:
+-- returns choice, or nil and the error.
+local function the_one_choice(comment, key, value, seen, choice, why)
+	if seen then
+		return fail(key .. " is given twice", "comment is " .. shown(comment), "give " .. key .. "=" .. choice .. " once",
+			"comment")
+	end
+	if string.lower(value) ~= choice then
+		return fail("invalid " .. key .. " " .. shown(value), why,
+			"write --comment=" .. key .. "=" .. choice .. ", or leave it out", "comment")
+	end
+	return choice
+end
+
 -- {fraction=F} or {memory_bytes=B} from the comment; returns req, err.
 function rgpu.parse_comment(comment)
 	comment = comment or ""
@@ -299,24 +313,16 @@ function rgpu.parse_comment(comment)
 				return nil, err
 			end
 		elseif key == "isolation" then
-			if isolation then
-				return fail("isolation is given twice", "comment is " .. shown(comment), "give isolation=strict once", "comment")
-			end
-			isolation = string.lower(value)
-			if isolation ~= "strict" then
-				return fail("invalid isolation " .. shown(value),
-					"the one level is strict (only GPUs no other job's fault can reach)",
-					"write --comment=isolation=strict, or leave it out", "comment")
+			isolation, err = the_one_choice(comment, key, value, isolation, "strict",
+				"the one level is strict (only GPUs no other job's fault can reach)")
+			if not isolation then
+				return nil, err
 			end
 		elseif key == "pack" then
-			if pack then
-				return fail("pack is given twice", "comment is " .. shown(comment), "give pack=node once", "comment")
-			end
-			pack = string.lower(value)
-			if pack ~= "node" then
-				return fail("invalid pack " .. shown(value),
-					"the one packing is node (each node's slices on one GPU server, so NCCL stays on its NVLink or PCIe)",
-					"write --comment=pack=node, or leave it out", "comment")
+			pack, err = the_one_choice(comment, key, value, pack, "node",
+				"the one packing is node (each node's slices on one GPU server, so NCCL stays on its NVLink or PCIe)")
+			if not pack then
+				return nil, err
 			end
 		elseif key == "memory" then
 			if memory then

@@ -140,6 +140,15 @@ def parse_tres_per_node(tres: str | None, gres_name: str = "rgpu") -> int | None
     return found
 
 
+def _the_one_choice(comment: str, key: str, value: str, seen: str | None, choice: str, why: str) -> str:
+    """A comment word whose one allowed value is `choice` (isolation=strict, pack=node), given once."""
+    if seen is not None:
+        raise _bad(f"{key} is given twice", f"comment is {comment!r}", f"give {key}={choice} once")
+    if value.lower() != choice:
+        raise _bad(f"invalid {key} {value!r}", why, f"write --comment={key}={choice}, or leave it out")
+    return choice
+
+
 def parse_comment(comment: str | None, count: int) -> RgpuRequest:
     comment = comment or ""
     if not COMMENT_ALLOWED_RE.fullmatch(comment):
@@ -161,21 +170,12 @@ def parse_comment(comment: str | None, count: int) -> RgpuRequest:
         if not sep or key not in keys:
             continue
         if key == "isolation":
-            if isolation is not None:
-                raise _bad("isolation is given twice", f"comment is {comment!r}", "give isolation=strict once")
-            isolation = value.lower()
-            if isolation != "strict":
-                raise _bad(f"invalid isolation {value!r}",
-                           "the one level is strict (only GPUs no other job's fault can reach)",
-                           "write --comment=isolation=strict, or leave it out")
+            isolation = _the_one_choice(comment, key, value, isolation, "strict",
+                                        "the one level is strict (only GPUs no other job's fault can reach)")
         elif key == "pack":
-            if pack is not None:
-                raise _bad("pack is given twice", f"comment is {comment!r}", "give pack=node once")
-            pack = value.lower()
-            if pack != "node":
-                raise _bad(f"invalid pack {value!r}",
-                           "the one packing is node (each node's slices on one GPU server, so NCCL stays on its "
-                           "NVLink or PCIe)", "write --comment=pack=node, or leave it out")
+            pack = _the_one_choice(comment, key, value, pack, "node",
+                                   "the one packing is node (each node's slices on one GPU server, so NCCL stays on "
+                                   "its NVLink or PCIe)")
         elif key == "fraction":
             if percent is not None:
                 raise _bad("fraction is given twice", f"comment is {comment!r}", "give fraction=F once")
