@@ -22,7 +22,7 @@ from rgpu.remoting.dispatcher.lanes import LaneBook, parse_lane_offer, parse_lan
 from rgpu.remoting.native import build
 
 from .conftest import EMULATED_GPU, Server, driver_api_program, run_client, serving
-from tests.remoting.lanes_helpers import CHUNK, HERE, LANES, LANE_ENV, MiB, OP, SIZES, STRIPED, THRESHOLD, _striped, _sync
+from .lanes_helpers import CHUNK, HERE, LANES, LANE_ENV, MiB, OP, SIZES, STRIPED, THRESHOLD, _striped, _sync
 
 
 def test_copies_of_every_size_arrive_whole_over_data_lanes(lane_copies: Path, native_libs: build.Libraries,

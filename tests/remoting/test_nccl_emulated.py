@@ -21,7 +21,7 @@ from rgpu.remoting.native import apispec, build
 
 from .conftest import EMULATED_GPU, EMULATED_GPU_2, PY, Server, client_env, serving
 from .flexrun_helpers import conf_for, run_flexrun
-from tests.remoting.nccl_helpers import COUNT, _check, _expected_more
+from .nccl_helpers import COUNT, _check, _expected_more
 
 
 def _servers(stack: ExitStack, n: int) -> list[Server]:

@@ -28,7 +28,7 @@ from .conftest import EMULATED_GPU, Server, client_env, serving
 from .conftest import PY
 from .client_helpers import HERE, py_client
 from .lanes_helpers import _sync
-from tests.remoting.shared_pinned_helpers import COPIES, _ops
+from .shared_pinned_helpers import COPIES, _ops
 
 OP = api_gen.OPCODES
 MiB = 1 << 20

@@ -16,7 +16,7 @@ from rgpu.remoting.datapath.worker.ucx import UcxLink
 from rgpu.remoting.native import build
 
 from .conftest import EMULATED_GPU, Server, run_client, serving
-from tests.remoting.ucx_helpers import OP, UCX_COPIES, _have_ucx, _ucx_ops
+from .ucx_helpers import OP, UCX_COPIES, _have_ucx, _ucx_ops
 
 
 pytestmark = pytest.mark.skipif(not _have_ucx(), reason="UCX is not installed (no libucp.so.0: apt-get install "
