@@ -53,49 +53,48 @@ def two_gpu_server() -> Iterator[Server]:
         server.stop()
 
 
-def test_two_ranks_on_two_gpus_run_real_nccl_collectives(nccl_ranks: Path, native_libs: build.Libraries,  # noqa: F811
-                                                          two_gpu_server: Server, tmp_path: Path,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def _use_real_nccl(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The workers' NCCL: RGPU_NCCL_LIBRARY, else the nvidia-nccl wheel's; skip without one."""
     if not os.environ.get("RGPU_NCCL_LIBRARY"):
         found = _wheel_nccl()
         if not found:
             pytest.skip("no NCCL: set RGPU_NCCL_LIBRARY to a libnccl.so.2")
         monkeypatch.setenv("RGPU_NCCL_LIBRARY", found)
-    s = two_gpu_server
+
+
+def _run_two_ranks(mode: str, nccl_ranks: Path, native_libs: build.Libraries, s: Server,
+                   tmp_path: Path) -> list[tuple[int, str, str]]:
+    """nccl_ranks.c's `mode` as two ranks, one whole-GPU slice each on GPU `rank`: (exit, stdout, stderr)."""
     procs = []
-    for rank in range(2):   # one whole-GPU slice each, on GPU `rank`
-        slices = s.slices(s.token(memory_limit=8 << 30, compute_percent=100, gpu=s.gpus[rank], job_key=f"rank{rank}"))
-        procs.append(subprocess.Popen([str(nccl_ranks), "rank", str(rank), "2", str(tmp_path / "id"), "1000",
+    for rank in range(2):
+        slices = s.slices(s.token(memory_limit=8 << 30, compute_percent=100, gpu=s.gpus[rank], job_key=f"{mode}{rank}"))
+        procs.append(subprocess.Popen([str(nccl_ranks), mode, str(rank), "2", str(tmp_path / "id"), "1000",
                                        str(tmp_path / f"out.{rank}")], env=client_env(native_libs, slices),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outputs = [p.communicate(timeout=300) for p in procs]
-    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+    results = []
+    for rank, p in enumerate(procs):
+        out, err = p.communicate(timeout=300)
         print(f"rank {rank}: {out}{err}")
-        assert p.returncode == 0 and out.strip() == "OK", f"rank {rank}: {out}{err}"
+        results.append((p.returncode, out, err))
+    return results
+
+
+def test_two_ranks_on_two_gpus_run_real_nccl_collectives(nccl_ranks: Path, native_libs: build.Libraries,
+                                                          two_gpu_server: Server, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    _use_real_nccl(monkeypatch)
+    for rank, (code, out, err) in enumerate(_run_two_ranks("rank", nccl_ranks, native_libs, two_gpu_server, tmp_path)):
+        assert code == 0 and out.strip() == "OK", f"rank {rank}: {out}{err}"
         _check(tmp_path / f"out.{rank}", rank, 2)
 
 
-
 def test_two_ranks_on_two_gpus_split_premulsum_alltoall_nonblocking_and_finalize_with_real_nccl(
-        nccl_ranks: Path, native_libs: build.Libraries, two_gpu_server: Server, tmp_path: Path,  # noqa: F811
+        nccl_ranks: Path, native_libs: build.Libraries, two_gpu_server: Server, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
     """nccl_ranks.c's `more` (what ProcessGroupNCCL adds) on the workers' real NCCL; numpy's results."""
-    if not os.environ.get("RGPU_NCCL_LIBRARY"):
-        found = _wheel_nccl()
-        if not found:
-            pytest.skip("no NCCL: set RGPU_NCCL_LIBRARY to a libnccl.so.2")
-        monkeypatch.setenv("RGPU_NCCL_LIBRARY", found)
-    s = two_gpu_server
-    procs = []
-    for rank in range(2):
-        slices = s.slices(s.token(memory_limit=8 << 30, compute_percent=100, gpu=s.gpus[rank], job_key=f"more{rank}"))
-        procs.append(subprocess.Popen([str(nccl_ranks), "more", str(rank), "2", str(tmp_path / "id"), "1000",
-                                       str(tmp_path / f"out.{rank}")], env=client_env(native_libs, slices),
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outputs = [p.communicate(timeout=300) for p in procs]
-    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
-        print(f"rank {rank}: {out}{err}")
-        assert p.returncode == 0 and out.splitlines() == ["split 0 of 1", "OK"], f"rank {rank}: {out}{err}"
+    _use_real_nccl(monkeypatch)
+    for rank, (code, out, err) in enumerate(_run_two_ranks("more", nccl_ranks, native_libs, two_gpu_server, tmp_path)):
+        assert code == 0 and out.splitlines() == ["split 0 of 1", "OK"], f"rank {rank}: {out}{err}"
         data, at = (tmp_path / f"out.{rank}").read_bytes(), 0
         for name, want in _expected_more(rank, 2):
             got = np.frombuffer(data, dtype=want.dtype, count=want.size, offset=at)
@@ -107,7 +106,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("shape", ["per-task", "local-rank"])
-def test_pytorch_ddp_with_the_nccl_backend_through_rgpu_has_a_local_runs_losses(shape: str, tmp_path: Path) -> None:
+def test_pytorch_ddp_with_the_nccl_backend_through_rgpu_has_a_local_runs_losses(shape: str, tmp_path: Path,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """benchmarks/ddp_train.py's DDP (2 ranks, NCCL backend, an MLP of three 4096-wide layers) locally and
     through rgpu (one whole-GPU slice per rank, each on its own GPU and session server), in the shape
     named: each rank sees only its slice (per-task), or both and picks LOCAL_RANK. Losses within 1e-5."""
@@ -115,12 +115,8 @@ def test_pytorch_ddp_with_the_nccl_backend_through_rgpu_has_a_local_runs_losses(
         pytest.skip("needs torch")
     if len(nvml_gpus()) < 2:
         pytest.skip("needs two GPUs")
+    _use_real_nccl(monkeypatch)
     env = dict(os.environ)
-    if not env.get("RGPU_NCCL_LIBRARY"):
-        found = _wheel_nccl()
-        if not found:
-            pytest.skip("no NCCL: set RGPU_NCCL_LIBRARY to a libnccl.so.2")
-        env["RGPU_NCCL_LIBRARY"] = found
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ddp_train.py"), "--steps", "5", "--mib", "16",
                            "--shapes", shape, "--json", "--timeout", "400"], env=env, capture_output=True, text=True,
                           timeout=900, cwd=tmp_path, check=False)
