@@ -145,6 +145,8 @@ class PoolServicer(pb_grpc.PoolServicer):
         # Each dispatcher's GPU readings, slices' compute use and recent GPU faults, as its last
         # heartbeat reported them (health, stats, the metrics and the dashboard show them).
         self.board = board or TelemetryBoard()
+        # The Slurm integration's AdmissionPending answer (slurm_plugin/poolhooks.py); None: no admission here.
+        self.admission_pending: Callable[[str], bool] | None = None
 
     def check_user_rate(self, user: str) -> None:
         """A user's lease call within their bucket, else RESOURCE_EXHAUSTED with the time to retry."""
@@ -337,6 +339,11 @@ class PoolServicer(pb_grpc.PoolServicer):
         return pb.PoolNameReply(name=self.pool_name)   # open (no credential): users' clients ask it first
 
     @_rpc
+    def AdmissionPending(self, request: pb.AdmissionPendingRequest, context: Any) -> pb.AdmissionPendingReply:
+        pending = self.admission_pending    # answered at once: a node Epilog asks until it is False
+        return pb.AdmissionPendingReply(pending=bool(pending and pending(request.job_key_prefix[:256])))
+
+    @_rpc
     def Capacity(self, request: pb.CapacityRequest, context: Any) -> pb.CapacityReply:
         cap = self.core.capacity()
         return pb.CapacityReply(total_units=cap.total_units, allocated_units=cap.allocated_units,
@@ -516,6 +523,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
                                          stop, settings))
     # Components that ride on the pool (the Slurm integration) plug in through entry points.
     running = [start(core, settings, log) for _name, start in plugins.load(plugins.POOL_PLUGINS)] if extras else []
+    servicer.admission_pending = next((p.admission_pending for p in running if hasattr(p, "admission_pending")), None)
     warning = grpc_tls.plaintext_warning(settings, "poold")
     if warning and extras:
         log.warning("%s", warning)
