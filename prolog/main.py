@@ -254,10 +254,16 @@ def _await_admission(env: Mapping[str, str]) -> None:
 
     from rgpu.config import load_settings
 
+    started = time.monotonic()
     try:
         settings = load_settings(env=env)
         budget = settings.slurm_epilog_admission_wait_seconds
-        if budget > 0 and not await_admission(env, lambda: connect(settings, timeout=budget), budget=budget):
+        if budget <= 0:
+            return
+        if await_admission(env, lambda: connect(settings, timeout=budget), budget=budget):
+            log_line("epilog", env, f"the pool's admission caught up with the job's end in "
+                     f"{time.monotonic() - started:.2f} s")
+        else:
             log_line("epilog", env, f"the pool's admission did not catch up with the job's end within {budget:g} s "
                      "(slurm_epilog_admission_wait_seconds); the jobs it lets go start at Slurm's next scheduling pass")
     except Exception as exc:

@@ -10,7 +10,7 @@ the node Epilog of an rgpu job asks the pool (AdmissionPending) until this clock
 that follows the job's lease end has finished (prolog/README.md, rgpu-epilog).
 
 `AdmissionClock` is told of lease ends (the pool core's lease listener) and of the reconciler's
-passes (each with the time it started); `pending(job)` stays true until a pass that started after
+passes (when each starts, and when its admission's releases are done or it ends); `pending(job)` stays true until a pass that started after
 that job's lease end has finished. Thread-safe; no I/O.
 """
 
@@ -33,6 +33,7 @@ class AdmissionClock:
         self.clock = clock
         self._lock = threading.Lock()
         self._ends: list[float] = []          # the lease ends this daemon saw, oldest first
+        self._started = float("-inf")         # the start of the current (or last) pass
         self._done_since = float("-inf")      # the start of the latest pass that finished
         # Per job asked about: ("held", when its lease was last seen) or ("gone", the end to wait for).
         self._asked: dict[str, tuple[str, float, float]] = {}
@@ -43,10 +44,16 @@ class AdmissionClock:
             self._ends.append(self.clock())
             del self._ends[:-ENDS_KEPT]
 
-    def pass_done(self, started: float) -> None:
-        """A pass of the reconciler that started at `started` (this clock) finished, admission included."""
+    def pass_started(self) -> None:
+        """A pass of the reconciler starts (it reads Slurm's jobs and the pool after this)."""
         with self._lock:
-            self._done_since = max(self._done_since, started)
+            self._started = self.clock()
+
+    def pass_done(self) -> None:
+        """The current pass let go every job it lets go (its admission's releases are done; the
+        marks may still be coming off), or ended."""
+        with self._lock:
+            self._done_since = max(self._done_since, self._started)
 
     def pending(self, job_key_prefix: str, held: bool) -> bool:
         """Whether the admission has yet to catch up with the end of the job whose leases start with

@@ -73,7 +73,9 @@ def wake_on_lease_changes(core: Any, reconciler: Reconciler, admission: Admissio
     """Wake the reconciler when a lease changes, and keep the clock that says when its admission
     has caught up with the last lease end (AdmissionPending, admission_clock.py)."""
     clock = AdmissionClock()
+    reconciler.pass_started = clock.pass_started
     reconciler.pass_done = clock.pass_done
+    admission.released = clock.pass_done
     if hasattr(core, "add_lease_listener"):
         # This thread is the one place of this daemon that admits jobs, and its passes hold the
         # pool's admission lock, so two admissions never share out the same room. A lease that
@@ -125,6 +127,7 @@ class Admission:
     # Backfill that never delays the oldest waiting job (waiting.plan_admission's `room`): off by
     # default, as it costs throughput when jobs run alike (the mixed batch: docs/benchmarks.md).
     keep_room_for_head: bool = False
+    released: Callable[[], Any] | None = None     # every job this pass lets go is let go (admission_clock.py)
 
     def run(self, jobs: list[Any]) -> None:
         from rgpu.slurm_plugin.waiting import start_waiting_jobs
@@ -139,7 +142,8 @@ class Admission:
                                          fits=getattr(self.core, "fits_in_every_order", None), scontrol=self.scontrol,
                                          reserve=reserve,
                                          room=getattr(self.core, "room_for_head", None)
-                                         if reserve and self.keep_room_for_head else None)
+                                         if reserve and self.keep_room_for_head else None,
+                                         released=self.released)
             self.jobs_held = len(started) < len(pending)
         else:
             self.jobs_held = False

@@ -45,11 +45,11 @@ def test_admission_is_pending_until_a_pass_that_began_after_the_lease_ended_has_
     jobs = GatedJobs()
     reconciler, admission = admitting_reconciler(core, jobs, 3600.0, 30.0, logging.getLogger("test"), cluster="test")
     clock = wake_on_lease_changes(core, reconciler, admission)
-    finished: queue.Queue[float] = queue.Queue()
+    finished: queue.Queue[int] = queue.Queue()
 
-    def pass_done(started: float) -> None:
-        clock.pass_done(started)
-        finished.put(started)
+    def pass_done() -> None:
+        clock.pass_done()
+        finished.put(1)
 
     reconciler.pass_done = pass_done
     integration = SlurmIntegration(reconciler, None, core=core, clock=clock)
@@ -89,10 +89,15 @@ def test_a_job_waits_for_the_pass_after_its_own_end_not_after_later_ends_of_othe
     now[0] = 1.5
     clock.lease_ended()                        # another job's, later
     assert clock.pending("slurm:test:5:", held=False)
-    clock.pass_done(started=1.2)               # began after job 5's end, before the other's
+    now[0] = 1.2
+    clock.pass_started()                       # after job 5's end, before the other's
+    now[0] = 1.3
+    clock.pass_done()
     assert not clock.pending("slurm:test:5:", held=False)
     assert clock.pending("slurm:test:9:", held=False)      # first asked once gone: the last end counts
-    clock.pass_done(started=1.6)
+    now[0] = 1.6
+    clock.pass_started()
+    clock.pass_done()
     assert not clock.pending("slurm:test:9:", held=False)
 
 
