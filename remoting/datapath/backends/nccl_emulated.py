@@ -21,6 +21,7 @@ from rgpu.remoting.datapath.backends.nccl_mesh import ID_BYTES, Mesh, MeshError,
 
 FAILED = 999   # CUDA_ERROR_UNKNOWN for the next synchronising call (not a sticky fault: the context lives on)
 NOCOLOR = -1   # NCCL_SPLIT_NOCOLOR
+FLUSH_S = 10.0   # ncclCommDestroy: how long this rank's last messages may take to reach its peers
 HOST_IMMEDIATE = 1   # ncclScalarHostImmediate (else ncclScalarDevice: the scalar's device address)
 _COLOR_KEY = struct.Struct("<ii")
 
@@ -74,6 +75,15 @@ class EmulatedNccl:
                 comm.joined.set()
         threading.Thread(target=join, name="rgpu-nccl-join", daemon=True).start()
         return (nccl_ops.SUCCESS, handle)
+
+    def rgpuNcclCommJoinScalable(self, comm_ids: list[bytes], n_id: int, nranks: int, rank: int,
+                                 dev: int) -> tuple[int, int]:
+        """Every rank has the same ids; the first one's rendezvous forms the communicator (a mesh of a
+        handful of ranks needs no spreading; the others' rendezvous close after their timeout)."""
+        if n_id < 1 or len(comm_ids) != n_id:
+            raise CudaError(nccl_ops.INVALID_ARGUMENT, f"rgpu: worker: ncclCommInitRankScalable (emulated NCCL): "
+                                                       f"{len(comm_ids)} unique id(s) sent for nId {n_id}")
+        return self.rgpuNcclCommJoin(comm_ids[0], nranks, rank, dev)
 
     def _comm(self, handle: int, call: str, code: int = nccl_ops.INVALID_ARGUMENT) -> _Comm:
         """`code`: NCCL's for a call answered now, CUDA's for a pipelined one (it answers a later call)."""
@@ -133,6 +143,53 @@ class EmulatedNccl:
         threading.Thread(target=split, name="rgpu-nccl-split", daemon=True).start()
         return (nccl_ops.SUCCESS, new)
 
+    def rgpuNcclCommShrink(self, handle: int, exclude: list[int], count: int, flags: int) -> tuple[int, int]:
+        """The parent's ranks but `exclude` (which do not call it) form a new mesh, ranks in the parent's
+        order: the lowest that stays opens a rendezvous and names it to the others over the parent's mesh.
+        In the background, as a split. The parent's mesh must be whole: one that failed (a peer died)
+        was closed, and its ranks cannot shrink it here (real NCCL can, with NCCL_SHRINK_ABORT)."""
+        parent = self._comm(handle, "ncclCommShrink")
+        if parent.joined.is_set() and parent.nranks > 0:   # else checked in the background
+            try:
+                nccl_ops.shrink_members(parent.nranks, parent.rank, exclude)
+            except ValueError as exc:
+                raise CudaError(nccl_ops.INVALID_ARGUMENT, f"rgpu: worker: ncclCommShrink: {exc}") from None
+        child = _Comm(nranks=-1, rank=-1)
+        new = self._nccl_next
+        self._nccl_next += 1
+        self._comms()[new] = child
+        parent.busy.acquire()
+
+        def shrink() -> None:
+            uid = b""
+            try:
+                try:
+                    if not parent.joined.wait(timeout_from_env()) or parent.mesh is None or parent.code:
+                        raise MeshError(f"the parent communicator is not whole ({parent.error or 'it never formed'}); "
+                                        "the emulated NCCL shrinks only a communicator whose ranks all still answer")
+                    mesh = parent.mesh
+                    members = nccl_ops.shrink_members(mesh.nranks, mesh.rank, exclude)
+                    child.rank, child.nranks = members.index(mesh.rank), len(members)
+                    if mesh.rank == members[0]:
+                        uid = Rendezvous(self.nccl_host, timeout_from_env()).id.pack()
+                        for r in members[1:]:
+                            mesh.send(r, uid)
+                    else:
+                        uid = mesh.recv(members[0], ID_BYTES)
+                finally:
+                    parent.busy.release()
+                child.mesh = Mesh(uid, child.nranks, child.rank, self.nccl_host, timeout_from_env())
+            except ValueError as exc:
+                child.error, child.code = f"rank {parent.rank} of {parent.nranks} could not shrink: {exc}", \
+                    nccl_ops.INVALID_ARGUMENT
+            except (MeshError, OSError) as exc:
+                child.error = f"rank {parent.rank} of {parent.nranks} could not shrink: {exc}"
+                child.code = nccl_ops.REMOTE_ERROR if isinstance(exc, MeshError) else nccl_ops.SYSTEM_ERROR
+            finally:
+                child.joined.set()
+        threading.Thread(target=shrink, name="rgpu-nccl-shrink", daemon=True).start()
+        return (nccl_ops.SUCCESS, new)
+
     def ncclCommFinalize(self, handle: int) -> tuple[int]:
         self._comm(handle, "ncclCommFinalize")   # every operation ran as it came: nothing is left to flush
         return (nccl_ops.SUCCESS,)
@@ -171,7 +228,7 @@ class EmulatedNccl:
     def rgpuNcclCommDestroy(self, handle: int, abort: int) -> tuple[int]:
         comm = self._comms().pop(handle, None)
         if comm is not None and comm.mesh is not None:
-            comm.mesh.close()
+            comm.mesh.close(flush_s=0.0 if abort else FLUSH_S)
         return (nccl_ops.SUCCESS,)
 
     def rgpuNcclCommGetAsyncError(self, handle: int) -> tuple[int, int]:
