@@ -2,8 +2,8 @@
 #ifndef RGPU_OPS_H
 #define RGPU_OPS_H
 
-#define RGPU_PROTOCOL_VERSION 15
-#define RGPU_CUDA_SPEC_SHA256 "fd8cfacd9425a4f64a2e90df7f5d1627e378d8d20a6f38e275a482b59f3b9501"
+#define RGPU_PROTOCOL_VERSION 16
+#define RGPU_CUDA_SPEC_SHA256 "c0e017c5e70994bcffaa01d8ec4ae99326cbb9994e4f4b134ac250b911dfd07a"
 
 enum rgpu_opcode {
     RGPU_OP_cuInit = 32,
