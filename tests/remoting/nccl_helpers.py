@@ -75,3 +75,13 @@ def _scale_lines(rank: int, nranks: int) -> list[str]:
     lines = [f"shrink {rank - 1} of {nranks - 1}"] if rank >= 1 else []
     lines += [f"again {rank - 2} of {nranks - 2}"] if rank >= 2 else []
     return lines + ["OK"]
+
+
+def _check_outputs(path: Path, expected: list[tuple[str, np.ndarray]], who: str) -> None:
+    """`path` holds exactly `expected`'s arrays, one after the other (nccl_ranks.c's OUT)."""
+    data, at = path.read_bytes(), 0
+    for name, want in expected:
+        got = np.frombuffer(data, dtype=want.dtype, count=want.size, offset=at)
+        at += want.nbytes
+        assert np.array_equal(got, want), f"{who}: {name} differs from numpy's"
+    assert at == len(data), f"{who}: {len(data) - at} bytes more than expected"

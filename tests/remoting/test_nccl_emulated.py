@@ -21,7 +21,7 @@ from rgpu.remoting.native import apispec, build
 
 from .conftest import EMULATED_GPU, EMULATED_GPU_2, PY, Server, client_env, serving
 from .flexrun_helpers import conf_for, run_flexrun
-from .nccl_helpers import COUNT, _check, _expected_more, _expected_scale, _scale_lines
+from .nccl_helpers import COUNT, _check, _check_outputs, _expected_more, _expected_scale, _scale_lines
 
 
 def _servers(stack: ExitStack, n: int) -> list[Server]:
@@ -266,12 +266,7 @@ def _check_scale(procs: list[subprocess.Popen[str]], tmp_path: Path, nranks: int
     outputs = [p.communicate(timeout=120) for p in procs]
     for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
         assert p.returncode == 0 and out.splitlines() == _scale_lines(rank, nranks), f"rank {rank}: {out}{err}"
-        data, at = (tmp_path / f"out.{rank}").read_bytes(), 0
-        for name, want in _expected_scale(rank, nranks):
-            got = np.frombuffer(data, dtype=want.dtype, count=want.size, offset=at)
-            at += want.nbytes
-            assert np.array_equal(got, want), f"rank {rank} of {nranks}: {name} differs from numpy's"
-        assert at == len(data)
+        _check_outputs(tmp_path / f"out.{rank}", _expected_scale(rank, nranks), f"rank {rank} of {nranks}")
 
 
 @pytest.mark.parametrize(("nranks", "dispatchers"), [(2, 1), (4, 1), (4, 2)])
