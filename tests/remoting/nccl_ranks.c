@@ -71,6 +71,14 @@ static void alloc_bufs(int nranks, size_t count, rank_bufs *b) {
     CU(cuMemAlloc(&b->d_io, count * 8));
 }
 
+/* Device `ordinal`'s primary context current, this rank's buffers allocated and filled. */
+static void open_rank(int rank, int nranks, size_t count, int ordinal, rank_bufs *b) {
+    CUdevice dev;
+    CU(cuInit(0)); CU(cuDeviceGet(&dev, ordinal)); CU(cuDevicePrimaryCtxRetain(&b->ctx, dev)); CU(cuCtxSetCurrent(b->ctx));
+    alloc_bufs(nranks, count, b);
+    fill(rank, nranks, count, b);
+}
+
 /* Every collective of one rank, queued on its stream (inside a group when several ranks share the thread). */
 static void collectives(ncclComm_t comm, int rank, int nranks, size_t count, rank_bufs *b, int step) {
     cudaStream_t s = (cudaStream_t)b->stream;
@@ -148,12 +156,9 @@ static ncclComm_t init_rank(int rank, int nranks, const char *idfile, int ordina
 /* Device LOCAL_RANK where it is set (every rank sees every slice and picks its own, as PyTorch under
  * torchrun), else device 0 (each rank sees only its own slice). */
 static int one_rank(int rank, int nranks, const char *idfile, size_t count, const char *outpath) {
-    CUdevice dev;
-    rank_bufs b;
     int ordinal = getenv("LOCAL_RANK") ? atoi(getenv("LOCAL_RANK")) : 0;
-    CU(cuInit(0)); CU(cuDeviceGet(&dev, ordinal)); CU(cuDevicePrimaryCtxRetain(&b.ctx, dev)); CU(cuCtxSetCurrent(b.ctx));
-    alloc_bufs(nranks, count, &b);
-    fill(rank, nranks, count, &b);
+    rank_bufs b;
+    open_rank(rank, nranks, count, ordinal, &b);
     ncclComm_t comm = init_rank(rank, nranks, idfile, ordinal);
     FILE *out = fopen(outpath, "wb");
     for (int step = 0; step < 8; step++) {
@@ -231,12 +236,9 @@ static int all_in_one(int ndev, size_t count, const char *outprefix) {
 }
 
 static int die(int rank, int nranks, const char *idfile, const char *gofile) {
-    CUdevice dev;
-    rank_bufs b;
     size_t count = 1024;
-    CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuDevicePrimaryCtxRetain(&b.ctx, dev)); CU(cuCtxSetCurrent(b.ctx));
-    alloc_bufs(nranks, count, &b);
-    fill(rank, nranks, count, &b);
+    rank_bufs b;
+    open_rank(rank, nranks, count, 0, &b);
     ncclComm_t comm = init_rank(rank, nranks, idfile, 0);
     collectives(comm, rank, nranks, count, &b, 0);
     CU(cuStreamSynchronize(b.stream));
@@ -253,6 +255,24 @@ static int die(int rank, int nranks, const char *idfile, const char *gofile) {
     return cr != CUDA_SUCCESS || nr != ncclSuccess ? 7 : 0;
 }
 
+/* A config with blocking = 0 and every other field unset. */
+static ncclConfig_t nonblocking_config(void) {
+    ncclConfig_t cfg = {sizeof cfg, 0xcafebeef, NCCL_VERSION_CODE, 0, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT,
+                        NCCL_CONFIG_UNDEF_INT, NULL, NCCL_CONFIG_UNDEF_INT};
+    return cfg;
+}
+
+/* What a non-blocking call `r` started on `comm`, polled with ncclCommGetAsyncError until it formed. */
+static void wait_formed(ncclComm_t comm, ncclResult_t r) {
+    if (r != ncclSuccess && r != ncclInProgress) NC(r);
+    ncclResult_t state = r;
+    while (state == ncclInProgress) {
+        NC(ncclCommGetAsyncError(comm, &state));
+        if (state == ncclInProgress) usleep(1000);
+    }
+    NC(state);
+}
+
 /* A non-blocking communicator (ncclCommInitRankConfig, blocking = 0, polled with ncclCommGetAsyncError),
  * then, in OUT: all-reduce with a PreMulSum of 0.5 held by the host (float32, COUNT), with a PreMulSum of
  * 0.25 in device memory (float64, COUNT), all-to-all (float32, NRANKS*COUNT), all-reduce sum over a split
@@ -260,23 +280,14 @@ static int die(int rank, int nranks, const char *idfile, const char *gofile) {
  * where rank 0 has no color (int32, COUNT; not rank 0's; no config: non-blocking as its parent). Prints "split I of N" (the first split's rank and size), then "OK".
  * Every communicator is finalized, then destroyed. */
 static int more(int rank, int nranks, const char *idfile, size_t count, const char *outpath) {
-    CUdevice dev;
     rank_bufs b;
-    CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuDevicePrimaryCtxRetain(&b.ctx, dev)); CU(cuCtxSetCurrent(b.ctx));
-    alloc_bufs(nranks, count, &b);
-    fill(rank, nranks, count, &b);
+    open_rank(rank, nranks, count, 0, &b);
     ncclUniqueId id = shared_id(rank, idfile);
-    ncclConfig_t cfg = {sizeof cfg, 0xcafebeef, NCCL_VERSION_CODE, 0, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT,
-                        NCCL_CONFIG_UNDEF_INT, NULL, NCCL_CONFIG_UNDEF_INT};
+    ncclConfig_t cfg = nonblocking_config();
     ncclComm_t comm;
     ncclResult_t r = ncclCommInitRankConfig(&comm, nranks, id, rank, &cfg);
-    if (r != ncclSuccess && r != ncclInProgress) NC(r);
-    ncclResult_t state = ncclInProgress;
-    while (state == ncclInProgress) {
-        NC(ncclCommGetAsyncError(comm, &state));
-        if (state == ncclInProgress) usleep(1000);
-    }
-    NC(state);
+    wait_formed(comm, r == ncclSuccess ? ncclInProgress : r);
+    ncclResult_t state;
     int n = -1, me = -1;
     NC(ncclCommCount(comm, &n)); NC(ncclCommUserRank(comm, &me));
     if (n != nranks || me != rank) { fprintf(stderr, "non-blocking comm says %d ranks, rank %d\n", n, me); return 5; }
@@ -333,11 +344,8 @@ static int more(int rank, int nranks, const char *idfile, size_t count, const ch
  * (polled), and all-reduce sum (float32, COUNT), printing "again I of N". Rank 0 destroys its
  * communicator once rank 1 wrote IDFILE.done. Prints "OK". */
 static int scale(int rank, int nranks, const char *idfile, size_t count, const char *outpath) {
-    CUdevice dev;
     rank_bufs b;
-    CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuDevicePrimaryCtxRetain(&b.ctx, dev)); CU(cuCtxSetCurrent(b.ctx));
-    alloc_bufs(nranks, count, &b);
-    fill(rank, nranks, count, &b);
+    open_rank(rank, nranks, count, 0, &b);
     char path[4096], done[4096];
     ncclUniqueId ids[2];
     for (int i = 0; i < 2; i++) {
@@ -374,16 +382,9 @@ static int scale(int rank, int nranks, const char *idfile, size_t count, const c
     NC(ncclAllReduce((void *)(uintptr_t)b.i_in, (void *)(uintptr_t)b.i_out, count, ncclInt32, ncclMax, small, s));
     CU(cuStreamSynchronize(b.stream)); save(out, b.i_out, count * 4);
     if (rank >= 2) {
-        ncclConfig_t cfg = {sizeof cfg, 0xcafebeef, NCCL_VERSION_CODE, 0, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT,
-                            NCCL_CONFIG_UNDEF_INT, NULL, NCCL_CONFIG_UNDEF_INT};
+        ncclConfig_t cfg = nonblocking_config();
         ncclResult_t r = ncclCommShrink(small, &gone, 1, &smaller, &cfg, NCCL_SHRINK_DEFAULT);
-        if (r != ncclSuccess && r != ncclInProgress) NC(r);
-        ncclResult_t state = r;
-        while (state == ncclInProgress) {
-            NC(ncclCommGetAsyncError(smaller, &state));
-            if (state == ncclInProgress) usleep(1000);
-        }
-        NC(state);
+        wait_formed(smaller, r);
         NC(ncclCommCount(smaller, &n)); NC(ncclCommUserRank(smaller, &me));
         printf("again %d of %d\n", me, n);
         NC(ncclAllReduce((void *)(uintptr_t)b.f_in, (void *)(uintptr_t)b.f_out, count, ncclFloat32, ncclSum, smaller, s));
