@@ -37,7 +37,7 @@ from rgpu.remoting.pool.events import EventLog
 from rgpu.remoting.pool.group import checked_processes, die_with_parent, serve_group
 from rgpu.remoting.pool.metrics import PoolMetrics
 from rgpu.remoting.pool.rules import PoolCore
-from rgpu.remoting.pool.store import open_store
+from rgpu.remoting.pool.store import PoolStore, Store
 from rgpu.remoting.pool.telemetry import TelemetryBoard
 from rgpu.remoting.pool.views import pool_view
 from rgpu.remoting.pool.servicer import PoolServicer
@@ -48,6 +48,18 @@ log = logging.getLogger("rgpu-poold")
 # Every call is short and PoolCore serialises changes under one lock, so more threads only fight
 # over the GIL: 4 gave ~10-20% more allocations per second than 16 on a 2-core machine.
 POOL_GRPC_WORKERS = 2
+
+
+def open_store(state: str, store_url: str = "", shared: bool = False) -> PoolStore:
+    """The store the settings name: PostgreSQL when store_url is set, else SQLite at `state`
+    (shared by the processes of one daemon when `shared`)."""
+    if store_url:
+        if not store_url.startswith(("postgresql://", "postgres://")):
+            raise ConfigError("store", f"store_url {store_url.split('@')[-1]!r} is not a PostgreSQL URL", "",
+                              "use postgresql://USER@HOST:PORT/DATABASE, or leave it empty for SQLite")
+        from rgpu.remoting.pool.store_pg import PostgresStore
+        return PostgresStore(store_url)
+    return Store(state, shared=shared)
 
 
 # Ended-lease history rows one maintenance pass deletes at most (history_keep_days, history_max_rows):
