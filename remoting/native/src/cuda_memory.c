@@ -363,6 +363,10 @@ static int session_of(CUdeviceptr p) {
     return rgpu_dev_range_find(p, &s, NULL, NULL) ? s : -1;
 }
 
+/* For a unified address: as session_of, but -1 (this process's memory) for page-locked memory the
+ * GPU was never handed, whose range the worker reserved with no memory behind it (zero_copy.c). */
+static int unified_session_of(CUdeviceptr p) { return rgpu_zero_copy_unbacked(p) ? -1 : session_of(p); }
+
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount) {
     /* CUDA returns once the source may be reused; the bytes are on the wire by then. */
     CUresult r = rgpu_managed_routes(srcHost) ? unified(dstDevice, (CUdeviceptr)(uintptr_t)srcHost, ByteCount, NULL)
@@ -455,7 +459,7 @@ static CUresult unified(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream str
     if (r != CUDA_SUCCESS) return r;
     rgpu_managed_hand(dst);
     rgpu_managed_hand(src);
-    int ds = session_of(dst), ss = session_of(src);
+    int ds = unified_session_of(dst), ss = unified_session_of(src);
     if (ds >= 0 && ss >= 0) {
         if (ds != ss)
             return copy_between_slices(dst, rgpu_ctx_of_session(ds), src, rgpu_ctx_of_session(ss), n, stream);
@@ -505,9 +509,9 @@ static CUresult copy2d(const CUDA_MEMCPY2D *p, int unaligned, CUstream stream) {
     CUresult r = rgpu_check_init();
     if (r != CUDA_SUCCESS) return r;
     int src_host = p->srcMemoryType == CU_MEMORYTYPE_HOST ||
-                   (p->srcMemoryType == CU_MEMORYTYPE_UNIFIED && session_of(p->srcDevice) < 0);
+                   (p->srcMemoryType == CU_MEMORYTYPE_UNIFIED && unified_session_of(p->srcDevice) < 0);
     int dst_host = p->dstMemoryType == CU_MEMORYTYPE_HOST ||
-                   (p->dstMemoryType == CU_MEMORYTYPE_UNIFIED && session_of(p->dstDevice) < 0);
+                   (p->dstMemoryType == CU_MEMORYTYPE_UNIFIED && unified_session_of(p->dstDevice) < 0);
     if (p->srcMemoryType == CU_MEMORYTYPE_ARRAY || p->dstMemoryType == CU_MEMORYTYPE_ARRAY)
         return rgpu_copy_2d_nd(p, unaligned, stream);   /* cuda_array.c */
     const uint8_t *sh = p->srcMemoryType == CU_MEMORYTYPE_HOST ? p->srcHost : (const void *)(uintptr_t)p->srcDevice;
