@@ -137,6 +137,20 @@ RGPU_EXPORT CUresult CUDAAPI cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_
     return pool_attribute(RGPU_OP_cuMemPoolGetAttribute, pool, attr, value, 0);
 }
 
+/* rgpu creates no memory pool (cuMemPoolCreate is not remoted), so a device's current pool is its
+ * default pool for good: making it current again is what CuPy's MemoryAsyncPool does when it starts
+ * (cudaDeviceSetMemPool of cudaDeviceGetMemPool's pool), and changes nothing. */
+RGPU_EXPORT CUresult CUDAAPI cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool) {
+    if (!pool) return CUDA_ERROR_INVALID_VALUE;
+    CUmemoryPool current = NULL;
+    CUresult r = cuDeviceGetMemPool(&current, dev);
+    if (r != CUDA_SUCCESS) return r;
+    if (pool == current) return CUDA_SUCCESS;
+    rgpu_log(1, "rgpu: cuDeviceSetMemPool: pool %p is not device %d's current pool; rgpu serves only each "
+             "device's default pool (cuMemPoolCreate is not remoted yet)", (void *)pool, (int)dev);
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
 /* ------------------------------------------------------------------ page-locked host memory
  * The GPU is across the network, so no GPU can map this memory: it is memory of this process,
  * remembered so that pointer queries and cuMemFreeHost behave as CUDA's do, and placed where the
