@@ -98,13 +98,14 @@ RAW_TCP_C = r"""
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
-static size_t per, chunk = 1u << 20;
+static size_t per, chunk = 1u << 20, span;   /* span: bytes each stream's buffers cycle over (one chunk: cached) */
 static int bufsz;
 static void *rx(void *arg) {
     int c = (int)(long)arg;
-    char *b = malloc(chunk);
-    size_t got = 0; ssize_t k;
-    while ((k = recv(c, b, chunk, 0)) > 0) got += k;
+    char *b = malloc(span);
+    memset(b, 0, span);
+    size_t got = 0, at = 0; ssize_t k;
+    while ((k = recv(c, b + at, span - at < chunk ? span - at : chunk, 0)) > 0) { got += k; at = (at + k) % span; }
     free(b);
     return (void *)got;
 }
@@ -113,8 +114,12 @@ static void *tx(void *arg) {
     int s = socket(AF_INET, SOCK_STREAM, 0);
     if (bufsz) setsockopt(s, SOL_SOCKET, SO_SNDBUF, &bufsz, sizeof bufsz);
     connect(s, (void *)a, sizeof *a);
-    char *b = malloc(chunk); memset(b, 1, chunk);
-    for (size_t sent = 0; sent < per;) { ssize_t k = send(s, b, per - sent < chunk ? per - sent : chunk, 0); if (k <= 0) break; sent += k; }
+    char *b = malloc(span); memset(b, 1, span);
+    for (size_t sent = 0, at = 0; sent < per;) {
+        size_t n = per - sent < chunk ? per - sent : chunk;
+        if (n > span - at) n = span - at;
+        ssize_t k = send(s, b + at, n, 0); if (k <= 0) break; sent += k; at = (at + k) % span;
+    }
     close(s);
     return NULL;
 }
@@ -123,6 +128,8 @@ int main(int argc, char **argv) {
     int n = atoi(argv[2]);
     bufsz = argc > 3 ? atoi(argv[3]) : 0;
     per = total / n;
+    span = argc > 4 && atoll(argv[4]) ? (size_t)atoll(argv[4]) / n : chunk;
+    if (span < chunk) span = chunk;
     int ls = socket(AF_INET, SOCK_STREAM, 0), one = 1;
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     socklen_t al = sizeof a;
@@ -199,9 +206,14 @@ def _compile(source: str, out: Path, *extra: str) -> Path:
     return out
 
 
-def raw_tcp(binary: Path, mib: int, reps: int, streams: int = 1, buffer_bytes: int = 4 << 20) -> float:
-    runs = [float(subprocess.run([str(binary), str(mib), str(streams), str(buffer_bytes)], capture_output=True,
-                                 text=True, check=True, timeout=300).stdout) for _ in range(reps)]
+def raw_tcp(binary: Path, mib: int, reps: int, streams: int = 1, buffer_bytes: int = 4 << 20,
+            span_mib: int = 0) -> float:
+    """GB/s of `mib` MiB over `streams` loopback connections, median of `reps`. span_mib 0: each sender
+    repeats one 1 MiB buffer and each receiver reads into one (cached: the link's ceiling); else the
+    streams' buffers together span that many MiB on each side, as a copy's source and staging do."""
+    argv = [str(binary), str(mib), str(streams), str(buffer_bytes), str(span_mib * MiB)]
+    runs = [float(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300).stdout)
+            for _ in range(reps)]
     return statistics.median(runs)
 
 
@@ -341,11 +353,15 @@ def main(argv: list[str] | None = None) -> int:
         streams = {name: STREAMS[name] or args.lanes for name in names}
         results: dict[str, dict[str, float]] = {}
         raw: dict[int, dict[int, float]] = {}   # streams -> MiB -> GB/s
+        raw_spanned: dict[int, dict[int, float]] = {}   # the same with buffers as large as the copy
         raw_ucx: dict[str, dict[int, float | None]] = {}   # UCX configuration -> MiB -> ucx_perftest GB/s
         for name in names:   # raw TCP on the same streams just before each configuration (one run, one load)
             for mib in sizes:
                 raw.setdefault(streams[name], {})[mib] = raw_tcp(raw_bin, mib * 8, args.reps, streams[name],
                                                                  args.socket_buffer)   # 8 buffers' worth per run
+                if name in ("rgpu-lanes", "rgpu-tcp"):
+                    raw_spanned.setdefault(streams[name], {})[mib] = raw_tcp(
+                        raw_bin, mib * 8, args.reps, streams[name], args.socket_buffer, span_mib=mib)
             results[name] = run_config(name, args.backend, workload, sizes, args.reps, libs, args.lanes)
             if name in UCX_TLS_OF:   # UCX's own link on the same transports, just after
                 raw_ucx[name] = {mib: ucx_perftest(mib, args.reps, UCX_TLS_OF[name]) for mib in sizes}
@@ -354,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     for n, by_size in sorted(raw.items()):
         print(f"raw loopback TCP (C), {n} stream{'s' if n > 1 else ''}: "
               + ", ".join(f"{by_size[m]:.2f} GB/s ({m} MiB x 8)" for m in sizes))
+    for n, by_size in sorted(raw_spanned.items()):
+        print(f"raw loopback TCP (C), {n} stream{'s' if n > 1 else ''}, buffers spanning the copy's size on each side: "
+              + ", ".join(f"{by_size[m]:.2f} GB/s ({m} MiB)" for m in sizes))
     print(f"{'copy':<24}" + "".join(f"{n + ' (' + str(streams[n]) + ')':>22}" for n in names)
           + "   (GB/s, and x raw TCP on the same streams)")
     for metric in next(iter(results.values())):
@@ -371,6 +390,12 @@ def main(argv: list[str] | None = None) -> int:
                               for metric, value in results[name].items() if metric.endswith(f"_{mib}MiB_GBps"))
             print(f"{name} beside UCX's own link (ucx_perftest tag_bw, UCX_TLS {tls}, {mib} MiB): {link:.2f} GB/s; "
                   f"{cells}")
+    for name in (n for n in ("rgpu-lanes", "rgpu-tcp") if n in results):   # beside raw TCP moving as many bytes
+        for metric, value in results[name].items():
+            mib = int(metric.split("_")[2].removesuffix("MiB"))
+            link = raw_spanned[streams[name]][mib]
+            print(f"{name} {metric.removesuffix('_GBps')}: {value / link:.2f}x raw TCP with buffers of the copy's size "
+                  f"({value:.2f} / {link:.2f} GB/s)")
     raw1 = raw.get(1, {})
     local = results.get("local")
     for name in (n for n in SAME_HOST if n in results and local):   # issue 25's same-host targets
@@ -389,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"target: same-host pinned 128 MiB over UCX >= 2x raw TCP: {ratio:.2f}x "
               f"({'PASS' if ratio >= 2 else 'FAIL'})")
     out = {"backend": args.backend, "lanes": args.lanes, "socket_buffer_bytes": args.socket_buffer,
-           "raw_tcp_GBps_by_streams": raw, "raw_ucx_GBps_by_config": raw_ucx, "streams": streams, "results": results}
+           "raw_tcp_GBps_by_streams": raw, "raw_tcp_spanned_GBps_by_streams": raw_spanned, "raw_ucx_GBps_by_config": raw_ucx, "streams": streams, "results": results}
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     print(json.dumps(out))

@@ -18,6 +18,8 @@ from rgpu import validate
 from rgpu.errors import ConfigError, InvalidRequest
 from rgpu.render import render
 from rgpu.slice_size import SliceLimits
+from rgpu.tokens import unverified_claims
+from rgpu.units import format_bytes
 
 FORMAT_VERSION = 1
 
@@ -101,6 +103,27 @@ def parse_adaptor_conf(text: str, source: str = "adaptor.conf") -> AdaptorConf:
         raise bad(f"missing or wrong slice keys ({exc})") from None
     except InvalidRequest as exc:
         raise bad(exc.what + (f": {exc.why}" if exc.why else "")) from None
+
+
+def check_limits_match_tokens(conf: AdaptorConf, source: str = "adaptor.conf") -> None:
+    """Each slice's limits as the file states them are those its token grants. The token is what the GPU
+    server enforces, so a file that says otherwise was edited, or pairs a token with another lease's
+    limits: refused in one line rather than run on limits other than those written. A token this rgpu
+    cannot read is left to the GPU server, which refuses it with its own line."""
+    for number, piece in enumerate(conf.slices):
+        claims = unverified_claims(piece.token)
+        if claims is None:
+            continue
+        if (piece.memory_limit_bytes, piece.compute_percent) != (claims.memory_limit_bytes, claims.compute_percent):
+            said, granted = format_bytes(piece.memory_limit_bytes), format_bytes(claims.memory_limit_bytes)
+            if said == granted and piece.memory_limit_bytes != claims.memory_limit_bytes:   # closer than the rounding shows
+                said, granted = f"{piece.memory_limit_bytes} bytes", f"{claims.memory_limit_bytes} bytes"
+            raise ConfigError("adaptor.conf", f"cannot use {source}",
+                              f"slice {number} says {said} and {piece.compute_percent}% compute, but its token "
+                              f"grants {granted} and {claims.compute_percent}% (the file "
+                              "was changed after rgpu wrote it, or holds another lease's token)",
+                              "use the adaptor.conf rgpu wrote for this job, or ask for a new one (rerun the job, "
+                              "or rgpu-admin request-gpus)")
 
 
 def read_adaptor_conf(path: str | os.PathLike[str]) -> AdaptorConf:

@@ -54,6 +54,19 @@ def sign(secret: bytes, claims: SliceClaims) -> str:
     return f"{TOKEN_PREFIX}.{body}.{_b64(mac)}"
 
 
+def unverified_claims(token: str) -> SliceClaims | None:
+    """What a token says, its signature unchecked; None for text that is not a token this rgpu reads.
+    For a holder without the cluster secret (flexrun) to compare with what it was told; it grants
+    nothing: only a dispatcher's verify() does."""
+    parts = token.split(".") if isinstance(token, str) else []
+    if len(parts) != 3 or parts[0] != TOKEN_PREFIX:
+        return None
+    try:
+        return SliceClaims(**json.loads(_unb64(parts[1])))
+    except (ValueError, TypeError):
+        return None
+
+
 def verify(
     secret: bytes,
     token: str,

@@ -165,14 +165,14 @@ def _admitted_unleased(job: Any, leased: set[tuple[int, int]]) -> bool:
 
 
 # One lease's request as the pool's order-proof check takes it: (count, percent or 0,
-# memory_bytes or 0, isolation).
-LeaseRequest = tuple[int, int, int, str]
+# memory_bytes or 0, isolation, same_node: pack=node, all on one GPU server).
+LeaseRequest = tuple[int, int, int, str, bool]
 
 
 def lease_requests(record: RequestRecord) -> list[LeaseRequest]:
     """One per node: each node's lease reaches the pool as an Allocate of its own. Pure."""
     req = record.request
-    return [(req.count, req.size.percent, req.size.memory_bytes, req.isolation)] * record.nodes
+    return [(req.count, req.size.percent, req.size.memory_bytes, req.isolation, req.pack == "node")] * record.nodes
 
 
 def _held_back(let_go: list[tuple[Any, RequestRecord]], fits: Fits | None) -> list[int]:

@@ -1,7 +1,8 @@
 """Test tiers, selectable by marker (`-m unit`, `-m integration`, `-m slurm`, `-m gpu`):
 
-- unit: pure logic: no processes, no daemons. Every test without another tier's marker is one,
-  and one that starts a process fails, saying to mark it `integration`.
+- unit: pure logic: no processes, no daemons, nothing built. Every test without another tier's marker
+  is one, and one that starts a process (compilers included) while it sets up, fixtures of any scope
+  included, or while it runs fails, saying to mark it `integration` (tests/test_tiers.py).
 - integration: real rgpu daemons, session servers, worker processes, the C client libraries.
   A test is one by its marker, or by using a fixture that starts such things (below).
 - slurm: a real Slurm cluster on this host. gpu: a real NVIDIA GPU.
@@ -9,6 +10,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from collections.abc import Iterator
@@ -49,18 +51,40 @@ class _NoProcesses:
 
     def __call__(self, *args: object, **kwargs: object) -> None:
         raise AssertionError(f"{self.nodeid} is a unit test but starts a process "
-                             f"({args[0] if args else kwargs.get('args')!r}): mark it @pytest.mark.integration")
+                             f"({args[0] if args else kwargs.get('args')!r}): mark it @pytest.mark.integration "
+                             "(or give it a fixture that does not build or start anything)")
 
 
-@pytest.fixture(autouse=True)
-def _unit_tests_start_no_processes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    if request.node.get_closest_marker("unit") is not None:
-        guard = _NoProcesses(request.node.nodeid)
-        monkeypatch.setattr(subprocess.Popen, "__init__", guard)
-        for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "execv", "execve", "execvp", "execvpe"):
+_PROCESS_STARTERS = ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system", "execv", "execve", "execvp", "execvpe")
+
+
+@contextlib.contextmanager
+def _no_processes(item: pytest.Item) -> Iterator[None]:
+    """While a unit test sets up and runs, nothing may start a process: not the test, and not a fixture
+    of any scope set up for it (a session fixture that compiles C runs during its first user's setup).
+    Compilers, daemons and helper programs all start through these."""
+    if item.get_closest_marker("unit") is None:
+        yield
+        return
+    guard = _NoProcesses(item.nodeid)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", guard)
+        for name in _PROCESS_STARTERS:
             if hasattr(os, name):
-                monkeypatch.setattr(os, name, guard)
-    yield
+                patch.setattr(os, name, guard)
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with _no_processes(item):
+        yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _no_processes(item):
+        yield
 
 
 @pytest.fixture

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from rgpu.adaptor import (AdaptorConf, AdaptorSlice, parse_adaptor_conf, read_adaptor_conf, render_adaptor_conf,
-                          write_adaptor_conf)
+from rgpu import tokens
+from rgpu.adaptor import (AdaptorConf, AdaptorSlice, check_limits_match_tokens, parse_adaptor_conf, read_adaptor_conf,
+                          render_adaptor_conf, write_adaptor_conf)
 from rgpu.errors import ConfigError, InvalidRequest
 
 GOLDEN = Path(__file__).parent / "golden" / "adaptor.conf"
@@ -104,3 +105,39 @@ def test_a_slice_without_compute_or_memory_is_refused_in_one_line(field: str, va
         parse_adaptor_conf(text, "/run/rgpu/7/adaptor.conf")
     assert str(err.value).startswith(f"rgpu: adaptor.conf: cannot use /run/rgpu/7/adaptor.conf ({what}: ")
     assert "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------ the file's limits against its tokens
+
+SECRET = b"test-secret-0123456789abcdef-0123456789"
+
+
+def _signed(memory: int, percent: int) -> str:
+    return tokens.sign(SECRET, tokens.SliceClaims(
+        job_key="slurm-1234-0", slice_number=0, server="gpu1.example.org:55001",
+        gpu_uuid="GPU-7f3a2b1c-0000-1111-2222-333344445555", gpu_index=0, memory_limit_bytes=memory,
+        compute_percent=percent, expires_unix=0.0, issued_unix=1.0))
+
+
+def _one_slice(memory: int, percent: int, token: str) -> AdaptorConf:
+    return AdaptorConf(job_id="slurm-1234-0", user="alice", slices=(AdaptorSlice(
+        "gpu1.example.org:55001", "GPU-7f3a2b1c-0000-1111-2222-333344445555", 0, memory, percent, token),))
+
+
+def test_limits_that_are_the_tokens_pass() -> None:
+    check_limits_match_tokens(_one_slice(40 << 30, 50, _signed(40 << 30, 50)))
+    # A token this rgpu cannot read is the GPU server's to refuse, in its own line.
+    check_limits_match_tokens(_one_slice(40 << 30, 50, "rgpu1.eyJhIjoxfQ.c2ln"))
+
+
+@pytest.mark.parametrize("memory, percent, why", [
+    (80 << 30, 50, "slice 0 says 80.0 GiB and 50% compute, but its token grants 40.0 GiB and 50%"),
+    (40 << 30, 100, "slice 0 says 40.0 GiB and 100% compute, but its token grants 40.0 GiB and 50%"),
+    ((40 << 30) + 1, 50, f"slice 0 says {(40 << 30) + 1} bytes and 50% compute, but its token grants {40 << 30} bytes"),
+])
+def test_limits_other_than_the_tokens_are_refused_in_one_line(memory: int, percent: int, why: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        check_limits_match_tokens(_one_slice(memory, percent, _signed(40 << 30, 50)), "/run/rgpu/1234/adaptor.conf")
+    text = str(caught.value)
+    assert text.startswith("rgpu: adaptor.conf: cannot use /run/rgpu/1234/adaptor.conf (" + why), text
+    assert "changed after rgpu wrote it" in text and "\n" not in text

@@ -15,7 +15,8 @@ import pytest
 
 from rgpu.adaptor import read_adaptor_conf
 from rgpu.remoting.pool.client import PoolClient
-from tests.daemons import RgpuCluster, register_servers as register, wait_for
+from tests.daemons import EXAMPLES, RgpuCluster, register_servers as register, wait_for
+from tests.dispatcher_helpers import wait_state
 from tests.admin_helpers import admin, run_admin
 
 
@@ -76,6 +77,30 @@ def test_a_ttl_lease_is_kept_by_renewing_it(cluster: RgpuCluster, tmp_path: Path
     done = admin(cluster, "renew-gpus", "-f", str(conf), "--ttl", "2s", ok=False)
     assert done.returncode != 0 and done.stderr.strip().startswith("rgpu: pool: no lease") and \
         len(done.stderr.strip().splitlines()) == 1
+
+
+def test_request_gpus_same_node_puts_every_slice_on_one_gpu_server_or_says_why_not(cluster: RgpuCluster,
+                                                                                      tmp_path: Path) -> None:
+    """`rgpu-admin request-gpus --same-node` (issue 27), as `flexrun -n N --same-node`: two real
+    dispatchers of two GPUs each; two slices land on one server, three are refused with the pool's
+    one line (exit 3, no file, no lease), and without --same-node the three spread over both."""
+    for inventory in ("inventory-a.toml", "inventory-b.toml"):
+        _daemon, port = cluster.start_dispatcher(EXAMPLES / inventory)
+        wait_state(cluster, f"127.0.0.1:{port}", "up")
+    two = tmp_path / "two.conf"
+    admin(cluster, "request-gpus", "-n", "2", "-p", "0.5", "--same-node", "-o", str(two))
+    assert len({s.server for s in read_adaptor_conf(two).slices}) == 1
+    admin(cluster, "release-gpus", "-f", str(two))
+    three = admin(cluster, "request-gpus", "-n", "3", "-p", "0.5", "--same-node", "-o", str(tmp_path / "x"), ok=False)
+    assert three.returncode == 3, three.stderr
+    assert three.stderr.splitlines() == [
+        "rgpu: pool: cannot place 3 slice(s) of fraction 0.5 (same node) on one GPU server (4 GPU(s) can take one now, "
+        "at most 2 of them on one server; wait for capacity, ask for fewer or smaller slices, or ask without "
+        "--same-node so the slices may spread over several GPU servers)"], three.stderr
+    assert not (tmp_path / "x").exists() and json.loads(admin(cluster, "leases", "--json").stdout) == []
+    spread = tmp_path / "spread.conf"
+    admin(cluster, "request-gpus", "-n", "3", "-p", "0.5", "-o", str(spread))
+    assert len({s.server for s in read_adaptor_conf(spread).slices}) == 2
 
 
 @pytest.mark.parametrize("args, code, message", [

@@ -36,10 +36,10 @@ def used(core) -> dict[tuple[str, int], int]:  # type: ignore[no-untyped-def]
 def test_the_head_jobs_room_is_where_it_goes_once_the_oldest_leases_end(tmp_path: Path) -> None:
     core = busy_pool(tmp_path)
     assert used(core) == {(S0, 0): 75, (S0, 1): 50, (S1, 0): 0, (S1, 1): 0}
-    room = core.room_for_head([(3, 100, 0, "")])
+    room = core.room_for_head([(3, 100, 0, "", False)])
     assert room == {(S0, "GPU-0-1"), (S1, "GPU-1-0"), (S1, "GPU-1-1")}
-    assert core.room_for_head([(1, 100, 0, "")]) == {(S1, "GPU-1-0")}        # it fits now: where it goes
-    assert core.room_for_head([(4, 100, 0, ""), (4, 100, 0, "")]) == frozenset()   # never, even on an empty pool
+    assert core.room_for_head([(1, 100, 0, "", False)]) == {(S1, "GPU-1-0")}        # it fits now: where it goes
+    assert core.room_for_head([(4, 100, 0, "", False), (4, 100, 0, "", False)]) == frozenset()   # never, even on an empty pool
 
 
 def test_younger_jobs_start_only_off_the_head_jobs_room(tmp_path: Path) -> None:

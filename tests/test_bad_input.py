@@ -343,13 +343,13 @@ def test_registrations_whose_clients_gave_up_bind_nothing(tmp_path: Path) -> Non
 
 
 def test_a_peer_that_is_no_ip_binds_nothing() -> None:
-    from rgpu.remoting.pool.daemon import _is_ip
+    from rgpu.remoting.pool.servicer import _is_ip
     assert _is_ip("10.0.0.7") and _is_ip("::1")
     assert not _is_ip("") and not _is_ip("unix:/run/x") and not _is_ip("unknown")
 
 
 def test_peer_ip_reads_grpc_peer_strings() -> None:
-    from rgpu.remoting.pool.daemon import peer_ip
+    from rgpu.remoting.pool.servicer import peer_ip
     assert peer_ip("ipv4:10.0.0.7:5555") == "10.0.0.7"
     assert peer_ip("ipv6:%5B::1%5D:5555") == "::1"
     assert peer_ip("ipv6:[::ffff:10.0.0.7]:5555") == "10.0.0.7"

@@ -82,3 +82,46 @@ def test_the_core_contracts_name_every_core_module() -> None:
     contracts = {c["id"]: c for c in _config()["tool"]["importlinter"]["contracts"]}
     assert set(contracts["core-imports-no-component"]["source_modules"]) == core | {"rgpu.proto"}
     assert set(contracts["core-has-no-transport-or-cli"]["source_modules"]) == core
+
+
+# Every module's imports (function-level ones included) by grimp, the graph builder of import-linter, on
+# the view; prints each cycle of modules, then each pair of folders that import each other.
+_CYCLES = """
+import grimp, sys
+graph = grimp.build_graph("rgpu")
+edges = {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
+sys.setrecursionlimit(20000)
+index, low, stack, on, n = {}, {}, [], set(), [0]
+def visit(v):
+    index[v] = low[v] = n[0]; n[0] += 1; stack.append(v); on.add(v)
+    for w in edges[v]:
+        if w not in index:
+            visit(w); low[v] = min(low[v], low[w])
+        elif w in on:
+            low[v] = min(low[v], index[w])
+    if low[v] == index[v]:
+        part = []
+        while not part or part[-1] != v:
+            part.append(stack.pop()); on.discard(part[-1])
+        if len(part) > 1:
+            print("modules:", " <-> ".join(sorted(part)))
+for m in sorted(edges):
+    if m not in index:
+        visit(m)
+folder = lambda m: m if graph.find_children(m) else m.rsplit(".", 1)[0]
+pairs = {(folder(a), folder(b)) for a in edges for b in edges[a]}
+for a, b in sorted(pairs):
+    if a < b and (b, a) in pairs and not b.startswith(a + ".") and not a.startswith(b + "."):
+        print("folders:", a, "<->", b)
+"""
+
+
+@pytest.mark.integration   # runs grimp in a process with the view on its path
+def test_no_two_modules_or_folders_import_each_other(tmp_path: Path) -> None:
+    """Issue 28: the last knots were backends <-> worker (emulated backend <- worker/faults.py) and
+    pool/store.py <-> store_pg.py; a cycle anywhere, direct or through other modules, fails here."""
+    root = package_view(tmp_path / "view")
+    run = subprocess.run([sys.executable, "-c", _CYCLES], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "", f"import cycles (break each: move the shared piece below both):\n{run.stdout}"

@@ -152,9 +152,9 @@ def test_lease_listeners_hear_each_lease_start_and_end_and_the_core_checks_every
     core.allocate(req("a", count=1, percent=50))    # the same lease again: nothing started
     assert core.release("a") and not core.release("a")
     assert heard == [False, True]
-    half, whole = (1, 50, 0, ""), (1, 100, 0, "")
+    half, whole = (1, 50, 0, "", False), (1, 100, 0, "", False)
     assert core.fits_in_every_order([half] * 8) and not core.fits_in_every_order([half] * 9)
     core.allocate(req("b", count=1, percent=60))
     assert core.fits_in_every_order([whole] * 3) and not core.fits_in_every_order([whole] * 4)
-    assert not core.fits_in_every_order([(1, 0, 100 * GiB, "")])            # more memory than a GPU has
-    assert not core.fits_in_every_order([(1, 50, 0, "strict")])             # no isolated GPU here
+    assert not core.fits_in_every_order([(1, 0, 100 * GiB, "", False)])            # more memory than a GPU has
+    assert not core.fits_in_every_order([(1, 50, 0, "strict", False)])             # no isolated GPU here

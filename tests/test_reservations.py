@@ -14,7 +14,7 @@ from rgpu.remoting.pool.store import Store
 from tests.poolcore_helpers import SECRET, Clock, make_core, req, server, two_cores
 
 JOB = "slurm:hpc:42:0:"
-WHOLE, HALF, QUARTER = (1, 100, 0, ""), (1, 50, 0, ""), (1, 25, 0, "")
+WHOLE, HALF, QUARTER = (1, 100, 0, "", False), (1, 50, 0, "", False), (1, 25, 0, "", False)
 
 
 def gpus_used(core: PoolCore) -> list[int]:
@@ -39,7 +39,7 @@ def test_nobody_makes_a_reservation_through_allocate(tmp_path: Path) -> None:
 
 def test_an_allocate_of_the_job_claims_its_reserved_slices(tmp_path: Path) -> None:
     core = make_core(tmp_path / "pool.db", servers=2)
-    [reservation] = core.reserve(JOB, "alice", [(2, 50, 0, "")], ttl_seconds=30)
+    [reservation] = core.reserve(JOB, "alice", [(2, 50, 0, "", False)], ttl_seconds=30)
     assert reservation.job_key == "slurm:hpc:42:0:+r0" and sum(gpus_used(core)) == 100
     lease = core.allocate(req("slurm:hpc:42:0:c1", count=2, percent=50, account="physics"))
     assert lease.slices == reservation.slices and lease.account == "physics" and lease.expires_unix == 0.0
@@ -49,9 +49,33 @@ def test_an_allocate_of_the_job_claims_its_reserved_slices(tmp_path: Path) -> No
     assert [row[0] for row in core.store.dump_history()] == ["slurm:hpc:42:0:c1"]   # the reservation left none
 
 
+def test_a_pack_node_job_is_reserved_and_checked_on_one_server_or_not_at_all(tmp_path: Path) -> None:
+    """pack=node (issue 27): the admission's check, its reservation and the claim keep a node's
+    slices on one GPU server. Two servers of two GPUs, one GPU of each full: two half slices fit
+    spread, never on one server; found on a real Slurm, where such a job ran spread."""
+    core = make_core(tmp_path / "pool.db", servers=2)
+    for n in range(2):
+        core.allocate(req(f"fill-{n}", percent=100, server=f"gpu{n}"))
+    spread, packed = (2, 50, 0, "", False), (2, 50, 0, "", True)
+    assert core.fits_in_every_order([spread]) and not core.fits_in_every_order([packed])
+    with pytest.raises(CapacityError, match="on one GPU server"):
+        core.reserve(JOB, "alice", [packed], ttl_seconds=30)
+    assert core.reservations() == {}
+    # A spread reservation is not what a same-node Allocate would get: it places anew (and cannot).
+    core.reserve(JOB, "alice", [spread], ttl_seconds=30)
+    with pytest.raises(CapacityError, match="on one GPU server"):
+        core.allocate(req("slurm:hpc:42:0:c1", count=2, percent=50, same_node=True))
+    core.drop_reservations(JOB)
+    core.release("fill-0")
+    [reservation] = core.reserve(JOB, "alice", [packed], ttl_seconds=30)
+    assert len({s.server for s in reservation.slices}) == 1
+    lease = core.allocate(req("slurm:hpc:42:0:c1", count=2, percent=50, same_node=True))
+    assert lease.slices == reservation.slices
+
+
 def test_other_requests_cannot_take_reserved_room(tmp_path: Path) -> None:
     core = make_core(tmp_path / "pool.db", servers=1)                    # 2 GPUs
-    core.reserve(JOB, "alice", [(2, 100, 0, "")], ttl_seconds=30)
+    core.reserve(JOB, "alice", [(2, 100, 0, "", False)], ttl_seconds=30)
     for other in (req("manual", percent=25), req("slurm:hpc:43:0:c1", percent=25),
                   req("slurm:hpc:42:1:c1", count=2, percent=100),       # a later attempt of the job: not its room
                   req("slurm:hpc:42:0:c1", count=2, percent=100, user="bob"),     # another user

@@ -222,10 +222,12 @@ def leases(ctx: Context) -> None:
 @click.option("--min-memory", default=None, help="Only GPUs with at least this much usable memory.")
 @click.option("--isolation", type=click.Choice(["strict"]), default=None,
               help="Only GPUs shared isolated or exclusive (no other job's GPU fault can end this one's work).")
+@click.option("--same-node", is_flag=True,
+              help="Every slice on one GPU server (NCCL stays on its NVLink or PCIe), else no capacity.")
 @click.pass_obj
 def request_gpus(ctx: Context, count: int, fraction: str | None, memory: str | None, ttl: str | None,
                  output: str, user: str | None, account: str, job_key: str | None, gpu_model: str,
-                 server: str, min_memory: str | None, isolation: str | None) -> None:
+                 server: str, min_memory: str | None, isolation: str | None, same_node: bool) -> None:
     """Lease GPU slices outside Slurm and write their adaptor.conf (mode 0600)."""
     from rgpu.remoting.pool.client import explain_capacity
     from rgpu.remoting.pool.convert import lease_to_adaptor
@@ -240,7 +242,7 @@ def request_gpus(ctx: Context, count: int, fraction: str | None, memory: str | N
                 key, user, count, percent=size.percent, memory_bytes=size.memory_bytes,
                 account=account, ttl_seconds=parse_duration(ttl, "ttl") if ttl else 0.0, gpu_model=gpu_model,
                 server=server, min_memory_bytes=parse_size(min_memory, "min memory") if min_memory else 0,
-                isolation=isolation or "")
+                isolation=isolation or "", same_node=same_node)
         except CapacityError as exc:
             raise explain_capacity(client, exc, isolation or "", "admin") from None
         try:

@@ -4,7 +4,8 @@
     flexrun local [-n N] [-p F | -m SIZE] [--] app [args...]
 
 Which slices:
-  -f FILE     the slices of an adaptor.conf (what the Slurm prolog writes for a job)
+  -f FILE     the slices of an adaptor.conf (what the Slurm prolog writes for a job); a file whose
+              limits are not its tokens' (edited, or another lease's token) is refused
   -n N        ask the pool for N slices, release them at exit
   -l LIST     ask the pool for one slice on each listed dispatcher, release them at exit
   (none)      $RGPU_ADAPTOR_CONF, then ~/.rgpu/adaptor.conf, then /etc/rgpu/adaptor.conf
@@ -124,8 +125,11 @@ def find_adaptor_conf(env: dict[str, str] | os._Environ = os.environ) -> Path:
 
 
 def slices_from_conf(path: Path) -> list[Slice]:
-    from rgpu.adaptor import read_adaptor_conf
+    """The file's slices (server and token: the token carries the limits the GPU server enforces),
+    once the limits the file states are found to be the token's (adaptor.check_limits_match_tokens)."""
+    from rgpu.adaptor import check_limits_match_tokens, read_adaptor_conf
     conf = read_adaptor_conf(path)
+    check_limits_match_tokens(conf, str(path))
     return [Slice(s.server, s.token) for s in conf.slices]
 
 

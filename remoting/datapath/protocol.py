@@ -53,7 +53,7 @@ from rgpu.netaddr import split_host_port
 
 # The data path's protocol version. It is also recorded in spec/cuda.spec: a spec change that
 # alters the wire format must bump both (tests/remoting/test_generator.py checks the pairing).
-PROTOCOL_VERSION = 15
+PROTOCOL_VERSION = 16
 MAGIC = b"RGPU"
 
 HEADER = struct.Struct("<IHHIIQ")

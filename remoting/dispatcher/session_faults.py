@@ -9,7 +9,8 @@ import signal
 import time
 from pathlib import Path
 
-from rgpu.remoting.datapath.worker.faults import EMULATED_MPS_FAULT, EMULATED_MPS_LOG, RELEASED, REPORTS, VERDICTS
+from rgpu.remoting.datapath.backends.emulated_mps import EMULATED_MPS_FAULT, EMULATED_MPS_LOG
+from rgpu.remoting.datapath.worker.faults import RELEASED, REPORTS, VERDICTS
 from rgpu.remoting.dispatcher.faults import SETTLE_S, FaultEvent, FaultReport, GpuView, SessionView, decide
 from rgpu.remoting.dispatcher.session_state import FAULT_EXIT_GRACE_S, SessionState, read_text_or_empty
 

@@ -119,6 +119,13 @@ def plan_c(f: Function) -> list[CParamPlan]:
             # A struct read by the call (CUmemAllocationProp): its bytes travel.
             plan.check = f"{p.name} == NULL"
             plan.put = f"rgpu_put(&c, {p.name}, sizeof *{p.name});"
+        elif p.direction == "in" and p.length:
+            # An array the call reads (nccl.spec: ids, rank lists): its element count, then its elements
+            # as the C layout has them (every wire type here is fixed-size, little-endian on both ends).
+            n = p.length
+            plan.check = f"({n}) < 0 || (({n}) > 0 && {p.name} == NULL)"
+            plan.put = (f"{{ uint32_t n_ = (uint32_t)({n}); rgpu_put_u32(&c, n_); "
+                        f"if (n_) rgpu_put(&c, {p.name}, (size_t)n_ * sizeof *{p.name}); }}")
         elif p.direction == "in":
             if p.is_string:
                 plan.put = f"rgpu_put_str(&c, {p.name});"
@@ -215,6 +222,9 @@ def plan_py(f: Function) -> PyPlan:
         if p.is_string:
             flush()
             decode.append(f"{n}, off = _take_str(buf, off)")
+        elif p.length:
+            flush()
+            decode.append(f"{n}, off = _take_array(buf, off, {p.known_wire.fmt!r})")
         else:
             group.append((n, p.known_wire.fmt))
     flush()

@@ -44,12 +44,14 @@ def claim_prefixes(job_key: str) -> list[str]:
 
 
 def fits_request(reservation: LeaseRecord, user: str, count: int, percent: int | None, memory_bytes: int | None,
-                 sharing_of: dict[str, str], isolation: str) -> bool:
+                 sharing_of: dict[str, str], isolation: str, same_node: bool = False) -> bool:
     """Whether `reservation`'s slices are what this request would get: the same user and count,
     each slice of `percent` compute (a fraction) or of `memory_bytes` memory, each on a GPU whose
     sharing mode (`sharing_of`, by GPU UUID; missing: the GPU is gone) the request's isolation
-    allows."""
+    allows, all on one GPU server when `same_node`."""
     if reservation.user != user or len(reservation.slices) != count:
+        return False
+    if same_node and len({s.server for s in reservation.slices}) > 1:
         return False
     for s in reservation.slices:
         if percent is not None and s.compute_percent != percent:

@@ -124,7 +124,8 @@ class LeaseRules(CoreParts):
                 if reservation.expired(now) or any(e is None or self.state_of(e, now) != "up" for e in servers):
                     continue
                 sharing = {g.uuid: g.sharing for e in servers if e is not None for g in e.info.gpus}
-                if fits_request(reservation, req.user, req.count, req.percent, req.memory_bytes, sharing, req.isolation):
+                if fits_request(reservation, req.user, req.count, req.percent, req.memory_bytes, sharing, req.isolation,
+                                req.same_node):
                     return reservation
         return None
 
@@ -132,7 +133,7 @@ class LeaseRules(CoreParts):
                 ttl_seconds: float, avoid: Avoid = frozenset()) -> list[LeaseRecord]:
         """Hold room for the leases about to be asked for under keys that start with `prefix` (one
         ending in ':'; reservations.py): one reservation per request (count, percent or 0,
-        memory_bytes or 0, isolation), placed as Allocates would place them now one after the
+        memory_bytes or 0, isolation, same_node), placed as Allocates would place them now one after the
         other, all or none (CapacityError), each expiring `ttl_seconds` from now, on none of the
         GPUs in `avoid` ((server address, UUID): kept for a job that waits). A prefix that holds
         reservations already gets their expiry moved to now + ttl_seconds instead (once less than
@@ -143,8 +144,8 @@ class LeaseRules(CoreParts):
         _check_ttl(ttl_seconds, allow_zero=False)
         wanted = [AllocationRequest(job_key=reservation_key(prefix, n), user=user, count=count,
                                     percent=percent if not memory else None, memory_bytes=memory or None,
-                                    ttl_seconds=ttl_seconds, isolation=isolation)
-                  for n, (count, percent, memory, isolation) in enumerate(requests)]
+                                    ttl_seconds=ttl_seconds, isolation=isolation, same_node=same_node)
+                  for n, (count, percent, memory, isolation, same_node) in enumerate(requests)]
         for one in wanted:
             self._validate(one)
         with self._change():
@@ -161,7 +162,8 @@ class LeaseRules(CoreParts):
             slots, planned = self._slots(now), []
             for one in wanted:      # CapacityError here leaves everything as it was
                 slots, placed = place_one(slots, SliceRequest(count=one.count, percent=one.percent,
-                                                              memory_bytes=one.memory_bytes, isolation=one.isolation),
+                                                              memory_bytes=one.memory_bytes, isolation=one.isolation,
+                                                              same_node=one.same_node),
                                           avoid, self.placement)
                 planned.append(LeaseRecord(job_key=one.job_key, user=user, account="", created_unix=now,
                                            expires_unix=now + ttl_seconds, slices=_slice_records(placed)))

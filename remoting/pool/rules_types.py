@@ -23,8 +23,8 @@ from rgpu.remoting.pool.placement_index import PlacementIndex
 from rgpu.remoting.pool.store import PoolStore
 
 # One lease's request as the Slurm admission passes it: (count, percent of a GPU per slice or 0,
-# memory_bytes per slice or 0, isolation).
-LeaseRequest = tuple[int, int, int, str]
+# memory_bytes per slice or 0, isolation, same_node: every slice on one GPU server, pack=node).
+LeaseRequest = tuple[int, int, int, str, bool]
 MAX_SERVERS = 4096   # dispatchers one pool keeps; bounds what registrations can make it store
 
 log = logging.getLogger("rgpu-poold")
@@ -138,11 +138,11 @@ class CoreParts:
 
 
 def _slice_request(request: LeaseRequest) -> SliceRequest:
-    """(count, percent or 0, memory_bytes or 0, isolation): one lease's request as the Slurm
-    admission passes it."""
-    count, percent, memory, isolation = request
+    """(count, percent or 0, memory_bytes or 0, isolation, same_node): one lease's request as the
+    Slurm admission passes it."""
+    count, percent, memory, isolation, same_node = request
     return SliceRequest(count=count, percent=percent if not memory else None, memory_bytes=memory or None,
-                        isolation=isolation)
+                        isolation=isolation, same_node=same_node)
 
 
 def _slice_records(placed: list[PlacedSlice]) -> tuple[SliceRecord, ...]:

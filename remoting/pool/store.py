@@ -544,15 +544,3 @@ class PoolStore(Protocol):
     def spend_web_nonce(self, nonce: str, expires: float, now: float) -> bool: ...
     def prune_history(self, ended_before: float | None, max_rows: int, limit: int) -> int: ...
     def web_nonce_spent(self, nonce: str) -> bool: ...
-
-
-def open_store(state: str, store_url: str = "", shared: bool = False) -> PoolStore:
-    """The store the settings name: PostgreSQL when store_url is set, else SQLite at `state`
-    (shared by the processes of one daemon when `shared`)."""
-    if store_url:
-        if not store_url.startswith(("postgresql://", "postgres://")):
-            raise ConfigError("store", f"store_url {store_url.split('@')[-1]!r} is not a PostgreSQL URL", "",
-                              "use postgresql://USER@HOST:PORT/DATABASE, or leave it empty for SQLite")
-        from rgpu.remoting.pool.store_pg import PostgresStore
-        return PostgresStore(store_url)
-    return Store(state, shared=shared)

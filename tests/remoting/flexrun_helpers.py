@@ -8,13 +8,19 @@ from pathlib import Path
 
 from rgpu.remoting.native import build
 from rgpu.adaptor import AdaptorConf, AdaptorSlice, write_adaptor_conf
+from rgpu.tokens import unverified_claims
 
 from tests.remoting.conftest import PY, Server
 
 
 def conf_for(server: Server, path: Path, *tokens: str) -> Path:
+    """An adaptor.conf of these tokens, each slice with its token's limits, as rgpu writes it (flexrun
+    refuses a file whose limits are not its tokens')."""
+    def limits(token: str) -> tuple[int, int]:
+        claims = unverified_claims(token)
+        return (claims.memory_limit_bytes, claims.compute_percent) if claims else (1 << 30, 50)
     slices = tuple(AdaptorSlice(server=server.address, gpu_uuid=server.gpus[i % 2].uuid, gpu_index=i % 2,
-                                memory_limit_bytes=1 << 30, compute_percent=50, token=t)
+                                memory_limit_bytes=limits(t)[0], compute_percent=limits(t)[1], token=t)
                    for i, t in enumerate(tokens))
     return write_adaptor_conf(path, AdaptorConf(job_id="1234", user="alice", slices=slices))
 

@@ -57,3 +57,31 @@ def _expected_more(rank: int, nranks: int) -> list[tuple[str, np.ndarray]]:
     if rank != 0:
         out.append(("split without rank 0", np.max([ins[r]["i32"] for r in range(1, nranks)], axis=0)))
     return out
+
+
+def _expected_scale(rank: int, nranks: int) -> list[tuple[str, np.ndarray]]:
+    """What nccl_ranks.c's `scale` writes for rank `rank` (its comment gives the order)."""
+    ins = [_inputs(r, nranks) for r in range(nranks)]
+    out = [("all-reduce sum over the scalable init", sum(x["f"] for x in ins).astype(np.float32))]
+    if rank >= 1:
+        out.append(("all-reduce max after shrinking rank 0 away", np.max([x["i32"] for x in ins[1:]], axis=0)))
+    if rank >= 2:
+        out.append(("all-reduce sum after shrinking again", sum(x["f"] for x in ins[2:]).astype(np.float32)))
+    return out
+
+
+def _scale_lines(rank: int, nranks: int) -> list[str]:
+    """What nccl_ranks.c's `scale` prints for rank `rank`."""
+    lines = [f"shrink {rank - 1} of {nranks - 1}"] if rank >= 1 else []
+    lines += [f"again {rank - 2} of {nranks - 2}"] if rank >= 2 else []
+    return lines + ["OK"]
+
+
+def _check_outputs(path: Path, expected: list[tuple[str, np.ndarray]], who: str) -> None:
+    """`path` holds exactly `expected`'s arrays, one after the other (nccl_ranks.c's OUT)."""
+    data, at = path.read_bytes(), 0
+    for name, want in expected:
+        got = np.frombuffer(data, dtype=want.dtype, count=want.size, offset=at)
+        at += want.nbytes
+        assert np.array_equal(got, want), f"{who}: {name} differs from numpy's"
+    assert at == len(data), f"{who}: {len(data) - at} bytes more than expected"

@@ -10,6 +10,9 @@
  *   nccl_ranks die RANK NRANKS IDFILE GOFILE        an all-reduce, "READY", then (after GOFILE appears)
  *                                                   another all-reduce and a synchronize
  *   nccl_ranks more RANK NRANKS IDFILE COUNT OUT    what PyTorch's ProcessGroupNCCL adds (see more() below)
+ *   nccl_ranks scale RANK NRANKS IDFILE COUNT OUT   ncclCommInitRankScalable and ncclCommShrink (see scale() below)
+ *   nccl_ranks badshrink RANK NRANKS IDFILE         ncclCommShrink excluding the caller, then rank 5: prints
+ *                                                   "self R1 outside R2" (their results), then destroys
  *
  * Inputs: rank r's element i is (r + 1) * (i % 7 + 1) (float32), or r * 1000 + i (int32, int64).
  * OUT holds, in order: all-reduce sum (float32, COUNT), all-reduce max (int32, COUNT), broadcast
@@ -66,6 +69,14 @@ static void alloc_bufs(int nranks, size_t count, rank_bufs *b) {
     CU(cuMemAlloc(&b->l_in, count * 8)); CU(cuMemAlloc(&b->l_out, count * 8));
     CU(cuMemAlloc(&b->gather, count * 4 * nranks)); CU(cuMemAlloc(&b->scatter_in, count * 4 * nranks));
     CU(cuMemAlloc(&b->d_io, count * 8));
+}
+
+/* Device `ordinal`'s primary context current, this rank's buffers allocated and filled. */
+static void open_rank(int rank, int nranks, size_t count, int ordinal, rank_bufs *b) {
+    CUdevice dev;
+    CU(cuInit(0)); CU(cuDeviceGet(&dev, ordinal)); CU(cuDevicePrimaryCtxRetain(&b->ctx, dev)); CU(cuCtxSetCurrent(b->ctx));
+    alloc_bufs(nranks, count, b);
+    fill(rank, nranks, count, b);
 }
 
 /* Every collective of one rank, queued on its stream (inside a group when several ranks share the thread). */
@@ -145,12 +156,9 @@ static ncclComm_t init_rank(int rank, int nranks, const char *idfile, int ordina
 /* Device LOCAL_RANK where it is set (every rank sees every slice and picks its own, as PyTorch under
  * torchrun), else device 0 (each rank sees only its own slice). */
 static int one_rank(int rank, int nranks, const char *idfile, size_t count, const char *outpath) {
-    CUdevice dev;
-    rank_bufs b;
     int ordinal = getenv("LOCAL_RANK") ? atoi(getenv("LOCAL_RANK")) : 0;
-    CU(cuInit(0)); CU(cuDeviceGet(&dev, ordinal)); CU(cuDevicePrimaryCtxRetain(&b.ctx, dev)); CU(cuCtxSetCurrent(b.ctx));
-    alloc_bufs(nranks, count, &b);
-    fill(rank, nranks, count, &b);
+    rank_bufs b;
+    open_rank(rank, nranks, count, ordinal, &b);
     ncclComm_t comm = init_rank(rank, nranks, idfile, ordinal);
     FILE *out = fopen(outpath, "wb");
     for (int step = 0; step < 8; step++) {
@@ -228,12 +236,9 @@ static int all_in_one(int ndev, size_t count, const char *outprefix) {
 }
 
 static int die(int rank, int nranks, const char *idfile, const char *gofile) {
-    CUdevice dev;
-    rank_bufs b;
     size_t count = 1024;
-    CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuDevicePrimaryCtxRetain(&b.ctx, dev)); CU(cuCtxSetCurrent(b.ctx));
-    alloc_bufs(nranks, count, &b);
-    fill(rank, nranks, count, &b);
+    rank_bufs b;
+    open_rank(rank, nranks, count, 0, &b);
     ncclComm_t comm = init_rank(rank, nranks, idfile, 0);
     collectives(comm, rank, nranks, count, &b, 0);
     CU(cuStreamSynchronize(b.stream));
@@ -250,6 +255,24 @@ static int die(int rank, int nranks, const char *idfile, const char *gofile) {
     return cr != CUDA_SUCCESS || nr != ncclSuccess ? 7 : 0;
 }
 
+/* A config with blocking = 0 and every other field unset. */
+static ncclConfig_t nonblocking_config(void) {
+    ncclConfig_t cfg = {sizeof cfg, 0xcafebeef, NCCL_VERSION_CODE, 0, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT,
+                        NCCL_CONFIG_UNDEF_INT, NULL, NCCL_CONFIG_UNDEF_INT};
+    return cfg;
+}
+
+/* What a non-blocking call `r` started on `comm`, polled with ncclCommGetAsyncError until it formed. */
+static void wait_formed(ncclComm_t comm, ncclResult_t r) {
+    if (r != ncclSuccess && r != ncclInProgress) NC(r);
+    ncclResult_t state = r;
+    while (state == ncclInProgress) {
+        NC(ncclCommGetAsyncError(comm, &state));
+        if (state == ncclInProgress) usleep(1000);
+    }
+    NC(state);
+}
+
 /* A non-blocking communicator (ncclCommInitRankConfig, blocking = 0, polled with ncclCommGetAsyncError),
  * then, in OUT: all-reduce with a PreMulSum of 0.5 held by the host (float32, COUNT), with a PreMulSum of
  * 0.25 in device memory (float64, COUNT), all-to-all (float32, NRANKS*COUNT), all-reduce sum over a split
@@ -257,23 +280,14 @@ static int die(int rank, int nranks, const char *idfile, const char *gofile) {
  * where rank 0 has no color (int32, COUNT; not rank 0's; no config: non-blocking as its parent). Prints "split I of N" (the first split's rank and size), then "OK".
  * Every communicator is finalized, then destroyed. */
 static int more(int rank, int nranks, const char *idfile, size_t count, const char *outpath) {
-    CUdevice dev;
     rank_bufs b;
-    CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuDevicePrimaryCtxRetain(&b.ctx, dev)); CU(cuCtxSetCurrent(b.ctx));
-    alloc_bufs(nranks, count, &b);
-    fill(rank, nranks, count, &b);
+    open_rank(rank, nranks, count, 0, &b);
     ncclUniqueId id = shared_id(rank, idfile);
-    ncclConfig_t cfg = {sizeof cfg, 0xcafebeef, NCCL_VERSION_CODE, 0, NCCL_CONFIG_UNDEF_INT, NCCL_CONFIG_UNDEF_INT,
-                        NCCL_CONFIG_UNDEF_INT, NULL, NCCL_CONFIG_UNDEF_INT};
+    ncclConfig_t cfg = nonblocking_config();
     ncclComm_t comm;
     ncclResult_t r = ncclCommInitRankConfig(&comm, nranks, id, rank, &cfg);
-    if (r != ncclSuccess && r != ncclInProgress) NC(r);
-    ncclResult_t state = ncclInProgress;
-    while (state == ncclInProgress) {
-        NC(ncclCommGetAsyncError(comm, &state));
-        if (state == ncclInProgress) usleep(1000);
-    }
-    NC(state);
+    wait_formed(comm, r == ncclSuccess ? ncclInProgress : r);
+    ncclResult_t state;
     int n = -1, me = -1;
     NC(ncclCommCount(comm, &n)); NC(ncclCommUserRank(comm, &me));
     if (n != nranks || me != rank) { fprintf(stderr, "non-blocking comm says %d ranks, rank %d\n", n, me); return 5; }
@@ -323,6 +337,81 @@ static int more(int rank, int nranks, const char *idfile, size_t count, const ch
     return 0;
 }
 
+/* ncclCommInitRankScalable with two ids (rank 0 makes IDFILE.0, the last rank IDFILE.1; every rank reads
+ * both), then in OUT: all-reduce sum over it (float32, COUNT); all but rank 0 then call ncclCommShrink
+ * excluding rank 0 (blocking) and all-reduce max over the shrunk one (int32, COUNT; not rank 0's), and
+ * print "shrink I of N"; ranks 2.. of 4 shrink that one again, excluding its rank 0, with blocking = 0
+ * (polled), and all-reduce sum (float32, COUNT), printing "again I of N". Rank 0 destroys its
+ * communicator once rank 1 wrote IDFILE.done. Prints "OK". */
+static int scale(int rank, int nranks, const char *idfile, size_t count, const char *outpath) {
+    rank_bufs b;
+    open_rank(rank, nranks, count, 0, &b);
+    char path[4096], done[4096];
+    ncclUniqueId ids[2];
+    for (int i = 0; i < 2; i++) {
+        snprintf(path, sizeof path, "%s.%d", idfile, i);
+        if (rank == (i == 0 ? 0 : nranks - 1)) {
+            NC(ncclGetUniqueId(&ids[i]));
+            write_id(path, &ids[i]);
+        } else {
+            read_id(path, &ids[i]);
+        }
+    }
+    snprintf(done, sizeof done, "%s.done", idfile);
+    ncclComm_t comm;
+    NC(ncclCommInitRankScalable(&comm, nranks, rank, 2, ids, NULL));
+    int n = -1, me = -1;
+    NC(ncclCommCount(comm, &n)); NC(ncclCommUserRank(comm, &me));
+    if (n != nranks || me != rank) { fprintf(stderr, "scalable comm says %d ranks, rank %d\n", n, me); return 5; }
+    cudaStream_t s = (cudaStream_t)b.stream;
+    FILE *out = fopen(outpath, "wb");
+    NC(ncclAllReduce((void *)(uintptr_t)b.f_in, (void *)(uintptr_t)b.f_out, count, ncclFloat32, ncclSum, comm, s));
+    CU(cuStreamSynchronize(b.stream)); save(out, b.f_out, count * 4);
+    if (rank == 0) {
+        fclose(out);
+        while (access(done, F_OK) != 0) usleep(10000);
+        NC(ncclCommDestroy(comm));
+        printf("OK\n");
+        return 0;
+    }
+    int gone = 0;
+    ncclComm_t small = NULL, smaller = NULL;
+    NC(ncclCommShrink(comm, &gone, 1, &small, NULL, NCCL_SHRINK_DEFAULT));
+    NC(ncclCommCount(small, &n)); NC(ncclCommUserRank(small, &me));
+    printf("shrink %d of %d\n", me, n);
+    NC(ncclAllReduce((void *)(uintptr_t)b.i_in, (void *)(uintptr_t)b.i_out, count, ncclInt32, ncclMax, small, s));
+    CU(cuStreamSynchronize(b.stream)); save(out, b.i_out, count * 4);
+    if (rank >= 2) {
+        ncclConfig_t cfg = nonblocking_config();
+        ncclResult_t r = ncclCommShrink(small, &gone, 1, &smaller, &cfg, NCCL_SHRINK_DEFAULT);
+        wait_formed(smaller, r);
+        NC(ncclCommCount(smaller, &n)); NC(ncclCommUserRank(smaller, &me));
+        printf("again %d of %d\n", me, n);
+        NC(ncclAllReduce((void *)(uintptr_t)b.f_in, (void *)(uintptr_t)b.f_out, count, ncclFloat32, ncclSum, smaller, s));
+        CU(cuStreamSynchronize(b.stream)); save(out, b.f_out, count * 4);
+        NC(ncclCommDestroy(smaller));
+    }
+    fclose(out);
+    NC(ncclCommDestroy(small));
+    if (rank == 1) write_id(done, &ids[0]);
+    NC(ncclCommDestroy(comm));
+    printf("OK\n");
+    return 0;
+}
+
+static int badshrink(int rank, int nranks, const char *idfile) {
+    CUdevice dev;
+    CUcontext ctx;
+    CU(cuInit(0)); CU(cuDeviceGet(&dev, 0)); CU(cuDevicePrimaryCtxRetain(&ctx, dev)); CU(cuCtxSetCurrent(ctx));
+    ncclComm_t comm = init_rank(rank, nranks, idfile, 0), got = NULL;
+    int outside = 5;
+    ncclResult_t self = ncclCommShrink(comm, &rank, 1, &got, NULL, NCCL_SHRINK_DEFAULT);
+    ncclResult_t far = ncclCommShrink(comm, &outside, 1, &got, NULL, NCCL_SHRINK_DEFAULT);
+    printf("self %d outside %d\n", (int)self, (int)far);
+    NC(ncclCommDestroy(comm));
+    return 0;
+}
+
 int main(int argc, char **argv) {
     if (argc == 7 && !strcmp(argv[1], "rank"))
         return one_rank(atoi(argv[2]), atoi(argv[3]), argv[4], (size_t)atol(argv[5]), argv[6]);
@@ -330,6 +419,9 @@ int main(int argc, char **argv) {
     if (argc == 6 && !strcmp(argv[1], "die")) return die(atoi(argv[2]), atoi(argv[3]), argv[4], argv[5]);
     if (argc == 7 && !strcmp(argv[1], "more"))
         return more(atoi(argv[2]), atoi(argv[3]), argv[4], (size_t)atol(argv[5]), argv[6]);
+    if (argc == 5 && !strcmp(argv[1], "badshrink")) return badshrink(atoi(argv[2]), atoi(argv[3]), argv[4]);
+    if (argc == 7 && !strcmp(argv[1], "scale"))
+        return scale(atoi(argv[2]), atoi(argv[3]), argv[4], (size_t)atol(argv[5]), argv[6]);
     fprintf(stderr, "usage: see the comment at the top of %s\n", __FILE__);
     return 1;
 }

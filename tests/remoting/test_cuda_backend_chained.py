@@ -78,7 +78,7 @@ def test_cuda_backend_copies_pointer_attributes_and_modules(native_libs: build.L
 
 
 def test_library_loads_ask_the_driver_to_read_the_image_in_place() -> None:
-    from rgpu.remoting.datapath.backends.cuda import LIBRARY_BINARY_IS_PRESERVED, preserved_library_options
+    from rgpu.remoting.datapath.backends.cuda_driver import LIBRARY_BINARY_IS_PRESERVED, preserved_library_options
     assert preserved_library_options([]) == [(LIBRARY_BINARY_IS_PRESERVED, 1)]
     # the application's own promise is replaced by the worker's (it is the worker's copy that is kept)
     assert preserved_library_options([(LIBRARY_BINARY_IS_PRESERVED, 0), (7, 9)]) == [(7, 9), (LIBRARY_BINARY_IS_PRESERVED, 1)]

@@ -83,6 +83,25 @@ def test_expired_token(native_libs: build.Libraries, emulated: Server, tmp_path:
     assert done.returncode == 4 and "expired" in done.stderr
 
 
+
+@pytest.mark.parametrize("edit", [("memory_limit_bytes = 1073741824", "memory_limit_bytes = 8589934592"),
+                                  ("compute_percent = 50", "compute_percent = 100")])
+def test_an_adaptor_conf_whose_limits_are_not_its_tokens_is_refused_in_one_line(
+        native_libs: build.Libraries, emulated: Server, tmp_path: Path, edit: tuple[str, str]) -> None:
+    """The token is what the GPU server enforces (1 GiB, 50% here): a file edited to say more is
+    refused before the application starts, not run on limits other than those it states."""
+    conf = conf_for(emulated, tmp_path / "adaptor.conf", emulated.token(memory_limit=1 << 30, compute_percent=50))
+    text = conf.read_text()
+    assert edit[0] in text
+    conf.write_text(text.replace(*edit))
+    marker = tmp_path / "ran"
+    done = run_flexrun(["-f", str(conf), "--", "touch", str(marker)], native_libs)
+    assert done.returncode == 2 and not marker.exists(), done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"rgpu: adaptor.conf: cannot use {conf} (slice 0 says "), done.stderr
+    assert "but its token grants 1.0 GiB and 50%" in lines[0]
+
+
 def test_unreachable_server_is_one_line(native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
     import socket
     s = socket.socket()

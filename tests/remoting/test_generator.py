@@ -45,12 +45,15 @@ SPEC_HASHES = {
          "b2cee1b1d97ece7a4f67441537def314add95297c927ea9cf0818cffac4a504d"),  # cuda.spec and nvml.spec unchanged; nccl.spec's split, finalize, PreMulSum, all-to-all
     15: ("fd8cfacd9425a4f64a2e90df7f5d1627e378d8d20a6f38e275a482b59f3b9501",
          "58f254eb65d77fcb308738b07266e7dd8fe5f5498c571869e60f3815f2351a27"),  # same-host page-locked memory read in place (rgpuHostShare/Unshare, rgpuMemcpyHtoDShared(Wait), rgpuMemcpyDtoHShared); UCX copies in 4 MiB chunks tagged seq | i << 32
+    16: ("c0e017c5e70994bcffaa01d8ec4ae99326cbb9994e4f4b134ac250b911dfd07a",
+         "4c81efe01935923a83a4f4740dbc02e3762f85b5f0a94112c3074f14be0495e8"),  # the version only (nccl.spec: scalable init, shrink)
 }
 # nccl.spec (from protocol 13): its wire operations share the protocol version of the other two.
 NCCL_SPEC_HASHES = {
     13: "a09cf80cd3b3deb9908ff6c916ae17c4563ef8a09a0a1827b276aedea8baba71",   # communicators, groups, collectives, send/recv
     14: "aeba3eabe0f7d2acb562025ae2a0a9288d17893855bd45137f98c0a46a855aa8",   # rgpuNcclCommSplit, ncclCommFinalize, PreMulSum (rgpuNcclRedOpCreatePreMulSum, ncclRedOpDestroy), ncclAlltoAll; rgpuNcclCommReady answers rank and size
     15: "2cc3097b4cc9797511cdf1c134d6854db2f7fa606318f55e97a67c55f62faa80",   # the version only (protocol 15: shared page-locked memory, chunked UCX copies)
+    16: "14acf16377d808117c06501d9d48903c8055143c25b91d4a78d7e5acb22de508",   # rgpuNcclCommShrink, rgpuNcclCommJoinScalable (ncclCommShrink, ncclCommInitRankScalable); input arrays (name[len])
 }
 
 

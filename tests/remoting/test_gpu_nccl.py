@@ -24,7 +24,7 @@ from rgpu.remoting.native import build
 
 from .conftest import Server, client_env, local_gpu, start_server
 from .two_gpus_helpers import nvml_gpus
-from .nccl_helpers import _check, _expected_more
+from .nccl_helpers import _check, _check_outputs, _expected_more, _expected_scale, _scale_lines
 
 pytestmark = pytest.mark.gpu
 
@@ -102,21 +102,38 @@ def test_two_ranks_on_two_gpus_split_premulsum_alltoall_nonblocking_and_finalize
             assert np.array_equal(got, want), f"rank {rank}: {name} differs from numpy's"
 
 
+def test_two_ranks_on_two_gpus_init_scalable_and_shrink_with_real_nccl(
+        nccl_ranks: Path, native_libs: build.Libraries, two_gpu_server: Server, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """nccl_ranks.c's `scale` on the workers' real NCCL: ncclCommInitRankScalable with two ids (one made
+    by each rank's worker), then rank 1 alone shrinks rank 0 away (NCCL's ncclCommShrink); numpy's results."""
+    _use_real_nccl(monkeypatch)
+    for rank, (code, out, err) in enumerate(_run_two_ranks("scale", nccl_ranks, native_libs, two_gpu_server, tmp_path)):
+        assert code == 0 and out.splitlines() == _scale_lines(rank, 2), f"rank {rank}: {out}{err}"
+        _check_outputs(tmp_path / f"out.{rank}", _expected_scale(rank, 2), f"rank {rank}")
+
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("shape", ["per-task", "local-rank"])
-def test_pytorch_ddp_with_the_nccl_backend_through_rgpu_has_a_local_runs_losses(shape: str, tmp_path: Path,
+@pytest.mark.parametrize(("shape", "ranks_per_root"), [("per-task", ""), ("local-rank", ""), ("per-task", "1")],
+                         ids=["per-task", "local-rank", "per-task-scalable-init"])
+def test_pytorch_ddp_with_the_nccl_backend_through_rgpu_has_a_local_runs_losses(shape: str, ranks_per_root: str,
+                                                                             tmp_path: Path,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """benchmarks/ddp_train.py's DDP (2 ranks, NCCL backend, an MLP of three 4096-wide layers) locally and
     through rgpu (one whole-GPU slice per rank, each on its own GPU and session server), in the shape
-    named: each rank sees only its slice (per-task), or both and picks LOCAL_RANK. Losses within 1e-5."""
+    named: each rank sees only its slice (per-task), or both and picks LOCAL_RANK. Losses within 1e-5.
+    TORCH_NCCL_RANKS_PER_ROOT=1 makes PyTorch form its communicators with ncclCommInitRankScalable (one
+    root, and id, per rank) as it does above 128 ranks."""
     if importlib.util.find_spec("torch") is None:
         pytest.skip("needs torch")
     if len(nvml_gpus()) < 2:
         pytest.skip("needs two GPUs")
     _use_real_nccl(monkeypatch)
     env = dict(os.environ)
+    if ranks_per_root:
+        env["TORCH_NCCL_RANKS_PER_ROOT"] = ranks_per_root
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ddp_train.py"), "--steps", "5", "--mib", "16",
                            "--shapes", shape, "--json", "--timeout", "400"], env=env, capture_output=True, text=True,
                           timeout=900, cwd=tmp_path, check=False)

@@ -47,14 +47,14 @@ def sha256_c(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     out = tmp_path_factory.mktemp("sha") / f"libsha-{request.param}.so"
     subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(SRC / "sha256.c")], check=True)
     lib = ctypes.CDLL(str(out))
-    os.environ["RGPU_SHA256_PORTABLE"] = "1" if request.param == "portable" else ""
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RGPU_SHA256_PORTABLE", "1" if request.param == "portable" else "")
         lib.rgpu_sha256(b"", ctypes.c_size_t(0), ctypes.create_string_buffer(32))   # picks the rounds now
-    finally:
-        del os.environ["RGPU_SHA256_PORTABLE"]
     return lib
 
 
+# sha256_c compiles C: the tests that use it are of the integration tier, not the unit tier.
+@pytest.mark.integration
 @pytest.mark.parametrize("size", [0, 1, 3, 55, 56, 57, 63, 64, 65, 119, 120, 128, 1000, HASH_MIN + 7, 1 << 20])
 def test_the_clients_sha256_is_hashlibs(sha256_c: ctypes.CDLL, size: int) -> None:
     data = hashlib.shake_256(str(size).encode()).digest(size) if size else b""
@@ -63,6 +63,7 @@ def test_the_clients_sha256_is_hashlibs(sha256_c: ctypes.CDLL, size: int) -> Non
     assert out.raw == hashlib.sha256(data).digest()
 
 
+@pytest.mark.integration
 def test_the_standard_vectors(sha256_c: ctypes.CDLL) -> None:
     for text, hexdigest in [(b"abc", "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"),
                             (b"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq",

@@ -21,7 +21,7 @@ from rgpu.remoting.native import apispec, build
 
 from .conftest import EMULATED_GPU, EMULATED_GPU_2, PY, Server, client_env, serving
 from .flexrun_helpers import conf_for, run_flexrun
-from .nccl_helpers import COUNT, _check, _expected_more
+from .nccl_helpers import COUNT, _check, _check_outputs, _expected_more, _expected_scale, _scale_lines
 
 
 def _servers(stack: ExitStack, n: int) -> list[Server]:
@@ -184,7 +184,7 @@ def test_two_ranks_run_through_flexrun(nccl_ranks: Path, native_libs: build.Libr
         _check(tmp_path / f"out.{r}", r, 2)
 
 
-REMOTED = ["ncclCommSplit", "ncclCommFinalize", "ncclRedOpCreatePreMulSum", "ncclRedOpDestroy", "ncclAlltoAll",
+REMOTED = ["ncclCommSplit", "ncclCommShrink", "ncclCommInitRankScalable", "ncclCommFinalize", "ncclRedOpCreatePreMulSum", "ncclRedOpDestroy", "ncclAlltoAll",
            "ncclGetVersion", "ncclGetUniqueId", "ncclCommInitRank", "ncclCommInitAll", "ncclCommInitRankConfig",
            "ncclCommDestroy", "ncclCommAbort", "ncclCommGetAsyncError", "ncclCommCount", "ncclCommCuDevice",
            "ncclCommUserRank", "ncclGroupStart", "ncclGroupEnd", "ncclAllReduce", "ncclBroadcast", "ncclBcast",
@@ -215,7 +215,7 @@ def test_libnccl_exports_only_nccl_names_and_the_rest_of_the_api_says_not_yet(na
     assert done.stdout.split() == ["5", "5"], done.stdout + done.stderr   # ncclInvalidUsage
     assert done.stderr.splitlines() == [
         "rgpu: nccl: ncclCommRegister is not supported by rgpu's NCCL yet (rgpu remotes communicators from "
-        "ncclGetUniqueId and their splits, groups, all-reduce, broadcast, reduce, all-gather, reduce-scatter, "
+        "ncclGetUniqueId, their splits and shrinks, groups, all-reduce, broadcast, reduce, all-gather, reduce-scatter, "
         "all-to-all, send and receive, PreMulSum operators)"]
 
 
@@ -260,6 +260,52 @@ def test_the_real_gpu_workers_split_premulsum_alltoall_and_finalize_run_chained_
             got = np.frombuffer(data, dtype=want.dtype, count=want.size, offset=at)
             at += want.nbytes
             assert np.array_equal(got, want), f"rank {rank}: {name} differs from numpy's"
+
+
+def _check_scale(procs: list[subprocess.Popen[str]], tmp_path: Path, nranks: int) -> None:
+    outputs = [p.communicate(timeout=120) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0 and out.splitlines() == _scale_lines(rank, nranks), f"rank {rank}: {out}{err}"
+        _check_outputs(tmp_path / f"out.{rank}", _expected_scale(rank, nranks), f"rank {rank} of {nranks}")
+
+
+@pytest.mark.parametrize(("nranks", "dispatchers"), [(2, 1), (4, 1), (4, 2)])
+def test_a_scalable_init_and_shrinks_that_leave_ranks_out_equal_numpys(
+        nccl_ranks: Path, native_libs: build.Libraries, tmp_path: Path, nranks: int, dispatchers: int) -> None:
+    """ncclCommInitRankScalable with two ids made by two ranks, then ncclCommShrink called only by the ranks
+    that stay (rank 0 is left out; with 4 ranks the shrunk communicator is shrunk again, non-blocking):
+    the new ranks follow the parent's order and the collectives on each equal numpy's."""
+    with ExitStack() as stack:
+        procs = _rank_processes(native_libs, nccl_ranks, _servers(stack, dispatchers), nranks, tmp_path,
+                                ["scale", "{rank}", str(nranks), str(tmp_path / "id"), str(COUNT),
+                                 str(tmp_path / "out.{rank}")])
+        _check_scale(procs, tmp_path, nranks)
+
+
+def test_a_shrink_that_names_the_calling_rank_or_a_rank_outside_is_refused_in_one_line(
+        nccl_ranks: Path, native_libs: build.Libraries, tmp_path: Path) -> None:
+    """The client refuses a rank that excludes itself; the worker a list with a rank outside the parent."""
+    with ExitStack() as stack:
+        procs = _rank_processes(native_libs, nccl_ranks, _servers(stack, 1), 2, tmp_path,
+                                ["badshrink", "{rank}", "2", str(tmp_path / "id")])
+        outputs = [p.communicate(timeout=120) for p in procs]
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank}: {out}{err}"
+        assert out.splitlines() == ["self 4 outside 4"], f"rank {rank}: {out}{err}"
+        assert "this rank is in excludeRanksList (excluded ranks do not call it)" in err, err
+        assert "excludeRanksList [5] names a rank outside 0..1" in err, err
+
+
+def test_the_real_gpu_workers_scalable_init_and_shrink_run_chained_to_emulated_workers(
+        nccl_ranks: Path, native_libs: build.Libraries, chained: Server, tmp_path: Path,  # noqa: F811
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """backends/nccl_cuda.py's ncclCommInitRankScalable (every id) and ncclCommShrink threads, through
+    "cuda" workers whose NCCL is rgpu's own libnccl.so.2 (as above)."""
+    monkeypatch.setenv("RGPU_NCCL_LIBRARY", str(native_libs.libnccl))
+    monkeypatch.setenv("RGPU_LOG", "warn")
+    procs = _rank_processes(native_libs, nccl_ranks, [chained], 2, tmp_path,
+                            ["scale", "{rank}", "2", str(tmp_path / "id"), str(COUNT), str(tmp_path / "out.{rank}")])
+    _check_scale(procs, tmp_path, 2)
 
 
 def _two_slice_conf(server: Server, path: Path) -> Path:

@@ -81,3 +81,28 @@ def test_premulsum_scales_each_ranks_elements_before_summing_them() -> None:
     ints = [np.array([2**31 - 1], np.int32).tobytes(), np.array([1], np.int32).tobytes()]
     wrapped = np.frombuffer(nccl_ops.reduce(ints, 2, nccl_ops.SUM, scale=nccl_ops.scalar(np.int32(2).tobytes(), 2)), np.int32)
     assert wrapped.tolist() == [0]   # (2^31 - 1) * 2 wraps to -2, plus 2: as the GPU's int32 arithmetic
+
+
+def test_a_rank_that_closes_right_after_sending_still_delivers_what_it_sent() -> None:
+    """ncclCommDestroy right after a collective: the rank's part, queued for its sender thread, must
+    still reach the peer (found as 'rank 1's worker went away' in a shrink test with 4 ranks)."""
+    m0, m1 = _pair()
+    try:
+        big = bytes(range(256)) * (1 << 14)     # 4 MiB: more than a socket buffer takes at once
+        with ThreadPoolExecutor(1) as pool:
+            got = pool.submit(m0.recv, 1, len(big))     # the peer, receiving
+            m1.send(0, big)
+            m1.close(flush_s=10.0)
+            assert got.result(timeout=30) == big
+    finally:
+        m0.close()
+        m1.close()
+
+
+def test_a_shrink_keeps_the_other_ranks_in_order_and_refuses_a_bad_list() -> None:
+    assert nccl_ops.shrink_members(4, 2, [0]) == [1, 2, 3]
+    assert nccl_ops.shrink_members(4, 1, [3, 0]) == [1, 2]
+    for exclude, why in (([2], "rank 2 excludes itself"), ([4], "names a rank outside 0..3"),
+                         ([0, 0], "names a rank twice")):
+        with pytest.raises(ValueError, match=why):
+            nccl_ops.shrink_members(4, 2, exclude)

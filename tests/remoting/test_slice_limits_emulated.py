@@ -461,3 +461,30 @@ def test_an_emulated_allocation_the_host_cannot_hold_is_out_of_memory_in_one_lin
     assert refused.value.code == OUT_OF_MEMORY
     assert "keeps its device memory in this host's RAM" in refused.value.message
     assert len(device_bytes(4096)) == 4096
+
+
+def test_making_the_current_memory_pool_current_again_succeeds_and_any_other_pool_is_refused(
+        native_libs: build.Libraries, emulated: Server) -> None:
+    """CuPy's MemoryAsyncPool starts with cudaDeviceSetMemPool(device, cudaDeviceGetMemPool(device)):
+    18 of CuPy's TestMemoryAsyncPool cases failed with cudaErrorNotSupported through rgpu on an H200
+    (2026-11-28). rgpu creates no pool, so the current pool is the default one for good."""
+    done = py_client(native_libs, emulated.slices(emulated.token()), """
+        setup()
+        pool, default = ctypes.c_void_p(), ctypes.c_void_p()
+        check("cuDeviceGetMemPool", ctypes.byref(pool), 0)
+        check("cuDeviceGetDefaultMemPool", ctypes.byref(default), 0)
+        print("SAME", pool.value == default.value)
+        print("SET", lib.cuDeviceSetMemPool(0, pool), lib.cuDeviceSetMemPool(0, default))
+        print("OTHER", lib.cuDeviceSetMemPool(0, ctypes.c_void_p(pool.value + 64)))
+        print("NULL", lib.cuDeviceSetMemPool(0, None))
+        ptr = ctypes.c_uint64()
+        check("cuMemAllocAsync", ctypes.byref(ptr), ctypes.c_size_t(4096), None)
+        check("cuMemFreeAsync", ptr, None)
+        check("cuStreamSynchronize", None)
+        print("ALLOC OK")
+        """)
+    out, err = done.stdout, done.stderr
+    assert done.returncode == 0, out + err
+    assert "SAME True" in out and "SET 0 0" in out and "ALLOC OK" in out, out + err
+    assert "OTHER 801" in out and "NULL 1" in out, out + err
+    assert "cuDeviceSetMemPool: pool" in err and "not device 0's current pool" in err, err

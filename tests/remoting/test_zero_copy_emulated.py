@@ -284,3 +284,54 @@ def test_a_later_launch_handed_backed_page_locked_memory_takes_its_bytes_again(
     between = calls_between(tmp_path, "start", "end")
     assert sum(p.sync_calls + p.async_calls for name, p in between.items()
                if name.startswith(("cuMemcpyHtoD", "rgpuMemcpyHtoD"))) >= 1, (between, done.stderr)
+
+
+def test_graph_copy_nodes_and_3d_copies_with_page_locked_memory_copy_its_bytes(native_libs: build.Libraries,
+                                                                              emulated: Server) -> None:
+    """Page-locked memory the GPU was never handed lies in a range the worker reserved, with no device
+    memory behind it: a graph's copy node, a 3D copy or a unified copy naming it (as host or unified memory) copies
+    this process's bytes. Before, the node went to the worker as a device-to-device copy from the
+    reserved range, which the driver refuses: simpleCudaGraphs and cuda-python's simple_cuda_graphs
+    failed at cudaGraphAddMemcpyNode with cudaErrorInvalidValue on an H200 (2026-11-28)."""
+    done = py_client(native_libs, emulated.slices(emulated.token()), """
+        setup()
+        host = ctypes.c_void_p()
+        check("cuMemHostAlloc", ctypes.byref(host), ctypes.c_size_t(4096), 2)
+        r, b = alloc(16384)
+        ctypes.memmove(host.value, bytes(range(64)), 64)
+        graph = ctypes.c_void_p()
+        check("cuGraphCreate", ctypes.byref(graph), 0)
+        for n, memory_type in enumerate((1, 4)):        # CU_MEMORYTYPE_HOST, CU_MEMORYTYPE_UNIFIED
+            up = (ctypes.c_uint64 * 25)()               # CUDA_MEMCPY3D as 25 words
+            up[4] = memory_type; up[5] = host.value; up[6] = host.value
+            up[15] = 2; up[17] = b + 4096 * n; up[22] = 64; up[23] = 1; up[24] = 1
+            print("NODE", memory_type, lib.cuGraphAddMemcpyNode(ctypes.byref(ctypes.c_void_p()), graph, None, 0, up, None))
+        exe = ctypes.c_void_p()
+        check("cuGraphInstantiateWithFlags", ctypes.byref(exe), graph, ctypes.c_ulonglong(0))
+        check("cuGraphLaunch", exe, None)
+        check("cuCtxSynchronize")
+        for n in range(2):
+            out = (ctypes.c_uint8 * 64)()
+            check("cuMemcpyDtoH_v2", out, ctypes.c_uint64(b + 4096 * n), 64)
+            print("GRAPH", n, list(out)[:4])
+        # A 3D copy from it as unified memory (cudaMemcpyDefault), to the device and back into it.
+        ctypes.memmove(host.value + 128, bytes([7] * 64), 64)
+        m = (ctypes.c_uint64 * 25)()
+        m[0] = 128; m[4] = 4; m[6] = host.value; m[15] = 2; m[17] = b + 8192; m[22] = 64; m[23] = 1; m[24] = 1
+        print("3D", lib.cuMemcpy3D_v2(m))
+        out = (ctypes.c_uint8 * 64)()
+        check("cuMemcpyDtoH_v2", out, ctypes.c_uint64(b + 8192), 64)
+        print("UP", list(out)[:3])
+        # cudaMemcpy with cudaMemcpyDefault: a unified copy from it.
+        ctypes.memmove(host.value + 256, bytes([9] * 64), 64)
+        print("UNIFIED", lib.cuMemcpy(ctypes.c_uint64(b + 12288), ctypes.c_uint64(host.value + 256), ctypes.c_size_t(64)))
+        check("cuMemcpyDtoH_v2", out, ctypes.c_uint64(b + 12288), 64)
+        print("COPIED", list(out)[:3])
+        """, RGPU_ZERO_COPY="1", RGPU_LOG="debug")
+    out, err = done.stdout, done.stderr
+    assert done.returncode == 0, out + err
+    assert "NODE 1 0" in out and "NODE 4 0" in out, out + err
+    assert "GRAPH 0 [0, 1, 2, 3]" in out and "GRAPH 1 [0, 1, 2, 3]" in out, out + err
+    assert "3D 0" in out and "UP [7, 7, 7]" in out, out + err
+    assert "UNIFIED 0" in out and "COPIED [9, 9, 9]" in out, out + err
+    assert "is in use in this process" not in err, err   # the allocation was placed at the worker's address

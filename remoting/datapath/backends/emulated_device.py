@@ -15,7 +15,7 @@ import uuid as uuidlib
 from pathlib import Path
 from typing import Any
 
-from rgpu.remoting.datapath.worker.faults import EMULATED_MPS_FAULT
+from rgpu.remoting.datapath.backends.emulated_mps import EMULATED_MPS_FAULT
 from rgpu.remoting.datapath.backends.base import (
     INVALID_CONTEXT,
     INVALID_VALUE,

@@ -10,7 +10,7 @@ import os
 import re
 import struct
 
-from rgpu.remoting.datapath.worker.faults import EMULATED_MPS_LOG
+from rgpu.remoting.datapath.backends.emulated_mps import EMULATED_MPS_LOG
 from rgpu.remoting.datapath.backends.base import (
     INVALID_HANDLE,
     INVALID_IMAGE,

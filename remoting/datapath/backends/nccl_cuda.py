@@ -100,15 +100,28 @@ class CudaNccl:
         return (nccl_ops.SUCCESS, bytes(uid))   # all 128 bytes (the field's value would stop at the first NUL)
 
     def rgpuNcclCommJoin(self, comm_id: bytes, nranks: int, rank: int, dev: int) -> tuple[int, int]:
+        uid = _UniqueId.from_buffer_copy(comm_id)
+        return self._join(nranks, rank, lambda lib, out: lib.ncclCommInitRank(out, nranks, uid, rank))
+
+    def rgpuNcclCommJoinScalable(self, comm_ids: list[bytes], n_id: int, nranks: int, rank: int,
+                                 dev: int) -> tuple[int, int]:
+        """ncclCommInitRankScalable with every id (NCCL spreads the ranks' bootstrap over the ids' roots)."""
+        if n_id < 1 or len(comm_ids) != n_id:
+            raise CudaError(nccl_ops.INVALID_ARGUMENT, f"rgpu: worker: ncclCommInitRankScalable: {len(comm_ids)} "
+                                                       f"unique id(s) sent for nId {n_id}")
+        ids = (_UniqueId * n_id)(*(_UniqueId.from_buffer_copy(b) for b in comm_ids))
+        return self._join(nranks, rank, lambda lib, out: lib.ncclCommInitRankScalable(out, nranks, rank, n_id, ids, None))
+
+    def _join(self, nranks: int, rank: int, init: Any) -> tuple[int, int]:
+        """`init(lib, out)`, NCCL's blocking initialisation of one rank, in a thread with the session's context."""
         lib = self._nccl()
         comm = _Comm(nranks, rank)
-        uid = _UniqueId.from_buffer_copy(comm_id)
         ctx = getattr(self, "_current", 0) or self.primary.value   # type: ignore[attr-defined]
 
         def join() -> None:
             try:
                 self.lib.cuCtxSetCurrent(ctypes.c_void_p(ctx))   # type: ignore[attr-defined]
-                code = lib.ncclCommInitRank(ctypes.byref(comm.handle), nranks, uid, rank)
+                code = init(lib, ctypes.byref(comm.handle))
                 if code:
                     comm.code, comm.error = code, self._nccl_text(code)
             finally:
@@ -153,8 +166,26 @@ class CudaNccl:
         """ncclCommSplit (blocking: it waits for every rank of the parent) in a thread, as the join; the
         new communicator inherits the parent's configuration. NCCL_SPLIT_NOCOLOR gives no communicator
         (0 ranks at rgpuNcclCommReady)."""
+        return self._derive(key, "ncclCommSplit",
+                            lambda lib, parent, out: lib.ncclCommSplit(parent, color, split_key, out, None))
+
+    def rgpuNcclCommShrink(self, key: int, exclude: list[int], count: int, flags: int) -> tuple[int, int]:
+        """ncclCommShrink of the ranks that stay (the excluded ones do not call it), as a split; `flags`
+        as NCCL's (NCCL_SHRINK_ABORT: the parent's outstanding operations are aborted first)."""
+        parent = self._comm(key, "ncclCommShrink")
+        try:
+            if parent.joined.is_set() and parent.nranks > 0:   # else NCCL checks the list itself
+                nccl_ops.shrink_members(parent.nranks, parent.rank, exclude)
+        except ValueError as exc:
+            raise CudaError(nccl_ops.INVALID_ARGUMENT, f"rgpu: worker: ncclCommShrink: {exc}") from None
+        ranks = (ctypes.c_int * max(count, 1))(*exclude)
+        return self._derive(key, "ncclCommShrink",
+                            lambda lib, parent, out: lib.ncclCommShrink(parent, ranks, count, out, None, flags))
+
+    def _derive(self, key: int, call: str, make: Any) -> tuple[int, int]:
+        """A communicator made from another by `make(lib, parent handle, out)` (blocking in NCCL) in a thread."""
         lib = self._nccl()
-        parent = self._comm(key, "ncclCommSplit")
+        parent = self._comm(key, call)
         child = _Comm(nranks=-1, rank=-1)
         ctx = getattr(self, "_current", 0) or self.primary.value   # type: ignore[attr-defined]
         parent.busy.acquire()
@@ -167,7 +198,7 @@ class CudaNccl:
                         child.code, child.error = parent.code or nccl_ops.INVALID_USAGE, f"the parent failed ({parent.error})"
                         return
                     self.lib.cuCtxSetCurrent(ctypes.c_void_p(ctx))   # type: ignore[attr-defined]
-                    code = lib.ncclCommSplit(parent.handle, color, split_key, ctypes.byref(child.handle), None)
+                    code = make(lib, parent.handle, ctypes.byref(child.handle))
                 finally:
                     parent.busy.release()
                 if code:
@@ -185,7 +216,7 @@ class CudaNccl:
                 self._watch(child, ctx)
         new = id(child)
         self._nccl_comms[new] = child
-        threading.Thread(target=split, name="rgpu-nccl-split", daemon=True).start()
+        threading.Thread(target=split, name=f"rgpu-nccl-{call}", daemon=True).start()
         return (nccl_ops.SUCCESS, new)
 
     def ncclCommFinalize(self, key: int) -> tuple[int]:

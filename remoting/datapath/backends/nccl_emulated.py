@@ -21,6 +21,7 @@ from rgpu.remoting.datapath.backends.nccl_mesh import ID_BYTES, Mesh, MeshError,
 
 FAILED = 999   # CUDA_ERROR_UNKNOWN for the next synchronising call (not a sticky fault: the context lives on)
 NOCOLOR = -1   # NCCL_SPLIT_NOCOLOR
+FLUSH_S = 10.0   # ncclCommDestroy: how long this rank's last messages may take to reach its peers
 HOST_IMMEDIATE = 1   # ncclScalarHostImmediate (else ncclScalarDevice: the scalar's device address)
 _COLOR_KEY = struct.Struct("<ii")
 
@@ -75,6 +76,15 @@ class EmulatedNccl:
         threading.Thread(target=join, name="rgpu-nccl-join", daemon=True).start()
         return (nccl_ops.SUCCESS, handle)
 
+    def rgpuNcclCommJoinScalable(self, comm_ids: list[bytes], n_id: int, nranks: int, rank: int,
+                                 dev: int) -> tuple[int, int]:
+        """Every rank has the same ids; the first one's rendezvous forms the communicator (a mesh of a
+        handful of ranks needs no spreading; the others' rendezvous close after their timeout)."""
+        if n_id < 1 or len(comm_ids) != n_id:
+            raise CudaError(nccl_ops.INVALID_ARGUMENT, f"rgpu: worker: ncclCommInitRankScalable (emulated NCCL): "
+                                                       f"{len(comm_ids)} unique id(s) sent for nId {n_id}")
+        return self.rgpuNcclCommJoin(comm_ids[0], nranks, rank, dev)
+
     def _comm(self, handle: int, call: str, code: int = nccl_ops.INVALID_ARGUMENT) -> _Comm:
         """`code`: NCCL's for a call answered now, CUDA's for a pipelined one (it answers a later call)."""
         comm = self._comms().get(handle)
@@ -92,28 +102,52 @@ class EmulatedNccl:
 
     def rgpuNcclCommSplit(self, handle: int, color: int, key: int) -> tuple[int, int]:
         """Every rank of the parent sends its (color, key) to every other over the parent's mesh; the ranks
-        of one color, ordered by (key, parent rank), form a new mesh through a rendezvous that the color's
-        lowest parent rank opens and names to the others over the parent. In the background: a process
-        with several slices splits each before any waits (ncclGroupStart/End)."""
-        parent = self._comm(handle, "ncclCommSplit")
+        of one color, ordered by (key, parent rank), form a new mesh (`_derive`). In the background: a
+        process with several slices splits each before any waits (ncclGroupStart/End)."""
+        def members(mesh: Mesh) -> list[int] | None:
+            table = [_COLOR_KEY.unpack(b) for b in self._gather(mesh, _COLOR_KEY.pack(color, key))]
+            if color == NOCOLOR:
+                return None
+            return [r for _, r in sorted((k, r) for r, (c, k) in enumerate(table) if c == color)]
+        return self._derive(handle, "ncclCommSplit", "split", members)
+
+    def rgpuNcclCommShrink(self, handle: int, exclude: list[int], count: int, flags: int) -> tuple[int, int]:
+        """The parent's ranks but `exclude` (which do not call it) form a new mesh, ranks in the parent's
+        order (`_derive`), in the background as a split. The parent's mesh must be whole: one that failed
+        (a peer died) was closed, and its ranks cannot shrink it here (real NCCL can, with
+        NCCL_SHRINK_ABORT). Nothing is left to abort (`flags`): every operation ran as it came."""
+        parent = self._comm(handle, "ncclCommShrink")
+        if parent.joined.is_set() and parent.nranks > 0:   # else checked in the background
+            try:
+                nccl_ops.shrink_members(parent.nranks, parent.rank, exclude)
+            except ValueError as exc:
+                raise CudaError(nccl_ops.INVALID_ARGUMENT, f"rgpu: worker: ncclCommShrink: {exc}") from None
+        return self._derive(handle, "ncclCommShrink", "shrink",
+                            lambda mesh: nccl_ops.shrink_members(mesh.nranks, mesh.rank, exclude))
+
+    def _derive(self, handle: int, call: str, verb: str, members_of: Any) -> tuple[int, int]:
+        """A communicator of some of the parent's ranks: `members_of(parent mesh)` lists them (parent
+        ranks, in their new order; None: this rank is in none, 0 ranks at rgpuNcclCommReady); the first
+        opens a rendezvous and names it to the others over the parent's mesh. The parent is held (`busy`)
+        until that exchange is done, so the ranks' messages over it keep one order."""
+        parent = self._comm(handle, call)
         child = _Comm(nranks=-1, rank=-1)
         new = self._nccl_next
         self._nccl_next += 1
         self._comms()[new] = child
         parent.busy.acquire()
 
-        def split() -> None:
+        def derive() -> None:
             uid = b""
             try:
                 try:
                     if not parent.joined.wait(timeout_from_env()) or parent.mesh is None or parent.code:
-                        raise MeshError(f"the parent communicator did not form ({parent.error or 'timed out'})")
+                        raise MeshError(f"the parent communicator is not whole ({parent.error or 'it never formed'})")
                     mesh = parent.mesh
-                    table = [_COLOR_KEY.unpack(b) for b in self._gather(mesh, _COLOR_KEY.pack(color, key))]
-                    if color == NOCOLOR:
+                    members = members_of(mesh)
+                    if members is None:
                         child.nranks = 0
                         return
-                    members = [r for _, r in sorted((k, r) for r, (c, k) in enumerate(table) if c == color)]
                     child.rank, child.nranks = members.index(mesh.rank), len(members)
                     if mesh.rank == members[0]:
                         uid = Rendezvous(self.nccl_host, timeout_from_env()).id.pack()
@@ -123,14 +157,14 @@ class EmulatedNccl:
                         uid = mesh.recv(members[0], ID_BYTES)
                 finally:
                     parent.busy.release()
-                if uid:
-                    child.mesh = Mesh(uid, child.nranks, child.rank, self.nccl_host, timeout_from_env())
+                child.mesh = Mesh(uid, child.nranks, child.rank, self.nccl_host, timeout_from_env())
             except (MeshError, OSError, ValueError) as exc:
-                child.error = f"rank {parent.rank} of {parent.nranks} could not split: {exc}"
-                child.code = nccl_ops.REMOTE_ERROR if isinstance(exc, MeshError) else nccl_ops.SYSTEM_ERROR
+                child.error = f"rank {parent.rank} of {parent.nranks} could not {verb}: {exc}"
+                child.code = (nccl_ops.REMOTE_ERROR if isinstance(exc, MeshError) else
+                              nccl_ops.INVALID_ARGUMENT if isinstance(exc, ValueError) else nccl_ops.SYSTEM_ERROR)
             finally:
                 child.joined.set()
-        threading.Thread(target=split, name="rgpu-nccl-split", daemon=True).start()
+        threading.Thread(target=derive, name=f"rgpu-nccl-{verb}", daemon=True).start()
         return (nccl_ops.SUCCESS, new)
 
     def ncclCommFinalize(self, handle: int) -> tuple[int]:
@@ -171,7 +205,7 @@ class EmulatedNccl:
     def rgpuNcclCommDestroy(self, handle: int, abort: int) -> tuple[int]:
         comm = self._comms().pop(handle, None)
         if comm is not None and comm.mesh is not None:
-            comm.mesh.close()
+            comm.mesh.close(flush_s=0.0 if abort else FLUSH_S)
         return (nccl_ops.SUCCESS,)
 
     def rgpuNcclCommGetAsyncError(self, handle: int) -> tuple[int, int]:

@@ -157,6 +157,7 @@ class Mesh:
         self.rank, self.nranks, self.timeout_s = rank, nranks, timeout_s
         self.peers: dict[int, socket.socket] = {}
         self.outboxes: dict[int, queue.Queue[bytes | None]] = {}
+        self.senders: list[threading.Thread] = []
         self.failure = ""          # the first send that failed, said at the next operation
         self._closed = False
         uid = UniqueId.unpack(unique_id)
@@ -172,8 +173,10 @@ class Mesh:
         for peer, sock in self.peers.items():
             box: queue.Queue[bytes | None] = queue.Queue()
             self.outboxes[peer] = box
-            threading.Thread(target=self._sender, args=(peer, sock, box), name=f"rgpu-nccl-send-{peer}",
-                             daemon=True).start()
+            sender = threading.Thread(target=self._sender, args=(peer, sock, box), name=f"rgpu-nccl-send-{peer}",
+                                      daemon=True)
+            sender.start()
+            self.senders.append(sender)
 
     def _register(self, uid: UniqueId, host: str, port: int) -> list[list]:
         try:
@@ -245,12 +248,17 @@ class Mesh:
         except (EOFError, OSError) as exc:
             raise MeshError(_gone(peer, exc)) from exc
 
-    def close(self) -> None:
+    def close(self, flush_s: float = 0.0) -> None:
+        """`flush_s`: how long the messages still queued may take to leave (a rank that destroys its
+        communicator right after its last collective has sent its part to peers still receiving it)."""
         if self._closed:
             return
         self._closed = True
         for box in self.outboxes.values():
             box.put(None)
+        deadline = time.monotonic() + flush_s
+        for sender in self.senders:
+            sender.join(max(deadline - time.monotonic(), 0.0))
         for sock in self.peers.values():
             try:
                 sock.close()

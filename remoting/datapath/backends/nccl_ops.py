@@ -81,3 +81,17 @@ def reduce(parts: list[bytes], dtype: int, op: int, scale: int | float | None = 
         n = len(parts)
         acc = [int(a / n) for a in acc] if integer else [a / n for a in acc]
     return _pack(acc, fmt, size, integer)
+
+
+def shrink_members(nranks: int, rank: int, exclude: list[int]) -> list[int]:
+    """The parent ranks that stay in ncclCommShrink's new communicator, in the parent's order (their new
+    ranks are their places here); ValueError with the reason when `exclude` is not a list of other
+    ranks of the parent."""
+    gone = set(exclude)
+    if len(gone) != len(exclude):
+        raise ValueError(f"excludeRanksList names a rank twice ({sorted(exclude)})")
+    if any(not 0 <= r < nranks for r in gone):
+        raise ValueError(f"excludeRanksList {sorted(exclude)} names a rank outside 0..{nranks - 1}")
+    if rank in gone:
+        raise ValueError(f"rank {rank} excludes itself (an excluded rank does not call ncclCommShrink)")
+    return [r for r in range(nranks) if r not in gone]

@@ -32,9 +32,6 @@ VERDICT_WAIT_S = 2.0
 REPORTS = "reports"
 VERDICTS = "verdicts"
 RELEASED = "released"
-EMULATED_MPS_LOG = "emulated-mps-server.log"   # what the emulated MPS server "logs" (faulting client's pid)
-# The emulated backend's MPS fault domain: a marker file in the GPU's shared folder (backends/emulated_device.py).
-EMULATED_MPS_FAULT = "emulated-mps-fault"
 
 
 class SessionFaulted(Exception):

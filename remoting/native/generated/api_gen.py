@@ -14,10 +14,10 @@ import ctypes
 import struct
 from typing import Any, Callable
 
-PROTOCOL_VERSION = 15
-CUDA_SPEC_SHA256 = "fd8cfacd9425a4f64a2e90df7f5d1627e378d8d20a6f38e275a482b59f3b9501"
-NVML_SPEC_SHA256 = "58f254eb65d77fcb308738b07266e7dd8fe5f5498c571869e60f3815f2351a27"
-NCCL_SPEC_SHA256 = "2cc3097b4cc9797511cdf1c134d6854db2f7fa606318f55e97a67c55f62faa80"
+PROTOCOL_VERSION = 16
+CUDA_SPEC_SHA256 = "c0e017c5e70994bcffaa01d8ec4ae99326cbb9994e4f4b134ac250b911dfd07a"
+NVML_SPEC_SHA256 = "4c81efe01935923a83a4f4740dbc02e3762f85b5f0a94112c3074f14be0495e8"
+NCCL_SPEC_SHA256 = "14acf16377d808117c06501d9d48903c8055143c25b91d4a78d7e5acb22de508"
 
 _STRUCTS: dict[str, struct.Struct] = {}
 
@@ -33,6 +33,18 @@ def _take_str(buf: Any, off: int) -> tuple[str, int]:
     (n,) = _struct("<I").unpack_from(buf, off)
     off += 4
     return bytes(buf[off:off + n]).decode("utf-8", "replace"), off + n
+
+
+def _take_array(buf: Any, off: int, fmt: str) -> tuple[list[Any], int]:
+    """An input array: its element count (u32), then its elements (a count beyond the frame is refused
+    before anything is allocated for it)."""
+    (n,) = _struct("<I").unpack_from(buf, off)
+    off += 4
+    item = _struct("<" + fmt)
+    end = off + n * item.size
+    if end > len(buf):
+        raise struct.error(f"an array of {n} elements does not fit in the frame")
+    return [v for (v,) in item.iter_unpack(memoryview(buf)[off:end])], end
 
 
 def _lp(data: bytes) -> bytes:
@@ -328,24 +340,26 @@ OPS: dict[int, str] = {
     1537: "rgpuNcclCommJoin",
     1538: "rgpuNcclCommReady",
     1539: "rgpuNcclCommSplit",
-    1540: "ncclCommFinalize",
-    1541: "rgpuNcclRedOpCreatePreMulSum",
-    1542: "ncclRedOpDestroy",
-    1543: "rgpuNcclCommDestroy",
-    1544: "rgpuNcclCommGetAsyncError",
-    1545: "rgpuNcclGroupStart",
-    1546: "rgpuNcclGroupEnd",
-    1547: "ncclAllReduce",
-    1548: "ncclBroadcast",
-    1549: "ncclReduce",
-    1550: "ncclAllGather",
-    1551: "ncclReduceScatter",
-    1552: "ncclSend",
-    1553: "ncclRecv",
-    1554: "ncclAlltoAll",
+    1540: "rgpuNcclCommShrink",
+    1541: "rgpuNcclCommJoinScalable",
+    1542: "ncclCommFinalize",
+    1543: "rgpuNcclRedOpCreatePreMulSum",
+    1544: "ncclRedOpDestroy",
+    1545: "rgpuNcclCommDestroy",
+    1546: "rgpuNcclCommGetAsyncError",
+    1547: "rgpuNcclGroupStart",
+    1548: "rgpuNcclGroupEnd",
+    1549: "ncclAllReduce",
+    1550: "ncclBroadcast",
+    1551: "ncclReduce",
+    1552: "ncclAllGather",
+    1553: "ncclReduceScatter",
+    1554: "ncclSend",
+    1555: "ncclRecv",
+    1556: "ncclAlltoAll",
 }
 OPCODES: dict[str, int] = {name: op for op, name in OPS.items()}
-ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 96, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 114, 117, 124, 125, 128, 184, 185, 205, 206, 207, 208, 1545, 1546, 1547, 1548, 1549, 1550, 1551, 1552, 1553, 1554, })
+ASYNC_OPS: frozenset[int] = frozenset({ 71, 72, 84, 96, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109, 114, 117, 124, 125, 128, 184, 185, 205, 206, 207, 208, 1547, 1548, 1549, 1550, 1551, 1552, 1553, 1554, 1555, 1556, })
 MANUAL_OPS: frozenset[str] = frozenset({ "cuInit", "cuDeviceTotalMem_v2", "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4", "cuCtxDestroy_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemGetInfo_v2", "cuMemAllocPitch_v2", "cuMemAllocAsync", "cuMemAllocFromPoolAsync", "cuMemFreeAsync", "cuMemPoolSetAttribute", "cuMemPoolGetAttribute", "cuMemcpyHtoDAsync_v2", "cuMemcpyDtoHAsync_v2", "rgpuMemcpyHtoDUcx", "rgpuMemcpyDtoHUcx", "rgpuMemcpyHtoDLanes", "rgpuMemcpyDtoHLanes", "rgpuHostShare", "rgpuHostUnshare", "rgpuMemcpyHtoDShared", "rgpuMemcpyHtoDSharedWait", "rgpuMemcpyDtoHShared", "rgpuMemcpy2DDevice", "cuPointerGetAttribute", "cuPointerGetAttributes", "rgpuStreamCreate", "rgpuEventCreate", "cuModuleLoadDataEx", "cuModuleUnload", "cuModuleGetFunction", "cuLinkCreate_v2", "cuLinkAddData_v2", "cuLinkComplete", "cuLinkDestroy", "cuLibraryLoadData", "cuLibraryUnload", "cuLaunchKernel", "rgpuOccupancyMaxPotentialBlockSize", "cuOccupancyMaxActiveClusters", "rgpuParamInfo", "rgpuSessionInfo", "rgpuPrivateTableSize", "rgpuModuleNodes", "rgpuSetAttribute", "rgpuTensorMap", "rgpuStreamCaptureInfo", "cuGraphGetNodes", "cuGraphGetRootNodes", "rgpuGraphAddNode", "rgpuGraphAddEdges", "rgpuGraphHostRefresh", "rgpuGraphHostReadback", "rgpuCaptureHostCopy", "rgpuGraphKernelNodeSetParams", "cuGraphExecChildGraphNodeSetParams", "cuStreamBeginCaptureToGraph", "rgpuCaptureHostFunc", "rgpuGraphHostNode", "cuMemCreate", "cuMemRelease", "cuMemRetainAllocationHandle", "cuMemSetAccess", "cuArrayCreate_v2", "cuArray3DCreate_v2", "cuArrayDestroy", "cuMipmappedArrayCreate", "cuMipmappedArrayDestroy", "rgpuMemcpyArray", "rgpuMemcpyArrayToHost", "cuTexObjectCreate", })
 
 Handler = Callable[[Any, Any, int], tuple[int, bytes]]
@@ -1628,6 +1642,23 @@ def _h_rgpuNcclCommSplit(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
         return res[0], b""
     return 0, _struct('<Q').pack(res[1])
 
+def _h_rgpuNcclCommShrink(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    comm, = _struct('<Q').unpack_from(buf, off); off += 8
+    excludeRanks, off = _take_array(buf, off, 'i')
+    count, flags = _struct('<ii').unpack_from(buf, off); off += 8
+    res = api.rgpuNcclCommShrink(comm, excludeRanks, count, flags)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<Q').pack(res[1])
+
+def _h_rgpuNcclCommJoinScalable(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
+    commIds, off = _take_array(buf, off, '128s')
+    nId, nranks, rank, dev = _struct('<iiii').unpack_from(buf, off); off += 16
+    res = api.rgpuNcclCommJoinScalable(commIds, nId, nranks, rank, dev)
+    if res[0]:
+        return res[0], b""
+    return 0, _struct('<Q').pack(res[1])
+
 def _h_ncclCommFinalize(api: Any, buf: Any, off: int) -> tuple[int, bytes]:
     comm, = _struct('<Q').unpack_from(buf, off); off += 8
     res = api.ncclCommFinalize(comm)
@@ -1912,21 +1943,23 @@ GENERATED_HANDLERS: dict[int, tuple[str, Handler]] = {
     1537: ("rgpuNcclCommJoin", _h_rgpuNcclCommJoin),
     1538: ("rgpuNcclCommReady", _h_rgpuNcclCommReady),
     1539: ("rgpuNcclCommSplit", _h_rgpuNcclCommSplit),
-    1540: ("ncclCommFinalize", _h_ncclCommFinalize),
-    1541: ("rgpuNcclRedOpCreatePreMulSum", _h_rgpuNcclRedOpCreatePreMulSum),
-    1542: ("ncclRedOpDestroy", _h_ncclRedOpDestroy),
-    1543: ("rgpuNcclCommDestroy", _h_rgpuNcclCommDestroy),
-    1544: ("rgpuNcclCommGetAsyncError", _h_rgpuNcclCommGetAsyncError),
-    1545: ("rgpuNcclGroupStart", _h_rgpuNcclGroupStart),
-    1546: ("rgpuNcclGroupEnd", _h_rgpuNcclGroupEnd),
-    1547: ("ncclAllReduce", _h_ncclAllReduce),
-    1548: ("ncclBroadcast", _h_ncclBroadcast),
-    1549: ("ncclReduce", _h_ncclReduce),
-    1550: ("ncclAllGather", _h_ncclAllGather),
-    1551: ("ncclReduceScatter", _h_ncclReduceScatter),
-    1552: ("ncclSend", _h_ncclSend),
-    1553: ("ncclRecv", _h_ncclRecv),
-    1554: ("ncclAlltoAll", _h_ncclAlltoAll),
+    1540: ("rgpuNcclCommShrink", _h_rgpuNcclCommShrink),
+    1541: ("rgpuNcclCommJoinScalable", _h_rgpuNcclCommJoinScalable),
+    1542: ("ncclCommFinalize", _h_ncclCommFinalize),
+    1543: ("rgpuNcclRedOpCreatePreMulSum", _h_rgpuNcclRedOpCreatePreMulSum),
+    1544: ("ncclRedOpDestroy", _h_ncclRedOpDestroy),
+    1545: ("rgpuNcclCommDestroy", _h_rgpuNcclCommDestroy),
+    1546: ("rgpuNcclCommGetAsyncError", _h_rgpuNcclCommGetAsyncError),
+    1547: ("rgpuNcclGroupStart", _h_rgpuNcclGroupStart),
+    1548: ("rgpuNcclGroupEnd", _h_rgpuNcclGroupEnd),
+    1549: ("ncclAllReduce", _h_ncclAllReduce),
+    1550: ("ncclBroadcast", _h_ncclBroadcast),
+    1551: ("ncclReduce", _h_ncclReduce),
+    1552: ("ncclAllGather", _h_ncclAllGather),
+    1553: ("ncclReduceScatter", _h_ncclReduceScatter),
+    1554: ("ncclSend", _h_ncclSend),
+    1555: ("ncclRecv", _h_ncclRecv),
+    1556: ("ncclAlltoAll", _h_ncclAlltoAll),
 }
 
 # Generated entry points and their ctypes argument types, for NVIDIA's libcuda.so.1.

@@ -2221,7 +2221,6 @@ RGPU_EXPORT CUresult CUDAAPI cuDeviceGetNvSciSyncAttributes(void) { static int s
 RGPU_EXPORT CUresult CUDAAPI cuDeviceGetP2PAtomicCapabilities(void) { static int seen; return rgpu_unsupported("cuDeviceGetP2PAtomicCapabilities", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceGetProperties(void) { static int seen; return rgpu_unsupported("cuDeviceGetProperties", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceRegisterAsyncNotification(void) { static int seen; return rgpu_unsupported("cuDeviceRegisterAsyncNotification", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuDeviceSetMemPool(void) { static int seen; return rgpu_unsupported("cuDeviceSetMemPool", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceTotalMem(void) { static int seen; return rgpu_unsupported("cuDeviceTotalMem", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuDeviceUnregisterAsyncNotification(void) { static int seen; return rgpu_unsupported("cuDeviceUnregisterAsyncNotification", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuEventDestroy(void) { static int seen; return rgpu_unsupported("cuEventDestroy", &seen, NULL); }

@@ -71,6 +71,43 @@ ncclResult_t rgpuNcclCommSplit(unsigned long long *remote, ncclComm_t comm, int 
     return rgpu_nccl_reply(r);
 }
 
+ncclResult_t rgpuNcclCommShrink(unsigned long long *remote, ncclComm_t comm, const int *excludeRanks, int count, int flags) {
+    if (remote == NULL) return rgpu_nccl_invalid("rgpuNcclCommShrink", "remote is NULL");
+    if ((count) < 0 || ((count) > 0 && excludeRanks == NULL)) return rgpu_nccl_invalid("rgpuNcclCommShrink", "excludeRanks is NULL");
+    rgpu_call c;
+    CUresult r = rgpu_nccl_begin_comm(&c, RGPU_OP_rgpuNcclCommShrink, comm);
+    if (r != CUDA_SUCCESS) return rgpu_nccl_not_sent("rgpuNcclCommShrink", r);
+    rgpu_put_u64(&c, rgpu_nccl_remote(comm));
+    { uint32_t n_ = (uint32_t)(count); rgpu_put_u32(&c, n_); if (n_) rgpu_put(&c, excludeRanks, (size_t)n_ * sizeof *excludeRanks); }
+    { int32_t v_ = (int32_t)count; rgpu_put(&c, &v_, 4); }
+    { int32_t v_ = (int32_t)flags; rgpu_put(&c, &v_, 4); }
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { unsigned long long remote_v; memset(&remote_v, 0, sizeof remote_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); remote_v = (unsigned long long)v_; } if (remote) *remote = remote_v; }
+    }
+    rgpu_end(&c);
+    return rgpu_nccl_reply(r);
+}
+
+ncclResult_t rgpuNcclCommJoinScalable(unsigned long long *remote, const ncclUniqueId *commIds, int nId, int nranks, int rank, CUdevice dev) {
+    if (remote == NULL) return rgpu_nccl_invalid("rgpuNcclCommJoinScalable", "remote is NULL");
+    if ((nId) < 0 || ((nId) > 0 && commIds == NULL)) return rgpu_nccl_invalid("rgpuNcclCommJoinScalable", "commIds is NULL");
+    rgpu_call c;
+    CUresult r = rgpu_begin_session(&c, RGPU_OP_rgpuNcclCommJoinScalable, (int)dev);
+    if (r != CUDA_SUCCESS) return rgpu_nccl_not_sent("rgpuNcclCommJoinScalable", r);
+    { uint32_t n_ = (uint32_t)(nId); rgpu_put_u32(&c, n_); if (n_) rgpu_put(&c, commIds, (size_t)n_ * sizeof *commIds); }
+    { int32_t v_ = (int32_t)nId; rgpu_put(&c, &v_, 4); }
+    { int32_t v_ = (int32_t)nranks; rgpu_put(&c, &v_, 4); }
+    { int32_t v_ = (int32_t)rank; rgpu_put(&c, &v_, 4); }
+    rgpu_put_i32(&c, 0);  /* the worker's GPU is its device 0 */
+    r = rgpu_sync(&c);
+    if (r == CUDA_SUCCESS) {
+        { unsigned long long remote_v; memset(&remote_v, 0, sizeof remote_v); { uint64_t v_; rgpu_get(&c, &v_, sizeof v_); remote_v = (unsigned long long)v_; } if (remote) *remote = remote_v; }
+    }
+    rgpu_end(&c);
+    return rgpu_nccl_reply(r);
+}
+
 RGPU_EXPORT ncclResult_t ncclCommFinalize(ncclComm_t comm) {
     rgpu_call c;
     CUresult r = rgpu_nccl_begin_comm(&c, RGPU_OP_ncclCommFinalize, comm);
@@ -272,8 +309,6 @@ RGPU_EXPORT ncclResult_t ncclAlltoAll(const void *sendbuff, void *recvbuff, size
 /* Every other NCCL entry point of nccl.spec: present, logs its name once, ncclInvalidUsage. */
 RGPU_EXPORT ncclResult_t ncclMemAlloc(void) { static int seen; return rgpu_nccl_unsupported("ncclMemAlloc", &seen); }
 RGPU_EXPORT ncclResult_t ncclMemFree(void) { static int seen; return rgpu_nccl_unsupported("ncclMemFree", &seen); }
-RGPU_EXPORT ncclResult_t ncclCommShrink(void) { static int seen; return rgpu_nccl_unsupported("ncclCommShrink", &seen); }
-RGPU_EXPORT ncclResult_t ncclCommInitRankScalable(void) { static int seen; return rgpu_nccl_unsupported("ncclCommInitRankScalable", &seen); }
 RGPU_EXPORT ncclResult_t ncclCommRegister(void) { static int seen; return rgpu_nccl_unsupported("ncclCommRegister", &seen); }
 RGPU_EXPORT ncclResult_t ncclCommDeregister(void) { static int seen; return rgpu_nccl_unsupported("ncclCommDeregister", &seen); }
 RGPU_EXPORT ncclResult_t ncclCommWindowRegister(void) { static int seen; return rgpu_nccl_unsupported("ncclCommWindowRegister", &seen); }

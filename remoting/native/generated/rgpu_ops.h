@@ -2,8 +2,8 @@
 #ifndef RGPU_OPS_H
 #define RGPU_OPS_H
 
-#define RGPU_PROTOCOL_VERSION 15
-#define RGPU_CUDA_SPEC_SHA256 "fd8cfacd9425a4f64a2e90df7f5d1627e378d8d20a6f38e275a482b59f3b9501"
+#define RGPU_PROTOCOL_VERSION 16
+#define RGPU_CUDA_SPEC_SHA256 "c0e017c5e70994bcffaa01d8ec4ae99326cbb9994e4f4b134ac250b911dfd07a"
 
 enum rgpu_opcode {
     RGPU_OP_cuInit = 32,
@@ -276,21 +276,23 @@ enum rgpu_opcode {
     RGPU_OP_rgpuNcclCommJoin = 1537,
     RGPU_OP_rgpuNcclCommReady = 1538,
     RGPU_OP_rgpuNcclCommSplit = 1539,
-    RGPU_OP_ncclCommFinalize = 1540,
-    RGPU_OP_rgpuNcclRedOpCreatePreMulSum = 1541,
-    RGPU_OP_ncclRedOpDestroy = 1542,
-    RGPU_OP_rgpuNcclCommDestroy = 1543,
-    RGPU_OP_rgpuNcclCommGetAsyncError = 1544,
-    RGPU_OP_rgpuNcclGroupStart = 1545,
-    RGPU_OP_rgpuNcclGroupEnd = 1546,
-    RGPU_OP_ncclAllReduce = 1547,
-    RGPU_OP_ncclBroadcast = 1548,
-    RGPU_OP_ncclReduce = 1549,
-    RGPU_OP_ncclAllGather = 1550,
-    RGPU_OP_ncclReduceScatter = 1551,
-    RGPU_OP_ncclSend = 1552,
-    RGPU_OP_ncclRecv = 1553,
-    RGPU_OP_ncclAlltoAll = 1554,
+    RGPU_OP_rgpuNcclCommShrink = 1540,
+    RGPU_OP_rgpuNcclCommJoinScalable = 1541,
+    RGPU_OP_ncclCommFinalize = 1542,
+    RGPU_OP_rgpuNcclRedOpCreatePreMulSum = 1543,
+    RGPU_OP_ncclRedOpDestroy = 1544,
+    RGPU_OP_rgpuNcclCommDestroy = 1545,
+    RGPU_OP_rgpuNcclCommGetAsyncError = 1546,
+    RGPU_OP_rgpuNcclGroupStart = 1547,
+    RGPU_OP_rgpuNcclGroupEnd = 1548,
+    RGPU_OP_ncclAllReduce = 1549,
+    RGPU_OP_ncclBroadcast = 1550,
+    RGPU_OP_ncclReduce = 1551,
+    RGPU_OP_ncclAllGather = 1552,
+    RGPU_OP_ncclReduceScatter = 1553,
+    RGPU_OP_ncclSend = 1554,
+    RGPU_OP_ncclRecv = 1555,
+    RGPU_OP_ncclAlltoAll = 1556,
 };
 
 #endif

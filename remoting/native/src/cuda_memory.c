@@ -137,6 +137,20 @@ RGPU_EXPORT CUresult CUDAAPI cuMemPoolGetAttribute(CUmemoryPool pool, CUmemPool_
     return pool_attribute(RGPU_OP_cuMemPoolGetAttribute, pool, attr, value, 0);
 }
 
+/* rgpu creates no memory pool (cuMemPoolCreate is not remoted), so a device's current pool is its
+ * default pool for good: making it current again is what CuPy's MemoryAsyncPool does when it starts
+ * (cudaDeviceSetMemPool of cudaDeviceGetMemPool's pool), and changes nothing. */
+RGPU_EXPORT CUresult CUDAAPI cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool) {
+    if (!pool) return CUDA_ERROR_INVALID_VALUE;
+    CUmemoryPool current = NULL;
+    CUresult r = cuDeviceGetMemPool(&current, dev);
+    if (r != CUDA_SUCCESS) return r;
+    if (pool == current) return CUDA_SUCCESS;
+    rgpu_log(1, "rgpu: cuDeviceSetMemPool: pool %p is not device %d's current pool; rgpu serves only each "
+             "device's default pool (cuMemPoolCreate is not remoted yet)", (void *)pool, (int)dev);
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
 /* ------------------------------------------------------------------ page-locked host memory
  * The GPU is across the network, so no GPU can map this memory: it is memory of this process,
  * remembered so that pointer queries and cuMemFreeHost behave as CUDA's do, and placed where the
@@ -363,6 +377,10 @@ static int session_of(CUdeviceptr p) {
     return rgpu_dev_range_find(p, &s, NULL, NULL) ? s : -1;
 }
 
+/* For a unified address: as session_of, but -1 (this process's memory) for page-locked memory the
+ * GPU was never handed, whose range the worker reserved with no memory behind it (zero_copy.c). */
+static int unified_session_of(CUdeviceptr p) { return rgpu_zero_copy_unbacked(p) ? -1 : session_of(p); }
+
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount) {
     /* CUDA returns once the source may be reused; the bytes are on the wire by then. */
     CUresult r = rgpu_managed_routes(srcHost) ? unified(dstDevice, (CUdeviceptr)(uintptr_t)srcHost, ByteCount, NULL)
@@ -455,7 +473,7 @@ static CUresult unified(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream str
     if (r != CUDA_SUCCESS) return r;
     rgpu_managed_hand(dst);
     rgpu_managed_hand(src);
-    int ds = session_of(dst), ss = session_of(src);
+    int ds = unified_session_of(dst), ss = unified_session_of(src);
     if (ds >= 0 && ss >= 0) {
         if (ds != ss)
             return copy_between_slices(dst, rgpu_ctx_of_session(ds), src, rgpu_ctx_of_session(ss), n, stream);
@@ -505,9 +523,9 @@ static CUresult copy2d(const CUDA_MEMCPY2D *p, int unaligned, CUstream stream) {
     CUresult r = rgpu_check_init();
     if (r != CUDA_SUCCESS) return r;
     int src_host = p->srcMemoryType == CU_MEMORYTYPE_HOST ||
-                   (p->srcMemoryType == CU_MEMORYTYPE_UNIFIED && session_of(p->srcDevice) < 0);
+                   (p->srcMemoryType == CU_MEMORYTYPE_UNIFIED && unified_session_of(p->srcDevice) < 0);
     int dst_host = p->dstMemoryType == CU_MEMORYTYPE_HOST ||
-                   (p->dstMemoryType == CU_MEMORYTYPE_UNIFIED && session_of(p->dstDevice) < 0);
+                   (p->dstMemoryType == CU_MEMORYTYPE_UNIFIED && unified_session_of(p->dstDevice) < 0);
     if (p->srcMemoryType == CU_MEMORYTYPE_ARRAY || p->dstMemoryType == CU_MEMORYTYPE_ARRAY)
         return rgpu_copy_2d_nd(p, unaligned, stream);   /* cuda_array.c */
     const uint8_t *sh = p->srcMemoryType == CU_MEMORYTYPE_HOST ? p->srcHost : (const void *)(uintptr_t)p->srcDevice;

@@ -143,8 +143,8 @@ ncclResult_t rgpu_nccl_invalid(const char *call, const char *why) {
 
 ncclResult_t rgpu_nccl_unsupported(const char *call, int *seen) {
     if (!__atomic_exchange_n(seen, 1, __ATOMIC_RELAXED))
-        say("%s is not supported by rgpu's NCCL yet (rgpu remotes communicators from ncclGetUniqueId and their "
-            "splits, groups, all-reduce, broadcast, reduce, all-gather, reduce-scatter, all-to-all, send and receive, "
+        say("%s is not supported by rgpu's NCCL yet (rgpu remotes communicators from ncclGetUniqueId, their "
+            "splits and shrinks, groups, all-reduce, broadcast, reduce, all-gather, reduce-scatter, all-to-all, send and receive, "
             "PreMulSum operators)", call);
     else
         snprintf(tl_last_error, sizeof tl_last_error, "%s is not supported by rgpu's NCCL yet", call);
@@ -224,13 +224,16 @@ static ncclResult_t started(ncclComm_t comm) {
     return wait_ready(comm);
 }
 
-static ncclResult_t join(ncclComm_t *out, int session, int nranks, const ncclUniqueId *id, int rank, int blocking) {
+/* nId > 0: ncclCommInitRankScalable's ids (`id` points at the first of nId), else one id. */
+static ncclResult_t join_ids(ncclComm_t *out, int session, int nranks, const ncclUniqueId *id, int nId, int rank,
+                             int blocking) {
     if (!out) return rgpu_nccl_invalid("ncclCommInitRank", "comm is NULL");
     if (nranks < 1 || rank < 0 || rank >= nranks) return rgpu_nccl_invalid("ncclCommInitRank", "rank or nranks out of range");
     ncclComm_t comm = calloc(1, sizeof *comm);
     if (!comm) return ncclSystemError;
     unsigned long long remote = 0;
-    ncclResult_t r = rgpuNcclCommJoin(&remote, id, nranks, rank, session);
+    ncclResult_t r = nId > 0 ? rgpuNcclCommJoinScalable(&remote, id, nId, nranks, rank, session)
+                             : rgpuNcclCommJoin(&remote, id, nranks, rank, session);
     if (r != ncclSuccess) {
         free(comm);
         return r;
@@ -241,24 +244,36 @@ static ncclResult_t join(ncclComm_t *out, int session, int nranks, const ncclUni
     return started(comm);
 }
 
-static ncclResult_t init_rank(ncclComm_t *comm, int nranks, const ncclUniqueId *id, int rank, int blocking) {
+static ncclResult_t join(ncclComm_t *out, int session, int nranks, const ncclUniqueId *id, int rank, int blocking) {
+    return join_ids(out, session, nranks, id, 0, rank, blocking);
+}
+
+static ncclResult_t init_rank(ncclComm_t *comm, int nranks, const ncclUniqueId *id, int nId, int rank, int blocking) {
     const rgpu_nccl_bridge *b = bridge();
     if (!b) return ncclSystemError;
     int session;
     CUresult r = b->current_session(&session);
     if (r != CUDA_SUCCESS) return rgpu_nccl_not_sent("ncclCommInitRank", r);
-    return join(comm, session, nranks, id, rank, blocking);
+    return join_ids(comm, session, nranks, id, nId, rank, blocking);
 }
 
 RGPU_EXPORT ncclResult_t ncclCommInitRank(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank) {
-    return init_rank(comm, nranks, &commId, rank, config_blocking(NULL, -1));
+    return init_rank(comm, nranks, &commId, 0, rank, config_blocking(NULL, -1));
+}
+
+/* Every rank passes the same nId ids (each from ncclGetUniqueId); the worker's NCCL spreads the ranks'
+ * bootstrap over their roots (real NCCL), or forms the mesh through the first (emulated). */
+RGPU_EXPORT ncclResult_t ncclCommInitRankScalable(ncclComm_t *newcomm, int nranks, int myrank, int nId,
+                                                  ncclUniqueId *commIds, ncclConfig_t *config) {
+    if (nId < 1 || !commIds) return rgpu_nccl_invalid("ncclCommInitRankScalable", "nId must be at least 1 and commIds not NULL");
+    return init_rank(newcomm, nranks, commIds, nId, myrank, config_blocking(config, -1));
 }
 
 /* Of the config only `blocking` applies (the rest tunes NCCL's kernels and network; the worker's NCCL
  * uses its defaults). Non-blocking: the join starts and ncclInProgress answers at once, as NCCL's. */
 RGPU_EXPORT ncclResult_t ncclCommInitRankConfig(ncclComm_t *comm, int nranks, ncclUniqueId commId, int rank,
                                                 ncclConfig_t *config) {
-    return init_rank(comm, nranks, &commId, rank, config_blocking(config, -1));
+    return init_rank(comm, nranks, &commId, 0, rank, config_blocking(config, -1));
 }
 
 /* Collective over the parent's ranks: each worker exchanges (color, key) over the parent and forms
@@ -278,6 +293,31 @@ RGPU_EXPORT ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, nccl
                                .rank = -1, .nranks = -1, .out = newcomm,
                                /* no color: waited for (here or at the group's end), then NULL */
                                .blocking = color == NCCL_SPLIT_NOCOLOR || config_blocking(config, comm->blocking)};
+    *newcomm = child;
+    return started(child);
+}
+
+/* The ranks that stay call it (the excluded ones do not): the workers form the new communicator in the
+ * background, ranks in the parent's order; its rank and size come at rgpuNcclCommReady, as a split's. */
+RGPU_EXPORT ncclResult_t ncclCommShrink(ncclComm_t comm, int *excludeRanksList, int excludeRanksCount, ncclComm_t *newcomm,
+                                        ncclConfig_t *config, int shrinkFlags) {
+    if (!comm_ok(comm) || !newcomm) return rgpu_nccl_invalid("ncclCommShrink", "not a communicator, or newcomm is NULL");
+    if (excludeRanksCount < 0 || (excludeRanksCount > 0 && !excludeRanksList))
+        return rgpu_nccl_invalid("ncclCommShrink", "excludeRanksCount is negative, or excludeRanksList is NULL");
+    if (shrinkFlags & ~NCCL_SHRINK_ABORT) return rgpu_nccl_invalid("ncclCommShrink", "unknown shrinkFlags");
+    for (int i = 0; i < excludeRanksCount; i++)
+        if (excludeRanksList[i] == comm->rank)
+            return rgpu_nccl_invalid("ncclCommShrink", "this rank is in excludeRanksList (excluded ranks do not call it)");
+    ncclComm_t child = calloc(1, sizeof *child);
+    if (!child) return ncclSystemError;
+    unsigned long long remote = 0;
+    ncclResult_t r = rgpuNcclCommShrink(&remote, comm, excludeRanksList, excludeRanksCount, shrinkFlags);
+    if (r != ncclSuccess) {
+        free(child);
+        return r;
+    }
+    *child = (struct ncclComm){.magic = RGPU_NCCL_COMM_MAGIC, .session = comm->session, .remote = remote,
+                               .rank = -1, .nranks = -1, .blocking = config_blocking(config, comm->blocking)};
     *newcomm = child;
     return started(child);
 }

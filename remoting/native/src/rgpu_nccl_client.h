@@ -31,6 +31,9 @@ ncclResult_t rgpuNcclGetUniqueId(ncclUniqueId *uniqueId, CUdevice dev);
 ncclResult_t rgpuNcclCommJoin(unsigned long long *remote, const ncclUniqueId *commId, int nranks, int rank, CUdevice dev);
 ncclResult_t rgpuNcclCommReady(ncclComm_t comm, int *rank, int *nranks);
 ncclResult_t rgpuNcclCommSplit(unsigned long long *remote, ncclComm_t comm, int color, int key);
+ncclResult_t rgpuNcclCommShrink(unsigned long long *remote, ncclComm_t comm, const int *excludeRanks, int count, int flags);
+ncclResult_t rgpuNcclCommJoinScalable(unsigned long long *remote, const ncclUniqueId *commIds, int nId, int nranks, int rank,
+                                      CUdevice dev);
 ncclResult_t rgpuNcclRedOpCreatePreMulSum(int *op, unsigned long long scalar, ncclDataType_t datatype, int residence,
                                           ncclComm_t comm);
 ncclResult_t rgpuNcclCommDestroy(ncclComm_t comm, int abort);

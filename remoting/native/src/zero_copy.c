@@ -232,6 +232,18 @@ int rgpu_zero_copy_flags(const void *p, unsigned int *flags) {
     return found;
 }
 
+/* 1 when ptr lies in an allocation placed at an address the worker reserved but not yet backed there:
+ * the range is in this process's table of device ranges (cuMemAddressReserve put it there), yet a
+ * copy naming it must copy this process's bytes; on the worker it is an address with no memory. */
+int rgpu_zero_copy_unbacked(uint64_t ptr) {
+    if (!__atomic_load_n(&g_count, __ATOMIC_ACQUIRE)) return 0;
+    pthread_mutex_lock(&g_lock);
+    zc_alloc *z = find_locked(ptr);
+    int unbacked = z && z->reserved && !z->promoted;
+    pthread_mutex_unlock(&g_lock);
+    return unbacked;
+}
+
 /* Backs the zero-copy allocation holding ptr with device memory at its own address, once.
  * *found: 0 when ptr is in no zero-copy allocation (nothing done). */
 CUresult rgpu_zero_copy_promote(uint64_t ptr, int *found, const char *why) {

@@ -1,0 +1,293 @@
+"""The real-GPU backend's copies: the pinned staging ring and device-to-host buffers, the UCX copies'
+pinned buffer, the client's shared page-locked memory, striped copies over data lanes."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from rgpu.remoting.datapath.backends.base import SUCCESS, CudaError
+from rgpu.remoting.datapath.backends.cuda_driver import (c_void_p, byref, STAGING_RING_BYTES, STAGING_CHUNK, DTOH_CHUNK,
+                                                         UCX_PINNED_MAX_BYTES, MEMHOSTALLOC_PORTABLE,
+                                                         MEMHOSTREGISTER_PORTABLE, CUDA_MEMCPY2D)
+from rgpu.remoting.datapath.backends.cuda_device import CudaDevice
+
+
+class CudaCopies(CudaDevice):
+    """Copies between the client's bytes and the GPU."""
+
+    # ------------------------------------------------------------------ staging buffers
+
+    def _make_staging(self) -> None:
+        def make() -> None:
+            p = c_void_p()
+            self._check("cuMemHostAlloc", byref(p), STAGING_RING_BYTES, MEMHOSTALLOC_PORTABLE)
+            self._ring_base = p.value or 0
+            for _ in range(2):
+                p = c_void_p()
+                self._check("cuMemHostAlloc", byref(p), DTOH_CHUNK, MEMHOSTALLOC_PORTABLE)
+                self._dtoh.append(p.value or 0)
+        self._with_primary(make)
+        self._ring.clear()
+
+    def _drop_staging(self) -> None:
+        self._wait_busy()
+        self._ucx_wait()
+        for address in ([self._ring_base] if self._ring_base else []) + self._dtoh + \
+                ([self._ucx_base] if self._ucx_base else []):
+            self._call("cuMemFreeHost", address)
+        self._ring_base, self._dtoh = 0, []
+        self._ucx_base = self._ucx_bytes = 0
+
+    # ------------------------------------------------------------------ UCX copies' pinned buffer
+
+    def _ucx_wait(self) -> None:
+        """Wait for the DMA queued from the UCX buffer (its bytes may then be overwritten)."""
+        if self._ucx_pending is not None:
+            _, event = self._ucx_pending
+            self._ucx_pending = None
+            self._call("cuEventSynchronize", event)
+
+    def ucx_buffer(self, n: int) -> int:
+        """Pinned memory for a UCX copy of n bytes to land in or leave from, free to write (the
+        previous copy's DMA from it has finished); 0 when n is beyond UCX_PINNED_MAX_BYTES."""
+        limit = int(os.environ.get("RGPU_UCX_PINNED_MAX_BYTES") or UCX_PINNED_MAX_BYTES)
+        if n > limit:
+            return 0
+        self._ucx_wait()
+        if self._ucx_bytes < n:
+            if self._ucx_base:
+                self._call("cuMemFreeHost", self._ucx_base)
+                self._ucx_base = self._ucx_bytes = 0
+            size = max(n, 16 << 20)
+
+            def make() -> None:
+                p = c_void_p()
+                self._check("cuMemHostAlloc", byref(p), size, MEMHOSTALLOC_PORTABLE)
+                self._ucx_base, self._ucx_bytes = p.value or 0, size
+            self._with_primary(make)
+        return self._ucx_base
+
+    def htod_ucx(self, dst: int, stream: int, n: int, offset: int = 0) -> None:
+        """Queue the DMA of n bytes at `offset` of the UCX buffer to dst (a UCX copy's chunk, the
+        moment it is in); the buffer stays busy until the last one queued has run (the next UCX copy
+        waits for it, not this one)."""
+        self._refuse_capture(stream, "cuMemcpyHtoDAsync")
+        event = self._ucx_events.get(self._current)
+        if event is None:   # one per context, as the ring's (it goes with its context)
+            event = self._ucx_events[self._current] = self._new_event()
+        r = self._call("cuMemcpyHtoDAsync_v2", dst, self._ucx_base + offset, n, stream or None)
+        if r == SUCCESS:
+            r = self._call("cuEventRecord", event, stream or None)
+        if r != SUCCESS:
+            # Nothing tracks this copy's DMA: wait for the stream before the buffer is reused.
+            self._call("cuStreamSynchronize", stream or None)
+            raise CudaError(r)
+        self._ucx_pending = (self._current, event)
+
+    def dtoh_ucx_chunks(self, src: int, stream: int, n: int, chunk: int) -> Iterator[tuple[int, int]]:
+        """Queue n bytes at src into the UCX buffer as DMAs of `chunk` bytes, each followed by an
+        event; yield (offset, length) of each chunk once it is there (the first may be sent while
+        the others are still copied down)."""
+        self._refuse_capture(stream, "cuMemcpyDtoHAsync")
+        events = self._ucx_chunk_events.setdefault(self._current, [])
+        spans = [(at, min(chunk, n - at)) for at in range(0, n, chunk)]
+        while len(events) < len(spans):
+            events.append(self._new_event())
+        queued = 0
+        try:
+            for (at, k), event in zip(spans, events):
+                self._check("cuMemcpyDtoHAsync_v2", self._ucx_base + at, src + at, k, stream or None)
+                self._check("cuEventRecord", event, stream or None)
+                queued += 1
+            for (at, k), event in zip(spans, events):
+                self._check("cuEventSynchronize", event)
+                yield at, k
+        finally:
+            if queued:   # the buffer is free again only once every DMA into it has run
+                self._call("cuEventSynchronize", events[queued - 1])
+
+    # ------------------------------------------------------------------ the client's shared page-locked memory
+    # Same host (protocol 15, worker/shared_pinned.py): the client's cuMemHostAlloc pages, mapped here
+    # from its memfd, page-locked once; a copy is then one DMA from or into the application's pages.
+
+    def host_register(self, address: int, size: int) -> None:
+        self._with_primary(lambda: self._check("cuMemHostRegister_v2", address, size, MEMHOSTREGISTER_PORTABLE))
+
+    def host_unregister(self, address: int) -> None:
+        """As cuMemFreeHost: the device's work finishes first (a DMA may still read the pages)."""
+        self._call("cuCtxSynchronize")   # the session's current context; the primary one below
+
+        def unregister() -> None:
+            self._call("cuCtxSynchronize")
+            self._check("cuMemHostUnregister", address)
+        self._with_primary(unregister)
+
+    def htod_host(self, dst: int, stream: int, address: int, n: int, wait: bool) -> None:
+        """One DMA from registered host memory; `wait`: return once it has read the pages."""
+        self._refuse_capture(stream, "cuMemcpyHtoDAsync")
+        self._check("cuMemcpyHtoDAsync_v2", dst, address, n, stream or None)
+        if wait:
+            self._check("cuStreamSynchronize", stream or None)
+
+    def dtoh_host(self, src: int, stream: int, address: int, n: int) -> None:
+        """One DMA into registered host memory, in stream order, waited for."""
+        self._refuse_capture(stream, "cuMemcpyDtoHAsync")
+        self._check("cuMemcpyDtoHAsync_v2", address, src, n, stream or None)
+        self._check("cuStreamSynchronize", stream or None)
+
+    def _context_events(self) -> tuple[list[Any], list[Any]]:
+        """The current context's events: free ones for ring copies (made as needed), and two for
+        device-to-host chunks (made on its first copy)."""
+        events = self._events.get(self._current)
+        if events is None:
+            events = ([], [self._new_event(), self._new_event()])
+            self._events[self._current] = events
+        return events
+
+    def _new_event(self) -> Any:
+        e = c_void_p()
+        self._check("cuEventCreate", byref(e), 2)  # CU_EVENT_DISABLE_TIMING
+        return e
+
+    def _retire_oldest(self) -> None:
+        """Wait until the GPU has read the oldest staged copy; its event goes back to its context."""
+        ctx, event = self._ring.oldest()
+        self._call("cuEventSynchronize", event)
+        self._ring.retire_oldest()
+        free = self._events.get(ctx)
+        if free is not None:
+            free[0].append(event)
+
+    def _wait_busy(self) -> None:
+        """Wait for every staged copy (the ring is first in, first out: all of them)."""
+        while len(self._ring):
+            self._retire_oldest()
+
+    def _forget_events(self, ctx: int) -> None:
+        """Before a context goes: its copies finish, its events go with it."""
+        if self._ucx_pending is not None and self._ucx_pending[0] == ctx:
+            self._ucx_wait()
+        self._ucx_events.pop(ctx, None)
+        self._ucx_chunk_events.pop(ctx, None)
+        if ctx in self._events:
+            if any(owner == ctx for owner, _ in self._ring.tags()):
+                self._wait_busy()
+            del self._events[ctx]
+
+    def _stage(self, n: int) -> tuple[int, Any]:
+        """(address, event) of n pinned bytes for one copy, waiting for the GPU only when the
+        ring is full; the caller records the event after queueing the copy."""
+        if not self._ring_base:
+            self._make_staging()
+        free = self._context_events()[0]
+        event = free.pop() if free else self._new_event()
+        while (offset := self._ring.take(n, (self._current, event))) is None:
+            self._retire_oldest()
+        return self._ring_base + offset, event
+
+    # ------------------------------------------------------------------ copies
+
+    def htod(self, dst: int, stream: int, data: memoryview, address: int) -> None:
+        """Copy through the pinned ring: the socket buffer is reused at once, the DMA is async."""
+        self._refuse_capture(stream, "cuMemcpyHtoDAsync")
+        n = len(data)
+        if n > STAGING_CHUNK:
+            for off in range(0, n, STAGING_CHUNK):
+                part = data[off:off + STAGING_CHUNK]
+                self.htod(dst + off, stream, part, address + off)
+            return
+        staging, event = self._stage(n)
+        ctypes.memmove(staging, address, n)
+        r = self._call("cuMemcpyHtoDAsync_v2", dst, staging, n, stream or None)
+        if r == SUCCESS:
+            r = self._call("cuEventRecord", event, stream or None)
+        if r != SUCCESS:
+            # Nothing tracks this copy's DMA: wait for the stream before its bytes are reused.
+            self._call("cuStreamSynchronize", stream or None)
+            raise CudaError(r)
+
+    def htod_lanes(self, dst: int, stream: int, size: int, chunk: int, seq: int, lanes: Any) -> None:
+        """A striped copy (worker/lanes.py): lanes.c receives each chunk into a pinned slot and queues
+        its copy to `dst` on `stream` as it lands; the slots stay busy until their events complete."""
+        try:
+            self._refuse_capture(stream, "cuMemcpyHtoDAsync")
+            gpu = self._lane_copy(lanes, chunk, dst, stream)
+        except CudaError:
+            lanes.receive(seq, size, chunk, 0)   # the client sends the bytes whatever the answer: drop them
+            raise
+        lanes.receive(seq, size, chunk, 0, gpu)
+        if gpu.error:
+            raise CudaError(gpu.error)
+
+    def dtoh_lanes(self, src: int, stream: int, size: int, chunk: int, lanes: Any) -> Any:
+        """The staging of a striped device-to-host copy, for lanes.send (lanes.c queues each chunk's copy
+        into a free slot and sends it once its event completes); a CudaError before anything is sent."""
+        self._refuse_capture(stream, "cuMemcpyDtoHAsync")
+        return self._lane_copy(lanes, chunk, src, stream)
+
+    def _lane_copy(self, lanes: Any, chunk: int, dst: int, stream: int) -> Any:
+        if self._lane_staging and (chunk > self._lane_chunk or lanes is not self._lanes):
+            self._drop_lane_staging()
+        if not self._lane_staging:
+            def make() -> int:
+                p = c_void_p()
+                self._check("cuMemHostAlloc", byref(p), self._lane_slots * chunk, MEMHOSTALLOC_PORTABLE)
+                return p.value or 0
+            self._lane_base = self._with_primary(make)
+            self._lanes, self._lane_chunk = lanes, chunk
+            self._lane_staging = lanes.staging_new(self._lane_base, self._lane_slots, chunk)
+        events = self._lane_events.get(self._current)
+        if events is None:
+            events = (c_void_p * self._lane_slots)(*[self._new_event().value for _ in range(self._lane_slots)])
+            self._lane_events[self._current] = events
+        return lanes.gpu_copy(memcpy_htod=self._entry("cuMemcpyHtoDAsync_v2"), event_record=self._entry("cuEventRecord"),
+                              event_sync=self._entry("cuEventSynchronize"), stream=stream, dst=dst,
+                              events=ctypes.addressof(events), staging=self._lane_staging,
+                              memcpy_dtoh=self._entry("cuMemcpyDtoHAsync_v2"))
+
+    def _drop_lane_staging(self) -> None:
+        if self._lane_staging:
+            self._lanes.staging_drain(self._lane_staging, self._entry("cuEventSynchronize"))
+            self._lanes.staging_free(self._lane_staging)
+            self._call("cuMemFreeHost", self._lane_base)
+        self._lane_staging, self._lane_base, self._lane_chunk = 0, 0, 0
+
+    def _forget_lane_events(self, ctx: int) -> None:
+        """Before a context goes: the slots' copies finish (their events may be its own)."""
+        if self._lane_events.pop(ctx, None) is not None and self._lane_staging:
+            self._lanes.staging_drain(self._lane_staging, self._entry("cuEventSynchronize"))
+
+    def dtoh_chunks(self, src: int, stream: int, size: int, chunk: int) -> Iterator[memoryview]:
+        """Device-to-host through two pinned buffers: copy chunk i+1 while chunk i is sent."""
+        self._refuse_capture(stream, "cuMemcpyDtoHAsync")
+        if not self._dtoh:
+            self._make_staging()
+        events = self._context_events()[1]
+        chunk = DTOH_CHUNK
+        offsets = list(range(0, size, chunk)) or [0]
+
+        def issue(i: int) -> None:
+            off = offsets[i]
+            n = min(chunk, size - off)
+            address, event = self._dtoh[i % 2], events[i % 2]
+            if n:
+                self._check("cuMemcpyDtoHAsync_v2", address, src + off, n, stream or None)
+            self._check("cuEventRecord", event, stream or None)
+
+        issue(0)
+        for i, off in enumerate(offsets):
+            if i + 1 < len(offsets):
+                issue(i + 1)
+            address, event = self._dtoh[i % 2], events[i % 2]
+            self._check("cuEventSynchronize", event)
+            n = min(chunk, size - off)
+            if n:
+                yield memoryview((ctypes.c_char * n).from_address(address)).cast("B")
+
+    def dtod_2d(self, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream: int) -> None:
+        p = CUDA_MEMCPY2D(srcMemoryType=2, srcDevice=src, srcPitch=spitch, dstMemoryType=2, dstDevice=dst,
+                          dstPitch=dpitch, WidthInBytes=width, Height=height)
+        self._check("cuMemcpy2DAsync_v2", byref(p), stream or None)
