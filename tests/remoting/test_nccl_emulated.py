@@ -216,7 +216,7 @@ def test_libnccl_exports_only_nccl_names_and_the_rest_of_the_api_says_not_yet(na
     assert done.stderr.splitlines() == [
         "rgpu: nccl: ncclCommRegister is not supported by rgpu's NCCL yet (rgpu remotes communicators from "
         "ncclGetUniqueId, their splits and shrinks, groups, all-reduce, broadcast, reduce, all-gather, reduce-scatter, "
-        "all-to-all, send and receive, PreMulSum operators)"]
+        "all-to-all, send and receive, PreMulSum operators, ncclMemAlloc and ncclMemFree)"]
 
 
 @pytest.mark.parametrize(("nranks", "dispatchers"), [(2, 1), (4, 2)])
@@ -363,3 +363,37 @@ def test_per_task_says_in_one_line_when_a_task_has_no_slice_of_its_own(native_li
     assert done.returncode == 2 and "--per-task needs SLURM_LOCALID" in done.stderr, done.stderr
     done = run_flexrun(["--per-task", "-n", "2", "--", "true"], native_libs)
     assert done.returncode == 2 and "--per-task takes the task's slice of the job's slices" in done.stderr, done.stderr
+
+
+def test_nccl_mem_alloc_gives_device_memory_of_the_slice_and_free_gives_it_back(native_libs: build.Libraries,
+                                                                              emulated: Server) -> None:
+    """ncclMemAlloc (issue 27's list; NCCL's registered-buffer allocator) gives device memory of the
+    calling thread's slice, counted against its limit, that copies and collectives can use; ncclMemFree
+    gives it back. A size the slice cannot hold fails with ncclUnhandledCudaError and one line."""
+    program = """
+import ctypes
+cuda, nccl = ctypes.CDLL("libcuda.so.1"), ctypes.CDLL("libnccl.so.2")
+assert cuda.cuInit(0) == 0
+free0, free1, total = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_size_t()
+ptr, none = ctypes.c_void_p(), ctypes.c_void_p(1)
+print("ALLOC", nccl.ncclMemAlloc(ctypes.byref(ptr), ctypes.c_size_t(8 << 20)), ptr.value is not None)
+cuda.cuMemGetInfo_v2(ctypes.byref(free1), ctypes.byref(total))
+print("SIZE0", nccl.ncclMemAlloc(ctypes.byref(none), ctypes.c_size_t(0)), none.value)
+print("MEMSET", cuda.cuMemsetD8_v2(ctypes.c_uint64(ptr.value), 7, ctypes.c_size_t(8 << 20)))
+back = (ctypes.c_uint8 * 16)()
+print("COPY", cuda.cuMemcpyDtoH_v2(back, ctypes.c_uint64(ptr.value + (4 << 20)), ctypes.c_size_t(16)), list(back)[:3])
+print("FREE", nccl.ncclMemFree(ptr), nccl.ncclMemFree(None))
+cuda.cuMemGetInfo_v2(ctypes.byref(free0), ctypes.byref(total))
+print("RETURNED", free0.value - free1.value >= 8 << 20)
+huge = ctypes.c_void_p()
+print("HUGE", nccl.ncclMemAlloc(ctypes.byref(huge), ctypes.c_size_t(1 << 40)), huge.value)
+print("NULL", nccl.ncclMemAlloc(None, ctypes.c_size_t(16)))
+"""
+    done = subprocess.run([PY, "-c", program], env=client_env(native_libs, emulated.slices(emulated.token())),
+                          capture_output=True, text=True, timeout=60)
+    out, err = done.stdout, done.stderr
+    assert done.returncode == 0, out + err
+    assert "ALLOC 0 True" in out and "SIZE0 0 None" in out, out + err
+    assert "MEMSET 0" in out and "COPY 0 [7, 7, 7]" in out and "FREE 0 0" in out and "RETURNED True" in out, out + err
+    assert "HUGE 1 None" in out and "NULL 4" in out, out + err     # ncclUnhandledCudaError, ncclInvalidArgument
+    assert "ncclMemAlloc: 1099511627776 bytes of device memory: CUDA error 2 (out of memory" in err, err

@@ -307,8 +307,6 @@ RGPU_EXPORT ncclResult_t ncclAlltoAll(const void *sendbuff, void *recvbuff, size
 }
 
 /* Every other NCCL entry point of nccl.spec: present, logs its name once, ncclInvalidUsage. */
-RGPU_EXPORT ncclResult_t ncclMemAlloc(void) { static int seen; return rgpu_nccl_unsupported("ncclMemAlloc", &seen); }
-RGPU_EXPORT ncclResult_t ncclMemFree(void) { static int seen; return rgpu_nccl_unsupported("ncclMemFree", &seen); }
 RGPU_EXPORT ncclResult_t ncclCommRegister(void) { static int seen; return rgpu_nccl_unsupported("ncclCommRegister", &seen); }
 RGPU_EXPORT ncclResult_t ncclCommDeregister(void) { static int seen; return rgpu_nccl_unsupported("ncclCommDeregister", &seen); }
 RGPU_EXPORT ncclResult_t ncclCommWindowRegister(void) { static int seen; return rgpu_nccl_unsupported("ncclCommWindowRegister", &seen); }

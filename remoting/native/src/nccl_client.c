@@ -145,13 +145,87 @@ ncclResult_t rgpu_nccl_unsupported(const char *call, int *seen) {
     if (!__atomic_exchange_n(seen, 1, __ATOMIC_RELAXED))
         say("%s is not supported by rgpu's NCCL yet (rgpu remotes communicators from ncclGetUniqueId, their "
             "splits and shrinks, groups, all-reduce, broadcast, reduce, all-gather, reduce-scatter, all-to-all, send and receive, "
-            "PreMulSum operators)", call);
+            "PreMulSum operators, ncclMemAlloc and ncclMemFree)", call);
     else
         snprintf(tl_last_error, sizeof tl_last_error, "%s is not supported by rgpu's NCCL yet", call);
     return ncclInvalidUsage;
 }
 
 /* ------------------------------------------------------------------ answered here */
+
+/* ncclMemAlloc / ncclMemFree: device memory of the calling thread's slice, from rgpu's libcuda in this
+ * process (counted against the slice as any allocation). NVIDIA's NCCL allocates with cuMem* so that
+ * a buffer can be registered for NVLS and zero-copy transports; rgpu does not remote registration
+ * (ncclCommRegister), and NCCL's collectives take any device memory, so plain device memory is what
+ * the buffer is. As NCCL (through cudaMalloc), size 0 gives NULL, and the current device's primary
+ * context is made current when the thread has none. */
+typedef CUresult (*ctx_get_fn)(CUcontext *);
+typedef CUresult (*ctx_set_fn)(CUcontext);
+typedef CUresult (*primary_fn)(CUcontext *, CUdevice);
+typedef CUresult (*alloc_fn)(CUdeviceptr *, size_t);
+typedef CUresult (*free_fn)(CUdeviceptr);
+
+static struct {
+    ctx_get_fn ctx_get;
+    ctx_set_fn ctx_set;
+    primary_fn primary;
+    alloc_fn alloc;
+    free_fn release;
+} g_cu;
+static pthread_once_t g_cu_once = PTHREAD_ONCE_INIT;
+
+static void find_memory_calls(void) {
+    void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
+    if (!cuda) return;
+    g_cu.ctx_get = (ctx_get_fn)dlsym(cuda, "cuCtxGetCurrent");
+    g_cu.ctx_set = (ctx_set_fn)dlsym(cuda, "cuCtxSetCurrent");
+    g_cu.primary = (primary_fn)dlsym(cuda, "cuDevicePrimaryCtxRetain");
+    g_cu.alloc = (alloc_fn)dlsym(cuda, "cuMemAlloc_v2");
+    g_cu.release = (free_fn)dlsym(cuda, "cuMemFree_v2");
+}
+
+static int memory_calls(const char *call) {
+    if (!bridge()) return 0;   /* rgpu's libcuda is not this process's: bridge() said why */
+    pthread_once(&g_cu_once, find_memory_calls);
+    if (g_cu.ctx_get && g_cu.ctx_set && g_cu.primary && g_cu.alloc && g_cu.release) return 1;
+    say("%s: libcuda.so.1 lacks the driver's memory calls (%s)", call, dlerror());
+    return 0;
+}
+
+RGPU_EXPORT ncclResult_t ncclMemAlloc(void **ptr, size_t size) {
+    if (!ptr) return rgpu_nccl_invalid("ncclMemAlloc", "ptr is NULL");
+    *ptr = NULL;
+    if (size == 0) return ncclSuccess;
+    if (!memory_calls("ncclMemAlloc")) return ncclSystemError;
+    CUcontext ctx = NULL;
+    CUresult r = g_cu.ctx_get(&ctx);
+    if (r == CUDA_SUCCESS && !ctx) {
+        int session = 0;
+        if (g_bridge->current_session(&session) != CUDA_SUCCESS || session < 0) session = 0;
+        r = g_cu.primary(&ctx, session);
+        if (r == CUDA_SUCCESS) r = g_cu.ctx_set(ctx);
+    }
+    CUdeviceptr dptr = 0;
+    if (r == CUDA_SUCCESS) r = g_cu.alloc(&dptr, size);
+    if (r != CUDA_SUCCESS) {
+        say("ncclMemAlloc: %zu bytes of device memory: CUDA error %d%s", size, (int)r,
+            r == CUDA_ERROR_OUT_OF_MEMORY ? " (out of memory: the slice's memory limit or the GPU's)" : "");
+        return ncclUnhandledCudaError;
+    }
+    *ptr = (void *)(uintptr_t)dptr;
+    return ncclSuccess;
+}
+
+RGPU_EXPORT ncclResult_t ncclMemFree(void *ptr) {
+    if (!ptr) return ncclSuccess;
+    if (!memory_calls("ncclMemFree")) return ncclSystemError;
+    CUresult r = g_cu.release((CUdeviceptr)(uintptr_t)ptr);
+    if (r != CUDA_SUCCESS) {
+        say("ncclMemFree: %p: CUDA error %d (not memory ncclMemAlloc gave, or freed already)", ptr, (int)r);
+        return ncclUnhandledCudaError;
+    }
+    return ncclSuccess;
+}
 
 RGPU_EXPORT ncclResult_t ncclGetVersion(int *version) {
     if (!version) return rgpu_nccl_invalid("ncclGetVersion", "version is NULL");
