@@ -88,7 +88,9 @@ def transitions(jobs: dict[int, JobTimes]) -> list[Transition]:
     ends = sorted((t.lease_released, job_id) for job_id, t in jobs.items() if t.lease_released is not None)
     out = []
     for job_id, times in sorted(jobs.items()):
-        if times.pool_released is None or times.started is None:
+        # 26.05 logs no line for a job its backfill pass starts: its PrologSlurmctld's start then.
+        started = times.started or times.scripts.get("PrologSlurmctld", {}).get("start")
+        if times.pool_released is None or started is None:
             continue
         before = [e for e in ends if e[0] <= times.pool_released]
         if not before:
@@ -100,10 +102,11 @@ def transitions(jobs: dict[int, JobTimes]) -> list[Transition]:
         points = {
             "EpilogSlurmctld start": scripts.get("EpilogSlurmctld", {}).get("start"),
             "lease released": ended.lease_released,
-            "job released": times.pool_released,
+            # slurmctld's `release hold` line; the pool logs its own after unmarking the jobs.
+            "job released": times.hold_released or times.pool_released,
             "EpilogSlurmctld end": scripts.get("EpilogSlurmctld", {}).get("end"),
             "Epilog end": scripts.get("Epilog", {}).get("end"),
-            "job started": times.started,
+            "job started": started,
         }
         out.append(Transition(before[-1][1], job_id,
                               {k: v - ended.done for k, v in points.items() if v is not None}))

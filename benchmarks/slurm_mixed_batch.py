@@ -8,7 +8,7 @@ mean time one job of this batch ran (Slurm's StartTime to EndTime, prologs and e
 included). Needs root and Slurm (like `pytest -m slurm`).
 
     python benchmarks/slurm_mixed_batch.py [--sleep 5] [--keep-room-for-head] [--slurm-version 22.05]
-        [--scheduler-parameters bf_interval=1,batch_sched_delay=1] [--trace]
+        [--scheduler-parameters bf_interval=1,batch_sched_delay=1] [--trace] [--epilog-admission-wait 0]
 
 `--trace` also prints, for each job a lease's end let go, when each step of the hand-over
 happened (the ended job's EpilogSlurmctld and Epilog, the pool's release of the lease and of the
@@ -79,6 +79,9 @@ def main() -> int:
                         help="time the prolog/epilog scripts and print where each hand-over's time goes")
     parser.add_argument("--scheduler-parameters", default=ClusterConfig.scheduler_parameters,
                         help="the cluster's SchedulerParameters (default: %(default)s)")
+    parser.add_argument("--epilog-admission-wait", type=float,
+                        help="the pool's slurm_epilog_admission_wait_seconds (default: the setting's; 0: the node "
+                             "Epilog does not wait for the pool's admission)")
     args = parser.parse_args()
     reason = missing_requirements()
     if reason:
@@ -110,9 +113,11 @@ def main() -> int:
         # integration (reconciler; starting jobs that wait for the pool), as it does by default.
         assert pool.pool is not None
         pool.pool.stop()
+        toml = pool.root / "rgpu.toml"
         if args.keep_room_for_head:
-            toml = pool.root / "rgpu.toml"
             toml.write_text(toml.read_text() + "slurm_keep_room_for_head = true\n")
+        if args.epilog_admission_wait is not None:     # read by the node Epilogs (RGPU_CONFIG)
+            toml.write_text(toml.read_text() + f"slurm_epilog_admission_wait_seconds = {args.epilog_admission_wait:g}\n")
         pool.start_pool(env=pool.env(**slurm.client_env))
         wait_until("4 GPUs registered again", lambda: pool_ready(pool, 400), 30)
         shapes = batch()
@@ -145,7 +150,9 @@ def main() -> int:
         mean = sum(ran) / len(ran)       # Slurm's times are whole seconds: a mean of 20 is finer than one
         rounds = ideal_rounds(shapes)
         states = collections.Counter(done.values())
-        print(f"Slurm {install.version or 'of the host'}, SchedulerParameters={args.scheduler_parameters}")
+        print(f"Slurm {install.version or 'of the host'}, SchedulerParameters={args.scheduler_parameters}"
+              + ("" if args.epilog_admission_wait is None else
+                 f", slurm_epilog_admission_wait_seconds={args.epilog_admission_wait:g}"))
         print(f"mixed batch{' (room kept for the head job)' if args.keep_room_for_head else ''}: {len(jobs)} jobs ({', '.join(f'{n}x{f}' for n, f in shapes)}), sleep {args.sleep:g} s each")
         print(f"total {elapsed:.1f} s; states {dict(states)}; requeues {restarts}")
         print(f"ideal {rounds * mean:.1f} s: {rounds} rounds x {mean:.2f} s, the mean job's StartTime to EndTime "

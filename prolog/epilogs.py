@@ -12,13 +12,23 @@ the leases it can name before it lists the others.
 from __future__ import annotations
 
 import shutil
+import time
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from rgpu.prolog.job import JobContext, ended_mark, job_dir
-from rgpu.slurm_plugin.jobkey import parse_job_key
+from rgpu.slurm_plugin.jobkey import job_prefix, parse_job_key
 
 from rgpu.paths import run_dir
+
+
+# How often a node Epilog of an rgpu job asks whether the pool's admission caught up with the job's
+# end (how long it waits at most: slurm_epilog_admission_wait_seconds).
+ADMISSION_ASK_EVERY_SECONDS = 0.05     # each ask is a call the pool serves beside the releases
+
+
+class AdmissionPool(Protocol):
+    def admission_pending(self, job_key_prefix: str, timeout: float | None = None) -> bool: ...
 
 
 class ReleasingPool(Protocol):
@@ -71,3 +81,28 @@ def node_epilog(env: Mapping[str, str]) -> bool:
         mark.unlink()
     mark.touch(mode=0o644)
     return True
+
+
+def await_admission(env: Mapping[str, str], pool_factory: Callable[[], AdmissionPool], *,
+                    budget: float, clock: Callable[[], float] = time.monotonic,
+                    sleep: Callable[[float], Any] = time.sleep) -> bool:
+    """Wait until the pool holds none of the job's leases and its admission has run after the last
+    lease end (AdmissionPending false), at most `budget` seconds; True when it has caught up.
+
+    Why: the completion of a node Epilog is what makes Slurm run its scheduler at once (a release
+    from hold only queues a pass for slurmctld's next whole second, at most once per
+    batch_sched_delay), and the ended job's license comes back once EpilogSlurmctld and the node
+    Epilogs are done. Ending after the pool let the next job go lets that job start at once
+    (slurm_plugin/admission_clock.py). A pool that does not answer (or an old one, which lacks the
+    call) ends the wait: RgpuError goes up."""
+    job = JobContext.from_env(env, "epilog")
+    prefix = job_prefix(job.cluster, job.job_id)
+    deadline = clock() + budget
+    pool = pool_factory()
+    while True:
+        left = deadline - clock()
+        if left <= 0:
+            return False
+        if not pool.admission_pending(prefix, timeout=max(0.05, left)):
+            return True
+        sleep(min(ADMISSION_ASK_EVERY_SECONDS, max(0.0, deadline - clock())))

@@ -220,11 +220,14 @@ def _release_job(env: Mapping[str, str]) -> int:
 
 
 def epilog_main(env: Mapping[str, str] | None = None) -> int:
-    """Always 0: a failing node Epilog would drain the node."""
+    """Always 0: a failing node Epilog would drain the node. Run by Slurm (no `env` given), an
+    rgpu job's Epilog ends the moment its work is done (exit_at_once): its completion is what lets
+    the job the pool released into its room start (await_admission)."""
     if env is None and version_asked("epilog"):
         return 0
     from rgpu.paths import run_dir
 
+    by_slurm = env is None
     env = os.environ if env is None else env
     job_id = env.get("SLURM_JOB_ID", "")
     if job_id.isdigit() and not os.path.lexists(run_dir(env) / job_id):
@@ -232,10 +235,39 @@ def epilog_main(env: Mapping[str, str] | None = None) -> int:
     from rgpu.prolog.epilogs import node_epilog
 
     try:
-        node_epilog(env)
+        removed = node_epilog(env)
     except Exception as exc:
         log_line("epilog", env, _describe(exc))
+        removed = False
+    if removed:
+        _await_admission(env)
+        if by_slurm:
+            exit_at_once(0)
     return 0
+
+
+def _await_admission(env: Mapping[str, str]) -> None:
+    """Wait (slurm_epilog_admission_wait_seconds at most) until the pool let go the jobs this
+    job's room lets start (prolog/epilogs.py, await_admission); never raises."""
+    from rgpu.prolog.epilogs import await_admission
+    from rgpu.remoting.pool.client import connect
+
+    from rgpu.config import load_settings
+
+    started = time.monotonic()
+    try:
+        settings = load_settings(env=env)
+        budget = settings.slurm_epilog_admission_wait_seconds
+        if budget <= 0:
+            return
+        if await_admission(env, lambda: connect(settings, timeout=budget), budget=budget):
+            log_line("epilog", env, f"the pool's admission caught up with the job's end in "
+                     f"{time.monotonic() - started:.2f} s")
+        else:
+            log_line("epilog", env, f"the pool's admission did not catch up with the job's end within {budget:g} s "
+                     "(slurm_epilog_admission_wait_seconds); the jobs it lets go start at Slurm's next scheduling pass")
+    except Exception as exc:
+        log_line("epilog", env, f"{_describe(exc)} -- not waiting for the pool's admission")
 
 
 ENTRY_POINTS = {

@@ -68,6 +68,9 @@ class Settings:
     slurm_reconcile_interval_seconds: float = 10.0
     slurm_reconcile_grace_seconds: float = 60.0  # a lease without a live job is released after this
     slurm_admission_poll_seconds: float = 2.0    # look for new held rgpu jobs this often (0: off)
+    # The node Epilog of an rgpu job waits at most this long for the pool to let go the jobs its
+    # room lets start, so that Slurm starts them at the Epilog's completion (0: no wait).
+    slurm_epilog_admission_wait_seconds: float = 1.5
     slurm_cluster: str = ""                      # Slurm ClusterName; "" asks `scontrol show config`
     slurm_backend: str = "auto"                  # auto | squeue | pyslurm
     slurm_license_sync: bool = True              # keep the rgpu license reservation in step with capacity
@@ -292,8 +295,8 @@ def load_settings(config_file: str | os.PathLike[str] | None = None,
         raise ConfigError("config", "account_cache_seconds must not be negative", "",
                           "set 0 (ask sacctmgr every time) or a positive number of seconds")
     if min(settings.slurm_reconcile_grace_seconds, settings.slurm_reconcile_interval_seconds,
-           settings.slurm_admission_poll_seconds) < 0:
-        raise ConfigError("config", "slurm_reconcile_* and slurm_admission_poll_seconds must not be negative", "",
+           settings.slurm_admission_poll_seconds, settings.slurm_epilog_admission_wait_seconds) < 0:
+        raise ConfigError("config", "slurm_reconcile_*, slurm_admission_poll_seconds and slurm_epilog_admission_wait_seconds must not be negative", "",
                           "set 0 or a positive number of seconds")
     if settings.grpc_tls not in ("auto", "required", "off"):
         raise ConfigError("config", f"grpc_tls {settings.grpc_tls[:40]!r} from {settings.origin('grpc_tls')} is unknown",

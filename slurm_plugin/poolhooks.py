@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rgpu.slurm_plugin.admission_clock import AdmissionClock, admission_pending
 from rgpu.slurm_plugin.heldwatch import HeldJobWatch, squeue_runner
 from rgpu.slurm_plugin.licenses import LicenseSync, SlurmLicenses
 from rgpu.slurm_plugin.reconcile import Reconciler
@@ -25,6 +26,14 @@ class SlurmIntegration:
     reconciler: Reconciler | None
     license_sync: LicenseSync | None
     held_watch: HeldJobWatch | None = None
+    core: Any = None
+    clock: AdmissionClock | None = None     # set where this daemon admits jobs
+
+    def admission_pending(self, job_key_prefix: str) -> bool:
+        """The pool's AdmissionPending call (admission_clock.py): False where this daemon admits no jobs."""
+        if self.clock is None or self.core is None:
+            return False
+        return admission_pending(self.clock, self.core.list_leases, job_key_prefix)
 
     def stop(self) -> None:
         for part in (self.held_watch, self.reconciler, self.license_sync):
@@ -44,13 +53,8 @@ def start_slurm_integration(core: Any, *, interval_seconds: float, grace_seconds
                                                  log, cluster=cluster or None,
                                                  cluster_lookup=None if cluster else _cluster_lookup(env), env=env)
     admission.keep_room_for_head = keep_room_for_head
+    clock = wake_on_lease_changes(core, reconciler, admission)
     reconciler.start()
-    if hasattr(core, "add_lease_listener"):
-        # This thread is the one place of this daemon that admits jobs, and its passes hold the
-        # pool's admission lock, so two admissions never share out the same room. A lease that
-        # ended frees room; one that started settles where a released job's slices went: either
-        # may let a held job start, so a pass runs at once.
-        core.add_lease_listener(lambda ended: reconciler.wake() if ended or admission.jobs_held else None)
     # New held jobs wake the reconciler at once, not at its next pass (heldwatch.py).
     watch = None
     if admission_poll_seconds > 0:
@@ -62,7 +66,29 @@ def start_slurm_integration(core: Any, *, interval_seconds: float, grace_seconds
     log.info("rgpu-poold: Slurm reconciler every %g s (grace %g s)%s%s", interval_seconds, grace_seconds,
              f", new held jobs looked for every {admission_poll_seconds:g} s" if watch else "",
              ", license sync on" if sync else "")
-    return SlurmIntegration(reconciler, sync, watch)
+    return SlurmIntegration(reconciler, sync, watch, core=core, clock=clock)
+
+
+def wake_on_lease_changes(core: Any, reconciler: Reconciler, admission: Admission) -> AdmissionClock:
+    """Wake the reconciler when a lease changes, and keep the clock that says when its admission
+    has caught up with the last lease end (AdmissionPending, admission_clock.py)."""
+    clock = AdmissionClock()
+    reconciler.pass_started = clock.pass_started
+    reconciler.pass_done = clock.pass_done
+    admission.released = clock.pass_done
+    if hasattr(core, "add_lease_listener"):
+        # This thread is the one place of this daemon that admits jobs, and its passes hold the
+        # pool's admission lock, so two admissions never share out the same room. A lease that
+        # ended frees room; one that started settles where a released job's slices went: either
+        # may let a held job start, so a pass runs at once.
+        def lease_changed(ended: bool) -> None:
+            if ended:
+                clock.lease_ended()        # before the wake: the pass it makes starts after this
+            if ended or admission.jobs_held:
+                reconciler.wake()
+
+        core.add_lease_listener(lease_changed)
+    return clock
 
 
 def admitting_reconciler(core: Any, backend: JobSource, interval_seconds: float, grace_seconds: float,
@@ -101,6 +127,7 @@ class Admission:
     # Backfill that never delays the oldest waiting job (waiting.plan_admission's `room`): off by
     # default, as it costs throughput when jobs run alike (the mixed batch: docs/benchmarks.md).
     keep_room_for_head: bool = False
+    released: Callable[[], Any] | None = None     # every job this pass lets go is let go (admission_clock.py)
 
     def run(self, jobs: list[Any]) -> None:
         from rgpu.slurm_plugin.waiting import start_waiting_jobs
@@ -115,7 +142,8 @@ class Admission:
                                          fits=getattr(self.core, "fits_in_every_order", None), scontrol=self.scontrol,
                                          reserve=reserve,
                                          room=getattr(self.core, "room_for_head", None)
-                                         if reserve and self.keep_room_for_head else None)
+                                         if reserve and self.keep_room_for_head else None,
+                                         released=self.released)
             self.jobs_held = len(started) < len(pending)
         else:
             self.jobs_held = False

@@ -95,6 +95,9 @@ class Reconciler:
     # Held for the whole pass, from reading the jobs to the last release (PoolCore.admitting):
     # the pool's other daemons admit only before or after it, never from the same look.
     exclusive: Callable[[], AbstractContextManager[Any]] | None = None
+    # Told when each pass starts and ends (admission_clock.py).
+    pass_started: Callable[[], Any] | None = None
+    pass_done: Callable[[], Any] | None = None
     _absent_since: dict[str, float] = field(default_factory=dict)
     _reported_missing: set[int] = field(default_factory=set)
     _stop: threading.Event = field(default_factory=threading.Event)
@@ -158,10 +161,14 @@ class Reconciler:
     def run_forever(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
+            if self.pass_started is not None:   # after the clear: a wake from now on makes one more pass
+                self.pass_started()
             try:
                 self.run_once()
             except Exception:
                 self.log.exception("rgpu reconciler: pass failed (will retry)")
+            if self.pass_done is not None:
+                self.pass_done()
             self._wake.wait(self.interval_seconds)
 
     def start(self) -> Reconciler:

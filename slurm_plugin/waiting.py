@@ -410,14 +410,16 @@ def start_waiting_jobs(jobs: Sequence[Any], gpu_statuses: Iterable[Any], log: lo
                        *, leases: Iterable[Any] = (), fits: Fits | None = None, room: Room | None = None,
                        env: Mapping[str, str] | None = None, timeout: float = 4.0,
                        scontrol: Callable[[list[str]], Any] | None = None,
-                       reserve: Callable[[Any, RequestRecord, Avoid], Any] | None = None) -> list[int]:
+                       reserve: Callable[[Any, RequestRecord, Avoid], Any] | None = None,
+                       released: Callable[[], Any] | None = None) -> list[int]:
     """Release (or StartTime=now) every waiting job the pool can place now; returns their ids.
     Read `leases` before `gpu_statuses`: a lease made between the two reads is then counted twice
     (a job waits one more pass), never not at all (a job started into room that is gone).
     `scontrol(argv)` runs each command (default: run_command with `env` and `timeout`).
     `reserve(job, record, avoid)` holds the job's placement in the pool, off the GPUs in `avoid`,
     before it is let go (PoolCore.reserve); a job whose reservation fails (RgpuError) is not let go
-    this pass. `room`: see plan_admission."""
+    this pass. `room`: see plan_admission. `released()` is called once every job is let go, before
+    the marks come off (admission_clock.py: a node Epilog waits for that)."""
     run = scontrol or (lambda argv: run_command(argv, env=env, timeout=timeout))
     by_id = {j.job_id: j for j in jobs}
     started = []
@@ -444,6 +446,8 @@ def start_waiting_jobs(jobs: Sequence[Any], gpu_statuses: Iterable[Any], log: lo
     if held:
         log.info("rgpu: slurm: the pool can no longer place released job(s) %s (their room went): held again "
                  "until it can", ", ".join(map(str, held)))
+    if released is not None:
+        released()
     for job_id in started:          # after every release, which is what the jobs wait for
         if job_id in marked:
             try:

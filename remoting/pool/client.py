@@ -229,6 +229,10 @@ class PoolClient:
     def release(self, job_key: str) -> bool:
         return self._call("Release", pb.ReleaseRequest(job_key=job_key)).released
 
+    def admission_pending(self, job_key_prefix: str, timeout: float | None = None) -> bool:
+        """AdmissionPending (rgpu.proto): whether the pool's admission has yet to catch up with the job's end."""
+        return self._call("AdmissionPending", pb.AdmissionPendingRequest(job_key_prefix=job_key_prefix), timeout).pending
+
     def get_lease(self, job_key: str) -> pb.Lease:
         return self._call("GetLease", pb.GetLeaseRequest(job_key=job_key))
 

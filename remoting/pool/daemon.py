@@ -235,6 +235,7 @@ def running_pool(settings: Settings, secret: bytes, max_workers: int = POOL_GRPC
                                          stop, settings))
     # Components that ride on the pool (the Slurm integration) plug in through entry points.
     running = [start(core, settings, log) for _name, start in plugins.load(plugins.POOL_PLUGINS)] if extras else []
+    servicer.admission_pending = next((p.admission_pending for p in running if hasattr(p, "admission_pending")), None)
     warning = grpc_tls.plaintext_warning(settings, "poold")
     if warning and extras:
         log.warning("%s", warning)

@@ -119,6 +119,8 @@ class PoolServicer(pb_grpc.PoolServicer):
         # Each dispatcher's GPU readings, slices' compute use and recent GPU faults, as its last
         # heartbeat reported them (health, stats, the metrics and the dashboard show them).
         self.board = board or TelemetryBoard()
+        # The Slurm integration's AdmissionPending answer (slurm_plugin/poolhooks.py); None: no admission here.
+        self.admission_pending: Callable[[str], bool] | None = None
 
     def check_user_rate(self, user: str) -> None:
         """A user's lease call within their bucket, else RESOURCE_EXHAUSTED with the time to retry."""
@@ -309,6 +311,11 @@ class PoolServicer(pb_grpc.PoolServicer):
     @_rpc
     def PoolName(self, request: pb.PoolNameRequest, context: Any) -> pb.PoolNameReply:
         return pb.PoolNameReply(name=self.pool_name)   # open (no credential): users' clients ask it first
+
+    @_rpc
+    def AdmissionPending(self, request: pb.AdmissionPendingRequest, context: Any) -> pb.AdmissionPendingReply:
+        pending = self.admission_pending    # answered at once: a node Epilog asks until it is False
+        return pb.AdmissionPendingReply(pending=bool(pending and pending(request.job_key_prefix[:256])))
 
     @_rpc
     def Capacity(self, request: pb.CapacityRequest, context: Any) -> pb.CapacityReply:

@@ -429,3 +429,15 @@ class PoolNameReply(_message.Message):
     NAME_FIELD_NUMBER: _ClassVar[int]
     name: str
     def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class AdmissionPendingRequest(_message.Message):
+    __slots__ = ("job_key_prefix",)
+    JOB_KEY_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    job_key_prefix: str
+    def __init__(self, job_key_prefix: _Optional[str] = ...) -> None: ...
+
+class AdmissionPendingReply(_message.Message):
+    __slots__ = ("pending",)
+    PENDING_FIELD_NUMBER: _ClassVar[int]
+    pending: bool
+    def __init__(self, pending: _Optional[bool] = ...) -> None: ...

@@ -114,6 +114,11 @@ class PoolStub:
                 request_serializer=rgpu_dot_proto_dot_rgpu__pb2.PoolNameRequest.SerializeToString,
                 response_deserializer=rgpu_dot_proto_dot_rgpu__pb2.PoolNameReply.FromString,
                 _registered_method=True)
+        self.AdmissionPending = channel.unary_unary(
+                '/rgpu.v1.Pool/AdmissionPending',
+                request_serializer=rgpu_dot_proto_dot_rgpu__pb2.AdmissionPendingRequest.SerializeToString,
+                response_deserializer=rgpu_dot_proto_dot_rgpu__pb2.AdmissionPendingReply.FromString,
+                _registered_method=True)
 
 
 class PoolServicer:
@@ -215,6 +220,12 @@ class PoolServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AdmissionPending(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PoolServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -297,6 +308,11 @@ def add_PoolServicer_to_server(servicer, server):
                     servicer.PoolName,
                     request_deserializer=rgpu_dot_proto_dot_rgpu__pb2.PoolNameRequest.FromString,
                     response_serializer=rgpu_dot_proto_dot_rgpu__pb2.PoolNameReply.SerializeToString,
+            ),
+            'AdmissionPending': grpc.unary_unary_rpc_method_handler(
+                    servicer.AdmissionPending,
+                    request_deserializer=rgpu_dot_proto_dot_rgpu__pb2.AdmissionPendingRequest.FromString,
+                    response_serializer=rgpu_dot_proto_dot_rgpu__pb2.AdmissionPendingReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -731,6 +747,33 @@ class Pool:
             '/rgpu.v1.Pool/PoolName',
             rgpu_dot_proto_dot_rgpu__pb2.PoolNameRequest.SerializeToString,
             rgpu_dot_proto_dot_rgpu__pb2.PoolNameReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AdmissionPending(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/rgpu.v1.Pool/AdmissionPending',
+            rgpu_dot_proto_dot_rgpu__pb2.AdmissionPendingRequest.SerializeToString,
+            rgpu_dot_proto_dot_rgpu__pb2.AdmissionPendingReply.FromString,
             options,
             channel_credentials,
             insecure,

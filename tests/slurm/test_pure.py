@@ -567,7 +567,8 @@ def test_jobs_one_pass_reserves_are_placed_in_turn_so_the_first_round_fills_the_
 
 def test_the_batch_trace_times_each_hand_over_from_the_ended_jobs_end() -> None:
     """benchmarks/slurm_batch_trace.py on lines shaped as 22.05's slurmctld, rgpu-poold and the
-    scripts' wrappers write them: job 1 ends, its lease goes, the pool lets job 2 go."""
+    scripts' wrappers write them: job 1 ends, its lease goes, the pool lets job 2 go (slurmctld's
+    `release hold` line is when; the pool's own line comes after it unmarked the jobs)."""
     import datetime
 
     from benchmarks.slurm_batch_trace import parse, report, transitions
@@ -590,7 +591,7 @@ def test_the_batch_trace_times_each_hand_over_from_the_ended_jobs_end() -> None:
     found = transitions(parse(slurmctld, pool, trace))
     assert [(t.ended, t.released) for t in found] == [(1, 2)]      # job 3 never started; job 1: first pass
     assert {k: round(v, 3) for k, v in found[0].stages.items()} == {
-        "EpilogSlurmctld start": 0.01, "lease released": 0.5, "job released": 0.55, "EpilogSlurmctld end": 0.6,
+        "EpilogSlurmctld start": 0.01, "lease released": 0.5, "job released": 0.551, "EpilogSlurmctld end": 0.6,
         "Epilog end": 0.3, "job started": 1.05}
     assert "    1 ->   2: 0.01, 0.50, 0.55, 0.60, 0.30, 1.05" in report(found)
 

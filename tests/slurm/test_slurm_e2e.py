@@ -130,6 +130,22 @@ def test_a_user_cannot_release_his_job_held_for_the_pool_and_the_pool_releases_i
     assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", f"{info}\n{diagnostics(h)}"
 
 
+def test_the_node_epilog_of_an_ended_rgpu_job_ends_once_the_pool_let_go_the_job_held_for_its_room(h: Harness) -> None:
+    """Slurm schedules at once when a node Epilog completes, while the pool's `scontrol release`
+    only queues a pass for slurmctld's next whole second: the node Epilog of an rgpu job asks the
+    pool (AdmissionPending) until its admission caught up with the job's end, so the job its room
+    lets go starts at the Epilog's completion (prolog/README.md, rgpu-epilog)."""
+    blockers, waiting = held_behind_a_full_pool(h)
+    h.slurm.command(["scancel", blockers[0]])
+    info = finished(h, waiting, 60)
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", f"{info}\n{diagnostics(h)}"
+    log = h.slurm.logs / "Epilog.log"
+    said = f"rgpu-epilog[job {blockers[0]}]: the pool's admission caught up with the job's end in "
+    wait_until("the ended job's node Epilog to have waited for the pool's admission",
+               lambda: log.exists() and said in log.read_text(errors="replace") or None, 30)
+    h.slurm.command(["scancel", blockers[1]])
+
+
 def test_a_released_job_the_pool_cannot_place_is_held_again_before_slurm_starts_it(h: Harness) -> None:
     """A job let go whose room went (here: an admin released it while every GPU is busy; in the
     mixed batch: a lease that ended changed where the next slices go) is marked and given a user
