@@ -62,7 +62,9 @@ echo "demo: installing rgpu from $here into $venv"
 export PATH="$venv/bin:$PATH"
 
 if [ "${1:-}" != "--no-slurm" ] && [ "$(id -u)" = 0 ]; then
-  # Run from outside the checkout: its rgpu/ folder would hide the installed package.
+  # Run from outside the checkout: `python -m` (here and for the daemons the demo starts) puts the
+  # cwd first on sys.path, and the checkout's rgpu/ (the whole package, through its links) would
+  # stand in for the installed one, which every user can read and which holds the built libraries.
   export RGPU_SOURCE_TREE="$here"
   cd /
   exec "$venv/bin/python" -m rgpu.slurm_plugin.demo "$@"

@@ -1,15 +1,15 @@
 """Dependencies point one way (docs/architecture.md): the import-linter contracts in
-pyproject.toml, run by `lint-imports` on the checkout.
+pyproject.toml, run by `lint-imports` on the checkout as it is.
 
-The editable install maps `rgpu.remoting` to remoting/ (and so on) through an import hook, which
-import-linter's graph builder cannot follow; so the test lays the checkout out at its import paths
-with scripts/package_view.py (symbolic links, nothing copied: what is checked is the checkout's own
-files) and checks that, as .ci/run does.
+The component folders (remoting/, slurm_plugin/, ...) install as `rgpu.remoting` and so on
+(pyproject's [tool.setuptools] package-dir); the checkout's rgpu/ holds one relative link per such
+folder (rgpu/remoting -> ../remoting), so `rgpu.*` resolves from the checkout root with the same
+files, and lint-imports, mypy and `python -c 'import rgpu.remoting...'` run there with no view
+and no copy (issue 28, finding 4).
 """
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -21,59 +21,92 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 PYPROJECT = REPO / "pyproject.toml"
+# Without PYTHONPATH: what is checked is what the checkout root itself resolves.
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
 def _config() -> dict:
     return tomllib.loads(PYPROJECT.read_text(encoding="utf-8"))
 
 
-def package_view(root: Path) -> Path:
-    """The checkout at its import paths under `root`, as links (scripts/package_view.py, in-process)."""
-    spec = importlib.util.spec_from_file_location("package_view", REPO / "scripts" / "package_view.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.build(root)
+def _component_folders() -> dict[str, str]:
+    """{link name under rgpu/: folder} for each package-dir entry other than the top package."""
+    package_dir: dict[str, str] = _config()["tool"]["setuptools"]["package-dir"]
+    return {name.split(".", 1)[1]: folder for name, folder in package_dir.items() if name != "rgpu"}
 
 
-def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
+def lint_imports(*config: Path) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("lint-imports", path=os.pathsep.join([str(Path(sys.executable).parent),
                                                             os.environ.get("PATH", "")]))
     if exe is None:
         pytest.fail("lint-imports is missing: install the test extra (pip install -e '.[test]')")
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    return subprocess.run([exe, "--no-cache", str(PYPROJECT)], cwd=root, env=env, capture_output=True,
+    return subprocess.run([exe, "--no-cache", *map(str, config)], cwd=REPO, env=ENV, capture_output=True,
                           text=True, timeout=300, check=False)
 
 
+def test_rgpu_links_each_component_folder_and_nothing_else() -> None:
+    folders = _component_folders()
+    links = {p.name: os.readlink(p) for p in (REPO / "rgpu").iterdir() if p.is_symlink()}
+    assert links == {name: f"../{folder}" for name, folder in folders.items()}, \
+        "rgpu/ must hold one relative link per package-dir folder: cd rgpu && ln -s ../FOLDER NAME"
+    for name, folder in folders.items():
+        assert (REPO / "rgpu" / name).resolve() == REPO / folder
+
+
+@pytest.mark.integration   # runs git
+def test_git_stores_the_links_as_links() -> None:
+    """A checkout on a file system without links would get text files holding the target instead."""
+    listed = subprocess.run(["git", "-C", str(REPO), "ls-files", "-s", "rgpu"], capture_output=True, text=True,
+                            check=False)
+    if listed.returncode != 0:
+        pytest.skip(f"not a git checkout: {listed.stderr.strip()}")
+    modes = {line.split("\t")[1]: line.split()[0] for line in listed.stdout.splitlines()}
+    assert {f"rgpu/{name}": modes.get(f"rgpu/{name}") for name in _component_folders()} == \
+        {f"rgpu/{name}": "120000" for name in _component_folders()}
+
+
+@pytest.mark.integration   # starts a Python
+def test_every_component_imports_from_the_checkout_root_without_an_install() -> None:
+    """`python -S`: no site-packages, so no installed or editable rgpu; only the checkout root (the cwd)."""
+    names = sorted(_component_folders())
+    code = ("import importlib\n"
+            f"for name in {names!r}:\n"
+            "    print(importlib.import_module('rgpu.' + name).__file__)\n")
+    run = subprocess.run([sys.executable, "-S", "-c", code], cwd=REPO, env=ENV, capture_output=True, text=True,
+                         timeout=60, check=False)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == [str(REPO / "rgpu" / name / "__init__.py") for name in names]
+
+
 @pytest.mark.integration   # runs lint-imports
-def test_the_import_contracts_hold(tmp_path: Path) -> None:
-    run = lint_imports(package_view(tmp_path / "view"))
+def test_the_import_contracts_hold() -> None:
+    run = lint_imports()      # plain: pyproject.toml of the cwd, the checkout root
     assert run.returncode == 0, f"an import breaks a contract in pyproject.toml:\n{run.stdout}\n{run.stderr}"
     count = len(_config()["tool"]["importlinter"]["contracts"])
     assert f"Contracts: {count} kept, 0 broken." in run.stdout, run.stdout
 
 
+# A contract the code breaks (the daemon serves through the servicer), added to the checkout's own.
+_BROKEN = """
+[[tool.importlinter.contracts]]
+id = "broken-on-purpose"
+name = "the pool daemon imports no servicer (broken on purpose)"
+type = "forbidden"
+source_modules = ["rgpu.remoting.pool.daemon"]
+forbidden_modules = ["rgpu.remoting.pool.servicer"]
+"""
+
+
 @pytest.mark.integration
 def test_a_broken_contract_fails(tmp_path: Path) -> None:
-    root = package_view(tmp_path / "view")
-    units = root / "rgpu" / "units.py"           # a link into the checkout: replaced, not written through
-    text = units.read_text()
-    units.unlink()
-    units.write_text(text + "\nimport rgpu.remoting.pool.daemon  # a core module importing the pool\n")
-    assert "rgpu.remoting" not in (REPO / "rgpu" / "units.py").read_text()
-    run = lint_imports(root)
+    config = tmp_path / "pyproject.toml"
+    config.write_text(PYPROJECT.read_text(encoding="utf-8") + _BROKEN, encoding="utf-8")
+    run = lint_imports(config)
     assert run.returncode != 0, run.stdout
-    assert "the core (rgpu/*.py, rgpu.proto) imports no component BROKEN" in run.stdout, run.stdout
-    assert "rgpu.units -> rgpu.remoting.pool.daemon" in run.stdout, run.stdout
-
-
-def test_the_view_links_every_file_of_the_package_and_copies_none(tmp_path: Path) -> None:
-    root = package_view(tmp_path / "view")
-    assert (root / "rgpu" / "units.py").resolve() == REPO / "rgpu" / "units.py"
-    assert (root / "rgpu" / "remoting").resolve() == REPO / "remoting"
-    assert (root / "rgpu" / "remoting" / "pool" / "rules.py").is_file()
-    assert not [p for p in (root / "rgpu").iterdir() if not p.is_symlink()]
+    assert "the pool daemon imports no servicer (broken on purpose) BROKEN" in run.stdout, run.stdout
+    assert "rgpu.remoting.pool.daemon -> rgpu.remoting.pool.servicer" in run.stdout, run.stdout
+    count = len(_config()["tool"]["importlinter"]["contracts"])
+    assert f"Contracts: {count} kept, 1 broken." in run.stdout, run.stdout
 
 
 def test_the_core_contracts_name_every_core_module() -> None:
@@ -85,10 +118,12 @@ def test_the_core_contracts_name_every_core_module() -> None:
 
 
 # Every module's imports (function-level ones included) by grimp, the graph builder of import-linter, on
-# the view; prints each cycle of modules, then each pair of folders that import each other.
+# the checkout root; prints each cycle of modules, then each pair of folders that import each other.
 _CYCLES = """
 import grimp, sys
 graph = grimp.build_graph("rgpu")
+if "rgpu.remoting.pool.daemon" not in graph.modules:
+    sys.exit("grimp found no rgpu.remoting in the checkout: is the link rgpu/remoting -> ../remoting missing?")
 edges = {m: set(graph.find_modules_directly_imported_by(m)) for m in graph.modules}
 sys.setrecursionlimit(20000)
 index, low, stack, on, n = {}, {}, [], set(), [0]
@@ -116,12 +151,11 @@ for a, b in sorted(pairs):
 """
 
 
-@pytest.mark.integration   # runs grimp in a process with the view on its path
-def test_no_two_modules_or_folders_import_each_other(tmp_path: Path) -> None:
+@pytest.mark.integration   # runs grimp in a process started in the checkout root
+def test_no_two_modules_or_folders_import_each_other() -> None:
     """Issue 28: the last knots were backends <-> worker (emulated backend <- worker/faults.py) and
     pool/store.py <-> store_pg.py; a cycle anywhere, direct or through other modules, fails here."""
-    root = package_view(tmp_path / "view")
-    run = subprocess.run([sys.executable, "-c", _CYCLES], cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+    run = subprocess.run([sys.executable, "-c", _CYCLES], cwd=REPO, env=ENV,
                          capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr
     assert run.stdout == "", f"import cycles (break each: move the shared piece below both):\n{run.stdout}"

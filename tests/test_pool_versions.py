@@ -1,12 +1,14 @@
 """A client and a pool of different rgpu versions (issue 28, finding 1): this client sends a slice's
 size as whole percent (AllocateRequest.percent, field 12); a pool from before that field skips it
 and finds no size. The pool here is a real one of that version: rgpu-poold from the last commit
-before the field, laid out from git by scripts/package_view.py and run with this test's Python."""
+before the field, taken from git with its component folders linked into its rgpu/ as this
+checkout's are, and run with this test's Python."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -33,12 +35,13 @@ def old_pool_code(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if archive.returncode != 0:
         pytest.skip(f"this checkout has no commit {BEFORE_PERCENT} (a shallow clone): {archive.stderr.decode()[:200]}")
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import package_view
-    finally:
-        sys.path.remove(str(REPO / "scripts"))
-    return package_view.build(base / "view", checkout=tree)
+    # That commit predates the links rgpu/remoting -> ../remoting (one per package-dir folder).
+    package_dir = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    for name, folder in package_dir.items():
+        link = tree / name.replace(".", "/")
+        if name != "rgpu" and not link.is_symlink():
+            link.symlink_to(Path("..") / folder, target_is_directory=True)
+    return tree
 
 
 @pytest.fixture

@@ -36,8 +36,8 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def _copy_tree(src: Path, dst: Path, skip: Sequence[str] = ()) -> None:
-    shutil.copytree(src, dst, symlinks=True, dirs_exist_ok=True, copy_function=_link_or_copy,
+def _copy_tree(src: Path, dst: Path, skip: Sequence[str] = (), follow_links: bool = False) -> None:
+    shutil.copytree(src, dst, symlinks=not follow_links, dirs_exist_ok=True, copy_function=_link_or_copy,
                     ignore=shutil.ignore_patterns(*skip) if skip else None)
 
 
@@ -123,7 +123,8 @@ class UserRuntime:
             target = self.site.joinpath(*name.split("."))
             if not target.exists():
                 package = importlib.import_module(name)
-                _copy_tree(Path(next(iter(package.__path__))), target, skip=("__pycache__",))
+                # Links followed: a checkout's rgpu/ links its component folders (rgpu/remoting -> ../remoting).
+                _copy_tree(Path(next(iter(package.__path__))), target, skip=("__pycache__",), follow_links=True)
         for dist in _closure("rgpu"):
             for file in dist.files or []:
                 if ".." in file.parts or file.parts[0].startswith("__editable__"):
