@@ -33,6 +33,7 @@ from rgpu.live_leases import LiveLeases
 from rgpu.remoting.native import build
 from tests.remoting.conftest import Server, client_env, run_nvcc, start_server
 from tests.remoting.conftest import local_gpu
+from tests.remoting.faults_helpers import wait_line
 
 pytestmark = pytest.mark.gpu
 HERE = Path(__file__).parent
@@ -82,15 +83,7 @@ def start(libs: build.Libraries, server: Server, job: str, percent: int, *args: 
 
 
 def read_until(proc: subprocess.Popen[str], prefix: str, timeout: float = 120.0) -> str:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if line.startswith(prefix):
-            return line.strip()
-        if not line and proc.poll() is not None:
-            break
-    raise AssertionError(f"no {prefix!r} line; stderr: {proc.stderr.read() if proc.stderr else ''}")
+    return wait_line(proc, prefix, timeout).strip()
 
 
 def finish(proc: subprocess.Popen[str], timeout: float = 120.0) -> tuple[str, str]:

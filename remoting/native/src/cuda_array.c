@@ -200,12 +200,8 @@ RGPU_EXPORT CUresult CUDAAPI cuTexObjectCreate(CUtexObject *pTexObject, const CU
 
 enum { SIDE_BAD = -1, SIDE_HOST = 0, SIDE_DEVICE = 1, SIDE_ARRAY = 2 };
 
-/* The slice of the device memory p is in, -1 for this process's memory (page-locked memory the
- * GPU was never handed included: zero_copy.c). */
-static int device_session(CUdeviceptr p) {
-    int s = -1;
-    return rgpu_dev_range_find(p, &s, NULL, NULL) && !rgpu_zero_copy_unbacked(p) ? s : -1;
-}
+/* The slice of the device memory p is in, -1 for this process's memory (zero_copy.c). */
+static int device_session(CUdeviceptr p) { return rgpu_copy_device_session(p); }
 
 /* What one side of a copy is here: this process's memory, the worker's device memory or an array. */
 static int side_of(CUmemorytype type, CUdeviceptr device) {

@@ -390,12 +390,10 @@ RGPU_EXPORT CUresult CUDAAPI cuGraphAddMemsetNode(CUgraphNode *phGraphNode, CUgr
 /* Where one side of a copy node lies: 1 device, 0 this process's memory, -1 not expressible. */
 /* Page-locked memory the GPU was never handed is this process's bytes, though its range is the
  * worker's (zero_copy.c): a node naming it copies from or to the host. */
-static int device_memory(uint64_t p) { return rgpu_dev_range_find(p, NULL, NULL, NULL) && !rgpu_zero_copy_unbacked(p); }
-
 static int device_side(CUmemorytype type, CUdeviceptr dev, const void *host) {
     if (type == CU_MEMORYTYPE_DEVICE) return 1;
-    if (type == CU_MEMORYTYPE_UNIFIED) return device_memory(dev);
-    if (type == CU_MEMORYTYPE_HOST) return device_memory((uint64_t)(uintptr_t)host);
+    if (type == CU_MEMORYTYPE_UNIFIED) return rgpu_copy_device_session(dev) >= 0;
+    if (type == CU_MEMORYTYPE_HOST) return rgpu_copy_device_session((uint64_t)(uintptr_t)host) >= 0;
     return -1;
 }
 

@@ -379,7 +379,7 @@ static int session_of(CUdeviceptr p) {
 
 /* For a unified address: as session_of, but -1 (this process's memory) for page-locked memory the
  * GPU was never handed, whose range the worker reserved with no memory behind it (zero_copy.c). */
-static int unified_session_of(CUdeviceptr p) { return rgpu_zero_copy_unbacked(p) ? -1 : session_of(p); }
+static int unified_session_of(CUdeviceptr p) { return rgpu_copy_device_session(p); }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount) {
     /* CUDA returns once the source may be reused; the bytes are on the wire by then. */

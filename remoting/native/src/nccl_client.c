@@ -33,6 +33,8 @@ static void say(const char *fmt, ...) {
     }
 }
 
+static void *g_libcuda;   /* rgpu's libcuda.so.1, once find_bridge found its table */
+
 static void find_bridge(void) {
     void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
     typedef CUresult (*get_table_fn)(const void **, const CUuuid *);
@@ -55,6 +57,7 @@ static void find_bridge(void) {
         return;
     }
     g_bridge = b;
+    g_libcuda = cuda;
 }
 
 static const rgpu_nccl_bridge *bridge(void) {
@@ -175,8 +178,7 @@ static struct {
 static pthread_once_t g_cu_once = PTHREAD_ONCE_INIT;
 
 static void find_memory_calls(void) {
-    void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_GLOBAL);
-    if (!cuda) return;
+    void *cuda = g_libcuda;
     g_cu.ctx_get = (ctx_get_fn)dlsym(cuda, "cuCtxGetCurrent");
     g_cu.ctx_set = (ctx_set_fn)dlsym(cuda, "cuCtxSetCurrent");
     g_cu.primary = (primary_fn)dlsym(cuda, "cuDevicePrimaryCtxRetain");
@@ -188,7 +190,8 @@ static int memory_calls(const char *call) {
     if (!bridge()) return 0;   /* rgpu's libcuda is not this process's: bridge() said why */
     pthread_once(&g_cu_once, find_memory_calls);
     if (g_cu.ctx_get && g_cu.ctx_set && g_cu.primary && g_cu.alloc && g_cu.release) return 1;
-    say("%s: libcuda.so.1 lacks the driver's memory calls (%s)", call, dlerror());
+    say("%s: rgpu's libcuda.so.1 lacks the driver's memory calls (cuCtxGetCurrent, cuCtxSetCurrent, "
+        "cuDevicePrimaryCtxRetain, cuMemAlloc_v2, cuMemFree_v2)", call);
     return 0;
 }
 

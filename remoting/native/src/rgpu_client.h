@@ -296,7 +296,7 @@ int rgpu_managed_forget(CUdeviceptr user);
 void *rgpu_zero_copy_alloc(size_t bytesize, unsigned int flags);
 int rgpu_zero_copy_free(void *p, CUresult *result);
 int rgpu_zero_copy_flags(const void *p, unsigned int *flags);
-int rgpu_zero_copy_unbacked(uint64_t ptr);
+int rgpu_copy_device_session(uint64_t ptr);
 CUresult rgpu_zero_copy_promote(uint64_t ptr, int *found, const char *why);
 CUresult rgpu_zero_copy_target(CUdeviceptr ptr);
 int rgpu_zero_copy_shared(const void *p, size_t n, int session, uint64_t *region, uint64_t *offset);

@@ -235,13 +235,20 @@ int rgpu_zero_copy_flags(const void *p, unsigned int *flags) {
 /* 1 when ptr lies in an allocation placed at an address the worker reserved but not yet backed there:
  * the range is in this process's table of device ranges (cuMemAddressReserve put it there), yet a
  * copy naming it must copy this process's bytes; on the worker it is an address with no memory. */
-int rgpu_zero_copy_unbacked(uint64_t ptr) {
+static int unbacked(uint64_t ptr) {
     if (!__atomic_load_n(&g_count, __ATOMIC_ACQUIRE)) return 0;
     pthread_mutex_lock(&g_lock);
     zc_alloc *z = find_locked(ptr);
-    int unbacked = z && z->reserved && !z->promoted;
+    int found = z && z->reserved && !z->promoted;
     pthread_mutex_unlock(&g_lock);
-    return unbacked;
+    return found;
+}
+
+/* The slice whose device memory holds a unified (or host-typed) address of a copy, -1 for this
+ * process's memory, page-locked memory the GPU was never handed included. */
+int rgpu_copy_device_session(uint64_t ptr) {
+    int s = -1;
+    return rgpu_dev_range_find(ptr, &s, NULL, NULL) && !unbacked(ptr) ? s : -1;
 }
 
 /* Backs the zero-copy allocation holding ptr with device memory at its own address, once.
