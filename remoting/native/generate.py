@@ -338,6 +338,10 @@ class Outputs:
 # Hand-written client code that a generated sync stub runs after the reply (`r` is the result,
 # `c.s->index` the session): rgpu's own bookkeeping of what the call changed.
 AFTER_HOOKS = {
+    # page-locked memory a memset was handed: numbered, with its stream, once the frame is queued
+    # (managed.c: a synchronisation that covers it reads it back without waiting for later work)
+    **{f"cuMemset{kind}{suffix}": f"if (r == CUDA_SUCCESS) rgpu_managed_handed_on({stream})"
+       for kind in ("D8", "D16", "D32", "D2D8", "D2D16", "D2D32") for suffix, stream in (("_v2", "NULL"), ("Async", "hStream"))},
     # capture status is answered locally while no capture can be under way
     "cuStreamBeginCapture_v2": "rgpu_capture_begun(r)",
     "cuStreamEndCapture": "rgpu_capture_ended(r)",

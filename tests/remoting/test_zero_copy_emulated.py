@@ -335,3 +335,62 @@ def test_graph_copy_nodes_and_3d_copies_with_page_locked_memory_copy_its_bytes(n
     assert "3D 0" in out and "UP [7, 7, 7]" in out, out + err
     assert "UNIFIED 0" in out and "COPIED [9, 9, 9]" in out, out + err
     assert "is in use in this process" not in err, err   # the allocation was placed at the worker's address
+
+
+# Two page-locked blocks, each handed to a memset (backed on the GPU) on the legacy stream; an event
+# recorded between the two memsets; `AGAIN` may hand block a to more work after the event.
+TWO_BLOCKS_AROUND_AN_EVENT = """
+        setup()
+        a, b = ctypes.c_void_p(), ctypes.c_void_p()
+        check("cuMemAllocHost_v2", ctypes.byref(a), ctypes.c_size_t(1 << 20))
+        check("cuMemAllocHost_v2", ctypes.byref(b), ctypes.c_size_t(1 << 20))
+        wa, wb = (ctypes.c_uint32 * 4).from_address(a.value), (ctypes.c_uint32 * 4).from_address(b.value)
+        ev = ctypes.c_void_p()
+        check("cuEventCreate", ctypes.byref(ev), 0)
+        check("cuMemsetD32Async", ctypes.c_uint64(a.value), 0x11, ctypes.c_size_t(1), None)
+        check("cuEventRecord", ev, None)
+        check("cuMemsetD32Async", ctypes.c_uint64(b.value), 0x22, ctypes.c_size_t(1), None)
+        AGAIN
+        snapshot(b"before")
+        check("cuEventSynchronize", ev)
+        snapshot(b"after-event")
+        print("AFTER EVENT", hex(wa[0]), hex(wa[1]), hex(wb[0]))
+        check("cuCtxSynchronize")
+        print("AFTER CONTEXT", hex(wa[0]), hex(wa[1]), hex(wb[0]))
+        check("cuMemFreeHost", a)
+        check("cuMemFreeHost", b)
+"""
+
+
+def _reads_back(tmp_path: Path, first: str, last: str) -> int:
+    return sum(p.sync_calls for name, p in calls_between(tmp_path, first, last).items()
+               if name.startswith(("cuMemcpyDtoH", "rgpuMemcpyDtoH")))
+
+
+def test_a_synchronisation_reads_back_only_page_locked_memory_whose_work_it_covers(
+        native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
+    """An event completes: the block handed to work before it comes back (the program may read it
+    now), on a stream of its own; the block handed to work queued after the event stays the GPU's
+    until a synchronisation covers it. Before, every such synchronisation read every backed block
+    back behind all the GPU's work: PyTorch's pinned loader hands each step's labels to a copy
+    kernel, and its pin thread's event query then drained the GPU of the next step's work (the one
+    device-to-host copy per step of a ResNet-18 fed from a pinned DataLoader, 0.87x local on an H200)."""
+    done = py_client(native_libs, emulated.slices(emulated.token()), TWO_BLOCKS_AROUND_AN_EVENT.replace("AGAIN", "pass"),
+                     RGPU_ZERO_COPY="1", RGPU_CLIENT_STATS=str(tmp_path / "prof"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "AFTER EVENT 0x11 0x0 0x0" in done.stdout, done.stdout + done.stderr
+    assert "AFTER CONTEXT 0x11 0x0 0x22" in done.stdout, done.stdout + done.stderr
+    assert _reads_back(tmp_path, "before", "after-event") == 1
+
+
+def test_a_block_handed_again_after_the_event_comes_back_behind_all_the_work(
+        native_libs: build.Libraries, emulated: Server, tmp_path: Path) -> None:
+    """Block a is handed to a memset before the event and to another after it: reading it back on a
+    stream of its own could miss the second memset's word (the block would then be the host's and
+    the word lost), so it comes back behind all the GPU's work, with both words."""
+    again = 'check("cuMemsetD32Async", ctypes.c_uint64(a.value + 4), 0x33, ctypes.c_size_t(1), None)'
+    done = py_client(native_libs, emulated.slices(emulated.token()), TWO_BLOCKS_AROUND_AN_EVENT.replace("AGAIN", again),
+                     RGPU_ZERO_COPY="1", RGPU_CLIENT_STATS=str(tmp_path / "prof"))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "AFTER EVENT 0x11 0x33 0x0" in done.stdout, done.stdout + done.stderr
+    assert "AFTER CONTEXT 0x11 0x33 0x22" in done.stdout, done.stdout + done.stderr

@@ -240,8 +240,9 @@ class EmulatedMemory(EmulatedDevice):
             raise CudaError(INVALID_VALUE)
 
     def cuMemAddressReserve(self, size: int, alignment: int, addr: int, flags: int) -> tuple[int, int]:
-        ptr = self.next_address
-        self.next_address += (size + _ALIGN - 1) // _ALIGN * _ALIGN + _ALIGN
+        align = max(alignment, _ALIGN)   # as the driver: the range starts on the alignment asked for
+        ptr = (self.next_address + align - 1) // align * align
+        self.next_address = ptr + (size + _ALIGN - 1) // _ALIGN * _ALIGN + _ALIGN
         self.reserved[ptr] = size
         return (SUCCESS, ptr)
 

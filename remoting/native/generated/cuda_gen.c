@@ -541,7 +541,9 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char 
     { uint64_t v_ = (uint64_t)dstDevice; rgpu_put(&c, &v_, 8); }
     { uint8_t v_ = (uint8_t)uc; rgpu_put(&c, &v_, 1); }
     { uint64_t v_ = (uint64_t)N; rgpu_put(&c, &v_, 8); }
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) rgpu_managed_handed_on(NULL);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD16_v2(CUdeviceptr dstDevice, unsigned short us, size_t N) {
@@ -552,7 +554,9 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD16_v2(CUdeviceptr dstDevice, unsigned shor
     { uint64_t v_ = (uint64_t)dstDevice; rgpu_put(&c, &v_, 8); }
     { uint16_t v_ = (uint16_t)us; rgpu_put(&c, &v_, 2); }
     { uint64_t v_ = (uint64_t)N; rgpu_put(&c, &v_, 8); }
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) rgpu_managed_handed_on(NULL);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD32_v2(CUdeviceptr dstDevice, unsigned int ui, size_t N) {
@@ -563,7 +567,9 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD32_v2(CUdeviceptr dstDevice, unsigned int 
     { uint64_t v_ = (uint64_t)dstDevice; rgpu_put(&c, &v_, 8); }
     { uint32_t v_ = (uint32_t)ui; rgpu_put(&c, &v_, 4); }
     { uint64_t v_ = (uint64_t)N; rgpu_put(&c, &v_, 8); }
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) rgpu_managed_handed_on(NULL);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream) {
@@ -575,7 +581,9 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD8Async(CUdeviceptr dstDevice, unsigned cha
     { uint8_t v_ = (uint8_t)uc; rgpu_put(&c, &v_, 1); }
     { uint64_t v_ = (uint64_t)N; rgpu_put(&c, &v_, 8); }
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) rgpu_managed_handed_on(hStream);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD16Async(CUdeviceptr dstDevice, unsigned short us, size_t N, CUstream hStream) {
@@ -587,7 +595,9 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD16Async(CUdeviceptr dstDevice, unsigned sh
     { uint16_t v_ = (uint16_t)us; rgpu_put(&c, &v_, 2); }
     { uint64_t v_ = (uint64_t)N; rgpu_put(&c, &v_, 8); }
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) rgpu_managed_handed_on(hStream);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD32Async(CUdeviceptr dstDevice, unsigned int ui, size_t N, CUstream hStream) {
@@ -599,7 +609,9 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD32Async(CUdeviceptr dstDevice, unsigned in
     { uint32_t v_ = (uint32_t)ui; rgpu_put(&c, &v_, 4); }
     { uint64_t v_ = (uint64_t)N; rgpu_put(&c, &v_, 8); }
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) rgpu_managed_handed_on(hStream);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D8_v2(CUdeviceptr dstDevice, size_t dstPitch, unsigned char uc, size_t Width, size_t Height) {
@@ -612,7 +624,9 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D8_v2(CUdeviceptr dstDevice, size_t dstPi
     { uint8_t v_ = (uint8_t)uc; rgpu_put(&c, &v_, 1); }
     { uint64_t v_ = (uint64_t)Width; rgpu_put(&c, &v_, 8); }
     { uint64_t v_ = (uint64_t)Height; rgpu_put(&c, &v_, 8); }
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) rgpu_managed_handed_on(NULL);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D16_v2(CUdeviceptr dstDevice, size_t dstPitch, unsigned short us, size_t Width, size_t Height) {
@@ -625,7 +639,9 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D16_v2(CUdeviceptr dstDevice, size_t dstP
     { uint16_t v_ = (uint16_t)us; rgpu_put(&c, &v_, 2); }
     { uint64_t v_ = (uint64_t)Width; rgpu_put(&c, &v_, 8); }
     { uint64_t v_ = (uint64_t)Height; rgpu_put(&c, &v_, 8); }
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) rgpu_managed_handed_on(NULL);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D32_v2(CUdeviceptr dstDevice, size_t dstPitch, unsigned int ui, size_t Width, size_t Height) {
@@ -638,7 +654,9 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D32_v2(CUdeviceptr dstDevice, size_t dstP
     { uint32_t v_ = (uint32_t)ui; rgpu_put(&c, &v_, 4); }
     { uint64_t v_ = (uint64_t)Width; rgpu_put(&c, &v_, 8); }
     { uint64_t v_ = (uint64_t)Height; rgpu_put(&c, &v_, 8); }
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) rgpu_managed_handed_on(NULL);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D8Async(CUdeviceptr dstDevice, size_t dstPitch, unsigned char uc, size_t Width, size_t Height, CUstream hStream) {
@@ -652,7 +670,9 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D8Async(CUdeviceptr dstDevice, size_t dst
     { uint64_t v_ = (uint64_t)Width; rgpu_put(&c, &v_, 8); }
     { uint64_t v_ = (uint64_t)Height; rgpu_put(&c, &v_, 8); }
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) rgpu_managed_handed_on(hStream);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D16Async(CUdeviceptr dstDevice, size_t dstPitch, unsigned short us, size_t Width, size_t Height, CUstream hStream) {
@@ -666,7 +686,9 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D16Async(CUdeviceptr dstDevice, size_t ds
     { uint64_t v_ = (uint64_t)Width; rgpu_put(&c, &v_, 8); }
     { uint64_t v_ = (uint64_t)Height; rgpu_put(&c, &v_, 8); }
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) rgpu_managed_handed_on(hStream);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D32Async(CUdeviceptr dstDevice, size_t dstPitch, unsigned int ui, size_t Width, size_t Height, CUstream hStream) {
@@ -680,7 +702,9 @@ RGPU_EXPORT CUresult CUDAAPI cuMemsetD2D32Async(CUdeviceptr dstDevice, size_t ds
     { uint64_t v_ = (uint64_t)Width; rgpu_put(&c, &v_, 8); }
     { uint64_t v_ = (uint64_t)Height; rgpu_put(&c, &v_, 8); }
     rgpu_put_u64(&c, (uint64_t)(uintptr_t)hStream);
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) rgpu_managed_handed_on(hStream);
+    return r;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuCtxEnablePeerAccess(CUcontext peerContext, unsigned int Flags) {

@@ -262,6 +262,7 @@ CUresult rgpu_begin_event(rgpu_call *c, uint16_t op, CUevent event) {
 }
 
 uint64_t rgpu_event_clock(void) { return __atomic_load_n(&g_clock, __ATOMIC_ACQUIRE); }
+uint64_t rgpu_event_clock_tick(void) { return __atomic_add_fetch(&g_clock, 1, __ATOMIC_ACQ_REL); }
 
 /* After a record's frame was queued: it is numbered after every frame before it. */
 void rgpu_event_recorded(CUevent event, CUstream stream) {
@@ -312,20 +313,28 @@ int rgpu_event_known(CUevent event, uint64_t *seq, CUresult *result) {
     return known;
 }
 
+/* Each also tells managed.c what the synchronisation covered (the work queued before record or
+ * clock `seq`), for the page-locked memory the GPU was handed. */
 void rgpu_event_completed(CUevent event, uint64_t seq) {
     pthread_mutex_lock(&g_lock);
     ev_slot *e = slot_of(event);
     if (e && seq > e->done_seq) e->done_seq = seq;
+    uint64_t stream = e ? e->stream : 0;
+    int recorded = e && seq;
     pthread_mutex_unlock(&g_lock);
+    if (recorded)
+        rgpu_managed_covers(stream == (uint64_t)RGPU_EVENT_WHOLE_CONTEXT, (CUstream)(uintptr_t)stream, seq);
 }
 
 void rgpu_stream_synced(CUstream stream, int session, uint64_t seq) {
     rgpu_synced_put((uint64_t)(uintptr_t)stream, (uint64_t)session + 1, seq);
+    rgpu_managed_covers(0, stream, seq);
 }
 
 void rgpu_ctx_synced(CUcontext ctx, uint64_t seq) {
     rgpu_ctx *x = ctx ? rgpu_ctx_lookup(ctx) : rgpu_ctx_current();
     if (x) rgpu_synced_put((uint64_t)(uintptr_t)x, CTX_KEY, seq);
+    rgpu_managed_covers(1, NULL, seq);
 }
 
 /* After fork() the child has no sessions: its events and streams are gone with them. */

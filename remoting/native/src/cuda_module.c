@@ -754,7 +754,9 @@ static CUresult launch(CUfunction f, unsigned int gx, unsigned int gy, unsigned 
     if (nattrs) rgpu_put(&c, attrs, nattrs * sizeof(CUlaunchAttribute));
     if (a.argsize) rgpu_put(&c, args, a.argsize);
     free(heap);
-    return rgpu_async(&c);
+    r = rgpu_async(&c);
+    if (r == CUDA_SUCCESS) rgpu_managed_handed_on(stream);   /* page-locked memory handed to it: numbered now */
+    return r;
 }
 
 /* A kernel's arguments packed as a launch packs them (graph kernel nodes): a malloc'd buffer. */

@@ -36,7 +36,28 @@ typedef struct managed_region {
     int pinned;          /* page-locked memory the GPU uses directly (zero_copy.c): no allocation of its own here */
     int handed;          /* pinned: a call since its bytes last came back hands it to the GPU (rgpu_managed_hand) */
     uint8_t *snapshot;   /* pinned: the bytes last sent to the GPU (what the GPU changed differs from them) */
+    /* pinned, while the GPU owns it: the work handed it, numbered on the event clock once its frame
+     * was queued (cuda_events.c), first and last, and their stream. Unknown (uses_unknown) when work
+     * that is not numbered used it (a copy, a graph); use_thread: a launch or memset of that thread
+     * will number its use once queued. */
+    uint64_t first_use, last_use;
+    uint64_t use_stream;
+    int uses_streams;             /* 2: more than one stream */
+    int uses_unknown;
+    const void *use_thread;
 } managed_region;
+
+/* What the synchronisation this thread just finished covers (cuda_events.c tells, after its reply):
+ * the work queued before `seq` on `stream`, or on every stream of the context. Cleared when a
+ * synchronous call begins, so a synchronisation point that was not told finds none. */
+enum { COVERS_NONE = 0, COVERS_STREAM = 1, COVERS_CONTEXT = 2 };
+typedef struct sync_cover {
+    int kind;
+    uint64_t stream;
+    uint64_t seq;
+} sync_cover;
+static __thread sync_cover t_cover;
+static __thread char t_thread_token;   /* its address tells this thread's pending hands apart */
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 static managed_region *g_regions;
@@ -77,10 +98,11 @@ static CUresult pinned_to_gpu(const managed_region *m) {
     return cuMemcpyHtoD_v2(m->user, m->snapshot, m->size);
 }
 
-static CUresult pinned_from_gpu(const managed_region *m) {
+/* `stream`: read there (it waits for nothing else); NULL: behind all the GPU's work. */
+static CUresult pinned_from_gpu(const managed_region *m, CUstream stream) {
     uint8_t *gpu = malloc(m->size);
     if (!gpu) return CUDA_ERROR_OUT_OF_MEMORY;
-    CUresult r = cuMemcpyDtoH_v2(gpu, m->user, m->size);
+    CUresult r = stream ? cuMemcpyDtoHAsync_v2(gpu, m->user, m->size, stream) : cuMemcpyDtoH_v2(gpu, m->user, m->size);
     if (r == CUDA_SUCCESS) {
         uint8_t *host = (uint8_t *)(uintptr_t)m->user;
         for (size_t at = 0; at < m->size; at += 64) {
@@ -94,18 +116,90 @@ static CUresult pinned_from_gpu(const managed_region *m) {
     return r;
 }
 
-/* Hand every region owned by the other side over to `to_gpu`'s side. The regions change owner
- * under the lock; the copies (calls themselves) run without it. While the GPU owns a managed
- * region its host pages are inaccessible, so a host access at the wrong time stops the program with
- * a clear line (handler below) instead of reading stale data or losing a write. */
-static void hand_over(int to_gpu, int every_pinned) {
+/* How page-locked memory the GPU owns comes back at a synchronisation (`cover`: what it covers).
+ * The work that was handed it is finished when its launch was numbered before the point the
+ * synchronisation covers, on that stream, on the legacy stream (which waits for the others) or on
+ * the whole context: then its bytes are final and are read on a stream of their own, which waits
+ * for nothing queued since (a loader's next step must not drain the GPU for a label batch handed
+ * last step). Work numbered after that point was queued after it and cannot be what the program
+ * waited for: the region stays the GPU's until a synchronisation covers it. Anything else (work
+ * that was not a launch, a launch not yet numbered, another stream) comes back as it always did,
+ * behind all the GPU's work. */
+enum { BACK_SKIP = 0, BACK_QUIET = 1, BACK_BEHIND_ALL = 2 };
+static int is_legacy_stream(uint64_t stream) { return stream == 0 || stream == 1; }   /* NULL, CU_STREAM_LEGACY */
+
+static int how_back(const managed_region *m, const sync_cover *cover) {
+    if (!m->pinned || cover->kind == COVERS_NONE || m->uses_unknown || m->use_thread || !m->first_use)
+        return BACK_BEHIND_ALL;
+    if (m->first_use > cover->seq) return BACK_SKIP;
+    if (m->last_use <= cover->seq &&
+        (cover->kind == COVERS_CONTEXT || is_legacy_stream(cover->stream) ||
+         (m->uses_streams == 1 && cover->stream == m->use_stream)))
+        return BACK_QUIET;
+    return BACK_BEHIND_ALL;
+}
+
+/* Work about to use a region the GPU owns already (lock held): numbered by `numbered`'s thread
+ * once queued, or unknown. */
+static void used_again_locked(managed_region *m, int numbered) {
+    if (numbered) m->use_thread = &t_thread_token;
+    else m->uses_unknown = 1;
+}
+
+/* A stream of the current context that waits for no other (CU_STREAM_NON_BLOCKING), for reading
+ * finished page-locked regions back; NULL where there is none (the legacy path is taken). One for
+ * the process, made again when the current context is another or the stream failed. */
+static pthread_mutex_t g_quiet_lock = PTHREAD_MUTEX_INITIALIZER;
+static CUstream g_quiet_stream;
+static CUcontext g_quiet_ctx;
+
+static CUstream quiet_stream(void) {
+    CUcontext cur = NULL;
+    if (cuCtxGetCurrent(&cur) != CUDA_SUCCESS || !cur) return NULL;
+    pthread_mutex_lock(&g_quiet_lock);
+    if (!g_quiet_stream || g_quiet_ctx != cur) {
+        CUstream made = NULL;
+        g_quiet_stream = cuStreamCreate(&made, 1 /* CU_STREAM_NON_BLOCKING */) == CUDA_SUCCESS ? made : NULL;
+        g_quiet_ctx = g_quiet_stream ? cur : NULL;
+    }
+    CUstream stream = g_quiet_stream;
+    pthread_mutex_unlock(&g_quiet_lock);
+    return stream;
+}
+
+static void forget_quiet_stream(void) {
+    pthread_mutex_lock(&g_quiet_lock);
+    g_quiet_stream = NULL;
+    g_quiet_ctx = NULL;
+    pthread_mutex_unlock(&g_quiet_lock);
+}
+
+/* Hand every region owned by the other side over to `to_gpu`'s side (back to the host: as far as
+ * `cover` allows, how_back above). The regions change owner under the lock; the copies (calls
+ * themselves) run without it. While the GPU owns a managed region its host pages are inaccessible,
+ * so a host access at the wrong time stops the program with a clear line (handler below) instead of
+ * reading stale data or losing a write. `launch`: the work being handed them numbers them once its
+ * frame is queued (a launch or memset: rgpu_managed_handed_on). */
+static void hand_over(int to_gpu, int every_pinned, const sync_cover *cover, int launch) {
     pthread_mutex_lock(&g_lock);
     managed_region *moving = g_count ? malloc(g_count * sizeof *moving) : NULL;
+    int *quiet = g_count ? calloc(g_count, sizeof *quiet) : NULL;
     size_t n = 0;
-    for (size_t i = 0; moving && i < g_count; i++) {
+    for (size_t i = 0; moving && quiet && i < g_count; i++) {
+        if (to_gpu && every_pinned && g_regions[i].gpu_owned && g_regions[i].pinned)
+            g_regions[i].uses_unknown = 1;   /* a graph or 2D copy may use it again: read back behind all */
         if (g_regions[i].gpu_owned == to_gpu) continue;
         if (to_gpu && g_regions[i].pinned && !g_regions[i].handed && !every_pinned) continue;   /* not this work's */
+        if (!to_gpu) {
+            int how = how_back(&g_regions[i], cover);
+            if (how == BACK_SKIP) continue;
+            quiet[n] = how == BACK_QUIET;
+        }
         g_regions[i].handed = 0;
+        g_regions[i].first_use = g_regions[i].last_use = g_regions[i].use_stream = 0;
+        g_regions[i].uses_streams = 0;
+        g_regions[i].uses_unknown = to_gpu && !launch;
+        g_regions[i].use_thread = to_gpu && launch ? &t_thread_token : NULL;
         if (!to_gpu && !g_regions[i].pinned)
             mprotect((void *)(uintptr_t)g_regions[i].user, g_regions[i].mapped, PROT_READ | PROT_WRITE);
         g_regions[i].gpu_owned = to_gpu;
@@ -113,13 +207,24 @@ static void hand_over(int to_gpu, int every_pinned) {
     }
     recount_owners_locked();
     pthread_mutex_unlock(&g_lock);
-    if (!moving) return;
+    if (!moving || !quiet) {
+        free(moving);
+        free(quiet);
+        return;
+    }
     t_moving = 1;
     for (size_t i = 0; i < n; i++) {
         void *host = (void *)(uintptr_t)moving[i].user;
         CUresult r;
-        if (moving[i].pinned) {
-            r = to_gpu ? pinned_to_gpu(&moving[i]) : pinned_from_gpu(&moving[i]);
+        if (moving[i].pinned && !to_gpu) {
+            CUstream stream = quiet[i] ? quiet_stream() : NULL;
+            r = pinned_from_gpu(&moving[i], stream);
+            if (r != CUDA_SUCCESS && stream) {
+                forget_quiet_stream();
+                r = pinned_from_gpu(&moving[i], NULL);
+            }
+        } else if (moving[i].pinned) {
+            r = pinned_to_gpu(&moving[i]);
         } else {
             r = to_gpu ? cuMemcpyHtoD_v2(moving[i].user, host, moving[i].size)
                        : cuMemcpyDtoH_v2(host, moving[i].user, moving[i].size);
@@ -135,6 +240,7 @@ static void hand_over(int to_gpu, int every_pinned) {
     }
     t_moving = 0;
     free(moving);
+    free(quiet);
 }
 
 /* Calls that give the GPU work touching memory: the host's turn ends with the first of them. */
@@ -156,6 +262,21 @@ static int gives_work(uint16_t op) {
     }
 }
 
+/* Work that numbers the page-locked regions it is handed once its frame is queued
+ * (rgpu_managed_handed_on): launches (cuda_module.c) and memsets (their generated stubs). */
+static int numbered_work(uint16_t op) {
+    switch (op) {
+    case RGPU_OP_cuLaunchKernel:
+    case RGPU_OP_cuMemsetD8_v2: case RGPU_OP_cuMemsetD16_v2: case RGPU_OP_cuMemsetD32_v2:
+    case RGPU_OP_cuMemsetD8Async: case RGPU_OP_cuMemsetD16Async: case RGPU_OP_cuMemsetD32Async:
+    case RGPU_OP_cuMemsetD2D8_v2: case RGPU_OP_cuMemsetD2D16_v2: case RGPU_OP_cuMemsetD2D32_v2:
+    case RGPU_OP_cuMemsetD2D8Async: case RGPU_OP_cuMemsetD2D16Async: case RGPU_OP_cuMemsetD2D32Async:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
 void rgpu_managed_before_call(uint16_t op) {
     if (t_moving || !gives_work(op)) return;
     /* A graph's kernel nodes were handed their page-locked memory when the graph was built, and
@@ -167,12 +288,41 @@ void rgpu_managed_before_call(uint16_t op) {
                  op == RGPU_OP_cuStreamWriteValue64_v2 || op == RGPU_OP_cuStreamWaitValue32_v2 ||
                  op == RGPU_OP_cuStreamWaitValue64_v2);
     if (__builtin_expect(!__atomic_load_n(&g_any_host_owned, __ATOMIC_ACQUIRE), 1) && !graph) return;
-    hand_over(1, graph);
+    hand_over(1, graph, NULL, numbered_work(op));
+}
+
+/* A launch's frame is queued: the page-locked regions it was handed (this thread's, not yet
+ * numbered) get the next number of the event clock, and its stream. A synchronisation that began
+ * after this covers them. */
+void rgpu_managed_handed_on(CUstream stream) {
+    if (!__atomic_load_n(&g_any_gpu_owned, __ATOMIC_ACQUIRE)) return;
+    pthread_mutex_lock(&g_lock);
+    uint64_t seq = 0;
+    for (size_t i = 0; i < g_count; i++) {
+        managed_region *m = &g_regions[i];
+        if (m->use_thread != &t_thread_token) continue;
+        if (!seq) seq = rgpu_event_clock_tick();
+        if (!m->first_use) m->first_use = seq;
+        m->last_use = seq;
+        if (!m->uses_streams) m->uses_streams = 1;
+        else if (m->use_stream != (uint64_t)(uintptr_t)stream) m->uses_streams = 2;
+        m->use_stream = (uint64_t)(uintptr_t)stream;
+        m->use_thread = NULL;
+    }
+    pthread_mutex_unlock(&g_lock);
+}
+
+void rgpu_managed_sync_begins(void) { t_cover.kind = COVERS_NONE; }
+
+void rgpu_managed_covers(int whole_context, CUstream stream, uint64_t seq) {
+    t_cover = (sync_cover){whole_context ? COVERS_CONTEXT : COVERS_STREAM, (uint64_t)(uintptr_t)stream, seq};
 }
 
 void rgpu_managed_sync_point(void) {
+    sync_cover cover = t_cover;
+    t_cover.kind = COVERS_NONE;
     if (__builtin_expect(!__atomic_load_n(&g_any_gpu_owned, __ATOMIC_ACQUIRE), 1) || t_moving) return;
-    hand_over(0, 0);
+    hand_over(0, 0, &cover, 0);
 }
 
 static managed_region *find_locked(CUdeviceptr p) {
@@ -234,6 +384,8 @@ void rgpu_managed_hand(CUdeviceptr p) {
     if (m && m->pinned && !m->gpu_owned) {
         m->handed = 1;
         __atomic_store_n(&g_any_host_owned, 1, __ATOMIC_RELEASE);
+    } else if (m && m->pinned) {
+        used_again_locked(m, 1);   /* a copy's side is never numbered: the use stays pending, read back behind all */
     }
     pthread_mutex_unlock(&g_lock);
 }
@@ -246,7 +398,7 @@ void rgpu_managed_hand_args(const void *args, size_t n) {
     pthread_mutex_lock(&g_lock);
     uint64_t lo = UINT64_MAX, hi = 0;
     for (size_t i = 0; i < g_count; i++)
-        if (g_regions[i].pinned && !g_regions[i].gpu_owned) {
+        if (g_regions[i].pinned) {
             if (g_regions[i].user < lo) lo = g_regions[i].user;
             if (g_regions[i].user + g_regions[i].size > hi) hi = g_regions[i].user + g_regions[i].size;
         }
@@ -257,6 +409,7 @@ void rgpu_managed_hand_args(const void *args, size_t n) {
         if (v < lo || v >= hi) continue;
         managed_region *m = find_locked(v);
         if (m && m->pinned && !m->gpu_owned) m->handed = any = 1;
+        else if (m && m->pinned) used_again_locked(m, 1);
     }
     if (any) __atomic_store_n(&g_any_host_owned, 1, __ATOMIC_RELEASE);
     pthread_mutex_unlock(&g_lock);
@@ -336,7 +489,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesiz
         return CUDA_ERROR_NOT_SUPPORTED;
     }
     pthread_mutex_lock(&g_lock);
-    int added = append_locked((managed_region){user, real, bytesize, mapped, 0, 0, 0, NULL});   /* zeros, host-owned */
+    int added = append_locked((managed_region){user, real, bytesize, mapped, 0, 0, 0, NULL, 0, 0, NULL});   /* zeros, host-owned */
     pthread_mutex_unlock(&g_lock);
     if (!added) {
         munmap(host, mapped);
@@ -356,7 +509,7 @@ int rgpu_managed_adopt(CUdeviceptr user, size_t size, size_t mapped) {
     uint8_t *snapshot = malloc(size ? size : 1);
     if (!snapshot) return 0;
     pthread_mutex_lock(&g_lock);
-    int added = append_locked((managed_region){user, 0, size, mapped, 0, 1, 1, snapshot});   /* handed now */
+    int added = append_locked((managed_region){user, 0, size, mapped, 0, 1, 1, snapshot, 0, 0, NULL});   /* handed now */
     pthread_mutex_unlock(&g_lock);
     if (!added) free(snapshot);
     return added;

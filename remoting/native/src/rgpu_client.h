@@ -290,6 +290,10 @@ int rgpu_managed_routes(const void *host);
 CUresult rgpu_managed_free(CUdeviceptr user);
 void rgpu_managed_hand(CUdeviceptr p);
 void rgpu_managed_hand_args(const void *args, size_t n);
+void rgpu_managed_handed_on(CUstream stream);     /* after a launch's frame is queued */
+void rgpu_managed_sync_begins(void);              /* a synchronous call begins (transport.c) */
+void rgpu_managed_covers(int whole_context, CUstream stream, uint64_t seq);   /* what it covered */
+uint64_t rgpu_event_clock_tick(void);             /* the event clock's next number (cuda_events.c) */
 int rgpu_managed_adopt(CUdeviceptr user, size_t size, size_t mapped);
 int rgpu_managed_forget(CUdeviceptr user);
 /* Page-locked memory a GPU kernel uses directly (zero_copy.c). */

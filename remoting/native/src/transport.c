@@ -21,6 +21,8 @@
 #include "ucx_link.h"
 #include "lanes.h"
 #include <sys/random.h>
+#include <execinfo.h>
+#include <sys/syscall.h>
 
 rgpu_session rgpu_sessions[RGPU_MAX_SESSIONS];
 int rgpu_session_count;
@@ -288,6 +290,7 @@ __attribute__((weak)) uint64_t rgpu_header_ctx(int session) {
 /* Before any call reaches a worker (libcuda overrides it: managed.c brings the GPU's copy of
  * managed memory up to date; it must run before the session's lock is taken). */
 __attribute__((weak)) void rgpu_managed_before_call(uint16_t op) { (void)op; }
+__attribute__((weak)) void rgpu_managed_sync_begins(void) {}
 
 /* The CUDA library overrides it (cuda_cache.c): a pipelined attribute set may have been refused. */
 __attribute__((weak)) void rgpu_attr_sets_refused(void) {}
@@ -429,11 +432,33 @@ static void show_message(rgpu_session *s, const char *msg, size_t n) {
 
 static CUresult sync_wait(rgpu_call *c, rgpu_session *s, uint32_t want_seq);
 
+/* RGPU_SYNC_BACKTRACE=OP: where an application's round trips of one operation come from (the
+ * numbers are remoting/native/generated/rgpu_ops.h's). The 1st, 51st, ... 451st synchronous call of
+ * OP prints its thread and native backtrace to stderr: the library of the caller (libtorch_cuda,
+ * libcudnn, ...) and, where it exports them, its functions. */
+static void sync_backtrace(uint16_t op) {
+    static int wanted = -2;
+    static unsigned seen;
+    if (wanted == -2) {
+        const char *v = getenv("RGPU_SYNC_BACKTRACE");
+        wanted = v && *v ? atoi(v) : -1;
+    }
+    if (wanted < 0 || op != (uint16_t)wanted) return;
+    unsigned n = __atomic_add_fetch(&seen, 1, __ATOMIC_RELAXED);
+    if (n % 50 != 1 || n > 500) return;
+    void *frames[32];
+    int depth = backtrace(frames, 32);
+    fprintf(stderr, "rgpu: synchronous call %u of operation %d, thread %ld:\n", n, op, (long)syscall(SYS_gettid));
+    backtrace_symbols_fd(frames, depth, 2);
+}
+
 CUresult rgpu_sync(rgpu_call *c) {
     rgpu_session *s = c->s;
     if (c->frame_start != (size_t)-1) patch_length(c, 0);
     uint32_t want_seq = s->seq; /* the lock is held since rgpu_begin numbered this call */
     uint64_t started = stats_on() ? now_ns() : 0;
+    rgpu_managed_sync_begins();   /* what this call covers is told after its reply (managed.c) */
+    sync_backtrace(c->op);
     CUresult r = sync_wait(c, s, want_seq);
     /* The first reply after pipelined attribute sets: a failure may be one of them refused. */
     if (s->attr_sets_unconfirmed) {
