@@ -394,3 +394,26 @@ def test_a_block_handed_again_after_the_event_comes_back_behind_all_the_work(
     assert done.returncode == 0, done.stdout + done.stderr
     assert "AFTER EVENT 0x11 0x33 0x0" in done.stdout, done.stdout + done.stderr
     assert "AFTER CONTEXT 0x11 0x33 0x22" in done.stdout, done.stdout + done.stderr
+
+
+def test_page_locked_memory_lies_where_no_pair_of_small_integers_spells_its_address(
+        native_libs: build.Libraries, emulated: Server) -> None:
+    """NVIDIA's driver reserves large ranges at low addresses unless asked (0x302000000 on an H200):
+    a cuDNN kernel's parameters held that value as two small integers side by side, and one of
+    PyTorch's 64 MiB pinned loader blocks was backed on the GPU and moved whole at every step. The
+    client asks for addresses whose upper half is 0x5a5b; the block stays usable by a kernel."""
+    done = py_client(native_libs, emulated.slices(emulated.token(memory_limit=1 << 30)), """
+        setup()
+        blocks = []
+        for size in (64 << 20, 2 << 20):
+            host = ctypes.c_void_p()
+            check("cuMemAllocHost_v2", ctypes.byref(host), ctypes.c_size_t(size))
+            blocks.append(host)
+        print("UPPER", [hex(b.value >> 32) for b in blocks])
+        check("cuMemsetD32Async", ctypes.c_uint64(blocks[0].value), 0x5, ctypes.c_size_t(1), None)
+        check("cuCtxSynchronize")
+        print("WORD", hex(ctypes.c_uint32.from_address(blocks[0].value).value))
+        """, RGPU_ZERO_COPY="1")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "UPPER ['0x5a5b', '0x5a5b']" in done.stdout, done.stdout + done.stderr
+    assert "WORD 0x5" in done.stdout, done.stdout + done.stderr

@@ -242,9 +242,16 @@ class EmulatedMemory(EmulatedDevice):
     def cuMemAddressReserve(self, size: int, alignment: int, addr: int, flags: int) -> tuple[int, int]:
         align = max(alignment, _ALIGN)   # as the driver: the range starts on the alignment asked for
         ptr = (self.next_address + align - 1) // align * align
+        if addr and addr % align == 0 and self._free_range(addr, size):
+            self.reserved[addr] = size   # as the driver does for large ranges: the address asked for, when free
+            return (SUCCESS, addr)
         self.next_address = ptr + (size + _ALIGN - 1) // _ALIGN * _ALIGN + _ALIGN
         self.reserved[ptr] = size
         return (SUCCESS, ptr)
+
+    def _free_range(self, addr: int, size: int) -> bool:
+        taken = [(b, b + len(m)) for b, m in self.allocs.items()] + [(b, b + s) for b, s in self.reserved.items()]
+        return all(addr + size <= lo or addr >= hi for lo, hi in taken)
 
     def cuMemAddressFree(self, ptr: int, size: int) -> tuple[int]:
         return (SUCCESS,) if self.reserved.pop(ptr, None) is not None else (INVALID_VALUE,)

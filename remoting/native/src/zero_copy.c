@@ -93,6 +93,16 @@ static zc_alloc *find_locked(uint64_t p) {
     return NULL;
 }
 
+/* Where the worker's driver reserves ranges of 32 MiB and more when not asked: low addresses
+ * (0x302000000 on an H200, 2026-11-28), whose 64-bit value a kernel's parameters hold as two small
+ * 32-bit integers side by side (a 3 beside an element count of 51 million): a cuDNN kernel's
+ * parameters matched one of PyTorch's 64 MiB pinned loader blocks, which was then backed on the
+ * GPU and moved whole at every step (0.38x local). Asked for here instead (the driver takes the
+ * hint for large ranges; it puts small ones high by itself): addresses whose upper half, 0x5a5b,
+ * is a denormal as a float or double and an unlikely neighbour as an integer. */
+#define ZC_HINT_BASE 0x5a5b00000000ull
+static uint64_t g_next_hint = ZC_HINT_BASE;
+
 /* The worker's address for an allocation of `bytesize`, mapped here (shared with the worker where it
  * can be, shared_pinned.c): the host address, or NULL (*reserved 0) where it cannot be placed so. */
 static void *place(int device, size_t bytesize, size_t mapped, size_t *reserved, uint64_t *region, int *memfd) {
@@ -101,7 +111,8 @@ static void *place(int device, size_t bytesize, size_t mapped, size_t *reserved,
     if (!enabled() || !g || bytesize > SIZE_MAX - g) return NULL;
     size_t want = round_up(bytesize, g);
     CUdeviceptr at = 0;
-    if (cuMemAddressReserve(&at, want, g, 0, 0) != CUDA_SUCCESS || !at) return NULL;
+    uint64_t hint = __atomic_fetch_add(&g_next_hint, want + g, __ATOMIC_RELAXED);
+    if (cuMemAddressReserve(&at, want, g, hint, 0) != CUDA_SUCCESS || !at) return NULL;
     void *host = rgpu_shared_pinned_map(device, (void *)(uintptr_t)at, mapped, region, memfd);
     if (!host)
         host = mmap((void *)(uintptr_t)at, mapped, PROT_READ | PROT_WRITE,
