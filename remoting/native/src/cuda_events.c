@@ -20,7 +20,8 @@
  * it began at, and covers the records numbered up to it (their frames went out before its own).
  * An event recorded while a stream capture may be under way is never answered here again: a
  * graph launched later may record it without the client seeing it. Nor are events answered here
- * while managed memory exists (managed.c hands the GPU's copy over at each real synchronisation).
+ * while managed memory of cuMemAllocManaged exists (managed.c hands the GPU's copy over at each real
+ * synchronisation); page-locked memory backed on the GPU does not stop them (managed.c says why).
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -302,7 +303,7 @@ int rgpu_event_known(CUevent event, uint64_t *seq, CUresult *result) {
         known = 1;
     } else {
         *seq = e->record_seq;
-        if (!e->uncertain && !rgpu_managed_any() &&
+        if (!e->uncertain && !rgpu_managed_unpinned_any() &&
             (e->record_seq == 0 || e->done_seq >= e->record_seq ||
              synced_upto(e->stream, e->session, e->ctx, e->stream == (uint64_t)RGPU_EVENT_WHOLE_CONTEXT) >= e->record_seq)) {
             *result = CUDA_SUCCESS;

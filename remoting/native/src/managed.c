@@ -417,6 +417,18 @@ void rgpu_managed_hand_args(const void *args, size_t n) {
 
 int rgpu_managed_any(void) { return __atomic_load_n(&g_count, __ATOMIC_ACQUIRE) != 0; }
 
+/* Managed memory of cuMemAllocManaged (not page-locked memory backed on the GPU). An event the
+ * client knows complete needs no synchronisation point for page-locked regions: the one that made
+ * it known (covering its record) brought back every region used before the record. */
+int rgpu_managed_unpinned_any(void) {
+    if (!__atomic_load_n(&g_count, __ATOMIC_ACQUIRE)) return 0;
+    pthread_mutex_lock(&g_lock);
+    int any = 0;
+    for (size_t i = 0; i < g_count && !any; i++) any = !g_regions[i].pinned;
+    pthread_mutex_unlock(&g_lock);
+    return any;
+}
+
 int rgpu_managed_find(CUdeviceptr p) {
     if (!__atomic_load_n(&g_count, __ATOMIC_ACQUIRE)) return 0;
     pthread_mutex_lock(&g_lock);

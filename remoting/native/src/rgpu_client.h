@@ -283,6 +283,7 @@ uint64_t rgpu_synced_get(uint64_t k1, uint64_t k2);
 void rgpu_synced_put(uint64_t k1, uint64_t k2, uint64_t seq);
 /* Managed memory emulated in the client (managed.c). */
 int rgpu_managed_any(void);
+int rgpu_managed_unpinned_any(void);
 void rgpu_managed_before_call(uint16_t op);
 void rgpu_managed_sync_point(void);
 int rgpu_managed_find(CUdeviceptr p);
