@@ -2,12 +2,14 @@
  * into the client, the RGPU_TEST_CUT_SENDMSG-th sendmsg(2) call (lanes.c sends every chunk with
  * sendmsg; nothing else in the client does), or the RGPU_TEST_CUT_RECV-th recv(2) with MSG_DONTWAIT
  * (lanes.c's receives; the session's connection is read without it), shuts its socket down and fails
- * with ECONNRESET. */
+ * with ECONNRESET. RGPU_TEST_SLOW_SENDMSG_US=N: every sendmsg(2) waits N microseconds first (a slow
+ * network: a copy's lanes are still sending when the program goes on). */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
 #include <stdlib.h>
 #include <sys/socket.h>
+#include <unistd.h>
 
 static int calls, recvs;
 
@@ -27,6 +29,8 @@ ssize_t recv(int fd, void *p, size_t n, int flags) {
 ssize_t sendmsg(int fd, const struct msghdr *m, int flags) {
     static ssize_t (*real)(int, const struct msghdr *, int);
     if (!real) real = (ssize_t (*)(int, const struct msghdr *, int))dlsym(RTLD_NEXT, "sendmsg");
+    const char *slow = getenv("RGPU_TEST_SLOW_SENDMSG_US");
+    if (slow) usleep((useconds_t)atoi(slow));
     const char *v = getenv("RGPU_TEST_CUT_SENDMSG");
     int cut = v ? atoi(v) : 0;
     if (cut && __atomic_add_fetch(&calls, 1, __ATOMIC_SEQ_CST) == cut) {

@@ -188,6 +188,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemHostAlloc(void **pp, size_t bytesize, unsigned
 RGPU_EXPORT CUresult CUDAAPI cuMemFreeHost(void *p) {
     CUresult r = rgpu_check_init();
     if (r != CUDA_SUCCESS) return r;
+    rgpu_lanes_sends_finish();   /* a copy from it may still be on its way */
     if (rgpu_zero_copy_free(p, &r)) return r;
     int owned = 0;
     size_t size = 0;
@@ -208,6 +209,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemHostRegister_v2(void *p, size_t bytesize, unsi
 RGPU_EXPORT CUresult CUDAAPI cuMemHostUnregister(void *p) {
     CUresult r = rgpu_check_init();
     if (r != CUDA_SUCCESS) return r;
+    rgpu_lanes_sends_finish();   /* a copy from it may still be on its way */
     int owned = 0;
     if (!rgpu_host_range_remove(p, &owned, NULL)) return 713; /* CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED */
     return CUDA_SUCCESS;
@@ -260,6 +262,13 @@ static int shared_copy(rgpu_call *c, uint16_t op, CUdeviceptr dev, const void *h
     return 1;
 }
 
+/* [p, p + n) lies in one page-locked allocation of this process. */
+static int page_locked(const void *p, size_t n) {
+    void *base = NULL;
+    size_t size = 0;
+    return rgpu_host_range_find(p, &base, &size, NULL) && (const uint8_t *)p + n <= (const uint8_t *)base + size;
+}
+
 /* wait: return only once the source may be reused (cuMemcpyHtoD's contract; an async copy from
  * page-locked memory may return before, as CUDA's does). Bytes sent on the wire are read by then. */
 static CUresult htod(CUdeviceptr dst, const void *src, size_t n, CUstream stream, int session, int wait) {
@@ -289,7 +298,8 @@ static CUresult htod(CUdeviceptr dst, const void *src, size_t n, CUstream stream
             rgpu_put_u64(&c, (uint64_t)(uintptr_t)stream);
             rgpu_put_u64(&c, n);
             rgpu_put_u64(&c, rgpu_lane_chunk_bytes());
-            r = rgpu_lanes_put_bulk(&c, src, n);
+            /* From page-locked memory, asynchronously: returns once the lanes began, as CUDA's does. */
+            r = !wait && page_locked(src, n) ? rgpu_lanes_put_bulk_async(&c, src, n) : rgpu_lanes_put_bulk(&c, src, n);
             if (r == CUDA_SUCCESS) r = rgpu_async(&c);
             else rgpu_end(&c);
             return r;

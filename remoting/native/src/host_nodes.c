@@ -36,6 +36,8 @@ static hostfn *g_fns;
 static size_t g_count, g_cap;
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
 
+int rgpu_hostfn_any(void) { return __atomic_load_n(&g_count, __ATOMIC_ACQUIRE) != 0; }
+
 uint64_t rgpu_hostfn_register(int kind, void *fn, void *user, CUstream stream) {
     uint64_t id = 0;
     pthread_mutex_lock(&g_lock);

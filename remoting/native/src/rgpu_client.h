@@ -81,6 +81,7 @@ typedef struct rgpu_session {
     int lanes[RGPU_MAX_LANES];
     int nlanes;
     int striping;              /* lane threads use the lanes now: a failing session leaves them open */
+    struct rgpu_pending_send *pending;   /* a page-locked copy's bytes the lanes still send (transport.c) */
     uint8_t lane_key[RGPU_LANE_KEY_BYTES];
 } rgpu_session;
 
@@ -135,6 +136,12 @@ CUresult rgpu_ucx_finish(rgpu_call *c, void *req, size_t n, CUresult result);
 int rgpu_lanes_carry(const rgpu_call *c, size_t n);
 uint64_t rgpu_lane_chunk_bytes(void);
 CUresult rgpu_lanes_put_bulk(rgpu_call *c, const void *p, size_t n);
+/* The same for page-locked memory of an asynchronous copy: returns once the lanes began (CUDA's
+ * contract: the program reuses the memory only after the stream says the copy is done); a failure
+ * answers the session's next synchronous call. Memory about to be freed waits for its copies first. */
+CUresult rgpu_lanes_put_bulk_async(rgpu_call *c, const void *p, size_t n);
+void rgpu_lanes_sends_finish(void);
+int rgpu_hostfn_any(void);   /* host_nodes.c: host functions registered (their calls need the connection served) */
 /* A device-to-host copy's bytes from the lanes, straight into dst, after its REPLY said they follow. */
 CUresult rgpu_lanes_get_bulk(rgpu_call *c, void *dst, size_t n, uint64_t chunk);
 CUresult rgpu_sync(rgpu_call *c);

@@ -8,6 +8,8 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sched.h>
+#include <signal.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -431,6 +433,7 @@ static void show_message(rgpu_session *s, const char *msg, size_t n) {
 }
 
 static CUresult sync_wait(rgpu_call *c, rgpu_session *s, uint32_t want_seq);
+static CUresult finish_pending_send(rgpu_session *s);
 
 /* RGPU_SYNC_BACKTRACE=OP: where an application's round trips of one operation come from (the
  * numbers are remoting/native/generated/rgpu_ops.h's). The 1st, 51st, ... 451st synchronous call of
@@ -460,6 +463,11 @@ CUresult rgpu_sync(rgpu_call *c) {
     rgpu_managed_sync_begins();   /* what this call covers is told after its reply (managed.c) */
     sync_backtrace(c->op);
     CUresult r = sync_wait(c, s, want_seq);
+    /* A background copy queued before this call was received whole before the reply (or failed) */
+    if (s->pending && r != CUDA_ERROR_DEVICE_UNAVAILABLE && c->op != RGPU_OP_rgpuMemcpyDtoHLanes) {
+        CUresult sent = finish_pending_send(s);
+        if (r == CUDA_SUCCESS) r = sent;
+    }
     /* The first reply after pipelined attribute sets: a failure may be one of them refused. */
     if (s->attr_sets_unconfirmed) {
         s->attr_sets_unconfirmed = 0;
@@ -1151,8 +1159,105 @@ static int serve_while_striping(void *arg) {
     return serve_unasked((rgpu_session *)arg, "while a copy's bytes went over its data lanes");
 }
 
+/* ------------------------------------------------------------------ page-locked copies in the background
+ * A host-to-device copy from page-locked memory returns as soon as its lanes are given the bytes,
+ * as NVIDIA's cuMemcpyHtoDAsync does: the program keeps queueing work (the worker reads it after the
+ * copy) while a thread of the session sends. The session's next striped copy, and every call that
+ * frees page-locked memory, wait for it first; its result answers the session's next synchronous
+ * call (the reply to which comes after the worker received every byte). Not while host functions
+ * exist: the worker may wait for one before it reads the lanes, and only a waiting caller serves
+ * the connection. */
+typedef struct rgpu_pending_send {
+    rgpu_session *s;
+    const uint8_t *p;
+    size_t n;
+    uint32_t seq;
+    pthread_t thread;
+    int result;
+    char why[512];
+} rgpu_pending_send;
+
+static void *pending_send_main(void *arg) {
+    rgpu_pending_send *ps = arg;
+    rgpu_session *s = ps->s;
+    ps->result = rgpu_lanes_send(s->lanes, s->nlanes, ps->seq, ps->p, ps->n, rgpu_lane_chunk_bytes(), -1, NULL, NULL,
+                                 ucx_idle_s(), ps->why, sizeof ps->why);
+    return NULL;
+}
+
+static void lanes_put_failed(rgpu_session *s, size_t n, const char *why, const char *when) {
+    rgpu_log(RGPU_LOG_ERROR, "a host-to-device copy of %zu bytes to GPU server %s failed: %s (the copy did not "
+             "complete: CUDA_ERROR_UNKNOWN%s; the session goes on, its later copies on its one connection)", n,
+             s->server, why, when);
+    close_lanes(s);
+}
+
+/* The session's background copy is over (its lock held): CUDA_ERROR_UNKNOWN if it failed. */
+static CUresult finish_pending_send(rgpu_session *s) {
+    rgpu_pending_send *ps = s->pending;
+    if (!ps) return CUDA_SUCCESS;
+    pthread_join(ps->thread, NULL);
+    s->pending = NULL;
+    s->striping = 0;
+    CUresult r = CUDA_SUCCESS;
+    if (s->dead) close_lanes(s);
+    else if (ps->result) {
+        lanes_put_failed(s, ps->n, ps->why, ", reported at this later call");
+        r = CUDA_ERROR_UNKNOWN;
+    }
+    free(ps);
+    return r;
+}
+
+void rgpu_lanes_sends_finish(void) {
+    for (int i = 0; i < rgpu_session_count; i++) {
+        rgpu_session *s = &rgpu_sessions[i];
+        if (!__atomic_load_n(&s->pending, __ATOMIC_ACQUIRE)) continue;
+        pthread_mutex_lock(&s->lock);
+        CUresult r = finish_pending_send(s);
+        pthread_mutex_unlock(&s->lock);
+        (void)r;   /* logged; the copy's stream meets the worker's own error */
+    }
+}
+
+CUresult rgpu_lanes_put_bulk_async(rgpu_call *c, const void *p, size_t n) {
+    rgpu_session *s = c->s;
+    if (rgpu_hostfn_any()) return rgpu_lanes_put_bulk(c, p, n);
+    CUresult earlier = finish_pending_send(s);
+    rgpu_pending_send *ps = calloc(1, sizeof *ps);
+    if (!ps) return rgpu_lanes_put_bulk(c, p, n);
+    patch_length(c, 0);
+    c->frame_start = (size_t)-1;   /* complete: its bytes follow on the lanes */
+    if (flush_locked(s)) {
+        free(ps);
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
+    *ps = (rgpu_pending_send){.s = s, .p = p, .n = n, .seq = s->seq};
+    s->striping = 1;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    sigset_t all, old;
+    sigfillset(&all);   /* the application's signals go to its own threads */
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int started = pthread_create(&ps->thread, &attr, pending_send_main, ps) == 0;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    pthread_attr_destroy(&attr);
+    if (!started) {   /* send it here, as a synchronous copy does */
+        pending_send_main(ps);
+        s->striping = 0;
+        int failed = ps->result;
+        if (failed) lanes_put_failed(s, n, ps->why, "");
+        free(ps);
+        return failed ? CUDA_ERROR_UNKNOWN : earlier;
+    }
+    s->pending = ps;
+    return earlier;
+}
+
 CUresult rgpu_lanes_put_bulk(rgpu_call *c, const void *p, size_t n) {
     rgpu_session *s = c->s;
+    CUresult earlier = finish_pending_send(s);
+    if (earlier != CUDA_SUCCESS) return earlier;
     patch_length(c, 0);
     c->frame_start = (size_t)-1;   /* complete: its bytes follow on the lanes */
     if (flush_locked(s)) return CUDA_ERROR_DEVICE_UNAVAILABLE;
@@ -1168,15 +1273,14 @@ CUresult rgpu_lanes_put_bulk(rgpu_call *c, const void *p, size_t n) {
         return CUDA_ERROR_DEVICE_UNAVAILABLE;
     }
     if (r == 0) return CUDA_SUCCESS;
-    rgpu_log(RGPU_LOG_ERROR, "a host-to-device copy of %zu bytes to GPU server %s failed: %s (the copy did not "
-             "complete: CUDA_ERROR_UNKNOWN; the session goes on, its later copies on its one connection)", n,
-             s->server, why);
-    close_lanes(s);
+    lanes_put_failed(s, n, why, "");
     return CUDA_ERROR_UNKNOWN;
 }
 
 CUresult rgpu_lanes_get_bulk(rgpu_call *c, void *dst, size_t n, uint64_t chunk) {
     rgpu_session *s = c->s;
+    CUresult earlier = finish_pending_send(s);   /* done: the worker replied after receiving it */
+    if (earlier != CUDA_SUCCESS) return earlier;
     char why[512];
     int32_t aborted = 0;
     /* Only unasked frames (a host node's HOST_CALL, a NOTICE) may come on the session's connection
@@ -1324,6 +1428,8 @@ void rgpu_transport_reset_after_fork(void) {
         if (s->fd >= 0) close(s->fd);
         s->fd = -1;
         close_lanes(s);
+        s->pending = NULL;   /* the parent's thread sends it: the child only forgets it */
+        s->striping = 0;
         s->dead = 1;
         s->ucx = NULL;   /* the parent's UCX worker stays the parent's: the child only forgets it */
         pthread_mutex_init(&s->lock, NULL);
@@ -1342,6 +1448,7 @@ void rgpu_say_goodbye(void) {
     for (int i = 0; i < rgpu_session_count; i++) {
         rgpu_session *s = &rgpu_sessions[i];
         if (pthread_mutex_trylock(&s->lock)) continue;
+        (void)finish_pending_send(s);   /* a background copy's bytes go before the goodbye */
         if (!s->dead && reserve(s, RGPU_HEADER_SIZE) == 0) {
             rgpu_put_header(s->sbuf + s->slen, 0, RGPU_OP_BYE, 0, ++s->seq, 0, 0);
             s->slen += RGPU_HEADER_SIZE;
