@@ -100,6 +100,21 @@ def test_library_exports_every_driver_symbol(native_libs: build.Libraries) -> No
     assert nvml <= defined, sorted(nvml - defined)[:20]
 
 
+def test_every_built_library_resolves_all_its_symbols(native_libs: build.Libraries) -> None:
+    """libnvidia-ml.so.1 shares transport.c with libcuda.so.1 but not every file: a call there into a
+    file only libcuda has left the NVML library unloadable ("NVML Shared Library Not Found" from
+    nvidia-smi and rgpu's smi, on an H200, 2026-11-28). The dynamic loader checks every symbol
+    without running the libraries (ldd -r)."""
+    folder = native_libs.libcuda.parent
+    for lib in sorted(folder.glob("*.so.*")) + sorted(folder.glob("librgpu-worker.so")):
+        done = subprocess.run(["ldd", "-r", str(lib)], capture_output=True, text=True, check=False,
+                              env={"LD_LIBRARY_PATH": str(folder), "PATH": "/usr/bin:/bin"})
+        if done.returncode == 127:
+            pytest.skip("ldd is not available")
+        undefined = [line for line in (done.stdout + done.stderr).splitlines() if "undefined symbol" in line]
+        assert not undefined, f"{lib.name}: {undefined[:5]}"
+
+
 def test_proc_table_maps_versions_to_symbols() -> None:
     procs = apispec.read_procs(apispec.SPEC_DIR / "cuda_procs.txt")
     table = {(b, v): s for b, v, s in procs if not s.endswith(("_ptds", "_ptsz"))}

@@ -293,6 +293,7 @@ __attribute__((weak)) uint64_t rgpu_header_ctx(int session) {
  * managed memory up to date; it must run before the session's lock is taken). */
 __attribute__((weak)) void rgpu_managed_before_call(uint16_t op) { (void)op; }
 __attribute__((weak)) void rgpu_managed_sync_begins(void) {}
+__attribute__((weak)) int rgpu_hostfn_any(void) { return 0; }   /* libnvidia-ml.so.1 has no host functions */
 
 /* The CUDA library overrides it (cuda_cache.c): a pipelined attribute set may have been refused. */
 __attribute__((weak)) void rgpu_attr_sets_refused(void) {}
