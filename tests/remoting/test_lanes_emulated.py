@@ -98,12 +98,18 @@ def lane_failure(native_libs: build.Libraries, tmp_path_factory: pytest.TempPath
     return driver_api_program(native_libs, HERE / "lane_failure.c", tmp_path_factory.mktemp("fail") / "lane_failure")
 
 
+def _cut_copy(native_libs: build.Libraries, lane_cut: Path, lane_failure: Path, mode: str,
+              **cut: str) -> subprocess.CompletedProcess[str]:
+    """lane_failure.c's `mode` against an emulated GPU, with lane_cut.c breaking the lane `cut` names."""
+    with serving("emulated", [EMULATED_GPU]) as s:
+        return run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(lane_failure), mode],
+                          timeout=300, LD_PRELOAD=str(lane_cut), **cut, **LANE_ENV)
+
+
 def test_a_lane_cut_mid_copy_fails_that_copy_and_the_session_goes_on(native_libs: build.Libraries, lane_cut: Path,
                                                                      lane_failure: Path) -> None:
-    with serving("emulated", [EMULATED_GPU]) as s:
-        # The 5th chunk's send breaks: 4 chunks of the 16 MiB copy went, 252 did not.
-        done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(lane_failure), "htod"],
-                          timeout=300, LD_PRELOAD=str(lane_cut), RGPU_TEST_CUT_SENDMSG="5", **LANE_ENV)
+    # The 5th chunk's send breaks: 4 chunks of the 16 MiB copy went, 252 did not.
+    done = _cut_copy(native_libs, lane_cut, lane_failure, "htod", RGPU_TEST_CUT_SENDMSG="5")
     lines = done.stdout.split()
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr
     assert done.stdout.startswith("COPY 999\nSYNC 999\n"), done.stdout   # CUDA_ERROR_UNKNOWN, each end once
@@ -121,9 +127,7 @@ def test_a_copy_from_page_locked_memory_returns_before_its_lanes_finish_and_a_cu
     NVIDIA's does (the program queues its next work meanwhile; an input-fed ResNet-18's 38.5 MB batch
     held its launching thread for 2.5 ms a step, before): so a lane cut under it is an asynchronous
     error, answered by the next synchronisation, and the session goes on."""
-    with serving("emulated", [EMULATED_GPU]) as s:
-        done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(lane_failure), "htod-async"],
-                          timeout=300, LD_PRELOAD=str(lane_cut), RGPU_TEST_CUT_SENDMSG="5", **LANE_ENV)
+    done = _cut_copy(native_libs, lane_cut, lane_failure, "htod-async", RGPU_TEST_CUT_SENDMSG="5")
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr
     assert done.stdout.startswith("COPY 0\nSYNC 999\n"), done.stdout
     assert "a host-to-device copy of 16777216 bytes to GPU server" in done.stderr, done.stderr
@@ -159,10 +163,8 @@ def test_page_locked_memory_freed_or_copied_again_right_after_an_asynchronous_co
 
 def test_a_lane_cut_while_a_copy_comes_back_fails_that_copy_and_the_session_goes_on(
         native_libs: build.Libraries, lane_cut: Path, lane_failure: Path) -> None:
-    with serving("emulated", [EMULATED_GPU]) as s:
-        # A receive of the device-to-host copy breaks (the host-to-device copy before it is whole).
-        done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(lane_failure), "dtoh"],
-                          timeout=300, LD_PRELOAD=str(lane_cut), RGPU_TEST_CUT_RECV="40", **LANE_ENV)
+    # A receive of the device-to-host copy breaks (the host-to-device copy before it is whole).
+    done = _cut_copy(native_libs, lane_cut, lane_failure, "dtoh", RGPU_TEST_CUT_RECV="40")
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr
     # The copy fails at once; the worker, told success before it sent, has nothing to report later.
     assert done.stdout.startswith("COPY 999\nSYNC 0\n"), done.stdout
