@@ -131,7 +131,7 @@ def test_a_copy_from_page_locked_memory_returns_before_its_lanes_finish_and_a_cu
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr
     assert done.stdout.startswith("COPY 0\nSYNC 999\n"), done.stdout
     assert "a host-to-device copy of 16777216 bytes to GPU server" in done.stderr, done.stderr
-    assert "reported at this later call" in done.stderr, done.stderr
+    assert "reported at the next synchronising call" in done.stderr, done.stderr
     assert "lost the session" not in done.stderr
 
 

@@ -375,9 +375,15 @@ int rgpu_managed_routes(const void *host) {
     return routes;
 }
 
-/* Work about to be sent hands the GPU the page-locked region holding p (a kernel's argument, a
- * memset's target): its bytes go with that work. No-op for other memory. */
-void rgpu_managed_hand(CUdeviceptr p) {
+/* Work about to be sent hands the GPU the page-locked region holding p (a copy's side; with
+ * `numbered`, a kernel's argument or a memset's target): its bytes go with that work. No-op for
+ * other memory. */
+static void hand(CUdeviceptr p, int numbered);
+
+void rgpu_managed_hand(CUdeviceptr p) { hand(p, 0); }
+void rgpu_managed_hand_numbered(CUdeviceptr p) { hand(p, 1); }
+
+static void hand(CUdeviceptr p, int numbered) {
     if (t_moving || !__atomic_load_n(&g_count, __ATOMIC_ACQUIRE)) return;   /* not this file's own copies */
     pthread_mutex_lock(&g_lock);
     managed_region *m = find_locked(p);
@@ -385,7 +391,7 @@ void rgpu_managed_hand(CUdeviceptr p) {
         m->handed = 1;
         __atomic_store_n(&g_any_host_owned, 1, __ATOMIC_RELEASE);
     } else if (m && m->pinned) {
-        used_again_locked(m, 1);   /* a copy's side is never numbered: the use stays pending, read back behind all */
+        used_again_locked(m, numbered);   /* a copy's use is never numbered: read back behind all */
     }
     pthread_mutex_unlock(&g_lock);
 }
@@ -501,7 +507,7 @@ RGPU_EXPORT CUresult CUDAAPI cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesiz
         return CUDA_ERROR_NOT_SUPPORTED;
     }
     pthread_mutex_lock(&g_lock);
-    int added = append_locked((managed_region){user, real, bytesize, mapped, 0, 0, 0, NULL, 0, 0, NULL});   /* zeros, host-owned */
+    int added = append_locked((managed_region){.user = user, .real = real, .size = bytesize, .mapped = mapped});   /* zeros, host-owned */
     pthread_mutex_unlock(&g_lock);
     if (!added) {
         munmap(host, mapped);
@@ -521,7 +527,8 @@ int rgpu_managed_adopt(CUdeviceptr user, size_t size, size_t mapped) {
     uint8_t *snapshot = malloc(size ? size : 1);
     if (!snapshot) return 0;
     pthread_mutex_lock(&g_lock);
-    int added = append_locked((managed_region){user, 0, size, mapped, 0, 1, 1, snapshot, 0, 0, NULL});   /* handed now */
+    int added = append_locked((managed_region){.user = user, .size = size, .mapped = mapped, .pinned = 1, .handed = 1,
+                                               .snapshot = snapshot});   /* handed now */
     pthread_mutex_unlock(&g_lock);
     if (!added) free(snapshot);
     return added;

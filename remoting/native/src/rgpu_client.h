@@ -82,6 +82,7 @@ typedef struct rgpu_session {
     int nlanes;
     int striping;              /* lane threads use the lanes now: a failing session leaves them open */
     struct rgpu_pending_send *pending;   /* a page-locked copy's bytes the lanes still send (transport.c) */
+    int send_error;            /* that copy failed: the next synchronous call answers it */
     uint8_t lane_key[RGPU_LANE_KEY_BYTES];
 } rgpu_session;
 
@@ -296,7 +297,8 @@ void rgpu_managed_sync_point(void);
 int rgpu_managed_find(CUdeviceptr p);
 int rgpu_managed_routes(const void *host);
 CUresult rgpu_managed_free(CUdeviceptr user);
-void rgpu_managed_hand(CUdeviceptr p);
+void rgpu_managed_hand(CUdeviceptr p);            /* a copy's side */
+void rgpu_managed_hand_numbered(CUdeviceptr p);   /* a launch's argument, a memset's target (zero_copy.c) */
 void rgpu_managed_hand_args(const void *args, size_t n);
 void rgpu_managed_handed_on(CUstream stream);     /* after a launch's frame is queued */
 void rgpu_managed_sync_begins(void);              /* a synchronous call begins (transport.c) */

@@ -434,7 +434,7 @@ static void show_message(rgpu_session *s, const char *msg, size_t n) {
 }
 
 static CUresult sync_wait(rgpu_call *c, rgpu_session *s, uint32_t want_seq);
-static CUresult finish_pending_send(rgpu_session *s);
+static void finish_pending_send(rgpu_session *s);
 
 /* RGPU_SYNC_BACKTRACE=OP: where an application's round trips of one operation come from (the
  * numbers are remoting/native/generated/rgpu_ops.h's). The 1st, 51st, ... 451st synchronous call of
@@ -464,10 +464,12 @@ CUresult rgpu_sync(rgpu_call *c) {
     rgpu_managed_sync_begins();   /* what this call covers is told after its reply (managed.c) */
     sync_backtrace(c->op);
     CUresult r = sync_wait(c, s, want_seq);
-    /* A background copy queued before this call was received whole before the reply (or failed) */
-    if (s->pending && r != CUDA_ERROR_DEVICE_UNAVAILABLE && c->op != RGPU_OP_rgpuMemcpyDtoHLanes) {
-        CUresult sent = finish_pending_send(s);
-        if (r == CUDA_SUCCESS) r = sent;
+    /* A background copy queued before this call was received whole before the reply, or failed:
+     * its failure answers this call, as CUDA reports an asynchronous copy's. */
+    if (s->pending && r != CUDA_ERROR_DEVICE_UNAVAILABLE) finish_pending_send(s);
+    if (s->send_error) {
+        if (r == CUDA_SUCCESS) r = (CUresult)s->send_error;
+        s->send_error = 0;
     }
     /* The first reply after pipelined attribute sets: a failure may be one of them refused. */
     if (s->attr_sets_unconfirmed) {
@@ -1146,6 +1148,7 @@ CUresult rgpu_ucx_finish(rgpu_call *c, void *req, size_t n, CUresult result) {
 int rgpu_lanes_carry(const rgpu_call *c, size_t n) {
     static uint64_t min_bytes;
     if (!min_bytes) min_bytes = env_bytes("RGPU_LANE_MIN_BYTES", RGPU_LANE_MIN_BYTES, 1, UINT64_MAX);
+    if (c->s && c->s->pending) finish_pending_send(c->s);   /* one copy at a time; a failed one closed them */
     return c->s && c->s->nlanes > 1 && n >= min_bytes;
 }
 
@@ -1193,21 +1196,21 @@ static void lanes_put_failed(rgpu_session *s, size_t n, const char *why, const c
     close_lanes(s);
 }
 
-/* The session's background copy is over (its lock held): CUDA_ERROR_UNKNOWN if it failed. */
-static CUresult finish_pending_send(rgpu_session *s) {
+/* The session's background copy is over (its lock held). A failure closed the lanes (later copies
+ * go on the connection: rgpu_lanes_carry finishes it before it decides) and answers the session's
+ * next synchronous call (send_error). */
+static void finish_pending_send(rgpu_session *s) {
     rgpu_pending_send *ps = s->pending;
-    if (!ps) return CUDA_SUCCESS;
+    if (!ps) return;
     pthread_join(ps->thread, NULL);
     s->pending = NULL;
     s->striping = 0;
-    CUresult r = CUDA_SUCCESS;
     if (s->dead) close_lanes(s);
     else if (ps->result) {
-        lanes_put_failed(s, ps->n, ps->why, ", reported at this later call");
-        r = CUDA_ERROR_UNKNOWN;
+        lanes_put_failed(s, ps->n, ps->why, ", reported at the next synchronising call");
+        s->send_error = CUDA_ERROR_UNKNOWN;
     }
     free(ps);
-    return r;
 }
 
 void rgpu_lanes_sends_finish(void) {
@@ -1215,16 +1218,15 @@ void rgpu_lanes_sends_finish(void) {
         rgpu_session *s = &rgpu_sessions[i];
         if (!__atomic_load_n(&s->pending, __ATOMIC_ACQUIRE)) continue;
         pthread_mutex_lock(&s->lock);
-        CUresult r = finish_pending_send(s);
+        finish_pending_send(s);
         pthread_mutex_unlock(&s->lock);
-        (void)r;   /* logged; the copy's stream meets the worker's own error */
     }
 }
 
 CUresult rgpu_lanes_put_bulk_async(rgpu_call *c, const void *p, size_t n) {
     rgpu_session *s = c->s;
     if (rgpu_hostfn_any()) return rgpu_lanes_put_bulk(c, p, n);
-    CUresult earlier = finish_pending_send(s);
+    finish_pending_send(s);   /* already done by rgpu_lanes_carry: the lanes carry one copy at a time */
     rgpu_pending_send *ps = calloc(1, sizeof *ps);
     if (!ps) return rgpu_lanes_put_bulk(c, p, n);
     patch_length(c, 0);
@@ -1249,16 +1251,15 @@ CUresult rgpu_lanes_put_bulk_async(rgpu_call *c, const void *p, size_t n) {
         int failed = ps->result;
         if (failed) lanes_put_failed(s, n, ps->why, "");
         free(ps);
-        return failed ? CUDA_ERROR_UNKNOWN : earlier;
+        return failed ? CUDA_ERROR_UNKNOWN : CUDA_SUCCESS;
     }
     s->pending = ps;
-    return earlier;
+    return CUDA_SUCCESS;
 }
 
 CUresult rgpu_lanes_put_bulk(rgpu_call *c, const void *p, size_t n) {
     rgpu_session *s = c->s;
-    CUresult earlier = finish_pending_send(s);
-    if (earlier != CUDA_SUCCESS) return earlier;
+    finish_pending_send(s);   /* already done by rgpu_lanes_carry */
     patch_length(c, 0);
     c->frame_start = (size_t)-1;   /* complete: its bytes follow on the lanes */
     if (flush_locked(s)) return CUDA_ERROR_DEVICE_UNAVAILABLE;
@@ -1280,8 +1281,7 @@ CUresult rgpu_lanes_put_bulk(rgpu_call *c, const void *p, size_t n) {
 
 CUresult rgpu_lanes_get_bulk(rgpu_call *c, void *dst, size_t n, uint64_t chunk) {
     rgpu_session *s = c->s;
-    CUresult earlier = finish_pending_send(s);   /* done: the worker replied after receiving it */
-    if (earlier != CUDA_SUCCESS) return earlier;
+    finish_pending_send(s);   /* already done by rgpu_lanes_carry */
     char why[512];
     int32_t aborted = 0;
     /* Only unasked frames (a host node's HOST_CALL, a NOTICE) may come on the session's connection
@@ -1431,6 +1431,7 @@ void rgpu_transport_reset_after_fork(void) {
         close_lanes(s);
         s->pending = NULL;   /* the parent's thread sends it: the child only forgets it */
         s->striping = 0;
+        s->send_error = 0;
         s->dead = 1;
         s->ucx = NULL;   /* the parent's UCX worker stays the parent's: the child only forgets it */
         pthread_mutex_init(&s->lock, NULL);
@@ -1449,7 +1450,7 @@ void rgpu_say_goodbye(void) {
     for (int i = 0; i < rgpu_session_count; i++) {
         rgpu_session *s = &rgpu_sessions[i];
         if (pthread_mutex_trylock(&s->lock)) continue;
-        (void)finish_pending_send(s);   /* a background copy's bytes go before the goodbye */
+        finish_pending_send(s);   /* a background copy's bytes go before the goodbye */
         if (!s->dead && reserve(s, RGPU_HEADER_SIZE) == 0) {
             rgpu_put_header(s->sbuf + s->slen, 0, RGPU_OP_BYE, 0, ++s->seq, 0, 0);
             s->slen += RGPU_HEADER_SIZE;

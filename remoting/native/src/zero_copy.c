@@ -276,7 +276,7 @@ CUresult rgpu_zero_copy_promote(uint64_t ptr, int *found, const char *why) {
     *found = 1;
     if (z->promoted) {
         pthread_mutex_unlock(&g_lock);
-        rgpu_managed_hand(ptr);   /* its bytes go with the work being handed it */
+        rgpu_managed_hand_numbered(ptr);   /* its bytes go with the launch or memset being handed it */
         return CUDA_SUCCESS;
     }
     zc_alloc a = *z;
