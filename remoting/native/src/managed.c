@@ -123,7 +123,7 @@ static CUresult pinned_from_gpu(const managed_region *m, CUstream stream) {
  * for nothing queued since (a loader's next step must not drain the GPU for a label batch handed
  * last step). Work numbered after that point was queued after it and cannot be what the program
  * waited for: the region stays the GPU's until a synchronisation covers it. Anything else (work
- * that was not a launch, a launch not yet numbered, another stream) comes back as it always did,
+ * that is not numbered, work not yet numbered, another stream) comes back as it always did,
  * behind all the GPU's work. */
 enum { BACK_SKIP = 0, BACK_QUIET = 1, BACK_BEHIND_ALL = 2 };
 static int is_legacy_stream(uint64_t stream) { return stream == 0 || stream == 1; }   /* NULL, CU_STREAM_LEGACY */
@@ -178,9 +178,9 @@ static void forget_quiet_stream(void) {
  * `cover` allows, how_back above). The regions change owner under the lock; the copies (calls
  * themselves) run without it. While the GPU owns a managed region its host pages are inaccessible,
  * so a host access at the wrong time stops the program with a clear line (handler below) instead of
- * reading stale data or losing a write. `launch`: the work being handed them numbers them once its
+ * reading stale data or losing a write. `numbered`: the work being handed them numbers them once its
  * frame is queued (a launch or memset: rgpu_managed_handed_on). */
-static void hand_over(int to_gpu, int every_pinned, const sync_cover *cover, int launch) {
+static void hand_over(int to_gpu, int every_pinned, const sync_cover *cover, int numbered) {
     pthread_mutex_lock(&g_lock);
     managed_region *moving = g_count ? malloc(g_count * sizeof *moving) : NULL;
     int *quiet = g_count ? calloc(g_count, sizeof *quiet) : NULL;
@@ -198,8 +198,8 @@ static void hand_over(int to_gpu, int every_pinned, const sync_cover *cover, int
         g_regions[i].handed = 0;
         g_regions[i].first_use = g_regions[i].last_use = g_regions[i].use_stream = 0;
         g_regions[i].uses_streams = 0;
-        g_regions[i].uses_unknown = to_gpu && !launch;
-        g_regions[i].use_thread = to_gpu && launch ? &t_thread_token : NULL;
+        g_regions[i].uses_unknown = to_gpu && !numbered;
+        g_regions[i].use_thread = to_gpu && numbered ? &t_thread_token : NULL;
         if (!to_gpu && !g_regions[i].pinned)
             mprotect((void *)(uintptr_t)g_regions[i].user, g_regions[i].mapped, PROT_READ | PROT_WRITE);
         g_regions[i].gpu_owned = to_gpu;
