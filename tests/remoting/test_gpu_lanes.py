@@ -1,7 +1,8 @@
 """Data lanes on a real GPU (protocol 12, issue 25 item 2): striped host-to-device copies received into
 the worker's pinned slots, each chunk's cuMemcpyHtoDAsync queued as it lands, and device-to-host
 copies queued into the slots and sent as each completes (backends/cuda.py, src/lanes.c), byte for byte for sizes around the threshold and chunk boundaries, pageable and pinned;
-and a lane cut mid-copy on a real GPU.
+a lane cut mid-copy on a real GPU, synchronous and asynchronous; an asynchronous copy from
+pinned memory received in the background while the session goes on.
 
 Run on a GPU machine:
     python -m pytest -m gpu tests/remoting/test_gpu_lanes.py -v -s
@@ -32,12 +33,33 @@ def test_striped_copies_of_every_size_arrive_whole_on_a_gpu(lane_copies: Path, n
     assert _striped(tmp_path / "p") == (STRIPED, STRIPED)
 
 
+@pytest.mark.parametrize("mode", ["htod", "htod-async"])
 def test_a_lane_cut_mid_copy_on_a_gpu_fails_that_copy_and_the_session_goes_on(native_libs: build.Libraries,
                                                                               lane_cut: Path,  # noqa: F811
-                                                                              tmp_path: Path) -> None:
+                                                                              tmp_path: Path, mode: str) -> None:
+    """htod-async: the copy returns at once (the worker receives it in the background) and its failure
+    answers the synchronisation."""
     program = driver_api_program(native_libs, HERE / "lane_failure.c", tmp_path / "lane_failure")
     with serving("cuda", [local_gpu()]) as s:
-        done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(program), "htod"], timeout=300,
+        done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(program), mode], timeout=300,
                           LD_PRELOAD=str(lane_cut), RGPU_TEST_CUT_SENDMSG="5", **LANE_ENV)
-    assert done.returncode == 0 and done.stdout.startswith("COPY 999\nSYNC 999\n"), done.stdout + done.stderr
+    first = "COPY 999\n" if mode == "htod" else "COPY 0\n"
+    assert done.returncode == 0 and done.stdout.startswith(first + "SYNC 999\n"), done.stdout + done.stderr
     assert done.stdout.strip().endswith("OK")
+
+
+def test_an_async_copy_from_pinned_memory_over_lanes_returns_while_its_bytes_travel(native_libs: build.Libraries,
+                                                                                    tmp_path: Path) -> None:
+    """Issue 25 item 3 on the network path: the worker receives the copy on a thread of its own while it
+    answers the session's next calls (before: a query waited behind the whole copy); the stream's
+    later work runs after the copy and an event recorded after it covers its bytes."""
+    program = driver_api_program(native_libs, HERE / "lane_overlap.c", tmp_path / "lane_overlap")
+    with serving("cuda", [local_gpu()]) as s:
+        done = run_client(native_libs, s.slices(s.token(memory_limit=2 << 30)), [str(program), "512"], timeout=300,
+                          **(LANE_ENV | {"RGPU_LANE_CHUNK_BYTES": str(2 << 20)}))
+    print(done.stdout)
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr
+    queries = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("QUERY")]
+    events = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("EVENT")]
+    assert queries == ["600"] * 3, done.stdout   # CUDA_ERROR_NOT_READY: the copy was still under way
+    assert events == ["0"] * 3, done.stdout

@@ -5,14 +5,48 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from rgpu.remoting.datapath.backends.base import SUCCESS, CudaError
-from rgpu.remoting.datapath.backends.cuda_driver import (c_void_p, byref, STAGING_RING_BYTES, STAGING_CHUNK, DTOH_CHUNK,
-                                                         UCX_PINNED_MAX_BYTES, MEMHOSTALLOC_PORTABLE,
-                                                         MEMHOSTREGISTER_PORTABLE, CUDA_MEMCPY2D)
+from rgpu.remoting.datapath.backends.base import SUCCESS, UNKNOWN, CudaError
+from rgpu.remoting.datapath.backends.cuda_driver import (c_void_p, c_uint, c_uint64, byref, STAGING_RING_BYTES,
+                                                         STAGING_CHUNK, DTOH_CHUNK, UCX_PINNED_MAX_BYTES,
+                                                         MEMHOSTALLOC_PORTABLE, MEMHOSTALLOC_DEVICEMAP,
+                                                         MEMHOSTREGISTER_PORTABLE, STREAM_NON_BLOCKING,
+                                                         STREAM_WAIT_VALUE_GEQ, CUDA_MEMCPY2D)
 from rgpu.remoting.datapath.backends.cuda_device import CudaDevice
+
+
+@dataclass
+class LaneSide:
+    """A context's side of striped copies received in the background: the stream their chunks' copies
+    go on, the event that orders it after the application's stream, and a page-locked word the
+    application's stream waits for (cuStreamWaitValue32) until that stream writes the copy's ticket."""
+
+    stream: int
+    order: Any
+    word: int          # its host address
+    word_device: int   # the same word as the GPU addresses it
+    ticket: int = 0
+    refused: bool = False   # the driver refused to wait on it once: copies are received in the loop
+
+
+class LaneReceive:
+    """One striped host-to-device copy a thread of the worker receives (threading: `done` is set, with
+    `error` filled in, before the application's stream may go on)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.done = threading.Event()
+        self.error: CudaError | None = None
+        self.thread: threading.Thread | None = None
+
+    def join(self) -> CudaError | None:
+        if self.thread is not None:
+            self.thread.join()
+        return self.error
 
 
 class CudaCopies(CudaDevice):
@@ -212,6 +246,7 @@ class CudaCopies(CudaDevice):
     def htod_lanes(self, dst: int, stream: int, size: int, chunk: int, seq: int, lanes: Any) -> None:
         """A striped copy (worker/lanes.py): lanes.c receives each chunk into a pinned slot and queues
         its copy to `dst` on `stream` as it lands; the slots stay busy until their events complete."""
+        self._lane_receive_join()
         try:
             self._refuse_capture(stream, "cuMemcpyHtoDAsync")
             gpu = self._lane_copy(lanes, chunk, dst, stream)
@@ -222,9 +257,107 @@ class CudaCopies(CudaDevice):
         if gpu.error:
             raise CudaError(gpu.error)
 
+    # ---- striped copies received in the background: the loop serves the session meanwhile ----
+
+    def htod_lanes_background(self, dst: int, stream: int, size: int, chunk: int, seq: int, lanes: Any) -> bool:
+        """Start a striped host-to-device copy that a thread of the worker receives while the loop serves
+        the session's next frames (an event query of the application's other thread need not wait
+        for the bytes), as the driver's own cuMemcpyHtoDAsync returns at once. Stream order holds on
+        the GPU: the chunks' copies go on the context's side stream after the work queued on `stream`
+        so far, and `stream` waits (cuStreamWaitValue32) for the word that side stream writes after
+        the last chunk's copy, so everything queued later on `stream` runs after the copy. False where
+        this cannot be (a capture may be under way, the driver refuses stream memory operations,
+        RGPU_LANES_BACKGROUND=0): the caller receives the copy in the loop (htod_lanes)."""
+        self._lane_receive_join()
+        if self._captures or os.environ.get("RGPU_LANES_BACKGROUND", "1").strip() == "0":
+            return False
+        wait, write = self._fn_cuStreamWaitValue32_v2, self._fn_cuStreamWriteValue32_v2   # type: ignore[attr-defined]
+        try:
+            side = self._lane_side()
+        except CudaError:
+            return False
+        if side.refused:
+            return False
+        ticket = (side.ticket + 1) & 0xFFFFFFFF
+        if (self._call("cuEventRecord", side.order, stream or None) != SUCCESS
+                or self._fn_cuStreamWaitEvent(side.stream, side.order, 0) != SUCCESS):   # type: ignore[attr-defined]
+            return False
+        try:
+            gpu = self._lane_copy(lanes, chunk, dst, side.stream)
+        except CudaError:
+            return False   # htod_lanes meets it again and drops the copy's bytes
+        if wait(stream or None, side.word_device, ticket, STREAM_WAIT_VALUE_GEQ) != SUCCESS:
+            side.refused = True   # nothing waits: the side stream merely follows the order event
+            return False
+        side.ticket = ticket
+        receive = LaneReceive(size)
+        ctx = self._current
+
+        def run() -> None:
+            try:
+                self._call("cuCtxSetCurrent", ctx or None)   # lanes.c queues the chunks' copies from here
+                lanes.receive(seq, size, chunk, 0, gpu)
+                if gpu.error:
+                    raise CudaError(gpu.error, f"rgpu: worker: a host-to-device copy of {size} bytes over data "
+                                               f"lanes failed on the GPU (CUDA error {gpu.error})")
+            except CudaError as exc:
+                receive.error = exc
+            except Exception as exc:  # noqa: BLE001 - the application's stream must not wait forever
+                receive.error = CudaError(UNKNOWN, f"rgpu: worker: internal error receiving a striped copy ({exc!r}; "
+                                                   "please report it with the dispatcher's log)")
+            finally:
+                # The error first: a frame that sees the application's stream go on sees it too.
+                receive.done.set()
+                if write(side.stream, side.word_device, ticket, 0) != SUCCESS:
+                    self._call("cuStreamSynchronize", side.stream)   # the copies first, then the word by hand
+                    ctypes.c_uint32.from_address(side.word).value = ticket
+
+        receive.thread = threading.Thread(target=run, name="rgpu-lane-receive", daemon=True)
+        self._lane_receive = receive
+        receive.thread.start()
+        return True
+
+    def _lane_side(self) -> LaneSide:
+        side = self._lane_sides.get(self._current)
+        if side is None:
+            stream, word, word_device = c_void_p(), c_void_p(), c_uint64()
+            self._check("cuStreamCreateWithPriority", byref(stream), STREAM_NON_BLOCKING, 0)
+            self._check("cuMemHostAlloc", byref(word), 64, MEMHOSTALLOC_PORTABLE | MEMHOSTALLOC_DEVICEMAP)
+            get_device_pointer = self._late_fn("cuMemHostGetDevicePointer_v2",
+                                               [ctypes.POINTER(c_uint64), c_void_p, c_uint])
+            if (r := get_device_pointer(byref(word_device), word, 0)) != SUCCESS:
+                self._call("cuMemFreeHost", word)
+                raise CudaError(r)
+            ctypes.c_uint32.from_address(word.value or 0).value = 0
+            side = LaneSide(stream.value or 0, self._new_event(), word.value or 0, word_device.value)
+            # Once per context: a wait that is already met and a write, then a synchronisation: a
+            # driver that refuses stream memory operations, at once or (a driver that forwards
+            # calls, as rgpu's own does) at the synchronisation, leaves copies to the loop.
+            side.refused = (self._fn_cuStreamWaitValue32_v2(side.stream, side.word_device, 0,  # type: ignore[attr-defined]
+                                                            STREAM_WAIT_VALUE_GEQ) != SUCCESS
+                            or self._fn_cuStreamWriteValue32_v2(side.stream, side.word_device, 0, 0) != SUCCESS  # type: ignore[attr-defined]
+                            or self._call("cuStreamSynchronize", side.stream) != SUCCESS)
+            self._lane_sides[self._current] = side
+        return side
+
+    def _lane_receive_join(self) -> None:
+        receive, self._lane_receive = self._lane_receive, None
+        if receive is not None and (error := receive.join()) is not None and self._lane_receive_unreported is None:
+            self._lane_receive_unreported = error
+
+    def lane_receive_settle(self, wait: bool) -> tuple[bool, CudaError | None]:
+        """(whether a copy is still received in the background, the error of one that ended and was
+        not reported yet); `wait`: wait for it first."""
+        receive = self._lane_receive
+        if receive is not None and (wait or receive.done.is_set()):
+            self._lane_receive_join()
+        error, self._lane_receive_unreported = self._lane_receive_unreported, None
+        return self._lane_receive is not None, error
+
     def dtoh_lanes(self, src: int, stream: int, size: int, chunk: int, lanes: Any) -> Any:
         """The staging of a striped device-to-host copy, for lanes.send (lanes.c queues each chunk's copy
         into a free slot and sends it once its event completes); a CudaError before anything is sent."""
+        self._lane_receive_join()
         self._refuse_capture(stream, "cuMemcpyDtoHAsync")
         return self._lane_copy(lanes, chunk, src, stream)
 
@@ -249,6 +382,7 @@ class CudaCopies(CudaDevice):
                               memcpy_dtoh=self._entry("cuMemcpyDtoHAsync_v2"))
 
     def _drop_lane_staging(self) -> None:
+        self._lane_receive_join()
         if self._lane_staging:
             self._lanes.staging_drain(self._lane_staging, self._entry("cuEventSynchronize"))
             self._lanes.staging_free(self._lane_staging)
@@ -257,6 +391,8 @@ class CudaCopies(CudaDevice):
 
     def _forget_lane_events(self, ctx: int) -> None:
         """Before a context goes: the slots' copies finish (their events may be its own)."""
+        self._lane_receive_join()
+        self._lane_sides.pop(ctx, None)   # its stream, event and word go with the context
         if self._lane_events.pop(ctx, None) is not None and self._lane_staging:
             self._lanes.staging_drain(self._lane_staging, self._entry("cuEventSynchronize"))
 

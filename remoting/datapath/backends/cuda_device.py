@@ -54,6 +54,12 @@ class CudaDevice(CudaDriverCalls):
         self._lane_chunk = 0
         self._lane_staging = 0
         self._lane_events: dict[int, Any] = {}
+        # A striped host-to-device copy a thread of the worker receives while the loop goes on
+        # (cuda_copies.py's htod_lanes_background), each context's side stream for them, and the
+        # error of one that ended while nobody asked (the worker's next settle reports it).
+        self._lane_receive: Any = None
+        self._lane_sides: dict[int, Any] = {}
+        self._lane_receive_unreported: CudaError | None = None
         # UCX copies: a pinned buffer they land in (or leave from), and the DMA queued from it that
         # must finish before it is written again: (context, event), or None.
         self._ucx_base = 0
@@ -163,6 +169,9 @@ class CudaDevice(CudaDriverCalls):
     # ------------------------------------------------------------------ stream capture (copies and graphs check it)
 
     def cuStreamBeginCapture_v2(self, stream: int, mode: int) -> tuple[int]:
+        # A capture in the global mode refuses other threads' unsafe calls: a striped copy still
+        # received in the background (its slots' event waits) must not meet it.
+        self._lane_receive_join()
         res = super().cuStreamBeginCapture_v2(stream, mode)
         if res[0] == SUCCESS:
             self._captures += 1
@@ -254,6 +263,10 @@ class CudaDevice(CudaDriverCalls):
                 raise CudaError(r)
             outs.append(bytes(buf))
         return _written(outs[0], outs[1])
+
+    def _lane_receive_join(self) -> None:
+        """Wait for the striped copy received in the background, if any (cuda_copies.py); its error
+        waits for lane_receive_settle."""
 
     def _entry(self, name: str) -> int:
         """The address of the driver's `name`, by exact symbol; 0 where the driver lacks it."""

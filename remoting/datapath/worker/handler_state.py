@@ -41,4 +41,6 @@ class HandlerState:
     client_streams: ClientStreams
     sent: int                                          # bytes this session sent (loop.py counts them)
     _reply: Callable[[int, int, bytes, str], None]     # the Worker's (loop.py)
+    _defer: Callable[[int, str], None]                 # the Worker's: an error for the next synchronising call
+    lane_receive_live: bool = False                    # a striped copy is received in the background
 

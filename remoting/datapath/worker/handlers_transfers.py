@@ -196,6 +196,7 @@ class TransferHandlers(HandlerState):
     def _striped_copy(self, p: memoryview, name: str, close_if_truncated: bool) -> tuple[Any, tuple[int, int, int, int]]:
         """The session's lanes and a striped copy's (address, stream, size, chunk), or the CudaError
         that refuses the frame (no lanes, a truncated frame, sizes the lanes refuse)."""
+        self.settle_lane_receive(wait=True)   # the lanes carry one copy at a time
         lanes = getattr(self, "lanes", None)
         if lanes is None:
             raise CudaError(INVALID_VALUE, f"rgpu: worker: {name} on a session that has no data lanes (a client of "
@@ -224,7 +225,10 @@ class TransferHandlers(HandlerState):
         except CudaError:
             lanes.receive(seq, size, chunk, 0)   # the client sends the bytes whatever the answer: drop them
             raise
-        if striped is not None:   # a real GPU: through pinned staging, each chunk's copy queued as it lands
+        background = getattr(self.backend, "htod_lanes_background", None)
+        if background is not None and background(dst, real, size, chunk, seq, lanes):
+            self.lane_receive_live = True   # a thread receives it; the loop serves the next frames
+        elif striped is not None:   # a real GPU: through pinned staging, each chunk's copy queued as it lands
             striped(dst, real, size, chunk, seq, lanes)
         elif target is not None:   # the emulated device: straight into its memory
             holder = (ctypes.c_char * size).from_buffer(target)
@@ -235,6 +239,20 @@ class TransferHandlers(HandlerState):
         else:
             lanes.receive(seq, size, chunk, 0)
             raise CudaError(NOT_SUPPORTED, "rgpu: worker: this backend cannot take striped copies")
+
+    def settle_lane_receive(self, wait: bool) -> None:
+        """Collect the striped copy a thread receives in the background (backends/cuda_copies.py) once it
+        is over (`wait`: wait for it): its failure answers the session's next synchronising call, as
+        an asynchronous copy's does on a local GPU."""
+        settle = getattr(self.backend, "lane_receive_settle", None)
+        if settle is None:
+            return
+        live, error = settle(wait)
+        self.lane_receive_live = live
+        if error is not None:
+            log.warning("%s", error.message or f"rgpu: worker: a striped host-to-device copy failed (CUDA error "
+                                               f"{error.code})")
+            self._defer(error.code, error.message)
 
     def h_dtoh_lanes(self, p: memoryview, address: int, seq: int) -> None:
         """The REPLY goes first (an error: nothing follows on the lanes), then the bytes, striped."""

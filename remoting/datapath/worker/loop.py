@@ -340,6 +340,8 @@ class Worker(Handlers):
         while True:
             if self.fault is not None:
                 raise self.fault
+            if self.lane_receive_live:   # a striped copy received in the background: collect it once over
+                self.settle_lane_receive(wait=False)
             if limiter is not None:
                 limiter.after_op()
             if reader.end - reader.start < protocol.HEADER_SIZE:
@@ -365,7 +367,9 @@ class Worker(Handlers):
                 # fault domain answers every call: those event frames stay in Python.
                 events_ok = not hostcalls.active and not (sticky is not None and cuda_mode and sticky())
                 # A copy's reply must carry a waiting error, and leaves only while nothing else may send.
-                replies_ok = events_ok and self.deferred is None
+                # (Nor while a striped copy is received in the background: its failure must answer
+                # a copy the GPU ordered after it, which only the Python path checks.)
+                replies_ok = events_ok and self.deferred is None and not self.lane_receive_live
                 used, code = native.run(reader.base + reader.start, reader.end - reader.start, ctx,
                                         gpu_work=limiter is None or limiter.holding_since is not None,
                                         events=events_ok, replies=replies_ok)
@@ -516,6 +520,15 @@ class Worker(Handlers):
                 if result is not None and result[0] != SUCCESS:
                     self._defer(result[0], "")
             elif result is not None:
+                if self.lane_receive_live:
+                    # A copy received in the background may have failed while this ran: the reply
+                    # says so rather than what this call saw of the memory it was to fill.
+                    self.settle_lane_receive(wait=False)
+                    if self.deferred is not None:
+                        code, message = self.deferred
+                        self.deferred = None
+                        self._reply(seq, code, b"", message)
+                        continue
                 self._reply(seq, result[0], result[1], "")
 
     def _lending(self, handler: Callable[[memoryview, int, int], tuple[int, bytes] | None], payload: memoryview,

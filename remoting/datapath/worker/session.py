@@ -101,6 +101,17 @@ def run_session(sock: socket.socket, spec: SessionSpec, lanes: list[socket.socke
     finally:
         if publisher is not None:
             publisher.stop()
+        if worker.lane_receive_live and worker.lanes is not None:
+            # A striped copy still received in the background: the client is gone, its lanes end.
+            for lane in worker.lanes.socks:
+                try:
+                    lane.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        try:
+            worker.settle_lane_receive(wait=True)
+        except Exception as exc:  # noqa: BLE001 - the session is over either way
+            log.warning("ending a striped copy received in the background failed: %s", exc)
         if worker.limiter is not None:
             try:
                 worker.limiter.close() if faulted is None else worker.limiter.turns.give_back()
