@@ -82,7 +82,6 @@ typedef struct rgpu_session {
     int nlanes;
     int striping;              /* lane threads use the lanes now: a failing session leaves them open */
     struct rgpu_pending_send *pending;   /* a page-locked copy's bytes the lanes still send (transport.c) */
-    int send_error;            /* that copy failed: the next synchronous call answers it */
     uint8_t lane_key[RGPU_LANE_KEY_BYTES];
 } rgpu_session;
 

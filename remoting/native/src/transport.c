@@ -435,6 +435,7 @@ static void show_message(rgpu_session *s, const char *msg, size_t n) {
 
 static CUresult sync_wait(rgpu_call *c, rgpu_session *s, uint32_t want_seq);
 static void finish_pending_send(rgpu_session *s);
+static int pending_send_finished(const rgpu_session *s);
 
 /* RGPU_SYNC_BACKTRACE=OP: where an application's round trips of one operation come from (the
  * numbers are remoting/native/generated/rgpu_ops.h's). The 1st, 51st, ... 451st synchronous call of
@@ -464,13 +465,12 @@ CUresult rgpu_sync(rgpu_call *c) {
     rgpu_managed_sync_begins();   /* what this call covers is told after its reply (managed.c) */
     sync_backtrace(c->op);
     CUresult r = sync_wait(c, s, want_seq);
-    /* A background copy queued before this call was received whole before the reply, or failed:
-     * its failure answers this call, as CUDA reports an asynchronous copy's. */
-    if (s->pending && r != CUDA_ERROR_DEVICE_UNAVAILABLE) finish_pending_send(s);
-    if (s->send_error) {
-        if (r == CUDA_SUCCESS) r = (CUresult)s->send_error;
-        s->send_error = 0;
-    }
+    /* A background copy whose thread is done is collected here; one still sending is left to it:
+     * the worker receives it on a thread of its own and answers calls meanwhile (an event query
+     * of the application's other thread). Its failure is the worker's to report: every byte that
+     * did not arrive fails the worker's receive, whose error answers the first synchronising call
+     * after it (one report, whichever side saw the lane fail first). */
+    if (s->pending && r != CUDA_ERROR_DEVICE_UNAVAILABLE && pending_send_finished(s)) finish_pending_send(s);
     /* The first reply after pipelined attribute sets: a failure may be one of them refused. */
     if (s->attr_sets_unconfirmed) {
         s->attr_sets_unconfirmed = 0;
@@ -1165,10 +1165,12 @@ static int serve_while_striping(void *arg) {
 
 /* ------------------------------------------------------------------ page-locked copies in the background
  * A host-to-device copy from page-locked memory returns as soon as its lanes are given the bytes,
- * as NVIDIA's cuMemcpyHtoDAsync does: the program keeps queueing work (the worker reads it after the
- * copy) while a thread of the session sends. The session's next striped copy, and every call that
- * frees page-locked memory, wait for it first; its result answers the session's next synchronous
- * call (the reply to which comes after the worker received every byte). Not while host functions
+ * as NVIDIA's cuMemcpyHtoDAsync does: the program keeps queueing work while a thread of the
+ * session sends (a worker on a real GPU receives it on a thread of its own and answers the calls
+ * that follow meanwhile; other workers read them after the copy). The session's next striped copy,
+ * and every call that frees page-locked memory, wait for it first. A failure leaves bytes the
+ * worker never receives: the worker's error answers the session's next synchronising call after
+ * it (the client only logs its side). Not while host functions
  * exist: the worker may wait for one before it reads the lanes, and only a waiting caller serves
  * the connection. */
 typedef struct rgpu_pending_send {
@@ -1178,6 +1180,7 @@ typedef struct rgpu_pending_send {
     uint32_t seq;
     pthread_t thread;
     int result;
+    int finished;   /* set by its thread as it ends (atomic) */
     char why[512];
 } rgpu_pending_send;
 
@@ -1186,6 +1189,7 @@ static void *pending_send_main(void *arg) {
     rgpu_session *s = ps->s;
     ps->result = rgpu_lanes_send(s->lanes, s->nlanes, ps->seq, ps->p, ps->n, rgpu_lane_chunk_bytes(), -1, NULL, NULL,
                                  ucx_idle_s(), ps->why, sizeof ps->why);
+    __atomic_store_n(&ps->finished, 1, __ATOMIC_RELEASE);
     return NULL;
 }
 
@@ -1196,9 +1200,12 @@ static void lanes_put_failed(rgpu_session *s, size_t n, const char *why, const c
     close_lanes(s);
 }
 
-/* The session's background copy is over (its lock held). A failure closed the lanes (later copies
- * go on the connection: rgpu_lanes_carry finishes it before it decides) and answers the session's
- * next synchronous call (send_error). */
+static int pending_send_finished(const rgpu_session *s) {
+    return __atomic_load_n(&s->pending->finished, __ATOMIC_ACQUIRE);
+}
+
+/* The session's background copy is over (its lock held). A failure closes the lanes (later copies
+ * go on the connection: rgpu_lanes_carry finishes it before it decides); the worker reports it. */
 static void finish_pending_send(rgpu_session *s) {
     rgpu_pending_send *ps = s->pending;
     if (!ps) return;
@@ -1208,7 +1215,6 @@ static void finish_pending_send(rgpu_session *s) {
     if (s->dead) close_lanes(s);
     else if (ps->result) {
         lanes_put_failed(s, ps->n, ps->why, ", reported at the next synchronising call");
-        s->send_error = CUDA_ERROR_UNKNOWN;
     }
     free(ps);
 }
@@ -1431,7 +1437,6 @@ void rgpu_transport_reset_after_fork(void) {
         close_lanes(s);
         s->pending = NULL;   /* the parent's thread sends it: the child only forgets it */
         s->striping = 0;
-        s->send_error = 0;
         s->dead = 1;
         s->ucx = NULL;   /* the parent's UCX worker stays the parent's: the child only forgets it */
         pthread_mutex_init(&s->lock, NULL);
