@@ -215,6 +215,31 @@ def test_the_cache_stays_within_its_bound_and_keeps_what_is_used(tmp_path: Path)
     assert not ImageCache(str(tmp_path), 1, size - 1).put(hashlib.sha256(images[0]).digest(), images[0])  # larger than the bound
 
 
+
+def test_a_worker_scans_the_cache_only_when_its_count_nears_the_bound(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Storing N images used to scan the whole cache N times (quadratic: a PyTorch process stores about
+    6,000 on its first start). Now a worker scans at its first store, when its count passes the bound,
+    and after each 1/16 of the bound it stores; two workers storing together stay within the bound
+    but for what each stored since its last scan."""
+    size = 1000
+    bound = 64 * size
+    scans = []
+    real_entries = ImageCache.entries
+    monkeypatch.setattr(ImageCache, "entries", lambda self: scans.append(self) or real_entries(self))
+    a, b = ImageCache(str(tmp_path), 1, bound), ImageCache(str(tmp_path), 2, bound)
+    for i in range(60):
+        data = i.to_bytes(4, "little") + os.urandom(size - 4)
+        assert (a if i % 2 else b).put(hashlib.sha256(data).digest(), data)
+    assert len(scans) <= 2 + 60 * size // (bound // image_cache.RESCAN_FRACTION), len(scans)   # 17: each 4 stores
+    for i in range(60, 120):
+        data = i.to_bytes(4, "little") + os.urandom(size - 4)
+        assert (a if i % 2 else b).put(hashlib.sha256(data).digest(), data)
+    files = [p for p in tmp_path.glob("uid-*/*") if image_cache.is_image_name(p.name)]
+    assert sum(p.stat().st_size for p in files) <= bound + 2 * (bound // image_cache.RESCAN_FRACTION)
+    a.evict()
+    assert sum(p.stat().st_size for p in tmp_path.glob("uid-*/*") if image_cache.is_image_name(p.name)) <= bound
+
 # ------------------------------------------------------------------ through client processes and a session server
 
 def large_ptx(tmp_path: Path) -> Path:

@@ -9,8 +9,9 @@ temp name and renamed. An image is hashed when it is stored and whenever its fil
 matches its facts (replaced, changed in place, or no facts yet): a corrupt or planted file is
 removed, never served. A file that matches is not hashed again, so a warm cache costs a read,
 not a hash, per load (PyTorch loads GBs of fatbins per process). The whole cache is bounded:
-after a store, the least recently used images (by the facts' mtime, touched on every hit) go
-until it fits. Any failure of the cache (disk full, permissions) leaves the load on the byte
+when a worker's count of it passes the bound (a scan, plus what it stored since; rescanned after
+each 1/16 of the bound it stores, so the others' images count too), the least recently used images
+(by the facts' mtime, touched on every hit) go until it fits. Any failure of the cache (disk full, permissions) leaves the load on the byte
 path: one log line, never a failed load.
 """
 
@@ -36,6 +37,12 @@ IMAGE_WANT_TABLE = 0x80
 DEFAULT_BOUND = 16 << 30
 FACTS_SUFFIX = ".facts"
 THRASH_SECONDS = 600   # evicting an image used this recently means the cache is too small for its users
+# A worker scans the whole cache (a stat per image) when what it knows of the cache's size passes the
+# bound, and after storing this fraction of the bound since its last scan: other workers of the node
+# store too, and their images are seen at the next scan. Scanning after every store was quadratic:
+# a PyTorch process stores about 6,000 images on its first start (105 s for 6,292 images of
+# PyTorch 2.14's CUDA wheels on a 2-core machine, against 11 s now).
+RESCAN_FRACTION = 16
 
 
 # ------------------------------------------------------------------ pure: naming and eviction
@@ -92,6 +99,8 @@ class ImageCache:
         self.bound = bound
         self.failed = False   # one log line per worker, then silence
         self.thrash_told = False
+        self.scanned_bytes: int | None = None   # the cache's bytes at this worker's last scan (None: none yet)
+        self.stored_since_scan = 0              # what this worker stored since
 
     @property
     def enabled(self) -> bool:
@@ -218,7 +227,10 @@ class ImageCache:
             self._warn("store an image", exc)
             return False
         self._write_facts(digest, {"identity": identity})   # hashed above: checked
-        self.evict(keep=str(path))
+        self.stored_since_scan += len(data)
+        if (self.scanned_bytes is None or self.scanned_bytes + self.stored_since_scan > self.bound
+                or self.stored_since_scan >= self.bound // RESCAN_FRACTION):
+            self.evict(keep=str(path))
         return True
 
     def entries(self) -> list[Entry]:
@@ -246,6 +258,9 @@ class ImageCache:
             entries = self.entries()
             used = {e.path: e.last_used for e in entries}
             gone = evictions(entries, self.bound, keep)
+            going = set(gone)
+            self.scanned_bytes = sum(e.size for e in entries if e.path not in going)
+            self.stored_since_scan = 0
             recent = [p for p in gone if used[p] > time.time() - THRASH_SECONDS]
             if recent and not self.thrash_told:
                 self.thrash_told = True
