@@ -43,7 +43,7 @@ def main() -> None:
             scans += 1
             return entries()
         cache.entries = counted  # type: ignore[method-assign]
-        pieces = [(os.urandom(size)) for _ in range(min(args.images, 64))]
+        pieces = [os.urandom(size) for _ in range(min(args.images, 64))]
         images = [i.to_bytes(8, "little") + pieces[i % len(pieces)][8:] for i in range(args.images)]
         digests = [hashlib.sha256(image).digest() for image in images]
         started = time.perf_counter()

@@ -37,8 +37,7 @@ class LaneReceive:
     """One striped host-to-device copy a thread of the worker receives (threading: `done` is set, with
     `error` filled in, before the application's stream may go on)."""
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self) -> None:
         self.done = threading.Event()
         self.error: CudaError | None = None
         self.thread: threading.Thread | None = None
@@ -290,7 +289,7 @@ class CudaCopies(CudaDevice):
             side.refused = True   # nothing waits: the side stream merely follows the order event
             return False
         side.ticket = ticket
-        receive = LaneReceive(size)
+        receive = LaneReceive()
         ctx = self._current
 
         def run() -> None:
