@@ -17,6 +17,7 @@ pool daemon, the tests) find the root's client commands first on `env`'s PATH.
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -58,13 +59,38 @@ def missing_requirements(install: SlurmInstall | None = None) -> str | None:
     return None
 
 
-def free_ports(count: int) -> list[int]:
-    socks = []
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int:
     try:
-        for _ in range(count):
+        return int(Path(path).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768                            # Linux's default range is 32768-60999
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports free now, from below the kernel's ephemeral range.
+
+    A port bound to 0 and closed again comes from that range, which is also where outgoing
+    connections get theirs: a daemon connecting out (slurmdbd to MariaDB) could take it before
+    the daemon meant to listen on it binds ("Address already in use"). Ports below the range
+    are never handed out by the kernel, and a random pick keeps two clusters apart."""
+    low = _ephemeral_low()
+    first = max(1024, low - 16384)
+    picker = random.SystemRandom()
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(200 * count):
+            if len(socks) == count:
+                break
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
+            try:
+                s.bind(("127.0.0.1", picker.randrange(first, low)))
+            except OSError:
+                s.close()
+                continue
             socks.append(s)
+        if len(socks) < count:
+            raise RuntimeError(f"localcluster: found {len(socks)} of {count} free loopback ports in "
+                               f"{first}-{low - 1}; free some or widen the range below ip_local_port_range")
         return [s.getsockname()[1] for s in socks]
     finally:
         for s in socks:

@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from rgpu.slurm_plugin.localcluster import free_ports
+
 CLUSTER = "rgputest"
 
 
@@ -28,12 +30,6 @@ def missing() -> str | None:
     return f"not installed: {', '.join(gone)} (Debian: slurmdbd, mariadb-server, slurm-client)" if gone else None
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _binary(name: str) -> str:
     return shutil.which(name) or str(Path("/usr/sbin", name))
 
@@ -44,7 +40,7 @@ class SlurmDbd:
         self.root = Path(tempfile.mkdtemp(prefix="rgpu-slurmdbd-"))
         self.root.chmod(0o755)                  # sacctmgr run as other users reads slurm.conf
         self.conf = self.root / "slurm.conf"
-        self.db_port, self.dbd_port = _free_port(), _free_port()
+        self.db_port, self.dbd_port = free_ports(2)
         self._procs: list[subprocess.Popen[bytes]] = []
 
     @property

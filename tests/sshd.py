@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from rgpu.slurm_plugin.localcluster import free_ports
+
 SSHD = Path("/usr/sbin/sshd")
 
 
@@ -41,12 +43,6 @@ def _keygen(path: Path) -> None:
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "rgpu-test", "-f", str(path)], check=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _listening(port: int) -> bool:
     try:
         socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
@@ -71,7 +67,7 @@ def start_sshd(root: Path) -> Sshd:
     log = root / "sshd.log"
     # sshd cannot report a port it picked: retry on the rare clash with another program.
     for _ in range(5):
-        port = _free_port()
+        port, = free_ports(1)
         config = root / "sshd_config"
         config.write_text("\n".join([
             "ListenAddress 127.0.0.1", f"Port {port}", f"HostKey {host_key}", f"AuthorizedKeysFile {authorized}",
