@@ -7,10 +7,11 @@ import glob
 import os
 import pwd
 import shutil
-import socket
 import subprocess
 import tempfile
 from pathlib import Path
+
+from rgpu.slurm_plugin.localcluster import free_ports
 
 
 def server_bin() -> Path | None:
@@ -28,9 +29,7 @@ class Postgres:
         # runs as another one when that is root.
         self.root = Path(tempfile.mkdtemp(prefix="rgpu-pg-"))
         self.data = self.root / "pgdata"
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            self.port = probe.getsockname()[1]
+        self.port, = free_ports(1)
         self.user = "postgres" if os.geteuid() == 0 else pwd.getpwuid(os.geteuid()).pw_name
 
     @property
