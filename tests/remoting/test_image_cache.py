@@ -29,7 +29,7 @@ from rgpu.remoting.native import build, client_stats
 from rgpu.remoting.native.generated import api_gen
 
 from tests.remoting.conftest import EMULATED_GPU, EXAMPLES, Server
-from tests.remoting.client_helpers import py_client
+from tests.remoting.client_helpers import py_client, vecadd_container_for
 
 SRC = Path(build.__file__).resolve().parent / "src"
 HASH_MIN = 64 * 1024   # cuda_module.c's IMAGE_HASH_MIN
@@ -439,3 +439,45 @@ def test_the_dispatcher_refuses_a_negative_bound() -> None:
             start_data_path(sock, "127.0.0.1:1", (EMULATED_GPU,), b"s" * 32, (45201, 45300), "emulated",
                             replace(Settings(), image_cache_bytes=-1))
     assert Settings().image_cache_bytes == 16 << 30
+
+
+# ------------------------------------------------------------------ fatbin containers as cudart registers them
+
+LOAD_FROM_A_SECTION = """
+    import os
+    setup()
+    libc = ctypes.CDLL(None)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    fd = os.open({path!r}, os.O_RDONLY)
+    section = libc.mmap(None, os.fstat(fd).st_size, 1, 2, fd, 0)   # read-only, as a library's .nv_fatbin
+    lib_ = ctypes.c_void_p()
+    print("LOAD", lib.cuLibraryLoadData(ctypes.byref(lib_), ctypes.c_void_p(section), None, None, 0, None, None, 0))
+    """
+
+
+def _load_first_container(libs: build.Libraries, server: Server, tmp_path: Path, name: str,
+                          containers: list[bytes]) -> tuple[str, dict[str, int]]:
+    path = tmp_path / f"{name}.nv_fatbin"
+    path.write_bytes(b"".join(c + b"\0" * (-len(c) % 8) for c in containers))
+    done = py_client(libs, server.slices(server.token()), LOAD_FROM_A_SECTION.format(path=str(path)),
+                     RGPU_CLIENT_STATS=str(tmp_path / f"stats-{name}"), RGPU_DIGEST_MEMO="")
+    assert done.returncode == 0, done.stdout + done.stderr
+    (stats,) = tmp_path.glob(f"stats-{name}.*")
+    return done.stdout, client_stats.images(stats.read_text())
+
+
+def test_a_fatbin_load_sends_its_own_container_not_the_units_after_it(native_libs: build.Libraries,
+                                                                     emulated: Server, tmp_path: Path) -> None:
+    # A library's .nv_fatbin holds one container per translation unit, back to back (PyTorch's:
+    # thousands, about a gigabyte); cudart registers each. Sending every container after the one
+    # registered cost a PyTorch process's first start gigabytes (quadratic in the section).
+    sm90 = vecadd_container_for(90)
+    out, sent = _load_first_container(native_libs, emulated, tmp_path, "section",
+                                      [sm90, vecadd_container_for(80), sm90, vecadd_container_for(70)])
+    assert "LOAD 0" in out, out
+    assert sent["loads"] == 1 and sent["bytes_sent"] == len(sm90)
+    # A container with no code for the GPU is refused as the driver refuses it
+    # (CUDA_ERROR_NO_BINARY_FOR_GPU), not loaded with the next unit's code.
+    out, sent = _load_first_container(native_libs, emulated, tmp_path, "foreign", [vecadd_container_for(100), sm90])
+    assert "LOAD 209" in out and sent["bytes_sent"] == len(sm90), out

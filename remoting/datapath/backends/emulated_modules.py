@@ -15,6 +15,7 @@ from rgpu.remoting.datapath.backends.base import (
     INVALID_HANDLE,
     INVALID_IMAGE,
     INVALID_VALUE,
+    NO_BINARY_FOR_GPU,
     NOT_FOUND,
     NOT_SUPPORTED,
     SUCCESS,
@@ -29,6 +30,7 @@ from rgpu.remoting.datapath.backends.base import (
 )
 from rgpu.remoting.datapath.backends.emulated_device import ILLEGAL_ADDRESS
 from rgpu.remoting.datapath.backends.emulated_memory import EmulatedMemory
+from rgpu.remoting.datapath.fatbin import FATBIN_MAGIC, ImageUnreadable, fatbin_entries, loadable
 
 
 # CUfunction_attribute values the emulated functions answer and check.
@@ -129,7 +131,10 @@ class EmulatedModules(EmulatedMemory):
         image = bytes(image)   # the image cache hands out mappings of its files
         option_values = [v for _, v in options]
         local_sizes: dict[str, int] = {}
-        if image[:4] == b"\x7fELF" or image[:4] == struct.pack("<I", 0xBA55ED50):
+        if image[:4] == struct.pack("<I", FATBIN_MAGIC) and not self._runs_here(image):
+            return LoadResult(code=NO_BINARY_FOR_GPU, option_values=option_values,
+                              error_log=b"emulated device: no code in this fatbin for its compute capability")
+        if image[:4] == b"\x7fELF" or image[:4] == struct.pack("<I", FATBIN_MAGIC):
             entries: list[tuple[str, tuple[tuple[int, int], ...]]] = []  # accepted: no kernels known
         else:
             text = image.rstrip(b"\0").decode("utf-8", "replace")
@@ -155,6 +160,14 @@ class EmulatedModules(EmulatedMemory):
         info_log = f"emulated device: loaded {len(fns)} kernel(s)".encode()
         return LoadResult(handle=handle, option_values=option_values, info_log=info_log,
                           functions=fns if want_table else [])
+
+    def _runs_here(self, image: bytes) -> bool:
+        """Whether a fatbin holds code this device can run, as the driver decides (an image this
+        cannot read is left for the worker's own checks to refuse)."""
+        try:
+            return any(loadable(entry, self.cc) for entry in fatbin_entries(image))
+        except ImageUnreadable:
+            return True
 
     def get_function(self, module: int, name: str) -> FnInfo:
         for fn in self.modules.get(module, ()):

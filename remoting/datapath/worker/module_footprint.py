@@ -26,16 +26,16 @@ import mmap
 import re
 import struct
 from collections import OrderedDict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-FATBIN_MAGIC = 0xBA55ED50
+from rgpu.remoting.datapath.fatbin import (ENTRY_ELF, ENTRY_PTX, FATBIN_MAGIC, FLAG_LZ4, FLAG_ZSTD, FatbinEntry,
+                                          ImageUnreadable, fatbin_entries, loadable)
+
+__all__ = ["ENTRY_ELF", "ENTRY_PTX", "FATBIN_MAGIC", "FLAG_LZ4", "FLAG_ZSTD", "FatbinEntry", "ImageFootprints",
+           "ImageUnreadable", "fatbin_entries", "image_data_bytes", "loadable", "parse_capability"]
+
 ELF_MAGIC = b"\x7fELF"
-# A fatbin entry's kind, and the flags of its compression (seen from nvcc 12.x/13.x:
-# `--compress-mode=speed` writes LZ4 blocks, the default and `size` Zstandard frames).
-ENTRY_PTX, ENTRY_ELF = 1, 2
-FLAG_LZ4, FLAG_ZSTD = 0x2000, 0x8000
 # An entry that claims to expand beyond this is refused (a decompression bomb; real cubins of the
 # largest libraries are tens of MiB). One entry is expanded at a time, so this bounds the host
 # memory counting takes (the worker's frame bound is the same).
@@ -43,19 +43,6 @@ MAX_EXPANDED_BYTES = 256 << 20
 
 _SHT_NOBITS = 8
 _COUNTED_SECTIONS = (b".nv.global", b".nv.constant")
-
-
-class ImageUnreadable(ValueError):
-    """The image's data cannot be counted; the message says why (one line)."""
-
-
-@dataclass(frozen=True)
-class FatbinEntry:
-    kind: int            # ENTRY_PTX or ENTRY_ELF (others are skipped)
-    arch: int            # compute capability as major * 10 + minor (90 for sm_90)
-    flags: int
-    payload: bytes       # as stored (maybe compressed)
-    expanded_size: int   # size once decompressed (0: not compressed)
 
 
 # ------------------------------------------------------------------ ELF (cubin)
@@ -142,39 +129,6 @@ def ptx_data_bytes(text: str) -> int:
 
 # ------------------------------------------------------------------ fatbin
 
-def fatbin_entries(image: bytes) -> Iterator[FatbinEntry]:
-    """The entries of a fatbin (one or more containers back to back)."""
-    at = 0
-    while at + 16 <= len(image):
-        magic, _version, header_size, body_size = struct.unpack_from("<IHHQ", image, at)
-        if magic != FATBIN_MAGIC:
-            if at == 0:
-                raise ImageUnreadable("not a fatbin")
-            break   # padding or trailing bytes after the last container
-        if header_size < 16 or at + header_size + body_size > len(image):
-            raise ImageUnreadable("a fatbin container is longer than the image")
-        entry_at, end = at + header_size, at + header_size + body_size
-        while entry_at + 16 <= end:
-            kind, _v, entry_header, payload_size = struct.unpack_from("<HHIQ", image, entry_at)
-            if entry_header < 16 or entry_at + entry_header + payload_size > end:
-                raise ImageUnreadable("a fatbin entry is longer than its container")
-            arch = flags = expanded = 0
-            stored = payload_size
-            if entry_header >= 64:
-                stored, = struct.unpack_from("<I", image, entry_at + 16)
-                arch, = struct.unpack_from("<I", image, entry_at + 28)
-                flags, = struct.unpack_from("<Q", image, entry_at + 40)
-                expanded, = struct.unpack_from("<Q", image, entry_at + 56)
-            if not flags & (FLAG_LZ4 | FLAG_ZSTD) or not 0 < stored <= payload_size:
-                stored = payload_size
-            body = image[entry_at + entry_header:entry_at + entry_header + stored]
-            yield FatbinEntry(kind, arch, flags, body, expanded if flags & (FLAG_LZ4 | FLAG_ZSTD) else 0)
-            entry_at += entry_header + payload_size
-        at = end
-        if at + 4 <= len(image) and struct.unpack_from("<I", image, at)[0] != FATBIN_MAGIC:
-            at = (end + 7) & ~7   # containers may be padded to 8 bytes
-
-
 def expanded_payload(entry: FatbinEntry) -> bytes:
     """An entry's payload, decompressed where it is compressed."""
     if not entry.flags & (FLAG_LZ4 | FLAG_ZSTD):
@@ -206,16 +160,6 @@ def expanded_payload(entry: FatbinEntry) -> bytes:
     if len(data) != entry.expanded_size:
         raise ImageUnreadable("a compressed fatbin entry expands to another size than its header says")
     return data
-
-
-def loadable(entry: FatbinEntry, capability: tuple[int, int]) -> bool:
-    """Whether the driver could load this entry on a device of this compute capability."""
-    major, minor = capability
-    if entry.kind == ENTRY_ELF:
-        return entry.arch // 10 == major and entry.arch % 10 <= minor
-    if entry.kind == ENTRY_PTX:
-        return entry.arch <= major * 10 + minor
-    return False
 
 
 def entry_data_bytes(entry: FatbinEntry) -> int:

@@ -4,8 +4,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include <sys/mman.h>
-#include <unistd.h>
 
 #include "rgpu_client.h"
 #include "rgpu_sha256.h"
@@ -51,50 +49,19 @@ static size_t elf_size(const uint8_t *b) {
     return end;
 }
 
-/* Whether [p, p + n) is mapped: a chain of fatbin containers has no overall length, so the
- * walk peeks at the bytes after each container, and must not fault past the end of a mapping. */
-static int readable(const void *p, size_t n) {
-    static long page;
-    if (!page) page = sysconf(_SC_PAGESIZE);
-    uintptr_t first = (uintptr_t)p & ~(uintptr_t)(page - 1);
-    uintptr_t last = ((uintptr_t)p + n - 1) & ~(uintptr_t)(page - 1);
-    for (uintptr_t a = first; a <= last; a += (uintptr_t)page) {
-        unsigned char v;
-        if (mincore((void *)a, (size_t)page, &v) != 0) return 0;
-    }
-    return 1;
-}
-
-/* A fatbin is one or more containers back to back (16-byte header: magic, version, header
- * size, body size); nvcc and the linker chain them, and on Hopper the sm_90 code can sit in a
- * later one. The size covers every container of the chain. */
+/* One fatbin container: a 16-byte header (magic, version, header size, body size) and its
+ * entries, sized by its header. This is what cudart registers for each translation unit and what
+ * a load sends. A library's .nv_fatbin section holds thousands of containers back to back, one per
+ * unit, so the bytes after a container are other units' code: rgpu sent every container up to the
+ * end of the section, quadratic bytes at a PyTorch process's first start, and loads past the
+ * worker's frame bound were refused (benchmarks/first_start.py). */
 size_t rgpu_fatbin_size(const void *image) {
     const uint8_t *b = image;
-    size_t total = 0;
-    for (;;) {
-        uint32_t magic;
-        uint16_t header;
-        uint64_t body;
-        memcpy(&magic, b + total, 4);
-        if (magic != FATBIN_MAGIC) break;
-        memcpy(&header, b + total + 6, 2);
-        memcpy(&body, b + total + 8, 8);
-        if (header < 16 || body > ((uint64_t)1 << 40)) break;
-        total += header + body;
-        /* The next container follows at once or at the next 8-byte boundary; peek only where
-         * the memory exists. */
-        size_t next = total;
-        if (!readable(b + next, 16)) break;
-        memcpy(&magic, b + next, 4);
-        if (magic != FATBIN_MAGIC && (total & 7)) {
-            next = (total + 7) & ~(size_t)7;
-            if (!readable(b + next, 16)) break;
-            memcpy(&magic, b + next, 4);
-        }
-        if (magic != FATBIN_MAGIC) break;
-        total = next;
-    }
-    return total;
+    uint16_t header;
+    uint64_t body;
+    memcpy(&header, b + 6, 2);
+    memcpy(&body, b + 8, 8);
+    return header < 16 || body > ((uint64_t)1 << 40) ? 0 : header + body;
 }
 
 /* Returns the bytes to send (unwrapping cudart's fatbin wrapper) and their size. */
