@@ -43,7 +43,7 @@ CUDA_SOURCES = [SRC / "transport.c", SRC / "tables.c", SRC / "cuda_core.c", SRC 
                 SRC / "module_nodes.c", SRC / "managed.c", SRC / "library_mirror.c", SRC / "cuda_events.c",
                 SRC / "integrity.c", SRC / "sha256.c", SRC / "digest_memo.c", SRC / "idle_streams.c", SRC / "func_attrs.c",
                 SRC / "tensor_map.c", SRC / "graph_generic.c", SRC / "ucx_link.c", SRC / "compute_cache.c", SRC / "zero_copy.c",
-                SRC / "shared_pinned.c", SRC / "lanes.c", SRC / "nccl_bridge.c", GEN / "cuda_gen.c"]
+                SRC / "shared_pinned.c", SRC / "lanes.c", SRC / "nccl_bridge.c", SRC / "error_log.c", GEN / "cuda_gen.c"]
 NVML_SOURCES = [SRC / "transport.c", SRC / "nvml_core.c", SRC / "ucx_link.c", SRC / "lanes.c", GEN / "nvml_gen.c"]
 NCCL_SOURCES = [SRC / "nccl_client.c", GEN / "nccl_gen.c"]   # rides on libcuda.so.1's sessions (nccl_bridge.c)
 WORKER_SOURCES = [SRC / "worker_launch.c", SRC / "worker_events.c", SRC / "worker_copies.c", SRC / "worker_ucx.c",

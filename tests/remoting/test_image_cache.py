@@ -307,7 +307,7 @@ def test_a_second_process_of_the_user_sends_no_image_bytes(native_libs: build.Li
     assert cached.read_bytes() == path.read_bytes() + b"\0"
 
 
-LOAD_FROM_A_FILE_MAPPING = """
+MAP_A_FILE_READ_ONLY = """
     import os
     setup()
     libc = ctypes.CDLL(None)
@@ -315,6 +315,9 @@ LOAD_FROM_A_FILE_MAPPING = """
     libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
     fd = os.open({path!r}, os.O_RDONLY)
     image = libc.mmap(None, os.fstat(fd).st_size, 1, 2, fd, 0)   # PROT_READ, MAP_PRIVATE: as a library's code
+"""
+
+LOAD_FROM_A_FILE_MAPPING = MAP_A_FILE_READ_ONLY + """
     mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
     check("cuModuleLoadData", ctypes.byref(mod), ctypes.c_void_p(image))
     check("cuModuleGetFunction", ctypes.byref(fn), mod, b"mixed")
@@ -443,16 +446,9 @@ def test_the_dispatcher_refuses_a_negative_bound() -> None:
 
 # ------------------------------------------------------------------ fatbin containers as cudart registers them
 
-LOAD_FROM_A_SECTION = """
-    import os
-    setup()
-    libc = ctypes.CDLL(None)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    fd = os.open({path!r}, os.O_RDONLY)
-    section = libc.mmap(None, os.fstat(fd).st_size, 1, 2, fd, 0)   # read-only, as a library's .nv_fatbin
-    lib_ = ctypes.c_void_p()
-    print("LOAD", lib.cuLibraryLoadData(ctypes.byref(lib_), ctypes.c_void_p(section), None, None, 0, None, None, 0))
+LOAD_FROM_A_SECTION = MAP_A_FILE_READ_ONLY + """
+    lib_ = ctypes.c_void_p()   # the image: the first container of a library's .nv_fatbin
+    print("LOAD", lib.cuLibraryLoadData(ctypes.byref(lib_), ctypes.c_void_p(image), None, None, 0, None, None, 0))
     """
 
 

@@ -2338,11 +2338,6 @@ RGPU_EXPORT CUresult CUDAAPI cuLibraryGetUnifiedFunction(void) { static int seen
 RGPU_EXPORT CUresult CUDAAPI cuLinkAddData(void) { static int seen; return rgpu_unsupported("cuLinkAddData", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuLinkAddFile(void) { static int seen; return rgpu_unsupported("cuLinkAddFile", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuLinkCreate(void) { static int seen; return rgpu_unsupported("cuLinkCreate", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuLogsCurrent(void) { static int seen; return rgpu_unsupported("cuLogsCurrent", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuLogsDumpToFile(void) { static int seen; return rgpu_unsupported("cuLogsDumpToFile", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuLogsDumpToMemory(void) { static int seen; return rgpu_unsupported("cuLogsDumpToMemory", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuLogsRegisterCallback(void) { static int seen; return rgpu_unsupported("cuLogsRegisterCallback", &seen, NULL); }
-RGPU_EXPORT CUresult CUDAAPI cuLogsUnregisterCallback(void) { static int seen; return rgpu_unsupported("cuLogsUnregisterCallback", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemAlloc(void) { static int seen; return rgpu_unsupported("cuMemAlloc", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemAllocHost(void) { static int seen; return rgpu_unsupported("cuMemAllocHost", &seen, NULL); }
 RGPU_EXPORT CUresult CUDAAPI cuMemAllocPitch(void) { static int seen; return rgpu_unsupported("cuMemAllocPitch", &seen, NULL); }

@@ -337,4 +337,10 @@ enum { CU_MEMHOSTALLOC_PORTABLE = 1, CU_MEMHOSTALLOC_DEVICEMAP = 2, CU_MEMHOSTAL
 #define CU_STREAM_LEGACY ((CUstream)0x1)
 #define CU_STREAM_PER_THREAD ((CUstream)0x2)
 
+/* Error log management (CUDA 12.9): answered in the client (src/error_log.c). */
+typedef enum { CU_LOG_LEVEL_ERROR = 0, CU_LOG_LEVEL_WARNING = 1 } CUlogLevel;
+typedef struct CUlogsCallbackEntry_st *CUlogsCallbackHandle;
+typedef void (*CUlogsCallback)(void *data, CUlogLevel logLevel, char *message, size_t length);
+typedef unsigned int CUlogIterator;
+
 #endif

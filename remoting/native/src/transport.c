@@ -51,8 +51,13 @@ int rgpu_log_level(void) {
     return g_log_level;
 }
 
+/* libcuda's CUDA error log (error_log.c): warnings and errors go there too, whatever RGPU_LOG says,
+ * for applications that read it. Weak: libnvidia-ml shares this file and has no such log. */
+void rgpu_error_log_add(int level, const char *message, size_t n) __attribute__((weak));
+
 void rgpu_log(int level, const char *fmt, ...) {
-    if (level > rgpu_log_level()) return;
+    int shown = level <= rgpu_log_level(), kept = level <= RGPU_LOG_WARN && rgpu_error_log_add;
+    if (!shown && !kept) return;
     char line[1200];
     va_list ap;
     va_start(ap, fmt);
@@ -60,6 +65,8 @@ void rgpu_log(int level, const char *fmt, ...) {
     vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
     va_end(ap);
     size_t len = strlen(line);
+    if (kept) rgpu_error_log_add(level, line, len);
+    if (!shown) return;
     if (len + 1 < sizeof line) { line[len++] = '\n'; line[len] = 0; }
     /* One write(2): lines from several threads do not interleave. */
     ssize_t ignored = write(2, line, len);
@@ -417,6 +424,7 @@ CUresult rgpu_async_now(rgpu_call *c) {
 }
 
 static void show_message(rgpu_session *s, const char *msg, size_t n) {
+    if (rgpu_error_log_add) rgpu_error_log_add(RGPU_LOG_ERROR, msg, n);   /* the worker explains a refusal */
     if (s->messages_shown >= MAX_MESSAGES_SHOWN) return;
     s->messages_shown++;
     char line[1024];
