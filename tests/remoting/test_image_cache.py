@@ -477,3 +477,42 @@ def test_a_fatbin_load_sends_its_own_container_not_the_units_after_it(native_lib
     # (CUDA_ERROR_NO_BINARY_FOR_GPU), not loaded with the next unit's code.
     out, sent = _load_first_container(native_libs, emulated, tmp_path, "foreign", [vecadd_container_for(100), sm90])
     assert "LOAD 209" in out and sent["bytes_sent"] == len(sm90), out
+
+
+def test_an_image_whose_header_sizes_it_past_its_memory_is_refused_in_one_line(native_libs: build.Libraries,
+                                                                             emulated: Server) -> None:
+    # The size of a fatbin or cubin comes from its own header: a damaged one must not have the
+    # client hash and send (read) memory past the mapping the image is in, which ends the
+    # application with SIGSEGV.
+    done = py_client(native_libs, emulated.slices(emulated.token()), f"""
+        import mmap, struct
+        setup()
+        page = mmap.PAGESIZE
+        libc = ctypes.CDLL(None)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        good = open({str(EXAMPLES / "vecadd.fatbin")!r}, "rb").read()
+        cubin = open({str(EXAMPLES / "vecadd.sm_90.cubin")!r}, "rb").read()
+
+        def last_page(data):   # `data` ending where its mapping ends
+            pages = -(-len(data) // page)
+            base = libc.mmap(None, (pages + 1) * page, 3, 0x22, -1, 0)   # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
+            libc.munmap(base + pages * page, page)
+            at = base + pages * page - len(data)
+            ctypes.memmove(at, data, len(data))
+            return at
+
+        mod = ctypes.c_void_p()
+        long_body = bytearray(good[:64]); struct.pack_into("<Q", long_body, 8, 1 << 20)
+        huge_body = bytearray(good[:64]); struct.pack_into("<Q", huge_body, 8, 1 << 39)
+        far_sections = bytearray(cubin[:64]); struct.pack_into("<Q", far_sections, 0x28, 1 << 30)
+        for name, data in (("long", long_body), ("huge", huge_body), ("far", far_sections)):
+            print(name.upper(), lib.cuModuleLoadData(ctypes.byref(mod), ctypes.c_void_p(last_page(bytes(data)))), flush=True)
+        print("WHOLE", lib.cuModuleLoadData(ctypes.byref(mod), ctypes.c_void_p(last_page(good))))
+        """)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "LONG 200" in done.stdout and "HUGE 200" in done.stdout and "FAR 200" in done.stdout, done.stdout
+    assert "WHOLE 0" in done.stdout, done.stdout + done.stderr
+    assert done.stderr.count("past the memory it lies in") == 2, done.stderr
+    assert done.stderr.count("header does not give its size") == 1, done.stderr   # the cubin's tables are elsewhere

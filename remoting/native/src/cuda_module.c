@@ -4,6 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "rgpu_client.h"
 #include "rgpu_sha256.h"
@@ -17,8 +19,27 @@
 
 typedef struct { int magic; int version; const unsigned long long *data; void *filename_or_fatbins; } fatbin_wrapper;
 
+/* An image larger than this is refused before its bytes are read (no worker takes a frame this
+ * large; a damaged header would otherwise have the client hash and send whatever memory follows). */
+#define IMAGE_MAX_BYTES ((uint64_t)4 << 30)
+
+/* Whether [p, p + n) is mapped: an image's size comes from its own header, which may be damaged,
+ * and reading past the mapping it is in would end the application with SIGSEGV. */
+static int mapped(const void *p, size_t n) {
+    static long page;
+    if (!page) page = sysconf(_SC_PAGESIZE);
+    uintptr_t at = (uintptr_t)p & ~(uintptr_t)(page - 1), end = (uintptr_t)p + n;
+    unsigned char vec[4096];
+    while (at < end) {
+        size_t len = end - at < sizeof vec * (size_t)page ? end - at : sizeof vec * (size_t)page;
+        if (mincore((void *)at, len, vec) != 0) return 0;
+        at += len;
+    }
+    return 1;
+}
+
 static size_t elf_size(const uint8_t *b) {
-    if (b[4] != 2) return 0; /* ELFCLASS64 only: CUDA cubins are 64-bit */
+    if (!mapped(b, 0x40) || b[4] != 2) return 0; /* ELFCLASS64 only: CUDA cubins are 64-bit */
     uint64_t phoff, shoff;
     uint16_t phentsize, phnum, shentsize, shnum;
     memcpy(&phoff, b + 0x20, 8);
@@ -28,6 +49,9 @@ static size_t elf_size(const uint8_t *b) {
     memcpy(&shentsize, b + 0x3A, 2);
     memcpy(&shnum, b + 0x3C, 2);
     size_t end = 0x40;
+    if ((shnum && (shentsize < 0x28 || shoff > IMAGE_MAX_BYTES || !mapped(b + shoff, (size_t)shentsize * shnum))) ||
+        (phnum && (phentsize < 0x28 || phoff > IMAGE_MAX_BYTES || !mapped(b + phoff, (size_t)phentsize * phnum))))
+        return 0;   /* its tables lie outside the memory it is in */
     if (shoff + (uint64_t)shentsize * shnum > end) end = shoff + (uint64_t)shentsize * shnum;
     if (phoff + (uint64_t)phentsize * phnum > end) end = phoff + (uint64_t)phentsize * phnum;
     for (uint16_t i = 0; i < shnum; i++) {
@@ -64,15 +88,31 @@ size_t rgpu_fatbin_size(const void *image) {
     return header < 16 || body > ((uint64_t)1 << 40) ? 0 : header + body;
 }
 
-/* Returns the bytes to send (unwrapping cudart's fatbin wrapper) and their size. */
+/* Returns the bytes to send (unwrapping cudart's fatbin wrapper) and their size; 0 for an image
+ * whose header sizes it past the memory it lies in (said in one line). */
+static const void *image_bytes_unchecked(const void *image, size_t *size);
+
 static const void *image_bytes(const void *image, size_t *size) {
+    const void *bytes = image_bytes_unchecked(image, size);
+    if (!*size)
+        rgpu_log(RGPU_LOG_ERROR, "a module image's header does not give its size (a damaged or truncated fatbin or "
+                 "cubin): not loaded (CUDA_ERROR_INVALID_IMAGE)");
+    else if (*size > IMAGE_MAX_BYTES || !mapped(bytes, *size)) {
+        rgpu_log(RGPU_LOG_ERROR, "a module image's header gives it %zu bytes, past the memory it lies in (a damaged or "
+                 "truncated image): not loaded (CUDA_ERROR_INVALID_IMAGE)", *size);
+        *size = 0;
+    }
+    return bytes;
+}
+
+static const void *image_bytes_unchecked(const void *image, size_t *size) {
     const uint8_t *b = image;
     uint32_t magic;
     memcpy(&magic, b, 4);
     if (magic == FATBIN_WRAPPER_MAGIC) {
         const fatbin_wrapper *w = image;
         if (!w->data) { *size = 0; return image; }
-        return image_bytes(w->data, size);
+        return image_bytes_unchecked(w->data, size);
     }
     if (magic == FATBIN_MAGIC) {
         *size = rgpu_fatbin_size(image);
