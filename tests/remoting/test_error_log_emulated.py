@@ -20,6 +20,7 @@ GiB = 1 << 30
 def test_a_refusal_reaches_the_log_callback_and_the_dumps(native_libs: build.Libraries, emulated: Server,
                                                           tmp_path: Path) -> None:
     dump_file = tmp_path / "cuda.log"
+    log_file = tmp_path / "CUDA_LOG_FILE"
     done = py_client(native_libs, emulated.slices(emulated.token(memory_limit=GiB)), f"""
         got = []
         CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
@@ -55,7 +56,7 @@ def test_a_refusal_reaches_the_log_callback_and_the_dumps(native_libs: build.Lib
         alloc(2 * {GiB})
         time.sleep(0.5)
         print("AFTER", len(got) == n)
-        """)
+        """, CUDA_LOG_FILE=str(log_file))
     out = done.stdout
     assert done.returncode == 0, out + done.stderr
     assert "REGISTER 0" in out and "CURRENT 0 1" in out and "ALLOC 2" in out, out   # CUDA_ERROR_OUT_OF_MEMORY
@@ -65,6 +66,8 @@ def test_a_refusal_reaches_the_log_callback_and_the_dumps(native_libs: build.Lib
     assert "FILE 0" in out and "refused" in dump_file.read_text(), out
     assert "UNREGISTER 0 1" in out and "AFTER True" in out, out
     assert "cuLogs" not in done.stderr, done.stderr        # answered, never "not remoted"
+    lines = log_file.read_text().splitlines()               # as NVIDIA's driver writes it, a line per message
+    assert len(lines) == 2 and all("][rgpu][E] " in line and "refused" in line for line in lines), lines
 
 
 def test_a_callback_may_call_cuda(native_libs: build.Libraries, emulated: Server) -> None:

@@ -8,8 +8,10 @@
  * an iterator is the sequence number of the next line. A dump that starts before the oldest line
  * kept says how many were lost. Lines look like the driver's: "[time][tid][rgpu][E] message".
  * Callbacks run on a thread of their own, in order: a line is often written while the client holds
- * a session's lock, and a callback that called CUDA there would wait for itself. */
+ * a session's lock, and a callback that called CUDA there would wait for itself. CUDA_LOG_FILE
+ * (stdout or a file's path; the lines are on stderr already) gets each line too, as the driver's. */
 #define _GNU_SOURCE
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -58,6 +60,20 @@ static void drop_oldest_locked(void) {
     g_first++;
 }
 
+/* CUDA_LOG_FILE: stdout, or a file appended to (one write per line); stderr has the lines already. */
+static void log_to_file(const char *text, size_t len) {
+    static int fd = -2;
+    if (fd == -2) {
+        const char *where = getenv("CUDA_LOG_FILE");
+        fd = !where || !*where || !strcmp(where, "stderr") ? -1 : !strcmp(where, "stdout") ? 1
+             : open(where, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
+    }
+    if (fd >= 0) {
+        ssize_t ignored = write(fd, text, len);
+        (void)ignored;
+    }
+}
+
 void rgpu_error_log_add(int level, const char *message, size_t n) {
     while (n && (message[n - 1] == '\n' || message[n - 1] == 0)) n--;
     struct timeval tv;
@@ -77,6 +93,7 @@ void rgpu_error_log_add(int level, const char *message, size_t n) {
     text[(size_t)h + n + 1] = 0;
     size_t len = (size_t)h + n + 1;
 
+    log_to_file(text, len);
     pthread_mutex_lock(&g_lock);
     while (g_next - g_first == MAX_LINES || (g_next != g_first && g_bytes + len > LOG_BYTES)) drop_oldest_locked();
     g_lines[g_next % MAX_LINES] = (log_line){text, len, (size_t)h, level};
