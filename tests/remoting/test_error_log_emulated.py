@@ -92,3 +92,34 @@ def test_a_callback_may_call_cuda(native_libs: build.Libraries, emulated: Server
         """, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "ALLOC 2" in done.stdout and "FROM THE CALLBACK [0]" in done.stdout, done.stdout + done.stderr
+
+
+def test_unregistering_waits_for_a_running_callback_and_a_callback_may_unregister_itself(
+        native_libs: build.Libraries, emulated: Server) -> None:
+    done = py_client(native_libs, emulated.slices(emulated.token(memory_limit=GiB)), f"""
+        import threading, time
+        setup()
+        CB = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t)
+        started, events = threading.Event(), []
+        def slow(data, level, msg, n):
+            started.set(); time.sleep(0.5); events.append("callback done")
+        slow_cb = CB(slow)
+        slow_handle = ctypes.c_void_p()
+        check("cuLogsRegisterCallback", slow_cb, None, ctypes.byref(slow_handle))
+        alloc(2 * {GiB})
+        started.wait(10)
+        print("UNREGISTER", lib.cuLogsUnregisterCallback(slow_handle))
+        events.append("unregistered")
+        print("ORDER", events)
+        self_handle = ctypes.c_void_p()
+        def once(data, level, msg, n):
+            events.append(lib.cuLogsUnregisterCallback(self_handle))
+        once_cb = CB(once)
+        check("cuLogsRegisterCallback", once_cb, None, ctypes.byref(self_handle))
+        alloc(2 * {GiB}); alloc(2 * {GiB})
+        time.sleep(0.5)
+        print("SELF", events[2:])
+        """)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "UNREGISTER 0" in done.stdout and "ORDER ['callback done', 'unregistered']" in done.stdout, done.stdout
+    assert "SELF [0]" in done.stdout, done.stdout   # unregistered in its first call, never called again

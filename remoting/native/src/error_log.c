@@ -50,6 +50,9 @@ static unsigned long g_next_id = 1;
 static pthread_cond_t g_wake = PTHREAD_COND_INITIALIZER;
 static unsigned int g_delivered;         /* the next line the callbacks' thread hands out */
 static int g_thread_started;
+static pthread_t g_thread;
+static int g_calling;                    /* the callbacks' thread is running callbacks */
+static pthread_cond_t g_called = PTHREAD_COND_INITIALIZER;
 
 static void drop_oldest_locked(void) {
     log_line *l = &g_lines[g_first % MAX_LINES];
@@ -123,10 +126,13 @@ static void *deliver(void *unused) {
         if (!copy) continue;
         memcpy(copy, l->text + l->head, n);
         copy[n] = 0;
+        g_calling = 1;
         pthread_mutex_unlock(&g_lock);
         for (unsigned int i = 0; i < ncalls; i++) calls[i].fn(calls[i].data, level, copy, n);
         free(copy);
         pthread_mutex_lock(&g_lock);
+        g_calling = 0;
+        pthread_cond_broadcast(&g_called);
     }
     return NULL;
 }
@@ -135,19 +141,20 @@ static void *deliver(void *unused) {
 static void forked_child(void) {
     pthread_mutex_init(&g_lock, NULL);
     pthread_cond_init(&g_wake, NULL);
+    pthread_cond_init(&g_called, NULL);
     g_thread_started = 0;
+    g_calling = 0;
 }
 
 static void start_thread_locked(void) {
     static int atfork;
     if (g_thread_started) return;
     if (!atfork) atfork = !pthread_atfork(NULL, NULL, forked_child);
-    pthread_t t;
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     g_delivered = g_next;   /* callbacks get the lines written from their registration on */
-    g_thread_started = pthread_create(&t, &attr, deliver, NULL) == 0;
+    g_thread_started = pthread_create(&g_thread, &attr, deliver, NULL) == 0;
     pthread_attr_destroy(&attr);
 }
 
@@ -179,6 +186,10 @@ RGPU_EXPORT CUresult CUDAAPI cuLogsUnregisterCallback(CUlogsCallbackHandle callb
         r = CUDA_SUCCESS;
         break;
     }
+    /* Once this returns the callback is not running and will not run: the application may free
+     * what its userData points to (unless the callback itself unregisters). */
+    while (r == CUDA_SUCCESS && g_calling && !pthread_equal(pthread_self(), g_thread))
+        pthread_cond_wait(&g_called, &g_lock);
     pthread_mutex_unlock(&g_lock);
     return r;
 }
