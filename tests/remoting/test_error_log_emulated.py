@@ -117,7 +117,10 @@ def test_unregistering_waits_for_a_running_callback_and_a_callback_may_unregiste
         once_cb = CB(once)
         check("cuLogsRegisterCallback", once_cb, None, ctypes.byref(self_handle))
         alloc(2 * {GiB}); alloc(2 * {GiB})
-        time.sleep(0.5)
+        deadline = time.monotonic() + 10
+        while len(events) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)   # time for a wrong second call to show
         print("SELF", events[2:])
         """)
     assert done.returncode == 0, done.stdout + done.stderr
