@@ -10,7 +10,8 @@ process took to load them all and where the worker's time went (RGPU_WORKER_PROF
 The images are the `.nv_fatbin` sections of the shared libraries under each --libs folder, split
 into their fatbin containers (what cudart hands cuLibraryLoadData); the client maps the libraries
 read-only, as the dynamic loader does, so its digest memo applies. The emulated backend (CPU only)
-measures what rgpu adds to a load; `--backend cuda` adds the real driver's load behind it.
+measures what rgpu adds to a load; `--backend cuda` adds the real driver's load behind it, and first
+runs the same loads on NVIDIA's driver alone ("local") in the same run.
 """
 
 from __future__ import annotations
@@ -122,6 +123,19 @@ def load_steps(profile_dir: Path) -> dict[str, list[int]]:
     return total
 
 
+def run_local(listing: Path) -> dict[str, object]:
+    """The same loads on NVIDIA's driver, no rgpu on the library path (the baseline on a GPU machine)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RGPU_", "UCX_"))}
+    env.pop("LD_PRELOAD", None)
+    done = subprocess.run([sys.executable, __file__, "--child", str(listing)], capture_output=True, text=True,
+                          timeout=3600, check=False, env=env)
+    if done.returncode != 0:
+        raise SystemExit(f"first_start: the local process failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    result["load_steps"] = {}
+    return result
+
+
 def run_process(label: str, env: dict[str, str], listing: Path, profile_dir: Path) -> dict[str, object]:
     profile_dir.mkdir()
     os.environ["RGPU_WORKER_PROFILE"] = str(profile_dir)   # the worker's, which the session server starts
@@ -173,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             base = {k: v for k, v in os.environ.items() if not k.startswith(("RGPU_", "UCX_"))}
             base.update(RGPU_DIGEST_MEMO=str(work / "image-digests"))
             env = slice_env(base, libs.folder, secret, address, gpu, "bench-first-start")
-            results = {label: run_process(label, env, listing, work / label) for label in ("cold", "warm")}
+            results = {"local": run_local(listing)} if args.backend == "cuda" else {}
+            results.update({label: run_process(label, env, listing, work / label) for label in ("cold", "warm")})
         finally:
             server.stop()
     finally:
