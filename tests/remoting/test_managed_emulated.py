@@ -102,3 +102,40 @@ def test_pinned_host_memory_is_mapped_for_the_gpu_only_where_rgpu_can_back_it(na
     assert "cuMemHostGetDevicePointer_v2" not in done.stderr, done.stderr
     done = py_client(native_libs, emulated.slices(emulated.token()), program, RGPU_LOG="debug", RGPU_ZERO_COPY="0")
     assert "cuMemHostGetDevicePointer_v2 is not remoted (a remote GPU cannot map this host's memory" in done.stderr
+
+
+def test_pointer_attributes_call_managed_memory_managed(native_libs: build.Libraries, emulated: Server) -> None:
+    # CuPy 14.2's test_pointer_get_memory_type: the runtime calls memory managed when the driver
+    # says IS_MANAGED, an int. The worker's driver sees device memory (and the allocation behind the
+    # program's address), so the client answers these attributes of managed memory itself; and it
+    # wrote one byte of the int for page-locked memory, so the runtime read the caller's stack.
+    done = py_client(native_libs, emulated.slices(emulated.token()), """
+        setup()
+        n = 3 * 4096 + 100
+        m, d, h = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_void_p()
+        check("cuMemAllocManaged", ctypes.byref(m), ctypes.c_size_t(n), 1)
+        check("cuMemAlloc_v2", ctypes.byref(d), ctypes.c_size_t(n))
+        check("cuMemAllocHost_v2", ctypes.byref(h), ctypes.c_size_t(n))
+        def one(attr, ptr, kind):
+            v = kind(0xA5A5A5A5A5A5A5A5 & ((1 << (8 * ctypes.sizeof(kind))) - 1))   # what a caller's stack holds
+            check("cuPointerGetAttribute", ctypes.byref(v), attr, ctypes.c_uint64(ptr))
+            return v.value
+        inside = m.value + 4096
+        print("MANAGED", one(8, inside, ctypes.c_uint), one(2, inside, ctypes.c_uint), one(11, inside, ctypes.c_uint64) == m.value,
+              one(12, inside, ctypes.c_size_t) == n, one(4, inside, ctypes.c_uint64) == inside)
+        print("DEVICE", one(8, d.value, ctypes.c_uint), one(2, d.value, ctypes.c_uint), one(11, d.value + 8, ctypes.c_uint64) == d.value)
+        print("PINNED", one(8, h.value, ctypes.c_uint), one(13, h.value, ctypes.c_uint), one(2, h.value, ctypes.c_uint))
+        for name, ptr in (("PLURAL", inside), ("PLURAL_DEVICE", d.value), ("PLURAL_PINNED", h.value)):
+            is_managed, mtype, start = ctypes.c_uint(0xA5A5A5A5), ctypes.c_uint(0xA5A5A5A5), ctypes.c_uint64()
+            attrs = (ctypes.c_int * 3)(8, 2, 11)
+            data = (ctypes.c_void_p * 3)(*[ctypes.cast(ctypes.byref(x), ctypes.c_void_p) for x in (is_managed, mtype, start)])
+            check("cuPointerGetAttributes", 3, attrs, data, ctypes.c_uint64(ptr))
+            print(name, is_managed.value, mtype.value)
+        """)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # IS_MANAGED 1, memory type DEVICE (2) as NVIDIA's driver answers for managed memory, the
+    # program's range, the host pointer its own address; page-locked memory neither managed nor
+    # mapped for the GPU, its memory type HOST (1).
+    assert "MANAGED 1 2 True True True" in done.stdout, done.stdout
+    assert "DEVICE 0 2 True" in done.stdout and "PINNED 0 0 1" in done.stdout, done.stdout
+    assert "PLURAL 1 2" in done.stdout and "PLURAL_DEVICE 0 2" in done.stdout and "PLURAL_PINNED 0 1" in done.stdout, done.stdout

@@ -197,9 +197,10 @@ class EmulatedMemory(EmulatedDevice):
         values = {
             "CONTEXT": struct.pack("<Q", self.current), "MEMORY_TYPE": struct.pack("<I", cu("CU_MEMORYTYPE_DEVICE")),
             "DEVICE_POINTER": struct.pack("<Q", ptr), "BUFFER_ID": struct.pack("<Q", base & 0xFFFFFFFF),
-            "IS_MANAGED": b"\0", "DEVICE_ORDINAL": struct.pack("<i", 0), "RANGE_START_ADDR": struct.pack("<Q", base),
-            "RANGE_SIZE": struct.pack("<Q", len(buf)), "MAPPED": b"\1", "SYNC_MEMOPS": b"\0",
-            "IS_LEGACY_CUDA_IPC_CAPABLE": b"\1", "ACCESS_FLAGS": struct.pack("<I", 3),
+            # The driver's yes/no attributes are four-byte ints, as the runtime reads them.
+            "IS_MANAGED": struct.pack("<I", 0), "DEVICE_ORDINAL": struct.pack("<i", 0), "RANGE_START_ADDR": struct.pack("<Q", base),
+            "RANGE_SIZE": struct.pack("<Q", len(buf)), "MAPPED": struct.pack("<I", 1), "SYNC_MEMOPS": struct.pack("<I", 0),
+            "IS_LEGACY_CUDA_IPC_CAPABLE": struct.pack("<I", 1), "ACCESS_FLAGS": struct.pack("<I", 3),
         }
         if name not in values:
             raise CudaError(INVALID_VALUE)

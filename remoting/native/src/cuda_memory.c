@@ -595,10 +595,13 @@ static int local_pointer_attribute(CUpointer_attribute attr, CUdeviceptr ptr, vo
     case CU_POINTER_ATTRIBUTE_MEMORY_TYPE: *(unsigned int *)data = CU_MEMORYTYPE_HOST; return CUDA_SUCCESS;
     case CU_POINTER_ATTRIBUTE_HOST_POINTER: *(void **)data = (void *)(uintptr_t)ptr; return CUDA_SUCCESS;
     case CU_POINTER_ATTRIBUTE_CONTEXT: *(CUcontext *)data = (CUcontext)rgpu_ctx_current(); return CUDA_SUCCESS;
-    case CU_POINTER_ATTRIBUTE_IS_MANAGED: *(uint8_t *)data = 0; return CUDA_SUCCESS;
+    /* The driver's yes/no attributes are ints: the runtime and libraries (CCCL, XLA) read four
+     * bytes, so one byte left three of their stack's (cudaPointerGetAttributes called page-locked
+     * memory managed at random). */
+    case CU_POINTER_ATTRIBUTE_IS_MANAGED: *(unsigned int *)data = 0; return CUDA_SUCCESS;
     /* Page-locked here, but not mapped for the GPU: it is on another machine. Saying 1 made the
      * runtime hand kernels this host address (UnifiedMemoryPerf's zero-copy mode: ILLEGAL_ADDRESS). */
-    case CU_POINTER_ATTRIBUTE_MAPPED: *(uint8_t *)data = 0; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_MAPPED: *(unsigned int *)data = 0; return CUDA_SUCCESS;
     case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: *(void **)data = base; return CUDA_SUCCESS;
     case CU_POINTER_ATTRIBUTE_RANGE_SIZE: *(size_t *)data = size; return CUDA_SUCCESS;
     case CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL: {
@@ -607,6 +610,22 @@ static int local_pointer_attribute(CUpointer_attribute attr, CUdeviceptr ptr, vo
         return CUDA_SUCCESS;
     }
     default: return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+
+/* Managed memory (managed.c) is device memory on the worker at the program's address: the
+ * worker's driver calls it unmanaged and names the over-sized allocation behind it. These
+ * attributes are the client's to answer (-1: ask the worker). */
+static int managed_pointer_attribute(CUpointer_attribute attr, CUdeviceptr ptr, void *data) {
+    CUdeviceptr user;
+    size_t size;
+    if (!rgpu_managed_range(ptr, &user, &size)) return -1;
+    switch (attr) {
+    case CU_POINTER_ATTRIBUTE_IS_MANAGED: *(unsigned int *)data = 1; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_HOST_POINTER: *(void **)data = (void *)(uintptr_t)ptr; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_RANGE_START_ADDR: *(CUdeviceptr *)data = user; return CUDA_SUCCESS;
+    case CU_POINTER_ATTRIBUTE_RANGE_SIZE: *(size_t *)data = size; return CUDA_SUCCESS;
+    default: return -1;
     }
 }
 
@@ -648,6 +667,8 @@ RGPU_EXPORT CUresult CUDAAPI cuPointerGetAttribute(void *data, CUpointer_attribu
     if (r != CUDA_SUCCESS) return r;
     int local = local_pointer_attribute(attribute, ptr, data);
     if (local >= 0) return local;
+    local = managed_pointer_attribute(attribute, ptr, data);
+    if (local >= 0) return local;
     uint64_t base = 0;
     if (rgpu_dev_alloc_find(ptr, &base) && rgpu_pattr_get(base, ptr, attribute, data)) return CUDA_SUCCESS;
     rgpu_call c;
@@ -672,11 +693,23 @@ static int plain_host_memory(CUdeviceptr ptr) {
     return page > 0 && mincore((void *)(uintptr_t)(ptr & ~(uint64_t)(page - 1)), 1, &resident) == 0;
 }
 
+static CUresult pointer_attributes(unsigned int numAttributes, CUpointer_attribute *attributes, void **data,
+                                   CUdeviceptr ptr);
+
 RGPU_EXPORT CUresult CUDAAPI cuPointerGetAttributes(unsigned int numAttributes, CUpointer_attribute *attributes,
                                                     void **data, CUdeviceptr ptr) {
     if (!attributes || !data || numAttributes == 0) return CUDA_ERROR_INVALID_VALUE;
     CUresult r = rgpu_check_init();
     if (r != CUDA_SUCCESS) return r;
+    r = pointer_attributes(numAttributes, attributes, data, ptr);
+    for (unsigned int i = 0; r == CUDA_SUCCESS && i < numAttributes; i++)
+        if (data[i]) managed_pointer_attribute(attributes[i], ptr, data[i]);
+    return r;
+}
+
+static CUresult pointer_attributes(unsigned int numAttributes, CUpointer_attribute *attributes, void **data,
+                                   CUdeviceptr ptr) {
+    CUresult r;
     if (rgpu_host_range_find((void *)(uintptr_t)ptr, NULL, NULL, NULL)) {
         for (unsigned int i = 0; i < numAttributes; i++)
             if (data[i] && local_pointer_attribute(attributes[i], ptr, data[i]) != CUDA_SUCCESS)

@@ -443,6 +443,21 @@ int rgpu_managed_find(CUdeviceptr p) {
     return found;
 }
 
+/* The cuMemAllocManaged allocation p lies in (its address and size as the program asked): 0 when
+ * p is in none (page-locked memory the GPU was handed is not managed memory). */
+int rgpu_managed_range(CUdeviceptr p, CUdeviceptr *user, size_t *size) {
+    if (!__atomic_load_n(&g_count, __ATOMIC_ACQUIRE)) return 0;
+    pthread_mutex_lock(&g_lock);
+    const managed_region *r = find_locked(p);
+    int found = r && !r->pinned;
+    if (found) {
+        *user = r->user;
+        *size = r->size;
+    }
+    pthread_mutex_unlock(&g_lock);
+    return found;
+}
+
 /* A host access to managed memory the GPU owns: say so in one line and die of the signal, as the
  * same program would on a GPU without concurrent managed access. Other faults go to the handler
  * that was there before. (No locks here: the region table is read as it stands.) */

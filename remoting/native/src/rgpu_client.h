@@ -294,6 +294,7 @@ int rgpu_managed_unpinned_any(void);
 void rgpu_managed_before_call(uint16_t op);
 void rgpu_managed_sync_point(void);
 int rgpu_managed_find(CUdeviceptr p);
+int rgpu_managed_range(CUdeviceptr p, CUdeviceptr *user, size_t *size);   /* cuMemAllocManaged's, not pinned */
 int rgpu_managed_routes(const void *host);
 CUresult rgpu_managed_free(CUdeviceptr user);
 void rgpu_managed_hand(CUdeviceptr p);            /* a copy's side */
