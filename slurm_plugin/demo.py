@@ -304,10 +304,16 @@ def run_demo(keep: bool = False, job_script: str | None = None, extra_slurm_conf
             node = info.get("NodeList", "")
             conf = root / "run-rgpu" / node / job / "adaptor.conf"
             if info["JobState"] == "RUNNING":
-                wait_until("the job's adaptor.conf", conf.exists, 15)
+                # A short job can end, and its epilog remove the file, before the file is seen.
+                wait_until("the job's adaptor.conf", lambda: conf.exists() or slurm.job_state(job) != "RUNNING", 15)
                 click.echo(f"job {job} is {info['JobState']} on {node}, Licenses={info.get('Licenses')}\n")
-                click.echo(f"$ cat {conf}   # tokens cut\n{without_tokens(conf.read_text())}")
-                click.echo(f"$ rgpu-admin list-gpus\n{admin(env, 'list-gpus')}")
+                try:
+                    text: str | None = conf.read_text()
+                except FileNotFoundError:   # the job has ended already
+                    text = None
+                if text is not None:
+                    click.echo(f"$ cat {conf}   # tokens cut\n{without_tokens(text)}")
+                    click.echo(f"$ rgpu-admin list-gpus\n{admin(env, 'list-gpus')}")
             final = slurm.wait_job_state(job, {"COMPLETED", "FAILED", "CANCELLED"}, 120)
             click.echo(f"job {job} {final['JobState']}; its output:\n{slurm.job_output(job)}")
             if final["JobState"] != "COMPLETED":
