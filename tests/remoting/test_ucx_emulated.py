@@ -15,6 +15,8 @@ from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.worker.ucx import UcxLink
 from rgpu.remoting.native import build
 
+from tests.daemons import wait_for
+
 from .conftest import EMULATED_GPU, Server, run_client, serving
 from .ucx_helpers import OP, UCX_COPIES, _have_ucx, _ucx_ops
 
@@ -266,6 +268,10 @@ def test_through_the_cuda_backend_a_ucx_copy_is_one_dma_from_pinned_memory(
         chained = Server(server, address, [EMULATED_GPU])
         done = run_client(native_libs, chained.slices(chained.token(memory_limit=1 << 30)), [str(copies)], timeout=300,
                           RGPU_TRANSPORT="ucx", RGPU_LOG="info", UCX_TLS="posix,self")
+        # The worker writes its "driver's" call profile as it exits after the client's goodbye;
+        # stopping the server first could end it before that (a loaded CI machine saw no profile).
+        if done.returncode == 0:
+            wait_for(lambda: bool(list(tmp_path.glob("inner.*"))), 60, "the chained worker's call profile")
     finally:
         server.stop()
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr

@@ -125,7 +125,13 @@ static void stats_write(const char *suffix) {
         snprintf(path, sizeof path, "%s.%d.%s", getenv("RGPU_CLIENT_STATS"), (int)getpid(), suffix);
     else
         snprintf(path, sizeof path, "%s.%d", getenv("RGPU_CLIENT_STATS"), (int)getpid());
-    FILE *f = fopen(path, "w");
+    /* Written beside it under a hidden name, then renamed: a reader waiting for PATH.<pid> (a
+     * benchmark, a test) never reads half of it. */
+    char tmp[4200];
+    const char *slash = strrchr(path, '/');
+    int dir = slash ? (int)(slash - path + 1) : 0;
+    snprintf(tmp, sizeof tmp, "%.*s.rgpu-stats.%d.tmp", dir, path, (int)getpid());
+    FILE *f = fopen(tmp, "w");
     if (!f) return;
     fprintf(f, "# rgpu client call profile: op sync_calls sync_wait_ns async_calls (sends %llu)\n",
             (unsigned long long)__atomic_load_n(&g_sends, __ATOMIC_RELAXED));
@@ -143,7 +149,7 @@ static void stats_write(const char *suffix) {
                     (unsigned long long)__atomic_load_n(&g_sync_wait_ns[op], __ATOMIC_RELAXED),
                     (unsigned long long)async);
     }
-    fclose(f);
+    if (fclose(f) != 0 || rename(tmp, path) != 0) unlink(tmp);
 }
 
 __attribute__((destructor)) static void stats_report(void) {
