@@ -202,6 +202,45 @@ def test_worker_crash_ends_only_its_session_with_a_clear_error(native_libs: buil
     assert any(e["job_key"] == "victim" and "signal 9" in e["how"] for e in ended)
 
 
+def test_a_worker_ended_by_a_fatal_signal_leaves_its_threads_stacks_in_the_log(
+        native_libs: build.Libraries, emulated: Server, tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """A worker that faults (SIGSEGV in the driver, say) writes each thread's Python stack to the
+    dispatcher's log (its stderr, which the worker shares) before it dies; the application gets the
+    same clear error as for any ended worker."""
+    go = tmp_path / "go"
+    victim = subprocess.Popen(
+        [PY, "-c", f"import sys, os, time; sys.path.insert(0, {str(HERE)!r})\nfrom ctcuda import *\nimport ctypes\n" + textwrap.dedent(f"""
+            setup()
+            r, p = alloc(1 << 20)
+            print("READY", flush=True)
+            while not os.path.exists({str(go)!r}):
+                time.sleep(0.05)
+            print("SYNC", lib.cuCtxSynchronize(), flush=True)
+            """)],
+        env=client_env(native_libs, emulated.slices(emulated.token(job_key="faulting"))),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert victim.stdout is not None
+    assert victim.stdout.readline().strip() == "READY"
+    pid = next(s["pid"] for s in emulated.wait_sessions(1) if s["job_key"] == "faulting")
+    os.kill(pid, signal.SIGSEGV)
+    go.write_text("")
+    out, err = victim.communicate(timeout=30)
+    assert "SYNC 46" in out, out + err
+    assert "the worker serving this slice ended" in err
+    log = ""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and "run_session" not in log:
+        log += capfd.readouterr().err
+        time.sleep(0.1)
+    assert "Fatal Python error: Segmentation fault" in log, log[-2000:]
+    assert "run_session" in log, log[-2000:]    # the stack says where the worker was
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any(e["job_key"] == "faulting" for e in emulated.server.status()["recently_ended"]):
+        time.sleep(0.05)
+    ended = emulated.server.status()["recently_ended"]
+    assert any(e["job_key"] == "faulting" and "signal 11" in e["how"] for e in ended), ended
+
+
 def test_session_end_frees_what_it_held(native_libs: build.Libraries, emulated: Server) -> None:
     token = emulated.token(memory_limit=64 << 20, job_key="reuse")
     for _ in range(2):  # the second run would hit the limit if the first run's memory leaked

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
 import signal
@@ -206,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"%(asctime)s rgpu-worker[{os.getpid()}] job={spec.job_key} slice={spec.slice_number} "
                                "%(levelname)s %(message)s")
     tie_to_parent(int(os.environ.get("RGPU_WORKER_PARENT_PID", "0") or 0))
+    # A worker that dies of a fatal signal (a fault in the driver or in librgpu-worker.so) leaves the
+    # Python stack of each of its threads in the dispatcher's log, beside the dispatcher's line
+    # saying which signal ended it: otherwise nothing would say what it was doing.
+    faulthandler.enable(all_threads=True)
     sock = socket.socket(fileno=args.fd)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     lanes = [socket.socket(fileno=int(fd)) for fd in args.lanes.split(",") if fd]
