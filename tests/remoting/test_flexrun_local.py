@@ -111,7 +111,7 @@ def test_flexrun_local_runs_the_application_on_this_nodes_gpu_through_the_same_h
     done, left = _cluster_run(native_libs, tmp_path, ["local", "-p", "0.5"], {}, {"RGPU_LOG": "info"})
     assert done.returncode == 0, done.stdout + done.stderr
     assert "TOTAL 42949672960 WHOLE True" in done.stdout, done.stdout   # half of inventory-a's 80 GB H100
-    assert "127.0.0.1:" in done.stderr and "transport ucx)" in done.stderr, done.stderr
+    assert "127.0.0.1:" in done.stderr and "; transport ucx: " in done.stderr, done.stderr
     assert left == []   # released at exit
 
 

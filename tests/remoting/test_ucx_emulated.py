@@ -6,6 +6,7 @@ through libucx-dev); skipped with that reason where it is absent."""
 from __future__ import annotations
 
 import ctypes
+import re
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,13 +32,18 @@ assert len(UCX_SIZES) == UCX_COPIES[0]
 
 @pytest.mark.parametrize("tls", ["posix,cma,self", "tcp"], ids=["shared-memory", "tcp"])
 def test_copies_of_every_size_arrive_whole_over_ucx(copies: Path, native_libs: build.Libraries, tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch, tls: str) -> None:
+                                                     monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str],
+                                                     tls: str) -> None:
     monkeypatch.setenv("UCX_TLS", tls)   # both ends: the client's environment and the worker's
     with serving("emulated", [EMULATED_GPU]) as s:
         done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(copies)], timeout=300,
                           RGPU_LOG="info", RGPU_CLIENT_STATS=str(tmp_path / "p"))
     assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
-    assert "; transport ucx)" in done.stderr, done.stderr
+    # The client's device line and the worker's session line name the UCX transports that carry the copies.
+    carriers = "posix/memory" if tls.startswith("posix") else "tcp/lo"
+    assert re.search(rf"; transport ucx: [^)]*\b{carriers}\b[^)]*\)", done.stderr), done.stderr
+    worker_log = capfd.readouterr().err    # the worker's log: the stderr it shares with this test
+    assert re.search(rf"session open: .* transport ucx \([^)]*\b{carriers}\b[^)]*\)", worker_log), worker_log
     assert "not UCX" not in done.stderr
     assert _ucx_ops(tmp_path / "p") == UCX_COPIES
 
@@ -275,7 +281,7 @@ def test_through_the_cuda_backend_a_ucx_copy_is_one_dma_from_pinned_memory(
     finally:
         server.stop()
     assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout + done.stderr
-    assert "transport ucx)" in done.stderr, done.stderr
+    assert "; transport ucx: posix/memory" in done.stderr, done.stderr
     chunks = sum(1 for n in UCX_SIZES for _, _, k in protocol.ucx_chunks(n) if k >= 1 << 20)
     assert _ucx_ops(tmp_path / "inner") == (chunks, chunks)
 

@@ -77,7 +77,7 @@ def run_session(sock: socket.socket, spec: SessionSpec, lanes: list[socket.socke
         description=description, ucx_address=ucx.address if ucx is not None else b"",
         lanes=lane_link.count if lane_link is not None else 0))
     log.info("session open: job %s slice %d, %s mode, client %s, transport %s%s", spec.job_key, spec.slice_number,
-             spec.mode, spec.client, "ucx" if ucx is not None else "tcp",
+             spec.mode, spec.client, _transport_words(ucx),
              f", {lane_link.count} data lanes" if lane_link is not None else "")
     if transport_why:
         log.info("%s", fallback_line(transport_why))
@@ -146,6 +146,15 @@ def run_session(sock: socket.socket, spec: SessionSpec, lanes: list[socket.socke
         logging.shutdown()
         os._exit(0)
     return 0
+
+
+def _transport_words(ucx: UcxLink | None) -> str:
+    """How the session's large copies travel, for its `session open` line: "tcp", "ucx", or "ucx
+    (posix/memory, cma/memory)" with the UCX transports its endpoint's lanes use."""
+    if ucx is None:
+        return "tcp"
+    carriers = ucx.carriers()
+    return f"ucx ({carriers})" if carriers else "ucx"
 
 
 def _open_ucx(spec: SessionSpec) -> tuple[UcxLink | None, str]:

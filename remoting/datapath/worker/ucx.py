@@ -33,6 +33,8 @@ class UcxLink:
                                       ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_size_t]
         lib.rgpu_ucx_wait.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_double,
                                       ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+        lib.rgpu_ucx_describe.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
+        lib.rgpu_ucx_describe.restype = ctypes.c_size_t
         lib.rgpu_ucx_cancel.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
         lib.rgpu_ucx_cancel.restype = None
         lib.rgpu_ucx_close.argtypes = [ctypes.c_void_p]
@@ -56,6 +58,13 @@ class UcxLink:
     def connect(self, peer: bytes) -> None:
         if self._lib.rgpu_ucx_connect(self._handle, peer, len(peer), self._why, WHY_BYTES):
             raise UcxUnavailable(self._why.value.decode(errors="replace"))
+
+    def carriers(self) -> str:
+        """UCX's transports on the endpoint's lanes ("posix/memory, cma/memory", "tcp/eth0"); "" before
+        connect() or where the loaded UCX cannot say."""
+        out = ctypes.create_string_buffer(256)
+        self._lib.rgpu_ucx_describe(self._handle, out, len(out))
+        return out.value.decode(errors="replace")
 
     def _fail(self, what: str) -> CudaError:
         return CudaError(INVALID_VALUE, f"rgpu: worker: {what} ({self._why.value.decode(errors='replace')}; the "

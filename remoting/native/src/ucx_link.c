@@ -70,6 +70,7 @@ struct ucp_fns {
     void (*request_cancel)(ucp_worker_h, void *);
     void (*request_free)(void *);
     const char *(*status_string)(ucs_status_t);
+    void (*ep_print_info)(ucp_ep_h, FILE *);
 };
 
 struct rgpu_ucx {
@@ -142,6 +143,7 @@ rgpu_ucx *rgpu_ucx_open(const char *folder, int threads, char *why, size_t whyle
     FIND(request_cancel, "ucp_request_cancel");
     FIND(request_free, "ucp_request_free");
     *(void **)&u->f.status_string = dlsym(u->lib, "ucs_status_string");   /* optional: messages only */
+    *(void **)&u->f.ep_print_info = dlsym(u->lib, "ucp_ep_print_info");   /* optional: rgpu_ucx_describe */
 
     ucp_params_t params;
     memset(&params, 0, sizeof params);
@@ -197,6 +199,60 @@ int rgpu_ucx_connect(rgpu_ucx *u, const void *peer, size_t len, char *why, size_
         return -1;
     }
     return 0;
+}
+
+/* UCX's endpoint report has one line per lane, "#   lane[0]:  3:sysv/memory.0 md[2] -> ...": keep each
+ * lane's "transport/device" (without the ".0" path index), once each, in lane order. */
+static void lanes_from_report(const char *report, char *out, size_t outlen) {
+    size_t used = 0;
+    out[0] = 0;
+    for (const char *line = report; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
+        const char *lane = strstr(line, "lane[");
+        const char *eol = strchr(line, '\n');
+        if (!lane || (eol && lane > eol)) continue;
+        const char *p = strchr(lane, ':');             /* after "lane[N]" */
+        if (!p || (eol && p > eol)) continue;
+        p++;
+        while (*p == ' ') p++;
+        const char *colon = strchr(p, ':');            /* after the resource index "3" */
+        if (!colon || (eol && colon > eol)) continue;
+        p = colon + 1;
+        size_t n = strcspn(p, " \t\n");
+        const char *dot = NULL;                         /* "memory.0" -> "memory" */
+        for (const char *q = p; q < p + n; q++)
+            if (*q == '.') dot = q;
+        if (dot && dot + 1 < p + n && strspn(dot + 1, "0123456789") == (size_t)(p + n - dot - 1)) n = (size_t)(dot - p);
+        if (!n || !memchr(p, '/', n)) continue;
+        char name[128];
+        if (n >= sizeof name) n = sizeof name - 1;
+        memcpy(name, p, n);
+        name[n] = 0;
+        int seen = 0;                                   /* once each: "tcp/lo" may carry several lanes */
+        for (const char *at = out; (at = strstr(at, name)) != NULL; at += n)
+            if ((at == out || at[-1] == ' ') && (at[n] == ',' || at[n] == 0)) seen = 1;
+        if (seen) continue;
+        int w = snprintf(out + used, outlen - used, "%s%s", used ? ", " : "", name);
+        if (w < 0 || (size_t)w >= outlen - used) {
+            out[used] = 0;
+            return;
+        }
+        used += (size_t)w;
+    }
+}
+
+size_t rgpu_ucx_describe(rgpu_ucx *u, char *out, size_t outlen) {
+    if (!outlen) return 0;
+    out[0] = 0;
+    if (!u || !u->ep || !u->f.ep_print_info) return 0;
+    char *report = NULL;
+    size_t size = 0;
+    FILE *f = open_memstream(&report, &size);
+    if (!f) return 0;
+    u->f.ep_print_info(u->ep, f);
+    fclose(f);
+    if (report) lanes_from_report(report, out, outlen);
+    free(report);
+    return strlen(out);
 }
 
 int rgpu_ucx_post(rgpu_ucx *u, int recv, uint64_t tag, void *p, size_t n, void **req, char *why, size_t whylen) {

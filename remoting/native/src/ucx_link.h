@@ -23,6 +23,10 @@ RGPU_UCX_API rgpu_ucx *rgpu_ucx_open(const char *folder, int threads, char *why,
 RGPU_UCX_API size_t rgpu_ucx_address(rgpu_ucx *u, const void **address);
 /* The endpoint to the peer's worker. 0 or -1 with `why`. */
 RGPU_UCX_API int rgpu_ucx_connect(rgpu_ucx *u, const void *peer, size_t len, char *why, size_t whylen);
+/* The UCX transports of the endpoint's lanes, "transport/device" each, comma-separated (e.g.
+ * "posix/memory, cma/memory", "tcp/eth0", "rc_mlx5/mlx5_0:1"): what carries the copies. Its length;
+ * 0 ("") before rgpu_ucx_connect or where the loaded UCX cannot say. */
+RGPU_UCX_API size_t rgpu_ucx_describe(rgpu_ucx *u, char *out, size_t outlen);
 /* Start sending (recv 0) or receiving (recv 1) n bytes tagged `tag`. 0: started, *req is the
  * request to wait for (NULL: already done); -1 with `why`. */
 RGPU_UCX_API int rgpu_ucx_post(rgpu_ucx *u, int recv, uint64_t tag, void *p, size_t n, void **req, char *why,
