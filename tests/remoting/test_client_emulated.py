@@ -165,8 +165,10 @@ def test_calls_before_cuinit_are_not_initialized(native_libs: build.Libraries, e
     assert "VERSION 0 13000" in done.stdout
 
 
-def test_worker_crash_ends_only_its_session_with_a_clear_error(native_libs: build.Libraries, emulated: Server,
-                                                               tmp_path: Path) -> None:
+def _kill_the_worker_of_a_waiting_client(native_libs: build.Libraries, emulated: Server, tmp_path: Path,
+                                         job_key: str, sig: int) -> tuple[str, str]:
+    """A client that allocates, then waits; its worker gets `sig`; the client then copies and
+    synchronises. The client's (stdout, stderr)."""
     go = tmp_path / "go"
     victim = subprocess.Popen(
         [PY, "-c", f"import sys, os, time; sys.path.insert(0, {str(HERE)!r})\nfrom ctcuda import *\nimport ctypes\n" + textwrap.dedent(f"""
@@ -179,18 +181,34 @@ def test_worker_crash_ends_only_its_session_with_a_clear_error(native_libs: buil
             print("COPY", lib.cuMemcpyDtoH_v2(buf, ctypes.c_uint64(p), ctypes.c_size_t(16)), flush=True)
             print("AGAIN", lib.cuCtxSynchronize(), flush=True)
             """)],
-        env=client_env(native_libs, emulated.slices(emulated.token(job_key="victim"))),
+        env=client_env(native_libs, emulated.slices(emulated.token(job_key=job_key))),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    survivor_token = emulated.token(job_key="survivor")
     assert victim.stdout is not None
     assert victim.stdout.readline().strip() == "READY"
-    sessions = emulated.wait_sessions(1)
-    pid = next(s["pid"] for s in sessions if s["job_key"] == "victim")
-    os.kill(pid, signal.SIGKILL)
+    pid = next(s["pid"] for s in emulated.wait_sessions(1) if s["job_key"] == job_key)
+    os.kill(pid, sig)
     go.write_text("")
     out, err = victim.communicate(timeout=30)
     assert "COPY 46" in out and "AGAIN 46" in out, out + err
     assert "lost the session with GPU server" in err and "the worker serving this slice ended" in err
+    return out, err
+
+
+def _ended(emulated: Server, job_key: str) -> str:
+    """How the session of `job_key` ended, as the session server recorded it."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        hows = [e["how"] for e in emulated.server.status()["recently_ended"] if e["job_key"] == job_key]
+        if hows:
+            return hows[0]
+        time.sleep(0.05)
+    raise AssertionError(f"the session of {job_key} is not among those ended: {emulated.server.status()['recently_ended']}")
+
+
+def test_worker_crash_ends_only_its_session_with_a_clear_error(native_libs: build.Libraries, emulated: Server,
+                                                               tmp_path: Path) -> None:
+    survivor_token = emulated.token(job_key="survivor")
+    _kill_the_worker_of_a_waiting_client(native_libs, emulated, tmp_path, "victim", signal.SIGKILL)
     # Another session on the same server is unaffected.
     done = py_client(native_libs, emulated.slices(survivor_token), """
         setup()
@@ -198,8 +216,7 @@ def test_worker_crash_ends_only_its_session_with_a_clear_error(native_libs: buil
         print("ALLOC", r)
         """)
     assert "ALLOC 0" in done.stdout, done.stderr
-    ended = emulated.server.status()["recently_ended"]
-    assert any(e["job_key"] == "victim" and "signal 9" in e["how"] for e in ended)
+    assert "signal 9" in _ended(emulated, "victim")
 
 
 def test_a_worker_ended_by_a_fatal_signal_leaves_its_threads_stacks_in_the_log(
@@ -207,26 +224,7 @@ def test_a_worker_ended_by_a_fatal_signal_leaves_its_threads_stacks_in_the_log(
     """A worker that faults (SIGSEGV in the driver, say) writes each thread's Python stack to the
     dispatcher's log (its stderr, which the worker shares) before it dies; the application gets the
     same clear error as for any ended worker."""
-    go = tmp_path / "go"
-    victim = subprocess.Popen(
-        [PY, "-c", f"import sys, os, time; sys.path.insert(0, {str(HERE)!r})\nfrom ctcuda import *\nimport ctypes\n" + textwrap.dedent(f"""
-            setup()
-            r, p = alloc(1 << 20)
-            print("READY", flush=True)
-            while not os.path.exists({str(go)!r}):
-                time.sleep(0.05)
-            print("SYNC", lib.cuCtxSynchronize(), flush=True)
-            """)],
-        env=client_env(native_libs, emulated.slices(emulated.token(job_key="faulting"))),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert victim.stdout is not None
-    assert victim.stdout.readline().strip() == "READY"
-    pid = next(s["pid"] for s in emulated.wait_sessions(1) if s["job_key"] == "faulting")
-    os.kill(pid, signal.SIGSEGV)
-    go.write_text("")
-    out, err = victim.communicate(timeout=30)
-    assert "SYNC 46" in out, out + err
-    assert "the worker serving this slice ended" in err
+    _kill_the_worker_of_a_waiting_client(native_libs, emulated, tmp_path, "faulting", signal.SIGSEGV)
     log = ""
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and "run_session" not in log:
@@ -234,11 +232,7 @@ def test_a_worker_ended_by_a_fatal_signal_leaves_its_threads_stacks_in_the_log(
         time.sleep(0.1)
     assert "Fatal Python error: Segmentation fault" in log, log[-2000:]
     assert "run_session" in log, log[-2000:]    # the stack says where the worker was
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not any(e["job_key"] == "faulting" for e in emulated.server.status()["recently_ended"]):
-        time.sleep(0.05)
-    ended = emulated.server.status()["recently_ended"]
-    assert any(e["job_key"] == "faulting" and "signal 11" in e["how"] for e in ended), ended
+    assert "signal 11" in _ended(emulated, "faulting")
 
 
 def test_session_end_frees_what_it_held(native_libs: build.Libraries, emulated: Server) -> None:
