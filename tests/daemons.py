@@ -36,6 +36,22 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 15.0, what: str = "
     raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
+def stop_process(pid: int, timeout: float = 10.0) -> None:
+    """SIGSTOP `pid` and return once every one of its threads is stopped: kill() returns before
+    they are, and a loaded CI machine once saw a just-stopped pool answer the next call."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def all_stopped() -> bool:
+        try:
+            states = [(task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                      for task in Path(f"/proc/{pid}/task").iterdir()]
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        return bool(states) and all(state in ("T", "t") for state in states)
+
+    wait_for(all_stopped, timeout, f"process {pid} to stop on SIGSTOP")
+
+
 def wait_for_port_file(path: Path, daemon: "Daemon", timeout: float = 30.0) -> int:
     """The port a daemon started with --port-file reports once it serves; fails with its log if it
     exits first."""

@@ -13,7 +13,7 @@ import pytest
 from rgpu.config import load_settings, pool_addresses
 from rgpu.errors import Unavailable
 from rgpu.remoting.pool.client import connect
-from tests.daemons import register_servers, two_clusters, wait_for
+from tests.daemons import register_servers, stop_process, two_clusters, wait_for
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
@@ -68,7 +68,7 @@ def test_a_hung_pool_is_skipped_within_the_callers_timeout(two_pools) -> None:  
     with connect(settings, timeout=4.0) as client:
         assert client.allocate("job-1", "alice", 1, percent=50).slices
         assert client.address == first.pool_address
-        os.kill(first.pool.proc.pid, signal.SIGSTOP)       # hung: its connection stays open, silent
+        stop_process(first.pool.proc.pid)                  # hung: its connection stays open, silent
         try:
             lease = client.allocate("job-2", "alice", 1, percent=50)
             assert lease.slices and client.address == second.pool_address
