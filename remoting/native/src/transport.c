@@ -1432,10 +1432,12 @@ CUresult rgpu_connect_all(int flags, const char *component) {
             result = r;
         } else {
             if (s->ucx) close_lanes(s);   /* UCX carries the large copies: the lanes would stay idle */
-            char lanes[48] = "", carriers[256] = "";
+            char lanes[48] = "", names[240] = "", carriers[256] = "";
             if (s->nlanes) snprintf(lanes, sizeof lanes, ", %d data lanes", s->nlanes);
-            /* Which of UCX's transports carry the copies (shared memory, TCP, InfiniBand...). */
-            if (s->ucx && rgpu_ucx_describe(s->ucx, carriers + 2, sizeof carriers - 2)) memcpy(carriers, ": ", 2);
+            /* Which of UCX's transports carry the copies (shared memory, TCP, InfiniBand...); asked
+             * of UCX only when the line is shown. */
+            if (s->ucx && rgpu_log_level() >= RGPU_LOG_INFO && rgpu_ucx_describe(s->ucx, names, sizeof names))
+                snprintf(carriers, sizeof carriers, ": %s", names);
             rgpu_log(RGPU_LOG_INFO, "device %d: %s (%s; transport %s%s%s)", i, s->server, s->description,
                      s->ucx ? "ucx" : "tcp", carriers, lanes);
         }

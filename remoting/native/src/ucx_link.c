@@ -201,38 +201,30 @@ int rgpu_ucx_connect(rgpu_ucx *u, const void *peer, size_t len, char *why, size_
     return 0;
 }
 
+/* Whether `name` is one of the ", "-separated names of `list`. */
+static int listed(const char *list, const char *name) {
+    size_t n = strlen(name);
+    for (const char *at = list; (at = strstr(at, name)) != NULL; at += n)
+        if ((at == list || at[-1] == ' ') && (at[n] == ',' || at[n] == 0)) return 1;
+    return 0;
+}
+
 /* UCX's endpoint report has one line per lane, "#   lane[0]:  3:sysv/memory.0 md[2] -> ...": keep each
- * lane's "transport/device" (without the ".0" path index), once each, in lane order. */
-static void lanes_from_report(const char *report, char *out, size_t outlen) {
+ * lane's "transport/device" (without the ".0" path index), once each ("tcp/lo" may carry several
+ * lanes), in lane order. `report` is cut into lines in place. */
+static void lanes_from_report(char *report, char *out, size_t outlen) {
     size_t used = 0;
+    char *save = NULL;
     out[0] = 0;
-    for (const char *line = report; line && *line; line = strchr(line, '\n') ? strchr(line, '\n') + 1 : NULL) {
+    for (char *line = strtok_r(report, "\n", &save); line; line = strtok_r(NULL, "\n", &save)) {
         const char *lane = strstr(line, "lane[");
-        const char *eol = strchr(line, '\n');
-        if (!lane || (eol && lane > eol)) continue;
-        const char *p = strchr(lane, ':');             /* after "lane[N]" */
-        if (!p || (eol && p > eol)) continue;
-        p++;
-        while (*p == ' ') p++;
-        const char *colon = strchr(p, ':');            /* after the resource index "3" */
-        if (!colon || (eol && colon > eol)) continue;
-        p = colon + 1;
-        size_t n = strcspn(p, " \t\n");
-        const char *dot = NULL;                         /* "memory.0" -> "memory" */
-        for (const char *q = p; q < p + n; q++)
-            if (*q == '.') dot = q;
-        if (dot && dot + 1 < p + n && strspn(dot + 1, "0123456789") == (size_t)(p + n - dot - 1)) n = (size_t)(dot - p);
-        if (!n || !memchr(p, '/', n)) continue;
         char name[128];
-        if (n >= sizeof name) n = sizeof name - 1;
-        memcpy(name, p, n);
-        name[n] = 0;
-        int seen = 0;                                   /* once each: "tcp/lo" may carry several lanes */
-        for (const char *at = out; (at = strstr(at, name)) != NULL; at += n)
-            if ((at == out || at[-1] == ' ') && (at[n] == ',' || at[n] == 0)) seen = 1;
-        if (seen) continue;
+        if (!lane || sscanf(lane, "lane[%*u]: %*u:%127s", name) != 1) continue;
+        char *dot = strrchr(name, '.');
+        if (dot && dot[1] && strspn(dot + 1, "0123456789") == strlen(dot + 1)) *dot = 0;
+        if (!strchr(name, '/') || listed(out, name)) continue;
         int w = snprintf(out + used, outlen - used, "%s%s", used ? ", " : "", name);
-        if (w < 0 || (size_t)w >= outlen - used) {
+        if (w < 0 || (size_t)w >= outlen - used) {   /* no room: keep the names that fitted whole */
             out[used] = 0;
             return;
         }
