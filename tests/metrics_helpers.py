@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.daemons import EXAMPLES, RgpuCluster, wait_for_port_file
+from tests.daemons import EXAMPLES, RgpuCluster, wait_for, wait_for_port_file
 
 
 def samples(families: Iterator | list) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -29,11 +29,15 @@ def scrape(port: int) -> dict:
 
 
 def start_with_metrics(cluster: RgpuCluster) -> tuple[int, int, str]:
-    """A pool and an emulated dispatcher (inventory-a), each with its metrics endpoint: (pool's
-    metrics port, dispatcher's metrics port, dispatcher's address)."""
+    """A pool and an emulated dispatcher (inventory-a), each with its metrics endpoint, once the
+    pool counts the dispatcher up: (pool's metrics port, dispatcher's metrics port, dispatcher's
+    address). The dispatcher's port file comes before its registration, so callers that allocate
+    at once would race it (CI on c3b9a00 lost that race)."""
     pool = cluster.start_pool("--metrics-listen", "127.0.0.1:0", "--metrics-port-file",
                               str(cluster.root / "pool-metrics.port"))
     pool_metrics = wait_for_port_file(cluster.root / "pool-metrics.port", pool)
     daemon, port = cluster.start_dispatcher(EXAMPLES / "inventory-a.toml", None, "--metrics-listen", "127.0.0.1:0",
                                             "--metrics-port-file", str(cluster.root / "d-metrics.port"))
-    return pool_metrics, wait_for_port_file(cluster.root / "d-metrics.port", daemon), f"127.0.0.1:{port}"
+    dispatcher_metrics = wait_for_port_file(cluster.root / "d-metrics.port", daemon)
+    wait_for(lambda: value(scrape(pool_metrics), "rgpu_pool_servers", state="up") == 1, what="the dispatcher up")
+    return pool_metrics, dispatcher_metrics, f"127.0.0.1:{port}"

@@ -158,7 +158,6 @@ def test_pool_and_dispatcher_metrics_over_http(cluster: RgpuCluster) -> None:
     from rgpu.remoting.native.generated import api_gen
 
     pool_metrics, dispatcher_metrics, address = start_with_metrics(cluster)
-    wait_for(lambda: value(scrape(pool_metrics), "rgpu_pool_servers", state="up") == 1, what="the dispatcher up")
 
     with cluster.client() as client:
         client.set_quota("user", "bob", 10)
