@@ -16,6 +16,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -211,6 +213,23 @@ class RgpuCluster:
         if self._no_pool is not None:
             self._no_pool.close()
             self._no_pool = None
+
+
+@contextmanager
+def one_dispatcher_cluster(root: Path, **config: object) -> Iterator[RgpuCluster]:
+    """A pool and one emulated dispatcher (inventory-a) under `root`, the dispatcher up, with fast
+    heartbeats and `config` added to rgpu.toml; stopped after."""
+    cluster = RgpuCluster(root)
+    cluster.write_config(down_after_seconds=5.0, heartbeat_interval_seconds=0.5, reclaim_interval_seconds=0.5,
+                         **config)
+    try:
+        cluster.start_pool()
+        cluster.start_dispatcher(EXAMPLES / "inventory-a.toml")
+        with cluster.client() as client:
+            wait_for(lambda: any(s.state == "up" for s in client.list_servers().servers), what="dispatcher up")
+        yield cluster
+    finally:
+        cluster.stop_all()
 
 
 def two_clusters(root: Path) -> tuple[RgpuCluster, RgpuCluster]:

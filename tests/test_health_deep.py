@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import socket
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rgpu.remoting.admin import deepcheck as dc
-from tests.daemons import EXAMPLES, RgpuCluster, wait_for
+from tests.daemons import RgpuCluster, one_dispatcher_cluster
 from tests.sshd import Sshd, start_sshd
 from tests.admin_helpers import run_admin
 
@@ -24,15 +25,9 @@ def sshd(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 @pytest.fixture
-def cluster(tmp_path: Path):  # type: ignore[no-untyped-def]
-    c = RgpuCluster(tmp_path / "rgpu")
-    c.write_config(down_after_seconds=5.0, heartbeat_interval_seconds=0.5, reclaim_interval_seconds=0.5)
-    c.start_pool()
-    c.start_dispatcher(EXAMPLES / "inventory-a.toml")
-    with c.client() as client:
-        wait_for(lambda: any(s.state == "up" for s in client.list_servers().servers), what="dispatcher up")
-    yield c
-    c.stop_all()
+def cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
+    with one_dispatcher_cluster(tmp_path / "rgpu") as c:
+        yield c
 
 
 def deep(cluster: RgpuCluster, sshd: Sshd, *args: str, **config: str):  # type: ignore[no-untyped-def]

@@ -4,26 +4,22 @@ a probe slice is leased, its token opens a perf session on the data port, and it
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from rgpu.errors import AuthError
 from rgpu.remoting.datapath import perf
-from tests.daemons import EXAMPLES, RgpuCluster, wait_for
-from tests.admin_helpers import admin
+from tests.daemons import RgpuCluster, one_dispatcher_cluster, wait_for
+from tests.admin_helpers import admin, run_admin
+from tests.remoting.ucx_helpers import _have_ucx
 
 
 @pytest.fixture
-def cluster(tmp_path: Path):  # type: ignore[no-untyped-def]
-    c = RgpuCluster(tmp_path)
-    c.write_config(down_after_seconds=5.0, heartbeat_interval_seconds=0.5, reclaim_interval_seconds=0.5)
-    c.start_pool()
-    c.start_dispatcher(EXAMPLES / "inventory-a.toml")
-    with c.client() as client:
-        wait_for(lambda: any(s.state == "up" for s in client.list_servers().servers), what="dispatcher up")
-    yield c
-    c.stop_all()
+def cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
+    with one_dispatcher_cluster(tmp_path) as c:
+        yield c
 
 
 def test_net_perf_measures_each_dispatcher_and_releases_its_probe(cluster: RgpuCluster) -> None:
@@ -60,3 +56,122 @@ def test_summarise_and_percentile() -> None:
     assert (r.rtt_min_us, r.rtt_p50_us, r.connect_ms) == (pytest.approx(1), pytest.approx(2), pytest.approx(2))
     assert r.upload_bytes_per_s == pytest.approx(20 << 20) and r.download_bytes_per_s == 0
     assert perf.percentile([5.0, 1.0, 9.0, 3.0], 100) == 9.0
+
+
+# --- UCX (issue 25): the bulk over UCX too, and the transports it took ---------------------------
+
+needs_ucx = pytest.mark.skipif(not _have_ucx(), reason="UCX is not installed (no libucp.so.0: apt-get install "
+                               "libucx-dev, as scripts/test.sh does from .ci/debian-packages.txt)")
+
+
+@needs_ucx
+def test_net_perf_measures_ucx_beside_tcp_and_names_ucxs_transports(cluster: RgpuCluster) -> None:
+    (row,) = json.loads(admin(cluster, "net-perf", "--pings", "5", "--size", "9M", "--json").stdout)
+    assert row["ok"] and row["ucx_why_not"] == "", row
+    assert row["ucx"]["upload_bytes_per_s"] > 0 and row["ucx"]["download_bytes_per_s"] > 0
+    assert "/" in row["ucx"]["transports"], row       # "posix/memory, cma/memory" here, "tcp/lo" under UCX_TLS=tcp
+    table = admin(cluster, "net-perf", "--pings", "5", "--size", "1M", "--transport", "ucx").stdout
+    transports = [line.split()[1] for line in table.splitlines()[2:]]
+    assert transports == ["tcp", "ucx"] and f"ucx ({row['ucx']['transports']})" in table, table
+    # The dispatcher never loads UCX itself: each such session had its helper, and says what it took.
+    said = f"transport ucx ({row['ucx']['transports']})"
+    wait_for(lambda: cluster.daemons[-1].log().count(said) == 2, what="both sessions' lines")
+    with cluster.client() as client:
+        assert client.list_leases() == []
+
+
+@needs_ucx
+def test_net_perf_over_tcp_only_offers_no_ucx(cluster: RgpuCluster) -> None:
+    (row,) = json.loads(admin(cluster, "net-perf", "--pings", "2", "--size", "1M", "--transport", "tcp",
+                              "--json").stdout)
+    assert row["ok"] and row["ucx"] is None and row["ucx_why_not"] == "", row
+    assert "transport ucx" not in cluster.daemons[-1].log()
+
+
+@pytest.fixture
+def tcp_cluster(tmp_path: Path) -> Iterator[RgpuCluster]:
+    with one_dispatcher_cluster(tmp_path, transport="tcp") as c:
+        yield c
+
+
+@needs_ucx
+@pytest.mark.integration
+def test_a_dispatcher_set_to_tcp_is_measured_over_tcp_and_says_why_not_ucx(tcp_cluster: RgpuCluster) -> None:
+    (row,) = json.loads(admin(tcp_cluster, "net-perf", "--pings", "2", "--size", "1M", "--json").stdout)
+    assert row["ok"] and row["ucx"] is None and row["upload_bytes_per_s"] > 0
+    assert "the dispatcher's transport setting is tcp" in row["ucx_why_not"], row
+    table = admin(tcp_cluster, "net-perf", "--pings", "2", "--size", "1M").stdout
+    assert "not measured: the dispatcher took no UCX: the dispatcher's transport setting is tcp" in table, table
+    asked = admin(tcp_cluster, "net-perf", "--pings", "2", "--size", "1M", "--transport", "ucx", ok=False)
+    assert asked.returncode == 7, asked
+    assert "not measured over UCX" in asked.stdout and "could not be measured" in asked.stderr
+
+
+def test_a_node_without_ucx_measures_tcp_and_says_why(cluster: RgpuCluster, tmp_path: Path) -> None:
+    env = {k: v for k, v in cluster.env().items() if k.startswith("RGPU_")} | {"RGPU_UCX_LIB": str(tmp_path)}
+    (row,) = json.loads(run_admin(["net-perf", "--pings", "2", "--size", "1M", "--json"], env).stdout)
+    assert row["ok"] and row["ucx"] is None and row["upload_bytes_per_s"] > 0
+    assert row["ucx_why_not"].startswith("this node cannot use UCX"), row
+    asked = run_admin(["net-perf", "--pings", "2", "--size", "1M", "--transport", "ucx"], env)
+    assert asked.returncode == 7 and "this node cannot use UCX" in asked.stdout, asked
+    with cluster.client() as client:
+        assert client.list_leases() == []
+
+
+@needs_ucx
+def test_a_ucx_probe_that_leaves_mid_transfer_ends_its_helper_and_the_next_probe_works(cluster: RgpuCluster) -> None:
+    from rgpu.remoting.datapath import protocol
+    from rgpu.remoting.datapath.worker.ucx import UcxLink
+    from rgpu.remoting.native.build import ensure_built
+
+    with cluster.client() as client:
+        lease = client.allocate("job-leaver", "alice", 1, memory_bytes=1 << 20)
+        link = UcxLink(str(ensure_built().libworker), "")
+        try:
+            sock, welcome = protocol.handshake(lease.slices[0].server, lease.slices[0].token,
+                                               flags=protocol.HELLO_PERF, ucx_address=link.address)
+            assert welcome.ucx_address and "; ucx: " in welcome.description, welcome
+            link.connect(welcome.ucx_address)
+            sock.sendall(protocol.pack_frame(protocol.OP_UCX_SINK, perf._U64.pack(1 << 30), seq=1))
+            sock.close()                                  # announced 1 GiB, sent none, left
+        finally:
+            link.close()
+        wait_for(lambda: "moved 0 bytes; transport ucx" in cluster.daemons[-1].log(), what="the helper's end")
+        assert "a transfer over UCX failed: the peer closed the session" in cluster.daemons[-1].log()
+        client.release("job-leaver")
+    (row,) = json.loads(admin(cluster, "net-perf", "--pings", "2", "--size", "1M", "--json").stdout)
+    assert row["ok"] and row["ucx"] is not None, row
+
+
+def test_table_rows_of_a_dispatcher_measured_both_ways_or_not_at_all() -> None:
+    from rgpu.remoting.admin import netperf
+    both = netperf.perf_row("h:1", perf.PerfResult("h:1", 1.0, 30, 35, 40, 1 << 30, 1 << 30,
+                                                    ucx=perf.UcxResult("tcp/lo", 90.0, 2 << 30, 3 << 30)))
+    assert [r[:2] for r in netperf.table_rows(both)] == [["h:1", "tcp"], ["h:1", "ucx (tcp/lo)"]]
+    assert netperf.table_rows(both)[1][5:7] == ["2.0 GiB/s", "3.0 GiB/s"]
+    refused = netperf.perf_row("h:1", perf.PerfResult("h:1", 1.0, 30, 35, 40, 1, 1, ucx_why_not="no"),
+                               ucx_required=True)
+    assert not refused["ok"] and netperf.table_rows(refused)[1][-1] == "not measured over UCX: no"
+    assert netperf.table_rows(netperf.perf_row("h:1", None, "down")) == [["h:1", "-", "-", "-", "-", "-", "-", "down"]]
+
+
+@needs_ucx
+def test_a_garbage_ucx_address_aborts_only_its_helper_and_the_dispatcher_serves_on(cluster: RgpuCluster) -> None:
+    import random
+
+    from rgpu.errors import RgpuError
+    from rgpu.remoting.datapath import protocol
+
+    garbage = random.Random(0).randbytes(64)      # UCX asserts on its version field and aborts
+    with cluster.client() as client:
+        lease = client.allocate("job-garbage", "alice", 1, memory_bytes=1 << 20)
+        with pytest.raises((RgpuError, OSError)):
+            sock, _ = protocol.handshake(lease.slices[0].server, lease.slices[0].token, flags=protocol.HELLO_PERF,
+                                         ucx_address=garbage)
+            sock.close()
+        client.release("job-garbage")
+    dispatcher = cluster.daemons[-1]
+    wait_for(lambda: "the UCX helper was killed by signal 6" in dispatcher.log(), what="the helper's end logged")
+    assert dispatcher.alive
+    (row,) = json.loads(admin(cluster, "net-perf", "--pings", "2", "--size", "1M", "--json").stdout)
+    assert row["ok"] and row["ucx"] is not None, row

@@ -26,23 +26,29 @@ def _json_wanted(ctx: Any, local: bool) -> bool:
 @click.option("--server", "servers", multiple=True, help="Only this dispatcher (address or hostname; repeat).")
 @click.option("--pings", type=click.IntRange(1, 100000), default=50, show_default=True, help="Round trips to time.")
 @click.option("--size", default="64M", show_default=True, help="Bytes to send and to receive per dispatcher.")
+@click.option("--transport", type=click.Choice(netperf.NET_PERF_TRANSPORTS), default="auto", show_default=True,
+              help="Bulk over the session's TCP stream, and over UCX: where both ends can (auto), or "
+                   "required (ucx: a dispatcher not measured over UCX is an error); tcp: TCP only.")
 @click.option("--json", "json_local", is_flag=True, help="Print a JSON array of objects.")
 @click.pass_obj
-def net_perf(ctx: Any, servers: tuple[str, ...], pings: int, size: str, json_local: bool) -> None:
+def net_perf(ctx: Any, servers: tuple[str, ...], pings: int, size: str, transport: str, json_local: bool) -> None:
     """Round trip and bandwidth from this node to each dispatcher's data port, through a real
-    (token-checked) session: a 1 MiB slice is leased for the probe and released after."""
+    (token-checked) session: a 1 MiB slice is leased for the probe and released after. Bulk goes
+    over TCP, and over UCX where both ends take it; the UCX row names UCX's transports (shared
+    memory, tcp/DEVICE, rc_mlx5/mlx5_0:1 for InfiniBand)."""
     bulk = parse_size(size, "size")
     with ctx.client() as client:
         targets = netperf.up_servers(client, servers)
         if not targets:
             raise DispatcherUnavailable("net-perf", "no dispatcher to measure", "no server is up" + (
                 f" among {', '.join(servers)}" if servers else ""), "see `rgpu-admin health`")
-        rows = [netperf.probe_server(client, server, user=getpass.getuser(), pings=pings, bulk_bytes=bulk)
+        rows = [netperf.probe_server(client, server, user=getpass.getuser(), pings=pings, bulk_bytes=bulk,
+                                     transport=transport)
                 for server in progress(targets, "net-perf", describe=str)]
     if _json_wanted(ctx, json_local):
         click.echo(json.dumps(rows, indent=2))
     else:
-        click.echo(tabulate([netperf.table_cells(r) for r in rows], headers=netperf.TABLE_HEADERS))
+        click.echo(tabulate([cells for r in rows for cells in netperf.table_rows(r)], headers=netperf.TABLE_HEADERS))
     failed = [r["server"] for r in rows if not r["ok"]]
     if failed:
         raise DispatcherUnavailable("net-perf", f"{len(failed)} dispatcher(s) could not be measured: {', '.join(failed)}",

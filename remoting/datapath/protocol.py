@@ -90,6 +90,12 @@ OP_NOTICE = 12
 # Protocol 12: a chunk of a striped copy on a data lane (seq: the copy's, aux: the chunk's index,
 # ctx: its offset in the copy). Only on lanes, never on the session's connection.
 OP_LANE_DATA = 13
+# A perf session that took UCX (its WELCOME carries the server's UCX address): payload u64 total;
+# the bytes go over UCX as ucx_chunks messages tagged ucx_tag(seq, i), as a UCX copy's do, and the
+# server answers REPLY (u64 bytes) on the stream once they have all arrived (UCX_SINK) or left
+# (UCX_SOURCE).
+OP_UCX_SINK = 14     # the client sends the bytes
+OP_UCX_SOURCE = 15   # the server sends them
 
 # HELLO flags.
 HELLO_PROBE = 1   # verify the token and versions, start no worker (flexrun's pre-flight check)

@@ -3,17 +3,22 @@ version, token, live lease, recovering GPU, caps), data lanes, and the handoff t
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
 from rgpu.remoting.datapath import protocol
-from rgpu.remoting.datapath.perf import serve_perf
+from rgpu.remoting.datapath.perf import PERF_SESSION_LIMIT_S, UCX_NOT_TAKEN, serve_perf
+from rgpu.remoting.datapath.transport import parse_peer_address
 from rgpu.remoting.dispatcher.admission import Admission
 from rgpu.remoting.dispatcher.front_door import _Pending, door_victim
 from rgpu.remoting.dispatcher.lanes import parse_lane_offer, parse_lane_request
-from rgpu.remoting.dispatcher.session_state import SessionState
+from rgpu.remoting.dispatcher.session_state import SessionState, worker_environment
 
 from rgpu import tokens
 from rgpu.errors import AuthError
@@ -245,7 +250,7 @@ class SessionAccepting(SessionState):
         if kind == "perf":
             assert isinstance(admitted, Admission)
             try:
-                self._serve_perf(conn, peer, claims)
+                self._serve_perf(conn, peer, claims, hello)
             finally:
                 with self._lock:
                     self._ledger.release(admitted)
@@ -296,10 +301,63 @@ class SessionAccepting(SessionState):
                 lane.close()
         return lanes
 
-    def _serve_perf(self, conn: socket.socket, peer: str, claims: tokens.SliceClaims) -> None:
-        """rgpu-admin net-perf: this acceptor thread echoes and streams; no worker, no GPU."""
+    def _serve_perf(self, conn: socket.socket, peer: str, claims: tokens.SliceClaims, hello: protocol.Hello) -> None:
+        """rgpu-admin net-perf: this acceptor thread echoes and streams; no worker, no GPU. A client
+        that offers UCX gets a helper process that measures UCX too (perf_ucx.py), when this end
+        may use it; the thread waits for it, so the session counts against session_perf_max."""
+        ucx_peer = parse_peer_address(hello.info)
+        why = self._perf_ucx_refusal() if ucx_peer else ""
+        if ucx_peer and not why:
+            self._serve_perf_ucx(conn, peer, claims, ucx_peer)
+            return
         conn.sendall(protocol.encode_welcome(
             driver_version=0, memory_limit_bytes=claims.memory_limit_bytes, compute_percent=claims.compute_percent,
-            flags=protocol.WELCOME_PERF, description="perf session"))
+            flags=protocol.WELCOME_PERF, description="perf session" + (UCX_NOT_TAKEN + why if why else "")))
         moved = serve_perf(conn, idle_s=self.caps.perf_idle_s)
         self.log.info("perf session from %s (job %s) moved %d bytes", peer, claims.job_key, moved)
+
+    def _perf_ucx_refusal(self) -> str:
+        """Why a perf session here takes no UCX ("": it may)."""
+        if self.transport == "tcp":
+            return "the dispatcher's transport setting is tcp (rgpu.toml's transport or RGPU_TRANSPORT)"
+        if not self.ucx_library:
+            return "the dispatcher has no librgpu-worker.so to drive UCX with (see its log)"
+        return ""
+
+    def _serve_perf_ucx(self, conn: socket.socket, peer: str, claims: tokens.SliceClaims, ucx_peer: bytes) -> None:
+        spec = {"ucx_library": self.ucx_library, "ucx_peer": ucx_peer.hex(), "parent_pid": os.getpid(),
+                "memory_limit": claims.memory_limit_bytes, "compute_percent": claims.compute_percent,
+                "idle_s": self.caps.perf_idle_s, "limit_s": PERF_SESSION_LIMIT_S}
+        env = worker_environment(os.environ)
+        env["RGPU_PERF_SESSION"] = json.dumps(spec)
+        conn.settimeout(None)
+        fd = conn.fileno()
+        try:
+            # From the spawner thread, as workers are: the helper's parent-death signal (lifeline.py).
+            helper = self._spawner.submit(
+                subprocess.Popen, [sys.executable, "-m", "rgpu.remoting.datapath.perf_ucx", "--fd", str(fd)],
+                pass_fds=[fd], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, close_fds=True).result()
+        except OSError as exc:
+            self._refuse(conn, peer, f"rgpu: session: cannot start the net-perf UCX helper ({exc}; check the "
+                         "dispatcher host)")
+            return
+        conn.close()   # the helper holds its own copy
+        try:
+            out, _ = helper.communicate(timeout=PERF_SESSION_LIMIT_S + 30)
+        except subprocess.TimeoutExpired:
+            helper.kill()
+            out, _ = helper.communicate()
+        try:
+            said = json.loads(out.decode(errors="replace").strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            code = helper.returncode
+            how = f"was killed by signal {-code}" if code < 0 else f"ended with exit code {code}"
+            # UCX aborts on an address it cannot unpack (an assertion in ucp_address_unpack): a
+            # client's garbage ends this helper, never the dispatcher.
+            said = {"moved": 0, "transports": "", "why_not": f"the UCX helper {how} before it finished (a client's "
+                                                             "malformed UCX address aborts UCX; its output is above)"}
+        carried = f"ucx ({said.get('transports')})" if said.get("transports") else "tcp"
+        if said.get("why_not"):
+            carried += f"; {said.get('why_not')}"
+        self.log.info("perf session from %s (job %s) moved %d bytes; transport %s", peer, claims.job_key,
+                      int(said.get("moved") or 0), carried)

@@ -15,6 +15,10 @@ class UcxUnavailable(Exception):
     """UCX cannot be used for this session; the message says why."""
 
 
+class UcxBroken(Exception):
+    """A UCX transfer did not complete; the message is UCX's (or the link's) why."""
+
+
 class UcxLink:
     def __init__(self, library: str, folder: str | None = None) -> None:
         if not library:
@@ -66,29 +70,54 @@ class UcxLink:
         self._lib.rgpu_ucx_describe(self._handle, out, len(out))
         return out.value.decode(errors="replace")
 
-    def _fail(self, what: str) -> CudaError:
-        return CudaError(INVALID_VALUE, f"rgpu: worker: {what} ({self._why.value.decode(errors='replace')}; the "
-                                        "client's copy did not arrive whole: check its log, rerun)")
+    def post(self, recv: bool, tag: int, address: int, n: int) -> int:
+        """Start receiving (recv) or sending n bytes at `address`, tagged `tag`; the request for
+        `wait` (0: done already). UcxBroken when UCX refuses."""
+        req = ctypes.c_void_p()
+        if self._lib.rgpu_ucx_post(self._handle, int(recv), tag, address, n, ctypes.byref(req), self._why, WHY_BYTES):
+            raise UcxBroken(self._why.value.decode(errors="replace"))
+        return req.value or 0
+
+    def wait(self, req: int, recv: bool, n: int, fd: int) -> None:
+        """Progress until `req` completes (a receive: with exactly n bytes). UcxBroken when nothing
+        moved for idle_s, the socket `fd` ended (the peer left), or the transfer failed."""
+        if req and self._lib.rgpu_ucx_wait(self._handle, req, int(recv), n, self.idle_s, fd, 0, self._why, WHY_BYTES):
+            raise UcxBroken(self._why.value.decode(errors="replace"))
+
+    def cancel(self, req: int) -> None:
+        """Cancel a posted request and release it (one that will not be waited for)."""
+        if req:
+            self._lib.rgpu_ucx_cancel(self._handle, req)
+
+    @staticmethod
+    def _copy_failed(what: str, exc: UcxBroken) -> CudaError:
+        return CudaError(INVALID_VALUE, f"rgpu: worker: {what} ({exc}; the client's copy did not arrive whole: "
+                                        "check its log, rerun)")
 
     def recv(self, tag: int, address: int, n: int, fd: int) -> None:
         """n bytes tagged `tag` into memory at `address` (blocks until they are there)."""
-        req = ctypes.c_void_p()
-        if self._lib.rgpu_ucx_post(self._handle, 1, tag, address, n, ctypes.byref(req), self._why, WHY_BYTES):
-            raise self._fail("cannot receive a host-to-device copy over UCX")
-        if self._lib.rgpu_ucx_wait(self._handle, req, 1, n, self.idle_s, fd, 0, self._why, WHY_BYTES):
-            raise self._fail("a host-to-device copy over UCX failed")
+        try:
+            req = self.post(True, tag, address, n)
+        except UcxBroken as exc:
+            raise self._copy_failed("cannot receive a host-to-device copy over UCX", exc) from None
+        try:
+            self.wait(req, True, n, fd)
+        except UcxBroken as exc:
+            raise self._copy_failed("a host-to-device copy over UCX failed", exc) from None
 
     def post_send(self, tag: int, address: int, n: int) -> int:
         """Start sending; the request (0: done) for `finish_send`."""
-        req = ctypes.c_void_p()
-        if self._lib.rgpu_ucx_post(self._handle, 0, tag, address, n, ctypes.byref(req), self._why, WHY_BYTES):
-            raise self._fail("cannot send a device-to-host copy over UCX")
-        return req.value or 0
+        try:
+            return self.post(False, tag, address, n)
+        except UcxBroken as exc:
+            raise self._copy_failed("cannot send a device-to-host copy over UCX", exc) from None
 
     def finish_send(self, req: int, n: int, fd: int) -> str:
         """Wait for a send; "" when done, else why it failed (the reply has gone already)."""
-        if req and self._lib.rgpu_ucx_wait(self._handle, req, 0, n, self.idle_s, fd, 0, self._why, WHY_BYTES):
-            return self._why.value.decode(errors="replace")
+        try:
+            self.wait(req, False, n, fd)
+        except UcxBroken as exc:
+            return str(exc)
         return ""
 
     def close(self) -> None:
