@@ -49,6 +49,10 @@ def test_perf_session_needs_a_valid_token(cluster: RgpuCluster) -> None:
 def test_net_perf_of_an_unknown_server_fails_with_a_fix(cluster: RgpuCluster) -> None:
     run = admin(cluster, "net-perf", "--server", "nosuchhost", ok=False)
     assert run.returncode != 0 and "no dispatcher to measure" in run.stderr and "rgpu-admin health" in run.stderr
+    too_big = admin(cluster, "net-perf", "--size", "2G", ok=False)
+    assert too_big.returncode != 0 and "--size 2G is more than a perf session moves" in too_big.stderr, too_big
+    with cluster.client() as client:
+        assert client.list_leases() == []         # refused before any probe was leased
 
 
 def test_summarise_and_percentile() -> None:

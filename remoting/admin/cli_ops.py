@@ -12,10 +12,11 @@ from tabulate import tabulate
 from rgpu import __version__
 from rgpu.config import Settings
 from rgpu.proto import rgpu_pb2 as pb
-from rgpu.errors import DispatcherUnavailable, RgpuError
+from rgpu.errors import DispatcherUnavailable, InvalidRequest, RgpuError
 from rgpu.remoting.admin import netperf
 from rgpu.remoting.admin.progress import progress
-from rgpu.units import parse_size
+from rgpu.remoting.datapath.perf import MAX_SOURCE_BYTES
+from rgpu.units import format_bytes, parse_size
 
 
 def _json_wanted(ctx: Any, local: bool) -> bool:
@@ -37,6 +38,9 @@ def net_perf(ctx: Any, servers: tuple[str, ...], pings: int, size: str, transpor
     over TCP, and over UCX where both ends take it; the UCX row names UCX's transports (shared
     memory, tcp/DEVICE, rc_mlx5/mlx5_0:1 for InfiniBand)."""
     bulk = parse_size(size, "size")
+    if bulk > MAX_SOURCE_BYTES:
+        raise InvalidRequest("net-perf", f"--size {size} is more than a perf session moves each way",
+                             f"at most {format_bytes(MAX_SOURCE_BYTES)}", "give --size 1G or less")
     with ctx.client() as client:
         targets = netperf.up_servers(client, servers)
         if not targets:
