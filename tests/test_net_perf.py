@@ -179,3 +179,42 @@ def test_a_garbage_ucx_address_aborts_only_its_helper_and_the_dispatcher_serves_
     assert dispatcher.alive
     (row,) = json.loads(admin(cluster, "net-perf", "--pings", "2", "--size", "1M", "--json").stdout)
     assert row["ok"] and row["ucx"] is not None, row
+
+
+@needs_ucx
+@pytest.mark.integration
+def test_a_probe_of_a_gpu_node_whose_sessions_keep_tcp_says_so() -> None:
+    """Under transport = auto a real GPU's sessions copy over TCP (transport.worker_choice) while the
+    probe measures UCX: the helper's WELCOME says so and the table's UCX row notes it."""
+    import socket
+    import threading
+
+    from rgpu.remoting.admin import netperf
+    from rgpu.remoting.datapath import perf_ucx, protocol
+    from rgpu.remoting.datapath.transport import worker_choice
+    from rgpu.remoting.datapath.worker.ucx import UcxLink
+    from rgpu.remoting.native.build import ensure_built
+
+    library = str(ensure_built().libworker)
+    why = worker_choice("auto", True, "cuda", "cuda").why
+    client_link = UcxLink(library, "")
+    ours, helpers = socket.socketpair()
+    outcome: list[dict] = []
+    helper = threading.Thread(target=lambda: outcome.append(perf_ucx.serve(helpers, {
+        "ucx_library": library, "ucx_peer": client_link.address.hex(), "sessions_keep_tcp": why})))
+    helper.start()
+    try:
+        _, payload = protocol.recv_frame(ours)
+        welcome = protocol.decode_welcome(payload)
+        ours.sendall(protocol.pack_frame(protocol.OP_BYE))
+        helper.join(timeout=30)
+    finally:
+        ours.close()
+        client_link.close()
+    assert welcome.ucx_address and welcome.flags & protocol.WELCOME_PERF
+    assert welcome.description.endswith(f"; sessions keep tcp: {why}"), welcome.description
+    assert outcome and outcome[0]["transports"] and outcome[0]["why_not"] == "", outcome
+    row = netperf.perf_row("h:1", perf.PerfResult("h:1", 1.0, 30, 35, 40, 1, 1, ucx=perf.UcxResult(
+        outcome[0]["transports"], 90.0, 2, 3, sessions_keep_tcp=perf.sessions_keep_tcp(welcome))))
+    assert netperf.table_rows(row)[1][-1] == f"note: its sessions keep TCP ({why})"
+    assert perf_ucx.description("", "no library", "") == "perf session; no ucx: no library"

@@ -50,15 +50,15 @@ def table_rows(row: dict[str, Any]) -> list[list[str]]:
              _rate(row["upload_bytes_per_s"]), _rate(row["download_bytes_per_s"]), ""]]
     ucx = row.get("ucx")
     if ucx:
+        note = f"note: its sessions keep TCP ({ucx['sessions_keep_tcp']})" if ucx["sessions_keep_tcp"] else ""
         rows.append([row["server"], f"ucx ({ucx['transports']})", f"{ucx['connect_ms']:.1f}", "", "",
-                     _rate(ucx["upload_bytes_per_s"]),
-                     _rate(ucx["download_bytes_per_s"]), ""])
+                     _rate(ucx["upload_bytes_per_s"]), _rate(ucx["download_bytes_per_s"]), note])
     elif row["ucx_why_not"]:
         rows.append([row["server"], "ucx", "", "", "", "-", "-", row["error"] or f"not measured: {row['ucx_why_not']}"])
     return rows
 
 
-TABLE_HEADERS = ["SERVER", "TRANSPORT", "CONNECT ms", "RTT MIN us", "RTT P50 us", "UPLOAD", "DOWNLOAD", "ERROR"]
+TABLE_HEADERS = ["SERVER", "TRANSPORT", "CONNECT ms", "RTT MIN us", "RTT P50 us", "UPLOAD", "DOWNLOAD", "ERROR / NOTE"]
 NET_PERF_TRANSPORTS = ("auto", "tcp", "ucx")
 
 

@@ -35,6 +35,9 @@ UCX_WINDOW = 8                     # UCX messages in flight at once, each way
 # A perf session's WELCOME description names the UCX transports it took, or why it took none.
 UCX_TAKEN = "; ucx: "
 UCX_NOT_TAKEN = "; no ucx: "
+# ... and, after the transports, why that dispatcher's CUDA sessions keep TCP all the same (a GPU
+# node under `transport = auto`): the probe measures the link, not what sessions choose.
+UCX_SESSIONS_KEEP_TCP = "; sessions keep tcp: "
 
 
 def ucx_stream(link: UcxLink, *, recv: bool, seq: int, total: int, fd: int) -> None:
@@ -120,6 +123,7 @@ class UcxResult:
     connect_ms: float              # its own session: TCP connect, token check, the helper's UCX ready
     upload_bytes_per_s: float
     download_bytes_per_s: float
+    sessions_keep_tcp: str = ""    # why that dispatcher's sessions copy over TCP all the same ("": they take UCX)
 
 
 @dataclass(frozen=True)
@@ -163,6 +167,11 @@ def ucx_why_not(welcome: protocol.Welcome) -> str:
     said = welcome.description.partition(UCX_NOT_TAKEN)[2]
     return f"the dispatcher took no UCX: {said}" if said else \
         "the dispatcher took no UCX (it runs an rgpu without UCX perf sessions: upgrade it)"
+
+
+def sessions_keep_tcp(welcome: protocol.Welcome) -> str:
+    """Why the dispatcher's sessions copy over TCP though its perf session took UCX ("": they take UCX)."""
+    return welcome.description.partition(UCX_SESSIONS_KEEP_TCP)[2]
 
 
 def _expect(sock: socket.socket, op: int, server: str) -> bytes:
@@ -248,7 +257,8 @@ def _measure_ucx(server: str, token: str, link: UcxLink, bulk_bytes: int, timeou
     finally:
         sock.close()
     return UcxResult(transports=link.carriers() or "ucx", connect_ms=connect_s * 1e3,
-                     upload_bytes_per_s=_rate(up), download_bytes_per_s=_rate(down))
+                     upload_bytes_per_s=_rate(up), download_bytes_per_s=_rate(down),
+                     sessions_keep_tcp=sessions_keep_tcp(welcome))
 
 
 def measure(server: str, token: str, *, pings: int = 50, bulk_bytes: int = 64 << 20,

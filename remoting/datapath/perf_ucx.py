@@ -8,7 +8,8 @@ client's UCX address from HELLO, answers WELCOME with its own address and the tr
 stdout (JSON: bytes moved, transports, why not) is the dispatcher's log line for the session.
 
 RGPU_PERF_SESSION (JSON) says: ucx_library, ucx_peer (hex), memory_limit, compute_percent,
-idle_s, limit_s, parent_pid.
+idle_s, limit_s, parent_pid, sessions_keep_tcp (why the dispatcher's CUDA sessions would not take
+UCX under its setting, "" when they would).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import socket
 import sys
 
 from rgpu.remoting.datapath import protocol
-from rgpu.remoting.datapath.perf import PERF_SESSION_LIMIT_S, PERF_IDLE_S, UCX_NOT_TAKEN, UCX_TAKEN, serve_perf
+from rgpu.remoting.datapath.perf import (PERF_IDLE_S, PERF_SESSION_LIMIT_S, UCX_NOT_TAKEN, UCX_SESSIONS_KEEP_TCP,
+                                         UCX_TAKEN, serve_perf)
 from rgpu.remoting.datapath.worker.lifeline import tie_to_parent
 from rgpu.remoting.datapath.worker.ucx import UcxBroken, UcxLink, UcxUnavailable
 
@@ -43,6 +45,14 @@ def open_link(library: str, peer_hex: str) -> tuple[UcxLink | None, str]:
     return link, ""
 
 
+def description(transports: str, why_not: str, sessions_keep_tcp: str) -> str:
+    """WELCOME's description: the UCX transports taken (and why the dispatcher's sessions keep TCP
+    all the same, if they do), or why none were."""
+    if not transports:
+        return "perf session" + UCX_NOT_TAKEN + why_not
+    return "perf session" + UCX_TAKEN + transports + (UCX_SESSIONS_KEEP_TCP + sessions_keep_tcp if sessions_keep_tcp else "")
+
+
 def serve(conn: socket.socket, spec: dict) -> dict:
     """WELCOME, then the perf frames; what the dispatcher logs."""
     link, why = open_link(str(spec.get("ucx_library") or ""), str(spec.get("ucx_peer") or ""))
@@ -51,7 +61,7 @@ def serve(conn: socket.socket, spec: dict) -> dict:
         conn.sendall(protocol.encode_welcome(
             driver_version=0, memory_limit_bytes=int(spec.get("memory_limit", 0)),
             compute_percent=int(spec.get("compute_percent", 0)), flags=protocol.WELCOME_PERF,
-            description="perf session" + (UCX_TAKEN + transports if link is not None else UCX_NOT_TAKEN + why),
+            description=description(transports if link is not None else "", why, str(spec.get("sessions_keep_tcp") or "")),
             ucx_address=link.address if link is not None else b""))
         moved = serve_perf(conn, float(spec.get("limit_s") or PERF_SESSION_LIMIT_S),
                            float(spec.get("idle_s") or PERF_IDLE_S), ucx=link)

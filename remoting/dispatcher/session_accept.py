@@ -14,7 +14,7 @@ import time
 
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.perf import PERF_SESSION_LIMIT_S, UCX_NOT_TAKEN, serve_perf
-from rgpu.remoting.datapath.transport import parse_peer_address
+from rgpu.remoting.datapath.transport import parse_peer_address, worker_choice
 from rgpu.remoting.dispatcher.admission import Admission
 from rgpu.remoting.dispatcher.front_door import _Pending, door_victim
 from rgpu.remoting.dispatcher.lanes import parse_lane_offer, parse_lane_request
@@ -327,7 +327,8 @@ class SessionAccepting(SessionState):
     def _serve_perf_ucx(self, conn: socket.socket, peer: str, claims: tokens.SliceClaims, ucx_peer: bytes) -> None:
         spec = {"ucx_library": self.ucx_library, "ucx_peer": ucx_peer.hex(), "parent_pid": os.getpid(),
                 "memory_limit": claims.memory_limit_bytes, "compute_percent": claims.compute_percent,
-                "idle_s": self.caps.perf_idle_s, "limit_s": PERF_SESSION_LIMIT_S}
+                "idle_s": self.caps.perf_idle_s, "limit_s": PERF_SESSION_LIMIT_S,
+                "sessions_keep_tcp": worker_choice(self.transport, True, "cuda", self.backend).why}
         env = worker_environment(os.environ)
         env["RGPU_PERF_SESSION"] = json.dumps(spec)
         conn.settimeout(None)
