@@ -122,29 +122,54 @@ def test_a_node_without_ucx_measures_tcp_and_says_why(cluster: RgpuCluster, tmp_
         assert client.list_leases() == []
 
 
-@needs_ucx
-def test_a_ucx_probe_that_leaves_mid_transfer_ends_its_helper_and_the_next_probe_works(cluster: RgpuCluster) -> None:
+def _announce_and_stop(cluster: RgpuCluster, job: str, op: int, then_leave: bool) -> None:
+    """A UCX probe that announces 1 GiB over UCX and moves none of it; it leaves at once, or keeps
+    its connection open until the dispatcher's helper has ended."""
     from rgpu.remoting.datapath import protocol
     from rgpu.remoting.datapath.worker.ucx import UcxLink
     from rgpu.remoting.native.build import ensure_built
 
     with cluster.client() as client:
-        lease = client.allocate("job-leaver", "alice", 1, memory_bytes=1 << 20)
+        lease = client.allocate(job, "alice", 1, memory_bytes=1 << 20)
         link = UcxLink(str(ensure_built().libworker), "")
         try:
             sock, welcome = protocol.handshake(lease.slices[0].server, lease.slices[0].token,
                                                flags=protocol.HELLO_PERF, ucx_address=link.address)
-            assert welcome.ucx_address and "; ucx: " in welcome.description, welcome
-            link.connect(welcome.ucx_address)
-            sock.sendall(protocol.pack_frame(protocol.OP_UCX_SINK, perf._U64.pack(1 << 30), seq=1))
-            sock.close()                                  # announced 1 GiB, sent none, left
+            with sock:
+                assert welcome.ucx_address and "; ucx: " in welcome.description, welcome
+                link.connect(welcome.ucx_address)
+                sock.sendall(protocol.pack_frame(op, perf._U64.pack(1 << 30), seq=1))
+                if not then_leave:
+                    wait_for(lambda: f"(job {job}) moved 0 bytes" in cluster.daemons[-1].log(), what="the helper's end")
         finally:
             link.close()
-        wait_for(lambda: "moved 0 bytes; transport ucx" in cluster.daemons[-1].log(), what="the helper's end")
-        assert "a transfer over UCX failed: the peer closed the session" in cluster.daemons[-1].log()
-        client.release("job-leaver")
+        wait_for(lambda: f"(job {job}) moved 0 bytes; transport ucx" in cluster.daemons[-1].log(), what="the helper's end")
+        client.release(job)
+
+
+@needs_ucx
+def test_a_ucx_probe_that_leaves_mid_transfer_ends_its_helper_and_the_next_probe_works(cluster: RgpuCluster) -> None:
+    from rgpu.remoting.datapath import protocol
+
+    _announce_and_stop(cluster, "job-leaver", protocol.OP_UCX_SINK, then_leave=True)
+    assert "a transfer over UCX failed: the peer closed the session" in cluster.daemons[-1].log()
     (row,) = json.loads(admin(cluster, "net-perf", "--pings", "2", "--size", "1M", "--json").stdout)
     assert row["ok"] and row["ucx"] is not None, row
+
+
+@needs_ucx
+@pytest.mark.integration
+@pytest.mark.parametrize("direction", ["upload", "download"])
+def test_a_ucx_probe_that_stalls_ends_after_the_perf_idle_time(tmp_path: Path, direction: str) -> None:
+    """A client that announces a UCX transfer and then neither sends nor receives, connection open:
+    its helper gives up after session_perf_idle_seconds, as a stalled TCP probe does (UCX's own
+    RGPU_UCX_IDLE_S is 60 s)."""
+    from rgpu.remoting.datapath import protocol
+
+    op = protocol.OP_UCX_SINK if direction == "upload" else protocol.OP_UCX_SOURCE
+    with one_dispatcher_cluster(tmp_path, session_perf_idle_seconds=1) as cluster:
+        _announce_and_stop(cluster, "job-staller", op, then_leave=False)
+        assert "made no progress for 1 s" in cluster.daemons[-1].log()
 
 
 def test_table_rows_of_a_dispatcher_measured_both_ways_or_not_at_all() -> None:

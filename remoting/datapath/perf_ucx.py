@@ -57,14 +57,16 @@ def serve(conn: socket.socket, spec: dict) -> dict:
     """WELCOME, then the perf frames; what the dispatcher logs."""
     link, why = open_link(str(spec.get("ucx_library") or ""), str(spec.get("ucx_peer") or ""))
     transports = (link.carriers() or "ucx") if link is not None else ""
+    idle_s = float(spec.get("idle_s") or PERF_IDLE_S)
+    if link is not None:
+        link.idle_s = min(link.idle_s, idle_s)   # a probe stalled on UCX ends as one stalled on TCP does
     try:
         conn.sendall(protocol.encode_welcome(
             driver_version=0, memory_limit_bytes=int(spec.get("memory_limit", 0)),
             compute_percent=int(spec.get("compute_percent", 0)), flags=protocol.WELCOME_PERF,
             description=description(transports if link is not None else "", why, str(spec.get("sessions_keep_tcp") or "")),
             ucx_address=link.address if link is not None else b""))
-        moved = serve_perf(conn, float(spec.get("limit_s") or PERF_SESSION_LIMIT_S),
-                           float(spec.get("idle_s") or PERF_IDLE_S), ucx=link)
+        moved = serve_perf(conn, float(spec.get("limit_s") or PERF_SESSION_LIMIT_S), idle_s, ucx=link)
     except UcxBroken as exc:
         return {"moved": 0, "transports": transports, "why_not": f"a transfer over UCX failed: {exc}"}
     except OSError as exc:

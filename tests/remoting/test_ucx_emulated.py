@@ -184,6 +184,13 @@ def test_hostile_ucx_copy_frames_get_clear_errors_and_the_session_goes_on(ucx_se
     _send(link, 13, bytes(range(256)) * 4096)
     code, body = _sync(sock, sync, b"", 14, ctx)
     assert code == 0, body
+    # Asked for, never taken (the client posts no receive): the worker's send gives up after
+    # RGPU_UCX_IDLE_S (2 s) and, its reply being gone, ends the session. It spun for ever before: UCX
+    # does not cancel a send, so the worker now closes its endpoint by force, which ends the send.
+    code, body = _sync(sock, OP["rgpuMemcpyDtoHUcx"], protocol.UCX_COPY.pack(dev, 0, 1 << 20), 15, ctx)
+    assert code == 0, body
+    sock.settimeout(30)
+    assert sock.recv(1) == b""      # the session ended (its line: test_net_perf's stalled probes check it)
 
 
 # ---- the path a real GPU takes (no device memory the worker can address): through a host buffer ----

@@ -286,6 +286,42 @@ static int socket_state(int fd) {
     return (pfd.revents & POLLIN) ? 1 : 0;
 }
 
+/* Close the endpoint by force: UCX completes its outstanding sends with UCS_ERR_CANCELED, and later
+ * sends on this link fail at once ("no UCX endpoint to the peer"). */
+static void close_endpoint(rgpu_ucx *u) {
+    if (!u->ep) return;
+    ucp_request_param_t param;
+    memset(&param, 0, sizeof param);
+    param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    void *r = u->f.ep_close_nbx(u->ep, &param);
+    u->ep = NULL;
+    if (r && !UCS_PTR_IS_ERR(r)) {
+        while (u->f.request_check_status(r) == UCS_INPROGRESS) u->f.worker_progress(u->worker);
+        u->f.request_free(r);
+    }
+}
+
+/* A request nobody will wait for: ended and released. UCX cancels a tag receive, but ignores
+ * ucp_request_cancel on a send (UCX 1.13), so a send to a peer that never takes its bytes would
+ * spin here for ever: one still running after ABANDON_GRACE_S has its endpoint closed by force,
+ * which completes it. Should even that not end it, it is left unreleased rather than waited for. */
+#define ABANDON_GRACE_S 0.2
+static void abandon(rgpu_ucx *u, void *req) {
+    u->f.request_cancel(u->worker, req);
+    double grace = seconds() + ABANDON_GRACE_S;
+    while (u->f.request_check_status(req) == UCS_INPROGRESS) {
+        double now = seconds();
+        if (now > grace) {
+            if (!u->ep) return;
+            close_endpoint(u);
+            grace = now + ABANDON_GRACE_S;
+        }
+        u->f.worker_progress(u->worker);
+    }
+    u->f.request_free(req);
+}
+
 int rgpu_ucx_wait(rgpu_ucx *u, void *req, int recv, size_t want, double idle_s, int fd, int flags, char *why,
                   size_t whylen) {
     if (!req) {
@@ -316,9 +352,7 @@ int rgpu_ucx_wait(rgpu_ucx *u, void *req, int recv, size_t want, double idle_s, 
              * caller serves it, the peer may need that before it takes these bytes. */
             if (sock == 1 && (flags & RGPU_UCX_YIELD_READABLE)) return 1;
             if (now - last > idle_s || sock == 2) {
-                u->f.request_cancel(u->worker, req);
-                while (u->f.request_check_status(req) == UCS_INPROGRESS) u->f.worker_progress(u->worker);
-                u->f.request_free(req);
+                abandon(u, req);
                 if (now - last > idle_s)
                     snprintf(why, whylen, "UCX %s of %zu bytes made no progress for %.0f s (the peer never %s "
                              "them; cancelled)", recv ? "receive" : "send", want, idle_s,
@@ -348,25 +382,12 @@ int rgpu_ucx_wait(rgpu_ucx *u, void *req, int recv, size_t want, double idle_s, 
 }
 
 void rgpu_ucx_cancel(rgpu_ucx *u, void *req) {
-    if (!req) return;
-    u->f.request_cancel(u->worker, req);
-    while (u->f.request_check_status(req) == UCS_INPROGRESS) u->f.worker_progress(u->worker);
-    u->f.request_free(req);
+    if (req) abandon(u, req);
 }
 
 void rgpu_ucx_close(rgpu_ucx *u) {
     if (!u) return;
-    if (u->ep) {
-        ucp_request_param_t param;
-        memset(&param, 0, sizeof param);
-        param.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-        param.flags = UCP_EP_CLOSE_FLAG_FORCE;
-        void *r = u->f.ep_close_nbx(u->ep, &param);
-        if (r && !UCS_PTR_IS_ERR(r)) {
-            while (u->f.request_check_status(r) == UCS_INPROGRESS) u->f.worker_progress(u->worker);
-            u->f.request_free(r);
-        }
-    }
+    close_endpoint(u);
     if (u->address) u->f.worker_release_address(u->worker, u->address);
     if (u->worker) u->f.worker_destroy(u->worker);
     if (u->context) u->f.cleanup(u->context);
