@@ -286,8 +286,8 @@ static int socket_state(int fd) {
     return (pfd.revents & POLLIN) ? 1 : 0;
 }
 
-/* Close the endpoint by force: UCX completes its outstanding sends with UCS_ERR_CANCELED, and later
- * sends on this link fail at once ("no UCX endpoint to the peer"). */
+/* Close the endpoint by force: UCX completes the sends still queued on it with UCS_ERR_CANCELED,
+ * and later sends on this link fail at once ("no UCX endpoint to the peer"). */
 static void close_endpoint(rgpu_ucx *u) {
     if (!u->ep) return;
     ucp_request_param_t param;
@@ -305,7 +305,9 @@ static void close_endpoint(rgpu_ucx *u) {
 /* A request nobody will wait for: ended and released. UCX cancels a tag receive, but ignores
  * ucp_request_cancel on a send (UCX 1.13), so a send to a peer that never takes its bytes would
  * spin here for ever: one still running after ABANDON_GRACE_S has its endpoint closed by force,
- * which completes it. Should even that not end it, it is left unreleased rather than waited for. */
+ * which ends the sends still queued on it. A rendezvous send the peer was already told of stays
+ * running even then (UCX 1.13, shared memory): it is left unreleased rather than waited for, and
+ * UCX notes it at exit ("was not returned to mpool ucp_requests"). */
 #define ABANDON_GRACE_S 0.2
 static void abandon(rgpu_ucx *u, void *req) {
     u->f.request_cancel(u->worker, req);
