@@ -127,7 +127,7 @@ def test_a_ucx_copy_frame_on_a_tcp_session_is_an_error_not_a_crash(emulated: Ser
 @pytest.fixture
 def ucx_session(native_libs: build.Libraries, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[object, UcxLink, int, int]]:
     """A hand-made client that offers UCX (the worker's own ucx_link.c, as a client), with a context
-    and 4 MiB of device memory: (socket, its UCX link, the device address)."""
+    and 64 MiB of device memory: (socket, its UCX link, the device address)."""
     monkeypatch.setenv("RGPU_UCX_IDLE_S", "2")   # the worker's wait for bytes that never come
     link = UcxLink(str(native_libs.libworker), "")
     with serving("emulated", [EMULATED_GPU]) as s:
@@ -138,7 +138,7 @@ def ucx_session(native_libs: build.Libraries, monkeypatch: pytest.MonkeyPatch) -
             code, body = _sync(sock, OP["cuDevicePrimaryCtxRetain"], struct.pack("<i", 0), 1)
             assert code == 0
             (ctx,) = struct.unpack_from("<Q", body, 4)
-            code, body = _sync(sock, OP["cuMemAlloc_v2"], struct.pack("<QQQQI", 4 << 20, 0, 0, 0, 0), 2, ctx)
+            code, body = _sync(sock, OP["cuMemAlloc_v2"], struct.pack("<QQQQI", 64 << 20, 0, 0, 0, 0), 2, ctx)
             assert code == 0, body
             (dev,) = struct.unpack_from("<Q", body, 4)
             yield sock, link, ctx, dev
@@ -186,10 +186,11 @@ def test_hostile_ucx_copy_frames_get_clear_errors_and_the_session_goes_on(ucx_se
     assert code == 0, body
     # Asked for, never taken (the client posts no receive): the worker's send gives up after
     # RGPU_UCX_IDLE_S (2 s) and, its reply being gone, ends the session. It spun for ever before: UCX
-    # does not cancel a send, so the worker now closes its endpoint by force, which ends the send.
-    code, body = _sync(sock, OP["rgpuMemcpyDtoHUcx"], protocol.UCX_COPY.pack(dev, 0, 1 << 20), 15, ctx)
+    # does not cancel a send, so the worker now closes its endpoint by force, and gives up the copy's
+    # other 15 chunks at once (each waited out the 2 s, 32 s in all, past this timeout).
+    code, body = _sync(sock, OP["rgpuMemcpyDtoHUcx"], protocol.UCX_COPY.pack(dev, 0, 64 << 20), 15, ctx)
     assert code == 0, body
-    sock.settimeout(30)
+    sock.settimeout(25)
     assert sock.recv(1) == b""      # the session ended (its line: test_net_perf's stalled probes check it)
 
 

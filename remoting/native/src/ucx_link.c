@@ -333,6 +333,13 @@ int rgpu_ucx_wait(rgpu_ucx *u, void *req, int recv, size_t want, double idle_s, 
         }
         return 0;
     }
+    if (!recv && !u->ep && u->f.request_check_status(req) == UCS_INPROGRESS) {
+        /* An earlier send was abandoned and closed the endpoint: this one cannot complete either
+         * (the rest of a chunked copy's would each wait out the idle limit). Left to UCX. */
+        snprintf(why, whylen, "UCX send of %zu bytes given up: an earlier send on this link failed and closed "
+                 "its endpoint", want);
+        return -1;
+    }
     double last = seconds();
     unsigned spins = 0;
     ucs_status_t st;
