@@ -59,7 +59,7 @@ def ucx_stream(link: UcxLink, *, recv: bool, seq: int, total: int, fd: int) -> N
             link.wait(req, recv, size, fd)
     finally:
         for req, _ in pending:
-            link.cancel(req)
+            link.cancel(req, recv)
 
 
 # ------------------------------------------------------------------ server side (dispatcher)

@@ -39,7 +39,7 @@ class UcxLink:
                                       ctypes.c_int, ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
         lib.rgpu_ucx_describe.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_size_t]
         lib.rgpu_ucx_describe.restype = ctypes.c_size_t
-        lib.rgpu_ucx_cancel.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.rgpu_ucx_cancel.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
         lib.rgpu_ucx_cancel.restype = None
         lib.rgpu_ucx_close.argtypes = [ctypes.c_void_p]
         lib.rgpu_ucx_close.restype = None
@@ -84,10 +84,11 @@ class UcxLink:
         if req and self._lib.rgpu_ucx_wait(self._handle, req, int(recv), n, self.idle_s, fd, 0, self._why, WHY_BYTES):
             raise UcxBroken(self._why.value.decode(errors="replace"))
 
-    def cancel(self, req: int) -> None:
-        """Cancel a posted request and release it (one that will not be waited for)."""
+    def cancel(self, req: int, recv: bool) -> None:
+        """Cancel a posted request and release it (one that will not be waited for): a receive once
+        UCX has cancelled it; a send, which UCX cannot cancel, by closing the link's endpoint."""
         if req:
-            self._lib.rgpu_ucx_cancel(self._handle, req)
+            self._lib.rgpu_ucx_cancel(self._handle, req, int(recv))
 
     @staticmethod
     def _copy_failed(what: str, exc: UcxBroken) -> CudaError:

@@ -1122,7 +1122,7 @@ CUresult rgpu_ucx_expect(rgpu_call *c, void *dst, size_t n, void **req) {
                           ucx_chunk_len(n, i), &chunks->req[i], why, sizeof why)) {
             rgpu_log(RGPU_LOG_ERROR, "GPU server %s: cannot post a UCX receive (%s)", c->s->server, why);
             for (size_t k = 0; k < i; k++)
-                if (chunks->req[k]) rgpu_ucx_cancel(c->s->ucx, chunks->req[k]);
+                if (chunks->req[k]) rgpu_ucx_cancel(c->s->ucx, chunks->req[k], 1);
             free(chunks);
             return CUDA_ERROR_UNKNOWN;
         }
@@ -1139,7 +1139,7 @@ CUresult rgpu_ucx_finish(rgpu_call *c, void *req, size_t n, CUresult result) {
     if (result != CUDA_SUCCESS || s->dead) {   /* the worker sent nothing: take the receives back */
         if (!s->dead)
             for (size_t i = 0; i < chunks->count; i++)
-                if (chunks->req[i]) rgpu_ucx_cancel(s->ucx, chunks->req[i]);
+                if (chunks->req[i]) rgpu_ucx_cancel(s->ucx, chunks->req[i], 1);
         free(chunks);
         return result;
     }

@@ -302,19 +302,20 @@ static void close_endpoint(rgpu_ucx *u) {
     }
 }
 
-/* A request nobody will wait for: ended and released. UCX cancels a tag receive, but ignores
+/* A request nobody will wait for: ended and released. A tag receive is cancelled and waited for as
+ * before (it may be taking bytes into its buffer: it must not outlive this). UCX ignores
  * ucp_request_cancel on a send (UCX 1.13), so a send to a peer that never takes its bytes would
- * spin here for ever: one still running after ABANDON_GRACE_S has its endpoint closed by force,
+ * spin here for ever: one still running after ABANDON_GRACE_S has the endpoint closed by force,
  * which ends the sends still queued on it. A rendezvous send the peer was already told of stays
  * running even then (UCX 1.13, shared memory): it is left unreleased rather than waited for, and
  * UCX notes it at exit ("was not returned to mpool ucp_requests"). */
 #define ABANDON_GRACE_S 0.2
-static void abandon(rgpu_ucx *u, void *req) {
+static void abandon(rgpu_ucx *u, void *req, int recv) {
     u->f.request_cancel(u->worker, req);
     double grace = seconds() + ABANDON_GRACE_S;
     while (u->f.request_check_status(req) == UCS_INPROGRESS) {
         double now = seconds();
-        if (now > grace) {
+        if (!recv && now > grace) {
             if (!u->ep) return;
             close_endpoint(u);
             grace = now + ABANDON_GRACE_S;
@@ -361,7 +362,7 @@ int rgpu_ucx_wait(rgpu_ucx *u, void *req, int recv, size_t want, double idle_s, 
              * caller serves it, the peer may need that before it takes these bytes. */
             if (sock == 1 && (flags & RGPU_UCX_YIELD_READABLE)) return 1;
             if (now - last > idle_s || sock == 2) {
-                abandon(u, req);
+                abandon(u, req, recv);
                 if (now - last > idle_s)
                     snprintf(why, whylen, "UCX %s of %zu bytes made no progress for %.0f s (the peer never %s "
                              "them; cancelled)", recv ? "receive" : "send", want, idle_s,
@@ -390,8 +391,8 @@ int rgpu_ucx_wait(rgpu_ucx *u, void *req, int recv, size_t want, double idle_s, 
     return 0;
 }
 
-void rgpu_ucx_cancel(rgpu_ucx *u, void *req) {
-    if (req) abandon(u, req);
+void rgpu_ucx_cancel(rgpu_ucx *u, void *req, int recv) {
+    if (req) abandon(u, req, recv);
 }
 
 void rgpu_ucx_close(rgpu_ucx *u) {

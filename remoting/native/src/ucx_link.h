@@ -38,8 +38,10 @@ RGPU_UCX_API int rgpu_ucx_post(rgpu_ucx *u, int recv, uint64_t tag, void *p, siz
 #define RGPU_UCX_YIELD_READABLE 1
 RGPU_UCX_API int rgpu_ucx_wait(rgpu_ucx *u, void *req, int recv, size_t want, double idle_s, int fd, int flags,
                                char *why, size_t whylen);
-/* Cancel a posted request and release it. */
-RGPU_UCX_API void rgpu_ucx_cancel(rgpu_ucx *u, void *req);
+/* Cancel a posted request (recv 1: a receive, 0: a send) and release it. A receive is waited for
+ * until UCX has cancelled it; a send, which UCX cannot cancel, ends by its endpoint's forced close
+ * (the link sends no more) or is left to UCX. */
+RGPU_UCX_API void rgpu_ucx_cancel(rgpu_ucx *u, void *req, int recv);
 RGPU_UCX_API void rgpu_ucx_close(rgpu_ucx *u);
 
 #endif
