@@ -64,7 +64,7 @@ def serve(conn: socket.socket, spec: dict) -> dict:
         conn.sendall(protocol.encode_welcome(
             driver_version=0, memory_limit_bytes=int(spec.get("memory_limit", 0)),
             compute_percent=int(spec.get("compute_percent", 0)), flags=protocol.WELCOME_PERF,
-            description=description(transports if link is not None else "", why, str(spec.get("sessions_keep_tcp") or "")),
+            description=description(transports, why, str(spec.get("sessions_keep_tcp") or "")),
             ucx_address=link.address if link is not None else b""))
         moved = serve_perf(conn, float(spec.get("limit_s") or PERF_SESSION_LIMIT_S), idle_s, ucx=link)
     except UcxBroken as exc:
