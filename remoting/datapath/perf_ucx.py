@@ -78,6 +78,24 @@ def serve(conn: socket.socket, spec: dict) -> dict:
     return {"moved": moved, "transports": transports, "why_not": why}
 
 
+def read_outcome(out: bytes, returncode: int) -> dict:
+    """What a helper's stdout says of its session (serve's dict), or what its end says where it wrote
+    none: UCX aborts on an address it cannot unpack (an assertion in ucp_address_unpack), so a
+    client's garbage ends the helper, never the dispatcher."""
+    try:
+        return dict(json.loads(out.decode(errors="replace").strip().splitlines()[-1]))
+    except (ValueError, IndexError, TypeError):
+        how = f"was killed by signal {-returncode}" if returncode < 0 else f"ended with exit code {returncode}"
+        return {"moved": 0, "transports": "", "why_not": f"the UCX helper {how} before it finished (a client's "
+                                                         "malformed UCX address aborts UCX; its output is above)"}
+
+
+def transport_words(outcome: dict) -> str:
+    """The dispatcher's words for what carried a helper's session: "ucx (tcp/lo)", "tcp; why"."""
+    words = f"ucx ({outcome.get('transports')})" if outcome.get("transports") else "tcp"
+    return f"{words}; {outcome['why_not']}" if outcome.get("why_not") else words
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m rgpu.remoting.datapath.perf_ucx")
     parser.add_argument("--fd", type=int, required=True, help="the token-checked connection")

@@ -14,6 +14,7 @@ import time
 
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.datapath.perf import PERF_SESSION_LIMIT_S, UCX_NOT_TAKEN, serve_perf
+from rgpu.remoting.datapath.perf_ucx import read_outcome, transport_words
 from rgpu.remoting.datapath.transport import parse_peer_address, worker_choice
 from rgpu.remoting.dispatcher.admission import Admission
 from rgpu.remoting.dispatcher.front_door import _Pending, door_victim
@@ -348,17 +349,6 @@ class SessionAccepting(SessionState):
         except subprocess.TimeoutExpired:
             helper.kill()
             out, _ = helper.communicate()
-        try:
-            said = json.loads(out.decode(errors="replace").strip().splitlines()[-1])
-        except (ValueError, IndexError):
-            code = helper.returncode
-            how = f"was killed by signal {-code}" if code < 0 else f"ended with exit code {code}"
-            # UCX aborts on an address it cannot unpack (an assertion in ucp_address_unpack): a
-            # client's garbage ends this helper, never the dispatcher.
-            said = {"moved": 0, "transports": "", "why_not": f"the UCX helper {how} before it finished (a client's "
-                                                             "malformed UCX address aborts UCX; its output is above)"}
-        carried = f"ucx ({said.get('transports')})" if said.get("transports") else "tcp"
-        if said.get("why_not"):
-            carried += f"; {said.get('why_not')}"
+        said = read_outcome(out, helper.returncode)
         self.log.info("perf session from %s (job %s) moved %d bytes; transport %s", peer, claims.job_key,
-                      int(said.get("moved") or 0), carried)
+                      int(said.get("moved") or 0), transport_words(said))

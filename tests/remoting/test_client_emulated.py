@@ -15,6 +15,7 @@ from rgpu.remoting.native import build
 
 from tests.remoting.conftest import (EMULATED_GPU, EMULATED_GPU_2, EXAMPLES, PY, Server, client_env, run_client,
                                      start_server)
+from tests.daemons import wait_for
 from tests.remoting.client_helpers import HERE, py_client
 
 GiB = 1 << 30
@@ -196,13 +197,11 @@ def _kill_the_worker_of_a_waiting_client(native_libs: build.Libraries, emulated:
 
 def _ended(emulated: Server, job_key: str) -> str:
     """How the session of `job_key` ended, as the session server recorded it."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        hows = [e["how"] for e in emulated.server.status()["recently_ended"] if e["job_key"] == job_key]
-        if hows:
-            return hows[0]
-        time.sleep(0.05)
-    raise AssertionError(f"the session of {job_key} is not among those ended: {emulated.server.status()['recently_ended']}")
+    def hows() -> list[str]:
+        return [e["how"] for e in emulated.server.status()["recently_ended"] if e["job_key"] == job_key]
+
+    wait_for(lambda: bool(hows()), 10, f"the session of {job_key} among those ended")
+    return hows()[0]
 
 
 def test_worker_crash_ends_only_its_session_with_a_clear_error(native_libs: build.Libraries, emulated: Server,

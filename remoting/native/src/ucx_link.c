@@ -302,8 +302,8 @@ static void close_endpoint(rgpu_ucx *u) {
     }
 }
 
-/* A request nobody will wait for: ended and released. A tag receive is cancelled and waited for as
- * before (it may be taking bytes into its buffer: it must not outlive this). UCX ignores
+/* A request nobody will wait for: ended and released. A tag receive is cancelled and waited for
+ * (it may be taking bytes into its buffer: it must not outlive this). UCX ignores
  * ucp_request_cancel on a send (UCX 1.13), so a send to a peer that never takes its bytes would
  * spin here for ever: one still running after ABANDON_GRACE_S has the endpoint closed by force,
  * which ends the sends still queued on it. A rendezvous send the peer was already told of stays
