@@ -84,6 +84,19 @@ def test_library_loads_ask_the_driver_to_read_the_image_in_place() -> None:
     assert preserved_library_options([(LIBRARY_BINARY_IS_PRESERVED, 0), (7, 9)]) == [(7, 9), (LIBRARY_BINARY_IS_PRESERVED, 1)]
 
 
+@pytest.mark.parametrize("value,asked", [(None, False), ("0", False), ("", False), ("yes", False), ("1", True),
+                                         (" 1 ", True)])
+def test_a_worker_receives_striped_copies_in_its_loop_unless_asked_otherwise(monkeypatch: pytest.MonkeyPatch,
+                                                                             value: str | None, asked: bool) -> None:
+    """The background receive hung cudart programs at their first kernel launch (lazy loading): opt-in."""
+    from rgpu.remoting.datapath.backends.cuda_copies import lanes_background_asked
+    if value is None:
+        monkeypatch.delenv("RGPU_LANES_BACKGROUND", raising=False)
+    else:
+        monkeypatch.setenv("RGPU_LANES_BACKGROUND", value)
+    assert lanes_background_asked() is asked
+
+
 @pytest.mark.parametrize("program", ["PROGRAM_2D", "PROGRAM_3D", "PROGRAM_PIECES", "PROGRAM_OBJECTS", "PROGRAM_GRAPHS"])
 def test_arrays_copies_and_texture_objects_through_the_cuda_backend(native_libs: build.Libraries, chained: Server,
                                                                     program: str) -> None:

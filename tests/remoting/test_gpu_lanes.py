@@ -2,7 +2,8 @@
 the worker's pinned slots, each chunk's cuMemcpyHtoDAsync queued as it lands, and device-to-host
 copies queued into the slots and sent as each completes (backends/cuda.py, src/lanes.c), byte for byte for sizes around the threshold and chunk boundaries, pageable and pinned;
 a lane cut mid-copy on a real GPU, synchronous and asynchronous; an asynchronous copy from
-pinned memory received in the background while the session goes on.
+pinned memory received in the background while the session goes on (RGPU_LANES_BACKGROUND=1); a
+cudart-shaped program whose first kernel launch follows its first large copy.
 
 Run on a GPU machine:
     python -m pytest -m gpu tests/remoting/test_gpu_lanes.py -v -s
@@ -15,7 +16,7 @@ from pathlib import Path
 import pytest
 from rgpu.remoting.native import build
 
-from tests.remoting.conftest import driver_api_program, local_gpu, run_client, serving
+from tests.remoting.conftest import EXAMPLES, driver_api_program, local_gpu, run_client, serving
 from tests.remoting.lanes_helpers import HERE, LANES, LANE_ENV, SIZES, STRIPED, _striped
 
 pytestmark = pytest.mark.gpu
@@ -36,9 +37,12 @@ def test_striped_copies_of_every_size_arrive_whole_on_a_gpu(lane_copies: Path, n
 @pytest.mark.parametrize("mode", ["htod", "htod-async"])
 def test_a_lane_cut_mid_copy_on_a_gpu_fails_that_copy_and_the_session_goes_on(native_libs: build.Libraries,
                                                                               lane_cut: Path,  # noqa: F811
-                                                                              tmp_path: Path, mode: str) -> None:
+                                                                              tmp_path: Path, mode: str,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """htod-async: the copy returns at once (the worker receives it in the background) and its failure
     answers the synchronisation."""
+    if mode == "htod-async":
+        monkeypatch.setenv("RGPU_LANES_BACKGROUND", "1")   # the workers' environment: the server's
     program = driver_api_program(native_libs, HERE / "lane_failure.c", tmp_path / "lane_failure")
     with serving("cuda", [local_gpu()]) as s:
         done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(program), mode], timeout=300,
@@ -49,10 +53,13 @@ def test_a_lane_cut_mid_copy_on_a_gpu_fails_that_copy_and_the_session_goes_on(na
 
 
 def test_an_async_copy_from_pinned_memory_over_lanes_returns_while_its_bytes_travel(native_libs: build.Libraries,
-                                                                                    tmp_path: Path) -> None:
-    """Issue 25 item 3 on the network path: the worker receives the copy on a thread of its own while it
-    answers the session's next calls (before: a query waited behind the whole copy); the stream's
-    later work runs after the copy and an event recorded after it covers its bytes."""
+                                                                                    tmp_path: Path,
+                                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 25 item 3 on the network path, with RGPU_LANES_BACKGROUND=1: the worker receives the copy
+    on a thread of its own while it answers the session's next calls (in its loop, a query waits
+    behind the whole copy); the stream's later work runs after the copy and an event recorded after
+    it covers its bytes."""
+    monkeypatch.setenv("RGPU_LANES_BACKGROUND", "1")
     program = driver_api_program(native_libs, HERE / "lane_overlap.c", tmp_path / "lane_overlap")
     with serving("cuda", [local_gpu()]) as s:
         done = run_client(native_libs, s.slices(s.token(memory_limit=2 << 30)), [str(program), "512"], timeout=300,
@@ -63,3 +70,20 @@ def test_an_async_copy_from_pinned_memory_over_lanes_returns_while_its_bytes_tra
     events = [line.split()[1] for line in done.stdout.splitlines() if line.startswith("EVENT")]
     assert queries == ["600"] * 3, done.stdout   # CUDA_ERROR_NOT_READY: the copy was still under way
     assert events == ["0"] * 3, done.stdout
+
+
+@pytest.mark.parametrize("loading", ["library", "module"])
+def test_a_first_kernel_launch_after_a_large_striped_copy_completes(native_libs: build.Libraries, tmp_path: Path,
+                                                                     loading: str) -> None:
+    """cudart's shape, with the workers' default receive: 64 MiB inputs copied from pageable memory on
+    the legacy stream, striped (1,024 chunks through 16 slots), then the kernel's first launch, which
+    makes the driver load its code (lazy loading may synchronise the context), then the result back.
+    convolutionSeparable, histogram, cudaTensorCoreGemm and graphMemoryNodes from cuda-samples hung
+    at this point on an H100 while the background receive was the default (2026-12-07)."""
+    program = driver_api_program(native_libs, HERE / "lane_first_launch.c", tmp_path / "lane_first_launch")
+    with serving("cuda", [local_gpu()]) as s:
+        done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)),
+                          [str(program), loading, str(EXAMPLES / "vecadd.ptx"), "64"], timeout=120,
+                          RGPU_CLIENT_STATS=str(tmp_path / "p"), **LANE_ENV)
+    assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
+    assert _striped(tmp_path / "p")[0] == 2   # both inputs went over the lanes

@@ -48,6 +48,11 @@ class LaneReceive:
         return self.error
 
 
+def lanes_background_asked() -> bool:
+    """RGPU_LANES_BACKGROUND=1 (read by the workers, from the dispatcher's environment)."""
+    return os.environ.get("RGPU_LANES_BACKGROUND", "0").strip() == "1"
+
+
 class CudaCopies(CudaDevice):
     """Copies between the client's bytes and the GPU."""
 
@@ -265,10 +270,17 @@ class CudaCopies(CudaDevice):
         the GPU: the chunks' copies go on the context's side stream after the work queued on `stream`
         so far, and `stream` waits (cuStreamWaitValue32) for the word that side stream writes after
         the last chunk's copy, so everything queued later on `stream` runs after the copy. False where
-        this cannot be (a capture may be under way, the driver refuses stream memory operations,
-        RGPU_LANES_BACKGROUND=0): the caller receives the copy in the loop (htod_lanes)."""
+        this cannot be (a capture may be under way, the driver refuses stream memory operations)
+        or is not asked for (RGPU_LANES_BACKGROUND unset or not 1): the caller receives the copy in
+        the loop (htod_lanes).
+
+        Off by default: with the application's stream waiting on the GPU for this thread, a call of
+        the loop that makes the driver synchronise the context (loading a kernel on its first use
+        under CUDA's lazy loading, as cudart does after a program's first large cudaMemcpy) waits
+        for the copy while this thread's own driver calls wait for that call. Four of NVIDIA's
+        cuda-samples hung so on an H100 (docs/benchmarks.md, session 14)."""
         self._lane_receive_join()
-        if self._captures or os.environ.get("RGPU_LANES_BACKGROUND", "1").strip() == "0":
+        if self._captures or not lanes_background_asked():
             return False
         wait, write = self._fn_cuStreamWaitValue32_v2, self._fn_cuStreamWriteValue32_v2   # type: ignore[attr-defined]
         try:
