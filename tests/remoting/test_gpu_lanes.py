@@ -72,14 +72,18 @@ def test_an_async_copy_from_pinned_memory_over_lanes_returns_while_its_bytes_tra
     assert events == ["0"] * 3, done.stdout
 
 
+@pytest.mark.parametrize("background", ["0", "1"], ids=["loop-receive", "background-receive"])
 @pytest.mark.parametrize("loading", ["library", "module"])
 def test_a_first_kernel_launch_after_a_large_striped_copy_completes(native_libs: build.Libraries, tmp_path: Path,
-                                                                     loading: str) -> None:
-    """cudart's shape, with the workers' default receive: 64 MiB inputs copied from pageable memory on
-    the legacy stream, striped (1,024 chunks through 16 slots), then the kernel's first launch, which
-    makes the driver load its code (lazy loading may synchronise the context), then the result back.
-    convolutionSeparable, histogram, cudaTensorCoreGemm and graphMemoryNodes from cuda-samples hung
-    at this point on an H100 while the background receive was the default (2026-12-07)."""
+                                                                     loading: str, background: str,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """cudart's shape: 64 MiB inputs copied from pageable memory on the legacy stream, striped (1,024
+    chunks), then the kernel's first launch, which makes the driver load its code (lazy loading may
+    synchronise the context), then the result back. convolutionSeparable, histogram,
+    cudaTensorCoreGemm and graphMemoryNodes from cuda-samples hung at this point on an H100 while the
+    background receive queued its DMAs from the receiving thread (2026-12-07); that thread now makes
+    no driver call."""
+    monkeypatch.setenv("RGPU_LANES_BACKGROUND", background)
     program = driver_api_program(native_libs, HERE / "lane_first_launch.c", tmp_path / "lane_first_launch")
     with serving("cuda", [local_gpu()]) as s:
         done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)),

@@ -21,9 +21,9 @@ from rgpu.remoting.datapath.backends.cuda_device import CudaDevice
 
 @dataclass
 class LaneSide:
-    """A context's side of striped copies received in the background: the stream their chunks' copies
-    go on, the event that orders it after the application's stream, and a page-locked word the
-    application's stream waits for (cuStreamWaitValue32) until that stream writes the copy's ticket."""
+    """A context's side of striped copies received in the background: the stream their DMAs go on,
+    the event that orders it after the application's stream, and a page-locked word that stream
+    waits for (cuStreamWaitValue32) until the receiving thread stores the copy's ticket in it."""
 
     stream: int
     order: Any
@@ -31,6 +31,17 @@ class LaneSide:
     word_device: int   # the same word as the GPU addresses it
     ticket: int = 0
     refused: bool = False   # the driver refused to wait on it once: copies are received in the loop
+
+
+@dataclass
+class LaneLanding:
+    """Page-locked memory a striped copy received in the background lands in whole, and the event
+    its DMA to the device records: it is written again only once that event has completed."""
+
+    address: int
+    size: int
+    event: Any
+    used: bool = False
 
 
 class LaneReceive:
@@ -46,6 +57,10 @@ class LaneReceive:
         if self.thread is not None:
             self.thread.join()
         return self.error
+
+
+# The largest striped copy received in the background: it lands whole in page-locked memory first.
+LANDING_MAX_BYTES = 256 << 20
 
 
 def lanes_background_asked() -> bool:
@@ -266,51 +281,54 @@ class CudaCopies(CudaDevice):
     def htod_lanes_background(self, dst: int, stream: int, size: int, chunk: int, seq: int, lanes: Any) -> bool:
         """Start a striped host-to-device copy that a thread of the worker receives while the loop serves
         the session's next frames (an event query of the application's other thread need not wait
-        for the bytes), as the driver's own cuMemcpyHtoDAsync returns at once. Stream order holds on
-        the GPU: the chunks' copies go on the context's side stream after the work queued on `stream`
-        so far, and `stream` waits (cuStreamWaitValue32) for the word that side stream writes after
-        the last chunk's copy, so everything queued later on `stream` runs after the copy. False where
-        this cannot be (a capture may be under way, the driver refuses stream memory operations)
-        or is not asked for (RGPU_LANES_BACKGROUND unset or not 1): the caller receives the copy in
-        the loop (htod_lanes).
+        for the bytes), as the driver's own cuMemcpyHtoDAsync returns at once. False where this
+        cannot be (a capture may be under way, the driver refuses stream memory operations, a
+        context other than the primary, more than LANDING_MAX_BYTES, both landings busy) or is not
+        asked for (RGPU_LANES_BACKGROUND unset or not 1): the caller receives it in the loop.
 
-        Off by default: with the application's stream waiting on the GPU for this thread, a call of
-        the loop that makes the driver synchronise the context (loading a kernel on its first use
-        under CUDA's lazy loading, as cudart does after a program's first large cudaMemcpy) waits
-        for the copy while this thread's own driver calls wait for that call. Four of NVIDIA's
-        cuda-samples hung so on an H100 (docs/benchmarks.md, session 14)."""
+        Everything the GPU does is queued here, by the loop: on the context's side stream, after the
+        work queued on `stream` so far, a wait for the word, then one DMA from the landing to `dst`
+        and the landing's event, which `stream` waits for. The thread only receives the bytes into
+        the landing and then stores the copy's ticket in the word: it makes no driver call. (The
+        first design queued each chunk's DMA from the thread: a call of the loop that makes the
+        driver synchronise the context, such as loading a kernel on its first launch under lazy
+        loading, then waited for the copy while the thread's driver calls waited for it. Four of
+        NVIDIA's cuda-samples hung so on an H100; docs/benchmarks.md, session 14.)"""
         self._lane_receive_join()
-        if self._captures or not lanes_background_asked():
+        if (self._captures or not lanes_background_asked() or size > LANDING_MAX_BYTES
+                or self._current != (self.primary.value or 0)):
             return False
-        wait, write = self._fn_cuStreamWaitValue32_v2, self._fn_cuStreamWriteValue32_v2   # type: ignore[attr-defined]
         try:
             side = self._lane_side()
+            landing = None if side.refused else self._idle_landing(size)
         except CudaError:
             return False
-        if side.refused:
+        if landing is None:
             return False
+        wait_event = self._fn_cuStreamWaitEvent   # type: ignore[attr-defined]
         ticket = (side.ticket + 1) & 0xFFFFFFFF
         if (self._call("cuEventRecord", side.order, stream or None) != SUCCESS
-                or self._fn_cuStreamWaitEvent(side.stream, side.order, 0) != SUCCESS):   # type: ignore[attr-defined]
+                or wait_event(side.stream, side.order, 0) != SUCCESS):
             return False
-        try:
-            gpu = self._lane_copy(lanes, chunk, dst, side.stream)
-        except CudaError:
-            return False   # htod_lanes meets it again and drops the copy's bytes
-        if wait(stream or None, side.word_device, ticket, STREAM_WAIT_VALUE_GEQ) != SUCCESS:
-            side.refused = True   # nothing waits: the side stream merely follows the order event
+        if self._fn_cuStreamWaitValue32_v2(side.stream, side.word_device, ticket,  # type: ignore[attr-defined]
+                                           STREAM_WAIT_VALUE_GEQ) != SUCCESS:
+            side.refused = True
             return False
         side.ticket = ticket
+        landing.used = True
+        if (self._call("cuMemcpyHtoDAsync_v2", dst, landing.address, size, side.stream) != SUCCESS
+                or self._call("cuEventRecord", landing.event, side.stream) != SUCCESS
+                or wait_event(stream or None, landing.event, 0) != SUCCESS):
+            # The side stream waits for the word: release it, and let whatever was queued run before
+            # the loop's receive queues the copy again (htod_lanes meets the error and drops the bytes).
+            ctypes.c_uint32.from_address(side.word).value = ticket
+            self._call("cuStreamSynchronize", side.stream)
+            return False
         receive = LaneReceive()
-        ctx = self._current
 
         def run() -> None:
             try:
-                self._call("cuCtxSetCurrent", ctx or None)   # lanes.c queues the chunks' copies from here
-                lanes.receive(seq, size, chunk, 0, gpu)
-                if gpu.error:
-                    raise CudaError(gpu.error, f"rgpu: worker: a host-to-device copy of {size} bytes over data "
-                                               f"lanes failed on the GPU (CUDA error {gpu.error})")
+                lanes.receive(seq, size, chunk, landing.address)   # bytes only: no driver call here
             except CudaError as exc:
                 receive.error = exc
             except Exception as exc:  # noqa: BLE001 - the application's stream must not wait forever
@@ -319,14 +337,40 @@ class CudaCopies(CudaDevice):
             finally:
                 # The error first: a frame that sees the application's stream go on sees it too.
                 receive.done.set()
-                if write(side.stream, side.word_device, ticket, 0) != SUCCESS:
-                    self._call("cuStreamSynchronize", side.stream)   # the copies first, then the word by hand
-                    ctypes.c_uint32.from_address(side.word).value = ticket
+                ctypes.c_uint32.from_address(side.word).value = ticket
 
         receive.thread = threading.Thread(target=run, name="rgpu-lane-receive", daemon=True)
         self._lane_receive = receive
         receive.thread.start()
         return True
+
+    def _idle_landing(self, size: int) -> LaneLanding | None:
+        """A landing of at least `size` bytes whose last DMA has run (two at most, so a copy may land
+        while the previous one's DMA still waits behind the application's work), or None."""
+        for landing in list(self._lane_landings):
+            if landing.used and self._call("cuEventQuery", landing.event) != SUCCESS:
+                continue
+            if landing.size >= size:
+                return landing
+            self._lane_landings.remove(landing)   # idle and too small: make room for a larger one
+            self._call("cuMemFreeHost", landing.address)
+        if len(self._lane_landings) >= 2:
+            return None
+        rounded = -(-size // (1 << 20)) << 20
+        p = c_void_p()
+        self._check("cuMemHostAlloc", byref(p), rounded, MEMHOSTALLOC_PORTABLE)
+        landing = LaneLanding(p.value or 0, rounded, self._new_event())
+        self._lane_landings.append(landing)
+        return landing
+
+    def _drop_lane_landings(self) -> None:
+        """Before the primary context goes (or is reset): the landings' DMAs finish, their memory goes."""
+        self._lane_receive_join()
+        for landing in self._lane_landings:
+            if landing.used:
+                self._call("cuEventSynchronize", landing.event)
+            self._call("cuMemFreeHost", landing.address)
+        self._lane_landings.clear()
 
     def _lane_side(self) -> LaneSide:
         side = self._lane_sides.get(self._current)
@@ -403,6 +447,8 @@ class CudaCopies(CudaDevice):
     def _forget_lane_events(self, ctx: int) -> None:
         """Before a context goes: the slots' copies finish (their events may be its own)."""
         self._lane_receive_join()
+        if ctx == (self.primary.value or 0):
+            self._drop_lane_landings()
         self._lane_sides.pop(ctx, None)   # its stream, event and word go with the context
         if self._lane_events.pop(ctx, None) is not None and self._lane_staging:
             self._lanes.staging_drain(self._lane_staging, self._entry("cuEventSynchronize"))

@@ -59,6 +59,7 @@ class CudaDevice(CudaDriverCalls):
         # error of one that ended while nobody asked (the worker's next settle reports it).
         self._lane_receive: Any = None
         self._lane_sides: dict[int, Any] = {}
+        self._lane_landings: list[Any] = []   # the primary context's landings of those copies
         self._lane_receive_unreported: CudaError | None = None
         # UCX copies: a pinned buffer they land in (or leave from), and the DMA queued from it that
         # must finish before it is written again: (context, event), or None.

@@ -1,0 +1,209 @@
+"""The real-GPU backend's background receive of striped copies (RGPU_LANES_BACKGROUND=1), its logic
+tested without a GPU: a FAKE driver (Python functions recording each call and the thread that made
+it) stands in for libcuda, which CI machines lack, and a fake lanes object writes the copy's bytes.
+The real path runs in tests/remoting/test_gpu_lanes.py on a GPU machine.
+
+What must hold: the receiving thread makes no driver call (a driver call there waits behind a loop
+call that synchronises the context, which waits for the copy: four cuda-samples hung so); the GPU's
+work is queued by the loop in stream order; the word the side stream waits for is stored after the
+bytes land, and also when the lanes fail; a landing is written again only once its DMA has run."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Any
+
+import pytest
+from rgpu.remoting.datapath.backends.base import SUCCESS, UNKNOWN, CudaError
+from rgpu.remoting.datapath.backends.cuda_copies import CudaCopies
+
+NOT_READY = 600
+PRIMARY = 0x7000
+APP_STREAM = 0x5100
+
+
+def _out(arg: Any) -> Any:
+    """The ctypes object behind a byref() argument."""
+    return arg._obj
+
+
+class FakeDriver:
+    """FAKE libcuda: records (name, thread name, args); page-locked allocations are real memory."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, tuple[Any, ...]]] = []
+        self.buffers: list[Any] = []
+        self.busy_events: set[int] = set()      # events cuEventQuery answers NOT_READY for
+        self.refuse: set[str] = set()
+        self._next = 0x100
+
+    def handle(self) -> int:
+        self._next += 0x10
+        return self._next
+
+    def fn(self, name: str) -> Any:
+        def call(*args: Any) -> int:
+            self.calls.append((name, threading.current_thread().name, args))
+            if name in self.refuse:
+                return 1
+            if name == "cuMemHostAlloc":
+                buf = ctypes.create_string_buffer(args[1])
+                self.buffers.append(buf)
+                _out(args[0]).value = ctypes.addressof(buf)
+            elif name == "cuMemHostGetDevicePointer_v2":
+                _out(args[0]).value = _out(args[1]).value if hasattr(args[1], "_obj") else (args[1].value or 0)
+            elif name in ("cuEventCreate", "cuStreamCreateWithPriority"):
+                _out(args[0]).value = self.handle()
+            elif name == "cuEventQuery":
+                event = args[0].value if isinstance(args[0], ctypes.c_void_p) else args[0]
+                return NOT_READY if event in self.busy_events else SUCCESS
+            return SUCCESS
+        return call
+
+    def names(self, thread: str | None = None) -> list[str]:
+        return [n for n, t, _ in self.calls if thread is None or t == thread]
+
+
+class FakeLanes:
+    """FAKE lanes: `receive` writes the copy's bytes to the address (or fails), from whatever thread."""
+
+    def __init__(self, payload: bytes, fail: bool = False) -> None:
+        self.payload, self.fail = payload, fail
+        self.threads: list[str] = []
+        self.release = threading.Event()
+        self.release.set()
+
+    def receive(self, seq: int, size: int, chunk: int, address: int, gpu: Any = None) -> int:
+        self.threads.append(threading.current_thread().name)
+        self.release.wait(10)
+        if self.fail:
+            raise CudaError(UNKNOWN, "rgpu: worker: a host-to-device copy over 3 data lanes failed (test)")
+        assert address and gpu is None
+        ctypes.memmove(address, self.payload, size)
+        return 0
+
+
+def backend(driver: FakeDriver) -> CudaCopies:
+    b = CudaCopies.__new__(CudaCopies)
+    names = ["cuStreamCreateWithPriority", "cuMemHostAlloc", "cuMemFreeHost", "cuEventCreate", "cuEventRecord",
+             "cuEventQuery", "cuEventSynchronize", "cuStreamSynchronize", "cuMemcpyHtoDAsync_v2",
+             "cuMemHostGetDevicePointer_v2"]
+    b.f = {n: driver.fn(n) for n in names}
+    b._fn_cuStreamWaitValue32_v2 = driver.fn("cuStreamWaitValue32_v2")   # type: ignore[attr-defined]
+    b._fn_cuStreamWriteValue32_v2 = driver.fn("cuStreamWriteValue32_v2")   # type: ignore[attr-defined]
+    b._fn_cuStreamWaitEvent = driver.fn("cuStreamWaitEvent")   # type: ignore[attr-defined]
+    b._late_fn = lambda name, argtypes: b.f[name]   # type: ignore[method-assign]
+    b.primary = ctypes.c_void_p(PRIMARY)
+    b._current = PRIMARY
+    b._captures = 0
+    b._lane_receive = None
+    b._lane_receive_unreported = None
+    b._lane_sides = {}
+    b._lane_landings = []
+    return b
+
+
+@pytest.fixture(autouse=True)
+def _asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RGPU_LANES_BACKGROUND", "1")
+
+
+def _word(b: CudaCopies) -> int:
+    side = b._lane_sides[PRIMARY]
+    return ctypes.c_uint32.from_address(side.word).value
+
+
+def test_the_receiving_thread_makes_no_driver_call_and_stores_the_word_after_the_bytes() -> None:
+    driver, lanes = FakeDriver(), FakeLanes(b"\x5a" * 4096)
+    b = backend(driver)
+    lanes.release.clear()
+    assert b.htod_lanes_background(0xD000, APP_STREAM, 4096, 1024, 7, lanes) is True
+    queued = driver.names()
+    # In stream order, queued by the loop: the side stream after the application's work, waiting
+    # for the word, then the DMA from the landing, whose event the application's stream waits for.
+    tail = queued[queued.index("cuStreamSynchronize") + 1:]   # after the side stream's one-time probe
+    assert tail[:2] == ["cuMemHostAlloc", "cuEventCreate"]     # the landing
+    assert tail[2:] == ["cuEventRecord", "cuStreamWaitEvent", "cuStreamWaitValue32_v2", "cuMemcpyHtoDAsync_v2",
+                        "cuEventRecord", "cuStreamWaitEvent"]
+    assert _word(b) == 0          # the bytes have not landed: the side stream still waits
+    lanes.release.set()
+    live, error = b.lane_receive_settle(wait=True)
+    assert (live, error) == (False, None)
+    assert _word(b) == 1
+    landing = b._lane_landings[0]
+    assert ctypes.string_at(landing.address, 4096) == b"\x5a" * 4096
+    assert lanes.threads == ["rgpu-lane-receive"]
+    assert driver.names("rgpu-lane-receive") == []
+
+
+def test_a_failed_receive_still_releases_the_side_stream_and_answers_the_next_synchronisation() -> None:
+    driver, lanes = FakeDriver(), FakeLanes(b"", fail=True)
+    b = backend(driver)
+    assert b.htod_lanes_background(0xD000, APP_STREAM, 4096, 1024, 7, lanes) is True
+    live, error = b.lane_receive_settle(wait=True)
+    assert not live and error is not None and "data lanes failed" in (error.message or "")
+    assert _word(b) == 1
+    assert driver.names("rgpu-lane-receive") == []
+
+
+def test_a_landing_is_reused_only_once_its_dma_ran_and_two_busy_ones_leave_the_copy_to_the_loop() -> None:
+    driver = FakeDriver()
+    b = backend(driver)
+    assert b.htod_lanes_background(0xD000, APP_STREAM, 4096, 1024, 1, FakeLanes(b"\x01" * 4096))
+    b.lane_receive_settle(wait=True)
+    assert b.htod_lanes_background(0xD000, APP_STREAM, 4096, 1024, 2, FakeLanes(b"\x01" * 4096))
+    b.lane_receive_settle(wait=True)
+    assert len(b._lane_landings) == 1           # its DMA ran: the one landing served again
+    driver.busy_events = {b._lane_landings[0].event.value}
+    assert b.htod_lanes_background(0xD000, APP_STREAM, 4096, 1024, 2, FakeLanes(b"\x01" * 4096))
+    b.lane_receive_settle(wait=True)
+    assert len(b._lane_landings) == 2           # the first still busy: a second one
+    driver.busy_events = {landing.event.value for landing in b._lane_landings}
+    assert b.htod_lanes_background(0xD000, APP_STREAM, 4096, 1024, 3, FakeLanes(b"\x02" * 4096)) is False
+    driver.busy_events = {b._lane_landings[0].event.value}
+    assert b.htod_lanes_background(0xD000, APP_STREAM, 4096, 1024, 3, FakeLanes(b"\x03" * 4096)) is True
+    b.lane_receive_settle(wait=True)
+    assert ctypes.string_at(b._lane_landings[1].address, 4096) == b"\x03" * 4096
+    assert _word(b) == 4
+
+
+def test_a_larger_copy_replaces_an_idle_landing_that_is_too_small() -> None:
+    driver = FakeDriver()
+    b = backend(driver)
+    assert b.htod_lanes_background(0xD000, APP_STREAM, 4096, 1024, 1, FakeLanes(b"\x01" * 4096))
+    b.lane_receive_settle(wait=True)
+    small = b._lane_landings[0].address
+    big = 3 << 20
+    assert b.htod_lanes_background(0xD000, APP_STREAM, big, 1 << 20, 2, FakeLanes(b"\x07" * big))
+    b.lane_receive_settle(wait=True)
+    assert [landing.size for landing in b._lane_landings] == [3 << 20]
+    assert ("cuMemFreeHost", "MainThread", (small,)) in driver.calls
+
+
+def test_a_dma_the_driver_refuses_releases_the_word_and_leaves_the_copy_to_the_loop() -> None:
+    driver = FakeDriver()
+    b = backend(driver)
+    driver.refuse = {"cuMemcpyHtoDAsync_v2"}
+    assert b.htod_lanes_background(0xD000, APP_STREAM, 4096, 1024, 1, FakeLanes(b"\x01" * 4096)) is False
+    assert _word(b) == 1                                   # the side stream does not wait for ever
+    assert driver.names()[-1] == "cuStreamSynchronize"     # and ran before the loop's receive queues again
+    assert b._lane_receive is None
+
+
+@pytest.mark.parametrize("why", ["not asked", "another context", "too large", "capture"])
+def test_the_loop_receives_the_copy_when_the_background_cannot_take_it(monkeypatch: pytest.MonkeyPatch,
+                                                                        why: str) -> None:
+    driver = FakeDriver()
+    b = backend(driver)
+    size = 4096
+    if why == "not asked":
+        monkeypatch.setenv("RGPU_LANES_BACKGROUND", "0")
+    elif why == "another context":
+        b._current = PRIMARY + 0x100
+    elif why == "too large":
+        size = (256 << 20) + 1
+    else:
+        b._captures = 1
+    assert b.htod_lanes_background(0xD000, APP_STREAM, size, 1024, 1, FakeLanes(b"")) is False
+    assert "cuStreamWaitValue32_v2" not in driver.names() and b._lane_receive is None
