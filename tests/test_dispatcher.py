@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from rgpu.remoting.datapath import protocol
 from rgpu.remoting.dispatcher.daemon import default_advertise, join_host_port
+from rgpu.remoting.dispatcher.front_door import _Pending, door_victim
 from rgpu.remoting.dispatcher.registration import Backoff, sane_interval
 from tests.daemons import EXAMPLES, Daemon, RgpuCluster, wait_for
 from tests.dispatcher_helpers import wait_state
@@ -89,6 +91,19 @@ def test_heartbeat_interval_from_the_pool_is_guarded() -> None:
     assert sane_interval(2.0) == 2.0
     assert sane_interval(0.0) == sane_interval(float("nan")) == 5.0
     assert sane_interval(0.001) == 0.1 and sane_interval(1e9) == 300.0
+
+
+def test_a_handshake_whose_header_is_read_keeps_its_slot() -> None:
+    """The front door never makes a handshake give way once its thread has read the whole header,
+    even before it has recorded the HELLO's size (the accept loop may look in between); part of a
+    header read is a trickle, which does."""
+    a, b = socket.socketpair()
+    with a, b:
+        pending = _Pending(a, "127.0.0.1", 0.0)
+        pending.got = protocol.HEADER_SIZE
+        assert pending.hello_in_hand() and door_victim([pending], 10.0, 0.0) is None
+        pending.got = 5
+        assert not pending.hello_in_hand() and door_victim([pending], 10.0, 0.0) is pending
 
 
 def test_advertised_address() -> None:

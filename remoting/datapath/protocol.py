@@ -13,7 +13,8 @@ A session:
   client -> HELLO   magic "RGPU", u32 version, u32 flags, u32 len + lease token, u32 len + info
   server -> WELCOME u32 version, i32 driver version, u64 memory limit, u32 compute percent,
                     u32 flags, u32 len + description, u32 len + UCX worker address (protocol 10; len 0:
-                    copies stay on TCP)                  (or REFUSE: u32 version, u32 len + text)
+                    copies stay on TCP)                  (or REFUSE: u32 version, u32 len + text;
+                    flag REFUSE_RETRY: closed before its HELLO was read, the client may send it again)
   Protocol 10: HELLO's info may carry "ucx": the client's UCX worker address in hex (it offers UCX;
   datapath/transport.py decides). A session with UCX sends copies of at least 1 MiB as
   rgpuMemcpyHtoDUcx / rgpuMemcpyDtoHUcx frames (u64 device address, u64 stream, u64 size) whose
@@ -45,6 +46,7 @@ import json
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -110,6 +112,12 @@ WELCOME_PERF = 2      # the server serves a perf session (older servers ignore H
 # REPLY flags.
 REPLY_HAS_MESSAGE = 1  # payload: i32 result, u32 len, message, outputs
 
+# REFUSE flags (older clients ignore them).
+REFUSE_RETRY = 1  # the front door closed the connection unread (its slots were full): no session started
+
+# A HELLO the front door closed unread goes again on a new connection after each of these pauses.
+DOOR_RETRY_PAUSES_S = (0.05, 0.25)
+
 # A UCX copy's control frame (rgpuMemcpyHtoDUcx / rgpuMemcpyDtoHUcx): device address, stream, size
 # (the layout of cuMemcpyHtoDAsync_v2's, without the bytes).
 UCX_COPY = struct.Struct("<QQQ")
@@ -143,6 +151,11 @@ HELLO_TIMEOUT_S = 15.0
 
 class ProtocolError(RgpuError):
     exit_code = 6
+
+
+class DoorFull(Unavailable):
+    """The dispatcher closed the connection before reading its HELLO (REFUSE_RETRY): its handshake
+    slots were full, e.g. of a neighbour's idle connections. No session was started."""
 
 
 @dataclass(frozen=True)
@@ -232,8 +245,10 @@ def decode_welcome(payload: bytes) -> Welcome:
     return Welcome(version, driver, limit, percent, flags, text.decode("utf-8", "replace"), ucx, lanes)
 
 
-def encode_refuse(message: str, version: int = PROTOCOL_VERSION) -> bytes:
-    return pack_frame(OP_REFUSE, struct.pack("<I", version) + _lp(message.encode()))
+def encode_refuse(message: str, version: int = PROTOCOL_VERSION, *, retry: bool = False) -> bytes:
+    """retry: the HELLO was never read (REFUSE_RETRY), so sending it again cannot start a second session."""
+    return pack_frame(OP_REFUSE, struct.pack("<I", version) + _lp(message.encode()),
+                      flags=REFUSE_RETRY if retry else 0)
 
 
 def decode_refuse(payload: bytes) -> tuple[int, str]:
@@ -333,16 +348,34 @@ def handshake(server: str, token: str, *, flags: int = 0, timeout: float = HELLO
     """Open a session (or, with HELLO_PROBE, just check one could be opened). `ucx_address`: this
     end's UCX worker address, offering UCX (the WELCOME then carries the worker's, or none).
 
+    A connection the dispatcher's front door closed before reading its HELLO (DoorFull) is opened
+    again after each of DOOR_RETRY_PAUSES_S: at an address's cap, a young connection whose HELLO
+    has not arrived yet looks idle and makes way for a newer one, which a neighbour that reconnects
+    as fast as it is closed can make happen to a client descheduled for a few milliseconds. Not with
+    `after_hello`: its connections go with this HELLO.
+
     Raises Unavailable when the server cannot be reached, AuthError when it refuses the token,
     ProtocolError on a version mismatch; each message names the server and what to do.
     """
+    for pause in DOOR_RETRY_PAUSES_S if after_hello is None else ():
+        try:
+            return _handshake_once(server, token, flags=flags, timeout=timeout, version=version,
+                                   ucx_address=ucx_address, info_extra=info_extra, after_hello=after_hello)
+        except DoorFull:
+            time.sleep(pause)
+    return _handshake_once(server, token, flags=flags, timeout=timeout, version=version, ucx_address=ucx_address,
+                           info_extra=info_extra, after_hello=after_hello)
+
+
+def _handshake_once(server: str, token: str, *, flags: int, timeout: float, version: int, ucx_address: bytes,
+                    info_extra: dict | None, after_hello: Callable[[], None] | None) -> tuple[socket.socket, Welcome]:
     sock = _connect(server, timeout)
     try:
         info = client_info() | ({"ucx": ucx_address.hex()} if ucx_address else {}) | (info_extra or {})
         sock.sendall(encode_hello(token, flags=flags, info=info, version=version))
         if after_hello is not None:
             after_hello()
-        (_, op, _, _, _, _), payload = recv_frame(sock, 1 << 20)
+        (_, op, frame_flags, _, _, _), payload = recv_frame(sock, 1 << 20)
     except (OSError, ValueError, ConnectionError) as exc:
         sock.close()
         raise DispatcherUnavailable("flexrun", f"the GPU server {server} ended the handshake", str(exc),
@@ -352,8 +385,10 @@ def handshake(server: str, token: str, *, flags: int = 0, timeout: float = HELLO
         peer_version, text = decode_refuse(payload)
         if peer_version != version:
             raise version_mismatch_error(version, peer_version)
-        if "token" in text:
-            err: RgpuError = AuthError("session", text)
+        if frame_flags & REFUSE_RETRY:
+            err: RgpuError = DoorFull("session", text)
+        elif "token" in text:
+            err = AuthError("session", text)
         else:
             err = Unavailable("session", text)
         err.args = ((text if text.startswith("rgpu:") else f"rgpu: session: {text}") + f" [server {server}]",)

@@ -56,10 +56,26 @@ class _Pending:
         if self.need:
             return self.got + self.waiting_bytes() >= self.need
         if self.got:
-            return False    # part of a header read, the rest not: a trickle
+            # A whole header read and its size not recorded yet (its thread is between the two, and
+            # the accept loop may look then): as a header waiting. Part of a header: a trickle.
+            return self.got >= protocol.HEADER_SIZE
         # A header waiting, not read yet: its thread reads it within moments and knows the size
         # then; until then it is taken as a HELLO in hand (a peek here could block the accept loop).
         return self.waiting_bytes() >= protocol.HEADER_SIZE
+
+
+def door_refusal(host: str, per_address: int | None, max_handshakes: int) -> bytes:
+    """The REFUSE a connection closed at the front door gets: flagged REFUSE_RETRY, since its HELLO was
+    not read (protocol.handshake sends it again). per_address: it made way at its address's cap (None:
+    at the cap of all sources)."""
+    if per_address is not None:
+        full = f"the {per_address} handshake slots of {host} were taken (session_handshakes_per_address)"
+        hint = f"if this repeats, something on {host} holds connections to this port open without sending"
+    else:
+        full = f"all {max_handshakes} handshake slots of this dispatcher were taken (session_handshakes_max)"
+        hint = "if this repeats, the port is flooded: see the dispatcher's log, and firewall it"
+    return protocol.encode_refuse(f"rgpu: session: {full}, so this connection was closed before its HELLO "
+                                  f"was read (retry; {hint})", retry=True)
 
 
 def door_victim(pending: Iterable[_Pending], now: float, min_age_s: float) -> _Pending | None:

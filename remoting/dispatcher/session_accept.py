@@ -17,7 +17,7 @@ from rgpu.remoting.datapath.perf import PERF_SESSION_LIMIT_S, UCX_NOT_TAKEN, ser
 from rgpu.remoting.datapath.perf_ucx import read_outcome, transport_words
 from rgpu.remoting.datapath.transport import parse_peer_address, worker_choice
 from rgpu.remoting.dispatcher.admission import Admission
-from rgpu.remoting.dispatcher.front_door import _Pending, door_victim
+from rgpu.remoting.dispatcher.front_door import _Pending, door_refusal, door_victim
 from rgpu.remoting.dispatcher.lanes import parse_lane_offer, parse_lane_request
 from rgpu.remoting.dispatcher.session_state import SessionState, worker_environment
 
@@ -56,29 +56,30 @@ class SessionAccepting(SessionState):
         _victim_locked says (a client that means it sends HELLO at once, so only connections that
         trickle or idle are ever old). At the per-address cap the address's own idle or stuck
         handshake makes way (door_victim); a handshake whose HELLO has arrived never does.
-        Nothing here blocks the accept loop."""
+        A connection closed here, or made to give way, is told it may retry (door_refusal): one
+        whose HELLO is merely late (a client descheduled for a few milliseconds) looks idle, and a
+        neighbour reconnecting as fast as it is closed can push it out. Nothing here blocks the
+        accept loop."""
         host = str(addr[0]) if isinstance(addr, tuple) and addr else str(addr)
         now = time.monotonic()
+        per_address = self.front_door.per_address
         victim: _Pending | None = None
+        victim_cap: int | None = None    # the cap it made way at: its address's, or None: all sources'
+        dropped_cap: int | None = None
         admitted: _Pending | None = None
         with self._door_lock:
-            if self._per_host.get(host, 0) >= self.front_door.per_address:
+            if self._per_host.get(host, 0) >= per_address:
                 # The address's slots are full: its oldest idle (or stuck) handshake makes way, so
                 # idle connections from a shared node cannot lock its other users out.
-                victim = door_victim((p for p in self._pending.values() if p.host == host), now, 0.0)
-                if victim is not None:
-                    victim.evicted = True
-                    self._forget_locked(victim)
-                    self._dropped["evicted"] += 1
-            if self._per_host.get(host, 0) >= self.front_door.per_address:
+                victim = self._evict_locked(door_victim((p for p in self._pending.values() if p.host == host),
+                                                        now, 0.0))
+                victim_cap = per_address
+            if self._per_host.get(host, 0) >= per_address:
                 self._dropped["per_address"] += 1
+                dropped_cap = per_address
             else:
                 if len(self._pending) >= self.max_handshakes and victim is None:
-                    victim = self._victim_locked(host, now)
-                    if victim is not None:
-                        victim.evicted = True
-                        self._forget_locked(victim)
-                        self._dropped["evicted"] += 1
+                    victim = self._evict_locked(self._victim_locked(host, now))
                 if len(self._pending) < self.max_handshakes:
                     admitted = _Pending(conn, host, now)
                     self._pending[id(conn)] = admitted
@@ -86,15 +87,34 @@ class SessionAccepting(SessionState):
                 else:
                     self._dropped["full"] += 1
         if victim is not None:
-            try:
-                victim.conn.shutdown(socket.SHUT_RDWR)   # wakes its thread, which closes it
-            except OSError:
-                pass
+            # Its thread, woken by the shutdown, closes it.
+            self._turn_away(victim.conn, victim.host, victim_cap, close=False)
         if admitted is None:
             self._refused += 1
             self.log.debug("connection from %s dropped: too many handshakes in progress", host)
-            conn.close()
+            self._turn_away(conn, host, dropped_cap)
         return admitted
+
+    def _evict_locked(self, victim: _Pending | None) -> _Pending | None:
+        if victim is not None:
+            victim.evicted = True
+            self._forget_locked(victim)
+            self._dropped["evicted"] += 1
+        return victim
+
+    def _turn_away(self, conn: socket.socket, host: str, per_address: int | None, *, close: bool = True) -> None:
+        """Ends a connection the front door closes unread, saying it may retry (door_refusal; one
+        frame into a send buffer nothing was written to, so it does not block the accept loop)."""
+        try:
+            conn.send(door_refusal(host, per_address, self.max_handshakes), socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        if close:
+            conn.close()
 
     def _victim_locked(self, host: str, now: float) -> _Pending | None:
         """Whom a new connection from `host` replaces when every slot is taken: first one of the
@@ -193,7 +213,14 @@ class SessionAccepting(SessionState):
                          "install the same rgpu version on both sides)")
             return
         with self._door_lock:
+            evicted = pending.evicted
             self._forget_locked(pending)
+        if evicted:
+            # The rest of its HELLO came after the door chose it to make way, and told it to retry:
+            # serving it as well could start its session twice.
+            self.log.debug("handshake from %s dropped for a newer connection as its HELLO arrived", peer)
+            conn.close()
+            return
         conn.settimeout(protocol.HELLO_TIMEOUT_S)
         try:
             if op != protocol.OP_HELLO:

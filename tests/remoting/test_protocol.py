@@ -11,7 +11,7 @@ import pytest
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.native import build
 
-from rgpu.errors import AuthError
+from rgpu.errors import AuthError, Unavailable
 from tests.remoting.conftest import PY, Server, run_client
 
 
@@ -80,6 +80,53 @@ def test_python_client_refuses_a_server_of_another_version() -> None:
             protocol.probe(address, "rgpu1.x.y")
     finally:
         sock.close()
+
+
+def door_server(refusals: int, retry: bool = True) -> tuple[socket.socket, str, list[int]]:
+    """A server whose front door refuses the first `refusals` connections unread (REFUSE_RETRY when
+    `retry`), then welcomes; the list counts the connections it took."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(8)
+    taken: list[int] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            taken.append(1)
+            with conn:
+                if len(taken) <= refusals:
+                    conn.sendall(protocol.encode_refuse("rgpu: session: the 16 handshake slots of 127.0.0.1 were "
+                                                        "taken (retry)", retry=retry))
+                    continue
+                protocol.recv_frame(conn)
+                conn.sendall(protocol.encode_welcome(driver_version=1, memory_limit_bytes=1, compute_percent=1,
+                                                     flags=0, description="ready"))
+
+    threading.Thread(target=serve, daemon=True).start()
+    return sock, f"127.0.0.1:{sock.getsockname()[1]}", taken
+
+
+@pytest.mark.parametrize("refusals,retry,opened", [
+    (len(protocol.DOOR_RETRY_PAUSES_S), True, True),        # each retry's connection made way but the last
+    (len(protocol.DOOR_RETRY_PAUSES_S) + 1, True, False),   # every one did: DoorFull, in the dispatcher's words
+    (1, False, False),                                     # a refusal of the HELLO itself is not retried
+])
+def test_a_hello_the_front_door_closed_unread_goes_again(refusals: int, retry: bool, opened: bool) -> None:
+    sock, address, taken = door_server(refusals, retry)
+    try:
+        if opened:
+            assert protocol.probe(address, "rgpu1.x.y").description == "ready"
+        else:
+            with pytest.raises(Unavailable, match="handshake slots of 127.0.0.1 were taken") as info:
+                protocol.probe(address, "rgpu1.x.y")
+            assert isinstance(info.value, protocol.DoorFull) == retry
+    finally:
+        sock.close()
+    assert len(taken) == (refusals + opened if retry else 1)
 
 
 def test_probe_checks_the_token_and_starts_no_worker(emulated: Server) -> None:
