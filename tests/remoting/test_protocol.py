@@ -6,6 +6,7 @@ import socket
 import struct
 import textwrap
 import threading
+from collections.abc import Callable
 
 import pytest
 from rgpu.remoting.datapath import protocol
@@ -36,11 +37,11 @@ def test_server_refuses_a_client_of_another_version(emulated: Server) -> None:
                     f"server speaks {protocol.PROTOCOL_VERSION}; install the same rgpu version on the CPU and GPU nodes)")
 
 
-def fake_server(version: int) -> tuple[socket.socket, str]:
-    """A server of another protocol version: answers any HELLO with its own WELCOME."""
+def loopback_server(answer: Callable[[socket.socket], None]) -> tuple[socket.socket, str]:
+    """A server on a loopback port that runs `answer` on each connection it accepts, then closes it."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    sock.listen(4)
+    sock.listen(8)
 
     def serve() -> None:
         while True:
@@ -48,15 +49,20 @@ def fake_server(version: int) -> tuple[socket.socket, str]:
                 conn, _ = sock.accept()
             except OSError:
                 return
-            try:
-                protocol.recv_frame(conn)
-                conn.sendall(protocol.encode_welcome(driver_version=13000, memory_limit_bytes=1, compute_percent=1,
-                                                     flags=0, description="future", version=version))
-            finally:
-                conn.close()
+            with conn:
+                answer(conn)
 
     threading.Thread(target=serve, daemon=True).start()
     return sock, f"127.0.0.1:{sock.getsockname()[1]}"
+
+
+def fake_server(version: int) -> tuple[socket.socket, str]:
+    """A server of another protocol version: answers any HELLO with its own WELCOME."""
+    def answer(conn: socket.socket) -> None:
+        protocol.recv_frame(conn)
+        conn.sendall(protocol.encode_welcome(driver_version=13000, memory_limit_bytes=1, compute_percent=1,
+                                             flags=0, description="future", version=version))
+    return loopback_server(answer)
 
 
 def test_client_library_refuses_a_server_of_another_version(native_libs: build.Libraries) -> None:
@@ -85,29 +91,19 @@ def test_python_client_refuses_a_server_of_another_version() -> None:
 def door_server(refusals: int, retry: bool = True) -> tuple[socket.socket, str, list[int]]:
     """A server whose front door refuses the first `refusals` connections unread (REFUSE_RETRY when
     `retry`), then welcomes; the list counts the connections it took."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(8)
     taken: list[int] = []
 
-    def serve() -> None:
-        while True:
-            try:
-                conn, _ = sock.accept()
-            except OSError:
-                return
-            taken.append(1)
-            with conn:
-                if len(taken) <= refusals:
-                    conn.sendall(protocol.encode_refuse("rgpu: session: the 16 handshake slots of 127.0.0.1 were "
-                                                        "taken (retry)", retry=retry))
-                    continue
-                protocol.recv_frame(conn)
-                conn.sendall(protocol.encode_welcome(driver_version=1, memory_limit_bytes=1, compute_percent=1,
-                                                     flags=0, description="ready"))
-
-    threading.Thread(target=serve, daemon=True).start()
-    return sock, f"127.0.0.1:{sock.getsockname()[1]}", taken
+    def answer(conn: socket.socket) -> None:
+        taken.append(1)
+        if len(taken) <= refusals:
+            conn.sendall(protocol.encode_refuse("rgpu: session: the 16 handshake slots of 127.0.0.1 were "
+                                                "taken (retry)", retry=retry))
+            return
+        protocol.recv_frame(conn)
+        conn.sendall(protocol.encode_welcome(driver_version=1, memory_limit_bytes=1, compute_percent=1,
+                                             flags=0, description="ready"))
+    sock, address = loopback_server(answer)
+    return sock, address, taken
 
 
 @pytest.mark.parametrize("refusals,retry,opened", [
