@@ -96,6 +96,7 @@ _MANUAL = {
     "cuEventCreate": [P(c_void_p), c_uint],
     "cuEventRecord": [c_void_p, c_void_p],
     "cuEventSynchronize": [c_void_p],
+    "cuEventQuery": [c_void_p],
     "cuPointerGetAttribute": [c_void_p, c_int, c_uint64],
     "cuModuleLoadDataEx": [P(c_void_p), c_void_p, c_uint, c_void_p, c_void_p],
     "cuLibraryLoadData": [P(c_void_p), c_void_p, c_void_p, c_void_p, c_uint, c_void_p, c_void_p, c_uint],
