@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from rgpu.errors import ConfigError
+from rgpu.remoting.datapath.worker.codecs import LAUNCH, LAUNCH_ATTR_SIZE, launch_shape
 from rgpu.remoting.native import build, client_stats
 
 from tests.remoting.conftest import EXAMPLES, Server
@@ -40,6 +41,26 @@ def test_profiles_name_the_round_trips_of_a_runtime_program(native_libs: build.L
     assert workers, "the worker wrote no profile"
     report = json.loads(workers[0].read_text())
     assert report["ops"]["cuMemAlloc_v2"]["calls"] >= 2 and report["wall_ns"] > 0
+    # Launches no fast path took, by why: the emulated worker has none, so each is the generic one's.
+    launches = report["ops"].get("cuLaunchKernel", {}).get("calls", 0)
+    assert sum(report["generic_launches"].values()) == launches
+    assert set(report["generic_launches"]) <= {"plain", "cooperative", "other context"}
+
+
+def test_a_launch_request_is_named_by_its_shape() -> None:
+    base = dict(f=1, stream=0, grid=(1, 1, 1), block=(32, 1, 1), shmem=0)
+
+    def request(coop: int, attrs: list[int], argsize: int = 8) -> bytes:
+        head = LAUNCH.pack(base["f"], base["stream"], *base["grid"], *base["block"], base["shmem"], coop, len(attrs),
+                           argsize, 0, 0)
+        return head + b"".join(a.to_bytes(4, "little") + bytes(LAUNCH_ATTR_SIZE - 4) for a in attrs) + bytes(argsize)
+
+    assert launch_shape(request(0, [])) == "plain"
+    assert launch_shape(request(1, [])) == "cooperative"
+    assert launch_shape(request(0, [4, 2, 4])) == "attributes 2,4"
+    assert launch_shape(request(1, [7])) == "attributes 7 cooperative"
+    assert launch_shape(request(0, [5])[:LAUNCH.size + 10]) == "attributes "   # attributes cut short: none read
+    assert launch_shape(b"\0" * 8) == "short"
 
 
 def test_a_damaged_profile_is_one_line() -> None:

@@ -22,6 +22,19 @@ LAUNCH_ATTR_SIZE = 72
 HEADER = protocol.HEADER
 
 
+def launch_shape(payload: memoryview | bytes) -> str:
+    """What kind of launch a cuLaunchKernel request is (RGPU_WORKER_PROFILE says which launches
+    the fast paths left to the generic one): plain, cooperative, or its attribute ids."""
+    if len(payload) < LAUNCH.size:
+        return "short"
+    coop, nattrs = LAUNCH.unpack_from(payload, 0)[9:11]
+    if nattrs:
+        ids = sorted({U32.unpack_from(payload, LAUNCH.size + i * LAUNCH_ATTR_SIZE)[0] for i in range(nattrs)
+                      if LAUNCH.size + (i + 1) * LAUNCH_ATTR_SIZE <= len(payload)})
+        return "attributes " + ",".join(map(str, ids)) + (" cooperative" if coop else "")
+    return "cooperative" if coop else "plain"
+
+
 def lp(data: bytes) -> bytes:
     return U32.pack(len(data)) + data
 

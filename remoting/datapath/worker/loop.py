@@ -20,7 +20,7 @@ from rgpu.remoting.datapath.backends.base import (INVALID_VALUE, NOT_SUPPORTED, 
                                                   NVML_ERROR_NOT_SUPPORTED, OUT_OF_MEMORY, SUCCESS, UNKNOWN,
                                                   CudaError, SliceMemory)
 from rgpu.remoting.datapath.worker.client_handles import ClientEvents, ClientStreams, error_name
-from rgpu.remoting.datapath.worker.codecs import HEADER, I32, LAUNCH, lp
+from rgpu.remoting.datapath.worker.codecs import HEADER, I32, LAUNCH, launch_shape, lp
 from rgpu.remoting.datapath.worker.faults import STICKY_ERRORS, SessionFaulted, default_message, wait_verdict, write_report
 from rgpu.remoting.datapath.worker.frames import NVML_MAX_FRAME, FrameReader, FrameStalled, FrameTooLarge
 from rgpu.remoting.datapath.worker.handlers import Handlers
@@ -113,6 +113,8 @@ class Worker(Handlers):
         # op -> [calls, handler ns], only with RGPU_WORKER_PROFILE (the C loop's runs: key -1)
         self.profile: dict[int, list[int]] | None = {} if os.environ.get("RGPU_WORKER_PROFILE") else None
         self.load_steps: dict[str, list[int]] | None = {} if self.profile is not None else None
+        # Launches the fast paths left to the generic handler, by why (profile only).
+        self.generic_launches: dict[str, int] = {}
         # A sticky fault ends the session (faults.py; on an MPS GPU, every session of the GPU);
         # `idle` is true while the loop waits for a new frame, the one moment the dispatcher's
         # signal may interrupt it.
@@ -307,6 +309,7 @@ class Worker(Handlers):
                   # event operations the C loop ran (their time is in "native launch batches")
                   "native_event_ops": native.event_counts() if native else {},
                   "native_small_dtoh": native.copies if native else 0,
+                  "generic_launches": self.generic_launches,
                   "ops": ops, "load_steps": {k: {"calls": n, "ns": ns, "bytes": b} for k, (n, ns, b) in (self.load_steps or {}).items()},
                   "load_function_tables_ns": getattr(self.backend, "enumerate_ns", 0)}
         try:
@@ -455,6 +458,9 @@ class Worker(Handlers):
                 else:
                     self._reply(seq, code, b"", "")
                 continue
+            if profile is not None and op == launch_op:
+                shape = "other context" if ctx != self.current_ctx else launch_shape(payload)
+                self.generic_launches[shape] = self.generic_launches.get(shape, 0) + 1
             if cuda_mode and ctx != self.current_ctx:
                 try:
                     self.backend.set_context(ctx)
