@@ -223,6 +223,11 @@ class CudaModules(CudaDevice):
         """The address of the driver's cuLaunchKernel, for the worker's native launch loop."""
         return int(ctypes.cast(self._launch, c_void_p).value or 0)
 
+    def launch_ex_entry(self) -> int:
+        """The driver's cuLaunchKernelEx, for the native loop's launches with attributes (0: they
+        stay in Python)."""
+        return self._entry("cuLaunchKernelEx")
+
     def event_entries(self) -> tuple[int, int, int, int, int]:
         """The driver's cuEventCreate, cuEventRecord, cuEventRecordWithFlags, cuStreamWaitEvent and
         cuEventDestroy_v2, by the exact symbols the Python path calls, for the native loop

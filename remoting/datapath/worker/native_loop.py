@@ -8,6 +8,7 @@ import logging
 from typing import Any, NamedTuple
 
 from rgpu.remoting.native.generated import api_gen
+from rgpu.remoting.datapath.worker.client_handles import event_attributes
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 
 log = logging.getLogger("rgpu.worker")
@@ -49,7 +50,8 @@ class _Loop(ctypes.Structure):
                 ("dtoh_max", ctypes.c_uint32), ("sock", ctypes.c_int32), ("dtoh_op", ctypes.c_uint32),
                 ("replies_ok", ctypes.c_uint32), ("copy_failed", ctypes.c_int32), ("copy_seq", ctypes.c_uint32),
                 ("send_errno", ctypes.c_int32), ("pad2", ctypes.c_uint32),
-                ("copies", ctypes.c_uint64), ("sent", ctypes.c_uint64)]
+                ("copies", ctypes.c_uint64), ("sent", ctypes.c_uint64),
+                ("launch_ex", ctypes.c_void_p), ("event_attrs", ctypes.c_uint32 * 2), ("launched_ex", ctypes.c_uint64)]
 
 
 class NativeEventTable:
@@ -112,7 +114,7 @@ class NativeLaunches:
     per frame, which would cap a launch storm (and cuDNN's RNNs send two event frames per launch)."""
 
     def __init__(self, library: str, launch_entry: int, event_entries: EventEntries | None = None,
-                 copy_entries: CopyEntries | None = None, sock: int = -1) -> None:
+                 copy_entries: CopyEntries | None = None, sock: int = -1, launch_ex_entry: int = 0) -> None:
         lib = ctypes.CDLL(library)
         lib.rgpu_loop_size.restype = ctypes.c_size_t
         if lib.rgpu_loop_size() != ctypes.sizeof(_Loop):   # a library of another rgpu version
@@ -137,6 +139,10 @@ class NativeLaunches:
         self.events = NativeEventTable(lib)
         loop = _Loop()
         loop.launch = launch_entry
+        # Launches with attributes (cuBLAS's and cuDNN's Hopper kernels): cuLaunchKernelEx, with the
+        # attributes that carry a client event translated through the event table.
+        loop.launch_ex = launch_ex_entry or None
+        loop.event_attrs[:] = (sorted(event_attributes()) + [0, 0])[:2]
         loop.admitted, loop.admitted_mask = ctypes.addressof(self._table), ADMITTED_SLOTS - 1
         loop.streams, loop.stream_mask = ctypes.addressof(self._stream_table), STREAM_SLOTS - 1
         loop.events = self.events.address
@@ -173,6 +179,11 @@ class NativeLaunches:
     def launched(self) -> ctypes.c_uint64:
         """Launches run in C so far (a c_uint64, as before: `.value`)."""
         return ctypes.c_uint64(self._loop.launched)
+
+    @property
+    def launched_with_attributes(self) -> int:
+        """Launches with attributes run in C so far (also counted in `launched`)."""
+        return int(self._loop.launched_ex)
 
     def event_counts(self) -> dict[str, int]:
         """Event operations run in C so far, by name (RGPU_WORKER_PROFILE's "native_event_ops")."""
@@ -264,9 +275,11 @@ def load_native_launches(spec: SessionSpec, backend: Any, sock: int = -1) -> Nat
         return None
     events = getattr(backend, "event_entries", None)
     copies = getattr(backend, "copy_entries", None)
+    launch_ex = getattr(backend, "launch_ex_entry", None)
     try:
         return NativeLaunches(spec.launch_library, entry(), events() if events is not None else None,
-                              CopyEntries(*copies()) if copies is not None else None, sock)
+                              CopyEntries(*copies()) if copies is not None else None, sock,
+                              launch_ex() if launch_ex is not None else 0)
     except (OSError, AttributeError) as exc:
         log.warning("native launch loop unavailable (%s); launches run in Python, at a lower rate", exc)
         return None

@@ -13,8 +13,8 @@
  *
  * It handles only the common case and hands everything else back to the Python worker, which
  * stays the reference implementation: it stops, without consuming, at the first frame that is
- * not one of those in the current context (other op, other context, cooperative or attributed
- * launch, malformed or oversized parameters, a kernel not admitted yet, a stream or event it does
+ * not one of those in the current context (other op, other context, cooperative launch, a launch
+ * whose attributes name an event the loop does not know or number more than 16, malformed or oversized parameters, a kernel not admitted yet, a stream or event it does
  * not know, GPU work while the compute limiter's turn is not held) or that is not complete in the
  * buffer; the Python worker then runs that frame, or says why not. A creation that fails consumes
  * its frame and ends the run: the worker words its error. The worker thread has already made the
@@ -29,6 +29,8 @@
 #define HEADER_SIZE 24u   /* u32 len, u16 op, u16 flags, u32 seq, u32 aux, u64 ctx */
 #define LAUNCH_SIZE 64u   /* u64 f, u64 stream, u32 grid[3], block[3], shmem, coop, nattrs, argsize, pad[2] */
 #define MAX_PARAM_BYTES 32768u
+#define LAUNCH_ATTR_SIZE 72u  /* CUlaunchAttribute: u32 id, pad, a 64-byte value */
+#define MAX_LAUNCH_ATTRS 16u  /* more: the worker's path (the driver knows fewer than this many kinds) */
 
 /* CU_LAUNCH_PARAM_BUFFER_POINTER / _SIZE / _END, as in cuda.h. */
 #define PARAM_BUFFER_POINTER ((void *)(uintptr_t)1)
@@ -80,25 +82,61 @@ static int event_kind(const rgpu_loop *L, uint32_t op) {
     return -1;
 }
 
-/* One plain launch at p (len payload bytes); 0: not plain, left to the worker. */
+/* CUlaunchConfig and CUlaunchAttribute as cuda.h lays them out (the loop includes no CUDA header). */
+typedef struct {
+    unsigned grid[3], block[3], shmem;
+    void *stream;
+    void *attrs;
+    unsigned nattrs;
+} launch_config;
+
+/* A launch's attributes, copied aligned with their client events translated to the driver's;
+ * 0: one names an event the loop does not know (the worker words that error). */
+static int launch_attrs(const rgpu_loop *L, const uint8_t *src, uint32_t n, uint64_t *out) {
+    memcpy(out, src, (size_t)n * LAUNCH_ATTR_SIZE);
+    for (uint32_t i = 0; i < n; i++) {
+        uint8_t *a = (uint8_t *)out + (size_t)i * LAUNCH_ATTR_SIZE;
+        uint32_t id = u32_at(a);
+        if (!id || (id != L->event_attrs[0] && id != L->event_attrs[1])) continue;
+        uint64_t handle = u64_at(a + 8), event = 0;
+        if (handle && !real_event(L->events, handle, &event)) return 0;
+        memcpy(a + 8, &event, 8);   /* NULL stays NULL: the driver refuses it, as in Python */
+    }
+    return 1;
+}
+
+/* One launch at p (len payload bytes), plain or with attributes; 0: left to the worker. */
 static int launch_one(rgpu_loop *L, const uint8_t *p, uint32_t len, int *result) {
     static __thread uint64_t aligned[MAX_PARAM_BYTES / 8];
+    static __thread uint64_t attrs[MAX_LAUNCH_ATTRS * LAUNCH_ATTR_SIZE / 8];
     if (len < LAUNCH_SIZE || !L->gpu_work_ok) return 0;
     uint32_t coop = u32_at(p + 44), nattrs = u32_at(p + 48), argsize = u32_at(p + 52);
-    if (coop || nattrs || argsize > MAX_PARAM_BYTES || argsize > len - LAUNCH_SIZE) return 0;
+    if (coop || argsize > MAX_PARAM_BYTES) return 0;
+    if (nattrs && (!L->launch_ex || nattrs > MAX_LAUNCH_ATTRS)) return 0;
+    uint32_t attr_bytes = nattrs * LAUNCH_ATTR_SIZE;
+    if ((uint64_t)argsize + attr_bytes > len - LAUNCH_SIZE) return 0;
     if (!admitted(L->admitted, L->admitted_mask, u64_at(p))) return 0;
     uint64_t stream;
     if (!rgpu_real_stream(L->streams, L->stream_mask, u64_at(p + 8), &stream)) return 0;
-    const uint8_t *args = p + LAUNCH_SIZE;
+    if (nattrs && !launch_attrs(L, p + LAUNCH_SIZE, nattrs, attrs)) return 0;
+    const uint8_t *args = p + LAUNCH_SIZE + attr_bytes;
     if ((uintptr_t)args & 7) {  /* the driver reads 8-byte parameters in place */
         memcpy(aligned, args, argsize);
         args = (const uint8_t *)aligned;
     }
     size_t size = argsize;
     void *extra[5] = {PARAM_BUFFER_POINTER, (void *)args, PARAM_BUFFER_SIZE, &size, PARAM_END};
-    *result = L->launch((void *)(uintptr_t)u64_at(p), u32_at(p + 16), u32_at(p + 20), u32_at(p + 24),
-                        u32_at(p + 28), u32_at(p + 32), u32_at(p + 36), u32_at(p + 40),
-                        (void *)(uintptr_t)stream, NULL, extra);
+    void *f = (void *)(uintptr_t)u64_at(p);
+    if (nattrs) {
+        launch_config config = {{u32_at(p + 16), u32_at(p + 20), u32_at(p + 24)},
+                                {u32_at(p + 28), u32_at(p + 32), u32_at(p + 36)}, u32_at(p + 40),
+                                (void *)(uintptr_t)stream, attrs, nattrs};
+        *result = L->launch_ex(&config, f, NULL, extra);
+        L->launched_ex++;
+    } else {
+        *result = L->launch(f, u32_at(p + 16), u32_at(p + 20), u32_at(p + 24), u32_at(p + 28), u32_at(p + 32),
+                            u32_at(p + 36), u32_at(p + 40), (void *)(uintptr_t)stream, NULL, extra);
+    }
     L->launched++;
     return 1;
 }

@@ -30,6 +30,7 @@ RGPU_EXPORT int rgpu_events_take(rgpu_events *t, uint64_t handle, uint64_t *valu
 /* The driver's entry points, by exact symbol (backends/cuda.py hands their addresses over). */
 typedef int (*launch_fn)(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                          unsigned bz, unsigned shmem, void *stream, void **params, void **extra);
+typedef int (*launch_ex_fn)(const void *config, void *f, void **params, void **extra);   /* cuLaunchKernelEx */
 typedef int (*event_create_fn)(void **event, unsigned flags);              /* cuEventCreate */
 typedef int (*event_record_fn)(void *event, void *stream);                  /* cuEventRecord */
 typedef int (*event_record_flags_fn)(void *event, void *stream, unsigned flags);   /* cuEventRecordWithFlags */
@@ -86,6 +87,12 @@ typedef struct rgpu_loop {
     uint32_t pad2;
     uint64_t copies;                      /* in all: copies answered */
     uint64_t sent;                        /* in all: bytes sent */
+    /* Launches with attributes (cuLaunchKernelEx: cluster dimensions, programmatic serialisation,
+     * ...; cuBLAS and cuDNN launch most of their Hopper kernels so). Set by the worker: */
+    launch_ex_fn launch_ex;               /* NULL: attributed launches stay in Python */
+    uint32_t event_attrs[2];              /* attribute ids whose value starts with a client event
+                                           * (programmatic, completion): translated, or left to Python */
+    uint64_t launched_ex;                 /* in all: attributed launches (also counted in `launched`) */
 } rgpu_loop;
 
 /* The driver's stream for the client's handle s, from the worker's (handle, stream) table
