@@ -64,8 +64,9 @@ LANDING_MAX_BYTES = 256 << 20
 
 
 def lanes_background_asked() -> bool:
-    """RGPU_LANES_BACKGROUND=1 (read by the workers, from the dispatcher's environment)."""
-    return os.environ.get("RGPU_LANES_BACKGROUND", "0").strip() == "1"
+    """The background receive, unless RGPU_LANES_BACKGROUND=0 (read by the workers, from the
+    dispatcher's environment)."""
+    return os.environ.get("RGPU_LANES_BACKGROUND", "1").strip() != "0"
 
 
 class CudaCopies(CudaDevice):
