@@ -6,8 +6,11 @@ from 127.0.0.1."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,6 +24,7 @@ from tests.dispatcher_helpers import wait_state
 from tests.front_door_helpers import Slowloris
 
 INVENTORY = EXAMPLES / "inventory-a.toml"
+HELLO_LATE = Path(__file__).parent / "remoting" / "hello_late.c"
 DEADLINE = 3.0
 NOFILE = 256
 
@@ -238,3 +242,42 @@ def test_a_client_late_with_its_hello_retries_when_it_made_way(cluster: RgpuClus
     # fix, each such one ended its handshake with "connection closed by peer").
     assert made_way, reopened
     assert all("handshake slots of 127.0.0.1 were taken" in text and "retry" in text for text in made_way), made_way
+
+
+@pytest.fixture(scope="module")
+def late_client(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """rgpu's client libraries built from this checkout, and tests/remoting/hello_late.c to preload."""
+    from rgpu.remoting.native import build
+
+    folder = tmp_path_factory.mktemp("native")
+    libs = build.build(folder / "lib")
+    shim = folder / "hello_late.so"
+    done = subprocess.run([build.compiler(), "-O1", "-shared", "-fPIC", str(HELLO_LATE), "-o", str(shim), "-ldl"],
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    return libs.folder, shim
+
+
+def test_the_client_library_late_with_its_hello_retries_when_it_made_way(cluster: RgpuCluster,
+                                                                         late_client: tuple[Path, Path]) -> None:
+    """The previous test's, for rgpu's libcuda (transport.c): its session connection, dialled after
+    its data lanes just before its HELLO, makes way while the HELLO is held back 50 ms (hello_late.c
+    preloaded), and the session opens at the next try."""
+    folder, shim = late_client
+    _daemon, address, token = _up(cluster)
+    port = int(address.rsplit(":", 1)[1])
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RGPU_")} | {
+        "LD_LIBRARY_PATH": str(folder), "LD_PRELOAD": str(shim), "RGPU_SLICES": f"{address},{token}",
+        "RGPU_LOG": "info", "RGPU_TRANSPORT": "tcp", "RGPU_TEST_HELLO_LATE_MS": "50"}
+    program = 'import ctypes; print("INIT", ctypes.CDLL("libcuda.so.1").cuInit(0))'
+    with Neighbour(port, count=20, sources=1, every=float("inf")) as neighbour:
+        time.sleep(DEADLINE + 1.0)
+        runs = [subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, timeout=60,
+                               check=False) for _ in range(3)]
+        reopened = neighbour.closed_by_server
+    made_way = [line for done in runs for line in done.stderr.splitlines() if "again in 50 ms" in line]
+    print(f"\nneighbour reopened {reopened}; {len(made_way)} of 3 late HELLOs of the C client made way, "
+          "each then retried and served")
+    assert all("INIT 0" in done.stdout for done in runs), [done.stdout + done.stderr for done in runs]
+    assert made_way, reopened
+    assert all("handshake slots of 127.0.0.1 were taken" in line for line in made_way), made_way

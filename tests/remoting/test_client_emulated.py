@@ -153,6 +153,7 @@ def test_unreachable_server(native_libs: build.Libraries, emulated: Server) -> N
     done = py_client(native_libs, f"127.0.0.1:{port},{emulated.token()}", 'print("INIT", lib.cuInit(0))')
     assert "INIT 46" in done.stdout
     assert f"cannot reach GPU server 127.0.0.1:{port}" in done.stderr
+    assert "data lane" not in done.stderr, done.stderr   # its lanes, dialled first, failed too: one line says why
 
 
 def test_calls_before_cuinit_are_not_initialized(native_libs: build.Libraries, emulated: Server) -> None:

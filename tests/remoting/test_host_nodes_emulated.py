@@ -291,8 +291,9 @@ class _FakeWorker:
 
 def test_client_refuses_a_host_function_id_it_never_registered(native_libs: build.Libraries) -> None:
     fake = _FakeWorker()
+    # RGPU_LANES=1: the fake takes one connection, and a client with data lanes dials those first.
     done = run_client(native_libs, f"{fake.address},token", [PY, "-c", "import ctypes; lib = ctypes.CDLL('libcuda.so.1'); "
-                                                             "print('INIT', lib.cuInit(0))"])
+                                                             "print('INIT', lib.cuInit(0))"], RGPU_LANES="1")
     fake.thread.join(timeout=30)
     assert "INIT 0" in done.stdout, done.stdout + done.stderr
     assert fake.verdicts[:1] == [protocol.HOST_DONE_UNKNOWN_ID]

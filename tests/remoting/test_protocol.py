@@ -7,13 +7,17 @@ import struct
 import textwrap
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from rgpu.remoting.datapath import protocol
 from rgpu.remoting.native import build
 
 from rgpu.errors import AuthError, Unavailable
+from tests.remoting.client_helpers import py_client
 from tests.remoting.conftest import PY, Server, run_client
+from tests.remoting.door_helpers import NOT_RETRIED, Door
+from tests.remoting.lanes_helpers import LANE_ENV, LANES, THRESHOLD, _striped
 
 
 def test_hello_and_welcome_round_trip() -> None:
@@ -123,6 +127,54 @@ def test_a_hello_the_front_door_closed_unread_goes_again(refusals: int, retry: b
     finally:
         sock.close()
     assert len(taken) == (refusals + opened if retry else 1)
+
+
+@pytest.mark.parametrize("refusals", [1, len(protocol.DOOR_RETRY_PAUSES_S)])
+def test_the_client_library_opens_a_session_again_when_the_front_door_closed_its_hello_unread(
+        native_libs: build.Libraries, lane_copies: Path, emulated: Server, tmp_path: Path, refusals: int) -> None:
+    """A HELLO the front door closed unread (REFUSE_RETRY) goes again, with new lanes under a new key
+    (the refused try's lanes may still wait at the dispatcher for a session with theirs); each try
+    dials the session's connection after its lanes, so it does not sit idle while they open."""
+    sizes = [THRESHOLD + 1, 5_000_007]
+    with Door(emulated.address, refusals) as door:
+        done = run_client(native_libs, f"{door.address},{emulated.token()}", [str(lane_copies), *map(str, sizes)],
+                          timeout=120, RGPU_CLIENT_STATS=str(tmp_path / "p"), **LANE_ENV)
+        arrivals = list(door.arrivals)
+    assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
+    assert f"transport tcp, {LANES} data lanes)" in done.stderr, done.stderr
+    assert _striped(tmp_path / "p") == (4 * len(sizes),) * 2   # the lanes carried them (pageable, pinned; 2 offsets)
+    assert [kind for kind, _ in arrivals] == (["lane"] * LANES + ["session"]) * (refusals + 1), arrivals
+    keys = [key for _, key in arrivals]
+    tries = [keys[i:i + LANES + 1] for i in range(0, len(keys), LANES + 1)]
+    # One key within a try (its lanes' and its session's), another at each try.
+    assert all(len(set(one)) == 1 for one in tries) and len({one[0] for one in tries}) == refusals + 1, tries
+    said = [line for line in done.stderr.splitlines() if " again in " in line]
+    assert all("handshake slots of 127.0.0.1 were taken" in line for line in said), said
+    # The pauses protocol.handshake makes (the client says each in its line at RGPU_LOG=info).
+    assert [line.split(" again in ")[1].split(" ms")[0] for line in said] == \
+        [f"{pause * 1000:.0f}" for pause in protocol.DOOR_RETRY_PAUSES_S[:refusals]], said
+    assert "[server" not in done.stderr, done.stderr   # the refusals were not printed as errors
+
+
+@pytest.mark.parametrize("refusals,retry", [
+    (len(protocol.DOOR_RETRY_PAUSES_S) + 1, True),   # every try made way: the last refusal is printed
+    (1, False),                                      # a refusal of the HELLO itself is not retried
+])
+def test_the_client_library_gives_up_after_two_retries_or_at_a_refusal_of_its_hello(
+        native_libs: build.Libraries, emulated: Server, refusals: int, retry: bool) -> None:
+    with Door(emulated.address, refusals, retry) as door:
+        done = py_client(native_libs, f"{door.address},{emulated.token()}", """
+            import os
+            before = len(os.listdir("/proc/self/fd"))
+            r = lib.cuInit(0)
+            print("INIT", r, "FDS LEFT", len(os.listdir("/proc/self/fd")) - before)
+            """, timeout=60, **LANE_ENV)
+        arrivals = [kind for kind, _ in door.arrivals]
+    assert "INIT 46 FDS LEFT 0" in done.stdout, done.stdout + done.stderr   # no session, its lanes closed too
+    assert arrivals == (["lane"] * LANES + ["session"]) * refusals, arrivals
+    refused = [line for line in done.stderr.splitlines() if line.endswith(f"[server {door.address}, device 0]")]
+    expected = "handshake slots of 127.0.0.1 were taken" if retry else NOT_RETRIED
+    assert len(refused) == 1 and expected in refused[0], done.stderr
 
 
 def test_probe_checks_the_token_and_starts_no_worker(emulated: Server) -> None:

@@ -46,6 +46,8 @@ enum { RGPU_OP_HELLO = 1, RGPU_OP_WELCOME = 2, RGPU_OP_REFUSE = 3, RGPU_OP_REPLY
 enum { RGPU_HOST_DONE_RAN = 0, RGPU_HOST_DONE_UNKNOWN_ID = 1 };
 enum { RGPU_HELLO_PROBE = 1, RGPU_HELLO_NVML = 2, RGPU_HELLO_LANE = 8 };
 enum { RGPU_REPLY_HAS_MESSAGE = 1 };
+/* REFUSE_RETRY: the front door closed the connection before reading its HELLO; no session started. */
+enum { RGPU_REFUSE_RETRY = 1 };
 enum { RGPU_WELCOME_EMULATED = 1 };
 
 enum { RGPU_LOG_ERROR = 0, RGPU_LOG_WARN = 1, RGPU_LOG_INFO = 2, RGPU_LOG_DEBUG = 3 };

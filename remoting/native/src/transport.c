@@ -858,19 +858,19 @@ static void hello_frame(rgpu_session *s, int flags, int lanes, uint8_t **out, si
 }
 
 /* Open the session's data lanes (before its HELLO goes out): each a connection whose HELLO carries
- * the session's token and lane key. A lane that cannot connect leaves the session without lanes. */
+ * the session's token and lane key. 0 when all of them are open; else -1 and `why` says which lane
+ * failed (the caller closes the ones that opened: a session has all its lanes or none). */
 #define LANE_CONNECT_MS 2000
 
-static void open_lanes(rgpu_session *s, int lanes) {
-    char why[512];
+static int open_lanes(rgpu_session *s, int lanes, char *why, size_t whylen) {
+    char cause[512];
     for (int i = 0; i < lanes; i++) {
         /* A server that does not accept at once (not a dispatcher, or a stuck one) costs 2 s, not
          * the kernel's minutes of retries. */
-        int fd = dial_within(s->server, LANE_CONNECT_MS, why, sizeof why);
+        int fd = dial_within(s->server, LANE_CONNECT_MS, cause, sizeof cause);
         if (fd < 0) {
-            rgpu_log(RGPU_LOG_WARN, "cannot open data lane %d to GPU server %s (%s); its copies stay on one "
-                     "connection", i, s->server, why);
-            break;
+            snprintf(why, whylen, "cannot open data lane %d to GPU server %s (%s)", i, s->server, cause);
+            return -1;
         }
         s->lanes[s->nlanes++] = fd;
         char info[160];
@@ -885,15 +885,20 @@ static void open_lanes(rgpu_session *s, int lanes) {
         int failed = send_all(fd, f, fl);
         free(f);
         if (failed) {
-            rgpu_log(RGPU_LOG_WARN, "cannot send to data lane %d of GPU server %s (%s); its copies stay on one "
-                     "connection", i, s->server, strerror(errno));
-            break;
+            snprintf(why, whylen, "cannot send to data lane %d of GPU server %s (%s)", i, s->server, strerror(errno));
+            return -1;
         }
     }
+    return 0;
 }
 
-/* The worker's UCX address from WELCOME (after the description; none: the server chose TCP). */
-static CUresult read_welcome(rgpu_session *s, uint8_t **ucx_peer, size_t *ucx_len, uint32_t *lanes) {
+/* The worker's UCX address from WELCOME (after the description; none: the server chose TCP).
+ * retry_in_ms > 0: the session connects again after that pause if the dispatcher's front door closed
+ * this connection before reading its HELLO (a REFUSE flagged REFUSE_RETRY): then *door_closed is set
+ * and the refusal is only logged at RGPU_LOG=info; otherwise (and on the last try) it is printed. */
+static CUresult read_welcome(rgpu_session *s, int retry_in_ms, int *door_closed, uint8_t **ucx_peer, size_t *ucx_len,
+                             uint32_t *lanes) {
+    *door_closed = 0;
     uint8_t h[RGPU_HEADER_SIZE];
     if (recv_all(s->fd, h, sizeof h)) {
         rgpu_log(RGPU_LOG_ERROR, "GPU server %s closed the connection during the handshake "
@@ -901,9 +906,10 @@ static CUresult read_welcome(rgpu_session *s, uint8_t **ucx_peer, size_t *ucx_le
         return CUDA_ERROR_DEVICE_UNAVAILABLE;
     }
     uint32_t len;
-    uint16_t op;
+    uint16_t op, frame_flags;
     memcpy(&len, h, 4);
     memcpy(&op, h + 4, 2);
+    memcpy(&frame_flags, h + 6, 2);
     *ucx_peer = NULL;
     *ucx_len = 0;
     if (len > (1u << 20) || (op != RGPU_OP_WELCOME && op != RGPU_OP_REFUSE)) {
@@ -934,10 +940,17 @@ static CUresult read_welcome(rgpu_session *s, uint8_t **ucx_peer, size_t *ucx_le
             size_t n = ml < sizeof msg - 1 ? ml : sizeof msg - 1;
             memcpy(msg, b + 8, n);
             msg[n] = 0;
-            char line[1200];
-            int k = snprintf(line, sizeof line, "%s [server %s, device %d]\n", msg, s->server, s->index);
-            ssize_t ignored = write(2, line, (size_t)k);
-            (void)ignored;
+            if ((frame_flags & RGPU_REFUSE_RETRY) && retry_in_ms > 0) {
+                *door_closed = 1;
+                rgpu_log(RGPU_LOG_INFO, "device %d: connecting to GPU server %s again in %d ms (its front door "
+                         "closed the connection before reading the HELLO: %s)", s->index, s->server, retry_in_ms, msg);
+            } else {
+                char line[1200];
+                int k = snprintf(line, sizeof line, "%s [server %s, device %d]\n", msg, s->server, s->index);
+                if (k >= (int)sizeof line) k = (int)sizeof line - 1;   /* cut short: its newline is lost */
+                ssize_t ignored = write(2, line, (size_t)k);
+                (void)ignored;
+            }
         }
         r = CUDA_ERROR_DEVICE_UNAVAILABLE;
     } else if (len < 28) {
@@ -976,7 +989,6 @@ static CUresult read_welcome(rgpu_session *s, uint8_t **ucx_peer, size_t *ucx_le
     return r;
 }
 
-/* Connect every slice: all HELLOs go out first, so the workers start in parallel. */
 /* One frame the worker sent unasked (no reply is due: the session is locked, nothing synchronous
  * outstanding): a host function's HOST_CALL, or a NOTICE. 0, or -1 with the session failed. */
 static int serve_unasked(rgpu_session *s, const char *during) {
@@ -1322,6 +1334,98 @@ CUresult rgpu_lanes_get_bulk(rgpu_call *c, void *dst, size_t n, uint64_t chunk) 
     return CUDA_ERROR_UNKNOWN;
 }
 
+/* ------------------------------------------------------------------ opening sessions */
+
+/* The session's UCX worker, opened before its HELLO offers it (none with RGPU_TRANSPORT=tcp, or
+ * where UCX cannot load and the transport is auto). Kept across the handshake's tries: a HELLO the
+ * front door closed unread reached no worker. */
+static CUresult open_ucx(rgpu_session *s, int transport) {
+    if (transport == TRANSPORT_TCP) return CUDA_SUCCESS;
+    char why[512] = "unknown error";
+    s->ucx = rgpu_ucx_open(getenv("RGPU_UCX_LIB"), 1, why, sizeof why);
+    if (!s->ucx && transport == TRANSPORT_UCX) {
+        rgpu_log(RGPU_LOG_ERROR, "RGPU_TRANSPORT=ucx, but this process cannot use UCX for device %d (%s; "
+                 "or set RGPU_TRANSPORT=auto to fall back to TCP)", s->index, why);
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
+    if (!s->ucx) say_tcp_once(RGPU_LOG_INFO, s->server, why);
+    return CUDA_SUCCESS;
+}
+
+static void close_connections(rgpu_session *s) {
+    close_lanes(s);
+    if (s->fd >= 0) close(s->fd);
+    s->fd = -1;
+}
+
+/* One try at the session's handshake, up to its HELLO: its data lanes first, then its own connection.
+ * The lanes go first: the session asks for them only once all of them are open, so a lane that
+ * cannot connect never keeps the dispatcher waiting for it (it drops the ones that came). The
+ * session's connection is dialled last, just before its HELLO goes: until the HELLO arrives it looks
+ * idle to the dispatcher's front door, which at an address's cap closes such a connection for a
+ * newer one. CUDA_SUCCESS with the HELLO sent; else one line said why and nothing is left open. */
+static CUresult send_hello(rgpu_session *s, int flags) {
+    int lanes = (flags & RGPU_HELLO_NVML) ? 1 : lanes_setting();
+    /* A new key at each try: an earlier try's lanes may still wait at the dispatcher for their session. */
+    if (lanes > 1 && getrandom(s->lane_key, sizeof s->lane_key, 0) != (ssize_t)sizeof s->lane_key) lanes = 1;
+    char lane_why[1024] = "";
+    if (lanes > 1 && open_lanes(s, lanes, lane_why, sizeof lane_why)) {
+        close_lanes(s);
+        lanes = 1;
+    }
+    char why[512] = "unknown error";
+    s->fd = dial(s->server, why, sizeof why);
+    if (s->fd < 0) {
+        rgpu_log(RGPU_LOG_ERROR, "cannot reach GPU server %s for device %d (%s; check that "
+                 "rgpu-dispatcher runs there and the port is open)", s->server, s->index, why);
+        close_lanes(s);
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
+    uint8_t *f;
+    size_t fl;
+    hello_frame(s, flags, lanes, &f, &fl);
+    int failed = send_all(s->fd, f, fl);
+    free(f);
+    if (failed) {
+        rgpu_log(RGPU_LOG_ERROR, "cannot send to GPU server %s (%s)", s->server, strerror(errno));
+        close_connections(s);
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
+    /* Said only now: a server that cannot be reached at all gets the one line above. */
+    if (lane_why[0]) rgpu_log(RGPU_LOG_WARN, "%s; its copies stay on one connection", lane_why);
+    return CUDA_SUCCESS;
+}
+
+/* The session's WELCOME, its HELLO sent. A HELLO the dispatcher's front door closed unread
+ * (REFUSE_RETRY: its handshake slots were full, e.g. of a neighbour's idle connections, while this
+ * process was descheduled between its connect and its HELLO) goes again, lanes and all, on new
+ * connections after each of these pauses (protocol.DOOR_RETRY_PAUSES_S); the last refusal is
+ * printed. No session started at a refused try, so none starts twice. */
+static const int door_retry_pauses_ms[] = {50, 250};
+
+static CUresult await_welcome(rgpu_session *s, int flags, uint8_t **peer, size_t *peer_len, uint32_t *took) {
+    size_t retries = sizeof door_retry_pauses_ms / sizeof *door_retry_pauses_ms;
+    for (size_t i = 0;; i++) {
+        int pause_ms = i < retries ? door_retry_pauses_ms[i] : 0, door_closed;
+        CUresult r = read_welcome(s, pause_ms, &door_closed, peer, peer_len, took);
+        if (!door_closed) return r;
+        close_connections(s);
+        struct timespec pause = {pause_ms / 1000, (long)(pause_ms % 1000) * 1000000L};
+        while (nanosleep(&pause, &pause) && errno == EINTR) {}
+        r = send_hello(s, flags);
+        if (r != CUDA_SUCCESS) return r;
+    }
+}
+
+/* A session that could not be opened: every call on it fails. */
+static void abandon_session(rgpu_session *s) {
+    if (s->ucx) rgpu_ucx_close(s->ucx);
+    s->ucx = NULL;
+    close_connections(s);
+    s->dead = 1;
+}
+
+/* Connect every slice: all HELLOs go out first, so the workers start in parallel. */
 CUresult rgpu_connect_all(int flags, const char *component) {
     g_component = component;
     int transport = (flags & RGPU_HELLO_NVML) ? TRANSPORT_TCP : transport_setting();
@@ -1345,49 +1449,12 @@ CUresult rgpu_connect_all(int flags, const char *component) {
     CUresult result = CUDA_SUCCESS;
     for (int i = 0; i < rgpu_session_count; i++) {
         rgpu_session *s = &rgpu_sessions[i];
-        char why[512] = "unknown error";
-        s->fd = dial(s->server, why, sizeof why);
-        if (s->fd < 0) {
-            rgpu_log(RGPU_LOG_ERROR, "cannot reach GPU server %s for device %d (%s; check that "
-                     "rgpu-dispatcher runs there and the port is open)", s->server, i, why);
-            s->dead = 1;
-            result = CUDA_ERROR_DEVICE_UNAVAILABLE;
-            continue;
+        CUresult r = open_ucx(s, transport);
+        if (r == CUDA_SUCCESS) r = send_hello(s, flags);
+        if (r != CUDA_SUCCESS) {
+            abandon_session(s);
+            result = r;
         }
-        if (transport != TRANSPORT_TCP) {
-            char ywhy[512] = "unknown error";
-            s->ucx = rgpu_ucx_open(getenv("RGPU_UCX_LIB"), 1, ywhy, sizeof ywhy);
-            if (!s->ucx && transport == TRANSPORT_UCX) {
-                rgpu_log(RGPU_LOG_ERROR, "RGPU_TRANSPORT=ucx, but this process cannot use UCX for device %d (%s; "
-                         "or set RGPU_TRANSPORT=auto to fall back to TCP)", i, ywhy);
-                close(s->fd);
-                s->fd = -1;
-                s->dead = 1;
-                result = CUDA_ERROR_DEVICE_UNAVAILABLE;
-                continue;
-            }
-            if (!s->ucx) say_tcp_once(RGPU_LOG_INFO, s->server, ywhy);
-        }
-        uint8_t *f;
-        size_t fl;
-        int lanes = (flags & RGPU_HELLO_NVML) ? 1 : lanes_setting();
-        if (lanes > 1 && getrandom(s->lane_key, sizeof s->lane_key, 0) != (ssize_t)sizeof s->lane_key) lanes = 1;
-        /* The lanes first: the session asks for them only once all of them are open, so a lane that
-         * cannot connect never keeps the dispatcher waiting for it (it drops the ones that came). */
-        if (lanes > 1) {
-            open_lanes(s, lanes);
-            if (s->nlanes != lanes) {
-                close_lanes(s);
-                lanes = 1;
-            }
-        }
-        hello_frame(s, flags, lanes, &f, &fl);
-        if (send_all(s->fd, f, fl)) {
-            rgpu_log(RGPU_LOG_ERROR, "cannot send to GPU server %s (%s)", s->server, strerror(errno));
-            s->dead = 1;
-            result = CUDA_ERROR_DEVICE_UNAVAILABLE;
-        }
-        free(f);
     }
     for (int i = 0; i < rgpu_session_count; i++) {
         rgpu_session *s = &rgpu_sessions[i];
@@ -1395,7 +1462,7 @@ CUresult rgpu_connect_all(int flags, const char *component) {
         uint8_t *peer = NULL;
         size_t peer_len = 0;
         uint32_t took = 0;
-        CUresult r = read_welcome(s, &peer, &peer_len, &took);
+        CUresult r = await_welcome(s, flags, &peer, &peer_len, &took);
         if (r == CUDA_SUCCESS && s->nlanes && took != (uint32_t)s->nlanes) {
             /* An older dispatcher, lanes that did not all arrive, or a worker that cannot drive them. */
             rgpu_log(RGPU_LOG_INFO, "device %d: copies stay on one connection (asked for %d data lanes, the GPU "
@@ -1423,12 +1490,7 @@ CUresult rgpu_connect_all(int flags, const char *component) {
         }
         free(peer);
         if (r != CUDA_SUCCESS) {
-            if (s->ucx) rgpu_ucx_close(s->ucx);
-            s->ucx = NULL;
-            close_lanes(s);
-            close(s->fd);
-            s->fd = -1;
-            s->dead = 1;
+            abandon_session(s);
             result = r;
         } else {
             if (s->ucx) close_lanes(s);   /* UCX carries the large copies: the lanes would stay idle */
