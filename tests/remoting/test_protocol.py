@@ -177,6 +177,23 @@ def test_the_client_library_gives_up_after_two_retries_or_at_a_refusal_of_its_he
     assert len(refused) == 1 and expected in refused[0], done.stderr
 
 
+def test_the_client_library_gives_up_on_a_server_that_never_answers_its_hello(native_libs: build.Libraries) -> None:
+    # A server that accepts and reads the HELLO, then says nothing (not a dispatcher, or a stuck one):
+    # the application's cuInit fails with one line instead of waiting for ever.
+    def silent(conn: socket.socket) -> None:
+        protocol.recv_frame(conn)
+        conn.recv(1)   # until the client goes
+    sock, address = loopback_server(silent)
+    try:
+        done = py_client(native_libs, f"{address},token", "print('INIT', lib.cuInit(0))", timeout=60,
+                         RGPU_LANES="1", RGPU_TRANSPORT="tcp", RGPU_HANDSHAKE_TIMEOUT_S="1")
+    finally:
+        sock.close()
+    assert "INIT 46" in done.stdout, done.stdout + done.stderr
+    said = [line for line in done.stderr.splitlines() if "did not answer the HELLO" in line]
+    assert len(said) == 1 and "within 1 s" in said[0] and "RGPU_HANDSHAKE_TIMEOUT_S" in said[0], done.stderr
+
+
 def test_probe_checks_the_token_and_starts_no_worker(emulated: Server) -> None:
     welcome = protocol.probe(emulated.address, emulated.token(memory_limit=3 << 30, compute_percent=25))
     assert (welcome.memory_limit_bytes, welcome.compute_percent) == (3 << 30, 25)

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
@@ -892,6 +893,20 @@ static int open_lanes(rgpu_session *s, int lanes, char *why, size_t whylen) {
     return 0;
 }
 
+/* How long a HELLO waits for its answer (RGPU_HANDSHAKE_TIMEOUT_S, default 120 s: the worker
+ * starts, initialises CUDA and waits up to 3 s for the lanes first): a server that accepts and never
+ * answers (not a dispatcher, or a stuck one) must not hang the application. */
+static int handshake_timeout_s(void) {
+    const char *v = getenv("RGPU_HANDSHAKE_TIMEOUT_S");
+    int t = v && *v ? atoi(v) : 0;
+    return t > 0 ? t : 120;
+}
+
+static void set_recv_timeout(int fd, int seconds) {
+    struct timeval tv = {seconds, 0};
+    (void)setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+}
+
 /* The worker's UCX address from WELCOME (after the description; none: the server chose TCP).
  * retry_in_ms > 0: the session connects again after that pause if the dispatcher's front door closed
  * this connection before reading its HELLO (a REFUSE flagged REFUSE_RETRY): then *door_closed is set
@@ -900,7 +915,16 @@ static CUresult read_welcome(rgpu_session *s, int retry_in_ms, int *door_closed,
                              uint32_t *lanes) {
     *door_closed = 0;
     uint8_t h[RGPU_HEADER_SIZE];
-    if (recv_all(s->fd, h, sizeof h)) {
+    int timeout_s = handshake_timeout_s();
+    set_recv_timeout(s->fd, timeout_s);
+    int failed = recv_all(s->fd, h, sizeof h), timed_out = failed && (errno == EAGAIN || errno == EWOULDBLOCK);
+    if (timed_out) {
+        rgpu_log(RGPU_LOG_ERROR, "GPU server %s did not answer the HELLO of device %d within %d s (is that port "
+                 "an rgpu dispatcher, and is it overloaded? its log says; RGPU_HANDSHAKE_TIMEOUT_S sets the wait)",
+                 s->server, s->index, timeout_s);
+        return CUDA_ERROR_DEVICE_UNAVAILABLE;
+    }
+    if (failed) {
         rgpu_log(RGPU_LOG_ERROR, "GPU server %s closed the connection during the handshake "
                  "(is that port an rgpu dispatcher? check its log)", s->server);
         return CUDA_ERROR_DEVICE_UNAVAILABLE;
@@ -918,7 +942,9 @@ static CUresult read_welcome(rgpu_session *s, int retry_in_ms, int *door_closed,
         return CUDA_ERROR_DEVICE_UNAVAILABLE;
     }
     uint8_t *b = malloc(len + 1);
-    if (!b || recv_all(s->fd, b, len)) {
+    failed = !b || recv_all(s->fd, b, len);
+    set_recv_timeout(s->fd, 0);   /* the session's own reads wait as long as its calls take */
+    if (failed) {
         free(b);
         rgpu_log(RGPU_LOG_ERROR, "GPU server %s closed the connection during the handshake", s->server);
         return CUDA_ERROR_DEVICE_UNAVAILABLE;
