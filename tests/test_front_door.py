@@ -22,6 +22,7 @@ from rgpu.remoting.datapath import protocol
 from tests.daemons import EXAMPLES, RgpuCluster, wait_for
 from tests.dispatcher_helpers import wait_state
 from tests.front_door_helpers import Slowloris
+from tests.remoting.conftest import preload_shim
 
 INVENTORY = EXAMPLES / "inventory-a.toml"
 HELLO_LATE = Path(__file__).parent / "remoting" / "hello_late.c"
@@ -251,11 +252,7 @@ def late_client(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
     folder = tmp_path_factory.mktemp("native")
     libs = build.build(folder / "lib")
-    shim = folder / "hello_late.so"
-    done = subprocess.run([build.compiler(), "-O1", "-shared", "-fPIC", str(HELLO_LATE), "-o", str(shim), "-ldl"],
-                          capture_output=True, text=True, check=False)
-    assert done.returncode == 0, done.stderr
-    return libs.folder, shim
+    return libs.folder, preload_shim(HELLO_LATE, folder / "hello_late.so")
 
 
 def test_the_client_library_late_with_its_hello_retries_when_it_made_way(cluster: RgpuCluster,

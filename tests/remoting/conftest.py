@@ -247,9 +247,12 @@ def lane_copies(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathF
 
 @pytest.fixture(scope="module")
 def lane_cut(native_libs: build.Libraries, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("cut") / "lane_cut.so"
-    cc = shutil.which("gcc") or shutil.which("cc")
-    done = subprocess.run([cc, "-O1", "-shared", "-fPIC", str(HERE / "lane_cut.c"), "-o", str(out), "-ldl"],
+    return preload_shim(HERE / "lane_cut.c", tmp_path_factory.mktemp("cut") / "lane_cut.so")
+
+
+def preload_shim(source: Path, out: Path) -> Path:
+    """A test's LD_PRELOAD shim (a C file wrapping libc calls through dlsym), built to `out`."""
+    done = subprocess.run([build.compiler(), "-O1", "-shared", "-fPIC", str(source), "-o", str(out), "-ldl"],
                           capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     return out

@@ -14,9 +14,9 @@
  * It handles only the common case and hands everything else back to the Python worker, which
  * stays the reference implementation: it stops, without consuming, at the first frame that is
  * not one of those in the current context (other op, other context, cooperative launch, a launch
- * whose attributes name an event the loop does not know or number more than 16, malformed or oversized parameters, a kernel not admitted yet, a stream or event it does
- * not know, GPU work while the compute limiter's turn is not held) or that is not complete in the
- * buffer; the Python worker then runs that frame, or says why not. A creation that fails consumes
+ * whose attributes name an event the loop does not know or number more than 16, malformed or
+ * oversized parameters, a kernel not admitted yet, a stream or event it does not know, GPU work
+ * while the compute limiter's turn is not held) or that is not complete in the buffer; the Python worker then runs that frame, or says why not. A creation that fails consumes
  * its frame and ends the run: the worker words its error. The worker thread has already made the
  * session's context current.
  */
