@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import ctypes
+import socket
 import struct
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 from rgpu.remoting.native.generated import api_gen
 from rgpu.remoting.datapath import protocol
+from rgpu.remoting.datapath.worker.loop import Worker
 from rgpu.remoting.datapath.worker.native_loop import NativeLaunches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 
@@ -97,3 +102,45 @@ def session_spec(launch_library: str) -> SessionSpec:
                        compute_percent=100, job_key="native-launch-test", slice_number=0, usage_dir="",
                        server="127.0.0.1:1", compute_enforcement="time-slicing", client={},
                        launch_library=launch_library)
+
+
+D = TypeVar("D")
+
+
+@dataclass
+class Served(Generic[D]):
+    """A Worker serving one end of a socket pair on a thread of its own, its backend's driver a
+    recording test double; the test holds the other end."""
+    sock: socket.socket
+    worker: Worker
+    driver: D
+
+    def send(self, *frames: bytes) -> None:
+        self.sock.sendall(b"".join(frames))
+
+    def sync(self, seq: int) -> tuple[int, str]:
+        """cuCtxSynchronize: (result, message), the message of a deferred error included."""
+        self.sock.sendall(protocol.pack_frame(SYNC_OP, b"", seq=seq, ctx=CTX))
+        (_length, op, flags, reply_seq, _aux, _ctx), payload = protocol.recv_frame(self.sock)
+        assert (op, reply_seq) == (protocol.OP_REPLY, seq)
+        (code,) = struct.unpack_from("<i", payload)
+        message = ""
+        if flags & protocol.REPLY_HAS_MESSAGE:
+            (n,) = struct.unpack_from("<I", payload, 4)
+            message = bytes(payload[8:8 + n]).decode()
+        return code, message
+
+
+def serve_worker(spec: SessionSpec, backend: Any, driver: D) -> Iterator[Served[D]]:
+    """`backend` served by a Worker (its primary context is CTX) until the generator is closed."""
+    client, server = socket.socketpair()
+    assert backend.primary_ctx_retain() == CTX   # as the client's cuDevicePrimaryCtxRetain would
+    worker = Worker(server, backend, spec, None)
+    thread = threading.Thread(target=worker.serve, daemon=True)
+    thread.start()
+    try:
+        yield Served(client, worker, driver)
+    finally:
+        client.close()
+        thread.join(timeout=10)
+        server.close()

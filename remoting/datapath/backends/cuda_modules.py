@@ -236,6 +236,13 @@ class CudaModules(CudaDevice):
         return (address("cuEventCreate"), address("cuEventRecord"), address("cuEventRecordWithFlags"),
                 address("cuStreamWaitEvent"), address("cuEventDestroy_v2"))
 
+    def memset_entries(self) -> tuple[int, int, int]:
+        """The driver's cuMemsetD8Async, cuMemsetD16Async and cuMemsetD32Async, by the exact symbols
+        the Python path calls (not the _ptsz variants), for the native loop (worker/native_loop.py's
+        MemsetEntries; 0 where the driver lacks one: that width stays in Python)."""
+        address = self._entry
+        return address("cuMemsetD8Async"), address("cuMemsetD16Async"), address("cuMemsetD32Async")
+
     def copy_entries(self) -> tuple[int, int]:
         """The driver's cuMemcpyDtoHAsync_v2 and cuStreamIsCapturing, for the native loop's small
         device-to-host copies (worker/native_loop.py's CopyEntries; 0: they stay in Python)."""

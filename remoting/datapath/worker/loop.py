@@ -309,6 +309,8 @@ class Worker(Handlers):
                   # event operations the C loop ran (their time is in "native launch batches")
                   "native_event_ops": native.event_counts() if native else {},
                   "native_small_dtoh": native.copies if native else 0,
+                  # pipelined 1-D memsets the C loop ran (cuMemsetD8/D16/D32Async)
+                  "native_memsets": native.memsets if native else 0,
                   "generic_launches": self.generic_launches,
                   "ops": ops, "load_steps": {k: {"calls": n, "ns": ns, "bytes": b} for k, (n, ns, b) in (self.load_steps or {}).items()},
                   "load_function_tables_ns": getattr(self.backend, "enumerate_ns", 0)}
@@ -362,7 +364,7 @@ class Worker(Handlers):
                 limiter.before_submit()
             if op in native_ops and ctx == self.current_ctx:
                 assert native is not None       # native_ops is empty without it
-                # Every complete plain launch and event operation in the buffer, in one call; what
+                # Every complete launch, event operation and memset in the buffer, in one call; what
                 # it leaves (a partial frame, a cooperative launch, an unknown handle, another op)
                 # takes the paths below.
                 t0 = clock()
@@ -382,7 +384,7 @@ class Worker(Handlers):
                     entry_[1] += clock() - t0
                 if native.send_error:
                     return "client disconnected"
-                ran = native.ran_events + native.ran_copies
+                ran = native.ran_events + native.ran_copies + native.ran_memsets
                 if stats is not None and ran:   # as the Python path accounts each one
                     stats.account(t0, memory.high_water if memory is not None else 0, ran)
                 self.errors += native.errors
@@ -547,7 +549,7 @@ class Worker(Handlers):
     def counters(self) -> tuple[int, int, int, int]:
         """(received bytes, sent bytes, calls, errors): datapath/counters.py's FIELDS."""
         loop = self.native_launches
-        native = loop.launched.value + loop.event_ops() + loop.copies if loop is not None else 0
+        native = loop.launched.value + loop.event_ops() + loop.copies + loop.memsets if loop is not None else 0
         sent = self.sent + self.hostcalls.sent + (loop.sent if loop is not None else 0) + \
             (self.lanes.sent if self.lanes is not None else 0)
         lanes = self.lanes.received if self.lanes is not None else 0

@@ -1,5 +1,6 @@
-"""The native launch loop (librgpu-worker.so), loaded when the dispatcher built it: launches and
-the pipelined event operations, and the table of the client's events it shares with ClientEvents."""
+"""The native launch loop (librgpu-worker.so), loaded when the dispatcher built it: launches, the
+pipelined event operations and 1-D memsets, and the table of the client's events it shares with
+ClientEvents."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ GPU_WORK_EVENT_OPS = ("cuEventRecord", "cuEventRecordWithFlags", "cuStreamWaitEv
 # and other small reads of results ask for; larger ones take the chunked path in Python.
 DTOH_OP = "cuMemcpyDtoHAsync_v2"
 SMALL_DTOH_MAX = 65536
+# The pipelined 1-D memsets the C loop runs, in the order of worker_loop.h's RGPU_MEMSET_* (GPU work).
+MEMSET_OPS = ("cuMemsetD8Async", "cuMemsetD16Async", "cuMemsetD32Async")
 
 
 class EventEntries(NamedTuple):
@@ -51,7 +54,10 @@ class _Loop(ctypes.Structure):
                 ("replies_ok", ctypes.c_uint32), ("copy_failed", ctypes.c_int32), ("copy_seq", ctypes.c_uint32),
                 ("send_errno", ctypes.c_int32), ("pad2", ctypes.c_uint32),
                 ("copies", ctypes.c_uint64), ("sent", ctypes.c_uint64),
-                ("launch_ex", ctypes.c_void_p), ("event_attrs", ctypes.c_uint32 * 2), ("launched_ex", ctypes.c_uint64)]
+                ("launch_ex", ctypes.c_void_p), ("event_attrs", ctypes.c_uint32 * 2), ("launched_ex", ctypes.c_uint64),
+                ("memset_d8", ctypes.c_void_p), ("memset_d16", ctypes.c_void_p), ("memset_d32", ctypes.c_void_p),
+                ("memset_ops", ctypes.c_uint32 * len(MEMSET_OPS)), ("pad3", ctypes.c_uint32),
+                ("memsets", ctypes.c_uint64)]
 
 
 class NativeEventTable:
@@ -100,6 +106,14 @@ class NativeEventTable:
             self._free(address)
 
 
+class MemsetEntries(NamedTuple):
+    """The driver's entry points for the pipelined 1-D memsets, by exact symbol (not the _ptsz
+    variants: the Python path calls these); 0: that width stays in Python."""
+    d8: int                     # cuMemsetD8Async
+    d16: int                    # cuMemsetD16Async
+    d32: int                    # cuMemsetD32Async
+
+
 class CopyEntries(NamedTuple):
     """The driver's entry points for the small device-to-host copies the C loop answers
     (worker_copies.c), by exact symbol; 0 in either: copies stay in Python."""
@@ -108,13 +122,15 @@ class CopyEntries(NamedTuple):
 
 
 class NativeLaunches:
-    """The C loop in librgpu-worker.so that runs a whole run of plain launch frames, and the
-    plain event operations among them, straight from the receive buffer with the driver's own
-    entry points (remoting/native/src/worker_launch.c). The Python path costs a few microseconds
-    per frame, which would cap a launch storm (and cuDNN's RNNs send two event frames per launch)."""
+    """The C loop in librgpu-worker.so that runs a whole run of launch frames, and the plain
+    event operations and 1-D memsets among them, straight from the receive buffer with the
+    driver's own entry points (remoting/native/src/worker_launch.c). The Python path costs a few
+    microseconds per frame, which would cap a launch storm (and cuDNN's RNNs send two event frames
+    per launch)."""
 
     def __init__(self, library: str, launch_entry: int, event_entries: EventEntries | None = None,
-                 copy_entries: CopyEntries | None = None, sock: int = -1, launch_ex_entry: int = 0) -> None:
+                 copy_entries: CopyEntries | None = None, sock: int = -1, launch_ex_entry: int = 0,
+                 memset_entries: MemsetEntries | None = None) -> None:
         lib = ctypes.CDLL(library)
         lib.rgpu_loop_size.restype = ctypes.c_size_t
         if lib.rgpu_loop_size() != ctypes.sizeof(_Loop):   # a library of another rgpu version
@@ -152,6 +168,11 @@ class NativeLaunches:
         if event_entries is not None:
             (loop.event_create, loop.event_record, loop.event_record_flags, loop.stream_wait,
              loop.event_destroy) = (address or None for address in event_entries)
+        # Pipelined 1-D memsets (PyTorch zeroes gradients and workspaces so): GPU work, as launches.
+        memsets = memset_entries or MemsetEntries(0, 0, 0)
+        loop.memset_d8, loop.memset_d16, loop.memset_d32 = (address or None for address in memsets)
+        for i, name in enumerate(MEMSET_OPS):
+            loop.memset_ops[i] = api_gen.OPCODES[name]
         # Small device-to-host copies (worker_copies.c): their data and reply go out on `sock`.
         self._dtoh_buf = ctypes.create_string_buffer(SMALL_DTOH_MAX)
         loop.sock = sock
@@ -163,9 +184,11 @@ class NativeLaunches:
         self._loop_ref = ctypes.byref(loop)
         # The operations the C loop may run, and those of them the compute limiter gates.
         entries = event_entries or EventEntries(0, 0, 0, 0, 0)
+        memset_ops = [api_gen.OPCODES[name] for name, address in zip(MEMSET_OPS, memsets) if address]
         self.ops = frozenset([loop.launch_op] + [api_gen.OPCODES[name] for name, address in zip(EVENT_OPS, entries)
-                                                 if address] + ([loop.dtoh_op] if loop.dtoh_op else []))
-        self.gpu_work_ops = frozenset([loop.launch_op, loop.dtoh_op] + [api_gen.OPCODES[n] for n in GPU_WORK_EVENT_OPS]) & self.ops
+                                                 if address] + ([loop.dtoh_op] if loop.dtoh_op else []) + memset_ops)
+        self.gpu_work_ops = frozenset([loop.launch_op, loop.dtoh_op, *memset_ops]
+                                      + [api_gen.OPCODES[n] for n in GPU_WORK_EVENT_OPS]) & self.ops
         self.failed_copy: tuple[int, int] | None = None       # the last run's refused copy (seq, code)
         self.send_error = 0  # the last run's socket error (errno): the session is over
         self.failed_creation: tuple[int, int] | None = None   # the last run's (client handle, code)
@@ -174,6 +197,7 @@ class NativeLaunches:
         self.last_op = 0     # the last run's last operation
         self.first_error_op = 0   # the operation of the last run's first error
         self.ran_copies = 0  # the last run's copies answered
+        self.ran_memsets = 0  # the last run's memsets
 
     @property
     def launched(self) -> ctypes.c_uint64:
@@ -191,6 +215,11 @@ class NativeLaunches:
 
     def event_ops(self) -> int:
         return int(sum(self._loop.event_counts))
+
+    @property
+    def memsets(self) -> int:
+        """Pipelined 1-D memsets run in C so far (RGPU_WORKER_PROFILE's "native_memsets")."""
+        return int(self._loop.memsets)
 
     @property
     def copies(self) -> int:
@@ -244,20 +273,21 @@ class NativeLaunches:
     def run(self, address: int, available: int, ctx: int, *, gpu_work: bool = True,
             events: bool = True, replies: bool = True) -> tuple[int, int]:
         """(bytes consumed, first error or 0). `gpu_work` False stops before a launch, record,
-        wait or copy (the compute limiter's turn is not held); `events` False leaves every event
-        frame to Python; `replies` False leaves copies to Python (an error waits to be reported, or
-        another thread may send). A creation that failed (it ends the run) is left in
+        wait, memset or copy (the compute limiter's turn is not held); `events` False leaves every
+        event frame to Python; `replies` False leaves copies to Python (an error waits to be
+        reported, or another thread may send). A creation that failed (it ends the run) is left in
         `failed_creation`, a copy the driver refused (it ends the run, unanswered) in
         `failed_copy`, a socket that failed in `send_error`."""
         loop = self._loop
         loop.gpu_work_ok = gpu_work
         loop.events_ok = events
         loop.replies_ok = replies
-        copies_before = loop.copies
+        copies_before, memsets_before = loop.copies, loop.memsets
         used = self._run(address, available, ctx, self._loop_ref)
         error, self.errors, self.last_op, self.ran_events = loop.first_error, loop.errors, loop.last_op, loop.run_events
         self.first_error_op = loop.first_error_op
         self.ran_copies = loop.copies - copies_before
+        self.ran_memsets = loop.memsets - memsets_before
         self.failed_creation = (loop.failed_handle, loop.failed_code) if loop.failed_code else None
         self.failed_copy = (loop.copy_seq, loop.copy_failed) if loop.copy_failed else None
         self.send_error = loop.send_errno
@@ -276,10 +306,12 @@ def load_native_launches(spec: SessionSpec, backend: Any, sock: int = -1) -> Nat
     events = getattr(backend, "event_entries", None)
     copies = getattr(backend, "copy_entries", None)
     launch_ex = getattr(backend, "launch_ex_entry", None)
+    memsets = getattr(backend, "memset_entries", None)
     try:
         return NativeLaunches(spec.launch_library, entry(), events() if events is not None else None,
                               CopyEntries(*copies()) if copies is not None else None, sock,
-                              launch_ex() if launch_ex is not None else 0)
+                              launch_ex() if launch_ex is not None else 0,
+                              MemsetEntries(*memsets()) if memsets is not None else None)
     except (OSError, AttributeError) as exc:
         log.warning("native launch loop unavailable (%s); launches run in Python, at a lower rate", exc)
         return None

@@ -1,13 +1,16 @@
-/* The worker's fast path (server side, librgpu-worker.so): launches and event operations.
+/* The worker's fast path (server side, librgpu-worker.so): launches, event operations, memsets.
  *
  * A session's launches arrive as long runs of small frames (remoting/protocol.py documents the
  * layout). Decoding each one in Python and calling the driver through ctypes costs several
  * microseconds per launch, which caps a remote launch storm well below the native rate; this
- * loop runs a whole run of plain launches from the worker's receive buffer in one call, so a
- * launch costs the driver's own time plus a few nanoseconds of parsing. cuDNN's RNNs put about
- * two pipelined event operations beside every launch (rgpuEventCreate, cuEventRecord,
- * cuStreamWaitEvent, cuEventDestroy_v2: ~730 per LSTM step), so the loop runs those too, with the
- * client's events translated through the table in worker_events.c.
+ * loop runs a whole run of launches (plain, or with attributes through cuLaunchKernelEx) from the
+ * worker's receive buffer in one call, so a launch costs the driver's own time plus a few
+ * nanoseconds of parsing. cuDNN's RNNs put about two pipelined event operations beside every
+ * launch (rgpuEventCreate, cuEventRecord, cuStreamWaitEvent, cuEventDestroy_v2: ~730 per LSTM
+ * step), so the loop runs those too, with the client's events translated through the table in
+ * worker_events.c. PyTorch zeroes gradients and workspaces with pipelined 1-D memsets
+ * (cuMemsetD8Async, cuMemsetD16Async, cuMemsetD32Async: ~22 per ResNet-18 step, 10-15 us each
+ * through Python, and each one ended the loop's run), so the loop runs those as well.
  *
  * Small device-to-host copies (`tensor.item()`) are answered here too (worker_copies.c).
  *
@@ -15,9 +18,11 @@
  * stays the reference implementation: it stops, without consuming, at the first frame that is
  * not one of those in the current context (other op, other context, cooperative launch, a launch
  * whose attributes name an event the loop does not know or number more than 16, malformed or
- * oversized parameters, a kernel not admitted yet, a stream or event it does not know, GPU work
- * while the compute limiter's turn is not held) or that is not complete in the buffer; the Python worker then runs that frame, or says why not. A creation that fails consumes
- * its frame and ends the run: the worker words its error. The worker thread has already made the
+ * oversized parameters, a frame shorter than its operation, a kernel not admitted yet, a stream
+ * or event it does not know, an operation whose driver entry point the worker did not hand over,
+ * GPU work while the compute limiter's turn is not held) or that is not complete in the buffer;
+ * the Python worker then runs that frame, or says why not. A creation that fails consumes its
+ * frame and ends the run: the worker words its error. The worker thread has already made the
  * session's context current.
  */
 #include <stddef.h>
@@ -193,11 +198,48 @@ static int event_one(rgpu_loop *L, int kind, const uint8_t *p, uint32_t len, int
     return 1;
 }
 
+static int memset_kind(const rgpu_loop *L, uint32_t op) {
+    for (int k = 0; k < RGPU_MEMSET_KINDS; k++)
+        if (L->memset_ops[k] == op) return k;
+    return -1;
+}
+
+/* One pipelined 1-D memset at p, with the payloads of the generated handlers (api_gen.py):
+ * cuMemsetD8Async <QBQQ>, cuMemsetD16Async <QHQQ>, cuMemsetD32Async <QIQQ> (dst, value, count,
+ * stream). The Python handler checks no bounds (the driver does), nor does this. 0: left to the
+ * worker. */
+static int memset_one(rgpu_loop *L, int kind, const uint8_t *p, uint32_t len, int *result) {
+    uint32_t width = 1u << kind;   /* of the value: 1, 2 or 4 bytes */
+    uint64_t stream;
+    if (len < 24u + width || !L->gpu_work_ok) return 0;
+    if (!rgpu_real_stream(L->streams, L->stream_mask, u64_at(p + 16 + width), &stream)) return 0;
+    uint64_t dst = u64_at(p), n = u64_at(p + 8 + width);
+    void *s = (void *)(uintptr_t)stream;
+    switch (kind) {
+    case RGPU_MEMSET_D8:
+        if (!L->memset_d8) return 0;
+        *result = L->memset_d8(dst, p[8], (size_t)n, s);
+        break;
+    case RGPU_MEMSET_D16:
+        if (!L->memset_d16) return 0;
+        *result = L->memset_d16(dst, u16_at(p + 8), (size_t)n, s);
+        break;
+    case RGPU_MEMSET_D32:
+        if (!L->memset_d32) return 0;
+        *result = L->memset_d32(dst, u32_at(p + 8), (size_t)n, s);
+        break;
+    default:
+        return 0;
+    }
+    L->memsets++;
+    return 1;
+}
+
 /* The worker checks its ctypes mirror of rgpu_loop against this before the first run. */
 RGPU_EXPORT size_t rgpu_loop_size(void) { return sizeof(rgpu_loop); }
 
-/* Runs the plain launches of admitted kernels and the plain event operations at the start of
- * buf[0, avail). Returns the bytes consumed (whole frames only). Per run, in *L: the first error
+/* Runs the launches of admitted kernels, the plain event operations and the memsets at the start
+ * of buf[0, avail). Returns the bytes consumed (whole frames only). Per run, in *L: the first error
  * (errors surface at the client's next synchronising call), the number of errors, the last
  * operation, and a failed creation (which ends the run). */
 RGPU_EXPORT size_t rgpu_run(const uint8_t *buf, size_t avail, uint64_t ctx, rgpu_loop *L) {
@@ -212,6 +254,8 @@ RGPU_EXPORT size_t rgpu_run(const uint8_t *buf, size_t avail, uint64_t ctx, rgpu
             if (!launch_one(L, p, len, &result)) break;
         } else if ((kind = event_kind(L, op)) >= 0 && L->events_ok) {
             if (!event_one(L, kind, p, len, &result)) break;
+        } else if (op && (kind = memset_kind(L, op)) >= 0) {
+            if (!memset_one(L, kind, p, len, &result)) break;
         } else if (op == L->dtoh_op && L->dtoh_op) {
             if (!rgpu_small_dtoh(L, p, len, u32_at(h + 8))) break;
         } else {

@@ -38,10 +38,16 @@ typedef int (*stream_wait_fn)(void *stream, void *event, unsigned flags);   /* c
 typedef int (*event_destroy_fn)(void *event);                               /* cuEventDestroy_v2 */
 typedef int (*memcpy_dtoh_fn)(void *dst, uint64_t src, size_t n, void *stream);   /* cuMemcpyDtoHAsync_v2 */
 typedef int (*stream_capturing_fn)(void *stream, int *status);              /* cuStreamIsCapturing */
+typedef int (*memset_d8_fn)(uint64_t dst, unsigned char value, size_t n, void *stream);    /* cuMemsetD8Async */
+typedef int (*memset_d16_fn)(uint64_t dst, unsigned short value, size_t n, void *stream);  /* cuMemsetD16Async */
+typedef int (*memset_d32_fn)(uint64_t dst, unsigned int value, size_t n, void *stream);    /* cuMemsetD32Async */
 
 
 /* The event operations the loop runs, in the order of rgpu_loop's op and count arrays. */
 enum { RGPU_EV_CREATE, RGPU_EV_RECORD, RGPU_EV_RECORD_FLAGS, RGPU_EV_WAIT, RGPU_EV_DESTROY, RGPU_EV_KINDS };
+
+/* The memsets the loop runs, by the width of their value (rgpu_loop's memset_ops). */
+enum { RGPU_MEMSET_D8, RGPU_MEMSET_D16, RGPU_MEMSET_D32, RGPU_MEMSET_KINDS };
 
 typedef struct rgpu_loop {
     /* Set by the worker. */
@@ -57,15 +63,15 @@ typedef struct rgpu_loop {
     uint32_t admitted_mask, stream_mask;
     uint32_t launch_op;
     uint32_t event_ops[RGPU_EV_KINDS];    /* opcodes (api_gen.OPCODES) */
-    uint32_t gpu_work_ok;                 /* 0: stop before a launch, record or wait (no limiter turn held) */
+    uint32_t gpu_work_ok;                 /* 0: stop before a launch, record, wait or memset (no limiter turn held) */
     uint32_t events_ok;                   /* 0: stop at every event frame (a host node is waiting, a fault) */
     /* What the runs did: the worker reads these and clears the per-run ones. */
-    int32_t first_error;                  /* per run: the first error of a launch, record, wait or destroy */
+    int32_t first_error;                  /* per run: the first error of a launch, record, wait, destroy or memset */
     uint32_t last_op;                     /* per run: the last frame's operation */
     int32_t failed_code;                  /* per run: a creation that failed (it ends the run) */
     uint32_t first_error_op;              /* per run: the operation of first_error */
     uint64_t failed_handle;
-    uint64_t errors;                      /* per run: launches, records, waits and destructions that failed */
+    uint64_t errors;                      /* per run: launches, records, waits, destructions and memsets that failed */
     uint64_t run_events;                  /* per run: event operations run */
     uint64_t launched;                    /* in all */
     uint64_t event_counts[RGPU_EV_KINDS]; /* in all */
@@ -93,6 +99,14 @@ typedef struct rgpu_loop {
     uint32_t event_attrs[2];              /* attribute ids whose value starts with a client event
                                            * (programmatic, completion): translated, or left to Python */
     uint64_t launched_ex;                 /* in all: attributed launches (also counted in `launched`) */
+    /* Pipelined 1-D memsets (cuMemsetD8Async, cuMemsetD16Async, cuMemsetD32Async: PyTorch zeroes
+     * gradients and workspaces so, ~22 per ResNet-18 training step). Set by the worker: */
+    memset_d8_fn memset_d8;               /* any of these NULL: that width stays in Python */
+    memset_d16_fn memset_d16;
+    memset_d32_fn memset_d32;
+    uint32_t memset_ops[RGPU_MEMSET_KINDS];   /* opcodes (api_gen.OPCODES), D8, D16, D32 */
+    uint32_t pad3;
+    uint64_t memsets;                     /* in all: memsets run (failed ones too, as launches) */
 } rgpu_loop;
 
 /* The driver's stream for the client's handle s, from the worker's (handle, stream) table
