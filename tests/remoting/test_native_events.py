@@ -15,11 +15,9 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import socket
 import subprocess
 import sys
 import struct
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -32,12 +30,12 @@ from rgpu.remoting.datapath.backends.base import CudaError
 from rgpu.remoting.datapath.backends.emulated import EmulatedBackend
 from rgpu.remoting.native import build
 from rgpu.remoting.datapath.worker.client_handles import EVENT_FAILED
-from rgpu.remoting.datapath.worker.loop import Worker
 from rgpu.remoting.datapath.worker.native_loop import EventEntries, NativeLaunches
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 
 from tests.remoting.conftest import EXAMPLES, Server, run_client
-from tests.remoting.native_launches_helpers import Buffer, CTX, LAUNCH_FN, LAUNCH_OP, SYNC_OP, admitting, launch_frame, session_spec
+from tests.remoting.native_launches_helpers import (Buffer, CTX, LAUNCH_FN, LAUNCH_OP, SYNC_OP, Served, admitting,
+                                                    launch_frame, serve_worker, session_spec)
 from tests.remoting.native_events_helpers import EVENT, STREAM, frame
 
 OP = api_gen.OPCODES
@@ -312,42 +310,9 @@ class RecordingEventBackend(EmulatedBackend):
         return (self.driver.call("query", e),)
 
 
-@dataclass
-class Served:
-    sock: socket.socket
-    worker: Worker
-    driver: RecordingEventDriver
-
-    def send(self, *frames: bytes) -> None:
-        self.sock.sendall(b"".join(frames))
-
-    def sync(self, seq: int) -> tuple[int, str]:
-        """cuCtxSynchronize: (result, message), the message of a deferred error included."""
-        self.sock.sendall(protocol.pack_frame(SYNC_OP, b"", seq=seq, ctx=CTX))
-        (_length, op, flags, reply_seq, _aux, _ctx), payload = protocol.recv_frame(self.sock)
-        assert (op, reply_seq) == (protocol.OP_REPLY, seq)
-        (code,) = struct.unpack_from("<i", payload)
-        message = ""
-        if flags & protocol.REPLY_HAS_MESSAGE:
-            (n,) = struct.unpack_from("<I", payload, 4)
-            message = bytes(payload[8:8 + n]).decode()
-        return code, message
-
-
-def serve(worker_library: str, driver: RecordingEventDriver, native_events: bool) -> Iterator[Served]:
-    client, server = socket.socketpair()
+def serve(worker_library: str, driver: RecordingEventDriver, native_events: bool) -> Iterator[Served[RecordingEventDriver]]:
     spec = session_spec(worker_library)
-    backend = RecordingEventBackend(spec, driver, native_events)
-    assert backend.primary_ctx_retain() == CTX
-    worker = Worker(server, backend, spec, None)
-    thread = threading.Thread(target=worker.serve, daemon=True)
-    thread.start()
-    try:
-        yield Served(client, worker, driver)
-    finally:
-        client.close()
-        thread.join(timeout=10)
-        server.close()
+    yield from serve_worker(spec, RecordingEventBackend(spec, driver, native_events), driver)
 
 
 def lstm_step(step: int, stream: int) -> list[bytes]:
