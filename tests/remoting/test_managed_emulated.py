@@ -139,3 +139,42 @@ def test_pointer_attributes_call_managed_memory_managed(native_libs: build.Libra
     assert "MANAGED 1 2 True True True" in done.stdout, done.stdout
     assert "DEVICE 0 2 True" in done.stdout and "PINNED 0 0 1" in done.stdout, done.stdout
     assert "PLURAL 1 2" in done.stdout and "PLURAL_DEVICE 0 2" in done.stdout and "PLURAL_PINNED 0 1" in done.stdout, done.stdout
+
+
+def test_advice_and_prefetches_are_checked_as_the_driver_checks_them(native_libs: build.Libraries,
+                                                                      emulated: Server) -> None:
+    # CuPy's test_managed_memory_madvise_basic expects an unknown advice to fail; a processor that
+    # is neither the host (CU_DEVICE_CPU, -1) nor a slice is refused where the advice names one.
+    done = py_client(native_libs, emulated.slices(emulated.token()), """
+        setup()
+        n = 4096
+        m = ctypes.c_uint64()
+        check("cuMemAllocManaged", ctypes.byref(m), ctypes.c_size_t(n), 1)
+        size = ctypes.c_size_t(n)
+        advise = lambda advice, device: lib.cuMemAdvise(m, size, advice, device)
+        print("READ_MOSTLY", advise(1, 0), advise(2, 10**8))            # the device is ignored
+        print("PREFERRED", advise(3, 0), advise(3, -1), advise(3, 10**8), advise(3, 1))
+        print("ACCESSED_BY", advise(5, 0), advise(6, -1), advise(5, -2))
+        print("UNKNOWN", advise(-1, 0), advise(0, 0), advise(7, 0))
+
+        class Location(ctypes.Structure):
+            _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+        v2 = lambda advice, kind, ident: lib.cuMemAdvise_v2(m, size, advice, Location(kind, ident))
+        print("V2", v2(3, 1, 0), v2(3, 2, 0), v2(3, 1, 5), v2(3, 0, 0), v2(9, 1, 0))
+        prefetch = lambda device: lib.cuMemPrefetchAsync(m, size, device, None)
+        print("PREFETCH", prefetch(0), prefetch(-1), prefetch(10**8))
+        print("PREFETCH_V2", lib.cuMemPrefetchAsync_v2(m, size, Location(1, 0), 0, None),
+              lib.cuMemPrefetchAsync_v2(m, size, Location(1, 7), 0, None))
+        check("cuCtxSynchronize")
+        check("cuMemFree_v2", m)
+        print("FREED")
+        """)
+    out = done.stdout
+    assert "READ_MOSTLY 0 0" in out, out + done.stderr
+    assert "PREFERRED 0 0 101 101" in out        # CUDA_ERROR_INVALID_DEVICE: one slice, ordinal 0
+    assert "ACCESSED_BY 0 0 101" in out
+    assert "UNKNOWN 1 1 1" in out                # CUDA_ERROR_INVALID_VALUE
+    assert "V2 0 0 101 101 1" in out
+    assert "PREFETCH 0 0 101" in out
+    assert "PREFETCH_V2 0 101" in out
+    assert "FREED" in out

@@ -575,32 +575,52 @@ static CUresult check_range(CUdeviceptr p, size_t count) {
     return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
+#define DEVICE_CPU (-1)          /* CU_DEVICE_CPU */
+#define LOCATION_DEVICE 1        /* CU_MEM_LOCATION_TYPE_DEVICE; 2-4 are the host and its NUMA nodes */
+#define LOCATION_HOST_NUMA_CURRENT 4
+
+/* A processor a prefetch or an advice may name: the host, or one of this process's slices. */
+static int valid_processor(CUdevice device) {
+    return device == DEVICE_CPU || (device >= 0 && device < rgpu_session_count);
+}
+
+static int valid_location(CUmemLocation location) {
+    if (location.type == LOCATION_DEVICE) return location.id >= 0 && location.id < rgpu_session_count;
+    return location.type > LOCATION_DEVICE && location.type <= LOCATION_HOST_NUMA_CURRENT;
+}
+
+/* The driver's checks of an advice: one of CUmem_advise's six, and a processor where it names one
+ * (read-mostly ignores it). */
+static CUresult check_advice(CUdeviceptr p, size_t count, int advice, int processor_ok) {
+    CUresult r = check_range(p, count);
+    if (r != CUDA_SUCCESS) return r;
+    if (advice < 1 || advice > 6) return CUDA_ERROR_INVALID_VALUE;
+    return advice <= 2 || processor_ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_DEVICE;
+}
+
 /* Prefetches and advice change where pages live on a real GPU, never what they hold: with the
- * copies above there is nothing to move early, so they are checked and done. */
+ * copies above there is nothing to move early, so they are checked as the driver checks them and
+ * done. */
 RGPU_EXPORT CUresult CUDAAPI cuMemPrefetchAsync(CUdeviceptr devPtr, size_t count, CUdevice dstDevice, CUstream hStream) {
-    (void)dstDevice;
     (void)hStream;
-    return check_range(devPtr, count);
+    CUresult r = check_range(devPtr, count);
+    return r != CUDA_SUCCESS || valid_processor(dstDevice) ? r : CUDA_ERROR_INVALID_DEVICE;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemPrefetchAsync_v2(CUdeviceptr devPtr, size_t count, CUmemLocation location,
                                                    unsigned int flags, CUstream hStream) {
-    (void)location;
     (void)flags;
     (void)hStream;
-    return check_range(devPtr, count);
+    CUresult r = check_range(devPtr, count);
+    return r != CUDA_SUCCESS || valid_location(location) ? r : CUDA_ERROR_INVALID_DEVICE;
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemAdvise(CUdeviceptr devPtr, size_t count, int advice, CUdevice device) {
-    (void)advice;
-    (void)device;
-    return check_range(devPtr, count);
+    return check_advice(devPtr, count, advice, valid_processor(device));
 }
 
 RGPU_EXPORT CUresult CUDAAPI cuMemAdvise_v2(CUdeviceptr devPtr, size_t count, int advice, CUmemLocation location) {
-    (void)advice;
-    (void)location;
-    return check_range(devPtr, count);
+    return check_advice(devPtr, count, advice, valid_location(location));
 }
 
 /* Attaching a range to one stream narrows when the host may touch it on a real GPU; here every
