@@ -36,6 +36,31 @@ LAUNCH_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_uint, ctype
                              ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p))
 
 
+class CallLog:
+    """What the recording drivers of the C loop's tests share: every call appended to `calls` in
+    order and counted by kind, `fail` mapping (kind, n) (the kind's n-th call, 0-based) to the code
+    it returns, and the entry points, by index into `callbacks` (ctypes callbacks kept alive here;
+    index 0 is cuLaunchKernel)."""
+
+    fail: dict[tuple[str, int], int]
+    calls: list[tuple[int | str, ...]]
+    counts: dict[str, int]
+    callbacks: tuple[Any, ...]
+
+    def call(self, kind: str, *args: int) -> int:
+        n = self.counts.get(kind, 0)
+        self.counts[kind] = n + 1
+        self.calls.append((kind, *args))
+        return self.fail.get((kind, n), 0)
+
+    def address(self, i: int) -> int:
+        return int(ctypes.cast(self.callbacks[i], ctypes.c_void_p).value or 0)
+
+    @property
+    def launch_entry(self) -> int:
+        return self.address(0)
+
+
 @dataclass
 class Launch:
     f: int

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import textwrap
-import time
 from pathlib import Path
 
 
@@ -41,14 +39,3 @@ def item_program(reads: int, big: int = 1 << 20) -> str:
         check("cuStreamSynchronize", stream)
         print("BAD", bad, "BIG", big.raw == b"\\x5a" * {big}, "WILD", wild, "AFTER", value.value == 99)
         """)
-
-
-def copies_answered_in_c(profiles: Path, want: int) -> int:
-    """Small copies the C loop answered, from the workers' profiles (RGPU_WORKER_PROFILE), waiting
-    up to 20 s for `want` (a worker writes its profile when its session ends)."""
-    deadline = time.monotonic() + 20
-    answered = 0
-    while time.monotonic() < deadline and answered < want:
-        answered = sum(json.loads(p.read_text()).get("native_small_dtoh", 0) for p in profiles.glob("worker-*.json"))
-        time.sleep(0.1)
-    return answered

@@ -16,7 +16,7 @@ from rgpu.remoting.native import build
 
 from tests.remoting.conftest import HERE, Server, driver_api_program
 from tests.remoting.gpu_helpers import flexrun
-from tests.remoting.native_memsets_helpers import memsets_in_c
+from tests.remoting.worker_profiles import profile_total
 
 pytestmark = pytest.mark.gpu
 ROUNDS = 300
@@ -29,4 +29,4 @@ def test_memsets_of_each_width_run_in_the_c_loop_and_set_their_bytes_on_the_gpu(
     done = flexrun(native_libs, gpu_server, tmp_path, [str(program), str(ROUNDS)], name="memsets", percent=100)
     assert done.returncode == 0 and "RESULT OK" in done.stdout, done.stdout + done.stderr
     # Every memset, the NULL stream's first one included, ran in C.
-    assert memsets_in_c(tmp_path, 3 * ROUNDS + 1) >= 3 * ROUNDS + 1
+    assert profile_total(tmp_path, "native_memsets", 3 * ROUNDS + 1) >= 3 * ROUNDS + 1

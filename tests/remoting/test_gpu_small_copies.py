@@ -14,7 +14,8 @@ import pytest
 
 from tests.remoting.conftest import PY, Server
 from tests.remoting.gpu_helpers import flexrun
-from tests.remoting.small_copies_helpers import copies_answered_in_c, item_program
+from tests.remoting.small_copies_helpers import item_program
+from tests.remoting.worker_profiles import profile_total
 from rgpu.remoting.native import build
 
 pytestmark = pytest.mark.gpu
@@ -26,4 +27,4 @@ def test_item_pattern_values_are_exact_and_answered_in_c(native_libs: build.Libr
     done = flexrun(native_libs, gpu_server, tmp_path, [PY, "-c", item_program(500, big=65536)], name="small-dtoh")
     assert "BAD 0 BIG True" in done.stdout and "AFTER True" in done.stdout, done.stdout + done.stderr
     assert int(done.stdout.split("WILD")[1].split()[0]) != 0, done.stdout
-    assert copies_answered_in_c(tmp_path, 502) >= 502
+    assert profile_total(tmp_path, "native_small_dtoh", 502) >= 502

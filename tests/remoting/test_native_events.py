@@ -34,8 +34,8 @@ from rgpu.remoting.datapath.worker.native_loop import EventEntries, NativeLaunch
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 
 from tests.remoting.conftest import EXAMPLES, Server, run_client
-from tests.remoting.native_launches_helpers import (Buffer, CTX, LAUNCH_FN, LAUNCH_OP, SYNC_OP, Served, admitting,
-                                                    launch_frame, serve_worker, session_spec)
+from tests.remoting.native_launches_helpers import (Buffer, CallLog, CTX, LAUNCH_FN, LAUNCH_OP, SYNC_OP, Served,
+                                                    admitting, launch_frame, serve_worker, session_spec)
 from tests.remoting.native_events_helpers import EVENT, STREAM, frame
 
 OP = api_gen.OPCODES
@@ -51,7 +51,7 @@ DESTROY_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 
 
 @dataclass
-class RecordingEventDriver:
+class RecordingEventDriver(CallLog):
     """Test double for the driver's cuLaunchKernel and event entry points: records every call, in
     order, as ("launch", f, stream), ("create", flags), ("record", event, stream), ("record_flags",
     event, stream, flags), ("wait", stream, event, flags), ("destroy", event). Events it makes are
@@ -79,19 +79,6 @@ class RecordingEventDriver:
                           WITH_FLAGS_FN(lambda e, s, flags: self.call("record_flags", e or 0, s or 0, flags)),
                           WITH_FLAGS_FN(lambda s, e, flags: self.call("wait", s or 0, e or 0, flags)),
                           DESTROY_FN(lambda e: self.call("destroy", e or 0)))
-
-    def call(self, kind: str, *args: int) -> int:
-        n = self.counts.get(kind, 0)
-        self.counts[kind] = n + 1
-        self.calls.append((kind, *args))
-        return self.fail.get((kind, n), 0)
-
-    def address(self, i: int) -> int:
-        return int(ctypes.cast(self.callbacks[i], ctypes.c_void_p).value or 0)
-
-    @property
-    def launch_entry(self) -> int:
-        return self.address(0)
 
     @property
     def event_entries(self) -> EventEntries:

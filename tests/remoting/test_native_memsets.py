@@ -31,10 +31,10 @@ from rgpu.remoting.datapath.worker.native_loop import MemsetEntries, NativeLaunc
 from rgpu.remoting.datapath.worker.spec import SessionSpec
 
 from tests.remoting.conftest import HERE, Server, driver_api_program, run_client
-from tests.remoting.native_launches_helpers import (Buffer, CTX, LAUNCH_FN, SYNC_OP, Served, admitting, launch_frame,
-                                                    serve_worker, session_spec)
+from tests.remoting.native_launches_helpers import (Buffer, CallLog, CTX, LAUNCH_FN, SYNC_OP, Served, admitting,
+                                                    launch_frame, serve_worker, session_spec)
 from tests.remoting.native_events_helpers import STREAM, frame
-from tests.remoting.native_memsets_helpers import memsets_in_c
+from tests.remoting.worker_profiles import profile_total
 
 OP = api_gen.OPCODES
 D8_OP, D16_OP, D32_OP = OP["cuMemsetD8Async"], OP["cuMemsetD16Async"], OP["cuMemsetD32Async"]
@@ -49,7 +49,7 @@ D32_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, ctypes.c_uint, ctypes.c
 
 
 @dataclass
-class RecordingMemsetDriver:
+class RecordingMemsetDriver(CallLog):
     """Test double for the driver's cuLaunchKernel, cuMemsetD8Async, cuMemsetD16Async and
     cuMemsetD32Async: records every call, in order, as ("launch", f, stream) or ("D8" | "D16" |
     "D32", dst, value, count, stream); `fail` maps (kind, n) (the kind's n-th call, 0-based) to an
@@ -68,19 +68,6 @@ class RecordingMemsetDriver:
                           D8_FN(lambda dst, value, n, s: self.call("D8", dst, value, n, s or 0)),
                           D16_FN(lambda dst, value, n, s: self.call("D16", dst, value, n, s or 0)),
                           D32_FN(lambda dst, value, n, s: self.call("D32", dst, value, n, s or 0)))
-
-    def call(self, kind: str, *args: int) -> int:
-        n = self.counts.get(kind, 0)
-        self.counts[kind] = n + 1
-        self.calls.append((kind, *args))
-        return self.fail.get((kind, n), 0)
-
-    def address(self, i: int) -> int:
-        return int(ctypes.cast(self.callbacks[i], ctypes.c_void_p).value or 0)
-
-    @property
-    def launch_entry(self) -> int:
-        return self.address(0)
 
     @property
     def memset_entries(self) -> MemsetEntries:
@@ -299,4 +286,4 @@ def test_the_chained_real_gpu_backend_runs_memsets_in_the_c_loop(native_libs: bu
     monkeypatch.setenv("RGPU_WORKER_PROFILE", str(tmp_path))
     done = run_client(native_libs, chained.slices(chained.token(memory_limit=1 << 30)), [str(program), str(ROUNDS)])
     assert done.returncode == 0 and "RESULT OK" in done.stdout, done.stdout + done.stderr
-    assert memsets_in_c(tmp_path, 3 * ROUNDS + 1) >= 3 * ROUNDS + 1   # every one, the NULL stream's first included
+    assert profile_total(tmp_path, "native_memsets", 3 * ROUNDS + 1) >= 3 * ROUNDS + 1   # every one, the NULL stream's first included

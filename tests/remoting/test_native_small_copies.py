@@ -25,7 +25,8 @@ from rgpu.remoting.datapath.worker.native_loop import SMALL_DTOH_MAX, CopyEntrie
 
 from tests.remoting.conftest import PY, Server, run_client
 from tests.remoting.native_launches_helpers import Buffer, CTX, LAUNCH_ERROR, RecordingDriver, admitting, launch_frame
-from tests.remoting.small_copies_helpers import copies_answered_in_c, item_program
+from tests.remoting.small_copies_helpers import item_program
+from tests.remoting.worker_profiles import profile_total
 
 DTOH_OP = api_gen.OPCODES["cuMemcpyDtoHAsync_v2"]
 STREAM = 0x7D00_0001_0000_0001
@@ -200,4 +201,4 @@ def test_item_pattern_through_the_chained_real_gpu_backend_is_answered_in_c(
                       RGPU_REPLY_SPIN_US=spin_us)
     assert "BAD 0 BIG True" in done.stdout and "AFTER True" in done.stdout, done.stdout + done.stderr
     assert int(done.stdout.split("WILD")[1].split()[0]) != 0, done.stdout
-    assert copies_answered_in_c(tmp_path, 61) >= 61
+    assert profile_total(tmp_path, "native_small_dtoh", 61) >= 61
