@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 from pathlib import Path
 
 from rgpu.remoting.datapath import protocol
@@ -12,6 +13,7 @@ from rgpu.remoting.native.generated import api_gen
 
 
 HERE = Path(__file__).parent
+LANE_ABORTED = 1   # lanes.h's RGPU_LANE_ABORTED: the frame carries an i32 code, not the chunk
 OP = api_gen.OPCODES
 MiB = 1 << 20
 THRESHOLD = 1 * MiB     # RGPU_LANE_MIN_BYTES in these tests
@@ -42,3 +44,25 @@ def _sync(sock: socket.socket, op: int, payload: bytes, seq: int, ctx: int = 0) 
         if header[1] == protocol.OP_REPLY:
             assert header[3] == seq
             return struct.unpack_from("<i", body)[0], body
+
+
+def send_striped(ends: list[socket.socket], seq: int, data: bytes, chunk: int, bad_chunk: int = -1,
+                 aborted: dict[int, int] | None = None) -> list[threading.Thread]:
+    """Threads sending `data` as a client's lanes do, chunk i on lane i % lanes (started): chunk
+    `bad_chunk` says it is the next one; a chunk in `aborted` goes as an aborted frame with that code."""
+    def send(lane: int) -> None:
+        for i in range(lane, (len(data) + chunk - 1) // chunk, len(ends)):
+            part = data[i * chunk:(i + 1) * chunk]
+            flags = 0
+            if aborted and i in aborted:
+                part, flags = struct.pack("<i", aborted[i]), LANE_ABORTED
+            frame = protocol.HEADER.pack(len(part), protocol.OP_LANE_DATA, flags, seq, i if i != bad_chunk else i + 1,
+                                         i * chunk)
+            try:
+                ends[lane].sendall(frame + part)
+            except OSError:
+                return
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(len(ends))]
+    for t in threads:
+        t.start()
+    return threads

@@ -35,6 +35,7 @@ class FakeDriver:
         self.calls: list[tuple[str, str, tuple[Any, ...]]] = []
         self.buffers: list[Any] = []
         self.busy_events: set[int] = set()      # events cuEventQuery answers NOT_READY for
+        self.busy_streams: set[int] = {APP_STREAM}   # streams cuStreamQuery answers NOT_READY for
         self.refuse: set[str] = set()
         self._next = 0x100
 
@@ -55,6 +56,8 @@ class FakeDriver:
                 _out(args[0]).value = _out(args[1]).value if hasattr(args[1], "_obj") else (args[1].value or 0)
             elif name in ("cuEventCreate", "cuStreamCreateWithPriority"):
                 _out(args[0]).value = self.handle()
+            elif name == "cuStreamQuery":
+                return NOT_READY if args[0] in self.busy_streams else SUCCESS
             elif name == "cuEventQuery":
                 event = args[0].value if isinstance(args[0], ctypes.c_void_p) else args[0]
                 return NOT_READY if event in self.busy_events else SUCCESS
@@ -88,11 +91,13 @@ def backend(driver: FakeDriver) -> CudaCopies:
     b = CudaCopies.__new__(CudaCopies)
     names = ["cuStreamCreateWithPriority", "cuMemHostAlloc", "cuMemFreeHost", "cuEventCreate", "cuEventRecord",
              "cuEventQuery", "cuEventSynchronize", "cuStreamSynchronize", "cuMemcpyHtoDAsync_v2",
-             "cuMemHostGetDevicePointer_v2"]
+             "cuMemHostGetDevicePointer_v2", "cuStreamDestroy_v2"]
     b.f = {n: driver.fn(n) for n in names}
     b._fn_cuStreamWaitValue32_v2 = driver.fn("cuStreamWaitValue32_v2")   # type: ignore[attr-defined]
     b._fn_cuStreamWriteValue32_v2 = driver.fn("cuStreamWriteValue32_v2")   # type: ignore[attr-defined]
     b._fn_cuStreamWaitEvent = driver.fn("cuStreamWaitEvent")   # type: ignore[attr-defined]
+    b._fn_cuStreamQuery = driver.fn("cuStreamQuery")   # type: ignore[attr-defined]
+    b._entry = lambda name: 0x1000 + len(name)   # type: ignore[method-assign]  # the ring's entry points: FakeLanes ignores them
     b._late_fn = lambda name, argtypes: b.f[name]   # type: ignore[method-assign]
     b.primary = ctypes.c_void_p(PRIMARY)
     b._current = PRIMARY
@@ -101,6 +106,9 @@ def backend(driver: FakeDriver) -> CudaCopies:
     b._lane_receive_unreported = None
     b._lane_sides = {}
     b._lane_landings = []
+    b._lane_ring = None
+    b._lane_ring_refused = False
+    b.lane_ring_copies = 0
     return b
 
 
@@ -207,3 +215,113 @@ def test_the_loop_receives_the_copy_when_the_background_cannot_take_it(monkeypat
         b._captures = 1
     assert b.htod_lanes_background(0xD000, APP_STREAM, size, 1024, 1, FakeLanes(b"")) is False
     assert "cuStreamWaitValue32_v2" not in driver.names() and b._lane_receive is None
+
+
+# ---- the landing ring, for a copy onto a stream with nothing queued (lanes.h; its C side: test_lane_ring.py) ----
+
+class FakeRingLanes(FakeLanes):
+    """FAKE lanes with a landing ring: records each ring call and the thread that made it."""
+
+    RING_WORDS_BYTES = 2048
+    count = 3
+
+    def __init__(self, payload: bytes = b"", fail: bool = False, plan_error: int = 0) -> None:
+        super().__init__(payload, fail)
+        self.plan_error = plan_error
+        self.ring_calls: list[tuple[str, str]] = []
+
+    def _note(self, name: str) -> None:
+        self.ring_calls.append((name, threading.current_thread().name))
+
+    def ring_new(self, base: int, slots: int, slot_bytes: int, words: int, words_device: int, streams: list[int],
+                 events: list[int]) -> int:
+        self._note("ring_new")
+        assert base and words and len(streams) == len(events) == self.count
+        return 0xABC
+
+    @staticmethod
+    def ring_driver(*entries: int) -> tuple[int, ...]:
+        return entries
+
+    def ring_plan(self, ring: int, driver: Any, size: int, chunk: int, dst: int, stream: int, order: int) -> int:
+        self._note("ring_plan")
+        return self.plan_error
+
+    def receive_ring(self, seq: int, size: int, chunk: int, ring: int) -> int:
+        self._note("receive_ring")
+        self.release.wait(10)
+        if self.fail:
+            raise CudaError(UNKNOWN, "rgpu: worker: a host-to-device copy over 3 data lanes failed (test)")
+        return 0
+
+    def ring_release(self, ring: int) -> None:
+        self._note("ring_release")
+
+    def ring_free(self, ring: int) -> None:
+        self._note("ring_free")
+
+
+def test_a_copy_onto_an_idle_stream_goes_through_the_ring_of_any_size_and_its_thread_calls_no_driver() -> None:
+    driver, lanes = FakeDriver(), FakeRingLanes()
+    driver.busy_streams = set()
+    b = backend(driver)
+    lanes.release.clear()
+    assert b.htod_lanes_background(0xD000, APP_STREAM, 1 << 30, 2 << 20, 7, lanes) is True   # 1 GiB: no landing holds it
+    assert lanes.ring_calls[:2] == [("ring_new", "MainThread"), ("ring_plan", "MainThread")]
+    assert b._lane_landings == [] and b.lane_ring_copies == 1
+    lanes.release.set()
+    assert b.lane_receive_settle(wait=True) == (False, None)
+    assert lanes.ring_calls[2:] == [("receive_ring", "rgpu-lane-receive"), ("ring_release", "rgpu-lane-receive")]
+    assert driver.names("rgpu-lane-receive") == []
+    # The next copy reuses the ring; the primary context's end drops it: streams waited for and destroyed.
+    assert b.htod_lanes_background(0xD000, APP_STREAM, 4096, 2 << 20, 8, lanes) is True
+    b.lane_receive_settle(wait=True)
+    assert [c for c, _ in lanes.ring_calls].count("ring_new") == 1
+    b._drop_lane_landings()
+    assert lanes.ring_calls[-2:] == [("ring_release", "MainThread"), ("ring_free", "MainThread")]
+    assert driver.names().count("cuStreamDestroy_v2") == 3 and b._lane_ring is None
+
+
+def test_a_failed_ring_receive_is_reported_before_the_ring_lets_the_application_stream_go_on() -> None:
+    driver, lanes = FakeDriver(), FakeRingLanes(fail=True)
+    driver.busy_streams = set()
+    b = backend(driver)
+    assert b.htod_lanes_background(0xD000, APP_STREAM, 4096, 2 << 20, 7, lanes) is True
+    live, error = b.lane_receive_settle(wait=True)
+    assert not live and error is not None and "data lanes failed" in (error.message or "")
+    assert lanes.ring_calls[-1] == ("ring_release", "rgpu-lane-receive")
+
+
+def test_a_plan_the_driver_refuses_drops_the_ring_for_good_and_the_copy_lands_whole() -> None:
+    driver, lanes = FakeDriver(), FakeRingLanes(b"\x07" * 4096, plan_error=1)
+    driver.busy_streams = set()
+    b = backend(driver)
+    assert b.htod_lanes_background(0xD000, APP_STREAM, 4096, 1024, 7, lanes) is True
+    b.lane_receive_settle(wait=True)
+    assert [c for c, _ in lanes.ring_calls] == ["ring_new", "ring_plan", "ring_release", "ring_release", "ring_free"]
+    assert b._lane_ring is None and b._lane_ring_refused and b.lane_ring_copies == 0
+    assert ctypes.string_at(b._lane_landings[0].address, 4096) == b"\x07" * 4096   # the landing took it
+    lanes.plan_error = 0
+    assert b.htod_lanes_background(0xD000, APP_STREAM, 4096, 1024, 8, lanes) is True
+    b.lane_receive_settle(wait=True)
+    assert "ring_new" not in [c for c, _ in lanes.ring_calls[5:]]   # no ring again
+
+
+@pytest.mark.parametrize("why", ["work queued", "RGPU_LANE_RING_SLOTS=0"])
+def test_a_copy_behind_queued_work_or_with_the_ring_off_lands_whole(monkeypatch: pytest.MonkeyPatch, why: str) -> None:
+    driver, lanes = FakeDriver(), FakeRingLanes(b"\x03" * 4096)
+    if why == "RGPU_LANE_RING_SLOTS=0":
+        driver.busy_streams = set()
+        monkeypatch.setenv("RGPU_LANE_RING_SLOTS", "0")
+    b = backend(driver)
+    assert b.htod_lanes_background(0xD000, APP_STREAM, 4096, 1024, 7, lanes) is True
+    b.lane_receive_settle(wait=True)
+    assert lanes.ring_calls == [] and len(b._lane_landings) == 1
+
+
+@pytest.mark.parametrize(("text", "slots"), [("", 2), ("0", 0), ("1", 2), ("4", 4), ("99", 16), ("x", 2)])
+def test_ring_slots_come_from_the_environment_within_bounds(monkeypatch: pytest.MonkeyPatch, text: str,
+                                                            slots: int) -> None:
+    from rgpu.remoting.datapath.backends.cuda_copies import lane_ring_slots
+    monkeypatch.setenv("RGPU_LANE_RING_SLOTS", text)
+    assert lane_ring_slots() == slots

@@ -23,7 +23,8 @@ from rgpu.remoting.native import build
 
 from .client_helpers import py_client
 from .conftest import EMULATED_GPU, Server, driver_api_program, run_client, serving
-from .lanes_helpers import CHUNK, HERE, LANES, LANE_ENV, MiB, OP, SIZES, STRIPED, THRESHOLD, _striped, _sync
+from .lanes_helpers import (CHUNK, HERE, LANES, LANE_ENV, MiB, OP, SIZES, STRIPED, THRESHOLD, _striped, _sync,
+                           send_striped)
 
 
 def test_copies_of_every_size_arrive_whole_over_data_lanes(lane_copies: Path, native_libs: build.Libraries,
@@ -297,23 +298,6 @@ class StagedDriver:
         return int(ctypes.cast(self.callbacks[i], ctypes.c_void_p).value or 0)
 
 
-def _send_striped(ends: list[socket.socket], seq: int, data: bytes, chunk: int,
-                  bad_chunk: int = -1) -> list[threading.Thread]:
-    def send(lane: int) -> None:
-        for i in range(lane, (len(data) + chunk - 1) // chunk, len(ends)):
-            part = data[i * chunk:(i + 1) * chunk]
-            frame = protocol.HEADER.pack(len(part), protocol.OP_LANE_DATA, 0, seq, i if i != bad_chunk else i + 1,
-                                         i * chunk)
-            try:
-                ends[lane].sendall(frame + part)
-            except OSError:
-                return
-    threads = [threading.Thread(target=send, args=(k,)) for k in range(len(ends))]
-    for t in threads:
-        t.start()
-    return threads
-
-
 @pytest.mark.parametrize("slots", [1, 2, 8])
 def test_staged_chunks_reach_the_device_whole_through_few_slots(native_libs: build.Libraries, slots: int) -> None:
     pairs = [socket.socketpair() for _ in range(4)]
@@ -326,7 +310,7 @@ def test_staged_chunks_reach_the_device_whole_through_few_slots(native_libs: bui
     events = (ctypes.c_void_p * slots)(*range(1, slots + 1))
     try:
         for seq in (7, 8):   # twice: the second copy finds the first one's slots still busy
-            senders = _send_striped([b for _, b in pairs], seq, data, chunk)
+            senders = send_striped([b for _, b in pairs], seq, data, chunk)
             gpu = lanes.gpu_copy(memcpy_htod=driver.entry(0), event_record=driver.entry(1), event_sync=driver.entry(2),
                                  stream=0, dst=0, events=ctypes.addressof(events), staging=staging)
             lanes.receive(seq, size, chunk, 0, gpu)
@@ -368,7 +352,7 @@ def test_copies_after_the_first_start_no_lane_threads(native_libs: build.Librari
         for seq in range(1, 6):
             data = os.urandom(size)
             into = ctypes.create_string_buffer(size)
-            senders = _send_striped([b for _, b in pairs], seq, data, chunk)
+            senders = send_striped([b for _, b in pairs], seq, data, chunk)
             lanes.receive(seq, size, chunk, ctypes.addressof(into), None)
             for t in senders:
                 t.join()
@@ -393,7 +377,7 @@ def test_a_refused_chunk_fails_the_copy_but_every_chunk_is_read(native_libs: bui
     events = (ctypes.c_void_p * 4)(1, 2, 3, 4)
     try:
         for seq in (1, 2):   # the lanes stay in step: the next copy is read whole
-            senders = _send_striped([b for _, b in pairs], seq, os.urandom(size), chunk)
+            senders = send_striped([b for _, b in pairs], seq, os.urandom(size), chunk)
             gpu = lanes.gpu_copy(memcpy_htod=driver.entry(0), event_record=driver.entry(1), event_sync=driver.entry(2),
                                  stream=0, dst=0, events=ctypes.addressof(events), staging=staging)
             lanes.receive(seq, size, chunk, 0, gpu)
@@ -464,7 +448,7 @@ def test_a_chunk_out_of_place_ends_the_lanes_with_what_was_due(native_libs: buil
     lanes = Lanes(str(native_libs.libworker), [a for a, _ in pairs], stall_s=10)
     size, chunk = 1 * MiB, 64 << 10
     target = ctypes.create_string_buffer(size)
-    senders = _send_striped([b for _, b in pairs], 3, os.urandom(size), chunk, bad_chunk=4)
+    senders = send_striped([b for _, b in pairs], 3, os.urandom(size), chunk, bad_chunk=4)
     with pytest.raises(Exception) as caught:
         lanes.receive(3, size, chunk, ctypes.addressof(target))
     for t in senders:
@@ -522,13 +506,13 @@ def test_refused_striped_copies_keep_the_lanes_in_step_and_hostile_ones_end_them
         for seq, (address, stream) in enumerate(((dev, 0x7D00_0000_0000_0042), (dev + (4 << 20) - 8, 0)), start=3):
             sock.sendall(protocol.pack_frame(htod, protocol.LANES_COPY.pack(address, stream, size, chunk), seq=seq,
                                              ctx=ctx))
-            for t in _send_striped(lanes, seq, data, chunk):
+            for t in send_striped(lanes, seq, data, chunk):
                 t.join()
             code, body = _sync(sock, sync, b"", seq + 10, ctx)
             assert code != 0, body
         # A good one, there and back.
         sock.sendall(protocol.pack_frame(htod, protocol.LANES_COPY.pack(dev, 0, size, chunk), seq=20, ctx=ctx))
-        for t in _send_striped(lanes, 20, data, chunk):
+        for t in send_striped(lanes, 20, data, chunk):
             t.join()
         code, body = _sync(sock, dtoh, protocol.LANES_COPY.pack(dev, 0, size, chunk), 21, ctx)
         assert code == 0, body

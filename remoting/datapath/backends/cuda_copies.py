@@ -44,6 +44,23 @@ class LaneLanding:
     used: bool = False
 
 
+@dataclass
+class LaneRing:
+    """The primary context's landing ring for striped copies received in the background (lanes.h):
+    its C table, the lanes it serves, its page-locked slots and words, and per lane a stream the
+    chunks' DMAs go on and the event that marks them for the application's stream."""
+
+    lanes: Any
+    handle: int
+    base: int
+    words: int
+    slot_bytes: int
+    streams: list[int]
+    events: list[Any]
+    order: Any
+    driver: Any   # worker/lanes.py's RingDriver
+
+
 class LaneReceive:
     """One striped host-to-device copy a thread of the worker receives (threading: `done` is set, with
     `error` filled in, before the application's stream may go on)."""
@@ -59,8 +76,22 @@ class LaneReceive:
         return self.error
 
 
-# The largest striped copy received in the background: it lands whole in page-locked memory first.
+# The largest striped copy received in the background behind queued work: it lands whole in
+# page-locked memory first.
 LANDING_MAX_BYTES = 256 << 20
+# Slots per lane of the landing ring a copy onto an idle stream goes through (any size): two keep a
+# lane receiving into one while the GPU copies out of the other, and the ring small enough for the
+# CPU's cache (8 lanes of 2 MiB chunks: 32 MiB).
+LANE_RING_SLOTS = 2
+
+
+def lane_ring_slots() -> int:
+    """Slots per lane of the landing ring (RGPU_LANE_RING_SLOTS, from the dispatcher's environment): 2
+    by default, 2 to 16; 0: no ring (every background copy lands whole)."""
+    text = os.environ.get("RGPU_LANE_RING_SLOTS", "").strip()
+    if not text.isdigit():
+        return LANE_RING_SLOTS
+    return 0 if int(text) == 0 else max(2, min(int(text), 16))
 
 
 def lanes_background_asked() -> bool:
@@ -284,10 +315,13 @@ class CudaCopies(CudaDevice):
         the session's next frames (an event query of the application's other thread need not wait
         for the bytes), as the driver's own cuMemcpyHtoDAsync returns at once. False where this
         cannot be (a capture may be under way, the driver refuses stream memory operations, a
-        context other than the primary, more than LANDING_MAX_BYTES, both landings busy) or is not
-        asked for (RGPU_LANES_BACKGROUND unset or not 1): the caller receives it in the loop.
+        context other than the primary; behind queued work, more than LANDING_MAX_BYTES or both
+        landings busy) or is not asked for (RGPU_LANES_BACKGROUND=0): the caller receives it in the loop.
 
-        Everything the GPU does is queued here, by the loop: on the context's side stream, after the
+        Onto a stream with nothing queued, the copy goes through the landing ring (_ring_receive):
+        each chunk's DMA runs as soon as the chunk is whole, from slots the CPU's cache holds. Behind
+        queued work it lands whole in a landing, so that the lanes never wait for the GPU; then
+        everything the GPU does is queued here, by the loop: on the context's side stream, after the
         work queued on `stream` so far, a wait for the word, then one DMA from the landing to `dst`
         and the landing's event, which `stream` waits for. The thread only receives the bytes into
         the landing and then stores the copy's ticket in the word: it makes no driver call. (The
@@ -296,12 +330,18 @@ class CudaCopies(CudaDevice):
         loading, then waited for the copy while the thread's driver calls waited for it. Four of
         NVIDIA's cuda-samples hung so on an H100; docs/benchmarks.md, session 14.)"""
         self._lane_receive_join()
-        if (self._captures or not lanes_background_asked() or size > LANDING_MAX_BYTES
-                or self._current != (self.primary.value or 0)):
+        if self._captures or not lanes_background_asked() or self._current != (self.primary.value or 0):
+            return False
+        idle = self._fn_cuStreamQuery(stream or None) == SUCCESS   # type: ignore[attr-defined]
+        if not idle and size > LANDING_MAX_BYTES:
             return False
         try:
             side = self._lane_side()
-            landing = None if side.refused else self._idle_landing(size)
+            if side.refused:
+                return False
+            if idle and self._ring_receive(dst, stream, size, chunk, seq, lanes):
+                return True
+            landing = None if size > LANDING_MAX_BYTES else self._idle_landing(size)
         except CudaError:
             return False
         if landing is None:
@@ -345,6 +385,106 @@ class CudaCopies(CudaDevice):
         receive.thread.start()
         return True
 
+    def _ring_receive(self, dst: int, stream: int, size: int, chunk: int, seq: int, lanes: Any) -> bool:
+        """Queue the copy's GPU work on the landing ring (lanes.h) and start the thread that receives
+        its bytes into the ring's slots; False where there is no ring (RGPU_LANE_RING_SLOTS=0, one
+        that failed before, no memory)."""
+        ring = self._lane_ring_for(lanes, chunk)
+        if ring is None:
+            return False
+        if lanes.ring_plan(ring.handle, ring.driver, size, chunk, dst, stream, ring.order.value) != SUCCESS:
+            # Part of the plan may be queued: its streams wait for nothing more and finish; no ring again.
+            lanes.ring_release(ring.handle)
+            self._drop_lane_ring(refuse=True)
+            return False
+        receive = LaneReceive()
+
+        def run() -> None:
+            try:
+                lanes.receive_ring(seq, size, chunk, ring.handle)   # bytes and words only: no driver call
+            except CudaError as exc:
+                receive.error = exc
+            except Exception as exc:  # noqa: BLE001 - the application's stream must not wait forever
+                receive.error = CudaError(UNKNOWN, f"rgpu: worker: internal error receiving a striped copy ({exc!r}; "
+                                                   "please report it with the dispatcher's log)")
+            finally:
+                receive.done.set()   # the error first, as in htod_lanes_background
+                lanes.ring_release(ring.handle)
+
+        receive.thread = threading.Thread(target=run, name="rgpu-lane-receive", daemon=True)
+        self._lane_receive = receive
+        self.lane_ring_copies += 1
+        receive.thread.start()
+        return True
+
+    def _lane_ring_for(self, lanes: Any, chunk: int) -> LaneRing | None:
+        """The primary context's landing ring for `lanes` and chunks of `chunk` bytes, made on first use."""
+        ring = self._lane_ring
+        if ring is not None and (ring.lanes is not lanes or chunk > ring.slot_bytes):
+            self._drop_lane_ring()
+            ring = None
+        slots = lane_ring_slots()
+        if ring is not None or not slots or self._lane_ring_refused or not lanes.count:
+            return ring
+        entries = [self._entry(name) for name in ("cuStreamWaitValue32_v2", "cuStreamWriteValue32_v2",
+                                                  "cuMemcpyHtoDAsync_v2", "cuEventRecord", "cuStreamWaitEvent")]
+        if not all(entries):
+            self._lane_ring_refused = True
+            return None
+        made: dict[str, Any] = {"streams": []}
+        try:
+            n = lanes.count
+            made["base"] = self._host_alloc(n * slots * chunk, MEMHOSTALLOC_PORTABLE)
+            made["words"] = self._host_alloc(lanes.RING_WORDS_BYTES, MEMHOSTALLOC_PORTABLE | MEMHOSTALLOC_DEVICEMAP)
+            words_device = c_uint64()
+            get_device_pointer = self._late_fn("cuMemHostGetDevicePointer_v2",
+                                               [ctypes.POINTER(c_uint64), c_void_p, c_uint])
+            if (r := get_device_pointer(byref(words_device), c_void_p(made["words"]), 0)) != SUCCESS:
+                raise CudaError(r)
+            events = []
+            for _ in range(n):
+                stream_made = c_void_p()
+                self._check("cuStreamCreateWithPriority", byref(stream_made), STREAM_NON_BLOCKING, 0)
+                made["streams"].append(stream_made.value or 0)
+                events.append(self._new_event())
+            order = self._new_event()
+            handle = lanes.ring_new(made["base"], slots, chunk, made["words"], words_device.value, made["streams"],
+                                    [e.value for e in events])
+        except (CudaError, MemoryError):
+            self._free_ring_parts(made)
+            self._lane_ring_refused = True
+            return None
+        self._lane_ring = LaneRing(lanes, handle, made["base"], made["words"], chunk, made["streams"], events,
+                                   order, lanes.ring_driver(*entries))
+        return self._lane_ring
+
+    def _host_alloc(self, size: int, flags: int) -> int:
+        p = c_void_p()
+        self._check("cuMemHostAlloc", byref(p), size, flags)
+        return p.value or 0
+
+    def _free_ring_parts(self, made: dict[str, Any]) -> None:
+        """A ring's streams (once their work ran) and page-locked memory."""
+        destroy = self._late_fn("cuStreamDestroy_v2", [c_void_p])
+        for stream in made.get("streams", []):
+            self._call("cuStreamSynchronize", c_void_p(stream))
+            destroy(c_void_p(stream))
+        for key in ("base", "words"):
+            if made.get(key):
+                self._call("cuMemFreeHost", c_void_p(made[key]))
+
+    def _drop_lane_ring(self, refuse: bool = False) -> None:
+        """The ring's DMAs finish, its streams and memory go (before the primary context goes, or for a
+        ring of other lanes or larger chunks); `refuse`: its plan failed, no ring again."""
+        self._lane_receive_join()
+        ring, self._lane_ring = self._lane_ring, None
+        self._lane_ring_refused = self._lane_ring_refused or refuse
+        if ring is None:
+            return
+        ring.lanes.ring_release(ring.handle)
+        self._free_ring_parts({"streams": ring.streams, "base": ring.base, "words": ring.words})
+        ring.lanes.ring_free(ring.handle)
+
     def _idle_landing(self, size: int) -> LaneLanding | None:
         """A landing of at least `size` bytes whose last DMA has run (two at most, so a copy may land
         while the previous one's DMA still waits behind the application's work), or None."""
@@ -365,8 +505,10 @@ class CudaCopies(CudaDevice):
         return landing
 
     def _drop_lane_landings(self) -> None:
-        """Before the primary context goes (or is reset): the landings' DMAs finish, their memory goes."""
+        """Before the primary context goes (or is reset): the landings' and the ring's DMAs finish, their
+        memory goes."""
         self._lane_receive_join()
+        self._drop_lane_ring()
         for landing in self._lane_landings:
             if landing.used:
                 self._call("cuEventSynchronize", landing.event)

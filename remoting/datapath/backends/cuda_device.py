@@ -60,6 +60,9 @@ class CudaDevice(CudaDriverCalls):
         self._lane_receive: Any = None
         self._lane_sides: dict[int, Any] = {}
         self._lane_landings: list[Any] = []   # the primary context's landings of those copies
+        self._lane_ring: Any = None            # ... and its landing ring (cuda_copies.py's LaneRing)
+        self._lane_ring_refused = False         # the ring failed once: copies land whole
+        self.lane_ring_copies = 0               # copies received through the ring (RGPU_WORKER_PROFILE)
         self._lane_receive_unreported: CudaError | None = None
         # UCX copies: a pinned buffer they land in (or leave from), and the DMA queued from it that
         # must finish before it is written again: (context, event), or None.

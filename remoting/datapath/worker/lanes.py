@@ -55,7 +55,18 @@ class GpuCopy(ctypes.Structure):
                 ("memcpy_dtoh", ctypes.c_void_p)]
 
 
+class RingDriver(ctypes.Structure):
+    """lanes.h's rgpu_lanes_ring_driver: the entry points a landing ring's plan queues work with."""
+    _fields_ = [("wait_value32", ctypes.c_void_p), ("write_value32", ctypes.c_void_p), ("memcpy_htod", ctypes.c_void_p),
+                ("event_record", ctypes.c_void_p), ("stream_wait_event", ctypes.c_void_p)]
+
+
+# lanes.h's RGPU_LANES_RING_WORDS_BYTES: a landing ring's words (landed and done, one per lane).
+RING_WORDS_BYTES = 2 * 16 * 64
+
+
 class Lanes:
+    RING_WORDS_BYTES = RING_WORDS_BYTES
     def __init__(self, library: str, socks: list[socket.socket], stall_s: float) -> None:
         if not library:
             raise LanesUnavailable("the dispatcher found no librgpu-worker.so to drive them with (no C compiler?)")
@@ -85,6 +96,20 @@ class Lanes:
         lib.rgpu_lanes_staging_drain.restype = ctypes.c_int
         lib.rgpu_lanes_staging_free.argtypes = [ctypes.c_void_p]
         lib.rgpu_lanes_staging_free.restype = None
+        lib.rgpu_lanes_ring_new.argtypes = [ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint64,
+                                            ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p]
+        lib.rgpu_lanes_ring_new.restype = ctypes.c_void_p
+        lib.rgpu_lanes_ring_free.argtypes = [ctypes.c_void_p]
+        lib.rgpu_lanes_ring_free.restype = None
+        lib.rgpu_lanes_ring_plan.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64,
+                                             ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p]
+        lib.rgpu_lanes_ring_plan.restype = ctypes.c_int
+        lib.rgpu_lanes_ring_release.argtypes = [ctypes.c_void_p]
+        lib.rgpu_lanes_ring_release.restype = None
+        lib.rgpu_lanes_recv_ring.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64,
+                                             ctypes.c_uint64, ctypes.c_void_p, ctypes.c_double,
+                                             ctypes.POINTER(ctypes.c_int32), ctypes.c_char_p, ctypes.c_size_t]
+        lib.rgpu_lanes_recv_ring.restype = ctypes.c_int
         self.lib = lib
         self._recv = recv
         self.socks = socks
@@ -129,6 +154,22 @@ class Lanes:
         self.received += size
         return int(self._aborted.value)
 
+    def receive_ring(self, seq: int, size: int, chunk: int, ring: int) -> int:
+        """The copy last planned on landing ring `ring` (ring_plan), as `receive`; the ring is released
+        whatever happens. Makes no driver call: a thread other than the loop's runs it."""
+        aborted = ctypes.c_int32(0)   # its own: the loop may receive another copy meanwhile
+        why = ctypes.create_string_buffer(WHY_BYTES)
+        r = self.lib.rgpu_lanes_recv_ring(self._fds, self.count, seq & 0xFFFFFFFF, size, chunk, ring, self.stall_s,
+                                          ctypes.byref(aborted), why, WHY_BYTES)
+        if r:
+            text, count = why.value.decode(errors="replace"), self.count
+            self.close(text)
+            raise CudaError(UNKNOWN, f"rgpu: worker: a host-to-device copy of {size} bytes over {count} data "
+                                     f"lanes failed ({text}); the copy did not complete; the session goes on, its "
+                                     "later copies on its one connection")
+        self.received += size
+        return int(aborted.value)
+
     def send(self, seq: int, size: int, chunk: int, address: int = 0, gpu: GpuCopy | None = None) -> str:
         """One striped device-to-host copy, after its REPLY went out: from memory at `address`, or from
         the device through `gpu`'s staging (a chunk the driver refuses goes as an aborted frame, and
@@ -161,6 +202,31 @@ class Lanes:
     def staging_free(self, handle: int) -> None:
         if handle:
             self.lib.rgpu_lanes_staging_free(handle)
+
+    def ring_new(self, base: int, slots: int, slot_bytes: int, words: int, words_device: int,
+                 streams: list[int], events: list[int]) -> int:
+        """A landing ring over these lanes (lanes.h): `slots` slots of `slot_bytes` per lane at `base`."""
+        n = self.count
+        handle = self.lib.rgpu_lanes_ring_new(base, n, slots, slot_bytes, words, words_device,
+                                              (ctypes.c_void_p * n)(*streams), (ctypes.c_void_p * n)(*events))
+        if not handle:
+            raise MemoryError("rgpu: worker: cannot allocate the data lanes' landing ring")
+        return int(handle)
+
+    def ring_plan(self, ring: int, driver: RingDriver, size: int, chunk: int, dst: int, stream: int, order: int) -> int:
+        """Queue a copy's GPU work on the ring's streams (lanes.h); 0 or the driver's error."""
+        return int(self.lib.rgpu_lanes_ring_plan(ring, ctypes.byref(driver), size, chunk, dst, stream or None, order))
+
+    @staticmethod
+    def ring_driver(wait_value32: int, write_value32: int, memcpy_htod: int, event_record: int,
+                    stream_wait_event: int) -> RingDriver:
+        return RingDriver(wait_value32, write_value32, memcpy_htod, event_record, stream_wait_event)
+
+    def ring_release(self, ring: int) -> None:
+        self.lib.rgpu_lanes_ring_release(ring)
+
+    def ring_free(self, ring: int) -> None:
+        self.lib.rgpu_lanes_ring_free(ring)
 
     @staticmethod
     def gpu_copy(*, memcpy_htod: int, event_record: int, event_sync: int, stream: int, dst: int, events: int,

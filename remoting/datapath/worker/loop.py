@@ -312,6 +312,8 @@ class Worker(Handlers):
                   # pipelined 1-D memsets the C loop ran (cuMemsetD8/D16/D32Async)
                   "native_memsets": native.memsets if native else 0,
                   "generic_launches": self.generic_launches,
+                  # striped host-to-device copies received through the landing ring (backends/cuda_copies.py)
+                  "lane_ring_copies": getattr(self.backend, "lane_ring_copies", 0),
                   "ops": ops, "load_steps": {k: {"calls": n, "ns": ns, "bytes": b} for k, (n, ns, b) in (self.load_steps or {}).items()},
                   "load_function_tables_ns": getattr(self.backend, "enumerate_ns", 0)}
         try:

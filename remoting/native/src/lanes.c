@@ -29,6 +29,21 @@ struct rgpu_lanes_staging {
     uint32_t head, len;
 };
 
+struct rgpu_lanes_ring {
+    uint8_t *base;
+    uint32_t lanes, slots;
+    uint64_t slot_bytes;
+    uint32_t *words;                    /* landed, then done: one per lane, 64 bytes apart */
+    uint64_t words_device;
+    void *streams[RGPU_LANES_MAX];
+    void *events[RGPU_LANES_MAX];
+    uint64_t planned[RGPU_LANES_MAX];   /* per lane: chunks planned so far (running) */
+    uint64_t first[RGPU_LANES_MAX];     /* per lane: the count before the copy last planned */
+};
+
+#define RING_LANDED(l) ((size_t)(l) * 16u)
+#define RING_DONE(l) ((size_t)(RGPU_LANES_MAX + (l)) * 16u)
+
 /* A LANE_DATA frame's header: chunk i of copy `seq`, at offset `off`. */
 static void lane_header(uint8_t h[HEADER], uint32_t len, uint16_t flags, uint32_t seq, uint64_t i, uint64_t off) {
     uint16_t op = RGPU_OP_LANE_DATA;
@@ -58,6 +73,7 @@ typedef struct {
     /* receive through staging */
     uint8_t *direct;
     rgpu_lanes_gpu *gpu;
+    rgpu_lanes_ring *ring;  /* receive through a landing ring (rgpu_lanes_recv_ring) */
     uint32_t *free_slots;   /* a stack */
     uint32_t nfree;
     int want;               /* lane threads waiting for a free slot */
@@ -207,6 +223,108 @@ typedef struct {
 
 static int watch_middle(copy_state *c, void *arg);
 
+/* ------------------------------------------------------------------ the landing ring (lanes.h) */
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* Lane `lane`'s chunk number `k` (its running count, from 1) is whole in its slot. */
+static void ring_publish(rgpu_lanes_ring *r, int lane, uint64_t k) {
+    __atomic_thread_fence(__ATOMIC_SEQ_CST);   /* the bytes before the word, whatever stores the kernel used */
+    __atomic_store_n(&r->words[RING_LANDED(lane)], (uint32_t)k, __ATOMIC_RELEASE);
+}
+
+/* Receive lane `lane`'s chunk `j` of this copy (n bytes) into its slot, once the GPU has copied out
+ * what was there; then store `landed`. */
+static int ring_receive_chunk(copy_state *c, int lane, uint64_t j, uint64_t n, const char *what) {
+    rgpu_lanes_ring *r = c->ring;
+    uint64_t k = r->first[lane] + j + 1;
+    if (k > r->slots) {   /* the slot held chunk k - slots: wait for its DMA (the GPU counts in order) */
+        uint32_t want = (uint32_t)(k - r->slots);
+        const uint32_t *done = &r->words[RING_DONE(lane)];
+        double since = 0;
+        for (unsigned spin = 0; (int32_t)(__atomic_load_n(done, __ATOMIC_ACQUIRE) - want) < 0; spin++) {
+            if (is_failed(c)) return -1;
+            if (spin < 256) {
+                cpu_relax();
+                continue;
+            }
+            if (!since) since = now_s();
+            else if (now_s() - since >= c->stall_s) {
+                fail(c, "the GPU copied nothing out of data lane %d's landing for %g s during %s (its context "
+                     "failed, or work queued before the copy runs that long)", lane, c->stall_s, what);
+                return -1;
+            }
+            struct timespec pause = {0, 20000};
+            nanosleep(&pause, NULL);
+        }
+    }
+    uint8_t *slot = r->base + ((uint64_t)lane * r->slots + (k - 1) % r->slots) * r->slot_bytes;
+    if (recv_exact(c, lane, slot, n, what)) return -1;
+    ring_publish(r, lane, k);
+    return 0;
+}
+
+rgpu_lanes_ring *rgpu_lanes_ring_new(uint8_t *base, uint32_t lanes, uint32_t slots, uint64_t slot_bytes,
+                                     uint32_t *words, uint64_t words_device, void *const *streams,
+                                     void *const *events) {
+    if (!base || !words || !lanes || lanes > RGPU_LANES_MAX || slots < 1 || !slot_bytes) return NULL;
+    rgpu_lanes_ring *r = calloc(1, sizeof *r);
+    if (!r) return NULL;
+    r->base = base;
+    r->lanes = lanes;
+    r->slots = slots;
+    r->slot_bytes = slot_bytes;
+    r->words = words;
+    r->words_device = words_device;
+    memset(words, 0, RGPU_LANES_RING_WORDS_BYTES);
+    for (uint32_t l = 0; l < lanes; l++) {
+        r->streams[l] = streams[l];
+        r->events[l] = events[l];
+    }
+    return r;
+}
+
+void rgpu_lanes_ring_free(rgpu_lanes_ring *r) { free(r); }
+
+int rgpu_lanes_ring_plan(rgpu_lanes_ring *r, const rgpu_lanes_ring_driver *d, uint64_t size, uint64_t chunk,
+                         uint64_t dst, void *stream, void *order) {
+    if (!r || !d || !chunk || chunk > r->slot_bytes || !size) return 1;   /* CUDA_ERROR_INVALID_VALUE */
+    uint64_t chunks = rgpu_lanes_chunks(size, chunk);
+    uint32_t used = chunks < r->lanes ? (uint32_t)chunks : r->lanes;
+    memcpy(r->first, r->planned, sizeof r->first);
+    int e = d->event_record(order, stream);
+    for (uint32_t l = 0; l < used && !e; l++) e = d->stream_wait_event(r->streams[l], order, 0);
+    for (uint64_t i = 0; i < chunks && !e; i++) {
+        uint32_t l = (uint32_t)(i % r->lanes);
+        uint64_t k = ++r->planned[l], off = i * chunk;
+        uint64_t n = size - off < chunk ? size - off : chunk;
+        uint8_t *slot = r->base + ((uint64_t)l * r->slots + (k - 1) % r->slots) * r->slot_bytes;
+        e = d->wait_value32(r->streams[l], r->words_device + RING_LANDED(l) * 4, (uint32_t)k, 0 /* GEQ */);
+        if (!e) e = d->memcpy_htod(dst + off, slot, n, r->streams[l]);
+        if (!e) e = d->write_value32(r->streams[l], r->words_device + RING_DONE(l) * 4, (uint32_t)k, 0);
+    }
+    for (uint32_t l = 0; l < used && !e; l++) {
+        e = d->event_record(r->events[l], r->streams[l]);
+        if (!e) e = d->stream_wait_event(stream, r->events[l], 0);
+    }
+    return e;
+}
+
+void rgpu_lanes_ring_release(rgpu_lanes_ring *r) {
+    if (!r) return;
+    for (uint32_t l = 0; l < r->lanes; l++) ring_publish(r, (int)l, r->planned[l]);
+}
+
 static void *recv_lane(void *arg) {
     lane_arg *a = arg;
     copy_state *c = a->c;
@@ -233,6 +351,7 @@ static void *recv_lane(void *arg) {
             pthread_mutex_lock(&c->lock);
             if (!c->aborted) c->aborted = code ? code : 999;
             pthread_mutex_unlock(&c->lock);
+            if (c->ring) ring_publish(c->ring, a->lane, c->ring->first[a->lane] + (i - (uint64_t)a->lane) / (uint64_t)c->nfds + 1);
             continue;
         }
         if (op != RGPU_OP_LANE_DATA || seq != c->seq || aux != (uint32_t)i || at != off || len != n) {
@@ -240,6 +359,10 @@ static void *recv_lane(void *arg) {
                  "%u (offset %llu, %llu bytes) was due", a->lane, op, seq, aux, (unsigned long long)at, len,
                  (unsigned long long)i, c->seq, (unsigned long long)off, (unsigned long long)n);
             break;
+        }
+        if (c->ring) {
+            if (ring_receive_chunk(c, a->lane, (i - (uint64_t)a->lane) / (uint64_t)c->nfds, n, what)) break;
+            continue;
         }
         if (c->direct) {
             if (recv_exact(c, a->lane, c->direct + off, n, what)) break;
@@ -526,6 +649,23 @@ int rgpu_lanes_recv(const int *fds, int nfds, uint32_t seq, uint64_t size, uint6
     if (c.wake_fd >= 0) close(c.wake_fd);
     free(c.free_slots);
     free(c.ready);
+    if (aborted) *aborted = c.aborted;
+    return finish(&c, why, whylen);
+}
+
+int rgpu_lanes_recv_ring(const int *fds, int nfds, uint32_t seq, uint64_t size, uint64_t chunk, rgpu_lanes_ring *r,
+                         double stall_s, int32_t *aborted, char *why, size_t whylen) {
+    copy_state c;
+    if (aborted) *aborted = 0;
+    if (init_state(&c, fds, nfds, seq, size, chunk, stall_s, why, whylen)) return -1;
+    if (!r || (uint32_t)nfds != r->lanes || chunk > r->slot_bytes) {
+        snprintf(why, whylen, "a landing ring of %u lanes and %llu-byte slots for a copy over %d lanes in chunks of "
+                 "%llu bytes", r ? r->lanes : 0, r ? (unsigned long long)r->slot_bytes : 0ULL, nfds,
+                 (unsigned long long)chunk);
+        return finish(&c, why, whylen), -1;
+    }
+    c.ring = r;
+    run_lanes(&c, recv_lane, NULL, NULL);
     if (aborted) *aborted = c.aborted;
     return finish(&c, why, whylen);
 }

@@ -74,6 +74,54 @@ RGPU_LANES_API int rgpu_lanes_send(const int *fds, int nfds, uint32_t seq, const
 RGPU_LANES_API int rgpu_lanes_send_device(const int *fds, int nfds, uint32_t seq, uint64_t size, uint64_t chunk,
                                           rgpu_lanes_gpu *gpu, double stall_s, char *why, size_t whylen);
 
+/* A landing ring for host-to-device copies a thread receives while the worker's loop serves the
+ * session (backends/cuda_copies.py): `slots` slots of `slot_bytes` per lane (lane l's slot s at
+ * base + (l * slots + s) * slot_bytes, page-locked) and two words per lane in page-locked memory the
+ * GPU maps: `landed`, the running count of chunks whole in the lane's slots (the lane's thread stores
+ * it), and `done`, the running count the GPU has copied out of them (the lane's stream writes it).
+ * The loop queues all of a copy's GPU work before its bytes arrive (rgpu_lanes_ring_plan): on each
+ * lane's stream, per chunk, a wait for `landed`, the DMA from the chunk's slot, a write of `done`.
+ * The receiving threads make no driver call: they wait for `done` before filling a slot again and
+ * store `landed` once a chunk is whole (a driver call there could wait behind the loop's, which
+ * waits for the copy: the session-14 hang). The ring's bytes stay in the CPU's cache between the
+ * socket and the DMA, where a landing as large as the copy goes through memory at each end. */
+typedef struct rgpu_lanes_ring rgpu_lanes_ring;
+
+/* The driver's entry points a ring's plan queues work with (the worker's real libcuda). */
+typedef struct rgpu_lanes_ring_driver {
+    int (*wait_value32)(void *stream, uint64_t addr, uint32_t value, unsigned flags);    /* cuStreamWaitValue32_v2 */
+    int (*write_value32)(void *stream, uint64_t addr, uint32_t value, unsigned flags);   /* cuStreamWriteValue32_v2 */
+    int (*memcpy_htod)(uint64_t dst, const void *src, size_t n, void *stream);           /* cuMemcpyHtoDAsync_v2 */
+    int (*event_record)(void *event, void *stream);                                      /* cuEventRecord */
+    int (*stream_wait_event)(void *stream, void *event, unsigned flags);                 /* cuStreamWaitEvent */
+} rgpu_lanes_ring_driver;
+
+/* The word of lane l in a ring's words (64 bytes apart): landed at RING_LANDED(l), done at RING_DONE(l). */
+#define RGPU_LANES_RING_WORDS_BYTES (2u * RGPU_LANES_MAX * 64u)
+/* `words`: RGPU_LANES_RING_WORDS_BYTES of page-locked memory (zeroed here), `words_device` the same
+ * as the GPU addresses it; `streams` and `events`: one per lane (the events mark each lane's DMAs
+ * for the application's stream). NULL for bad arguments or no memory. */
+RGPU_LANES_API rgpu_lanes_ring *rgpu_lanes_ring_new(uint8_t *base, uint32_t lanes, uint32_t slots, uint64_t slot_bytes,
+                                                    uint32_t *words, uint64_t words_device, void *const *streams,
+                                                    void *const *events);
+RGPU_LANES_API void rgpu_lanes_ring_free(rgpu_lanes_ring *r);
+/* Queue a copy of `size` bytes in chunks of `chunk` to `dst`, after the work queued on `stream` so
+ * far (`order`: an event of its context), and make `stream` wait for it. 0, or the driver's first
+ * error: part of the plan may be queued, so the caller releases the ring, waits for its streams and
+ * uses it no more. */
+RGPU_LANES_API int rgpu_lanes_ring_plan(rgpu_lanes_ring *r, const rgpu_lanes_ring_driver *d, uint64_t size,
+                                        uint64_t chunk, uint64_t dst, void *stream, void *order);
+/* Store every lane's `landed` as planned, so the lanes' streams wait for nothing more (after the
+ * receive, whatever became of it: a failed copy's DMAs then copy stale bytes, and the copy's error
+ * is reported). */
+RGPU_LANES_API void rgpu_lanes_ring_release(rgpu_lanes_ring *r);
+/* Receive the copy last planned on `r` (as rgpu_lanes_recv; the ring's lanes are nfds). A lane that
+ * finds its slot still unread by the GPU after `stall_s` fails the copy. The caller releases the ring
+ * after, whatever the result (after it has recorded a failure, so that whoever sees the
+ * application's stream go on sees the failure too). */
+RGPU_LANES_API int rgpu_lanes_recv_ring(const int *fds, int nfds, uint32_t seq, uint64_t size, uint64_t chunk,
+                                        rgpu_lanes_ring *r, double stall_s, int32_t *aborted, char *why, size_t whylen);
+
 /* The chunk count of a striped copy. */
 static inline uint64_t rgpu_lanes_chunks(uint64_t size, uint64_t chunk) { return (size + chunk - 1) / chunk; }
 
