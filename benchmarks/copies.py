@@ -85,8 +85,9 @@ int main(int argc, char **argv) {
 """
 
 # N TCP streams over loopback, in C, one sender and one receiver thread each (argv: MiB in all, streams,
-# SO_SNDBUF/SO_RCVBUF bytes or 0 for the kernel's autotuning): what N sockets move on this machine, the
-# yardstick for a copy striped over N lanes (1: the session's one connection).
+# SO_SNDBUF/SO_RCVBUF bytes or 0 for the kernel's autotuning, bytes the buffers span, which sides span
+# them): what N sockets move on this machine, the yardstick for a copy striped over N lanes (1: the
+# session's one connection).
 RAW_TCP_C = r"""
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -98,10 +99,11 @@ RAW_TCP_C = r"""
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
-static size_t per, chunk = 1u << 20, span;   /* span: bytes each stream's buffers cycle over (one chunk: cached) */
+static size_t per, chunk = 1u << 20, tx_span, rx_span;   /* bytes each stream's buffers cycle over (one chunk: cached) */
 static int bufsz;
 static void *rx(void *arg) {
     int c = (int)(long)arg;
+    size_t span = rx_span;
     char *b = malloc(span);
     memset(b, 0, span);
     size_t got = 0, at = 0; ssize_t k;
@@ -114,6 +116,7 @@ static void *tx(void *arg) {
     int s = socket(AF_INET, SOCK_STREAM, 0);
     if (bufsz) setsockopt(s, SOL_SOCKET, SO_SNDBUF, &bufsz, sizeof bufsz);
     connect(s, (void *)a, sizeof *a);
+    size_t span = tx_span;
     char *b = malloc(span); memset(b, 1, span);
     for (size_t sent = 0, at = 0; sent < per;) {
         size_t n = per - sent < chunk ? per - sent : chunk;
@@ -128,8 +131,11 @@ int main(int argc, char **argv) {
     int n = atoi(argv[2]);
     bufsz = argc > 3 ? atoi(argv[3]) : 0;
     per = total / n;
-    span = argc > 4 && atoll(argv[4]) ? (size_t)atoll(argv[4]) / n : chunk;
+    size_t span = argc > 4 && atoll(argv[4]) ? (size_t)atoll(argv[4]) / n : chunk;
     if (span < chunk) span = chunk;
+    int sides = argc > 5 ? atoi(argv[5]) : 0;   /* 0: both span, 1: the sender only, 2: the receiver only */
+    tx_span = sides == 2 ? chunk : span;
+    rx_span = sides == 1 ? chunk : span;
     int ls = socket(AF_INET, SOCK_STREAM, 0), one = 1;
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
     socklen_t al = sizeof a;
@@ -173,6 +179,8 @@ CONFIGS = {   # name: (client environment, worker environment: set in this proce
     "rgpu-tcp": (NET | {"RGPU_TRANSPORT": "tcp", "RGPU_LANES": "1"}, {}),
     # Protocol 12: copies of RGPU_LANE_MIN_BYTES and more striped over --lanes TCP connections.
     "rgpu-lanes": (NET | {"RGPU_TRANSPORT": "tcp"}, {}),
+    # ... with the worker's landing ring off: a copy received in the background lands whole first.
+    "rgpu-lanes-landing": (NET | {"RGPU_TRANSPORT": "tcp"}, {"RGPU_LANE_RING_SLOTS": "0"}),
     # The same-host path as flexrun local and a job on a GPU node get it, nothing set: page-locked
     # memory read in place (protocol 15); pageable copies over UCX where the GPU node takes it under
     # auto (the emulated backend), else over --lanes data lanes (a real GPU).
@@ -184,8 +192,10 @@ CONFIGS = {   # name: (client environment, worker environment: set in this proce
 }
 # The raw TCP figure each configuration is compared with: streams (None: --lanes).
 STREAMS = {"ucx-shm": 1, "ucx-shm-cma": 1, "ucx-auto": 1, "ucx-tcp": 1, "rgpu-tcp": 1, "rgpu-lanes": None,
+           "rgpu-lanes-landing": None,
            "same-host": 1, "same-host-ucx": 1, "local": 1}
 SAME_HOST = ("same-host", "same-host-ucx")
+LANES_CONFIGS = ("rgpu-lanes", "rgpu-lanes-landing")
 
 
 def _cuda_include() -> Path:
@@ -206,12 +216,17 @@ def _compile(source: str, out: Path, *extra: str) -> Path:
     return out
 
 
+SPAN_SIDES = {"both": 0, "sender": 1, "receiver": 2}
+
+
 def raw_tcp(binary: Path, mib: int, reps: int, streams: int = 1, buffer_bytes: int = 4 << 20,
-            span_mib: int = 0) -> float:
+            span_mib: int = 0, span_side: str = "both") -> float:
     """GB/s of `mib` MiB over `streams` loopback connections, median of `reps`. span_mib 0: each sender
     repeats one 1 MiB buffer and each receiver reads into one (cached: the link's ceiling); else the
-    streams' buffers together span that many MiB on each side, as a copy's source and staging do."""
-    argv = [str(binary), str(mib), str(streams), str(buffer_bytes), str(span_mib * MiB)]
+    streams' buffers together span that many MiB on `span_side` ("both", "sender" or "receiver"), the
+    other side's staying cached: a copy's source is as large as the copy, and so is a device-to-host
+    copy's destination; the worker's slots are small."""
+    argv = [str(binary), str(mib), str(streams), str(buffer_bytes), str(span_mib * MiB), str(SPAN_SIDES[span_side])]
     runs = [float(subprocess.run(argv, capture_output=True, text=True, check=True, timeout=300).stdout)
             for _ in range(reps)]
     return statistics.median(runs)
@@ -304,7 +319,7 @@ def run_config(name: str, backend: str, workload: Path, sizes: list[int], reps: 
             memory_limit_bytes=max(sizes) * MiB * 2 + (1 << 30), compute_percent=100, expires_unix=0,
             issued_unix=time.time()))
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RGPU_", "UCX_"))}
-        env.update(client_extra, **({"RGPU_LANES": str(lanes)} if name in ("rgpu-lanes", "same-host") else {}))
+        env.update(client_extra, **({"RGPU_LANES": str(lanes)} if name in (*LANES_CONFIGS, "same-host") else {}))
         if "RGPU_SOCKET_BUFFER_BYTES" in os.environ:
             env["RGPU_SOCKET_BUFFER_BYTES"] = os.environ["RGPU_SOCKET_BUFFER_BYTES"]
         env.update(library_env(libs.folder, env))
@@ -321,7 +336,7 @@ def run_config(name: str, backend: str, workload: Path, sizes: list[int], reps: 
     if done.returncode:
         raise SystemExit(f"benchmarks/copies.py: {name} failed (exit {done.returncode}):\n{done.stdout}\n{done.stderr}")
     want = ("; transport tcp)" if name == "rgpu-tcp" else f"transport tcp, {lanes} data lanes"
-            if name == "rgpu-lanes" else "page-locked memory is shared with the worker" if name in SAME_HOST
+            if name in LANES_CONFIGS else "page-locked memory is shared with the worker" if name in SAME_HOST
             else "transport ucx")
     if want not in done.stderr:
         raise SystemExit(f"benchmarks/copies.py: {name} did not run on {want}:\n{done.stderr}")
@@ -354,14 +369,18 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[str, dict[str, float]] = {}
         raw: dict[int, dict[int, float]] = {}   # streams -> MiB -> GB/s
         raw_spanned: dict[int, dict[int, float]] = {}   # the same with buffers as large as the copy
+        raw_sender_spans: dict[int, dict[int, float]] = {}     # ... on the sending side only (host to device)
+        raw_receiver_spans: dict[int, dict[int, float]] = {}   # ... on the receiving side only (device to host)
         raw_ucx: dict[str, dict[int, float | None]] = {}   # UCX configuration -> MiB -> ucx_perftest GB/s
         for name in names:   # raw TCP on the same streams just before each configuration (one run, one load)
             for mib in sizes:
                 raw.setdefault(streams[name], {})[mib] = raw_tcp(raw_bin, mib * 8, args.reps, streams[name],
                                                                  args.socket_buffer)   # 8 buffers' worth per run
-                if name in ("rgpu-lanes", "rgpu-tcp"):
-                    raw_spanned.setdefault(streams[name], {})[mib] = raw_tcp(
-                        raw_bin, mib * 8, args.reps, streams[name], args.socket_buffer, span_mib=mib)
+                if name in (*LANES_CONFIGS, "rgpu-tcp") and mib not in raw_spanned.get(streams[name], {}):
+                    for side, table in (("both", raw_spanned), ("sender", raw_sender_spans),
+                                        ("receiver", raw_receiver_spans)):
+                        table.setdefault(streams[name], {})[mib] = raw_tcp(
+                            raw_bin, mib * 8, args.reps, streams[name], args.socket_buffer, span_mib=mib, span_side=side)
             results[name] = run_config(name, args.backend, workload, sizes, args.reps, libs, args.lanes)
             if name in UCX_TLS_OF:   # UCX's own link on the same transports, just after
                 raw_ucx[name] = {mib: ucx_perftest(mib, args.reps, UCX_TLS_OF[name]) for mib in sizes}
@@ -390,12 +409,20 @@ def main(argv: list[str] | None = None) -> int:
                               for metric, value in results[name].items() if metric.endswith(f"_{mib}MiB_GBps"))
             print(f"{name} beside UCX's own link (ucx_perftest tag_bw, UCX_TLS {tls}, {mib} MiB): {link:.2f} GB/s; "
                   f"{cells}")
-    for name in (n for n in ("rgpu-lanes", "rgpu-tcp") if n in results):   # beside raw TCP moving as many bytes
+    for n, by_size in sorted(raw_sender_spans.items()):
+        print(f"raw loopback TCP (C), {n} stream{'s' if n > 1 else ''}, spanning the copy's size on the sending side "
+              "only (a host-to-device copy's yardstick): " + ", ".join(f"{by_size[m]:.2f} GB/s ({m} MiB)" for m in sizes))
+    for n, by_size in sorted(raw_receiver_spans.items()):
+        print(f"raw loopback TCP (C), {n} stream{'s' if n > 1 else ''}, spanning the copy's size on the receiving side "
+              "only (a device-to-host copy's yardstick): " + ", ".join(f"{by_size[m]:.2f} GB/s ({m} MiB)" for m in sizes))
+    for name in (n for n in (*LANES_CONFIGS, "rgpu-tcp") if n in results):   # beside raw TCP moving as many bytes
         for metric, value in results[name].items():
             mib = int(metric.split("_")[2].removesuffix("MiB"))
             link = raw_spanned[streams[name]][mib]
+            one_side = (raw_sender_spans if metric.startswith("h2d") else raw_receiver_spans)[streams[name]][mib]
             print(f"{name} {metric.removesuffix('_GBps')}: {value / link:.2f}x raw TCP with buffers of the copy's size "
-                  f"({value:.2f} / {link:.2f} GB/s)")
+                  f"({value:.2f} / {link:.2f} GB/s); {value / one_side:.2f}x with the application's side spanning it "
+                  f"and the worker's cached ({one_side:.2f} GB/s)")
     raw1 = raw.get(1, {})
     local = results.get("local")
     for name in (n for n in SAME_HOST if n in results and local):   # issue 25's same-host targets
@@ -414,7 +441,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"target: same-host pinned 128 MiB over UCX >= 2x raw TCP: {ratio:.2f}x "
               f"({'PASS' if ratio >= 2 else 'FAIL'})")
     out = {"backend": args.backend, "lanes": args.lanes, "socket_buffer_bytes": args.socket_buffer,
-           "raw_tcp_GBps_by_streams": raw, "raw_tcp_spanned_GBps_by_streams": raw_spanned, "raw_ucx_GBps_by_config": raw_ucx, "streams": streams, "results": results}
+           "raw_tcp_GBps_by_streams": raw, "raw_tcp_spanned_GBps_by_streams": raw_spanned,
+           "raw_tcp_sender_spans_GBps_by_streams": raw_sender_spans,
+           "raw_tcp_receiver_spans_GBps_by_streams": raw_receiver_spans, "raw_ucx_GBps_by_config": raw_ucx, "streams": streams, "results": results}
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     print(json.dumps(out))

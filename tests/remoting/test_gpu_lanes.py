@@ -92,3 +92,25 @@ def test_a_first_kernel_launch_after_a_large_striped_copy_completes(native_libs:
                           RGPU_CLIENT_STATS=str(tmp_path / "p"), **LANE_ENV)
     assert done.returncode == 0 and "FAIL" not in done.stdout and "RESULT OK" in done.stdout, done.stdout + done.stderr
     assert _striped(tmp_path / "p")[0] == 2   # both inputs went over the lanes
+
+
+@pytest.mark.parametrize("ring_slots", ["2", "0"], ids=["landing-ring", "ring-off"])
+def test_copies_onto_an_idle_stream_go_through_the_landing_ring_on_a_gpu(lane_copies: Path,  # noqa: F811
+                                                                         native_libs: build.Libraries, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         ring_slots: str) -> None:
+    """The landing ring (lanes.h, cuda_copies.py's _ring_receive): each lane's two slots are filled many
+    times over by a 32 MiB copy in 64 KiB chunks while the GPU copies out of them, bytes whole; with
+    RGPU_LANE_RING_SLOTS=0 the same copies land whole first."""
+    import json
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    monkeypatch.setenv("RGPU_WORKER_PROFILE", str(profiles))   # the workers' environment: the server's
+    monkeypatch.setenv("RGPU_LANE_RING_SLOTS", ring_slots)
+    with serving("cuda", [local_gpu()]) as s:
+        done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(lane_copies), *map(str, SIZES)],
+                          timeout=300, **LANE_ENV)
+    assert done.returncode == 0 and done.stdout.strip() == "OK", done.stdout + done.stderr
+    (profile,) = profiles.glob("worker-*.json")
+    ring_copies = json.loads(profile.read_text())["lane_ring_copies"]
+    assert (ring_copies > 0) if ring_slots == "2" else (ring_copies == 0), ring_copies
