@@ -6,7 +6,7 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -365,25 +365,33 @@ class CudaCopies(CudaDevice):
             ctypes.c_uint32.from_address(side.word).value = ticket
             self._call("cuStreamSynchronize", side.stream)
             return False
+        def release() -> None:
+            ctypes.c_uint32.from_address(side.word).value = ticket
+
+        self._start_lane_receive(lambda: lanes.receive(seq, size, chunk, landing.address), release)   # bytes only
+        return True
+
+    def _start_lane_receive(self, receive_bytes: Callable[[], object], release: Callable[[], None]) -> None:
+        """A thread runs `receive_bytes` (it must make no driver call), records its failure, then
+        `release`s the GPU's wait for the bytes: the error first, so that a frame that sees the
+        application's stream go on sees it too."""
         receive = LaneReceive()
 
         def run() -> None:
             try:
-                lanes.receive(seq, size, chunk, landing.address)   # bytes only: no driver call here
+                receive_bytes()
             except CudaError as exc:
                 receive.error = exc
             except Exception as exc:  # noqa: BLE001 - the application's stream must not wait forever
                 receive.error = CudaError(UNKNOWN, f"rgpu: worker: internal error receiving a striped copy ({exc!r}; "
                                                    "please report it with the dispatcher's log)")
             finally:
-                # The error first: a frame that sees the application's stream go on sees it too.
                 receive.done.set()
-                ctypes.c_uint32.from_address(side.word).value = ticket
+                release()
 
         receive.thread = threading.Thread(target=run, name="rgpu-lane-receive", daemon=True)
         self._lane_receive = receive
         receive.thread.start()
-        return True
 
     def _ring_receive(self, dst: int, stream: int, size: int, chunk: int, seq: int, lanes: Any) -> bool:
         """Queue the copy's GPU work on the landing ring (lanes.h) and start the thread that receives
@@ -397,24 +405,9 @@ class CudaCopies(CudaDevice):
             lanes.ring_release(ring.handle)
             self._drop_lane_ring(refuse=True)
             return False
-        receive = LaneReceive()
-
-        def run() -> None:
-            try:
-                lanes.receive_ring(seq, size, chunk, ring.handle)   # bytes and words only: no driver call
-            except CudaError as exc:
-                receive.error = exc
-            except Exception as exc:  # noqa: BLE001 - the application's stream must not wait forever
-                receive.error = CudaError(UNKNOWN, f"rgpu: worker: internal error receiving a striped copy ({exc!r}; "
-                                                   "please report it with the dispatcher's log)")
-            finally:
-                receive.done.set()   # the error first, as in htod_lanes_background
-                lanes.ring_release(ring.handle)
-
-        receive.thread = threading.Thread(target=run, name="rgpu-lane-receive", daemon=True)
-        self._lane_receive = receive
         self.lane_ring_copies += 1
-        receive.thread.start()
+        self._start_lane_receive(lambda: lanes.receive_ring(seq, size, chunk, ring.handle),   # bytes and words only
+                                 lambda: lanes.ring_release(ring.handle))
         return True
 
     def _lane_ring_for(self, lanes: Any, chunk: int) -> LaneRing | None:
