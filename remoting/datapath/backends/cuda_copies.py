@@ -79,10 +79,16 @@ class LaneReceive:
 # The largest striped copy received in the background behind queued work: it lands whole in
 # page-locked memory first.
 LANDING_MAX_BYTES = 256 << 20
-# Slots per lane of the landing ring a copy onto an idle stream goes through (any size): two keep a
-# lane receiving into one while the GPU copies out of the other, and the ring small enough for the
-# CPU's cache (8 lanes of 2 MiB chunks: 32 MiB).
+# Slots per lane of the landing ring a copy onto an idle stream goes through: two keep a lane
+# receiving into one while the GPU copies out of the other, and the ring small enough for the CPU's
+# cache (8 lanes of 2 MiB chunks: 32 MiB).
 LANE_RING_SLOTS = 2
+# The most chunks a lane carries of a copy that goes through the ring (256 MiB over 8 lanes of 2 MiB
+# chunks); a copy of more lands whole. All of a copy's GPU work is queued before its bytes come:
+# on an H100, 64 MiB in 64 KiB chunks over 3 lanes (342 chunks a lane, three stream operations each)
+# never completed when its first kernel launch followed (tests/remoting/test_gpu_lanes.py's
+# first-launch test; session 17), while 16 a lane ran in every program measured.
+LANE_RING_MAX_CHUNKS_PER_LANE = 16
 
 
 def lane_ring_slots() -> int:
@@ -318,9 +324,9 @@ class CudaCopies(CudaDevice):
         context other than the primary; behind queued work, more than LANDING_MAX_BYTES or both
         landings busy) or is not asked for (RGPU_LANES_BACKGROUND=0): the caller receives it in the loop.
 
-        Onto a stream with nothing queued, the copy goes through the landing ring (_ring_receive):
-        each chunk's DMA runs as soon as the chunk is whole, from slots the CPU's cache holds. Behind
-        queued work it lands whole in a landing, so that the lanes never wait for the GPU; then
+        Onto a stream with nothing queued, a copy of up to LANE_RING_MAX_CHUNKS_PER_LANE chunks a lane
+        goes through the landing ring (_ring_receive): each chunk's DMA runs as soon as the chunk is
+        whole, from slots the CPU's cache holds. Otherwise it lands whole in a landing, so that the lanes never wait for the GPU; then
         everything the GPU does is queued here, by the loop: on the context's side stream, after the
         work queued on `stream` so far, a wait for the word, then one DMA from the landing to `dst`
         and the landing's event, which `stream` waits for. The thread only receives the bytes into
@@ -396,7 +402,10 @@ class CudaCopies(CudaDevice):
     def _ring_receive(self, dst: int, stream: int, size: int, chunk: int, seq: int, lanes: Any) -> bool:
         """Queue the copy's GPU work on the landing ring (lanes.h) and start the thread that receives
         its bytes into the ring's slots; False where there is no ring (RGPU_LANE_RING_SLOTS=0, one
-        that failed before, no memory)."""
+        that failed before, no memory) or the copy has more than LANE_RING_MAX_CHUNKS_PER_LANE chunks
+        a lane."""
+        if -(-size // chunk) > LANE_RING_MAX_CHUNKS_PER_LANE * max(1, lanes.count):
+            return False
         ring = self._lane_ring_for(lanes, chunk)
         if ring is None:
             return False
