@@ -3,7 +3,8 @@ the worker's pinned slots, each chunk's cuMemcpyHtoDAsync queued as it lands, an
 copies queued into the slots and sent as each completes (backends/cuda.py, src/lanes.c), byte for byte for sizes around the threshold and chunk boundaries, pageable and pinned;
 a lane cut mid-copy on a real GPU, synchronous and asynchronous; an asynchronous copy from
 pinned memory received in the background while the session goes on (RGPU_LANES_BACKGROUND=1); a
-cudart-shaped program whose first kernel launch follows its first large copy.
+cudart-shaped program whose first kernel launch follows its first large copy; copies onto an idle
+stream through the landing ring (lanes.h, rgpu_lanes_ring_*).
 
 Run on a GPU machine:
     python -m pytest -m gpu tests/remoting/test_gpu_lanes.py -v -s
