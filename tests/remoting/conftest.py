@@ -85,6 +85,12 @@ def native_libs(tmp_path_factory: pytest.TempPathFactory) -> build.Libraries:
     return build.build(tmp_path_factory.mktemp("native") / "lib")
 
 
+@pytest.fixture(scope="session")
+def worker_library(native_libs: build.Libraries) -> str:
+    """librgpu-worker.so of this checkout: the worker's C loop and data lanes, for tests that drive them alone."""
+    return str(native_libs.libworker)
+
+
 @dataclass
 class Server:
     server: SessionServer

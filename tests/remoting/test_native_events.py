@@ -111,11 +111,6 @@ def native_loop(library: str, driver: RecordingEventDriver) -> NativeLaunches:
     return native
 
 
-@pytest.fixture(scope="module")
-def worker_library(native_libs: build.Libraries) -> str:
-    return str(native_libs.libworker)
-
-
 # ------------------------------------------------------------------------- the C loop alone
 
 def test_launches_and_event_operations_run_in_one_call_with_handles_translated(worker_library: str) -> None:

@@ -27,11 +27,6 @@ from tests.remoting.conftest import Server
 from tests.remoting.native_launches_helpers import Buffer, CTX, LAUNCH_ERROR, LAUNCH_OP, RecordingDriver, SYNC_OP, admitting, launch_frame, session_spec
 
 
-@pytest.fixture(scope="module")
-def worker_library(native_libs: build.Libraries) -> str:
-    return str(native_libs.libworker)
-
-
 def test_a_kernel_the_worker_has_not_admitted_stops_the_run(worker_library: str) -> None:
     # Its first launch is the Python worker's: it charges the kernel's local memory to the slice.
     driver = RecordingDriver()

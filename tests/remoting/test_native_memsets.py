@@ -88,11 +88,6 @@ def native_loop(library: str, driver: RecordingMemsetDriver, entries: MemsetEntr
     return native
 
 
-@pytest.fixture(scope="module")
-def worker_library(native_libs: build.Libraries) -> str:
-    return str(native_libs.libworker)
-
-
 # ------------------------------------------------------------------------- the C loop alone
 
 def test_memsets_of_each_width_run_in_one_call_among_launches_with_streams_translated(worker_library: str) -> None:

@@ -67,11 +67,6 @@ def dtoh(src: int, size: int, stream: int = 0, seq: int = 7, ctx: int = CTX) -> 
     return protocol.pack_frame(DTOH_OP, struct.pack("<QQQ", src, stream, size), seq=seq, ctx=ctx)
 
 
-@pytest.fixture(scope="module")
-def worker_library(native_libs: build.Libraries) -> str:
-    return str(native_libs.libworker)
-
-
 @pytest.fixture
 def pair() -> tuple[socket.socket, socket.socket]:
     client, server = socket.socketpair()
