@@ -113,13 +113,9 @@ class CudaCopies(CudaDevice):
 
     def _make_staging(self) -> None:
         def make() -> None:
-            p = c_void_p()
-            self._check("cuMemHostAlloc", byref(p), STAGING_RING_BYTES, MEMHOSTALLOC_PORTABLE)
-            self._ring_base = p.value or 0
+            self._ring_base = self._host_alloc(STAGING_RING_BYTES)
             for _ in range(2):
-                p = c_void_p()
-                self._check("cuMemHostAlloc", byref(p), DTOH_CHUNK, MEMHOSTALLOC_PORTABLE)
-                self._dtoh.append(p.value or 0)
+                self._dtoh.append(self._host_alloc(DTOH_CHUNK))
         self._with_primary(make)
         self._ring.clear()
 
@@ -155,9 +151,7 @@ class CudaCopies(CudaDevice):
             size = max(n, 16 << 20)
 
             def make() -> None:
-                p = c_void_p()
-                self._check("cuMemHostAlloc", byref(p), size, MEMHOSTALLOC_PORTABLE)
-                self._ucx_base, self._ucx_bytes = p.value or 0, size
+                self._ucx_base, self._ucx_bytes = self._host_alloc(size), size
             self._with_primary(make)
         return self._ucx_base
 
@@ -436,7 +430,7 @@ class CudaCopies(CudaDevice):
         made: dict[str, Any] = {"streams": []}
         try:
             n = lanes.count
-            made["base"] = self._host_alloc(n * slots * chunk, MEMHOSTALLOC_PORTABLE)
+            made["base"] = self._host_alloc(n * slots * chunk)
             made["words"] = self._host_alloc(lanes.RING_WORDS_BYTES, MEMHOSTALLOC_PORTABLE | MEMHOSTALLOC_DEVICEMAP)
             words_device = c_uint64()
             get_device_pointer = self._late_fn("cuMemHostGetDevicePointer_v2",
@@ -460,7 +454,8 @@ class CudaCopies(CudaDevice):
                                    order, lanes.ring_driver(*entries))
         return self._lane_ring
 
-    def _host_alloc(self, size: int, flags: int) -> int:
+    def _host_alloc(self, size: int, flags: int = MEMHOSTALLOC_PORTABLE) -> int:
+        """`size` bytes of page-locked memory (portable: every context may copy through it)."""
         p = c_void_p()
         self._check("cuMemHostAlloc", byref(p), size, flags)
         return p.value or 0
@@ -500,9 +495,7 @@ class CudaCopies(CudaDevice):
         if len(self._lane_landings) >= 2:
             return None
         rounded = -(-size // (1 << 20)) << 20
-        p = c_void_p()
-        self._check("cuMemHostAlloc", byref(p), rounded, MEMHOSTALLOC_PORTABLE)
-        landing = LaneLanding(p.value or 0, rounded, self._new_event())
+        landing = LaneLanding(self._host_alloc(rounded), rounded, self._new_event())
         self._lane_landings.append(landing)
         return landing
 
@@ -565,11 +558,7 @@ class CudaCopies(CudaDevice):
         if self._lane_staging and (chunk > self._lane_chunk or lanes is not self._lanes):
             self._drop_lane_staging()
         if not self._lane_staging:
-            def make() -> int:
-                p = c_void_p()
-                self._check("cuMemHostAlloc", byref(p), self._lane_slots * chunk, MEMHOSTALLOC_PORTABLE)
-                return p.value or 0
-            self._lane_base = self._with_primary(make)
+            self._lane_base = self._with_primary(lambda: self._host_alloc(self._lane_slots * chunk))
             self._lanes, self._lane_chunk = lanes, chunk
             self._lane_staging = lanes.staging_new(self._lane_base, self._lane_slots, chunk)
         events = self._lane_events.get(self._current)
