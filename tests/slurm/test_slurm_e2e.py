@@ -144,8 +144,12 @@ def test_the_node_epilog_of_an_ended_rgpu_job_ends_once_the_pool_let_go_the_job_
     # past slurm_epilog_admission_wait_seconds; either way the Epilog asked the pool.
     said = (f"rgpu-epilog[job {blockers[0]}]: the pool's admission caught up with the job's end in ",
             f"rgpu-epilog[job {blockers[0]}]: the pool's admission did not catch up with the job's end within ")
-    wait_until("the ended job's node Epilog to have waited for the pool's admission",
-               lambda: log.exists() and any(line in log.read_text(errors="replace") for line in said) or None, 60)
+    try:
+        wait_until("the ended job's node Epilog to have waited for the pool's admission",
+                   lambda: log.exists() and any(line in log.read_text(errors="replace") for line in said) or None, 60)
+    except TimeoutError as exc:   # what the Epilog said instead, for whoever reads the failure
+        raise AssertionError(f"{exc}\nEpilog.log:\n{log.read_text(errors='replace')[-3000:] if log.exists() else '(none)'}"
+                             f"\n{diagnostics(h)}") from None
     h.slurm.command(["scancel", blockers[1]])
 
 
