@@ -42,9 +42,11 @@ def _events(n: int) -> list[int]:
 class FakeGpu:
     """FAKE GPU: the plan's five driver entry points queue work per stream (recording the calling
     thread); `start` runs the queues on a thread of its own, each stream in order. `dma_delay_s`
-    slows each DMA (a GPU behind the network); `fail_dma_at`: the DMA to that device offset is refused."""
+    slows each DMA (a GPU behind the network); `fail_dma_at`: the DMA to that device offset is refused;
+    `queue_limit`: at most that many operations wait in all queues together, more wait for the GPU to
+    run some (a driver's push buffer, which blocks the thread that queues)."""
 
-    def __init__(self, dma_delay_s: float = 0.0, fail_dma_at: int = -1) -> None:
+    def __init__(self, dma_delay_s: float = 0.0, fail_dma_at: int = -1, queue_limit: int = 0) -> None:
         self.queues: dict[int, deque[tuple[Any, ...]]] = defaultdict(deque)
         self.lock = threading.Lock()
         self.callers: set[str] = set()
@@ -57,9 +59,12 @@ class FakeGpu:
 
         def queue(stream: int | None, *op: Any) -> int:
             self.callers.add(threading.current_thread().name)
-            with self.lock:
-                self.queues[stream or 0].append(op)
-            return 0
+            while True:
+                with self.lock:
+                    if not queue_limit or sum(map(len, self.queues.values())) < queue_limit:
+                        self.queues[stream or 0].append(op)
+                        return 0
+                time.sleep(0.0002)
 
         def memcpy(dst: int, src: int, n: int, stream: int | None) -> int:
             return 1 if dst == self.fail_dma_at else queue(stream, "dma", dst, src, n)
@@ -178,6 +183,7 @@ def test_copies_land_whole_through_two_slots_a_lane_while_the_gpu_lags(ring_of: 
     for seq in (7, 8):      # twice: the running counts carry on from the first copy
         data = os.urandom(size)
         senders = r.senders(seq, data)
+        r.lanes.ring_begin(r.handle)
         assert r.lanes.ring_plan(r.handle, r.driver, size, CHUNK, ctypes.addressof(device), APP_STREAM, ORDER) == 0
         assert r.lanes.receive_ring(seq, size, CHUNK, r.handle) == 0
         r.lanes.ring_release(r.handle)
@@ -193,9 +199,37 @@ def test_copies_land_whole_through_two_slots_a_lane_while_the_gpu_lags(ring_of: 
     assert r.gpu.callers == {"MainThread"}
 
 
+def test_a_plan_longer_than_the_drivers_queue_ends_once_the_copy_is_received_meanwhile(ring_of: Any) -> None:
+    # A driver queue of 12 operations: the plan of 49 chunks (3 operations each) waits for the GPU,
+    # which waits for the bytes. The worker starts the receive first (cuda_copies.py _ring_receive);
+    # here the plan starts first and is seen waiting, then the receive lets both end.
+    r = ring_of(gpu=FakeGpu(queue_limit=12))
+    r.gpu.start()
+    size = 3 * MiB + 4097
+    device = ctypes.create_string_buffer(size)
+    data = os.urandom(size)
+    senders = r.senders(4, data)
+    r.lanes.ring_begin(r.handle)
+    planned: list[int] = []
+    plan = threading.Thread(target=lambda: planned.append(
+        r.lanes.ring_plan(r.handle, r.driver, size, CHUNK, ctypes.addressof(device), APP_STREAM, ORDER)))
+    plan.start()
+    plan.join(0.5)
+    assert plan.is_alive()   # the queue is full of waits for bytes nobody receives yet
+    assert r.lanes.receive_ring(4, size, CHUNK, r.handle) == 0
+    plan.join(10)
+    assert planned == [0]
+    r.lanes.ring_release(r.handle)
+    for t in senders:
+        t.join()
+    assert r.gpu.idle()
+    assert device.raw == data
+
+
 def test_the_applications_stream_waits_for_every_lane_and_the_lanes_for_it(ring_of: Any) -> None:
     r = ring_of(lanes=4)
     device = ctypes.create_string_buffer(2 * CHUNK)   # two chunks: two of the four lanes carry it
+    r.lanes.ring_begin(r.handle)
     assert r.lanes.ring_plan(r.handle, r.driver, 2 * CHUNK, CHUNK, ctypes.addressof(device), APP_STREAM, ORDER) == 0
     app = list(r.gpu.queues[APP_STREAM])
     assert app == [("record", ORDER, 1), ("wait_event", _events(4)[0], 1), ("wait_event", _events(4)[1], 1)]
@@ -215,6 +249,7 @@ def test_a_chunk_the_sender_aborts_is_reported_and_its_dma_does_not_wait_for_eve
     device = ctypes.create_string_buffer(size)
     data = os.urandom(size)
     senders = r.senders(3, data, aborted={4: 700})
+    r.lanes.ring_begin(r.handle)
     assert r.lanes.ring_plan(r.handle, r.driver, size, CHUNK, ctypes.addressof(device), APP_STREAM, ORDER) == 0
     assert r.lanes.receive_ring(3, size, CHUNK, r.handle) == 700
     r.lanes.ring_release(r.handle)
@@ -230,6 +265,7 @@ def test_a_lane_out_of_step_fails_the_copy_and_the_release_lets_every_queued_dma
     size = 30 * CHUNK
     device = ctypes.create_string_buffer(size)
     senders = r.senders(5, os.urandom(size), bad_chunk=13)
+    r.lanes.ring_begin(r.handle)
     assert r.lanes.ring_plan(r.handle, r.driver, size, CHUNK, ctypes.addressof(device), APP_STREAM, ORDER) == 0
     with pytest.raises(CudaError, match=r"over 3 data lanes failed \(data lane 1 sent frame .* where chunk 13 of copy 5"):
         r.lanes.receive_ring(5, size, CHUNK, r.handle)
@@ -246,6 +282,7 @@ def test_a_gpu_that_copies_nothing_out_fails_the_copy_after_the_stall_time(ring_
     size = 12 * CHUNK           # 4 chunks a lane, 2 slots: the third waits for the first one's DMA
     device = ctypes.create_string_buffer(size)
     senders = r.senders(9, os.urandom(size))
+    r.lanes.ring_begin(r.handle)
     assert r.lanes.ring_plan(r.handle, r.driver, size, CHUNK, ctypes.addressof(device), APP_STREAM, ORDER) == 0
     started = time.monotonic()
     with pytest.raises(CudaError, match="the GPU copied nothing out of data lane [0-2]'s landing for 0.5 s"):
@@ -261,6 +298,7 @@ def test_a_plan_the_driver_refuses_part_way_returns_its_error(ring_of: Any) -> N
     r = ring_of(gpu=FakeGpu(fail_dma_at=-2))
     device = ctypes.create_string_buffer(8 * CHUNK)
     r.gpu.fail_dma_at = ctypes.addressof(device) + 5 * CHUNK
+    r.lanes.ring_begin(r.handle)
     assert r.lanes.ring_plan(r.handle, r.driver, 8 * CHUNK, CHUNK, ctypes.addressof(device), APP_STREAM, ORDER) == 1
     r.lanes.ring_release(r.handle)   # what was queued finishes
     r.gpu.start()
@@ -268,8 +306,42 @@ def test_a_plan_the_driver_refuses_part_way_returns_its_error(ring_of: Any) -> N
     assert r.gpu.dmas == 5
 
 
+def test_a_plan_refused_while_its_copy_is_received_takes_every_byte_and_lets_queued_work_end(ring_of: Any) -> None:
+    r = ring_of(gpu=FakeGpu(queue_limit=12))
+    r.gpu.start()
+    size = 30 * CHUNK
+    device = ctypes.create_string_buffer(size)
+    r.gpu.fail_dma_at = ctypes.addressof(device) + 17 * CHUNK
+    senders = r.senders(6, os.urandom(size))
+    r.lanes.ring_begin(r.handle)
+    received: list[int] = []
+    receive = threading.Thread(target=lambda: received.append(r.lanes.receive_ring(6, size, CHUNK, r.handle)))
+    receive.start()
+    assert r.lanes.ring_plan(r.handle, r.driver, size, CHUNK, ctypes.addressof(device), APP_STREAM, ORDER) == 1
+    r.lanes.ring_abandon(r.handle)   # chunks past the refused one are never copied out: stop waiting for them
+    receive.join(10)
+    assert received == [0] and r.lanes.open   # every byte taken: the lanes are in step for the next copy
+    r.lanes.ring_release(r.handle)
+    for t in senders:
+        t.join()
+    assert r.gpu.idle()
+    assert r.gpu.dmas == 17
+
+
+def test_a_plan_without_a_begun_copy_is_refused(ring_of: Any) -> None:
+    r = ring_of()
+    device = ctypes.create_string_buffer(2 * CHUNK)
+    r.lanes.ring_begin(r.handle)
+    assert r.lanes.ring_plan(r.handle, r.driver, CHUNK, CHUNK, ctypes.addressof(device), APP_STREAM, ORDER) == 0
+    assert r.lanes.ring_plan(r.handle, r.driver, CHUNK, CHUNK, ctypes.addressof(device), APP_STREAM, ORDER) == 1
+    r.lanes.ring_release(r.handle)
+    r.gpu.start()
+    assert r.gpu.idle()
+
+
 def test_a_chunk_larger_than_the_rings_slots_is_refused(ring_of: Any) -> None:
     r = ring_of()
     device = ctypes.create_string_buffer(4 * CHUNK)
+    r.lanes.ring_begin(r.handle)
     assert r.lanes.ring_plan(r.handle, r.driver, 4 * CHUNK, 2 * CHUNK, ctypes.addressof(device), APP_STREAM, ORDER) == 1
     assert not any(r.gpu.queues.values())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -243,9 +244,18 @@ class FakeRingLanes(FakeLanes):
     def ring_driver(*entries: int) -> tuple[int, ...]:
         return entries
 
+    def ring_begin(self, ring: int) -> None:
+        self._note("ring_begin")
+
     def ring_plan(self, ring: int, driver: Any, size: int, chunk: int, dst: int, stream: int, order: int) -> int:
+        deadline = time.monotonic() + 5   # a long plan waits for the GPU, which waits for the bytes
+        while ("receive_ring", "rgpu-lane-receive") not in self.ring_calls and time.monotonic() < deadline:
+            time.sleep(0.001)
         self._note("ring_plan")
         return self.plan_error
+
+    def ring_abandon(self, ring: int) -> None:
+        self._note("ring_abandon")
 
     def receive_ring(self, seq: int, size: int, chunk: int, ring: int) -> int:
         self._note("receive_ring")
@@ -267,11 +277,13 @@ def test_a_copy_onto_an_idle_stream_goes_through_the_ring_and_its_thread_calls_n
     b = backend(driver)
     lanes.release.clear()
     assert b.htod_lanes_background(0xD000, APP_STREAM, 96 << 20, 2 << 20, 7, lanes) is True   # 16 chunks a lane
-    assert lanes.ring_calls[:2] == [("ring_new", "MainThread"), ("ring_plan", "MainThread")]
+    # The thread receives before the plan is queued, and releases the ring once both have ended.
+    assert lanes.ring_calls == [("ring_new", "MainThread"), ("ring_begin", "MainThread"),
+                                ("receive_ring", "rgpu-lane-receive"), ("ring_plan", "MainThread")]
     assert b._lane_landings == [] and b.lane_ring_copies == 1
     lanes.release.set()
     assert b.lane_receive_settle(wait=True) == (False, None)
-    assert lanes.ring_calls[2:] == [("receive_ring", "rgpu-lane-receive"), ("ring_release", "rgpu-lane-receive")]
+    assert lanes.ring_calls[4:] == [("ring_release", "rgpu-lane-receive")]
     assert driver.names("rgpu-lane-receive") == []
     # The next copy reuses the ring; the primary context's end drops it: streams waited for and destroyed.
     assert b.htod_lanes_background(0xD000, APP_STREAM, 4096, 2 << 20, 8, lanes) is True
@@ -292,19 +304,21 @@ def test_a_failed_ring_receive_is_reported_before_the_ring_lets_the_application_
     assert lanes.ring_calls[-1] == ("ring_release", "rgpu-lane-receive")
 
 
-def test_a_plan_the_driver_refuses_drops_the_ring_for_good_and_the_copy_lands_whole() -> None:
-    driver, lanes = FakeDriver(), FakeRingLanes(b"\x07" * 4096, plan_error=1)
+def test_a_plan_the_driver_refuses_fails_its_copy_and_drops_the_ring_for_good() -> None:
+    driver, lanes = FakeDriver(), FakeRingLanes(b"\x07" * 4096, plan_error=700)
     driver.busy_streams = set()
     b = backend(driver)
     assert b.htod_lanes_background(0xD000, APP_STREAM, 4096, 1024, 7, lanes) is True
-    b.lane_receive_settle(wait=True)
-    assert [c for c, _ in lanes.ring_calls] == ["ring_new", "ring_plan", "ring_release", "ring_release", "ring_free"]
-    assert b._lane_ring is None and b._lane_ring_refused and b.lane_ring_copies == 0
-    assert ctypes.string_at(b._lane_landings[0].address, 4096) == b"\x07" * 4096   # the landing took it
+    live, error = b.lane_receive_settle(wait=True)
+    assert not live and error is not None and error.code == 700   # the bytes were taken: the copy fails
+    assert [c for c, _ in lanes.ring_calls] == ["ring_new", "ring_begin", "receive_ring", "ring_plan", "ring_abandon",
+                                                "ring_release", "ring_release", "ring_free"]
+    assert b._lane_ring is None and b._lane_ring_refused and b._lane_landings == []
     lanes.plan_error = 0
     assert b.htod_lanes_background(0xD000, APP_STREAM, 4096, 1024, 8, lanes) is True
-    b.lane_receive_settle(wait=True)
-    assert "ring_new" not in [c for c, _ in lanes.ring_calls[5:]]   # no ring again
+    assert b.lane_receive_settle(wait=True) == (False, None)
+    assert "ring_new" not in [c for c, _ in lanes.ring_calls[8:]]   # no ring again: the landing takes it
+    assert ctypes.string_at(b._lane_landings[0].address, 4096) == b"\x07" * 4096
 
 
 @pytest.mark.parametrize("why", ["work queued", "RGPU_LANE_RING_SLOTS=0", "more than 16 chunks a lane"])

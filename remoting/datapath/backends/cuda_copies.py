@@ -394,23 +394,43 @@ class CudaCopies(CudaDevice):
         receive.thread.start()
 
     def _ring_receive(self, dst: int, stream: int, size: int, chunk: int, seq: int, lanes: Any) -> bool:
-        """Queue the copy's GPU work on the landing ring (lanes.h) and start the thread that receives
-        its bytes into the ring's slots; False where there is no ring (RGPU_LANE_RING_SLOTS=0, one
-        that failed before, no memory) or the copy has more than LANE_RING_MAX_CHUNKS_PER_LANE chunks
-        a lane."""
+        """Start the thread that receives the copy's bytes into the landing ring's slots (lanes.h), then
+        queue its GPU work; False where there is no ring (RGPU_LANE_RING_SLOTS=0, one that failed
+        before, no memory) or the copy has more than LANE_RING_MAX_CHUNKS_PER_LANE chunks a lane. A
+        plan the driver refuses fails the copy (reported as a failed receive is) and ends the ring."""
         if -(-size // chunk) > LANE_RING_MAX_CHUNKS_PER_LANE * max(1, lanes.count):
             return False
         ring = self._lane_ring_for(lanes, chunk)
         if ring is None:
             return False
-        if lanes.ring_plan(ring.handle, ring.driver, size, chunk, dst, stream, ring.order.value) != SUCCESS:
-            # Part of the plan may be queued: its streams wait for nothing more and finish; no ring again.
+        # The thread receives while the plan is queued: a plan longer than the driver's queue makes this
+        # call wait for the GPU, which waits for the bytes (342 chunks a lane hung an H100 when the
+        # thread started after the plan). It releases the ring once both have ended.
+        planned = threading.Event()
+
+        def release() -> None:
+            planned.wait()
             lanes.ring_release(ring.handle)
-            self._drop_lane_ring(refuse=True)
-            return False
-        self.lane_ring_copies += 1
+
+        lanes.ring_begin(ring.handle)
         self._start_lane_receive(lambda: lanes.receive_ring(seq, size, chunk, ring.handle),   # bytes and words only
-                                 lambda: lanes.ring_release(ring.handle))
+                                 release)
+        result = UNKNOWN
+        try:
+            result = lanes.ring_plan(ring.handle, ring.driver, size, chunk, dst, stream, ring.order.value)
+        finally:
+            if result != SUCCESS:
+                lanes.ring_abandon(ring.handle)   # the bytes are taken and dropped: the lanes stay in step
+            planned.set()
+        self.lane_ring_copies += 1
+        if result != SUCCESS:
+            # Part of the plan may be queued: once released its streams finish; the copy fails, no ring again.
+            self._drop_lane_ring(refuse=True)
+            if self._lane_receive_unreported is None:
+                self._lane_receive_unreported = CudaError(result, (
+                    f"rgpu: worker: the driver refused to queue a host-to-device copy of {size} bytes through "
+                    f"the data lanes' landing ring (CUDA error {result}); the copy did not complete; later "
+                    "copies land whole"))
         return True
 
     def _lane_ring_for(self, lanes: Any, chunk: int) -> LaneRing | None:

@@ -104,8 +104,9 @@ class Lanes:
         lib.rgpu_lanes_ring_plan.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64,
                                              ctypes.c_uint64, ctypes.c_void_p, ctypes.c_void_p]
         lib.rgpu_lanes_ring_plan.restype = ctypes.c_int
-        lib.rgpu_lanes_ring_release.argtypes = [ctypes.c_void_p]
-        lib.rgpu_lanes_ring_release.restype = None
+        for name in ("rgpu_lanes_ring_release", "rgpu_lanes_ring_begin", "rgpu_lanes_ring_abandon"):
+            getattr(lib, name).argtypes = [ctypes.c_void_p]
+            getattr(lib, name).restype = None
         lib.rgpu_lanes_recv_ring.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_uint32, ctypes.c_uint64,
                                              ctypes.c_uint64, ctypes.c_void_p, ctypes.c_double,
                                              ctypes.POINTER(ctypes.c_int32), ctypes.c_char_p, ctypes.c_size_t]
@@ -155,8 +156,9 @@ class Lanes:
         return int(self._aborted.value)
 
     def receive_ring(self, seq: int, size: int, chunk: int, ring: int) -> int:
-        """The copy last planned on landing ring `ring` (ring_plan), as `receive`; the ring is released
-        whatever happens. Makes no driver call: a thread other than the loop's runs it."""
+        """The copy last begun on landing ring `ring` (ring_begin), as `receive`; the caller releases the
+        ring once this and the plan have ended, whatever happens. Makes no driver call: a thread other
+        than the loop's runs it."""
         aborted = ctypes.c_int32(0)   # its own: the loop may receive another copy meanwhile
         why = ctypes.create_string_buffer(WHY_BYTES)
         r = self.lib.rgpu_lanes_recv_ring(self._fds, self.count, seq & 0xFFFFFFFF, size, chunk, ring, self.stall_s,
@@ -213,8 +215,12 @@ class Lanes:
             raise MemoryError("rgpu: worker: cannot allocate the data lanes' landing ring")
         return int(handle)
 
+    def ring_begin(self, ring: int) -> None:
+        """Begin a copy on the ring: its receive (receive_ring) may start before its plan is queued."""
+        self.lib.rgpu_lanes_ring_begin(ring)
+
     def ring_plan(self, ring: int, driver: RingDriver, size: int, chunk: int, dst: int, stream: int, order: int) -> int:
-        """Queue a copy's GPU work on the ring's streams (lanes.h); 0 or the driver's error."""
+        """Queue the begun copy's GPU work on the ring's streams (lanes.h); 0 or the driver's error."""
         return int(self.lib.rgpu_lanes_ring_plan(ring, ctypes.byref(driver), size, chunk, dst, stream or None, order))
 
     @staticmethod
@@ -224,6 +230,10 @@ class Lanes:
 
     def ring_release(self, ring: int) -> None:
         self.lib.rgpu_lanes_ring_release(ring)
+
+    def ring_abandon(self, ring: int) -> None:
+        """The begun copy's plan failed: its receive takes the bytes without waiting for the GPU."""
+        self.lib.rgpu_lanes_ring_abandon(ring)
 
     def ring_free(self, ring: int) -> None:
         self.lib.rgpu_lanes_ring_free(ring)

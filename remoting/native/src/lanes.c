@@ -38,7 +38,9 @@ struct rgpu_lanes_ring {
     void *streams[RGPU_LANES_MAX];
     void *events[RGPU_LANES_MAX];
     uint64_t planned[RGPU_LANES_MAX];   /* per lane: chunks planned so far (running) */
-    uint64_t first[RGPU_LANES_MAX];     /* per lane: the count before the copy last planned */
+    uint64_t first[RGPU_LANES_MAX];     /* per lane: the count before the copy last begun */
+    int begun;                          /* rgpu_lanes_ring_begin ran and no plan since */
+    int abandoned;                      /* the copy's plan failed: its receive stops waiting for the GPU */
 };
 
 #define RING_LANDED(l) ((size_t)(l) * 16u)
@@ -254,6 +256,7 @@ static int ring_receive_chunk(copy_state *c, int lane, uint64_t j, uint64_t n, c
         double since = 0;
         for (unsigned spin = 0; (int32_t)(__atomic_load_n(done, __ATOMIC_ACQUIRE) - want) < 0; spin++) {
             if (is_failed(c)) return -1;
+            if (__atomic_load_n(&r->abandoned, __ATOMIC_ACQUIRE)) break;   /* drain: the copy fails anyway */
             if (spin < 256) {
                 cpu_relax();
                 continue;
@@ -296,12 +299,23 @@ rgpu_lanes_ring *rgpu_lanes_ring_new(uint8_t *base, uint32_t lanes, uint32_t slo
 
 void rgpu_lanes_ring_free(rgpu_lanes_ring *r) { free(r); }
 
+void rgpu_lanes_ring_begin(rgpu_lanes_ring *r) {
+    if (!r) return;
+    memcpy(r->first, r->planned, sizeof r->first);
+    __atomic_store_n(&r->abandoned, 0, __ATOMIC_RELEASE);
+    r->begun = 1;
+}
+
+void rgpu_lanes_ring_abandon(rgpu_lanes_ring *r) {
+    if (r) __atomic_store_n(&r->abandoned, 1, __ATOMIC_RELEASE);
+}
+
 int rgpu_lanes_ring_plan(rgpu_lanes_ring *r, const rgpu_lanes_ring_driver *d, uint64_t size, uint64_t chunk,
                          uint64_t dst, void *stream, void *order) {
-    if (!r || !d || !chunk || chunk > r->slot_bytes || !size) return 1;   /* CUDA_ERROR_INVALID_VALUE */
+    if (!r || !r->begun || !d || !chunk || chunk > r->slot_bytes || !size) return 1;   /* CUDA_ERROR_INVALID_VALUE */
+    r->begun = 0;
     uint64_t chunks = rgpu_lanes_chunks(size, chunk);
     uint32_t used = chunks < r->lanes ? (uint32_t)chunks : r->lanes;
-    memcpy(r->first, r->planned, sizeof r->first);
     int e = d->event_record(order, stream);
     for (uint32_t l = 0; l < used && !e; l++) e = d->stream_wait_event(r->streams[l], order, 0);
     for (uint64_t i = 0; i < chunks && !e; i++) {

@@ -79,8 +79,11 @@ RGPU_LANES_API int rgpu_lanes_send_device(const int *fds, int nfds, uint32_t seq
  * base + (l * slots + s) * slot_bytes, page-locked) and two words per lane in page-locked memory the
  * GPU maps: `landed`, the running count of chunks whole in the lane's slots (the lane's thread stores
  * it), and `done`, the running count the GPU has copied out of them (the lane's stream writes it).
- * The loop queues all of a copy's GPU work before its bytes arrive (rgpu_lanes_ring_plan): on each
- * lane's stream, per chunk, a wait for `landed`, the DMA from the chunk's slot, a write of `done`.
+ * The loop begins a copy (rgpu_lanes_ring_begin), starts the thread that receives it, then queues
+ * all of its GPU work (rgpu_lanes_ring_plan): on each lane's stream, per chunk, a wait for `landed`,
+ * the DMA from the chunk's slot, a write of `done`. The thread runs while the plan is queued: a plan
+ * longer than the driver's queue makes the loop wait for the GPU, which waits for the bytes (a copy
+ * of 342 chunks a lane hung an H100 when the thread started after the plan).
  * The receiving threads make no driver call: they wait for `done` before filling a slot again and
  * store `landed` once a chunk is whole (a driver call there could wait behind the loop's, which
  * waits for the copy: the session-14 hang). The ring's bytes stay in the CPU's cache between the
@@ -105,20 +108,26 @@ RGPU_LANES_API rgpu_lanes_ring *rgpu_lanes_ring_new(uint8_t *base, uint32_t lane
                                                     uint32_t *words, uint64_t words_device, void *const *streams,
                                                     void *const *events);
 RGPU_LANES_API void rgpu_lanes_ring_free(rgpu_lanes_ring *r);
-/* Queue a copy of `size` bytes in chunks of `chunk` to `dst`, after the work queued on `stream` so
- * far (`order`: an event of its context), and make `stream` wait for it. 0, or the driver's first
- * error: part of the plan may be queued, so the caller releases the ring, waits for its streams and
- * uses it no more. */
+/* Begin a copy: what rgpu_lanes_recv_ring and the next rgpu_lanes_ring_plan count from. */
+RGPU_LANES_API void rgpu_lanes_ring_begin(rgpu_lanes_ring *r);
+/* Queue the begun copy of `size` bytes in chunks of `chunk` to `dst`, after the work queued on
+ * `stream` so far (`order`: an event of its context), and make `stream` wait for it. 0, or the
+ * driver's first error (1 for a copy not begun): part of the plan may be queued, so the caller
+ * abandons the copy, releases the ring once the receive has ended, waits for its streams and uses
+ * it no more. */
 RGPU_LANES_API int rgpu_lanes_ring_plan(rgpu_lanes_ring *r, const rgpu_lanes_ring_driver *d, uint64_t size,
                                         uint64_t chunk, uint64_t dst, void *stream, void *order);
 /* Store every lane's `landed` as planned, so the lanes' streams wait for nothing more (after the
  * receive, whatever became of it: a failed copy's DMAs then copy stale bytes, and the copy's error
  * is reported). */
 RGPU_LANES_API void rgpu_lanes_ring_release(rgpu_lanes_ring *r);
-/* Receive the copy last planned on `r` (as rgpu_lanes_recv; the ring's lanes are nfds). A lane that
+/* The begun copy's plan failed: its receive takes the bytes without waiting for the GPU (which may
+ * never copy them out), so the lanes stay in step; the caller reports the plan's error. */
+RGPU_LANES_API void rgpu_lanes_ring_abandon(rgpu_lanes_ring *r);
+/* Receive the copy last begun on `r` (as rgpu_lanes_recv; the ring's lanes are nfds). A lane that
  * finds its slot still unread by the GPU after `stall_s` fails the copy. The caller releases the ring
- * after, whatever the result (after it has recorded a failure, so that whoever sees the
- * application's stream go on sees the failure too). */
+ * once both this and the plan have ended, whatever the result (after it has recorded a failure, so
+ * that whoever sees the application's stream go on sees the failure too). */
 RGPU_LANES_API int rgpu_lanes_recv_ring(const int *fds, int nfds, uint32_t seq, uint64_t size, uint64_t chunk,
                                         rgpu_lanes_ring *r, double stall_s, int32_t *aborted, char *why, size_t whylen);
 
