@@ -40,7 +40,14 @@ from rgpu.errors import (
     RgpuError,
     Unavailable,
 )
-from rgpu.paths import ADAPTOR_CONF_NAME, ENDED_KEEP_SECONDS, ENDED_SUFFIX, ERROR_NAME
+from rgpu.paths import (
+    ADAPTOR_CONF_NAME,
+    ENDED_KEEP_SECONDS,
+    ENDED_SUFFIX,
+    ERROR_NAME,
+    LEASE_GONE_KEEP_SECONDS,
+    LEASE_GONE_NAME,
+)
 from rgpu.paths import run_dir as run_dir_from_env
 
 
@@ -191,7 +198,9 @@ def _allocate_for(job: JobContext, info: JobInfo, pool_factory: Callable[[], Poo
 
 # ---------------------------------------------------------------- node Prolog
 
-def _make_job_dir(path: Path, uid: int, gid: int) -> None:
+def _make_job_dir(path: Path, job_id: int, uid: int, gid: int) -> None:
+    """The job's folder, owned by its user, without the job's ended mark or an earlier attempt's
+    lease-gone note (that attempt's lease ended; this one's has not)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.parent.chmod(0o755)
     try:
@@ -202,6 +211,8 @@ def _make_job_dir(path: Path, uid: int, gid: int) -> None:
     if uid >= 0:
         os.chown(path, uid, gid if gid >= 0 else -1, follow_symlinks=False)
     path.chmod(0o700)
+    ended_mark(path.parent, job_id).unlink(missing_ok=True)
+    (path / LEASE_GONE_NAME).unlink(missing_ok=True)
 
 
 def charged_for_rgpu(info: JobInfo, license_name: str = "rgpu") -> bool:
@@ -247,8 +258,7 @@ def node_prolog(env: Mapping[str, str], pool_factory: Callable[[], Pool],
         raise InvalidRequest("prolog", f"lease {key} belongs to {lease.user!r}, not to {job.user!r}",
                              "the pool's state does not match this job", "release it with rgpu-admin and requeue the job")
     directory = job_dir(run_dir_from_env(env), job.job_id)
-    _make_job_dir(directory, job.uid, job.gid)
-    ended_mark(directory.parent, job.job_id).unlink(missing_ok=True)
+    _make_job_dir(directory, job.job_id, job.uid, job.gid)
     conf = lease_to_adaptor(lease)       # lease.user is the job's user (checked above)
     path = write_adaptor_conf(directory / ADAPTOR_CONF_NAME, conf, uid=job.uid if job.uid >= 0 else None,
                               gid=job.gid if job.gid >= 0 else None)
@@ -259,8 +269,9 @@ def node_prolog(env: Mapping[str, str], pool_factory: Callable[[], Pool],
 
 def sweep_stale_job_dirs(run_dir: Path, current_job_id: int, pool: Pool) -> list[Path]:
     """Remove the job folders a node Epilog never got to remove (slurmd crashed, node rebooted
-    without a tmpfs /run): those whose adaptor.conf names a lease the pool no longer has. Folders
-    without adaptor.conf (a failed prolog's `error`, which flexrun reports) are kept. Never raises."""
+    without a tmpfs /run): those whose adaptor.conf names a lease the pool no longer has, since a
+    sweep noted it LEASE_GONE_KEEP_SECONDS ago (_lease_gone_long_ago). Folders without
+    adaptor.conf (a failed prolog's `error`, which flexrun reports) are kept. Never raises."""
     from rgpu.adaptor import read_adaptor_conf
 
     removed: list[Path] = []
@@ -268,7 +279,8 @@ def sweep_stale_job_dirs(run_dir: Path, current_job_id: int, pool: Pool) -> list
         entries = sorted(run_dir.iterdir())
     except OSError:
         return removed
-    old_marks = time.time() - ENDED_KEEP_SECONDS
+    now = time.time()
+    old_marks = now - ENDED_KEEP_SECONDS
     for entry in entries:
         if entry.name.endswith(ENDED_SUFFIX) and entry.name[:-len(ENDED_SUFFIX)].isdigit():
             try:
@@ -284,11 +296,32 @@ def sweep_stale_job_dirs(run_dir: Path, current_job_id: int, pool: Pool) -> list
             key = read_adaptor_conf(entry / ADAPTOR_CONF_NAME).job_id
             pool.get_lease(key)
         except NotFound:
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
+            if _lease_gone_long_ago(entry, now):
+                shutil.rmtree(entry, ignore_errors=True)
+                removed.append(entry)
         except (RgpuError, OSError, ValueError):
             continue        # unreadable, or the pool did not answer: leave it for the next Prolog
     return removed
+
+
+def _lease_gone_long_ago(job_folder: Path, now: float) -> bool:
+    """Whether a sweep noted the folder's lease gone LEASE_GONE_KEEP_SECONDS ago or more; the
+    first sweep to find it gone notes it now. A lease gone is not enough: EpilogSlurmctld ends it
+    while (or before) the job's node Epilog runs, and that Epilog, which removes the folder and
+    leaves the job's ended mark, starts only once the job's Prolog and tasks are done (KillWait).
+    The note is never followed where it is a link (the folder is the job's user's). Never raises."""
+    note = job_folder / LEASE_GONE_NAME
+    try:
+        noted = note.lstat().st_mtime
+    except FileNotFoundError:
+        try:
+            os.close(os.open(note, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+        except OSError:
+            pass            # the folder went (its Epilog ran), or a note came: the next sweep sees
+        return False
+    except OSError:
+        return False
+    return now - noted >= LEASE_GONE_KEEP_SECONDS
 
 
 def record_node_error(env: Mapping[str, str], message: str) -> Path | None:
@@ -298,8 +331,7 @@ def record_node_error(env: Mapping[str, str], message: str) -> Path | None:
         uid = int(env.get("SLURM_JOB_UID", "-1") or -1)
         gid = int(env.get("SLURM_JOB_GID", "-1") or -1)
         directory = job_dir(run_dir_from_env(env), job_id)
-        _make_job_dir(directory, uid, gid)
-        ended_mark(directory.parent, job_id).unlink(missing_ok=True)
+        _make_job_dir(directory, job_id, uid, gid)
         (directory / ADAPTOR_CONF_NAME).unlink(missing_ok=True)
         return write_private_file(directory / ERROR_NAME, message.rstrip("\n") + "\n",
                                   uid if uid >= 0 else None, gid if gid >= 0 else None)

@@ -14,6 +14,12 @@ ERROR_NAME = "error"              # why the node Prolog could not prepare the jo
 # can restart a requeued job on the same node without it): the TaskProlog refuses to start it.
 ENDED_SUFFIX = ".ended"
 ENDED_KEEP_SECONDS = 7 * 24 * 3600   # the Prolog's sweep removes older marks
+# <run dir>/<job id>/.lease-gone: left by another job's Prolog that found the job's lease ended while
+# its folder is still there. EpilogSlurmctld ends the lease while, or before, the job's node Epilog
+# runs (that one waits for the job's Prolog and its tasks' end), so only a folder noted this long
+# ago is taken for one its Epilog never got to remove (slurmd crashed).
+LEASE_GONE_NAME = ".lease-gone"
+LEASE_GONE_KEEP_SECONDS = 3600
 
 
 def run_dir(env: Mapping[str, str] | None = None) -> Path:

@@ -364,6 +364,36 @@ def test_the_prolog_sweep_removes_old_ended_marks_only(pool: RgpuCluster, tmp_pa
     assert not old.exists() and recent.exists() and odd.exists()
 
 
+def test_the_prolog_sweep_leaves_an_ended_jobs_folder_to_its_own_epilog(pool: RgpuCluster, tmp_path: Path) -> None:
+    """EpilogSlurmctld ends a job's lease while, or before, its node Epilog runs (that one waits for
+    the job's Prolog and tasks): the Prolog of a job starting beside it leaves the folder to that
+    Epilog, which removes it and leaves the ended mark. On real Slurm job 1, cancelled during its
+    Prolog, lost its folder to job 2's Prolog, and its Epilog found nothing to do."""
+    ending, starting = job_env(pool, tmp_path, job_id=41), job_env(pool, tmp_path)
+    for env, job_id in ((ending, 41), (starting, 42)):
+        prolog_slurmctld(env, pool.client, lambda _, job_id=job_id: info(job_id))
+    node_prolog(ending, pool.client)
+    epilog_slurmctld(ending, pool.client)
+    node_prolog(starting, pool.client)
+    assert (tmp_path / "41" / "adaptor.conf").exists()
+    assert node_epilog(ending) is True
+    assert (tmp_path / "41.ended").is_file() and not (tmp_path / "41").exists()
+
+
+def test_a_later_attempts_prolog_takes_away_the_earlier_attempts_lease_gone_note(pool: RgpuCluster,
+                                                                                tmp_path: Path) -> None:
+    env = job_env(pool, tmp_path, job_id=41)
+    prolog_slurmctld(env, pool.client, lambda _: info(41))
+    node_prolog(env, pool.client)
+    epilog_slurmctld(env, pool.client)
+    with pool.client() as c:
+        sweep_stale_job_dirs(tmp_path, 42, c)
+    again = dict(env, SLURM_JOB_RESTART_COUNT="1")   # restarted here before its Epilog removed the folder
+    prolog_slurmctld(again, pool.client, lambda _: info(41))
+    node_prolog(again, pool.client)
+    assert not (tmp_path / "41" / ".lease-gone").exists()
+
+
 @pytest.mark.integration   # runs the TaskProlog script
 def test_task_prolog_refuses_an_attempt_that_started_without_its_node_prolog(tmp_path: Path) -> None:
     # Slurm 22.05 can restart a requeued job on the same node without running the node Prolog again:
@@ -457,9 +487,15 @@ def test_node_prolog_removes_folders_of_jobs_whose_lease_is_gone(pool: RgpuClust
     (tmp_path / "notajob").mkdir()
     epilog_slurmctld(job_env(pool, tmp_path, job_id=7), pool.client)
     assert (tmp_path / "7" / "adaptor.conf").exists()
-    prolog_slurmctld(job_env(pool, tmp_path, job_id=9), pool.client, lambda _: info(job_id=9))
-    node_prolog({**job_env(pool, tmp_path, job_id=9), "SLURM_JOB_UID": "", "SLURM_JOB_GID": ""}, pool.client)
-    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["8", "9", "notajob", "pool"]   # pool: the fixture's
+    # A Prolog notes job 7's lease gone (its Epilog may yet come); one an hour later removes the folder.
+    for job_id in (9, 10):
+        prolog_slurmctld(job_env(pool, tmp_path, job_id=job_id), pool.client, lambda _, j=job_id: info(job_id=j))
+        node_prolog({**job_env(pool, tmp_path, job_id=job_id), "SLURM_JOB_UID": "", "SLURM_JOB_GID": ""}, pool.client)
+        if job_id == 9:
+            assert (tmp_path / "7" / "adaptor.conf").exists()
+            hour_ago = time.time() - 3600
+            os.utime(tmp_path / "7" / ".lease-gone", (hour_ago, hour_ago))
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["10", "8", "9", "notajob", "pool"]   # pool: the fixture's
 
 
 def test_the_keys_the_prologs_make_are_reserved_for_the_daemons() -> None:
