@@ -92,7 +92,7 @@ def backend(driver: FakeDriver) -> CudaCopies:
     b = CudaCopies.__new__(CudaCopies)
     names = ["cuStreamCreateWithPriority", "cuMemHostAlloc", "cuMemFreeHost", "cuEventCreate", "cuEventRecord",
              "cuEventQuery", "cuEventSynchronize", "cuStreamSynchronize", "cuMemcpyHtoDAsync_v2",
-             "cuMemHostGetDevicePointer_v2", "cuStreamDestroy_v2"]
+             "cuMemHostGetDevicePointer_v2", "cuStreamDestroy_v2", "cuEventDestroy_v2"]
     b.f = {n: driver.fn(n) for n in names}
     b._fn_cuStreamWaitValue32_v2 = driver.fn("cuStreamWaitValue32_v2")   # type: ignore[attr-defined]
     b._fn_cuStreamWriteValue32_v2 = driver.fn("cuStreamWriteValue32_v2")   # type: ignore[attr-defined]
@@ -292,6 +292,7 @@ def test_a_copy_onto_an_idle_stream_goes_through_the_ring_and_its_thread_calls_n
     b._drop_lane_landings()
     assert lanes.ring_calls[-2:] == [("ring_release", "MainThread"), ("ring_free", "MainThread")]
     assert driver.names().count("cuStreamDestroy_v2") == 3 and b._lane_ring is None
+    assert driver.names().count("cuEventDestroy_v2") == 4   # each lane's and the order's
 
 
 def test_a_failed_ring_receive_is_reported_before_the_ring_lets_the_application_stream_go_on() -> None:

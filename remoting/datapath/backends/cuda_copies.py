@@ -500,6 +500,9 @@ class CudaCopies(CudaDevice):
             return
         ring.lanes.ring_release(ring.handle)
         self._free_ring_parts({"streams": ring.streams, "base": ring.base, "words": ring.words})
+        destroy_event = self._late_fn("cuEventDestroy_v2", [c_void_p])
+        for event in [*ring.events, ring.order]:   # a ring of other lanes may follow in this context
+            destroy_event(event)
         ring.lanes.ring_free(ring.handle)
 
     def _idle_landing(self, size: int) -> LaneLanding | None:
