@@ -83,12 +83,6 @@ LANDING_MAX_BYTES = 256 << 20
 # receiving into one while the GPU copies out of the other, and the ring small enough for the CPU's
 # cache (8 lanes of 2 MiB chunks: 32 MiB).
 LANE_RING_SLOTS = 2
-# The most chunks a lane carries of a copy that goes through the ring (256 MiB over 8 lanes of 2 MiB
-# chunks); a copy of more lands whole. All of a copy's GPU work is queued before its bytes come:
-# on an H100, 64 MiB in 64 KiB chunks over 3 lanes (342 chunks a lane, three stream operations each)
-# never completed when its first kernel launch followed (tests/remoting/test_gpu_lanes.py's
-# first-launch test; session 17), while 16 a lane ran in every program measured.
-LANE_RING_MAX_CHUNKS_PER_LANE = 16
 
 
 def lane_ring_slots() -> int:
@@ -318,9 +312,9 @@ class CudaCopies(CudaDevice):
         context other than the primary; behind queued work, more than LANDING_MAX_BYTES or both
         landings busy) or is not asked for (RGPU_LANES_BACKGROUND=0): the caller receives it in the loop.
 
-        Onto a stream with nothing queued, a copy of up to LANE_RING_MAX_CHUNKS_PER_LANE chunks a lane
-        goes through the landing ring (_ring_receive): each chunk's DMA runs as soon as the chunk is
-        whole, from slots the CPU's cache holds. Otherwise it lands whole in a landing, so that the lanes never wait for the GPU; then
+        Onto a stream with nothing queued, a copy goes through the landing ring (_ring_receive): each
+        chunk's DMA runs as soon as the chunk is whole, from slots the CPU's cache holds. Otherwise it
+        lands whole in a landing, so that the lanes never wait for the GPU; then
         everything the GPU does is queued here, by the loop: on the context's side stream, after the
         work queued on `stream` so far, a wait for the word, then one DMA from the landing to `dst`
         and the landing's event, which `stream` waits for. The thread only receives the bytes into
@@ -396,10 +390,8 @@ class CudaCopies(CudaDevice):
     def _ring_receive(self, dst: int, stream: int, size: int, chunk: int, seq: int, lanes: Any) -> bool:
         """Start the thread that receives the copy's bytes into the landing ring's slots (lanes.h), then
         queue its GPU work; False where there is no ring (RGPU_LANE_RING_SLOTS=0, one that failed
-        before, no memory) or the copy has more than LANE_RING_MAX_CHUNKS_PER_LANE chunks a lane. A
-        plan the driver refuses fails the copy (reported as a failed receive is) and ends the ring."""
-        if -(-size // chunk) > LANE_RING_MAX_CHUNKS_PER_LANE * max(1, lanes.count):
-            return False
+        before, no memory). A plan the driver refuses fails the copy (reported as a failed receive is)
+        and ends the ring."""
         ring = self._lane_ring_for(lanes, chunk)
         if ring is None:
             return False
