@@ -388,6 +388,7 @@ def test_a_later_attempts_prolog_takes_away_the_earlier_attempts_lease_gone_note
     epilog_slurmctld(env, pool.client)
     with pool.client() as c:
         sweep_stale_job_dirs(tmp_path, 42, c)
+    assert (tmp_path / "41" / ".lease-gone").is_file()   # the sweep noted it: the later Prolog has one to take
     again = dict(env, SLURM_JOB_RESTART_COUNT="1")   # restarted here before its Epilog removed the folder
     prolog_slurmctld(again, pool.client, lambda _: info(41))
     node_prolog(again, pool.client)
