@@ -25,6 +25,7 @@ server, so UCX_TLS applies to both ends. The CI target: same-host pinned 128 MiB
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -343,6 +344,54 @@ def run_config(name: str, backend: str, workload: Path, sizes: list[int], reps: 
     return json.loads(done.stdout)
 
 
+@dataclasses.dataclass
+class Round:
+    """One pass over the configurations, each after its raw TCP yardsticks (GB/s)."""
+    results: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)   # config -> metric -> GB/s
+    raw: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)   # streams -> MiB -> GB/s, cached
+    raw_spanned: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)   # buffers as large as the copy
+    raw_sender_spans: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)   # ... sender only (h2d)
+    raw_receiver_spans: dict[int, dict[int, float]] = dataclasses.field(default_factory=dict)   # ... receiver only (d2h)
+    raw_ucx: dict[str, dict[int, float | None]] = dataclasses.field(default_factory=dict)   # config -> ucx_perftest
+    # config -> MiB -> side -> raw TCP with that side spanning the copy, measured just before the config
+    one_side_before: dict[str, dict[int, dict[str, float]]] = dataclasses.field(default_factory=dict)
+
+
+def median_tables(tables: list[dict]) -> dict:  # type: ignore[type-arg]
+    """Key by key, the median of the rounds' figures (the keys of the first round)."""
+    return {key: statistics.median(t[key] for t in tables) for key in tables[0]}
+
+
+def paired_ratios(rounds: list[Round], name: str, metric: str) -> list[float]:
+    """Round by round, `name`'s `metric` over raw TCP with the application's side spanning the copy (the
+    sender for host-to-device, the receiver for device-to-host) measured just before it: the host's load
+    drifts between rounds (up to 55% on a lent H100 host), so a ratio within one round says more than
+    a ratio of medians."""
+    mib = int(metric.split("_")[2].removesuffix("MiB"))
+    side = "sender" if metric.startswith("h2d") else "receiver"
+    return [r.results[name][metric] / r.one_side_before[name][mib][side] for r in rounds]
+
+
+def measure_round(names: list[str], streams: dict[str, int], sizes: list[int], args: argparse.Namespace,
+                  workload: Path, raw_bin: Path, libs) -> Round:  # type: ignore[no-untyped-def]
+    """Raw TCP on the same streams just before each configuration (one run, one load), then it."""
+    r = Round()
+    for name in names:
+        for mib in sizes:
+            r.raw.setdefault(streams[name], {})[mib] = raw_tcp(raw_bin, mib * 8, args.reps, streams[name],
+                                                               args.socket_buffer)   # 8 buffers' worth per run
+            if name in (*LANES_CONFIGS, "rgpu-tcp"):
+                for side, table in (("both", r.raw_spanned), ("sender", r.raw_sender_spans),
+                                    ("receiver", r.raw_receiver_spans)):
+                    table.setdefault(streams[name], {})[mib] = figure = raw_tcp(
+                        raw_bin, mib * 8, args.reps, streams[name], args.socket_buffer, span_mib=mib, span_side=side)
+                    r.one_side_before.setdefault(name, {}).setdefault(mib, {})[side] = figure
+        r.results[name] = run_config(name, args.backend, workload, sizes, args.reps, libs, args.lanes)
+        if name in UCX_TLS_OF:   # UCX's own link on the same transports, just after
+            r.raw_ucx[name] = {mib: ucx_perftest(mib, args.reps, UCX_TLS_OF[name]) for mib in sizes}
+    return r
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("emulated", "cuda"), default="emulated")
@@ -353,8 +402,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lanes", type=int, default=4, help="data lanes of rgpu-lanes (and raw TCP's streams beside it)")
     parser.add_argument("--socket-buffer", type=int, default=4 << 20,
                         help="SO_SNDBUF/SO_RCVBUF bytes for rgpu and raw TCP alike (0: the kernel's autotuning)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure the yardsticks and every configuration this many times, in turn, and report "
+                        "medians and each round's copy against the yardstick measured just before it")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be 1 or more")
     sys.path.insert(0, str(HERE.parent))
     from rgpu.remoting.native.build import ensure_built
 
@@ -366,25 +420,16 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["RGPU_SOCKET_BUFFER_BYTES"] = str(args.socket_buffer)   # the workers' (and the clients')
         names = args.configs.split(",") if args.configs else [n for n in CONFIGS if n != "local" or args.backend == "cuda"]
         streams = {name: STREAMS[name] or args.lanes for name in names}
-        results: dict[str, dict[str, float]] = {}
-        raw: dict[int, dict[int, float]] = {}   # streams -> MiB -> GB/s
-        raw_spanned: dict[int, dict[int, float]] = {}   # the same with buffers as large as the copy
-        raw_sender_spans: dict[int, dict[int, float]] = {}     # ... on the sending side only (host to device)
-        raw_receiver_spans: dict[int, dict[int, float]] = {}   # ... on the receiving side only (device to host)
-        raw_ucx: dict[str, dict[int, float | None]] = {}   # UCX configuration -> MiB -> ucx_perftest GB/s
-        for name in names:   # raw TCP on the same streams just before each configuration (one run, one load)
-            for mib in sizes:
-                raw.setdefault(streams[name], {})[mib] = raw_tcp(raw_bin, mib * 8, args.reps, streams[name],
-                                                                 args.socket_buffer)   # 8 buffers' worth per run
-                if name in (*LANES_CONFIGS, "rgpu-tcp") and mib not in raw_spanned.get(streams[name], {}):
-                    for side, table in (("both", raw_spanned), ("sender", raw_sender_spans),
-                                        ("receiver", raw_receiver_spans)):
-                        table.setdefault(streams[name], {})[mib] = raw_tcp(
-                            raw_bin, mib * 8, args.reps, streams[name], args.socket_buffer, span_mib=mib, span_side=side)
-            results[name] = run_config(name, args.backend, workload, sizes, args.reps, libs, args.lanes)
-            if name in UCX_TLS_OF:   # UCX's own link on the same transports, just after
-                raw_ucx[name] = {mib: ucx_perftest(mib, args.reps, UCX_TLS_OF[name]) for mib in sizes}
-    print(f"rgpu copy benchmark: {args.backend} backend, loopback, {os.cpu_count()} CPUs, median of {args.reps}, "
+        rounds = [measure_round(names, streams, sizes, args, workload, raw_bin, libs) for _ in range(args.rounds)]
+    results = {name: median_tables([r.results[name] for r in rounds]) for name in names}
+    raw = {n: median_tables([r.raw[n] for r in rounds]) for n in rounds[0].raw}
+    raw_spanned = {n: median_tables([r.raw_spanned[n] for r in rounds]) for n in rounds[0].raw_spanned}
+    raw_sender_spans = {n: median_tables([r.raw_sender_spans[n] for r in rounds]) for n in rounds[0].raw_sender_spans}
+    raw_receiver_spans = {n: median_tables([r.raw_receiver_spans[n] for r in rounds])
+                          for n in rounds[0].raw_receiver_spans}
+    raw_ucx = rounds[0].raw_ucx
+    print(f"rgpu copy benchmark: {args.backend} backend, loopback, {os.cpu_count()} CPUs, median of {args.reps}"
+          f"{f' in each of {args.rounds} rounds, then of the rounds' if args.rounds > 1 else ''}, "
           f"socket buffers {args.socket_buffer or 'autotuned'}")
     for n, by_size in sorted(raw.items()):
         print(f"raw loopback TCP (C), {n} stream{'s' if n > 1 else ''}: "
@@ -423,6 +468,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} {metric.removesuffix('_GBps')}: {value / link:.2f}x raw TCP with buffers of the copy's size "
                   f"({value:.2f} / {link:.2f} GB/s); {value / one_side:.2f}x with the application's side spanning it "
                   f"and the worker's cached ({one_side:.2f} GB/s)")
+    if args.rounds > 1:   # each round's copy against the yardstick measured just before it in that round
+        for name in (n for n in (*LANES_CONFIGS, "rgpu-tcp") if n in results):
+            for metric in results[name]:
+                one_side = paired_ratios(rounds, name, metric)
+                print(f"{name} {metric.removesuffix('_GBps')} x raw TCP with the application's side spanning, round by "
+                      f"round: {', '.join(f'{x:.2f}' for x in one_side)}; median {statistics.median(one_side):.2f}")
     raw1 = raw.get(1, {})
     local = results.get("local")
     for name in (n for n in SAME_HOST if n in results and local):   # issue 25's same-host targets
@@ -443,7 +494,8 @@ def main(argv: list[str] | None = None) -> int:
     out = {"backend": args.backend, "lanes": args.lanes, "socket_buffer_bytes": args.socket_buffer,
            "raw_tcp_GBps_by_streams": raw, "raw_tcp_spanned_GBps_by_streams": raw_spanned,
            "raw_tcp_sender_spans_GBps_by_streams": raw_sender_spans,
-           "raw_tcp_receiver_spans_GBps_by_streams": raw_receiver_spans, "raw_ucx_GBps_by_config": raw_ucx, "streams": streams, "results": results}
+           "raw_tcp_receiver_spans_GBps_by_streams": raw_receiver_spans, "raw_ucx_GBps_by_config": raw_ucx,
+           "streams": streams, "results": results, "rounds": [dataclasses.asdict(r) for r in rounds]}
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
     print(json.dumps(out))

@@ -1,0 +1,28 @@
+"""benchmarks/copies.py's pure parts: how rounds are summarised. The host's load drifts between
+rounds (up to 55% on a lent H100 host), so each round's copy is set against the raw TCP yardstick
+measured just before it in that round, not against a yardstick from another round."""
+
+from __future__ import annotations
+
+from benchmarks.copies import Round, median_tables, paired_ratios
+
+
+def _round(h2d: float, d2h: float, sender: float, receiver: float, other_config_sender: float) -> Round:
+    return Round(
+        results={"rgpu-lanes": {"h2d_pinned_256MiB_GBps": h2d, "d2h_pinned_256MiB_GBps": d2h}},
+        one_side_before={"rgpu-lanes": {256: {"sender": sender, "receiver": receiver, "both": 1.0}},
+                         "rgpu-lanes-landing": {256: {"sender": other_config_sender, "receiver": 99.0, "both": 1.0}}})
+
+
+def test_each_round_is_set_against_its_own_configs_yardstick_by_the_copys_direction() -> None:
+    rounds = [_round(h2d=12.0, d2h=9.0, sender=15.0, receiver=10.0, other_config_sender=30.0),
+              _round(h2d=6.0, d2h=14.0, sender=8.0, receiver=14.0, other_config_sender=1.0)]
+
+    assert paired_ratios(rounds, "rgpu-lanes", "h2d_pinned_256MiB_GBps") == [12.0 / 15.0, 6.0 / 8.0]
+    assert paired_ratios(rounds, "rgpu-lanes", "d2h_pinned_256MiB_GBps") == [9.0 / 10.0, 14.0 / 14.0]
+
+
+def test_medians_are_taken_key_by_key_over_the_rounds() -> None:
+    tables = [{"a": 1.0, "b": 10.0}, {"a": 3.0, "b": 30.0}, {"a": 2.0, "b": 20.0}]
+
+    assert median_tables(tables) == {"a": 2.0, "b": 20.0}
