@@ -300,7 +300,7 @@ def run_local(workload: Path, sizes: list[int], reps: int) -> dict[str, float]:
 
 
 def run_config(name: str, backend: str, workload: Path, sizes: list[int], reps: int, libs,  # type: ignore[no-untyped-def]
-               lanes: int = 4) -> dict[str, float]:
+               lanes: int = 4, client_env: dict[str, str] | None = None) -> dict[str, float]:
     from rgpu import tokens
     from rgpu.remoting.client.flexrun import library_env
     if name == "local":
@@ -323,6 +323,7 @@ def run_config(name: str, backend: str, workload: Path, sizes: list[int], reps: 
         env.update(client_extra, **({"RGPU_LANES": str(lanes)} if name in (*LANES_CONFIGS, "same-host") else {}))
         if "RGPU_SOCKET_BUFFER_BYTES" in os.environ:
             env["RGPU_SOCKET_BUFFER_BYTES"] = os.environ["RGPU_SOCKET_BUFFER_BYTES"]
+        env.update(client_env or {})
         env.update(library_env(libs.folder, env))
         env.update(RGPU_SLICES=f"{address},{token}", RGPU_LOG="info")
         done = subprocess.run([str(workload), str(reps), *map(str, sizes)], env=env, capture_output=True, text=True,
@@ -386,7 +387,8 @@ def measure_round(names: list[str], streams: dict[str, int], sizes: list[int], a
                     table.setdefault(streams[name], {})[mib] = figure = raw_tcp(
                         raw_bin, mib * 8, args.reps, streams[name], args.socket_buffer, span_mib=mib, span_side=side)
                     r.one_side_before.setdefault(name, {}).setdefault(mib, {})[side] = figure
-        r.results[name] = run_config(name, args.backend, workload, sizes, args.reps, libs, args.lanes)
+        r.results[name] = run_config(name, args.backend, workload, sizes, args.reps, libs, args.lanes,
+                                     dict(e.split("=", 1) for e in args.client_env))
         if name in UCX_TLS_OF:   # UCX's own link on the same transports, just after
             r.raw_ucx[name] = {mib: ucx_perftest(mib, args.reps, UCX_TLS_OF[name]) for mib in sizes}
     return r
@@ -405,8 +407,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=1,
                         help="measure the yardsticks and every configuration this many times, in turn, and report "
                         "medians and each round's copy against the yardstick measured just before it")
+    parser.add_argument("--client-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="also set this in the application's environment (e.g. RGPU_LANE_CHUNK_BYTES=1048576); "
+                        "the worker's settings come from this process's environment")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
+    if any("=" not in e for e in args.client_env):
+        parser.error("--client-env takes NAME=VALUE")
     if args.rounds < 1:
         parser.error("--rounds must be 1 or more")
     sys.path.insert(0, str(HERE.parent))
