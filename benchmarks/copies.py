@@ -102,23 +102,23 @@ RAW_TCP_C = r"""
 #include <unistd.h>
 static size_t per, chunk = 1u << 20, tx_span, rx_span;   /* bytes each stream's buffers cycle over (one chunk: cached) */
 static int bufsz;
+static int rx_fd[64];
+static char *rx_buf[64];   /* made and touched before the clock starts, as a copy's buffers are */
 static void *rx(void *arg) {
-    int c = (int)(long)arg;
+    int i = (int)(long)arg, c = rx_fd[i];
     size_t span = rx_span;
-    char *b = malloc(span);
-    memset(b, 0, span);
+    char *b = rx_buf[i];
     size_t got = 0, at = 0; ssize_t k;
     while ((k = recv(c, b + at, span - at < chunk ? span - at : chunk, 0)) > 0) { got += k; at = (at + k) % span; }
-    free(b);
     return (void *)got;
 }
 static void *tx(void *arg) {
     struct sockaddr_in *a = arg;
+    size_t span = tx_span;
+    char *b = malloc(span); memset(b, 1, span);   /* before connecting: the receiver's clock starts once all connect */
     int s = socket(AF_INET, SOCK_STREAM, 0);
     if (bufsz) setsockopt(s, SOL_SOCKET, SO_SNDBUF, &bufsz, sizeof bufsz);
     connect(s, (void *)a, sizeof *a);
-    size_t span = tx_span;
-    char *b = malloc(span); memset(b, 1, span);
     for (size_t sent = 0, at = 0; sent < per;) {
         size_t n = per - sent < chunk ? per - sent : chunk;
         if (n > span - at) n = span - at;
@@ -149,11 +149,11 @@ int main(int argc, char **argv) {
         for (int i = 0; i < n; i++) pthread_join(t[i], NULL);
         _exit(0);
     }
-    int cs[64];
-    for (int i = 0; i < n; i++) cs[i] = accept(ls, NULL, NULL);
+    for (int i = 0; i < n; i++) { rx_buf[i] = malloc(rx_span); memset(rx_buf[i], 0, rx_span); }
+    for (int i = 0; i < n; i++) rx_fd[i] = accept(ls, NULL, NULL);
     struct timespec t0, t1; clock_gettime(CLOCK_MONOTONIC, &t0);
     pthread_t t[64];
-    for (int i = 0; i < n; i++) pthread_create(&t[i], NULL, rx, (void *)(long)cs[i]);
+    for (int i = 0; i < n; i++) pthread_create(&t[i], NULL, rx, (void *)(long)i);
     size_t got = 0;
     for (int i = 0; i < n; i++) { void *g; pthread_join(t[i], &g); got += (size_t)g; }
     clock_gettime(CLOCK_MONOTONIC, &t1);
