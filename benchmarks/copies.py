@@ -166,6 +166,9 @@ int main(int argc, char **argv) {
 # The network path's configurations turn the same-host path's shared page-locked memory off
 # (RGPU_SHARED_PINNED=0): on one host pinned copies would otherwise be read in place, not cross a link.
 NET = {"RGPU_SHARED_PINNED": "0"}
+# UCX's TCP on loopback alone, as raw TCP is measured (by default UCX also takes the host's other
+# interfaces, whose addresses route back to this host: more rails than the yardstick's).
+LO = {"UCX_NET_DEVICES": "lo"}
 CONFIGS = {   # name: (client environment, worker environment: set in this process before its server starts)
     # Shared memory: UCX's posix transport (copy-in/copy-out through a shared segment, pipelined by
     # both processes), and with cma (single-copy process_vm_readv rendezvous, UCX's choice by default
@@ -175,8 +178,8 @@ CONFIGS = {   # name: (client environment, worker environment: set in this proce
     "ucx-shm-cma": (NET | {"RGPU_TRANSPORT": "ucx", "UCX_TLS": "posix,cma,self"},
                     {"UCX_TLS": "posix,cma,self", "RGPU_TRANSPORT": "ucx"}),
     # UCX's own choice among its transports, with no UCX_TLS set.
-    "ucx-auto": (NET | {"RGPU_TRANSPORT": "ucx"}, {"RGPU_TRANSPORT": "ucx"}),
-    "ucx-tcp": (NET | {"RGPU_TRANSPORT": "ucx", "UCX_TLS": "tcp"}, {"UCX_TLS": "tcp", "RGPU_TRANSPORT": "ucx"}),
+    "ucx-auto": (NET | LO | {"RGPU_TRANSPORT": "ucx"}, LO | {"RGPU_TRANSPORT": "ucx"}),
+    "ucx-tcp": (NET | LO | {"RGPU_TRANSPORT": "ucx", "UCX_TLS": "tcp"}, LO | {"UCX_TLS": "tcp", "RGPU_TRANSPORT": "ucx"}),
     "rgpu-tcp": (NET | {"RGPU_TRANSPORT": "tcp", "RGPU_LANES": "1"}, {}),
     # Protocol 12: copies of RGPU_LANE_MIN_BYTES and more striped over --lanes TCP connections.
     "rgpu-lanes": (NET | {"RGPU_TRANSPORT": "tcp"}, {}),
@@ -244,7 +247,7 @@ def ucx_perftest(mib: int, reps: int, tls: str | None) -> float | None:
     if tool is None:
         return None
     import socket
-    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_")} | LO
     if tls:
         env["UCX_TLS"] = tls
     runs = []

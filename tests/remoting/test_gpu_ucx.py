@@ -25,6 +25,7 @@ def test_copies_of_every_size_arrive_whole_over_ucx_on_a_gpu(copies: Path, nativ
                                                             tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                             tls: str) -> None:
     monkeypatch.setenv("UCX_TLS", tls)            # both ends: the client's environment and the worker's
+    monkeypatch.setenv("UCX_NET_DEVICES", "lo")   # TCP on loopback only, not also this host's other addresses
     monkeypatch.setenv("RGPU_TRANSPORT", "ucx")   # the GPU node's setting (read when its server starts)
     with serving("cuda", [local_gpu()]) as s:
         done = run_client(native_libs, s.slices(s.token(memory_limit=1 << 30)), [str(copies)], timeout=300,
