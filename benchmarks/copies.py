@@ -4,7 +4,8 @@ each beside raw loopback TCP on the same number of streams, measured in the same
 same-host path (protocol 15: page-locked memory read in place by the worker) beside local copies.
 
     python benchmarks/copies.py [--backend emulated|cuda] [--sizes 128,256] [--reps 5] [--lanes 4]
-                                [--configs rgpu-tcp,rgpu-lanes] [--socket-buffer BYTES] [--json out.json]
+                                [--configs rgpu-tcp,rgpu-lanes] [--socket-buffer BYTES] [--rounds 1]
+                                [--client-env NAME=VALUE] [--json out.json]
 
 On a GPU machine, the same-host targets and lanes against raw TCP in one command:
 
@@ -18,7 +19,11 @@ configuration), and each UCX configuration as a fraction of UCX's own link on th
 (`ucx_perftest` tag bandwidth, run just after it, where ucx-utils is installed). The emulated
 backend (CPU only; the "device" is the worker's memory) measures the data path alone; on a GPU
 machine `--backend cuda` adds the PCIe copy behind it. Every configuration starts its own session
-server, so UCX_TLS applies to both ends. The CI target: same-host pinned 128 MiB copies over UCX at
+server, so UCX_TLS applies to both ends; UCX's TCP runs on loopback alone (UCX_NET_DEVICES=lo), as
+raw TCP does. --rounds R measures the yardsticks and every configuration R times in turn and prints
+medians of the rounds, and, for the lanes, each round's copy against the raw TCP measured just
+before it with the application's side spanning the copy (a lent host's load drifts between
+configurations by as much as the effects measured). The CI target: same-host pinned 128 MiB copies over UCX at
 >= 2x raw single-stream loopback TCP. Speeds are reported here, never asserted in tests.
 """
 
