@@ -371,6 +371,12 @@ def median_tables(tables: list[dict]) -> dict:  # type: ignore[type-arg]
     return {key: statistics.median(t[key] for t in tables) for key in tables[0]}
 
 
+def median_of_found(figures: list[float | None]) -> float | None:
+    """The median of the rounds that have a figure (ucx_perftest may fail in one); None if none has."""
+    found = [f for f in figures if f is not None]
+    return statistics.median(found) if found else None
+
+
 def paired_ratios(rounds: list[Round], name: str, metric: str) -> list[float]:
     """Round by round, `name`'s `metric` over raw TCP with the application's side spanning the copy (the
     sender for host-to-device, the receiver for device-to-host) measured just before it: the host's load
@@ -442,7 +448,8 @@ def main(argv: list[str] | None = None) -> int:
     raw_sender_spans = {n: median_tables([r.raw_sender_spans[n] for r in rounds]) for n in rounds[0].raw_sender_spans}
     raw_receiver_spans = {n: median_tables([r.raw_receiver_spans[n] for r in rounds])
                           for n in rounds[0].raw_receiver_spans}
-    raw_ucx = rounds[0].raw_ucx
+    raw_ucx = {name: {mib: median_of_found([r.raw_ucx[name][mib] for r in rounds]) for mib in by_size}
+               for name, by_size in rounds[0].raw_ucx.items()}
     print(f"rgpu copy benchmark: {args.backend} backend, loopback, {os.cpu_count()} CPUs, median of {args.reps}"
           f"{f' in each of {args.rounds} rounds, then of the rounds' if args.rounds > 1 else ''}, "
           f"socket buffers {args.socket_buffer or 'autotuned'}")

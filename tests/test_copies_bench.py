@@ -4,7 +4,7 @@ measured just before it in that round, not against a yardstick from another roun
 
 from __future__ import annotations
 
-from benchmarks.copies import Round, median_tables, paired_ratios
+from benchmarks.copies import Round, median_of_found, median_tables, paired_ratios
 
 
 def _round(h2d: float, d2h: float, sender: float, receiver: float, other_config_sender: float) -> Round:
@@ -26,3 +26,8 @@ def test_medians_are_taken_key_by_key_over_the_rounds() -> None:
     tables = [{"a": 1.0, "b": 10.0}, {"a": 3.0, "b": 30.0}, {"a": 2.0, "b": 20.0}]
 
     assert median_tables(tables) == {"a": 2.0, "b": 20.0}
+
+
+def test_a_round_without_ucxs_own_figure_leaves_the_others_median() -> None:
+    assert median_of_found([4.0, None, 6.0]) == 5.0
+    assert median_of_found([None, None]) is None
