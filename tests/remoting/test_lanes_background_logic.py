@@ -341,3 +341,56 @@ def test_ring_slots_come_from_the_environment_within_bounds(monkeypatch: pytest.
     from rgpu.remoting.datapath.backends.cuda_copies import lane_ring_slots
     monkeypatch.setenv("RGPU_LANE_RING_SLOTS", text)
     assert lane_ring_slots() == slots
+
+
+# --- the page-locked memory a client's chunk size makes the worker hold (its chunk is up to 64 MiB) ---
+
+def test_chunks_larger_than_the_rings_slots_land_whole_and_smaller_ones_still_take_the_ring() -> None:
+    driver, lanes = FakeDriver(), FakeRingLanes(b"\x05" * (16 << 20))
+    driver.busy_streams = set()
+    b = backend(driver)
+    assert b.htod_lanes_background(0xD000, APP_STREAM, 16 << 20, 8 << 20, 7, lanes) is True   # 8 MiB chunks
+    assert b.lane_receive_settle(wait=True) == (False, None)
+    assert lanes.ring_calls == [] and len(b._lane_landings) == 1 and not b._lane_ring_refused
+    assert ctypes.string_at(b._lane_landings[0].address, 16 << 20) == b"\x05" * (16 << 20)
+    pinned = [args[1] for name, _, args in driver.calls if name == "cuMemHostAlloc" and args[1] >= 1 << 20]
+    assert pinned == [16 << 20]   # the landing alone (and its side's word), no ring of 3 lanes x 2 x 8 MiB
+    assert b.htod_lanes_background(0xD000, APP_STREAM, 4096, 4 << 20, 8, lanes) is True   # 4 MiB chunks: the ring
+    assert b.lane_receive_settle(wait=True) == (False, None)
+    assert [c for c, _ in lanes.ring_calls][:1] == ["ring_new"]
+    assert (3 * 2 * (4 << 20)) in [args[1] for name, _, args in driver.calls if name == "cuMemHostAlloc"]
+
+
+@pytest.mark.parametrize(("configured", "chunk", "slots"), [
+    (16, 2 << 20, 16), (16, 64 << 10, 16), (16, 8 << 20, 4), (16, 64 << 20, 2), (64, 2 << 20, 64),
+    (64, 16 << 20, 8), (2, 64 << 20, 2), (16, 3 << 20, 10)])
+def test_the_staging_holds_what_its_configured_slots_hold_at_the_default_chunk(configured: int, chunk: int,
+                                                                                slots: int) -> None:
+    from rgpu.remoting.datapath.backends.cuda_driver import staging_slots
+    assert staging_slots(configured, chunk) == slots
+
+
+class FakeStagingLanes:
+    """FAKE lanes for the staging of striped copies: records what staging_new was given."""
+
+    def __init__(self) -> None:
+        self.staging: list[tuple[int, int]] = []
+
+    def staging_new(self, base: int, count: int, slot_bytes: int) -> int:
+        assert base
+        self.staging.append((count, slot_bytes))
+        return 0xBEEF
+
+    def gpu_copy(self, **fields: Any) -> dict[str, Any]:
+        return fields
+
+
+def test_a_clients_64_mib_chunks_get_two_staging_slots_not_sixteen() -> None:
+    driver, lanes = FakeDriver(), FakeStagingLanes()
+    b = backend(driver)
+    b._lane_slots, b._lane_staging, b._lanes, b._lane_chunk, b._lane_base, b._lane_events = 16, 0, None, 0, 0, {}
+    b._with_primary = lambda fn: fn()   # type: ignore[method-assign]
+    b._new_event = lambda: ctypes.c_void_p(driver.handle())   # type: ignore[method-assign]
+    b._lane_copy(lanes, 16 << 20, 0xD000, APP_STREAM)
+    assert lanes.staging == [(2, 16 << 20)]
+    assert [args[1] for name, _, args in driver.calls if name == "cuMemHostAlloc"] == [32 << 20]   # not 256 MiB

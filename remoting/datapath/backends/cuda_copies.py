@@ -15,7 +15,7 @@ from rgpu.remoting.datapath.backends.cuda_driver import (c_void_p, c_uint, c_uin
                                                          STAGING_CHUNK, DTOH_CHUNK, UCX_PINNED_MAX_BYTES,
                                                          MEMHOSTALLOC_PORTABLE, MEMHOSTALLOC_DEVICEMAP,
                                                          MEMHOSTREGISTER_PORTABLE, STREAM_NON_BLOCKING,
-                                                         STREAM_WAIT_VALUE_GEQ, CUDA_MEMCPY2D)
+                                                         STREAM_WAIT_VALUE_GEQ, CUDA_MEMCPY2D, staging_slots)
 from rgpu.remoting.datapath.backends.cuda_device import CudaDevice
 
 
@@ -83,6 +83,10 @@ LANDING_MAX_BYTES = 256 << 20
 # receiving into one while the GPU copies out of the other, and the ring small enough for the CPU's
 # cache (8 lanes of 2 MiB chunks: 32 MiB).
 LANE_RING_SLOTS = 2
+# The largest chunk the landing ring takes (a larger one lands whole): slots beyond the CPU's cache
+# gain nothing, and the chunk size is the client's choice: 64 MiB chunks over 16 lanes made the
+# worker pin a 2 GiB ring. With this bound a client makes it pin 16 x slots x 4 MiB at most.
+LANE_RING_MAX_CHUNK_BYTES = 4 << 20
 
 
 def lane_ring_slots() -> int:
@@ -426,7 +430,10 @@ class CudaCopies(CudaDevice):
         return True
 
     def _lane_ring_for(self, lanes: Any, chunk: int) -> LaneRing | None:
-        """The primary context's landing ring for `lanes` and chunks of `chunk` bytes, made on first use."""
+        """The primary context's landing ring for `lanes` and chunks of `chunk` bytes, made on first use;
+        None for chunks larger than LANE_RING_MAX_CHUNK_BYTES (the copy lands whole)."""
+        if chunk > LANE_RING_MAX_CHUNK_BYTES:
+            return None
         ring = self._lane_ring
         if ring is not None and (ring.lanes is not lanes or chunk > ring.slot_bytes):
             self._drop_lane_ring()
@@ -573,9 +580,10 @@ class CudaCopies(CudaDevice):
         if self._lane_staging and (chunk > self._lane_chunk or lanes is not self._lanes):
             self._drop_lane_staging()
         if not self._lane_staging:
-            self._lane_base = self._with_primary(lambda: self._host_alloc(self._lane_slots * chunk))
+            slots = staging_slots(self._lane_slots, chunk)   # events: self._lane_slots, at least as many
+            self._lane_base = self._with_primary(lambda: self._host_alloc(slots * chunk))
             self._lanes, self._lane_chunk = lanes, chunk
-            self._lane_staging = lanes.staging_new(self._lane_base, self._lane_slots, chunk)
+            self._lane_staging = lanes.staging_new(self._lane_base, slots, chunk)
         events = self._lane_events.get(self._current)
         if events is None:
             events = (c_void_p * self._lane_slots)(*[self._new_event().value for _ in range(self._lane_slots)])

@@ -27,6 +27,19 @@ LANE_SLOTS = 16
 def lane_slots() -> int:
     text = os.environ.get("RGPU_LANE_SLOTS", "").strip()
     return max(2, min(int(text), 256)) if text.isdigit() else LANE_SLOTS
+
+
+# The client library's default lane chunk (RGPU_LANE_CHUNK_BYTES): the staging's slots are counted for it.
+DEFAULT_LANE_CHUNK_BYTES = 2 << 20
+
+
+def staging_slots(configured: int, chunk: int) -> int:
+    """Slots of a session's striped-copy staging for chunks of `chunk` bytes: `configured`
+    (RGPU_LANE_SLOTS), fewer where chunks are larger than the client library's default, so that the
+    page-locked memory stays what the GPU node's admin configured (16 slots of 2 MiB: 32 MiB). The
+    chunk size is the client's choice (up to 64 MiB): without the bound, one session made its worker
+    pin 1 GiB. Two at least, so that a chunk lands while the other's DMA runs."""
+    return max(2, min(configured, configured * DEFAULT_LANE_CHUNK_BYTES // max(chunk, 1)))
 MAX_PARAM_BYTES = 32768
 
 JIT_INFO_LOG_BUFFER = 3
