@@ -23,7 +23,8 @@ from tests.remoting.lanes_helpers import HERE, LANES, LANE_ENV, SIZES, STRIPED, 
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("chunk", [64 << 10, 2 << 20], ids=["64KiB-chunks", "2MiB-chunks"])
+# 8 MiB: more than the landing ring's slots take (copies land whole) and fewer staging slots (4 of 8 MiB).
+@pytest.mark.parametrize("chunk", [64 << 10, 2 << 20, 8 << 20], ids=["64KiB-chunks", "2MiB-chunks", "8MiB-chunks"])
 def test_striped_copies_of_every_size_arrive_whole_on_a_gpu(lane_copies: Path, native_libs: build.Libraries,  # noqa: F811
                                                             tmp_path: Path, chunk: int) -> None:
     with serving("cuda", [local_gpu()]) as s:
