@@ -1,8 +1,11 @@
-"""benchmarks/copies.py's pure parts: how rounds are summarised. The host's load drifts between
-rounds (up to 55% on a lent H100 host), so each round's copy is set against the raw TCP yardstick
-measured just before it in that round, not against a yardstick from another round."""
+"""The copy benchmarks: copies.py's pure parts, how rounds are summarised (the host's load drifts
+between rounds, up to 55% on a lent H100 host, so each round's copy is set against the raw TCP
+yardstick measured just before it in that round, not one from another round); lanes_loopback.py
+run small."""
 
 from __future__ import annotations
+
+import pytest
 
 from benchmarks.copies import Round, median_of_found, median_tables, paired_ratios
 
@@ -31,3 +34,12 @@ def test_medians_are_taken_key_by_key_over_the_rounds() -> None:
 def test_a_round_without_ucxs_own_figure_leaves_the_others_median() -> None:
     assert median_of_found([4.0, None, 6.0]) == 5.0
     assert median_of_found([None, None]) is None
+
+
+@pytest.mark.integration   # builds raw TCP's program and rgpu's worker library, opens loopback sockets
+def test_the_lanes_alone_benchmark_moves_a_copy_and_prints_it_beside_raw_tcp(capsys) -> None:  # type: ignore[no-untyped-def]
+    from benchmarks.lanes_loopback import main
+
+    assert main(["--lanes", "2", "--mib", "4", "--reps", "1", "--chunk-bytes", str(1 << 20)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("lanes.c alone vs raw loopback TCP, 4 MiB") and lines[1].startswith(" 2 lanes: lanes.c ")
