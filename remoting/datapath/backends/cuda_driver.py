@@ -40,6 +40,8 @@ def staging_slots(configured: int, chunk: int) -> int:
     chunk size is the client's choice (up to 64 MiB): without the bound, one session made its worker
     pin 1 GiB. Two at least, so that a chunk lands while the other's DMA runs."""
     return max(2, min(configured, configured * DEFAULT_LANE_CHUNK_BYTES // max(chunk, 1)))
+
+
 MAX_PARAM_BYTES = 32768
 
 JIT_INFO_LOG_BUFFER = 3
