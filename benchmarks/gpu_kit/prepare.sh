@@ -25,6 +25,9 @@ PY
 mapfile -t wanted <<< "$deps"
 echo "gpu_kit: downloading ${#wanted[@]} dependencies of rgpu and theirs for Python $pyver into .whl/ ..."
 download -d .whl "${wanted[@]}"
+# What building rgpu from the checkout there needs (pyproject.toml's build-system), kept apart: the
+# GPU image's own setuptools may be older than it asks.
+download -d .whl/build "setuptools>=69" wheel
 
 # UCX (issue 25): the libucx-cu13 wheel's libraries, stripped, without its CUDA perftest plugin (10 MB).
 tmp=$(mktemp -d -t rgpu-gpukit.XXXXXX)

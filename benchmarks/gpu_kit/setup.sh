@@ -6,11 +6,13 @@ export PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if [ ! -e /tmp/site/.rgpu-installed ]; then
   gpukit_t0=$(date +%s)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "gpu_kit: the wheels in .whl/ did not install (carry .whl; run benchmarks/gpu_kit/prepare.sh)" >&2; return 1; }
-  PYTHONPATH=/tmp/site python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir \
-    --target /tmp/site . > /tmp/rgpu-install.log 2>&1 \
-    || { tail -20 /tmp/rgpu-install.log >&2; echo "gpu_kit: rgpu did not install from the checkout (above)" >&2; return 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/rgpu-build-tools \
+    .whl/build/*.whl || { echo "gpu_kit: the build tools in .whl/build/ did not install (carry .whl; run" \
+                               "benchmarks/gpu_kit/prepare.sh)" >&2; return 1; }
+  # One pip run for the wheels and rgpu: a second one into the same --target would leave its bin/ out.
+  PYTHONPATH=/tmp/rgpu-build-tools python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+    --no-cache-dir --upgrade --target /tmp/site .whl/*.whl . > /tmp/rgpu-install.log 2>&1 \
+    || { tail -20 /tmp/rgpu-install.log >&2; echo "gpu_kit: rgpu and its wheels did not install (above)" >&2; return 1; }
   touch /tmp/site/.rgpu-installed
   echo "gpu_kit: installed into /tmp/site in $(( $(date +%s) - gpukit_t0 )) s"
 fi
