@@ -84,8 +84,8 @@ LANDING_MAX_BYTES = 256 << 20
 # cache (8 lanes of 2 MiB chunks: 32 MiB).
 LANE_RING_SLOTS = 2
 # The largest chunk the landing ring takes (a larger one lands whole): slots beyond the CPU's cache
-# gain nothing, and the chunk size is the client's choice: 64 MiB chunks over 16 lanes made the
-# worker pin a 2 GiB ring. With this bound a client makes it pin 16 x slots x 4 MiB at most.
+# gain nothing, and the chunk size is the client's choice: 64 MiB chunks over 16 lanes had the
+# worker ask for a 2 GiB ring. With this bound a client makes it pin 16 x slots x 4 MiB at most.
 LANE_RING_MAX_CHUNK_BYTES = 4 << 20
 
 

@@ -37,8 +37,9 @@ def staging_slots(configured: int, chunk: int) -> int:
     """Slots of a session's striped-copy staging for chunks of `chunk` bytes: `configured`
     (RGPU_LANE_SLOTS), fewer where chunks are larger than the client library's default, so that the
     page-locked memory stays what the GPU node's admin configured (16 slots of 2 MiB: 32 MiB). The
-    chunk size is the client's choice (up to 64 MiB): without the bound, one session made its worker
-    pin 1 GiB. Two at least, so that a chunk lands while the other's DMA runs."""
+    chunk size is the client's choice (up to 64 MiB): without the bound, one session had its worker
+    ask the driver for 1 GiB (16 x 64 MiB, by the code; not run). Two at least, so that a chunk
+    lands while the other's DMA runs."""
     return max(2, min(configured, configured * DEFAULT_LANE_CHUNK_BYTES // max(chunk, 1)))
 
 
